@@ -1,0 +1,126 @@
+"""Streams in, packed tensors out.
+
+`validate` checks a list of `Stream`s against a cache and raises ValueError naming the
+problem before anything is touched; `pack` lays the streams back to back:
+
+    tokens [T] int64, positions [T] int64, cu_seqlens [B+1] int32,
+    slot_ids [B] int64, context_lens [B] int32, block_tables [B, MB] int32
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .cache import HybridCache
+
+
+@dataclass
+class Stream:
+    """One request of a batched prefill: new `tokens` for cache slot `slot`. A slot that already
+    holds context continues from it (positions, conv and recurrent state, KV cache)."""
+    slot: int
+    tokens: Sequence[int] | torch.Tensor
+
+
+@dataclass
+class PackedBatch:
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor
+    slot_ids: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+
+    @property
+    def num_streams(self) -> int:
+        return self.slot_ids.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[0]
+
+
+def _token_tensor(i: int, tokens, vocab_size: int, device: torch.device) -> torch.Tensor:
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise ValueError(f"stream {i}: tokens must be an integer tensor, got dtype {tokens.dtype}")
+        if tokens.device.type != "cpu" and tokens.device != device:
+            raise ValueError(f"stream {i}: tokens are on {tokens.device}; the model is on {device} "
+                             "(pass them on the CPU or on the model's device)")
+        if tokens.dim() != 1:
+            raise ValueError(f"stream {i}: tokens must be 1-D, got shape {tuple(tokens.shape)}")
+        t = tokens.to(torch.int64)
+    else:
+        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+            raise ValueError(f"stream {i}: tokens must be a sequence of ints or a 1-D tensor, "
+                             f"got {type(tokens).__name__}")
+        bad = next((x for x in tokens if not isinstance(x, int) or isinstance(x, bool)), None)
+        if bad is not None:
+            raise ValueError(f"stream {i}: token {bad!r} is not an int")
+        t = torch.tensor(list(tokens), dtype=torch.int64)
+    if t.numel() == 0:
+        raise ValueError(f"stream {i}: empty stream (no tokens)")
+    lo, hi = int(t.min()), int(t.max())
+    if lo < 0 or hi >= vocab_size:
+        badtok = lo if lo < 0 else hi
+        raise ValueError(f"stream {i}: token id {badtok} is out of range [0, {vocab_size})")
+    return t
+
+
+def validate(streams, cache: HybridCache, vocab_size: int) -> list[torch.Tensor]:
+    """Check a batch against the cache; return each stream's tokens as an int64 tensor.
+
+    Raises ValueError (naming the stream and the problem) for: an empty batch, an object that
+    is not a Stream, an unknown or duplicate slot, an empty stream, a token id out of range,
+    tokens of the wrong dtype or device, a stream that would grow past the cache's per-slot
+    capacity, or a batch that needs more KV blocks than are free. Touches nothing.
+    """
+    if isinstance(streams, Stream):
+        raise ValueError("prefill takes a list of Streams, got a single Stream")
+    if not isinstance(streams, Sequence) or len(streams) == 0:
+        raise ValueError("prefill needs a non-empty list of Streams")
+    seen: dict[int, int] = {}
+    tokens = []
+    for i, s in enumerate(streams):
+        if not isinstance(s, Stream):
+            raise ValueError(f"stream {i}: expected a Stream, got {type(s).__name__}")
+        try:
+            cache.check_slot(s.slot)
+        except ValueError as e:
+            raise ValueError(f"stream {i}: {e}") from None
+        if s.slot in seen:
+            raise ValueError(f"stream {i}: duplicate slot {s.slot} (also used by stream {seen[s.slot]})")
+        seen[s.slot] = i
+        t = _token_tensor(i, s.tokens, vocab_size, cache.device)
+        ctx = cache.context_lens[s.slot]
+        if ctx + t.numel() > cache.max_context:
+            raise ValueError(f"stream {i}: slot {s.slot} holds {ctx} tokens; {t.numel()} more exceed the "
+                             f"cache's capacity of {cache.max_context} tokens per slot")
+        tokens.append(t)
+    need = sum(cache.blocks_needed(s.slot, t.numel()) for s, t in zip(streams, tokens))
+    if need > cache.free_blocks:
+        raise ValueError(f"the batch needs {need} more KV blocks but the cache has {cache.free_blocks} free "
+                         "(reset finished slots or build a larger cache)")
+    return tokens
+
+
+def pack(streams: Sequence[Stream], tokens: list[torch.Tensor], cache: HybridCache) -> PackedBatch:
+    """Lay validated streams back to back on the cache's device. Blocks must be allocated."""
+    device = cache.device
+    lengths = [t.numel() for t in tokens]
+    ctx = [cache.context_lens[s.slot] for s in streams]
+    cu = torch.zeros(len(streams) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths).cumsum(0)
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(ctx, lengths)])
+    slot_ids = torch.tensor([s.slot for s in streams], dtype=torch.int64)
+    return PackedBatch(
+        tokens=torch.cat([t.to(device) for t in tokens]),
+        positions=positions.to(device),
+        cu_seqlens=cu.to(device),
+        slot_ids=slot_ids.to(device),
+        context_lens=torch.tensor(ctx, dtype=torch.int32).to(device),
+        block_tables=cache.block_tables[slot_ids.to(device)],
+    )

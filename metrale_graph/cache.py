@@ -1,0 +1,108 @@
+"""The slot cache: per-slot GDN conv and recurrent states, and a paged KV cache.
+
+Per GDN layer (in `config.linear_layers` order):
+    conv_states[j]: [S+1, C, W-1] model dtype    gdn_states[j]: [S+1, HV, K, V] float32
+Per attention layer (in `config.full_layers` order):
+    k_caches[j], v_caches[j]: [NB+1, BS, HKV, HD] model dtype
+and one block table for all layers: block_tables [S+1, MB] int32.
+
+Slot S (`scratch_slot`) and block NB (`null_block`) exist only for padding: no stream is
+ever given them, so padding never reads or writes a real slot or block. Unused block-table
+entries point at the null block.
+
+Host-side bookkeeping (context length and blocks of each slot, the free-block list) lives
+here too; `prefill` checks a batch against it before touching anything.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+
+
+class HybridCache:
+    def __init__(self, cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: int = 64,
+                 max_context: int | None = None, dtype: torch.dtype = torch.float32, device="cpu"):
+        for name, value in (("num_slots", num_slots), ("num_blocks", num_blocks), ("block_size", block_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if max_context is None:
+            max_context = min(cfg.max_position_embeddings, num_blocks * block_size)
+        if not isinstance(max_context, int) or max_context < 1:
+            raise ValueError(f"max_context must be a positive integer, got {max_context!r}")
+        self.config = cfg
+        self.num_slots, self.num_blocks, self.block_size = num_slots, num_blocks, block_size
+        self.max_blocks_per_slot = -(-max_context // block_size)
+        self.max_context = self.max_blocks_per_slot * block_size
+        self.dtype, self.device = dtype, torch.device(device)
+        S, W = num_slots + 1, cfg.linear_conv_kernel_dim
+        HV, K, V = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        kv_shape = (num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.conv_states = [torch.zeros(S, cfg.conv_dim, W - 1, dtype=dtype, device=self.device)
+                            for _ in cfg.linear_layers]
+        self.gdn_states = [torch.zeros(S, HV, K, V, dtype=torch.float32, device=self.device)
+                           for _ in cfg.linear_layers]
+        self.k_caches = [torch.zeros(kv_shape, dtype=dtype, device=self.device) for _ in cfg.full_layers]
+        self.v_caches = [torch.zeros(kv_shape, dtype=dtype, device=self.device) for _ in cfg.full_layers]
+        self.block_tables = torch.full((S, self.max_blocks_per_slot), self.null_block, dtype=torch.int32,
+                                       device=self.device)
+        self.context_lens = [0] * num_slots
+        self._blocks: list[list[int]] = [[] for _ in range(num_slots)]
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_slots
+
+    @property
+    def null_block(self) -> int:
+        return self.num_blocks
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def check_slot(self, slot) -> None:
+        if not isinstance(slot, int) or isinstance(slot, bool):
+            raise ValueError(f"slot must be an int, got {type(slot).__name__} {slot!r}")
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"unknown slot {slot}: this cache has slots 0..{self.num_slots - 1}")
+
+    def blocks_needed(self, slot: int, new_tokens: int) -> int:
+        """Blocks slot must still be given to hold `new_tokens` more tokens."""
+        need = -(-(self.context_lens[slot] + new_tokens) // self.block_size)
+        return max(0, need - len(self._blocks[slot]))
+
+    def allocate(self, growth: dict[int, int]) -> None:
+        """Give each slot the blocks for its new tokens. The caller has checked capacity."""
+        total = sum(self.blocks_needed(s, n) for s, n in growth.items())
+        assert total <= len(self._free), "allocate() called without a capacity check"
+        for slot, n in growth.items():
+            need = self.blocks_needed(slot, n)
+            if need == 0:
+                continue
+            first = len(self._blocks[slot])
+            new = [self._free.pop() for _ in range(need)]
+            self._blocks[slot].extend(new)
+            self.block_tables[slot, first:first + need] = torch.tensor(new, dtype=torch.int32)
+
+    def reset(self, slot: int) -> None:
+        """Forget slot's stream: zero its states, return its KV blocks."""
+        self.check_slot(slot)
+        for t in self.conv_states + self.gdn_states:
+            t[slot].zero_()
+        self._free.extend(reversed(self._blocks[slot]))
+        self._blocks[slot] = []
+        self.block_tables[slot].fill_(self.null_block)
+        self.context_lens[slot] = 0
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every device tensor of the cache (for snapshots in tests and tools)."""
+        return self.conv_states + self.gdn_states + self.k_caches + self.v_caches + [self.block_tables]
+
+    def __repr__(self) -> str:
+        used = sum(c > 0 for c in self.context_lens)
+        return (f"HybridCache(slots={self.num_slots} ({used} in use), blocks={self.num_blocks} "
+                f"({self.free_blocks} free) x {self.block_size}, max_context={self.max_context}, "
+                f"dtype={self.dtype}, device={self.device})")

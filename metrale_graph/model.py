@@ -1,0 +1,179 @@
+"""HybridModel: a Qwen3.5-style hybrid (Gated DeltaNet + gated full attention) whose batched
+prefill runs as a sequence of `metrale::` phase ops over packed varlen streams.
+
+`prefill(cache, streams)` validates and packs on the host, then runs `forward_packed`, the
+step: a pure function of packed tensors, weights and cache pools with no host sync and no
+data-dependent shapes, which is what `torch.compile(fullgraph=True)` and CUDA graphs take.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops
+from .batch import PackedBatch, Stream, pack, validate
+from .cache import HybridCache
+from .config import LINEAR, ModelConfig, PRESETS, load_config
+from .ops.common import rms_norm
+from .weights import load_checkpoint, random_weights, save_checkpoint, weight_shapes
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class HybridModel(nn.Module):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+        """Wrap `weights` (names as `weight_shapes(config)`, all on one device and dtype)."""
+        super().__init__()
+        expected = weight_shapes(config)
+        if set(weights) != set(expected):
+            missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+            raise ValueError(f"weights do not match the config: missing {missing[:5]}, unexpected {extra[:5]}")
+        self.config = config
+        self.layers = nn.ModuleList(nn.Module() for _ in range(config.num_hidden_layers))
+        for name, tensor in weights.items():
+            if tuple(tensor.shape) != expected[name]:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected[name]}")
+            *path, leaf = name.split(".")
+            module = self
+            for part in path:
+                if part not in module._modules:
+                    module.add_module(part, nn.Module())
+                module = module._modules[part]
+            module.register_parameter(leaf, nn.Parameter(tensor, requires_grad=False))
+        emb = self.embed_tokens.weight
+        self.register_buffer("rope_inv_freq", 1.0 / (config.rope_theta ** (
+            torch.arange(0, config.rotary_dim, 2, dtype=torch.int64, device=emb.device).float()
+            / config.rotary_dim)), persistent=False)
+        # layer index -> index into the cache's per-kind pools
+        self._pool_index = {i: j for kinds in (config.linear_layers, config.full_layers)
+                            for j, i in enumerate(kinds)}
+
+    # construction
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device="cpu",
+                        progress: bool = True) -> "HybridModel":
+        """Load a Hugging Face Qwen3.5 checkpoint folder (config.json + safetensors, single or sharded;
+        text-only `qwen3_5_text` or multimodal `qwen3_5`, whose vision tower is skipped)."""
+        _check_dtype(dtype)
+        if not os.path.isdir(path):
+            raise ValueError(f"checkpoint folder {path!r} does not exist")
+        config = load_config(path)
+        return cls(config, load_checkpoint(path, config, dtype, torch.device(device), progress=progress))
+
+    @classmethod
+    def from_preset(cls, preset: str | ModelConfig = "tiny", dtype: torch.dtype = torch.float32, device="cpu",
+                    seed: int = 0) -> "HybridModel":
+        """A model with seeded random weights: `preset` names one of PRESETS or is a ModelConfig."""
+        _check_dtype(dtype)
+        if isinstance(preset, str):
+            if preset not in PRESETS:
+                raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+            preset = PRESETS[preset]
+        return cls(preset, random_weights(preset, dtype, torch.device(device), seed))
+
+    def save_pretrained(self, folder: str) -> None:
+        """Write a Hugging Face checkpoint folder that `from_pretrained` (ours or transformers') reads."""
+        save_checkpoint(dict(self.named_parameters()), self.config, folder)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def new_cache(self, num_slots: int, num_blocks: int, block_size: int = 64,
+                  max_context: int | None = None) -> HybridCache:
+        """A cache of `num_slots` streams and `num_blocks` KV blocks of `block_size` tokens."""
+        return HybridCache(self.config, num_slots, num_blocks, block_size, max_context, self.dtype, self.device)
+
+    # the prefill
+    def check_cache(self, cache: HybridCache) -> None:
+        if not isinstance(cache, HybridCache):
+            raise ValueError(f"expected a HybridCache, got {type(cache).__name__}")
+        if cache.config != self.config:
+            raise ValueError("the cache was built for another model config")
+        if cache.dtype != self.dtype or cache.device != self.device:
+            raise ValueError(f"the cache is {cache.dtype} on {cache.device}; the model is {self.dtype} "
+                             f"on {self.device}")
+
+    def prepare(self, cache: HybridCache, streams: Sequence[Stream]) -> tuple[list[torch.Tensor], list[int]]:
+        """Validate a batch (ValueError before anything is touched), then allocate its KV blocks.
+        Returns each stream's tokens and lengths."""
+        self.check_cache(cache)
+        tokens = validate(streams, cache, self.config.vocab_size)
+        lengths = [t.numel() for t in tokens]
+        cache.allocate({s.slot: n for s, n in zip(streams, lengths)})
+        return tokens, lengths
+
+    @staticmethod
+    def commit(cache: HybridCache, streams: Sequence[Stream], lengths: list[int]) -> None:
+        for s, n in zip(streams, lengths):
+            cache.context_lens[s.slot] += n
+
+    @torch.no_grad()
+    def prefill(self, cache: HybridCache, streams: Sequence[Stream]) -> torch.Tensor:
+        """Prefill a batch of streams; returns logits [num_streams, vocab] of each stream's last token.
+
+        A stream whose slot holds context continues it. Bad input raises ValueError before any
+        cache state changes.
+        """
+        tokens, lengths = self.prepare(cache, streams)
+        logits = self.forward_packed(cache, pack(streams, tokens, cache))
+        self.commit(cache, streams, lengths)
+        return logits
+
+    def forward_packed(self, cache: HybridCache, batch: PackedBatch) -> torch.Tensor:
+        """The step: packed batch in, last-token logits [B, vocab] out; mutates the batch's slots
+        and blocks in the cache pools. No host sync, shapes follow from input shapes."""
+        cfg = self.config
+        h = F.embedding(batch.tokens, self.embed_tokens.weight)
+        for i, kind in enumerate(cfg.layer_types):
+            j = self._pool_index[i]
+            if kind == LINEAR:
+                h = self._gdn_layer(self.layers[i], h, batch, cache.conv_states[j], cache.gdn_states[j])
+            else:
+                h = self._attention_layer(self.layers[i], h, batch, cache.k_caches[j], cache.v_caches[j])
+        last = (batch.cu_seqlens[1:].long() - 1).clamp(min=0)  # zero-length (padding) streams: any row
+        h_last = rms_norm(h[last], self.norm.weight, cfg.rms_norm_eps)
+        lm_head = self.embed_tokens.weight if cfg.tie_word_embeddings else self.lm_head.weight
+        return F.linear(h_last, lm_head)
+
+    def _gdn_layer(self, layer, x, batch, conv_state, gdn_state):
+        cfg, a, mlp = self.config, layer.linear_attn, layer.mlp
+        T, H, K = x.shape[0], cfg.linear_num_key_heads, cfg.linear_key_head_dim
+        qkv, z, beta, g = ops.gdn_proj(x, layer.input_layernorm.weight, a.in_proj_qkv.weight,
+                                       a.in_proj_z.weight, a.in_proj_b.weight, a.in_proj_a.weight,
+                                       a.A_log, a.dt_bias, cfg.rms_norm_eps)
+        qkv = ops.causal_conv1d(qkv, a.conv1d.weight.squeeze(1), batch.cu_seqlens, batch.slot_ids, conv_state)
+        qk = ops.l2norm(qkv[:, :2 * cfg.key_dim].view(T, 2 * H, K))
+        v = qkv[:, 2 * cfg.key_dim:].view(T, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+        o = ops.gdn_recurrence(qk[:, :H], qk[:, H:], v, g, beta, batch.cu_seqlens, batch.slot_ids, gdn_state)
+        return ops.gdn_out(o, z, x, a.norm.weight, a.out_proj.weight, layer.post_attention_layernorm.weight,
+                           mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, cfg.rms_norm_eps)
+
+    def _attention_layer(self, layer, x, batch, k_cache, v_cache):
+        cfg, a, mlp = self.config, layer.self_attn, layer.mlp
+        q, k, v, gate = ops.attn_proj(x, layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight,
+                                      a.v_proj.weight, a.q_norm.weight, a.k_norm.weight, batch.positions,
+                                      self.rope_inv_freq, cfg.head_dim, cfg.rms_norm_eps)
+        o = ops.paged_attention(q, k, v, k_cache, v_cache, batch.cu_seqlens, batch.context_lens,
+                                batch.block_tables)
+        return ops.attn_out(o, gate, x, a.o_proj.weight, layer.post_attention_layernorm.weight,
+                            mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, cfg.rms_norm_eps)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"layers={c.num_hidden_layers} ({len(c.linear_layers)} GDN + {len(c.full_layers)} attention), "
+                f"hidden={c.hidden_size}, vocab={c.vocab_size}, dtype={self.dtype}, device={self.device}")
+
+
+def _check_dtype(dtype) -> None:
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype}; use one of {', '.join(map(str, _DTYPES))}")

@@ -1,0 +1,97 @@
+"""Full-attention layer, part 1 (token-local): input RMSNorm, q / k / v projections, the
+per-head output gate split out of q_proj, q_norm / k_norm, partial rotary embedding.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .common import check, check_tensor, rms_norm
+
+OP = "attn_proj"
+
+
+@torch.library.custom_op("metrale::attn_proj", mutates_args=(), device_types="cpu")
+def attn_proj(x: Tensor, norm_w: Tensor, q_w: Tensor, k_w: Tensor, v_w: Tensor, q_norm_w: Tensor,
+              k_norm_w: Tensor, positions: Tensor, inv_freq: Tensor, head_dim: int,
+              eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Projections of a gated full-attention layer.
+
+    Args:
+        x: [T, D] layer input (model dtype).
+        norm_w: [D] zero-centred input RMSNorm weight.
+        q_w: [HQ*2*HD, D]; per head, rows `[q_h | gate_h]`.
+        k_w, v_w: [HKV*HD, D].
+        q_norm_w, k_norm_w: [HD] zero-centred per-head RMSNorm weights.
+        positions: [T] int64 absolute position of each token in its stream.
+        inv_freq: [R/2] float32 RoPE inverse frequencies; the first R channels of each head rotate
+            (rotate-half), the rest pass through.
+        head_dim: HD.  eps: RMSNorm epsilon.
+    Returns:
+        q [T, HQ, HD], k [T, HKV, HD], v [T, HKV, HD], gate [T, HQ*HD], all model dtype.
+        Mutates nothing.
+    """
+    _check(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_freq, head_dim)
+    return attn_proj_ref(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_freq, head_dim, eps)
+
+
+@attn_proj.register_fake
+def _(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_freq, head_dim, eps):
+    _check(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_freq, head_dim)
+    T, HD = x.shape[0], head_dim
+    HQ, HKV = q_w.shape[0] // (2 * HD), k_w.shape[0] // HD
+    return (x.new_empty(T, HQ, HD), x.new_empty(T, HKV, HD), x.new_empty(T, HKV, HD),
+            x.new_empty(T, HQ * HD))
+
+
+def _check(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_freq, head_dim):
+    check_tensor(x, OP, "x", ndim=2)
+    T, D = x.shape
+    HD = head_dim
+    check(tuple(norm_w.shape) == (D,), OP, f"norm_w must have shape ({D},)")
+    for name, w in (("q_w", q_w), ("k_w", k_w), ("v_w", v_w)):
+        check_tensor(w, OP, name, ndim=2, dtype=x.dtype, device=x.device)
+        check(w.shape[1] == D and w.shape[0] % HD == 0, OP,
+              f"{name} has shape {tuple(w.shape)}; need {D} inputs and a multiple of head_dim {HD} outputs")
+    check(q_w.shape[0] % (2 * HD) == 0, OP, f"q_w rows {q_w.shape[0]} are not heads of 2*{HD} (query | gate)")
+    check(k_w.shape == v_w.shape, OP, f"k_w {tuple(k_w.shape)} and v_w {tuple(v_w.shape)} differ")
+    check(tuple(q_norm_w.shape) == (HD,) and tuple(k_norm_w.shape) == (HD,), OP,
+          f"q_norm_w / k_norm_w must have shape ({HD},)")
+    check_tensor(positions, OP, "positions", ndim=1, dtype=torch.int64, device=x.device)
+    check(positions.shape[0] == T, OP, f"positions has {positions.shape[0]} entries for {T} tokens")
+    check_tensor(inv_freq, OP, "inv_freq", ndim=1, dtype=torch.float32, device=x.device)
+    check(0 < 2 * inv_freq.shape[0] <= HD, OP, f"rotary dim {2 * inv_freq.shape[0]} exceeds head_dim {HD}")
+
+
+def rope_cos_sin(positions, inv_freq, dtype):
+    """cos, sin: [T, R] for rotate-half RoPE, computed in fp32 and cast like transformers."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """x: [T, N, HD]; rotates the first R = cos.shape[-1] channels of every head."""
+    R = cos.shape[-1]
+    rot, rest = x[..., :R], x[..., R:]
+    x1, x2 = rot[..., : R // 2], rot[..., R // 2:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return torch.cat([rot * cos[:, None] + rotated * sin[:, None], rest], dim=-1)
+
+
+def attn_proj_ref(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_freq, head_dim, eps):
+    T, HD = x.shape[0], head_dim
+    h = rms_norm(x, norm_w, eps)
+    qg = F.linear(h, q_w).view(T, -1, 2 * HD)
+    q, gate = qg[..., :HD], qg[..., HD:].reshape(T, -1)
+    k = F.linear(h, k_w).view(T, -1, HD)
+    v = F.linear(h, v_w).view(T, -1, HD)
+    q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
+    cos, sin = rope_cos_sin(positions, inv_freq, x.dtype)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous(), gate.contiguous()
+
+
+@attn_proj.register_kernel("cuda")
+def _(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_freq, head_dim, eps):
+    _check(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_freq, head_dim)
+    return attn_proj_ref(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_freq, head_dim, eps)

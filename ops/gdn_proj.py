@@ -1,0 +1,70 @@
+"""GDN phase 1, projections over all stacked tokens: input RMSNorm, qkv / z / b / a
+projections, and the gates `beta = sigmoid(b)`, `g = -exp(A_log) * softplus(a + dt_bias)`.
+
+One op because all four projections read the same normalized activations: the CUDA path
+reads `x` once.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .common import check, check_tensor, rms_norm
+
+OP = "gdn_proj"
+
+
+@torch.library.custom_op("metrale::gdn_proj", mutates_args=(), device_types="cpu")
+def gdn_proj(x: Tensor, norm_w: Tensor, qkv_w: Tensor, z_w: Tensor, b_w: Tensor, a_w: Tensor,
+             A_log: Tensor, dt_bias: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Phase-1 projections of a Gated DeltaNet layer.
+
+    Args:
+        x: [T, D] hidden states (model dtype), the layer input (before its norm).
+        norm_w: [D] zero-centred input RMSNorm weight.
+        qkv_w: [C, D] with C = 2*H*K + HV*V; output channels `[q | k | v]`.
+        z_w: [HV*V, D] output-gate projection.
+        b_w, a_w: [HV, D] beta and decay projections.
+        A_log, dt_bias: [HV] decay parameters.
+        eps: RMSNorm epsilon.
+    Returns:
+        qkv [T, C] and z [T, HV*V] in x's dtype; beta [T, HV] in x's dtype;
+        g [T, HV] float32 (log-decay, <= 0). Mutates nothing.
+    """
+    _check(x, norm_w, qkv_w, z_w, b_w, a_w, A_log, dt_bias)
+    return gdn_proj_ref(x, norm_w, qkv_w, z_w, b_w, a_w, A_log, dt_bias, eps)
+
+
+@gdn_proj.register_fake
+def _(x, norm_w, qkv_w, z_w, b_w, a_w, A_log, dt_bias, eps):
+    _check(x, norm_w, qkv_w, z_w, b_w, a_w, A_log, dt_bias)
+    T, HV = x.shape[0], b_w.shape[0]
+    return (x.new_empty(T, qkv_w.shape[0]), x.new_empty(T, z_w.shape[0]), x.new_empty(T, HV),
+            x.new_empty(T, HV, dtype=torch.float32))
+
+
+def _check(x, norm_w, qkv_w, z_w, b_w, a_w, A_log, dt_bias):
+    check_tensor(x, OP, "x", ndim=2)
+    D, HV = x.shape[1], b_w.shape[0]
+    for name, w in (("qkv_w", qkv_w), ("z_w", z_w), ("b_w", b_w), ("a_w", a_w)):
+        check_tensor(w, OP, name, ndim=2, dtype=x.dtype, device=x.device)
+        check(w.shape[1] == D, OP, f"{name} has {w.shape[1]} input features, x has {D}")
+    check(a_w.shape[0] == HV, OP, f"a_w has {a_w.shape[0]} heads, b_w has {HV}")
+    for name, w, n in (("norm_w", norm_w, D), ("A_log", A_log, HV), ("dt_bias", dt_bias, HV)):
+        check(tuple(w.shape) == (n,), OP, f"{name} must have shape ({n},), got {tuple(w.shape)}")
+
+
+def gdn_proj_ref(x, norm_w, qkv_w, z_w, b_w, a_w, A_log, dt_bias, eps):
+    """Plain torch, matching transformers' Qwen3_5GatedDeltaNet op for op."""
+    h = rms_norm(x, norm_w, eps)
+    qkv = F.linear(h, qkv_w)
+    z = F.linear(h, z_w)
+    beta = torch.sigmoid(F.linear(h, b_w))
+    g = -A_log.float().exp() * F.softplus(F.linear(h, a_w).float() + dt_bias.float())
+    return qkv, z, beta, g
+
+
+@gdn_proj.register_kernel("cuda")
+def _(x, norm_w, qkv_w, z_w, b_w, a_w, A_log, dt_bias, eps):
+    _check(x, norm_w, qkv_w, z_w, b_w, a_w, A_log, dt_bias)
+    return gdn_proj_ref(x, norm_w, qkv_w, z_w, b_w, a_w, A_log, dt_bias, eps)

@@ -1,0 +1,43 @@
+"""GDN phase 1, L2 norm of q and k per head over all stacked tokens:
+`x / sqrt(sum(x^2) + 1e-6)`, computed in fp32 (as flash-linear-attention and
+transformers do).
+"""
+
+import torch
+from torch import Tensor
+
+from .common import check_tensor
+
+OP = "l2norm"
+EPS = 1e-6
+
+
+@torch.library.custom_op("metrale::l2norm", mutates_args=(), device_types="cpu")
+def l2norm(x: Tensor) -> Tensor:
+    """Per-head L2 normalization.
+
+    Args:
+        x: [T, N, K] (q and k heads stacked: N = 2*H), any float dtype; may be a strided view
+            into the conv output.
+    Returns:
+        [T, N, K] contiguous, x's dtype. Mutates nothing.
+    """
+    check_tensor(x, OP, "x", ndim=3)
+    return l2norm_ref(x)
+
+
+@l2norm.register_fake
+def _(x):
+    check_tensor(x, OP, "x", ndim=3)
+    return x.new_empty(x.shape)
+
+
+def l2norm_ref(x):
+    xf = x.float()
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + EPS)).to(x.dtype)
+
+
+@l2norm.register_kernel("cuda")
+def _(x):
+    check_tensor(x, OP, "x", ndim=3)
+    return l2norm_ref(x)

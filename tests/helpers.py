@@ -1,0 +1,66 @@
+"""Shared test helpers: random configs, transformers reference models, error metrics."""
+
+from __future__ import annotations
+
+import torch
+
+from metrale_graph.config import ModelConfig, default_layer_types
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64."""
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, tol: float) -> None:
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert torch.isfinite(out).all(), f"{name}: non-finite values"
+    err = rel_err(out, ref)
+    assert err <= tol, f"{name}: relative norm error {err:.3e} > {tol:.1e}"
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """A small random-shape config; overrides change any field."""
+    base = dict(vocab_size=256, hidden_size=48, intermediate_size=80, num_hidden_layers=4,
+                layer_types=default_layer_types(4), num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, partial_rotary_factor=0.5, rope_theta=10000.0, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24,
+                max_position_embeddings=2048)
+    base.update(overrides)
+    if "num_hidden_layers" in overrides and "layer_types" not in overrides:
+        base["layer_types"] = default_layer_types(base["num_hidden_layers"])
+    return ModelConfig(**base)
+
+
+def hf_reference(cfg: ModelConfig, seed: int = 0, multimodal: bool = False):
+    """A transformers Qwen3.5 model of `cfg` in fp32 with every weight random (norm weights
+    too, so the zero-centred (1 + w) convention is exercised)."""
+    import transformers
+
+    hf_cfg = cfg.to_hf()
+    torch.manual_seed(seed)
+    if multimodal:
+        mm = transformers.Qwen3_5Config(
+            text_config=hf_cfg, tie_word_embeddings=cfg.tie_word_embeddings,
+            vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
+                               out_hidden_size=cfg.hidden_size))
+        model = transformers.Qwen3_5ForConditionalGeneration(mm)
+    else:
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**hf_cfg))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(1, 16, generator=gen).log())
+            elif p.dim() == 1:
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    return model.float().eval()
+
+
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    """Logits [L, vocab] of one stream run alone through transformers."""
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([tokens])).logits[0].float()

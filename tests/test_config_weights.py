@@ -1,0 +1,100 @@
+"""Config parsing and checkpoint loading errors."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from metrale_graph import PRESETS, HybridModel, ModelConfig, load_config
+from metrale_graph.weights import weight_shapes
+
+
+def test_presets():
+    tiny, big = PRESETS["tiny"], PRESETS["qwen3.5-9b"]
+    assert tiny.linear_num_value_heads % tiny.linear_num_key_heads == 0
+    assert tiny.linear_key_head_dim != tiny.linear_value_head_dim
+    assert (big.hidden_size, big.num_hidden_layers, len(big.linear_layers), len(big.full_layers)) == (4096, 32, 24, 8)
+    n_params = sum(torch.Size(s).numel() for s in weight_shapes(big).values())
+    assert 8.5e9 < n_params < 10e9
+
+
+def test_from_hf_matches_transformers_defaults():
+    import transformers
+
+    hf = transformers.Qwen3_5TextConfig(num_hidden_layers=8).to_dict()
+    cfg = ModelConfig.from_hf(hf)
+    assert cfg.layer_types == tuple(hf["layer_types"])
+    assert cfg.rotary_dim == 64 and cfg.head_dim == 256 and cfg.conv_dim == 2 * 16 * 128 + 32 * 128
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+
+
+def test_multimodal_config_and_legacy_names():
+    text = PRESETS["tiny"].to_hf()
+    text.pop("tie_word_embeddings")
+    text["layer_types"] = ["mamba", "mamba", "mamba", "attention"]
+    cfg = ModelConfig.from_hf({"model_type": "qwen3_5", "tie_word_embeddings": True, "text_config": text})
+    assert cfg.tie_word_embeddings and cfg.layer_types == PRESETS["tiny"].layer_types
+
+
+@pytest.mark.parametrize("patch, message", [
+    ({"model_type": "qwen3_next"}, "Qwen3-Next"),
+    ({"model_type": "llama"}, "unsupported model_type 'llama'"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+    ({"linear_num_value_heads": 3}, "not a multiple of linear_num_key_heads"),
+    ({"layer_types": ["linear_attention"] * 3}, "3 entries for 4 layers"),
+    ({"layer_types": ["linear_attention"] * 3 + ["sliding"]}, "'sliding'"),
+])
+def test_bad_config(patch, message):
+    cfg = {**PRESETS["tiny"].to_hf(), **patch}
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf(cfg)
+    with pytest.raises(ValueError, match="neither a preset"):
+        load_config("/nonexistent/folder")
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    HybridModel.from_preset("tiny").save_pretrained(str(tmp_path))
+    return tmp_path
+
+
+def _rewrite(folder, edit):
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path)
+
+
+def test_missing_tensor(checkpoint):
+    _rewrite(checkpoint, lambda t: t.pop("model.layers.2.linear_attn.A_log"))
+    with pytest.raises(ValueError, match=r"lacks 1 tensor.*layers\.2\.linear_attn\.A_log"):
+        HybridModel.from_pretrained(str(checkpoint), progress=False)
+
+
+def test_unexpected_tensor(checkpoint):
+    _rewrite(checkpoint, lambda t: t.update({"model.layers.0.self_attn.q_proj.weight": torch.zeros(2, 2)}))
+    with pytest.raises(ValueError, match=r"unexpected tensor.*layers\.0\.self_attn\.q_proj"):
+        HybridModel.from_pretrained(str(checkpoint), progress=False)
+
+
+def test_misshaped_tensor(checkpoint):
+    _rewrite(checkpoint, lambda t: t.update({"model.norm.weight": torch.zeros(3)}))
+    with pytest.raises(ValueError, match=r"'model\.norm\.weight' has shape \(3,\), the config needs \(64,\)"):
+        HybridModel.from_pretrained(str(checkpoint), progress=False)
+
+
+def test_load_dtype_and_errors(checkpoint, tmp_path_factory):
+    model = HybridModel.from_pretrained(str(checkpoint), dtype=torch.bfloat16, progress=False)
+    assert model.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="unsupported dtype torch.int8"):
+        HybridModel.from_pretrained(str(checkpoint), dtype=torch.int8)
+    empty = tmp_path_factory.mktemp("empty")
+    (empty / "config.json").write_text(json.dumps(PRESETS["tiny"].to_hf()))
+    with pytest.raises(ValueError, match="no model.safetensors"):
+        HybridModel.from_pretrained(str(empty))
+    with pytest.raises(ValueError, match="does not exist"):
+        HybridModel.from_pretrained(str(empty / "nope"))
+    with pytest.raises(ValueError, match="unknown preset"):
+        HybridModel.from_preset("huge")

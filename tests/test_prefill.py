@@ -1,0 +1,117 @@
+"""Batched varlen prefill: batching, chunking, cache bookkeeping and input validation."""
+
+import pytest
+import torch
+
+from helpers import rel_err
+from metrale_graph import HybridModel, Stream
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def model():
+    return HybridModel.from_preset("tiny", seed=3)
+
+
+def _tokens(n, seed):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _snapshot(cache):
+    return [t.clone() for t in cache.state_tensors()], list(cache.context_lens), cache.free_blocks
+
+
+def _same(cache, snap):
+    tensors, ctx, free = snap
+    return (all(torch.equal(a, b) for a, b in zip(cache.state_tensors(), tensors))
+            and cache.context_lens == ctx and cache.free_blocks == free)
+
+
+def test_batched_equals_each_alone(model):
+    lengths = [1, 63, 64, 65, 130, 7]
+    streams = [_tokens(n, i) for i, n in enumerate(lengths)]
+    batched_cache = model.new_cache(8, 64, block_size=16)
+    batched = model.prefill(batched_cache, [Stream(7 - i, t) for i, t in enumerate(streams)])
+    for i, t in enumerate(streams):
+        alone_cache = model.new_cache(8, 64, block_size=16)
+        alone = model.prefill(alone_cache, [Stream(7 - i, t)])
+        assert rel_err(batched[i], alone[0]) <= 1e-5
+        # the stream's states end up the same too
+        for a, b in zip(batched_cache.gdn_states + batched_cache.conv_states,
+                        alone_cache.gdn_states + alone_cache.conv_states):
+            assert rel_err(a[7 - i], b[7 - i]) <= 1e-5
+
+
+def test_three_chunks_equal_one_shot(model):
+    tokens = _tokens(150, 11)
+    one = model.prefill(model.new_cache(4, 32, block_size=16), [Stream(1, tokens)])
+    cache = model.new_cache(4, 32, block_size=16)
+    other = _tokens(40, 12)  # another stream rides along in the middle chunk
+    model.prefill(cache, [Stream(1, tokens[:2])])
+    model.prefill(cache, [Stream(3, other), Stream(1, tokens[2:67])])
+    last = model.prefill(cache, [Stream(1, tokens[67:])])
+    assert cache.context_lens[1] == 150 and cache.context_lens[3] == 40
+    assert rel_err(last[0], one[0]) <= 1e-5
+
+
+def test_reset_starts_a_fresh_stream(model):
+    a, b = _tokens(50, 1), _tokens(30, 2)
+    cache = model.new_cache(2, 8, block_size=16)
+    fresh = model.prefill(model.new_cache(2, 8, block_size=16), [Stream(0, b)])
+    model.prefill(cache, [Stream(0, a)])
+    assert cache.free_blocks == 8 - 4
+    cache.reset(0)
+    assert cache.free_blocks == 8 and cache.context_lens[0] == 0
+    assert torch.equal(model.prefill(cache, [Stream(0, b)]), fresh)
+
+
+def test_tensor_tokens_accepted(model):
+    t = _tokens(20, 5)
+    lists = model.prefill(model.new_cache(2, 4), [Stream(0, t)])
+    tensors = model.prefill(model.new_cache(2, 4), [Stream(0, torch.tensor(t, dtype=torch.int32))])
+    assert torch.equal(lists, tensors)
+
+
+BAD_BATCHES = [
+    pytest.param(lambda c: [], "non-empty list", id="empty-batch"),
+    pytest.param(lambda c: Stream(0, [1]), "single Stream", id="not-a-list"),
+    pytest.param(lambda c: [Stream(0, [1]), (1, [2])], "expected a Stream", id="not-a-stream"),
+    pytest.param(lambda c: [Stream(0, [1]), Stream(9, [2])], "unknown slot 9", id="unknown-slot"),
+    pytest.param(lambda c: [Stream(-1, [1])], "unknown slot -1", id="negative-slot"),
+    pytest.param(lambda c: [Stream(c.scratch_slot, [1])], "unknown slot", id="scratch-slot"),
+    pytest.param(lambda c: [Stream(1.0, [1])], "slot must be an int", id="float-slot"),
+    pytest.param(lambda c: [Stream(2, [1]), Stream(2, [3])], "duplicate slot 2", id="duplicate-slot"),
+    pytest.param(lambda c: [Stream(0, [1]), Stream(1, [])], "empty stream", id="empty-stream"),
+    pytest.param(lambda c: [Stream(0, [1, VOCAB])], f"token id {VOCAB} is out of range", id="token-too-big"),
+    pytest.param(lambda c: [Stream(0, [-3, 1])], "token id -3 is out of range", id="negative-token"),
+    pytest.param(lambda c: [Stream(0, [1, 2.0])], "is not an int", id="float-token"),
+    pytest.param(lambda c: [Stream(0, torch.ones(3))], "integer tensor", id="float-tensor"),
+    pytest.param(lambda c: [Stream(0, torch.ones(2, 2, dtype=torch.long))], "1-D", id="2d-tensor"),
+    pytest.param(lambda c: [Stream(0, torch.ones(2, dtype=torch.long, device="meta"))], "on meta",
+                 id="wrong-device"),
+    pytest.param(lambda c: [Stream(0, "hello")], "sequence of ints", id="string-tokens"),
+    pytest.param(lambda c: [Stream(1, [1] * 60)], "capacity of 128 tokens", id="past-capacity"),
+    pytest.param(lambda c: [Stream(2, [1] * 100), Stream(3, [1] * 100)], "needs 14 more KV blocks but the cache has 3 free",
+                 id="out-of-blocks"),
+]
+
+
+@pytest.mark.parametrize("make_batch, message", BAD_BATCHES)
+def test_bad_input_raises_and_touches_nothing(model, make_batch, message):
+    cache = model.new_cache(4, 12, block_size=16, max_context=128)
+    model.prefill(cache, [Stream(0, _tokens(20, 1)), Stream(1, _tokens(100, 2))])  # prior context
+    snap = _snapshot(cache)
+    with pytest.raises(ValueError, match=message):
+        model.prefill(cache, make_batch(cache))
+    assert _same(cache, snap)
+
+
+def test_cache_mismatch_is_rejected(model):
+    other = HybridModel.from_preset("tiny", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="the cache is torch.bfloat16"):
+        model.prefill(other.new_cache(2, 4), [Stream(0, [1])])
+    with pytest.raises(ValueError, match="unknown slot 5"):
+        model.new_cache(2, 4).reset(5)
+    with pytest.raises(ValueError, match="num_blocks must be a positive integer"):
+        model.new_cache(2, 0)
