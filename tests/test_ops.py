@@ -1,0 +1,113 @@
+"""Every phase op: opcheck (schema, fake, autograd registration, AOT dispatch) over ragged
+shapes and two dtypes; the references against independent formulations; input checks."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import assert_close
+from metrale_graph import ops
+from metrale_graph.ops.common import OpInputError
+from op_cases import CASES, Case, meta, op_args
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("name", list(ops.ALL_OPS))
+def test_opcheck(name, case, dtype):
+    torch.library.opcheck(ops.ALL_OPS[name], op_args(name, case, dtype))
+
+
+@pytest.mark.parametrize("name", list(ops.ALL_OPS))
+def test_fake_shapes_match_real(name):
+    """The fake's outputs have the real outputs' shapes, dtypes and strides-independent sizes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = op_args(name, CASES[0], torch.bfloat16)
+    real = ops.ALL_OPS[name](*args)
+    with FakeTensorMode() as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        fake = ops.ALL_OPS[name](*fake_args)
+    real, fake = (real,) if isinstance(real, torch.Tensor) else real, (fake,) if isinstance(fake, torch.Tensor) else fake
+    assert [(r.shape, r.dtype) for r in real] == [(f.shape, f.dtype) for f in fake]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_recurrence_matches_transformers_chunked(case):
+    """Our token-by-token reference vs transformers' chunked (WY) form, per stream, from state."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    q, k, v, g, beta, cu, slots, state = op_args("gdn_recurrence", case, torch.float32, seed=1)
+    state_before = state.clone()
+    out = ops.gdn_recurrence(q, k, v, g, beta, cu, slots, state)
+    r = case.HV // case.H
+    for b, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        slot = slots[b].item()
+        if e == s:
+            assert torch.equal(state[slot], state_before[slot])
+            continue
+        ref_o, ref_state = torch_chunk_gated_delta_rule(
+            q[None, s:e].repeat_interleave(r, 2), k[None, s:e].repeat_interleave(r, 2), v[None, s:e],
+            g=g[None, s:e], beta=beta[None, s:e], initial_state=state_before[slot][None].clone(),
+            output_final_state=True)
+        assert_close(f"o[{b}]", ref_o[0], out[s:e], 1e-5)
+        assert_close(f"state[{b}]", ref_state[0], state[slot], 1e-5)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_conv1d_matches_padded_conv(case):
+    """Per stream: state ++ tokens through F.conv1d, against the varlen op."""
+    x, w, cu, slots, state = op_args("causal_conv1d", case, torch.float32, seed=2)
+    before = state.clone()
+    y = ops.causal_conv1d(x, w, cu, slots, state)
+    for b, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        slot = slots[b].item()
+        full = torch.cat([before[slot], x[s:e].t()], 1)
+        assert torch.equal(state[slot], full[:, -(case.W - 1):])
+        if e > s:
+            ref = F.silu(F.conv1d(full[None], w[:, None], groups=w.shape[0]))[0].t()
+            assert_close(f"y[{b}]", ref, y[s:e], 1e-6)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_paged_attention_matches_sdpa(case):
+    """Paged, varlen, with cached context vs dense SDPA over each stream's full K/V."""
+    q, k, v, kc, vc, cu, ctx, blocks = op_args("paged_attention", case, torch.float32, seed=3)
+    before_k = kc.clone()
+    out = ops.paged_attention(q, k, v, kc, vc, cu, ctx, blocks)
+    touched = torch.zeros(kc.shape[:2], dtype=torch.bool)
+    for b, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        c, n = ctx[b].item(), e - s
+        if n == 0:
+            continue
+        pos = torch.arange(c + n)
+        blk, off = blocks[b].long()[pos // case.BS], pos % case.BS
+        touched[blk[c:], off[c:]] = True
+        K = torch.cat([before_k[blk[:c], off[:c]], k[s:e]])
+        assert torch.equal(kc[blk, off], K)
+        V = vc[blk, off]
+        mask = pos[None, :] <= (c + torch.arange(n))[:, None]
+        ref = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), K.transpose(0, 1), V.transpose(0, 1),
+                                             attn_mask=mask, enable_gqa=True).transpose(0, 1)
+        assert_close(f"o[{b}]", ref, out[s:e], 1e-5)
+    assert torch.equal(kc[~touched], before_k[~touched]), "KV write touched positions outside the batch"
+
+
+def test_bad_inputs_name_op_and_argument():
+    case = CASES[0]
+    q, k, v, g, beta, cu, slots, state = op_args("gdn_recurrence", case, torch.float32)
+    with pytest.raises(OpInputError, match=r"metrale::gdn_recurrence: gdn_state must be torch.float32"):
+        ops.gdn_recurrence(q, k, v, g, beta, cu, slots, state.bfloat16())
+    with pytest.raises(ValueError, match=r"metrale::gdn_recurrence: gdn_state slots are \(4, 8, 24\)"):
+        ops.gdn_recurrence(q, k, v, g, beta, cu, slots, state[:, :, :8])
+    x, w, cu, slots, conv_state = op_args("causal_conv1d", case, torch.float32)
+    with pytest.raises(ValueError, match=r"metrale::causal_conv1d: 2 slot_ids for 3 streams"):
+        ops.causal_conv1d(x, w, cu, slots[:2], conv_state)
+    with pytest.raises(ValueError, match=r"metrale::causal_conv1d: cu_seqlens must be torch.int32"):
+        ops.causal_conv1d(x, w, cu.long(), slots, conv_state)
+    args = list(op_args("paged_attention", case, torch.float32))
+    args[3] = args[3][..., :8]
+    with pytest.raises(ValueError, match=r"metrale::paged_attention: k_cache blocks hold"):
+        ops.paged_attention(*args)
