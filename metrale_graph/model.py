@@ -20,7 +20,7 @@ from .batch import PackedBatch, Stream, pack, validate
 from .cache import HybridCache
 from .config import LINEAR, ModelConfig, PRESETS, load_config
 from .ops.common import rms_norm
-from .weights import load_checkpoint, random_weights, save_checkpoint, weight_shapes
+from .weights import load_checkpoint, random_weights, save_checkpoint, stack_projections, weight_shapes
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -33,11 +33,13 @@ class HybridModel(nn.Module):
         if set(weights) != set(expected):
             missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
             raise ValueError(f"weights do not match the config: missing {missing[:5]}, unexpected {extra[:5]}")
-        self.config = config
-        self.layers = nn.ModuleList(nn.Module() for _ in range(config.num_hidden_layers))
         for name, tensor in weights.items():
             if tuple(tensor.shape) != expected[name]:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected[name]}")
+        weights = stack_projections(dict(weights), config)
+        self.config = config
+        self.layers = nn.ModuleList(nn.Module() for _ in range(config.num_hidden_layers))
+        for name, tensor in weights.items():
             *path, leaf = name.split(".")
             module = self
             for part in path:

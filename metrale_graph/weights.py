@@ -61,6 +61,32 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# Projections that read the same input: stored back to back in one buffer so the CUDA path runs
+# each group as one GEMM without copying (ops.kernels.stacked).
+STACKED_GROUPS = {
+    "linear_attn.": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+    "self_attn.": ("q_proj", "k_proj", "v_proj"),
+    "mlp.": ("gate_proj", "up_proj"),
+}
+
+
+def stack_projections(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Re-home each layer's STACKED_GROUPS weights as row views of one buffer (in place in the dict,
+    one group at a time, so the peak is one extra group)."""
+    for i in range(cfg.num_hidden_layers):
+        for prefix, members in STACKED_GROUPS.items():
+            names = [f"layers.{i}.{prefix}{m}.weight" for m in members]
+            if names[0] not in weights:
+                continue
+            parts = [weights[n] for n in names]
+            buf = torch.cat(parts)
+            row = 0
+            for n, p in zip(names, parts):
+                weights[n] = buf[row:row + p.shape[0]]
+                row += p.shape[0]
+    return weights
+
+
 def _our_name(key: str) -> str | None:
     """Checkpoint key -> our name; None for tensors a text prefill skips."""
     if key.startswith(_SKIPPED_PREFIXES):

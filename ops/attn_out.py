@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import kernels
 from .common import check, check_mlp, check_tensor, mlp_residual
 
 OP = "attn_out"
@@ -53,6 +54,8 @@ def attn_out_ref(o, gate, residual, o_w, post_norm_w, gate_w, up_w, down_w, eps)
 
 
 @attn_out.register_kernel("cuda")
-def _(o, gate, residual, o_w, post_norm_w, gate_w, up_w, down_w, eps):
+def attn_out_cuda(o, gate, residual, o_w, post_norm_w, gate_w, up_w, down_w, eps):
+    """o_proj with the residual add in the GEMM epilogue, then the Triton / cuBLAS MLP tail."""
     _check(o, gate, residual, o_w, post_norm_w, gate_w, up_w, down_w)
-    return attn_out_ref(o, gate, residual, o_w, post_norm_w, gate_w, up_w, down_w, eps)
+    h = torch.addmm(residual, o.reshape(o.shape[0], -1) * torch.sigmoid(gate), o_w.t())
+    return kernels.mlp_residual(h, post_norm_w, gate_w, up_w, down_w, eps)

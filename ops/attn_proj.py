@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import kernels
 from .common import check, check_tensor, rms_norm
 
 OP = "attn_proj"
@@ -92,6 +93,13 @@ def attn_proj_ref(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_f
 
 
 @attn_proj.register_kernel("cuda")
-def _(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_freq, head_dim, eps):
+def attn_proj_cuda(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_freq, head_dim, eps):
+    """Triton RMSNorm, one GEMM over the stacked q|k|v projections, Triton per-head norm + RoPE."""
     _check(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_freq, head_dim)
-    return attn_proj_ref(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_freq, head_dim, eps)
+    T, HD = x.shape[0], head_dim
+    QG, KV = q_w.shape[0], k_w.shape[0]
+    y = kernels.rms_norm(x, norm_w, eps) @ kernels.stacked(q_w, k_w, v_w).t()
+    qg = y[:, :QG].view(T, -1, 2 * HD)
+    q = kernels.head_norm_rope(qg[..., :HD], q_norm_w, positions, inv_freq, eps)
+    k = kernels.head_norm_rope(y[:, QG:QG + KV].view(T, -1, HD), k_norm_w, positions, inv_freq, eps)
+    return q, k, y[:, QG + KV:].reshape(T, -1, HD).contiguous(), qg[..., HD:].reshape(T, -1)

@@ -6,6 +6,8 @@ A zero-length stream (padding) computes nothing and leaves its slot's state unch
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch import Tensor
 
 from .common import INDEX_DTYPES, check, check_tensor
@@ -68,7 +70,79 @@ def causal_conv1d_ref(x, weight, cu_seqlens, slot_ids, conv_state):
     return y
 
 
+@triton.jit
+def _conv1d_kernel(x_ptr, w_ptr, y_ptr, state_ptr, tok_stream_ptr, cu_ptr, slot_ptr, T, C, B,
+                   stride_x, stride_s0, stride_s1, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    mt, mc = t < T, c < C
+    b = tl.load(tok_stream_ptr + t, mask=mt, other=B)
+    valid = mt & (b < B)  # tokens past cu_seqlens[-1] belong to no stream: output 0
+    bb = tl.minimum(b, B - 1)
+    start = tl.load(cu_ptr + bb, mask=valid, other=0)
+    slot = tl.load(slot_ptr + bb, mask=valid, other=0).to(tl.int64)
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(W):
+        u = t - (W - 1) + j  # the input this tap reads: a token of the stream, or its conv state
+        in_x = valid & (u >= start)
+        in_s = valid & (u < start)
+        xv = tl.load(x_ptr + u.to(tl.int64)[:, None] * stride_x + c[None, :],
+                     mask=in_x[:, None] & mc[None, :], other=0.0)
+        s_idx = (W - 1) + u - start
+        sv = tl.load(state_ptr + slot[:, None] * stride_s0 + c[None, :] * stride_s1 + s_idx[:, None],
+                     mask=in_s[:, None] & mc[None, :], other=0.0)
+        wj = tl.load(w_ptr + c * W + j, mask=mc, other=0.0).to(tl.float32)
+        acc += (xv.to(tl.float32) + sv.to(tl.float32)) * wj[None, :]
+    y = acc * tl.sigmoid(acc)
+    tl.store(y_ptr + t.to(tl.int64)[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=mt[:, None] & mc[None, :])
+
+
+@triton.jit
+def _conv1d_state_kernel(x_ptr, state_ptr, cu_ptr, slot_ptr, C, stride_x, stride_s0, stride_s1,
+                         W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr):
+    b = tl.program_id(0)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    mc = c < C
+    start, end = tl.load(cu_ptr + b), tl.load(cu_ptr + b + 1)
+    if end > start:  # a zero-length (padding) stream leaves its slot alone
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        i = tl.arange(0, WP)
+        mi = i < W - 1
+        u = end - (W - 1) + i  # the last W-1 inputs of (old state ++ stream)
+        in_x = mi & (u >= start)
+        in_s = mi & (u < start)
+        base = state_ptr + slot * stride_s0 + c[:, None] * stride_s1
+        xv = tl.load(x_ptr + u.to(tl.int64)[None, :] * stride_x + c[:, None], mask=mc[:, None] & in_x[None, :],
+                     other=0.0)
+        sv = tl.load(base + (i + (end - start))[None, :], mask=mc[:, None] & in_s[None, :], other=0.0)
+        tl.store(base + i[None, :], (xv + sv).to(state_ptr.dtype.element_ty), mask=mc[:, None] & mi[None, :])
+
+
+def causal_conv1d_triton(x, weight, cu_seqlens, slot_ids, conv_state):
+    """Two launches, no host sync: the conv over all tokens (reading old states), then the state
+    update per stream. Grid sizes follow from T, C and B alone."""
+    T, C = x.shape
+    W = weight.shape[1]
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weight = weight.contiguous()
+    B = slot_ids.shape[0]
+    y = torch.empty((T, C), dtype=x.dtype, device=x.device)
+    positions = torch.arange(T, device=x.device, dtype=torch.int32)
+    tok_stream = torch.searchsorted(cu_seqlens[1:], positions, right=True).to(torch.int32)
+    BT, BC = 32, 128
+    if T:
+        _conv1d_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
+            x, weight, y, conv_state, tok_stream, cu_seqlens, slot_ids, T, C, B, x.stride(0),
+            conv_state.stride(0), conv_state.stride(1), W=W, BT=BT, BC=BC)
+    if B:
+        _conv1d_state_kernel[(B, triton.cdiv(C, BC))](
+            x, conv_state, cu_seqlens, slot_ids, C, x.stride(0), conv_state.stride(0), conv_state.stride(1),
+            W=W, WP=triton.next_power_of_2(W - 1), BC=BC)
+    return y
+
+
 @causal_conv1d.register_kernel("cuda")
-def _(x, weight, cu_seqlens, slot_ids, conv_state):
+def causal_conv1d_cuda(x, weight, cu_seqlens, slot_ids, conv_state):
     _check(x, weight, cu_seqlens, slot_ids, conv_state)
-    return causal_conv1d_ref(x, weight, cu_seqlens, slot_ids, conv_state)
+    return causal_conv1d_triton(x, weight, cu_seqlens, slot_ids, conv_state)

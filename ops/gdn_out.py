@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import kernels
 from .common import check, check_mlp, check_tensor, mlp_residual
 
 OP = "gdn_out"
@@ -71,6 +72,8 @@ def gdn_out_ref(o, z, residual, gnorm_w, out_w, post_norm_w, gate_w, up_w, down_
 
 
 @gdn_out.register_kernel("cuda")
-def _(o, z, residual, gnorm_w, out_w, post_norm_w, gate_w, up_w, down_w, eps):
+def gdn_out_cuda(o, z, residual, gnorm_w, out_w, post_norm_w, gate_w, up_w, down_w, eps):
+    """Triton gated norm; out projection with the residual add in the GEMM epilogue; MLP tail."""
     _check(o, z, residual, gnorm_w, out_w, post_norm_w, gate_w, up_w, down_w)
-    return gdn_out_ref(o, z, residual, gnorm_w, out_w, post_norm_w, gate_w, up_w, down_w, eps)
+    h = torch.addmm(residual, kernels.gated_rms_norm(o, z, gnorm_w, eps), out_w.t())
+    return kernels.mlp_residual(h, post_norm_w, gate_w, up_w, down_w, eps)

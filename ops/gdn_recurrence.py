@@ -8,6 +8,8 @@ with S [K, V] in fp32. The final S of each stream goes back to its slot. A zero-
 stream (padding) leaves its slot unchanged.
 """
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -89,7 +91,89 @@ def gdn_recurrence_ref(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state):
     return o.to(v.dtype)
 
 
+# CUDA path: flash-linear-attention's chunked kernels on a chunk-aligned layout -------------------
+#
+# fla 0.6.0's varlen chunked gated delta rule replays exactly in a CUDA graph only if the
+# number of sequences and the total chunk count sum(ceil(len_i / 64)) stay fixed, its chunk
+# indices come in explicitly (its own preparation syncs with the host) and its identity-keyed
+# tensor cache is off (a captured graph would keep stale offsets). So every call lays the T
+# tokens out chunk-aligned in a buffer of NT = ceil(T/64) + B chunks, an upper bound of the
+# chunk count that depends on shapes alone: stream b starts at a multiple of 64, identity
+# tokens (g = 0, beta = 0, k = q = v = 0, which leave a state unchanged) fill the gaps, and one
+# absorber sequence from the scratch-state zero takes the chunks left over. Sequences: B + 1;
+# chunks: NT; both fixed for a bucket. All index math runs on the device.
+CHUNK = 64
+
+
+def aligned_layout(cu_seqlens: Tensor, num_tokens: int) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Device-side chunk-aligned layout of T packed tokens.
+
+    Returns dest [T] int64 (the aligned row of each token; T_al for tokens in no stream),
+    cu_aligned [B+2] int64 (B streams + the absorber), chunk_indices [NT, 2] int64 rows
+    (sequence, chunk within sequence), and T_al = 64 * NT with NT = ceil(T / 64) + B.
+    """
+    B = cu_seqlens.shape[0] - 1
+    dev = cu_seqlens.device
+    NT = -(-num_tokens // CHUNK) + B
+    T_al = NT * CHUNK
+    cu = cu_seqlens.long()
+    chunk_off = torch.full((B + 2,), NT, dtype=torch.int64, device=dev)
+    chunk_off[0] = 0
+    chunk_off[1:B + 1] = torch.cumsum((cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK, 0)
+    t = torch.arange(num_tokens, device=dev)
+    b = torch.searchsorted(cu[1:], t, right=True)
+    bc = b.clamp(max=max(B - 1, 0))
+    dest = torch.where(b < B, chunk_off[bc] * CHUNK + t - cu[bc], T_al)
+    c = torch.arange(NT, device=dev)
+    seq = torch.searchsorted(chunk_off, c, right=True) - 1
+    chunk_indices = torch.stack([seq, c - chunk_off[seq]], 1)
+    return dest, chunk_off * CHUNK, chunk_indices, T_al
+
+
+def gdn_recurrence_aligned(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, varlen_fn):
+    """Gather states, lay tokens out chunk-aligned, run `varlen_fn`, scatter states and outputs back.
+
+    varlen_fn(q, k, v, g, beta, cu_aligned, chunk_indices, h0) -> (o [T_al, HV, V], final [B+1, HV, K, V])
+    computes the gated delta rule over aligned sequences (q unscaled, scale K**-0.5 inside).
+    """
+    T, H, K = q.shape
+    HV, V = v.shape[1:]
+    B = slot_ids.shape[0]
+    dest, cu_al, chunk_indices, T_al = aligned_layout(cu_seqlens, T)
+
+    def aligned(x):
+        buf = x.new_zeros((T_al + 1,) + tuple(x.shape[1:]))  # + a dump row for tokens in no stream
+        buf.index_copy_(0, dest, x)
+        return buf[:T_al]
+
+    h0 = torch.cat([gdn_state.index_select(0, slot_ids), gdn_state.new_zeros(1, HV, K, V)])
+    o_al, final = varlen_fn(aligned(q), aligned(k), aligned(v), aligned(g), aligned(beta), cu_al, chunk_indices, h0)
+    gdn_state.index_copy_(0, slot_ids, final[:B])
+    return o_al.index_select(0, dest.clamp(max=T_al - 1))  # rows of tokens in no stream: unspecified
+
+
+_fla_fwd = None
+
+
+def fla_varlen(q, k, v, g, beta, cu_aligned, chunk_indices, h0):
+    """flash-linear-attention 0.6.0's forward, called below its autograd wrapper (which is
+    compile-disabled and prepares chunk indices on the host)."""
+    global _fla_fwd
+    if _fla_fwd is None:
+        os.environ.setdefault("FLA_DISABLE_TENSOR_CACHE", "1")
+        import fla.utils
+        from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+
+        # fla reads this module attribute on every call, so this holds even if fla was imported first
+        fla.utils.FLA_DISABLE_TENSOR_CACHE = True
+        _fla_fwd = chunk_gated_delta_rule_fwd
+    _, o, _, final, _, _ = _fla_fwd(
+        q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], scale=q.shape[-1] ** -0.5,
+        initial_state=h0, output_final_state=True, cu_seqlens=cu_aligned, chunk_indices=chunk_indices)
+    return o[0], final
+
+
 @gdn_recurrence.register_kernel("cuda")
-def _(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state):
+def gdn_recurrence_cuda(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state):
     _check(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state)
-    return gdn_recurrence_ref(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state)
+    return gdn_recurrence_aligned(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, fla_varlen)

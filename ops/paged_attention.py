@@ -6,12 +6,19 @@ block_tables[b, p // BS] at offset p % BS. A zero-length stream (padding) writes
 nothing.
 """
 
+import os
+
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
 from .common import INDEX_DTYPES, check, check_tensor
 
 OP = "paged_attention"
+# Triton's CPU interpreter computes bf16 tl.dot wrongly (triton 3.6.0): there the kernel takes its
+# fp32 path on upcast tiles, so the CPU suite still checks the indexing and the online softmax.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @torch.library.custom_op("metrale::paged_attention", mutates_args=("k_cache", "v_cache"), device_types="cpu")
@@ -83,7 +90,127 @@ def paged_attention_ref(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, blo
     return o.to(q.dtype)
 
 
+@triton.jit
+def _kv_write_kernel(k_ptr, v_ptr, k_cache, v_cache, tok_stream_ptr, cu_ptr, ctx_ptr, bt_ptr, B, BS, N,
+                     stride_kt, stride_vt, stride_cb, stride_bt, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    b = tl.load(tok_stream_ptr + t)
+    if b < B:  # tokens past cu_seqlens[-1] belong to no stream and are not written
+        pos = tl.load(ctx_ptr + b) + t - tl.load(cu_ptr + b)
+        blk = tl.load(bt_ptr + b * stride_bt + pos // BS).to(tl.int64)
+        dst = blk * stride_cb + (pos % BS) * N
+        i = tl.arange(0, BLOCK)
+        m = i < N
+        tl.store(k_cache + dst + i, tl.load(k_ptr + t * stride_kt + i, mask=m), mask=m)
+        tl.store(v_cache + dst + i, tl.load(v_ptr + t * stride_vt + i, mask=m), mask=m)
+
+
+@triton.jit
+def _paged_attention_kernel(q_ptr, k_cache, v_cache, o_ptr, work_ptr, cu_ptr, ctx_ptr, bt_ptr, scale,
+                            stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_ot, stride_oh, stride_bt,
+                            GROUP, BS, HD, BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                            IEEE: tl.constexpr):
+    b = tl.load(work_ptr + 2 * tl.program_id(0))
+    if b < 0:  # work rows past the batch's real q blocks
+        return
+    qb = tl.load(work_ptr + 2 * tl.program_id(0) + 1)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    start = tl.load(cu_ptr + b)
+    L = tl.load(cu_ptr + b + 1) - start
+    ctx = tl.load(ctx_ptr + b)
+    m_idx = qb * BM + tl.arange(0, BM)  # query index within the stream
+    mq = m_idx < L
+    q_pos = ctx + m_idx
+    d = tl.arange(0, BLOCK_D)
+    md = d < HD
+    rows = (start + m_idx).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=mq[:, None] & md[None, :],
+                other=0.0)
+    m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, BLOCK_D], dtype=tl.float32)
+    hi = ctx + tl.minimum(qb * BM + BM, L)  # keys this block can see: positions [0, hi)
+    for n0 in range(0, hi, BN):
+        kpos = n0 + tl.arange(0, BN)
+        mk = kpos < hi
+        blk = tl.load(bt_ptr + b * stride_bt + kpos // BS, mask=mk, other=0).to(tl.int64)
+        kv_off = blk[:, None] * stride_cb + (kpos % BS)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+        kv_mask = mk[:, None] & md[None, :]
+        k = tl.load(k_cache + kv_off, mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        s = tl.where((kpos[None, :] <= q_pos[:, None]) & mk[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # key 0 is visible to every row: m_new is finite
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache + kv_off, mask=kv_mask, other=0.0)
+        if IEEE:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=mq[:, None] & md[None, :])
+
+
+def _block_sizes(head_dim: int, dtype) -> tuple[int, int, int]:
+    """(BM, BN, num_warps): large head dims keep the [BM, HD] accumulator in registers."""
+    if head_dim > 128:
+        return 64, 32, 8
+    return 64, 64, 4
+
+
+def q_block_work(cu_seqlens: Tensor, num_tokens: int, block: int) -> Tensor:
+    """[cdiv(T, block) + B, 2] int32 rows (stream, q block within stream), then rows of -1: a fixed
+    row count for a bucket, built on the device (no host sync)."""
+    B = cu_seqlens.shape[0] - 1
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    offsets = torch.zeros(B + 1, dtype=torch.int64, device=cu_seqlens.device)
+    offsets[1:] = torch.cumsum((lens + block - 1) // block, 0)
+    rows = torch.arange(triton.cdiv(num_tokens, block) + B, device=cu_seqlens.device)
+    stream = torch.searchsorted(offsets, rows, right=True) - 1
+    valid = rows < offsets[-1]
+    within = rows - offsets[stream.clamp(max=B)]
+    return torch.stack([torch.where(valid, stream, -1), torch.where(valid, within, 0)], 1).to(torch.int32)
+
+
+def paged_attention_triton(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables):
+    """KV write, then flash-style varlen attention over the paged cache; no host sync."""
+    T, HQ, HD = q.shape
+    HKV, BS = k.shape[1], k_cache.shape[1]
+    B = cu_seqlens.shape[0] - 1
+    k, v = k.reshape(T, -1), v.reshape(T, -1)
+    k, v = (t if t.stride(1) == 1 else t.contiguous() for t in (k, v))
+    block_tables = block_tables.contiguous()
+    o = torch.empty((T, HQ, HD), dtype=q.dtype, device=q.device)
+    if T == 0 or B == 0:
+        return o
+    tok_stream = torch.searchsorted(cu_seqlens[1:], torch.arange(T, device=q.device, dtype=torch.int32),
+                                    right=True).to(torch.int32)
+    N = HKV * HD
+    _kv_write_kernel[(T,)](k, v, k_cache, v_cache, tok_stream, cu_seqlens, context_lens, block_tables, B, BS, N,
+                           k.stride(0), v.stride(0), k_cache.stride(0), block_tables.stride(0),
+                           BLOCK=triton.next_power_of_2(N))
+    BM, BN, warps = _block_sizes(HD, q.dtype)
+    work = q_block_work(cu_seqlens, T, BM)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    _paged_attention_kernel[(work.shape[0], HQ)](
+        q, k_cache, v_cache, o, work, cu_seqlens, context_lens, block_tables, HD**-0.5,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), o.stride(0), o.stride(1),
+        block_tables.stride(0), HQ // HKV, BS, HD, BLOCK_D=max(16, triton.next_power_of_2(HD)), BM=BM, BN=BN,
+        IEEE=q.dtype == torch.float32 or INTERPRET, num_warps=warps)
+    return o
+
+
 @paged_attention.register_kernel("cuda")
-def _(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables):
+def paged_attention_cuda(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables):
     _check(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables)
-    return paged_attention_ref(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables)
+    return paged_attention_triton(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables)

@@ -6,6 +6,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/helpers.py
 
+# Without a GPU, our Triton kernels run in Triton's interpreter (set before any kernel is defined).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

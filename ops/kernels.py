@@ -1,0 +1,191 @@
+"""Triton kernels for the token-local pieces shared by several phase ops (RMSNorm variants,
+per-head norm + RoPE, L2 norm, SiLU-and-multiply), and the CUDA-path MLP tail built on them.
+
+Each kernel works on rows; every launcher returns fresh tensors (never aliases its inputs).
+All of them also run on the CPU under TRITON_INTERPRET=1, which is how the CPU suite
+tests them. Shape letters: see ops/common.py.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+def _rows(x: Tensor) -> Tensor:
+    """2-D view with unit inner stride (copy only when the last dim is strided)."""
+    x = x.reshape(-1, x.shape[-1])
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+# RMSNorm (zero-centred weight), optionally fused with a residual add ------------------------
+@triton.jit
+def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, h_ptr, y_ptr, N, stride_x, stride_d, eps,
+                     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(d_ptr + row * stride_d + cols, mask=m, other=0.0)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)  # rounded like torch's add in x's dtype
+        tl.store(h_ptr + row * N + cols, x, mask=m)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * N + cols, (xf * rstd * (1.0 + w)).to(y_ptr.dtype.element_ty), mask=m)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """`x * rsqrt(mean(x^2) + eps) * (1 + w)` over the last dim, fp32 inside."""
+    x2 = _rows(x)
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    N = x2.shape[1]
+    _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, x2, y, N, x2.stride(0), 0, eps,
+                                     HAS_DELTA=False, BLOCK=triton.next_power_of_2(N))
+    return y.view(x.shape)
+
+
+def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """h = x + delta (in x's dtype) and rms_norm(h), in one pass."""
+    x2, d2 = _rows(x), _rows(delta)
+    h, y = torch.empty_like(x2, memory_format=torch.contiguous_format), torch.empty_like(x2)
+    N = x2.shape[1]
+    _rms_norm_kernel[(x2.shape[0],)](x2, d2, weight, h, y, N, x2.stride(0), d2.stride(0), eps,
+                                     HAS_DELTA=True, BLOCK=triton.next_power_of_2(N))
+    return h.view(x.shape), y.view(x.shape)
+
+
+# Gated RMSNorm of the GDN output: rmsnorm(o) * w * silu(z), plain w ---------------------------
+@triton.jit
+def _gated_rms_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, N, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < N
+    o = tl.load(o_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / N + eps)
+    # transformers rounds the normalized value to the weight's dtype, then the product too
+    dtype = w.dtype
+    n = ((o * rstd).to(dtype).to(tl.float32) * w.to(tl.float32)).to(dtype).to(tl.float32)
+    tl.store(y_ptr + row * N + cols, (n * z * tl.sigmoid(z)).to(y_ptr.dtype.element_ty), mask=m)
+
+
+def gated_rms_norm(o: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """o: [T, HV, V], z: [T, HV*V] -> [T, HV*V]; per value head."""
+    V = o.shape[-1]
+    o2, z2 = o.reshape(-1, V).contiguous(), z.reshape(-1, V).contiguous()
+    y = torch.empty_like(o2)
+    _gated_rms_norm_kernel[(o2.shape[0],)](o2, z2, weight, y, V, eps, BLOCK=triton.next_power_of_2(V))
+    return y.view(z.shape)
+
+
+# L2 norm per head ------------------------------------------------------------------------------
+@triton.jit
+def _l2norm_kernel(x_ptr, y_ptr, NH, K, stride_t, stride_h, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    t, h = row // NH, row % NH
+    cols = tl.arange(0, BLOCK)
+    m = cols < K
+    x = tl.load(x_ptr + t * stride_t + h * stride_h + cols, mask=m, other=0.0).to(tl.float32)
+    y = x / tl.sqrt(tl.sum(x * x, axis=0) + eps)
+    tl.store(y_ptr + row * K + cols, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def l2norm(x: Tensor, eps: float) -> Tensor:
+    """x: [T, N, K] (any strides with unit inner stride) -> contiguous [T, N, K]."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    T, NH, K = x.shape
+    y = torch.empty((T, NH, K), dtype=x.dtype, device=x.device)
+    if T:
+        _l2norm_kernel[(T * NH,)](x, y, NH, K, x.stride(0), x.stride(1), eps, BLOCK=triton.next_power_of_2(K))
+    return y
+
+
+# Per-head RMSNorm + partial rotate-half RoPE (attention q / k) ---------------------------------
+@triton.jit
+def _head_norm_rope_kernel(x_ptr, w_ptr, pos_ptr, inv_freq_ptr, y_ptr, NH, HD, stride_t, stride_h, eps,
+                           HALF: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    t, h = row // NH, row % NH
+    cols = tl.arange(0, BLOCK)
+    m = cols < HD
+    src = x_ptr + t * stride_t + h * stride_h
+    x = tl.load(src + cols, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HD + eps)
+    dtype = y_ptr.dtype.element_ty
+    n = (x * rstd * (1.0 + w)).to(dtype)  # transformers: normed q/k in the model dtype
+    dst = y_ptr + row * HD
+    tl.store(dst + cols, n, mask=m & (cols >= 2 * HALF))
+    # rotate the first 2*HALF channels: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+    i = tl.arange(0, HALF)
+    pos = tl.load(pos_ptr + t).to(tl.float32)
+    ang = pos * tl.load(inv_freq_ptr + i)
+    cos, sin = tl.cos(ang).to(dtype).to(tl.float32), tl.sin(ang).to(dtype).to(tl.float32)
+    wi1 = tl.load(w_ptr + i).to(tl.float32)
+    wi2 = tl.load(w_ptr + HALF + i).to(tl.float32)
+    x1 = (tl.load(src + i).to(tl.float32) * rstd * (1.0 + wi1)).to(dtype).to(tl.float32)
+    x2 = (tl.load(src + HALF + i).to(tl.float32) * rstd * (1.0 + wi2)).to(dtype).to(tl.float32)
+    tl.store(dst + i, (x1 * cos - x2 * sin).to(dtype))
+    tl.store(dst + HALF + i, (x2 * cos + x1 * sin).to(dtype))
+
+
+def head_norm_rope(x: Tensor, weight: Tensor, positions: Tensor, inv_freq: Tensor, eps: float) -> Tensor:
+    """x: [T, N, HD] (strided view allowed) -> contiguous [T, N, HD]: per-head zero-centred RMSNorm,
+    then rotate-half RoPE on the first 2 * len(inv_freq) channels at each token's position."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    T, NH, HD = x.shape
+    half = inv_freq.shape[0]
+    assert half & (half - 1) == 0, "rotary dim / 2 must be a power of two for the Triton kernel"
+    y = torch.empty((T, NH, HD), dtype=x.dtype, device=x.device)
+    if T:
+        _head_norm_rope_kernel[(T * NH,)](x, weight, positions, inv_freq, y, NH, HD, x.stride(0), x.stride(1),
+                                          eps, HALF=half, BLOCK=triton.next_power_of_2(HD))
+    return y
+
+
+# SiLU(a) * b over [T, 2I] rows holding [a | b] -------------------------------------------------
+@triton.jit
+def _silu_mul_kernel(ab_ptr, y_ptr, I, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < I
+    a = tl.load(ab_ptr + row * 2 * I + cols, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(ab_ptr + row * 2 * I + I + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * I + cols, (a * tl.sigmoid(a) * b).to(y_ptr.dtype.element_ty), mask=m)
+
+
+def silu_mul(ab: Tensor) -> Tensor:
+    """ab: [T, 2I] contiguous -> silu(ab[:, :I]) * ab[:, I:]."""
+    T, I2 = ab.shape
+    y = ab.new_empty(T, I2 // 2)
+    if T:
+        _silu_mul_kernel[(T, triton.cdiv(I2 // 2, 1024))](ab, y, I2 // 2, BLOCK=1024)
+    return y
+
+
+def stacked(*weights: Tensor) -> Tensor:
+    """The row-wise concatenation of weights [N_i, D] as one GEMM operand [sum N_i, D]. Free (a view)
+    when they already sit back to back in one buffer, as HybridModel stores each layer's
+    projections; otherwise a concatenated copy."""
+    first = weights[0]
+    D, size = first.shape[1], first.element_size()
+    ptr, rows = first.data_ptr(), 0
+    for w in weights:
+        if not (w.is_contiguous() and w.shape[1] == D and w.data_ptr() == ptr + rows * D * size):
+            return torch.cat(weights)
+        rows += w.shape[0]
+    return first.as_strided((rows, D), (D, 1))
+
+
+def mlp_residual(h: Tensor, post_norm_w: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor,
+                 eps: float) -> Tensor:
+    """CUDA path of ops.common.mlp_residual: Triton norm, one gate|up GEMM, fused SiLU-mul, and the
+    down GEMM with the residual add in its epilogue (addmm)."""
+    n = rms_norm(h, post_norm_w, eps)
+    act = silu_mul(n @ stacked(gate_w, up_w).t())
+    return torch.addmm(h, act, down_w.t())

@@ -1,0 +1,38 @@
+"""On a GPU: the whole bf16 model on the qwen3.5-9b shape (a few layers) against transformers in
+fp32 on the upcast weights."""
+
+import pytest
+import torch
+
+from helpers import rel_err
+from metrale_graph import PRESETS, HybridModel, Stream
+
+pytestmark = pytest.mark.gpu
+
+
+def test_bf16_model_matches_transformers_fp32():
+    import transformers
+
+    cfg = PRESETS["qwen3.5-9b"].replace(num_hidden_layers=4)  # 3 GDN + 1 attention layer
+    model = HybridModel.from_preset(cfg, dtype=torch.bfloat16, device="cuda", seed=7)
+    with torch.device("cuda"):
+        hf = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**cfg.to_hf()))
+    state = {(n if n == "lm_head.weight" else "model." + n): p.float() for n, p in model.named_parameters()}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    hf = hf.float().eval()
+
+    g = torch.Generator().manual_seed(7)
+    lengths = [1, 63, 64, 65, 1000]
+    tokens = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    extra = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (17, 300)]
+    cache = model.new_cache(num_slots=8, num_blocks=128)
+    out = model.prefill(cache, [Stream(7 - i, t) for i, t in enumerate(tokens)]).float()
+    cont = model.prefill(cache, [Stream(7, extra[0]), Stream(3, extra[1])]).float()
+    with torch.no_grad():
+        for i, t in enumerate(tokens):
+            ref = hf(input_ids=torch.tensor([t], device="cuda")).logits[0, -1].float()
+            assert rel_err(out[i], ref) <= 2e-2, f"stream {i}: {rel_err(out[i], ref):.2e}"
+        for j, (i, t) in enumerate([(0, extra[0]), (4, extra[1])]):
+            ref = hf(input_ids=torch.tensor([tokens[i] + t], device="cuda")).logits[0, -1].float()
+            assert rel_err(cont[j], ref) <= 2e-2, f"continued stream {i}: {rel_err(cont[j], ref):.2e}"

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One GPU session in one command (device machines start bare): install the carried
+# flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
+#   usage: bash tools/gpu_session.sh [tests|bench|all]   (run from the repository root)
+set -uo pipefail
+what=${1:-all}
+OUT=${OUT:-/tmp/metrale_out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FLA_DISABLE_TENSOR_CACHE=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+git log -1 --format='commit %H' 2>/dev/null | tee -a "$OUT/gpu.txt"
+status=0
+if [[ $what == tests || $what == all ]]; then
+    python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_ops.py tests/test_gpu_model.py \
+        tests/test_kernels.py ${GPU_TESTS_EXTRA:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+    status=${PIPESTATUS[0]}
+fi
+if [[ $what == bench || $what == all ]]; then
+    python3 -m tools.bench_ops --markdown "$OUT/bench_ops.md" 2>&1 | tee "$OUT/bench_ops.log" | tail -25
+    for lengths in 512 512,512,512,512,512,512,512,512; do
+        python3 -m tools.prefill --model qwen3.5-9b --lengths $lengths --continue-tokens 0 --repeat 5 2>&1 \
+            | tail -3 | tee -a "$OUT/prefill_9b.log"
+    done
+fi
+exit $status
