@@ -1,0 +1,170 @@
+"""ONNX export of the packed prefill step: every metrale op as standard ONNX operators, run in
+plain onnxruntime against the torch step and the ops' CPU references; a metrale op without a
+translation is an error that names it.
+
+Padding (see metrale_graph.onnx_export.pad_batch): spare tokens of a bucket go to one padding
+stream on the scratch slot whose KV lands in the null block, spare streams are zero-length
+streams on the scratch slot. The buckets below have at most 16 padding tokens (one block), so no
+two tokens share a null-block row and every output, padding rows included, is deterministic.
+"""
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxscript")
+
+from helpers import assert_close  # noqa: E402
+from metrale_graph import HybridModel, Stream, ops  # noqa: E402
+from metrale_graph.batch import pack  # noqa: E402
+from metrale_graph.onnx_export import (STEP_INPUTS, cache_pools, export_onnx, export_prefill, ort_session,  # noqa: E402
+                                       pad_batch, pool_names, run_step)
+from metrale_graph.onnx_translations import TRANSLATIONS  # noqa: E402
+from op_cases import Case, op_args  # noqa: E402
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def model():
+    return HybridModel.from_preset("tiny", seed=7)
+
+
+def _tokens(n, seed):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _cache_with_context(model):
+    """Slots 1, 3, 4 hold 40, 17 and 5 tokens of context; 16-token blocks, 8 per slot."""
+    cache = model.new_cache(6, 24, block_size=16, max_context=128)
+    model.prefill(cache, [Stream(1, _tokens(40, 1)), Stream(3, _tokens(17, 2)), Stream(4, _tokens(5, 3))])
+    return cache
+
+
+def _domains(graph):
+    """Operator domains of a graph's nodes, loop bodies included."""
+    found = set()
+    for node in graph.node:
+        found.add(node.domain)
+        for attr in node.attribute:
+            for g in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                found |= _domains(g)
+    return found
+
+
+BUCKETS = [
+    # continues slots 1 and 3, starts slot 0: 64 tokens fill T exactly; 1 zero-length stream
+    pytest.param(4, 64, [(1, 30), (3, 14), (0, 20)], 0, id="B4-T64-exact"),
+    # continues 4 and 1, starts 2 and 5: 84 tokens + a 12-token padding stream + 1 zero-length stream
+    pytest.param(6, 96, [(4, 25), (1, 7), (2, 33), (5, 19)], 12, id="B6-T96-padded"),
+]
+
+
+@pytest.mark.parametrize("B, T, new, pad_tokens", BUCKETS)
+def test_onnxruntime_step_matches_torch_step(model, tmp_path, B, T, new, pad_tokens):
+    cfg = model.config
+    cache = _cache_with_context(model)
+    path = str(tmp_path / "step.onnx")
+    export_prefill(model, cache, B, T).save(path)
+    proto = onnx.load(path)
+    onnx.checker.check_model(proto, full_check=True)
+    assert not proto.functions and _domains(proto.graph) == {""}  # standard operators only
+
+    pools = pool_names(cfg)
+    assert pools[0] == "conv_state_L0" and pools[-1] == "v_cache_L3"
+    assert [i.name for i in proto.graph.input] == STEP_INPUTS + pools
+    assert [o.name for o in proto.graph.output] == ["logits"] + [f"{p}_out" for p in pools]
+
+    def dims(value):
+        return [d.dim_value for d in value.type.tensor_type.shape.dim]
+
+    shapes = [[T], [T], [B + 1], [B], [B], [B, cache.max_blocks_per_slot]] + [list(p.shape) for p in cache_pools(cache)]
+    assert [dims(i) for i in proto.graph.input] == shapes
+    assert [dims(o) for o in proto.graph.output] == [[B, cfg.vocab_size]] + shapes[6:]
+
+    streams = [Stream(slot, _tokens(n, 10 + slot)) for slot, n in new]
+    tokens, _ = model.prepare(cache, streams)
+    batch = pad_batch(pack(streams, tokens, cache), cache, B, T)
+    lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
+    assert lengths[len(new):] == ([pad_tokens] if pad_tokens else []) + [0] * (B - len(new) - (pad_tokens > 0))
+    assert batch.context_lens.max() > 0  # a continuation: the step reads cached context
+
+    before = [p.clone() for p in cache_pools(cache)]
+    ref_cache = copy.deepcopy(cache)
+    with torch.no_grad():
+        ref = model.forward_packed(ref_cache, batch)
+    out = run_step(ort_session(path), batch, cache)
+    assert all(torch.equal(a, b) for a, b in zip(cache_pools(cache), before))  # inputs left as they were
+
+    assert_close("logits", ref, torch.from_numpy(out["logits"]), 1e-4)
+    busy_slots = set(batch.slot_ids[torch.tensor(lengths) > 0].tolist())
+    busy_blocks = set(batch.block_tables.flatten().tolist())
+    for name, expected, old in zip(pools, cache_pools(ref_cache), before):
+        got = torch.from_numpy(out[f"{name}_out"])
+        assert_close(name, expected, got, 1e-4)
+        rows = busy_slots if "state" in name else busy_blocks
+        untouched = [i for i in range(old.shape[0]) if i not in rows]
+        assert untouched and torch.equal(got[untouched], old[untouched]), f"{name}: rows outside the batch changed"
+
+
+# one op at a time against its CPU reference; streams 1 and 4 are zero-length and share the
+# scratch slot with the non-empty stream 2 between them, so they must not write it back
+OP_CASE = Case(lengths=(5, 0, 2, 17, 0, 1), context=(3, 0, 0, 9, 0, 0))
+
+
+class _OneOp(torch.nn.Module):
+    """Calls one metrale op on clones of the arguments it mutates; returns its outputs and the clones."""
+
+    def __init__(self, name):
+        super().__init__()
+        self.op = ops.ALL_OPS[name]
+        schema = getattr(torch.ops.metrale, name).default._schema
+        self.mutated = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+
+    def forward(self, *args):
+        args = [a.clone() if i in self.mutated else a for i, a in enumerate(args)]
+        out = self.op(*args)
+        return (*(out if isinstance(out, tuple) else (out,)), *(args[i] for i in self.mutated))
+
+
+def _op_case_args(name):
+    args = list(op_args(name, OP_CASE, torch.float32, seed=3))
+    names = [a.name for a in getattr(torch.ops.metrale, name).default._schema.arguments]
+    if "slot_ids" in names:
+        i = names.index("slot_ids")
+        args[i] = args[i].clone()
+        args[i][2] = args[-1].shape[0] - 1  # stream 2 on the scratch slot too
+    return args
+
+
+@pytest.mark.parametrize("name", list(ops.ALL_OPS))
+def test_each_op_matches_its_reference(name):
+    module = _OneOp(name)
+    args = _op_case_args(name)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    proto = export_onnx(module, tuple(args)).model_proto
+    onnx.checker.check_model(proto, full_check=True)
+    session = ort_session(proto)
+    got = session.run(None, {i.name: t.numpy() for i, t in zip(session.get_inputs(), tensors)})
+    ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    ref = getattr(ops, f"{name}_ref")(*ref_args)
+    ref = [*(ref if isinstance(ref, tuple) else (ref,)), *(ref_args[i] for i in module.mutated)]
+    assert len(got) == len(ref)
+    for k, (r, g) in enumerate(zip(ref, got)):
+        assert_close(f"{name} output {k}", r, torch.from_numpy(g), 1e-5)
+
+
+@pytest.mark.parametrize("name", ["l2norm", "causal_conv1d"])
+def test_missing_translation_names_the_op(name):
+    table = {k: v for k, v in TRANSLATIONS.items() if k != name}
+    with pytest.raises(ValueError, match=f"no ONNX translation for metrale::{name}"):
+        export_onnx(_OneOp(name), tuple(_op_case_args(name)), translations=table)
+
+
+def test_translation_for_an_unknown_op_is_rejected():
+    with pytest.raises(ValueError, match="unknown ops \\['gdn_prj'\\]"):
+        export_onnx(_OneOp("l2norm"), tuple(_op_case_args("l2norm")),
+                    translations={"gdn_prj": TRANSLATIONS["gdn_proj"]})

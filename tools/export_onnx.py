@@ -1,0 +1,154 @@
+"""Export the packed prefill step of a model for one bucket (B streams, T tokens) to ONNX, every
+metrale op as standard ONNX operators (runs in plain onnxruntime). Prints the node counts per op
+type and the file size; ends with one JSON line.
+
+    python -m tools.export_onnx [--model tiny|qwen3.5-9b|FOLDER] [-B 4] [-T 256] [--verify] ...
+
+The graph has fixed shapes: one file per bucket and cache geometry (--slots, --blocks,
+--block-size, --max-context). Attention reads every position of a stream's block table, so its
+cost grows with --max-context. --verify runs a padded continuation batch through onnxruntime and
+the torch step and prints their relative errors (fp32 models: ONNX Runtime's CPU kernels lack
+bfloat16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import os
+import sys
+import time
+import warnings
+
+import torch
+from tqdm import tqdm
+
+from metrale_graph import Stream
+from tools.common import add_model_args, load_model, print_json, print_table
+
+
+def _verify(model, cache, path: str, B: int, T: int, seed: int) -> dict[str, float]:
+    """Prefill context into some slots, then run a batch continuing half of them plus new streams,
+    padded to the bucket, through onnxruntime and the torch step; relative norm errors by output."""
+    from metrale_graph.batch import pack
+    from metrale_graph.onnx_export import cache_pools, ort_session, pad_batch, pool_names, run_step
+
+    gen = torch.Generator().manual_seed(seed)
+    n = max(1, B - 1)  # leave a stream for padding tokens
+    if 2 * n > cache.num_slots:
+        raise SystemExit(f"--verify needs {2 * n} slots for a bucket of {B} streams; pass --slots {2 * n}")
+    vocab = model.config.vocab_size
+    first = torch.randint(1, max(2, min(T, cache.max_context // 2)), (n,), generator=gen).tolist()
+    model.prefill(cache, [Stream(2 * i, torch.randint(0, vocab, (k,), generator=gen)) for i, k in enumerate(first)])
+    # the second batch: slots 0, 2, 4, ... continue, odd slots start; about 3/4 of the bucket's tokens
+    # (all of them for B = 1: no stream is left for padding)
+    budget = T if B == 1 else max(n, 3 * T // 4)
+    cuts = sorted(torch.randperm(budget - 1, generator=gen)[: n - 1].add(1).tolist())
+    lengths = [b - a for a, b in zip([0] + cuts, cuts + [budget])]
+    slots = [2 * (i // 2) if i % 2 == 0 else 2 * (i // 2) + 1 for i in range(n)]
+    streams = [Stream(s, torch.randint(0, vocab, (k,), generator=gen)) for s, k in zip(slots, lengths)]
+    tokens, _ = model.prepare(cache, streams)
+    batch = pad_batch(pack(streams, tokens, cache), cache, B, T)
+    ref_cache = copy.deepcopy(cache)
+    with torch.no_grad():
+        ref = model.forward_packed(ref_cache, batch)
+    out = run_step(ort_session(path), batch, cache)
+
+    def rel(name, expected):
+        expected = expected.double().cpu()
+        return ((torch.from_numpy(out[name]).double() - expected).norm() / expected.norm()).item()
+
+    errors = {"logits": rel("logits", ref)}
+    for name, pool in zip(pool_names(model.config), cache_pools(ref_cache)):
+        errors[name] = rel(f"{name}_out", pool)
+    return errors
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m tools.export_onnx", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("-B", "--batch-size", type=int, default=4, help="streams in the bucket (default 4)")
+    p.add_argument("-T", "--tokens", type=int, default=256, help="tokens in the bucket (default 256)")
+    p.add_argument("--slots", type=int, default=8, help="cache slots, plus the scratch slot (default 8)")
+    p.add_argument("--blocks", type=int, default=64, help="KV blocks, plus the null block (default 64)")
+    p.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default 64)")
+    p.add_argument("--max-context", type=int, default=1024, help="tokens per slot at most (default 1024)")
+    p.add_argument("-o", "--output", default=None, help="ONNX file (default: prefill_B{B}_T{T}.onnx)")
+    p.add_argument("--verify", action="store_true", help="compare onnxruntime with the torch step on a batch")
+    args = p.parse_args(argv)
+    for flag in ("batch_size", "tokens", "slots", "blocks", "block_size", "max_context"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    B, T = args.batch_size, args.tokens
+    path = args.output or f"prefill_B{B}_T{T}.onnx"
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # torchvision-not-installed notices
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)  # torch.export internals
+
+    import onnx
+
+    from metrale_graph.onnx_export import export_prefill, node_counts
+
+    steps = ["load model", "torch.export", "translate to ONNX", "save", "check_model"]
+    steps += ["verify"] if args.verify else []
+    tty = sys.stderr.isatty()  # a bar on a terminal, one line per step in a log
+    bar = tqdm(total=len(steps), unit="step", disable=not tty,
+               bar_format="{desc:<20} {bar:20} {n_fmt}/{total_fmt} [{elapsed}]")
+    timings: dict[str, float] = {}
+    clock = [time.perf_counter(), None]
+
+    def step(name: str) -> None:
+        now = time.perf_counter()
+        if clock[1] is not None:
+            timings[clock[1]] = now - clock[0]
+            bar.update(1)
+        clock[:] = [now, name]
+        bar.set_description(name)
+        if not tty and name in steps:
+            print(f"[{steps.index(name) + 1}/{len(steps)}] {name}", file=sys.stderr, flush=True)
+
+    step("load model")
+    model = load_model(args)
+    try:
+        cache = model.new_cache(args.slots, args.blocks, block_size=args.block_size, max_context=args.max_context)
+        program = export_prefill(model, cache, B, T, progress=step)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    step("save")
+    program.save(path)
+    step("check_model")
+    onnx.checker.check_model(path, full_check=True)  # by path: works past protobuf's 2 GB too
+    proto = onnx.load(path, load_external_data=False)
+    geometry = repr(cache)
+    errors = None
+    if args.verify:
+        step("verify")
+        try:
+            errors = _verify(model, cache, path, B, T, args.seed)
+        except ValueError as e:
+            raise SystemExit(f"--verify: {e} (adjust --slots / --blocks / --max-context)") from None
+    step("done")
+    bar.close()
+
+    external = {e.value for t in proto.graph.initializer for e in t.external_data if e.key == "location"}
+    size = sum(os.path.getsize(os.path.join(os.path.dirname(path), f)) for f in external) + os.path.getsize(path)
+    counts = node_counts(proto)
+    print(f"\n{path}: {model.extra_repr()}; bucket B={B}, T={T}; {geometry}")
+    print_table(["op type", "nodes", "in loop bodies"], [[k, a, b] for k, (a, b) in counts.items()])
+    print(f"\nnodes: {sum(a for a, _ in counts.values())} in the main graph, "
+          f"{sum(b for _, b in counts.values())} in loop bodies; file size {size / 2**20:.2f} MiB")
+    print("steps: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
+    if errors is not None:
+        print()
+        print_table(["output", "rel. norm error vs torch"], [[k, f"{v:.2e}"] for k, v in errors.items()])
+    print_json({"tool": "export_onnx", "model": args.model, "dtype": str(model.dtype), "batch_size": B, "tokens": T,
+                "path": path, "file_bytes": size, "opset": proto.opset_import[0].version,
+                "nodes": {k: a + b for k, (a, b) in counts.items()},
+                "inputs": [i.name for i in proto.graph.input], "outputs": [o.name for o in proto.graph.output],
+                "max_rel_error": None if errors is None else max(errors.values()),
+                "seconds": {k: round(v, 2) for k, v in timings.items()}})
+
+
+if __name__ == "__main__":
+    main()
