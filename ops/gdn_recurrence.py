@@ -117,9 +117,9 @@ def aligned_layout(cu_seqlens: Tensor, num_tokens: int) -> tuple[Tensor, Tensor,
     NT = -(-num_tokens // CHUNK) + B
     T_al = NT * CHUNK
     cu = cu_seqlens.long()
-    chunk_off = torch.full((B + 2,), NT, dtype=torch.int64, device=dev)
-    chunk_off[0] = 0
-    chunk_off[1:B + 1] = torch.cumsum((cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK, 0)
+    counts = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK
+    # device ops only (a scalar written into a CUDA tensor is a host-to-device copy, not capturable)
+    chunk_off = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0), counts.new_full((1,), NT)])
     t = torch.arange(num_tokens, device=dev)
     b = torch.searchsorted(cu[1:], t, right=True)
     bc = b.clamp(max=max(B - 1, 0))

@@ -174,9 +174,10 @@ def stacked(*weights: Tensor) -> Tensor:
     projections; otherwise a concatenated copy."""
     first = weights[0]
     D, size = first.shape[1], first.element_size()
-    ptr, rows = first.data_ptr(), 0
+    storage, ptr, rows = first.untyped_storage().data_ptr(), first.data_ptr(), 0
     for w in weights:
-        if not (w.is_contiguous() and w.shape[1] == D and w.data_ptr() == ptr + rows * D * size):
+        if not (w.is_contiguous() and w.shape[1] == D and w.untyped_storage().data_ptr() == storage
+                and w.data_ptr() == ptr + rows * D * size):
             return torch.cat(weights)
         rows += w.shape[0]
     return first.as_strided((rows, D), (D, 1))

@@ -96,3 +96,6 @@ def test_stacked_is_a_view_of_adjacent_weights():
     assert kernels.stacked(a, b).data_ptr() == buf.data_ptr()
     c, d = torch.randn(3, 4), torch.randn(7, 4)
     assert torch.equal(kernels.stacked(c, d), torch.cat([c, d]))
+    flat = torch.randn(40)  # adjacent in memory but separate tensors: no view across storages
+    e, f = torch.randn(3, 4), flat[:28].view(7, 4)
+    assert torch.equal(kernels.stacked(e, f), torch.cat([e, f]))

@@ -1,0 +1,94 @@
+"""capture/: bucket choice, padding, splitting, and the runner's compiled fallback on the CPU."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from helpers import rel_err
+from metrale_graph import HybridModel, Stream
+from metrale_graph.capture import Bucket, GraphRunner, StaticBatch, choose, make_grid, split
+from metrale_graph.batch import pack
+
+
+def test_grid_and_choice():
+    grid = make_grid([1, 4, 16], [8, 64, 256])
+    assert Bucket(8, 16) not in grid and Bucket(8, 4) in grid  # B > T skipped
+    assert choose(grid, 1, 8) == Bucket(8, 1)
+    assert choose(grid, 2, 8) == Bucket(8, 4)
+    assert choose(grid, 5, 9) == Bucket(64, 16)
+    assert choose(grid, 3, 200) == Bucket(256, 4)
+    assert choose(grid, 17, 10) is None and choose(grid, 1, 257) is None
+    with pytest.raises(ValueError, match="token_counts must be a non-empty list of positive integers"):
+        make_grid([1], [0])
+
+
+def test_split_keeps_every_token_once_in_order():
+    lengths = [5, 300, 2, 130, 1]
+    pieces = split(lengths, max_streams=3, max_tokens=128)
+    assert all(len(p) <= 3 and sum(b - a for _, a, b in p) <= 128 for p in pieces)
+    seen = {i: [] for i in range(len(lengths))}
+    for p in pieces:
+        assert len({i for i, _, _ in p}) == len(p)  # a slot at most once per piece
+        for i, a, b in p:
+            seen[i].append((a, b))
+    for i, n in enumerate(lengths):
+        ranges = seen[i]
+        assert ranges[0][0] == 0 and ranges[-1][1] == n
+        assert all(x[1] == y[0] for x, y in zip(ranges, ranges[1:]))
+
+
+def test_static_batch_padding():
+    model = HybridModel.from_preset("tiny")
+    cache = model.new_cache(4, 16, block_size=16)
+    static = StaticBatch(Bucket(64, 4), cache)
+    streams = [Stream(2, [1, 2, 3]), Stream(0, [4] * 20)]
+    tokens, _ = model.prepare(cache, streams)
+    static.fill(pack(streams, tokens, cache))
+    b = static.batch
+    assert b.cu_seqlens.tolist() == [0, 3, 23, 23, 23]
+    assert b.slot_ids.tolist() == [2, 0, cache.scratch_slot, cache.scratch_slot]
+    assert (b.block_tables[2:] == cache.null_block).all() and (b.tokens[23:] == 0).all()
+
+
+def _random_batch(g, vocab, slots, max_len):
+    n = len(slots)
+    lengths = torch.randint(1, max_len + 1, (n,), generator=g).tolist()
+    return [Stream(s, torch.randint(0, vocab, (L,), generator=g).tolist()) for s, L in zip(slots, lengths)]
+
+
+def test_compiled_fallback_equals_eager_without_graph_breaks():
+    torch._dynamo.reset()
+    counters.clear()
+    model = HybridModel.from_preset("tiny", seed=2)
+    cache_r, cache_e = model.new_cache(6, 64, block_size=16), model.new_cache(6, 64, block_size=16)
+    runner = GraphRunner(model, cache_r, batch_sizes=[4], token_counts=[128])
+    assert not runner.use_graphs
+    runner.warmup(progress=False)
+    g = torch.Generator().manual_seed(0)
+    batches = [_random_batch(g, 512, [1, 4, 0], 40),
+               _random_batch(g, 512, [4, 2], 60),                   # continues slot 4, new slot 2
+               [Stream(1, list(range(100))), Stream(5, list(range(300)))]]  # 400 tokens: split
+    for batch in batches:
+        out = runner.prefill(batch)
+        ref = model.prefill(cache_e, batch)
+        assert out.shape == ref.shape and rel_err(out, ref) <= 1e-5
+    assert cache_r.context_lens == cache_e.context_lens
+    for a, b in zip(cache_r.state_tensors(), cache_e.state_tensors()):
+        assert rel_err(a.float(), b.float()) <= 1e-5 if b.any() else torch.equal(a, b)
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1  # one bucket, one graph
+
+
+def test_runner_bad_input_touches_nothing():
+    model = HybridModel.from_preset("tiny")
+    cache = model.new_cache(3, 8, block_size=16, max_context=64)
+    runner = GraphRunner(model, cache, batch_sizes=[2], token_counts=[64])
+    snap = [t.clone() for t in cache.state_tensors()]
+    for bad, msg in [([Stream(3, [1])], "unknown slot 3"), ([Stream(0, [1]), Stream(0, [2])], "duplicate slot 0"),
+                     ([Stream(0, [])], "empty stream"), ([Stream(0, [512])], "out of range"),
+                     ([Stream(0, [1] * 65)], "capacity of 64")]:
+        with pytest.raises(ValueError, match=msg):
+            runner.prefill(bad)
+    assert all(torch.equal(a, b) for a, b in zip(cache.state_tensors(), snap)) and cache.context_lens == [0] * 3
+    with pytest.raises(ValueError, match="CUDA graphs need a model on a CUDA device"):
+        GraphRunner(model, cache, use_graphs=True)
