@@ -97,6 +97,20 @@ class HybridCache:
         self.block_tables[slot].fill_(self.null_block)
         self.context_lens[slot] = 0
 
+    def snapshot(self) -> tuple:
+        """A copy of everything the cache holds (device pools and host bookkeeping)."""
+        return ([t.clone() for t in self.state_tensors()], list(self.context_lens),
+                [list(b) for b in self._blocks], list(self._free))
+
+    def restore(self, snapshot: tuple) -> None:
+        """Put the cache back to a snapshot() of itself (in place: captured graphs stay valid)."""
+        tensors, ctx, blocks, free = snapshot
+        for t, s in zip(self.state_tensors(), tensors):
+            t.copy_(s)
+        self.context_lens[:] = ctx
+        self._blocks = [list(b) for b in blocks]
+        self._free = list(free)
+
     def state_tensors(self) -> list[torch.Tensor]:
         """Every device tensor of the cache (for snapshots in tests and tools)."""
         return self.conv_states + self.gdn_states + self.k_caches + self.v_caches + [self.block_tables]

@@ -9,7 +9,6 @@ checkpoint maps onto the model name for name.
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import torch
@@ -177,10 +176,8 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 0) 
             t.normal_(0.0, 0.1, generator=gen)
         elif leaf == "conv1d":
             t.uniform_(-0.5, 0.5, generator=gen)
-        elif leaf in ("embed_tokens", "lm_head"):
-            t.normal_(0.0, 1.0 / math.sqrt(cfg.hidden_size), generator=gen)
-        else:  # projections: keep activations O(1) through the residual stream
-            t.normal_(0.0, 1.0 / math.sqrt(shape[1]), generator=gen)
+        else:  # embeddings and projections: transformers' initializer_range
+            t.normal_(0.0, 0.02, generator=gen)
         out[name] = t.to(dtype)
     return out
 

@@ -1,7 +1,9 @@
 """Per-op benchmark: each metrale:: phase op on the GPU at a model's shape (default the Qwen3.5-9B
 shape) for a few token counts, against its floor max(FLOPs / 790 TFLOP/s, bytes / 4.3 TB/s).
-Median of CUDA-event timings (triton.testing.do_bench) after warmup. Prints a table, optionally
-writes it as markdown, and ends with one JSON line.
+Two medians of CUDA-event timings after warmup: called eagerly (triton.testing.do_bench, host
+launch overhead included) and replayed from a CUDA graph (do_bench_cudagraph: device time,
+which is what a captured prefill pays). Prints a table, optionally writes it as markdown, and
+ends with one JSON line.
 
     python -m tools.bench_ops [--tokens 512,8192] [--streams 4] [--markdown FILE]
 """
@@ -120,15 +122,18 @@ def main(argv=None) -> None:
         lengths[-1] += T - sum(lengths)
         inputs = op_inputs(name, cfg, lengths)
         fn = ops.ALL_OPS[name]
-        ms = triton.testing.do_bench(lambda: fn(*inputs), warmup=50, rep=200, return_mode="median")
+        eager = triton.testing.do_bench(lambda: fn(*inputs), warmup=50, rep=200, return_mode="median")
+        with torch.cuda.stream(torch.cuda.Stream()):
+            ms = triton.testing.do_bench_cudagraph(lambda: fn(*inputs), rep=200, return_mode="median")
         flops, nbytes = op_cost(name, cfg, lengths)
         floor_ms = max(flops / MATMUL_RATE, nbytes / COPY_RATE) * 1e3
         bound = "compute" if flops / MATMUL_RATE > nbytes / COPY_RATE else "memory"
-        rows.append([name, T, f"{ms:.3f}", f"{floor_ms:.3f}", f"{ms / floor_ms:.2f}x", bound,
+        rows.append([name, T, f"{eager:.3f}", f"{ms:.3f}", f"{floor_ms:.3f}", f"{ms / floor_ms:.2f}x", bound,
                      f"{flops / ms / 1e9:.0f}", f"{nbytes / ms / 1e6:.0f}"])
-        records.append({"op": name, "tokens": T, "ms": round(ms, 4), "floor_ms": round(floor_ms, 4)})
+        records.append({"op": name, "tokens": T, "eager_ms": round(eager, 4), "graph_ms": round(ms, 4),
+                        "floor_ms": round(floor_ms, 4)})
         del inputs
-    headers = ["op", "tokens", "ms", "floor ms", "x floor", "bound", "TFLOP/s", "GB/s"]
+    headers = ["op", "tokens", "eager ms", "graph ms", "floor ms", "graph / floor", "bound", "TFLOP/s", "GB/s"]
     print(f"\n{args.preset}, bf16, {args.streams} streams, {torch.cuda.get_device_name()}")
     print_table(headers, rows)
     if args.markdown:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session in one command (device machines start bare): install the carried
 # flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
-#   usage: bash tools/gpu_session.sh [tests|bench|all]   (run from the repository root)
+#   usage: bash tools/gpu_session.sh [tests|ops|bench|all]   (run from the repository root)
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/metrale_out}
@@ -12,15 +12,16 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 git log -1 --format='commit %H' 2>/dev/null | tee -a "$OUT/gpu.txt"
 status=0
 if [[ $what == tests || $what == all ]]; then
-    python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_ops.py tests/test_gpu_model.py \
-        tests/test_kernels.py ${GPU_TESTS_EXTRA:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+    python3 -m pytest -q -rfE -s -p no:cacheprovider tests/test_gpu_ops.py tests/test_gpu_model.py \
+        tests/test_gpu_capture.py tests/test_kernels.py ${GPU_TESTS_EXTRA:-} 2>&1 | tee "$OUT/gpu_tests.log" \
+        | grep -E "^(FAILED|ERROR)|passed|failed|vs fp32|after 1000|compile [0-9]" | tail -60
     status=${PIPESTATUS[0]}
 fi
+if [[ $what == ops || $what == all ]]; then
+    python3 -m tools.bench_ops --markdown "$OUT/bench_ops.md" 2>&1 | tee "$OUT/bench_ops.log" | tail -20
+fi
 if [[ $what == bench || $what == all ]]; then
-    python3 -m tools.bench_ops --markdown "$OUT/bench_ops.md" 2>&1 | tee "$OUT/bench_ops.log" | tail -25
-    for lengths in 512 512,512,512,512,512,512,512,512; do
-        python3 -m tools.prefill --model qwen3.5-9b --lengths $lengths --continue-tokens 0 --repeat 5 2>&1 \
-            | tail -3 | tee -a "$OUT/prefill_9b.log"
-    done
+    python3 -m tools.bench --preset tiny --repeat 3 2>&1 | tee "$OUT/bench_tiny.log" | tail -12
+    python3 -m tools.bench --json "$OUT/bench.json" --markdown "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -14
 fi
 exit $status

@@ -1,0 +1,110 @@
+"""On a GPU: the whole batched prefill replayed through CUDA graphs, every bucket of a 4 x 4 grid
+on a multi-layer bf16 model, against eager on an identical cache."""
+
+import pytest
+import torch
+
+from helpers import rel_err
+from metrale_graph import HybridModel, PRESETS, Stream
+from metrale_graph.capture import GraphRunner
+
+pytestmark = pytest.mark.gpu
+
+BATCH_SIZES, TOKEN_COUNTS = [1, 2, 4, 8], [64, 256, 512, 1024]
+# 9B head shapes, fewer heads and a small hidden size so 16 buckets compile quickly
+CFG = PRESETS["qwen3.5-9b"].replace(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                                    num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2,
+                                    linear_num_value_heads=4)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = HybridModel.from_preset(CFG, dtype=torch.bfloat16, device="cuda", seed=11)
+    cache_g = model.new_cache(num_slots=12, num_blocks=400)
+    cache_e = model.new_cache(num_slots=12, num_blocks=400)
+    runner = GraphRunner(model, cache_g, batch_sizes=BATCH_SIZES, token_counts=TOKEN_COUNTS)
+    reports = runner.warmup(progress=False)
+    for r in reports:
+        print(f"{r.bucket}: compile {r.compile_s:.2f} s, capture {r.capture_s:.3f} s, "
+              f"graph memory {r.graph_bytes / 2**20:.1f} MiB")
+    return model, runner, cache_g, cache_e
+
+
+def _batch_for(bucket, lower, g, cache, vocab):
+    """A random batch that lands in `bucket`: streams in (previous size, B], tokens in (previous, T]."""
+    lo_b, lo_t = lower
+    n = int(torch.randint(lo_b + 1, bucket.streams + 1, (1,), generator=g))
+    total = int(torch.randint(max(lo_t + 1, n), bucket.tokens + 1, (1,), generator=g))
+    cuts = sorted(torch.randperm(total - 1, generator=g)[: n - 1].add(1).tolist())
+    lengths = [b - a for a, b in zip([0] + cuts, cuts + [total])]
+    slots = torch.randperm(cache.num_slots, generator=g)[:n].tolist()
+    for s, L in zip(slots, lengths):  # keep room: restart slots that would overflow
+        if cache.context_lens[s] + L > cache.max_context:
+            return None
+    return [Stream(s, torch.randint(0, vocab, (L,), generator=g)) for s, L in zip(slots, lengths)]
+
+
+def _slot_rows(cache, slots):
+    mask = torch.zeros(cache.num_slots + 1, dtype=torch.bool, device=cache.device)
+    mask[slots] = True
+    blocks = torch.zeros(cache.num_blocks + 1, dtype=torch.bool, device=cache.device)
+    for s in slots:
+        blocks[cache.block_tables[s][cache.block_tables[s] != cache.null_block].long()] = True
+    return mask, blocks
+
+
+def test_every_bucket_replays_like_eager(setup):
+    model, runner, cache_g, cache_e = setup
+    g = torch.Generator().manual_seed(0)
+    grid = runner.grid
+    for round_ in range(2):  # the second round continues streams of the first (prior context)
+        for bucket in grid:
+            prev_b = max([b for b in BATCH_SIZES if b < bucket.streams], default=0)
+            prev_t = max([t for t in TOKEN_COUNTS if t < bucket.tokens], default=0)
+            batch = _batch_for(bucket, (prev_b, prev_t), g, cache_g, CFG.vocab_size)
+            if batch is None:
+                continue
+            assert runner.grid and bucket == min(b for b in grid if b.holds(len(batch), sum(len(s.tokens) for s in batch)))
+            before = [t.clone() for t in cache_g.state_tensors()]
+            out = runner.prefill(batch)
+            ref = model.prefill(cache_e, batch)
+            assert rel_err(out.float(), ref.float()) <= 1e-2, f"{bucket}: logits {rel_err(out.float(), ref.float()):.2e}"
+            slots, blocks = _slot_rows(cache_g, [s.slot for s in batch])
+            pools = list(zip(cache_g.conv_states + cache_g.gdn_states, cache_e.conv_states + cache_e.gdn_states,
+                             before[: 2 * len(cache_g.conv_states)]))
+            for got, want, old in pools:
+                assert torch.equal(got[~slots], old[~slots]), f"{bucket}: a slot outside the batch changed"
+                assert rel_err(got[slots].float(), want[slots].float()) <= 1e-2
+            n = 2 * len(cache_g.conv_states)
+            for got, want, old in zip(cache_g.k_caches + cache_g.v_caches, cache_e.k_caches + cache_e.v_caches,
+                                      before[n:]):
+                assert torch.equal(got[~blocks], old[~blocks]), f"{bucket}: a block outside the batch changed"
+                assert rel_err(got[blocks].float(), want[blocks].float()) <= 1e-2
+        assert cache_g.context_lens == cache_e.context_lens
+
+
+def test_no_memory_growth_over_1000_replays(setup):
+    model, runner, cache_g, _ = setup
+    g = torch.Generator().manual_seed(1)
+    for s in range(cache_g.num_slots):
+        cache_g.reset(s)
+
+    def one():
+        n = int(torch.randint(1, 9, (1,), generator=g))
+        slots = torch.randperm(cache_g.num_slots, generator=g)[:n].tolist()
+        for s in slots:
+            if cache_g.context_lens[s] > 900:
+                cache_g.reset(s)
+        lengths = torch.randint(1, 1024 // n + 1, (n,), generator=g).tolist()
+        runner.prefill([Stream(s, torch.randint(0, CFG.vocab_size, (L,), generator=g)) for s, L in zip(slots, lengths)])
+
+    for _ in range(20):
+        one()
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    for _ in range(1000):
+        one()
+    torch.cuda.synchronize()
+    print(f"after 1000 replays: allocated {torch.cuda.memory_allocated() - allocated:+d} B, "
+          f"reserved {torch.cuda.memory_reserved() - reserved:+d} B")
+    assert torch.cuda.memory_allocated() <= allocated and torch.cuda.memory_reserved() <= reserved
