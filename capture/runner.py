@@ -84,6 +84,7 @@ class GraphRunner:
             torch.cuda.current_stream(dev).wait_stream(side)
             torch.cuda.synchronize(dev)
             report.compile_s = time.perf_counter() - t0
+            torch.cuda.empty_cache()  # capture empties the cache itself: measure from the same baseline
             before = torch.cuda.memory_reserved(dev)
             t1 = time.perf_counter()
             graph = torch.cuda.CUDAGraph()

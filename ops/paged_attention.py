@@ -19,6 +19,7 @@ OP = "paged_attention"
 # Triton's CPU interpreter computes bf16 tl.dot wrongly (triton 3.6.0): there the kernel takes its
 # fp32 path on upcast tiles, so the CPU suite still checks the indexing and the online softmax.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+LOG2E = 1.4426950408889634
 
 
 @torch.library.custom_op("metrale::paged_attention", mutates_args=("k_cache", "v_cache"), device_types="cpu")
@@ -105,8 +106,46 @@ def _kv_write_kernel(k_ptr, v_ptr, k_cache, v_cache, tok_stream_ptr, cu_ptr, ctx
         tl.store(v_cache + dst + i, tl.load(v_ptr + t * stride_vt + i, mask=m), mask=m)
 
 
+def _attention_configs():
+    if INTERPRET:
+        return [triton.Config({"BN": 32}, num_warps=4)]
+    return [triton.Config({"BN": bn}, num_warps=w, num_stages=st)
+            for bn in (32, 64) for w in (4, 8) for st in (1, 2, 3)]
+
+
 @triton.jit
-def _paged_attention_kernel(q_ptr, k_cache, v_cache, o_ptr, work_ptr, cu_ptr, ctx_ptr, bt_ptr, scale,
+def _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr, b, kvh, n0, hi, q_pos, d, md, qk_scale,
+                 stride_cb, stride_cs, stride_ch, stride_bt, BS, BN: tl.constexpr, MASKED: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """One online-softmax step over keys [n0, n0 + BN); MASKED tiles apply the causal / length mask."""
+    kpos = n0 + tl.arange(0, BN)
+    mk = kpos < hi
+    blk = tl.load(bt_ptr + b * stride_bt + kpos // BS, mask=mk, other=0).to(tl.int64)
+    kv_off = blk[:, None] * stride_cb + (kpos % BS)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+    kv_mask = mk[:, None] & md[None, :]
+    k = tl.load(k_cache + kv_off, mask=kv_mask, other=0.0)
+    if IEEE:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * qk_scale  # log2 domain: exp2 below
+    if MASKED:
+        s = tl.where((kpos[None, :] <= q_pos[:, None]) & mk[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # key 0 is visible to every row: m_new is finite
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_cache + kv_off, mask=kv_mask, other=0.0)
+    if IEEE:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.autotune(configs=_attention_configs(), key=["HD", "GROUP", "IEEE"])
+@triton.jit
+def _paged_attention_kernel(q_ptr, k_cache, v_cache, o_ptr, work_ptr, cu_ptr, ctx_ptr, bt_ptr, qk_scale,
                             stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_ot, stride_oh, stride_bt,
                             GROUP, BS, HD, BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                             IEEE: tl.constexpr):
@@ -131,40 +170,20 @@ def _paged_attention_kernel(q_ptr, k_cache, v_cache, o_ptr, work_ptr, cu_ptr, ct
     l_i = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, BLOCK_D], dtype=tl.float32)
     hi = ctx + tl.minimum(qb * BM + BM, L)  # keys this block can see: positions [0, hi)
-    for n0 in range(0, hi, BN):
-        kpos = n0 + tl.arange(0, BN)
-        mk = kpos < hi
-        blk = tl.load(bt_ptr + b * stride_bt + kpos // BS, mask=mk, other=0).to(tl.int64)
-        kv_off = blk[:, None] * stride_cb + (kpos % BS)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-        kv_mask = mk[:, None] & md[None, :]
-        k = tl.load(k_cache + kv_off, mask=kv_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale
-        s = tl.where((kpos[None, :] <= q_pos[:, None]) & mk[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # key 0 is visible to every row: m_new is finite
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache + kv_off, mask=kv_mask, other=0.0)
-        if IEEE:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    # key tiles wholly below the block's first query position need no mask
+    full = ((ctx + qb * BM) // BN) * BN
+    for n0 in range(0, full, BN):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr, b, kvh, n0, hi, q_pos, d, md,
+                                     qk_scale, stride_cb, stride_cs, stride_ch, stride_bt, BS, BN, False, IEEE)
+    for n0 in range(full, hi, BN):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr, b, kvh, n0, hi, q_pos, d, md,
+                                     qk_scale, stride_cb, stride_cs, stride_ch, stride_bt, BS, BN, True, IEEE)
     out = acc / l_i[:, None]
     tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=mq[:, None] & md[None, :])
 
 
-def _block_sizes(head_dim: int, dtype) -> tuple[int, int, int]:
-    """(BM, BN, num_warps): large head dims keep the [BM, HD] accumulator in registers."""
-    if head_dim > 128:
-        return 64, 32, 8
-    return 64, 64, 4
+BM = 64  # query rows per program; the work list is built for it
 
 
 def q_block_work(cu_seqlens: Tensor, num_tokens: int, block: int) -> Tensor:
@@ -198,15 +217,14 @@ def paged_attention_triton(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, 
     _kv_write_kernel[(T,)](k, v, k_cache, v_cache, tok_stream, cu_seqlens, context_lens, block_tables, B, BS, N,
                            k.stride(0), v.stride(0), k_cache.stride(0), block_tables.stride(0),
                            BLOCK=triton.next_power_of_2(N))
-    BM, BN, warps = _block_sizes(HD, q.dtype)
     work = q_block_work(cu_seqlens, T, BM)
     if q.stride(2) != 1:
         q = q.contiguous()
     _paged_attention_kernel[(work.shape[0], HQ)](
-        q, k_cache, v_cache, o, work, cu_seqlens, context_lens, block_tables, HD**-0.5,
+        q, k_cache, v_cache, o, work, cu_seqlens, context_lens, block_tables, HD**-0.5 * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), o.stride(0), o.stride(1),
-        block_tables.stride(0), HQ // HKV, BS, HD, BLOCK_D=max(16, triton.next_power_of_2(HD)), BM=BM, BN=BN,
-        IEEE=q.dtype == torch.float32 or INTERPRET, num_warps=warps)
+        block_tables.stride(0), HQ // HKV, BS, HD, BLOCK_D=max(16, triton.next_power_of_2(HD)), BM=BM,
+        IEEE=q.dtype == torch.float32 or INTERPRET)
     return o
 
 
