@@ -172,7 +172,9 @@ def main(argv=None) -> None:
     headers += ["graphs / floor", "graphs tok/s"] if "graphs" in variants else []
     rows = []
     for r in results:
-        line = [f"{r['workload']} {r['streams']}x{r['tokens'] // r['streams']}" + (f"+{r['cached']}" if r["cached"] else ""),
+        lengths = WORKLOADS[r["workload"]][0]
+        shape = (f"{r['streams']}x{lengths[0]}" if len(set(lengths)) == 1 else f"{r['streams']} ragged, {r['tokens']} tok")
+        line = [f"{r['workload']} {shape}" + (f" +{r['cached']} cached" if r["cached"] else ""),
                 f"{r['floor_ms']:.1f}"] + [f"{r[f'{v}_ms']:.1f}" for v in variants]
         if "peer" in variants:
             line += [f"{r['peer_ms'] / r[f'{v}_ms']:.2f}x" for v in variants if v != "peer"]

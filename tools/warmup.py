@@ -1,0 +1,113 @@
+"""Graph-capture warmup: load a model, build a cache, compile (and on CUDA capture) every bucket
+of the grid, print what each bucket cost, and persist the compile artifacts in a cache folder so
+that the next warmup, in a new process, is faster. Runs on the CPU too (compiled step, no graphs).
+
+    python -m tools.warmup [--model tiny|qwen3.5-9b|FOLDER] [--batch-sizes 1,2,4] [--token-counts 256,512]
+                           [--cache-dir .metrale_cache]
+
+The cache folder holds Inductor's and Triton's caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR
+point into it), torch.compile's portable artifacts (compile_artifacts.bin, loaded with
+torch.compiler.load_cache_artifacts before compiling) and the cold run's record, so a warm run
+prints cold vs warm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from metrale_graph.capture import DEFAULT_BATCH_SIZES, DEFAULT_TOKEN_COUNTS
+
+ARTIFACTS, RECORD = "compile_artifacts.bin", "cold_warmup.json"
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def main(argv=None) -> None:
+    from tools.common import add_model_args
+
+    p = argparse.ArgumentParser(prog="python -m tools.warmup", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--batch-sizes", type=_ints, default=list(DEFAULT_BATCH_SIZES))
+    p.add_argument("--token-counts", type=_ints, default=list(DEFAULT_TOKEN_COUNTS))
+    p.add_argument("--slots", type=int, default=64, help="cache slots")
+    p.add_argument("--blocks", type=int, default=None, help="KV blocks (default: enough for every slot "
+                   "to hold the largest token count)")
+    p.add_argument("--cache-dir", default=".metrale_cache", help="where compile artifacts persist")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+
+    cache_dir = os.path.abspath(args.cache_dir)
+    os.makedirs(cache_dir, exist_ok=True)
+    # before anything compiles: Inductor's and Triton's on-disk caches go into the named folder
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, "inductor")
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(cache_dir, "triton")
+
+    import torch
+
+    from metrale_graph.capture import GraphRunner
+    from tools.common import load_model, print_json, print_table
+
+    t_start = time.perf_counter()
+    artifacts = os.path.join(cache_dir, ARTIFACTS)
+    warm = os.path.isfile(artifacts)
+    if warm:
+        with open(artifacts, "rb") as f:
+            torch.compiler.load_cache_artifacts(f.read())
+    model = load_model(args)
+    blocks = args.blocks or args.slots * -(-max(args.token_counts) // 64)
+    cache = model.new_cache(num_slots=args.slots, num_blocks=blocks)
+    runner = GraphRunner(model, cache, args.batch_sizes, args.token_counts)
+    print(f"model: {args.model}  {model.extra_repr()}\n{cache}\n"
+          f"{len(runner.grid)} buckets, {'CUDA graphs' if runner.use_graphs else 'compiled step, no graphs'}, "
+          f"{'warm' if warm else 'cold'} start from {cache_dir}")
+    t0 = time.perf_counter()
+    reports = runner.warmup(progress=not args.no_progress)
+    warmup_s = time.perf_counter() - t0
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is not None:
+        with open(artifacts, "wb") as f:
+            f.write(saved[0])
+
+    rows = [[str(r.bucket), f"{r.compile_s:.2f}", f"{r.capture_s:.3f}", f"{r.graph_bytes / 2**20:.1f}"]
+            for r in reports]
+    print_table(["bucket", "compile s", "capture s", "graph MiB"], rows)
+    compile_s, capture_s = sum(r.compile_s for r in reports), sum(r.capture_s for r in reports)
+    graph_mib = sum(r.graph_bytes for r in reports) / 2**20
+    total_s = time.perf_counter() - t_start
+    print(f"total: compile {compile_s:.1f} s, capture {capture_s:.2f} s, graph memory {graph_mib:.1f} MiB, "
+          f"warmup {warmup_s:.1f} s, whole run {total_s:.1f} s")
+    record_path = os.path.join(cache_dir, RECORD)
+    record = {"model": args.model, "buckets": len(reports), "warmup_s": round(warmup_s, 2),
+              "total_s": round(total_s, 2)}
+    cold = None
+    if not warm:
+        with open(record_path, "w") as f:
+            json.dump(record, f)
+    elif os.path.isfile(record_path):
+        with open(record_path) as f:
+            cold = json.load(f)
+        print(f"cold warmup {cold['warmup_s']:.1f} s (whole run {cold['total_s']:.1f} s) -> "
+              f"warm warmup {warmup_s:.1f} s (whole run {total_s:.1f} s)")
+    print_json({"tool": "warmup", "model": args.model, "device": str(model.device), "warm": warm,
+                "cache_dir": cache_dir, "buckets": [
+                    {"bucket": str(r.bucket), "compile_s": round(r.compile_s, 3), "capture_s": round(r.capture_s, 4),
+                     "graph_mib": round(r.graph_bytes / 2**20, 1)} for r in reports],
+                "compile_s": round(compile_s, 2), "capture_s": round(capture_s, 3), "graph_mib": round(graph_mib, 1),
+                "warmup_s": round(warmup_s, 2), "total_s": round(total_s, 2),
+                "cold_warmup_s": cold["warmup_s"] if cold else (None if warm else round(warmup_s, 2))})
+
+
+if __name__ == "__main__":
+    main()
