@@ -20,6 +20,11 @@ def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, tol: float) ->
     assert err <= tol, f"{name}: relative norm error {err:.3e} > {tol:.1e}"
 
 
+def random_tokens(n: int, seed: int, vocab: int = 512) -> list[int]:
+    """n token ids drawn with their own seed (512: the tiny preset's vocabulary)."""
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 def tiny_config(**overrides) -> ModelConfig:
     """A small random-shape config; overrides change any field."""
     base = dict(vocab_size=256, hidden_size=48, intermediate_size=80, num_hidden_layers=4,

@@ -17,7 +17,7 @@ pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxscript")
 
-from helpers import assert_close  # noqa: E402
+from helpers import assert_close, random_tokens  # noqa: E402
 from metrale_graph import HybridModel, Stream, ops  # noqa: E402
 from metrale_graph.batch import pack  # noqa: E402
 from metrale_graph.onnx_export import (STEP_INPUTS, cache_pools, export_onnx, export_prefill, ort_session,  # noqa: E402
@@ -33,14 +33,10 @@ def model():
     return HybridModel.from_preset("tiny", seed=7)
 
 
-def _tokens(n, seed):
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def _cache_with_context(model):
     """Slots 1, 3, 4 hold 40, 17 and 5 tokens of context; 16-token blocks, 8 per slot."""
     cache = model.new_cache(6, 24, block_size=16, max_context=128)
-    model.prefill(cache, [Stream(1, _tokens(40, 1)), Stream(3, _tokens(17, 2)), Stream(4, _tokens(5, 3))])
+    model.prefill(cache, [Stream(1, random_tokens(40, 1)), Stream(3, random_tokens(17, 2)), Stream(4, random_tokens(5, 3))])
     return cache
 
 
@@ -85,7 +81,7 @@ def test_onnxruntime_step_matches_torch_step(model, tmp_path, B, T, new, pad_tok
     assert [dims(i) for i in proto.graph.input] == shapes
     assert [dims(o) for o in proto.graph.output] == [[B, cfg.vocab_size]] + shapes[6:]
 
-    streams = [Stream(slot, _tokens(n, 10 + slot)) for slot, n in new]
+    streams = [Stream(slot, random_tokens(n, 10 + slot)) for slot, n in new]
     tokens, _ = model.prepare(cache, streams)
     batch = pad_batch(pack(streams, tokens, cache), cache, B, T)
     lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers import rel_err
+from helpers import random_tokens, rel_err
 from metrale_graph import HybridModel, Stream
 
 VOCAB = 512
@@ -12,10 +12,6 @@ VOCAB = 512
 @pytest.fixture(scope="module")
 def model():
     return HybridModel.from_preset("tiny", seed=3)
-
-
-def _tokens(n, seed):
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _snapshot(cache):
@@ -30,7 +26,7 @@ def _same(cache, snap):
 
 def test_batched_equals_each_alone(model):
     lengths = [1, 63, 64, 65, 130, 7]
-    streams = [_tokens(n, i) for i, n in enumerate(lengths)]
+    streams = [random_tokens(n, i) for i, n in enumerate(lengths)]
     batched_cache = model.new_cache(8, 64, block_size=16)
     batched = model.prefill(batched_cache, [Stream(7 - i, t) for i, t in enumerate(streams)])
     for i, t in enumerate(streams):
@@ -44,10 +40,10 @@ def test_batched_equals_each_alone(model):
 
 
 def test_three_chunks_equal_one_shot(model):
-    tokens = _tokens(150, 11)
+    tokens = random_tokens(150, 11)
     one = model.prefill(model.new_cache(4, 32, block_size=16), [Stream(1, tokens)])
     cache = model.new_cache(4, 32, block_size=16)
-    other = _tokens(40, 12)  # another stream rides along in the middle chunk
+    other = random_tokens(40, 12)  # another stream rides along in the middle chunk
     model.prefill(cache, [Stream(1, tokens[:2])])
     model.prefill(cache, [Stream(3, other), Stream(1, tokens[2:67])])
     last = model.prefill(cache, [Stream(1, tokens[67:])])
@@ -56,7 +52,7 @@ def test_three_chunks_equal_one_shot(model):
 
 
 def test_reset_starts_a_fresh_stream(model):
-    a, b = _tokens(50, 1), _tokens(30, 2)
+    a, b = random_tokens(50, 1), random_tokens(30, 2)
     cache = model.new_cache(2, 8, block_size=16)
     fresh = model.prefill(model.new_cache(2, 8, block_size=16), [Stream(0, b)])
     model.prefill(cache, [Stream(0, a)])
@@ -67,7 +63,7 @@ def test_reset_starts_a_fresh_stream(model):
 
 
 def test_tensor_tokens_accepted(model):
-    t = _tokens(20, 5)
+    t = random_tokens(20, 5)
     lists = model.prefill(model.new_cache(2, 4), [Stream(0, t)])
     tensors = model.prefill(model.new_cache(2, 4), [Stream(0, torch.tensor(t, dtype=torch.int32))])
     assert torch.equal(lists, tensors)
@@ -100,7 +96,7 @@ BAD_BATCHES = [
 @pytest.mark.parametrize("make_batch, message", BAD_BATCHES)
 def test_bad_input_raises_and_touches_nothing(model, make_batch, message):
     cache = model.new_cache(4, 12, block_size=16, max_context=128)
-    model.prefill(cache, [Stream(0, _tokens(20, 1)), Stream(1, _tokens(100, 2))])  # prior context
+    model.prefill(cache, [Stream(0, random_tokens(20, 1)), Stream(1, random_tokens(100, 2))])  # prior context
     snap = _snapshot(cache)
     with pytest.raises(ValueError, match=message):
         model.prefill(cache, make_batch(cache))
