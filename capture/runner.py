@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from metrale_graph.batch import Stream, pack
+from metrale_graph.batch import PackedBatch, Stream, pack
 from metrale_graph.cache import HybridCache
 from metrale_graph.model import HybridModel
 
@@ -122,11 +122,10 @@ class GraphRunner:
     def _run(self, streams, tokens, lengths) -> torch.Tensor:
         """Run one batch that fits a bucket (validated, blocks allocated), then commit it."""
         bucket = choose(self.grid, len(streams), sum(lengths))
+        self.warm_bucket(bucket)  # a no-op once warm; it fills the static buffers with padding, so first
         static = self.static[bucket]
         static.fill(pack(streams, tokens, self.cache))
         if self.use_graphs:
-            if bucket not in self.graphs:
-                self.warm_bucket(bucket)
             self.graphs[bucket].replay()
             logits = self.outputs[bucket][: len(streams)].clone()
         else:
@@ -135,10 +134,8 @@ class GraphRunner:
         return logits
 
 
-def _empty_batch(cache: HybridCache):
+def _empty_batch(cache: HybridCache) -> PackedBatch:
     """A batch of no streams: the static buffers become all padding."""
-    from metrale_graph.batch import PackedBatch
-
     dev = cache.device
     return PackedBatch(tokens=torch.zeros(0, dtype=torch.int64, device=dev),
                        positions=torch.zeros(0, dtype=torch.int64, device=dev),

@@ -79,6 +79,17 @@ def test_compiled_fallback_equals_eager_without_graph_breaks():
     assert counters["stats"]["unique_graphs"] == 1  # one bucket, one graph
 
 
+def test_unwarmed_bucket_warms_before_the_batch_is_copied_in():
+    """prefill on a bucket that warmup() never saw: warming (which pads the static buffers) must not
+    clobber the batch."""
+    model = HybridModel.from_preset("tiny", seed=4)
+    cache_r, cache_e = model.new_cache(4, 16, block_size=16), model.new_cache(4, 16, block_size=16)
+    runner = GraphRunner(model, cache_r, batch_sizes=[2], token_counts=[64])
+    batch = [Stream(3, list(range(1, 30))), Stream(1, list(range(7, 20)))]
+    out = runner.prefill(batch)
+    assert rel_err(out, model.prefill(cache_e, batch)) <= 1e-5
+
+
 def test_runner_bad_input_touches_nothing():
     model = HybridModel.from_preset("tiny")
     cache = model.new_cache(3, 8, block_size=16, max_context=64)

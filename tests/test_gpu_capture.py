@@ -108,3 +108,16 @@ def test_no_memory_growth_over_1000_replays(setup):
     print(f"after 1000 replays: allocated {torch.cuda.memory_allocated() - allocated:+d} B, "
           f"reserved {torch.cuda.memory_reserved() - reserved:+d} B")
     assert torch.cuda.memory_allocated() <= allocated and torch.cuda.memory_reserved() <= reserved
+
+
+def test_unwarmed_bucket_captures_before_the_batch_is_copied_in(setup):
+    """prefill on a bucket warmup() never saw: capturing it (which pads the static buffers) must not
+    clobber the batch that is replayed."""
+    model, _, _, _ = setup
+    cache_r, cache_e = model.new_cache(4, 64), model.new_cache(4, 64)
+    runner = GraphRunner(model, cache_r, batch_sizes=[2], token_counts=[128])
+    g = torch.Generator().manual_seed(5)
+    batch = [Stream(3, torch.randint(0, CFG.vocab_size, (90,), generator=g)),
+             Stream(1, torch.randint(0, CFG.vocab_size, (30,), generator=g))]
+    out = runner.prefill(batch)
+    assert rel_err(out.float(), model.prefill(cache_e, batch).float()) <= 1e-2
