@@ -111,9 +111,13 @@ class HybridCache:
         self._blocks = [list(b) for b in blocks]
         self._free = list(free)
 
+    def pools(self) -> list[torch.Tensor]:
+        """The state pools the step mutates: conv states, GDN states, K caches, V caches (that order)."""
+        return self.conv_states + self.gdn_states + self.k_caches + self.v_caches
+
     def state_tensors(self) -> list[torch.Tensor]:
         """Every device tensor of the cache (for snapshots in tests and tools)."""
-        return self.conv_states + self.gdn_states + self.k_caches + self.v_caches + [self.block_tables]
+        return self.pools() + [self.block_tables]
 
     def __repr__(self) -> str:
         used = sum(c > 0 for c in self.context_lens)

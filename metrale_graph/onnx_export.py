@@ -44,13 +44,9 @@ _twin_lib: torch.library.Library | None = None
 
 
 def pool_names(config: ModelConfig) -> list[str]:
-    """Names of the state pools in graph order (the order of `cache_pools`)."""
+    """Names of the state pools in graph order (the order of `HybridCache.pools()`)."""
     return ([f"conv_state_L{i}" for i in config.linear_layers] + [f"gdn_state_L{i}" for i in config.linear_layers]
             + [f"k_cache_L{i}" for i in config.full_layers] + [f"v_cache_L{i}" for i in config.full_layers])
-
-
-def cache_pools(cache: HybridCache) -> list[torch.Tensor]:
-    return cache.conv_states + cache.gdn_states + cache.k_caches + cache.v_caches
 
 
 class PrefillStep(nn.Module):
@@ -205,7 +201,7 @@ def example_inputs(cache: HybridCache, batch_size: int, num_tokens: int) -> tupl
 def step_args(batch: PackedBatch, cache: HybridCache) -> tuple[torch.Tensor, ...]:
     """The graph's inputs, in order, for a packed batch on a cache."""
     return (batch.tokens, batch.positions, batch.cu_seqlens, batch.slot_ids, batch.context_lens,
-            batch.block_tables, *cache_pools(cache))
+            batch.block_tables, *cache.pools())
 
 
 def export_prefill(model, cache: HybridCache, batch_size: int, num_tokens: int,

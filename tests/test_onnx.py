@@ -20,7 +20,7 @@ pytest.importorskip("onnxscript")
 from helpers import assert_close, random_tokens  # noqa: E402
 from metrale_graph import HybridModel, Stream, ops  # noqa: E402
 from metrale_graph.batch import pack  # noqa: E402
-from metrale_graph.onnx_export import (STEP_INPUTS, cache_pools, export_onnx, export_prefill, ort_session,  # noqa: E402
+from metrale_graph.onnx_export import (STEP_INPUTS, export_onnx, export_prefill, ort_session,  # noqa: E402
                                        pad_batch, pool_names, run_step)
 from metrale_graph.onnx_translations import TRANSLATIONS  # noqa: E402
 from op_cases import Case, op_args  # noqa: E402
@@ -77,7 +77,7 @@ def test_onnxruntime_step_matches_torch_step(model, tmp_path, B, T, new, pad_tok
     def dims(value):
         return [d.dim_value for d in value.type.tensor_type.shape.dim]
 
-    shapes = [[T], [T], [B + 1], [B], [B], [B, cache.max_blocks_per_slot]] + [list(p.shape) for p in cache_pools(cache)]
+    shapes = [[T], [T], [B + 1], [B], [B], [B, cache.max_blocks_per_slot]] + [list(p.shape) for p in cache.pools()]
     assert [dims(i) for i in proto.graph.input] == shapes
     assert [dims(o) for o in proto.graph.output] == [[B, cfg.vocab_size]] + shapes[6:]
 
@@ -88,17 +88,17 @@ def test_onnxruntime_step_matches_torch_step(model, tmp_path, B, T, new, pad_tok
     assert lengths[len(new):] == ([pad_tokens] if pad_tokens else []) + [0] * (B - len(new) - (pad_tokens > 0))
     assert batch.context_lens.max() > 0  # a continuation: the step reads cached context
 
-    before = [p.clone() for p in cache_pools(cache)]
+    before = [p.clone() for p in cache.pools()]
     ref_cache = copy.deepcopy(cache)
     with torch.no_grad():
         ref = model.forward_packed(ref_cache, batch)
     out = run_step(ort_session(path), batch, cache)
-    assert all(torch.equal(a, b) for a, b in zip(cache_pools(cache), before))  # inputs left as they were
+    assert all(torch.equal(a, b) for a, b in zip(cache.pools(), before))  # inputs left as they were
 
     assert_close("logits", ref, torch.from_numpy(out["logits"]), 1e-4)
     busy_slots = set(batch.slot_ids[torch.tensor(lengths) > 0].tolist())
     busy_blocks = set(batch.block_tables.flatten().tolist())
-    for name, expected, old in zip(pools, cache_pools(ref_cache), before):
+    for name, expected, old in zip(pools, ref_cache.pools(), before):
         got = torch.from_numpy(out[f"{name}_out"])
         assert_close(name, expected, got, 1e-4)
         rows = busy_slots if "state" in name else busy_blocks

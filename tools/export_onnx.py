@@ -32,7 +32,7 @@ def _verify(model, cache, path: str, B: int, T: int, seed: int) -> dict[str, flo
     """Prefill context into some slots, then run a batch continuing half of them plus new streams,
     padded to the bucket, through onnxruntime and the torch step; relative norm errors by output."""
     from metrale_graph.batch import pack
-    from metrale_graph.onnx_export import cache_pools, ort_session, pad_batch, pool_names, run_step
+    from metrale_graph.onnx_export import ort_session, pad_batch, pool_names, run_step
 
     gen = torch.Generator().manual_seed(seed)
     n = max(1, B - 1)  # leave a stream for padding tokens
@@ -60,7 +60,7 @@ def _verify(model, cache, path: str, B: int, T: int, seed: int) -> dict[str, flo
         return ((torch.from_numpy(out[name]).double() - expected).norm() / expected.norm()).item()
 
     errors = {"logits": rel("logits", ref)}
-    for name, pool in zip(pool_names(model.config), cache_pools(ref_cache)):
+    for name, pool in zip(pool_names(model.config), ref_cache.pools()):
         errors[name] = rel(f"{name}_out", pool)
     return errors
 
