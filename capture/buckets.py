@@ -72,10 +72,15 @@ def split(lengths: list[int], max_streams: int, max_tokens: int) -> list[list[tu
 
 
 class StaticBatch:
-    """The static input buffers of one bucket (a PackedBatch whose tensors never move)."""
+    """The static input buffers of one bucket (a PackedBatch whose tensors never move).
+
+    Buffers hold at least 2 streams and 2 tokens (a B1 bucket runs with one extra zero-length
+    padding stream): dynamo treats sizes 0 and 1 as constants, so without this the single-stream
+    buckets would need a trace of their own instead of sharing the grid's one dynamic trace.
+    """
 
     def __init__(self, bucket: Bucket, cache: HybridCache):
-        B, T, dev = bucket.streams, bucket.tokens, cache.device
+        B, T, dev = max(bucket.streams, 2), max(bucket.tokens, 2), cache.device
         self.bucket, self.cache = bucket, cache
         self.batch = PackedBatch(
             tokens=torch.zeros(T, dtype=torch.int64, device=dev),

@@ -1,6 +1,12 @@
-"""GraphRunner: the packed prefill step compiled once per bucket with
-`torch.compile(fullgraph=True, dynamic=False)` and, on CUDA, captured into one CUDA graph per
-bucket; `prefill(streams)` has model.prefill's contract.
+"""GraphRunner: the packed prefill step compiled with `torch.compile(fullgraph=True)` and, on CUDA,
+captured into one CUDA graph per bucket; `prefill(streams)` has model.prefill's contract.
+
+One compiled step serves the whole grid: the static buffers' token and stream dimensions are
+marked dynamic, so dynamo and Inductor trace the 32-layer step once instead of once per bucket
+(StaticBatch gives single-stream buckets a second, zero-length padding stream so that no size
+is 1). Everything the shapes decide inside the ops (the GDN op's chunk count, kernel grids) is decided
+in their CUDA implementations from the real sizes, so each bucket's CUDA graph is still fully
+static.
 
 Capture follows the usual recipe: warm up on a side stream (dynamo / Inductor compile, Triton
 autotuning) so nothing compiles inside a capture; capture the largest buckets first into one
@@ -48,22 +54,28 @@ class GraphRunner:
             raise ValueError("CUDA graphs need a model on a CUDA device")
         self.use_graphs = use_graphs
         _allow_recompiles(len(self.grid))
-        self.step = torch.compile(model.forward_packed, fullgraph=True, dynamic=False)
+        self.step = torch.compile(model.forward_packed, fullgraph=True, dynamic=False)  # dims: _mark_dynamic
         self.static = {b: StaticBatch(b, cache) for b in self.grid}
+        for static in self.static.values():
+            _mark_dynamic(static.batch)
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[Bucket, torch.Tensor] = {}
         self.reports: dict[Bucket, BucketReport] = {}
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
 
     # warmup ------------------------------------------------------------------------------------
-    def warmup(self, progress: bool = True) -> list[BucketReport]:
+    def warmup(self, progress: bool = True, on_bucket=None) -> list[BucketReport]:
         """Compile (and on CUDA capture) every bucket, largest first. Runs only padding: no slot or
-        block of the cache is read or written except the scratch slot and the null block."""
+        block of the cache is read or written except the scratch slot and the null block.
+        `on_bucket(report)` is called as each bucket finishes."""
         from tqdm.auto import tqdm
 
-        for bucket in tqdm(sorted(self.grid, reverse=True), desc="capturing buckets", unit="bucket",
-                           disable=not progress):
-            self.warm_bucket(bucket)
+        bar = tqdm(sorted(self.grid, reverse=True), desc="capturing buckets", unit="bucket", disable=not progress)
+        for bucket in bar:
+            report = self.warm_bucket(bucket)
+            bar.set_postfix_str(f"{bucket}: compile {report.compile_s:.1f} s")
+            if on_bucket is not None:
+                on_bucket(report)
         return [self.reports[b] for b in self.grid]
 
     @torch.no_grad()
@@ -143,6 +155,14 @@ def _empty_batch(cache: HybridCache) -> PackedBatch:
                        slot_ids=torch.zeros(0, dtype=torch.int64, device=dev),
                        context_lens=torch.zeros(0, dtype=torch.int32, device=dev),
                        block_tables=torch.zeros(0, cache.max_blocks_per_slot, dtype=torch.int32, device=dev))
+
+
+def _mark_dynamic(batch: PackedBatch) -> None:
+    """Mark the token and stream dimensions of a bucket's static buffers dynamic, so every bucket
+    reuses one trace (StaticBatch keeps both sizes >= 2, which dynamo does not specialize)."""
+    for t in (batch.tokens, batch.positions, batch.cu_seqlens, batch.slot_ids, batch.context_lens,
+              batch.block_tables):
+        torch._dynamo.mark_dynamic(t, 0)
 
 
 def _allow_recompiles(n: int) -> None:

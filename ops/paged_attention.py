@@ -143,7 +143,9 @@ def _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr, b, kvh, n0, hi, q_p
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
-@triton.autotune(configs=_attention_configs(), key=["HD", "GROUP", "IEEE"])
+# cache_results: the choice is kept in Triton's cache folder (tools.warmup points it into its
+# --cache-dir), so a warm start neither benchmarks nor compiles the losing configs
+@triton.autotune(configs=_attention_configs(), key=["HD", "GROUP", "IEEE"], cache_results=True)
 @triton.jit
 def _paged_attention_kernel(q_ptr, k_cache, v_cache, o_ptr, work_ptr, cu_ptr, ctx_ptr, bt_ptr, qk_scale,
                             stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_ot, stride_oh, stride_bt,

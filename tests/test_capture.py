@@ -61,22 +61,26 @@ def test_compiled_fallback_equals_eager_without_graph_breaks():
     counters.clear()
     model = HybridModel.from_preset("tiny", seed=2)
     cache_r, cache_e = model.new_cache(6, 64, block_size=16), model.new_cache(6, 64, block_size=16)
-    runner = GraphRunner(model, cache_r, batch_sizes=[4], token_counts=[128])
+    runner = GraphRunner(model, cache_r, batch_sizes=[1, 4], token_counts=[32, 128])
     assert not runner.use_graphs
     runner.warmup(progress=False)
     g = torch.Generator().manual_seed(0)
     batches = [_random_batch(g, 512, [1, 4, 0], 40),
                _random_batch(g, 512, [4, 2], 60),                   # continues slot 4, new slot 2
+               [Stream(3, list(range(20)))],                        # B1xT32
                [Stream(1, list(range(100))), Stream(5, list(range(300)))]]  # 400 tokens: split
+    used = set()
     for batch in batches:
         out = runner.prefill(batch)
         ref = model.prefill(cache_e, batch)
         assert out.shape == ref.shape and rel_err(out, ref) <= 1e-5
+        used.add(choose(runner.grid, len(batch), sum(len(s.tokens) for s in batch)))
+    assert {Bucket(32, 1), Bucket(128, 4)} <= used
     assert cache_r.context_lens == cache_e.context_lens
     for a, b in zip(cache_r.state_tensors(), cache_e.state_tensors()):
         assert rel_err(a.float(), b.float()) <= 1e-5 if b.any() else torch.equal(a, b)
     assert dict(counters["graph_break"]) == {}
-    assert counters["stats"]["unique_graphs"] == 1  # one bucket, one graph
+    assert counters["stats"]["unique_graphs"] == 1  # 4 buckets, B1 included: one dynamic trace
 
 
 def test_unwarmed_bucket_warms_before_the_batch_is_copied_in():

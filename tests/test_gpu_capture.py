@@ -3,6 +3,7 @@ on a multi-layer bf16 model, against eager on an identical cache."""
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from helpers import rel_err
 from metrale_graph import HybridModel, PRESETS, Stream
@@ -23,7 +24,9 @@ def setup():
     cache_g = model.new_cache(num_slots=12, num_blocks=400)
     cache_e = model.new_cache(num_slots=12, num_blocks=400)
     runner = GraphRunner(model, cache_g, batch_sizes=BATCH_SIZES, token_counts=TOKEN_COUNTS)
+    counters.clear()
     reports = runner.warmup(progress=False)
+    assert counters["stats"]["unique_graphs"] == 1  # one dynamic trace for all 16 buckets, B1 included
     for r in reports:
         print(f"{r.bucket}: compile {r.compile_s:.2f} s, capture {r.capture_s:.3f} s, "
               f"graph memory {r.graph_bytes / 2**20:.1f} MiB")

@@ -164,6 +164,7 @@ def main(argv=None) -> None:
                 ours.graphs.warm_bucket(min(b for b in ours.graphs.grid if b.holds(len(streams), sum(lengths))))
             row[f"{v}_ms"] = time_cuda(lambda: ours.run(v, streams), ours.restore, args.repeat)
         results.append(row)
+        tqdm.write(json.dumps(row))  # as each workload finishes: a cut-short run still leaves its rows
         torch.cuda.empty_cache()
 
     headers = ["workload", "floor ms"] + [f"{v} ms" for v in variants]

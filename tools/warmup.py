@@ -55,6 +55,7 @@ def main(argv=None) -> None:
     os.environ["TRITON_CACHE_DIR"] = os.path.join(cache_dir, "triton")
 
     import torch
+    from tqdm.auto import tqdm
 
     from metrale_graph.capture import GraphRunner
     from tools.common import load_model, print_json, print_table
@@ -73,7 +74,13 @@ def main(argv=None) -> None:
           f"{len(runner.grid)} buckets, {'CUDA graphs' if runner.use_graphs else 'compiled step, no graphs'}, "
           f"{'warm' if warm else 'cold'} start from {cache_dir}")
     t0 = time.perf_counter()
-    reports = runner.warmup(progress=not args.no_progress)
+
+    def on_bucket(r):
+        line = (f"{r.bucket}: compile {r.compile_s:.2f} s, capture {r.capture_s:.3f} s, "
+                f"graph {r.graph_bytes / 2**20:.1f} MiB, {time.perf_counter() - t0:.1f} s so far")
+        (tqdm.write(line) if not args.no_progress else print(line, flush=True))
+
+    reports = runner.warmup(progress=not args.no_progress, on_bucket=on_bucket)
     warmup_s = time.perf_counter() - t0
     saved = torch.compiler.save_cache_artifacts()
     if saved is not None:
