@@ -50,6 +50,43 @@ def floor_ms(cfg, lengths: list[int], cached: int) -> tuple[float, float, float]
     return max(flops / MATMUL_RATE, nbytes / COPY_RATE) * 1e3, flops, nbytes
 
 
+# kernel name -> phase, first match wins (cuBLAS / CUTLASS GEMM kernels have many names)
+PHASES = [
+    ("GDN recurrence (fla chunk kernels)", ("chunk_", "recompute_w_u", "solve_tril", "merge_16x16", "kkt")),
+    ("conv1d", ("conv1d",)),
+    ("L2 norm", ("l2norm",)),
+    ("attention + KV write", ("paged_attention", "kv_write")),
+    ("GEMM", ("gemm", "nvjet", "xmma", "cutlass", "splitk", "splitK", "sm90_", "sm80_")),
+    ("norms, RoPE, SiLU (Triton)", ("rms_norm", "silu_mul", "head_norm_rope", "gated_rms")),
+]
+
+
+def kernel_breakdown(fn, setup, runs: int = 3) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
+    """Device time per prefill by phase and by kernel (ms), from torch.profiler over `runs` calls."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    setup()
+    fn()  # anything lazy happens outside the profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            setup()
+            fn()
+        torch.cuda.synchronize()
+    kernels: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_type == DeviceType.CUDA:
+            kernels[e.key] = kernels.get(e.key, 0.0) + e.self_device_time_total / 1e3 / runs
+    if not kernels:
+        raise RuntimeError("torch.profiler recorded no CUDA kernels")
+    phases: dict[str, float] = {}
+    for name, ms in kernels.items():
+        phase = next((p for p, keys in PHASES if any(k in name for k in keys)), "other (copies, gathers, Inductor)")
+        phases[phase] = phases.get(phase, 0.0) + ms
+    by = lambda d: sorted(d.items(), key=lambda kv: -kv[1])  # noqa: E731
+    return by(phases), by(kernels)
+
+
 def time_cuda(fn, setup, repeat: int, warmup: int = 2) -> float:
     """Median ms of fn() with CUDA events; setup() (untimed) runs before each call."""
     times = []
@@ -133,6 +170,8 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--markdown", default=None, help="write the table to this markdown file")
+    p.add_argument("--profile", action="store_true",
+                   help="also print each workload's device time by phase (torch.profiler over the compiled step)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("tools.bench needs a CUDA GPU")
@@ -163,6 +202,15 @@ def main(argv=None) -> None:
             if v == "graphs":
                 ours.graphs.warm_bucket(min(b for b in ours.graphs.grid if b.holds(len(streams), sum(lengths))))
             row[f"{v}_ms"] = time_cuda(lambda: ours.run(v, streams), ours.restore, args.repeat)
+        if args.profile:
+            ours.prepare_context(ctx)
+            phases, kernels = kernel_breakdown(lambda: ours.run("compiled", streams), ours.restore)
+            total = sum(ms for _, ms in phases)
+            row["profile_ms"] = {p: round(ms, 3) for p, ms in phases}
+            lines = [f"{w}: device time {total:.1f} ms per prefill (floor {row['floor_ms']:.1f} ms)"]
+            lines += [f"  {ms:8.2f} ms {100 * ms / total:5.1f}%  {p}" for p, ms in phases]
+            lines += ["  top kernels:"] + [f"  {ms:8.2f} ms  {k[:100]}" for k, ms in kernels[:12]]
+            tqdm.write("\n".join(lines))
         results.append(row)
         tqdm.write(json.dumps(row))  # as each workload finishes: a cut-short run still leaves its rows
         torch.cuda.empty_cache()
