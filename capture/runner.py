@@ -4,9 +4,9 @@ captured into one CUDA graph per bucket; `prefill(streams)` has model.prefill's 
 One compiled step serves the whole grid: the static buffers' token and stream dimensions are
 marked dynamic, so dynamo and Inductor trace the 32-layer step once instead of once per bucket
 (StaticBatch gives single-stream buckets a second, zero-length padding stream so that no size
-is 1). Everything the shapes decide inside the ops (the GDN op's chunk count, kernel grids) is decided
-in their CUDA implementations from the real sizes, so each bucket's CUDA graph is still fully
-static.
+is 1). Everything the shapes decide inside the ops (the GDN op's chunk count, kernel grids) is
+decided in their CUDA implementations from the real sizes, so each bucket's CUDA graph is still
+fully static.
 
 Capture follows the usual recipe: warm up on a side stream (dynamo / Inductor compile, Triton
 autotuning) so nothing compiles inside a capture; capture the largest buckets first into one
@@ -166,7 +166,9 @@ def _mark_dynamic(batch: PackedBatch) -> None:
 
 
 def _allow_recompiles(n: int) -> None:
-    """One dynamo graph per bucket shape: raise the per-function recompile limit to the grid."""
+    """Keep dynamo's per-function recompile limit above grid size + 8. A runner traces its grid
+    once, but every runner (another model, another cache) adds an entry on the same
+    `forward_packed`, and past the limit dynamo stops compiling new ones."""
     import torch._dynamo.config as cfg
 
     for name in ("recompile_limit", "cache_size_limit"):
