@@ -7,8 +7,8 @@
     logits = runner.prefill([...])       # same contract as model.prefill
 """
 
-from .buckets import DEFAULT_BATCH_SIZES, DEFAULT_TOKEN_COUNTS, Bucket, StaticBatch, choose, make_grid, split
-from .runner import BucketReport, GraphRunner
+from .buckets import DEFAULT_BATCH_SIZES, DEFAULT_TOKEN_COUNTS, Bucket, choose, make_grid, split
+from .runner import BucketEntry, BucketReport, GraphRunner
 
-__all__ = ["GraphRunner", "BucketReport", "Bucket", "StaticBatch", "make_grid", "choose", "split",
+__all__ = ["GraphRunner", "BucketEntry", "BucketReport", "Bucket", "make_grid", "choose", "split",
            "DEFAULT_BATCH_SIZES", "DEFAULT_TOKEN_COUNTS"]

@@ -4,19 +4,13 @@ batch larger than every bucket is cut into pieces that fit.
 A bucket (B, T) holds at most B streams and T tokens. The GDN op lays tokens out
 chunk-aligned inside itself with a chunk count fixed by (B, T) (ops/gdn_recurrence.py), so a
 batch needs no per-stream padding here: it fits a bucket when it has <= B streams and
-<= T tokens. Padding streams are zero-length on the scratch slot with null-block block
-tables; padding tokens sit past cu_seqlens[-1], in no stream, so no op reads or writes
-state for them.
+<= T tokens, and is padded to it by the contract in metrale_graph/batch.py (zero-length
+streams on the scratch slot, spare tokens in no stream).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
-
-from metrale_graph.batch import PackedBatch
-from metrale_graph.cache import HybridCache
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 DEFAULT_TOKEN_COUNTS = (256, 512, 1024, 2048, 4096, 8192)
@@ -69,41 +63,3 @@ def split(lengths: list[int], max_streams: int, max_tokens: int) -> list[list[tu
     if piece:
         pieces.append(piece)
     return pieces
-
-
-class StaticBatch:
-    """The static input buffers of one bucket (a PackedBatch whose tensors never move).
-
-    Buffers hold at least 2 streams and 2 tokens (a B1 bucket runs with one extra zero-length
-    padding stream): dynamo treats sizes 0 and 1 as constants, so without this the single-stream
-    buckets would need a trace of their own instead of sharing the grid's one dynamic trace.
-    """
-
-    def __init__(self, bucket: Bucket, cache: HybridCache):
-        B, T, dev = max(bucket.streams, 2), max(bucket.tokens, 2), cache.device
-        self.bucket, self.cache = bucket, cache
-        self.batch = PackedBatch(
-            tokens=torch.zeros(T, dtype=torch.int64, device=dev),
-            positions=torch.zeros(T, dtype=torch.int64, device=dev),
-            cu_seqlens=torch.zeros(B + 1, dtype=torch.int32, device=dev),
-            slot_ids=torch.full((B,), cache.scratch_slot, dtype=torch.int64, device=dev),
-            context_lens=torch.zeros(B, dtype=torch.int32, device=dev),
-            block_tables=torch.full((B, cache.max_blocks_per_slot), cache.null_block, dtype=torch.int32, device=dev),
-        )
-
-    def fill(self, packed: PackedBatch) -> None:
-        """Copy a packed batch in and pad the rest (no allocation on the device side of the copy)."""
-        n, t = packed.num_streams, packed.num_tokens
-        s = self.batch
-        s.tokens[:t].copy_(packed.tokens)
-        s.tokens[t:].zero_()
-        s.positions[:t].copy_(packed.positions)
-        s.positions[t:].zero_()
-        s.cu_seqlens[: n + 1].copy_(packed.cu_seqlens)
-        s.cu_seqlens[n + 1:].fill_(t)  # zero-length padding streams
-        s.slot_ids[:n].copy_(packed.slot_ids)
-        s.slot_ids[n:].fill_(self.cache.scratch_slot)
-        s.context_lens[:n].copy_(packed.context_lens)
-        s.context_lens[n:].zero_()
-        s.block_tables[:n].copy_(packed.block_tables)
-        s.block_tables[n:].fill_(self.cache.null_block)

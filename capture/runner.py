@@ -2,9 +2,9 @@
 captured into one CUDA graph per bucket; `prefill(streams)` has model.prefill's contract.
 
 One compiled step serves the whole grid: the static buffers' token and stream dimensions are
-marked dynamic, so dynamo and Inductor trace the 32-layer step once instead of once per bucket
-(StaticBatch gives single-stream buckets a second, zero-length padding stream so that no size
-is 1). Everything the shapes decide inside the ops (the GDN op's chunk count, kernel grids) is
+marked dynamic, so dynamo and Inductor trace the step once instead of once per bucket (a
+single-stream bucket gets a second, zero-length padding stream so that no size is 1).
+Everything the shapes decide inside the ops (the GDN op's chunk count, kernel grids) is
 decided in their CUDA implementations from the real sizes, so each bucket's CUDA graph is still
 fully static.
 
@@ -14,6 +14,16 @@ shared memory pool; weights and cache pools are used in place (the graphs read a
 where they live); per-call inputs are copied into each bucket's static buffers. Replay outputs
 live in graph memory and are copied out before `prefill` returns.
 
+A bucket is warmed (compiled, captured) before the batch touches the cache, so a compile or
+capture failure leaves every slot as it was; a failure after that resets the batch's slots
+(HybridCache.transaction).
+
+Each runner compiles its own copy of the step function: dynamo keeps compiled entries, and
+counts recompiles against its limit, per code object, so runners (other models, other cache
+geometries) neither share nor exhaust one function's entries, and a runner's entries go when it
+does. The recompile limit is raised to the grid size + 8 only while this runner's step runs
+(`torch._dynamo.config.patch`); no global torch setting is changed.
+
 Without a GPU (or with use_graphs=False) the same code runs the compiled step on the static
 buffers without graphs, so CPU users and CI exercise the same path.
 """
@@ -21,16 +31,17 @@ buffers without graphs, so CPU users and CI exercise the same path.
 from __future__ import annotations
 
 import time
+import types
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from metrale_graph.batch import PackedBatch, Stream, pack
+from metrale_graph.batch import PackedBatch, Stream, empty_batch, pack, validate
 from metrale_graph.cache import HybridCache
 from metrale_graph.model import HybridModel
 
-from .buckets import DEFAULT_BATCH_SIZES, DEFAULT_TOKEN_COUNTS, Bucket, StaticBatch, choose, make_grid, split
+from .buckets import DEFAULT_BATCH_SIZES, DEFAULT_TOKEN_COUNTS, Bucket, choose, make_grid, split
 
 
 @dataclass
@@ -41,27 +52,39 @@ class BucketReport:
     graph_bytes: int = 0
 
 
+@dataclass
+class BucketEntry:
+    """Everything a runner keeps for one bucket."""
+    bucket: Bucket
+    batch: PackedBatch  # static input buffers (at least 2 streams and 2 tokens)
+    report: BucketReport | None = None  # set once the bucket is compiled (and captured)
+    graph: torch.cuda.CUDAGraph | None = None
+    output: torch.Tensor | None = None  # the captured step's logits, in graph memory
+
+
 class GraphRunner:
     def __init__(self, model: HybridModel, cache: HybridCache, batch_sizes=DEFAULT_BATCH_SIZES,
                  token_counts=DEFAULT_TOKEN_COUNTS, use_graphs: bool | None = None):
         model.check_cache(cache)
         self.model, self.cache = model, cache
         self.grid = make_grid(list(batch_sizes), list(token_counts))
-        self.largest = Bucket(max(b.tokens for b in self.grid), max(b.streams for b in self.grid))
+        self.largest = max(self.grid)  # holds every bucket's streams and tokens (B <= T throughout)
         if use_graphs is None:
             use_graphs = model.device.type == "cuda"
         if use_graphs and model.device.type != "cuda":
             raise ValueError("CUDA graphs need a model on a CUDA device")
         self.use_graphs = use_graphs
-        _allow_recompiles(len(self.grid))
-        self.step = torch.compile(model.forward_packed, fullgraph=True, dynamic=False)  # dims: _mark_dynamic
-        self.static = {b: StaticBatch(b, cache) for b in self.grid}
-        for static in self.static.values():
-            _mark_dynamic(static.batch)
-        self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[Bucket, torch.Tensor] = {}
-        self.reports: dict[Bucket, BucketReport] = {}
+        self.entries = {b: BucketEntry(b, PackedBatch.padding(max(b.streams, 2), max(b.tokens, 2), cache))
+                        for b in self.grid}
+        for entry in self.entries.values():
+            entry.batch.mark_dynamic()
+        self.step = _compile_step(model, recompile_limit=len(self.grid) + 8)
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self._model_version = model.version
+
+    @property
+    def reports(self) -> dict[Bucket, BucketReport]:
+        return {b: e.report for b, e in self.entries.items() if e.report is not None}
 
     # warmup ------------------------------------------------------------------------------------
     def warmup(self, progress: bool = True, on_bucket=None) -> list[BucketReport]:
@@ -70,21 +93,28 @@ class GraphRunner:
         `on_bucket(report)` is called as each bucket finishes."""
         from tqdm.auto import tqdm
 
+        self._check_model()
         bar = tqdm(sorted(self.grid, reverse=True), desc="capturing buckets", unit="bucket", disable=not progress)
-        for bucket in bar:
-            report = self.warm_bucket(bucket)
-            bar.set_postfix_str(f"{bucket}: compile {report.compile_s:.1f} s")
-            if on_bucket is not None:
-                on_bucket(report)
-        return [self.reports[b] for b in self.grid]
+        with self.cache.exclusive():
+            for bucket in bar:
+                report = self._warm(bucket)
+                bar.set_postfix_str(f"{bucket}: compile {report.compile_s:.1f} s")
+                if on_bucket is not None:
+                    on_bucket(report)
+        return [self.entries[b].report for b in self.grid]
+
+    def warm_bucket(self, bucket: Bucket) -> BucketReport:
+        self._check_model()
+        with self.cache.exclusive():
+            return self._warm(bucket)
 
     @torch.no_grad()
-    def warm_bucket(self, bucket: Bucket) -> BucketReport:
-        if bucket in self.reports:
-            return self.reports[bucket]
+    def _warm(self, bucket: Bucket) -> BucketReport:
+        entry = self.entries[bucket]
+        if entry.report is not None:
+            return entry.report
         report = BucketReport(bucket)
-        static = self.static[bucket]
-        static.fill(_empty_batch(self.cache))
+        entry.batch.fill(empty_batch(self.cache), self.cache)
         dev = self.model.device
         t0 = time.perf_counter()
         if self.use_graphs:
@@ -92,7 +122,7 @@ class GraphRunner:
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
                 for _ in range(2):  # compile, then a second run for anything lazily initialized
-                    self.step(self.cache, static.batch)
+                    self.step(self.cache, entry.batch)
             torch.cuda.current_stream(dev).wait_stream(side)
             torch.cuda.synchronize(dev)
             report.compile_s = time.perf_counter() - t0
@@ -101,76 +131,77 @@ class GraphRunner:
             t1 = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[bucket] = self.step(self.cache, static.batch)
+                output = self.step(self.cache, entry.batch)
             torch.cuda.synchronize(dev)
             report.capture_s = time.perf_counter() - t1
             report.graph_bytes = torch.cuda.memory_reserved(dev) - before
-            self.graphs[bucket] = graph
+            entry.graph, entry.output = graph, output
         else:
-            self.step(self.cache, static.batch)
+            self.step(self.cache, entry.batch)
             report.compile_s = time.perf_counter() - t0
-        self.reports[bucket] = report
+        entry.report = report
         return report
 
     # prefill -----------------------------------------------------------------------------------
     @torch.no_grad()
     def prefill(self, streams: Sequence[Stream]) -> torch.Tensor:
         """model.prefill's contract: logits [num_streams, vocab], bad input -> ValueError before any
-        state changes. A batch larger than the largest bucket runs as several replays (streams
-        too long for it are continued across them)."""
-        tokens, lengths = self.model.prepare(self.cache, streams)
-        n, total = len(streams), sum(lengths)
-        if choose(self.grid, n, total) is not None:
-            return self._run(streams, tokens, lengths)
-        logits = [None] * n
-        for piece in split(lengths, self.largest.streams, self.largest.tokens):
-            sub = [Stream(streams[i].slot, tokens[i][a:b]) for i, a, b in piece]
-            out = self._run(sub, [s.tokens for s in sub], [b - a for _, a, b in piece])
-            for row, (i, a, b) in enumerate(piece):
-                if b == lengths[i]:
-                    logits[i] = out[row]
+        state changes, a failure while running resets the batch's slots. A batch larger than the
+        largest bucket runs as several replays (streams too long for it are continued across them,
+        as a chunked prefill)."""
+        self._check_model()
+        self.model.check_cache(self.cache)
+        cache = self.cache
+        with cache.exclusive():
+            tokens = validate(streams, cache, self.model.config.vocab_size)
+            lengths = [t.numel() for t in tokens]
+            if choose(self.grid, len(streams), sum(lengths)) is not None:
+                pieces = [[(i, 0, n) for i, n in enumerate(lengths)]]
+            else:
+                pieces = split(lengths, self.largest.streams, self.largest.tokens)
+            buckets = [choose(self.grid, len(p), sum(b - a for _, a, b in p)) for p in pieces]
+            for bucket in set(buckets):  # compile / capture first: a failure here changes no slot
+                self._warm(bucket)
+            growth = {s.slot: n for s, n in zip(streams, lengths)}
+            logits: list[torch.Tensor | None] = [None] * len(streams)
+            with cache.transaction(growth):
+                cache.allocate(growth)
+                for bucket, piece in zip(buckets, pieces):
+                    sub = [Stream(streams[i].slot, tokens[i][a:b]) for i, a, b in piece]
+                    out = self._run(self.entries[bucket], pack(sub, [s.tokens for s in sub], cache))
+                    cache.commit({s.slot: s.tokens.numel() for s in sub})
+                    for row, (i, a, b) in enumerate(piece):
+                        if b == lengths[i]:
+                            logits[i] = out[row]
         return torch.stack(logits)
 
-    def _run(self, streams, tokens, lengths) -> torch.Tensor:
-        """Run one batch that fits a bucket (validated, blocks allocated), then commit it."""
-        bucket = choose(self.grid, len(streams), sum(lengths))
-        self.warm_bucket(bucket)  # a no-op once warm; it fills the static buffers with padding, so first
-        static = self.static[bucket]
-        static.fill(pack(streams, tokens, self.cache))
+    def _run(self, entry: BucketEntry, packed: PackedBatch) -> torch.Tensor:
+        entry.batch.fill(packed, self.cache)
         if self.use_graphs:
-            self.graphs[bucket].replay()
-            logits = self.outputs[bucket][: len(streams)].clone()
-        else:
-            logits = self.step(self.cache, static.batch)[: len(streams)]
-        self.model.commit(self.cache, streams, lengths)
-        return logits
+            entry.graph.replay()
+            return entry.output[: packed.num_streams].clone()
+        return self.step(self.cache, entry.batch)[: packed.num_streams]
+
+    def _check_model(self) -> None:
+        if self.model.version != self._model_version:
+            raise ValueError("the model's weights were converted or moved (model.to(...)) after this GraphRunner "
+                             "was built; its compiled step and graphs hold the old weights: build a new GraphRunner")
 
 
-def _empty_batch(cache: HybridCache) -> PackedBatch:
-    """A batch of no streams: the static buffers become all padding."""
-    dev = cache.device
-    return PackedBatch(tokens=torch.zeros(0, dtype=torch.int64, device=dev),
-                       positions=torch.zeros(0, dtype=torch.int64, device=dev),
-                       cu_seqlens=torch.zeros(1, dtype=torch.int32, device=dev),
-                       slot_ids=torch.zeros(0, dtype=torch.int64, device=dev),
-                       context_lens=torch.zeros(0, dtype=torch.int32, device=dev),
-                       block_tables=torch.zeros(0, cache.max_blocks_per_slot, dtype=torch.int32, device=dev))
+def _compile_step(model: HybridModel, recompile_limit: int):
+    """`model.forward_packed` compiled with fullgraph=True, through a copy of the function with its own
+    code object (see the module docstring), under a recompile limit of `recompile_limit`."""
+    func = model.forward_packed.__func__
+    own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                             func.__closure__)
+    compiled = torch.compile(types.MethodType(own, model), fullgraph=True, dynamic=False)  # dims: mark_dynamic
+    import torch._dynamo.config as dynamo_config
 
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    limit = max(recompile_limit, getattr(dynamo_config, name))
 
-def _mark_dynamic(batch: PackedBatch) -> None:
-    """Mark the token and stream dimensions of a bucket's static buffers dynamic, so every bucket
-    reuses one trace (StaticBatch keeps both sizes >= 2, which dynamo does not specialize)."""
-    for t in (batch.tokens, batch.positions, batch.cu_seqlens, batch.slot_ids, batch.context_lens,
-              batch.block_tables):
-        torch._dynamo.mark_dynamic(t, 0)
+    def step(cache: HybridCache, batch: PackedBatch) -> torch.Tensor:
+        with dynamo_config.patch(**{name: limit}):
+            return compiled(cache, batch)
 
-
-def _allow_recompiles(n: int) -> None:
-    """Keep dynamo's per-function recompile limit above grid size + 8. A runner traces its grid
-    once, but every runner (another model, another cache) adds an entry on the same
-    `forward_packed`, and past the limit dynamo stops compiling new ones."""
-    import torch._dynamo.config as cfg
-
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(cfg, name) and getattr(cfg, name) < n + 8:
-            setattr(cfg, name, n + 8)
+    return step

@@ -5,10 +5,17 @@ problem before anything is touched; `pack` lays the streams back to back:
 
     tokens [T] int64, positions [T] int64, cu_seqlens [B+1] int32,
     slot_ids [B] int64, context_lens [B] int32, block_tables [B, MB] int32
+
+The padding contract (one for CUDA graphs, the compiled step and the ONNX export): a batch
+padded to B streams and T tokens keeps its streams first; spare streams have zero length, the
+cache's scratch slot, context 0 and block tables of the null block; spare tokens (token id 0,
+position 0) lie past cu_seqlens[-1], in no stream, so no op reads or writes state for them and
+their output rows are unspecified.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -27,12 +34,21 @@ class Stream:
 
 @dataclass
 class PackedBatch:
+    """The step's per-call inputs (see the module docstring for shapes and the padding contract)."""
     tokens: torch.Tensor
     positions: torch.Tensor
     cu_seqlens: torch.Tensor
     slot_ids: torch.Tensor
     context_lens: torch.Tensor
     block_tables: torch.Tensor
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """Field names in order: the step's inputs, as the ONNX export names them."""
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, n) for n in self.names())
 
     @property
     def num_streams(self) -> int:
@@ -41,6 +57,50 @@ class PackedBatch:
     @property
     def num_tokens(self) -> int:
         return self.tokens.shape[0]
+
+    @classmethod
+    def padding(cls, num_streams: int, num_tokens: int, cache: HybridCache) -> "PackedBatch":
+        """A batch of `num_streams` streams and `num_tokens` tokens that is all padding: the static
+        buffers a bucket fills (fill) before each run."""
+        B, T, dev = num_streams, num_tokens, cache.device
+        return cls(tokens=torch.zeros(T, dtype=torch.int64, device=dev),
+                   positions=torch.zeros(T, dtype=torch.int64, device=dev),
+                   cu_seqlens=torch.zeros(B + 1, dtype=torch.int32, device=dev),
+                   slot_ids=torch.full((B,), cache.scratch_slot, dtype=torch.int64, device=dev),
+                   context_lens=torch.zeros(B, dtype=torch.int32, device=dev),
+                   block_tables=torch.full((B, cache.max_blocks_per_slot), cache.null_block, dtype=torch.int32,
+                                           device=dev))
+
+    def fill(self, packed: "PackedBatch", cache: HybridCache) -> None:
+        """Copy `packed` into these (larger or equal) buffers and pad the rest; allocates nothing."""
+        n, t = packed.num_streams, packed.num_tokens
+        if n > self.num_streams or t > self.num_tokens:
+            raise ValueError(f"a batch of {n} streams and {t} tokens does not fit buffers of "
+                             f"{self.num_streams} streams and {self.num_tokens} tokens")
+        self.tokens[:t].copy_(packed.tokens)
+        self.tokens[t:].zero_()
+        self.positions[:t].copy_(packed.positions)
+        self.positions[t:].zero_()
+        self.cu_seqlens[: n + 1].copy_(packed.cu_seqlens)
+        self.cu_seqlens[n + 1:].fill_(t)  # zero-length padding streams
+        self.slot_ids[:n].copy_(packed.slot_ids)
+        self.slot_ids[n:].fill_(cache.scratch_slot)
+        self.context_lens[:n].copy_(packed.context_lens)
+        self.context_lens[n:].zero_()
+        self.block_tables[:n].copy_(packed.block_tables)
+        self.block_tables[n:].fill_(cache.null_block)
+
+    def padded(self, num_streams: int, num_tokens: int, cache: HybridCache) -> "PackedBatch":
+        """A new batch of exactly `num_streams` streams and `num_tokens` tokens: this one, padded."""
+        out = PackedBatch.padding(num_streams, num_tokens, cache)
+        out.fill(self, cache)
+        return out
+
+    def mark_dynamic(self) -> None:
+        """Mark the token and stream dimensions dynamic for torch.compile (sizes 0 and 1 are still
+        specialized by dynamo: keep both >= 2 to share one trace)."""
+        for t in self.tensors():
+            torch._dynamo.mark_dynamic(t, 0)
 
 
 def _token_tensor(i: int, tokens, vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -124,3 +184,8 @@ def pack(streams: Sequence[Stream], tokens: list[torch.Tensor], cache: HybridCac
         context_lens=torch.tensor(ctx, dtype=torch.int32).to(device),
         block_tables=cache.block_tables[slot_ids.to(device)],
     )
+
+
+def empty_batch(cache: HybridCache) -> PackedBatch:
+    """A batch of no streams and no tokens."""
+    return PackedBatch.padding(0, 0, cache)

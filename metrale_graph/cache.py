@@ -12,18 +12,33 @@ entries point at the null block.
 
 Host-side bookkeeping (context length and blocks of each slot, the free-block list) lives
 here too; `prefill` checks a batch against it before touching anything.
+
+A cache serves one model (the one whose `new_cache` made it, or the first that uses it) and one
+caller at a time: `exclusive()` raises `CacheInUseError` instead of letting two threads
+interleave their bookkeeping. A prefill writes its slots inside `transaction(slots)`: if
+anything fails there (an op error, out of memory, Ctrl-C) those slots are reset, so a slot
+never holds half a step.
 """
 
 from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import weakref
 
 import torch
 
 from .config import ModelConfig
 
 
+class CacheInUseError(ValueError, RuntimeError):
+    """The cache is busy with another call (a cache serves one caller at a time)."""
+
+
 class HybridCache:
     def __init__(self, cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: int = 64,
-                 max_context: int | None = None, dtype: torch.dtype = torch.float32, device="cpu"):
+                 max_context: int | None = None, dtype: torch.dtype = torch.float32, device="cpu", owner=None):
         for name, value in (("num_slots", num_slots), ("num_blocks", num_blocks), ("block_size", block_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -50,6 +65,55 @@ class HybridCache:
         self.context_lens = [0] * num_slots
         self._blocks: list[list[int]] = [[] for _ in range(num_slots)]
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._owner = None if owner is None else weakref.ref(owner)
+        self._lock = threading.Lock()
+        self._broken: str | None = None  # set when a failed reset left device state unknown
+
+    # one model, one caller ------------------------------------------------------------------------
+    def bind(self, model) -> None:
+        """Check that `model` is the model this cache serves (the first model to use a cache made
+        without an owner becomes its owner). ValueError otherwise."""
+        owner = None if self._owner is None else self._owner()
+        if owner is None:
+            if self._owner is not None:
+                raise ValueError("the model that created this cache no longer exists; build a new cache "
+                                 "with model.new_cache(...)")
+            self._owner = weakref.ref(model)
+        elif owner is not model:
+            raise ValueError("the cache was created by another model (a cache holds the state of the model "
+                             "that made it); build one with model.new_cache(...)")
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """Hold the cache for one call; CacheInUseError if another call (another thread) holds it."""
+        if not self._lock.acquire(blocking=False):
+            raise CacheInUseError("the cache is in use by another call: a cache serves one caller at a time "
+                                  "(prefill, reset and restore from one thread, or give each thread its own cache)")
+        try:
+            if self._broken:
+                raise RuntimeError(f"this cache is unusable: {self._broken}")
+            yield self
+        finally:
+            self._lock.release()
+
+    @contextlib.contextmanager
+    def transaction(self, slots):
+        """The caller writes `slots` (their states, blocks, context) inside this block. If the block
+        raises anything (KeyboardInterrupt and out-of-memory included), every one of `slots` is reset
+        (states zeroed, blocks returned, context 0) and the exception gets a note naming them, so a
+        slot never holds half a step."""
+        try:
+            yield
+        except BaseException as e:
+            slots = sorted(set(slots))
+            self._reset(slots)
+            _add_note(e, f"metrale-graph: the step failed while writing the cache; slots {slots} were reset "
+                         "(state zeroed, KV blocks returned, context 0)")
+            try:
+                e.reset_slots = slots
+            except AttributeError:  # pragma: no cover (exceptions with __slots__)
+                pass
+            raise
 
     @property
     def scratch_slot(self) -> int:
@@ -87,15 +151,31 @@ class HybridCache:
             self._blocks[slot].extend(new)
             self.block_tables[slot, first:first + need] = torch.tensor(new, dtype=torch.int32)
 
+    def commit(self, growth: dict[int, int]) -> None:
+        """Advance each slot's context by its new tokens, once the step that wrote them has run."""
+        for slot, n in growth.items():
+            self.context_lens[slot] += n
+
     def reset(self, slot: int) -> None:
         """Forget slot's stream: zero its states, return its KV blocks."""
         self.check_slot(slot)
-        for t in self.conv_states + self.gdn_states:
-            t[slot].zero_()
-        self._free.extend(reversed(self._blocks[slot]))
-        self._blocks[slot] = []
-        self.block_tables[slot].fill_(self.null_block)
-        self.context_lens[slot] = 0
+        with self.exclusive():
+            self._reset([slot])
+
+    def _reset(self, slots: list[int]) -> None:
+        # host bookkeeping first: it cannot fail, and a slot with context 0 and no blocks is empty
+        for slot in slots:
+            self._free.extend(reversed(self._blocks[slot]))
+            self._blocks[slot] = []
+            self.context_lens[slot] = 0
+        try:
+            index = torch.tensor(slots, dtype=torch.int64, device=self.device)
+            for t in self.conv_states + self.gdn_states:
+                t.index_fill_(0, index, 0)
+            self.block_tables.index_fill_(0, index, self.null_block)
+        except BaseException as e:  # e.g. a dead CUDA context: the states of `slots` are unknown
+            self._broken = f"resetting slots {slots} failed ({type(e).__name__}: {e})"
+            raise
 
     def snapshot(self) -> tuple:
         """A copy of everything the cache holds (device pools and host bookkeeping)."""
@@ -105,11 +185,12 @@ class HybridCache:
     def restore(self, snapshot: tuple) -> None:
         """Put the cache back to a snapshot() of itself (in place: captured graphs stay valid)."""
         tensors, ctx, blocks, free = snapshot
-        for t, s in zip(self.state_tensors(), tensors):
-            t.copy_(s)
-        self.context_lens[:] = ctx
-        self._blocks = [list(b) for b in blocks]
-        self._free = list(free)
+        with self.exclusive():
+            for t, s in zip(self.state_tensors(), tensors):
+                t.copy_(s)
+            self.context_lens[:] = ctx
+            self._blocks = [list(b) for b in blocks]
+            self._free = list(free)
 
     def pools(self) -> list[torch.Tensor]:
         """The state pools the step mutates: conv states, GDN states, K caches, V caches (that order)."""
@@ -119,8 +200,25 @@ class HybridCache:
         """Every device tensor of the cache (for snapshots in tests and tools)."""
         return self.pools() + [self.block_tables]
 
+    def __getstate__(self):  # copy.deepcopy / pickle: a new lock, the same owner
+        state = dict(self.__dict__)
+        state["_lock"] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def __repr__(self) -> str:
         used = sum(c > 0 for c in self.context_lens)
         return (f"HybridCache(slots={self.num_slots} ({used} in use), blocks={self.num_blocks} "
                 f"({self.free_blocks} free) x {self.block_size}, max_context={self.max_context}, "
                 f"dtype={self.dtype}, device={self.device})")
+
+
+def _add_note(e: BaseException, note: str) -> None:
+    """PEP 678 note (shown under the traceback; pytest's `match` reads it too)."""
+    if sys.version_info >= (3, 11):
+        e.add_note(note)
+    else:  # pragma: no cover
+        e.__notes__ = getattr(e, "__notes__", []) + [note]

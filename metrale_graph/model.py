@@ -36,9 +36,18 @@ class HybridModel(nn.Module):
         for name, tensor in weights.items():
             if tuple(tensor.shape) != expected[name]:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected[name]}")
-        weights = stack_projections(dict(weights), config)
+        _check_uniform(weights)
         self.config = config
         self.layers = nn.ModuleList(nn.Module() for _ in range(config.num_hidden_layers))
+        self._set_weights(weights)
+        # layer index -> index into the cache's per-kind pools
+        self._pool_index = {i: j for kinds in (config.linear_layers, config.full_layers)
+                            for j, i in enumerate(kinds)}
+
+    def _set_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Register `weights` as parameters, each layer's projections stacked in one buffer
+        (weights.STACKED_GROUPS), and the fp32 RoPE frequencies on their device."""
+        weights = stack_projections(dict(weights), self.config)
         for name, tensor in weights.items():
             *path, leaf = name.split(".")
             module = self
@@ -46,14 +55,26 @@ class HybridModel(nn.Module):
                 if part not in module._modules:
                     module.add_module(part, nn.Module())
                 module = module._modules[part]
-            module.register_parameter(leaf, nn.Parameter(tensor, requires_grad=False))
-        emb = self.embed_tokens.weight
-        self.register_buffer("rope_inv_freq", 1.0 / (config.rope_theta ** (
-            torch.arange(0, config.rotary_dim, 2, dtype=torch.int64, device=emb.device).float()
-            / config.rotary_dim)), persistent=False)
-        # layer index -> index into the cache's per-kind pools
-        self._pool_index = {i: j for kinds in (config.linear_layers, config.full_layers)
-                            for j, i in enumerate(kinds)}
+            module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+        cfg, device = self.config, weights["embed_tokens.weight"].device
+        self.register_buffer("rope_inv_freq", 1.0 / (cfg.rope_theta ** (
+            torch.arange(0, cfg.rotary_dim, 2, dtype=torch.int64, device=device).float() / cfg.rotary_dim)),
+            persistent=False)
+        self.version = getattr(self, "version", -1) + 1  # GraphRunners check it: weights moved, graphs stale
+
+    def _apply(self, fn, recurse=True):
+        """`.to()`, `.half()`, `.bfloat16()`, `.cuda()`, ...: convert every weight, then stack the
+        projections again and rebuild the fp32 RoPE buffer (converting tensor by tensor would
+        un-stack the projections and cast the frequencies). The whole model converts or nothing
+        does: a dtype the model does not run in raises ValueError first."""
+        params = dict(self.named_parameters())
+        converted = {name: fn(p) for name, p in params.items()}
+        if all(converted[n] is p for n, p in params.items()):
+            return self  # nothing moved (e.g. .to() of the current dtype and device)
+        _check_uniform(converted, " Load the weights in the dtype you want: "
+                                  "HybridModel.from_pretrained(path, dtype=...) or from_preset(..., dtype=...)")
+        self._set_weights(converted)
+        return self
 
     # construction
     @classmethod
@@ -93,10 +114,12 @@ class HybridModel(nn.Module):
     def new_cache(self, num_slots: int, num_blocks: int, block_size: int = 64,
                   max_context: int | None = None) -> HybridCache:
         """A cache of `num_slots` streams and `num_blocks` KV blocks of `block_size` tokens."""
-        return HybridCache(self.config, num_slots, num_blocks, block_size, max_context, self.dtype, self.device)
+        return HybridCache(self.config, num_slots, num_blocks, block_size, max_context, self.dtype, self.device,
+                           owner=self)
 
     # the prefill
     def check_cache(self, cache: HybridCache) -> None:
+        """ValueError unless `cache` is this model's (made by its new_cache, same dtype and device)."""
         if not isinstance(cache, HybridCache):
             raise ValueError(f"expected a HybridCache, got {type(cache).__name__}")
         if cache.config != self.config:
@@ -104,31 +127,24 @@ class HybridModel(nn.Module):
         if cache.dtype != self.dtype or cache.device != self.device:
             raise ValueError(f"the cache is {cache.dtype} on {cache.device}; the model is {self.dtype} "
                              f"on {self.device}")
-
-    def prepare(self, cache: HybridCache, streams: Sequence[Stream]) -> tuple[list[torch.Tensor], list[int]]:
-        """Validate a batch (ValueError before anything is touched), then allocate its KV blocks.
-        Returns each stream's tokens and lengths."""
-        self.check_cache(cache)
-        tokens = validate(streams, cache, self.config.vocab_size)
-        lengths = [t.numel() for t in tokens]
-        cache.allocate({s.slot: n for s, n in zip(streams, lengths)})
-        return tokens, lengths
-
-    @staticmethod
-    def commit(cache: HybridCache, streams: Sequence[Stream], lengths: list[int]) -> None:
-        for s, n in zip(streams, lengths):
-            cache.context_lens[s.slot] += n
+        cache.bind(self)
 
     @torch.no_grad()
     def prefill(self, cache: HybridCache, streams: Sequence[Stream]) -> torch.Tensor:
         """Prefill a batch of streams; returns logits [num_streams, vocab] of each stream's last token.
 
         A stream whose slot holds context continues it. Bad input raises ValueError before any
-        cache state changes.
+        cache state changes; a failure while the step runs resets the batch's slots (see
+        HybridCache.transaction). A cache serves one caller at a time (CacheInUseError).
         """
-        tokens, lengths = self.prepare(cache, streams)
-        logits = self.forward_packed(cache, pack(streams, tokens, cache))
-        self.commit(cache, streams, lengths)
+        self.check_cache(cache)
+        with cache.exclusive():
+            tokens = validate(streams, cache, self.config.vocab_size)
+            growth = {s.slot: t.numel() for s, t in zip(streams, tokens)}
+            with cache.transaction(growth):
+                cache.allocate(growth)
+                logits = self.forward_packed(cache, pack(streams, tokens, cache))
+                cache.commit(growth)
         return logits
 
     def forward_packed(self, cache: HybridCache, batch: PackedBatch) -> torch.Tensor:
@@ -174,6 +190,15 @@ class HybridModel(nn.Module):
         c = self.config
         return (f"layers={c.num_hidden_layers} ({len(c.linear_layers)} GDN + {len(c.full_layers)} attention), "
                 f"hidden={c.hidden_size}, vocab={c.vocab_size}, dtype={self.dtype}, device={self.device}")
+
+
+def _check_uniform(weights: dict[str, torch.Tensor], hint: str = "") -> None:
+    """Every weight in one supported dtype, on one device."""
+    dtypes = sorted({str(t.dtype) for t in weights.values()})
+    devices = sorted({str(t.device) for t in weights.values()})
+    if len(dtypes) != 1 or len(devices) != 1 or next(iter(weights.values())).dtype not in _DTYPES:
+        raise ValueError(f"HybridModel needs every weight in one of {', '.join(map(str, _DTYPES))} on one device; "
+                         f"got {', '.join(dtypes)} on {', '.join(devices)}.{hint}")
 
 
 def _check_dtype(dtype) -> None:

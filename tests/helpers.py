@@ -20,6 +20,16 @@ def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, tol: float) ->
     assert err <= tol, f"{name}: relative norm error {err:.3e} > {tol:.1e}"
 
 
+def stage(model, cache, streams) -> list[torch.Tensor]:
+    """Validate a batch and allocate its KV blocks, as prefill does before running the step; returns
+    each stream's tokens (for tests that run the step themselves)."""
+    from metrale_graph.batch import validate
+
+    tokens = validate(streams, cache, model.config.vocab_size)
+    cache.allocate({s.slot: t.numel() for s, t in zip(streams, tokens)})
+    return tokens
+
+
 def random_tokens(n: int, seed: int, vocab: int = 512) -> list[int]:
     """n token ids drawn with their own seed (512: the tiny preset's vocabulary)."""
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()

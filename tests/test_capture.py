@@ -6,8 +6,8 @@ from torch._dynamo.utils import counters
 
 from helpers import rel_err
 from metrale_graph import HybridModel, Stream
-from metrale_graph.capture import Bucket, GraphRunner, StaticBatch, choose, make_grid, split
-from metrale_graph.batch import pack
+from metrale_graph.capture import Bucket, GraphRunner, choose, make_grid, split
+from metrale_graph.batch import PackedBatch, pack, validate
 
 
 def test_grid_and_choice():
@@ -40,11 +40,11 @@ def test_split_keeps_every_token_once_in_order():
 def test_static_batch_padding():
     model = HybridModel.from_preset("tiny")
     cache = model.new_cache(4, 16, block_size=16)
-    static = StaticBatch(Bucket(64, 4), cache)
+    b = PackedBatch.padding(4, 64, cache)
     streams = [Stream(2, [1, 2, 3]), Stream(0, [4] * 20)]
-    tokens, _ = model.prepare(cache, streams)
-    static.fill(pack(streams, tokens, cache))
-    b = static.batch
+    tokens = validate(streams, cache, model.config.vocab_size)
+    cache.allocate({s.slot: t.numel() for s, t in zip(streams, tokens)})
+    b.fill(pack(streams, tokens, cache), cache)
     assert b.cu_seqlens.tolist() == [0, 3, 23, 23, 23]
     assert b.slot_ids.tolist() == [2, 0, cache.scratch_slot, cache.scratch_slot]
     assert (b.block_tables[2:] == cache.null_block).all() and (b.tokens[23:] == 0).all()

@@ -6,14 +6,16 @@ from torch._dynamo.utils import counters
 
 from helpers import rel_err
 from metrale_graph import HybridModel, Stream
-from metrale_graph.batch import pack
+from metrale_graph.batch import pack, validate
 
 
 def _run(model, step, cache, streams):
-    tokens, lengths = model.prepare(cache, streams)
+    tokens = validate(streams, cache, model.config.vocab_size)
+    growth = {s.slot: t.numel() for s, t in zip(streams, tokens)}
+    cache.allocate(growth)
     with torch.no_grad():
         logits = step(cache, pack(streams, tokens, cache))
-    model.commit(cache, streams, lengths)
+    cache.commit(growth)
     return logits
 
 

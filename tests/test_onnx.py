@@ -17,7 +17,7 @@ pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxscript")
 
-from helpers import assert_close, random_tokens  # noqa: E402
+from helpers import assert_close, random_tokens, stage  # noqa: E402
 from metrale_graph import HybridModel, Stream, ops  # noqa: E402
 from metrale_graph.batch import pack  # noqa: E402
 from metrale_graph.onnx_export import (STEP_INPUTS, export_onnx, export_prefill, ort_session,  # noqa: E402
@@ -82,7 +82,7 @@ def test_onnxruntime_step_matches_torch_step(model, tmp_path, B, T, new, pad_tok
     assert [dims(o) for o in proto.graph.output] == [[B, cfg.vocab_size]] + shapes[6:]
 
     streams = [Stream(slot, random_tokens(n, 10 + slot)) for slot, n in new]
-    tokens, _ = model.prepare(cache, streams)
+    tokens = stage(model, cache, streams)
     batch = pad_batch(pack(streams, tokens, cache), cache, B, T)
     lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
     assert lengths[len(new):] == ([pad_tokens] if pad_tokens else []) + [0] * (B - len(new) - (pad_tokens > 0))

@@ -31,7 +31,7 @@ from tools.common import add_model_args, load_model, print_json, print_table
 def _verify(model, cache, path: str, B: int, T: int, seed: int) -> dict[str, float]:
     """Prefill context into some slots, then run a batch continuing half of them plus new streams,
     padded to the bucket, through onnxruntime and the torch step; relative norm errors by output."""
-    from metrale_graph.batch import pack
+    from metrale_graph.batch import pack, validate
     from metrale_graph.onnx_export import ort_session, pad_batch, pool_names, run_step
 
     gen = torch.Generator().manual_seed(seed)
@@ -48,7 +48,8 @@ def _verify(model, cache, path: str, B: int, T: int, seed: int) -> dict[str, flo
     lengths = [b - a for a, b in zip([0] + cuts, cuts + [budget])]
     slots = [2 * (i // 2) if i % 2 == 0 else 2 * (i // 2) + 1 for i in range(n)]
     streams = [Stream(s, torch.randint(0, vocab, (k,), generator=gen)) for s, k in zip(slots, lengths)]
-    tokens, _ = model.prepare(cache, streams)
+    tokens = validate(streams, cache, vocab)
+    cache.allocate({s.slot: t.numel() for s, t in zip(streams, tokens)})
     batch = pad_batch(pack(streams, tokens, cache), cache, B, T)
     ref_cache = copy.deepcopy(cache)
     with torch.no_grad():

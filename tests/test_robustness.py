@@ -1,0 +1,216 @@
+"""A cache that never lies: failures inside the step (an op raising at layer k, Ctrl-C), eager and
+through the runner; model.to(); many runners in one process; a cache of another model; two
+threads on one cache."""
+
+import threading
+
+import pytest
+import torch
+
+from helpers import random_tokens, rel_err
+from metrale_graph import HybridModel, Stream, ops
+from metrale_graph.cache import CacheInUseError
+from metrale_graph.capture import GraphRunner
+
+
+class Boom(RuntimeError):
+    pass
+
+
+# A runtime failure point inside the step: a real custom op (so it also fails inside compiled code,
+# at run time rather than at trace time) wrapped around gdn_out's output.
+_FAIL = {"at": None, "calls": 0, "exc": Boom}
+
+
+@torch.library.custom_op("metrale_test::fail_point", mutates_args=())
+def _fail_point(x: torch.Tensor) -> torch.Tensor:
+    _FAIL["calls"] += 1
+    if _FAIL["at"] is not None and _FAIL["calls"] == _FAIL["at"]:
+        raise _FAIL["exc"]("injected failure")
+    return x.clone()
+
+
+@_fail_point.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@pytest.fixture
+def failing_layer(monkeypatch):
+    """arm(k, exc): the k-th gdn_out call from now raises exc (layer k of a one-piece batch)."""
+    real = ops.gdn_out
+    monkeypatch.setattr(ops, "gdn_out", lambda *args: _fail_point(real(*args)))
+
+    def arm(k, exc=Boom):
+        _FAIL.update(at=k, calls=0, exc=exc)
+
+    yield arm
+    _FAIL.update(at=None, calls=0)
+
+
+def _state(cache):
+    return [t.clone() for t in cache.state_tensors()], list(cache.context_lens), cache.free_blocks
+
+
+def _assert_reset(cache, slots, before):
+    tensors, ctx, free = before
+    for s in range(cache.num_slots):
+        if s in slots:
+            assert cache.context_lens[s] == 0
+            assert all(not t[s].any() for t in cache.conv_states + cache.gdn_states)
+            assert (cache.block_tables[s] == cache.null_block).all()
+        else:
+            assert cache.context_lens[s] == ctx[s]
+            for t, old in zip(cache.conv_states + cache.gdn_states, tensors):
+                assert torch.equal(t[s], old[s])
+    held = sum(len(cache._blocks[s]) for s in range(cache.num_slots))
+    assert cache.free_blocks + held == cache.num_blocks  # no block leaked
+
+
+def _prefilled(model):
+    cache = model.new_cache(6, 48, block_size=16)
+    model.prefill(cache, [Stream(0, random_tokens(40, 1)), Stream(2, random_tokens(20, 2)),
+                          Stream(5, random_tokens(9, 3))])
+    return cache
+
+
+@pytest.mark.parametrize("exc", [Boom, KeyboardInterrupt], ids=["op-error", "ctrl-c"])
+def test_failure_in_eager_step_resets_the_batch(failing_layer, exc):
+    model = HybridModel.from_preset("tiny", seed=1)
+    cache = _prefilled(model)
+    before = _state(cache)
+    failing_layer(2, exc)  # the second GDN layer: the first one's states are already written
+    with pytest.raises(exc, match=r"slots \[0, 3\] were reset") as info:
+        model.prefill(cache, [Stream(0, random_tokens(30, 4)), Stream(3, random_tokens(12, 5))])
+    assert info.value.reset_slots == [0, 3]
+    _assert_reset(cache, {0, 3}, before)
+    # the slot is empty and usable: its next prefill equals a fresh one
+    tokens = random_tokens(25, 6)
+    fresh = model.prefill(model.new_cache(6, 48, block_size=16), [Stream(0, tokens)])
+    assert rel_err(model.prefill(cache, [Stream(0, tokens)]), fresh) <= 1e-6
+
+
+def test_failure_in_runner_resets_the_batch_and_compile_failures_touch_nothing(failing_layer, monkeypatch):
+    model = HybridModel.from_preset("tiny", seed=1)
+    cache = _prefilled(model)
+    runner = GraphRunner(model, cache, batch_sizes=[2], token_counts=[32, 64])
+    runner.warmup(progress=False)
+    before = _state(cache)
+    failing_layer(1, KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt, match=r"slots \[2, 4\] were reset"):
+        runner.prefill([Stream(2, random_tokens(30, 7)), Stream(4, random_tokens(20, 8))])
+    _assert_reset(cache, {2, 4}, before)
+
+    # a batch split over two replays that fails in the second: both pieces' slots are reset
+    before = _state(cache)
+    failing_layer(4)  # tiny has 3 GDN layers per step: the 4th call is the first layer of piece 2
+    with pytest.raises(Boom, match=r"slots \[1, 5\] were reset"):
+        runner.prefill([Stream(1, random_tokens(50, 9)), Stream(5, random_tokens(40, 10))])
+    _assert_reset(cache, {1, 5}, before)
+
+    # an unwarmed bucket whose compile fails: raised before any state changes
+    runner2 = GraphRunner(model, cache, batch_sizes=[2], token_counts=[16])
+
+    def broken(*args):
+        raise Boom("compile failed")
+
+    monkeypatch.setattr(runner2, "step", broken)
+    before = _state(cache)
+    with pytest.raises(Boom, match="compile failed"):
+        runner2.prefill([Stream(0, random_tokens(3, 11))])
+    tensors, ctx, free = before
+    assert all(torch.equal(a, b) for a, b in zip(cache.state_tensors(), tensors))
+    assert cache.context_lens == ctx and cache.free_blocks == free
+
+
+@pytest.mark.parametrize("convert", ["to-bf16", "half", "to-fp32-noop", "float-after-half"])
+def test_model_to_keeps_weights_stacked_and_rope_fp32(convert):
+    model = HybridModel.from_preset("tiny", seed=2)
+    ref = model.prefill(model.new_cache(2, 8), [Stream(0, random_tokens(20, 1))])
+    {"to-bf16": lambda: model.to(torch.bfloat16), "half": model.half,
+     "to-fp32-noop": lambda: model.to(torch.float32), "float-after-half": lambda: model.half().float()}[convert]()
+    assert model.rope_inv_freq.dtype == torch.float32
+    a = model.layers[0].linear_attn
+    assert a.in_proj_z.weight.data_ptr() == a.in_proj_qkv.weight.data_ptr() + a.in_proj_qkv.weight.numel() * a.in_proj_qkv.weight.element_size()
+    out = model.prefill(model.new_cache(2, 8), [Stream(0, random_tokens(20, 1))])
+    assert out.dtype == model.dtype
+    assert rel_err(out.float(), ref) <= (1e-6 if convert == "to-fp32-noop" else 5e-2)  # else: rounded weights
+
+
+def test_model_to_unsupported_dtype_raises_and_changes_nothing():
+    model = HybridModel.from_preset("tiny", seed=2)
+    cache = model.new_cache(2, 8)
+    for convert in (model.double, lambda: model.to(torch.float64)):
+        with pytest.raises(ValueError, match=r"float64.*from_pretrained\(path, dtype=...\)"):
+            convert()
+    assert model.dtype == torch.float32 and all(p.dtype == torch.float32 for p in model.parameters())
+    model.prefill(cache, [Stream(0, [1, 2, 3])])
+
+
+def test_runner_of_a_converted_model_refuses():
+    model = HybridModel.from_preset("tiny", seed=2)
+    runner = GraphRunner(model, model.new_cache(2, 8), batch_sizes=[1], token_counts=[16])
+    model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="build a new GraphRunner"):
+        runner.prefill([Stream(0, [1])])
+
+
+def test_many_runners_in_one_process():
+    """Each runner compiles its own step: the 12th runner (other caches, other models) still
+    compiles, and none of them raises the global recompile limit."""
+    import torch._dynamo.config as dynamo_config
+
+    limit = dynamo_config.recompile_limit
+    models = [HybridModel.from_preset("tiny", seed=s) for s in range(2)]
+    for i in range(12):
+        model = models[i % 2]
+        cache = model.new_cache(2, 8 + i, block_size=16)  # another geometry each time
+        runner = GraphRunner(model, cache, batch_sizes=[1], token_counts=[16])
+        out = runner.prefill([Stream(1, random_tokens(5 + i, i))])
+        ref = model.prefill(model.new_cache(2, 8 + i, block_size=16), [Stream(1, random_tokens(5 + i, i))])
+        assert rel_err(out, ref) <= 1e-5
+    assert dynamo_config.recompile_limit == limit
+
+
+def test_cache_of_another_model_is_rejected():
+    a, b = HybridModel.from_preset("tiny", seed=1), HybridModel.from_preset("tiny", seed=1)
+    cache = a.new_cache(2, 8)
+    a.prefill(cache, [Stream(0, [1, 2, 3])])
+    before = _state(cache)
+    with pytest.raises(ValueError, match="created by another model"):
+        b.prefill(cache, [Stream(0, [4])])
+    with pytest.raises(ValueError, match="created by another model"):
+        GraphRunner(b, cache)
+    assert cache.context_lens == before[1]
+
+
+def test_one_caller_at_a_time():
+    """A second thread's prefill or reset while a prefill runs gets CacheInUseError (a ValueError);
+    the running prefill completes and the bookkeeping stays consistent."""
+    model = HybridModel.from_preset("tiny", seed=3)
+    cache = model.new_cache(4, 16, block_size=16)
+    inside, release = threading.Event(), threading.Event()
+    real = model.forward_packed
+
+    def slow(cache_, batch):
+        inside.set()
+        assert release.wait(30)
+        return real(cache_, batch)
+
+    model.forward_packed = slow
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(out=model.prefill(cache, [Stream(1, random_tokens(20, 1))])))
+    worker.start()
+    assert inside.wait(30)
+    try:
+        for call in (lambda: model.prefill(cache, [Stream(1, [5])]), lambda: model.prefill(cache, [Stream(2, [5])]),
+                     lambda: cache.reset(1)):
+            with pytest.raises(CacheInUseError, match="one caller at a time"):
+                call()
+    finally:
+        release.set()
+        worker.join(30)
+    del model.forward_packed
+    assert result["out"].shape == (1, model.config.vocab_size)
+    assert cache.context_lens == [0, 20, 0, 0] and cache.free_blocks == 16 - 2
+    assert issubclass(CacheInUseError, ValueError)
