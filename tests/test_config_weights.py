@@ -124,7 +124,8 @@ def _write_config(folder, text):
     ({"rms_norm_eps": -1e-6}, "field 'rms_norm_eps' must be a positive number, got -1e-06"),
     ({"rms_norm_eps": float("nan")}, "field 'rms_norm_eps' must be a positive number, got nan"),
     ({"rope_parameters": {"partial_rotary_factor": 1.5}}, r"field 'partial_rotary_factor' must be a number in \(0, 1\]"),
-    ({"rope_parameters": {"partial_rotary_factor": 0.1}}, "partial_rotary_factor 0.1 gives rotary dim 1 of head_dim 16; it must be even and >= 2"),
+    ({"rope_parameters": {"partial_rotary_factor": 0.1}},
+     "partial_rotary_factor 0.1 gives rotary dim 1 of head_dim 16; it must be even and >= 2"),
     ({"layer_types": "linear_attention"}, "field 'layer_types' must be a list of strings"),
     ({"layer_types": [0, 0, 0, 1]}, "field 'layer_types' must be a list of strings"),
     ({"attention_bias": "false"}, "unsupported attention_bias 'false'"),
@@ -160,3 +161,57 @@ def test_config_fields_checked_in_python():
     assert cfg == tiny and type(cfg.hidden_size) is int and type(cfg.rope_theta) is float
     assert isinstance(cfg.layer_types, tuple) and hash(cfg) == hash(tiny)
     assert ModelConfig.from_hf({**tiny.to_hf(), "vocab_size": 512.0, "rope_parameters": {"rope_theta": 10000}}) == tiny
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int64, torch.bool, torch.uint8])
+def test_non_float_tensor(checkpoint, dtype):
+    _rewrite(checkpoint, lambda t: t.update({"model.layers.0.linear_attn.A_log": torch.ones(4, dtype=dtype)}))
+    with pytest.raises(ValueError, match=rf"'model\.layers\.0\.linear_attn\.A_log' in .*model\.safetensors is {dtype}; "
+                                         "expected floating-point"):
+        HybridModel.from_pretrained(str(checkpoint), progress=False)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_tensor(checkpoint, bad):
+    def edit(t):
+        t["model.layers.3.mlp.up_proj.weight"][5, 7] = bad
+    _rewrite(checkpoint, edit)
+    with pytest.raises(ValueError, match=r"'model\.layers\.3\.mlp\.up_proj\.weight' in .*model\.safetensors holds NaN "
+                                         "or infinite values"):
+        HybridModel.from_pretrained(str(checkpoint), progress=False)
+    model = HybridModel.from_pretrained(str(checkpoint), progress=False, check_finite=False)
+    assert not torch.isfinite(model.layers[3].mlp.up_proj.weight).all()
+
+
+def test_tensor_beyond_target_dtype(checkpoint):
+    _rewrite(checkpoint, lambda t: t["model.norm.weight"].fill_(1e5))
+    HybridModel.from_pretrained(str(checkpoint), dtype=torch.bfloat16, progress=False)
+    with pytest.raises(ValueError, match=r"'model\.norm\.weight' in .* holds values beyond the range of torch.float16"):
+        HybridModel.from_pretrained(str(checkpoint), dtype=torch.float16, progress=False)
+
+
+@pytest.mark.parametrize("cut", ["half", "header", "empty"])
+def test_corrupt_safetensors(checkpoint, cut):
+    path = checkpoint / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes({"half": data[: len(data) // 2], "header": b"not a safetensors file", "empty": b""}[cut])
+    with pytest.raises(ValueError, match="cannot read safetensors file " + re.escape(str(path))):
+        HybridModel.from_pretrained(str(checkpoint), progress=False)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"weight_map": ', "cannot read checkpoint index .*index.json: Expecting value"),
+    ("[]", "index.json has no weight_map"),
+    ('{"weight_map": {"model.norm.weight": 3}}', "index.json has no weight_map"),
+    ('{"weight_map": {"model.norm.weight": "shard-2.safetensors"}}', r"names shards that are not in .*shard-2"),
+])
+def test_bad_index(checkpoint, text, message):
+    (checkpoint / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        HybridModel.from_pretrained(str(checkpoint), progress=False)
+
+
+def test_checkpoint_path_is_a_file(checkpoint):
+    path = str(checkpoint / "config.json")
+    with pytest.raises(ValueError, match="is a file, not a checkpoint folder"):
+        HybridModel.from_pretrained(path)
