@@ -29,11 +29,16 @@ class Bucket:
 
 
 def make_grid(batch_sizes, token_counts) -> list[Bucket]:
-    """All (B, T) with B <= T (a bucket of more streams than tokens could never fill), sorted."""
+    """All (B, T) with B <= T (a bucket of more streams than tokens could never fill), sorted;
+    ValueError if there is none."""
     for name, values in (("batch_sizes", batch_sizes), ("token_counts", token_counts)):
         if not values or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values):
             raise ValueError(f"{name} must be a non-empty list of positive integers, got {values!r}")
-    return sorted({Bucket(t, b) for b in batch_sizes for t in token_counts if b <= t})
+    grid = sorted({Bucket(t, b) for b in batch_sizes for t in token_counts if b <= t})
+    if not grid:
+        raise ValueError(f"no bucket: every batch size exceeds every token count (a bucket needs B <= T), "
+                         f"batch_sizes {batch_sizes}, token_counts {token_counts}")
+    return grid
 
 
 def choose(grid: list[Bucket], num_streams: int, num_tokens: int) -> Bucket | None:

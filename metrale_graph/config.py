@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -46,29 +47,10 @@ class ModelConfig:
     max_position_embeddings: int = 32768
 
     def __post_init__(self):
-        def need(cond: bool, msg: str):
-            if not cond:
-                raise ValueError(f"invalid model config: {msg}")
-
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads",
-                     "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-                     "linear_conv_kernel_dim"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) > 0,
-                 f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        need(len(self.layer_types) == self.num_hidden_layers,
-             f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
-        bad = sorted({t for t in self.layer_types if t not in (LINEAR, FULL)})
-        need(not bad, f"layer_types holds {bad}; expected {LINEAR!r} or {FULL!r}")
-        need(self.num_attention_heads % self.num_key_value_heads == 0,
-             f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
-             f"num_key_value_heads ({self.num_key_value_heads})")
-        need(self.linear_num_value_heads % self.linear_num_key_heads == 0,
-             f"linear_num_value_heads ({self.linear_num_value_heads}) is not a multiple of "
-             f"linear_num_key_heads ({self.linear_num_key_heads})")
-        need(0.0 < self.partial_rotary_factor <= 1.0 and self.rotary_dim % 2 == 0 and self.rotary_dim > 0,
-             f"partial_rotary_factor {self.partial_rotary_factor} gives rotary dim {self.rotary_dim}; "
-             "it must be even and positive")
+        """Check every field's type and range (ValueError naming the field); integral floats
+        become ints (JSON has one number type), numbers become floats, layer_types a tuple."""
+        for name, value in _checked({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}).items():
+            object.__setattr__(self, name, value)
 
     # derived sizes
     @property
@@ -97,20 +79,24 @@ class ModelConfig:
 
     def replace(self, **changes) -> "ModelConfig":
         if "num_hidden_layers" in changes and "layer_types" not in changes:
-            changes["layer_types"] = default_layer_types(changes["num_hidden_layers"])
+            changes["layer_types"] = default_layer_types(_int("num_hidden_layers", changes["num_hidden_layers"], 1))
         return dataclasses.replace(self, **changes)
 
     # Hugging Face config.json
     @classmethod
-    def from_hf(cls, cfg: dict) -> "ModelConfig":
-        """Build from a parsed `config.json` (qwen3_5_text, or qwen3_5 with `text_config`)."""
+    def from_hf(cls, cfg: dict, source: str | None = None) -> "ModelConfig":
+        """Build from a parsed `config.json` (qwen3_5_text, or qwen3_5 with `text_config`); a
+        missing field takes transformers' default. Errors name `source`, the file, when given."""
+        where = f" {source}" if source else ""
+        if not isinstance(cfg, dict):
+            raise _invalid(where, f"expected a JSON object, got {type(cfg).__name__}")
         model_type = cfg.get("model_type")
         tie = cfg.get("tie_word_embeddings")
-        if model_type in _UNSUPPORTED:
-            raise ValueError(f"model_type {model_type!r}: {_UNSUPPORTED[model_type]}")
+        if isinstance(model_type, str) and model_type in _UNSUPPORTED:
+            raise _invalid(where, f"model_type {model_type!r}: {_UNSUPPORTED[model_type]}")
         if model_type == "qwen3_5":
             if not isinstance(cfg.get("text_config"), dict):
-                raise ValueError("model_type 'qwen3_5' config has no 'text_config' section")
+                raise _invalid(where, "model_type 'qwen3_5' config has no 'text_config' section")
             cfg = dict(cfg["text_config"])
             cfg.setdefault("model_type", "qwen3_5_text")
             # The multimodal wrapper carries tie_word_embeddings at the top level.
@@ -118,43 +104,49 @@ class ModelConfig:
                 cfg["tie_word_embeddings"] = tie
             model_type = cfg["model_type"]
         if model_type != "qwen3_5_text":
-            raise ValueError(
-                f"unsupported model_type {model_type!r}: metrale-graph runs 'qwen3_5_text' and 'qwen3_5'")
+            raise _invalid(where, f"unsupported model_type {model_type!r}: metrale-graph runs 'qwen3_5_text' and "
+                                  "'qwen3_5'")
         if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}: only 'silu' is supported")
-        if cfg.get("attention_bias", False):
-            raise ValueError("unsupported config: attention_bias=True")
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+            raise _invalid(where, f"unsupported hidden_act {cfg['hidden_act']!r}: only 'silu' is supported")
+        bias = cfg.get("attention_bias")
+        if bias is not None and bias is not False:
+            raise _invalid(where, f"unsupported attention_bias {bias!r}: only false is supported")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise _invalid(where, f"field 'rope_parameters' must be an object, got {rope!r}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
-            raise ValueError(f"unsupported rope_type {rope_type!r}: only 'default' RoPE is supported")
-        n_layers = int(cfg.get("num_hidden_layers", 32))
+            raise _invalid(where, f"unsupported rope_type {rope_type!r}: only 'default' RoPE is supported")
+        n_layers = _int("num_hidden_layers", cfg.get("num_hidden_layers", 32), 1, where)
         layer_types = cfg.get("layer_types")
         if layer_types is None:
-            layer_types = default_layer_types(n_layers, int(cfg.get("full_attention_interval", 4)))
-        layer_types = tuple(_LEGACY_LAYER_TYPES.get(t, t) for t in layer_types)
-        hidden = int(cfg.get("hidden_size", 4096))
-        n_heads = int(cfg.get("num_attention_heads", 16))
-        return cls(
-            vocab_size=int(cfg.get("vocab_size", 248320)),
-            hidden_size=hidden,
-            intermediate_size=int(cfg.get("intermediate_size", 12288)),
+            interval = _int("full_attention_interval", cfg.get("full_attention_interval", 4), 1, where)
+            layer_types = default_layer_types(n_layers, interval)
+        layer_types = tuple(_LEGACY_LAYER_TYPES.get(t, t) for t in _strings("layer_types", layer_types, where))
+        head_dim = cfg.get("head_dim")
+        if head_dim is None:
+            head_dim = (_int("hidden_size", cfg.get("hidden_size", 4096), 1, where)
+                        // _int("num_attention_heads", cfg.get("num_attention_heads", 16), 1, where))
+        return cls(**_checked(dict(
+            vocab_size=cfg.get("vocab_size", 248320),
+            hidden_size=cfg.get("hidden_size", 4096),
+            intermediate_size=cfg.get("intermediate_size", 12288),
             num_hidden_layers=n_layers,
             layer_types=layer_types,
-            num_attention_heads=n_heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads", 4)),
-            head_dim=int(cfg.get("head_dim") or hidden // n_heads),
-            partial_rotary_factor=float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            linear_num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
-            linear_num_value_heads=int(cfg.get("linear_num_value_heads", 32)),
-            linear_key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
-            linear_value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
-            linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
-        )
+            num_attention_heads=cfg.get("num_attention_heads", 16),
+            num_key_value_heads=cfg.get("num_key_value_heads", 4),
+            head_dim=head_dim,
+            partial_rotary_factor=rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)),
+            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+            linear_num_key_heads=cfg.get("linear_num_key_heads", 16),
+            linear_num_value_heads=cfg.get("linear_num_value_heads", 32),
+            linear_key_head_dim=cfg.get("linear_key_head_dim", 128),
+            linear_value_head_dim=cfg.get("linear_value_head_dim", 128),
+            linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim", 4),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+        ), where))
 
     def to_hf(self) -> dict:
         """The `config.json` dict (model_type qwen3_5_text) that `transformers` reads."""
@@ -183,6 +175,75 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
         }
+
+
+# field -> smallest value. The conv keeps kernel - 1 columns of state, so its kernel is >= 2.
+_INT_FIELDS = {name: 1 for name in (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+    "linear_value_head_dim", "max_position_embeddings")} | {"linear_conv_kernel_dim": 2}
+
+
+def _invalid(where: str, msg: str) -> ValueError:
+    return ValueError(f"invalid model config{where}: {msg}")
+
+
+def _int(name: str, value, minimum: int, where: str = "") -> int:
+    """An int (an integral float such as 4.0 too; not a bool) >= minimum."""
+    number = int(value) if isinstance(value, float) and value.is_integer() else value
+    if not isinstance(number, int) or isinstance(number, bool) or number < minimum:
+        raise _invalid(where, f"field {name!r} must be an integer >= {minimum}, got {value!r}")
+    return number
+
+
+def _float(name: str, value, ok, expected: str, where: str = "") -> float:
+    """A finite int or float (not a bool) for which ok(value) holds, as a float."""
+    try:
+        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    except OverflowError:  # an int beyond float's range
+        number = math.inf
+    if not (math.isfinite(number) and ok(number)):
+        raise _invalid(where, f"field {name!r} must be {expected}, got {value!r}")
+    return number
+
+
+def _strings(name: str, value, where: str = "") -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise _invalid(where, f"field {name!r} must be a list of strings, got {value!r}")
+    return tuple(value)
+
+
+def _checked(v: dict, where: str = "") -> dict:
+    """ModelConfig field values, type- and range-checked and normalized (see __post_init__)."""
+    def need(cond: bool, msg: str):
+        if not cond:
+            raise _invalid(where, msg)
+
+    v = dict(v)
+    for name, minimum in _INT_FIELDS.items():
+        v[name] = _int(name, v[name], minimum, where)
+    v["partial_rotary_factor"] = _float("partial_rotary_factor", v["partial_rotary_factor"], lambda x: 0 < x <= 1,
+                                        "a number in (0, 1]", where)
+    for name in ("rope_theta", "rms_norm_eps"):
+        v[name] = _float(name, v[name], lambda x: x > 0, "a positive number", where)
+    need(isinstance(v["tie_word_embeddings"], bool),
+         f"field 'tie_word_embeddings' must be true or false, got {v['tie_word_embeddings']!r}")
+    v["layer_types"] = types = _strings("layer_types", v["layer_types"], where)
+    need(len(types) == v["num_hidden_layers"],
+         f"layer_types has {len(types)} entries for {v['num_hidden_layers']} layers")
+    bad = sorted({t for t in types if t not in (LINEAR, FULL)})
+    need(not bad, f"layer_types holds {bad}; expected {LINEAR!r} or {FULL!r}")
+    need(v["num_attention_heads"] % v["num_key_value_heads"] == 0,
+         f"num_attention_heads ({v['num_attention_heads']}) is not a multiple of "
+         f"num_key_value_heads ({v['num_key_value_heads']})")
+    need(v["linear_num_value_heads"] % v["linear_num_key_heads"] == 0,
+         f"linear_num_value_heads ({v['linear_num_value_heads']}) is not a multiple of "
+         f"linear_num_key_heads ({v['linear_num_key_heads']})")
+    rotary = int(v["head_dim"] * v["partial_rotary_factor"])
+    need(rotary >= 2 and rotary % 2 == 0,
+         f"partial_rotary_factor {v['partial_rotary_factor']} gives rotary dim {rotary} of head_dim "
+         f"{v['head_dim']}; it must be even and >= 2")
+    return v
 
 
 def default_layer_types(num_layers: int, full_attention_interval: int = 4) -> tuple[str, ...]:
@@ -222,5 +283,9 @@ def load_config(path_or_preset: str) -> ModelConfig:
         raise ValueError(
             f"{path_or_preset!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint folder "
             "with a config.json")
-    with open(path) as f:
-        return ModelConfig.from_hf(json.load(f))
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: malformed JSON or not UTF-8
+        raise ValueError(f"cannot read model config {path}: {e}") from None
+    return ModelConfig.from_hf(data, source=path)

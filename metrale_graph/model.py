@@ -79,14 +79,23 @@ class HybridModel(nn.Module):
     # construction
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device="cpu",
-                        progress: bool = True) -> "HybridModel":
+                        progress: bool = True, check_finite: bool = True) -> "HybridModel":
         """Load a Hugging Face Qwen3.5 checkpoint folder (config.json + safetensors, single or sharded;
-        text-only `qwen3_5_text` or multimodal `qwen3_5`, whose vision tower is skipped)."""
+        text-only `qwen3_5_text` or multimodal `qwen3_5`, whose vision tower is skipped).
+
+        A bad config or checkpoint raises ValueError naming the file and field or tensor.
+        `check_finite` rejects NaN / infinite weights; it reads every weight once more on `device`:
+        for the 9B model in bfloat16 about 40 ms on an H200, about 4.5 s on 2 CPU cores (see
+        `load_checkpoint`)."""
         _check_dtype(dtype)
+        if os.path.isfile(path):
+            raise ValueError(f"{path!r} is a file, not a checkpoint folder (a folder holding config.json and "
+                             "the safetensors files)")
         if not os.path.isdir(path):
             raise ValueError(f"checkpoint folder {path!r} does not exist")
         config = load_config(path)
-        return cls(config, load_checkpoint(path, config, dtype, torch.device(device), progress=progress))
+        return cls(config, load_checkpoint(path, config, dtype, torch.device(device), progress=progress,
+                                           check_finite=check_finite))
 
     @classmethod
     def from_preset(cls, preset: str | ModelConfig = "tiny", dtype: torch.dtype = torch.float32, device="cpu",

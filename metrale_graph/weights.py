@@ -102,10 +102,14 @@ def checkpoint_files(folder: str) -> list[str]:
     """The safetensors files of a checkpoint folder: the shards of the index, or the single file."""
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index} has no weight_map")
+        try:
+            with open(index) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:  # ValueError: malformed JSON or not UTF-8
+            raise ValueError(f"cannot read checkpoint index {index}: {e}") from None
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not (isinstance(weight_map, dict) and weight_map and all(isinstance(v, str) for v in weight_map.values())):
+            raise ValueError(f"{index} has no weight_map (an object of tensor name -> shard file name)")
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not os.path.isfile(os.path.join(folder, f))]
         if missing:
@@ -121,13 +125,19 @@ def checkpoint_files(folder: str) -> list[str]:
 
 
 def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
-                    progress: bool = True) -> dict[str, torch.Tensor]:
+                    progress: bool = True, check_finite: bool = True) -> dict[str, torch.Tensor]:
     """Read every tensor the config needs from a safetensors checkpoint folder.
 
-    Raises ValueError naming the tensor for a missing, unexpected or mis-shaped one. Tensors of
-    the vision tower and the MTP head are skipped; a tied model ignores a stored lm_head.
+    Raises ValueError naming the tensor and its file for a missing, unexpected, mis-shaped or
+    non-floating-point one, and for a file safetensors cannot read. Tensors of the vision tower
+    and the MTP head are skipped; a tied model ignores a stored lm_head.
+
+    `check_finite` rejects a tensor holding NaN or infinity once it is on `device` in `dtype`
+    (so a value beyond float16's range counts too). It reads every weight once more: for the 9B
+    model's 19 GB in bfloat16, about 40 ms on an H200 and about 4.5 s on 2 CPU cores (measured
+    4.4 GB/s in bfloat16, 6.3 GB/s in float32; torch.isfinite(t).all() reads 0.3 GB/s there).
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     expected = weight_shapes(cfg)
     out: dict[str, torch.Tensor] = {}
@@ -135,21 +145,33 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
     files = checkpoint_files(folder)
     bar = tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=not progress, leave=False)
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for key in f.keys():
-                name = _our_name(key)
-                if name is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
-                    continue
-                if name not in expected:
-                    unexpected.append(key)
-                    continue
-                if name in out:
-                    raise ValueError(f"tensor {key!r} appears twice in the checkpoint ({path})")
-                shape = tuple(f.get_slice(key).get_shape())
-                if shape != expected[name]:
-                    raise ValueError(f"tensor {key!r} has shape {shape}, the config needs {expected[name]}")
-                out[name] = f.get_tensor(key).to(device=device, dtype=dtype)
-                bar.update(1)
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    name = _our_name(key)
+                    if name is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                        continue
+                    if name not in expected:
+                        unexpected.append(key)
+                        continue
+                    if name in out:
+                        raise ValueError(f"tensor {key!r} appears twice in the checkpoint ({path})")
+                    shape = tuple(f.get_slice(key).get_shape())
+                    if shape != expected[name]:
+                        raise ValueError(f"tensor {key!r} has shape {shape}, the config needs {expected[name]} "
+                                         f"({path})")
+                    stored = f.get_tensor(key)
+                    if not stored.dtype.is_floating_point:
+                        raise ValueError(f"tensor {key!r} in {path} is {stored.dtype}; expected floating-point "
+                                         "weights (quantized checkpoints are not supported)")
+                    out[name] = stored.to(device=device, dtype=dtype)
+                    if check_finite and not _finite(out[name]):
+                        what = (f"values beyond the range of {dtype}" if _finite(stored)
+                                else "NaN or infinite values")
+                        raise ValueError(f"tensor {key!r} in {path} holds {what}")
+                    bar.update(1)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"cannot read safetensors file {path}: {e}") from None
     bar.close()
     if unexpected:
         raise ValueError(f"checkpoint has {len(unexpected)} unexpected tensor(s), e.g. {unexpected[:5]}")
@@ -157,6 +179,12 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. {missing[:5]}")
     return out
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """No NaN or infinity in t (NaN propagates through min / max; one pass, no temporary)."""
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def random_weights(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -20,6 +20,8 @@ def test_grid_and_choice():
     assert choose(grid, 17, 10) is None and choose(grid, 1, 257) is None
     with pytest.raises(ValueError, match="token_counts must be a non-empty list of positive integers"):
         make_grid([1], [0])
+    with pytest.raises(ValueError, match=r"no bucket: every batch size exceeds every token count .*\[64\].*\[32\]"):
+        make_grid([64], [32])
 
 
 def test_split_keeps_every_token_once_in_order():

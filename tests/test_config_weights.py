@@ -1,6 +1,7 @@
 """Config parsing and checkpoint loading errors."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -98,3 +99,119 @@ def test_load_dtype_and_errors(checkpoint, tmp_path_factory):
         HybridModel.from_pretrained(str(empty / "nope"))
     with pytest.raises(ValueError, match="unknown preset"):
         HybridModel.from_preset("huge")
+
+
+def _write_config(folder, text):
+    (folder / "config.json").write_text(text if isinstance(text, str) else json.dumps(text))
+    return str(folder / "config.json")
+
+
+@pytest.mark.parametrize("patch, message", [
+    ({"num_attention_heads": 0, "head_dim": None}, "field 'num_attention_heads' must be an integer >= 1, got 0"),
+    ({"vocab_size": 4.5}, "field 'vocab_size' must be an integer >= 1, got 4.5"),
+    ({"vocab_size": "512"}, "field 'vocab_size' must be an integer >= 1, got '512'"),
+    ({"hidden_size": True}, "field 'hidden_size' must be an integer >= 1, got True"),
+    ({"intermediate_size": None}, "field 'intermediate_size' must be an integer >= 1, got None"),
+    ({"max_position_embeddings": 0}, "field 'max_position_embeddings' must be an integer >= 1, got 0"),
+    ({"linear_conv_kernel_dim": 1}, "field 'linear_conv_kernel_dim' must be an integer >= 2, got 1"),
+    ({"layer_types": None, "full_attention_interval": 0}, "field 'full_attention_interval' must be an integer >= 1"),
+    ({"tie_word_embeddings": "false"}, "field 'tie_word_embeddings' must be true or false, got 'false'"),
+    ({"tie_word_embeddings": 0}, "field 'tie_word_embeddings' must be true or false, got 0"),
+    ({"rope_parameters": {"rope_theta": 0}}, "field 'rope_theta' must be a positive number, got 0"),
+    ({"rope_parameters": {"rope_theta": "1e4"}}, "field 'rope_theta' must be a positive number, got '1e4'"),
+    ({"rope_parameters": {"rope_theta": float("inf")}}, "field 'rope_theta' must be a positive number, got inf"),
+    ({"rope_parameters": [10000.0]}, "field 'rope_parameters' must be an object"),
+    ({"rms_norm_eps": -1e-6}, "field 'rms_norm_eps' must be a positive number, got -1e-06"),
+    ({"rms_norm_eps": float("nan")}, "field 'rms_norm_eps' must be a positive number, got nan"),
+    ({"rope_parameters": {"partial_rotary_factor": 1.5}}, r"field 'partial_rotary_factor' must be a number in \(0, 1\]"),
+    ({"rope_parameters": {"partial_rotary_factor": 0.1}},
+     "partial_rotary_factor 0.1 gives rotary dim 1 of head_dim 16; it must be even and >= 2"),
+    ({"layer_types": "linear_attention"}, "field 'layer_types' must be a list of strings"),
+    ({"layer_types": [0, 0, 0, 1]}, "field 'layer_types' must be a list of strings"),
+    ({"attention_bias": "false"}, "unsupported attention_bias 'false'"),
+    ({"model_type": ["qwen3_5_text"]}, "unsupported model_type"),
+])
+def test_bad_config_field(tmp_path, patch, message):
+    path = _write_config(tmp_path, {**PRESETS["tiny"].to_hf(), **patch})
+    with pytest.raises(ValueError, match=re.escape(f"invalid model config {path}: ") + message):
+        load_config(str(tmp_path))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[1, 2]", "expected a JSON object, got list"),
+    ('{"model_type": "qwen3_5_text",', "cannot read model config .*config.json: Expecting"),
+    ("", "cannot read model config .*config.json: Expecting value: line 1 column 1"),
+])
+def test_unreadable_config_file(tmp_path, text, message):
+    _write_config(tmp_path, text)
+    with pytest.raises(ValueError, match=message):
+        load_config(str(tmp_path))
+    with pytest.raises(ValueError, match=message):  # the checkpoint path reads it too, before any tensor
+        HybridModel.from_pretrained(str(tmp_path))
+
+
+def test_config_fields_checked_in_python():
+    tiny = PRESETS["tiny"]
+    with pytest.raises(ValueError, match="invalid model config: field 'rope_theta' must be a positive number, got 0"):
+        tiny.replace(rope_theta=0)
+    with pytest.raises(ValueError, match="field 'num_hidden_layers' must be an integer >= 1, got 0"):
+        tiny.replace(num_hidden_layers=0)
+    # JSON has one number type: integral floats are ints, ints are floats where a float is meant
+    cfg = tiny.replace(hidden_size=64.0, rope_theta=10000, layer_types=list(tiny.layer_types))
+    assert cfg == tiny and type(cfg.hidden_size) is int and type(cfg.rope_theta) is float
+    assert isinstance(cfg.layer_types, tuple) and hash(cfg) == hash(tiny)
+    assert ModelConfig.from_hf({**tiny.to_hf(), "vocab_size": 512.0, "rope_parameters": {"rope_theta": 10000}}) == tiny
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int64, torch.bool, torch.uint8])
+def test_non_float_tensor(checkpoint, dtype):
+    _rewrite(checkpoint, lambda t: t.update({"model.layers.0.linear_attn.A_log": torch.ones(4, dtype=dtype)}))
+    with pytest.raises(ValueError, match=rf"'model\.layers\.0\.linear_attn\.A_log' in .*model\.safetensors is {dtype}; "
+                                         "expected floating-point"):
+        HybridModel.from_pretrained(str(checkpoint), progress=False)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_tensor(checkpoint, bad):
+    def edit(t):
+        t["model.layers.3.mlp.up_proj.weight"][5, 7] = bad
+    _rewrite(checkpoint, edit)
+    with pytest.raises(ValueError, match=r"'model\.layers\.3\.mlp\.up_proj\.weight' in .*model\.safetensors holds NaN "
+                                         "or infinite values"):
+        HybridModel.from_pretrained(str(checkpoint), progress=False)
+    model = HybridModel.from_pretrained(str(checkpoint), progress=False, check_finite=False)
+    assert not torch.isfinite(model.layers[3].mlp.up_proj.weight).all()
+
+
+def test_tensor_beyond_target_dtype(checkpoint):
+    _rewrite(checkpoint, lambda t: t["model.norm.weight"].fill_(1e5))
+    HybridModel.from_pretrained(str(checkpoint), dtype=torch.bfloat16, progress=False)
+    with pytest.raises(ValueError, match=r"'model\.norm\.weight' in .* holds values beyond the range of torch.float16"):
+        HybridModel.from_pretrained(str(checkpoint), dtype=torch.float16, progress=False)
+
+
+@pytest.mark.parametrize("cut", ["half", "header", "empty"])
+def test_corrupt_safetensors(checkpoint, cut):
+    path = checkpoint / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes({"half": data[: len(data) // 2], "header": b"not a safetensors file", "empty": b""}[cut])
+    with pytest.raises(ValueError, match="cannot read safetensors file " + re.escape(str(path))):
+        HybridModel.from_pretrained(str(checkpoint), progress=False)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"weight_map": ', "cannot read checkpoint index .*index.json: Expecting value"),
+    ("[]", "index.json has no weight_map"),
+    ('{"weight_map": {"model.norm.weight": 3}}', "index.json has no weight_map"),
+    ('{"weight_map": {"model.norm.weight": "shard-2.safetensors"}}', r"names shards that are not in .*shard-2"),
+])
+def test_bad_index(checkpoint, text, message):
+    (checkpoint / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        HybridModel.from_pretrained(str(checkpoint), progress=False)
+
+
+def test_checkpoint_path_is_a_file(checkpoint):
+    path = str(checkpoint / "config.json")
+    with pytest.raises(ValueError, match="is a file, not a checkpoint folder"):
+        HybridModel.from_pretrained(path)

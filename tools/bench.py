@@ -19,9 +19,10 @@ import torch
 
 from metrale_graph import PRESETS, HybridModel, Stream
 from metrale_graph.weights import weight_shapes
-from tools.common import print_json, print_table
+from tools.common import names_of, output_file, positive_int, print_json, print_table, seed
 
 MATMUL_RATE, COPY_RATE = 790e12, 4.3e12
+VARIANTS = ("peer", "eager", "compiled", "graphs")
 
 # id -> (new tokens per stream, cached tokens per stream)
 WORKLOADS = {
@@ -163,23 +164,22 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen3.5-9b", choices=list(PRESETS))
-    p.add_argument("--layers", type=int, default=None, help="fewer layers than the preset (quick runs)")
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
-    p.add_argument("--variants", default="peer,eager,compiled,graphs")
-    p.add_argument("--repeat", type=int, default=10, help="timed runs per variant (median)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write the results to this JSON file")
-    p.add_argument("--markdown", default=None, help="write the table to this markdown file")
+    p.add_argument("--layers", type=positive_int, default=None, help="fewer layers than the preset (quick runs)")
+    p.add_argument("--workloads", type=names_of(WORKLOADS), default=",".join(WORKLOADS))
+    p.add_argument("--variants", type=names_of(VARIANTS), default=",".join(VARIANTS))
+    p.add_argument("--repeat", type=positive_int, default=10, help="timed runs per variant (median)")
+    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--json", type=output_file, default=None, help="write the results to this JSON file")
+    p.add_argument("--markdown", type=output_file, default=None, help="write the table to this markdown file")
     p.add_argument("--profile", action="store_true",
                    help="also print each workload's device time by phase (torch.profiler over the compiled step)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("tools.bench needs a CUDA GPU")
+        p.exit(1, f"{p.prog}: error: this benchmark needs a CUDA GPU; torch sees none\n")
     cfg = PRESETS[args.preset]
     if args.layers:
         cfg = cfg.replace(num_hidden_layers=args.layers)
-    workloads = [w for w in args.workloads.split(",") if w]
-    variants = [v for v in args.variants.split(",") if v]
+    workloads, variants = args.workloads, args.variants
     model = HybridModel.from_preset(cfg, dtype=torch.bfloat16, device="cuda", seed=args.seed)
     hf = peer_model(model) if "peer" in variants else None
     # a grid holding one bucket per workload's (streams, new tokens)

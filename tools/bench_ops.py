@@ -16,7 +16,7 @@ import math
 import torch
 
 from metrale_graph import PRESETS, ops
-from tools.common import print_json, print_table
+from tools.common import output_file, positive_int, positive_ints, print_json, print_table
 
 MATMUL_RATE = 790e12  # bf16 dense, measured on an H200
 COPY_RATE = 4.3e12    # device-to-device bytes (read + write), measured on an H200
@@ -102,21 +102,23 @@ def op_cost(name: str, cfg, lengths: list[int]) -> tuple[float, float]:
 
 
 def main(argv=None) -> None:
-    import triton.testing
-    from tqdm.auto import tqdm
-
     p = argparse.ArgumentParser(prog="python -m tools.bench_ops", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen3.5-9b", choices=list(PRESETS))
-    p.add_argument("--tokens", default="512,8192", help="comma-separated total token counts")
-    p.add_argument("--streams", type=int, default=4, help="streams the tokens are split into")
-    p.add_argument("--markdown", default=None, help="also write the table to this markdown file")
+    p.add_argument("--tokens", type=positive_ints, default="512,8192", help="comma-separated total token counts")
+    p.add_argument("--streams", type=positive_int, default=4, help="streams the tokens are split into")
+    p.add_argument("--markdown", type=output_file, default=None, help="also write the table to this markdown file")
     args = p.parse_args(argv)
+    if min(args.tokens) < args.streams:
+        p.error(f"--tokens {min(args.tokens)} is fewer than --streams {args.streams}: every stream needs a token")
     if not torch.cuda.is_available():
-        raise SystemExit("bench_ops needs a CUDA GPU")
+        p.exit(1, f"{p.prog}: error: this benchmark needs a CUDA GPU; torch sees none\n")
+    import triton.testing
+    from tqdm.auto import tqdm
+
     cfg = PRESETS[args.preset]
     rows, records = [], []
-    jobs = [(int(t), name) for t in args.tokens.split(",") for name in ops.ALL_OPS]
+    jobs = [(T, name) for T in args.tokens for name in ops.ALL_OPS]
     for T, name in tqdm(jobs, desc="ops", unit="op"):
         lengths = [T // args.streams] * args.streams
         lengths[-1] += T - sum(lengths)

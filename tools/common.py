@@ -1,4 +1,8 @@
-"""Shared pieces of the command-line tools: model loading flags, tables, JSON lines."""
+"""Shared pieces of the command-line tools: flag types, model loading flags, tables, JSON lines.
+
+The flag types raise argparse.ArgumentTypeError naming the value and what was expected, so a bad
+flag ends the tool with argparse's usage message and exit code 2 before any work starts.
+"""
 
 from __future__ import annotations
 
@@ -11,26 +15,126 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _int(text: str, minimum: int, expected: str, maximum: int | None = None) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum or (maximum is not None and value > maximum):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _int(text, 1, "a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    return _int(text, 0, "a non-negative integer")
+
+
+def positive_ints(text: str) -> list[int]:
+    """Comma-separated positive integers, at least one."""
+    try:
+        values = [positive_int(x) for x in text.split(",") if x.strip()]
+    except argparse.ArgumentTypeError:
+        values = []
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def names_of(choices):
+    """A flag type: comma-separated names, each one of `choices`, at least one."""
+    def parse(text: str) -> list[str]:
+        names = [x.strip() for x in text.split(",") if x.strip()]
+        unknown = [x for x in names if x not in choices]
+        if not names or unknown:
+            raise argparse.ArgumentTypeError(f"expected comma-separated names out of {', '.join(choices)}, "
+                                             f"got {text!r}")
+        return names
+    return parse
+
+
+def seed(text: str) -> int:
+    """An integer torch.Generator.manual_seed takes."""
+    return _int(text, -2**63, "an integer in [-2**63, 2**64 - 1]", 2**64 - 1)
+
+
+def device(text: str) -> torch.device:
+    """cpu, cuda or cuda:N, a device this machine has."""
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has no CUDA GPU that torch can use")
+        if (dev.index or 0) >= count:
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} CUDA device(s), "
+                                             f"cuda:0..cuda:{count - 1}")
+    return dev
+
+
+def output_file(text: str) -> str:
+    """A file path to write: not a folder, in a folder that exists."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; expected a file path")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{text!r}: folder {folder} does not exist")
+    return text
+
+
+def model_name(text: str) -> str:
+    """A preset, or a checkpoint folder whose config.json is valid."""
+    from metrale_graph import PRESETS, load_config
+
+    if text in PRESETS:
+        return text
+    presets = ", ".join(PRESETS)
+    if os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a file; expected a preset ({presets}) or a checkpoint folder")
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a preset ({presets}) nor a checkpoint folder")
+    try:
+        load_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny",
+    p.add_argument("--model", type=model_name, default="tiny",
                    help="preset name (tiny, qwen3.5-9b: random weights) or a Hugging Face checkpoint folder "
                         "(default: tiny, embedded)")
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="weights and activations (default: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--seed", type=int, default=0, help="seed of random preset weights and of inputs")
+    p.add_argument("--device", type=device, default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of random preset weights and of inputs")
 
 
-def load_model(args):
+def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
+    """The --device and --dtype flags with their defaults filled in."""
+    dev = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return dev, DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+
+
+def load_model(args, parser: argparse.ArgumentParser):
+    """The model of the add_model_args flags; a checkpoint that does not load ends the tool through
+    parser.error (exit code 2) with the reason."""
     from metrale_graph import PRESETS, HybridModel
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dev, dtype = device_and_dtype(args)
     if args.model in PRESETS:
-        return HybridModel.from_preset(args.model, dtype=dtype, device=device, seed=args.seed)
-    if not os.path.isdir(args.model):
-        raise SystemExit(f"--model {args.model!r}: not a preset ({', '.join(PRESETS)}) nor a checkpoint folder")
-    return HybridModel.from_pretrained(args.model, dtype=dtype, device=device)
+        return HybridModel.from_preset(args.model, dtype=dtype, device=dev, seed=args.seed)
+    try:
+        return HybridModel.from_pretrained(args.model, dtype=dtype, device=dev)
+    except ValueError as e:
+        parser.error(f"--model {args.model}: {e}")
 
 
 def print_table(headers: list[str], rows: list[list]) -> None:

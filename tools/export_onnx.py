@@ -25,7 +25,8 @@ import torch
 from tqdm import tqdm
 
 from metrale_graph import Stream
-from tools.common import add_model_args, load_model, print_json, print_table
+from tools.common import (add_model_args, device_and_dtype, load_model, output_file, positive_int, print_json,
+                          print_table)
 
 
 def _verify(model, cache, path: str, B: int, T: int, seed: int) -> dict[str, float]:
@@ -35,9 +36,7 @@ def _verify(model, cache, path: str, B: int, T: int, seed: int) -> dict[str, flo
     from metrale_graph.onnx_export import ort_session, pad_batch, pool_names, run_step
 
     gen = torch.Generator().manual_seed(seed)
-    n = max(1, B - 1)  # leave a stream for padding tokens
-    if 2 * n > cache.num_slots:
-        raise SystemExit(f"--verify needs {2 * n} slots for a bucket of {B} streams; pass --slots {2 * n}")
+    n = max(1, B - 1)  # leave a stream for padding tokens (main checks that 2 n slots exist)
     vocab = model.config.vocab_size
     first = torch.randint(1, max(2, min(T, cache.max_context // 2)), (n,), generator=gen).tolist()
     model.prefill(cache, [Stream(2 * i, torch.randint(0, vocab, (k,), generator=gen)) for i, k in enumerate(first)])
@@ -70,20 +69,23 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m tools.export_onnx", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
-    p.add_argument("-B", "--batch-size", type=int, default=4, help="streams in the bucket (default 4)")
-    p.add_argument("-T", "--tokens", type=int, default=256, help="tokens in the bucket (default 256)")
-    p.add_argument("--slots", type=int, default=8, help="cache slots, plus the scratch slot (default 8)")
-    p.add_argument("--blocks", type=int, default=64, help="KV blocks, plus the null block (default 64)")
-    p.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default 64)")
-    p.add_argument("--max-context", type=int, default=1024, help="tokens per slot at most (default 1024)")
-    p.add_argument("-o", "--output", default=None, help="ONNX file (default: prefill_B{B}_T{T}.onnx)")
+    p.add_argument("-B", "--batch-size", type=positive_int, default=4, help="streams in the bucket (default 4)")
+    p.add_argument("-T", "--tokens", type=positive_int, default=256, help="tokens in the bucket (default 256)")
+    p.add_argument("--slots", type=positive_int, default=8, help="cache slots, plus the scratch slot (default 8)")
+    p.add_argument("--blocks", type=positive_int, default=64, help="KV blocks, plus the null block (default 64)")
+    p.add_argument("--block-size", type=positive_int, default=64, help="tokens per KV block (default 64)")
+    p.add_argument("--max-context", type=positive_int, default=1024, help="tokens per slot at most (default 1024)")
+    p.add_argument("-o", "--output", type=output_file, default=None,
+                   help="ONNX file (default: prefill_B{B}_T{T}.onnx)")
     p.add_argument("--verify", action="store_true", help="compare onnxruntime with the torch step on a batch")
     args = p.parse_args(argv)
-    for flag in ("batch_size", "tokens", "slots", "blocks", "block_size", "max_context"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     B, T = args.batch_size, args.tokens
     path = args.output or f"prefill_B{B}_T{T}.onnx"
+    verify_slots = 2 * max(1, B - 1)  # _verify: half the streams continue, half start
+    if args.verify and verify_slots > args.slots:
+        p.error(f"--verify needs {verify_slots} slots for a bucket of {B} streams; pass --slots {verify_slots}")
+    if args.verify and device_and_dtype(args)[1] != torch.float32:
+        p.error("--verify runs ONNX Runtime's CPU kernels, which lack bfloat16 and float16: pass --dtype float32")
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # torchvision-not-installed notices
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)  # torch.export internals
 
@@ -110,12 +112,12 @@ def main(argv=None) -> None:
             print(f"[{steps.index(name) + 1}/{len(steps)}] {name}", file=sys.stderr, flush=True)
 
     step("load model")
-    model = load_model(args)
+    model = load_model(args, p)
     try:
         cache = model.new_cache(args.slots, args.blocks, block_size=args.block_size, max_context=args.max_context)
         program = export_prefill(model, cache, B, T, progress=step)
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        p.error(str(e))
     step("save")
     program.save(path)
     step("check_model")
@@ -128,7 +130,7 @@ def main(argv=None) -> None:
         try:
             errors = _verify(model, cache, path, B, T, args.seed)
         except ValueError as e:
-            raise SystemExit(f"--verify: {e} (adjust --slots / --blocks / --max-context)") from None
+            p.error(f"--verify: {e} (adjust --slots / --blocks / --max-context)")
     step("done")
     bar.close()
 

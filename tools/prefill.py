@@ -14,23 +14,29 @@ import time
 import torch
 
 from metrale_graph import Stream
-from tools.common import add_model_args, load_model, print_json, print_table, sync
+from tools.common import (add_model_args, load_model, non_negative_int, positive_int, positive_ints, print_json,
+                          print_table, sync)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m tools.prefill", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
-    p.add_argument("--lengths", default="37,64,130,5,200,1",
+    p.add_argument("--lengths", type=positive_ints, default="37,64,130,5,200,1",
                    help="comma-separated token counts of the first batch's streams")
-    p.add_argument("--continue-tokens", type=int, default=16,
+    p.add_argument("--continue-tokens", type=non_negative_int, default=16,
                    help="new tokens for each of the first half of the streams in a second call (0: skip)")
-    p.add_argument("--repeat", type=int, default=5, help="timed runs of the first batch for throughput")
+    p.add_argument("--repeat", type=positive_int, default=5, help="timed runs of the first batch for throughput")
     args = p.parse_args(argv)
 
-    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    lengths = args.lengths
+    num_continued = max(1, len(lengths) // 2)  # the second call continues the first half of the streams
     t0 = time.perf_counter()
-    model = load_model(args)
+    model = load_model(args, p)
+    longest = max(n + (args.continue_tokens if i < num_continued else 0) for i, n in enumerate(lengths))
+    if longest > model.config.max_position_embeddings:
+        p.error(f"--lengths / --continue-tokens: a stream of {longest} tokens exceeds the model's "
+                f"max_position_embeddings ({model.config.max_position_embeddings})")
     print(f"model: {args.model}  {model.extra_repr()}  (built in {time.perf_counter() - t0:.2f} s)")
     gen = torch.Generator().manual_seed(args.seed)
     vocab = model.config.vocab_size
@@ -48,7 +54,7 @@ def main(argv=None) -> None:
         logits = model.prefill(cache, [Stream(s, tok) for s, tok in zip(slots, token_lists)])
         sync(model.device)
         times.append(time.perf_counter() - t)
-    ms = statistics.median(times[1:] if len(times) > 1 else times) * 1e3
+    ms = statistics.median(times[1:]) * 1e3
     total = sum(lengths)
 
     rows = []
@@ -57,7 +63,7 @@ def main(argv=None) -> None:
         rows.append(["first", s, 0, n, tok, f"{val:.4f}"])
     cont = []
     if args.continue_tokens > 0:
-        cont_slots = slots[: max(1, len(slots) // 2)]
+        cont_slots = slots[:num_continued]
         extra = [torch.randint(0, vocab, (args.continue_tokens,), generator=gen) for _ in cont_slots]
         ctx = [cache.context_lens[s] for s in cont_slots]
         logits2 = model.prefill(cache, [Stream(s, t) for s, t in zip(cont_slots, extra)])

@@ -23,33 +23,33 @@ from metrale_graph.capture import DEFAULT_BATCH_SIZES, DEFAULT_TOKEN_COUNTS
 ARTIFACTS, RECORD = "compile_artifacts.bin", "cold_warmup.json"
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def main(argv=None) -> None:
-    from tools.common import add_model_args
+    from metrale_graph.capture.buckets import make_grid
+    from tools.common import add_model_args, positive_int, positive_ints
 
     p = argparse.ArgumentParser(prog="python -m tools.warmup", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
-    p.add_argument("--batch-sizes", type=_ints, default=list(DEFAULT_BATCH_SIZES))
-    p.add_argument("--token-counts", type=_ints, default=list(DEFAULT_TOKEN_COUNTS))
-    p.add_argument("--slots", type=int, default=64, help="cache slots")
-    p.add_argument("--blocks", type=int, default=None, help="KV blocks (default: enough for every slot "
+    p.add_argument("--batch-sizes", type=positive_ints, default=list(DEFAULT_BATCH_SIZES))
+    p.add_argument("--token-counts", type=positive_ints, default=list(DEFAULT_TOKEN_COUNTS))
+    p.add_argument("--slots", type=positive_int, default=64, help="cache slots")
+    p.add_argument("--blocks", type=positive_int, default=None, help="KV blocks (default: enough for every slot "
                    "to hold the largest token count)")
     p.add_argument("--cache-dir", default=".metrale_cache", help="where compile artifacts persist")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    try:
+        make_grid(args.batch_sizes, args.token_counts)
+    except ValueError as e:
+        p.error(f"--batch-sizes / --token-counts: {e}")
 
     cache_dir = os.path.abspath(args.cache_dir)
-    os.makedirs(cache_dir, exist_ok=True)
+    if os.path.exists(cache_dir) and not os.path.isdir(cache_dir):
+        p.error(f"--cache-dir {args.cache_dir!r} is a file; expected a folder")
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+    except OSError as e:
+        p.error(f"--cache-dir {args.cache_dir!r}: cannot create the folder ({e.strerror})")
     # before anything compiles: Inductor's and Triton's on-disk caches go into the named folder
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, "inductor")
     os.environ["TRITON_CACHE_DIR"] = os.path.join(cache_dir, "triton")
@@ -66,8 +66,8 @@ def main(argv=None) -> None:
     if warm:
         with open(artifacts, "rb") as f:
             torch.compiler.load_cache_artifacts(f.read())
-    model = load_model(args)
-    blocks = args.blocks or args.slots * -(-max(args.token_counts) // 64)
+    model = load_model(args, p)
+    blocks = args.blocks if args.blocks is not None else args.slots * -(-max(args.token_counts) // 64)
     cache = model.new_cache(num_slots=args.slots, num_blocks=blocks)
     runner = GraphRunner(model, cache, args.batch_sizes, args.token_counts)
     print(f"model: {args.model}  {model.extra_repr()}\n{cache}\n"

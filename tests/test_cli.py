@@ -1,0 +1,143 @@
+"""Bad flags of the command-line tools end with argparse's usage message and exit code 2 (no
+traceback), before any work starts; the GPU tools say so when there is no GPU. The tools run
+in-process through main(argv)."""
+
+import json
+
+import pytest
+import torch
+
+from metrale_graph import PRESETS, HybridModel
+from tools import bench, bench_ops, export_onnx, prefill, warmup
+
+NO_GPU = f"cuda:{torch.cuda.device_count()}"  # a CUDA device this machine lacks
+
+
+def _usage_error(capsys, main, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert "usage:" in err and message in err, err
+    assert "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A good tiny checkpoint, one with a bad config and one with a truncated safetensors file."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    HybridModel.from_preset("tiny").save_pretrained(str(root / "good"))
+    HybridModel.from_preset("tiny").save_pretrained(str(root / "truncated"))
+    weights = root / "truncated" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    (root / "bad_config").mkdir()
+    (root / "bad_config" / "config.json").write_text(json.dumps({**PRESETS["tiny"].to_hf(), "rope_theta": 0,
+                                                                 "rope_parameters": None}))
+    return root
+
+
+MODEL_FLAGS = [
+    (["--device", NO_GPU], f"argument --device: '{NO_GPU}': this machine has"),
+    (["--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N, got 'tpu'"),
+    (["--seed", "1.5"], "argument --seed: expected an integer in [-2**63, 2**64 - 1], got '1.5'"),
+    (["--seed", str(2**64)], "argument --seed: expected an integer"),
+    (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    (["--model", "nope"], "argument --model: 'nope' is neither a preset (tiny, qwen3.5-9b) nor"),
+]
+
+
+@pytest.mark.parametrize("argv, message", MODEL_FLAGS + [
+    (["--lengths", "-5"], "argument --lengths: expected comma-separated positive integers, got '-5'"),
+    (["--lengths", "abc"], "argument --lengths: expected comma-separated positive integers, got 'abc'"),
+    (["--lengths", "5,0"], "argument --lengths: expected comma-separated positive integers, got '5,0'"),
+    (["--lengths", ","], "argument --lengths: expected comma-separated positive integers, got ','"),
+    (["--repeat", "0"], "argument --repeat: expected a positive integer, got '0'"),
+    (["--continue-tokens", "-3"], "argument --continue-tokens: expected a non-negative integer, got '-3'"),
+    (["--lengths", "4000", "--continue-tokens", "100"],
+     "a stream of 4100 tokens exceeds the model's max_position_embeddings (4096)"),
+])
+def test_prefill_flags(capsys, argv, message):
+    _usage_error(capsys, prefill.main, argv, message)
+
+
+def test_model_flag_names_the_checkpoint_problem(capsys, checkpoints):
+    config = checkpoints / "bad_config" / "config.json"
+    _usage_error(capsys, prefill.main, ["--model", str(config)], "is a file; expected a preset")
+    _usage_error(capsys, prefill.main, ["--model", str(config.parent)],
+                 f"argument --model: invalid model config {config}: field 'rope_theta' must be a positive number")
+    truncated = checkpoints / "truncated"
+    _usage_error(capsys, prefill.main, ["--model", str(truncated)],
+                 f"--model {truncated}: cannot read safetensors file {truncated / 'model.safetensors'}")
+
+
+def test_prefill_valid_flags_unchanged(capsys, checkpoints):
+    prefill.main(["--model", str(checkpoints / "good"), "--lengths", "3,,4", "--repeat", "1", "--continue-tokens", "0"])
+    out = capsys.readouterr().out
+    record = json.loads(out.strip().splitlines()[-1])
+    assert record["tokens"] == 7 and record["continued"] == [] and "median" in out and "over 1 runs" in out
+
+
+@pytest.mark.parametrize("argv, message", MODEL_FLAGS + [
+    (["--batch-sizes", "64", "--token-counts", "32"], "no bucket: every batch size exceeds every token count"),
+    (["--batch-sizes", "0"], "argument --batch-sizes: expected comma-separated positive integers, got '0'"),
+    (["--token-counts", "1.5"], "argument --token-counts: expected comma-separated positive integers"),
+    (["--blocks", "0"], "argument --blocks: expected a positive integer, got '0'"),
+    (["--slots", "-1"], "argument --slots: expected a positive integer, got '-1'"),
+])
+def test_warmup_flags(capsys, tmp_path, argv, message):
+    _usage_error(capsys, warmup.main, argv + ["--cache-dir", str(tmp_path / "cache")], message)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_warmup_cache_dir_is_a_file(capsys, tmp_path):
+    (tmp_path / "file").write_text("")
+    _usage_error(capsys, warmup.main, ["--cache-dir", str(tmp_path / "file")], "is a file; expected a folder")
+
+
+@pytest.mark.parametrize("argv, message", MODEL_FLAGS + [
+    (["-B", "0"], "argument -B/--batch-size: expected a positive integer, got '0'"),
+    (["-T", "x"], "argument -T/--tokens: expected a positive integer, got 'x'"),
+    (["--block-size", "-64"], "argument --block-size: expected a positive integer, got '-64'"),
+    (["--max-context", "0"], "argument --max-context: expected a positive integer, got '0'"),
+    (["-o", "/nonexistent/folder/x.onnx"], "argument -o/--output: '/nonexistent/folder/x.onnx': folder "
+                                           "/nonexistent/folder does not exist"),
+    (["--verify", "-B", "8", "--slots", "4"], "--verify needs 14 slots for a bucket of 8 streams; pass --slots 14"),
+    (["--verify", "--dtype", "bfloat16"], "lack bfloat16 and float16: pass --dtype float32"),
+])
+def test_export_onnx_flags(capsys, argv, message):
+    _usage_error(capsys, export_onnx.main, argv, message)
+
+
+def test_output_into_a_folder(capsys, tmp_path):
+    _usage_error(capsys, export_onnx.main, ["-o", str(tmp_path)], "is a folder; expected a file path")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--repeat", "0"], "argument --repeat: expected a positive integer, got '0'"),
+    (["--layers", "0"], "argument --layers: expected a positive integer, got '0'"),
+    (["--workloads", "W1,W9"], "argument --workloads: expected comma-separated names out of W1, W2"),
+    (["--variants", "fast"], "argument --variants: expected comma-separated names out of peer, eager, compiled, graphs"),
+    (["--json", "/nonexistent/r.json"], "argument --json: '/nonexistent/r.json': folder /nonexistent does not exist"),
+    (["--seed", "x"], "argument --seed: expected an integer"),
+])
+def test_bench_flags(capsys, argv, message):
+    _usage_error(capsys, bench.main, argv, message)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tokens", "0"], "argument --tokens: expected comma-separated positive integers, got '0'"),
+    (["--streams", "0"], "argument --streams: expected a positive integer, got '0'"),
+    (["--tokens", "512,2", "--streams", "4"], "--tokens 2 is fewer than --streams 4"),
+    (["--markdown", "/nonexistent/t.md"], "argument --markdown: '/nonexistent/t.md': folder /nonexistent does not"),
+])
+def test_bench_ops_flags(capsys, argv, message):
+    _usage_error(capsys, bench_ops.main, argv, message)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+@pytest.mark.parametrize("main", [bench.main, bench_ops.main])
+def test_gpu_tools_without_gpu(capsys, main):
+    with pytest.raises(SystemExit) as e:
+        main([])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "error: this benchmark needs a CUDA GPU" in err and "Traceback" not in err
