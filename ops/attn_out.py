@@ -48,8 +48,7 @@ def _check(o, gate, residual, o_w, post_norm_w, gate_w, up_w, down_w):
 
 
 def attn_out_ref(o, gate, residual, o_w, post_norm_w, gate_w, up_w, down_w, eps):
-    T = o.shape[0]
-    h = residual + F.linear(o.reshape(T, -1) * torch.sigmoid(gate), o_w)
+    h = residual + F.linear(o.reshape(gate.shape) * torch.sigmoid(gate), o_w)
     return mlp_residual(h, post_norm_w, gate_w, up_w, down_w, eps)
 
 
@@ -57,5 +56,5 @@ def attn_out_ref(o, gate, residual, o_w, post_norm_w, gate_w, up_w, down_w, eps)
 def attn_out_cuda(o, gate, residual, o_w, post_norm_w, gate_w, up_w, down_w, eps):
     """o_proj with the residual add in the GEMM epilogue, then the Triton / cuBLAS MLP tail."""
     _check(o, gate, residual, o_w, post_norm_w, gate_w, up_w, down_w)
-    h = torch.addmm(residual, o.reshape(o.shape[0], -1) * torch.sigmoid(gate), o_w.t())
+    h = torch.addmm(residual, o.reshape(gate.shape) * torch.sigmoid(gate), o_w.t())
     return kernels.mlp_residual(h, post_norm_w, gate_w, up_w, down_w, eps)

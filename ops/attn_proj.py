@@ -82,14 +82,15 @@ def apply_rope(x, cos, sin):
 
 def attn_proj_ref(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_freq, head_dim, eps):
     T, HD = x.shape[0], head_dim
+    HQ, HKV = q_w.shape[0] // (2 * HD), k_w.shape[0] // HD  # explicit sizes: no -1 with T = 0
     h = rms_norm(x, norm_w, eps)
-    qg = F.linear(h, q_w).view(T, -1, 2 * HD)
-    q, gate = qg[..., :HD], qg[..., HD:].reshape(T, -1)
-    k = F.linear(h, k_w).view(T, -1, HD)
-    v = F.linear(h, v_w).view(T, -1, HD)
+    qg = F.linear(h, q_w).view(T, HQ, 2 * HD)
+    q, gate = qg[..., :HD], qg[..., HD:].clone(memory_format=torch.contiguous_format).view(T, HQ * HD)
+    k = F.linear(h, k_w).view(T, HKV, HD)
+    v = F.linear(h, v_w).view(T, HKV, HD)
     q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
     cos, sin = rope_cos_sin(positions, inv_freq, x.dtype)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous(), gate.contiguous()
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
 
 
 @attn_proj.register_kernel("cuda")
@@ -98,8 +99,13 @@ def attn_proj_cuda(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_
     _check(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_freq, head_dim)
     T, HD = x.shape[0], head_dim
     QG, KV = q_w.shape[0], k_w.shape[0]
+    HQ, HKV = QG // (2 * HD), KV // HD
     y = kernels.rms_norm(x, norm_w, eps) @ kernels.stacked(q_w, k_w, v_w).t()
-    qg = y[:, :QG].view(T, -1, 2 * HD)
+    qg = y[:, :QG].view(T, HQ, 2 * HD)
     q = kernels.head_norm_rope(qg[..., :HD], q_norm_w, positions, inv_freq, eps)
-    k = kernels.head_norm_rope(y[:, QG:QG + KV].view(T, -1, HD), k_norm_w, positions, inv_freq, eps)
-    return q, k, y[:, QG + KV:].reshape(T, -1, HD).contiguous(), qg[..., HD:].reshape(T, -1)
+    k = kernels.head_norm_rope(y[:, QG:QG + KV].view(T, HKV, HD), k_norm_w, positions, inv_freq, eps)
+    # v and gate are copied out of y (outputs may not alias one another): explicitly, since with
+    # T <= 1 (or HQ = 1 for the gate) reshape / contiguous would return views of y
+    fresh = torch.contiguous_format
+    v = y[:, QG + KV:].view(T, HKV, HD).clone(memory_format=fresh)
+    return q, k, v, qg[..., HD:].clone(memory_format=fresh).view(T, HQ * HD)

@@ -135,7 +135,7 @@ def causal_conv1d_triton(x, weight, cu_seqlens, slot_ids, conv_state):
         _conv1d_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
             x, weight, y, conv_state, tok_stream, cu_seqlens, slot_ids, T, C, B, x.stride(0),
             conv_state.stride(0), conv_state.stride(1), W=W, BT=BT, BC=BC)
-    if B:
+    if B and W > 1:  # with W = 1 there is no state
         _conv1d_state_kernel[(B, triton.cdiv(C, BC))](
             x, conv_state, cu_seqlens, slot_ids, C, x.stride(0), conv_state.stride(0), conv_state.stride(1),
             W=W, WP=triton.next_power_of_2(W - 1), BC=BC)

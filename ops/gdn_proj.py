@@ -74,5 +74,7 @@ def gdn_proj_cuda(x, norm_w, qkv_w, z_w, b_w, a_w, A_log, dt_bias, eps):
     y = kernels.rms_norm(x, norm_w, eps) @ kernels.stacked(qkv_w, z_w, b_w, a_w).t()
     beta = torch.sigmoid(y[:, C + Z:C + Z + HV])
     g = -A_log.float().exp() * F.softplus(y[:, C + Z + HV:].float() + dt_bias.float())
-    # outputs of a custom op may not alias one another: the two big ones are copied out of y
-    return y[:, :C].contiguous(), y[:, C:C + Z].contiguous(), beta, g
+    # outputs of a custom op may not alias one another: the two big ones are copied out of y. Not
+    # .contiguous(): with T <= 1 a column slice of y is already contiguous and would come back as a view
+    fresh = torch.contiguous_format
+    return y[:, :C].clone(memory_format=fresh), y[:, C:C + Z].clone(memory_format=fresh), beta, g

@@ -106,8 +106,8 @@ def l2norm(x: Tensor, eps: float) -> Tensor:
 
 # Per-head RMSNorm + partial rotate-half RoPE (attention q / k) ---------------------------------
 @triton.jit
-def _head_norm_rope_kernel(x_ptr, w_ptr, pos_ptr, inv_freq_ptr, y_ptr, NH, HD, stride_t, stride_h, eps,
-                           HALF: tl.constexpr, BLOCK: tl.constexpr):
+def _head_norm_rope_kernel(x_ptr, w_ptr, pos_ptr, inv_freq_ptr, y_ptr, NH, HD, HALF, stride_t, stride_h, eps,
+                           BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     t, h = row // NH, row % NH
     cols = tl.arange(0, BLOCK)
@@ -118,33 +118,32 @@ def _head_norm_rope_kernel(x_ptr, w_ptr, pos_ptr, inv_freq_ptr, y_ptr, NH, HD, s
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HD + eps)
     dtype = y_ptr.dtype.element_ty
     n = (x * rstd * (1.0 + w)).to(dtype)  # transformers: normed q/k in the model dtype
-    dst = y_ptr + row * HD
-    tl.store(dst + cols, n, mask=m & (cols >= 2 * HALF))
-    # rotate the first 2*HALF channels: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
-    i = tl.arange(0, HALF)
+    # rotate the first 2*HALF channels: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). Each channel
+    # reads its partner in the other half (a second, gathering load), so HALF can be any size.
+    rot = cols < 2 * HALF
+    first = cols < HALF
+    partner = tl.where(first, cols + HALF, cols - HALF)
+    xp = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+    n_partner = (xp * rstd * (1.0 + wp)).to(dtype).to(tl.float32)
     pos = tl.load(pos_ptr + t).to(tl.float32)
-    ang = pos * tl.load(inv_freq_ptr + i)
+    ang = pos * tl.load(inv_freq_ptr + tl.where(first, cols, cols - HALF), mask=rot, other=0.0)
     cos, sin = tl.cos(ang).to(dtype).to(tl.float32), tl.sin(ang).to(dtype).to(tl.float32)
-    wi1 = tl.load(w_ptr + i).to(tl.float32)
-    wi2 = tl.load(w_ptr + HALF + i).to(tl.float32)
-    x1 = (tl.load(src + i).to(tl.float32) * rstd * (1.0 + wi1)).to(dtype).to(tl.float32)
-    x2 = (tl.load(src + HALF + i).to(tl.float32) * rstd * (1.0 + wi2)).to(dtype).to(tl.float32)
-    tl.store(dst + i, (x1 * cos - x2 * sin).to(dtype))
-    tl.store(dst + HALF + i, (x2 * cos + x1 * sin).to(dtype))
+    rotated = n.to(tl.float32) * cos + tl.where(first, -n_partner, n_partner) * sin
+    tl.store(y_ptr + row * HD + cols, tl.where(rot, rotated.to(dtype), n), mask=m)
 
 
 def head_norm_rope(x: Tensor, weight: Tensor, positions: Tensor, inv_freq: Tensor, eps: float) -> Tensor:
     """x: [T, N, HD] (strided view allowed) -> contiguous [T, N, HD]: per-head zero-centred RMSNorm,
-    then rotate-half RoPE on the first 2 * len(inv_freq) channels at each token's position."""
+    then rotate-half RoPE on the first R = 2 * len(inv_freq) channels at each token's position.
+    Any even R <= HD."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     T, NH, HD = x.shape
-    half = inv_freq.shape[0]
-    assert half & (half - 1) == 0, "rotary dim / 2 must be a power of two for the Triton kernel"
     y = torch.empty((T, NH, HD), dtype=x.dtype, device=x.device)
     if T:
-        _head_norm_rope_kernel[(T * NH,)](x, weight, positions, inv_freq, y, NH, HD, x.stride(0), x.stride(1),
-                                          eps, HALF=half, BLOCK=triton.next_power_of_2(HD))
+        _head_norm_rope_kernel[(T * NH,)](x, weight, positions, inv_freq, y, NH, HD, inv_freq.shape[0],
+                                          x.stride(0), x.stride(1), eps, BLOCK=triton.next_power_of_2(HD))
     return y
 
 

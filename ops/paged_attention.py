@@ -207,7 +207,7 @@ def paged_attention_triton(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, 
     T, HQ, HD = q.shape
     HKV, BS = k.shape[1], k_cache.shape[1]
     B = cu_seqlens.shape[0] - 1
-    k, v = k.reshape(T, -1), v.reshape(T, -1)
+    k, v = k.reshape(T, HKV * HD), v.reshape(T, HKV * HD)
     k, v = (t if t.stride(1) == 1 else t.contiguous() for t in (k, v))
     block_tables = block_tables.contiguous()
     o = torch.empty((T, HQ, HD), dtype=q.dtype, device=q.device)

@@ -1,5 +1,7 @@
 """Random inputs for every phase op, over shape cases with ragged lengths (not multiples of
-64, a single-token stream, a zero-length padding stream), grouped value heads and dk != dv."""
+64, a single-token stream, a zero-length padding stream, one stream of one token, no tokens at
+all), grouped value heads, dk != dv, and sizes that are not powers of two (head dims, rotary
+dims, head ratios, KV block sizes). Dims stay tiny: opcheck runs every op on every case."""
 
 from __future__ import annotations
 
@@ -29,13 +31,24 @@ class Case:
 
     @property
     def id(self):
-        return f"L{'-'.join(map(str, self.lengths))}-H{self.H}-HV{self.HV}-K{self.K}-V{self.V}"
+        return (f"L{'-'.join(map(str, self.lengths))}-H{self.H}-HV{self.HV}-K{self.K}-V{self.V}"
+                f"-HQ{self.HQ}-HKV{self.HKV}-HD{self.HD}-R{self.R}-W{self.W}-BS{self.BS}")
 
 
 CASES = [
     Case(lengths=(1, 63, 65), context=(0, 5, 0)),
     Case(lengths=(64, 7, 0), context=(3, 0, 0), H=2, HV=2, K=8, V=8, HQ=2, HKV=2),
     Case(lengths=(130,), context=(17,), H=1, HV=3, K=8, V=20, HD=32, R=8),
+    # one stream of one token (T = B = 1, where slices of a GEMM output come back contiguous);
+    # one query head on one KV head; rotary over the whole head
+    Case(lengths=(1,), context=(3,), HQ=1, HKV=1, R=16),
+    # head_dim 48 with rotary dim 12 (rotary / 2 = 6); three query heads on one KV head; blocks of 48
+    Case(lengths=(5, 40), context=(50, 0), HD=48, R=12, HQ=3, HKV=1, BS=48),
+    # dk != dv, neither a power of two, three value heads per key head; HQ == HKV; head_dim 24 with
+    # rotary dim 2 (rotary / 2 = 1); conv width 2; blocks of 32
+    Case(lengths=(70, 3), context=(0, 29), H=1, HV=3, K=24, V=40, HQ=2, HKV=2, HD=24, R=2, W=2, BS=32),
+    # no tokens at all: every stream is zero-length padding
+    Case(lengths=(0, 0), context=(0, 0)),
 ]
 
 
@@ -83,7 +96,10 @@ def op_args(name: str, case: Case, dtype: torch.dtype, seed: int = 0) -> tuple:
         return (_rand(T, 2 * case.H, case.K, dtype=dtype, g=g),)
     if name == "gdn_recurrence":
         qk = torch.nn.functional.normalize(torch.randn(T, 2 * case.H, case.K, generator=g), dim=-1).to(dtype)
-        return (qk[:, : case.H], qk[:, case.H:], _rand(T, case.HV, case.V, dtype=dtype, g=g),
+        q, k = qk[:, : case.H], qk[:, case.H:]  # strided views, as the model passes them
+        if T == 0:  # except when empty: opcheck's input clone sizes an empty strided view at < 0 elements
+            q, k = q.clone(memory_format=torch.contiguous_format), k.clone(memory_format=torch.contiguous_format)
+        return (q, k, _rand(T, case.HV, case.V, dtype=dtype, g=g),
                 -torch.rand(T, case.HV, generator=g) * 0.5, torch.rand(T, case.HV, generator=g).to(dtype),
                 cu, slots, torch.randn(case.num_slots + 1, case.HV, case.K, case.V, generator=g) * 0.1)
     if name == "gdn_out":

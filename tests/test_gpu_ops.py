@@ -1,6 +1,7 @@
 """On a GPU: every phase op's CUDA path against its CPU reference on upcast inputs (9B head
-dims, ragged lengths up to 4097, with and without prior state), and every op captured alone in
-a CUDA graph, replayed with other lengths and slots of the same bucket."""
+dims, ragged lengths up to 4097, with and without prior state; then head, rotary and block sizes
+that are not powers of two, on the real fla recurrence), and every op captured alone in a CUDA
+graph, replayed with other lengths and slots of the same bucket."""
 
 from dataclasses import replace
 
@@ -10,7 +11,7 @@ import torch
 from helpers import assert_close
 from metrale_graph import ops
 from op_cases import Case, op_args
-from test_kernels import TOL, _clone, _outputs, _upcast
+from test_kernels import TOL, _clone, _outputs, _upcast, assert_no_aliasing
 
 pytestmark = pytest.mark.gpu
 
@@ -19,23 +20,51 @@ BIG = Case(lengths=(1, 63, 64, 65, 1000, 4097), context=(0, 0, 0, 0, 0, 0), H=2,
 BIG_CASES = [BIG, replace(BIG, context=(5, 0, 130, 64, 2000, 1))]
 # same bucket (B=6, T=5290) as BIG, other lengths, a zero-length padding stream, other slots
 REPLAY = replace(BIG, lengths=(2000, 0, 1, 3017, 200, 72), context=(0, 0, 77, 3, 640, 1000))
+# Sizes that are not powers of two, at moderate lengths: head_dim 48 / 72 / 80 / 96 with rotary
+# dims 12 / 18 / 20 / 40; GDN dk != dv among 48 / 80 / 96 / 136 / 200 (200: all four of fla's
+# 64-row state tiles, the last one partial); value / key head ratios 1..4; query / KV head ratios
+# 1 (HQ == HKV), 3, 4 (one KV head); KV blocks of 16 / 32 / 48 / 256; conv widths 2..4; one
+# stream of one token; a zero-length padding stream.
+ODD_CASES = [
+    Case(lengths=(1,), context=(0,), H=2, HV=2, K=48, V=80, D=128, I=192, HQ=2, HKV=2, HD=48, R=12, W=4, BS=16,
+         num_blocks=8),
+    Case(lengths=(63, 65, 300, 1), context=(0, 7, 0, 40), H=2, HV=6, K=80, V=96, D=192, I=320, HQ=4, HKV=1,
+         HD=80, R=20, W=3, BS=48, num_blocks=28),
+    Case(lengths=(1, 300, 0, 65), context=(129, 0, 0, 0), H=1, HV=4, K=96, V=48, D=128, I=256, HQ=8, HKV=2,
+         HD=96, R=40, W=2, BS=256, num_blocks=8),
+    Case(lengths=(300, 63), context=(0, 5), H=4, HV=8, K=200, V=136, D=256, I=384, HQ=6, HKV=2, HD=72, R=18,
+         W=4, BS=32, num_blocks=20),
+]
 
 
-@pytest.mark.parametrize("case", BIG_CASES, ids=["fresh", "prior-state"])
-@pytest.mark.parametrize("name", list(ops.ALL_OPS))
-def test_cuda_op_matches_reference(name, case):
+def check_cuda_op(name, case):
+    """The op on CUDA (through the dispatcher) against its CPU reference on upcast inputs: outputs,
+    mutated pools, and outputs that alias nothing."""
     args = op_args(name, case, torch.bfloat16, seed=1)
     ref_args = _upcast(_clone(args, "cpu"))
     cuda_args = _clone(args, "cuda")
     before = _clone(cuda_args, "cuda")
     ref = _outputs(ops.ALL_OPS[name](*ref_args))
     out = _outputs(ops.ALL_OPS[name](*cuda_args))
+    assert_no_aliasing(name, out, cuda_args)
     for i, (r, o) in enumerate(zip(ref, out)):
         assert o.is_cuda
         assert_close(f"{name} output {i}", r, o.cpu(), TOL[torch.bfloat16])
     for i, (r, a, b) in enumerate(zip(ref_args, cuda_args, before)):
         if isinstance(a, torch.Tensor) and a.is_floating_point() and not torch.equal(a, b):
             assert_close(f"{name} mutated arg {i}", r, a.cpu(), TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("case", BIG_CASES, ids=["fresh", "prior-state"])
+@pytest.mark.parametrize("name", list(ops.ALL_OPS))
+def test_cuda_op_matches_reference(name, case):
+    check_cuda_op(name, case)
+
+
+@pytest.mark.parametrize("case", ODD_CASES, ids=[c.id for c in ODD_CASES])
+@pytest.mark.parametrize("name", list(ops.ALL_OPS))
+def test_cuda_op_odd_shapes_match_reference(name, case):
+    check_cuda_op(name, case)
 
 
 @pytest.mark.parametrize("name", list(ops.ALL_OPS))

@@ -11,9 +11,11 @@ import importlib
 import pytest
 import torch
 
-from helpers import assert_close
+from helpers import assert_close, tiny_config
 from metrale_graph import ops
+from metrale_graph.config import FULL
 from metrale_graph.ops import kernels
+from metrale_graph.ops.limits import check_supported
 from op_cases import CASES, op_args
 
 # the op modules (the package exports the ops themselves under the same names)
@@ -90,6 +92,40 @@ def test_aligned_layout_chunk_count_is_fixed():
     assert len(shapes) == 1
 
 
+def _shares_memory(a, b):
+    """Same storage (what torch's custom-op alias check compares: empty views count too), or, for
+    non-empty tensors, the same storage address."""
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    return sa._cdata == sb._cdata or (a.numel() > 0 and b.numel() > 0 and sa.data_ptr() == sb.data_ptr())
+
+
+def assert_no_aliasing(name, outputs, inputs):
+    """No output shares memory with another output or with any input (custom-op contract)."""
+    inputs = [a for a in inputs if isinstance(a, torch.Tensor)]
+    for i, o in enumerate(outputs):
+        for j, other in enumerate(outputs[i + 1:], i + 1):
+            assert not _shares_memory(o, other), f"{name}: outputs {i} and {j} share memory"
+        for j, a in enumerate(inputs):
+            assert not _shares_memory(o, a), f"{name}: output {i} shares memory with tensor input {j}"
+
+
+REFERENCES = {name: getattr(MODULES[name], f"{name}_ref") for name in MODULES}
+CUDA_PATHS = dict(CUDA_IMPLS, gdn_recurrence=lambda *args: gdn_recurrence.gdn_recurrence_aligned(
+    *args, _reference_varlen))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("impl", ["reference", "cuda"])
+@pytest.mark.parametrize("name", list(ops.ALL_OPS))
+def test_outputs_alias_nothing(name, impl, case):
+    """Fresh outputs from the CPU reference and the CUDA path (recurrence: its aligned layout) for
+    every case; T = 1 and T = 0 are where a slice or reshape of one GEMM output comes back as a view.
+    fp32 only: there dtype casts are no-ops that could hand back their input."""
+    args = _clone(op_args(name, case, torch.float32))
+    fn = (REFERENCES if impl == "reference" else CUDA_PATHS)[name]
+    assert_no_aliasing(f"{name} ({impl})", _outputs(fn(*args)), args)
+
+
 def test_stacked_is_a_view_of_adjacent_weights():
     buf = torch.randn(10, 4)
     a, b = buf[:3], buf[3:]
@@ -99,3 +135,12 @@ def test_stacked_is_a_view_of_adjacent_weights():
     flat = torch.randn(40)  # adjacent in memory but separate tensors: no view across storages
     e, f = torch.randn(3, 4), flat[:28].view(7, 4)
     assert torch.equal(kernels.stacked(e, f), torch.cat([e, f]))
+
+
+def test_check_supported_rejects_only_fla_key_dims():
+    """Odd head / rotary dims and ratios pass; a GDN key head dim above fla's 256 is named with its range."""
+    check_supported(tiny_config(head_dim=48, partial_rotary_factor=0.25, num_key_value_heads=1,
+                                linear_num_value_heads=6, linear_key_head_dim=256, linear_value_head_dim=40))
+    with pytest.raises(ValueError, match=r"linear_key_head_dim 264 .* key head dims 1\.\.256"):
+        check_supported(tiny_config(linear_key_head_dim=264))
+    check_supported(tiny_config(linear_key_head_dim=264, layer_types=(FULL,) * 4))  # no GDN layer
