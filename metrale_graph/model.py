@@ -20,6 +20,7 @@ from .batch import PackedBatch, Stream, pack, validate
 from .cache import HybridCache
 from .config import LINEAR, ModelConfig, PRESETS, load_config
 from .ops.common import rms_norm
+from .ops.limits import check_supported
 from .weights import load_checkpoint, random_weights, save_checkpoint, stack_projections, weight_shapes
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -47,6 +48,8 @@ class HybridModel(nn.Module):
     def _set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Register `weights` as parameters, each layer's projections stacked in one buffer
         (weights.STACKED_GROUPS), and the fp32 RoPE frequencies on their device."""
+        if weights["embed_tokens.weight"].device.type == "cuda":
+            check_supported(self.config)  # a shape the CUDA path cannot run: ValueError now, not at prefill
         weights = stack_projections(dict(weights), self.config)
         for name, tensor in weights.items():
             *path, leaf = name.split(".")
