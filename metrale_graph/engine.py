@@ -36,7 +36,7 @@ import torch
 
 from .batch import Stream
 from .model import HybridModel
-from .sampling import SamplingParams, check_params, new_generator, sample
+from .sampling import check_params, new_generator, sample
 from .scheduler import Request, Scheduler
 from .tokenizer import default_stop_ids, resolve_tokenizer
 
