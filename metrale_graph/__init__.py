@@ -6,6 +6,9 @@ Public API::
     model = HybridModel.from_pretrained(path, dtype=torch.bfloat16, device="cuda")
     cache = model.new_cache(num_slots=64, num_blocks=4096)
     logits = model.prefill(cache, [Stream(slot=0, tokens=[...]), Stream(slot=5, tokens=[...])])
+
+    from metrale_graph import Engine
+    results = Engine(model, num_slots=64).generate(prompts, max_new_tokens=128)
 """
 
 import os as _os
@@ -24,5 +27,7 @@ from .config import ModelConfig, PRESETS, load_config  # noqa: E402
 from .batch import Stream  # noqa: E402
 from .cache import HybridCache  # noqa: E402
 from .model import HybridModel  # noqa: E402
+from .engine import Engine, GenerationResult, TokenEvent  # noqa: E402
 
-__all__ = ["HybridModel", "HybridCache", "ModelConfig", "PRESETS", "Stream", "load_config"]
+__all__ = ["HybridModel", "HybridCache", "ModelConfig", "PRESETS", "Stream", "load_config", "Engine",
+           "GenerationResult", "TokenEvent"]

@@ -97,8 +97,10 @@ class HybridModel(nn.Module):
         if not os.path.isdir(path):
             raise ValueError(f"checkpoint folder {path!r} does not exist")
         config = load_config(path)
-        return cls(config, load_checkpoint(path, config, dtype, torch.device(device), progress=progress,
-                                           check_finite=check_finite))
+        model = cls(config, load_checkpoint(path, config, dtype, torch.device(device), progress=progress,
+                                            check_finite=check_finite))
+        model.name_or_path = path  # where the Engine looks for a tokenizer and generation_config.json
+        return model
 
     @classmethod
     def from_preset(cls, preset: str | ModelConfig = "tiny", dtype: torch.dtype = torch.float32, device="cpu",

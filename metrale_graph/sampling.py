@@ -1,0 +1,90 @@
+"""Next-token sampling on the device: greedy, temperature, top-k, top-p, batched over rows.
+
+Each request draws with its own generator, so its tokens do not depend on what else shares the
+batch. The generators live on the CPU and each gives one uniform number per sampled row per
+step; everything else (temperature, the top-k and top-p masks, the inverse-CDF draw) runs on
+the logits' device for all rows at once. Greedy rows (temperature 0) take the argmax and draw
+nothing.
+
+Order of the processing, as transformers' `generate` applies it: temperature, then top-k, then
+top-p (the smallest set of most likely tokens whose probability reaches top_p, at least one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0: greedy; top_k 0: no top-k; top_p 1.0: no top-p."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def check_params(temperature, top_k, top_p) -> SamplingParams:
+    """SamplingParams from user values; ValueError naming a bad one."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            0.0 <= temperature < float("inf")):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0: off), got {top_k!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    return SamplingParams(float(temperature), top_k, float(top_p))
+
+
+def new_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator seeded with `seed`, or from the OS's entropy when seed is None."""
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of `logits` [n, vocab] (int64 [n], on the logits' device). Row i uses
+    params[i]; a sampled row draws one uniform number from generators[i] (greedy rows: None)."""
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return greedy
+    dev, vocab = logits.device, logits.shape[-1]
+    uniforms = torch.cat([torch.rand(1, generator=generators[i]) for i in rows])
+    temps = torch.tensor([params[i].temperature for i in rows])
+    top_k = torch.tensor([params[i].top_k or vocab for i in rows]).clamp(max=vocab)
+    top_p = torch.tensor([params[i].top_p if params[i].top_p < 1.0 else 2.0 for i in rows])  # 1.0: no mask
+    index = torch.tensor(rows)
+    probs, order = _sorted_probs(logits[index.to(dev)], temps.to(dev), top_k.to(dev), top_p.to(dev))
+    cdf = probs.cumsum(dim=-1)
+    target = uniforms.to(dev).unsqueeze(1) * cdf[:, -1:]
+    pos = torch.searchsorted(cdf, target, right=True)
+    kept = (probs > 0).sum(dim=-1, keepdim=True)
+    pos = torch.minimum(pos, kept - 1)  # rounding: u * total can reach the last kept entry's cdf
+    out = greedy.clone()
+    out[index.to(dev)] = order.gather(1, pos).squeeze(1)
+    return out
+
+
+def _sorted_probs(logits, temps, top_k, top_p):
+    """Probabilities over each row's tokens sorted by decreasing logit, masked by top-k and top-p
+    (not renormalized), and the sort order."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    sorted_logits = sorted_logits / temps.unsqueeze(1)
+    rank = torch.arange(logits.shape[-1], device=logits.device)
+    sorted_logits = sorted_logits.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # probability of the more likely tokens
+    probs = probs.masked_fill(before >= top_p.unsqueeze(1), 0.0)  # the first token always stays
+    return probs, order

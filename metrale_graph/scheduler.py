@@ -1,0 +1,136 @@
+"""Continuous batching with chunked prefill: which streams go into each step (host side only).
+
+Policy, one step at a time (each step is one call of the captured prefill step):
+
+1. Decodes first: every running request whose prompt is fully prefilled feeds its last sampled
+   token (a one-token stream).
+2. Then prompt chunks, first come first served, under what is left of the token budget: the
+   requests already admitted whose prompt is partly prefilled, then waiting requests, admitted
+   in arrival order while a slot is free and their worst-case KV blocks can be reserved. A
+   prompt longer than what is left of the budget goes in this step's remainder and continues
+   in the next steps (chunked prefill); only its last chunk's logits are sampled.
+3. A finished request gives its slot back at once (cache.reset), so a waiting one can take it
+   in the next step.
+
+Admission is strict FIFO (a request that does not fit blocks the ones behind it, so none
+starves). Its reservation is the KV blocks of everything it can ever feed: prompt + new tokens
+- 1 (the last sampled token is never fed), the new tokens already capped by max_context. A
+request is admitted only when the free blocks, minus what the running requests may still take,
+hold its reservation, so a step never runs out of blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import HybridCache
+from .sampling import SamplingParams
+
+
+@dataclass(eq=False)
+class Request:
+    index: int  # position in the caller's list of prompts
+    prompt: list[int]
+    max_new: int  # already capped so that prompt + new tokens <= max_context
+    params: SamplingParams
+    generator: torch.Generator | None  # None: greedy
+    slot: int | None = None
+    fed: int = 0  # prompt tokens in the cache
+    out: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    first_token_s: float | None = None
+
+    @property
+    def prefilled(self) -> bool:
+        return self.fed == len(self.prompt)
+
+    @property
+    def kv_tokens(self) -> int:
+        """The most tokens this request ever puts in its slot."""
+        return len(self.prompt) + self.max_new - 1
+
+
+@dataclass
+class Chunk:
+    """One stream of a step: `tokens` for `request`'s slot; `sample`: its logits give a new token."""
+    request: Request
+    tokens: list[int]
+    sample: bool
+
+
+class Scheduler:
+    def __init__(self, cache: HybridCache, token_budget: int):
+        self.cache, self.token_budget = cache, token_budget
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admitted (holding a slot), in admission order
+        self.free_slots = list(range(cache.num_slots))
+
+    def blocks_for(self, request: Request) -> int:
+        return -(-request.kv_tokens // self.cache.block_size)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting and not self.running
+
+    def plan(self) -> list[Chunk]:
+        """The next step's streams (decodes first, then prompt chunks); admits waiting requests."""
+        budget = self.token_budget
+        step = [Chunk(r, [r.out[-1]], True) for r in self.running if r.prefilled]  # <= slots <= budget
+        budget -= len(step)
+        for r in self.running:
+            if budget > 0 and not r.prefilled:
+                budget -= self._chunk(r, budget, step)
+        while budget > 0 and self.waiting and self.free_slots and self._fits(self.waiting[0]):
+            r = self.waiting.popleft()
+            r.slot = self.free_slots.pop(0)
+            self.running.append(r)
+            budget -= self._chunk(r, budget, step)
+        if not step:
+            raise RuntimeError("the scheduler has requests but could not plan a step (the cache is held "
+                               "by something other than this engine)")
+        return step
+
+    def _chunk(self, r: Request, budget: int, step: list[Chunk]) -> int:
+        n = min(len(r.prompt) - r.fed, budget)
+        step.append(Chunk(r, r.prompt[r.fed:r.fed + n], r.fed + n == len(r.prompt)))
+        return n
+
+    def _fits(self, r: Request) -> bool:
+        bs = self.cache.block_size
+        pending = sum(self.blocks_for(q) - -(-self.cache.context_lens[q.slot] // bs) for q in self.running)
+        return self.blocks_for(r) <= self.cache.free_blocks - pending
+
+    def advance(self, step: list[Chunk]) -> None:
+        """The step ran: count the prompt tokens it fed."""
+        for c in step:
+            if not c.request.prefilled:
+                c.request.fed += len(c.tokens)
+
+    def finish(self, r: Request, reason: str) -> None:
+        """End `r`: free its slot at once."""
+        r.finish_reason = reason
+        self.running.remove(r)
+        self._release(r)
+
+    def release_all(self) -> None:
+        """Give every held slot back (after a failure or an abandoned stream). Best effort: a reset
+        that fails (a cache left unusable by the failure) does not hide the original error."""
+        while self.running:
+            try:
+                self._release(self.running.pop())
+            except Exception:
+                pass
+
+    def _release(self, r: Request) -> None:
+        slot, r.slot = r.slot, None
+        try:
+            self.cache.reset(slot)
+        finally:
+            self.free_slots.append(slot)
+            self.free_slots.sort()

@@ -1,0 +1,75 @@
+"""Finding the engine's tokenizer and default stop tokens in a checkpoint folder.
+
+A tokenizer is optional: without one the engine takes and returns token ids only. transformers
+(`AutoTokenizer`) loads it from a folder; it is needed only when a folder holds tokenizer files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer_files(folder) -> bool:
+    return isinstance(folder, (str, os.PathLike)) and os.path.isdir(folder) and any(
+        os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES)
+
+
+def resolve_tokenizer(tokenizer, model):
+    """The tokenizer to use: `tokenizer` itself (an object with encode/decode), loaded from a folder
+    path, or, when None, from the folder the model was loaded from (`model.name_or_path`) if it
+    holds tokenizer files; else None. An explicit tokenizer that cannot be loaded raises
+    ValueError; an automatic one that cannot warns and gives None."""
+    if tokenizer is None:
+        folder = getattr(model, "name_or_path", None)
+        if not has_tokenizer_files(folder):
+            return None
+        try:
+            return _load(folder)
+        except Exception as e:  # the model still runs on token ids
+            warnings.warn(f"no tokenizer: loading the one in {folder!r} failed ({type(e).__name__}: {e})")
+            return None
+    if isinstance(tokenizer, (str, os.PathLike)):
+        if not os.path.isdir(tokenizer):
+            raise ValueError(f"tokenizer folder {str(tokenizer)!r} does not exist")
+        try:
+            return _load(tokenizer)
+        except Exception as e:
+            raise ValueError(f"could not load a tokenizer from {str(tokenizer)!r}: {type(e).__name__}: {e}") from e
+    if not (callable(getattr(tokenizer, "encode", None)) and callable(getattr(tokenizer, "decode", None))):
+        raise ValueError(f"tokenizer must be a folder path or an object with encode() and decode(), "
+                         f"got {type(tokenizer).__name__}")
+    return tokenizer
+
+
+def _load(folder):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def default_stop_ids(model, tokenizer) -> list[int]:
+    """What transformers' generate stops on by default: `eos_token_id` of the model folder's
+    generation_config.json (an int or a list), else of config.json, else the tokenizer's eos
+    token; [] when there is none."""
+    folder = getattr(model, "name_or_path", None)
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(folder, name) if isinstance(folder, (str, os.PathLike)) else None
+        if path and os.path.isfile(path):
+            try:
+                with open(path) as f:
+                    eos = json.load(f).get("eos_token_id")
+            except (OSError, ValueError, AttributeError):
+                eos = None
+            if eos is not None:
+                return _ints(eos)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return _ints(eos) if eos is not None else []
+
+
+def _ints(value) -> list[int]:
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]

@@ -1,0 +1,326 @@
+"""The generation engine on the CPU: greedy generation against transformers' generate (queued
+requests, reused slots, chunked prompts, stop tokens), batch independence and seeded sampling,
+bad requests, max_context, streaming, tokenizers; one test through the compiled GraphRunner."""
+
+import json
+
+import pytest
+import torch
+
+from helpers import hf_reference, random_tokens, tiny_config
+from metrale_graph import Engine, HybridModel, TokenEvent
+from metrale_graph.engine import EngineBusyError, default_grid
+from metrale_graph.sampling import SamplingParams, new_generator, sample
+
+LENGTHS = [5, 37, 1, 70, 12]  # 70 and 37 tokens exceed the budget of 16: chunked
+NEW = 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads, and many small steps on busy cores lose a lot
+    to them (x20 on a shared 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _hf_generate(hf, prompt, n, **kw):
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, **kw)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A random transformers model saved as a checkpoint, our model loaded from it, the prompts,
+    and transformers' greedy tokens for each prompt alone (no eos: nothing stops early)."""
+    cfg = tiny_config()
+    hf = hf_reference(cfg)
+    folder = tmp_path_factory.mktemp("ckpt")
+    hf.save_pretrained(folder)
+    model = HybridModel.from_pretrained(str(folder), progress=False)
+    prompts = [random_tokens(n, seed=10 + i, vocab=cfg.vocab_size) for i, n in enumerate(LENGTHS)]
+    expected = [_hf_generate(hf, p, NEW) for p in prompts]
+    return dict(cfg=cfg, hf=hf, folder=folder, model=model, prompts=prompts, expected=expected)
+
+
+def _record_steps(engine, monkeypatch):
+    """Every step's streams as (slot, number of tokens)."""
+    steps, real = [], engine._prefill
+
+    def spy(streams):
+        steps.append([(s.slot, len(s.tokens)) for s in streams])
+        return real(streams)
+
+    monkeypatch.setattr(engine, "_prefill", spy)
+    return steps
+
+
+def _assert_cache_empty(engine):
+    cache = engine.cache
+    assert cache.context_lens == [0] * cache.num_slots and cache.free_blocks == cache.num_blocks
+
+
+def _check_greedy_against_hf(engine, checkpoint, monkeypatch):
+    steps = _record_steps(engine, monkeypatch)
+    results = engine.generate(checkpoint["prompts"], max_new_tokens=NEW)
+    for i, (r, want) in enumerate(zip(results, checkpoint["expected"])):
+        assert r.token_ids == want, f"prompt {i} (length {LENGTHS[i]})"
+        assert r.finish_reason == "length" and r.text is None and r.prompt_tokens == LENGTHS[i]
+    assert all(len(s) <= engine.num_slots and sum(n for _, n in s) <= engine.token_budget for s in steps)
+    assert any(n > 1 and sum(m for _, m in s) == engine.token_budget for s in steps for _, n in s)  # chunks
+    assert any(n == 1 for s in steps for _, n in s if len(s) > 1)  # decodes share steps with chunks
+    assert len(steps) < sum(LENGTHS) + len(LENGTHS) * NEW  # batched
+    _assert_cache_empty(engine)
+    return steps
+
+
+def test_greedy_matches_transformers_queued_and_chunked(checkpoint, monkeypatch):
+    """5 prompts on 2 slots (queueing, slots reused), budget 16 (prompts of 37 and 70 tokens chunked):
+    each request's tokens are transformers' greedy generate of that prompt alone."""
+    engine = Engine(checkpoint["model"], num_slots=2, token_budget=16, block_size=16, max_context=128,
+                    compile=False)
+    steps = _check_greedy_against_hf(engine, checkpoint, monkeypatch)
+    assert {slot for s in steps for slot, _ in s} == {0, 1}
+
+
+def test_compiled_runner_matches_transformers(checkpoint, monkeypatch):
+    """The default path: the GraphRunner's compiled step (on the CPU, no graphs) on the default grid."""
+    engine = Engine(checkpoint["model"], num_slots=3, token_budget=16, block_size=16, max_context=128)
+    assert engine.runner is not None and not engine.runner.use_graphs
+    calls = []
+    real = engine.runner.prefill
+    monkeypatch.setattr(engine.runner, "prefill", lambda streams: calls.append(len(streams)) or real(streams))
+    steps = _check_greedy_against_hf(engine, checkpoint, monkeypatch)
+    assert len(calls) == len(steps)  # each step is one call of the runner
+
+
+def test_stop_token_matches_transformers(checkpoint, tmp_path):
+    """A stop token ends its request with "stop" and is kept, as transformers' generate keeps eos;
+    the other request of the batch goes on to max_new_tokens. The default stop tokens come from
+    generation_config.json."""
+    hf, prompts, expected = checkpoint["hf"], checkpoint["prompts"], checkpoint["expected"]
+    eos = expected[0][3]
+    assert eos not in expected[0][:3] and eos not in expected[1]
+    want = _hf_generate(hf, prompts[0], NEW, eos_token_id=eos, pad_token_id=0)
+    assert want == expected[0][:4]
+    engine = Engine(checkpoint["model"], num_slots=2, token_budget=16, block_size=16, max_context=128,
+                    compile=False)
+    assert engine.stop_token_ids == frozenset()  # the checkpoint names no eos
+    r = engine.generate(prompts[:2], max_new_tokens=NEW, stop_token_ids=[eos])
+    assert r[0].token_ids == want and r[0].finish_reason == "stop"
+    assert r[1].token_ids == expected[1] and r[1].finish_reason == "length"
+    # the eos of generation_config.json is the default, as in transformers' generate
+    hf.generation_config.eos_token_id = eos
+    hf.save_pretrained(tmp_path)
+    hf.generation_config.eos_token_id = None
+    model = HybridModel.from_pretrained(str(tmp_path), progress=False)
+    engine = Engine(model, num_slots=2, block_size=16, max_context=128, compile=False)
+    assert engine.stop_token_ids == {eos}
+    r = engine.generate(prompts[:2], max_new_tokens=NEW)
+    assert r[0].token_ids == want and r[0].finish_reason == "stop" and r[1].token_ids == expected[1]
+    assert engine.generate(prompts[:1], max_new_tokens=NEW, stop_token_ids=[])[0].token_ids == expected[0]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return HybridModel.from_preset("tiny", seed=3)
+
+
+def _prompts(lengths, seed=0):
+    return [random_tokens(n, seed=seed + i) for i, n in enumerate(lengths)]
+
+
+def test_greedy_and_seeded_sampling_are_batch_independent(tiny):
+    """A request's tokens are the same alone and in any batch (greedy, and sampled with seed + its
+    index); the same seed reproduces, another seed differs."""
+    engine = Engine(tiny, num_slots=3, token_budget=12, block_size=16, max_context=96, compile=False)
+    prompts = _prompts([3, 20, 1, 9])
+    greedy = [r.token_ids for r in engine.generate(prompts, max_new_tokens=6)]
+    assert greedy == [engine.generate([p], max_new_tokens=6)[0].token_ids for p in prompts]
+    order = [2, 0, 3, 1]
+    assert [r.token_ids for r in engine.generate([prompts[i] for i in order], max_new_tokens=6)] == \
+        [greedy[i] for i in order]
+    for params in [dict(temperature=0.9), dict(temperature=1.3, top_k=20), dict(temperature=0.8, top_p=0.8),
+                   dict(temperature=1.0, top_k=50, top_p=0.9)]:
+        batched = [r.token_ids for r in engine.generate(prompts, max_new_tokens=6, seed=7, **params)]
+        assert batched == [r.token_ids for r in engine.generate(prompts, max_new_tokens=6, seed=7, **params)]
+        alone = [engine.generate([p], max_new_tokens=6, seed=7 + i, **params)[0].token_ids
+                 for i, p in enumerate(prompts)]
+        assert batched == alone, params
+        other = [r.token_ids for r in engine.generate(prompts, max_new_tokens=6, seed=8, **params)]
+        assert other != batched and batched != greedy
+    _assert_cache_empty(engine)
+
+
+def test_sampling_masks_and_distribution():
+    """sample(): greedy rows take the argmax; top-k and top-p keep only their tokens; the draws follow
+    the tempered distribution; a row's draw does not depend on the other rows."""
+    logits = torch.log(torch.tensor([[0.05, 0.5, 0.3, 0.15], [0.4, 0.1, 0.2, 0.3]]))
+    def draws(p, n=2000):  # row 0 n times, each row with its own generator
+        return sample(logits[:1].expand(n, 4), [p] * n, [new_generator(k) for k in range(n)])
+
+    assert sample(logits, [SamplingParams(), SamplingParams()], [None, None]).tolist() == [1, 0]
+    assert set(draws(SamplingParams(1.0, top_k=2)).tolist()) == {1, 2}
+    assert set(draws(SamplingParams(1.0, top_p=0.75)).tolist()) == {1, 2}  # 0.5 < 0.75 <= 0.8
+    assert set(draws(SamplingParams(1.0, top_p=0.45)).tolist()) == {1}
+    assert set(draws(SamplingParams(5.0, top_k=1)).tolist()) == {1}
+    freq = torch.bincount(draws(SamplingParams(1.0), 4000), minlength=4).float() / 4000
+    assert (freq - torch.tensor([0.05, 0.5, 0.3, 0.15])).abs().max() < 0.04
+    hot = torch.bincount(draws(SamplingParams(0.5), 4000), minlength=4).float() / 4000
+    want = torch.softmax(logits[0] / 0.5, 0)
+    assert (hot - want).abs().max() < 0.04
+    # rows are independent: row 1 with its generator gives the same tokens alone or beside row 0
+    p = SamplingParams(1.0, top_k=3)
+    ga, gb, gc = new_generator(5), new_generator(5), new_generator(9)
+    together = [sample(logits, [p, p], [gc, ga])[1].item() for _ in range(50)]
+    alone = [sample(logits[1:], [p], [gb])[0].item() for _ in range(50)]
+    assert together == alone
+
+
+def test_bad_requests_raise_and_touch_nothing(tiny):
+    engine = Engine(tiny, num_slots=2, token_budget=8, block_size=16, max_context=32, compile=False)
+    before = [t.clone() for t in engine.cache.state_tensors()]
+    ok = [1, 2, 3]
+    cases = [
+        (dict(prompts=[ok, [1, 512]]), "prompt 1: token id 512 is out of range"),
+        (dict(prompts=[[-1]]), "token id -1 is out of range"),
+        (dict(prompts=[ok, []]), "prompt 1 is empty"),
+        (dict(prompts=[[1] * 32]), "must leave room for at least one new token"),
+        (dict(prompts=[[1, 2.0]]), "token 2.0 is not an int"),
+        (dict(prompts=[[1, True]]), "token True is not an int"),
+        (dict(prompts=[torch.tensor([1.0, 2.0])]), "1-D of an integer dtype"),
+        (dict(prompts=[torch.tensor([[1, 2]])]), "1-D of an integer dtype"),
+        (dict(prompts=["hello"]), "no tokenizer"),
+        (dict(prompts="hello"), "list of prompts"),
+        (dict(prompts=[None]), "prompt 0: expected a list of token ids"),
+        (dict(prompts=[ok], max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+        (dict(prompts=[ok], max_new_tokens=2.5), "max_new_tokens must be an integer >= 1"),
+        (dict(prompts=[ok], temperature=-0.1), "temperature must be a finite number >= 0"),
+        (dict(prompts=[ok], temperature=float("nan")), "temperature must be a finite number >= 0"),
+        (dict(prompts=[ok], top_p=0.0), r"top_p must be a number in \(0, 1\]"),
+        (dict(prompts=[ok], top_p=1.5), r"top_p must be a number in \(0, 1\]"),
+        (dict(prompts=[ok], top_k=-1), "top_k must be an integer >= 0"),
+        (dict(prompts=[ok], seed="x"), "seed must be an integer or None"),
+        (dict(prompts=[ok], stop_token_ids=[600]), "stop token 600 is not a token id"),
+    ]
+    for kwargs, msg in cases:
+        for call in (engine.generate, engine.stream):
+            with pytest.raises(ValueError, match=msg):
+                call(**kwargs)
+            assert all(torch.equal(a, b) for a, b in zip(engine.cache.state_tensors(), before))
+            _assert_cache_empty(engine)
+    assert engine.generate([ok], max_new_tokens=2)[0].finish_reason == "length"
+    for kwargs, msg in [(dict(num_slots=0), "num_slots must be an integer >= 1"),
+                        (dict(num_slots=4, token_budget=2), "at least num_slots"),
+                        (dict(max_context=1), "max_context must be an integer >= 2"),
+                        (dict(compile=False, use_graphs=True), "needs compile=True"),
+                        (dict(tokenizer=123), "encode\\(\\) and decode\\(\\)"),
+                        (dict(tokenizer="/no/such/folder"), "does not exist")]:
+        with pytest.raises(ValueError, match=msg):
+            Engine(tiny, **kwargs)
+    small = Engine(tiny, num_slots=2, block_size=16, max_context=64, num_blocks=2, compile=False)
+    with pytest.raises(ValueError, match="need 3 KV blocks; the cache has 2"):
+        small.generate([[1] * 30], max_new_tokens=10)
+
+
+def test_max_context_ends_with_length_while_others_go_on(tiny):
+    engine = Engine(tiny, num_slots=2, token_budget=8, block_size=16, max_context=40, compile=False)
+    roomy = Engine(tiny, num_slots=2, token_budget=8, block_size=16, max_context=128, compile=False)
+    long, short = _prompts([35, 3], seed=5)
+    r = engine.generate([long, short], max_new_tokens=20)
+    assert len(r[0].token_ids) == 5 and r[0].finish_reason == "length"  # 35 + 5 == max_context
+    assert len(r[1].token_ids) == 20 and r[1].finish_reason == "length"
+    full = roomy.generate([long, short], max_new_tokens=20)
+    assert r[0].token_ids == full[0].token_ids[:5] and r[1].token_ids == full[1].token_ids
+    assert engine.generate([[7] * 39], max_new_tokens=4)[0].token_ids == roomy.generate(
+        [[7] * 39], max_new_tokens=1)[0].token_ids  # one token of room
+    _assert_cache_empty(engine)
+
+
+def test_admission_waits_for_kv_blocks(tiny, monkeypatch):
+    """With too few KV blocks for every slot, a request waits until its worst case can be reserved;
+    no step ever runs out of blocks, and the tokens are the same."""
+    prompts = _prompts([20, 14, 30, 5], seed=9)
+    roomy = Engine(tiny, num_slots=4, token_budget=16, block_size=16, max_context=64, compile=False)
+    want = [r.token_ids for r in roomy.generate(prompts, max_new_tokens=10)]
+    tight = Engine(tiny, num_slots=4, token_budget=16, block_size=16, max_context=64, num_blocks=4,
+                   compile=False)
+    steps = _record_steps(tight, monkeypatch)
+    assert [r.token_ids for r in tight.generate(prompts, max_new_tokens=10)] == want
+    assert max(len(s) for s in steps) == 2  # 2 + 2 blocks at most: never 3 requests at once
+    _assert_cache_empty(tight)
+
+
+def test_streaming_and_busy_engine(tiny):
+    engine = Engine(tiny, num_slots=2, token_budget=8, block_size=16, max_context=64, compile=False)
+    prompts = _prompts([4, 11, 2])
+    seen = []
+    results = engine.generate(prompts, max_new_tokens=5, stop_token_ids=[], on_token=lambda i, t: seen.append((i, t)))
+    assert sorted(seen) == sorted((i, t) for i, r in enumerate(results) for t in r.token_ids)
+    events = list(engine.stream(prompts, max_new_tokens=5))
+    assert all(isinstance(e, TokenEvent) for e in events)
+    for i, r in enumerate(results):
+        mine = [e for e in events if e.index == i]
+        assert [e.token_id for e in mine] == r.token_ids
+        assert [e.finish_reason for e in mine] == [None] * 4 + ["length"]
+    assert all(r.first_token_s is not None and r.first_token_s >= 0 for r in results)
+    # an open stream holds the engine; closing it frees every slot
+    stream = engine.stream(prompts, max_new_tokens=5)
+    next(stream)
+    assert any(engine.cache.context_lens)
+    with pytest.raises(EngineBusyError):
+        engine.generate(prompts, max_new_tokens=1)
+    stream.close()
+    _assert_cache_empty(engine)
+    assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=5)] == [r.token_ids for r in results]
+    # a callback that raises frees the cache too
+    with pytest.raises(KeyError):
+        engine.generate(prompts, max_new_tokens=5, on_token=lambda i, t: {}[i])
+    _assert_cache_empty(engine)
+
+
+class _CharTokenizer:
+    """A tokenizer object: one token per character."""
+    eos_token_id = 0
+
+    def encode(self, text):
+        return [ord(c) % 500 + 1 for c in text]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(96 + i % 26) for i in ids if not (skip_special_tokens and i == 0))
+
+
+def test_tokenizer_object_and_folder(tiny, tmp_path):
+    engine = Engine(tiny, num_slots=2, block_size=16, max_context=64, tokenizer=_CharTokenizer(), compile=False)
+    assert engine.stop_token_ids == {0}  # the tokenizer's eos
+    r = engine.generate(["hello", [1, 2, 3]], max_new_tokens=4, stop_token_ids=[])
+    assert r[0].prompt_tokens == 5 and r[0].text == _CharTokenizer().decode(r[0].token_ids)
+    assert r[0].token_ids == engine.generate([_CharTokenizer().encode("hello")], max_new_tokens=4,
+                                             stop_token_ids=[])[0].token_ids
+    # a checkpoint folder with tokenizer files: found through model.name_or_path
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "</s>", "hello", "world", "the", "cat"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(tmp_path)
+    tiny.save_pretrained(str(tmp_path))
+    model = HybridModel.from_pretrained(str(tmp_path), progress=False)
+    assert model.name_or_path == str(tmp_path)
+    engine = Engine(model, num_slots=2, block_size=16, max_context=64, compile=False)
+    assert engine.tokenizer is not None and engine.stop_token_ids == {1}
+    (r,) = engine.generate(["hello the cat"], max_new_tokens=3, stop_token_ids=[])
+    assert r.prompt_tokens == 3 and isinstance(r.text, str)
+    assert r.token_ids == engine.generate([[2, 4, 5]], max_new_tokens=3, stop_token_ids=[])[0].token_ids
+    assert json.loads((tmp_path / "config.json").read_text())["vocab_size"] == 512
+
+
+def test_default_grid_holds_every_step():
+    batch_sizes, token_counts = default_grid(64, 2048)
+    assert batch_sizes == [2, 4, 8, 16, 32, 64] and token_counts[0] == 2 and token_counts[-1] == 2048
+    assert default_grid(6, 100) == ([2, 4, 6], [2, 4, 8, 16, 32, 64, 100])
+    assert default_grid(1, 1) == ([1], [1])

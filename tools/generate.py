@@ -1,0 +1,146 @@
+"""Text generation with the Engine (continuous batching over the captured prefill step): streams
+the new tokens as they come, then prints the time to first token and tokens/s; ends with one
+JSON line.
+
+    python -m tools.generate [--model tiny|FOLDER] [--prompt TEXT_OR_IDS]... [--max-new-tokens 32]
+                             [--temperature 0] [--top-k 0] [--top-p 1.0] [--seed 0] [--num-slots 8]
+
+--prompt is text when the model folder has a tokenizer, else comma-separated token ids (the
+default `tiny` preset has none); repeat it for several prompts, generated as one batch. One
+prompt streams token by token; several print each request as it finishes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from tools.common import add_model_args, load_model, print_json
+
+
+def _typed(kind, check, what):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not check(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    return parse
+
+
+positive_int = _typed(int, lambda v: v >= 1, "an integer >= 1")
+nonneg_int = _typed(int, lambda v: v >= 0, "an integer >= 0")
+temperature = _typed(float, lambda v: 0 <= v < float("inf"), "a number >= 0")
+probability = _typed(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+
+
+def _parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m tools.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)  # --seed there seeds random preset weights and sampling
+    p.add_argument("--prompt", action="append", default=None,
+                   help="a prompt: text with a tokenizer, else comma-separated token ids (repeatable; "
+                        "default: 'The capital of France is' or 1,2,3,4,5)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=32)
+    p.add_argument("--temperature", type=temperature, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-k", type=nonneg_int, default=0, help="0: off (default)")
+    p.add_argument("--top-p", type=probability, default=1.0, help="1.0: off (default)")
+    p.add_argument("--num-slots", type=positive_int, default=8, help="cache slots (concurrent requests)")
+    p.add_argument("--max-context", type=_typed(int, lambda v: v >= 2, "an integer >= 2"), default=None,
+                   help="most tokens (prompt + new) per request (default: min(model's, 4096))")
+    p.add_argument("--token-budget", type=positive_int, default=None,
+                   help="most tokens per step (default: max(2048, slots))")
+    p.add_argument("--eager", action="store_true", help="run model.prefill eagerly (no compile, no graphs)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="compile / capture buckets on first use instead of before timing")
+    return p, p.parse_args(argv)
+
+
+def _prompts(p, args, tokenizer):
+    texts = args.prompt or (["The capital of France is"] if tokenizer is not None else ["1,2,3,4,5"])
+    if tokenizer is not None:
+        return texts
+    prompts = []
+    for text in texts:
+        try:
+            prompts.append([int(x) for x in text.split(",") if x.strip()])
+        except ValueError:
+            p.error(f"--prompt {text!r}: this model has no tokenizer; give comma-separated token ids")
+    return prompts
+
+
+def main(argv=None) -> None:
+    from metrale_graph import Engine
+
+    p, args = _parse_args(argv)
+    t0 = time.perf_counter()
+    model = load_model(args)
+    try:
+        engine = Engine(model, num_slots=args.num_slots, max_context=args.max_context,
+                        token_budget=args.token_budget, compile=not args.eager)
+    except ValueError as e:
+        p.error(str(e))
+    prompts = _prompts(p, args, engine.tokenizer)
+    print(f"model: {args.model}  {model.extra_repr()}  (built in {time.perf_counter() - t0:.2f} s)\n{engine}")
+    if not args.no_warmup:
+        t = time.perf_counter()
+        engine.warmup()
+        what = "eager" if engine.runner is None else f"{len(engine.runner.grid)} buckets"
+        print(f"warmup ({what}): {time.perf_counter() - t:.1f} s")
+
+    single, shown = len(prompts) == 1, [""]
+    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                  top_p=args.top_p, seed=args.seed)
+    try:
+        stream = engine.stream(prompts, **kwargs)
+    except ValueError as e:
+        p.error(str(e))
+    outputs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    reasons: dict[int, str] = {}
+    start = time.perf_counter()
+    first = None
+    for index, token, reason in stream:
+        first = first if first is not None else time.perf_counter() - start
+        outputs[index].append(token)
+        if reason is not None:
+            reasons[index] = reason
+        if single:
+            _show_piece(engine, outputs[index], shown)
+        elif reason is not None:
+            print(f"[{index}] ({reason}) {_render(engine, outputs[index])}", flush=True)
+    elapsed = time.perf_counter() - start
+    if single:
+        print(flush=True)
+    new = sum(len(o) for o in outputs.values())
+    print(f"\n{len(prompts)} prompt(s), {new} new tokens in {elapsed:.3f} s: time to first token "
+          f"{first * 1e3:.1f} ms, {new / elapsed:,.1f} tokens/s ({model.dtype}, {model.device})")
+    print_json({"tool": "generate", "model": args.model, "device": str(model.device), "dtype": str(model.dtype),
+                "prompts": len(prompts), "new_tokens": new, "token_ids": [outputs[i] for i in sorted(outputs)],
+                "texts": [engine.decode(outputs[i]) for i in sorted(outputs)],
+                "finish_reasons": [reasons[i] for i in sorted(outputs)],
+                "ttft_ms": round(first * 1e3, 3), "elapsed_s": round(elapsed, 4),
+                "tokens_per_s": round(new / elapsed, 1)})
+
+
+def _render(engine, ids: list[int]) -> str:
+    text = engine.decode(ids)
+    return text if text is not None else ",".join(map(str, ids))
+
+
+def _show_piece(engine, ids: list[int], shown: list[str]) -> None:
+    """Print what the new token adds to the text (ids when there is no tokenizer); a partial UTF-8
+    character waits for the next token."""
+    text = engine.decode(ids)
+    if text is None:
+        print(("," if len(ids) > 1 else "") + str(ids[-1]), end="", flush=True)
+        return
+    if text.endswith("\ufffd") or not text.startswith(shown[0]):
+        return
+    print(text[len(shown[0]):], end="", flush=True)
+    shown[0] = text
+
+
+if __name__ == "__main__":
+    main()
