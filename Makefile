@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m tools.prefill
+	$(PY) -m metrale_graph.tools.prefill
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from metrale_graph import PRESETS, HybridModel
-from tools import bench, bench_ops, export_onnx, prefill, warmup
+from metrale_graph.tools import bench, bench_ops, export_onnx, prefill, warmup
 
 NO_GPU = f"cuda:{torch.cuda.device_count()}"  # a CUDA device this machine lacks
 

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from tools.generate import main
+from metrale_graph.tools.generate import main
 
 
 @pytest.fixture(autouse=True)
@@ -40,11 +40,11 @@ def test_tiny_run_streams_and_prints_json(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--max-new-tokens", "0"], "--max-new-tokens: expected an integer >= 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens: expected a positive integer"),
     (["--temperature", "-1"], "--temperature: expected a number >= 0"),
     (["--top-p", "1.5"], r"--top-p: expected a number in \(0, 1\]"),
-    (["--top-k", "x"], "--top-k: expected an integer >= 0"),
-    (["--num-slots", "0"], "--num-slots: expected an integer >= 1"),
+    (["--top-k", "x"], "--top-k: expected a non-negative integer"),
+    (["--num-slots", "0"], "--num-slots: expected a positive integer"),
     (["--prompt", "hello"], "this model has no tokenizer"),
     (["--prompt", "1,600"], "token id 600 is out of range"),
     (["--num-slots", "8", "--token-budget", "4"], "at least num_slots"),

@@ -10,22 +10,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(*args):
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout, json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_prefill_main_job():
-    out, record = _run("tools.prefill", "--lengths", "5,70,1", "--repeat", "1", "--continue-tokens", "3")
+    out, record = _run("metrale_graph.tools.prefill", "--lengths", "5,70,1", "--repeat", "1", "--continue-tokens", "3")
     assert record["tool"] == "prefill" and record["tokens"] == 76 and len(record["top_tokens"]) == 3
     assert [c["context"] for c in record["continued"]] == [5]
     assert "tokens/s" in out and "top token" in out
 
 
 def test_warmup_persists_artifacts(tmp_path):
-    args = ("tools.warmup", "--batch-sizes", "2", "--token-counts", "64", "--slots", "3",
+    args = ("metrale_graph.tools.warmup", "--batch-sizes", "2", "--token-counts", "64", "--slots", "3",
             "--cache-dir", str(tmp_path), "--no-progress")
     _, cold = _run(*args)
     assert not cold["warm"] and [b["bucket"] for b in cold["buckets"]] == ["B2xT64"]

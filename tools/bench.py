@@ -19,7 +19,7 @@ import torch
 
 from metrale_graph import PRESETS, HybridModel, Stream
 from metrale_graph.weights import weight_shapes
-from tools.common import names_of, output_file, positive_int, print_json, print_table, seed
+from metrale_graph.tools.common import names_of, output_file, positive_int, print_json, print_table, seed
 
 MATMUL_RATE, COPY_RATE = 790e12, 4.3e12
 VARIANTS = ("peer", "eager", "compiled", "graphs")

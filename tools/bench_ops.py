@@ -16,7 +16,7 @@ import math
 import torch
 
 from metrale_graph import PRESETS, ops
-from tools.common import output_file, positive_int, positive_ints, print_json, print_table
+from metrale_graph.tools.common import output_file, positive_int, positive_ints, print_json, print_table
 
 MATMUL_RATE = 790e12  # bf16 dense, measured on an H200
 COPY_RATE = 4.3e12    # device-to-device bytes (read + write), measured on an H200

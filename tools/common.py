@@ -33,6 +33,25 @@ def non_negative_int(text: str) -> int:
     return _int(text, 0, "a non-negative integer")
 
 
+def _float(text: str, ok, expected: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not ok(value):  # NaN fails every check
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    return _float(text, lambda v: 0 <= v < float("inf"), "a number >= 0")
+
+
+def probability(text: str) -> float:
+    """A number in (0, 1]."""
+    return _float(text, lambda v: 0 < v <= 1, "a number in (0, 1]")
+
+
 def positive_ints(text: str) -> list[int]:
     """Comma-separated positive integers, at least one."""
     try:

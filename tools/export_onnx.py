@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from metrale_graph import Stream
-from tools.common import (add_model_args, device_and_dtype, load_model, output_file, positive_int, print_json,
+from metrale_graph.tools.common import (add_model_args, device_and_dtype, load_model, output_file, positive_int, print_json,
                           print_table)
 
 

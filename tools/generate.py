@@ -15,25 +15,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from tools.common import add_model_args, load_model, print_json
-
-
-def _typed(kind, check, what):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not check(value):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        return value
-    return parse
-
-
-positive_int = _typed(int, lambda v: v >= 1, "an integer >= 1")
-nonneg_int = _typed(int, lambda v: v >= 0, "an integer >= 0")
-temperature = _typed(float, lambda v: 0 <= v < float("inf"), "a number >= 0")
-probability = _typed(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+from metrale_graph.tools.common import (add_model_args, load_model, non_negative_float, non_negative_int,
+                                        positive_int, print_json, probability)
 
 
 def _parse_args(argv):
@@ -44,11 +27,11 @@ def _parse_args(argv):
                    help="a prompt: text with a tokenizer, else comma-separated token ids (repeatable; "
                         "default: 'The capital of France is' or 1,2,3,4,5)")
     p.add_argument("--max-new-tokens", type=positive_int, default=32)
-    p.add_argument("--temperature", type=temperature, default=0.0, help="0: greedy (default)")
-    p.add_argument("--top-k", type=nonneg_int, default=0, help="0: off (default)")
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-k", type=non_negative_int, default=0, help="0: off (default)")
     p.add_argument("--top-p", type=probability, default=1.0, help="1.0: off (default)")
     p.add_argument("--num-slots", type=positive_int, default=8, help="cache slots (concurrent requests)")
-    p.add_argument("--max-context", type=_typed(int, lambda v: v >= 2, "an integer >= 2"), default=None,
+    p.add_argument("--max-context", type=positive_int, default=None,
                    help="most tokens (prompt + new) per request (default: min(model's, 4096))")
     p.add_argument("--token-budget", type=positive_int, default=None,
                    help="most tokens per step (default: max(2048, slots))")
@@ -76,7 +59,7 @@ def main(argv=None) -> None:
 
     p, args = _parse_args(argv)
     t0 = time.perf_counter()
-    model = load_model(args)
+    model = load_model(args, p)
     try:
         engine = Engine(model, num_slots=args.num_slots, max_context=args.max_context,
                         token_budget=args.token_budget, compile=not args.eager)

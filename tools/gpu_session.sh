@@ -7,7 +7,9 @@ what=${1:-all}
 OUT=${OUT:-/tmp/metrale_out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FLA_DISABLE_TENSOR_CACHE=1
+# the package itself, editable (metrale_graph.ops / .capture / .tools map to the top-level folders)
+python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 FLA_DISABLE_TENSOR_CACHE=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 git log -1 --format='commit %H' 2>/dev/null | tee -a "$OUT/gpu.txt"
 status=0
@@ -18,10 +20,10 @@ if [[ $what == tests || $what == all ]]; then
     status=${PIPESTATUS[0]}
 fi
 if [[ $what == ops || $what == all ]]; then
-    python3 -m tools.bench_ops --markdown "$OUT/bench_ops.md" 2>&1 | tee "$OUT/bench_ops.log" | tail -20
+    python3 -m metrale_graph.tools.bench_ops --markdown "$OUT/bench_ops.md" 2>&1 | tee "$OUT/bench_ops.log" | tail -20
 fi
 if [[ $what == bench || $what == all ]]; then
-    python3 -m tools.bench --preset tiny --repeat 3 2>&1 | tee "$OUT/bench_tiny.log" | tail -12
-    python3 -m tools.bench --json "$OUT/bench.json" --markdown "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -14
+    python3 -m metrale_graph.tools.bench --preset tiny --repeat 3 2>&1 | tee "$OUT/bench_tiny.log" | tail -12
+    python3 -m metrale_graph.tools.bench --json "$OUT/bench.json" --markdown "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -14
 fi
 exit $status

@@ -14,7 +14,7 @@ import time
 import torch
 
 from metrale_graph import Stream
-from tools.common import (add_model_args, load_model, non_negative_int, positive_int, positive_ints, print_json,
+from metrale_graph.tools.common import (add_model_args, load_model, non_negative_int, positive_int, positive_ints, print_json,
                           print_table, sync)
 
 

@@ -25,7 +25,7 @@ ARTIFACTS, RECORD = "compile_artifacts.bin", "cold_warmup.json"
 
 def main(argv=None) -> None:
     from metrale_graph.capture.buckets import make_grid
-    from tools.common import add_model_args, positive_int, positive_ints
+    from metrale_graph.tools.common import add_model_args, positive_int, positive_ints
 
     p = argparse.ArgumentParser(prog="python -m tools.warmup", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,7 +58,7 @@ def main(argv=None) -> None:
     from tqdm.auto import tqdm
 
     from metrale_graph.capture import GraphRunner
-    from tools.common import load_model, print_json, print_table
+    from metrale_graph.tools.common import load_model, print_json, print_table
 
     t_start = time.perf_counter()
     artifacts = os.path.join(cache_dir, ARTIFACTS)
