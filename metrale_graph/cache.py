@@ -26,6 +26,7 @@ import contextlib
 import sys
 import threading
 import weakref
+from types import SimpleNamespace
 
 import torch
 
@@ -192,9 +193,29 @@ class HybridCache:
             self._blocks = [list(b) for b in blocks]
             self._free = list(free)
 
+    # the pools in one order, which the ONNX export's inputs and outputs follow
+    _POOL_KINDS = (("conv_states", "conv_state", "linear_layers"), ("gdn_states", "gdn_state", "linear_layers"),
+                   ("k_caches", "k_cache", "full_layers"), ("v_caches", "v_cache", "full_layers"))
+
     def pools(self) -> list[torch.Tensor]:
         """The state pools the step mutates: conv states, GDN states, K caches, V caches (that order)."""
-        return self.conv_states + self.gdn_states + self.k_caches + self.v_caches
+        return [t for kind, _, _ in self._POOL_KINDS for t in getattr(self, kind)]
+
+    def pool_names(self) -> list[str]:
+        """Names of pools() in order: conv_state_L{i}, gdn_state_L{i}, k_cache_L{i}, v_cache_L{i} (layer i)."""
+        return [f"{name}_L{i}" for _, name, layers in self._POOL_KINDS for i in getattr(self.config, layers)]
+
+    def pool_view(self, pools: list[torch.Tensor]) -> SimpleNamespace:
+        """An object with this cache's pool attributes (conv_states, ...) holding `pools` (in pools()
+        order) instead: what the step reads when it runs on other tensors, e.g. under torch.export."""
+        view, start = SimpleNamespace(), 0
+        for kind, _, _ in self._POOL_KINDS:
+            n = len(getattr(self, kind))
+            setattr(view, kind, list(pools[start:start + n]))
+            start += n
+        if start != len(pools):
+            raise ValueError(f"expected {start} pools, got {len(pools)}")
+        return view
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every device tensor of the cache (for snapshots in tests and tools)."""

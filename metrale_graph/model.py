@@ -167,18 +167,20 @@ class HybridModel(nn.Module):
         cfg = self.config
         h = F.embedding(batch.tokens, self.embed_tokens.weight)
         for i, kind in enumerate(cfg.layer_types):
-            j = self._pool_index[i]
+            j, layer = self._pool_index[i], self.layers[i]
             if kind == LINEAR:
-                h = self._gdn_layer(self.layers[i], h, batch, cache.conv_states[j], cache.gdn_states[j])
+                h = self._gdn_mixer(layer, h, batch, cache.conv_states[j], cache.gdn_states[j])
             else:
-                h = self._attention_layer(self.layers[i], h, batch, cache.k_caches[j], cache.v_caches[j])
+                h = self._attention_mixer(layer, h, batch, cache.k_caches[j], cache.v_caches[j])
+            h = self._feed_forward(layer, h)
         last = (batch.cu_seqlens[1:].long() - 1).clamp(min=0)  # zero-length (padding) streams: any row
         h_last = rms_norm(h[last], self.norm.weight, cfg.rms_norm_eps)
         lm_head = self.embed_tokens.weight if cfg.tie_word_embeddings else self.lm_head.weight
         return F.linear(h_last, lm_head)
 
-    def _gdn_layer(self, layer, x, batch, conv_state, gdn_state):
-        cfg, a, mlp = self.config, layer.linear_attn, layer.mlp
+    # a layer: h = x + mixer(norm(x)) (GDN or attention), then out = h + feed_forward(norm(h))
+    def _gdn_mixer(self, layer, x, batch, conv_state, gdn_state):
+        cfg, a = self.config, layer.linear_attn
         T, H, K = x.shape[0], cfg.linear_num_key_heads, cfg.linear_key_head_dim
         qkv, z, beta, g = ops.gdn_proj(x, layer.input_layernorm.weight, a.in_proj_qkv.weight,
                                        a.in_proj_z.weight, a.in_proj_b.weight, a.in_proj_a.weight,
@@ -187,18 +189,21 @@ class HybridModel(nn.Module):
         qk = ops.l2norm(qkv[:, :2 * cfg.key_dim].view(T, 2 * H, K))
         v = qkv[:, 2 * cfg.key_dim:].view(T, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
         o = ops.gdn_recurrence(qk[:, :H], qk[:, H:], v, g, beta, batch.cu_seqlens, batch.slot_ids, gdn_state)
-        return ops.gdn_out(o, z, x, a.norm.weight, a.out_proj.weight, layer.post_attention_layernorm.weight,
-                           mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, cfg.rms_norm_eps)
+        return ops.gdn_out(o, z, x, a.norm.weight, a.out_proj.weight, cfg.rms_norm_eps)
 
-    def _attention_layer(self, layer, x, batch, k_cache, v_cache):
-        cfg, a, mlp = self.config, layer.self_attn, layer.mlp
+    def _attention_mixer(self, layer, x, batch, k_cache, v_cache):
+        cfg, a = self.config, layer.self_attn
         q, k, v, gate = ops.attn_proj(x, layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight,
                                       a.v_proj.weight, a.q_norm.weight, a.k_norm.weight, batch.positions,
                                       self.rope_inv_freq, cfg.head_dim, cfg.rms_norm_eps)
         o = ops.paged_attention(q, k, v, k_cache, v_cache, batch.cu_seqlens, batch.context_lens,
                                 batch.block_tables)
-        return ops.attn_out(o, gate, x, a.o_proj.weight, layer.post_attention_layernorm.weight,
-                            mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, cfg.rms_norm_eps)
+        return ops.attn_out(o, gate, x, a.o_proj.weight)
+
+    def _feed_forward(self, layer, h):
+        mlp = layer.mlp
+        return ops.mlp(h, layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
+                       mlp.down_proj.weight, self.config.rms_norm_eps)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -1,41 +1,40 @@
-"""Full-attention layer, part 3 (token-local): output gate `o * sigmoid(gate)`, o_proj,
-residual add, post-attention RMSNorm, MLP, residual add.
+"""Full-attention layer, part 3, the mixer's output (token-local): output gate
+`o * sigmoid(gate)`, o_proj, residual add. (The feed-forward half follows as metrale::mlp or
+metrale::moe.)
 """
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import kernels
-from .common import check, check_mlp, check_tensor, mlp_residual
+from .common import check, check_tensor
+from .registry import OpSpec, Shapes, metrale_op, rand, register, weight
 
 OP = "attn_out"
 
 
-@torch.library.custom_op("metrale::attn_out", mutates_args=(), device_types="cpu")
-def attn_out(o: Tensor, gate: Tensor, residual: Tensor, o_w: Tensor, post_norm_w: Tensor, gate_w: Tensor,
-             up_w: Tensor, down_w: Tensor, eps: float) -> Tensor:
-    """Tail of a gated full-attention layer.
+@metrale_op("attn_out")
+def attn_out(o: Tensor, gate: Tensor, residual: Tensor, o_w: Tensor) -> Tensor:
+    """Output of a gated full-attention layer.
 
     Args:
         o: [T, HQ, HD] attention output; gate: [T, HQ*HD] (model dtype).
         residual: [T, D] the layer input.
-        o_w: [D, HQ*HD]; post_norm_w: [D] zero-centred; gate_w, up_w: [I, D]; down_w: [D, I].
-        eps: RMSNorm epsilon.
+        o_w: [D, HQ*HD].
     Returns:
-        [T, D] the layer output (model dtype). Mutates nothing.
+        h [T, D] = residual + o_proj(o * sigmoid(gate)), model dtype. Mutates nothing.
     """
-    _check(o, gate, residual, o_w, post_norm_w, gate_w, up_w, down_w)
-    return attn_out_ref(o, gate, residual, o_w, post_norm_w, gate_w, up_w, down_w, eps)
+    _check(o, gate, residual, o_w)
+    return attn_out_ref(o, gate, residual, o_w)
 
 
 @attn_out.register_fake
-def _(o, gate, residual, o_w, post_norm_w, gate_w, up_w, down_w, eps):
-    _check(o, gate, residual, o_w, post_norm_w, gate_w, up_w, down_w)
+def _(o, gate, residual, o_w):
+    _check(o, gate, residual, o_w)
     return torch.empty_like(residual)
 
 
-def _check(o, gate, residual, o_w, post_norm_w, gate_w, up_w, down_w):
+def _check(o, gate, residual, o_w):
     check_tensor(o, OP, "o", ndim=3)
     T, HQ, HD = o.shape
     check_tensor(gate, OP, "gate", ndim=2, dtype=o.dtype, device=o.device)
@@ -43,18 +42,33 @@ def _check(o, gate, residual, o_w, post_norm_w, gate_w, up_w, down_w):
     check_tensor(residual, OP, "residual", ndim=2, dtype=o.dtype, device=o.device)
     D = residual.shape[1]
     check(residual.shape[0] == T, OP, f"residual has {residual.shape[0]} tokens, o has {T}")
+    check_tensor(o_w, OP, "o_w", ndim=2, dtype=o.dtype, device=o.device)
     check(tuple(o_w.shape) == (D, HQ * HD), OP, f"o_w has shape {tuple(o_w.shape)}, expected {(D, HQ * HD)}")
-    check_mlp(OP, D, post_norm_w, gate_w, up_w, down_w)
 
 
-def attn_out_ref(o, gate, residual, o_w, post_norm_w, gate_w, up_w, down_w, eps):
-    h = residual + F.linear(o.reshape(gate.shape) * torch.sigmoid(gate), o_w)
-    return mlp_residual(h, post_norm_w, gate_w, up_w, down_w, eps)
+def attn_out_ref(o, gate, residual, o_w):
+    T, HQ, HD = o.shape  # explicit sizes: reshape(T, -1) is ambiguous when T = 0
+    return residual + F.linear(o.reshape(T, HQ * HD) * torch.sigmoid(gate), o_w)
 
 
 @attn_out.register_kernel("cuda")
-def attn_out_cuda(o, gate, residual, o_w, post_norm_w, gate_w, up_w, down_w, eps):
-    """o_proj with the residual add in the GEMM epilogue, then the Triton / cuBLAS MLP tail."""
-    _check(o, gate, residual, o_w, post_norm_w, gate_w, up_w, down_w)
-    h = torch.addmm(residual, o.reshape(gate.shape) * torch.sigmoid(gate), o_w.t())
-    return kernels.mlp_residual(h, post_norm_w, gate_w, up_w, down_w, eps)
+def attn_out_cuda(o, gate, residual, o_w):
+    """o_proj with the residual add in the GEMM epilogue."""
+    _check(o, gate, residual, o_w)
+    T, HQ, HD = o.shape
+    return torch.addmm(residual, o.reshape(T, HQ * HD) * torch.sigmoid(gate), o_w.t())
+
+
+def example(s: Shapes, dtype, g):
+    T, N = s.T, s.HQ * s.HD
+    return (rand(g, T, s.HQ, s.HD, dtype=dtype), rand(g, T, N, dtype=dtype), rand(g, T, s.D, dtype=dtype),
+            weight(g, s.D, N, dtype=dtype))
+
+
+def cost(s: Shapes):
+    N = s.HQ * s.HD
+    return 2 * s.T * N * s.D, 2 * (N * s.D + s.T * (2 * N + 2 * s.D))
+
+
+register(OpSpec(attn_out, attn_out_ref, example, cost, cuda=attn_out_cuda,
+                onnx="metrale_graph.onnx.translations:attn_out"))

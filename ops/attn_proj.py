@@ -8,11 +8,12 @@ from torch import Tensor
 
 from . import kernels
 from .common import check, check_tensor, rms_norm
+from .registry import OpSpec, Shapes, metrale_op, norm_weight, rand, register, weight
 
 OP = "attn_proj"
 
 
-@torch.library.custom_op("metrale::attn_proj", mutates_args=(), device_types="cpu")
+@metrale_op("attn_proj")
 def attn_proj(x: Tensor, norm_w: Tensor, q_w: Tensor, k_w: Tensor, v_w: Tensor, q_norm_w: Tensor,
               k_norm_w: Tensor, positions: Tensor, inv_freq: Tensor, head_dim: int,
               eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -109,3 +110,20 @@ def attn_proj_cuda(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_
     fresh = torch.contiguous_format
     v = y[:, QG + KV:].view(T, HKV, HD).clone(memory_format=fresh)
     return q, k, v, qg[..., HD:].clone(memory_format=fresh).view(T, HQ * HD)
+
+
+def example(s: Shapes, dtype, g):
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(s.context, s.lengths)])
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, s.R, 2).float() / s.R))
+    return (rand(g, s.T, s.D, dtype=dtype), norm_weight(g, s.D, dtype), weight(g, s.HQ * s.HD * 2, s.D, dtype=dtype),
+            weight(g, s.HKV * s.HD, s.D, dtype=dtype), weight(g, s.HKV * s.HD, s.D, dtype=dtype),
+            norm_weight(g, s.HD, dtype), norm_weight(g, s.HD, dtype), positions, inv_freq, s.HD, s.eps)
+
+
+def cost(s: Shapes):
+    n = 2 * s.HQ * s.HD + 2 * s.HKV * s.HD
+    return 2 * s.T * s.D * n, 2 * (n * s.D + s.T * s.D + s.T * n)
+
+
+register(OpSpec(attn_proj, attn_proj_ref, example, cost, cuda=attn_proj_cuda, kernels=("head_norm_rope",),
+                onnx="metrale_graph.onnx.translations:attn_proj"))

@@ -1,4 +1,4 @@
-"""Plain-torch building blocks shared by the phase ops' CPU references, and input checks.
+"""Plain-torch pieces shared by the phase ops' CPU references, and input checks.
 
 Legend for shape letters used across ops/: T tokens (all streams packed), B streams,
 S slots in a state pool (the last one is the scratch slot), D hidden size, I MLP size,
@@ -8,7 +8,6 @@ MB blocks per stream, HQ / HKV attention query / KV heads, HD attention head dim
 """
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -17,13 +16,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * (1.0 + weight.float())).to(x.dtype)
-
-
-def mlp_residual(h: Tensor, post_norm_w: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor,
-                 eps: float) -> Tensor:
-    """`h + down(silu(gate(n)) * up(n))` with `n = rms_norm(h)`: the second half of every layer."""
-    n = rms_norm(h, post_norm_w, eps)
-    return h + F.linear(F.silu(F.linear(n, gate_w)) * F.linear(n, up_w), down_w)
 
 
 class OpInputError(ValueError):
@@ -44,14 +36,6 @@ def check_tensor(t: Tensor, op: str, name: str, ndim: int | None = None, dtype=N
         check(t.dtype in dtypes, op, f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
     if device is not None:
         check(t.device == device, op, f"{name} is on {t.device}, expected {device}")
-
-
-def check_mlp(op, D, post_norm_w, gate_w, up_w, down_w):
-    check(tuple(post_norm_w.shape) == (D,), op, f"post_norm_w must have shape ({D},)")
-    I = gate_w.shape[0]
-    check(tuple(gate_w.shape) == (I, D) and tuple(up_w.shape) == (I, D) and tuple(down_w.shape) == (D, I),
-          op, f"MLP weights gate {tuple(gate_w.shape)}, up {tuple(up_w.shape)}, down {tuple(down_w.shape)} "
-          f"do not fit hidden size {D}")
 
 
 INDEX_DTYPES = (torch.int32, torch.int64)

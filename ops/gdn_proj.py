@@ -11,11 +11,12 @@ from torch import Tensor
 
 from . import kernels
 from .common import check, check_tensor, rms_norm
+from .registry import OpSpec, Shapes, metrale_op, norm_weight, rand, register, weight
 
 OP = "gdn_proj"
 
 
-@torch.library.custom_op("metrale::gdn_proj", mutates_args=(), device_types="cpu")
+@metrale_op("gdn_proj")
 def gdn_proj(x: Tensor, norm_w: Tensor, qkv_w: Tensor, z_w: Tensor, b_w: Tensor, a_w: Tensor,
              A_log: Tensor, dt_bias: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Phase-1 projections of a Gated DeltaNet layer.
@@ -78,3 +79,19 @@ def gdn_proj_cuda(x, norm_w, qkv_w, z_w, b_w, a_w, A_log, dt_bias, eps):
     # .contiguous(): with T <= 1 a column slice of y is already contiguous and would come back as a view
     fresh = torch.contiguous_format
     return y[:, :C].clone(memory_format=fresh), y[:, C:C + Z].clone(memory_format=fresh), beta, g
+
+
+def example(s: Shapes, dtype, g):
+    HV = s.HV
+    return (rand(g, s.T, s.D, dtype=dtype), norm_weight(g, s.D, dtype), weight(g, s.C, s.D, dtype=dtype),
+            weight(g, HV * s.V, s.D, dtype=dtype), weight(g, HV, s.D, dtype=dtype), weight(g, HV, s.D, dtype=dtype),
+            torch.empty(HV).uniform_(1, 16, generator=g).log().to(dtype), rand(g, HV, dtype=dtype), s.eps)
+
+
+def cost(s: Shapes):
+    n = s.C + s.HV * s.V + 2 * s.HV
+    return 2 * s.T * s.D * n, 2 * (n * s.D + s.T * s.D + s.T * (s.C + s.HV * s.V)) + 8 * s.T * s.HV
+
+
+register(OpSpec(gdn_proj, gdn_proj_ref, example, cost, cuda=gdn_proj_cuda,
+                onnx="metrale_graph.onnx.translations:gdn_proj"))

@@ -14,11 +14,12 @@ import torch
 from torch import Tensor
 
 from .common import INDEX_DTYPES, check, check_tensor
+from .registry import OpSpec, Shapes, metrale_op, rand, register, stream_meta
 
 OP = "gdn_recurrence"
 
 
-@torch.library.custom_op("metrale::gdn_recurrence", mutates_args=("gdn_state",), device_types="cpu")
+@metrale_op("gdn_recurrence", mutates_args=("gdn_state",))
 def gdn_recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor,
                    slot_ids: Tensor, gdn_state: Tensor) -> Tensor:
     """Varlen gated delta rule with per-slot recurrent state.
@@ -177,3 +178,28 @@ def fla_varlen(q, k, v, g, beta, cu_aligned, chunk_indices, h0):
 def gdn_recurrence_cuda(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state):
     _check(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state)
     return gdn_recurrence_aligned(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, fla_varlen)
+
+
+def example(s: Shapes, dtype, g):
+    cu, slots, _, _ = stream_meta(s, g)
+    T, H, HV = s.T, s.H, s.HV
+    qk = torch.nn.functional.normalize(torch.randn(T, 2 * H, s.K, generator=g), dim=-1).to(dtype)
+    q, k = qk[:, :H], qk[:, H:]  # strided views, as the model passes them
+    if T == 0:  # except when empty: opcheck's input clone sizes an empty strided view at < 0 elements
+        q, k = q.clone(memory_format=torch.contiguous_format), k.clone(memory_format=torch.contiguous_format)
+    return (q, k, rand(g, T, HV, s.V, dtype=dtype), -torch.rand(T, HV, generator=g) * 0.5,
+            torch.rand(T, HV, generator=g).to(dtype), cu, slots,
+            torch.randn(s.num_slots + 1, HV, s.K, s.V, generator=g) * 0.1)
+
+
+def cost(s: Shapes):
+    """Chunked form, chunk 64: kk^T, w / u, state update and read, intra-chunk output."""
+    per = 2 * (192 * s.K + 128 * s.V + 3 * s.K * s.V)
+    return (s.T * s.HV * per,
+            2 * (s.T * 2 * s.H * s.K + 2 * s.T * s.HV * s.V) + 6 * s.T * s.HV + 8 * s.B * s.HV * s.K * s.V)
+
+
+# fla 0.6.0's chunk kernels, by name
+FLA_KERNELS = ("chunk_", "recompute_w_u", "solve_tril", "merge_16x16", "kkt")
+register(OpSpec(gdn_recurrence, gdn_recurrence_ref, example, cost, cuda=gdn_recurrence_cuda, kernels=FLA_KERNELS,
+                onnx="metrale_graph.onnx.translations:gdn_recurrence"))

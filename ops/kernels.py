@@ -1,5 +1,5 @@
 """Triton kernels for the token-local pieces shared by several phase ops (RMSNorm variants,
-per-head norm + RoPE, L2 norm, SiLU-and-multiply), and the CUDA-path MLP tail built on them.
+per-head norm + RoPE, L2 norm, SiLU-and-multiply), and the stacked-weights GEMM operand.
 
 Each kernel works on rows; every launcher returns fresh tensors (never aliases its inputs).
 All of them also run on the CPU under TRITON_INTERPRET=1, which is how the CPU suite
@@ -10,6 +10,10 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+
+# names of the kernels several ops share (the profile reports them as one group)
+SHARED_KERNELS = ("rms_norm", "silu_mul")
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -117,7 +121,7 @@ def _head_norm_rope_kernel(x_ptr, w_ptr, pos_ptr, inv_freq_ptr, y_ptr, NH, HD, H
     w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HD + eps)
     dtype = y_ptr.dtype.element_ty
-    n = (x * rstd * (1.0 + w)).to(dtype)  # transformers: normed q/k in the model dtype
+    n = x * rstd * (1.0 + w)  # fp32 throughout, one rounding at the store
     # rotate the first 2*HALF channels: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). Each channel
     # reads its partner in the other half (a second, gathering load), so HALF can be any size.
     rot = cols < 2 * HALF
@@ -125,12 +129,11 @@ def _head_norm_rope_kernel(x_ptr, w_ptr, pos_ptr, inv_freq_ptr, y_ptr, NH, HD, H
     partner = tl.where(first, cols + HALF, cols - HALF)
     xp = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
     wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
-    n_partner = (xp * rstd * (1.0 + wp)).to(dtype).to(tl.float32)
+    n_partner = xp * rstd * (1.0 + wp)
     pos = tl.load(pos_ptr + t).to(tl.float32)
     ang = pos * tl.load(inv_freq_ptr + tl.where(first, cols, cols - HALF), mask=rot, other=0.0)
-    cos, sin = tl.cos(ang).to(dtype).to(tl.float32), tl.sin(ang).to(dtype).to(tl.float32)
-    rotated = n.to(tl.float32) * cos + tl.where(first, -n_partner, n_partner) * sin
-    tl.store(y_ptr + row * HD + cols, tl.where(rot, rotated.to(dtype), n), mask=m)
+    rotated = n * tl.cos(ang) + tl.where(first, -n_partner, n_partner) * tl.sin(ang)
+    tl.store(y_ptr + row * HD + cols, tl.where(rot, rotated, n).to(dtype), mask=m)
 
 
 def head_norm_rope(x: Tensor, weight: Tensor, positions: Tensor, inv_freq: Tensor, eps: float) -> Tensor:
@@ -180,12 +183,3 @@ def stacked(*weights: Tensor) -> Tensor:
             return torch.cat(weights)
         rows += w.shape[0]
     return first.as_strided((rows, D), (D, 1))
-
-
-def mlp_residual(h: Tensor, post_norm_w: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor,
-                 eps: float) -> Tensor:
-    """CUDA path of ops.common.mlp_residual: Triton norm, one gate|up GEMM, fused SiLU-mul, and the
-    down GEMM with the residual add in its epilogue (addmm)."""
-    n = rms_norm(h, post_norm_w, eps)
-    act = silu_mul(n @ stacked(gate_w, up_w).t())
-    return torch.addmm(h, act, down_w.t())

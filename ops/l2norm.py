@@ -8,12 +8,13 @@ from torch import Tensor
 
 from . import kernels
 from .common import check_tensor
+from .registry import OpSpec, Shapes, metrale_op, rand, register
 
 OP = "l2norm"
 EPS = 1e-6
 
 
-@torch.library.custom_op("metrale::l2norm", mutates_args=(), device_types="cpu")
+@metrale_op("l2norm")
 def l2norm(x: Tensor) -> Tensor:
     """Per-head L2 normalization.
 
@@ -42,3 +43,15 @@ def l2norm_ref(x):
 def l2norm_cuda(x):
     check_tensor(x, OP, "x", ndim=3)
     return kernels.l2norm(x, EPS)
+
+
+def example(s: Shapes, dtype, g):
+    return (rand(g, s.T, 2 * s.H, s.K, dtype=dtype),)
+
+
+def cost(s: Shapes):
+    return 0, 2 * 2 * s.T * 2 * s.H * s.K
+
+
+register(OpSpec(l2norm, l2norm_ref, example, cost, cuda=l2norm_cuda, kernels=("l2norm",),
+                onnx="metrale_graph.onnx.translations:l2norm"))

@@ -14,6 +14,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .common import INDEX_DTYPES, check, check_tensor
+from .registry import OpSpec, Shapes, attention_pairs, metrale_op, rand, register, stream_meta
 
 OP = "paged_attention"
 # Triton's CPU interpreter computes bf16 tl.dot wrongly (triton 3.6.0): there the kernel takes its
@@ -22,7 +23,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = 1.4426950408889634
 
 
-@torch.library.custom_op("metrale::paged_attention", mutates_args=("k_cache", "v_cache"), device_types="cpu")
+@metrale_op("paged_attention", mutates_args=("k_cache", "v_cache"))
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens: Tensor,
                     context_lens: Tensor, block_tables: Tensor) -> Tensor:
     """Batched varlen attention prefill over a paged KV cache, including the KV write.
@@ -234,3 +235,21 @@ def paged_attention_triton(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, 
 def paged_attention_cuda(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables):
     _check(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables)
     return paged_attention_triton(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables)
+
+
+def example(s: Shapes, dtype, g):
+    cu, _, ctx, blocks = stream_meta(s, g)
+    kv = (s.num_blocks + 1, s.BS, s.HKV, s.HD)
+    return (rand(g, s.T, s.HQ, s.HD, dtype=dtype), rand(g, s.T, s.HKV, s.HD, dtype=dtype),
+            rand(g, s.T, s.HKV, s.HD, dtype=dtype), rand(g, *kv, dtype=dtype), rand(g, *kv, dtype=dtype), cu, ctx,
+            blocks)
+
+
+def cost(s: Shapes):
+    cached = sum(s.context)
+    return 4 * s.HQ * s.HD * attention_pairs(s), 2 * (2 * s.T * s.HQ * s.HD + 4 * s.T * s.HKV * s.HD
+                                                      + 2 * cached * s.HKV * s.HD)
+
+
+register(OpSpec(paged_attention, paged_attention_ref, example, cost, cuda=paged_attention_cuda,
+                kernels=("paged_attention", "kv_write"), onnx="metrale_graph.onnx.translations:paged_attention"))

@@ -22,6 +22,38 @@ def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, tol: float) ->
     assert err <= tol, f"{name}: relative norm error {err:.3e} > {tol:.1e}"
 
 
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # each op vs its reference on upcast inputs
+
+
+def upcast(args):
+    return [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+
+
+def clone_args(args, device):
+    return [a.clone().to(device) if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def outputs(out) -> list:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _shares_memory(a, b):
+    """Same storage (what torch's custom-op alias check compares: empty views count too), or, for
+    non-empty tensors, the same storage address."""
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    return sa._cdata == sb._cdata or (a.numel() > 0 and b.numel() > 0 and sa.data_ptr() == sb.data_ptr())
+
+
+def assert_no_aliasing(name, outputs, inputs):
+    """No output shares memory with another output or with any input (custom-op contract)."""
+    inputs = [a for a in inputs if isinstance(a, torch.Tensor)]
+    for i, o in enumerate(outputs):
+        for j, other in enumerate(outputs[i + 1:], i + 1):
+            assert not _shares_memory(o, other), f"{name}: outputs {i} and {j} share memory"
+        for j, a in enumerate(inputs):
+            assert not _shares_memory(o, a), f"{name}: output {i} shares memory with tensor input {j}"
+
+
 def stage(model, cache, streams) -> list[torch.Tensor]:
     """Validate a batch and allocate its KV blocks, as prefill does before running the step; returns
     each stream's tokens (for tests that run the step themselves)."""

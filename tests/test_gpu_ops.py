@@ -8,14 +8,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import assert_close
-from metrale_graph import ops
-from op_cases import Case, op_args
-from test_kernels import TOL, _clone, _outputs, _upcast, assert_no_aliasing
+from helpers import TOL, assert_close, assert_no_aliasing, clone_args, outputs, upcast
+from metrale_graph.ops import REGISTRY, Shapes
+from op_cases import op_args
 
 pytestmark = pytest.mark.gpu
 
-BIG = Case(lengths=(1, 63, 64, 65, 1000, 4097), context=(0, 0, 0, 0, 0, 0), H=2, HV=4, K=128, V=128, D=256,
+BIG = Shapes(lengths=(1, 63, 64, 65, 1000, 4097), context=(0, 0, 0, 0, 0, 0), H=2, HV=4, K=128, V=128, D=256,
            I=512, HQ=4, HKV=2, HD=256, R=64, BS=64, num_slots=8, num_blocks=480)
 BIG_CASES = [BIG, replace(BIG, context=(5, 0, 130, 64, 2000, 1))]
 # same bucket (B=6, T=5290) as BIG, other lengths, a zero-length padding stream, other slots
@@ -26,13 +25,13 @@ REPLAY = replace(BIG, lengths=(2000, 0, 1, 3017, 200, 72), context=(0, 0, 77, 3,
 # 1 (HQ == HKV), 3, 4 (one KV head); KV blocks of 16 / 32 / 48 / 256; conv widths 2..4; one
 # stream of one token; a zero-length padding stream.
 ODD_CASES = [
-    Case(lengths=(1,), context=(0,), H=2, HV=2, K=48, V=80, D=128, I=192, HQ=2, HKV=2, HD=48, R=12, W=4, BS=16,
+    Shapes(lengths=(1,), context=(0,), H=2, HV=2, K=48, V=80, D=128, I=192, HQ=2, HKV=2, HD=48, R=12, W=4, BS=16,
          num_blocks=8),
-    Case(lengths=(63, 65, 300, 1), context=(0, 7, 0, 40), H=2, HV=6, K=80, V=96, D=192, I=320, HQ=4, HKV=1,
+    Shapes(lengths=(63, 65, 300, 1), context=(0, 7, 0, 40), H=2, HV=6, K=80, V=96, D=192, I=320, HQ=4, HKV=1,
          HD=80, R=20, W=3, BS=48, num_blocks=28),
-    Case(lengths=(1, 300, 0, 65), context=(129, 0, 0, 0), H=1, HV=4, K=96, V=48, D=128, I=256, HQ=8, HKV=2,
+    Shapes(lengths=(1, 300, 0, 65), context=(129, 0, 0, 0), H=1, HV=4, K=96, V=48, D=128, I=256, HQ=8, HKV=2,
          HD=96, R=40, W=2, BS=256, num_blocks=8),
-    Case(lengths=(300, 63), context=(0, 5), H=4, HV=8, K=200, V=136, D=256, I=384, HQ=6, HKV=2, HD=72, R=18,
+    Shapes(lengths=(300, 63), context=(0, 5), H=4, HV=8, K=200, V=136, D=256, I=384, HQ=6, HKV=2, HD=72, R=18,
          W=4, BS=32, num_blocks=20),
 ]
 
@@ -41,11 +40,11 @@ def check_cuda_op(name, case):
     """The op on CUDA (through the dispatcher) against its CPU reference on upcast inputs: outputs,
     mutated pools, and outputs that alias nothing."""
     args = op_args(name, case, torch.bfloat16, seed=1)
-    ref_args = _upcast(_clone(args, "cpu"))
-    cuda_args = _clone(args, "cuda")
-    before = _clone(cuda_args, "cuda")
-    ref = _outputs(ops.ALL_OPS[name](*ref_args))
-    out = _outputs(ops.ALL_OPS[name](*cuda_args))
+    ref_args = upcast(clone_args(args, "cpu"))
+    cuda_args = clone_args(args, "cuda")
+    before = clone_args(cuda_args, "cuda")
+    ref = outputs(REGISTRY[name].op(*ref_args))
+    out = outputs(REGISTRY[name].op(*cuda_args))
     assert_no_aliasing(name, out, cuda_args)
     for i, (r, o) in enumerate(zip(ref, out)):
         assert o.is_cuda
@@ -56,23 +55,23 @@ def check_cuda_op(name, case):
 
 
 @pytest.mark.parametrize("case", BIG_CASES, ids=["fresh", "prior-state"])
-@pytest.mark.parametrize("name", list(ops.ALL_OPS))
+@pytest.mark.parametrize("name", list(REGISTRY))
 def test_cuda_op_matches_reference(name, case):
     check_cuda_op(name, case)
 
 
 @pytest.mark.parametrize("case", ODD_CASES, ids=[c.id for c in ODD_CASES])
-@pytest.mark.parametrize("name", list(ops.ALL_OPS))
+@pytest.mark.parametrize("name", list(REGISTRY))
 def test_cuda_op_odd_shapes_match_reference(name, case):
     check_cuda_op(name, case)
 
 
-@pytest.mark.parametrize("name", list(ops.ALL_OPS))
+@pytest.mark.parametrize("name", list(REGISTRY))
 def test_cuda_op_replays_in_a_graph(name):
     """Capture with one batch's metadata, replay with another batch of the same bucket copied into
     the static inputs: equals eager on that batch; pool rows outside it stay bit-identical."""
-    op = ops.ALL_OPS[name]
-    static = _clone(op_args(name, BIG, torch.bfloat16, seed=2), "cuda")
+    op = REGISTRY[name].op
+    static = clone_args(op_args(name, BIG, torch.bfloat16, seed=2), "cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up (Triton compile + autotune) outside the capture
@@ -80,14 +79,14 @@ def test_cuda_op_replays_in_a_graph(name):
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = _outputs(op(*static))
+        out = outputs(op(*static))
 
-    batch = _clone(op_args(name, REPLAY, torch.bfloat16, seed=3), "cuda")
+    batch = clone_args(op_args(name, REPLAY, torch.bfloat16, seed=3), "cuda")
     for s, b in zip(static, batch):
         if isinstance(s, torch.Tensor):
             s.copy_(b)
-    pre = _clone(batch, "cuda")
-    ref = _outputs(op(*batch))
+    pre = clone_args(batch, "cuda")
+    ref = outputs(op(*batch))
     graph.replay()
     torch.cuda.synchronize()
     for i, (r, o) in enumerate(zip(ref, out)):

@@ -11,42 +11,26 @@ import importlib
 import pytest
 import torch
 
-from helpers import assert_close, tiny_config
-from metrale_graph import ops
+from helpers import TOL, assert_close, assert_no_aliasing, clone_args, outputs, tiny_config, upcast
 from metrale_graph.config import FULL
-from metrale_graph.ops import kernels
+from metrale_graph.ops import REGISTRY, kernels
 from metrale_graph.ops.limits import check_supported
 from op_cases import CASES, op_args
 
-# the op modules (the package exports the ops themselves under the same names)
-MODULES = {name: importlib.import_module(f"metrale_graph.ops.{mod}") for name, mod in [
-    ("gdn_proj", "gdn_proj"), ("causal_conv1d", "conv1d"), ("l2norm", "l2norm"), ("gdn_out", "gdn_out"),
-    ("attn_proj", "attn_proj"), ("paged_attention", "paged_attention"), ("attn_out", "attn_out"),
-    ("gdn_recurrence", "gdn_recurrence")]}
-CUDA_IMPLS = {name: getattr(MODULES[name], f"{name}_cuda") for name in MODULES if name != "gdn_recurrence"}
-gdn_recurrence = MODULES["gdn_recurrence"]
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+# the module (metrale_graph.ops.gdn_recurrence, the attribute, is the op it defines)
+gdn_recurrence = importlib.import_module("metrale_graph.ops.gdn_recurrence")
+
+# every op's CUDA path but the recurrence's (fla; covered here through its aligned layout)
+CUDA_IMPLS = {name: spec.cuda for name, spec in REGISTRY.items() if spec.cuda and name != "gdn_recurrence"}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _upcast(args):
-    return [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-
-
-def _clone(args, device=DEVICE):
-    return [a.clone().to(device) if isinstance(a, torch.Tensor) else a for a in args]
-
-
-def _outputs(out):
-    return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
 def check_against_reference(name, impl, case, dtype, seed=0):
     args = op_args(name, case, dtype, seed)
-    ref_args = _upcast(_clone(args, "cpu"))
-    test_args = _clone(args)
-    ref = _outputs(ops.ALL_OPS[name](*ref_args))
-    out = _outputs(impl(*test_args))
+    ref_args = upcast(clone_args(args, "cpu"))
+    test_args = clone_args(args, DEVICE)
+    ref = outputs(REGISTRY[name].op(*ref_args))
+    out = outputs(impl(*test_args))
     for i, (r, o) in enumerate(zip(ref, out)):
         assert_close(f"{name} output {i}", r, o.cpu(), TOL[dtype])
     for i, (r, a) in enumerate(zip(ref_args, test_args)):  # mutated pools
@@ -75,7 +59,7 @@ def test_recurrence_aligned_layout_is_exact(case):
     """Chunk alignment with identity tokens, state gather / scatter: bit-exact against the direct
     reference, padding streams included."""
     args = op_args("gdn_recurrence", case, torch.float32, seed=9)
-    test_args = _clone(args, "cpu")
+    test_args = clone_args(args, "cpu")
     ref = gdn_recurrence.gdn_recurrence_ref(*args)
     out = gdn_recurrence.gdn_recurrence_aligned(*test_args, _reference_varlen)
     assert torch.equal(out, ref) and torch.equal(test_args[-1], args[-1])
@@ -92,38 +76,20 @@ def test_aligned_layout_chunk_count_is_fixed():
     assert len(shapes) == 1
 
 
-def _shares_memory(a, b):
-    """Same storage (what torch's custom-op alias check compares: empty views count too), or, for
-    non-empty tensors, the same storage address."""
-    sa, sb = a.untyped_storage(), b.untyped_storage()
-    return sa._cdata == sb._cdata or (a.numel() > 0 and b.numel() > 0 and sa.data_ptr() == sb.data_ptr())
-
-
-def assert_no_aliasing(name, outputs, inputs):
-    """No output shares memory with another output or with any input (custom-op contract)."""
-    inputs = [a for a in inputs if isinstance(a, torch.Tensor)]
-    for i, o in enumerate(outputs):
-        for j, other in enumerate(outputs[i + 1:], i + 1):
-            assert not _shares_memory(o, other), f"{name}: outputs {i} and {j} share memory"
-        for j, a in enumerate(inputs):
-            assert not _shares_memory(o, a), f"{name}: output {i} shares memory with tensor input {j}"
-
-
-REFERENCES = {name: getattr(MODULES[name], f"{name}_ref") for name in MODULES}
 CUDA_PATHS = dict(CUDA_IMPLS, gdn_recurrence=lambda *args: gdn_recurrence.gdn_recurrence_aligned(
     *args, _reference_varlen))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 @pytest.mark.parametrize("impl", ["reference", "cuda"])
-@pytest.mark.parametrize("name", list(ops.ALL_OPS))
+@pytest.mark.parametrize("name", list(REGISTRY))
 def test_outputs_alias_nothing(name, impl, case):
     """Fresh outputs from the CPU reference and the CUDA path (recurrence: its aligned layout) for
     every case; T = 1 and T = 0 are where a slice or reshape of one GEMM output comes back as a view.
     fp32 only: there dtype casts are no-ops that could hand back their input."""
-    args = _clone(op_args(name, case, torch.float32))
-    fn = (REFERENCES if impl == "reference" else CUDA_PATHS)[name]
-    assert_no_aliasing(f"{name} ({impl})", _outputs(fn(*args)), args)
+    args = clone_args(op_args(name, case, torch.float32), DEVICE)
+    fn = REGISTRY[name].reference if impl == "reference" else CUDA_PATHS[name]
+    assert_no_aliasing(f"{name} ({impl})", outputs(fn(*args)), args)
 
 
 def test_stacked_is_a_view_of_adjacent_weights():

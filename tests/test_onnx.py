@@ -2,10 +2,10 @@
 plain onnxruntime against the torch step and the ops' CPU references; a metrale op without a
 translation is an error that names it.
 
-Padding (see metrale_graph.onnx_export.pad_batch): spare tokens of a bucket go to one padding
-stream on the scratch slot whose KV lands in the null block, spare streams are zero-length
-streams on the scratch slot. The buckets below have at most 16 padding tokens (one block), so no
-two tokens share a null-block row and every output, padding rows included, is deterministic.
+Batches are padded to the bucket by the one padding contract (metrale_graph/batch.py): spare
+streams are zero-length on the scratch slot, spare tokens lie past the last stream, in no stream.
+Their output rows are unspecified; every pool, the scratch slot and the null block included, must
+come out as the torch step leaves it.
 """
 
 import copy
@@ -19,11 +19,13 @@ pytest.importorskip("onnxscript")
 
 from helpers import assert_close, random_tokens, stage  # noqa: E402
 from metrale_graph import HybridModel, Stream, ops  # noqa: E402
-from metrale_graph.batch import pack  # noqa: E402
-from metrale_graph.onnx_export import (STEP_INPUTS, export_onnx, export_prefill, ort_session,  # noqa: E402
-                                       pad_batch, pool_names, run_step)
-from metrale_graph.onnx_translations import TRANSLATIONS  # noqa: E402
-from op_cases import Case, op_args  # noqa: E402
+from metrale_graph.batch import PackedBatch, pack  # noqa: E402
+from metrale_graph.onnx import (check_versions, export_onnx, export_prefill, ort_session, run_step,  # noqa: E402
+                                translation)
+from metrale_graph.ops import REGISTRY, Shapes  # noqa: E402
+from op_cases import op_args  # noqa: E402
+
+TRANSLATIONS = {name: translation(spec) for name, spec in REGISTRY.items()}
 
 VOCAB = 512
 
@@ -53,14 +55,16 @@ def _domains(graph):
 
 BUCKETS = [
     # continues slots 1 and 3, starts slot 0: 64 tokens fill T exactly; 1 zero-length stream
-    pytest.param(4, 64, [(1, 30), (3, 14), (0, 20)], 0, id="B4-T64-exact"),
-    # continues 4 and 1, starts 2 and 5: 84 tokens + a 12-token padding stream + 1 zero-length stream
-    pytest.param(6, 96, [(4, 25), (1, 7), (2, 33), (5, 19)], 12, id="B6-T96-padded"),
+    pytest.param(4, 64, [(1, 30), (3, 14), (0, 20)], id="B4-T64-exact"),
+    # continues 4 and 1, starts 2 and 5: 84 tokens + 12 tokens in no stream; 2 zero-length streams
+    pytest.param(6, 96, [(4, 25), (1, 7), (2, 33), (5, 19)], id="B6-T96-padded"),
+    # every stream of the bucket used, and spare tokens (the old padding stream could not do this)
+    pytest.param(2, 64, [(3, 20), (0, 9)], id="B2-T64-all-streams"),
 ]
 
 
-@pytest.mark.parametrize("B, T, new, pad_tokens", BUCKETS)
-def test_onnxruntime_step_matches_torch_step(model, tmp_path, B, T, new, pad_tokens):
+@pytest.mark.parametrize("B, T, new", BUCKETS)
+def test_onnxruntime_step_matches_torch_step(model, tmp_path, B, T, new):
     cfg = model.config
     cache = _cache_with_context(model)
     path = str(tmp_path / "step.onnx")
@@ -69,9 +73,9 @@ def test_onnxruntime_step_matches_torch_step(model, tmp_path, B, T, new, pad_tok
     onnx.checker.check_model(proto, full_check=True)
     assert not proto.functions and _domains(proto.graph) == {""}  # standard operators only
 
-    pools = pool_names(cfg)
+    pools = cache.pool_names()
     assert pools[0] == "conv_state_L0" and pools[-1] == "v_cache_L3"
-    assert [i.name for i in proto.graph.input] == STEP_INPUTS + pools
+    assert [i.name for i in proto.graph.input] == PackedBatch.names() + pools
     assert [o.name for o in proto.graph.output] == ["logits"] + [f"{p}_out" for p in pools]
 
     def dims(value):
@@ -83,9 +87,9 @@ def test_onnxruntime_step_matches_torch_step(model, tmp_path, B, T, new, pad_tok
 
     streams = [Stream(slot, random_tokens(n, 10 + slot)) for slot, n in new]
     tokens = stage(model, cache, streams)
-    batch = pad_batch(pack(streams, tokens, cache), cache, B, T)
+    batch = pack(streams, tokens, cache).padded(B, T, cache)
     lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
-    assert lengths[len(new):] == ([pad_tokens] if pad_tokens else []) + [0] * (B - len(new) - (pad_tokens > 0))
+    assert lengths == [n for _, n in new] + [0] * (B - len(new))
     assert batch.context_lens.max() > 0  # a continuation: the step reads cached context
 
     before = [p.clone() for p in cache.pools()]
@@ -108,27 +112,28 @@ def test_onnxruntime_step_matches_torch_step(model, tmp_path, B, T, new, pad_tok
 
 # one op at a time against its CPU reference; streams 1 and 4 are zero-length and share the
 # scratch slot with the non-empty stream 2 between them, so they must not write it back
-OP_CASE = Case(lengths=(5, 0, 2, 17, 0, 1), context=(3, 0, 0, 9, 0, 0))
+OP_CASE = Shapes(lengths=(5, 0, 2, 17, 0, 1), context=(3, 0, 0, 9, 0, 0))
 
 
 class _OneOp(torch.nn.Module):
-    """Calls one metrale op on clones of the arguments it mutates; returns its outputs and the clones."""
+    """Calls one metrale op (through metrale_graph.ops, as the model does) on clones of the arguments
+    it mutates; returns its outputs and the clones."""
 
     def __init__(self, name):
         super().__init__()
-        self.op = ops.ALL_OPS[name]
-        schema = getattr(torch.ops.metrale, name).default._schema
-        self.mutated = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+        spec = REGISTRY[name]
+        self.name = name
+        self.mutated = [i for i, n in enumerate(spec.signature.parameters) if n in spec.mutates]
 
     def forward(self, *args):
         args = [a.clone() if i in self.mutated else a for i, a in enumerate(args)]
-        out = self.op(*args)
+        out = getattr(ops, self.name)(*args)
         return (*(out if isinstance(out, tuple) else (out,)), *(args[i] for i in self.mutated))
 
 
 def _op_case_args(name):
     args = list(op_args(name, OP_CASE, torch.float32, seed=3))
-    names = [a.name for a in getattr(torch.ops.metrale, name).default._schema.arguments]
+    names = list(REGISTRY[name].signature.parameters)
     if "slot_ids" in names:
         i = names.index("slot_ids")
         args[i] = args[i].clone()
@@ -136,7 +141,7 @@ def _op_case_args(name):
     return args
 
 
-@pytest.mark.parametrize("name", list(ops.ALL_OPS))
+@pytest.mark.parametrize("name", list(REGISTRY))
 def test_each_op_matches_its_reference(name):
     module = _OneOp(name)
     args = _op_case_args(name)
@@ -146,7 +151,7 @@ def test_each_op_matches_its_reference(name):
     session = ort_session(proto)
     got = session.run(None, {i.name: t.numpy() for i, t in zip(session.get_inputs(), tensors)})
     ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-    ref = getattr(ops, f"{name}_ref")(*ref_args)
+    ref = REGISTRY[name].reference(*ref_args)
     ref = [*(ref if isinstance(ref, tuple) else (ref,)), *(ref_args[i] for i in module.mutated)]
     assert len(got) == len(ref)
     for k, (r, g) in enumerate(zip(ref, got)):
@@ -164,3 +169,14 @@ def test_translation_for_an_unknown_op_is_rejected():
     with pytest.raises(ValueError, match="unknown ops \\['gdn_prj'\\]"):
         export_onnx(_OneOp("l2norm"), tuple(_op_case_args("l2norm")),
                     translations={"gdn_prj": TRANSLATIONS["gdn_proj"]})
+
+
+def test_versions_outside_the_verified_range_are_named(monkeypatch):
+    import metrale_graph.onnx as export
+
+    check_versions()  # the versions this suite runs on are verified
+    monkeypatch.setitem(export.VERIFIED, "torch", ((1, 0), (1, 13)))
+    with pytest.raises(RuntimeError, match=r"verified on torch 1\.0-1\.13, onnxscript 0\.7-0\.7; found torch 2\."):
+        check_versions()
+    monkeypatch.setenv("METRALE_ONNX_UNVERIFIED", "1")
+    check_versions()

@@ -7,29 +7,28 @@ import torch.nn.functional as F
 
 from helpers import assert_close
 from metrale_graph import ops
+from metrale_graph.ops import REGISTRY, OpSpec, metrale_op, register
 from metrale_graph.ops.common import OpInputError
-from op_cases import CASES, Case, meta, op_args
-
-DTYPES = [torch.float32, torch.bfloat16]
+from op_cases import CASES, op_args, opcheck_cases
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-@pytest.mark.parametrize("name", list(ops.ALL_OPS))
+@pytest.mark.parametrize("name, case, dtype", opcheck_cases(),
+                         ids=[f"{n}-{c.id}-{str(d)[6:]}" for n, c, d in opcheck_cases()])
 def test_opcheck(name, case, dtype):
-    torch.library.opcheck(ops.ALL_OPS[name], op_args(name, case, dtype))
+    torch.library.opcheck(REGISTRY[name].op, op_args(name, case, dtype))
 
 
-@pytest.mark.parametrize("name", list(ops.ALL_OPS))
+@pytest.mark.parametrize("name", list(REGISTRY))
 def test_fake_shapes_match_real(name):
     """The fake's outputs have the real outputs' shapes, dtypes and strides-independent sizes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    op = REGISTRY[name].op
     args = op_args(name, CASES[0], torch.bfloat16)
-    real = ops.ALL_OPS[name](*args)
+    real = op(*args)
     with FakeTensorMode() as mode:
         fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-        fake = ops.ALL_OPS[name](*fake_args)
+        fake = op(*fake_args)
     real, fake = (real,) if isinstance(real, torch.Tensor) else real, (fake,) if isinstance(fake, torch.Tensor) else fake
     assert [(r.shape, r.dtype) for r in real] == [(f.shape, f.dtype) for f in fake]
 
@@ -93,6 +92,36 @@ def test_paged_attention_matches_sdpa(case):
                                              attn_mask=mask, enable_gqa=True).transpose(0, 1)
         assert_close(f"o[{b}]", ref, out[s:e], 1e-5)
     assert torch.equal(kc[~touched], before_k[~touched]), "KV write touched positions outside the batch"
+
+
+@metrale_op("toy_scale")
+def _toy_scale(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """A toy op for the registry test: x * factor."""
+    return x * factor
+
+
+@_toy_scale.register_fake
+def _(x, factor):
+    return torch.empty_like(x)
+
+
+def test_an_op_is_added_by_its_module_and_one_registry_line():
+    """Registering a spec is all it takes for an op to join the opcheck cases (and the rest)."""
+    def example(s, dtype, g):
+        return torch.randn(s.T, s.D, generator=g).to(dtype), 3.0
+
+    spec = OpSpec(_toy_scale, lambda x, factor: x * factor, example, lambda s: (0, 4 * s.T * s.D))
+    assert spec.name == "toy_scale" and spec.mutates == () and list(spec.signature.parameters) == ["x", "factor"]
+    register(spec)
+    try:
+        cases = [(n, c, d) for n, c, d in opcheck_cases() if n == "toy_scale"]
+        assert len(cases) == 2 * len(CASES)
+        for name, case, dtype in cases[:2]:
+            torch.library.opcheck(REGISTRY[name].op, op_args(name, case, dtype))
+        with pytest.raises(ValueError, match="metrale_op"):
+            OpSpec(torch.sin, None, None, None)
+    finally:
+        REGISTRY.pop("toy_scale")
 
 
 def test_bad_inputs_name_op_and_argument():

@@ -131,7 +131,8 @@ def test_model_to_keeps_weights_stacked_and_rope_fp32(convert):
      "to-fp32-noop": lambda: model.to(torch.float32), "float-after-half": lambda: model.half().float()}[convert]()
     assert model.rope_inv_freq.dtype == torch.float32
     a = model.layers[0].linear_attn
-    assert a.in_proj_z.weight.data_ptr() == a.in_proj_qkv.weight.data_ptr() + a.in_proj_qkv.weight.numel() * a.in_proj_qkv.weight.element_size()
+    qkv = a.in_proj_qkv.weight
+    assert a.in_proj_z.weight.data_ptr() == qkv.data_ptr() + qkv.numel() * qkv.element_size()  # still stacked
     out = model.prefill(model.new_cache(2, 8), [Stream(0, random_tokens(20, 1))])
     assert out.dtype == model.dtype
     assert rel_err(out.float(), ref) <= (1e-6 if convert == "to-fp32-noop" else 5e-2)  # else: rounded weights

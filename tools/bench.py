@@ -18,10 +18,10 @@ import statistics
 import torch
 
 from metrale_graph import PRESETS, HybridModel, Stream
+from metrale_graph.ops import REGISTRY, kernels
+from metrale_graph.tools.common import floor_ms, names_of, output_file, positive_int, print_json, print_table, seed
 from metrale_graph.weights import weight_shapes
-from metrale_graph.tools.common import names_of, output_file, positive_int, print_json, print_table, seed
 
-MATMUL_RATE, COPY_RATE = 790e12, 4.3e12
 VARIANTS = ("peer", "eager", "compiled", "graphs")
 
 # id -> (new tokens per stream, cached tokens per stream)
@@ -35,7 +35,7 @@ WORKLOADS = {
 }
 
 
-def floor_ms(cfg, lengths: list[int], cached: int) -> tuple[float, float, float]:
+def workload_floor(cfg, lengths: list[int], cached: int) -> tuple[float, float, float]:
     """(floor ms, FLOPs, bytes): matmul FLOPs of every projection over every new token, the LM head
     over each stream's last token, causal attention over cached + new tokens; bytes = weights read
     once (the embedding only for the rows used)."""
@@ -48,18 +48,14 @@ def floor_ms(cfg, lengths: list[int], cached: int) -> tuple[float, float, float]
     attn = 4 * cfg.num_attention_heads * cfg.head_dim * pairs * len(cfg.full_layers)
     flops = 2 * T * proj + 2 * B * head + attn
     nbytes = 2 * (proj + head + T * cfg.hidden_size)
-    return max(flops / MATMUL_RATE, nbytes / COPY_RATE) * 1e3, flops, nbytes
+    return floor_ms(flops, nbytes)[0], flops, nbytes
 
 
-# kernel name -> phase, first match wins (cuBLAS / CUTLASS GEMM kernels have many names)
-PHASES = [
-    ("GDN recurrence (fla chunk kernels)", ("chunk_", "recompute_w_u", "solve_tril", "merge_16x16", "kkt")),
-    ("conv1d", ("conv1d",)),
-    ("L2 norm", ("l2norm",)),
-    ("attention + KV write", ("paged_attention", "kv_write")),
-    ("GEMM", ("gemm", "nvjet", "xmma", "cutlass", "splitk", "splitK", "sm90_", "sm80_")),
-    ("norms, RoPE, SiLU (Triton)", ("rms_norm", "silu_mul", "head_norm_rope", "gated_rms")),
-]
+# kernel name -> phase, first match wins: each op's own kernels (its spec), then the GEMMs (cuBLAS /
+# CUTLASS kernels have many names), then the row kernels several ops share
+PHASES = ([(f"{name} (own kernels)", spec.kernels) for name, spec in REGISTRY.items() if spec.kernels]
+          + [("GEMM", ("gemm", "nvjet", "xmma", "cutlass", "splitk", "splitK", "sm90_", "sm80_")),
+             ("shared row kernels (norms, SiLU-mul)", kernels.SHARED_KERNELS)])
 
 
 def kernel_breakdown(fn, setup, runs: int = 3) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
@@ -193,7 +189,7 @@ def main(argv=None) -> None:
         ctx = [torch.randint(0, cfg.vocab_size, (cached,), generator=gen) for _ in lengths] if cached else []
         streams = [Stream(i, t) for i, t in enumerate(new)]
         row = {"workload": w, "streams": len(lengths), "tokens": sum(lengths), "cached": cached}
-        row["floor_ms"], row["flops"], row["bytes"] = floor_ms(cfg, lengths, cached)
+        row["floor_ms"], row["flops"], row["bytes"] = workload_floor(cfg, lengths, cached)
         for v in variants:
             if v == "peer":
                 row["peer_ms"], row["peer_mode"] = bench_peer(hf, new, ctx, args.repeat)

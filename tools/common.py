@@ -14,6 +14,17 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# The H200's two ceilings, measured there (DESIGN.md): bf16 dense matrix rate, and device-to-device
+# copy bandwidth counting bytes read plus bytes written.
+MATMUL_RATE = 790e12
+COPY_RATE = 4.3e12
+
+
+def floor_ms(flops: float, nbytes: float) -> tuple[float, str]:
+    """(ms, "compute" or "memory"): the larger of FLOPs at MATMUL_RATE and bytes at COPY_RATE."""
+    compute, memory = flops / MATMUL_RATE * 1e3, nbytes / COPY_RATE * 1e3
+    return max(compute, memory), "compute" if compute >= memory else "memory"
+
 
 def _int(text: str, minimum: int, expected: str, maximum: int | None = None) -> int:
     try:

@@ -25,31 +25,31 @@ import torch
 from tqdm import tqdm
 
 from metrale_graph import Stream
-from metrale_graph.tools.common import (add_model_args, device_and_dtype, load_model, output_file, positive_int, print_json,
-                          print_table)
+from metrale_graph.tools.common import (add_model_args, device_and_dtype, load_model, output_file, positive_int,
+                                        print_json, print_table)
 
 
 def _verify(model, cache, path: str, B: int, T: int, seed: int) -> dict[str, float]:
     """Prefill context into some slots, then run a batch continuing half of them plus new streams,
     padded to the bucket, through onnxruntime and the torch step; relative norm errors by output."""
     from metrale_graph.batch import pack, validate
-    from metrale_graph.onnx_export import ort_session, pad_batch, pool_names, run_step
+    from metrale_graph.onnx import ort_session, run_step
 
     gen = torch.Generator().manual_seed(seed)
-    n = max(1, B - 1)  # leave a stream for padding tokens (main checks that 2 n slots exist)
+    n = max(1, B - 1)  # a zero-length padding stream too when B > 1 (main checks that 2 n slots exist)
     vocab = model.config.vocab_size
     first = torch.randint(1, max(2, min(T, cache.max_context // 2)), (n,), generator=gen).tolist()
     model.prefill(cache, [Stream(2 * i, torch.randint(0, vocab, (k,), generator=gen)) for i, k in enumerate(first)])
-    # the second batch: slots 0, 2, 4, ... continue, odd slots start; about 3/4 of the bucket's tokens
-    # (all of them for B = 1: no stream is left for padding)
-    budget = T if B == 1 else max(n, 3 * T // 4)
+    # the second batch: slots 0, 2, 4, ... continue, odd slots start; about 3/4 of the bucket's tokens,
+    # the rest padding in no stream
+    budget = max(n, 3 * T // 4)
     cuts = sorted(torch.randperm(budget - 1, generator=gen)[: n - 1].add(1).tolist())
     lengths = [b - a for a, b in zip([0] + cuts, cuts + [budget])]
     slots = [2 * (i // 2) if i % 2 == 0 else 2 * (i // 2) + 1 for i in range(n)]
     streams = [Stream(s, torch.randint(0, vocab, (k,), generator=gen)) for s, k in zip(slots, lengths)]
     tokens = validate(streams, cache, vocab)
     cache.allocate({s.slot: t.numel() for s, t in zip(streams, tokens)})
-    batch = pad_batch(pack(streams, tokens, cache), cache, B, T)
+    batch = pack(streams, tokens, cache).padded(B, T, cache)
     ref_cache = copy.deepcopy(cache)
     with torch.no_grad():
         ref = model.forward_packed(ref_cache, batch)
@@ -60,7 +60,7 @@ def _verify(model, cache, path: str, B: int, T: int, seed: int) -> dict[str, flo
         return ((torch.from_numpy(out[name]).double() - expected).norm() / expected.norm()).item()
 
     errors = {"logits": rel("logits", ref)}
-    for name, pool in zip(pool_names(model.config), ref_cache.pools()):
+    for name, pool in zip(cache.pool_names(), ref_cache.pools()):
         errors[name] = rel(f"{name}_out", pool)
     return errors
 
@@ -91,7 +91,7 @@ def main(argv=None) -> None:
 
     import onnx
 
-    from metrale_graph.onnx_export import export_prefill, node_counts
+    from metrale_graph.onnx import export_prefill, node_counts
 
     steps = ["load model", "torch.export", "translate to ONNX", "save", "check_model"]
     steps += ["verify"] if args.verify else []

@@ -14,8 +14,8 @@ import time
 import torch
 
 from metrale_graph import Stream
-from metrale_graph.tools.common import (add_model_args, load_model, non_negative_int, positive_int, positive_ints, print_json,
-                          print_table, sync)
+from metrale_graph.tools.common import (add_model_args, load_model, non_negative_int, positive_int, positive_ints,
+                                        print_json, print_table, sync)
 
 
 def main(argv=None) -> None:

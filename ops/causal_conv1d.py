@@ -11,11 +11,12 @@ import triton.language as tl
 from torch import Tensor
 
 from .common import INDEX_DTYPES, check, check_tensor
+from .registry import OpSpec, Shapes, metrale_op, rand, register, stream_meta, weight
 
 OP = "causal_conv1d"
 
 
-@torch.library.custom_op("metrale::causal_conv1d", mutates_args=("conv_state",), device_types="cpu")
+@metrale_op("causal_conv1d", mutates_args=("conv_state",))
 def causal_conv1d(x: Tensor, weight: Tensor, cu_seqlens: Tensor, slot_ids: Tensor,
                   conv_state: Tensor) -> Tensor:
     """Varlen causal conv1d with per-slot state, then SiLU.
@@ -146,3 +147,17 @@ def causal_conv1d_triton(x, weight, cu_seqlens, slot_ids, conv_state):
 def causal_conv1d_cuda(x, weight, cu_seqlens, slot_ids, conv_state):
     _check(x, weight, cu_seqlens, slot_ids, conv_state)
     return causal_conv1d_triton(x, weight, cu_seqlens, slot_ids, conv_state)
+
+
+def example(s: Shapes, dtype, g):
+    cu, slots, _, _ = stream_meta(s, g)
+    return (rand(g, s.T, s.C, dtype=dtype), weight(g, s.C, s.W, dtype=dtype), cu, slots,
+            rand(g, s.num_slots + 1, s.C, s.W - 1, dtype=dtype))
+
+
+def cost(s: Shapes):
+    return 2 * s.T * s.C * s.W, 2 * 2 * s.T * s.C
+
+
+register(OpSpec(causal_conv1d, causal_conv1d_ref, example, cost, cuda=causal_conv1d_cuda, kernels=("conv1d",),
+                onnx="metrale_graph.onnx.translations:causal_conv1d"))

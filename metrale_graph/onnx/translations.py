@@ -4,7 +4,8 @@
 `torch.onnx.export(..., dynamo=True, custom_translation_table=...)` calls a translation with the
 op's tensor arguments as ONNX values of static shape (one graph per bucket) and its scalars as
 Python values. The ops that mutate a state pool are exported in functional form (see
-onnx_export.py): their translation returns the op's output followed by the updated pools.
+export.py): their translation returns the op's output followed by the updated pools. Each op's
+spec (ops/<op>.py) points at its translation here.
 
 Varlen streams without host sync, as the CPU references (`ops/*_ref`) specify:
 - token t belongs to stream seg[t] = the number of streams that end at or before t (zero-length
@@ -17,8 +18,8 @@ Varlen streams without host sync, as the CPU references (`ops/*_ref`) specify:
 - the GDN recurrence is an ONNX Loop over streams around a Loop over that stream's tokens (trip
   count = its length, zero for padding), token by token in fp32 like gdn_recurrence_ref.
 - paged attention writes each token's K / V at (block, offset) with ScatterND, then every token
-  attends over the positions of its stream's block table up to its own position. Where two tokens
-  write one row (only padding, into the null block) either may win, as in the reference.
+  attends over the positions of its stream's block table up to its own position. Tokens in no
+  stream (padding) write the null block's current values back, so the null block stays as it is.
 
 Values inside loop bodies get model-unique names: ONNX's single-assignment rule spans subgraphs.
 
@@ -68,11 +69,6 @@ def _rms_norm(x, w, eps: float, dtype: ir.DataType):
     """ops.common.rms_norm: zero-centred weight, in fp32, cast back to `dtype` (x's dtype)."""
     xf = _normalize(_cast(x, FLOAT, dtype), eps)
     return _cast(op.Mul(xf, op.Add(_cast(w, FLOAT, w.dtype), _const(1.0, np.float32))), dtype, FLOAT)
-
-
-def _mlp_residual(h, post_norm_w, gate_w, up_w, down_w, eps: float, dtype):
-    n = _rms_norm(h, post_norm_w, eps, dtype)
-    return op.Add(h, _linear(op.Mul(_silu(_linear(n, gate_w)), _linear(n, up_w)), down_w))
 
 
 def _token_streams(cu, B: int, T: int):
@@ -245,15 +241,20 @@ def gdn_recurrence(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state):
     return o, _write_slots(gdn_state, slots, finals, op.Greater(lengths, _const(0)), B)
 
 
-def gdn_out(o, z, residual, gnorm_w, out_w, post_norm_w, gate_w, up_w, down_w, eps):
-    """ops.gdn_out: gated RMSNorm (as transformers' Qwen3_5RMSNormGated), out_proj, residual, MLP."""
+def gdn_out(o, z, residual, gnorm_w, out_w, eps):
+    """ops.gdn_out: gated RMSNorm (as transformers' Qwen3_5RMSNormGated), out_proj, residual."""
     (T, HV, V), dt = o.shape, o.dtype
     of = _normalize(_cast(o, FLOAT, dt), eps)
     n = _cast(op.Mul(gnorm_w, _cast(of, dt, FLOAT)), FLOAT, dt)  # plain weight, applied in the model dtype
     n = op.Mul(n, _silu(_cast(op.Reshape(z, _const([T, HV, V])), FLOAT, dt)))
     n = op.Reshape(_cast(n, dt, FLOAT), _const([T, HV * V]))
-    h = op.Add(residual, _linear(n, out_w))
-    return _mlp_residual(h, post_norm_w, gate_w, up_w, down_w, eps, dt)
+    return op.Add(residual, _linear(n, out_w))
+
+
+def mlp(h, norm_w, gate_w, up_w, down_w, eps):
+    """ops.mlp: h + down(silu(gate(n)) * up(n)), n = rms_norm(h)."""
+    n = _rms_norm(h, norm_w, eps, h.dtype)
+    return op.Add(h, _linear(op.Mul(_silu(_linear(n, gate_w)), _linear(n, up_w)), down_w))
 
 
 def _rope(x, cos, sin, R: int, HD: int):
@@ -301,7 +302,9 @@ def paged_attention(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_t
     col = op.Unsqueeze(op.Min(op.Div(pos, _const(BS)), _const(MB - 1)), _const([1]))
     block = op.Where(valid, op.Squeeze(op.GatherElements(blocks, col, axis=1), _const([1])), _const(NB - 1))
     where = op.Concat(op.Unsqueeze(block, _const([1])), op.Unsqueeze(op.Mod(pos, _const(BS)), _const([1])), axis=1)
-    k_cache, v_cache = op.ScatterND(k_cache, where, k), op.ScatterND(v_cache, where, v)
+    keep = op.Reshape(valid, _const([T, 1, 1]))  # tokens in no stream write back what the null block holds
+    k_cache = op.ScatterND(k_cache, where, op.Where(keep, k, op.GatherND(k_cache, where)))
+    v_cache = op.ScatterND(v_cache, where, op.Where(keep, v, op.GatherND(v_cache, where)))
 
     def context(cache, perm):  # the P positions of each token's stream, fp32
         kv = op.Reshape(op.Gather(cache, blocks, axis=0), _const([T, P, HKV, HD]))
@@ -316,21 +319,7 @@ def paged_attention(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_t
     return _cast(op.Reshape(o, _const([T, HQ, HD])), dt, FLOAT), k_cache, v_cache
 
 
-def attn_out(o, gate, residual, o_w, post_norm_w, gate_w, up_w, down_w, eps):
-    """ops.attn_out: o * sigmoid(gate), o_proj, residual, MLP."""
-    T, dt = o.shape[0], o.dtype
-    h = op.Add(residual, _linear(op.Mul(op.Reshape(o, _const([T, -1])), op.Sigmoid(gate)), o_w))
-    return _mlp_residual(h, post_norm_w, gate_w, up_w, down_w, eps, dt)
-
-
-# op name -> translation; mutating ops' translations return (outputs..., updated pools...)
-TRANSLATIONS = {
-    "gdn_proj": gdn_proj,
-    "causal_conv1d": causal_conv1d,
-    "l2norm": l2norm,
-    "gdn_recurrence": gdn_recurrence,
-    "gdn_out": gdn_out,
-    "attn_proj": attn_proj,
-    "paged_attention": paged_attention,
-    "attn_out": attn_out,
-}
+def attn_out(o, gate, residual, o_w):
+    """ops.attn_out: o * sigmoid(gate), o_proj, residual."""
+    (T, HQ, HD) = o.shape
+    return op.Add(residual, _linear(op.Mul(op.Reshape(o, _const([T, HQ * HD])), op.Sigmoid(gate)), o_w))
