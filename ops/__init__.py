@@ -18,6 +18,7 @@ from .attn_proj import attn_proj
 from .paged_attention import paged_attention
 from .attn_out import attn_out
 from .mlp import mlp
+from .moe import moe
 
 __all__ = ["REGISTRY", "OpSpec", "Shapes", "example_args", "metrale_op", "register", "gdn_proj", "causal_conv1d",
-           "l2norm", "gdn_recurrence", "gdn_out", "attn_proj", "paged_attention", "attn_out", "mlp"]
+           "l2norm", "gdn_recurrence", "gdn_out", "attn_proj", "paged_attention", "attn_out", "mlp", "moe"]

@@ -54,6 +54,10 @@ class Shapes:
     num_slots: int = 6
     num_blocks: int = 24
     eps: float = 1e-6
+    E: int = 6  # experts (MoE layers)
+    TOPK: int = 2  # experts per token
+    IE: int = 24  # expert intermediate size
+    IS: int = 16  # shared expert intermediate size
 
     @property
     def T(self) -> int:
@@ -70,20 +74,22 @@ class Shapes:
     @property
     def id(self) -> str:
         return (f"L{'-'.join(map(str, self.lengths))}-H{self.H}-HV{self.HV}-K{self.K}-V{self.V}"
-                f"-HQ{self.HQ}-HKV{self.HKV}-HD{self.HD}-R{self.R}-W{self.W}-BS{self.BS}")
+                f"-HQ{self.HQ}-HKV{self.HKV}-HD{self.HD}-R{self.R}-W{self.W}-BS{self.BS}-E{self.E}k{self.TOPK}")
 
     @classmethod
     def from_config(cls, cfg, lengths, context=None, block_size: int = 64) -> "Shapes":
         """A model config's dims for streams of `lengths` (fresh unless `context` is given), each in
         its own slot with just enough blocks."""
         context = tuple(context or (0,) * len(lengths))
+        moe = dict(E=cfg.num_experts, TOPK=cfg.num_experts_per_tok, IE=cfg.moe_intermediate_size,
+                   IS=cfg.shared_expert_intermediate_size) if getattr(cfg, "num_experts", 0) else {}
         per_stream = max(-(-(c + n) // block_size) for c, n in zip(context, lengths))
         return cls(lengths=tuple(lengths), context=context, H=cfg.linear_num_key_heads,
                    HV=cfg.linear_num_value_heads, K=cfg.linear_key_head_dim, V=cfg.linear_value_head_dim,
                    D=cfg.hidden_size, I=cfg.intermediate_size, HQ=cfg.num_attention_heads,
                    HKV=cfg.num_key_value_heads, HD=cfg.head_dim, R=cfg.rotary_dim, W=cfg.linear_conv_kernel_dim,
                    BS=block_size, num_slots=len(lengths), num_blocks=len(lengths) * per_stream,
-                   eps=cfg.rms_norm_eps)
+                   eps=cfg.rms_norm_eps, **moe)
 
 
 # random inputs for `example` functions: seeded on the CPU, realistic scales ----------------------

@@ -87,6 +87,8 @@ def test_outputs_alias_nothing(name, impl, case):
     """Fresh outputs from the CPU reference and the CUDA path (recurrence: its aligned layout) for
     every case; T = 1 and T = 0 are where a slice or reshape of one GEMM output comes back as a view.
     fp32 only: there dtype casts are no-ops that could hand back their input."""
+    if impl == "cuda" and name not in CUDA_PATHS:
+        pytest.skip(f"metrale::{name} has no CUDA path yet")
     args = clone_args(op_args(name, case, torch.float32), DEVICE)
     fn = REGISTRY[name].reference if impl == "reference" else CUDA_PATHS[name]
     assert_no_aliasing(f"{name} ({impl})", outputs(fn(*args)), args)

@@ -257,6 +257,30 @@ def mlp(h, norm_w, gate_w, up_w, down_w, eps):
     return op.Add(h, _linear(op.Mul(_silu(_linear(n, gate_w)), _linear(n, up_w)), down_w))
 
 
+def moe(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k,
+        norm_topk, eps):
+    """ops.moe, densely: every expert runs on every token and the routing weights (zero for the experts
+    a token did not choose) combine them. Exact, and quadratic in nothing; meant for CPU checks, not
+    for speed (T * E expert rows)."""
+    (T, D), (E, IE2, _), dt = h.shape, w13.shape, h.dtype
+    n = _rms_norm(h, norm_w, eps, dt)
+    probs = op.Softmax(_cast(_linear(n, router_w), FLOAT, dt), axis=-1)
+    top_w, top_e = op.TopK(probs, _const([top_k]), axis=-1)
+    if norm_topk:
+        top_w = op.Div(top_w, op.ReduceSum(top_w, _const([-1]), keepdims=1))
+    top_w = _cast(_cast(top_w, dt, FLOAT), FLOAT, dt)  # the weights in the model dtype, as transformers
+    weights = op.ScatterElements(op.ConstantOfShape(_const([T, E]), value=ir.tensor(np.zeros(1, np.float32))),
+                                 top_e, top_w, axis=1)  # [T, E]
+    gate_up = op.Einsum(n, w13, equation="td,efd->tef")  # [T, E, 2 IE]
+    gate = op.Slice(gate_up, _const([0]), _const([IE2 // 2]), _const([-1]))
+    up = op.Slice(gate_up, _const([IE2 // 2]), _const([IE2]), _const([-1]))
+    y = op.Einsum(op.Mul(_silu(gate), up), w2, equation="tei,edi->ted")  # [T, E, D]
+    routed = _cast(op.Einsum(weights, _cast(y, FLOAT, dt), equation="te,ted->td"), dt, FLOAT)
+    shared = _linear(op.Mul(_silu(_linear(n, shared_gate_w)), _linear(n, shared_up_w)), shared_down_w)
+    shared = op.Mul(op.Sigmoid(_linear(n, shared_expert_gate_w)), shared)
+    return op.Add(h, op.Add(routed, shared))
+
+
 def _rope(x, cos, sin, R: int, HD: int):
     """Rotate-half RoPE on the first R channels of each head of x [T, N, HD]; cos, sin [T, 1, R]."""
     rot = op.Slice(x, _const([0]), _const([R]), _const([-1]))
