@@ -1,11 +1,15 @@
-"""End-to-end prefill benchmark: workloads W1-W6 of DESIGN.md on one model shape (default the
-Qwen3.5-9B shape, random bf16 weights, full depth), side by side in one process with the same
-weights: the peer (transformers Qwen3.5 with flash-linear-attention kernels, eager), ours eager,
-ours compiled, ours compiled + CUDA graphs. Median of CUDA-event timings after warmup, next to
-each workload's floor max(FLOPs / 790 TFLOP/s, weight bytes / 4.3 TB/s). Prints a table, writes
-JSON and markdown if asked, and ends with one JSON line.
+"""End-to-end benchmark: the workloads of DESIGN.md on one model shape (default the Qwen3.5-9B
+shape, random bf16 weights, full depth), side by side in one process with the same weights: the
+peer (transformers with flash-linear-attention kernels, eager), ours eager, ours compiled, ours
+compiled + CUDA graphs. W1-W7 are prefill / mixed steps; D1 and D32 are decode steps (one new
+token per stream after 2048 cached, time per step including host work). Median of CUDA-event
+timings after warmup, next to each workload's floor max(FLOPs / 790 TFLOP/s, bytes / 4.3 TB/s),
+where bytes are the weights a step reads (for MoE presets only the experts its tokens can touch)
+plus the cached K/V it reads and the GDN states it reads and writes. `--generate` adds an
+end-to-end generation run (32 prompts of 512 tokens, 256 new tokens each) against transformers'
+generate. Prints a table, writes JSON and markdown if asked, and ends with one JSON line.
 
-    python -m tools.bench [--workloads W1,W2,...] [--repeat 10] [--markdown FILE] [--json FILE]
+    python -m tools.bench [--preset qwen3.5-9b] [--workloads W1,W2,...] [--repeat 10] [--json FILE]
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ import argparse
 import copy
 import json
 import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
@@ -24,30 +31,66 @@ from metrale_graph.weights import weight_shapes
 
 VARIANTS = ("peer", "eager", "compiled", "graphs")
 
-# id -> (new tokens per stream, cached tokens per stream)
+@dataclass(frozen=True)
+class Workload:
+    new: tuple[int, ...]  # new tokens per stream
+    cached: tuple[int, ...]  # tokens already cached per stream
+
+    @property
+    def label(self) -> str:
+        groups = sorted(Counter(zip(self.new, self.cached)).items(), key=lambda kv: -kv[1])
+        if len(groups) > 2:
+            return f"{len(self.new)} ragged, {sum(self.new)} tok"
+        return " + ".join(f"{n}x{new}" + (f" +{c} cached" if c else "") for (new, c), n in groups)
+
+
 WORKLOADS = {
-    "W1": ([512], 0),
-    "W2": ([512] * 8, 0),
-    "W3": ([1500, 37, 900, 256, 700, 128, 420, 155], 0),
-    "W4": ([128] * 32, 0),
-    "W5": ([16384], 0),
-    "W6": ([512] * 4, 2048),
+    "W1": Workload((512,), (0,)),
+    "W2": Workload((512,) * 8, (0,) * 8),
+    "W3": Workload((1500, 37, 900, 256, 700, 128, 420, 155), (0,) * 8),
+    "W4": Workload((128,) * 32, (0,) * 32),
+    "W5": Workload((16384,), (0,)),
+    "W6": Workload((512,) * 4, (2048,) * 4),
+    "W7": Workload((1,) * 31 + (512,), (2048,) * 31 + (0,)),  # a mixed step: 31 decodes + 1 prompt
+    "D1": Workload((1,), (2048,)),
+    "D32": Workload((1,) * 32, (2048,) * 32),
 }
 
 
-def workload_floor(cfg, lengths: list[int], cached: int) -> tuple[float, float, float]:
-    """(floor ms, FLOPs, bytes): matmul FLOPs of every projection over every new token, the LM head
-    over each stream's last token, causal attention over cached + new tokens; bytes = weights read
-    once (the embedding only for the rows used)."""
+def expected_experts(cfg, tokens: int) -> float:
+    """Experts of one MoE layer that `tokens` tokens touch, in expectation under uniform routing."""
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    return E * (1 - (1 - k / E) ** tokens)
+
+
+def workload_floor(cfg, w: Workload) -> tuple[float, float, float]:
+    """(floor ms, FLOPs, bytes). FLOPs: every projection over every new token (MoE: the router, the
+    top-k experts and the shared expert), the LM head over each stream's last token, causal attention
+    over cached + new tokens. Bytes: every weight read once (the embedding table and the LM head
+    included, as DESIGN.md's decode floors count them; MoE: only the experts the tokens can touch, in
+    expectation), cached K/V read, GDN states read and written."""
     shapes = weight_shapes(cfg)
-    proj = sum(torch.Size(s).numel() for n, s in shapes.items()
-               if len(s) >= 2 and not n.startswith(("embed_tokens", "lm_head")) and "conv1d" not in n)
-    T, B = sum(lengths), len(lengths)
+    T, B = sum(w.new), len(w.new)
+    experts = expected_experts(cfg, T) if getattr(cfg, "num_experts", 0) else 0
+    flops_per_token, weight_bytes = 0.0, 0.0
+    for name, shape in shapes.items():
+        if len(shape) < 2 or name.startswith(("embed_tokens", "lm_head")) or "conv1d" in name:
+            continue
+        n = torch.Size(shape).numel()
+        if ".mlp.experts." in name:  # [E, ...]: top-k of E per token, the touched ones read
+            flops_per_token += 2 * n * cfg.num_experts_per_tok / cfg.num_experts
+            weight_bytes += 2 * n * experts / cfg.num_experts
+        else:
+            flops_per_token += 2 * n
+            weight_bytes += 2 * n
     head = cfg.vocab_size * cfg.hidden_size
-    pairs = sum(L * cached + L * (L + 1) / 2 for L in lengths)
+    pairs = sum(n * c + n * (n + 1) / 2 for n, c in zip(w.new, w.cached))
     attn = 4 * cfg.num_attention_heads * cfg.head_dim * pairs * len(cfg.full_layers)
-    flops = 2 * T * proj + 2 * B * head + attn
-    nbytes = 2 * (proj + head + T * cfg.hidden_size)
+    kv = 2 * 2 * cfg.num_key_value_heads * cfg.head_dim * sum(w.cached) * len(cfg.full_layers)
+    states = 2 * 4 * B * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim \
+        * len(cfg.linear_layers)
+    flops = T * flops_per_token + 2 * B * head + attn
+    nbytes = weight_bytes + 2 * head * (1 if cfg.tie_word_embeddings else 2) + kv + states
     return floor_ms(flops, nbytes)[0], flops, nbytes
 
 
@@ -101,27 +144,29 @@ def time_cuda(fn, setup, repeat: int, warmup: int = 2) -> float:
 
 
 class Ours:
-    """Our model in the three modes over one cache; slots 0..B-1, restored before each timed call."""
+    """Our model in the three modes over one cache; stream i in slot i, the cache restored before each
+    timed call."""
 
-    def __init__(self, model, workloads, grid):
-        self.model = model
-        per_slot = max(max(lengths) + cached for lengths, cached in workloads)
-        blocks = max(sum(-(-(n + cached) // 64) for n in lengths) for lengths, cached in workloads)
-        self.cache = model.new_cache(num_slots=max(len(lengths) for lengths, _ in workloads), num_blocks=blocks,
-                                     max_context=per_slot)
+    def __init__(self, model, workloads: list[Workload], grid):
         from metrale_graph.capture import GraphRunner
 
+        self.model = model
+        per_slot = max(n + c for w in workloads for n, c in zip(w.new, w.cached))
+        blocks = max(sum(-(-(n + c) // 64) for n, c in zip(w.new, w.cached)) for w in workloads)
+        self.cache = model.new_cache(num_slots=max(len(w.new) for w in workloads), num_blocks=blocks,
+                                     max_context=per_slot)
         batch_sizes, token_counts = grid
         self.graphs = GraphRunner(model, self.cache, batch_sizes, token_counts, use_graphs=True)
         self.compiled = GraphRunner(model, self.cache, batch_sizes, token_counts, use_graphs=False)
         self.snapshot = None
 
-    def prepare_context(self, prompts):
-        """Prefill cached context (untimed) and remember the cache state to restore before runs."""
+    def prepare_context(self, contexts: list[torch.Tensor | None]):
+        """Prefill each stream's cached context (untimed) and remember the cache state to restore."""
         for s in range(self.cache.num_slots):
             self.cache.reset(s)
+        prompts = [Stream(i, c) for i, c in enumerate(contexts) if c is not None]
         if prompts:
-            self.model.prefill(self.cache, [Stream(i, p) for i, p in enumerate(prompts)])
+            self.model.prefill(self.cache, prompts)
         self.snapshot = self.cache.snapshot()
 
     def restore(self):
@@ -133,17 +178,25 @@ class Ours:
         return (self.graphs if mode == "graphs" else self.compiled).prefill(streams)
 
 
+# model_type -> (transformers config class, causal LM class)
+PEER_CLASSES = {"qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+                "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+                "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM")}
+
+
 def peer_model(model):
-    """transformers' Qwen3_5ForCausalLM with the same bf16 weights (it picks flash-linear-attention's
-    kernels when fla is installed)."""
+    """transformers' causal LM of the model's family with the same bf16 weights (it picks
+    flash-linear-attention's kernels when fla is installed)."""
     import transformers
 
+    from metrale_graph.weights import hf_state_dict
+
     cfg = model.config
-    hf_cfg = transformers.Qwen3_5TextConfig(**cfg.to_hf())
+    config_cls, model_cls = (getattr(transformers, n) for n in PEER_CLASSES[getattr(cfg, "model_type", "qwen3_5_text")])
+    hf_cfg = config_cls(**cfg.to_hf())
     with torch.device("meta"):
-        hf = transformers.Qwen3_5ForCausalLM(hf_cfg)
-    state = {(n if n == "lm_head.weight" else "model." + n): p.contiguous()
-             for n, p in model.named_parameters()}
+        hf = model_cls(hf_cfg)
+    state = hf_state_dict(dict(model.named_parameters()), cfg, fused=True)
     hf.load_state_dict(state, strict=False, assign=True)
     hf.model.rotary_emb = type(hf.model.rotary_emb)(hf_cfg, device=model.device)
     return hf.to(model.device).eval()
@@ -152,6 +205,80 @@ def peer_model(model):
 def peer_prefill(hf, batch: torch.Tensor, mask=None, past=None):
     out = hf(input_ids=batch, attention_mask=mask, past_key_values=past, use_cache=True, logits_to_keep=1)
     return out.past_key_values
+
+
+@torch.no_grad()
+def bench_peer(hf, w: Workload, new, ctx, repeat):
+    """The peer's best way through a workload: the streams with cached context as one batch through its
+    own cache (their lengths agree in every workload); the others as one batch when their lengths
+    agree, else as a left-padded batch or one stream at a time, whichever is faster. A mixed step (W7)
+    is the two calls back to back."""
+    dev = next(hf.parameters()).device
+    cached = [i for i, c in enumerate(w.cached) if c]
+    fresh = [i for i, c in enumerate(w.cached) if not c]
+    calls, setups, modes = [], [], []
+    if cached:
+        past0 = peer_prefill(hf, torch.stack([ctx[i] for i in cached]).to(dev))
+        batch = torch.stack([new[i] for i in cached]).to(dev)
+        holder = {}
+        calls.append(lambda: peer_prefill(hf, batch, past=holder["past"]))
+        setups.append(lambda: holder.update(past=copy.deepcopy(past0)))
+        modes.append("batch with cache")
+    if fresh:
+        toks = [new[i] for i in fresh]
+        if len({t.numel() for t in toks}) == 1:
+            batch2 = torch.stack(toks).to(dev)
+            calls.append(lambda: peer_prefill(hf, batch2))
+            modes.append("batch")
+        else:
+            L = max(t.numel() for t in toks)
+            padded = torch.zeros(len(toks), L, dtype=torch.long)
+            mask = torch.zeros(len(toks), L, dtype=torch.long)
+            for i, t in enumerate(toks):
+                padded[i, L - t.numel():] = t
+                mask[i, L - t.numel():] = 1
+            padded, mask = padded.to(dev), mask.to(dev)
+            singles = [t.to(dev)[None] for t in toks]
+            options = {"padded batch": lambda: peer_prefill(hf, padded, mask),
+                       "one at a time": lambda: [peer_prefill(hf, s) for s in singles]}
+            best = min(options, key=lambda k: time_cuda(options[k], lambda: None, max(1, repeat // 2)))
+            calls.append(options[best])
+            modes.append(best)
+    ms = time_cuda(lambda: [c() for c in calls], lambda: [s() for s in setups], repeat)
+    return ms, " + ".join(modes)
+
+
+@torch.no_grad()
+def bench_generate(model, hf, prompts: int = 32, prompt_len: int = 512, new_tokens: int = 256, seed: int = 0):
+    """Tokens/s of generating `new_tokens` greedy tokens for each of `prompts` random prompts: our
+    Engine (one graph replay per step) against transformers' generate on the same weights."""
+    from metrale_graph import Engine
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (prompts, prompt_len), generator=g)
+    engine = Engine(model, num_slots=prompts, max_context=prompt_len + new_tokens, token_budget=2048,
+                    batch_sizes=[prompts], token_counts=[prompts, 2048], stop_token_ids=[])
+    engine.warmup()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = engine.generate([p.tolist() for p in ids], max_new_tokens=new_tokens)
+    torch.cuda.synchronize()
+    ours_s = time.perf_counter() - t0
+    assert all(len(r.token_ids) == new_tokens for r in out)
+    row = {"prompts": prompts, "prompt_len": prompt_len, "new_tokens": new_tokens, "ours_s": round(ours_s, 3),
+           "ours_tok_s": round(prompts * new_tokens / ours_s, 1)}
+    if hf is not None:
+        dev = next(hf.parameters()).device
+        x = ids.to(dev)
+        kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        hf.generate(x[:, :16], max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)  # warm up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        hf.generate(x, attention_mask=torch.ones_like(x), **kwargs)
+        torch.cuda.synchronize()
+        peer_s = time.perf_counter() - t0
+        row.update(peer_s=round(peer_s, 3), peer_tok_s=round(prompts * new_tokens / peer_s, 1))
+    return row
 
 
 def main(argv=None) -> None:
@@ -165,6 +292,8 @@ def main(argv=None) -> None:
     p.add_argument("--variants", type=names_of(VARIANTS), default=",".join(VARIANTS))
     p.add_argument("--repeat", type=positive_int, default=10, help="timed runs per variant (median)")
     p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--generate", action="store_true",
+                   help="also time end-to-end generation (32 prompts x 512 tokens, 256 new each) against the peer")
     p.add_argument("--json", type=output_file, default=None, help="write the results to this JSON file")
     p.add_argument("--markdown", type=output_file, default=None, help="write the table to this markdown file")
     p.add_argument("--profile", action="store_true",
@@ -179,31 +308,32 @@ def main(argv=None) -> None:
     model = HybridModel.from_preset(cfg, dtype=torch.bfloat16, device="cuda", seed=args.seed)
     hf = peer_model(model) if "peer" in variants else None
     # a grid holding one bucket per workload's (streams, new tokens)
-    grid = (sorted({len(WORKLOADS[w][0]) for w in workloads}), sorted({sum(WORKLOADS[w][0]) for w in workloads}))
+    grid = (sorted({len(WORKLOADS[w].new) for w in workloads}), sorted({sum(WORKLOADS[w].new) for w in workloads}))
     ours = Ours(model, [WORKLOADS[w] for w in workloads], grid)
     gen = torch.Generator().manual_seed(args.seed)
     results = []
-    for w in tqdm(workloads, desc="workloads", unit="workload"):
-        lengths, cached = WORKLOADS[w]
-        new = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in lengths]
-        ctx = [torch.randint(0, cfg.vocab_size, (cached,), generator=gen) for _ in lengths] if cached else []
+    for name in tqdm(workloads, desc="workloads", unit="workload"):
+        w = WORKLOADS[name]
+        new = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in w.new]
+        ctx = [torch.randint(0, cfg.vocab_size, (c,), generator=gen) if c else None for c in w.cached]
         streams = [Stream(i, t) for i, t in enumerate(new)]
-        row = {"workload": w, "streams": len(lengths), "tokens": sum(lengths), "cached": cached}
-        row["floor_ms"], row["flops"], row["bytes"] = workload_floor(cfg, lengths, cached)
+        row = {"workload": name, "label": w.label, "streams": len(w.new), "tokens": sum(w.new),
+               "cached": sum(w.cached)}
+        row["floor_ms"], row["flops"], row["bytes"] = workload_floor(cfg, w)
         for v in variants:
             if v == "peer":
-                row["peer_ms"], row["peer_mode"] = bench_peer(hf, new, ctx, args.repeat)
+                row["peer_ms"], row["peer_mode"] = bench_peer(hf, w, new, ctx, args.repeat)
                 continue
             ours.prepare_context(ctx)
             if v == "graphs":
-                ours.graphs.warm_bucket(min(b for b in ours.graphs.grid if b.holds(len(streams), sum(lengths))))
+                ours.graphs.warm_bucket(min(b for b in ours.graphs.grid if b.holds(len(streams), sum(w.new))))
             row[f"{v}_ms"] = time_cuda(lambda: ours.run(v, streams), ours.restore, args.repeat)
         if args.profile:
             ours.prepare_context(ctx)
             phases, kernels = kernel_breakdown(lambda: ours.run("compiled", streams), ours.restore)
             total = sum(ms for _, ms in phases)
             row["profile_ms"] = {p: round(ms, 3) for p, ms in phases}
-            lines = [f"{w}: device time {total:.1f} ms per prefill (floor {row['floor_ms']:.1f} ms)"]
+            lines = [f"{name}: device time {total:.1f} ms per step (floor {row['floor_ms']:.1f} ms)"]
             lines += [f"  {ms:8.2f} ms {100 * ms / total:5.1f}%  {p}" for p, ms in phases]
             lines += ["  top kernels:"] + [f"  {ms:8.2f} ms  {k[:100]}" for k, ms in kernels[:12]]
             tqdm.write("\n".join(lines))
@@ -217,58 +347,37 @@ def main(argv=None) -> None:
     headers += ["graphs / floor", "graphs tok/s"] if "graphs" in variants else []
     rows = []
     for r in results:
-        lengths = WORKLOADS[r["workload"]][0]
-        shape = (f"{r['streams']}x{lengths[0]}" if len(set(lengths)) == 1 else f"{r['streams']} ragged, {r['tokens']} tok")
-        line = [f"{r['workload']} {shape}" + (f" +{r['cached']} cached" if r["cached"] else ""),
-                f"{r['floor_ms']:.1f}"] + [f"{r[f'{v}_ms']:.1f}" for v in variants]
+        line = [f"{r['workload']} {r['label']}", f"{r['floor_ms']:.1f}"] + [f"{r[f'{v}_ms']:.1f}" for v in variants]
         if "peer" in variants:
             line += [f"{r['peer_ms'] / r[f'{v}_ms']:.2f}x" for v in variants if v != "peer"]
         if "graphs" in variants:
             line += [f"{r['graphs_ms'] / r['floor_ms']:.2f}x", f"{r['tokens'] / r['graphs_ms'] * 1e3:,.0f}"]
         rows.append(line)
-    title = f"{args.preset}{f' ({cfg.num_hidden_layers} layers)' if args.layers else ''}, bf16, {torch.cuda.get_device_name()}"
+    generation = None
+    if args.generate:
+        del ours
+        torch.cuda.empty_cache()
+        generation = bench_generate(model, hf, seed=args.seed)
+    title = (f"{args.preset}{f' ({cfg.num_hidden_layers} layers)' if args.layers else ''}, bf16, "
+             f"{torch.cuda.get_device_name()}")
     print("\n" + title)
     print_table(headers, rows)
+    if generation:
+        print(f"\ngeneration, {generation['prompts']} prompts x {generation['prompt_len']} tokens, "
+              f"{generation['new_tokens']} new each: ours {generation['ours_tok_s']:,.0f} tokens/s"
+              + (f", peer {generation['peer_tok_s']:,.0f} tokens/s" if "peer_tok_s" in generation else ""))
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(f"{title}\n\n| " + " | ".join(headers) + " |\n|" + "---|" * len(headers) + "\n")
             for r in rows:
                 f.write("| " + " | ".join(r) + " |\n")
+    record = {"tool": "bench", "preset": args.preset, "layers": cfg.num_hidden_layers,
+              "device": torch.cuda.get_device_name(), "generation": generation,
+              "results": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in results]}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    print_json({"tool": "bench", "preset": args.preset, "layers": cfg.num_hidden_layers,
-                "device": torch.cuda.get_device_name(),
-                "results": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in results]})
-
-
-@torch.no_grad()
-def bench_peer(hf, new, ctx, repeat):
-    """The peer's best mode: equal lengths as one batch; ragged lengths as a left-padded batch or
-    one stream at a time, whichever is faster; cached context through its own cache."""
-    dev = next(hf.parameters()).device
-    lengths = [t.numel() for t in new]
-    if ctx:
-        past0 = peer_prefill(hf, torch.stack(ctx).to(dev))
-        batch = torch.stack(new).to(dev)
-        holder = {}
-        ms = time_cuda(lambda: peer_prefill(hf, batch, past=holder["past"]),
-                       lambda: holder.update(past=copy.deepcopy(past0)), repeat)
-        return ms, "batch with cache"
-    if len(set(lengths)) == 1:
-        batch = torch.stack(new).to(dev)
-        return time_cuda(lambda: peer_prefill(hf, batch), lambda: None, repeat), "batch"
-    L = max(lengths)
-    padded = torch.zeros(len(new), L, dtype=torch.long)
-    mask = torch.zeros(len(new), L, dtype=torch.long)
-    for i, t in enumerate(new):
-        padded[i, L - t.numel():] = t
-        mask[i, L - t.numel():] = 1
-    padded, mask = padded.to(dev), mask.to(dev)
-    batched = time_cuda(lambda: peer_prefill(hf, padded, mask), lambda: None, repeat)
-    singles = [t.to(dev)[None] for t in new]
-    one_by_one = time_cuda(lambda: [peer_prefill(hf, s) for s in singles], lambda: None, repeat)
-    return (batched, "padded batch") if batched <= one_by_one else (one_by_one, "one at a time")
+            json.dump(record, f, indent=1)
+    print_json(record)
 
 
 if __name__ == "__main__":
