@@ -1,8 +1,20 @@
-"""Model configuration: the Hugging Face Qwen3.5 text config, validated, with derived sizes.
+"""Model configuration: the Hugging Face Qwen3.5 / Qwen3.5-MoE / Qwen3-Next text config, validated,
+with derived sizes.
 
-Field names follow `transformers.Qwen3_5TextConfig`. `from_hf` reads a `config.json` dict of
-model_type `qwen3_5_text`, or `qwen3_5` (the multimodal config, text part under
-`text_config`). Model families we do not run raise `ValueError` naming what is unsupported.
+Field names follow transformers' `Qwen3_5TextConfig`, `Qwen3_5MoeTextConfig` and `Qwen3NextConfig`.
+`from_hf` reads a `config.json` dict of model_type `qwen3_5_text`, `qwen3_5_moe_text` or `qwen3_next`,
+or a multimodal `qwen3_5` / `qwen3_5_moe` config (text part under `text_config`; the model runs
+its text part and `model_type` records the text family). Other model families raise `ValueError`.
+
+Families (`model_type`) and their feed-forward halves:
+- `qwen3_5_text`: a dense MLP (`intermediate_size`) in every layer; `num_experts` is 0.
+- `qwen3_5_moe_text`: a sparse MoE block in every layer (`num_experts` >= 1, top-k weights always
+  renormalized); it has no dense MLP, so `intermediate_size` is 0.
+- `qwen3_next`: a sparse MoE block in the layers of `moe_layers` (`num_experts` > 0, not in
+  `mlp_only_layers`, (i + 1) % `decoder_sparse_step` == 0), a dense MLP in the others; its GDN
+  checkpoint tensors are fused (`in_proj_qkvz`, `in_proj_ba`, see weights.py).
+A family's config has only its own fields: the others keep their defaults (so `to_hf` and
+`from_hf` round-trip every config exactly).
 """
 
 from __future__ import annotations
@@ -16,10 +28,33 @@ from dataclasses import dataclass
 LINEAR = "linear_attention"
 FULL = "full_attention"
 _LEGACY_LAYER_TYPES = {"mamba": LINEAR, "conv": LINEAR, "attention": FULL}
-_UNSUPPORTED = {
-    "qwen3_next": "Qwen3-Next (MoE MLP and fused in_proj_qkvz / in_proj_ba) is not supported yet",
-    "qwen3_5_moe": "Qwen3.5-MoE (sparse MoE MLP) is not supported yet",
-    "qwen3_5_moe_text": "Qwen3.5-MoE (sparse MoE MLP) is not supported yet",
+QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT = "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"
+FAMILIES = (QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT)
+# multimodal model_type -> the model_type of its text_config
+_MULTIMODAL = {"qwen3_5": QWEN3_5, "qwen3_5_moe": QWEN3_5_MOE}
+_ARCHITECTURES = {QWEN3_5: "Qwen3_5ForCausalLM", QWEN3_5_MOE: "Qwen3_5MoeForCausalLM",
+                  QWEN3_NEXT: "Qwen3NextForCausalLM"}
+# The fields only some families have, with the value every other family keeps.
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+_FAMILY_FIELDS = {
+    QWEN3_5: ("intermediate_size",),
+    QWEN3_5_MOE: _MOE_FIELDS,
+    QWEN3_NEXT: ("intermediate_size", *_MOE_FIELDS, "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"),
+}
+_ABSENT = {"intermediate_size": 0, "num_experts": 0, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+           "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "decoder_sparse_step": 1,
+           "mlp_only_layers": ()}
+# transformers' defaults of each family, where they differ from the dataclass defaults below
+_HF_DEFAULTS = {
+    QWEN3_5: dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                  num_key_value_heads=4),
+    QWEN3_5_MOE: dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_key_value_heads=2,
+                      num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                      shared_expert_intermediate_size=512),
+    QWEN3_NEXT: dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=48,
+                     num_key_value_heads=2, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+                     shared_expert_intermediate_size=512, norm_topk_prob=True, decoder_sparse_step=1,
+                     mlp_only_layers=[]),
 }
 
 
@@ -45,6 +80,16 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
+    # the family (weight layout, saving); see the module docstring
+    model_type: str = QWEN3_5
+    # sparse MoE (Qwen3.5-MoE, Qwen3-Next); num_experts 0 = a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights (Qwen3.5-MoE: always)
+    decoder_sparse_step: int = 1  # Qwen3-Next: MoE in layers with (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... except these (dense MLP)
 
     def __post_init__(self):
         """Check every field's type and range (ValueError naming the field); integral floats
@@ -77,6 +122,11 @@ class ModelConfig:
     def full_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == FULL]
 
+    @property
+    def moe_layers(self) -> list[int]:
+        """Layers whose feed-forward half is a sparse MoE block (the others have a dense MLP)."""
+        return _moe_layers(self.num_hidden_layers, self.num_experts, self.decoder_sparse_step, self.mlp_only_layers)
+
     def replace(self, **changes) -> "ModelConfig":
         if "num_hidden_layers" in changes and "layer_types" not in changes:
             changes["layer_types"] = default_layer_types(_int("num_hidden_layers", changes["num_hidden_layers"], 1))
@@ -85,27 +135,31 @@ class ModelConfig:
     # Hugging Face config.json
     @classmethod
     def from_hf(cls, cfg: dict, source: str | None = None) -> "ModelConfig":
-        """Build from a parsed `config.json` (qwen3_5_text, or qwen3_5 with `text_config`); a
-        missing field takes transformers' default. Errors name `source`, the file, when given."""
+        """Build from a parsed `config.json` (qwen3_5_text, qwen3_5_moe_text or qwen3_next, or the
+        multimodal qwen3_5 / qwen3_5_moe with `text_config`); a missing field takes transformers'
+        default for the family, a field the family does not have is ignored (as transformers
+        ignores it). Errors name `source`, the file, when given."""
         where = f" {source}" if source else ""
         if not isinstance(cfg, dict):
             raise _invalid(where, f"expected a JSON object, got {type(cfg).__name__}")
         model_type = cfg.get("model_type")
         tie = cfg.get("tie_word_embeddings")
-        if isinstance(model_type, str) and model_type in _UNSUPPORTED:
-            raise _invalid(where, f"model_type {model_type!r}: {_UNSUPPORTED[model_type]}")
-        if model_type == "qwen3_5":
+        if isinstance(model_type, str) and model_type in _MULTIMODAL:
             if not isinstance(cfg.get("text_config"), dict):
-                raise _invalid(where, "model_type 'qwen3_5' config has no 'text_config' section")
+                raise _invalid(where, f"model_type {model_type!r} config has no 'text_config' section")
+            text_type = _MULTIMODAL[model_type]
             cfg = dict(cfg["text_config"])
-            cfg.setdefault("model_type", "qwen3_5_text")
+            cfg.setdefault("model_type", text_type)
             # The multimodal wrapper carries tie_word_embeddings at the top level.
             if tie is not None and "tie_word_embeddings" not in cfg:
                 cfg["tie_word_embeddings"] = tie
+            if cfg["model_type"] in FAMILIES and cfg["model_type"] != text_type:
+                raise _invalid(where, f"model_type {model_type!r} config holds a text_config of model_type "
+                                      f"{cfg['model_type']!r}; expected {text_type!r}")
             model_type = cfg["model_type"]
-        if model_type != "qwen3_5_text":
-            raise _invalid(where, f"unsupported model_type {model_type!r}: metrale-graph runs 'qwen3_5_text' and "
-                                  "'qwen3_5'")
+        if not (isinstance(model_type, str) and model_type in FAMILIES):
+            raise _invalid(where, f"unsupported model_type {model_type!r}: metrale-graph runs "
+                                  f"{', '.join(map(repr, FAMILIES + tuple(_MULTIMODAL)))}")
         if cfg.get("hidden_act", "silu") != "silu":
             raise _invalid(where, f"unsupported hidden_act {cfg['hidden_act']!r}: only 'silu' is supported")
         bias = cfg.get("attention_bias")
@@ -117,24 +171,26 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise _invalid(where, f"unsupported rope_type {rope_type!r}: only 'default' RoPE is supported")
-        n_layers = _int("num_hidden_layers", cfg.get("num_hidden_layers", 32), 1, where)
+        defaults = _HF_DEFAULTS[model_type]
+        n_layers = _int("num_hidden_layers", cfg.get("num_hidden_layers", defaults["num_hidden_layers"]), 1, where)
         layer_types = cfg.get("layer_types")
         if layer_types is None:
             interval = _int("full_attention_interval", cfg.get("full_attention_interval", 4), 1, where)
             layer_types = default_layer_types(n_layers, interval)
         layer_types = tuple(_LEGACY_LAYER_TYPES.get(t, t) for t in _strings("layer_types", layer_types, where))
         head_dim = cfg.get("head_dim")
-        if head_dim is None:
+        if head_dim is None and model_type == QWEN3_5:
             head_dim = (_int("hidden_size", cfg.get("hidden_size", 4096), 1, where)
                         // _int("num_attention_heads", cfg.get("num_attention_heads", 16), 1, where))
-        return cls(**_checked(dict(
-            vocab_size=cfg.get("vocab_size", 248320),
-            hidden_size=cfg.get("hidden_size", 4096),
-            intermediate_size=cfg.get("intermediate_size", 12288),
+        elif head_dim is None:  # transformers' default for the MoE families
+            head_dim = 256
+        fields = dict(
+            vocab_size=cfg.get("vocab_size", defaults["vocab_size"]),
+            hidden_size=cfg.get("hidden_size", defaults["hidden_size"]),
             num_hidden_layers=n_layers,
             layer_types=layer_types,
             num_attention_heads=cfg.get("num_attention_heads", 16),
-            num_key_value_heads=cfg.get("num_key_value_heads", 4),
+            num_key_value_heads=cfg.get("num_key_value_heads", defaults["num_key_value_heads"]),
             head_dim=head_dim,
             partial_rotary_factor=rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)),
             rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
@@ -146,16 +202,22 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             max_position_embeddings=cfg.get("max_position_embeddings", 32768),
-        ), where))
+            model_type=model_type,
+        )
+        # the family's own fields from the file (transformers' default when missing), the others absent
+        for name, absent in _ABSENT.items():
+            fields[name] = cfg.get(name, defaults[name]) if name in _FAMILY_FIELDS[model_type] else absent
+        if fields["mlp_only_layers"] is None:  # transformers reads null as []
+            fields["mlp_only_layers"] = []
+        return cls(**_checked(fields, where))
 
     def to_hf(self) -> dict:
-        """The `config.json` dict (model_type qwen3_5_text) that `transformers` reads."""
-        return {
-            "architectures": ["Qwen3_5ForCausalLM"],
-            "model_type": "qwen3_5_text",
+        """The `config.json` dict (model_type: this config's family) that `transformers` reads."""
+        hf = {
+            "architectures": [_ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
             "layer_types": list(self.layer_types),
             "num_attention_heads": self.num_attention_heads,
@@ -175,13 +237,19 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
         }
+        for name in _FAMILY_FIELDS[self.model_type]:
+            value = getattr(self, name)
+            hf[name] = list(value) if isinstance(value, tuple) else value
+        return hf
 
 
 # field -> smallest value. The conv keeps kernel - 1 columns of state, so its kernel is >= 2.
+# (intermediate_size: >= 1 when a layer is dense, checked in _checked.)
 _INT_FIELDS = {name: 1 for name in (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-    "linear_value_head_dim", "max_position_embeddings")} | {"linear_conv_kernel_dim": 2}
+    "linear_value_head_dim", "max_position_embeddings", "num_experts_per_tok", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "decoder_sparse_step")} | {"linear_conv_kernel_dim": 2, "num_experts": 0}
 
 
 def _invalid(where: str, msg: str) -> ValueError:
@@ -207,6 +275,13 @@ def _float(name: str, value, ok, expected: str, where: str = "") -> float:
     return number
 
 
+def _moe_layers(num_layers: int, num_experts: int, sparse_step: int, mlp_only: tuple[int, ...]) -> list[int]:
+    """transformers' Qwen3-Next rule (Qwen3.5-MoE's config keeps step 1 and no mlp_only_layers: every layer)."""
+    if num_experts <= 0:
+        return []
+    return [i for i in range(num_layers) if i not in mlp_only and (i + 1) % sparse_step == 0]
+
+
 def _strings(name: str, value, where: str = "") -> tuple[str, ...]:
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
         raise _invalid(where, f"field {name!r} must be a list of strings, got {value!r}")
@@ -226,8 +301,36 @@ def _checked(v: dict, where: str = "") -> dict:
                                         "a number in (0, 1]", where)
     for name in ("rope_theta", "rms_norm_eps"):
         v[name] = _float(name, v[name], lambda x: x > 0, "a positive number", where)
-    need(isinstance(v["tie_word_embeddings"], bool),
-         f"field 'tie_word_embeddings' must be true or false, got {v['tie_word_embeddings']!r}")
+    for name in ("tie_word_embeddings", "norm_topk_prob"):
+        need(isinstance(v[name], bool), f"field {name!r} must be true or false, got {v[name]!r}")
+    family = v["model_type"]
+    need(isinstance(family, str) and family in FAMILIES,
+         f"field 'model_type' must be one of {', '.join(map(repr, FAMILIES))}, got {family!r}")
+    layers = v["mlp_only_layers"]
+    need(isinstance(layers, (list, tuple)), f"field 'mlp_only_layers' must be a list of layer indices, got {layers!r}")
+    v["mlp_only_layers"] = layers = tuple(_int("mlp_only_layers", i, 0, where) for i in layers)
+    bad = [i for i in layers if i >= v["num_hidden_layers"]]
+    need(not bad, f"field 'mlp_only_layers' holds {bad}: layer indices must be below num_hidden_layers "
+                  f"({v['num_hidden_layers']})")
+    need(len(set(layers)) == len(layers), f"field 'mlp_only_layers' holds a layer twice: {list(layers)}")
+    if v["num_experts"] > 0:
+        need(v["num_experts_per_tok"] <= v["num_experts"],
+             f"field 'num_experts_per_tok' ({v['num_experts_per_tok']}) exceeds num_experts ({v['num_experts']})")
+    def owned(name):  # a field the family does not have keeps its default
+        need(name in _FAMILY_FIELDS[family] or v[name] == _ABSENT[name],
+             f"model_type {family!r} has no field {name!r}: it must be {_ABSENT[name]!r}, got {v[name]!r}")
+
+    for name in _ABSENT:
+        if name != "intermediate_size":
+            owned(name)
+    if family == QWEN3_5_MOE:
+        need(v["num_experts"] >= 1, f"field 'num_experts' must be an integer >= 1 for model_type {family!r} "
+                                    f"(every layer is a MoE block), got {v['num_experts']!r}")
+    moe = _moe_layers(v["num_hidden_layers"], v["num_experts"], v["decoder_sparse_step"], layers)
+    # a dense MLP needs an intermediate size; a model without one may say 0
+    v["intermediate_size"] = _int("intermediate_size", v["intermediate_size"],
+                                  1 if len(moe) < v["num_hidden_layers"] else 0, where)
+    owned("intermediate_size")
     v["layer_types"] = types = _strings("layer_types", v["layer_types"], where)
     need(len(types) == v["num_hidden_layers"],
          f"layer_types has {len(types)} entries for {v['num_hidden_layers']} layers")
@@ -268,6 +371,27 @@ PRESETS: dict[str, ModelConfig] = {
         head_dim=256, partial_rotary_factor=0.25, rope_theta=10_000_000.0,
         linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
         linear_value_head_dim=128, max_position_embeddings=262144,
+    ),
+    # The Qwen3.5-35B-A3B shape: 256 experts, top-8, a MoE block in every layer (the other fields
+    # are transformers' Qwen3_5MoeTextConfig defaults).
+    "qwen3.5-35b-a3b": ModelConfig(
+        vocab_size=248320, hidden_size=2048, intermediate_size=0, num_hidden_layers=40,
+        layer_types=default_layer_types(40), num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, partial_rotary_factor=0.25, rope_theta=10000.0,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, max_position_embeddings=32768, model_type=QWEN3_5_MOE,
+        num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+    ),
+    # The Qwen3-Next-80B-A3B shape: 512 experts, top-10, a MoE block in every layer (the other fields
+    # are transformers' Qwen3NextConfig defaults).
+    "qwen3-next-80b-a3b": ModelConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=48,
+        layer_types=default_layer_types(48), num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, partial_rotary_factor=0.25, rope_theta=10000.0,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, max_position_embeddings=32768, model_type=QWEN3_NEXT,
+        num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(),
     ),
 }
 

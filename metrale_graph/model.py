@@ -1,5 +1,6 @@
-"""HybridModel: a Qwen3.5-style hybrid (Gated DeltaNet + gated full attention) whose batched
-prefill runs as a sequence of `metrale::` phase ops over packed varlen streams.
+"""HybridModel: a Qwen3.5-style hybrid (Gated DeltaNet + gated full attention; a dense MLP or a
+sparse MoE block per layer: Qwen3.5, Qwen3.5-MoE, Qwen3-Next) whose batched prefill runs as a
+sequence of `metrale::` phase ops over packed varlen streams.
 
 `prefill(cache, streams)` validates and packs on the host, then runs `forward_packed`, the
 step: a pure function of packed tensors, weights and cache pools with no host sync and no
@@ -83,8 +84,9 @@ class HybridModel(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device="cpu",
                         progress: bool = True, check_finite: bool = True) -> "HybridModel":
-        """Load a Hugging Face Qwen3.5 checkpoint folder (config.json + safetensors, single or sharded;
-        text-only `qwen3_5_text` or multimodal `qwen3_5`, whose vision tower is skipped).
+        """Load a Hugging Face checkpoint folder (config.json + safetensors, single or sharded): Qwen3.5
+        (`qwen3_5_text`, multimodal `qwen3_5`), Qwen3.5-MoE (`qwen3_5_moe_text`, multimodal
+        `qwen3_5_moe`) or Qwen3-Next (`qwen3_next`); a vision tower and MTP head are skipped.
 
         A bad config or checkpoint raises ValueError naming the file and field or tensor.
         `check_finite` rejects NaN / infinite weights; it reads every weight once more on `device`:
@@ -201,13 +203,21 @@ class HybridModel(nn.Module):
         return ops.attn_out(o, gate, x, a.o_proj.weight)
 
     def _feed_forward(self, layer, h):
-        mlp = layer.mlp
+        cfg, mlp = self.config, layer.mlp
+        if "experts" in mlp._modules:  # a sparse MoE layer (config.moe_layers)
+            shared = mlp.shared_expert
+            return ops.moe(h, layer.post_attention_layernorm.weight, mlp.gate.weight, mlp.experts.gate_up_proj,
+                           mlp.experts.down_proj, shared.gate_proj.weight, shared.up_proj.weight,
+                           shared.down_proj.weight, mlp.shared_expert_gate.weight, cfg.num_experts_per_tok,
+                           cfg.norm_topk_prob, cfg.rms_norm_eps)
         return ops.mlp(h, layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
-                       mlp.down_proj.weight, self.config.rms_norm_eps)
+                       mlp.down_proj.weight, cfg.rms_norm_eps)
 
     def extra_repr(self) -> str:
         c = self.config
-        return (f"layers={c.num_hidden_layers} ({len(c.linear_layers)} GDN + {len(c.full_layers)} attention), "
+        moe = (f", {len(c.moe_layers)} MoE ({c.num_experts} experts, top-{c.num_experts_per_tok})"
+               if c.moe_layers else "")
+        return (f"layers={c.num_hidden_layers} ({len(c.linear_layers)} GDN + {len(c.full_layers)} attention{moe}), "
                 f"hidden={c.hidden_size}, vocab={c.vocab_size}, dtype={self.dtype}, device={self.device}")
 
 

@@ -1,20 +1,33 @@
 """Weights: the expected tensors of a config, safetensors loading in Hugging Face layout
 (single file or sharded, text-only or multimodal), random initialization, and saving.
 
-Our parameter names are the Hugging Face ones without the `model.` prefix
-(`layers.3.linear_attn.in_proj_qkv.weight`, `embed_tokens.weight`, `lm_head.weight`), so a
-checkpoint maps onto the model name for name.
+Our parameter names are transformers' in-memory names without the `model.` prefix
+(`layers.3.linear_attn.in_proj_qkv.weight`, `embed_tokens.weight`, `lm_head.weight`,
+`layers.0.mlp.experts.gate_up_proj`). Checkpoints differ from them in two ways, both rearranged
+once at load and back at save (what transformers' own conversion does):
+
+- MoE experts: the hub (and `save_pretrained`) stores one tensor per expert
+  (`mlp.experts.{e}.gate_proj.weight` [IE, D], `up_proj` [IE, D], `down_proj` [D, IE]); we keep
+  them stacked, `mlp.experts.gate_up_proj` [E, 2*IE, D] (gate rows, then up rows) and
+  `mlp.experts.down_proj` [E, D, IE], filled expert by expert in a buffer allocated once on the
+  target device. Checkpoints that already hold the stacked names load as they are.
+- Qwen3-Next GDN: the checkpoint fuses `in_proj_qkvz` [H * (2K + 2rV), D] and `in_proj_ba`
+  [H * 2r, D] interleaved per key-head group (r = HV / H value heads per key head: q, k, v, z
+  rows of group 0, then of group 1, ...; b, a likewise); we keep Qwen3.5's `in_proj_qkv`
+  (channels [q | k | v]), `in_proj_z`, `in_proj_b`, `in_proj_a`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+from typing import Callable, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
 
-from .config import ModelConfig
+from .config import QWEN3_NEXT, ModelConfig
 
 # Checkpoint prefixes of the language model, most specific first.
 _TEXT_PREFIXES = ("model.language_model.", "model.")
@@ -25,14 +38,26 @@ _SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the model needs, by name, with its shape."""
     D, I = cfg.hidden_size, cfg.intermediate_size
+    E, IE, IS = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    moe = set(cfg.moe_layers)
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (cfg.vocab_size, D)}
     for i, kind in enumerate(cfg.layer_types):
         p = f"layers.{i}."
         shapes[p + "input_layernorm.weight"] = (D,)
         shapes[p + "post_attention_layernorm.weight"] = (D,)
-        shapes[p + "mlp.gate_proj.weight"] = (I, D)
-        shapes[p + "mlp.up_proj.weight"] = (I, D)
-        shapes[p + "mlp.down_proj.weight"] = (D, I)
+        if i in moe:
+            m = p + "mlp."
+            shapes[m + "gate.weight"] = (E, D)  # the router
+            shapes[m + "experts.gate_up_proj"] = (E, 2 * IE, D)
+            shapes[m + "experts.down_proj"] = (E, D, IE)
+            shapes[m + "shared_expert.gate_proj.weight"] = (IS, D)
+            shapes[m + "shared_expert.up_proj.weight"] = (IS, D)
+            shapes[m + "shared_expert.down_proj.weight"] = (D, IS)
+            shapes[m + "shared_expert_gate.weight"] = (1, D)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (I, D)
+            shapes[p + "mlp.up_proj.weight"] = (I, D)
+            shapes[p + "mlp.down_proj.weight"] = (D, I)
         if kind == "linear_attention":
             HV = cfg.linear_num_value_heads
             a = p + "linear_attn."
@@ -61,11 +86,14 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 # Projections that read the same input: stored back to back in one buffer so the CUDA path runs
-# each group as one GEMM without copying (ops.kernels.stacked).
+# each group as one GEMM without copying (ops.kernels.stacked). Members are `layers.{i}.<member>.weight`,
+# in the order the ops stack them.
 STACKED_GROUPS = {
-    "linear_attn.": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
-    "self_attn.": ("q_proj", "k_proj", "v_proj"),
-    "mlp.": ("gate_proj", "up_proj"),
+    "gdn": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b", "linear_attn.in_proj_a"),
+    "attention": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp": ("mlp.gate_proj", "mlp.up_proj"),
+    # MoE layers: router, shared expert gate, shared expert gate / up projections (ops.moe's order)
+    "moe": ("mlp.gate", "mlp.shared_expert_gate", "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
 }
 
 
@@ -73,8 +101,8 @@ def stack_projections(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dic
     """Re-home each layer's STACKED_GROUPS weights as row views of one buffer (in place in the dict,
     one group at a time, so the peak is one extra group)."""
     for i in range(cfg.num_hidden_layers):
-        for prefix, members in STACKED_GROUPS.items():
-            names = [f"layers.{i}.{prefix}{m}.weight" for m in members]
+        for members in STACKED_GROUPS.values():
+            names = [f"layers.{i}.{m}.weight" for m in members]
             if names[0] not in weights:
                 continue
             parts = [weights[n] for n in names]
@@ -84,6 +112,169 @@ def stack_projections(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dic
                 weights[n] = buf[row:row + p.shape[0]]
                 row += p.shape[0]
     return weights
+
+
+# ---- checkpoint layout: what transformers' save_pretrained writes, and how it maps onto ours ----
+
+_STACKED_EXPERTS = re.compile(r"(layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)")
+# Qwen3-Next: our projection -> (the checkpoint's fused tensor, our projection stored inside it)
+_FUSED_GDN = {"in_proj_qkv": ("in_proj_qkvz", "in_proj_z"), "in_proj_b": ("in_proj_ba", "in_proj_a")}
+
+
+def _gdn_fusion(cfg: ModelConfig, name: str) -> tuple[str, ...] | None:
+    """Qwen3-Next's GDN projections: (fused checkpoint name, the partner stored in it) for in_proj_qkv
+    and in_proj_b; () for in_proj_z and in_proj_a (stored inside those); None for any other tensor."""
+    if cfg.model_type != QWEN3_NEXT or ".linear_attn." not in name:
+        return None
+    prefix, leaf = name.removesuffix(".weight").rsplit(".", 1)
+    if leaf in _FUSED_GDN:
+        fused, partner = _FUSED_GDN[leaf]
+        return f"{prefix}.{fused}.weight", f"{prefix}.{partner}.weight"
+    return () if leaf in ("in_proj_z", "in_proj_a") else None
+
+
+def _gdn_groups(cfg: ModelConfig) -> tuple[int, int, int, int]:
+    """(H, K, r * V, r): key-head groups of Qwen3-Next's interleaved projections and their sizes."""
+    H = cfg.linear_num_key_heads
+    r = cfg.linear_num_value_heads // H
+    return H, cfg.linear_key_head_dim, r * cfg.linear_value_head_dim, r
+
+
+def fuse_qkvz(qkv: torch.Tensor, z: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """in_proj_qkv (rows [q | k | v]) and in_proj_z -> Qwen3-Next's in_proj_qkvz (q, k, v, z rows of
+    each key-head group in turn)."""
+    H, K, RV, _ = _gdn_groups(cfg)
+    D = qkv.shape[1]
+    q, k, v = qkv.split([H * K, H * K, H * RV])
+    return torch.cat([q.reshape(H, K, D), k.reshape(H, K, D), v.reshape(H, RV, D), z.reshape(H, RV, D)],
+                     dim=1).reshape(-1, D)
+
+
+def split_qkvz(qkvz: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-Next's in_proj_qkvz -> (in_proj_qkv, in_proj_z); the inverse of fuse_qkvz."""
+    H, K, RV, _ = _gdn_groups(cfg)
+    D = qkvz.shape[1]
+    q, k, v, z = qkvz.reshape(H, 2 * K + 2 * RV, D).split([K, K, RV, RV], dim=1)
+    return torch.cat([q.reshape(-1, D), k.reshape(-1, D), v.reshape(-1, D)]), z.reshape(-1, D)
+
+
+def fuse_ba(b: torch.Tensor, a: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """in_proj_b and in_proj_a -> Qwen3-Next's in_proj_ba (b, a rows of each key-head group in turn)."""
+    H, _, _, r = _gdn_groups(cfg)
+    D = b.shape[1]
+    return torch.cat([b.reshape(H, r, D), a.reshape(H, r, D)], dim=1).reshape(-1, D)
+
+
+def split_ba(ba: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-Next's in_proj_ba -> (in_proj_b, in_proj_a); the inverse of fuse_ba."""
+    H, _, _, r = _gdn_groups(cfg)
+    D = ba.shape[1]
+    b, a = ba.reshape(H, 2 * r, D).split([r, r], dim=1)
+    return b.reshape(-1, D), a.reshape(-1, D)
+
+
+def _expert_names(prefix: str, stacked: str, E: int) -> list[str]:
+    """The per-expert checkpoint names of one stacked expert tensor (gate_up_proj: gate, up of each expert)."""
+    parts = ("gate_proj", "up_proj") if stacked == "gate_up_proj" else ("down_proj",)
+    return [f"{prefix}{e}.{part}.weight" for e in range(E) for part in parts]
+
+
+def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the config's checkpoint as transformers' save_pretrained writes it (names
+    without the `model.` prefix): experts one tensor each, Qwen3-Next's GDN projections fused."""
+    D, IE = cfg.hidden_size, cfg.moe_intermediate_size
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in weight_shapes(cfg).items():
+        stacked, fusion = _STACKED_EXPERTS.fullmatch(name), _gdn_fusion(cfg, name)
+        if stacked:
+            part_shape = {"gate_up_proj": (IE, D), "down_proj": (D, IE)}[stacked.group(2)]
+            out.update(dict.fromkeys(_expert_names(stacked.group(1), stacked.group(2), shape[0]), part_shape))
+        elif fusion:
+            rows = 2 * cfg.key_dim + 2 * cfg.value_dim if "qkvz" in fusion[0] else 2 * cfg.linear_num_value_heads
+            out[fusion[0]] = (rows, D)
+        elif fusion is None:
+            out[name] = shape
+    return out
+
+
+def to_checkpoint(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our weights in checkpoint layout (checkpoint_shapes' names; views where no rearranging is needed)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        stacked, fusion = _STACKED_EXPERTS.fullmatch(name), _gdn_fusion(cfg, name)
+        if stacked:
+            IE, parts = cfg.moe_intermediate_size, _expert_names(stacked.group(1), stacked.group(2), t.shape[0])
+            views = ([v for e in range(t.shape[0]) for v in (t[e, :IE], t[e, IE:])]
+                     if stacked.group(2) == "gate_up_proj" else list(t))
+            out.update(zip(parts, views))
+        elif fusion:
+            fuse = fuse_qkvz if "qkvz" in fusion[0] else fuse_ba
+            out[fusion[0]] = fuse(t, weights[fusion[1]], cfg)
+        elif fusion is None:
+            out[name] = t
+    return out
+
+
+class _Piece(NamedTuple):
+    """One loadable checkpoint tensor (name without the `model.` prefix)."""
+    shape: tuple[int, ...]
+    units: tuple[str, ...]  # the checkpoint_shapes entries it provides (a stacked expert tensor: all its experts)
+    place: Callable[[torch.Tensor], torch.Tensor]  # stores it among the weights; returns what it wrote
+
+
+class _Assembler:
+    """Lays checkpoint tensors into our weights on `device` in `dtype`: whole tensors as they are,
+    per-expert tensors into stacked buffers allocated once, Qwen3-Next's fused GDN projections split."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
+        self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.shapes = weight_shapes(cfg)
+        self.layout = checkpoint_shapes(cfg)
+        self.out: dict[str, torch.Tensor] = {}
+        self.pieces: dict[str, _Piece] = {}
+        self.stacked_of: dict[str, str] = {}  # per-expert name -> the stacked name that also provides it
+        IE = cfg.moe_intermediate_size
+        for name, shape in self.shapes.items():
+            stacked, fusion = _STACKED_EXPERTS.fullmatch(name), _gdn_fusion(cfg, name)
+            if stacked:
+                parts = _expert_names(stacked.group(1), stacked.group(2), shape[0])
+                self.pieces[name] = _Piece(shape, tuple(parts), self._whole(name))
+                for part in parts:
+                    e, which = part[len(stacked.group(1)):].split(".")[:2]
+                    rows = {"gate_proj": slice(0, IE), "up_proj": slice(IE, 2 * IE), "down_proj": slice(None)}[which]
+                    self.pieces[part] = _Piece(self.layout[part], (part,), self._expert(name, int(e), rows))
+                    self.stacked_of[part] = name
+            elif fusion:
+                fused, partner = fusion
+                split = split_qkvz if "qkvz" in fused else split_ba
+                self.pieces[fused] = _Piece(self.layout[fused], (fused,), self._split((name, partner), split))
+            elif fusion is None:
+                self.pieces[name] = _Piece(shape, (name,), self._whole(name))
+
+    def _converted(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=self.device, dtype=self.dtype)
+
+    def _whole(self, name):
+        def place(t):
+            self.out[name] = self._converted(t)
+            return self.out[name]
+        return place
+
+    def _expert(self, name, e, rows):
+        def place(t):  # copied straight into the stacked buffer: no converted copy of the expert
+            if name not in self.out:
+                self.out[name] = torch.empty(self.shapes[name], dtype=self.dtype, device=self.device)
+            view = self.out[name][e, rows]
+            view.copy_(t)
+            return view
+        return place
+
+    def _split(self, names, split):
+        def place(t):
+            t = self._converted(t)
+            self.out[names[0]], self.out[names[1]] = split(t, self.cfg)
+            return t
+        return place
 
 
 def _our_name(key: str) -> str | None:
@@ -126,11 +317,14 @@ def checkpoint_files(folder: str) -> list[str]:
 
 def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
                     progress: bool = True, check_finite: bool = True) -> dict[str, torch.Tensor]:
-    """Read every tensor the config needs from a safetensors checkpoint folder.
+    """Read every tensor the config needs from a safetensors checkpoint folder, in our layout
+    (weight_shapes): per-expert tensors are copied into stacked buffers allocated once on `device`,
+    stacked ones are taken as they are; Qwen3-Next's fused GDN projections are split (module docstring).
 
-    Raises ValueError naming the tensor and its file for a missing, unexpected, mis-shaped or
-    non-floating-point one, and for a file safetensors cannot read. Tensors of the vision tower
-    and the MTP head are skipped; a tied model ignores a stored lm_head.
+    Raises ValueError naming the tensor and its file for a missing, unexpected, duplicate, mis-shaped
+    or non-floating-point one (per expert: `layers.3.mlp.experts.17.up_proj.weight`), and for a file
+    safetensors cannot read. Tensors of the vision tower and the MTP head are skipped; a tied model
+    ignores a stored lm_head.
 
     `check_finite` rejects a tensor holding NaN or infinity once it is on `device` in `dtype`
     (so a value beyond float16's range counts too). It reads every weight once more: for the 9B
@@ -139,11 +333,11 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
     """
     from safetensors import SafetensorError, safe_open
 
-    expected = weight_shapes(cfg)
-    out: dict[str, torch.Tensor] = {}
+    asm = _Assembler(cfg, dtype, device)
+    given: dict[str, str] = {}  # checkpoint_shapes name -> the checkpoint key that gave it
     unexpected = []
     files = checkpoint_files(folder)
-    bar = tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=not progress, leave=False)
+    bar = tqdm(total=len(asm.layout), desc="loading weights", unit="tensor", disable=not progress, leave=False)
     for path in files:
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
@@ -151,33 +345,56 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
                     name = _our_name(key)
                     if name is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
                         continue
-                    if name not in expected:
+                    piece = asm.pieces.get(name)
+                    if piece is None:
                         unexpected.append(key)
                         continue
-                    if name in out:
-                        raise ValueError(f"tensor {key!r} appears twice in the checkpoint ({path})")
+                    for unit in piece.units:
+                        if unit in given:
+                            other = given[unit]
+                            if _our_name(other) == name:
+                                raise ValueError(f"tensor {key!r} appears twice in the checkpoint ({path})")
+                            raise ValueError(f"tensor {key!r} ({path}) holds weights that {other!r} holds too "
+                                             "(a layer's experts come either stacked or one tensor per expert)")
                     shape = tuple(f.get_slice(key).get_shape())
-                    if shape != expected[name]:
-                        raise ValueError(f"tensor {key!r} has shape {shape}, the config needs {expected[name]} "
+                    if shape != piece.shape:
+                        raise ValueError(f"tensor {key!r} has shape {shape}, the config needs {piece.shape} "
                                          f"({path})")
                     stored = f.get_tensor(key)
                     if not stored.dtype.is_floating_point:
                         raise ValueError(f"tensor {key!r} in {path} is {stored.dtype}; expected floating-point "
                                          "weights (quantized checkpoints are not supported)")
-                    out[name] = stored.to(device=device, dtype=dtype)
-                    if check_finite and not _finite(out[name]):
+                    written = piece.place(stored)
+                    if check_finite and not _finite(written):
                         what = (f"values beyond the range of {dtype}" if _finite(stored)
                                 else "NaN or infinite values")
                         raise ValueError(f"tensor {key!r} in {path} holds {what}")
-                    bar.update(1)
+                    given.update(dict.fromkeys(piece.units, key))
+                    bar.update(len(piece.units))
         except (SafetensorError, OSError) as e:
             raise ValueError(f"cannot read safetensors file {path}: {e}") from None
     bar.close()
     if unexpected:
         raise ValueError(f"checkpoint has {len(unexpected)} unexpected tensor(s), e.g. {unexpected[:5]}")
-    missing = [n for n in expected if n not in out]
+    missing = [n for n in asm.layout if n not in given]
     if missing:
-        raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. {missing[:5]}")
+        raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. "
+                         f"{_collapse(missing, asm, given)[:5]}")
+    return asm.out
+
+
+def _collapse(missing: list[str], asm: _Assembler, given: dict[str, str]) -> list[str]:
+    """Missing checkpoint tensors by name; where the checkpoint stores experts stacked, a stacked tensor
+    missing whole is named as such rather than expert by expert."""
+    stacked = any(_STACKED_EXPERTS.fullmatch(_our_name(k) or "") for k in given.values())
+    absent, out = set(missing), []
+    for name in missing:
+        whole = asm.stacked_of.get(name)
+        if stacked and whole and all(u in absent for u in asm.pieces[whole].units):
+            if whole not in out:
+                out.append(whole)
+        else:
+            out.append(name)
     return out
 
 
@@ -211,13 +428,14 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 0) 
 
 
 def save_checkpoint(weights: dict[str, torch.Tensor], cfg: ModelConfig, folder: str) -> None:
-    """Write a Hugging Face text checkpoint (`config.json` + `model.safetensors`) that
-    `transformers.Qwen3_5ForCausalLM.from_pretrained` and `HybridModel.from_pretrained` read."""
+    """Write a Hugging Face text checkpoint (`config.json` + `model.safetensors`) as transformers'
+    save_pretrained writes it for the family (experts one tensor each, Qwen3-Next's GDN projections
+    fused), which `transformers.<Family>ForCausalLM.from_pretrained` and `HybridModel.from_pretrained` read."""
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)
     tensors = {(n if n == "lm_head.weight" else "model." + n): t.detach().contiguous().cpu()
-               for n, t in weights.items()}
+               for n, t in to_checkpoint(weights, cfg).items()}
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     hf = cfg.to_hf()
     hf["dtype"] = str(next(iter(weights.values())).dtype).removeprefix("torch.")

@@ -82,21 +82,52 @@ def tiny_config(**overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
+def moe_config(model_type: str = "qwen3_5_moe_text", **overrides) -> ModelConfig:
+    """A small random-shape MoE config of a family (qwen3_5_moe_text or qwen3_next): 5 experts,
+    top-3, expert / shared-expert intermediate sizes 20 / 12; overrides change any field."""
+    moe = dict(model_type=model_type, num_experts=5, num_experts_per_tok=3, moe_intermediate_size=20,
+               shared_expert_intermediate_size=12)
+    if model_type == "qwen3_5_moe_text":
+        moe["intermediate_size"] = 0  # no dense MLP in Qwen3.5-MoE
+    return tiny_config(**{**moe, **overrides})
+
+
+# model_type -> (transformers text config class, causal LM class, multimodal config class, multimodal class)
+_HF_CLASSES = {
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeConfig",
+                         "Qwen3_5MoeForConditionalGeneration"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", None, None),
+}
+
+
+def hf_class(cfg: ModelConfig):
+    """transformers' causal-LM class of the config's family."""
+    import transformers
+
+    return getattr(transformers, _HF_CLASSES[cfg.model_type][1])
+
+
 def hf_reference(cfg: ModelConfig, seed: int = 0, multimodal: bool = False):
-    """A transformers Qwen3.5 model of `cfg` in fp32 with every weight random (norm weights
-    too, so the zero-centred (1 + w) convention is exercised)."""
+    """A transformers model of `cfg` (Qwen3.5, Qwen3.5-MoE or Qwen3-Next, by cfg.model_type) in fp32
+    with every weight random (norm weights too, so the zero-centred (1 + w) convention is
+    exercised; routers and experts too). MoE experts run transformers' eager per-expert loop."""
     import transformers
 
     hf_cfg = cfg.to_hf()
+    text_cls, lm_cls, mm_cls, mm_model_cls = (getattr(transformers, n) if n else None
+                                              for n in _HF_CLASSES[cfg.model_type])
     torch.manual_seed(seed)
     if multimodal:
-        mm = transformers.Qwen3_5Config(
+        mm = mm_cls(
             text_config=hf_cfg, tie_word_embeddings=cfg.tie_word_embeddings,
             vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
                                out_hidden_size=cfg.hidden_size))
-        model = transformers.Qwen3_5ForConditionalGeneration(mm)
+        model = mm_model_cls(mm)
     else:
-        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**hf_cfg))
+        model = lm_cls(text_cls(**hf_cfg))
+    if cfg.num_experts:
+        model.set_experts_implementation("eager")  # not grouped_mm & co: the reference loop, in fp32
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

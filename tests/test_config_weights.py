@@ -39,7 +39,7 @@ def test_multimodal_config_and_legacy_names():
 
 
 @pytest.mark.parametrize("patch, message", [
-    ({"model_type": "qwen3_next"}, "Qwen3-Next"),
+    ({"model_type": "qwen3_moe"}, "unsupported model_type 'qwen3_moe'"),  # qwen3_next now runs: test_moe_parity.py
     ({"model_type": "llama"}, "unsupported model_type 'llama'"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
