@@ -215,6 +215,21 @@ def to_checkpoint(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     return out
 
 
+def hf_state_dict(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our weights as transformers' in-memory state dict of the family (its module names, experts
+    stacked as its `experts.gate_up_proj` / `down_proj`, Qwen3-Next's GDN projections fused): what a
+    transformers model of the same weights loads (the benchmarks' peer, the GPU parity tests)."""
+    out = {}
+    for name, t in weights.items():
+        fusion = _gdn_fusion(cfg, name)
+        if fusion:
+            fuse = fuse_qkvz if "qkvz" in fusion[0] else fuse_ba
+            out[fusion[0]] = fuse(t, weights[fusion[1]], cfg)
+        elif fusion is None:
+            out[name] = t
+    return {(n if n == "lm_head.weight" else "model." + n): t.contiguous() for n, t in out.items()}
+
+
 class _Piece(NamedTuple):
     """One loadable checkpoint tensor (name without the `model.` prefix)."""
     shape: tuple[int, ...]

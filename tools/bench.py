@@ -196,7 +196,7 @@ def peer_model(model):
     hf_cfg = config_cls(**cfg.to_hf())
     with torch.device("meta"):
         hf = model_cls(hf_cfg)
-    state = hf_state_dict(dict(model.named_parameters()), cfg, fused=True)
+    state = hf_state_dict(dict(model.named_parameters()), cfg)
     hf.load_state_dict(state, strict=False, assign=True)
     hf.model.rotary_emb = type(hf.model.rotary_emb)(hf_cfg, device=model.device)
     return hf.to(model.device).eval()
