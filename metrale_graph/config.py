@@ -178,12 +178,7 @@ class ModelConfig:
             interval = _int("full_attention_interval", cfg.get("full_attention_interval", 4), 1, where)
             layer_types = default_layer_types(n_layers, interval)
         layer_types = tuple(_LEGACY_LAYER_TYPES.get(t, t) for t in _strings("layer_types", layer_types, where))
-        head_dim = cfg.get("head_dim")
-        if head_dim is None and model_type == QWEN3_5:
-            head_dim = (_int("hidden_size", cfg.get("hidden_size", 4096), 1, where)
-                        // _int("num_attention_heads", cfg.get("num_attention_heads", 16), 1, where))
-        elif head_dim is None:  # transformers' default for the MoE families
-            head_dim = 256
+        head_dim = cfg.get("head_dim", 256)  # transformers' default for every family (not hidden // heads)
         fields = dict(
             vocab_size=cfg.get("vocab_size", defaults["vocab_size"]),
             hidden_size=cfg.get("hidden_size", defaults["hidden_size"]),

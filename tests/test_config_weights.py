@@ -215,3 +215,12 @@ def test_checkpoint_path_is_a_file(checkpoint):
     path = str(checkpoint / "config.json")
     with pytest.raises(ValueError, match="is a file, not a checkpoint folder"):
         HybridModel.from_pretrained(path)
+
+
+def test_missing_fields_take_transformers_defaults():
+    """A config.json without head_dim gets transformers' 256, not hidden_size // heads."""
+    import transformers
+
+    hf = PRESETS["tiny"].to_hf()
+    del hf["head_dim"]
+    assert ModelConfig.from_hf(hf).head_dim == transformers.Qwen3_5TextConfig(**hf).head_dim == 256
