@@ -461,4 +461,5 @@ def cost(s: Shapes):
 
 
 register(OpSpec(paged_attention, paged_attention_ref, example, cost, cuda=paged_attention_cuda,
-                kernels=("paged_attention", "paged_decode", "kv_write"), onnx="metrale_graph.onnx.translations:paged_attention"))
+                kernels=("paged_attention", "paged_decode", "kv_write"),
+                onnx="metrale_graph.onnx.translations:paged_attention"))
