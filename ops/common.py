@@ -39,3 +39,27 @@ def check_tensor(t: Tensor, op: str, name: str, ndim: int | None = None, dtype=N
 
 
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+# Decode-shaped calls ------------------------------------------------------------------------------
+# A call of B streams and T tokens is decode-shaped when T <= max(DECODE_MAX_TOKENS, 2 * B). Then the
+# GDN recurrence runs its recurrent kernel (token by token from each slot's pool row) instead of
+# fla's chunked kernels on a chunk-aligned layout, and the paged attention runs split-K
+# (flash-decoding) instead of 64-row query tiles. The rule reads static sizes only, so every bucket's
+# CUDA graph holds one path; both paths are exact for any lengths, the rule only picks the faster.
+#
+# Why this bound: the recurrent kernel's cost per stream is sequential in its length (one dependent
+# state update per token, ~1 us each), and a bucket (B, T) may hold one stream of T - (B-1) tokens.
+# With T <= 64 that chain is <= 64 steps, about the fixed cost of the chunked path at small T (a
+# dozen layout kernels plus fla's five). With T <= 2B the streams average <= 2 tokens and the
+# chunked path would push NT = ceil(T/64) + B chunks (>= 32x the real rows, mostly identity tokens)
+# through fla, a cost that grows with B as fast as the recurrent worst case grows with T. In
+# attention the split-K path reads a stream's cached K/V once per few queries rather than once per
+# 64, which only pays when queries per stream are few: the same bound.
+DECODE_MAX_TOKENS = 64
+
+
+def decode_shaped(num_streams: int, num_tokens: int) -> bool:
+    """Whether a call of `num_streams` streams (padding included) and `num_tokens` tokens takes the
+    decode paths. Static sizes only (a bucket's (B, T)), never device data."""
+    return num_tokens <= max(DECODE_MAX_TOKENS, 2 * num_streams)

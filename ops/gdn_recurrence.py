@@ -11,9 +11,11 @@ stream (padding) leaves its slot unchanged.
 import os
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
-from .common import INDEX_DTYPES, check, check_tensor
+from .common import INDEX_DTYPES, check, check_tensor, decode_shaped
 from .registry import OpSpec, Shapes, metrale_op, rand, register, stream_meta
 
 OP = "gdn_recurrence"
@@ -93,6 +95,7 @@ def gdn_recurrence_ref(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state):
 
 
 # CUDA path: flash-linear-attention's chunked kernels on a chunk-aligned layout -------------------
+# (decode-shaped calls take the recurrent kernel further down instead; ops.common.decode_shaped)
 #
 # fla 0.6.0's varlen chunked gated delta rule replays exactly in a CUDA graph only if the
 # number of sequences and the total chunk count sum(ceil(len_i / 64)) stay fixed, its chunk
@@ -174,9 +177,98 @@ def fla_varlen(q, k, v, g, beta, cu_aligned, chunk_indices, h0):
     return o[0], final
 
 
+# CUDA path for decode-shaped calls: a recurrent kernel straight on the pool --------------------
+#
+# One program per (stream, value head, V tile of BV columns) holds its [K, BV] slice of the state in
+# registers: it loads it from the stream's pool row, runs the rule over the stream's tokens (a loop
+# bounded by cu_seqlens, read on the device), writes each token's output, and stores the slice back
+# into the same pool row. No layout, no gather / scatter, one launch; its grid (B, HV, cdiv(V, BV))
+# follows from shapes. Each program reads and writes only its own slice of its own slot, and slots of
+# non-empty streams are distinct, so updating the pool in place is safe. A zero-length stream's
+# programs return before touching anything.
+@triton.jit
+def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, cu_ptr, slot_ptr, scale, R, K, V,
+                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh,
+                          stride_bt, stride_bh, stride_ot, stride_oh, stride_s0, stride_s1, stride_s2, stride_s3,
+                          BK: tl.constexpr, BV: tl.constexpr):
+    b = tl.program_id(0)
+    hv = tl.program_id(1)
+    start = tl.load(cu_ptr + b)
+    end = tl.load(cu_ptr + b + 1)
+    if end > start:  # a zero-length (padding) stream reads and writes nothing
+        h = hv // R  # the key head of this value head
+        kk = tl.arange(0, BK)
+        vv = tl.program_id(2) * BV + tl.arange(0, BV)
+        mk, mv = kk < K, vv < V
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        p_s = (state_ptr + slot * stride_s0 + hv * stride_s1 + kk[:, None].to(tl.int64) * stride_s2
+               + vv[None, :].to(tl.int64) * stride_s3)
+        m_s = mk[:, None] & mv[None, :]
+        S = tl.load(p_s, mask=m_s, other=0.0)  # [BK, BV] fp32
+        t0 = start.to(tl.int64)
+        p_q = q_ptr + t0 * stride_qt + h * stride_qh + kk
+        p_k = k_ptr + t0 * stride_kt + h * stride_kh + kk
+        p_v = v_ptr + t0 * stride_vt + hv * stride_vh + vv
+        p_g = g_ptr + t0 * stride_gt + hv * stride_gh
+        p_b = beta_ptr + t0 * stride_bt + hv * stride_bh
+        p_o = o_ptr + t0 * stride_ot + hv * stride_oh + vv
+        for _ in range(start, end):
+            q = tl.load(p_q, mask=mk, other=0.0).to(tl.float32) * scale
+            k = tl.load(p_k, mask=mk, other=0.0).to(tl.float32)
+            v = tl.load(p_v, mask=mv, other=0.0).to(tl.float32)
+            decay = tl.exp(tl.load(p_g).to(tl.float32))
+            beta = tl.load(p_b).to(tl.float32)
+            S = S * decay
+            delta = (v - tl.sum(S * k[:, None], axis=0)) * beta  # [BV]
+            S = S + k[:, None] * delta[None, :]
+            o = tl.sum(S * q[:, None], axis=0)
+            tl.store(p_o, o.to(p_o.dtype.element_ty), mask=mv)
+            p_q += stride_qt
+            p_k += stride_kt
+            p_v += stride_vt
+            p_g += stride_gt
+            p_b += stride_bt
+            p_o += stride_ot
+        tl.store(p_s, S, mask=m_s)
+
+
+def recurrent_tiles(K: int, V: int) -> tuple[int, int, int]:
+    """(BK, BV, num_warps) of the recurrent kernel: the whole key dim (masked to a power of two) by 8
+    value columns, fla's fused_recurrent choice (many small programs: decode is bound by reading and
+    writing the state, so parallelism over (stream, head, V tile) is what counts)."""
+    BK = max(16, triton.next_power_of_2(K))
+    return BK, min(8, triton.next_power_of_2(V)), 1 if BK <= 128 else 2
+
+
+def gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state):
+    """The gated delta rule token by token, each stream from and back into its pool row (one launch,
+    no host sync). Exact for any lengths; sequential in each stream's length."""
+    T, H, K = q.shape
+    HV, V = v.shape[1:]
+    B = slot_ids.shape[0]
+    o = torch.empty((T, HV, V), dtype=v.dtype, device=v.device)  # rows of tokens in no stream: unspecified
+    if T == 0 or B == 0:
+        return o
+    q, k, v = (x if x.stride(2) == 1 else x.contiguous() for x in (q, k, v))
+    BK, BV, warps = recurrent_tiles(K, V)
+    _gdn_recurrent_kernel[(B, HV, triton.cdiv(V, BV))](
+        q, k, v, g, beta, o, gdn_state, cu_seqlens, slot_ids, K**-0.5, HV // H, K, V,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
+        beta.stride(0), beta.stride(1), o.stride(0), o.stride(1), *gdn_state.stride(),
+        BK=BK, BV=BV, num_warps=warps)
+    return o
+
+
+def use_recurrent(q: Tensor, slot_ids: Tensor) -> bool:
+    """The path choice of the CUDA implementation: static sizes (B, T) only (ops.common.decode_shaped)."""
+    return decode_shaped(slot_ids.shape[0], q.shape[0])
+
+
 @gdn_recurrence.register_kernel("cuda")
 def gdn_recurrence_cuda(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state):
     _check(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state)
+    if use_recurrent(q, slot_ids):
+        return gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state)
     return gdn_recurrence_aligned(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, fla_varlen)
 
 
@@ -193,13 +285,15 @@ def example(s: Shapes, dtype, g):
 
 
 def cost(s: Shapes):
-    """Chunked form, chunk 64: kk^T, w / u, state update and read, intra-chunk output."""
-    per = 2 * (192 * s.K + 128 * s.V + 3 * s.K * s.V)
+    """Chunked form, chunk 64: kk^T, w / u, state update and read, intra-chunk output; decode-shaped
+    calls (the recurrent kernel): decay, S^T k, the rank-1 update and S^T q per token."""
+    per = 2 * (3 * s.K * s.V) if decode_shaped(s.B, s.T) else 2 * (192 * s.K + 128 * s.V + 3 * s.K * s.V)
     return (s.T * s.HV * per,
             2 * (s.T * 2 * s.H * s.K + 2 * s.T * s.HV * s.V) + 6 * s.T * s.HV + 8 * s.B * s.HV * s.K * s.V)
 
 
 # fla 0.6.0's chunk kernels, by name
 FLA_KERNELS = ("chunk_", "recompute_w_u", "solve_tril", "merge_16x16", "kkt")
-register(OpSpec(gdn_recurrence, gdn_recurrence_ref, example, cost, cuda=gdn_recurrence_cuda, kernels=FLA_KERNELS,
+register(OpSpec(gdn_recurrence, gdn_recurrence_ref, example, cost, cuda=gdn_recurrence_cuda,
+                kernels=FLA_KERNELS + ("gdn_recurrent",),
                 onnx="metrale_graph.onnx.translations:gdn_recurrence"))

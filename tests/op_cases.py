@@ -1,7 +1,8 @@
 """Shape cases every phase op is tested on (its inputs: the op's registered `example`): ragged
 lengths (not multiples of 64, a single-token stream, a zero-length padding stream, one stream of one token, no tokens at
-all), grouped value heads, dk != dv, and sizes that are not powers of two (head dims, rotary
-dims, head ratios, KV block sizes). Dims stay tiny: opcheck runs every op on every case."""
+all), decode-shaped batches (one-token streams after contexts, a long context, T == B in one stream,
+a chunked-prefill mix), grouped value heads, dk != dv, and sizes that are not powers of two (head
+dims, rotary dims, head ratios, KV block sizes). Dims stay tiny: opcheck runs every op on every case."""
 
 from __future__ import annotations
 
@@ -23,6 +24,18 @@ CASES = [
     Shapes(lengths=(70, 3), context=(0, 29), H=1, HV=3, K=24, V=40, HQ=2, HKV=2, HD=24, R=2, W=2, BS=32),
     # no tokens at all: every stream is zero-length padding
     Shapes(lengths=(0, 0), context=(0, 0)),
+    # decode-shaped (ops.common.decode_shaped: the GDN recurrent kernel, split-K attention):
+    # four one-token streams after contexts (one of them empty);
+    Shapes(lengths=(1, 1, 1, 1), context=(3, 40, 0, 70)),
+    # one token after a long context (split-K: 64-key splits, the last one partial), and a zero-length
+    # stream (as the runner pads a single-stream bucket)
+    Shapes(lengths=(1, 0), context=(300, 0), num_blocks=48),
+    # a bucket of T == B holding one stream of all T tokens (queries in two tiles: QB = 4 with three
+    # query heads per KV head), the other streams zero-length
+    Shapes(lengths=(0, 0, 6, 0, 0, 0), context=(0, 0, 20, 0, 0, 0), H=1, HV=3, K=24, V=40, HQ=6, HKV=2, HD=24,
+           BS=48),
+    # a chunked-prefill step: one-token decodes, a prompt chunk, a zero-length stream; dk != dv, blocks of 32
+    Shapes(lengths=(1, 0, 9, 1), context=(64, 0, 17, 5), H=2, HV=4, K=32, V=16, HQ=4, HKV=1, HD=32, BS=32),
 ]
 
 

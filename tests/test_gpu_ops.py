@@ -1,7 +1,8 @@
 """On a GPU: every phase op's CUDA path against its CPU reference on upcast inputs (9B head
 dims, ragged lengths up to 4097, with and without prior state; then head, rotary and block sizes
-that are not powers of two, on the real fla recurrence), and every op captured alone in a CUDA
-graph, replayed with other lengths and slots of the same bucket."""
+that are not powers of two, on the real fla recurrence; then decode-shaped batches at 9B head dims,
+which take the recurrent GDN kernel and split-K attention), and every op captured alone in a CUDA
+graph, replayed with other lengths and slots of the same bucket (a prefill bucket and a decode one)."""
 
 from dataclasses import replace
 
@@ -10,6 +11,7 @@ import torch
 
 from helpers import TOL, assert_close, assert_no_aliasing, clone_args, outputs, upcast
 from metrale_graph.ops import REGISTRY, Shapes
+from metrale_graph.ops.common import decode_shaped
 from op_cases import op_args
 
 pytestmark = pytest.mark.gpu
@@ -34,6 +36,30 @@ ODD_CASES = [
     Shapes(lengths=(300, 63), context=(0, 5), H=4, HV=8, K=200, V=136, D=256, I=384, HQ=6, HKV=2, HD=72, R=18,
          W=4, BS=32, num_blocks=20),
 ]
+
+
+# Decode-shaped (ops.common.decode_shaped) at 9B head dims: GDN K = V = 128 with two value heads per
+# key head; attention HD 256 with 16 query heads on 4 KV heads; blocks of 64, block tables of 33
+# blocks (2112 keys: split-K over 2048-token contexts, the last split partial).
+NINE_B = dict(H=2, HV=4, K=128, V=128, D=256, I=512, HQ=16, HKV=4, HD=256, R=64, BS=64)
+DECODE_CASES = [
+    # D1 as the runner pads it: one token after 2048, a zero-length stream
+    Shapes(lengths=(1, 0), context=(2048, 0), num_slots=2, num_blocks=2 * 33, **NINE_B),
+    # D32: 32 one-token streams after 2047 .. 63 cached tokens
+    Shapes(lengths=(1,) * 32, context=tuple(2047 - 64 * i for i in range(32)), num_slots=32, num_blocks=32 * 33,
+           **NINE_B),
+    # T == B = 8 with one stream holding all 8 tokens (two query tiles of 4)
+    Shapes(lengths=(0, 0, 8, 0, 0, 0, 0, 0), context=(0, 0, 2040, 0, 0, 0, 0, 0), num_slots=8, num_blocks=8 * 33,
+           **NINE_B),
+    # a chunked-prefill step: decodes, a 40-token prompt chunk, a zero-length stream
+    Shapes(lengths=(1, 1, 40, 0, 1), context=(2047, 5, 1000, 0, 64), num_slots=5, num_blocks=5 * 33, **NINE_B),
+]
+DECODE_OPS = ("causal_conv1d", "gdn_recurrence", "paged_attention")
+# a decode bucket (B = T = 8) and another batch of it: a 3-token stream, zero-length streams, other contexts
+DECODE_BUCKET = Shapes(lengths=(1,) * 8, context=(2047, 0, 5, 1000, 64, 63, 300, 1), num_slots=8, num_blocks=8 * 33,
+                       **NINE_B)
+DECODE_REPLAY = replace(DECODE_BUCKET, lengths=(3, 1, 0, 1, 1, 1, 1, 0), context=(100, 2047, 0, 7, 1500, 0, 64, 0))
+BUCKETS = {"prefill": (BIG, REPLAY), "decode": (DECODE_BUCKET, DECODE_REPLAY)}
 
 
 def check_cuda_op(name, case):
@@ -66,12 +92,21 @@ def test_cuda_op_odd_shapes_match_reference(name, case):
     check_cuda_op(name, case)
 
 
+@pytest.mark.parametrize("case", DECODE_CASES, ids=["D1", "D32", "T=B-in-one-stream", "chunked-prefill-mix"])
+@pytest.mark.parametrize("name", DECODE_OPS)
+def test_cuda_op_decode_shapes_match_reference(name, case):
+    assert decode_shaped(case.B, case.T)
+    check_cuda_op(name, case)
+
+
+@pytest.mark.parametrize("bucket", list(BUCKETS))
 @pytest.mark.parametrize("name", list(REGISTRY))
-def test_cuda_op_replays_in_a_graph(name):
+def test_cuda_op_replays_in_a_graph(name, bucket):
     """Capture with one batch's metadata, replay with another batch of the same bucket copied into
     the static inputs: equals eager on that batch; pool rows outside it stay bit-identical."""
     op = REGISTRY[name].op
-    static = clone_args(op_args(name, BIG, torch.bfloat16, seed=2), "cuda")
+    capture_case, replay_case = BUCKETS[bucket]
+    static = clone_args(op_args(name, capture_case, torch.bfloat16, seed=2), "cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up (Triton compile + autotune) outside the capture
@@ -81,7 +116,7 @@ def test_cuda_op_replays_in_a_graph(name):
     with torch.cuda.graph(graph):
         out = outputs(op(*static))
 
-    batch = clone_args(op_args(name, REPLAY, torch.bfloat16, seed=3), "cuda")
+    batch = clone_args(op_args(name, replay_case, torch.bfloat16, seed=3), "cuda")
     for s, b in zip(static, batch):
         if isinstance(s, torch.Tensor):
             s.copy_(b)

@@ -1,9 +1,10 @@
 """The CUDA implementations of the phase ops against their CPU references on upcast inputs.
 
 Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors (conftest sets
-TRITON_INTERPRET=1); flash-linear-attention does not run there, so the recurrence is checked
-through its chunk-aligned layout with the reference as the varlen kernel (the fla call itself
-is covered by the GPU tests).
+TRITON_INTERPRET=1); flash-linear-attention does not run there, so the recurrence's chunked path is
+checked through its chunk-aligned layout with the reference as the varlen kernel (the fla call
+itself is covered by the GPU tests); its recurrent kernel (decode-shaped calls) runs here. The
+decode paths are also checked directly on any lengths, and their choice against static sizes.
 """
 
 import importlib
@@ -13,15 +14,17 @@ import torch
 
 from helpers import TOL, assert_close, assert_no_aliasing, clone_args, outputs, tiny_config, upcast
 from metrale_graph.config import FULL
-from metrale_graph.ops import REGISTRY, kernels
+from metrale_graph.ops import REGISTRY, Shapes, kernels
+from metrale_graph.ops.common import decode_shaped
 from metrale_graph.ops.limits import check_supported
 from op_cases import CASES, op_args
 
-# the module (metrale_graph.ops.gdn_recurrence, the attribute, is the op it defines)
+# the modules (metrale_graph.ops.gdn_recurrence, the attribute, is the op it defines)
 gdn_recurrence = importlib.import_module("metrale_graph.ops.gdn_recurrence")
+paged_attention = importlib.import_module("metrale_graph.ops.paged_attention")
 
-# every op's CUDA path but the recurrence's (fla; covered here through its aligned layout)
-CUDA_IMPLS = {name: spec.cuda for name, spec in REGISTRY.items() if spec.cuda and name != "gdn_recurrence"}
+# every op's CUDA path (the recurrence's chunked path needs fla: covered here through its aligned layout)
+CUDA_IMPLS = {name: spec.cuda for name, spec in REGISTRY.items() if spec.cuda}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -42,6 +45,8 @@ def check_against_reference(name, impl, case, dtype, seed=0):
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 @pytest.mark.parametrize("name", list(CUDA_IMPLS))
 def test_cuda_impl_matches_reference(name, case, dtype):
+    if name == "gdn_recurrence" and not decode_shaped(case.B, case.T) and DEVICE == "cpu":
+        pytest.skip("the chunked path runs fla (GPU tests); here: test_recurrence_aligned_layout_is_exact")
     check_against_reference(name, CUDA_IMPLS[name], case, dtype)
 
 
@@ -76,22 +81,183 @@ def test_aligned_layout_chunk_count_is_fixed():
     assert len(shapes) == 1
 
 
-CUDA_PATHS = dict(CUDA_IMPLS, gdn_recurrence=lambda *args: gdn_recurrence.gdn_recurrence_aligned(
-    *args, _reference_varlen))
+def _recurrence_path(*args):
+    """The recurrence's CUDA path, with the reference in fla's place on its chunked path."""
+    if gdn_recurrence.use_recurrent(args[0], args[6]):
+        return gdn_recurrence.gdn_recurrence_cuda(*args)
+    return gdn_recurrence.gdn_recurrence_aligned(*args, _reference_varlen)
+
+
+CUDA_PATHS = dict(CUDA_IMPLS, gdn_recurrence=_recurrence_path)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 @pytest.mark.parametrize("impl", ["reference", "cuda"])
 @pytest.mark.parametrize("name", list(REGISTRY))
 def test_outputs_alias_nothing(name, impl, case):
-    """Fresh outputs from the CPU reference and the CUDA path (recurrence: its aligned layout) for
-    every case; T = 1 and T = 0 are where a slice or reshape of one GEMM output comes back as a view.
+    """Fresh outputs from the CPU reference and the CUDA path (recurrence: the recurrent kernel or the
+    aligned layout) for every case; T = 1 and T = 0 are where a slice or reshape of one GEMM output
+    comes back as a view.
     fp32 only: there dtype casts are no-ops that could hand back their input."""
     if impl == "cuda" and name not in CUDA_PATHS:
         pytest.skip(f"metrale::{name} has no CUDA path yet")
     args = clone_args(op_args(name, case, torch.float32), DEVICE)
     fn = REGISTRY[name].reference if impl == "reference" else CUDA_PATHS[name]
     assert_no_aliasing(f"{name} ({impl})", outputs(fn(*args)), args)
+
+
+# The decode paths, directly ----------------------------------------------------------------------
+# The recurrent kernel on any lengths (long streams too: the path choice only makes it slower), key
+# dims up to 256 and value dims that are not powers of two (partial V tiles), head ratios 1..3.
+RECURRENT_CASES = [c for c in CASES if decode_shaped(c.B, c.T)] + [
+    CASES[0],  # streams of 1, 63 and 65 tokens
+    Shapes(lengths=(3, 0, 2), context=(0, 0, 0), H=1, HV=2, K=200, V=136),
+    Shapes(lengths=(2, 1), context=(0, 0), H=2, HV=2, K=256, V=256),
+    Shapes(lengths=(1, 1, 1), context=(0, 0, 0), H=1, HV=1, K=5, V=3),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", RECURRENT_CASES, ids=[c.id for c in RECURRENT_CASES])
+def test_recurrent_kernel_matches_reference(case, dtype):
+    """Outputs and every pool row against the token-by-token reference on upcast inputs; rows of
+    slots outside the batch (and of zero-length streams) bit-identical."""
+    args = op_args("gdn_recurrence", case, dtype, seed=4)
+    ref_args = upcast(clone_args(args, "cpu"))
+    test_args = clone_args(args, DEVICE)
+    ref = gdn_recurrence.gdn_recurrence_ref(*ref_args)
+    out = gdn_recurrence.gdn_recurrence_recurrent(*test_args)
+    assert out.dtype == args[2].dtype
+    assert_close("o", ref, out.cpu(), TOL[dtype])
+    state, before = test_args[-1].cpu(), args[-1]
+    assert_close("gdn_state", ref_args[-1], state, TOL[dtype])
+    touched = set(args[6][args[5][1:] > args[5][:-1]].tolist())
+    for slot in range(state.shape[0]):
+        if slot not in touched:
+            assert torch.equal(state[slot], before[slot]), f"slot {slot} outside the batch changed"
+
+
+# several 64 / 128-key splits per stream with a partial last one, blocks of 16 / 48 / 64 (splits and
+# blocks unaligned), query heads per KV head 1..4, streams of several query tiles, zero-length streams
+DECODE_ATTENTION_CASES = [
+    Shapes(lengths=(1, 1, 0, 1), context=(130, 0, 0, 47), BS=16, num_blocks=40),
+    Shapes(lengths=(2, 1), context=(200, 95), HD=48, HQ=3, HKV=1, BS=48, num_blocks=12),
+    Shapes(lengths=(1, 9), context=(250, 60), HQ=8, HKV=2, HD=32, BS=64, num_blocks=10),
+    Shapes(lengths=(0, 17, 1), context=(0, 100, 191), HQ=2, HKV=2, BS=64, num_blocks=12),
+]
+
+
+@pytest.mark.parametrize("split", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", DECODE_ATTENTION_CASES, ids=[c.id for c in DECODE_ATTENTION_CASES])
+def test_decode_attention_matches_reference(case, dtype, split):
+    args = op_args("paged_attention", case, dtype, seed=5)
+    ref_args = upcast(clone_args(args, "cpu"))
+    test_args = clone_args(args, DEVICE)
+    ref = paged_attention.paged_attention_ref(*ref_args)
+    default = paged_attention.paged_attention_triton(*test_args, decode=True)  # KV write, default split
+    q, _, _, k_cache, v_cache, cu, ctx, blocks = test_args
+    out = paged_attention.paged_attention_decode(q, k_cache, v_cache, cu, ctx, blocks, torch.empty_like(q),
+                                                 split=split)
+    assert_close("o (default split)", ref, default.cpu(), TOL[dtype])
+    assert_close(f"o (split {split})", ref, out.cpu(), TOL[dtype])
+    for i in (3, 4):
+        assert_close(f"pool {i}", ref_args[i], test_args[i].cpu(), TOL[dtype])
+
+
+def test_decode_attention_is_exact_for_long_streams():
+    """A prefill-shaped batch through the split-K path: exact, only slower (query tiles of QB)."""
+    case = Shapes(lengths=(70, 1), context=(9, 40), HQ=4, HKV=1)
+    args = op_args("paged_attention", case, torch.float32, seed=6)
+    ref = paged_attention.paged_attention_ref(*clone_args(args, "cpu"))
+    out = paged_attention.paged_attention_triton(*clone_args(args, DEVICE), decode=True)
+    assert_close("o", ref, out.cpu(), TOL[torch.float32])
+
+
+def test_decode_split_is_static_and_aligned():
+    """Splits follow from (B, T, HKV, MB * BS) alone, are multiples of every key tile, and give
+    about DECODE_PROGRAMS busy programs when contexts fill the block table."""
+    for B, T, HKV, keys in [(2, 2, 4, 4096), (32, 32, 4, 4096), (1, 1, 1, 16), (64, 128, 8, 262144), (2, 64, 4, 0)]:
+        SL = paged_attention.decode_split(B, T, HKV, keys)
+        assert SL % paged_attention.SPLIT_ALIGN == 0 and SL >= paged_attention.SPLIT_ALIGN
+        if keys >= SL * 2:
+            busy = min(B, T) * HKV * -(-keys // SL)
+            assert paged_attention.DECODE_PROGRAMS / 2 <= busy <= 2 * paged_attention.DECODE_PROGRAMS
+    # 9B (HKV = 4), block tables of 4096 keys: D1 (bucket B = T = 2) 64 splits of 64 keys, D32 8 of 512
+    assert paged_attention.decode_split(2, 2, 4, 4096) == 64
+    assert paged_attention.decode_split(32, 32, 4, 4096) == 512
+    assert [paged_attention.decode_queries(g) for g in (1, 2, 3, 4, 16, 24)] == [
+        (16, 16), (8, 16), (5, 16), (4, 16), (1, 16), (1, 32)]
+
+
+def test_decode_shaped_rule():
+    assert decode_shaped(1, 1) and decode_shaped(2, 2) and decode_shaped(32, 32) and decode_shaped(2, 64)
+    assert decode_shaped(64, 128) and decode_shaped(4, 0)
+    assert not decode_shaped(2, 65) and not decode_shaped(32, 65) and not decode_shaped(64, 129)
+    assert not decode_shaped(32, 256)
+
+
+class _Launches:
+    """Records each launch of the wrapped Triton kernel (its name and grid) and runs it."""
+
+    def __init__(self, name, kernel, log):
+        self.name, self.kernel, self.log = name, kernel, log
+
+    def __getitem__(self, grid):
+        self.log.append((self.name, tuple(grid)))
+        return self.kernel[grid]
+
+
+def _launch_log(monkeypatch):
+    log = []
+    for module, names in ((gdn_recurrence, ["_gdn_recurrent_kernel"]),
+                          (paged_attention, ["_kv_write_kernel", "_paged_attention_kernel", "_paged_decode_kernel",
+                                             "_paged_decode_merge_kernel"])):
+        for n in names:
+            monkeypatch.setattr(module, n, _Launches(n, getattr(module, n), log))
+    aligned = gdn_recurrence.gdn_recurrence_aligned
+
+    def chunked(*args):
+        log.append(("aligned", gdn_recurrence.aligned_layout(args[5], args[0].shape[0])[2].shape))
+        return aligned(*args[:-1], _reference_varlen)
+
+    monkeypatch.setattr(gdn_recurrence, "gdn_recurrence_aligned", chunked)
+    return log
+
+
+# batches of one bucket: same (B, T) and pools, other lengths, contexts and slots
+SAME_BUCKET = {
+    "decode": [Shapes(lengths=(1, 1, 1, 1), context=(3, 40, 0, 70)),
+               Shapes(lengths=(4, 0, 0, 0), context=(90, 0, 0, 0)),
+               Shapes(lengths=(0, 2, 0, 2), context=(0, 1, 0, 57))],
+    "prefill": [Shapes(lengths=(1, 63, 65), context=(0, 5, 0), num_blocks=36),
+                Shapes(lengths=(129, 0, 0), context=(0, 0, 0), num_blocks=36),
+                Shapes(lengths=(64, 64, 1), context=(30, 0, 9), num_blocks=36)],
+}
+
+
+@pytest.mark.parametrize("bucket", list(SAME_BUCKET))
+def test_path_choice_depends_only_on_static_sizes(bucket, monkeypatch):
+    """Within a bucket the same kernels launch with the same grids whatever the lengths, contexts
+    and slots (what makes a captured graph exact for every batch of the bucket); decode-shaped
+    buckets take the recurrent kernel and split-K, others the chunked layout and 64-row tiles."""
+    log = _launch_log(monkeypatch)
+    seen = []
+    for case in SAME_BUCKET[bucket]:
+        del log[:]
+        for name, impl in (("gdn_recurrence", gdn_recurrence.gdn_recurrence_cuda),
+                           ("paged_attention", paged_attention.paged_attention_cuda)):
+            args = op_args(name, case, torch.float32, seed=7)
+            ref_args = clone_args(args, "cpu")
+            assert_close(name, REGISTRY[name].reference(*ref_args), impl(*args), TOL[torch.float32])
+        seen.append(list(log))
+    assert all(s == seen[0] for s in seen), seen
+    names = [n for n, _ in seen[0]]
+    if bucket == "decode":
+        assert names == ["_gdn_recurrent_kernel", "_kv_write_kernel", "_paged_decode_kernel",
+                         "_paged_decode_merge_kernel"]
+    else:
+        assert names == ["aligned", "_kv_write_kernel", "_paged_attention_kernel"]
 
 
 def test_stacked_is_a_view_of_adjacent_weights():
