@@ -3,6 +3,8 @@
 metrale::moe.)
 """
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -14,12 +16,12 @@ OP = "attn_out"
 
 
 @metrale_op("attn_out")
-def attn_out(o: Tensor, gate: Tensor, residual: Tensor, o_w: Tensor) -> Tensor:
+def attn_out(o: Tensor, gate: Tensor, residual: Optional[Tensor], o_w: Tensor) -> Tensor:
     """Output of a gated full-attention layer.
 
     Args:
         o: [T, HQ, HD] attention output; gate: [T, HQ*HD] (model dtype).
-        residual: [T, D] the layer input.
+        residual: [T, D] the layer input, or None (a tensor-parallel rank other than 0).
         o_w: [D, HQ*HD].
     Returns:
         h [T, D] = residual + o_proj(o * sigmoid(gate)), model dtype. Mutates nothing.
@@ -31,7 +33,7 @@ def attn_out(o: Tensor, gate: Tensor, residual: Tensor, o_w: Tensor) -> Tensor:
 @attn_out.register_fake
 def _(o, gate, residual, o_w):
     _check(o, gate, residual, o_w)
-    return torch.empty_like(residual)
+    return o.new_empty(o.shape[0], o_w.shape[0])
 
 
 def _check(o, gate, residual, o_w):
@@ -39,16 +41,18 @@ def _check(o, gate, residual, o_w):
     T, HQ, HD = o.shape
     check_tensor(gate, OP, "gate", ndim=2, dtype=o.dtype, device=o.device)
     check(tuple(gate.shape) == (T, HQ * HD), OP, f"gate has shape {tuple(gate.shape)}, expected {(T, HQ * HD)}")
-    check_tensor(residual, OP, "residual", ndim=2, dtype=o.dtype, device=o.device)
-    D = residual.shape[1]
-    check(residual.shape[0] == T, OP, f"residual has {residual.shape[0]} tokens, o has {T}")
     check_tensor(o_w, OP, "o_w", ndim=2, dtype=o.dtype, device=o.device)
+    D = o_w.shape[0]
+    if residual is not None:
+        check_tensor(residual, OP, "residual", ndim=2, dtype=o.dtype, device=o.device)
+        check(tuple(residual.shape) == (T, D), OP, f"residual has shape {tuple(residual.shape)}, expected {(T, D)}")
     check(tuple(o_w.shape) == (D, HQ * HD), OP, f"o_w has shape {tuple(o_w.shape)}, expected {(D, HQ * HD)}")
 
 
 def attn_out_ref(o, gate, residual, o_w):
     T, HQ, HD = o.shape  # explicit sizes: reshape(T, -1) is ambiguous when T = 0
-    return residual + F.linear(o.reshape(T, HQ * HD) * torch.sigmoid(gate), o_w)
+    out = F.linear(o.reshape(T, HQ * HD) * torch.sigmoid(gate), o_w)
+    return out if residual is None else residual + out
 
 
 @attn_out.register_kernel("cuda")
@@ -56,7 +60,8 @@ def attn_out_cuda(o, gate, residual, o_w):
     """o_proj with the residual add in the GEMM epilogue."""
     _check(o, gate, residual, o_w)
     T, HQ, HD = o.shape
-    return torch.addmm(residual, o.reshape(T, HQ * HD) * torch.sigmoid(gate), o_w.t())
+    gated = o.reshape(T, HQ * HD) * torch.sigmoid(gate)
+    return gated @ o_w.t() if residual is None else torch.addmm(residual, gated, o_w.t())
 
 
 def example(s: Shapes, dtype, g):

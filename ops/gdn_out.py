@@ -5,6 +5,8 @@ metrale::mlp or metrale::moe.)
 Token-local: nothing here needs stream metadata.
 """
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -17,13 +19,14 @@ OP = "gdn_out"
 
 
 @metrale_op("gdn_out")
-def gdn_out(o: Tensor, z: Tensor, residual: Tensor, gnorm_w: Tensor, out_w: Tensor, eps: float) -> Tensor:
+def gdn_out(o: Tensor, z: Tensor, residual: Optional[Tensor], gnorm_w: Tensor, out_w: Tensor, eps: float) -> Tensor:
     """Phase 3 of a Gated DeltaNet layer.
 
     Args:
         o: [T, HV, V] recurrence output (model dtype).
         z: [T, HV*V] output gate (model dtype).
-        residual: [T, D] the layer input.
+        residual: [T, D] the layer input, or None (a tensor-parallel rank other than 0: the all-reduce
+            after this op adds rank 0's residual once).
         gnorm_w: [V] gated-RMSNorm weight (plain, not zero-centred).
         out_w: [D, HV*V] out projection.
         eps: RMSNorm epsilon.
@@ -37,19 +40,20 @@ def gdn_out(o: Tensor, z: Tensor, residual: Tensor, gnorm_w: Tensor, out_w: Tens
 @gdn_out.register_fake
 def _(o, z, residual, gnorm_w, out_w, eps):
     _check(o, z, residual, gnorm_w, out_w)
-    return torch.empty_like(residual)
+    return o.new_empty(o.shape[0], out_w.shape[0])
 
 
 def _check(o, z, residual, gnorm_w, out_w):
     check_tensor(o, OP, "o", ndim=3)
     T, HV, V = o.shape
-    check_tensor(residual, OP, "residual", ndim=2, dtype=o.dtype, device=o.device)
-    D = residual.shape[1]
-    check(residual.shape[0] == T, OP, f"residual has {residual.shape[0]} tokens, o has {T}")
+    check_tensor(out_w, OP, "out_w", ndim=2, dtype=o.dtype, device=o.device)
+    D = out_w.shape[0]
+    if residual is not None:
+        check_tensor(residual, OP, "residual", ndim=2, dtype=o.dtype, device=o.device)
+        check(tuple(residual.shape) == (T, D), OP, f"residual has shape {tuple(residual.shape)}, expected {(T, D)}")
     check_tensor(z, OP, "z", ndim=2, dtype=o.dtype, device=o.device)
     check(tuple(z.shape) == (T, HV * V), OP, f"z has shape {tuple(z.shape)}, expected {(T, HV * V)}")
     check(tuple(gnorm_w.shape) == (V,), OP, f"gnorm_w must have shape ({V},), got {tuple(gnorm_w.shape)}")
-    check_tensor(out_w, OP, "out_w", ndim=2, dtype=o.dtype, device=o.device)
     check(tuple(out_w.shape) == (D, HV * V), OP, f"out_w has shape {tuple(out_w.shape)}, expected {(D, HV * V)}")
 
 
@@ -66,14 +70,16 @@ def gated_rms_norm(o, z, weight, eps):
 def gdn_out_ref(o, z, residual, gnorm_w, out_w, eps):
     T, HV, V = o.shape
     n = gated_rms_norm(o, z.view(T, HV, V), gnorm_w, eps).reshape(T, HV * V)
-    return residual + F.linear(n, out_w)
+    out = F.linear(n, out_w)
+    return out if residual is None else residual + out
 
 
 @gdn_out.register_kernel("cuda")
 def gdn_out_cuda(o, z, residual, gnorm_w, out_w, eps):
     """Triton gated norm; out projection with the residual add in the GEMM epilogue."""
     _check(o, z, residual, gnorm_w, out_w)
-    return torch.addmm(residual, kernels.gated_rms_norm(o, z, gnorm_w, eps), out_w.t())
+    n = kernels.gated_rms_norm(o, z, gnorm_w, eps)
+    return n @ out_w.t() if residual is None else torch.addmm(residual, n, out_w.t())
 
 
 def example(s: Shapes, dtype, g):

@@ -18,7 +18,8 @@ OP = "mlp"
 
 
 @metrale_op("mlp")
-def mlp(h: Tensor, norm_w: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor, eps: float) -> Tensor:
+def mlp(h: Tensor, norm_w: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor, eps: float,
+        add_residual: bool = True) -> Tensor:
     """Dense MLP block with its norm and residual.
 
     Args:
@@ -26,15 +27,17 @@ def mlp(h: Tensor, norm_w: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor,
         norm_w: [D] zero-centred post-attention RMSNorm weight.
         gate_w, up_w: [I, D]; down_w: [D, I].
         eps: RMSNorm epsilon.
+        add_residual: False on tensor-parallel ranks other than 0 (the all-reduce after this op adds
+            rank 0's residual once).
     Returns:
-        [T, D] the layer output, h's dtype. Mutates nothing.
+        [T, D] the layer output (h + ..., or only the MLP's output), h's dtype. Mutates nothing.
     """
     _check(h, norm_w, gate_w, up_w, down_w)
-    return mlp_ref(h, norm_w, gate_w, up_w, down_w, eps)
+    return mlp_ref(h, norm_w, gate_w, up_w, down_w, eps, add_residual)
 
 
 @mlp.register_fake
-def _(h, norm_w, gate_w, up_w, down_w, eps):
+def _(h, norm_w, gate_w, up_w, down_w, eps, add_residual=True):
     _check(h, norm_w, gate_w, up_w, down_w)
     return torch.empty_like(h)
 
@@ -49,18 +52,19 @@ def _check(h, norm_w, gate_w, up_w, down_w):
         check(tuple(w.shape) == shape, OP, f"{name} has shape {tuple(w.shape)}, expected {shape} (hidden size {D})")
 
 
-def mlp_ref(h, norm_w, gate_w, up_w, down_w, eps):
+def mlp_ref(h, norm_w, gate_w, up_w, down_w, eps, add_residual=True):
     n = rms_norm(h, norm_w, eps)
-    return h + F.linear(F.silu(F.linear(n, gate_w)) * F.linear(n, up_w), down_w)
+    out = F.linear(F.silu(F.linear(n, gate_w)) * F.linear(n, up_w), down_w)
+    return h + out if add_residual else out
 
 
 @mlp.register_kernel("cuda")
-def mlp_cuda(h, norm_w, gate_w, up_w, down_w, eps):
+def mlp_cuda(h, norm_w, gate_w, up_w, down_w, eps, add_residual=True):
     """Triton norm, one gate|up GEMM over the stacked weights, fused SiLU-mul, and the down GEMM with
     the residual add in its epilogue (addmm)."""
     _check(h, norm_w, gate_w, up_w, down_w)
     act = kernels.silu_mul(kernels.rms_norm(h, norm_w, eps) @ kernels.stacked(gate_w, up_w).t())
-    return torch.addmm(h, act, down_w.t())
+    return torch.addmm(h, act, down_w.t()) if add_residual else act @ down_w.t()
 
 
 def example(s: Shapes, dtype, g):

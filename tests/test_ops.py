@@ -140,3 +140,19 @@ def test_bad_inputs_name_op_and_argument():
     args[3] = args[3][..., :8]
     with pytest.raises(ValueError, match=r"metrale::paged_attention: k_cache blocks hold"):
         ops.paged_attention(*args)
+
+
+@pytest.mark.parametrize("name", ["gdn_out", "attn_out", "mlp"])
+def test_without_the_residual(name):
+    """Tensor-parallel ranks other than 0 run the output ops without the residual (residual None /
+    add_residual False): the op's full output minus its residual, and opcheck holds for that form."""
+    args = list(op_args(name, CASES[0], torch.float32))
+    full = REGISTRY[name].op(*args)
+    if name == "mlp":
+        partial_args, residual = args + [False], args[0]
+    else:
+        partial_args, residual = list(args), args[2]
+        partial_args[2] = None
+    torch.library.opcheck(REGISTRY[name].op, partial_args)
+    assert_close(name, full - residual, REGISTRY[name].op(*partial_args), 1e-6)
+    assert_close(f"{name} (CUDA path)", full - residual, REGISTRY[name].cuda(*partial_args), 1e-5)

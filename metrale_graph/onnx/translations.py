@@ -248,13 +248,14 @@ def gdn_out(o, z, residual, gnorm_w, out_w, eps):
     n = _cast(op.Mul(gnorm_w, _cast(of, dt, FLOAT)), FLOAT, dt)  # plain weight, applied in the model dtype
     n = op.Mul(n, _silu(_cast(op.Reshape(z, _const([T, HV, V])), FLOAT, dt)))
     n = op.Reshape(_cast(n, dt, FLOAT), _const([T, HV * V]))
-    return op.Add(residual, _linear(n, out_w))
+    return _linear(n, out_w) if residual is None else op.Add(residual, _linear(n, out_w))
 
 
-def mlp(h, norm_w, gate_w, up_w, down_w, eps):
+def mlp(h, norm_w, gate_w, up_w, down_w, eps, add_residual=True):
     """ops.mlp: h + down(silu(gate(n)) * up(n)), n = rms_norm(h)."""
     n = _rms_norm(h, norm_w, eps, h.dtype)
-    return op.Add(h, _linear(op.Mul(_silu(_linear(n, gate_w)), _linear(n, up_w)), down_w))
+    out = _linear(op.Mul(_silu(_linear(n, gate_w)), _linear(n, up_w)), down_w)
+    return op.Add(h, out) if add_residual else out
 
 
 def moe(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k,
@@ -346,4 +347,5 @@ def paged_attention(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_t
 def attn_out(o, gate, residual, o_w):
     """ops.attn_out: o * sigmoid(gate), o_proj, residual."""
     (T, HQ, HD) = o.shape
-    return op.Add(residual, _linear(op.Mul(op.Reshape(o, _const([T, HQ * HD])), op.Sigmoid(gate)), o_w))
+    out = _linear(op.Mul(op.Reshape(o, _const([T, HQ * HD])), op.Sigmoid(gate)), o_w)
+    return out if residual is None else op.Add(residual, out)
