@@ -5,6 +5,10 @@ sequence of `metrale::` phase ops over packed varlen streams.
 `prefill(cache, streams)` validates and packs on the host, then runs `forward_packed`, the
 step: a pure function of packed tensors, weights and cache pools with no host sync and no
 data-dependent shapes, which is what `torch.compile(fullgraph=True)` and CUDA graphs take.
+
+With `tp` (parallel.TensorParallel) the model holds this rank's shard of every weight, its cache
+this rank's shard of every pool, and the step all-reduces after each mixer and feed-forward half
+(parallel.py says how each weight is split).
 """
 
 from __future__ import annotations
@@ -22,16 +26,21 @@ from .cache import HybridCache
 from .config import LINEAR, ModelConfig, PRESETS, load_config
 from .ops.common import rms_norm
 from .ops.limits import check_supported
+from .parallel import TensorParallel, local_config, shard_weights, sharded_shapes
 from .weights import load_checkpoint, random_weights, save_checkpoint, stack_projections, weight_shapes
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class HybridModel(nn.Module):
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
-        """Wrap `weights` (names as `weight_shapes(config)`, all on one device and dtype)."""
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], tp: TensorParallel | None = None):
+        """Wrap `weights` (names as `weight_shapes(config)`, all on one device and dtype; with a
+        tensor-parallel `tp` of size > 1, this rank's shards: parallel.sharded_shapes)."""
         super().__init__()
-        expected = weight_shapes(config)
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        # the sizes this rank's ops and cache see (its heads, its MLP slice); the config for all else
+        self.local = local_config(config, self.tp.size) if self.tp else config
+        expected = sharded_shapes(config, self.tp) if self.tp else weight_shapes(config)
         if set(weights) != set(expected):
             missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
             raise ValueError(f"weights do not match the config: missing {missing[:5]}, unexpected {extra[:5]}")
@@ -50,7 +59,7 @@ class HybridModel(nn.Module):
         """Register `weights` as parameters, each layer's projections stacked in one buffer
         (weights.STACKED_GROUPS), and the fp32 RoPE frequencies on their device."""
         if weights["embed_tokens.weight"].device.type == "cuda":
-            check_supported(self.config)  # a shape the CUDA path cannot run: ValueError now, not at prefill
+            check_supported(self.local)  # a shape the CUDA path cannot run: ValueError now, not at prefill
         weights = stack_projections(dict(weights), self.config)
         for name, tensor in weights.items():
             *path, leaf = name.split(".")
@@ -82,7 +91,7 @@ class HybridModel(nn.Module):
 
     # construction
     @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device="cpu",
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device="cpu", tp: TensorParallel | None = None,
                         progress: bool = True, check_finite: bool = True) -> "HybridModel":
         """Load a Hugging Face checkpoint folder (config.json + safetensors, single or sharded): Qwen3.5
         (`qwen3_5_text`, multimodal `qwen3_5`), Qwen3.5-MoE (`qwen3_5_moe_text`, multimodal
@@ -100,23 +109,29 @@ class HybridModel(nn.Module):
             raise ValueError(f"checkpoint folder {path!r} does not exist")
         config = load_config(path)
         model = cls(config, load_checkpoint(path, config, dtype, torch.device(device), progress=progress,
-                                            check_finite=check_finite))
+                                            check_finite=check_finite, tp=tp), tp)
         model.name_or_path = path  # where the Engine looks for a tokenizer and generation_config.json
         return model
 
     @classmethod
     def from_preset(cls, preset: str | ModelConfig = "tiny", dtype: torch.dtype = torch.float32, device="cpu",
-                    seed: int = 0) -> "HybridModel":
-        """A model with seeded random weights: `preset` names one of PRESETS or is a ModelConfig."""
+                    seed: int = 0, tp: TensorParallel | None = None) -> "HybridModel":
+        """A model with seeded random weights: `preset` names one of PRESETS or is a ModelConfig. With
+        `tp`, every rank draws the same full weights and keeps its shard."""
         _check_dtype(dtype)
         if isinstance(preset, str):
             if preset not in PRESETS:
                 raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
             preset = PRESETS[preset]
-        return cls(preset, random_weights(preset, dtype, torch.device(device), seed))
+        weights = random_weights(preset, dtype, torch.device(device), seed)
+        if tp is not None and tp.size > 1:
+            weights = shard_weights(weights, preset, tp)
+        return cls(preset, weights, tp)
 
     def save_pretrained(self, folder: str) -> None:
         """Write a Hugging Face checkpoint folder that `from_pretrained` (ours or transformers') reads."""
+        if self.tp:
+            raise ValueError("save_pretrained writes a whole model; this one holds a tensor-parallel shard")
         save_checkpoint(dict(self.named_parameters()), self.config, folder)
 
     @property
@@ -130,7 +145,7 @@ class HybridModel(nn.Module):
     def new_cache(self, num_slots: int, num_blocks: int, block_size: int = 64,
                   max_context: int | None = None) -> HybridCache:
         """A cache of `num_slots` streams and `num_blocks` KV blocks of `block_size` tokens."""
-        return HybridCache(self.config, num_slots, num_blocks, block_size, max_context, self.dtype, self.device,
+        return HybridCache(self.local, num_slots, num_blocks, block_size, max_context, self.dtype, self.device,
                            owner=self)
 
     # the prefill
@@ -138,7 +153,7 @@ class HybridModel(nn.Module):
         """ValueError unless `cache` is this model's (made by its new_cache, same dtype and device)."""
         if not isinstance(cache, HybridCache):
             raise ValueError(f"expected a HybridCache, got {type(cache).__name__}")
-        if cache.config != self.config:
+        if cache.config != self.local:
             raise ValueError("the cache was built for another model config")
         if cache.dtype != self.dtype or cache.device != self.device:
             raise ValueError(f"the cache is {cache.dtype} on {cache.device}; the model is {self.dtype} "
@@ -166,23 +181,46 @@ class HybridModel(nn.Module):
     def forward_packed(self, cache: HybridCache, batch: PackedBatch) -> torch.Tensor:
         """The step: packed batch in, last-token logits [B, vocab] out; mutates the batch's slots
         and blocks in the cache pools. No host sync, shapes follow from input shapes."""
-        cfg = self.config
-        h = F.embedding(batch.tokens, self.embed_tokens.weight)
+        cfg = self.local
+        h = self._embed(batch.tokens)
         for i, kind in enumerate(cfg.layer_types):
             j, layer = self._pool_index[i], self.layers[i]
             if kind == LINEAR:
                 h = self._gdn_mixer(layer, h, batch, cache.conv_states[j], cache.gdn_states[j])
             else:
                 h = self._attention_mixer(layer, h, batch, cache.k_caches[j], cache.v_caches[j])
-            h = self._feed_forward(layer, h)
+            h = self._reduce(h)
+            h = self._reduce(self._feed_forward(layer, h))
         last = (batch.cu_seqlens[1:].long() - 1).clamp(min=0)  # zero-length (padding) streams: any row
         h_last = rms_norm(h[last], self.norm.weight, cfg.rms_norm_eps)
         lm_head = self.embed_tokens.weight if cfg.tie_word_embeddings else self.lm_head.weight
-        return F.linear(h_last, lm_head)
+        logits = F.linear(h_last, lm_head)
+        if self.tp:  # every rank's vocabulary rows, the padding of the last shard cut off
+            logits = self.tp.all_gather(logits, 1)[:, :self.config.vocab_size]
+        return logits
+
+    # tensor parallelism: identity without it
+    def _reduce(self, x):
+        return self.tp.all_reduce(x) if self.tp else x
+
+    @property
+    def _adds_residual(self) -> bool:
+        """Only one rank adds the residual stream in an output op: the all-reduce sums it in once."""
+        return self.tp is None or self.tp.rank == 0
+
+    def _embed(self, tokens):
+        table = self.embed_tokens.weight
+        if not self.tp:
+            return F.embedding(tokens, table)
+        rows = table.shape[0]  # this rank's vocabulary shard starts at rank * rows
+        local = tokens - self.tp.rank * rows
+        inside = (local >= 0) & (local < rows)
+        h = F.embedding(local.clamp(0, rows - 1), table) * inside[:, None].to(table.dtype)
+        return self.tp.all_reduce(h)
 
     # a layer: h = x + mixer(norm(x)) (GDN or attention), then out = h + feed_forward(norm(h))
     def _gdn_mixer(self, layer, x, batch, conv_state, gdn_state):
-        cfg, a = self.config, layer.linear_attn
+        cfg, a = self.local, layer.linear_attn
         T, H, K = x.shape[0], cfg.linear_num_key_heads, cfg.linear_key_head_dim
         qkv, z, beta, g = ops.gdn_proj(x, layer.input_layernorm.weight, a.in_proj_qkv.weight,
                                        a.in_proj_z.weight, a.in_proj_b.weight, a.in_proj_a.weight,
@@ -191,19 +229,20 @@ class HybridModel(nn.Module):
         qk = ops.l2norm(qkv[:, :2 * cfg.key_dim].view(T, 2 * H, K))
         v = qkv[:, 2 * cfg.key_dim:].view(T, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
         o = ops.gdn_recurrence(qk[:, :H], qk[:, H:], v, g, beta, batch.cu_seqlens, batch.slot_ids, gdn_state)
-        return ops.gdn_out(o, z, x, a.norm.weight, a.out_proj.weight, cfg.rms_norm_eps)
+        return ops.gdn_out(o, z, x if self._adds_residual else None, a.norm.weight, a.out_proj.weight,
+                           cfg.rms_norm_eps)
 
     def _attention_mixer(self, layer, x, batch, k_cache, v_cache):
-        cfg, a = self.config, layer.self_attn
+        cfg, a = self.local, layer.self_attn
         q, k, v, gate = ops.attn_proj(x, layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight,
                                       a.v_proj.weight, a.q_norm.weight, a.k_norm.weight, batch.positions,
                                       self.rope_inv_freq, cfg.head_dim, cfg.rms_norm_eps)
         o = ops.paged_attention(q, k, v, k_cache, v_cache, batch.cu_seqlens, batch.context_lens,
                                 batch.block_tables)
-        return ops.attn_out(o, gate, x, a.o_proj.weight)
+        return ops.attn_out(o, gate, x if self._adds_residual else None, a.o_proj.weight)
 
     def _feed_forward(self, layer, h):
-        cfg, mlp = self.config, layer.mlp
+        cfg, mlp = self.local, layer.mlp
         if "experts" in mlp._modules:  # a sparse MoE layer (config.moe_layers)
             shared = mlp.shared_expert
             return ops.moe(h, layer.post_attention_layernorm.weight, mlp.gate.weight, mlp.experts.gate_up_proj,
@@ -211,7 +250,7 @@ class HybridModel(nn.Module):
                            shared.down_proj.weight, mlp.shared_expert_gate.weight, cfg.num_experts_per_tok,
                            cfg.norm_topk_prob, cfg.rms_norm_eps)
         return ops.mlp(h, layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
-                       mlp.down_proj.weight, cfg.rms_norm_eps)
+                       mlp.down_proj.weight, cfg.rms_norm_eps, self._adds_residual)
 
     def extra_repr(self) -> str:
         c = self.config

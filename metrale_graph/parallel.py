@@ -52,20 +52,22 @@ class TensorParallel:
         return cls(dist.get_rank(group), dist.get_world_size(group), group)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks (a functional collective: traced into the compiled step)."""
         import torch.distributed._functional_collectives as funcol
 
-        return funcol.all_reduce(x, "sum", self.group if self.group is not None else _world())
+        return funcol.wait_tensor(funcol.all_reduce(x, "sum", self._group()))
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """The ranks' tensors concatenated along `dim`, in rank order."""
         import torch.distributed._functional_collectives as funcol
 
-        return funcol.all_gather_tensor(x, dim, self.group if self.group is not None else _world())
+        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # named so from torch 2.13
+        return funcol.wait_tensor(gather(x, dim, self._group()))
 
+    def _group(self):
+        import torch.distributed as dist
 
-def _world():
-    import torch.distributed as dist
-
-    return dist.group.WORLD
+        return self.group if self.group is not None else dist.group.WORLD
 
 
 def check_shardable(cfg: ModelConfig, size: int) -> None:
@@ -182,6 +184,17 @@ def shard_shape(shape: tuple[int, ...], ranges: Ranges | None) -> tuple[int, ...
         return tuple(shape)
     dim, spans = ranges
     return tuple(sum(b - a for a, b in spans) if d == dim else s for d, s in enumerate(shape))
+
+
+def sharded_shapes(cfg: ModelConfig, tp: TensorParallel) -> dict[str, tuple[int, ...]]:
+    """The shape of every weight's shard on this rank (the vocabulary shards padded to ceil(V / tp))."""
+    from .weights import weight_shapes
+
+    out = {name: shard_shape(shape, shard_ranges(name, cfg, tp)) for name, shape in weight_shapes(cfg).items()}
+    for name in ("embed_tokens.weight", "lm_head.weight"):
+        if name in out:
+            out[name] = (math.ceil(cfg.vocab_size / tp.size),) + out[name][1:]
+    return out
 
 
 def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, tp: TensorParallel) -> dict[str, torch.Tensor]:

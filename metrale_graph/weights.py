@@ -234,17 +234,24 @@ class _Piece(NamedTuple):
     """One loadable checkpoint tensor (name without the `model.` prefix)."""
     shape: tuple[int, ...]
     units: tuple[str, ...]  # the checkpoint_shapes entries it provides (a stacked expert tensor: all its experts)
-    place: Callable[[torch.Tensor], torch.Tensor]  # stores it among the weights; returns what it wrote
+    place: Callable[[torch.Tensor], torch.Tensor | None]  # stores it among the weights; returns what it wrote
+    ranges: tuple | None = None  # the part of it this tensor-parallel rank reads (parallel.take), None: all
 
 
 class _Assembler:
     """Lays checkpoint tensors into our weights on `device` in `dtype`: whole tensors as they are,
     per-expert tensors into stacked buffers allocated once, Qwen3-Next's fused GDN projections split."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, tp=None):
+        from .parallel import local_config, shard_ranges, sharded_shapes
+
         self.cfg, self.dtype, self.device = cfg, dtype, device
-        self.shapes = weight_shapes(cfg)
+        tp = tp if tp is not None and tp.size > 1 else None
+        self.shapes = sharded_shapes(cfg, tp) if tp else weight_shapes(cfg)
         self.layout = checkpoint_shapes(cfg)
+        self.local = local_config(cfg, tp.size) if tp else cfg  # the shard's sizes (Qwen3-Next's splits)
+        ranges = (lambda name: shard_ranges(name, cfg, tp)) if tp else (lambda name: None)
+        first_expert = tp.rank * (cfg.num_experts // tp.size) if tp else 0
         self.out: dict[str, torch.Tensor] = {}
         self.pieces: dict[str, _Piece] = {}
         self.stacked_of: dict[str, str] = {}  # per-expert name -> the stacked name that also provides it
@@ -252,19 +259,25 @@ class _Assembler:
         for name, shape in self.shapes.items():
             stacked, fusion = _STACKED_EXPERTS.fullmatch(name), _gdn_fusion(cfg, name)
             if stacked:
-                parts = _expert_names(stacked.group(1), stacked.group(2), shape[0])
-                self.pieces[name] = _Piece(shape, tuple(parts), self._whole(name))
+                E = cfg.num_experts
+                parts = _expert_names(stacked.group(1), stacked.group(2), E)
+                self.pieces[name] = _Piece((E,) + shape[1:], tuple(parts), self._whole(name), ranges(name))
                 for part in parts:
                     e, which = part[len(stacked.group(1)):].split(".")[:2]
                     rows = {"gate_proj": slice(0, IE), "up_proj": slice(IE, 2 * IE), "down_proj": slice(None)}[which]
-                    self.pieces[part] = _Piece(self.layout[part], (part,), self._expert(name, int(e), rows))
+                    local = int(e) - first_expert  # another rank's expert: read nothing
+                    place = self._expert(name, local, rows) if 0 <= local < shape[0] else (lambda t: None)
+                    self.pieces[part] = _Piece(self.layout[part], (part,), place)
                     self.stacked_of[part] = name
             elif fusion:
                 fused, partner = fusion
                 split = split_qkvz if "qkvz" in fused else split_ba
-                self.pieces[fused] = _Piece(self.layout[fused], (fused,), self._split((name, partner), split))
+                rows = self.layout[fused][0]  # the rank's key-head groups are one run of rows
+                group = rows // cfg.linear_num_key_heads * self.local.linear_num_key_heads
+                part = (0, [(tp.rank * group, (tp.rank + 1) * group)]) if tp else None
+                self.pieces[fused] = _Piece(self.layout[fused], (fused,), self._split((name, partner), split), part)
             elif fusion is None:
-                self.pieces[name] = _Piece(shape, (name,), self._whole(name))
+                self.pieces[name] = _Piece(self.layout.get(name, shape), (name,), self._whole(name), ranges(name))
 
     def _converted(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(device=self.device, dtype=self.dtype)
@@ -287,7 +300,7 @@ class _Assembler:
     def _split(self, names, split):
         def place(t):
             t = self._converted(t)
-            self.out[names[0]], self.out[names[1]] = split(t, self.cfg)
+            self.out[names[0]], self.out[names[1]] = split(t, self.local)
             return t
         return place
 
@@ -331,7 +344,7 @@ def checkpoint_files(folder: str) -> list[str]:
 
 
 def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
-                    progress: bool = True, check_finite: bool = True) -> dict[str, torch.Tensor]:
+                    progress: bool = True, check_finite: bool = True, tp=None) -> dict[str, torch.Tensor]:
     """Read every tensor the config needs from a safetensors checkpoint folder, in our layout
     (weight_shapes): per-expert tensors are copied into stacked buffers allocated once on `device`,
     stacked ones are taken as they are; Qwen3-Next's fused GDN projections are split (module docstring).
@@ -345,10 +358,15 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
     (so a value beyond float16's range counts too). It reads every weight once more: for the 9B
     model's 19 GB in bfloat16, about 40 ms on an H200 and about 4.5 s on 2 CPU cores (measured
     4.4 GB/s in bfloat16, 6.3 GB/s in float32; torch.isfinite(t).all() reads 0.3 GB/s there).
+
+    With a tensor-parallel `tp` (parallel.TensorParallel), only this rank's shard of each tensor is
+    read from the files (and only its experts); the vocabulary shards are padded to ceil(V / tp).
     """
     from safetensors import SafetensorError, safe_open
 
-    asm = _Assembler(cfg, dtype, device)
+    from .parallel import pad_vocab, take
+
+    asm = _Assembler(cfg, dtype, device, tp)
     given: dict[str, str] = {}  # checkpoint_shapes name -> the checkpoint key that gave it
     unexpected = []
     files = checkpoint_files(folder)
@@ -375,12 +393,13 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
                     if shape != piece.shape:
                         raise ValueError(f"tensor {key!r} has shape {shape}, the config needs {piece.shape} "
                                          f"({path})")
-                    stored = f.get_tensor(key)
-                    if not stored.dtype.is_floating_point:
-                        raise ValueError(f"tensor {key!r} in {path} is {stored.dtype}; expected floating-point "
+                    stored_dtype = _NOT_FLOAT.get(f.get_slice(key).get_dtype())
+                    if stored_dtype is not None:
+                        raise ValueError(f"tensor {key!r} in {path} is {stored_dtype}; expected floating-point "
                                          "weights (quantized checkpoints are not supported)")
+                    stored = take(f.get_slice(key), piece.ranges) if piece.ranges else f.get_tensor(key)
                     written = piece.place(stored)
-                    if check_finite and not _finite(written):
+                    if written is not None and check_finite and not _finite(written):
                         what = (f"values beyond the range of {dtype}" if _finite(stored)
                                 else "NaN or infinite values")
                         raise ValueError(f"tensor {key!r} in {path} holds {what}")
@@ -395,7 +414,7 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. "
                          f"{_collapse(missing, asm, given)[:5]}")
-    return asm.out
+    return pad_vocab(asm.out, cfg, tp) if tp is not None and tp.size > 1 else asm.out
 
 
 def _collapse(missing: list[str], asm: _Assembler, given: dict[str, str]) -> list[str]:
@@ -411,6 +430,11 @@ def _collapse(missing: list[str], asm: _Assembler, given: dict[str, str]) -> lis
         else:
             out.append(name)
     return out
+
+
+# safetensors' names of the dtypes that are not floating point
+_NOT_FLOAT = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
+              "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64}
 
 
 def _finite(t: torch.Tensor) -> bool:
