@@ -361,18 +361,21 @@ def _moe_down_kernel(act_ptr, w_ptr, y_ptr, ids_ptr, expert_ptr, rw_ptr, num_pai
 
 
 @triton.jit
-def _moe_combine_kernel(h_ptr, y_ptr, shared_ptr, gate_ptr, out_ptr, D, stride_h, stride_gate,
-                        TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = h[t] + (sum_j y[t * TOP_K + j] + sigmoid(gate[t]) * shared[t]): the pair sum in fp32 in a
-    fixed order (deterministic, no atomics), then rounded as transformers rounds its terms."""
+def _moe_combine_kernel(h_ptr, n_ptr, seg_w_ptr, y_ptr, shared_ptr, out_ptr, D, stride_h, TOP_K: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """out[t] = h[t] + (sum_j y[t * TOP_K + j] + sigmoid(n[t] . seg_w) * shared[t]), one program per token:
+    the shared-expert gate's dot product, the pair sum in fp32 in a fixed order (deterministic, no
+    atomics), then rounded as transformers rounds its terms."""
     t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, BLOCK)
     m = cols < D
+    dt = out_ptr.dtype.element_ty
+    n = tl.load(n_ptr + t * D + cols, mask=m, other=0.0).to(tl.float32)
+    logit = _rnd(tl.sum(n * tl.load(seg_w_ptr + cols, mask=m, other=0.0).to(tl.float32), 0), dt)
+    sig = _rnd(tl.sigmoid(logit), dt)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in range(TOP_K):
         acc += tl.load(y_ptr + (t * TOP_K + j) * D + cols, mask=m, other=0.0).to(tl.float32)
-    dt = out_ptr.dtype.element_ty
-    sig = _rnd(tl.sigmoid(tl.load(gate_ptr + t * stride_gate).to(tl.float32)), dt)
     shared = _rnd(sig * tl.load(shared_ptr + t * D + cols, mask=m, other=0.0).to(tl.float32), dt)
     ffn = _rnd(_rnd(acc, dt) + shared, dt)
     h = tl.load(h_ptr + t * stride_h + cols, mask=m, other=0.0).to(tl.float32)
@@ -386,11 +389,13 @@ def _inner_contiguous(w: Tensor) -> Tensor:
 @moe.register_kernel("cuda")
 def moe_cuda(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k,
              norm_topk, eps):
-    """Triton norm; one GEMM for everything that reads the normed input (shared gate | shared up | router |
-    shared-expert gate: free when the model stores them back to back in that order); routing as
-    transformers; pairs sorted by expert on the device (align_pairs); grouped GEMM gate|up with SiLU-mul in
-    its epilogue; grouped GEMM down with the routing weight in its epilogue; one combine kernel (pair sum,
-    gated shared expert, residual). No host sync; every size follows from T, top_k and E."""
+    """Triton norm; one GEMM for the projections of the normed input (shared gate | shared up | router:
+    free when the model stores them back to back in that order); routing as transformers; pairs sorted
+    by expert on the device (align_pairs); grouped GEMM gate|up with SiLU-mul in its epilogue; grouped
+    GEMM down with the routing weight in its epilogue; one combine kernel (the shared-expert gate's dot
+    product, pair sum, gated shared expert, residual). No host sync; every size follows from T, top_k
+    and E. (The one-row shared-expert gate stays out of the GEMM: it would make the output rows
+    2 * IS + E + 1 wide, unaligned for cuBLAS.)"""
     _check(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k)
     T, D = h.shape
     E, IE, IS = router_w.shape[0], w2.shape[-1], shared_down_w.shape[-1]
@@ -398,7 +403,7 @@ def moe_cuda(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_do
         return torch.empty_like(h, memory_format=torch.contiguous_format)
     h = h if h.stride(-1) == 1 else h.contiguous()
     n = kernels.rms_norm(h, norm_w, eps)  # [T, D] contiguous
-    dense = n @ kernels.stacked(shared_gate_w, shared_up_w, router_w, shared_expert_gate_w).t()  # [T, 2IS+E+1]
+    dense = n @ kernels.stacked(shared_gate_w, shared_up_w, router_w).t()  # [T, 2IS + E]
     shared = kernels.silu_mul(dense[:, :2 * IS]) @ shared_down_w.t()  # [T, D]
     top_w, top_e = select_experts(dense[:, 2 * IS:2 * IS + E], top_k, norm_topk)
 
@@ -417,9 +422,9 @@ def moe_cuda(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_do
         act, w2, y, sorted_ids, block_expert, top_w.reshape(-1), P, nblk, D, IE, w2.stride(0), w2.stride(1),
         BM=BM, IEEE=ieee)
     out = torch.empty((T, D), dtype=h.dtype, device=h.device)
-    gate = dense[:, 2 * IS + E:]
-    _moe_combine_kernel[(T, triton.cdiv(D, 1024))](h, y, shared, gate, out, D, h.stride(0), dense.stride(0),
-                                                   TOP_K=top_k, BLOCK=1024)
+    block = triton.next_power_of_2(D)
+    _moe_combine_kernel[(T,)](h, n, _inner_contiguous(shared_expert_gate_w), y, shared, out, D, h.stride(0), TOP_K=top_k, BLOCK=block,
+                              num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16)
     return out
 
 
