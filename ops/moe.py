@@ -423,8 +423,8 @@ def moe_cuda(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_do
         BM=BM, IEEE=ieee)
     out = torch.empty((T, D), dtype=h.dtype, device=h.device)
     block = triton.next_power_of_2(D)
-    _moe_combine_kernel[(T,)](h, n, _inner_contiguous(shared_expert_gate_w), y, shared, out, D, h.stride(0), TOP_K=top_k, BLOCK=block,
-                              num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16)
+    _moe_combine_kernel[(T,)](h, n, _inner_contiguous(shared_expert_gate_w), y, shared, out, D, h.stride(0),
+                              TOP_K=top_k, BLOCK=block, num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16)
     return out
 
 
@@ -444,5 +444,6 @@ def cost(s: Shapes):
     return flops, 2 * (touched * 3 * D * s.IE + (s.E + 3 * s.IS + 1) * D + 2 * T * D)
 
 
-register(OpSpec(moe, moe_ref, example, cost, cuda=moe_cuda, kernels=("_moe_align", "_moe_gate_up", "_moe_down", "_moe_combine"),
+register(OpSpec(moe, moe_ref, example, cost, cuda=moe_cuda,
+                kernels=("_moe_align", "_moe_gate_up", "_moe_down", "_moe_combine"),
                 onnx="metrale_graph.onnx.translations:moe"))

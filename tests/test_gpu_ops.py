@@ -42,10 +42,11 @@ ODD_CASES = [
 ]
 
 # MoE at realistic sizes: 64 experts, 8 per token (lengths summing to 2000, and one token: more
-# experts than pairs); then Qwen3.5-35B-A3B's dims (D 2048, 256 experts of 512, shared 512)
+# experts than pairs); then Qwen3.5-35B-A3B's dims (D 2048, 256 experts of 512, shared 512). Their average
+# groups (250, 1 / 8, 32 pairs) and BIG's (1763) give the grouped GEMMs blocks of 64, 16, 32 and 128 rows.
 MOE = Shapes(lengths=(700, 1299, 1), context=(0, 0, 0), D=512, E=64, TOPK=8, IE=256, IS=256)
 MOE_CASES = [MOE, replace(MOE, lengths=(1,), context=(0,)),
-             replace(MOE, lengths=(1, 383), context=(0, 0), D=2048, E=256, IE=512, IS=512)]
+             replace(MOE, lengths=(1, 1023), context=(0, 0), D=2048, E=256, IE=512, IS=512)]
 
 
 def moe_expert_counts(args):
