@@ -92,8 +92,9 @@ STACKED_GROUPS = {
     "gdn": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b", "linear_attn.in_proj_a"),
     "attention": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp": ("mlp.gate_proj", "mlp.up_proj"),
-    # MoE layers: router, shared expert gate, shared expert gate / up projections (ops.moe's order)
-    "moe": ("mlp.gate", "mlp.shared_expert_gate", "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+    # MoE layers: the shared expert's gate / up projections and the router, in ops.moe's order (the
+    # shared expert's one-row sigmoid gate stays apart: a [2 IS + E + 1]-row GEMM output is unaligned)
+    "moe": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.gate"),
 }
 
 

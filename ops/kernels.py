@@ -152,21 +152,23 @@ def head_norm_rope(x: Tensor, weight: Tensor, positions: Tensor, inv_freq: Tenso
 
 # SiLU(a) * b over [T, 2I] rows holding [a | b] -------------------------------------------------
 @triton.jit
-def _silu_mul_kernel(ab_ptr, y_ptr, I, BLOCK: tl.constexpr):
+def _silu_mul_kernel(ab_ptr, y_ptr, I, stride_ab, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < I
-    a = tl.load(ab_ptr + row * 2 * I + cols, mask=m, other=0.0).to(tl.float32)
-    b = tl.load(ab_ptr + row * 2 * I + I + cols, mask=m, other=0.0).to(tl.float32)
+    a = tl.load(ab_ptr + row * stride_ab + cols, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(ab_ptr + row * stride_ab + I + cols, mask=m, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * I + cols, (a * tl.sigmoid(a) * b).to(y_ptr.dtype.element_ty), mask=m)
 
 
 def silu_mul(ab: Tensor) -> Tensor:
-    """ab: [T, 2I] contiguous -> silu(ab[:, :I]) * ab[:, I:]."""
+    """ab: [T, 2I] with unit inner stride (rows may be a column slice of a wider GEMM output)
+    -> contiguous silu(ab[:, :I]) * ab[:, I:]."""
+    ab = _rows(ab)
     T, I2 = ab.shape
     y = ab.new_empty(T, I2 // 2)
     if T:
-        _silu_mul_kernel[(T, triton.cdiv(I2 // 2, 1024))](ab, y, I2 // 2, BLOCK=1024)
+        _silu_mul_kernel[(T, triton.cdiv(I2 // 2, 1024))](ab, y, I2 // 2, ab.stride(0), BLOCK=1024)
     return y
 
 

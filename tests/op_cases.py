@@ -2,7 +2,9 @@
 lengths (not multiples of 64, a single-token stream, a zero-length padding stream, one stream of one token, no tokens at
 all), decode-shaped batches (one-token streams after contexts, a long context, T == B in one stream,
 a chunked-prefill mix), grouped value heads, dk != dv, and sizes that are not powers of two (head
-dims, rotary dims, head ratios, KV block sizes). Dims stay tiny: opcheck runs every op on every case."""
+dims, rotary dims, head ratios, KV block sizes); for the MoE op, top_k = 1 and top_k = E, more
+experts than token-expert pairs, and experts whose pairs span several grouped-GEMM blocks (16 rows
+under the interpreter). Dims stay tiny: opcheck runs every op on every case."""
 
 from __future__ import annotations
 
@@ -15,13 +17,20 @@ CASES = [
     Shapes(lengths=(64, 7, 0), context=(3, 0, 0), H=2, HV=2, K=8, V=8, HQ=2, HKV=2),
     Shapes(lengths=(130,), context=(17,), H=1, HV=3, K=8, V=20, HD=32, R=8),
     # one stream of one token (T = B = 1, where slices of a GEMM output come back contiguous);
-    # one query head on one KV head; rotary over the whole head
-    Shapes(lengths=(1,), context=(3,), HQ=1, HKV=1, R=16),
-    # head_dim 48 with rotary dim 12 (rotary / 2 = 6); three query heads on one KV head; blocks of 48
-    Shapes(lengths=(5, 40), context=(50, 0), HD=48, R=12, HQ=3, HKV=1, BS=48),
+    # one query head on one KV head; rotary over the whole head; every expert chosen (top_k = E)
+    Shapes(lengths=(1,), context=(3,), HQ=1, HKV=1, R=16, E=6, TOPK=6),
+    # head_dim 48 with rotary dim 12 (rotary / 2 = 6); three query heads on one KV head; blocks of 48;
+    # one expert per token
+    Shapes(lengths=(5, 40), context=(50, 0), HD=48, R=12, HQ=3, HKV=1, BS=48, TOPK=1),
     # dk != dv, neither a power of two, three value heads per key head; HQ == HKV; head_dim 24 with
-    # rotary dim 2 (rotary / 2 = 1); conv width 2; blocks of 32
-    Shapes(lengths=(70, 3), context=(0, 29), H=1, HV=3, K=24, V=40, HQ=2, HKV=2, HD=24, R=2, W=2, BS=32),
+    # rotary dim 2 (rotary / 2 = 1); conv width 2; blocks of 32; 8 experts, 3 per token, expert and
+    # shared intermediate sizes 40 / 24
+    Shapes(lengths=(70, 3), context=(0, 29), H=1, HV=3, K=24, V=40, HQ=2, HKV=2, HD=24, R=2, W=2, BS=32, E=8, TOPK=3,
+           IE=40, IS=24),
+    # MoE: more experts (16) than token-expert pairs (3 tokens x 4); expert size 20
+    Shapes(lengths=(2, 1, 0), context=(0, 9, 0), E=16, TOPK=4, IE=20),
+    # MoE: 4 experts, 2 per token, 150 tokens: each expert's ~75 pairs span several blocks
+    Shapes(lengths=(150,), context=(0,), E=4, TOPK=2, IE=36, IS=20),
     # no tokens at all: every stream is zero-length padding
     Shapes(lengths=(0, 0), context=(0, 0)),
     # decode-shaped (ops.common.decode_shaped: the GDN recurrent kernel, split-K attention):

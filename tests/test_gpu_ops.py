@@ -2,17 +2,24 @@
 dims, ragged lengths up to 4097, with and without prior state; then head, rotary and block sizes
 that are not powers of two, on the real fla recurrence; then decode-shaped batches at 9B head dims,
 which take the recurrent GDN kernel and split-K attention), and every op captured alone in a CUDA
-graph, replayed with other lengths and slots of the same bucket (a prefill bucket and a decode one)."""
+graph, replayed with other lengths and slots of the same bucket (a prefill bucket and a decode one).
+The MoE op also at realistic expert counts and sizes, and replayed with other routings (other group
+sizes) of the same bucket."""
 
 from dataclasses import replace
 
 import pytest
 import torch
 
-from helpers import TOL, assert_close, assert_no_aliasing, clone_args, outputs, upcast
+import importlib
+
+from helpers import TOL, assert_close, assert_no_aliasing, clone_args, compared_rows, outputs, upcast
 from metrale_graph.ops import REGISTRY, Shapes
 from metrale_graph.ops.common import decode_shaped
+from metrale_graph.ops.common import rms_norm
 from op_cases import op_args
+
+moe = importlib.import_module("metrale_graph.ops.moe")
 
 pytestmark = pytest.mark.gpu
 
@@ -36,6 +43,21 @@ ODD_CASES = [
     Shapes(lengths=(300, 63), context=(0, 5), H=4, HV=8, K=200, V=136, D=256, I=384, HQ=6, HKV=2, HD=72, R=18,
          W=4, BS=32, num_blocks=20),
 ]
+
+# MoE at realistic sizes: 64 experts, 8 per token (lengths summing to 2000, and one token: more
+# experts than pairs); then Qwen3.5-35B-A3B's dims (D 2048, 256 experts of 512, shared 512). Their average
+# groups (250, 1 / 8, 32 pairs) and BIG's (1763) give the grouped GEMMs blocks of 64, 16, 32 and 128 rows.
+MOE = Shapes(lengths=(700, 1299, 1), context=(0, 0, 0), D=512, E=64, TOPK=8, IE=256, IS=256)
+MOE_CASES = [MOE, replace(MOE, lengths=(1,), context=(0,)),
+             replace(MOE, lengths=(1, 1023), context=(0, 0), D=2048, E=256, IE=512, IS=512)]
+
+
+def moe_expert_counts(args):
+    """Pairs per expert of metrale::moe's arguments (the routing the reference computes)."""
+    h, norm_w, router_w, top_k, eps = args[0], args[1], args[2], args[9], args[11]
+    top_e = moe.route(rms_norm(h.float(), norm_w.float(), eps), router_w.float(), top_k, True)[1]
+    return torch.zeros(router_w.shape[0], dtype=torch.long, device=h.device).scatter_add_(
+        0, top_e.flatten(), torch.ones_like(top_e.flatten()))
 
 
 # Decode-shaped (ops.common.decode_shaped) at 9B head dims: GDN K = V = 128 with two value heads per
@@ -72,9 +94,15 @@ def check_cuda_op(name, case):
     ref = outputs(REGISTRY[name].op(*ref_args))
     out = outputs(REGISTRY[name].op(*cuda_args))
     assert_no_aliasing(name, out, cuda_args)
+    rows = compared_rows(name, args, torch.bfloat16)  # moe: tokens whose routing has a margin
+    if rows is not None and len(rows) >= 16:
+        assert rows.float().mean() >= 0.5, f"{name}: too few tokens to compare ({int(rows.sum())} of {len(rows)})"
     for i, (r, o) in enumerate(zip(ref, out)):
         assert o.is_cuda
-        assert_close(f"{name} output {i}", r, o.cpu(), TOL[torch.bfloat16])
+        o = o.cpu()
+        if rows is not None:
+            r, o = r[rows], o[rows]
+        assert_close(f"{name} output {i}", r, o, TOL[torch.bfloat16])
     for i, (r, a, b) in enumerate(zip(ref_args, cuda_args, before)):
         if isinstance(a, torch.Tensor) and a.is_floating_point() and not torch.equal(a, b):
             assert_close(f"{name} mutated arg {i}", r, a.cpu(), TOL[torch.bfloat16])
@@ -99,6 +127,11 @@ def test_cuda_op_decode_shapes_match_reference(name, case):
     check_cuda_op(name, case)
 
 
+@pytest.mark.parametrize("case", MOE_CASES, ids=[c.id + f"-D{c.D}-IE{c.IE}" for c in MOE_CASES])
+def test_cuda_moe_matches_reference(case):
+    check_cuda_op("moe", case)
+
+
 @pytest.mark.parametrize("bucket", list(BUCKETS))
 @pytest.mark.parametrize("name", list(REGISTRY))
 def test_cuda_op_replays_in_a_graph(name, bucket):
@@ -117,6 +150,8 @@ def test_cuda_op_replays_in_a_graph(name, bucket):
         out = outputs(op(*static))
 
     batch = clone_args(op_args(name, replay_case, torch.bfloat16, seed=3), "cuda")
+    if name == "moe":  # the replayed batch routes elsewhere: other group sizes, other blocks per expert
+        assert not torch.equal(moe_expert_counts(static), moe_expert_counts(batch))
     for s, b in zip(static, batch):
         if isinstance(s, torch.Tensor):
             s.copy_(b)
@@ -131,3 +166,32 @@ def test_cuda_op_replays_in_a_graph(name, bucket):
             changed = (b != p).flatten(1).any(1)
             assert torch.equal(s[~changed], p[~changed]), f"{name}: replay touched pool rows outside the batch"
             assert_close(f"{name} replayed pool {i}", b[changed].float(), s[changed].float(), 1e-2)
+
+
+@pytest.mark.parametrize("case", MOE_CASES[:2], ids=["T2000", "T1"])
+def test_moe_replays_other_routings(case):
+    """metrale::moe captured once (random routing), replayed with the same weights and other tokens:
+    a skewed routing (every token on the same experts: groups of T pairs over many blocks, most
+    experts empty), then another random one; each replay equals eager on its batch."""
+    op = REGISTRY["moe"].op
+    static = clone_args(op_args("moe", case, torch.bfloat16, seed=2), "cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        op(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op(*static)
+    counts = [moe_expert_counts(static)]
+    h = static[0].clone()
+    for new_h in (h[:1] + 1e-3 * torch.randn_like(h), torch.randn_like(h)):
+        static[0].copy_(new_h)
+        counts.append(moe_expert_counts(static))
+        ref = op(*static)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close("moe replayed output", ref.float(), out.float(), 1e-2)
+    if case.T > 1:
+        assert counts[1].max() >= case.T // 2 and (counts[1] > 0).sum() < (counts[0] > 0).sum()  # skewed indeed
+    assert not torch.equal(counts[0], counts[2])

@@ -422,3 +422,16 @@ def test_moe_config_fields_checked_in_python():
     with pytest.raises(ValueError, match="holds a text_config of model_type 'qwen3_next'; expected "
                                          "'qwen3_5_moe_text'"):
         ModelConfig.from_hf({"model_type": "qwen3_5_moe", "text_config": nxt.to_hf()})
+
+
+def test_moe_weights_lie_as_the_op_reads_them():
+    """The shared expert's gate / up and the router sit back to back (ops.moe's one dense GEMM reads
+    them through kernels.stacked without a copy), also after .to()."""
+    from metrale_graph.ops import kernels
+
+    model = HybridModel.from_preset(moe_config(), seed=0)
+    for convert in (lambda: None, lambda: model.to(torch.bfloat16)):
+        convert()
+        mlp = model.layers[1].mlp
+        parts = (mlp.shared_expert.gate_proj.weight, mlp.shared_expert.up_proj.weight, mlp.gate.weight)
+        assert kernels.stacked(*parts).data_ptr() == parts[0].data_ptr()
