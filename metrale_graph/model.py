@@ -248,7 +248,8 @@ class HybridModel(nn.Module):
             return ops.moe(h, layer.post_attention_layernorm.weight, mlp.gate.weight, mlp.experts.gate_up_proj,
                            mlp.experts.down_proj, shared.gate_proj.weight, shared.up_proj.weight,
                            shared.down_proj.weight, mlp.shared_expert_gate.weight, cfg.num_experts_per_tok,
-                           cfg.norm_topk_prob, cfg.rms_norm_eps)
+                           cfg.norm_topk_prob, cfg.rms_norm_eps,
+                           self.tp.rank * mlp.experts.gate_up_proj.shape[0] if self.tp else 0, self._adds_residual)
         return ops.mlp(h, layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
                        mlp.down_proj.weight, cfg.rms_norm_eps, self._adds_residual)
 

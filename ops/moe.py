@@ -32,40 +32,49 @@ _ROUND_BF16_BITS = tl.constexpr(INTERPRET)  # see _rnd
 @metrale_op("moe")
 def moe(h: Tensor, norm_w: Tensor, router_w: Tensor, w13: Tensor, w2: Tensor, shared_gate_w: Tensor,
         shared_up_w: Tensor, shared_down_w: Tensor, shared_expert_gate_w: Tensor, top_k: int, norm_topk: bool,
-        eps: float) -> Tensor:
+        eps: float, first_expert: int = 0, add_residual: bool = True) -> Tensor:
     """Sparse MoE block with its norm and residual.
 
     Args:
         h: [T, D] the residual stream after the mixer (model dtype).
         norm_w: [D] zero-centred post-attention RMSNorm weight.
         router_w: [E, D] router.
-        w13: [E, 2*IE, D] each expert's gate rows then up rows (transformers' experts.gate_up_proj).
-        w2: [E, D, IE] each expert's down projection (experts.down_proj).
+        w13: [EL, 2*IE, D] each expert's gate rows then up rows (transformers' experts.gate_up_proj)
+            for experts first_expert .. first_expert + EL - 1 (EL = E without tensor parallelism).
+        w2: [EL, D, IE] each of those experts' down projection (experts.down_proj).
         shared_gate_w, shared_up_w: [IS, D]; shared_down_w: [D, IS]: the shared expert.
         shared_expert_gate_w: [1, D] the shared expert's sigmoid gate.
         top_k: experts per token (1..E). norm_topk: renormalize the top-k weights to sum 1.
         eps: RMSNorm epsilon.
+        first_expert, add_residual: tensor parallelism (experts split over ranks): this rank computes
+            its EL experts for every token that routes to them (the router still sees all E), and only
+            rank 0 adds the residual; the all-reduce after the op sums the ranks.
     Returns:
-        [T, D] the layer output, h's dtype. Mutates nothing.
+        [T, D] the layer output (h + ..., or without h), h's dtype. Mutates nothing.
     """
-    _check(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k)
+    _check(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k,
+           first_expert)
     return moe_ref(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w,
-                   top_k, norm_topk, eps)
+                   top_k, norm_topk, eps, first_expert, add_residual)
 
 
 @moe.register_fake
 def _(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k,
-      norm_topk, eps):
-    _check(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k)
+      norm_topk, eps, first_expert=0, add_residual=True):
+    _check(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k,
+           first_expert)
     return torch.empty_like(h)
 
 
-def _check(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k):
+def _check(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k,
+           first_expert=0):
     check_tensor(h, OP, "h", ndim=2)
     D = h.shape[1]
     check(tuple(norm_w.shape) == (D,), OP, f"norm_w must have shape ({D},), got {tuple(norm_w.shape)}")
-    E, IE, IS = router_w.shape[0], w2.shape[-1], shared_down_w.shape[-1]
-    for name, w, shape in (("router_w", router_w, (E, D)), ("w13", w13, (E, 2 * IE, D)), ("w2", w2, (E, D, IE)),
+    E, EL, IE, IS = router_w.shape[0], w13.shape[0], w2.shape[-1], shared_down_w.shape[-1]
+    check(isinstance(first_expert, int) and 0 <= first_expert and first_expert + EL <= E, OP,
+          f"experts {first_expert}..{first_expert + EL - 1} are not among the router's {E}")
+    for name, w, shape in (("router_w", router_w, (E, D)), ("w13", w13, (EL, 2 * IE, D)), ("w2", w2, (EL, D, IE)),
                            ("shared_gate_w", shared_gate_w, (IS, D)), ("shared_up_w", shared_up_w, (IS, D)),
                            ("shared_down_w", shared_down_w, (D, IS)),
                            ("shared_expert_gate_w", shared_expert_gate_w, (1, D))):
@@ -95,18 +104,21 @@ def shared_expert(n, shared_gate_w, shared_up_w, shared_down_w, shared_expert_ga
 
 
 def moe_ref(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k,
-            norm_topk, eps):
+            norm_topk, eps, first_expert=0, add_residual=True):
     """Plain torch, op for op as transformers' Qwen3_5MoeSparseMoeBlock: experts in ascending order,
     each over the tokens that chose it (a host loop: the CPU reference)."""
     n = rms_norm(h, norm_w, eps)
     top_w, top_e = route(n, router_w, top_k, norm_topk)
     out = torch.zeros_like(n)
     for e in torch.unique(top_e).tolist():
+        if not first_expert <= e < first_expert + w13.shape[0]:
+            continue  # another tensor-parallel rank's expert
         token, slot = torch.where(top_e == e)
-        gate, up = F.linear(n[token], w13[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[e]) * top_w[token, slot, None]
+        gate, up = F.linear(n[token], w13[e - first_expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e - first_expert]) * top_w[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
-    return h + (out + shared_expert(n, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w))
+    ffn = out + shared_expert(n, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w)
+    return h + ffn if add_residual else ffn
 
 
 # The CUDA path -----------------------------------------------------------------------------------
@@ -362,7 +374,7 @@ def _moe_down_kernel(act_ptr, w_ptr, y_ptr, ids_ptr, expert_ptr, rw_ptr, num_pai
 
 @triton.jit
 def _moe_combine_kernel(h_ptr, n_ptr, seg_w_ptr, y_ptr, shared_ptr, out_ptr, D, stride_h, TOP_K: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
     """out[t] = h[t] + (sum_j y[t * TOP_K + j] + sigmoid(n[t] . seg_w) * shared[t]), one program per token:
     the shared-expert gate's dot product, the pair sum in fp32 in a fixed order (deterministic, no
     atomics), then rounded as transformers rounds its terms."""
@@ -378,8 +390,9 @@ def _moe_combine_kernel(h_ptr, n_ptr, seg_w_ptr, y_ptr, shared_ptr, out_ptr, D, 
         acc += tl.load(y_ptr + (t * TOP_K + j) * D + cols, mask=m, other=0.0).to(tl.float32)
     shared = _rnd(sig * tl.load(shared_ptr + t * D + cols, mask=m, other=0.0).to(tl.float32), dt)
     ffn = _rnd(_rnd(acc, dt) + shared, dt)
-    h = tl.load(h_ptr + t * stride_h + cols, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * D + cols, _rnd(h + ffn, dt).to(dt), mask=m)
+    if ADD_RESIDUAL:
+        ffn = _rnd(tl.load(h_ptr + t * stride_h + cols, mask=m, other=0.0).to(tl.float32) + ffn, dt)
+    tl.store(out_ptr + t * D + cols, ffn.to(dt), mask=m)
 
 
 def _inner_contiguous(w: Tensor) -> Tensor:
@@ -388,7 +401,7 @@ def _inner_contiguous(w: Tensor) -> Tensor:
 
 @moe.register_kernel("cuda")
 def moe_cuda(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k,
-             norm_topk, eps):
+             norm_topk, eps, first_expert=0, add_residual=True):
     """Triton norm; one GEMM for the projections of the normed input (shared gate | shared up | router:
     free when the model stores them back to back in that order); routing as transformers; pairs sorted
     by expert on the device (align_pairs); grouped GEMM gate|up with SiLU-mul in its epilogue; grouped
@@ -396,9 +409,10 @@ def moe_cuda(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_do
     product, pair sum, gated shared expert, residual). No host sync; every size follows from T, top_k
     and E. (The one-row shared-expert gate stays out of the GEMM: it would make the output rows
     2 * IS + E + 1 wide, unaligned for cuBLAS.)"""
-    _check(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k)
+    _check(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k,
+           first_expert)
     T, D = h.shape
-    E, IE, IS = router_w.shape[0], w2.shape[-1], shared_down_w.shape[-1]
+    E, EL, IE, IS = router_w.shape[0], w13.shape[0], w2.shape[-1], shared_down_w.shape[-1]
     if T == 0:
         return torch.empty_like(h, memory_format=torch.contiguous_format)
     h = h if h.stride(-1) == 1 else h.contiguous()
@@ -408,8 +422,13 @@ def moe_cuda(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_do
     top_w, top_e = select_experts(dense[:, 2 * IS:2 * IS + E], top_k, norm_topk)
 
     P = T * top_k
-    BM = block_m(P, E)
-    sorted_ids, block_expert = align_pairs(top_e, E, BM)
+    if EL < E:  # tensor parallelism: other ranks' experts go to a group of their own, whose blocks are skipped
+        top_e = top_e - first_expert
+        top_e = torch.where((top_e >= 0) & (top_e < EL), top_e, EL)
+    BM = block_m(P, EL)
+    sorted_ids, block_expert = align_pairs(top_e, EL + (EL < E), BM)
+    if EL < E:
+        block_expert = torch.where(block_expert == EL, -1, block_expert)
     nblk = block_expert.shape[0]
     w13, w2 = _inner_contiguous(w13), _inner_contiguous(w2)
     ieee = h.dtype == torch.float32 or INTERPRET
@@ -417,14 +436,15 @@ def moe_cuda(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_do
     _moe_gate_up_kernel[lambda meta: (nblk * triton.cdiv(IE, meta["BN"]),)](
         n, w13, act, sorted_ids, block_expert, P, nblk, IE, D, n.stride(0), w13.stride(0), w13.stride(1),
         TOP_K=top_k, BM=BM, IEEE=ieee)
-    y = h.new_empty(P, D)
+    y = h.new_empty(P, D) if EL == E else h.new_zeros(P, D)  # pairs of other ranks' experts: 0
     _moe_down_kernel[lambda meta: (nblk * triton.cdiv(D, meta["BN"]),)](
         act, w2, y, sorted_ids, block_expert, top_w.reshape(-1), P, nblk, D, IE, w2.stride(0), w2.stride(1),
         BM=BM, IEEE=ieee)
     out = torch.empty((T, D), dtype=h.dtype, device=h.device)
     block = triton.next_power_of_2(D)
     _moe_combine_kernel[(T,)](h, n, _inner_contiguous(shared_expert_gate_w), y, shared, out, D, h.stride(0),
-                              TOP_K=top_k, BLOCK=block, num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16)
+                              TOP_K=top_k, BLOCK=block, ADD_RESIDUAL=add_residual,
+                              num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16)
     return out
 
 

@@ -421,7 +421,7 @@ for fn, types, extra, cfg in ((moe._moe_gate_up_kernel.fn.fn, gu, dict(TOP_K=8),
     for even_k in (True, False):
         smem.append(compile_(fn, types, dict(BM=64, EVEN_K=even_k, IEEE=False, **extra, **cfg.kwargs), 4, 4))
 smem.append(compile_(moe._moe_combine_kernel, dict(h_ptr=P, n_ptr=P, seg_w_ptr=P, y_ptr=P, shared_ptr=P, out_ptr=P,
-                     D="i32", stride_h="i32"), dict(TOP_K=8, BLOCK=2048), 8, 1))
+                     D="i32", stride_h="i32"), dict(TOP_K=8, BLOCK=2048, ADD_RESIDUAL=True), 8, 1))
 smem.append(compile_(moe._moe_align_groups_kernel, dict(experts_ptr=I, first_ptr=I, start_ptr=I, P="i32", E="i32",
                      steps="i32"), dict(BM=64, BLOCK_E=512), 4, 1))
 smem.append(compile_(moe._moe_align_rows_kernel, dict(order_ptr="*i64", first_ptr=I, start_ptr=I, ids_ptr=I,

@@ -156,3 +156,24 @@ def test_without_the_residual(name):
     torch.library.opcheck(REGISTRY[name].op, partial_args)
     assert_close(name, full - residual, REGISTRY[name].op(*partial_args), 1e-6)
     assert_close(f"{name} (CUDA path)", full - residual, REGISTRY[name].cuda(*partial_args), 1e-5)
+
+
+@pytest.mark.parametrize("impl", ["reference", "cuda"])
+def test_moe_expert_shards_sum_to_the_whole(impl):
+    """Experts split over two tensor-parallel ranks (the router sees all of them, each rank runs its
+    own, rank 0 adds the residual; the shared expert split by its intermediate size): the two partial
+    outputs sum to the op's output."""
+    case = next(c for c in CASES if c.E % 2 == 0 and c.IS % 2 == 0 and c.T > 0)
+    args = list(op_args("moe", case, torch.float32, seed=4))
+    h, norm_w, router, w13, w2, sg, su, sd, seg, top_k, norm_topk, eps = args
+    fn = REGISTRY["moe"].op if impl == "reference" else REGISTRY["moe"].cuda
+    half, ihalf = case.E // 2, case.IS // 2
+    parts = []
+    for r in range(2):
+        e, i = slice(r * half, (r + 1) * half), slice(r * ihalf, (r + 1) * ihalf)
+        shard = [h, norm_w, router, w13[e], w2[e], sg[i], su[i], sd[:, i], seg, top_k, norm_topk, eps,
+                 r * half, r == 0]
+        if impl == "reference":
+            torch.library.opcheck(REGISTRY["moe"].op, shard)
+        parts.append(fn(*shard))
+    assert_close("moe over 2 expert shards", REGISTRY["moe"].op(*args), parts[0] + parts[1], 1e-5)

@@ -145,6 +145,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights and activations (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--device", type=device, default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--seed", type=seed, default=0, help="seed of random preset weights and of inputs")
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor-parallel ranks: launch with torchrun --nproc-per-node N ... --tp N "
+                        "(NCCL on GPUs, one per rank; gloo on the CPU); ranks other than 0 print nothing")
 
 
 def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
@@ -153,16 +156,46 @@ def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
     return dev, DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
 
 
+def tensor_parallel(args, parser: argparse.ArgumentParser):
+    """None for --tp 1; else this process's TensorParallel, from the environment torchrun sets (RANK,
+    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR / PORT): NCCL with one GPU per rank (args.device becomes
+    cuda:LOCAL_RANK), gloo on the CPU. Ranks other than 0 have their standard output silenced."""
+    if args.tp == 1:
+        return None
+    import sys
+
+    import torch.distributed as dist
+
+    from metrale_graph.parallel import TensorParallel
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != args.tp:
+        parser.error(f"--tp {args.tp} needs {args.tp} processes (torchrun --nproc-per-node {args.tp} ...); "
+                     f"this run has {world}")
+    dev, _ = device_and_dtype(args)
+    if dev.type == "cuda":
+        args.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(args.device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    tp = TensorParallel.current()
+    if tp.rank != 0:
+        sys.stdout = open(os.devnull, "w")
+    return tp
+
+
 def load_model(args, parser: argparse.ArgumentParser):
-    """The model of the add_model_args flags; a checkpoint that does not load ends the tool through
-    parser.error (exit code 2) with the reason."""
+    """The model of the add_model_args flags (this rank's shard with --tp); a checkpoint that does not
+    load ends the tool through parser.error (exit code 2) with the reason."""
     from metrale_graph import PRESETS, HybridModel
 
+    tp = tensor_parallel(args, parser)
     dev, dtype = device_and_dtype(args)
-    if args.model in PRESETS:
-        return HybridModel.from_preset(args.model, dtype=dtype, device=dev, seed=args.seed)
     try:
-        return HybridModel.from_pretrained(args.model, dtype=dtype, device=dev)
+        if args.model in PRESETS:
+            return HybridModel.from_preset(args.model, dtype=dtype, device=dev, seed=args.seed, tp=tp)
+        return HybridModel.from_pretrained(args.model, dtype=dtype, device=dev, tp=tp,
+                                           progress=tp is None or tp.rank == 0)
     except ValueError as e:
         parser.error(f"--model {args.model}: {e}")
 

@@ -74,7 +74,8 @@ def main(argv=None) -> None:
     print_table(["call", "slot", "context", "new tokens", "top token", "logit"], rows)
     print(f"\nfirst batch: {len(lengths)} streams, {total} tokens, median {ms:.2f} ms over {args.repeat} runs "
           f"-> {total / ms * 1e3:,.0f} tokens/s  ({model.dtype}, {model.device})")
-    print_json({"tool": "prefill", "model": args.model, "device": str(model.device), "dtype": str(model.dtype),
+    print_json({"tool": "prefill", "tp": args.tp, "model": args.model, "device": str(model.device),
+                "dtype": str(model.dtype),
                 "streams": len(lengths), "tokens": total, "median_ms": round(ms, 3),
                 "tokens_per_s": round(total / ms * 1e3, 1),
                 "top_tokens": top.indices.tolist(), "continued": cont})

@@ -259,11 +259,11 @@ def mlp(h, norm_w, gate_w, up_w, down_w, eps, add_residual=True):
 
 
 def moe(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k,
-        norm_topk, eps):
+        norm_topk, eps, first_expert=0, add_residual=True):
     """ops.moe, densely: every expert runs on every token and the routing weights (zero for the experts
     a token did not choose) combine them. Exact, and quadratic in nothing; meant for CPU checks, not
     for speed (T * E expert rows)."""
-    (T, D), (E, IE2, _), dt = h.shape, w13.shape, h.dtype
+    (T, D), E, (EL, IE2, _), dt = h.shape, router_w.shape[0], w13.shape, h.dtype
     n = _rms_norm(h, norm_w, eps, dt)
     probs = op.Softmax(_cast(_linear(n, router_w), FLOAT, dt), axis=-1)
     top_w, top_e = op.TopK(probs, _const([top_k]), axis=-1)
@@ -272,6 +272,8 @@ def moe(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w,
     top_w = _cast(_cast(top_w, dt, FLOAT), FLOAT, dt)  # the weights in the model dtype, as transformers
     weights = op.ScatterElements(op.ConstantOfShape(_const([T, E]), value=ir.tensor(np.zeros(1, np.float32))),
                                  top_e, top_w, axis=1)  # [T, E]
+    if EL < E:  # this tensor-parallel rank's experts
+        weights = op.Slice(weights, _const([first_expert]), _const([first_expert + EL]), _const([1]))
     gate_up = op.Einsum(n, w13, equation="td,efd->tef")  # [T, E, 2 IE]
     gate = op.Slice(gate_up, _const([0]), _const([IE2 // 2]), _const([-1]))
     up = op.Slice(gate_up, _const([IE2 // 2]), _const([IE2]), _const([-1]))
@@ -279,7 +281,7 @@ def moe(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w,
     routed = _cast(op.Einsum(weights, _cast(y, FLOAT, dt), equation="te,ted->td"), dt, FLOAT)
     shared = _linear(op.Mul(_silu(_linear(n, shared_gate_w)), _linear(n, shared_up_w)), shared_down_w)
     shared = op.Mul(op.Sigmoid(_linear(n, shared_expert_gate_w)), shared)
-    return op.Add(h, op.Add(routed, shared))
+    return op.Add(h, op.Add(routed, shared)) if add_residual else op.Add(routed, shared)
 
 
 def _rope(x, cos, sin, R: int, HD: int):

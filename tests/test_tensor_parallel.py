@@ -1,0 +1,115 @@
+"""Tensor parallelism on the CPU over gloo, 2 processes, fp32: the sharded prefill equals tp = 1 within
+1e-5 on varlen batches with continuation, for the dense family (KV heads split and KV heads
+replicated, a vocabulary that does not divide), an MoE model (experts split), a Qwen3-Next
+checkpoint each rank loads only its shard of, and the compiled step; and the main job under
+torchrun prints what the single process prints."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from helpers import moe_config, rel_err, tiny_config
+from metrale_graph import HybridModel, Stream
+
+WORLD = 2
+SCENARIOS = {
+    "dense-kv-split": dict(config=tiny_config(vocab_size=257)),  # 257: the last vocabulary shard is short
+    "dense-kv-replicated": dict(config=tiny_config(num_key_value_heads=1, linear_num_value_heads=6)),
+    "moe-experts-split": dict(config=moe_config("qwen3_5_moe_text", num_experts=6, num_experts_per_tok=3)),
+}
+
+
+def _batches(vocab):
+    g = torch.Generator().manual_seed(0)
+
+    def toks(n):
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+    return [[Stream(3, toks(37)), Stream(0, toks(1)), Stream(5, toks(70))],
+            [Stream(0, toks(20)), Stream(1, toks(5)), Stream(3, toks(1))]]
+
+
+def _run(model, compiled=False):
+    cache = model.new_cache(6, 48, block_size=16)
+    if compiled:
+        from metrale_graph.capture import GraphRunner
+
+        runner = GraphRunner(model, cache, batch_sizes=[4], token_counts=[128])
+        return [runner.prefill(b) for b in _batches(model.config.vocab_size)]
+    return [model.prefill(cache, b) for b in _batches(model.config.vocab_size)]
+
+
+def _worker(rank, folder, checkpoint):
+    import torch.distributed as dist
+
+    from metrale_graph.parallel import TensorParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=WORLD)
+    try:
+        tp = TensorParallel.current()
+        out = {}
+        for name, s in SCENARIOS.items():
+            out[name] = _run(HybridModel.from_preset(s["config"], seed=1, tp=tp))
+        out["compiled"] = _run(HybridModel.from_preset(SCENARIOS["dense-kv-split"]["config"], seed=1, tp=tp),
+                               compiled=True)
+        out["qwen3-next-checkpoint"] = _run(HybridModel.from_pretrained(checkpoint, tp=tp, progress=False))
+        if rank == 0:
+            torch.save(out, os.path.join(folder, "rank0.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tp")
+    checkpoint = str(folder / "qwen3-next")
+    HybridModel.from_preset(moe_config("qwen3_next", num_experts=4, num_experts_per_tok=2), seed=2).save_pretrained(
+        checkpoint)
+    mp.start_processes(_worker, args=(str(folder), checkpoint), nprocs=WORLD, start_method="spawn")
+    return torch.load(folder / "rank0.pt"), checkpoint
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS) + ["compiled", "qwen3-next-checkpoint"])
+def test_tensor_parallel_equals_one_process(sharded, name):
+    out, checkpoint = sharded
+    if name == "qwen3-next-checkpoint":
+        model = HybridModel.from_pretrained(checkpoint, progress=False)
+    else:
+        model = HybridModel.from_preset(SCENARIOS[name if name in SCENARIOS else "dense-kv-split"]["config"], seed=1)
+    for k, (got, want) in enumerate(zip(out[name], _run(model))):
+        assert got.shape == want.shape
+        assert rel_err(got, want) <= 1e-5, f"{name}, batch {k}: {rel_err(got, want):.2e}"
+
+
+def test_unshardable_configs_name_the_field():
+    from metrale_graph.parallel import TensorParallel, check_shardable
+
+    with pytest.raises(ValueError, match=r"linear_num_key_heads \(2\) is not a multiple of the tensor-parallel size 4"):
+        check_shardable(tiny_config(num_attention_heads=4, num_key_value_heads=4), 4)
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(3\) and the tensor-parallel size 2"):
+        check_shardable(tiny_config(num_attention_heads=6, num_key_value_heads=3), 2)
+    with pytest.raises(ValueError, match="torch.distributed initialized"):
+        TensorParallel.current()
+
+
+def test_torchrun_prints_what_one_process_prints():
+    """`torchrun --nproc-per-node 2 -m metrale_graph.tools.prefill --tp 2` on the CPU (gloo): the same
+    top tokens and JSON fields as the single process."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    args = ["-m", "metrale_graph.tools.prefill", "--model", "tiny", "--device", "cpu", "--lengths", "5,70,1",
+            "--repeat", "1", "--continue-tokens", "3"]
+
+    def last_json(cmd):
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    one = last_json([sys.executable, *args])
+    two = last_json([torchrun, "--nproc-per-node", "2", "--master-port", "29533", *args, "--tp", "2"])
+    assert two["top_tokens"] == one["top_tokens"] and two["continued"] == one["continued"]
+    assert two["tp"] == 2 and {k for k in one if k != "tp"} <= set(two)
