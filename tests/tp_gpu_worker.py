@@ -1,0 +1,54 @@
+"""One rank of the two-GPU tensor-parallel check (tests/test_gpu_tp.py launches it with torchrun):
+bf16 on the 9B head shapes, a few layers. Rank 0 writes what it measured to $TP_REPORT as JSON."""
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from metrale_graph import PRESETS, HybridModel, Stream
+from metrale_graph.capture import GraphRunner
+from metrale_graph.parallel import TensorParallel
+
+CFG = PRESETS["qwen3.5-9b"].replace(num_hidden_layers=4, vocab_size=32000)
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def main():
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl")
+    tp = TensorParallel.current()
+    sharded = HybridModel.from_preset(CFG, dtype=torch.bfloat16, device="cuda", seed=3, tp=tp)
+    whole = HybridModel.from_preset(CFG, dtype=torch.bfloat16, device="cuda", seed=3)
+    g = torch.Generator().manual_seed(0)
+    batches = [[Stream(s, torch.randint(0, CFG.vocab_size, (n,), generator=g)) for s, n in ((0, 300), (2, 1), (5, 77))],
+               [Stream(s, torch.randint(0, CFG.vocab_size, (n,), generator=g)) for s, n in ((0, 1), (2, 1), (5, 1))],
+               [Stream(s, torch.randint(0, CFG.vocab_size, (n,), generator=g)) for s, n in ((5, 200), (1, 64))]]
+    caches = {k: m.new_cache(8, 64) for k, m in (("tp1", whole), ("eager", sharded), ("graphs", sharded))}
+    runner = GraphRunner(sharded, caches["graphs"], batch_sizes=[2, 4], token_counts=[4, 512])
+    runner.warmup(progress=False)
+    report = []
+    for k, batch in enumerate(batches):
+        ref = whole.prefill(caches["tp1"], batch)
+        eager = sharded.prefill(caches["eager"], batch)
+        slots = torch.zeros(9, dtype=torch.bool, device="cuda")
+        slots[[s.slot for s in batch]] = True
+        before = [t.clone() for t in caches["graphs"].conv_states + caches["graphs"].gdn_states]
+        replayed = runner.prefill(batch)
+        untouched = all(torch.equal(t[~slots], old[~slots])
+                        for t, old in zip(caches["graphs"].conv_states + caches["graphs"].gdn_states, before))
+        report.append({"batch": k, "tp2_eager_vs_tp1": rel(eager, ref), "tp2_replay_vs_tp2_eager": rel(replayed, eager),
+                       "slots_outside_untouched": untouched})
+    if tp.rank == 0:
+        with open(os.environ["TP_REPORT"], "w") as f:
+            json.dump(report, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
