@@ -58,11 +58,14 @@ class TensorParallel:
         return funcol.wait_tensor(funcol.all_reduce(x, "sum", self._group()))
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """The ranks' tensors concatenated along `dim`, in rank order."""
+        """The ranks' tensors concatenated along `dim`, in rank order. Gathered along dim 0 and moved
+        into place here (funcol's own gather along other dims calls a helper dynamo will not trace)."""
         import torch.distributed._functional_collectives as funcol
 
         gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # named so from torch 2.13
-        return funcol.wait_tensor(gather(x, dim, self._group()))
+        out = funcol.wait_tensor(gather(x.contiguous(), 0, self._group()))  # [size * x.shape[0], ...]
+        parts = out.view(self.size, *x.shape)
+        return torch.cat(parts.unbind(0), dim) if dim else out
 
     def _group(self):
         import torch.distributed as dist
