@@ -11,7 +11,9 @@ from metrale_graph import PRESETS, HybridModel, Stream
 from metrale_graph.capture import GraphRunner
 from metrale_graph.parallel import TensorParallel
 
-CFG = PRESETS["qwen3.5-9b"].replace(num_hidden_layers=4, vocab_size=32000)
+# 9B head shapes, a small hidden size and 2 layers (1 GDN + 1 attention): quick to compile and capture
+CFG = PRESETS["qwen3.5-9b"].replace(num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
+                                    vocab_size=32000, hidden_size=1024, intermediate_size=2048)
 
 
 def rel(a, b):
