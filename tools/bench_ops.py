@@ -19,6 +19,24 @@ from metrale_graph.ops import REGISTRY, Shapes, example_args
 from metrale_graph.tools.common import (floor_ms, output_file, positive_int, positive_ints, print_json,
                                         print_table)
 
+GDN_OPS = ("gdn_proj", "causal_conv1d", "l2norm", "gdn_recurrence", "gdn_out")
+ATTENTION_OPS = ("attn_proj", "paged_attention", "attn_out")
+
+
+def ops_of(cfg) -> list[str]:
+    """The registered ops a model of `cfg` runs (no mlp without dense layers, no moe without MoE ones)."""
+    skip = set()
+    if not cfg.linear_layers:
+        skip |= set(GDN_OPS)
+    if not cfg.full_layers:
+        skip |= set(ATTENTION_OPS)
+    if not cfg.moe_layers:
+        skip.add("moe")
+    if len(cfg.moe_layers) == cfg.num_hidden_layers:
+        skip.add("mlp")
+    return [name for name in REGISTRY if name not in skip]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m tools.bench_ops", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -36,7 +54,7 @@ def main(argv=None) -> None:
 
     cfg = PRESETS[args.preset]
     rows, records = [], []
-    jobs = [(T, name) for T in args.tokens for name in REGISTRY]
+    jobs = [(T, name) for T in args.tokens for name in ops_of(cfg)]
     for T, name in tqdm(jobs, desc="ops", unit="op"):
         lengths = [T // args.streams] * args.streams
         lengths[-1] += T - sum(lengths)

@@ -138,9 +138,11 @@ def model_name(text: str) -> str:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
+    from metrale_graph import PRESETS
+
     p.add_argument("--model", type=model_name, default="tiny",
-                   help="preset name (tiny, qwen3.5-9b: random weights) or a Hugging Face checkpoint folder "
-                        "(default: tiny, embedded)")
+                   help=f"preset name ({', '.join(PRESETS)}: random weights) or a Hugging Face checkpoint "
+                        "folder (default: tiny, embedded)")
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="weights and activations (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--device", type=device, default=None, help="cpu, cuda or cuda:N (default: cuda when available)")

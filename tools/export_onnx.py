@@ -2,7 +2,7 @@
 metrale op as standard ONNX operators (runs in plain onnxruntime). Prints the node counts per op
 type and the file size; ends with one JSON line.
 
-    python -m tools.export_onnx [--model tiny|qwen3.5-9b|FOLDER] [-B 4] [-T 256] [--verify] ...
+    python -m tools.export_onnx [--model PRESET|FOLDER] [-B 4] [-T 256] [--verify] ...
 
 The graph has fixed shapes: one file per bucket and cache geometry (--slots, --blocks,
 --block-size, --max-context). Attention reads every position of a stream's block table, so its

@@ -2,7 +2,7 @@
 model (default: the embedded `tiny` preset, no download). Prints each stream's top next token
 and the prefill throughput; ends with one JSON line.
 
-    python -m tools.prefill [--model tiny|qwen3.5-9b|FOLDER] [--lengths 37,64,130,5] ...
+    python -m tools.prefill [--model PRESET|FOLDER] [--lengths 37,64,130,5] ...
 """
 
 from __future__ import annotations

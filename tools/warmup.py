@@ -2,7 +2,7 @@
 of the grid, print what each bucket cost, and persist the compile artifacts in a cache folder so
 that the next warmup, in a new process, is faster. Runs on the CPU too (compiled step, no graphs).
 
-    python -m tools.warmup [--model tiny|qwen3.5-9b|FOLDER] [--batch-sizes 1,2,4] [--token-counts 256,512]
+    python -m tools.warmup [--model PRESET|FOLDER] [--batch-sizes 1,2,4] [--token-counts 256,512]
                            [--cache-dir .metrale_cache]
 
 The cache folder holds Inductor's and Triton's caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR
