@@ -178,3 +178,29 @@ def hf_logits(model, tokens: list[int]) -> torch.Tensor:
     """Logits [L, vocab] of one stream run alone through transformers."""
     with torch.no_grad():
         return model(input_ids=torch.tensor([tokens])).logits[0].float()
+
+
+PARITY_LENGTHS = [1, 63, 64, 65, 130]
+
+
+def random_streams(vocab: int, lengths, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def check_parity(model, hf, cfg, lengths=PARITY_LENGTHS, tol: float = 1e-4) -> float:
+    """Prefill the streams as one batch (slots not 0..B-1, to catch slot mix-ups); each stream's last
+    logits against transformers run on it alone. Returns the largest relative error."""
+    from metrale_graph import Stream
+
+    cache = model.new_cache(num_slots=len(lengths) + 2, num_blocks=64, block_size=16)
+    streams = random_streams(cfg.vocab_size, lengths)
+    slots = [len(lengths) + 1 - i for i in range(len(lengths))]
+    out = model.prefill(cache, [Stream(s, t) for s, t in zip(slots, streams)])
+    assert out.shape == (len(lengths), cfg.vocab_size)
+    worst = 0.0
+    for i, tokens in enumerate(streams):
+        err = rel_err(out[i], hf_logits(hf, tokens)[-1])
+        assert err <= tol, f"stream {i} (length {lengths[i]}): relative error {err:.2e} > {tol:.0e}"
+        worst = max(worst, err)
+    return worst

@@ -10,13 +10,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch._dynamo.utils import counters
 
-from helpers import hf_class, hf_logits, hf_reference, moe_config, random_tokens, rel_err
+from helpers import check_parity, hf_class, hf_reference, moe_config, random_tokens, rel_err
 from metrale_graph import PRESETS, HybridModel, ModelConfig, Stream, load_config
 from metrale_graph.batch import pack, validate
 from metrale_graph.config import FULL, LINEAR
 from metrale_graph.weights import checkpoint_shapes, fuse_ba, fuse_qkvz, split_ba, split_qkvz, weight_shapes
 
-LENGTHS = [1, 63, 64, 65, 130]
 
 CONFIGS = [
     # 5 experts top-3, grouped value heads (r = 2), dk 16 != dv 24
@@ -32,27 +31,6 @@ CONFIGS = [
                             linear_key_head_dim=8, linear_value_head_dim=12),
                  id="qwen3_next-no-norm_topk-mlp_only0-H3-r2-dk8-dv12"),
 ]
-
-
-def _random_streams(vocab, lengths, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def _check_parity(model, hf, cfg, lengths=LENGTHS, tol=1e-4) -> float:
-    """Prefill the streams as one batch (slots not 0..B-1); each stream's last logits against
-    transformers run on it alone. Returns the largest relative error."""
-    cache = model.new_cache(num_slots=len(lengths) + 2, num_blocks=64, block_size=16)
-    streams = _random_streams(cfg.vocab_size, lengths)
-    slots = [len(lengths) + 1 - i for i in range(len(lengths))]
-    out = model.prefill(cache, [Stream(s, t) for s, t in zip(slots, streams)])
-    assert out.shape == (len(lengths), cfg.vocab_size)
-    worst = 0.0
-    for i, tokens in enumerate(streams):
-        err = rel_err(out[i], hf_logits(hf, tokens)[-1])
-        assert err <= tol, f"stream {i} (length {lengths[i]}): relative error {err:.2e} > {tol:.0e}"
-        worst = max(worst, err)
-    return worst
 
 
 def _checkpoint_keys(folder) -> set[str]:
@@ -80,20 +58,7 @@ def test_logits_match_transformers(tmp_path, cfg):
     dense = [i for i in range(cfg.num_hidden_layers) if i not in cfg.moe_layers]
     assert all(hasattr(model.layers[i].mlp, "experts") for i in cfg.moe_layers)
     assert all(hasattr(model.layers[i].mlp, "gate_proj") for i in dense)
-    _check_parity(model, hf, cfg)
-
-
-@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[2]])
-def test_continuation_matches_transformers(tmp_path, cfg):
-    """A stream prefilled in two calls gives the logits transformers gives for the whole stream."""
-    hf = hf_reference(cfg)
-    hf.save_pretrained(tmp_path)
-    model = HybridModel.from_pretrained(str(tmp_path), progress=False)
-    cache = model.new_cache(4, 32, block_size=16)
-    (tokens,) = _random_streams(cfg.vocab_size, [90])
-    model.prefill(cache, [Stream(2, tokens[:37])])
-    out = model.prefill(cache, [Stream(2, tokens[37:])])
-    assert rel_err(out[0], hf_logits(hf, tokens)[-1]) <= 1e-4
+    check_parity(model, hf, cfg)
 
 
 def test_multimodal_sharded_checkpoint(tmp_path):
@@ -109,7 +74,7 @@ def test_multimodal_sharded_checkpoint(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3_5_moe"
     model = HybridModel.from_pretrained(str(tmp_path), progress=False)
     assert model.config == cfg
-    _check_parity(model, hf, cfg, lengths=[1, 65, 130])
+    check_parity(model, hf, cfg, lengths=[1, 65, 130])
 
 
 # ---- batching, chunking, bad input ----------------------------------------------------------------
@@ -145,7 +110,7 @@ def test_chunks_equal_one_shot(next_model):
 
 
 @pytest.mark.parametrize("make_batch, message", [
-    (lambda v: [Stream(0, [1, 2]), Stream(1, [3, v])], f"token id {{v}} is out of range"),
+    (lambda v: [Stream(0, [1, 2]), Stream(1, [3, v])], "token id {v} is out of range"),
     (lambda v: [Stream(2, [1] * 100), Stream(3, [1] * 100)], "more KV blocks"),
 ], ids=["token-out-of-range", "out-of-blocks"])
 def test_bad_input_leaves_the_cache_unchanged(next_model, make_batch, message):
@@ -178,7 +143,7 @@ def test_our_checkpoint_round_trips_through_transformers(tmp_path, cfg):
     hf_reference(cfg).save_pretrained(tmp_path / "hf")  # what transformers writes for the family
     assert {k.removeprefix("model.") for k in _checkpoint_keys(tmp_path / "hf")} == keys
     hf = hf_class(cfg).from_pretrained(str(tmp_path), dtype=torch.float32, experts_implementation="eager").eval()
-    _check_parity(model, hf, cfg, lengths=[3, 70])
+    check_parity(model, hf, cfg, lengths=[3, 70])
     back = HybridModel.from_pretrained(str(tmp_path), progress=False)
     mine = dict(model.named_parameters())
     assert all(torch.equal(p, mine[n]) for n, p in back.named_parameters())

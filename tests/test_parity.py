@@ -6,10 +6,8 @@ import os
 import pytest
 import torch
 
-from helpers import hf_logits, hf_reference, rel_err, tiny_config
+from helpers import check_parity, hf_logits, hf_reference, moe_config, random_streams, rel_err, tiny_config
 from metrale_graph import HybridModel, Stream
-
-LENGTHS = [1, 63, 64, 65, 130]
 
 CONFIGS = [
     pytest.param(dict(), id="grouped-r2-dk16-dv24"),
@@ -22,22 +20,6 @@ CONFIGS = [
 ]
 
 
-def _random_streams(vocab, lengths, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def _check_parity(model, hf, cfg, lengths=LENGTHS, tol=1e-4):
-    cache = model.new_cache(num_slots=len(lengths) + 2, num_blocks=64, block_size=16)
-    streams = _random_streams(cfg.vocab_size, lengths)
-    slots = [len(lengths) + 1 - i for i in range(len(lengths))]  # not 0..B-1, to catch slot mix-ups
-    out = model.prefill(cache, [Stream(s, t) for s, t in zip(slots, streams)])
-    assert out.shape == (len(lengths), cfg.vocab_size)
-    for i, tokens in enumerate(streams):
-        err = rel_err(out[i], hf_logits(hf, tokens)[-1])
-        assert err <= tol, f"stream {i} (length {lengths[i]}): relative error {err:.2e} > {tol:.0e}"
-
-
 @pytest.mark.parametrize("overrides", CONFIGS)
 def test_logits_match_transformers(tmp_path, overrides):
     cfg = tiny_config(**overrides)
@@ -45,17 +27,21 @@ def test_logits_match_transformers(tmp_path, overrides):
     hf.save_pretrained(tmp_path)
     model = HybridModel.from_pretrained(str(tmp_path), progress=False)
     assert model.config == cfg
-    _check_parity(model, hf, cfg)
+    check_parity(model, hf, cfg)
 
 
-def test_continuation_matches_transformers(tmp_path):
+@pytest.mark.parametrize("cfg", [
+    pytest.param(tiny_config(), id="qwen3_5"),
+    pytest.param(moe_config("qwen3_5_moe_text"), id="qwen3_5_moe"),
+    pytest.param(moe_config("qwen3_next", num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=(3,)),
+                 id="qwen3_next-dense-layers-mixed-in")])
+def test_continuation_matches_transformers(tmp_path, cfg):
     """A stream prefilled in two calls gives the logits transformers gives for the whole stream."""
-    cfg = tiny_config()
     hf = hf_reference(cfg)
     hf.save_pretrained(tmp_path)
     model = HybridModel.from_pretrained(str(tmp_path), progress=False)
     cache = model.new_cache(4, 32, block_size=16)
-    (tokens,) = _random_streams(cfg.vocab_size, [90])
+    (tokens,) = random_streams(cfg.vocab_size, [90])
     model.prefill(cache, [Stream(2, tokens[:37])])
     out = model.prefill(cache, [Stream(2, tokens[37:])])
     assert rel_err(out[0], hf_logits(hf, tokens)[-1]) <= 1e-4
@@ -74,7 +60,7 @@ def test_multimodal_sharded_checkpoint(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3_5"
     model = HybridModel.from_pretrained(str(tmp_path), progress=False)
     assert model.config == cfg
-    _check_parity(model, hf, cfg, lengths=[1, 65, 130])
+    check_parity(model, hf, cfg, lengths=[1, 65, 130])
 
 
 def test_our_checkpoint_round_trips_through_transformers(tmp_path):
@@ -84,4 +70,4 @@ def test_our_checkpoint_round_trips_through_transformers(tmp_path):
     model = HybridModel.from_preset("tiny")
     model.save_pretrained(str(tmp_path))
     hf = transformers.Qwen3_5ForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
-    _check_parity(model, hf, model.config, lengths=[3, 70])
+    check_parity(model, hf, model.config, lengths=[3, 70])
