@@ -169,7 +169,7 @@ def shard_ranges(name: str, cfg: ModelConfig, tp: TensorParallel) -> Ranges | No
     return None  # norms, the router, the shared expert's gate
 
 
-def take(t, ranges: Ranges | None, full_shape=None) -> torch.Tensor:
+def take(t, ranges: Ranges | None) -> torch.Tensor:
     """The shard of `t` (a tensor, or a safetensors slice: only the ranges are read)."""
     if ranges is None:
         return t if isinstance(t, torch.Tensor) else t[:]

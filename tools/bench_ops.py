@@ -11,6 +11,7 @@ ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 
@@ -60,17 +61,17 @@ def main(argv=None) -> None:
         lengths[-1] += T - sum(lengths)
         shapes = Shapes.from_config(cfg, lengths)  # fresh streams, one slot each
         inputs = example_args(name, shapes, torch.bfloat16, device="cuda")
-        fn = REGISTRY[name].op
-        eager = triton.testing.do_bench(lambda: fn(*inputs), warmup=50, rep=200, return_mode="median")
+        call = functools.partial(REGISTRY[name].op, *inputs)
+        eager = triton.testing.do_bench(call, warmup=50, rep=200, return_mode="median")
         with torch.cuda.stream(torch.cuda.Stream()):
-            ms = triton.testing.do_bench_cudagraph(lambda: fn(*inputs), rep=200, return_mode="median")
+            ms = triton.testing.do_bench_cudagraph(call, rep=200, return_mode="median")
         flops, nbytes = REGISTRY[name].cost(shapes)
         floor, bound = floor_ms(flops, nbytes)
         rows.append([name, T, f"{eager:.3f}", f"{ms:.3f}", f"{floor:.3f}", f"{ms / floor:.2f}x", bound,
                      f"{flops / ms / 1e9:.0f}", f"{nbytes / ms / 1e6:.0f}"])
         records.append({"op": name, "tokens": T, "eager_ms": round(eager, 4), "graph_ms": round(ms, 4),
                         "floor_ms": round(floor, 4)})
-        del inputs
+        del inputs, call
     headers = ["op", "tokens", "eager ms", "graph ms", "floor ms", "graph / floor", "bound", "TFLOP/s", "GB/s"]
     print(f"\n{args.preset}, bf16, {args.streams} streams, {torch.cuda.get_device_name()}")
     print_table(headers, rows)

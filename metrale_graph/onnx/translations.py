@@ -263,7 +263,7 @@ def moe(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w,
     """ops.moe, densely: every expert runs on every token and the routing weights (zero for the experts
     a token did not choose) combine them. Exact, and quadratic in nothing; meant for CPU checks, not
     for speed (T * E expert rows)."""
-    (T, D), E, (EL, IE2, _), dt = h.shape, router_w.shape[0], w13.shape, h.dtype
+    T, E, (EL, IE2, _), dt = h.shape[0], router_w.shape[0], w13.shape, h.dtype
     n = _rms_norm(h, norm_w, eps, dt)
     probs = op.Softmax(_cast(_linear(n, router_w), FLOAT, dt), axis=-1)
     top_w, top_e = op.TopK(probs, _const([top_k]), axis=-1)
