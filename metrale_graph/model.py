@@ -91,8 +91,8 @@ class HybridModel(nn.Module):
 
     # construction
     @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device="cpu", tp: TensorParallel | None = None,
-                        progress: bool = True, check_finite: bool = True) -> "HybridModel":
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device="cpu", progress: bool = True,
+                        check_finite: bool = True, tp: TensorParallel | None = None) -> "HybridModel":
         """Load a Hugging Face checkpoint folder (config.json + safetensors, single or sharded): Qwen3.5
         (`qwen3_5_text`, multimodal `qwen3_5`), Qwen3.5-MoE (`qwen3_5_moe_text`, multimodal
         `qwen3_5_moe`) or Qwen3-Next (`qwen3_next`); a vision tower and MTP head are skipped.
@@ -100,7 +100,7 @@ class HybridModel(nn.Module):
         A bad config or checkpoint raises ValueError naming the file and field or tensor.
         `check_finite` rejects NaN / infinite weights; it reads every weight once more on `device`:
         for the 9B model in bfloat16 about 40 ms on an H200, about 4.5 s on 2 CPU cores (see
-        `load_checkpoint`)."""
+        `load_checkpoint`). With a tensor-parallel `tp`, only this rank's shard is read."""
         _check_dtype(dtype)
         if os.path.isfile(path):
             raise ValueError(f"{path!r} is a file, not a checkpoint folder (a folder holding config.json and "
