@@ -5,9 +5,12 @@ token; several one-token streams continuing context; ragged streams, then a cont
 bf16, eager, compiled and replayed from CUDA graphs, against the CPU fp32 reference on the same
 (bf16-rounded) weights. Slots outside each batch stay bit-identical in the replayed cache.
 
-Run in parallel (`-n 8`): each config compiles its own step."""
+Run in parallel (`-n 8`): each config compiles its own step. With METRALE_REPORT set, each batch's
+errors are appended to that file as JSON lines (pytest-xdist keeps workers' prints)."""
 
 import copy
+import json
+import os
 
 import pytest
 import torch
@@ -92,8 +95,13 @@ def test_config_eager_compiled_replayed_match_cpu_fp32(overrides, block_size):
         for t, old in zip(caches["graphs"].conv_states + caches["graphs"].gdn_states, before):
             assert torch.equal(t[~rows], old[~rows]), f"batch {k}: a slot outside the batch changed"
         err = rel_err(eager, ref)
-        print(f"{cfg.head_dim}/{cfg.rotary_dim} batch {k}: eager vs cpu fp32 {err:.2e}, compiled vs eager "
-              f"{rel_err(compiled, eager):.2e}, replayed vs eager {rel_err(replayed, eager):.2e}")
+        row = {"config": f"hd{cfg.head_dim}-r{cfg.rotary_dim}-k{cfg.linear_key_head_dim}-v{cfg.linear_value_head_dim}",
+               "batch": k, "eager_vs_cpu_fp32": err, "compiled_vs_eager": rel_err(compiled, eager),
+               "replayed_vs_eager": rel_err(replayed, eager)}
+        print(row)
+        if os.environ.get("METRALE_REPORT"):
+            with open(os.environ["METRALE_REPORT"], "a") as f:
+                f.write(json.dumps(row) + "\n")
         assert err <= 3e-2, f"batch {k}: eager bf16 vs CPU fp32 {err:.2e}"
         assert rel_err(compiled, eager) <= 1e-2 and rel_err(replayed, eager) <= 1e-2, f"batch {k}"
     assert caches["graphs"].context_lens == caches["ref"].context_lens == caches["eager"].context_lens

@@ -15,11 +15,13 @@ git log -1 --format='commit %H' 2>/dev/null | tee -a "$OUT/gpu.txt"
 status=0
 if [[ $what == tests || $what == all ]]; then
     # the config sweep compiles one step per config: in parallel processes
-    python3 -m pytest -q -rfE -p no:cacheprovider -n 8 tests/test_gpu_sweep.py 2>&1 | tee "$OUT/gpu_sweep.log" \
+    METRALE_REPORT="$OUT/gpu_sweep.jsonl" python3 -m pytest -q -rfE -p no:cacheprovider -n 8 tests/test_gpu_sweep.py \
+        2>&1 | tee "$OUT/gpu_sweep.log" \
         | grep -E "^(FAILED|ERROR)|passed|failed" | tail -20
     status=${PIPESTATUS[0]}
     python3 -m pytest -q -rfE -s -p no:cacheprovider tests/test_gpu_ops.py tests/test_gpu_model.py \
-        tests/test_gpu_capture.py tests/test_kernels.py ${GPU_TESTS_EXTRA:-} 2>&1 | tee "$OUT/gpu_tests.log" \
+        tests/test_gpu_capture.py tests/test_gpu_engine.py tests/test_gpu_moe.py tests/test_gpu_tp.py \
+        tests/test_kernels.py ${GPU_TESTS_EXTRA:-} 2>&1 | tee "$OUT/gpu_tests.log" \
         | grep -E "^(FAILED|ERROR)|passed|failed|vs fp32|after 1000|compile [0-9]" | tail -60
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
