@@ -88,6 +88,20 @@ def assert_no_aliasing(name, outputs, inputs):
             assert not _shares_memory(o, a), f"{name}: output {i} shares memory with tensor input {j}"
 
 
+def run_step(model, step, cache, streams) -> torch.Tensor:
+    """What prefill does around the step, with `step` (e.g. a compiled forward_packed) in its place:
+    validate, allocate the KV blocks, run the step on the packed batch, commit the contexts."""
+    from metrale_graph.batch import pack, validate
+
+    tokens = validate(streams, cache, model.config.vocab_size)
+    growth = {s.slot: t.numel() for s, t in zip(streams, tokens)}
+    cache.allocate(growth)
+    with torch.no_grad():
+        logits = step(cache, pack(streams, tokens, cache))
+    cache.commit(growth)
+    return logits
+
+
 def stage(model, cache, streams) -> list[torch.Tensor]:
     """Validate a batch and allocate its KV blocks, as prefill does before running the step; returns
     each stream's tokens (for tests that run the step themselves)."""

@@ -4,19 +4,8 @@ breaks, and the same logits and cache state as eager, through a continuation."""
 import torch
 from torch._dynamo.utils import counters
 
-from helpers import rel_err
+from helpers import rel_err, run_step
 from metrale_graph import HybridModel, Stream
-from metrale_graph.batch import pack, validate
-
-
-def _run(model, step, cache, streams):
-    tokens = validate(streams, cache, model.config.vocab_size)
-    growth = {s.slot: t.numel() for s, t in zip(streams, tokens)}
-    cache.allocate(growth)
-    with torch.no_grad():
-        logits = step(cache, pack(streams, tokens, cache))
-    cache.commit(growth)
-    return logits
 
 
 def test_compiled_step_equals_eager_without_graph_breaks():
@@ -35,8 +24,8 @@ def test_compiled_step_equals_eager_without_graph_breaks():
     compiled = torch.compile(model.forward_packed, fullgraph=True, dynamic=False)
     eager_cache, compiled_cache = model.new_cache(8, 32, block_size=16), model.new_cache(8, 32, block_size=16)
     for batch in (first, second):
-        ref = _run(model, model.forward_packed, eager_cache, batch)
-        out = _run(model, compiled, compiled_cache, batch)
+        ref = run_step(model, model.forward_packed, eager_cache, batch)
+        out = run_step(model, compiled, compiled_cache, batch)
         assert rel_err(out, ref) <= 1e-5
         for a, b in zip(compiled_cache.state_tensors(), eager_cache.state_tensors()):
             assert rel_err(a.float(), b.float()) <= 1e-5 if b.any() else torch.equal(a, b)

@@ -15,9 +15,8 @@ import os
 import pytest
 import torch
 
-from helpers import rel_err, tiny_config
+from helpers import rel_err, run_step, tiny_config
 from metrale_graph import HybridModel, Stream
-from metrale_graph.batch import pack, validate
 from metrale_graph.capture import GraphRunner
 from metrale_graph.config import FULL, LINEAR
 
@@ -82,13 +81,7 @@ def test_config_eager_compiled_replayed_match_cpu_fp32(overrides, block_size):
         ref = ref_model.prefill(caches["ref"], batch)
         eager = gpu.prefill(caches["eager"], batch).float().cpu()
         # the runner's compiled step on its own cache, without graphs
-        cache = caches["compiled"]
-        tokens = validate(batch, cache, cfg.vocab_size)
-        growth = {s.slot: t.numel() for s, t in zip(batch, tokens)}
-        cache.allocate(growth)
-        with torch.no_grad():
-            compiled = runner.step(cache, pack(batch, tokens, cache)).float().cpu()
-        cache.commit(growth)
+        compiled = run_step(gpu, runner.step, caches["compiled"], batch).float().cpu()
         before = [t.clone() for t in caches["graphs"].conv_states + caches["graphs"].gdn_states]
         replayed = runner.prefill(batch).float().cpu()
         rows = _slot_rows(caches["graphs"], [s.slot for s in batch])

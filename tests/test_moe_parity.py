@@ -10,9 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch._dynamo.utils import counters
 
-from helpers import check_parity, hf_class, hf_reference, moe_config, random_tokens, rel_err
+from helpers import check_parity, hf_class, hf_reference, moe_config, random_tokens, rel_err, run_step
 from metrale_graph import PRESETS, HybridModel, ModelConfig, Stream, load_config
-from metrale_graph.batch import pack, validate
 from metrale_graph.config import FULL, LINEAR
 from metrale_graph.weights import checkpoint_shapes, fuse_ba, fuse_qkvz, split_ba, split_qkvz, weight_shapes
 
@@ -281,12 +280,7 @@ def test_compiled_moe_step_equals_eager_without_graph_breaks():
     for batch in (first, second):
         outs = []
         for step, cache in ((model.forward_packed, eager_cache), (compiled, compiled_cache)):
-            tokens = validate(batch, cache, vocab)
-            growth = {s.slot: t.numel() for s, t in zip(batch, tokens)}
-            cache.allocate(growth)
-            with torch.no_grad():
-                outs.append(step(cache, pack(batch, tokens, cache)))
-            cache.commit(growth)
+            outs.append(run_step(model, step, cache, batch))
         assert rel_err(outs[1], outs[0]) <= 1e-5
         for a, b in zip(compiled_cache.state_tensors(), eager_cache.state_tensors()):
             assert rel_err(a.float(), b.float()) <= 1e-5 if b.any() else torch.equal(a, b)
