@@ -145,6 +145,11 @@ class OpSpec:
         object.__setattr__(self, "signature", signature)
         object.__setattr__(self, "mutates", mutates)
 
+    @property
+    def mutated_positions(self) -> list[int]:
+        """Positions, among the op's arguments, of the ones it mutates."""
+        return [i for i, n in enumerate(self.signature.parameters) if n in self.mutates]
+
 
 def register(spec: OpSpec) -> OpSpec:
     if spec.name in REGISTRY and REGISTRY[spec.name].op is not spec.op:

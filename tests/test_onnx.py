@@ -123,7 +123,7 @@ class _OneOp(torch.nn.Module):
         super().__init__()
         spec = REGISTRY[name]
         self.name = name
-        self.mutated = [i for i, n in enumerate(spec.signature.parameters) if n in spec.mutates]
+        self.mutated = spec.mutated_positions
 
     def forward(self, *args):
         args = [a.clone() if i in self.mutated else a for i, a in enumerate(args)]

@@ -63,7 +63,7 @@ def twin(spec: OpSpec) -> "torch._ops.OpOverload":
     returned after the op's outputs."""
     if spec.name in _TWINS:
         return _TWINS[spec.name]
-    where = [i for i, n in enumerate(spec.signature.parameters) if n in spec.mutates]
+    where = spec.mutated_positions
 
     def functional(*args):
         args = list(args)
@@ -91,7 +91,7 @@ def functional_ops():
         if not spec.mutates:
             continue
         fn, n_out = twin(spec), len(_outputs_of(spec))
-        where = [i for i, n in enumerate(spec.signature.parameters) if n in spec.mutates]
+        where = spec.mutated_positions
 
         def shim(*args, _fn=fn, _n=n_out, _where=where):
             result = _fn(*args)
