@@ -96,6 +96,11 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
                          "(KV heads are split, or replicated when fewer than the ranks)")
 
 
+def vocab_rows(cfg: ModelConfig, size: int) -> int:
+    """Vocabulary rows each of `size` ranks holds (the last rank's shard padded up to it)."""
+    return math.ceil(cfg.vocab_size / size)
+
+
 def local_config(cfg: ModelConfig, size: int) -> ModelConfig:
     """The head counts and sizes one rank's shard has: what its cache and ops are built for. The
     router still sees every expert (num_experts is the global count)."""
@@ -110,12 +115,12 @@ def local_config(cfg: ModelConfig, size: int) -> ModelConfig:
         intermediate_size=cfg.intermediate_size // size,
         shared_expert_intermediate_size=(cfg.shared_expert_intermediate_size // size
                                          if cfg.moe_layers else cfg.shared_expert_intermediate_size),
-        vocab_size=math.ceil(cfg.vocab_size / size))
+        vocab_size=vocab_rows(cfg, size))
 
 
 def vocab_shard(cfg: ModelConfig, tp: TensorParallel) -> tuple[int, int]:
     """[start, stop) of the vocabulary rows this rank holds (the last rank's may be short)."""
-    per = math.ceil(cfg.vocab_size / tp.size)
+    per = vocab_rows(cfg, tp.size)
     return min(tp.rank * per, cfg.vocab_size), min((tp.rank + 1) * per, cfg.vocab_size)
 
 
@@ -196,7 +201,7 @@ def sharded_shapes(cfg: ModelConfig, tp: TensorParallel) -> dict[str, tuple[int,
     out = {name: shard_shape(shape, shard_ranges(name, cfg, tp)) for name, shape in weight_shapes(cfg).items()}
     for name in ("embed_tokens.weight", "lm_head.weight"):
         if name in out:
-            out[name] = (math.ceil(cfg.vocab_size / tp.size),) + out[name][1:]
+            out[name] = (vocab_rows(cfg, tp.size),) + out[name][1:]
     return out
 
 
@@ -209,7 +214,7 @@ def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, tp: Tensor
 
 
 def pad_vocab(weights: dict[str, torch.Tensor], cfg: ModelConfig, tp: TensorParallel) -> dict[str, torch.Tensor]:
-    per = math.ceil(cfg.vocab_size / tp.size)
+    per = vocab_rows(cfg, tp.size)
     for name in ("embed_tokens.weight", "lm_head.weight"):
         t = weights.get(name)
         if t is not None and t.shape[0] < per:
