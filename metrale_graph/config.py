@@ -367,6 +367,14 @@ PRESETS: dict[str, ModelConfig] = {
         linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
         linear_value_head_dim=128, max_position_embeddings=262144,
     ),
+    # The Qwen3.5-27B (and Qwen3.6-27B) shape: 64 layers = 48 GDN + 16 attention, 54 GB in bf16.
+    "qwen3.5-27b": ModelConfig(
+        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+        layer_types=default_layer_types(64), num_attention_heads=24, num_key_value_heads=4,
+        head_dim=256, partial_rotary_factor=0.25, rope_theta=10_000_000.0,
+        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+        linear_value_head_dim=128, max_position_embeddings=262144,
+    ),
     # The Qwen3.5-35B-A3B shape: 256 experts, top-8, a MoE block in every layer (the other fields
     # are transformers' Qwen3_5MoeTextConfig defaults).
     "qwen3.5-35b-a3b": ModelConfig(

@@ -120,6 +120,10 @@ def test_output_into_a_folder(capsys, tmp_path):
     (["--variants", "fast"], "argument --variants: expected comma-separated names out of peer, eager, compiled, graphs"),
     (["--json", "/nonexistent/r.json"], "argument --json: '/nonexistent/r.json': folder /nonexistent does not exist"),
     (["--seed", "x"], "argument --seed: expected an integer"),
+    (["--tp", "2", "--variants", "peer,graphs"], "the peer runs on one GPU: leave it out of --variants under --tp"),
+    (["--tp", "2", "--generate"], "--generate times one GPU against the peer; under --tp use tools.generate --tp"),
+    (["--baseline", "/nonexistent/b.json"], "--baseline: cannot read baseline /nonexistent/b.json"),
+    (["--baseline", "b.json", "--variants", "eager"], "--baseline compares graphs timings"),
 ])
 def test_bench_flags(capsys, argv, message):
     _usage_error(capsys, bench.main, argv, message)
@@ -142,3 +146,15 @@ def test_gpu_tools_without_gpu(capsys, main):
         main([])
     err = capsys.readouterr().err
     assert e.value.code == 1 and "error: this benchmark needs a CUDA GPU" in err and "Traceback" not in err
+
+
+def test_bench_baseline_must_match(capsys, tmp_path):
+    """--baseline takes a one-GPU run of the same preset and depth."""
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps({"tool": "bench", "preset": "qwen3.5-9b", "layers": 32, "tp": 1,
+                                "results": [{"workload": "W2", "graphs_ms": 100.0}]}))
+    _usage_error(capsys, bench.main, ["--baseline", str(path), "--layers", "4"],
+                 "is a run of qwen3.5-9b (32 layers, tp 1); expected one GPU of qwen3.5-9b (4 layers)")
+    assert bench.read_baseline(str(path), "qwen3.5-9b", 32) == {"W2": 100.0}
+    path.write_text(json.dumps({"preset": "qwen3.5-9b", "layers": 32, "results": [{"workload": "W2"}]}))
+    _usage_error(capsys, bench.main, ["--baseline", str(path)], "holds no graphs timings")

@@ -18,6 +18,13 @@ def test_presets():
     assert (big.hidden_size, big.num_hidden_layers, len(big.linear_layers), len(big.full_layers)) == (4096, 32, 24, 8)
     n_params = sum(torch.Size(s).numel() for s in weight_shapes(big).values())
     assert 8.5e9 < n_params < 10e9
+    # 27B: 48 GDN + 16 attention layers, and 55.56 GB of bf16 in the hub's checkpoint with its vision
+    # tower (~0.46B) and MTP layer (~0.85B) that a text model leaves out
+    mid = PRESETS["qwen3.5-27b"]
+    assert (len(mid.linear_layers), len(mid.full_layers)) == (48, 16)
+    n_params = sum(torch.Size(s).numel() for s in weight_shapes(mid).values())
+    assert 26e9 < n_params < 27.5e9, n_params
+    assert ModelConfig.from_hf(mid.to_hf()) == mid
 
 
 def test_from_hf_matches_transformers_defaults():

@@ -53,10 +53,17 @@ def test_bf16_moe_matches_transformers_fp32(model):
     assert ours <= 1.1 * theirs
 
 
-def test_moe_replay_equals_eager(model):
-    cache_g, cache_e = model.new_cache(8, 96), model.new_cache(8, 96)
-    runner = GraphRunner(model, cache_g, batch_sizes=[1, 4, 8], token_counts=[8, 512, 1024])
+@pytest.fixture(scope="module")
+def runner(model):
+    runner = GraphRunner(model, model.new_cache(8, 400), batch_sizes=[1, 4, 8], token_counts=[8, 512, 1024])
     runner.warmup(progress=False)
+    return runner
+
+
+def test_moe_replay_equals_eager(model, runner):
+    cache_g, cache_e = runner.cache, model.new_cache(8, 96)
+    for s in range(cache_g.num_slots):
+        cache_g.reset(s)
     g = torch.Generator().manual_seed(1)
     batches = [[Stream(0, torch.randint(0, CFG.vocab_size, (1,), generator=g))],
                [Stream(s, torch.randint(0, CFG.vocab_size, (1,), generator=g)) for s in (1, 2, 5, 0)],
@@ -72,3 +79,28 @@ def test_moe_replay_equals_eager(model):
         assert rel_err(out, ref) <= 1e-2
         for t, old in zip(cache_g.conv_states + cache_g.gdn_states, before):
             assert torch.equal(t[~slots], old[~slots])
+
+
+def test_moe_no_memory_growth_over_1000_replays(runner):
+    """Random batches (routing differs every time) replayed 1000 times: no allocation grows."""
+    cache, g = runner.cache, torch.Generator().manual_seed(2)
+
+    def one():
+        n = int(torch.randint(1, 9, (1,), generator=g))
+        slots = torch.randperm(cache.num_slots, generator=g)[:n].tolist()
+        for s in slots:
+            if cache.context_lens[s] > 900:
+                cache.reset(s)
+        lengths = torch.randint(1, 1024 // n + 1, (n,), generator=g).tolist()
+        runner.prefill([Stream(s, torch.randint(0, CFG.vocab_size, (L,), generator=g)) for s, L in zip(slots, lengths)])
+
+    for _ in range(20):
+        one()
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    for _ in range(1000):
+        one()
+    torch.cuda.synchronize()
+    print(f"MoE, after 1000 replays: allocated {torch.cuda.memory_allocated() - allocated:+d} B, "
+          f"reserved {torch.cuda.memory_reserved() - reserved:+d} B")
+    assert torch.cuda.memory_allocated() <= allocated and torch.cuda.memory_reserved() <= reserved

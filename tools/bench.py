@@ -9,7 +9,12 @@ plus the cached K/V it reads and the GDN states it reads and writes. `--generate
 end-to-end generation run (32 prompts of 512 tokens, 256 new tokens each) against transformers'
 generate. Prints a table, writes JSON and markdown if asked, and ends with one JSON line.
 
+With `--tp N` (launched by torchrun, one GPU per rank, NCCL) our three variants run tensor-parallel
+and the floor is that of N GPUs; the peer runs on one GPU and is left out. `--baseline FILE`, the
+JSON of a one-GPU run of the same preset, adds each workload's speed-up over one GPU.
+
     python -m tools.bench [--preset qwen3.5-9b] [--workloads W1,W2,...] [--repeat 10] [--json FILE]
+    torchrun --nproc-per-node 2 -m tools.bench --tp 2 --variants graphs --baseline one_gpu.json
 """
 
 from __future__ import annotations
@@ -63,12 +68,13 @@ def expected_experts(cfg, tokens: int) -> float:
     return E * (1 - (1 - k / E) ** tokens)
 
 
-def workload_floor(cfg, w: Workload) -> tuple[float, float, float]:
-    """(floor ms, FLOPs, bytes). FLOPs: every projection over every new token (MoE: the router, the
+def workload_floor(cfg, w: Workload, gpus: int = 1) -> tuple[float, float, float]:
+    """(floor ms on `gpus` GPUs, FLOPs, bytes). FLOPs: every projection over every new token (MoE: the router, the
     top-k experts and the shared expert), the LM head over each stream's last token, causal attention
     over cached + new tokens. Bytes: every weight read once (the embedding table and the LM head
     included, as DESIGN.md's decode floors count them; MoE: only the experts the tokens can touch, in
-    expectation), cached K/V read, GDN states read and written."""
+    expectation), cached K/V read, GDN states read and written. On several GPUs each does its share of
+    the FLOPs and bytes (collectives not counted)."""
     shapes = weight_shapes(cfg)
     T, B = sum(w.new), len(w.new)
     experts = expected_experts(cfg, T) if getattr(cfg, "num_experts", 0) else 0
@@ -91,7 +97,7 @@ def workload_floor(cfg, w: Workload) -> tuple[float, float, float]:
         * len(cfg.linear_layers)
     flops = T * flops_per_token + 2 * B * head + attn
     nbytes = weight_bytes + 2 * head * (1 if cfg.tie_word_embeddings else 2) + kv + states
-    return floor_ms(flops, nbytes)[0], flops, nbytes
+    return floor_ms(flops / gpus, nbytes / gpus)[0], flops, nbytes
 
 
 # kernel name -> phase, first match wins: each op's own kernels (its spec), then the GEMMs (cuBLAS /
@@ -281,17 +287,41 @@ def bench_generate(model, hf, prompts: int = 32, prompt_len: int = 512, new_toke
     return row
 
 
+def read_baseline(path: str, preset: str, layers: int) -> dict[str, float]:
+    """workload -> graphs ms of a one-GPU `--json` run of the same preset and depth (ValueError else)."""
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        rows = {r["workload"]: r["graphs_ms"] for r in record["results"] if "graphs_ms" in r}
+        same = (record.get("tp", 1), record["preset"], record["layers"]) == (1, preset, layers)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot read baseline {path}: {e!r}") from None
+    if not same:
+        raise ValueError(f"baseline {path} is a run of {record['preset']} ({record['layers']} layers, tp "
+                         f"{record.get('tp', 1)}); expected one GPU of {preset} ({layers} layers)")
+    if not rows:
+        raise ValueError(f"baseline {path} holds no graphs timings (run it with the graphs variant)")
+    return rows
+
+
 def main(argv=None) -> None:
     from tqdm.auto import tqdm
+
+    from metrale_graph.tools.common import tensor_parallel
 
     p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen3.5-9b", choices=list(PRESETS))
     p.add_argument("--layers", type=positive_int, default=None, help="fewer layers than the preset (quick runs)")
     p.add_argument("--workloads", type=names_of(WORKLOADS), default=",".join(WORKLOADS))
-    p.add_argument("--variants", type=names_of(VARIANTS), default=",".join(VARIANTS))
+    p.add_argument("--variants", type=names_of(VARIANTS), default=None,
+                   help=f"out of {', '.join(VARIANTS)} (default: all; without the peer under --tp)")
     p.add_argument("--repeat", type=positive_int, default=10, help="timed runs per variant (median)")
     p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor-parallel ranks: torchrun --nproc-per-node N -m tools.bench --tp N (one GPU each)")
+    p.add_argument("--baseline", default=None,
+                   help="JSON of a one-GPU run (--json) of the same preset: adds the speed-up over one GPU")
     p.add_argument("--generate", action="store_true",
                    help="also time end-to-end generation (32 prompts x 512 tokens, 256 new each) against the peer")
     p.add_argument("--json", type=output_file, default=None, help="write the results to this JSON file")
@@ -299,27 +329,47 @@ def main(argv=None) -> None:
     p.add_argument("--profile", action="store_true",
                    help="also print each workload's device time by phase (torch.profiler over the compiled step)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        p.exit(1, f"{p.prog}: error: this benchmark needs a CUDA GPU; torch sees none\n")
+    variants = args.variants or [v for v in VARIANTS if args.tp == 1 or v != "peer"]
+    if args.tp > 1 and "peer" in variants:
+        p.error("the peer runs on one GPU: leave it out of --variants under --tp")
+    if args.tp > 1 and args.generate:
+        p.error("--generate times one GPU against the peer; under --tp use tools.generate --tp")
+    if args.baseline and "graphs" not in variants:
+        p.error("--baseline compares graphs timings: keep graphs in --variants")
     cfg = PRESETS[args.preset]
     if args.layers:
         cfg = cfg.replace(num_hidden_layers=args.layers)
-    workloads, variants = args.workloads, args.variants
-    model = HybridModel.from_preset(cfg, dtype=torch.bfloat16, device="cuda", seed=args.seed)
+    baseline = None
+    if args.baseline:
+        try:
+            baseline = read_baseline(args.baseline, args.preset, cfg.num_hidden_layers)
+        except ValueError as e:
+            p.error(f"--baseline: {e}")
+    if not torch.cuda.is_available():
+        p.exit(1, f"{p.prog}: error: this benchmark needs a CUDA GPU; torch sees none\n")
+    args.device, args.dtype = None, "bfloat16"  # what tensor_parallel reads: one GPU per rank
+    tp = tensor_parallel(args, p)
+    device = args.device or torch.device("cuda")
+    workloads = args.workloads
+    try:
+        model = HybridModel.from_preset(cfg, dtype=torch.bfloat16, device=device, seed=args.seed, tp=tp)
+    except ValueError as e:
+        p.error(f"--preset {args.preset}: {e}")
     hf = peer_model(model) if "peer" in variants else None
     # a grid holding one bucket per workload's (streams, new tokens)
     grid = (sorted({len(WORKLOADS[w].new) for w in workloads}), sorted({sum(WORKLOADS[w].new) for w in workloads}))
     ours = Ours(model, [WORKLOADS[w] for w in workloads], grid)
     gen = torch.Generator().manual_seed(args.seed)
+    quiet = tp is not None and tp.rank != 0
     results = []
-    for name in tqdm(workloads, desc="workloads", unit="workload"):
+    for name in tqdm(workloads, desc="workloads", unit="workload", disable=quiet):
         w = WORKLOADS[name]
         new = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in w.new]
         ctx = [torch.randint(0, cfg.vocab_size, (c,), generator=gen) if c else None for c in w.cached]
         streams = [Stream(i, t) for i, t in enumerate(new)]
         row = {"workload": name, "label": w.label, "streams": len(w.new), "tokens": sum(w.new),
                "cached": sum(w.cached)}
-        row["floor_ms"], row["flops"], row["bytes"] = workload_floor(cfg, w)
+        row["floor_ms"], row["flops"], row["bytes"] = workload_floor(cfg, w, args.tp)
         for v in variants:
             if v == "peer":
                 row["peer_ms"], row["peer_mode"] = bench_peer(hf, w, new, ctx, args.repeat)
@@ -336,15 +386,20 @@ def main(argv=None) -> None:
             lines = [f"{name}: device time {total:.1f} ms per step (floor {row['floor_ms']:.1f} ms)"]
             lines += [f"  {ms:8.2f} ms {100 * ms / total:5.1f}%  {p}" for p, ms in phases]
             lines += ["  top kernels:"] + [f"  {ms:8.2f} ms  {k[:100]}" for k, ms in kernels[:12]]
-            tqdm.write("\n".join(lines))
+            if not quiet:
+                tqdm.write("\n".join(lines))
+        if baseline and name in baseline:
+            row["one_gpu_graphs_ms"] = baseline[name]
         results.append(row)
-        tqdm.write(json.dumps(row))  # as each workload finishes: a cut-short run still leaves its rows
+        if not quiet:
+            tqdm.write(json.dumps(row))  # as each workload finishes: a cut-short run still leaves its rows
         torch.cuda.empty_cache()
 
     headers = ["workload", "floor ms"] + [f"{v} ms" for v in variants]
     if "peer" in variants:
         headers += [f"peer / {v}" for v in variants if v != "peer"]
     headers += ["graphs / floor", "graphs tok/s"] if "graphs" in variants else []
+    headers += ["1 GPU graphs ms", "speed-up"] if baseline else []
     rows = []
     for r in results:
         line = [f"{r['workload']} {r['label']}", f"{r['floor_ms']:.1f}"] + [f"{r[f'{v}_ms']:.1f}" for v in variants]
@@ -352,6 +407,9 @@ def main(argv=None) -> None:
             line += [f"{r['peer_ms'] / r[f'{v}_ms']:.2f}x" for v in variants if v != "peer"]
         if "graphs" in variants:
             line += [f"{r['graphs_ms'] / r['floor_ms']:.2f}x", f"{r['tokens'] / r['graphs_ms'] * 1e3:,.0f}"]
+        if baseline:
+            one = r.get("one_gpu_graphs_ms")
+            line += [f"{one:.1f}", f"{one / r['graphs_ms']:.2f}x"] if one else ["-", "-"]
         rows.append(line)
     generation = None
     if args.generate:
@@ -359,19 +417,21 @@ def main(argv=None) -> None:
         torch.cuda.empty_cache()
         generation = bench_generate(model, hf, seed=args.seed)
     title = (f"{args.preset}{f' ({cfg.num_hidden_layers} layers)' if args.layers else ''}, bf16, "
-             f"{torch.cuda.get_device_name()}")
+             f"{f'{args.tp} x ' if args.tp > 1 else ''}{torch.cuda.get_device_name()}")
     print("\n" + title)
     print_table(headers, rows)
     if generation:
         print(f"\ngeneration, {generation['prompts']} prompts x {generation['prompt_len']} tokens, "
               f"{generation['new_tokens']} new each: ours {generation['ours_tok_s']:,.0f} tokens/s"
               + (f", peer {generation['peer_tok_s']:,.0f} tokens/s" if "peer_tok_s" in generation else ""))
+    if quiet:  # the other ranks ran the same steps; rank 0 reports
+        return
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(f"{title}\n\n| " + " | ".join(headers) + " |\n|" + "---|" * len(headers) + "\n")
             for r in rows:
                 f.write("| " + " | ".join(r) + " |\n")
-    record = {"tool": "bench", "preset": args.preset, "layers": cfg.num_hidden_layers,
+    record = {"tool": "bench", "preset": args.preset, "layers": cfg.num_hidden_layers, "tp": args.tp,
               "device": torch.cuda.get_device_name(), "generation": generation,
               "results": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in results]}
     if args.json:

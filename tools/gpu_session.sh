@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # One GPU session in one command (device machines start bare): install the carried
 # flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
-#   usage: bash tools/gpu_session.sh [tests|ops|bench|all]   (run from the repository root)
+#   usage: bash tools/gpu_session.sh [tests|ops|bench|moe|tp|all|setup]   (run from the repository root)
+# tests: every GPU test; ops: per-op benchmark; bench: 9B workloads with the peer and generation;
+# moe: the 35B-A3B workloads with the peer and its default-grid warmup; tp: the two-GPU benchmarks
+# (9B W2 / W5 against the one-GPU JSON in benchmarks/, 27B W1-W6). `setup` only installs (source it
+# with `. tools/gpu_session.sh setup` to keep the environment).
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/metrale_out}
@@ -9,7 +13,8 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
 # the package itself, editable (metrale_graph.ops / .capture / .tools map to the top-level folders)
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 FLA_DISABLE_TENSOR_CACHE=1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 FLA_DISABLE_TENSOR_CACHE=1 NCCL_NVLS_ENABLE=0
+[[ $what == setup ]] && return 0 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 git log -1 --format='commit %H' 2>/dev/null | tee -a "$OUT/gpu.txt"
 status=0
@@ -30,6 +35,21 @@ if [[ $what == ops || $what == all ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
     python3 -m metrale_graph.tools.bench --preset tiny --repeat 3 2>&1 | tee "$OUT/bench_tiny.log" | tail -12
-    python3 -m metrale_graph.tools.bench --json "$OUT/bench.json" --markdown "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -14
+    python3 -m metrale_graph.tools.bench --repeat 7 --generate --json "$OUT/bench.json" --markdown "$OUT/bench.md" \
+        2>&1 | tee "$OUT/bench.log" | tail -16
+fi
+if [[ $what == moe || $what == all ]]; then
+    python3 -m metrale_graph.tools.bench --preset qwen3.5-35b-a3b --workloads W1,W2,W3,W4,W5,W6 --repeat 5 \
+        --json "$OUT/bench-35b.json" --markdown "$OUT/bench-35b.md" 2>&1 | tee "$OUT/bench-35b.log" | tail -10
+    python3 -m metrale_graph.tools.warmup --model qwen3.5-35b-a3b --no-progress --cache-dir /tmp/metrale_cache \
+        2>&1 | tee "$OUT/warmup-35b.log" | tail -3
+fi
+if [[ $what == tp || $what == all ]] && (( $(nvidia-smi -L | wc -l) >= 2 )); then
+    python3 -m torch.distributed.run --nproc-per-node 2 -m metrale_graph.tools.bench --tp 2 --workloads W2,W5 \
+        --variants graphs --repeat 7 --baseline benchmarks/h200-qwen3.5-9b.json --json "$OUT/bench-9b-tp2.json" \
+        2>&1 | tee "$OUT/bench-9b-tp2.log" | tail -6
+    python3 -m torch.distributed.run --nproc-per-node 2 -m metrale_graph.tools.bench --tp 2 --preset qwen3.5-27b \
+        --workloads W1,W2,W3,W4,W5,W6 --variants graphs --repeat 5 --json "$OUT/bench-27b-tp2.json" \
+        2>&1 | tee "$OUT/bench-27b-tp2.log" | tail -10
 fi
 exit $status
