@@ -362,6 +362,18 @@ def main(argv=None) -> None:
     gen = torch.Generator().manual_seed(args.seed)
     quiet = tp is not None and tp.rank != 0
     results = []
+
+    def save(generation=None) -> dict:
+        """The record so far, written to --json (after every workload: a run cut short keeps its rows)."""
+        record = {"tool": "bench", "preset": args.preset, "layers": cfg.num_hidden_layers, "tp": args.tp,
+                  "device": torch.cuda.get_device_name(), "repeat": args.repeat, "generation": generation,
+                  "results": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
+                              for r in results]}
+        if args.json and not quiet:
+            with open(args.json, "w") as f:
+                json.dump(record, f, indent=1)
+        return record
+
     for name in tqdm(workloads, desc="workloads", unit="workload", disable=quiet):
         w = WORKLOADS[name]
         new = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in w.new]
@@ -392,7 +404,8 @@ def main(argv=None) -> None:
             row["one_gpu_graphs_ms"] = baseline[name]
         results.append(row)
         if not quiet:
-            tqdm.write(json.dumps(row))  # as each workload finishes: a cut-short run still leaves its rows
+            tqdm.write(json.dumps(row))
+            save()  # as each workload finishes: a cut-short run still leaves its rows
         torch.cuda.empty_cache()
 
     headers = ["workload", "floor ms"] + [f"{v} ms" for v in variants]
@@ -431,13 +444,7 @@ def main(argv=None) -> None:
             f.write(f"{title}\n\n| " + " | ".join(headers) + " |\n|" + "---|" * len(headers) + "\n")
             for r in rows:
                 f.write("| " + " | ".join(r) + " |\n")
-    record = {"tool": "bench", "preset": args.preset, "layers": cfg.num_hidden_layers, "tp": args.tp,
-              "device": torch.cuda.get_device_name(), "generation": generation,
-              "results": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in results]}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
-    print_json(record)
+    print_json(save(generation))
 
 
 if __name__ == "__main__":
