@@ -14,11 +14,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
 
 def test_two_gpu_tensor_parallel(tmp_path):
     report = tmp_path / "tp.json"
-    env = {**os.environ, "TP_REPORT": str(report), "NCCL_NVLS_ENABLE": "0"}
+    env = {**os.environ, "TP_REPORT": str(report), "NCCL_NVLS_ENABLE": "0", "TP_WORKER_TIMEOUT": "600"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            os.path.join(os.path.dirname(__file__), "tp_gpu_worker.py")]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
+    print(done.stderr[-3000:])
+    assert done.returncode == 0, done.stderr[-6000:]
     for row in json.loads(report.read_text()):
         print(row)
         assert row["tp2_eager_vs_tp1"] <= 2e-2 and row["tp2_replay_vs_tp2_eager"] <= 1e-2

@@ -1,8 +1,11 @@
 """One rank of the two-GPU tensor-parallel check (tests/test_gpu_tp.py launches it with torchrun):
 bf16 on the 9B head shapes, a few layers. Rank 0 writes what it measured to $TP_REPORT as JSON."""
 
+import faulthandler
 import json
 import os
+import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -20,7 +23,16 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def say(what):  # progress on stderr, which the test shows when it fails
+    print(f"[rank {os.environ.get('LOCAL_RANK')} {time.perf_counter() - T0:7.1f} s] {what}", file=sys.stderr, flush=True)
+
+
+T0 = time.perf_counter()
+
+
 def main():
+    # a hang prints every thread's stack and ends the process before the test's own timeout
+    faulthandler.dump_traceback_later(float(os.environ.get("TP_WORKER_TIMEOUT", "600")), exit=True)
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl")
@@ -33,15 +45,19 @@ def main():
                [Stream(s, torch.randint(0, CFG.vocab_size, (n,), generator=g)) for s, n in ((5, 200), (1, 64))]]
     caches = {k: m.new_cache(8, 64) for k, m in (("tp1", whole), ("eager", sharded), ("graphs", sharded))}
     runner = GraphRunner(sharded, caches["graphs"], batch_sizes=[2, 4], token_counts=[4, 512])
-    runner.warmup(progress=False)
+    say("models and caches built")
+    runner.warmup(progress=False, on_bucket=lambda r: say(f"{r.bucket}: compile {r.compile_s:.1f} s"))
     report = []
     for k, batch in enumerate(batches):
         ref = whole.prefill(caches["tp1"], batch)
+        say(f"batch {k}: tp = 1 done")
         eager = sharded.prefill(caches["eager"], batch)
+        say(f"batch {k}: tp = 2 eager done")
         slots = torch.zeros(9, dtype=torch.bool, device="cuda")
         slots[[s.slot for s in batch]] = True
         before = [t.clone() for t in caches["graphs"].conv_states + caches["graphs"].gdn_states]
         replayed = runner.prefill(batch)
+        say(f"batch {k}: replayed")
         untouched = all(torch.equal(t[~slots], old[~slots])
                         for t, old in zip(caches["graphs"].conv_states + caches["graphs"].gdn_states, before))
         report.append({"batch": k, "tp2_eager_vs_tp1": rel(eager, ref), "tp2_replay_vs_tp2_eager": rel(replayed, eager),
