@@ -114,15 +114,16 @@ def kernel_breakdown(fn, setup, runs: int = 3) -> tuple[list[tuple[str, float]],
 
     setup()
     fn()  # anything lazy happens outside the profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(runs):
-            setup()
-            fn()
-        torch.cuda.synchronize()
     kernels: dict[str, float] = {}
-    for e in prof.key_averages():
-        if e.device_type == DeviceType.CUDA:
-            kernels[e.key] = kernels.get(e.key, 0.0) + e.self_device_time_total / 1e3 / runs
+    for _ in range(runs):  # one profile per call: setup's kernels (the cache restore) stay outside
+        setup()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        for e in prof.key_averages():
+            if e.device_type == DeviceType.CUDA:
+                kernels[e.key] = kernels.get(e.key, 0.0) + e.self_device_time_total / 1e3 / runs
     if not kernels:
         raise RuntimeError("torch.profiler recorded no CUDA kernels")
     phases: dict[str, float] = {}
