@@ -103,7 +103,8 @@ class PackedBatch:
             torch._dynamo.mark_dynamic(t, 0)
 
 
-def _token_tensor(i: int, tokens, vocab_size: int, device: torch.device) -> torch.Tensor:
+def _token_tensor(i: int, tokens, device: torch.device) -> torch.Tensor:
+    """Stream i's tokens as a 1-D int64 tensor (its ids are range-checked by validate, all at once)."""
     if isinstance(tokens, torch.Tensor):
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise ValueError(f"stream {i}: tokens must be an integer tensor, got dtype {tokens.dtype}")
@@ -120,14 +121,30 @@ def _token_tensor(i: int, tokens, vocab_size: int, device: torch.device) -> torc
         bad = next((x for x in tokens if not isinstance(x, int) or isinstance(x, bool)), None)
         if bad is not None:
             raise ValueError(f"stream {i}: token {bad!r} is not an int")
-        t = torch.tensor(list(tokens), dtype=torch.int64)
+        try:
+            t = torch.tensor(list(tokens), dtype=torch.int64)
+        except RuntimeError:  # an int beyond int64
+            raise ValueError(f"stream {i}: a token id does not fit in int64") from None
     if t.numel() == 0:
         raise ValueError(f"stream {i}: empty stream (no tokens)")
-    lo, hi = int(t.min()), int(t.max())
-    if lo < 0 or hi >= vocab_size:
-        badtok = lo if lo < 0 else hi
-        raise ValueError(f"stream {i}: token id {badtok} is out of range [0, {vocab_size})")
     return t
+
+
+def _check_ids(tokens: list[torch.Tensor], vocab_size: int) -> None:
+    """ValueError naming the first stream with a token id outside [0, vocab_size). One min / max over
+    each device's tokens together (a decode batch is many one-token streams); per stream only to name
+    the culprit."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tokens:
+        by_device.setdefault(t.device, []).append(t)
+    for group in by_device.values():
+        ids = torch.cat(group) if len(group) > 1 else group[0]
+        if int(ids.min()) >= 0 and int(ids.max()) < vocab_size:
+            continue
+        for i, t in enumerate(tokens):
+            lo, hi = int(t.min()), int(t.max())
+            if lo < 0 or hi >= vocab_size:
+                raise ValueError(f"stream {i}: token id {lo if lo < 0 else hi} is out of range [0, {vocab_size})")
 
 
 def validate(streams, cache: HybridCache, vocab_size: int) -> list[torch.Tensor]:
@@ -154,12 +171,13 @@ def validate(streams, cache: HybridCache, vocab_size: int) -> list[torch.Tensor]
         if s.slot in seen:
             raise ValueError(f"stream {i}: duplicate slot {s.slot} (also used by stream {seen[s.slot]})")
         seen[s.slot] = i
-        t = _token_tensor(i, s.tokens, vocab_size, cache.device)
+        t = _token_tensor(i, s.tokens, cache.device)
         ctx = cache.context_lens[s.slot]
         if ctx + t.numel() > cache.max_context:
             raise ValueError(f"stream {i}: slot {s.slot} holds {ctx} tokens; {t.numel()} more exceed the "
                              f"cache's capacity of {cache.max_context} tokens per slot")
         tokens.append(t)
+    _check_ids(tokens, vocab_size)
     need = sum(cache.blocks_needed(s.slot, t.numel()) for s, t in zip(streams, tokens))
     if need > cache.free_blocks:
         raise ValueError(f"the batch needs {need} more KV blocks but the cache has {cache.free_blocks} free "
@@ -168,22 +186,31 @@ def validate(streams, cache: HybridCache, vocab_size: int) -> list[torch.Tensor]
 
 
 def pack(streams: Sequence[Stream], tokens: list[torch.Tensor], cache: HybridCache) -> PackedBatch:
-    """Lay validated streams back to back on the cache's device. Blocks must be allocated."""
+    """Lay validated streams back to back on the cache's device. Blocks must be allocated.
+
+    Built on the host and moved in two copies (the int64 fields, then the int32 ones) rather than
+    one per stream and field: for a decode batch of many one-token streams the host work is the
+    step's overhead."""
     device = cache.device
-    lengths = [t.numel() for t in tokens]
-    ctx = [cache.context_lens[s.slot] for s in streams]
-    cu = torch.zeros(len(streams) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(lengths).cumsum(0)
-    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(ctx, lengths)])
+    B = len(streams)
+    lengths = torch.tensor([t.numel() for t in tokens], dtype=torch.int64)
+    ctx = torch.tensor([cache.context_lens[s.slot] for s in streams], dtype=torch.int64)
+    ends = lengths.cumsum(0)
+    T = int(ends[-1])
+    # position of token j of stream b: ctx[b] + j = arange(T)[j] - (start of b) + ctx[b]
+    positions = torch.arange(T) + torch.repeat_interleave(ctx - (ends - lengths), lengths, output_size=T)
     slot_ids = torch.tensor([s.slot for s in streams], dtype=torch.int64)
-    return PackedBatch(
-        tokens=torch.cat([t.to(device) for t in tokens]),
-        positions=positions.to(device),
-        cu_seqlens=cu.to(device),
-        slot_ids=slot_ids.to(device),
-        context_lens=torch.tensor(ctx, dtype=torch.int32).to(device),
-        block_tables=cache.block_tables[slot_ids.to(device)],
-    )
+    on_host = all(t.device.type == "cpu" for t in tokens)
+    host64 = torch.cat(([torch.cat(tokens)] if on_host else []) + [positions, slot_ids])
+    host32 = torch.cat([torch.zeros(1, dtype=torch.int64), ends, ctx]).to(torch.int32)
+    dev64, dev32 = host64.to(device), host32.to(device)
+    if on_host:
+        tok, rest = dev64[:T], dev64[T:]
+    else:  # some streams' tokens are on the device already
+        tok, rest = torch.cat([t.to(device) for t in tokens]), dev64
+    slots = rest[T:]
+    return PackedBatch(tokens=tok, positions=rest[:T], cu_seqlens=dev32[:B + 1], slot_ids=slots,
+                       context_lens=dev32[B + 1:], block_tables=cache.block_tables[slots])
 
 
 def empty_batch(cache: HybridCache) -> PackedBatch:
