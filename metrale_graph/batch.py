@@ -123,7 +123,7 @@ def _token_tensor(i: int, tokens, device: torch.device) -> torch.Tensor:
             raise ValueError(f"stream {i}: token {bad!r} is not an int")
         try:
             t = torch.tensor(list(tokens), dtype=torch.int64)
-        except RuntimeError:  # an int beyond int64
+        except (ValueError, RuntimeError, OverflowError):  # an int beyond int64 (torch versions differ)
             raise ValueError(f"stream {i}: a token id does not fit in int64") from None
     if t.numel() == 0:
         raise ValueError(f"stream {i}: empty stream (no tokens)")
