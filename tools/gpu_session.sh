@@ -3,7 +3,7 @@
 # flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
 #   usage: bash tools/gpu_session.sh [tests|ops|bench|moe|tp|all|setup]   (run from the repository root)
 # tests: every GPU test; ops: per-op benchmark; bench: 9B workloads with the peer and generation;
-# moe: the 35B-A3B workloads with the peer and its default-grid warmup; tp: the two-GPU benchmarks
+# moe: the 35B-A3B and (12 layers) Qwen3-Next-80B-A3B workloads with the peer, the 35B-A3B default-grid warmup; tp: the two-GPU benchmarks
 # (9B W2 / W5 against the one-GPU JSON in benchmarks/, 27B W1-W6). `setup` only installs (source it
 # with `. tools/gpu_session.sh setup` to keep the environment).
 set -uo pipefail
@@ -41,6 +41,10 @@ fi
 if [[ $what == moe || $what == all ]]; then
     python3 -m metrale_graph.tools.bench --preset qwen3.5-35b-a3b --workloads W1,W2,W3,W4,W5,W6 --repeat 5 \
         --json "$OUT/bench-35b.json" --markdown "$OUT/bench-35b.md" 2>&1 | tee "$OUT/bench-35b.log" | tail -10
+    # Qwen3-Next-80B-A3B is 160 GB in bf16: a quarter of its layers (12 of 48) on one GPU
+    python3 -m metrale_graph.tools.bench --preset qwen3-next-80b-a3b --layers 12 --workloads W1,W2,W3,W4,W5,W6 \
+        --repeat 5 --json "$OUT/bench-next-12l.json" --markdown "$OUT/bench-next-12l.md" 2>&1 \
+        | tee "$OUT/bench-next-12l.log" | tail -10
     python3 -m metrale_graph.tools.warmup --model qwen3.5-35b-a3b --no-progress --cache-dir /tmp/metrale_cache \
         2>&1 | tee "$OUT/warmup-35b.log" | tail -3
 fi
