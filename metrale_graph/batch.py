@@ -103,37 +103,39 @@ class PackedBatch:
             torch._dynamo.mark_dynamic(t, 0)
 
 
-def _token_tensor(i: int, tokens, device: torch.device) -> torch.Tensor:
-    """Stream i's tokens as a 1-D int64 tensor (its ids are range-checked by validate, all at once)."""
+def token_tensor(tokens, where: str, device: torch.device) -> torch.Tensor:
+    """`tokens` (a sequence of ints, or a 1-D integer tensor on the CPU or `device`) as a 1-D int64
+    tensor; ValueError starting with `where` (e.g. "stream 3") otherwise. Ids are range-checked by
+    check_token_ids, all at once."""
     if isinstance(tokens, torch.Tensor):
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise ValueError(f"stream {i}: tokens must be an integer tensor, got dtype {tokens.dtype}")
+            raise ValueError(f"{where}: tokens must be an integer tensor, got dtype {tokens.dtype}")
         if tokens.device.type != "cpu" and tokens.device != device:
-            raise ValueError(f"stream {i}: tokens are on {tokens.device}; the model is on {device} "
+            raise ValueError(f"{where}: tokens are on {tokens.device}; the model is on {device} "
                              "(pass them on the CPU or on the model's device)")
         if tokens.dim() != 1:
-            raise ValueError(f"stream {i}: tokens must be 1-D, got shape {tuple(tokens.shape)}")
+            raise ValueError(f"{where}: tokens must be 1-D, got shape {tuple(tokens.shape)}")
         t = tokens.to(torch.int64)
     else:
         if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
-            raise ValueError(f"stream {i}: tokens must be a sequence of ints or a 1-D tensor, "
+            raise ValueError(f"{where}: tokens must be a sequence of ints or a 1-D tensor, "
                              f"got {type(tokens).__name__}")
         bad = next((x for x in tokens if not isinstance(x, int) or isinstance(x, bool)), None)
         if bad is not None:
-            raise ValueError(f"stream {i}: token {bad!r} is not an int")
+            raise ValueError(f"{where}: token {bad!r} is not an int")
         try:
             t = torch.tensor(list(tokens), dtype=torch.int64)
         except (ValueError, RuntimeError, OverflowError):  # an int beyond int64 (torch versions differ)
-            raise ValueError(f"stream {i}: a token id does not fit in int64") from None
+            raise ValueError(f"{where}: a token id does not fit in int64") from None
     if t.numel() == 0:
-        raise ValueError(f"stream {i}: empty stream (no tokens)")
+        raise ValueError(f"{where} is empty (no tokens)")
     return t
 
 
-def _check_ids(tokens: list[torch.Tensor], vocab_size: int) -> None:
-    """ValueError naming the first stream with a token id outside [0, vocab_size). One min / max over
-    each device's tokens together (a decode batch is many one-token streams); per stream only to name
-    the culprit."""
+def check_token_ids(tokens: list[torch.Tensor], vocab_size: int, what: str = "stream") -> None:
+    """ValueError naming the first of `tokens` (f"{what} {i}") with an id outside [0, vocab_size). One
+    min / max over each device's tokens together (a decode batch is many one-token streams); per
+    stream only to name the culprit."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tokens:
         by_device.setdefault(t.device, []).append(t)
@@ -144,7 +146,7 @@ def _check_ids(tokens: list[torch.Tensor], vocab_size: int) -> None:
         for i, t in enumerate(tokens):
             lo, hi = int(t.min()), int(t.max())
             if lo < 0 or hi >= vocab_size:
-                raise ValueError(f"stream {i}: token id {lo if lo < 0 else hi} is out of range [0, {vocab_size})")
+                raise ValueError(f"{what} {i}: token id {lo if lo < 0 else hi} is out of range [0, {vocab_size})")
 
 
 def validate(streams, cache: HybridCache, vocab_size: int) -> list[torch.Tensor]:
@@ -171,13 +173,13 @@ def validate(streams, cache: HybridCache, vocab_size: int) -> list[torch.Tensor]
         if s.slot in seen:
             raise ValueError(f"stream {i}: duplicate slot {s.slot} (also used by stream {seen[s.slot]})")
         seen[s.slot] = i
-        t = _token_tensor(i, s.tokens, cache.device)
+        t = token_tensor(s.tokens, f"stream {i}", cache.device)
         ctx = cache.context_lens[s.slot]
         if ctx + t.numel() > cache.max_context:
             raise ValueError(f"stream {i}: slot {s.slot} holds {ctx} tokens; {t.numel()} more exceed the "
                              f"cache's capacity of {cache.max_context} tokens per slot")
         tokens.append(t)
-    _check_ids(tokens, vocab_size)
+    check_token_ids(tokens, vocab_size)
     need = sum(cache.blocks_needed(s.slot, t.numel()) for s, t in zip(streams, tokens))
     if need > cache.free_blocks:
         raise ValueError(f"the batch needs {need} more KV blocks but the cache has {cache.free_blocks} free "

@@ -34,7 +34,7 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from .batch import Stream
+from .batch import Stream, check_token_ids, token_tensor
 from .model import HybridModel
 from .sampling import check_params, new_generator, sample
 from .scheduler import Request, Scheduler
@@ -224,9 +224,14 @@ class Engine:
         if seed is not None and not _is_int(seed):
             raise ValueError(f"seed must be an integer or None, got {seed!r}")
         stops = self.stop_token_ids if stop_token_ids is None else self._check_stop_ids(stop_token_ids)
+        ids_of = [self._prompt_ids(i, prompt) for i, prompt in enumerate(prompts)]
+        check_token_ids(ids_of, self.model.config.vocab_size, what="prompt")
         requests = []
-        for i, prompt in enumerate(prompts):
-            ids = self._prompt_ids(i, prompt)
+        for i, ids in enumerate(ids_of):
+            ids = ids.tolist()
+            if len(ids) >= self.max_context:
+                raise ValueError(f"prompt {i} has {len(ids)} tokens; max_context is {self.max_context} and a "
+                                 f"prompt must leave room for at least one new token (at most {self.max_context - 1})")
             max_new = min(max_new_tokens, self.max_context - len(ids))
             gen = None if params.greedy else new_generator(None if seed is None else seed + i)
             r = Request(i, ids, max_new, params, gen)
@@ -237,36 +242,17 @@ class Engine:
             requests.append(r)
         return requests, stops
 
-    def _prompt_ids(self, i: int, prompt) -> list[int]:
+    def _prompt_ids(self, i: int, prompt) -> torch.Tensor:
+        """Prompt i's token ids (text through the tokenizer), type-checked as a batch's streams are."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"prompt {i} is a string but the engine has no tokenizer: pass token ids, or "
                                  "Engine(model, tokenizer=folder_or_object)")
-            ids = list(self.tokenizer.encode(prompt))
-        elif isinstance(prompt, torch.Tensor):
-            if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype.is_complex \
-                    or prompt.dtype == torch.bool:
-                raise ValueError(f"prompt {i}: a tensor prompt must be 1-D of an integer dtype, got shape "
-                                 f"{tuple(prompt.shape)} and dtype {prompt.dtype}")
-            ids = prompt.tolist()
-        elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
-            ids = list(prompt)
-            bad = next((x for x in ids if not _is_int(x)), None)
-            if bad is not None:
-                raise ValueError(f"prompt {i}: token {bad!r} is not an int")
-        else:
+            prompt = list(self.tokenizer.encode(prompt))
+        elif prompt is None or isinstance(prompt, bytes) or not isinstance(prompt, (Sequence, torch.Tensor)):
             raise ValueError(f"prompt {i}: expected a list of token ids, a 1-D int tensor or a string, got "
                              f"{type(prompt).__name__}")
-        vocab = self.model.config.vocab_size
-        if not ids:
-            raise ValueError(f"prompt {i} is empty")
-        bad = next((x for x in ids if not 0 <= x < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt {i}: token id {bad} is out of range [0, {vocab})")
-        if len(ids) >= self.max_context:
-            raise ValueError(f"prompt {i} has {len(ids)} tokens; max_context is {self.max_context} and a prompt "
-                             f"must leave room for at least one new token (at most {self.max_context - 1})")
-        return ids
+        return token_tensor(prompt, f"prompt {i}", self.model.device)
 
     def _check_stop_ids(self, stop_token_ids) -> frozenset:
         if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (Sequence, set, frozenset)):

@@ -100,7 +100,7 @@ def test_runner_bad_input_touches_nothing():
     runner = GraphRunner(model, cache, batch_sizes=[2], token_counts=[64])
     snap = [t.clone() for t in cache.state_tensors()]
     for bad, msg in [([Stream(3, [1])], "unknown slot 3"), ([Stream(0, [1]), Stream(0, [2])], "duplicate slot 0"),
-                     ([Stream(0, [])], "empty stream"), ([Stream(0, [512])], "out of range"),
+                     ([Stream(0, [])], "stream 0 is empty"), ([Stream(0, [512])], "out of range"),
                      ([Stream(0, [1] * 65)], "capacity of 64")]:
         with pytest.raises(ValueError, match=msg):
             runner.prefill(bad)

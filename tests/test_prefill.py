@@ -78,7 +78,7 @@ BAD_BATCHES = [
     pytest.param(lambda c: [Stream(c.scratch_slot, [1])], "unknown slot", id="scratch-slot"),
     pytest.param(lambda c: [Stream(1.0, [1])], "slot must be an int", id="float-slot"),
     pytest.param(lambda c: [Stream(2, [1]), Stream(2, [3])], "duplicate slot 2", id="duplicate-slot"),
-    pytest.param(lambda c: [Stream(0, [1]), Stream(1, [])], "empty stream", id="empty-stream"),
+    pytest.param(lambda c: [Stream(0, [1]), Stream(1, [])], "stream 1 is empty", id="empty-stream"),
     pytest.param(lambda c: [Stream(0, [1, VOCAB])], f"token id {VOCAB} is out of range", id="token-too-big"),
     pytest.param(lambda c: [Stream(0, [-3, 1])], "token id -3 is out of range", id="negative-token"),
     pytest.param(lambda c: [Stream(0, [1]), Stream(1, [2, VOCAB + 5]), Stream(2, [-1])],
