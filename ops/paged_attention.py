@@ -117,8 +117,10 @@ def _attention_configs():
 @triton.jit
 def _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr, b, kvh, n0, hi, q_pos, d, md, qk_scale,
                  stride_cb, stride_cs, stride_ch, stride_bt, BS, BN: tl.constexpr, MASKED: tl.constexpr,
-                 IEEE: tl.constexpr):
-    """One online-softmax step over keys [n0, n0 + BN); MASKED tiles apply the causal / length mask."""
+                 IEEE: tl.constexpr, EMPTY_ROWS: tl.constexpr):
+    """One online-softmax step over keys [n0, n0 + BN) below `hi`; MASKED tiles apply the causal /
+    length mask. EMPTY_ROWS: a row may have seen no key yet (a split-K part that starts past its
+    position); it stays at m = -inf, l = 0, acc = 0 instead of computing exp2(-inf - -inf)."""
     kpos = n0 + tl.arange(0, BN)
     mk = kpos < hi
     blk = tl.load(bt_ptr + b * stride_bt + kpos // BS, mask=mk, other=0).to(tl.int64)
@@ -132,9 +134,13 @@ def _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr, b, kvh, n0, hi, q_p
     s = s * qk_scale  # log2 domain: exp2 below
     if MASKED:
         s = tl.where((kpos[None, :] <= q_pos[:, None]) & mk[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # key 0 is visible to every row: m_new is finite
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # without EMPTY_ROWS key 0 is visible to every row: finite
+    if EMPTY_ROWS:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_cache + kv_off, mask=kv_mask, other=0.0)
     if IEEE:
@@ -177,10 +183,10 @@ def _paged_attention_kernel(q_ptr, k_cache, v_cache, o_ptr, work_ptr, cu_ptr, ct
     full = ((ctx + qb * BM) // BN) * BN
     for n0 in range(0, full, BN):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr, b, kvh, n0, hi, q_pos, d, md,
-                                     qk_scale, stride_cb, stride_cs, stride_ch, stride_bt, BS, BN, False, IEEE)
+                                     qk_scale, stride_cb, stride_cs, stride_ch, stride_bt, BS, BN, False, IEEE, False)
     for n0 in range(full, hi, BN):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr, b, kvh, n0, hi, q_pos, d, md,
-                                     qk_scale, stride_cb, stride_cs, stride_ch, stride_bt, BS, BN, True, IEEE)
+                                     qk_scale, stride_cb, stride_cs, stride_ch, stride_bt, BS, BN, True, IEEE, False)
     out = acc / l_i[:, None]
     tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=mq[:, None] & md[None, :])
@@ -310,32 +316,10 @@ def _paged_decode_kernel(q_ptr, k_cache, v_cache, m_ptr, l_ptr, acc_ptr, cu_ptr,
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-            for n0 in range(lo, end, BN):
-                kpos = n0 + tl.arange(0, BN)
-                mk = kpos < end
-                blk = tl.load(bt_ptr + b * stride_bt + kpos // BS, mask=mk, other=0).to(tl.int64)
-                kv_off = blk[:, None] * stride_cb + (kpos % BS)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-                kv_mask = mk[:, None] & md[None, :]
-                k = tl.load(k_cache + kv_off, mask=kv_mask, other=0.0)
-                if IEEE:
-                    s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k))
-                s = tl.where((kpos[None, :] <= q_pos[:, None]) & mk[None, :], s * qk_scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                # a row may see no key of this split yet (its position is below the tile's last): keep
-                # it at m = -inf, l = 0, acc = 0 instead of exp2(-inf - -inf)
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_safe)
-                p = tl.exp2(s - m_safe[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                v = tl.load(v_cache + kv_off, mask=kv_mask, other=0.0)
-                if IEEE:
-                    pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-                else:
-                    pv = tl.dot(p.to(v.dtype), v)
-                acc = acc * alpha[:, None] + pv
-                m_i = m_new
+            for n0 in range(lo, end, BN):  # a row may see no key of this split yet: EMPTY_ROWS
+                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr, b, kvh, n0, end, q_pos, d,
+                                             md, qk_scale, stride_cb, stride_cs, stride_ch, stride_bt, BS, BN=BN,
+                                             MASKED=True, IEEE=IEEE, EMPTY_ROWS=True)
             part = (rows * HQ + head) * NS + sp  # [T, HQ, NS] partials
             tl.store(m_ptr + part, m_i, mask=mq)
             tl.store(l_ptr + part, l_i, mask=mq)
