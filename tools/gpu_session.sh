@@ -6,6 +6,12 @@
 # moe: the 35B-A3B and (12 layers) Qwen3-Next-80B-A3B workloads with the peer, the 35B-A3B default-grid warmup; tp: the two-GPU benchmarks
 # (9B W2 / W5 against the one-GPU JSON in benchmarks/, 27B W1-W6). `setup` only installs (source it
 # with `. tools/gpu_session.sh setup` to keep the environment).
+# Wall times measured on H200s (2026-11-30; plan device time by them, 10 minutes per call at most):
+#   test_gpu_sweep -n 8 ~4.5 min; test_gpu_ops ~5.5 min (beside another job); test_gpu_model + capture +
+#   engine ~1.8 min; test_gpu_moe ~3.5 min (one family); test_gpu_tp ~0.6 min;
+#   bench (9B, all workloads, peer, --generate) ~5.5 min; bench 35B-A3B W1-W6 ~1.5 min; 35B warmup ~2.5 min;
+#   bench --tp 2 9B W2,W5 ~1.5 min; bench --tp 2 27B W1-W6 ~2.5 min. On `nvidia-h200-x2` two one-GPU
+#   steps can run side by side (CUDA_VISIBLE_DEVICES=0 / 1).
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/metrale_out}
