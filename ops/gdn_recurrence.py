@@ -101,49 +101,67 @@ def gdn_recurrence_ref(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state):
 # number of sequences and the total chunk count sum(ceil(len_i / 64)) stay fixed, its chunk
 # indices come in explicitly (its own preparation syncs with the host) and its identity-keyed
 # tensor cache is off (a captured graph would keep stale offsets). So every call lays the T
-# tokens out chunk-aligned in a buffer of NT = ceil(T/64) + B chunks, an upper bound of the
-# chunk count that depends on shapes alone: stream b starts at a multiple of 64, identity
-# tokens (g = 0, beta = 0, k = q = v = 0, which leave a state unchanged) fill the gaps, and one
-# absorber sequence from the scratch-state zero takes the chunks left over. Sequences: B + 1;
-# chunks: NT; both fixed for a bucket. All index math runs on the device.
+# tokens out chunk-aligned in a buffer of NT chunks, an upper bound of the chunk count that
+# depends on shapes alone: stream b starts at a multiple of 64, identity tokens (g = 0, beta = 0,
+# k = q = v = 0, which leave a state unchanged) fill the gaps, and one absorber sequence from the
+# scratch-state zero takes the chunks left over. Sequences: B + 1; chunks: NT; both fixed for a
+# bucket. All index math runs on the device.
+#
+# Laying out every stream would give each one-token decode of a mixed step (decodes with a prompt
+# chunk, not decode-shaped) a chunk of its own: 31 decodes + 512 prompt tokens, 41 chunks. So calls
+# that are not decode-shaped and have several streams are split, by lengths read on the device
+# (gdn_recurrence_split): streams of at most SHORT = 64 tokens are left out of the layout (length 0
+# there; their slots get their state back unchanged), then the recurrent kernel runs them straight
+# on the pool and writes their rows of the same output. Only streams longer than SHORT take chunks,
+# at most T // (SHORT + 1) of them, so NT = ceil(T/64) + min(B, T // 65) (the mixed step: 17), never
+# more than the ceil(T/64) + B of laying out every stream. A batch of long streams pays only the
+# recurrent kernel's launch (its programs return at once); a single stream stays on the chunked path.
 CHUNK = 64
 
 
-def aligned_layout(cu_seqlens: Tensor, num_tokens: int) -> tuple[Tensor, Tensor, Tensor, int]:
-    """Device-side chunk-aligned layout of T packed tokens.
+def aligned_layout(cu_seqlens: Tensor, num_tokens: int, short: int = 0) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Device-side chunk-aligned layout of the T packed tokens of the streams longer than `short`.
 
-    Returns dest [T] int64 (the aligned row of each token; T_al for tokens in no stream),
-    cu_aligned [B+2] int64 (B streams + the absorber), chunk_indices [NT, 2] int64 rows
-    (sequence, chunk within sequence), and T_al = 64 * NT with NT = ceil(T / 64) + B.
+    Returns dest [T] int64 (the aligned row of each token; T_al for tokens in no stream or in a
+    stream of at most `short` tokens), cu_aligned [B+2] int64 (B streams, those of at most `short`
+    tokens at length 0, + the absorber), chunk_indices [NT, 2] int64 rows (sequence, chunk within
+    sequence), and T_al = 64 * NT with NT = ceil(T / 64) + min(B, T // (short + 1)): each stream
+    in the layout adds at most one partial chunk, and at most T // (short + 1) streams are longer
+    than `short`.
     """
     B = cu_seqlens.shape[0] - 1
     dev = cu_seqlens.device
-    NT = -(-num_tokens // CHUNK) + B
+    NT = -(-num_tokens // CHUNK) + min(B, num_tokens // (short + 1))
     T_al = NT * CHUNK
     cu = cu_seqlens.long()
-    counts = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK
+    lengths = cu[1:] - cu[:-1]
+    laid = lengths > short  # the streams in the layout
+    counts = torch.where(laid, lengths + CHUNK - 1, 0) // CHUNK
     # device ops only (a scalar written into a CUDA tensor is a host-to-device copy, not capturable)
     chunk_off = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0), counts.new_full((1,), NT)])
     t = torch.arange(num_tokens, device=dev)
-    b = torch.searchsorted(cu[1:], t, right=True)
+    b = torch.searchsorted(cu[1:], t, right=True)  # B for tokens past the last stream
     bc = b.clamp(max=max(B - 1, 0))
-    dest = torch.where(b < B, chunk_off[bc] * CHUNK + t - cu[bc], T_al)
+    in_layout = torch.cat([laid, laid.new_zeros(1)])[b]
+    dest = torch.where(in_layout, chunk_off[bc] * CHUNK + t - cu[bc], T_al)
     c = torch.arange(NT, device=dev)
     seq = torch.searchsorted(chunk_off, c, right=True) - 1
     chunk_indices = torch.stack([seq, c - chunk_off[seq]], 1)
     return dest, chunk_off * CHUNK, chunk_indices, T_al
 
 
-def gdn_recurrence_aligned(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, varlen_fn):
+def gdn_recurrence_aligned(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, varlen_fn, short=0):
     """Gather states, lay tokens out chunk-aligned, run `varlen_fn`, scatter states and outputs back.
 
     varlen_fn(q, k, v, g, beta, cu_aligned, chunk_indices, h0) -> (o [T_al, HV, V], final [B+1, HV, K, V])
     computes the gated delta rule over aligned sequences (q unscaled, scale K**-0.5 inside).
+    Streams of at most `short` tokens are left out (aligned_layout): their slots get their state
+    back unchanged and their output rows are unspecified, for the caller to compute.
     """
     T, H, K = q.shape
     HV, V = v.shape[1:]
     B = slot_ids.shape[0]
-    dest, cu_al, chunk_indices, T_al = aligned_layout(cu_seqlens, T)
+    dest, cu_al, chunk_indices, T_al = aligned_layout(cu_seqlens, T, short)
 
     def aligned(x):
         buf = x.new_zeros((T_al + 1,) + tuple(x.shape[1:]))  # + a dump row for tokens in no stream
@@ -153,7 +171,7 @@ def gdn_recurrence_aligned(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, va
     h0 = torch.cat([gdn_state.index_select(0, slot_ids), gdn_state.new_zeros(1, HV, K, V)])
     o_al, final = varlen_fn(aligned(q), aligned(k), aligned(v), aligned(g), aligned(beta), cu_al, chunk_indices, h0)
     gdn_state.index_copy_(0, slot_ids, final[:B])
-    return o_al.index_select(0, dest.clamp(max=T_al - 1))  # rows of tokens in no stream: unspecified
+    return o_al.index_select(0, dest.clamp(max=T_al - 1))  # rows of tokens outside the layout: unspecified
 
 
 _fla_fwd = None
@@ -185,17 +203,19 @@ def fla_varlen(q, k, v, g, beta, cu_aligned, chunk_indices, h0):
 # into the same pool row. No layout, no gather / scatter, one launch; its grid (B, HV, cdiv(V, BV))
 # follows from shapes. Each program reads and writes only its own slice of its own slot, and slots of
 # non-empty streams are distinct, so updating the pool in place is safe. A zero-length stream's
-# programs return before touching anything.
-@triton.jit
+# programs return before touching anything, and so do those of streams longer than max_len (a split
+# call: the chunked path has computed them; decode-shaped calls pass T, taking every stream).
+# max_len is not specialized on (one compiled kernel whatever the bucket's T).
+@triton.jit(do_not_specialize=["max_len"])
 def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, cu_ptr, slot_ptr, scale, R, K, V,
-                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh,
-                          stride_bt, stride_bh, stride_ot, stride_oh, stride_s0, stride_s1, stride_s2, stride_s3,
-                          BK: tl.constexpr, BV: tl.constexpr):
+                          max_len, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt,
+                          stride_gh, stride_bt, stride_bh, stride_ot, stride_oh, stride_s0, stride_s1, stride_s2,
+                          stride_s3, BK: tl.constexpr, BV: tl.constexpr):
     b = tl.program_id(0)
     hv = tl.program_id(1)
     start = tl.load(cu_ptr + b)
     end = tl.load(cu_ptr + b + 1)
-    if end > start:  # a zero-length (padding) stream reads and writes nothing
+    if (end > start) & (end - start <= max_len):  # others (padding, long streams) read and write nothing
         h = hv // R  # the key head of this value head
         kk = tl.arange(0, BK)
         vv = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -240,19 +260,24 @@ def recurrent_tiles(K: int, V: int) -> tuple[int, int, int]:
     return BK, min(8, triton.next_power_of_2(V)), 1 if BK <= 128 else 2
 
 
-def gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state):
+def gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, max_len=None, o=None):
     """The gated delta rule token by token, each stream from and back into its pool row (one launch,
-    no host sync). Exact for any lengths; sequential in each stream's length."""
+    no host sync). Exact for any lengths; sequential in each stream's length.
+
+    Streams longer than `max_len` (default: none) are left alone: their slots and output rows are not
+    touched. `o` (default: a fresh [T, HV, V] in v's dtype) receives the other streams' rows.
+    """
     T, H, K = q.shape
     HV, V = v.shape[1:]
     B = slot_ids.shape[0]
-    o = torch.empty((T, HV, V), dtype=v.dtype, device=v.device)  # rows of tokens in no stream: unspecified
+    if o is None:
+        o = torch.empty((T, HV, V), dtype=v.dtype, device=v.device)  # rows of tokens in no stream: unspecified
     if T == 0 or B == 0:
         return o
     q, k, v = (x if x.stride(2) == 1 else x.contiguous() for x in (q, k, v))
     BK, BV, warps = recurrent_tiles(K, V)
     _gdn_recurrent_kernel[(B, HV, triton.cdiv(V, BV))](
-        q, k, v, g, beta, o, gdn_state, cu_seqlens, slot_ids, K**-0.5, HV // H, K, V,
+        q, k, v, g, beta, o, gdn_state, cu_seqlens, slot_ids, K**-0.5, HV // H, K, V, T if max_len is None else max_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
         beta.stride(0), beta.stride(1), o.stride(0), o.stride(1), *gdn_state.stride(),
         BK=BK, BV=BV, num_warps=warps)
@@ -264,12 +289,38 @@ def use_recurrent(q: Tensor, slot_ids: Tensor) -> bool:
     return decode_shaped(slot_ids.shape[0], q.shape[0])
 
 
+SHORT = 64
+
+
+def split_max_len(num_streams: int) -> int:
+    """In a call that is not decode-shaped, streams of at most this many tokens take the recurrent kernel
+    and longer ones the chunked path: SHORT with several streams; 0 with one (all of it chunked, no
+    second launch). Static sizes only."""
+    return SHORT if num_streams > 1 else 0
+
+
+def gdn_recurrence_split(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, varlen_fn):
+    """A call that is not decode-shaped: the chunked path (`varlen_fn` on the aligned layout) over the
+    streams longer than split_max_len(B), then the recurrent kernel over the others, into the same output.
+
+    In this order: the chunked path writes every slot of the batch back (the short streams' unchanged),
+    then the recurrent kernel updates the short streams' slots in place and writes their rows of o.
+    Which stream goes where is decided on the device (cu_seqlens); shapes depend on (B, T) only.
+    """
+    max_len = split_max_len(slot_ids.shape[0])
+    o = gdn_recurrence_aligned(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, varlen_fn, max_len)
+    if max_len:
+        gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, max_len, o)
+    return o
+
+
 @gdn_recurrence.register_kernel("cuda")
 def gdn_recurrence_cuda(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state):
+    """Decode-shaped calls: the recurrent kernel on every stream; others: gdn_recurrence_split with fla."""
     _check(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state)
     if use_recurrent(q, slot_ids):
         return gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state)
-    return gdn_recurrence_aligned(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, fla_varlen)
+    return gdn_recurrence_split(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, fla_varlen)
 
 
 def example(s: Shapes, dtype, g):
@@ -285,11 +336,16 @@ def example(s: Shapes, dtype, g):
 
 
 def cost(s: Shapes):
-    """Chunked form, chunk 64: kk^T, w / u, state update and read, intra-chunk output; decode-shaped
-    calls (the recurrent kernel): decay, S^T k, the rank-1 update and S^T q per token."""
-    per = 2 * (3 * s.K * s.V) if decode_shaped(s.B, s.T) else 2 * (192 * s.K + 128 * s.V + 3 * s.K * s.V)
-    return (s.T * s.HV * per,
-            2 * (s.T * 2 * s.H * s.K + 2 * s.T * s.HV * s.V) + 6 * s.T * s.HV + 8 * s.B * s.HV * s.K * s.V)
+    """Per token: the chunked form, chunk 64 (kk^T, w / u, state update and read, intra-chunk output), or
+    for the recurrent kernel's tokens (decode-shaped calls; otherwise streams of <= split_max_len(B)
+    tokens) decay, S^T k, the rank-1 update and S^T q. Each slot of the batch is read and written once,
+    a short stream's of a split call twice (the chunked path hands it back, the recurrent kernel updates it)."""
+    decode = decode_shaped(s.B, s.T)
+    short = [n for n in s.lengths if decode or n <= split_max_len(s.B)]
+    T_rec, again = sum(short), 0 if decode else sum(n > 0 for n in short)
+    per_rec, per_chunked = 2 * (3 * s.K * s.V), 2 * (192 * s.K + 128 * s.V + 3 * s.K * s.V)
+    return (s.HV * (T_rec * per_rec + (s.T - T_rec) * per_chunked),
+            2 * (s.T * 2 * s.H * s.K + 2 * s.T * s.HV * s.V) + 6 * s.T * s.HV + 8 * (s.B + again) * s.HV * s.K * s.V)
 
 
 # fla 0.6.0's chunk kernels, by name

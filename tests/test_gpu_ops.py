@@ -1,8 +1,10 @@
 """On a GPU: every phase op's CUDA path against its CPU reference on upcast inputs (9B head
 dims, ragged lengths up to 4097, with and without prior state; then head, rotary and block sizes
 that are not powers of two, on the real fla recurrence; then decode-shaped batches at 9B head dims,
-which take the recurrent GDN kernel and split-K attention), and every op captured alone in a CUDA
-graph, replayed with other lengths and slots of the same bucket (a prefill bucket and a decode one).
+which take the recurrent GDN kernel and split-K attention, and mixed steps that are not, where the GDN
+op splits its streams between fla and the recurrent kernel), and every op captured alone in a CUDA
+graph, replayed with other lengths and slots of the same bucket (a prefill bucket, a decode one and a
+mixed one).
 The MoE op also at realistic expert counts and sizes, and replayed with other routings (other group
 sizes) of the same bucket."""
 
@@ -81,7 +83,13 @@ DECODE_OPS = ("causal_conv1d", "gdn_recurrence", "paged_attention")
 DECODE_BUCKET = Shapes(lengths=(1,) * 8, context=(2047, 0, 5, 1000, 64, 63, 300, 1), num_slots=8, num_blocks=8 * 33,
                        **NINE_B)
 DECODE_REPLAY = replace(DECODE_BUCKET, lengths=(3, 1, 0, 1, 1, 1, 1, 0), context=(100, 2047, 0, 7, 1500, 0, 64, 0))
-BUCKETS = {"prefill": (BIG, REPLAY), "decode": (DECODE_BUCKET, DECODE_REPLAY)}
+# mixed steps, not decode-shaped (the GDN op's split path): 31 one-token decodes after contexts and a 512-token
+# prompt chunk; the same bucket with long, boundary (64 / 65), zero-length and one-token streams elsewhere
+MIXED = Shapes(lengths=(1,) * 31 + (512,), context=tuple(64 * i for i in range(31)) + (0,), num_slots=32,
+               num_blocks=32 * 40, **NINE_B)
+MIXED_REPLAY = replace(MIXED, lengths=(300, 0, 65, 64) + (1,) * 27 + (87,),
+                       context=(0, 0, 5, 1000) + tuple(70 * i for i in range(27)) + (100,))
+BUCKETS = {"prefill": (BIG, REPLAY), "decode": (DECODE_BUCKET, DECODE_REPLAY), "mixed": (MIXED, MIXED_REPLAY)}
 
 
 def check_cuda_op(name, case):
@@ -124,6 +132,13 @@ def test_cuda_op_odd_shapes_match_reference(name, case):
 @pytest.mark.parametrize("name", DECODE_OPS)
 def test_cuda_op_decode_shapes_match_reference(name, case):
     assert decode_shaped(case.B, case.T)
+    check_cuda_op(name, case)
+
+
+@pytest.mark.parametrize("case", [MIXED, MIXED_REPLAY], ids=["31x1+512", "300-0-65-64-27x1-87"])
+@pytest.mark.parametrize("name", DECODE_OPS)
+def test_cuda_op_mixed_steps_match_reference(name, case):
+    assert not decode_shaped(case.B, case.T)
     check_cuda_op(name, case)
 
 

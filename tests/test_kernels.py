@@ -3,7 +3,8 @@
 Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors (conftest sets
 TRITON_INTERPRET=1); flash-linear-attention does not run there, so the recurrence's chunked path is
 checked through its chunk-aligned layout with the reference as the varlen kernel (the fla call
-itself is covered by the GPU tests); its recurrent kernel (decode-shaped calls) runs here. The
+itself is covered by the GPU tests), alone and split with the recurrent kernel (short streams of
+calls that are not decode-shaped); its recurrent kernel (decode-shaped calls) runs here. The
 decode paths are also checked directly on any lengths, and their choice against static sizes.
 """
 
@@ -53,7 +54,8 @@ def check_against_reference(name, impl, case, dtype, seed=0):
 @pytest.mark.parametrize("name", list(CUDA_IMPLS))
 def test_cuda_impl_matches_reference(name, case, dtype):
     if name == "gdn_recurrence" and not decode_shaped(case.B, case.T) and DEVICE == "cpu":
-        pytest.skip("the chunked path runs fla (GPU tests); here: test_recurrence_aligned_layout_is_exact")
+        pytest.skip("the chunked path runs fla (GPU tests); here: test_recurrence_aligned_layout_is_exact, "
+                    "test_split_path_matches_reference")
     check_against_reference(name, CUDA_IMPLS[name], case, dtype)
 
 
@@ -77,22 +79,40 @@ def test_recurrence_aligned_layout_is_exact(case):
     assert torch.equal(out, ref) and torch.equal(test_args[-1], args[-1])
 
 
-def test_aligned_layout_chunk_count_is_fixed():
-    """Any lengths with the same (B, T) give the same number of sequences and chunks."""
+@pytest.mark.parametrize("short", [0, gdn_recurrence.SHORT])
+def test_aligned_layout_chunk_count_is_fixed(short):
+    """Any lengths with the same (B, T) give the same number of sequences and chunks; streams of at most
+    `short` tokens are left out (length 0, their tokens on the dump row T_al), the others keep their
+    tokens in order from a chunk boundary, and the chunks fit (the absorber's length is not negative)."""
     shapes = set()
-    for lengths in ([1, 1, 126], [64, 64, 0], [100, 27, 1], [0, 0, 128]):
+    for lengths in ([1, 1, 126], [64, 64, 0], [100, 27, 1], [0, 0, 128], [65, 63, 0], [1, 126, 1]):
         cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
-        dest, cu_al, chunks, T_al = gdn_recurrence.aligned_layout(cu, 128)
+        dest, cu_al, chunks, T_al = gdn_recurrence.aligned_layout(cu, 128, short)
         shapes.add((cu_al.shape, chunks.shape, T_al))
-        assert len(set(dest.tolist())) == 128
+        assert T_al == gdn_recurrence.CHUNK * (2 + min(3, 128 // (short + 1)))
+        assert (cu_al[1:] >= cu_al[:-1]).all() and (cu_al % gdn_recurrence.CHUNK == 0).all()
+        for b, n in enumerate(lengths):
+            rows = dest[cu[b]:cu[b + 1]]
+            if n > short:
+                assert cu_al[b + 1] - cu_al[b] == -(-n // gdn_recurrence.CHUNK) * gdn_recurrence.CHUNK
+                assert torch.equal(rows, cu_al[b] + torch.arange(n))
+            else:
+                assert cu_al[b + 1] == cu_al[b] and (rows == T_al).all()
     assert len(shapes) == 1
+
+
+def test_mixed_step_chunk_count():
+    """31 one-token decodes and a 512-token prompt chunk: 17 chunks in the split layout, not 41."""
+    cu = torch.tensor([0] + list(range(1, 32)) + [543], dtype=torch.int32)
+    assert gdn_recurrence.aligned_layout(cu, 543)[2].shape[0] == 41
+    assert gdn_recurrence.aligned_layout(cu, 543, gdn_recurrence.split_max_len(32))[2].shape[0] == 17
 
 
 def _recurrence_path(*args):
     """The recurrence's CUDA path, with the reference in fla's place on its chunked path."""
     if gdn_recurrence.use_recurrent(args[0], args[6]):
         return gdn_recurrence.gdn_recurrence_cuda(*args)
-    return gdn_recurrence.gdn_recurrence_aligned(*args, _reference_varlen)
+    return gdn_recurrence.gdn_recurrence_split(*args, _reference_varlen)
 
 
 CUDA_PATHS = dict(CUDA_IMPLS, gdn_recurrence=_recurrence_path)
@@ -102,9 +122,9 @@ CUDA_PATHS = dict(CUDA_IMPLS, gdn_recurrence=_recurrence_path)
 @pytest.mark.parametrize("impl", ["reference", "cuda"])
 @pytest.mark.parametrize("name", list(REGISTRY))
 def test_outputs_alias_nothing(name, impl, case):
-    """Fresh outputs from the CPU reference and the CUDA path (recurrence: the recurrent kernel or the
-    aligned layout) for every case; T = 1 and T = 0 are where a slice or reshape of one GEMM output
-    comes back as a view.
+    """Fresh outputs from the CPU reference and the CUDA path (recurrence: the recurrent kernel, or the
+    aligned layout then the recurrent kernel on short streams) for every case; T = 1 and T = 0 are where
+    a slice or reshape of one GEMM output comes back as a view.
     fp32 only: there dtype casts are no-ops that could hand back their input."""
     if impl == "cuda" and name not in CUDA_PATHS:
         pytest.skip(f"metrale::{name} has no CUDA path yet")
@@ -136,6 +156,52 @@ def test_recurrent_kernel_matches_reference(case, dtype):
     out = gdn_recurrence.gdn_recurrence_recurrent(*test_args)
     assert out.dtype == args[2].dtype
     assert_close("o", ref, out.cpu(), TOL[dtype])
+    state, before = test_args[-1].cpu(), args[-1]
+    assert_close("gdn_state", ref_args[-1], state, TOL[dtype])
+    touched = set(args[6][args[5][1:] > args[5][:-1]].tolist())
+    for slot in range(state.shape[0]):
+        if slot not in touched:
+            assert torch.equal(state[slot], before[slot]), f"slot {slot} outside the batch changed"
+
+
+# The split path (calls that are not decode-shaped), the reference in fla's place: a mixed step (one-token
+# decodes and a prompt chunk), the SHORT / SHORT + 1 boundary, all streams short, all long, a single stream
+# (chunked whole), padding streams among them, tokens in no stream. Tiny heads: the recurrent kernel runs
+# in the interpreter.
+def _split_case(lengths, **dims):
+    B = len(lengths)
+    return Shapes(lengths=lengths, context=(0,) * B, **dict(dict(H=1, HV=2, K=8, V=8), **dims), BS=512, num_blocks=B,
+                  num_slots=B + 2)
+
+
+SPLIT_CASES = [
+    (_split_case((1,) * 31 + (300,)), 0),
+    (_split_case((64, 65, 0, 1)), 0),
+    (_split_case((65, 64), H=2, HV=6, K=12, V=10), 0),
+    (_split_case((40, 64, 1, 0, 30)), 0),  # all short
+    (_split_case((70, 130, 66)), 0),  # all long
+    (_split_case((150,)), 0),
+    (_split_case((0, 3, 0, 90, 0, 1, 0)), 0),
+    (_split_case((2, 1, 100, 33)), 7),  # the last 7 tokens in no stream
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case,spare", SPLIT_CASES, ids=[f"{c.id}-spare{n}" for c, n in SPLIT_CASES])
+def test_split_path_matches_reference(case, spare, dtype):
+    """Outputs of tokens in streams and every pool row against the token-by-token reference on upcast
+    inputs; rows of slots outside the batch (and of zero-length streams) bit-identical."""
+    assert not decode_shaped(case.B, case.T)
+    args = list(op_args("gdn_recurrence", case, dtype, seed=6))
+    args[5] = args[5].clone()
+    args[5][-1] -= spare
+    ref_args = upcast(clone_args(args, "cpu"))
+    test_args = clone_args(args, DEVICE)
+    ref = gdn_recurrence.gdn_recurrence_ref(*ref_args)
+    out = gdn_recurrence.gdn_recurrence_split(*test_args, _reference_varlen)
+    assert out.dtype == args[2].dtype and out.shape == args[2].shape
+    in_stream = case.T - spare
+    assert_close("o", ref[:in_stream], out.cpu()[:in_stream], TOL[dtype])
     state, before = test_args[-1].cpu(), args[-1]
     assert_close("gdn_state", ref_args[-1], state, TOL[dtype])
     touched = set(args[6][args[5][1:] > args[5][:-1]].tolist())
@@ -224,9 +290,9 @@ def _launch_log(monkeypatch):
             monkeypatch.setattr(module, n, _Launches(n, getattr(module, n), log))
     aligned = gdn_recurrence.gdn_recurrence_aligned
 
-    def chunked(*args):
-        log.append(("aligned", gdn_recurrence.aligned_layout(args[5], args[0].shape[0])[2].shape))
-        return aligned(*args[:-1], _reference_varlen)
+    def chunked(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, varlen_fn, short=0):
+        log.append(("aligned", gdn_recurrence.aligned_layout(cu_seqlens, q.shape[0], short)[2].shape))
+        return aligned(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, _reference_varlen, short)
 
     monkeypatch.setattr(gdn_recurrence, "gdn_recurrence_aligned", chunked)
     return log
@@ -247,7 +313,8 @@ SAME_BUCKET = {
 def test_path_choice_depends_only_on_static_sizes(bucket, monkeypatch):
     """Within a bucket the same kernels launch with the same grids whatever the lengths, contexts
     and slots (what makes a captured graph exact for every batch of the bucket); decode-shaped
-    buckets take the recurrent kernel and split-K, others the chunked layout and 64-row tiles."""
+    buckets take the recurrent kernel and split-K, others the chunked layout then the recurrent kernel
+    (short streams) and 64-row tiles."""
     log = _launch_log(monkeypatch)
     seen = []
     for case in SAME_BUCKET[bucket]:
@@ -264,7 +331,7 @@ def test_path_choice_depends_only_on_static_sizes(bucket, monkeypatch):
         assert names == ["_gdn_recurrent_kernel", "_kv_write_kernel", "_paged_decode_kernel",
                          "_paged_decode_merge_kernel"]
     else:
-        assert names == ["aligned", "_kv_write_kernel", "_paged_attention_kernel"]
+        assert names == ["aligned", "_gdn_recurrent_kernel", "_kv_write_kernel", "_paged_attention_kernel"]
 
 
 def test_stacked_is_a_view_of_adjacent_weights():
@@ -379,10 +446,8 @@ class _NoHostSync(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.T in (0, 1, 45, 150)], ids=lambda c: c.id)
-def test_moe_cuda_path_never_syncs(case, monkeypatch):
-    """The CUDA path (on CPU tensors, its Triton kernels in the interpreter) calls no op that syncs with
-    the host or has a data-dependent output shape; the Python-level escapes raise too."""
+def _forbid_python_syncs(monkeypatch):
+    """The Python-level escapes to the host (a tensor's value read into Python, data-sized results) raise."""
     def forbidden(name):
         def raise_(*args, **kwargs):
             raise AssertionError(f"host sync: {name}")
@@ -391,9 +456,29 @@ def test_moe_cuda_path_never_syncs(case, monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, forbidden(f"Tensor.{name}"))
     for name in ("bincount", "nonzero", "unique", "masked_select", "argwhere"):
         monkeypatch.setattr(torch, name, forbidden(f"torch.{name}"))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.T in (0, 1, 45, 150)], ids=lambda c: c.id)
+def test_moe_cuda_path_never_syncs(case, monkeypatch):
+    """The CUDA path (on CPU tensors, its Triton kernels in the interpreter) calls no op that syncs with
+    the host or has a data-dependent output shape; the Python-level escapes raise too."""
+    _forbid_python_syncs(monkeypatch)
     args = op_args("moe", case, torch.bfloat16, seed=2)
     with _NoHostSync():
         moe.moe_cuda(*args)
+
+
+@pytest.mark.parametrize("case", [c for c, _ in SPLIT_CASES[:2]], ids=lambda c: c.id)
+def test_recurrence_split_path_never_syncs(case, monkeypatch):
+    """The recurrence's split path (layout, state gather / scatter, the recurrent kernel in the interpreter)
+    likewise; a stand-in of fla's shapes replaces the reference, which reads lengths on the host."""
+    def varlen_shapes(q, k, v, g, beta, cu_aligned, chunk_indices, h0):
+        return torch.zeros_like(v), h0.clone()
+
+    _forbid_python_syncs(monkeypatch)
+    args = op_args("gdn_recurrence", case, torch.bfloat16, seed=2)
+    with _NoHostSync():
+        gdn_recurrence.gdn_recurrence_split(*args, varlen_shapes)
 
 
 _SM90_COMPILE = r"""
@@ -401,6 +486,7 @@ import importlib, sys
 import triton
 from triton.backends.compiler import GPUTarget
 moe = importlib.import_module("metrale_graph.ops.moe")
+gdn = importlib.import_module("metrale_graph.ops.gdn_recurrence")
 target = GPUTarget("cuda", 90, 32)
 backend = triton.compiler.make_backend(target)
 
@@ -426,14 +512,22 @@ smem.append(compile_(moe._moe_align_groups_kernel, dict(experts_ptr=I, first_ptr
                      steps="i32"), dict(BM=64, BLOCK_E=512), 4, 1))
 smem.append(compile_(moe._moe_align_rows_kernel, dict(order_ptr="*i64", first_ptr=I, start_ptr=I, ids_ptr=I,
                      block_expert_ptr=I, P="i32", E="i32"), dict(BM=64, BLOCK_E=512), 4, 1))
+B16, F32 = "*bf16", "*fp32"
+rec = dict(q_ptr=B16, k_ptr=B16, v_ptr=B16, g_ptr=F32, beta_ptr=B16, o_ptr=B16, state_ptr=F32, cu_ptr=I,
+           slot_ptr="*i64", scale="fp32")
+for K in (128, 256):
+    BK, BV, warps = gdn.recurrent_tiles(K, 128)
+    fn = gdn._gdn_recurrent_kernel
+    smem.append(compile_(fn, {n: rec.get(n, "i32") for n in fn.arg_names}, dict(BK=BK, BV=BV), warps, 3))
 assert max(smem) <= 232448, smem  # an H100 / H200 block's shared memory
 print("compiled", smem)
 """
 
 
-def test_moe_kernels_compile_for_sm90():
-    """The MoE Triton kernels through Triton's real compiler for sm_90 (PTX and ptxas, no GPU needed):
-    the interpreter runs Python and accepts what the compiler rejects (non-constexpr globals, types).
+def test_kernels_compile_for_sm90():
+    """The MoE Triton kernels and the GDN recurrent kernel through Triton's real compiler for sm_90 (PTX and
+    ptxas, no GPU needed): the interpreter runs Python and accepts what the compiler rejects (non-constexpr
+    globals, types).
     A subprocess: the interpreter is on in this one."""
     import os
     import subprocess
