@@ -69,12 +69,11 @@ def gdn_proj_ref(x, norm_w, qkv_w, z_w, b_w, a_w, A_log, dt_bias, eps):
 @gdn_proj.register_kernel("cuda")
 def gdn_proj_cuda(x, norm_w, qkv_w, z_w, b_w, a_w, A_log, dt_bias, eps):
     """Triton RMSNorm, then one GEMM over the four stacked projections (HybridModel stores them
-    back to back, so stacking is free)."""
+    back to back, so stacking is free), then both gates in one Triton kernel."""
     _check(x, norm_w, qkv_w, z_w, b_w, a_w, A_log, dt_bias)
     C, Z, HV = qkv_w.shape[0], z_w.shape[0], b_w.shape[0]
     y = kernels.rms_norm(x, norm_w, eps) @ kernels.stacked(qkv_w, z_w, b_w, a_w).t()
-    beta = torch.sigmoid(y[:, C + Z:C + Z + HV])
-    g = -A_log.float().exp() * F.softplus(y[:, C + Z + HV:].float() + dt_bias.float())
+    beta, g = kernels.gdn_gates(y, C + Z, C + Z + HV, A_log, dt_bias)
     # outputs of a custom op may not alias one another: the two big ones are copied out of y. Not
     # .contiguous(): with T <= 1 a column slice of y is already contiguous and would come back as a view
     fresh = torch.contiguous_format
@@ -93,5 +92,5 @@ def cost(s: Shapes):
     return 2 * s.T * s.D * n, 2 * (n * s.D + s.T * s.D + s.T * (s.C + s.HV * s.V)) + 8 * s.T * s.HV
 
 
-register(OpSpec(gdn_proj, gdn_proj_ref, example, cost, cuda=gdn_proj_cuda,
+register(OpSpec(gdn_proj, gdn_proj_ref, example, cost, cuda=gdn_proj_cuda, kernels=("gdn_gates",),
                 onnx="metrale_graph.onnx.translations:gdn_proj"))

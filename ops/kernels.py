@@ -22,18 +22,13 @@ def _rows(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-# RMSNorm (zero-centred weight), optionally fused with a residual add ------------------------
+# RMSNorm (zero-centred weight) -------------------------------------------------------------
 @triton.jit
-def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, h_ptr, y_ptr, N, stride_x, stride_d, eps,
-                     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, stride_x, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < N
     x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
-    if HAS_DELTA:
-        d = tl.load(d_ptr + row * stride_d + cols, mask=m, other=0.0)
-        x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)  # rounded like torch's add in x's dtype
-        tl.store(h_ptr + row * N + cols, x, mask=m)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
     w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
@@ -45,19 +40,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     x2 = _rows(x)
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     N = x2.shape[1]
-    _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, x2, y, N, x2.stride(0), 0, eps,
-                                     HAS_DELTA=False, BLOCK=triton.next_power_of_2(N))
+    _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, N, x2.stride(0), eps, BLOCK=triton.next_power_of_2(N))
     return y.view(x.shape)
-
-
-def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """h = x + delta (in x's dtype) and rms_norm(h), in one pass."""
-    x2, d2 = _rows(x), _rows(delta)
-    h, y = torch.empty_like(x2, memory_format=torch.contiguous_format), torch.empty_like(x2)
-    N = x2.shape[1]
-    _rms_norm_kernel[(x2.shape[0],)](x2, d2, weight, h, y, N, x2.stride(0), d2.stride(0), eps,
-                                     HAS_DELTA=True, BLOCK=triton.next_power_of_2(N))
-    return h.view(x.shape), y.view(x.shape)
 
 
 # Gated RMSNorm of the GDN output: rmsnorm(o) * w * silu(z), plain w ---------------------------
@@ -159,6 +143,34 @@ def _silu_mul_kernel(ab_ptr, y_ptr, I, stride_ab, BLOCK: tl.constexpr):
     a = tl.load(ab_ptr + row * stride_ab + cols, mask=m, other=0.0).to(tl.float32)
     b = tl.load(ab_ptr + row * stride_ab + I + cols, mask=m, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * I + cols, (a * tl.sigmoid(a) * b).to(y_ptr.dtype.element_ty), mask=m)
+
+
+# GDN gates: beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias) ------------------------
+@triton.jit
+def _gdn_gates_kernel(y_ptr, A_ptr, dt_ptr, beta_ptr, g_ptr, stride_y, b_off, a_off, HV, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK)
+    m = h < HV
+    b = tl.load(y_ptr + row * stride_y + b_off + h, mask=m, other=0.0).to(tl.float32)
+    a = tl.load(y_ptr + row * stride_y + a_off + h, mask=m, other=0.0).to(tl.float32)
+    x = a + tl.load(dt_ptr + h, mask=m, other=0.0).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's softplus, threshold 20
+    g = -tl.exp(tl.load(A_ptr + h, mask=m, other=0.0).to(tl.float32)) * softplus
+    tl.store(beta_ptr + row * HV + h, tl.sigmoid(b).to(beta_ptr.dtype.element_ty), mask=m)
+    tl.store(g_ptr + row * HV + h, g, mask=m)
+
+
+def gdn_gates(y: Tensor, b_col: int, a_col: int, A_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
+    """From the projection output y [T, N] (unit inner stride), whose columns b_col.. and a_col.. hold
+    b and a [T, HV]: beta = sigmoid(b) in y's dtype and g = -exp(A_log) * softplus(a + dt_bias) in
+    float32, fp32 inside, in one launch (the torch expression is about ten)."""
+    T, HV = y.shape[0], A_log.shape[0]
+    beta = torch.empty((T, HV), dtype=y.dtype, device=y.device)
+    g = torch.empty((T, HV), dtype=torch.float32, device=y.device)
+    if T:
+        _gdn_gates_kernel[(T,)](y, A_log, dt_bias, beta, g, y.stride(0), b_col, a_col, HV,
+                                BLOCK=triton.next_power_of_2(HV))
+    return beta, g
 
 
 def silu_mul(ab: Tensor) -> Tensor:
