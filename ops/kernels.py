@@ -163,7 +163,7 @@ def _gdn_gates_kernel(y_ptr, A_ptr, dt_ptr, beta_ptr, g_ptr, stride_y, b_off, a_
 def gdn_gates(y: Tensor, b_col: int, a_col: int, A_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
     """From the projection output y [T, N] (unit inner stride), whose columns b_col.. and a_col.. hold
     b and a [T, HV]: beta = sigmoid(b) in y's dtype and g = -exp(A_log) * softplus(a + dt_bias) in
-    float32, fp32 inside, in one launch (the torch expression is about ten)."""
+    float32, fp32 inside, in one launch (the torch expression takes six to eight)."""
     T, HV = y.shape[0], A_log.shape[0]
     beta = torch.empty((T, HV), dtype=y.dtype, device=y.device)
     g = torch.empty((T, HV), dtype=torch.float32, device=y.device)
