@@ -234,6 +234,48 @@ def align_pairs(top_e: Tensor, num_experts: int, block: int) -> tuple[Tensor, Te
     return sorted_ids, block_expert
 
 
+@triton.jit
+def _moe_route_kernel(logits_ptr, w_ptr, e_ptr, stride_l, E, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_E: tl.constexpr, NORM: tl.constexpr):
+    """One program per token: softmax of its E router logits in fp32, the TOP_K largest (descending;
+    of equal ones the lowest expert, as torch.topk), renormalized if NORM; weights stored in the
+    output's dtype, expert ids as int64. select_experts' torch expression in one launch."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    m = cols < E
+    x = tl.load(logits_ptr + row * stride_l + cols, mask=m, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = tl.where(m, p / tl.sum(p, 0), -1.0)  # probabilities are >= 0: -1 marks taken and absent experts
+    ks = tl.arange(0, BLOCK_K)
+    top_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    top_e = tl.zeros((BLOCK_K,), dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, 0)
+        e = tl.min(tl.where(p == best, cols, BLOCK_E), 0)  # the lowest expert holding the maximum
+        top_w = tl.where(ks == j, best, top_w)
+        top_e = tl.where(ks == j, e.to(tl.int64), top_e)
+        p = tl.where(cols == e, -1.0, p)
+    if NORM:
+        top_w = top_w / tl.sum(top_w, 0)  # the lanes past TOP_K hold 0
+    mk = ks < TOP_K
+    tl.store(w_ptr + row * TOP_K + ks, _rnd(top_w, w_ptr.dtype.element_ty), mask=mk)
+    tl.store(e_ptr + row * TOP_K + ks, top_e, mask=mk)
+
+
+def route_topk(logits: Tensor, top_k: int, norm_topk: bool) -> tuple[Tensor, Tensor]:
+    """select_experts in one Triton launch (it is five torch launches: softmax, topk, sum, divide,
+    cast): logits [T, E] with unit inner stride -> (weights [T, k] in the logits' dtype, ids [T, k]
+    int64)."""
+    T, E = logits.shape
+    top_w = torch.empty((T, top_k), dtype=logits.dtype, device=logits.device)
+    top_e = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
+    if T:
+        _moe_route_kernel[(T,)](logits, top_w, top_e, logits.stride(0), E, TOP_K=top_k,
+                                BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
+                                NORM=norm_topk)
+    return top_w, top_e
+
+
 def _gemm_configs(acc_tiles: int):
     """(BN, BK, warps, stages) candidates; BM is fixed by the alignment (block_m), not tuned."""
     if INTERPRET:
@@ -403,12 +445,12 @@ def _inner_contiguous(w: Tensor) -> Tensor:
 def moe_cuda(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k,
              norm_topk, eps, first_expert=0, add_residual=True):
     """Triton norm; one GEMM for the projections of the normed input (shared gate | shared up | router:
-    free when the model stores them back to back in that order); routing as transformers; pairs sorted
-    by expert on the device (align_pairs); grouped GEMM gate|up with SiLU-mul in its epilogue; grouped
-    GEMM down with the routing weight in its epilogue; one combine kernel (the shared-expert gate's dot
-    product, pair sum, gated shared expert, residual). No host sync; every size follows from T, top_k
-    and E. (The one-row shared-expert gate stays out of the GEMM: it would make the output rows
-    2 * IS + E + 1 wide, unaligned for cuBLAS.)"""
+    free when the model stores them back to back in that order); routing as transformers, in one kernel
+    (route_topk); pairs sorted by expert on the device (align_pairs); grouped GEMM gate|up with SiLU-mul
+    in its epilogue; grouped GEMM down with the routing weight in its epilogue; one combine kernel (the
+    shared-expert gate's dot product, pair sum, gated shared expert, residual). No host sync; every size
+    follows from T, top_k and E. (The one-row shared-expert gate stays out of the GEMM: it would make the
+    output rows 2 * IS + E + 1 wide, unaligned for cuBLAS.)"""
     _check(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k,
            first_expert)
     T, D = h.shape
@@ -419,7 +461,7 @@ def moe_cuda(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_do
     n = kernels.rms_norm(h, norm_w, eps)  # [T, D] contiguous
     dense = n @ kernels.stacked(shared_gate_w, shared_up_w, router_w).t()  # [T, 2IS + E]
     shared = kernels.silu_mul(dense[:, :2 * IS]) @ shared_down_w.t()  # [T, D]
-    top_w, top_e = select_experts(dense[:, 2 * IS:2 * IS + E], top_k, norm_topk)
+    top_w, top_e = route_topk(dense[:, 2 * IS:2 * IS + E], top_k, norm_topk)
 
     P = T * top_k
     if EL < E:  # tensor parallelism: other ranks' experts go to a group of their own, whose blocks are skipped
@@ -465,5 +507,5 @@ def cost(s: Shapes):
 
 
 register(OpSpec(moe, moe_ref, example, cost, cuda=moe_cuda,
-                kernels=("_moe_align", "_moe_gate_up", "_moe_down", "_moe_combine"),
+                kernels=("_moe_route", "_moe_align", "_moe_gate_up", "_moe_down", "_moe_combine"),
                 onnx="metrale_graph.onnx.translations:moe"))

@@ -418,6 +418,30 @@ def test_moe_block_rows_follow_the_shapes():
         assert moe.align_size(P, E, BM) * BM <= P + min(E, P) * (BM - 1) < (moe.align_size(P, E, BM) + 1) * BM
 
 
+@pytest.mark.parametrize("T, E, k, norm, dtype", [(0, 8, 2, True, torch.float32), (1, 1, 1, False, torch.float32),
+                                                    (9, 6, 3, False, torch.float32), (5, 5, 5, True, torch.float32),
+                                                    (64, 256, 8, True, torch.bfloat16),
+                                                    (32, 512, 10, True, torch.bfloat16)])
+def test_moe_route_topk_matches_select_experts(T, E, k, norm, dtype):
+    """The fused router kernel against softmax / topk / renormalize in torch, on strided logits: the same
+    experts (a set can differ only where the k-th and (k+1)-th probabilities tie exactly, when either
+    expert is right), each expert's weight within an ulp (fp32: the exp and the sums round differently),
+    int64 ids."""
+    g = torch.Generator().manual_seed(E + k)
+    logits = torch.randn(T, E + 5, generator=g).to(dtype)[:, 2:2 + E]
+    w, e = moe.route_topk(logits.to(DEVICE), k, norm)
+    ref_w, ref_e = moe.select_experts(logits, k, norm)
+    assert e.dtype == torch.int64 and w.dtype == dtype and w.shape == e.shape == (T, k)
+    probs = torch.softmax(logits, -1, dtype=torch.float32).sort(-1, descending=True).values
+    for t in range(T):
+        if k < E and probs[t, k - 1] == probs[t, k]:
+            continue  # an exact tie at the boundary
+        assert sorted(e[t].tolist()) == sorted(ref_e[t].tolist())
+        mine, ref = dict(zip(e[t].tolist(), w[t].tolist())), dict(zip(ref_e[t].tolist(), ref_w[t].tolist()))
+        ulp = 2e-6 if dtype == torch.float32 else 8e-3
+        assert all(abs(mine[x] - ref[x]) <= ulp * abs(ref[x]) for x in ref), (mine, ref)
+
+
 def test_moe_skewed_routing_matches_reference():
     """Every token routed to the same experts (one group of T pairs per chosen expert, many blocks each)."""
     case = CASES[0]
@@ -487,6 +511,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 moe = importlib.import_module("metrale_graph.ops.moe")
 gdn = importlib.import_module("metrale_graph.ops.gdn_recurrence")
+attn = importlib.import_module("metrale_graph.ops.paged_attention")
+rows = importlib.import_module("metrale_graph.ops.kernels")
 target = GPUTarget("cuda", 90, 32)
 backend = triton.compiler.make_backend(target)
 
@@ -519,16 +545,31 @@ for K in (128, 256):
     BK, BV, warps = gdn.recurrent_tiles(K, 128)
     fn = gdn._gdn_recurrent_kernel
     smem.append(compile_(fn, {n: rec.get(n, "i32") for n in fn.arg_names}, dict(BK=BK, BV=BV), warps, 3))
+for E, k in ((256, 8), (512, 10)):
+    smem.append(compile_(moe._moe_route_kernel, dict(logits_ptr=P, w_ptr=P, e_ptr="*i64", stride_l="i32", E="i32"),
+                         dict(TOP_K=k, BLOCK_K=16 if k > 8 else 8, BLOCK_E=E, NORM=True), 4, 1))
+smem.append(compile_(rows._gdn_gates_kernel, dict(y_ptr=B16, A_ptr=B16, dt_ptr=B16, beta_ptr=B16, g_ptr=F32,
+                     stride_y="i32", b_off="i32", a_off="i32", HV="i32"), dict(BLOCK=32), 4, 1))
+# the attention kernels share _attend_tile (the decode kernel with EMPTY_ROWS)
+pa = attn._paged_attention_kernel.fn
+types = {n: B16 if n in ("q_ptr", "k_cache", "v_cache", "o_ptr") else I if n.endswith("_ptr") else "i32"
+         for n in pa.arg_names}
+types["qk_scale"] = "fp32"
+smem.append(compile_(pa, types, dict(BLOCK_D=256, BM=attn.BM, BN=32, IEEE=False), 4, 2))
+pd = attn._paged_decode_kernel.fn
+types = {n: B16 if n in ("q_ptr", "k_cache", "v_cache") else F32 if n in ("m_ptr", "l_ptr", "acc_ptr")
+         else I if n.endswith("_ptr") else "i32" for n in pd.arg_names}
+types["qk_scale"] = "fp32"
+smem.append(compile_(pd, types, dict(BLOCK_D=256, BLOCK_M=16, BN=32, CH=attn.STREAM_CHUNK, IEEE=False), 4, 2))
 assert max(smem) <= 232448, smem  # an H100 / H200 block's shared memory
 print("compiled", smem)
 """
 
 
 def test_kernels_compile_for_sm90():
-    """The MoE Triton kernels and the GDN recurrent kernel through Triton's real compiler for sm_90 (PTX and
-    ptxas, no GPU needed): the interpreter runs Python and accepts what the compiler rejects (non-constexpr
-    globals, types).
-    A subprocess: the interpreter is on in this one."""
+    """The MoE Triton kernels, the GDN recurrent and gates kernels and the attention kernels through Triton's
+    real compiler for sm_90 (PTX and ptxas, no GPU needed): the interpreter runs Python and accepts what the
+    compiler rejects (non-constexpr globals, types). A subprocess: the interpreter is on in this one."""
     import os
     import subprocess
     import sys
