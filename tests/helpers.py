@@ -218,3 +218,32 @@ def check_parity(model, hf, cfg, lengths=PARITY_LENGTHS, tol: float = 1e-4) -> f
         assert err <= tol, f"stream {i} (length {lengths[i]}): relative error {err:.2e} > {tol:.0e}"
         worst = max(worst, err)
     return worst
+
+
+def replay_memory_growth(runner, vocab: int, replays: int = 1000, seed: int = 1) -> tuple[int, int]:
+    """(allocated, reserved) bytes the CUDA caching allocator gained over `replays` random batches through
+    `runner` (1-8 streams in random slots, up to 1024 tokens together, slots reset before they pass 900
+    tokens of context), after 20 batches of warm-up; both <= 0 when replaying grows nothing."""
+    from metrale_graph import Stream
+
+    cache, g = runner.cache, torch.Generator().manual_seed(seed)
+    for s in range(cache.num_slots):
+        cache.reset(s)
+
+    def one():
+        n = int(torch.randint(1, 9, (1,), generator=g))
+        slots = torch.randperm(cache.num_slots, generator=g)[:n].tolist()
+        for s in slots:
+            if cache.context_lens[s] > 900:
+                cache.reset(s)
+        lengths = torch.randint(1, 1024 // n + 1, (n,), generator=g).tolist()
+        runner.prefill([Stream(s, torch.randint(0, vocab, (L,), generator=g)) for s, L in zip(slots, lengths)])
+
+    for _ in range(20):
+        one()
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    for _ in range(replays):
+        one()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated() - allocated, torch.cuda.memory_reserved() - reserved

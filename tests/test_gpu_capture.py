@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from helpers import rel_err
+from helpers import rel_err, replay_memory_growth
 from metrale_graph import HybridModel, PRESETS, Stream
 from metrale_graph.capture import GraphRunner
 
@@ -87,30 +87,10 @@ def test_every_bucket_replays_like_eager(setup):
 
 
 def test_no_memory_growth_over_1000_replays(setup):
-    model, runner, cache_g, _ = setup
-    g = torch.Generator().manual_seed(1)
-    for s in range(cache_g.num_slots):
-        cache_g.reset(s)
-
-    def one():
-        n = int(torch.randint(1, 9, (1,), generator=g))
-        slots = torch.randperm(cache_g.num_slots, generator=g)[:n].tolist()
-        for s in slots:
-            if cache_g.context_lens[s] > 900:
-                cache_g.reset(s)
-        lengths = torch.randint(1, 1024 // n + 1, (n,), generator=g).tolist()
-        runner.prefill([Stream(s, torch.randint(0, CFG.vocab_size, (L,), generator=g)) for s, L in zip(slots, lengths)])
-
-    for _ in range(20):
-        one()
-    torch.cuda.synchronize()
-    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-    for _ in range(1000):
-        one()
-    torch.cuda.synchronize()
-    print(f"after 1000 replays: allocated {torch.cuda.memory_allocated() - allocated:+d} B, "
-          f"reserved {torch.cuda.memory_reserved() - reserved:+d} B")
-    assert torch.cuda.memory_allocated() <= allocated and torch.cuda.memory_reserved() <= reserved
+    _, runner, _, _ = setup
+    allocated, reserved = replay_memory_growth(runner, CFG.vocab_size)
+    print(f"after 1000 replays: allocated {allocated:+d} B, reserved {reserved:+d} B")
+    assert allocated <= 0 and reserved <= 0
 
 
 def test_unwarmed_bucket_captures_before_the_batch_is_copied_in(setup):

@@ -7,7 +7,7 @@ random replays without memory growth."""
 import pytest
 import torch
 
-from helpers import hf_class, rel_err
+from helpers import hf_class, rel_err, replay_memory_growth
 from metrale_graph import PRESETS, HybridModel, Stream
 from metrale_graph.capture import GraphRunner
 from metrale_graph.weights import hf_state_dict
@@ -92,24 +92,6 @@ def test_moe_replay_equals_eager(model, runner):
 
 def test_moe_no_memory_growth_over_1000_replays(runner):
     """Random batches (routing differs every time) replayed 1000 times: no allocation grows."""
-    cache, g = runner.cache, torch.Generator().manual_seed(2)
-
-    def one():
-        n = int(torch.randint(1, 9, (1,), generator=g))
-        slots = torch.randperm(cache.num_slots, generator=g)[:n].tolist()
-        for s in slots:
-            if cache.context_lens[s] > 900:
-                cache.reset(s)
-        lengths = torch.randint(1, 1024 // n + 1, (n,), generator=g).tolist()
-        runner.prefill([Stream(s, torch.randint(0, CFG.vocab_size, (L,), generator=g)) for s, L in zip(slots, lengths)])
-
-    for _ in range(20):
-        one()
-    torch.cuda.synchronize()
-    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-    for _ in range(1000):
-        one()
-    torch.cuda.synchronize()
-    print(f"MoE, after 1000 replays: allocated {torch.cuda.memory_allocated() - allocated:+d} B, "
-          f"reserved {torch.cuda.memory_reserved() - reserved:+d} B")
-    assert torch.cuda.memory_allocated() <= allocated and torch.cuda.memory_reserved() <= reserved
+    allocated, reserved = replay_memory_growth(runner, CFG.vocab_size, seed=2)
+    print(f"MoE, after 1000 replays: allocated {allocated:+d} B, reserved {reserved:+d} B")
+    assert allocated <= 0 and reserved <= 0
