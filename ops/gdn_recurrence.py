@@ -150,28 +150,132 @@ def aligned_layout(cu_seqlens: Tensor, num_tokens: int, short: int = 0) -> tuple
     return dest, chunk_off * CHUNK, chunk_indices, T_al
 
 
+# The layout on the device in three kinds of launch (aligned_layout above is the same layout in torch
+# ops, about twenty launches a layer, and the tests' oracle): one program computes the chunk offsets
+# and every chunk's (sequence, chunk within); then one program per (chunk, column block) gathers a
+# tensor's rows into the aligned buffer (identity zeros in gaps and absorber chunks: no zero fill, no
+# scatter), and after the varlen kernel the same mapping scatters the output rows back.
+@triton.jit
+def _chunk_layout_kernel(cu_ptr, cu_al_ptr, idx_ptr, B, NT, short, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr,
+                         BLOCK_C: tl.constexpr):
+    b = tl.arange(0, BLOCK_B)  # BLOCK_B >= B + 2: the streams, the absorber, the end
+    mb = b < B
+    L = tl.load(cu_ptr + b + 1, mask=mb, other=0) - tl.load(cu_ptr + b, mask=mb, other=0)
+    counts = tl.where(mb & (L > short), (L + CHUNK - 1) // CHUNK, 0)
+    off = tl.cumsum(counts, 0) - counts  # first chunk of stream b; of the absorber (b = B): all used chunks
+    off = tl.where(b <= B, off, NT)
+    tl.store(cu_al_ptr + b, off.to(tl.int64) * CHUNK, mask=b < B + 2)
+    for c0 in range(0, NT, BLOCK_C):  # chunk c: the last sequence (streams, absorber) starting at or before it
+        c = c0 + tl.arange(0, BLOCK_C)
+        before = (off[None, :] <= c[:, None]) & (b <= B)[None, :]
+        seq = tl.sum(before.to(tl.int32), 1) - 1
+        first = tl.max(tl.where(before, off[None, :], 0), 1)  # offsets do not decrease: that sequence's
+        mc = c < NT
+        tl.store(idx_ptr + 2 * c, seq.to(tl.int64), mask=mc)
+        tl.store(idx_ptr + 2 * c + 1, (c - first).to(tl.int64), mask=mc)
+
+
+@triton.jit
+def _chunk_rows(cu_ptr, idx_ptr, c, B, short, CHUNK: tl.constexpr):
+    """The packed token of each of chunk c's CHUNK aligned rows, and whether the row holds one."""
+    seq = tl.load(idx_ptr + 2 * c)
+    within = tl.load(idx_ptr + 2 * c + 1)
+    s = tl.minimum(seq, B - 1)
+    start = tl.load(cu_ptr + s)
+    L = tl.load(cu_ptr + s + 1) - start
+    pos = within * CHUNK + tl.arange(0, CHUNK)
+    return (start + pos).to(tl.int64), (seq < B) & (L > short) & (pos < L)
+
+
+@triton.jit
+def _to_aligned_kernel(x_ptr, out_ptr, cu_ptr, idx_ptr, B, short, stride_x, W, CHUNK: tl.constexpr,
+                       BLOCK_W: tl.constexpr):
+    c = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    mcol = cols < W
+    t, valid = _chunk_rows(cu_ptr, idx_ptr, c, B, short, CHUNK)
+    x = tl.load(x_ptr + t[:, None] * stride_x + cols[None, :], mask=valid[:, None] & mcol[None, :], other=0.0)
+    rows = (c * CHUNK + tl.arange(0, CHUNK)).to(tl.int64)
+    tl.store(out_ptr + rows[:, None] * W + cols[None, :], x, mask=mcol[None, :])
+
+
+@triton.jit
+def _from_aligned_kernel(x_ptr, out_ptr, cu_ptr, idx_ptr, B, short, stride_x, W, CHUNK: tl.constexpr,
+                         BLOCK_W: tl.constexpr):
+    c = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    mcol = cols < W
+    t, valid = _chunk_rows(cu_ptr, idx_ptr, c, B, short, CHUNK)
+    rows = (c * CHUNK + tl.arange(0, CHUNK)).to(tl.int64)
+    m = valid[:, None] & mcol[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
+    tl.store(out_ptr + t[:, None] * W + cols[None, :], x, mask=m)
+
+
+_LAYOUT_BLOCK_W = 128
+
+
+def chunk_layout(cu_seqlens: Tensor, num_tokens: int, short: int = 0) -> tuple[Tensor, Tensor]:
+    """aligned_layout's cu_aligned [B+2] and chunk_indices [NT, 2] (int64) in one Triton launch."""
+    B = cu_seqlens.shape[0] - 1
+    NT = -(-num_tokens // CHUNK) + min(B, num_tokens // (short + 1))
+    cu_al = torch.empty(B + 2, dtype=torch.int64, device=cu_seqlens.device)
+    chunk_indices = torch.empty((NT, 2), dtype=torch.int64, device=cu_seqlens.device)
+    _chunk_layout_kernel[(1,)](cu_seqlens, cu_al, chunk_indices, B, NT, short, CHUNK=CHUNK,
+                               BLOCK_B=triton.next_power_of_2(B + 2), BLOCK_C=64)
+    return cu_al, chunk_indices
+
+
+def _row_major(x: Tensor) -> Tensor:
+    """x with each token's row contiguous (a view when it already is, e.g. q / k as head slices)."""
+    inner = x.shape[1:]
+    expected, ok = 1, True
+    for d in range(x.dim() - 1, 0, -1):
+        ok = ok and (inner[d - 1] == 1 or x.stride(d) == expected)
+        expected *= inner[d - 1]
+    return x if ok else x.contiguous()
+
+
 def gdn_recurrence_aligned(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, varlen_fn, short=0):
     """Gather states, lay tokens out chunk-aligned, run `varlen_fn`, scatter states and outputs back.
 
     varlen_fn(q, k, v, g, beta, cu_aligned, chunk_indices, h0) -> (o [T_al, HV, V], final [B+1, HV, K, V])
     computes the gated delta rule over aligned sequences (q unscaled, scale K**-0.5 inside).
-    Streams of at most `short` tokens are left out (aligned_layout): their slots get their state
-    back unchanged and their output rows are unspecified, for the caller to compute.
+    Streams of at most `short` tokens are left out (the layout of aligned_layout): their slots get
+    their state back unchanged and their output rows are unspecified, for the caller to compute.
+    The layout, the gathers into it and the output scatter are Triton launches (seven in all).
     """
     T, H, K = q.shape
     HV, V = v.shape[1:]
     B = slot_ids.shape[0]
-    dest, cu_al, chunk_indices, T_al = aligned_layout(cu_seqlens, T, short)
+    cu_al, chunk_indices = chunk_layout(cu_seqlens, T, short)
+    NT = chunk_indices.shape[0]
+    T_al = NT * CHUNK
+
+    def grid(W):
+        return (NT, triton.cdiv(W, _LAYOUT_BLOCK_W))
 
     def aligned(x):
-        buf = x.new_zeros((T_al + 1,) + tuple(x.shape[1:]))  # + a dump row for tokens in no stream
-        buf.index_copy_(0, dest, x)
-        return buf[:T_al]
+        x = _row_major(x)
+        if not (NT and B):  # nothing to gather (no streams: the absorber's zeros only)
+            return x.new_zeros((T_al,) + tuple(x.shape[1:]))
+        out = x.new_empty((T_al,) + tuple(x.shape[1:]))
+        W = out[0].numel()
+        _to_aligned_kernel[grid(W)](x, out, cu_seqlens, chunk_indices, B, short, x.stride(0), W, CHUNK=CHUNK,
+                                    BLOCK_W=_LAYOUT_BLOCK_W)
+        return out
 
     h0 = torch.cat([gdn_state.index_select(0, slot_ids), gdn_state.new_zeros(1, HV, K, V)])
     o_al, final = varlen_fn(aligned(q), aligned(k), aligned(v), aligned(g), aligned(beta), cu_al, chunk_indices, h0)
     gdn_state.index_copy_(0, slot_ids, final[:B])
-    return o_al.index_select(0, dest.clamp(max=T_al - 1))  # rows of tokens outside the layout: unspecified
+    # rows of tokens outside the layout: unspecified, but zeros, not the allocator's leftovers (a padding
+    # row's NaN would reach the MoE router)
+    o = v.new_zeros((T, HV, V))
+    if NT and B:
+        o_al = _row_major(o_al)
+        _from_aligned_kernel[grid(HV * V)](o_al, o, cu_seqlens, chunk_indices, B, short, o_al.stride(0), HV * V,
+                                           CHUNK=CHUNK, BLOCK_W=_LAYOUT_BLOCK_W)
+    return o
 
 
 _fla_fwd = None

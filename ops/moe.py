@@ -245,7 +245,10 @@ def _moe_route_kernel(logits_ptr, w_ptr, e_ptr, stride_l, E, TOP_K: tl.constexpr
     m = cols < E
     x = tl.load(logits_ptr + row * stride_l + cols, mask=m, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, 0))
-    p = tl.where(m, p / tl.sum(p, 0), -1.0)  # probabilities are >= 0: -1 marks taken and absent experts
+    p = p / tl.sum(p, 0)
+    # probabilities are >= 0; below them a NaN (a padding row's unspecified activations) is -1, a taken
+    # expert -2 and a column past E -3: the k ids are distinct and in range, as torch.topk's
+    p = tl.where(m, tl.where(p == p, p, -1.0), -3.0)
     ks = tl.arange(0, BLOCK_K)
     top_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
     top_e = tl.zeros((BLOCK_K,), dtype=tl.int64)
@@ -254,7 +257,7 @@ def _moe_route_kernel(logits_ptr, w_ptr, e_ptr, stride_l, E, TOP_K: tl.constexpr
         e = tl.min(tl.where(p == best, cols, BLOCK_E), 0)  # the lowest expert holding the maximum
         top_w = tl.where(ks == j, best, top_w)
         top_e = tl.where(ks == j, e.to(tl.int64), top_e)
-        p = tl.where(cols == e, -1.0, p)
+        p = tl.where(cols == e, -2.0, p)
     if NORM:
         top_w = top_w / tl.sum(top_w, 0)  # the lanes past TOP_K hold 0
     mk = ks < TOP_K

@@ -79,6 +79,23 @@ def test_recurrence_aligned_layout_is_exact(case):
     assert torch.equal(out, ref) and torch.equal(test_args[-1], args[-1])
 
 
+@pytest.mark.parametrize("short", [0, 64])
+def test_chunk_layout_kernel_matches_torch_layout(short):
+    """The one-launch Triton layout (the CUDA path's) against aligned_layout in torch ops: the same
+    sequence offsets and chunk indices, for ragged, zero-length, short and boundary streams."""
+    g = torch.Generator().manual_seed(short)
+    batches = [(300,), (1,) * 31 + (512,), (64, 65, 0, 1, 130), (0, 0, 7), (200, 0, 64, 65, 63, 129, 1, 1000)]
+    batches += [tuple(torch.randint(0, 300, (B,), generator=g).tolist()) for B in (3, 17, 40)]
+    for lengths in batches:
+        for spare in (0, 5):  # tokens past the last stream
+            cu = torch.tensor((0,) + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+            T = int(cu[-1]) + spare
+            _, cu_al, chunks, _ = gdn_recurrence.aligned_layout(cu, T, short)
+            got_cu, got_chunks = gdn_recurrence.chunk_layout(cu.to(DEVICE), T, short)
+            assert torch.equal(got_cu.cpu(), cu_al), (lengths, got_cu, cu_al)
+            assert torch.equal(got_chunks.cpu(), chunks), lengths
+
+
 @pytest.mark.parametrize("short", [0, gdn_recurrence.SHORT])
 def test_aligned_layout_chunk_count_is_fixed(short):
     """Any lengths with the same (B, T) give the same number of sequences and chunks; streams of at most
@@ -443,6 +460,16 @@ def test_moe_route_topk_matches_select_experts(T, E, k, norm, dtype):
         assert all(abs(mine[x] - ref[x]) <= ulp * abs(ref[x]) for x in ref), (mine, ref)
 
 
+def test_moe_route_topk_keeps_ids_in_range_on_nan():
+    """A padding row's activations are unspecified and may be NaN: its k ids are still distinct experts."""
+    logits = torch.randn(3, 16)
+    logits[1] = float("nan")
+    logits[2, 3] = float("nan")
+    _, e = moe.route_topk(logits.to(DEVICE), 4, True)
+    for row in e.cpu().tolist():
+        assert len(set(row)) == 4 and all(0 <= x < 16 for x in row), row
+
+
 def test_moe_skewed_routing_matches_reference():
     """Every token routed to the same experts (one group of T pairs per chosen expert, many blocks each)."""
     case = CASES[0]
@@ -551,6 +578,12 @@ for E, k in ((256, 8), (512, 10)):
                          dict(TOP_K=k, BLOCK_K=16 if k > 8 else 8, BLOCK_E=E, NORM=True), 4, 1))
 smem.append(compile_(rows._gdn_gates_kernel, dict(y_ptr=B16, A_ptr=B16, dt_ptr=B16, beta_ptr=B16, g_ptr=F32,
                      stride_y="i32", b_off="i32", a_off="i32", HV="i32"), dict(BLOCK=32), 4, 1))
+smem.append(compile_(gdn._chunk_layout_kernel, dict(cu_ptr=I, cu_al_ptr="*i64", idx_ptr="*i64", B="i32", NT="i32",
+                     short="i32"), dict(CHUNK=64, BLOCK_B=64, BLOCK_C=64), 4, 1))
+for kernel in (gdn._to_aligned_kernel, gdn._from_aligned_kernel):
+    for x in (B16, F32):
+        smem.append(compile_(kernel, dict(x_ptr=x, out_ptr=x, cu_ptr=I, idx_ptr="*i64", B="i32", short="i32",
+                             stride_x="i32", W="i32"), dict(CHUNK=64, BLOCK_W=128), 4, 1))
 # the attention kernels share _attend_tile (the decode kernel with EMPTY_ROWS)
 pa = attn._paged_attention_kernel.fn
 types = {n: B16 if n in ("q_ptr", "k_cache", "v_cache", "o_ptr") else I if n.endswith("_ptr") else "i32"
@@ -568,9 +601,10 @@ print("compiled", smem)
 
 
 def test_kernels_compile_for_sm90():
-    """The MoE Triton kernels, the GDN recurrent and gates kernels and the attention kernels through Triton's
-    real compiler for sm_90 (PTX and ptxas, no GPU needed): the interpreter runs Python and accepts what the
-    compiler rejects (non-constexpr globals, types). A subprocess: the interpreter is on in this one."""
+    """The MoE Triton kernels, the GDN recurrent, layout and gates kernels and the attention kernels
+    through Triton's real compiler for sm_90 (PTX and ptxas, no GPU needed): the interpreter runs Python
+    and accepts what the compiler rejects (non-constexpr globals, types). A subprocess: the interpreter
+    is on in this one."""
     import os
     import subprocess
     import sys
