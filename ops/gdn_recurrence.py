@@ -188,28 +188,22 @@ def _chunk_rows(cu_ptr, idx_ptr, c, B, short, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _to_aligned_kernel(x_ptr, out_ptr, cu_ptr, idx_ptr, B, short, stride_x, W, CHUNK: tl.constexpr,
-                       BLOCK_W: tl.constexpr):
-    c = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    mcol = cols < W
-    t, valid = _chunk_rows(cu_ptr, idx_ptr, c, B, short, CHUNK)
-    x = tl.load(x_ptr + t[:, None] * stride_x + cols[None, :], mask=valid[:, None] & mcol[None, :], other=0.0)
-    rows = (c * CHUNK + tl.arange(0, CHUNK)).to(tl.int64)
-    tl.store(out_ptr + rows[:, None] * W + cols[None, :], x, mask=mcol[None, :])
-
-
-@triton.jit
-def _from_aligned_kernel(x_ptr, out_ptr, cu_ptr, idx_ptr, B, short, stride_x, W, CHUNK: tl.constexpr,
-                         BLOCK_W: tl.constexpr):
+def _aligned_copy_kernel(x_ptr, out_ptr, cu_ptr, idx_ptr, B, short, stride_x, W, TO_ALIGNED: tl.constexpr,
+                         CHUNK: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Chunk c's rows, BLOCK_W columns: packed -> aligned (TO_ALIGNED; every aligned row written, zeros
+    where no token lies) or aligned -> packed (only the rows of tokens in the layout)."""
     c = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     mcol = cols < W
     t, valid = _chunk_rows(cu_ptr, idx_ptr, c, B, short, CHUNK)
     rows = (c * CHUNK + tl.arange(0, CHUNK)).to(tl.int64)
     m = valid[:, None] & mcol[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
-    tl.store(out_ptr + t[:, None] * W + cols[None, :], x, mask=m)
+    if TO_ALIGNED:
+        src, dst, store = t, rows, mcol[None, :]
+    else:
+        src, dst, store = rows, t, m
+    x = tl.load(x_ptr + src[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
+    tl.store(out_ptr + dst[:, None] * W + cols[None, :], x, mask=store)
 
 
 _LAYOUT_BLOCK_W = 128
@@ -261,8 +255,8 @@ def gdn_recurrence_aligned(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, va
             return x.new_zeros((T_al,) + tuple(x.shape[1:]))
         out = x.new_empty((T_al,) + tuple(x.shape[1:]))
         W = out[0].numel()
-        _to_aligned_kernel[grid(W)](x, out, cu_seqlens, chunk_indices, B, short, x.stride(0), W, CHUNK=CHUNK,
-                                    BLOCK_W=_LAYOUT_BLOCK_W)
+        _aligned_copy_kernel[grid(W)](x, out, cu_seqlens, chunk_indices, B, short, x.stride(0), W, TO_ALIGNED=True,
+                                      CHUNK=CHUNK, BLOCK_W=_LAYOUT_BLOCK_W)
         return out
 
     h0 = torch.cat([gdn_state.index_select(0, slot_ids), gdn_state.new_zeros(1, HV, K, V)])
@@ -273,8 +267,8 @@ def gdn_recurrence_aligned(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, va
     o = v.new_zeros((T, HV, V))
     if NT and B:
         o_al = _row_major(o_al)
-        _from_aligned_kernel[grid(HV * V)](o_al, o, cu_seqlens, chunk_indices, B, short, o_al.stride(0), HV * V,
-                                           CHUNK=CHUNK, BLOCK_W=_LAYOUT_BLOCK_W)
+        _aligned_copy_kernel[grid(HV * V)](o_al, o, cu_seqlens, chunk_indices, B, short, o_al.stride(0), HV * V,
+                                           TO_ALIGNED=False, CHUNK=CHUNK, BLOCK_W=_LAYOUT_BLOCK_W)
     return o
 
 

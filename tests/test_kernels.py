@@ -580,10 +580,11 @@ smem.append(compile_(rows._gdn_gates_kernel, dict(y_ptr=B16, A_ptr=B16, dt_ptr=B
                      stride_y="i32", b_off="i32", a_off="i32", HV="i32"), dict(BLOCK=32), 4, 1))
 smem.append(compile_(gdn._chunk_layout_kernel, dict(cu_ptr=I, cu_al_ptr="*i64", idx_ptr="*i64", B="i32", NT="i32",
                      short="i32"), dict(CHUNK=64, BLOCK_B=64, BLOCK_C=64), 4, 1))
-for kernel in (gdn._to_aligned_kernel, gdn._from_aligned_kernel):
+for to_aligned in (True, False):
     for x in (B16, F32):
-        smem.append(compile_(kernel, dict(x_ptr=x, out_ptr=x, cu_ptr=I, idx_ptr="*i64", B="i32", short="i32",
-                             stride_x="i32", W="i32"), dict(CHUNK=64, BLOCK_W=128), 4, 1))
+        smem.append(compile_(gdn._aligned_copy_kernel, dict(x_ptr=x, out_ptr=x, cu_ptr=I, idx_ptr="*i64", B="i32",
+                             short="i32", stride_x="i32", W="i32"), dict(TO_ALIGNED=to_aligned, CHUNK=64,
+                             BLOCK_W=128), 4, 1))
 # the attention kernels share _attend_tile (the decode kernel with EMPTY_ROWS)
 pa = attn._paged_attention_kernel.fn
 types = {n: B16 if n in ("q_ptr", "k_cache", "v_cache", "o_ptr") else I if n.endswith("_ptr") else "i32"
