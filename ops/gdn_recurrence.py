@@ -119,6 +119,11 @@ def gdn_recurrence_ref(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state):
 CHUNK = 64
 
 
+def num_chunks(num_streams: int, num_tokens: int, short: int = 0) -> int:
+    """NT, the layout's chunk count: ceil(T / 64) + min(B, T // (short + 1)) (see aligned_layout)."""
+    return -(-num_tokens // CHUNK) + min(num_streams, num_tokens // (short + 1))
+
+
 def aligned_layout(cu_seqlens: Tensor, num_tokens: int, short: int = 0) -> tuple[Tensor, Tensor, Tensor, int]:
     """Device-side chunk-aligned layout of the T packed tokens of the streams longer than `short`.
 
@@ -131,7 +136,7 @@ def aligned_layout(cu_seqlens: Tensor, num_tokens: int, short: int = 0) -> tuple
     """
     B = cu_seqlens.shape[0] - 1
     dev = cu_seqlens.device
-    NT = -(-num_tokens // CHUNK) + min(B, num_tokens // (short + 1))
+    NT = num_chunks(B, num_tokens, short)
     T_al = NT * CHUNK
     cu = cu_seqlens.long()
     lengths = cu[1:] - cu[:-1]
@@ -212,7 +217,7 @@ _LAYOUT_BLOCK_W = 128
 def chunk_layout(cu_seqlens: Tensor, num_tokens: int, short: int = 0) -> tuple[Tensor, Tensor]:
     """aligned_layout's cu_aligned [B+2] and chunk_indices [NT, 2] (int64) in one Triton launch."""
     B = cu_seqlens.shape[0] - 1
-    NT = -(-num_tokens // CHUNK) + min(B, num_tokens // (short + 1))
+    NT = num_chunks(B, num_tokens, short)
     cu_al = torch.empty(B + 2, dtype=torch.int64, device=cu_seqlens.device)
     chunk_indices = torch.empty((NT, 2), dtype=torch.int64, device=cu_seqlens.device)
     _chunk_layout_kernel[(1,)](cu_seqlens, cu_al, chunk_indices, B, NT, short, CHUNK=CHUNK,
