@@ -30,7 +30,21 @@ CUDA_IMPLS = {name: spec.cuda for name, spec in REGISTRY.items() if spec.cuda}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# flash-linear-attention's chunk kernels take fp32 inputs through tf32 tensor-core dots (Triton's default
+# input precision): ~1e-3 of relative error on the H200, which the fp32 tolerance does not cover
+FLA_FP32_TOL = 5e-3
+
+
+def uses_fla(name, case, dtype):
+    """Whether the op's CUDA path hands fp32 tokens to fla: the recurrence, not decode-shaped, with a stream
+    longer than split_max_len(B) (the others take the recurrent kernel)."""
+    longest = max(case.lengths, default=0)
+    return (name == "gdn_recurrence" and DEVICE == "cuda" and dtype == torch.float32
+            and not decode_shaped(case.B, case.T) and longest > gdn_recurrence.split_max_len(case.B))
+
+
 def check_against_reference(name, impl, case, dtype, seed=0):
+    tol = FLA_FP32_TOL if uses_fla(name, case, dtype) else TOL[dtype]
     args = op_args(name, case, dtype, seed)
     ref_args = upcast(clone_args(args, "cpu"))
     test_args = clone_args(args, DEVICE)
@@ -43,10 +57,10 @@ def check_against_reference(name, impl, case, dtype, seed=0):
         o = o.cpu()
         if rows is not None:
             r, o = r[rows], o[rows]
-        assert_close(f"{name} output {i}", r, o, TOL[dtype])
+        assert_close(f"{name} output {i}", r, o, tol)
     for i, (r, a) in enumerate(zip(ref_args, test_args)):  # mutated pools
         if isinstance(a, torch.Tensor) and a.is_floating_point() and not torch.equal(a.cpu().float(), r):
-            assert_close(f"{name} mutated arg {i}", r, a.cpu(), TOL[dtype])
+            assert_close(f"{name} mutated arg {i}", r, a.cpu(), tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
