@@ -31,3 +31,15 @@ def test_warmup_persists_artifacts(tmp_path):
     out, warm = _run(*args)
     assert warm["warm"] and warm["cold_warmup_s"] == cold["warmup_s"]
     assert "cold warmup" in out and "warm warmup" in out
+
+
+def test_benchmark_records_say_what_produced_them():
+    """tools.bench / bench_ops records carry the command line, this checkout's commit and the versions."""
+    code = ("import sys, json; sys.argv = ['bench', '--repeat', '3']; "
+            "from metrale_graph.tools.common import provenance; print(json.dumps(provenance()))")
+    info = json.loads(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                                     check=True).stdout)
+    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:  # a git checkout (a clean clone in CI)
+        assert info["commit"].removesuffix("-dirty") == head.stdout.strip()
+    assert info["command"].endswith("--repeat 3") and info["torch"] and info["triton"]

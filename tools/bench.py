@@ -31,7 +31,8 @@ import torch
 
 from metrale_graph import PRESETS, HybridModel, Stream
 from metrale_graph.ops import REGISTRY, kernels
-from metrale_graph.tools.common import floor_ms, names_of, output_file, positive_int, print_json, print_table, seed
+from metrale_graph.tools.common import (floor_ms, names_of, output_file, positive_int, print_json, print_table,
+                                       provenance, seed)
 from metrale_graph.weights import weight_shapes
 
 VARIANTS = ("peer", "eager", "compiled", "graphs")
@@ -363,11 +364,12 @@ def main(argv=None) -> None:
     gen = torch.Generator().manual_seed(args.seed)
     quiet = tp is not None and tp.rank != 0
     results = []
+    run_info = provenance()
 
     def save(generation=None) -> dict:
         """The record so far, written to --json (after every workload: a run cut short keeps its rows)."""
         record = {"tool": "bench", "preset": args.preset, "layers": cfg.num_hidden_layers, "tp": args.tp,
-                  "device": torch.cuda.get_device_name(), "repeat": args.repeat, "generation": generation,
+                  "device": torch.cuda.get_device_name(), **run_info, "repeat": args.repeat, "generation": generation,
                   "results": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
                               for r in results]}
         if args.json and not quiet:

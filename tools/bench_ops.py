@@ -18,7 +18,7 @@ import torch
 from metrale_graph import PRESETS
 from metrale_graph.ops import REGISTRY, Shapes, example_args
 from metrale_graph.tools.common import (floor_ms, output_file, positive_int, positive_ints, print_json,
-                                        print_table)
+                                        print_table, provenance)
 
 GDN_OPS = ("gdn_proj", "causal_conv1d", "l2norm", "gdn_recurrence", "gdn_out")
 ATTENTION_OPS = ("attn_proj", "paged_attention", "attn_out")
@@ -80,7 +80,8 @@ def main(argv=None) -> None:
             f.write("| " + " | ".join(headers) + " |\n|" + "---|" * len(headers) + "\n")
             for r in rows:
                 f.write("| " + " | ".join(map(str, r)) + " |\n")
-    print_json({"tool": "bench_ops", "preset": args.preset, "device": torch.cuda.get_device_name(), "ops": records})
+    print_json({"tool": "bench_ops", "preset": args.preset, "device": torch.cuda.get_device_name(), **provenance(),
+                "ops": records})
 
 
 if __name__ == "__main__":
