@@ -26,7 +26,7 @@ from .cache import HybridCache
 from .config import LINEAR, ModelConfig, PRESETS, load_config
 from .ops.common import rms_norm
 from .ops.limits import check_supported
-from .parallel import TensorParallel, local_config, shard_weights, sharded_shapes
+from .parallel import TensorParallel, first_expert, local_config, shard_weights, sharded_shapes
 from .weights import load_checkpoint, random_weights, save_checkpoint, stack_projections, weight_shapes
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -39,7 +39,7 @@ class HybridModel(nn.Module):
         super().__init__()
         self.tp = tp if tp is not None and tp.size > 1 else None
         # the sizes this rank's ops and cache see (its heads, its MLP slice); the config for all else
-        self.local = local_config(config, self.tp.size) if self.tp else config
+        self.local = local_config(config, self.tp.size, self.tp.moe) if self.tp else config
         expected = sharded_shapes(config, self.tp) if self.tp else weight_shapes(config)
         if set(weights) != set(expected):
             missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
@@ -249,7 +249,7 @@ class HybridModel(nn.Module):
                            mlp.experts.down_proj, shared.gate_proj.weight, shared.up_proj.weight,
                            shared.down_proj.weight, mlp.shared_expert_gate.weight, cfg.num_experts_per_tok,
                            cfg.norm_topk_prob, cfg.rms_norm_eps,
-                           self.tp.rank * mlp.experts.gate_up_proj.shape[0] if self.tp else 0, self._adds_residual)
+                           first_expert(self.config, self.tp), self._adds_residual)
         return ops.mlp(h, layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
                        mlp.down_proj.weight, cfg.rms_norm_eps, self._adds_residual)
 

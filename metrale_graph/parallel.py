@@ -12,9 +12,11 @@ cache and the ops see):
   in_proj_z, in_proj_b / a, A_log, dt_bias by value head); out_proj by its input columns.
 - attention: query heads split (q_proj rows [q_h | gate_h] per head, o_proj columns); KV heads split,
   or, when there are fewer KV heads than ranks, each rank holds the one KV head its query heads read.
-- dense MLP: gate / up rows, down columns. MoE: the router everywhere, the experts split across
-  ranks (each rank computes its experts for every token it routes to them), the shared expert split
-  like a dense MLP.
+- dense MLP: gate / up rows, down columns. MoE: the router everywhere; the experts either split across
+  ranks (`moe="expert"`, expert parallel: each rank holds E / tp whole experts and computes them for
+  every token routed to them) or each split within (`moe="within"`: every rank holds every expert's
+  gate / up rows and down columns of its IE / tp slice, like a dense MLP); the shared expert split like
+  a dense MLP either way. Both end in the feed-forward's one all-reduce.
 - embedding and LM head: vocabulary rows, ceil(V / tp) per rank (the last rank's padded with zeros).
 - norms (and the gated norm's per-head weight) everywhere.
 Only rank 0 adds the residual stream in a mixer or feed-forward op; the all-reduce sums it in once.
@@ -31,25 +33,31 @@ import torch
 from .config import ModelConfig
 
 Ranges = tuple[int, list[tuple[int, int]]]  # (dim, [start, stop) ranges concatenated in order)
+MOE_MODES = ("expert", "within")  # how MoE experts are split over ranks (module docstring)
 
 
 @dataclass(frozen=True)
 class TensorParallel:
     """This process's place in a tensor-parallel group: rank `rank` of `size` in `group` (None: the
-    default process group)."""
+    default process group); `moe`: how MoE experts are split (MOE_MODES, module docstring)."""
     rank: int
     size: int
     group: Any = None
+    moe: str = "expert"
+
+    def __post_init__(self):
+        if self.moe not in MOE_MODES:
+            raise ValueError(f"moe must be one of {MOE_MODES} (how experts are split over ranks), got {self.moe!r}")
 
     @classmethod
-    def current(cls, group=None) -> "TensorParallel":
+    def current(cls, group=None, moe: str = "expert") -> "TensorParallel":
         """From an initialized torch.distributed (init_process_group; torchrun sets it up)."""
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("tensor parallelism needs torch.distributed initialized "
                              "(torch.distributed.init_process_group; torchrun sets the environment)")
-        return cls(dist.get_rank(group), dist.get_world_size(group), group)
+        return cls(dist.get_rank(group), dist.get_world_size(group), group, moe)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks (a functional collective: traced into the compiled step)."""
@@ -73,10 +81,12 @@ class TensorParallel:
         return self.group if self.group is not None else dist.group.WORLD
 
 
-def check_shardable(cfg: ModelConfig, size: int) -> None:
-    """ValueError naming the config field that `size` ranks cannot split."""
+def check_shardable(cfg: ModelConfig, size: int, moe: str = "expert") -> None:
+    """ValueError naming the config field that `size` ranks cannot split (experts split as `moe` says)."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor-parallel size must be a positive integer, got {size!r}")
+    if moe not in MOE_MODES:
+        raise ValueError(f"moe must be one of {MOE_MODES} (how experts are split over ranks), got {moe!r}")
     if size == 1:
         return
     need = [("num_attention_heads", cfg.num_attention_heads)]
@@ -85,8 +95,9 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
     if len(cfg.moe_layers) < cfg.num_hidden_layers:
         need.append(("intermediate_size", cfg.intermediate_size))
     if cfg.moe_layers:
-        need += [("num_experts", cfg.num_experts), ("shared_expert_intermediate_size",
-                                                    cfg.shared_expert_intermediate_size)]
+        need += [("num_experts", cfg.num_experts) if moe == "expert" else
+                 ("moe_intermediate_size", cfg.moe_intermediate_size),
+                 ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size)]
     for field, value in need:
         if value % size:
             raise ValueError(f"{field} ({value}) is not a multiple of the tensor-parallel size {size}")
@@ -101,13 +112,16 @@ def vocab_rows(cfg: ModelConfig, size: int) -> int:
     return math.ceil(cfg.vocab_size / size)
 
 
-def local_config(cfg: ModelConfig, size: int) -> ModelConfig:
+def local_config(cfg: ModelConfig, size: int, moe: str = "expert") -> ModelConfig:
     """The head counts and sizes one rank's shard has: what its cache and ops are built for. The
-    router still sees every expert (num_experts is the global count)."""
-    check_shardable(cfg, size)
+    router still sees every expert (num_experts is the global count); split within, each expert's
+    intermediate size is the rank's slice."""
+    check_shardable(cfg, size, moe)
     if size == 1:
         return cfg
     return cfg.replace(
+        moe_intermediate_size=cfg.moe_intermediate_size // size if cfg.moe_layers and moe == "within"
+        else cfg.moe_intermediate_size,
         num_attention_heads=cfg.num_attention_heads // size,
         num_key_value_heads=max(1, cfg.num_key_value_heads // size),
         linear_num_key_heads=cfg.linear_num_key_heads // size,
@@ -116,6 +130,14 @@ def local_config(cfg: ModelConfig, size: int) -> ModelConfig:
         shared_expert_intermediate_size=(cfg.shared_expert_intermediate_size // size
                                          if cfg.moe_layers else cfg.shared_expert_intermediate_size),
         vocab_size=vocab_rows(cfg, size))
+
+
+def first_expert(cfg: ModelConfig, tp: TensorParallel | None) -> int:
+    """The global index of this rank's first expert: rank * E / tp split across ranks, else 0 (every
+    rank holds every expert, or a slice of each)."""
+    if tp is None or tp.size == 1 or tp.moe != "expert":
+        return 0
+    return tp.rank * (cfg.num_experts // tp.size)
 
 
 def vocab_shard(cfg: ModelConfig, tp: TensorParallel) -> tuple[int, int]:
@@ -165,8 +187,15 @@ def shard_ranges(name: str, cfg: ModelConfig, tp: TensorParallel) -> Ranges | No
     if ".mlp.shared_expert." in name:
         IS = cfg.shared_expert_intermediate_size
         return (1, [part(IS)]) if ".down_proj." in name else (0, [part(IS)])
-    if ".mlp.experts." in name:
-        return 0, [part(cfg.num_experts)]
+    if ".mlp.experts." in name:  # stacked (`experts.gate_up_proj` [E, 2 * IE, D], `experts.down_proj`
+        # [E, D, IE]) or one expert's checkpoint tensor (`experts.{e}.gate_proj.weight` [IE, D], ...)
+        stacked = not name.endswith(".weight")
+        if tp.moe == "expert":  # whole experts: a range of the stacked ones; one expert whole, or not at all
+            return (0, [part(cfg.num_experts)]) if stacked else None
+        IE = cfg.moe_intermediate_size  # within: each expert's gate and up rows, down columns of the slice
+        if stacked:
+            return (2, [part(IE)]) if name.endswith(".down_proj") else (1, [part(IE), part(IE, offset=IE)])
+        return (1, [part(IE)]) if ".down_proj." in name else (0, [part(IE)])
     if ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
         return 0, [part(cfg.intermediate_size)]
     if ".mlp.down_proj." in name:

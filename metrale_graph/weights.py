@@ -244,31 +244,31 @@ class _Assembler:
     per-expert tensors into stacked buffers allocated once, Qwen3-Next's fused GDN projections split."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, tp=None):
-        from .parallel import local_config, shard_ranges, sharded_shapes
+        from .parallel import first_expert, local_config, shard_ranges, sharded_shapes
 
         self.cfg, self.dtype, self.device = cfg, dtype, device
         tp = tp if tp is not None and tp.size > 1 else None
-        self.shapes = sharded_shapes(cfg, tp) if tp else weight_shapes(cfg)
+        full = weight_shapes(cfg)
+        self.shapes = sharded_shapes(cfg, tp) if tp else full
         self.layout = checkpoint_shapes(cfg)
-        self.local = local_config(cfg, tp.size) if tp else cfg  # the shard's sizes (Qwen3-Next's splits)
+        self.local = local_config(cfg, tp.size, tp.moe) if tp else cfg  # the shard's sizes (Qwen3-Next's splits)
         ranges = (lambda name: shard_ranges(name, cfg, tp)) if tp else (lambda name: None)
-        first_expert = tp.rank * (cfg.num_experts // tp.size) if tp else 0
+        first = first_expert(cfg, tp)
         self.out: dict[str, torch.Tensor] = {}
         self.pieces: dict[str, _Piece] = {}
         self.stacked_of: dict[str, str] = {}  # per-expert name -> the stacked name that also provides it
-        IE = cfg.moe_intermediate_size
+        IE = self.local.moe_intermediate_size  # this rank's rows of each expert (split within: a slice)
         for name, shape in self.shapes.items():
             stacked, fusion = _STACKED_EXPERTS.fullmatch(name), _gdn_fusion(cfg, name)
             if stacked:
-                E = cfg.num_experts
-                parts = _expert_names(stacked.group(1), stacked.group(2), E)
-                self.pieces[name] = _Piece((E,) + shape[1:], tuple(parts), self._whole(name), ranges(name))
+                parts = _expert_names(stacked.group(1), stacked.group(2), cfg.num_experts)
+                self.pieces[name] = _Piece(full[name], tuple(parts), self._whole(name), ranges(name))
                 for part in parts:
                     e, which = part[len(stacked.group(1)):].split(".")[:2]
                     rows = {"gate_proj": slice(0, IE), "up_proj": slice(IE, 2 * IE), "down_proj": slice(None)}[which]
-                    local = int(e) - first_expert  # another rank's expert: read nothing
+                    local = int(e) - first  # another rank's expert: placed nowhere
                     place = self._expert(name, local, rows) if 0 <= local < shape[0] else (lambda t: None)
-                    self.pieces[part] = _Piece(self.layout[part], (part,), place)
+                    self.pieces[part] = _Piece(self.layout[part], (part,), place, ranges(part))
                     self.stacked_of[part] = name
             elif fusion:
                 fused, partner = fusion

@@ -1,5 +1,6 @@
 """On two GPUs (NCCL): the tensor-parallel prefill in bf16 against tp = 1, and replayed from CUDA
-graphs (NCCL inside the captured graphs) against eager, slots outside the batch bit-identical."""
+graphs (NCCL inside the captured graphs) against eager, slots outside the batch bit-identical; for a
+dense model and an MoE model with its experts split both ways (across the ranks and within)."""
 
 import json
 import os
@@ -20,7 +21,12 @@ def test_two_gpu_tensor_parallel(tmp_path):
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     print(done.stderr[-3000:])
     assert done.returncode == 0, done.stderr[-6000:]
-    for row in json.loads(report.read_text()):
+    rows = json.loads(report.read_text())
+    assert {r["config"] for r in rows} == {"dense", "moe-expert", "moe-within"}
+    for row in rows:
         print(row)
-        assert row["tp2_eager_vs_tp1"] <= 2e-2 and row["tp2_replay_vs_tp2_eager"] <= 1e-2
+        # MoE: a token whose top-8 is near a tie may route differently when the ranks' partial sums round
+        # differently in bf16 (one expert swapped changes that token's output)
+        reach = 5e-2 if row["config"].startswith("moe") else 2e-2
+        assert row["tp2_eager_vs_tp1"] <= reach and row["tp2_replay_vs_tp2_eager"] <= 1e-2
         assert row["slots_outside_untouched"]

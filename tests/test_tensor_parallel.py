@@ -1,11 +1,13 @@
 """Tensor parallelism on the CPU over gloo, 2 processes, fp32: the sharded prefill equals tp = 1 within
 1e-5 on varlen batches with continuation, for the dense family (KV heads split and KV heads
-replicated, a vocabulary that does not divide), an MoE model (experts split), a Qwen3-Next
-checkpoint each rank loads only its shard of, and the compiled step; and the main job under
+replicated, a vocabulary that does not divide), an MoE model (experts split across ranks, and each
+expert split within: five experts over two ranks), a Qwen3-Next checkpoint each rank loads only its
+shard of (both ways of splitting the experts), and the compiled step; and the main job under
 torchrun prints what the single process prints."""
 
 import json
 import os
+from dataclasses import replace
 import subprocess
 import sys
 
@@ -21,6 +23,9 @@ SCENARIOS = {
     "dense-kv-split": dict(config=tiny_config(vocab_size=257)),  # 257: the last vocabulary shard is short
     "dense-kv-replicated": dict(config=tiny_config(num_key_value_heads=1, linear_num_value_heads=6)),
     "moe-experts-split": dict(config=moe_config("qwen3_5_moe_text", num_experts=6, num_experts_per_tok=3)),
+    # within: every rank holds a 10-row slice of each of the 5 experts (5 does not split across 2 ranks)
+    "moe-split-within": dict(config=moe_config("qwen3_5_moe_text", num_experts=5, num_experts_per_tok=3),
+                             moe="within"),
 }
 
 
@@ -54,10 +59,12 @@ def _worker(rank, folder, checkpoint):
         tp = TensorParallel.current()
         out = {}
         for name, s in SCENARIOS.items():
-            out[name] = _run(HybridModel.from_preset(s["config"], seed=1, tp=tp))
+            out[name] = _run(HybridModel.from_preset(s["config"], seed=1, tp=replace(tp, moe=s.get("moe", "expert"))))
         out["compiled"] = _run(HybridModel.from_preset(SCENARIOS["dense-kv-split"]["config"], seed=1, tp=tp),
                                compiled=True)
         out["qwen3-next-checkpoint"] = _run(HybridModel.from_pretrained(checkpoint, tp=tp, progress=False))
+        out["qwen3-next-checkpoint-within"] = _run(HybridModel.from_pretrained(checkpoint, tp=replace(tp, moe="within"),
+                                                                               progress=False))
         if rank == 0:
             torch.save(out, os.path.join(folder, "rank0.pt"))
     finally:
@@ -74,10 +81,11 @@ def sharded(tmp_path_factory):
     return torch.load(folder / "rank0.pt"), checkpoint
 
 
-@pytest.mark.parametrize("name", list(SCENARIOS) + ["compiled", "qwen3-next-checkpoint"])
+@pytest.mark.parametrize("name", list(SCENARIOS) + ["compiled", "qwen3-next-checkpoint",
+                                                   "qwen3-next-checkpoint-within"])
 def test_tensor_parallel_equals_one_process(sharded, name):
     out, checkpoint = sharded
-    if name == "qwen3-next-checkpoint":
+    if name.startswith("qwen3-next-checkpoint"):
         model = HybridModel.from_pretrained(checkpoint, progress=False)
     else:
         model = HybridModel.from_preset(SCENARIOS[name if name in SCENARIOS else "dense-kv-split"]["config"], seed=1)
@@ -93,6 +101,13 @@ def test_unshardable_configs_name_the_field():
         check_shardable(tiny_config(num_attention_heads=4, num_key_value_heads=4), 4)
     with pytest.raises(ValueError, match=r"num_key_value_heads \(3\) and the tensor-parallel size 2"):
         check_shardable(tiny_config(num_attention_heads=6, num_key_value_heads=3), 2)
+    with pytest.raises(ValueError, match=r"num_experts \(5\) is not a multiple of the tensor-parallel size 2"):
+        check_shardable(moe_config(), 2)
+    with pytest.raises(ValueError, match=r"moe_intermediate_size \(20\) is not a multiple of the tensor-parallel size"):
+        check_shardable(moe_config(num_attention_heads=6, num_key_value_heads=3, linear_num_key_heads=3,
+                                   linear_num_value_heads=6, shared_expert_intermediate_size=12), 3, "within")
+    with pytest.raises(ValueError, match="moe must be one of"):
+        TensorParallel(0, 2, moe="tensor")
     with pytest.raises(ValueError, match="torch.distributed initialized"):
         TensorParallel.current()
 

@@ -31,8 +31,8 @@ import torch
 
 from metrale_graph import PRESETS, HybridModel, Stream
 from metrale_graph.ops import REGISTRY, kernels
-from metrale_graph.tools.common import (floor_ms, names_of, output_file, positive_int, print_json, print_table,
-                                       provenance, seed)
+from metrale_graph.tools.common import (add_moe_parallel_arg, floor_ms, names_of, output_file, positive_int,
+                                       print_json, print_table, provenance, seed)
 from metrale_graph.weights import weight_shapes
 
 VARIANTS = ("peer", "eager", "compiled", "graphs")
@@ -322,6 +322,7 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel ranks: torchrun --nproc-per-node N -m tools.bench --tp N (one GPU each)")
+    add_moe_parallel_arg(p)
     p.add_argument("--baseline", default=None,
                    help="JSON of a one-GPU run (--json) of the same preset: adds the speed-up over one GPU")
     p.add_argument("--generate", action="store_true",
@@ -369,6 +370,7 @@ def main(argv=None) -> None:
     def save(generation=None) -> dict:
         """The record so far, written to --json (after every workload: a run cut short keeps its rows)."""
         record = {"tool": "bench", "preset": args.preset, "layers": cfg.num_hidden_layers, "tp": args.tp,
+                  "moe_parallel": args.moe_parallel if args.tp > 1 and cfg.moe_layers else None,
                   "device": torch.cuda.get_device_name(), **run_info, "repeat": args.repeat, "generation": generation,
                   "results": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
                               for r in results]}

@@ -150,6 +150,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel ranks: launch with torchrun --nproc-per-node N ... --tp N "
                         "(NCCL on GPUs, one per rank; gloo on the CPU); ranks other than 0 print nothing")
+    add_moe_parallel_arg(p)
+
+
+def add_moe_parallel_arg(p: argparse.ArgumentParser) -> None:
+    from metrale_graph.parallel import MOE_MODES
+
+    p.add_argument("--moe-parallel", choices=MOE_MODES, default="expert",
+                   help="with --tp on an MoE model: experts split across ranks (expert, the default) or each "
+                        "expert split within (within)")
 
 
 def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
@@ -180,7 +189,7 @@ def tensor_parallel(args, parser: argparse.ArgumentParser):
         torch.cuda.set_device(args.device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    tp = TensorParallel.current()
+    tp = TensorParallel.current(moe=getattr(args, "moe_parallel", "expert"))
     if tp.rank != 0:
         sys.stdout = open(os.devnull, "w")
     return tp
