@@ -4,7 +4,8 @@
 #   usage: bash tools/gpu_session.sh [tests|ops|bench|moe|tp|all|setup]   (run from the repository root)
 # tests: every GPU test; ops: per-op benchmark; bench: 9B workloads with the peer and generation;
 # moe: the 35B-A3B and (12 layers) Qwen3-Next-80B-A3B workloads with the peer, the 35B-A3B default-grid warmup; tp: the two-GPU benchmarks
-# (9B W2 / W5 against the one-GPU JSON in benchmarks/, 27B W1-W6). `setup` only installs (source it
+# (9B W2 / W5 against the one-GPU JSON in benchmarks/, 27B W1-W6, 35B-A3B W1 / W2 / W5 with the experts
+# split across the ranks and within). `setup` only installs (source it
 # with `. tools/gpu_session.sh setup` to keep the environment).
 # Wall times measured on H200s (2026-11-30; plan device time by them, 10 minutes per call at most):
 #   test_gpu_sweep -n 8 ~4.5 min; test_gpu_ops ~5.5 min (beside another job); test_gpu_model + capture +
@@ -66,5 +67,12 @@ if [[ $what == tp || $what == all ]] && (( $(nvidia-smi -L | wc -l) >= 2 )); the
     python3 -m torch.distributed.run --nproc-per-node 2 -m metrale_graph.tools.bench --tp 2 --preset qwen3.5-27b \
         --workloads W1,W2,W3,W4,W5,W6 --variants graphs --repeat 5 --json "$OUT/bench-27b-tp2.json" \
         2>&1 | tee "$OUT/bench-27b-tp2.log" | tail -10
+    # MoE under tensor parallelism: the 35B-A3B's experts split across the two ranks, then each split within
+    for mode in expert within; do
+        python3 -m torch.distributed.run --nproc-per-node 2 -m metrale_graph.tools.bench --tp 2 --preset qwen3.5-35b-a3b \
+            --moe-parallel $mode --workloads W1,W2,W5 --variants graphs --repeat 5 \
+            --baseline benchmarks/h200-qwen3.5-35b-a3b.json --json "$OUT/bench-35b-tp2-$mode.json" 2>&1 \
+            | tee "$OUT/bench-35b-tp2-$mode.log" | tail -6
+    done
 fi
 exit $status
