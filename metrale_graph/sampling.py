@@ -81,7 +81,12 @@ def _sorted_probs(logits, temps, top_k, top_p):
     """Probabilities over each row's tokens sorted by decreasing logit, masked by top-k and top-p
     (not renormalized), and the sort order."""
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
-    sorted_logits = sorted_logits / temps.unsqueeze(1)
+    # Shifted so each row's largest logit is 0 before dividing: a tiny temperature then sends the others
+    # to -inf, never the largest to inf (inf - inf: NaN probabilities). Temperatures below fp32's
+    # smallest normal (which would round to 0: 0 / 0) are clamped to it; at that scale only the row's
+    # maximum (and exact ties) keep any probability anyway.
+    tiny = torch.finfo(torch.float32).tiny
+    sorted_logits = (sorted_logits - sorted_logits[:, :1]) / temps.float().clamp(min=tiny).unsqueeze(1)
     rank = torch.arange(logits.shape[-1], device=logits.device)
     sorted_logits = sorted_logits.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
