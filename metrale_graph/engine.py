@@ -36,7 +36,7 @@ import torch
 
 from .batch import Stream, check_token_ids, token_tensor
 from .model import HybridModel
-from .sampling import check_params, new_generator, sample
+from .sampling import check_params, check_seed, new_generator, sample
 from .scheduler import Request, Scheduler
 from .tokenizer import default_stop_ids, resolve_tokenizer
 
@@ -221,8 +221,7 @@ class Engine:
         if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         params = check_params(temperature, top_k, top_p)
-        if seed is not None and not _is_int(seed):
-            raise ValueError(f"seed must be an integer or None, got {seed!r}")
+        seed = check_seed(seed)
         stops = self.stop_token_ids if stop_token_ids is None else self._check_stop_ids(stop_token_ids)
         ids_of = [self._prompt_ids(i, prompt) for i, prompt in enumerate(prompts)]
         check_token_ids(ids_of, self.model.config.vocab_size, what="prompt")

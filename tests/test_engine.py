@@ -196,6 +196,22 @@ def test_tiny_temperatures_sample_the_maximum(tiny):
     _assert_cache_empty(engine)
 
 
+def test_seeds_at_the_ends_of_torch_range(tiny):
+    """Request i draws with seed + i: a seed near 2**64 - 1 wraps around for the later requests rather than
+    failing with torch's overflow error; a seed outside what torch takes is a ValueError naming it."""
+    engine = Engine(tiny, num_slots=2, token_budget=8, block_size=16, max_context=32, compile=False)
+    prompts = _prompts([3, 5])
+    kw = dict(max_new_tokens=4, temperature=1.0)
+    top = engine.generate(prompts, seed=2**64 - 1, **kw)
+    assert top[0].token_ids == engine.generate(prompts[:1], seed=2**64 - 1, **kw)[0].token_ids
+    assert top[1].token_ids == engine.generate(prompts[1:], seed=0, **kw)[0].token_ids  # 2**64 wraps to 0
+    assert len(engine.generate(prompts, seed=-2**63, **kw)) == 2
+    for seed in (2**64, -2**63 - 1, True):
+        with pytest.raises(ValueError, match="seed must be an integer or None"):
+            engine.generate(prompts, seed=seed, **kw)
+    _assert_cache_empty(engine)
+
+
 def test_bad_requests_raise_and_touch_nothing(tiny):
     engine = Engine(tiny, num_slots=2, token_budget=8, block_size=16, max_context=32, compile=False)
     before = [t.clone() for t in engine.cache.state_tensors()]
