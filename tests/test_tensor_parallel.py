@@ -2,8 +2,8 @@
 1e-5 on varlen batches with continuation, for the dense family (KV heads split and KV heads
 replicated, a vocabulary that does not divide), an MoE model (experts split across ranks, and each
 expert split within: five experts over two ranks), a Qwen3-Next checkpoint each rank loads only its
-shard of (both ways of splitting the experts), and the compiled step; and the main job under
-torchrun prints what the single process prints."""
+shard of (both ways of splitting the experts), and the compiled step; unseeded sampling through the
+Engine agrees across ranks; and the main job under torchrun prints what the single process prints."""
 
 import json
 import os
@@ -48,6 +48,19 @@ def _run(model, compiled=False):
     return [model.prefill(cache, b) for b in _batches(model.config.vocab_size)]
 
 
+def _sampled(model):
+    """Every rank's tokens of a sampled generation without a seed (all gathered: [rank 0's, rank 1's])."""
+    import torch.distributed as dist
+
+    from metrale_graph import Engine
+
+    engine = Engine(model, num_slots=2, token_budget=8, block_size=16, max_context=32, compile=False)
+    results = engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=6, temperature=1.0, stop_token_ids=[])
+    ranks = [None] * WORLD
+    dist.all_gather_object(ranks, [r.token_ids for r in results])
+    return ranks
+
+
 def _worker(rank, folder, checkpoint):
     import torch.distributed as dist
 
@@ -65,6 +78,7 @@ def _worker(rank, folder, checkpoint):
         out["qwen3-next-checkpoint"] = _run(HybridModel.from_pretrained(checkpoint, tp=tp, progress=False))
         out["qwen3-next-checkpoint-within"] = _run(HybridModel.from_pretrained(checkpoint, tp=replace(tp, moe="within"),
                                                                                progress=False))
+        out["engine-sampled"] = _sampled(HybridModel.from_preset("tiny", seed=1, tp=tp))
         if rank == 0:
             torch.save(out, os.path.join(folder, "rank0.pt"))
     finally:
@@ -92,6 +106,15 @@ def test_tensor_parallel_equals_one_process(sharded, name):
     for k, (got, want) in enumerate(zip(out[name], _run(model))):
         assert got.shape == want.shape
         assert rel_err(got, want) <= 1e-5, f"{name}, batch {k}: {rel_err(got, want):.2e}"
+
+
+def test_unseeded_sampling_draws_the_same_tokens_on_every_rank(sharded):
+    """seed=None: rank 0 draws the seed and shares it. With a seed of its own each rank sampled other
+    tokens from the same logits, so the ranks fed different batches (and, with stop tokens, could
+    leave their collectives out of step)."""
+    out, _ = sharded
+    first, second = out["engine-sampled"]
+    assert first == second and len(first) == 2 and all(len(t) == 6 for t in first)
 
 
 def test_unshardable_configs_name_the_field():
