@@ -45,7 +45,7 @@ class HybridCache:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if max_context is None:
             max_context = min(cfg.max_position_embeddings, num_blocks * block_size)
-        if not isinstance(max_context, int) or max_context < 1:
+        if not isinstance(max_context, int) or isinstance(max_context, bool) or max_context < 1:
             raise ValueError(f"max_context must be a positive integer, got {max_context!r}")
         self.config = cfg
         self.num_slots, self.num_blocks, self.block_size = num_slots, num_blocks, block_size
@@ -184,8 +184,14 @@ class HybridCache:
                 [list(b) for b in self._blocks], list(self._free))
 
     def restore(self, snapshot: tuple) -> None:
-        """Put the cache back to a snapshot() of itself (in place: captured graphs stay valid)."""
+        """Put the cache back to a snapshot() of itself (in place: captured graphs stay valid). A snapshot
+        of another cache geometry raises ValueError before anything is copied."""
         tensors, ctx, blocks, free = snapshot
+        mine = self.state_tensors()
+        if len(tensors) != len(mine) or len(ctx) != self.num_slots or len(blocks) != self.num_slots or any(
+                t.shape != s.shape or t.dtype != s.dtype for t, s in zip(mine, tensors)):
+            raise ValueError("the snapshot is not of this cache (other pools, slots or block tables); nothing "
+                             "was restored")
         with self.exclusive():
             for t, s in zip(self.state_tensors(), tensors):
                 t.copy_(s)

@@ -20,7 +20,8 @@ Semantics:
   default the eos token(s) of the model folder's generation_config.json, as transformers'
   generate does, else the tokenizer's eos token; none for presets); [] stops on nothing.
 - Sampling: temperature 0 is greedy; otherwise temperature, top-k (0: off), top-p (1.0: off).
-  Request i draws from its own generator seeded with seed + i (seed=None: from the OS), so its
+  Request i draws from its own generator seeded with seed + i (seed=None: from the OS; under tensor
+  parallelism rank 0 draws the seed and shares it, so every rank samples the same tokens), so its
   tokens do not depend on the other requests of the batch.
 - Bad requests raise ValueError before anything runs (nothing queued, the cache untouched).
 """
@@ -36,7 +37,7 @@ import torch
 
 from .batch import Stream, check_token_ids, token_tensor
 from .model import HybridModel
-from .sampling import check_params, new_generator, sample
+from .sampling import check_params, check_seed, new_generator, sample
 from .scheduler import Request, Scheduler
 from .tokenizer import default_stop_ids, resolve_tokenizer
 
@@ -221,8 +222,7 @@ class Engine:
         if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         params = check_params(temperature, top_k, top_p)
-        if seed is not None and not _is_int(seed):
-            raise ValueError(f"seed must be an integer or None, got {seed!r}")
+        seed = check_seed(seed)
         stops = self.stop_token_ids if stop_token_ids is None else self._check_stop_ids(stop_token_ids)
         ids_of = [self._prompt_ids(i, prompt) for i, prompt in enumerate(prompts)]
         check_token_ids(ids_of, self.model.config.vocab_size, what="prompt")
@@ -233,14 +233,27 @@ class Engine:
                 raise ValueError(f"prompt {i} has {len(ids)} tokens; max_context is {self.max_context} and a "
                                  f"prompt must leave room for at least one new token (at most {self.max_context - 1})")
             max_new = min(max_new_tokens, self.max_context - len(ids))
-            gen = None if params.greedy else new_generator(None if seed is None else seed + i)
-            r = Request(i, ids, max_new, params, gen)
+            r = Request(i, ids, max_new, params, None)
             need = -(-r.kv_tokens // self.cache.block_size)
             if need > self.cache.num_blocks:
                 raise ValueError(f"prompt {i}: {len(ids)} tokens + {max_new} new need {need} KV blocks; the "
                                  f"cache has {self.cache.num_blocks} (raise num_blocks or lower max_new_tokens)")
             requests.append(r)
+        if not params.greedy:  # every check passed (on every rank alike): only now agree on a seed
+            if seed is None and self.model.tp is not None:
+                seed = self._shared_seed()
+            for r in requests:
+                r.generator = new_generator(None if seed is None else seed + r.index)
         return requests, stops
+
+    def _shared_seed(self) -> int:
+        """A seed drawn from the OS on rank 0 of the model's tensor-parallel group and given to every
+        rank: the ranks sample from the same logits, so with the same generators they draw the same
+        tokens and keep feeding the same batches (independent seeds let them diverge, and with stop
+        tokens their schedules, and so their collectives, part ways)."""
+        tp = self.model.tp
+        mine = int(torch.randint(0, 2**62, (1,), generator=new_generator(None))) if tp.rank == 0 else 0
+        return int(tp.all_reduce(torch.tensor([mine], dtype=torch.int64, device=self.model.device))[0])
 
     def _prompt_ids(self, i: int, prompt) -> torch.Tensor:
         """Prompt i's token ids (text through the tokenizer), type-checked as a batch's streams are."""

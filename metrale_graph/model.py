@@ -108,8 +108,16 @@ class HybridModel(nn.Module):
         if not os.path.isdir(path):
             raise ValueError(f"checkpoint folder {path!r} does not exist")
         config = load_config(path)
-        model = cls(config, load_checkpoint(path, config, dtype, torch.device(device), progress=progress,
-                                            check_finite=check_finite, tp=tp), tp)
+        try:
+            weights, error = load_checkpoint(path, config, dtype, torch.device(device), progress=progress,
+                                             check_finite=check_finite, tp=tp), None
+        except Exception as e:  # under tp: raised only once every rank knows (below)
+            weights, error = None, e
+        if tp is not None and tp.size > 1:
+            _agree_on_loading(tp, error, torch.device(device))
+        if error is not None:
+            raise error
+        model = cls(config, weights, tp)
         model.name_or_path = path  # where the Engine looks for a tokenizer and generation_config.json
         return model
 
@@ -259,6 +267,18 @@ class HybridModel(nn.Module):
                if c.moe_layers else "")
         return (f"layers={c.num_hidden_layers} ({len(c.linear_layers)} GDN + {len(c.full_layers)} attention{moe}), "
                 f"hidden={c.hidden_size}, vocab={c.vocab_size}, dtype={self.dtype}, device={self.device}")
+
+
+def _agree_on_loading(tp: TensorParallel, error: BaseException | None, device: torch.device) -> None:
+    """Each rank reads (and checks) only its shard, so a bad tensor may fail one rank's load alone; the
+    others would go on to the first collective of a prefill and wait there for ever. The ranks exchange
+    whether they failed; a rank whose own shard loaded raises ValueError naming the ones that did not."""
+    failed = torch.zeros(tp.size, dtype=torch.int32, device=device)
+    failed[tp.rank] = error is not None
+    ranks = tp.all_reduce(failed).nonzero().flatten().tolist()
+    if ranks and error is None:
+        raise ValueError(f"tensor-parallel rank(s) {ranks} could not load their shard of the checkpoint (see "
+                         "their error); this rank loaded its own")
 
 
 def _check_uniform(weights: dict[str, torch.Tensor], hint: str = "") -> None:

@@ -41,13 +41,26 @@ def check_params(temperature, top_k, top_p) -> SamplingParams:
     return SamplingParams(float(temperature), top_k, float(top_p))
 
 
+SEED_RANGE = (-2**63, 2**64)  # what torch.Generator.manual_seed takes: [low, high)
+
+
+def check_seed(seed) -> int | None:
+    """`seed` if it is None or an int torch's generators take; ValueError naming it otherwise."""
+    if seed is None:
+        return None
+    if not isinstance(seed, int) or isinstance(seed, bool) or not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+        raise ValueError(f"seed must be an integer or None (an integer in [-2**63, 2**64)), got {seed!r}")
+    return seed
+
+
 def new_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator seeded with `seed`, or from the OS's entropy when seed is None."""
+    """A CPU generator seeded with `seed`, or from the OS's entropy when seed is None. A seed past
+    2**64 - 1 (seed + request index, for a seed near the top) wraps around modulo 2**64."""
     g = torch.Generator()
     if seed is None:
         g.seed()
     else:
-        g.manual_seed(seed)
+        g.manual_seed(seed - 2**64 if seed >= SEED_RANGE[1] else seed)
     return g
 
 
@@ -81,7 +94,12 @@ def _sorted_probs(logits, temps, top_k, top_p):
     """Probabilities over each row's tokens sorted by decreasing logit, masked by top-k and top-p
     (not renormalized), and the sort order."""
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
-    sorted_logits = sorted_logits / temps.unsqueeze(1)
+    # Shifted so each row's largest logit is 0 before dividing: a tiny temperature then sends the others
+    # to -inf, never the largest to inf (inf - inf: NaN probabilities). Temperatures below fp32's
+    # smallest normal (which would round to 0: 0 / 0) are clamped to it; at that scale only the row's
+    # maximum (and exact ties) keep any probability anyway.
+    tiny = torch.finfo(torch.float32).tiny
+    sorted_logits = (sorted_logits - sorted_logits[:, :1]) / temps.float().clamp(min=tiny).unsqueeze(1)
     rank = torch.arange(logits.shape[-1], device=logits.device)
     sorted_logits = sorted_logits.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)

@@ -180,6 +180,38 @@ def test_sampling_masks_and_distribution():
     assert together == alone
 
 
+def test_tiny_temperatures_sample_the_maximum(tiny):
+    """A temperature so small that logits / temperature overflows fp32 (or the temperature itself rounds
+    to 0 in fp32) still samples: the row's largest logit, as greedy does, not NaN probabilities (which
+    crashed the draw with an index of -1 mid-generation)."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, -5.0], [100.0, 50.0, 0.0, -100.0]])
+    for t in (1e-30, 1e-38, 1e-45, 5e-324):
+        for k, p in ((0, 1.0), (2, 1.0), (0, 0.5)):
+            params = [SamplingParams(t, top_k=k, top_p=p)] * 2
+            assert sample(logits, params, [new_generator(0), new_generator(1)]).tolist() == [1, 0], (t, k, p)
+    engine = Engine(tiny, num_slots=2, token_budget=8, block_size=16, max_context=32, compile=False)
+    prompts = _prompts([3, 5])
+    greedy = [r.token_ids for r in engine.generate(prompts, max_new_tokens=4)]
+    assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=4, temperature=1e-40, seed=0)] == greedy
+    _assert_cache_empty(engine)
+
+
+def test_seeds_at_the_ends_of_torch_range(tiny):
+    """Request i draws with seed + i: a seed near 2**64 - 1 wraps around for the later requests rather than
+    failing with torch's overflow error; a seed outside what torch takes is a ValueError naming it."""
+    engine = Engine(tiny, num_slots=2, token_budget=8, block_size=16, max_context=32, compile=False)
+    prompts = _prompts([3, 5])
+    kw = dict(max_new_tokens=4, temperature=1.0)
+    top = engine.generate(prompts, seed=2**64 - 1, **kw)
+    assert top[0].token_ids == engine.generate(prompts[:1], seed=2**64 - 1, **kw)[0].token_ids
+    assert top[1].token_ids == engine.generate(prompts[1:], seed=0, **kw)[0].token_ids  # 2**64 wraps to 0
+    assert len(engine.generate(prompts, seed=-2**63, **kw)) == 2
+    for seed in (2**64, -2**63 - 1, True):
+        with pytest.raises(ValueError, match="seed must be an integer or None"):
+            engine.generate(prompts, seed=seed, **kw)
+    _assert_cache_empty(engine)
+
+
 def test_bad_requests_raise_and_touch_nothing(tiny):
     engine = Engine(tiny, num_slots=2, token_budget=8, block_size=16, max_context=32, compile=False)
     before = [t.clone() for t in engine.cache.state_tensors()]

@@ -115,3 +115,28 @@ def test_cache_mismatch_is_rejected(model):
         model.new_cache(2, 4).reset(5)
     with pytest.raises(ValueError, match="num_blocks must be a positive integer"):
         model.new_cache(2, 0)
+
+
+def test_restore_of_another_cache_raises_and_copies_nothing(model):
+    """A snapshot of a cache with the same pools but other block tables (another max_context) used to
+    be copied pool by pool until the block table failed, leaving this cache's pools overwritten under
+    its own bookkeeping."""
+    cache = model.new_cache(2, 8, block_size=16, max_context=32)
+    model.prefill(cache, [Stream(0, random_tokens(20, 1))])
+    other = model.new_cache(2, 8, block_size=16, max_context=64)
+    model.prefill(other, [Stream(1, random_tokens(30, 2))])
+    snap = _snapshot(cache)
+    for foreign in (other.snapshot(), model.new_cache(3, 8, block_size=16).snapshot()):
+        with pytest.raises(ValueError, match="not of this cache"):
+            cache.restore(foreign)
+        assert _same(cache, snap)
+    own = cache.snapshot()
+    model.prefill(cache, [Stream(1, random_tokens(5, 3))])
+    cache.restore(own)
+    assert _same(cache, snap)
+
+
+def test_cache_max_context_must_be_a_positive_int(model):
+    for bad in (True, 0, 2.5):
+        with pytest.raises(ValueError, match="max_context must be a positive integer"):
+            model.new_cache(2, 8, block_size=16, max_context=bad)

@@ -2,7 +2,8 @@
 1e-5 on varlen batches with continuation, for the dense family (KV heads split and KV heads
 replicated, a vocabulary that does not divide), an MoE model (experts split across ranks, and each
 expert split within: five experts over two ranks), a Qwen3-Next checkpoint each rank loads only its
-shard of (both ways of splitting the experts), and the compiled step; and the main job under
+shard of (both ways of splitting the experts), and the compiled step; unseeded sampling through the
+Engine agrees across ranks; a shard that fails to load fails every rank; and the main job under
 torchrun prints what the single process prints."""
 
 import json
@@ -48,6 +49,33 @@ def _run(model, compiled=False):
     return [model.prefill(cache, b) for b in _batches(model.config.vocab_size)]
 
 
+def _sampled(model):
+    """Every rank's tokens of a sampled generation without a seed (all gathered: [rank 0's, rank 1's])."""
+    import torch.distributed as dist
+
+    from metrale_graph import Engine
+
+    engine = Engine(model, num_slots=2, token_budget=8, block_size=16, max_context=32, compile=False)
+    results = engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=6, temperature=1.0, stop_token_ids=[])
+    ranks = [None] * WORLD
+    dist.all_gather_object(ranks, [r.token_ids for r in results])
+    return ranks
+
+
+def _load_errors(folder, tp):
+    """Every rank's error loading `folder` (None: loaded), all gathered."""
+    import torch.distributed as dist
+
+    try:
+        HybridModel.from_pretrained(folder, tp=tp, progress=False)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    ranks = [None] * WORLD
+    dist.all_gather_object(ranks, error)
+    return ranks
+
+
 def _worker(rank, folder, checkpoint):
     import torch.distributed as dist
 
@@ -65,10 +93,26 @@ def _worker(rank, folder, checkpoint):
         out["qwen3-next-checkpoint"] = _run(HybridModel.from_pretrained(checkpoint, tp=tp, progress=False))
         out["qwen3-next-checkpoint-within"] = _run(HybridModel.from_pretrained(checkpoint, tp=replace(tp, moe="within"),
                                                                                progress=False))
+        out["engine-sampled"] = _sampled(HybridModel.from_preset("tiny", seed=1, tp=tp))
+        out["bad-shard"] = _load_errors(checkpoint + "-nan", tp)
         if rank == 0:
             torch.save(out, os.path.join(folder, "rank0.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _with_nan_expert(folder, out):
+    """A copy of a checkpoint whose last expert (rank 1's, split across 2 ranks) of layer 0 holds a NaN."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(out)
+    shutil.copy(os.path.join(folder, "config.json"), out)
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    last = max(int(k.split(".")[5]) for k in tensors if ".layers.0.mlp.experts." in k)
+    tensors[f"model.layers.0.mlp.experts.{last}.down_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +121,7 @@ def sharded(tmp_path_factory):
     checkpoint = str(folder / "qwen3-next")
     HybridModel.from_preset(moe_config("qwen3_next", num_experts=4, num_experts_per_tok=2), seed=2).save_pretrained(
         checkpoint)
+    _with_nan_expert(checkpoint, checkpoint + "-nan")
     mp.start_processes(_worker, args=(str(folder), checkpoint), nprocs=WORLD, start_method="spawn")
     return torch.load(folder / "rank0.pt"), checkpoint
 
@@ -92,6 +137,24 @@ def test_tensor_parallel_equals_one_process(sharded, name):
     for k, (got, want) in enumerate(zip(out[name], _run(model))):
         assert got.shape == want.shape
         assert rel_err(got, want) <= 1e-5, f"{name}, batch {k}: {rel_err(got, want):.2e}"
+
+
+def test_unseeded_sampling_draws_the_same_tokens_on_every_rank(sharded):
+    """seed=None: rank 0 draws the seed and shares it. With a seed of its own each rank sampled other
+    tokens from the same logits, so the ranks fed different batches (and, with stop tokens, could
+    leave their collectives out of step)."""
+    out, _ = sharded
+    first, second = out["engine-sampled"]
+    assert first == second and len(first) == 2 and all(len(t) == 6 for t in first)
+
+
+def test_a_shard_that_fails_to_load_fails_every_rank(sharded):
+    """A NaN in an expert only rank 1 reads: rank 1's load names the tensor, and rank 0, whose shard is
+    fine, raises too instead of returning a model that would wait for rank 1 at its first collective."""
+    out, _ = sharded
+    first, second = out["bad-shard"]
+    assert second is not None and "experts.3.down_proj.weight" in second and "NaN" in second
+    assert first is not None and "rank(s) [1] could not load" in first
 
 
 def test_unshardable_configs_name_the_field():
