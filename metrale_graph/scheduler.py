@@ -67,6 +67,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted (holding a slot), in admission order
         self.free_slots = list(range(cache.num_slots))
+        for slot in self.free_slots:  # a stream left by a prefill outside the engine: its slot starts empty
+            if cache.context_lens[slot]:
+                cache.reset(slot)
 
     def blocks_for(self, request: Request) -> int:
         return -(-request.kv_tokens // self.cache.block_size)

@@ -155,6 +155,19 @@ def test_greedy_and_seeded_sampling_are_batch_independent(tiny):
     _assert_cache_empty(engine)
 
 
+def test_stream_left_in_the_engines_cache_is_forgotten(tiny):
+    """A prefill run on engine.cache outside the engine leaves a stream in a slot; the next generate starts
+    that slot empty (its tokens do not continue the leftover context)."""
+    from metrale_graph import Stream
+
+    engine = Engine(tiny, num_slots=2, token_budget=12, block_size=16, max_context=96, compile=False)
+    prompts = _prompts([5, 9])
+    clean = [r.token_ids for r in engine.generate(prompts, max_new_tokens=4)]
+    tiny.prefill(engine.cache, [Stream(0, prompts[1]), Stream(1, prompts[0][:3])])
+    assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=4)] == clean
+    _assert_cache_empty(engine)
+
+
 def test_sampling_masks_and_distribution():
     """sample(): greedy rows take the argmax; top-k and top-p keep only their tokens; the draws follow
     the tempered distribution; a row's draw does not depend on the other rows."""
