@@ -266,9 +266,12 @@ class _Assembler:
                 for part in parts:
                     e, which = part[len(stacked.group(1)):].split(".")[:2]
                     rows = {"gate_proj": slice(0, IE), "up_proj": slice(IE, 2 * IE), "down_proj": slice(None)}[which]
-                    local = int(e) - first  # another rank's expert: placed nowhere
-                    place = self._expert(name, local, rows) if 0 <= local < shape[0] else (lambda t: None)
-                    self.pieces[part] = _Piece(self.layout[part], (part,), place, ranges(part))
+                    local = int(e) - first
+                    if 0 <= local < shape[0]:
+                        self.pieces[part] = _Piece(self.layout[part], (part,), self._expert(name, local, rows),
+                                                   ranges(part))
+                    else:  # another rank's expert: none of it is read
+                        self.pieces[part] = _Piece(self.layout[part], (part,), lambda t: None, (0, [(0, 0)]))
                     self.stacked_of[part] = name
             elif fusion:
                 fused, partner = fusion

@@ -191,3 +191,19 @@ def test_torchrun_prints_what_one_process_prints():
     two = last_json([torchrun, "--nproc-per-node", "2", "--master-port", "29533", *args, "--tp", "2"])
     assert two["top_tokens"] == one["top_tokens"] and two["continued"] == one["continued"]
     assert two["tp"] == 2 and {k for k in one if k != "tp"} <= set(two)
+
+
+def test_each_rank_reads_only_its_part_of_the_experts():
+    """Experts one tensor each in the checkpoint: split across ranks, a rank reads its own experts whole and
+    none of another's (an empty range); split within, its rows (gate / up) or columns (down) of every one."""
+    from metrale_graph.parallel import TensorParallel
+    from metrale_graph.weights import _Assembler
+
+    cfg = moe_config("qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2)  # IE 20
+    across = _Assembler(cfg, torch.float32, "cpu", TensorParallel(1, 2)).pieces
+    within = _Assembler(cfg, torch.float32, "cpu", TensorParallel(1, 2, moe="within")).pieces
+    for e in range(4):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            name = f"layers.0.mlp.experts.{e}.{proj}.weight"
+            assert across[name].ranges == (None if e >= 2 else (0, [(0, 0)]))
+            assert within[name].ranges == ((1, [(10, 20)]) if proj == "down_proj" else (0, [(10, 20)]))
