@@ -63,6 +63,11 @@ class PackedBatch:
         """A batch of `num_streams` streams and `num_tokens` tokens that is all padding: the static
         buffers a bucket fills (fill) before each run."""
         B, T, dev = num_streams, num_tokens, cache.device
+        with torch.inference_mode(False):  # normal tensors (filled in place in or out of inference mode)
+            return cls._padding(B, T, dev, cache)
+
+    @classmethod
+    def _padding(cls, B: int, T: int, dev: torch.device, cache: HybridCache) -> "PackedBatch":
         return cls(tokens=torch.zeros(T, dtype=torch.int64, device=dev),
                    positions=torch.zeros(T, dtype=torch.int64, device=dev),
                    cu_seqlens=torch.zeros(B + 1, dtype=torch.int32, device=dev),

@@ -55,14 +55,17 @@ class HybridCache:
         S, W = num_slots + 1, cfg.linear_conv_kernel_dim
         HV, K, V = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         kv_shape = (num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.conv_states = [torch.zeros(S, cfg.conv_dim, W - 1, dtype=dtype, device=self.device)
-                            for _ in cfg.linear_layers]
-        self.gdn_states = [torch.zeros(S, HV, K, V, dtype=torch.float32, device=self.device)
-                           for _ in cfg.linear_layers]
-        self.k_caches = [torch.zeros(kv_shape, dtype=dtype, device=self.device) for _ in cfg.full_layers]
-        self.v_caches = [torch.zeros(kv_shape, dtype=dtype, device=self.device) for _ in cfg.full_layers]
-        self.block_tables = torch.full((S, self.max_blocks_per_slot), self.null_block, dtype=torch.int32,
-                                       device=self.device)
+        # normal tensors even when built under torch.inference_mode(): the steps update them in place, which
+        # an inference tensor refuses outside inference mode
+        with torch.inference_mode(False):
+            self.conv_states = [torch.zeros(S, cfg.conv_dim, W - 1, dtype=dtype, device=self.device)
+                                for _ in cfg.linear_layers]
+            self.gdn_states = [torch.zeros(S, HV, K, V, dtype=torch.float32, device=self.device)
+                               for _ in cfg.linear_layers]
+            self.k_caches = [torch.zeros(kv_shape, dtype=dtype, device=self.device) for _ in cfg.full_layers]
+            self.v_caches = [torch.zeros(kv_shape, dtype=dtype, device=self.device) for _ in cfg.full_layers]
+            self.block_tables = torch.full((S, self.max_blocks_per_slot), self.null_block, dtype=torch.int32,
+                                           device=self.device)
         self.context_lens = [0] * num_slots
         self._blocks: list[list[int]] = [[] for _ in range(num_slots)]
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first

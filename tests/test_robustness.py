@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from helpers import random_tokens, rel_err
+from helpers import random_tokens, rel_err, tiny_config
 from metrale_graph import HybridModel, Stream, ops
 from metrale_graph.cache import CacheInUseError
 from metrale_graph.capture import GraphRunner
@@ -215,3 +215,21 @@ def test_one_caller_at_a_time():
     assert result["out"].shape == (1, model.config.vocab_size)
     assert cache.context_lens == [0, 20, 0, 0] and cache.free_blocks == 16 - 2
     assert issubclass(CacheInUseError, ValueError)
+
+
+def test_cache_and_runner_built_in_inference_mode_serve_outside_it():
+    """A cache and a runner's bucket buffers made under torch.inference_mode() hold normal tensors: steps
+    outside inference mode (and back inside it) update them in place and give the same logits."""
+    from metrale_graph.batch import PackedBatch
+
+    model = HybridModel.from_preset(tiny_config(), seed=0)
+    with torch.inference_mode():
+        cache = model.new_cache(2, 8, block_size=16)
+        buffers = PackedBatch.padding(2, 16, cache)
+    ref_cache = model.new_cache(2, 8, block_size=16)
+    for batch in ([Stream(0, [1, 2, 3]), Stream(1, [4])], [Stream(0, [5])]):
+        want = model.prefill(ref_cache, batch)
+        assert torch.equal(model.prefill(cache, batch), want)
+    with torch.inference_mode():
+        assert torch.equal(model.prefill(cache, [Stream(1, [6])]), model.prefill(ref_cache, [Stream(1, [6])]))
+    assert not any(t.is_inference() for t in cache.state_tensors()) and not buffers.tokens.is_inference()
