@@ -266,7 +266,7 @@ def gdn_recurrence_aligned(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, va
 
     h0 = torch.cat([gdn_state.index_select(0, slot_ids), gdn_state.new_zeros(1, HV, K, V)])
     o_al, final = varlen_fn(aligned(q), aligned(k), aligned(v), aligned(g), aligned(beta), cu_al, chunk_indices, h0)
-    gdn_state.index_copy_(0, slot_ids, final[:B])
+    gdn_state.index_copy_(0, slot_ids.long(), final[:B])  # index_copy_ takes int64 indices only; slot_ids may be int32
     # rows of tokens outside the layout: unspecified, but zeros, not the allocator's leftovers (a padding
     # row's NaN would reach the MoE router)
     o = v.new_zeros((T, HV, V))

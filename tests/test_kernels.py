@@ -242,6 +242,20 @@ def test_split_path_matches_reference(case, spare, dtype):
     _check_pool(args, ref_args, test_args, dtype)
 
 
+def test_split_path_takes_int32_slot_ids():
+    """slot_ids may be int32 (the op's schema takes int32 or int64): the chunked layout's state scatter
+    (index_copy_, which takes only int64 indices) as well as the recurrent kernel."""
+    case = SPLIT_CASES[1][0]  # streams of 64, 65, 0 and 1 tokens: both paths, a padding stream
+    args = list(op_args("gdn_recurrence", case, torch.float32, seed=6))
+    args[6] = args[6].to(torch.int32)
+    ref_args = clone_args(args, "cpu")
+    test_args = clone_args(args, DEVICE)
+    ref = gdn_recurrence.gdn_recurrence_ref(*ref_args)
+    out = gdn_recurrence.gdn_recurrence_split(*test_args, _reference_varlen)
+    assert_close("o", ref, out.cpu(), TOL[torch.float32])
+    _check_pool(args, ref_args, test_args, torch.float32)
+
+
 # several 64 / 128-key splits per stream with a partial last one, blocks of 16 / 48 / 64 (splits and
 # blocks unaligned), query heads per KV head 1..4, streams of several query tiles, zero-length streams
 DECODE_ATTENTION_CASES = [
