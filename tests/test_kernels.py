@@ -24,6 +24,7 @@ from op_cases import CASES, op_args
 gdn_recurrence = importlib.import_module("metrale_graph.ops.gdn_recurrence")
 paged_attention = importlib.import_module("metrale_graph.ops.paged_attention")
 moe = importlib.import_module("metrale_graph.ops.moe")
+causal_conv1d = importlib.import_module("metrale_graph.ops.causal_conv1d")
 
 # every op's CUDA path (the recurrence's chunked path needs fla: covered here through its aligned layout)
 CUDA_IMPLS = {name: spec.cuda for name, spec in REGISTRY.items() if spec.cuda}
@@ -316,6 +317,53 @@ def test_decode_shaped_rule():
     assert not decode_shaped(32, 256)
 
 
+def _strided(t, transpose=None):
+    """t's values in a view that is not contiguous: every stride doubled (the odd elements of a buffer twice
+    the size, which must stay untouched), or with dims `transpose` swapped in memory."""
+    if transpose is not None:
+        return t.transpose(*transpose).contiguous().transpose(*transpose)
+    view = torch.zeros(t.shape + (2,), dtype=t.dtype, device=t.device)[..., 0]
+    view.copy_(t)
+    return view
+
+
+# (op, its CUDA path, case, positions of index tensors, {position of a pool: transposed dims or None})
+STRIDED_CASES = [
+    ("paged_attention", paged_attention.paged_attention_cuda, DECODE_ATTENTION_CASES[1], (5, 6, 7),
+     {3: None, 4: (1, 2)}),
+    ("paged_attention", paged_attention.paged_attention_cuda, Shapes(lengths=(70, 3), context=(5, 17), HQ=2, HKV=1),
+     (5, 6, 7), {3: (1, 2), 4: None}),
+    ("causal_conv1d", causal_conv1d.causal_conv1d_cuda, CASES[0], (2, 3), {4: None}),
+    ("causal_conv1d", causal_conv1d.causal_conv1d_cuda, CASES[3], (2, 3), {4: (1, 2)}),
+    ("gdn_recurrence", gdn_recurrence.gdn_recurrence_cuda, CASES[9], (5, 6), {7: None}),
+    ("gdn_recurrence", lambda *a: gdn_recurrence.gdn_recurrence_split(*a, _reference_varlen), SPLIT_CASES[1][0],
+     (5, 6), {7: (2, 3)}),
+]
+
+
+@pytest.mark.parametrize("name,impl,case,index,pools", STRIDED_CASES,
+                         ids=[f"{c[0]}-{c[2].id}" for c in STRIDED_CASES])
+def test_strided_pools_and_index_tensors(name, impl, case, index, pools):
+    """The schemas take pools and index tensors of any strides (the references index them as tensors): the
+    CUDA paths read and write them through their strides, never past them (no contiguous layout assumed)."""
+    args = list(op_args(name, case, torch.float32, seed=3))
+    ref_args = clone_args(args, "cpu")
+    ref = outputs(REGISTRY[name].reference(*ref_args))
+    test_args = clone_args(args, DEVICE)
+    for i in index:
+        test_args[i] = _strided(test_args[i], (0, 1) if test_args[i].dim() == 2 else None)
+    for i, transpose in pools.items():
+        test_args[i] = _strided(test_args[i], transpose)
+    out = outputs(impl(*test_args))
+    for i, (r, o) in enumerate(zip(ref, out)):
+        assert_close(f"{name} output {i}", r, o.cpu(), TOL[torch.float32])
+    for i, transpose in pools.items():
+        assert_close(f"{name} pool {i}", ref_args[i], test_args[i].cpu(), TOL[torch.float32])
+        if transpose is None:  # the elements between the view's stay zero
+            assert not test_args[i].untyped_storage().nbytes() or torch.all(
+                torch.as_strided(test_args[i], test_args[i].shape + (2,), test_args[i].stride() + (1,))[..., 1] == 0)
+
+
 class _Launches:
     """Records each launch of the wrapped Triton kernel (its name and grid) and runs it."""
 
@@ -566,6 +614,7 @@ import importlib, sys
 import triton
 from triton.backends.compiler import GPUTarget
 moe = importlib.import_module("metrale_graph.ops.moe")
+causal_conv1d = importlib.import_module("metrale_graph.ops.causal_conv1d")
 gdn = importlib.import_module("metrale_graph.ops.gdn_recurrence")
 attn = importlib.import_module("metrale_graph.ops.paged_attention")
 rows = importlib.import_module("metrale_graph.ops.kernels")
