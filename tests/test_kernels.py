@@ -364,6 +364,18 @@ def test_strided_pools_and_index_tensors(name, impl, case, index, pools):
                 torch.as_strided(test_args[i], test_args[i].shape + (2,), test_args[i].stride() + (1,))[..., 1] == 0)
 
 
+@pytest.mark.parametrize("name", ["gdn_proj", "attn_proj", "gdn_out", "mlp", "moe"])
+def test_strided_vectors(name):
+    """1-D parameters (norm weights, A_log, dt_bias, positions, inv_freq) of any stride, as the schemas take
+    them: the row kernels read them through their strides (made contiguous), not as if they were."""
+    args = op_args(name, CASES[4], torch.float32, seed=3)
+    ref = outputs(REGISTRY[name].reference(*clone_args(args, "cpu")))
+    test_args = [_strided(a) if isinstance(a, torch.Tensor) and a.dim() == 1 else a for a in clone_args(args, DEVICE)]
+    assert any(isinstance(a, torch.Tensor) and not a.is_contiguous() for a in test_args)
+    for i, (r, o) in enumerate(zip(ref, outputs(CUDA_IMPLS[name](*test_args)))):
+        assert_close(f"{name} output {i}", r, o.cpu(), TOL[torch.float32])
+
+
 class _Launches:
     """Records each launch of the wrapped Triton kernel (its name and grid) and runs it."""
 
