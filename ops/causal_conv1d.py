@@ -38,7 +38,7 @@ def causal_conv1d(x: Tensor, weight: Tensor, cu_seqlens: Tensor, slot_ids: Tenso
 @causal_conv1d.register_fake
 def _(x, weight, cu_seqlens, slot_ids, conv_state):
     _check(x, weight, cu_seqlens, slot_ids, conv_state)
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous whatever x's layout, as the CUDA path's and the reference's
 
 
 def _check(x, weight, cu_seqlens, slot_ids, conv_state):
@@ -58,7 +58,7 @@ def _check(x, weight, cu_seqlens, slot_ids, conv_state):
 def causal_conv1d_ref(x, weight, cu_seqlens, slot_ids, conv_state):
     """Plain torch, one stream at a time (host loop: the CPU reference)."""
     C, W = weight.shape
-    y = torch.empty_like(x)
+    y = x.new_empty(x.shape)  # contiguous whatever x's layout, as the fake and the CUDA path
     bounds = cu_seqlens.tolist()
     for b, slot in enumerate(slot_ids.tolist()):
         s, e = bounds[b], bounds[b + 1]

@@ -376,6 +376,30 @@ def test_strided_vectors(name):
         assert_close(f"{name} output {i}", r, o.cpu(), TOL[torch.float32])
 
 
+# (op, position of its token-major input given column-major: dense, but not contiguous)
+PERMUTED_INPUTS = [("mlp", 0), ("moe", 0), ("causal_conv1d", 0), ("gdn_out", 2), ("attn_out", 2), ("l2norm", 0)]
+
+
+@pytest.mark.parametrize("name,pos", PERMUTED_INPUTS, ids=[n for n, _ in PERMUTED_INPUTS])
+def test_fake_reference_and_cuda_strides_agree_on_permuted_inputs(name, pos):
+    """A dense input laid out column-major (or heads-major) is legal: the fake, the CPU reference and the
+    CUDA path all return contiguous outputs. (A fake that follows the input's layout while the CUDA path
+    writes rows tells a compiled graph the wrong strides.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = clone_args(op_args(name, CASES[4], torch.float32, seed=3), DEVICE)
+    args[pos] = _strided(args[pos], (0, 1))
+    assert not args[pos].is_contiguous()
+    mode = FakeTensorMode()
+    with mode:
+        fake = outputs(REGISTRY[name].op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]))
+    ref = outputs(REGISTRY[name].reference(*clone_args(args, DEVICE)))
+    cuda = outputs(CUDA_PATHS[name](*clone_args(args, DEVICE)))
+    for i, (f, r, c) in enumerate(zip(fake, ref, cuda)):
+        assert f.shape == r.shape == c.shape and f.is_contiguous(), (i, f.shape, f.stride())
+        assert f.stride() == r.stride() == c.stride(), (name, i, f.stride(), r.stride(), c.stride())
+
+
 class _Launches:
     """Records each launch of the wrapped Triton kernel (its name and grid) and runs it."""
 
