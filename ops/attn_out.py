@@ -52,7 +52,7 @@ def _check(o, gate, residual, o_w):
 def attn_out_ref(o, gate, residual, o_w):
     T, HQ, HD = o.shape  # explicit sizes: reshape(T, -1) is ambiguous when T = 0
     out = F.linear(o.reshape(T, HQ * HD) * torch.sigmoid(gate), o_w)
-    return out if residual is None else residual + out
+    return out if residual is None else (residual + out).contiguous()  # residual + out follows residual's layout
 
 
 @attn_out.register_kernel("cuda")

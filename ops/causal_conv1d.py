@@ -38,7 +38,7 @@ def causal_conv1d(x: Tensor, weight: Tensor, cu_seqlens: Tensor, slot_ids: Tenso
 @causal_conv1d.register_fake
 def _(x, weight, cu_seqlens, slot_ids, conv_state):
     _check(x, weight, cu_seqlens, slot_ids, conv_state)
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous whatever x's layout, as the CUDA path's and the reference's
 
 
 def _check(x, weight, cu_seqlens, slot_ids, conv_state):
@@ -58,7 +58,7 @@ def _check(x, weight, cu_seqlens, slot_ids, conv_state):
 def causal_conv1d_ref(x, weight, cu_seqlens, slot_ids, conv_state):
     """Plain torch, one stream at a time (host loop: the CPU reference)."""
     C, W = weight.shape
-    y = torch.empty_like(x)
+    y = x.new_empty(x.shape)  # contiguous whatever x's layout, as the fake and the CUDA path
     bounds = cu_seqlens.tolist()
     for b, slot in enumerate(slot_ids.tolist()):
         s, e = bounds[b], bounds[b + 1]
@@ -73,7 +73,7 @@ def causal_conv1d_ref(x, weight, cu_seqlens, slot_ids, conv_state):
 
 @triton.jit
 def _conv1d_kernel(x_ptr, w_ptr, y_ptr, state_ptr, tok_stream_ptr, cu_ptr, slot_ptr, T, C, B,
-                   stride_x, stride_s0, stride_s1, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+                   stride_x, stride_s0, stride_s1, stride_s2, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     mt, mc = t < T, c < C
@@ -90,7 +90,7 @@ def _conv1d_kernel(x_ptr, w_ptr, y_ptr, state_ptr, tok_stream_ptr, cu_ptr, slot_
         xv = tl.load(x_ptr + u.to(tl.int64)[:, None] * stride_x + c[None, :],
                      mask=in_x[:, None] & mc[None, :], other=0.0)
         s_idx = (W - 1) + u - start
-        sv = tl.load(state_ptr + slot[:, None] * stride_s0 + c[None, :] * stride_s1 + s_idx[:, None],
+        sv = tl.load(state_ptr + slot[:, None] * stride_s0 + c[None, :] * stride_s1 + s_idx[:, None] * stride_s2,
                      mask=in_s[:, None] & mc[None, :], other=0.0)
         wj = tl.load(w_ptr + c * W + j, mask=mc, other=0.0).to(tl.float32)
         acc += (xv.to(tl.float32) + sv.to(tl.float32)) * wj[None, :]
@@ -100,7 +100,7 @@ def _conv1d_kernel(x_ptr, w_ptr, y_ptr, state_ptr, tok_stream_ptr, cu_ptr, slot_
 
 
 @triton.jit
-def _conv1d_state_kernel(x_ptr, state_ptr, cu_ptr, slot_ptr, C, stride_x, stride_s0, stride_s1,
+def _conv1d_state_kernel(x_ptr, state_ptr, cu_ptr, slot_ptr, C, stride_x, stride_s0, stride_s1, stride_s2,
                          W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr):
     b = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -116,8 +116,9 @@ def _conv1d_state_kernel(x_ptr, state_ptr, cu_ptr, slot_ptr, C, stride_x, stride
         base = state_ptr + slot * stride_s0 + c[:, None] * stride_s1
         xv = tl.load(x_ptr + u.to(tl.int64)[None, :] * stride_x + c[:, None], mask=mc[:, None] & in_x[None, :],
                      other=0.0)
-        sv = tl.load(base + (i + (end - start))[None, :], mask=mc[:, None] & in_s[None, :], other=0.0)
-        tl.store(base + i[None, :], (xv + sv).to(state_ptr.dtype.element_ty), mask=mc[:, None] & mi[None, :])
+        sv = tl.load(base + (i + (end - start))[None, :] * stride_s2, mask=mc[:, None] & in_s[None, :], other=0.0)
+        tl.store(base + i[None, :] * stride_s2, (xv + sv).to(state_ptr.dtype.element_ty),
+                 mask=mc[:, None] & mi[None, :])
 
 
 def causal_conv1d_triton(x, weight, cu_seqlens, slot_ids, conv_state):
@@ -128,18 +129,21 @@ def causal_conv1d_triton(x, weight, cu_seqlens, slot_ids, conv_state):
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight.contiguous()
     B = slot_ids.shape[0]
+    # index tensors of any strides (the kernels index them as contiguous); the state pool is read and
+    # written through its strides (it is mutated in place: no copy)
+    cu_seqlens, slot_ids = cu_seqlens.contiguous(), slot_ids.contiguous()
     y = torch.empty((T, C), dtype=x.dtype, device=x.device)
     positions = torch.arange(T, device=x.device, dtype=torch.int32)
     tok_stream = torch.searchsorted(cu_seqlens[1:], positions, right=True).to(torch.int32)
     BT, BC = 32, 128
     if T:
         _conv1d_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
-            x, weight, y, conv_state, tok_stream, cu_seqlens, slot_ids, T, C, B, x.stride(0),
-            conv_state.stride(0), conv_state.stride(1), W=W, BT=BT, BC=BC)
+            x, weight, y, conv_state, tok_stream, cu_seqlens, slot_ids, T, C, B, x.stride(0), *conv_state.stride(),
+            W=W, BT=BT, BC=BC)
     if B and W > 1:  # with W = 1 there is no state
         _conv1d_state_kernel[(B, triton.cdiv(C, BC))](
-            x, conv_state, cu_seqlens, slot_ids, C, x.stride(0), conv_state.stride(0), conv_state.stride(1),
-            W=W, WP=triton.next_power_of_2(W - 1), BC=BC)
+            x, conv_state, cu_seqlens, slot_ids, C, x.stride(0), *conv_state.stride(), W=W,
+            WP=triton.next_power_of_2(W - 1), BC=BC)
     return y
 
 

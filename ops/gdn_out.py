@@ -71,7 +71,7 @@ def gdn_out_ref(o, z, residual, gnorm_w, out_w, eps):
     T, HV, V = o.shape
     n = gated_rms_norm(o, z.view(T, HV, V), gnorm_w, eps).reshape(T, HV * V)
     out = F.linear(n, out_w)
-    return out if residual is None else residual + out
+    return out if residual is None else (residual + out).contiguous()  # residual + out follows residual's layout
 
 
 @gdn_out.register_kernel("cuda")

@@ -247,6 +247,7 @@ def gdn_recurrence_aligned(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, va
     T, H, K = q.shape
     HV, V = v.shape[1:]
     B = slot_ids.shape[0]
+    cu_seqlens = cu_seqlens.contiguous()  # the layout kernels index it as contiguous
     cu_al, chunk_indices = chunk_layout(cu_seqlens, T, short)
     NT = chunk_indices.shape[0]
     T_al = NT * CHUNK
@@ -266,7 +267,7 @@ def gdn_recurrence_aligned(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, va
 
     h0 = torch.cat([gdn_state.index_select(0, slot_ids), gdn_state.new_zeros(1, HV, K, V)])
     o_al, final = varlen_fn(aligned(q), aligned(k), aligned(v), aligned(g), aligned(beta), cu_al, chunk_indices, h0)
-    gdn_state.index_copy_(0, slot_ids, final[:B])
+    gdn_state.index_copy_(0, slot_ids.long(), final[:B])  # index_copy_ takes int64 indices only; slot_ids may be int32
     # rows of tokens outside the layout: unspecified, but zeros, not the allocator's leftovers (a padding
     # row's NaN would reach the MoE router)
     o = v.new_zeros((T, HV, V))
@@ -378,6 +379,7 @@ def gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, 
     if T == 0 or B == 0:
         return o
     q, k, v = (x if x.stride(2) == 1 else x.contiguous() for x in (q, k, v))
+    cu_seqlens, slot_ids = cu_seqlens.contiguous(), slot_ids.contiguous()  # indexed as contiguous; the pool by strides
     BK, BV, warps = recurrent_tiles(K, V)
     _gdn_recurrent_kernel[(B, HV, triton.cdiv(V, BV))](
         q, k, v, g, beta, o, gdn_state, cu_seqlens, slot_ids, K**-0.5, HV // H, K, V, T if max_len is None else max_len,

@@ -22,6 +22,12 @@ def _rows(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _vec(*xs: Tensor) -> tuple[Tensor, ...]:
+    """1-D parameters (weights, positions, frequencies) as the kernels index them: contiguous (a no-op when
+    they are; a strided view is copied)."""
+    return tuple(x.contiguous() for x in xs)
+
+
 # RMSNorm (zero-centred weight) -------------------------------------------------------------
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, stride_x, eps, BLOCK: tl.constexpr):
@@ -37,7 +43,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, stride_x, eps, BLOCK: tl.constexpr)
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """`x * rsqrt(mean(x^2) + eps) * (1 + w)` over the last dim, fp32 inside."""
-    x2 = _rows(x)
+    x2, (weight,) = _rows(x), _vec(weight)
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     N = x2.shape[1]
     _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, N, x2.stride(0), eps, BLOCK=triton.next_power_of_2(N))
@@ -63,7 +69,7 @@ def _gated_rms_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, N, eps, BLOCK: tl.constex
 def gated_rms_norm(o: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
     """o: [T, HV, V], z: [T, HV*V] -> [T, HV*V]; per value head."""
     V = o.shape[-1]
-    o2, z2 = o.reshape(-1, V).contiguous(), z.reshape(-1, V).contiguous()
+    o2, z2, (weight,) = o.reshape(-1, V).contiguous(), z.reshape(-1, V).contiguous(), _vec(weight)
     y = torch.empty_like(o2)
     _gated_rms_norm_kernel[(o2.shape[0],)](o2, z2, weight, y, V, eps, BLOCK=triton.next_power_of_2(V))
     return y.view(z.shape)
@@ -127,6 +133,7 @@ def head_norm_rope(x: Tensor, weight: Tensor, positions: Tensor, inv_freq: Tenso
     if x.stride(-1) != 1:
         x = x.contiguous()
     T, NH, HD = x.shape
+    weight, positions, inv_freq = _vec(weight, positions, inv_freq)
     y = torch.empty((T, NH, HD), dtype=x.dtype, device=x.device)
     if T:
         _head_norm_rope_kernel[(T * NH,)](x, weight, positions, inv_freq, y, NH, HD, inv_freq.shape[0],
@@ -165,6 +172,7 @@ def gdn_gates(y: Tensor, b_col: int, a_col: int, A_log: Tensor, dt_bias: Tensor)
     b and a [T, HV]: beta = sigmoid(b) in y's dtype and g = -exp(A_log) * softplus(a + dt_bias) in
     float32, fp32 inside, in one launch (the torch expression takes six to eight)."""
     T, HV = y.shape[0], A_log.shape[0]
+    A_log, dt_bias = _vec(A_log, dt_bias)
     beta = torch.empty((T, HV), dtype=y.dtype, device=y.device)
     g = torch.empty((T, HV), dtype=torch.float32, device=y.device)
     if T:

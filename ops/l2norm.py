@@ -36,7 +36,8 @@ def _(x):
 
 def l2norm_ref(x):
     xf = x.float()
-    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + EPS)).to(x.dtype)
+    # contiguous whatever x's layout (the elementwise result follows a dense x's), as the fake and the CUDA path
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + EPS)).to(x.dtype).contiguous()
 
 
 @l2norm.register_kernel("cuda")

@@ -39,7 +39,7 @@ def mlp(h: Tensor, norm_w: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor,
 @mlp.register_fake
 def _(h, norm_w, gate_w, up_w, down_w, eps, add_residual=True):
     _check(h, norm_w, gate_w, up_w, down_w)
-    return torch.empty_like(h)
+    return h.new_empty(h.shape)  # contiguous whatever h's layout, as the CUDA path's and the reference's
 
 
 def _check(h, norm_w, gate_w, up_w, down_w):
@@ -55,7 +55,7 @@ def _check(h, norm_w, gate_w, up_w, down_w):
 def mlp_ref(h, norm_w, gate_w, up_w, down_w, eps, add_residual=True):
     n = rms_norm(h, norm_w, eps)
     out = F.linear(F.silu(F.linear(n, gate_w)) * F.linear(n, up_w), down_w)
-    return h + out if add_residual else out
+    return (h + out if add_residual else out).contiguous()  # h + out follows h's layout
 
 
 @mlp.register_kernel("cuda")

@@ -63,7 +63,7 @@ def _(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, s
       norm_topk, eps, first_expert=0, add_residual=True):
     _check(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k,
            first_expert)
-    return torch.empty_like(h)
+    return h.new_empty(h.shape)  # contiguous whatever h's layout, as the CUDA path's and the reference's
 
 
 def _check(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k,
@@ -118,7 +118,7 @@ def moe_ref(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_dow
         y = F.linear(F.silu(gate) * up, w2[e - first_expert]) * top_w[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     ffn = out + shared_expert(n, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w)
-    return h + ffn if add_residual else ffn
+    return (h + ffn if add_residual else ffn).contiguous()  # h + ffn follows h's layout
 
 
 # The CUDA path -----------------------------------------------------------------------------------

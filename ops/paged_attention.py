@@ -93,18 +93,21 @@ def paged_attention_ref(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, blo
 
 
 @triton.jit
-def _kv_write_kernel(k_ptr, v_ptr, k_cache, v_cache, tok_stream_ptr, cu_ptr, ctx_ptr, bt_ptr, B, BS, N,
-                     stride_kt, stride_vt, stride_cb, stride_bt, BLOCK: tl.constexpr):
+def _kv_write_kernel(k_ptr, v_ptr, k_cache, v_cache, tok_stream_ptr, cu_ptr, ctx_ptr, bt_ptr, B, BS, N, HD,
+                     stride_kt, stride_vt, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
+                     stride_vd, stride_bt, BLOCK: tl.constexpr):
     t = tl.program_id(0)
     b = tl.load(tok_stream_ptr + t)
     if b < B:  # tokens past cu_seqlens[-1] belong to no stream and are not written
         pos = tl.load(ctx_ptr + b) + t - tl.load(cu_ptr + b)
         blk = tl.load(bt_ptr + b * stride_bt + pos // BS).to(tl.int64)
-        dst = blk * stride_cb + (pos % BS) * N
-        i = tl.arange(0, BLOCK)
+        i = tl.arange(0, BLOCK)  # the token's HKV * HD values, head-major
         m = i < N
-        tl.store(k_cache + dst + i, tl.load(k_ptr + t * stride_kt + i, mask=m), mask=m)
-        tl.store(v_cache + dst + i, tl.load(v_ptr + t * stride_vt + i, mask=m), mask=m)
+        h, d = i // HD, i % HD
+        k_dst = blk * stride_kb + (pos % BS) * stride_ks + h * stride_kh + d * stride_kd
+        v_dst = blk * stride_vb + (pos % BS) * stride_vs + h * stride_vh + d * stride_vd
+        tl.store(k_cache + k_dst, tl.load(k_ptr + t * stride_kt + i, mask=m), mask=m)
+        tl.store(v_cache + v_dst, tl.load(v_ptr + t * stride_vt + i, mask=m), mask=m)
 
 
 def _attention_configs():
@@ -116,17 +119,19 @@ def _attention_configs():
 
 @triton.jit
 def _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr, b, kvh, n0, hi, q_pos, d, md, qk_scale,
-                 stride_cb, stride_cs, stride_ch, stride_bt, BS, BN: tl.constexpr, MASKED: tl.constexpr,
-                 IEEE: tl.constexpr, EMPTY_ROWS: tl.constexpr):
+                 stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd, stride_bt, BS,
+                 BN: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr, EMPTY_ROWS: tl.constexpr):
     """One online-softmax step over keys [n0, n0 + BN) below `hi`; MASKED tiles apply the causal /
     length mask. EMPTY_ROWS: a row may have seen no key yet (a split-K part that starts past its
     position); it stays at m = -inf, l = 0, acc = 0 instead of computing exp2(-inf - -inf)."""
     kpos = n0 + tl.arange(0, BN)
     mk = kpos < hi
     blk = tl.load(bt_ptr + b * stride_bt + kpos // BS, mask=mk, other=0).to(tl.int64)
-    kv_off = blk[:, None] * stride_cb + (kpos % BS)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+    slot = (kpos % BS)[:, None]
+    k_off = blk[:, None] * stride_kb + slot * stride_ks + kvh * stride_kh + d[None, :] * stride_kd
+    v_off = blk[:, None] * stride_vb + slot * stride_vs + kvh * stride_vh + d[None, :] * stride_vd
     kv_mask = mk[:, None] & md[None, :]
-    k = tl.load(k_cache + kv_off, mask=kv_mask, other=0.0)
+    k = tl.load(k_cache + k_off, mask=kv_mask, other=0.0)
     if IEEE:
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
@@ -142,7 +147,7 @@ def _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr, b, kvh, n0, hi, q_p
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_cache + kv_off, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache + v_off, mask=kv_mask, other=0.0)
     if IEEE:
         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
@@ -155,9 +160,9 @@ def _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr, b, kvh, n0, hi, q_p
 @triton.autotune(configs=_attention_configs(), key=["HD", "GROUP", "IEEE"], cache_results=True)
 @triton.jit
 def _paged_attention_kernel(q_ptr, k_cache, v_cache, o_ptr, work_ptr, cu_ptr, ctx_ptr, bt_ptr, qk_scale,
-                            stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_ot, stride_oh, stride_bt,
-                            GROUP, BS, HD, BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                            IEEE: tl.constexpr):
+                            stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs,
+                            stride_vh, stride_vd, stride_ot, stride_oh, stride_bt, GROUP, BS, HD,
+                            BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
     b = tl.load(work_ptr + 2 * tl.program_id(0))
     if b < 0:  # work rows past the batch's real q blocks
         return
@@ -183,10 +188,12 @@ def _paged_attention_kernel(q_ptr, k_cache, v_cache, o_ptr, work_ptr, cu_ptr, ct
     full = ((ctx + qb * BM) // BN) * BN
     for n0 in range(0, full, BN):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr, b, kvh, n0, hi, q_pos, d, md,
-                                     qk_scale, stride_cb, stride_cs, stride_ch, stride_bt, BS, BN, False, IEEE, False)
+                                     qk_scale, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs,
+                                     stride_vh, stride_vd, stride_bt, BS, BN, False, IEEE, False)
     for n0 in range(full, hi, BN):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr, b, kvh, n0, hi, q_pos, d, md,
-                                     qk_scale, stride_cb, stride_cs, stride_ch, stride_bt, BS, BN, True, IEEE, False)
+                                     qk_scale, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs,
+                                     stride_vh, stride_vd, stride_bt, BS, BN, True, IEEE, False)
     out = acc / l_i[:, None]
     tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=mq[:, None] & md[None, :])
@@ -288,7 +295,8 @@ def _tile_of(cu_ptr, w, B, QB, CH: tl.constexpr):
 @triton.autotune(configs=_decode_configs(), key=["HD", "GROUP", "QB", "SL", "IEEE"], cache_results=True)
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_cache, v_cache, m_ptr, l_ptr, acc_ptr, cu_ptr, ctx_ptr, bt_ptr, qk_scale, B,
-                         stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
+                         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs,
+                         stride_vh, stride_vd, stride_bt,
                          GROUP, QB, SL, NS, HQ, BS, HD, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                          BN: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr):
     kvh = tl.program_id(1)
@@ -318,7 +326,8 @@ def _paged_decode_kernel(q_ptr, k_cache, v_cache, m_ptr, l_ptr, acc_ptr, cu_ptr,
             acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
             for n0 in range(lo, end, BN):  # a row may see no key of this split yet: EMPTY_ROWS
                 m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr, b, kvh, n0, end, q_pos, d,
-                                             md, qk_scale, stride_cb, stride_cs, stride_ch, stride_bt, BS, BN=BN,
+                                             md, qk_scale, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb,
+                                             stride_vs, stride_vh, stride_vd, stride_bt, BS, BN=BN,
                                              MASKED=True, IEEE=IEEE, EMPTY_ROWS=True)
             part = (rows * HQ + head) * NS + sp  # [T, HQ, NS] partials
             tl.store(m_ptr + part, m_i, mask=mq)
@@ -365,6 +374,7 @@ def paged_attention_decode(q, k_cache, v_cache, cu_seqlens, context_lens, block_
     GROUP = HQ // HKV
     QB, BLOCK_M = decode_queries(GROUP)
     max_keys = block_tables.shape[1] * BS
+    cu_seqlens, context_lens, block_tables = (x.contiguous() for x in (cu_seqlens, context_lens, block_tables))
     SL = split or decode_split(B, T, HKV, max_keys)
     if SL % SPLIT_ALIGN:
         raise ValueError(f"split {SL} is not a multiple of {SPLIT_ALIGN}")
@@ -378,7 +388,7 @@ def paged_attention_decode(q, k_cache, v_cache, cu_seqlens, context_lens, block_
     BLOCK_D = max(16, triton.next_power_of_2(HD))
     _paged_decode_kernel[(NW, HKV, NS)](
         q, k_cache, v_cache, m, l, acc, cu_seqlens, context_lens, block_tables, HD**-0.5 * LOG2E, B,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        q.stride(0), q.stride(1), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
         GROUP, QB, SL, NS, HQ, BS, HD, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, CH=STREAM_CHUNK,
         IEEE=q.dtype == torch.float32 or INTERPRET)
     _paged_decode_merge_kernel[(T, HQ)](o, m, l, acc, cu_seqlens, context_lens, B, SL, NS, HQ, HD, o.stride(0),
@@ -399,15 +409,17 @@ def paged_attention_triton(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, 
     B = cu_seqlens.shape[0] - 1
     k, v = k.reshape(T, HKV * HD), v.reshape(T, HKV * HD)
     k, v = (t if t.stride(1) == 1 else t.contiguous() for t in (k, v))
-    block_tables = block_tables.contiguous()
+    # index tensors of any strides (the kernels index them as contiguous); the pools are read and written
+    # through their strides (they are mutated in place: no copy)
+    cu_seqlens, context_lens, block_tables = (x.contiguous() for x in (cu_seqlens, context_lens, block_tables))
     o = torch.empty((T, HQ, HD), dtype=q.dtype, device=q.device)
     if T == 0 or B == 0:
         return o
     tok_stream = torch.searchsorted(cu_seqlens[1:], torch.arange(T, device=q.device, dtype=torch.int32),
                                     right=True).to(torch.int32)
     N = HKV * HD
-    _kv_write_kernel[(T,)](k, v, k_cache, v_cache, tok_stream, cu_seqlens, context_lens, block_tables, B, BS, N,
-                           k.stride(0), v.stride(0), k_cache.stride(0), block_tables.stride(0),
+    _kv_write_kernel[(T,)](k, v, k_cache, v_cache, tok_stream, cu_seqlens, context_lens, block_tables, B, BS, N, HD,
+                           k.stride(0), v.stride(0), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
                            BLOCK=triton.next_power_of_2(N))
     if decode is None:
         decode = use_decode(q, cu_seqlens)
@@ -418,7 +430,7 @@ def paged_attention_triton(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, 
         q = q.contiguous()
     _paged_attention_kernel[(work.shape[0], HQ)](
         q, k_cache, v_cache, o, work, cu_seqlens, context_lens, block_tables, HD**-0.5 * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), o.stride(0), o.stride(1),
+        q.stride(0), q.stride(1), *k_cache.stride(), *v_cache.stride(), o.stride(0), o.stride(1),
         block_tables.stride(0), HQ // HKV, BS, HD, BLOCK_D=max(16, triton.next_power_of_2(HD)), BM=BM,
         IEEE=q.dtype == torch.float32 or INTERPRET)
     return o

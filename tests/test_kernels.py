@@ -24,6 +24,7 @@ from op_cases import CASES, op_args
 gdn_recurrence = importlib.import_module("metrale_graph.ops.gdn_recurrence")
 paged_attention = importlib.import_module("metrale_graph.ops.paged_attention")
 moe = importlib.import_module("metrale_graph.ops.moe")
+causal_conv1d = importlib.import_module("metrale_graph.ops.causal_conv1d")
 
 # every op's CUDA path (the recurrence's chunked path needs fla: covered here through its aligned layout)
 CUDA_IMPLS = {name: spec.cuda for name, spec in REGISTRY.items() if spec.cuda}
@@ -242,6 +243,20 @@ def test_split_path_matches_reference(case, spare, dtype):
     _check_pool(args, ref_args, test_args, dtype)
 
 
+def test_split_path_takes_int32_slot_ids():
+    """slot_ids may be int32 (the op's schema takes int32 or int64): the chunked layout's state scatter
+    (index_copy_, which takes only int64 indices) as well as the recurrent kernel."""
+    case = SPLIT_CASES[1][0]  # streams of 64, 65, 0 and 1 tokens: both paths, a padding stream
+    args = list(op_args("gdn_recurrence", case, torch.float32, seed=6))
+    args[6] = args[6].to(torch.int32)
+    ref_args = clone_args(args, "cpu")
+    test_args = clone_args(args, DEVICE)
+    ref = gdn_recurrence.gdn_recurrence_ref(*ref_args)
+    out = gdn_recurrence.gdn_recurrence_split(*test_args, _reference_varlen)
+    assert_close("o", ref, out.cpu(), TOL[torch.float32])
+    _check_pool(args, ref_args, test_args, torch.float32)
+
+
 # several 64 / 128-key splits per stream with a partial last one, blocks of 16 / 48 / 64 (splits and
 # blocks unaligned), query heads per KV head 1..4, streams of several query tiles, zero-length streams
 DECODE_ATTENTION_CASES = [
@@ -300,6 +315,89 @@ def test_decode_shaped_rule():
     assert decode_shaped(64, 128) and decode_shaped(4, 0)
     assert not decode_shaped(2, 65) and not decode_shaped(32, 65) and not decode_shaped(64, 129)
     assert not decode_shaped(32, 256)
+
+
+def _strided(t, transpose=None):
+    """t's values in a view that is not contiguous: every stride doubled (the odd elements of a buffer twice
+    the size, which must stay untouched), or with dims `transpose` swapped in memory."""
+    if transpose is not None:
+        return t.transpose(*transpose).contiguous().transpose(*transpose)
+    view = torch.zeros(t.shape + (2,), dtype=t.dtype, device=t.device)[..., 0]
+    view.copy_(t)
+    return view
+
+
+# (op, its CUDA path, case, positions of index tensors, {position of a pool: transposed dims or None})
+STRIDED_CASES = [
+    ("paged_attention", paged_attention.paged_attention_cuda, DECODE_ATTENTION_CASES[1], (5, 6, 7),
+     {3: None, 4: (1, 2)}),
+    ("paged_attention", paged_attention.paged_attention_cuda, Shapes(lengths=(70, 3), context=(5, 17), HQ=2, HKV=1),
+     (5, 6, 7), {3: (1, 2), 4: None}),
+    ("causal_conv1d", causal_conv1d.causal_conv1d_cuda, CASES[0], (2, 3), {4: None}),
+    ("causal_conv1d", causal_conv1d.causal_conv1d_cuda, CASES[3], (2, 3), {4: (1, 2)}),
+    ("gdn_recurrence", gdn_recurrence.gdn_recurrence_cuda, CASES[9], (5, 6), {7: None}),
+    ("gdn_recurrence", lambda *a: gdn_recurrence.gdn_recurrence_split(*a, _reference_varlen), SPLIT_CASES[1][0],
+     (5, 6), {7: (2, 3)}),
+]
+
+
+@pytest.mark.parametrize("name,impl,case,index,pools", STRIDED_CASES,
+                         ids=[f"{c[0]}-{c[2].id}" for c in STRIDED_CASES])
+def test_strided_pools_and_index_tensors(name, impl, case, index, pools):
+    """The schemas take pools and index tensors of any strides (the references index them as tensors): the
+    CUDA paths read and write them through their strides, never past them (no contiguous layout assumed)."""
+    args = list(op_args(name, case, torch.float32, seed=3))
+    ref_args = clone_args(args, "cpu")
+    ref = outputs(REGISTRY[name].reference(*ref_args))
+    test_args = clone_args(args, DEVICE)
+    for i in index:
+        test_args[i] = _strided(test_args[i], (0, 1) if test_args[i].dim() == 2 else None)
+    for i, transpose in pools.items():
+        test_args[i] = _strided(test_args[i], transpose)
+    out = outputs(impl(*test_args))
+    for i, (r, o) in enumerate(zip(ref, out)):
+        assert_close(f"{name} output {i}", r, o.cpu(), TOL[torch.float32])
+    for i, transpose in pools.items():
+        assert_close(f"{name} pool {i}", ref_args[i], test_args[i].cpu(), TOL[torch.float32])
+        if transpose is None:  # the elements between the view's stay zero
+            assert not test_args[i].untyped_storage().nbytes() or torch.all(
+                torch.as_strided(test_args[i], test_args[i].shape + (2,), test_args[i].stride() + (1,))[..., 1] == 0)
+
+
+@pytest.mark.parametrize("name", ["gdn_proj", "attn_proj", "gdn_out", "mlp", "moe"])
+def test_strided_vectors(name):
+    """1-D parameters (norm weights, A_log, dt_bias, positions, inv_freq) of any stride, as the schemas take
+    them: the row kernels read them through their strides (made contiguous), not as if they were."""
+    args = op_args(name, CASES[4], torch.float32, seed=3)
+    ref = outputs(REGISTRY[name].reference(*clone_args(args, "cpu")))
+    test_args = [_strided(a) if isinstance(a, torch.Tensor) and a.dim() == 1 else a for a in clone_args(args, DEVICE)]
+    assert any(isinstance(a, torch.Tensor) and not a.is_contiguous() for a in test_args)
+    for i, (r, o) in enumerate(zip(ref, outputs(CUDA_IMPLS[name](*test_args)))):
+        assert_close(f"{name} output {i}", r, o.cpu(), TOL[torch.float32])
+
+
+# (op, position of its token-major input given column-major: dense, but not contiguous)
+PERMUTED_INPUTS = [("mlp", 0), ("moe", 0), ("causal_conv1d", 0), ("gdn_out", 2), ("attn_out", 2), ("l2norm", 0)]
+
+
+@pytest.mark.parametrize("name,pos", PERMUTED_INPUTS, ids=[n for n, _ in PERMUTED_INPUTS])
+def test_fake_reference_and_cuda_strides_agree_on_permuted_inputs(name, pos):
+    """A dense input laid out column-major (or heads-major) is legal: the fake, the CPU reference and the
+    CUDA path all return contiguous outputs. (A fake that follows the input's layout while the CUDA path
+    writes rows tells a compiled graph the wrong strides.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = clone_args(op_args(name, CASES[4], torch.float32, seed=3), DEVICE)
+    args[pos] = _strided(args[pos], (0, 1))
+    assert not args[pos].is_contiguous()
+    mode = FakeTensorMode()
+    with mode:
+        fake = outputs(REGISTRY[name].op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]))
+    ref = outputs(REGISTRY[name].reference(*clone_args(args, DEVICE)))
+    cuda = outputs(CUDA_PATHS[name](*clone_args(args, DEVICE)))
+    for i, (f, r, c) in enumerate(zip(fake, ref, cuda)):
+        assert f.shape == r.shape == c.shape and f.is_contiguous(), (i, f.shape, f.stride())
+        assert f.stride() == r.stride() == c.stride(), (name, i, f.stride(), r.stride(), c.stride())
 
 
 class _Launches:
@@ -552,6 +650,7 @@ import importlib, sys
 import triton
 from triton.backends.compiler import GPUTarget
 moe = importlib.import_module("metrale_graph.ops.moe")
+causal_conv1d = importlib.import_module("metrale_graph.ops.causal_conv1d")
 gdn = importlib.import_module("metrale_graph.ops.gdn_recurrence")
 attn = importlib.import_module("metrale_graph.ops.paged_attention")
 rows = importlib.import_module("metrale_graph.ops.kernels")
