@@ -53,6 +53,8 @@ def _check(o, z, residual, gnorm_w, out_w):
         check(tuple(residual.shape) == (T, D), OP, f"residual has shape {tuple(residual.shape)}, expected {(T, D)}")
     check_tensor(z, OP, "z", ndim=2, dtype=o.dtype, device=o.device)
     check(tuple(z.shape) == (T, HV * V), OP, f"z has shape {tuple(z.shape)}, expected {(T, HV * V)}")
+    # the gated norm rounds to the activations' dtype before the weight (transformers' order): one dtype
+    check_tensor(gnorm_w, OP, "gnorm_w", dtype=o.dtype, device=o.device)
     check(tuple(gnorm_w.shape) == (V,), OP, f"gnorm_w must have shape ({V},), got {tuple(gnorm_w.shape)}")
     check(tuple(out_w.shape) == (D, HV * V), OP, f"out_w has shape {tuple(out_w.shape)}, expected {(D, HV * V)}")
 

@@ -140,6 +140,10 @@ def test_bad_inputs_name_op_and_argument():
     args[3] = args[3][..., :8]
     with pytest.raises(ValueError, match=r"metrale::paged_attention: k_cache blocks hold"):
         ops.paged_attention(*args)
+    args = list(op_args("gdn_out", case, torch.bfloat16))
+    args[3] = args[3].float()  # the gated norm's weight in another dtype than the activations
+    with pytest.raises(ValueError, match=r"metrale::gdn_out: gnorm_w must be torch.bfloat16"):
+        ops.gdn_out(*args)
 
 
 @pytest.mark.parametrize("name", ["gdn_out", "attn_out", "mlp"])
