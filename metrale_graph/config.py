@@ -143,16 +143,17 @@ class ModelConfig:
         if not isinstance(cfg, dict):
             raise _invalid(where, f"expected a JSON object, got {type(cfg).__name__}")
         model_type = cfg.get("model_type")
-        tie = cfg.get("tie_word_embeddings")
+        tie = cfg.get("tie_word_embeddings", False)
         if isinstance(model_type, str) and model_type in _MULTIMODAL:
             if not isinstance(cfg.get("text_config"), dict):
                 raise _invalid(where, f"model_type {model_type!r} config has no 'text_config' section")
             text_type = _MULTIMODAL[model_type]
             cfg = dict(cfg["text_config"])
             cfg.setdefault("model_type", text_type)
-            # The multimodal wrapper carries tie_word_embeddings at the top level.
-            if tie is not None and "tie_word_embeddings" not in cfg:
-                cfg["tie_word_embeddings"] = tie
+            # The multimodal model ties (or not) by its top-level tie_word_embeddings, default false:
+            # a text_config's own value is ignored (transformers writes the text config's default,
+            # false, under a tied wrapper).
+            cfg["tie_word_embeddings"] = tie
             if cfg["model_type"] in FAMILIES and cfg["model_type"] != text_type:
                 raise _invalid(where, f"model_type {model_type!r} config holds a text_config of model_type "
                                       f"{cfg['model_type']!r}; expected {text_type!r}")
