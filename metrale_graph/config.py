@@ -166,9 +166,15 @@ class ModelConfig:
         bias = cfg.get("attention_bias")
         if bias is not None and bias is not False:
             raise _invalid(where, f"unsupported attention_bias {bias!r}: only false is supported")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        # transformers reads a legacy rope_scaling in place of rope_parameters when both are there
+        rope_field = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+        rope = cfg.get(rope_field) or {}
         if not isinstance(rope, dict):
-            raise _invalid(where, f"field 'rope_parameters' must be an object, got {rope!r}")
+            raise _invalid(where, f"field {rope_field!r} must be an object, got {rope!r}")
+        per_layer = sorted(set(rope) & {LINEAR, FULL})
+        if per_layer:
+            raise _invalid(where, f"field {rope_field!r} holds per-layer-type entries {per_layer}: only one set of "
+                                  "RoPE parameters for every layer is supported")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise _invalid(where, f"unsupported rope_type {rope_type!r}: only 'default' RoPE is supported")

@@ -231,3 +231,23 @@ def test_missing_fields_take_transformers_defaults():
     hf = PRESETS["tiny"].to_hf()
     del hf["head_dim"]
     assert ModelConfig.from_hf(hf).head_dim == transformers.Qwen3_5TextConfig(**hf).head_dim == 256
+
+
+def test_rope_scaling_read_as_transformers_reads_it():
+    """Both rope_scaling and rope_parameters: transformers takes rope_scaling (rope_parameters was read,
+    a silently different rope_theta); per-layer-type RoPE parameters (ignored before) are refused."""
+    import transformers
+
+    hf = {**PRESETS["tiny"].to_hf(), "rope_scaling": {"rope_type": "default", "rope_theta": 5e6,
+                                                       "partial_rotary_factor": 0.5},
+          "rope_parameters": {"rope_type": "default", "rope_theta": 3e6, "partial_rotary_factor": 0.25}}
+    ref = transformers.Qwen3_5TextConfig(**hf).rope_parameters
+    cfg = ModelConfig.from_hf(hf)
+    got = (cfg.rope_theta, cfg.partial_rotary_factor)
+    assert got == (ref["rope_theta"], ref["partial_rotary_factor"]) == (5e6, 0.5)
+    hf = {**PRESETS["tiny"].to_hf(), "rope_scaling": [1.0]}
+    with pytest.raises(ValueError, match="field 'rope_scaling' must be an object"):
+        ModelConfig.from_hf(hf)
+    hf = {**PRESETS["tiny"].to_hf(), "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 5e6}}}
+    with pytest.raises(ValueError, match="field 'rope_parameters' holds per-layer-type entries"):
+        ModelConfig.from_hf(hf)
