@@ -372,7 +372,8 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
 
     asm = _Assembler(cfg, dtype, device, tp)
     given: dict[str, str] = {}  # checkpoint_shapes name -> the checkpoint key that gave it
-    unexpected = []
+    given_in: dict[str, str] = {}  # checkpoint key -> its file
+    unexpected = []  # (key, file)
     files = checkpoint_files(folder)
     bar = tqdm(total=len(asm.layout), desc="loading weights", unit="tensor", disable=not progress, leave=False)
     for path in files:
@@ -384,15 +385,17 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
                         continue
                     piece = asm.pieces.get(name)
                     if piece is None:
-                        unexpected.append(key)
+                        unexpected.append((key, path))
                         continue
                     for unit in piece.units:
                         if unit in given:
                             other = given[unit]
                             if _our_name(other) == name:
-                                raise ValueError(f"tensor {key!r} appears twice in the checkpoint ({path})")
+                                raise ValueError(f"tensor {key!r} appears twice in the checkpoint ({path}; "
+                                                 f"{other!r} in {given_in[other]})")
                             raise ValueError(f"tensor {key!r} ({path}) holds weights that {other!r} holds too "
-                                             "(a layer's experts come either stacked or one tensor per expert)")
+                                             f"(in {given_in[other]}; a layer's experts come either stacked or "
+                                             "one tensor per expert)")
                     shape = tuple(f.get_slice(key).get_shape())
                     if shape != piece.shape:
                         raise ValueError(f"tensor {key!r} has shape {shape}, the config needs {piece.shape} "
@@ -408,12 +411,14 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
                                 else "NaN or infinite values")
                         raise ValueError(f"tensor {key!r} in {path} holds {what}")
                     given.update(dict.fromkeys(piece.units, key))
+                    given_in[key] = path
                     bar.update(len(piece.units))
         except (SafetensorError, OSError) as e:
             raise ValueError(f"cannot read safetensors file {path}: {e}") from None
     bar.close()
     if unexpected:
-        raise ValueError(f"checkpoint has {len(unexpected)} unexpected tensor(s), e.g. {unexpected[:5]}")
+        raise ValueError(f"checkpoint has {len(unexpected)} unexpected tensor(s), e.g. "
+                         + ", ".join(f"{k!r} in {f}" for k, f in unexpected[:5]))
     missing = [n for n in asm.layout if n not in given]
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. "

@@ -251,3 +251,23 @@ def test_rope_scaling_read_as_transformers_reads_it():
     hf = {**PRESETS["tiny"].to_hf(), "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 5e6}}}
     with pytest.raises(ValueError, match="field 'rope_parameters' holds per-layer-type entries"):
         ModelConfig.from_hf(hf)
+
+
+def test_sharded_checkpoint_errors_name_the_files(checkpoint):
+    """An unexpected tensor names the shard holding it; a tensor stored twice names both shards."""
+    tensors = load_file(checkpoint / "model.safetensors")
+    (checkpoint / "model.safetensors").unlink()
+    names = sorted(tensors)
+    first, second = names[: len(names) // 2], names[len(names) // 2:]
+    save_file({k: tensors[k] for k in first}, checkpoint / "a.safetensors")
+    save_file({k: tensors[k] for k in second} | {"model.layers.0.bogus.weight": torch.zeros(2)},
+              checkpoint / "b.safetensors")
+    weight_map = {k: "a.safetensors" for k in first} | {k: "b.safetensors" for k in second}
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match=r"1 unexpected tensor\(s\), e\.g\. 'model\.layers\.0\.bogus\.weight' in "
+                                         r".*b\.safetensors"):
+        HybridModel.from_pretrained(str(checkpoint), progress=False)
+    save_file({k: tensors[k] for k in second + [first[0]]}, checkpoint / "b.safetensors")
+    with pytest.raises(ValueError, match=rf"tensor '{re.escape(first[0])}' appears twice in the checkpoint "
+                                         r"\(.*b\.safetensors; .* in .*a\.safetensors\)"):
+        HybridModel.from_pretrained(str(checkpoint), progress=False)
