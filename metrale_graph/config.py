@@ -420,6 +420,6 @@ def load_config(path_or_preset: str) -> ModelConfig:
     try:
         with open(path) as f:
             data = json.load(f)
-    except (OSError, ValueError) as e:  # ValueError: malformed JSON or not UTF-8
+    except (OSError, ValueError, RecursionError) as e:  # malformed JSON, not UTF-8, nested too deep
         raise ValueError(f"cannot read model config {path}: {e}") from None
     return ModelConfig.from_hf(data, source=path)

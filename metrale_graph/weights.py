@@ -328,7 +328,7 @@ def checkpoint_files(folder: str) -> list[str]:
         try:
             with open(index) as f:
                 data = json.load(f)
-        except (OSError, ValueError) as e:  # ValueError: malformed JSON or not UTF-8
+        except (OSError, ValueError, RecursionError) as e:  # malformed JSON, not UTF-8, nested too deep
             raise ValueError(f"cannot read checkpoint index {index}: {e}") from None
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not (isinstance(weight_map, dict) and weight_map and all(isinstance(v, str) for v in weight_map.values())):

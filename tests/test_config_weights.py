@@ -148,6 +148,7 @@ def test_bad_config_field(tmp_path, patch, message):
     ("[1, 2]", "expected a JSON object, got list"),
     ('{"model_type": "qwen3_5_text",', "cannot read model config .*config.json: Expecting"),
     ("", "cannot read model config .*config.json: Expecting value: line 1 column 1"),
+    ("[" * 100_000 + "]" * 100_000, "cannot read model config .*config.json: maximum recursion depth"),
 ])
 def test_unreadable_config_file(tmp_path, text, message):
     _write_config(tmp_path, text)
@@ -208,6 +209,7 @@ def test_corrupt_safetensors(checkpoint, cut):
 
 @pytest.mark.parametrize("text, message", [
     ('{"weight_map": ', "cannot read checkpoint index .*index.json: Expecting value"),
+    ("[" * 100_000 + "]" * 100_000, "cannot read checkpoint index .*index.json: maximum recursion depth"),
     ("[]", "index.json has no weight_map"),
     ('{"weight_map": {"model.norm.weight": 3}}', "index.json has no weight_map"),
     ('{"weight_map": {"model.norm.weight": "shard-2.safetensors"}}', r"names shards that are not in .*shard-2"),
