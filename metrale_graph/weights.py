@@ -400,10 +400,10 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
                     if shape != piece.shape:
                         raise ValueError(f"tensor {key!r} has shape {shape}, the config needs {piece.shape} "
                                          f"({path})")
-                    stored_dtype = _NOT_FLOAT.get(f.get_slice(key).get_dtype())
-                    if stored_dtype is not None:
-                        raise ValueError(f"tensor {key!r} in {path} is {stored_dtype}; expected floating-point "
-                                         "weights (quantized checkpoints are not supported)")
+                    stored_dtype = f.get_slice(key).get_dtype()
+                    if stored_dtype not in _REAL_FLOAT:
+                        raise ValueError(f"tensor {key!r} in {path} is {_dtype_name(stored_dtype)}; expected "
+                                         "floating-point weights (quantized checkpoints are not supported)")
                     stored = take(f.get_slice(key), piece.ranges) if piece.ranges else f.get_tensor(key)
                     written = piece.place(stored)
                     if written is not None and check_finite and not _finite(written):
@@ -441,9 +441,18 @@ def _collapse(missing: list[str], asm: _Assembler, given: dict[str, str]) -> lis
     return out
 
 
-# safetensors' names of the dtypes that are not floating point
-_NOT_FLOAT = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
-              "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64}
+# safetensors' names of the real floating-point dtypes a weight may be stored in; any other (integers,
+# bool, complex, float4, the exponent-only float8 scale format) is refused, not converted
+_REAL_FLOAT = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"}
+_SAFETENSORS_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+                       "U32": "uint32", "I64": "int64", "U64": "uint64", "C64": "complex64", "F4": "float4_e2m1fn_x2",
+                       "F8_E8M0": "float8_e8m0fnu"}
+
+
+def _dtype_name(stored: str) -> str:
+    """A safetensors dtype name as torch's (torch.int8), or as safetensors writes it when torch has no name."""
+    name = _SAFETENSORS_DTYPES.get(stored)
+    return f"torch.{name}" if name and hasattr(torch, name) else stored
 
 
 def _finite(t: torch.Tensor) -> bool:
