@@ -143,16 +143,17 @@ class ModelConfig:
         if not isinstance(cfg, dict):
             raise _invalid(where, f"expected a JSON object, got {type(cfg).__name__}")
         model_type = cfg.get("model_type")
-        tie = cfg.get("tie_word_embeddings")
+        tie = cfg.get("tie_word_embeddings", False)
         if isinstance(model_type, str) and model_type in _MULTIMODAL:
             if not isinstance(cfg.get("text_config"), dict):
                 raise _invalid(where, f"model_type {model_type!r} config has no 'text_config' section")
             text_type = _MULTIMODAL[model_type]
             cfg = dict(cfg["text_config"])
             cfg.setdefault("model_type", text_type)
-            # The multimodal wrapper carries tie_word_embeddings at the top level.
-            if tie is not None and "tie_word_embeddings" not in cfg:
-                cfg["tie_word_embeddings"] = tie
+            # The multimodal model ties (or not) by its top-level tie_word_embeddings, default false:
+            # a text_config's own value is ignored (transformers writes the text config's default,
+            # false, under a tied wrapper).
+            cfg["tie_word_embeddings"] = tie
             if cfg["model_type"] in FAMILIES and cfg["model_type"] != text_type:
                 raise _invalid(where, f"model_type {model_type!r} config holds a text_config of model_type "
                                       f"{cfg['model_type']!r}; expected {text_type!r}")
@@ -165,9 +166,15 @@ class ModelConfig:
         bias = cfg.get("attention_bias")
         if bias is not None and bias is not False:
             raise _invalid(where, f"unsupported attention_bias {bias!r}: only false is supported")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        # transformers reads a legacy rope_scaling in place of rope_parameters when both are there
+        rope_field = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+        rope = cfg.get(rope_field) or {}
         if not isinstance(rope, dict):
-            raise _invalid(where, f"field 'rope_parameters' must be an object, got {rope!r}")
+            raise _invalid(where, f"field {rope_field!r} must be an object, got {rope!r}")
+        per_layer = sorted(set(rope) & {LINEAR, FULL})
+        if per_layer:
+            raise _invalid(where, f"field {rope_field!r} holds per-layer-type entries {per_layer}: only one set of "
+                                  "RoPE parameters for every layer is supported")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise _invalid(where, f"unsupported rope_type {rope_type!r}: only 'default' RoPE is supported")
@@ -413,6 +420,6 @@ def load_config(path_or_preset: str) -> ModelConfig:
     try:
         with open(path) as f:
             data = json.load(f)
-    except (OSError, ValueError) as e:  # ValueError: malformed JSON or not UTF-8
+    except (OSError, ValueError, RecursionError) as e:  # malformed JSON, not UTF-8, nested too deep
         raise ValueError(f"cannot read model config {path}: {e}") from None
     return ModelConfig.from_hf(data, source=path)

@@ -328,7 +328,7 @@ def checkpoint_files(folder: str) -> list[str]:
         try:
             with open(index) as f:
                 data = json.load(f)
-        except (OSError, ValueError) as e:  # ValueError: malformed JSON or not UTF-8
+        except (OSError, ValueError, RecursionError) as e:  # malformed JSON, not UTF-8, nested too deep
             raise ValueError(f"cannot read checkpoint index {index}: {e}") from None
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not (isinstance(weight_map, dict) and weight_map and all(isinstance(v, str) for v in weight_map.values())):
@@ -372,7 +372,8 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
 
     asm = _Assembler(cfg, dtype, device, tp)
     given: dict[str, str] = {}  # checkpoint_shapes name -> the checkpoint key that gave it
-    unexpected = []
+    given_in: dict[str, str] = {}  # checkpoint key -> its file
+    unexpected = []  # (key, file)
     files = checkpoint_files(folder)
     bar = tqdm(total=len(asm.layout), desc="loading weights", unit="tensor", disable=not progress, leave=False)
     for path in files:
@@ -384,23 +385,25 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
                         continue
                     piece = asm.pieces.get(name)
                     if piece is None:
-                        unexpected.append(key)
+                        unexpected.append((key, path))
                         continue
                     for unit in piece.units:
                         if unit in given:
                             other = given[unit]
                             if _our_name(other) == name:
-                                raise ValueError(f"tensor {key!r} appears twice in the checkpoint ({path})")
+                                raise ValueError(f"tensor {key!r} appears twice in the checkpoint ({path}; "
+                                                 f"{other!r} in {given_in[other]})")
                             raise ValueError(f"tensor {key!r} ({path}) holds weights that {other!r} holds too "
-                                             "(a layer's experts come either stacked or one tensor per expert)")
+                                             f"(in {given_in[other]}; a layer's experts come either stacked or "
+                                             "one tensor per expert)")
                     shape = tuple(f.get_slice(key).get_shape())
                     if shape != piece.shape:
                         raise ValueError(f"tensor {key!r} has shape {shape}, the config needs {piece.shape} "
                                          f"({path})")
-                    stored_dtype = _NOT_FLOAT.get(f.get_slice(key).get_dtype())
-                    if stored_dtype is not None:
-                        raise ValueError(f"tensor {key!r} in {path} is {stored_dtype}; expected floating-point "
-                                         "weights (quantized checkpoints are not supported)")
+                    stored_dtype = f.get_slice(key).get_dtype()
+                    if stored_dtype not in _REAL_FLOAT:
+                        raise ValueError(f"tensor {key!r} in {path} is {_dtype_name(stored_dtype)}; expected "
+                                         "floating-point weights (quantized checkpoints are not supported)")
                     stored = take(f.get_slice(key), piece.ranges) if piece.ranges else f.get_tensor(key)
                     written = piece.place(stored)
                     if written is not None and check_finite and not _finite(written):
@@ -408,12 +411,14 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
                                 else "NaN or infinite values")
                         raise ValueError(f"tensor {key!r} in {path} holds {what}")
                     given.update(dict.fromkeys(piece.units, key))
+                    given_in[key] = path
                     bar.update(len(piece.units))
         except (SafetensorError, OSError) as e:
             raise ValueError(f"cannot read safetensors file {path}: {e}") from None
     bar.close()
     if unexpected:
-        raise ValueError(f"checkpoint has {len(unexpected)} unexpected tensor(s), e.g. {unexpected[:5]}")
+        raise ValueError(f"checkpoint has {len(unexpected)} unexpected tensor(s), e.g. "
+                         + ", ".join(f"{k!r} in {f}" for k, f in unexpected[:5]))
     missing = [n for n in asm.layout if n not in given]
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. "
@@ -436,9 +441,18 @@ def _collapse(missing: list[str], asm: _Assembler, given: dict[str, str]) -> lis
     return out
 
 
-# safetensors' names of the dtypes that are not floating point
-_NOT_FLOAT = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
-              "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64}
+# safetensors' names of the real floating-point dtypes a weight may be stored in; any other (integers,
+# bool, complex, float4, the exponent-only float8 scale format) is refused, not converted
+_REAL_FLOAT = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"}
+_SAFETENSORS_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+                       "U32": "uint32", "I64": "int64", "U64": "uint64", "C64": "complex64", "F4": "float4_e2m1fn_x2",
+                       "F8_E8M0": "float8_e8m0fnu"}
+
+
+def _dtype_name(stored: str) -> str:
+    """A safetensors dtype name as torch's (torch.int8), or as safetensors writes it when torch has no name."""
+    name = _SAFETENSORS_DTYPES.get(stored)
+    return f"torch.{name}" if name and hasattr(torch, name) else stored
 
 
 def _finite(t: torch.Tensor) -> bool:

@@ -102,7 +102,8 @@ def test_warmup_cache_dir_is_a_file(capsys, tmp_path):
     (["--max-context", "0"], "argument --max-context: expected a positive integer, got '0'"),
     (["-o", "/nonexistent/folder/x.onnx"], "argument -o/--output: '/nonexistent/folder/x.onnx': folder "
                                            "/nonexistent/folder does not exist"),
-    (["--verify", "-B", "8", "--slots", "4"], "--verify needs 14 slots for a bucket of 8 streams; pass --slots 14"),
+    (["--verify", "-B", "8", "--slots", "4"],
+     "--verify needs 14 slots for a bucket of 8 streams and 256 tokens; pass --slots 14"),
     (["--verify", "--dtype", "bfloat16"], "lack bfloat16 and float16: pass --dtype float32"),
 ])
 def test_export_onnx_flags(capsys, argv, message):

@@ -148,6 +148,7 @@ def test_bad_config_field(tmp_path, patch, message):
     ("[1, 2]", "expected a JSON object, got list"),
     ('{"model_type": "qwen3_5_text",', "cannot read model config .*config.json: Expecting"),
     ("", "cannot read model config .*config.json: Expecting value: line 1 column 1"),
+    ("[" * 100_000 + "]" * 100_000, "cannot read model config .*config.json: maximum recursion depth"),
 ])
 def test_unreadable_config_file(tmp_path, text, message):
     _write_config(tmp_path, text)
@@ -170,9 +171,16 @@ def test_config_fields_checked_in_python():
     assert ModelConfig.from_hf({**tiny.to_hf(), "vocab_size": 512.0, "rope_parameters": {"rope_theta": 10000}}) == tiny
 
 
-@pytest.mark.parametrize("dtype", [torch.int8, torch.int64, torch.bool, torch.uint8])
+# complex64 (its imaginary part was dropped), float4 (a NotImplementedError traceback) and the float8
+# scale format e8m0 were converted to the model dtype like weights
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int64, torch.bool, torch.uint8, torch.complex64,
+                                   torch.float4_e2m1fn_x2, torch.float8_e8m0fnu])
 def test_non_float_tensor(checkpoint, dtype):
-    _rewrite(checkpoint, lambda t: t.update({"model.layers.0.linear_attn.A_log": torch.ones(4, dtype=dtype)}))
+    if dtype == torch.float4_e2m1fn_x2:  # two values a byte: safetensors counts 4 values in 2 bytes
+        ones = torch.ones(2, dtype=torch.uint8).view(dtype)
+    else:
+        ones = torch.ones(4, dtype=torch.uint8).view(dtype) if dtype.itemsize == 1 else torch.ones(4, dtype=dtype)
+    _rewrite(checkpoint, lambda t: t.update({"model.layers.0.linear_attn.A_log": ones}))
     with pytest.raises(ValueError, match=rf"'model\.layers\.0\.linear_attn\.A_log' in .*model\.safetensors is {dtype}; "
                                          "expected floating-point"):
         HybridModel.from_pretrained(str(checkpoint), progress=False)
@@ -188,6 +196,14 @@ def test_non_finite_tensor(checkpoint, bad):
         HybridModel.from_pretrained(str(checkpoint), progress=False)
     model = HybridModel.from_pretrained(str(checkpoint), progress=False, check_finite=False)
     assert not torch.isfinite(model.layers[3].mlp.up_proj.weight).all()
+
+
+def test_float8_tensor_loads(checkpoint):
+    """float8 e4m3 / e5m2 weights are floating point: converted to the model dtype."""
+    _rewrite(checkpoint, lambda t: t.update({"model.norm.weight": t["model.norm.weight"].to(torch.float8_e4m3fn)}))
+    stored = load_file(checkpoint / "model.safetensors")["model.norm.weight"]
+    model = HybridModel.from_pretrained(str(checkpoint), progress=False)
+    assert torch.equal(model.norm.weight, stored.float())
 
 
 def test_tensor_beyond_target_dtype(checkpoint):
@@ -208,6 +224,7 @@ def test_corrupt_safetensors(checkpoint, cut):
 
 @pytest.mark.parametrize("text, message", [
     ('{"weight_map": ', "cannot read checkpoint index .*index.json: Expecting value"),
+    ("[" * 100_000 + "]" * 100_000, "cannot read checkpoint index .*index.json: maximum recursion depth"),
     ("[]", "index.json has no weight_map"),
     ('{"weight_map": {"model.norm.weight": 3}}', "index.json has no weight_map"),
     ('{"weight_map": {"model.norm.weight": "shard-2.safetensors"}}', r"names shards that are not in .*shard-2"),
@@ -231,3 +248,43 @@ def test_missing_fields_take_transformers_defaults():
     hf = PRESETS["tiny"].to_hf()
     del hf["head_dim"]
     assert ModelConfig.from_hf(hf).head_dim == transformers.Qwen3_5TextConfig(**hf).head_dim == 256
+
+
+def test_rope_scaling_read_as_transformers_reads_it():
+    """Both rope_scaling and rope_parameters: transformers takes rope_scaling (rope_parameters was read,
+    a silently different rope_theta); per-layer-type RoPE parameters (ignored before) are refused."""
+    import transformers
+
+    hf = {**PRESETS["tiny"].to_hf(), "rope_scaling": {"rope_type": "default", "rope_theta": 5e6,
+                                                       "partial_rotary_factor": 0.5},
+          "rope_parameters": {"rope_type": "default", "rope_theta": 3e6, "partial_rotary_factor": 0.25}}
+    ref = transformers.Qwen3_5TextConfig(**hf).rope_parameters
+    cfg = ModelConfig.from_hf(hf)
+    got = (cfg.rope_theta, cfg.partial_rotary_factor)
+    assert got == (ref["rope_theta"], ref["partial_rotary_factor"]) == (5e6, 0.5)
+    hf = {**PRESETS["tiny"].to_hf(), "rope_scaling": [1.0]}
+    with pytest.raises(ValueError, match="field 'rope_scaling' must be an object"):
+        ModelConfig.from_hf(hf)
+    hf = {**PRESETS["tiny"].to_hf(), "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 5e6}}}
+    with pytest.raises(ValueError, match="field 'rope_parameters' holds per-layer-type entries"):
+        ModelConfig.from_hf(hf)
+
+
+def test_sharded_checkpoint_errors_name_the_files(checkpoint):
+    """An unexpected tensor names the shard holding it; a tensor stored twice names both shards."""
+    tensors = load_file(checkpoint / "model.safetensors")
+    (checkpoint / "model.safetensors").unlink()
+    names = sorted(tensors)
+    first, second = names[: len(names) // 2], names[len(names) // 2:]
+    save_file({k: tensors[k] for k in first}, checkpoint / "a.safetensors")
+    save_file({k: tensors[k] for k in second} | {"model.layers.0.bogus.weight": torch.zeros(2)},
+              checkpoint / "b.safetensors")
+    weight_map = {k: "a.safetensors" for k in first} | {k: "b.safetensors" for k in second}
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match=r"1 unexpected tensor\(s\), e\.g\. 'model\.layers\.0\.bogus\.weight' in "
+                                         r".*b\.safetensors"):
+        HybridModel.from_pretrained(str(checkpoint), progress=False)
+    save_file({k: tensors[k] for k in second + [first[0]]}, checkpoint / "b.safetensors")
+    with pytest.raises(ValueError, match=rf"tensor '{re.escape(first[0])}' appears twice in the checkpoint "
+                                         r"\(.*b\.safetensors; .* in .*a\.safetensors\)"):
+        HybridModel.from_pretrained(str(checkpoint), progress=False)

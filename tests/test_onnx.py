@@ -180,3 +180,18 @@ def test_versions_outside_the_verified_range_are_named(monkeypatch):
         check_versions()
     monkeypatch.setenv("METRALE_ONNX_UNVERIFIED", "1")
     check_versions()
+
+
+def test_export_tool_verifies_a_bucket_with_fewer_tokens_than_streams(tmp_path, capsys):
+    """tools.export_onnx --verify on a bucket of more streams than tokens (B=4, T=2): the verify batch
+    had B - 1 streams of at least a token each, more tokens than the bucket holds, and failed after
+    the export (naming --slots / --blocks / --max-context, none of which helps)."""
+    import json
+
+    from metrale_graph.tools import export_onnx
+
+    path = tmp_path / "b4t2.onnx"
+    export_onnx.main(["--model", "tiny", "-B", "4", "-T", "2", "--slots", "6", "--blocks", "8", "--block-size", "16",
+                      "--max-context", "64", "--verify", "--dtype", "float32", "-o", str(path)])
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["batch_size"] == 4 and record["tokens"] == 2 and record["max_rel_error"] < 1e-4

@@ -71,3 +71,26 @@ def test_our_checkpoint_round_trips_through_transformers(tmp_path):
     model.save_pretrained(str(tmp_path))
     hf = transformers.Qwen3_5ForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     check_parity(model, hf, model.config, lengths=[3, 70])
+
+
+@pytest.mark.parametrize("top, text", [(True, False), (False, True)], ids=["tied-at-top", "untied-at-top"])
+def test_multimodal_ties_by_top_level_flag(tmp_path, top, text):
+    """A multimodal model ties lm_head to the embeddings by its top-level tie_word_embeddings, whatever
+    its text_config says (transformers writes the text config's default, false, under a tied wrapper):
+    reading the text_config's flag lost lm_head (tied-at-top) or ignored the stored one (untied-at-top)."""
+    import transformers
+
+    cfg = tiny_config(tie_word_embeddings=top)
+    text_cfg = {**cfg.to_hf(), "tie_word_embeddings": text}
+    mm = transformers.Qwen3_5Config(text_config=text_cfg, tie_word_embeddings=top, vision_config=dict(
+        depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=cfg.hidden_size))
+    torch.manual_seed(0)
+    hf = transformers.Qwen3_5ForConditionalGeneration(mm).float().eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5 if p.dim() > 1 else p + 0.2 * torch.randn(p.shape))
+    hf.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["text_config"]["tie_word_embeddings"] == text
+    model = HybridModel.from_pretrained(str(tmp_path), progress=False)
+    assert model.config == cfg
+    check_parity(model, hf, cfg, lengths=[5, 70])

@@ -29,6 +29,12 @@ from metrale_graph.tools.common import (add_model_args, device_and_dtype, load_m
                                         print_json, print_table)
 
 
+def _verify_streams(B: int, T: int) -> int:
+    """Streams of _verify's batch: B - 1 (a zero-length padding stream too when B > 1), at most one per
+    token of the bucket (each holds a token), at least 1."""
+    return max(1, min(B - 1, T))
+
+
 def _verify(model, cache, path: str, B: int, T: int, seed: int) -> dict[str, float]:
     """Prefill context into some slots, then run a batch continuing half of them plus new streams,
     padded to the bucket, through onnxruntime and the torch step; relative norm errors by output."""
@@ -36,7 +42,7 @@ def _verify(model, cache, path: str, B: int, T: int, seed: int) -> dict[str, flo
     from metrale_graph.onnx import ort_session, run_step
 
     gen = torch.Generator().manual_seed(seed)
-    n = max(1, B - 1)  # a zero-length padding stream too when B > 1 (main checks that 2 n slots exist)
+    n = _verify_streams(B, T)  # main checks that 2 n slots exist
     vocab = model.config.vocab_size
     first = torch.randint(1, max(2, min(T, cache.max_context // 2)), (n,), generator=gen).tolist()
     model.prefill(cache, [Stream(2 * i, torch.randint(0, vocab, (k,), generator=gen)) for i, k in enumerate(first)])
@@ -81,9 +87,10 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     B, T = args.batch_size, args.tokens
     path = args.output or f"prefill_B{B}_T{T}.onnx"
-    verify_slots = 2 * max(1, B - 1)  # _verify: half the streams continue, half start
+    verify_slots = 2 * _verify_streams(B, T)  # _verify: half the streams continue, half start
     if args.verify and verify_slots > args.slots:
-        p.error(f"--verify needs {verify_slots} slots for a bucket of {B} streams; pass --slots {verify_slots}")
+        p.error(f"--verify needs {verify_slots} slots for a bucket of {B} streams and {T} tokens; "
+                f"pass --slots {verify_slots}")
     if args.verify and device_and_dtype(args)[1] != torch.float32:
         p.error("--verify runs ONNX Runtime's CPU kernels, which lack bfloat16 and float16: pass --dtype float32")
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # torchvision-not-installed notices
