@@ -52,6 +52,12 @@ MODEL_FLAGS = [
     (["--lengths", "abc"], "argument --lengths: expected comma-separated positive integers, got 'abc'"),
     (["--lengths", "5,0"], "argument --lengths: expected comma-separated positive integers, got '5,0'"),
     (["--lengths", ","], "argument --lengths: expected comma-separated positive integers, got ','"),
+    (["--lengths", "5,,3"], "argument --lengths: expected comma-separated positive integers, got '5,,3'"),
+    (["--lengths", "5,"], "argument --lengths: expected comma-separated positive integers, got '5,'"),
+    (["--lengths", ",5"], "argument --lengths: expected comma-separated positive integers, got ',5'"),
+    (["--lengths", "1_0"], "argument --lengths: expected comma-separated positive integers, got '1_0'"),
+    (["--lengths", "\uff15"], "argument --lengths: expected comma-separated positive integers"),  # full-width 5
+    (["--repeat", "1_0"], "argument --repeat: expected a positive integer, got '1_0'"),
     (["--repeat", "0"], "argument --repeat: expected a positive integer, got '0'"),
     (["--continue-tokens", "-3"], "argument --continue-tokens: expected a non-negative integer, got '-3'"),
     (["--lengths", "4000", "--continue-tokens", "100"],
@@ -72,7 +78,8 @@ def test_model_flag_names_the_checkpoint_problem(capsys, checkpoints):
 
 
 def test_prefill_valid_flags_unchanged(capsys, checkpoints):
-    prefill.main(["--model", str(checkpoints / "good"), "--lengths", "3,,4", "--repeat", "1", "--continue-tokens", "0"])
+    prefill.main(["--model", str(checkpoints / "good"), "--lengths", " 3, +4 ", "--repeat", "1",
+                  "--continue-tokens", "0"])
     out = capsys.readouterr().out
     record = json.loads(out.strip().splitlines()[-1])
     assert record["tokens"] == 7 and record["continued"] == [] and "median" in out and "over 1 runs" in out
@@ -82,6 +89,7 @@ def test_prefill_valid_flags_unchanged(capsys, checkpoints):
     (["--batch-sizes", "64", "--token-counts", "32"], "no bucket: every batch size exceeds every token count"),
     (["--batch-sizes", "0"], "argument --batch-sizes: expected comma-separated positive integers, got '0'"),
     (["--token-counts", "1.5"], "argument --token-counts: expected comma-separated positive integers"),
+    (["--batch-sizes", "1,,2"], "argument --batch-sizes: expected comma-separated positive integers, got '1,,2'"),
     (["--blocks", "0"], "argument --blocks: expected a positive integer, got '0'"),
     (["--slots", "-1"], "argument --slots: expected a positive integer, got '-1'"),
 ])
