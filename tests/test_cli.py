@@ -3,6 +3,7 @@ traceback), before any work starts; the GPU tools say so when there is no GPU. T
 in-process through main(argv)."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -101,6 +102,28 @@ def test_warmup_flags(capsys, tmp_path, argv, message):
 def test_warmup_cache_dir_is_a_file(capsys, tmp_path):
     (tmp_path / "file").write_text("")
     _usage_error(capsys, warmup.main, ["--cache-dir", str(tmp_path / "file")], "is a file; expected a folder")
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("compile_artifacts.bin", b"garbage", "compile_artifacts.bin is corrupt or from another torch version"),
+    ("cold_warmup.json", b"{", "cold_warmup.json is not a cold warmup record of this tool"),
+    ("cold_warmup.json", b'{"warmup_s": 1.0}', "cold_warmup.json is not a cold warmup record of this tool"),
+    ("inductor", b"", "inductor is not a folder"),
+])
+def test_warmup_corrupt_cache_dir(capfd, tmp_path, name, content, message):
+    """A damaged --cache-dir ends the tool at once with exit code 2 naming the file (it loaded garbage
+    artifacts as a 'warm' start with torch's traceback on stderr, or failed with a traceback after the
+    whole warmup)."""
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(SystemExit) as e:
+        warmup.main(["--batch-sizes", "1", "--token-counts", "16", "--cache-dir", str(tmp_path)])
+    err = capfd.readouterr().err
+    assert e.value.code == 2 and "usage:" in err and message in err and "Traceback" not in err, err
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs a folder nobody can write into: /proc")
+def test_warmup_cache_dir_not_writable(capsys):
+    _usage_error(capsys, warmup.main, ["--cache-dir", "/proc"], "--cache-dir '/proc': cannot write into the folder")
 
 
 @pytest.mark.parametrize("argv, message", MODEL_FLAGS + [
