@@ -144,6 +144,14 @@ def test_output_into_a_folder(capsys, tmp_path):
     _usage_error(capsys, export_onnx.main, ["-o", str(tmp_path)], "is a folder; expected a file path")
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs a folder nobody can write into: /proc")
+@pytest.mark.parametrize("main, flag", [(export_onnx.main, "-o"), (bench.main, "--json"),
+                                        (bench_ops.main, "--markdown")])
+def test_output_into_a_folder_that_takes_no_files(capsys, main, flag):
+    """Checked when parsing (export_onnx wrote its file after the export, and failed with a traceback)."""
+    _usage_error(capsys, main, [flag, "/proc/out.x"], "'/proc/out.x': cannot write into folder /proc")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--repeat", "0"], "argument --repeat: expected a positive integer, got '0'"),
     (["--layers", "0"], "argument --layers: expected a positive integer, got '0'"),

@@ -118,6 +118,13 @@ def output_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; expected a file path")
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"{text!r}: folder {folder} does not exist")
+    import tempfile
+
+    try:  # writable? (checked by writing: os.access says yes to root on read-only file systems)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot write into folder {folder} ({e.strerror or e})") from None
     return text
 
 
