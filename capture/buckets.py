@@ -30,10 +30,22 @@ class Bucket:
 
 def make_grid(batch_sizes, token_counts) -> list[Bucket]:
     """All (B, T) with B <= T (a bucket of more streams than tokens could never fill), sorted;
-    ValueError if there is none."""
+    duplicates count once. Each argument is any iterable of positive ints (read once); ValueError
+    naming the values that are not, or if there is no bucket."""
+    lists = {}
     for name, values in (("batch_sizes", batch_sizes), ("token_counts", token_counts)):
-        if not values or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values):
-            raise ValueError(f"{name} must be a non-empty list of positive integers, got {values!r}")
+        try:
+            items = list(values)
+        except TypeError:
+            items = None
+        bad = None if items is None else [v for v in items
+                                          if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+        if not items or bad:
+            what = f" ({', '.join(map(repr, bad))}: not a positive integer)" if bad else ""
+            raise ValueError(f"{name} must be a non-empty list of positive integers, got "
+                             f"{values if items is None else items!r}{what}")
+        lists[name] = items
+    batch_sizes, token_counts = lists["batch_sizes"], lists["token_counts"]
     grid = sorted({Bucket(t, b) for b in batch_sizes for t in token_counts if b <= t})
     if not grid:
         raise ValueError(f"no bucket: every batch size exceeds every token count (a bucket needs B <= T), "
@@ -52,8 +64,12 @@ def split(lengths: list[int], max_streams: int, max_tokens: int) -> list[list[tu
     Returns pieces, each a list of (stream index, start, stop) token ranges. A stream longer
     than what is left of a piece continues in the next piece (its slot then continues from the
     context the earlier piece left, exactly as a chunked prefill does). A stream's last range is
-    the one whose logits count.
+    the one whose logits count. ValueError unless max_streams and max_tokens are positive ints
+    (a piece that holds nothing would never end).
     """
+    for name, value in (("max_streams", max_streams), ("max_tokens", max_tokens)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     pieces, piece, used = [], [], 0
     for i, n in enumerate(lengths):
         start = 0

@@ -67,7 +67,7 @@ class GraphRunner:
                  token_counts=DEFAULT_TOKEN_COUNTS, use_graphs: bool | None = None):
         model.check_cache(cache)
         self.model, self.cache = model, cache
-        self.grid = make_grid(list(batch_sizes), list(token_counts))
+        self.grid = make_grid(batch_sizes, token_counts)
         self.largest = max(self.grid)  # holds every bucket's streams and tokens (B <= T throughout)
         if use_graphs is None:
             use_graphs = model.device.type == "cuda"

@@ -24,6 +24,25 @@ def test_grid_and_choice():
         make_grid([64], [32])
 
 
+def test_grid_takes_any_iterable_once_and_names_bad_sizes():
+    """Iterators are read once (validating them must not consume them); duplicates and order do not
+    matter; sizes that are not positive ints, or a size that is not a list at all, are ValueErrors
+    naming them."""
+    grid = make_grid(iter([4, 1, 4]), (t for t in [64, 8, 8]))
+    assert grid == make_grid([1, 4], [8, 64]) == sorted(set(grid))
+    for bad, named in [([2, True], "True"), ([4, 0, -1], "0, -1"), ([2.0], "2.0"), (["8"], "'8'")]:
+        with pytest.raises(ValueError, match=rf"batch_sizes must be .* \({named}: not a positive integer\)"):
+            make_grid(bad, [8])
+    with pytest.raises(ValueError, match="token_counts must be a non-empty list of positive integers, got 8"):
+        make_grid([1], 8)
+
+
+@pytest.mark.parametrize("max_streams, max_tokens", [(0, 8), (2, 0), (-1, 8), (2, 2.5)])
+def test_split_refuses_limits_that_hold_nothing(max_streams, max_tokens):
+    with pytest.raises(ValueError, match="must be a positive integer"):  # was: an endless loop
+        split([3, 4], max_streams=max_streams, max_tokens=max_tokens)
+
+
 def test_split_keeps_every_token_once_in_order():
     lengths = [5, 300, 2, 130, 1]
     pieces = split(lengths, max_streams=3, max_tokens=128)

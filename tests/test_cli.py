@@ -3,6 +3,7 @@ traceback), before any work starts; the GPU tools say so when there is no GPU. T
 in-process through main(argv)."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -52,6 +53,12 @@ MODEL_FLAGS = [
     (["--lengths", "abc"], "argument --lengths: expected comma-separated positive integers, got 'abc'"),
     (["--lengths", "5,0"], "argument --lengths: expected comma-separated positive integers, got '5,0'"),
     (["--lengths", ","], "argument --lengths: expected comma-separated positive integers, got ','"),
+    (["--lengths", "5,,3"], "argument --lengths: expected comma-separated positive integers, got '5,,3'"),
+    (["--lengths", "5,"], "argument --lengths: expected comma-separated positive integers, got '5,'"),
+    (["--lengths", ",5"], "argument --lengths: expected comma-separated positive integers, got ',5'"),
+    (["--lengths", "1_0"], "argument --lengths: expected comma-separated positive integers, got '1_0'"),
+    (["--lengths", "\uff15"], "argument --lengths: expected comma-separated positive integers"),  # full-width 5
+    (["--repeat", "1_0"], "argument --repeat: expected a positive integer, got '1_0'"),
     (["--repeat", "0"], "argument --repeat: expected a positive integer, got '0'"),
     (["--continue-tokens", "-3"], "argument --continue-tokens: expected a non-negative integer, got '-3'"),
     (["--lengths", "4000", "--continue-tokens", "100"],
@@ -72,7 +79,8 @@ def test_model_flag_names_the_checkpoint_problem(capsys, checkpoints):
 
 
 def test_prefill_valid_flags_unchanged(capsys, checkpoints):
-    prefill.main(["--model", str(checkpoints / "good"), "--lengths", "3,,4", "--repeat", "1", "--continue-tokens", "0"])
+    prefill.main(["--model", str(checkpoints / "good"), "--lengths", " 3, +4 ", "--repeat", "1",
+                  "--continue-tokens", "0"])
     out = capsys.readouterr().out
     record = json.loads(out.strip().splitlines()[-1])
     assert record["tokens"] == 7 and record["continued"] == [] and "median" in out and "over 1 runs" in out
@@ -82,6 +90,7 @@ def test_prefill_valid_flags_unchanged(capsys, checkpoints):
     (["--batch-sizes", "64", "--token-counts", "32"], "no bucket: every batch size exceeds every token count"),
     (["--batch-sizes", "0"], "argument --batch-sizes: expected comma-separated positive integers, got '0'"),
     (["--token-counts", "1.5"], "argument --token-counts: expected comma-separated positive integers"),
+    (["--batch-sizes", "1,,2"], "argument --batch-sizes: expected comma-separated positive integers, got '1,,2'"),
     (["--blocks", "0"], "argument --blocks: expected a positive integer, got '0'"),
     (["--slots", "-1"], "argument --slots: expected a positive integer, got '-1'"),
 ])
@@ -93,6 +102,28 @@ def test_warmup_flags(capsys, tmp_path, argv, message):
 def test_warmup_cache_dir_is_a_file(capsys, tmp_path):
     (tmp_path / "file").write_text("")
     _usage_error(capsys, warmup.main, ["--cache-dir", str(tmp_path / "file")], "is a file; expected a folder")
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("compile_artifacts.bin", b"garbage", "compile_artifacts.bin is corrupt or from another torch version"),
+    ("cold_warmup.json", b"{", "cold_warmup.json is not a cold warmup record of this tool"),
+    ("cold_warmup.json", b'{"warmup_s": 1.0}', "cold_warmup.json is not a cold warmup record of this tool"),
+    ("inductor", b"", "inductor is not a folder"),
+])
+def test_warmup_corrupt_cache_dir(capfd, tmp_path, name, content, message):
+    """A damaged --cache-dir ends the tool at once with exit code 2 naming the file (it loaded garbage
+    artifacts as a 'warm' start with torch's traceback on stderr, or failed with a traceback after the
+    whole warmup)."""
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(SystemExit) as e:
+        warmup.main(["--batch-sizes", "1", "--token-counts", "16", "--cache-dir", str(tmp_path)])
+    err = capfd.readouterr().err
+    assert e.value.code == 2 and "usage:" in err and message in err and "Traceback" not in err, err
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs a folder nobody can write into: /proc")
+def test_warmup_cache_dir_not_writable(capsys):
+    _usage_error(capsys, warmup.main, ["--cache-dir", "/proc"], "--cache-dir '/proc': cannot write into the folder")
 
 
 @pytest.mark.parametrize("argv, message", MODEL_FLAGS + [
@@ -112,6 +143,14 @@ def test_export_onnx_flags(capsys, argv, message):
 
 def test_output_into_a_folder(capsys, tmp_path):
     _usage_error(capsys, export_onnx.main, ["-o", str(tmp_path)], "is a folder; expected a file path")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs a folder nobody can write into: /proc")
+@pytest.mark.parametrize("main, flag", [(export_onnx.main, "-o"), (bench.main, "--json"),
+                                        (bench_ops.main, "--markdown")])
+def test_output_into_a_folder_that_takes_no_files(capsys, main, flag):
+    """Checked when parsing (export_onnx wrote its file after the export, and failed with a traceback)."""
+    _usage_error(capsys, main, [flag, "/proc/out.x"], "'/proc/out.x': cannot write into folder /proc")
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -47,6 +47,9 @@ def test_tiny_run_streams_and_prints_json(capsys):
     (["--num-slots", "0"], "--num-slots: expected a positive integer"),
     (["--prompt", "hello"], "this model has no tokenizer"),
     (["--prompt", "1,600"], "token id 600 is out of range"),
+    (["--prompt", "1,,2"], "--prompt '1,,2': an empty token id between commas"),
+    (["--prompt", "1,2,"], "--prompt '1,2,': an empty token id between commas"),
+    (["--prompt", "1_0"], "--prompt '1_0': this model has no tokenizer"),
     (["--num-slots", "8", "--token-budget", "4"], "at least num_slots"),
     (["--max-context", "4", "--prompt", "1,2,3,4"], "must leave room for at least one new token"),
 ])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 
 import torch
 
@@ -26,11 +27,12 @@ def floor_ms(flops: float, nbytes: float) -> tuple[float, str]:
     return max(compute, memory), "compute" if compute >= memory else "memory"
 
 
+_INT = re.compile(r"\s*[+-]?[0-9]+\s*")
+
+
 def _int(text: str, minimum: int, expected: str, maximum: int | None = None) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
+    # plain ASCII digits only: int() also takes "1_0" and other scripts' digits
+    value = int(text) if _INT.fullmatch(text) else None
     if value is None or value < minimum or (maximum is not None and value > maximum):
         raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
@@ -64,9 +66,9 @@ def probability(text: str) -> float:
 
 
 def positive_ints(text: str) -> list[int]:
-    """Comma-separated positive integers, at least one."""
+    """Comma-separated positive integers, at least one; an empty item ("5,,3", "5,") is an error."""
     try:
-        values = [positive_int(x) for x in text.split(",") if x.strip()]
+        values = [positive_int(x) for x in text.split(",")]
     except argparse.ArgumentTypeError:
         values = []
     if not values:
@@ -116,6 +118,13 @@ def output_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; expected a file path")
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"{text!r}: folder {folder} does not exist")
+    import tempfile
+
+    try:  # writable? (checked by writing: os.access says yes to root on read-only file systems)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot write into folder {folder} ({e.strerror or e})") from None
     return text
 
 

@@ -23,6 +23,53 @@ from metrale_graph.capture import DEFAULT_BATCH_SIZES, DEFAULT_TOKEN_COUNTS
 ARTIFACTS, RECORD = "compile_artifacts.bin", "cold_warmup.json"
 
 
+def check_cache_dir(cache_dir: str) -> str | None:
+    """What is wrong with the (existing) cache folder, or None: it must take new files, Inductor's and
+    Triton's caches must be folders, and a cold run's record must be what this tool writes."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=cache_dir):
+            pass
+    except OSError as e:
+        return f"cannot write into the folder ({e.strerror or e})"
+    for sub in ("inductor", "triton"):
+        if os.path.exists(os.path.join(cache_dir, sub)) and not os.path.isdir(os.path.join(cache_dir, sub)):
+            return f"{os.path.join(cache_dir, sub)} is not a folder (this tool keeps the {sub} cache there)"
+    path = os.path.join(cache_dir, RECORD)
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                record = json.load(f)
+            ok = isinstance(record, dict) and all(
+                isinstance(record.get(k), (int, float)) and not isinstance(record.get(k), bool)
+                for k in ("warmup_s", "total_s"))
+        except (OSError, ValueError):
+            ok = False
+        if not ok:
+            return f"{path} is not a cold warmup record of this tool (corrupt?); delete it"
+    return None
+
+
+def _load_artifacts(path: str) -> bool:
+    """torch.compiler.load_cache_artifacts of the file; False when torch cannot read it (torch then only
+    logs a warning with a traceback, which is silenced here: the caller says what is wrong)."""
+    import logging
+
+    import torch
+
+    log = logging.getLogger("torch.compiler._cache")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with open(path, "rb") as f:
+            return torch.compiler.load_cache_artifacts(f.read()) is not None
+    except Exception:
+        return False
+    finally:
+        log.setLevel(level)
+
+
 def main(argv=None) -> None:
     from metrale_graph.capture.buckets import make_grid
     from metrale_graph.tools.common import add_model_args, positive_int, positive_ints
@@ -50,6 +97,9 @@ def main(argv=None) -> None:
         os.makedirs(cache_dir, exist_ok=True)
     except OSError as e:
         p.error(f"--cache-dir {args.cache_dir!r}: cannot create the folder ({e.strerror})")
+    problem = check_cache_dir(cache_dir)
+    if problem:
+        p.error(f"--cache-dir {args.cache_dir!r}: {problem}")
     # before anything compiles: Inductor's and Triton's on-disk caches go into the named folder
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, "inductor")
     os.environ["TRITON_CACHE_DIR"] = os.path.join(cache_dir, "triton")
@@ -63,9 +113,9 @@ def main(argv=None) -> None:
     t_start = time.perf_counter()
     artifacts = os.path.join(cache_dir, ARTIFACTS)
     warm = os.path.isfile(artifacts)
-    if warm:
-        with open(artifacts, "rb") as f:
-            torch.compiler.load_cache_artifacts(f.read())
+    if warm and not _load_artifacts(artifacts):
+        p.error(f"--cache-dir {args.cache_dir!r}: {artifacts} is corrupt or from another torch version "
+                f"(torch.compiler.load_cache_artifacts cannot read it); delete it to start cold")
     model = load_model(args, p)
     blocks = args.blocks if args.blocks is not None else args.slots * -(-max(args.token_counts) // 64)
     cache = model.new_cache(num_slots=args.slots, num_blocks=blocks)
