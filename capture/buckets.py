@@ -10,6 +10,8 @@ streams on the scratch slot, spare tokens in no stream).
 
 from __future__ import annotations
 
+import operator
+
 from dataclasses import dataclass
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
@@ -28,6 +30,16 @@ class Bucket:
         return f"B{self.streams}xT{self.tokens}"
 
 
+def _as_int(v) -> int | None:
+    """v as a Python int if it is an integer of any kind (int, numpy or 0-d torch integer), not a bool."""
+    if isinstance(v, bool) or str(getattr(v, "dtype", "")) in ("bool", "torch.bool"):
+        return None
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
+
+
 def make_grid(batch_sizes, token_counts) -> list[Bucket]:
     """All (B, T) with B <= T (a bucket of more streams than tokens could never fill), sorted;
     duplicates count once. Each argument is any iterable of positive ints (read once); ValueError
@@ -38,13 +50,13 @@ def make_grid(batch_sizes, token_counts) -> list[Bucket]:
             items = list(values)
         except TypeError:
             items = None
-        bad = None if items is None else [v for v in items
-                                          if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+        ints = None if items is None else [_as_int(v) for v in items]  # numpy / torch integers too
+        bad = None if items is None else [v for v, n in zip(items, ints) if n is None or n < 1]
         if not items or bad:
             what = f" ({', '.join(map(repr, bad))}: not a positive integer)" if bad else ""
             raise ValueError(f"{name} must be a non-empty list of positive integers, got "
                              f"{values if items is None else items!r}{what}")
-        lists[name] = items
+        lists[name] = ints
     batch_sizes, token_counts = lists["batch_sizes"], lists["token_counts"]
     grid = sorted({Bucket(t, b) for b in batch_sizes for t in token_counts if b <= t})
     if not grid:

@@ -1,5 +1,6 @@
 """capture/: bucket choice, padding, splitting, and the runner's compiled fallback on the CPU."""
 
+import numpy as np
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -35,6 +36,12 @@ def test_grid_takes_any_iterable_once_and_names_bad_sizes():
             make_grid(bad, [8])
     with pytest.raises(ValueError, match="token_counts must be a non-empty list of positive integers, got 8"):
         make_grid([1], 8)
+    # integers of numpy and torch count as integers (a grid built with numpy), their booleans do not
+    from_numpy = make_grid([np.int64(4), torch.tensor(1)], np.array([8, 64]))
+    assert from_numpy == grid and all(type(b.streams) is int and type(b.tokens) is int for b in from_numpy)
+    for bad in ([np.bool_(True)], [torch.tensor(True)]):
+        with pytest.raises(ValueError, match="not a positive integer"):
+            make_grid(bad, [8])
 
 
 @pytest.mark.parametrize("max_streams, max_tokens", [(0, 8), (2, 0), (-1, 8), (2, 2.5)])
