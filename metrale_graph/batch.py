@@ -120,6 +120,11 @@ def token_tensor(tokens, where: str, device: torch.device) -> torch.Tensor:
                              "(pass them on the CPU or on the model's device)")
         if tokens.dim() != 1:
             raise ValueError(f"{where}: tokens must be 1-D, got shape {tuple(tokens.shape)}")
+        if tokens.dtype == getattr(torch, "uint64", None):  # ids of 2**63 and up would wrap to negative ones
+            wrapped = tokens.view(torch.int64)
+            if bool((wrapped < 0).any()):
+                big = int(wrapped[wrapped < 0][0]) + 2**64
+                raise ValueError(f"{where}: token id {big} does not fit in int64")
         t = tokens.to(torch.int64)
     else:
         if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):

@@ -85,6 +85,8 @@ BAD_BATCHES = [
                  f"stream 1: token id {VOCAB + 5} is out of range", id="first-bad-stream-named"),
     pytest.param(lambda c: [Stream(0, [1, 2**70])], "stream 0: a token id does not fit in int64",
                  id="token-past-int64"),
+    pytest.param(lambda c: [Stream(0, torch.tensor([1, 2**63 + 5], dtype=torch.uint64))],
+                 f"stream 0: token id {2**63 + 5} does not fit in int64", id="uint64-token-past-int64"),
     pytest.param(lambda c: [Stream(0, [1, 2.0])], "is not an int", id="float-token"),
     pytest.param(lambda c: [Stream(0, torch.ones(3))], "integer tensor", id="float-tensor"),
     pytest.param(lambda c: [Stream(0, torch.ones(2, 2, dtype=torch.long))], "1-D", id="2d-tensor"),
