@@ -64,17 +64,13 @@ class PackedBatch:
         buffers a bucket fills (fill) before each run."""
         B, T, dev = num_streams, num_tokens, cache.device
         with torch.inference_mode(False):  # normal tensors (filled in place in or out of inference mode)
-            return cls._padding(B, T, dev, cache)
-
-    @classmethod
-    def _padding(cls, B: int, T: int, dev: torch.device, cache: HybridCache) -> "PackedBatch":
-        return cls(tokens=torch.zeros(T, dtype=torch.int64, device=dev),
-                   positions=torch.zeros(T, dtype=torch.int64, device=dev),
-                   cu_seqlens=torch.zeros(B + 1, dtype=torch.int32, device=dev),
-                   slot_ids=torch.full((B,), cache.scratch_slot, dtype=torch.int64, device=dev),
-                   context_lens=torch.zeros(B, dtype=torch.int32, device=dev),
-                   block_tables=torch.full((B, cache.max_blocks_per_slot), cache.null_block, dtype=torch.int32,
-                                           device=dev))
+            return cls(tokens=torch.zeros(T, dtype=torch.int64, device=dev),
+                       positions=torch.zeros(T, dtype=torch.int64, device=dev),
+                       cu_seqlens=torch.zeros(B + 1, dtype=torch.int32, device=dev),
+                       slot_ids=torch.full((B,), cache.scratch_slot, dtype=torch.int64, device=dev),
+                       context_lens=torch.zeros(B, dtype=torch.int32, device=dev),
+                       block_tables=torch.full((B, cache.max_blocks_per_slot), cache.null_block, dtype=torch.int32,
+                                               device=dev))
 
     def fill(self, packed: "PackedBatch", cache: HybridCache) -> None:
         """Copy `packed` into these (larger or equal) buffers and pad the rest; allocates nothing."""

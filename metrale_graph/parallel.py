@@ -36,6 +36,11 @@ Ranges = tuple[int, list[tuple[int, int]]]  # (dim, [start, stop) ranges concate
 MOE_MODES = ("expert", "within")  # how MoE experts are split over ranks (module docstring)
 
 
+def _check_moe_mode(moe) -> None:
+    if moe not in MOE_MODES:
+        raise ValueError(f"moe must be one of {MOE_MODES} (how experts are split over ranks), got {moe!r}")
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """This process's place in a tensor-parallel group: rank `rank` of `size` in `group` (None: the
@@ -46,8 +51,7 @@ class TensorParallel:
     moe: str = "expert"
 
     def __post_init__(self):
-        if self.moe not in MOE_MODES:
-            raise ValueError(f"moe must be one of {MOE_MODES} (how experts are split over ranks), got {self.moe!r}")
+        _check_moe_mode(self.moe)
 
     @classmethod
     def current(cls, group=None, moe: str = "expert") -> "TensorParallel":
@@ -85,8 +89,7 @@ def check_shardable(cfg: ModelConfig, size: int, moe: str = "expert") -> None:
     """ValueError naming the config field that `size` ranks cannot split (experts split as `moe` says)."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor-parallel size must be a positive integer, got {size!r}")
-    if moe not in MOE_MODES:
-        raise ValueError(f"moe must be one of {MOE_MODES} (how experts are split over ranks), got {moe!r}")
+    _check_moe_mode(moe)
     if size == 1:
         return
     need = [("num_attention_heads", cfg.num_attention_heads)]

@@ -27,12 +27,11 @@ def floor_ms(flops: float, nbytes: float) -> tuple[float, str]:
     return max(compute, memory), "compute" if compute >= memory else "memory"
 
 
-_INT = re.compile(r"\s*[+-]?[0-9]+\s*")
+INT_TEXT = re.compile(r"\s*[+-]?[0-9]+\s*")  # an integer in plain ASCII digits: int() also takes "1_0"
 
 
 def _int(text: str, minimum: int, expected: str, maximum: int | None = None) -> int:
-    # plain ASCII digits only: int() also takes "1_0" and other scripts' digits
-    value = int(text) if _INT.fullmatch(text) else None
+    value = int(text) if INT_TEXT.fullmatch(text) else None
     if value is None or value < minimum or (maximum is not None and value > maximum):
         raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
@@ -118,14 +117,23 @@ def output_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; expected a file path")
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"{text!r}: folder {folder} does not exist")
+    why = unwritable(folder)
+    if why:
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot write into folder {folder} ({why})")
+    return text
+
+
+def unwritable(folder: str) -> str | None:
+    """Why no file can be written into the existing `folder` (the OS's reason), or None. Checked by writing
+    one: os.access says yes to root on read-only file systems."""
     import tempfile
 
-    try:  # writable? (checked by writing: os.access says yes to root on read-only file systems)
+    try:
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: cannot write into folder {folder} ({e.strerror or e})") from None
-    return text
+        return str(e.strerror or e)
+    return None
 
 
 def model_name(text: str) -> str:

@@ -13,13 +13,10 @@ prompt streams token by token; several print each request as it finishes.
 from __future__ import annotations
 
 import argparse
-import re
 import time
 
-from metrale_graph.tools.common import (add_model_args, load_model, non_negative_float, non_negative_int,
-                                        positive_int, print_json, probability)
-
-_ID = re.compile(r"\s*[+-]?[0-9]+\s*")  # plain ASCII digits: int() also takes "1_0"
+from metrale_graph.tools.common import (INT_TEXT, add_model_args, load_model, non_negative_float,
+                                        non_negative_int, positive_int, print_json, probability)
 
 
 def _parse_args(argv):
@@ -51,7 +48,7 @@ def _prompts(p, args, tokenizer):
     prompts = []
     for text in texts:
         items = text.split(",") if text.strip() else []  # "": an empty prompt, which the engine names
-        if not all(_ID.fullmatch(x) for x in items if x.strip()):
+        if not all(INT_TEXT.fullmatch(x) for x in items if x.strip()):
             p.error(f"--prompt {text!r}: this model has no tokenizer; give comma-separated token ids")
         if not all(x.strip() for x in items):
             p.error(f"--prompt {text!r}: an empty token id between commas; give comma-separated token ids")

@@ -26,13 +26,11 @@ ARTIFACTS, RECORD = "compile_artifacts.bin", "cold_warmup.json"
 def check_cache_dir(cache_dir: str) -> str | None:
     """What is wrong with the (existing) cache folder, or None: it must take new files, Inductor's and
     Triton's caches must be folders, and a cold run's record must be what this tool writes."""
-    import tempfile
+    from metrale_graph.tools.common import unwritable
 
-    try:
-        with tempfile.TemporaryFile(dir=cache_dir):
-            pass
-    except OSError as e:
-        return f"cannot write into the folder ({e.strerror or e})"
+    why = unwritable(cache_dir)
+    if why:
+        return f"cannot write into the folder ({why})"
     for sub in ("inductor", "triton"):
         if os.path.exists(os.path.join(cache_dir, sub)) and not os.path.isdir(os.path.join(cache_dir, sub)):
             return f"{os.path.join(cache_dir, sub)} is not a folder (this tool keeps the {sub} cache there)"
