@@ -84,7 +84,7 @@ def _worker(rank, folder, checkpoint):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=WORLD)
     try:
-        tp = TensorParallel.current()
+        tp = TensorParallel.current(moe="expert")  # the scenarios say where they split the experts within
         out = {}
         for name, s in SCENARIOS.items():
             out[name] = _run(HybridModel.from_preset(s["config"], seed=1, tp=replace(tp, moe=s.get("moe", "expert"))))
@@ -165,10 +165,14 @@ def test_unshardable_configs_name_the_field():
     with pytest.raises(ValueError, match=r"num_key_value_heads \(3\) and the tensor-parallel size 2"):
         check_shardable(tiny_config(num_attention_heads=6, num_key_value_heads=3), 2)
     with pytest.raises(ValueError, match=r"num_experts \(5\) is not a multiple of the tensor-parallel size 2"):
-        check_shardable(moe_config(), 2)
+        check_shardable(moe_config(), 2, "expert")
     with pytest.raises(ValueError, match=r"moe_intermediate_size \(20\) is not a multiple of the tensor-parallel size"):
         check_shardable(moe_config(num_attention_heads=6, num_key_value_heads=3, linear_num_key_heads=3,
                                    linear_num_value_heads=6, shared_expert_intermediate_size=12), 3, "within")
+    with pytest.raises(ValueError, match=r"moe_intermediate_size \(20\) .* size 3 \(the experts split with "
+                                         r"moe='expert' would divide\)"):  # 6 experts split across 3 ranks
+        check_shardable(moe_config(num_experts=6, num_attention_heads=6, num_key_value_heads=3, linear_num_key_heads=3,
+                                   linear_num_value_heads=6, shared_expert_intermediate_size=12), 3)
     with pytest.raises(ValueError, match="moe must be one of"):
         TensorParallel(0, 2, moe="tensor")
     with pytest.raises(ValueError, match="torch.distributed initialized"):
@@ -200,7 +204,7 @@ def test_each_rank_reads_only_its_part_of_the_experts():
     from metrale_graph.weights import _Assembler
 
     cfg = moe_config("qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2)  # IE 20
-    across = _Assembler(cfg, torch.float32, "cpu", TensorParallel(1, 2)).pieces
+    across = _Assembler(cfg, torch.float32, "cpu", TensorParallel(1, 2, moe="expert")).pieces
     within = _Assembler(cfg, torch.float32, "cpu", TensorParallel(1, 2, moe="within")).pieces
     for e in range(4):
         for proj in ("gate_proj", "up_proj", "down_proj"):
