@@ -177,8 +177,9 @@ class Engine:
     def _events(self, requests: list[Request], stops: frozenset, t0: float) -> Iterator[TokenEvent]:
         if not self._lock.acquire(blocking=False):
             raise EngineBusyError("the engine is already generating (finish or close the other stream first)")
-        sched = Scheduler(self.cache, self.token_budget)
+        sched = None
         try:
+            sched = Scheduler(self.cache, self.token_budget)  # may reset leftover streams: inside the try
             for r in requests:
                 sched.add(r)
             while not sched.done:
@@ -202,8 +203,11 @@ class Engine:
                         sched.finish(r, reason)
                     yield TokenEvent(r.index, token, reason)
         finally:
-            sched.release_all()
-            self._lock.release()
+            try:
+                if sched is not None:
+                    sched.release_all()
+            finally:
+                self._lock.release()
 
     def _prefill(self, streams: list[Stream]) -> torch.Tensor:
         if self.runner is not None:

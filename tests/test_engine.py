@@ -168,6 +168,23 @@ def test_stream_left_in_the_engines_cache_is_forgotten(tiny):
     _assert_cache_empty(engine)
 
 
+def test_failure_while_starting_a_generation_frees_the_engine(tiny):
+    """Resetting a leftover stream when a generation starts can fail (here: the cache is held by another
+    caller); the engine must not stay busy after it: the next generate runs and matches a fresh engine."""
+    from metrale_graph import Stream
+    from metrale_graph.cache import CacheInUseError
+
+    engine = Engine(tiny, num_slots=2, token_budget=12, block_size=16, max_context=96, compile=False)
+    prompts = _prompts([5, 9])
+    clean = [r.token_ids for r in engine.generate(prompts, max_new_tokens=4)]
+    tiny.prefill(engine.cache, [Stream(0, prompts[1])])
+    with engine.cache.exclusive():
+        with pytest.raises(CacheInUseError):
+            engine.generate(prompts, max_new_tokens=4)
+    assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=4)] == clean
+    _assert_cache_empty(engine)
+
+
 def test_sampling_masks_and_distribution():
     """sample(): greedy rows take the argmax; top-k and top-p keep only their tokens; the draws follow
     the tempered distribution; a row's draw does not depend on the other rows."""
