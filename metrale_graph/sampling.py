@@ -76,7 +76,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     dev, vocab = logits.device, logits.shape[-1]
     uniforms = torch.cat([torch.rand(1, generator=generators[i]) for i in rows])
     temps = torch.tensor([params[i].temperature for i in rows])
-    top_k = torch.tensor([params[i].top_k or vocab for i in rows]).clamp(max=vocab)
+    top_k = torch.tensor([min(params[i].top_k or vocab, vocab) for i in rows])  # any int: beyond int64 too
     top_p = torch.tensor([params[i].top_p if params[i].top_p < 1.0 else 2.0 for i in rows])  # 1.0: no mask
     index = torch.tensor(rows)
     probs, order = _sorted_probs(logits[index.to(dev)], temps.to(dev), top_k.to(dev), top_p.to(dev))

@@ -226,6 +226,18 @@ def test_tiny_temperatures_sample_the_maximum(tiny):
     _assert_cache_empty(engine)
 
 
+def test_top_k_beyond_the_vocabulary_is_off(tiny):
+    """top_k at or beyond the vocabulary keeps every token, as transformers' top-k does (min(top_k, vocab)),
+    however large: a top_k past int64 used to fail mid-generation with torch's overflow error."""
+    engine = Engine(tiny, num_slots=2, token_budget=8, block_size=16, max_context=32, compile=False)
+    prompts = _prompts([3, 5])
+    kw = dict(max_new_tokens=4, temperature=1.0, seed=4)
+    off = [r.token_ids for r in engine.generate(prompts, **kw)]
+    for top_k in (tiny.config.vocab_size, 2**63, 10**30):
+        assert [r.token_ids for r in engine.generate(prompts, top_k=top_k, **kw)] == off, top_k
+    _assert_cache_empty(engine)
+
+
 def test_seeds_at_the_ends_of_torch_range(tiny):
     """Request i draws with seed + i: a seed near 2**64 - 1 wraps around for the later requests rather than
     failing with torch's overflow error; a seed outside what torch takes is a ValueError naming it."""
