@@ -104,5 +104,6 @@ def _sorted_probs(logits, temps, top_k, top_p):
     sorted_logits = sorted_logits.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
     before = probs.cumsum(dim=-1) - probs  # probability of the more likely tokens
-    probs = probs.masked_fill(before >= top_p.unsqueeze(1), 0.0)  # the first token always stays
+    # the first token always stays, also for a top_p that rounds to 0 in fp32 (before 0 >= top_p 0)
+    probs = probs.masked_fill((before >= top_p.unsqueeze(1)) & (rank > 0), 0.0)
     return probs, order

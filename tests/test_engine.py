@@ -238,6 +238,21 @@ def test_top_k_beyond_the_vocabulary_is_off(tiny):
     _assert_cache_empty(engine)
 
 
+def test_tiny_top_p_keeps_the_most_likely_token(tiny):
+    """top_p keeps at least the most likely token however small it is: a top_p that rounds to 0 in fp32
+    (below 1.4e-45) masked every token and crashed the draw with an index of -1 mid-generation."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, -5.0], [100.0, 50.0, 0.0, -100.0]])
+    for p in (1e-30, 1e-46, 1e-300, 5e-324):
+        params = [SamplingParams(1.0, top_p=p)] * 2
+        assert sample(logits, params, [new_generator(0), new_generator(1)]).tolist() == [1, 0], p
+    engine = Engine(tiny, num_slots=2, token_budget=8, block_size=16, max_context=32, compile=False)
+    prompts = _prompts([3, 5])
+    greedy = [r.token_ids for r in engine.generate(prompts, max_new_tokens=4)]
+    assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=4, temperature=1.0, top_p=1e-300,
+                                                 seed=0)] == greedy
+    _assert_cache_empty(engine)
+
+
 def test_seeds_at_the_ends_of_torch_range(tiny):
     """Request i draws with seed + i: a seed near 2**64 - 1 wraps around for the later requests rather than
     failing with torch's overflow error; a seed outside what torch takes is a ValueError naming it."""
