@@ -12,6 +12,7 @@ top-p (the smallest set of most likely tokens whose probability reaches top_p, a
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,7 @@ class SamplingParams:
 def check_params(temperature, top_k, top_p) -> SamplingParams:
     """SamplingParams from user values; ValueError naming a bad one."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-            0.0 <= temperature < float("inf")):
+            0.0 <= temperature <= sys.float_info.max):  # an int past float's range: float() would raise OverflowError
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
         raise ValueError(f"top_k must be an integer >= 0 (0: off), got {top_k!r}")

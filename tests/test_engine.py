@@ -290,6 +290,7 @@ def test_bad_requests_raise_and_touch_nothing(tiny):
         (dict(prompts=[ok], max_new_tokens=2.5), "max_new_tokens must be an integer >= 1"),
         (dict(prompts=[ok], temperature=-0.1), "temperature must be a finite number >= 0"),
         (dict(prompts=[ok], temperature=float("nan")), "temperature must be a finite number >= 0"),
+        (dict(prompts=[ok], temperature=10**400), "temperature must be a finite number >= 0"),
         (dict(prompts=[ok], top_p=0.0), r"top_p must be a number in \(0, 1\]"),
         (dict(prompts=[ok], top_p=1.5), r"top_p must be a number in \(0, 1\]"),
         (dict(prompts=[ok], top_k=-1), "top_k must be an integer >= 0"),
