@@ -147,6 +147,9 @@ class Engine:
         results in the prompts' order. `on_token(request_index, token_id)` is called for each new
         token as it is sampled."""
         t0 = time.perf_counter()
+        if on_token is not None and not callable(on_token):
+            raise ValueError(f"on_token must be a callable (request_index, token_id) or None, got "
+                             f"{type(on_token).__name__}")
         requests, stops = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids)
         events = self._events(requests, stops, t0)
         try:

@@ -303,6 +303,13 @@ def test_bad_requests_raise_and_touch_nothing(tiny):
                 call(**kwargs)
             assert all(torch.equal(a, b) for a, b in zip(engine.cache.state_tensors(), before))
             _assert_cache_empty(engine)
+    steps = []
+    real = engine._prefill
+    engine._prefill = lambda streams: steps.append(streams) or real(streams)
+    with pytest.raises(ValueError, match="on_token must be a callable"):
+        engine.generate([ok], max_new_tokens=2, on_token=5)
+    assert steps == []  # nothing ran
+    del engine._prefill
     assert engine.generate([ok], max_new_tokens=2)[0].finish_reason == "length"
     for kwargs, msg in [(dict(num_slots=0), "num_slots must be an integer >= 1"),
                         (dict(num_slots=4, token_budget=2), "at least num_slots"),
