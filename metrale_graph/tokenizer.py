@@ -51,17 +51,26 @@ def _load(folder):
     return AutoTokenizer.from_pretrained(str(folder))
 
 
+# where a composite config.json keeps its text model's settings (transformers' GenerationConfig.from_model_config
+# takes a setting the outer config leaves unset from the first of these it has)
+TEXT_CONFIG_KEYS = ("decoder", "generator", "text_config")
+
+
 def default_stop_ids(model, tokenizer) -> list[int]:
     """What transformers' generate stops on by default: `eos_token_id` of the model folder's
-    generation_config.json (an int or a list), else of config.json, else the tokenizer's eos
-    token; [] when there is none."""
+    generation_config.json (an int or a list), else of config.json (or of its text_config, for a
+    multimodal config), else the tokenizer's eos token; [] when there is none."""
     folder = getattr(model, "name_or_path", None)
     for name in ("generation_config.json", "config.json"):
         path = os.path.join(folder, name) if isinstance(folder, (str, os.PathLike)) else None
         if path and os.path.isfile(path):
             try:
                 with open(path) as f:
-                    eos = json.load(f).get("eos_token_id")
+                    cfg = json.load(f)
+                eos = cfg.get("eos_token_id")
+                if eos is None and name == "config.json":
+                    inner = next((cfg[k] for k in TEXT_CONFIG_KEYS if isinstance(cfg.get(k), dict) and cfg[k]), {})
+                    eos = inner.get("eos_token_id")
             except (OSError, ValueError, AttributeError):
                 eos = None
             if eos is not None:

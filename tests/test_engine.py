@@ -124,6 +124,33 @@ def test_stop_token_matches_transformers(checkpoint, tmp_path):
     assert engine.generate(prompts[:1], max_new_tokens=NEW, stop_token_ids=[])[0].token_ids == expected[0]
 
 
+def test_default_stop_tokens_of_a_multimodal_config(tmp_path):
+    """A multimodal qwen3_5 config.json keeps eos_token_id in its text_config; without a
+    generation_config.json, transformers' generate stops on it (GenerationConfig.from_model_config reads the
+    text config for what the outer config leaves unset), and so does the engine by default."""
+    from transformers import GenerationConfig
+
+    HybridModel.from_preset("tiny", seed=3).save_pretrained(str(tmp_path))
+    text = json.loads((tmp_path / "config.json").read_text())
+    text["model_type"] = "qwen3_5_text"
+    eos = [7, 9]
+    outer = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+             "text_config": dict(text, eos_token_id=eos)}
+    (tmp_path / "config.json").write_text(json.dumps(outer))
+    assert not (tmp_path / "generation_config.json").exists()
+    assert GenerationConfig.from_model_config(outer).eos_token_id == eos  # transformers' default
+    engine = Engine(HybridModel.from_pretrained(str(tmp_path), progress=False), num_slots=1, max_context=16,
+                    compile=False)
+    assert engine.stop_token_ids == set(eos)
+    # an eos of the outer config wins, as in transformers
+    outer["eos_token_id"] = 3
+    (tmp_path / "config.json").write_text(json.dumps(outer))
+    assert GenerationConfig.from_model_config(outer).eos_token_id == 3
+    engine = Engine(HybridModel.from_pretrained(str(tmp_path), progress=False), num_slots=1, max_context=16,
+                    compile=False)
+    assert engine.stop_token_ids == {3}
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return HybridModel.from_preset("tiny", seed=3)
