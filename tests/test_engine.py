@@ -212,6 +212,38 @@ def test_failure_while_starting_a_generation_frees_the_engine(tiny):
     _assert_cache_empty(engine)
 
 
+@pytest.mark.parametrize("where", ["step", "sample"])
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_failure_mid_generation_leaves_the_engine_as_new(tiny, monkeypatch, where, k):
+    """The k-th step (first prompt chunks, mixed, decodes only) or its sampling raises: every slot and block
+    is given back, and the next generate gives a fresh engine's tokens, greedy and seeded."""
+    import metrale_graph.engine as engine_module
+
+    kw = dict(num_slots=2, token_budget=12, block_size=16, max_context=96, compile=False)
+    prompts = _prompts([3, 20, 9])
+    fresh = Engine(tiny, **kw)
+    want = [[r.token_ids for r in fresh.generate(prompts, max_new_tokens=5, **p)]
+            for p in (dict(), dict(temperature=0.9, top_k=40, seed=2))]
+    engine = Engine(tiny, **kw)
+    owner, name = (tiny, "forward_packed") if where == "step" else (engine_module, "sample")
+    calls, real = [], getattr(owner, name)
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == k:
+            raise RuntimeError("failed here")
+        return real(*args)
+
+    monkeypatch.setattr(owner, name, failing)
+    with pytest.raises(RuntimeError, match="failed here"):
+        engine.generate(prompts, max_new_tokens=5)
+    monkeypatch.undo()
+    _assert_cache_empty(engine)
+    assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=5)] == want[0]
+    assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=5, temperature=0.9, top_k=40,
+                                                 seed=2)] == want[1]
+
+
 def test_sampling_masks_and_distribution():
     """sample(): greedy rows take the argmax; top-k and top-p keep only their tokens; the draws follow
     the tempered distribution; a row's draw does not depend on the other rows."""
