@@ -38,7 +38,8 @@ def model():
 def _cache_with_context(model):
     """Slots 1, 3, 4 hold 40, 17 and 5 tokens of context; 16-token blocks, 8 per slot."""
     cache = model.new_cache(6, 24, block_size=16, max_context=128)
-    model.prefill(cache, [Stream(1, random_tokens(40, 1)), Stream(3, random_tokens(17, 2)), Stream(4, random_tokens(5, 3))])
+    model.prefill(cache, [Stream(1, random_tokens(40, 1)), Stream(3, random_tokens(17, 2)),
+                          Stream(4, random_tokens(5, 3))])
     return cache
 
 
@@ -195,3 +196,25 @@ def test_export_tool_verifies_a_bucket_with_fewer_tokens_than_streams(tmp_path, 
                       "--max-context", "64", "--verify", "--dtype", "float32", "-o", str(path)])
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["batch_size"] == 4 and record["tokens"] == 2 and record["max_rel_error"] < 1e-4
+
+
+def _usage_error(capsys, argv, message):
+    """tools.export_onnx ends with argparse's usage message and exit code 2, no traceback."""
+    from metrale_graph.tools import export_onnx
+
+    with pytest.raises(SystemExit) as e:
+        export_onnx.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage:" in err and message in err and "Traceback" not in err, err
+
+
+def test_a_tensor_parallel_shard_is_refused_before_the_export(capsys):
+    """A shard's step all-reduces (functional collectives, no ONNX form): export_prefill traced it and
+    failed in the translation with a ConversionError, and tools.export_onnx took --tp (under torchrun it
+    failed the same way after the export's work; without torchrun it asked for torchrun)."""
+    from metrale_graph.parallel import TensorParallel
+
+    shard = HybridModel.from_preset("tiny", seed=7, tp=TensorParallel(0, 2))
+    with pytest.raises(ValueError, match=r"tensor-parallel shard \(rank 0 of 2\)"):
+        export_prefill(shard, shard.new_cache(2, 4, block_size=16), 2, 16)
+    _usage_error(capsys, ["--tp", "2", "-B", "2", "-T", "16"], "--tp: the ONNX export writes one whole model")

@@ -85,6 +85,9 @@ def main(argv=None) -> None:
                    help="ONNX file (default: prefill_B{B}_T{T}.onnx)")
     p.add_argument("--verify", action="store_true", help="compare onnxruntime with the torch step on a batch")
     args = p.parse_args(argv)
+    if args.tp != 1:
+        p.error("--tp: the ONNX export writes one whole model from one process (a shard's collectives have no "
+                "ONNX form); leave out --tp")
     B, T = args.batch_size, args.tokens
     path = args.output or f"prefill_B{B}_T{T}.onnx"
     verify_slots = 2 * _verify_streams(B, T)  # _verify: half the streams continue, half start

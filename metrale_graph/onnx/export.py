@@ -177,10 +177,16 @@ def export_prefill(model, cache: HybridCache, batch_size: int, num_tokens: int,
                    translations: dict[str, Callable] | None = None, optimize: bool = True,
                    progress: Callable[[str], None] | None = None):
     """Export `model.forward_packed` for bucket (batch_size, num_tokens) on `cache`'s geometry
-    (slots, blocks, block size, blocks per stream). Returns the ONNXProgram."""
+    (slots, blocks, block size, blocks per stream). Returns the ONNXProgram.
+
+    The model must be whole: a tensor-parallel shard's collectives have no ONNX form (ValueError)."""
     for name, value in (("batch_size", batch_size), ("num_tokens", num_tokens)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    tp = getattr(model, "tp", None)
+    if tp is not None:
+        raise ValueError(f"the ONNX export writes one whole model; this one is a tensor-parallel shard (rank "
+                         f"{tp.rank} of {tp.size}): load the model without tp")
     model.check_cache(cache)
     pools = cache.pool_names()
     return export_onnx(PrefillStep(model, cache), example_inputs(cache, batch_size, num_tokens), translations,
