@@ -218,3 +218,23 @@ def test_a_tensor_parallel_shard_is_refused_before_the_export(capsys):
     with pytest.raises(ValueError, match=r"tensor-parallel shard \(rank 0 of 2\)"):
         export_prefill(shard, shard.new_cache(2, 4, block_size=16), 2, 16)
     _usage_error(capsys, ["--tp", "2", "-B", "2", "-T", "16"], "--tp: the ONNX export writes one whole model")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-B", "4", "-T", "256", "--slots", "6", "--blocks", "3"],
+     "need 13 KV blocks (it has 3); pass --blocks 13"),
+    (["-B", "2", "-T", "256", "--max-context", "16"],
+     "put 211 tokens in a slot (it holds 64) and need 4 KV blocks (it has 64); pass --max-context 256"),
+    (["-B", "8", "-T", "256", "--slots", "14", "--block-size", "16", "--max-context", "64", "--blocks", "10"],
+     "pass --max-context 80 --blocks 25"),
+])
+def test_export_tool_checks_the_verify_batches_fit_before_any_work(capsys, monkeypatch, argv, message):
+    """--verify's batches depend on the flags alone; a cache too small for them (--blocks, --max-context)
+    failed only after the export, naming three flags without the values that fit."""
+    import metrale_graph.onnx
+
+    def no_export(*args, **kwargs):
+        raise AssertionError("the export ran before the flags were checked")
+
+    monkeypatch.setattr(metrale_graph.onnx, "export_prefill", no_export)
+    _usage_error(capsys, argv + ["--verify", "--dtype", "float32"], message)
