@@ -238,3 +238,36 @@ def test_export_tool_checks_the_verify_batches_fit_before_any_work(capsys, monke
 
     monkeypatch.setattr(metrale_graph.onnx, "export_prefill", no_export)
     _usage_error(capsys, argv + ["--verify", "--dtype", "float32"], message)
+
+
+def test_run_step_names_the_input_a_batch_or_cache_gets_wrong(model, tmp_path):
+    """A batch or cache that does not fit the exported step reached onnxruntime, which raised its own
+    InvalidArgument (no ValueError); the pools were fed by position, so a cache of another model fed
+    one pool's tensor to another's input and the error named the wrong one."""
+    from helpers import tiny_config
+
+    small = HybridModel.from_preset(tiny_config(num_hidden_layers=2, layer_types=("linear_attention",
+                                                                                   "full_attention")), seed=1)
+    cache = small.new_cache(4, 8, block_size=16, max_context=64)
+    path = str(tmp_path / "step.onnx")
+    export_prefill(small, cache, 2, 16).save(path)
+    session = ort_session(path)
+    streams = [Stream(0, [1, 2, 3])]
+    batch = pack(streams, stage(small, cache, streams), cache)
+    run_step(session, batch.padded(2, 16, cache), cache)  # fits
+
+    with pytest.raises(ValueError, match=r"input tokens: shape \[3\], the exported step takes \[16\] \(pad the batch"):
+        run_step(session, batch, cache)
+    with pytest.raises(ValueError, match=r"input cu_seqlens: shape \[4\], the exported step takes \[3\]"):
+        run_step(session, batch.padded(3, 16, cache), cache)
+    other = small.new_cache(5, 8, block_size=16, max_context=64)
+    with pytest.raises(ValueError, match=r"input conv_state_L0: shape \[6, 160, 3\], the exported step takes "
+                                         r"\[5, 160, 3\]"):
+        run_step(session, batch.padded(2, 16, other), other)
+    wide = batch.padded(2, 16, cache)
+    wide.positions = wide.positions.int()
+    with pytest.raises(ValueError, match="input positions: dtype torch.int32, the exported step takes torch.int64"):
+        run_step(session, wide, cache)
+    deeper = model.new_cache(4, 8, block_size=16, max_context=64)  # the 4-layer model's pools
+    with pytest.raises(ValueError, match=r"this batch and cache give .*'conv_state_L2'.* \(a cache of another model\)"):
+        run_step(session, batch.padded(2, 16, deeper), deeper)

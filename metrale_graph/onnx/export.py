@@ -208,10 +208,28 @@ def ort_session(model, threads: int | None = None):
 
 def run_step(session, batch: PackedBatch, cache: HybridCache) -> dict[str, np.ndarray]:
     """Run an exported step in onnxruntime on a packed batch and the cache's pools (left as they
-    are). Returns every output by name."""
-    names = [i.name for i in session.get_inputs()]
-    feeds = {n: t.detach().cpu().numpy() for n, t in zip(names, step_args(batch, cache))}
+    are). Returns every output by name.
+
+    A batch or cache that does not match the exported step (another bucket, a batch not padded to
+    it, a cache of another geometry or model, a field of another dtype) raises ValueError naming the
+    input."""
+    inputs, names = session.get_inputs(), PackedBatch.names() + cache.pool_names()
+    if [i.name for i in inputs] != names:
+        raise ValueError(f"the exported step takes inputs {[i.name for i in inputs]}; this batch and cache give "
+                         f"{names} (a cache of another model)")
+    for i, t in zip(inputs, step_args(batch, cache)):
+        if list(t.shape) != list(i.shape):
+            raise ValueError(f"input {i.name}: shape {list(t.shape)}, the exported step takes {list(i.shape)} (pad "
+                             "the batch to the bucket with batch.padded(B, T, cache), on a cache of the export's "
+                             "geometry)")
+        if _ORT_DTYPES.get(i.type, t.dtype) != t.dtype:
+            raise ValueError(f"input {i.name}: dtype {t.dtype}, the exported step takes {_ORT_DTYPES[i.type]}")
+    feeds = {i.name: t.detach().cpu().numpy() for i, t in zip(inputs, step_args(batch, cache))}
     return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+
+
+_ORT_DTYPES = {"tensor(float)": torch.float32, "tensor(double)": torch.float64, "tensor(float16)": torch.float16,
+               "tensor(bfloat16)": torch.bfloat16, "tensor(int64)": torch.int64, "tensor(int32)": torch.int32}
 
 
 def node_counts(model) -> dict[str, tuple[int, int]]:
