@@ -38,7 +38,8 @@ def model():
 def _cache_with_context(model):
     """Slots 1, 3, 4 hold 40, 17 and 5 tokens of context; 16-token blocks, 8 per slot."""
     cache = model.new_cache(6, 24, block_size=16, max_context=128)
-    model.prefill(cache, [Stream(1, random_tokens(40, 1)), Stream(3, random_tokens(17, 2)), Stream(4, random_tokens(5, 3))])
+    model.prefill(cache, [Stream(1, random_tokens(40, 1)), Stream(3, random_tokens(17, 2)),
+                          Stream(4, random_tokens(5, 3))])
     return cache
 
 
@@ -195,3 +196,78 @@ def test_export_tool_verifies_a_bucket_with_fewer_tokens_than_streams(tmp_path, 
                       "--max-context", "64", "--verify", "--dtype", "float32", "-o", str(path)])
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["batch_size"] == 4 and record["tokens"] == 2 and record["max_rel_error"] < 1e-4
+
+
+def _usage_error(capsys, argv, message):
+    """tools.export_onnx ends with argparse's usage message and exit code 2, no traceback."""
+    from metrale_graph.tools import export_onnx
+
+    with pytest.raises(SystemExit) as e:
+        export_onnx.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage:" in err and message in err and "Traceback" not in err, err
+
+
+def test_a_tensor_parallel_shard_is_refused_before_the_export(capsys):
+    """A shard's step all-reduces (functional collectives, no ONNX form): export_prefill traced it and
+    failed in the translation with a ConversionError, and tools.export_onnx took --tp (under torchrun it
+    failed the same way after the export's work; without torchrun it asked for torchrun)."""
+    from metrale_graph.parallel import TensorParallel
+
+    shard = HybridModel.from_preset("tiny", seed=7, tp=TensorParallel(0, 2))
+    with pytest.raises(ValueError, match=r"tensor-parallel shard \(rank 0 of 2\)"):
+        export_prefill(shard, shard.new_cache(2, 4, block_size=16), 2, 16)
+    _usage_error(capsys, ["--tp", "2", "-B", "2", "-T", "16"], "--tp: the ONNX export writes one whole model")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-B", "4", "-T", "256", "--slots", "6", "--blocks", "3"],
+     "need 13 KV blocks (it has 3); pass --blocks 13"),
+    (["-B", "2", "-T", "256", "--max-context", "16"],
+     "put 211 tokens in a slot (it holds 64) and need 4 KV blocks (it has 64); pass --max-context 256"),
+    (["-B", "8", "-T", "256", "--slots", "14", "--block-size", "16", "--max-context", "64", "--blocks", "10"],
+     "pass --max-context 80 --blocks 25"),
+])
+def test_export_tool_checks_the_verify_batches_fit_before_any_work(capsys, monkeypatch, argv, message):
+    """--verify's batches depend on the flags alone; a cache too small for them (--blocks, --max-context)
+    failed only after the export, naming three flags without the values that fit."""
+    import metrale_graph.onnx
+
+    def no_export(*args, **kwargs):
+        raise AssertionError("the export ran before the flags were checked")
+
+    monkeypatch.setattr(metrale_graph.onnx, "export_prefill", no_export)
+    _usage_error(capsys, argv + ["--verify", "--dtype", "float32"], message)
+
+
+def test_run_step_names_the_input_a_batch_or_cache_gets_wrong(model, tmp_path):
+    """A batch or cache that does not fit the exported step reached onnxruntime, which raised its own
+    InvalidArgument (no ValueError); the pools were fed by position, so a cache of another model fed
+    one pool's tensor to another's input and the error named the wrong one."""
+    from helpers import tiny_config
+
+    small = HybridModel.from_preset(tiny_config(num_hidden_layers=2, layer_types=("linear_attention",
+                                                                                   "full_attention")), seed=1)
+    cache = small.new_cache(4, 8, block_size=16, max_context=64)
+    path = str(tmp_path / "step.onnx")
+    export_prefill(small, cache, 2, 16).save(path)
+    session = ort_session(path)
+    streams = [Stream(0, [1, 2, 3])]
+    batch = pack(streams, stage(small, cache, streams), cache)
+    run_step(session, batch.padded(2, 16, cache), cache)  # fits
+
+    with pytest.raises(ValueError, match=r"input tokens: shape \[3\], the exported step takes \[16\] \(pad the batch"):
+        run_step(session, batch, cache)
+    with pytest.raises(ValueError, match=r"input cu_seqlens: shape \[4\], the exported step takes \[3\]"):
+        run_step(session, batch.padded(3, 16, cache), cache)
+    other = small.new_cache(5, 8, block_size=16, max_context=64)
+    with pytest.raises(ValueError, match=r"input conv_state_L0: shape \[6, 160, 3\], the exported step takes "
+                                         r"\[5, 160, 3\]"):
+        run_step(session, batch.padded(2, 16, other), other)
+    wide = batch.padded(2, 16, cache)
+    wide.positions = wide.positions.int()
+    with pytest.raises(ValueError, match="input positions: dtype torch.int32, the exported step takes torch.int64"):
+        run_step(session, wide, cache)
+    deeper = model.new_cache(4, 8, block_size=16, max_context=64)  # the 4-layer model's pools
+    with pytest.raises(ValueError, match=r"this batch and cache give .*'conv_state_L2'.* \(a cache of another model\)"):
+        run_step(session, batch.padded(2, 16, deeper), deeper)

@@ -35,6 +35,49 @@ def _verify_streams(B: int, T: int) -> int:
     return max(1, min(B - 1, T))
 
 
+def _verify_plan(B: int, T: int, capacity: int, gen: torch.Generator) -> tuple[list[int], list[tuple[int, int]]]:
+    """_verify's batches, drawn from `gen` for a cache of `capacity` tokens per slot: the context lengths
+    prefilled into slots 0, 2, 4, ..., then the (slot, length) of each stream of the second batch (slots
+    0, 2, 4, ... continue, odd slots start; about 3/4 of the bucket's tokens, the rest padding in no
+    stream). It depends on the flags alone, so main checks before any work that the cache holds it."""
+    n = _verify_streams(B, T)  # main checks that 2 n slots exist
+    first = torch.randint(1, max(2, min(T, capacity // 2)), (n,), generator=gen).tolist()
+    budget = max(n, 3 * T // 4)
+    cuts = sorted(torch.randperm(budget - 1, generator=gen)[: n - 1].add(1).tolist())
+    lengths = [b - a for a, b in zip([0] + cuts, cuts + [budget])]
+    slots = [2 * (i // 2) if i % 2 == 0 else 2 * (i // 2) + 1 for i in range(n)]
+    return first, list(zip(slots, lengths))
+
+
+def _verify_needs(B: int, T: int, block_size: int, max_context: int, seed: int) -> tuple[int, int]:
+    """(tokens per slot, KV blocks) that _verify's batches need on a cache of this geometry (max_context
+    rounded up to whole blocks, as HybridCache does)."""
+    capacity = -(-max_context // block_size) * block_size
+    first, second = _verify_plan(B, T, capacity, torch.Generator().manual_seed(seed))
+    held = {2 * i: k for i, k in enumerate(first)}
+    for slot, k in second:
+        held[slot] = held.get(slot, 0) + k
+    return max(held.values()), sum(-(-k // block_size) for k in held.values())
+
+
+def _verify_geometry_error(B: int, T: int, args) -> str | None:
+    """Why the cache of the flags cannot hold _verify's batches (naming the flags that fix it), or None."""
+    bs, seed = args.block_size, args.seed
+    capacity = -(-args.max_context // bs) * bs
+    tokens, blocks = _verify_needs(B, T, bs, args.max_context, seed)
+    if tokens <= capacity and blocks <= args.blocks:
+        return None
+    context, need = args.max_context, blocks
+    if tokens > capacity:  # the smallest --max-context (whole blocks) whose batches fit a slot; <= 2 T always does
+        context = next(c for c in range(bs, 2 * T + bs + 1, bs) if _verify_needs(B, T, bs, c, seed)[0] <= c)
+        need = _verify_needs(B, T, bs, context, seed)[1]
+    fix = ([f"--max-context {context}"] if context != args.max_context else []) + (
+        [f"--blocks {need}"] if need > args.blocks else [])
+    return (f"--verify's batches for a bucket of {B} streams and {T} tokens do not fit the cache: they put {tokens} "
+            f"tokens in a slot (it holds {capacity}) and need {blocks} KV blocks (it has {args.blocks}); "
+            f"pass {' '.join(fix)}")
+
+
 def _verify(model, cache, path: str, B: int, T: int, seed: int) -> dict[str, float]:
     """Prefill context into some slots, then run a batch continuing half of them plus new streams,
     padded to the bucket, through onnxruntime and the torch step; relative norm errors by output."""
@@ -42,17 +85,10 @@ def _verify(model, cache, path: str, B: int, T: int, seed: int) -> dict[str, flo
     from metrale_graph.onnx import ort_session, run_step
 
     gen = torch.Generator().manual_seed(seed)
-    n = _verify_streams(B, T)  # main checks that 2 n slots exist
+    first, second = _verify_plan(B, T, cache.max_context, gen)
     vocab = model.config.vocab_size
-    first = torch.randint(1, max(2, min(T, cache.max_context // 2)), (n,), generator=gen).tolist()
     model.prefill(cache, [Stream(2 * i, torch.randint(0, vocab, (k,), generator=gen)) for i, k in enumerate(first)])
-    # the second batch: slots 0, 2, 4, ... continue, odd slots start; about 3/4 of the bucket's tokens,
-    # the rest padding in no stream
-    budget = max(n, 3 * T // 4)
-    cuts = sorted(torch.randperm(budget - 1, generator=gen)[: n - 1].add(1).tolist())
-    lengths = [b - a for a, b in zip([0] + cuts, cuts + [budget])]
-    slots = [2 * (i // 2) if i % 2 == 0 else 2 * (i // 2) + 1 for i in range(n)]
-    streams = [Stream(s, torch.randint(0, vocab, (k,), generator=gen)) for s, k in zip(slots, lengths)]
+    streams = [Stream(s, torch.randint(0, vocab, (k,), generator=gen)) for s, k in second]
     tokens = validate(streams, cache, vocab)
     cache.allocate({s.slot: t.numel() for s, t in zip(streams, tokens)})
     batch = pack(streams, tokens, cache).padded(B, T, cache)
@@ -85,12 +121,18 @@ def main(argv=None) -> None:
                    help="ONNX file (default: prefill_B{B}_T{T}.onnx)")
     p.add_argument("--verify", action="store_true", help="compare onnxruntime with the torch step on a batch")
     args = p.parse_args(argv)
+    if args.tp != 1:
+        p.error("--tp: the ONNX export writes one whole model from one process (a shard's collectives have no "
+                "ONNX form); leave out --tp")
     B, T = args.batch_size, args.tokens
     path = args.output or f"prefill_B{B}_T{T}.onnx"
     verify_slots = 2 * _verify_streams(B, T)  # _verify: half the streams continue, half start
     if args.verify and verify_slots > args.slots:
         p.error(f"--verify needs {verify_slots} slots for a bucket of {B} streams and {T} tokens; "
                 f"pass --slots {verify_slots}")
+    why = _verify_geometry_error(B, T, args) if args.verify else None
+    if why:
+        p.error(why)
     if args.verify and device_and_dtype(args)[1] != torch.float32:
         p.error("--verify runs ONNX Runtime's CPU kernels, which lack bfloat16 and float16: pass --dtype float32")
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # torchvision-not-installed notices
@@ -137,7 +179,7 @@ def main(argv=None) -> None:
         try:
             errors = _verify(model, cache, path, B, T, args.seed)
         except ValueError as e:
-            p.error(f"--verify: {e} (adjust --slots / --blocks / --max-context)")
+            p.error(f"--verify: {e}")
     step("done")
     bar.close()
 

@@ -177,10 +177,16 @@ def export_prefill(model, cache: HybridCache, batch_size: int, num_tokens: int,
                    translations: dict[str, Callable] | None = None, optimize: bool = True,
                    progress: Callable[[str], None] | None = None):
     """Export `model.forward_packed` for bucket (batch_size, num_tokens) on `cache`'s geometry
-    (slots, blocks, block size, blocks per stream). Returns the ONNXProgram."""
+    (slots, blocks, block size, blocks per stream). Returns the ONNXProgram.
+
+    The model must be whole: a tensor-parallel shard's collectives have no ONNX form (ValueError)."""
     for name, value in (("batch_size", batch_size), ("num_tokens", num_tokens)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    tp = getattr(model, "tp", None)
+    if tp is not None:
+        raise ValueError(f"the ONNX export writes one whole model; this one is a tensor-parallel shard (rank "
+                         f"{tp.rank} of {tp.size}): load the model without tp")
     model.check_cache(cache)
     pools = cache.pool_names()
     return export_onnx(PrefillStep(model, cache), example_inputs(cache, batch_size, num_tokens), translations,
@@ -202,10 +208,28 @@ def ort_session(model, threads: int | None = None):
 
 def run_step(session, batch: PackedBatch, cache: HybridCache) -> dict[str, np.ndarray]:
     """Run an exported step in onnxruntime on a packed batch and the cache's pools (left as they
-    are). Returns every output by name."""
-    names = [i.name for i in session.get_inputs()]
-    feeds = {n: t.detach().cpu().numpy() for n, t in zip(names, step_args(batch, cache))}
+    are). Returns every output by name.
+
+    A batch or cache that does not match the exported step (another bucket, a batch not padded to
+    it, a cache of another geometry or model, a field of another dtype) raises ValueError naming the
+    input."""
+    inputs, names = session.get_inputs(), PackedBatch.names() + cache.pool_names()
+    if [i.name for i in inputs] != names:
+        raise ValueError(f"the exported step takes inputs {[i.name for i in inputs]}; this batch and cache give "
+                         f"{names} (a cache of another model)")
+    for i, t in zip(inputs, step_args(batch, cache)):
+        if list(t.shape) != list(i.shape):
+            raise ValueError(f"input {i.name}: shape {list(t.shape)}, the exported step takes {list(i.shape)} (pad "
+                             "the batch to the bucket with batch.padded(B, T, cache), on a cache of the export's "
+                             "geometry)")
+        if _ORT_DTYPES.get(i.type, t.dtype) != t.dtype:
+            raise ValueError(f"input {i.name}: dtype {t.dtype}, the exported step takes {_ORT_DTYPES[i.type]}")
+    feeds = {i.name: t.detach().cpu().numpy() for i, t in zip(inputs, step_args(batch, cache))}
     return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+
+
+_ORT_DTYPES = {"tensor(float)": torch.float32, "tensor(double)": torch.float64, "tensor(float16)": torch.float16,
+               "tensor(bfloat16)": torch.bfloat16, "tensor(int64)": torch.int64, "tensor(int32)": torch.int32}
 
 
 def node_counts(model) -> dict[str, tuple[int, int]]:
