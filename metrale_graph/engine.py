@@ -126,7 +126,8 @@ class Engine:
             from .capture import GraphRunner
 
             default_b, default_t = default_grid(num_slots, token_budget)
-            self.runner = GraphRunner(model, self.cache, batch_sizes or default_b, token_counts or default_t,
+            self.runner = GraphRunner(model, self.cache, default_b if batch_sizes is None else batch_sizes,
+                                      default_t if token_counts is None else token_counts,
                                       use_graphs=use_graphs)
         self._lock = threading.Lock()
 

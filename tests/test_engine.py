@@ -375,7 +375,10 @@ def test_bad_requests_raise_and_touch_nothing(tiny):
                         (dict(max_context=1), "max_context must be an integer >= 2"),
                         (dict(compile=False, use_graphs=True), "needs compile=True"),
                         (dict(tokenizer=123), "encode\\(\\) and decode\\(\\)"),
-                        (dict(tokenizer="/no/such/folder"), "does not exist")]:
+                        (dict(tokenizer="/no/such/folder"), "does not exist"),
+                        # an empty grid is refused, not replaced by the default one
+                        (dict(batch_sizes=[]), "batch_sizes must be a non-empty list"),
+                        (dict(token_counts=()), "token_counts must be a non-empty list")]:
         with pytest.raises(ValueError, match=msg):
             Engine(tiny, **kwargs)
     small = Engine(tiny, num_slots=2, block_size=16, max_context=64, num_blocks=2, compile=False)
