@@ -104,6 +104,14 @@ class GraphRunner:
         return [self.entries[b].report for b in self.grid]
 
     def warm_bucket(self, bucket: Bucket) -> BucketReport:
+        """Compile (and on CUDA capture) one bucket of the grid; ValueError for a bucket not in it."""
+        try:
+            known = bucket in self.entries
+        except TypeError:  # unhashable, e.g. a list
+            known = False
+        if not known:
+            raise ValueError(f"{bucket!r} is not a bucket of this runner's grid "
+                             f"({', '.join(map(str, self.grid))}); pass one of runner.grid")
         self._check_model()
         with self.cache.exclusive():
             return self._warm(bucket)

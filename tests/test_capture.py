@@ -133,3 +133,14 @@ def test_runner_bad_input_touches_nothing():
     assert all(torch.equal(a, b) for a, b in zip(cache.state_tensors(), snap)) and cache.context_lens == [0] * 3
     with pytest.raises(ValueError, match="CUDA graphs need a model on a CUDA device"):
         GraphRunner(model, cache, use_graphs=True)
+
+
+def test_warm_bucket_outside_the_grid_is_a_value_error():
+    """warm_bucket of a bucket the grid lacks (or of something that is not a Bucket) names the grid; it
+    raised KeyError (TypeError for a list)."""
+    model = HybridModel.from_preset("tiny")
+    runner = GraphRunner(model, model.new_cache(2, 8), batch_sizes=[1, 2], token_counts=[16])
+    for bad in (Bucket(32, 1), (1, 16), [16, 1], "B1xT16"):
+        with pytest.raises(ValueError, match=r"is not a bucket of this runner's grid \(B1xT16, B2xT16\)"):
+            runner.warm_bucket(bad)
+    assert runner.reports == {}
