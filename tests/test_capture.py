@@ -50,6 +50,14 @@ def test_split_refuses_limits_that_hold_nothing(max_streams, max_tokens):
         split([3, 4], max_streams=max_streams, max_tokens=max_tokens)
 
 
+@pytest.mark.parametrize("lengths", [[3, 0, 2], [3, -1], [2.5, 3], [True, 2]])
+def test_split_refuses_lengths_that_give_a_stream_no_range(lengths):
+    """Every stream gets a last range (whose logits count); a length of 0 or below was left out of every
+    piece without a word, and a fractional one gave fractional token ranges."""
+    with pytest.raises(ValueError, match=r"lengths\[\d\] must be a positive integer"):
+        split(lengths, max_streams=2, max_tokens=8)
+
+
 def test_split_keeps_every_token_once_in_order():
     lengths = [5, 300, 2, 130, 1]
     pieces = split(lengths, max_streams=3, max_tokens=128)
