@@ -65,14 +65,14 @@ class BucketEntry:
 class GraphRunner:
     def __init__(self, model: HybridModel, cache: HybridCache, batch_sizes=DEFAULT_BATCH_SIZES,
                  token_counts=DEFAULT_TOKEN_COUNTS, use_graphs: bool | None = None):
-        model.check_cache(cache)
-        self.model, self.cache = model, cache
         self.grid = make_grid(batch_sizes, token_counts)
         self.largest = max(self.grid)  # holds every bucket's streams and tokens (B <= T throughout)
         if use_graphs is None:
             use_graphs = model.device.type == "cuda"
         if use_graphs and model.device.type != "cuda":
             raise ValueError("CUDA graphs need a model on a CUDA device")
+        model.check_cache(cache)  # last of the checks: it binds a cache made without an owner to the model
+        self.model, self.cache = model, cache
         self.use_graphs = use_graphs
         self.entries = {b: BucketEntry(b, PackedBatch.padding(max(b.streams, 2), max(b.tokens, 2), cache))
                         for b in self.grid}
