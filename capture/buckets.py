@@ -77,11 +77,16 @@ def split(lengths: list[int], max_streams: int, max_tokens: int) -> list[list[tu
     than what is left of a piece continues in the next piece (its slot then continues from the
     context the earlier piece left, exactly as a chunked prefill does). A stream's last range is
     the one whose logits count. ValueError unless max_streams and max_tokens are positive ints
-    (a piece that holds nothing would never end).
+    (a piece that holds nothing would never end) and every length is a positive int (a stream of
+    no tokens would have no range, so no logits).
     """
     for name, value in (("max_streams", max_streams), ("max_tokens", max_tokens)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    for i, n in enumerate(lengths):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"lengths[{i}] must be a positive integer (a stream of no tokens has no range), "
+                             f"got {n!r}")
     pieces, piece, used = [], [], 0
     for i, n in enumerate(lengths):
         start = 0

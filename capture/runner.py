@@ -65,14 +65,14 @@ class BucketEntry:
 class GraphRunner:
     def __init__(self, model: HybridModel, cache: HybridCache, batch_sizes=DEFAULT_BATCH_SIZES,
                  token_counts=DEFAULT_TOKEN_COUNTS, use_graphs: bool | None = None):
-        model.check_cache(cache)
-        self.model, self.cache = model, cache
         self.grid = make_grid(batch_sizes, token_counts)
         self.largest = max(self.grid)  # holds every bucket's streams and tokens (B <= T throughout)
         if use_graphs is None:
             use_graphs = model.device.type == "cuda"
         if use_graphs and model.device.type != "cuda":
             raise ValueError("CUDA graphs need a model on a CUDA device")
+        model.check_cache(cache)  # last of the checks: it binds a cache made without an owner to the model
+        self.model, self.cache = model, cache
         self.use_graphs = use_graphs
         self.entries = {b: BucketEntry(b, PackedBatch.padding(max(b.streams, 2), max(b.tokens, 2), cache))
                         for b in self.grid}
@@ -104,6 +104,14 @@ class GraphRunner:
         return [self.entries[b].report for b in self.grid]
 
     def warm_bucket(self, bucket: Bucket) -> BucketReport:
+        """Compile (and on CUDA capture) one bucket of the grid; ValueError for a bucket not in it."""
+        try:
+            known = bucket in self.entries
+        except TypeError:  # unhashable, e.g. a list
+            known = False
+        if not known:
+            raise ValueError(f"{bucket!r} is not a bucket of this runner's grid "
+                             f"({', '.join(map(str, self.grid))}); pass one of runner.grid")
         self._check_model()
         with self.cache.exclusive():
             return self._warm(bucket)

@@ -50,6 +50,14 @@ def test_split_refuses_limits_that_hold_nothing(max_streams, max_tokens):
         split([3, 4], max_streams=max_streams, max_tokens=max_tokens)
 
 
+@pytest.mark.parametrize("lengths", [[3, 0, 2], [3, -1], [2.5, 3], [True, 2]])
+def test_split_refuses_lengths_that_give_a_stream_no_range(lengths):
+    """Every stream gets a last range (whose logits count); a length of 0 or below was left out of every
+    piece without a word, and a fractional one gave fractional token ranges."""
+    with pytest.raises(ValueError, match=r"lengths\[\d\] must be a positive integer"):
+        split(lengths, max_streams=2, max_tokens=8)
+
+
 def test_split_keeps_every_token_once_in_order():
     lengths = [5, 300, 2, 130, 1]
     pieces = split(lengths, max_streams=3, max_tokens=128)
@@ -133,3 +141,14 @@ def test_runner_bad_input_touches_nothing():
     assert all(torch.equal(a, b) for a, b in zip(cache.state_tensors(), snap)) and cache.context_lens == [0] * 3
     with pytest.raises(ValueError, match="CUDA graphs need a model on a CUDA device"):
         GraphRunner(model, cache, use_graphs=True)
+
+
+def test_warm_bucket_outside_the_grid_is_a_value_error():
+    """warm_bucket of a bucket the grid lacks (or of something that is not a Bucket) names the grid; it
+    raised KeyError (TypeError for a list)."""
+    model = HybridModel.from_preset("tiny")
+    runner = GraphRunner(model, model.new_cache(2, 8), batch_sizes=[1, 2], token_counts=[16])
+    for bad in (Bucket(32, 1), (1, 16), [16, 1], "B1xT16"):
+        with pytest.raises(ValueError, match=r"is not a bucket of this runner's grid \(B1xT16, B2xT16\)"):
+            runner.warm_bucket(bad)
+    assert runner.reports == {}

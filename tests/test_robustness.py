@@ -185,6 +185,23 @@ def test_cache_of_another_model_is_rejected():
     assert cache.context_lens == before[1]
 
 
+def test_a_runner_that_refuses_its_arguments_leaves_an_ownerless_cache_free():
+    """A cache made without an owner is bound to the first model that uses it. A GraphRunner refused for
+    its other arguments (a bad grid, graphs on the CPU) bound it anyway, so the cache then refused its
+    actual model as 'another model'."""
+    from metrale_graph.cache import HybridCache
+
+    a, b = HybridModel.from_preset("tiny", seed=1), HybridModel.from_preset("tiny", seed=1)
+    cache = HybridCache(a.local, 2, 8)
+    for kwargs, msg in [(dict(batch_sizes=[0]), "batch_sizes must be"), (dict(token_counts=[]), "token_counts must be"),
+                        (dict(use_graphs=True), "CUDA graphs need")]:
+        with pytest.raises(ValueError, match=msg):
+            GraphRunner(a, cache, **kwargs)
+    b.prefill(cache, [Stream(0, [1, 2, 3])])
+    with pytest.raises(ValueError, match="created by another model"):
+        GraphRunner(a, cache)
+
+
 def test_one_caller_at_a_time():
     """A second thread's prefill or reset while a prefill runs gets CacheInUseError (a ValueError);
     the running prefill completes and the bookkeeping stays consistent."""

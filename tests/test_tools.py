@@ -43,3 +43,42 @@ def test_benchmark_records_say_what_produced_them():
     if head.returncode == 0:  # a git checkout (a clean clone in CI)
         assert info["commit"].removesuffix("-dirty") == head.stdout.strip()
     assert info["command"].endswith("--repeat 3") and info["torch"] and info["triton"]
+
+
+def test_warm_warmup_compares_only_with_a_cold_run_of_the_same_grid(tmp_path, monkeypatch, capsys):
+    """The cold record names what was warmed: a warm run of another grid (or model, cache, ...) says so
+    instead of printing the other run's time as its cold time. In-process, with compiling faked."""
+    import torch
+
+    from metrale_graph.capture import BucketReport, GraphRunner
+    from metrale_graph.tools import warmup
+
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # main() sets them: restored after the test
+        monkeypatch.setenv(var, str(tmp_path / var))
+
+    def fake_warmup(self, progress=True, on_bucket=None):
+        reports = [BucketReport(b, compile_s=float(b.tokens)) for b in self.grid]
+        for r in reports:
+            on_bucket(r)
+        return reports
+
+    monkeypatch.setattr(GraphRunner, "warmup", fake_warmup)
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", None))
+    monkeypatch.setattr(warmup, "_load_artifacts", lambda path: True)
+
+    def run(*argv):
+        warmup.main([*argv, "--cache-dir", str(tmp_path), "--no-progress"])
+        out = capsys.readouterr().out
+        return out, json.loads(out.strip().splitlines()[-1])
+
+    _, cold = run("--batch-sizes", "2", "--token-counts", "64", "--slots", "3")
+    assert not cold["warm"] and cold["cold_warmup_s"] == cold["warmup_s"]
+    for other in (["--batch-sizes", "1,2", "--token-counts", "16,64", "--slots", "3"],
+                  ["--batch-sizes", "2", "--token-counts", "64", "--slots", "4"],
+                  ["--batch-sizes", "2", "--token-counts", "64", "--slots", "3", "--seed", "0", "--model", "tiny",
+                   "--blocks", "7"]):
+        out, warm = run(*other)
+        assert warm["warm"] and warm["cold_warmup_s"] is None, out
+        assert "records a cold warmup of another run" in out and "cold warmup " not in out.replace("a cold warmup", "")
+    out, warm = run("--batch-sizes", "2", "--token-counts", "64", "--slots", "3")
+    assert warm["warm"] and warm["cold_warmup_s"] == cold["warmup_s"] and "cold warmup" in out

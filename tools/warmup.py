@@ -8,7 +8,8 @@ that the next warmup, in a new process, is faster. Runs on the CPU too (compiled
 The cache folder holds Inductor's and Triton's caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR
 point into it), torch.compile's portable artifacts (compile_artifacts.bin, loaded with
 torch.compiler.load_cache_artifacts before compiling) and the cold run's record, so a warm run
-prints cold vs warm.
+prints cold vs warm. The record names what the cold run warmed (model, dtype, device, grid, cache
+geometry, tensor parallelism); a warm run of anything else says so instead of comparing.
 """
 
 from __future__ import annotations
@@ -68,6 +69,12 @@ def _load_artifacts(path: str) -> bool:
         log.setLevel(level)
 
 
+def _describe(run) -> str:
+    if not isinstance(run, dict):
+        return "not recorded"
+    return ", ".join(f"{k} {','.join(v) if isinstance(v, list) else v}" for k, v in run.items() if v is not None)
+
+
 def main(argv=None) -> None:
     from metrale_graph.capture.buckets import make_grid
     from metrale_graph.tools.common import add_model_args, positive_int, positive_ints
@@ -118,6 +125,10 @@ def main(argv=None) -> None:
     blocks = args.blocks if args.blocks is not None else args.slots * -(-max(args.token_counts) // 64)
     cache = model.new_cache(num_slots=args.slots, num_blocks=blocks)
     runner = GraphRunner(model, cache, args.batch_sizes, args.token_counts)
+    # what a cold run's time is a time of: a warm run compares itself only with a cold run of the same
+    run = {"model": args.model, "dtype": str(model.dtype), "device": model.device.type, "tp": args.tp,
+           "moe_parallel": args.moe_parallel if args.tp > 1 else None, "buckets": [str(b) for b in runner.grid],
+           "slots": args.slots, "blocks": blocks}
     print(f"model: {args.model}  {model.extra_repr()}\n{cache}\n"
           f"{len(runner.grid)} buckets, {'CUDA graphs' if runner.use_graphs else 'compiled step, no graphs'}, "
           f"{'warm' if warm else 'cold'} start from {cache_dir}")
@@ -145,7 +156,7 @@ def main(argv=None) -> None:
           f"warmup {warmup_s:.1f} s, whole run {total_s:.1f} s")
     record_path = os.path.join(cache_dir, RECORD)
     record = {"model": args.model, "buckets": len(reports), "warmup_s": round(warmup_s, 2),
-              "total_s": round(total_s, 2)}
+              "total_s": round(total_s, 2), "run": run}
     cold = None
     if not warm:
         with open(record_path, "w") as f:
@@ -153,8 +164,13 @@ def main(argv=None) -> None:
     elif os.path.isfile(record_path):
         with open(record_path) as f:
             cold = json.load(f)
-        print(f"cold warmup {cold['warmup_s']:.1f} s (whole run {cold['total_s']:.1f} s) -> "
-              f"warm warmup {warmup_s:.1f} s (whole run {total_s:.1f} s)")
+        if cold.get("run") != run:
+            print(f"{record_path} records a cold warmup of another run ({_describe(cold.get('run'))}); this run: "
+                  f"{_describe(run)}; not compared")
+            cold = None
+        else:
+            print(f"cold warmup {cold['warmup_s']:.1f} s (whole run {cold['total_s']:.1f} s) -> "
+                  f"warm warmup {warmup_s:.1f} s (whole run {total_s:.1f} s)")
     print_json({"tool": "warmup", "model": args.model, "device": str(model.device), "warm": warm,
                 "cache_dir": cache_dir, "buckets": [
                     {"bucket": str(r.bucket), "compile_s": round(r.compile_s, 3), "capture_s": round(r.capture_s, 4),
