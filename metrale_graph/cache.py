@@ -74,15 +74,16 @@ class HybridCache:
         self._broken: str | None = None  # set when a failed reset left device state unknown
 
     # one model, one caller ------------------------------------------------------------------------
-    def bind(self, model) -> None:
+    def bind(self, model, claim: bool = True) -> None:
         """Check that `model` is the model this cache serves (the first model to use a cache made
-        without an owner becomes its owner). ValueError otherwise."""
+        without an owner becomes its owner; claim=False only checks). ValueError otherwise."""
         owner = None if self._owner is None else self._owner()
         if owner is None:
             if self._owner is not None:
                 raise ValueError("the model that created this cache no longer exists; build a new cache "
                                  "with model.new_cache(...)")
-            self._owner = weakref.ref(model)
+            if claim:
+                self._owner = weakref.ref(model)
         elif owner is not model:
             raise ValueError("the cache was created by another model (a cache holds the state of the model "
                              "that made it); build one with model.new_cache(...)")

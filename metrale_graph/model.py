@@ -157,8 +157,9 @@ class HybridModel(nn.Module):
                            owner=self)
 
     # the prefill
-    def check_cache(self, cache: HybridCache) -> None:
-        """ValueError unless `cache` is this model's (made by its new_cache, same dtype and device)."""
+    def check_cache(self, cache: HybridCache, claim: bool = True) -> None:
+        """ValueError unless `cache` is this model's (made by its new_cache, same dtype and device). A
+        cache made without an owner becomes this model's (claim=False: only checked)."""
         if not isinstance(cache, HybridCache):
             raise ValueError(f"expected a HybridCache, got {type(cache).__name__}")
         if cache.config != self.local:
@@ -166,7 +167,7 @@ class HybridModel(nn.Module):
         if cache.dtype != self.dtype or cache.device != self.device:
             raise ValueError(f"the cache is {cache.dtype} on {cache.device}; the model is {self.dtype} "
                              f"on {self.device}")
-        cache.bind(self)
+        cache.bind(self, claim)
 
     @torch.no_grad()
     def prefill(self, cache: HybridCache, streams: Sequence[Stream]) -> torch.Tensor:
@@ -176,9 +177,10 @@ class HybridModel(nn.Module):
         cache state changes; a failure while the step runs resets the batch's slots (see
         HybridCache.transaction). A cache serves one caller at a time (CacheInUseError).
         """
-        self.check_cache(cache)
+        self.check_cache(cache, claim=False)
         with cache.exclusive():
             tokens = validate(streams, cache, self.config.vocab_size)
+            cache.bind(self)  # the input is good: an ownerless cache becomes this model's
             growth = {s.slot: t.numel() for s, t in zip(streams, tokens)}
             with cache.transaction(growth):
                 cache.allocate(growth)

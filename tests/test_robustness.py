@@ -202,6 +202,21 @@ def test_a_runner_that_refuses_its_arguments_leaves_an_ownerless_cache_free():
         GraphRunner(a, cache)
 
 
+def test_a_prefill_refused_for_its_streams_leaves_an_ownerless_cache_free():
+    """model.prefill with bad streams bound an ownerless cache to the model before validating them, so the
+    cache then refused the model that used it next."""
+    from metrale_graph.cache import HybridCache
+
+    a, b = HybridModel.from_preset("tiny", seed=1), HybridModel.from_preset("tiny", seed=1)
+    cache = HybridCache(a.local, 2, 8)
+    for streams in ([Stream(5, [1])], [Stream(0, [a.config.vocab_size])], []):
+        with pytest.raises(ValueError):
+            a.prefill(cache, streams)
+    b.prefill(cache, [Stream(0, [1, 2, 3])])
+    with pytest.raises(ValueError, match="created by another model"):
+        a.prefill(cache, [Stream(1, [1])])
+
+
 def test_one_caller_at_a_time():
     """A second thread's prefill or reset while a prefill runs gets CacheInUseError (a ValueError);
     the running prefill completes and the bookkeeping stays consistent."""
