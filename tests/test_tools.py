@@ -82,3 +82,19 @@ def test_warm_warmup_compares_only_with_a_cold_run_of_the_same_grid(tmp_path, mo
         assert "records a cold warmup of another run" in out and "cold warmup " not in out.replace("a cold warmup", "")
     out, warm = run("--batch-sizes", "2", "--token-counts", "64", "--slots", "3")
     assert warm["warm"] and warm["cold_warmup_s"] == cold["warmup_s"] and "cold warmup" in out
+
+
+def test_warmup_files_are_per_rank_and_written_whole(tmp_path):
+    """Under --tp the ranks warm up at the same time: each keeps its own artifacts and record (they wrote one
+    file together); a write that fails midway leaves the previous file as it was, and no temporary file."""
+    import pytest
+
+    from metrale_graph.tools.warmup import ARTIFACTS, RECORD, _write_whole, own_files
+
+    assert own_files(None) == (ARTIFACTS, RECORD)
+    assert own_files(1) == ("compile_artifacts.rank1.bin", "cold_warmup.rank1.json") != own_files(0)
+    path = tmp_path / RECORD
+    _write_whole(str(path), b'{"warmup_s": 1}')
+    with pytest.raises(TypeError):  # the write fails after the file was opened
+        _write_whole(str(path), "not bytes")
+    assert path.read_bytes() == b'{"warmup_s": 1}' and os.listdir(tmp_path) == [RECORD]

@@ -9,7 +9,9 @@ The cache folder holds Inductor's and Triton's caches (TORCHINDUCTOR_CACHE_DIR, 
 point into it), torch.compile's portable artifacts (compile_artifacts.bin, loaded with
 torch.compiler.load_cache_artifacts before compiling) and the cold run's record, so a warm run
 prints cold vs warm. The record names what the cold run warmed (model, dtype, device, grid, cache
-geometry, tensor parallelism); a warm run of anything else says so instead of comparing.
+geometry, tensor parallelism); a warm run of anything else says so instead of comparing. Under
+--tp each rank keeps its own artifacts and record (compile_artifacts.rankR.bin, cold_warmup.rankR.json:
+the ranks write at the same time); the files are written whole or not at all (a temporary file, renamed).
 """
 
 from __future__ import annotations
@@ -24,7 +26,28 @@ from metrale_graph.capture import DEFAULT_BATCH_SIZES, DEFAULT_TOKEN_COUNTS
 ARTIFACTS, RECORD = "compile_artifacts.bin", "cold_warmup.json"
 
 
-def check_cache_dir(cache_dir: str) -> str | None:
+def own_files(rank: int | None) -> tuple[str, str]:
+    """The artifact and record file names of one process: ARTIFACTS / RECORD, or under tensor parallelism
+    (rank not None) the rank's own, so that the ranks, which warm up at the same time, never write one file."""
+    if rank is None:
+        return ARTIFACTS, RECORD
+    return tuple(f"{base}.rank{rank}{ext}" for base, ext in map(os.path.splitext, (ARTIFACTS, RECORD)))
+
+
+def _write_whole(path: str, data: bytes) -> None:
+    """Write `path` so that it holds all of `data` or stays as it was (a crash or a full disk mid-write
+    would leave a truncated file, which the next run would have to call corrupt)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def check_cache_dir(cache_dir: str, record: str = RECORD) -> str | None:
     """What is wrong with the (existing) cache folder, or None: it must take new files, Inductor's and
     Triton's caches must be folders, and a cold run's record must be what this tool writes."""
     from metrale_graph.tools.common import unwritable
@@ -35,7 +58,7 @@ def check_cache_dir(cache_dir: str) -> str | None:
     for sub in ("inductor", "triton"):
         if os.path.exists(os.path.join(cache_dir, sub)) and not os.path.isdir(os.path.join(cache_dir, sub)):
             return f"{os.path.join(cache_dir, sub)} is not a folder (this tool keeps the {sub} cache there)"
-    path = os.path.join(cache_dir, RECORD)
+    path = os.path.join(cache_dir, record)
     if os.path.exists(path):
         try:
             with open(path) as f:
@@ -102,7 +125,8 @@ def main(argv=None) -> None:
         os.makedirs(cache_dir, exist_ok=True)
     except OSError as e:
         p.error(f"--cache-dir {args.cache_dir!r}: cannot create the folder ({e.strerror})")
-    problem = check_cache_dir(cache_dir)
+    artifacts_name, record_name = own_files(int(os.environ.get("RANK", "0")) if args.tp > 1 else None)
+    problem = check_cache_dir(cache_dir, record_name)
     if problem:
         p.error(f"--cache-dir {args.cache_dir!r}: {problem}")
     # before anything compiles: Inductor's and Triton's on-disk caches go into the named folder
@@ -116,7 +140,7 @@ def main(argv=None) -> None:
     from metrale_graph.tools.common import load_model, print_json, print_table
 
     t_start = time.perf_counter()
-    artifacts = os.path.join(cache_dir, ARTIFACTS)
+    artifacts = os.path.join(cache_dir, artifacts_name)
     warm = os.path.isfile(artifacts)
     if warm and not _load_artifacts(artifacts):
         p.error(f"--cache-dir {args.cache_dir!r}: {artifacts} is corrupt or from another torch version "
@@ -143,8 +167,7 @@ def main(argv=None) -> None:
     warmup_s = time.perf_counter() - t0
     saved = torch.compiler.save_cache_artifacts()
     if saved is not None:
-        with open(artifacts, "wb") as f:
-            f.write(saved[0])
+        _write_whole(artifacts, saved[0])
 
     rows = [[str(r.bucket), f"{r.compile_s:.2f}", f"{r.capture_s:.3f}", f"{r.graph_bytes / 2**20:.1f}"]
             for r in reports]
@@ -154,13 +177,12 @@ def main(argv=None) -> None:
     total_s = time.perf_counter() - t_start
     print(f"total: compile {compile_s:.1f} s, capture {capture_s:.2f} s, graph memory {graph_mib:.1f} MiB, "
           f"warmup {warmup_s:.1f} s, whole run {total_s:.1f} s")
-    record_path = os.path.join(cache_dir, RECORD)
+    record_path = os.path.join(cache_dir, record_name)
     record = {"model": args.model, "buckets": len(reports), "warmup_s": round(warmup_s, 2),
               "total_s": round(total_s, 2), "run": run}
     cold = None
     if not warm:
-        with open(record_path, "w") as f:
-            json.dump(record, f)
+        _write_whole(record_path, json.dumps(record).encode())
     elif os.path.isfile(record_path):
         with open(record_path) as f:
             cold = json.load(f)
