@@ -168,7 +168,9 @@ class GraphRunner:
             else:
                 pieces = split(lengths, self.largest.streams, self.largest.tokens)
             buckets = [choose(self.grid, len(p), sum(b - a for _, a, b in p)) for p in pieces]
-            for bucket in set(buckets):  # compile / capture first: a failure here changes no slot
+            # compile / capture first (a failure here changes no slot), the largest first as in warmup: the
+            # smaller graphs then reuse the larger one's memory pool
+            for bucket in sorted(set(buckets), reverse=True):
                 self._warm(bucket)
             growth = {s.slot: n for s, n in zip(streams, lengths)}
             logits: list[torch.Tensor | None] = [None] * len(streams)
