@@ -4,7 +4,9 @@ Legend for shape letters used across ops/: T tokens (all streams packed), B stre
 S slots in a state pool (the last one is the scratch slot), D hidden size, I MLP size,
 H / HV GDN key / value heads, K / V GDN key / value head dims, C conv channels,
 W conv kernel width, NB KV blocks (the last one is the null block), BS block size,
-MB blocks per stream, HQ / HKV attention query / KV heads, HD attention head dim.
+MB blocks per stream, HQ / HKV attention query / KV heads, HD attention head dim, R rotary dims;
+MoE: E experts (EL of them on this rank), IE expert intermediate size, IS shared-expert size, TOPK
+experts per token.
 """
 
 import torch

@@ -46,9 +46,11 @@ def moe(h: Tensor, norm_w: Tensor, router_w: Tensor, w13: Tensor, w2: Tensor, sh
         shared_expert_gate_w: [1, D] the shared expert's sigmoid gate.
         top_k: experts per token (1..E). norm_topk: renormalize the top-k weights to sum 1.
         eps: RMSNorm epsilon.
-        first_expert, add_residual: tensor parallelism (experts split over ranks): this rank computes
-            its EL experts for every token that routes to them (the router still sees all E), and only
-            rank 0 adds the residual; the all-reduce after the op sums the ranks.
+        first_expert, add_residual: tensor parallelism. Experts split across ranks: this rank computes
+            its EL experts (from first_expert) for every token that routes to them (the router still
+            sees all E). Split within each expert (the default, first_expert 0): w13 / w2 hold this
+            rank's IE slice of every expert. Either way only rank 0 adds the residual, and the
+            all-reduce after the op sums the ranks.
     Returns:
         [T, D] the layer output (h + ..., or without h), h's dtype. Mutates nothing.
     """
