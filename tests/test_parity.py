@@ -94,3 +94,30 @@ def test_multimodal_ties_by_top_level_flag(tmp_path, top, text):
     model = HybridModel.from_pretrained(str(tmp_path), progress=False)
     assert model.config == cfg
     check_parity(model, hf, cfg, lengths=[5, 70])
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["lm_head-equal", "lm_head-differs"])
+def test_tied_config_with_a_stored_lm_head(tmp_path, same):
+    """A config that ties lm_head to the embeddings over a checkpoint that stores lm_head.weight: transformers
+    ties them when the two are equal, and otherwise does NOT tie (it warns and runs the stored lm_head).
+    We ignored the stored lm_head, so a differing one gave other logits than transformers, silently; now
+    an equal one loads tied and a differing one raises ValueError naming tie_word_embeddings."""
+    import transformers
+
+    cfg = tiny_config()
+    hf = hf_reference(cfg)
+    if same:
+        with torch.no_grad():
+            hf.lm_head.weight.copy_(hf.model.embed_tokens.weight)
+    hf.save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**data, "tie_word_embeddings": True}))
+    oracle = transformers.Qwen3_5ForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    assert torch.equal(oracle.lm_head.weight, hf.lm_head.weight)  # transformers runs the stored lm_head
+    if not same:
+        with pytest.raises(ValueError, match="tie_word_embeddings.*lm_head.weight"):
+            HybridModel.from_pretrained(str(tmp_path), progress=False)
+        return
+    model = HybridModel.from_pretrained(str(tmp_path), progress=False)
+    assert model.config == cfg.replace(tie_word_embeddings=True)
+    check_parity(model, oracle, model.config, lengths=[5, 70])
