@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from helpers import check_parity, hf_logits, hf_reference, moe_config, random_streams, rel_err, tiny_config
+from helpers import check_parity, hf_class, hf_logits, hf_reference, moe_config, random_streams, rel_err, tiny_config
 from metrale_graph import HybridModel, Stream
 
 CONFIGS = [
@@ -121,3 +121,20 @@ def test_tied_config_with_a_stored_lm_head(tmp_path, same):
     model = HybridModel.from_pretrained(str(tmp_path), progress=False)
     assert model.config == cfg.replace(tie_word_embeddings=True)
     check_parity(model, oracle, model.config, lengths=[5, 70])
+
+
+@pytest.mark.parametrize("cfg", [pytest.param(tiny_config(), id="qwen3_5"),
+                                 pytest.param(moe_config("qwen3_next"), id="qwen3_next")])
+def test_swish_is_silu(tmp_path, cfg):
+    """hidden_act 'swish' is SiLU in transformers (ACT2FN['swish'] is nn.SiLU, for the MLPs, the experts and
+    the GDN conv alike): such a config loads and matches; it was refused as an unsupported activation."""
+    hf = hf_reference(cfg)
+    hf.save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**data, "hidden_act": "swish"}))
+    oracle = hf_class(cfg).from_pretrained(str(tmp_path), dtype=torch.float32,
+                                           **({"experts_implementation": "eager"} if cfg.num_experts else {})).eval()
+    assert oracle.config.hidden_act == "swish"
+    model = HybridModel.from_pretrained(str(tmp_path), progress=False)
+    assert model.config == cfg
+    check_parity(model, oracle, cfg, lengths=[5, 70])
