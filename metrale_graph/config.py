@@ -161,8 +161,10 @@ class ModelConfig:
         if not (isinstance(model_type, str) and model_type in FAMILIES):
             raise _invalid(where, f"unsupported model_type {model_type!r}: metrale-graph runs "
                                   f"{', '.join(map(repr, FAMILIES + tuple(_MULTIMODAL)))}")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise _invalid(where, f"unsupported hidden_act {cfg['hidden_act']!r}: only 'silu' is supported")
+        # transformers' ACT2FN maps 'swish' to SiLU too (MLPs, experts and the GDN conv alike)
+        if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise _invalid(where, f"unsupported hidden_act {cfg['hidden_act']!r}: only 'silu' (or its alias "
+                                  "'swish') is supported")
         bias = cfg.get("attention_bias")
         if bias is not None and bias is not False:
             raise _invalid(where, f"unsupported attention_bias {bias!r}: only false is supported")

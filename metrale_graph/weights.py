@@ -355,8 +355,9 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
 
     Raises ValueError naming the tensor and its file for a missing, unexpected, duplicate, mis-shaped
     or non-floating-point one (per expert: `layers.3.mlp.experts.17.up_proj.weight`), and for a file
-    safetensors cannot read. Tensors of the vision tower and the MTP head are skipped; a tied model
-    ignores a stored lm_head.
+    safetensors cannot read. Tensors of the vision tower and the MTP head are skipped. A tied model
+    takes a stored lm_head equal to the embeddings as tied and refuses (ValueError naming
+    tie_word_embeddings) one that differs: transformers does not tie such a pair, it runs the stored lm_head.
 
     `check_finite` rejects a tensor holding NaN or infinity once it is on `device` in `dtype`
     (so a value beyond float16's range counts too). It reads every weight once more: for the 9B
@@ -374,6 +375,7 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
     given: dict[str, str] = {}  # checkpoint_shapes name -> the checkpoint key that gave it
     given_in: dict[str, str] = {}  # checkpoint key -> its file
     unexpected = []  # (key, file)
+    tied_head = None  # (key, file) of a stored lm_head.weight in a tied model: checked against the embeddings
     files = checkpoint_files(folder)
     bar = tqdm(total=len(asm.layout), desc="loading weights", unit="tensor", disable=not progress, leave=False)
     for path in files:
@@ -381,7 +383,10 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
             with safe_open(path, framework="pt", device="cpu") as f:
                 for key in f.keys():
                     name = _our_name(key)
-                    if name is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                        tied_head = (key, path)
+                        continue
+                    if name is None:
                         continue
                     piece = asm.pieces.get(name)
                     if piece is None:
@@ -423,7 +428,29 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. "
                          f"{_collapse(missing, asm, given)[:5]}")
+    if tied_head is not None:
+        _check_tied_head(asm, *tied_head)
     return pad_vocab(asm.out, cfg, tp) if tp is not None and tp.size > 1 else asm.out
+
+
+def _check_tied_head(asm: _Assembler, key: str, path: str) -> None:
+    """A tied model's checkpoint stores lm_head.weight too: fine when it equals the embeddings (this rank's
+    rows of it under tensor parallelism), else ValueError. transformers ties the pair only when the two are
+    equal; otherwise it warns and runs the stored lm_head, which a tied model here would silently ignore."""
+    from safetensors import safe_open
+
+    from .parallel import take
+
+    embed = asm.pieces["embed_tokens.weight"]
+    with safe_open(path, framework="pt", device="cpu") as f:
+        shape = tuple(f.get_slice(key).get_shape())
+        if shape != embed.shape:
+            raise ValueError(f"tensor {key!r} has shape {shape}, the config needs {embed.shape} ({path})")
+        head = take(f.get_slice(key), embed.ranges) if embed.ranges else f.get_tensor(key)
+    if not torch.equal(asm._converted(head), asm.out["embed_tokens.weight"]):
+        raise ValueError(f"the config sets tie_word_embeddings (lm_head is embed_tokens) but the checkpoint stores "
+                         f"a different {key!r} ({path}); transformers runs the stored one untied: set "
+                         "tie_word_embeddings to false in config.json to load it")
 
 
 def _collapse(missing: list[str], asm: _Assembler, given: dict[str, str]) -> list[str]:

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from helpers import check_parity, hf_logits, hf_reference, moe_config, random_streams, rel_err, tiny_config
+from helpers import check_parity, hf_class, hf_logits, hf_reference, moe_config, random_streams, rel_err, tiny_config
 from metrale_graph import HybridModel, Stream
 
 CONFIGS = [
@@ -94,3 +94,47 @@ def test_multimodal_ties_by_top_level_flag(tmp_path, top, text):
     model = HybridModel.from_pretrained(str(tmp_path), progress=False)
     assert model.config == cfg
     check_parity(model, hf, cfg, lengths=[5, 70])
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["lm_head-equal", "lm_head-differs"])
+def test_tied_config_with_a_stored_lm_head(tmp_path, same):
+    """A config that ties lm_head to the embeddings over a checkpoint that stores lm_head.weight: transformers
+    ties them when the two are equal, and otherwise does NOT tie (it warns and runs the stored lm_head).
+    We ignored the stored lm_head, so a differing one gave other logits than transformers, silently; now
+    an equal one loads tied and a differing one raises ValueError naming tie_word_embeddings."""
+    import transformers
+
+    cfg = tiny_config()
+    hf = hf_reference(cfg)
+    if same:
+        with torch.no_grad():
+            hf.lm_head.weight.copy_(hf.model.embed_tokens.weight)
+    hf.save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**data, "tie_word_embeddings": True}))
+    oracle = transformers.Qwen3_5ForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    assert torch.equal(oracle.lm_head.weight, hf.lm_head.weight)  # transformers runs the stored lm_head
+    if not same:
+        with pytest.raises(ValueError, match="tie_word_embeddings.*lm_head.weight"):
+            HybridModel.from_pretrained(str(tmp_path), progress=False)
+        return
+    model = HybridModel.from_pretrained(str(tmp_path), progress=False)
+    assert model.config == cfg.replace(tie_word_embeddings=True)
+    check_parity(model, oracle, model.config, lengths=[5, 70])
+
+
+@pytest.mark.parametrize("cfg", [pytest.param(tiny_config(), id="qwen3_5"),
+                                 pytest.param(moe_config("qwen3_next"), id="qwen3_next")])
+def test_swish_is_silu(tmp_path, cfg):
+    """hidden_act 'swish' is SiLU in transformers (ACT2FN['swish'] is nn.SiLU, for the MLPs, the experts and
+    the GDN conv alike): such a config loads and matches; it was refused as an unsupported activation."""
+    hf = hf_reference(cfg)
+    hf.save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**data, "hidden_act": "swish"}))
+    oracle = hf_class(cfg).from_pretrained(str(tmp_path), dtype=torch.float32,
+                                           **({"experts_implementation": "eager"} if cfg.num_experts else {})).eval()
+    assert oracle.config.hidden_act == "swish"
+    model = HybridModel.from_pretrained(str(tmp_path), progress=False)
+    assert model.config == cfg
+    check_parity(model, oracle, cfg, lengths=[5, 70])
