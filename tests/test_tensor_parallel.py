@@ -192,7 +192,12 @@ def test_torchrun_prints_what_one_process_prints():
         return json.loads(done.stdout.strip().splitlines()[-1])
 
     one = last_json([sys.executable, *args])
-    two = last_json([torchrun, "--nproc-per-node", "2", "--master-port", "29533", *args, "--tp", "2"])
+    import socket
+
+    with socket.socket() as s:  # a free port: a fixed one collides with another run on the same machine
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    two = last_json([torchrun, "--nproc-per-node", "2", "--master-port", str(port), *args, "--tp", "2"])
     assert two["top_tokens"] == one["top_tokens"] and two["continued"] == one["continued"]
     assert two["tp"] == 2 and {k for k in one if k != "tp"} <= set(two)
 
