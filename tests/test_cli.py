@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from metrale_graph import PRESETS, HybridModel
+from metrale_graph import PRESETS, HybridModel, load_config
 from metrale_graph.tools import bench, bench_ops, export_onnx, prefill, warmup
 
 NO_GPU = f"cuda:{torch.cuda.device_count()}"  # a CUDA device this machine lacks
@@ -66,6 +66,27 @@ MODEL_FLAGS = [
 ])
 def test_prefill_flags(capsys, argv, message):
     _usage_error(capsys, prefill.main, argv, message)
+
+
+def _no_model_load(monkeypatch):
+    """Make loading a model fail the test: the flags must be refused before that (a big preset's weights take
+    minutes and tens of GB to build)."""
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(HybridModel, "from_preset", load)
+    monkeypatch.setattr(HybridModel, "from_pretrained", load)
+
+
+@pytest.mark.parametrize("model", ["qwen3.5-9b", "good"])
+def test_prefill_lengths_checked_before_the_model_loads(capsys, monkeypatch, checkpoints, model):
+    """A stream longer than max_position_embeddings was refused only after the model was built (for the
+    9B preset on a CPU: tens of GB of random weights, then the usage error)."""
+    _no_model_load(monkeypatch)
+    model = str(checkpoints / model) if model == "good" else model
+    limit = load_config(model).max_position_embeddings
+    _usage_error(capsys, prefill.main, ["--model", model, "--lengths", f"{limit},3", "--continue-tokens", "1"],
+                 f"a stream of {limit + 1} tokens exceeds the model's max_position_embeddings ({limit})")
 
 
 def test_model_flag_names_the_checkpoint_problem(capsys, checkpoints):

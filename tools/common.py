@@ -154,6 +154,14 @@ def model_name(text: str) -> str:
     return text
 
 
+def model_config(args):
+    """The ModelConfig of --model (a preset's, or the checkpoint folder's config.json, which model_name has
+    already checked), read without loading any weights: for checks of other flags before the model loads."""
+    from metrale_graph import load_config
+
+    return load_config(args.model)
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     from metrale_graph import PRESETS
 
