@@ -26,7 +26,7 @@ def _run(capsys, *argv):
 
 def test_tiny_run_streams_and_prints_json(capsys):
     out, record = _run(capsys, "--prompt", "1,2,3", "--max-new-tokens", "5", "--num-slots", "2")
-    assert record["tool"] == "generate" and record["prompts"] == 1 and record["new_tokens"] == 5
+    assert record["tool"] == "generate" and record["tp"] == 1 and record["prompts"] == 1 and record["new_tokens"] == 5
     (ids,) = record["token_ids"]
     assert len(ids) == 5 and record["finish_reasons"] == ["length"] and record["texts"] == [None]
     assert ",".join(map(str, ids)) in out  # streamed as they came

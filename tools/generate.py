@@ -101,7 +101,7 @@ def main(argv=None) -> None:
     new = sum(len(o) for o in outputs.values())
     print(f"\n{len(prompts)} prompt(s), {new} new tokens in {elapsed:.3f} s: time to first token "
           f"{first * 1e3:.1f} ms, {new / elapsed:,.1f} tokens/s ({model.dtype}, {model.device})")
-    print_json({"tool": "generate", "model": args.model, "device": str(model.device), "dtype": str(model.dtype),
+    print_json({"tool": "generate", "tp": args.tp, "model": args.model, "device": str(model.device), "dtype": str(model.dtype),
                 "prompts": len(prompts), "new_tokens": new, "token_ids": [outputs[i] for i in sorted(outputs)],
                 "texts": [engine.decode(outputs[i]) for i in sorted(outputs)],
                 "finish_reasons": [reasons[i] for i in sorted(outputs)],
