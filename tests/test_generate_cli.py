@@ -60,3 +60,22 @@ def test_bad_flags_exit_2(capsys, argv, message):
     err = capsys.readouterr().err
     assert "usage:" in err and "Traceback" not in err
     assert re.search(message, err), err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", "1,600"], "token id 600 is out of range"),
+    (["--max-context", "4", "--prompt", "1,2,3,4"], "must leave room for at least one new token"),
+])
+def test_bad_prompts_refused_before_the_warmup(capsys, monkeypatch, argv, message):
+    """Requests were checked only after the warmup had compiled every bucket (32 s for the tiny model's grid
+    on a CPU, minutes on a GPU), then refused."""
+    from metrale_graph import Engine
+
+    def warmup(self, progress=False):
+        raise AssertionError("warmed up before the prompts were checked")
+
+    monkeypatch.setattr(Engine, "warmup", warmup)
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cpu", "--num-slots", "2", "--token-budget", "16", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage:" in err and "Traceback" not in err and message in err, err

@@ -68,6 +68,12 @@ def main(argv=None) -> None:
     except ValueError as e:
         p.error(str(e))
     prompts = _prompts(p, args, engine.tokenizer)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                  top_p=args.top_p, seed=args.seed)
+    try:  # every request is checked now (stream checks its arguments when called), before the warmup compiles
+        engine.stream(prompts, **kwargs).close()
+    except ValueError as e:
+        p.error(str(e))
     print(f"model: {args.model}  {model.extra_repr()}  (built in {time.perf_counter() - t0:.2f} s)\n{engine}")
     if not args.no_warmup:
         t = time.perf_counter()
@@ -76,12 +82,7 @@ def main(argv=None) -> None:
         print(f"warmup ({what}): {time.perf_counter() - t:.1f} s")
 
     single, shown = len(prompts) == 1, [""]
-    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                  top_p=args.top_p, seed=args.seed)
-    try:
-        stream = engine.stream(prompts, **kwargs)
-    except ValueError as e:
-        p.error(str(e))
+    stream = engine.stream(prompts, **kwargs)
     outputs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     reasons: dict[int, str] = {}
     start = time.perf_counter()
