@@ -76,13 +76,16 @@ def positive_ints(text: str) -> list[int]:
 
 
 def names_of(choices):
-    """A flag type: comma-separated names, each one of `choices`, at least one."""
+    """A flag type: comma-separated names, each one of `choices`, at least one, none twice; an empty item
+    ("W1,,W2", "W1,") is an error, as in positive_ints."""
     def parse(text: str) -> list[str]:
-        names = [x.strip() for x in text.split(",") if x.strip()]
-        unknown = [x for x in names if x not in choices]
-        if not names or unknown:
+        names = [x.strip() for x in text.split(",")]
+        if not all(x in choices for x in names):
             raise argparse.ArgumentTypeError(f"expected comma-separated names out of {', '.join(choices)}, "
                                              f"got {text!r}")
+        twice = sorted({x for x in names if names.count(x) > 1})
+        if twice:
+            raise argparse.ArgumentTypeError(f"{', '.join(twice)} given more than once in {text!r}")
         return names
     return parse
 
