@@ -166,6 +166,17 @@ def test_output_into_a_folder(capsys, tmp_path):
     _usage_error(capsys, export_onnx.main, ["-o", str(tmp_path)], "is a folder; expected a file path")
 
 
+@pytest.mark.parametrize("main, flag", [(bench.main, "--json"), (bench.main, "--markdown"),
+                                        (bench_ops.main, "--markdown"), (export_onnx.main, "-o")])
+def test_output_path_that_names_no_file(capsys, tmp_path, monkeypatch, main, flag):
+    """An empty path, or one ending in a slash (a folder not made yet), passed the parse and failed when the file
+    was opened, after the whole run (bench: with a traceback)."""
+    monkeypatch.chdir(tmp_path)
+    _usage_error(capsys, main, [flag, ""], f"argument {flag}")
+    _usage_error(capsys, main, [flag, "results/"], "'results/' is a folder; expected a file path")
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs a folder nobody can write into: /proc")
 @pytest.mark.parametrize("main, flag", [(export_onnx.main, "-o"), (bench.main, "--json"),
                                         (bench_ops.main, "--markdown")])

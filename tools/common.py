@@ -116,7 +116,9 @@ def device(text: str) -> torch.device:
 def output_file(text: str) -> str:
     """A file path to write: not a folder, in a folder that exists."""
     folder = os.path.dirname(os.path.abspath(text))
-    if os.path.isdir(text):
+    if not text:
+        raise argparse.ArgumentTypeError("expected a file path, got ''")
+    if os.path.isdir(text) or text.endswith((os.sep, os.altsep or os.sep)):  # "out/" names a folder
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; expected a file path")
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"{text!r}: folder {folder} does not exist")
