@@ -188,6 +188,8 @@ def test_output_into_a_folder_that_takes_no_files(capsys, main, flag):
 @pytest.mark.parametrize("argv, message", [
     (["--repeat", "0"], "argument --repeat: expected a positive integer, got '0'"),
     (["--layers", "0"], "argument --layers: expected a positive integer, got '0'"),
+    (["--layers", "33"], "--layers 33: the preset qwen3.5-9b has 32 layers; --layers takes at most that many"),
+    (["--preset", "tiny", "--layers", "1000000"], "--layers 1000000: the preset tiny has 4 layers"),
     (["--workloads", "W1,W9"], "argument --workloads: expected comma-separated names out of W1, W2"),
     (["--variants", "fast"], "argument --variants: expected comma-separated names out of peer, eager, compiled, graphs"),
     (["--workloads", "W1,,W2"], "argument --workloads: expected comma-separated names out of W1, W2"),

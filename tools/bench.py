@@ -314,7 +314,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen3.5-9b", choices=list(PRESETS))
-    p.add_argument("--layers", type=positive_int, default=None, help="fewer layers than the preset (quick runs)")
+    p.add_argument("--layers", type=positive_int, default=None,
+                   help="fewer layers than the preset (quick runs; at most the preset's)")
     p.add_argument("--workloads", type=names_of(WORKLOADS), default=",".join(WORKLOADS))
     p.add_argument("--variants", type=names_of(VARIANTS), default=None,
                    help=f"out of {', '.join(VARIANTS)} (default: all; without the peer under --tp)")
@@ -340,6 +341,9 @@ def main(argv=None) -> None:
     if args.baseline and "graphs" not in variants:
         p.error("--baseline compares graphs timings: keep graphs in --variants")
     cfg = PRESETS[args.preset]
+    if args.layers and args.layers > cfg.num_hidden_layers:
+        p.error(f"--layers {args.layers}: the preset {args.preset} has {cfg.num_hidden_layers} layers; "
+                "--layers takes at most that many")
     if args.layers:
         cfg = cfg.replace(num_hidden_layers=args.layers)
     baseline = None
