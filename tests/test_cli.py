@@ -228,6 +228,18 @@ def test_gpu_tools_without_gpu(capsys, main):
     assert e.value.code == 1 and "error: this benchmark needs a CUDA GPU" in err and "Traceback" not in err
 
 
+def test_bench_files_must_differ(capsys, tmp_path, monkeypatch):
+    """--json and --markdown into one file: the JSON overwrote the table; --json onto --baseline: the one-GPU
+    record a later run compares with was replaced by this run's."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "one.json").write_text(json.dumps({"tool": "bench", "preset": "qwen3.5-9b", "layers": 32, "tp": 1,
+                                                   "results": [{"workload": "W2", "graphs_ms": 100.0}]}))
+    _usage_error(capsys, bench.main, ["--json", "r.json", "--markdown", "./r.json"],
+                 "--json and --markdown name the same file 'r.json'; give each its own")
+    _usage_error(capsys, bench.main, ["--baseline", "one.json", "--json", str(tmp_path / "one.json")],
+                 "--baseline and --json name the same file 'one.json'")
+
+
 def test_bench_baseline_must_match(capsys, tmp_path):
     """--baseline takes a one-GPU run of the same preset and depth."""
     path = tmp_path / "one.json"

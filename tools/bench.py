@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import time
 from collections import Counter
@@ -340,6 +341,12 @@ def main(argv=None) -> None:
         p.error("--generate times one GPU against the peer; under --tp use tools.generate --tp")
     if args.baseline and "graphs" not in variants:
         p.error("--baseline compares graphs timings: keep graphs in --variants")
+    files = [(flag, path) for flag, path in (("--baseline", args.baseline), ("--json", args.json),
+                                             ("--markdown", args.markdown)) if path]
+    for i, (flag, path) in enumerate(files):  # one file for two of them: a write destroys the other
+        for other, other_path in files[i + 1:]:
+            if os.path.realpath(path) == os.path.realpath(other_path):
+                p.error(f"{flag} and {other} name the same file {path!r}; give each its own")
     cfg = PRESETS[args.preset]
     if args.layers and args.layers > cfg.num_hidden_layers:
         p.error(f"--layers {args.layers}: the preset {args.preset} has {cfg.num_hidden_layers} layers; "
