@@ -76,6 +76,40 @@ def test_bad_prompts_refused_before_the_warmup(capsys, monkeypatch, argv, messag
 
     monkeypatch.setattr(Engine, "warmup", warmup)
     with pytest.raises(SystemExit) as e:
-        main(["--device", "cpu", "--num-slots", "2", "--token-budget", "16", *argv])
+        main(["--device", "cpu", "--num-slots", "2", "--token-budget", "8", *argv])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "usage:" in err and "Traceback" not in err and message in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-context", "4097"], "--max-context 4097 exceeds the model's max_position_embeddings (4096)"),
+    (["--max-context", "10" * 11], "exceeds the model's max_position_embeddings (4096)"),
+    (["--num-slots", "2", "--max-context", "100", "--token-budget", "201"],
+     "--token-budget 201: a step never holds more than --num-slots x max context (2 x 100 = 200) tokens"),
+    (["--num-slots", "8", "--token-budget", "1" + "0" * 20], "(8 x 4096 = 32768) tokens"),
+])
+def test_sizes_beyond_the_model_refused_before_it_loads(capsys, monkeypatch, argv, message):
+    """A --max-context past the model's positions or a huge --token-budget went on to size the cache and the
+    bucket grid: a traceback (an overflowing size), or the process killed for memory (--token-budget 1e20:
+    buffers for every bucket up to 1e20 tokens)."""
+    from metrale_graph import HybridModel
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(HybridModel, "from_preset", load)
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cpu", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage:" in err and "Traceback" not in err and message in err, err
+
+
+@pytest.mark.parametrize("slots", ["1" + "0" * 12, "1" + "0" * 20])
+def test_a_cache_too_big_for_memory_names_the_flags(capsys, slots):
+    """--num-slots 1e12 (petabytes of cache for tiny; 1e8 already asks 192 GB) or 1e20 ended in torch's allocator or
+    overflow traceback."""
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cpu", "--eager", "--num-slots", slots, "--token-budget", slots])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage:" in err and "Traceback" not in err, err
+    assert f"--num-slots {slots} / --max-context / --token-budget: the cache does not fit in the memory of cpu" in err

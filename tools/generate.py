@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from metrale_graph.tools.common import (INT_TEXT, add_model_args, load_model, non_negative_float,
+import torch
+
+from metrale_graph.tools.common import (INT_TEXT, add_model_args, load_model, model_config, non_negative_float,
                                         non_negative_int, positive_int, print_json, probability)
 
 
@@ -32,9 +34,11 @@ def _parse_args(argv):
     p.add_argument("--top-p", type=probability, default=1.0, help="1.0: off (default)")
     p.add_argument("--num-slots", type=positive_int, default=8, help="cache slots (concurrent requests)")
     p.add_argument("--max-context", type=positive_int, default=None,
-                   help="most tokens (prompt + new) per request (default: min(model's, 4096))")
+                   help="most tokens (prompt + new) per request, at most the model's max_position_embeddings "
+                        "(default: min(model's, 4096))")
     p.add_argument("--token-budget", type=positive_int, default=None,
-                   help="most tokens per step (default: max(2048, slots))")
+                   help="most tokens per step, from --num-slots to --num-slots x max context "
+                        "(default: max(2048, slots))")
     p.add_argument("--eager", action="store_true", help="run model.prefill eagerly (no compile, no graphs)")
     p.add_argument("--no-warmup", action="store_true",
                    help="compile / capture buckets on first use instead of before timing")
@@ -56,10 +60,31 @@ def _prompts(p, args, tokenizer):
     return prompts
 
 
+def _check_sizes(p, args) -> None:
+    """--max-context and --token-budget against what the model and a step can hold, before the model loads
+    (the cache, the bucket grid and their buffers are sized by them)."""
+    from metrale_graph.engine import DEFAULT_MAX_CONTEXT
+
+    limit = model_config(args).max_position_embeddings
+    if args.max_context is not None and args.max_context > limit:
+        p.error(f"--max-context {args.max_context} exceeds the model's max_position_embeddings ({limit})")
+    max_context = args.max_context or min(limit, DEFAULT_MAX_CONTEXT)
+    if args.token_budget is not None and args.token_budget > args.num_slots * max_context:
+        p.error(f"--token-budget {args.token_budget}: a step never holds more than --num-slots x max context "
+                f"({args.num_slots} x {max_context} = {args.num_slots * max_context}) tokens")
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """An allocation the device (or a size torch can express) could not hold."""
+    text = str(e)
+    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in text or "Overflow when unpacking" in text
+
+
 def main(argv=None) -> None:
     from metrale_graph import Engine
 
     p, args = _parse_args(argv)
+    _check_sizes(p, args)
     t0 = time.perf_counter()
     model = load_model(args, p)
     try:
@@ -67,6 +92,11 @@ def main(argv=None) -> None:
                         token_budget=args.token_budget, compile=not args.eager)
     except ValueError as e:
         p.error(str(e))
+    except (RuntimeError, TypeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        if not _out_of_memory(e):
+            raise
+        p.error(f"--num-slots {args.num_slots} / --max-context / --token-budget: the cache does not fit in the "
+                f"memory of {model.device} ({str(e).splitlines()[0]})")
     prompts = _prompts(p, args, engine.tokenizer)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed)
@@ -102,7 +132,8 @@ def main(argv=None) -> None:
     new = sum(len(o) for o in outputs.values())
     print(f"\n{len(prompts)} prompt(s), {new} new tokens in {elapsed:.3f} s: time to first token "
           f"{first * 1e3:.1f} ms, {new / elapsed:,.1f} tokens/s ({model.dtype}, {model.device})")
-    print_json({"tool": "generate", "tp": args.tp, "model": args.model, "device": str(model.device), "dtype": str(model.dtype),
+    print_json({"tool": "generate", "tp": args.tp, "model": args.model, "device": str(model.device),
+                "dtype": str(model.dtype),
                 "prompts": len(prompts), "new_tokens": new, "token_ids": [outputs[i] for i in sorted(outputs)],
                 "texts": [engine.decode(outputs[i]) for i in sorted(outputs)],
                 "finish_reasons": [reasons[i] for i in sorted(outputs)],
