@@ -113,3 +113,11 @@ def test_a_cache_too_big_for_memory_names_the_flags(capsys, slots):
     err = capsys.readouterr().err
     assert e.value.code == 2 and "usage:" in err and "Traceback" not in err, err
     assert f"--num-slots {slots} / --max-context / --token-budget: the cache does not fit in the memory of cpu" in err
+
+
+def test_help_says_what_seed_seeds(capsys):
+    """--help said --seed seeds "inputs" (tools.prefill's random prompts); here it seeds the sampling."""
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert e.value.code == 0 and "seed of random preset weights and of sampling" in out and "of inputs" not in out

@@ -167,7 +167,7 @@ def model_config(args):
     return load_config(args.model)
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser, seed_help: str = "seed of random preset weights and of inputs") -> None:
     from metrale_graph import PRESETS
 
     p.add_argument("--model", type=model_name, default="tiny",
@@ -176,7 +176,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="weights and activations (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--device", type=device, default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--seed", type=seed, default=0, help="seed of random preset weights and of inputs")
+    p.add_argument("--seed", type=seed, default=0, help=seed_help)
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel ranks: launch with torchrun --nproc-per-node N ... --tp N "
                         "(NCCL on GPUs, one per rank; gloo on the CPU); ranks other than 0 print nothing")

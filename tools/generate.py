@@ -24,7 +24,7 @@ from metrale_graph.tools.common import (INT_TEXT, add_model_args, load_model, mo
 def _parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m tools.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p)  # --seed there seeds random preset weights and sampling
+    add_model_args(p, seed_help="seed of random preset weights and of sampling (request i draws from seed + i)")
     p.add_argument("--prompt", action="append", default=None,
                    help="a prompt: text with a tokenizer, else comma-separated token ids (repeatable; "
                         "default: 'The capital of France is' or 1,2,3,4,5)")
