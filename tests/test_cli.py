@@ -250,3 +250,31 @@ def test_bench_baseline_must_match(capsys, tmp_path):
     assert bench.read_baseline(str(path), "qwen3.5-9b", 32) == {"W2": 100.0}
     path.write_text(json.dumps({"preset": "qwen3.5-9b", "layers": 32, "results": [{"workload": "W2"}]}))
     _usage_error(capsys, bench.main, ["--baseline", str(path)], "holds no graphs timings")
+
+
+
+def test_result_files_are_written_whole(tmp_path, monkeypatch):
+    """bench rewrote --json after every workload with open(path, "w") + json.dump (bench_ops and bench --markdown
+    likewise): a Ctrl-C or a full disk mid-write left a torn file, losing the rows a cut-short run is meant to keep.
+    common.write_whole, which they now use, leaves the previous file until the new one is whole."""
+    import builtins
+
+    from metrale_graph.tools import common
+
+    path = tmp_path / "r.json"
+    common.write_whole(str(path), '{"results": [1]}')
+    real_open = builtins.open
+
+    def interrupted_open(name, mode="r", *args, **kwargs):  # Ctrl-C halfway through a write
+        f = real_open(name, mode, *args, **kwargs)
+        if "w" in mode:
+            f.write('{"resu')
+            f.close()
+            raise KeyboardInterrupt
+        return f
+
+    monkeypatch.setattr(builtins, "open", interrupted_open)
+    with pytest.raises(KeyboardInterrupt):
+        common.write_whole(str(path), '{"results": [1, 2]}')
+    monkeypatch.undo()
+    assert path.read_text() == '{"results": [1]}' and os.listdir(tmp_path) == ["r.json"]

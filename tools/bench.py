@@ -33,7 +33,7 @@ import torch
 from metrale_graph import PRESETS, HybridModel, Stream
 from metrale_graph.ops import REGISTRY, kernels
 from metrale_graph.tools.common import (add_moe_parallel_arg, floor_ms, names_of, output_file, positive_int,
-                                       print_json, print_table, provenance, seed)
+                                       print_json, print_table, provenance, seed, write_whole)
 from metrale_graph.weights import weight_shapes
 
 VARIANTS = ("peer", "eager", "compiled", "graphs")
@@ -386,8 +386,7 @@ def main(argv=None) -> None:
                   "results": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
                               for r in results]}
         if args.json and not quiet:
-            with open(args.json, "w") as f:
-                json.dump(record, f, indent=1)
+            write_whole(args.json, json.dumps(record, indent=1))
         return record
 
     for name in tqdm(workloads, desc="workloads", unit="workload", disable=quiet):
@@ -456,10 +455,8 @@ def main(argv=None) -> None:
     if quiet:  # the other ranks ran the same steps; rank 0 reports
         return
     if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(f"{title}\n\n| " + " | ".join(headers) + " |\n|" + "---|" * len(headers) + "\n")
-            for r in rows:
-                f.write("| " + " | ".join(r) + " |\n")
+        write_whole(args.markdown, f"{title}\n\n| " + " | ".join(headers) + " |\n|" + "---|" * len(headers) + "\n"
+                    + "".join("| " + " | ".join(r) + " |\n" for r in rows))
     print_json(save(generation))
 
 

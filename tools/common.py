@@ -128,6 +128,19 @@ def output_file(text: str) -> str:
     return text
 
 
+def write_whole(path: str, text: str) -> None:
+    """Write `text` to `path` so that the file holds all of it or stays as it was: a Ctrl-C, a full disk or an
+    error mid-write leaves the previous file (bench rewrites its --json after every workload), never a torn one."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def unwritable(folder: str) -> str | None:
     """Why no file can be written into the existing `folder` (the OS's reason), or None. Checked by writing
     one: os.access says yes to root on read-only file systems."""
