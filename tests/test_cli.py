@@ -89,6 +89,15 @@ def test_prefill_lengths_checked_before_the_model_loads(capsys, monkeypatch, che
                  f"a stream of {limit + 1} tokens exceeds the model's max_position_embeddings ({limit})")
 
 
+@pytest.mark.parametrize("main", [prefill.main, warmup.main, export_onnx.main])
+def test_torchrun_without_tp(capsys, monkeypatch, tmp_path, main):
+    """Under torchrun --nproc-per-node 2 without --tp, every process ran the whole model alone and printed its own
+    table and JSON line (on GPUs, all on cuda:0); tensor_parallel now names the missing --tp."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.chdir(tmp_path)
+    _usage_error(capsys, main, ["--device", "cpu"], "this run has 2 processes (torchrun): pass --tp 2")
+
+
 def test_model_flag_names_the_checkpoint_problem(capsys, checkpoints):
     config = checkpoints / "bad_config" / "config.json"
     _usage_error(capsys, prefill.main, ["--model", str(config)], "is a file; expected a preset")

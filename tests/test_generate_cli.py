@@ -121,3 +121,11 @@ def test_help_says_what_seed_seeds(capsys):
         main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert e.value.code == 0 and "seed of random preset weights and of sampling" in out and "of inputs" not in out
+
+
+def test_torchrun_without_tp(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cpu", "--eager"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "this run has 2 processes (torchrun): pass --tp 2" in err and "Traceback" not in err

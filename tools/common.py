@@ -214,6 +214,10 @@ def tensor_parallel(args, parser: argparse.ArgumentParser):
     """None for --tp 1; else this process's TensorParallel, from the environment torchrun sets (RANK,
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR / PORT): NCCL with one GPU per rank (args.device becomes
     cuda:LOCAL_RANK), gloo on the CPU. Ranks other than 0 have their standard output silenced."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp == 1 and world > 1:  # each process would run the whole model alone, and each would report
+        parser.error(f"this run has {world} processes (torchrun): pass --tp {world}, or run one process "
+                     "(without --tp each would run the whole model alone)")
     if args.tp == 1:
         return None
     import sys
@@ -222,7 +226,6 @@ def tensor_parallel(args, parser: argparse.ArgumentParser):
 
     from metrale_graph.parallel import DEFAULT_MOE, TensorParallel
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != args.tp:
         parser.error(f"--tp {args.tp} needs {args.tp} processes (torchrun --nproc-per-node {args.tp} ...); "
                      f"this run has {world}")
