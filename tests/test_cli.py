@@ -259,6 +259,14 @@ def test_bench_baseline_must_match(capsys, tmp_path):
     assert bench.read_baseline(str(path), "qwen3.5-9b", 32) == {"W2": 100.0}
     path.write_text(json.dumps({"preset": "qwen3.5-9b", "layers": 32, "results": [{"workload": "W2"}]}))
     _usage_error(capsys, bench.main, ["--baseline", str(path)], "holds no graphs timings")
+    # a timing that is not a positive number was accepted, and the speed-up column failed on it (a traceback)
+    # after the whole benchmark
+    for ms in ("fast", 0, -3.5, None, True):
+        path.write_text(json.dumps({"preset": "qwen3.5-9b", "layers": 32,
+                                    "results": [{"workload": "W1", "graphs_ms": 10.0},
+                                                {"workload": "W2", "graphs_ms": ms}]}))
+        _usage_error(capsys, bench.main, ["--baseline", str(path)],
+                     f"graphs_ms must be positive numbers of milliseconds, got {{'W2': {ms!r}}}")
 
 
 

@@ -304,6 +304,10 @@ def read_baseline(path: str, preset: str, layers: int) -> dict[str, float]:
                          f"{record.get('tp', 1)}); expected one GPU of {preset} ({layers} layers)")
     if not rows:
         raise ValueError(f"baseline {path} holds no graphs timings (run it with the graphs variant)")
+    bad = {w: ms for w, ms in rows.items()
+           if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 < ms < float("inf")}
+    if bad:  # the speed-up divides by them at the end of the run
+        raise ValueError(f"baseline {path}: graphs_ms must be positive numbers of milliseconds, got {bad}")
     return rows
 
 
