@@ -87,6 +87,8 @@ def test_bad_prompts_refused_before_the_warmup(capsys, monkeypatch, argv, messag
     (["--num-slots", "2", "--max-context", "100", "--token-budget", "201"],
      "--token-budget 201: a step never holds more than --num-slots x max context (2 x 100 = 200) tokens"),
     (["--num-slots", "8", "--token-budget", "1" + "0" * 20], "(8 x 4096 = 32768) tokens"),
+    (["--max-context", "1"], "--max-context 1 leaves no room for a new token after a prompt: give at least 2"),
+    (["--num-slots", "8", "--token-budget", "4"], "--token-budget 4 must be at least num_slots (--num-slots 8)"),
 ])
 def test_sizes_beyond_the_model_refused_before_it_loads(capsys, monkeypatch, argv, message):
     """A --max-context past the model's positions or a huge --token-budget went on to size the cache and the

@@ -68,7 +68,12 @@ def _check_sizes(p, args) -> None:
     limit = model_config(args).max_position_embeddings
     if args.max_context is not None and args.max_context > limit:
         p.error(f"--max-context {args.max_context} exceeds the model's max_position_embeddings ({limit})")
+    if args.max_context == 1:
+        p.error("--max-context 1 leaves no room for a new token after a prompt: give at least 2")
     max_context = args.max_context or min(limit, DEFAULT_MAX_CONTEXT)
+    if args.token_budget is not None and args.token_budget < args.num_slots:
+        p.error(f"--token-budget {args.token_budget} must be at least num_slots (--num-slots {args.num_slots}): "
+                "every running request feeds one token per step")
     if args.token_budget is not None and args.token_budget > args.num_slots * max_context:
         p.error(f"--token-budget {args.token_budget}: a step never holds more than --num-slots x max context "
                 f"({args.num_slots} x {max_context} = {args.num_slots * max_context}) tokens")
