@@ -87,13 +87,16 @@ def test_bad_prompts_refused_before_the_warmup(capsys, monkeypatch, argv, messag
     (["--num-slots", "2", "--max-context", "100", "--token-budget", "201"],
      "--token-budget 201: a step never holds more than --num-slots x max context (2 x 100 = 200) tokens"),
     (["--num-slots", "8", "--token-budget", "1" + "0" * 20], "(8 x 4096 = 32768) tokens"),
+    (["--model", "qwen3.5-9b", "--prompt", "hello"], "--prompt 'hello': this model has no tokenizer"),
+    (["--model", "qwen3.5-9b", "--prompt", "1,,2"], "--prompt '1,,2': an empty token id between commas"),
     (["--max-context", "1"], "--max-context 1 leaves no room for a new token after a prompt: give at least 2"),
     (["--num-slots", "8", "--token-budget", "4"], "--token-budget 4 must be at least num_slots (--num-slots 8)"),
 ])
 def test_sizes_beyond_the_model_refused_before_it_loads(capsys, monkeypatch, argv, message):
     """A --max-context past the model's positions or a huge --token-budget went on to size the cache and the
     bucket grid: a traceback (an overflowing size), or the process killed for memory (--token-budget 1e20:
-    buffers for every bucket up to 1e20 tokens)."""
+    buffers for every bucket up to 1e20 tokens). Text prompts for a model without a tokenizer (a preset) were
+    refused only after its weights were built."""
     from metrale_graph import HybridModel
 
     def load(*args, **kwargs):

@@ -87,9 +87,12 @@ def _out_of_memory(e: BaseException) -> bool:
 
 def main(argv=None) -> None:
     from metrale_graph import Engine
+    from metrale_graph.tokenizer import has_tokenizer_files
 
     p, args = _parse_args(argv)
     _check_sizes(p, args)
+    if not has_tokenizer_files(args.model):  # a preset, or a folder without one: --prompt must be ids, checked now
+        _prompts(p, args, None)
     t0 = time.perf_counter()
     model = load_model(args, p)
     try:
