@@ -43,8 +43,8 @@ MODEL_FLAGS = [
     (["--seed", "1.5"], "argument --seed: expected an integer in [-2**63, 2**64 - 1], got '1.5'"),
     (["--seed", str(2**64)], "argument --seed: expected an integer"),
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
-    (["--model", "nope"], "argument --model: 'nope' is neither a preset (tiny, qwen3.5-9b, qwen3.5-27b, qwen3.5-35b-a3b, "
-                         "qwen3-next-80b-a3b) nor"),
+    (["--model", "nope"], "argument --model: 'nope' is neither a preset (tiny, qwen3.5-9b, qwen3.5-27b, "
+                         "qwen3.5-35b-a3b, qwen3-next-80b-a3b) nor"),
 ]
 
 
@@ -200,7 +200,8 @@ def test_output_into_a_folder_that_takes_no_files(capsys, main, flag):
     (["--layers", "33"], "--layers 33: the preset qwen3.5-9b has 32 layers; --layers takes at most that many"),
     (["--preset", "tiny", "--layers", "1000000"], "--layers 1000000: the preset tiny has 4 layers"),
     (["--workloads", "W1,W9"], "argument --workloads: expected comma-separated names out of W1, W2"),
-    (["--variants", "fast"], "argument --variants: expected comma-separated names out of peer, eager, compiled, graphs"),
+    (["--variants", "fast"],
+     "argument --variants: expected comma-separated names out of peer, eager, compiled, graphs"),
     (["--workloads", "W1,,W2"], "argument --workloads: expected comma-separated names out of W1, W2"),
     (["--workloads", ",W1"], "argument --workloads: expected comma-separated names out of W1, W2"),
     (["--workloads", "W1,"], "argument --workloads: expected comma-separated names out of W1, W2"),
