@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from metrale_graph import PRESETS, HybridModel
+from metrale_graph import PRESETS, HybridModel, load_config
 from metrale_graph.tools import bench, bench_ops, export_onnx, prefill, warmup
 
 NO_GPU = f"cuda:{torch.cuda.device_count()}"  # a CUDA device this machine lacks
@@ -43,8 +43,8 @@ MODEL_FLAGS = [
     (["--seed", "1.5"], "argument --seed: expected an integer in [-2**63, 2**64 - 1], got '1.5'"),
     (["--seed", str(2**64)], "argument --seed: expected an integer"),
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
-    (["--model", "nope"], "argument --model: 'nope' is neither a preset (tiny, qwen3.5-9b, qwen3.5-27b, qwen3.5-35b-a3b, "
-                         "qwen3-next-80b-a3b) nor"),
+    (["--model", "nope"], "argument --model: 'nope' is neither a preset (tiny, qwen3.5-9b, qwen3.5-27b, "
+                         "qwen3.5-35b-a3b, qwen3-next-80b-a3b) nor"),
 ]
 
 
@@ -66,6 +66,36 @@ MODEL_FLAGS = [
 ])
 def test_prefill_flags(capsys, argv, message):
     _usage_error(capsys, prefill.main, argv, message)
+
+
+def _no_model_load(monkeypatch):
+    """Make loading a model fail the test: the flags must be refused before that (a big preset's weights take
+    minutes and tens of GB to build)."""
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(HybridModel, "from_preset", load)
+    monkeypatch.setattr(HybridModel, "from_pretrained", load)
+
+
+@pytest.mark.parametrize("model", ["qwen3.5-9b", "good"])
+def test_prefill_lengths_checked_before_the_model_loads(capsys, monkeypatch, checkpoints, model):
+    """A stream longer than max_position_embeddings was refused only after the model was built (for the
+    9B preset on a CPU: tens of GB of random weights, then the usage error)."""
+    _no_model_load(monkeypatch)
+    model = str(checkpoints / model) if model == "good" else model
+    limit = load_config(model).max_position_embeddings
+    _usage_error(capsys, prefill.main, ["--model", model, "--lengths", f"{limit},3", "--continue-tokens", "1"],
+                 f"a stream of {limit + 1} tokens exceeds the model's max_position_embeddings ({limit})")
+
+
+@pytest.mark.parametrize("main", [prefill.main, warmup.main, export_onnx.main])
+def test_torchrun_without_tp(capsys, monkeypatch, tmp_path, main):
+    """Under torchrun --nproc-per-node 2 without --tp, every process ran the whole model alone and printed its own
+    table and JSON line (on GPUs, all on cuda:0); tensor_parallel now names the missing --tp."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.chdir(tmp_path)
+    _usage_error(capsys, main, ["--device", "cpu"], "this run has 2 processes (torchrun): pass --tp 2")
 
 
 def test_model_flag_names_the_checkpoint_problem(capsys, checkpoints):
@@ -145,6 +175,17 @@ def test_output_into_a_folder(capsys, tmp_path):
     _usage_error(capsys, export_onnx.main, ["-o", str(tmp_path)], "is a folder; expected a file path")
 
 
+@pytest.mark.parametrize("main, flag", [(bench.main, "--json"), (bench.main, "--markdown"),
+                                        (bench_ops.main, "--markdown"), (export_onnx.main, "-o")])
+def test_output_path_that_names_no_file(capsys, tmp_path, monkeypatch, main, flag):
+    """An empty path, or one ending in a slash (a folder not made yet), passed the parse and failed when the file
+    was opened, after the whole run (bench: with a traceback)."""
+    monkeypatch.chdir(tmp_path)
+    _usage_error(capsys, main, [flag, ""], f"argument {flag}")
+    _usage_error(capsys, main, [flag, "results/"], "'results/' is a folder; expected a file path")
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs a folder nobody can write into: /proc")
 @pytest.mark.parametrize("main, flag", [(export_onnx.main, "-o"), (bench.main, "--json"),
                                         (bench_ops.main, "--markdown")])
@@ -156,8 +197,17 @@ def test_output_into_a_folder_that_takes_no_files(capsys, main, flag):
 @pytest.mark.parametrize("argv, message", [
     (["--repeat", "0"], "argument --repeat: expected a positive integer, got '0'"),
     (["--layers", "0"], "argument --layers: expected a positive integer, got '0'"),
+    (["--layers", "33"], "--layers 33: the preset qwen3.5-9b has 32 layers; --layers takes at most that many"),
+    (["--preset", "tiny", "--layers", "1000000"], "--layers 1000000: the preset tiny has 4 layers"),
     (["--workloads", "W1,W9"], "argument --workloads: expected comma-separated names out of W1, W2"),
-    (["--variants", "fast"], "argument --variants: expected comma-separated names out of peer, eager, compiled, graphs"),
+    (["--variants", "fast"],
+     "argument --variants: expected comma-separated names out of peer, eager, compiled, graphs"),
+    (["--workloads", "W1,,W2"], "argument --workloads: expected comma-separated names out of W1, W2"),
+    (["--workloads", ",W1"], "argument --workloads: expected comma-separated names out of W1, W2"),
+    (["--workloads", "W1,"], "argument --workloads: expected comma-separated names out of W1, W2"),
+    (["--workloads", ""], "argument --workloads: expected comma-separated names out of W1, W2"),
+    (["--workloads", "W1,W2,W1"], "argument --workloads: W1 given more than once in 'W1,W2,W1'"),
+    (["--variants", "graphs, graphs"], "argument --variants: graphs given more than once in 'graphs, graphs'"),
     (["--json", "/nonexistent/r.json"], "argument --json: '/nonexistent/r.json': folder /nonexistent does not exist"),
     (["--seed", "x"], "argument --seed: expected an integer"),
     (["--tp", "2", "--variants", "peer,graphs"], "the peer runs on one GPU: leave it out of --variants under --tp"),
@@ -188,6 +238,18 @@ def test_gpu_tools_without_gpu(capsys, main):
     assert e.value.code == 1 and "error: this benchmark needs a CUDA GPU" in err and "Traceback" not in err
 
 
+def test_bench_files_must_differ(capsys, tmp_path, monkeypatch):
+    """--json and --markdown into one file: the JSON overwrote the table; --json onto --baseline: the one-GPU
+    record a later run compares with was replaced by this run's."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "one.json").write_text(json.dumps({"tool": "bench", "preset": "qwen3.5-9b", "layers": 32, "tp": 1,
+                                                   "results": [{"workload": "W2", "graphs_ms": 100.0}]}))
+    _usage_error(capsys, bench.main, ["--json", "r.json", "--markdown", "./r.json"],
+                 "--json and --markdown name the same file 'r.json'; give each its own")
+    _usage_error(capsys, bench.main, ["--baseline", "one.json", "--json", str(tmp_path / "one.json")],
+                 "--baseline and --json name the same file 'one.json'")
+
+
 def test_bench_baseline_must_match(capsys, tmp_path):
     """--baseline takes a one-GPU run of the same preset and depth."""
     path = tmp_path / "one.json"
@@ -198,3 +260,39 @@ def test_bench_baseline_must_match(capsys, tmp_path):
     assert bench.read_baseline(str(path), "qwen3.5-9b", 32) == {"W2": 100.0}
     path.write_text(json.dumps({"preset": "qwen3.5-9b", "layers": 32, "results": [{"workload": "W2"}]}))
     _usage_error(capsys, bench.main, ["--baseline", str(path)], "holds no graphs timings")
+    # a timing that is not a positive number was accepted, and the speed-up column failed on it (a traceback)
+    # after the whole benchmark
+    for ms in ("fast", 0, -3.5, None, True):
+        path.write_text(json.dumps({"preset": "qwen3.5-9b", "layers": 32,
+                                    "results": [{"workload": "W1", "graphs_ms": 10.0},
+                                                {"workload": "W2", "graphs_ms": ms}]}))
+        _usage_error(capsys, bench.main, ["--baseline", str(path)],
+                     f"graphs_ms must be positive numbers of milliseconds, got {{'W2': {ms!r}}}")
+
+
+
+def test_result_files_are_written_whole(tmp_path, monkeypatch):
+    """bench rewrote --json after every workload with open(path, "w") + json.dump (bench_ops and bench --markdown
+    likewise): a Ctrl-C or a full disk mid-write left a torn file, losing the rows a cut-short run is meant to keep.
+    common.write_whole, which they now use, leaves the previous file until the new one is whole."""
+    import builtins
+
+    from metrale_graph.tools import common
+
+    path = tmp_path / "r.json"
+    common.write_whole(str(path), '{"results": [1]}')
+    real_open = builtins.open
+
+    def interrupted_open(name, mode="r", *args, **kwargs):  # Ctrl-C halfway through a write
+        f = real_open(name, mode, *args, **kwargs)
+        if "w" in mode:
+            f.write('{"resu')
+            f.close()
+            raise KeyboardInterrupt
+        return f
+
+    monkeypatch.setattr(builtins, "open", interrupted_open)
+    with pytest.raises(KeyboardInterrupt):
+        common.write_whole(str(path), '{"results": [1, 2]}')
+    monkeypatch.undo()
+    assert path.read_text() == '{"results": [1]}' and os.listdir(tmp_path) == ["r.json"]

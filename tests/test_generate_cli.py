@@ -26,7 +26,7 @@ def _run(capsys, *argv):
 
 def test_tiny_run_streams_and_prints_json(capsys):
     out, record = _run(capsys, "--prompt", "1,2,3", "--max-new-tokens", "5", "--num-slots", "2")
-    assert record["tool"] == "generate" and record["prompts"] == 1 and record["new_tokens"] == 5
+    assert record["tool"] == "generate" and record["tp"] == 1 and record["prompts"] == 1 and record["new_tokens"] == 5
     (ids,) = record["token_ids"]
     assert len(ids) == 5 and record["finish_reasons"] == ["length"] and record["texts"] == [None]
     assert ",".join(map(str, ids)) in out  # streamed as they came
@@ -60,3 +60,77 @@ def test_bad_flags_exit_2(capsys, argv, message):
     err = capsys.readouterr().err
     assert "usage:" in err and "Traceback" not in err
     assert re.search(message, err), err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", "1,600"], "token id 600 is out of range"),
+    (["--max-context", "4", "--prompt", "1,2,3,4"], "must leave room for at least one new token"),
+])
+def test_bad_prompts_refused_before_the_warmup(capsys, monkeypatch, argv, message):
+    """Requests were checked only after the warmup had compiled every bucket (32 s for the tiny model's grid
+    on a CPU, minutes on a GPU), then refused."""
+    from metrale_graph import Engine
+
+    def warmup(self, progress=False):
+        raise AssertionError("warmed up before the prompts were checked")
+
+    monkeypatch.setattr(Engine, "warmup", warmup)
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cpu", "--num-slots", "2", "--token-budget", "8", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage:" in err and "Traceback" not in err and message in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-context", "4097"], "--max-context 4097 exceeds the model's max_position_embeddings (4096)"),
+    (["--max-context", "10" * 11], "exceeds the model's max_position_embeddings (4096)"),
+    (["--num-slots", "2", "--max-context", "100", "--token-budget", "201"],
+     "--token-budget 201: a step never holds more than --num-slots x max context (2 x 100 = 200) tokens"),
+    (["--num-slots", "8", "--token-budget", "1" + "0" * 20], "(8 x 4096 = 32768) tokens"),
+    (["--model", "qwen3.5-9b", "--prompt", "hello"], "--prompt 'hello': this model has no tokenizer"),
+    (["--model", "qwen3.5-9b", "--prompt", "1,,2"], "--prompt '1,,2': an empty token id between commas"),
+    (["--max-context", "1"], "--max-context 1 leaves no room for a new token after a prompt: give at least 2"),
+    (["--num-slots", "8", "--token-budget", "4"], "--token-budget 4 must be at least num_slots (--num-slots 8)"),
+])
+def test_sizes_beyond_the_model_refused_before_it_loads(capsys, monkeypatch, argv, message):
+    """A --max-context past the model's positions or a huge --token-budget went on to size the cache and the
+    bucket grid: a traceback (an overflowing size), or the process killed for memory (--token-budget 1e20:
+    buffers for every bucket up to 1e20 tokens). Text prompts for a model without a tokenizer (a preset) were
+    refused only after its weights were built."""
+    from metrale_graph import HybridModel
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(HybridModel, "from_preset", load)
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cpu", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage:" in err and "Traceback" not in err and message in err, err
+
+
+@pytest.mark.parametrize("slots", ["1" + "0" * 12, "1" + "0" * 20])
+def test_a_cache_too_big_for_memory_names_the_flags(capsys, slots):
+    """--num-slots 1e12 (petabytes of cache for tiny; 1e8 already asks 192 GB) or 1e20 ended in torch's allocator or
+    overflow traceback."""
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cpu", "--eager", "--num-slots", slots, "--token-budget", slots])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage:" in err and "Traceback" not in err, err
+    assert f"--num-slots {slots} / --max-context / --token-budget: the cache does not fit in the memory of cpu" in err
+
+
+def test_help_says_what_seed_seeds(capsys):
+    """--help said --seed seeds "inputs" (tools.prefill's random prompts); here it seeds the sampling."""
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert e.value.code == 0 and "seed of random preset weights and of sampling" in out and "of inputs" not in out
+
+
+def test_torchrun_without_tp(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cpu", "--eager"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "this run has 2 processes (torchrun): pass --tp 2" in err and "Traceback" not in err

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import time
 from collections import Counter
@@ -32,7 +33,7 @@ import torch
 from metrale_graph import PRESETS, HybridModel, Stream
 from metrale_graph.ops import REGISTRY, kernels
 from metrale_graph.tools.common import (add_moe_parallel_arg, floor_ms, names_of, output_file, positive_int,
-                                       print_json, print_table, provenance, seed)
+                                       print_json, print_table, provenance, seed, write_whole)
 from metrale_graph.weights import weight_shapes
 
 VARIANTS = ("peer", "eager", "compiled", "graphs")
@@ -303,6 +304,10 @@ def read_baseline(path: str, preset: str, layers: int) -> dict[str, float]:
                          f"{record.get('tp', 1)}); expected one GPU of {preset} ({layers} layers)")
     if not rows:
         raise ValueError(f"baseline {path} holds no graphs timings (run it with the graphs variant)")
+    bad = {w: ms for w, ms in rows.items()
+           if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 < ms < float("inf")}
+    if bad:  # the speed-up divides by them at the end of the run
+        raise ValueError(f"baseline {path}: graphs_ms must be positive numbers of milliseconds, got {bad}")
     return rows
 
 
@@ -314,7 +319,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen3.5-9b", choices=list(PRESETS))
-    p.add_argument("--layers", type=positive_int, default=None, help="fewer layers than the preset (quick runs)")
+    p.add_argument("--layers", type=positive_int, default=None,
+                   help="fewer layers than the preset (quick runs; at most the preset's)")
     p.add_argument("--workloads", type=names_of(WORKLOADS), default=",".join(WORKLOADS))
     p.add_argument("--variants", type=names_of(VARIANTS), default=None,
                    help=f"out of {', '.join(VARIANTS)} (default: all; without the peer under --tp)")
@@ -339,7 +345,16 @@ def main(argv=None) -> None:
         p.error("--generate times one GPU against the peer; under --tp use tools.generate --tp")
     if args.baseline and "graphs" not in variants:
         p.error("--baseline compares graphs timings: keep graphs in --variants")
+    files = [(flag, path) for flag, path in (("--baseline", args.baseline), ("--json", args.json),
+                                             ("--markdown", args.markdown)) if path]
+    for i, (flag, path) in enumerate(files):  # one file for two of them: a write destroys the other
+        for other, other_path in files[i + 1:]:
+            if os.path.realpath(path) == os.path.realpath(other_path):
+                p.error(f"{flag} and {other} name the same file {path!r}; give each its own")
     cfg = PRESETS[args.preset]
+    if args.layers and args.layers > cfg.num_hidden_layers:
+        p.error(f"--layers {args.layers}: the preset {args.preset} has {cfg.num_hidden_layers} layers; "
+                "--layers takes at most that many")
     if args.layers:
         cfg = cfg.replace(num_hidden_layers=args.layers)
     baseline = None
@@ -375,8 +390,7 @@ def main(argv=None) -> None:
                   "results": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
                               for r in results]}
         if args.json and not quiet:
-            with open(args.json, "w") as f:
-                json.dump(record, f, indent=1)
+            write_whole(args.json, json.dumps(record, indent=1))
         return record
 
     for name in tqdm(workloads, desc="workloads", unit="workload", disable=quiet):
@@ -445,10 +459,8 @@ def main(argv=None) -> None:
     if quiet:  # the other ranks ran the same steps; rank 0 reports
         return
     if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(f"{title}\n\n| " + " | ".join(headers) + " |\n|" + "---|" * len(headers) + "\n")
-            for r in rows:
-                f.write("| " + " | ".join(r) + " |\n")
+        write_whole(args.markdown, f"{title}\n\n| " + " | ".join(headers) + " |\n|" + "---|" * len(headers) + "\n"
+                    + "".join("| " + " | ".join(r) + " |\n" for r in rows))
     print_json(save(generation))
 
 

@@ -18,7 +18,7 @@ import torch
 from metrale_graph import PRESETS
 from metrale_graph.ops import REGISTRY, Shapes, example_args
 from metrale_graph.tools.common import (floor_ms, output_file, positive_int, positive_ints, print_json,
-                                        print_table, provenance)
+                                        print_table, provenance, write_whole)
 
 GDN_OPS = ("gdn_proj", "causal_conv1d", "l2norm", "gdn_recurrence", "gdn_out")
 ATTENTION_OPS = ("attn_proj", "paged_attention", "attn_out")
@@ -76,10 +76,8 @@ def main(argv=None) -> None:
     print(f"\n{args.preset}, bf16, {args.streams} streams, {torch.cuda.get_device_name()}")
     print_table(headers, rows)
     if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write("| " + " | ".join(headers) + " |\n|" + "---|" * len(headers) + "\n")
-            for r in rows:
-                f.write("| " + " | ".join(map(str, r)) + " |\n")
+        write_whole(args.markdown, "| " + " | ".join(headers) + " |\n|" + "---|" * len(headers) + "\n"
+                    + "".join("| " + " | ".join(map(str, r)) + " |\n" for r in rows))
     print_json({"tool": "bench_ops", "preset": args.preset, "device": torch.cuda.get_device_name(), **provenance(),
                 "ops": records})
 

@@ -76,13 +76,16 @@ def positive_ints(text: str) -> list[int]:
 
 
 def names_of(choices):
-    """A flag type: comma-separated names, each one of `choices`, at least one."""
+    """A flag type: comma-separated names, each one of `choices`, at least one, none twice; an empty item
+    ("W1,,W2", "W1,") is an error, as in positive_ints."""
     def parse(text: str) -> list[str]:
-        names = [x.strip() for x in text.split(",") if x.strip()]
-        unknown = [x for x in names if x not in choices]
-        if not names or unknown:
+        names = [x.strip() for x in text.split(",")]
+        if not all(x in choices for x in names):
             raise argparse.ArgumentTypeError(f"expected comma-separated names out of {', '.join(choices)}, "
                                              f"got {text!r}")
+        twice = sorted({x for x in names if names.count(x) > 1})
+        if twice:
+            raise argparse.ArgumentTypeError(f"{', '.join(twice)} given more than once in {text!r}")
         return names
     return parse
 
@@ -113,7 +116,9 @@ def device(text: str) -> torch.device:
 def output_file(text: str) -> str:
     """A file path to write: not a folder, in a folder that exists."""
     folder = os.path.dirname(os.path.abspath(text))
-    if os.path.isdir(text):
+    if not text:
+        raise argparse.ArgumentTypeError("expected a file path, got ''")
+    if os.path.isdir(text) or text.endswith((os.sep, os.altsep or os.sep)):  # "out/" names a folder
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; expected a file path")
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"{text!r}: folder {folder} does not exist")
@@ -121,6 +126,19 @@ def output_file(text: str) -> str:
     if why:
         raise argparse.ArgumentTypeError(f"{text!r}: cannot write into folder {folder} ({why})")
     return text
+
+
+def write_whole(path: str, text: str) -> None:
+    """Write `text` to `path` so that the file holds all of it or stays as it was: a Ctrl-C, a full disk or an
+    error mid-write leaves the previous file (bench rewrites its --json after every workload), never a torn one."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def unwritable(folder: str) -> str | None:
@@ -154,7 +172,15 @@ def model_name(text: str) -> str:
     return text
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def model_config(args):
+    """The ModelConfig of --model (a preset's, or the checkpoint folder's config.json, which model_name has
+    already checked), read without loading any weights: for checks of other flags before the model loads."""
+    from metrale_graph import load_config
+
+    return load_config(args.model)
+
+
+def add_model_args(p: argparse.ArgumentParser, seed_help: str = "seed of random preset weights and of inputs") -> None:
     from metrale_graph import PRESETS
 
     p.add_argument("--model", type=model_name, default="tiny",
@@ -163,7 +189,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="weights and activations (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--device", type=device, default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--seed", type=seed, default=0, help="seed of random preset weights and of inputs")
+    p.add_argument("--seed", type=seed, default=0, help=seed_help)
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel ranks: launch with torchrun --nproc-per-node N ... --tp N "
                         "(NCCL on GPUs, one per rank; gloo on the CPU); ranks other than 0 print nothing")
@@ -188,6 +214,10 @@ def tensor_parallel(args, parser: argparse.ArgumentParser):
     """None for --tp 1; else this process's TensorParallel, from the environment torchrun sets (RANK,
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR / PORT): NCCL with one GPU per rank (args.device becomes
     cuda:LOCAL_RANK), gloo on the CPU. Ranks other than 0 have their standard output silenced."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp == 1 and world > 1:  # each process would run the whole model alone, and each would report
+        parser.error(f"this run has {world} processes (torchrun): pass --tp {world}, or run one process "
+                     "(without --tp each would run the whole model alone)")
     if args.tp == 1:
         return None
     import sys
@@ -196,7 +226,6 @@ def tensor_parallel(args, parser: argparse.ArgumentParser):
 
     from metrale_graph.parallel import DEFAULT_MOE, TensorParallel
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != args.tp:
         parser.error(f"--tp {args.tp} needs {args.tp} processes (torchrun --nproc-per-node {args.tp} ...); "
                      f"this run has {world}")

@@ -14,8 +14,8 @@ import time
 import torch
 
 from metrale_graph import Stream
-from metrale_graph.tools.common import (add_model_args, load_model, non_negative_int, positive_int, positive_ints,
-                                        print_json, print_table, sync)
+from metrale_graph.tools.common import (add_model_args, load_model, model_config, non_negative_int, positive_int,
+                                        positive_ints, print_json, print_table, sync)
 
 
 def main(argv=None) -> None:
@@ -31,12 +31,13 @@ def main(argv=None) -> None:
 
     lengths = args.lengths
     num_continued = max(1, len(lengths) // 2)  # the second call continues the first half of the streams
+    longest = max(n + (args.continue_tokens if i < num_continued else 0) for i, n in enumerate(lengths))
+    limit = model_config(args).max_position_embeddings  # checked before the (possibly long) model load
+    if longest > limit:
+        p.error(f"--lengths / --continue-tokens: a stream of {longest} tokens exceeds the model's "
+                f"max_position_embeddings ({limit})")
     t0 = time.perf_counter()
     model = load_model(args, p)
-    longest = max(n + (args.continue_tokens if i < num_continued else 0) for i, n in enumerate(lengths))
-    if longest > model.config.max_position_embeddings:
-        p.error(f"--lengths / --continue-tokens: a stream of {longest} tokens exceeds the model's "
-                f"max_position_embeddings ({model.config.max_position_embeddings})")
     print(f"model: {args.model}  {model.extra_repr()}  (built in {time.perf_counter() - t0:.2f} s)")
     gen = torch.Generator().manual_seed(args.seed)
     vocab = model.config.vocab_size
