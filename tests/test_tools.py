@@ -111,12 +111,13 @@ def test_warmup_files_are_per_rank_and_written_whole(tmp_path):
     file together); a write that fails midway leaves the previous file as it was, and no temporary file."""
     import pytest
 
-    from metrale_graph.tools.warmup import ARTIFACTS, RECORD, _write_whole, own_files
+    from metrale_graph.tools.common import write_whole
+    from metrale_graph.tools.warmup import ARTIFACTS, RECORD, own_files
 
     assert own_files(None) == (ARTIFACTS, RECORD)
     assert own_files(1) == ("compile_artifacts.rank1.bin", "cold_warmup.rank1.json") != own_files(0)
     path = tmp_path / RECORD
-    _write_whole(str(path), b'{"warmup_s": 1}')
+    write_whole(str(path), b'{"warmup_s": 1}')  # the artifacts are bytes
     with pytest.raises(TypeError):  # the write fails after the file was opened
-        _write_whole(str(path), "not bytes")
+        write_whole(str(path), 12345)
     assert path.read_bytes() == b'{"warmup_s": 1}' and os.listdir(tmp_path) == [RECORD]

@@ -128,13 +128,14 @@ def output_file(text: str) -> str:
     return text
 
 
-def write_whole(path: str, text: str) -> None:
-    """Write `text` to `path` so that the file holds all of it or stays as it was: a Ctrl-C, a full disk or an
-    error mid-write leaves the previous file (bench rewrites its --json after every workload), never a torn one."""
+def write_whole(path: str, data: str | bytes) -> None:
+    """Write `data` (text, or bytes) to `path` so that the file holds all of it or stays as it was: a Ctrl-C, a
+    full disk or an error mid-write leaves the previous file (bench rewrites its --json after every workload;
+    warmup's ranks and runs share a folder), never a torn one."""
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -34,19 +34,6 @@ def own_files(rank: int | None) -> tuple[str, str]:
     return tuple(f"{base}.rank{rank}{ext}" for base, ext in map(os.path.splitext, (ARTIFACTS, RECORD)))
 
 
-def _write_whole(path: str, data: bytes) -> None:
-    """Write `path` so that it holds all of `data` or stays as it was (a crash or a full disk mid-write
-    would leave a truncated file, which the next run would have to call corrupt)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def check_cache_dir(cache_dir: str, record: str = RECORD) -> str | None:
     """What is wrong with the (existing) cache folder, or None: it must take new files, Inductor's and
     Triton's caches must be folders, and a cold run's record must be what this tool writes."""
@@ -137,7 +124,7 @@ def main(argv=None) -> None:
     from tqdm.auto import tqdm
 
     from metrale_graph.capture import GraphRunner
-    from metrale_graph.tools.common import load_model, print_json, print_table
+    from metrale_graph.tools.common import load_model, print_json, print_table, write_whole
 
     t_start = time.perf_counter()
     artifacts = os.path.join(cache_dir, artifacts_name)
@@ -167,7 +154,7 @@ def main(argv=None) -> None:
     warmup_s = time.perf_counter() - t0
     saved = torch.compiler.save_cache_artifacts()
     if saved is not None:
-        _write_whole(artifacts, saved[0])
+        write_whole(artifacts, saved[0])
 
     rows = [[str(r.bucket), f"{r.compile_s:.2f}", f"{r.capture_s:.3f}", f"{r.graph_bytes / 2**20:.1f}"]
             for r in reports]
@@ -182,7 +169,7 @@ def main(argv=None) -> None:
               "total_s": round(total_s, 2), "run": run}
     cold = None
     if not warm:
-        _write_whole(record_path, json.dumps(record).encode())
+        write_whole(record_path, json.dumps(record))
     elif os.path.isfile(record_path):
         with open(record_path) as f:
             cold = json.load(f)
