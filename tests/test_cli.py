@@ -90,6 +90,14 @@ def test_prefill_lengths_checked_before_the_model_loads(capsys, monkeypatch, che
 
 
 @pytest.mark.parametrize("main", [prefill.main, warmup.main, export_onnx.main])
+def test_moe_parallel_without_tp(capsys, monkeypatch, tmp_path, main):
+    """--moe-parallel without --tp was accepted and ignored (one process splits nothing)."""
+    _no_model_load(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    _usage_error(capsys, main, ["--device", "cpu", "--moe-parallel", "expert"], "--moe-parallel says how --tp ranks")
+
+
+@pytest.mark.parametrize("main", [prefill.main, warmup.main, export_onnx.main])
 def test_torchrun_without_tp(capsys, monkeypatch, tmp_path, main):
     """Under torchrun --nproc-per-node 2 without --tp, every process ran the whole model alone and printed its own
     table and JSON line (on GPUs, all on cuda:0); tensor_parallel now names the missing --tp."""

@@ -200,9 +200,10 @@ def add_model_args(p: argparse.ArgumentParser, seed_help: str = "seed of random 
 def add_moe_parallel_arg(p: argparse.ArgumentParser) -> None:
     from metrale_graph.parallel import DEFAULT_MOE, MOE_MODES
 
-    p.add_argument("--moe-parallel", choices=MOE_MODES, default=DEFAULT_MOE,
-                   help="with --tp on an MoE model: each expert split within (within, the default: measured "
-                        "faster on two H200s) or the experts split across the ranks (expert)")
+    p.add_argument("--moe-parallel", choices=MOE_MODES, default=None,
+                   help=f"with --tp on an MoE model: each expert split within (within, the default "
+                        f"{DEFAULT_MOE!r}: measured faster on two H200s) or the experts split across the ranks "
+                        "(expert); only with --tp")
 
 
 def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
@@ -220,6 +221,8 @@ def tensor_parallel(args, parser: argparse.ArgumentParser):
         parser.error(f"this run has {world} processes (torchrun): pass --tp {world}, or run one process "
                      "(without --tp each would run the whole model alone)")
     if args.tp == 1:
+        if getattr(args, "moe_parallel", None) is not None:  # it would be ignored
+            parser.error("--moe-parallel says how --tp ranks split MoE experts; it needs --tp N (N > 1)")
         return None
     import sys
 
@@ -236,7 +239,8 @@ def tensor_parallel(args, parser: argparse.ArgumentParser):
         torch.cuda.set_device(args.device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    tp = TensorParallel.current(moe=getattr(args, "moe_parallel", DEFAULT_MOE))
+    args.moe_parallel = getattr(args, "moe_parallel", None) or DEFAULT_MOE  # what the records report
+    tp = TensorParallel.current(moe=args.moe_parallel)
     if tp.rank != 0:
         sys.stdout = open(os.devnull, "w")
     return tp

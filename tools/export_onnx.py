@@ -124,6 +124,9 @@ def main(argv=None) -> None:
     if args.tp != 1:
         p.error("--tp: the ONNX export writes one whole model from one process (a shard's collectives have no "
                 "ONNX form); leave out --tp")
+    if args.moe_parallel is not None:
+        p.error("--moe-parallel says how --tp ranks split MoE experts; the ONNX export runs one whole model: "
+                "leave it out")
     B, T = args.batch_size, args.tokens
     path = args.output or f"prefill_B{B}_T{T}.onnx"
     verify_slots = 2 * _verify_streams(B, T)  # _verify: half the streams continue, half start
