@@ -193,7 +193,8 @@ class HybridCache:
         tensors, ctx, blocks, free = snapshot
         mine = self.state_tensors()
         if len(tensors) != len(mine) or len(ctx) != self.num_slots or len(blocks) != self.num_slots or any(
-                t.shape != s.shape or t.dtype != s.dtype for t, s in zip(mine, tensors)):
+                t.shape != s.shape or t.dtype != s.dtype for t, s in zip(mine, tensors)) or not self._fits_geometry(
+                tensors[-1], ctx, blocks, free):
             raise ValueError("the snapshot is not of this cache (other pools, slots or block tables); nothing "
                              "was restored")
         with self.exclusive():
@@ -202,6 +203,21 @@ class HybridCache:
             self.context_lens[:] = ctx
             self._blocks = [list(b) for b in blocks]
             self._free = list(free)
+
+    def _fits_geometry(self, block_tables: torch.Tensor, ctx, blocks, free) -> bool:
+        """Whether a snapshot's bookkeeping describes this cache's blocks: each slot's context within
+        max_context and held in ceil(context / block_size) blocks, its block-table row those blocks then
+        the null block, and the held and free blocks together exactly 0..num_blocks-1. (The pool shapes
+        alone do not pin the block geometry: a model without attention layers has no KV pools.)"""
+        bs, held = self.block_size, []
+        for n, b in zip(ctx, blocks):
+            if not isinstance(n, int) or not 0 <= n <= self.max_context or len(b) != -(-n // bs):
+                return False
+            held.extend(b)
+        if sorted(held + list(free)) != list(range(self.num_blocks)):
+            return False
+        rows = block_tables[:self.num_slots].tolist()
+        return all(row == list(b) + [self.null_block] * (len(row) - len(b)) for row, b in zip(rows, blocks))
 
     # the pools in one order, which the ONNX export's inputs and outputs follow
     _POOL_KINDS = (("conv_states", "conv_state", "linear_layers"), ("gdn_states", "gdn_state", "linear_layers"),

@@ -138,6 +138,27 @@ def test_restore_of_another_cache_raises_and_copies_nothing(model):
     assert _same(cache, snap)
 
 
+
+def test_restore_checks_the_block_geometry_without_kv_pools():
+    """Without attention layers there are no KV pools, so pools and block tables of the same shapes can
+    come from caches of other num_blocks / block_size. restore used to take such a snapshot: the cache
+    then counted blocks it does not have (ids past its null block) as free."""
+    from helpers import tiny_config
+
+    linear = HybridModel.from_preset(tiny_config(vocab_size=VOCAB, layer_types=("linear_attention",) * 4), seed=1)
+    cache = linear.new_cache(2, 4, block_size=4, max_context=32)  # 8 blocks a slot, 4 in all
+    snap = _snapshot(cache)
+    for num_blocks, block_size, max_context in ((8, 4, 32), (8, 2, 16)):
+        other = linear.new_cache(2, num_blocks, block_size=block_size, max_context=max_context)
+        linear.prefill(other, [Stream(0, random_tokens(5, 1))])
+        with pytest.raises(ValueError, match="not of this cache"):
+            cache.restore(other.snapshot())
+        assert _same(cache, snap)
+    own = cache.snapshot()
+    linear.prefill(cache, [Stream(1, random_tokens(9, 2))])
+    cache.restore(own)
+    assert _same(cache, snap) and cache.free_blocks == 4
+
 def test_cache_max_context_must_be_a_positive_int(model):
     for bad in (True, 0, 2.5):
         with pytest.raises(ValueError, match="max_context must be a positive integer"):
