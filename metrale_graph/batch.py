@@ -83,7 +83,9 @@ class PackedBatch:
         self.positions[:t].copy_(packed.positions)
         self.positions[t:].zero_()
         self.cu_seqlens[: n + 1].copy_(packed.cu_seqlens)
-        self.cu_seqlens[n + 1:].fill_(t)  # zero-length padding streams
+        # zero-length padding streams, ending where packed's streams end (not at t: a padded batch's spare
+        # tokens lie past its last stream and must stay in no stream)
+        self.cu_seqlens[n + 1:].copy_(packed.cu_seqlens[n:].expand(self.num_streams - n))
         self.slot_ids[:n].copy_(packed.slot_ids)
         self.slot_ids[n:].fill_(cache.scratch_slot)
         self.context_lens[:n].copy_(packed.context_lens)

@@ -163,3 +163,23 @@ def test_cache_max_context_must_be_a_positive_int(model):
     for bad in (True, 0, 2.5):
         with pytest.raises(ValueError, match="max_context must be a positive integer"):
             model.new_cache(2, 8, block_size=16, max_context=bad)
+
+
+def test_padding_a_padded_batch_keeps_spare_tokens_in_no_stream(model):
+    """PackedBatch.fill ended the padding streams at the packed batch's token count; for a batch padded
+    already (spare tokens past cu_seqlens[-1]) that made the first new padding stream own the old spare
+    tokens, on the scratch slot, against the padding contract."""
+    from metrale_graph.batch import PackedBatch, pack, validate
+
+    cache = model.new_cache(4, 8, block_size=16)
+    streams = [Stream(0, random_tokens(3, 1)), Stream(2, random_tokens(2, 2))]
+    tokens = validate(streams, cache, VOCAB)
+    cache.allocate({0: 3, 2: 2})
+    batch = pack(streams, tokens, cache)
+    once = batch.padded(3, 8, cache)
+    assert once.cu_seqlens.tolist() == [0, 3, 5, 5]
+    twice = once.padded(4, 10, cache)
+    assert twice.cu_seqlens.tolist() == [0, 3, 5, 5, 5]
+    assert twice.slot_ids.tolist() == [0, 2, cache.scratch_slot, cache.scratch_slot]
+    assert batch.padded(2, 5, cache).cu_seqlens.tolist() == [0, 3, 5]  # B and T exactly at the limit
+    assert PackedBatch.padding(2, 4, cache).padded(3, 6, cache).cu_seqlens.tolist() == [0, 0, 0, 0]
