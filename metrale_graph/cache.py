@@ -23,6 +23,7 @@ never holds half a step.
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 import threading
 import weakref
@@ -247,10 +248,22 @@ class HybridCache:
         """Every device tensor of the cache (for snapshots in tests and tools)."""
         return self.pools() + [self.block_tables]
 
-    def __getstate__(self):  # copy.deepcopy / pickle: a new lock, the same owner
+    def __getstate__(self):  # pickle (torch.save): a new lock, and no owner (a weak reference cannot be saved,
+        # and the model may not exist where the cache is loaded): the first model to use the loaded cache claims it
         state = dict(self.__dict__)
         state["_lock"] = None
+        state["_owner"] = None
         return state
+
+    def __deepcopy__(self, memo):  # copy.deepcopy: a new lock, the same owner
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if key not in ("_lock", "_owner"):
+                value = copy.deepcopy(value, memo)
+            setattr(new, key, value)
+        new._lock = threading.Lock()
+        return new
 
     def __setstate__(self, state):
         self.__dict__.update(state)

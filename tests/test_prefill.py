@@ -183,3 +183,27 @@ def test_padding_a_padded_batch_keeps_spare_tokens_in_no_stream(model):
     assert twice.slot_ids.tolist() == [0, 2, cache.scratch_slot, cache.scratch_slot]
     assert batch.padded(2, 5, cache).cu_seqlens.tolist() == [0, 3, 5]  # B and T exactly at the limit
     assert PackedBatch.padding(2, 4, cache).padded(3, 6, cache).cu_seqlens.tolist() == [0, 0, 0, 0]
+
+
+def test_a_cache_survives_pickling_and_deepcopy(model):
+    """HybridCache.__getstate__ said it served pickle, but kept the owner's weak reference, which pickle
+    refuses (TypeError). A pickled cache (torch.save) now loads ownerless, and the first model to use it
+    claims it; a deep copy keeps its owner."""
+    import copy
+    import io
+
+    tokens = random_tokens(9, 1)
+    whole = model.prefill(model.new_cache(2, 8, block_size=4), [Stream(0, tokens)])
+    cache = model.new_cache(2, 8, block_size=4)
+    model.prefill(cache, [Stream(0, tokens[:4])])
+    buffer = io.BytesIO()
+    torch.save(cache, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    twin = copy.deepcopy(cache)
+    other = HybridModel.from_preset("tiny", seed=3)
+    with pytest.raises(ValueError, match="created by another model"):
+        other.prefill(twin, [Stream(0, tokens[4:])])
+    for c in (cache, loaded, twin):
+        assert rel_err(model.prefill(c, [Stream(0, tokens[4:])]), whole) <= 1e-5
+    assert loaded.free_blocks == twin.free_blocks == cache.free_blocks == 5
