@@ -94,8 +94,8 @@ BAD_BATCHES = [
                  id="wrong-device"),
     pytest.param(lambda c: [Stream(0, "hello")], "sequence of ints", id="string-tokens"),
     pytest.param(lambda c: [Stream(1, [1] * 60)], "capacity of 128 tokens", id="past-capacity"),
-    pytest.param(lambda c: [Stream(2, [1] * 100), Stream(3, [1] * 100)], "needs 14 more KV blocks but the cache has 3 free",
-                 id="out-of-blocks"),
+    pytest.param(lambda c: [Stream(2, [1] * 100), Stream(3, [1] * 100)],
+                 "needs 14 more KV blocks but the cache has 3 free", id="out-of-blocks"),
 ]
 
 
