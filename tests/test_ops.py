@@ -74,7 +74,7 @@ def test_conv1d_matches_padded_conv(case):
 def test_paged_attention_matches_sdpa(case):
     """Paged, varlen, with cached context vs dense SDPA over each stream's full K/V."""
     q, k, v, kc, vc, cu, ctx, blocks = op_args("paged_attention", case, torch.float32, seed=3)
-    before_k = kc.clone()
+    before_k, before_v = kc.clone(), vc.clone()
     out = ops.paged_attention(q, k, v, kc, vc, cu, ctx, blocks)
     touched = torch.zeros(kc.shape[:2], dtype=torch.bool)
     for b, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
@@ -84,14 +84,17 @@ def test_paged_attention_matches_sdpa(case):
         pos = torch.arange(c + n)
         blk, off = blocks[b].long()[pos // case.BS], pos % case.BS
         touched[blk[c:], off[c:]] = True
+        # K / V from the cache as it was plus the new tokens (not read back from the op's writes: a V write
+        # to the wrong place would otherwise feed the reference the same wrong values)
         K = torch.cat([before_k[blk[:c], off[:c]], k[s:e]])
-        assert torch.equal(kc[blk, off], K)
-        V = vc[blk, off]
+        V = torch.cat([before_v[blk[:c], off[:c]], v[s:e]])
+        assert torch.equal(kc[blk, off], K) and torch.equal(vc[blk, off], V)
         mask = pos[None, :] <= (c + torch.arange(n))[:, None]
         ref = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), K.transpose(0, 1), V.transpose(0, 1),
                                              attn_mask=mask, enable_gqa=True).transpose(0, 1)
         assert_close(f"o[{b}]", ref, out[s:e], 1e-5)
-    assert torch.equal(kc[~touched], before_k[~touched]), "KV write touched positions outside the batch"
+    assert torch.equal(kc[~touched], before_k[~touched]), "K write touched positions outside the batch"
+    assert torch.equal(vc[~touched], before_v[~touched]), "V write touched positions outside the batch"
 
 
 @metrale_op("toy_scale")
