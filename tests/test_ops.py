@@ -33,6 +33,15 @@ def test_fake_shapes_match_real(name):
     assert [(r.shape, r.dtype) for r in real] == [(f.shape, f.dtype) for f in fake]
 
 
+def _assert_other_slots_unchanged(state, before, cu, slots):
+    """Rows of a state pool that no non-empty stream owns (slots outside the batch, the scratch slot)
+    are bit-identical to before the call."""
+    busy = set(slots[cu[1:] > cu[:-1]].tolist())
+    for slot in range(state.shape[0]):
+        if slot not in busy:
+            assert torch.equal(state[slot], before[slot]), f"slot {slot} outside the batch changed"
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_recurrence_matches_transformers_chunked(case):
     """Our token-by-token reference vs transformers' chunked (WY) form, per stream, from state."""
@@ -53,6 +62,7 @@ def test_recurrence_matches_transformers_chunked(case):
             output_final_state=True)
         assert_close(f"o[{b}]", ref_o[0], out[s:e], 1e-5)
         assert_close(f"state[{b}]", ref_state[0], state[slot], 1e-5)
+    _assert_other_slots_unchanged(state, state_before, cu, slots)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -68,6 +78,7 @@ def test_conv1d_matches_padded_conv(case):
         if e > s:
             ref = F.silu(F.conv1d(full[None], w[:, None], groups=w.shape[0]))[0].t()
             assert_close(f"y[{b}]", ref, y[s:e], 1e-6)
+    _assert_other_slots_unchanged(state, before, cu, slots)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
