@@ -51,9 +51,12 @@ def check_against_reference(name, impl, case, dtype, seed=0):
     test_args = clone_args(args, DEVICE)
     ref = outputs(REGISTRY[name].op(*ref_args))
     out = outputs(impl(*test_args))
+    assert len(out) == len(ref), f"{name}: {len(out)} outputs, the reference returns {len(ref)}"
     rows = compared_rows(name, args, dtype)  # moe: tokens whose routing has a margin
     if rows is not None and len(rows) >= 16:
         assert rows.float().mean() >= 0.5, f"{name}: too few tokens to compare ({int(rows.sum())} of {len(rows)})"
+    if rows is not None and len(rows):
+        assert rows.any(), f"{name}: no token to compare (every routing on a near tie)"
     for i, (r, o) in enumerate(zip(ref, out)):
         o = o.cpu()
         if rows is not None:
@@ -355,6 +358,7 @@ def test_strided_pools_and_index_tensors(name, impl, case, index, pools):
     for i, transpose in pools.items():
         test_args[i] = _strided(test_args[i], transpose)
     out = outputs(impl(*test_args))
+    assert len(out) == len(ref), f"{name}: {len(out)} outputs, the reference returns {len(ref)}"
     for i, (r, o) in enumerate(zip(ref, out)):
         assert_close(f"{name} output {i}", r, o.cpu(), TOL[torch.float32])
     for i, transpose in pools.items():
@@ -372,7 +376,9 @@ def test_strided_vectors(name):
     ref = outputs(REGISTRY[name].reference(*clone_args(args, "cpu")))
     test_args = [_strided(a) if isinstance(a, torch.Tensor) and a.dim() == 1 else a for a in clone_args(args, DEVICE)]
     assert any(isinstance(a, torch.Tensor) and not a.is_contiguous() for a in test_args)
-    for i, (r, o) in enumerate(zip(ref, outputs(CUDA_IMPLS[name](*test_args)))):
+    out = outputs(CUDA_IMPLS[name](*test_args))
+    assert len(out) == len(ref), f"{name}: {len(out)} outputs, the reference returns {len(ref)}"
+    for i, (r, o) in enumerate(zip(ref, out)):
         assert_close(f"{name} output {i}", r, o.cpu(), TOL[torch.float32])
 
 
@@ -395,6 +401,7 @@ def test_fake_reference_and_cuda_strides_agree_on_permuted_inputs(name, pos):
         fake = outputs(REGISTRY[name].op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]))
     ref = outputs(REGISTRY[name].reference(*clone_args(args, DEVICE)))
     cuda = outputs(CUDA_PATHS[name](*clone_args(args, DEVICE)))
+    assert len(fake) == len(ref) == len(cuda), (name, len(fake), len(ref), len(cuda))
     for i, (f, r, c) in enumerate(zip(fake, ref, cuda)):
         assert f.shape == r.shape == c.shape and f.is_contiguous(), (i, f.shape, f.stride())
         assert f.stride() == r.stride() == c.stride(), (name, i, f.stride(), r.stride(), c.stride())

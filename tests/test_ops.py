@@ -33,6 +33,15 @@ def test_fake_shapes_match_real(name):
     assert [(r.shape, r.dtype) for r in real] == [(f.shape, f.dtype) for f in fake]
 
 
+def _assert_other_slots_unchanged(state, before, cu, slots):
+    """Rows of a state pool that no non-empty stream owns (slots outside the batch, the scratch slot)
+    are bit-identical to before the call."""
+    busy = set(slots[cu[1:] > cu[:-1]].tolist())
+    for slot in range(state.shape[0]):
+        if slot not in busy:
+            assert torch.equal(state[slot], before[slot]), f"slot {slot} outside the batch changed"
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_recurrence_matches_transformers_chunked(case):
     """Our token-by-token reference vs transformers' chunked (WY) form, per stream, from state."""
@@ -53,6 +62,7 @@ def test_recurrence_matches_transformers_chunked(case):
             output_final_state=True)
         assert_close(f"o[{b}]", ref_o[0], out[s:e], 1e-5)
         assert_close(f"state[{b}]", ref_state[0], state[slot], 1e-5)
+    _assert_other_slots_unchanged(state, state_before, cu, slots)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -68,13 +78,14 @@ def test_conv1d_matches_padded_conv(case):
         if e > s:
             ref = F.silu(F.conv1d(full[None], w[:, None], groups=w.shape[0]))[0].t()
             assert_close(f"y[{b}]", ref, y[s:e], 1e-6)
+    _assert_other_slots_unchanged(state, before, cu, slots)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_paged_attention_matches_sdpa(case):
     """Paged, varlen, with cached context vs dense SDPA over each stream's full K/V."""
     q, k, v, kc, vc, cu, ctx, blocks = op_args("paged_attention", case, torch.float32, seed=3)
-    before_k = kc.clone()
+    before_k, before_v = kc.clone(), vc.clone()
     out = ops.paged_attention(q, k, v, kc, vc, cu, ctx, blocks)
     touched = torch.zeros(kc.shape[:2], dtype=torch.bool)
     for b, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
@@ -84,14 +95,17 @@ def test_paged_attention_matches_sdpa(case):
         pos = torch.arange(c + n)
         blk, off = blocks[b].long()[pos // case.BS], pos % case.BS
         touched[blk[c:], off[c:]] = True
+        # K / V from the cache as it was plus the new tokens (not read back from the op's writes: a V write
+        # to the wrong place would otherwise feed the reference the same wrong values)
         K = torch.cat([before_k[blk[:c], off[:c]], k[s:e]])
-        assert torch.equal(kc[blk, off], K)
-        V = vc[blk, off]
+        V = torch.cat([before_v[blk[:c], off[:c]], v[s:e]])
+        assert torch.equal(kc[blk, off], K) and torch.equal(vc[blk, off], V)
         mask = pos[None, :] <= (c + torch.arange(n))[:, None]
         ref = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), K.transpose(0, 1), V.transpose(0, 1),
                                              attn_mask=mask, enable_gqa=True).transpose(0, 1)
         assert_close(f"o[{b}]", ref, out[s:e], 1e-5)
-    assert torch.equal(kc[~touched], before_k[~touched]), "KV write touched positions outside the batch"
+    assert torch.equal(kc[~touched], before_k[~touched]), "K write touched positions outside the batch"
+    assert torch.equal(vc[~touched], before_v[~touched]), "V write touched positions outside the batch"
 
 
 @metrale_op("toy_scale")
