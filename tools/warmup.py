@@ -34,7 +34,7 @@ def own_files(rank: int | None) -> tuple[str, str]:
     return tuple(f"{base}.rank{rank}{ext}" for base, ext in map(os.path.splitext, (ARTIFACTS, RECORD)))
 
 
-def check_cache_dir(cache_dir: str, record: str = RECORD) -> str | None:
+def check_cache_dir(cache_dir: str, record_name: str = RECORD) -> str | None:
     """What is wrong with the (existing) cache folder, or None: it must take new files, Inductor's and
     Triton's caches must be folders, and a cold run's record must be what this tool writes."""
     from metrale_graph.tools.common import unwritable
@@ -45,7 +45,7 @@ def check_cache_dir(cache_dir: str, record: str = RECORD) -> str | None:
     for sub in ("inductor", "triton"):
         if os.path.exists(os.path.join(cache_dir, sub)) and not os.path.isdir(os.path.join(cache_dir, sub)):
             return f"{os.path.join(cache_dir, sub)} is not a folder (this tool keeps the {sub} cache there)"
-    path = os.path.join(cache_dir, record)
+    path = os.path.join(cache_dir, record_name)
     if os.path.exists(path):
         try:
             with open(path) as f:

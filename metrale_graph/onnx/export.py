@@ -217,14 +217,15 @@ def run_step(session, batch: PackedBatch, cache: HybridCache) -> dict[str, np.nd
     if [i.name for i in inputs] != names:
         raise ValueError(f"the exported step takes inputs {[i.name for i in inputs]}; this batch and cache give "
                          f"{names} (a cache of another model)")
-    for i, t in zip(inputs, step_args(batch, cache)):
+    args = step_args(batch, cache)
+    for i, t in zip(inputs, args):
         if list(t.shape) != list(i.shape):
             raise ValueError(f"input {i.name}: shape {list(t.shape)}, the exported step takes {list(i.shape)} (pad "
                              "the batch to the bucket with batch.padded(B, T, cache), on a cache of the export's "
                              "geometry)")
         if _ORT_DTYPES.get(i.type, t.dtype) != t.dtype:
             raise ValueError(f"input {i.name}: dtype {t.dtype}, the exported step takes {_ORT_DTYPES[i.type]}")
-    feeds = {i.name: t.detach().cpu().numpy() for i, t in zip(inputs, step_args(batch, cache))}
+    feeds = {i.name: t.detach().cpu().numpy() for i, t in zip(inputs, args)}
     return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
 
 
