@@ -247,3 +247,26 @@ def replay_memory_growth(runner, vocab: int, replays: int = 1000, seed: int = 1)
         one()
     torch.cuda.synchronize()
     return torch.cuda.memory_allocated() - allocated, torch.cuda.memory_reserved() - reserved
+
+
+def run_torchrun(nproc: int, args: list[str], cwd: str | None = None, timeout: int = 600):
+    """`torchrun --nproc-per-node nproc <args>` on a free port (a fixed one collides with another run on the
+    same machine); asserts it succeeded, with every error line of its standard error in the message (a rank's
+    own traceback comes long before torchrun's summary, which alone fills the tail)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    done = subprocess.run([torchrun, "--nproc-per-node", str(nproc), "--master-port", str(port), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        marks = ("Error", "error:", "terminate", "what()", "Traceback", "Abort", "rank")
+        errors = [line for line in done.stderr.splitlines() if any(m in line for m in marks)]
+        raise AssertionError(f"torchrun exited {done.returncode}\nerror lines:\n" + "\n".join(errors[-60:])
+                             + "\n--- tail ---\n" + done.stderr[-1500:])
+    return done

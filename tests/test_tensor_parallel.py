@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from helpers import moe_config, rel_err, tiny_config
+from helpers import moe_config, rel_err, run_torchrun, tiny_config
 from metrale_graph import HybridModel, Stream
 
 WORLD = 2
@@ -182,22 +182,12 @@ def test_unshardable_configs_name_the_field():
 def test_torchrun_prints_what_one_process_prints():
     """`torchrun --nproc-per-node 2 -m metrale_graph.tools.prefill --tp 2` on the CPU (gloo): the same
     top tokens and JSON fields as the single process."""
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     args = ["-m", "metrale_graph.tools.prefill", "--model", "tiny", "--device", "cpu", "--lengths", "5,70,1",
             "--repeat", "1", "--continue-tokens", "3"]
-
-    def last_json(cmd):
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    one = last_json([sys.executable, *args])
-    import socket
-
-    with socket.socket() as s:  # a free port: a fixed one collides with another run on the same machine
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    two = last_json([torchrun, "--nproc-per-node", "2", "--master-port", str(port), *args, "--tp", "2"])
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    one = json.loads(done.stdout.strip().splitlines()[-1])
+    two = json.loads(run_torchrun(2, [*args, "--tp", "2"]).stdout.strip().splitlines()[-1])
     assert two["top_tokens"] == one["top_tokens"] and two["continued"] == one["continued"]
     assert two["tp"] == 2 and {k for k in one if k != "tp"} <= set(two)
 

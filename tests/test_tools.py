@@ -22,22 +22,13 @@ def test_prefill_main_job():
     assert "tokens/s" in out and "top token" in out
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_generate_under_torchrun_says_tp_as_prefill_does():
     """Under torchrun --tp 2 rank 0 prints the one JSON line, and it carries "tp" as tools.prefill's does (it
     had no "tp": a tensor-parallel run's record read as a one-GPU one)."""
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    done = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(_free_port()), "-m",
-                           "metrale_graph.tools.generate", "--device", "cpu", "--eager", "--tp", "2", "--prompt",
-                           "1,2,3", "--max-new-tokens", "3"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
+    from helpers import run_torchrun
+
+    done = run_torchrun(2, ["-m", "metrale_graph.tools.generate", "--device", "cpu", "--eager", "--tp", "2",
+                            "--prompt", "1,2,3", "--max-new-tokens", "3"], cwd=ROOT)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, done.stdout  # rank 1 prints nothing
     record = json.loads(lines[0])

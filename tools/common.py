@@ -246,6 +246,20 @@ def tensor_parallel(args, parser: argparse.ArgumentParser):
     return tp
 
 
+def end_tensor_parallel() -> None:
+    """The end of a tool's run under --tp: every rank waits for the others (a barrier), then a gloo group is
+    destroyed, so that no rank's exit closes the sockets of a rank still finishing (a gloo rank could abort
+    with SIGABRT at exit). An NCCL group is left to the exit: destroying it while CUDA graphs that captured
+    its collectives are alive waits forever. Nothing to do without an initialized torch.distributed."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    dist.barrier()
+    if dist.get_backend() == "gloo":
+        dist.destroy_process_group()
+
+
 def load_model(args, parser: argparse.ArgumentParser):
     """The model of the add_model_args flags (this rank's shard with --tp); a checkpoint that does not
     load ends the tool through parser.error (exit code 2) with the reason."""

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from metrale_graph.tools.common import (INT_TEXT, add_model_args, load_model, model_config, non_negative_float,
-                                        non_negative_int, positive_int, print_json, probability)
+from metrale_graph.tools.common import (INT_TEXT, add_model_args, end_tensor_parallel, load_model, model_config,
+                                        non_negative_float, non_negative_int, positive_int, print_json, probability)
 
 
 def _parse_args(argv):
@@ -169,3 +169,4 @@ def _show_piece(engine, ids: list[int], shown: list[str]) -> None:
 
 if __name__ == "__main__":
     main()
+    end_tensor_parallel()

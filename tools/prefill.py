@@ -14,8 +14,8 @@ import time
 import torch
 
 from metrale_graph import Stream
-from metrale_graph.tools.common import (add_model_args, load_model, model_config, non_negative_int, positive_int,
-                                        positive_ints, print_json, print_table, sync)
+from metrale_graph.tools.common import (add_model_args, end_tensor_parallel, load_model, model_config, non_negative_int,
+                                        positive_int, positive_ints, print_json, print_table, sync)
 
 
 def main(argv=None) -> None:
@@ -84,3 +84,4 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    end_tensor_parallel()

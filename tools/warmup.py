@@ -190,4 +190,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    from metrale_graph.tools.common import end_tensor_parallel
+
     main()
+    end_tensor_parallel()
