@@ -64,6 +64,14 @@ WORKLOADS = {
 }
 
 
+def fitting_workloads(cfg, names: list[str]) -> tuple[list[str], dict[str, int]]:
+    """The workloads of `names` whose streams fit cfg.max_position_embeddings (cached + new tokens), and
+    the others with the positions they need."""
+    need = {w: max(n + c for n, c in zip(WORKLOADS[w].new, WORKLOADS[w].cached)) for w in names}
+    too_long = {w: n for w, n in need.items() if n > cfg.max_position_embeddings}
+    return [w for w in names if w not in too_long], too_long
+
+
 def expected_experts(cfg, tokens: int) -> float:
     """Experts of one MoE layer that `tokens` tokens touch, in expectation under uniform routing."""
     E, k = cfg.num_experts, cfg.num_experts_per_tok
@@ -321,7 +329,9 @@ def main(argv=None) -> None:
     p.add_argument("--preset", default="qwen3.5-9b", choices=list(PRESETS))
     p.add_argument("--layers", type=positive_int, default=None,
                    help="fewer layers than the preset (quick runs; at most the preset's)")
-    p.add_argument("--workloads", type=names_of(WORKLOADS), default=",".join(WORKLOADS))
+    p.add_argument("--workloads", type=names_of(WORKLOADS), default=None,
+                   help=f"out of {', '.join(WORKLOADS)} (default: all that fit the preset's "
+                        "max_position_embeddings)")
     p.add_argument("--variants", type=names_of(VARIANTS), default=None,
                    help=f"out of {', '.join(VARIANTS)} (default: all; without the peer under --tp)")
     p.add_argument("--repeat", type=positive_int, default=10, help="timed runs per variant (median)")
@@ -357,6 +367,10 @@ def main(argv=None) -> None:
                 "--layers takes at most that many")
     if args.layers:
         cfg = cfg.replace(num_hidden_layers=args.layers)
+    workloads, too_long = fitting_workloads(cfg, args.workloads or list(WORKLOADS))
+    if args.workloads and too_long:
+        p.error(f"--workloads: {', '.join(f'{w} ({n} positions)' for w, n in too_long.items())} past the preset "
+                f"{args.preset}'s max_position_embeddings {cfg.max_position_embeddings}")
     baseline = None
     if args.baseline:
         try:
@@ -368,7 +382,9 @@ def main(argv=None) -> None:
     args.device, args.dtype = None, "bfloat16"  # what tensor_parallel reads: one GPU per rank
     tp = tensor_parallel(args, p)
     device = args.device or torch.device("cuda")
-    workloads = args.workloads
+    if too_long and not args.workloads:
+        print(f"left out {', '.join(too_long)}: longer than the preset {args.preset}'s max_position_embeddings "
+              f"{cfg.max_position_embeddings}")
     try:
         model = HybridModel.from_preset(cfg, dtype=torch.bfloat16, device=device, seed=args.seed, tp=tp)
     except ValueError as e:

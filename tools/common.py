@@ -181,7 +181,11 @@ def model_config(args):
     return load_config(args.model)
 
 
-def add_model_args(p: argparse.ArgumentParser, seed_help: str = "seed of random preset weights and of inputs") -> None:
+def add_model_args(p: argparse.ArgumentParser, seed_help: str = "seed of random preset weights and of inputs",
+                   parallel: bool = True) -> None:
+    """--model, --dtype, --device, --seed, --tp and --moe-parallel. parallel=False: a tool that runs one
+    whole model leaves --tp / --moe-parallel out of its help (they still parse, for the tool to refuse them
+    by name)."""
     from metrale_graph import PRESETS
 
     p.add_argument("--model", type=model_name, default="tiny",
@@ -193,17 +197,18 @@ def add_model_args(p: argparse.ArgumentParser, seed_help: str = "seed of random 
     p.add_argument("--seed", type=seed, default=0, help=seed_help)
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel ranks: launch with torchrun --nproc-per-node N ... --tp N "
-                        "(NCCL on GPUs, one per rank; gloo on the CPU); ranks other than 0 print nothing")
-    add_moe_parallel_arg(p)
+                        "(NCCL on GPUs, one per rank; gloo on the CPU); ranks other than 0 print nothing"
+                   if parallel else argparse.SUPPRESS)
+    add_moe_parallel_arg(p, shown=parallel)
 
 
-def add_moe_parallel_arg(p: argparse.ArgumentParser) -> None:
+def add_moe_parallel_arg(p: argparse.ArgumentParser, shown: bool = True) -> None:
     from metrale_graph.parallel import DEFAULT_MOE, MOE_MODES
 
     p.add_argument("--moe-parallel", choices=MOE_MODES, default=None,
                    help=f"with --tp on an MoE model: each expert split within (within, the default "
                         f"{DEFAULT_MOE!r}: measured faster on two H200s) or the experts split across the ranks "
-                        "(expert); only with --tp")
+                        "(expert); only with --tp" if shown else argparse.SUPPRESS)
 
 
 def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:

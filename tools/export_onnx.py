@@ -110,7 +110,7 @@ def _verify(model, cache, path: str, B: int, T: int, seed: int) -> dict[str, flo
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m tools.export_onnx", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p)
+    add_model_args(p, parallel=False)  # one whole model: --tp / --moe-parallel are refused by name below
     p.add_argument("-B", "--batch-size", type=positive_int, default=4, help="streams in the bucket (default 4)")
     p.add_argument("-T", "--tokens", type=positive_int, default=256, help="tokens in the bucket (default 256)")
     p.add_argument("--slots", type=positive_int, default=8, help="cache slots, plus the scratch slot (default 8)")
