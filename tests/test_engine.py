@@ -484,3 +484,23 @@ def test_default_grid_holds_every_step():
     assert batch_sizes == [2, 4, 8, 16, 32, 64] and token_counts[0] == 2 and token_counts[-1] == 2048
     assert default_grid(6, 100) == ([2, 4, 6], [2, 4, 8, 16, 32, 64, 100])
     assert default_grid(1, 1) == ([1], [1])
+
+
+class _PlainTokenizer:
+    """A tokenizer object whose decode takes the ids only (as tiktoken's and sentencepiece's do)."""
+
+    def encode(self, text):
+        return [ord(c) % 500 + 1 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(96 + i % 26) for i in ids)
+
+
+def test_tokenizer_whose_decode_takes_ids_only(tiny):
+    """An object with encode() and decode() is accepted as the tokenizer; one whose decode has no
+    skip_special_tokens used to fail with a TypeError after the whole generation had run (its results
+    lost); its decode(ids) is now called as it is."""
+    engine = Engine(tiny, num_slots=2, block_size=16, max_context=64, tokenizer=_PlainTokenizer(), compile=False)
+    (r,) = engine.generate(["hi"], max_new_tokens=3, stop_token_ids=[])
+    assert r.text == _PlainTokenizer().decode(r.token_ids) and engine.decode([1, 2]) == "ab"
+    _assert_cache_empty(engine)
