@@ -504,3 +504,39 @@ def test_tokenizer_whose_decode_takes_ids_only(tiny):
     (r,) = engine.generate(["hi"], max_new_tokens=3, stop_token_ids=[])
     assert r.text == _PlainTokenizer().decode(r.token_ids) and engine.decode([1, 2]) == "ab"
     _assert_cache_empty(engine)
+
+
+def test_interrupts_and_abandoned_streams_leave_the_engine_as_new(tiny, monkeypatch):
+    """A KeyboardInterrupt from the step or from on_token, an exception thrown into a stream, and a stream
+    dropped mid-way: each frees every slot and block and the engine's lock; the next generate matches."""
+    engine = Engine(tiny, num_slots=2, token_budget=4, block_size=4, max_context=32, compile=False)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9], [3, 3, 3]]
+    want = [r.token_ids for r in engine.generate(prompts, max_new_tokens=5)]
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    def again():
+        _assert_cache_empty(engine)
+        assert not engine._lock.locked()
+        assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=5)] == want
+
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(prompts, max_new_tokens=5, on_token=interrupt)
+    again()
+    calls, real = [], tiny.forward_packed
+    monkeypatch.setattr(tiny, "forward_packed", lambda *a: calls.append(1) or (interrupt() if len(calls) == 3
+                                                                               else real(*a)))
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(prompts, max_new_tokens=5)
+    monkeypatch.undo()
+    again()
+    stream = engine.stream(prompts, max_new_tokens=5)
+    next(stream)
+    with pytest.raises(ValueError, match="thrown"):
+        stream.throw(ValueError("thrown"))
+    again()
+    stream = engine.stream(prompts, max_new_tokens=5)
+    next(stream)
+    del stream  # dropped: closed when collected
+    again()
