@@ -39,7 +39,7 @@ from .batch import Stream, check_token_ids, token_tensor
 from .model import HybridModel
 from .sampling import check_params, check_seed, new_generator, sample
 from .scheduler import Request, Scheduler
-from .tokenizer import default_stop_ids, resolve_tokenizer
+from .tokenizer import decode_kwargs, default_stop_ids, resolve_tokenizer
 
 DEFAULT_MAX_CONTEXT = 4096
 DEFAULT_TOKEN_BUDGET = 2048
@@ -117,6 +117,7 @@ class Engine:
             raise ValueError("use_graphs=True needs compile=True (graphs replay the compiled step)")
         self.model, self.num_slots, self.max_context, self.token_budget = model, num_slots, max_context, token_budget
         self.tokenizer = resolve_tokenizer(tokenizer, model)
+        self._decode_kwargs = decode_kwargs(self.tokenizer) if self.tokenizer is not None else {}
         if stop_token_ids is None:
             stop_token_ids = [t for t in default_stop_ids(model, self.tokenizer) if 0 <= t < cfg.vocab_size]
         self.stop_token_ids = self._check_stop_ids(stop_token_ids)
@@ -172,10 +173,11 @@ class Engine:
         return self._events(requests, stops, t0)
 
     def decode(self, token_ids: Sequence[int]) -> str | None:
-        """Text of `token_ids` (special tokens skipped), or None without a tokenizer."""
+        """Text of `token_ids` (special tokens skipped where the tokenizer's decode takes
+        skip_special_tokens), or None without a tokenizer."""
         if self.tokenizer is None:
             return None
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        return self.tokenizer.decode(list(token_ids), **self._decode_kwargs)
 
     # the loop ----------------------------------------------------------------------------------
     def _events(self, requests: list[Request], stops: frozenset, t0: float) -> Iterator[TokenEvent]:

@@ -6,6 +6,7 @@ A tokenizer is optional: without one the engine takes and returns token ids only
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import warnings
@@ -43,6 +44,17 @@ def resolve_tokenizer(tokenizer, model):
         raise ValueError(f"tokenizer must be a folder path or an object with encode() and decode(), "
                          f"got {type(tokenizer).__name__}")
     return tokenizer
+
+
+def decode_kwargs(tokenizer) -> dict:
+    """What to pass to `tokenizer.decode` besides the ids: skip_special_tokens=True where it takes it
+    (transformers' tokenizers); nothing for a decode of the ids only (tiktoken's, sentencepiece's)."""
+    try:
+        params = inspect.signature(tokenizer.decode).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): transformers' API assumed
+        return {"skip_special_tokens": True}
+    takes = any(p.name == "skip_special_tokens" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    return {"skip_special_tokens": True} if takes else {}
 
 
 def _load(folder):

@@ -484,3 +484,59 @@ def test_default_grid_holds_every_step():
     assert batch_sizes == [2, 4, 8, 16, 32, 64] and token_counts[0] == 2 and token_counts[-1] == 2048
     assert default_grid(6, 100) == ([2, 4, 6], [2, 4, 8, 16, 32, 64, 100])
     assert default_grid(1, 1) == ([1], [1])
+
+
+class _PlainTokenizer:
+    """A tokenizer object whose decode takes the ids only (as tiktoken's and sentencepiece's do)."""
+
+    def encode(self, text):
+        return [ord(c) % 500 + 1 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(96 + i % 26) for i in ids)
+
+
+def test_tokenizer_whose_decode_takes_ids_only(tiny):
+    """An object with encode() and decode() is accepted as the tokenizer; one whose decode has no
+    skip_special_tokens used to fail with a TypeError after the whole generation had run (its results
+    lost); its decode(ids) is now called as it is."""
+    engine = Engine(tiny, num_slots=2, block_size=16, max_context=64, tokenizer=_PlainTokenizer(), compile=False)
+    (r,) = engine.generate(["hi"], max_new_tokens=3, stop_token_ids=[])
+    assert r.text == _PlainTokenizer().decode(r.token_ids) and engine.decode([1, 2]) == "ab"
+    _assert_cache_empty(engine)
+
+
+def test_interrupts_and_abandoned_streams_leave_the_engine_as_new(tiny, monkeypatch):
+    """A KeyboardInterrupt from the step or from on_token, an exception thrown into a stream, and a stream
+    dropped mid-way: each frees every slot and block and the engine's lock; the next generate matches."""
+    engine = Engine(tiny, num_slots=2, token_budget=4, block_size=4, max_context=32, compile=False)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9], [3, 3, 3]]
+    want = [r.token_ids for r in engine.generate(prompts, max_new_tokens=5)]
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    def again():
+        _assert_cache_empty(engine)
+        assert not engine._lock.locked()
+        assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=5)] == want
+
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(prompts, max_new_tokens=5, on_token=interrupt)
+    again()
+    calls, real = [], tiny.forward_packed
+    monkeypatch.setattr(tiny, "forward_packed", lambda *a: calls.append(1) or (interrupt() if len(calls) == 3
+                                                                               else real(*a)))
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(prompts, max_new_tokens=5)
+    monkeypatch.undo()
+    again()
+    stream = engine.stream(prompts, max_new_tokens=5)
+    next(stream)
+    with pytest.raises(ValueError, match="thrown"):
+        stream.throw(ValueError("thrown"))
+    again()
+    stream = engine.stream(prompts, max_new_tokens=5)
+    next(stream)
+    del stream  # dropped: closed when collected
+    again()
