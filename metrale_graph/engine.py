@@ -91,8 +91,8 @@ class Engine:
                  token_counts: Sequence[int] | None = None):
         """A generation engine owning a cache of `num_slots` slots over `model`.
 
-        max_context: the most tokens (prompt + new) a request holds (default: the model's
-        max_position_embeddings, at most 4096). token_budget: the most tokens one step feeds
+        max_context: the most tokens (prompt + new) a request holds, at most the model's
+        max_position_embeddings (default: that, capped at 4096). token_budget: the most tokens one step feeds
         (default max(2048, num_slots); at least num_slots, so every running request decodes in
         every step). num_blocks: KV blocks of `block_size` tokens (default: every slot can hold
         max_context; fewer make admission wait for blocks). compile=False runs the eager
@@ -108,6 +108,9 @@ class Engine:
                                  ("token_budget", token_budget, 1), ("block_size", block_size, 1)):
             if not _is_int(value) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if max_context > cfg.max_position_embeddings:
+            raise ValueError(f"max_context ({max_context}) exceeds the model's max_position_embeddings "
+                             f"({cfg.max_position_embeddings})")
         if token_budget < num_slots:
             raise ValueError(f"token_budget ({token_budget}) must be at least num_slots ({num_slots}): every "
                              "running request feeds one token per step")
@@ -139,7 +142,12 @@ class Engine:
         if self.runner is None:
             self.generate([[0]], max_new_tokens=1, stop_token_ids=[])
             return []
-        return self.runner.warmup(progress=progress)
+        if not self._lock.acquire(blocking=False):  # capturing under a running generation would fail it
+            raise EngineBusyError("the engine is already generating (finish or close the other stream first)")
+        try:
+            return self.runner.warmup(progress=progress)
+        finally:
+            self._lock.release()
 
     # public calls ------------------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,

@@ -373,6 +373,9 @@ def test_bad_requests_raise_and_touch_nothing(tiny):
     for kwargs, msg in [(dict(num_slots=0), "num_slots must be an integer >= 1"),
                         (dict(num_slots=4, token_budget=2), "at least num_slots"),
                         (dict(max_context=1), "max_context must be an integer >= 2"),
+                        # past the positions the model has (the CLI refused it; a huge one hit the allocator)
+                        (dict(max_context=4097), r"max_context \(4097\) exceeds the model's max_position_emb"),
+                        (dict(max_context=2**40), "exceeds the model's max_position_embeddings"),
                         (dict(compile=False, use_graphs=True), "needs compile=True"),
                         (dict(tokenizer=123), "encode\\(\\) and decode\\(\\)"),
                         (dict(tokenizer="/no/such/folder"), "does not exist"),
@@ -439,6 +442,24 @@ def test_streaming_and_busy_engine(tiny):
     # a callback that raises frees the cache too
     with pytest.raises(KeyError):
         engine.generate(prompts, max_new_tokens=5, on_token=lambda i, t: {}[i])
+    _assert_cache_empty(engine)
+
+
+def test_warmup_of_a_compiled_engine_waits_for_no_generation(tiny, monkeypatch):
+    """warmup() with compile=True ran the runner's captures during an open stream (the eager engine's
+    warmup already refused): a capture under a running generation failed it. Now EngineBusyError, and the
+    stream goes on. The runner's steps run eagerly here (no compile in this test)."""
+    engine = Engine(tiny, num_slots=2, token_budget=8, block_size=16, max_context=32)
+    warmed = []
+    monkeypatch.setattr(engine.runner, "prefill", lambda streams: engine.model.prefill(engine.cache, streams))
+    monkeypatch.setattr(engine.runner, "warmup", lambda progress=False: warmed.append(progress) or [])
+    stream = engine.stream([[1, 2, 3]], max_new_tokens=3)
+    first = next(stream)
+    with pytest.raises(EngineBusyError):
+        engine.warmup()
+    assert warmed == [] and [first.token_id] + [e.token_id for e in stream] == \
+        engine.generate([[1, 2, 3]], max_new_tokens=3)[0].token_ids
+    assert engine.warmup() == [] and warmed == [False]
     _assert_cache_empty(engine)
 
 

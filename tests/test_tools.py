@@ -112,3 +112,26 @@ def test_warmup_files_are_per_rank_and_written_whole(tmp_path):
     with pytest.raises(TypeError):  # the write fails after the file was opened
         write_whole(str(path), 12345)
     assert path.read_bytes() == b'{"warmup_s": 1}' and os.listdir(tmp_path) == [RECORD]
+
+
+def test_console_scripts_of_tp_tools_end_the_group(monkeypatch):
+    """The console scripts called main() alone, so under torchrun they skipped the barrier and group
+    teardown that `python -m` runs (end_tensor_parallel). Each tool that takes --tp is installed as its cli(),
+    which runs main() and then end_tensor_parallel."""
+    import importlib
+    import tomllib
+
+    from metrale_graph.tools import common
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        scripts = tomllib.load(f)["project"]["scripts"]
+    for name in ("prefill", "warmup", "bench", "generate"):
+        assert scripts[f"metrale-{name}"] == f"metrale_graph.tools.{name}:cli"
+        module = importlib.import_module(f"metrale_graph.tools.{name}")
+        calls = []
+        monkeypatch.setattr(module, "main", lambda: calls.append("main"))
+        monkeypatch.setattr(common, "end_tensor_parallel", lambda: calls.append("end"))
+        if hasattr(module, "end_tensor_parallel"):
+            monkeypatch.setattr(module, "end_tensor_parallel", lambda: calls.append("end"))
+        module.cli()
+        assert calls == ["main", "end"], name

@@ -480,6 +480,11 @@ def main(argv=None) -> None:
     print_json(save(generation))
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The console script and `python -m`: main(), then the end of a --tp run (tools.common)."""
     main()
     end_tensor_parallel()
+
+
+if __name__ == "__main__":
+    cli()

@@ -167,6 +167,11 @@ def _show_piece(engine, ids: list[int], shown: list[str]) -> None:
     shown[0] = text
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The console script and `python -m`: main(), then the end of a --tp run (tools.common)."""
     main()
     end_tensor_parallel()
+
+
+if __name__ == "__main__":
+    cli()

@@ -189,8 +189,13 @@ def main(argv=None) -> None:
                 "cold_warmup_s": cold["warmup_s"] if cold else (None if warm else round(warmup_s, 2))})
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The console script and `python -m`: main(), then the end of a --tp run (tools.common)."""
     from metrale_graph.tools.common import end_tensor_parallel
 
     main()
     end_tensor_parallel()
+
+
+if __name__ == "__main__":
+    cli()
