@@ -290,7 +290,9 @@ class Engine:
             raise ValueError(f"stop_token_ids must be a list of token ids, got {type(stop_token_ids).__name__}")
         vocab = self.model.config.vocab_size
         for t in stop_token_ids:
-            if not _is_int(t) or not 0 <= t < vocab:
+            if not _is_int(t):
+                raise ValueError(f"stop token {t!r} is a {type(t).__name__}, not an int")
+            if not 0 <= t < vocab:
                 raise ValueError(f"stop token {t!r} is not a token id in [0, {vocab})")
         return frozenset(stop_token_ids)
 
