@@ -112,6 +112,20 @@ def stage(model, cache, streams) -> list[torch.Tensor]:
     return tokens
 
 
+def unit_gain(model, seed: int):
+    """Overwrite, in place, every matrix of `model` (every parameter of 2 or more dims but the GDN conv1d
+    kernels) by randn * in_features**-0.5 (unit gain, as hf_reference) drawn from its own `seed`; returns
+    the model. random_weights' std 0.02 (transformers' initializer_range) shrinks each layer's share of the
+    residual stream and the spread of the GDN gates (a state outlives a token or two), which blunts
+    comparisons of two paths of one model."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "conv1d" not in name:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    return model
+
+
 def random_tokens(n: int, seed: int, vocab: int = 512) -> list[int]:
     """n token ids drawn with their own seed (512: the tiny preset's vocabulary)."""
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()

@@ -4,14 +4,16 @@ breaks, and the same logits and cache state as eager, through a continuation."""
 import torch
 from torch._dynamo.utils import counters
 
-from helpers import rel_err, run_step
+from helpers import rel_err, run_step, unit_gain
 from metrale_graph import HybridModel, Stream
 
 
 def test_compiled_step_equals_eager_without_graph_breaks():
     torch._dynamo.reset()
     counters.clear()
-    model = HybridModel.from_preset("tiny", seed=5)
+    # unit-gain matrices (helpers.unit_gain): with the preset's std 0.02, a compiled step that scaled layer 0's
+    # MLP output by 1 + 3e-5 passed; now its logits are 3e-5 apart (fp32 noise here: 1e-7)
+    model = unit_gain(HybridModel.from_preset("tiny", seed=5), 5)
     g = torch.Generator().manual_seed(5)
 
     def toks(n):

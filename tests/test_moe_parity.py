@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch._dynamo.utils import counters
 
-from helpers import check_parity, hf_class, hf_reference, moe_config, random_tokens, rel_err, run_step
+from helpers import (check_parity, hf_class, hf_reference, moe_config, random_tokens, rel_err, run_step,
+                     unit_gain)
 from metrale_graph import PRESETS, HybridModel, ModelConfig, Stream, load_config
 from metrale_graph.config import FULL, LINEAR
 from metrale_graph.weights import checkpoint_shapes, fuse_ba, fuse_qkvz, split_ba, split_qkvz, weight_shapes
@@ -86,12 +87,7 @@ def next_model():
     model = HybridModel.from_preset(moe_config("qwen3_next", num_hidden_layers=6, decoder_sparse_step=2,
                                                mlp_only_layers=(3,), num_experts=6, num_experts_per_tok=2),
                                     seed=4)
-    g = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2 and "conv1d" not in name:
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
-    return model
+    return unit_gain(model, 4)
 
 
 def test_batched_equals_each_alone(next_model):

@@ -17,7 +17,7 @@ pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxscript")
 
-from helpers import assert_close, random_tokens, stage  # noqa: E402
+from helpers import assert_close, random_tokens, stage, unit_gain  # noqa: E402
 from metrale_graph import HybridModel, Stream, ops  # noqa: E402
 from metrale_graph.batch import PackedBatch, pack  # noqa: E402
 from metrale_graph.onnx import (check_versions, export_onnx, export_prefill, ort_session, run_step,  # noqa: E402
@@ -32,7 +32,10 @@ VOCAB = 512
 
 @pytest.fixture(scope="module")
 def model():
-    return HybridModel.from_preset("tiny", seed=7)
+    """Unit-gain matrices (helpers.unit_gain): with the preset's std 0.02, an exported step that scaled
+    layer 0's MLP output by 1 + 3e-4 matched the torch step within 1e-4; now it is 4e-4..7e-4 apart (fp32
+    noise between the two: up to 5e-6)."""
+    return unit_gain(HybridModel.from_preset("tiny", seed=7), 7)
 
 
 def _cache_with_context(model):
