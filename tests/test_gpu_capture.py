@@ -67,11 +67,13 @@ def test_every_bucket_replays_like_eager(setup):
             batch = _batch_for(bucket, (prev_b, prev_t), g, cache_g, CFG.vocab_size)
             if batch is None:
                 continue
-            assert runner.grid and bucket == min(b for b in grid if b.holds(len(batch), sum(len(s.tokens) for s in batch)))
+            tokens = sum(len(s.tokens) for s in batch)
+            assert runner.grid and bucket == min(b for b in grid if b.holds(len(batch), tokens))
             before = [t.clone() for t in cache_g.state_tensors()]
             out = runner.prefill(batch)
             ref = model.prefill(cache_e, batch)
-            assert rel_err(out.float(), ref.float()) <= 1e-2, f"{bucket}: logits {rel_err(out.float(), ref.float()):.2e}"
+            err = rel_err(out.float(), ref.float())
+            assert err <= 1e-2, f"{bucket}: logits {err:.2e}"
             slots, blocks = _slot_rows(cache_g, [s.slot for s in batch])
             pools = list(zip(cache_g.conv_states + cache_g.gdn_states, cache_e.conv_states + cache_e.gdn_states,
                              before[: 2 * len(cache_g.conv_states)]))

@@ -32,7 +32,8 @@ def test_bf16_model_matches_transformers_fp32():
     out = model.prefill(cache, [Stream(7 - i, t) for i, t in enumerate(tokens)]).float()
     cont = model.prefill(cache, [Stream(7, extra[0]), Stream(3, extra[1])]).float()
     cases = [(f"stream {i} ({len(t)} tokens)", out[i], t) for i, t in enumerate(tokens)]
-    cases += [(f"continued stream {i}", cont[j], tokens[i] + t) for j, (i, t) in enumerate([(0, extra[0]), (4, extra[1])])]
+    cases += [(f"continued stream {i}", cont[j], tokens[i] + t)
+              for j, (i, t) in enumerate([(0, extra[0]), (4, extra[1])])]
     errors = []
     with torch.no_grad():
         for name, got, ids in cases:

@@ -76,7 +76,8 @@ def test_moe_replay_equals_eager(model, runner):
     g = torch.Generator().manual_seed(1)
     batches = [[Stream(0, torch.randint(0, CFG.vocab_size, (1,), generator=g))],
                [Stream(s, torch.randint(0, CFG.vocab_size, (1,), generator=g)) for s in (1, 2, 5, 0)],
-               [Stream(s, torch.randint(0, CFG.vocab_size, (n,), generator=g)) for s, n in ((3, 300), (1, 17), (6, 600))],
+               [Stream(s, torch.randint(0, CFG.vocab_size, (n,), generator=g))
+                for s, n in ((3, 300), (1, 17), (6, 600))],
                [Stream(s, torch.randint(0, CFG.vocab_size, (n,), generator=g)) for s, n in ((0, 90), (3, 1), (7, 400))]]
     for k, batch in enumerate(batches):
         slots = torch.zeros(cache_g.num_slots + 1, dtype=torch.bool, device="cuda")

@@ -29,7 +29,8 @@ def test_fake_shapes_match_real(name):
     with FakeTensorMode() as mode:
         fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         fake = op(*fake_args)
-    real, fake = (real,) if isinstance(real, torch.Tensor) else real, (fake,) if isinstance(fake, torch.Tensor) else fake
+    real = (real,) if isinstance(real, torch.Tensor) else real
+    fake = (fake,) if isinstance(fake, torch.Tensor) else fake
     assert [(r.shape, r.dtype) for r in real] == [(f.shape, f.dtype) for f in fake]
 
 
