@@ -276,11 +276,13 @@ def run_torchrun(nproc: int, args: list[str], cwd: str | None = None, timeout: i
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, PYTHONFAULTHANDLER="1")  # a rank that aborts prints where each of its threads was
     done = subprocess.run([torchrun, "--nproc-per-node", str(nproc), "--master-port", str(port), *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env=env)
     if done.returncode != 0:
-        marks = ("Error", "error:", "terminate", "what()", "Traceback", "Abort", "rank")
+        marks = ("Error", "error:", "terminate", "what()", "Traceback", "Abort", "rank", "Fatal", "Thread", "File")
         errors = [line for line in done.stderr.splitlines() if any(m in line for m in marks)]
-        raise AssertionError(f"torchrun exited {done.returncode}\nerror lines:\n" + "\n".join(errors[-60:])
-                             + "\n--- tail ---\n" + done.stderr[-1500:])
+        raise AssertionError(f"torchrun exited {done.returncode}\nerror lines:\n" + "\n".join(errors[-80:])
+                             + "\n--- stdout tail ---\n" + done.stdout[-800:] + "\n--- stderr tail ---\n"
+                             + done.stderr[-1500:])
     return done
