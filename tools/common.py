@@ -252,17 +252,22 @@ def tensor_parallel(args, parser: argparse.ArgumentParser):
 
 
 def end_tensor_parallel() -> None:
-    """The end of a tool's run under --tp: every rank waits for the others (a barrier), then a gloo group is
-    destroyed, so that no rank's exit closes the sockets of a rank still finishing (a gloo rank could abort
-    with SIGABRT at exit). An NCCL group is left to the exit: destroying it while CUDA graphs that captured
-    its collectives are alive waits forever. Nothing to do without an initialized torch.distributed."""
+    """The end of a tool's process under --tp (a tool's cli() calls it after main() returns): every rank
+    waits for the others (a barrier), flushes its output and leaves with os._exit(0), skipping the
+    interpreter's finalization. A gloo rank that finalized normally aborted now and then (SIGABRT,
+    "terminate called without an active exception") after all its work was done, failing the run; an
+    NCCL group cannot be destroyed while CUDA graphs that captured its collectives are alive (it waits
+    forever). Returns without an initialized torch.distributed (a one-process run finalizes as usual)."""
+    import sys
+
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
         return
     dist.barrier()
-    if dist.get_backend() == "gloo":
-        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def load_model(args, parser: argparse.ArgumentParser):
