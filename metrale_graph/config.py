@@ -4,7 +4,8 @@ with derived sizes.
 Field names follow transformers' `Qwen3_5TextConfig`, `Qwen3_5MoeTextConfig` and `Qwen3NextConfig`.
 `from_hf` reads a `config.json` dict of model_type `qwen3_5_text`, `qwen3_5_moe_text` or `qwen3_next`,
 or a multimodal `qwen3_5` / `qwen3_5_moe` config (text part under `text_config`; the model runs
-its text part and `model_type` records the text family). Other model families raise `ValueError`.
+its text part and `model_type` records the text family). Other model families, and quantized
+checkpoints (a `quantization_config`), raise `ValueError`.
 
 Families (`model_type`) and their feed-forward halves:
 - `qwen3_5_text`: a dense MLP (`intermediate_size`) in every layer; `num_experts` is 0.
@@ -144,6 +145,7 @@ class ModelConfig:
             raise _invalid(where, f"expected a JSON object, got {type(cfg).__name__}")
         model_type = cfg.get("model_type")
         tie = cfg.get("tie_word_embeddings", False)
+        _refuse_quantized(where, cfg)
         if isinstance(model_type, str) and model_type in _MULTIMODAL:
             if not isinstance(cfg.get("text_config"), dict):
                 raise _invalid(where, f"model_type {model_type!r} config has no 'text_config' section")
@@ -158,6 +160,7 @@ class ModelConfig:
                 raise _invalid(where, f"model_type {model_type!r} config holds a text_config of model_type "
                                       f"{cfg['model_type']!r}; expected {text_type!r}")
             model_type = cfg["model_type"]
+            _refuse_quantized(where, cfg)
         if not (isinstance(model_type, str) and model_type in FAMILIES):
             raise _invalid(where, f"unsupported model_type {model_type!r}: metrale-graph runs "
                                   f"{', '.join(map(repr, FAMILIES + tuple(_MULTIMODAL)))}")
@@ -258,6 +261,19 @@ _INT_FIELDS = {name: 1 for name in (
 
 def _invalid(where: str, msg: str) -> ValueError:
     return ValueError(f"invalid model config{where}: {msg}")
+
+
+def _refuse_quantized(where: str, cfg: dict) -> None:
+    """A quantized checkpoint's config.json carries a quantization_config (Qwen's FP8 releases: quant_method
+    'fp8', block-scaled float8 weights with a weight_scale_inv beside each). Its weights are not the
+    floating-point ones the model runs: refused up front, by name, rather than by the first scale tensor."""
+    quant = cfg.get("quantization_config")
+    if quant is None:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    raise _invalid(where, f"a quantized checkpoint (quantization_config with quant_method {method!r}) is not "
+                          "supported: metrale-graph loads floating-point weights (bfloat16, float16 or float32); "
+                          "use the checkpoint without quantization")
 
 
 def _int(name: str, value, minimum: int, where: str = "") -> int:
