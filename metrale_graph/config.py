@@ -272,8 +272,8 @@ def _refuse_quantized(where: str, cfg: dict) -> None:
         return
     method = quant.get("quant_method") if isinstance(quant, dict) else None
     raise _invalid(where, f"a quantized checkpoint (quantization_config with quant_method {method!r}) is not "
-                          "supported: metrale-graph loads floating-point weights (bfloat16, float16 or float32); "
-                          "use the checkpoint without quantization")
+                          "supported: metrale-graph loads unquantized floating-point weights; use the checkpoint "
+                          "without quantization")
 
 
 def _int(name: str, value, minimum: int, where: str = "") -> int:

@@ -138,7 +138,8 @@ class Engine:
     def warmup(self, progress: bool = False) -> list:
         """Compile (and on CUDA capture) every bucket now rather than on first use; returns the
         runner's per-bucket reports. With compile=False: one 1-token request, so that one-time
-        initialization stays out of later timings; returns []."""
+        initialization stays out of later timings; returns []. Raises EngineBusyError while a
+        generate or stream is running."""
         if self.runner is None:
             self.generate([[0]], max_new_tokens=1, stop_token_ids=[])
             return []
@@ -291,7 +292,7 @@ class Engine:
         vocab = self.model.config.vocab_size
         for t in stop_token_ids:
             if not _is_int(t):
-                raise ValueError(f"stop token {t!r} is a {type(t).__name__}, not an int")
+                raise ValueError(f"stop token {t!r} must be an int, got {type(t).__name__}")
             if not 0 <= t < vocab:
                 raise ValueError(f"stop token {t!r} is not a token id in [0, {vocab})")
         return frozenset(stop_token_ids)

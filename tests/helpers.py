@@ -265,8 +265,9 @@ def replay_memory_growth(runner, vocab: int, replays: int = 1000, seed: int = 1)
 
 def run_torchrun(nproc: int, args: list[str], cwd: str | None = None, timeout: int = 600):
     """`torchrun --nproc-per-node nproc <args>` on a free port (a fixed one collides with another run on the
-    same machine); asserts it succeeded, with every error line of its standard error in the message (a rank's
-    own traceback comes long before torchrun's summary, which alone fills the tail)."""
+    same machine); asserts it succeeded, with the error lines of its standard error in the message (the first
+    and the last 60 when there are more: a rank's own traceback comes long before torchrun's summary, which
+    alone fills the tail)."""
     import os
     import socket
     import subprocess
@@ -282,7 +283,9 @@ def run_torchrun(nproc: int, args: list[str], cwd: str | None = None, timeout: i
     if done.returncode != 0:
         marks = ("Error", "error:", "terminate", "what()", "Traceback", "Abort", "rank", "Fatal", "Thread", "File")
         errors = [line for line in done.stderr.splitlines() if any(m in line for m in marks)]
-        raise AssertionError(f"torchrun exited {done.returncode}\nerror lines:\n" + "\n".join(errors[-80:])
+        if len(errors) > 120:
+            errors = errors[:60] + ["..."] + errors[-60:]
+        raise AssertionError(f"torchrun exited {done.returncode}\nerror lines:\n" + "\n".join(errors)
                              + "\n--- stdout tail ---\n" + done.stdout[-800:] + "\n--- stderr tail ---\n"
                              + done.stderr[-1500:])
     return done

@@ -355,8 +355,8 @@ def test_bad_requests_raise_and_touch_nothing(tiny):
         (dict(prompts=[ok], top_k=-1), "top_k must be an integer >= 0"),
         (dict(prompts=[ok], seed="x"), "seed must be an integer or None"),
         (dict(prompts=[ok], stop_token_ids=[600]), "stop token 600 is not a token id"),
-        (dict(prompts=[ok], stop_token_ids=[5, 2.0]), "stop token 2.0 is a float, not an int"),
-        (dict(prompts=[ok], stop_token_ids=[True]), "stop token True is a bool, not an int"),
+        (dict(prompts=[ok], stop_token_ids=[5, 2.0]), "stop token 2.0 must be an int, got float"),
+        (dict(prompts=[ok], stop_token_ids=[True]), "stop token True must be an int, got bool"),
     ]
     for kwargs, msg in cases:
         for call in (engine.generate, engine.stream):

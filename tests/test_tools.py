@@ -115,7 +115,7 @@ def test_warmup_files_are_per_rank_and_written_whole(tmp_path):
 
 
 def test_console_scripts_of_tp_tools_end_the_group(monkeypatch):
-    """The console scripts called main() alone, so under torchrun they skipped the barrier and group
+    """The console scripts called main() alone, so under torchrun they skipped the barrier, flush and os._exit ending
     teardown that `python -m` runs (end_tensor_parallel). Each tool that takes --tp is installed as its cli(),
     which runs main() and then end_tensor_parallel."""
     import importlib
