@@ -143,8 +143,7 @@ class Engine:
         if self.runner is None:
             self.generate([[0]], max_new_tokens=1, stop_token_ids=[])
             return []
-        if not self._lock.acquire(blocking=False):  # capturing under a running generation would fail it
-            raise EngineBusyError("the engine is already generating (finish or close the other stream first)")
+        self._hold()  # capturing under a running generation would fail it
         try:
             return self.runner.warmup(progress=progress)
         finally:
@@ -189,9 +188,14 @@ class Engine:
         return self.tokenizer.decode(list(token_ids), **self._decode_kwargs)
 
     # the loop ----------------------------------------------------------------------------------
-    def _events(self, requests: list[Request], stops: frozenset, t0: float) -> Iterator[TokenEvent]:
+    def _hold(self) -> None:
+        """Take the engine for one generate / stream / warmup (released by the caller); EngineBusyError while
+        another holds it."""
         if not self._lock.acquire(blocking=False):
             raise EngineBusyError("the engine is already generating (finish or close the other stream first)")
+
+    def _events(self, requests: list[Request], stops: frozenset, t0: float) -> Iterator[TokenEvent]:
+        self._hold()
         sched = None
         try:
             sched = Scheduler(self.cache, self.token_budget)  # may reset leftover streams: inside the try
