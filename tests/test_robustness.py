@@ -265,3 +265,33 @@ def test_cache_and_runner_built_in_inference_mode_serve_outside_it():
     with torch.inference_mode():
         assert torch.equal(model.prefill(cache, [Stream(1, [6])]), model.prefill(ref_cache, [Stream(1, [6])]))
     assert not any(t.is_inference() for t in cache.state_tensors()) and not buffers.tokens.is_inference()
+
+
+def test_a_held_cache_serves_only_threads_acting_for_its_holder():
+    """hold(): every other caller (prefill, reset, another thread) gets CacheInUseError naming the holder;
+    acting_for(holder) lets the holder's own thread through; release() frees the cache; a copy is unheld."""
+    import copy
+    import threading
+
+    model = HybridModel.from_preset("tiny")
+    cache = model.new_cache(2, 8)
+    token = object()
+    cache.hold(token, "an Engine")
+    assert cache.holder_name == "an Engine"
+    with pytest.raises(CacheInUseError, match="held by an Engine"):
+        model.prefill(cache, [Stream(0, [1, 2])])
+    with pytest.raises(CacheInUseError, match="held by an Engine"):
+        cache.reset(0)
+    with pytest.raises(CacheInUseError, match="already held"):
+        cache.hold(object(), "another")
+    errors = []
+    with cache.acting_for(token):
+        model.prefill(cache, [Stream(0, [1, 2])])
+        other = threading.Thread(target=lambda: errors.append(pytest.raises(CacheInUseError, cache.reset, 0)))
+        other.start()
+        other.join()
+    assert errors and cache.context_lens[0] == 2  # the other thread acts for nobody
+    assert copy.deepcopy(cache).holder_name is None
+    cache.release(token)
+    cache.reset(0)
+    assert cache.holder_name is None and cache.context_lens[0] == 0
