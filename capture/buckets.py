@@ -10,9 +10,10 @@ streams on the scratch slot, spare tokens in no stream).
 
 from __future__ import annotations
 
-import operator
 
 from dataclasses import dataclass
+
+from metrale_graph.numbers import as_int
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 DEFAULT_TOKEN_COUNTS = (256, 512, 1024, 2048, 4096, 8192)
@@ -30,16 +31,6 @@ class Bucket:
         return f"B{self.streams}xT{self.tokens}"
 
 
-def _as_int(v) -> int | None:
-    """v as a Python int if it is an integer of any kind (int, numpy or 0-d torch integer), not a bool."""
-    if isinstance(v, bool) or str(getattr(v, "dtype", "")) in ("bool", "torch.bool"):
-        return None
-    try:
-        return operator.index(v)
-    except TypeError:
-        return None
-
-
 def make_grid(batch_sizes, token_counts) -> list[Bucket]:
     """All (B, T) with B <= T (a bucket of more streams than tokens could never fill), sorted;
     duplicates count once. Each argument is any iterable of positive ints (read once); ValueError
@@ -50,7 +41,7 @@ def make_grid(batch_sizes, token_counts) -> list[Bucket]:
             items = list(values)
         except TypeError:
             items = None
-        ints = None if items is None else [_as_int(v) for v in items]  # numpy / torch integers too
+        ints = None if items is None else [as_int(v) for v in items]  # numpy / torch integers too
         bad = None if items is None else [v for v, n in zip(items, ints) if n is None or n < 1]
         if not items or bad:
             what = f" ({', '.join(map(repr, bad))}: not a positive integer)" if bad else ""

@@ -37,9 +37,10 @@ from typing import Sequence
 
 import torch
 
-from metrale_graph.batch import PackedBatch, Stream, empty_batch, pack, validate
+from metrale_graph.batch import PackedBatch, Stream, empty_batch
 from metrale_graph.cache import HybridCache
 from metrale_graph.model import HybridModel
+from metrale_graph.protocol import prefill_call
 
 from .buckets import DEFAULT_BATCH_SIZES, DEFAULT_TOKEN_COUNTS, Bucket, choose, make_grid, split
 
@@ -158,32 +159,19 @@ class GraphRunner:
         largest bucket runs as several replays (streams too long for it are continued across them,
         as a chunked prefill)."""
         self._check_model()
-        self.model.check_cache(self.cache)
-        cache = self.cache
-        with cache.exclusive():
-            tokens = validate(streams, cache, self.model.config.vocab_size)
-            lengths = [t.numel() for t in tokens]
-            if choose(self.grid, len(streams), sum(lengths)) is not None:
-                pieces = [[(i, 0, n) for i, n in enumerate(lengths)]]
-            else:
-                pieces = split(lengths, self.largest.streams, self.largest.tokens)
-            buckets = [choose(self.grid, len(p), sum(b - a for _, a, b in p)) for p in pieces]
+        with prefill_call(self.model, self.cache, streams) as call:  # metrale_graph/protocol.py
+            pieces = [call.whole]
+            if choose(self.grid, len(call.lengths), sum(call.lengths)) is None:
+                pieces = split(call.lengths, self.largest.streams, self.largest.tokens)
+            buckets = {choose(self.grid, len(p), sum(b - a for _, a, b in p)) for p in pieces}
             # compile / capture first (a failure here changes no slot), the largest first as in warmup: the
             # smaller graphs then reuse the larger one's memory pool
-            for bucket in sorted(set(buckets), reverse=True):
+            for bucket in sorted(buckets, reverse=True):
                 self._warm(bucket)
-            growth = {s.slot: n for s, n in zip(streams, lengths)}
-            logits: list[torch.Tensor | None] = [None] * len(streams)
-            with cache.transaction(growth):
-                cache.allocate(growth)
-                for bucket, piece in zip(buckets, pieces):
-                    sub = [Stream(streams[i].slot, tokens[i][a:b]) for i, a, b in piece]
-                    out = self._run(self.entries[bucket], pack(sub, [s.tokens for s in sub], cache))
-                    cache.commit({s.slot: s.tokens.numel() for s in sub})
-                    for row, (i, a, b) in enumerate(piece):
-                        if b == lengths[i]:
-                            logits[i] = out[row]
-        return torch.stack(logits)
+            return call.run(lambda packed: self._run(self._bucket_of(packed), packed), pieces)
+
+    def _bucket_of(self, packed: PackedBatch) -> "BucketEntry":
+        return self.entries[choose(self.grid, packed.num_streams, packed.num_tokens)]
 
     def _run(self, entry: BucketEntry, packed: PackedBatch) -> torch.Tensor:
         entry.batch.fill(packed, self.cache)

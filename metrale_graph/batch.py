@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 
 from .cache import HybridCache
+from .numbers import as_int
 
 
 @dataclass
@@ -107,9 +108,11 @@ class PackedBatch:
 
 
 def token_tensor(tokens, where: str, device: torch.device) -> torch.Tensor:
-    """`tokens` (a sequence of ints, or a 1-D integer tensor on the CPU or `device`) as a 1-D int64
-    tensor; ValueError starting with `where` (e.g. "stream 3") otherwise. Ids are range-checked by
-    check_token_ids, all at once."""
+    """`tokens` (a sequence of ints, numpy integers included, a 1-D integer numpy array, or a 1-D integer
+    tensor on the CPU or `device`) as a 1-D int64 tensor; ValueError starting with `where` (e.g. "stream 3")
+    otherwise. Ids are range-checked by check_token_ids, all at once."""
+    if type(tokens).__module__ == "numpy" and hasattr(tokens, "dtype") and hasattr(tokens, "ndim"):
+        tokens = _from_numpy(tokens, where)
     if isinstance(tokens, torch.Tensor):
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise ValueError(f"{where}: tokens must be an integer tensor, got dtype {tokens.dtype}")
@@ -128,16 +131,28 @@ def token_tensor(tokens, where: str, device: torch.device) -> torch.Tensor:
         if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
             raise ValueError(f"{where}: tokens must be a sequence of ints or a 1-D tensor, "
                              f"got {type(tokens).__name__}")
-        bad = next((x for x in tokens if not isinstance(x, int) or isinstance(x, bool)), None)
+        ids = [as_int(x) for x in tokens]  # ints, and numpy / 0-d torch integers as users pass them
+        bad = next((x for x, i in zip(tokens, ids) if i is None), None)
         if bad is not None:
             raise ValueError(f"{where}: token {bad!r} is not an int")
         try:
-            t = torch.tensor(list(tokens), dtype=torch.int64)
+            t = torch.tensor(ids, dtype=torch.int64)
         except (ValueError, RuntimeError, OverflowError):  # an int beyond int64 (torch versions differ)
             raise ValueError(f"{where}: a token id does not fit in int64") from None
     if t.numel() == 0:
         raise ValueError(f"{where} is empty (no tokens)")
     return t
+
+
+def _from_numpy(array, where: str) -> torch.Tensor:
+    """A 1-D integer numpy array as an int64 tensor (ValueError for other dtypes and ids beyond int64)."""
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"{where}: tokens must be integers, got a numpy array of dtype {array.dtype}")
+    if array.ndim != 1:
+        raise ValueError(f"{where}: tokens must be 1-D, got a numpy array of shape {tuple(array.shape)}")
+    if array.dtype.kind == "u" and array.dtype.itemsize == 8 and array.size and int(array.max()) >= 2**63:
+        raise ValueError(f"{where}: token id {int(array.max())} does not fit in int64")
+    return torch.from_numpy(array.astype("int64"))
 
 
 def check_token_ids(tokens: list[torch.Tensor], vocab_size: int, what: str = "stream") -> None:

@@ -32,6 +32,7 @@ from types import SimpleNamespace
 import torch
 
 from .config import ModelConfig
+from .numbers import as_int
 
 
 class CacheInUseError(ValueError, RuntimeError):
@@ -46,17 +47,25 @@ _acting = threading.local()
 class HybridCache:
     def __init__(self, cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: int = 64,
                  max_context: int | None = None, dtype: torch.dtype = torch.float32, device="cpu", owner=None):
+        sizes = {}
         for name, value in (("num_slots", num_slots), ("num_blocks", num_blocks), ("block_size", block_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            sizes[name] = as_int(value)
+            if sizes[name] is None or sizes[name] < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        num_slots, num_blocks, block_size = sizes["num_slots"], sizes["num_blocks"], sizes["block_size"]
         if max_context is None:
             max_context = min(cfg.max_position_embeddings, num_blocks * block_size)
-        if not isinstance(max_context, int) or isinstance(max_context, bool) or max_context < 1:
+        max_context = as_int(max_context)
+        if max_context is None or max_context < 1:
             raise ValueError(f"max_context must be a positive integer, got {max_context!r}")
+        if max_context > cfg.max_position_embeddings:
+            raise ValueError(f"max_context ({max_context}) exceeds the model's max_position_embeddings "
+                             f"({cfg.max_position_embeddings}): no position past it exists")
         self.config = cfg
         self.num_slots, self.num_blocks, self.block_size = num_slots, num_blocks, block_size
+        # exactly max_context tokens per slot (validate refuses a stream past it), in whole blocks
+        self.max_context = max_context
         self.max_blocks_per_slot = -(-max_context // block_size)
-        self.max_context = self.max_blocks_per_slot * block_size
         self.dtype, self.device = dtype, torch.device(device)
         S, W = num_slots + 1, cfg.linear_conv_kernel_dim
         HV, K, V = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim

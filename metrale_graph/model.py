@@ -21,11 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops
-from .batch import PackedBatch, Stream, pack, validate
+from .batch import PackedBatch, Stream
 from .cache import HybridCache
 from .config import LINEAR, ModelConfig, PRESETS, load_config
 from .ops.common import rms_norm
 from .ops.limits import check_supported
+from .protocol import prefill_call
 from .parallel import TensorParallel, first_expert, local_config, shard_weights, sharded_shapes
 from .weights import load_checkpoint, random_weights, save_checkpoint, stack_projections, weight_shapes
 
@@ -177,16 +178,8 @@ class HybridModel(nn.Module):
         cache state changes; a failure while the step runs resets the batch's slots (see
         HybridCache.transaction). A cache serves one caller at a time (CacheInUseError).
         """
-        self.check_cache(cache, claim=False)
-        with cache.exclusive():
-            tokens = validate(streams, cache, self.config.vocab_size)
-            cache.bind(self)  # the input is good: an ownerless cache becomes this model's
-            growth = {s.slot: t.numel() for s, t in zip(streams, tokens)}
-            with cache.transaction(growth):
-                cache.allocate(growth)
-                logits = self.forward_packed(cache, pack(streams, tokens, cache))
-                cache.commit(growth)
-        return logits
+        with prefill_call(self, cache, streams) as call:  # metrale_graph/protocol.py
+            return call.run(lambda batch: self.forward_packed(cache, batch))
 
     def forward_packed(self, cache: HybridCache, batch: PackedBatch) -> torch.Tensor:
         """The step: packed batch in, last-token logits [B, vocab] out; mutates the batch's slots

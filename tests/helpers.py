@@ -89,27 +89,28 @@ def assert_no_aliasing(name, outputs, inputs):
 
 
 def run_step(model, step, cache, streams) -> torch.Tensor:
-    """What prefill does around the step, with `step` (e.g. a compiled forward_packed) in its place:
-    validate, allocate the KV blocks, run the step on the packed batch, commit the contexts."""
-    from metrale_graph.batch import pack, validate
+    """model.prefill with `step` (e.g. a compiled forward_packed) in the place of the eager step: the same
+    prefill protocol (metrale_graph/protocol.py) around `step(cache, packed)`."""
+    from metrale_graph.protocol import prefill_call
 
-    tokens = validate(streams, cache, model.config.vocab_size)
-    growth = {s.slot: t.numel() for s, t in zip(streams, tokens)}
-    cache.allocate(growth)
-    with torch.no_grad():
-        logits = step(cache, pack(streams, tokens, cache))
-    cache.commit(growth)
-    return logits
+    with torch.no_grad(), prefill_call(model, cache, streams) as call:
+        return call.run(lambda packed: step(cache, packed))
 
 
-def stage(model, cache, streams) -> list[torch.Tensor]:
-    """Validate a batch and allocate its KV blocks, as prefill does before running the step; returns
-    each stream's tokens (for tests that run the step themselves)."""
-    from metrale_graph.batch import validate
+def packed_batch(model, cache, streams):
+    """The PackedBatch a prefill of `streams` hands its step (through the prefill protocol: validated, KV
+    blocks reserved; the step itself writes nothing, the slots' contexts advance as after a prefill)."""
+    from metrale_graph.protocol import prefill_call
 
-    tokens = validate(streams, cache, model.config.vocab_size)
-    cache.allocate({s.slot: t.numel() for s, t in zip(streams, tokens)})
-    return tokens
+    seen = []
+
+    def record(packed):
+        seen.append(packed)
+        return torch.zeros(packed.num_streams, 1)
+
+    with prefill_call(model, cache, streams) as call:
+        call.run(record)
+    return seen[0]
 
 
 def unit_gain(model, seed: int):

@@ -5,10 +5,10 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from helpers import rel_err, stage, unit_gain
+from helpers import packed_batch, rel_err, unit_gain
 from metrale_graph import HybridModel, Stream
 from metrale_graph.capture import Bucket, GraphRunner, choose, make_grid, split
-from metrale_graph.batch import PackedBatch, pack
+from metrale_graph.batch import PackedBatch
 
 
 def test_grid_and_choice():
@@ -78,7 +78,7 @@ def test_static_batch_padding():
     cache = model.new_cache(4, 16, block_size=16)
     b = PackedBatch.padding(4, 64, cache)
     streams = [Stream(2, [1, 2, 3]), Stream(0, [4] * 20)]
-    b.fill(pack(streams, stage(model, cache, streams), cache), cache)
+    b.fill(packed_batch(model, cache, streams), cache)
     assert b.cu_seqlens.tolist() == [0, 3, 23, 23, 23]
     assert b.slot_ids.tolist() == [2, 0, cache.scratch_slot, cache.scratch_slot]
     assert (b.block_tables[2:] == cache.null_block).all() and (b.tokens[23:] == 0).all()

@@ -17,9 +17,9 @@ pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxscript")
 
-from helpers import assert_close, random_tokens, stage, unit_gain  # noqa: E402
+from helpers import assert_close, packed_batch, random_tokens, unit_gain  # noqa: E402
 from metrale_graph import HybridModel, Stream, ops  # noqa: E402
-from metrale_graph.batch import PackedBatch, pack  # noqa: E402
+from metrale_graph.batch import PackedBatch  # noqa: E402
 from metrale_graph.onnx import (check_versions, export_onnx, export_prefill, ort_session, run_step,  # noqa: E402
                                 translation)
 from metrale_graph.ops import REGISTRY, Shapes  # noqa: E402
@@ -90,8 +90,7 @@ def test_onnxruntime_step_matches_torch_step(model, tmp_path, B, T, new):
     assert [dims(o) for o in proto.graph.output] == [[B, cfg.vocab_size]] + shapes[6:]
 
     streams = [Stream(slot, random_tokens(n, 10 + slot)) for slot, n in new]
-    tokens = stage(model, cache, streams)
-    batch = pack(streams, tokens, cache).padded(B, T, cache)
+    batch = packed_batch(model, cache, streams).padded(B, T, cache)
     lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
     assert lengths == [n for _, n in new] + [0] * (B - len(new))
     assert batch.context_lens.max() > 0  # a continuation: the step reads cached context
@@ -256,7 +255,7 @@ def test_run_step_names_the_input_a_batch_or_cache_gets_wrong(model, tmp_path):
     export_prefill(small, cache, 2, 16).save(path)
     session = ort_session(path)
     streams = [Stream(0, [1, 2, 3])]
-    batch = pack(streams, stage(small, cache, streams), cache)
+    batch = packed_batch(small, cache, streams)
     run_step(session, batch.padded(2, 16, cache), cache)  # fits
 
     with pytest.raises(ValueError, match=r"input tokens: shape \[3\], the exported step takes \[16\] \(pad the batch"):

@@ -169,13 +169,11 @@ def test_padding_a_padded_batch_keeps_spare_tokens_in_no_stream(model):
     """PackedBatch.fill ended the padding streams at the packed batch's token count; for a batch padded
     already (spare tokens past cu_seqlens[-1]) that made the first new padding stream own the old spare
     tokens, on the scratch slot, against the padding contract."""
-    from metrale_graph.batch import PackedBatch, pack, validate
+    from helpers import packed_batch
+    from metrale_graph.batch import PackedBatch
 
     cache = model.new_cache(4, 8, block_size=16)
-    streams = [Stream(0, random_tokens(3, 1)), Stream(2, random_tokens(2, 2))]
-    tokens = validate(streams, cache, VOCAB)
-    cache.allocate({0: 3, 2: 2})
-    batch = pack(streams, tokens, cache)
+    batch = packed_batch(model, cache, [Stream(0, random_tokens(3, 1)), Stream(2, random_tokens(2, 2))])
     once = batch.padded(3, 8, cache)
     assert once.cu_seqlens.tolist() == [0, 3, 5, 5]
     twice = once.padded(4, 10, cache)
@@ -207,3 +205,39 @@ def test_a_cache_survives_pickling_and_deepcopy(model):
     for c in (cache, loaded, twin):
         assert rel_err(model.prefill(c, [Stream(0, tokens[4:])]), whole) <= 1e-5
     assert loaded.free_blocks == twin.free_blocks == cache.free_blocks == 5
+
+
+def test_max_context_is_exact_and_within_the_model_positions():
+    """The cache holds exactly max_context tokens per slot (it rounded up to whole blocks: 100 became 128),
+    and never more than max_position_embeddings (block_size 3 let a 4098-token stream into a 4096-position
+    model)."""
+    model = HybridModel.from_preset("tiny")  # max_position_embeddings 4096
+    cache = model.new_cache(2, 8, block_size=64, max_context=100)
+    assert cache.max_context == 100 and cache.max_blocks_per_slot == 2
+    model.prefill(cache, [Stream(0, [1] * 100)])
+    with pytest.raises(ValueError, match="capacity of 100 tokens per slot"):
+        model.prefill(cache, [Stream(1, [1] * 101)])
+    assert cache.context_lens == [100, 0]
+    odd = model.new_cache(1, 1400, block_size=3)
+    assert odd.max_context == 4096
+    with pytest.raises(ValueError, match="capacity of 4096"):
+        model.prefill(odd, [Stream(0, [1] * 4098)])
+    with pytest.raises(ValueError, match=r"max_context \(4097\) exceeds the model's max_position_embeddings"):
+        model.new_cache(1, 100, max_context=4097)
+
+
+def test_numpy_tokens_and_sizes_are_taken_as_users_pass_them():
+    """1-D integer numpy arrays and numpy integer scalars are tokens; numpy ints are cache sizes; the
+    results equal the same ids as a list. Non-integer arrays are named by their dtype."""
+    np = pytest.importorskip("numpy")
+    model = HybridModel.from_preset("tiny")
+    a, b = model.new_cache(np.int64(2), np.int32(8), block_size=np.int64(16)), model.new_cache(2, 8, block_size=16)
+    got = model.prefill(a, [Stream(0, np.array([5, 6, 7])), Stream(1, [np.int64(8), np.uint8(9)])])
+    ref = model.prefill(b, [Stream(0, [5, 6, 7]), Stream(1, [8, 9])])
+    assert torch.equal(got, ref)
+    with pytest.raises(ValueError, match="tokens must be integers, got a numpy array of dtype float32"):
+        model.prefill(a, [Stream(0, np.array([1.0], dtype=np.float32))])
+    with pytest.raises(ValueError, match="token True is not an int"):
+        model.prefill(a, [Stream(0, [True])])
+    with pytest.raises(ValueError, match="num_slots must be a positive integer"):
+        model.new_cache(np.float64(2.0), 8)

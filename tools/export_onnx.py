@@ -81,28 +81,35 @@ def _verify_geometry_error(B: int, T: int, args) -> str | None:
 def _verify(model, cache, path: str, B: int, T: int, seed: int) -> dict[str, float]:
     """Prefill context into some slots, then run a batch continuing half of them plus new streams,
     padded to the bucket, through onnxruntime and the torch step; relative norm errors by output."""
-    from metrale_graph.batch import pack, validate
     from metrale_graph.onnx import ort_session, run_step
+    from metrale_graph.protocol import prefill_call
 
     gen = torch.Generator().manual_seed(seed)
     first, second = _verify_plan(B, T, cache.max_context, gen)
     vocab = model.config.vocab_size
     model.prefill(cache, [Stream(2 * i, torch.randint(0, vocab, (k,), generator=gen)) for i, k in enumerate(first)])
     streams = [Stream(s, torch.randint(0, vocab, (k,), generator=gen)) for s, k in second]
-    tokens = validate(streams, cache, vocab)
-    cache.allocate({s.slot: t.numel() for s, t in zip(streams, tokens)})
-    batch = pack(streams, tokens, cache).padded(B, T, cache)
-    ref_cache = copy.deepcopy(cache)
-    with torch.no_grad():
-        ref = model.forward_packed(ref_cache, batch)
-    out = run_step(ort_session(path), batch, cache)
+    compared = {}
+
+    def step(packed):  # the torch step on a copy of the cache, onnxruntime on the cache's pools as they are
+        batch = packed.padded(B, T, cache)
+        ref_cache = copy.deepcopy(cache)
+        with torch.no_grad():
+            compared["ref"] = model.forward_packed(ref_cache, batch)
+        compared["ref_pools"] = ref_cache.pools()
+        compared["out"] = run_step(ort_session(path), batch, cache)
+        return compared["ref"][:packed.num_streams]
+
+    with prefill_call(model, cache, streams) as call:  # metrale_graph/protocol.py
+        call.run(step)
+    ref, out = compared["ref"], compared["out"]
 
     def rel(name, expected):
         expected = expected.double().cpu()
         return ((torch.from_numpy(out[name]).double() - expected).norm() / expected.norm()).item()
 
     errors = {"logits": rel("logits", ref)}
-    for name, pool in zip(cache.pool_names(), ref_cache.pools()):
+    for name, pool in zip(cache.pool_names(), compared["ref_pools"]):
         errors[name] = rel(f"{name}_out", pool)
     return errors
 
