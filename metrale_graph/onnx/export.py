@@ -1,7 +1,7 @@
 """ONNX export of the packed prefill step (`HybridModel.forward_packed`) for one bucket (B, T).
 
     program = export_prefill(model, cache, batch_size=B, num_tokens=T)
-    program.save("prefill.onnx")
+    save_onnx(program, "prefill.onnx")  # whole and checked, or not at all (files.py)
 
 The graph (fixed shapes: one file per bucket and cache geometry) takes the step's inputs in
 `PackedBatch.names()` order, then the cache's pools in `HybridCache.pool_names()` order, and
