@@ -22,7 +22,7 @@ GDN_THEN_ATTENTION = dict(num_hidden_layers=2, layer_types=("linear_attention", 
 B, T = 2, 32
 GEOMETRY = dict(slots=4, blocks=16, block_size=16, max_context=64)
 
-# ops onnxruntime's CPU provider runs on bf16 tensors (1.20 - 1.23): moving values, not computing them
+# ops onnxruntime's CPU provider runs on bf16 tensors (probed on 1.32): moving values, not computing them
 MOVES = {"Cast", "Concat", "Gather", "GatherElements", "GatherND", "Identity", "Reshape", "ScatterElements",
          "ScatterND", "Slice", "Squeeze", "Transpose", "Unsqueeze"}
 
