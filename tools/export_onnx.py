@@ -150,7 +150,7 @@ def main(argv=None) -> None:
 
     import onnx
 
-    from metrale_graph.onnx import export_prefill, node_counts
+    from metrale_graph.onnx import export_prefill, node_counts, save_onnx
 
     steps = ["load model", "torch.export", "translate to ONNX", "save", "check_model"]
     steps += ["verify"] if args.verify else []
@@ -177,10 +177,7 @@ def main(argv=None) -> None:
         program = export_prefill(model, cache, B, T, progress=step)
     except ValueError as e:
         p.error(str(e))
-    step("save")
-    program.save(path)
-    step("check_model")
-    onnx.checker.check_model(path, full_check=True)  # by path: works past protobuf's 2 GB too
+    save_onnx(program, path, progress=step)  # the file whole and checked, or none: steps save, check_model
     proto = onnx.load(path, load_external_data=False)
     geometry = repr(cache)
     errors = None

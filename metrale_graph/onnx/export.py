@@ -1,7 +1,7 @@
 """ONNX export of the packed prefill step (`HybridModel.forward_packed`) for one bucket (B, T).
 
     program = export_prefill(model, cache, batch_size=B, num_tokens=T)
-    program.save("prefill.onnx")
+    save_onnx(program, "prefill.onnx")  # whole and checked, or not at all (files.py)
 
 The graph (fixed shapes: one file per bucket and cache geometry) takes the step's inputs in
 `PackedBatch.names()` order, then the cache's pools in `HybridCache.pool_names()` order, and
@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from ..batch import PackedBatch
 from ..cache import HybridCache
 from ..ops import REGISTRY, OpSpec
-from .translations import OPSET
+from .translations import ATEN, OPSET
 
 _TWINS: dict[str, "torch._ops.OpOverload"] = {}
 
@@ -153,7 +153,7 @@ def export_onnx(module: nn.Module, args: tuple, translations: dict[str, Callable
     if missing:
         raise ValueError(f"no ONNX translation for {missing[0]}" + (f" (nor {', '.join(missing[1:])})"
                                                                       if len(missing) > 1 else ""))
-    table = {}
+    table = {getattr(torch.ops.aten, name).default: fn for name, fn in ATEN.items()}
     for name, fn in translations.items():
         spec = REGISTRY[name]
         table[twin(spec) if spec.mutates else getattr(torch.ops.metrale, name).default] = fn
@@ -208,7 +208,8 @@ def ort_session(model, threads: int | None = None):
 
 def run_step(session, batch: PackedBatch, cache: HybridCache) -> dict[str, np.ndarray]:
     """Run an exported step in onnxruntime on a packed batch and the cache's pools (left as they
-    are). Returns every output by name.
+    are). Returns every output by name, as numpy arrays (bfloat16 ones as `ml_dtypes.bfloat16`,
+    which numpy lacks; `.astype(np.float32)` is exact).
 
     A batch or cache that does not match the exported step (another bucket, a batch not padded to
     it, a cache of another geometry or model, a field of another dtype) raises ValueError naming the
@@ -225,12 +226,37 @@ def run_step(session, batch: PackedBatch, cache: HybridCache) -> dict[str, np.nd
                              "geometry)")
         if _ORT_DTYPES.get(i.type, t.dtype) != t.dtype:
             raise ValueError(f"input {i.name}: dtype {t.dtype}, the exported step takes {_ORT_DTYPES[i.type]}")
-    feeds = {i.name: t.detach().cpu().numpy() for i, t in zip(inputs, args)}
-    return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    # through OrtValues over numpy buffers: onnxruntime's numpy feeds and outputs take no bfloat16
+    binding = session.io_binding()
+    for i, t in zip(inputs, args):
+        binding.bind_ortvalue_input(i.name, _ort_value(_numpy(t.detach().cpu().contiguous())))
+    outputs = {o.name: _numpy(torch.empty(o.shape, dtype=_ORT_DTYPES[o.type])) for o in session.get_outputs()}
+    for name, array in outputs.items():
+        binding.bind_ortvalue_output(name, _ort_value(array))
+    session.run_with_iobinding(binding)
+    return outputs
 
 
 _ORT_DTYPES = {"tensor(float)": torch.float32, "tensor(double)": torch.float64, "tensor(float16)": torch.float16,
                "tensor(bfloat16)": torch.bfloat16, "tensor(int64)": torch.int64, "tensor(int32)": torch.int32}
+
+
+def _numpy(t: Tensor) -> np.ndarray:
+    """A CPU tensor as a numpy array sharing its memory; bfloat16 as ml_dtypes.bfloat16."""
+    if t.dtype != torch.bfloat16:
+        return t.numpy()
+    import ml_dtypes  # onnx's own dependency
+
+    return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+
+
+def _ort_value(array: np.ndarray):
+    """An onnxruntime OrtValue over a numpy array's memory (bfloat16 given its ONNX type by hand)."""
+    import onnxruntime as ort
+
+    if array.dtype.name != "bfloat16":
+        return ort.OrtValue.ortvalue_from_numpy(array)
+    return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16), 16)  # TensorProto.BFLOAT16
 
 
 def node_counts(model) -> dict[str, tuple[int, int]]:
