@@ -3,6 +3,8 @@ transformers' quantizer, the Triton activation quantizer bit for bit against its
 block-scaled GEMMs (dense and grouped over experts) against their references in Triton's interpreter,
 ragged shapes (N, K not multiples of 128), and the named errors."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -271,3 +273,22 @@ def test_errors_name_the_bad_argument():
         with pytest.raises(ValueError, match=None) as info:
             call()
         assert message in str(info.value), (message, str(info.value))
+
+
+# The GPU check script, on the CPU -------------------------------------------------------------------
+def test_check_script_help_flags_and_smoke(tmp_path, capsys):
+    from metrale_graph.tools import check_fp8
+
+    with pytest.raises(SystemExit) as exit_:
+        check_fp8.main(["--help"])
+    assert exit_.value.code == 0 and "cublas" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        check_fp8.main(["--sections", "perf,speed"])
+    assert exit_.value.code == 2 and "expected comma-separated names out of" in capsys.readouterr().err
+    path = tmp_path / "fp8.json"
+    assert check_fp8.main(["--smoke", "--sections", "correctness,experts,graphs", "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == record
+    assert record["ok"] and not record["failures"] and len(record["correctness"]) == 4
+    assert all(r["quant_bitexact"] and r["triton"] < 1e-3 and r["auto_backend"] == "triton" for r in record["correctness"])
+    assert record["experts"][0]["fp8_vs_ref"] < 1e-2

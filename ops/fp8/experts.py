@@ -99,17 +99,23 @@ def moe_experts_fp8_ref(x, top_w, top_e, w13, w13_scale, w2, w2_scale, first_exp
 
 
 # The kernels ------------------------------------------------------------------------------------
-def _configs(bns, acc_tiles):
+def _configs(tiles):
+    """(BN, BK, warps, stages) candidates; BM is fixed by the alignment (block_m), not tuned."""
     if INTERPRET:
-        return [triton.Config({"BN": bns[0], "BK": 64, "GROUP_M": 8}, num_warps=4)]
-    tiles = [(bn, bk, w, st) for bn in bns for bk, w, st in ((64, 4, 4), (128, 4, 3), (128, 8, 3), (64, 8, 4))]
-    return [triton.Config({"BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=st) for bn, bk, w, st in tiles
-            if acc_tiles * bn <= 256]
+        return [triton.Config({"BN": tiles[0][0], "BK": 64, "GROUP_M": 8}, num_warps=4)]
+    return [triton.Config({"BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=st) for bn, bk, w, st in tiles]
+
+
+# gate|up: BN = 128 (one quantization group per tile), two accumulators
+_GATE_UP_TILES = ((128, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4))
+_DOWN_TILES = ((64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (256, 64, 8, 3), (128, 64, 4, 4))
 
 
 def _prune(configs, named_args, **kwargs):
+    """Drop tiles far wider than the problem, and 128-row blocks with 4 warps on wide tiles (their fp32
+    accumulators would not stay in registers)."""
     N, K, BM = named_args["N"], named_args["K"], kwargs["BM"]
-    keep = [c for c in configs if c.kwargs["BN"] <= max(64, triton.next_power_of_2(N))
+    keep = [c for c in configs if c.kwargs["BN"] <= max(128, triton.next_power_of_2(N))
             and c.kwargs["BK"] <= max(64, triton.next_power_of_2(K))
             and not (BM >= 128 and c.num_warps < 8 and c.kwargs["BN"] >= 128)]
     return keep or configs[:1]
@@ -127,7 +133,7 @@ def _tile(pid, num_blocks, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.co
     return first_m + (pid % (GROUP_M * num_n)) % size_m, (pid % (GROUP_M * num_n)) // size_m
 
 
-@triton.autotune(configs=_configs((128,), 2), key=["N", "K", "BM"], prune_configs_by={"early_config_prune": _prune},
+@triton.autotune(configs=_configs(_GATE_UP_TILES), key=["N", "K", "BM"], prune_configs_by={"early_config_prune": _prune},
                  cache_results=True)
 @triton.heuristics(_EVEN_K)
 @triton.jit
@@ -184,7 +190,7 @@ def _moe_gate_up_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, q_ptr, qs_ptr, ids_ptr
     tl.store(qs_ptr + rows * stride_qs + pid_n, scale, mask=valid)
 
 
-@triton.autotune(configs=_configs((64, 128, 256), 1), key=["N", "K", "BM"],
+@triton.autotune(configs=_configs(_DOWN_TILES), key=["N", "K", "BM"],
                  prune_configs_by={"early_config_prune": _prune}, cache_results=True)
 @triton.heuristics(_EVEN_K)
 @triton.jit

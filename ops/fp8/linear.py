@@ -47,27 +47,30 @@ def block_fp8_linear_ref(x: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtyp
     return (fake_quantize_activations(x) @ dequantize_weight_blocks(w_fp8, w_scale_inv).t()).to(out_dtype)
 
 
-def cublas_blockwise_ok(N: int, K: int, device: torch.device) -> bool:
-    """Whether block_fp8_linear's auto backend takes cuBLAS: Hopper or later, whole 128-blocks in N and
-    K, and KB = K / 128 a multiple of 4 (the weight scales' row stride is then 16-byte aligned, the
-    layout every torch version's blockwise check accepts). Static sizes only (capture-safe).
-    tools/check_fp8.py reports which other shapes cuBLAS takes."""
-    return (device.type == "cuda" and not INTERPRET and torch.cuda.get_device_capability(device) >= (9, 0)
-            and N % BLOCK == 0 and K % (4 * BLOCK) == 0)
+def cublas_blockwise_ok(N: int, K: int, device: torch.device, out_dtype=torch.bfloat16) -> bool:
+    """Whether block_fp8_linear's auto backend takes cuBLAS: Hopper or later, a bf16 output, whole
+    128-blocks in N and K, and KB = K / 128 a multiple of 4 (the weight scales' row stride is then
+    16-byte aligned, the layout every torch version's blockwise check accepts). Static sizes only
+    (capture-safe). tools/check_fp8.py reports which other shapes and dtypes cuBLAS takes."""
+    return (device.type == "cuda" and not INTERPRET and out_dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(device) >= (9, 0) and N % BLOCK == 0 and K % (4 * BLOCK) == 0)
 
 
 def block_fp8_gemm_cublas(x_fp8: Tensor, x_scale: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype) -> Tensor:
     """torch._scaled_mm blockwise: x_fp8 [T, K] row-major, x_scale [T, KB] fp32 with strides (1, T) (as
     quantize_activations(..., column_major_scales=True) makes it), w_fp8 [N, K] row-major, w_scale_inv
-    [NB, KB] (fp32 contiguous; bf16 is converted). Raises what torch raises for shapes it refuses."""
+    [NB, KB] fp32 with unit inner stride, passed as its transpose (bf16, or another inner stride, is
+    converted first; a row stride padded to a multiple of 4 is kept). Raises what torch raises for
+    shapes it refuses."""
     ws = w_scale_inv if w_scale_inv.dtype == torch.float32 else w_scale_inv.float()
-    return torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=ws.contiguous().t(), out_dtype=out_dtype)
+    ws = ws if ws.stride(-1) == 1 else ws.contiguous()
+    return torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=ws.t(), out_dtype=out_dtype)
 
 
 def _configs():
     if INTERPRET:
         return [triton.Config({"BN": 32, "BK": 64, "GROUP_M": 8}, num_warps=4)]
-    tiles = ((64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (256, 128, 8, 3), (64, 64, 4, 5))
+    tiles = ((64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (256, 128, 8, 3))
     return [triton.Config({"BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=s) for bn, bk, w, s in tiles]
 
 
@@ -162,7 +165,7 @@ def block_fp8_linear(x: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype=No
     if not (x.is_cuda or INTERPRET):
         return block_fp8_linear_ref(x, w_fp8, w_scale_inv, out_dtype)
     N, K = w_fp8.shape
-    use_cublas = x.is_cuda and (backend == "cublas" or (backend == "auto" and cublas_blockwise_ok(N, K, x.device)))
+    use_cublas = x.is_cuda and (backend == "cublas" or (backend == "auto" and cublas_blockwise_ok(N, K, x.device, out_dtype)))
     x_fp8, x_scale = quantize_activations(x, column_major_scales=use_cublas)
     if use_cublas:
         return block_fp8_gemm_cublas(x_fp8, x_scale, w_fp8, w_scale_inv, out_dtype)
