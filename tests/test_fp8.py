@@ -151,8 +151,13 @@ def test_linear_triton_matches_reference(T, N, K, out_dtype):
     assert_close("block_fp8_linear", ref, out, 1e-6 if out_dtype == torch.float32 else 4e-3)
     sb = s.bfloat16()  # as some checkpoints store them
     assert_close("bf16 scales", fp8.block_fp8_linear_ref(x, q, sb, out_dtype),
-                 fp8.block_fp8_linear(x, q, sb, out_dtype, backend="triton"), 1e-6 if out_dtype == torch.float32 else 4e-3)
+                 fp8.block_fp8_linear(x, q, sb, out_dtype, backend="triton"),
+                 1e-6 if out_dtype == torch.float32 else 4e-3)
     assert rel_err(ref.float(), x.float() @ w.t()) < 0.06  # W8A8's reach on random data (~3.7%)
+    residual = torch.randn(T, N, generator=g).to(out_dtype)
+    assert_close("residual", fp8.block_fp8_linear_ref(x, q, s, out_dtype, residual),
+                 fp8.block_fp8_linear(x, q, s, out_dtype, residual, backend="triton"),
+                 1e-6 if out_dtype == torch.float32 else 4e-3)
 
 
 @pytest.mark.parametrize("N,K", RAGGED, ids=lambda v: str(v))
@@ -253,6 +258,9 @@ def test_errors_name_the_bad_argument():
         (lambda: fp8.block_fp8_linear(x.long(), q, s), "x must be a 2-D"),
         (lambda: fp8.block_fp8_linear(x, q, s, torch.int8), "out_dtype must be one of"),
         (lambda: fp8.block_fp8_linear(x, q, s, backend="cutlass"), "backend must be one of"),
+        (lambda: fp8.block_fp8_linear(x, q, s, residual=torch.randn(4, 300)), "residual must be torch.float32 of "
+         "shape (4, 200)"),
+        (lambda: fp8.block_fp8_linear(x, q, s, torch.bfloat16, torch.randn(4, 200)), "residual must be torch.bfloat16"),
         (lambda: fp8.dequantize_weight_blocks(q, s.t()), "w_scale_inv has shape (3, 2), expected (2, 3)"),
         (lambda: fp8.quantize_weight_blocks(torch.randn(5)), "w must be a floating tensor [..., N, K]"),
         (lambda: fp8.quantize_activations(torch.randn(2, 3, 4)), "x must be a 2-D"),
@@ -290,5 +298,6 @@ def test_check_script_help_flags_and_smoke(tmp_path, capsys):
     record = json.loads(path.read_text())
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == record
     assert record["ok"] and not record["failures"] and len(record["correctness"]) == 4
-    assert all(r["quant_bitexact"] and r["triton"] < 1e-3 and r["auto_backend"] == "triton" for r in record["correctness"])
+    assert all(r["quant_bitexact"] and r["triton"] < 1e-3 and r["auto_backend"] == "triton"
+               for r in record["correctness"])
     assert record["experts"][0]["fp8_vs_ref"] < 1e-2

@@ -100,7 +100,8 @@ class Checker:
                        "auto_backend": "cublas" if fp8.cublas_blockwise_ok(N, K, x.device) else "triton"}
                 qa, sa = fp8.quantize_activations_ref(x)
                 qb, sb = fp8.quantize_activations(x)
-                rec["quant_bitexact"] = bool(torch.equal(qa.view(torch.uint8), qb.view(torch.uint8)) and torch.equal(sa, sb))
+                rec["quant_bitexact"] = bool(torch.equal(qa.view(torch.uint8), qb.view(torch.uint8))
+                                             and torch.equal(sa, sb))
                 self.fail_if(not rec["quant_bitexact"], f"quantizer {M}x{K} not bit-exact")
                 ref32 = fp8.block_fp8_linear_ref(x, q, s, torch.float32)
                 ref = ref32.to(torch.bfloat16)  # the spec's bf16 output
@@ -112,14 +113,21 @@ class Checker:
                     out, err = attempt(lambda: fp8.block_fp8_linear(x, q, s, torch.bfloat16, backend=backend))
                     rec[backend] = err if err else rel_err(out, ref)
                     if backend != "cublas" or fp8.cublas_blockwise_ok(N, K, x.device):
-                        self.fail_if(err is not None or rec[backend] > TOL_SPEC, f"{backend} {M}x{N}x{K}: {rec[backend]}")
+                        self.fail_if(err is not None or rec[backend] > TOL_SPEC,
+                                     f"{backend} {M}x{N}x{K}: {rec[backend]}")
+                residual = self.acts(M, N, seed=3)
+                ref_r = fp8.block_fp8_linear_ref(x, q, s, torch.bfloat16, residual)
+                out, err = attempt(lambda: fp8.block_fp8_linear(x, q, s, torch.bfloat16, residual))
+                rec["auto_residual"] = err if err else rel_err(out, ref_r)  # cuBLAS rounds twice: TOL
+                self.fail_if(err is not None or rec["auto_residual"] > TOL,
+                             f"residual {M}x{N}x{K}: {rec['auto_residual']}")
                 recs.append(rec)
                 rows.append([f"{N}x{K}", M, rec["auto_backend"], rec["quant_bitexact"], *(
-                    _fmt(rec.get(b, "-")) for b in ("triton", "cublas", "auto")), _fmt(rec["bf16_rounding"]),
-                    _fmt(rec["w8a8_vs_bf16_product"])])
+                    _fmt(rec.get(b, "-")) for b in ("triton", "cublas", "auto", "auto_residual")),
+                    _fmt(rec["bf16_rounding"]), _fmt(rec["w8a8_vs_bf16_product"])])
         _table("correctness: rel. error of bf16 outputs against block_fp8_linear_ref's bf16 output",
-               ["N x K", "M", "auto", "quant bit-exact", "triton", "cublas", "auto", "bf16 rounding",
-                "W8A8 vs bf16 product"], rows)
+               ["N x K", "M", "auto", "quant bit-exact", "triton", "cublas", "auto", "auto + residual",
+                "bf16 rounding", "W8A8 vs bf16 product"], rows)
         return recs
 
     # cuBLAS acceptance -----------------------------------------------------------------------
@@ -197,7 +205,8 @@ class Checker:
                 rec["best_fp8"] = min(("fp8_cublas", "fp8_triton"), key=lambda k: rec[f"{k}_ms"] or float("inf"))
                 rec["speedup"] = rec["bf16_ms"] / min(fp8_ms) if fp8_ms and rec["bf16_ms"] else None
                 recs.append(rec)
-                rows.append([f"{N}x{K}", M, *(_ms(rec[f"{k}_ms"]) for k in ("bf16", "quant", "fp8_cublas", "fp8_triton")),
+                rows.append([f"{N}x{K}", M,
+                             *(_ms(rec[f"{k}_ms"]) for k in ("bf16", "quant", "fp8_cublas", "fp8_triton")),
                              *(_num(rec[f"{k}_tflops"]) for k in ("bf16", "fp8_cublas", "fp8_triton")),
                              *(_num(rec[f"{k}_tbs"], 2) for k in ("bf16", "fp8_cublas", "fp8_triton")),
                              rec["best_fp8"][4:], _num(rec["speedup"], 2)])
@@ -342,7 +351,8 @@ class Checker:
                          f"graph {name}: {rec}")
             recs.append(rec)
             rows.append([name, rec.get("replay_equal", "-"), rec.get("replay_new_inputs_equal", "-"), err or ""])
-        _table("graphs: captured, replayed = eager (bit for bit)", ["case", "replay", "replay, new inputs", "error"], rows)
+        _table("graphs: captured, replayed = eager (bit for bit)",
+               ["case", "replay", "replay, new inputs", "error"], rows)
         return recs
 
 

@@ -33,7 +33,8 @@ def check_experts(x, top_w, top_e, w13, w13_scale, w2, w2_scale, first_expert=0,
     def fail(msg):
         raise ValueError(f"{WHERE}: {msg}")
     if not isinstance(x, Tensor) or x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        fail(f"x must be a 2-D float tensor [T, D], got {getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
+        fail(f"x must be a 2-D float tensor [T, D], got {getattr(x, 'dtype', type(x))} "
+             f"{tuple(getattr(x, 'shape', ()))}")
     T, D = x.shape
     for name, w in (("w13", w13), ("w2", w2)):
         if not isinstance(w, Tensor) or w.dtype != FP8_DTYPE or w.dim() != 3:
@@ -133,8 +134,8 @@ def _tile(pid, num_blocks, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.co
     return first_m + (pid % (GROUP_M * num_n)) % size_m, (pid % (GROUP_M * num_n)) // size_m
 
 
-@triton.autotune(configs=_configs(_GATE_UP_TILES), key=["N", "K", "BM"], prune_configs_by={"early_config_prune": _prune},
-                 cache_results=True)
+@triton.autotune(configs=_configs(_GATE_UP_TILES), key=["N", "K", "BM"],
+                 prune_configs_by={"early_config_prune": _prune}, cache_results=True)
 @triton.heuristics(_EVEN_K)
 @triton.jit
 def _moe_gate_up_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, q_ptr, qs_ptr, ids_ptr, expert_ptr, num_pairs, num_blocks,
