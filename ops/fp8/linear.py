@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .quant import (BLOCK, FP8_DTYPE, INTERPRET, check_block_weight, dequantize_weight_blocks,
-                    fake_quantize_activations, num_blocks, quantize_activations, round_to)
+from .quant import (BLOCK, INTERPRET, check_block_weight, dequantize_weight_blocks, fake_quantize_activations,
+                    quantize_activations, round_to)
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BACKENDS = ("auto", "cublas", "triton")
@@ -78,14 +78,16 @@ def block_fp8_gemm_cublas(x_fp8: Tensor, x_scale: Tensor, w_fp8: Tensor, w_scale
 def _configs():
     if INTERPRET:
         return [triton.Config({"BN": 32, "BK": 64, "GROUP_M": 8}, num_warps=4)]
-    tiles = ((64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (256, 128, 8, 3))
+    # (BN, BK, warps, stages); BN 32 keeps more SMs busy at decode sizes (a few row blocks)
+    tiles = ((32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (256, 128, 8, 3))
     return [triton.Config({"BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=s) for bn, bk, w, s in tiles]
 
 
 def _prune(configs, named_args, **kwargs):
-    N, K = named_args["N"], named_args["K"]
+    """Drop tiles far wider than the problem, and narrow tiles for many rows."""
+    N, K, BM = named_args["N"], named_args["K"], kwargs["BM"]
     keep = [c for c in configs if c.kwargs["BN"] <= max(64, triton.next_power_of_2(N))
-            and c.kwargs["BK"] <= max(64, triton.next_power_of_2(K)) and kwargs["BM"] * c.kwargs["BN"] <= 128 * 256]
+            and c.kwargs["BK"] <= max(64, triton.next_power_of_2(K)) and not (BM >= 64 and c.kwargs["BN"] < 64)]
     return keep or configs[:1]
 
 
