@@ -1,0 +1,25 @@
+"""FP8 compute primitives for Qwen's fine-grained FP8 checkpoints (issue 26): e4m3 weights in 128 x 128
+blocks with `weight_scale_inv`, activations quantized per token per 128 channels, W8A8 block-scaled
+GEMMs (dense and grouped over MoE experts), each with the plain-torch reference it is tested against.
+
+- quant.py: quantize / dequantize weights and activations (the Triton activation quantizer and its
+  bit-exact torch reference), shape checks.
+- linear.py: block_fp8_linear (cuBLAS blockwise or a Triton GEMM on CUDA) and block_fp8_linear_ref.
+- experts.py: moe_experts_fp8, the FP8 grouped gate|up and down GEMMs over expert-sorted pairs, and
+  moe_experts_fp8_ref.
+
+Plain functions, not ops: the phase ops call them from their CUDA paths and references.
+"""
+
+from .experts import check_experts, dequantize_gate_up, moe_experts_fp8, moe_experts_fp8_ref, stack_gate_up
+from .linear import (block_fp8_gemm_cublas, block_fp8_gemm_triton, block_fp8_linear, block_fp8_linear_ref,
+                     cublas_blockwise_ok)
+from .quant import (ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX, check_block_weight, dequantize_activations,
+                    dequantize_weight_blocks, fake_quantize_activations, num_blocks, quantize_activations,
+                    quantize_activations_ref, quantize_activations_triton, quantize_weight_blocks)
+
+__all__ = ["ACT_EPS", "BLOCK", "FP8_DTYPE", "FP8_MAX", "block_fp8_gemm_cublas", "block_fp8_gemm_triton",
+           "block_fp8_linear", "block_fp8_linear_ref", "check_block_weight", "check_experts", "cublas_blockwise_ok",
+           "dequantize_activations", "dequantize_gate_up", "dequantize_weight_blocks", "fake_quantize_activations",
+           "moe_experts_fp8", "moe_experts_fp8_ref", "num_blocks", "quantize_activations", "quantize_activations_ref",
+           "quantize_activations_triton", "quantize_weight_blocks", "stack_gate_up"]

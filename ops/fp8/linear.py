@@ -1,0 +1,194 @@
+"""W8A8 block-scaled FP8 linear: y = x @ w.T with w block-quantized (128 x 128, scale_inv) and x
+quantized on the fly per token per 128 channels (see quant.py).
+
+    block_fp8_linear(x [T, K], w_fp8 [N, K], w_scale_inv [NB, KB], out_dtype, residual [T, N] or None)
+        -> [T, N] = residual + x @ w.T
+
+CUDA: quantize x (one Triton launch), then cuBLAS' blockwise FP8 GEMM (torch._scaled_mm, 1x128
+activation scales x 128x128 weight scales) where cublas_blockwise_ok says the shapes allow it, else
+the Triton block-scaled GEMM below (FP8 tensor cores; each 128-channel K step's partial product is
+scaled by its activation and weight scales into an fp32 accumulator). CPU (and the spec both paths
+are tested against): block_fp8_linear_ref, the dequantized weights times the fake-quantized
+activations in fp32, cast to out_dtype. Shape letters: quant.py.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .quant import (BLOCK, INTERPRET, check_block_weight, dequantize_weight_blocks, fake_quantize_activations,
+                    quantize_activations, round_to)
+
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BACKENDS = ("auto", "cublas", "triton")
+
+
+def _check(x: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype, residual, where: str):
+    check_block_weight(w_fp8, w_scale_inv, "w", where)
+    if w_fp8.dim() != 2:
+        raise ValueError(f"{where}: w must be [N, K], got shape {tuple(w_fp8.shape)}")
+    if not isinstance(x, Tensor) or x.dim() != 2 or x.dtype not in OUT_DTYPES:
+        raise ValueError(f"{where}: x must be a 2-D bfloat16 / float16 / float32 tensor [T, K], got "
+                         f"{(x.dtype, tuple(x.shape)) if isinstance(x, Tensor) else type(x).__name__}")
+    if x.shape[1] != w_fp8.shape[1]:
+        raise ValueError(f"{where}: x has {x.shape[1]} channels, w has K = {w_fp8.shape[1]}")
+    if x.device != w_fp8.device:
+        raise ValueError(f"{where}: x is on {x.device}, w on {w_fp8.device}")
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"{where}: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    if residual is not None and (not isinstance(residual, Tensor) or residual.dtype != out_dtype
+                                 or tuple(residual.shape) != (x.shape[0], w_fp8.shape[0])
+                                 or residual.device != x.device):
+        raise ValueError(f"{where}: residual must be {out_dtype} of shape {(x.shape[0], w_fp8.shape[0])} on "
+                         f"{x.device}, got {getattr(residual, 'dtype', type(residual))} "
+                         f"{tuple(getattr(residual, 'shape', ()))}")
+    return out_dtype
+
+
+def block_fp8_linear_ref(x: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype=None, residual=None) -> Tensor:
+    """The spec: fake_quantize_activations(x) @ dequantize_weight_blocks(w).T in fp32 (+ residual in fp32),
+    cast to out_dtype (default x's dtype). Plain torch, any device."""
+    out_dtype = _check(x, w_fp8, w_scale_inv, out_dtype, residual, "block_fp8_linear")
+    y = fake_quantize_activations(x) @ dequantize_weight_blocks(w_fp8, w_scale_inv).t()
+    return (y if residual is None else y + residual.float()).to(out_dtype)
+
+
+def cublas_blockwise_ok(N: int, K: int, device: torch.device, out_dtype=torch.bfloat16) -> bool:
+    """Whether block_fp8_linear's auto backend takes cuBLAS: Hopper or later, a bf16 output, whole
+    128-blocks in N and K, and KB = K / 128 a multiple of 4 (the weight scales' row stride is then
+    16-byte aligned, the layout every torch version's blockwise check accepts). Static sizes only
+    (capture-safe). tools/check_fp8.py reports which other shapes and dtypes cuBLAS takes."""
+    return (device.type == "cuda" and not INTERPRET and out_dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(device) >= (9, 0) and N % BLOCK == 0 and K % (4 * BLOCK) == 0)
+
+
+def block_fp8_gemm_cublas(x_fp8: Tensor, x_scale: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype) -> Tensor:
+    """torch._scaled_mm blockwise: x_fp8 [T, K] row-major, x_scale [T, KB] fp32 with strides (1, T) (as
+    quantize_activations(..., column_major_scales=True) makes it), w_fp8 [N, K] row-major, w_scale_inv
+    [NB, KB] fp32 with unit inner stride, passed as its transpose (bf16, or another inner stride, is
+    converted first; a row stride padded to a multiple of 4 is kept). Raises what torch raises for
+    shapes it refuses."""
+    ws = w_scale_inv if w_scale_inv.dtype == torch.float32 else w_scale_inv.float()
+    ws = ws if ws.stride(-1) == 1 else ws.contiguous()
+    return torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=ws.t(), out_dtype=out_dtype)
+
+
+def _configs():
+    if INTERPRET:
+        return [triton.Config({"BN": 32, "BK": 64, "GROUP_M": 8}, num_warps=4)]
+    # (BN, BK, warps, stages); BN 32 keeps more SMs busy at decode sizes (a few row blocks)
+    tiles = ((32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (256, 128, 8, 3))
+    return [triton.Config({"BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=s) for bn, bk, w, s in tiles]
+
+
+def _prune(configs, named_args, **kwargs):
+    """Drop tiles far wider than the problem, and narrow tiles for many rows."""
+    N, K, BM = named_args["N"], named_args["K"], kwargs["BM"]
+    keep = [c for c in configs if c.kwargs["BN"] <= max(64, triton.next_power_of_2(N))
+            and c.kwargs["BK"] <= max(64, triton.next_power_of_2(K)) and not (BM >= 64 and c.kwargs["BN"] < 64)]
+    return keep or configs[:1]
+
+
+def gemm_block_m(M: int) -> int:
+    """Rows per program of the Triton GEMM for M rows (static: part of its autotune key)."""
+    if INTERPRET:
+        return 16
+    return 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
+
+
+@triton.autotune(configs=_configs(), key=["N", "K", "BM"], prune_configs_by={"early_config_prune": _prune},
+                 cache_results=True)
+@triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BK"] == 0})
+@triton.jit
+def _block_fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, r_ptr, c_ptr, M, N, K, stride_am, stride_as_m, stride_as_g,
+                           stride_bn, stride_bs_n, stride_rm, stride_cm, HAS_RESIDUAL: tl.constexpr, BM: tl.constexpr,
+                           BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    """c[m, n] = sum over K steps of (a[m] . b[n]) * as[m, g] * bs[n // 128, g], g = k0 // 128 (BK divides
+    128), plus r[m, n] with HAS_RESIDUAL, rounded once to c's dtype. a: [M, K] fp8, as: [M, KB] fp32 (any
+    strides), b: [N, K] fp8, bs: [NB, KB] (fp32 / bf16). The fp8 dot runs as is in the interpreter too
+    (it upcasts fp8 operands exactly)."""
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    first_m = (pid // (GROUP_M * num_n)) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    r_safe = (rows % M).to(tl.int64)  # rows and columns past the end wrap around; they are never stored
+    c_safe = (cols % N).to(tl.int64)
+    k = tl.arange(0, BK)
+    a_ptrs = a_ptr + r_safe[:, None] * stride_am + k[None, :]
+    b_ptrs = b_ptr + c_safe[None, :] * stride_bn + k[:, None]  # [BK, BN]
+    as_ptrs = as_ptr + r_safe * stride_as_m
+    bs_ptrs = bs_ptr + (c_safe // 128) * stride_bs_n
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            mk = k < K - k0
+            a = tl.load(a_ptrs, mask=mk[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=mk[:, None], other=0.0)
+        g = k0 // 128
+        sa = tl.load(as_ptrs + g * stride_as_g)
+        sb = tl.load(bs_ptrs + g).to(tl.float32)
+        acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+        a_ptrs += BK
+        b_ptrs += BK
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    r64 = rows.to(tl.int64)
+    if HAS_RESIDUAL:
+        acc += tl.load(r_ptr + r64[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dt = c_ptr.dtype.element_ty
+    tl.store(c_ptr + r64[:, None] * stride_cm + cols[None, :], round_to(acc, dt).to(dt), mask=mask)
+
+
+def block_fp8_gemm_triton(x_fp8: Tensor, x_scale: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype,
+                          residual=None) -> Tensor:
+    """The Triton block-scaled GEMM: x_fp8 [T, K] (unit inner stride), x_scale [T, KB] fp32 (any strides),
+    w_fp8 [N, K], w_scale_inv [NB, KB] (fp32 / bf16), residual [T, N] out_dtype or None -> fresh [T, N]."""
+    T, K = x_fp8.shape
+    N = w_fp8.shape[0]
+    out = torch.empty((T, N), dtype=out_dtype, device=x_fp8.device)
+    if T == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_() if residual is None else out.copy_(residual)
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    w_fp8 = w_fp8 if w_fp8.stride(-1) == 1 else w_fp8.contiguous()
+    w_scale_inv = w_scale_inv if w_scale_inv.stride(-1) == 1 else w_scale_inv.contiguous()
+    BM = gemm_block_m(T)
+    _block_fp8_gemm_kernel[lambda meta: (triton.cdiv(T, BM) * triton.cdiv(N, meta["BN"]),)](
+        x_fp8, x_scale, w_fp8, w_scale_inv, out if residual is None else residual, out, T, N, K, x_fp8.stride(0),
+        x_scale.stride(0), x_scale.stride(1), w_fp8.stride(0), w_scale_inv.stride(0),
+        0 if residual is None else residual.stride(0), out.stride(0), HAS_RESIDUAL=residual is not None, BM=BM)
+    return out
+
+
+def block_fp8_linear(x: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype=None, residual=None,
+                     backend: str = "auto") -> Tensor:
+    """W8A8 block-scaled linear (module docstring): x [T, K] bf16 / fp16 / fp32, w_fp8 [N, K] float8_e4m3fn,
+    w_scale_inv [NB, KB] fp32 or bf16, residual [T, N] in out_dtype or None -> fresh [T, N] in out_dtype
+    (default x's dtype). Mutates nothing. The Triton GEMM adds the residual in its epilogue (one rounding,
+    as the reference); cuBLAS' output is rounded, then the residual added (a second rounding).
+    backend: "auto" (cuBLAS where cublas_blockwise_ok, else Triton), "cublas" or "triton" (CUDA or the
+    interpreter); on a CPU without the interpreter every backend is the reference. Bad arguments raise
+    ValueError naming them."""
+    out_dtype = _check(x, w_fp8, w_scale_inv, out_dtype, residual, "block_fp8_linear")
+    if backend not in BACKENDS:
+        raise ValueError(f"block_fp8_linear: backend must be one of {BACKENDS}, got {backend!r}")
+    if not (x.is_cuda or INTERPRET):
+        return block_fp8_linear_ref(x, w_fp8, w_scale_inv, out_dtype, residual)
+    N, K = w_fp8.shape
+    use_cublas = x.is_cuda and (backend == "cublas" or (
+        backend == "auto" and cublas_blockwise_ok(N, K, x.device, out_dtype)))
+    x_fp8, x_scale = quantize_activations(x, column_major_scales=use_cublas)
+    if use_cublas:
+        out = block_fp8_gemm_cublas(x_fp8, x_scale, w_fp8, w_scale_inv, out_dtype)
+        return out if residual is None else out.add_(residual)
+    return block_fp8_gemm_triton(x_fp8, x_scale, w_fp8, w_scale_inv, out_dtype, residual)
