@@ -23,7 +23,8 @@ The new tokens' K / V are read from k / v, the context from the pools: nothing i
 pools, so this runs before or after the op's KV write ("fa2_paged", one FlashAttention call over
 the pools, new tokens included, needs the write done first). Sizes are static for a bucket
 (B, T): no host sync, no data-dependent shapes. Zero-length streams (padding) anywhere; spare
-tokens per batch.py's padding contract; cu_seqlens[0] == 0 (as batch.py packs).
+tokens per batch.py's padding contract (their q / k / v rows finite: the library kernels multiply masked
+keys' values by 0); cu_seqlens[0] == 0 (as batch.py packs).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from torch import Tensor
 # fp32 path on upcast tiles (as ops/paged_attention's kernels do)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = 1.4426950408889634
-BACKENDS = ("cudnn", "cudnn_varlen", "fa2", "fa2_paged", "reference")
+BACKENDS = ("cudnn", "cudnn_varlen", "fa2", "cudnn_fa2", "fa2_paged", "reference")
 DEFAULT_BACKEND = "cudnn"
 CONTEXT_ROWS = 64  # (query, head) rows per context program: QB queries x GROUP heads
 STREAM_CHUNK = 64  # streams looked at per vector step when a program finds its stream
@@ -264,7 +265,9 @@ def _cudnn_varlen(q, k, v, cu_seqlens):
 
 
 def _cudnn_dense(q, k, v):
-    """One stream at rows [0, L), spare rows after it: causal over all T rows leaves the stream's rows exact."""
+    """One stream at rows [0, L), spare rows after it: causal over all T rows leaves the stream's rows exact
+    (spare keys come after every real query; their rows must be finite, as the padding contract has them:
+    masked scores still multiply their values by 0)."""
     as_bhsd = lambda x: x.unsqueeze(0).transpose(1, 2)  # [1, H, T, HD] strided views, no copy
     out = torch.ops.aten._scaled_dot_product_cudnn_attention(as_bhsd(q), as_bhsd(k), as_bhsd(v), None, True, 0.0,
                                                              True, False, scale=q.shape[2] ** -0.5)
@@ -296,7 +299,7 @@ def _fa2_paged(q, k_cache, v_cache, cu_seqlens, context_lens, block_tables):
     cu_k[1:] = torch.cumsum(used, 0)
     out = torch.ops.aten._flash_attention_forward(
         q, k_cache, v_cache, cu_seqlens, cu_k, T, block_tables.shape[1] * k_cache.shape[1], 0.0, True, False,
-        scale=q.shape[2] ** -0.5, seqused_k=used, block_table=block_tables.to(torch.int32))
+        scale=q.shape[2] ** -0.5, seqused_k=used, block_table=block_tables.to(torch.int32).contiguous())
     return out[0]
 
 
@@ -317,9 +320,10 @@ def varlen_prefill_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v
     [NB, BS, HKV, HD], cu_seqlens [B+1] int32 with cu_seqlens[0] == 0, context_lens [B] int32,
     block_tables [B, MB]); bf16 or fp16, HD % 8 == 0 and <= 256 for the library kernels.
     backend: part (a) by "cudnn" (one-stream buckets through cuDNN's dense kernel, others varlen),
-    "cudnn_varlen" (always varlen), "fa2" (FlashAttention-2 varlen), "reference" (plain torch, host
-    sync: tests), or "fa2_paged" (all parts in one FlashAttention call over the pools: needs the new
-    tokens written, `fa2_paged_supported`); default DEFAULT_BACKEND.
+    "cudnn_varlen" (always varlen), "fa2" (FlashAttention-2 varlen), "cudnn_fa2" (one-stream buckets
+    cuDNN dense, others FlashAttention-2), "reference" (plain torch, host sync: tests), or "fa2_paged"
+    (all parts in one FlashAttention call over the pools: needs the new tokens written,
+    `fa2_paged_supported`); default DEFAULT_BACKEND.
     Returns o [T, HQ, HD] in q's dtype; rows of spare tokens 0. Reads the pools, writes nothing else.
     """
     backend = backend or DEFAULT_BACKEND
@@ -340,9 +344,9 @@ def varlen_prefill_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v
     elif backend == "reference":
         o, lse = new_tokens_attention_ref(q, k, v, cu_seqlens)
         o, kind = o.to(q.dtype), "token_major"
-    elif backend == "fa2":
+    elif backend == "fa2" or (backend == "cudnn_fa2" and B > 1):
         o, lse, kind = _fa2_varlen(q, k, v, cu_seqlens)
-    elif backend == "cudnn" and B == 1:
+    elif backend in ("cudnn", "cudnn_fa2") and B == 1:
         o, lse, kind = _cudnn_dense(q, k, v)
     else:
         o, lse, kind = _cudnn_varlen(q, k, v, cu_seqlens)

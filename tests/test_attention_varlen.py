@@ -26,7 +26,6 @@ CASES = [
     Shapes(lengths=(63, 1), context=(130, 1), HQ=8, HKV=2, HD=256, BS=16, num_blocks=26),
     Shapes(lengths=(1, 65, 0, 0), context=(130, 0, 0, 0), HQ=6, HKV=2, HD=16, BS=64, num_blocks=12),
 ]
-LAYOUTS = ("token_major", "head_major", "padded")
 
 
 def inputs(case: Shapes, dtype, spare: int, seed: int = 0):
@@ -62,9 +61,14 @@ def stream_rows(cu: torch.Tensor, context: torch.Tensor, with_context: bool) -> 
     return rows
 
 
-@pytest.mark.parametrize("kind", LAYOUTS)
+# each layout on cases of several head dims and GQA ratios, the padded one also with a zero-length stream
+# inside (its rows index by stream); the head-dim-256 case once (the interpreter is slow at it)
+MERGE_CASES = [(CASES[0], "token_major"), (CASES[0], "padded"), (CASES[1], "padded"), (CASES[1], "head_major"),
+               (CASES[2], "head_major"), (CASES[3], "token_major")]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case, kind", MERGE_CASES, ids=[f"{c.id}-{k}" for c, k in MERGE_CASES])
 def test_context_merge_matches_reference(case, dtype, kind):
     """o_a / lse_a from the new tokens alone, merged with the context: metrale::paged_attention's output.
     Rows of streams without context stay o_a bit for bit, spare rows become 0 (poisoned before), the pools
@@ -98,6 +102,59 @@ def test_reference_backend_is_paged_attention(case):
     assert_close("o", ref[: case.T], out[: case.T], TOL[torch.float32])
     assert torch.equal(out[case.T:], torch.zeros_like(out[case.T:]))
     assert torch.equal(k_cache, pools[0]) and torch.equal(v_cache, pools[1])
+
+
+class FakeLibraries:
+    """aten's cuDNN / FlashAttention entry points as the plain-torch reference, returning what the GPU ones
+    return: cuDNN varlen (o [T, HQ, HD], lse [T, HQ, 1]), cuDNN dense (o [1, HQ, T, HD] in q's BSHD layout,
+    lse [1, HQ, T, 1]), FlashAttention varlen (o [T, HQ, HD], lse [HQ, T]). Records each call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def cudnn_varlen(self, q, k, v, bias, cu_q, cu_k, max_q, max_k, lse, dropout, causal, debug, *, scale):
+        self.calls.append(("cudnn_varlen", max_q, scale))
+        assert cu_q is cu_k and bias is None and lse and causal and max_q == max_k >= q.shape[0]
+        o, lse = av.new_tokens_attention_ref(q, k, v, cu_q)
+        return o.to(q.dtype), lse.unsqueeze(-1).contiguous(), cu_q, cu_k, max_q, max_k, None, None, None
+
+    def cudnn_dense(self, q, k, v, bias, lse, dropout, causal, debug, *, scale):
+        self.calls.append(("cudnn_dense", q.shape[2], scale))
+        T, HQ = q.shape[2], q.shape[1]
+        o, lse = av.new_tokens_attention_ref(*(x[0].transpose(0, 1) for x in (q, k, v)),
+                                             torch.tensor([0, T], dtype=torch.int32))
+        return o.to(q.dtype).transpose(0, 1).unsqueeze(0), lse.t().reshape(1, HQ, T, 1), None, None, T, T, None, None, None
+
+    def fa2_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale):
+        self.calls.append(("fa2_varlen", max_q, scale))
+        o, lse = av.new_tokens_attention_ref(q, k, v, cu_q)
+        return o.to(q.dtype), lse.t().contiguous(), None, None, None
+
+
+@pytest.mark.parametrize("backend, one, many", [("cudnn", "cudnn_dense", "cudnn_varlen"),
+                                                ("cudnn_varlen", "cudnn_varlen", "cudnn_varlen"),
+                                                ("fa2", "fa2_varlen", "fa2_varlen"),
+                                                ("cudnn_fa2", "cudnn_dense", "fa2_varlen")])
+def test_library_backends_route_and_lay_out(backend, one, many, monkeypatch):
+    """Each backend calls its library kernel (one-stream buckets and others) with the scale and a static
+    max_q of at least CUDNN_MIN_MAX_SEQLEN, and reads its output and log-sum-exp in the layout that kernel
+    returns (faked from the reference): metrale::paged_attention's output, spare rows 0."""
+    fake = FakeLibraries()
+    monkeypatch.setattr(torch.ops.aten, "_cudnn_attention_forward", fake.cudnn_varlen)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", fake.cudnn_dense)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", fake.fa2_varlen)
+    for case, expected in ((Shapes(lengths=(65,), context=(130,), HQ=4, HKV=2, HD=16, BS=16, num_blocks=13), one),
+                           (CASES[0], many)):
+        q, k, v, k_cache, v_cache, cu, ctx, blocks = inputs(case, torch.bfloat16, spare=3, seed=7)
+        ref = paged_attention_ref(*upcast([q, k, v, k_cache.clone(), v_cache.clone(), cu, ctx, blocks]))
+        fake.calls.clear()
+        out = av.varlen_prefill_attention(q, k, v, k_cache, v_cache, cu, ctx, blocks, backend=backend)
+        assert [c[0] for c in fake.calls] == [expected]
+        assert fake.calls[0][2] == case.HD**-0.5
+        if expected == "cudnn_varlen":
+            assert fake.calls[0][1] == max(q.shape[0], av.CUDNN_MIN_MAX_SEQLEN)
+        assert_close(f"{backend} o", ref[: case.T], out[: case.T].float(), TOL[torch.bfloat16])
+        assert torch.equal(out[case.T:], torch.zeros_like(out[case.T:]))
 
 
 def test_padding_only_batches_give_zeros():
