@@ -27,7 +27,8 @@ from typing import Callable, NamedTuple
 import torch
 from tqdm.auto import tqdm
 
-from .config import QWEN3_NEXT, ModelConfig
+from .config import ModelConfig
+from .families import QWEN3_NEXT
 
 # Checkpoint prefixes of the language model, most specific first.
 _TEXT_PREFIXES = ("model.language_model.", "model.")
@@ -125,7 +126,7 @@ _FUSED_GDN = {"in_proj_qkv": ("in_proj_qkvz", "in_proj_z"), "in_proj_b": ("in_pr
 def _gdn_fusion(cfg: ModelConfig, name: str) -> tuple[str, ...] | None:
     """Qwen3-Next's GDN projections: (fused checkpoint name, the partner stored in it) for in_proj_qkv
     and in_proj_b; () for in_proj_z and in_proj_a (stored inside those); None for any other tensor."""
-    if cfg.model_type != QWEN3_NEXT or ".linear_attn." not in name:
+    if cfg.model_type != QWEN3_NEXT.model_type or ".linear_attn." not in name:
         return None
     prefix, leaf = name.removesuffix(".weight").rsplit(".", 1)
     if leaf in _FUSED_GDN:

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from metrale_graph import PRESETS, HybridModel, ModelConfig, load_config
+from metrale_graph.families import COMMON_DEFAULTS, FAMILIES, OPTIONAL_FIELDS
 from metrale_graph.weights import weight_shapes
 
 
@@ -35,6 +36,31 @@ def test_from_hf_matches_transformers_defaults():
     assert cfg.layer_types == tuple(hf["layer_types"])
     assert cfg.rotary_dim == 64 and cfg.head_dim == 256 and cfg.conv_dim == 2 * 16 * 128 + 32 * 128
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+
+
+@pytest.mark.parametrize("family", list(FAMILIES.values()), ids=list(FAMILIES))
+def test_family_records_match_transformers(family):
+    """A family's record names transformers' classes of it and holds its defaults; a field it lacks keeps
+    ModelConfig's default."""
+    import dataclasses
+
+    import transformers
+
+    config_cls = getattr(transformers, family.config_class)
+    assert getattr(transformers, family.causal_lm_class).config_class is config_cls
+    hf = config_cls().to_dict()
+    assert hf["model_type"] == family.model_type
+    for name in [*COMMON_DEFAULTS, *family.defaults]:
+        value = hf["rope_parameters"][name] if name in ("rope_theta", "partial_rotary_factor") else hf.get(name)
+        assert value == family.default(name) or (name == "full_attention_interval" and value is None), name
+    for wrapper in family.multimodal:
+        mm_cls = getattr(transformers, wrapper.config_class)
+        assert mm_cls().to_dict()["model_type"] == wrapper.model_type
+        assert getattr(transformers, wrapper.model_class).config_class is mm_cls
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.default is not dataclasses.MISSING}
+    assert {n: defaults[n] for n in OPTIONAL_FIELDS if n in defaults} == {n: a for n, a in OPTIONAL_FIELDS.items()
+                                                                          if n in defaults}
+    assert ModelConfig.from_hf(hf).family is family
 
 
 def test_quantized_multimodal_config_is_refused():
