@@ -8,7 +8,7 @@ data-dependent shapes, which is what `torch.compile(fullgraph=True)` and CUDA gr
 
 With `tp` (parallel.TensorParallel) the model holds this rank's shard of every weight, its cache
 this rank's shard of every pool, and the step all-reduces after each mixer and feed-forward half
-(parallel.py says how each weight is split).
+(sharding.py says how each weight is split).
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ from .cache import HybridCache
 from .config import LINEAR, ModelConfig, PRESETS, load_config
 from .ops.common import rms_norm
 from .ops.limits import check_supported
-from .parallel import TensorParallel, first_expert, local_config, shard_weights, sharded_shapes
-from .weights import load_checkpoint, random_weights, save_checkpoint, stack_projections, weight_shapes
+from .parallel import TensorParallel
+from .sharding import first_expert, local_config, shard_weights, sharded_shapes
+from .spec import MOE, feed_forward, weight_shapes
+from .weights import load_checkpoint, random_weights, save_checkpoint, stack_projections
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -35,7 +37,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class HybridModel(nn.Module):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], tp: TensorParallel | None = None):
         """Wrap `weights` (names as `weight_shapes(config)`, all on one device and dtype; with a
-        tensor-parallel `tp` of size > 1, this rank's shards: parallel.sharded_shapes)."""
+        tensor-parallel `tp` of size > 1, this rank's shards: sharding.sharded_shapes)."""
         super().__init__()
         self.tp = tp if tp is not None and tp.size > 1 else None
         # the sizes this rank's ops and cache see (its heads, its MLP slice); the config for all else
@@ -50,6 +52,8 @@ class HybridModel(nn.Module):
         _check_uniform(weights)
         self.config = config
         self.layers = nn.ModuleList(nn.Module() for _ in range(config.num_hidden_layers))
+        for i, layer in enumerate(self.layers):
+            layer.feed_forward = feed_forward(config, i)  # its block (spec.py): MOE on config.moe_layers, else MLP
         self._set_weights(weights)
         # layer index -> index into the cache's per-kind pools
         self._pool_index = {i: j for kinds in (config.linear_layers, config.full_layers)
@@ -57,7 +61,7 @@ class HybridModel(nn.Module):
 
     def _set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Register `weights` as parameters, each layer's projections stacked in one buffer
-        (weights.STACKED_GROUPS), and the fp32 RoPE frequencies on their device."""
+        (spec.WeightSpec.stack), and the fp32 RoPE frequencies on their device."""
         if weights["embed_tokens.weight"].device.type == "cuda":
             check_supported(self.local)  # a shape the CUDA path cannot run: ValueError now, not at prefill
         weights = stack_projections(dict(weights), self.config)
@@ -253,7 +257,7 @@ class HybridModel(nn.Module):
 
     def _feed_forward(self, layer, h):
         cfg, mlp = self.local, layer.mlp
-        if "experts" in mlp._modules:  # a sparse MoE layer (config.moe_layers)
+        if layer.feed_forward == MOE:
             shared = mlp.shared_expert
             return ops.moe(h, layer.post_attention_layernorm.weight, mlp.gate.weight, mlp.experts.gate_up_proj,
                            mlp.experts.down_proj, shared.gate_proj.weight, shared.up_proj.weight,

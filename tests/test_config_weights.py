@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from metrale_graph import PRESETS, HybridModel, ModelConfig, load_config
 from metrale_graph.families import COMMON_DEFAULTS, FAMILIES, OPTIONAL_FIELDS
-from metrale_graph.weights import weight_shapes
+from metrale_graph.spec import weight_shapes
 
 
 def test_presets():

@@ -14,7 +14,9 @@ from helpers import (check_parity, hf_class, hf_reference, moe_config, random_to
                      unit_gain)
 from metrale_graph import PRESETS, HybridModel, ModelConfig, Stream, load_config
 from metrale_graph.config import FULL, LINEAR
-from metrale_graph.weights import checkpoint_shapes, fuse_ba, fuse_qkvz, split_ba, split_qkvz, weight_shapes
+from metrale_graph.families import QWEN3_NEXT
+from metrale_graph.spec import weight_shapes
+from metrale_graph.weights import checkpoint_shapes
 
 
 CONFIGS = [
@@ -153,15 +155,18 @@ def test_our_checkpoint_round_trips_through_transformers(tmp_path, cfg):
 
 
 def test_gdn_fusion_is_transformers_interleaving():
-    """split_qkvz / split_ba invert fuse_qkvz / fuse_ba, and the fused rows are grouped per key head
-    as transformers' fix_query_key_value_ordering reads them."""
+    """Qwen3-Next's fusions: split inverts fuse, and the fused rows are grouped per key head as
+    transformers' fix_query_key_value_ordering reads them."""
     cfg = moe_config("qwen3_next", linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=3,
                      linear_value_head_dim=5)
     H, K, HV, V, D = 2, 3, 6, 5, cfg.hidden_size
     qkv, z = torch.randn(2 * H * K + HV * V, D), torch.randn(HV * V, D)
     b, a = torch.randn(HV, D), torch.randn(HV, D)
-    qkvz, ba = fuse_qkvz(qkv, z, cfg), fuse_ba(b, a, cfg)
-    assert all(torch.equal(x, y) for x, y in zip(split_qkvz(qkvz, cfg) + split_ba(ba, cfg), (qkv, z, b, a)))
+    fuse_qkvz, fuse_ba = QWEN3_NEXT.fusions
+    assert fuse_qkvz.name == "linear_attn.in_proj_qkvz.weight" and fuse_ba.name == "linear_attn.in_proj_ba.weight"
+    qkvz, ba = fuse_qkvz.fuse((qkv, z), cfg), fuse_ba.fuse((b, a), cfg)
+    assert qkvz.shape == (fuse_qkvz.rows(cfg), D) and ba.shape == (fuse_ba.rows(cfg), D)
+    assert all(torch.equal(x, y) for x, y in zip(fuse_qkvz.split(qkvz, cfg) + fuse_ba.split(ba, cfg), (qkv, z, b, a)))
     group = 2 * K + 2 * (HV // H) * V  # rows of key head 1: q, k, then its 3 value heads' v, then z
     assert torch.equal(qkvz[group:group + K], qkv[K:2 * K])  # q of head 1
     assert torch.equal(qkvz[group + K:group + 2 * K], qkv[H * K + K:H * K + 2 * K])  # k of head 1

@@ -34,7 +34,7 @@ from metrale_graph import PRESETS, HybridModel, Stream
 from metrale_graph.ops import REGISTRY, kernels
 from metrale_graph.tools.common import (add_moe_parallel_arg, end_tensor_parallel, floor_ms, names_of, output_file,
                                        positive_int, print_json, print_table, provenance, seed, write_whole)
-from metrale_graph.weights import weight_shapes
+from metrale_graph.spec import weight_shapes
 
 VARIANTS = ("peer", "eager", "compiled", "graphs")
 
