@@ -29,7 +29,8 @@ from .ops.limits import check_supported
 from .parallel import TensorParallel
 from .sharding import first_expert, local_config, shard_weights, sharded_shapes
 from .spec import MOE, feed_forward, weight_shapes
-from .weights import load_checkpoint, random_weights, save_checkpoint, stack_projections
+from .saving import GENERATION_CONFIG, save_checkpoint
+from .weights import load_checkpoint, random_weights, stack_projections
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -141,10 +142,15 @@ class HybridModel(nn.Module):
         return cls(preset, weights, tp)
 
     def save_pretrained(self, folder: str) -> None:
-        """Write a Hugging Face checkpoint folder that `from_pretrained` (ours or transformers') reads."""
+        """Write a Hugging Face checkpoint folder that `from_pretrained` (ours or transformers') reads, also
+        over a checkpoint already there (saving.py: no partial file on failure, stale shards removed); the
+        generation_config.json of the folder the model was loaded from goes with it."""
         if self.tp:
             raise ValueError("save_pretrained writes a whole model; this one holds a tensor-parallel shard")
-        save_checkpoint(dict(self.named_parameters()), self.config, folder)
+        source = getattr(self, "name_or_path", None)
+        generation = os.path.join(source, GENERATION_CONFIG) if source else None
+        save_checkpoint(dict(self.named_parameters()), self.config, folder,
+                        generation if generation and os.path.isfile(generation) else None)
 
     @property
     def dtype(self) -> torch.dtype:

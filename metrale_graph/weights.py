@@ -1,7 +1,7 @@
 """Weights: safetensors loading in Hugging Face layout (single file or sharded, text-only or
-multimodal, or this rank's shard), random initialization, the stacked projection buffers, the
-checkpoint layout both ways, and saving. Which tensors a config has, and all that is known of each, is its weight
-spec (spec.py); what a family's checkpoint fuses is its record (families.py).
+multimodal, or this rank's shard), random initialization, the stacked projection buffers, and the
+checkpoint layout both ways. Which tensors a config has, and all that is known of each, is its weight
+spec (spec.py); what a family's checkpoint fuses is its record (families.py); saving is saving.py.
 
 Our parameter names are transformers' in-memory names without the `model.` prefix
 (`layers.3.linear_attn.in_proj_qkv.weight`, `embed_tokens.weight`, `lm_head.weight`,
@@ -33,6 +33,8 @@ from .sharding import (expert_part_ranges, first_expert, fusion_ranges, local_co
                        weight_ranges)
 from .spec import EXPERTS, VECTOR, WeightSpec, model_spec, stacked_groups, weight_shapes
 
+WEIGHTS_FILE = "model.safetensors"  # a checkpoint in one file, or sharded with an index (transformers' names)
+INDEX_FILE = "model.safetensors.index.json"
 # Checkpoint prefixes of the language model, most specific first.
 _TEXT_PREFIXES = ("model.language_model.", "model.")
 # Tensors of other parts of a multimodal / MTP checkpoint that a text prefill never uses.
@@ -213,8 +215,13 @@ def _our_name(key: str) -> str | None:
 
 
 def checkpoint_files(folder: str) -> list[str]:
-    """The safetensors files of a checkpoint folder: the shards of the index, or the single file."""
-    index = os.path.join(folder, "model.safetensors.index.json")
+    """The safetensors files of a checkpoint folder, found as transformers finds them: `model.safetensors`,
+    else the shards of `model.safetensors.index.json`, else the folder's one safetensors file. (A folder
+    saved unsharded over a sharded checkpoint may keep the old index: the single file is the checkpoint.)"""
+    single = os.path.join(folder, WEIGHTS_FILE)
+    if os.path.isfile(single):
+        return [single]
+    index = os.path.join(folder, INDEX_FILE)
     if os.path.isfile(index):
         try:
             with open(index) as f:
@@ -229,9 +236,6 @@ def checkpoint_files(folder: str) -> list[str]:
         if missing:
             raise ValueError(f"{index} names shards that are not in {folder}: {missing}")
         return [os.path.join(folder, f) for f in files]
-    single = os.path.join(folder, "model.safetensors")
-    if os.path.isfile(single):
-        return [single]
     found = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     if len(found) == 1:
         return [os.path.join(folder, found[0])]
@@ -384,19 +388,3 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 0) 
         t = torch.empty(spec.shape, dtype=torch.float32 if spec.kind == VECTOR else dtype, device=device)
         out[name] = spec.init.draw(t, gen).to(dtype)
     return out
-
-
-def save_checkpoint(weights: dict[str, torch.Tensor], cfg: ModelConfig, folder: str) -> None:
-    """Write a Hugging Face text checkpoint (`config.json` + `model.safetensors`) as transformers'
-    save_pretrained writes it for the family (experts one tensor each, the family's fusions
-    fused), which `transformers.<Family>ForCausalLM.from_pretrained` and `HybridModel.from_pretrained` read."""
-    from safetensors.torch import save_file
-
-    os.makedirs(folder, exist_ok=True)
-    tensors = {(n if n == "lm_head.weight" else "model." + n): t.detach().contiguous().cpu()
-               for n, t in to_checkpoint(weights, cfg).items()}
-    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    hf = cfg.to_hf()
-    hf["dtype"] = str(next(iter(weights.values())).dtype).removeprefix("torch.")
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)

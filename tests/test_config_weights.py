@@ -270,6 +270,8 @@ def test_corrupt_safetensors(checkpoint, cut):
     ('{"weight_map": {"model.norm.weight": "shard-2.safetensors"}}', r"names shards that are not in .*shard-2"),
 ])
 def test_bad_index(checkpoint, text, message):
+    """A sharded checkpoint (no model.safetensors: with one, the index is not read) whose index is bad."""
+    (checkpoint / "model.safetensors").rename(checkpoint / "shard-1.safetensors")
     (checkpoint / "model.safetensors.index.json").write_text(text)
     with pytest.raises(ValueError, match=message):
         HybridModel.from_pretrained(str(checkpoint), progress=False)
