@@ -27,12 +27,11 @@ from .config import LINEAR, ModelConfig, PRESETS, load_config
 from .ops.common import rms_norm
 from .ops.limits import check_supported
 from .parallel import TensorParallel
+from .placement import DTYPES as _DTYPES, as_device, as_dtype
+from .saving import GENERATION_CONFIG, save_checkpoint
 from .sharding import first_expert, local_config, shard_weights, sharded_shapes
 from .spec import MOE, feed_forward, weight_shapes
-from .saving import GENERATION_CONFIG, save_checkpoint
 from .weights import load_checkpoint, random_weights, stack_projections
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class HybridModel(nn.Module):
@@ -105,8 +104,10 @@ class HybridModel(nn.Module):
         A bad config or checkpoint raises ValueError naming the file and field or tensor.
         `check_finite` rejects NaN / infinite weights; it reads every weight once more on `device`:
         for the 9B model in bfloat16 about 40 ms on an H200, about 4.5 s on 2 CPU cores (see
-        `load_checkpoint`). With a tensor-parallel `tp`, only this rank's shard is read."""
-        _check_dtype(dtype)
+        `load_checkpoint`). With a tensor-parallel `tp`, only this rank's shard is read. `dtype` is a
+        torch.dtype or its name ("bfloat16"); on the CPU, weights that would not fit in the memory
+        available are a ValueError before any is read."""
+        dtype, device = as_dtype(dtype), as_device(device)
         if os.path.isfile(path):
             raise ValueError(f"{path!r} is a file, not a checkpoint folder (a folder holding config.json and "
                              "the safetensors files)")
@@ -114,12 +115,12 @@ class HybridModel(nn.Module):
             raise ValueError(f"checkpoint folder {path!r} does not exist")
         config = load_config(path)
         try:
-            weights, error = load_checkpoint(path, config, dtype, torch.device(device), progress=progress,
+            weights, error = load_checkpoint(path, config, dtype, device, progress=progress,
                                              check_finite=check_finite, tp=tp), None
         except Exception as e:  # under tp: raised only once every rank knows (below)
             weights, error = None, e
         if tp is not None and tp.size > 1:
-            _agree_on_loading(tp, error, torch.device(device))
+            _agree_on_loading(tp, error, device)
         if error is not None:
             raise error
         model = cls(config, weights, tp)
@@ -130,13 +131,14 @@ class HybridModel(nn.Module):
     def from_preset(cls, preset: str | ModelConfig = "tiny", dtype: torch.dtype = torch.float32, device="cpu",
                     seed: int = 0, tp: TensorParallel | None = None) -> "HybridModel":
         """A model with seeded random weights: `preset` names one of PRESETS or is a ModelConfig. With
-        `tp`, every rank draws the same full weights and keeps its shard."""
-        _check_dtype(dtype)
+        `tp`, every rank draws the same full weights and keeps its shard. `dtype` is a torch.dtype or its
+        name; on the CPU, weights that would not fit in the memory available are a ValueError first."""
+        dtype, device = as_dtype(dtype), as_device(device)
         if isinstance(preset, str):
             if preset not in PRESETS:
                 raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
             preset = PRESETS[preset]
-        weights = random_weights(preset, dtype, torch.device(device), seed)
+        weights = random_weights(preset, dtype, device, seed)
         if tp is not None and tp.size > 1:
             weights = shard_weights(weights, preset, tp)
         return cls(preset, weights, tp)
@@ -300,8 +302,3 @@ def _check_uniform(weights: dict[str, torch.Tensor], hint: str = "") -> None:
     if len(dtypes) != 1 or len(devices) != 1 or next(iter(weights.values())).dtype not in _DTYPES:
         raise ValueError(f"HybridModel needs every weight in one of {', '.join(map(str, _DTYPES))} on one device; "
                          f"got {', '.join(dtypes)} on {', '.join(devices)}.{hint}")
-
-
-def _check_dtype(dtype) -> None:
-    if dtype not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype}; use one of {', '.join(map(str, _DTYPES))}")

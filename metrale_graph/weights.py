@@ -29,9 +29,10 @@ from tqdm.auto import tqdm
 
 from .config import ModelConfig
 from .families import Fusion
+from .placement import as_device, as_dtype, check_host_memory
 from .sharding import (expert_part_ranges, first_expert, fusion_ranges, local_config, pad_shards, sharded_shapes, take,
                        weight_ranges)
-from .spec import EXPERTS, VECTOR, WeightSpec, model_spec, stacked_groups, weight_shapes
+from .spec import EXPERTS, VECTOR, WeightSpec, model_spec, stacked_groups, weight_bytes, weight_shapes
 
 WEIGHTS_FILE = "model.safetensors"  # a checkpoint in one file, or sharded with an index (transformers' names)
 INDEX_FILE = "model.safetensors.index.json"
@@ -246,7 +247,9 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
                     progress: bool = True, check_finite: bool = True, tp=None) -> dict[str, torch.Tensor]:
     """Read every tensor the config needs from a safetensors checkpoint folder, in our layout
     (weight_shapes): per-expert tensors are copied into stacked buffers allocated once on `device`,
-    stacked ones are taken as they are; the family's fused tensors are split (module docstring).
+    stacked ones are taken as they are; the family's fused tensors are split (module docstring). `dtype` is
+    a torch.dtype or its name; on the CPU, weights that would not fit in the memory available are a
+    ValueError before any is read.
 
     Raises ValueError naming the tensor and its file for a missing, unexpected, duplicate, mis-shaped
     or non-floating-point one (per expert: `layers.3.mlp.experts.17.up_proj.weight`), and for a file
@@ -264,7 +267,9 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
     """
     from safetensors import SafetensorError, safe_open
 
+    dtype, device = as_dtype(dtype), as_device(device)
     asm = _Assembler(cfg, dtype, device, tp)
+    check_host_memory(weight_bytes(asm.shapes, dtype), device, f"the weights of {folder} in {dtype}")
     given: dict[str, str] = {}  # checkpoint_shapes name -> the checkpoint key that gave it
     given_in: dict[str, str] = {}  # checkpoint key -> its file
     unexpected = []  # (key, file)
@@ -381,7 +386,10 @@ def _finite(t: torch.Tensor) -> bool:
 
 def random_weights(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random weights of realistic scale, each drawn as its spec says (spec.Init; vectors in float32, then
-    converted), on the target device (fast for the 9B shape)."""
+    converted), on the target device (fast for the 9B shape). `dtype` is a torch.dtype or its name; on the
+    CPU, weights that would not fit in the memory available are a ValueError before any is drawn."""
+    dtype, device = as_dtype(dtype), as_device(device)
+    check_host_memory(weight_bytes(weight_shapes(cfg), dtype), device, f"random weights in {dtype}")
     gen = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for name, spec in model_spec(cfg).items():
