@@ -297,10 +297,8 @@ def _checked(v: dict, where: str = "") -> dict:
     family = FAMILIES[model_type]
     layers = v["mlp_only_layers"]
     need(isinstance(layers, (list, tuple)), f"field 'mlp_only_layers' must be a list of layer indices, got {layers!r}")
+    # an index past the last layer names no layer (transformers accepts it too, and to_hf keeps it)
     v["mlp_only_layers"] = layers = tuple(_int("mlp_only_layers", i, 0, where) for i in layers)
-    bad = [i for i in layers if i >= v["num_hidden_layers"]]
-    need(not bad, f"field 'mlp_only_layers' holds {bad}: layer indices must be below num_hidden_layers "
-                  f"({v['num_hidden_layers']})")
     need(len(set(layers)) == len(layers), f"field 'mlp_only_layers' holds a layer twice: {list(layers)}")
     if v["num_experts"] > 0:
         need(v["num_experts_per_tok"] <= v["num_experts"],
