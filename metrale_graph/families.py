@@ -10,7 +10,7 @@ A family's record says:
   config.json takes them, as in transformers);
 - transformers' class names: its config class and causal-LM class (`architectures` in config.json);
 - its checkpoint transforms: tensors the checkpoint fuses that the model keeps apart (`Fusion`: split
-  at load, fused at save).
+  at load, fused at save), and where its checkpoints keep tensors a text prefill does not read.
 Which blocks a layer holds follows from the config (spec.py), not from the family.
 
 Adding a family: its record here (and in FAMILIES), its new config fields in `ModelConfig`, and, for a
@@ -36,10 +36,13 @@ COMMON_DEFAULTS: Mapping[str, Any] = {
 
 @dataclass(frozen=True)
 class Multimodal:
-    """A multimodal wrapper whose `text_config` holds the family's config (its vision tower is skipped)."""
+    """A multimodal wrapper whose `text_config` holds the family's config. Its checkpoint keeps the text
+    model's tensors under `text_prefix`; those under `skipped_prefixes` (the vision tower) are not read."""
     model_type: str
     config_class: str  # transformers' class names
     model_class: str
+    text_prefix: str = "model.language_model."
+    skipped_prefixes: tuple[str, ...] = ("model.visual.", "visual.")
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,8 @@ class Family:
     multimodal: tuple[Multimodal, ...] = ()
     fusions: tuple[Fusion, ...] = ()
     minimums: Mapping[str, tuple[int, str]] = field(default_factory=dict)  # field -> (its least value here, why)
+    # checkpoint tensors a text prefill never reads (the multi-token-prediction head)
+    skipped_prefixes: tuple[str, ...] = ("mtp.", "model.mtp.")
 
     @property
     def architectures(self) -> list[str]:

@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .config import ModelConfig
-from .families import Fusion
+from .families import FAMILIES, Fusion
 from .placement import as_device, as_dtype, check_host_memory
 from .sharding import (expert_part_ranges, first_expert, fusion_ranges, local_config, pad_shards, sharded_shapes, take,
                        weight_ranges)
@@ -36,10 +36,13 @@ from .spec import EXPERTS, VECTOR, WeightSpec, model_spec, stacked_groups, weigh
 
 WEIGHTS_FILE = "model.safetensors"  # a checkpoint in one file, or sharded with an index (transformers' names)
 INDEX_FILE = "model.safetensors.index.json"
-# Checkpoint prefixes of the language model, most specific first.
-_TEXT_PREFIXES = ("model.language_model.", "model.")
-# Tensors of other parts of a multimodal / MTP checkpoint that a text prefill never uses.
-_SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+# Checkpoint prefixes of the language model, most specific first, and of the parts of a multimodal / MTP
+# checkpoint that a text prefill never uses: those of every family (families.py).
+_TEXT_PREFIXES = tuple(sorted({m.text_prefix for f in FAMILIES.values() for m in f.multimodal} | {"model."},
+                              key=len, reverse=True))
+_SKIPPED_PREFIXES = tuple(dict.fromkeys(p for f in FAMILIES.values()
+                                        for p in (*(q for m in f.multimodal for q in m.skipped_prefixes),
+                                                  *f.skipped_prefixes)))
 
 
 def stack_projections(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
