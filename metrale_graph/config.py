@@ -2,20 +2,18 @@
 with derived sizes.
 
 Field names follow transformers' `Qwen3_5TextConfig`, `Qwen3_5MoeTextConfig` and `Qwen3NextConfig`.
-`from_hf` reads a `config.json` dict of model_type `qwen3_5_text`, `qwen3_5_moe_text` or `qwen3_next`,
-or a multimodal `qwen3_5` / `qwen3_5_moe` config (text part under `text_config`; the model runs
-its text part and `model_type` records the text family). Other model families, and quantized
-checkpoints (a `quantization_config`), raise `ValueError`.
+`from_hf` reads a `config.json` dict of a family's model_type (`qwen3_5_text`, `qwen3_5_moe_text`,
+`qwen3_next`), or of a multimodal wrapper (`qwen3_5` / `qwen3_5_moe`: text part under `text_config`;
+the model runs its text part and `model_type` records the text family). Other model families, and
+quantized checkpoints (a `quantization_config`), raise `ValueError`.
 
-Families (`model_type`) and their feed-forward halves:
-- `qwen3_5_text`: a dense MLP (`intermediate_size`) in every layer; `num_experts` is 0.
-- `qwen3_5_moe_text`: a sparse MoE block in every layer (`num_experts` >= 1, top-k weights always
-  renormalized); it has no dense MLP, so `intermediate_size` is 0.
-- `qwen3_next`: a sparse MoE block in the layers of `moe_layers` (`num_experts` > 0, not in
-  `mlp_only_layers`, (i + 1) % `decoder_sparse_step` == 0), a dense MLP in the others; its GDN
-  checkpoint tensors are fused (`in_proj_qkvz`, `in_proj_ba`, see weights.py).
-A family's config has only its own fields: the others keep their defaults (so `to_hf` and
-`from_hf` round-trip every config exactly).
+What sets a family apart (its own fields, transformers' defaults and classes, its checkpoint
+transforms) is its record in families.py; this module reads and writes configs through it. The
+feed-forward half of a layer is a sparse MoE block on the layers of `moe_layers` (`num_experts` > 0,
+not in `mlp_only_layers`, (i + 1) % `decoder_sparse_step` == 0: every layer for Qwen3.5-MoE, which
+has no dense MLP and so `intermediate_size` 0), a dense MLP on the others (every layer for Qwen3.5,
+`num_experts` 0). A family's config has only its own fields: the others keep their defaults (so
+`to_hf` and `from_hf` round-trip every config exactly).
 """
 
 from __future__ import annotations
@@ -26,37 +24,15 @@ import math
 import os
 from dataclasses import dataclass
 
+from .families import FAMILIES, MULTIMODAL, OPTIONAL_FIELDS, QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, Family
+
 LINEAR = "linear_attention"
 FULL = "full_attention"
 _LEGACY_LAYER_TYPES = {"mamba": LINEAR, "conv": LINEAR, "attention": FULL}
-QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT = "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"
-FAMILIES = (QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT)
-# multimodal model_type -> the model_type of its text_config
-_MULTIMODAL = {"qwen3_5": QWEN3_5, "qwen3_5_moe": QWEN3_5_MOE}
-_ARCHITECTURES = {QWEN3_5: "Qwen3_5ForCausalLM", QWEN3_5_MOE: "Qwen3_5MoeForCausalLM",
-                  QWEN3_NEXT: "Qwen3NextForCausalLM"}
-# The fields only some families have, with the value every other family keeps.
-_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
-_FAMILY_FIELDS = {
-    QWEN3_5: ("intermediate_size",),
-    QWEN3_5_MOE: _MOE_FIELDS,
-    QWEN3_NEXT: ("intermediate_size", *_MOE_FIELDS, "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"),
-}
-_ABSENT = {"intermediate_size": 0, "num_experts": 0, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
-           "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "decoder_sparse_step": 1,
-           "mlp_only_layers": ()}
-# transformers' defaults of each family, where they differ from the dataclass defaults below
-_HF_DEFAULTS = {
-    QWEN3_5: dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
-                  num_key_value_heads=4),
-    QWEN3_5_MOE: dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_key_value_heads=2,
-                      num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
-                      shared_expert_intermediate_size=512),
-    QWEN3_NEXT: dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=48,
-                     num_key_value_heads=2, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
-                     shared_expert_intermediate_size=512, norm_topk_prob=True, decoder_sparse_step=1,
-                     mlp_only_layers=[]),
-}
+# config.json fields every family has, read as they are (a missing one takes transformers' default)
+_COMMON_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                  "linear_conv_kernel_dim", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -82,7 +58,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
     # the family (weight layout, saving); see the module docstring
-    model_type: str = QWEN3_5
+    model_type: str = QWEN3_5.model_type
     # sparse MoE (Qwen3.5-MoE, Qwen3-Next); num_experts 0 = a dense model
     num_experts: int = 0
     num_experts_per_tok: int = 8
@@ -124,6 +100,11 @@ class ModelConfig:
         return [i for i, t in enumerate(self.layer_types) if t == FULL]
 
     @property
+    def family(self) -> Family:
+        """The record of this config's model family (families.py)."""
+        return FAMILIES[self.model_type]
+
+    @property
     def moe_layers(self) -> list[int]:
         """Layers whose feed-forward half is a sparse MoE block (the others have a dense MLP)."""
         return _moe_layers(self.num_hidden_layers, self.num_experts, self.decoder_sparse_step, self.mlp_only_layers)
@@ -146,10 +127,10 @@ class ModelConfig:
         model_type = cfg.get("model_type")
         tie = cfg.get("tie_word_embeddings", False)
         _refuse_quantized(where, cfg)
-        if isinstance(model_type, str) and model_type in _MULTIMODAL:
+        if isinstance(model_type, str) and model_type in MULTIMODAL:
             if not isinstance(cfg.get("text_config"), dict):
                 raise _invalid(where, f"model_type {model_type!r} config has no 'text_config' section")
-            text_type = _MULTIMODAL[model_type]
+            text_type = MULTIMODAL[model_type][0].model_type
             cfg = dict(cfg["text_config"])
             cfg.setdefault("model_type", text_type)
             # The multimodal model ties (or not) by its top-level tie_word_embeddings, default false:
@@ -163,7 +144,7 @@ class ModelConfig:
             _refuse_quantized(where, cfg)
         if not (isinstance(model_type, str) and model_type in FAMILIES):
             raise _invalid(where, f"unsupported model_type {model_type!r}: metrale-graph runs "
-                                  f"{', '.join(map(repr, FAMILIES + tuple(_MULTIMODAL)))}")
+                                  f"{', '.join(map(repr, [*FAMILIES, *MULTIMODAL]))}")
         # transformers' ACT2FN maps 'swish' to SiLU too (MLPs, experts and the GDN conv alike)
         if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
             raise _invalid(where, f"unsupported hidden_act {cfg['hidden_act']!r}: only 'silu' (or its alias "
@@ -183,37 +164,24 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise _invalid(where, f"unsupported rope_type {rope_type!r}: only 'default' RoPE is supported")
-        defaults = _HF_DEFAULTS[model_type]
-        n_layers = _int("num_hidden_layers", cfg.get("num_hidden_layers", defaults["num_hidden_layers"]), 1, where)
+        family = FAMILIES[model_type]
+        n_layers = _int("num_hidden_layers", cfg.get("num_hidden_layers", family.default("num_hidden_layers")), 1,
+                        where)
         layer_types = cfg.get("layer_types")
         if layer_types is None:
-            interval = _int("full_attention_interval", cfg.get("full_attention_interval", 4), 1, where)
+            interval = _int("full_attention_interval",
+                            cfg.get("full_attention_interval", family.default("full_attention_interval")), 1, where)
             layer_types = default_layer_types(n_layers, interval)
         layer_types = tuple(_LEGACY_LAYER_TYPES.get(t, t) for t in _strings("layer_types", layer_types, where))
-        head_dim = cfg.get("head_dim", 256)  # transformers' default for every family (not hidden // heads)
-        fields = dict(
-            vocab_size=cfg.get("vocab_size", defaults["vocab_size"]),
-            hidden_size=cfg.get("hidden_size", defaults["hidden_size"]),
-            num_hidden_layers=n_layers,
-            layer_types=layer_types,
-            num_attention_heads=cfg.get("num_attention_heads", 16),
-            num_key_value_heads=cfg.get("num_key_value_heads", defaults["num_key_value_heads"]),
-            head_dim=head_dim,
-            partial_rotary_factor=rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)),
-            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
-            linear_num_key_heads=cfg.get("linear_num_key_heads", 16),
-            linear_num_value_heads=cfg.get("linear_num_value_heads", 32),
-            linear_key_head_dim=cfg.get("linear_key_head_dim", 128),
-            linear_value_head_dim=cfg.get("linear_value_head_dim", 128),
-            linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim", 4),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
-            model_type=model_type,
-        )
+        # a missing field takes transformers' default (head_dim's is 256, not hidden_size // num_attention_heads)
+        fields = {name: cfg.get(name, family.default(name)) for name in _COMMON_FIELDS}
+        fields.update(
+            num_hidden_layers=n_layers, layer_types=layer_types, model_type=model_type,
+            **{name: rope.get(name, cfg.get(name, family.default(name)))
+               for name in ("partial_rotary_factor", "rope_theta")})
         # the family's own fields from the file (transformers' default when missing), the others absent
-        for name, absent in _ABSENT.items():
-            fields[name] = cfg.get(name, defaults[name]) if name in _FAMILY_FIELDS[model_type] else absent
+        for name, absent in OPTIONAL_FIELDS.items():
+            fields[name] = cfg.get(name, family.default(name)) if name in family.fields else absent
         if fields["mlp_only_layers"] is None:  # transformers reads null as []
             fields["mlp_only_layers"] = []
         return cls(**_checked(fields, where))
@@ -221,7 +189,7 @@ class ModelConfig:
     def to_hf(self) -> dict:
         """The `config.json` dict (model_type: this config's family) that `transformers` reads."""
         hf = {
-            "architectures": [_ARCHITECTURES[self.model_type]],
+            "architectures": self.family.architectures,
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -244,7 +212,7 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
         }
-        for name in _FAMILY_FIELDS[self.model_type]:
+        for name in self.family.fields:
             value = getattr(self, name)
             hf[name] = list(value) if isinstance(value, tuple) else value
         return hf
@@ -323,29 +291,29 @@ def _checked(v: dict, where: str = "") -> dict:
         v[name] = _float(name, v[name], lambda x: x > 0, "a positive number", where)
     for name in ("tie_word_embeddings", "norm_topk_prob"):
         need(isinstance(v[name], bool), f"field {name!r} must be true or false, got {v[name]!r}")
-    family = v["model_type"]
-    need(isinstance(family, str) and family in FAMILIES,
-         f"field 'model_type' must be one of {', '.join(map(repr, FAMILIES))}, got {family!r}")
+    model_type = v["model_type"]
+    need(isinstance(model_type, str) and model_type in FAMILIES,
+         f"field 'model_type' must be one of {', '.join(map(repr, FAMILIES))}, got {model_type!r}")
+    family = FAMILIES[model_type]
     layers = v["mlp_only_layers"]
     need(isinstance(layers, (list, tuple)), f"field 'mlp_only_layers' must be a list of layer indices, got {layers!r}")
+    # an index past the last layer names no layer (transformers accepts it too, and to_hf keeps it)
     v["mlp_only_layers"] = layers = tuple(_int("mlp_only_layers", i, 0, where) for i in layers)
-    bad = [i for i in layers if i >= v["num_hidden_layers"]]
-    need(not bad, f"field 'mlp_only_layers' holds {bad}: layer indices must be below num_hidden_layers "
-                  f"({v['num_hidden_layers']})")
     need(len(set(layers)) == len(layers), f"field 'mlp_only_layers' holds a layer twice: {list(layers)}")
     if v["num_experts"] > 0:
         need(v["num_experts_per_tok"] <= v["num_experts"],
              f"field 'num_experts_per_tok' ({v['num_experts_per_tok']}) exceeds num_experts ({v['num_experts']})")
     def owned(name):  # a field the family does not have keeps its default
-        need(name in _FAMILY_FIELDS[family] or v[name] == _ABSENT[name],
-             f"model_type {family!r} has no field {name!r}: it must be {_ABSENT[name]!r}, got {v[name]!r}")
+        absent = OPTIONAL_FIELDS[name]
+        need(name in family.fields or v[name] == absent,
+             f"model_type {model_type!r} has no field {name!r}: it must be {absent!r}, got {v[name]!r}")
 
-    for name in _ABSENT:
+    for name in OPTIONAL_FIELDS:
         if name != "intermediate_size":
             owned(name)
-    if family == QWEN3_5_MOE:
-        need(v["num_experts"] >= 1, f"field 'num_experts' must be an integer >= 1 for model_type {family!r} "
-                                    f"(every layer is a MoE block), got {v['num_experts']!r}")
+    for name, (least, why) in family.minimums.items():
+        need(v[name] >= least, f"field {name!r} must be an integer >= {least} for model_type {model_type!r} "
+                               f"({why}), got {v[name]!r}")
     moe = _moe_layers(v["num_hidden_layers"], v["num_experts"], v["decoder_sparse_step"], layers)
     # a dense MLP needs an intermediate size; a model without one may say 0
     v["intermediate_size"] = _int("intermediate_size", v["intermediate_size"],
@@ -407,7 +375,7 @@ PRESETS: dict[str, ModelConfig] = {
         layer_types=default_layer_types(40), num_attention_heads=16, num_key_value_heads=2,
         head_dim=256, partial_rotary_factor=0.25, rope_theta=10000.0,
         linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-        linear_value_head_dim=128, max_position_embeddings=32768, model_type=QWEN3_5_MOE,
+        linear_value_head_dim=128, max_position_embeddings=32768, model_type=QWEN3_5_MOE.model_type,
         num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
     ),
     # The Qwen3-Next-80B-A3B shape: 512 experts, top-10, a MoE block in every layer (the other fields
@@ -417,7 +385,7 @@ PRESETS: dict[str, ModelConfig] = {
         layer_types=default_layer_types(48), num_attention_heads=16, num_key_value_heads=2,
         head_dim=256, partial_rotary_factor=0.25, rope_theta=10000.0,
         linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-        linear_value_head_dim=128, max_position_embeddings=32768, model_type=QWEN3_NEXT,
+        linear_value_head_dim=128, max_position_embeddings=32768, model_type=QWEN3_NEXT.model_type,
         num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(),
     ),

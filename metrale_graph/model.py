@@ -8,7 +8,7 @@ data-dependent shapes, which is what `torch.compile(fullgraph=True)` and CUDA gr
 
 With `tp` (parallel.TensorParallel) the model holds this rank's shard of every weight, its cache
 this rank's shard of every pool, and the step all-reduces after each mixer and feed-forward half
-(parallel.py says how each weight is split).
+(sharding.py says how each weight is split).
 """
 
 from __future__ import annotations
@@ -26,17 +26,19 @@ from .cache import HybridCache
 from .config import LINEAR, ModelConfig, PRESETS, load_config
 from .ops.common import rms_norm
 from .ops.limits import check_supported
+from .parallel import TensorParallel
+from .placement import DTYPES as _DTYPES, as_device, as_dtype
 from .protocol import prefill_call
-from .parallel import TensorParallel, first_expert, local_config, shard_weights, sharded_shapes
-from .weights import load_checkpoint, random_weights, save_checkpoint, stack_projections, weight_shapes
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from .saving import GENERATION_CONFIG, save_checkpoint
+from .sharding import first_expert, local_config, shard_weights, sharded_shapes
+from .spec import MOE, feed_forward, weight_shapes
+from .weights import load_checkpoint, random_weights, stack_projections
 
 
 class HybridModel(nn.Module):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], tp: TensorParallel | None = None):
         """Wrap `weights` (names as `weight_shapes(config)`, all on one device and dtype; with a
-        tensor-parallel `tp` of size > 1, this rank's shards: parallel.sharded_shapes)."""
+        tensor-parallel `tp` of size > 1, this rank's shards: sharding.sharded_shapes)."""
         super().__init__()
         self.tp = tp if tp is not None and tp.size > 1 else None
         # the sizes this rank's ops and cache see (its heads, its MLP slice); the config for all else
@@ -51,6 +53,8 @@ class HybridModel(nn.Module):
         _check_uniform(weights)
         self.config = config
         self.layers = nn.ModuleList(nn.Module() for _ in range(config.num_hidden_layers))
+        for i, layer in enumerate(self.layers):
+            layer.feed_forward = feed_forward(config, i)  # its block (spec.py): MOE on config.moe_layers, else MLP
         self._set_weights(weights)
         # layer index -> index into the cache's per-kind pools
         self._pool_index = {i: j for kinds in (config.linear_layers, config.full_layers)
@@ -58,7 +62,7 @@ class HybridModel(nn.Module):
 
     def _set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Register `weights` as parameters, each layer's projections stacked in one buffer
-        (weights.STACKED_GROUPS), and the fp32 RoPE frequencies on their device."""
+        (spec.WeightSpec.stack), and the fp32 RoPE frequencies on their device."""
         if weights["embed_tokens.weight"].device.type == "cuda":
             check_supported(self.local)  # a shape the CUDA path cannot run: ValueError now, not at prefill
         weights = stack_projections(dict(weights), self.config)
@@ -101,8 +105,10 @@ class HybridModel(nn.Module):
         A bad config or checkpoint raises ValueError naming the file and field or tensor.
         `check_finite` rejects NaN / infinite weights; it reads every weight once more on `device`:
         for the 9B model in bfloat16 about 40 ms on an H200, about 4.5 s on 2 CPU cores (see
-        `load_checkpoint`). With a tensor-parallel `tp`, only this rank's shard is read."""
-        _check_dtype(dtype)
+        `load_checkpoint`). With a tensor-parallel `tp`, only this rank's shard is read. `dtype` is a
+        torch.dtype or its name ("bfloat16"); on the CPU, weights that would not fit in the memory
+        available are a ValueError before any is read."""
+        dtype, device = as_dtype(dtype), as_device(device)
         if os.path.isfile(path):
             raise ValueError(f"{path!r} is a file, not a checkpoint folder (a folder holding config.json and "
                              "the safetensors files)")
@@ -110,12 +116,12 @@ class HybridModel(nn.Module):
             raise ValueError(f"checkpoint folder {path!r} does not exist")
         config = load_config(path)
         try:
-            weights, error = load_checkpoint(path, config, dtype, torch.device(device), progress=progress,
+            weights, error = load_checkpoint(path, config, dtype, device, progress=progress,
                                              check_finite=check_finite, tp=tp), None
         except Exception as e:  # under tp: raised only once every rank knows (below)
             weights, error = None, e
         if tp is not None and tp.size > 1:
-            _agree_on_loading(tp, error, torch.device(device))
+            _agree_on_loading(tp, error, device)
         if error is not None:
             raise error
         model = cls(config, weights, tp)
@@ -126,22 +132,28 @@ class HybridModel(nn.Module):
     def from_preset(cls, preset: str | ModelConfig = "tiny", dtype: torch.dtype = torch.float32, device="cpu",
                     seed: int = 0, tp: TensorParallel | None = None) -> "HybridModel":
         """A model with seeded random weights: `preset` names one of PRESETS or is a ModelConfig. With
-        `tp`, every rank draws the same full weights and keeps its shard."""
-        _check_dtype(dtype)
+        `tp`, every rank draws the same full weights and keeps its shard. `dtype` is a torch.dtype or its
+        name; on the CPU, weights that would not fit in the memory available are a ValueError first."""
+        dtype, device = as_dtype(dtype), as_device(device)
         if isinstance(preset, str):
             if preset not in PRESETS:
                 raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
             preset = PRESETS[preset]
-        weights = random_weights(preset, dtype, torch.device(device), seed)
+        weights = random_weights(preset, dtype, device, seed)
         if tp is not None and tp.size > 1:
             weights = shard_weights(weights, preset, tp)
         return cls(preset, weights, tp)
 
     def save_pretrained(self, folder: str) -> None:
-        """Write a Hugging Face checkpoint folder that `from_pretrained` (ours or transformers') reads."""
+        """Write a Hugging Face checkpoint folder that `from_pretrained` (ours or transformers') reads, also
+        over a checkpoint already there (saving.py: no partial file on failure, stale shards removed); the
+        generation_config.json of the folder the model was loaded from goes with it."""
         if self.tp:
             raise ValueError("save_pretrained writes a whole model; this one holds a tensor-parallel shard")
-        save_checkpoint(dict(self.named_parameters()), self.config, folder)
+        source = getattr(self, "name_or_path", None)
+        generation = os.path.join(source, GENERATION_CONFIG) if source else None
+        save_checkpoint(dict(self.named_parameters()), self.config, folder,
+                        generation if generation and os.path.isfile(generation) else None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -246,7 +258,7 @@ class HybridModel(nn.Module):
 
     def _feed_forward(self, layer, h):
         cfg, mlp = self.local, layer.mlp
-        if "experts" in mlp._modules:  # a sparse MoE layer (config.moe_layers)
+        if layer.feed_forward == MOE:
             shared = mlp.shared_expert
             return ops.moe(h, layer.post_attention_layernorm.weight, mlp.gate.weight, mlp.experts.gate_up_proj,
                            mlp.experts.down_proj, shared.gate_proj.weight, shared.up_proj.weight,
@@ -283,8 +295,3 @@ def _check_uniform(weights: dict[str, torch.Tensor], hint: str = "") -> None:
     if len(dtypes) != 1 or len(devices) != 1 or next(iter(weights.values())).dtype not in _DTYPES:
         raise ValueError(f"HybridModel needs every weight in one of {', '.join(map(str, _DTYPES))} on one device; "
                          f"got {', '.join(dtypes)} on {', '.join(devices)}.{hint}")
-
-
-def _check_dtype(dtype) -> None:
-    if dtype not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype}; use one of {', '.join(map(str, _DTYPES))}")

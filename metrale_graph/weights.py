@@ -1,233 +1,135 @@
-"""Weights: the expected tensors of a config, safetensors loading in Hugging Face layout
-(single file or sharded, text-only or multimodal), random initialization, and saving.
+"""Weights: safetensors loading in Hugging Face layout (single file or sharded, text-only or
+multimodal, or this rank's shard), random initialization, the stacked projection buffers, and the
+checkpoint layout both ways. Which tensors a config has, and all that is known of each, is its weight
+spec (spec.py); what a family's checkpoint fuses is its record (families.py); saving is saving.py.
 
 Our parameter names are transformers' in-memory names without the `model.` prefix
 (`layers.3.linear_attn.in_proj_qkv.weight`, `embed_tokens.weight`, `lm_head.weight`,
 `layers.0.mlp.experts.gate_up_proj`). Checkpoints differ from them in two ways, both rearranged
 once at load and back at save (what transformers' own conversion does):
 
-- MoE experts: the hub (and `save_pretrained`) stores one tensor per expert
+- MoE experts (spec.EXPERTS): the hub (and `save_pretrained`) stores one tensor per expert and part
   (`mlp.experts.{e}.gate_proj.weight` [IE, D], `up_proj` [IE, D], `down_proj` [D, IE]); we keep
   them stacked, `mlp.experts.gate_up_proj` [E, 2*IE, D] (gate rows, then up rows) and
   `mlp.experts.down_proj` [E, D, IE], filled expert by expert in a buffer allocated once on the
   target device. Checkpoints that already hold the stacked names load as they are.
-- Qwen3-Next GDN: the checkpoint fuses `in_proj_qkvz` [H * (2K + 2rV), D] and `in_proj_ba`
-  [H * 2r, D] interleaved per key-head group (r = HV / H value heads per key head: q, k, v, z
-  rows of group 0, then of group 1, ...; b, a likewise); we keep Qwen3.5's `in_proj_qkv`
-  (channels [q | k | v]), `in_proj_z`, `in_proj_b`, `in_proj_a`.
+- A family's fusions (families.Fusion; Qwen3-Next's GDN `in_proj_qkvz` [H * (2K + 2rV), D] and
+  `in_proj_ba` [H * 2r, D], interleaved per key-head group): split at load into our weights
+  (`in_proj_qkv` with channels [q | k | v], `in_proj_z`, `in_proj_b`, `in_proj_a`), fused at save.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from typing import Callable, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
 
-from .config import QWEN3_NEXT, ModelConfig
+from .config import ModelConfig
+from .families import FAMILIES, Fusion
+from .placement import as_device, as_dtype, check_host_memory
+from .sharding import (expert_part_ranges, first_expert, fusion_ranges, local_config, pad_shards, sharded_shapes, take,
+                       weight_ranges)
+from .spec import EXPERTS, VECTOR, WeightSpec, model_spec, stacked_groups, weight_bytes, weight_shapes
 
-# Checkpoint prefixes of the language model, most specific first.
-_TEXT_PREFIXES = ("model.language_model.", "model.")
-# Tensors of other parts of a multimodal / MTP checkpoint that a text prefill never uses.
-_SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
-
-
-def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the model needs, by name, with its shape."""
-    D, I = cfg.hidden_size, cfg.intermediate_size
-    E, IE, IS = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-    moe = set(cfg.moe_layers)
-    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (cfg.vocab_size, D)}
-    for i, kind in enumerate(cfg.layer_types):
-        p = f"layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (D,)
-        shapes[p + "post_attention_layernorm.weight"] = (D,)
-        if i in moe:
-            m = p + "mlp."
-            shapes[m + "gate.weight"] = (E, D)  # the router
-            shapes[m + "experts.gate_up_proj"] = (E, 2 * IE, D)
-            shapes[m + "experts.down_proj"] = (E, D, IE)
-            shapes[m + "shared_expert.gate_proj.weight"] = (IS, D)
-            shapes[m + "shared_expert.up_proj.weight"] = (IS, D)
-            shapes[m + "shared_expert.down_proj.weight"] = (D, IS)
-            shapes[m + "shared_expert_gate.weight"] = (1, D)
-        else:
-            shapes[p + "mlp.gate_proj.weight"] = (I, D)
-            shapes[p + "mlp.up_proj.weight"] = (I, D)
-            shapes[p + "mlp.down_proj.weight"] = (D, I)
-        if kind == "linear_attention":
-            HV = cfg.linear_num_value_heads
-            a = p + "linear_attn."
-            shapes[a + "in_proj_qkv.weight"] = (cfg.conv_dim, D)
-            shapes[a + "in_proj_z.weight"] = (cfg.value_dim, D)
-            shapes[a + "in_proj_b.weight"] = (HV, D)
-            shapes[a + "in_proj_a.weight"] = (HV, D)
-            shapes[a + "conv1d.weight"] = (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim)
-            shapes[a + "A_log"] = (HV,)
-            shapes[a + "dt_bias"] = (HV,)
-            shapes[a + "norm.weight"] = (cfg.linear_value_head_dim,)
-            shapes[a + "out_proj.weight"] = (D, cfg.value_dim)
-        else:
-            HD, HQ, HKV = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-            a = p + "self_attn."
-            shapes[a + "q_proj.weight"] = (HQ * HD * 2, D)
-            shapes[a + "k_proj.weight"] = (HKV * HD, D)
-            shapes[a + "v_proj.weight"] = (HKV * HD, D)
-            shapes[a + "o_proj.weight"] = (D, HQ * HD)
-            shapes[a + "q_norm.weight"] = (HD,)
-            shapes[a + "k_norm.weight"] = (HD,)
-    shapes["norm.weight"] = (D,)
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, D)
-    return shapes
-
-
-# Projections that read the same input: stored back to back in one buffer so the CUDA path runs
-# each group as one GEMM without copying (ops.kernels.stacked). Members are `layers.{i}.<member>.weight`,
-# in the order the ops stack them.
-STACKED_GROUPS = {
-    "gdn": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b", "linear_attn.in_proj_a"),
-    "attention": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp": ("mlp.gate_proj", "mlp.up_proj"),
-    # MoE layers: the shared expert's gate / up projections and the router, in ops.moe's order (the
-    # shared expert's one-row sigmoid gate stays apart: a [2 IS + E + 1]-row GEMM output is unaligned)
-    "moe": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.gate"),
-}
+WEIGHTS_FILE = "model.safetensors"  # a checkpoint in one file, or sharded with an index (transformers' names)
+INDEX_FILE = "model.safetensors.index.json"
+# Checkpoint prefixes of the language model, most specific first, and of the parts of a multimodal / MTP
+# checkpoint that a text prefill never uses: those of every family (families.py).
+_TEXT_PREFIXES = tuple(sorted({m.text_prefix for f in FAMILIES.values() for m in f.multimodal} | {"model."},
+                              key=len, reverse=True))
+_SKIPPED_PREFIXES = tuple(dict.fromkeys(p for f in FAMILIES.values()
+                                        for p in (*(q for m in f.multimodal for q in m.skipped_prefixes),
+                                                  *f.skipped_prefixes)))
 
 
 def stack_projections(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Re-home each layer's STACKED_GROUPS weights as row views of one buffer (in place in the dict,
-    one group at a time, so the peak is one extra group)."""
-    for i in range(cfg.num_hidden_layers):
-        for members in STACKED_GROUPS.values():
-            names = [f"layers.{i}.{m}.weight" for m in members]
-            if names[0] not in weights:
-                continue
-            parts = [weights[n] for n in names]
-            buf = torch.cat(parts)
-            row = 0
-            for n, p in zip(names, parts):
-                weights[n] = buf[row:row + p.shape[0]]
-                row += p.shape[0]
+    """Re-home each layer's stacked groups (spec.WeightSpec.stack) as row views of one buffer, so the CUDA
+    path runs each group as one GEMM without copying (ops.kernels.stacked). In place in the dict, one group
+    at a time, so the peak is one extra group."""
+    for names in stacked_groups(cfg):
+        parts = [weights[n] for n in names]
+        buf = torch.cat(parts)
+        row = 0
+        for n, p in zip(names, parts):
+            weights[n] = buf[row:row + p.shape[0]]
+            row += p.shape[0]
     return weights
 
 
 # ---- checkpoint layout: what transformers' save_pretrained writes, and how it maps onto ours ----
 
-_STACKED_EXPERTS = re.compile(r"(layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)")
-# Qwen3-Next: our projection -> (the checkpoint's fused tensor, our projection stored inside it)
-_FUSED_GDN = {"in_proj_qkv": ("in_proj_qkvz", "in_proj_z"), "in_proj_b": ("in_proj_ba", "in_proj_a")}
+class _Stored(NamedTuple):
+    """One tensor of the checkpoint layout (name without the `model.` prefix) and what it holds: our
+    weight `spec` whole, one expert's part of it (`expert`, `part`: an index into spec.parts), or, with
+    `fusion`, every member of the family's fusion in that layer (`spec`: its first member)."""
+    name: str
+    shape: tuple[int, ...]
+    spec: WeightSpec
+    expert: int | None = None
+    part: int = 0
+    fusion: Fusion | None = None
 
 
-def _gdn_fusion(cfg: ModelConfig, name: str) -> tuple[str, ...] | None:
-    """Qwen3-Next's GDN projections: (fused checkpoint name, the partner stored in it) for in_proj_qkv
-    and in_proj_b; () for in_proj_z and in_proj_a (stored inside those); None for any other tensor."""
-    if cfg.model_type != QWEN3_NEXT or ".linear_attn." not in name:
-        return None
-    prefix, leaf = name.removesuffix(".weight").rsplit(".", 1)
-    if leaf in _FUSED_GDN:
-        fused, partner = _FUSED_GDN[leaf]
-        return f"{prefix}.{fused}.weight", f"{prefix}.{partner}.weight"
-    return () if leaf in ("in_proj_z", "in_proj_a") else None
+def _expert_name(spec: WeightSpec, expert: int, part: str) -> str:
+    """`layers.0.mlp.experts.gate_up_proj`, 3, `up_proj` -> `layers.0.mlp.experts.3.up_proj.weight`."""
+    return f"{spec.name.rsplit('.', 1)[0]}.{expert}.{part}.weight"
 
 
-def _gdn_groups(cfg: ModelConfig) -> tuple[int, int, int, int]:
-    """(H, K, r * V, r): key-head groups of Qwen3-Next's interleaved projections and their sizes."""
-    H = cfg.linear_num_key_heads
-    r = cfg.linear_num_value_heads // H
-    return H, cfg.linear_key_head_dim, r * cfg.linear_value_head_dim, r
+def _layout(cfg: ModelConfig, experts_apart: bool = True) -> list[_Stored]:
+    """The checkpoint's tensors in our weights' order: the family's fusions fused (at their first member),
+    and, with experts_apart (the checkpoint on disk, not transformers' in-memory state), experts one tensor
+    per expert and part."""
+    out, fused = [], set()
+    for name, spec in model_spec(cfg).items():
+        fusion = cfg.family.fusion_of(spec.local) if spec.layer is not None else None
+        if fusion is not None:
+            if (spec.layer, fusion.name) not in fused:
+                fused.add((spec.layer, fusion.name))
+                out.append(_Stored(f"layers.{spec.layer}.{fusion.name}", (fusion.rows(cfg), *spec.shape[1:]), spec,
+                                   fusion=fusion))
+        elif spec.kind == EXPERTS and experts_apart:
+            E, rows, *rest = spec.shape
+            shape = (rows // len(spec.parts), *rest)
+            out += [_Stored(_expert_name(spec, e, part), shape, spec, e, k)
+                    for e in range(E) for k, part in enumerate(spec.parts)]
+        else:
+            out.append(_Stored(name, spec.shape, spec))
+    return out
 
 
-def fuse_qkvz(qkv: torch.Tensor, z: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """in_proj_qkv (rows [q | k | v]) and in_proj_z -> Qwen3-Next's in_proj_qkvz (q, k, v, z rows of
-    each key-head group in turn)."""
-    H, K, RV, _ = _gdn_groups(cfg)
-    D = qkv.shape[1]
-    q, k, v = qkv.split([H * K, H * K, H * RV])
-    return torch.cat([q.reshape(H, K, D), k.reshape(H, K, D), v.reshape(H, RV, D), z.reshape(H, RV, D)],
-                     dim=1).reshape(-1, D)
-
-
-def split_qkvz(qkvz: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3-Next's in_proj_qkvz -> (in_proj_qkv, in_proj_z); the inverse of fuse_qkvz."""
-    H, K, RV, _ = _gdn_groups(cfg)
-    D = qkvz.shape[1]
-    q, k, v, z = qkvz.reshape(H, 2 * K + 2 * RV, D).split([K, K, RV, RV], dim=1)
-    return torch.cat([q.reshape(-1, D), k.reshape(-1, D), v.reshape(-1, D)]), z.reshape(-1, D)
-
-
-def fuse_ba(b: torch.Tensor, a: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """in_proj_b and in_proj_a -> Qwen3-Next's in_proj_ba (b, a rows of each key-head group in turn)."""
-    H, _, _, r = _gdn_groups(cfg)
-    D = b.shape[1]
-    return torch.cat([b.reshape(H, r, D), a.reshape(H, r, D)], dim=1).reshape(-1, D)
-
-
-def split_ba(ba: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3-Next's in_proj_ba -> (in_proj_b, in_proj_a); the inverse of fuse_ba."""
-    H, _, _, r = _gdn_groups(cfg)
-    D = ba.shape[1]
-    b, a = ba.reshape(H, 2 * r, D).split([r, r], dim=1)
-    return b.reshape(-1, D), a.reshape(-1, D)
-
-
-def _expert_names(prefix: str, stacked: str, E: int) -> list[str]:
-    """The per-expert checkpoint names of one stacked expert tensor (gate_up_proj: gate, up of each expert)."""
-    parts = ("gate_proj", "up_proj") if stacked == "gate_up_proj" else ("down_proj",)
-    return [f"{prefix}{e}.{part}.weight" for e in range(E) for part in parts]
+def _members(stored: _Stored, weights: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    return [weights[f"layers.{stored.spec.layer}.{m}"] for m in stored.fusion.members]
 
 
 def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of the config's checkpoint as transformers' save_pretrained writes it (names
-    without the `model.` prefix): experts one tensor each, Qwen3-Next's GDN projections fused."""
-    D, IE = cfg.hidden_size, cfg.moe_intermediate_size
-    out: dict[str, tuple[int, ...]] = {}
-    for name, shape in weight_shapes(cfg).items():
-        stacked, fusion = _STACKED_EXPERTS.fullmatch(name), _gdn_fusion(cfg, name)
-        if stacked:
-            part_shape = {"gate_up_proj": (IE, D), "down_proj": (D, IE)}[stacked.group(2)]
-            out.update(dict.fromkeys(_expert_names(stacked.group(1), stacked.group(2), shape[0]), part_shape))
-        elif fusion:
-            rows = 2 * cfg.key_dim + 2 * cfg.value_dim if "qkvz" in fusion[0] else 2 * cfg.linear_num_value_heads
-            out[fusion[0]] = (rows, D)
-        elif fusion is None:
-            out[name] = shape
-    return out
+    without the `model.` prefix): experts one tensor each, the family's fusions fused."""
+    return {s.name: s.shape for s in _layout(cfg)}
 
 
 def to_checkpoint(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our weights in checkpoint layout (checkpoint_shapes' names; views where no rearranging is needed)."""
     out: dict[str, torch.Tensor] = {}
-    for name, t in weights.items():
-        stacked, fusion = _STACKED_EXPERTS.fullmatch(name), _gdn_fusion(cfg, name)
-        if stacked:
-            IE, parts = cfg.moe_intermediate_size, _expert_names(stacked.group(1), stacked.group(2), t.shape[0])
-            views = ([v for e in range(t.shape[0]) for v in (t[e, :IE], t[e, IE:])]
-                     if stacked.group(2) == "gate_up_proj" else list(t))
-            out.update(zip(parts, views))
-        elif fusion:
-            fuse = fuse_qkvz if "qkvz" in fusion[0] else fuse_ba
-            out[fusion[0]] = fuse(t, weights[fusion[1]], cfg)
-        elif fusion is None:
-            out[name] = t
+    for s in _layout(cfg):
+        if s.fusion is not None:
+            out[s.name] = s.fusion.fuse(_members(s, weights), cfg)
+        elif s.expert is not None:
+            rows = s.shape[0]
+            out[s.name] = weights[s.spec.name][s.expert, s.part * rows:(s.part + 1) * rows]
+        else:
+            out[s.name] = weights[s.name]
     return out
 
 
 def hf_state_dict(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our weights as transformers' in-memory state dict of the family (its module names, experts
-    stacked as its `experts.gate_up_proj` / `down_proj`, Qwen3-Next's GDN projections fused): what a
+    stacked as its `experts.gate_up_proj` / `down_proj`, the family's fusions fused): what a
     transformers model of the same weights loads (the benchmarks' peer, the GPU parity tests)."""
-    out = {}
-    for name, t in weights.items():
-        fusion = _gdn_fusion(cfg, name)
-        if fusion:
-            fuse = fuse_qkvz if "qkvz" in fusion[0] else fuse_ba
-            out[fusion[0]] = fuse(t, weights[fusion[1]], cfg)
-        elif fusion is None:
-            out[name] = t
+    out = {s.name: s.fusion.fuse(_members(s, weights), cfg) if s.fusion is not None else weights[s.name]
+           for s in _layout(cfg, experts_apart=False)}
     return {(n if n == "lm_head.weight" else "model." + n): t.contiguous() for n, t in out.items()}
 
 
@@ -236,52 +138,44 @@ class _Piece(NamedTuple):
     shape: tuple[int, ...]
     units: tuple[str, ...]  # the checkpoint_shapes entries it provides (a stacked expert tensor: all its experts)
     place: Callable[[torch.Tensor], torch.Tensor | None]  # stores it among the weights; returns what it wrote
-    ranges: tuple | None = None  # the part of it this tensor-parallel rank reads (parallel.take), None: all
+    ranges: tuple | None = None  # the part of it this tensor-parallel rank reads (sharding.take), None: all
+
+
+_NOTHING = (0, [(0, 0)])  # the ranges of a tensor a rank reads none of (another rank's expert)
 
 
 class _Assembler:
     """Lays checkpoint tensors into our weights on `device` in `dtype`: whole tensors as they are,
-    per-expert tensors into stacked buffers allocated once, Qwen3-Next's fused GDN projections split."""
+    per-expert tensors into stacked buffers allocated once, the family's fused tensors split."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, tp=None):
-        from .parallel import first_expert, local_config, shard_ranges, sharded_shapes
-
         self.cfg, self.dtype, self.device = cfg, dtype, device
         tp = tp if tp is not None and tp.size > 1 else None
-        full = weight_shapes(cfg)
-        self.shapes = sharded_shapes(cfg, tp) if tp else full
-        self.layout = checkpoint_shapes(cfg)
-        self.local = local_config(cfg, tp.size, tp.moe) if tp else cfg  # the shard's sizes (Qwen3-Next's splits)
-        ranges = (lambda name: shard_ranges(name, cfg, tp)) if tp else (lambda name: None)
+        self.shapes = sharded_shapes(cfg, tp) if tp else weight_shapes(cfg)
+        self.local = local_config(cfg, tp.size, tp.moe) if tp else cfg  # the shard's sizes (for splitting fusions)
         first = first_expert(cfg, tp)
+        self.layout = checkpoint_shapes(cfg)
         self.out: dict[str, torch.Tensor] = {}
         self.pieces: dict[str, _Piece] = {}
         self.stacked_of: dict[str, str] = {}  # per-expert name -> the stacked name that also provides it
-        IE = self.local.moe_intermediate_size  # this rank's rows of each expert (split within: a slice)
-        for name, shape in self.shapes.items():
-            stacked, fusion = _STACKED_EXPERTS.fullmatch(name), _gdn_fusion(cfg, name)
-            if stacked:
-                parts = _expert_names(stacked.group(1), stacked.group(2), cfg.num_experts)
-                self.pieces[name] = _Piece(full[name], tuple(parts), self._whole(name), ranges(name))
-                for part in parts:
-                    e, which = part[len(stacked.group(1)):].split(".")[:2]
-                    rows = {"gate_proj": slice(0, IE), "up_proj": slice(IE, 2 * IE), "down_proj": slice(None)}[which]
-                    local = int(e) - first
-                    if 0 <= local < shape[0]:
-                        self.pieces[part] = _Piece(self.layout[part], (part,), self._expert(name, local, rows),
-                                                   ranges(part))
-                    else:  # another rank's expert: none of it is read
-                        self.pieces[part] = _Piece(self.layout[part], (part,), lambda t: None, (0, [(0, 0)]))
-                    self.stacked_of[part] = name
-            elif fusion:
-                fused, partner = fusion
-                split = split_qkvz if "qkvz" in fused else split_ba
-                rows = self.layout[fused][0]  # the rank's key-head groups are one run of rows
-                group = rows // cfg.linear_num_key_heads * self.local.linear_num_key_heads
-                part = (0, [(tp.rank * group, (tp.rank + 1) * group)]) if tp else None
-                self.pieces[fused] = _Piece(self.layout[fused], (fused,), self._split((name, partner), split), part)
-            elif fusion is None:
-                self.pieces[name] = _Piece(self.layout.get(name, shape), (name,), self._whole(name), ranges(name))
+        for s in _layout(cfg):
+            spec = s.spec
+            if s.fusion is not None:
+                self.pieces[s.name] = _Piece(s.shape, (s.name,), self._split(s), fusion_ranges(s.fusion, cfg, tp))
+            elif s.expert is not None:
+                if (s.expert, s.part) == (0, 0):  # a checkpoint may store the experts stacked, as we do
+                    parts = tuple(_expert_name(spec, e, p) for e in range(spec.shape[0]) for p in spec.parts)
+                    self.pieces[spec.name] = _Piece(spec.shape, parts, self._whole(spec.name), weight_ranges(spec, tp))
+                local, held = s.expert - first, self.shapes[spec.name]
+                if 0 <= local < held[0]:
+                    rows = held[1] // len(spec.parts)  # this rank's rows of the part (split within: a slice)
+                    place = self._expert(spec.name, local, slice(s.part * rows, (s.part + 1) * rows))
+                    self.pieces[s.name] = _Piece(s.shape, (s.name,), place, expert_part_ranges(spec, s.part, tp))
+                else:  # another rank's expert: none of it is read
+                    self.pieces[s.name] = _Piece(s.shape, (s.name,), lambda t: None, _NOTHING)
+                self.stacked_of[s.name] = spec.name
+            else:
+                self.pieces[s.name] = _Piece(s.shape, (s.name,), self._whole(s.name), weight_ranges(spec, tp))
 
     def _converted(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(device=self.device, dtype=self.dtype)
@@ -301,10 +195,13 @@ class _Assembler:
             return view
         return place
 
-    def _split(self, names, split):
+    def _split(self, stored: _Stored):
+        prefix = f"layers.{stored.spec.layer}."
+
         def place(t):
             t = self._converted(t)
-            self.out[names[0]], self.out[names[1]] = split(t, self.local)
+            for member, part in zip(stored.fusion.members, stored.fusion.split(t, self.local)):
+                self.out[prefix + member] = part
             return t
         return place
 
@@ -322,8 +219,13 @@ def _our_name(key: str) -> str | None:
 
 
 def checkpoint_files(folder: str) -> list[str]:
-    """The safetensors files of a checkpoint folder: the shards of the index, or the single file."""
-    index = os.path.join(folder, "model.safetensors.index.json")
+    """The safetensors files of a checkpoint folder, found as transformers finds them: `model.safetensors`,
+    else the shards of `model.safetensors.index.json`, else the folder's one safetensors file. (A folder
+    saved unsharded over a sharded checkpoint may keep the old index: the single file is the checkpoint.)"""
+    single = os.path.join(folder, WEIGHTS_FILE)
+    if os.path.isfile(single):
+        return [single]
+    index = os.path.join(folder, INDEX_FILE)
     if os.path.isfile(index):
         try:
             with open(index) as f:
@@ -338,9 +240,6 @@ def checkpoint_files(folder: str) -> list[str]:
         if missing:
             raise ValueError(f"{index} names shards that are not in {folder}: {missing}")
         return [os.path.join(folder, f) for f in files]
-    single = os.path.join(folder, "model.safetensors")
-    if os.path.isfile(single):
-        return [single]
     found = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     if len(found) == 1:
         return [os.path.join(folder, found[0])]
@@ -351,7 +250,9 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
                     progress: bool = True, check_finite: bool = True, tp=None) -> dict[str, torch.Tensor]:
     """Read every tensor the config needs from a safetensors checkpoint folder, in our layout
     (weight_shapes): per-expert tensors are copied into stacked buffers allocated once on `device`,
-    stacked ones are taken as they are; Qwen3-Next's fused GDN projections are split (module docstring).
+    stacked ones are taken as they are; the family's fused tensors are split (module docstring). `dtype` is
+    a torch.dtype or its name; on the CPU, weights that would not fit in the memory available are a
+    ValueError before any is read.
 
     Raises ValueError naming the tensor and its file for a missing, unexpected, duplicate, mis-shaped
     or non-floating-point one (per expert: `layers.3.mlp.experts.17.up_proj.weight`), and for a file
@@ -369,9 +270,9 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
     """
     from safetensors import SafetensorError, safe_open
 
-    from .parallel import pad_vocab, take
-
+    dtype, device = as_dtype(dtype), as_device(device)
     asm = _Assembler(cfg, dtype, device, tp)
+    check_host_memory(weight_bytes(asm.shapes, dtype), device, f"the weights of {folder} in {dtype}")
     given: dict[str, str] = {}  # checkpoint_shapes name -> the checkpoint key that gave it
     given_in: dict[str, str] = {}  # checkpoint key -> its file
     unexpected = []  # (key, file)
@@ -430,7 +331,7 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
                          f"{_collapse(missing, asm, given)[:5]}")
     if tied_head is not None:
         _check_tied_head(asm, *tied_head)
-    return pad_vocab(asm.out, cfg, tp) if tp is not None and tp.size > 1 else asm.out
+    return pad_shards(asm.out, cfg, tp) if tp is not None and tp.size > 1 else asm.out
 
 
 def _check_tied_head(asm: _Assembler, key: str, path: str) -> None:
@@ -438,8 +339,6 @@ def _check_tied_head(asm: _Assembler, key: str, path: str) -> None:
     rows of it under tensor parallelism), else ValueError. transformers ties the pair only when the two are
     equal; otherwise it warns and runs the stored lm_head, which a tied model here would silently ignore."""
     from safetensors import safe_open
-
-    from .parallel import take
 
     embed = asm.pieces["embed_tokens.weight"]
     with safe_open(path, framework="pt", device="cpu") as f:
@@ -456,7 +355,7 @@ def _check_tied_head(asm: _Assembler, key: str, path: str) -> None:
 def _collapse(missing: list[str], asm: _Assembler, given: dict[str, str]) -> list[str]:
     """Missing checkpoint tensors by name; where the checkpoint stores experts stacked, a stacked tensor
     missing whole is named as such rather than expert by expert."""
-    stacked = any(_STACKED_EXPERTS.fullmatch(_our_name(k) or "") for k in given.values())
+    stacked = not set(asm.stacked_of.values()).isdisjoint(_our_name(k) for k in given.values())
     absent, out = set(missing), []
     for name in missing:
         whole = asm.stacked_of.get(name)
@@ -489,39 +388,14 @@ def _finite(t: torch.Tensor) -> bool:
 
 
 def random_weights(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random weights of realistic scale (random on the target device: fast for the 9B shape)."""
+    """Random weights of realistic scale, each drawn as its spec says (spec.Init; vectors in float32, then
+    converted), on the target device (fast for the 9B shape). `dtype` is a torch.dtype or its name; on the
+    CPU, weights that would not fit in the memory available are a ValueError before any is drawn."""
+    dtype, device = as_dtype(dtype), as_device(device)
+    check_host_memory(weight_bytes(weight_shapes(cfg), dtype), device, f"random weights in {dtype}")
     gen = torch.Generator(device=device).manual_seed(seed)
     out = {}
-    for name, shape in weight_shapes(cfg).items():
-        t = torch.empty(shape, dtype=torch.float32 if len(shape) == 1 else dtype, device=device)
-        leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
-        if name.endswith("A_log"):
-            t.uniform_(1.0, 16.0, generator=gen).log_()
-        elif name.endswith("dt_bias"):
-            t.uniform_(0.5, 1.5, generator=gen)
-        elif leaf == "norm" and ".linear_attn." in name:  # gated norm: plain weight around 1
-            t.normal_(1.0, 0.1, generator=gen)
-        elif len(shape) == 1:  # zero-centred RMSNorm weights
-            t.normal_(0.0, 0.1, generator=gen)
-        elif leaf == "conv1d":
-            t.uniform_(-0.5, 0.5, generator=gen)
-        else:  # embeddings and projections: transformers' initializer_range
-            t.normal_(0.0, 0.02, generator=gen)
-        out[name] = t.to(dtype)
+    for name, spec in model_spec(cfg).items():
+        t = torch.empty(spec.shape, dtype=torch.float32 if spec.kind == VECTOR else dtype, device=device)
+        out[name] = spec.init.draw(t, gen).to(dtype)
     return out
-
-
-def save_checkpoint(weights: dict[str, torch.Tensor], cfg: ModelConfig, folder: str) -> None:
-    """Write a Hugging Face text checkpoint (`config.json` + `model.safetensors`) as transformers'
-    save_pretrained writes it for the family (experts one tensor each, Qwen3-Next's GDN projections
-    fused), which `transformers.<Family>ForCausalLM.from_pretrained` and `HybridModel.from_pretrained` read."""
-    from safetensors.torch import save_file
-
-    os.makedirs(folder, exist_ok=True)
-    tensors = {(n if n == "lm_head.weight" else "model." + n): t.detach().contiguous().cpu()
-               for n, t in to_checkpoint(weights, cfg).items()}
-    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    hf = cfg.to_hf()
-    hf["dtype"] = str(next(iter(weights.values())).dtype).removeprefix("torch.")
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)

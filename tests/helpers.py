@@ -155,20 +155,11 @@ def moe_config(model_type: str = "qwen3_5_moe_text", **overrides) -> ModelConfig
     return tiny_config(**{**moe, **overrides})
 
 
-# model_type -> (transformers text config class, causal LM class, multimodal config class, multimodal class)
-_HF_CLASSES = {
-    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
-    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeConfig",
-                         "Qwen3_5MoeForConditionalGeneration"),
-    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", None, None),
-}
-
-
 def hf_class(cfg: ModelConfig):
     """transformers' causal-LM class of the config's family."""
     import transformers
 
-    return getattr(transformers, _HF_CLASSES[cfg.model_type][1])
+    return getattr(transformers, cfg.family.causal_lm_class)
 
 
 def hf_reference(cfg: ModelConfig, seed: int = 0, multimodal: bool = False):
@@ -177,18 +168,18 @@ def hf_reference(cfg: ModelConfig, seed: int = 0, multimodal: bool = False):
     exercised; routers and experts too). MoE experts run transformers' eager per-expert loop."""
     import transformers
 
-    hf_cfg = cfg.to_hf()
-    text_cls, lm_cls, mm_cls, mm_model_cls = (getattr(transformers, n) if n else None
-                                              for n in _HF_CLASSES[cfg.model_type])
+    hf_cfg, family = cfg.to_hf(), cfg.family
     torch.manual_seed(seed)
     if multimodal:
+        (wrapper,) = family.multimodal
+        mm_cls, mm_model_cls = getattr(transformers, wrapper.config_class), getattr(transformers, wrapper.model_class)
         mm = mm_cls(
             text_config=hf_cfg, tie_word_embeddings=cfg.tie_word_embeddings,
             vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
                                out_hidden_size=cfg.hidden_size))
         model = mm_model_cls(mm)
     else:
-        model = lm_cls(text_cls(**hf_cfg))
+        model = getattr(transformers, family.causal_lm_class)(getattr(transformers, family.config_class)(**hf_cfg))
     if cfg.num_experts:
         model.set_experts_implementation("eager")  # not grouped_mm & co: the reference loop, in fp32
     gen = torch.Generator().manual_seed(seed)

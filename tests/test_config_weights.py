@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from metrale_graph import PRESETS, HybridModel, ModelConfig, load_config
-from metrale_graph.weights import weight_shapes
+from metrale_graph.families import COMMON_DEFAULTS, FAMILIES, OPTIONAL_FIELDS
+from metrale_graph.spec import weight_shapes
 
 
 def test_presets():
@@ -35,6 +36,31 @@ def test_from_hf_matches_transformers_defaults():
     assert cfg.layer_types == tuple(hf["layer_types"])
     assert cfg.rotary_dim == 64 and cfg.head_dim == 256 and cfg.conv_dim == 2 * 16 * 128 + 32 * 128
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+
+
+@pytest.mark.parametrize("family", list(FAMILIES.values()), ids=list(FAMILIES))
+def test_family_records_match_transformers(family):
+    """A family's record names transformers' classes of it and holds its defaults; a field it lacks keeps
+    ModelConfig's default."""
+    import dataclasses
+
+    import transformers
+
+    config_cls = getattr(transformers, family.config_class)
+    assert getattr(transformers, family.causal_lm_class).config_class is config_cls
+    hf = config_cls().to_dict()
+    assert hf["model_type"] == family.model_type
+    for name in [*COMMON_DEFAULTS, *family.defaults]:
+        value = hf["rope_parameters"][name] if name in ("rope_theta", "partial_rotary_factor") else hf.get(name)
+        assert value == family.default(name) or (name == "full_attention_interval" and value is None), name
+    for wrapper in family.multimodal:
+        mm_cls = getattr(transformers, wrapper.config_class)
+        assert mm_cls().to_dict()["model_type"] == wrapper.model_type
+        assert getattr(transformers, wrapper.model_class).config_class is mm_cls
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.default is not dataclasses.MISSING}
+    assert {n: defaults[n] for n in OPTIONAL_FIELDS if n in defaults} == {n: a for n, a in OPTIONAL_FIELDS.items()
+                                                                          if n in defaults}
+    assert ModelConfig.from_hf(hf).family is family
 
 
 def test_quantized_multimodal_config_is_refused():
@@ -244,6 +270,8 @@ def test_corrupt_safetensors(checkpoint, cut):
     ('{"weight_map": {"model.norm.weight": "shard-2.safetensors"}}', r"names shards that are not in .*shard-2"),
 ])
 def test_bad_index(checkpoint, text, message):
+    """A sharded checkpoint (no model.safetensors: with one, the index is not read) whose index is bad."""
+    (checkpoint / "model.safetensors").rename(checkpoint / "shard-1.safetensors")
     (checkpoint / "model.safetensors.index.json").write_text(text)
     with pytest.raises(ValueError, match=message):
         HybridModel.from_pretrained(str(checkpoint), progress=False)

@@ -14,7 +14,9 @@ from helpers import (check_parity, hf_class, hf_reference, moe_config, random_to
                      unit_gain)
 from metrale_graph import PRESETS, HybridModel, ModelConfig, Stream, load_config
 from metrale_graph.config import FULL, LINEAR
-from metrale_graph.weights import checkpoint_shapes, fuse_ba, fuse_qkvz, split_ba, split_qkvz, weight_shapes
+from metrale_graph.families import QWEN3_NEXT
+from metrale_graph.spec import weight_shapes
+from metrale_graph.weights import checkpoint_shapes
 
 
 CONFIGS = [
@@ -153,15 +155,18 @@ def test_our_checkpoint_round_trips_through_transformers(tmp_path, cfg):
 
 
 def test_gdn_fusion_is_transformers_interleaving():
-    """split_qkvz / split_ba invert fuse_qkvz / fuse_ba, and the fused rows are grouped per key head
-    as transformers' fix_query_key_value_ordering reads them."""
+    """Qwen3-Next's fusions: split inverts fuse, and the fused rows are grouped per key head as
+    transformers' fix_query_key_value_ordering reads them."""
     cfg = moe_config("qwen3_next", linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=3,
                      linear_value_head_dim=5)
     H, K, HV, V, D = 2, 3, 6, 5, cfg.hidden_size
     qkv, z = torch.randn(2 * H * K + HV * V, D), torch.randn(HV * V, D)
     b, a = torch.randn(HV, D), torch.randn(HV, D)
-    qkvz, ba = fuse_qkvz(qkv, z, cfg), fuse_ba(b, a, cfg)
-    assert all(torch.equal(x, y) for x, y in zip(split_qkvz(qkvz, cfg) + split_ba(ba, cfg), (qkv, z, b, a)))
+    fuse_qkvz, fuse_ba = QWEN3_NEXT.fusions
+    assert fuse_qkvz.name == "linear_attn.in_proj_qkvz.weight" and fuse_ba.name == "linear_attn.in_proj_ba.weight"
+    qkvz, ba = fuse_qkvz.fuse((qkv, z), cfg), fuse_ba.fuse((b, a), cfg)
+    assert qkvz.shape == (fuse_qkvz.rows(cfg), D) and ba.shape == (fuse_ba.rows(cfg), D)
+    assert all(torch.equal(x, y) for x, y in zip(fuse_qkvz.split(qkvz, cfg) + fuse_ba.split(ba, cfg), (qkv, z, b, a)))
     group = 2 * K + 2 * (HV // H) * V  # rows of key head 1: q, k, then its 3 value heads' v, then z
     assert torch.equal(qkvz[group:group + K], qkv[K:2 * K])  # q of head 1
     assert torch.equal(qkvz[group + K:group + 2 * K], qkv[H * K + K:H * K + 2 * K])  # k of head 1
@@ -317,6 +322,19 @@ def test_moe_layers_follow_transformers():
         assert cfg.moe_layers == [i for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts")]
 
 
+def test_mlp_only_layers_past_the_last_layer_are_accepted_as_transformers_accepts_them():
+    """An index past the last layer names no layer: transformers builds such a model (it was refused here),
+    the same layers are MoE in both, and to_hf keeps the index, so the config round-trips."""
+    hf_cfg = {**moe_config("qwen3_next").to_hf(), "mlp_only_layers": [1, 4, 9]}  # 4 layers: 0 .. 3
+    cfg = ModelConfig.from_hf(hf_cfg)
+    assert cfg.mlp_only_layers == (1, 4, 9) and cfg.moe_layers == [0, 2, 3]
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg and cfg.to_hf()["mlp_only_layers"] == [1, 4, 9]
+    hf = hf_reference(cfg)
+    assert cfg.moe_layers == [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
+    model = HybridModel.from_preset(cfg)
+    assert [i for i, layer in enumerate(model.layers) if hasattr(layer.mlp, "experts")] == cfg.moe_layers
+
+
 def test_multimodal_and_family_configs():
     text = moe_config("qwen3_5_moe_text").to_hf()
     del text["tie_word_embeddings"], text["model_type"]
@@ -353,7 +371,6 @@ def _write_config(folder, data):
     ("qwen3_next", {"mlp_only_layers": 1}, "field 'mlp_only_layers' must be a list of layer indices, got 1"),
     ("qwen3_next", {"mlp_only_layers": [1.5]}, "field 'mlp_only_layers' must be an integer >= 0, got 1.5"),
     ("qwen3_next", {"mlp_only_layers": [-1]}, "field 'mlp_only_layers' must be an integer >= 0, got -1"),
-    ("qwen3_next", {"mlp_only_layers": [4]}, r"field 'mlp_only_layers' holds \[4\]: layer indices must be below"),
     ("qwen3_next", {"mlp_only_layers": [1, 1]}, r"field 'mlp_only_layers' holds a layer twice: \[1, 1\]"),
     ("qwen3_next", {"mlp_only_layers": [1], "intermediate_size": 0},
      "field 'intermediate_size' must be an integer >= 1, got 0"),

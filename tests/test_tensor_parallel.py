@@ -158,7 +158,8 @@ def test_a_shard_that_fails_to_load_fails_every_rank(sharded):
 
 
 def test_unshardable_configs_name_the_field():
-    from metrale_graph.parallel import TensorParallel, check_shardable
+    from metrale_graph.parallel import TensorParallel
+    from metrale_graph.sharding import check_shardable
 
     with pytest.raises(ValueError, match=r"linear_num_key_heads \(2\) is not a multiple of the tensor-parallel size 4"):
         check_shardable(tiny_config(num_attention_heads=4, num_key_value_heads=4), 4)

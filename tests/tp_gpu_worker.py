@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from metrale_graph import PRESETS, HybridModel, Stream
 from metrale_graph.capture import GraphRunner
-from metrale_graph.parallel import MOE_MODES, TensorParallel
+from metrale_graph.parallel import TensorParallel
+from metrale_graph.sharding import MOE_MODES
 
 # 9B head shapes, a small hidden size and 2 layers (1 GDN + 1 attention): quick to compile and capture
 CFG = PRESETS["qwen3.5-9b"].replace(num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),

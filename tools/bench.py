@@ -34,7 +34,7 @@ from metrale_graph import PRESETS, HybridModel, Stream
 from metrale_graph.ops import REGISTRY, kernels
 from metrale_graph.tools.common import (add_moe_parallel_arg, end_tensor_parallel, floor_ms, names_of, output_file,
                                        positive_int, print_json, print_table, provenance, seed, write_whole)
-from metrale_graph.weights import weight_shapes
+from metrale_graph.spec import weight_shapes
 
 VARIANTS = ("peer", "eager", "compiled", "graphs")
 
@@ -195,12 +195,6 @@ class Ours:
         return (self.graphs if mode == "graphs" else self.compiled).prefill(streams)
 
 
-# model_type -> (transformers config class, causal LM class)
-PEER_CLASSES = {"qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
-                "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
-                "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM")}
-
-
 def peer_model(model):
     """transformers' causal LM of the model's family with the same bf16 weights (it picks
     flash-linear-attention's kernels when fla is installed)."""
@@ -209,7 +203,7 @@ def peer_model(model):
     from metrale_graph.weights import hf_state_dict
 
     cfg = model.config
-    config_cls, model_cls = (getattr(transformers, n) for n in PEER_CLASSES[getattr(cfg, "model_type", "qwen3_5_text")])
+    config_cls, model_cls = (getattr(transformers, n) for n in (cfg.family.config_class, cfg.family.causal_lm_class))
     hf_cfg = config_cls(**cfg.to_hf())
     with torch.device("meta"):
         hf = model_cls(hf_cfg)

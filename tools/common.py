@@ -203,7 +203,7 @@ def add_model_args(p: argparse.ArgumentParser, seed_help: str = "seed of random 
 
 
 def add_moe_parallel_arg(p: argparse.ArgumentParser, shown: bool = True) -> None:
-    from metrale_graph.parallel import DEFAULT_MOE, MOE_MODES
+    from metrale_graph.sharding import DEFAULT_MOE, MOE_MODES
 
     p.add_argument("--moe-parallel", choices=MOE_MODES, default=None,
                    help=f"with --tp on an MoE model: each expert split within (within, the default "
@@ -233,7 +233,8 @@ def tensor_parallel(args, parser: argparse.ArgumentParser):
 
     import torch.distributed as dist
 
-    from metrale_graph.parallel import DEFAULT_MOE, TensorParallel
+    from metrale_graph.parallel import TensorParallel
+    from metrale_graph.sharding import DEFAULT_MOE
 
     if world != args.tp:
         parser.error(f"--tp {args.tp} needs {args.tp} processes (torchrun --nproc-per-node {args.tp} ...); "

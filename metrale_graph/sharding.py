@@ -1,0 +1,202 @@
+"""The tensor-parallel plan: which part of each weight a rank holds, the shapes of the shards, the
+vocabulary padding and the per-rank config. It reads only the config and the weight spec (spec.py,
+where each weight's `Shard` rule lives); parallel.TensorParallel is the communicator.
+
+A `tp` argument here is anything with `rank`, `size` and `moe` (a parallel.TensorParallel); `None` or
+size 1 means one process holding everything. Ranges are (dim, [start, stop) spans concatenated in
+order). MoE experts are split either across ranks (moe="expert": each rank holds E / n whole experts)
+or each within (moe="within", DEFAULT_MOE: every rank holds its slice of every expert, the expert's
+own Shard rule), the router on every rank either way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import ModelConfig
+from .spec import EXPERTS, PADDED, REPLICATE, Shard, WeightSpec, model_spec
+
+Ranges = tuple[int, list[tuple[int, int]]]
+MOE_MODES = ("expert", "within")  # how MoE experts are split over ranks (module docstring)
+DEFAULT_MOE = "within"  # measured faster on two H200s (docs/DESIGN.md, "Tensor parallelism")
+
+
+def check_moe_mode(moe) -> None:
+    if moe not in MOE_MODES:
+        raise ValueError(f"moe must be one of {MOE_MODES} (how experts are split over ranks), got {moe!r}")
+
+
+def check_shardable(cfg: ModelConfig, size: int, moe: str = DEFAULT_MOE) -> None:
+    """ValueError naming the config field that `size` ranks cannot split (experts split as `moe` says)."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"tensor-parallel size must be a positive integer, got {size!r}")
+    check_moe_mode(moe)
+    if size == 1:
+        return
+    need = [("num_attention_heads", cfg.num_attention_heads)]
+    if cfg.linear_layers:
+        need.append(("linear_num_key_heads", cfg.linear_num_key_heads))
+    if len(cfg.moe_layers) < cfg.num_hidden_layers:
+        need.append(("intermediate_size", cfg.intermediate_size))
+    if cfg.moe_layers:
+        need += [("num_experts", cfg.num_experts) if moe == "expert" else
+                 ("moe_intermediate_size", cfg.moe_intermediate_size),
+                 ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size)]
+    other = {"num_experts": ("within", cfg.moe_intermediate_size),  # the other way to split the experts
+             "moe_intermediate_size": ("expert", cfg.num_experts)}
+    for field, value in need:
+        if value % size:
+            hint = ""
+            if field in other and other[field][1] % size == 0:
+                hint = f" (the experts split with moe={other[field][0]!r} would divide)"
+            raise ValueError(f"{field} ({value}) is not a multiple of the tensor-parallel size {size}{hint}")
+    kv = cfg.num_key_value_heads
+    if cfg.full_layers and kv % size and size % kv:
+        raise ValueError(f"num_key_value_heads ({kv}) and the tensor-parallel size {size} do not divide one another "
+                         "(KV heads are split, or replicated when fewer than the ranks)")
+
+
+def vocab_rows(cfg: ModelConfig, size: int) -> int:
+    """Vocabulary rows each of `size` ranks holds (the last rank's shard padded up to it)."""
+    return math.ceil(cfg.vocab_size / size)
+
+
+def local_config(cfg: ModelConfig, size: int, moe: str = DEFAULT_MOE) -> ModelConfig:
+    """The head counts and sizes one rank's shard has: what its cache and ops are built for. The
+    router still sees every expert (num_experts is the global count); split within, each expert's
+    intermediate size is the rank's slice."""
+    check_shardable(cfg, size, moe)
+    if size == 1:
+        return cfg
+    return cfg.replace(
+        moe_intermediate_size=cfg.moe_intermediate_size // size if cfg.moe_layers and moe == "within"
+        else cfg.moe_intermediate_size,
+        num_attention_heads=cfg.num_attention_heads // size,
+        num_key_value_heads=max(1, cfg.num_key_value_heads // size),
+        linear_num_key_heads=cfg.linear_num_key_heads // size,
+        linear_num_value_heads=cfg.linear_num_value_heads // size,
+        intermediate_size=cfg.intermediate_size // size,
+        shared_expert_intermediate_size=(cfg.shared_expert_intermediate_size // size
+                                         if cfg.moe_layers else cfg.shared_expert_intermediate_size),
+        vocab_size=vocab_rows(cfg, size))
+
+
+def first_expert(cfg: ModelConfig, tp) -> int:
+    """The global index of this rank's first expert: rank * E / n split across ranks, else 0 (every
+    rank holds every expert, or a slice of each)."""
+    if not _parallel(tp) or tp.moe != "expert":
+        return 0
+    return tp.rank * (cfg.num_experts // tp.size)
+
+
+def rule_ranges(rule: Shard, rank: int, size: int) -> Ranges:
+    """The spans of `rule`'s dimension that rank `rank` of `size` holds (spec.Shard)."""
+    spans, offset = [], 0
+    for count, unit in rule.segments:
+        if rule.mode == PADDED:
+            per = math.ceil(count / size)
+            first, last = min(rank * per, count), min((rank + 1) * per, count)
+        elif rule.mode == REPLICATE and count < size:
+            first = rank * count // size
+            last = first + 1
+        else:
+            per = count // size
+            first, last = rank * per, (rank + 1) * per
+        spans.append((offset + first * unit, offset + last * unit))
+        offset += count * unit
+    return rule.dim, spans
+
+
+def weight_ranges(spec: WeightSpec, tp) -> Ranges | None:
+    """The part of a weight this rank holds, or None when it holds all of it."""
+    if not _parallel(tp):
+        return None
+    if spec.kind == EXPERTS and tp.moe == "expert":
+        return rule_ranges(Shard(0, ((spec.shape[0], 1),)), tp.rank, tp.size)
+    return rule_ranges(spec.shard, tp.rank, tp.size) if spec.shard else None
+
+
+def expert_part_ranges(spec: WeightSpec, part: int, tp) -> Ranges | None:
+    """The part of one expert's checkpoint tensor `spec.parts[part]` (an EXPERTS weight's dim-1 block, of
+    one expert) this rank reads: all of it split across ranks (its own experts; it reads none of another's),
+    its slice split within."""
+    if not _parallel(tp) or tp.moe == "expert":
+        return None
+    dim, spans = rule_ranges(spec.shard, tp.rank, tp.size)
+    if dim != 1:  # the expert dim is gone: one dim less
+        return dim - 1, spans
+    rows = spec.shape[1] // len(spec.parts)
+    low = part * rows
+    return 0, [(a - low, b - low) for a, b in spans if low <= a and b <= low + rows]
+
+
+def fusion_ranges(fusion, cfg: ModelConfig, tp) -> Ranges | None:
+    """The rows of a fused checkpoint tensor (families.Fusion) this rank reads: one run, its groups'."""
+    if not _parallel(tp):
+        return None
+    groups = fusion.groups(cfg)
+    return rule_ranges(Shard(0, ((groups, fusion.rows(cfg) // groups),)), tp.rank, tp.size)
+
+
+def shard_ranges(name: str, cfg: ModelConfig, tp) -> Ranges | None:
+    """How our weight `name` is split: (dim, ranges of rank tp.rank, concatenated in order), or None
+    when every rank holds all of it."""
+    return weight_ranges(model_spec(cfg)[name], tp)
+
+
+def take(t, ranges: Ranges | None) -> torch.Tensor:
+    """The shard of `t` (a tensor, or a safetensors slice: only the ranges are read)."""
+    if ranges is None:
+        return t if isinstance(t, torch.Tensor) else t[:]
+    dim, spans = ranges
+    index = [slice(None)] * (dim + 1)
+    pieces = []
+    for a, b in spans:
+        index[dim] = slice(a, b)
+        pieces.append(t[tuple(index)])
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+
+def shard_shape(spec: WeightSpec, tp) -> tuple[int, ...]:
+    """The shape of a weight's shard on this rank; a PADDED rule's shard has its padded length."""
+    ranges = weight_ranges(spec, tp)
+    if ranges is None:
+        return spec.shape
+    dim, spans = ranges
+    length = sum(b - a for a, b in spans)
+    if spec.shard is not None and spec.shard.mode == PADDED and dim == spec.shard.dim:
+        length = sum(math.ceil(count / tp.size) * unit for count, unit in spec.shard.segments)
+    return tuple(length if d == dim else s for d, s in enumerate(spec.shape))
+
+
+def sharded_shapes(cfg: ModelConfig, tp) -> dict[str, tuple[int, ...]]:
+    """The shape of every weight's shard on this rank (the vocabulary shards padded to ceil(V / n))."""
+    return {name: shard_shape(spec, tp) for name, spec in model_spec(cfg).items()}
+
+
+def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, tp) -> dict[str, torch.Tensor]:
+    """Every weight's shard for this rank (from full tensors; loading from a checkpoint reads only the
+    shard instead: weights.load_checkpoint(..., tp=)). The vocabulary shard is padded to ceil(V / n)
+    rows with zeros."""
+    out = {name: take(t, shard_ranges(name, cfg, tp)).clone() for name, t in weights.items()}
+    return pad_shards(out, cfg, tp)
+
+
+def pad_shards(weights: dict[str, torch.Tensor], cfg: ModelConfig, tp) -> dict[str, torch.Tensor]:
+    """Pad, in the dict, each shard of a PADDED rule (the vocabulary's) with zeros to its shard shape."""
+    for name, spec in model_spec(cfg).items():
+        t = weights.get(name)
+        if t is None or spec.shard is None or spec.shard.mode != PADDED:
+            continue
+        dim, want = spec.shard.dim, shard_shape(spec, tp)
+        if t.shape[dim] < want[dim]:
+            pad = list(t.shape)
+            pad[dim] = want[dim] - t.shape[dim]
+            weights[name] = torch.cat([t, t.new_zeros(pad)], dim)
+    return weights
+
+
+def _parallel(tp) -> bool:
+    return tp is not None and tp.size > 1
