@@ -1,0 +1,211 @@
+"""ops/gdn_chunked.py (our chunked gated delta rule) against the plain token-by-token fp32 reference.
+
+On the CPU the kernels run in Triton's interpreter (conftest.py), whose dots are fp32: fp32 inputs
+must match to 1e-4 and bf16 inputs to 1e-2 (relative norm error). Streams are laid out as the
+op's chunk-aligned layout lays them (each stream at a multiple of 64, identity tokens in the gaps,
+an absorber sequence of identity chunks at the end), built here in plain torch.
+"""
+
+import numpy as np
+import pytest
+import torch
+import triton.language as tl
+from helpers import assert_close
+
+from metrale_graph.ops.gdn_chunked import (CHUNK, ChunkConfig, chunked_gdn_forward, chunked_gdn_reference,
+                                           default_config)
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(autouse=True)
+def _bf16_rounds_to_nearest(monkeypatch):
+    """Triton's interpreter casts fp32 to bf16 by truncation; the GPU rounds to nearest even. Truncation's
+    bias adds up over a chunk's sums (measured: 4x the GPU's rounding error), so round like the GPU."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # no interpreter: nothing to correct
+        return
+    convert = interpreter._convert_float
+
+    def rounded(data, src, dst, rounding_mode):
+        if rounding_mode is None and src == tl.float32 and dst == tl.bfloat16:
+            bits = data.astype(np.float32).view(np.uint32).astype(np.uint64)
+            return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        return convert(data, src, dst, rounding_mode)
+
+    monkeypatch.setattr(interpreter, "_convert_float", rounded)
+
+
+def aligned_layout(lengths, absorber_chunks=1):
+    """(dest [T] int64 aligned row of each packed token, cu_aligned [B+2] int64, chunk_indices [NT, 2])."""
+    counts = [-(-n // CHUNK) for n in lengths] + [absorber_chunks]
+    cu = torch.tensor([0] + counts).cumsum(0) * CHUNK
+    dest = torch.cat([cu[b] + torch.arange(n) for b, n in enumerate(lengths)]) if lengths else torch.zeros(0)
+    return dest.long(), cu.long(), chunk_rows(cu)
+
+
+def chunk_rows(cu):
+    """fla's prepare_chunk_indices: (sequence, chunk within) of every chunk, sequence by sequence."""
+    rows = [(n, i) for n in range(len(cu) - 1) for i in range(-(-int(cu[n + 1] - cu[n]) // CHUNK))]
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 2)
+
+
+def packed_inputs(T, H, HV, K, V, dtype, seed, decay=0.5):
+    g = torch.Generator().manual_seed(seed)
+    qk = torch.nn.functional.normalize(torch.randn(T, 2 * H, K, generator=g), dim=-1)
+    q, k = qk[:, :H].to(dtype), qk[:, H:].to(dtype)
+    v = torch.randn(T, HV, V, generator=g).to(dtype)
+    gate = -torch.rand(T, HV, generator=g) * decay
+    beta = torch.rand(T, HV, generator=g).to(dtype)
+    return q, k, v, gate, beta
+
+
+def scatter_rows(x, dest, T_al):
+    out = x.new_zeros((T_al,) + tuple(x.shape[1:]))
+    out[dest] = x
+    return out
+
+
+def run_aligned(lengths, H, HV, K, V, dtype, seed=0, nonzero_h0=True, config=None, **kw):
+    """Both sides on the aligned layout of `lengths`; returns (ours, reference, layout)."""
+    dest, cu, idx = aligned_layout(lengths)
+    T_al = int(cu[-1])
+    packed = packed_inputs(sum(lengths), H, HV, K, V, dtype, seed)
+    q, k, v, g, beta = (scatter_rows(x, dest, T_al) for x in packed)
+    N = cu.shape[0] - 1
+    h0 = torch.randn(N, HV, K, V, generator=torch.Generator().manual_seed(seed + 1)) * 0.3
+    if not nonzero_h0:
+        h0.zero_()
+    h0[-1] = 0  # the absorber starts from the scratch state zero
+    ours = chunked_gdn_forward(q, k, v, g, beta, cu, idx, h0, config=config, **kw)
+    ref = chunked_gdn_reference(q, k, v, g, beta, cu, h0)
+    return ours, ref, (q, k, v, g, beta, cu, idx, h0, dest)
+
+
+SHAPES = [  # (H, HV, K, V)
+    pytest.param(2, 2, 16, 16, id="r1-K16-V16"),
+    pytest.param(1, 2, 24, 48, id="r2-K24-V48"),
+    pytest.param(1, 4, 32, 24, id="r4-K32-V24"),
+    pytest.param(2, 4, 48, 32, id="r2-K48-V32"),
+]
+
+
+@pytest.mark.parametrize("H, HV, K, V", SHAPES)
+def test_matches_reference_fp32(H, HV, K, V):
+    (o, final), (o_ref, final_ref, _), _ = run_aligned([1, 63, 64, 65, 130], H, HV, K, V, torch.float32)
+    assert_close("o", o_ref, o, TOL[torch.float32])
+    assert_close("final", final_ref, final, TOL[torch.float32])
+
+
+def test_matches_reference_bf16():
+    (o, final), (o_ref, final_ref, _), _ = run_aligned([65, 1, 130, 64], 1, 2, 32, 48, torch.bfloat16)
+    assert o.dtype == torch.bfloat16
+    assert_close("o", o_ref, o.float(), TOL[torch.bfloat16])
+    assert_close("final", final_ref, final, TOL[torch.bfloat16])
+
+
+def test_aligned_layout_equals_packed_streams():
+    """Identity tokens in the gaps and the absorber leave each stream's outputs and state as if alone."""
+    lengths, H, HV, K, V = [63, 1, 130], 1, 2, 16, 16
+    (o, final), _, (q, k, v, g, beta, cu, idx, h0, dest) = run_aligned(lengths, H, HV, K, V, torch.float32)
+    for b, n in enumerate(lengths):
+        rows = dest[sum(lengths[:b]):sum(lengths[:b + 1])]
+        alone = [x[rows] for x in (q, k, v, g, beta)]
+        o_b, final_b, _ = chunked_gdn_reference(*alone, torch.tensor([0, n]), h0[b:b + 1])
+        assert_close(f"o of stream {b}", o_b, o[rows], TOL[torch.float32])
+        assert_close(f"final of stream {b}", final_b[0], final[b], TOL[torch.float32])
+    assert torch.equal(o[-CHUNK:], torch.zeros_like(o[-CHUNK:]))  # the absorber's identity rows
+    assert torch.equal(final[-1], h0[-1])
+
+
+@pytest.mark.parametrize("cu", [[0, 1, 64, 129, 259], [0, 0, 100, 100, 164]], ids=["ragged", "empty-streams"])
+def test_unaligned_sequences(cu):
+    """Any cu_aligned, not only chunk-aligned ones (fla's contract): chunks start at each sequence's start."""
+    cu = torch.tensor(cu, dtype=torch.int64)
+    T, H, HV, K, V = int(cu[-1]), 1, 2, 16, 32
+    q, k, v, g, beta = packed_inputs(T, H, HV, K, V, torch.float32, seed=3)
+    h0 = torch.randn(cu.shape[0] - 1, HV, K, V) * 0.3
+    o, final = chunked_gdn_forward(q, k, v, g, beta, cu, chunk_rows(cu), h0)
+    o_ref, final_ref, _ = chunked_gdn_reference(q, k, v, g, beta, cu, h0)
+    assert_close("o", o_ref, o, TOL[torch.float32])
+    assert_close("final", final_ref, final, TOL[torch.float32])
+    for n in range(cu.shape[0] - 1):
+        if cu[n + 1] == cu[n]:
+            assert torch.equal(final[n], h0[n]), f"empty sequence {n} changed its state"
+
+
+def test_repeated_keys_stay_exact():
+    """Runs of one key with beta near 1: (I + A)^-1 is tame but the powers of A grow binomially, so a
+    solver that sums a power series cancels catastrophically; forward substitution does not."""
+    T, H, HV, K, V = 128, 1, 1, 16, 16
+    q, k, v, g, beta = packed_inputs(T, H, HV, K, V, torch.float32, seed=5, decay=0.01)
+    k[:] = k[:1]
+    beta.fill_(0.999)
+    cu = torch.tensor([0, T], dtype=torch.int64)
+    h0 = torch.zeros(1, HV, K, V)
+    o, final = chunked_gdn_forward(q, k, v, g, beta, cu, chunk_rows(cu), h0)
+    o_ref, final_ref, _ = chunked_gdn_reference(q, k, v, g, beta, cu, h0)
+    assert_close("o", o_ref, o, TOL[torch.float32])
+    assert_close("final", final_ref, final, TOL[torch.float32])
+
+
+def test_checkpoints_are_chunk_start_states():
+    lengths = [130, 1, 65]
+    _, cu, idx = aligned_layout(lengths)
+    # chunk rows: stream 0: 0 1 2, stream 1: 3, stream 2: 4 5, absorber: 6
+    chunks = torch.tensor([1, -1, 0, 2, 5, 5, 3, 6, -1, 99], dtype=torch.int64)
+    poison = torch.full((chunks.shape[0], 2, 16, 24), 7.0)
+    ckpt = poison.clone()
+    (o, final), (o_ref, final_ref, starts), _ = run_aligned(lengths, 1, 2, 16, 24, torch.float32,
+                                                            checkpoint_chunks=chunks, checkpoints=ckpt)
+    assert_close("o", o_ref, o, TOL[torch.float32])
+    for p, c in enumerate(chunks.tolist()):
+        if c == idx.shape[0] - 1:  # the absorber's chunk: its zero state, exactly
+            assert torch.equal(ckpt[p], torch.zeros_like(ckpt[p]))
+        elif 0 <= c < idx.shape[0]:
+            assert_close(f"checkpoint {p} (chunk {c})", starts[c], ckpt[p], TOL[torch.float32])
+        else:
+            assert torch.equal(ckpt[p], poison[p]), f"checkpoint {p} (chunk {c}) was written"
+
+
+def test_checkpoint_of_a_first_chunk_is_h0():
+    _, cu, _ = aligned_layout([64, 70])
+    chunks = torch.tensor([0, 1], dtype=torch.int64)  # the first chunks of streams 0 and 1
+    ckpt = torch.zeros(2, 1, 16, 16)
+    _, _, (q, k, v, g, beta, cu, idx, h0, _) = run_aligned([64, 70], 1, 1, 16, 16, torch.float32,
+                                                           checkpoint_chunks=chunks, checkpoints=ckpt)
+    assert torch.equal(ckpt[0], h0[0]) and torch.equal(ckpt[1], h0[1])
+
+
+@pytest.mark.parametrize("config", [ChunkConfig(block_v=16), ChunkConfig(block_v=64, state_warps=8)],
+                         ids=lambda c: c.name)
+def test_configs_agree(config):
+    (o, final), (o_ref, final_ref, _), _ = run_aligned([65, 20], 1, 2, 32, 48, torch.float32, config=config)
+    assert_close("o", o_ref, o, TOL[torch.float32])
+    assert_close("final", final_ref, final, TOL[torch.float32])
+
+
+def test_bad_inputs_raise():
+    _, cu, idx = aligned_layout([10])
+    T = int(cu[-1])
+    q, k, v, g, beta = packed_inputs(T, 1, 2, 16, 16, torch.float32, seed=0)
+    h0 = torch.zeros(2, 2, 16, 16)
+    with pytest.raises(ValueError, match="g is"):
+        chunked_gdn_forward(q, k, v, g.double(), beta, cu, idx, h0)
+    with pytest.raises(ValueError, match="h0 is"):
+        chunked_gdn_forward(q, k, v, g, beta, cu, idx, h0[:1])
+    with pytest.raises(ValueError, match="cu_aligned must be int64"):
+        chunked_gdn_forward(q, k, v, g, beta, cu.int(), idx, h0)
+    with pytest.raises(ValueError, match="come together"):
+        chunked_gdn_forward(q, k, v, g, beta, cu, idx, h0, checkpoint_chunks=torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="checkpoints is"):
+        chunked_gdn_forward(q, k, v, g, beta, cu, idx, h0, checkpoint_chunks=torch.zeros(2, dtype=torch.int64),
+                            checkpoints=torch.zeros(1, 2, 16, 16))
+    with pytest.raises(ValueError, match="block_v"):
+        ChunkConfig(block_v=24)
+
+
+def test_default_config_widens_tiles_with_streams():
+    assert default_config(2, 32, 128).block_v == 16  # one long stream: 256 programs of 16 columns
+    assert default_config(9, 32, 128).block_v == 64  # 8 streams: 512 programs of 64
