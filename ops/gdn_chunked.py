@@ -45,6 +45,7 @@ import triton.language as tl
 from torch import Tensor
 
 CHUNK = 64
+_C = tl.constexpr(CHUNK)  # kernels read only constexpr globals
 
 # tl.sum / tl.cumsum are jit functions, and Triton's interpreter re-patches the language on every jit call
 # (~10 ms); the reduction / scan with their combine function is the same op compiled, and the interpreter
@@ -61,8 +62,9 @@ class ChunkConfig:
     solve_block: rows of the blocks the solve inverts by forward substitution (1..64, a power of two;
         solve_block - 2 sequential row steps) before its log2(64 / solve_block) doublings (two [64, 64]
         dots each); 16 is fla's split.
-    tf32: fp32 inputs only: tf32 tensor-core dots instead of IEEE fp32 (fla's choice; ~1e-3 relative).
-        16-bit inputs always solve in tf32 (as fla does) and take their other dots in their own dtype.
+    fp32_dots: input_precision of the dots whose operands are fp32: the solve's, and every dot of fp32
+        inputs ("ieee", "tf32x3" or "tf32"). Default: "tf32" for 16-bit inputs (fla's solve), "tf32x3"
+        for fp32 inputs (fp32-exact to ~1e-6 on tensor cores; "ieee" takes minutes to compile).
     """
     block_v: int = 32
     state_warps: int = 4
@@ -70,13 +72,15 @@ class ChunkConfig:
     intra_warps: int = 4
     intra_stages: int = 2
     solve_block: int = 16
-    tf32: bool = False
+    fp32_dots: str | None = None
 
     def __post_init__(self):
         if self.block_v < 16 or self.block_v & (self.block_v - 1):
             raise ValueError(f"ChunkConfig.block_v must be a power of two >= 16, got {self.block_v}")
         if self.solve_block not in (1, 2, 4, 8, 16, 32, 64):
             raise ValueError(f"ChunkConfig.solve_block must be a power of two in 1..64, got {self.solve_block}")
+        if self.fp32_dots not in (None, "ieee", "tf32x3", "tf32"):
+            raise ValueError(f"ChunkConfig.fp32_dots must be None, 'ieee', 'tf32x3' or 'tf32', got {self.fp32_dots!r}")
         for name in ("state_warps", "intra_warps"):
             w = getattr(self, name)
             if w not in (1, 2, 4, 8, 16):
@@ -87,8 +91,8 @@ class ChunkConfig:
 
     @property
     def name(self) -> str:
-        return (f"bv{self.block_v}-w{self.state_warps}s{self.state_stages}"
-                f"-iw{self.intra_warps}s{self.intra_stages}-sb{self.solve_block}{'-tf32' if self.tf32 else ''}")
+        return (f"bv{self.block_v}-w{self.state_warps}s{self.state_stages}-iw{self.intra_warps}s{self.intra_stages}"
+                f"-sb{self.solve_block}{'-' + self.fp32_dots if self.fp32_dots else ''}")
 
 
 def default_config(num_seqs: int, HV: int, V: int, device: torch.device | None = None) -> ChunkConfig:
@@ -110,18 +114,21 @@ def default_config(num_seqs: int, HV: int, V: int, device: torch.device | None =
 # inverse of the block-diagonal part D in blocks of s, and L the part of A in the lower-left s x s
 # quadrant of every 2s block, (D + L)^-1 = X - X L X exactly (L X L = 0). Every X is a principal block
 # of T itself, so nothing grows and cancels (a power series of A does, binomially, for repeated keys).
-@triton.jit
-def _intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, idx_ptr, gc_ptr, tm_ptr, aqk_ptr, NT, scale,
+@triton.jit(do_not_specialize=["NT"])
+def _intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, idx_ptr, gc_ptr, tm_ptr, aqk_ptr, first_ptr, NT, scale,
                   stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh, stride_bt, stride_bh,
                   R: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, SB: tl.constexpr, LOG_SB: tl.constexpr,
                   PREC: tl.constexpr, DOT_T: tl.constexpr):
     hv = tl.program_id(0)
     c = tl.program_id(1).to(tl.int64)
     seq = tl.load(idx_ptr + 2 * c)
-    t0 = tl.load(cu_ptr + seq) + CHUNK * tl.load(idx_ptr + 2 * c + 1)
+    within = tl.load(idx_ptr + 2 * c + 1)
+    if (hv == 0) & (within == 0):
+        tl.store(first_ptr + seq, c)  # each sequence's first chunk row, for the state pass
+    t0 = tl.load(cu_ptr + seq) + _C * within
     L = tl.load(cu_ptr + seq + 1) - t0  # this chunk's rows in its sequence (more than 64 before its last)
     h = hv // R
-    rows = tl.arange(0, CHUNK)
+    rows = tl.arange(0, _C)
     valid = rows < L
     kk = tl.arange(0, BK)
     m_qk = valid[:, None] & (kk < K)[None, :]
@@ -129,7 +136,7 @@ def _intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, idx_ptr, gc_ptr, tm_ptr
     g = tl.load(g_ptr + tok * stride_gt + hv * stride_gh, mask=valid, other=0.0).to(tl.float32)
     gc = tl.associative_scan(g, 0, _SUM)  # identity rows past the sequence keep the last row's value
     beta = tl.load(beta_ptr + tok * stride_bt + hv * stride_bh, mask=valid, other=0.0).to(tl.float32)
-    out = (hv * NT + c) * CHUNK  # this chunk's first row in the [HV, NT, C, ...] buffers
+    out = (hv * NT + c) * _C  # this chunk's first row in the [HV, NT, C, ...] buffers
     tl.store(gc_ptr + out + rows, gc)
     q = tl.load(q_ptr + h * stride_qh + tok[:, None] * stride_qt + kk[None, :], mask=m_qk, other=0.0)
     k = tl.load(k_ptr + h * stride_kh + tok[:, None] * stride_kt + kk[None, :], mask=m_qk, other=0.0)
@@ -140,7 +147,7 @@ def _intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, idx_ptr, gc_ptr, tm_ptr
     diff = gc[:, None] - gc[None, :]
     causal = (rows[:, None] >= rows[None, :]) & both
     aqk = tl.where(causal, qk * tl.exp(tl.where(causal, diff, 0.0)), 0.0) * scale
-    tl.store(aqk_ptr + (out + rows)[:, None] * CHUNK + rows[None, :], aqk.to(aqk_ptr.dtype.element_ty))
+    tl.store(aqk_ptr + (out + rows)[:, None] * _C + rows[None, :], aqk.to(aqk_ptr.dtype.element_ty))
     strict = (rows[:, None] > rows[None, :]) & both
     A = tl.where(strict, kkt * tl.exp(tl.where(strict, diff, 0.0)), 0.0) * beta[:, None]
 
@@ -159,17 +166,17 @@ def _intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, idx_ptr, gc_ptr, tm_ptr
         quad = ((bs[:, None] - bs[None, :]) == 1) & ((bs % 2) == 1)[:, None]
         X = X - tl.dot(X, tl.dot(tl.where(quad, A, 0.0), X, input_precision=PREC), input_precision=PREC)
     X = X * beta[None, :]  # T diag(beta)
-    tl.store(tm_ptr + (out + rows)[:, None] * CHUNK + rows[None, :], X.to(tm_ptr.dtype.element_ty))
+    tl.store(tm_ptr + (out + rows)[:, None] * _C + rows[None, :], X.to(tm_ptr.dtype.element_ty))
 
 
 # Kernel 2: the state pass with the output -----------------------------------------------------------
-@triton.jit
-def _state_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, tm_ptr, aqk_ptr, h0_ptr, ht_ptr, o_ptr, cu_ptr, ck_idx_ptr,
-                  ck_ptr, NT, N, scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+@triton.jit(do_not_specialize=["NT"])
+def _state_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, tm_ptr, aqk_ptr, first_ptr, h0_ptr, ht_ptr, o_ptr, cu_ptr,
+                  ck_idx_ptr, ck_ptr, NT, scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                   stride_c0, stride_c1, stride_c2, stride_c3,
                   R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
-                  PREC: tl.constexpr, DOT_T: tl.constexpr):
+                  BK: tl.constexpr, BV: tl.constexpr, BLOCK_P: tl.constexpr, PREC: tl.constexpr,
+                  DOT_T: tl.constexpr):
     NV: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0)
     hv = pid // NV
@@ -178,59 +185,55 @@ def _state_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, tm_ptr, aqk_ptr, h0_ptr, ht_ptr, 
     h = hv // R
     bos = tl.load(cu_ptr + n)
     eos = tl.load(cu_ptr + n + 1)
-    # this sequence's first chunk row: the chunks of the sequences before it
-    ns = tl.arange(0, BLOCK_N)
-    before = ns < n
-    lens = tl.load(cu_ptr + ns + 1, mask=before, other=0) - tl.load(cu_ptr + ns, mask=before, other=0)
-    c0 = tl.reduce((lens + CHUNK - 1) // CHUNK, 0, _SUM).to(tl.int64)
-    num_chunks = (eos - bos + CHUNK - 1) // CHUNK
+    num_chunks = (eos - bos + _C - 1) // _C
+    c0 = tl.load(first_ptr + n, mask=num_chunks > 0, other=0)  # written by the intra kernel
 
-    rows = tl.arange(0, CHUNK)
+    rows = tl.arange(0, _C)
     kk = tl.arange(0, BK)
     vv = iv * BV + tl.arange(0, BV)
     mk, mv = kk < K, vv < V
     m_s = mk[:, None] & mv[None, :]
-    s_off = hv * (K * V) + kk[:, None] * V + vv[None, :]
-    S = tl.load(h0_ptr + n.to(tl.int64) * (HV * K * V) + s_off, mask=m_s, other=0.0)
+    h0_ptr += n.to(tl.int64) * (HV * K * V) + hv * (K * V)
+    S = tl.load(h0_ptr + kk[:, None] * V + vv[None, :], mask=m_s, other=0.0)
     q_ptr += h * stride_qh
     k_ptr += h * stride_kh
     v_ptr += hv * stride_vh
     o_ptr += hv * V
-    ck_off = hv * stride_c1 + kk[:, None] * stride_c2 + vv[None, :] * stride_c3
     if P > 0:
         ck_chunks = tl.load(ck_idx_ptr + tl.arange(0, BLOCK_P), mask=tl.arange(0, BLOCK_P) < P, other=-1)
     for i in range(num_chunks):
         c = c0 + i
         if P > 0:  # checkpoints: the state at the start of chunk c (rare: test all P only on a hit)
             if tl.reduce((ck_chunks == c).to(tl.int32), 0, _SUM) > 0:
-                p_ck = ck_ptr + ck_off
+                p_ck = ck_ptr + hv * stride_c1 + kk[:, None] * stride_c2 + vv[None, :] * stride_c3
                 for p in range(P):
                     if tl.load(ck_idx_ptr + p) == c:
                         tl.store(p_ck, S, mask=m_s)
                     p_ck += stride_c0
-        t0 = bos + i * CHUNK
+        t0 = bos + i * _C
         valid = rows < eos - t0
         tok = t0 + rows
         m_k = valid[:, None] & mk[None, :]
-        buf = (hv * NT + c) * CHUNK
+        buf = (hv * NT + c) * _C
         gc = tl.load(gc_ptr + buf + rows)
-        g_last = tl.load(gc_ptr + buf + CHUNK - 1)
+        g_last = tl.load(gc_ptr + buf + _C - 1)
         k = tl.load(k_ptr + tok[:, None] * stride_kt + kk[None, :], mask=m_k, other=0.0).to(DOT_T)
         v = tl.load(v_ptr + tok[:, None] * stride_vt + vv[None, :], mask=valid[:, None] & mv[None, :], other=0.0)
-        tmat = tl.load(tm_ptr + (buf + rows)[:, None] * CHUNK + rows[None, :]).to(DOT_T)
+        tmat = tl.load(tm_ptr + (buf + rows)[:, None] * _C + rows[None, :]).to(DOT_T)
         Sb = S.to(q_ptr.dtype.element_ty).to(DOT_T)
         # v_new = T diag(beta) (v - G (k S)): each row's delta with the earlier rows' writes folded in
         resid = v.to(tl.float32) - tl.exp(gc)[:, None] * tl.dot(k, Sb, input_precision=PREC)
         v_new = tl.dot(tmat, resid.to(q_ptr.dtype.element_ty).to(DOT_T), input_precision=PREC)
         q = tl.load(q_ptr + tok[:, None] * stride_qt + kk[None, :], mask=m_k, other=0.0).to(DOT_T)
-        aqk = tl.load(aqk_ptr + (buf + rows)[:, None] * CHUNK + rows[None, :]).to(DOT_T)
+        aqk = tl.load(aqk_ptr + (buf + rows)[:, None] * _C + rows[None, :]).to(DOT_T)
         o = (scale * tl.exp(gc))[:, None] * tl.dot(q, Sb, input_precision=PREC)
         o = tl.dot(aqk, v_new.to(q_ptr.dtype.element_ty).to(DOT_T), o, input_precision=PREC)
         tl.store(o_ptr + tok[:, None] * (HV * V) + vv[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=valid[:, None] & mv[None, :])
         decayed = (v_new * tl.exp(g_last - gc)[:, None]).to(q_ptr.dtype.element_ty).to(DOT_T)
         S = S * tl.exp(g_last) + tl.dot(tl.trans(k), decayed, input_precision=PREC)
-    tl.store(ht_ptr + n.to(tl.int64) * (HV * K * V) + s_off, S, mask=m_s)
+    ht_ptr += n.to(tl.int64) * (HV * K * V) + hv * (K * V)
+    tl.store(ht_ptr + (kk * V)[:, None] + vv[None, :], S, mask=mk[:, None] & mv[None, :])
 
 
 # Launcher ------------------------------------------------------------------------------------------
@@ -316,9 +319,8 @@ def chunked_gdn_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     cfg = config or default_config(N, HV, V, q.device)
     q, k, v, g, beta = (_rows(x) for x in (q, k, v, g, beta))
     cu_aligned, chunk_indices, h0 = cu_aligned.contiguous(), chunk_indices.contiguous(), h0.contiguous()
-    # fp32-operand dots (the solve; everything for fp32 inputs) in IEEE fp32 unless tf32 is asked for or the
-    # inputs are 16-bit anyway. The interpreter multiplies 16-bit tiles as their raw bits: upcast there.
-    prec = "tf32" if cfg.tf32 or q.dtype != torch.float32 else "ieee"
+    # The interpreter multiplies 16-bit tiles as their raw bits: upcast there (after the same roundings).
+    prec = cfg.fp32_dots or ("tf32x3" if q.dtype == torch.float32 else "tf32")
     dot_t = tl.float32 if q.device.type != "cuda" else _TL_DTYPES[q.dtype]
     BK = max(16, triton.next_power_of_2(K))
     BV = min(cfg.block_v, max(16, triton.next_power_of_2(V)))
@@ -327,9 +329,10 @@ def chunked_gdn_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     gc = torch.empty((HV, NT, CHUNK), dtype=torch.float32, device=q.device)
     tmat = torch.empty((HV, NT, CHUNK, CHUNK), dtype=q.dtype, device=q.device)
     aqk = torch.empty_like(tmat)
+    first = torch.empty(N, dtype=torch.int64, device=q.device)  # read only for sequences with chunks
     if NT:
         _intra_kernel[(HV, NT)](
-            q, k, g, beta, cu_aligned, chunk_indices, gc, tmat, aqk, NT, scale,
+            q, k, g, beta, cu_aligned, chunk_indices, gc, tmat, aqk, first, NT, scale,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
             beta.stride(0), beta.stride(1), R=HV // H, K=K, BK=BK, SB=cfg.solve_block,
             LOG_SB=cfg.solve_block.bit_length() - 1, PREC=prec, DOT_T=dot_t,
@@ -341,11 +344,10 @@ def chunked_gdn_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     ck_idx = checkpoint_chunks.contiguous() if P else cu_aligned  # unread when P == 0
     ck = checkpoints if P else final
     _state_kernel[(HV * triton.cdiv(V, BV), N)](
-        q, k, v, gc, tmat, aqk, h0, final, o, cu_aligned, ck_idx, ck, NT, N, scale,
+        q, k, v, gc, tmat, aqk, first, h0, final, o, cu_aligned, ck_idx, ck, NT, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *ck.stride(),
-        R=HV // H, HV=HV, K=K, V=V, P=P, BK=BK, BV=BV, BLOCK_N=triton.next_power_of_2(N),
-        BLOCK_P=triton.next_power_of_2(max(P, 1)), PREC=prec, DOT_T=dot_t,
-        num_warps=cfg.state_warps, num_stages=cfg.state_stages)
+        R=HV // H, HV=HV, K=K, V=V, P=P, BK=BK, BV=BV, BLOCK_P=triton.next_power_of_2(max(P, 1)), PREC=prec,
+        DOT_T=dot_t, num_warps=cfg.state_warps, num_stages=cfg.state_stages)
     return o, final
 
 

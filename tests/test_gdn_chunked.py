@@ -186,6 +186,24 @@ def test_configs_agree(config):
     assert_close("final", final_ref, final, TOL[torch.float32])
 
 
+@pytest.mark.parametrize("solve_block", [1, 2, 4, 8, 32, 64])
+@pytest.mark.parametrize("repeated", [False, True], ids=["random-keys", "repeated-keys"])
+def test_every_solve_split_is_exact(solve_block, repeated):
+    """The solve's split between forward substitution and doublings changes rounding only, also where a
+    run of one key makes a power series of A cancel (16, the default, runs in every other test)."""
+    T, H, HV, K, V = 100, 1, 1, 16, 16
+    q, k, v, g, beta = packed_inputs(T, H, HV, K, V, torch.float32, seed=solve_block, decay=0.01 if repeated else 0.5)
+    if repeated:
+        k[:] = k[:1]
+        beta.fill_(0.999)
+    cu = torch.tensor([0, T], dtype=torch.int64)
+    h0 = torch.randn(1, HV, K, V) * 0.3
+    o, final = chunked_gdn_forward(q, k, v, g, beta, cu, chunk_rows(cu), h0, config=ChunkConfig(solve_block=solve_block))
+    o_ref, final_ref, _ = chunked_gdn_reference(q, k, v, g, beta, cu, h0)
+    assert_close("o", o_ref, o, TOL[torch.float32])
+    assert_close("final", final_ref, final, TOL[torch.float32])
+
+
 def test_bad_inputs_raise():
     _, cu, idx = aligned_layout([10])
     T = int(cu[-1])
@@ -204,6 +222,10 @@ def test_bad_inputs_raise():
                             checkpoints=torch.zeros(1, 2, 16, 16))
     with pytest.raises(ValueError, match="block_v"):
         ChunkConfig(block_v=24)
+    with pytest.raises(ValueError, match="solve_block"):
+        ChunkConfig(solve_block=3)
+    with pytest.raises(ValueError, match="fp32_dots"):
+        ChunkConfig(fp32_dots="fp64")
 
 
 def test_default_config_widens_tiles_with_streams():
