@@ -220,18 +220,22 @@ def _state_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, tm_ptr, aqk_ptr, first_ptr, h0_pt
         k = tl.load(k_ptr + tok[:, None] * stride_kt + kk[None, :], mask=m_k, other=0.0).to(DOT_T)
         v = tl.load(v_ptr + tok[:, None] * stride_vt + vv[None, :], mask=valid[:, None] & mv[None, :], other=0.0)
         tmat = tl.load(tm_ptr + (buf + rows)[:, None] * _C + rows[None, :]).to(DOT_T)
-        Sb = S.to(q_ptr.dtype.element_ty).to(DOT_T)
-        # v_new = T diag(beta) (v - G (k S)): each row's delta with the earlier rows' writes folded in
-        resid = v.to(tl.float32) - tl.exp(gc)[:, None] * tl.dot(k, Sb, input_precision=PREC)
-        v_new = tl.dot(tmat, resid.to(q_ptr.dtype.element_ty).to(DOT_T), input_precision=PREC)
         q = tl.load(q_ptr + tok[:, None] * stride_qt + kk[None, :], mask=m_k, other=0.0).to(DOT_T)
         aqk = tl.load(aqk_ptr + (buf + rows)[:, None] * _C + rows[None, :]).to(DOT_T)
-        o = (scale * tl.exp(gc))[:, None] * tl.dot(q, Sb, input_precision=PREC)
-        o = tl.dot(aqk, v_new.to(q_ptr.dtype.element_ty).to(DOT_T), o, input_precision=PREC)
+        # Three dots depend on each other (k S, T resid, k^T v_new); the two of the output are issued beside
+        # them, so that their asynchronous wgmma overlap the chain's.
+        Sb = S.to(q_ptr.dtype.element_ty).to(DOT_T)
+        kS = tl.dot(k, Sb, input_precision=PREC)
+        qS = tl.dot(q, Sb, input_precision=PREC)
+        # v_new = T diag(beta) (v - G (k S)): each row's delta with the earlier rows' writes folded in
+        resid = v.to(tl.float32) - tl.exp(gc)[:, None] * kS
+        v_new = tl.dot(tmat, resid.to(q_ptr.dtype.element_ty).to(DOT_T), input_precision=PREC)
+        decayed = (v_new * tl.exp(g_last - gc)[:, None]).to(q_ptr.dtype.element_ty).to(DOT_T)
+        S = tl.dot(tl.trans(k), decayed, S * tl.exp(g_last), input_precision=PREC)
+        o = tl.dot(aqk, v_new.to(q_ptr.dtype.element_ty).to(DOT_T), (scale * tl.exp(gc))[:, None] * qS,
+                   input_precision=PREC)
         tl.store(o_ptr + tok[:, None] * (HV * V) + vv[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=valid[:, None] & mv[None, :])
-        decayed = (v_new * tl.exp(g_last - gc)[:, None]).to(q_ptr.dtype.element_ty).to(DOT_T)
-        S = S * tl.exp(g_last) + tl.dot(tl.trans(k), decayed, input_precision=PREC)
     ht_ptr += n.to(tl.int64) * (HV * K * V) + hv * (K * V)
     tl.store(ht_ptr + (kk * V)[:, None] + vv[None, :], S, mask=mk[:, None] & mv[None, :])
 
@@ -301,7 +305,8 @@ def chunked_gdn_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
         g: [T_al, HV] fp32 log-decay; beta: [T_al, HV] in q's dtype or fp32.
         cu_aligned: [N+1] int64 sequence boundaries (any, not only chunk-aligned ones).
         chunk_indices: [NT, 2] int64, row c = (sequence, chunk within it): every sequence's chunks of 64
-            tokens in order, sequence by sequence (fla's prepare_chunk_indices(cu_aligned, 64)).
+            tokens in order, sequence by sequence (fla's prepare_chunk_indices(cu_aligned, 64)); rows after
+            them may name an empty sequence (computed on nothing, read by none: a fixed NT for any lengths).
         h0: [N, HV, K, V] fp32 initial states.
         checkpoint_chunks: optional [P] int64: a chunk row c, or -1 (or any value outside 0..NT-1) for none.
         checkpoints: [P, HV, K, V] fp32, with checkpoint_chunks. MUTATED: entry p receives the state at the

@@ -135,6 +135,20 @@ def test_unaligned_sequences(cu):
             assert torch.equal(final[n], h0[n]), f"empty sequence {n} changed its state"
 
 
+def test_unused_chunk_rows_change_nothing():
+    """Rows of chunk_indices past the real chunks, on an empty last sequence, are computed on nothing and
+    read by no sequence: a packed (unaligned) layout can keep a fixed chunk count that way."""
+    cu = torch.tensor([0, 100, 164, 164], dtype=torch.int64)
+    T, H, HV, K, V = 164, 1, 2, 16, 16
+    q, k, v, g, beta = packed_inputs(T, H, HV, K, V, torch.float32, seed=4)
+    h0 = torch.randn(3, HV, K, V) * 0.3
+    rows = torch.cat([chunk_rows(cu), torch.tensor([[2, 0], [2, 0]])])
+    o, final = chunked_gdn_forward(q, k, v, g, beta, cu, rows, h0)
+    o_ref, final_ref, _ = chunked_gdn_reference(q, k, v, g, beta, cu, h0)
+    assert_close("o", o_ref, o, TOL[torch.float32])
+    assert_close("final", final_ref, final, TOL[torch.float32])
+
+
 def test_repeated_keys_stay_exact():
     """Runs of one key with beta near 1: (I + A)^-1 is tame but the powers of A grow binomially, so a
     solver that sums a power series cancels catastrophically; forward substitution does not."""
