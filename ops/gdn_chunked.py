@@ -15,11 +15,11 @@ and w, u need not exist at all.)
 
 Two launches (fla 0.6.0 takes five: cumsum, kkt + solve, w / u, state pass writing every chunk's
 state, output):
-1. `_intra_kernel`, one program per (value head, chunk): the decay cumsum, k k^T in 16 x 16 blocks,
-   the forward substitution of its four diagonal blocks and their block merge (fla's solve, stable
-   for repeated keys where a power series of A cancels catastrophically), q k^T. Writes T (beta folded
-   in), Aqk (scale folded in) in the input dtype and the cumsum in fp32: 16 KB a chunk and head (bf16)
-   where fla writes w, u and every chunk's state (96 KB at K = V = 128).
+1. `_intra_kernel`, one program per (value head, chunk): the decay cumsum, k k^T and q k^T as whole
+   [64, 64] tiles, and T by a solve that is stable where keys repeat (a power series of A cancels
+   catastrophically there; see the kernel). Writes T (beta folded in), Aqk (scale folded in) in the
+   input dtype and the cumsum in fp32: 16 KB a chunk and head (bf16) where fla writes w, u and every
+   chunk's state (96 KB at K = V = 128).
 2. `_state_kernel`, one program per (value head, V tile of BV columns, sequence): the chunks of its
    sequence in order, S [K, BV] fp32 in registers, the output of each chunk written as it goes (no
    per-chunk states in memory), the final state, and the optional checkpoints. V columns of S evolve
@@ -27,9 +27,10 @@ state, output):
    sequence (fla: 2 tiles x 32 heads = 64 programs on 132 SMs; BV = 16 gives 256) at the price of
    reading each chunk's k, q, T, Aqk once per tile (from L2: the tiles of one head, and the r value
    heads of one key head, are adjacent program ids).
-Dots accumulate in fp32; operands are the input dtype (S rounded to it for the dots, as fla does);
-fp32 inputs use IEEE fp32 dots unless the config asks for tf32. Every grid follows from shapes, no
-host sync, no data-dependent allocation: exact in CUDA graph replay.
+Dots accumulate in fp32; operands are the input dtype (S rounded to it for the dots, as fla does); dots
+of fp32 operands (the solve; all of them for fp32 inputs) take ChunkConfig.fp32_dots. Every grid follows
+from shapes, no host sync, no data-dependent allocation: exact in CUDA graph replay. The kernels read
+and write through strides, so any cu_aligned works, chunk-aligned or not.
 
 Shape letters: T_al aligned rows, H / HV key / value heads, K / V head dims, N sequences (B streams +
 the absorber), NT chunks, P checkpoints, C = 64.
@@ -37,6 +38,7 @@ the absorber), NT chunks, P checkpoints, C = 64.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -95,12 +97,16 @@ class ChunkConfig:
                 f"-sb{self.solve_block}{'-' + self.fp32_dots if self.fp32_dots else ''}")
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def default_config(num_seqs: int, HV: int, V: int, device: torch.device | None = None) -> ChunkConfig:
     """The widest V tile (64 down to 16) that still gives the state pass about two programs per SM
     over the real sequences (num_seqs - 1: the last is the absorber). Static sizes only."""
-    sms = 132
-    if device is not None and device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device is not None and device.type == "cuda" else 132
     bv = min(64, max(16, triton.next_power_of_2(V)))
     while bv > 16 and max(num_seqs - 1, 1) * HV * triton.cdiv(V, bv) < 2 * sms:
         bv //= 2
@@ -151,16 +157,23 @@ def _intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, idx_ptr, gc_ptr, tm_ptr
     strict = (rows[:, None] > rows[None, :]) & both
     A = tl.where(strict, kkt * tl.exp(tl.where(strict, diff, 0.0)), 0.0) * beta[:, None]
 
-    blk, sub = rows // SB, rows % SB
-    same = blk[:, None] == blk[None, :]
-    Ad = tl.where(same, A, 0.0)
-    X = -Ad  # rows 0 and 1 of each block: the inverse minus I is -A's row
-    for i in range(2, SB):
-        pick = (sub == i)[:, None]
-        row = tl.reduce(tl.where(pick, -Ad, 0.0), 0, _SUM)  # row i of every block, each in its own columns
-        row = row + tl.reduce(row[:, None] * X, 0, _SUM)
-        X = tl.where(pick & same, row[None, :], X)
-    X = X + (rows[:, None] == rows[None, :]).to(tl.float32)
+    # Row i of a block's M = (I + A_block)^-1 is e_i + sum_{j<i} (-A_ij) M_j. As [blocks, SB, 64] tiles
+    # (a dot's layout gives each warp whole blocks of rows), both sums run within a warp: the extraction
+    # of every block's row i, and, on M kept transposed (Mt = M^T, column i written at step i), the sum
+    # over j along a row.
+    NB: tl.constexpr = _C // SB
+    same = (rows // SB)[:, None] == (rows // SB)[None, :]
+    eye = (rows[:, None] == rows[None, :]).to(tl.float32)
+    Ad = tl.reshape(tl.where(same, A, 0.0), [NB, SB, _C])
+    Mt = tl.reshape(eye, [NB, SB, _C])
+    eye3 = tl.reshape(eye, [NB, SB, _C])
+    sub = tl.arange(0, SB)
+    target = tl.arange(0, NB) * SB  # the column of each block's row i: its first column + i
+    for i in range(1, SB):
+        a = tl.reduce(tl.where((sub == i)[None, :, None], -Ad, 0.0), 1, _SUM)  # [NB, 64]: -A_ij of row i
+        col = tl.reduce(Mt * a[:, None, :], 2, _SUM)  # [NB, SB]: sum_j M_jc a_j for each c of the block
+        Mt = tl.where(rows[None, None, :] == (target + i)[:, None, None], col[:, :, None] + eye3, Mt)
+    X = tl.trans(tl.reshape(Mt, [_C, _C]))
     for lvl in tl.static_range(LOG_SB, 6):
         bs = rows // (1 << lvl)
         quad = ((bs[:, None] - bs[None, :]) == 1) & ((bs % 2) == 1)[:, None]
@@ -222,8 +235,8 @@ def _state_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, tm_ptr, aqk_ptr, first_ptr, h0_pt
         tmat = tl.load(tm_ptr + (buf + rows)[:, None] * _C + rows[None, :]).to(DOT_T)
         q = tl.load(q_ptr + tok[:, None] * stride_qt + kk[None, :], mask=m_k, other=0.0).to(DOT_T)
         aqk = tl.load(aqk_ptr + (buf + rows)[:, None] * _C + rows[None, :]).to(DOT_T)
-        # Three dots depend on each other (k S, T resid, k^T v_new); the two of the output are issued beside
-        # them, so that their asynchronous wgmma overlap the chain's.
+        # k S -> T resid -> k^T v_new is the chain from one chunk's state to the next; q S and Aqk v_new
+        # feed only the output (and the update's dot takes the decayed state as its accumulator).
         Sb = S.to(q_ptr.dtype.element_ty).to(DOT_T)
         kS = tl.dot(k, Sb, input_precision=PREC)
         qS = tl.dot(q, Sb, input_precision=PREC)

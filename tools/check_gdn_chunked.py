@@ -23,7 +23,8 @@ import torch  # noqa: E402
 
 from metrale_graph.ops.gdn_chunked import (CHUNK, ChunkConfig, chunked_gdn_forward,  # noqa: E402
                                            chunked_gdn_reference, default_config)
-from metrale_graph.tools.common import output_file, print_json, print_table, provenance, write_whole  # noqa: E402
+from metrale_graph.tools.common import (non_negative_int, output_file, print_json, print_table,  # noqa: E402
+                                        provenance, write_whole)
 
 H, HV, K, V = 16, 32, 128, 128  # Qwen3.5-9B GDN heads
 DEVICE = "cuda"
@@ -103,6 +104,39 @@ def fla_varlen(q, k, v, g, beta, cu_aligned, chunk_indices, h0):
                                     scale=q.shape[-1] ** -0.5, initial_state=h0, output_final_state=True,
                                     cu_seqlens=cu_aligned, chunk_indices=chunk_indices)
     return o[0], final
+
+
+def _warm(job: tuple[str, int, str]) -> str:
+    """One compile job in a worker process: (config name, "default", or "fla"; checkpoints P; dtype name).
+    Triton caches what it compiles on disk, so the main process then loads instead of compiling."""
+    name, P, dtype_name = job
+    try:
+        dtype = getattr(torch, dtype_name)
+        NT = num_chunks(2, 130)
+        args = inputs([100, 30], NT, dtype, DEVICE, seed=0)
+        if name == "fla":
+            fla_varlen(*args)
+        else:
+            ck = {} if not P else {"checkpoint_chunks": torch.full((P,), -1, dtype=torch.int64, device=DEVICE),
+                                   "checkpoints": torch.zeros(P, HV, K, V, device=DEVICE)}
+            chunked_gdn_forward(*args, config=CONFIGS.get(name), **ck)
+        torch.cuda.synchronize()
+        return f"{name} P{P} {dtype_name}: ok"
+    except Exception as e:  # noqa: BLE001 (the main process reports the failure in its own case)
+        return f"{name} P{P} {dtype_name}: {type(e).__name__}: {e}"
+
+
+def precompile(names: list[str], jobs: int) -> None:
+    """Compile every kernel variant the checks and the sweep use, `jobs` processes at a time."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    work = [("fla", 0, "bfloat16")] + [(n, 0, "bfloat16") for n in names]
+    work += [("bv64-w8s2", 8, "bfloat16"), ("bv32-w4s2", 8, "bfloat16"), ("bv32-w4s2", 3, "bfloat16"),
+             ("bv64-w8s2", 3, "bfloat16"), ("bv64-w8s2", 0, "float32"), ("bv64-w8s2", 8, "float32")]
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+        for line in pool.map(_warm, work):
+            print(f"  compiled {line}", flush=True)
 
 
 class Report:
@@ -241,6 +275,41 @@ def time_shapes(configs: dict[str, ChunkConfig], shapes, graphs: bool) -> tuple[
     return rows, record
 
 
+def time_whole_op(shapes, graphs: bool) -> dict:
+    """The op's CUDA path for chunked calls (metrale::gdn_recurrence: layout, varlen kernel, scatter, and
+    the recurrent kernel for streams of <= 64 tokens) with fla's varlen forward and with ours."""
+    import triton.testing
+
+    from metrale_graph.ops.gdn_recurrence import gdn_recurrence_split
+
+    record = {}
+    for B, L in shapes:
+        g = torch.Generator(device=DEVICE).manual_seed(6)
+        T = B * L
+        qk = torch.nn.functional.normalize(torch.randn(T, 2 * H, K, generator=g, device=DEVICE), dim=-1)
+        qk = qk.to(torch.bfloat16)
+        q, k = qk[:, :H], qk[:, H:]  # head slices of one buffer, as the model passes them
+        v = torch.randn(T, HV, V, generator=g, device=DEVICE).to(torch.bfloat16)
+        gate = torch.nn.functional.logsigmoid(torch.randn(T, HV, generator=g, device=DEVICE)) * 0.5
+        beta = torch.rand(T, HV, generator=g, device=DEVICE).to(torch.bfloat16)
+        cu = torch.arange(B + 1, dtype=torch.int32, device=DEVICE) * L
+        slots = torch.arange(B, dtype=torch.int32, device=DEVICE)
+        pool = torch.randn(B + 1, HV, K, V, generator=g, device=DEVICE) * 0.1
+        rec = {}
+        for name, fn in (("fla", fla_varlen), ("ours", chunked_gdn_forward)):
+            def call(fn=fn):
+                return gdn_recurrence_split(q, k, v, gate, beta, cu, slots, pool, fn)
+            call()
+            rec[name] = {"eager_ms": round(triton.testing.do_bench(call, warmup=10, rep=50, return_mode="median"), 4)}
+            if graphs:
+                with torch.cuda.stream(torch.cuda.Stream()):
+                    rec[name]["graph_ms"] = round(triton.testing.do_bench_cudagraph(call, rep=50,
+                                                                                     return_mode="median"), 4)
+        record[f"{B}x{L}"] = rec
+        print(f"  whole op {B}x{L}: {rec}", flush=True)
+    return {"shapes": record}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m tools.check_gdn_chunked", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -250,6 +319,8 @@ def main(argv=None) -> None:
     p.add_argument("--shapes", default=",".join(f"{b}x{t}" for b, t in SHAPES),
                    help="comma-separated STREAMSxTOKENS per stream to time")
     p.add_argument("--no-graphs", action="store_true", help="time eager calls only (no CUDA graph replay times)")
+    p.add_argument("--jobs", type=non_negative_int, default=8,
+                   help="processes that compile the kernels first, in parallel (0: compile as they run)")
     args = p.parse_args(argv)
     names = [n for n in args.configs.split(",") if n]
     unknown = [n for n in names if n not in CONFIGS]
@@ -264,6 +335,8 @@ def main(argv=None) -> None:
         p.exit(1, f"{p.prog}: error: this check needs a CUDA GPU; torch sees none\n")
 
     report = Report()
+    if args.jobs:
+        report.case("precompile", lambda: precompile(names, args.jobs))
     report.case("reference_bf16", lambda: check_reference(torch.bfloat16))
     report.case("vs_fla_ragged", lambda: check_against_fla([1, 64, 65, 700, 1500, 4000, 37, 2048]))
     report.case("vs_fla_one_long", lambda: check_against_fla([16384]))
@@ -277,13 +350,14 @@ def main(argv=None) -> None:
         return {"shapes": rec}
 
     report.case("timing", timing)
+    report.case("whole_op_timing", lambda: time_whole_op(shapes, graphs=not args.no_graphs))
     report.case("reference_fp32", lambda: check_reference(torch.float32))
 
     print(f"\nchecks ({report.record['device']}):")
     check_rows = [[n, "ok" if c.get("pass", c["ok"]) else "FAIL",
                    json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in c.items()
                                if k not in ("ok", "pass", "shapes")})[:150]]
-                  for n, c in report.record["cases"].items() if n != "timing"]
+                  for n, c in report.record["cases"].items() if not n.endswith("timing")]
     print_table(["case", "result", "values"], check_rows)
     if rows:
         print("\nper-layer ms, 9B GDN heads, bf16 (eager: do_bench median, L2 flushed; graph: CUDA graph replay):")
