@@ -1,9 +1,10 @@
 """ops/gdn_chunked.py (our chunked gated delta rule) against the plain token-by-token fp32 reference.
 
-On the CPU the kernels run in Triton's interpreter (conftest.py), whose dots are fp32: fp32 inputs
-must match to 1e-4 and bf16 inputs to 1e-2 (relative norm error). Streams are laid out as the
-op's chunk-aligned layout lays them (each stream at a multiple of 64, identity tokens in the gaps,
-an absorber sequence of identity chunks at the end), built here in plain torch.
+The kernels run on the GPU where there is one, else in Triton's interpreter (conftest.py), whose dots
+are fp32: fp32 inputs must match to 1e-4 and bf16 inputs to 1e-2 (relative norm error). Streams are
+laid out as the op's chunk-aligned layout lays them (each stream at a multiple of 64, identity tokens
+in the gaps, an absorber sequence of identity chunks at the end), built here in plain torch. The
+tests marked gpu compare with flash-linear-attention at the Qwen3.5-9B head shape and replay a CUDA graph.
 """
 
 import numpy as np
@@ -15,7 +16,19 @@ from helpers import assert_close
 from metrale_graph.ops.gdn_chunked import (CHUNK, ChunkConfig, chunked_gdn_forward, chunked_gdn_reference,
                                            default_config)
 
-TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def ours(*args, checkpoint_chunks=None, checkpoints=None, config=None):
+    """chunked_gdn_forward on DEVICE, results on the CPU (checkpoints updated in place, as on the device)."""
+    on = [a.to(DEVICE) for a in args]
+    ck = None if checkpoints is None else checkpoints.to(DEVICE)
+    idx = None if checkpoint_chunks is None else checkpoint_chunks.to(DEVICE)
+    o, final = chunked_gdn_forward(*on, checkpoint_chunks=idx, checkpoints=ck, config=config)
+    if checkpoints is not None:
+        checkpoints.copy_(ck.cpu())
+    return o.cpu(), final.cpu()
 
 
 @pytest.fixture(autouse=True)
@@ -78,9 +91,9 @@ def run_aligned(lengths, H, HV, K, V, dtype, seed=0, nonzero_h0=True, config=Non
     if not nonzero_h0:
         h0.zero_()
     h0[-1] = 0  # the absorber starts from the scratch state zero
-    ours = chunked_gdn_forward(q, k, v, g, beta, cu, idx, h0, config=config, **kw)
+    got = ours(q, k, v, g, beta, cu, idx, h0, config=config, **kw)
     ref = chunked_gdn_reference(q, k, v, g, beta, cu, h0)
-    return ours, ref, (q, k, v, g, beta, cu, idx, h0, dest)
+    return got, ref, (q, k, v, g, beta, cu, idx, h0, dest)
 
 
 SHAPES = [  # (H, HV, K, V)
@@ -98,11 +111,13 @@ def test_matches_reference_fp32(H, HV, K, V):
     assert_close("final", final_ref, final, TOL[torch.float32])
 
 
-def test_matches_reference_bf16():
-    (o, final), (o_ref, final_ref, _), _ = run_aligned([65, 1, 130, 64], 1, 2, 32, 48, torch.bfloat16)
-    assert o.dtype == torch.bfloat16
-    assert_close("o", o_ref, o.float(), TOL[torch.bfloat16])
-    assert_close("final", final_ref, final, TOL[torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_matches_reference_16bit(dtype):
+    lengths = [65, 1, 130, 64] if dtype == torch.bfloat16 else [70, 1]
+    (o, final), (o_ref, final_ref, _), _ = run_aligned(lengths, 1, 2, 32, 48, dtype)
+    assert o.dtype == dtype
+    assert_close("o", o_ref, o.float(), TOL[dtype])
+    assert_close("final", final_ref, final, TOL[dtype])
 
 
 def test_aligned_layout_equals_packed_streams():
@@ -126,7 +141,7 @@ def test_unaligned_sequences(cu):
     T, H, HV, K, V = int(cu[-1]), 1, 2, 16, 32
     q, k, v, g, beta = packed_inputs(T, H, HV, K, V, torch.float32, seed=3)
     h0 = torch.randn(cu.shape[0] - 1, HV, K, V) * 0.3
-    o, final = chunked_gdn_forward(q, k, v, g, beta, cu, chunk_rows(cu), h0)
+    o, final = ours(q, k, v, g, beta, cu, chunk_rows(cu), h0)
     o_ref, final_ref, _ = chunked_gdn_reference(q, k, v, g, beta, cu, h0)
     assert_close("o", o_ref, o, TOL[torch.float32])
     assert_close("final", final_ref, final, TOL[torch.float32])
@@ -143,7 +158,7 @@ def test_unused_chunk_rows_change_nothing():
     q, k, v, g, beta = packed_inputs(T, H, HV, K, V, torch.float32, seed=4)
     h0 = torch.randn(3, HV, K, V) * 0.3
     rows = torch.cat([chunk_rows(cu), torch.tensor([[2, 0], [2, 0]])])
-    o, final = chunked_gdn_forward(q, k, v, g, beta, cu, rows, h0)
+    o, final = ours(q, k, v, g, beta, cu, rows, h0)
     o_ref, final_ref, _ = chunked_gdn_reference(q, k, v, g, beta, cu, h0)
     assert_close("o", o_ref, o, TOL[torch.float32])
     assert_close("final", final_ref, final, TOL[torch.float32])
@@ -158,7 +173,7 @@ def test_repeated_keys_stay_exact():
     beta.fill_(0.999)
     cu = torch.tensor([0, T], dtype=torch.int64)
     h0 = torch.zeros(1, HV, K, V)
-    o, final = chunked_gdn_forward(q, k, v, g, beta, cu, chunk_rows(cu), h0)
+    o, final = ours(q, k, v, g, beta, cu, chunk_rows(cu), h0)
     o_ref, final_ref, _ = chunked_gdn_reference(q, k, v, g, beta, cu, h0)
     assert_close("o", o_ref, o, TOL[torch.float32])
     assert_close("final", final_ref, final, TOL[torch.float32])
@@ -212,7 +227,7 @@ def test_every_solve_split_is_exact(solve_block, repeated):
         beta.fill_(0.999)
     cu = torch.tensor([0, T], dtype=torch.int64)
     h0 = torch.randn(1, HV, K, V) * 0.3
-    o, final = chunked_gdn_forward(q, k, v, g, beta, cu, chunk_rows(cu), h0, config=ChunkConfig(solve_block=solve_block))
+    o, final = ours(q, k, v, g, beta, cu, chunk_rows(cu), h0, config=ChunkConfig(solve_block=solve_block))
     o_ref, final_ref, _ = chunked_gdn_reference(q, k, v, g, beta, cu, h0)
     assert_close("o", o_ref, o, TOL[torch.float32])
     assert_close("final", final_ref, final, TOL[torch.float32])
@@ -245,3 +260,59 @@ def test_bad_inputs_raise():
 def test_default_config_widens_tiles_with_streams():
     assert default_config(2, 32, 128).block_v == 16  # one long stream: 256 programs of 16 columns
     assert default_config(9, 32, 128).block_v == 64  # 8 streams: 512 programs of 64
+
+
+# On the GPU: flash-linear-attention at the Qwen3.5-9B head shape, and CUDA graph replay ----------------
+H9, HV9, K9, V9 = 16, 32, 128, 128
+
+
+def aligned_inputs(lengths, NT, seed):
+    """bf16 inputs of `lengths` in the aligned layout of NT chunks on the GPU, h0 nonzero (absorber: zero)."""
+    dest, cu, idx = aligned_layout(lengths, NT - sum(-(-n // CHUNK) for n in lengths))
+    packed = packed_inputs(sum(lengths), H9, HV9, K9, V9, torch.bfloat16, seed)
+    args = [scatter_rows(x, dest, NT * CHUNK).cuda() for x in packed]
+    h0 = torch.randn(len(lengths) + 1, HV9, K9, V9, generator=torch.Generator().manual_seed(seed)) * 0.1
+    h0[-1] = 0
+    return args + [cu.cuda(), idx.cuda(), h0.cuda()]
+
+
+@pytest.mark.gpu
+def test_matches_fla_at_9b_heads(monkeypatch):
+    monkeypatch.setenv("FLA_DISABLE_TENSOR_CACHE", "1")
+    chunk = pytest.importorskip("fla.ops.gated_delta_rule.chunk")
+    args = aligned_inputs([1, 65, 700, 2048], 60, seed=7)
+    o, final = chunked_gdn_forward(*args)
+    q, k, v, g, beta, cu, idx, h0 = args
+    _, o_fla, _, final_fla, _, _ = chunk.chunk_gated_delta_rule_fwd(
+        q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], scale=K9 ** -0.5, initial_state=h0,
+        output_final_state=True, cu_seqlens=cu, chunk_indices=idx)
+    assert_close("o vs fla", o_fla[0].float(), o.float(), TOL[torch.bfloat16])
+    assert_close("final vs fla", final_fla, final, TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_graph_replay_with_other_lengths_is_exact():
+    NT = 20
+    static = aligned_inputs([100, 300, 500, 100], NT, seed=8)
+    ck_chunks = torch.tensor([1, 9, -1], dtype=torch.int64, device="cuda")
+    ckpt = torch.zeros(3, HV9, K9, V9, device="cuda")
+    step = lambda: chunked_gdn_forward(*static, checkpoint_chunks=ck_chunks, checkpoints=ckpt)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, final = step()
+    for lengths in ([37, 93, 126, 744], [1, 1, 2, 990]):
+        new = aligned_inputs(lengths, NT, seed=9)
+        for s, n in zip(static, new):
+            s.copy_(n)
+        ckpt.zero_()
+        graph.replay()
+        replayed = (o.clone(), final.clone(), ckpt.clone())
+        ckpt.zero_()
+        eager = chunked_gdn_forward(*new, checkpoint_chunks=ck_chunks, checkpoints=ckpt)
+        for name, a, b in zip(("o", "final", "checkpoints"), replayed, (*eager, ckpt)):
+            assert torch.equal(a, b), f"{name}: replay with lengths {lengths} differs from eager"

@@ -34,6 +34,7 @@ CONFIGS = {  # the sweep: state-pass tile / warps / stages, intra warps / stages
     "bv16-w4s2": ChunkConfig(block_v=16, state_warps=4, state_stages=2),
     "bv32-w4s2": ChunkConfig(block_v=32, state_warps=4, state_stages=2),
     "bv64-w8s2": ChunkConfig(block_v=64, state_warps=8, state_stages=2),
+    "bv64-w4s2": ChunkConfig(block_v=64, state_warps=4, state_stages=2),
     "bv32-w4s3": ChunkConfig(block_v=32, state_warps=4, state_stages=3),
     "bv16-w4s2-iw8": ChunkConfig(block_v=16, intra_warps=8),
     "bv16-w4s1": ChunkConfig(block_v=16, state_warps=4, state_stages=1),
