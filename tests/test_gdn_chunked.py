@@ -257,6 +257,52 @@ def test_bad_inputs_raise():
         ChunkConfig(fp32_dots="fp64")
 
 
+# The interpreter runs the kernels as Python: it accepts what the compiler refuses (a global that is not
+# constexpr, say). Compiling them for Hopper (Triton's front end, its sm_90 passes and ptxas, all on the
+# CPU) catches that without a GPU.
+HOPPER_COMPILE = """
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import metrale_graph.ops.gdn_chunked as m
+
+def build(fn, args, consts, warps, stages):
+    names = [n for n in fn.arg_names if n not in consts]
+    sig = {n: ("constexpr" if n in consts else args.get(n, "i32")) for n in fn.arg_names}
+    div = [i for i, n in enumerate(fn.arg_names) if n in names and (sig[n].startswith("*") or n.startswith("stride"))]
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in div})
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+ptr = lambda names, t: {n: t for n in names}
+bf, f32, i64 = "*bf16", "*fp32", "*i64"
+cfg = m.default_config(2, 32, 128)
+intra = dict(ptr(["q_ptr", "k_ptr", "beta_ptr", "tm_ptr", "aqk_ptr"], bf), **ptr(["g_ptr", "gc_ptr"], f32),
+             **ptr(["cu_ptr", "idx_ptr", "first_ptr"], i64), scale="fp32")
+build(m._intra_kernel, intra, dict(stride_gh=1, stride_bh=1, R=2, K=128, BK=128, SB=cfg.solve_block,
+      LOG_SB=cfg.solve_block.bit_length() - 1, PREC="tf32", DOT_T=tl.bfloat16), cfg.intra_warps, cfg.intra_stages)
+state = dict(ptr(["q_ptr", "k_ptr", "v_ptr", "tm_ptr", "aqk_ptr", "o_ptr"], bf),
+             **ptr(["gc_ptr", "h0_ptr", "ht_ptr", "ck_ptr"], f32), **ptr(["first_ptr", "cu_ptr", "ck_idx_ptr"], i64),
+             scale="fp32")
+for P in (0, 3):
+    build(m._state_kernel, state, dict(stride_c3=1, R=2, HV=32, K=128, V=128, P=P, BK=128, BV=cfg.block_v,
+          BLOCK_P=4, PREC="tf32", DOT_T=tl.bfloat16), cfg.state_warps, cfg.state_stages)
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU every other test compiles the kernels")
+def test_kernels_compile_for_hopper():
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
 def test_default_config_widens_tiles_with_streams():
     assert default_config(2, 32, 128).block_v == 16  # one long stream: 256 programs of 16 columns
     assert default_config(9, 32, 128).block_v == 64  # 8 streams: 512 programs of 64
