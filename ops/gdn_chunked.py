@@ -18,8 +18,8 @@ state, output):
 1. `_intra_kernel`, one program per (value head, chunk): the decay cumsum, k k^T and q k^T as whole
    [64, 64] tiles, and T by a solve that is stable where keys repeat (a power series of A cancels
    catastrophically there; see the kernel). Writes T (beta folded in), Aqk (scale folded in) in the
-   input dtype and the cumsum in fp32: 16 KB a chunk and head (bf16) where fla writes w, u and every
-   chunk's state (96 KB at K = V = 128).
+   input dtype and the cumsum in fp32: 16 KB a chunk and head (bf16, K = V = 128) where fla writes and
+   reads back A, w, u, v_new and every chunk's state (88 KB).
 2. `_state_kernel`, one program per (value head, V tile of BV columns, sequence): the chunks of its
    sequence in order, S [K, BV] fp32 in registers, the output of each chunk written as it goes (no
    per-chunk states in memory), the final state, and the optional checkpoints. V columns of S evolve
