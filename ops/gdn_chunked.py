@@ -1,0 +1,398 @@
+"""Our chunked forward of the gated delta rule (Triton), a drop-in for fla_varlen's contract.
+
+Per value head j (key head j // r, r = HV / H), token by token from the sequence's h0:
+    S = exp(g_t) * S;  S = S + k_t (beta_t * (v_t - S^T k_t))^T;  o_t = S^T (q_t * K**-0.5)
+with S [K, V] fp32. Chunked (chunk C = 64 tokens, rows i, j of one chunk, S the state at its start,
+G_i = exp(cumsum(g)_i) the decay from the chunk's start through token i):
+    A_ij = beta_i (k_i . k_j) G_i / G_j (i > j),   T = (I + A)^-1 diag(beta)          (intra)
+    Aqk_ij = scale (q_i . k_j) G_i / G_j (i >= j)                                      (intra)
+    v_new = T (v - G * (k S))           the WY form of beta (v - pred), row by row    (state pass)
+    o = scale * G * (q S) + Aqk v_new                                                   (state pass)
+    S' = G_C * S + k^T ((G_C / G) * v_new)                                              (state pass)
+(v_new = u - w S with fla's u = T_fla diag(beta) v and w = T_fla diag(beta G) k, associated the
+other way: T (v - G (k S)) costs one [C, C] x [C, BV] dot where w = T k costs a [C, C] x [C, K] one,
+and w, u need not exist at all.)
+
+Two launches (fla 0.6.0 takes five: cumsum, kkt + solve, w / u, state pass writing every chunk's
+state, output):
+1. `_intra_kernel`, one program per (value head, chunk): the decay cumsum, k k^T and q k^T as whole
+   [64, 64] tiles, and T by a solve that is stable where keys repeat (a power series of A cancels
+   catastrophically there; see the kernel). Writes T (beta folded in), Aqk (scale folded in) in the
+   input dtype and the cumsum in fp32: 16 KB a chunk and head (bf16, K = V = 128) where fla writes and
+   reads back A, w, u, v_new and every chunk's state (88 KB).
+2. `_state_kernel`, one program per (value head, V tile of BV columns, sequence): the chunks of its
+   sequence in order, S [K, BV] fp32 in registers, the output of each chunk written as it goes (no
+   per-chunk states in memory), the final state, and the optional checkpoints. V columns of S evolve
+   independently, so a tile needs no other tile's data: smaller tiles are more programs for one long
+   sequence (fla: 2 tiles x 32 heads = 64 programs on 132 SMs; BV = 16 gives 256) at the price of
+   reading each chunk's k, q, T, Aqk once per tile (from L2: the tiles of one head, and the r value
+   heads of one key head, are adjacent program ids).
+Dots accumulate in fp32; operands are the input dtype (S rounded to it for the dots, as fla does); dots
+of fp32 operands (the solve; all of them for fp32 inputs) take ChunkConfig.fp32_dots. Every grid follows
+from shapes, no host sync, no data-dependent allocation: exact in CUDA graph replay. The kernels read
+and write through strides, so any cu_aligned works, chunk-aligned or not.
+
+Shape letters: T_al aligned rows, H / HV key / value heads, K / V head dims, N sequences (B streams +
+the absorber), NT chunks, P checkpoints, C = 64.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+CHUNK = 64
+_C = tl.constexpr(CHUNK)  # kernels read only constexpr globals
+
+# tl.sum / tl.cumsum are jit functions, and Triton's interpreter re-patches the language on every jit call
+# (~10 ms); the reduction / scan with their combine function is the same op compiled, and the interpreter
+# runs it as np.sum / np.cumsum.
+_SUM = tl.standard._sum_combine
+
+
+@dataclass(frozen=True)
+class ChunkConfig:
+    """Launch parameters (results do not depend on them beyond rounding order).
+
+    block_v: V columns of the state per state-pass program (a power of two, >= 16).
+    state_warps / state_stages, intra_warps / intra_stages: num_warps / num_stages of the two kernels.
+    solve_block: rows of the blocks the solve inverts by forward substitution (1..64, a power of two;
+        solve_block - 2 sequential row steps) before its log2(64 / solve_block) doublings (two [64, 64]
+        dots each); 16 is fla's split.
+    fp32_dots: input_precision of the dots whose operands are fp32: the solve's, and every dot of fp32
+        inputs ("ieee", "tf32x3" or "tf32"). Default: "tf32" for 16-bit inputs (fla's solve), "tf32x3"
+        for fp32 inputs (fp32-exact to ~1e-6 on tensor cores; "ieee" takes minutes to compile).
+    """
+    block_v: int = 32
+    state_warps: int = 4
+    state_stages: int = 2
+    intra_warps: int = 4
+    intra_stages: int = 2
+    solve_block: int = 16
+    fp32_dots: str | None = None
+
+    def __post_init__(self):
+        if self.block_v < 16 or self.block_v & (self.block_v - 1):
+            raise ValueError(f"ChunkConfig.block_v must be a power of two >= 16, got {self.block_v}")
+        if self.solve_block not in (1, 2, 4, 8, 16, 32, 64):
+            raise ValueError(f"ChunkConfig.solve_block must be a power of two in 1..64, got {self.solve_block}")
+        if self.fp32_dots not in (None, "ieee", "tf32x3", "tf32"):
+            raise ValueError(f"ChunkConfig.fp32_dots must be None, 'ieee', 'tf32x3' or 'tf32', got {self.fp32_dots!r}")
+        for name in ("state_warps", "intra_warps"):
+            w = getattr(self, name)
+            if w not in (1, 2, 4, 8, 16):
+                raise ValueError(f"ChunkConfig.{name} must be 1, 2, 4, 8 or 16, got {w}")
+        for name in ("state_stages", "intra_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ChunkConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def name(self) -> str:
+        return (f"bv{self.block_v}-w{self.state_warps}s{self.state_stages}-iw{self.intra_warps}s{self.intra_stages}"
+                f"-sb{self.solve_block}{'-' + self.fp32_dots if self.fp32_dots else ''}")
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def default_config(num_seqs: int, HV: int, V: int, device: torch.device | None = None) -> ChunkConfig:
+    """The widest V tile (64 down to 16) that still gives the state pass about two programs per SM
+    over the real sequences (num_seqs - 1: the last is the absorber). Static sizes only."""
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device is not None and device.type == "cuda" else 132
+    bv = min(64, max(16, triton.next_power_of_2(V)))
+    while bv > 16 and max(num_seqs - 1, 1) * HV * triton.cdiv(V, bv) < 2 * sms:
+        bv //= 2
+    return ChunkConfig(block_v=bv, state_warps=4 if bv <= 32 else 8)
+
+
+# Kernel 1: intra-chunk ------------------------------------------------------------------------------
+# The solve, on the whole [64, 64] tile (wgmma-sized dots, no sub-tiles): X = (I + A)^-1 of the
+# block-diagonal part of A in blocks of SB rows by forward substitution (all blocks at once: their rows
+# live in disjoint columns, so one reduction extracts row i of every block), then doublings: with X the
+# inverse of the block-diagonal part D in blocks of s, and L the part of A in the lower-left s x s
+# quadrant of every 2s block, (D + L)^-1 = X - X L X exactly (L X L = 0). Every X is a principal block
+# of T itself, so nothing grows and cancels (a power series of A does, binomially, for repeated keys).
+@triton.jit(do_not_specialize=["NT"])
+def _intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, idx_ptr, gc_ptr, tm_ptr, aqk_ptr, first_ptr, NT, scale,
+                  stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh, stride_bt, stride_bh,
+                  R: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, SB: tl.constexpr, LOG_SB: tl.constexpr,
+                  PREC: tl.constexpr, DOT_T: tl.constexpr):
+    hv = tl.program_id(0)
+    c = tl.program_id(1).to(tl.int64)
+    seq = tl.load(idx_ptr + 2 * c)
+    within = tl.load(idx_ptr + 2 * c + 1)
+    if (hv == 0) & (within == 0):
+        tl.store(first_ptr + seq, c)  # each sequence's first chunk row, for the state pass
+    t0 = tl.load(cu_ptr + seq) + _C * within
+    L = tl.load(cu_ptr + seq + 1) - t0  # this chunk's rows in its sequence (more than 64 before its last)
+    h = hv // R
+    rows = tl.arange(0, _C)
+    valid = rows < L
+    kk = tl.arange(0, BK)
+    m_qk = valid[:, None] & (kk < K)[None, :]
+    tok = t0 + rows
+    g = tl.load(g_ptr + tok * stride_gt + hv * stride_gh, mask=valid, other=0.0).to(tl.float32)
+    gc = tl.associative_scan(g, 0, _SUM)  # identity rows past the sequence keep the last row's value
+    beta = tl.load(beta_ptr + tok * stride_bt + hv * stride_bh, mask=valid, other=0.0).to(tl.float32)
+    out = (hv * NT + c) * _C  # this chunk's first row in the [HV, NT, C, ...] buffers
+    tl.store(gc_ptr + out + rows, gc)
+    q = tl.load(q_ptr + h * stride_qh + tok[:, None] * stride_qt + kk[None, :], mask=m_qk, other=0.0)
+    k = tl.load(k_ptr + h * stride_kh + tok[:, None] * stride_kt + kk[None, :], mask=m_qk, other=0.0)
+    kt = tl.trans(k.to(DOT_T))
+    kkt = tl.dot(k.to(DOT_T), kt, input_precision=PREC)
+    qk = tl.dot(q.to(DOT_T), kt, input_precision=PREC)
+    both = valid[:, None] & valid[None, :]
+    diff = gc[:, None] - gc[None, :]
+    causal = (rows[:, None] >= rows[None, :]) & both
+    aqk = tl.where(causal, qk * tl.exp(tl.where(causal, diff, 0.0)), 0.0) * scale
+    tl.store(aqk_ptr + (out + rows)[:, None] * _C + rows[None, :], aqk.to(aqk_ptr.dtype.element_ty))
+    strict = (rows[:, None] > rows[None, :]) & both
+    A = tl.where(strict, kkt * tl.exp(tl.where(strict, diff, 0.0)), 0.0) * beta[:, None]
+
+    # Row i of a block's M = (I + A_block)^-1 is e_i + sum_{j<i} (-A_ij) M_j. As [blocks, SB, 64] tiles
+    # (a dot's layout gives each warp whole blocks of rows), both sums run within a warp: the extraction
+    # of every block's row i, and, on M kept transposed (Mt = M^T, column i written at step i), the sum
+    # over j along a row.
+    NB: tl.constexpr = _C // SB
+    same = (rows // SB)[:, None] == (rows // SB)[None, :]
+    eye = (rows[:, None] == rows[None, :]).to(tl.float32)
+    Ad = tl.reshape(tl.where(same, A, 0.0), [NB, SB, _C])
+    Mt = tl.reshape(eye, [NB, SB, _C])
+    eye3 = tl.reshape(eye, [NB, SB, _C])
+    sub = tl.arange(0, SB)
+    target = tl.arange(0, NB) * SB  # the column of each block's row i: its first column + i
+    for i in range(1, SB):
+        a = tl.reduce(tl.where((sub == i)[None, :, None], -Ad, 0.0), 1, _SUM)  # [NB, 64]: -A_ij of row i
+        col = tl.reduce(Mt * a[:, None, :], 2, _SUM)  # [NB, SB]: sum_j M_jc a_j for each c of the block
+        Mt = tl.where(rows[None, None, :] == (target + i)[:, None, None], col[:, :, None] + eye3, Mt)
+    X = tl.trans(tl.reshape(Mt, [_C, _C]))
+    for lvl in tl.static_range(LOG_SB, 6):
+        bs = rows // (1 << lvl)
+        quad = ((bs[:, None] - bs[None, :]) == 1) & ((bs % 2) == 1)[:, None]
+        X = X - tl.dot(X, tl.dot(tl.where(quad, A, 0.0), X, input_precision=PREC), input_precision=PREC)
+    X = X * beta[None, :]  # T diag(beta)
+    tl.store(tm_ptr + (out + rows)[:, None] * _C + rows[None, :], X.to(tm_ptr.dtype.element_ty))
+
+
+# Kernel 2: the state pass with the output -----------------------------------------------------------
+@triton.jit(do_not_specialize=["NT"])
+def _state_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, tm_ptr, aqk_ptr, first_ptr, h0_ptr, ht_ptr, o_ptr, cu_ptr,
+                  ck_idx_ptr, ck_ptr, NT, scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                  stride_c0, stride_c1, stride_c2, stride_c3,
+                  R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, BLOCK_P: tl.constexpr, PREC: tl.constexpr,
+                  DOT_T: tl.constexpr):
+    NV: tl.constexpr = (V + BV - 1) // BV
+    pid = tl.program_id(0)
+    hv = pid // NV
+    iv = pid % NV
+    n = tl.program_id(1)
+    h = hv // R
+    bos = tl.load(cu_ptr + n)
+    eos = tl.load(cu_ptr + n + 1)
+    num_chunks = (eos - bos + _C - 1) // _C
+    c0 = tl.load(first_ptr + n, mask=num_chunks > 0, other=0)  # written by the intra kernel
+
+    rows = tl.arange(0, _C)
+    kk = tl.arange(0, BK)
+    vv = iv * BV + tl.arange(0, BV)
+    mk, mv = kk < K, vv < V
+    m_s = mk[:, None] & mv[None, :]
+    h0_ptr += n.to(tl.int64) * (HV * K * V) + hv * (K * V)
+    S = tl.load(h0_ptr + kk[:, None] * V + vv[None, :], mask=m_s, other=0.0)
+    q_ptr += h * stride_qh
+    k_ptr += h * stride_kh
+    v_ptr += hv * stride_vh
+    o_ptr += hv * V
+    if P > 0:
+        ck_chunks = tl.load(ck_idx_ptr + tl.arange(0, BLOCK_P), mask=tl.arange(0, BLOCK_P) < P, other=-1)
+    for i in range(num_chunks):
+        c = c0 + i
+        if P > 0:  # checkpoints: the state at the start of chunk c (rare: test all P only on a hit)
+            if tl.reduce((ck_chunks == c).to(tl.int32), 0, _SUM) > 0:
+                p_ck = ck_ptr + hv * stride_c1 + kk[:, None] * stride_c2 + vv[None, :] * stride_c3
+                for p in range(P):
+                    if tl.load(ck_idx_ptr + p) == c:
+                        tl.store(p_ck, S, mask=m_s)
+                    p_ck += stride_c0
+        t0 = bos + i * _C
+        valid = rows < eos - t0
+        tok = t0 + rows
+        m_k = valid[:, None] & mk[None, :]
+        buf = (hv * NT + c) * _C
+        gc = tl.load(gc_ptr + buf + rows)
+        g_last = tl.load(gc_ptr + buf + _C - 1)
+        k = tl.load(k_ptr + tok[:, None] * stride_kt + kk[None, :], mask=m_k, other=0.0).to(DOT_T)
+        v = tl.load(v_ptr + tok[:, None] * stride_vt + vv[None, :], mask=valid[:, None] & mv[None, :], other=0.0)
+        tmat = tl.load(tm_ptr + (buf + rows)[:, None] * _C + rows[None, :]).to(DOT_T)
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + kk[None, :], mask=m_k, other=0.0).to(DOT_T)
+        aqk = tl.load(aqk_ptr + (buf + rows)[:, None] * _C + rows[None, :]).to(DOT_T)
+        # k S -> T resid -> k^T v_new is the chain from one chunk's state to the next; q S and Aqk v_new
+        # feed only the output (and the update's dot takes the decayed state as its accumulator).
+        Sb = S.to(q_ptr.dtype.element_ty).to(DOT_T)
+        kS = tl.dot(k, Sb, input_precision=PREC)
+        qS = tl.dot(q, Sb, input_precision=PREC)
+        # v_new = T diag(beta) (v - G (k S)): each row's delta with the earlier rows' writes folded in
+        resid = v.to(tl.float32) - tl.exp(gc)[:, None] * kS
+        v_new = tl.dot(tmat, resid.to(q_ptr.dtype.element_ty).to(DOT_T), input_precision=PREC)
+        decayed = (v_new * tl.exp(g_last - gc)[:, None]).to(q_ptr.dtype.element_ty).to(DOT_T)
+        S = tl.dot(tl.trans(k), decayed, S * tl.exp(g_last), input_precision=PREC)
+        o = tl.dot(aqk, v_new.to(q_ptr.dtype.element_ty).to(DOT_T), (scale * tl.exp(gc))[:, None] * qS,
+                   input_precision=PREC)
+        tl.store(o_ptr + tok[:, None] * (HV * V) + vv[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=valid[:, None] & mv[None, :])
+    ht_ptr += n.to(tl.int64) * (HV * K * V) + hv * (K * V)
+    tl.store(ht_ptr + (kk * V)[:, None] + vv[None, :], S, mask=mk[:, None] & mv[None, :])
+
+
+# Launcher ------------------------------------------------------------------------------------------
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _fail(msg: str):
+    raise ValueError(f"chunked_gdn_forward: {msg}")
+
+
+def _check(q, k, v, g, beta, cu_aligned, chunk_indices, h0, checkpoint_chunks, checkpoints):
+    for name, t, nd in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2), ("beta", beta, 2),
+                        ("cu_aligned", cu_aligned, 1), ("chunk_indices", chunk_indices, 2), ("h0", h0, 4)):
+        if t.dim() != nd:
+            _fail(f"{name} must be {nd}-D, got shape {tuple(t.shape)}")
+        if t.device != q.device:
+            _fail(f"{name} is on {t.device}, q on {q.device}")
+    T, H, K = q.shape
+    HV, V = v.shape[1:]
+    if tuple(k.shape) != (T, H, K) or k.dtype != q.dtype:
+        _fail(f"k is {tuple(k.shape)} {k.dtype}, expected {(T, H, K)} {q.dtype} like q")
+    if v.shape[0] != T or v.dtype != q.dtype or HV % H:
+        _fail(f"v is {tuple(v.shape)} {v.dtype}; expected {T} rows, {q.dtype}, value heads a multiple of {H}")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        _fail(f"q, k, v must be float32, bfloat16 or float16, got {q.dtype}")
+    if tuple(g.shape) != (T, HV) or g.dtype != torch.float32:
+        _fail(f"g is {tuple(g.shape)} {g.dtype}, expected {(T, HV)} torch.float32")
+    if tuple(beta.shape) != (T, HV) or beta.dtype not in (q.dtype, torch.float32):
+        _fail(f"beta is {tuple(beta.shape)} {beta.dtype}, expected {(T, HV)} {q.dtype} or torch.float32")
+    if cu_aligned.dtype != torch.int64 or cu_aligned.shape[0] < 2:
+        _fail(f"cu_aligned must be int64 with >= 2 entries, got {cu_aligned.dtype} {tuple(cu_aligned.shape)}")
+    if chunk_indices.dtype != torch.int64 or chunk_indices.shape[1:] != (2,):
+        _fail(f"chunk_indices must be int64 [NT, 2], got {chunk_indices.dtype} {tuple(chunk_indices.shape)}")
+    N = cu_aligned.shape[0] - 1
+    if tuple(h0.shape) != (N, HV, K, V) or h0.dtype != torch.float32:
+        _fail(f"h0 is {tuple(h0.shape)} {h0.dtype}, expected {(N, HV, K, V)} torch.float32")
+    if K > 256 or V > 256 or K < 1 or V < 1:
+        _fail(f"head dims K = {K}, V = {V}: supported 1..256")
+    if (checkpoint_chunks is None) != (checkpoints is None):
+        _fail("checkpoint_chunks and checkpoints come together")
+    if checkpoints is not None:
+        P = checkpoint_chunks.shape[0] if checkpoint_chunks.dim() == 1 else -1
+        if checkpoint_chunks.dtype != torch.int64 or P < 0 or checkpoint_chunks.device != q.device:
+            _fail(f"checkpoint_chunks must be int64 [P] on {q.device}, got {checkpoint_chunks.dtype} "
+                  f"{tuple(checkpoint_chunks.shape)} on {checkpoint_chunks.device}")
+        if (tuple(checkpoints.shape) != (P, HV, K, V) or checkpoints.dtype != torch.float32
+                or checkpoints.device != q.device):
+            _fail(f"checkpoints is {tuple(checkpoints.shape)} {checkpoints.dtype} on {checkpoints.device}, "
+                  f"expected {(P, HV, K, V)} torch.float32 on {q.device}")
+
+
+def _rows(x: Tensor) -> Tensor:
+    """x with a unit last stride (the kernels index rows and heads by strides, columns densely)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def chunked_gdn_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_aligned: Tensor,
+                        chunk_indices: Tensor, h0: Tensor, checkpoint_chunks: Tensor | None = None,
+                        checkpoints: Tensor | None = None, config: ChunkConfig | None = None
+                        ) -> tuple[Tensor, Tensor]:
+    """The gated delta rule over N varlen sequences, chunk by chunk (fla_varlen's contract).
+
+    Args:
+        q, k: [T_al, H, K] (fp32 / bf16 / fp16; q is scaled by K**-0.5 here), v: [T_al, HV, V] same dtype.
+        g: [T_al, HV] fp32 log-decay; beta: [T_al, HV] in q's dtype or fp32.
+        cu_aligned: [N+1] int64 sequence boundaries (any, not only chunk-aligned ones).
+        chunk_indices: [NT, 2] int64, row c = (sequence, chunk within it): every sequence's chunks of 64
+            tokens in order, sequence by sequence (fla's prepare_chunk_indices(cu_aligned, 64)); rows after
+            them may name an empty sequence (computed on nothing, read by none: a fixed NT for any lengths).
+        h0: [N, HV, K, V] fp32 initial states.
+        checkpoint_chunks: optional [P] int64: a chunk row c, or -1 (or any value outside 0..NT-1) for none.
+        checkpoints: [P, HV, K, V] fp32, with checkpoint_chunks. MUTATED: entry p receives the state at the
+            start of chunk checkpoint_chunks[p] (its sequence's state after the tokens before that chunk);
+            entries whose chunk is none are left as they were.
+        config: launch parameters (default: default_config).
+    Returns:
+        o: [T_al, HV, V] in v's dtype (rows outside every sequence unspecified),
+        final: [N, HV, K, V] fp32, each sequence's state after its last token (h0 for an empty one).
+    """
+    _check(q, k, v, g, beta, cu_aligned, chunk_indices, h0, checkpoint_chunks, checkpoints)
+    T, H, K = q.shape
+    HV, V = v.shape[1:]
+    N, NT = cu_aligned.shape[0] - 1, chunk_indices.shape[0]
+    cfg = config or default_config(N, HV, V, q.device)
+    q, k, v, g, beta = (_rows(x) for x in (q, k, v, g, beta))
+    cu_aligned, chunk_indices, h0 = cu_aligned.contiguous(), chunk_indices.contiguous(), h0.contiguous()
+    # The interpreter multiplies 16-bit tiles as their raw bits: upcast there (after the same roundings).
+    prec = cfg.fp32_dots or ("tf32x3" if q.dtype == torch.float32 else "tf32")
+    dot_t = tl.float32 if q.device.type != "cuda" else _TL_DTYPES[q.dtype]
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(cfg.block_v, max(16, triton.next_power_of_2(V)))
+    scale = K ** -0.5
+
+    gc = torch.empty((HV, NT, CHUNK), dtype=torch.float32, device=q.device)
+    tmat = torch.empty((HV, NT, CHUNK, CHUNK), dtype=q.dtype, device=q.device)
+    aqk = torch.empty_like(tmat)
+    first = torch.empty(N, dtype=torch.int64, device=q.device)  # read only for sequences with chunks
+    if NT:
+        _intra_kernel[(HV, NT)](
+            q, k, g, beta, cu_aligned, chunk_indices, gc, tmat, aqk, first, NT, scale,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
+            beta.stride(0), beta.stride(1), R=HV // H, K=K, BK=BK, SB=cfg.solve_block,
+            LOG_SB=cfg.solve_block.bit_length() - 1, PREC=prec, DOT_T=dot_t,
+            num_warps=cfg.intra_warps, num_stages=cfg.intra_stages)
+
+    o = torch.empty((T, HV, V), dtype=v.dtype, device=v.device)
+    final = torch.empty((N, HV, K, V), dtype=torch.float32, device=q.device)
+    P = 0 if checkpoints is None else checkpoints.shape[0]
+    ck_idx = checkpoint_chunks.contiguous() if P else cu_aligned  # unread when P == 0
+    ck = checkpoints if P else final
+    _state_kernel[(HV * triton.cdiv(V, BV), N)](
+        q, k, v, gc, tmat, aqk, first, h0, final, o, cu_aligned, ck_idx, ck, NT, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *ck.stride(),
+        R=HV // H, HV=HV, K=K, V=V, P=P, BK=BK, BV=BV, BLOCK_P=triton.next_power_of_2(max(P, 1)), PREC=prec,
+        DOT_T=dot_t, num_warps=cfg.state_warps, num_stages=cfg.state_stages)
+    return o, final
+
+
+# Reference ------------------------------------------------------------------------------------------
+def chunked_gdn_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_aligned: Tensor,
+                          h0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Plain torch, token by token, fp32: (o [T_al, HV, V] fp32 (zeros outside every sequence), final
+    [N, HV, K, V], starts [NT, HV, K, V]: the state at the start of every chunk of 64 tokens, in
+    chunk_indices order)."""
+    T, H, K = q.shape
+    HV = v.shape[1]
+    r = HV // H
+    qf = q.float().repeat_interleave(r, dim=1) * K ** -0.5
+    kf = k.float().repeat_interleave(r, dim=1)
+    vf, bf, decay = v.float(), beta.float(), g.float().exp()
+    o = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    final, starts = h0.clone(), []
+    bounds = cu_aligned.tolist()
+    for n in range(len(bounds) - 1):
+        S = h0[n].clone()
+        for t in range(bounds[n], bounds[n + 1]):
+            if (t - bounds[n]) % CHUNK == 0:
+                starts.append(S.clone())
+            S = S * decay[t, :, None, None]
+            delta = (vf[t] - (kf[t, :, :, None] * S).sum(1)) * bf[t, :, None]
+            S = S + kf[t, :, :, None] * delta[:, None, :]
+            o[t] = (qf[t, :, :, None] * S).sum(1)
+        final[n] = S
+    starts = torch.stack(starts) if starts else h0.new_zeros((0,) + tuple(h0.shape[1:]))
+    return o, final, starts

@@ -1,0 +1,364 @@
+"""ops/gdn_chunked.py (our chunked gated delta rule) against the plain token-by-token fp32 reference.
+
+The kernels run on the GPU where there is one, else in Triton's interpreter (conftest.py), whose dots
+are fp32: fp32 inputs must match to 1e-4 and bf16 inputs to 1e-2 (relative norm error). Streams are
+laid out as the op's chunk-aligned layout lays them (each stream at a multiple of 64, identity tokens
+in the gaps, an absorber sequence of identity chunks at the end), built here in plain torch. The
+tests marked gpu compare with flash-linear-attention at the Qwen3.5-9B head shape and replay a CUDA graph.
+"""
+
+import numpy as np
+import pytest
+import torch
+import triton.language as tl
+from helpers import assert_close
+
+from metrale_graph.ops.gdn_chunked import (CHUNK, ChunkConfig, chunked_gdn_forward, chunked_gdn_reference,
+                                           default_config)
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def ours(*args, checkpoint_chunks=None, checkpoints=None, config=None):
+    """chunked_gdn_forward on DEVICE, results on the CPU (checkpoints updated in place, as on the device)."""
+    on = [a.to(DEVICE) for a in args]
+    ck = None if checkpoints is None else checkpoints.to(DEVICE)
+    idx = None if checkpoint_chunks is None else checkpoint_chunks.to(DEVICE)
+    o, final = chunked_gdn_forward(*on, checkpoint_chunks=idx, checkpoints=ck, config=config)
+    if checkpoints is not None:
+        checkpoints.copy_(ck.cpu())
+    return o.cpu(), final.cpu()
+
+
+@pytest.fixture(autouse=True)
+def _bf16_rounds_to_nearest(monkeypatch):
+    """Triton's interpreter casts fp32 to bf16 by truncation; the GPU rounds to nearest even. Truncation's
+    bias adds up over a chunk's sums (measured: 4x the GPU's rounding error), so round like the GPU."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # no interpreter: nothing to correct
+        return
+    convert = interpreter._convert_float
+
+    def rounded(data, src, dst, rounding_mode):
+        if rounding_mode is None and src == tl.float32 and dst == tl.bfloat16:
+            bits = data.astype(np.float32).view(np.uint32).astype(np.uint64)
+            return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        return convert(data, src, dst, rounding_mode)
+
+    monkeypatch.setattr(interpreter, "_convert_float", rounded)
+
+
+def aligned_layout(lengths, absorber_chunks=1):
+    """(dest [T] int64 aligned row of each packed token, cu_aligned [B+2] int64, chunk_indices [NT, 2])."""
+    counts = [-(-n // CHUNK) for n in lengths] + [absorber_chunks]
+    cu = torch.tensor([0] + counts).cumsum(0) * CHUNK
+    dest = torch.cat([cu[b] + torch.arange(n) for b, n in enumerate(lengths)]) if lengths else torch.zeros(0)
+    return dest.long(), cu.long(), chunk_rows(cu)
+
+
+def chunk_rows(cu):
+    """fla's prepare_chunk_indices: (sequence, chunk within) of every chunk, sequence by sequence."""
+    rows = [(n, i) for n in range(len(cu) - 1) for i in range(-(-int(cu[n + 1] - cu[n]) // CHUNK))]
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 2)
+
+
+def packed_inputs(T, H, HV, K, V, dtype, seed, decay=0.5):
+    g = torch.Generator().manual_seed(seed)
+    qk = torch.nn.functional.normalize(torch.randn(T, 2 * H, K, generator=g), dim=-1)
+    q, k = qk[:, :H].to(dtype), qk[:, H:].to(dtype)
+    v = torch.randn(T, HV, V, generator=g).to(dtype)
+    gate = -torch.rand(T, HV, generator=g) * decay
+    beta = torch.rand(T, HV, generator=g).to(dtype)
+    return q, k, v, gate, beta
+
+
+def scatter_rows(x, dest, T_al):
+    out = x.new_zeros((T_al,) + tuple(x.shape[1:]))
+    out[dest] = x
+    return out
+
+
+def run_aligned(lengths, H, HV, K, V, dtype, seed=0, nonzero_h0=True, config=None, **kw):
+    """Both sides on the aligned layout of `lengths`; returns (ours, reference, layout)."""
+    dest, cu, idx = aligned_layout(lengths)
+    T_al = int(cu[-1])
+    packed = packed_inputs(sum(lengths), H, HV, K, V, dtype, seed)
+    q, k, v, g, beta = (scatter_rows(x, dest, T_al) for x in packed)
+    N = cu.shape[0] - 1
+    h0 = torch.randn(N, HV, K, V, generator=torch.Generator().manual_seed(seed + 1)) * 0.3
+    if not nonzero_h0:
+        h0.zero_()
+    h0[-1] = 0  # the absorber starts from the scratch state zero
+    got = ours(q, k, v, g, beta, cu, idx, h0, config=config, **kw)
+    ref = chunked_gdn_reference(q, k, v, g, beta, cu, h0)
+    return got, ref, (q, k, v, g, beta, cu, idx, h0, dest)
+
+
+SHAPES = [  # (H, HV, K, V)
+    pytest.param(2, 2, 16, 16, id="r1-K16-V16"),
+    pytest.param(1, 2, 24, 48, id="r2-K24-V48"),
+    pytest.param(1, 4, 32, 24, id="r4-K32-V24"),
+    pytest.param(2, 4, 48, 32, id="r2-K48-V32"),
+]
+
+
+@pytest.mark.parametrize("H, HV, K, V", SHAPES)
+def test_matches_reference_fp32(H, HV, K, V):
+    (o, final), (o_ref, final_ref, _), _ = run_aligned([1, 63, 64, 65, 130], H, HV, K, V, torch.float32)
+    assert_close("o", o_ref, o, TOL[torch.float32])
+    assert_close("final", final_ref, final, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_matches_reference_16bit(dtype):
+    lengths = [65, 1, 130, 64] if dtype == torch.bfloat16 else [70, 1]
+    (o, final), (o_ref, final_ref, _), _ = run_aligned(lengths, 1, 2, 32, 48, dtype)
+    assert o.dtype == dtype
+    assert_close("o", o_ref, o.float(), TOL[dtype])
+    assert_close("final", final_ref, final, TOL[dtype])
+
+
+def test_aligned_layout_equals_packed_streams():
+    """Identity tokens in the gaps and the absorber leave each stream's outputs and state as if alone."""
+    lengths, H, HV, K, V = [63, 1, 130], 1, 2, 16, 16
+    (o, final), _, (q, k, v, g, beta, cu, idx, h0, dest) = run_aligned(lengths, H, HV, K, V, torch.float32)
+    for b, n in enumerate(lengths):
+        rows = dest[sum(lengths[:b]):sum(lengths[:b + 1])]
+        alone = [x[rows] for x in (q, k, v, g, beta)]
+        o_b, final_b, _ = chunked_gdn_reference(*alone, torch.tensor([0, n]), h0[b:b + 1])
+        assert_close(f"o of stream {b}", o_b, o[rows], TOL[torch.float32])
+        assert_close(f"final of stream {b}", final_b[0], final[b], TOL[torch.float32])
+    assert torch.equal(o[-CHUNK:], torch.zeros_like(o[-CHUNK:]))  # the absorber's identity rows
+    assert torch.equal(final[-1], h0[-1])
+
+
+@pytest.mark.parametrize("cu", [[0, 1, 64, 129, 259], [0, 0, 100, 100, 164]], ids=["ragged", "empty-streams"])
+def test_unaligned_sequences(cu):
+    """Any cu_aligned, not only chunk-aligned ones (fla's contract): chunks start at each sequence's start."""
+    cu = torch.tensor(cu, dtype=torch.int64)
+    T, H, HV, K, V = int(cu[-1]), 1, 2, 16, 32
+    q, k, v, g, beta = packed_inputs(T, H, HV, K, V, torch.float32, seed=3)
+    h0 = torch.randn(cu.shape[0] - 1, HV, K, V) * 0.3
+    o, final = ours(q, k, v, g, beta, cu, chunk_rows(cu), h0)
+    o_ref, final_ref, _ = chunked_gdn_reference(q, k, v, g, beta, cu, h0)
+    assert_close("o", o_ref, o, TOL[torch.float32])
+    assert_close("final", final_ref, final, TOL[torch.float32])
+    for n in range(cu.shape[0] - 1):
+        if cu[n + 1] == cu[n]:
+            assert torch.equal(final[n], h0[n]), f"empty sequence {n} changed its state"
+
+
+def test_unused_chunk_rows_change_nothing():
+    """Rows of chunk_indices past the real chunks, on an empty last sequence, are computed on nothing and
+    read by no sequence: a packed (unaligned) layout can keep a fixed chunk count that way."""
+    cu = torch.tensor([0, 100, 164, 164], dtype=torch.int64)
+    T, H, HV, K, V = 164, 1, 2, 16, 16
+    q, k, v, g, beta = packed_inputs(T, H, HV, K, V, torch.float32, seed=4)
+    h0 = torch.randn(3, HV, K, V) * 0.3
+    rows = torch.cat([chunk_rows(cu), torch.tensor([[2, 0], [2, 0]])])
+    o, final = ours(q, k, v, g, beta, cu, rows, h0)
+    o_ref, final_ref, _ = chunked_gdn_reference(q, k, v, g, beta, cu, h0)
+    assert_close("o", o_ref, o, TOL[torch.float32])
+    assert_close("final", final_ref, final, TOL[torch.float32])
+
+
+def test_repeated_keys_stay_exact():
+    """Runs of one key with beta near 1: (I + A)^-1 is tame but the powers of A grow binomially, so a
+    solver that sums a power series cancels catastrophically; forward substitution does not."""
+    T, H, HV, K, V = 128, 1, 1, 16, 16
+    q, k, v, g, beta = packed_inputs(T, H, HV, K, V, torch.float32, seed=5, decay=0.01)
+    k[:] = k[:1]
+    beta.fill_(0.999)
+    cu = torch.tensor([0, T], dtype=torch.int64)
+    h0 = torch.zeros(1, HV, K, V)
+    o, final = ours(q, k, v, g, beta, cu, chunk_rows(cu), h0)
+    o_ref, final_ref, _ = chunked_gdn_reference(q, k, v, g, beta, cu, h0)
+    assert_close("o", o_ref, o, TOL[torch.float32])
+    assert_close("final", final_ref, final, TOL[torch.float32])
+
+
+def test_checkpoints_are_chunk_start_states():
+    lengths = [130, 1, 65]
+    _, cu, idx = aligned_layout(lengths)
+    # chunk rows: stream 0: 0 1 2, stream 1: 3, stream 2: 4 5, absorber: 6
+    chunks = torch.tensor([1, -1, 0, 2, 5, 5, 3, 6, -1, 99], dtype=torch.int64)
+    poison = torch.full((chunks.shape[0], 2, 16, 24), 7.0)
+    ckpt = poison.clone()
+    (o, final), (o_ref, final_ref, starts), _ = run_aligned(lengths, 1, 2, 16, 24, torch.float32,
+                                                            checkpoint_chunks=chunks, checkpoints=ckpt)
+    assert_close("o", o_ref, o, TOL[torch.float32])
+    for p, c in enumerate(chunks.tolist()):
+        if c == idx.shape[0] - 1:  # the absorber's chunk: its zero state, exactly
+            assert torch.equal(ckpt[p], torch.zeros_like(ckpt[p]))
+        elif 0 <= c < idx.shape[0]:
+            assert_close(f"checkpoint {p} (chunk {c})", starts[c], ckpt[p], TOL[torch.float32])
+        else:
+            assert torch.equal(ckpt[p], poison[p]), f"checkpoint {p} (chunk {c}) was written"
+
+
+def test_checkpoint_of_a_first_chunk_is_h0():
+    _, cu, _ = aligned_layout([64, 70])
+    chunks = torch.tensor([0, 1], dtype=torch.int64)  # the first chunks of streams 0 and 1
+    ckpt = torch.zeros(2, 1, 16, 16)
+    _, _, (q, k, v, g, beta, cu, idx, h0, _) = run_aligned([64, 70], 1, 1, 16, 16, torch.float32,
+                                                           checkpoint_chunks=chunks, checkpoints=ckpt)
+    assert torch.equal(ckpt[0], h0[0]) and torch.equal(ckpt[1], h0[1])
+
+
+@pytest.mark.parametrize("config", [ChunkConfig(block_v=16), ChunkConfig(block_v=64, state_warps=8)],
+                         ids=lambda c: c.name)
+def test_configs_agree(config):
+    (o, final), (o_ref, final_ref, _), _ = run_aligned([65, 20], 1, 2, 32, 48, torch.float32, config=config)
+    assert_close("o", o_ref, o, TOL[torch.float32])
+    assert_close("final", final_ref, final, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("solve_block", [1, 2, 4, 8, 32, 64])
+@pytest.mark.parametrize("repeated", [False, True], ids=["random-keys", "repeated-keys"])
+def test_every_solve_split_is_exact(solve_block, repeated):
+    """The solve's split between forward substitution and doublings changes rounding only, also where a
+    run of one key makes a power series of A cancel (16, the default, runs in every other test)."""
+    T, H, HV, K, V = 100, 1, 1, 16, 16
+    q, k, v, g, beta = packed_inputs(T, H, HV, K, V, torch.float32, seed=solve_block, decay=0.01 if repeated else 0.5)
+    if repeated:
+        k[:] = k[:1]
+        beta.fill_(0.999)
+    cu = torch.tensor([0, T], dtype=torch.int64)
+    h0 = torch.randn(1, HV, K, V) * 0.3
+    o, final = ours(q, k, v, g, beta, cu, chunk_rows(cu), h0, config=ChunkConfig(solve_block=solve_block))
+    o_ref, final_ref, _ = chunked_gdn_reference(q, k, v, g, beta, cu, h0)
+    assert_close("o", o_ref, o, TOL[torch.float32])
+    assert_close("final", final_ref, final, TOL[torch.float32])
+
+
+def test_bad_inputs_raise():
+    _, cu, idx = aligned_layout([10])
+    T = int(cu[-1])
+    q, k, v, g, beta = packed_inputs(T, 1, 2, 16, 16, torch.float32, seed=0)
+    h0 = torch.zeros(2, 2, 16, 16)
+    with pytest.raises(ValueError, match="g is"):
+        chunked_gdn_forward(q, k, v, g.double(), beta, cu, idx, h0)
+    with pytest.raises(ValueError, match="h0 is"):
+        chunked_gdn_forward(q, k, v, g, beta, cu, idx, h0[:1])
+    with pytest.raises(ValueError, match="cu_aligned must be int64"):
+        chunked_gdn_forward(q, k, v, g, beta, cu.int(), idx, h0)
+    with pytest.raises(ValueError, match="come together"):
+        chunked_gdn_forward(q, k, v, g, beta, cu, idx, h0, checkpoint_chunks=torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="checkpoints is"):
+        chunked_gdn_forward(q, k, v, g, beta, cu, idx, h0, checkpoint_chunks=torch.zeros(2, dtype=torch.int64),
+                            checkpoints=torch.zeros(1, 2, 16, 16))
+    with pytest.raises(ValueError, match="block_v"):
+        ChunkConfig(block_v=24)
+    with pytest.raises(ValueError, match="solve_block"):
+        ChunkConfig(solve_block=3)
+    with pytest.raises(ValueError, match="fp32_dots"):
+        ChunkConfig(fp32_dots="fp64")
+
+
+# The interpreter runs the kernels as Python: it accepts what the compiler refuses (a global that is not
+# constexpr, say). Compiling them for Hopper (Triton's front end, its sm_90 passes and ptxas, all on the
+# CPU) catches that without a GPU.
+HOPPER_COMPILE = """
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import metrale_graph.ops.gdn_chunked as m
+
+def build(fn, args, consts, warps, stages):
+    names = [n for n in fn.arg_names if n not in consts]
+    sig = {n: ("constexpr" if n in consts else args.get(n, "i32")) for n in fn.arg_names}
+    div = [i for i, n in enumerate(fn.arg_names) if n in names and (sig[n].startswith("*") or n.startswith("stride"))]
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in div})
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+ptr = lambda names, t: {n: t for n in names}
+bf, f32, i64 = "*bf16", "*fp32", "*i64"
+cfg = m.default_config(2, 32, 128)
+intra = dict(ptr(["q_ptr", "k_ptr", "beta_ptr", "tm_ptr", "aqk_ptr"], bf), **ptr(["g_ptr", "gc_ptr"], f32),
+             **ptr(["cu_ptr", "idx_ptr", "first_ptr"], i64), scale="fp32")
+build(m._intra_kernel, intra, dict(stride_gh=1, stride_bh=1, R=2, K=128, BK=128, SB=cfg.solve_block,
+      LOG_SB=cfg.solve_block.bit_length() - 1, PREC="tf32", DOT_T=tl.bfloat16), cfg.intra_warps, cfg.intra_stages)
+state = dict(ptr(["q_ptr", "k_ptr", "v_ptr", "tm_ptr", "aqk_ptr", "o_ptr"], bf),
+             **ptr(["gc_ptr", "h0_ptr", "ht_ptr", "ck_ptr"], f32), **ptr(["first_ptr", "cu_ptr", "ck_idx_ptr"], i64),
+             scale="fp32")
+for P in (0, 3):
+    build(m._state_kernel, state, dict(stride_c3=1, R=2, HV=32, K=128, V=128, P=P, BK=128, BV=cfg.block_v,
+          BLOCK_P=4, PREC="tf32", DOT_T=tl.bfloat16), cfg.state_warps, cfg.state_stages)
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU every other test compiles the kernels")
+def test_kernels_compile_for_hopper():
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def test_default_config_widens_tiles_with_streams():
+    assert default_config(2, 32, 128).block_v == 16  # one long stream: 256 programs of 16 columns
+    assert default_config(9, 32, 128).block_v == 64  # 8 streams: 512 programs of 64
+
+
+# On the GPU: flash-linear-attention at the Qwen3.5-9B head shape, and CUDA graph replay ----------------
+H9, HV9, K9, V9 = 16, 32, 128, 128
+
+
+def aligned_inputs(lengths, NT, seed):
+    """bf16 inputs of `lengths` in the aligned layout of NT chunks on the GPU, h0 nonzero (absorber: zero)."""
+    dest, cu, idx = aligned_layout(lengths, NT - sum(-(-n // CHUNK) for n in lengths))
+    packed = packed_inputs(sum(lengths), H9, HV9, K9, V9, torch.bfloat16, seed)
+    args = [scatter_rows(x, dest, NT * CHUNK).cuda() for x in packed]
+    h0 = torch.randn(len(lengths) + 1, HV9, K9, V9, generator=torch.Generator().manual_seed(seed)) * 0.1
+    h0[-1] = 0
+    return args + [cu.cuda(), idx.cuda(), h0.cuda()]
+
+
+@pytest.mark.gpu
+def test_matches_fla_at_9b_heads(monkeypatch):
+    monkeypatch.setenv("FLA_DISABLE_TENSOR_CACHE", "1")
+    chunk = pytest.importorskip("fla.ops.gated_delta_rule.chunk")
+    args = aligned_inputs([1, 65, 700, 2048], 60, seed=7)
+    o, final = chunked_gdn_forward(*args)
+    q, k, v, g, beta, cu, idx, h0 = args
+    _, o_fla, _, final_fla, _, _ = chunk.chunk_gated_delta_rule_fwd(
+        q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], scale=K9 ** -0.5, initial_state=h0,
+        output_final_state=True, cu_seqlens=cu, chunk_indices=idx)
+    assert_close("o vs fla", o_fla[0].float(), o.float(), TOL[torch.bfloat16])
+    assert_close("final vs fla", final_fla, final, TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_graph_replay_with_other_lengths_is_exact():
+    NT = 20
+    static = aligned_inputs([100, 300, 500, 100], NT, seed=8)
+    ck_chunks = torch.tensor([1, 9, -1], dtype=torch.int64, device="cuda")
+    ckpt = torch.zeros(3, HV9, K9, V9, device="cuda")
+    step = lambda: chunked_gdn_forward(*static, checkpoint_chunks=ck_chunks, checkpoints=ckpt)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, final = step()
+    for lengths in ([37, 93, 126, 744], [1, 1, 2, 990]):
+        new = aligned_inputs(lengths, NT, seed=9)
+        for s, n in zip(static, new):
+            s.copy_(n)
+        ckpt.zero_()
+        graph.replay()
+        replayed = (o.clone(), final.clone(), ckpt.clone())
+        ckpt.zero_()
+        eager = chunked_gdn_forward(*new, checkpoint_chunks=ck_chunks, checkpoints=ckpt)
+        for name, a, b in zip(("o", "final", "checkpoints"), replayed, (*eager, ckpt)):
+            assert torch.equal(a, b), f"{name}: replay with lengths {lengths} differs from eager"
