@@ -9,8 +9,15 @@ MoE: E experts (EL of them on this rank), IE expert intermediate size, IS shared
 experts per token.
 """
 
+import os
+
 import torch
 from torch import Tensor
+
+# Triton's CPU interpreter (the CPU suite sets TRITON_INTERPRET=1). Under it the kernels take their
+# fp32 paths on upcast tiles (triton 3.6.0's interpreter computes bf16 tl.dot wrongly) and a single
+# autotune config.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -21,23 +28,24 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 class OpInputError(ValueError):
-    """A phase op was handed tensors that would compute garbage or corrupt state."""
+    """A phase op was handed tensors that would compute garbage or corrupt state. Raised by an op's
+    check (the registry prefixes the message with "metrale::<op>: ")."""
 
 
-def check(cond: bool, op: str, msg: str) -> None:
+def check(cond: bool, msg: str) -> None:
     """Metadata-only input check (shapes, dtypes, devices): never reads device data."""
     if not cond:
-        raise OpInputError(f"metrale::{op}: {msg}")
+        raise OpInputError(msg)
 
 
-def check_tensor(t: Tensor, op: str, name: str, ndim: int | None = None, dtype=None, device=None) -> None:
+def check_tensor(t: Tensor, name: str, ndim: int | None = None, dtype=None, device=None) -> None:
     if ndim is not None:
-        check(t.dim() == ndim, op, f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+        check(t.dim() == ndim, f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
     if dtype is not None:
         dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
-        check(t.dtype in dtypes, op, f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+        check(t.dtype in dtypes, f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
     if device is not None:
-        check(t.device == device, op, f"{name} is on {t.device}, expected {device}")
+        check(t.device == device, f"{name} is on {t.device}, expected {device}")
 
 
 INDEX_DTYPES = (torch.int32, torch.int64)

@@ -16,15 +16,36 @@ import triton.language as tl
 from torch import Tensor
 
 from .common import INDEX_DTYPES, check, check_tensor, decode_shaped
-from .registry import OpSpec, Shapes, metrale_op, rand, register, stream_meta
+from .registry import OpSpec, Shapes, metrale_cuda, metrale_fake, metrale_op, rand, register, stream_meta
 
-OP = "gdn_recurrence"
+def _check(a):
+    check_tensor(a.q, "q", ndim=3)
+    T, H, K = a.q.shape
+    dtype, device = a.q.dtype, a.q.device
+    check_tensor(a.k, "k", ndim=3, dtype=dtype, device=device)
+    check(tuple(a.k.shape) == (T, H, K), f"k has shape {tuple(a.k.shape)}, q has {(T, H, K)}")
+    check_tensor(a.v, "v", ndim=3, dtype=dtype, device=device)
+    HV, V = a.v.shape[1], a.v.shape[2]
+    check(a.v.shape[0] == T and HV % H == 0,
+          f"v has shape {tuple(a.v.shape)}; need {T} tokens and value heads a multiple of {H}")
+    check_tensor(a.g, "g", ndim=2, dtype=torch.float32, device=device)
+    check(tuple(a.g.shape) == (T, HV), f"g has shape {tuple(a.g.shape)}, expected {(T, HV)}")
+    check_tensor(a.beta, "beta", ndim=2, dtype=(dtype, torch.float32), device=device)
+    check(tuple(a.beta.shape) == (T, HV), f"beta has shape {tuple(a.beta.shape)}, expected {(T, HV)}")
+    check_tensor(a.cu_seqlens, "cu_seqlens", ndim=1, dtype=torch.int32, device=device)
+    check_tensor(a.slot_ids, "slot_ids", ndim=1, dtype=INDEX_DTYPES, device=device)
+    check(a.slot_ids.shape[0] + 1 == a.cu_seqlens.shape[0],
+          f"{a.slot_ids.shape[0]} slot_ids for {a.cu_seqlens.shape[0] - 1} streams")
+    check_tensor(a.gdn_state, "gdn_state", ndim=4, dtype=torch.float32, device=device)
+    check(tuple(a.gdn_state.shape[1:]) == (HV, K, V),
+          f"gdn_state slots are {tuple(a.gdn_state.shape[1:])}, expected {(HV, K, V)}")
 
 
-@metrale_op("gdn_recurrence", mutates_args=("gdn_state",))
+@metrale_op(mutates_args=("gdn_state",), check=_check)
 def gdn_recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor,
                    slot_ids: Tensor, gdn_state: Tensor) -> Tensor:
-    """Varlen gated delta rule with per-slot recurrent state.
+    """Varlen gated delta rule with per-slot recurrent state. The CPU reference (the spec): plain
+    torch, token by token, in fp32.
 
     Args:
         q, k: [T, H, K] L2-normalized queries and keys (model dtype); q is scaled by K**-0.5 here.
@@ -37,40 +58,6 @@ def gdn_recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_
     Returns:
         o: [T, HV, V] in v's dtype.
     """
-    _check(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state)
-    return gdn_recurrence_ref(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state)
-
-
-@gdn_recurrence.register_fake
-def _(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state):
-    _check(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state)
-    return v.new_empty(v.shape)
-
-
-def _check(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state):
-    check_tensor(q, OP, "q", ndim=3)
-    T, H, K = q.shape
-    check_tensor(k, OP, "k", ndim=3, dtype=q.dtype, device=q.device)
-    check(tuple(k.shape) == (T, H, K), OP, f"k has shape {tuple(k.shape)}, q has {(T, H, K)}")
-    check_tensor(v, OP, "v", ndim=3, dtype=q.dtype, device=q.device)
-    HV, V = v.shape[1], v.shape[2]
-    check(v.shape[0] == T and HV % H == 0, OP,
-          f"v has shape {tuple(v.shape)}; need {T} tokens and value heads a multiple of {H}")
-    check_tensor(g, OP, "g", ndim=2, dtype=torch.float32, device=q.device)
-    check(tuple(g.shape) == (T, HV), OP, f"g has shape {tuple(g.shape)}, expected {(T, HV)}")
-    check_tensor(beta, OP, "beta", ndim=2, dtype=(q.dtype, torch.float32), device=q.device)
-    check(tuple(beta.shape) == (T, HV), OP, f"beta has shape {tuple(beta.shape)}, expected {(T, HV)}")
-    check_tensor(cu_seqlens, OP, "cu_seqlens", ndim=1, dtype=torch.int32, device=q.device)
-    check_tensor(slot_ids, OP, "slot_ids", ndim=1, dtype=INDEX_DTYPES, device=q.device)
-    check(slot_ids.shape[0] + 1 == cu_seqlens.shape[0], OP,
-          f"{slot_ids.shape[0]} slot_ids for {cu_seqlens.shape[0] - 1} streams")
-    check_tensor(gdn_state, OP, "gdn_state", ndim=4, dtype=torch.float32, device=q.device)
-    check(tuple(gdn_state.shape[1:]) == (HV, K, V), OP,
-          f"gdn_state slots are {tuple(gdn_state.shape[1:])}, expected {(HV, K, V)}")
-
-
-def gdn_recurrence_ref(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state):
-    """Plain torch, token by token, in fp32 (the spec)."""
     T, H, K = q.shape
     HV = v.shape[1]
     r = HV // H
@@ -92,6 +79,11 @@ def gdn_recurrence_ref(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state):
             o[t] = torch.einsum("hk,hkv->hv", qf[t], S)
         gdn_state[slot] = S
     return o.to(v.dtype)
+
+
+@metrale_fake(gdn_recurrence)
+def _(a):
+    return a.v.new_empty(a.v.shape)
 
 
 # CUDA path: flash-linear-attention's chunked kernels on a chunk-aligned layout -------------------
@@ -419,13 +411,12 @@ def gdn_recurrence_split(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, varl
     return o
 
 
-@gdn_recurrence.register_kernel("cuda")
-def gdn_recurrence_cuda(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state):
+@metrale_cuda(gdn_recurrence)
+def gdn_recurrence_cuda(a):
     """Decode-shaped calls: the recurrent kernel on every stream; others: gdn_recurrence_split with fla."""
-    _check(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state)
-    if use_recurrent(q, slot_ids):
-        return gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state)
-    return gdn_recurrence_split(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, fla_varlen)
+    if use_recurrent(a.q, a.slot_ids):
+        return gdn_recurrence_recurrent(*a)
+    return gdn_recurrence_split(*a, fla_varlen)
 
 
 def example(s: Shapes, dtype, g):
@@ -455,6 +446,6 @@ def cost(s: Shapes):
 
 # fla 0.6.0's chunk kernels, by name
 FLA_KERNELS = ("chunk_", "recompute_w_u", "solve_tril", "merge_16x16", "kkt")
-register(OpSpec(gdn_recurrence, gdn_recurrence_ref, example, cost, cuda=gdn_recurrence_cuda,
+register(OpSpec(gdn_recurrence, example, cost, cuda=gdn_recurrence_cuda,
                 kernels=FLA_KERNELS + ("gdn_recurrent",),
                 onnx="metrale_graph.onnx.translations:gdn_recurrence"))

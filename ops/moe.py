@@ -10,8 +10,6 @@ sorts token-expert pairs by expert on the device into buffers whose sizes follow
 top_k and the number of experts alone, so a bucket's CUDA graph is static.
 """
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -19,21 +17,36 @@ import triton.language as tl
 from torch import Tensor
 
 from . import kernels
-from .common import check, check_tensor, rms_norm
-from .registry import OpSpec, Shapes, metrale_op, norm_weight, rand, register, weight
+from .common import INTERPRET, check, check_tensor, rms_norm
+from .registry import OpSpec, Shapes, metrale_cuda, metrale_fake, metrale_op, norm_weight, rand, register, weight
 
-OP = "moe"
-# Triton's CPU interpreter computes bf16 tl.dot wrongly (triton 3.6.0): there the grouped GEMMs take
-# their fp32 path on upcast tiles (as ops/paged_attention.py does)
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _ROUND_BF16_BITS = tl.constexpr(INTERPRET)  # see _rnd
 
 
-@metrale_op("moe")
+def _check(a):
+    check_tensor(a.h, "h", ndim=2)
+    D = a.h.shape[1]
+    check(tuple(a.norm_w.shape) == (D,), f"norm_w must have shape ({D},), got {tuple(a.norm_w.shape)}")
+    E, EL, IE, IS = a.router_w.shape[0], a.w13.shape[0], a.w2.shape[-1], a.shared_down_w.shape[-1]
+    first = a.first_expert
+    check(isinstance(first, int) and 0 <= first and first + EL <= E,
+          f"experts {first}..{first + EL - 1} are not among the router's {E}")
+    for name, shape in (("router_w", (E, D)), ("w13", (EL, 2 * IE, D)), ("w2", (EL, D, IE)),
+                        ("shared_gate_w", (IS, D)), ("shared_up_w", (IS, D)), ("shared_down_w", (D, IS)),
+                        ("shared_expert_gate_w", (1, D))):
+        w = getattr(a, name)
+        check_tensor(w, name, ndim=len(shape), dtype=a.h.dtype, device=a.h.device)
+        check(tuple(w.shape) == shape, f"{name} has shape {tuple(w.shape)}, expected {shape}")
+    check(isinstance(a.top_k, int) and 1 <= a.top_k <= E, f"top_k must be in 1..{E} (the experts), got {a.top_k}")
+
+
+@metrale_op(check=_check)
 def moe(h: Tensor, norm_w: Tensor, router_w: Tensor, w13: Tensor, w2: Tensor, shared_gate_w: Tensor,
         shared_up_w: Tensor, shared_down_w: Tensor, shared_expert_gate_w: Tensor, top_k: int, norm_topk: bool,
         eps: float, first_expert: int = 0, add_residual: bool = True) -> Tensor:
-    """Sparse MoE block with its norm and residual.
+    """Sparse MoE block with its norm and residual. The CPU reference: plain torch, op for op as
+    transformers' Qwen3_5MoeSparseMoeBlock (experts in ascending order, each over the tokens that
+    chose it: a host loop).
 
     Args:
         h: [T, D] the residual stream after the mixer (model dtype).
@@ -54,35 +67,16 @@ def moe(h: Tensor, norm_w: Tensor, router_w: Tensor, w13: Tensor, w2: Tensor, sh
     Returns:
         [T, D] the layer output (h + ..., or without h), h's dtype. Mutates nothing.
     """
-    _check(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k,
-           first_expert)
-    return moe_ref(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w,
-                   top_k, norm_topk, eps, first_expert, add_residual)
+    n = rms_norm(h, norm_w, eps)
+    top_w, top_e = route(n, router_w, top_k, norm_topk)
+    ffn = (routed_experts(n, top_w, top_e, w13, w2, first_expert)
+           + shared_expert(n, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w))
+    return (h + ffn if add_residual else ffn).contiguous()  # h + ffn follows h's layout
 
 
-@moe.register_fake
-def _(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k,
-      norm_topk, eps, first_expert=0, add_residual=True):
-    _check(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k,
-           first_expert)
-    return h.new_empty(h.shape)  # contiguous whatever h's layout, as the CUDA path's and the reference's
-
-
-def _check(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k,
-           first_expert=0):
-    check_tensor(h, OP, "h", ndim=2)
-    D = h.shape[1]
-    check(tuple(norm_w.shape) == (D,), OP, f"norm_w must have shape ({D},), got {tuple(norm_w.shape)}")
-    E, EL, IE, IS = router_w.shape[0], w13.shape[0], w2.shape[-1], shared_down_w.shape[-1]
-    check(isinstance(first_expert, int) and 0 <= first_expert and first_expert + EL <= E, OP,
-          f"experts {first_expert}..{first_expert + EL - 1} are not among the router's {E}")
-    for name, w, shape in (("router_w", router_w, (E, D)), ("w13", w13, (EL, 2 * IE, D)), ("w2", w2, (EL, D, IE)),
-                           ("shared_gate_w", shared_gate_w, (IS, D)), ("shared_up_w", shared_up_w, (IS, D)),
-                           ("shared_down_w", shared_down_w, (D, IS)),
-                           ("shared_expert_gate_w", shared_expert_gate_w, (1, D))):
-        check_tensor(w, OP, name, ndim=len(shape), dtype=h.dtype, device=h.device)
-        check(tuple(w.shape) == shape, OP, f"{name} has shape {tuple(w.shape)}, expected {shape}")
-    check(isinstance(top_k, int) and 1 <= top_k <= E, OP, f"top_k must be in 1..{E} (the experts), got {top_k}")
+@metrale_fake(moe)
+def _(a):
+    return a.h.new_empty(a.h.shape)  # contiguous whatever h's layout, as the CUDA path's and the reference's
 
 
 def route(n, router_w, top_k, norm_topk):
@@ -105,12 +99,9 @@ def shared_expert(n, shared_gate_w, shared_up_w, shared_down_w, shared_expert_ga
     return torch.sigmoid(F.linear(n, shared_expert_gate_w)) * out
 
 
-def moe_ref(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k,
-            norm_topk, eps, first_expert=0, add_residual=True):
-    """Plain torch, op for op as transformers' Qwen3_5MoeSparseMoeBlock: experts in ascending order,
-    each over the tokens that chose it (a host loop: the CPU reference)."""
-    n = rms_norm(h, norm_w, eps)
-    top_w, top_e = route(n, router_w, top_k, norm_topk)
+def routed_experts(n, top_w, top_e, w13, w2, first_expert=0):
+    """sum_j w_j * down_e(silu(gate_e(n)) * up_e(n)) over this rank's experts (w13 / w2 hold experts
+    first_expert ..), each over the tokens that chose it, in ascending order (a host loop)."""
     out = torch.zeros_like(n)
     for e in torch.unique(top_e).tolist():
         if not first_expert <= e < first_expert + w13.shape[0]:
@@ -119,8 +110,7 @@ def moe_ref(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_dow
         gate, up = F.linear(n[token], w13[e - first_expert]).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, w2[e - first_expert]) * top_w[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
-    ffn = out + shared_expert(n, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w)
-    return (h + ffn if add_residual else ffn).contiguous()  # h + ffn follows h's layout
+    return out
 
 
 # The CUDA path -----------------------------------------------------------------------------------
@@ -446,9 +436,8 @@ def _inner_contiguous(w: Tensor) -> Tensor:
     return w if w.stride(-1) == 1 else w.contiguous()
 
 
-@moe.register_kernel("cuda")
-def moe_cuda(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k,
-             norm_topk, eps, first_expert=0, add_residual=True):
+@metrale_cuda(moe)
+def moe_cuda(a):
     """Triton norm; one GEMM for the projections of the normed input (shared gate | shared up | router:
     free when the model stores them back to back in that order); routing as transformers, in one kernel
     (route_topk); pairs sorted by expert on the device (align_pairs); grouped GEMM gate|up with SiLU-mul
@@ -456,17 +445,16 @@ def moe_cuda(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_do
     shared-expert gate's dot product, pair sum, gated shared expert, residual). No host sync; every size
     follows from T, top_k and E. (The one-row shared-expert gate stays out of the GEMM: it would make the
     output rows 2 * IS + E + 1 wide, unaligned for cuBLAS.)"""
-    _check(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k,
-           first_expert)
+    h, top_k, first_expert = a.h, a.top_k, a.first_expert
     T, D = h.shape
-    E, EL, IE, IS = router_w.shape[0], w13.shape[0], w2.shape[-1], shared_down_w.shape[-1]
+    E, EL, IE, IS = a.router_w.shape[0], a.w13.shape[0], a.w2.shape[-1], a.shared_down_w.shape[-1]
     if T == 0:
         return torch.empty_like(h, memory_format=torch.contiguous_format)
     h = h if h.stride(-1) == 1 else h.contiguous()
-    n = kernels.rms_norm(h, norm_w, eps)  # [T, D] contiguous
-    dense = n @ kernels.stacked(shared_gate_w, shared_up_w, router_w).t()  # [T, 2IS + E]
-    shared = kernels.silu_mul(dense[:, :2 * IS]) @ shared_down_w.t()  # [T, D]
-    top_w, top_e = route_topk(dense[:, 2 * IS:2 * IS + E], top_k, norm_topk)
+    n = kernels.rms_norm(h, a.norm_w, a.eps)  # [T, D] contiguous
+    dense = n @ kernels.stacked(a.shared_gate_w, a.shared_up_w, a.router_w).t()  # [T, 2IS + E]
+    shared = kernels.silu_mul(dense[:, :2 * IS]) @ a.shared_down_w.t()  # [T, D]
+    top_w, top_e = route_topk(dense[:, 2 * IS:2 * IS + E], top_k, a.norm_topk)
 
     P = T * top_k
     if EL < E:  # tensor parallelism: other ranks' experts go to a group of their own, whose blocks are skipped
@@ -477,7 +465,7 @@ def moe_cuda(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_do
     if EL < E:
         block_expert = torch.where(block_expert == EL, -1, block_expert)
     nblk = block_expert.shape[0]
-    w13, w2 = _inner_contiguous(w13), _inner_contiguous(w2)
+    w13, w2 = _inner_contiguous(a.w13), _inner_contiguous(a.w2)
     ieee = h.dtype == torch.float32 or INTERPRET
     act = h.new_empty(P, IE)
     _moe_gate_up_kernel[lambda meta: (nblk * triton.cdiv(IE, meta["BN"]),)](
@@ -489,8 +477,8 @@ def moe_cuda(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_do
         BM=BM, IEEE=ieee)
     out = torch.empty((T, D), dtype=h.dtype, device=h.device)
     block = triton.next_power_of_2(D)
-    _moe_combine_kernel[(T,)](h, n, _inner_contiguous(shared_expert_gate_w), y, shared, out, D, h.stride(0),
-                              TOP_K=top_k, BLOCK=block, ADD_RESIDUAL=add_residual,
+    _moe_combine_kernel[(T,)](h, n, _inner_contiguous(a.shared_expert_gate_w), y, shared, out, D, h.stride(0),
+                              TOP_K=top_k, BLOCK=block, ADD_RESIDUAL=a.add_residual,
                               num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16)
     return out
 
@@ -511,6 +499,6 @@ def cost(s: Shapes):
     return flops, 2 * (touched * 3 * D * s.IE + (s.E + 3 * s.IS + 1) * D + 2 * T * D)
 
 
-register(OpSpec(moe, moe_ref, example, cost, cuda=moe_cuda,
+register(OpSpec(moe, example, cost, cuda=moe_cuda,
                 kernels=("_moe_route", "_moe_align", "_moe_gate_up", "_moe_down", "_moe_combine"),
                 onnx="metrale_graph.onnx.translations:moe"))

@@ -6,27 +6,43 @@ block_tables[b, p // BS] at offset p % BS. A zero-length stream (padding) writes
 nothing.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import INDEX_DTYPES, check, check_tensor, decode_shaped
-from .registry import OpSpec, Shapes, attention_pairs, metrale_op, rand, register, stream_meta
+from .common import INDEX_DTYPES, INTERPRET, check, check_tensor, decode_shaped
+from .registry import OpSpec, Shapes, attention_pairs, metrale_cuda, metrale_fake, metrale_op, rand, register, stream_meta
 
-OP = "paged_attention"
-# Triton's CPU interpreter computes bf16 tl.dot wrongly (triton 3.6.0): there the kernel takes its
-# fp32 path on upcast tiles, so the CPU suite still checks the indexing and the online softmax.
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = 1.4426950408889634
 
 
-@metrale_op("paged_attention", mutates_args=("k_cache", "v_cache"))
+def _check(a):
+    check_tensor(a.q, "q", ndim=3)
+    T, HQ, HD = a.q.shape
+    dtype, device = a.q.dtype, a.q.device
+    for name, t in (("k", a.k), ("v", a.v)):
+        check_tensor(t, name, ndim=3, dtype=dtype, device=device)
+    HKV = a.k.shape[1]
+    check(tuple(a.k.shape) == (T, HKV, HD) and a.k.shape == a.v.shape and HQ % HKV == 0,
+          f"k {tuple(a.k.shape)} / v {tuple(a.v.shape)} do not fit q {(T, HQ, HD)} (GQA needs HQ % HKV == 0)")
+    for name, t in (("k_cache", a.k_cache), ("v_cache", a.v_cache)):
+        check_tensor(t, name, ndim=4, dtype=dtype, device=device)
+        check(tuple(t.shape[2:]) == (HKV, HD), f"{name} blocks hold {tuple(t.shape[2:])}, expected {(HKV, HD)}")
+    check(a.k_cache.shape == a.v_cache.shape, "k_cache and v_cache differ in shape")
+    check_tensor(a.cu_seqlens, "cu_seqlens", ndim=1, dtype=torch.int32, device=device)
+    B = a.cu_seqlens.shape[0] - 1
+    check_tensor(a.context_lens, "context_lens", ndim=1, dtype=torch.int32, device=device)
+    check_tensor(a.block_tables, "block_tables", ndim=2, dtype=INDEX_DTYPES, device=device)
+    check(a.context_lens.shape[0] == B and a.block_tables.shape[0] == B,
+          f"context_lens ({a.context_lens.shape[0]}) / block_tables ({a.block_tables.shape[0]}) rows for {B} streams")
+
+
+@metrale_op(mutates_args=("k_cache", "v_cache"), check=_check)
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens: Tensor,
                     context_lens: Tensor, block_tables: Tensor) -> Tensor:
-    """Batched varlen attention prefill over a paged KV cache, including the KV write.
+    """Batched varlen attention prefill over a paged KV cache, including the KV write. The CPU
+    reference: plain torch, one stream at a time, fp32 scores and softmax.
 
     Args:
         q: [T, HQ, HD] (RoPE applied), k, v: [T, HKV, HD] the new tokens' keys / values.
@@ -38,38 +54,6 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: T
     Returns:
         o: [T, HQ, HD] model dtype, softmax(q k^T * HD**-0.5, causal) v with fp32 softmax.
     """
-    _check(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables)
-    return paged_attention_ref(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables)
-
-
-@paged_attention.register_fake
-def _(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables):
-    _check(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables)
-    return q.new_empty(q.shape)
-
-
-def _check(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables):
-    check_tensor(q, OP, "q", ndim=3)
-    T, HQ, HD = q.shape
-    for name, t in (("k", k), ("v", v)):
-        check_tensor(t, OP, name, ndim=3, dtype=q.dtype, device=q.device)
-    HKV = k.shape[1]
-    check(tuple(k.shape) == (T, HKV, HD) and k.shape == v.shape and HQ % HKV == 0, OP,
-          f"k {tuple(k.shape)} / v {tuple(v.shape)} do not fit q {(T, HQ, HD)} (GQA needs HQ % HKV == 0)")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_tensor(t, OP, name, ndim=4, dtype=q.dtype, device=q.device)
-        check(tuple(t.shape[2:]) == (HKV, HD), OP, f"{name} blocks hold {tuple(t.shape[2:])}, expected {(HKV, HD)}")
-    check(k_cache.shape == v_cache.shape, OP, "k_cache and v_cache differ in shape")
-    check_tensor(cu_seqlens, OP, "cu_seqlens", ndim=1, dtype=torch.int32, device=q.device)
-    B = cu_seqlens.shape[0] - 1
-    check_tensor(context_lens, OP, "context_lens", ndim=1, dtype=torch.int32, device=q.device)
-    check_tensor(block_tables, OP, "block_tables", ndim=2, dtype=INDEX_DTYPES, device=q.device)
-    check(context_lens.shape[0] == B and block_tables.shape[0] == B, OP,
-          f"context_lens ({context_lens.shape[0]}) / block_tables ({block_tables.shape[0]}) rows for {B} streams")
-
-
-def paged_attention_ref(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables):
-    """Plain torch, one stream at a time, fp32 scores and softmax."""
     T, HQ, HD = q.shape
     HKV, BS = k.shape[1], k_cache.shape[1]
     o = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -90,6 +74,11 @@ def paged_attention_ref(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, blo
         probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
         o[s:e] = torch.einsum("hqk,khd->qhd", probs, vals)
     return o.to(q.dtype)
+
+
+@metrale_fake(paged_attention)
+def _(a):
+    return a.q.new_empty(a.q.shape)
 
 
 @triton.jit
@@ -436,10 +425,9 @@ def paged_attention_triton(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, 
     return o
 
 
-@paged_attention.register_kernel("cuda")
-def paged_attention_cuda(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables):
-    _check(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables)
-    return paged_attention_triton(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables)
+@metrale_cuda(paged_attention)
+def paged_attention_cuda(a):
+    return paged_attention_triton(*a)
 
 
 def example(s: Shapes, dtype, g):
@@ -456,6 +444,6 @@ def cost(s: Shapes):
                                                       + 2 * cached * s.HKV * s.HD)
 
 
-register(OpSpec(paged_attention, paged_attention_ref, example, cost, cuda=paged_attention_cuda,
+register(OpSpec(paged_attention, example, cost, cuda=paged_attention_cuda,
                 kernels=("paged_attention", "paged_decode", "kv_write"),
                 onnx="metrale_graph.onnx.translations:paged_attention"))

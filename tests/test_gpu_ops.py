@@ -13,15 +13,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-import importlib
-
 from helpers import TOL, assert_close, assert_no_aliasing, clone_args, compared_rows, outputs, upcast
-from metrale_graph.ops import REGISTRY, Shapes
-from metrale_graph.ops.common import decode_shaped
-from metrale_graph.ops.common import rms_norm
+from metrale_graph.ops import REGISTRY, Shapes, moe
+from metrale_graph.ops.common import decode_shaped, rms_norm
 from op_cases import op_args
-
-moe = importlib.import_module("metrale_graph.ops.moe")
 
 pytestmark = pytest.mark.gpu
 

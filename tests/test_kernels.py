@@ -8,23 +8,15 @@ calls that are not decode-shaped); its recurrent kernel (decode-shaped calls) ru
 decode paths are also checked directly on any lengths, and their choice against static sizes.
 """
 
-import importlib
-
 import pytest
 import torch
 
 from helpers import TOL, assert_close, assert_no_aliasing, clone_args, compared_rows, outputs, tiny_config, upcast
 from metrale_graph.config import FULL
-from metrale_graph.ops import REGISTRY, Shapes, kernels
+from metrale_graph.ops import REGISTRY, Shapes, causal_conv1d, gdn_recurrence, kernels, moe, paged_attention
 from metrale_graph.ops.common import decode_shaped
 from metrale_graph.ops.limits import check_supported
 from op_cases import CASES, op_args
-
-# the modules (metrale_graph.ops.gdn_recurrence, the attribute, is the op it defines)
-gdn_recurrence = importlib.import_module("metrale_graph.ops.gdn_recurrence")
-paged_attention = importlib.import_module("metrale_graph.ops.paged_attention")
-moe = importlib.import_module("metrale_graph.ops.moe")
-causal_conv1d = importlib.import_module("metrale_graph.ops.causal_conv1d")
 
 # every op's CUDA path (the recurrence's chunked path needs fla: covered here through its aligned layout)
 CUDA_IMPLS = {name: spec.cuda for name, spec in REGISTRY.items() if spec.cuda}
@@ -83,7 +75,7 @@ def _reference_varlen(q, k, v, g, beta, cu_aligned, chunk_indices, h0):
     starts = cu_aligned[chunk_indices[:, 0]] + gdn_recurrence.CHUNK * chunk_indices[:, 1]
     assert torch.equal(starts, torch.arange(NT, device=starts.device) * gdn_recurrence.CHUNK)
     slots = torch.arange(h0.shape[0], device=h0.device)
-    return gdn_recurrence.gdn_recurrence_ref(q, k, v, g, beta, cu_aligned.int(), slots, h0), h0
+    return REGISTRY["gdn_recurrence"].reference(q, k, v, g, beta, cu_aligned.int(), slots, h0), h0
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -92,7 +84,7 @@ def test_recurrence_aligned_layout_is_exact(case):
     reference, padding streams included."""
     args = op_args("gdn_recurrence", case, torch.float32, seed=9)
     test_args = clone_args(args, "cpu")
-    ref = gdn_recurrence.gdn_recurrence_ref(*args)
+    ref = REGISTRY["gdn_recurrence"].reference(*args)
     out = gdn_recurrence.gdn_recurrence_aligned(*test_args, _reference_varlen)
     assert torch.equal(out, ref) and torch.equal(test_args[-1], args[-1])
 
@@ -187,7 +179,7 @@ def test_recurrent_kernel_matches_reference(case, dtype):
     args = op_args("gdn_recurrence", case, dtype, seed=4)
     ref_args = upcast(clone_args(args, "cpu"))
     test_args = clone_args(args, DEVICE)
-    ref = gdn_recurrence.gdn_recurrence_ref(*ref_args)
+    ref = REGISTRY["gdn_recurrence"].reference(*ref_args)
     out = gdn_recurrence.gdn_recurrence_recurrent(*test_args)
     assert out.dtype == args[2].dtype
     assert_close("o", ref, out.cpu(), TOL[dtype])
@@ -238,7 +230,7 @@ def test_split_path_matches_reference(case, spare, dtype):
     args[5][-1] -= spare
     ref_args = upcast(clone_args(args, "cpu"))
     test_args = clone_args(args, DEVICE)
-    ref = gdn_recurrence.gdn_recurrence_ref(*ref_args)
+    ref = REGISTRY["gdn_recurrence"].reference(*ref_args)
     out = gdn_recurrence.gdn_recurrence_split(*test_args, _reference_varlen)
     assert out.dtype == args[2].dtype and out.shape == args[2].shape
     in_stream = case.T - spare
@@ -254,7 +246,7 @@ def test_split_path_takes_int32_slot_ids():
     args[6] = args[6].to(torch.int32)
     ref_args = clone_args(args, "cpu")
     test_args = clone_args(args, DEVICE)
-    ref = gdn_recurrence.gdn_recurrence_ref(*ref_args)
+    ref = REGISTRY["gdn_recurrence"].reference(*ref_args)
     out = gdn_recurrence.gdn_recurrence_split(*test_args, _reference_varlen)
     assert_close("o", ref, out.cpu(), TOL[torch.float32])
     _check_pool(args, ref_args, test_args, torch.float32)
@@ -277,7 +269,7 @@ def test_decode_attention_matches_reference(case, dtype, split):
     args = op_args("paged_attention", case, dtype, seed=5)
     ref_args = upcast(clone_args(args, "cpu"))
     test_args = clone_args(args, DEVICE)
-    ref = paged_attention.paged_attention_ref(*ref_args)
+    ref = REGISTRY["paged_attention"].reference(*ref_args)
     default = paged_attention.paged_attention_triton(*test_args, decode=True)  # KV write, default split
     q, _, _, k_cache, v_cache, cu, ctx, blocks = test_args
     out = paged_attention.paged_attention_decode(q, k_cache, v_cache, cu, ctx, blocks, torch.empty_like(q),
@@ -292,7 +284,7 @@ def test_decode_attention_is_exact_for_long_streams():
     """A prefill-shaped batch through the split-K path: exact, only slower (query tiles of QB)."""
     case = Shapes(lengths=(70, 1), context=(9, 40), HQ=4, HKV=1)
     args = op_args("paged_attention", case, torch.float32, seed=6)
-    ref = paged_attention.paged_attention_ref(*clone_args(args, "cpu"))
+    ref = REGISTRY["paged_attention"].reference(*clone_args(args, "cpu"))
     out = paged_attention.paged_attention_triton(*clone_args(args, DEVICE), decode=True)
     assert_close("o", ref, out.cpu(), TOL[torch.float32])
 
@@ -653,14 +645,9 @@ def test_recurrence_split_path_never_syncs(case, monkeypatch):
 
 
 _SM90_COMPILE = r"""
-import importlib, sys
 import triton
 from triton.backends.compiler import GPUTarget
-moe = importlib.import_module("metrale_graph.ops.moe")
-causal_conv1d = importlib.import_module("metrale_graph.ops.causal_conv1d")
-gdn = importlib.import_module("metrale_graph.ops.gdn_recurrence")
-attn = importlib.import_module("metrale_graph.ops.paged_attention")
-rows = importlib.import_module("metrale_graph.ops.kernels")
+from metrale_graph.ops import gdn_recurrence as gdn, kernels as rows, moe, paged_attention as attn
 target = GPUTarget("cuda", 90, 32)
 backend = triton.compiler.make_backend(target)
 
