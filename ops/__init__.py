@@ -12,8 +12,10 @@ called as `OPS.<name>` (what the model does) or `torch.ops.metrale.<name>`;
 from .registry import (OPS, REGISTRY, OpSpec, Shapes, declaration, example_args, metrale_cuda, metrale_fake,
                        metrale_op, register)
 
-from . import (gdn_proj, causal_conv1d, l2norm, gdn_recurrence, gdn_out, attn_proj, paged_attention,  # noqa: F401
-               attn_out, mlp, moe)
+from . import gdn_proj, causal_conv1d, l2norm, gdn_recurrence, gdn_out, attn_proj, paged_attention, attn_out, mlp, moe
 
 __all__ = ["OPS", "REGISTRY", "OpSpec", "Shapes", "declaration", "example_args", "metrale_cuda", "metrale_fake",
-           "metrale_op", "register"]
+           "metrale_op", "register",
+           # the op modules, in the model's order
+           "gdn_proj", "causal_conv1d", "l2norm", "gdn_recurrence", "gdn_out", "attn_proj", "paged_attention",
+           "attn_out", "mlp", "moe"]

@@ -1,4 +1,5 @@
-"""Plain-torch pieces shared by the phase ops' CPU references, and input checks.
+"""What the phase ops share besides the registry: plain-torch pieces of their CPU references, the
+input checks, the Triton-interpreter flag, and the decode-shape rule.
 
 Legend for shape letters used across ops/: T tokens (all streams packed), B streams,
 S slots in a state pool (the last one is the scratch slot), D hidden size, I MLP size,
@@ -53,19 +54,10 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 # Decode-shaped calls ------------------------------------------------------------------------------
 # A call of B streams and T tokens is decode-shaped when T <= max(DECODE_MAX_TOKENS, 2 * B). Then the
-# GDN recurrence runs its recurrent kernel (token by token from each slot's pool row) instead of
-# fla's chunked kernels on a chunk-aligned layout, and the paged attention runs split-K
-# (flash-decoding) instead of 64-row query tiles. The rule reads static sizes only, so every bucket's
-# CUDA graph holds one path; both paths are exact for any lengths, the rule only picks the faster.
-#
-# Why this bound: the recurrent kernel's cost per stream is sequential in its length (one dependent
-# state update per token, ~1 us each), and a bucket (B, T) may hold one stream of T - (B-1) tokens.
-# With T <= 64 that chain is <= 64 steps, about the fixed cost of the chunked path at small T (a
-# dozen layout kernels plus fla's five). With T <= 2B the streams average <= 2 tokens and the
-# chunked path would push NT = ceil(T/64) + B chunks (>= 32x the real rows, mostly identity tokens)
-# through fla, a cost that grows with B as fast as the recurrent worst case grows with T. In
-# attention the split-K path reads a stream's cached K/V once per few queries rather than once per
-# 64, which only pays when queries per stream are few: the same bound.
+# GDN recurrence runs its recurrent kernel instead of fla's chunked kernels on a chunk-aligned layout,
+# and the paged attention runs split-K instead of 64-row query tiles. Static sizes only, so every
+# bucket's CUDA graph holds one path; both paths are exact for any lengths, the rule only picks the
+# faster. Why this bound: docs/DESIGN.md, "Decode-shaped calls".
 DECODE_MAX_TOKENS = 64
 
 

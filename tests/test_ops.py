@@ -2,6 +2,7 @@
 shapes and two dtypes; the references against independent formulations; input checks."""
 
 import importlib
+import pkgutil
 import types
 
 import pytest
@@ -121,6 +122,8 @@ def test_each_op_is_a_module_and_an_entry_of_the_table(name):
     op = REGISTRY[name].op
     assert getattr(OPS, name) is op and getattr(module, name) is op
     assert getattr(torch.ops.metrale, name).default is op._opoverload
+    for sub in pkgutil.iter_modules(getattr(module, "__path__", [])):  # an op package's files: not shadowed either
+        assert getattr(module, sub.name) is importlib.import_module(f"{module.__name__}.{sub.name}"), sub.name
 
 
 def _toy_check(a):
