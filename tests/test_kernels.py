@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from helpers import TOL, assert_close, assert_no_aliasing, clone_args, compared_rows, outputs, tiny_config, upcast
-from metrale_graph.config import FULL
 from kernel_oracles import align_pairs_torch, aligned_layout
+from metrale_graph.config import FULL
 from metrale_graph.ops import REGISTRY, Shapes, causal_conv1d, gdn_recurrence, kernels, moe, paged_attention
 from metrale_graph.ops.common import decode_shaped, rms_norm
 from metrale_graph.ops.gdn_recurrence import layout as gdn_layout, recurrent as gdn_recurrent, split as gdn_split
