@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import ops
 from .batch import PackedBatch, Stream
 from .cache import HybridCache
 from .config import LINEAR, ModelConfig, PRESETS, load_config
+from .ops import OPS
 from .ops.common import rms_norm
 from .ops.limits import check_supported
 from .parallel import TensorParallel
@@ -237,35 +237,35 @@ class HybridModel(nn.Module):
     def _gdn_mixer(self, layer, x, batch, conv_state, gdn_state):
         cfg, a = self.local, layer.linear_attn
         T, H, K = x.shape[0], cfg.linear_num_key_heads, cfg.linear_key_head_dim
-        qkv, z, beta, g = ops.gdn_proj(x, layer.input_layernorm.weight, a.in_proj_qkv.weight,
+        qkv, z, beta, g = OPS.gdn_proj(x, layer.input_layernorm.weight, a.in_proj_qkv.weight,
                                        a.in_proj_z.weight, a.in_proj_b.weight, a.in_proj_a.weight,
                                        a.A_log, a.dt_bias, cfg.rms_norm_eps)
-        qkv = ops.causal_conv1d(qkv, a.conv1d.weight.squeeze(1), batch.cu_seqlens, batch.slot_ids, conv_state)
-        qk = ops.l2norm(qkv[:, :2 * cfg.key_dim].view(T, 2 * H, K))
+        qkv = OPS.causal_conv1d(qkv, a.conv1d.weight.squeeze(1), batch.cu_seqlens, batch.slot_ids, conv_state)
+        qk = OPS.l2norm(qkv[:, :2 * cfg.key_dim].view(T, 2 * H, K))
         v = qkv[:, 2 * cfg.key_dim:].view(T, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
-        o = ops.gdn_recurrence(qk[:, :H], qk[:, H:], v, g, beta, batch.cu_seqlens, batch.slot_ids, gdn_state)
-        return ops.gdn_out(o, z, x if self._adds_residual else None, a.norm.weight, a.out_proj.weight,
+        o = OPS.gdn_recurrence(qk[:, :H], qk[:, H:], v, g, beta, batch.cu_seqlens, batch.slot_ids, gdn_state)
+        return OPS.gdn_out(o, z, x if self._adds_residual else None, a.norm.weight, a.out_proj.weight,
                            cfg.rms_norm_eps)
 
     def _attention_mixer(self, layer, x, batch, k_cache, v_cache):
         cfg, a = self.local, layer.self_attn
-        q, k, v, gate = ops.attn_proj(x, layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight,
+        q, k, v, gate = OPS.attn_proj(x, layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight,
                                       a.v_proj.weight, a.q_norm.weight, a.k_norm.weight, batch.positions,
                                       self.rope_inv_freq, cfg.head_dim, cfg.rms_norm_eps)
-        o = ops.paged_attention(q, k, v, k_cache, v_cache, batch.cu_seqlens, batch.context_lens,
+        o = OPS.paged_attention(q, k, v, k_cache, v_cache, batch.cu_seqlens, batch.context_lens,
                                 batch.block_tables)
-        return ops.attn_out(o, gate, x if self._adds_residual else None, a.o_proj.weight)
+        return OPS.attn_out(o, gate, x if self._adds_residual else None, a.o_proj.weight)
 
     def _feed_forward(self, layer, h):
         cfg, mlp = self.local, layer.mlp
         if layer.feed_forward == MOE:
             shared = mlp.shared_expert
-            return ops.moe(h, layer.post_attention_layernorm.weight, mlp.gate.weight, mlp.experts.gate_up_proj,
+            return OPS.moe(h, layer.post_attention_layernorm.weight, mlp.gate.weight, mlp.experts.gate_up_proj,
                            mlp.experts.down_proj, shared.gate_proj.weight, shared.up_proj.weight,
                            shared.down_proj.weight, mlp.shared_expert_gate.weight, cfg.num_experts_per_tok,
                            cfg.norm_topk_prob, cfg.rms_norm_eps,
                            first_expert(self.config, self.tp), self._adds_residual)
-        return ops.mlp(h, layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
+        return OPS.mlp(h, layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
                        mlp.down_proj.weight, cfg.rms_norm_eps, self._adds_residual)
 
     def extra_repr(self) -> str:

@@ -1,24 +1,21 @@
 """The prefill phases as `torch.library` custom ops in the `metrale` namespace
 (installed as metrale_graph.ops).
 
-Each module holds one op, named after it: schema and docstring, fake, CPU reference, CUDA path,
-and its OpSpec (test inputs, cost, kernel names, ONNX translation) registered in
-`registry.REGISTRY`, which everything else reads. Importing this package registers them all;
-the imports below are the registry's lines, one per op.
+Each op has its own module (or package, for the three large ones), named after it: the op's
+declaration (schema, docstring, CPU reference), check, fake, CUDA path, and its OpSpec (test inputs,
+cost, kernel names, ONNX translation) registered in `registry.REGISTRY`, which everything else reads.
+Importing this package registers them all; the import below is the registry's list. The ops are
+called as `OPS.<name>` (what the model does) or `torch.ops.metrale.<name>`;
+`metrale_graph.ops.<name>` is the op's module.
 """
 
-from .registry import REGISTRY, OpSpec, Shapes, example_args, metrale_op, register
+from .registry import (OPS, REGISTRY, OpSpec, Shapes, declaration, example_args, metrale_cuda, metrale_fake,
+                       metrale_op, register)
 
-from .gdn_proj import gdn_proj
-from .causal_conv1d import causal_conv1d
-from .l2norm import l2norm
-from .gdn_recurrence import gdn_recurrence
-from .gdn_out import gdn_out
-from .attn_proj import attn_proj
-from .paged_attention import paged_attention
-from .attn_out import attn_out
-from .mlp import mlp
-from .moe import moe
+from . import gdn_proj, causal_conv1d, l2norm, gdn_recurrence, gdn_out, attn_proj, paged_attention, attn_out, mlp, moe
 
-__all__ = ["REGISTRY", "OpSpec", "Shapes", "example_args", "metrale_op", "register", "gdn_proj", "causal_conv1d",
-           "l2norm", "gdn_recurrence", "gdn_out", "attn_proj", "paged_attention", "attn_out", "mlp", "moe"]
+__all__ = ["OPS", "REGISTRY", "OpSpec", "Shapes", "declaration", "example_args", "metrale_cuda", "metrale_fake",
+           "metrale_op", "register",
+           # the op modules, in the model's order
+           "gdn_proj", "causal_conv1d", "l2norm", "gdn_recurrence", "gdn_out", "attn_proj", "paged_attention",
+           "attn_out", "mlp", "moe"]

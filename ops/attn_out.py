@@ -10,12 +10,23 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .common import check, check_tensor
-from .registry import OpSpec, Shapes, metrale_op, rand, register, weight
+from .registry import OpSpec, Shapes, metrale_cuda, metrale_fake, metrale_op, rand, register, weight
 
-OP = "attn_out"
+def _check(a):
+    check_tensor(a.o, "o", ndim=3)
+    T, HQ, HD = a.o.shape
+    dtype, device = a.o.dtype, a.o.device
+    check_tensor(a.gate, "gate", ndim=2, dtype=dtype, device=device)
+    check(tuple(a.gate.shape) == (T, HQ * HD), f"gate has shape {tuple(a.gate.shape)}, expected {(T, HQ * HD)}")
+    check_tensor(a.o_w, "o_w", ndim=2, dtype=dtype, device=device)
+    D = a.o_w.shape[0]
+    if a.residual is not None:
+        check_tensor(a.residual, "residual", ndim=2, dtype=dtype, device=device)
+        check(tuple(a.residual.shape) == (T, D), f"residual has shape {tuple(a.residual.shape)}, expected {(T, D)}")
+    check(tuple(a.o_w.shape) == (D, HQ * HD), f"o_w has shape {tuple(a.o_w.shape)}, expected {(D, HQ * HD)}")
 
 
-@metrale_op("attn_out")
+@metrale_op(check=_check)
 def attn_out(o: Tensor, gate: Tensor, residual: Optional[Tensor], o_w: Tensor) -> Tensor:
     """Output of a gated full-attention layer.
 
@@ -26,42 +37,22 @@ def attn_out(o: Tensor, gate: Tensor, residual: Optional[Tensor], o_w: Tensor) -
     Returns:
         h [T, D] = residual + o_proj(o * sigmoid(gate)), model dtype. Mutates nothing.
     """
-    _check(o, gate, residual, o_w)
-    return attn_out_ref(o, gate, residual, o_w)
-
-
-@attn_out.register_fake
-def _(o, gate, residual, o_w):
-    _check(o, gate, residual, o_w)
-    return o.new_empty(o.shape[0], o_w.shape[0])
-
-
-def _check(o, gate, residual, o_w):
-    check_tensor(o, OP, "o", ndim=3)
-    T, HQ, HD = o.shape
-    check_tensor(gate, OP, "gate", ndim=2, dtype=o.dtype, device=o.device)
-    check(tuple(gate.shape) == (T, HQ * HD), OP, f"gate has shape {tuple(gate.shape)}, expected {(T, HQ * HD)}")
-    check_tensor(o_w, OP, "o_w", ndim=2, dtype=o.dtype, device=o.device)
-    D = o_w.shape[0]
-    if residual is not None:
-        check_tensor(residual, OP, "residual", ndim=2, dtype=o.dtype, device=o.device)
-        check(tuple(residual.shape) == (T, D), OP, f"residual has shape {tuple(residual.shape)}, expected {(T, D)}")
-    check(tuple(o_w.shape) == (D, HQ * HD), OP, f"o_w has shape {tuple(o_w.shape)}, expected {(D, HQ * HD)}")
-
-
-def attn_out_ref(o, gate, residual, o_w):
     T, HQ, HD = o.shape  # explicit sizes: reshape(T, -1) is ambiguous when T = 0
     out = F.linear(o.reshape(T, HQ * HD) * torch.sigmoid(gate), o_w)
     return out if residual is None else (residual + out).contiguous()  # residual + out follows residual's layout
 
 
-@attn_out.register_kernel("cuda")
-def attn_out_cuda(o, gate, residual, o_w):
+@metrale_fake(attn_out)
+def _(a):
+    return a.o.new_empty(a.o.shape[0], a.o_w.shape[0])
+
+
+@metrale_cuda(attn_out)
+def attn_out_cuda(a):
     """o_proj with the residual add in the GEMM epilogue."""
-    _check(o, gate, residual, o_w)
-    T, HQ, HD = o.shape
-    gated = o.reshape(T, HQ * HD) * torch.sigmoid(gate)
-    return gated @ o_w.t() if residual is None else torch.addmm(residual, gated, o_w.t())
+    T, HQ, HD = a.o.shape
+    gated = a.o.reshape(T, HQ * HD) * torch.sigmoid(a.gate)
+    return gated @ a.o_w.t() if a.residual is None else torch.addmm(a.residual, gated, a.o_w.t())
 
 
 def example(s: Shapes, dtype, g):
@@ -75,5 +66,5 @@ def cost(s: Shapes):
     return 2 * s.T * N * s.D, 2 * (N * s.D + s.T * (2 * N + 2 * s.D))
 
 
-register(OpSpec(attn_out, attn_out_ref, example, cost, cuda=attn_out_cuda,
+register(OpSpec(attn_out, example, cost, cuda=attn_out_cuda,
                 onnx="metrale_graph.onnx.translations:attn_out"))

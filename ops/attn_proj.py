@@ -8,12 +8,28 @@ from torch import Tensor
 
 from . import kernels
 from .common import check, check_tensor, rms_norm
-from .registry import OpSpec, Shapes, metrale_op, norm_weight, rand, register, weight
+from .registry import OpSpec, Shapes, metrale_cuda, metrale_fake, metrale_op, norm_weight, rand, register, weight
 
-OP = "attn_proj"
+def _check(a):
+    check_tensor(a.x, "x", ndim=2)
+    T, D = a.x.shape
+    HD = a.head_dim
+    check(tuple(a.norm_w.shape) == (D,), f"norm_w must have shape ({D},)")
+    for name, w in (("q_w", a.q_w), ("k_w", a.k_w), ("v_w", a.v_w)):
+        check_tensor(w, name, ndim=2, dtype=a.x.dtype, device=a.x.device)
+        check(w.shape[1] == D and w.shape[0] % HD == 0,
+              f"{name} has shape {tuple(w.shape)}; need {D} inputs and a multiple of head_dim {HD} outputs")
+    check(a.q_w.shape[0] % (2 * HD) == 0, f"q_w rows {a.q_w.shape[0]} are not heads of 2*{HD} (query | gate)")
+    check(a.k_w.shape == a.v_w.shape, f"k_w {tuple(a.k_w.shape)} and v_w {tuple(a.v_w.shape)} differ")
+    check(tuple(a.q_norm_w.shape) == (HD,) and tuple(a.k_norm_w.shape) == (HD,),
+          f"q_norm_w / k_norm_w must have shape ({HD},)")
+    check_tensor(a.positions, "positions", ndim=1, dtype=torch.int64, device=a.x.device)
+    check(a.positions.shape[0] == T, f"positions has {a.positions.shape[0]} entries for {T} tokens")
+    check_tensor(a.inv_freq, "inv_freq", ndim=1, dtype=torch.float32, device=a.x.device)
+    check(0 < 2 * a.inv_freq.shape[0] <= HD, f"rotary dim {2 * a.inv_freq.shape[0]} exceeds head_dim {HD}")
 
 
-@metrale_op("attn_proj")
+@metrale_op(check=_check)
 def attn_proj(x: Tensor, norm_w: Tensor, q_w: Tensor, k_w: Tensor, v_w: Tensor, q_norm_w: Tensor,
               k_norm_w: Tensor, positions: Tensor, inv_freq: Tensor, head_dim: int,
               eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -33,36 +49,24 @@ def attn_proj(x: Tensor, norm_w: Tensor, q_w: Tensor, k_w: Tensor, v_w: Tensor, 
         q [T, HQ, HD], k [T, HKV, HD], v [T, HKV, HD], gate [T, HQ*HD], all model dtype.
         Mutates nothing.
     """
-    _check(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_freq, head_dim)
-    return attn_proj_ref(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_freq, head_dim, eps)
-
-
-@attn_proj.register_fake
-def _(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_freq, head_dim, eps):
-    _check(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_freq, head_dim)
     T, HD = x.shape[0], head_dim
-    HQ, HKV = q_w.shape[0] // (2 * HD), k_w.shape[0] // HD
-    return (x.new_empty(T, HQ, HD), x.new_empty(T, HKV, HD), x.new_empty(T, HKV, HD),
-            x.new_empty(T, HQ * HD))
+    HQ, HKV = q_w.shape[0] // (2 * HD), k_w.shape[0] // HD  # explicit sizes: no -1 with T = 0
+    h = rms_norm(x, norm_w, eps)
+    qg = F.linear(h, q_w).view(T, HQ, 2 * HD)
+    q, gate = qg[..., :HD], qg[..., HD:].clone(memory_format=torch.contiguous_format).view(T, HQ * HD)
+    k = F.linear(h, k_w).view(T, HKV, HD)
+    v = F.linear(h, v_w).view(T, HKV, HD)
+    q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
+    cos, sin = rope_cos_sin(positions, inv_freq, x.dtype)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
 
 
-def _check(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_freq, head_dim):
-    check_tensor(x, OP, "x", ndim=2)
-    T, D = x.shape
-    HD = head_dim
-    check(tuple(norm_w.shape) == (D,), OP, f"norm_w must have shape ({D},)")
-    for name, w in (("q_w", q_w), ("k_w", k_w), ("v_w", v_w)):
-        check_tensor(w, OP, name, ndim=2, dtype=x.dtype, device=x.device)
-        check(w.shape[1] == D and w.shape[0] % HD == 0, OP,
-              f"{name} has shape {tuple(w.shape)}; need {D} inputs and a multiple of head_dim {HD} outputs")
-    check(q_w.shape[0] % (2 * HD) == 0, OP, f"q_w rows {q_w.shape[0]} are not heads of 2*{HD} (query | gate)")
-    check(k_w.shape == v_w.shape, OP, f"k_w {tuple(k_w.shape)} and v_w {tuple(v_w.shape)} differ")
-    check(tuple(q_norm_w.shape) == (HD,) and tuple(k_norm_w.shape) == (HD,), OP,
-          f"q_norm_w / k_norm_w must have shape ({HD},)")
-    check_tensor(positions, OP, "positions", ndim=1, dtype=torch.int64, device=x.device)
-    check(positions.shape[0] == T, OP, f"positions has {positions.shape[0]} entries for {T} tokens")
-    check_tensor(inv_freq, OP, "inv_freq", ndim=1, dtype=torch.float32, device=x.device)
-    check(0 < 2 * inv_freq.shape[0] <= HD, OP, f"rotary dim {2 * inv_freq.shape[0]} exceeds head_dim {HD}")
+@metrale_fake(attn_proj)
+def _(a):
+    T, HD = a.x.shape[0], a.head_dim
+    HQ, HKV = a.q_w.shape[0] // (2 * HD), a.k_w.shape[0] // HD
+    return (a.x.new_empty(T, HQ, HD), a.x.new_empty(T, HKV, HD), a.x.new_empty(T, HKV, HD),
+            a.x.new_empty(T, HQ * HD))
 
 
 def rope_cos_sin(positions, inv_freq, dtype):
@@ -81,30 +85,16 @@ def apply_rope(x, cos, sin):
     return torch.cat([rot * cos[:, None] + rotated * sin[:, None], rest], dim=-1)
 
 
-def attn_proj_ref(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_freq, head_dim, eps):
-    T, HD = x.shape[0], head_dim
-    HQ, HKV = q_w.shape[0] // (2 * HD), k_w.shape[0] // HD  # explicit sizes: no -1 with T = 0
-    h = rms_norm(x, norm_w, eps)
-    qg = F.linear(h, q_w).view(T, HQ, 2 * HD)
-    q, gate = qg[..., :HD], qg[..., HD:].clone(memory_format=torch.contiguous_format).view(T, HQ * HD)
-    k = F.linear(h, k_w).view(T, HKV, HD)
-    v = F.linear(h, v_w).view(T, HKV, HD)
-    q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
-    cos, sin = rope_cos_sin(positions, inv_freq, x.dtype)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
-
-
-@attn_proj.register_kernel("cuda")
-def attn_proj_cuda(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_freq, head_dim, eps):
+@metrale_cuda(attn_proj)
+def attn_proj_cuda(a):
     """Triton RMSNorm, one GEMM over the stacked q|k|v projections, Triton per-head norm + RoPE."""
-    _check(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_freq, head_dim)
-    T, HD = x.shape[0], head_dim
-    QG, KV = q_w.shape[0], k_w.shape[0]
+    T, HD = a.x.shape[0], a.head_dim
+    QG, KV = a.q_w.shape[0], a.k_w.shape[0]
     HQ, HKV = QG // (2 * HD), KV // HD
-    y = kernels.rms_norm(x, norm_w, eps) @ kernels.stacked(q_w, k_w, v_w).t()
+    y = kernels.rms_norm(a.x, a.norm_w, a.eps) @ kernels.stacked(a.q_w, a.k_w, a.v_w).t()
     qg = y[:, :QG].view(T, HQ, 2 * HD)
-    q = kernels.head_norm_rope(qg[..., :HD], q_norm_w, positions, inv_freq, eps)
-    k = kernels.head_norm_rope(y[:, QG:QG + KV].view(T, HKV, HD), k_norm_w, positions, inv_freq, eps)
+    q = kernels.head_norm_rope(qg[..., :HD], a.q_norm_w, a.positions, a.inv_freq, a.eps)
+    k = kernels.head_norm_rope(y[:, QG:QG + KV].view(T, HKV, HD), a.k_norm_w, a.positions, a.inv_freq, a.eps)
     # v and gate are copied out of y (outputs may not alias one another): explicitly, since with
     # T <= 1 (or HQ = 1 for the gate) reshape / contiguous would return views of y
     fresh = torch.contiguous_format
@@ -125,5 +115,5 @@ def cost(s: Shapes):
     return 2 * s.T * s.D * n, 2 * (n * s.D + s.T * s.D + s.T * n)
 
 
-register(OpSpec(attn_proj, attn_proj_ref, example, cost, cuda=attn_proj_cuda, kernels=("head_norm_rope",),
+register(OpSpec(attn_proj, example, cost, cuda=attn_proj_cuda, kernels=("head_norm_rope",),
                 onnx="metrale_graph.onnx.translations:attn_proj"))

@@ -11,15 +11,27 @@ import triton.language as tl
 from torch import Tensor
 
 from .common import INDEX_DTYPES, check, check_tensor
-from .registry import OpSpec, Shapes, metrale_op, rand, register, stream_meta, weight
+from .registry import OpSpec, Shapes, metrale_cuda, metrale_fake, metrale_op, rand, register, stream_meta, weight
 
-OP = "causal_conv1d"
+def _check(a):
+    check_tensor(a.x, "x", ndim=2)
+    C = a.x.shape[1]
+    check_tensor(a.weight, "weight", ndim=2, dtype=a.x.dtype, device=a.x.device)
+    check(a.weight.shape[0] == C, f"weight has {a.weight.shape[0]} channels, x has {C}")
+    check_tensor(a.cu_seqlens, "cu_seqlens", ndim=1, dtype=torch.int32, device=a.x.device)
+    check_tensor(a.slot_ids, "slot_ids", ndim=1, dtype=INDEX_DTYPES, device=a.x.device)
+    check(a.slot_ids.shape[0] + 1 == a.cu_seqlens.shape[0],
+          f"{a.slot_ids.shape[0]} slot_ids for {a.cu_seqlens.shape[0] - 1} streams")
+    check_tensor(a.conv_state, "conv_state", ndim=3, dtype=a.x.dtype, device=a.x.device)
+    state = (C, a.weight.shape[1] - 1)
+    check(tuple(a.conv_state.shape[1:]) == state, f"conv_state slots are {tuple(a.conv_state.shape[1:])}, expected {state}")
 
 
-@metrale_op("causal_conv1d", mutates_args=("conv_state",))
+@metrale_op(mutates_args=("conv_state",), check=_check)
 def causal_conv1d(x: Tensor, weight: Tensor, cu_seqlens: Tensor, slot_ids: Tensor,
                   conv_state: Tensor) -> Tensor:
-    """Varlen causal conv1d with per-slot state, then SiLU.
+    """Varlen causal conv1d with per-slot state, then SiLU. The CPU reference: plain torch, one stream
+    at a time (a host loop).
 
     Args:
         x: [T, C] packed pre-conv channels (model dtype).
@@ -31,32 +43,6 @@ def causal_conv1d(x: Tensor, weight: Tensor, cu_seqlens: Tensor, slot_ids: Tenso
     Returns:
         y: [T, C], x's dtype: `silu(conv(state ++ x))` per stream.
     """
-    _check(x, weight, cu_seqlens, slot_ids, conv_state)
-    return causal_conv1d_ref(x, weight, cu_seqlens, slot_ids, conv_state)
-
-
-@causal_conv1d.register_fake
-def _(x, weight, cu_seqlens, slot_ids, conv_state):
-    _check(x, weight, cu_seqlens, slot_ids, conv_state)
-    return x.new_empty(x.shape)  # contiguous whatever x's layout, as the CUDA path's and the reference's
-
-
-def _check(x, weight, cu_seqlens, slot_ids, conv_state):
-    check_tensor(x, OP, "x", ndim=2)
-    C = x.shape[1]
-    check_tensor(weight, OP, "weight", ndim=2, dtype=x.dtype, device=x.device)
-    check(weight.shape[0] == C, OP, f"weight has {weight.shape[0]} channels, x has {C}")
-    check_tensor(cu_seqlens, OP, "cu_seqlens", ndim=1, dtype=torch.int32, device=x.device)
-    check_tensor(slot_ids, OP, "slot_ids", ndim=1, dtype=INDEX_DTYPES, device=x.device)
-    check(slot_ids.shape[0] + 1 == cu_seqlens.shape[0], OP,
-          f"{slot_ids.shape[0]} slot_ids for {cu_seqlens.shape[0] - 1} streams")
-    check_tensor(conv_state, OP, "conv_state", ndim=3, dtype=x.dtype, device=x.device)
-    check(tuple(conv_state.shape[1:]) == (C, weight.shape[1] - 1), OP,
-          f"conv_state slots are {tuple(conv_state.shape[1:])}, expected {(C, weight.shape[1] - 1)}")
-
-
-def causal_conv1d_ref(x, weight, cu_seqlens, slot_ids, conv_state):
-    """Plain torch, one stream at a time (host loop: the CPU reference)."""
     C, W = weight.shape
     y = x.new_empty(x.shape)  # contiguous whatever x's layout, as the fake and the CUDA path
     bounds = cu_seqlens.tolist()
@@ -69,6 +55,11 @@ def causal_conv1d_ref(x, weight, cu_seqlens, slot_ids, conv_state):
         y[s:e] = F.silu(out).t()
         conv_state[slot] = window[:, window.shape[1] - (W - 1):]
     return y
+
+
+@metrale_fake(causal_conv1d)
+def _(a):
+    return a.x.new_empty(a.x.shape)  # contiguous whatever x's layout, as the CUDA path's and the reference's
 
 
 @triton.jit
@@ -147,10 +138,9 @@ def causal_conv1d_triton(x, weight, cu_seqlens, slot_ids, conv_state):
     return y
 
 
-@causal_conv1d.register_kernel("cuda")
-def causal_conv1d_cuda(x, weight, cu_seqlens, slot_ids, conv_state):
-    _check(x, weight, cu_seqlens, slot_ids, conv_state)
-    return causal_conv1d_triton(x, weight, cu_seqlens, slot_ids, conv_state)
+@metrale_cuda(causal_conv1d)
+def causal_conv1d_cuda(a):
+    return causal_conv1d_triton(*a)
 
 
 def example(s: Shapes, dtype, g):
@@ -163,5 +153,5 @@ def cost(s: Shapes):
     return 2 * s.T * s.C * s.W, 2 * 2 * s.T * s.C
 
 
-register(OpSpec(causal_conv1d, causal_conv1d_ref, example, cost, cuda=causal_conv1d_cuda, kernels=("conv1d",),
+register(OpSpec(causal_conv1d, example, cost, cuda=causal_conv1d_cuda, kernels=("conv1d",),
                 onnx="metrale_graph.onnx.translations:causal_conv1d"))

@@ -1,4 +1,5 @@
-"""Plain-torch pieces shared by the phase ops' CPU references, and input checks.
+"""What the phase ops share besides the registry: plain-torch pieces of their CPU references, the
+input checks, the Triton-interpreter flag, and the decode-shape rule.
 
 Legend for shape letters used across ops/: T tokens (all streams packed), B streams,
 S slots in a state pool (the last one is the scratch slot), D hidden size, I MLP size,
@@ -9,8 +10,15 @@ MoE: E experts (EL of them on this rank), IE expert intermediate size, IS shared
 experts per token.
 """
 
+import os
+
 import torch
 from torch import Tensor
+
+# Triton's CPU interpreter (the CPU suite sets TRITON_INTERPRET=1). Under it the kernels take their
+# fp32 paths on upcast tiles (triton 3.6.0's interpreter computes bf16 tl.dot wrongly) and a single
+# autotune config.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -21,23 +29,24 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 class OpInputError(ValueError):
-    """A phase op was handed tensors that would compute garbage or corrupt state."""
+    """A phase op was handed tensors that would compute garbage or corrupt state. Raised by an op's
+    check (the registry prefixes the message with "metrale::<op>: ")."""
 
 
-def check(cond: bool, op: str, msg: str) -> None:
+def check(cond: bool, msg: str) -> None:
     """Metadata-only input check (shapes, dtypes, devices): never reads device data."""
     if not cond:
-        raise OpInputError(f"metrale::{op}: {msg}")
+        raise OpInputError(msg)
 
 
-def check_tensor(t: Tensor, op: str, name: str, ndim: int | None = None, dtype=None, device=None) -> None:
+def check_tensor(t: Tensor, name: str, ndim: int | None = None, dtype=None, device=None) -> None:
     if ndim is not None:
-        check(t.dim() == ndim, op, f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+        check(t.dim() == ndim, f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
     if dtype is not None:
         dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
-        check(t.dtype in dtypes, op, f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+        check(t.dtype in dtypes, f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
     if device is not None:
-        check(t.device == device, op, f"{name} is on {t.device}, expected {device}")
+        check(t.device == device, f"{name} is on {t.device}, expected {device}")
 
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -45,19 +54,10 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 # Decode-shaped calls ------------------------------------------------------------------------------
 # A call of B streams and T tokens is decode-shaped when T <= max(DECODE_MAX_TOKENS, 2 * B). Then the
-# GDN recurrence runs its recurrent kernel (token by token from each slot's pool row) instead of
-# fla's chunked kernels on a chunk-aligned layout, and the paged attention runs split-K
-# (flash-decoding) instead of 64-row query tiles. The rule reads static sizes only, so every bucket's
-# CUDA graph holds one path; both paths are exact for any lengths, the rule only picks the faster.
-#
-# Why this bound: the recurrent kernel's cost per stream is sequential in its length (one dependent
-# state update per token, ~1 us each), and a bucket (B, T) may hold one stream of T - (B-1) tokens.
-# With T <= 64 that chain is <= 64 steps, about the fixed cost of the chunked path at small T (a
-# dozen layout kernels plus fla's five). With T <= 2B the streams average <= 2 tokens and the
-# chunked path would push NT = ceil(T/64) + B chunks (>= 32x the real rows, mostly identity tokens)
-# through fla, a cost that grows with B as fast as the recurrent worst case grows with T. In
-# attention the split-K path reads a stream's cached K/V once per few queries rather than once per
-# 64, which only pays when queries per stream are few: the same bound.
+# GDN recurrence runs its recurrent kernel instead of fla's chunked kernels on a chunk-aligned layout,
+# and the paged attention runs split-K instead of 64-row query tiles. Static sizes only, so every
+# bucket's CUDA graph holds one path; both paths are exact for any lengths, the rule only picks the
+# faster. Why this bound: docs/DESIGN.md, "Decode-shaped calls".
 DECODE_MAX_TOKENS = 64
 
 

@@ -13,12 +13,26 @@ from torch import Tensor
 
 from . import kernels
 from .common import check, check_tensor
-from .registry import OpSpec, Shapes, metrale_op, rand, register, weight
+from .registry import OpSpec, Shapes, metrale_cuda, metrale_fake, metrale_op, rand, register, weight
 
-OP = "gdn_out"
+def _check(a):
+    check_tensor(a.o, "o", ndim=3)
+    T, HV, V = a.o.shape
+    dtype, device = a.o.dtype, a.o.device
+    check_tensor(a.out_w, "out_w", ndim=2, dtype=dtype, device=device)
+    D = a.out_w.shape[0]
+    if a.residual is not None:
+        check_tensor(a.residual, "residual", ndim=2, dtype=dtype, device=device)
+        check(tuple(a.residual.shape) == (T, D), f"residual has shape {tuple(a.residual.shape)}, expected {(T, D)}")
+    check_tensor(a.z, "z", ndim=2, dtype=dtype, device=device)
+    check(tuple(a.z.shape) == (T, HV * V), f"z has shape {tuple(a.z.shape)}, expected {(T, HV * V)}")
+    # the gated norm rounds to the activations' dtype before the weight (transformers' order): one dtype
+    check_tensor(a.gnorm_w, "gnorm_w", dtype=dtype, device=device)
+    check(tuple(a.gnorm_w.shape) == (V,), f"gnorm_w must have shape ({V},), got {tuple(a.gnorm_w.shape)}")
+    check(tuple(a.out_w.shape) == (D, HV * V), f"out_w has shape {tuple(a.out_w.shape)}, expected {(D, HV * V)}")
 
 
-@metrale_op("gdn_out")
+@metrale_op(check=_check)
 def gdn_out(o: Tensor, z: Tensor, residual: Optional[Tensor], gnorm_w: Tensor, out_w: Tensor, eps: float) -> Tensor:
     """Phase 3 of a Gated DeltaNet layer.
 
@@ -33,30 +47,15 @@ def gdn_out(o: Tensor, z: Tensor, residual: Optional[Tensor], gnorm_w: Tensor, o
     Returns:
         h [T, D] = residual + out_proj(gated_norm(o, z)), model dtype. Mutates nothing.
     """
-    _check(o, z, residual, gnorm_w, out_w)
-    return gdn_out_ref(o, z, residual, gnorm_w, out_w, eps)
-
-
-@gdn_out.register_fake
-def _(o, z, residual, gnorm_w, out_w, eps):
-    _check(o, z, residual, gnorm_w, out_w)
-    return o.new_empty(o.shape[0], out_w.shape[0])
-
-
-def _check(o, z, residual, gnorm_w, out_w):
-    check_tensor(o, OP, "o", ndim=3)
     T, HV, V = o.shape
-    check_tensor(out_w, OP, "out_w", ndim=2, dtype=o.dtype, device=o.device)
-    D = out_w.shape[0]
-    if residual is not None:
-        check_tensor(residual, OP, "residual", ndim=2, dtype=o.dtype, device=o.device)
-        check(tuple(residual.shape) == (T, D), OP, f"residual has shape {tuple(residual.shape)}, expected {(T, D)}")
-    check_tensor(z, OP, "z", ndim=2, dtype=o.dtype, device=o.device)
-    check(tuple(z.shape) == (T, HV * V), OP, f"z has shape {tuple(z.shape)}, expected {(T, HV * V)}")
-    # the gated norm rounds to the activations' dtype before the weight (transformers' order): one dtype
-    check_tensor(gnorm_w, OP, "gnorm_w", dtype=o.dtype, device=o.device)
-    check(tuple(gnorm_w.shape) == (V,), OP, f"gnorm_w must have shape ({V},), got {tuple(gnorm_w.shape)}")
-    check(tuple(out_w.shape) == (D, HV * V), OP, f"out_w has shape {tuple(out_w.shape)}, expected {(D, HV * V)}")
+    n = gated_rms_norm(o, z.view(T, HV, V), gnorm_w, eps).reshape(T, HV * V)
+    out = F.linear(n, out_w)
+    return out if residual is None else (residual + out).contiguous()  # residual + out follows residual's layout
+
+
+@metrale_fake(gdn_out)
+def _(a):
+    return a.o.new_empty(a.o.shape[0], a.out_w.shape[0])
 
 
 def gated_rms_norm(o, z, weight, eps):
@@ -69,19 +68,11 @@ def gated_rms_norm(o, z, weight, eps):
     return (out * F.silu(z.float())).to(dtype)
 
 
-def gdn_out_ref(o, z, residual, gnorm_w, out_w, eps):
-    T, HV, V = o.shape
-    n = gated_rms_norm(o, z.view(T, HV, V), gnorm_w, eps).reshape(T, HV * V)
-    out = F.linear(n, out_w)
-    return out if residual is None else (residual + out).contiguous()  # residual + out follows residual's layout
-
-
-@gdn_out.register_kernel("cuda")
-def gdn_out_cuda(o, z, residual, gnorm_w, out_w, eps):
+@metrale_cuda(gdn_out)
+def gdn_out_cuda(a):
     """Triton gated norm; out projection with the residual add in the GEMM epilogue."""
-    _check(o, z, residual, gnorm_w, out_w)
-    n = kernels.gated_rms_norm(o, z, gnorm_w, eps)
-    return n @ out_w.t() if residual is None else torch.addmm(residual, n, out_w.t())
+    n = kernels.gated_rms_norm(a.o, a.z, a.gnorm_w, a.eps)
+    return n @ a.out_w.t() if a.residual is None else torch.addmm(a.residual, n, a.out_w.t())
 
 
 def example(s: Shapes, dtype, g):
@@ -95,5 +86,5 @@ def cost(s: Shapes):
     return 2 * s.T * Z * s.D, 2 * (Z * s.D + s.T * (2 * Z + 2 * s.D))
 
 
-register(OpSpec(gdn_out, gdn_out_ref, example, cost, cuda=gdn_out_cuda, kernels=("gated_rms",),
+register(OpSpec(gdn_out, example, cost, cuda=gdn_out_cuda, kernels=("gated_rms",),
                 onnx="metrale_graph.onnx.translations:gdn_out"))

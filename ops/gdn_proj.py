@@ -11,15 +11,24 @@ from torch import Tensor
 
 from . import kernels
 from .common import check, check_tensor, rms_norm
-from .registry import OpSpec, Shapes, metrale_op, norm_weight, rand, register, weight
+from .registry import OpSpec, Shapes, metrale_cuda, metrale_fake, metrale_op, norm_weight, rand, register, weight
 
-OP = "gdn_proj"
+def _check(a):
+    check_tensor(a.x, "x", ndim=2)
+    D, HV = a.x.shape[1], a.b_w.shape[0]
+    for name, w in (("qkv_w", a.qkv_w), ("z_w", a.z_w), ("b_w", a.b_w), ("a_w", a.a_w)):
+        check_tensor(w, name, ndim=2, dtype=a.x.dtype, device=a.x.device)
+        check(w.shape[1] == D, f"{name} has {w.shape[1]} input features, x has {D}")
+    check(a.a_w.shape[0] == HV, f"a_w has {a.a_w.shape[0]} heads, b_w has {HV}")
+    for name, w, n in (("norm_w", a.norm_w, D), ("A_log", a.A_log, HV), ("dt_bias", a.dt_bias, HV)):
+        check(tuple(w.shape) == (n,), f"{name} must have shape ({n},), got {tuple(w.shape)}")
 
 
-@metrale_op("gdn_proj")
+@metrale_op(check=_check)
 def gdn_proj(x: Tensor, norm_w: Tensor, qkv_w: Tensor, z_w: Tensor, b_w: Tensor, a_w: Tensor,
              A_log: Tensor, dt_bias: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Phase-1 projections of a Gated DeltaNet layer.
+    """Phase-1 projections of a Gated DeltaNet layer. The CPU reference: plain torch, matching
+    transformers' Qwen3_5GatedDeltaNet op for op.
 
     Args:
         x: [T, D] hidden states (model dtype), the layer input (before its norm).
@@ -33,31 +42,6 @@ def gdn_proj(x: Tensor, norm_w: Tensor, qkv_w: Tensor, z_w: Tensor, b_w: Tensor,
         qkv [T, C] and z [T, HV*V] in x's dtype; beta [T, HV] in x's dtype;
         g [T, HV] float32 (log-decay, <= 0). Mutates nothing.
     """
-    _check(x, norm_w, qkv_w, z_w, b_w, a_w, A_log, dt_bias)
-    return gdn_proj_ref(x, norm_w, qkv_w, z_w, b_w, a_w, A_log, dt_bias, eps)
-
-
-@gdn_proj.register_fake
-def _(x, norm_w, qkv_w, z_w, b_w, a_w, A_log, dt_bias, eps):
-    _check(x, norm_w, qkv_w, z_w, b_w, a_w, A_log, dt_bias)
-    T, HV = x.shape[0], b_w.shape[0]
-    return (x.new_empty(T, qkv_w.shape[0]), x.new_empty(T, z_w.shape[0]), x.new_empty(T, HV),
-            x.new_empty(T, HV, dtype=torch.float32))
-
-
-def _check(x, norm_w, qkv_w, z_w, b_w, a_w, A_log, dt_bias):
-    check_tensor(x, OP, "x", ndim=2)
-    D, HV = x.shape[1], b_w.shape[0]
-    for name, w in (("qkv_w", qkv_w), ("z_w", z_w), ("b_w", b_w), ("a_w", a_w)):
-        check_tensor(w, OP, name, ndim=2, dtype=x.dtype, device=x.device)
-        check(w.shape[1] == D, OP, f"{name} has {w.shape[1]} input features, x has {D}")
-    check(a_w.shape[0] == HV, OP, f"a_w has {a_w.shape[0]} heads, b_w has {HV}")
-    for name, w, n in (("norm_w", norm_w, D), ("A_log", A_log, HV), ("dt_bias", dt_bias, HV)):
-        check(tuple(w.shape) == (n,), OP, f"{name} must have shape ({n},), got {tuple(w.shape)}")
-
-
-def gdn_proj_ref(x, norm_w, qkv_w, z_w, b_w, a_w, A_log, dt_bias, eps):
-    """Plain torch, matching transformers' Qwen3_5GatedDeltaNet op for op."""
     h = rms_norm(x, norm_w, eps)
     qkv = F.linear(h, qkv_w)
     z = F.linear(h, z_w)
@@ -66,14 +50,20 @@ def gdn_proj_ref(x, norm_w, qkv_w, z_w, b_w, a_w, A_log, dt_bias, eps):
     return qkv, z, beta, g
 
 
-@gdn_proj.register_kernel("cuda")
-def gdn_proj_cuda(x, norm_w, qkv_w, z_w, b_w, a_w, A_log, dt_bias, eps):
+@metrale_fake(gdn_proj)
+def _(a):
+    T, HV = a.x.shape[0], a.b_w.shape[0]
+    return (a.x.new_empty(T, a.qkv_w.shape[0]), a.x.new_empty(T, a.z_w.shape[0]), a.x.new_empty(T, HV),
+            a.x.new_empty(T, HV, dtype=torch.float32))
+
+
+@metrale_cuda(gdn_proj)
+def gdn_proj_cuda(a):
     """Triton RMSNorm, then one GEMM over the four stacked projections (HybridModel stores them
     back to back, so stacking is free), then both gates in one Triton kernel."""
-    _check(x, norm_w, qkv_w, z_w, b_w, a_w, A_log, dt_bias)
-    C, Z, HV = qkv_w.shape[0], z_w.shape[0], b_w.shape[0]
-    y = kernels.rms_norm(x, norm_w, eps) @ kernels.stacked(qkv_w, z_w, b_w, a_w).t()
-    beta, g = kernels.gdn_gates(y, C + Z, C + Z + HV, A_log, dt_bias)
+    C, Z, HV = a.qkv_w.shape[0], a.z_w.shape[0], a.b_w.shape[0]
+    y = kernels.rms_norm(a.x, a.norm_w, a.eps) @ kernels.stacked(a.qkv_w, a.z_w, a.b_w, a.a_w).t()
+    beta, g = kernels.gdn_gates(y, C + Z, C + Z + HV, a.A_log, a.dt_bias)
     # outputs of a custom op may not alias one another: the two big ones are copied out of y. Not
     # .contiguous(): with T <= 1 a column slice of y is already contiguous and would come back as a view
     fresh = torch.contiguous_format
@@ -92,5 +82,5 @@ def cost(s: Shapes):
     return 2 * s.T * s.D * n, 2 * (n * s.D + s.T * s.D + s.T * (s.C + s.HV * s.V)) + 8 * s.T * s.HV
 
 
-register(OpSpec(gdn_proj, gdn_proj_ref, example, cost, cuda=gdn_proj_cuda, kernels=("gdn_gates",),
+register(OpSpec(gdn_proj, example, cost, cuda=gdn_proj_cuda, kernels=("gdn_gates",),
                 onnx="metrale_graph.onnx.translations:gdn_proj"))

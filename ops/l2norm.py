@@ -8,13 +8,16 @@ from torch import Tensor
 
 from . import kernels
 from .common import check_tensor
-from .registry import OpSpec, Shapes, metrale_op, rand, register
+from .registry import OpSpec, Shapes, metrale_cuda, metrale_fake, metrale_op, rand, register
 
-OP = "l2norm"
 EPS = 1e-6
 
 
-@metrale_op("l2norm")
+def _check(a):
+    check_tensor(a.x, "x", ndim=3)
+
+
+@metrale_op(check=_check)
 def l2norm(x: Tensor) -> Tensor:
     """Per-head L2 normalization.
 
@@ -24,26 +27,19 @@ def l2norm(x: Tensor) -> Tensor:
     Returns:
         [T, N, K] contiguous, x's dtype. Mutates nothing.
     """
-    check_tensor(x, OP, "x", ndim=3)
-    return l2norm_ref(x)
-
-
-@l2norm.register_fake
-def _(x):
-    check_tensor(x, OP, "x", ndim=3)
-    return x.new_empty(x.shape)
-
-
-def l2norm_ref(x):
     xf = x.float()
     # contiguous whatever x's layout (the elementwise result follows a dense x's), as the fake and the CUDA path
     return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + EPS)).to(x.dtype).contiguous()
 
 
-@l2norm.register_kernel("cuda")
-def l2norm_cuda(x):
-    check_tensor(x, OP, "x", ndim=3)
-    return kernels.l2norm(x, EPS)
+@metrale_fake(l2norm)
+def _(a):
+    return a.x.new_empty(a.x.shape)
+
+
+@metrale_cuda(l2norm)
+def l2norm_cuda(a):
+    return kernels.l2norm(a.x, EPS)
 
 
 def example(s: Shapes, dtype, g):
@@ -54,5 +50,5 @@ def cost(s: Shapes):
     return 0, 2 * 2 * s.T * 2 * s.H * s.K
 
 
-register(OpSpec(l2norm, l2norm_ref, example, cost, cuda=l2norm_cuda, kernels=("l2norm",),
+register(OpSpec(l2norm, example, cost, cuda=l2norm_cuda, kernels=("l2norm",),
                 onnx="metrale_graph.onnx.translations:l2norm"))

@@ -12,12 +12,19 @@ from torch import Tensor
 
 from . import kernels
 from .common import check, check_tensor, rms_norm
-from .registry import OpSpec, Shapes, metrale_op, norm_weight, rand, register, weight
+from .registry import OpSpec, Shapes, metrale_cuda, metrale_fake, metrale_op, norm_weight, rand, register, weight
 
-OP = "mlp"
+def _check(a):
+    check_tensor(a.h, "h", ndim=2)
+    D = a.h.shape[1]
+    check(tuple(a.norm_w.shape) == (D,), f"norm_w must have shape ({D},), got {tuple(a.norm_w.shape)}")
+    I = a.gate_w.shape[0]
+    for name, w, shape in (("gate_w", a.gate_w, (I, D)), ("up_w", a.up_w, (I, D)), ("down_w", a.down_w, (D, I))):
+        check_tensor(w, name, ndim=2, dtype=a.h.dtype, device=a.h.device)
+        check(tuple(w.shape) == shape, f"{name} has shape {tuple(w.shape)}, expected {shape} (hidden size {D})")
 
 
-@metrale_op("mlp")
+@metrale_op(check=_check)
 def mlp(h: Tensor, norm_w: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor, eps: float,
         add_residual: bool = True) -> Tensor:
     """Dense MLP block with its norm and residual.
@@ -32,39 +39,22 @@ def mlp(h: Tensor, norm_w: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor,
     Returns:
         [T, D] the layer output (h + ..., or only the MLP's output), h's dtype. Mutates nothing.
     """
-    _check(h, norm_w, gate_w, up_w, down_w)
-    return mlp_ref(h, norm_w, gate_w, up_w, down_w, eps, add_residual)
-
-
-@mlp.register_fake
-def _(h, norm_w, gate_w, up_w, down_w, eps, add_residual=True):
-    _check(h, norm_w, gate_w, up_w, down_w)
-    return h.new_empty(h.shape)  # contiguous whatever h's layout, as the CUDA path's and the reference's
-
-
-def _check(h, norm_w, gate_w, up_w, down_w):
-    check_tensor(h, OP, "h", ndim=2)
-    D = h.shape[1]
-    check(tuple(norm_w.shape) == (D,), OP, f"norm_w must have shape ({D},), got {tuple(norm_w.shape)}")
-    I = gate_w.shape[0]
-    for name, w, shape in (("gate_w", gate_w, (I, D)), ("up_w", up_w, (I, D)), ("down_w", down_w, (D, I))):
-        check_tensor(w, OP, name, ndim=2, dtype=h.dtype, device=h.device)
-        check(tuple(w.shape) == shape, OP, f"{name} has shape {tuple(w.shape)}, expected {shape} (hidden size {D})")
-
-
-def mlp_ref(h, norm_w, gate_w, up_w, down_w, eps, add_residual=True):
     n = rms_norm(h, norm_w, eps)
     out = F.linear(F.silu(F.linear(n, gate_w)) * F.linear(n, up_w), down_w)
     return (h + out if add_residual else out).contiguous()  # h + out follows h's layout
 
 
-@mlp.register_kernel("cuda")
-def mlp_cuda(h, norm_w, gate_w, up_w, down_w, eps, add_residual=True):
+@metrale_fake(mlp)
+def _(a):
+    return a.h.new_empty(a.h.shape)  # contiguous whatever h's layout, as the CUDA path's and the reference's
+
+
+@metrale_cuda(mlp)
+def mlp_cuda(a):
     """Triton norm, one gate|up GEMM over the stacked weights, fused SiLU-mul, and the down GEMM with
     the residual add in its epilogue (addmm)."""
-    _check(h, norm_w, gate_w, up_w, down_w)
-    act = kernels.silu_mul(kernels.rms_norm(h, norm_w, eps) @ kernels.stacked(gate_w, up_w).t())
-    return torch.addmm(h, act, down_w.t()) if add_residual else act @ down_w.t()
+    act = kernels.silu_mul(kernels.rms_norm(a.h, a.norm_w, a.eps) @ kernels.stacked(a.gate_w, a.up_w).t())
+    return torch.addmm(a.h, act, a.down_w.t()) if a.add_residual else act @ a.down_w.t()
 
 
 def example(s: Shapes, dtype, g):
@@ -76,4 +66,4 @@ def cost(s: Shapes):
     return 2 * s.T * 3 * s.D * s.I, 2 * (3 * s.D * s.I + 2 * s.T * s.D)
 
 
-register(OpSpec(mlp, mlp_ref, example, cost, cuda=mlp_cuda, onnx="metrale_graph.onnx.translations:mlp"))
+register(OpSpec(mlp, example, cost, cuda=mlp_cuda, onnx="metrale_graph.onnx.translations:mlp"))

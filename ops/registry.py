@@ -1,10 +1,21 @@
 """The op registry: every `metrale::` op's facts in one record (OpSpec), registered by the op's own
 module. Tests (opcheck, references, CUDA paths), the benchmarks (inputs, FLOPs and bytes), the
-profiler (kernel names) and the ONNX export (translation, mutated arguments) read it from here.
+profiler (kernel names) and the ONNX export (translation, mutated arguments) read it from here; the
+model calls the ops through `OPS`.
 
-Adding an op: write `ops/<name>.py` (the op through `metrale_op`, its fake, CPU reference, CUDA
-path, `example` and `cost`, and `register(OpSpec(...))` at the bottom), then import it in
-ops/__init__.py. That import is the registry line.
+An op's module declares it in four pieces (docs/DESIGN.md, "Adding an op"; ops/l2norm.py is the
+smallest):
+
+    @metrale_op(mutates_args=(...), check=_check)   # the schema, its contract, the CPU reference
+    def name(x: Tensor, ...) -> Tensor: ...
+    @metrale_fake(name)                              # fake(a): fresh outputs (new_empty)
+    @metrale_cuda(name)                              # cuda(a): the CUDA implementation
+    register(OpSpec(name, example, cost, cuda=..., kernels=..., onnx=...))
+
+The op's name is the function's. Its check, fake and CUDA implementation take the call's arguments
+as one record `a` (`declaration(op).Args`, a named tuple of the declared parameters: `a.x`, `*a`,
+defaults applied), so the signature is written once; the check runs first in every implementation
+(CPU reference, fake, CUDA), and its OpInputError reads "metrale::<name>: ...".
 
 `Shapes` is one op call's sizes: a batch of streams and the model dims the ops touch (letters as
 in ops/common.py). `Shapes.from_config` makes one from a model config; tests write small ones.
@@ -12,25 +23,122 @@ in ops/common.py). `Shapes.from_config` makes one from a model config; tests wri
 
 from __future__ import annotations
 
+import collections
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
+from .common import OpInputError
+
 REGISTRY: dict[str, "OpSpec"] = {}
-_PROTOTYPES: dict[int, tuple[str, inspect.Signature, tuple[str, ...]]] = {}
 
 
-def metrale_op(name: str, mutates_args: tuple[str, ...] = ()):
-    """`torch.library.custom_op("metrale::<name>", mutates_args, device_types="cpu")`: the decorated
-    function is the op's schema and its CPU implementation. Also keeps the function's signature,
-    which the ONNX export builds the op's functional twin from."""
-    def wrap(fn):
-        op = torch.library.custom_op(f"metrale::{name}", mutates_args=mutates_args, device_types="cpu")(fn)
-        _PROTOTYPES[id(op)] = (name, inspect.signature(fn), tuple(mutates_args))
+class OpTable:
+    """The registered ops by name, as attributes: `OPS.gdn_proj(...)` calls metrale::gdn_proj (the same
+    op as `torch.ops.metrale.gdn_proj`). The model calls its ops through this table, so the ONNX export
+    can swap an entry for the time of a trace (`setattr`, then back)."""
+
+    def __repr__(self) -> str:
+        return f"OpTable({', '.join(vars(self))})"
+
+
+OPS = OpTable()
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """What `metrale_op` keeps of an op: its name, declared signature, mutated arguments, check,
+    argument record, and its CPU implementation (the declared function after the check)."""
+    name: str
+    signature: inspect.Signature
+    mutates: tuple[str, ...]
+    Args: type
+    check: Callable | None
+    reference: Callable
+
+    def checked(self, fn: Callable) -> Callable:
+        """fn(a) as a function of the op's arguments (shown with the op's signature)."""
+        return _checked(self.name, self.signature, self.Args, self.check, fn)
+
+
+_DECLARED: dict[Any, Declaration] = {}
+
+
+def _checked(name: str, signature: inspect.Signature, Args: type, check: Callable | None, fn: Callable) -> Callable:
+    """The op's arguments bound to an `Args` record, the check run on it, then fn(a)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        a = Args(*args, **kwargs)
+        if check is not None:
+            try:
+                check(a)
+            except OpInputError as e:
+                e.args = (f"metrale::{name}: {e}",)
+                raise
+        return fn(a)
+
+    run.__signature__ = signature
+    return run
+
+
+def _args_record(name: str, signature: inspect.Signature) -> type:
+    params = list(signature.parameters.values())
+    for p in params:
+        if p.kind is not p.POSITIONAL_OR_KEYWORD:
+            raise TypeError(f"metrale::{name}: parameter {p.name} is {p.kind.description}; metrale ops take "
+                            f"positional-or-keyword parameters only")
+    Args = collections.namedtuple(f"{name}_args", [p.name for p in params],
+                                  defaults=[p.default for p in params if p.default is not p.empty])
+    Args.__doc__ = f"The arguments of metrale::{name}{signature}, by name."
+    return Args
+
+
+def metrale_op(fn: Callable | None = None, /, *, mutates_args: tuple[str, ...] = (),
+               check: Callable | None = None):
+    """Declare `metrale::<fn.__name__>`: `torch.library.custom_op` with `mutates_args`, its schema
+    inferred from fn's annotations, fn (after `check(a)`) its CPU implementation. Returns the custom op
+    (torch's CustomOpDef). `check(a)` gets the arguments as a record (`Declaration.Args`) and raises
+    OpInputError (common.check) on bad metadata; it must never read device data."""
+    def declare(fn):
+        name, signature = fn.__name__, inspect.signature(fn)
+        Args = _args_record(name, signature)
+        reference = functools.update_wrapper(_checked(name, signature, Args, check, lambda a: fn(*a)), fn)
+        schema = torch.library.infer_schema(fn, mutates_args=mutates_args)
+        op = torch.library.custom_op(f"metrale::{name}", reference, mutates_args=mutates_args, device_types="cpu",
+                                     schema=schema)
+        _DECLARED[op] = Declaration(name, signature, tuple(mutates_args), Args, check, reference)
         return op
-    return wrap
+    return declare if fn is None else declare(fn)
+
+
+def declaration(op) -> Declaration:
+    """The `metrale_op` declaration of `op`; ValueError for an op declared otherwise."""
+    if op not in _DECLARED:
+        raise ValueError(f"{op!r} was not declared with ops.registry.metrale_op")
+    return _DECLARED[op]
+
+
+def metrale_fake(op, fn: Callable | None = None):
+    """Register `fn(a)` as op's fake (after the check): fresh outputs of the real shapes and dtypes, made
+    with `new_empty` / `empty_like` only, never views of inputs. Usable as a decorator."""
+    def register_(fn):
+        fake = declaration(op).checked(fn)
+        op.register_fake(fake)
+        return fake
+    return register_ if fn is None else register_(fn)
+
+
+def metrale_cuda(op, fn: Callable | None = None):
+    """Register `fn(a)` as op's CUDA implementation (after the check). Returns it as a function of the
+    op's arguments (what `OpSpec.cuda` holds and the tests call directly). Usable as a decorator."""
+    def register_(fn):
+        cuda = declaration(op).checked(fn)
+        op.register_kernel("cuda")(cuda)
+        return cuda
+    return register_ if fn is None else register_(fn)
 
 
 @dataclass(frozen=True)
@@ -125,25 +233,27 @@ def stream_meta(s: Shapes, g: torch.Generator) -> tuple[torch.Tensor, ...]:
 
 @dataclass(frozen=True)
 class OpSpec:
-    """One op's facts. `name`, `signature` and `mutates` come from its `metrale_op` declaration."""
+    """One op's facts. `name`, `signature`, `mutates` and `reference` come from its `metrale_op`
+    declaration."""
     op: Any  # the custom op (torch.library.CustomOpDef)
-    reference: Callable  # plain-torch CPU reference, the op's arguments (the spec the CUDA path is tested against)
     example: Callable[[Shapes, torch.dtype, torch.Generator], tuple]  # random positional arguments for a case
     cost: Callable[[Shapes], tuple[float, float]]  # (matrix FLOPs, fewest bytes moved) of one call, bf16
-    cuda: Callable | None = None  # the CUDA implementation (same arguments), or None
+    cuda: Callable | None = None  # the CUDA implementation (same arguments, `metrale_cuda`'s), or None
     kernels: tuple[str, ...] = ()  # substrings of its own CUDA kernels' names (the profile attributes time by them)
     onnx: str | None = None  # "module:function" of its ONNX translation, or None
     name: str = field(init=False)
     signature: inspect.Signature = field(init=False)
     mutates: tuple[str, ...] = field(init=False)
+    # plain-torch CPU reference (the spec the CUDA path is tested against): the declared function,
+    # check first, called with the op's arguments without the dispatcher
+    reference: Callable = field(init=False)
 
     def __post_init__(self):
-        if id(self.op) not in _PROTOTYPES:
-            raise ValueError(f"{self.op!r} was not declared with ops.registry.metrale_op")
-        name, signature, mutates = _PROTOTYPES[id(self.op)]
-        object.__setattr__(self, "name", name)
-        object.__setattr__(self, "signature", signature)
-        object.__setattr__(self, "mutates", mutates)
+        decl = declaration(self.op)
+        object.__setattr__(self, "name", decl.name)
+        object.__setattr__(self, "signature", decl.signature)
+        object.__setattr__(self, "mutates", decl.mutates)
+        object.__setattr__(self, "reference", decl.reference)
 
     @property
     def mutated_positions(self) -> list[int]:
@@ -152,9 +262,11 @@ class OpSpec:
 
 
 def register(spec: OpSpec) -> OpSpec:
+    """Add `spec` to REGISTRY and its op to OPS."""
     if spec.name in REGISTRY and REGISTRY[spec.name].op is not spec.op:
         raise ValueError(f"metrale::{spec.name} is registered twice")
     REGISTRY[spec.name] = spec
+    setattr(OPS, spec.name, spec.op)
     return spec
 
 

@@ -8,23 +8,19 @@ calls that are not decode-shaped); its recurrent kernel (decode-shaped calls) ru
 decode paths are also checked directly on any lengths, and their choice against static sizes.
 """
 
-import importlib
-
 import pytest
 import torch
 
 from helpers import TOL, assert_close, assert_no_aliasing, clone_args, compared_rows, outputs, tiny_config, upcast
+from kernel_oracles import align_pairs_torch, aligned_layout
 from metrale_graph.config import FULL
-from metrale_graph.ops import REGISTRY, Shapes, kernels
-from metrale_graph.ops.common import decode_shaped
+from metrale_graph.ops import REGISTRY, Shapes, causal_conv1d, gdn_recurrence, kernels, moe, paged_attention
+from metrale_graph.ops.common import decode_shaped, rms_norm
+from metrale_graph.ops.gdn_recurrence import layout as gdn_layout, recurrent as gdn_recurrent, split as gdn_split
 from metrale_graph.ops.limits import check_supported
+from metrale_graph.ops.moe import align as moe_align, reference as moe_reference, routing as moe_routing
+from metrale_graph.ops.paged_attention import decode as attn_decode, kv_write, prefill as attn_prefill
 from op_cases import CASES, op_args
-
-# the modules (metrale_graph.ops.gdn_recurrence, the attribute, is the op it defines)
-gdn_recurrence = importlib.import_module("metrale_graph.ops.gdn_recurrence")
-paged_attention = importlib.import_module("metrale_graph.ops.paged_attention")
-moe = importlib.import_module("metrale_graph.ops.moe")
-causal_conv1d = importlib.import_module("metrale_graph.ops.causal_conv1d")
 
 # every op's CUDA path (the recurrence's chunked path needs fla: covered here through its aligned layout)
 CUDA_IMPLS = {name: spec.cuda for name, spec in REGISTRY.items() if spec.cuda}
@@ -41,7 +37,7 @@ def uses_fla(name, case, dtype):
     longer than split_max_len(B) (the others take the recurrent kernel)."""
     longest = max(case.lengths, default=0)
     return (name == "gdn_recurrence" and DEVICE == "cuda" and dtype == torch.float32
-            and not decode_shaped(case.B, case.T) and longest > gdn_recurrence.split_max_len(case.B))
+            and not decode_shaped(case.B, case.T) and longest > gdn_split.split_max_len(case.B))
 
 
 def check_against_reference(name, impl, case, dtype, seed=0):
@@ -79,11 +75,11 @@ def test_cuda_impl_matches_reference(name, case, dtype):
 
 def _reference_varlen(q, k, v, g, beta, cu_aligned, chunk_indices, h0):
     NT = chunk_indices.shape[0]
-    assert cu_aligned[-1].item() == NT * gdn_recurrence.CHUNK
-    starts = cu_aligned[chunk_indices[:, 0]] + gdn_recurrence.CHUNK * chunk_indices[:, 1]
-    assert torch.equal(starts, torch.arange(NT, device=starts.device) * gdn_recurrence.CHUNK)
+    assert cu_aligned[-1].item() == NT * gdn_layout.CHUNK
+    starts = cu_aligned[chunk_indices[:, 0]] + gdn_layout.CHUNK * chunk_indices[:, 1]
+    assert torch.equal(starts, torch.arange(NT, device=starts.device) * gdn_layout.CHUNK)
     slots = torch.arange(h0.shape[0], device=h0.device)
-    return gdn_recurrence.gdn_recurrence_ref(q, k, v, g, beta, cu_aligned.int(), slots, h0), h0
+    return REGISTRY["gdn_recurrence"].reference(q, k, v, g, beta, cu_aligned.int(), slots, h0), h0
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -92,8 +88,8 @@ def test_recurrence_aligned_layout_is_exact(case):
     reference, padding streams included."""
     args = op_args("gdn_recurrence", case, torch.float32, seed=9)
     test_args = clone_args(args, "cpu")
-    ref = gdn_recurrence.gdn_recurrence_ref(*args)
-    out = gdn_recurrence.gdn_recurrence_aligned(*test_args, _reference_varlen)
+    ref = REGISTRY["gdn_recurrence"].reference(*args)
+    out = gdn_layout.gdn_recurrence_aligned(*test_args, _reference_varlen)
     assert torch.equal(out, ref) and torch.equal(test_args[-1], args[-1])
 
 
@@ -108,13 +104,13 @@ def test_chunk_layout_kernel_matches_torch_layout(short):
         for spare in (0, 5):  # tokens past the last stream
             cu = torch.tensor((0,) + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
             T = int(cu[-1]) + spare
-            _, cu_al, chunks, _ = gdn_recurrence.aligned_layout(cu, T, short)
-            got_cu, got_chunks = gdn_recurrence.chunk_layout(cu.to(DEVICE), T, short)
+            _, cu_al, chunks, _ = aligned_layout(cu, T, short)
+            got_cu, got_chunks = gdn_layout.chunk_layout(cu.to(DEVICE), T, short)
             assert torch.equal(got_cu.cpu(), cu_al), (lengths, got_cu, cu_al)
             assert torch.equal(got_chunks.cpu(), chunks), lengths
 
 
-@pytest.mark.parametrize("short", [0, gdn_recurrence.SHORT])
+@pytest.mark.parametrize("short", [0, gdn_split.SHORT])
 def test_aligned_layout_chunk_count_is_fixed(short):
     """Any lengths with the same (B, T) give the same number of sequences and chunks; streams of at most
     `short` tokens are left out (length 0, their tokens on the dump row T_al), the others keep their
@@ -122,14 +118,14 @@ def test_aligned_layout_chunk_count_is_fixed(short):
     shapes = set()
     for lengths in ([1, 1, 126], [64, 64, 0], [100, 27, 1], [0, 0, 128], [65, 63, 0], [1, 126, 1]):
         cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
-        dest, cu_al, chunks, T_al = gdn_recurrence.aligned_layout(cu, 128, short)
+        dest, cu_al, chunks, T_al = aligned_layout(cu, 128, short)
         shapes.add((cu_al.shape, chunks.shape, T_al))
-        assert T_al == gdn_recurrence.CHUNK * (2 + min(3, 128 // (short + 1)))
-        assert (cu_al[1:] >= cu_al[:-1]).all() and (cu_al % gdn_recurrence.CHUNK == 0).all()
+        assert T_al == gdn_layout.CHUNK * (2 + min(3, 128 // (short + 1)))
+        assert (cu_al[1:] >= cu_al[:-1]).all() and (cu_al % gdn_layout.CHUNK == 0).all()
         for b, n in enumerate(lengths):
             rows = dest[cu[b]:cu[b + 1]]
             if n > short:
-                assert cu_al[b + 1] - cu_al[b] == -(-n // gdn_recurrence.CHUNK) * gdn_recurrence.CHUNK
+                assert cu_al[b + 1] - cu_al[b] == -(-n // gdn_layout.CHUNK) * gdn_layout.CHUNK
                 assert torch.equal(rows, cu_al[b] + torch.arange(n))
             else:
                 assert cu_al[b + 1] == cu_al[b] and (rows == T_al).all()
@@ -139,15 +135,15 @@ def test_aligned_layout_chunk_count_is_fixed(short):
 def test_mixed_step_chunk_count():
     """31 one-token decodes and a 512-token prompt chunk: 17 chunks in the split layout, not 41."""
     cu = torch.tensor([0] + list(range(1, 32)) + [543], dtype=torch.int32)
-    assert gdn_recurrence.aligned_layout(cu, 543)[2].shape[0] == 41
-    assert gdn_recurrence.aligned_layout(cu, 543, gdn_recurrence.split_max_len(32))[2].shape[0] == 17
+    assert aligned_layout(cu, 543)[2].shape[0] == 41
+    assert aligned_layout(cu, 543, gdn_split.split_max_len(32))[2].shape[0] == 17
 
 
 def _recurrence_path(*args):
     """The recurrence's CUDA path, with the reference in fla's place on its chunked path."""
-    if gdn_recurrence.use_recurrent(args[0], args[6]):
+    if gdn_split.use_recurrent(args[0], args[6]):
         return gdn_recurrence.gdn_recurrence_cuda(*args)
-    return gdn_recurrence.gdn_recurrence_split(*args, _reference_varlen)
+    return gdn_split.gdn_recurrence_split(*args, _reference_varlen)
 
 
 CUDA_PATHS = dict(CUDA_IMPLS, gdn_recurrence=_recurrence_path)
@@ -187,8 +183,8 @@ def test_recurrent_kernel_matches_reference(case, dtype):
     args = op_args("gdn_recurrence", case, dtype, seed=4)
     ref_args = upcast(clone_args(args, "cpu"))
     test_args = clone_args(args, DEVICE)
-    ref = gdn_recurrence.gdn_recurrence_ref(*ref_args)
-    out = gdn_recurrence.gdn_recurrence_recurrent(*test_args)
+    ref = REGISTRY["gdn_recurrence"].reference(*ref_args)
+    out = gdn_recurrent.gdn_recurrence_recurrent(*test_args)
     assert out.dtype == args[2].dtype
     assert_close("o", ref, out.cpu(), TOL[dtype])
     _check_pool(args, ref_args, test_args, dtype)
@@ -238,8 +234,8 @@ def test_split_path_matches_reference(case, spare, dtype):
     args[5][-1] -= spare
     ref_args = upcast(clone_args(args, "cpu"))
     test_args = clone_args(args, DEVICE)
-    ref = gdn_recurrence.gdn_recurrence_ref(*ref_args)
-    out = gdn_recurrence.gdn_recurrence_split(*test_args, _reference_varlen)
+    ref = REGISTRY["gdn_recurrence"].reference(*ref_args)
+    out = gdn_split.gdn_recurrence_split(*test_args, _reference_varlen)
     assert out.dtype == args[2].dtype and out.shape == args[2].shape
     in_stream = case.T - spare
     assert_close("o", ref[:in_stream], out.cpu()[:in_stream], TOL[dtype])
@@ -254,8 +250,8 @@ def test_split_path_takes_int32_slot_ids():
     args[6] = args[6].to(torch.int32)
     ref_args = clone_args(args, "cpu")
     test_args = clone_args(args, DEVICE)
-    ref = gdn_recurrence.gdn_recurrence_ref(*ref_args)
-    out = gdn_recurrence.gdn_recurrence_split(*test_args, _reference_varlen)
+    ref = REGISTRY["gdn_recurrence"].reference(*ref_args)
+    out = gdn_split.gdn_recurrence_split(*test_args, _reference_varlen)
     assert_close("o", ref, out.cpu(), TOL[torch.float32])
     _check_pool(args, ref_args, test_args, torch.float32)
 
@@ -277,10 +273,10 @@ def test_decode_attention_matches_reference(case, dtype, split):
     args = op_args("paged_attention", case, dtype, seed=5)
     ref_args = upcast(clone_args(args, "cpu"))
     test_args = clone_args(args, DEVICE)
-    ref = paged_attention.paged_attention_ref(*ref_args)
+    ref = REGISTRY["paged_attention"].reference(*ref_args)
     default = paged_attention.paged_attention_triton(*test_args, decode=True)  # KV write, default split
     q, _, _, k_cache, v_cache, cu, ctx, blocks = test_args
-    out = paged_attention.paged_attention_decode(q, k_cache, v_cache, cu, ctx, blocks, torch.empty_like(q),
+    out = attn_decode.paged_attention_decode(q, k_cache, v_cache, cu, ctx, blocks, torch.empty_like(q),
                                                  split=split)
     assert_close("o (default split)", ref, default.cpu(), TOL[dtype])
     assert_close(f"o (split {split})", ref, out.cpu(), TOL[dtype])
@@ -292,7 +288,7 @@ def test_decode_attention_is_exact_for_long_streams():
     """A prefill-shaped batch through the split-K path: exact, only slower (query tiles of QB)."""
     case = Shapes(lengths=(70, 1), context=(9, 40), HQ=4, HKV=1)
     args = op_args("paged_attention", case, torch.float32, seed=6)
-    ref = paged_attention.paged_attention_ref(*clone_args(args, "cpu"))
+    ref = REGISTRY["paged_attention"].reference(*clone_args(args, "cpu"))
     out = paged_attention.paged_attention_triton(*clone_args(args, DEVICE), decode=True)
     assert_close("o", ref, out.cpu(), TOL[torch.float32])
 
@@ -301,15 +297,15 @@ def test_decode_split_is_static_and_aligned():
     """Splits follow from (B, T, HKV, MB * BS) alone, are multiples of every key tile, and give
     about DECODE_PROGRAMS busy programs when contexts fill the block table."""
     for B, T, HKV, keys in [(2, 2, 4, 4096), (32, 32, 4, 4096), (1, 1, 1, 16), (64, 128, 8, 262144), (2, 64, 4, 0)]:
-        SL = paged_attention.decode_split(B, T, HKV, keys)
-        assert SL % paged_attention.SPLIT_ALIGN == 0 and SL >= paged_attention.SPLIT_ALIGN
+        SL = attn_decode.decode_split(B, T, HKV, keys)
+        assert SL % attn_decode.SPLIT_ALIGN == 0 and SL >= attn_decode.SPLIT_ALIGN
         if keys >= SL * 2:
             busy = min(B, T) * HKV * -(-keys // SL)
-            assert paged_attention.DECODE_PROGRAMS / 2 <= busy <= 2 * paged_attention.DECODE_PROGRAMS
+            assert attn_decode.DECODE_PROGRAMS / 2 <= busy <= 2 * attn_decode.DECODE_PROGRAMS
     # 9B (HKV = 4), block tables of 4096 keys: D1 (bucket B = T = 2) 64 splits of 64 keys, D32 8 of 512
-    assert paged_attention.decode_split(2, 2, 4, 4096) == 64
-    assert paged_attention.decode_split(32, 32, 4, 4096) == 512
-    assert [paged_attention.decode_queries(g) for g in (1, 2, 3, 4, 16, 24)] == [
+    assert attn_decode.decode_split(2, 2, 4, 4096) == 64
+    assert attn_decode.decode_split(32, 32, 4, 4096) == 512
+    assert [attn_decode.decode_queries(g) for g in (1, 2, 3, 4, 16, 24)] == [
         (16, 16), (8, 16), (5, 16), (4, 16), (1, 16), (1, 32)]
 
 
@@ -339,7 +335,7 @@ STRIDED_CASES = [
     ("causal_conv1d", causal_conv1d.causal_conv1d_cuda, CASES[0], (2, 3), {4: None}),
     ("causal_conv1d", causal_conv1d.causal_conv1d_cuda, CASES[3], (2, 3), {4: (1, 2)}),
     ("gdn_recurrence", gdn_recurrence.gdn_recurrence_cuda, CASES[9], (5, 6), {7: None}),
-    ("gdn_recurrence", lambda *a: gdn_recurrence.gdn_recurrence_split(*a, _reference_varlen), SPLIT_CASES[1][0],
+    ("gdn_recurrence", lambda *a: gdn_split.gdn_recurrence_split(*a, _reference_varlen), SPLIT_CASES[1][0],
      (5, 6), {7: (2, 3)}),
 ]
 
@@ -420,18 +416,18 @@ class _Launches:
 
 def _launch_log(monkeypatch):
     log = []
-    for module, names in ((gdn_recurrence, ["_gdn_recurrent_kernel"]),
-                          (paged_attention, ["_kv_write_kernel", "_paged_attention_kernel", "_paged_decode_kernel",
-                                             "_paged_decode_merge_kernel"])):
+    for module, names in ((gdn_recurrent, ["_gdn_recurrent_kernel"]), (kv_write, ["_kv_write_kernel"]),
+                          (attn_prefill, ["_paged_attention_kernel"]),
+                          (attn_decode, ["_paged_decode_kernel", "_paged_decode_merge_kernel"])):
         for n in names:
             monkeypatch.setattr(module, n, _Launches(n, getattr(module, n), log))
-    aligned = gdn_recurrence.gdn_recurrence_aligned
+    aligned = gdn_layout.gdn_recurrence_aligned
 
     def chunked(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, varlen_fn, short=0):
-        log.append(("aligned", gdn_recurrence.aligned_layout(cu_seqlens, q.shape[0], short)[2].shape))
+        log.append(("aligned", aligned_layout(cu_seqlens, q.shape[0], short)[2].shape))
         return aligned(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, _reference_varlen, short)
 
-    monkeypatch.setattr(gdn_recurrence, "gdn_recurrence_aligned", chunked)
+    monkeypatch.setattr(gdn_split, "gdn_recurrence_aligned", chunked)  # where the split path looks it up
     return log
 
 
@@ -508,13 +504,13 @@ def test_moe_alignment(align, T, k, E, BM):
     """Every (token, expert) pair appears exactly once, grouped by expert in ascending order, each group
     starting at a multiple of BM on a block of its expert; padding rows hold the sentinel P; blocks past the
     last group have expert -1 and only sentinels; the buffer sizes depend on (T, k, E, BM) alone."""
-    fn = moe.align_pairs if align == "triton" else moe.align_pairs_torch
+    fn = moe_align.align_pairs if align == "triton" else align_pairs_torch
     P, sizes = T * k, set()
     for top_e in _routings(T, k, E, torch.Generator().manual_seed(T + k + E)):
         ids, block_expert = fn(top_e, E, BM)
         sizes.add((ids.shape, block_expert.shape, ids.dtype, block_expert.dtype))
         assert ids.shape == (block_expert.shape[0] * BM,)
-        assert block_expert.shape[0] == moe.align_size(P, E, BM)
+        assert block_expert.shape[0] == moe_align.align_size(P, E, BM)
         row_expert = block_expert.long().repeat_interleave(BM)
         real = ids < P
         assert torch.equal(torch.sort(ids[real]).values, torch.arange(P, dtype=torch.int32))  # each pair once
@@ -543,16 +539,16 @@ def test_moe_alignment_matches_torch_oracle():
     g = torch.Generator().manual_seed(5)
     for T, k, E, BM in ((1, 8, 256, 16), (150, 2, 4, 16), (100, 4, 33, 32), (257, 1, 3, 64)):
         for top_e in _routings(T, k, E, g):
-            a, b = moe.align_pairs(top_e, E, BM), moe.align_pairs_torch(top_e, E, BM)
+            a, b = moe_align.align_pairs(top_e, E, BM), align_pairs_torch(top_e, E, BM)
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 def test_moe_block_rows_follow_the_shapes():
     """The worst case fits: rows = P + min(E, P) * (BM - 1), in whole blocks; BM is a function of shapes."""
     for P, E in ((0, 4), (1, 1), (8, 256), (300, 4), (131072, 256)):
-        BM = moe.block_m(P, E)
+        BM = moe_align.block_m(P, E)
         assert BM in (16, 32, 64, 128)
-        assert moe.align_size(P, E, BM) * BM <= P + min(E, P) * (BM - 1) < (moe.align_size(P, E, BM) + 1) * BM
+        assert moe_align.align_size(P, E, BM) * BM <= P + min(E, P) * (BM - 1) < (moe_align.align_size(P, E, BM) + 1) * BM
 
 
 @pytest.mark.parametrize("T, E, k, norm, dtype", [(0, 8, 2, True, torch.float32), (1, 1, 1, False, torch.float32),
@@ -566,8 +562,8 @@ def test_moe_route_topk_matches_select_experts(T, E, k, norm, dtype):
     int64 ids."""
     g = torch.Generator().manual_seed(E + k)
     logits = torch.randn(T, E + 5, generator=g).to(dtype)[:, 2:2 + E]
-    w, e = moe.route_topk(logits.to(DEVICE), k, norm)
-    ref_w, ref_e = moe.select_experts(logits, k, norm)
+    w, e = moe_routing.route_topk(logits.to(DEVICE), k, norm)
+    ref_w, ref_e = moe_reference.select_experts(logits, k, norm)
     assert e.dtype == torch.int64 and w.dtype == dtype and w.shape == e.shape == (T, k)
     probs = torch.softmax(logits, -1, dtype=torch.float32).sort(-1, descending=True).values
     for t in range(T):
@@ -584,7 +580,7 @@ def test_moe_route_topk_keeps_ids_in_range_on_nan():
     logits = torch.randn(3, 16)
     logits[1] = float("nan")
     logits[2, 3] = float("nan")
-    _, e = moe.route_topk(logits.to(DEVICE), 4, True)
+    _, e = moe_routing.route_topk(logits.to(DEVICE), 4, True)
     for row in e.cpu().tolist():
         assert len(set(row)) == 4 and all(0 <= x < 16 for x in row), row
 
@@ -596,7 +592,7 @@ def test_moe_skewed_routing_matches_reference():
     args[0] = args[0][:1].repeat(case.T, 1) + 1e-3 * args[0]  # near-identical tokens: near-identical routing
     ref = REGISTRY["moe"].op(*clone_args(args, "cpu"))
     out = moe.moe_cuda(*clone_args(args, DEVICE))
-    top_e = moe.route(moe.rms_norm(args[0], args[1], args[-1]), args[2], args[9], True)[1]
+    top_e = moe_reference.route(rms_norm(args[0], args[1], args[-1]), args[2], args[9], True)[1]
     assert top_e.unique().numel() <= 3  # the routing is skewed indeed
     assert_close("moe (skewed routing)", ref, out.cpu(), TOL[torch.float32])
 
@@ -649,18 +645,16 @@ def test_recurrence_split_path_never_syncs(case, monkeypatch):
     _forbid_python_syncs(monkeypatch)
     args = op_args("gdn_recurrence", case, torch.bfloat16, seed=2)
     with _NoHostSync():
-        gdn_recurrence.gdn_recurrence_split(*args, varlen_shapes)
+        gdn_split.gdn_recurrence_split(*args, varlen_shapes)
 
 
 _SM90_COMPILE = r"""
-import importlib, sys
 import triton
 from triton.backends.compiler import GPUTarget
-moe = importlib.import_module("metrale_graph.ops.moe")
-causal_conv1d = importlib.import_module("metrale_graph.ops.causal_conv1d")
-gdn = importlib.import_module("metrale_graph.ops.gdn_recurrence")
-attn = importlib.import_module("metrale_graph.ops.paged_attention")
-rows = importlib.import_module("metrale_graph.ops.kernels")
+from metrale_graph.ops import kernels as rows
+from metrale_graph.ops.gdn_recurrence import layout, recurrent
+from metrale_graph.ops.moe import align, combine, gemm, routing
+from metrale_graph.ops.paged_attention import decode, prefill
 target = GPUTarget("cuda", 90, 32)
 backend = triton.compiler.make_backend(target)
 
@@ -676,46 +670,46 @@ gu = dict(x_ptr=P, w_ptr=P, act_ptr=P, ids_ptr=I, expert_ptr=I, num_pairs="i32",
 dn = dict(act_ptr=P, w_ptr=P, y_ptr=P, ids_ptr=I, expert_ptr=I, rw_ptr=P, num_pairs="i32", num_blocks="i32", N="i32",
           K="i32", stride_we="i32", stride_wn="i32")
 smem = []
-for fn, types, extra, cfg in ((moe._moe_gate_up_kernel.fn.fn, gu, dict(TOP_K=8), moe._gemm_configs(2)[1]),
-                              (moe._moe_down_kernel.fn.fn, dn, {}, moe._gemm_configs(1)[1])):
+for fn, types, extra, cfg in ((gemm._moe_gate_up_kernel.fn.fn, gu, dict(TOP_K=8), gemm._gemm_configs(2)[1]),
+                              (gemm._moe_down_kernel.fn.fn, dn, {}, gemm._gemm_configs(1)[1])):
     for even_k in (True, False):
         smem.append(compile_(fn, types, dict(BM=64, EVEN_K=even_k, IEEE=False, **extra, **cfg.kwargs), 4, 4))
-smem.append(compile_(moe._moe_combine_kernel, dict(h_ptr=P, n_ptr=P, seg_w_ptr=P, y_ptr=P, shared_ptr=P, out_ptr=P,
+smem.append(compile_(combine._moe_combine_kernel, dict(h_ptr=P, n_ptr=P, seg_w_ptr=P, y_ptr=P, shared_ptr=P, out_ptr=P,
                      D="i32", stride_h="i32"), dict(TOP_K=8, BLOCK=2048, ADD_RESIDUAL=True), 8, 1))
-smem.append(compile_(moe._moe_align_groups_kernel, dict(experts_ptr=I, first_ptr=I, start_ptr=I, P="i32", E="i32",
+smem.append(compile_(align._moe_align_groups_kernel, dict(experts_ptr=I, first_ptr=I, start_ptr=I, P="i32", E="i32",
                      steps="i32"), dict(BM=64, BLOCK_E=512), 4, 1))
-smem.append(compile_(moe._moe_align_rows_kernel, dict(order_ptr="*i64", first_ptr=I, start_ptr=I, ids_ptr=I,
+smem.append(compile_(align._moe_align_rows_kernel, dict(order_ptr="*i64", first_ptr=I, start_ptr=I, ids_ptr=I,
                      block_expert_ptr=I, P="i32", E="i32"), dict(BM=64, BLOCK_E=512), 4, 1))
 B16, F32 = "*bf16", "*fp32"
 rec = dict(q_ptr=B16, k_ptr=B16, v_ptr=B16, g_ptr=F32, beta_ptr=B16, o_ptr=B16, state_ptr=F32, cu_ptr=I,
            slot_ptr="*i64", scale="fp32")
 for K in (128, 256):
-    BK, BV, warps = gdn.recurrent_tiles(K, 128)
-    fn = gdn._gdn_recurrent_kernel
+    BK, BV, warps = recurrent.recurrent_tiles(K, 128)
+    fn = recurrent._gdn_recurrent_kernel
     smem.append(compile_(fn, {n: rec.get(n, "i32") for n in fn.arg_names}, dict(BK=BK, BV=BV), warps, 3))
 for E, k in ((256, 8), (512, 10)):
-    smem.append(compile_(moe._moe_route_kernel, dict(logits_ptr=P, w_ptr=P, e_ptr="*i64", stride_l="i32", E="i32"),
+    smem.append(compile_(routing._moe_route_kernel, dict(logits_ptr=P, w_ptr=P, e_ptr="*i64", stride_l="i32", E="i32"),
                          dict(TOP_K=k, BLOCK_K=16 if k > 8 else 8, BLOCK_E=E, NORM=True), 4, 1))
 smem.append(compile_(rows._gdn_gates_kernel, dict(y_ptr=B16, A_ptr=B16, dt_ptr=B16, beta_ptr=B16, g_ptr=F32,
                      stride_y="i32", b_off="i32", a_off="i32", HV="i32"), dict(BLOCK=32), 4, 1))
-smem.append(compile_(gdn._chunk_layout_kernel, dict(cu_ptr=I, cu_al_ptr="*i64", idx_ptr="*i64", B="i32", NT="i32",
+smem.append(compile_(layout._chunk_layout_kernel, dict(cu_ptr=I, cu_al_ptr="*i64", idx_ptr="*i64", B="i32", NT="i32",
                      short="i32"), dict(CHUNK=64, BLOCK_B=64, BLOCK_C=64), 4, 1))
 for to_aligned in (True, False):
     for x in (B16, F32):
-        smem.append(compile_(gdn._aligned_copy_kernel, dict(x_ptr=x, out_ptr=x, cu_ptr=I, idx_ptr="*i64", B="i32",
+        smem.append(compile_(layout._aligned_copy_kernel, dict(x_ptr=x, out_ptr=x, cu_ptr=I, idx_ptr="*i64", B="i32",
                              short="i32", stride_x="i32", W="i32"), dict(TO_ALIGNED=to_aligned, CHUNK=64,
                              BLOCK_W=128), 4, 1))
 # the attention kernels share _attend_tile (the decode kernel with EMPTY_ROWS)
-pa = attn._paged_attention_kernel.fn
+pa = prefill._paged_attention_kernel.fn
 types = {n: B16 if n in ("q_ptr", "k_cache", "v_cache", "o_ptr") else I if n.endswith("_ptr") else "i32"
          for n in pa.arg_names}
 types["qk_scale"] = "fp32"
-smem.append(compile_(pa, types, dict(BLOCK_D=256, BM=attn.BM, BN=32, IEEE=False), 4, 2))
-pd = attn._paged_decode_kernel.fn
+smem.append(compile_(pa, types, dict(BLOCK_D=256, BM=prefill.BM, BN=32, IEEE=False), 4, 2))
+pd = decode._paged_decode_kernel.fn
 types = {n: B16 if n in ("q_ptr", "k_cache", "v_cache") else F32 if n in ("m_ptr", "l_ptr", "acc_ptr")
          else I if n.endswith("_ptr") else "i32" for n in pd.arg_names}
 types["qk_scale"] = "fp32"
-smem.append(compile_(pd, types, dict(BLOCK_D=256, BLOCK_M=16, BN=32, CH=attn.STREAM_CHUNK, IEEE=False), 4, 2))
+smem.append(compile_(pd, types, dict(BLOCK_D=256, BLOCK_M=16, BN=32, CH=decode.STREAM_CHUNK, IEEE=False), 4, 2))
 assert max(smem) <= 232448, smem  # an H100 / H200 block's shared memory
 print("compiled", smem)
 """

@@ -18,11 +18,11 @@ onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxscript")
 
 from helpers import assert_close, packed_batch, random_tokens, unit_gain  # noqa: E402
-from metrale_graph import HybridModel, Stream, ops  # noqa: E402
+from metrale_graph import HybridModel, Stream  # noqa: E402
 from metrale_graph.batch import PackedBatch  # noqa: E402
 from metrale_graph.onnx import (check_versions, export_onnx, export_prefill, ort_session, run_step,  # noqa: E402
                                 translation)
-from metrale_graph.ops import REGISTRY, Shapes  # noqa: E402
+from metrale_graph.ops import OPS, REGISTRY, Shapes  # noqa: E402
 from op_cases import op_args  # noqa: E402
 
 TRANSLATIONS = {name: translation(spec) for name, spec in REGISTRY.items()}
@@ -119,7 +119,7 @@ OP_CASE = Shapes(lengths=(5, 0, 2, 17, 0, 1), context=(3, 0, 0, 9, 0, 0))
 
 
 class _OneOp(torch.nn.Module):
-    """Calls one metrale op (through metrale_graph.ops, as the model does) on clones of the arguments
+    """Calls one metrale op (through metrale_graph.ops.OPS, as the model does) on clones of the arguments
     it mutates; returns its outputs and the clones."""
 
     def __init__(self, name):
@@ -130,7 +130,7 @@ class _OneOp(torch.nn.Module):
 
     def forward(self, *args):
         args = [a.clone() if i in self.mutated else a for i, a in enumerate(args)]
-        out = getattr(ops, self.name)(*args)
+        out = getattr(OPS, self.name)(*args)
         return (*(out if isinstance(out, tuple) else (out,)), *(args[i] for i in self.mutated))
 
 

@@ -1,14 +1,18 @@
 """Every phase op: opcheck (schema, fake, autograd registration, AOT dispatch) over ragged
 shapes and two dtypes; the references against independent formulations; input checks."""
 
+import importlib
+import pkgutil
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+import metrale_graph.ops
 from helpers import assert_close
-from metrale_graph import ops
-from metrale_graph.ops import REGISTRY, OpSpec, metrale_op, register
-from metrale_graph.ops.common import OpInputError
+from metrale_graph.ops import OPS, REGISTRY, OpSpec, metrale_cuda, metrale_fake, metrale_op, register
+from metrale_graph.ops.common import OpInputError, check
 from op_cases import CASES, op_args, opcheck_cases
 
 
@@ -50,7 +54,7 @@ def test_recurrence_matches_transformers_chunked(case):
 
     q, k, v, g, beta, cu, slots, state = op_args("gdn_recurrence", case, torch.float32, seed=1)
     state_before = state.clone()
-    out = ops.gdn_recurrence(q, k, v, g, beta, cu, slots, state)
+    out = OPS.gdn_recurrence(q, k, v, g, beta, cu, slots, state)
     r = case.HV // case.H
     for b, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         slot = slots[b].item()
@@ -71,7 +75,7 @@ def test_conv1d_matches_padded_conv(case):
     """Per stream: state ++ tokens through F.conv1d, against the varlen op."""
     x, w, cu, slots, state = op_args("causal_conv1d", case, torch.float32, seed=2)
     before = state.clone()
-    y = ops.causal_conv1d(x, w, cu, slots, state)
+    y = OPS.causal_conv1d(x, w, cu, slots, state)
     for b, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         slot = slots[b].item()
         full = torch.cat([before[slot], x[s:e].t()], 1)
@@ -87,7 +91,7 @@ def test_paged_attention_matches_sdpa(case):
     """Paged, varlen, with cached context vs dense SDPA over each stream's full K/V."""
     q, k, v, kc, vc, cu, ctx, blocks = op_args("paged_attention", case, torch.float32, seed=3)
     before_k, before_v = kc.clone(), vc.clone()
-    out = ops.paged_attention(q, k, v, kc, vc, cu, ctx, blocks)
+    out = OPS.paged_attention(q, k, v, kc, vc, cu, ctx, blocks)
     touched = torch.zeros(kc.shape[:2], dtype=torch.bool)
     for b, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         c, n = ctx[b].item(), e - s
@@ -109,56 +113,103 @@ def test_paged_attention_matches_sdpa(case):
     assert torch.equal(vc[~touched], before_v[~touched]), "V write touched positions outside the batch"
 
 
-@metrale_op("toy_scale")
-def _toy_scale(x: torch.Tensor, factor: float) -> torch.Tensor:
-    """A toy op for the registry test: x * factor."""
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_each_op_is_a_module_and_an_entry_of_the_table(name):
+    """metrale_graph.ops.<name> is the op's module (not shadowed by the op); the op itself is OPS.<name>,
+    torch.ops.metrale.<name>, and the registry's."""
+    module = getattr(metrale_graph.ops, name)
+    assert isinstance(module, types.ModuleType) and module is importlib.import_module(f"metrale_graph.ops.{name}")
+    op = REGISTRY[name].op
+    assert getattr(OPS, name) is op and getattr(module, name) is op
+    assert getattr(torch.ops.metrale, name).default is op._opoverload
+    for sub in pkgutil.iter_modules(getattr(module, "__path__", [])):  # an op package's files: not shadowed either
+        assert getattr(module, sub.name) is importlib.import_module(f"{module.__name__}.{sub.name}"), sub.name
+
+
+def _toy_check(a):
+    check(a.factor > 0, f"factor must be positive, got {a.factor}")
+
+
+@metrale_op(check=_toy_check)
+def toy_scale(x: torch.Tensor, factor: float = 2.0) -> torch.Tensor:
+    """A toy op for the registry tests: x * factor."""
     return x * factor
 
 
-@_toy_scale.register_fake
-def _(x, factor):
-    return torch.empty_like(x)
+@metrale_fake(toy_scale)
+def _(a):
+    return a.x.new_empty(a.x.shape)
+
+
+@metrale_cuda(toy_scale)
+def toy_scale_cuda(a):
+    return a.x * a.factor
 
 
 def test_an_op_is_added_by_its_module_and_one_registry_line():
-    """Registering a spec is all it takes for an op to join the opcheck cases (and the rest)."""
+    """Registering a spec is all it takes for an op to join the opcheck cases, the table (and the rest);
+    its name, signature and reference come from its declaration."""
     def example(s, dtype, g):
         return torch.randn(s.T, s.D, generator=g).to(dtype), 3.0
 
-    spec = OpSpec(_toy_scale, lambda x, factor: x * factor, example, lambda s: (0, 4 * s.T * s.D))
+    spec = OpSpec(toy_scale, example, lambda s: (0, 4 * s.T * s.D), cuda=toy_scale_cuda)
     assert spec.name == "toy_scale" and spec.mutates == () and list(spec.signature.parameters) == ["x", "factor"]
     register(spec)
     try:
+        assert OPS.toy_scale is toy_scale
         cases = [(n, c, d) for n, c, d in opcheck_cases() if n == "toy_scale"]
         assert len(cases) == 2 * len(CASES)
         for name, case, dtype in cases[:2]:
             torch.library.opcheck(REGISTRY[name].op, op_args(name, case, dtype))
+        x = torch.randn(3, 4)
+        assert torch.equal(spec.reference(x, 3.0), x * 3.0) and torch.equal(spec.reference(x), x * 2.0)
         with pytest.raises(ValueError, match="metrale_op"):
-            OpSpec(torch.sin, None, None, None)
+            OpSpec(torch.sin, example, None)
     finally:
         REGISTRY.pop("toy_scale")
+        delattr(OPS, "toy_scale")
+
+
+def test_the_check_runs_in_every_implementation():
+    """The declared check runs before the CPU reference (through the dispatcher and directly), the fake
+    and the CUDA implementation, its message prefixed with the op's name; arguments bind by name, with
+    the declared defaults."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.randn(3, 4)
+    message = r"^metrale::toy_scale: factor must be positive, got -1\.0$"
+    mode = FakeTensorMode()
+    fake_x = mode.from_tensor(x)
+    for impl in (toy_scale, OpSpec(toy_scale, None, None).reference, toy_scale_cuda):
+        with pytest.raises(OpInputError, match=message):
+            impl(x, -1.0)
+    with mode, pytest.raises(OpInputError, match=message):
+        toy_scale(fake_x, factor=-1.0)
+    with mode:
+        assert toy_scale(fake_x).shape == x.shape
+    assert torch.equal(toy_scale_cuda(x, factor=0.5), x * 0.5) and torch.equal(toy_scale_cuda(x), x * 2.0)
 
 
 def test_bad_inputs_name_op_and_argument():
     case = CASES[0]
     q, k, v, g, beta, cu, slots, state = op_args("gdn_recurrence", case, torch.float32)
     with pytest.raises(OpInputError, match=r"metrale::gdn_recurrence: gdn_state must be torch.float32"):
-        ops.gdn_recurrence(q, k, v, g, beta, cu, slots, state.bfloat16())
+        OPS.gdn_recurrence(q, k, v, g, beta, cu, slots, state.bfloat16())
     with pytest.raises(ValueError, match=r"metrale::gdn_recurrence: gdn_state slots are \(4, 8, 24\)"):
-        ops.gdn_recurrence(q, k, v, g, beta, cu, slots, state[:, :, :8])
+        OPS.gdn_recurrence(q, k, v, g, beta, cu, slots, state[:, :, :8])
     x, w, cu, slots, conv_state = op_args("causal_conv1d", case, torch.float32)
     with pytest.raises(ValueError, match=r"metrale::causal_conv1d: 2 slot_ids for 3 streams"):
-        ops.causal_conv1d(x, w, cu, slots[:2], conv_state)
+        OPS.causal_conv1d(x, w, cu, slots[:2], conv_state)
     with pytest.raises(ValueError, match=r"metrale::causal_conv1d: cu_seqlens must be torch.int32"):
-        ops.causal_conv1d(x, w, cu.long(), slots, conv_state)
+        OPS.causal_conv1d(x, w, cu.long(), slots, conv_state)
     args = list(op_args("paged_attention", case, torch.float32))
     args[3] = args[3][..., :8]
     with pytest.raises(ValueError, match=r"metrale::paged_attention: k_cache blocks hold"):
-        ops.paged_attention(*args)
+        OPS.paged_attention(*args)
     args = list(op_args("gdn_out", case, torch.bfloat16))
     args[3] = args[3].float()  # the gated norm's weight in another dtype than the activations
     with pytest.raises(ValueError, match=r"metrale::gdn_out: gnorm_w must be torch.bfloat16"):
-        ops.gdn_out(*args)
+        OPS.gdn_out(*args)
 
 
 @pytest.mark.parametrize("name", ["gdn_out", "attn_out", "mlp"])

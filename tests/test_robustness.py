@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from helpers import random_tokens, rel_err, tiny_config
-from metrale_graph import HybridModel, Stream, ops
+from metrale_graph import HybridModel, Stream
 from metrale_graph.cache import CacheInUseError
 from metrale_graph.capture import GraphRunner
+from metrale_graph.ops import OPS
 
 
 class Boom(RuntimeError):
@@ -38,8 +39,8 @@ def _(x):
 @pytest.fixture
 def failing_layer(monkeypatch):
     """arm(k, exc): the k-th gdn_out call from now raises exc (layer k of a one-piece batch)."""
-    real = ops.gdn_out
-    monkeypatch.setattr(ops, "gdn_out", lambda *args: _fail_point(real(*args)))
+    real = OPS.gdn_out
+    monkeypatch.setattr(OPS, "gdn_out", lambda *args: _fail_point(real(*args)))
 
     def arm(k, exc=Boom):
         _FAIL.update(at=k, calls=0, exc=exc)

@@ -11,7 +11,7 @@ Batches are padded to the bucket by the one padding contract (metrale_graph/batc
 so the file runs in plain onnxruntime.
 
 How the state mutations get into the graph, with public APIs only: while the module is traced,
-each op that mutates a pool is replaced in `metrale_graph.ops` by a shim (`functional_ops`)
+each op that mutates a pool is replaced in the op table `metrale_graph.ops.OPS` by a shim (`functional_ops`)
 that calls the op's functional twin `metrale_onnx::<op>` (a custom op built from the op's
 declared signature: the same arguments, returning the op's outputs and then the new value of
 each mutated argument) and writes the new values back with `copy_`, which torch.export
@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from ..batch import PackedBatch
 from ..cache import HybridCache
-from ..ops import REGISTRY, OpSpec
+from ..ops import OPS, REGISTRY, OpSpec
 from .translations import ATEN, OPSET
 
 _TWINS: dict[str, "torch._ops.OpOverload"] = {}
@@ -82,10 +82,8 @@ def twin(spec: OpSpec) -> "torch._ops.OpOverload":
 
 @contextlib.contextmanager
 def functional_ops():
-    """Inside the block, every mutating op in `metrale_graph.ops` runs through its twin and writes
-    the new values of its mutated arguments back with copy_ (what torch.export can trace)."""
-    from .. import ops
-
+    """Inside the block, every mutating op in the table `metrale_graph.ops.OPS` runs through its twin and
+    writes the new values of its mutated arguments back with copy_ (what torch.export can trace)."""
     saved = {}
     for spec in REGISTRY.values():
         if not spec.mutates:
@@ -99,13 +97,13 @@ def functional_ops():
                 args[i].copy_(new)
             return result[0] if _n == 1 else tuple(result[:_n])
 
-        saved[spec.name] = getattr(ops, spec.name)
-        setattr(ops, spec.name, shim)
+        saved[spec.name] = getattr(OPS, spec.name)
+        setattr(OPS, spec.name, shim)
     try:
         yield
     finally:
         for name, fn in saved.items():
-            setattr(ops, name, fn)
+            setattr(OPS, name, fn)
 
 
 def translation(spec: OpSpec) -> Callable | None:
@@ -134,7 +132,7 @@ def export_onnx(module: nn.Module, args: tuple, translations: dict[str, Callable
                 optimize: bool = True, progress: Callable[[str], None] | None = None):
     """Export `module(*args)` (fixed shapes), its metrale ops translated by `translations` (op name ->
     onnxscript translation; default: each registered op's own). The module must call the ops through
-    `metrale_graph.ops.<name>` (functional_ops swaps the mutating ones there). Returns the ONNXProgram.
+    `metrale_graph.ops.OPS` (functional_ops swaps the mutating ones there). Returns the ONNXProgram.
 
     Raises ValueError naming the first metrale op the module calls that has no translation."""
     from . import check_versions

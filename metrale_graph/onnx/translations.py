@@ -5,9 +5,9 @@
 op's tensor arguments as ONNX values of static shape (one graph per bucket) and its scalars as
 Python values. The ops that mutate a state pool are exported in functional form (see
 export.py): their translation returns the op's output followed by the updated pools. Each op's
-spec (ops/<op>.py) points at its translation here.
+spec (in its module, metrale_graph.ops.<op>) points at its translation here.
 
-Varlen streams without host sync, as the CPU references (`ops/*_ref`) specify:
+Varlen streams without host sync, as the CPU references (each op's declared function) specify:
 - token t belongs to stream seg[t] = the number of streams that end at or before t (zero-length
   streams included); tokens at or past cu_seqlens[B] belong to no stream.
 - states are read from the pools as they were before the step (a valid batch gives every
@@ -16,7 +16,7 @@ Varlen streams without host sync, as the CPU references (`ops/*_ref`) specify:
   stream wins where streams share a slot, as in the references' stream order); zero-length
   streams write nothing; every other slot passes through unchanged.
 - the GDN recurrence is an ONNX Loop over streams around a Loop over that stream's tokens (trip
-  count = its length, zero for padding), token by token in fp32 like gdn_recurrence_ref.
+  count = its length, zero for padding), token by token in fp32 like the op's reference.
 - paged attention writes each token's K / V at (block, offset) with ScatterND, then every token
   attends over the positions of its stream's block table up to its own position. Tokens in no
   stream (padding) write the null block's current values back, so the null block stays as it is.

@@ -1,0 +1,130 @@
+"""GDN phase 2, the gated delta rule over packed varlen streams, each from its slot's state.
+
+Per value head j (key head j // r, r = HV / H), token by token:
+    S = exp(g_t) * S
+    S = S + k_t (beta_t * (v_t - S^T k_t))^T
+    o_t = S^T (q_t * K**-0.5)
+with S [K, V] in fp32. The final S of each stream goes back to its slot. A zero-length
+stream (padding) leaves its slot unchanged.
+
+Here: the op (its CPU reference, token by token, is the spec), its check, fake, CUDA path and spec.
+The CUDA path: split.py picks per stream between the recurrent kernel (recurrent.py) and
+flash-linear-attention's chunked kernels (fla_adapter.py) on a chunk-aligned layout (layout.py).
+"""
+
+import torch
+from torch import Tensor
+
+from ..common import INDEX_DTYPES, check, check_tensor, decode_shaped
+from ..registry import OpSpec, Shapes, metrale_cuda, metrale_fake, metrale_op, rand, register, stream_meta
+from .fla_adapter import fla_varlen
+from .recurrent import gdn_recurrence_recurrent
+from .split import gdn_recurrence_split, split_max_len, use_recurrent
+
+
+def _check(a):
+    check_tensor(a.q, "q", ndim=3)
+    T, H, K = a.q.shape
+    dtype, device = a.q.dtype, a.q.device
+    check_tensor(a.k, "k", ndim=3, dtype=dtype, device=device)
+    check(tuple(a.k.shape) == (T, H, K), f"k has shape {tuple(a.k.shape)}, q has {(T, H, K)}")
+    check_tensor(a.v, "v", ndim=3, dtype=dtype, device=device)
+    HV, V = a.v.shape[1], a.v.shape[2]
+    check(a.v.shape[0] == T and HV % H == 0,
+          f"v has shape {tuple(a.v.shape)}; need {T} tokens and value heads a multiple of {H}")
+    check_tensor(a.g, "g", ndim=2, dtype=torch.float32, device=device)
+    check(tuple(a.g.shape) == (T, HV), f"g has shape {tuple(a.g.shape)}, expected {(T, HV)}")
+    check_tensor(a.beta, "beta", ndim=2, dtype=(dtype, torch.float32), device=device)
+    check(tuple(a.beta.shape) == (T, HV), f"beta has shape {tuple(a.beta.shape)}, expected {(T, HV)}")
+    check_tensor(a.cu_seqlens, "cu_seqlens", ndim=1, dtype=torch.int32, device=device)
+    check_tensor(a.slot_ids, "slot_ids", ndim=1, dtype=INDEX_DTYPES, device=device)
+    check(a.slot_ids.shape[0] + 1 == a.cu_seqlens.shape[0],
+          f"{a.slot_ids.shape[0]} slot_ids for {a.cu_seqlens.shape[0] - 1} streams")
+    check_tensor(a.gdn_state, "gdn_state", ndim=4, dtype=torch.float32, device=device)
+    check(tuple(a.gdn_state.shape[1:]) == (HV, K, V),
+          f"gdn_state slots are {tuple(a.gdn_state.shape[1:])}, expected {(HV, K, V)}")
+
+
+@metrale_op(mutates_args=("gdn_state",), check=_check)
+def gdn_recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor,
+                   slot_ids: Tensor, gdn_state: Tensor) -> Tensor:
+    """Varlen gated delta rule with per-slot recurrent state. The CPU reference (the spec): plain
+    torch, token by token, in fp32.
+
+    Args:
+        q, k: [T, H, K] L2-normalized queries and keys (model dtype); q is scaled by K**-0.5 here.
+        v: [T, HV, V] values (model dtype), HV a multiple of H.
+        g: [T, HV] float32 log-decay (<= 0).
+        beta: [T, HV] write strength in (0, 1) (model dtype or float32).
+        cu_seqlens: [B+1] int32 stream boundaries.
+        slot_ids: [B] int32/int64 state slot of each stream.
+        gdn_state: [S, HV, K, V] float32 pool. MUTATED: each stream's slot holds its final state.
+    Returns:
+        o: [T, HV, V] in v's dtype.
+    """
+    T, H, K = q.shape
+    HV = v.shape[1]
+    r = HV // H
+    o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    qf = q.float().repeat_interleave(r, dim=1) * K**-0.5  # [T, HV, K]
+    kf = k.float().repeat_interleave(r, dim=1)
+    vf, bf, decay = v.float(), beta.float(), g.float().exp()
+    bounds = cu_seqlens.tolist()
+    for b, slot in enumerate(slot_ids.tolist()):
+        s, e = bounds[b], bounds[b + 1]
+        if e == s:
+            continue
+        S = gdn_state[slot].clone()  # [HV, K, V]
+        for t in range(s, e):
+            S = S * decay[t, :, None, None]
+            pred = torch.einsum("hk,hkv->hv", kf[t], S)
+            delta = (vf[t] - pred) * bf[t, :, None]
+            S = S + kf[t, :, :, None] * delta[:, None, :]
+            o[t] = torch.einsum("hk,hkv->hv", qf[t], S)
+        gdn_state[slot] = S
+    return o.to(v.dtype)
+
+
+@metrale_fake(gdn_recurrence)
+def _(a):
+    return a.v.new_empty(a.v.shape)
+
+
+@metrale_cuda(gdn_recurrence)
+def gdn_recurrence_cuda(a):
+    """Decode-shaped calls: the recurrent kernel on every stream; others: gdn_recurrence_split with fla."""
+    if use_recurrent(a.q, a.slot_ids):
+        return gdn_recurrence_recurrent(*a)
+    return gdn_recurrence_split(*a, fla_varlen)
+
+
+def example(s: Shapes, dtype, g):
+    cu, slots, _, _ = stream_meta(s, g)
+    T, H, HV = s.T, s.H, s.HV
+    qk = torch.nn.functional.normalize(torch.randn(T, 2 * H, s.K, generator=g), dim=-1).to(dtype)
+    q, k = qk[:, :H], qk[:, H:]  # strided views, as the model passes them
+    if T == 0:  # except when empty: opcheck's input clone sizes an empty strided view at < 0 elements
+        q, k = q.clone(memory_format=torch.contiguous_format), k.clone(memory_format=torch.contiguous_format)
+    return (q, k, rand(g, T, HV, s.V, dtype=dtype), -torch.rand(T, HV, generator=g) * 0.5,
+            torch.rand(T, HV, generator=g).to(dtype), cu, slots,
+            torch.randn(s.num_slots + 1, HV, s.K, s.V, generator=g) * 0.1)
+
+
+def cost(s: Shapes):
+    """Per token: the chunked form, chunk 64 (kk^T, w / u, state update and read, intra-chunk output), or
+    for the recurrent kernel's tokens (decode-shaped calls; otherwise streams of <= split_max_len(B)
+    tokens) decay, S^T k, the rank-1 update and S^T q. Each slot of the batch is read and written once,
+    a short stream's of a split call twice (the chunked path hands it back, the recurrent kernel updates it)."""
+    decode = decode_shaped(s.B, s.T)
+    short = [n for n in s.lengths if decode or n <= split_max_len(s.B)]
+    T_rec, again = sum(short), 0 if decode else sum(n > 0 for n in short)
+    per_rec, per_chunked = 2 * (3 * s.K * s.V), 2 * (192 * s.K + 128 * s.V + 3 * s.K * s.V)
+    return (s.HV * (T_rec * per_rec + (s.T - T_rec) * per_chunked),
+            2 * (s.T * 2 * s.H * s.K + 2 * s.T * s.HV * s.V) + 6 * s.T * s.HV + 8 * (s.B + again) * s.HV * s.K * s.V)
+
+
+# fla 0.6.0's chunk kernels, by name
+FLA_KERNELS = ("chunk_", "recompute_w_u", "solve_tril", "merge_16x16", "kkt")
+register(OpSpec(gdn_recurrence, example, cost, cuda=gdn_recurrence_cuda,
+                kernels=FLA_KERNELS + ("gdn_recurrent",),
+                onnx="metrale_graph.onnx.translations:gdn_recurrence"))

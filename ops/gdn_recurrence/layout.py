@@ -1,0 +1,150 @@
+"""The chunk-aligned layout that fla's chunked kernels run on (the GDN recurrence's chunked path),
+built on the device in Triton. Why aligned: docs/DESIGN.md, "Why the GDN op lays tokens out
+chunk-aligned".
+
+The layout of the T packed tokens of B streams, those of at most `short` tokens left out: each other
+stream's tokens lie in order from a multiple of CHUNK = 64 rows; the left-out streams have length 0;
+identity rows (q = k = v = g = beta = 0, which leave a state unchanged) fill the gaps, and one
+absorber sequence (from a zero state) takes the chunks left over. Its sizes follow from (B, T) alone:
+B + 1 sequences (cu_aligned [B+2] int64 row offsets) and NT = num_chunks(B, T, short) chunks
+(chunk_indices [NT, 2] int64 rows (sequence, chunk within sequence)), T_al = 64 * NT rows.
+
+Three kinds of launch: one program computes cu_aligned and chunk_indices (chunk_layout); one program
+per (chunk, column block) gathers a tensor's rows into the aligned buffer, writing every aligned row
+(zeros where no token lies: no zero fill, no scatter); after the varlen kernel the same mapping
+scatters the output rows back (gdn_recurrence_aligned). tests/kernel_oracles.py builds the same
+layout in torch ops.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+CHUNK = 64
+
+
+def num_chunks(num_streams: int, num_tokens: int, short: int = 0) -> int:
+    """NT = ceil(T / 64) + min(B, T // (short + 1)): each stream in the layout adds at most one partial
+    chunk, and at most T // (short + 1) streams are longer than `short`."""
+    return -(-num_tokens // CHUNK) + min(num_streams, num_tokens // (short + 1))
+
+
+@triton.jit
+def _chunk_layout_kernel(cu_ptr, cu_al_ptr, idx_ptr, B, NT, short, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr,
+                         BLOCK_C: tl.constexpr):
+    b = tl.arange(0, BLOCK_B)  # BLOCK_B >= B + 2: the streams, the absorber, the end
+    mb = b < B
+    L = tl.load(cu_ptr + b + 1, mask=mb, other=0) - tl.load(cu_ptr + b, mask=mb, other=0)
+    counts = tl.where(mb & (L > short), (L + CHUNK - 1) // CHUNK, 0)
+    off = tl.cumsum(counts, 0) - counts  # first chunk of stream b; of the absorber (b = B): all used chunks
+    off = tl.where(b <= B, off, NT)
+    tl.store(cu_al_ptr + b, off.to(tl.int64) * CHUNK, mask=b < B + 2)
+    for c0 in range(0, NT, BLOCK_C):  # chunk c: the last sequence (streams, absorber) starting at or before it
+        c = c0 + tl.arange(0, BLOCK_C)
+        before = (off[None, :] <= c[:, None]) & (b <= B)[None, :]
+        seq = tl.sum(before.to(tl.int32), 1) - 1
+        first = tl.max(tl.where(before, off[None, :], 0), 1)  # offsets do not decrease: that sequence's
+        mc = c < NT
+        tl.store(idx_ptr + 2 * c, seq.to(tl.int64), mask=mc)
+        tl.store(idx_ptr + 2 * c + 1, (c - first).to(tl.int64), mask=mc)
+
+
+@triton.jit
+def _chunk_rows(cu_ptr, idx_ptr, c, B, short, CHUNK: tl.constexpr):
+    """The packed token of each of chunk c's CHUNK aligned rows, and whether the row holds one."""
+    seq = tl.load(idx_ptr + 2 * c)
+    within = tl.load(idx_ptr + 2 * c + 1)
+    s = tl.minimum(seq, B - 1)
+    start = tl.load(cu_ptr + s)
+    L = tl.load(cu_ptr + s + 1) - start
+    pos = within * CHUNK + tl.arange(0, CHUNK)
+    return (start + pos).to(tl.int64), (seq < B) & (L > short) & (pos < L)
+
+
+@triton.jit
+def _aligned_copy_kernel(x_ptr, out_ptr, cu_ptr, idx_ptr, B, short, stride_x, W, TO_ALIGNED: tl.constexpr,
+                         CHUNK: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Chunk c's rows, BLOCK_W columns: packed -> aligned (TO_ALIGNED; every aligned row written, zeros
+    where no token lies) or aligned -> packed (only the rows of tokens in the layout)."""
+    c = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    mcol = cols < W
+    t, valid = _chunk_rows(cu_ptr, idx_ptr, c, B, short, CHUNK)
+    rows = (c * CHUNK + tl.arange(0, CHUNK)).to(tl.int64)
+    m = valid[:, None] & mcol[None, :]
+    if TO_ALIGNED:
+        src, dst, store = t, rows, mcol[None, :]
+    else:
+        src, dst, store = rows, t, m
+    x = tl.load(x_ptr + src[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
+    tl.store(out_ptr + dst[:, None] * W + cols[None, :], x, mask=store)
+
+
+_LAYOUT_BLOCK_W = 128
+
+
+def chunk_layout(cu_seqlens: Tensor, num_tokens: int, short: int = 0) -> tuple[Tensor, Tensor]:
+    """The layout's cu_aligned [B+2] and chunk_indices [NT, 2] (int64), in one Triton launch."""
+    B = cu_seqlens.shape[0] - 1
+    NT = num_chunks(B, num_tokens, short)
+    cu_al = torch.empty(B + 2, dtype=torch.int64, device=cu_seqlens.device)
+    chunk_indices = torch.empty((NT, 2), dtype=torch.int64, device=cu_seqlens.device)
+    _chunk_layout_kernel[(1,)](cu_seqlens, cu_al, chunk_indices, B, NT, short, CHUNK=CHUNK,
+                               BLOCK_B=triton.next_power_of_2(B + 2), BLOCK_C=64)
+    return cu_al, chunk_indices
+
+
+def _row_major(x: Tensor) -> Tensor:
+    """x with each token's row contiguous (a view when it already is, e.g. q / k as head slices)."""
+    inner = x.shape[1:]
+    expected, ok = 1, True
+    for d in range(x.dim() - 1, 0, -1):
+        ok = ok and (inner[d - 1] == 1 or x.stride(d) == expected)
+        expected *= inner[d - 1]
+    return x if ok else x.contiguous()
+
+
+def gdn_recurrence_aligned(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, varlen_fn, short=0):
+    """Gather states, lay tokens out chunk-aligned, run `varlen_fn`, scatter states and outputs back.
+
+    varlen_fn(q, k, v, g, beta, cu_aligned, chunk_indices, h0) -> (o [T_al, HV, V], final [B+1, HV, K, V])
+    computes the gated delta rule over aligned sequences (q unscaled, scale K**-0.5 inside).
+    Streams of at most `short` tokens are left out of the layout: their slots get their state back
+    unchanged and their output rows are unspecified, for the caller to compute.
+    The layout, the gathers into it and the output scatter are Triton launches (seven in all).
+    """
+    T, H, K = q.shape
+    HV, V = v.shape[1:]
+    B = slot_ids.shape[0]
+    cu_seqlens = cu_seqlens.contiguous()  # the layout kernels index it as contiguous
+    cu_al, chunk_indices = chunk_layout(cu_seqlens, T, short)
+    NT = chunk_indices.shape[0]
+    T_al = NT * CHUNK
+
+    def grid(W):
+        return (NT, triton.cdiv(W, _LAYOUT_BLOCK_W))
+
+    def aligned(x):
+        x = _row_major(x)
+        if not (NT and B):  # nothing to gather (no streams: the absorber's zeros only)
+            return x.new_zeros((T_al,) + tuple(x.shape[1:]))
+        out = x.new_empty((T_al,) + tuple(x.shape[1:]))
+        W = out[0].numel()
+        _aligned_copy_kernel[grid(W)](x, out, cu_seqlens, chunk_indices, B, short, x.stride(0), W, TO_ALIGNED=True,
+                                      CHUNK=CHUNK, BLOCK_W=_LAYOUT_BLOCK_W)
+        return out
+
+    h0 = torch.cat([gdn_state.index_select(0, slot_ids), gdn_state.new_zeros(1, HV, K, V)])
+    o_al, final = varlen_fn(aligned(q), aligned(k), aligned(v), aligned(g), aligned(beta), cu_al, chunk_indices, h0)
+    gdn_state.index_copy_(0, slot_ids.long(), final[:B])  # index_copy_ takes int64 indices only; slot_ids may be int32
+    # rows of tokens outside the layout: unspecified, but zeros, not the allocator's leftovers (a padding
+    # row's NaN would reach the MoE router)
+    o = v.new_zeros((T, HV, V))
+    if NT and B:
+        o_al = _row_major(o_al)
+        _aligned_copy_kernel[grid(HV * V)](o_al, o, cu_seqlens, chunk_indices, B, short, o_al.stride(0), HV * V,
+                                           TO_ALIGNED=False, CHUNK=CHUNK, BLOCK_W=_LAYOUT_BLOCK_W)
+    return o
+
+

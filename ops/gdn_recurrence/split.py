@@ -1,0 +1,45 @@
+"""Which CUDA path each stream of a GDN recurrence call takes, from static sizes only (so every
+bucket's CUDA graph holds one path; docs/DESIGN.md, "Decode-shaped calls" and "Why the GDN op lays
+tokens out chunk-aligned").
+
+Decode-shaped calls (ops.common.decode_shaped) run the recurrent kernel (recurrent.py) on every
+stream. Others are split by lengths read on the device: with several streams, those of at most SHORT
+tokens take the recurrent kernel and longer ones the chunked path (fla on the aligned layout,
+layout.py); a single stream takes the chunked path whole.
+"""
+
+from torch import Tensor
+
+from ..common import decode_shaped
+from .layout import gdn_recurrence_aligned
+from .recurrent import gdn_recurrence_recurrent
+
+
+def use_recurrent(q: Tensor, slot_ids: Tensor) -> bool:
+    """The path choice of the CUDA implementation: static sizes (B, T) only (ops.common.decode_shaped)."""
+    return decode_shaped(slot_ids.shape[0], q.shape[0])
+
+
+SHORT = 64
+
+
+def split_max_len(num_streams: int) -> int:
+    """In a call that is not decode-shaped, streams of at most this many tokens take the recurrent kernel
+    and longer ones the chunked path: SHORT with several streams; 0 with one (all of it chunked, no
+    second launch). Static sizes only."""
+    return SHORT if num_streams > 1 else 0
+
+
+def gdn_recurrence_split(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, varlen_fn):
+    """A call that is not decode-shaped: the chunked path (`varlen_fn` on the aligned layout) over the
+    streams longer than split_max_len(B), then the recurrent kernel over the others, into the same output.
+
+    In this order: the chunked path writes every slot of the batch back (the short streams' unchanged),
+    then the recurrent kernel updates the short streams' slots in place and writes their rows of o.
+    Which stream goes where is decided on the device (cu_seqlens); shapes depend on (B, T) only.
+    """
+    max_len = split_max_len(slot_ids.shape[0])
+    o = gdn_recurrence_aligned(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, varlen_fn, max_len)
+    if max_len:
+        gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, max_len, o)
+    return o

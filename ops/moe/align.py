@@ -1,0 +1,104 @@
+"""The alignment of token-expert pairs to grouped-GEMM blocks, on the device and without a host sync.
+
+Token-expert pairs p = t * top_k + j (token t's j-th choice) are sorted by expert into groups, each
+padded to a multiple of BM rows, so every BM-row block of the sorted list belongs to one expert.
+The number of sorted rows depends on (T, top_k, E, BM) alone: P + min(E, P) * (BM - 1) rows
+(P = T * top_k pairs; each of at most min(E, P) non-empty groups wastes at most BM - 1 rows), rounded
+down to whole blocks (the padded total is a multiple of BM). So a bucket's graph is static: the
+routing only changes the contents of the sorted ids and of the per-block expert ids.
+tests/kernel_oracles.py has the same alignment in torch ops.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..common import INTERPRET
+
+
+def block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows per grouped-GEMM block for a call with this many pairs and experts: about the average
+    group size (a static choice: shapes only). Small groups waste less padding with small blocks;
+    large groups reuse each weight tile over more rows with large ones."""
+    if INTERPRET:
+        return 16
+    per_expert = num_pairs / max(num_experts, 1)
+    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 256 else 128
+
+
+def align_size(num_pairs: int, num_experts: int, block: int) -> int:
+    """Blocks of `block` sorted rows that hold any routing of `num_pairs` pairs over `num_experts`."""
+    return (num_pairs + min(num_experts, num_pairs) * (block - 1)) // block
+
+
+@triton.jit
+def _moe_align_groups_kernel(experts_ptr, first_ptr, start_ptr, P, E, steps, BM: tl.constexpr,
+                             BLOCK_E: tl.constexpr):
+    """One program over all experts: first[e] = the first sorted pair of expert e (binary search of the
+    sorted expert ids, e = 0..E; first[E] = P), start[e] = the first sorted row of its padded group."""
+    e = tl.arange(0, BLOCK_E)
+    lo = tl.zeros((BLOCK_E,), dtype=tl.int32)  # lower bounds of e and e + 1, searched side by side
+    hi = tl.zeros((BLOCK_E,), dtype=tl.int32) + P
+    lo1 = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    hi1 = tl.zeros((BLOCK_E,), dtype=tl.int32) + P
+    for _ in range(steps):
+        mid = (lo + hi) // 2
+        go = (lo < hi) & (tl.load(experts_ptr + mid, mask=lo < hi, other=0) < e)
+        lo, hi = tl.where(go, mid + 1, lo), tl.where(go | (lo >= hi), hi, mid)
+        mid1 = (lo1 + hi1) // 2
+        go1 = (lo1 < hi1) & (tl.load(experts_ptr + mid1, mask=lo1 < hi1, other=0) < e + 1)
+        lo1, hi1 = tl.where(go1, mid1 + 1, lo1), tl.where(go1 | (lo1 >= hi1), hi1, mid1)
+    padded = tl.where(e < E, (lo1 - lo + BM - 1) // BM * BM, 0)
+    tl.store(first_ptr + e, lo, mask=e <= E)
+    tl.store(start_ptr + e, tl.cumsum(padded, 0) - padded, mask=e <= E)
+
+
+@triton.jit
+def _moe_align_rows_kernel(order_ptr, first_ptr, start_ptr, ids_ptr, block_expert_ptr, P, E, BM: tl.constexpr,
+                           BLOCK_E: tl.constexpr):
+    """One program per block of BM sorted rows: its expert (-1 past the last group) and its rows' pair
+    ids (the sentinel P on padding rows)."""
+    b = tl.program_id(0)
+    r0 = b * BM
+    e_vec = tl.arange(0, BLOCK_E)
+    ends = tl.load(start_ptr + 1 + e_vec, mask=e_vec < E, other=2147483647)  # padded group ends
+    e = tl.sum((ends <= r0).to(tl.int32), 0)  # groups ending at or before this block: its expert (E: none)
+    rows = tl.arange(0, BM)
+    if e < E:
+        tl.store(block_expert_ptr + b, e)
+        first = tl.load(first_ptr + e)
+        idx = r0 - tl.load(start_ptr + e) + rows
+        valid = idx < tl.load(first_ptr + e + 1) - first
+        pair = tl.load(order_ptr + first + idx, mask=valid, other=0).to(tl.int32)
+        tl.store(ids_ptr + r0 + rows, tl.where(valid, pair, P))
+    else:
+        tl.store(block_expert_ptr + b, -1)
+        tl.store(ids_ptr + r0 + rows, tl.zeros((BM,), dtype=tl.int32) + P)
+
+
+def align_pairs(top_e: Tensor, num_experts: int, block: int) -> tuple[Tensor, Tensor]:
+    """Sort the pairs of top_e [T, k] (expert ids) by expert, on the device and without a host sync:
+    a stable sort, then two Triton launches.
+
+    Returns:
+        sorted_ids: [NBLK * block] int32 pair ids p = t * k + j: expert 0's pairs (in pair order), padded
+            with the sentinel P = T * k to a multiple of `block` rows, then expert 1's, ...; rows past the
+            last group also hold the sentinel.
+        block_expert: [NBLK] int32 the expert of each block, -1 for blocks past the last group.
+    NBLK = align_size(P, E, block): it depends on the shapes alone.
+    """
+    P, E, dev = top_e.numel(), num_experts, top_e.device
+    nblk = align_size(P, E, block)
+    sorted_ids = torch.empty(nblk * block, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(nblk, dtype=torch.int32, device=dev)
+    if nblk == 0:
+        return sorted_ids, block_expert
+    experts, order = torch.sort(top_e.reshape(-1).to(torch.int32), stable=True)  # pair order within an expert
+    first = torch.empty(E + 1, dtype=torch.int32, device=dev)
+    start = torch.empty(E + 1, dtype=torch.int32, device=dev)
+    BLOCK_E = triton.next_power_of_2(E + 1)
+    _moe_align_groups_kernel[(1,)](experts, first, start, P, E, P.bit_length(), BM=block, BLOCK_E=BLOCK_E)
+    _moe_align_rows_kernel[(nblk,)](order, first, start, sorted_ids, block_expert, P, E, BM=block,
+                                    BLOCK_E=BLOCK_E)
+    return sorted_ids, block_expert

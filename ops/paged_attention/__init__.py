@@ -1,0 +1,135 @@
+"""Full-attention layer, part 2: write the new tokens' K / V into the paged cache, then causal
+GQA attention of each stream's new tokens over its cached context plus themselves.
+
+Stream b's token i sits at position p = context_lens[b] + i, stored in block
+block_tables[b, p // BS] at offset p % BS. A zero-length stream (padding) writes and reads
+nothing.
+
+Here: the op (its CPU reference is the spec), its check, fake, CUDA path and spec. The CUDA path writes
+K / V (kv_write.py), then attends with 64-row query tiles (prefill.py) or, for decode-shaped calls,
+split-K (decode.py); both kernels share one online-softmax step (attend.py).
+"""
+
+import torch
+from torch import Tensor
+
+from ..common import INDEX_DTYPES, check, check_tensor, decode_shaped
+from ..registry import (OpSpec, Shapes, attention_pairs, metrale_cuda, metrale_fake, metrale_op, rand, register,
+                        stream_meta)
+from .decode import paged_attention_decode
+from .kv_write import write_kv
+from .prefill import paged_attention_prefill
+
+
+def _check(a):
+    check_tensor(a.q, "q", ndim=3)
+    T, HQ, HD = a.q.shape
+    dtype, device = a.q.dtype, a.q.device
+    for name, t in (("k", a.k), ("v", a.v)):
+        check_tensor(t, name, ndim=3, dtype=dtype, device=device)
+    HKV = a.k.shape[1]
+    check(tuple(a.k.shape) == (T, HKV, HD) and a.k.shape == a.v.shape and HQ % HKV == 0,
+          f"k {tuple(a.k.shape)} / v {tuple(a.v.shape)} do not fit q {(T, HQ, HD)} (GQA needs HQ % HKV == 0)")
+    for name, t in (("k_cache", a.k_cache), ("v_cache", a.v_cache)):
+        check_tensor(t, name, ndim=4, dtype=dtype, device=device)
+        check(tuple(t.shape[2:]) == (HKV, HD), f"{name} blocks hold {tuple(t.shape[2:])}, expected {(HKV, HD)}")
+    check(a.k_cache.shape == a.v_cache.shape, "k_cache and v_cache differ in shape")
+    check_tensor(a.cu_seqlens, "cu_seqlens", ndim=1, dtype=torch.int32, device=device)
+    B = a.cu_seqlens.shape[0] - 1
+    check_tensor(a.context_lens, "context_lens", ndim=1, dtype=torch.int32, device=device)
+    check_tensor(a.block_tables, "block_tables", ndim=2, dtype=INDEX_DTYPES, device=device)
+    check(a.context_lens.shape[0] == B and a.block_tables.shape[0] == B,
+          f"context_lens ({a.context_lens.shape[0]}) / block_tables ({a.block_tables.shape[0]}) rows for {B} streams")
+
+
+@metrale_op(mutates_args=("k_cache", "v_cache"), check=_check)
+def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens: Tensor,
+                    context_lens: Tensor, block_tables: Tensor) -> Tensor:
+    """Batched varlen attention prefill over a paged KV cache, including the KV write. The CPU
+    reference: plain torch, one stream at a time, fp32 scores and softmax.
+
+    Args:
+        q: [T, HQ, HD] (RoPE applied), k, v: [T, HKV, HD] the new tokens' keys / values.
+        k_cache, v_cache: [NB, BS, HKV, HD] pools, model dtype. MUTATED: the new tokens' K / V
+            are written at their positions.
+        cu_seqlens: [B+1] int32 stream boundaries.
+        context_lens: [B] int32 tokens already cached per stream.
+        block_tables: [B, MB] int32 block ids of each stream, in position order.
+    Returns:
+        o: [T, HQ, HD] model dtype, softmax(q k^T * HD**-0.5, causal) v with fp32 softmax.
+    """
+    T, HQ, HD = q.shape
+    HKV, BS = k.shape[1], k_cache.shape[1]
+    o = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    bounds, ctxs = cu_seqlens.tolist(), context_lens.tolist()
+    for b in range(len(ctxs)):
+        s, e, ctx = bounds[b], bounds[b + 1], ctxs[b]
+        if e == s:
+            continue
+        L = e - s
+        pos = torch.arange(ctx + L, device=q.device)
+        blk, off = block_tables[b].long()[pos // BS], pos % BS
+        k_cache[blk[ctx:], off[ctx:]] = k[s:e]
+        v_cache[blk[ctx:], off[ctx:]] = v[s:e]
+        keys = k_cache[blk, off].float().repeat_interleave(HQ // HKV, dim=1)  # [ctx+L, HQ, HD]
+        vals = v_cache[blk, off].float().repeat_interleave(HQ // HKV, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[s:e].float(), keys) * HD**-0.5
+        causal = pos[None, :] <= (ctx + torch.arange(L, device=q.device))[:, None]  # [L, ctx+L]
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        o[s:e] = torch.einsum("hqk,khd->qhd", probs, vals)
+    return o.to(q.dtype)
+
+
+@metrale_fake(paged_attention)
+def _(a):
+    return a.q.new_empty(a.q.shape)
+
+
+def use_decode(q: Tensor, cu_seqlens: Tensor) -> bool:
+    """The path choice of the CUDA implementation: static sizes (B, T) only (ops.common.decode_shaped)."""
+    return decode_shaped(cu_seqlens.shape[0] - 1, q.shape[0])
+
+
+def paged_attention_triton(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables, decode=None):
+    """KV write, then attention over the paged cache: split-K when decode-shaped (`decode`, default
+    `use_decode`), else flash-style varlen with 64-row query tiles; no host sync."""
+    T, HQ, HD = q.shape
+    HKV = k.shape[1]
+    B = cu_seqlens.shape[0] - 1
+    k, v = k.reshape(T, HKV * HD), v.reshape(T, HKV * HD)
+    k, v = (t if t.stride(1) == 1 else t.contiguous() for t in (k, v))
+    # index tensors of any strides (the kernels index them as contiguous); the pools are read and written
+    # through their strides (they are mutated in place: no copy)
+    cu_seqlens, context_lens, block_tables = (x.contiguous() for x in (cu_seqlens, context_lens, block_tables))
+    o = torch.empty((T, HQ, HD), dtype=q.dtype, device=q.device)
+    if T == 0 or B == 0:
+        return o
+    write_kv(k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables)
+    if decode is None:
+        decode = use_decode(q, cu_seqlens)
+    attend = paged_attention_decode if decode else paged_attention_prefill
+    return attend(q, k_cache, v_cache, cu_seqlens, context_lens, block_tables, o)
+
+
+@metrale_cuda(paged_attention)
+def paged_attention_cuda(a):
+    return paged_attention_triton(*a)
+
+
+def example(s: Shapes, dtype, g):
+    cu, _, ctx, blocks = stream_meta(s, g)
+    kv = (s.num_blocks + 1, s.BS, s.HKV, s.HD)
+    return (rand(g, s.T, s.HQ, s.HD, dtype=dtype), rand(g, s.T, s.HKV, s.HD, dtype=dtype),
+            rand(g, s.T, s.HKV, s.HD, dtype=dtype), rand(g, *kv, dtype=dtype), rand(g, *kv, dtype=dtype), cu, ctx,
+            blocks)
+
+
+def cost(s: Shapes):
+    cached = sum(s.context)
+    return 4 * s.HQ * s.HD * attention_pairs(s), 2 * (2 * s.T * s.HQ * s.HD + 4 * s.T * s.HKV * s.HD
+                                                      + 2 * cached * s.HKV * s.HD)
+
+
+register(OpSpec(paged_attention, example, cost, cuda=paged_attention_cuda,
+                kernels=("paged_attention", "paged_decode", "kv_write"),
+                onnx="metrale_graph.onnx.translations:paged_attention"))

@@ -1,0 +1,186 @@
+"""The paged attention's split-K (flash-decoding) kernels, for decode-shaped calls
+(ops.common.decode_shaped; why: docs/DESIGN.md, "Decode-shaped calls").
+
+A program takes a tile of QB consecutive queries of one stream times the GROUP query heads that share
+one KV head (QB * GROUP <= 16 rows where GROUP allows: a [16, HD] x [HD, BN] dot, each key tile read
+once for all of them) and one split of SL keys; the grid is (work tiles, HKV, NS splits), all static:
+work tiles NW = min(cdiv(T, QB) + B, T) >= the (stream, query tile) pairs of any batch of the bucket
+(each program finds its pair from cu_seqlens on the device; surplus programs return); NS =
+cdiv(MB * BS, SL), MB the block table's width (a static dim), SL from `decode_split`. Each program
+writes its rows' partial softmax state (running max m, sum l, unnormalized acc, log2 domain) for its
+split; a second kernel, one program per (token, query head), merges the splits that hold keys for that
+token (cdiv(position + 1, SL) of them, every one non-empty: split s starts at key s * SL <= position)
+into the output. Tokens in no stream are skipped (their rows: unspecified).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common import INTERPRET
+from .attend import LOG2E, _attend_tile
+
+DECODE_PROGRAMS = 1024  # splits are chosen to give about this many programs (H200: 132 SMs, ~8 each)
+SPLIT_ALIGN = 64  # split lengths are multiples of every key tile BN
+STREAM_CHUNK = 64  # streams looked at per vector step when a program finds its stream
+MERGE_SPLITS = 16  # splits merged per vector step
+
+
+def decode_queries(group: int) -> tuple[int, int]:
+    """(QB, BLOCK_M): queries per work tile, and the tile's rows QB * GROUP padded to a power of two
+    (at least 16, tl.dot's least M)."""
+    qb = max(1, 16 // group)
+    return qb, max(16, triton.next_power_of_2(qb * group))
+
+
+def decode_split(num_streams: int, num_tokens: int, num_kv_heads: int, max_keys: int) -> int:
+    """Keys per split, a multiple of SPLIT_ALIGN, from static sizes only: enough splits that the busy
+    programs (about one work tile per stream and KV head) number about DECODE_PROGRAMS for a context of
+    max_keys = MB * BS, the most a stream's block table holds."""
+    tiles = max(1, min(num_streams, num_tokens)) * num_kv_heads
+    splits = max(1, -(-DECODE_PROGRAMS // tiles))
+    per = -(-max(max_keys, 1) // splits)
+    return max(SPLIT_ALIGN, -(-per // SPLIT_ALIGN) * SPLIT_ALIGN)
+
+
+def _decode_configs():
+    if INTERPRET:
+        return [triton.Config({"BN": 32}, num_warps=4)]
+    return [triton.Config({"BN": bn}, num_warps=w, num_stages=st)
+            for bn in (32, 64) for w in (4, 8) for st in (1, 2, 3)]
+
+
+@triton.jit
+def _stream_of(cu_ptr, t, B, CH: tl.constexpr):
+    """The stream holding packed token t: how many streams end at or before t (B: none)."""
+    b = tl.full([], 0, tl.int32)
+    for c0 in range(0, B, CH):
+        i = c0 + tl.arange(0, CH)
+        mi = i < B
+        ends = tl.load(cu_ptr + 1 + i, mask=mi, other=0)
+        b += tl.sum((mi & (ends <= t)).to(tl.int32), axis=0)
+    return b
+
+
+@triton.jit
+def _tile_of(cu_ptr, w, B, QB, CH: tl.constexpr):
+    """(stream, query tile within it) of work tile w, stream-major, QB queries a tile (stream B: none).
+    Streams whose cumulative tile count ends at or before w come before it (zero-length ones too)."""
+    b = tl.full([], 0, tl.int32)
+    before = tl.full([], 0, tl.int32)  # tiles of the streams before b
+    base = tl.full([], 0, tl.int32)  # tiles of the streams before this chunk
+    for c0 in range(0, B, CH):
+        i = c0 + tl.arange(0, CH)
+        mi = i < B
+        lo = tl.load(cu_ptr + i, mask=mi, other=0)
+        hi = tl.load(cu_ptr + 1 + i, mask=mi, other=0)
+        n = (hi - lo + QB - 1) // QB
+        done = mi & (base + tl.cumsum(n, axis=0) <= w)
+        b += tl.sum(done.to(tl.int32), axis=0)
+        before += tl.sum(tl.where(done, n, 0), axis=0)
+        base += tl.sum(n, axis=0)
+    return b, w - before
+
+
+@triton.autotune(configs=_decode_configs(), key=["HD", "GROUP", "QB", "SL", "IEEE"], cache_results=True)
+@triton.jit
+def _paged_decode_kernel(q_ptr, k_cache, v_cache, m_ptr, l_ptr, acc_ptr, cu_ptr, ctx_ptr, bt_ptr, qk_scale, B,
+                         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs,
+                         stride_vh, stride_vd, stride_bt,
+                         GROUP, QB, SL, NS, HQ, BS, HD, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BN: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr):
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    b, tile = _tile_of(cu_ptr, tl.program_id(0), B, QB, CH)
+    if b < B:  # else: a work tile past the batch's
+        start = tl.load(cu_ptr + b)
+        L = tl.load(cu_ptr + b + 1) - start
+        ctx = tl.load(ctx_ptr + b)
+        hi = ctx + tl.minimum(tile * QB + QB, L)  # keys the tile's queries see: positions [0, hi)
+        lo = sp * SL
+        if lo < hi:  # else: the split lies past every query of the tile
+            end = tl.minimum(lo + SL, hi)
+            r = tl.arange(0, BLOCK_M)
+            j = r // GROUP
+            qi = tile * QB + j  # query index within the stream
+            mq = (j < QB) & (qi < L)
+            q_pos = ctx + qi
+            head = kvh * GROUP + r % GROUP
+            rows = (start + qi).to(tl.int64)
+            d = tl.arange(0, BLOCK_D)
+            md = d < HD
+            q = tl.load(q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                        mask=mq[:, None] & md[None, :], other=0.0)
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            for n0 in range(lo, end, BN):  # a row may see no key of this split yet: EMPTY_ROWS
+                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr, b, kvh, n0, end, q_pos, d,
+                                             md, qk_scale, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb,
+                                             stride_vs, stride_vh, stride_vd, stride_bt, BS, BN=BN,
+                                             MASKED=True, IEEE=IEEE, EMPTY_ROWS=True)
+            part = (rows * HQ + head) * NS + sp  # [T, HQ, NS] partials
+            tl.store(m_ptr + part, m_i, mask=mq)
+            tl.store(l_ptr + part, l_i, mask=mq)
+            tl.store(acc_ptr + part[:, None] * HD + d[None, :], acc, mask=mq[:, None] & md[None, :])
+
+
+@triton.jit
+def _paged_decode_merge_kernel(o_ptr, m_ptr, l_ptr, acc_ptr, cu_ptr, ctx_ptr, B, SL, NS, HQ, HD, stride_ot,
+                               stride_oh, BLOCK_D: tl.constexpr, SC: tl.constexpr, CH: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    b = _stream_of(cu_ptr, t, B, CH)
+    if b < B:  # else: a token in no stream
+        pos = tl.load(ctx_ptr + b) + t - tl.load(cu_ptr + b)
+        n = (pos + SL) // SL  # splits holding keys [0, pos]: each has at least one
+        base = (t.to(tl.int64) * HQ + h) * NS
+        s = tl.arange(0, SC)
+        d = tl.arange(0, BLOCK_D)
+        md = d < HD
+        m_max = tl.full([], float("-inf"), dtype=tl.float32)
+        for s0 in range(0, n, SC):
+            m_max = tl.maximum(m_max, tl.max(tl.load(m_ptr + base + s0 + s, mask=s0 + s < n, other=float("-inf")),
+                                              axis=0))
+        l_sum = tl.zeros([], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for s0 in range(0, n, SC):
+            ms = s0 + s < n
+            w = tl.exp2(tl.load(m_ptr + base + s0 + s, mask=ms, other=float("-inf")) - m_max)
+            l_sum += tl.sum(w * tl.load(l_ptr + base + s0 + s, mask=ms, other=0.0), axis=0)
+            a = tl.load(acc_ptr + (base + s0 + s)[:, None] * HD + d[None, :], mask=ms[:, None] & md[None, :],
+                        other=0.0)
+            acc += tl.sum(a * w[:, None], axis=0)
+        tl.store(o_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, (acc / l_sum).to(o_ptr.dtype.element_ty),
+                 mask=md)
+
+
+def paged_attention_decode(q, k_cache, v_cache, cu_seqlens, context_lens, block_tables, o, split=None):
+    """Split-K attention of the (already written) new tokens over the paged cache into o. `split`: keys
+    per split (a multiple of SPLIT_ALIGN), default `decode_split` of the static sizes."""
+    T, HQ, HD = q.shape
+    HKV, BS = k_cache.shape[2], k_cache.shape[1]
+    B = cu_seqlens.shape[0] - 1
+    GROUP = HQ // HKV
+    QB, BLOCK_M = decode_queries(GROUP)
+    max_keys = block_tables.shape[1] * BS
+    cu_seqlens, context_lens, block_tables = (x.contiguous() for x in (cu_seqlens, context_lens, block_tables))
+    SL = split or decode_split(B, T, HKV, max_keys)
+    if SL % SPLIT_ALIGN:
+        raise ValueError(f"split {SL} is not a multiple of {SPLIT_ALIGN}")
+    NS = max(1, triton.cdiv(max_keys, SL))
+    NW = min(triton.cdiv(T, QB) + B, T)
+    m = torch.empty((T, HQ, NS), dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty((T, HQ, NS, HD), dtype=torch.float32, device=q.device)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    BLOCK_D = max(16, triton.next_power_of_2(HD))
+    _paged_decode_kernel[(NW, HKV, NS)](
+        q, k_cache, v_cache, m, l, acc, cu_seqlens, context_lens, block_tables, HD**-0.5 * LOG2E, B,
+        q.stride(0), q.stride(1), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
+        GROUP, QB, SL, NS, HQ, BS, HD, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, CH=STREAM_CHUNK,
+        IEEE=q.dtype == torch.float32 or INTERPRET)
+    _paged_decode_merge_kernel[(T, HQ)](o, m, l, acc, cu_seqlens, context_lens, B, SL, NS, HQ, HD, o.stride(0),
+                                        o.stride(1), BLOCK_D=BLOCK_D, SC=MERGE_SPLITS, CH=STREAM_CHUNK)
+    return o
