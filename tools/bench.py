@@ -13,8 +13,8 @@ With `--tp N` (launched by torchrun, one GPU per rank, NCCL) our three variants 
 and the floor is that of N GPUs; the peer runs on one GPU and is left out. `--baseline FILE`, the
 JSON of a one-GPU run of the same preset, adds each workload's speed-up over one GPU.
 
-    python -m tools.bench [--preset qwen3.5-9b] [--workloads W1,W2,...] [--repeat 10] [--json FILE]
-    torchrun --nproc-per-node 2 -m tools.bench --tp 2 --variants graphs --baseline one_gpu.json
+    python -m metrale_graph.tools.bench [--preset qwen3.5-9b] [--workloads W1,W2,...] [--repeat 10] [--json FILE]
+    torchrun --nproc-per-node 2 -m metrale_graph.tools.bench --tp 2 --variants graphs --baseline one_gpu.json
 """
 
 from __future__ import annotations
@@ -32,8 +32,12 @@ import torch
 
 from metrale_graph import PRESETS, HybridModel, Stream
 from metrale_graph.ops import REGISTRY, kernels
-from metrale_graph.tools.common import (add_moe_parallel_arg, end_tensor_parallel, floor_ms, names_of, output_file,
-                                       positive_int, print_json, print_table, provenance, seed, write_whole)
+from metrale_graph.tools.distributed import end_tensor_parallel, start_run
+from metrale_graph.tools.files import write_whole
+from metrale_graph.tools.flags import add_moe_parallel_arg, names_of, output_file, positive_int, seed
+from metrale_graph.tools.floors import floor_ms
+from metrale_graph.tools.provenance import provenance
+from metrale_graph.tools.report import markdown_table, print_json, print_table
 from metrale_graph.weights import weight_shapes
 
 VARIANTS = ("peer", "eager", "compiled", "graphs")
@@ -320,11 +324,7 @@ def read_baseline(path: str, preset: str, layers: int) -> dict[str, float]:
 
 
 def main(argv=None) -> None:
-    from tqdm.auto import tqdm
-
-    from metrale_graph.tools.common import tensor_parallel
-
-    p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m metrale_graph.tools.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen3.5-9b", choices=list(PRESETS))
     p.add_argument("--layers", type=positive_int, default=None,
@@ -337,7 +337,8 @@ def main(argv=None) -> None:
     p.add_argument("--repeat", type=positive_int, default=10, help="timed runs per variant (median)")
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--tp", type=positive_int, default=1,
-                   help="tensor-parallel ranks: torchrun --nproc-per-node N -m tools.bench --tp N (one GPU each)")
+                   help="tensor-parallel ranks: torchrun --nproc-per-node N -m metrale_graph.tools.bench --tp N "
+                        "(one GPU each)")
     add_moe_parallel_arg(p)
     p.add_argument("--baseline", default=None,
                    help="JSON of a one-GPU run (--json) of the same preset: adds the speed-up over one GPU")
@@ -352,7 +353,7 @@ def main(argv=None) -> None:
     if args.tp > 1 and "peer" in variants:
         p.error("the peer runs on one GPU: leave it out of --variants under --tp")
     if args.tp > 1 and args.generate:
-        p.error("--generate times one GPU against the peer; under --tp use tools.generate --tp")
+        p.error("--generate times one GPU against the peer; under --tp use metrale_graph.tools.generate --tp")
     if args.baseline and "graphs" not in variants:
         p.error("--baseline compares graphs timings: keep graphs in --variants")
     files = [(flag, path) for flag, path in (("--baseline", args.baseline), ("--json", args.json),
@@ -379,9 +380,14 @@ def main(argv=None) -> None:
             p.error(f"--baseline: {e}")
     if not torch.cuda.is_available():
         p.exit(1, f"{p.prog}: error: this benchmark needs a CUDA GPU; torch sees none\n")
-    args.device, args.dtype = None, "bfloat16"  # what tensor_parallel reads: one GPU per rank
-    tp = tensor_parallel(args, p)
-    device = args.device or torch.device("cuda")
+    run = start_run(args, p)  # no --device / --dtype: bf16 on cuda (cuda:LOCAL_RANK under --tp)
+    with run.silence_other_ranks():
+        _bench(p, args, cfg, variants, workloads, too_long, baseline, run, run.tp, run.device)
+
+
+def _bench(p, args, cfg, variants, workloads, too_long, baseline, run, tp, device) -> None:
+    from tqdm.auto import tqdm
+
     if too_long and not args.workloads:
         print(f"left out {', '.join(too_long)}: longer than the preset {args.preset}'s max_position_embeddings "
               f"{cfg.max_position_embeddings}")
@@ -401,7 +407,7 @@ def main(argv=None) -> None:
     def save(generation=None) -> dict:
         """The record so far, written to --json (after every workload: a run cut short keeps its rows)."""
         record = {"tool": "bench", "preset": args.preset, "layers": cfg.num_hidden_layers, "tp": args.tp,
-                  "moe_parallel": args.moe_parallel if args.tp > 1 and cfg.moe_layers else None,
+                  "moe_parallel": run.moe_parallel if cfg.moe_layers else None,
                   "device": torch.cuda.get_device_name(), **run_info, "repeat": args.repeat, "generation": generation,
                   "results": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
                               for r in results]}
@@ -475,13 +481,12 @@ def main(argv=None) -> None:
     if quiet:  # the other ranks ran the same steps; rank 0 reports
         return
     if args.markdown:
-        write_whole(args.markdown, f"{title}\n\n| " + " | ".join(headers) + " |\n|" + "---|" * len(headers) + "\n"
-                    + "".join("| " + " | ".join(r) + " |\n" for r in rows))
+        write_whole(args.markdown, f"{title}\n\n{markdown_table(headers, rows)}")
     print_json(save(generation))
 
 
 def cli() -> None:
-    """The console script and `python -m`: main(), then the end of a --tp run (tools.common)."""
+    """The console script and `python -m`: main(), then the end of a --tp run (tools.distributed)."""
     main()
     end_tensor_parallel()
 

@@ -2,8 +2,8 @@
 the new tokens as they come, then prints the time to first token and tokens/s; ends with one
 JSON line.
 
-    python -m tools.generate [--model tiny|FOLDER] [--prompt TEXT_OR_IDS]... [--max-new-tokens 32]
-                             [--temperature 0] [--top-k 0] [--top-p 1.0] [--seed 0] [--num-slots 8]
+    python -m metrale_graph.tools.generate [--model tiny|FOLDER] [--prompt TEXT_OR_IDS]... [--max-new-tokens 32]
+                                           [--temperature 0] [--top-k 0] [--top-p 1.0] [--seed 0] [--num-slots 8]
 
 --prompt is text when the model folder has a tokenizer, else comma-separated token ids (the
 default `tiny` preset has none); repeat it for several prompts, generated as one batch. One
@@ -17,12 +17,15 @@ import time
 
 import torch
 
-from metrale_graph.tools.common import (INT_TEXT, add_model_args, end_tensor_parallel, load_model, model_config,
-                                        non_negative_float, non_negative_int, positive_int, print_json, probability)
+from metrale_graph.tools.distributed import end_tensor_parallel, start_run
+from metrale_graph.tools.flags import (INT_TEXT, add_model_args, non_negative_float, non_negative_int, positive_int,
+                                       probability)
+from metrale_graph.tools.loading import load_model, model_config
+from metrale_graph.tools.report import print_json
 
 
 def _parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m tools.generate", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m metrale_graph.tools.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p, seed_help="seed of random preset weights and of sampling (request i draws from seed + i)")
     p.add_argument("--prompt", action="append", default=None,
@@ -86,15 +89,22 @@ def _out_of_memory(e: BaseException) -> bool:
 
 
 def main(argv=None) -> None:
-    from metrale_graph import Engine
     from metrale_graph.tokenizer import has_tokenizer_files
 
     p, args = _parse_args(argv)
     _check_sizes(p, args)
     if not has_tokenizer_files(args.model):  # a preset, or a folder without one: --prompt must be ids, checked now
         _prompts(p, args, None)
+    run = start_run(args, p)
+    with run.silence_other_ranks():
+        _generate(p, args, run)
+
+
+def _generate(p, args, run) -> None:
+    from metrale_graph import Engine
+
     t0 = time.perf_counter()
-    model = load_model(args, p)
+    model = load_model(args, p, run)
     try:
         engine = Engine(model, num_slots=args.num_slots, max_context=args.max_context,
                         token_budget=args.token_budget, compile=not args.eager)
@@ -168,7 +178,7 @@ def _show_piece(engine, ids: list[int], shown: list[str]) -> None:
 
 
 def cli() -> None:
-    """The console script and `python -m`: main(), then the end of a --tp run (tools.common)."""
+    """The console script and `python -m`: main(), then the end of a --tp run (tools.distributed)."""
     main()
     end_tensor_parallel()
 
