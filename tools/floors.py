@@ -1,5 +1,5 @@
 """The floor model of tools.bench and tools.bench_ops: the least time a step (or one op) can take on
-an H200, from the matrix FLOPs it must do and the bytes it must move (docs/DESIGN.md, "Floors").
+an H200, from the matrix FLOPs it must do and the bytes it must move (docs/DESIGN.md, "Benchmarks").
 
 A step is split into phases in the order the step runs them: per layer the mixer's projections, its
 core (GDN conv and recurrence, or attention over the cache) and its output projection, then the
@@ -16,6 +16,7 @@ The phases partition the step's FLOPs and bytes, so phase_floor_ms >= floor_ms a
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -128,15 +129,13 @@ def step_phases(cfg, new: tuple[int, ...], cached: tuple[int, ...]) -> list[Phas
     from metrale_graph.weights import weight_shapes
 
     T, B = sum(new), len(new)
-    weights: dict[tuple[str, int | None], list[float]] = {}  # (kind, layer) -> [flops, bytes]
+    totals: dict[tuple[str, int | None], list[float]] = {}  # (kind, layer) -> [flops, bytes]
     experts_touched = expected_experts(cfg, T) / cfg.num_experts if cfg.moe_layers else 0.0
     shapes = weight_shapes(cfg)
     for name, shape in shapes.items():
         kind, layer = phase_of(cfg, name)
-        n = 1
-        for d in shape:
-            n *= d
-        acc = weights.setdefault((kind, layer), [0.0, 0.0])
+        n = math.prod(shape)
+        acc = totals.setdefault((kind, layer), [0.0, 0.0])
         if kind == EMBEDDING:
             acc[1] += T * shape[-1] * WEIGHT_BYTES
         elif kind == HEAD:
@@ -149,9 +148,9 @@ def step_phases(cfg, new: tuple[int, ...], cached: tuple[int, ...]) -> list[Phas
             acc[1] += n * WEIGHT_BYTES
     head_rows = shapes.get("lm_head.weight", shapes["embed_tokens.weight"])[0]  # tied: the embedding table
     if "lm_head.weight" not in shapes:
-        weights[(HEAD, None)][1] += head_rows * cfg.hidden_size * WEIGHT_BYTES
-    weights[(HEAD, None)][0] += 2 * B * head_rows * cfg.hidden_size
-    weights[(HEAD, None)][1] += B * cfg.vocab_size * WEIGHT_BYTES  # the logits
+        totals[(HEAD, None)][1] += head_rows * cfg.hidden_size * WEIGHT_BYTES
+    totals[(HEAD, None)][0] += 2 * B * head_rows * cfg.hidden_size
+    totals[(HEAD, None)][1] += B * cfg.vocab_size * WEIGHT_BYTES  # the logits
 
     HV, K, V = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     kv_row = 2 * cfg.num_key_value_heads * cfg.head_dim * WEIGHT_BYTES  # one token's K and V, one layer
@@ -164,14 +163,17 @@ def step_phases(cfg, new: tuple[int, ...], cached: tuple[int, ...]) -> list[Phas
     for i in cfg.full_layers:
         core[(ATTENTION, i)] = (4 * cfg.num_attention_heads * cfg.head_dim * pairs, kv_row * (sum(cached) + T))
     for key, (flops, nbytes) in core.items():
-        acc = weights.setdefault(key, [0.0, 0.0])
+        acc = totals.setdefault(key, [0.0, 0.0])
         acc[0] += flops
         acc[1] += nbytes
 
-    order = {kind: k for k, kind in enumerate(KINDS)}
-    keys = sorted(weights, key=lambda kl: (-1 if kl[1] is None and kl[0] == EMBEDDING else
-                                           cfg.num_hidden_layers if kl[1] is None else kl[1], order[kl[0]]))
-    return [Phase(kind, layer, *weights[(kind, layer)]) for kind, layer in keys]
+    def position(key):  # the order the step runs them: the embedding, each layer's phases, the head
+        kind, layer = key
+        if layer is None:
+            return (-1 if kind == EMBEDDING else cfg.num_hidden_layers, 0)
+        return (layer, KINDS.index(kind))
+
+    return [Phase(kind, layer, *totals[(kind, layer)]) for kind, layer in sorted(totals, key=position)]
 
 
 def step_floor(cfg, new: tuple[int, ...], cached: tuple[int, ...], gpus: int = 1) -> StepFloor:
