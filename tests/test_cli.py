@@ -327,3 +327,17 @@ def test_result_files_are_written_whole(tmp_path, monkeypatch):
         files.write_whole(str(path), '{"results": [1, 2]}')
     monkeypatch.undo()
     assert path.read_text() == '{"results": [1]}' and os.listdir(tmp_path) == ["r.json"]
+
+
+@pytest.mark.parametrize("name", ["prefill", "generate", "warmup", "bench", "bench_ops", "export_onnx"])
+def test_help_names_the_installed_command(capsys, name):
+    """--help said `usage: python -m tools.prefill`, which works only from a checkout's root; the tools are
+    installed as metrale_graph.tools (README uses that form, and the console scripts)."""
+    import importlib
+
+    module = importlib.import_module(f"metrale_graph.tools.{name}")
+    with pytest.raises(SystemExit) as e:
+        module.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith(f"usage: python -m metrale_graph.tools.{name} "), out[:80]
+    assert "python -m tools." not in out and "-m tools." not in out
