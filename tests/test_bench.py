@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from metrale_graph import PRESETS, HybridModel
-from metrale_graph.tools import bench, floors, profiling
+from metrale_graph.tools import bench, floors, profiling, workloads
 from metrale_graph.weights import weight_shapes
 
 MODELS = list(PRESETS)
@@ -28,7 +28,7 @@ def test_phases_partition_the_step(preset):
     shapes = weight_shapes(cfg)
     for name in shapes:
         assert floors.phase_of(cfg, name)[0] in floors.KINDS
-    for w in bench.WORKLOADS.values():
+    for w in workloads.WORKLOADS.values():
         f = floors.step_floor(cfg, w.new, w.cached)
         assert sum(p.flops for p in f.phases) == pytest.approx(f.flops)
         assert sum(p.bytes for p in f.phases) == pytest.approx(f.bytes)
@@ -69,7 +69,7 @@ def test_moe_floor_counts_active_flops_and_touched_experts():
     assert floors.expected_experts(cfg, 1) == pytest.approx(cfg.num_experts_per_tok)
     assert floors.expected_experts(cfg, 4096) == pytest.approx(cfg.num_experts, rel=1e-3)
     for name, estimate in (("W2", 30.3), ("W6", 23.5)):
-        w = bench.WORKLOADS[name]
+        w = workloads.WORKLOADS[name]
         f = floors.step_floor(cfg, w.new, w.cached)
         recurrence = sum(p.flops for p in f.phases if p.kind == floors.GDN_RECURRENCE) / floors.MATMUL_RATE * 1e3
         assert f.phase_floor_ms - recurrence == pytest.approx(estimate, rel=0.01), name
@@ -92,9 +92,9 @@ def test_d128_decode_floor_is_states_and_kv():
     """D128 (128 streams of 1 token after 2048 cached): its floor is dominated by the GDN states (128 slots x
     ~50 MB, read and written) and the K/V reads, not the weights."""
     cfg = PRESETS["qwen3.5-9b"]
-    assert bench.WORKLOADS["D128"] == bench.Workload((1,) * 128, (2048,) * 128)
-    assert bench.fitting_workloads(cfg, ["D128"]) == (["D128"], {})
-    f = bench.workload_floor(cfg, bench.WORKLOADS["D128"])
+    assert workloads.WORKLOADS["D128"] == workloads.Workload((1,) * 128, (2048,) * 128)
+    assert workloads.fitting_workloads(cfg, ["D128"]) == (["D128"], {})
+    f = workloads.workload_floor(cfg, workloads.WORKLOADS["D128"])
     kinds = f.by_kind()
     state_mb = 2 * 4 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim \
         * len(cfg.linear_layers) / 2 / 1e6
@@ -138,8 +138,8 @@ def test_bench_cache_holds_d128_and_contexts_are_prefilled_in_bounded_calls(monk
     the untimed context prefill is split into calls of at most CONTEXT_TOKENS tokens (D128's 262144 cached
     tokens in one call would need four times D32's activation memory)."""
     model = HybridModel.from_preset("tiny")
-    d128, w1 = bench.Workload((1,) * 128, (3,) * 128), bench.Workload((300,), (0,))
-    cache = bench.bench_cache(model, [d128, w1])
+    d128, w1 = workloads.Workload((1,) * 128, (3,) * 128), workloads.Workload((300,), (0,))
+    cache = workloads.bench_cache(model, [d128, w1])
     assert cache.num_slots == 128 and cache.max_context >= 300
     calls = []
     real = model.prefill
@@ -151,10 +151,10 @@ def test_bench_cache_holds_d128_and_contexts_are_prefilled_in_bounded_calls(monk
     monkeypatch.setattr(model, "prefill", prefill)
     gen = torch.Generator().manual_seed(0)
     contexts = [torch.randint(0, 512, (3,), generator=gen) if i % 10 == 0 else None for i in range(128)]  # 13
-    bench.prefill_contexts(model, cache, contexts, max_tokens=10)
+    workloads.prefill_contexts(model, cache, contexts, max_tokens=10)
     assert calls == [9, 9, 9, 9, 3]
     assert list(cache.context_lens[:128]) == [3 if i % 10 == 0 else 0 for i in range(128)]
-    assert bench.grid_of(["D1", "D32", "D128"]) == ([1, 32, 128], [1, 32, 128])
+    assert workloads.grid_of(["D1", "D32", "D128"]) == ([1, 32, 128], [1, 32, 128])
 
 
 def _record(results, variants, **extra):

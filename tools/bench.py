@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import time
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -36,114 +35,12 @@ from metrale_graph import PRESETS, HybridModel, Stream
 from metrale_graph.tools.distributed import end_tensor_parallel, start_run
 from metrale_graph.tools.files import write_whole
 from metrale_graph.tools.flags import add_moe_parallel_arg, names_of, output_file, positive_int, seed
-from metrale_graph.tools.floors import COPY_RATE, MATMUL_RATE, StepFloor, step_floor
+from metrale_graph.tools.floors import COPY_RATE, MATMUL_RATE
 from metrale_graph.tools.provenance import provenance
 from metrale_graph.tools.report import format_table, markdown_table, print_json, progress_bar
+from metrale_graph.tools.workloads import WORKLOADS, Ours, fitting_workloads, grid_of, workload_floor
 
 VARIANTS = ("peer", "eager", "compiled", "graphs")
-
-
-@dataclass(frozen=True)
-class Workload:
-    new: tuple[int, ...]  # new tokens per stream
-    cached: tuple[int, ...]  # tokens already cached per stream
-
-    @property
-    def label(self) -> str:
-        groups = sorted(Counter(zip(self.new, self.cached)).items(), key=lambda kv: -kv[1])
-        if len(groups) > 2:
-            return f"{len(self.new)} ragged, {sum(self.new)} tok"
-        return " + ".join(f"{n}x{new}" + (f" +{c} cached" if c else "") for (new, c), n in groups)
-
-
-WORKLOADS = {
-    "W1": Workload((512,), (0,)),
-    "W2": Workload((512,) * 8, (0,) * 8),
-    "W3": Workload((1500, 37, 900, 256, 700, 128, 420, 155), (0,) * 8),
-    "W4": Workload((128,) * 32, (0,) * 32),
-    "W5": Workload((16384,), (0,)),
-    "W6": Workload((512,) * 4, (2048,) * 4),
-    "W7": Workload((1,) * 31 + (512,), (2048,) * 31 + (0,)),  # a mixed step: 31 decodes + 1 prompt
-    "D1": Workload((1,), (2048,)),
-    "D32": Workload((1,) * 32, (2048,) * 32),
-    "D128": Workload((1,) * 128, (2048,) * 128),  # decode at serving concurrency
-}
-
-
-def fitting_workloads(cfg, names: list[str]) -> tuple[list[str], dict[str, int]]:
-    """The workloads of `names` whose streams fit cfg.max_position_embeddings (cached + new tokens), and
-    the others with the positions they need."""
-    need = {w: max(n + c for n, c in zip(WORKLOADS[w].new, WORKLOADS[w].cached)) for w in names}
-    too_long = {w: n for w, n in need.items() if n > cfg.max_position_embeddings}
-    return [w for w in names if w not in too_long], too_long
-
-
-def workload_floor(cfg, w: Workload, gpus: int = 1) -> StepFloor:
-    """The floors of one step of `w` on `gpus` GPUs (tools/floors.py)."""
-    return step_floor(cfg, w.new, w.cached, gpus)
-
-
-CONTEXT_TOKENS = 65536  # most cached tokens prefilled in one untimed call (D128 holds 262144)
-
-
-def bench_cache(model, workloads: list[Workload]):
-    """One cache that holds any of the workloads, stream i in slot i: a slot per stream of the widest, KV
-    blocks (of 64 tokens) for all streams of the largest, max_context the longest stream (cached + new)."""
-    per_slot = max(n + c for w in workloads for n, c in zip(w.new, w.cached))
-    blocks = max(sum(-(-(n + c) // 64) for n, c in zip(w.new, w.cached)) for w in workloads)
-    return model.new_cache(num_slots=max(len(w.new) for w in workloads), num_blocks=blocks, max_context=per_slot)
-
-
-def prefill_contexts(model, cache, contexts: list[torch.Tensor | None], max_tokens: int = CONTEXT_TOKENS) -> None:
-    """Reset every slot, then prefill contexts[i] (None: nothing cached) into slot i, in calls of at most
-    `max_tokens` tokens (a context longer than that in a call of its own), so that D128's 128 x 2048 need no
-    more activation memory than D32's."""
-    for s in range(cache.num_slots):
-        cache.reset(s)
-    batch, tokens = [], 0
-    for stream in [Stream(i, c) for i, c in enumerate(contexts) if c is not None]:
-        if batch and tokens + len(stream.tokens) > max_tokens:
-            model.prefill(cache, batch)
-            batch, tokens = [], 0
-        batch.append(stream)
-        tokens += len(stream.tokens)
-    if batch:
-        model.prefill(cache, batch)
-
-
-class Ours:
-    """Our model in the three modes over one cache (bench_cache); the cache is restored before each
-    timed call."""
-
-    def __init__(self, model, workloads: list[Workload], grid):
-        from metrale_graph.capture import GraphRunner
-
-        self.model = model
-        self.cache = bench_cache(model, workloads)
-        batch_sizes, token_counts = grid
-        self.graphs = GraphRunner(model, self.cache, batch_sizes, token_counts, use_graphs=True)
-        self.compiled = GraphRunner(model, self.cache, batch_sizes, token_counts, use_graphs=False)
-        self.snapshot = None
-
-    def prepare_context(self, contexts: list[torch.Tensor | None]):
-        """Prefill each stream's cached context (untimed, prefill_contexts) and remember the cache state to
-        restore."""
-        self.snapshot = None  # freed before the next one is taken
-        prefill_contexts(self.model, self.cache, contexts)
-        self.snapshot = self.cache.snapshot()
-
-    def restore(self):
-        self.cache.restore(self.snapshot)
-
-    def run(self, mode, streams):
-        if mode == "eager":
-            return self.model.prefill(self.cache, streams)
-        return (self.graphs if mode == "graphs" else self.compiled).prefill(streams)
-
-
-def grid_of(names: list[str]) -> tuple[list[int], list[int]]:
-    """A bucket grid holding one bucket per workload's (streams, new tokens)."""
-    return (sorted({len(WORKLOADS[w].new) for w in names}), sorted({sum(WORKLOADS[w].new) for w in names}))
 
 
 @torch.no_grad()
@@ -350,11 +247,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> None:
-    from tqdm.auto import tqdm
+@dataclass(frozen=True)
+class _Plan:
+    """What the flags ask for, checked: the variants, the config (at --layers), the workloads to run and
+    those left out (too long for the preset), the baseline timings."""
+    variants: list[str]
+    cfg: object
+    workloads: list[str]
+    too_long: dict[str, int]
+    baseline: dict[str, float] | None
 
-    p = _parser()
-    args = p.parse_args(argv)
+
+def _plan(p: argparse.ArgumentParser, args) -> _Plan:
+    """The flags checked together (usage errors, exit code 2) before any model is built."""
     variants = args.variants or [v for v in VARIANTS if args.tp == 1 or v != "peer"]
     if args.tp > 1 and "peer" in variants:
         p.error("the peer runs on one GPU: leave it out of --variants under --tp")
@@ -384,55 +289,69 @@ def main(argv=None) -> None:
             baseline = read_baseline(args.baseline, args.preset, cfg.num_hidden_layers)
         except ValueError as e:
             p.error(f"--baseline: {e}")
+    return _Plan(variants, cfg, workloads, too_long, baseline)
+
+
+def main(argv=None) -> None:
+    p = _parser()
+    args = p.parse_args(argv)
+    plan = _plan(p, args)
     if not torch.cuda.is_available():
         p.exit(1, f"{p.prog}: error: this benchmark needs a CUDA GPU; torch sees none\n")
     run = start_run(args, p)  # no --device / --dtype: bf16 on cuda (cuda:LOCAL_RANK under --tp)
     with run.silence_other_ranks():
-        if too_long and not args.workloads:
-            print(f"left out {', '.join(too_long)}: longer than the preset {args.preset}'s max_position_embeddings "
-                  f"{cfg.max_position_embeddings}")
-        try:
-            model = HybridModel.from_preset(cfg, dtype=torch.bfloat16, device=run.device, seed=args.seed, tp=run.tp)
-        except ValueError as e:
-            p.error(f"--preset {args.preset}: {e}")
-        hf = None
-        if "peer" in variants:
-            from metrale_graph.tools.peer import peer_model
+        _bench(p, args, plan, run)
 
-            hf = peer_model(model)
-        moe_parallel = run.moe_parallel if cfg.moe_layers else None
-        run_info, device = provenance(), torch.cuda.get_device_name()
 
-        so_far = []
+def _bench(p, args, plan: _Plan, run) -> None:
+    """Build the model (and the peer), run the workloads, print the table, write --json / --markdown."""
+    from tqdm.auto import tqdm
 
-        def on_row(row, lines):
-            """As each workload finishes: its profile and row printed, and the record so far written to
-            --json (a run cut short keeps its rows)."""
-            so_far.append(row)
-            if not run.reports:
-                return
-            if lines:
-                tqdm.write("\n".join(lines))
-            tqdm.write(json.dumps(row))
-            if args.json:
-                write_whole(args.json, render(bench_record(args, cfg.num_hidden_layers, moe_parallel, device,
-                                                           run_info, so_far), variants, "json"))
+    cfg, variants = plan.cfg, plan.variants
+    if plan.too_long and not args.workloads:
+        print(f"left out {', '.join(plan.too_long)}: longer than the preset {args.preset}'s max_position_embeddings "
+              f"{cfg.max_position_embeddings}")
+    try:
+        model = HybridModel.from_preset(cfg, dtype=torch.bfloat16, device=run.device, seed=args.seed, tp=run.tp)
+    except ValueError as e:
+        p.error(f"--preset {args.preset}: {e}")
+    hf = None
+    if "peer" in variants:
+        from metrale_graph.tools.peer import peer_model
 
-        results = run_workloads(model, workloads, variants, args.repeat, args.seed, args.tp, hf, args.profile,
-                                baseline, run, on_row)
-        generation = None
-        if args.generate:
-            torch.cuda.empty_cache()
-            generation = bench_generate(model, hf, seed=args.seed)
-        record = bench_record(args, cfg.num_hidden_layers, moe_parallel, device, run_info, results, generation)
-        print("\n" + render(record, variants))
-        if not run.reports:  # the other ranks ran the same steps; rank 0 reports
+        hf = peer_model(model)
+    moe_parallel = run.moe_parallel if cfg.moe_layers else None
+    run_info, device = provenance(), torch.cuda.get_device_name()
+    so_far = []
+
+    def on_row(row, lines):
+        """As each workload finishes: its profile and row printed, and the record so far written to --json
+        (a run cut short keeps its rows)."""
+        so_far.append(row)
+        if not run.reports:
             return
-        if args.markdown:
-            write_whole(args.markdown, render(record, variants, "markdown"))
+        if lines:
+            tqdm.write("\n".join(lines))
+        tqdm.write(json.dumps(row))
         if args.json:
+            record = bench_record(args, cfg.num_hidden_layers, moe_parallel, device, run_info, so_far)
             write_whole(args.json, render(record, variants, "json"))
-        print_json(record)
+
+    results = run_workloads(model, plan.workloads, variants, args.repeat, args.seed, args.tp, hf, args.profile,
+                            plan.baseline, run, on_row)
+    generation = None
+    if args.generate:
+        torch.cuda.empty_cache()
+        generation = bench_generate(model, hf, seed=args.seed)
+    record = bench_record(args, cfg.num_hidden_layers, moe_parallel, device, run_info, results, generation)
+    print("\n" + render(record, variants))
+    if not run.reports:  # the other ranks ran the same steps; rank 0 reports
+        return
+    if args.markdown:
+        write_whole(args.markdown, render(record, variants, "markdown"))
+    if args.json:
+        write_whole(args.json, render(record, variants, "json"))
+    print_json(record)
 
 
 def cli() -> None:
