@@ -29,17 +29,16 @@ keys' values by 0); cu_seqlens[0] == 0 (as batch.py packs).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from .common import INTERPRET
 
 # Triton's CPU interpreter computes bf16 tl.dot wrongly (triton 3.6.0): there the kernel takes its
 # fp32 path on upcast tiles (as ops/paged_attention's kernels do)
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = 1.4426950408889634
 BACKENDS = ("cudnn", "cudnn_varlen", "fa2", "cudnn_fa2", "fa2_paged", "reference")
 DEFAULT_BACKEND = "cudnn"

@@ -221,7 +221,7 @@ def test_output_into_a_folder_that_takes_no_files(capsys, main, flag):
     (["--json", "/nonexistent/r.json"], "argument --json: '/nonexistent/r.json': folder /nonexistent does not exist"),
     (["--seed", "x"], "argument --seed: expected an integer"),
     (["--tp", "2", "--variants", "peer,graphs"], "the peer runs on one GPU: leave it out of --variants under --tp"),
-    (["--tp", "2", "--generate"], "--generate times one GPU against the peer; under --tp use tools.generate --tp"),
+    (["--tp", "2", "--generate"], "--generate times one GPU against the peer; under --tp use metrale_graph.tools.generate --tp"),
     (["--baseline", "/nonexistent/b.json"], "--baseline: cannot read baseline /nonexistent/b.json"),
     (["--baseline", "b.json", "--variants", "eager"], "--baseline compares graphs timings"),
 ])
@@ -305,13 +305,13 @@ def test_bench_baseline_must_match(capsys, tmp_path):
 def test_result_files_are_written_whole(tmp_path, monkeypatch):
     """bench rewrote --json after every workload with open(path, "w") + json.dump (bench_ops and bench --markdown
     likewise): a Ctrl-C or a full disk mid-write left a torn file, losing the rows a cut-short run is meant to keep.
-    common.write_whole, which they now use, leaves the previous file until the new one is whole."""
+    files.write_whole, which they now use, leaves the previous file until the new one is whole."""
     import builtins
 
-    from metrale_graph.tools import common
+    from metrale_graph.tools import files
 
     path = tmp_path / "r.json"
-    common.write_whole(str(path), '{"results": [1]}')
+    files.write_whole(str(path), '{"results": [1]}')
     real_open = builtins.open
 
     def interrupted_open(name, mode="r", *args, **kwargs):  # Ctrl-C halfway through a write
@@ -324,6 +324,20 @@ def test_result_files_are_written_whole(tmp_path, monkeypatch):
 
     monkeypatch.setattr(builtins, "open", interrupted_open)
     with pytest.raises(KeyboardInterrupt):
-        common.write_whole(str(path), '{"results": [1, 2]}')
+        files.write_whole(str(path), '{"results": [1, 2]}')
     monkeypatch.undo()
     assert path.read_text() == '{"results": [1]}' and os.listdir(tmp_path) == ["r.json"]
+
+
+@pytest.mark.parametrize("name", ["prefill", "generate", "warmup", "bench", "bench_ops", "export_onnx"])
+def test_help_names_the_installed_command(capsys, name):
+    """--help said `usage: python -m tools.prefill`, which works only from a checkout's root; the tools are
+    installed as metrale_graph.tools (README uses that form, and the console scripts)."""
+    import importlib
+
+    module = importlib.import_module(f"metrale_graph.tools.{name}")
+    with pytest.raises(SystemExit) as e:
+        module.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith(f"usage: python -m metrale_graph.tools.{name} "), out[:80]
+    assert "python -m tools." not in out and "-m tools." not in out

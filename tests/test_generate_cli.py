@@ -134,3 +134,60 @@ def test_torchrun_without_tp(capsys, monkeypatch):
         main(["--device", "cpu", "--eager"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "this run has 2 processes (torchrun): pass --tp 2" in err and "Traceback" not in err
+
+
+def test_warmup_bar_on_a_terminal_only(capsys, monkeypatch):
+    """The warmup (8-9 s for the tiny grid on a CPU, minutes on a GPU) had no progress bar. It gets one when
+    standard error is a terminal; in a log (not a terminal) none, whose text would precede the next line."""
+    import sys
+
+    from metrale_graph import Engine
+
+    seen = []
+    real = Engine.warmup
+    monkeypatch.setattr(Engine, "warmup", lambda self, progress=False: seen.append(progress) or real(self, progress))
+    for tty in (True, False):
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
+        _run(capsys, "--prompt", "1,2", "--max-new-tokens", "1", "--num-slots", "2")
+    assert seen == [True, False]
+
+
+def test_ctrl_c_in_a_log_prints_one_line_and_the_text_so_far(tmp_path):
+    """Run as a user would, stderr and stdout into one log (a checkpoint folder, whose loading has a bar), and
+    interrupted with Ctrl-C (SIGINT to the process group, as a terminal sends it) while tokens stream. The log
+    began with the loading bar's text in front of the first output line, and Ctrl-C printed ~65 lines of
+    torch internals; now the first line is the tool's, and the last one says where it stopped, after the
+    tokens produced so far (exit code 130)."""
+    import os
+    import select
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from metrale_graph import HybridModel
+
+    HybridModel.from_preset("tiny").save_pretrained(str(tmp_path / "tiny"))
+    cmd = [sys.executable, "-m", "metrale_graph.tools.generate", "--model", str(tmp_path / "tiny"), "--device",
+           "cpu", "--eager", "--prompt", "1,2,3", "--max-new-tokens", "3000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    log, deadline = b"", time.monotonic() + 300
+    try:
+        while b"warmup" not in log or log.split(b"warmup", 1)[1].count(b",") < 3:  # a few tokens streamed
+            assert time.monotonic() < deadline and proc.poll() is None, log.decode()
+            if select.select([proc.stdout], [], [], 0.1)[0]:
+                log += os.read(proc.stdout.fileno(), 65536)
+        os.killpg(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = (log + rest).decode().split("\n")
+    assert proc.returncode == 130, lines
+    assert lines[0].startswith(f"model: {tmp_path / 'tiny'}  layers=4"), lines[:2]
+    assert "Traceback" not in "\n".join(lines)
+    while lines and not lines[-1]:
+        lines.pop()
+    ids = lines[-2].split(",")
+    assert all(x.isdigit() for x in ids) and len(ids) >= 3, lines[-3:]
+    assert re.fullmatch(rf"interrupted \(Ctrl-C\) while generating: {len(ids)} new tokens in [0-9.]+ s", lines[-1]), lines

@@ -49,7 +49,7 @@ def test_warmup_persists_artifacts(tmp_path):
 def test_benchmark_records_say_what_produced_them():
     """tools.bench / bench_ops records carry the command line, this checkout's commit and the versions."""
     code = ("import sys, json; sys.argv = ['bench', '--repeat', '3']; "
-            "from metrale_graph.tools.common import provenance; print(json.dumps(provenance()))")
+            "from metrale_graph.tools.provenance import provenance; print(json.dumps(provenance()))")
     info = json.loads(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                                      check=True).stdout)
     head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
@@ -102,7 +102,7 @@ def test_warmup_files_are_per_rank_and_written_whole(tmp_path):
     file together); a write that fails midway leaves the previous file as it was, and no temporary file."""
     import pytest
 
-    from metrale_graph.tools.common import write_whole
+    from metrale_graph.tools.files import write_whole
     from metrale_graph.tools.warmup import ARTIFACTS, RECORD, own_files
 
     assert own_files(None) == (ARTIFACTS, RECORD)
@@ -121,7 +121,7 @@ def test_console_scripts_of_tp_tools_end_the_group(monkeypatch):
     import importlib
     import tomllib
 
-    from metrale_graph.tools import common
+    from metrale_graph.tools import distributed
 
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         scripts = tomllib.load(f)["project"]["scripts"]
@@ -130,7 +130,7 @@ def test_console_scripts_of_tp_tools_end_the_group(monkeypatch):
         module = importlib.import_module(f"metrale_graph.tools.{name}")
         calls = []
         monkeypatch.setattr(module, "main", lambda: calls.append("main"))
-        monkeypatch.setattr(common, "end_tensor_parallel", lambda: calls.append("end"))
+        monkeypatch.setattr(distributed, "end_tensor_parallel", lambda: calls.append("end"))
         if hasattr(module, "end_tensor_parallel"):
             monkeypatch.setattr(module, "end_tensor_parallel", lambda: calls.append("end"))
         module.cli()

@@ -1,1 +1,1 @@
-"""Command-line tools: `python -m tools.<name> --help`."""
+"""Command-line tools: `python -m metrale_graph.tools.<name> --help`."""

@@ -5,7 +5,7 @@ launch overhead included) and replayed from a CUDA graph (do_bench_cudagraph: de
 which is what a captured prefill pays). Prints a table, optionally writes it as markdown, and
 ends with one JSON line.
 
-    python -m tools.bench_ops [--tokens 512,8192] [--streams 4] [--markdown FILE]
+    python -m metrale_graph.tools.bench_ops [--tokens 512,8192] [--streams 4] [--markdown FILE]
 """
 
 from __future__ import annotations
@@ -17,8 +17,11 @@ import torch
 
 from metrale_graph import PRESETS
 from metrale_graph.ops import REGISTRY, Shapes, example_args
-from metrale_graph.tools.common import (floor_ms, output_file, positive_int, positive_ints, print_json,
-                                        print_table, provenance, write_whole)
+from metrale_graph.tools.files import write_whole
+from metrale_graph.tools.flags import output_file, positive_int, positive_ints
+from metrale_graph.tools.floors import floor_ms
+from metrale_graph.tools.provenance import provenance
+from metrale_graph.tools.report import markdown_table, print_json, print_table, progress_bar
 
 GDN_OPS = ("gdn_proj", "causal_conv1d", "l2norm", "gdn_recurrence", "gdn_out")
 ATTENTION_OPS = ("attn_proj", "paged_attention", "attn_out")
@@ -39,7 +42,7 @@ def ops_of(cfg) -> list[str]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m tools.bench_ops", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m metrale_graph.tools.bench_ops", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen3.5-9b", choices=list(PRESETS))
     p.add_argument("--tokens", type=positive_ints, default="512,8192", help="comma-separated total token counts")
@@ -51,12 +54,11 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         p.exit(1, f"{p.prog}: error: this benchmark needs a CUDA GPU; torch sees none\n")
     import triton.testing
-    from tqdm.auto import tqdm
 
     cfg = PRESETS[args.preset]
     rows, records = [], []
     jobs = [(T, name) for T in args.tokens for name in ops_of(cfg)]
-    for T, name in tqdm(jobs, desc="ops", unit="op"):
+    for T, name in progress_bar(jobs, desc="ops", unit="op"):
         lengths = [T // args.streams] * args.streams
         lengths[-1] += T - sum(lengths)
         shapes = Shapes.from_config(cfg, lengths)  # fresh streams, one slot each
@@ -76,8 +78,7 @@ def main(argv=None) -> None:
     print(f"\n{args.preset}, bf16, {args.streams} streams, {torch.cuda.get_device_name()}")
     print_table(headers, rows)
     if args.markdown:
-        write_whole(args.markdown, "| " + " | ".join(headers) + " |\n|" + "---|" * len(headers) + "\n"
-                    + "".join("| " + " | ".join(map(str, r)) + " |\n" for r in rows))
+        write_whole(args.markdown, markdown_table(headers, rows))
     print_json({"tool": "bench_ops", "preset": args.preset, "device": torch.cuda.get_device_name(), **provenance(),
                 "ops": records})
 

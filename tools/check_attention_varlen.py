@@ -35,7 +35,10 @@ import traceback
 
 import torch
 
-from metrale_graph.tools.common import output_file, positive_int, print_json, print_table, provenance, write_whole
+from metrale_graph.tools.files import write_whole
+from metrale_graph.tools.flags import output_file, positive_int
+from metrale_graph.tools.provenance import provenance
+from metrale_graph.tools.report import print_json, print_table
 
 SECTIONS = ("probe", "correctness", "capture", "timing")
 DIMS = {"9b": (16, 4, 256), "odd128": (6, 2, 128), "hd80": (4, 1, 80)}  # HQ, HKV, HD

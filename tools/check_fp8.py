@@ -369,7 +369,7 @@ def _num(v, digits=0) -> str:
 
 
 def _table(title, headers, rows):
-    from metrale_graph.tools.common import print_table
+    from metrale_graph.tools.report import print_table
     print(f"\n{title}")
     print_table(headers, rows)
 
@@ -389,7 +389,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny shapes; on a CPU in Triton's interpreter")
     args = p.parse_args(argv)
     if args.json:
-        from metrale_graph.tools.common import output_file
+        from metrale_graph.tools.flags import output_file
         try:
             output_file(args.json)
         except argparse.ArgumentTypeError as e:
@@ -401,7 +401,8 @@ def main(argv=None) -> int:
             p.exit(1, f"{p.prog}: error: --smoke on the CPU runs the kernels in Triton's interpreter: "
                       "set TRITON_INTERPRET=1\n")
     torch.backends.cuda.matmul.allow_tf32 = False  # the references multiply in true fp32
-    from metrale_graph.tools.common import print_json, provenance
+    from metrale_graph.tools.provenance import provenance
+    from metrale_graph.tools.report import print_json
 
     checker = Checker(torch.device("cuda" if torch.cuda.is_available() else "cpu"), args.smoke)
     record = {"tool": "check_fp8", "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

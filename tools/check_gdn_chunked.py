@@ -23,8 +23,10 @@ import torch  # noqa: E402
 
 from metrale_graph.ops.gdn_chunked import (CHUNK, ChunkConfig, chunked_gdn_forward,  # noqa: E402
                                            chunked_gdn_reference, default_config)
-from metrale_graph.tools.common import (non_negative_int, output_file, print_json, print_table,  # noqa: E402
-                                        provenance, write_whole)
+from metrale_graph.tools.files import write_whole  # noqa: E402
+from metrale_graph.tools.flags import non_negative_int, output_file  # noqa: E402
+from metrale_graph.tools.provenance import provenance  # noqa: E402
+from metrale_graph.tools.report import print_json, print_table  # noqa: E402
 
 H, HV, K, V = 16, 32, 128, 128  # Qwen3.5-9B GDN heads
 DEVICE = "cuda"

@@ -2,7 +2,7 @@
 metrale op as standard ONNX operators (runs in plain onnxruntime). Prints the node counts per op
 type and the file size; ends with one JSON line.
 
-    python -m tools.export_onnx [--model PRESET|FOLDER] [-B 4] [-T 256] [--verify] ...
+    python -m metrale_graph.tools.export_onnx [--model PRESET|FOLDER] [-B 4] [-T 256] [--verify] ...
 
 The graph has fixed shapes: one file per bucket and cache geometry (--slots, --blocks,
 --block-size, --max-context). Attention reads every position of a stream's block table, so its
@@ -25,8 +25,9 @@ import torch
 from tqdm import tqdm
 
 from metrale_graph import Stream
-from metrale_graph.tools.common import (add_model_args, device_and_dtype, load_model, output_file, positive_int,
-                                        print_json, print_table)
+from metrale_graph.tools.flags import add_model_args, device_and_dtype, output_file, positive_int
+from metrale_graph.tools.loading import load_model
+from metrale_graph.tools.report import print_json, print_table
 
 
 def _verify_streams(B: int, T: int) -> int:
@@ -115,7 +116,7 @@ def _verify(model, cache, path: str, B: int, T: int, seed: int) -> dict[str, flo
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m tools.export_onnx", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m metrale_graph.tools.export_onnx", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p, parallel=False)  # one whole model: --tp / --moe-parallel are refused by name below
     p.add_argument("-B", "--batch-size", type=positive_int, default=4, help="streams in the bucket (default 4)")

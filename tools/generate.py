@@ -2,27 +2,33 @@
 the new tokens as they come, then prints the time to first token and tokens/s; ends with one
 JSON line.
 
-    python -m tools.generate [--model tiny|FOLDER] [--prompt TEXT_OR_IDS]... [--max-new-tokens 32]
-                             [--temperature 0] [--top-k 0] [--top-p 1.0] [--seed 0] [--num-slots 8]
+    python -m metrale_graph.tools.generate [--model tiny|FOLDER] [--prompt TEXT_OR_IDS]... [--max-new-tokens 32]
+                                           [--temperature 0] [--top-k 0] [--top-p 1.0] [--seed 0] [--num-slots 8]
 
 --prompt is text when the model folder has a tokenizer, else comma-separated token ids (the
 default `tiny` preset has none); repeat it for several prompts, generated as one batch. One
-prompt streams token by token; several print each request as it finishes.
+prompt streams token by token; several print each request as it finishes. Ctrl-C ends the run with
+one line on standard error and the text produced so far (exit code 130).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
 import time
 
 import torch
 
-from metrale_graph.tools.common import (INT_TEXT, add_model_args, end_tensor_parallel, load_model, model_config,
-                                        non_negative_float, non_negative_int, positive_int, print_json, probability)
+from metrale_graph.tools.distributed import end_tensor_parallel, start_run
+from metrale_graph.tools.flags import (INT_TEXT, add_model_args, non_negative_float, non_negative_int, positive_int,
+                                       probability)
+from metrale_graph.tools.loading import load_model, model_config
+from metrale_graph.tools.report import bars_shown, print_json
 
 
 def _parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m tools.generate", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m metrale_graph.tools.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p, seed_help="seed of random preset weights and of sampling (request i draws from seed + i)")
     p.add_argument("--prompt", action="append", default=None,
@@ -85,16 +91,60 @@ def _out_of_memory(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in text or "Overflow when unpacking" in text
 
 
+class _Produced:
+    """What a run has produced so far, for the report of a Ctrl-C: the stage it is in, each request's new
+    tokens, the finished ones, and what of a single request's stream is printed (its line is open until
+    the stream ends)."""
+
+    def __init__(self):
+        self.stage = "loading the model"
+        self.engine = None
+        self.outputs: dict[int, list[int]] = {}
+        self.reasons: dict[int, str] = {}
+        self.start = None
+        self.streaming = False
+        self.shown_ids = 0  # tokens of the streamed request printed (as ids: no tokenizer)
+        self.shown_text = ""  # its text printed (with a tokenizer)
+
+    def show(self, ids: list[int]) -> None:
+        """Print what the streamed request's tokens `ids` add to what is printed already (ids when there is
+        no tokenizer); a partial UTF-8 character waits for the next token."""
+        text = self.engine.decode(ids)
+        if text is None:
+            if len(ids) == self.shown_ids:
+                return
+            piece = ("," if self.shown_ids else "") + ",".join(map(str, ids[self.shown_ids:]))
+            self.shown_ids = len(ids)
+        elif text.endswith("\ufffd") or not text.startswith(self.shown_text):
+            return
+        else:
+            piece, self.shown_text = text[len(self.shown_text):], text
+        # the print last: a Ctrl-C lands after it (signals are handled between bytecodes), never between it
+        # and the update, which would print the piece again
+        print(piece, end="", flush=True)
+
+
 def main(argv=None) -> None:
-    from metrale_graph import Engine
     from metrale_graph.tokenizer import has_tokenizer_files
 
     p, args = _parse_args(argv)
     _check_sizes(p, args)
     if not has_tokenizer_files(args.model):  # a preset, or a folder without one: --prompt must be ids, checked now
         _prompts(p, args, None)
+    run = start_run(args, p)
+    produced = _Produced()
+    with run.silence_other_ranks():
+        try:
+            _generate(p, args, run, produced)
+        except KeyboardInterrupt:
+            _interrupted(produced)
+
+
+def _generate(p, args, run, produced: _Produced) -> None:
+    from metrale_graph import Engine
+
     t0 = time.perf_counter()
-    model = load_model(args, p)
+    model = load_model(args, p, run)
     try:
         engine = Engine(model, num_slots=args.num_slots, max_context=args.max_context,
                         token_budget=args.token_budget, compile=not args.eager)
@@ -105,6 +155,7 @@ def main(argv=None) -> None:
             raise
         p.error(f"--num-slots {args.num_slots} / --max-context / --token-budget: the cache does not fit in the "
                 f"memory of {model.device} ({str(e).splitlines()[0]})")
+    produced.engine = engine
     prompts = _prompts(p, args, engine.tokenizer)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed)
@@ -112,31 +163,38 @@ def main(argv=None) -> None:
         engine.stream(prompts, **kwargs).close()
     except ValueError as e:
         p.error(str(e))
-    print(f"model: {args.model}  {model.extra_repr()}  (built in {time.perf_counter() - t0:.2f} s)\n{engine}")
+    print(f"model: {args.model}  {model.extra_repr()}  (built in {time.perf_counter() - t0:.2f} s)\n{engine}",
+          flush=True)
     if not args.no_warmup:
+        produced.stage = "warming up"
         t = time.perf_counter()
-        engine.warmup()
+        engine.warmup(progress=bars_shown(run))  # a bar per bucket compiled (and captured on CUDA)
         what = "eager" if engine.runner is None else f"{len(engine.runner.grid)} buckets"
-        print(f"warmup ({what}): {time.perf_counter() - t:.1f} s")
+        print(f"warmup ({what}): {time.perf_counter() - t:.1f} s", flush=True)
 
-    single, shown = len(prompts) == 1, [""]
+    produced.stage = "generating"
+    single = produced.streaming = len(prompts) == 1
+    outputs, reasons = produced.outputs, produced.reasons
+    outputs.update({i: [] for i in range(len(prompts))})
     stream = engine.stream(prompts, **kwargs)
-    outputs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    reasons: dict[int, str] = {}
-    start = time.perf_counter()
+    start = produced.start = time.perf_counter()
     first = None
-    for index, token, reason in stream:
-        first = first if first is not None else time.perf_counter() - start
-        outputs[index].append(token)
-        if reason is not None:
-            reasons[index] = reason
-        if single:
-            _show_piece(engine, outputs[index], shown)
-        elif reason is not None:
-            print(f"[{index}] ({reason}) {_render(engine, outputs[index])}", flush=True)
+    try:
+        for index, token, reason in stream:
+            first = first if first is not None else time.perf_counter() - start
+            outputs[index].append(token)
+            if reason is not None:
+                reasons[index] = reason
+            if single:
+                produced.show(outputs[index])
+            elif reason is not None:
+                print(f"[{index}] ({reason}) {_render(engine, outputs[index])}", flush=True)
+    finally:
+        stream.close()
     elapsed = time.perf_counter() - start
     if single:
         print(flush=True)
+        produced.streaming = False
     new = sum(len(o) for o in outputs.values())
     print(f"\n{len(prompts)} prompt(s), {new} new tokens in {elapsed:.3f} s: time to first token "
           f"{first * 1e3:.1f} ms, {new / elapsed:,.1f} tokens/s ({model.dtype}, {model.device})")
@@ -149,27 +207,39 @@ def main(argv=None) -> None:
                 "tokens_per_s": round(new / elapsed, 1)})
 
 
+def _interrupted(produced: _Produced) -> None:
+    """After a Ctrl-C: the text of each request not printed yet (a streamed line is ended), then one line on
+    standard error saying where the run was; exit code 130 (128 + SIGINT), no traceback."""
+    if produced.streaming:
+        produced.show(produced.outputs[0])  # a token sampled but not printed yet
+        print(flush=True)
+    elif produced.engine is not None:
+        for index in sorted(produced.outputs):
+            if index not in produced.reasons and produced.outputs[index]:
+                print(f"[{index}] (interrupted) {_render(produced.engine, produced.outputs[index])}")
+    new = sum(len(o) for o in produced.outputs.values())
+    done = (f": {new} new token{'s' if new != 1 else ''} in {time.perf_counter() - produced.start:.1f} s"
+            if produced.start is not None else "; no tokens generated")
+    sys.stdout.flush()
+    print(f"interrupted (Ctrl-C) while {produced.stage}{done}", file=sys.stderr, flush=True)
+    raise SystemExit(130)
+
+
 def _render(engine, ids: list[int]) -> str:
     text = engine.decode(ids)
     return text if text is not None else ",".join(map(str, ids))
 
 
-def _show_piece(engine, ids: list[int], shown: list[str]) -> None:
-    """Print what the new token adds to the text (ids when there is no tokenizer); a partial UTF-8
-    character waits for the next token."""
-    text = engine.decode(ids)
-    if text is None:
-        print(("," if len(ids) > 1 else "") + str(ids[-1]), end="", flush=True)
-        return
-    if text.endswith("\ufffd") or not text.startswith(shown[0]):
-        return
-    print(text[len(shown[0]):], end="", flush=True)
-    shown[0] = text
-
-
 def cli() -> None:
-    """The console script and `python -m`: main(), then the end of a --tp run (tools.common)."""
-    main()
+    """The console script and `python -m`: main(), then the end of a --tp run (tools.distributed). After a
+    Ctrl-C, another one while the process exits is ignored (it would interrupt the interpreter's
+    finalization, which prints a traceback)."""
+    try:
+        main()
+    except SystemExit as e:
+        if e.code == 130:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise
     end_tensor_parallel()
 
 

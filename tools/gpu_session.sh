@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One GPU session in one command (device machines start bare): install the carried
 # flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
-#   usage: bash tools/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|bench|moe|tp|all|setup]
+#   usage: bash tools/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|bench|profile|moe|tp|all|setup]
 #   (run from the repository root)
 # tests: every GPU test (sweep + op-tests + model-tests: ~18 min, more than one call); ops: per-op
-# benchmark; bench: 9B workloads with the peer and generation;
+# benchmark; bench: 9B workloads with the peer and generation; profile (not in all): the 9B workloads' device
+# time by phase and top kernels (bench --profile);
 # moe: the 35B-A3B and (12 layers) Qwen3-Next-80B-A3B workloads with the peer, the 35B-A3B default-grid warmup; tp: the two-GPU benchmarks
 # (9B W2 / W5 against the one-GPU JSON in benchmarks/, 27B W1-W6, 35B-A3B W1 / W2 / W5 with the experts
 # split across the ranks and within). `setup` only installs (source it
@@ -59,7 +60,11 @@ fi
 if [[ $what == bench || $what == all ]]; then
     python3 -m metrale_graph.tools.bench --preset tiny --repeat 3 2>&1 | tee "$OUT/bench_tiny.log" | tail -12
     python3 -m metrale_graph.tools.bench --repeat 7 --generate --json "$OUT/bench.json" --markdown "$OUT/bench.md" \
-        2>&1 | tee "$OUT/bench.log" | tail -16
+        2>&1 | tee "$OUT/bench.log" | tail -18
+fi
+if [[ $what == profile ]]; then
+    python3 -m metrale_graph.tools.bench --workloads W2,W4,W5,W7,D1,D32,D128 --variants compiled,graphs --repeat 5 \
+        --profile --json "$OUT/bench-profile.json" 2>&1 | tee "$OUT/bench-profile.log" | tail -120
 fi
 if [[ $what == moe || $what == all ]]; then
     python3 -m metrale_graph.tools.bench --preset qwen3.5-35b-a3b --workloads W1,W2,W3,W4,W5,W6 --repeat 5 \

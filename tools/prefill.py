@@ -2,7 +2,7 @@
 model (default: the embedded `tiny` preset, no download). Prints each stream's top next token
 and the prefill throughput; ends with one JSON line.
 
-    python -m tools.prefill [--model PRESET|FOLDER] [--lengths 37,64,130,5] ...
+    python -m metrale_graph.tools.prefill [--model PRESET|FOLDER] [--lengths 37,64,130,5] ...
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ import time
 import torch
 
 from metrale_graph import Stream
-from metrale_graph.tools.common import (add_model_args, end_tensor_parallel, load_model, model_config, non_negative_int,
-                                        positive_int, positive_ints, print_json, print_table, sync)
+from metrale_graph.tools.distributed import end_tensor_parallel, start_run
+from metrale_graph.tools.flags import add_model_args, non_negative_int, positive_int, positive_ints
+from metrale_graph.tools.loading import load_model, model_config, sync
+from metrale_graph.tools.report import print_json, print_table, progress_bar
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m tools.prefill", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m metrale_graph.tools.prefill", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     p.add_argument("--lengths", type=positive_ints, default="37,64,130,5,200,1",
@@ -36,8 +38,15 @@ def main(argv=None) -> None:
     if longest > limit:
         p.error(f"--lengths / --continue-tokens: a stream of {longest} tokens exceeds the model's "
                 f"max_position_embeddings ({limit})")
+    run = start_run(args, p)
+    with run.silence_other_ranks():
+        _prefill(p, args, run, num_continued)
+
+
+def _prefill(p, args, run, num_continued: int) -> None:
+    lengths = args.lengths
     t0 = time.perf_counter()
-    model = load_model(args, p)
+    model = load_model(args, p, run)
     print(f"model: {args.model}  {model.extra_repr()}  (built in {time.perf_counter() - t0:.2f} s)")
     gen = torch.Generator().manual_seed(args.seed)
     vocab = model.config.vocab_size
@@ -48,7 +57,7 @@ def main(argv=None) -> None:
 
     # throughput of the first batch (fresh cache each run; the first run warms up)
     times = []
-    for _ in range(args.repeat + 1):
+    for _ in progress_bar(range(args.repeat + 1), run, desc="timed prefills", unit="run"):
         cache = model.new_cache(num_slots, blocks)
         sync(model.device)
         t = time.perf_counter()
@@ -83,7 +92,7 @@ def main(argv=None) -> None:
 
 
 def cli() -> None:
-    """The console script and `python -m`: main(), then the end of a --tp run (tools.common)."""
+    """The console script and `python -m`: main(), then the end of a --tp run (tools.distributed)."""
     main()
     end_tensor_parallel()
 

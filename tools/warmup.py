@@ -2,8 +2,8 @@
 of the grid, print what each bucket cost, and persist the compile artifacts in a cache folder so
 that the next warmup, in a new process, is faster. Runs on the CPU too (compiled step, no graphs).
 
-    python -m tools.warmup [--model PRESET|FOLDER] [--batch-sizes 1,2,4] [--token-counts 256,512]
-                           [--cache-dir .metrale_cache]
+    python -m metrale_graph.tools.warmup [--model PRESET|FOLDER] [--batch-sizes 1,2,4] [--token-counts 256,512]
+                                         [--cache-dir .metrale_cache]
 
 The cache folder holds Inductor's and Triton's caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR
 point into it), torch.compile's portable artifacts (compile_artifacts.bin, loaded with
@@ -37,7 +37,7 @@ def own_files(rank: int | None) -> tuple[str, str]:
 def check_cache_dir(cache_dir: str, record_name: str = RECORD) -> str | None:
     """What is wrong with the (existing) cache folder, or None: it must take new files, Inductor's and
     Triton's caches must be folders, and a cold run's record must be what this tool writes."""
-    from metrale_graph.tools.common import unwritable
+    from metrale_graph.tools.files import unwritable
 
     why = unwritable(cache_dir)
     if why:
@@ -87,9 +87,9 @@ def _describe(run) -> str:
 
 def main(argv=None) -> None:
     from metrale_graph.capture.buckets import make_grid
-    from metrale_graph.tools.common import add_model_args, positive_int, positive_ints
+    from metrale_graph.tools.flags import add_model_args, positive_int, positive_ints
 
-    p = argparse.ArgumentParser(prog="python -m tools.warmup", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m metrale_graph.tools.warmup", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     p.add_argument("--batch-sizes", type=positive_ints, default=list(DEFAULT_BATCH_SIZES))
@@ -98,7 +98,8 @@ def main(argv=None) -> None:
     p.add_argument("--blocks", type=positive_int, default=None, help="KV blocks (default: enough for every slot "
                    "to hold the largest token count)")
     p.add_argument("--cache-dir", default=".metrale_cache", help="where compile artifacts persist")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is none anyway when standard error is not a terminal)")
     args = p.parse_args(argv)
     try:
         make_grid(args.batch_sizes, args.token_counts)
@@ -120,37 +121,49 @@ def main(argv=None) -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, "inductor")
     os.environ["TRITON_CACHE_DIR"] = os.path.join(cache_dir, "triton")
 
-    import torch
-    from tqdm.auto import tqdm
-
-    from metrale_graph.capture import GraphRunner
-    from metrale_graph.tools.common import load_model, print_json, print_table, write_whole
-
     t_start = time.perf_counter()
     artifacts = os.path.join(cache_dir, artifacts_name)
     warm = os.path.isfile(artifacts)
     if warm and not _load_artifacts(artifacts):
         p.error(f"--cache-dir {args.cache_dir!r}: {artifacts} is corrupt or from another torch version "
                 f"(torch.compiler.load_cache_artifacts cannot read it); delete it to start cold")
-    model = load_model(args, p)
+    from metrale_graph.tools.distributed import start_run
+
+    run = start_run(args, p)
+    with run.silence_other_ranks():
+        _warmup(p, args, run, cache_dir, artifacts, record_name, warm, t_start)
+
+
+def _warmup(p, args, run, cache_dir: str, artifacts: str, record_name: str, warm: bool, t_start: float) -> None:
+    import torch
+    from tqdm.auto import tqdm
+
+    from metrale_graph.capture import GraphRunner
+    from metrale_graph.tools.files import write_whole
+    from metrale_graph.tools.loading import load_model
+    from metrale_graph.tools.report import bars_shown, print_json, print_table
+
+    model = load_model(args, p, run)
     blocks = args.blocks if args.blocks is not None else args.slots * -(-max(args.token_counts) // 64)
     cache = model.new_cache(num_slots=args.slots, num_blocks=blocks)
     runner = GraphRunner(model, cache, args.batch_sizes, args.token_counts)
     # what a cold run's time is a time of: a warm run compares itself only with a cold run of the same
-    run = {"model": args.model, "dtype": str(model.dtype), "device": model.device.type, "tp": args.tp,
-           "moe_parallel": args.moe_parallel if args.tp > 1 else None, "buckets": [str(b) for b in runner.grid],
-           "slots": args.slots, "blocks": blocks}
+    warmed = {"model": args.model, "dtype": str(model.dtype), "device": model.device.type, "tp": args.tp,
+              "moe_parallel": run.moe_parallel, "buckets": [str(b) for b in runner.grid],
+              "slots": args.slots, "blocks": blocks}
     print(f"model: {args.model}  {model.extra_repr()}\n{cache}\n"
           f"{len(runner.grid)} buckets, {'CUDA graphs' if runner.use_graphs else 'compiled step, no graphs'}, "
           f"{'warm' if warm else 'cold'} start from {cache_dir}")
     t0 = time.perf_counter()
 
+    bar = not args.no_progress and bars_shown(run)
+
     def on_bucket(r):
         line = (f"{r.bucket}: compile {r.compile_s:.2f} s, capture {r.capture_s:.3f} s, "
                 f"graph {r.graph_bytes / 2**20:.1f} MiB, {time.perf_counter() - t0:.1f} s so far")
-        (tqdm.write(line) if not args.no_progress else print(line, flush=True))
+        (tqdm.write(line) if bar else print(line, flush=True))
 
-    reports = runner.warmup(progress=not args.no_progress, on_bucket=on_bucket)
+    reports = runner.warmup(progress=bar, on_bucket=on_bucket)
     warmup_s = time.perf_counter() - t0
     saved = torch.compiler.save_cache_artifacts()
     if saved is not None:
@@ -166,16 +179,16 @@ def main(argv=None) -> None:
           f"warmup {warmup_s:.1f} s, whole run {total_s:.1f} s")
     record_path = os.path.join(cache_dir, record_name)
     record = {"model": args.model, "buckets": len(reports), "warmup_s": round(warmup_s, 2),
-              "total_s": round(total_s, 2), "run": run}
+              "total_s": round(total_s, 2), "run": warmed}
     cold = None
     if not warm:
         write_whole(record_path, json.dumps(record))
     elif os.path.isfile(record_path):
         with open(record_path) as f:
             cold = json.load(f)
-        if cold.get("run") != run:
+        if cold.get("run") != warmed:
             print(f"{record_path} records a cold warmup of another run ({_describe(cold.get('run'))}); this run: "
-                  f"{_describe(run)}; not compared")
+                  f"{_describe(warmed)}; not compared")
             cold = None
         else:
             print(f"cold warmup {cold['warmup_s']:.1f} s (whole run {cold['total_s']:.1f} s) -> "
@@ -190,8 +203,8 @@ def main(argv=None) -> None:
 
 
 def cli() -> None:
-    """The console script and `python -m`: main(), then the end of a --tp run (tools.common)."""
-    from metrale_graph.tools.common import end_tensor_parallel
+    """The console script and `python -m`: main(), then the end of a --tp run (tools.distributed)."""
+    from metrale_graph.tools.distributed import end_tensor_parallel
 
     main()
     end_tensor_parallel()

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..moe import align_pairs, block_m  # the bf16 grouped GEMMs' pair sorting and block rows
+from ..moe.align import align_pairs, block_m  # the bf16 grouped GEMMs' pair sorting and block rows
 from .quant import (FP8_DTYPE, INTERPRET, SCALE_DTYPES, dequantize_weight_blocks, fake_quantize_activations,
                     num_blocks, quantize_activations, quantize_e4m3, round_to)
 

@@ -16,19 +16,18 @@ divisions IEEE (fp32). A group of zeros gets scale 1e-10 / 448 and codes 0. The 
 torch reference agree bit for bit (codes and scales).
 """
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from ..common import INTERPRET
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = 128  # the format's block edge (weights) and group size (activations)
 ACT_EPS = 1e-10  # floor of an activation group's amax (vLLM's eps)
 SCALE_DTYPES = (torch.float32, torch.bfloat16)  # weight_scale_inv as checkpoints store it
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Triton 3.6's interpreter rounds fp32 -> fp8 casts half-up without carrying into the exponent, and
 # truncates fp32 -> bf16; there the kernels round on the bits first (_round_e4m3, round_to), so the
 # casts that follow are exact and the CPU suite sees the GPU's numerics.

@@ -1,0 +1,188 @@
+"""tools.bench's arithmetic on the CPU: the floor model (tools/floors.py), the union of device intervals
+behind the GPU-busy fraction, the cache that holds every workload (D128 included) and the rendering of
+a run's record. Timing itself needs a GPU (tools.bench refuses to run without one, test_cli.py)."""
+
+import json
+
+import pytest
+import torch
+
+from metrale_graph import PRESETS, HybridModel
+from metrale_graph.tools import bench, floors, profiling, workloads
+from metrale_graph.weights import weight_shapes
+
+MODELS = list(PRESETS)
+
+
+def _numel(shape) -> int:
+    return int(torch.Size(shape).numel())
+
+
+@pytest.mark.parametrize("preset", MODELS)
+def test_phases_partition_the_step(preset):
+    """Every weight of every family belongs to one phase; the phases' FLOPs and bytes add up to the step's
+    (so phase_floor_ms >= floor_ms), and the bytes are, derived independently here: the weights (the
+    embedding's T looked-up rows, MoE experts scaled by the share a batch touches), K/V read and written,
+    the GDN states (fp32) and conv states read and written, the logits written."""
+    cfg = PRESETS[preset]
+    shapes = weight_shapes(cfg)
+    for name in shapes:
+        assert floors.phase_of(cfg, name)[0] in floors.KINDS
+    for w in workloads.WORKLOADS.values():
+        f = floors.step_floor(cfg, w.new, w.cached)
+        assert sum(p.flops for p in f.phases) == pytest.approx(f.flops)
+        assert sum(p.bytes for p in f.phases) == pytest.approx(f.bytes)
+        assert f.phase_floor_ms >= f.floor_ms - 1e-9
+        assert f.phase_floor_ms == pytest.approx(sum(f.by_kind().values()))
+        T, B = sum(w.new), len(w.new)
+        share = floors.expected_experts(cfg, T) / cfg.num_experts if cfg.moe_layers else 0
+        weights = sum(_numel(s) * (share if ".experts." in n else 1) for n, s in shapes.items()
+                      if n != "embed_tokens.weight")
+        if cfg.tie_word_embeddings:
+            weights += _numel(shapes["embed_tokens.weight"])
+        kv = 2 * cfg.num_key_value_heads * cfg.head_dim * (sum(w.cached) + T) * len(cfg.full_layers)
+        gdn = 2 * B * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+        conv = 2 * B * cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1)
+        expected = 2 * (weights + T * cfg.hidden_size + kv + B * cfg.vocab_size) \
+            + (gdn + 2 * conv) * len(cfg.linear_layers)
+        assert f.bytes == pytest.approx(expected, rel=1e-9)
+
+
+def test_embedding_lookup_reads_rows_not_the_table():
+    """The embedding table was counted as read whole (2 GB for the 9B shape): a lookup reads the T rows of
+    the new tokens. D1's floor is ~3.73 ms (it was 4.20), as issue 24 estimated it."""
+    cfg = PRESETS["qwen3.5-9b"]
+    d1 = floors.step_floor(cfg, (1,), (2048,))
+    (embedding,) = [p for p in d1.phases if p.kind == floors.EMBEDDING]
+    assert embedding.bytes == cfg.hidden_size * 2 and embedding.flops == 0
+    assert d1.floor_ms == pytest.approx(3.73, abs=0.01)
+    assert d1.phase_floor_ms == pytest.approx(d1.floor_ms, rel=1e-3)  # memory-bound throughout
+    w2 = floors.step_floor(cfg, (512,) * 8, (0,) * 8)
+    assert [p for p in w2.phases if p.kind == floors.EMBEDDING][0].bytes == 4096 * cfg.hidden_size * 2
+
+
+def test_moe_floor_counts_active_flops_and_touched_experts():
+    """One token runs (and reads) exactly top-k experts per layer; a large batch touches nearly all. For the
+    35B-A3B shape the phase floors land near issue 25's estimates (W2 ~30.3 ms, W6 ~23.5 ms): above them by
+    the GDN state's FLOPs (3 x 2 K V per token and value head), which they left out."""
+    cfg = PRESETS["qwen3.5-35b-a3b"]
+    assert floors.expected_experts(cfg, 1) == pytest.approx(cfg.num_experts_per_tok)
+    assert floors.expected_experts(cfg, 4096) == pytest.approx(cfg.num_experts, rel=1e-3)
+    for name, estimate in (("W2", 30.3), ("W6", 23.5)):
+        w = workloads.WORKLOADS[name]
+        f = floors.step_floor(cfg, w.new, w.cached)
+        recurrence = sum(p.flops for p in f.phases if p.kind == floors.GDN_RECURRENCE) / floors.MATMUL_RATE * 1e3
+        assert f.phase_floor_ms - recurrence == pytest.approx(estimate, rel=0.01), name
+        assert f.phase_floor_ms > 1.15 * f.floor_ms  # the experts are memory-bound, the projections compute-bound
+
+
+def test_floor_of_several_gpus_divides_the_work():
+    cfg = PRESETS["qwen3.5-9b"]
+    one, two = (floors.step_floor(cfg, (512,) * 8, (0,) * 8, gpus) for gpus in (1, 2))
+    assert two.floor_ms == pytest.approx(one.floor_ms / 2) and two.phase_floor_ms == pytest.approx(one.phase_floor_ms / 2)
+    assert sum(two.by_kind(2).values()) == pytest.approx(two.phase_floor_ms)
+
+
+def test_a_weight_no_phase_reads_is_named():
+    with pytest.raises(ValueError, match="which phase reads weight 'layers.0.mystery.weight'"):
+        floors.phase_of(PRESETS["tiny"], "layers.0.mystery.weight")
+
+
+def test_d128_decode_floor_is_states_and_kv():
+    """D128 (128 streams of 1 token after 2048 cached): its floor is dominated by the GDN states (128 slots x
+    ~50 MB, read and written) and the K/V reads, not the weights."""
+    cfg = PRESETS["qwen3.5-9b"]
+    assert workloads.WORKLOADS["D128"] == workloads.Workload((1,) * 128, (2048,) * 128)
+    assert workloads.fitting_workloads(cfg, ["D128"]) == (["D128"], {})
+    f = workloads.workload_floor(cfg, workloads.WORKLOADS["D128"])
+    kinds = f.by_kind()
+    state_mb = 2 * 4 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim \
+        * len(cfg.linear_layers) / 2 / 1e6
+    assert 49 < state_mb < 51
+    assert kinds[floors.GDN_RECURRENCE] + kinds[floors.ATTENTION] > 0.5 * f.floor_ms
+    assert 8.5 < f.floor_ms < 9.5  # issue 24: "the floor is ~9 ms"
+
+
+@pytest.mark.parametrize("intervals, expected", [
+    ([], 0.0),
+    ([(0, 10)], 10.0),
+    ([(0, 10), (20, 25)], 15.0),  # disjoint: the gap is idle
+    ([(0, 10), (5, 15)], 15.0),  # overlapping kernels (two streams) count once
+    ([(0, 10), (2, 3)], 10.0),  # nested
+    ([(20, 25), (0, 10), (10, 12)], 17.0),  # unsorted, touching
+    ([(5, 5), (7, 6)], 0.0),  # empty or reversed intervals add nothing
+])
+def test_union_of_device_intervals(intervals, expected):
+    assert profiling.union_ms(intervals) == expected
+
+
+def test_device_intervals_from_a_real_profile():
+    """device_intervals reads torch.profiler's events (checked on the CPU's: there are no CUDA ones)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(256, 256)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            x = x @ x / 16
+    events = prof.events()
+    cpu = profiling.device_intervals(events, DeviceType.CPU)
+    assert cpu and all(end >= start for start, end in cpu)
+    first, last = min(s for s, _ in cpu), max(e for _, e in cpu)
+    assert 0 < profiling.union_ms(cpu) <= last - first
+    assert profiling.device_intervals(events, DeviceType.CUDA) == []
+
+
+def test_bench_cache_holds_d128_and_contexts_are_prefilled_in_bounded_calls(monkeypatch):
+    """The cache holds the widest workload's streams at once (a slot each; D128: 128) and the largest's blocks;
+    the untimed context prefill is split into calls of at most CONTEXT_TOKENS tokens (D128's 262144 cached
+    tokens in one call would need four times D32's activation memory)."""
+    model = HybridModel.from_preset("tiny")
+    d128, w1 = workloads.Workload((1,) * 128, (3,) * 128), workloads.Workload((300,), (0,))
+    cache = workloads.bench_cache(model, [d128, w1])
+    assert cache.num_slots == 128 and cache.max_context >= 300
+    calls = []
+    real = model.prefill
+
+    def prefill(c, streams):
+        calls.append(sum(len(s.tokens) for s in streams))
+        return real(c, streams)
+
+    monkeypatch.setattr(model, "prefill", prefill)
+    gen = torch.Generator().manual_seed(0)
+    contexts = [torch.randint(0, 512, (3,), generator=gen) if i % 10 == 0 else None for i in range(128)]  # 13
+    workloads.prefill_contexts(model, cache, contexts, max_tokens=10)
+    assert calls == [9, 9, 9, 9, 3]
+    assert list(cache.context_lens[:128]) == [3 if i % 10 == 0 else 0 for i in range(128)]
+    assert workloads.grid_of(["D1", "D32", "D128"]) == ([1, 32, 128], [1, 32, 128])
+
+
+def _record(results, variants, **extra):
+    return {"tool": "bench", "preset": "qwen3.5-9b", "layers": 32, "tp": 1, "moe_parallel": None,
+            "device": "NVIDIA H200", "repeat": 3, "generation": None, "results": results, **extra}
+
+
+def test_render_reports_both_floors_and_the_busy_fraction():
+    rows = [{"workload": "W2", "label": "8x512", "tokens": 4096, "floor_ms": 72.33, "phase_floor_ms": 72.79,
+             "eager_ms": 150.0, "graphs_ms": 110.0, "gpu_busy": 0.947, "peer_ms": 220.0},
+            {"workload": "D1", "label": "1x1 +2048 cached", "tokens": 1, "floor_ms": 3.73, "phase_floor_ms": 3.73,
+             "eager_ms": 40.0, "graphs_ms": 5.9, "gpu_busy": None, "peer_ms": 30.0}]
+    variants = ["peer", "eager", "graphs"]
+    record = _record(rows, variants)
+    text = bench.render(record, variants)
+    lines = text.splitlines()
+    assert lines[0] == "qwen3.5-9b, bf16, NVIDIA H200"
+    headers = lines[1].split("  ")
+    for h in ("floor ms", "phase floor ms", "graphs / floor", "graphs / phase floor", "GPU busy", "peer / graphs"):
+        assert h in lines[1], h
+    assert len([h for h in headers if h.strip()]) == 12
+    w2 = lines[3]
+    assert f"{110 / 72.33:.2f}x" in w2 and f"{110 / 72.79:.2f}x" in w2 and "94.7%" in w2 and "2.00x" in w2
+    assert lines[4].split()[-2:] == ["-", "169"]  # no busy fraction recorded; 1 token / 5.9 ms
+    markdown = bench.render(record, variants, "markdown")
+    assert markdown.splitlines()[2].startswith("| workload | floor ms | phase floor ms |")
+    assert json.loads(bench.render(record, variants, "json")) == record
+    with pytest.raises(ValueError, match="fmt must be 'table', 'markdown' or 'json', got 'html'"):
+        bench.render(record, variants, "html")
+    short = _record(rows, ["graphs"], layers=4)
+    assert bench.render(short, ["graphs"]).splitlines()[0] == "qwen3.5-9b (4 layers), bf16, NVIDIA H200"

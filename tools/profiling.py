@@ -1,0 +1,105 @@
+"""Timing and profiling a step on the GPU for tools.bench: CUDA-event medians, device time by phase
+and by kernel, and the GPU-busy fraction (the union of the step's device intervals over its wall time)."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from metrale_graph.ops import REGISTRY, kernels
+
+# kernel name -> phase, first match wins: each op's own kernels (its spec), then the GEMMs (cuBLAS /
+# CUTLASS kernels have many names), then the row kernels several ops share
+PHASES = ([(f"{name} (own kernels)", spec.kernels) for name, spec in REGISTRY.items() if spec.kernels]
+          + [("GEMM", ("gemm", "nvjet", "xmma", "cutlass", "splitk", "splitK", "sm90_", "sm80_")),
+             ("shared row kernels (norms, SiLU-mul)", kernels.SHARED_KERNELS)])
+
+
+def time_cuda(fn, setup, repeat: int, warmup: int = 2) -> float:
+    """Median ms of fn() with CUDA events (host work inside fn included); setup() (untimed) runs before
+    each call."""
+    times = []
+    for i in range(warmup + repeat):
+        setup()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def union_ms(intervals) -> float:
+    """Length of the union of (start, end) intervals, in their unit: time covered by at least one of
+    them, so overlapping kernels (several streams) count once. Empty -> 0."""
+    total, reach = 0.0, None
+    for start, end in sorted(intervals):
+        if end <= start:
+            continue
+        if reach is None or start > reach:
+            total += end - start
+            reach = end
+        elif end > reach:
+            total += end - reach
+            reach = end
+    return total
+
+
+def device_intervals(events, device_type) -> list[tuple[float, float]]:
+    """(start, end) in microseconds of the profiler's events (torch.profiler's prof.events()) that ran on
+    `device_type` (torch.autograd.DeviceType.CUDA: kernels, copies and fills)."""
+    return [(e.time_range.start, e.time_range.end) for e in events if e.device_type == device_type]
+
+
+def device_busy_ms(fn, setup, runs: int = 3) -> float | None:
+    """Median over `runs` calls of fn() of the time the GPU was busy with its work (ms): the union of its
+    device intervals from torch.profiler, one profile per call (setup() outside it). None when the
+    profiler saw no device activity (CUPTI unavailable)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    busy = []
+    for i in range(runs + 1):  # the first profile pays the profiler's own start-up
+        setup()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        intervals = device_intervals(prof.events(), DeviceType.CUDA)
+        if not intervals:
+            return None
+        if i:
+            busy.append(union_ms(intervals) / 1e3)
+    return statistics.median(busy)
+
+
+def kernel_breakdown(fn, setup, phases=PHASES, runs: int = 3) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
+    """Device time per call by phase and by kernel (ms, largest first), from torch.profiler over `runs`
+    calls. `phases`: (phase, kernel-name substrings) pairs, first match wins; the rest is "other"."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    setup()
+    fn()  # anything lazy happens outside the profile
+    by_kernel: dict[str, float] = {}
+    for _ in range(runs):  # one profile per call: setup's kernels (the cache restore) stay outside
+        setup()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        for e in prof.key_averages():
+            if e.device_type == DeviceType.CUDA:
+                by_kernel[e.key] = by_kernel.get(e.key, 0.0) + e.self_device_time_total / 1e3 / runs
+    if not by_kernel:
+        raise RuntimeError("torch.profiler recorded no CUDA kernels")
+    by_phase: dict[str, float] = {}
+    for name, ms in by_kernel.items():
+        phase = next((p for p, keys in phases if any(k in name for k in keys)), "other (copies, gathers, Inductor)")
+        by_phase[phase] = by_phase.get(phase, 0.0) + ms
+    by = lambda d: sorted(d.items(), key=lambda kv: -kv[1])  # noqa: E731
+    return by(by_phase), by(by_kernel)

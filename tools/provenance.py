@@ -1,0 +1,30 @@
+"""What produced a benchmark record."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def provenance() -> dict:
+    """The command line, the commit of this checkout ("-dirty" with uncommitted changes; None outside a git
+    checkout) and the torch / triton versions."""
+    import torch
+    import triton
+
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*cmd):
+        try:
+            return subprocess.run(["git", "-C", here, *cmd], capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD") or None
+    if commit and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "-dirty"
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    program = f"python -m {spec.name}" if spec else f"python {sys.argv[0]}"
+    return {"command": " ".join([program] + sys.argv[1:]), "commit": commit, "torch": torch.__version__,
+            "triton": triton.__version__}
