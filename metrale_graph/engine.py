@@ -278,11 +278,11 @@ class Engine:
         ended = 0
         try:
             while ended < len(requests):
-                item = channel.get()
-                if isinstance(item, Failure):
-                    raise item.error
-                ended += item.finish_reason is not None
-                yield TokenEvent(item.index, item.token_ids[0], item.finish_reason)
+                for item in channel.get():
+                    if isinstance(item, Failure):
+                        raise item.error
+                    ended += item.finish_reason is not None
+                    yield TokenEvent(item.index, item.token_ids[0], item.finish_reason)
         finally:
             if channel.open:  # stopped early (an error, a close): free what the others hold, then go on
                 self._loop.abort([r for r in requests if not r.ended])

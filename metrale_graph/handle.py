@@ -75,24 +75,25 @@ class Channel:
 
     def put(self, item: RequestOutput | Failure) -> None:
         """Append `item` (never blocks on a consumer) and wake whoever waits."""
+        _wake_async(self.put_all([item]))
+
+    def put_all(self, items: list) -> list:
+        """Append `items` and wake the threads waiting; returns the asyncio waiters to wake (deliver())."""
         with self._cond:
-            self._items.append(item)
-            if isinstance(item, Failure) or item.finish_reason is not None:
-                self.open -= 1
+            self._items.extend(items)
+            self.open -= sum(isinstance(item, Failure) or item.finish_reason is not None for item in items)
             waiters, self._waiters = self._waiters, []
             self._cond.notify_all()
-        for loop, future in waiters:
-            try:
-                loop.call_soon_threadsafe(_wake, future)
-            except RuntimeError:  # that event loop is closed: nobody awaits the future any more
-                pass
+        return waiters
 
-    def get(self, timeout: float | None = None) -> RequestOutput | Failure:
-        """The next item, waiting for it (TimeoutError after `timeout` seconds)."""
+    def get(self, timeout: float | None = None) -> list:
+        """Every item there is, waiting for at least one (TimeoutError after `timeout` seconds)."""
         with self._cond:
             if not wait_for(self._cond, lambda: self._items, timeout):
                 raise TimeoutError(f"no output within {timeout} s")
-            return self._items.popleft()
+            items = list(self._items)
+            self._items.clear()
+            return items
 
     def wait_closed(self, timeout: float | None = None) -> None:
         """Wait until every request delivered its last output (TimeoutError after `timeout` seconds)."""
@@ -141,9 +142,27 @@ def wait_for(cond: threading.Condition, predicate, timeout: float | None) -> boo
     return True
 
 
-def _wake(future: asyncio.Future) -> None:
-    if not future.done():  # a consumer cancelled while waiting
-        future.set_result(None)
+def deliver(outputs: dict[Channel, list]) -> None:
+    """Put each channel's items with one lock and one wakeup per channel, and wake the asyncio consumers with
+    one call_soon_threadsafe per event loop (a step's outputs, all at once)."""
+    _wake_async([w for channel, items in outputs.items() for w in channel.put_all(items)])
+
+
+def _wake_async(waiters: list) -> None:
+    by_loop: dict = {}
+    for loop, future in waiters:
+        by_loop.setdefault(loop, []).append(future)
+    for loop, futures in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_wake, futures)
+        except RuntimeError:  # that event loop is closed: nobody awaits its futures any more
+            pass
+
+
+def _wake(futures: list) -> None:
+    for future in futures:
+        if not future.done():  # a consumer cancelled while waiting
+            future.set_result(None)
 
 
 class RequestHandle:
@@ -169,12 +188,12 @@ class RequestHandle:
 
     def __iter__(self):
         while True:
-            item = self._channel.get()
-            if isinstance(item, Failure):
-                raise item.error
-            yield item
-            if item.finish_reason is not None:
-                return
+            for item in self._channel.get():
+                if isinstance(item, Failure):
+                    raise item.error
+                yield item
+                if item.finish_reason is not None:
+                    return
 
     async def __aiter__(self):
         while True:

@@ -22,6 +22,7 @@ own, every request still outstanding ends with an error: no consumer waits for e
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import time
@@ -31,7 +32,7 @@ from typing import Callable
 import torch
 
 from .batch import Stream
-from .handle import EngineClosedError, EngineFullError, Failure, RequestOutput, wait_for
+from .handle import EngineClosedError, EngineFullError, Failure, RequestOutput, deliver, wait_for
 from .plan_sync import IDLE, IDLE_SYNC_S, SHUTDOWN, STEP, WARMUP, PlanBroadcast
 from .sampling import sample
 from .scheduler import Request, Scheduler
@@ -80,7 +81,7 @@ class EngineLoop:
         self._broadcast = broadcast
         self._cond = threading.Condition(threading.Lock())
         self._inbox: list[Request] = []
-        self._aborts: list[Request] = []
+        self._aborts: collections.deque[Request] = collections.deque()  # appended without the lock (abort())
         self._jobs: list[_Job] = []
         self._closing: BaseException | None = None  # set by close(): what outstanding requests end with
         self._draining: BaseException | None = None  # set by drain(): what new requests are refused with
@@ -110,9 +111,12 @@ class EngineLoop:
             self._cond.notify()
 
     def abort(self, requests: list[Request]) -> None:
-        with self._cond:
-            self._aborts.extend(requests)
-            self._cond.notify()
+        """End `requests` at the next iteration. Takes no lock in the loop thread: a stream the garbage
+        collector finalizes there aborts its requests while the loop may hold its lock."""
+        self._aborts.extend(requests)  # atomic
+        if not self.is_loop_thread():
+            with self._cond:
+                self._cond.notify()
 
     def run_job(self, fn: Callable[[], object], warmup: bool = False):
         """Run fn() in the loop thread between two steps and return its result (or raise its error).
@@ -208,7 +212,7 @@ class EngineLoop:
             with self._cond:
                 if self._cond.wait_for(self._has_work, IDLE_SYNC_S if self._broadcast is not None else None):
                     new, self._inbox = self._inbox, []
-                    aborts, self._aborts = self._aborts, []
+                    aborts = [self._aborts.popleft() for _ in range(len(self._aborts))]
                     jobs, self._jobs = self._jobs, []
                     closing = self._closing
                     sched.waiting.extend(new)
@@ -217,7 +221,13 @@ class EngineLoop:
             self._broadcast.send(IDLE)  # nothing to run: keep the followers' broadcast alive
         for r in aborts:
             if not r.ended:
-                self._end(r, RequestOutput(r.index, [], "" if r.text is not None else None, "abort"), "abort")
+                try:
+                    self.scheduler.remove(r)
+                except Exception as e:  # the reset of its slot failed (a cache a failure broke)
+                    self._fail(r, e)
+                    continue
+                r.finish_reason = "abort"
+                r.channel.put(RequestOutput(r.index, [], "" if r.text is not None else None, "abort"))
         for job in jobs:  # between steps: a capture never runs while a step does
             if job.warmup and self._broadcast is not None:
                 self._broadcast.send(WARMUP, resets=self._take_released())
@@ -253,14 +263,18 @@ class EngineLoop:
         self._steps += 1
         self._prompt_tokens += prompt_tokens
         self._generated += len(tokens)
-        now = time.perf_counter()
+        now, outputs = time.perf_counter(), {}
         for r, token in zip(todo, tokens):
             try:
-                self._deliver(r, token, now)
+                output = self._advance(r, token, now)
             except Exception as e:  # the tokenizer failed on its tokens, or its slot's reset did
                 self._fail(r, e)
+            else:
+                outputs.setdefault(r.channel, []).append(output)
+        deliver(outputs)  # the step's outputs together: one wakeup per consumer, not one per token
 
-    def _deliver(self, r: Request, token: int, now: float) -> None:
+    def _advance(self, r: Request, token: int, now: float) -> RequestOutput:
+        """Take `token` into `r`: its output; an ending request is finished (its slot freed) first."""
         r.out.append(token)
         if r.first_token_time is None:
             r.first_token_time = now
@@ -269,21 +283,10 @@ class EngineLoop:
         if r.text is not None:
             text, stopped = r.text.add([token], final=reason is not None)
             reason = "stop" if stopped else reason
-        output = RequestOutput(r.index, [token], text, reason)
-        if reason is None:
-            r.channel.put(output)
-        else:
-            self._end(r, output, reason)
-
-    def _end(self, r: Request, output: RequestOutput, reason: str) -> None:
-        """Finish `r`: its slot is free before its consumer sees the last output."""
-        try:
-            self.scheduler.remove(r)
-        except Exception as e:  # the reset of its slot failed (a cache a failure broke)
-            self._fail(r, e)
-            return
-        r.finish_reason = reason
-        r.channel.put(output)
+        if reason is not None:
+            self.scheduler.remove(r)  # the slot is free before the consumer sees the last output
+            r.finish_reason = reason
+        return RequestOutput(r.index, [token], text, reason)
 
     def prefill(self, streams: list[Stream]) -> torch.Tensor:
         """One step: logits [len(streams), vocab] of each stream's last token."""
