@@ -8,14 +8,17 @@ Public API::
     logits = model.prefill(cache, [Stream(slot=0, tokens=[...]), Stream(slot=5, tokens=[...])])
 
     from metrale_graph import Engine
-    results = Engine(model, num_slots=64).generate(prompts, max_new_tokens=128)
+    engine = Engine(model, num_slots=64)
+    results = engine.generate(prompts, max_new_tokens=128)
+    handle = engine.submit(prompt, max_new_tokens=128)   # online: any time, any thread; iterate or abort it
 """
 
 from .config import ModelConfig, PRESETS, load_config
 from .batch import Stream
 from .cache import HybridCache
 from .model import HybridModel
-from .engine import Engine, GenerationResult, TokenEvent
+from .engine import (Engine, EngineClosedError, EngineFullError, GenerationResult, RequestHandle, RequestOutput,
+                     TokenEvent)
 
 __all__ = ["HybridModel", "HybridCache", "ModelConfig", "PRESETS", "Stream", "load_config", "Engine",
-           "GenerationResult", "TokenEvent"]
+           "EngineClosedError", "EngineFullError", "GenerationResult", "RequestHandle", "RequestOutput", "TokenEvent"]

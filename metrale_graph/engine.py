@@ -1,57 +1,71 @@
-"""Engine: text generation over the captured prefill step, with continuous batching.
+"""Engine: text generation over the captured prefill step, online, with continuous batching.
 
     engine = Engine(model, num_slots=64)
     results = engine.generate(prompts, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0,
                               seed=None, stop_token_ids=None)
     results[i].token_ids, results[i].text, results[i].finish_reason
 
-Every step is ONE call of the step (GraphRunner.prefill: a CUDA graph replay on CUDA, the same
-compiled step on the CPU; or model.prefill with compile=False): one-token decode streams of the
-running requests plus prompt chunks under the token budget (scheduler.py has the policy). The
-next tokens are sampled on the device (sampling.py).
+    handle = engine.submit(prompt, max_new_tokens=128, ..., stop=["\\n\\n"])   # any time, any thread
+    for out in handle: out.token_ids, out.text, out.finish_reason             # or: async for
+    handle.result(), handle.abort()
+
+One engine loop (loop.py: a background thread, started on first use, ended by shutdown(), the
+context manager, or when the engine is collected or the interpreter exits) drives every step: ONE
+call of the step (GraphRunner.prefill: a CUDA graph replay on CUDA, the same compiled step on the
+CPU; or model.prefill with compile=False) holding the running requests' one-token decode streams
+and prompt chunks under the token budget (scheduler.py has the policy). A request submitted while
+others run joins the batch at the next step; generate and stream submit their requests together
+and wait for them, so any number of calls (threads, a server) share the engine.
 
 Semantics:
 - A request's output `token_ids` holds the new tokens only; a stop token ends the request with
   finish_reason "stop" and is included (as transformers' generate keeps the eos token).
   Reaching max_new_tokens, or max_context (prompt + new tokens == max_context), ends it with
-  "length".
+  "length". submit's stop strings end it with "stop" too: its text ends before the stop string
+  (nothing after it is ever streamed), its token_ids end with the token that completed it.
 - A prompt must leave room for at least one new token: 1 <= len(prompt) < max_context.
 - stop_token_ids=None uses the engine's default stop tokens (Engine(stop_token_ids=...), by
   default the eos token(s) of the model folder's generation_config.json, as transformers'
   generate does, else the tokenizer's eos token; none for presets); [] stops on nothing.
 - Sampling: temperature 0 is greedy; otherwise temperature, top-k (0: off), top-p (1.0: off).
-  Request i draws from its own generator seeded with seed + i (seed=None: from the OS; under tensor
-  parallelism rank 0 draws the seed and shares it, so every rank samples the same tokens), so its
-  tokens do not depend on the other requests of the batch.
-- Bad requests raise ValueError before anything runs (nothing queued, the cache untouched).
+  Request i of a call draws from its own generator seeded with seed + i (seed=None: from the OS;
+  under tensor parallelism rank 0 draws the seed and shares it, so every rank samples the same
+  tokens), so its tokens do not depend on the other requests of the batch.
+- Bad requests raise ValueError before anything is queued (numbers may be Python or numpy ones,
+  prompts lists, 1-D integer tensors or numpy arrays, or strings with a tokenizer); submit raises
+  EngineFullError when max_waiting requests already wait, EngineClosedError after shutdown.
+- The engine holds its cache (HybridCache.hold) for its whole life: any other use of engine.cache
+  (model.prefill, a runner, reset) raises CacheInUseError, so no stream gets into it from outside.
 """
 
 from __future__ import annotations
 
+import itertools
+import numbers
+import sys
 import threading
 import time
-from dataclasses import dataclass
+import weakref
 from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from .batch import Stream, check_token_ids, token_tensor
+from .batch import check_token_ids, token_tensor
+from .detokenizer import StreamingText, check_stop_strings
+from .handle import (Channel, EngineBusyError, EngineClosedError, EngineFullError, Failure, GenerationResult,
+                     RequestHandle, RequestOutput)
+from .loop import EngineLoop, EngineStats
 from .model import HybridModel
-from .sampling import check_params, check_seed, new_generator, sample
-from .scheduler import Request, Scheduler
+from .plan_sync import PlanBroadcast, follow
+from .sampling import check_params, check_seed, new_generator
+from .scheduler import Request
 from .tokenizer import decode_kwargs, default_stop_ids, resolve_tokenizer
+
+__all__ = ["Engine", "EngineBusyError", "EngineClosedError", "EngineFullError", "EngineStats", "GenerationResult",
+           "RequestHandle", "RequestOutput", "TokenEvent", "default_grid"]
 
 DEFAULT_MAX_CONTEXT = 4096
 DEFAULT_TOKEN_BUDGET = 2048
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]  # the new tokens only (a stop token included)
-    text: str | None  # token_ids decoded (special tokens skipped) when the engine has a tokenizer
-    finish_reason: str  # "stop" or "length"
-    prompt_tokens: int
-    first_token_s: float  # seconds from the start of the call to this request's first new token
 
 
 class TokenEvent(NamedTuple):
@@ -60,10 +74,6 @@ class TokenEvent(NamedTuple):
     index: int
     token_id: int
     finish_reason: str | None
-
-
-class EngineBusyError(RuntimeError):
-    """The engine is already generating (one call at a time, a stream counts until exhausted or closed)."""
 
 
 def default_grid(num_slots: int, token_budget: int) -> tuple[list[int], list[int]]:
@@ -88,7 +98,8 @@ class Engine:
                  token_budget: int | None = None, block_size: int = 64, num_blocks: int | None = None,
                  tokenizer=None, stop_token_ids: Sequence[int] | None = None, compile: bool = True,
                  use_graphs: bool | None = None, batch_sizes: Sequence[int] | None = None,
-                 token_counts: Sequence[int] | None = None):
+                 token_counts: Sequence[int] | None = None, max_waiting: int | None = None,
+                 broadcast_plans: bool = False):
         """A generation engine owning a cache of `num_slots` slots over `model`.
 
         max_context: the most tokens (prompt + new) a request holds, at most the model's
@@ -98,16 +109,25 @@ class Engine:
         max_context; fewer make admission wait for blocks). compile=False runs the eager
         model.prefill (no GraphRunner); use_graphs (default: on CUDA) is the GraphRunner's
         option. batch_sizes / token_counts: the bucket grid (default: `default_grid`).
+        max_waiting: the most submit() requests waiting for a slot before submit raises
+        EngineFullError (default max(256, 4 x num_slots); generate / stream are never refused).
+        broadcast_plans: under tensor parallelism, rank 0 serves and the other ranks run follow()
+        (plan_sync.py); without tensor parallelism it changes nothing.
         """
         cfg = model.config
         if max_context is None:
             max_context = min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
         if token_budget is None:
             token_budget = max(DEFAULT_TOKEN_BUDGET, num_slots if _is_int(num_slots) else 0)
+        if max_waiting is None:
+            max_waiting = max(256, 4 * num_slots) if _is_int(num_slots) else 0
         for name, value, low in (("num_slots", num_slots, 1), ("max_context", max_context, 2),
-                                 ("token_budget", token_budget, 1), ("block_size", block_size, 1)):
+                                 ("token_budget", token_budget, 1), ("block_size", block_size, 1),
+                                 ("max_waiting", max_waiting, 0)):
             if not _is_int(value) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        num_slots, max_context, token_budget, block_size, max_waiting = map(
+            int, (num_slots, max_context, token_budget, block_size, max_waiting))
         if max_context > cfg.max_position_embeddings:
             raise ValueError(f"max_context ({max_context}) exceeds the model's max_position_embeddings "
                              f"({cfg.max_position_embeddings})")
@@ -116,9 +136,14 @@ class Engine:
                              "running request feeds one token per step")
         if num_blocks is None:
             num_blocks = num_slots * -(-max_context // block_size)
+        elif _is_int(num_blocks):
+            num_blocks = int(num_blocks)
         if use_graphs and not compile:
             raise ValueError("use_graphs=True needs compile=True (graphs replay the compiled step)")
+        if not isinstance(broadcast_plans, bool):
+            raise ValueError(f"broadcast_plans must be True or False, got {broadcast_plans!r}")
         self.model, self.num_slots, self.max_context, self.token_budget = model, num_slots, max_context, token_budget
+        self.max_waiting = max_waiting
         self.tokenizer = resolve_tokenizer(tokenizer, model)
         self._decode_kwargs = decode_kwargs(self.tokenizer) if self.tokenizer is not None else {}
         if stop_token_ids is None:
@@ -133,52 +158,109 @@ class Engine:
             self.runner = GraphRunner(model, self.cache, default_b if batch_sizes is None else batch_sizes,
                                       default_t if token_counts is None else token_counts,
                                       use_graphs=use_graphs)
-        self._lock = threading.Lock()
-
-    def warmup(self, progress: bool = False) -> list:
-        """Compile (and on CUDA capture) every bucket now rather than on first use; returns the
-        runner's per-bucket reports. With compile=False: one 1-token request, so that one-time
-        initialization stays out of later timings; returns []. Raises EngineBusyError while a
-        generate or stream is running."""
-        if self.runner is None:
-            self.generate([[0]], max_new_tokens=1, stop_token_ids=[])
-            return []
-        self._hold()  # capturing under a running generation would fail it
-        try:
-            return self.runner.warmup(progress=progress)
-        finally:
-            self._lock.release()
+        self._token = object()  # the engine's hold on its cache: only its loop acts for it
+        self.cache.hold(self._token, "the Engine that built it")
+        self._broadcast = (PlanBroadcast(model.tp, model.device, num_slots, token_budget)
+                           if broadcast_plans and model.tp is not None else None)
+        self._loop = EngineLoop(model, self.runner, self.cache, self._token, token_budget, self._broadcast)
+        self._ids = itertools.count()
+        self._finalizer = weakref.finalize(self, _close, self._loop)
 
     # public calls ------------------------------------------------------------------------------
+    def submit(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int | None = None, stop_token_ids: Sequence[int] | None = None,
+               stop: str | Sequence[str] | None = None) -> RequestHandle:
+        """Queue one request (a prompt as generate takes them) from any thread; it joins the running batch
+        at the next step. Returns its RequestHandle (outputs as they come, result(), abort()). With a
+        tokenizer each output carries the text its tokens add (UTF-8 safe; `stop` strings matched across
+        tokens and cut). ValueError for a bad request, EngineFullError when max_waiting requests wait,
+        EngineClosedError after shutdown(); nothing is queued then."""
+        if self.model.tp is not None and self._broadcast is None:
+            raise ValueError("under tensor parallelism submit() needs Engine(..., broadcast_plans=True) (rank 0 "
+                             "serves, the other ranks run engine.follow()); generate / stream called alike on "
+                             "every rank need no broadcast")
+        stop = check_stop_strings(stop)
+        if stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (Engine(model, tokenizer=...)); use stop_token_ids")
+        (request,) = self._requests([prompt], max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
+                                    stop=stop, text=self.tokenizer is not None)
+        channel = Channel(1)
+        request.channel = channel
+        self._loop.submit([request], self.max_waiting)
+        return RequestHandle(self._loop, request, channel, owner=self)
+
     def generate(self, prompts, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop_token_ids: Sequence[int] | None = None,
                  on_token: Callable[[int, int], None] | None = None) -> list[GenerationResult]:
-        """Generate for every prompt (token id lists, 1-D int tensors, or strings with a tokenizer);
-        results in the prompts' order. `on_token(request_index, token_id)` is called for each new
-        token as it is sampled."""
+        """Generate for every prompt (token id lists, 1-D int tensors or numpy arrays, or strings with a
+        tokenizer); results in the prompts' order. The requests are queued together, in order (under
+        tensor parallelism every rank then schedules them alike). `on_token(request_index, token_id)` is
+        called in this thread for each new token, in the order they are sampled. If anything fails (a
+        request's step, the callback, Ctrl-C) the call's other requests are aborted and their slots
+        freed before the error propagates."""
         t0 = time.perf_counter()
         if on_token is not None and not callable(on_token):
             raise ValueError(f"on_token must be a callable (request_index, token_id) or None, got "
                              f"{type(on_token).__name__}")
-        requests, stops = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids)
-        events = self._events(requests, stops, t0)
+        requests = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids)
+        events = self._events(requests)
         try:
             for event in events:
                 if on_token is not None:
                     on_token(event.index, event.token_id)
         finally:
-            events.close()  # on an error (a callback's too): free the cache now, not when collected
-        return [self._result(r) for r in requests]
+            events.close()  # on an error (a callback's too): free the slots now, not when collected
+        return [self._result(r, t0) for r in requests]
 
     def stream(self, prompts, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None,
                stop_token_ids: Sequence[int] | None = None) -> Iterator[TokenEvent]:
         """generate's requests as a stream of TokenEvents, in the order tokens are sampled. The
-        arguments are checked now (ValueError); the work runs as the stream is consumed. Closing
-        the stream early (or dropping it) frees the cache."""
-        t0 = time.perf_counter()
-        requests, stops = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids)
-        return self._events(requests, stops, t0)
+        arguments are checked now (ValueError); the requests are queued on the first next() and run
+        whether or not the stream is consumed. Once the last request has finished the stream holds
+        nothing; closing it early (or dropping it) aborts its requests and frees their slots."""
+        requests = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids)
+        return self._events(requests)
+
+    def warmup(self, progress: bool = False) -> list:
+        """Compile (and on CUDA capture) every bucket now rather than on first use; returns the
+        runner's per-bucket reports. Runs in the engine loop between two steps (requests running
+        meanwhile wait for it). With compile=False: one 1-token request, so that one-time
+        initialization stays out of later timings; returns []."""
+        self._check_not_follower("warmup")
+        if self.runner is None:
+            self.generate([[0]], max_new_tokens=1, stop_token_ids=[])
+            return []
+        return self._loop.run_job(lambda: self.runner.warmup(progress=progress), warmup=True)
+
+    def follow(self) -> None:
+        """Under tensor parallelism with broadcast_plans, on every rank but 0: replay rank 0's steps (and
+        warmup) until rank 0 shuts its engine down (plan_sync.py). Blocks the calling thread."""
+        if self._broadcast is None or self._broadcast.leader:
+            raise ValueError("follow() runs on the ranks other than 0 of an Engine(..., broadcast_plans=True) under "
+                             "tensor parallelism")
+        runner = self.runner
+        with torch.no_grad(), self.cache.acting_for(self._token), self._loop._on_device():
+            follow(self._broadcast, self.cache.reset, self._loop.prefill,
+                   (lambda: runner.warmup(progress=False)) if runner is not None else (lambda: None))
+
+    def stats(self) -> EngineStats:
+        """Running and waiting requests, slot and KV-block use, and token counters, as of now."""
+        return self._loop.stats()
+
+    def shutdown(self, wait_s: float = 0.0, timeout: float | None = 60.0) -> None:
+        """End the engine loop. New requests are refused at once (EngineClosedError); the ones waiting or
+        running get up to `wait_s` seconds to finish, then end with EngineClosedError. Waits up to
+        `timeout` seconds for the step in progress; once the loop has ended the cache is released (usable
+        directly). Idempotent."""
+        self._loop.drain(wait_s)
+        self._loop.close(timeout=timeout)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def decode(self, token_ids: Sequence[int]) -> str | None:
         """Text of `token_ids` (special tokens skipped where the tokenizer's decode takes
@@ -187,60 +269,40 @@ class Engine:
             return None
         return self.tokenizer.decode(list(token_ids), **self._decode_kwargs)
 
-    # the loop ----------------------------------------------------------------------------------
-    def _hold(self) -> None:
-        """Take the engine for one generate / stream / warmup (released by the caller); EngineBusyError while
-        another holds it."""
-        if not self._lock.acquire(blocking=False):
-            raise EngineBusyError("the engine is already generating (finish or close the other stream first)")
-
-    def _events(self, requests: list[Request], stops: frozenset, t0: float) -> Iterator[TokenEvent]:
-        self._hold()
-        sched = None
+    # generate / stream ---------------------------------------------------------------------------
+    def _events(self, requests: list[Request]) -> Iterator[TokenEvent]:
+        channel = Channel(len(requests))
+        for r in requests:
+            r.channel = channel
+        self._loop.submit(requests)
+        ended = 0
         try:
-            sched = Scheduler(self.cache, self.token_budget)  # may reset leftover streams: inside the try
-            for r in requests:
-                sched.add(r)
-            while not sched.done:
-                step = sched.plan()
-                logits = self._prefill([Stream(c.request.slot, c.tokens) for c in step])
-                sched.advance(step)
-                rows = [k for k, c in enumerate(step) if c.sample]
-                if not rows:  # only prompt chunks that are not their prompt's last
-                    continue
-                todo = [step[k].request for k in rows]
-                index = torch.tensor(rows, device=logits.device)
-                tokens = sample(logits.index_select(0, index), [r.params for r in todo],
-                                [r.generator for r in todo]).tolist()
-                now = time.perf_counter() - t0
-                for r, token in zip(todo, tokens):
-                    r.out.append(token)
-                    if r.first_token_s is None:
-                        r.first_token_s = now
-                    reason = "stop" if token in stops else "length" if len(r.out) >= r.max_new else None
-                    if reason:
-                        sched.finish(r, reason)
-                    yield TokenEvent(r.index, token, reason)
+            while ended < len(requests):
+                for item in channel.get():
+                    if isinstance(item, Failure):
+                        raise item.error
+                    ended += item.finish_reason is not None
+                    yield TokenEvent(item.index, item.token_ids[0], item.finish_reason)
         finally:
-            try:
-                if sched is not None:
-                    sched.release_all()
-            finally:
-                self._lock.release()
+            if channel.open:  # stopped early (an error, a close): free what the others hold, then go on
+                self._loop.abort([r for r in requests if not r.ended])
+                if not self._loop.is_loop_thread():  # (collected in the loop thread: it cannot wait for itself)
+                    channel.wait_closed()
 
-    def _prefill(self, streams: list[Stream]) -> torch.Tensor:
-        if self.runner is not None:
-            return self.runner.prefill(streams)
-        return self.model.prefill(self.cache, streams)
-
-    def _result(self, r: Request) -> GenerationResult:
-        return GenerationResult(list(r.out), self.decode(r.out), r.finish_reason, len(r.prompt), r.first_token_s)
+    def _result(self, r: Request, t0: float) -> GenerationResult:
+        return GenerationResult(list(r.out), self.decode(r.out), r.finish_reason, len(r.prompt),
+                                r.first_token_time - t0)
 
     # checking requests -------------------------------------------------------------------------
-    def _requests(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids):
+    def _requests(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
+                  stop: tuple[str, ...] = (), text: bool = False) -> list[Request]:
         """Requests from generate's arguments; ValueError naming the first bad one."""
-        if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, Sequence):
-            raise ValueError("prompts must be a list of prompts (each a list of token ids, a 1-D int tensor, "
+        self._check_not_follower("generate / stream / submit")
+        if self.model.version != self._loop._model_version:
+            raise ValueError("the model was converted or moved (model.to / .half / ...) after this Engine was built: "
+                             "its cache and compiled step hold the old dtype and device: build a new Engine")
+        if isinstance(prompts, (str, bytes, torch.Tensor)) or _numpy_array(prompts) or not isinstance(prompts, Sequence):
+            raise ValueError("prompts must be a list of prompts (each a list of token ids, a 1-D int tensor or array, "
                              f"or a string with a tokenizer), got {type(prompts).__name__}")
         if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -255,19 +317,28 @@ class Engine:
             if len(ids) >= self.max_context:
                 raise ValueError(f"prompt {i} has {len(ids)} tokens; max_context is {self.max_context} and a "
                                  f"prompt must leave room for at least one new token (at most {self.max_context - 1})")
-            max_new = min(max_new_tokens, self.max_context - len(ids))
-            r = Request(i, ids, max_new, params, None)
+            max_new = min(int(max_new_tokens), self.max_context - len(ids))
+            r = Request(i, ids, max_new, params, None, stop_ids=stops)
             need = -(-r.kv_tokens // self.cache.block_size)
             if need > self.cache.num_blocks:
                 raise ValueError(f"prompt {i}: {len(ids)} tokens + {max_new} new need {need} KV blocks; the "
                                  f"cache has {self.cache.num_blocks} (raise num_blocks or lower max_new_tokens)")
             requests.append(r)
-        if not params.greedy:  # every check passed (on every rank alike): only now agree on a seed
-            if seed is None and self.model.tp is not None:
-                seed = self._shared_seed()
-            for r in requests:
+        # every check passed (on every rank alike): only now agree on a seed
+        if not params.greedy and seed is None and self.model.tp is not None and self._broadcast is None:
+            seed = self._shared_seed()
+        for r in requests:
+            r.request_id = next(self._ids)
+            if not params.greedy:
                 r.generator = new_generator(None if seed is None else seed + r.index)
-        return requests, stops
+            if text:
+                r.text = StreamingText(self.tokenizer, r.prompt, self._decode_kwargs, stop)
+        return requests
+
+    def _check_not_follower(self, what: str) -> None:
+        if self._broadcast is not None and not self._broadcast.leader:
+            raise ValueError(f"{what} on tensor-parallel rank {self._broadcast.tp.rank}: with broadcast_plans only "
+                             "rank 0 takes requests; the other ranks run engine.follow()")
 
     def _shared_seed(self) -> int:
         """A seed drawn from the OS on rank 0 of the model's tensor-parallel group and given to every
@@ -285,12 +356,18 @@ class Engine:
                 raise ValueError(f"prompt {i} is a string but the engine has no tokenizer: pass token ids, or "
                                  "Engine(model, tokenizer=folder_or_object)")
             prompt = list(self.tokenizer.encode(prompt))
+        elif _numpy_array(prompt):
+            prompt = _numpy_ids(prompt, f"prompt {i}")
         elif prompt is None or isinstance(prompt, bytes) or not isinstance(prompt, (Sequence, torch.Tensor)):
-            raise ValueError(f"prompt {i}: expected a list of token ids, a 1-D int tensor or a string, got "
-                             f"{type(prompt).__name__}")
+            raise ValueError(f"prompt {i}: expected a list of token ids, a 1-D int tensor or array, or a string, "
+                             f"got {type(prompt).__name__}")
+        if not isinstance(prompt, torch.Tensor):
+            prompt = [_plain_int(x) for x in prompt]
         return token_tensor(prompt, f"prompt {i}", self.model.device)
 
     def _check_stop_ids(self, stop_token_ids) -> frozenset:
+        if _numpy_array(stop_token_ids):
+            stop_token_ids = _numpy_ids(stop_token_ids, "stop_token_ids")
         if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (Sequence, set, frozenset)):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {type(stop_token_ids).__name__}")
         vocab = self.model.config.vocab_size
@@ -299,7 +376,7 @@ class Engine:
                 raise ValueError(f"stop token {t!r} must be an int, got {type(t).__name__}")
             if not 0 <= t < vocab:
                 raise ValueError(f"stop token {t!r} is not a token id in [0, {vocab})")
-        return frozenset(stop_token_ids)
+        return frozenset(int(t) for t in stop_token_ids)
 
     def __repr__(self) -> str:
         mode = "eager" if self.runner is None else "CUDA graphs" if self.runner.use_graphs else "compiled"
@@ -307,5 +384,32 @@ class Engine:
                 f"{mode}, tokenizer={'yes' if self.tokenizer is not None else 'no'}, {self.cache})")
 
 
+def _close(loop: EngineLoop) -> None:
+    """The engine was collected, or the interpreter exits: end its loop (which releases the cache). Only the
+    main thread waits for it (at exit, so that followers of a plan broadcast hear the end); a collection in
+    another thread must not wait for the loop, which may be waiting to deliver to that thread."""
+    loop.close(timeout=5.0 if threading.current_thread() is threading.main_thread() else 0.0)
+
+
 def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """An integer as users pass them: a Python or numpy integer (not a bool)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _plain_int(x):
+    """A numpy integer as a Python int; anything else as it is (token_tensor names what is not an int)."""
+    return int(x) if _is_int(x) and not isinstance(x, int) else x
+
+
+def _numpy_array(x) -> bool:
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(x, np.ndarray)
+
+
+def _numpy_ids(array, where: str) -> list[int]:
+    """A 1-D integer numpy array as a list of Python ints; ValueError naming `where` otherwise."""
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"{where}: token ids must be an integer array, got dtype {array.dtype}")
+    if array.ndim != 1:
+        raise ValueError(f"{where}: token ids must be 1-D, got shape {tuple(array.shape)}")
+    return array.tolist()

@@ -12,6 +12,7 @@ top-p (the smallest set of most likely tokens whose probability reaches top_p, a
 
 from __future__ import annotations
 
+import numbers
 import sys
 from dataclasses import dataclass
 
@@ -31,27 +32,46 @@ class SamplingParams:
 
 
 def check_params(temperature, top_k, top_p) -> SamplingParams:
-    """SamplingParams from user values; ValueError naming a bad one."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-            0.0 <= temperature <= sys.float_info.max):  # an int past float's range: float() would raise OverflowError
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k must be an integer >= 0 (0: off), got {top_k!r}")
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
-    return SamplingParams(float(temperature), top_k, float(top_p))
+    """SamplingParams from user values (Python or numpy numbers); ValueError naming a bad one."""
+    if not _is_real(temperature) or not 0.0 <= _comparable(temperature) <= sys.float_info.max:
+        raise ValueError(f"temperature must be a finite number >= 0, got {_describe(temperature)}")
+    if not _is_int(top_k) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0: off), got {_describe(top_k)}")
+    if not _is_real(top_p) or not 0.0 < _comparable(top_p) <= 1.0:
+        raise ValueError(f"top_p must be a number in (0, 1], got {_describe(top_p)}")
+    return SamplingParams(float(temperature), int(top_k), float(top_p))
 
 
 SEED_RANGE = (-2**63, 2**64)  # what torch.Generator.manual_seed takes: [low, high)
 
 
 def check_seed(seed) -> int | None:
-    """`seed` if it is None or an int torch's generators take; ValueError naming it otherwise."""
+    """`seed` as an int if it is None or an integer (Python or numpy) torch's generators take; ValueError
+    naming it otherwise."""
     if seed is None:
         return None
-    if not isinstance(seed, int) or isinstance(seed, bool) or not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
-        raise ValueError(f"seed must be an integer or None (an integer in [-2**63, 2**64)), got {seed!r}")
-    return seed
+    if not _is_int(seed) or not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+        raise ValueError(f"seed must be an integer or None (an integer in [-2**63, 2**64)), got {_describe(seed)}")
+    return int(seed)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _comparable(x):
+    """A Python int as it is (float() of one past float's range raises OverflowError), any other real number
+    (np.float32 included, which would warn when compared with a float beyond its range) as a float."""
+    return x if isinstance(x, int) else float(x)
+
+
+def _describe(x) -> str:
+    """A bad value for a message: its repr, and its type where the repr does not say it is not a number."""
+    return repr(x) if isinstance(x, numbers.Number) else f"{type(x).__name__} {x!r}"
 
 
 def new_generator(seed: int | None) -> torch.Generator:

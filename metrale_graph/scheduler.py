@@ -17,6 +17,11 @@ starves). Its reservation is the KV blocks of everything it can ever feed: promp
 - 1 (the last sampled token is never fed), the new tokens already capped by max_context. A
 request is admitted only when the free blocks, minus what the running requests may still take,
 hold its reservation, so a step never runs out of blocks.
+
+One scheduler lives as long as its engine and owns every slot of the engine's cache: the engine
+holds the cache (HybridCache.hold) from the moment it builds it, so no stream gets into it from
+outside (a prefill, a runner or a reset of another caller raises CacheInUseError) and every slot
+it hands out is empty. Requests join (add) and leave (finish, abort, drop) between steps.
 """
 
 from __future__ import annotations
@@ -32,16 +37,28 @@ from .sampling import SamplingParams
 
 @dataclass(eq=False)
 class Request:
-    index: int  # position in the caller's list of prompts
+    """One request, from submission to its end: what the scheduler plans with (prompt, max_new, slot,
+    fed, out) and what the engine loop samples, stops and delivers with."""
+    index: int  # position in the caller's list of prompts (0 for submit)
     prompt: list[int]
     max_new: int  # already capped so that prompt + new tokens <= max_context
     params: SamplingParams
     generator: torch.Generator | None  # None: greedy
+    stop_ids: frozenset = frozenset()
+    text: object | None = None  # detokenizer.StreamingText when the request streams text
+    channel: object | None = None  # handle.Channel its outputs go to
+    request_id: int = -1
+    submit_time: float = 0.0
+    first_token_time: float | None = None
     slot: int | None = None
     fed: int = 0  # prompt tokens in the cache
     out: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    first_token_s: float | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort"; set when it ends
+    error: BaseException | None = None  # what failed it
+
+    @property
+    def ended(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
 
     @property
     def prefilled(self) -> bool:
@@ -63,13 +80,12 @@ class Chunk:
 
 class Scheduler:
     def __init__(self, cache: HybridCache, token_budget: int):
+        assert not any(cache.context_lens), "the scheduler starts on an empty cache (module docstring)"
         self.cache, self.token_budget = cache, token_budget
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted (holding a slot), in admission order
         self.free_slots = list(range(cache.num_slots))
-        for slot in self.free_slots:  # a stream left by a prefill outside the engine: its slot starts empty
-            if cache.context_lens[slot]:
-                cache.reset(slot)
+        self.released: list[int] = []  # slots reset since the caller last cleared this (plan broadcasts)
 
     def blocks_for(self, request: Request) -> int:
         return -(-request.kv_tokens // self.cache.block_size)
@@ -94,9 +110,7 @@ class Scheduler:
             r.slot = self.free_slots.pop(0)
             self.running.append(r)
             budget -= self._chunk(r, budget, step)
-        if not step:
-            raise RuntimeError("the scheduler has requests but could not plan a step (the cache is held "
-                               "by something other than this engine)")
+        assert step, "requests that fit no step (a request's KV blocks are checked against the cache at submit)"
         return step
 
     def _chunk(self, r: Request, budget: int, step: list[Chunk]) -> int:
@@ -116,19 +130,31 @@ class Scheduler:
                 c.request.fed += len(c.tokens)
 
     def finish(self, r: Request, reason: str) -> None:
-        """End `r`: free its slot at once."""
+        """End `r` (running or waiting) with `reason`: free its slot at once."""
         r.finish_reason = reason
-        self.running.remove(r)
-        self._release(r)
+        self.remove(r)
 
-    def release_all(self) -> None:
-        """Give every held slot back (after a failure or an abandoned stream). Best effort: a reset
-        that fails (a cache left unusable by the failure) does not hide the original error."""
+    def remove(self, r: Request) -> None:
+        """Take `r` out of the waiting queue or the running set, its slot reset and given back; a no-op
+        for a request the scheduler does not hold."""
+        if r in self.running:
+            self.running.remove(r)
+            self._release(r)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+
+    def release_all(self) -> list[Request]:
+        """Forget every request and give every held slot back (the engine stops); returns the requests
+        that were waiting or running. Best effort: a reset that fails (a cache left unusable by a
+        failure) does not stop the others."""
+        left = list(self.running) + list(self.waiting)
+        self.waiting.clear()
         while self.running:
             try:
                 self._release(self.running.pop())
             except Exception:
                 pass
+        return left
 
     def _release(self, r: Request) -> None:
         slot, r.slot = r.slot, None
@@ -137,3 +163,4 @@ class Scheduler:
         finally:
             self.free_slots.append(slot)
             self.free_slots.sort()
+            self.released.append(slot)

@@ -9,7 +9,7 @@ import torch
 
 from helpers import hf_reference, random_tokens, tiny_config
 from metrale_graph import Engine, HybridModel, TokenEvent
-from metrale_graph.engine import EngineBusyError, default_grid
+from metrale_graph.engine import default_grid
 from metrale_graph.sampling import SamplingParams, new_generator, sample
 
 LENGTHS = [5, 37, 1, 70, 12]  # 70 and 37 tokens exceed the budget of 16: chunked
@@ -48,13 +48,13 @@ def checkpoint(tmp_path_factory):
 
 def _record_steps(engine, monkeypatch):
     """Every step's streams as (slot, number of tokens)."""
-    steps, real = [], engine._prefill
+    steps, real = [], engine._loop.prefill
 
     def spy(streams):
         steps.append([(s.slot, len(s.tokens)) for s in streams])
         return real(streams)
 
-    monkeypatch.setattr(engine, "_prefill", spy)
+    monkeypatch.setattr(engine._loop, "prefill", spy)
     return steps
 
 
@@ -182,33 +182,26 @@ def test_greedy_and_seeded_sampling_are_batch_independent(tiny):
     _assert_cache_empty(engine)
 
 
-def test_stream_left_in_the_engines_cache_is_forgotten(tiny):
-    """A prefill run on engine.cache outside the engine leaves a stream in a slot; the next generate starts
-    that slot empty (its tokens do not continue the leftover context)."""
-    from metrale_graph import Stream
-
-    engine = Engine(tiny, num_slots=2, token_budget=12, block_size=16, max_context=96, compile=False)
-    prompts = _prompts([5, 9])
-    clean = [r.token_ids for r in engine.generate(prompts, max_new_tokens=4)]
-    tiny.prefill(engine.cache, [Stream(0, prompts[1]), Stream(1, prompts[0][:3])])
-    assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=4)] == clean
-    _assert_cache_empty(engine)
-
-
-def test_failure_while_starting_a_generation_frees_the_engine(tiny):
-    """Resetting a leftover stream when a generation starts can fail (here: the cache is held by another
-    caller); the engine must not stay busy after it: the next generate runs and matches a fresh engine."""
+def test_the_engines_cache_is_its_own_while_a_stream_is_paused(tiny):
+    """Issue 23, item 1: between two tokens of a stream a prefill into engine.cache, a reset of one of its slots
+    or the runner's prefill succeeded and the stream then produced wrong tokens (or died for blocks another
+    prefill took). Now each raises CacheInUseError naming the engine, and the stream's tokens are right."""
     from metrale_graph import Stream
     from metrale_graph.cache import CacheInUseError
 
-    engine = Engine(tiny, num_slots=2, token_budget=12, block_size=16, max_context=96, compile=False)
+    engine = Engine(tiny, num_slots=2, token_budget=12, block_size=16, max_context=96, num_blocks=6,
+                    compile=False)
     prompts = _prompts([5, 9])
-    clean = [r.token_ids for r in engine.generate(prompts, max_new_tokens=4)]
-    tiny.prefill(engine.cache, [Stream(0, prompts[1])])
-    with engine.cache.exclusive():
-        with pytest.raises(CacheInUseError):
-            engine.generate(prompts, max_new_tokens=4)
-    assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=4)] == clean
+    clean = [r.token_ids for r in engine.generate(prompts, max_new_tokens=6)]
+    stream = engine.stream(prompts, max_new_tokens=6)
+    events = [next(stream), next(stream)]
+    for use in (lambda: tiny.prefill(engine.cache, [Stream(0, [1, 2])]), lambda: engine.cache.reset(0),
+                lambda: tiny.prefill(engine.cache, [Stream(1, [3] * 40)]),
+                lambda: engine.cache.restore(engine.cache.snapshot())):
+        with pytest.raises(CacheInUseError, match="held by the Engine that built it"):
+            use()
+    events += list(stream)
+    assert [[e.token_id for e in events if e.index == i] for i in range(2)] == clean
     _assert_cache_empty(engine)
 
 
@@ -217,7 +210,7 @@ def test_failure_while_starting_a_generation_frees_the_engine(tiny):
 def test_failure_mid_generation_leaves_the_engine_as_new(tiny, monkeypatch, where, k):
     """The k-th step (first prompt chunks, mixed, decodes only) or its sampling raises: every slot and block
     is given back, and the next generate gives a fresh engine's tokens, greedy and seeded."""
-    import metrale_graph.engine as engine_module
+    import metrale_graph.loop as loop_module
 
     kw = dict(num_slots=2, token_budget=12, block_size=16, max_context=96, compile=False)
     prompts = _prompts([3, 20, 9])
@@ -225,7 +218,7 @@ def test_failure_mid_generation_leaves_the_engine_as_new(tiny, monkeypatch, wher
     want = [[r.token_ids for r in fresh.generate(prompts, max_new_tokens=5, **p)]
             for p in (dict(), dict(temperature=0.9, top_k=40, seed=2))]
     engine = Engine(tiny, **kw)
-    owner, name = (tiny, "forward_packed") if where == "step" else (engine_module, "sample")
+    owner, name = (tiny, "forward_packed") if where == "step" else (loop_module, "sample")
     calls, real = [], getattr(owner, name)
 
     def failing(*args):
@@ -365,12 +358,12 @@ def test_bad_requests_raise_and_touch_nothing(tiny):
             assert all(torch.equal(a, b) for a, b in zip(engine.cache.state_tensors(), before))
             _assert_cache_empty(engine)
     steps = []
-    real = engine._prefill
-    engine._prefill = lambda streams: steps.append(streams) or real(streams)
+    real = engine._loop.prefill
+    engine._loop.prefill = lambda streams: steps.append(streams) or real(streams)
     with pytest.raises(ValueError, match="on_token must be a callable"):
         engine.generate([ok], max_new_tokens=2, on_token=5)
     assert steps == []  # nothing ran
-    del engine._prefill
+    del engine._loop.prefill
     assert engine.generate([ok], max_new_tokens=2)[0].finish_reason == "length"
     for kwargs, msg in [(dict(num_slots=0), "num_slots must be an integer >= 1"),
                         (dict(num_slots=4, token_budget=2), "at least num_slots"),
@@ -419,7 +412,7 @@ def test_admission_waits_for_kv_blocks(tiny, monkeypatch):
     _assert_cache_empty(tight)
 
 
-def test_streaming_and_busy_engine(tiny):
+def test_streaming_and_concurrent_calls(tiny):
     engine = Engine(tiny, num_slots=2, token_budget=8, block_size=16, max_context=64, compile=False)
     prompts = _prompts([4, 11, 2])
     seen = []
@@ -432,12 +425,12 @@ def test_streaming_and_busy_engine(tiny):
         assert [e.token_id for e in mine] == r.token_ids
         assert [e.finish_reason for e in mine] == [None] * 4 + ["length"]
     assert all(r.first_token_s is not None and r.first_token_s >= 0 for r in results)
-    # an open stream holds the engine; closing it frees every slot
+    # an open stream no longer holds the engine: a generate meanwhile shares the loop (it raised
+    # EngineBusyError); closing the stream early frees every slot
     stream = engine.stream(prompts, max_new_tokens=5)
-    next(stream)
-    assert any(engine.cache.context_lens)
-    with pytest.raises(EngineBusyError):
-        engine.generate(prompts, max_new_tokens=1)
+    first = next(stream)
+    assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=5)] == [r.token_ids for r in results]
+    assert first.token_id == results[first.index].token_ids[0]
     stream.close()
     _assert_cache_empty(engine)
     assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=5)] == [r.token_ids for r in results]
@@ -447,21 +440,41 @@ def test_streaming_and_busy_engine(tiny):
     _assert_cache_empty(engine)
 
 
-def test_warmup_of_a_compiled_engine_waits_for_no_generation(tiny, monkeypatch):
-    """warmup() with compile=True ran the runner's captures during an open stream (the eager engine's
-    warmup already refused): a capture under a running generation failed it. Now EngineBusyError, and the
-    stream goes on. The runner's steps run eagerly here (no compile in this test)."""
+def test_a_stream_frees_the_engine_when_its_last_request_finishes(tiny):
+    """Issue 23, item 2: breaking out of a stream after the last finish_reason left the engine busy (the lock
+    was freed only on the stream's next advance or close): the next generate raised EngineBusyError. Now
+    every slot is free when the last event arrives, with the stream still open."""
+    engine = Engine(tiny, num_slots=2, token_budget=8, block_size=16, max_context=64, compile=False)
+    prompts = _prompts([4, 11, 2])
+    want = [r.token_ids for r in engine.generate(prompts, max_new_tokens=3)]
+    stream = engine.stream(prompts, max_new_tokens=3)
+    finished = set()
+    for event in stream:
+        if event.finish_reason is not None:
+            finished.add(event.index)
+        if len(finished) == len(prompts):
+            break
+    _assert_cache_empty(engine)
+    assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=3)] == want
+    stream.close()
+
+
+def test_warmup_of_a_compiled_engine_runs_between_steps(tiny, monkeypatch):
+    """warmup() with compile=True ran the runner's captures during an open stream: a capture under a running
+    generation failed it. It then raised EngineBusyError; now it runs in the engine loop between two steps,
+    and the stream goes on. The runner's steps run eagerly here (no compile in this test)."""
     engine = Engine(tiny, num_slots=2, token_budget=8, block_size=16, max_context=32)
-    warmed = []
-    monkeypatch.setattr(engine.runner, "prefill", lambda streams: engine.model.prefill(engine.cache, streams))
-    monkeypatch.setattr(engine.runner, "warmup", lambda progress=False: warmed.append(progress) or [])
+    warmed, steps = [], []
+    monkeypatch.setattr(engine.runner, "prefill",
+                        lambda streams: steps.append("step") or engine.model.prefill(engine.cache, streams))
+    monkeypatch.setattr(engine.runner, "warmup",
+                        lambda progress=False: warmed.append(progress) or steps.append("warmup") or [])
     stream = engine.stream([[1, 2, 3]], max_new_tokens=3)
     first = next(stream)
-    with pytest.raises(EngineBusyError):
-        engine.warmup()
-    assert warmed == [] and [first.token_id] + [e.token_id for e in stream] == \
+    assert engine.warmup(progress=True) == [] and warmed == [True]
+    assert [first.token_id] + [e.token_id for e in stream] == \
         engine.generate([[1, 2, 3]], max_new_tokens=3)[0].token_ids
-    assert engine.warmup() == [] and warmed == [False]
+    assert steps.count("warmup") == 1 and steps.count("step") == 6
     _assert_cache_empty(engine)
 
 
@@ -541,7 +554,6 @@ def test_interrupts_and_abandoned_streams_leave_the_engine_as_new(tiny, monkeypa
 
     def again():
         _assert_cache_empty(engine)
-        assert not engine._lock.locked()
         assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=5)] == want
 
     with pytest.raises(KeyboardInterrupt):

@@ -62,6 +62,45 @@ def _sampled(model):
     return ranks
 
 
+SERVED_PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10, 11], [3]]
+SERVED_KW = dict(num_slots=2, token_budget=8, block_size=16, max_context=32, compile=False)
+
+
+def _served_requests(engine):
+    """Four clients submit at once from their threads (greedy and seeded sampling): their tokens, then
+    a generate's."""
+    import threading
+
+    results = [None] * len(SERVED_PROMPTS)
+
+    def client(i):
+        sampling = dict(temperature=1.0, seed=i) if i % 2 else {}
+        results[i] = engine.submit(SERVED_PROMPTS[i], max_new_tokens=6, stop_token_ids=[],
+                                   **sampling).result(120).token_ids
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(SERVED_PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results, [r.token_ids for r in engine.generate(SERVED_PROMPTS, max_new_tokens=4, stop_token_ids=[])]
+
+
+def _served(model):
+    """broadcast_plans: rank 0 serves requests that arrive at times rank 1 cannot know, rank 1 follows its
+    plans until rank 0 shuts down. Rank 0's tokens (None on rank 1)."""
+    from metrale_graph import Engine
+
+    engine = Engine(model, broadcast_plans=True, **SERVED_KW)
+    if model.tp.rank:
+        engine.follow()
+        return None
+    engine.warmup()
+    out = _served_requests(engine)
+    engine.shutdown()
+    return out
+
+
 def _load_errors(folder, tp):
     """Every rank's error loading `folder` (None: loaded), all gathered."""
     import torch.distributed as dist
@@ -94,6 +133,7 @@ def _worker(rank, folder, checkpoint):
         out["qwen3-next-checkpoint-within"] = _run(HybridModel.from_pretrained(checkpoint, tp=replace(tp, moe="within"),
                                                                                progress=False))
         out["engine-sampled"] = _sampled(HybridModel.from_preset("tiny", seed=1, tp=tp))
+        out["engine-served"] = _served(HybridModel.from_preset("tiny", seed=1, tp=tp))
         out["bad-shard"] = _load_errors(checkpoint + "-nan", tp)
         if rank == 0:
             torch.save(out, os.path.join(folder, "rank0.pt"))
@@ -146,6 +186,16 @@ def test_unseeded_sampling_draws_the_same_tokens_on_every_rank(sharded):
     out, _ = sharded
     first, second = out["engine-sampled"]
     assert first == second and len(first) == 2 and all(len(t) == 6 for t in first)
+
+
+def test_rank_0_serves_and_the_other_ranks_follow_its_plans(sharded):
+    """Engine(broadcast_plans=True): requests submitted from threads on rank 0 only (and a generate there)
+    give the tokens of one process; rank 1 replayed every step (it ran follow() until rank 0's shutdown)."""
+    from metrale_graph import Engine
+
+    out, _ = sharded
+    engine = Engine(HybridModel.from_preset("tiny", seed=1), **SERVED_KW)
+    assert out["engine-served"] == _served_requests(engine)
 
 
 def test_a_shard_that_fails_to_load_fails_every_rank(sharded):

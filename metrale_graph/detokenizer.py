@@ -1,0 +1,135 @@
+"""Incremental detokenization: the text each new token adds, UTF-8 safe, with stop strings.
+
+    text = StreamingText(tokenizer, prompt_ids, decode_kwargs, stop=("\\n\\n",))
+    piece, stopped = text.add([token_id], final=False)   # the text to send now ("" while held back)
+
+`IncrementalDetokenizer` follows vLLM's incremental detokenizer (and transformers' TextStreamer):
+it decodes a short window of recent tokens and sends what the newest tokens add, but only once it
+ends in a whole character. A byte-level BPE (Qwen's, GPT-2's) splits a multi-byte UTF-8 character
+(CJK, emoji) over several tokens, and the first of them decode to U+FFFD alone; those are held back
+until the character completes, so no streamed piece ends in a broken character. The window starts
+with the last few prompt tokens, so a tokenizer that drops the leading space of a decoded text's
+first word (sentencepiece) spaces the first new word as the whole text would.
+
+`StreamingText` adds stop strings on top: a stop string is matched on the text (across token
+boundaries), the text from it on is cut and never sent, and the request ends with "stop". While
+the request runs the last (longest stop string - 1) characters are held back, because they may
+be the start of a stop string that the next tokens complete.
+
+For a byte-level tokenizer the pieces joined equal `tokenizer.decode(new_ids)` (cut at a stop
+string); a tokenizer that rewrites text across tokens (clean_up_tokenization_spaces) may differ
+in those spaces, as vLLM's streams do.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+REPLACEMENT = "\ufffd"  # what a decode gives for the bytes of an incomplete UTF-8 character
+CONTEXT_TOKENS = 5  # prompt tokens decoded ahead of the first new token (vLLM's offset)
+
+
+class IncrementalDetokenizer:
+    """The text of a growing token sequence, piece by piece. Not thread-safe (one per request)."""
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], decode_kwargs: dict | None = None):
+        self._tokenizer, self._kwargs = tokenizer, dict(decode_kwargs or {})
+        context = list(prompt_ids[-CONTEXT_TOKENS:])
+        if self._decode(context).endswith(REPLACEMENT):  # the prompt ends inside a character: no context
+            context = []
+        self._ids = context
+        self._prefix = 0  # the window is self._ids[self._prefix:]
+        self._read = len(context)  # tokens before this one have been sent
+        self._prefix_text: str | None = None  # decode of self._ids[self._prefix:self._read], cached
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, **self._kwargs) if ids else ""
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append `token_ids`; the text they complete ("" while the newest token ends inside a character,
+        or adds no text, e.g. a skipped special token)."""
+        self._ids.extend(token_ids)
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._ids[self._prefix:self._read])
+        full = self._decode(self._ids[self._prefix:])
+        if len(full) <= len(self._prefix_text) or full.endswith(REPLACEMENT):
+            return ""
+        piece = full[len(self._prefix_text):]
+        self._prefix, self._read, self._prefix_text = self._read, len(self._ids), None
+        return piece
+
+    def flush(self) -> str:
+        """The text held back (the sequence ended): as the tokenizer decodes it, replacement characters
+        for an incomplete character included."""
+        if self._read == len(self._ids):
+            return ""
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._ids[self._prefix:self._read])
+        piece = self._decode(self._ids[self._prefix:])[len(self._prefix_text):]
+        self._prefix, self._read, self._prefix_text = self._read, len(self._ids), None
+        return piece
+
+
+def check_stop_strings(stop) -> tuple[str, ...]:
+    """`stop` (None, a string, or a list of strings) as a tuple of non-empty strings; ValueError
+    naming a bad one."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if isinstance(stop, bytes) or not isinstance(stop, (Sequence, set, frozenset)):
+        raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    out = []
+    for s in stop:
+        if not isinstance(s, str):
+            raise ValueError(f"stop string {s!r} must be a str, got {type(s).__name__}")
+        if not s:
+            raise ValueError("stop strings must be non-empty (an empty one would stop before any text)")
+        out.append(s)
+    return tuple(out)
+
+
+class StreamingText:
+    """A request's streamed text: IncrementalDetokenizer plus stop strings (module docstring)."""
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], decode_kwargs: dict | None = None,
+                 stop: Sequence[str] = ()):
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, decode_kwargs)
+        self.stop = tuple(stop)
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self._text = ""  # everything decoded so far (cut at a stop string once one matched)
+        self.sent = 0  # characters of _text already given out
+        self.stop_string: str | None = None  # the stop string that ended the text
+
+    @property
+    def text(self) -> str:
+        """The text given out so far."""
+        return self._text[:self.sent]
+
+    def add(self, token_ids: Sequence[int], final: bool) -> tuple[str, bool]:
+        """Append new tokens (final: the request ends with them). Returns the text to give out now and
+        whether a stop string matched (then the text ends before it, and nothing more comes)."""
+        if self.stop_string is not None:
+            return "", True
+        start = len(self._text)
+        self._text += self._detok.add(token_ids)
+        if final:
+            self._text += self._detok.flush()
+        cut = self._find_stop(start)
+        if cut is not None:
+            self._text = self._text[:cut]
+            end = cut
+        else:
+            end = len(self._text) if final else max(self.sent, len(self._text) - self._hold)
+        piece, self.sent = self._text[self.sent:end], end
+        return piece, cut is not None
+
+    def _find_stop(self, start: int) -> int | None:
+        """Where the first stop string in the text begins, searching only where a match can end in the
+        text added since `start` (one ending earlier was found before)."""
+        best = None
+        for s in self.stop:
+            i = self._text.find(s, max(0, start - len(s) + 1))
+            if i >= 0 and (best is None or i < best):
+                best, self.stop_string = i, s
+        return best

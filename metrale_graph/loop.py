@@ -1,0 +1,333 @@
+"""The engine loop: the one thread that steps an Engine's model.
+
+    loop = EngineLoop(model, runner, cache, token, token_budget)
+    loop.submit(requests)      # from any thread: they join the running batch at the next step
+    loop.abort(requests)       # from any thread: freed at the next step
+    loop.run_job(fn)           # from any thread: fn runs in the loop between two steps (warmup)
+    loop.close(error)          # outstanding requests end with `error`; the thread ends
+
+Each iteration takes what other threads handed in (new requests, aborts, jobs; under one lock,
+so requests submitted together join together), then runs one step: Scheduler.plan picks the
+streams (scheduler.py has the policy), the step runs once (GraphRunner.prefill, or model.prefill
+with compile=False), `sample` draws every sampling row's next token, and each request's output
+goes to its channel (handle.py), never waiting for a consumer. A request that ends frees its slot
+before its last output is delivered, so whoever sees that output finds the slot free.
+
+The thread runs inside `cache.acting_for(token)`: the engine holds its cache with that token, so
+the loop alone may use it. A step that raises (an op error, out of memory) fails the requests of
+that step with that exception (the cache transaction has reset their slots; the scheduler frees
+them) and the loop goes on with the others. When the loop ends, by close() or by an error of its
+own, every request still outstanding ends with an error: no consumer waits for ever.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .batch import Stream
+from .handle import EngineClosedError, EngineFullError, Failure, RequestOutput, deliver, wait_for
+from .plan_sync import IDLE, IDLE_SYNC_S, SHUTDOWN, STEP, WARMUP, PlanBroadcast
+from .sampling import sample
+from .scheduler import Request, Scheduler
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine loop (Engine.stats())."""
+    running: int  # requests holding a slot
+    waiting: int  # requests submitted, not yet admitted
+    num_slots: int
+    used_blocks: int  # KV blocks held by running requests
+    num_blocks: int
+    steps: int  # steps run so far
+    prompt_tokens: int  # prompt tokens fed so far
+    generated_tokens: int  # new tokens sampled so far
+
+
+class _Job:
+    def __init__(self, fn: Callable[[], object], warmup: bool):
+        self.fn, self.warmup = fn, warmup
+        self.done, self.finished = threading.Condition(threading.Lock()), False
+        self.result, self.error = None, None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as e:
+            self.error = e
+        finally:
+            self.end()
+
+    def end(self, error: BaseException | None = None) -> None:
+        with self.done:
+            self.error = self.error or error
+            self.finished = True
+            self.done.notify_all()
+
+
+class EngineLoop:
+    def __init__(self, model, runner, cache, token: object, token_budget: int,
+                 broadcast: PlanBroadcast | None = None):
+        self.model, self.runner, self.cache, self._token = model, runner, cache, token
+        self._model_version = model.version
+        self.scheduler = Scheduler(cache, token_budget)
+        self._broadcast = broadcast
+        self._cond = threading.Condition(threading.Lock())
+        self._inbox: list[Request] = []
+        self._aborts: collections.deque[Request] = collections.deque()  # appended without the lock (abort())
+        self._jobs: list[_Job] = []
+        self._closing: BaseException | None = None  # set by close(): what outstanding requests end with
+        self._draining: BaseException | None = None  # set by drain(): what new requests are refused with
+        self._thread: threading.Thread | None = None
+        self._scheduled_waiting = 0  # len(scheduler.waiting), kept under the lock for other threads
+        self._steps = self._prompt_tokens = self._generated = 0
+
+    # other threads ---------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closing is not None
+
+    def submit(self, requests: list[Request], max_waiting: int | None = None) -> None:
+        """Hand `requests` to the loop, all in one iteration, in order. EngineClosedError once closed (or
+        shutting down); with max_waiting, EngineFullError if they would make more than that many wait."""
+        with self._cond:
+            if self._closing is not None or self._draining is not None:
+                raise EngineClosedError(f"{self._closing or self._draining}: build a new Engine")
+            if max_waiting is not None and len(self._inbox) + self._scheduled_waiting + len(requests) > max_waiting:
+                raise EngineFullError(f"the engine's waiting queue is full ({max_waiting} requests wait for a "
+                                      "slot): try again later")
+            now = time.perf_counter()
+            for r in requests:
+                r.submit_time = now
+            self._inbox.extend(requests)
+            self._start()
+            self._cond.notify()
+
+    def abort(self, requests: list[Request]) -> None:
+        """End `requests` at the next iteration. Takes no lock in the loop thread: a stream the garbage
+        collector finalizes there aborts its requests while the loop may hold its lock."""
+        self._aborts.extend(requests)  # atomic
+        if not self.is_loop_thread():
+            with self._cond:
+                self._cond.notify()
+
+    def run_job(self, fn: Callable[[], object], warmup: bool = False):
+        """Run fn() in the loop thread between two steps and return its result (or raise its error).
+        warmup: fn compiles / captures the runner's buckets, which followers of a plan broadcast mirror."""
+        job = _Job(fn, warmup)
+        with self._cond:
+            if self._closing is not None:
+                raise EngineClosedError(f"{self._closing}: build a new Engine")
+            self._jobs.append(job)
+            self._start()
+            self._cond.notify()
+        with job.done:
+            wait_for(job.done, lambda: job.finished, None)
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def drain(self, wait_s: float) -> None:
+        """Refuse new requests (EngineClosedError) and wait up to `wait_s` seconds for the outstanding ones
+        to end."""
+        with self._cond:
+            if self._draining is None:
+                self._draining = EngineClosedError("the engine is shutting down")
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and self._thread is not None and self._thread.is_alive():
+            with self._cond:
+                if not (self._inbox or self._scheduled_waiting or self.scheduler.running):
+                    return
+            time.sleep(0.01)
+
+    def close(self, error: BaseException | None = None, timeout: float | None = None) -> bool:
+        """Stop the loop: requests still outstanding end with `error` (default EngineClosedError), the thread
+        ends after the step it is running and releases the cache. Waits up to `timeout` seconds for it
+        (None: until it ends); returns whether it has ended."""
+        error = error or EngineClosedError("the engine was shut down")
+        if self.is_loop_thread():  # the engine collected by the garbage collector in this thread, which may
+            self._closing = self._closing or error  # hold the lock: the next iteration sees it
+            return False
+        with self._cond:
+            self._closing = self._closing or error
+            thread = self._thread
+            self._cond.notify()
+        if thread is None:  # never started: nothing was handed in
+            self.cache.release(self._token)
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
+
+    def stats(self) -> EngineStats:
+        with self._cond:
+            s, cache = self.scheduler, self.cache
+            return EngineStats(len(s.running), len(self._inbox) + self._scheduled_waiting, cache.num_slots,
+                               cache.num_blocks - cache.free_blocks, cache.num_blocks, self._steps,
+                               self._prompt_tokens, self._generated)
+
+    def is_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def _start(self) -> None:  # under the lock
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="metrale-engine-loop", daemon=True)
+            self._thread.start()
+
+    # the loop thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        error = None
+        with torch.no_grad(), self.cache.acting_for(self._token), self._on_device():
+            try:
+                while self._iterate():
+                    pass
+            except BaseException as e:  # a bug of the loop itself: it cannot go on
+                error = e
+            finally:
+                with self._cond:
+                    if self._closing is None:
+                        self._closing = EngineClosedError(f"the engine loop stopped ({type(error).__name__}: "
+                                                          f"{error})")
+                        self._closing.__cause__ = error
+                self._finish_outstanding(self.scheduler.release_all())
+                if self._broadcast is not None:
+                    with contextlib.suppress(Exception):  # the process group may be gone at exit
+                        self._broadcast.send(SHUTDOWN)
+        with contextlib.suppress(Exception):  # (another thread's hold() attempt at this very moment)
+            self.cache.release(self._token)
+
+    def _has_work(self) -> bool:  # under the lock
+        return bool(self._inbox or self._aborts or self._jobs or self._closing or not self.scheduler.done)
+
+    def _iterate(self) -> bool:
+        """One iteration; False once the loop is closed."""
+        sched = self.scheduler
+        while True:
+            with self._cond:
+                if self._cond.wait_for(self._has_work, IDLE_SYNC_S if self._broadcast is not None else None):
+                    new, self._inbox = self._inbox, []
+                    aborts = [self._aborts.popleft() for _ in range(len(self._aborts))]
+                    jobs, self._jobs = self._jobs, []
+                    closing = self._closing
+                    sched.waiting.extend(new)
+                    self._scheduled_waiting = len(sched.waiting)
+                    break
+            self._broadcast.send(IDLE)  # nothing to run: keep the followers' broadcast alive
+        for r in aborts:
+            if not r.ended:
+                try:
+                    self.scheduler.remove(r)
+                except Exception as e:  # the reset of its slot failed (a cache a failure broke)
+                    self._fail(r, e)
+                    continue
+                r.finish_reason = "abort"
+                r.channel.put(RequestOutput(r.index, [], "" if r.text is not None else None, "abort"))
+        for job in jobs:  # between steps: a capture never runs while a step does
+            if job.warmup and self._broadcast is not None:
+                self._broadcast.send(WARMUP, resets=self._take_released())
+            job.run()
+        if closing is not None:
+            return False
+        if not sched.done:
+            self._step()
+        return True
+
+    def _step(self) -> None:
+        sched = self.scheduler
+        step = sched.plan()
+        with self._cond:
+            self._scheduled_waiting = len(sched.waiting)
+        streams = [Stream(c.request.slot, c.tokens) for c in step]
+        prompt_tokens = sum(len(c.tokens) for c in step if not c.request.prefilled)  # the rest are decodes
+        try:
+            if self._broadcast is not None:
+                self._broadcast.send(STEP, streams, self._take_released())
+            logits = self.prefill(streams)
+            sched.advance(step)
+            todo = [c.request for c in step if c.sample]
+            tokens = []
+            if todo:
+                rows = torch.tensor([k for k, c in enumerate(step) if c.sample], device=logits.device)
+                tokens = sample(logits.index_select(0, rows), [r.params for r in todo],
+                                [r.generator for r in todo]).tolist()
+        except BaseException as e:  # KeyboardInterrupt included: only this step's requests see it
+            for c in step:
+                self._fail(c.request, e)
+            return
+        self._steps += 1
+        self._prompt_tokens += prompt_tokens
+        self._generated += len(tokens)
+        now, outputs = time.perf_counter(), {}
+        for r, token in zip(todo, tokens):
+            try:
+                output = self._advance(r, token, now)
+            except Exception as e:  # the tokenizer failed on its tokens, or its slot's reset did
+                self._fail(r, e)
+            else:
+                outputs.setdefault(r.channel, []).append(output)
+        deliver(outputs)  # the step's outputs together: one wakeup per consumer, not one per token
+
+    def _advance(self, r: Request, token: int, now: float) -> RequestOutput:
+        """Take `token` into `r`: its output; an ending request is finished (its slot freed) first."""
+        r.out.append(token)
+        if r.first_token_time is None:
+            r.first_token_time = now
+        reason = "stop" if token in r.stop_ids else "length" if len(r.out) >= r.max_new else None
+        text = None
+        if r.text is not None:
+            text, stopped = r.text.add([token], final=reason is not None)
+            reason = "stop" if stopped else reason
+        if reason is not None:
+            self.scheduler.remove(r)  # the slot is free before the consumer sees the last output
+            r.finish_reason = reason
+        return RequestOutput(r.index, [token], text, reason)
+
+    def prefill(self, streams: list[Stream]) -> torch.Tensor:
+        """One step: logits [len(streams), vocab] of each stream's last token."""
+        if self.model.version != self._model_version:
+            raise ValueError("the model was converted or moved (model.to / .half / ...) after this Engine was built: "
+                             "its cache and compiled step hold the old dtype and device: build a new Engine")
+        if self.runner is not None:
+            return self.runner.prefill(streams)
+        return self.model.prefill(self.cache, streams)
+
+    def _fail(self, r: Request, error: BaseException) -> None:
+        if r.ended:
+            return
+        r.error = error
+        with contextlib.suppress(Exception):  # a reset of a cache the failure broke: the error says enough
+            self.scheduler.remove(r)
+        r.channel.put(Failure(r.index, error))
+
+    def _take_released(self) -> list[int]:
+        released, self.scheduler.released = self.scheduler.released, []
+        return released
+
+    def _finish_outstanding(self, requests: list[Request]) -> None:
+        """End every request handed in or scheduled and not ended yet with the closing error."""
+        with self._cond:
+            requests = requests + self._inbox
+            self._inbox, jobs, self._jobs = [], self._jobs, []
+            error = self._closing
+        for r in requests:
+            if not r.ended:
+                r.error = error
+                r.channel.put(Failure(r.index, error))
+        for job in jobs:
+            job.end(error)
+
+    @contextlib.contextmanager
+    def _on_device(self):
+        """CUDA's current device is per thread: the loop's must be the model's (kernels launch on it)."""
+        device = self.model.device
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                yield
+        else:
+            yield

@@ -1,0 +1,103 @@
+"""Tensor-parallel serving: rank 0's engine loop sends each step's plan, the other ranks replay it.
+
+Under tensor parallelism every rank runs every step (the step's collectives meet across ranks), so
+every rank must feed the same streams in the same order. Two ways to get there:
+
+- Every rank calls `generate` / `stream` with the same arguments, one call at a time (tools.generate
+  under torchrun): each rank's loop schedules the same requests the same way and samples the same
+  tokens (the logits are gathered, the seeds shared), so no plan needs to travel.
+- A server receives requests on rank 0 only, at times no other rank can know. There
+  `Engine(..., broadcast_plans=True)`: rank 0's loop sends each step's plan before running it (the
+  streams' slots and tokens, and the slots its scheduler reset since the last plan), and every other
+  rank runs `engine.follow()`, which resets those slots and runs the same step. Followers schedule
+  and sample nothing. Warmup is sent too (every rank compiles and captures the same buckets in the
+  same order), and so is the end (`engine.shutdown()` on rank 0 ends `follow()` everywhere). While
+  rank 0 has nothing to run it sends an idle message every IDLE_SYNC_S seconds, so a follower waiting
+  in the broadcast never reaches the process group's timeout.
+
+A message is one int64 tensor of a fixed size on the model's device, broadcast from the group's rank 0:
+
+    [kind, n_streams, n_tokens, n_resets, slots[n_streams], lengths[n_streams], tokens[n_tokens],
+     resets[n_resets], zeros...]
+
+A step that fails on rank 0 alone (not on the others) leaves the ranks out of step; tensor-parallel
+serving has no recovery from that (a failure inside the step's collectives stops every rank anyway).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from .batch import Stream
+
+STEP, WARMUP, IDLE, SHUTDOWN = 1, 2, 3, 4
+IDLE_SYNC_S = 5.0
+_HEADER = 4
+
+
+class PlanBroadcast:
+    """The message channel of one engine over the model's tensor-parallel group."""
+
+    def __init__(self, tp, device: torch.device, num_slots: int, token_budget: int):
+        import torch.distributed as dist
+
+        self.tp, self.device = tp, device
+        self.size = _HEADER + 3 * num_slots + token_budget  # streams <= slots, tokens <= budget, resets <= slots
+        self._group = tp.group
+        self._src = 0 if tp.group is None else dist.get_global_rank(tp.group, 0)
+
+    @property
+    def leader(self) -> bool:
+        return self.tp.rank == 0
+
+    def send(self, kind: int, streams: Sequence[Stream] = (), resets: Sequence[int] = ()) -> None:
+        """Rank 0: broadcast one message (blocks until every rank has entered the broadcast)."""
+        import torch.distributed as dist
+
+        tokens = [int(t) for s in streams for t in s.tokens]
+        body = [s.slot for s in streams] + [len(s.tokens) for s in streams] + tokens + list(resets)
+        header = [kind, len(streams), len(tokens), len(resets)]
+        assert _HEADER + len(body) <= self.size, "a plan larger than the scheduler's limits"
+        message = torch.zeros(self.size, dtype=torch.int64)
+        message[:_HEADER + len(body)] = torch.tensor(header + body, dtype=torch.int64)
+        dist.broadcast(message.to(self.device), self._src, group=self._group)
+
+    def receive(self) -> tuple[int, list[Stream], list[int]]:
+        """Another rank: the next message as (kind, streams, resets)."""
+        import torch.distributed as dist
+
+        message = torch.zeros(self.size, dtype=torch.int64, device=self.device)
+        dist.broadcast(message, self._src, group=self._group)
+        values = message.tolist()
+        kind, n, t, r = values[:_HEADER]
+        slots = values[_HEADER:_HEADER + n]
+        lengths = values[_HEADER + n:_HEADER + 2 * n]
+        tokens = values[_HEADER + 2 * n:_HEADER + 2 * n + t]
+        resets = values[_HEADER + 2 * n + t:_HEADER + 2 * n + t + r]
+        streams, start = [], 0
+        for slot, length in zip(slots, lengths):
+            streams.append(Stream(slot, tokens[start:start + length]))
+            start += length
+        return kind, streams, resets
+
+
+def follow(broadcast: PlanBroadcast, reset: Callable[[int], None], run_step: Callable[[list[Stream]], object],
+           warmup: Callable[[], object]) -> None:
+    """Replay rank 0's messages until it shuts down: reset the slots it reset, run its steps and its
+    warmup. A step that fails here fails on rank 0 too (the same streams, the same checks) and rank 0
+    fails that step's requests and goes on, so the follower goes on as well."""
+    while True:
+        kind, streams, resets = broadcast.receive()
+        if kind == SHUTDOWN:
+            return
+        for slot in resets:
+            reset(slot)
+        if kind == STEP:
+            try:
+                run_step(streams)
+            except Exception:  # the cache transaction reset the step's slots, as on rank 0
+                pass
+        elif kind == WARMUP:
+            warmup()

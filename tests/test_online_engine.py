@@ -1,0 +1,391 @@
+"""The online engine on the CPU (tiny models, eager steps): submit from several threads, continuous
+batching, abort, the bounded waiting queue, a failing step, streamed text (UTF-8 safe, stop strings),
+asyncio consumers, shutdown; numpy arguments; a model converted under an engine. Waits are bounded
+(TIMEOUT) so that a hang fails fast."""
+
+import asyncio
+import gc
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import random_tokens
+from metrale_graph import Engine, HybridModel, Stream
+from metrale_graph.detokenizer import REPLACEMENT
+from metrale_graph.engine import EngineBusyError, EngineClosedError, EngineFullError
+from tokenizer_fixture import tiny_checkpoint
+
+TIMEOUT = 60.0
+KW = dict(num_slots=2, token_budget=12, block_size=16, max_context=96, compile=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return HybridModel.from_preset("tiny", seed=3)
+
+
+@pytest.fixture(scope="module")
+def with_tokenizer(tmp_path_factory):
+    """A tiny model saved with a byte-level BPE tokenizer (tests/tokenizer_fixture.py)."""
+    return HybridModel.from_pretrained(tiny_checkpoint(tmp_path_factory.mktemp("ckpt")), progress=False)
+
+
+def _prompts(lengths, seed=0):
+    return [random_tokens(n, seed=seed + i) for i, n in enumerate(lengths)]
+
+
+def _alone(engine, prompt, **kw):
+    """The request's tokens alone in the engine (generate of that one prompt)."""
+    return engine.generate([prompt], **kw)[0].token_ids
+
+
+def _assert_cache_empty(engine):
+    cache = engine.cache
+    assert cache.context_lens == [0] * cache.num_slots and cache.free_blocks == cache.num_blocks
+
+
+class _Gate:
+    """Records every step's streams as (slot, tokens); holds the loop inside step number `at` (from 1)
+    until release(), so that a test can act while a known step runs."""
+
+    def __init__(self, engine, monkeypatch, at=None, fail_at=None):
+        self.steps, self.at, self.fail_at = [], at, fail_at
+        self.entered, self.go = threading.Event(), threading.Event()
+        real = engine._loop.prefill
+
+        def spy(streams):
+            self.steps.append([(s.slot, list(s.tokens)) for s in streams])
+            if len(self.steps) == self.at:
+                self.entered.set()
+                assert self.go.wait(TIMEOUT), "the test never released the gate"
+            if len(self.steps) == self.fail_at:
+                raise RuntimeError("injected step failure")
+            return real(streams)
+
+        monkeypatch.setattr(engine._loop, "prefill", spy)
+
+    def wait(self):
+        assert self.entered.wait(TIMEOUT), "the loop never reached the gated step"
+
+    def release(self):
+        self.go.set()
+
+
+def _plain_greedy(model, prompt, n):
+    """Greedy tokens of `prompt` by a loop of model.prefill on a cache of its own: the reference."""
+    cache, out = model.new_cache(1, 8, block_size=16), []
+    logits = model.prefill(cache, [Stream(0, prompt)])
+    for _ in range(n):
+        out.append(int(logits[0].argmax()))
+        logits = model.prefill(cache, [Stream(0, [out[-1]])])
+    return out
+
+
+def test_generate_stream_and_submit_give_the_tokens_of_a_plain_prefill_loop(tiny):
+    """generate, stream and submit over the online loop (5 prompts on 2 slots, chunked by a budget of 12)
+    give each prompt the greedy tokens of a plain model.prefill loop, and stream's events come in sampling
+    order (a request's tokens in order, each request ending once)."""
+    engine = Engine(tiny, **KW)
+    prompts = _prompts([3, 20, 1, 9, 33], seed=40)
+    want = [_plain_greedy(tiny, p, 7) for p in prompts]
+    assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=7)] == want
+    events = list(engine.stream(prompts, max_new_tokens=7))
+    assert [[e.token_id for e in events if e.index == i] for i in range(len(prompts))] == want
+    assert sum(e.finish_reason == "length" for e in events) == len(prompts) and events[-1].finish_reason
+    handles = [engine.submit(p, max_new_tokens=7) for p in prompts]
+    assert [h.result(TIMEOUT).token_ids for h in handles] == want
+    _assert_cache_empty(engine)
+
+
+def test_submit_from_several_threads(tiny):
+    """Eight threads submit at once (greedy and seeded sampling) to an engine of two slots: every request
+    gets the tokens it gets alone; generate and stream called meanwhile too."""
+    engine = Engine(tiny, **KW)
+    prompts = _prompts([3, 20, 1, 9, 14, 5, 30, 2], seed=4)
+    sampled = dict(temperature=0.9, top_k=40, seed=5)
+    want = [_alone(engine, p, max_new_tokens=6) for p in prompts]
+    want_sampled = [_alone(engine, p, max_new_tokens=6, **sampled) for p in prompts]
+    got, errors = {}, []
+
+    def client(i):
+        try:
+            handles = [engine.submit(prompts[i], max_new_tokens=6), engine.submit(prompts[i], max_new_tokens=6,
+                                                                                  **sampled)]
+            got[i] = [h.result(timeout=TIMEOUT).token_ids for h in handles]
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    batch = engine.generate(prompts[:3], max_new_tokens=6)
+    for t in threads:
+        t.join(TIMEOUT)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert [got[i] for i in range(len(prompts))] == [[w, s] for w, s in zip(want, want_sampled)]
+    assert [r.token_ids for r in batch] == want[:3]
+    stats = engine.stats()
+    assert stats.running == stats.waiting == 0 and stats.generated_tokens > 0 and stats.steps > 0
+    _assert_cache_empty(engine)
+
+
+def test_a_request_joins_the_running_batch_at_the_next_step(tiny, monkeypatch):
+    """B is submitted while A's third step runs: the fourth step holds A's decode and B's prompt; both
+    get the greedy tokens they get alone."""
+    engine = Engine(tiny, **KW)
+    a, b = _prompts([6, 9], seed=7)
+    want = [_alone(engine, a, max_new_tokens=10), _alone(engine, b, max_new_tokens=4)]
+    gate = _Gate(engine, monkeypatch, at=3)
+    first = engine.submit(a, max_new_tokens=10)
+    gate.wait()
+    second = engine.submit(b, max_new_tokens=4)
+    gate.release()
+    assert [first.result(TIMEOUT).token_ids, second.result(TIMEOUT).token_ids] == want
+    assert gate.steps[3] == [(0, [want[0][2]]), (1, b)]  # A decodes its third token, B's prompt joins
+    assert len(gate.steps) == 10  # B ran beside A, in A's steps
+    _assert_cache_empty(engine)
+
+
+def test_abort_frees_the_slot_and_blocks_at_the_next_step(tiny, monkeypatch):
+    """Aborting a running request frees its slot before the next step (which no longer holds it); its last
+    output says "abort"; aborting a waiting one means it never runs; the others are unaffected."""
+    engine = Engine(tiny, **{**KW, "num_slots": 1, "token_budget": 8})
+    a, b, c = _prompts([5, 7, 3], seed=2)
+    want_c = _alone(engine, c, max_new_tokens=3)
+    gate = _Gate(engine, monkeypatch, at=3)
+    running = engine.submit(a, max_new_tokens=50)
+    gate.wait()
+    waiting, last = engine.submit(b, max_new_tokens=5), engine.submit(c, max_new_tokens=3)
+    running.abort()
+    waiting.abort()
+    gate.release()
+    outputs = list(running)
+    assert outputs[-1].finish_reason == "abort" and outputs[-1].token_ids == [] and len(outputs) == 4
+    result = running.result(TIMEOUT)
+    assert result.finish_reason == "abort" and len(result.token_ids) == 3
+    assert waiting.result(TIMEOUT).finish_reason == "abort" and waiting.result().token_ids == []
+    assert last.result(TIMEOUT).token_ids == want_c
+    assert gate.steps[3] == [(0, c)]  # the step after the abort: only c, in the slot a had
+    assert all(b != tokens for step in gate.steps for _, tokens in step)  # b never ran
+    _assert_cache_empty(engine)
+    with engine.submit(a, max_new_tokens=50) as handle:  # leaving the block aborts it
+        next(iter(handle))
+    assert handle.result(TIMEOUT).finish_reason == "abort"
+    _assert_cache_empty(engine)
+    running.abort()  # a no-op once ended
+
+
+def test_a_full_waiting_queue_refuses_submit(tiny, monkeypatch):
+    """With max_waiting requests waiting, submit raises EngineFullError (an EngineBusyError) and queues
+    nothing; generate is never refused; once the queue drains submit works again."""
+    engine = Engine(tiny, **{**KW, "num_slots": 1, "token_budget": 8}, max_waiting=2)
+    prompts = _prompts([4, 5, 6, 7], seed=11)
+    gate = _Gate(engine, monkeypatch, at=1)
+    handles = [engine.submit(prompts[0], max_new_tokens=2)]
+    gate.wait()  # the first request runs (it holds the slot); two may wait
+    handles += [engine.submit(p, max_new_tokens=2) for p in prompts[1:3]]
+    with pytest.raises(EngineFullError, match=r"waiting queue is full \(2 requests wait"):
+        engine.submit(prompts[3], max_new_tokens=2)
+    assert issubclass(EngineFullError, EngineBusyError) and issubclass(EngineFullError, RuntimeError)
+    assert engine.stats().waiting == 2
+    gate.release()
+    assert len(engine.generate(prompts, max_new_tokens=2)) == 4  # past max_waiting: generate is not refused
+    assert [h.result(TIMEOUT).finish_reason for h in handles] == ["length"] * 3
+    assert engine.submit(prompts[3], max_new_tokens=2).result(TIMEOUT).token_ids == \
+        _alone(engine, prompts[3], max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_waiting must be an integer >= 0"):
+        Engine(tiny, **KW, max_waiting=-1)
+
+
+def test_a_failing_step_fails_only_its_requests(tiny, monkeypatch):
+    """The second step (A's decode, B's prompt) raises: A and B end with that error (result() and
+    iteration raise it), C, waiting meanwhile, and D, submitted after, get their tokens; nothing leaks."""
+    engine = Engine(tiny, **KW)
+    a, b, c, d = _prompts([5, 8, 3, 6], seed=3)
+    want = [_alone(engine, p, max_new_tokens=4) for p in (c, d)]
+    gate = _Gate(engine, monkeypatch, at=1, fail_at=2)
+    first = engine.submit(a, max_new_tokens=4)
+    gate.wait()
+    second, third = engine.submit(b, max_new_tokens=4), engine.submit(c, max_new_tokens=4)
+    gate.release()
+    for handle in (first, second):
+        with pytest.raises(RuntimeError, match="injected step failure"):
+            handle.result(TIMEOUT)
+        with pytest.raises(RuntimeError, match="injected step failure"):
+            list(handle)
+        assert handle.done and "failed" in repr(handle)
+    assert gate.steps[1] == [(0, [first._request.out[0]]), (1, b)]
+    assert third.result(TIMEOUT).token_ids == want[0]
+    assert engine.submit(d, max_new_tokens=4).result(TIMEOUT).token_ids == want[1]
+    _assert_cache_empty(engine)
+
+
+def _scripted(monkeypatch, tokens):
+    """The sampler returns `tokens` one by one (one request at a time): a model that says a known text."""
+    import metrale_graph.loop as loop_module
+
+    script = iter(tokens)
+    monkeypatch.setattr(loop_module, "sample", lambda logits, params, gens: torch.tensor([next(script)]))
+
+
+def test_streamed_text_is_whole_characters(with_tokenizer, monkeypatch):
+    """A model that says a text of CJK, emoji and accented letters, token by token: no streamed piece holds
+    a broken character, the pieces join to the text, and an incomplete character waits for its last byte."""
+    engine = Engine(with_tokenizer, **KW)
+    text = "東京 🦄 naïve 👋🌍 done"
+    ids = engine.tokenizer.encode(text)
+    _scripted(monkeypatch, ids)
+    handle = engine.submit("Hello", max_new_tokens=len(ids), stop_token_ids=[])
+    outputs = list(handle)
+    assert [o.token_ids for o in outputs] == [[t] for t in ids]
+    assert all(REPLACEMENT not in o.text for o in outputs) and "".join(o.text for o in outputs) == text
+    assert any(o.text == "" for o in outputs)  # held back inside a character
+    assert handle.result().text == text and outputs[-1].finish_reason == "length"
+
+
+def test_stop_strings_across_tokens_end_the_request(with_tokenizer, monkeypatch):
+    """A stop string completed across tokens ends the request with "stop" at the token that completes it;
+    neither it nor anything after it is streamed; the slot is freed (the rest is never generated)."""
+    engine = Engine(with_tokenizer, **KW)
+    text = "The quick brown fox jumps over the lazy dog"
+    ids = engine.tokenizer.encode(text)
+    _scripted(monkeypatch, ids)
+    handle = engine.submit("Say it:", max_new_tokens=len(ids), stop=["never", "own fo"])
+    outputs = list(handle)
+    result = handle.result()
+    assert result.finish_reason == "stop" and result.text == "The quick br" == "".join(o.text for o in outputs)
+    assert "own fo" in engine.decode(result.token_ids) and "own fo" not in engine.decode(result.token_ids[:-1])
+    assert result.token_ids == ids[:len(result.token_ids)] and len(result.token_ids) < len(ids)
+    _assert_cache_empty(engine)
+    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+        engine.submit("x", stop=[""])
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        Engine(HybridModel.from_preset("tiny"), **KW).submit([1, 2], stop="x")
+
+
+def test_streamed_text_of_a_model_joins_to_its_decode(with_tokenizer):
+    """The tiny model's own (random) tokens: the pieces join to tokenizer.decode of the new tokens, and
+    no piece but the last ends inside a character."""
+    engine = Engine(with_tokenizer, **KW)
+    handle = engine.submit("Hello world, 東京", max_new_tokens=40, stop_token_ids=[])
+    outputs = list(handle)
+    assert "".join(o.text for o in outputs) == engine.decode(handle.result().token_ids)
+    assert not any(o.text.endswith(REPLACEMENT) for o in outputs[:-1])
+
+
+def test_asyncio_consumers(tiny):
+    """Three requests consumed with `async for` in one event loop, one awaited with result_async(), and a
+    consumer cancelled mid-stream (its request aborted, as a server does when a client disconnects)."""
+    engine = Engine(tiny, **KW)
+    prompts = _prompts([4, 9, 2], seed=8)
+    want = [_alone(engine, p, max_new_tokens=5) for p in prompts]
+
+    async def consume(handle):
+        return [t async for out in handle for t in out.token_ids]
+
+    async def main():
+        handles = [engine.submit(p, max_new_tokens=5) for p in prompts]
+        tokens = await asyncio.gather(*(consume(h) for h in handles))
+        awaited = await engine.submit(prompts[0], max_new_tokens=5).result_async()
+        slow = engine.submit(prompts[1], max_new_tokens=80)
+        task = asyncio.ensure_future(consume(slow))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        slow.abort()
+        return tokens, awaited, await slow.result_async()
+
+    tokens, awaited, aborted = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+    assert tokens == want and awaited.token_ids == want[0]
+    assert aborted.finish_reason == "abort" and len(aborted.token_ids) < 80
+    _assert_cache_empty(engine)
+
+
+def test_shutdown_with_running_requests(tiny):
+    """shutdown() ends running and waiting requests with EngineClosedError in bounded time and refuses new
+    ones; the cache is released (usable directly); shutdown(wait_s) lets them finish first; a collected
+    engine ends its loop thread."""
+    engine = Engine(tiny, **KW)
+    handles = [engine.submit(p, max_new_tokens=90) for p in _prompts([3, 4, 5])]
+    next(iter(handles[0]))
+    engine.shutdown(timeout=TIMEOUT)
+    for h in handles:
+        with pytest.raises(EngineClosedError, match="shut down"):
+            h.result(TIMEOUT)
+    with pytest.raises(EngineClosedError):
+        engine.submit([1, 2])
+    with pytest.raises(EngineClosedError):
+        engine.generate([[1, 2]])
+    assert engine.cache.holder_name is None and engine._loop._thread is not None
+    assert not engine._loop._thread.is_alive()
+    _assert_cache_empty(engine)
+    tiny.prefill(engine.cache, [Stream(0, [1, 2])])
+    engine.shutdown()  # idempotent
+
+    with Engine(tiny, **KW) as engine:
+        handle = engine.submit([1, 2, 3], max_new_tokens=4)
+        engine.shutdown(wait_s=TIMEOUT)
+        assert handle.result(TIMEOUT).finish_reason == "length"
+    assert engine._loop.closed
+
+    engine = Engine(tiny, **KW)
+    assert len(engine.submit([1, 2], max_new_tokens=2).result(TIMEOUT).token_ids) == 2
+    thread = engine._loop._thread
+    del engine
+    gc.collect()
+    thread.join(TIMEOUT)
+    assert not thread.is_alive()
+
+
+def test_numpy_numbers_and_arrays_are_taken_as_python_ones(tiny):
+    """Issue 23, item 6: np.float32 temperatures, np.int64 ids, stop ids, max_new_tokens and seeds, and 1-D
+    integer arrays as prompts were refused with messages that read as range errors."""
+    engine = Engine(tiny, **KW)
+    prompts = _prompts([4, 7], seed=6)
+    kw = dict(max_new_tokens=5, temperature=0.8, top_k=30, top_p=0.9, seed=3, stop_token_ids=[7, 9])
+    want = [r.token_ids for r in engine.generate(prompts, **kw)]
+    as_numpy = dict(max_new_tokens=np.int64(5), temperature=np.float32(0.8), top_k=np.int32(30),
+                    top_p=np.float64(0.9), seed=np.uint64(3), stop_token_ids=[np.int64(7), np.int16(9)])
+    arrays = [np.array(prompts[0], dtype=np.int64), [np.int32(t) for t in prompts[1]]]
+    assert [r.token_ids for r in engine.generate(arrays, **as_numpy)] == want
+    assert [r.token_ids for r in engine.generate(prompts, **{**as_numpy, "stop_token_ids": np.array([7, 9])})] == want
+    greedy = engine.generate(prompts[:1], max_new_tokens=3)[0].token_ids
+    assert engine.submit(np.array(prompts[0], dtype=np.uint16), max_new_tokens=np.int8(3),
+                         temperature=np.float32(0)).result(TIMEOUT).token_ids == greedy
+    for prompt, message in [(np.array([1.0, 2.0]), "prompt 0: token ids must be an integer array, got dtype float64"),
+                            (np.array([[1, 2]]), r"prompt 0: token ids must be 1-D, got shape \(1, 2\)"),
+                            (np.array([1, 600]), r"prompt 0: token id 600 is out of range"),
+                            (np.array([True, False]), "token ids must be an integer array, got dtype bool")]:
+        with pytest.raises(ValueError, match=message):
+            engine.generate([prompt])
+    with pytest.raises(ValueError, match="prompts must be a list of prompts"):
+        engine.generate(np.array([prompts[0]]))
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        engine.generate(prompts, temperature=np.bool_(True))
+    assert Engine(tiny, **{**KW, "num_slots": np.int64(2)}).num_slots == 2
+    _assert_cache_empty(engine)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_model_converted_after_the_engine_was_built(compile):
+    """Issue 23, item 6: after model.half() the engine said "build a new GraphRunner" (compile=True) or named
+    the cache's dtype (compile=False): the user holds an Engine."""
+    model = HybridModel.from_preset("tiny", seed=1)
+    engine = Engine(model, **{**KW, "compile": compile})
+    model.half()
+    for call in (lambda: engine.generate([[1, 2]]), lambda: engine.submit([1, 2]),
+                 lambda: engine.stream([[1, 2]])):
+        with pytest.raises(ValueError, match="converted or moved .* after this Engine was built: .* build a new Engine"):
+            call()
+    _assert_cache_empty(engine)
