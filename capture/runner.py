@@ -139,7 +139,7 @@ class GraphRunner:
             before = torch.cuda.memory_reserved(dev)
             t1 = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 output = self.step(self.cache, entry.batch)
             torch.cuda.synchronize(dev)
             report.capture_s = time.perf_counter() - t1
