@@ -13,9 +13,8 @@ pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxscript")
 
-from helpers import TOL, assert_close, moe_config, random_tokens, stage, tiny_config, unit_gain  # noqa: E402
+from helpers import TOL, assert_close, moe_config, packed_batch, random_tokens, tiny_config, unit_gain  # noqa: E402
 from metrale_graph import HybridModel, Stream  # noqa: E402
-from metrale_graph.batch import pack  # noqa: E402
 from metrale_graph.onnx import export_prefill, ort_session, run_step, save_onnx  # noqa: E402
 
 GDN_THEN_ATTENTION = dict(num_hidden_layers=2, layer_types=("linear_attention", "full_attention"))
@@ -95,7 +94,7 @@ def test_bf16_step_runs_in_onnxruntime_and_matches_the_torch_step(tmp_path, caps
     cache = _cache_with_context(model)
     streams = [Stream(1, random_tokens(9, 3, model.config.vocab_size)),
                Stream(0, random_tokens(14, 4, model.config.vocab_size))]
-    batch = pack(streams, stage(model, cache, streams), cache).padded(B, T, cache)
+    batch = packed_batch(model, cache, streams).padded(B, T, cache)
     before = [p.clone() for p in cache.pools()]
     ref_cache = copy.deepcopy(cache)
     with torch.no_grad():
