@@ -33,6 +33,7 @@ import torch
 
 from .config import ModelConfig
 from .numbers import as_int
+from .prefix_cache import PrefixIndex, chain_hashes, prefix_key
 
 
 class CacheInUseError(ValueError, RuntimeError):
@@ -46,13 +47,15 @@ _acting = threading.local()
 
 class HybridCache:
     def __init__(self, cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: int = 64,
-                 max_context: int | None = None, dtype: torch.dtype = torch.float32, device="cpu", owner=None):
+                 max_context: int | None = None, dtype: torch.dtype = torch.float32, device="cpu", owner=None,
+                 prefix_checkpoints: int = 0, checkpoint_interval: int = 0, step_checkpoints: int | None = None):
         sizes = {}
         for name, value in (("num_slots", num_slots), ("num_blocks", num_blocks), ("block_size", block_size)):
             sizes[name] = as_int(value)
             if sizes[name] is None or sizes[name] < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         num_slots, num_blocks, block_size = sizes["num_slots"], sizes["num_blocks"], sizes["block_size"]
+        prefix_checkpoints, checkpoint_interval = _prefix_options(prefix_checkpoints, checkpoint_interval, block_size)
         if max_context is None:
             max_context = min(cfg.max_position_embeddings, num_blocks * block_size)
         max_context = as_int(max_context)
@@ -81,9 +84,27 @@ class HybridCache:
             self.v_caches = [torch.zeros(kv_shape, dtype=dtype, device=self.device) for _ in cfg.full_layers]
             self.block_tables = torch.full((S, self.max_blocks_per_slot), self.null_block, dtype=torch.int32,
                                            device=self.device)
+            # prefix caching (prefix_cache.py): GDN state checkpoints, entry P the scratch entry
+            P = prefix_checkpoints + 1 if prefix_checkpoints else 0
+            self.checkpoint_conv_states = [torch.zeros(P, cfg.conv_dim, W - 1, dtype=dtype, device=self.device)
+                                           for _ in cfg.linear_layers] if P else []
+            self.checkpoint_gdn_states = [torch.zeros(P, HV, K, V, dtype=torch.float32, device=self.device)
+                                          for _ in cfg.linear_layers] if P else []
+            # the checkpoints a step keeps inside the GDN ops (ops/checkpoints.py): NC targets, filled by the
+            # prefill protocol before each step; the step reads them where they are (static for graphs)
+            NC = 0
+            if checkpoint_interval:
+                NC = num_slots + max_context // checkpoint_interval if step_checkpoints is None else step_checkpoints
+            self.checkpoint_tokens = torch.full((NC,), -1, dtype=torch.int64, device=self.device) if NC else None
+            self.checkpoint_entries = (torch.full((NC,), prefix_checkpoints, dtype=torch.int64, device=self.device)
+                                       if NC else None)
+        self.prefix_checkpoints, self.checkpoint_interval = prefix_checkpoints, checkpoint_interval
         self.context_lens = [0] * num_slots
         self._blocks: list[list[int]] = [[] for _ in range(num_slots)]
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._index = PrefixIndex(num_blocks, block_size, prefix_checkpoints)  # block refs and keys, checkpoints
+        # with prefix caching, each slot's tokens and its full blocks' chain hashes (what its blocks hold)
+        self._tokens: list[list[int]] = [[] for _ in range(num_slots)]
+        self._hashes: list[list[bytes]] = [[] for _ in range(num_slots)]
         self._owner = None if owner is None else weakref.ref(owner)
         self._lock = threading.Lock()
         self._holder: object | None = None  # hold(): the one owner whose threads may use the cache
@@ -191,7 +212,17 @@ class HybridCache:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a stream may still be given: free ones, and with prefix caching cached ones no slot holds."""
+        return self._index.free_blocks
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.prefix_checkpoints > 0
+
+    @property
+    def scratch_checkpoint(self) -> int:
+        """The checkpoint entry that only padding writes (prefix caching)."""
+        return self.prefix_checkpoints
 
     def check_slot(self, slot) -> None:
         if not isinstance(slot, int) or isinstance(slot, bool):
@@ -207,20 +238,143 @@ class HybridCache:
     def allocate(self, growth: dict[int, int]) -> None:
         """Give each slot the blocks for its new tokens. The caller has checked capacity."""
         total = sum(self.blocks_needed(s, n) for s, n in growth.items())
-        assert total <= len(self._free), "allocate() called without a capacity check"
+        assert total <= self.free_blocks, "allocate() called without a capacity check"
         for slot, n in growth.items():
             need = self.blocks_needed(slot, n)
             if need == 0:
                 continue
             first = len(self._blocks[slot])
-            new = [self._free.pop() for _ in range(need)]
+            new = [self._index.take() for _ in range(need)]
             self._blocks[slot].extend(new)
             self.block_tables[slot, first:first + need] = torch.tensor(new, dtype=torch.int32)
 
-    def commit(self, growth: dict[int, int]) -> None:
-        """Advance each slot's context by its new tokens, once the step that wrote them has run."""
+    def commit(self, growth: dict[int, int], tokens: dict[int, list[int]] | None = None) -> None:
+        """Advance each slot's context by its new tokens, once the step that wrote them has run. With prefix
+        caching, `tokens` (slot -> its new token ids) labels the blocks they filled with their chain hashes."""
         for slot, n in growth.items():
             self.context_lens[slot] += n
+            if self.prefix_caching:
+                self._record(slot, tokens[slot])
+
+    def _record(self, slot: int, new: list[int]) -> None:
+        """Append `new` to slot's tokens; label each block they fill by its chain hash."""
+        toks, hashes, bs = self._tokens[slot], self._hashes[slot], self.block_size
+        toks.extend(new)
+        start = len(hashes) * bs
+        fresh = chain_hashes(toks, bs, hashes[-1] if hashes else b"", start)
+        for k, h in enumerate(fresh, len(hashes)):
+            self._index.label(self._blocks[slot][k], h)
+        hashes.extend(fresh)
+
+    # prefix caching (prefix_cache.py): a slot's context kept for later prompts, a kept prefix restored ------
+    def save_prefix(self, slot: int) -> bool:
+        """Keep slot's whole context findable by later prompts: its GDN states copied into a checkpoint entry
+        keyed by its tokens, its partial last block labelled with that key (full blocks are labelled as they
+        fill). The slot is unchanged. False when there is nothing to keep: prefix caching off, an empty
+        slot, or an entry of this very prefix already there."""
+        self.check_slot(slot)
+        with self.exclusive():
+            return self._save_prefix(slot)
+
+    def _save_prefix(self, slot: int) -> bool:
+        n, bs = self.context_lens[slot], self.block_size
+        if not self.prefix_caching or n == 0:
+            return False
+        k = n // bs
+        full, tail = (self._hashes[slot][k - 1] if k else b""), self._tokens[slot][k * bs:n]
+        if self._index.has_entry(full, tail):
+            return False
+        e = self._index.new_entry()
+        try:
+            for pool, entries in zip(self.conv_states + self.gdn_states,
+                                     self.checkpoint_conv_states + self.checkpoint_gdn_states):
+                entries[e].copy_(pool[slot])
+        except BaseException:
+            self._index.give_back(e)  # half written: never findable
+            raise
+        self._index.add_entry(e, n, full, tail)
+        if tail:
+            self._index.label(self._blocks[slot][k], prefix_key(full, tail))
+        return True
+
+    def plan_checkpoints(self, streams: list[tuple[int, int, list[int]]]) -> list[tuple[int, int, bytes]]:
+        """The state checkpoints the next step keeps (prefix caching with a checkpoint_interval): for each
+        (slot, packed offset, new tokens) stream, every multiple of the interval its new tokens reach, where
+        the slot's context is a multiple of 64 away (ops/checkpoints.py: the CUDA path keeps states at
+        chunk boundaries) and no checkpoint of that prefix exists; at most len(checkpoint_tokens). Writes
+        the targets into checkpoint_tokens / checkpoint_entries and returns (entry, length, chain hash)
+        of each, to record once the step has run (record_checkpoints) or give back if it fails."""
+        if self.checkpoint_tokens is None:
+            return []
+        every, bs, room = self.checkpoint_interval, self.block_size, self.checkpoint_tokens.shape[0]
+        plan, tokens = [], []
+        for slot, offset, new in streams:
+            ctx = self.context_lens[slot]
+            first = -(-(ctx + 1) // every) * every
+            ends = [p for p in range(first, ctx + len(new) + 1, every) if (p - ctx) % 64 == 0]
+            if not ends:
+                continue
+            hashes = self._hashes[slot]
+            seq = self._tokens[slot] + list(new)
+            fresh = chain_hashes(seq[:ends[-1]], bs, hashes[-1] if hashes else b"", len(hashes) * bs)
+            for p in ends:
+                h = (hashes + fresh)[p // bs - 1]
+                if len(plan) == room or self._index.has_entry(h, ()):
+                    continue
+                plan.append((self._index.new_entry(), p, h))
+                tokens.append(offset + p - ctx - 1)
+        entries = [e for e, _, _ in plan]
+        pad = room - len(plan)
+        self.checkpoint_tokens.copy_(torch.tensor(tokens + [-1] * pad, dtype=torch.int64))
+        self.checkpoint_entries.copy_(torch.tensor(entries + [self.scratch_checkpoint] * pad, dtype=torch.int64))
+        return plan
+
+    def record_checkpoints(self, plan: list[tuple[int, int, bytes]], written: bool) -> None:
+        """After the step of plan_checkpoints: its checkpoints become findable (written) or are given back."""
+        for e, p, h in plan:
+            if written:
+                self._index.add_entry(e, p, h, ())
+            else:
+                self._index.give_back(e)
+
+    def _restore_prefix(self, slot: int, tokens: list[int], limit: int) -> int:
+        """Start empty `slot` from the longest kept prefix of `tokens` of at most `limit` tokens: its full
+        blocks shared, its partial last block copied into a fresh one (the stream appends to it), its GDN
+        states copied from the checkpoint. Returns the tokens restored (0: none usable). The caller holds
+        the cache (exclusive) and has validated the tokens; protocol.restore_prefix is the entry point."""
+        assert self.context_lens[slot] == 0 and not self._blocks[slot], "restore into a slot that holds context"
+        hit = self._index.lookup(tokens, limit) if self.prefix_caching and limit > 0 else None
+        if hit is None:
+            return 0
+        bs, n = self.block_size, hit.length
+        full, partial = list(hit.blocks[:n // bs]), hit.blocks[n // bs:]
+        for b in full:
+            self._index.share(b)
+        if partial and self.free_blocks < 1:  # no block to copy the partial one into
+            for b in full:
+                self._index.drop(b)
+            return 0
+        with self.transaction([slot]):
+            blocks = full + ([self._index.take()] if partial else [])
+            self._blocks[slot] = blocks
+            self.context_lens[slot] = n
+            self._tokens[slot] = list(tokens[:n])
+            self._hashes[slot] = chain_hashes(self._tokens[slot], bs)
+            self.block_tables[slot, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            if partial:
+                rows = n % bs
+                for pool in self.k_caches + self.v_caches:
+                    pool[blocks[-1], :rows].copy_(pool[partial[0], :rows])
+            for pool, entries in zip(self.conv_states + self.gdn_states,
+                                     self.checkpoint_conv_states + self.checkpoint_gdn_states):
+                pool[slot].copy_(entries[hit.entry])
+        return n
+
+    def prefix_stats(self) -> dict:
+        """Prefix caching's counters: lookups, hits and the tokens they restored, cached blocks and
+        checkpoints held, evictions, and the checkpoint pool's bytes."""
+        nbytes = sum(t.numel() * t.element_size() for t in self.checkpoint_conv_states + self.checkpoint_gdn_states)
+        return {**self._index.stats(), "checkpoint_bytes": nbytes, "checkpoint_entries": self.prefix_checkpoints}
 
     def reset(self, slot: int) -> None:
         """Forget slot's stream: zero its states, return its KV blocks."""
@@ -231,9 +385,11 @@ class HybridCache:
     def _reset(self, slots: list[int]) -> None:
         # host bookkeeping first: it cannot fail, and a slot with context 0 and no blocks is empty
         for slot in slots:
-            self._free.extend(reversed(self._blocks[slot]))
+            for b in reversed(self._blocks[slot]):
+                self._index.drop(b)
             self._blocks[slot] = []
             self.context_lens[slot] = 0
+            self._tokens[slot], self._hashes[slot] = [], []
         try:
             index = torch.tensor(slots, dtype=torch.int64, device=self.device)
             for t in self.conv_states + self.gdn_states:
@@ -246,16 +402,16 @@ class HybridCache:
     def snapshot(self) -> tuple:
         """A copy of everything the cache holds (device pools and host bookkeeping)."""
         return ([t.clone() for t in self.state_tensors()], list(self.context_lens),
-                [list(b) for b in self._blocks], list(self._free))
+                [list(b) for b in self._blocks], copy.deepcopy((self._index, self._tokens, self._hashes)))
 
     def restore(self, snapshot: tuple) -> None:
         """Put the cache back to a snapshot() of itself (in place: captured graphs stay valid). A snapshot
         of another cache geometry raises ValueError before anything is copied."""
-        tensors, ctx, blocks, free = snapshot
+        tensors, ctx, blocks, index = snapshot
         mine = self.state_tensors()
         if len(tensors) != len(mine) or len(ctx) != self.num_slots or len(blocks) != self.num_slots or any(
                 t.shape != s.shape or t.dtype != s.dtype for t, s in zip(mine, tensors)) or not self._fits_geometry(
-                tensors[-1], ctx, blocks, free):
+                tensors[-1], ctx, blocks, index):
             raise ValueError("the snapshot is not of this cache (other pools, slots or block tables); nothing "
                              "was restored")
         with self.exclusive():
@@ -263,19 +419,25 @@ class HybridCache:
                 t.copy_(s)
             self.context_lens[:] = ctx
             self._blocks = [list(b) for b in blocks]
-            self._free = list(free)
+            self._index, self._tokens, self._hashes = copy.deepcopy(index)
 
-    def _fits_geometry(self, block_tables: torch.Tensor, ctx, blocks, free) -> bool:
+    def _fits_geometry(self, block_tables: torch.Tensor, ctx, blocks, index) -> bool:
         """Whether a snapshot's bookkeeping describes this cache's blocks: each slot's context within
         max_context and held in ceil(context / block_size) blocks, its block-table row those blocks then
-        the null block, and the held and free blocks together exactly 0..num_blocks-1. (The pool shapes
-        alone do not pin the block geometry: a model without attention layers has no KV pools.)"""
-        bs, held = self.block_size, []
+        the null block, and each block's ref count the number of slots holding it. (The pool shapes alone
+        do not pin the block geometry: a model without attention layers has no KV pools.)"""
+        bs, holders = self.block_size, [0] * self.num_blocks
+        refs = getattr(index[0] if isinstance(index, tuple) and index else None, "refs", None)
+        if refs is None or len(refs) != self.num_blocks:
+            return False
         for n, b in zip(ctx, blocks):
             if not isinstance(n, int) or not 0 <= n <= self.max_context or len(b) != -(-n // bs):
                 return False
-            held.extend(b)
-        if sorted(held + list(free)) != list(range(self.num_blocks)):
+            for x in b:
+                if not 0 <= x < self.num_blocks:
+                    return False
+                holders[x] += 1
+        if holders != list(refs):
             return False
         rows = block_tables[:self.num_slots].tolist()
         return all(row == list(b) + [self.null_block] * (len(row) - len(b)) for row, b in zip(rows, blocks))
@@ -336,6 +498,22 @@ class HybridCache:
         return (f"HybridCache(slots={self.num_slots} ({used} in use), blocks={self.num_blocks} "
                 f"({self.free_blocks} free) x {self.block_size}, max_context={self.max_context}, "
                 f"dtype={self.dtype}, device={self.device})")
+
+
+def _prefix_options(checkpoints, interval, block_size: int) -> tuple[int, int]:
+    """Prefix caching's sizes, checked: the checkpoint entries (0: no prefix caching) and the interval of the
+    checkpoints a prompt leaves (0: none; else a multiple of the block size and of the GDN chunk, 64)."""
+    n, every = as_int(checkpoints), as_int(interval)
+    if n is None or n < 0:
+        raise ValueError(f"prefix_checkpoints must be an integer >= 0, got {checkpoints!r}")
+    if every is None or every < 0:
+        raise ValueError(f"checkpoint_interval must be an integer >= 0, got {interval!r}")
+    if every and (every % block_size or every % 64):
+        raise ValueError(f"checkpoint_interval ({every}) must be a multiple of the block size ({block_size}) and of "
+                         "the GDN chunk (64)")
+    if every and not n:
+        raise ValueError("checkpoint_interval needs prefix_checkpoints > 0 (the pool the checkpoints go to)")
+    return n, every
 
 
 def _add_note(e: BaseException, note: str) -> None:

@@ -41,6 +41,7 @@ Semantics:
 from __future__ import annotations
 
 import itertools
+import math
 import numbers
 import sys
 import threading
@@ -99,7 +100,8 @@ class Engine:
                  tokenizer=None, stop_token_ids: Sequence[int] | None = None, compile: bool = True,
                  use_graphs: bool | None = None, batch_sizes: Sequence[int] | None = None,
                  token_counts: Sequence[int] | None = None, max_waiting: int | None = None,
-                 broadcast_plans: bool = False):
+                 broadcast_plans: bool = False, prefix_cache: bool = False, prefix_checkpoints: int | None = None,
+                 checkpoint_interval: int | None = None):
         """A generation engine owning a cache of `num_slots` slots over `model`.
 
         max_context: the most tokens (prompt + new) a request holds, at most the model's
@@ -113,6 +115,10 @@ class Engine:
         EngineFullError (default max(256, 4 x num_slots); generate / stream are never refused).
         broadcast_plans: under tensor parallelism, rank 0 serves and the other ranks run follow()
         (plan_sync.py); without tensor parallelism it changes nothing.
+        prefix_cache: keep prompts' prefixes for later requests (prefix_cache.py: KV blocks shared, GDN states
+        checkpointed every `checkpoint_interval` tokens of a prompt, after all but a prompt's last token and at
+        the end of every request; `prefix_checkpoints` state checkpoints at most, default num_slots); each
+        result reports its `cached_tokens`, stats() the hit counters.
         """
         cfg = model.config
         if max_context is None:
@@ -149,7 +155,14 @@ class Engine:
         if stop_token_ids is None:
             stop_token_ids = [t for t in default_stop_ids(model, self.tokenizer) if 0 <= t < cfg.vocab_size]
         self.stop_token_ids = self._check_stop_ids(stop_token_ids)
-        self.cache = model.new_cache(num_slots, num_blocks, block_size, max_context)
+        if not isinstance(prefix_cache, bool):
+            raise ValueError(f"prefix_cache must be True or False, got {prefix_cache!r}")
+        checkpoints, interval = (_prefix_sizes(num_slots, block_size, prefix_checkpoints, checkpoint_interval)
+                                 if prefix_cache else (0, 0))
+        if prefix_cache and broadcast_plans and model.tp is not None:
+            raise ValueError("prefix_cache with broadcast_plans under tensor parallelism is not supported yet (the plan "
+                             "broadcast does not carry the prefix restores): turn one of them off")
+        self.cache = model.new_cache(num_slots, num_blocks, block_size, max_context, checkpoints, interval)
         self.runner = None
         if compile:
             from .capture import GraphRunner
@@ -291,7 +304,7 @@ class Engine:
 
     def _result(self, r: Request, t0: float) -> GenerationResult:
         return GenerationResult(list(r.out), self.decode(r.out), r.finish_reason, len(r.prompt),
-                                r.first_token_time - t0)
+                                r.first_token_time - t0, r.cached)
 
     # checking requests -------------------------------------------------------------------------
     def _requests(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
@@ -389,6 +402,22 @@ def _close(loop: EngineLoop) -> None:
     main thread waits for it (at exit, so that followers of a plan broadcast hear the end); a collection in
     another thread must not wait for the loop, which may be waiting to deliver to that thread."""
     loop.close(timeout=5.0 if threading.current_thread() is threading.main_thread() else 0.0)
+
+
+DEFAULT_CHECKPOINT_INTERVAL = 256
+
+
+def _prefix_sizes(num_slots: int, block_size: int, checkpoints, interval) -> tuple[int, int]:
+    """Prefix caching's checkpoint entries (default: one per slot) and interval (default: the first multiple of
+    the block size and of 64 from DEFAULT_CHECKPOINT_INTERVAL on; 0: checkpoints at prompts' ends only)."""
+    if checkpoints is None:
+        checkpoints = num_slots
+    if not _is_int(checkpoints) or checkpoints < 1:
+        raise ValueError(f"prefix_checkpoints must be an integer >= 1, got {checkpoints!r}")
+    if interval is None:
+        unit = block_size * 64 // math.gcd(block_size, 64)
+        interval = -(-DEFAULT_CHECKPOINT_INTERVAL // unit) * unit
+    return int(checkpoints), interval
 
 
 def _is_int(x) -> bool:

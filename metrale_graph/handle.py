@@ -45,6 +45,7 @@ class GenerationResult:
     finish_reason: str  # "stop", "length", or "abort" (a handle aborted before it finished)
     prompt_tokens: int
     first_token_s: float | None  # seconds from the call (generate) or submit to the first new token
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache (Engine(prefix_cache=True)), not computed
 
 
 class RequestOutput(NamedTuple):
@@ -220,7 +221,7 @@ class RequestHandle:
             raise r.error
         first = None if r.first_token_time is None else r.first_token_time - r.submit_time
         return GenerationResult(list(r.out), None if r.text is None else r.text.text, r.finish_reason,
-                                len(r.prompt), first)
+                                len(r.prompt), first, r.cached)
 
     def abort(self) -> None:
         """End the request: at the engine's next step its slot and KV blocks are freed and its last output

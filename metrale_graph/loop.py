@@ -33,6 +33,7 @@ import torch
 
 from .batch import Stream
 from .handle import EngineClosedError, EngineFullError, Failure, RequestOutput, deliver, wait_for
+from .protocol import restore_prefix
 from .plan_sync import IDLE, IDLE_SYNC_S, SHUTDOWN, STEP, WARMUP, PlanBroadcast
 from .sampling import sample
 from .scheduler import Request, Scheduler
@@ -49,6 +50,8 @@ class EngineStats:
     steps: int  # steps run so far
     prompt_tokens: int  # prompt tokens fed so far
     generated_tokens: int  # new tokens sampled so far
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead (prefix caching)
+    prefix: dict | None = None  # the cache's prefix-caching counters (HybridCache.prefix_stats), or None
 
 
 class _Job:
@@ -77,7 +80,9 @@ class EngineLoop:
                  broadcast: PlanBroadcast | None = None):
         self.model, self.runner, self.cache, self._token = model, runner, cache, token
         self._model_version = model.version
-        self.scheduler = Scheduler(cache, token_budget)
+        prefix = cache.prefix_caching
+        self.scheduler = Scheduler(cache, token_budget, self._restore if prefix else None,
+                                   self._keep if prefix else None)
         self._broadcast = broadcast
         self._cond = threading.Condition(threading.Lock())
         self._inbox: list[Request] = []
@@ -87,7 +92,7 @@ class EngineLoop:
         self._draining: BaseException | None = None  # set by drain(): what new requests are refused with
         self._thread: threading.Thread | None = None
         self._scheduled_waiting = 0  # len(scheduler.waiting), kept under the lock for other threads
-        self._steps = self._prompt_tokens = self._generated = 0
+        self._steps = self._prompt_tokens = self._generated = self._cached = 0
 
     # other threads ---------------------------------------------------------------------------
     @property
@@ -170,7 +175,8 @@ class EngineLoop:
             s, cache = self.scheduler, self.cache
             return EngineStats(len(s.running), len(self._inbox) + self._scheduled_waiting, cache.num_slots,
                                cache.num_blocks - cache.free_blocks, cache.num_blocks, self._steps,
-                               self._prompt_tokens, self._generated)
+                               self._prompt_tokens, self._generated, self._cached,
+                               cache.prefix_stats() if cache.prefix_caching else None)
 
     def is_loop_thread(self) -> bool:
         return threading.current_thread() is self._thread
@@ -296,6 +302,16 @@ class EngineLoop:
         if self.runner is not None:
             return self.runner.prefill(streams)
         return self.model.prefill(self.cache, streams)
+
+    def _restore(self, r: Request) -> int:
+        """Prefix caching: start r's fresh slot from the longest cached prefix of its prompt."""
+        n = restore_prefix(self.model, self.cache, r.slot, r.prompt)
+        self._cached += n
+        return n
+
+    def _keep(self, r: Request) -> None:
+        """Prefix caching: keep r's slot's context (all its fed tokens) for later prompts."""
+        self.cache.save_prefix(r.slot)
 
     def _fail(self, r: Request, error: BaseException) -> None:
         if r.ended:

@@ -163,11 +163,13 @@ class HybridModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def new_cache(self, num_slots: int, num_blocks: int, block_size: int = 64,
-                  max_context: int | None = None) -> HybridCache:
-        """A cache of `num_slots` streams and `num_blocks` KV blocks of `block_size` tokens."""
+    def new_cache(self, num_slots: int, num_blocks: int, block_size: int = 64, max_context: int | None = None,
+                  prefix_checkpoints: int = 0, checkpoint_interval: int = 0) -> HybridCache:
+        """A cache of `num_slots` streams and `num_blocks` KV blocks of `block_size` tokens. With
+        `prefix_checkpoints` > 0 it keeps prefixes for later prompts (prefix caching: shared KV blocks and
+        that many GDN state checkpoints; a prompt's state every `checkpoint_interval` tokens, 0: none)."""
         return HybridCache(self.local, num_slots, num_blocks, block_size, max_context, self.dtype, self.device,
-                           owner=self)
+                           owner=self, prefix_checkpoints=prefix_checkpoints, checkpoint_interval=checkpoint_interval)
 
     # the prefill
     def check_cache(self, cache: HybridCache, claim: bool = True) -> None:
@@ -201,7 +203,7 @@ class HybridModel(nn.Module):
         for i, kind in enumerate(cfg.layer_types):
             j, layer = self._pool_index[i], self.layers[i]
             if kind == LINEAR:
-                h = self._gdn_mixer(layer, h, batch, cache.conv_states[j], cache.gdn_states[j])
+                h = self._gdn_mixer(layer, h, batch, cache.conv_states[j], cache.gdn_states[j], _checkpoints(cache, j))
             else:
                 h = self._attention_mixer(layer, h, batch, cache.k_caches[j], cache.v_caches[j])
             h = self._reduce(h)
@@ -234,16 +236,20 @@ class HybridModel(nn.Module):
         return self.tp.all_reduce(h)
 
     # a layer: h = x + mixer(norm(x)) (GDN or attention), then out = h + feed_forward(norm(h))
-    def _gdn_mixer(self, layer, x, batch, conv_state, gdn_state):
+    def _gdn_mixer(self, layer, x, batch, conv_state, gdn_state, checkpoints=None):
+        """checkpoints: (tokens, entries, conv pool, state pool) of a step that keeps prefix-caching
+        checkpoints (ops/checkpoints.py), or None."""
         cfg, a = self.local, layer.linear_attn
         T, H, K = x.shape[0], cfg.linear_num_key_heads, cfg.linear_key_head_dim
         qkv, z, beta, g = OPS.gdn_proj(x, layer.input_layernorm.weight, a.in_proj_qkv.weight,
                                        a.in_proj_z.weight, a.in_proj_b.weight, a.in_proj_a.weight,
                                        a.A_log, a.dt_bias, cfg.rms_norm_eps)
-        qkv = OPS.causal_conv1d(qkv, a.conv1d.weight.squeeze(1), batch.cu_seqlens, batch.slot_ids, conv_state)
+        keep = () if checkpoints is None else checkpoints[:3]
+        qkv = OPS.causal_conv1d(qkv, a.conv1d.weight.squeeze(1), batch.cu_seqlens, batch.slot_ids, conv_state, *keep)
         qk = OPS.l2norm(qkv[:, :2 * cfg.key_dim].view(T, 2 * H, K))
         v = qkv[:, 2 * cfg.key_dim:].view(T, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
-        o = OPS.gdn_recurrence(qk[:, :H], qk[:, H:], v, g, beta, batch.cu_seqlens, batch.slot_ids, gdn_state)
+        keep = () if checkpoints is None else (*checkpoints[:2], checkpoints[3])
+        o = OPS.gdn_recurrence(qk[:, :H], qk[:, H:], v, g, beta, batch.cu_seqlens, batch.slot_ids, gdn_state, *keep)
         return OPS.gdn_out(o, z, x if self._adds_residual else None, a.norm.weight, a.out_proj.weight,
                            cfg.rms_norm_eps)
 
@@ -274,6 +280,15 @@ class HybridModel(nn.Module):
                if c.moe_layers else "")
         return (f"layers={c.num_hidden_layers} ({len(c.linear_layers)} GDN + {len(c.full_layers)} attention{moe}), "
                 f"hidden={c.hidden_size}, vocab={c.vocab_size}, dtype={self.dtype}, device={self.device}")
+
+
+def _checkpoints(cache, j: int):
+    """The prefix-caching checkpoints GDN layer j's ops keep in a step (HybridCache.plan_checkpoints), or None
+    (no checkpoint_interval; a pool view under torch.export)."""
+    tokens = getattr(cache, "checkpoint_tokens", None)
+    if tokens is None:
+        return None
+    return tokens, cache.checkpoint_entries, cache.checkpoint_conv_states[j], cache.checkpoint_gdn_states[j]
 
 
 def _agree_on_loading(tp: TensorParallel, error: BaseException | None, device: torch.device) -> None:

@@ -29,7 +29,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .batch import PackedBatch, Stream, pack, validate
+from .batch import PackedBatch, Stream, check_token_ids, pack, token_tensor, validate
 from .cache import HybridCache
 
 Piece = list[tuple[int, int, int]]  # (stream index, start, stop) token ranges of one step
@@ -66,8 +66,15 @@ class PrefillCall:
             cache.allocate(self.growth)
             for piece in pieces:
                 sub = [Stream(self.streams[i].slot, self.tokens[i][a:b]) for i, a, b in piece]
-                out = step(pack(sub, [s.tokens for s in sub], cache))
-                cache.commit({s.slot: b - a for s, (_, a, b) in zip(sub, piece)})
+                fed = {s.slot: s.tokens.tolist() for s in sub} if cache.prefix_caching else None
+                plan = cache.plan_checkpoints(_offsets(sub, fed)) if fed is not None else []
+                try:
+                    out = step(pack(sub, [s.tokens for s in sub], cache))
+                except BaseException:
+                    cache.record_checkpoints(plan, written=False)
+                    raise
+                cache.record_checkpoints(plan, written=True)
+                cache.commit({s.slot: b - a for s, (_, a, b) in zip(sub, piece)}, fed)
                 for row, (i, _, b) in enumerate(piece):
                     if b == self.lengths[i]:
                         logits[i] = out[row]
@@ -83,6 +90,15 @@ class PrefillCall:
         assert done == self.lengths, "the pieces do not cover every stream's tokens"
 
 
+def _offsets(sub: list[Stream], fed: dict[int, list[int]]) -> list[tuple[int, int, list[int]]]:
+    """(slot, packed offset, new tokens) of each stream of a piece, as laid out by pack."""
+    out, offset = [], 0
+    for s in sub:
+        out.append((s.slot, offset, fed[s.slot]))
+        offset += len(fed[s.slot])
+    return out
+
+
 @contextlib.contextmanager
 def prefill_call(model, cache: HybridCache, streams: Sequence[Stream]) -> Iterator[PrefillCall]:
     """Check and validate a prefill of `streams` on `cache` and hold the cache for it (module docstring).
@@ -92,3 +108,26 @@ def prefill_call(model, cache: HybridCache, streams: Sequence[Stream]) -> Iterat
         tokens = validate(streams, cache, model.config.vocab_size)
         cache.bind(model)  # the input is good: a cache made without an owner becomes this model's
         yield PrefillCall(cache, streams, tokens)
+
+
+def restore_prefix(model, cache: HybridCache, slot: int, tokens, limit: int | None = None) -> int:
+    """Start empty `slot` of a cache with prefix caching from the longest cached prefix of `tokens` (at
+    most `limit` tokens; default len(tokens) - 1, leaving the last token to prefill, whose logits a caller
+    samples): its KV blocks shared, its GDN states restored (HybridCache._restore_prefix). Returns the
+    number of tokens restored, 0 when none is cached (or prefix caching is off); the caller then
+    prefills `tokens[restored:]` into the slot. ValueError for bad tokens or a slot that holds context,
+    before anything changes."""
+    model.check_cache(cache, claim=False)
+    with cache.exclusive():
+        cache.check_slot(slot)
+        if cache.context_lens[slot]:
+            raise ValueError(f"slot {slot} holds {cache.context_lens[slot]} tokens: a prefix is restored into an "
+                             "empty slot (reset it first)")
+        ids = token_tensor(tokens, "tokens", cache.device)
+        check_token_ids([ids], model.config.vocab_size, what="tokens")
+        n = ids.numel()
+        limit = n - 1 if limit is None else limit
+        if not (isinstance(limit, int) and 0 <= limit <= min(n, cache.max_context)):
+            raise ValueError(f"limit must be an int in [0, {min(n, cache.max_context)}], got {limit!r}")
+        cache.bind(model)
+        return cache._restore_prefix(slot, ids.tolist(), limit)

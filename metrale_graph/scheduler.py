@@ -18,6 +18,13 @@ starves). Its reservation is the KV blocks of everything it can ever feed: promp
 request is admitted only when the free blocks, minus what the running requests may still take,
 hold its reservation, so a step never runs out of blocks.
 
+With prefix caching (the cache keeps prefixes for later prompts, prefix_cache.py), an admitted request
+starts from the longest cached prefix of its prompt (`restore`, given by the engine: its tokens count as
+fed), and its prompt is fed in two parts: every token but the last, in chunks whose ends fall on
+multiples of 64 tokens (the GDN chunk, so the state checkpoints a prompt leaves line up), then the last
+token alone, sampled, in a later step; in between the engine keeps the state after all but the last
+token (`keep`), so that the same prompt sent again restores all of it but its last token.
+
 One scheduler lives as long as its engine and owns every slot of the engine's cache: the engine
 holds the cache (HybridCache.hold) from the moment it builds it, so no stream gets into it from
 outside (a prefill, a runner or a reset of another caller raises CacheInUseError) and every slot
@@ -52,6 +59,7 @@ class Request:
     first_token_time: float | None = None
     slot: int | None = None
     fed: int = 0  # prompt tokens in the cache
+    cached: int = 0  # of those, restored from the prefix cache
     out: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length", "abort"; set when it ends
     error: BaseException | None = None  # what failed it
@@ -79,9 +87,12 @@ class Chunk:
 
 
 class Scheduler:
-    def __init__(self, cache: HybridCache, token_budget: int):
+    def __init__(self, cache: HybridCache, token_budget: int, restore=None, keep=None):
+        """restore(request) -> prompt tokens restored into its fresh slot; keep(request): its slot's context
+        kept for later prompts. Both given with prefix caching (module docstring), else None."""
         assert not any(cache.context_lens), "the scheduler starts on an empty cache (module docstring)"
         self.cache, self.token_budget = cache, token_budget
+        self.restore, self.keep = restore, keep
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted (holding a slot), in admission order
         self.free_slots = list(range(cache.num_slots))
@@ -105,16 +116,29 @@ class Scheduler:
         for r in self.running:
             if budget > 0 and not r.prefilled:
                 budget -= self._chunk(r, budget, step)
-        while budget > 0 and self.waiting and self.free_slots and self._fits(self.waiting[0]):
+        while budget > 0 and self.waiting and self.free_slots and self._fits(self.waiting[0]) and self._worth(budget):
             r = self.waiting.popleft()
             r.slot = self.free_slots.pop(0)
             self.running.append(r)
+            if self.restore is not None:
+                r.fed = r.cached = self.restore(r)
             budget -= self._chunk(r, budget, step)
         assert step, "requests that fit no step (a request's KV blocks are checked against the cache at submit)"
         return step
 
+    def _worth(self, budget: int) -> bool:
+        """With prefix caching a request is admitted with at least 64 tokens of budget (or its whole prompt)
+        left: admitted with a handful, it would look its prefix up a step before the checkpoints of the
+        prompts ahead of it exist."""
+        return self.restore is None or budget >= min(64, len(self.waiting[0].prompt))
+
     def _chunk(self, r: Request, budget: int, step: list[Chunk]) -> int:
         n = min(len(r.prompt) - r.fed, budget)
+        if self.restore is not None and r.fed < len(r.prompt) - 1:  # prefix caching: all but the last token first
+            n = min(n, len(r.prompt) - 1 - r.fed)
+            end = (r.fed + n) // 64 * 64
+            if r.fed + n < len(r.prompt) - 1 and end > r.fed:  # cut by the budget: end on a multiple of 64
+                n = end - r.fed
         step.append(Chunk(r, r.prompt[r.fed:r.fed + n], r.fed + n == len(r.prompt)))
         return n
 
@@ -126,8 +150,11 @@ class Scheduler:
     def advance(self, step: list[Chunk]) -> None:
         """The step ran: count the prompt tokens it fed."""
         for c in step:
-            if not c.request.prefilled:
-                c.request.fed += len(c.tokens)
+            r = c.request
+            if not r.prefilled:
+                r.fed += len(c.tokens)
+                if self.keep is not None and r.fed == len(r.prompt) - 1:
+                    self.keep(r)  # the state after all but the last prompt token
 
     def finish(self, r: Request, reason: str) -> None:
         """End `r` (running or waiting) with `reason`: free its slot at once."""
@@ -139,7 +166,11 @@ class Scheduler:
         for a request the scheduler does not hold."""
         if r in self.running:
             self.running.remove(r)
-            self._release(r)
+            try:
+                if self.keep is not None and r.error is None:
+                    self.keep(r)  # prompt + new tokens fed: the next turn of a conversation starts from them
+            finally:
+                self._release(r)
         elif r in self.waiting:
             self.waiting.remove(r)
 

@@ -4,12 +4,15 @@ from its slot's conv state (its last W-1 inputs) and leaving the new one there.
 A zero-length stream (padding) computes nothing and leaves its slot's state unchanged.
 """
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from .checkpoints import check_checkpoints, keep_conv_windows, wanted
 from .common import INDEX_DTYPES, check, check_tensor
 from .registry import OpSpec, Shapes, metrale_cuda, metrale_fake, metrale_op, rand, register, stream_meta, weight
 
@@ -25,11 +28,13 @@ def _check(a):
     check_tensor(a.conv_state, "conv_state", ndim=3, dtype=a.x.dtype, device=a.x.device)
     state = (C, a.weight.shape[1] - 1)
     check(tuple(a.conv_state.shape[1:]) == state, f"conv_state slots are {tuple(a.conv_state.shape[1:])}, expected {state}")
+    check_checkpoints(a.checkpoint_tokens, a.checkpoint_entries, a.checkpoint_conv_states, a.x.device, state, a.x.dtype)
 
 
-@metrale_op(mutates_args=("conv_state",), check=_check)
-def causal_conv1d(x: Tensor, weight: Tensor, cu_seqlens: Tensor, slot_ids: Tensor,
-                  conv_state: Tensor) -> Tensor:
+@metrale_op(mutates_args=("conv_state", "checkpoint_conv_states"), check=_check)
+def causal_conv1d(x: Tensor, weight: Tensor, cu_seqlens: Tensor, slot_ids: Tensor, conv_state: Tensor,
+                  checkpoint_tokens: Optional[Tensor] = None, checkpoint_entries: Optional[Tensor] = None,
+                  checkpoint_conv_states: Optional[Tensor] = None) -> Tensor:
     """Varlen causal conv1d with per-slot state, then SiLU. The CPU reference: plain torch, one stream
     at a time (a host loop).
 
@@ -40,10 +45,16 @@ def causal_conv1d(x: Tensor, weight: Tensor, cu_seqlens: Tensor, slot_ids: Tenso
         slot_ids: [B] int32/int64, the conv-state slot of each stream.
         conv_state: [S, C, W-1] pool, x's dtype. MUTATED: each stream's slot receives the
             last W-1 inputs of (old state ++ stream tokens).
+        checkpoint_tokens, checkpoint_entries: [NC] int64, or None; checkpoint_conv_states: [P+1, C, W-1]
+            pool. MUTATED: entry checkpoint_entries[i] receives the last W-1 inputs up to token
+            checkpoint_tokens[i] (prefix caching, ops/checkpoints.py).
     Returns:
         y: [T, C], x's dtype: `silu(conv(state ++ x))` per stream.
     """
     C, W = weight.shape
+    if wanted(checkpoint_tokens):  # before the states move on
+        keep_conv_windows(x, cu_seqlens, slot_ids, conv_state, checkpoint_tokens, checkpoint_entries,
+                          checkpoint_conv_states)
     y = x.new_empty(x.shape)  # contiguous whatever x's layout, as the fake and the CUDA path
     bounds = cu_seqlens.tolist()
     for b, slot in enumerate(slot_ids.tolist()):
@@ -140,7 +151,10 @@ def causal_conv1d_triton(x, weight, cu_seqlens, slot_ids, conv_state):
 
 @metrale_cuda(causal_conv1d)
 def causal_conv1d_cuda(a):
-    return causal_conv1d_triton(*a)
+    if wanted(a.checkpoint_tokens):  # before the states move on
+        keep_conv_windows(a.x, a.cu_seqlens, a.slot_ids, a.conv_state, a.checkpoint_tokens, a.checkpoint_entries,
+                          a.checkpoint_conv_states)
+    return causal_conv1d_triton(*a[:5])
 
 
 def example(s: Shapes, dtype, g):

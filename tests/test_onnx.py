@@ -129,9 +129,10 @@ class _OneOp(torch.nn.Module):
         self.mutated = spec.mutated_positions
 
     def forward(self, *args):
-        args = [a.clone() if i in self.mutated else a for i, a in enumerate(args)]
+        mutated = [i for i in self.mutated if i < len(args)]  # (optional pools left out: not passed)
+        args = [a.clone() if i in mutated else a for i, a in enumerate(args)]
         out = getattr(OPS, self.name)(*args)
-        return (*(out if isinstance(out, tuple) else (out,)), *(args[i] for i in self.mutated))
+        return (*(out if isinstance(out, tuple) else (out,)), *(args[i] for i in mutated))
 
 
 def _op_case_args(name):
@@ -155,7 +156,7 @@ def test_each_op_matches_its_reference(name):
     got = session.run(None, {i.name: t.numpy() for i, t in zip(session.get_inputs(), tensors)})
     ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     ref = REGISTRY[name].reference(*ref_args)
-    ref = [*(ref if isinstance(ref, tuple) else (ref,)), *(ref_args[i] for i in module.mutated)]
+    ref = [*(ref if isinstance(ref, tuple) else (ref,)), *(ref_args[i] for i in module.mutated if i < len(args))]
     assert len(got) == len(ref)
     for k, (r, g) in enumerate(zip(ref, got)):
         assert_close(f"{name} output {k}", r, torch.from_numpy(g), 1e-5)

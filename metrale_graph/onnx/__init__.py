@@ -13,34 +13,10 @@ tests/test_onnx.py) on the versions in VERIFIED; on others `check_versions` rais
 naming them (set METRALE_ONNX_UNVERIFIED=1 to try anyway).
 """
 
-from __future__ import annotations
-
-import os
-from importlib.metadata import PackageNotFoundError, version
-
-# package -> (lowest, highest) verified major.minor
-VERIFIED = {"torch": ((2, 11), (2, 13)), "onnxscript": ((0, 7), (0, 7))}
-
-
-def check_versions() -> None:
-    found = {}
-    for package in VERIFIED:
-        try:
-            found[package] = version(package)
-        except PackageNotFoundError:
-            raise RuntimeError(f"the ONNX export needs {package}: pip install 'metrale-graph[onnx]'") from None
-    def major_minor(v: str) -> tuple[int, int]:
-        return tuple(int(x) for x in v.split("+")[0].split(".")[:2])
-    off = [f"{p} {found[p]}" for p, (lo, hi) in VERIFIED.items() if not lo <= major_minor(found[p]) <= hi]
-    if off and os.environ.get("METRALE_ONNX_UNVERIFIED") != "1":
-        span = ", ".join(f"{p} {'.'.join(map(str, lo))}-{'.'.join(map(str, hi))}" for p, (lo, hi) in VERIFIED.items())
-        raise RuntimeError(f"the ONNX export is verified on {span}; found {', '.join(off)} "
-                           "(set METRALE_ONNX_UNVERIFIED=1 to try anyway)")
-
-
-from .export import (PrefillStep, example_inputs, export_onnx, export_prefill, functional_ops,  # noqa: E402
+from .versions import VERIFIED, check_versions
+from .export import (PrefillStep, example_inputs, export_onnx, export_prefill, functional_ops,
                      node_counts, ort_session, run_step, step_args, translation, twin)
-from .files import save_onnx  # noqa: E402
+from .files import save_onnx
 
 __all__ = ["VERIFIED", "check_versions", "PrefillStep", "example_inputs", "export_onnx", "export_prefill",
            "functional_ops", "node_counts", "ort_session", "run_step", "save_onnx", "step_args", "translation",

@@ -58,12 +58,24 @@ def _outputs_of(spec: OpSpec) -> list:
     return list(typing.get_args(ret)) if typing.get_origin(ret) is tuple else [ret]
 
 
+def _exported(spec: OpSpec) -> list[str]:
+    """The op's parameters an export passes: all but the optional tensors defaulting to None (prefix
+    caching's checkpoints, which an exported step does not keep: export_prefill refuses such a cache)."""
+    return [n for n, p in spec.signature.parameters.items() if not (p.default is None and "Tensor" in str(p.annotation))]
+
+
+def _mutated(spec: OpSpec) -> list[int]:
+    """Positions, among the exported parameters, of the ones the op mutates."""
+    return [i for i, n in enumerate(_exported(spec)) if n in spec.mutates]
+
+
 def twin(spec: OpSpec) -> "torch._ops.OpOverload":
     """`metrale_onnx::<name>`: the op with its mutated arguments taken by value and their new values
     returned after the op's outputs."""
     if spec.name in _TWINS:
         return _TWINS[spec.name]
-    where = spec.mutated_positions
+    where = _mutated(spec)
+    names = _exported(spec)
 
     def functional(*args):
         args = list(args)
@@ -73,7 +85,8 @@ def twin(spec: OpSpec) -> "torch._ops.OpOverload":
         return (*(out if isinstance(out, tuple) else (out,)), *(args[i] for i in where))
 
     returns = tuple.__class_getitem__(tuple(_outputs_of(spec) + [Tensor] * len(where)))
-    functional.__signature__ = spec.signature.replace(return_annotation=returns)
+    functional.__signature__ = spec.signature.replace(
+        parameters=[spec.signature.parameters[n] for n in names], return_annotation=returns)
     op = torch.library.custom_op(f"metrale_onnx::{spec.name}", functional, mutates_args=())
     op.register_fake(functional)
     _TWINS[spec.name] = getattr(torch.ops.metrale_onnx, spec.name).default
@@ -89,7 +102,7 @@ def functional_ops():
         if not spec.mutates:
             continue
         fn, n_out = twin(spec), len(_outputs_of(spec))
-        where = spec.mutated_positions
+        where = _mutated(spec)
 
         def shim(*args, _fn=fn, _n=n_out, _where=where):
             result = _fn(*args)
@@ -135,7 +148,7 @@ def export_onnx(module: nn.Module, args: tuple, translations: dict[str, Callable
     `metrale_graph.ops.OPS` (functional_ops swaps the mutating ones there). Returns the ONNXProgram.
 
     Raises ValueError naming the first metrale op the module calls that has no translation."""
-    from . import check_versions
+    from .versions import check_versions
 
     check_versions()
     if translations is None:
@@ -181,6 +194,9 @@ def export_prefill(model, cache: HybridCache, batch_size: int, num_tokens: int,
     for name, value in (("batch_size", batch_size), ("num_tokens", num_tokens)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if getattr(cache, "checkpoint_tokens", None) is not None:
+        raise ValueError("the cache keeps prefix-caching checkpoints inside the step (checkpoint_interval > 0), which "
+                         "the exported step does not: export with a cache built without checkpoint_interval")
     tp = getattr(model, "tp", None)
     if tp is not None:
         raise ValueError(f"the ONNX export writes one whole model; this one is a tensor-parallel shard (rank "

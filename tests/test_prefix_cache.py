@@ -1,0 +1,185 @@
+"""Prefix caching (metrale_graph/prefix_cache.py, HybridCache's save / restore, the protocol's checkpoints,
+the engine's use of them): with and without it, the same logits (fp32, 1e-5) and the same greedy tokens;
+ref counts and free blocks back to where they started."""
+
+import random
+
+import pytest
+import torch
+
+from helpers import rel_err, unit_gain
+from metrale_graph import Engine, HybridModel, Stream
+from metrale_graph.prefix_cache import PrefixIndex, chain_hashes, prefix_key
+from metrale_graph.protocol import restore_prefix
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    return unit_gain(HybridModel.from_preset("tiny", seed=5), 5)  # (unit gain: layers that matter)
+
+
+def tokens(n, seed):
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def alone(model, prompt):
+    """Last-token logits of `prompt` prefilled into a fresh cache without prefix caching."""
+    return model.prefill(model.new_cache(1, 64, block_size=BS), [Stream(0, prompt)])
+
+
+def assert_empty(cache):
+    assert cache.context_lens == [0] * cache.num_slots and not any(cache._index.refs)
+    assert cache.free_blocks == cache.num_blocks
+
+
+@pytest.mark.parametrize("kept,label", [(96, "block boundary"), (100, "inside a block")])
+def test_a_kept_prefix_gives_the_logits_of_a_full_prefill(model, kept, label):
+    prompt = tokens(150, 1)
+    cache = model.new_cache(2, 40, block_size=BS, prefix_checkpoints=4)
+    model.prefill(cache, [Stream(0, prompt[:kept])])
+    assert cache.save_prefix(0) and not cache.save_prefix(0)  # the second: already kept
+    cache.reset(0)
+    n = restore_prefix(model, cache, 1, prompt)
+    assert n == kept, label
+    held = cache.free_blocks
+    logits = model.prefill(cache, [Stream(1, prompt[n:])])
+    assert rel_err(logits, alone(model, prompt)) <= 1e-5
+    assert cache.free_blocks < held  # the copied partial block and the new ones are the slot's own
+    cache.reset(1)
+    assert_empty(cache)
+
+
+def test_a_shared_block_is_never_written_and_serves_two_slots(model):
+    """Two prompts restored from one prefix share its full blocks (ref 2) and continue independently."""
+    base = tokens(64, 2)
+    a, b = base + tokens(20, 3), base + tokens(30, 4)
+    cache = model.new_cache(3, 40, block_size=BS, prefix_checkpoints=4)
+    model.prefill(cache, [Stream(0, base)])
+    cache.save_prefix(0)
+    cache.reset(0)
+    assert restore_prefix(model, cache, 1, a) == 64 and restore_prefix(model, cache, 2, b) == 64
+    assert cache._blocks[1][:4] == cache._blocks[2][:4] and all(cache._index.refs[x] == 2 for x in cache._blocks[1][:4])
+    got = model.prefill(cache, [Stream(1, a[64:]), Stream(2, b[64:])])
+    assert rel_err(got[0], alone(model, a)[0]) <= 1e-5 and rel_err(got[1], alone(model, b)[0]) <= 1e-5
+    cache.reset(1)
+    cache.reset(2)
+    assert_empty(cache)
+
+
+def test_interval_checkpoints_inside_one_step(model):
+    """A prompt of 200 tokens in one step with a checkpoint interval of 64 leaves states at 64, 128 and 192
+    (the GDN ops keep them inside the step): a prompt sharing 150 tokens restores 128."""
+    first, second = tokens(200, 6), None
+    second = first[:150] + tokens(40, 7)
+    cache = model.new_cache(2, 40, block_size=BS, prefix_checkpoints=8, checkpoint_interval=64)
+    model.prefill(cache, [Stream(0, first)])
+    assert cache.prefix_stats()["checkpoints"] == 3
+    cache.reset(0)
+    n = restore_prefix(model, cache, 1, second)
+    assert n == 128
+    assert rel_err(model.prefill(cache, [Stream(1, second[n:])]), alone(model, second)) <= 1e-5
+    cache.reset(1)
+    assert_empty(cache)
+
+
+def test_restore_refuses_bad_calls_before_changing_anything(model):
+    cache = model.new_cache(2, 8, block_size=BS, prefix_checkpoints=2)
+    model.prefill(cache, [Stream(0, [1, 2, 3])])
+    with pytest.raises(ValueError, match="slot 0 holds 3 tokens"):
+        restore_prefix(model, cache, 0, [1, 2, 3, 4])
+    with pytest.raises(ValueError, match="out of range"):
+        restore_prefix(model, cache, 1, [1, 600])
+    with pytest.raises(ValueError, match="limit must be an int"):
+        restore_prefix(model, cache, 1, [1, 2], limit=5)
+    assert cache.context_lens == [3, 0]
+    with pytest.raises(ValueError, match="checkpoint_interval"):
+        model.new_cache(2, 8, block_size=BS, prefix_checkpoints=2, checkpoint_interval=24)
+    assert restore_prefix(model, model.new_cache(1, 8), 0, [1, 2, 3]) == 0  # no prefix caching: nothing cached
+
+
+def test_the_index_evicts_least_recently_used_blocks_and_checkpoints():
+    index = PrefixIndex(num_blocks=3, block_size=2, num_entries=1)
+    blocks = [index.take() for _ in range(3)]
+    assert blocks == [0, 1, 2] and index.free_blocks == 0
+    hashes = chain_hashes([5, 6, 7, 8], 2)
+    index.label(0, hashes[0])
+    index.label(1, hashes[1])
+    for b in blocks:
+        index.drop(b)
+    assert index.free_blocks == 3 and index.cached_blocks == 2
+    assert index.take() == 2  # a plain block first: cached content stays findable
+    e = index.new_entry()
+    index.add_entry(e, 4, hashes[1], ())
+    assert index.lookup([5, 6, 7, 8, 9], 5).length == 4
+    assert index.take() == 0  # the least recently freed cached block: the prefix through it is gone
+    assert index.lookup([5, 6, 7, 8, 9], 5) is None
+    assert index.new_entry() == e and index.stats()["evicted_checkpoints"] == 1
+    assert prefix_key(b"", [1]) != prefix_key(b"", [2])
+
+
+@pytest.fixture(scope="module")
+def engines(model):
+    kw = dict(num_slots=3, token_budget=96, block_size=BS, max_context=512, compile=False)
+    plain = Engine(model, **kw)
+    cached = Engine(model, prefix_cache=True, checkpoint_interval=64, prefix_checkpoints=12, **kw)
+    yield plain, cached
+    plain.shutdown()
+    cached.shutdown()
+
+
+def test_engine_hits_give_the_same_greedy_tokens(engines):
+    plain, cached = engines
+    system = tokens(140, 8)
+    prompts = [system + tokens(n, 20 + n) for n in (9, 30, 17)]
+    want = plain.generate(prompts, max_new_tokens=6)
+    got = cached.generate(prompts, max_new_tokens=6)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert got[0].cached_tokens == 0 and all(r.cached_tokens == 128 for r in got[1:])  # the system prompt's 128
+    # the same prompt again: all but its last token restored (kept after all but the last prompt token)
+    again = cached.generate([prompts[1]], max_new_tokens=6)[0]
+    assert again.token_ids == want[1].token_ids and again.cached_tokens == len(prompts[1]) - 1
+    # the next turn of a conversation: the whole previous request (prompt + new tokens but the last) restored
+    turn = prompts[2] + want[2].token_ids + tokens(5, 99)
+    a, b = plain.generate([turn], max_new_tokens=6)[0], cached.generate([turn], max_new_tokens=6)[0]
+    assert a.token_ids == b.token_ids and b.cached_tokens == len(prompts[2]) + len(want[2].token_ids) - 1
+    # a one-token suffix: a request's prompt and all its new tokens (it fed all but the last one)
+    one = prompts[0] + want[0].token_ids
+    a, b = plain.generate([one], max_new_tokens=3)[0], cached.generate([one], max_new_tokens=3)[0]
+    assert a.token_ids == b.token_ids and b.cached_tokens == len(one) - 1
+    stats = cached.stats()
+    assert stats.cached_tokens > 0 and stats.prefix["hits"] >= 5 and stats.used_blocks == 0
+    assert cached.cache._index.refs == [0] * cached.cache.num_blocks
+
+
+def test_random_prefixes_in_small_pools(model):
+    """Many requests sharing random prefixes, few blocks and checkpoints (evictions all along): the same
+    greedy tokens as without prefix caching, and every block free at the end."""
+    rng = random.Random(0)
+    roots = [tokens(rng.randint(20, 120), 100 + i) for i in range(4)]
+    prompts = []
+    for i in range(14):
+        root = rng.choice(roots + prompts[-3:] if prompts else roots)
+        prompts.append(root[:rng.randint(1, len(root))] + tokens(rng.randint(1, 40), 200 + i))
+    kw = dict(num_slots=2, token_budget=80, block_size=BS, max_context=256, num_blocks=28, compile=False)
+    with Engine(model, **kw) as plain, Engine(model, prefix_cache=True, checkpoint_interval=64,
+                                              prefix_checkpoints=3, **kw) as cached:
+        want = plain.generate(prompts, max_new_tokens=5)
+        got = cached.generate(prompts, max_new_tokens=5)
+        more = cached.generate(prompts[::-1], max_new_tokens=5)
+        stats = cached.stats().prefix
+        cache = cached.cache
+        assert cache._index.refs == [0] * cache.num_blocks and cache.free_blocks == cache.num_blocks
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.token_ids for r in more] == [r.token_ids for r in want[::-1]]
+    assert stats["hits"] > 0 and stats["evicted_checkpoints"] > 0 and stats["evicted_blocks"] > 0
+
+
+def test_the_onnx_export_refuses_a_cache_that_keeps_checkpoints_in_the_step(model):
+    pytest.importorskip("onnxscript")
+    from metrale_graph.onnx import export_prefill
+
+    cache = model.new_cache(2, 8, block_size=BS, prefix_checkpoints=2, checkpoint_interval=64)
+    with pytest.raises(ValueError, match="prefix-caching checkpoints inside the step"):
+        export_prefill(model, cache, 2, 16)
