@@ -117,7 +117,7 @@ class Engine:
         (plan_sync.py); without tensor parallelism it changes nothing.
         prefix_cache: keep prompts' prefixes for later requests (prefix_cache.py: KV blocks shared, GDN states
         checkpointed every `checkpoint_interval` tokens of a prompt, after all but a prompt's last token and at
-        the end of every request; `prefix_checkpoints` state checkpoints at most, default num_slots); each
+        the end of every request; `prefix_checkpoints` state checkpoints at most, default 4 x num_slots); each
         result reports its `cached_tokens`, stats() the hit counters.
         """
         cfg = model.config
@@ -404,14 +404,15 @@ def _close(loop: EngineLoop) -> None:
     loop.close(timeout=5.0 if threading.current_thread() is threading.main_thread() else 0.0)
 
 
-DEFAULT_CHECKPOINT_INTERVAL = 256
+DEFAULT_CHECKPOINT_INTERVAL = 128
 
 
 def _prefix_sizes(num_slots: int, block_size: int, checkpoints, interval) -> tuple[int, int]:
-    """Prefix caching's checkpoint entries (default: one per slot) and interval (default: the first multiple of
+    """Prefix caching's checkpoint entries (default: four per slot: a request leaves a few, and the ones a
+    later prompt needs must outlive the requests between) and interval (default: the first multiple of
     the block size and of 64 from DEFAULT_CHECKPOINT_INTERVAL on; 0: checkpoints at prompts' ends only)."""
     if checkpoints is None:
-        checkpoints = num_slots
+        checkpoints = 4 * num_slots
     if not _is_int(checkpoints) or checkpoints < 1:
         raise ValueError(f"prefix_checkpoints must be an integer >= 1, got {checkpoints!r}")
     if interval is None:

@@ -183,3 +183,18 @@ def test_the_onnx_export_refuses_a_cache_that_keeps_checkpoints_in_the_step(mode
     cache = model.new_cache(2, 8, block_size=BS, prefix_checkpoints=2, checkpoint_interval=64)
     with pytest.raises(ValueError, match="prefix-caching checkpoints inside the step"):
         export_prefill(model, cache, 2, 16)
+
+
+def test_bench_prefix_runs_its_workloads_with_the_same_tokens(capsys):
+    """tools.bench_prefix on the tiny preset, shrunk: every workload with and without the cache gives the
+    same greedy tokens, and the cache restores prefixes in each."""
+    import json
+
+    from metrale_graph.tools import bench_prefix
+
+    bench_prefix.main(["--scale", "0.05", "--requests", "6", "--num-slots", "3", "--eager", "--max-new-tokens", "4",
+                       "--checkpoint-interval", "64", "--prefix-checkpoints", "24", "--workloads", "system,chat,split"])
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for name, w in record["workloads"].items():
+        assert w["same_tokens"], name
+        assert w["with"]["cached_tokens"] > 0 and w["without"]["cached_tokens"] == 0, name

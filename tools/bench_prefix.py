@@ -1,0 +1,185 @@
+"""Prefix caching's benchmark: three workloads that resend prefixes, run through the Engine with the
+prefix cache and without it, side by side (same model, same prompts, greedy): the hit rate (prompt
+tokens restored / reusable prompt tokens), time to first token and throughput.
+
+    python -m metrale_graph.tools.bench_prefix [--model tiny|FOLDER|PRESET] [--workloads system,chat,split]
+                                               [--scale 1.0] [--num-slots 64] [--json FILE]
+
+Workloads (token counts at --scale 1; --scale multiplies them and --requests sets how many, for a quick
+run on a CPU):
+  system  a 2048-token shared system prompt + 64 distinct 128-token questions, 32 new tokens each;
+          reusable: the system prompt of every request but the first
+  chat    32 conversations x 4 turns, each turn adding a 64-token user message to the conversation so
+          far (its prompts and answers; 32 new tokens each); reusable: everything but the new message
+  split   64 requests sharing their first 1500 tokens, 700 of their own after; reusable: the shared
+          part of every request but the first (also 1600 / 600: split-1600)
+
+Each workload runs on a fresh engine (no prefix from another workload); a workload's requests are
+submitted together (chat: turn by turn, every conversation's turn t together). Prints a table and ends
+with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from metrale_graph.tools.distributed import start_run
+from metrale_graph.tools.files import write_whole
+from metrale_graph.tools.flags import add_model_args, names_of, output_file, positive_int
+from metrale_graph.tools.loading import load_model
+from metrale_graph.tools.provenance import provenance
+from metrale_graph.tools.report import print_json, print_table
+
+WORKLOADS = ("system", "chat", "split", "split-1600")
+
+
+def _tokens(gen: torch.Generator, n: int, vocab: int) -> list[int]:
+    return torch.randint(0, vocab, (max(n, 1),), generator=gen).tolist()
+
+
+def system_workload(gen, vocab, scale, requests=64):
+    """(waves of prompts, reusable tokens): one wave of requests sharing a system prompt."""
+    system = _tokens(gen, int(2048 * scale), vocab)
+    questions = [_tokens(gen, int(128 * scale), vocab) for _ in range(requests)]
+    return [[system + q for q in questions]], (requests - 1) * len(system)
+
+
+def split_workload(gen, vocab, scale, requests=64, shared=1500, own=700):
+    prefix = _tokens(gen, int(shared * scale), vocab)
+    prompts = [prefix + _tokens(gen, int(own * scale), vocab) for _ in range(requests)]
+    return [prompts], (requests - 1) * len(prefix)
+
+
+def run_waves(engine, waves, max_new: int, follow=None) -> dict:
+    """Run each wave's prompts together (generate); `follow(wave index, results)` may return the next
+    wave (chat's turns depend on the answers). Returns the counters of all the runs."""
+    results, ttft, start = [], [], time.perf_counter()
+    wave, i = waves[0], 0
+    while wave:
+        out = engine.generate(wave, max_new_tokens=max_new, stop_token_ids=[])
+        results.append((wave, out))
+        ttft += [r.first_token_s for r in out]
+        i += 1
+        wave = follow(i, wave, out) if follow else (waves[i] if i < len(waves) else None)
+    wall = time.perf_counter() - start
+    prompt = sum(len(p) for wave, _ in results for p in wave)
+    new = sum(len(r.token_ids) for _, out in results for r in out)
+    cached = sum(r.cached_tokens for _, out in results for r in out)
+    return {"wall_s": wall, "prompt_tokens": prompt, "new_tokens": new, "cached_tokens": cached,
+            "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": _quantile(ttft, 0.99),
+            "tokens_per_s": (prompt + new) / wall, "results": results}
+
+
+def chat_workload(gen, vocab, scale, conversations=32, turns=4):
+    """The first wave (turn 1 of every conversation) and a function giving each next turn's wave."""
+    message = int(64 * scale)
+    first = [_tokens(gen, message, vocab) for _ in range(conversations)]
+    reusable = [0]
+
+    def follow(i, wave, out):
+        if i == turns:
+            return None
+        nxt = []
+        for prompt, r in zip(wave, out):
+            history = prompt + r.token_ids
+            reusable[0] += len(history)
+            nxt.append(history + _tokens(gen, message, vocab))
+        return nxt
+    return first, follow, reusable
+
+
+def _quantile(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def bench(model, workload: str, args, prefix: bool) -> dict:
+    from metrale_graph import Engine
+
+    gen = torch.Generator().manual_seed(args.seed)
+    vocab = model.config.vocab_size
+    opts = dict(num_slots=args.num_slots, max_context=args.max_context, token_budget=args.token_budget,
+                compile=not args.eager, prefix_cache=prefix)
+    if prefix and args.checkpoint_interval is not None:
+        opts["checkpoint_interval"] = args.checkpoint_interval
+    if prefix and args.prefix_checkpoints is not None:
+        opts["prefix_checkpoints"] = args.prefix_checkpoints
+    with Engine(model, **opts) as engine:
+        if not args.eager:
+            engine.warmup()
+        if workload == "chat":
+            first, follow, reusable = chat_workload(gen, vocab, args.scale, args.requests // 2)
+            record = run_waves(engine, [first], args.max_new_tokens // 2 or 1, follow)
+            record["reusable_tokens"] = reusable[0]
+        else:
+            waves, reusable = (system_workload(gen, vocab, args.scale, args.requests) if workload == "system" else
+                               split_workload(gen, vocab, args.scale, args.requests,
+                                              *((1600, 600) if workload == "split-1600" else (1500, 700))))
+            record = run_waves(engine, waves, args.max_new_tokens)
+            record["reusable_tokens"] = reusable
+        record["prefix_stats"] = engine.stats().prefix
+    record["hit_rate"] = record["cached_tokens"] / record["reusable_tokens"] if record["reusable_tokens"] else None
+    return record
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m metrale_graph.tools.bench_prefix", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p, parallel=False)
+    p.add_argument("--workloads", type=names_of(WORKLOADS), default=list(WORKLOADS))
+    p.add_argument("--scale", type=float, default=1.0, help="multiplies every token count (default 1)")
+    p.add_argument("--num-slots", type=positive_int, default=64)
+    p.add_argument("--max-context", type=positive_int, default=None, help="default: the longest request")
+    p.add_argument("--token-budget", type=positive_int, default=None)
+    p.add_argument("--max-new-tokens", type=positive_int, default=32)
+    p.add_argument("--checkpoint-interval", type=positive_int, default=None,
+                   help="tokens between a prompt's state checkpoints (default: the Engine's)")
+    p.add_argument("--prefix-checkpoints", type=positive_int, default=None,
+                   help="state checkpoints the prefix cache holds (default: the Engine's, 4 x --num-slots)")
+    p.add_argument("--requests", type=positive_int, default=64,
+                   help="requests of system and split; chat has half as many conversations (default 64)")
+    p.add_argument("--eager", action="store_true", help="model.prefill eagerly (no compile, no graphs)")
+    p.add_argument("--json", type=output_file, default=None)
+    args = p.parse_args(argv)
+    if not 0 < args.scale <= 1:
+        p.error(f"--scale must be in (0, 1], got {args.scale}")
+    if args.requests < 2:
+        p.error("--requests must be at least 2 (a prefix is reused from the second request on)")
+    model = load_model(args, p, start_run(args, p))
+    if args.max_context is None:
+        longest = int(max(2048 + 128, 1600 + 700, 4 * (64 + args.max_new_tokens // 2)) * args.scale) + \
+            args.max_new_tokens + 1
+        args.max_context = min(model.config.max_position_embeddings, longest)
+    rows, records = [], {}
+    for w in args.workloads:
+        off, on = bench(model, w, args, prefix=False), bench(model, w, args, prefix=True)
+        same = all(a.token_ids == b.token_ids for (_, x), (_, y) in zip(off["results"], on["results"])
+                   for a, b in zip(x, y))
+        for r in (off, on):
+            del r["results"]
+        records[w] = {"without": off, "with": on, "same_tokens": same}
+        rows.append([w, f"{on['reusable_tokens']:,}", f"{on['cached_tokens']:,}", f"{100 * on['hit_rate']:.1f}%",
+                     f"{off['ttft_p50_s'] * 1e3:.1f} / {on['ttft_p50_s'] * 1e3:.1f}",
+                     f"{off['ttft_p99_s'] * 1e3:.1f} / {on['ttft_p99_s'] * 1e3:.1f}",
+                     f"{off['tokens_per_s']:,.0f} / {on['tokens_per_s']:,.0f}", "yes" if same else "NO"])
+    print_table(["workload", "reusable tok", "cached tok", "hit rate", "TTFT p50 ms (off / on)",
+                 "TTFT p99 ms (off / on)", "tok/s (off / on)", "same tokens"], rows)
+    record = {"tool": "bench_prefix", "model": args.model, "scale": args.scale, "num_slots": args.num_slots,
+              **provenance(), "workloads": records}
+    if args.json:
+        import json
+
+        write_whole(args.json, json.dumps(record, indent=1))
+    print_json(record)
+
+
+def cli() -> None:
+    main()
+
+
+if __name__ == "__main__":
+    main()
