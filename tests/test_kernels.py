@@ -16,7 +16,8 @@ from helpers import (TOL, assert_close, assert_no_aliasing, clone_args, compared
                      tiny_config, upcast)
 from kernel_oracles import align_pairs_torch, aligned_layout
 from metrale_graph.config import FULL
-from metrale_graph.ops import REGISTRY, Shapes, causal_conv1d, gdn_chunked, gdn_recurrence, kernels, moe, paged_attention
+from metrale_graph.ops import (REGISTRY, Shapes, causal_conv1d, gdn_chunked, gdn_recurrence, kernels, moe,
+                               paged_attention)
 from metrale_graph.ops.common import decode_shaped, rms_norm
 from metrale_graph.ops.gdn_recurrence import (chunked as gdn_chunked_path, layout as gdn_layout,
                                               recurrent as gdn_recurrent, split as gdn_split)
@@ -80,7 +81,8 @@ def check_against_reference(name, impl, case, dtype, seed=0):
 @pytest.mark.parametrize("name", list(CUDA_IMPLS))
 def test_cuda_impl_matches_reference(name, case, dtype, monkeypatch):
     if name == "gdn_recurrence":
-        if DEVICE == "cpu" and takes_chunked_path(name, case) and gdn_recurrence.chunked_backend(case.K, case.V) == "fla":
+        fla = gdn_recurrence.chunked_backend(case.K, case.V) == "fla"
+        if DEVICE == "cpu" and takes_chunked_path(name, case) and fla:
             pytest.skip("METRALE_GDN_CHUNKED=fla: fla runs on a GPU only")
         round_bf16_to_nearest(monkeypatch)  # the interpreter's bf16 casts, as the GPU rounds (chunked kernels)
     check_against_reference(name, CUDA_IMPLS[name], case, dtype)
