@@ -1,6 +1,6 @@
 """Which CUDA path each stream of a GDN recurrence call takes, from static sizes only (so every
-bucket's CUDA graph holds one path; docs/DESIGN.md, "Decode-shaped calls" and "Why the GDN op lays
-tokens out chunk-aligned").
+bucket's CUDA graph holds one path; docs/DESIGN.md, "Decode-shaped calls" and "How the GDN op keeps
+its chunked path static").
 
 Decode-shaped calls (ops.common.decode_shaped) run the recurrent kernel (recurrent.py) on every
 stream. Others are split by lengths read on the device: with several streams, those of at most SHORT
