@@ -11,7 +11,7 @@ import torch
 from metrale_graph.tools.profiling import time_cuda
 
 if TYPE_CHECKING:
-    from metrale_graph.tools.bench import Workload
+    from metrale_graph.tools.workloads import Workload
 
 def peer_model(model):
     """transformers' causal LM of the model's family with the same bf16 weights (it picks
