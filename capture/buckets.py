@@ -1,8 +1,8 @@
 """Buckets and padding: which static shape a batch runs in, how it is padded to it, and how a
 batch larger than every bucket is cut into pieces that fit.
 
-A bucket (B, T) holds at most B streams and T tokens. The GDN op lays tokens out
-chunk-aligned inside itself with a chunk count fixed by (B, T) (ops/gdn_recurrence.py), so a
+A bucket (B, T) holds at most B streams and T tokens. The GDN op's chunked path has a chunk
+count fixed by (B, T) whatever the lengths (ops/gdn_recurrence/chunked.py), so a
 batch needs no per-stream padding here: it fits a bucket when it has <= B streams and
 <= T tokens, and is padded to it by the contract in metrale_graph/batch.py (zero-length
 streams on the scratch slot, spare tokens in no stream).

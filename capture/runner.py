@@ -1,12 +1,16 @@
 """GraphRunner: the packed prefill step compiled with `torch.compile(fullgraph=True)` and, on CUDA,
 captured into one CUDA graph per bucket; `prefill(streams)` has model.prefill's contract.
 
-One compiled step serves the whole grid: the static buffers' token and stream dimensions are
-marked dynamic, so dynamo and Inductor trace the step once instead of once per bucket (a
-single-stream bucket gets a second, zero-length padding stream so that no size is 1).
-Everything the shapes decide inside the ops (the GDN op's chunk count, kernel grids) is
-decided in their CUDA implementations from the real sizes, so each bucket's CUDA graph is still
-fully static.
+One compiled step serves the buckets of several streams: the static buffers' token and stream
+dimensions are marked dynamic, so dynamo and Inductor trace the step once instead of once per
+bucket. Single-stream buckets have a second compiled step (`one_stream_step`, default on), traced
+once with the token dimension dynamic and one stream: dynamo specializes sizes 0 and 1 even when
+marked dynamic, so they cannot share the first trace, and inside the ops one stream takes its own
+paths (attention by cuDNN's dense kernel; the GDN chunked path without the recurrent kernel). With
+one_stream_step=False a single-stream bucket is padded with a zero-length stream into the first
+trace instead. Everything the shapes decide inside the ops (the GDN op's chunk count, kernel grids,
+the attention backend) is decided in their CUDA implementations from the real sizes, so each
+bucket's CUDA graph is still fully static.
 
 Capture follows the usual recipe: warm up on a side stream (dynamo / Inductor compile, Triton
 autotuning) so nothing compiles inside a capture; capture the largest buckets first into one
@@ -18,10 +22,10 @@ A bucket is warmed (compiled, captured) before the batch touches the cache, so a
 capture failure leaves every slot as it was; a failure after that resets the batch's slots
 (HybridCache.transaction).
 
-Each runner compiles its own copy of the step function: dynamo keeps compiled entries, and
-counts recompiles against its limit, per code object, so runners (other models, other cache
-geometries) neither share nor exhaust one function's entries, and a runner's entries go when it
-does. The recompile limit is raised to the grid size + 8 only while this runner's step runs
+Each runner compiles its own copies of the step function (one per kind of bucket): dynamo keeps
+compiled entries, and counts recompiles against its limit, per code object, so runners (other
+models, other cache geometries) neither share nor exhaust one function's entries, and a runner's
+entries go when it does. The recompile limit is raised to the grid size + 8 only while this runner's step runs
 (`torch._dynamo.config.patch`); no global torch setting is changed.
 
 Without a GPU (or with use_graphs=False) the same code runs the compiled step on the static
@@ -57,7 +61,8 @@ class BucketReport:
 class BucketEntry:
     """Everything a runner keeps for one bucket."""
     bucket: Bucket
-    batch: PackedBatch  # static input buffers (at least 2 streams and 2 tokens)
+    batch: PackedBatch  # static input buffers (at least 2 tokens; 1 stream for a single-stream bucket of
+    # a runner with one_stream_step, else at least 2)
     report: BucketReport | None = None  # set once the bucket is compiled (and captured)
     graph: torch.cuda.CUDAGraph | None = None
     output: torch.Tensor | None = None  # the captured step's logits, in graph memory
@@ -65,7 +70,10 @@ class BucketEntry:
 
 class GraphRunner:
     def __init__(self, model: HybridModel, cache: HybridCache, batch_sizes=DEFAULT_BATCH_SIZES,
-                 token_counts=DEFAULT_TOKEN_COUNTS, use_graphs: bool | None = None):
+                 token_counts=DEFAULT_TOKEN_COUNTS, use_graphs: bool | None = None, one_stream_step: bool = True):
+        """one_stream_step: single-stream buckets run one stream through a step compiled for one stream (a
+        second trace, compiled when the first such bucket is warmed); False pads them to two streams in
+        the shared trace (the ops then take their several-stream paths)."""
         self.grid = make_grid(batch_sizes, token_counts)
         self.largest = max(self.grid)  # holds every bucket's streams and tokens (B <= T throughout)
         if use_graphs is None:
@@ -75,11 +83,17 @@ class GraphRunner:
         model.check_cache(cache)  # last of the checks: it binds a cache made without an owner to the model
         self.model, self.cache = model, cache
         self.use_graphs = use_graphs
-        self.entries = {b: BucketEntry(b, PackedBatch.padding(max(b.streams, 2), max(b.tokens, 2), cache))
+        one = bool(one_stream_step)
+        self.entries = {b: BucketEntry(b, PackedBatch.padding(1 if one and b.streams == 1 else max(b.streams, 2),
+                                                              max(b.tokens, 2), cache))
                         for b in self.grid}
         for entry in self.entries.values():
-            entry.batch.mark_dynamic()
-        self.step = _compile_step(model, recompile_limit=len(self.grid) + 8)
+            if entry.batch.num_streams == 1:
+                _mark_tokens_dynamic(entry.batch)
+            else:
+                entry.batch.mark_dynamic()
+        self.step = _compile_step(model, recompile_limit=len(self.grid) + 8)  # buckets of several streams
+        self.step_one_stream = _compile_step(model, recompile_limit=len(self.grid) + 8) if one else None
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._model_version = model.version
 
@@ -129,9 +143,10 @@ class GraphRunner:
         if self.use_graphs:
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
+            step = self._step_of(entry)
             with torch.cuda.stream(side):
                 for _ in range(2):  # compile, then a second run for anything lazily initialized
-                    self.step(self.cache, entry.batch)
+                    step(self.cache, entry.batch)
             torch.cuda.current_stream(dev).wait_stream(side)
             torch.cuda.synchronize(dev)
             report.compile_s = time.perf_counter() - t0
@@ -140,16 +155,20 @@ class GraphRunner:
             t1 = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                output = self.step(self.cache, entry.batch)
+                output = step(self.cache, entry.batch)
             torch.cuda.synchronize(dev)
             report.capture_s = time.perf_counter() - t1
             report.graph_bytes = torch.cuda.memory_reserved(dev) - before
             entry.graph, entry.output = graph, output
         else:
-            self.step(self.cache, entry.batch)
+            self._step_of(entry)(self.cache, entry.batch)
             report.compile_s = time.perf_counter() - t0
         entry.report = report
         return report
+
+    def _step_of(self, entry: BucketEntry):
+        """The compiled step of the entry's kind: one stream or several."""
+        return self.step_one_stream if entry.batch.num_streams == 1 else self.step
 
     # prefill -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -178,12 +197,19 @@ class GraphRunner:
         if self.use_graphs:
             entry.graph.replay()
             return entry.output[: packed.num_streams].clone()
-        return self.step(self.cache, entry.batch)[: packed.num_streams]
+        return self._step_of(entry)(self.cache, entry.batch)[: packed.num_streams]
 
     def _check_model(self) -> None:
         if self.model.version != self._model_version:
             raise ValueError("the model's weights were converted or moved (model.to(...)) after this GraphRunner "
                              "was built; its compiled step and graphs hold the old weights: build a new GraphRunner")
+
+
+def _mark_tokens_dynamic(batch: PackedBatch) -> None:
+    """A single-stream bucket's buffers: the token dimension dynamic (one trace for every token count of at
+    least 2), the stream dimension left static at 1."""
+    for t in (batch.tokens, batch.positions):
+        torch._dynamo.mark_dynamic(t, 0)
 
 
 def _compile_step(model: HybridModel, recompile_limit: int):

@@ -15,12 +15,12 @@ and w, u need not exist at all.)
 
 Two launches (fla 0.6.0 takes five: cumsum, kkt + solve, w / u, state pass writing every chunk's
 state, output):
-1. `_intra_kernel`, one program per (value head, chunk): the decay cumsum, k k^T and q k^T as whole
+1. `_gdn_chunk_intra_kernel`, one program per (value head, chunk): the decay cumsum, k k^T and q k^T as whole
    [64, 64] tiles, and T by a solve that is stable where keys repeat (a power series of A cancels
    catastrophically there; see the kernel). Writes T (beta folded in), Aqk (scale folded in) in the
    input dtype and the cumsum in fp32: 16 KB a chunk and head (bf16, K = V = 128) where fla writes and
    reads back A, w, u, v_new and every chunk's state (88 KB).
-2. `_state_kernel`, one program per (value head, V tile of BV columns, sequence): the chunks of its
+2. `_gdn_chunk_state_kernel`, one program per (value head, V tile of BV columns, sequence): the chunks of its
    sequence in order, S [K, BV] fp32 in registers, the output of each chunk written as it goes (no
    per-chunk states in memory), the final state, and the optional checkpoints. V columns of S evolve
    independently, so a tile needs no other tile's data: smaller tiles are more programs for one long
@@ -30,10 +30,17 @@ state, output):
 Dots accumulate in fp32; operands are the input dtype (S rounded to it for the dots, as fla does); dots
 of fp32 operands (the solve; all of them for fp32 inputs) take ChunkConfig.fp32_dots. Every grid follows
 from shapes, no host sync, no data-dependent allocation: exact in CUDA graph replay. The kernels read
-and write through strides, so any cu_aligned works, chunk-aligned or not.
+and write through strides and take each sequence's start and end separately, so any bounds work,
+chunk-aligned or not, and a sequence may be empty wherever it lies.
 
-Shape letters: T_al aligned rows, H / HV key / value heads, K / V head dims, N sequences (B streams +
-the absorber), NT chunks, P checkpoints, C = 64.
+Two entry points: `chunked_gdn_forward`, fla_varlen's contract (cu_aligned, h0 in, final states out),
+and `chunked_gdn_pool_forward`, the GDN op's chunked path: the packed tokens as they are, each stream's
+state read from and written back to its row of the state pool by slot index inside the state kernel,
+empty sequences (streams left to the recurrent kernel, padding) reading and writing no state, and the
+output rows of tokens in no stream zeroed by the spare sequence's programs.
+
+Shape letters: T (T_al) token rows, H / HV key / value heads, K / V head dims, N sequences (B streams +
+the absorber or spare sequence), NT chunks, P checkpoints, S pool slots, C = 64.
 """
 
 from __future__ import annotations
@@ -103,14 +110,17 @@ def _sm_count(index: int) -> int:
 
 
 def default_config(num_seqs: int, HV: int, V: int, device: torch.device | None = None) -> ChunkConfig:
-    """The widest V tile (64 down to 16) that still gives the state pass about two programs per SM
-    over the real sequences (num_seqs - 1: the last is the absorber). Static sizes only."""
+    """The widest V tile (32 down to 16) that still gives the state pass about two programs per SM over
+    the real sequences (num_seqs - 1: the last is the absorber / spare sequence), 4 warps, 2 stages. Static
+    sizes only. At the 9B heads on an H200 (HV 32, V 128: docs/DESIGN.md, "How the GDN op keeps its
+    chunked path static") that is BV 16 for one stream and BV 32 from 4 streams on, the fastest of the
+    sweep at every measured shape; BV 64 lost at 8 and 32 streams."""
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device is not None and device.type == "cuda" else 132
-    bv = min(64, max(16, triton.next_power_of_2(V)))
+    bv = min(32, max(16, triton.next_power_of_2(V)))
     while bv > 16 and max(num_seqs - 1, 1) * HV * triton.cdiv(V, bv) < 2 * sms:
         bv //= 2
-    return ChunkConfig(block_v=bv, state_warps=4 if bv <= 32 else 8)
+    return ChunkConfig(block_v=bv, state_warps=4, state_stages=2)
 
 
 # Kernel 1: intra-chunk ------------------------------------------------------------------------------
@@ -121,18 +131,18 @@ def default_config(num_seqs: int, HV: int, V: int, device: torch.device | None =
 # quadrant of every 2s block, (D + L)^-1 = X - X L X exactly (L X L = 0). Every X is a principal block
 # of T itself, so nothing grows and cancels (a power series of A does, binomially, for repeated keys).
 @triton.jit(do_not_specialize=["NT"])
-def _intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, idx_ptr, gc_ptr, tm_ptr, aqk_ptr, first_ptr, NT, scale,
-                  stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh, stride_bt, stride_bh,
-                  R: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, SB: tl.constexpr, LOG_SB: tl.constexpr,
-                  PREC: tl.constexpr, DOT_T: tl.constexpr):
+def _gdn_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, bos_ptr, eos_ptr, idx_ptr, gc_ptr, tm_ptr, aqk_ptr,
+                            first_ptr, NT, scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh,
+                            stride_bt, stride_bh, R: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                            SB: tl.constexpr, LOG_SB: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
     hv = tl.program_id(0)
     c = tl.program_id(1).to(tl.int64)
     seq = tl.load(idx_ptr + 2 * c)
     within = tl.load(idx_ptr + 2 * c + 1)
     if (hv == 0) & (within == 0):
         tl.store(first_ptr + seq, c)  # each sequence's first chunk row, for the state pass
-    t0 = tl.load(cu_ptr + seq) + _C * within
-    L = tl.load(cu_ptr + seq + 1) - t0  # this chunk's rows in its sequence (more than 64 before its last)
+    t0 = tl.load(bos_ptr + seq).to(tl.int64) + _C * within
+    L = tl.load(eos_ptr + seq).to(tl.int64) - t0  # this chunk's rows in its sequence (> 64 before its last)
     h = hv // R
     rows = tl.arange(0, _C)
     valid = rows < L
@@ -183,21 +193,25 @@ def _intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, idx_ptr, gc_ptr, tm_ptr
 
 
 # Kernel 2: the state pass with the output -----------------------------------------------------------
-@triton.jit(do_not_specialize=["NT"])
-def _state_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, tm_ptr, aqk_ptr, first_ptr, h0_ptr, ht_ptr, o_ptr, cu_ptr,
-                  ck_idx_ptr, ck_ptr, NT, scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                  stride_c0, stride_c1, stride_c2, stride_c3,
-                  R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr, BLOCK_P: tl.constexpr, PREC: tl.constexpr,
-                  DOT_T: tl.constexpr):
+# Sequence n's state is read from h0[slot] and written to ht[slot] (slot = n, or slots[n] with POOL: h0 and
+# ht are then one state pool, updated in place). With POOL an empty sequence reads and writes no state, and
+# the last sequence's programs (the spare one, empty) zero the output rows from its start to T instead.
+@triton.jit(do_not_specialize=["NT", "T"])
+def _gdn_chunk_state_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, tm_ptr, aqk_ptr, first_ptr, h0_ptr, ht_ptr, slot_ptr, o_ptr,
+                            bos_ptr, eos_ptr, ck_idx_ptr, ck_ptr, NT, T, scale, stride_qt, stride_qh, stride_kt,
+                            stride_kh, stride_vt, stride_vh, stride_h0n, stride_h0h, stride_h0k, stride_h0v,
+                            stride_htn, stride_hth, stride_htk, stride_htv, stride_c0, stride_c1, stride_c2,
+                            stride_c3, R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                            P: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BLOCK_P: tl.constexpr,
+                            PREC: tl.constexpr, DOT_T: tl.constexpr, POOL: tl.constexpr):
     NV: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0)
     hv = pid // NV
     iv = pid % NV
     n = tl.program_id(1)
     h = hv // R
-    bos = tl.load(cu_ptr + n)
-    eos = tl.load(cu_ptr + n + 1)
+    bos = tl.load(bos_ptr + n).to(tl.int64)
+    eos = tl.load(eos_ptr + n).to(tl.int64)
     num_chunks = (eos - bos + _C - 1) // _C
     c0 = tl.load(first_ptr + n, mask=num_chunks > 0, other=0)  # written by the intra kernel
 
@@ -206,8 +220,14 @@ def _state_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, tm_ptr, aqk_ptr, first_ptr, h0_pt
     vv = iv * BV + tl.arange(0, BV)
     mk, mv = kk < K, vv < V
     m_s = mk[:, None] & mv[None, :]
-    h0_ptr += n.to(tl.int64) * (HV * K * V) + hv * (K * V)
-    S = tl.load(h0_ptr + kk[:, None] * V + vv[None, :], mask=m_s, other=0.0)
+    if POOL:
+        slot = tl.load(slot_ptr + n, mask=num_chunks > 0, other=0).to(tl.int64)
+        m_io = m_s & (num_chunks > 0)  # an empty sequence's slot is neither read nor written
+    else:
+        slot = n.to(tl.int64)
+        m_io = m_s
+    S = tl.load(h0_ptr + slot * stride_h0n + hv * stride_h0h + kk[:, None] * stride_h0k + vv[None, :] * stride_h0v,
+                mask=m_io, other=0.0)
     q_ptr += h * stride_qh
     k_ptr += h * stride_kh
     v_ptr += hv * stride_vh
@@ -249,62 +269,112 @@ def _state_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, tm_ptr, aqk_ptr, first_ptr, h0_pt
                    input_precision=PREC)
         tl.store(o_ptr + tok[:, None] * (HV * V) + vv[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=valid[:, None] & mv[None, :])
-    ht_ptr += n.to(tl.int64) * (HV * K * V) + hv * (K * V)
-    tl.store(ht_ptr + (kk * V)[:, None] + vv[None, :], S, mask=mk[:, None] & mv[None, :])
+    tl.store(ht_ptr + slot * stride_htn + hv * stride_hth + kk[:, None] * stride_htk + vv[None, :] * stride_htv, S,
+             mask=m_io)
+    if POOL:  # the spare sequence's programs: rows [bos, T) (tokens in no stream) of this head's V tile = 0
+        spare = tl.where(n == tl.num_programs(1) - 1, (T - bos + _C - 1) // _C, 0)
+        zeros = tl.zeros([_C, BV], dtype=o_ptr.dtype.element_ty)
+        for i in range(spare):
+            tok = bos + i * _C + rows
+            tl.store(o_ptr + tok[:, None] * (HV * V) + vv[None, :], zeros, mask=(tok < T)[:, None] & mv[None, :])
 
 
-# Launcher ------------------------------------------------------------------------------------------
+# Launchers -----------------------------------------------------------------------------------------
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def _fail(msg: str):
-    raise ValueError(f"chunked_gdn_forward: {msg}")
+def _fail(fn: str, msg: str):
+    raise ValueError(f"{fn}: {msg}")
 
 
-def _check(q, k, v, g, beta, cu_aligned, chunk_indices, h0, checkpoint_chunks, checkpoints):
+def _check_tokens(fn, q, k, v, g, beta, chunk_indices, checkpoint_chunks, checkpoints, more):
+    """The checks both entry points share; `more`: (name, tensor, ndim) of their other tensors."""
     for name, t, nd in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2), ("beta", beta, 2),
-                        ("cu_aligned", cu_aligned, 1), ("chunk_indices", chunk_indices, 2), ("h0", h0, 4)):
+                        ("chunk_indices", chunk_indices, 2), *more):
         if t.dim() != nd:
-            _fail(f"{name} must be {nd}-D, got shape {tuple(t.shape)}")
+            _fail(fn, f"{name} must be {nd}-D, got shape {tuple(t.shape)}")
         if t.device != q.device:
-            _fail(f"{name} is on {t.device}, q on {q.device}")
+            _fail(fn, f"{name} is on {t.device}, q on {q.device}")
     T, H, K = q.shape
     HV, V = v.shape[1:]
     if tuple(k.shape) != (T, H, K) or k.dtype != q.dtype:
-        _fail(f"k is {tuple(k.shape)} {k.dtype}, expected {(T, H, K)} {q.dtype} like q")
+        _fail(fn, f"k is {tuple(k.shape)} {k.dtype}, expected {(T, H, K)} {q.dtype} like q")
     if v.shape[0] != T or v.dtype != q.dtype or HV % H:
-        _fail(f"v is {tuple(v.shape)} {v.dtype}; expected {T} rows, {q.dtype}, value heads a multiple of {H}")
+        _fail(fn, f"v is {tuple(v.shape)} {v.dtype}; expected {T} rows, {q.dtype}, value heads a multiple of {H}")
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        _fail(f"q, k, v must be float32, bfloat16 or float16, got {q.dtype}")
+        _fail(fn, f"q, k, v must be float32, bfloat16 or float16, got {q.dtype}")
     if tuple(g.shape) != (T, HV) or g.dtype != torch.float32:
-        _fail(f"g is {tuple(g.shape)} {g.dtype}, expected {(T, HV)} torch.float32")
+        _fail(fn, f"g is {tuple(g.shape)} {g.dtype}, expected {(T, HV)} torch.float32")
     if tuple(beta.shape) != (T, HV) or beta.dtype not in (q.dtype, torch.float32):
-        _fail(f"beta is {tuple(beta.shape)} {beta.dtype}, expected {(T, HV)} {q.dtype} or torch.float32")
-    if cu_aligned.dtype != torch.int64 or cu_aligned.shape[0] < 2:
-        _fail(f"cu_aligned must be int64 with >= 2 entries, got {cu_aligned.dtype} {tuple(cu_aligned.shape)}")
+        _fail(fn, f"beta is {tuple(beta.shape)} {beta.dtype}, expected {(T, HV)} {q.dtype} or torch.float32")
     if chunk_indices.dtype != torch.int64 or chunk_indices.shape[1:] != (2,):
-        _fail(f"chunk_indices must be int64 [NT, 2], got {chunk_indices.dtype} {tuple(chunk_indices.shape)}")
-    N = cu_aligned.shape[0] - 1
-    if tuple(h0.shape) != (N, HV, K, V) or h0.dtype != torch.float32:
-        _fail(f"h0 is {tuple(h0.shape)} {h0.dtype}, expected {(N, HV, K, V)} torch.float32")
-    if K > 256 or V > 256 or K < 1 or V < 1:
-        _fail(f"head dims K = {K}, V = {V}: supported 1..256")
+        _fail(fn, f"chunk_indices must be int64 [NT, 2], got {chunk_indices.dtype} {tuple(chunk_indices.shape)}")
+    if not (supported_head_dims(K, V)):
+        _fail(fn, f"head dims K = {K}, V = {V}: supported 1..{MAX_HEAD_DIM}")
     if (checkpoint_chunks is None) != (checkpoints is None):
-        _fail("checkpoint_chunks and checkpoints come together")
+        _fail(fn, "checkpoint_chunks and checkpoints come together")
     if checkpoints is not None:
         P = checkpoint_chunks.shape[0] if checkpoint_chunks.dim() == 1 else -1
         if checkpoint_chunks.dtype != torch.int64 or P < 0 or checkpoint_chunks.device != q.device:
-            _fail(f"checkpoint_chunks must be int64 [P] on {q.device}, got {checkpoint_chunks.dtype} "
-                  f"{tuple(checkpoint_chunks.shape)} on {checkpoint_chunks.device}")
+            _fail(fn, f"checkpoint_chunks must be int64 [P] on {q.device}, got {checkpoint_chunks.dtype} "
+                      f"{tuple(checkpoint_chunks.shape)} on {checkpoint_chunks.device}")
         if (tuple(checkpoints.shape) != (P, HV, K, V) or checkpoints.dtype != torch.float32
                 or checkpoints.device != q.device):
-            _fail(f"checkpoints is {tuple(checkpoints.shape)} {checkpoints.dtype} on {checkpoints.device}, "
-                  f"expected {(P, HV, K, V)} torch.float32 on {q.device}")
+            _fail(fn, f"checkpoints is {tuple(checkpoints.shape)} {checkpoints.dtype} on {checkpoints.device}, "
+                      f"expected {(P, HV, K, V)} torch.float32 on {q.device}")
+
+
+MAX_HEAD_DIM = 256  # K and V: a [K, BV] state tile and [64, K] key tiles in registers
+
+
+def supported_head_dims(K: int, V: int) -> bool:
+    return 1 <= K <= MAX_HEAD_DIM and 1 <= V <= MAX_HEAD_DIM
 
 
 def _rows(x: Tensor) -> Tensor:
     """x with a unit last stride (the kernels index rows and heads by strides, columns densely)."""
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _launch(q, k, v, g, beta, bos, eos, chunk_indices, h0, ht, slots, o, checkpoint_chunks, checkpoints,
+            config, pool: bool) -> None:
+    """Both kernels over len(bos) sequences (bos, eos [N] token bounds, any integer dtype); states read from
+    h0[slot] and written to ht[slot] (slot = n, or slots[n] with `pool`), outputs into o [T, HV, V]."""
+    T, H, K = q.shape
+    HV, V = v.shape[1:]
+    N, NT = bos.shape[0], chunk_indices.shape[0]
+    cfg = config or default_config(N, HV, V, q.device)
+    q, k, v, g, beta = (_rows(x) for x in (q, k, v, g, beta))
+    chunk_indices = chunk_indices.contiguous()
+    # The interpreter multiplies 16-bit tiles as their raw bits: upcast there (after the same roundings).
+    prec = cfg.fp32_dots or ("tf32x3" if q.dtype == torch.float32 else "tf32")
+    dot_t = tl.float32 if q.device.type != "cuda" else _TL_DTYPES[q.dtype]
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(cfg.block_v, max(16, triton.next_power_of_2(V)))
+    scale = K ** -0.5
+
+    rows = max(NT, 1)  # the state kernel takes the buffers as pointers, read only for chunks
+    gc = torch.empty((HV, rows, CHUNK), dtype=torch.float32, device=q.device)
+    tmat = torch.empty((HV, rows, CHUNK, CHUNK), dtype=q.dtype, device=q.device)
+    aqk = torch.empty_like(tmat)
+    first = torch.empty(N, dtype=torch.int64, device=q.device)  # read only for sequences with chunks
+    if NT:
+        _gdn_chunk_intra_kernel[(HV, NT)](
+            q, k, g, beta, bos, eos, chunk_indices, gc, tmat, aqk, first, NT, scale,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
+            beta.stride(0), beta.stride(1), R=HV // H, K=K, BK=BK, SB=cfg.solve_block,
+            LOG_SB=cfg.solve_block.bit_length() - 1, PREC=prec, DOT_T=dot_t,
+            num_warps=cfg.intra_warps, num_stages=cfg.intra_stages)
+    P = 0 if checkpoints is None else checkpoints.shape[0]
+    ck_idx = checkpoint_chunks.contiguous() if P else bos  # unread when P == 0 (non-empty stand-ins)
+    ck = checkpoints if P else ht
+    ck_strides = ck.stride() if P else (0, 0, 0, 0)
+    slots = slots if pool and slots.shape[0] else bos  # read only for non-empty sequences before the spare one
+    _gdn_chunk_state_kernel[(HV * triton.cdiv(V, BV), N)](
+        q, k, v, gc, tmat, aqk, first, h0, ht, slots, o, bos, eos, ck_idx, ck, NT, T, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *h0.stride(), *ht.stride(),
+        *ck_strides, R=HV // H, HV=HV, K=K, V=V, P=P, BK=BK, BV=BV, BLOCK_P=triton.next_power_of_2(max(P, 1)),
+        PREC=prec, DOT_T=dot_t, POOL=pool, num_warps=cfg.state_warps, num_stages=cfg.state_stages)
 
 
 def chunked_gdn_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_aligned: Tensor,
@@ -330,43 +400,71 @@ def chunked_gdn_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
         o: [T_al, HV, V] in v's dtype (rows outside every sequence unspecified),
         final: [N, HV, K, V] fp32, each sequence's state after its last token (h0 for an empty one).
     """
-    _check(q, k, v, g, beta, cu_aligned, chunk_indices, h0, checkpoint_chunks, checkpoints)
-    T, H, K = q.shape
-    HV, V = v.shape[1:]
-    N, NT = cu_aligned.shape[0] - 1, chunk_indices.shape[0]
-    cfg = config or default_config(N, HV, V, q.device)
-    q, k, v, g, beta = (_rows(x) for x in (q, k, v, g, beta))
-    cu_aligned, chunk_indices, h0 = cu_aligned.contiguous(), chunk_indices.contiguous(), h0.contiguous()
-    # The interpreter multiplies 16-bit tiles as their raw bits: upcast there (after the same roundings).
-    prec = cfg.fp32_dots or ("tf32x3" if q.dtype == torch.float32 else "tf32")
-    dot_t = tl.float32 if q.device.type != "cuda" else _TL_DTYPES[q.dtype]
-    BK = max(16, triton.next_power_of_2(K))
-    BV = min(cfg.block_v, max(16, triton.next_power_of_2(V)))
-    scale = K ** -0.5
-
-    gc = torch.empty((HV, NT, CHUNK), dtype=torch.float32, device=q.device)
-    tmat = torch.empty((HV, NT, CHUNK, CHUNK), dtype=q.dtype, device=q.device)
-    aqk = torch.empty_like(tmat)
-    first = torch.empty(N, dtype=torch.int64, device=q.device)  # read only for sequences with chunks
-    if NT:
-        _intra_kernel[(HV, NT)](
-            q, k, g, beta, cu_aligned, chunk_indices, gc, tmat, aqk, first, NT, scale,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
-            beta.stride(0), beta.stride(1), R=HV // H, K=K, BK=BK, SB=cfg.solve_block,
-            LOG_SB=cfg.solve_block.bit_length() - 1, PREC=prec, DOT_T=dot_t,
-            num_warps=cfg.intra_warps, num_stages=cfg.intra_stages)
-
-    o = torch.empty((T, HV, V), dtype=v.dtype, device=v.device)
+    fn = "chunked_gdn_forward"
+    _check_tokens(fn, q, k, v, g, beta, chunk_indices, checkpoint_chunks, checkpoints,
+                  (("cu_aligned", cu_aligned, 1), ("h0", h0, 4)))
+    if cu_aligned.dtype != torch.int64 or cu_aligned.shape[0] < 2:
+        _fail(fn, f"cu_aligned must be int64 with >= 2 entries, got {cu_aligned.dtype} {tuple(cu_aligned.shape)}")
+    N, HV, K, V = cu_aligned.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2]
+    if tuple(h0.shape) != (N, HV, K, V) or h0.dtype != torch.float32:
+        _fail(fn, f"h0 is {tuple(h0.shape)} {h0.dtype}, expected {(N, HV, K, V)} torch.float32")
+    cu_aligned, h0 = cu_aligned.contiguous(), h0.contiguous()
+    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     final = torch.empty((N, HV, K, V), dtype=torch.float32, device=q.device)
-    P = 0 if checkpoints is None else checkpoints.shape[0]
-    ck_idx = checkpoint_chunks.contiguous() if P else cu_aligned  # unread when P == 0
-    ck = checkpoints if P else final
-    _state_kernel[(HV * triton.cdiv(V, BV), N)](
-        q, k, v, gc, tmat, aqk, first, h0, final, o, cu_aligned, ck_idx, ck, NT, scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *ck.stride(),
-        R=HV // H, HV=HV, K=K, V=V, P=P, BK=BK, BV=BV, BLOCK_P=triton.next_power_of_2(max(P, 1)), PREC=prec,
-        DOT_T=dot_t, num_warps=cfg.state_warps, num_stages=cfg.state_stages)
+    _launch(q, k, v, g, beta, cu_aligned[:-1], cu_aligned[1:], chunk_indices, h0, final, None, o,
+            checkpoint_chunks, checkpoints, config, pool=False)
     return o, final
+
+
+def chunked_gdn_pool_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, bounds: Tensor,
+                             chunk_indices: Tensor, state: Tensor, slots: Tensor, o: Tensor | None = None,
+                             checkpoint_chunks: Tensor | None = None, checkpoints: Tensor | None = None,
+                             config: ChunkConfig | None = None) -> Tensor:
+    """The gated delta rule over B packed streams, each from and back into its row of a state pool (the GDN
+    op's chunked path: no layout copies, no state gather / scatter).
+
+    Args:
+        q, k, v, g, beta: as chunked_gdn_forward, over T packed tokens (T rows, in stream order or not).
+        bounds: [2, B+1] int64: sequence n < B is the token rows [bounds[0, n], bounds[1, n]) (any bounds,
+            unaligned, empty ones for streams left to another kernel); sequence B, the spare one, is empty
+            (bounds[0, B] == bounds[1, B] = the first row of the tokens in no stream, say cu_seqlens[B]).
+        chunk_indices: [NT, 2] int64 as chunked_gdn_forward's: every stream's chunks in order (stream b's
+            chunk i at row first_b + i), then rows naming the spare sequence B (any chunk within it).
+        state: [S, HV, K, V] fp32 pool, any strides. MUTATED: row slots[n] of every non-empty sequence n
+            receives its final state (read from that row first); the rows of empty sequences' slots, and
+            of slots outside the batch, are neither read nor written.
+        slots: [B] int32 / int64 slot of each stream (distinct among non-empty ones).
+        o: optional [T, HV, V] contiguous output in v's dtype (default: a new one).
+            MUTATED: rows of the sequences' tokens get their outputs, rows [bounds[0, B], T) get 0, the
+            other rows (tokens of empty sequences) are left as they are.
+        checkpoint_chunks, checkpoints: as chunked_gdn_forward's (chunk rows of chunk_indices; an entry whose
+            row names the spare sequence is left as it was, like one of no chunk).
+        config: launch parameters (default: default_config(B + 1, HV, V)).
+    Returns:
+        o.
+    """
+    fn = "chunked_gdn_pool_forward"
+    _check_tokens(fn, q, k, v, g, beta, chunk_indices, checkpoint_chunks, checkpoints,
+                  (("bounds", bounds, 2), ("state", state, 4), ("slots", slots, 1)))
+    B = slots.shape[0]
+    T, HV, K, V = q.shape[0], v.shape[1], q.shape[2], v.shape[2]
+    if bounds.dtype != torch.int64 or tuple(bounds.shape) != (2, B + 1):
+        _fail(fn, f"bounds must be int64 [2, {B + 1}] for {B} slots, got {bounds.dtype} {tuple(bounds.shape)}")
+    if slots.dtype not in (torch.int32, torch.int64):
+        _fail(fn, f"slots must be int32 or int64, got {slots.dtype}")
+    if tuple(state.shape[1:]) != (HV, K, V) or state.dtype != torch.float32:
+        _fail(fn, f"state is {tuple(state.shape)} {state.dtype}, expected [S, {HV}, {K}, {V}] torch.float32")
+    if o is None:
+        o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    elif tuple(o.shape) != tuple(v.shape) or o.dtype != v.dtype or o.device != v.device or not o.is_contiguous():
+        _fail(fn, f"o is {tuple(o.shape)} {o.dtype} on {o.device} (contiguous: {o.is_contiguous()}), expected a "
+                  f"contiguous {tuple(v.shape)} {v.dtype} on {v.device}")
+    if T == 0:
+        return o
+    bounds, slots = bounds.contiguous(), slots.contiguous()
+    _launch(q, k, v, g, beta, bounds[0], bounds[1], chunk_indices, state, state, slots, o, checkpoint_chunks,
+            checkpoints, config, pool=True)
+    return o
 
 
 # Reference ------------------------------------------------------------------------------------------

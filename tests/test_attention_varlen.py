@@ -245,3 +245,62 @@ def test_context_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
+
+
+# metrale::paged_attention's CUDA path: which attention each call takes ----------------------------------
+pa = importlib.import_module("metrale_graph.ops.paged_attention")
+
+
+def test_prefill_backend_follows_static_facts(monkeypatch):
+    """One stream at a measured head dim on sm_90: cuDNN's dense kernel; several streams, other head dims,
+    sm_80, or the "fa2" choice: FlashAttention-2 varlen; "triton", or what the libraries do not take (fp32,
+    CPU tensors): our Triton kernel. An unknown choice is a ValueError naming the variable."""
+    q256, q96 = torch.empty(8, 4, 256, dtype=torch.bfloat16), torch.empty(8, 4, 96, dtype=torch.bfloat16)
+    assert pa.prefill_backend(q256, 1) == "triton"  # CPU tensors: no library kernel
+    monkeypatch.setattr(pa, "library_prefill_supported", lambda q: q.dtype != torch.float32)
+    monkeypatch.setattr(pa, "device_capability", lambda device: (9, 0))
+    assert pa.prefill_backend(q256, 1) == "cudnn_fa2" and pa.prefill_backend(q256[..., :128], 1) == "cudnn_fa2"
+    assert pa.prefill_backend(q256, 2) == "fa2" and pa.prefill_backend(q96, 1) == "fa2"
+    assert pa.prefill_backend(q256.float(), 1) == "triton"
+    monkeypatch.setattr(pa, "device_capability", lambda device: (8, 0))
+    assert pa.prefill_backend(q256, 1) == "fa2"
+    monkeypatch.setattr(pa, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(pa, "PREFILL_BACKEND", "fa2")
+    assert pa.prefill_backend(q256, 1) == "fa2"
+    monkeypatch.setattr(pa, "PREFILL_BACKEND", "triton")
+    assert pa.prefill_backend(q256, 1) == "triton"
+    monkeypatch.setattr(pa, "PREFILL_BACKEND", "flash3")
+    with pytest.raises(ValueError, match="METRALE_ATTENTION_PREFILL .* got 'flash3'"):
+        pa.prefill_backend(q256, 1)
+
+
+ONE_STREAM = Shapes(lengths=(65,), context=(130,), HQ=4, HKV=2, HD=128, BS=16, num_blocks=13)
+
+
+@pytest.mark.parametrize("case, dtype, expected", [
+    (ONE_STREAM, torch.bfloat16, ["cudnn_dense"]),
+    (CASES[0], torch.bfloat16, ["fa2_varlen"]),
+    (Shapes(lengths=(1, 1, 0), context=(40, 3, 0), HQ=4, HKV=2, HD=128, BS=16), torch.bfloat16, []),  # decode
+    (ONE_STREAM, torch.float32, []),
+], ids=["one-stream", "streams", "decode-shaped", "fp32"])
+def test_op_cuda_path_dispatches_to_the_libraries(case, dtype, expected, monkeypatch):
+    """paged_attention_cuda with the libraries faked (FakeLibraries) as if on an sm_90 GPU: the KV write, then
+    cuDNN dense for one stream, FlashAttention-2 for several, split-K for decode-shaped calls and Triton for
+    fp32; the op's output and pools either way (spare rows 0 on the library path)."""
+    fake = FakeLibraries()
+    monkeypatch.setattr(torch.ops.aten, "_cudnn_attention_forward", fake.cudnn_varlen)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", fake.cudnn_dense)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", fake.fa2_varlen)
+    monkeypatch.setattr(pa, "library_prefill_supported", lambda q: q.dtype in (torch.bfloat16, torch.float16))
+    monkeypatch.setattr(pa, "device_capability", lambda device: (9, 0))
+    spare = 0 if expected == [] else 3
+    args = list(inputs(case, dtype, spare=spare, seed=9))
+    ref_args = upcast([a.clone() for a in args])
+    ref = paged_attention_ref(*ref_args)
+    out = pa.paged_attention_cuda(*args)
+    assert [c[0] for c in fake.calls] == expected
+    assert_close("o", ref[: case.T], out[: case.T].float(), TOL[dtype])
+    if spare:
+        assert torch.equal(out[case.T:], torch.zeros_like(out[case.T:]))
+    for i in (3, 4):  # the new tokens written into the pools
+        assert_close(f"pool {i}", ref_args[i], args[i].float(), TOL[dtype])

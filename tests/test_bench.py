@@ -186,3 +186,21 @@ def test_render_reports_both_floors_and_the_busy_fraction():
         bench.render(record, variants, "html")
     short = _record(rows, ["graphs"], layers=4)
     assert bench.render(short, ["graphs"]).splitlines()[0] == "qwen3.5-9b (4 layers), bf16, NVIDIA H200"
+
+
+def test_profile_attributes_the_step_kernels_to_their_ops():
+    """--profile's phases by kernel name (first match wins): our chunked GDN kernels and layout program, the
+    attention's library kernels (FlashAttention-2's, cuDNN's generated SDPA kernels, which also contain GEMM
+    substrings) and its merge kernel, before the GEMM patterns; conv1d's state kernel stays conv1d's."""
+    gdn, attention = "gdn_recurrence (own kernels)", "paged_attention (own kernels)"
+    expected = {
+        "_gdn_chunk_intra_kernel": gdn, "_gdn_chunk_state_kernel": gdn, "_chunk_layout_kernel": gdn,
+        "_gdn_recurrent_kernel": gdn, "chunk_gated_delta_rule_fwd_kernel_h_blockdim64": gdn,
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<256, 64, 64, 4, false, false, "
+        "cutlass::bfloat16_t, Flash_kernel_traits<256, 64, 64, 4, cutlass::bfloat16_t> >>": attention,
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x128x128_4x1x1_kernel0_0": attention,
+        "_context_merge_kernel": attention, "_paged_decode_kernel": attention,
+        "_conv1d_state_kernel": "causal_conv1d (own kernels)", "nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT": "GEMM",
+        "void at::native::elementwise_kernel<128, 4>": profiling.OTHER,
+    }
+    assert {k: profiling.phase_of(k) for k in expected} == expected

@@ -117,7 +117,25 @@ def test_compiled_fallback_equals_eager_without_graph_breaks():
     for a, b in zip(cache_r.state_tensors(), cache_e.state_tensors()):
         assert rel_err(a.float(), b.float()) <= 1e-5 if b.any() else torch.equal(a, b)
     assert dict(counters["graph_break"]) == {}
-    assert counters["stats"]["unique_graphs"] == 1  # 4 buckets, B1 included: one dynamic trace
+    # 4 buckets: one dynamic trace for B4, one for B1 (one stream, tokens dynamic)
+    assert counters["stats"]["unique_graphs"] == 2
+    assert [runner.entries[b].batch.num_streams for b in sorted(runner.grid)] == [1, 4, 1, 4]
+
+
+def test_single_stream_buckets_can_share_the_padded_trace():
+    """one_stream_step=False: a single-stream bucket is padded with a zero-length stream into the trace of
+    the others (one trace for the grid), and still equals eager."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = unit_gain(HybridModel.from_preset("tiny", seed=2), 2)
+    cache_r, cache_e = model.new_cache(4, 64, block_size=16), model.new_cache(4, 64, block_size=16)
+    runner = GraphRunner(model, cache_r, batch_sizes=[1, 4], token_counts=[32], one_stream_step=False)
+    assert runner.step_one_stream is None
+    assert [runner.entries[b].batch.num_streams for b in sorted(runner.grid)] == [2, 4]
+    batches = [[Stream(3, list(range(20)))], [Stream(0, list(range(5))), Stream(1, list(range(9)))]]
+    for batch in batches:
+        assert rel_err(runner.prefill(batch), model.prefill(cache_e, batch)) <= 1e-5
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 def test_unwarmed_bucket_warms_before_the_batch_is_copied_in():

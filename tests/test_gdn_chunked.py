@@ -7,14 +7,13 @@ in the gaps, an absorber sequence of identity chunks at the end), built here in 
 tests marked gpu compare with flash-linear-attention at the Qwen3.5-9B head shape and replay a CUDA graph.
 """
 
-import numpy as np
 import pytest
 import torch
 import triton.language as tl
-from helpers import assert_close
+from helpers import assert_close, round_bf16_to_nearest
 
-from metrale_graph.ops.gdn_chunked import (CHUNK, ChunkConfig, chunked_gdn_forward, chunked_gdn_reference,
-                                           default_config)
+from metrale_graph.ops.gdn_chunked import (CHUNK, ChunkConfig, chunked_gdn_forward, chunked_gdn_pool_forward,
+                                           chunked_gdn_reference, default_config)
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -33,21 +32,7 @@ def ours(*args, checkpoint_chunks=None, checkpoints=None, config=None):
 
 @pytest.fixture(autouse=True)
 def _bf16_rounds_to_nearest(monkeypatch):
-    """Triton's interpreter casts fp32 to bf16 by truncation; the GPU rounds to nearest even. Truncation's
-    bias adds up over a chunk's sums (measured: 4x the GPU's rounding error), so round like the GPU."""
-    try:
-        from triton.runtime import interpreter
-    except ImportError:  # no interpreter: nothing to correct
-        return
-    convert = interpreter._convert_float
-
-    def rounded(data, src, dst, rounding_mode):
-        if rounding_mode is None and src == tl.float32 and dst == tl.bfloat16:
-            bits = data.astype(np.float32).view(np.uint32).astype(np.uint64)
-            return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-        return convert(data, src, dst, rounding_mode)
-
-    monkeypatch.setattr(interpreter, "_convert_float", rounded)
+    round_bf16_to_nearest(monkeypatch)
 
 
 def aligned_layout(lengths, absorber_chunks=1):
@@ -164,6 +149,78 @@ def test_unused_chunk_rows_change_nothing():
     assert_close("final", final_ref, final, TOL[torch.float32])
 
 
+def pool_layout(lengths, short, spare_rows):
+    """What the op hands chunked_gdn_pool_forward for packed `lengths` (streams of at most `short` tokens left
+    out): bounds [2, B+1] and chunk_indices (the long streams' chunks, then `spare_rows` rows naming the spare
+    sequence B), built here in plain torch."""
+    B = len(lengths)
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    long = [n > short for n in lengths]
+    starts = torch.cat([cu[:-1], cu[-1:]])
+    ends = torch.cat([torch.where(torch.tensor(long, dtype=torch.bool), cu[1:], cu[:-1]), cu[-1:]])
+    rows = [(b, i) for b, n in enumerate(lengths) if long[b] for i in range(-(-n // CHUNK))]
+    rows += [(B, j) for j in range(spare_rows)]
+    return cu, torch.stack([starts, ends]).long(), torch.tensor(rows, dtype=torch.int64).reshape(-1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_pool_forward_reads_and_writes_only_its_streams(dtype):
+    """The op's entry point on packed tokens: each long stream from and into its (strided) pool row, as if
+    alone; the rows of short, empty and outside slots bit-identical; output rows of short / empty streams
+    untouched, rows of tokens in no stream 0; checkpoints of chunk rows through the same call."""
+    lengths, short, spare, H, HV, K, V = [70, 3, 0, 130, 64, 65], 64, 9, 1, 2, 16, 24
+    cu, bounds, idx = pool_layout(lengths, short, spare_rows=3)
+    T = int(cu[-1]) + spare
+    q, k, v, g, beta = packed_inputs(T, H, HV, K, V, dtype, seed=11)
+    slots = torch.tensor([5, 0, 7, 2, 3, 6])
+    gen = torch.Generator().manual_seed(12)
+    pool = (torch.randn(9, HV, V, K, generator=gen) * 0.3).transpose(2, 3)  # [S, HV, K, V], not contiguous
+    before = pool.clone()
+    o = torch.full((T, HV, V), float("nan"), dtype=dtype)
+    # stream 3's chunk 1 (row 2 + 1), stream 5's chunk 0 (row 5), none, a spare row
+    chunks = torch.tensor([3, 5, -1, 7], dtype=torch.int64)
+    ckpt = torch.full((4, HV, K, V), 7.0)
+    on = [x.to(DEVICE) for x in (q, k, v, g, beta, bounds, idx)]
+    pool_d, o_d, ck_d = pool.to(DEVICE), o.to(DEVICE), ckpt.to(DEVICE)
+    out = chunked_gdn_pool_forward(*on, pool_d, slots.to(DEVICE), o_d, checkpoint_chunks=chunks.to(DEVICE),
+                                   checkpoints=ck_d)
+    assert out is o_d
+    out, pool_after, ckpt = out.cpu(), pool_d.cpu(), ck_d.cpu()
+    for b, n in enumerate(lengths):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        if n > short:
+            o_ref, final_ref, starts = chunked_gdn_reference(*(x[rows] for x in (q, k, v, g, beta)),
+                                                             torch.tensor([0, n]), before[slots[b]][None])
+            assert_close(f"o of stream {b}", o_ref, out[rows].float(), TOL[dtype])
+            assert_close(f"state of stream {b}", final_ref[0], pool_after[slots[b]], TOL[dtype])
+            if b == 3:
+                assert_close("checkpoint of stream 3's chunk 1", starts[1], ckpt[0], TOL[dtype])
+            if b == 5:
+                assert torch.equal(ckpt[1], before[slots[b]]), "checkpoint of a first chunk is the pool row"
+        else:
+            assert torch.isnan(out[rows].float()).all(), f"output rows of short stream {b} were written"
+    for p in (2, 3):  # no chunk, a spare row (the spare sequence has no tokens): left as they were
+        assert torch.equal(ckpt[p], torch.full_like(ckpt[p], 7.0)), f"checkpoint {p} was written"
+    assert torch.equal(out[int(cu[-1]):], torch.zeros_like(out[int(cu[-1]):])), "spare rows are not 0"
+    written = {int(slots[b]) for b, n in enumerate(lengths) if n > short}
+    for slot in range(pool.shape[0]):
+        if slot not in written:
+            assert torch.equal(pool_after[slot], before[slot]), f"slot {slot} was written"
+
+
+def test_pool_forward_without_streams_zeroes_every_row():
+    """B = 0 (no slots): the spare sequence alone; every row is a token in no stream."""
+    T, H, HV, K, V = 70, 1, 2, 16, 16
+    q, k, v, g, beta = (x.to(DEVICE) for x in packed_inputs(T, H, HV, K, V, torch.float32, seed=1))
+    bounds = torch.zeros((2, 1), dtype=torch.int64, device=DEVICE)
+    idx = torch.tensor([[0, 0], [0, 1]], dtype=torch.int64, device=DEVICE)
+    pool = torch.randn(2, HV, K, V, device=DEVICE)
+    before = pool.clone()
+    o = chunked_gdn_pool_forward(q, k, v, g, beta, bounds, idx, pool, torch.zeros(0, dtype=torch.int64,
+                                                                                   device=DEVICE))
+    assert torch.equal(o, torch.zeros_like(o)) and torch.equal(pool, before)
+
+
 def test_repeated_keys_stay_exact():
     """Runs of one key with beta near 1: (I + A)^-1 is tame but the powers of A grow binomially, so a
     solver that sums a power series cancels catastrophically; forward substitution does not."""
@@ -277,15 +334,18 @@ ptr = lambda names, t: {n: t for n in names}
 bf, f32, i64 = "*bf16", "*fp32", "*i64"
 cfg = m.default_config(2, 32, 128)
 intra = dict(ptr(["q_ptr", "k_ptr", "beta_ptr", "tm_ptr", "aqk_ptr"], bf), **ptr(["g_ptr", "gc_ptr"], f32),
-             **ptr(["cu_ptr", "idx_ptr", "first_ptr"], i64), scale="fp32")
-build(m._intra_kernel, intra, dict(stride_gh=1, stride_bh=1, R=2, K=128, BK=128, SB=cfg.solve_block,
+             **ptr(["bos_ptr", "eos_ptr", "idx_ptr", "first_ptr"], i64), scale="fp32")
+build(m._gdn_chunk_intra_kernel, intra, dict(stride_gh=1, stride_bh=1, R=2, K=128, BK=128, SB=cfg.solve_block,
       LOG_SB=cfg.solve_block.bit_length() - 1, PREC="tf32", DOT_T=tl.bfloat16), cfg.intra_warps, cfg.intra_stages)
 state = dict(ptr(["q_ptr", "k_ptr", "v_ptr", "tm_ptr", "aqk_ptr", "o_ptr"], bf),
-             **ptr(["gc_ptr", "h0_ptr", "ht_ptr", "ck_ptr"], f32), **ptr(["first_ptr", "cu_ptr", "ck_idx_ptr"], i64),
-             scale="fp32")
-for P in (0, 3):
-    build(m._state_kernel, state, dict(stride_c3=1, R=2, HV=32, K=128, V=128, P=P, BK=128, BV=cfg.block_v,
-          BLOCK_P=4, PREC="tf32", DOT_T=tl.bfloat16), cfg.state_warps, cfg.state_stages)
+             **ptr(["gc_ptr", "h0_ptr", "ht_ptr", "ck_ptr"], f32),
+             **ptr(["first_ptr", "slot_ptr", "bos_ptr", "eos_ptr", "ck_idx_ptr"], i64), scale="fp32")
+# fla's contract (h0 / final contiguous) and the op's pool (int32 or int64 slots), with and without checkpoints
+for P, pool in ((0, False), (3, False), (0, True), (3, True)):
+    sig = dict(state, slot_ptr="*i32") if pool and P == 0 else state
+    build(m._gdn_chunk_state_kernel, sig, dict(stride_h0v=1, stride_htv=1, stride_c3=1, R=2, HV=32, K=128, V=128,
+          P=P, BK=128, BV=cfg.block_v, BLOCK_P=4, PREC="tf32", DOT_T=tl.bfloat16, POOL=pool), cfg.state_warps,
+          cfg.state_stages)
 print("compiled")
 """
 
@@ -304,8 +364,11 @@ def test_kernels_compile_for_hopper():
 
 
 def test_default_config_widens_tiles_with_streams():
+    """The measured choice at the 9B heads (HV 32, V 128) on 132 SMs: BV 16 for one stream, 32 for several."""
     assert default_config(2, 32, 128).block_v == 16  # one long stream: 256 programs of 16 columns
-    assert default_config(9, 32, 128).block_v == 64  # 8 streams: 512 programs of 64
+    for streams in (4, 8, 32):
+        cfg = default_config(streams + 1, 32, 128)
+        assert (cfg.block_v, cfg.state_warps, cfg.state_stages) == (32, 4, 2), streams
 
 
 # On the GPU: flash-linear-attention at the Qwen3.5-9B head shape, and CUDA graph replay ----------------

@@ -1,10 +1,13 @@
 """On a GPU: every phase op's CUDA path against its CPU reference on upcast inputs (9B head
 dims, ragged lengths up to 4097, with and without prior state; then head, rotary and block sizes
-that are not powers of two, on the real fla recurrence; then decode-shaped batches at 9B head dims,
-which take the recurrent GDN kernel and split-K attention, and mixed steps that are not, where the GDN
-op splits its streams between fla and the recurrent kernel), and every op captured alone in a CUDA
-graph, replayed with other lengths and slots of the same bucket (a prefill bucket, a decode one and a
-mixed one).
+that are not powers of two; then decode-shaped batches at 9B head dims, which take the recurrent GDN
+kernel and split-K attention, and mixed steps that are not, where the GDN op splits its streams between
+our chunked kernels and the recurrent kernel; one-stream calls, where attention takes cuDNN's dense
+kernel at head dims 128 / 256), and every op captured alone in a CUDA graph, replayed with other lengths
+and slots of the same bucket (a prefill bucket, a decode one, a mixed one; for the GDN and attention ops
+a one-stream bucket with tokens in no stream too). Attention calls that are not decode-shaped take
+FlashAttention-2 / cuDNN plus our context + merge kernel; the GDN op's chunked path is also compared with
+flash-linear-attention's (its "fla" backend, the previous path).
 The MoE op also at realistic expert counts and sizes, and replayed with other routings (other group
 sizes) of the same bucket."""
 
@@ -15,6 +18,7 @@ import torch
 
 from helpers import TOL, assert_close, assert_no_aliasing, clone_args, compared_rows, outputs, upcast
 from metrale_graph.ops import REGISTRY, Shapes
+from metrale_graph.ops import gdn_recurrence as gdn_op, paged_attention as attention_op
 from metrale_graph.ops.moe.reference import route
 from metrale_graph.ops.common import decode_shaped, rms_norm
 from op_cases import op_args
@@ -86,6 +90,17 @@ MIXED = Shapes(lengths=(1,) * 31 + (512,), context=tuple(64 * i for i in range(3
 MIXED_REPLAY = replace(MIXED, lengths=(300, 0, 65, 64) + (1,) * 27 + (87,),
                        context=(0, 0, 5, 1000) + tuple(70 * i for i in range(27)) + (100,))
 BUCKETS = {"prefill": (BIG, REPLAY), "decode": (DECODE_BUCKET, DECODE_REPLAY), "mixed": (MIXED, MIXED_REPLAY)}
+# One-stream calls that are not decode-shaped: the GDN op's chunked path whole (V tiles of 16), attention by
+# cuDNN's dense kernel at head dims 256 and 128, by FlashAttention-2 at 80; with and without cached context.
+ONE_STREAM_CASES = [
+    Shapes(lengths=(3000,), context=(0,), num_slots=2, num_blocks=60, **NINE_B),
+    Shapes(lengths=(1500,), context=(700,), num_slots=2, num_blocks=60, **NINE_B),
+    Shapes(lengths=(300,), context=(40,), H=2, HV=6, K=80, V=96, D=192, I=320, HQ=6, HKV=2, HD=128, R=32, W=3,
+           BS=48, num_blocks=12),
+    Shapes(lengths=(200,), context=(65,), H=1, HV=3, K=48, V=40, D=128, I=256, HQ=4, HKV=1, HD=80, R=20, W=2,
+           BS=16, num_blocks=20),
+]
+ONE_STREAM_OPS = ("gdn_recurrence", "paged_attention")
 
 
 def check_cuda_op(name, case):
@@ -138,6 +153,39 @@ def test_cuda_op_mixed_steps_match_reference(name, case):
     check_cuda_op(name, case)
 
 
+@pytest.mark.parametrize("case", ONE_STREAM_CASES, ids=[c.id for c in ONE_STREAM_CASES])
+@pytest.mark.parametrize("name", ONE_STREAM_OPS)
+def test_cuda_op_one_stream_matches_reference(name, case):
+    assert case.B == 1 and not decode_shaped(case.B, case.T)
+    if name == "paged_attention":  # the path the call takes
+        expected = "cudnn_fa2" if case.HD in attention_op.CUDNN_DENSE_HEAD_DIMS else "fa2"
+        assert attention_op.prefill_backend(torch.empty(1, case.HQ, case.HD, dtype=torch.bfloat16, device="cuda"),
+                                            1) == expected
+    check_cuda_op(name, case)
+
+
+GDN_VS_FLA = [BIG, BIG_CASES[1], ODD_CASES[1], ODD_CASES[3], MIXED, MIXED_REPLAY, ONE_STREAM_CASES[0]]
+
+
+@pytest.mark.parametrize("case", GDN_VS_FLA, ids=[c.id[:60] for c in GDN_VS_FLA])
+def test_gdn_chunked_kernels_match_fla(case, monkeypatch):
+    """The GDN op's CUDA path with our chunked kernels (the default) against the same call with fla's on the
+    aligned layout (CHUNKED_BACKEND "fla"), bf16: outputs and pools within 1e-2 of each other (each is within
+    1e-2 of the fp32 reference: the tests above), slots outside the batch untouched by both."""
+    args = op_args("gdn_recurrence", case, torch.bfloat16, seed=1)
+    before = args[7].cuda()
+    results = {}
+    for backend in ("triton", "fla"):
+        monkeypatch.setattr(gdn_op, "CHUNKED_BACKEND", backend)
+        call = clone_args(args, "cuda")
+        results[backend] = REGISTRY["gdn_recurrence"].cuda(*call), call[7]
+    (o, pool), (o_fla, pool_fla) = results["triton"], results["fla"]
+    assert_close("o vs fla", o_fla.float(), o.float(), 1e-2)
+    changed = (pool_fla != before).flatten(1).any(1)
+    assert torch.equal(pool[~changed], before[~changed]), "slots outside the batch changed"
+    assert_close("pool vs fla", pool_fla[changed], pool[changed], 1e-2)
+
+
 @pytest.mark.parametrize("case", MOE_CASES, ids=[c.id + f"-D{c.D}-IE{c.IE}" for c in MOE_CASES])
 def test_cuda_moe_matches_reference(case):
     check_cuda_op("moe", case)
@@ -148,9 +196,28 @@ def test_cuda_moe_matches_reference(case):
 def test_cuda_op_replays_in_a_graph(name, bucket):
     """Capture with one batch's metadata, replay with another batch of the same bucket copied into
     the static inputs: equals eager on that batch; pool rows outside it stay bit-identical."""
-    op = REGISTRY[name].op
     capture_case, replay_case = BUCKETS[bucket]
-    static = clone_args(op_args(name, capture_case, torch.bfloat16, seed=2), "cuda")
+    check_replay(name, op_args(name, capture_case, torch.bfloat16, seed=2),
+                 op_args(name, replay_case, torch.bfloat16, seed=3))
+
+
+@pytest.mark.parametrize("name", ONE_STREAM_OPS)
+def test_one_stream_bucket_replays_in_a_graph(name):
+    """A one-stream bucket (B = 1, T = 3000, 9B head dims: our chunked GDN kernels whole, cuDNN's dense
+    attention) captured with 3000 fresh tokens, replayed with 2500 tokens after 700 cached, the last 500
+    rows in no stream: equals eager, and those rows are 0 (no NaN left for later layers' dense attention)."""
+    capture_case = ONE_STREAM_CASES[0]
+    replay = list(op_args(name, replace(capture_case, context=(700,)), torch.bfloat16, seed=3))
+    replay[5] = torch.tensor([0, 2500], dtype=torch.int32)  # cu_seqlens: 500 tokens in no stream
+    out = check_replay(name, op_args(name, capture_case, torch.bfloat16, seed=2), replay)
+    assert torch.equal(out[0][2500:], torch.zeros_like(out[0][2500:])), "rows of tokens in no stream"
+
+
+def check_replay(name, capture_args, replay_args):
+    """Capture metrale::<name> with capture_args, replay with replay_args copied into its static inputs:
+    equals eager on replay_args, pool rows outside that batch bit-identical. Returns the replayed outputs."""
+    op = REGISTRY[name].op
+    static = clone_args(capture_args, "cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up (Triton compile + autotune) outside the capture
@@ -160,7 +227,7 @@ def test_cuda_op_replays_in_a_graph(name, bucket):
     with torch.cuda.graph(graph):
         out = outputs(op(*static))
 
-    batch = clone_args(op_args(name, replay_case, torch.bfloat16, seed=3), "cuda")
+    batch = clone_args(replay_args, "cuda")
     if name == "moe":  # the replayed batch routes elsewhere: other group sizes, other blocks per expert
         assert not torch.equal(moe_expert_counts(static), moe_expert_counts(batch))
     for s, b in zip(static, batch):
@@ -177,6 +244,7 @@ def test_cuda_op_replays_in_a_graph(name, bucket):
             changed = (b != p).flatten(1).any(1)
             assert torch.equal(s[~changed], p[~changed]), f"{name}: replay touched pool rows outside the batch"
             assert_close(f"{name} replayed pool {i}", b[changed].float(), s[changed].float(), 1e-2)
+    return out
 
 
 @pytest.mark.parametrize("case", MOE_CASES[:2], ids=["T2000", "T1"])

@@ -1,47 +1,60 @@
 """The CUDA implementations of the phase ops against their CPU references on upcast inputs.
 
 Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors (conftest sets
-TRITON_INTERPRET=1); flash-linear-attention does not run there, so the recurrence's chunked path is
-checked through its chunk-aligned layout with the reference as the varlen kernel (the fla call
-itself is covered by the GPU tests), alone and split with the recurrent kernel (short streams of
-calls that are not decode-shaped); its recurrent kernel (decode-shaped calls) runs here. The
-decode paths are also checked directly on any lengths, and their choice against static sizes.
+TRITON_INTERPRET=1): the recurrence's CUDA path runs whole here (our chunked kernels on the packed
+tokens, split with the recurrent kernel for short streams of calls that are not decode-shaped; the
+recurrent kernel alone for decode-shaped ones). flash-linear-attention does not run there, so its
+chunk-aligned layout (the "fla" backend's) is checked with the reference as the varlen kernel (the
+fla call itself is covered by the GPU tests). The decode paths are also checked directly on any
+lengths, and their choice against static sizes.
 """
 
 import pytest
 import torch
 
-from helpers import TOL, assert_close, assert_no_aliasing, clone_args, compared_rows, outputs, tiny_config, upcast
+from helpers import (TOL, assert_close, assert_no_aliasing, clone_args, compared_rows, outputs, round_bf16_to_nearest,
+                     tiny_config, upcast)
 from kernel_oracles import align_pairs_torch, aligned_layout
 from metrale_graph.config import FULL
-from metrale_graph.ops import REGISTRY, Shapes, causal_conv1d, gdn_recurrence, kernels, moe, paged_attention
+from metrale_graph.ops import (REGISTRY, Shapes, causal_conv1d, gdn_chunked, gdn_recurrence, kernels, moe,
+                               paged_attention)
 from metrale_graph.ops.common import decode_shaped, rms_norm
-from metrale_graph.ops.gdn_recurrence import layout as gdn_layout, recurrent as gdn_recurrent, split as gdn_split
+from metrale_graph.ops.gdn_recurrence import (chunked as gdn_chunked_path, layout as gdn_layout,
+                                              recurrent as gdn_recurrent, split as gdn_split)
 from metrale_graph.ops.limits import check_supported
 from metrale_graph.ops.moe import align as moe_align, reference as moe_reference, routing as moe_routing
 from metrale_graph.ops.paged_attention import decode as attn_decode, kv_write, prefill as attn_prefill
 from op_cases import CASES, op_args
 
-# every op's CUDA path (the recurrence's chunked path needs fla: covered here through its aligned layout)
+# every op's CUDA path
 CUDA_IMPLS = {name: spec.cuda for name, spec in REGISTRY.items() if spec.cuda}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 # flash-linear-attention's chunk kernels take fp32 inputs through tf32 tensor-core dots (Triton's default
-# input precision): ~1e-3 of relative error on the H200, which the fp32 tolerance does not cover
+# input precision): ~1e-3 of relative error on the H200, which the fp32 tolerance does not cover. Ours take
+# them through tf32x3 (~1e-6 measured at the 9B heads on the H200; fp32 exact in the interpreter): on a GPU
+# they get test_gdn_chunked's 1e-4.
 FLA_FP32_TOL = 5e-3
+CHUNKED_FP32_TOL = 1e-4
 
 
-def uses_fla(name, case, dtype):
-    """Whether the op's CUDA path hands fp32 tokens to fla: the recurrence, not decode-shaped, with a stream
-    longer than split_max_len(B) (the others take the recurrent kernel)."""
+def takes_chunked_path(name, case):
+    """Whether the op's CUDA path runs the recurrence's chunked kernels: the recurrence, not decode-shaped,
+    with a stream longer than split_max_len(B) (the others take the recurrent kernel)."""
     longest = max(case.lengths, default=0)
-    return (name == "gdn_recurrence" and DEVICE == "cuda" and dtype == torch.float32
-            and not decode_shaped(case.B, case.T) and longest > gdn_split.split_max_len(case.B))
+    return (name == "gdn_recurrence" and not decode_shaped(case.B, case.T)
+            and longest > gdn_split.split_max_len(case.B))
+
+
+def tolerance(name, case, dtype):
+    if DEVICE == "cuda" and dtype == torch.float32 and takes_chunked_path(name, case):
+        return FLA_FP32_TOL if gdn_recurrence.chunked_backend(case.K, case.V) == "fla" else CHUNKED_FP32_TOL
+    return TOL[dtype]
 
 
 def check_against_reference(name, impl, case, dtype, seed=0):
-    tol = FLA_FP32_TOL if uses_fla(name, case, dtype) else TOL[dtype]
+    tol = tolerance(name, case, dtype)
     args = op_args(name, case, dtype, seed)
     ref_args = upcast(clone_args(args, "cpu"))
     test_args = clone_args(args, DEVICE)
@@ -66,10 +79,12 @@ def check_against_reference(name, impl, case, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 @pytest.mark.parametrize("name", list(CUDA_IMPLS))
-def test_cuda_impl_matches_reference(name, case, dtype):
-    if name == "gdn_recurrence" and not decode_shaped(case.B, case.T) and DEVICE == "cpu":
-        pytest.skip("the chunked path runs fla (GPU tests); here: test_recurrence_aligned_layout_is_exact, "
-                    "test_split_path_matches_reference")
+def test_cuda_impl_matches_reference(name, case, dtype, monkeypatch):
+    if name == "gdn_recurrence":
+        fla = gdn_recurrence.chunked_backend(case.K, case.V) == "fla"
+        if DEVICE == "cpu" and takes_chunked_path(name, case) and fla:
+            pytest.skip("METRALE_GDN_CHUNKED=fla: fla runs on a GPU only")
+        round_bf16_to_nearest(monkeypatch)  # the interpreter's bf16 casts, as the GPU rounds (chunked kernels)
     check_against_reference(name, CUDA_IMPLS[name], case, dtype)
 
 
@@ -105,9 +120,14 @@ def test_chunk_layout_kernel_matches_torch_layout(short):
             cu = torch.tensor((0,) + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
             T = int(cu[-1]) + spare
             _, cu_al, chunks, _ = aligned_layout(cu, T, short)
-            got_cu, got_chunks = gdn_layout.chunk_layout(cu.to(DEVICE), T, short)
+            got_cu, got_bounds, got_chunks = gdn_layout.chunk_layout_bounds(cu.to(DEVICE), T, short)
             assert torch.equal(got_cu.cpu(), cu_al), (lengths, got_cu, cu_al)
             assert torch.equal(got_chunks.cpu(), chunks), lengths
+            # the packed bounds: each stream where it lies (empty at its start when left out), then sequence B
+            # empty at cu[B]
+            ends = torch.where(cu[1:] - cu[:-1] > short, cu[1:], cu[:-1])
+            expected = torch.stack([cu, torch.cat([ends, cu[-1:]])]).long()
+            assert torch.equal(got_bounds.cpu(), expected), (lengths, got_bounds)
 
 
 @pytest.mark.parametrize("short", [0, gdn_split.SHORT])
@@ -139,28 +159,30 @@ def test_mixed_step_chunk_count():
     assert aligned_layout(cu, 543, gdn_split.split_max_len(32))[2].shape[0] == 17
 
 
-def _recurrence_path(*args):
-    """The recurrence's CUDA path, with the reference in fla's place on its chunked path."""
+def _aligned_path(*args):
+    """The recurrence's CUDA path with the "fla" backend, the reference in fla's place on the aligned layout."""
     if gdn_split.use_recurrent(args[0], args[6]):
         return gdn_recurrence.gdn_recurrence_cuda(*args)
     return gdn_split.gdn_recurrence_split(*args, _reference_varlen)
 
 
-CUDA_PATHS = dict(CUDA_IMPLS, gdn_recurrence=_recurrence_path)
+CUDA_PATHS = dict(CUDA_IMPLS)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-@pytest.mark.parametrize("impl", ["reference", "cuda"])
+@pytest.mark.parametrize("impl", ["reference", "cuda", "aligned"])
 @pytest.mark.parametrize("name", list(REGISTRY))
 def test_outputs_alias_nothing(name, impl, case):
     """Fresh outputs from the CPU reference and the CUDA path (recurrence: the recurrent kernel, or the
-    aligned layout then the recurrent kernel on short streams) for every case; T = 1 and T = 0 are where
-    a slice or reshape of one GEMM output comes back as a view.
+    chunked kernels then the recurrent kernel on short streams; "aligned": the fla backend's aligned layout)
+    for every case; T = 1 and T = 0 are where a slice or reshape of one GEMM output comes back as a view.
     fp32 only: there dtype casts are no-ops that could hand back their input."""
+    if impl == "aligned" and name != "gdn_recurrence":
+        pytest.skip("the aligned layout is the recurrence's")
     if impl == "cuda" and name not in CUDA_PATHS:
         pytest.skip(f"metrale::{name} has no CUDA path yet")
     args = clone_args(op_args(name, case, torch.float32), DEVICE)
-    fn = REGISTRY[name].reference if impl == "reference" else CUDA_PATHS[name]
+    fn = {"reference": REGISTRY[name].reference, "aligned": _aligned_path}.get(impl) or CUDA_PATHS[name]
     assert_no_aliasing(f"{name} ({impl})", outputs(fn(*args)), args)
 
 
@@ -190,11 +212,11 @@ def test_recurrent_kernel_matches_reference(case, dtype):
     _check_pool(args, ref_args, test_args, dtype)
 
 
-def _check_pool(args, ref_args, test_args, dtype):
-    """The GDN state pool after a call: within tolerance of the reference's, and the rows of slots outside
-    the batch (and of zero-length streams) bit-identical to before."""
+def _check_pool(args, ref_args, test_args, dtype, tol=None):
+    """The GDN state pool after a call: within tolerance (default TOL[dtype]) of the reference's, and the rows
+    of slots outside the batch (and of zero-length streams) bit-identical to before."""
     state, before = test_args[-1].cpu(), args[-1]
-    assert_close("gdn_state", ref_args[-1], state, TOL[dtype])
+    assert_close("gdn_state", ref_args[-1], state, TOL[dtype] if tol is None else tol)
     touched = set(args[6][args[5][1:] > args[5][:-1]].tolist())
     for slot in range(state.shape[0]):
         if slot not in touched:
@@ -220,40 +242,105 @@ SPLIT_CASES = [
     (_split_case((150,)), 0),
     (_split_case((0, 3, 0, 90, 0, 1, 0)), 0),
     (_split_case((2, 1, 100, 33)), 7),  # the last 7 tokens in no stream
+    (_split_case((130,)), 20),  # one stream (chunked whole), the last 20 tokens in no stream
 ]
+CHUNKED_PATHS = {"ours": lambda *a: gdn_split.gdn_recurrence_split(*a),
+                 "aligned": lambda *a: gdn_split.gdn_recurrence_split(*a, _reference_varlen)}
 
 
+@pytest.mark.parametrize("chunked", list(CHUNKED_PATHS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case,spare", SPLIT_CASES, ids=[f"{c.id}-spare{n}" for c, n in SPLIT_CASES])
-def test_split_path_matches_reference(case, spare, dtype):
+def test_split_path_matches_reference(case, spare, dtype, chunked, monkeypatch):
     """Outputs of tokens in streams and every pool row against the token-by-token reference on upcast
-    inputs; rows of slots outside the batch (and of zero-length streams) bit-identical."""
+    inputs; rows of slots outside the batch (and of zero-length streams) bit-identical. Our chunked kernels
+    (the CUDA path) or the aligned layout (the fla backend's, the reference in fla's place). Ours also zero
+    the rows of tokens in no stream."""
     assert not decode_shaped(case.B, case.T)
+    round_bf16_to_nearest(monkeypatch)
     args = list(op_args("gdn_recurrence", case, dtype, seed=6))
     args[5] = args[5].clone()
     args[5][-1] -= spare
     ref_args = upcast(clone_args(args, "cpu"))
     test_args = clone_args(args, DEVICE)
     ref = REGISTRY["gdn_recurrence"].reference(*ref_args)
-    out = gdn_split.gdn_recurrence_split(*test_args, _reference_varlen)
+    out = CHUNKED_PATHS[chunked](*test_args)
     assert out.dtype == args[2].dtype and out.shape == args[2].shape
     in_stream = case.T - spare
-    assert_close("o", ref[:in_stream], out.cpu()[:in_stream], TOL[dtype])
-    _check_pool(args, ref_args, test_args, dtype)
+    tol = CHUNKED_FP32_TOL if DEVICE == "cuda" and dtype == torch.float32 and chunked == "ours" else TOL[dtype]
+    assert_close("o", ref[:in_stream], out.cpu()[:in_stream], tol)
+    assert torch.equal(out[in_stream:].cpu(), torch.zeros_like(out[in_stream:].cpu())), "rows in no stream"
+    _check_pool(args, ref_args, test_args, dtype, tol)
 
 
-def test_split_path_takes_int32_slot_ids():
-    """slot_ids may be int32 (the op's schema takes int32 or int64): the chunked layout's state scatter
-    (index_copy_, which takes only int64 indices) as well as the recurrent kernel."""
+@pytest.mark.parametrize("chunked", list(CHUNKED_PATHS))
+def test_split_path_takes_int32_slot_ids(chunked):
+    """slot_ids may be int32 (the op's schema takes int32 or int64): our state kernel's slot loads, the aligned
+    layout's state scatter (index_copy_, which takes only int64 indices), and the recurrent kernel."""
     case = SPLIT_CASES[1][0]  # streams of 64, 65, 0 and 1 tokens: both paths, a padding stream
     args = list(op_args("gdn_recurrence", case, torch.float32, seed=6))
     args[6] = args[6].to(torch.int32)
     ref_args = clone_args(args, "cpu")
     test_args = clone_args(args, DEVICE)
     ref = REGISTRY["gdn_recurrence"].reference(*ref_args)
-    out = gdn_split.gdn_recurrence_split(*test_args, _reference_varlen)
-    assert_close("o", ref, out.cpu(), TOL[torch.float32])
-    _check_pool(args, ref_args, test_args, torch.float32)
+    out = CHUNKED_PATHS[chunked](*test_args)
+    tol = CHUNKED_FP32_TOL if DEVICE == "cuda" and chunked == "ours" else TOL[torch.float32]
+    assert_close("o", ref, out.cpu(), tol)
+    _check_pool(args, ref_args, test_args, torch.float32, tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_chunked_path_touches_no_slot_but_its_streams(dtype, monkeypatch):
+    """Our chunked path alone (no recurrent kernel after it): the slots of short and zero-length streams
+    (poisoned with NaN) and of slots outside the batch are neither read nor written, their output rows are
+    left as they were, rows of tokens in no stream become 0; the long streams' rows and slots match the
+    reference. And through the op's checkpoints (internal): the state at the start of chunk rows."""
+    round_bf16_to_nearest(monkeypatch)
+    case = _split_case((1, 70, 0, 64, 130, 65))
+    args = list(op_args("gdn_recurrence", case, dtype, seed=8))
+    args[5] = args[5].clone()
+    args[5][-1] -= 10  # 10 tokens in no stream
+    cu, slots = args[5], args[6]
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    short = gdn_split.split_max_len(case.B)
+    for b, n in enumerate(lengths):
+        if n <= short:
+            args[7][slots[b]] = float("nan")
+    ref_args = upcast(clone_args(args, "cpu"))
+    ref = REGISTRY["gdn_recurrence"].reference(*ref_args)
+    test_args = clone_args(args, DEVICE)
+    q, k, v, g, beta, cu_d, slots_d, pool = test_args
+    o = torch.full(v.shape, 5.0, dtype=v.dtype, device=v.device)
+    cu_al, _, rows = gdn_layout.chunk_layout_bounds(cu_d, case.T, short)
+    first = (cu_al // gdn_layout.CHUNK).cpu()
+    # stream 4's chunk 1, stream 1's chunk 0, none
+    chunks = torch.stack([first[4] + 1, first[1], torch.tensor(-1)]).to(DEVICE)
+    ckpt = torch.zeros((3,) + tuple(pool.shape[1:]), device=DEVICE)
+    out = gdn_chunked_path.gdn_recurrence_chunked(q, k, v, g, beta, cu_d, slots_d, pool, short, o,
+                                                  checkpoint_chunks=chunks, checkpoints=ckpt)
+    assert out is o
+    out, pool, ckpt = out.cpu(), pool.cpu(), ckpt.cpu()
+    for b, n in enumerate(lengths):
+        r = slice(int(cu[b]), int(cu[b + 1]))
+        if n > short:
+            assert_close(f"o of stream {b}", ref[r], out[r].float(), TOL[dtype])
+            assert_close(f"slot of stream {b}", ref_args[7][slots[b]], pool[slots[b]], TOL[dtype])
+        else:
+            assert (out[r] == 5).all(), f"rows of short stream {b} were written"
+    assert (out[int(cu[-1]):] == 0).all()
+    touched = {int(slots[b]) for b, n in enumerate(lengths) if n > short}
+    for slot in range(pool.shape[0]):
+        if slot not in touched:
+            same = (pool[slot] == args[7][slot]) | (pool[slot].isnan() & args[7][slot].isnan())
+            assert same.all(), f"slot {slot} outside the chunked streams changed"
+    # the reference's state at the starts: stream 4 after its first 64 tokens, stream 1 before any
+    s4 = clone_args(args, "cpu")
+    s4[5] = torch.tensor([0, 64], dtype=torch.int32)
+    s4 = upcast([x[int(cu[4]):int(cu[4]) + 64] if i < 5 else x for i, x in enumerate(s4)])
+    s4[6] = slots[4:5]
+    REGISTRY["gdn_recurrence"].reference(*s4)
+    assert_close("checkpoint of stream 4's chunk 1", s4[7][slots[4]], ckpt[0], TOL[dtype])
+    assert torch.equal(ckpt[1], args[7][slots[1]]) and torch.equal(ckpt[2], torch.zeros_like(ckpt[2]))
 
 
 # several 64 / 128-key splits per stream with a partial last one, blocks of 16 / 48 / 64 (splits and
@@ -335,8 +422,9 @@ STRIDED_CASES = [
     ("causal_conv1d", causal_conv1d.causal_conv1d_cuda, CASES[0], (2, 3), {4: None}),
     ("causal_conv1d", causal_conv1d.causal_conv1d_cuda, CASES[3], (2, 3), {4: (1, 2)}),
     ("gdn_recurrence", gdn_recurrence.gdn_recurrence_cuda, CASES[9], (5, 6), {7: None}),
-    ("gdn_recurrence", lambda *a: gdn_split.gdn_recurrence_split(*a, _reference_varlen), SPLIT_CASES[1][0],
-     (5, 6), {7: (2, 3)}),
+    ("gdn_recurrence", gdn_recurrence.gdn_recurrence_cuda, SPLIT_CASES[1][0], (5, 6), {7: (2, 3)}),
+    ("gdn_recurrence", gdn_recurrence.gdn_recurrence_cuda, SPLIT_CASES[5][0], (5, 6), {7: None}),
+    ("gdn_recurrence", CHUNKED_PATHS["aligned"], SPLIT_CASES[1][0], (5, 6), {7: (2, 3)}),
 ]
 
 
@@ -416,18 +504,13 @@ class _Launches:
 
 def _launch_log(monkeypatch):
     log = []
-    for module, names in ((gdn_recurrent, ["_gdn_recurrent_kernel"]), (kv_write, ["_kv_write_kernel"]),
+    for module, names in ((gdn_layout, ["_chunk_layout_kernel"]),
+                          (gdn_chunked, ["_gdn_chunk_intra_kernel", "_gdn_chunk_state_kernel"]),
+                          (gdn_recurrent, ["_gdn_recurrent_kernel"]), (kv_write, ["_kv_write_kernel"]),
                           (attn_prefill, ["_paged_attention_kernel"]),
                           (attn_decode, ["_paged_decode_kernel", "_paged_decode_merge_kernel"])):
         for n in names:
             monkeypatch.setattr(module, n, _Launches(n, getattr(module, n), log))
-    aligned = gdn_layout.gdn_recurrence_aligned
-
-    def chunked(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, varlen_fn, short=0):
-        log.append(("aligned", aligned_layout(cu_seqlens, q.shape[0], short)[2].shape))
-        return aligned(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, _reference_varlen, short)
-
-    monkeypatch.setattr(gdn_split, "gdn_recurrence_aligned", chunked)  # where the split path looks it up
     return log
 
 
@@ -446,8 +529,8 @@ SAME_BUCKET = {
 def test_path_choice_depends_only_on_static_sizes(bucket, monkeypatch):
     """Within a bucket the same kernels launch with the same grids whatever the lengths, contexts
     and slots (what makes a captured graph exact for every batch of the bucket); decode-shaped
-    buckets take the recurrent kernel and split-K, others the chunked layout then the recurrent kernel
-    (short streams) and 64-row tiles."""
+    buckets take the recurrent kernel and split-K, others the chunked kernels (layout, intra, state) then
+    the recurrent kernel (short streams) and 64-row tiles (fp32 attention: the Triton kernel)."""
     log = _launch_log(monkeypatch)
     seen = []
     for case in SAME_BUCKET[bucket]:
@@ -464,7 +547,8 @@ def test_path_choice_depends_only_on_static_sizes(bucket, monkeypatch):
         assert names == ["_gdn_recurrent_kernel", "_kv_write_kernel", "_paged_decode_kernel",
                          "_paged_decode_merge_kernel"]
     else:
-        assert names == ["aligned", "_gdn_recurrent_kernel", "_kv_write_kernel", "_paged_attention_kernel"]
+        assert names == ["_chunk_layout_kernel", "_gdn_chunk_intra_kernel", "_gdn_chunk_state_kernel",
+                         "_gdn_recurrent_kernel", "_kv_write_kernel", "_paged_attention_kernel"]
 
 
 def test_stacked_is_a_view_of_adjacent_weights():
@@ -635,17 +719,19 @@ def test_moe_cuda_path_never_syncs(case, monkeypatch):
         moe.moe_cuda(*args)
 
 
+@pytest.mark.parametrize("chunked", ["ours", "aligned"])
 @pytest.mark.parametrize("case", [c for c, _ in SPLIT_CASES[:2]], ids=lambda c: c.id)
-def test_recurrence_split_path_never_syncs(case, monkeypatch):
-    """The recurrence's split path (layout, state gather / scatter, the recurrent kernel in the interpreter)
-    likewise; a stand-in of fla's shapes replaces the reference, which reads lengths on the host."""
+def test_recurrence_split_path_never_syncs(case, chunked, monkeypatch):
+    """The recurrence's split path likewise: our chunked kernels and the recurrent kernel in the interpreter,
+    or the aligned layout (state gather / scatter) with a stand-in of fla's shapes in place of the reference,
+    which reads lengths on the host."""
     def varlen_shapes(q, k, v, g, beta, cu_aligned, chunk_indices, h0):
         return torch.zeros_like(v), h0.clone()
 
     _forbid_python_syncs(monkeypatch)
     args = op_args("gdn_recurrence", case, torch.bfloat16, seed=2)
     with _NoHostSync():
-        gdn_split.gdn_recurrence_split(*args, varlen_shapes)
+        gdn_split.gdn_recurrence_split(*args, *([varlen_shapes] if chunked == "aligned" else []))
 
 
 _SM90_COMPILE = r"""
@@ -692,8 +778,8 @@ for E, k in ((256, 8), (512, 10)):
                          dict(TOP_K=k, BLOCK_K=16 if k > 8 else 8, BLOCK_E=E, NORM=True), 4, 1))
 smem.append(compile_(rows._gdn_gates_kernel, dict(y_ptr=B16, A_ptr=B16, dt_ptr=B16, beta_ptr=B16, g_ptr=F32,
                      stride_y="i32", b_off="i32", a_off="i32", HV="i32"), dict(BLOCK=32), 4, 1))
-smem.append(compile_(layout._chunk_layout_kernel, dict(cu_ptr=I, cu_al_ptr="*i64", idx_ptr="*i64", B="i32", NT="i32",
-                     short="i32"), dict(CHUNK=64, BLOCK_B=64, BLOCK_C=64), 4, 1))
+smem.append(compile_(layout._chunk_layout_kernel, dict(cu_ptr=I, cu_al_ptr="*i64", bounds_ptr="*i64", idx_ptr="*i64",
+                     B="i32", NT="i32", short="i32"), dict(CHUNK=64, BLOCK_B=64, BLOCK_C=64), 4, 1))
 for to_aligned in (True, False):
     for x in (B16, F32):
         smem.append(compile_(layout._aligned_copy_kernel, dict(x_ptr=x, out_ptr=x, cu_ptr=I, idx_ptr="*i64", B="i32",

@@ -41,6 +41,7 @@ from metrale_graph.tools.report import format_table, markdown_table, print_json,
 from metrale_graph.tools.workloads import WORKLOADS, Ours, fitting_workloads, grid_of, workload_floor
 
 VARIANTS = ("peer", "eager", "compiled", "graphs")
+TOP_KERNELS = 25  # kernels per workload in the JSON record (--profile)
 
 
 @torch.no_grad()
@@ -104,7 +105,7 @@ def run_workloads(model, names: list[str], variants: list[str], repeat: int, see
     per workload (the JSON rows: floors, ms per variant, the GPU-busy fraction with graphs, the profile).
     `on_row(row, lines)` is called as each workload finishes, with the lines of its profile (--profile)."""
     from metrale_graph.tools.peer import bench_peer
-    from metrale_graph.tools.profiling import device_busy_ms, kernel_breakdown, time_cuda
+    from metrale_graph.tools.profiling import device_busy_ms, kernel_breakdown, phase_of, time_cuda
 
     cfg = model.config
     ours = Ours(model, [WORKLOADS[w] for w in names], grid_of(names))
@@ -140,6 +141,9 @@ def run_workloads(model, names: list[str], variants: list[str], repeat: int, see
             total = sum(ms for _, ms in phases)
             row["profile_ms"] = {p: round(ms, 3) for p, ms in phases}
             row["profile_kernels_ms"] = {k[:200]: round(ms, 3) for k, ms in kernels[:20]}
+            # the same top kernels with their full names (to 400 characters) and the phase each counts to
+            row["profile_top_kernels"] = [{"kernel": k[:400], "ms": round(ms, 3), "phase": phase_of(k)}
+                                          for k, ms in kernels[:TOP_KERNELS]]
             lines = [f"{name}: device time {total:.1f} ms per step (floor {floor.floor_ms:.1f} ms, "
                      f"phase floor {floor.phase_floor_ms:.1f} ms)"]
             lines += [f"  {ms:8.2f} ms {100 * ms / total:5.1f}%  {p}" for p, ms in phases]

@@ -281,8 +281,9 @@ def time_shapes(configs: dict[str, ChunkConfig], shapes, graphs: bool) -> tuple[
 
 
 def time_whole_op(shapes, graphs: bool) -> dict:
-    """The op's CUDA path for chunked calls (metrale::gdn_recurrence: layout, varlen kernel, scatter, and
-    the recurrent kernel for streams of <= 64 tokens) with fla's varlen forward and with ours."""
+    """The op's CUDA path for chunked calls (metrale::gdn_recurrence, and the recurrent kernel for streams of
+    <= 64 tokens): "ours", our kernels on the packed tokens and the pool (the default path); "fla" and
+    "ours_aligned", fla's varlen forward or ours on the aligned layout (state gather, five gathers, scatter)."""
     import triton.testing
 
     from metrale_graph.ops.gdn_recurrence import gdn_recurrence_split
@@ -301,9 +302,9 @@ def time_whole_op(shapes, graphs: bool) -> dict:
         slots = torch.arange(B, dtype=torch.int32, device=DEVICE)
         pool = torch.randn(B + 1, HV, K, V, generator=g, device=DEVICE) * 0.1
         rec = {}
-        for name, fn in (("fla", fla_varlen), ("ours", chunked_gdn_forward)):
+        for name, fn in (("fla", fla_varlen), ("ours_aligned", chunked_gdn_forward), ("ours", None)):
             def call(fn=fn):
-                return gdn_recurrence_split(q, k, v, gate, beta, cu, slots, pool, fn)
+                return gdn_recurrence_split(q, k, v, gate, beta, cu, slots, pool, *([fn] if fn else []))
             call()
             rec[name] = {"eager_ms": round(triton.testing.do_bench(call, warmup=10, rep=50, return_mode="median"), 4)}
             if graphs:

@@ -40,7 +40,7 @@ if runs sweep; then
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 if runs op-tests; then
-    # test_kernels on the GPU: the recurrence only (its chunked path runs fla, which the CPU suite cannot);
+    # test_kernels on the GPU: the recurrence only (its chunked kernels compiled, not interpreted; fla);
     # the other kernels' 560 cases run in the CPU suite through Triton's interpreter (on a GPU: ~25 min)
     limit python3 -m pytest -q -rfE -s -p no:cacheprovider tests/test_gpu_ops.py tests/test_kernels.py \
         -k "not test_kernels or gdn_recurrence" 2>&1 | tee "$OUT/gpu_op_tests.log" \

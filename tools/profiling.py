@@ -16,6 +16,14 @@ PHASES = ([(f"{name} (own kernels)", spec.kernels) for name, spec in REGISTRY.it
              ("shared row kernels (norms, SiLU-mul)", kernels.SHARED_KERNELS)])
 
 
+OTHER = "other (copies, gathers, Inductor)"
+
+
+def phase_of(kernel: str, phases=PHASES) -> str:
+    """The phase a kernel's time counts to: the first of `phases` with a substring of its name, else OTHER."""
+    return next((p for p, keys in phases if any(k in kernel for k in keys)), OTHER)
+
+
 def time_cuda(fn, setup, repeat: int, warmup: int = 2) -> float:
     """Median ms of fn() with CUDA events (host work inside fn included); setup() (untimed) runs before
     each call."""
@@ -99,7 +107,7 @@ def kernel_breakdown(fn, setup, phases=PHASES, runs: int = 3) -> tuple[list[tupl
         raise RuntimeError("torch.profiler recorded no CUDA kernels")
     by_phase: dict[str, float] = {}
     for name, ms in by_kernel.items():
-        phase = next((p for p, keys in phases if any(k in name for k in keys)), "other (copies, gathers, Inductor)")
+        phase = phase_of(name, phases)
         by_phase[phase] = by_phase.get(phase, 0.0) + ms
     by = lambda d: sorted(d.items(), key=lambda kv: -kv[1])  # noqa: E731
     return by(by_phase), by(by_kernel)

@@ -8,18 +8,20 @@ with S [K, V] in fp32. The final S of each stream goes back to its slot. A zero-
 stream (padding) leaves its slot unchanged.
 
 Here: the op (its CPU reference, token by token, is the spec), its check, fake, CUDA path and spec.
-The CUDA path: split.py picks per stream between the recurrent kernel (recurrent.py) and
-flash-linear-attention's chunked kernels (fla_adapter.py) on a chunk-aligned layout (layout.py).
+The CUDA path: split.py picks per stream between the recurrent kernel (recurrent.py) and the chunked
+path: our chunked kernels (ops/gdn_chunked.py) on the packed tokens and the pool (chunked.py), or with
+CHUNKED_BACKEND "fla" flash-linear-attention's (fla_adapter.py) on a chunk-aligned layout (layout.py),
+kept as the GPU tests' second opinion and for A/B timing.
 """
+
+import os
 
 import torch
 from torch import Tensor
 
-from typing import Optional
-
-from ..checkpoints import check_checkpoints, wanted
 from ..common import INDEX_DTYPES, check, check_tensor, decode_shaped
 from ..registry import OpSpec, Shapes, metrale_cuda, metrale_fake, metrale_op, rand, register, stream_meta
+from ..gdn_chunked import supported_head_dims
 from .fla_adapter import fla_varlen
 from .recurrent import gdn_recurrence_recurrent
 from .split import gdn_recurrence_split, split_max_len, use_recurrent
@@ -46,14 +48,11 @@ def _check(a):
     check_tensor(a.gdn_state, "gdn_state", ndim=4, dtype=torch.float32, device=device)
     check(tuple(a.gdn_state.shape[1:]) == (HV, K, V),
           f"gdn_state slots are {tuple(a.gdn_state.shape[1:])}, expected {(HV, K, V)}")
-    check_checkpoints(a.checkpoint_tokens, a.checkpoint_entries, a.checkpoint_states, device, (HV, K, V),
-                      torch.float32)
 
 
-@metrale_op(mutates_args=("gdn_state", "checkpoint_states"), check=_check)
+@metrale_op(mutates_args=("gdn_state",), check=_check)
 def gdn_recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor,
-                   slot_ids: Tensor, gdn_state: Tensor, checkpoint_tokens: Optional[Tensor] = None,
-                   checkpoint_entries: Optional[Tensor] = None, checkpoint_states: Optional[Tensor] = None) -> Tensor:
+                   slot_ids: Tensor, gdn_state: Tensor) -> Tensor:
     """Varlen gated delta rule with per-slot recurrent state. The CPU reference (the spec): plain
     torch, token by token, in fp32.
 
@@ -65,9 +64,6 @@ def gdn_recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_
         cu_seqlens: [B+1] int32 stream boundaries.
         slot_ids: [B] int32/int64 state slot of each stream.
         gdn_state: [S, HV, K, V] float32 pool. MUTATED: each stream's slot holds its final state.
-        checkpoint_tokens, checkpoint_entries: [NC] int64, or None; checkpoint_states: [P+1, HV, K, V]
-            float32 pool. MUTATED: entry checkpoint_entries[i] receives the state after token
-            checkpoint_tokens[i] (prefix caching, ops/checkpoints.py).
     Returns:
         o: [T, HV, V] in v's dtype.
     """
@@ -79,11 +75,6 @@ def gdn_recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_
     kf = k.float().repeat_interleave(r, dim=1)
     vf, bf, decay = v.float(), beta.float(), g.float().exp()
     bounds = cu_seqlens.tolist()
-    keep = {}  # token -> checkpoint entries that want the state after it
-    if wanted(checkpoint_tokens):
-        for t, entry in zip(checkpoint_tokens.tolist(), checkpoint_entries.tolist()):
-            if 0 <= t < bounds[-1]:
-                keep.setdefault(t, []).append(entry)
     for b, slot in enumerate(slot_ids.tolist()):
         s, e = bounds[b], bounds[b + 1]
         if e == s:
@@ -95,8 +86,6 @@ def gdn_recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_
             delta = (vf[t] - pred) * bf[t, :, None]
             S = S + kf[t, :, :, None] * delta[:, None, :]
             o[t] = torch.einsum("hk,hkv->hv", qf[t], S)
-            for entry in keep.get(t, ()):
-                checkpoint_states[entry] = S
         gdn_state[slot] = S
     return o.to(v.dtype)
 
@@ -106,15 +95,34 @@ def _(a):
     return a.v.new_empty(a.v.shape)
 
 
+# The chunked path of calls that are not decode-shaped: "triton" (ours, ops/gdn_chunked.py) or "fla"
+# (flash-linear-attention 0.6.0 on the aligned layout). Read at import from METRALE_GDN_CHUNKED; the
+# module attribute may be set at run time (before a bucket is captured: a graph keeps the path it holds).
+CHUNKED_BACKENDS = ("triton", "fla")
+CHUNKED_BACKEND = os.environ.get("METRALE_GDN_CHUNKED", "triton")
+
+
+def chunked_backend(K: int, V: int) -> str:
+    """The chunked path's backend for key / value head dims K, V: CHUNKED_BACKEND, except "fla" where our
+    kernels do not take the head dims (above 256). ValueError naming METRALE_GDN_CHUNKED for another name."""
+    if CHUNKED_BACKEND not in CHUNKED_BACKENDS:
+        raise ValueError(f"METRALE_GDN_CHUNKED / gdn_recurrence.CHUNKED_BACKEND must be one of "
+                         f"{', '.join(CHUNKED_BACKENDS)}, got {CHUNKED_BACKEND!r}")
+    return CHUNKED_BACKEND if supported_head_dims(K, V) else "fla"
+
+
 @metrale_cuda(gdn_recurrence)
 def gdn_recurrence_cuda(a):
-    """Decode-shaped calls: the recurrent kernel on every stream; others: gdn_recurrence_split with fla."""
+    """Decode-shaped calls: the recurrent kernel on every stream; others: gdn_recurrence_split, its chunked
+    path by chunked_backend (ours on the packed tokens, or fla on the aligned layout)."""
     if wanted(a.checkpoint_tokens):
         raise NotImplementedError("metrale::gdn_recurrence: the CUDA path does not keep prefix-caching checkpoints "
                                   "yet (the CPU reference does)")
     if use_recurrent(a.q, a.slot_ids):
         return gdn_recurrence_recurrent(*a[:8])
-    return gdn_recurrence_split(*a[:8], fla_varlen)
+    if chunked_backend(a.q.shape[2], a.v.shape[2]) == "fla":
+        return gdn_recurrence_split(*a[:8], fla_varlen)
+    return gdn_recurrence_split(*a[:8])
 
 
 def example(s: Shapes, dtype, g):
@@ -132,18 +140,20 @@ def example(s: Shapes, dtype, g):
 def cost(s: Shapes):
     """Per token: the chunked form, chunk 64 (kk^T, w / u, state update and read, intra-chunk output), or
     for the recurrent kernel's tokens (decode-shaped calls; otherwise streams of <= split_max_len(B)
-    tokens) decay, S^T k, the rank-1 update and S^T q. Each slot of the batch is read and written once,
-    a short stream's of a split call twice (the chunked path hands it back, the recurrent kernel updates it)."""
+    tokens) decay, S^T k, the rank-1 update and S^T q. Each slot of a non-empty stream is read and written
+    once (by whichever path takes the stream)."""
     decode = decode_shaped(s.B, s.T)
-    short = [n for n in s.lengths if decode or n <= split_max_len(s.B)]
-    T_rec, again = sum(short), 0 if decode else sum(n > 0 for n in short)
+    T_rec = sum(n for n in s.lengths if decode or n <= split_max_len(s.B))
     per_rec, per_chunked = 2 * (3 * s.K * s.V), 2 * (192 * s.K + 128 * s.V + 3 * s.K * s.V)
+    streams = sum(n > 0 for n in s.lengths)
     return (s.HV * (T_rec * per_rec + (s.T - T_rec) * per_chunked),
-            2 * (s.T * 2 * s.H * s.K + 2 * s.T * s.HV * s.V) + 6 * s.T * s.HV + 8 * (s.B + again) * s.HV * s.K * s.V)
+            2 * (s.T * 2 * s.H * s.K + 2 * s.T * s.HV * s.V) + 6 * s.T * s.HV + 8 * streams * s.HV * s.K * s.V)
 
 
-# fla 0.6.0's chunk kernels, by name
+# fla 0.6.0's chunk kernels, by name ("chunk_" also names our layout kernel and our chunked kernels)
 FLA_KERNELS = ("chunk_", "recompute_w_u", "solve_tril", "merge_16x16", "kkt")
+OWN_KERNELS = ("_gdn_chunk_intra_kernel", "_gdn_chunk_state_kernel", "_chunk_layout_kernel", "_aligned_copy_kernel",
+               "gdn_recurrent")
 register(OpSpec(gdn_recurrence, example, cost, cuda=gdn_recurrence_cuda,
-                kernels=FLA_KERNELS + ("gdn_recurrent",),
+                kernels=FLA_KERNELS + OWN_KERNELS,
                 onnx="metrale_graph.onnx.translations:gdn_recurrence"))

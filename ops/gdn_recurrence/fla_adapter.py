@@ -1,7 +1,8 @@
-"""flash-linear-attention's chunked gated delta rule, the GDN recurrence's chunked path: fla's forward
-called below its autograd wrapper (which is compile-disabled and prepares chunk indices on the host),
-on the chunk-aligned layout (layout.py), with fla's tensor cache off. Why: docs/DESIGN.md, "Why the
-GDN op lays tokens out chunk-aligned".
+"""flash-linear-attention's chunked gated delta rule, the GDN recurrence's chunked path with the "fla"
+backend (the A/B baseline and second opinion beside our kernels): fla's forward called below its
+autograd wrapper (which is compile-disabled and prepares chunk indices on the host), on the
+chunk-aligned layout (layout.py), with fla's tensor cache off. Why: docs/DESIGN.md, "How the GDN op
+keeps its chunked path static".
 
 `chunk_gated_delta_rule_fwd` is fla's internal forward, not its public API; this adapter is written
 for flash-linear-attention 0.6.0 (the `cuda` extra pins it). At first use it checks that the

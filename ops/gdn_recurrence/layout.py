@@ -1,19 +1,22 @@
-"""The chunk-aligned layout that fla's chunked kernels run on (the GDN recurrence's chunked path),
-built on the device in Triton. Why aligned: docs/DESIGN.md, "Why the GDN op lays tokens out
-chunk-aligned".
+"""The GDN recurrence's chunk layout, built on the device in Triton: the chunk rows of both chunked paths
+(each stream's chunks of 64 tokens, a count fixed by (B, T)), and the chunk-aligned layout that fla's
+chunked kernels run on (the "fla" backend). Why: docs/DESIGN.md, "How the GDN op keeps its chunked
+path static".
 
 The layout of the T packed tokens of B streams, those of at most `short` tokens left out: each other
 stream's tokens lie in order from a multiple of CHUNK = 64 rows; the left-out streams have length 0;
 identity rows (q = k = v = g = beta = 0, which leave a state unchanged) fill the gaps, and one
 absorber sequence (from a zero state) takes the chunks left over. Its sizes follow from (B, T) alone:
 B + 1 sequences (cu_aligned [B+2] int64 row offsets) and NT = num_chunks(B, T, short) chunks
-(chunk_indices [NT, 2] int64 rows (sequence, chunk within sequence)), T_al = 64 * NT rows.
+(chunk_indices [NT, 2] int64 rows (sequence, chunk within sequence)), T_al = 64 * NT rows. The same
+launch writes the same sequences' bounds on the packed tokens (bounds [2, B+1]: our chunked kernels
+read the tokens where they lie, chunked.py).
 
-Three kinds of launch: one program computes cu_aligned and chunk_indices (chunk_layout); one program
-per (chunk, column block) gathers a tensor's rows into the aligned buffer, writing every aligned row
-(zeros where no token lies: no zero fill, no scatter); after the varlen kernel the same mapping
-scatters the output rows back (gdn_recurrence_aligned). tests/kernel_oracles.py builds the same
-layout in torch ops.
+Three kinds of launch: one program computes cu_aligned, bounds and chunk_indices (chunk_layout_bounds);
+for the aligned path, one program per (chunk, column block) gathers a tensor's rows into the aligned
+buffer, writing every aligned row (zeros where no token lies: no zero fill, no scatter); after the
+varlen kernel the same mapping scatters the output rows back (gdn_recurrence_aligned).
+tests/kernel_oracles.py builds the same layout in torch ops.
 """
 
 import torch
@@ -31,15 +34,20 @@ def num_chunks(num_streams: int, num_tokens: int, short: int = 0) -> int:
 
 
 @triton.jit
-def _chunk_layout_kernel(cu_ptr, cu_al_ptr, idx_ptr, B, NT, short, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr,
-                         BLOCK_C: tl.constexpr):
+def _chunk_layout_kernel(cu_ptr, cu_al_ptr, bounds_ptr, idx_ptr, B, NT, short, CHUNK: tl.constexpr,
+                         BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
     b = tl.arange(0, BLOCK_B)  # BLOCK_B >= B + 2: the streams, the absorber, the end
     mb = b < B
-    L = tl.load(cu_ptr + b + 1, mask=mb, other=0) - tl.load(cu_ptr + b, mask=mb, other=0)
-    counts = tl.where(mb & (L > short), (L + CHUNK - 1) // CHUNK, 0)
+    start = tl.load(cu_ptr + b, mask=b <= B, other=0)
+    L = tl.load(cu_ptr + b + 1, mask=mb, other=0) - start
+    in_layout = mb & (L > short)
+    counts = tl.where(in_layout, (L + CHUNK - 1) // CHUNK, 0)
     off = tl.cumsum(counts, 0) - counts  # first chunk of stream b; of the absorber (b = B): all used chunks
     off = tl.where(b <= B, off, NT)
     tl.store(cu_al_ptr + b, off.to(tl.int64) * CHUNK, mask=b < B + 2)
+    # the packed bounds: stream b's tokens where they lie (none when left out), the spare sequence B empty
+    tl.store(bounds_ptr + b, start.to(tl.int64), mask=b <= B)
+    tl.store(bounds_ptr + (B + 1) + b, tl.where(in_layout, start + L, start).to(tl.int64), mask=b <= B)
     for c0 in range(0, NT, BLOCK_C):  # chunk c: the last sequence (streams, absorber) starting at or before it
         c = c0 + tl.arange(0, BLOCK_C)
         before = (off[None, :] <= c[:, None]) & (b <= B)[None, :]
@@ -86,13 +94,27 @@ _LAYOUT_BLOCK_W = 128
 
 def chunk_layout(cu_seqlens: Tensor, num_tokens: int, short: int = 0) -> tuple[Tensor, Tensor]:
     """The layout's cu_aligned [B+2] and chunk_indices [NT, 2] (int64), in one Triton launch."""
+    cu_al, _, chunk_indices = chunk_layout_bounds(cu_seqlens, num_tokens, short)
+    return cu_al, chunk_indices
+
+
+def chunk_layout_bounds(cu_seqlens: Tensor, num_tokens: int, short: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """(cu_aligned [B+2], bounds [2, B+1], chunk_indices [NT, 2]), int64, in one Triton launch.
+
+    The chunks are the aligned layout's (chunk_layout), stream b's first at row cu_aligned[b] // CHUNK, the
+    rows after every stream's naming sequence B. bounds are the same sequences on the packed tokens: stream
+    b is rows [bounds[0, b], bounds[1, b]), i.e. [cu_seqlens[b], cu_seqlens[b+1]), or empty at cu_seqlens[b]
+    when it has at most `short` tokens; sequence B (the absorber there, the spare sequence here) is empty at
+    cu_seqlens[B]. Static sizes: NT = num_chunks(B, num_tokens, short)."""
     B = cu_seqlens.shape[0] - 1
     NT = num_chunks(B, num_tokens, short)
-    cu_al = torch.empty(B + 2, dtype=torch.int64, device=cu_seqlens.device)
-    chunk_indices = torch.empty((NT, 2), dtype=torch.int64, device=cu_seqlens.device)
-    _chunk_layout_kernel[(1,)](cu_seqlens, cu_al, chunk_indices, B, NT, short, CHUNK=CHUNK,
+    dev = cu_seqlens.device
+    cu_al = torch.empty(B + 2, dtype=torch.int64, device=dev)
+    bounds = torch.empty((2, B + 1), dtype=torch.int64, device=dev)
+    chunk_indices = torch.empty((NT, 2), dtype=torch.int64, device=dev)
+    _chunk_layout_kernel[(1,)](cu_seqlens, cu_al, bounds, chunk_indices, B, NT, short, CHUNK=CHUNK,
                                BLOCK_B=triton.next_power_of_2(B + 2), BLOCK_C=64)
-    return cu_al, chunk_indices
+    return cu_al, bounds, chunk_indices
 
 
 def _row_major(x: Tensor) -> Tensor:

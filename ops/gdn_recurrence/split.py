@@ -1,16 +1,18 @@
 """Which CUDA path each stream of a GDN recurrence call takes, from static sizes only (so every
-bucket's CUDA graph holds one path; docs/DESIGN.md, "Decode-shaped calls" and "Why the GDN op lays
-tokens out chunk-aligned").
+bucket's CUDA graph holds one path; docs/DESIGN.md, "Decode-shaped calls" and "How the GDN op keeps
+its chunked path static").
 
 Decode-shaped calls (ops.common.decode_shaped) run the recurrent kernel (recurrent.py) on every
 stream. Others are split by lengths read on the device: with several streams, those of at most SHORT
-tokens take the recurrent kernel and longer ones the chunked path (fla on the aligned layout,
-layout.py); a single stream takes the chunked path whole.
+tokens take the recurrent kernel and longer ones the chunked path (our chunked kernels on the packed
+tokens, chunked.py; or, for A/B against flash-linear-attention, a varlen function on the aligned
+layout, layout.py); a single stream takes the chunked path whole.
 """
 
 from torch import Tensor
 
 from ..common import decode_shaped
+from .chunked import gdn_recurrence_chunked
 from .layout import gdn_recurrence_aligned
 from .recurrent import gdn_recurrence_recurrent
 
@@ -30,16 +32,25 @@ def split_max_len(num_streams: int) -> int:
     return SHORT if num_streams > 1 else 0
 
 
-def gdn_recurrence_split(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, varlen_fn):
-    """A call that is not decode-shaped: the chunked path (`varlen_fn` on the aligned layout) over the
-    streams longer than split_max_len(B), then the recurrent kernel over the others, into the same output.
+def gdn_recurrence_split(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, varlen_fn=None, **chunked):
+    """A call that is not decode-shaped: the chunked path over the streams longer than split_max_len(B), then
+    the recurrent kernel over the others, into the same output.
 
-    In this order: the chunked path writes every slot of the batch back (the short streams' unchanged),
-    then the recurrent kernel updates the short streams' slots in place and writes their rows of o.
-    Which stream goes where is decided on the device (cu_seqlens); shapes depend on (B, T) only.
+    varlen_fn None: our chunked kernels on the packed tokens (gdn_recurrence_chunked, which takes `chunked`:
+    checkpoints, config); it neither reads nor writes the short streams' slots. Otherwise varlen_fn on the
+    aligned layout (gdn_recurrence_aligned: fla, or a reference in the tests), which writes every slot of
+    the batch back (the short streams' unchanged) before the recurrent kernel updates the short streams'
+    slots in place and writes their rows of o. Which stream goes where is decided on the device
+    (cu_seqlens); shapes depend on (B, T) only.
     """
     max_len = split_max_len(slot_ids.shape[0])
-    o = gdn_recurrence_aligned(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, varlen_fn, max_len)
+    if varlen_fn is None:
+        o = gdn_recurrence_chunked(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, max_len, **chunked)
+    elif chunked:
+        raise ValueError(f"gdn_recurrence_split: {', '.join(chunked)} apply to our chunked kernels only, "
+                         f"not to varlen_fn {getattr(varlen_fn, '__name__', varlen_fn)!r}")
+    else:
+        o = gdn_recurrence_aligned(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, varlen_fn, max_len)
     if max_len:
         gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, max_len, o)
     return o

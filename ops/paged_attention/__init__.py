@@ -6,13 +6,20 @@ block_tables[b, p // BS] at offset p % BS. A zero-length stream (padding) writes
 nothing.
 
 Here: the op (its CPU reference is the spec), its check, fake, CUDA path and spec. The CUDA path writes
-K / V (kv_write.py), then attends with 64-row query tiles (prefill.py) or, for decode-shaped calls,
-split-K (decode.py); both kernels share one online-softmax step (attend.py).
+K / V (kv_write.py), then attends: decode-shaped calls by split-K (decode.py); others, where the library
+kernels take the call (bf16 / fp16, head dims multiples of 8 up to 256, sm_80+), by
+ops/attention_varlen.py (the new tokens over themselves by cuDNN's dense kernel for one stream or
+FlashAttention-2 varlen, the cached context by our context + merge kernel), else by our 64-row query
+tiles (prefill.py). Our two kernels share one online-softmax step (attend.py).
 """
+
+import functools
+import os
 
 import torch
 from torch import Tensor
 
+from ..attention_varlen import varlen_prefill_attention, varlen_supported
 from ..common import INDEX_DTYPES, check, check_tensor, decode_shaped
 from ..registry import (OpSpec, Shapes, attention_pairs, metrale_cuda, metrale_fake, metrale_op, rand, register,
                         stream_meta)
@@ -90,30 +97,94 @@ def use_decode(q: Tensor, cu_seqlens: Tensor) -> bool:
     return decode_shaped(cu_seqlens.shape[0] - 1, q.shape[0])
 
 
+def _write_new_kv(k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables):
+    """The KV write (the index tensors contiguous, the pools through their strides: mutated in place)."""
+    T, HKV, HD = k.shape
+    k, v = k.reshape(T, HKV * HD), v.reshape(T, HKV * HD)
+    k, v = (t if t.stride(1) == 1 else t.contiguous() for t in (k, v))
+    write_kv(k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables)
+
+
 def paged_attention_triton(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables, decode=None):
     """KV write, then attention over the paged cache: split-K when decode-shaped (`decode`, default
     `use_decode`), else flash-style varlen with 64-row query tiles; no host sync."""
     T, HQ, HD = q.shape
-    HKV = k.shape[1]
     B = cu_seqlens.shape[0] - 1
-    k, v = k.reshape(T, HKV * HD), v.reshape(T, HKV * HD)
-    k, v = (t if t.stride(1) == 1 else t.contiguous() for t in (k, v))
     # index tensors of any strides (the kernels index them as contiguous); the pools are read and written
     # through their strides (they are mutated in place: no copy)
     cu_seqlens, context_lens, block_tables = (x.contiguous() for x in (cu_seqlens, context_lens, block_tables))
     o = torch.empty((T, HQ, HD), dtype=q.dtype, device=q.device)
     if T == 0 or B == 0:
         return o
-    write_kv(k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables)
+    _write_new_kv(k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables)
     if decode is None:
         decode = use_decode(q, cu_seqlens)
     attend = paged_attention_decode if decode else paged_attention_prefill
     return attend(q, k_cache, v_cache, cu_seqlens, context_lens, block_tables, o)
 
 
+# The attention of calls that are not decode-shaped: "cudnn_fa2" (the default: cuDNN's dense kernel for a
+# one-stream call at the head dims CUDNN_DENSE_HEAD_DIMS on sm_90, FlashAttention-2 varlen otherwise, the
+# context by our merge kernel), "fa2" (FlashAttention-2 varlen for every call), or "triton" (our 64-row
+# query tiles, the previous path). Where the library kernels do not take a call (fp32, head dims, the GPU)
+# it runs the Triton kernel whatever the choice. Read at import from METRALE_ATTENTION_PREFILL; the module
+# attribute may be set at run time (before a bucket is captured: a graph keeps the path it holds).
+PREFILL_BACKENDS = ("cudnn_fa2", "fa2", "triton")
+PREFILL_BACKEND = os.environ.get("METRALE_ATTENTION_PREFILL", "cudnn_fa2")
+# head dims at which cuDNN's dense kernel was measured on the H200 (correctness, capture, 556-603 TFLOP/s at
+# HD 256); other head dims of one-stream calls take FlashAttention-2 varlen
+CUDNN_DENSE_HEAD_DIMS = (128, 256)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability, cached; (0, 0) for other devices."""
+    if device.type != "cuda":
+        return (0, 0)
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def prefill_backend(q: Tensor, num_streams: int) -> str:
+    """The attention backend of a call that is not decode-shaped, from static facts only (q's dtype, head dim
+    and device, the call's stream count): "cudnn_fa2" (one stream, cuDNN's dense kernel), "fa2" or "triton".
+    ValueError naming METRALE_ATTENTION_PREFILL for an unknown PREFILL_BACKEND."""
+    if PREFILL_BACKEND not in PREFILL_BACKENDS:
+        raise ValueError(f"METRALE_ATTENTION_PREFILL / paged_attention.PREFILL_BACKEND must be one of "
+                         f"{', '.join(PREFILL_BACKENDS)}, got {PREFILL_BACKEND!r}")
+    if PREFILL_BACKEND == "triton" or not library_prefill_supported(q):
+        return "triton"
+    dense = num_streams == 1 and q.shape[-1] in CUDNN_DENSE_HEAD_DIMS and device_capability(q.device) >= (9, 0)
+    return "cudnn_fa2" if PREFILL_BACKEND == "cudnn_fa2" and dense else "fa2"
+
+
+def library_prefill_supported(q: Tensor) -> bool:
+    """Whether FlashAttention-2 (and cuDNN) take q: a CUDA tensor of bf16 / fp16, HD a multiple of 8 up to 256
+    (attention_varlen.varlen_supported), on sm_80 or newer."""
+    return varlen_supported(q, "fa2") and device_capability(q.device) >= (8, 0)
+
+
+def paged_attention_library(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables, backend):
+    """KV write, then attention_varlen.varlen_prefill_attention with `backend` ("cudnn_fa2" or "fa2"): the
+    new tokens over themselves by the library kernel (reading k / v), the cached context (positions below
+    context_lens, read from the pools) by the context + merge kernel, which also zeroes the rows of tokens in
+    no stream. No host sync."""
+    cu_seqlens, context_lens, block_tables = (x.contiguous() for x in (cu_seqlens, context_lens, block_tables))
+    if q.shape[0] and cu_seqlens.shape[0] > 1:
+        _write_new_kv(k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables)
+    return varlen_prefill_attention(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables, backend)
+
+
 @metrale_cuda(paged_attention)
 def paged_attention_cuda(a):
-    return paged_attention_triton(*a)
+    """Decode-shaped calls: split-K (paged_attention_triton); others: prefill_backend's choice."""
+    backend = "triton" if use_decode(a.q, a.cu_seqlens) else prefill_backend(a.q, a.cu_seqlens.shape[0] - 1)
+    if backend == "triton":
+        return paged_attention_triton(*a)
+    return paged_attention_library(*a, backend=backend)
 
 
 def example(s: Shapes, dtype, g):
@@ -130,6 +201,8 @@ def cost(s: Shapes):
                                                       + 2 * cached * s.HKV * s.HD)
 
 
+# the library kernels by name: FlashAttention-2's flash_fwd_kernel, cuDNN's generated SDPA kernels
+LIBRARY_KERNELS = ("flash_fwd", "cudnn", "sdpa", "fmha")
 register(OpSpec(paged_attention, example, cost, cuda=paged_attention_cuda,
-                kernels=("paged_attention", "paged_decode", "kv_write"),
+                kernels=("paged_attention", "paged_decode", "kv_write", "_context_merge_kernel") + LIBRARY_KERNELS,
                 onnx="metrale_graph.onnx.translations:paged_attention"))
