@@ -18,6 +18,9 @@ bit (codes and scales).
 """
 
 
+import contextlib
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -33,6 +36,32 @@ SCALE_DTYPES = (torch.float32, torch.bfloat16)  # weight_scale_inv as checkpoint
 # truncates fp32 -> bf16; there the kernels round on the bits first (_round_e4m3, round_to), so the
 # casts that follow are exact and the CPU suite sees the GPU's numerics.
 _ROUND_BITS = tl.constexpr(INTERPRET)
+
+
+# Debug option: FP8 projections compute with unrounded activations (weight-only FP8: x @ dequantized(w).T),
+# set by activation_rounding(False) or METRALE_FP8_ACTIVATIONS=off. Read at call time by the phase ops
+# (ops/fp8/projection.py, ops/moe), never traced.
+_ROUNDING = {"activations": os.environ.get("METRALE_FP8_ACTIVATIONS", "on").lower() not in ("off", "0", "false")}
+
+
+def activations_rounded() -> bool:
+    """Whether the phase ops round activations to FP8 before an FP8 GEMM (W8A8, the default)."""
+    return _ROUNDING["activations"]
+
+
+@contextlib.contextmanager
+def activation_rounding(enabled: bool):
+    """Within the block, the phase ops' FP8 projections round activations (W8A8, True: the default) or not
+    (False: weight-only, x @ dequantized(w).T; a debug option that isolates the weights' quantization from
+    the activations'; on CUDA it dequantizes every weight per call, slowly). Not thread-local."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"activation_rounding takes True or False, got {enabled!r}")
+    before = _ROUNDING["activations"]
+    _ROUNDING["activations"] = enabled
+    try:
+        yield
+    finally:
+        _ROUNDING["activations"] = before
 
 
 def num_blocks(n: int) -> int:
