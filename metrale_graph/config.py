@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 
 from .families import FAMILIES, MULTIMODAL, OPTIONAL_FIELDS, QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, Family
-from .quantization import TEXT_PREFIX, Fp8Config, parse_quantization
+from .quantization import QWEN_KEPT, TEXT_PREFIX, Fp8Config, parse_quantization
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -391,6 +391,10 @@ PRESETS: dict[str, ModelConfig] = {
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(),
     ),
 }
+# FP8 shapes of the three (random weights quantized as Qwen's FP8 releases are: quantized.fp8_config with
+# Qwen's kept modules; drawn and quantized on the device)
+for _name in ("qwen3.5-9b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b"):
+    PRESETS[f"{_name}-fp8"] = PRESETS[_name].replace(quantization=Fp8Config(QWEN_KEPT))
 
 
 def load_config(path_or_preset: str) -> ModelConfig:

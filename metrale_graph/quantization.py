@@ -22,6 +22,9 @@ FP8_METHOD = "fp8"
 FP8_BLOCK = 128  # the only weight_block_size supported, both ways
 SCALE_SUFFIX = "_scale_inv"  # `<module>.weight` -> `<module>.weight_scale_inv`; experts: `gate_up_proj_scale_inv`
 TEXT_PREFIX = "model."  # module names of a text-only causal LM (and of the checkpoints save_pretrained writes)
+# what Qwen's FP8 releases keep in floating point among the modules transformers would convert (the
+# GDN gates' projections; the router, the shared-expert gate and lm_head are never converted here)
+QWEN_KEPT = ("in_proj_a", "in_proj_b", "in_proj_ba")
 
 
 @dataclass(frozen=True)

@@ -96,18 +96,18 @@ def fp8_config(cfg: ModelConfig, modules_to_not_convert: list[str] | None = None
     return cfg.replace(quantization=Fp8Config(patterns))
 
 
-def kept_modules(cfg: ModelConfig) -> list[str]:
+def kept_modules(cfg: ModelConfig, prefix: str = "model.") -> list[str]:
     """The modules an FP8 config keeps in floating point that transformers would convert (nn.Linear and
-    experts modules), by their names in a text checkpoint (`model.layers.0.linear_attn.in_proj_a`,
-    `lm_head`): the modules_to_not_convert a saved checkpoint lists, which transformers and this package
-    both read back to the same weights."""
+    experts modules), by their names in a checkpoint whose text modules start with `prefix`
+    (`model.layers.0.linear_attn.in_proj_a`, `lm_head`): the modules_to_not_convert a saved checkpoint
+    lists, which transformers and this package both read back to the same weights."""
     kept = []
     for spec in model_spec(cfg).values():
         if spec.kind not in ("projection", EXPERTS) or spec.fp8:
             continue
         fusion = cfg.family.fusion_of(spec.local) if spec.layer is not None else None
         module = f"layers.{spec.layer}.{fusion.name.rsplit('.', 1)[0]}" if fusion is not None else spec.module
-        name = module if module == "lm_head" else "model." + module
+        name = module if module == "lm_head" else prefix + module
         if name not in kept:
             kept.append(name)
     return kept

@@ -42,7 +42,7 @@ INDEX_FILE = "model.safetensors.index.json"
 # checkpoint that a text prefill never uses: those of every family (families.py).
 _TEXT_PREFIXES = tuple(sorted({m.text_prefix for f in FAMILIES.values() for m in f.multimodal} | {"model."},
                               key=len, reverse=True))
-_SKIPPED_PREFIXES = tuple(dict.fromkeys(p for f in FAMILIES.values()
+SKIPPED_PREFIXES = tuple(dict.fromkeys(p for f in FAMILIES.values()
                                         for p in (*(q for m in f.multimodal for q in m.skipped_prefixes),
                                                   *f.skipped_prefixes)))
 
@@ -173,7 +173,9 @@ def to_checkpoint(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
 def hf_state_dict(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our weights as transformers' in-memory state dict of the family (its module names, experts
     stacked as its `experts.gate_up_proj` / `down_proj`, the family's fusions fused): what a
-    transformers model of the same weights loads (the benchmarks' peer, the GPU parity tests)."""
+    transformers model of the same weights loads (the benchmarks' peer, the GPU parity tests). An FP8
+    model's scales go by transformers' FP8 modules' names (`weight_scale_inv`, `gate_up_proj_scale_inv`);
+    its bf16 peer takes quantized.dequantize_weights first."""
     out = {s.name: s.fusion.fuse(_members(s, weights), cfg) if s.fusion is not None else weights[s.name]
            for s in _layout(cfg, experts_apart=False)}
     return {(n if n == "lm_head.weight" else "model." + n): t.contiguous() for n, t in out.items()}
@@ -283,9 +285,10 @@ class _Assembler:
                              "stores such tensors in bf16 / fp16 / fp32")
 
 
-def _our_name(key: str) -> str | None:
-    """Checkpoint key -> our name; None for tensors a text prefill skips."""
-    if key.startswith(_SKIPPED_PREFIXES):
+def our_name(key: str) -> str | None:
+    """Checkpoint key -> our name (checkpoint_shapes' names: experts one tensor each, fusions fused); None for
+    tensors a text prefill skips (the vision tower, the MTP head: SKIPPED_PREFIXES)."""
+    if key.startswith(SKIPPED_PREFIXES):
         return None
     if key == "lm_head.weight":
         return key
@@ -345,7 +348,7 @@ def _plan(files: list[str], asm: _Assembler, cfg: ModelConfig) -> tuple[list[_Re
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for key in f.keys():
-                    name = _our_name(key)
+                    name = our_name(key)
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:
                         tied_head = (key, path)
                         continue
@@ -358,7 +361,7 @@ def _plan(files: list[str], asm: _Assembler, cfg: ModelConfig) -> tuple[list[_Re
                     for unit in piece.units:
                         if unit in given:
                             other = given[unit]
-                            if _our_name(other) == name:
+                            if our_name(other) == name:
                                 raise ValueError(f"tensor {key!r} appears twice in the checkpoint ({path}; "
                                                  f"{other!r} in {given_in[other]})")
                             raise ValueError(f"tensor {key!r} ({path}) holds weights that {other!r} holds too "
@@ -388,6 +391,15 @@ def _plan(files: list[str], asm: _Assembler, cfg: ModelConfig) -> tuple[list[_Re
         raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. "
                          f"{_collapse(missing, asm, given)[:5]}")
     return reads, tied_head
+
+
+def check_checkpoint(folder: str, cfg: ModelConfig) -> dict[str, WeightSpec]:
+    """Check a checkpoint folder's tensors against `cfg` from their headers alone, as load_checkpoint does
+    before it reads anything (ValueError naming the tensor); returns each checkpoint tensor's spec by our
+    name (our_name): the weight it is, or is a part of (an expert's, a fusion's first member), or its scales."""
+    asm = _Assembler(cfg, torch.float32, torch.device("cpu"))
+    _plan(checkpoint_files(folder), asm, cfg)
+    return {name: piece.spec for name, piece in asm.pieces.items()}
 
 
 def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
@@ -466,7 +478,7 @@ def _check_tied_head(asm: _Assembler, key: str, path: str) -> None:
 def _collapse(missing: list[str], asm: _Assembler, given: dict[str, str]) -> list[str]:
     """Missing checkpoint tensors by name; where the checkpoint stores experts stacked, a stacked tensor
     missing whole is named as such rather than expert by expert."""
-    stacked = not set(asm.stacked_of.values()).isdisjoint(_our_name(k) for k in given.values())
+    stacked = not set(asm.stacked_of.values()).isdisjoint(our_name(k) for k in given.values())
     absent, out = set(missing), []
     for name in missing:
         whole = asm.stacked_of.get(name)
