@@ -521,7 +521,7 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 0) 
     CPU, weights that would not fit in the memory available are a ValueError before any is drawn. An FP8
     config's converted weights are drawn in `dtype` and quantized there (quantized.quantize_blocks): the
     same draws as the unquantized config's, so its weights are theirs quantized."""
-    from .quantized import quantize_blocks
+    from .quantized import quantize_weight
 
     dtype, device = as_dtype(dtype), as_device(device)
     check_host_memory(weight_bytes(weight_shapes(cfg), dtype, cfg), device, f"random weights in {dtype}")
@@ -532,8 +532,8 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 0) 
             continue  # its weight's quantization gives it
         t = torch.empty(spec.shape, dtype=torch.float32 if spec.kind == VECTOR else dtype, device=device)
         t = spec.init.draw(t, gen).to(dtype)
-        if spec.fp8:
-            out[name], out[scale_name(name)] = quantize_blocks(t)
+        if spec.fp8:  # stacked experts: each part (gate, up) on its own blocks, as the checkpoint's tensors
+            out[name], out[scale_name(name)] = quantize_weight(t, len(spec.parts) if spec.kind == EXPERTS else 1)
         else:
             out[name] = t
     return out
