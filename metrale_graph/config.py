@@ -4,8 +4,9 @@ with derived sizes.
 Field names follow transformers' `Qwen3_5TextConfig`, `Qwen3_5MoeTextConfig` and `Qwen3NextConfig`.
 `from_hf` reads a `config.json` dict of a family's model_type (`qwen3_5_text`, `qwen3_5_moe_text`,
 `qwen3_next`), or of a multimodal wrapper (`qwen3_5` / `qwen3_5_moe`: text part under `text_config`;
-the model runs its text part and `model_type` records the text family). Other model families, and
-quantized checkpoints (a `quantization_config`), raise `ValueError`.
+the model runs its text part and `model_type` records the text family). Other model families raise
+`ValueError`. A fine-grained FP8 `quantization_config` (Qwen's FP8 releases; at the top level or in
+`text_config`) is read into `quantization` (quantization.py); any other quantization is refused.
 
 What sets a family apart (its own fields, transformers' defaults and classes, its checkpoint
 transforms) is its record in families.py; this module reads and writes configs through it. The
@@ -25,6 +26,7 @@ import os
 from dataclasses import dataclass
 
 from .families import FAMILIES, MULTIMODAL, OPTIONAL_FIELDS, QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, Family
+from .quantization import QWEN_KEPT, TEXT_PREFIX, Fp8Config, parse_quantization
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -67,6 +69,8 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalize the top-k routing weights (Qwen3.5-MoE: always)
     decoder_sparse_step: int = 1  # Qwen3-Next: MoE in layers with (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... except these (dense MLP)
+    # FP8 checkpoints: which projections are stored float8_e4m3fn with block scales (None: none)
+    quantization: Fp8Config | None = None
 
     def __post_init__(self):
         """Check every field's type and range (ValueError naming the field); integral floats
@@ -126,11 +130,12 @@ class ModelConfig:
             raise _invalid(where, f"expected a JSON object, got {type(cfg).__name__}")
         model_type = cfg.get("model_type")
         tie = cfg.get("tie_word_embeddings", False)
-        _refuse_quantized(where, cfg)
+        quant, prefix = cfg.get("quantization_config"), TEXT_PREFIX
         if isinstance(model_type, str) and model_type in MULTIMODAL:
             if not isinstance(cfg.get("text_config"), dict):
                 raise _invalid(where, f"model_type {model_type!r} config has no 'text_config' section")
-            text_type = MULTIMODAL[model_type][0].model_type
+            family, wrapper = MULTIMODAL[model_type]
+            text_type, prefix = family.model_type, wrapper.text_prefix
             cfg = dict(cfg["text_config"])
             cfg.setdefault("model_type", text_type)
             # The multimodal model ties (or not) by its top-level tie_word_embeddings, default false:
@@ -141,7 +146,11 @@ class ModelConfig:
                 raise _invalid(where, f"model_type {model_type!r} config holds a text_config of model_type "
                                       f"{cfg['model_type']!r}; expected {text_type!r}")
             model_type = cfg["model_type"]
-            _refuse_quantized(where, cfg)
+            inner = cfg.get("quantization_config")
+            if quant is not None and inner is not None and inner != quant:
+                raise _invalid(where, "the top level and text_config hold different quantization_config sections")
+            quant = quant if quant is not None else inner
+        quantization = None if quant is None else parse_quantization(quant, where, prefix)
         if not (isinstance(model_type, str) and model_type in FAMILIES):
             raise _invalid(where, f"unsupported model_type {model_type!r}: metrale-graph runs "
                                   f"{', '.join(map(repr, [*FAMILIES, *MULTIMODAL]))}")
@@ -184,6 +193,7 @@ class ModelConfig:
             fields[name] = cfg.get(name, family.default(name)) if name in family.fields else absent
         if fields["mlp_only_layers"] is None:  # transformers reads null as []
             fields["mlp_only_layers"] = []
+        fields["quantization"] = quantization
         return cls(**_checked(fields, where))
 
     def to_hf(self) -> dict:
@@ -215,6 +225,8 @@ class ModelConfig:
         for name in self.family.fields:
             value = getattr(self, name)
             hf[name] = list(value) if isinstance(value, tuple) else value
+        if self.quantization is not None:
+            hf["quantization_config"] = self.quantization.to_hf()
         return hf
 
 
@@ -229,19 +241,6 @@ _INT_FIELDS = {name: 1 for name in (
 
 def _invalid(where: str, msg: str) -> ValueError:
     return ValueError(f"invalid model config{where}: {msg}")
-
-
-def _refuse_quantized(where: str, cfg: dict) -> None:
-    """A quantized checkpoint's config.json carries a quantization_config (Qwen's FP8 releases: quant_method
-    'fp8', block-scaled float8 weights with a weight_scale_inv beside each). Its weights are not the
-    floating-point ones the model runs: refused up front, by name, rather than by the first scale tensor."""
-    quant = cfg.get("quantization_config")
-    if quant is None:
-        return
-    method = quant.get("quant_method") if isinstance(quant, dict) else None
-    raise _invalid(where, f"a quantized checkpoint (quantization_config with quant_method {method!r}) is not "
-                          "supported: metrale-graph loads unquantized floating-point weights; use the checkpoint "
-                          "without quantization")
 
 
 def _int(name: str, value, minimum: int, where: str = "") -> int:
@@ -319,6 +318,8 @@ def _checked(v: dict, where: str = "") -> dict:
     v["intermediate_size"] = _int("intermediate_size", v["intermediate_size"],
                                   1 if len(moe) < v["num_hidden_layers"] else 0, where)
     owned("intermediate_size")
+    need(v["quantization"] is None or isinstance(v["quantization"], Fp8Config),
+         f"field 'quantization' must be a quantization.Fp8Config or None, got {v['quantization']!r}")
     v["layer_types"] = types = _strings("layer_types", v["layer_types"], where)
     need(len(types) == v["num_hidden_layers"],
          f"layer_types has {len(types)} entries for {v['num_hidden_layers']} layers")
@@ -390,6 +391,10 @@ PRESETS: dict[str, ModelConfig] = {
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(),
     ),
 }
+# FP8 shapes of the three (random weights quantized as Qwen's FP8 releases are: quantized.fp8_config with
+# Qwen's kept modules; drawn and quantized on the device)
+for _name in ("qwen3.5-9b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b"):
+    PRESETS[f"{_name}-fp8"] = PRESETS[_name].replace(quantization=Fp8Config(QWEN_KEPT))
 
 
 def load_config(path_or_preset: str) -> ModelConfig:

@@ -30,14 +30,16 @@ from .parallel import TensorParallel
 from .placement import DTYPES as _DTYPES, as_device, as_dtype
 from .protocol import prefill_call
 from .saving import GENERATION_CONFIG, save_checkpoint
+from .quantization import SCALE_SUFFIX
 from .sharding import first_expert, local_config, shard_weights, sharded_shapes
-from .spec import MOE, feed_forward, weight_shapes
+from .spec import MOE, feed_forward, model_spec, weight_dtype, weight_shapes
 from .weights import load_checkpoint, random_weights, stack_projections
 
 
 class HybridModel(nn.Module):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], tp: TensorParallel | None = None):
-        """Wrap `weights` (names as `weight_shapes(config)`, all on one device and dtype; with a
+        """Wrap `weights` (names as `weight_shapes(config)`, all on one device and in one dtype but an FP8
+        config's converted weights, float8_e4m3fn, and their fp32 scales (spec.weight_dtype); with a
         tensor-parallel `tp` of size > 1, this rank's shards: sharding.sharded_shapes)."""
         super().__init__()
         self.tp = tp if tp is not None and tp.size > 1 else None
@@ -50,7 +52,7 @@ class HybridModel(nn.Module):
         for name, tensor in weights.items():
             if tuple(tensor.shape) != expected[name]:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected[name]}")
-        _check_uniform(weights)
+        _check_uniform(weights, config)
         self.config = config
         self.layers = nn.ModuleList(nn.Module() for _ in range(config.num_hidden_layers))
         for i, layer in enumerate(self.layers):
@@ -66,6 +68,9 @@ class HybridModel(nn.Module):
         if weights["embed_tokens.weight"].device.type == "cuda":
             check_supported(self.local)  # a shape the CUDA path cannot run: ValueError now, not at prefill
         weights = stack_projections(dict(weights), self.config)
+        # the scales argument of the ops' weights that are not FP8 (ops/fp8/projection.py)
+        self.register_buffer("no_scale", torch.empty(0, device=weights["embed_tokens.weight"].device),
+                             persistent=False)
         for name, tensor in weights.items():
             *path, leaf = name.split(".")
             module = self
@@ -84,13 +89,22 @@ class HybridModel(nn.Module):
         """`.to()`, `.half()`, `.bfloat16()`, `.cuda()`, ...: convert every weight, then stack the
         projections again and rebuild the fp32 RoPE buffer (converting tensor by tensor would
         un-stack the projections and cast the frequencies). The whole model converts or nothing
-        does: a dtype the model does not run in raises ValueError first."""
+        does: a dtype the model does not run in raises ValueError first. An FP8 model's float8 weights
+        and their scales only move (to the device the others go to): a dtype conversion leaves them."""
         params = dict(self.named_parameters())
-        converted = {name: fn(p) for name, p in params.items()}
+        specs = model_spec(self.config)
+        converted = {}
+        for name, p in params.items():
+            if specs[name].fp8 or specs[name].of is not None:
+                device = fn(p.new_empty(0, dtype=self.dtype)).device
+                converted[name] = p if p.device == device else p.to(device)
+            else:
+                converted[name] = fn(p)
         if all(converted[n] is p for n, p in params.items()):
             return self  # nothing moved (e.g. .to() of the current dtype and device)
-        _check_uniform(converted, " Load the weights in the dtype you want: "
-                                  "HybridModel.from_pretrained(path, dtype=...) or from_preset(..., dtype=...)")
+        _check_uniform(converted, self.config, " Load the weights in the dtype you want: "
+                                               "HybridModel.from_pretrained(path, dtype=...) or "
+                                               "from_preset(..., dtype=...)")
         self._set_weights(converted)
         return self
 
@@ -241,38 +255,42 @@ class HybridModel(nn.Module):
         checkpoints (ops/checkpoints.py), or None."""
         cfg, a = self.local, layer.linear_attn
         T, H, K = x.shape[0], cfg.linear_num_key_heads, cfg.linear_key_head_dim
-        qkv, z, beta, g = OPS.gdn_proj(x, layer.input_layernorm.weight, a.in_proj_qkv.weight,
-                                       a.in_proj_z.weight, a.in_proj_b.weight, a.in_proj_a.weight,
-                                       a.A_log, a.dt_bias, cfg.rms_norm_eps)
+        qkv, z, beta, g = OPS.gdn_proj(x, layer.input_layernorm.weight, *self._w(a.in_proj_qkv), *self._w(a.in_proj_z),
+                                       *self._w(a.in_proj_b), *self._w(a.in_proj_a), a.A_log, a.dt_bias,
+                                       cfg.rms_norm_eps)
         keep = () if checkpoints is None else checkpoints[:3]
         qkv = OPS.causal_conv1d(qkv, a.conv1d.weight.squeeze(1), batch.cu_seqlens, batch.slot_ids, conv_state, *keep)
         qk = OPS.l2norm(qkv[:, :2 * cfg.key_dim].view(T, 2 * H, K))
         v = qkv[:, 2 * cfg.key_dim:].view(T, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
         keep = () if checkpoints is None else (*checkpoints[:2], checkpoints[3])
         o = OPS.gdn_recurrence(qk[:, :H], qk[:, H:], v, g, beta, batch.cu_seqlens, batch.slot_ids, gdn_state, *keep)
-        return OPS.gdn_out(o, z, x if self._adds_residual else None, a.norm.weight, a.out_proj.weight,
+        return OPS.gdn_out(o, z, x if self._adds_residual else None, a.norm.weight, *self._w(a.out_proj),
                            cfg.rms_norm_eps)
 
     def _attention_mixer(self, layer, x, batch, k_cache, v_cache):
         cfg, a = self.local, layer.self_attn
-        q, k, v, gate = OPS.attn_proj(x, layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight,
-                                      a.v_proj.weight, a.q_norm.weight, a.k_norm.weight, batch.positions,
+        q, k, v, gate = OPS.attn_proj(x, layer.input_layernorm.weight, *self._w(a.q_proj), *self._w(a.k_proj),
+                                      *self._w(a.v_proj), a.q_norm.weight, a.k_norm.weight, batch.positions,
                                       self.rope_inv_freq, cfg.head_dim, cfg.rms_norm_eps)
         o = OPS.paged_attention(q, k, v, k_cache, v_cache, batch.cu_seqlens, batch.context_lens,
                                 batch.block_tables)
-        return OPS.attn_out(o, gate, x if self._adds_residual else None, a.o_proj.weight)
+        return OPS.attn_out(o, gate, x if self._adds_residual else None, *self._w(a.o_proj))
 
     def _feed_forward(self, layer, h):
         cfg, mlp = self.local, layer.mlp
         if layer.feed_forward == MOE:
             shared = mlp.shared_expert
-            return OPS.moe(h, layer.post_attention_layernorm.weight, mlp.gate.weight, mlp.experts.gate_up_proj,
-                           mlp.experts.down_proj, shared.gate_proj.weight, shared.up_proj.weight,
-                           shared.down_proj.weight, mlp.shared_expert_gate.weight, cfg.num_experts_per_tok,
-                           cfg.norm_topk_prob, cfg.rms_norm_eps,
-                           first_expert(self.config, self.tp), self._adds_residual)
-        return OPS.mlp(h, layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
-                       mlp.down_proj.weight, cfg.rms_norm_eps, self._adds_residual)
+            return OPS.moe(h, layer.post_attention_layernorm.weight, mlp.gate.weight,
+                           *self._w(mlp.experts, "gate_up_proj"), *self._w(mlp.experts, "down_proj"),
+                           *self._w(shared.gate_proj), *self._w(shared.up_proj), *self._w(shared.down_proj),
+                           mlp.shared_expert_gate.weight, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                           cfg.rms_norm_eps, first_expert(self.config, self.tp), self._adds_residual)
+        return OPS.mlp(h, layer.post_attention_layernorm.weight, *self._w(mlp.gate_proj), *self._w(mlp.up_proj),
+                       *self._w(mlp.down_proj), cfg.rms_norm_eps, self._adds_residual)
+
+    def _w(self, module, leaf: str = "weight"):
+        """(weight, its FP8 block scales or the empty no_scale): a projection's pair of op arguments."""
+        return module._parameters[leaf], module._parameters.get(leaf + SCALE_SUFFIX, self.no_scale)
 
     def extra_repr(self) -> str:
         c = self.config
@@ -303,10 +321,18 @@ def _agree_on_loading(tp: TensorParallel, error: BaseException | None, device: t
                          "their error); this rank loaded its own")
 
 
-def _check_uniform(weights: dict[str, torch.Tensor], hint: str = "") -> None:
-    """Every weight in one supported dtype, on one device."""
-    dtypes = sorted({str(t.dtype) for t in weights.values()})
+def _check_uniform(weights: dict[str, torch.Tensor], config: ModelConfig, hint: str = "") -> None:
+    """Every weight in one supported dtype, on one device; an FP8 config's converted weights float8_e4m3fn
+    and their scales fp32 (spec.weight_dtype)."""
+    specs = model_spec(config)
+    dtype = weights["embed_tokens.weight"].dtype
+    wrong = [f"{n} is {t.dtype}, expected {weight_dtype(specs[n], dtype)}" for n, t in weights.items()
+             if (specs[n].fp8 or specs[n].of is not None) and t.dtype != weight_dtype(specs[n], dtype)]
+    if wrong:
+        raise ValueError(f"HybridModel's FP8 weights are float8_e4m3fn with float32 scales: {'; '.join(wrong[:3])}")
+    plain = [t for n, t in weights.items() if not (specs[n].fp8 or specs[n].of is not None)]
+    dtypes = sorted({str(t.dtype) for t in plain})
     devices = sorted({str(t.device) for t in weights.values()})
-    if len(dtypes) != 1 or len(devices) != 1 or next(iter(weights.values())).dtype not in _DTYPES:
+    if len(dtypes) != 1 or len(devices) != 1 or dtype not in _DTYPES:
         raise ValueError(f"HybridModel needs every weight in one of {', '.join(map(str, _DTYPES))} on one device; "
                          f"got {', '.join(dtypes)} on {', '.join(devices)}.{hint}")

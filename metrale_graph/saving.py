@@ -21,6 +21,7 @@ import shutil
 import torch
 
 from .config import ModelConfig
+from .quantized import kept_modules
 from .weights import INDEX_FILE, WEIGHTS_FILE, to_checkpoint
 
 GENERATION_CONFIG = "generation_config.json"
@@ -30,7 +31,9 @@ _SHARD = re.compile(r"(.*?)-\d{5}-of-\d{5}")  # transformers' save_pretrained: a
 def save_checkpoint(weights: dict[str, torch.Tensor], cfg: ModelConfig, folder: str,
                     generation_config: str | None = None) -> None:
     """Write the checkpoint of `weights` (our names, whole tensors) as transformers' save_pretrained writes
-    it for the family (experts one tensor each, the family's fusions fused) into `folder` (created when
+    it for the family (experts one tensor each, the family's fusions fused; an FP8 model's converted weights
+    float8_e4m3fn with their fp32 weight_scale_inv, its quantization_config listing the modules it keeps in
+    floating point) into `folder` (created when
     missing), with `generation_config` (a generation_config.json path, e.g. the model's source folder's)
     copied in when given. See the module docstring for what happens to the files already there. Raises
     ValueError when `folder` is a file."""
@@ -41,7 +44,9 @@ def save_checkpoint(weights: dict[str, torch.Tensor], cfg: ModelConfig, folder: 
     tensors = {(n if n == "lm_head.weight" else "model." + n): t.detach().contiguous().cpu()
                for n, t in to_checkpoint(weights, cfg).items()}
     hf = cfg.to_hf()
-    hf["dtype"] = str(next(iter(weights.values())).dtype).removeprefix("torch.")
+    hf["dtype"] = str(weights["embed_tokens.weight"].dtype).removeprefix("torch.")
+    if cfg.quantization is not None:  # the modules kept in floating point by name: what was converted reads back
+        hf["quantization_config"] = cfg.quantization.to_hf(kept_modules(cfg))
     os.makedirs(folder, exist_ok=True)
     own = os.path.join(folder, GENERATION_CONFIG)
     keep_generation_config = generation_config is not None

@@ -7,6 +7,10 @@ size 1 means one process holding everything. Ranges are (dim, [start, stop) span
 order). MoE experts are split either across ranks (moe="expert": each rank holds E / n whole experts)
 or each within (moe="within", DEFAULT_MOE: every rank holds its slice of every expert, the expert's
 own Shard rule), the router on every rank either way.
+
+An FP8 weight's block scales (spec.SCALE) are split with it, in 128-row / 128-column blocks: each rank's
+spans of the weight must start on a block and end on one or at the end of the dimension (of the part,
+for a stacked expert tensor), or check_shardable names the config field that does not divide so.
 """
 
 from __future__ import annotations
@@ -15,8 +19,11 @@ import math
 
 import torch
 
+from typing import NamedTuple
+
 from .config import ModelConfig
-from .spec import EXPERTS, PADDED, REPLICATE, Shard, WeightSpec, model_spec
+from .quantization import FP8_BLOCK
+from .spec import EXPERTS, PADDED, REPLICATE, SCALE, Shard, WeightSpec, blocks, model_spec
 
 Ranges = tuple[int, list[tuple[int, int]]]
 MOE_MODES = ("expert", "within")  # how MoE experts are split over ranks (module docstring)
@@ -56,6 +63,27 @@ def check_shardable(cfg: ModelConfig, size: int, moe: str = DEFAULT_MOE) -> None
     if cfg.full_layers and kv % size and size % kv:
         raise ValueError(f"num_key_value_heads ({kv}) and the tensor-parallel size {size} do not divide one another "
                          "(KV heads are split, or replicated when fewer than the ranks)")
+    if cfg.quantization is not None:
+        _check_fp8_blocks(cfg, size, moe)
+
+
+class _Rank(NamedTuple):
+    rank: int
+    size: int
+    moe: str
+
+
+def _check_fp8_blocks(cfg: ModelConfig, size: int, moe: str) -> None:
+    """Every rank's share of every FP8 weight on whole 128-blocks (scale_ranges), else ValueError naming the
+    weight and the config fields its split divides."""
+    seen = set()
+    for spec in model_spec(cfg).values():
+        key = (spec.local, spec.kind)
+        if not spec.fp8 or key in seen:
+            continue
+        seen.add(key)  # every layer's weight of this name splits alike
+        for rank in range(size):
+            scale_ranges(spec, weight_ranges(spec, _Rank(rank, size, moe)), size)
 
 
 def vocab_rows(cfg: ModelConfig, size: int) -> int:
@@ -110,21 +138,51 @@ def rule_ranges(rule: Shard, rank: int, size: int) -> Ranges:
 
 
 def weight_ranges(spec: WeightSpec, tp) -> Ranges | None:
-    """The part of a weight this rank holds, or None when it holds all of it."""
+    """The part of a weight (or of an FP8 weight's scales: its blocks, scale_ranges) this rank holds, or
+    None when it holds all of it."""
     if not _parallel(tp):
         return None
+    if spec.kind == SCALE:
+        return scale_ranges(spec.of, weight_ranges(spec.of, tp), tp.size)
     if spec.kind == EXPERTS and tp.moe == "expert":
         return rule_ranges(Shard(0, ((spec.shape[0], 1),)), tp.rank, tp.size)
     return rule_ranges(spec.shard, tp.rank, tp.size) if spec.shard else None
 
 
+def scale_ranges(spec: WeightSpec, ranges: Ranges | None, size: int) -> Ranges | None:
+    """A weight's ranges (spec: the FP8 weight) in its block-scale grid: the expert dim as it is, rows and
+    columns in 128-blocks (per part for stacked experts). ValueError when a span does not start on a block,
+    or ends inside one before the end of its dimension (part)."""
+    if ranges is None:
+        return None
+    dim, spans = ranges
+    *lead, rows, cols = spec.shape
+    if dim < len(lead):
+        return ranges
+    parts = max(1, len(spec.parts)) if dim == len(lead) else 1
+    length = (rows if dim == len(lead) else cols) // parts
+    out = []
+    for a, b in spans:
+        p = min(a // length, parts - 1) if length else 0
+        lo, hi = a - p * length, b - p * length
+        if lo % FP8_BLOCK or hi > length or (hi % FP8_BLOCK and hi != length):
+            fields = spec.shard.fields if spec.shard else ()
+            what = "rows" if dim == len(lead) else "columns"
+            raise ValueError(
+                f"FP8 weight {spec.name!r} {tuple(spec.shape)} cannot be split over {size} tensor-parallel ranks on "
+                f"its 128 x 128 scale blocks: a rank holds {what} {lo}..{hi} of {length}"
+                + (f" ({' / '.join(fields)} over {size} ranks must give multiples of 128 {what})" if fields else ""))
+        out.append((p * blocks(length) + lo // FP8_BLOCK, p * blocks(length) + blocks(hi)))
+    return dim, out
+
+
 def expert_part_ranges(spec: WeightSpec, part: int, tp) -> Ranges | None:
     """The part of one expert's checkpoint tensor `spec.parts[part]` (an EXPERTS weight's dim-1 block, of
-    one expert) this rank reads: all of it split across ranks (its own experts; it reads none of another's),
-    its slice split within."""
+    one expert; or of its block scales) this rank reads: all of it split across ranks (its own experts; it
+    reads none of another's), its slice split within."""
     if not _parallel(tp) or tp.moe == "expert":
         return None
-    dim, spans = rule_ranges(spec.shard, tp.rank, tp.size)
+    dim, spans = weight_ranges(spec, tp)
     if dim != 1:  # the expert dim is gone: one dim less
         return dim - 1, spans
     rows = spec.shape[1] // len(spec.parts)

@@ -11,6 +11,12 @@ A layer is its two norms, its feed-forward block (`feed_forward`: a sparse MoE b
 `config.moe_layers`, else a dense MLP) and its mixer block (by `config.layer_types`: Gated DeltaNet or
 gated full attention), in that order; the embedding comes first, the final norm and the LM head
 (untied models) last. This order is the order of `weight_shapes` and of the random draws.
+
+FP8 (config.quantization, quantization.py): a weight that may be FP8 (`quantizable`: projections and
+experts but the router, the shared-expert gate and lm_head) and that the quantization_config converts
+is `fp8` (float8_e4m3fn in memory), and its block scales follow it as a SCALE spec (`of`: the weight;
+fp32 [ceil(N / 128), ceil(K / 128)], for experts [E, parts * ceil(rows / 128), ceil(K / 128)], each part's
+grid in turn). A family's fused checkpoint tensor is converted or not as one module (its name).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Callable, Mapping, NamedTuple
 import torch
 
 from .config import FULL, LINEAR, ModelConfig
+from .quantization import FP8_BLOCK, scale_name
 
 # kinds of weight
 PROJECTION = "projection"  # a linear layer's weight [out, in] (what FP8 checkpoints store block-quantized)
@@ -31,7 +38,8 @@ EXPERTS = "experts"  # every expert's projection stacked [E, out, in]; the check
 EMBEDDING = "embedding"  # the token embedding [V, D]
 VECTOR = "vector"  # 1-D: norm weights, A_log, dt_bias
 CONV = "conv"  # the GDN depthwise conv kernel [C, 1, W]
-KINDS = (PROJECTION, EXPERTS, EMBEDDING, VECTOR, CONV)
+SCALE = "scale"  # an FP8 weight's block scales (weight_scale_inv, fp32): `of` is the weight
+KINDS = (PROJECTION, EXPERTS, EMBEDDING, VECTOR, CONV, SCALE)
 
 # feed-forward blocks (mixer blocks are named by config.layer_types)
 MLP, MOE = "mlp", "moe"
@@ -45,10 +53,12 @@ PADDED = "padded"  # ceil(count / n) units each, the last rank's short and padde
 class Shard(NamedTuple):
     """How tensor parallelism splits a weight: dimension `dim` is `segments` laid end to end, each
     (count, size): `count` units of `size` elements (heads of a head dim, rows of one); rank r of n holds
-    its share of the units of every segment, concatenated in order (sharding.rule_ranges)."""
+    its share of the units of every segment, concatenated in order (sharding.rule_ranges). `fields`: the
+    config fields whose units it splits (for errors)."""
     dim: int
     segments: tuple[tuple[int, int], ...]
     mode: str = EVEN
+    fields: tuple[str, ...] = ()
 
 
 class Init(NamedTuple):
@@ -78,15 +88,24 @@ class WeightSpec:
     is split within (moe="within"; split across ranks, each rank holds E / n whole experts). `stack`:
     (group, position): stored back to back with the other members of its layer's group, in position
     order, so the op reads them as one GEMM without a copy (ops.kernels.stacked). `parts` (EXPERTS):
-    the checkpoint's per-expert tensors, dim 1 split evenly among them (`experts.{e}.{part}.weight`)."""
+    the checkpoint's per-expert tensors, dim 1 split evenly among them (`experts.{e}.{part}.weight`).
+    `quantizable`: may be stored FP8; `fp8`: is (module docstring); `of`: a SCALE spec's weight."""
     name: str
     shape: tuple[int, ...]
     kind: str
-    init: Init
+    init: Init | None
     shard: Shard | None = None
     stack: tuple[str, int] | None = None
     parts: tuple[str, ...] = ()
     layer: int | None = None  # the layer it belongs to (None: embedding, final norm, LM head)
+    quantizable: bool = False
+    fp8: bool = False
+    of: "WeightSpec | None" = None
+
+    @property
+    def module(self) -> str:
+        """transformers' module of the weight, our naming (`layers.0.mlp.gate_proj`, `layers.0.mlp.experts`)."""
+        return self.name.rsplit(".", 1)[0]
 
     @property
     def local(self) -> str:
@@ -94,20 +113,20 @@ class WeightSpec:
         return self.name if self.layer is None else self.name[len(f"layers.{self.layer}."):]
 
 
-def _projection(name, out_features, in_features, shard=None, stack=None) -> WeightSpec:
-    return WeightSpec(name, (out_features, in_features), PROJECTION, SCALED, shard, stack)
+def _projection(name, out_features, in_features, shard=None, stack=None, quantizable=True) -> WeightSpec:
+    return WeightSpec(name, (out_features, in_features), PROJECTION, SCALED, shard, stack, quantizable=quantizable)
 
 
 def _vector(name, size, init=ZERO_CENTRED, shard=None) -> WeightSpec:
     return WeightSpec(name, (size,), VECTOR, init, shard)
 
 
-def _rows(*segments, mode=EVEN) -> Shard:
-    return Shard(0, segments, mode)
+def _rows(*segments, mode=EVEN, fields=()) -> Shard:
+    return Shard(0, segments, mode, fields)
 
 
-def _columns(*segments) -> Shard:
-    return Shard(1, segments)
+def _columns(*segments, fields=()) -> Shard:
+    return Shard(1, segments, fields=fields)
 
 
 def norms_block(cfg: ModelConfig) -> list[WeightSpec]:
@@ -118,26 +137,29 @@ def norms_block(cfg: ModelConfig) -> list[WeightSpec]:
 def mlp_block(cfg: ModelConfig) -> list[WeightSpec]:
     """A dense SiLU-gated MLP: gate / up rows and down columns split over ranks."""
     D, I = cfg.hidden_size, cfg.intermediate_size
-    return [_projection("mlp.gate_proj.weight", I, D, _rows((I, 1)), (MLP, 0)),
-            _projection("mlp.up_proj.weight", I, D, _rows((I, 1)), (MLP, 1)),
-            _projection("mlp.down_proj.weight", D, I, _columns((I, 1)))]
+    f = ("intermediate_size",)
+    return [_projection("mlp.gate_proj.weight", I, D, _rows((I, 1), fields=f), (MLP, 0)),
+            _projection("mlp.up_proj.weight", I, D, _rows((I, 1), fields=f), (MLP, 1)),
+            _projection("mlp.down_proj.weight", D, I, _columns((I, 1), fields=f))]
 
 
 def moe_block(cfg: ModelConfig) -> list[WeightSpec]:
     """A sparse MoE block: the router (on every rank), the experts stacked (gate rows then up rows of each),
     a shared expert split like a dense MLP and its one-row sigmoid gate. The shared expert's gate / up and
     the router form one stacked group, in ops.moe's order (the one-row gate stays apart: a [2 IS + E + 1]-row
-    GEMM output is unaligned)."""
+    GEMM output is unaligned). The router and the one-row gate stay in floating point under FP8 (transformers'
+    router is no nn.Linear it converts; the gate is read inside the MoE combine kernel)."""
     D, E, IE, IS = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-    return [_projection("mlp.gate.weight", E, D, stack=(MOE, 2)),
-            WeightSpec("mlp.experts.gate_up_proj", (E, 2 * IE, D), EXPERTS, SCALED, Shard(1, ((IE, 1), (IE, 1))),
-                       parts=("gate_proj", "up_proj")),
-            WeightSpec("mlp.experts.down_proj", (E, D, IE), EXPERTS, SCALED, Shard(2, ((IE, 1),)),
-                       parts=("down_proj",)),
-            _projection("mlp.shared_expert.gate_proj.weight", IS, D, _rows((IS, 1)), (MOE, 0)),
-            _projection("mlp.shared_expert.up_proj.weight", IS, D, _rows((IS, 1)), (MOE, 1)),
-            _projection("mlp.shared_expert.down_proj.weight", D, IS, _columns((IS, 1))),
-            _projection("mlp.shared_expert_gate.weight", 1, D)]
+    fe, fs = ("moe_intermediate_size",), ("shared_expert_intermediate_size",)
+    return [_projection("mlp.gate.weight", E, D, stack=(MOE, 2), quantizable=False),
+            WeightSpec("mlp.experts.gate_up_proj", (E, 2 * IE, D), EXPERTS, SCALED,
+                       Shard(1, ((IE, 1), (IE, 1)), fields=fe), parts=("gate_proj", "up_proj"), quantizable=True),
+            WeightSpec("mlp.experts.down_proj", (E, D, IE), EXPERTS, SCALED, Shard(2, ((IE, 1),), fields=fe),
+                       parts=("down_proj",), quantizable=True),
+            _projection("mlp.shared_expert.gate_proj.weight", IS, D, _rows((IS, 1), fields=fs), (MOE, 0)),
+            _projection("mlp.shared_expert.up_proj.weight", IS, D, _rows((IS, 1), fields=fs), (MOE, 1)),
+            _projection("mlp.shared_expert.down_proj.weight", D, IS, _columns((IS, 1), fields=fs)),
+            _projection("mlp.shared_expert_gate.weight", 1, D, quantizable=False)]
 
 
 def gdn_block(cfg: ModelConfig) -> list[WeightSpec]:
@@ -145,9 +167,10 @@ def gdn_block(cfg: ModelConfig) -> list[WeightSpec]:
     z, b, a, A_log, dt_bias by value head), out_proj by its input columns; the gated norm everywhere."""
     D, H, HV = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads
     K, V = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    channels, heads = _rows((H, K), (H, K), (HV, V)), _rows((HV, 1))
+    fk, fv = ("linear_num_key_heads", "linear_num_value_heads"), ("linear_num_value_heads",)
+    channels, heads = _rows((H, K), (H, K), (HV, V), fields=fk), _rows((HV, 1), fields=fv)
     return [_projection("linear_attn.in_proj_qkv.weight", cfg.conv_dim, D, channels, ("gdn", 0)),
-            _projection("linear_attn.in_proj_z.weight", cfg.value_dim, D, _rows((HV, V)), ("gdn", 1)),
+            _projection("linear_attn.in_proj_z.weight", cfg.value_dim, D, _rows((HV, V), fields=fv), ("gdn", 1)),
             _projection("linear_attn.in_proj_b.weight", HV, D, heads, ("gdn", 2)),
             _projection("linear_attn.in_proj_a.weight", HV, D, heads, ("gdn", 3)),
             WeightSpec("linear_attn.conv1d.weight", (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim), CONV,
@@ -155,18 +178,19 @@ def gdn_block(cfg: ModelConfig) -> list[WeightSpec]:
             _vector("linear_attn.A_log", HV, Init("log_uniform", 1.0, 16.0), heads),
             _vector("linear_attn.dt_bias", HV, Init("uniform", 0.5, 1.5), heads),
             _vector("linear_attn.norm.weight", V, Init("normal", 1.0, 0.1)),  # the gated norm: a plain weight
-            _projection("linear_attn.out_proj.weight", D, cfg.value_dim, _columns((HV, V)))]
+            _projection("linear_attn.out_proj.weight", D, cfg.value_dim, _columns((HV, V), fields=fv))]
 
 
 def attention_block(cfg: ModelConfig) -> list[WeightSpec]:
     """Gated full attention: query heads split (q_proj rows [q_h | gate_h] per head, o_proj columns); KV
     heads split, or, with fewer KV heads than ranks, each rank holds the one its query heads read."""
     D, HD, HQ, HKV = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    kv = _rows((HKV, HD), mode=REPLICATE)
-    return [_projection("self_attn.q_proj.weight", HQ * HD * 2, D, _rows((HQ, 2 * HD)), ("attention", 0)),
+    fq = ("num_attention_heads",)
+    kv = _rows((HKV, HD), mode=REPLICATE, fields=("num_key_value_heads",))
+    return [_projection("self_attn.q_proj.weight", HQ * HD * 2, D, _rows((HQ, 2 * HD), fields=fq), ("attention", 0)),
             _projection("self_attn.k_proj.weight", HKV * HD, D, kv, ("attention", 1)),
             _projection("self_attn.v_proj.weight", HKV * HD, D, kv, ("attention", 2)),
-            _projection("self_attn.o_proj.weight", D, HQ * HD, _columns((HQ, HD))),
+            _projection("self_attn.o_proj.weight", D, HQ * HD, _columns((HQ, HD), fields=fq)),
             _vector("self_attn.q_norm.weight", HD),
             _vector("self_attn.k_norm.weight", HD)]
 
@@ -185,7 +209,7 @@ def feed_forward(cfg: ModelConfig, layer: int) -> str:
 def model_spec(cfg: ModelConfig) -> Mapping[str, WeightSpec]:
     """Every weight of the config, by name, in the module docstring's order (a read-only mapping)."""
     D, V = cfg.hidden_size, cfg.vocab_size
-    vocab = _rows((V, 1), mode=PADDED)
+    vocab = _rows((V, 1), mode=PADDED, fields=("vocab_size",))
     specs = [WeightSpec("embed_tokens.weight", (V, D), EMBEDDING, SCALED, vocab)]
     moe = set(cfg.moe_layers)
     for i, kind in enumerate(cfg.layer_types):
@@ -193,8 +217,36 @@ def model_spec(cfg: ModelConfig) -> Mapping[str, WeightSpec]:
         specs += [dataclasses.replace(s, name=f"layers.{i}.{s.name}", layer=i) for s in block]
     specs.append(_vector("norm.weight", D))
     if not cfg.tie_word_embeddings:
-        specs.append(_projection("lm_head.weight", V, D, vocab))
+        specs.append(_projection("lm_head.weight", V, D, vocab, quantizable=False))
+    if cfg.quantization is not None:
+        specs = _quantized(specs, cfg)
     return MappingProxyType({s.name: s for s in specs})
+
+
+def _quantized(specs: list[WeightSpec], cfg: ModelConfig) -> list[WeightSpec]:
+    """The specs with each weight the quantization_config converts marked fp8 and followed by its scales."""
+    out = []
+    for s in specs:
+        fusion = cfg.family.fusion_of(s.local) if s.layer is not None else None
+        module = f"layers.{s.layer}.{fusion.name.rsplit('.', 1)[0]}" if fusion is not None else s.module
+        if not (s.quantizable and cfg.quantization.converts(module)):
+            out.append(s)
+            continue
+        s = dataclasses.replace(s, fp8=True)
+        out += [s, WeightSpec(scale_name(s.name), scale_shape(s), SCALE, None, layer=s.layer, parts=s.parts, of=s)]
+    return out
+
+
+def blocks(n: int) -> int:
+    """128-blocks covering n (ceil)."""
+    return -(-n // FP8_BLOCK)
+
+
+def scale_shape(spec: WeightSpec) -> tuple[int, ...]:
+    """The block-scale grid of a weight: [NB, KB], or for experts [E, parts * blocks(rows of a part), KB]."""
+    *lead, rows, cols = spec.shape
+    parts = max(1, len(spec.parts))
+    return (*lead, parts * blocks(rows // parts), blocks(cols))
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -211,6 +263,18 @@ def stacked_groups(cfg: ModelConfig) -> list[list[str]]:
     return [[name for _, name in sorted(members)] for members in groups.values()]
 
 
-def weight_bytes(shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype) -> int:
-    """Bytes that tensors of these shapes take in `dtype`."""
-    return sum(torch.Size(shape).numel() for shape in shapes.values()) * dtype.itemsize
+def weight_bytes(shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, cfg: ModelConfig | None = None) -> int:
+    """Bytes that tensors of these shapes take in `dtype`; with `cfg`, its FP8 weights (spec.fp8) one byte an
+    element and their scales four (weight_dtype)."""
+    spec = model_spec(cfg) if cfg is not None else {}
+    return sum(torch.Size(shape).numel() * weight_dtype(spec[n], dtype).itemsize if n in spec
+               else torch.Size(shape).numel() * dtype.itemsize for n, shape in shapes.items())
+
+
+FP8_DTYPE = torch.float8_e4m3fn
+SCALE_DTYPE = torch.float32
+
+
+def weight_dtype(spec: WeightSpec, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a weight is held in by a model of `dtype`: float8_e4m3fn if fp8, fp32 for scales."""
+    return FP8_DTYPE if spec.fp8 else SCALE_DTYPE if spec.kind == SCALE else dtype

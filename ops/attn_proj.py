@@ -8,15 +8,17 @@ from torch import Tensor
 
 from . import kernels
 from .common import check, check_tensor, rms_norm
-from .registry import OpSpec, Shapes, metrale_cuda, metrale_fake, metrale_op, norm_weight, rand, register, weight
+from .fp8 import projection as fp8
+from .registry import OpSpec, Shapes, fp8_weight, metrale_cuda, metrale_fake, metrale_op, norm_weight, rand, register
 
 def _check(a):
     check_tensor(a.x, "x", ndim=2)
     T, D = a.x.shape
     HD = a.head_dim
     check(tuple(a.norm_w.shape) == (D,), f"norm_w must have shape ({D},)")
-    for name, w in (("q_w", a.q_w), ("k_w", a.k_w), ("v_w", a.v_w)):
-        check_tensor(w, name, ndim=2, dtype=a.x.dtype, device=a.x.device)
+    for name, w, sc in (("q_w", a.q_w, a.q_s), ("k_w", a.k_w, a.k_s), ("v_w", a.v_w, a.v_s)):
+        check_tensor(w, name, ndim=2)
+        fp8.check_weight(w, sc, name, a.x.dtype, a.x.device)
         check(w.shape[1] == D and w.shape[0] % HD == 0,
               f"{name} has shape {tuple(w.shape)}; need {D} inputs and a multiple of head_dim {HD} outputs")
     check(a.q_w.shape[0] % (2 * HD) == 0, f"q_w rows {a.q_w.shape[0]} are not heads of 2*{HD} (query | gate)")
@@ -30,8 +32,8 @@ def _check(a):
 
 
 @metrale_op(check=_check)
-def attn_proj(x: Tensor, norm_w: Tensor, q_w: Tensor, k_w: Tensor, v_w: Tensor, q_norm_w: Tensor,
-              k_norm_w: Tensor, positions: Tensor, inv_freq: Tensor, head_dim: int,
+def attn_proj(x: Tensor, norm_w: Tensor, q_w: Tensor, q_s: Tensor, k_w: Tensor, k_s: Tensor, v_w: Tensor,
+              v_s: Tensor, q_norm_w: Tensor, k_norm_w: Tensor, positions: Tensor, inv_freq: Tensor, head_dim: int,
               eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Projections of a gated full-attention layer.
 
@@ -40,6 +42,8 @@ def attn_proj(x: Tensor, norm_w: Tensor, q_w: Tensor, k_w: Tensor, v_w: Tensor, 
         norm_w: [D] zero-centred input RMSNorm weight.
         q_w: [HQ*2*HD, D]; per head, rows `[q_h | gate_h]`.
         k_w, v_w: [HKV*HD, D].
+        q_s, k_s, v_s: each weight's FP8 block scales where it is float8_e4m3fn, else an empty tensor
+            (ops/fp8/projection.py).
         q_norm_w, k_norm_w: [HD] zero-centred per-head RMSNorm weights.
         positions: [T] int64 absolute position of each token in its stream.
         inv_freq: [R/2] float32 RoPE inverse frequencies; the first R channels of each head rotate
@@ -52,10 +56,10 @@ def attn_proj(x: Tensor, norm_w: Tensor, q_w: Tensor, k_w: Tensor, v_w: Tensor, 
     T, HD = x.shape[0], head_dim
     HQ, HKV = q_w.shape[0] // (2 * HD), k_w.shape[0] // HD  # explicit sizes: no -1 with T = 0
     h = rms_norm(x, norm_w, eps)
-    qg = F.linear(h, q_w).view(T, HQ, 2 * HD)
+    qg = fp8.linear(h, q_w, q_s).view(T, HQ, 2 * HD)
     q, gate = qg[..., :HD], qg[..., HD:].clone(memory_format=torch.contiguous_format).view(T, HQ * HD)
-    k = F.linear(h, k_w).view(T, HKV, HD)
-    v = F.linear(h, v_w).view(T, HKV, HD)
+    k = fp8.linear(h, k_w, k_s).view(T, HKV, HD)
+    v = fp8.linear(h, v_w, v_s).view(T, HKV, HD)
     q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
     cos, sin = rope_cos_sin(positions, inv_freq, x.dtype)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
@@ -87,32 +91,38 @@ def apply_rope(x, cos, sin):
 
 @metrale_cuda(attn_proj)
 def attn_proj_cuda(a):
-    """Triton RMSNorm, one GEMM over the stacked q|k|v projections, Triton per-head norm + RoPE."""
+    """Triton RMSNorm, one GEMM over the stacked q|k|v projections, Triton per-head norm + RoPE. With FP8
+    weights the projections run as fp8.project groups them (q|k|v as one W8A8 GEMM when stacked)."""
     T, HD = a.x.shape[0], a.head_dim
     QG, KV = a.q_w.shape[0], a.k_w.shape[0]
     HQ, HKV = QG // (2 * HD), KV // HD
-    y = kernels.rms_norm(a.x, a.norm_w, a.eps) @ kernels.stacked(a.q_w, a.k_w, a.v_w).t()
-    qg = y[:, :QG].view(T, HQ, 2 * HD)
+    n = kernels.rms_norm(a.x, a.norm_w, a.eps)
+    if not any(fp8.is_fp8(w) for w in (a.q_w, a.k_w, a.v_w)):
+        y = n @ kernels.stacked(a.q_w, a.k_w, a.v_w).t()
+        qgy, ky, vy = y[:, :QG], y[:, QG:QG + KV], y[:, QG + KV:]
+    else:
+        qgy, ky, vy = fp8.project(n, [(a.q_w, a.q_s), (a.k_w, a.k_s), (a.v_w, a.v_s)])
+    qg = qgy.view(T, HQ, 2 * HD)
     q = kernels.head_norm_rope(qg[..., :HD], a.q_norm_w, a.positions, a.inv_freq, a.eps)
-    k = kernels.head_norm_rope(y[:, QG:QG + KV].view(T, HKV, HD), a.k_norm_w, a.positions, a.inv_freq, a.eps)
+    k = kernels.head_norm_rope(ky.view(T, HKV, HD), a.k_norm_w, a.positions, a.inv_freq, a.eps)
     # v and gate are copied out of y (outputs may not alias one another): explicitly, since with
     # T <= 1 (or HQ = 1 for the gate) reshape / contiguous would return views of y
     fresh = torch.contiguous_format
-    v = y[:, QG + KV:].view(T, HKV, HD).clone(memory_format=fresh)
+    v = vy.view(T, HKV, HD).clone(memory_format=fresh)
     return q, k, v, qg[..., HD:].clone(memory_format=fresh).view(T, HQ * HD)
 
 
 def example(s: Shapes, dtype, g):
     positions = torch.cat([torch.arange(c, c + n) for c, n in zip(s.context, s.lengths)])
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, s.R, 2).float() / s.R))
-    return (rand(g, s.T, s.D, dtype=dtype), norm_weight(g, s.D, dtype), weight(g, s.HQ * s.HD * 2, s.D, dtype=dtype),
-            weight(g, s.HKV * s.HD, s.D, dtype=dtype), weight(g, s.HKV * s.HD, s.D, dtype=dtype),
+    return (rand(g, s.T, s.D, dtype=dtype), norm_weight(g, s.D, dtype), *fp8_weight(s, g, dtype, s.HQ * s.HD * 2, s.D),
+            *fp8_weight(s, g, dtype, s.HKV * s.HD, s.D), *fp8_weight(s, g, dtype, s.HKV * s.HD, s.D),
             norm_weight(g, s.HD, dtype), norm_weight(g, s.HD, dtype), positions, inv_freq, s.HD, s.eps)
 
 
 def cost(s: Shapes):
     n = 2 * s.HQ * s.HD + 2 * s.HKV * s.HD
-    return 2 * s.T * s.D * n, 2 * (n * s.D + s.T * s.D + s.T * n)
+    return 2 * s.T * s.D * n, (1 if s.fp8 else 2) * n * s.D + 2 * (s.T * s.D + s.T * n)
 
 
 register(OpSpec(attn_proj, example, cost, cuda=attn_proj_cuda, kernels=("head_norm_rope",),

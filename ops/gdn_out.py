@@ -13,13 +13,15 @@ from torch import Tensor
 
 from . import kernels
 from .common import check, check_tensor
-from .registry import OpSpec, Shapes, metrale_cuda, metrale_fake, metrale_op, rand, register, weight
+from .fp8 import projection as fp8
+from .registry import OpSpec, Shapes, fp8_weight, metrale_cuda, metrale_fake, metrale_op, rand, register
 
 def _check(a):
     check_tensor(a.o, "o", ndim=3)
     T, HV, V = a.o.shape
     dtype, device = a.o.dtype, a.o.device
-    check_tensor(a.out_w, "out_w", ndim=2, dtype=dtype, device=device)
+    check_tensor(a.out_w, "out_w", ndim=2)
+    fp8.check_weight(a.out_w, a.out_s, "out_w", dtype, device)
     D = a.out_w.shape[0]
     if a.residual is not None:
         check_tensor(a.residual, "residual", ndim=2, dtype=dtype, device=device)
@@ -33,7 +35,8 @@ def _check(a):
 
 
 @metrale_op(check=_check)
-def gdn_out(o: Tensor, z: Tensor, residual: Optional[Tensor], gnorm_w: Tensor, out_w: Tensor, eps: float) -> Tensor:
+def gdn_out(o: Tensor, z: Tensor, residual: Optional[Tensor], gnorm_w: Tensor, out_w: Tensor, out_s: Tensor,
+            eps: float) -> Tensor:
     """Phase 3 of a Gated DeltaNet layer.
 
     Args:
@@ -42,14 +45,15 @@ def gdn_out(o: Tensor, z: Tensor, residual: Optional[Tensor], gnorm_w: Tensor, o
         residual: [T, D] the layer input, or None (a tensor-parallel rank other than 0: the all-reduce
             after this op adds rank 0's residual once).
         gnorm_w: [V] gated-RMSNorm weight (plain, not zero-centred).
-        out_w: [D, HV*V] out projection.
+        out_w: [D, HV*V] out projection; out_s: its FP8 block scales (fp32 [ceil(D/128), ceil(HV*V/128)]) where
+            it is float8_e4m3fn, else an empty tensor (ops/fp8/projection.py).
         eps: RMSNorm epsilon.
     Returns:
         h [T, D] = residual + out_proj(gated_norm(o, z)), model dtype. Mutates nothing.
     """
     T, HV, V = o.shape
     n = gated_rms_norm(o, z.view(T, HV, V), gnorm_w, eps).reshape(T, HV * V)
-    out = F.linear(n, out_w)
+    out = fp8.linear(n, out_w, out_s)
     return out if residual is None else (residual + out).contiguous()  # residual + out follows residual's layout
 
 
@@ -70,20 +74,20 @@ def gated_rms_norm(o, z, weight, eps):
 
 @metrale_cuda(gdn_out)
 def gdn_out_cuda(a):
-    """Triton gated norm; out projection with the residual add in the GEMM epilogue."""
+    """Triton gated norm; out projection with the residual add in the GEMM epilogue (FP8: W8A8)."""
     n = kernels.gated_rms_norm(a.o, a.z, a.gnorm_w, a.eps)
-    return n @ a.out_w.t() if a.residual is None else torch.addmm(a.residual, n, a.out_w.t())
+    return fp8.project_one(n, a.out_w, a.out_s, a.residual)
 
 
 def example(s: Shapes, dtype, g):
     T, Z = s.T, s.HV * s.V
     return (rand(g, T, s.HV, s.V, dtype=dtype), rand(g, T, Z, dtype=dtype), rand(g, T, s.D, dtype=dtype),
-            1 + rand(g, s.V, dtype=dtype, scale=0.2), weight(g, s.D, Z, dtype=dtype), s.eps)
+            1 + rand(g, s.V, dtype=dtype, scale=0.2), *fp8_weight(s, g, dtype, s.D, Z), s.eps)
 
 
 def cost(s: Shapes):
     Z = s.HV * s.V
-    return 2 * s.T * Z * s.D, 2 * (Z * s.D + s.T * (2 * Z + 2 * s.D))
+    return 2 * s.T * Z * s.D, (1 if s.fp8 else 2) * Z * s.D + 2 * s.T * (2 * Z + 2 * s.D)
 
 
 register(OpSpec(gdn_out, example, cost, cuda=gdn_out_cuda, kernels=("gated_rms",),

@@ -11,13 +11,17 @@ from torch import Tensor
 
 from . import kernels
 from .common import check, check_tensor, rms_norm
-from .registry import OpSpec, Shapes, metrale_cuda, metrale_fake, metrale_op, norm_weight, rand, register, weight
+from .fp8 import projection as fp8
+from .registry import (OpSpec, Shapes, fp8_weight, metrale_cuda, metrale_fake, metrale_op, no_scale, norm_weight, rand,
+                       register, weight)
 
 def _check(a):
     check_tensor(a.x, "x", ndim=2)
     D, HV = a.x.shape[1], a.b_w.shape[0]
-    for name, w in (("qkv_w", a.qkv_w), ("z_w", a.z_w), ("b_w", a.b_w), ("a_w", a.a_w)):
-        check_tensor(w, name, ndim=2, dtype=a.x.dtype, device=a.x.device)
+    for name, w, sc in (("qkv_w", a.qkv_w, a.qkv_s), ("z_w", a.z_w, a.z_s), ("b_w", a.b_w, a.b_s),
+                        ("a_w", a.a_w, a.a_s)):
+        check_tensor(w, name, ndim=2)
+        fp8.check_weight(w, sc, name, a.x.dtype, a.x.device)
         check(w.shape[1] == D, f"{name} has {w.shape[1]} input features, x has {D}")
     check(a.a_w.shape[0] == HV, f"a_w has {a.a_w.shape[0]} heads, b_w has {HV}")
     for name, w, n in (("norm_w", a.norm_w, D), ("A_log", a.A_log, HV), ("dt_bias", a.dt_bias, HV)):
@@ -25,8 +29,9 @@ def _check(a):
 
 
 @metrale_op(check=_check)
-def gdn_proj(x: Tensor, norm_w: Tensor, qkv_w: Tensor, z_w: Tensor, b_w: Tensor, a_w: Tensor,
-             A_log: Tensor, dt_bias: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def gdn_proj(x: Tensor, norm_w: Tensor, qkv_w: Tensor, qkv_s: Tensor, z_w: Tensor, z_s: Tensor, b_w: Tensor,
+             b_s: Tensor, a_w: Tensor, a_s: Tensor, A_log: Tensor, dt_bias: Tensor,
+             eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Phase-1 projections of a Gated DeltaNet layer. The CPU reference: plain torch, matching
     transformers' Qwen3_5GatedDeltaNet op for op.
 
@@ -36,6 +41,8 @@ def gdn_proj(x: Tensor, norm_w: Tensor, qkv_w: Tensor, z_w: Tensor, b_w: Tensor,
         qkv_w: [C, D] with C = 2*H*K + HV*V; output channels `[q | k | v]`.
         z_w: [HV*V, D] output-gate projection.
         b_w, a_w: [HV, D] beta and decay projections.
+        qkv_s, z_s, b_s, a_s: each weight's FP8 block scales, fp32 [ceil(N/128), ceil(D/128)], where the
+            weight is float8_e4m3fn; an empty tensor where it is in x's dtype (ops/fp8/projection.py).
         A_log, dt_bias: [HV] decay parameters.
         eps: RMSNorm epsilon.
     Returns:
@@ -43,10 +50,10 @@ def gdn_proj(x: Tensor, norm_w: Tensor, qkv_w: Tensor, z_w: Tensor, b_w: Tensor,
         g [T, HV] float32 (log-decay, <= 0). Mutates nothing.
     """
     h = rms_norm(x, norm_w, eps)
-    qkv = F.linear(h, qkv_w)
-    z = F.linear(h, z_w)
-    beta = torch.sigmoid(F.linear(h, b_w))
-    g = -A_log.float().exp() * F.softplus(F.linear(h, a_w).float() + dt_bias.float())
+    qkv = fp8.linear(h, qkv_w, qkv_s)
+    z = fp8.linear(h, z_w, z_s)
+    beta = torch.sigmoid(fp8.linear(h, b_w, b_s))
+    g = -A_log.float().exp() * F.softplus(fp8.linear(h, a_w, a_s).float() + dt_bias.float())
     return qkv, z, beta, g
 
 
@@ -60,20 +67,30 @@ def _(a):
 @metrale_cuda(gdn_proj)
 def gdn_proj_cuda(a):
     """Triton RMSNorm, then one GEMM over the four stacked projections (HybridModel stores them
-    back to back, so stacking is free), then both gates in one Triton kernel."""
+    back to back, so stacking is free), then both gates in one Triton kernel. With FP8 weights the
+    projections run as fp8.project groups them (qkv | z as one W8A8 GEMM, b | a as one bf16 GEMM)."""
     C, Z, HV = a.qkv_w.shape[0], a.z_w.shape[0], a.b_w.shape[0]
-    y = kernels.rms_norm(a.x, a.norm_w, a.eps) @ kernels.stacked(a.qkv_w, a.z_w, a.b_w, a.a_w).t()
-    beta, g = kernels.gdn_gates(y, C + Z, C + Z + HV, a.A_log, a.dt_bias)
+    n = kernels.rms_norm(a.x, a.norm_w, a.eps)
     # outputs of a custom op may not alias one another: the two big ones are copied out of y. Not
     # .contiguous(): with T <= 1 a column slice of y is already contiguous and would come back as a view
     fresh = torch.contiguous_format
-    return y[:, :C].clone(memory_format=fresh), y[:, C:C + Z].clone(memory_format=fresh), beta, g
+    if not any(fp8.is_fp8(w) for w in (a.qkv_w, a.z_w, a.b_w, a.a_w)):
+        y = n @ kernels.stacked(a.qkv_w, a.z_w, a.b_w, a.a_w).t()
+        beta, g = kernels.gdn_gates(y, C + Z, C + Z + HV, a.A_log, a.dt_bias)
+        return y[:, :C].clone(memory_format=fresh), y[:, C:C + Z].clone(memory_format=fresh), beta, g
+    qkv, z, b, a_ = fp8.project(n, [(a.qkv_w, a.qkv_s), (a.z_w, a.z_s), (a.b_w, a.b_s), (a.a_w, a.a_s)])
+    adjacent = b.data_ptr() + HV * b.element_size() == a_.data_ptr() and b.stride() == a_.stride()
+    ba = b if adjacent else torch.cat([b, a_], dim=1)  # the gates kernel reads b and a as columns of one tensor
+    beta, g = kernels.gdn_gates(ba, 0, HV, a.A_log, a.dt_bias)
+    return qkv.clone(memory_format=fresh), z.clone(memory_format=fresh), beta, g
 
 
 def example(s: Shapes, dtype, g):
+    """With s.fp8, qkv_w and z_w FP8 (b_w and a_w in dtype, as Qwen's FP8 checkpoints keep them)."""
     HV = s.HV
-    return (rand(g, s.T, s.D, dtype=dtype), norm_weight(g, s.D, dtype), weight(g, s.C, s.D, dtype=dtype),
-            weight(g, HV * s.V, s.D, dtype=dtype), weight(g, HV, s.D, dtype=dtype), weight(g, HV, s.D, dtype=dtype),
+    return (rand(g, s.T, s.D, dtype=dtype), norm_weight(g, s.D, dtype), *fp8_weight(s, g, dtype, s.C, s.D),
+            *fp8_weight(s, g, dtype, HV * s.V, s.D), weight(g, HV, s.D, dtype=dtype), no_scale(),
+            weight(g, HV, s.D, dtype=dtype), no_scale(),
             torch.empty(HV).uniform_(1, 16, generator=g).log().to(dtype), rand(g, HV, dtype=dtype), s.eps)
 
 

@@ -166,6 +166,7 @@ class Shapes:
     TOPK: int = 2  # experts per token
     IE: int = 24  # expert intermediate size
     IS: int = 16  # shared expert intermediate size
+    fp8: bool = False  # the projections Qwen's FP8 checkpoints convert are float8_e4m3fn with block scales
 
     @property
     def T(self) -> int:
@@ -182,7 +183,8 @@ class Shapes:
     @property
     def id(self) -> str:
         return (f"L{'-'.join(map(str, self.lengths))}-H{self.H}-HV{self.HV}-K{self.K}-V{self.V}"
-                f"-HQ{self.HQ}-HKV{self.HKV}-HD{self.HD}-R{self.R}-W{self.W}-BS{self.BS}-E{self.E}k{self.TOPK}")
+                f"-HQ{self.HQ}-HKV{self.HKV}-HD{self.HD}-R{self.R}-W{self.W}-BS{self.BS}-E{self.E}k{self.TOPK}"
+                + (f"-D{self.D}-I{self.I}-IE{self.IE}-IS{self.IS}-fp8" if self.fp8 else ""))
 
     @classmethod
     def from_config(cls, cfg, lengths, context=None, block_size: int = 64) -> "Shapes":
@@ -197,7 +199,7 @@ class Shapes:
                    D=cfg.hidden_size, I=cfg.intermediate_size, HQ=cfg.num_attention_heads,
                    HKV=cfg.num_key_value_heads, HD=cfg.head_dim, R=cfg.rotary_dim, W=cfg.linear_conv_kernel_dim,
                    BS=block_size, num_slots=len(lengths), num_blocks=len(lengths) * per_stream,
-                   eps=cfg.rms_norm_eps, **moe)
+                   eps=cfg.rms_norm_eps, fp8=getattr(cfg, "quantization", None) is not None, **moe)
 
 
 # random inputs for `example` functions: seeded on the CPU, realistic scales ----------------------
@@ -208,6 +210,23 @@ def rand(g: torch.Generator, *shape, dtype=torch.float32, scale: float = 1.0) ->
 def weight(g: torch.Generator, *shape, dtype=torch.float32) -> torch.Tensor:
     """A projection weight [out, in] (or [E, out, in]) scaled by in**-0.5."""
     return rand(g, *shape, dtype=dtype, scale=shape[-1] ** -0.5)
+
+
+def no_scale() -> torch.Tensor:
+    """The scales argument of a weight that is not FP8: an empty tensor."""
+    return torch.empty(0)
+
+
+def fp8_weight(s: "Shapes", g: torch.Generator, dtype, *shape, parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight, its scales argument): a projection weight (`weight`) in dtype with no scales, or, with s.fp8,
+    block-quantized (float8_e4m3fn, fp32 scales; `parts` equal parts of its rows each with its own grid)."""
+    from .fp8.quant import quantize_weight_blocks
+
+    w = weight(g, *shape, dtype=dtype)
+    if not s.fp8:
+        return w, no_scale()
+    pieces = [quantize_weight_blocks(p) for p in w.chunk(parts, dim=-2)]
+    return torch.cat([q for q, _ in pieces], dim=-2), torch.cat([sc for _, sc in pieces], dim=-2)
 
 
 def norm_weight(g: torch.Generator, n: int, dtype=torch.float32) -> torch.Tensor:
@@ -237,7 +256,8 @@ class OpSpec:
     declaration."""
     op: Any  # the custom op (torch.library.CustomOpDef)
     example: Callable[[Shapes, torch.dtype, torch.Generator], tuple]  # random positional arguments for a case
-    cost: Callable[[Shapes], tuple[float, float]]  # (matrix FLOPs, fewest bytes moved) of one call, bf16
+    cost: Callable[[Shapes], tuple[float, float]]  # (matrix FLOPs, fewest bytes moved) of one call, bf16 (FP8
+    # weights at one byte with s.fp8)
     cuda: Callable | None = None  # the CUDA implementation (same arguments, `metrale_cuda`'s), or None
     kernels: tuple[str, ...] = ()  # substrings of its own CUDA kernels' names (the profile attributes time by them)
     onnx: str | None = None  # "module:function" of its ONNX translation, or None

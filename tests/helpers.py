@@ -42,8 +42,11 @@ def moe_decided_rows(args, dtype) -> torch.Tensor:
 
     from metrale_graph.ops.common import rms_norm
 
-    h, norm_w, router_w, top_k, eps = (args[0].detach().cpu().float(), args[1].cpu().float(),
-                                      args[2].cpu().float(), args[9], args[11])
+    from metrale_graph.ops import REGISTRY, declaration
+
+    a = declaration(REGISTRY["moe"].op).Args(*args)
+    h, norm_w, router_w, top_k, eps = (a.h.detach().cpu().float(), a.norm_w.cpu().float(), a.router_w.cpu().float(),
+                                      a.top_k, a.eps)
     if top_k == router_w.shape[0]:
         return torch.ones(h.shape[0], dtype=torch.bool)
     logits = F.linear(rms_norm(h, norm_w, eps), router_w)
@@ -81,7 +84,9 @@ def round_bf16_to_nearest(monkeypatch) -> None:
 
 
 def upcast(args):
-    return [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    """Floating-point tensors in fp32; FP8 weights (float8_e4m3fn, their scales fp32 already) as they are."""
+    return [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != torch.float8_e4m3fn
+            else a for a in args]
 
 
 def clone_args(args, device):

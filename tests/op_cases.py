@@ -48,11 +48,26 @@ CASES = [
 ]
 
 
+# FP8 variants of the ops with projections (their examples quantize what Qwen's FP8 checkpoints convert):
+# hidden and intermediate sizes that are not multiples of 128 (ragged scale blocks), several K blocks, a
+# decode batch (fewer rows than cuBLAS' 16), no tokens
+FP8_OPS = ("gdn_proj", "gdn_out", "attn_proj", "attn_out", "mlp", "moe")
+FP8_CASES = [
+    Shapes(lengths=(3, 0, 20), context=(5, 0, 0), D=200, I=136, IE=72, IS=40, E=6, TOPK=2, fp8=True),
+    Shapes(lengths=(1, 1, 1), context=(4, 9, 0), H=1, HV=3, K=24, V=48, HQ=2, HKV=1, HD=64, R=16, D=130, I=260,
+           E=4, TOPK=2, IE=136, IS=24, fp8=True),
+    Shapes(lengths=(0,), context=(0,), fp8=True),
+]
+
+
 def op_args(name: str, case: Shapes, dtype: torch.dtype, seed: int = 0) -> tuple:
     """Positional arguments of metrale::<name> for one case (the op's registered example)."""
     return example_args(name, case, dtype, seed)
 
 
 def opcheck_cases() -> list[tuple[str, Shapes, torch.dtype]]:
-    """(op, case, dtype) for every registered op, every case, fp32 and bf16: what test_opcheck runs."""
-    return [(name, case, dtype) for name in REGISTRY for case in CASES for dtype in (torch.float32, torch.bfloat16)]
+    """(op, case, dtype) for every registered op, every case, fp32 and bf16, and the FP8 cases of the ops
+    with projections: what test_opcheck runs."""
+    dtypes = (torch.float32, torch.bfloat16)
+    return ([(name, case, dtype) for name in REGISTRY for case in CASES for dtype in dtypes]
+            + [(name, case, dtype) for name in FP8_OPS if name in REGISTRY for case in FP8_CASES for dtype in dtypes])

@@ -63,13 +63,23 @@ def test_family_records_match_transformers(family):
     assert ModelConfig.from_hf(hf).family is family
 
 
-def test_quantized_multimodal_config_is_refused():
-    """The quantization_config of a multimodal checkpoint sits at the top level, beside text_config."""
+def test_quantized_multimodal_config():
+    """The quantization_config of a multimodal checkpoint sits at the top level or in text_config; FP8 is
+    read either way (its patterns against the wrapper's module names), any other method refused."""
     text = PRESETS["tiny"].to_hf()
-    for top, inner in (({"quantization_config": {"quant_method": "fp8"}}, {}),
+    fp8 = {"quant_method": "fp8", "modules_to_not_convert": ["model.language_model.layers.0.linear_attn.in_proj_a"]}
+    for top, inner in (({"quantization_config": fp8}, {}), ({}, {"quantization_config": fp8})):
+        cfg = ModelConfig.from_hf({"model_type": "qwen3_5", "text_config": {**text, **inner}, **top})
+        assert cfg.quantization.prefix == "model.language_model."
+        assert not cfg.quantization.converts("layers.0.linear_attn.in_proj_a")
+        assert cfg.quantization.converts("layers.1.linear_attn.in_proj_a")
+    for top, inner in (({"quantization_config": {"quant_method": "awq"}}, {}),
                        ({}, {"quantization_config": {"quant_method": "awq"}})):
         with pytest.raises(ValueError, match="quantized checkpoint"):
             ModelConfig.from_hf({"model_type": "qwen3_5", "text_config": {**text, **inner}, **top})
+    with pytest.raises(ValueError, match="different quantization_config"):
+        ModelConfig.from_hf({"model_type": "qwen3_5", "quantization_config": fp8,
+                             "text_config": {**text, "quantization_config": {"quant_method": "fp8"}}})
 
 
 def test_multimodal_config_and_legacy_names():
@@ -88,10 +98,26 @@ def test_multimodal_config_and_legacy_names():
     ({"linear_num_value_heads": 3}, "not a multiple of linear_num_key_heads"),
     ({"layer_types": ["linear_attention"] * 3}, "3 entries for 4 layers"),
     ({"layer_types": ["linear_attention"] * 3 + ["sliding"]}, "'sliding'"),
-    # Qwen's FP8 releases: refused by name (it failed on the first weight_scale_inv as an unexpected tensor)
-    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
-     "quantized checkpoint \\(quantization_config with quant_method 'fp8'\\) is not supported"),
-    ({"quantization_config": "gptq"}, "quant_method None"),
+    # quantization: FP8 other than Qwen's fine-grained format, or another method, by the field
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}},
+     "quantized checkpoint \\(quantization_config with quant_method 'gptq'\\) is not supported"),
+    ({"quantization_config": "gptq"}, "field 'quantization_config' must be an object"),
+    ({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2"}}, "'quantization_config.fmt' is 'e5m2'"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 128]}},
+     "'quantization_config.weight_block_size' is \\[64, 128\\]: only \\[128, 128\\] blocks"),
+    ({"quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}},
+     "'quantization_config.activation_scheme' is 'static' .*per-tensor input scales"),
+    ({"quantization_config": {"quant_method": "fp8", "activation_scheme": "lazy"}},
+     "'quantization_config.activation_scheme' must be 'dynamic'"),
+    ({"quantization_config": {"quant_method": "fp8", "modules_to_not_convert": "lm_head"}},
+     "'quantization_config.modules_to_not_convert' must be a list of module names"),
+    ({"quantization_config": {"quant_method": "fp8", "modules_to_not_convert": ["lm_head", 3]}},
+     "'quantization_config.modules_to_not_convert' must be a list of module names"),
+    ({"quantization_config": {"quant_method": "fp8", "modules_to_not_convert": ["lm_head("]}},
+     "'quantization_config.modules_to_not_convert' holds 'lm_head\\(', not a regular expression"),
+    ({"quantization_config": {"quant_method": "fp8", "scale_fmt": "ue8m0"}}, "'quantization_config.scale_fmt'"),
+    ({"quantization_config": {"quant_method": "fp8", "modules_to_convert": ["embed_tokens"]}},
+     "FP8 embeddings are not supported"),
 ])
 def test_bad_config(patch, message):
     cfg = {**PRESETS["tiny"].to_hf(), **patch}

@@ -112,6 +112,22 @@ def test_activation_kernel_bit_exact(T, K, dtype):
     assert torch.equal(codes(q_s), codes(q_ref)) and torch.equal(s_s, s_ref)
 
 
+@pytest.mark.parametrize("column_major", [False, True])
+def test_activation_rows_padded(column_major):
+    """rows > T (cuBLAS' blockwise GEMM takes M in multiples of 16): the first T rows as unpadded, the
+    rest zero codes and zero scales; the kernel and the reference alike."""
+    x = torch.randn(5, 300)
+    q_ref, s_ref = fp8.quantize_activations_ref(x)
+    for impl in (fp8.quantize_activations_triton, quant.quantize_activations):
+        q, s = impl(x, column_major_scales=column_major, rows=16)
+        assert q.shape == (16, 300) and s.shape == (16, 3)
+        assert torch.equal(codes(q[:5]), codes(q_ref)) and torch.equal(s[:5], s_ref)
+        assert (codes(q[5:]) == 0).all() and (s[5:] == 0).all()
+        assert s.stride() == ((1, 16) if column_major else (3, 1))
+    with pytest.raises(ValueError, match="rows \\(4\\) must be at least x's 5 rows"):
+        fp8.quantize_activations_triton(x, rows=4)
+
+
 def test_activation_scales():
     x = torch.zeros(2, 256)
     x[1, 128:] = torch.linspace(-3, 2, 128)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from helpers import TOL, assert_close, assert_no_aliasing, clone_args, compared_rows, outputs, upcast
-from metrale_graph.ops import REGISTRY, Shapes
+from metrale_graph.ops import REGISTRY, Shapes, declaration
 from metrale_graph.ops import gdn_recurrence as gdn_op, paged_attention as attention_op
 from metrale_graph.ops.moe.reference import route
 from metrale_graph.ops.common import decode_shaped, rms_norm
@@ -56,7 +56,8 @@ MOE_CASES = [MOE, replace(MOE, lengths=(1,), context=(0,)),
 
 def moe_expert_counts(args):
     """Pairs per expert of metrale::moe's arguments (the routing the reference computes)."""
-    h, norm_w, router_w, top_k, eps = args[0], args[1], args[2], args[9], args[11]
+    a = declaration(REGISTRY["moe"].op).Args(*args)
+    h, norm_w, router_w, top_k, eps = a.h, a.norm_w, a.router_w, a.top_k, a.eps
     top_e = route(rms_norm(h.float(), norm_w.float(), eps), router_w.float(), top_k, True)[1]
     return torch.zeros(router_w.shape[0], dtype=torch.long, device=h.device).scatter_add_(
         0, top_e.flatten(), torch.ones_like(top_e.flatten()))

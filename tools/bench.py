@@ -35,7 +35,7 @@ from metrale_graph import PRESETS, HybridModel, Stream
 from metrale_graph.tools.distributed import end_tensor_parallel, start_run
 from metrale_graph.tools.files import write_whole
 from metrale_graph.tools.flags import add_moe_parallel_arg, names_of, output_file, positive_int, seed
-from metrale_graph.tools.floors import COPY_RATE, MATMUL_RATE
+from metrale_graph.tools.floors import COPY_RATE, FP8_MATMUL_RATE, MATMUL_RATE
 from metrale_graph.tools.provenance import provenance
 from metrale_graph.tools.report import format_table, markdown_table, print_json, progress_bar
 from metrale_graph.tools.workloads import WORKLOADS, Ours, fitting_workloads, grid_of, workload_floor
@@ -218,7 +218,8 @@ def bench_record(args, layers: int, moe_parallel: str | None, device: str, run_i
 
     return {"tool": "bench", "preset": args.preset, "layers": layers, "tp": args.tp, "moe_parallel": moe_parallel,
             "device": device, **run_info, "repeat": args.repeat,
-            "floor_rates": {"matmul_flop_s": MATMUL_RATE, "copy_byte_s": COPY_RATE}, "generation": generation,
+            "floor_rates": {"matmul_flop_s": MATMUL_RATE, "fp8_matmul_flop_s": FP8_MATMUL_RATE,
+                            "copy_byte_s": COPY_RATE}, "generation": generation,
             "results": [{k: rounded(k, v) for k, v in r.items()} for r in results]}
 
 

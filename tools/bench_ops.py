@@ -1,5 +1,6 @@
 """Per-op benchmark: each metrale:: phase op on the GPU at a model's shape (default the Qwen3.5-9B
-shape) for a few token counts, against its floor max(FLOPs / 790 TFLOP/s, bytes / 4.3 TB/s).
+shape) for a few token counts, against its floor max(FLOPs / 790 TFLOP/s, bytes / 4.3 TB/s) (an FP8
+preset: its projections' FP8 weights at one byte, every FLOP at the FP8 rate, 1274 TFLOP/s).
 Two medians of CUDA-event timings after warmup: called eagerly (triton.testing.do_bench, host
 launch overhead included) and replayed from a CUDA graph (do_bench_cudagraph: device time,
 which is what a captured prefill pays). Prints a table, optionally writes it as markdown, and
@@ -68,14 +69,16 @@ def main(argv=None) -> None:
         with torch.cuda.stream(torch.cuda.Stream()):
             ms = triton.testing.do_bench_cudagraph(call, rep=200, return_mode="median")
         flops, nbytes = REGISTRY[name].cost(shapes)
-        floor, bound = floor_ms(flops, nbytes)
+        # FP8 ops: every FLOP at the FP8 rate (the router's and the GDN gates' bf16 ones too: the floor errs low)
+        floor, bound = floor_ms(0.0, nbytes, flops) if shapes.fp8 else floor_ms(flops, nbytes)
         rows.append([name, T, f"{eager:.3f}", f"{ms:.3f}", f"{floor:.3f}", f"{ms / floor:.2f}x", bound,
                      f"{flops / ms / 1e9:.0f}", f"{nbytes / ms / 1e6:.0f}"])
         records.append({"op": name, "tokens": T, "eager_ms": round(eager, 4), "graph_ms": round(ms, 4),
                         "floor_ms": round(floor, 4)})
         del inputs, call
     headers = ["op", "tokens", "eager ms", "graph ms", "floor ms", "graph / floor", "bound", "TFLOP/s", "GB/s"]
-    print(f"\n{args.preset}, bf16, {args.streams} streams, {torch.cuda.get_device_name()}")
+    weights = "FP8 weights, bf16 activations" if cfg.quantization is not None else "bf16"
+    print(f"\n{args.preset}, {weights}, {args.streams} streams, {torch.cuda.get_device_name()}")
     print_table(headers, rows)
     if args.markdown:
         write_whole(args.markdown, markdown_table(headers, rows))

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # One GPU session in one command (device machines start bare): install the carried
 # flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
-#   usage: bash tools/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|bench|profile|moe|tp|all|setup]
+#   usage: bash tools/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|bench|profile|moe|tp|fp8|fp8-bench|all|setup]
 #   (run from the repository root)
 # tests: every GPU test (sweep + op-tests + model-tests: ~18 min, more than one call); ops: per-op
 # benchmark; bench: 9B workloads with the peer and generation; profile (not in all): the 9B workloads' device
 # time by phase and top kernels (bench --profile);
 # moe: the 35B-A3B and (12 layers) Qwen3-Next-80B-A3B workloads with the peer, the 35B-A3B default-grid warmup; tp: the two-GPU benchmarks
 # (9B W2 / W5 against the one-GPU JSON in benchmarks/, 27B W1-W6, 35B-A3B W1 / W2 / W5 with the experts
-# split across the ranks and within). `setup` only installs (source it
+# split across the ranks and within); fp8 (not in all): the FP8 primitives' check (tools/check_fp8.py: correctness,
+# cuBLAS shapes, graphs), tests/test_gpu_fp8.py, bench_ops on the 9B FP8 preset; fp8-bench (not in all): the FP8
+# presets' workloads beside their bf16 runs (issue 26). `setup` only installs (source it
 # with `. tools/gpu_session.sh setup` to keep the environment).
 # Wall times measured on H200s (2026-11-30; plan device time by them, 10 minutes per call at most):
 #   test_gpu_sweep -n 8 ~4.5 min; test_gpu_ops ~5.5 min (beside another job); test_gpu_model + capture +
@@ -90,5 +92,25 @@ if [[ $what == tp || $what == all ]] && (( $(nvidia-smi -L | wc -l) >= 2 )); the
             --baseline benchmarks/h200-qwen3.5-35b-a3b.json --json "$OUT/bench-35b-tp2-$mode.json" 2>&1 \
             | tee "$OUT/bench-35b-tp2-$mode.log" | tail -6
     done
+fi
+if [[ $what == fp8 ]]; then
+    limit python3 -m metrale_graph.tools.check_fp8 --sections correctness,cublas,graphs --json "$OUT/fp8.json" \
+        2>"$OUT/fp8.err" | tee "$OUT/fp8.log" | tail -40
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+    limit python3 -m pytest -q -rfE -s -p no:cacheprovider tests/test_gpu_fp8.py 2>&1 | tee "$OUT/gpu_fp8_tests.log" \
+        | grep -E "^(FAILED|ERROR)|passed|failed|graphs vs eager" | tail -30
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+    python3 -m metrale_graph.tools.bench_ops --preset qwen3.5-9b-fp8 --markdown "$OUT/bench_ops-fp8.md" 2>&1 \
+        | tee "$OUT/bench_ops-fp8.log" | tail -14
+fi
+if [[ $what == fp8-bench ]]; then
+    for preset in qwen3.5-9b-fp8 qwen3.5-35b-a3b-fp8; do
+        python3 -m metrale_graph.tools.bench --preset $preset --workloads W1,W2,W3,W4,W5,W6,W7,D1,D32 --variants graphs \
+            --repeat 5 --json "$OUT/bench-$preset.json" --markdown "$OUT/bench-$preset.md" 2>&1 \
+            | tee "$OUT/bench-$preset.log" | tail -12
+    done
+    python3 -m metrale_graph.tools.bench --preset qwen3-next-80b-a3b-fp8 --workloads W1,W2,W3,W4,W5,W6,D1,D32 \
+        --variants graphs --repeat 5 --generate --json "$OUT/bench-next-fp8.json" --markdown "$OUT/bench-next-fp8.md" \
+        2>&1 | tee "$OUT/bench-next-fp8.log" | tail -12
 fi
 exit $status

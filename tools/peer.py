@@ -15,17 +15,21 @@ if TYPE_CHECKING:
 
 def peer_model(model):
     """transformers' causal LM of the model's family with the same bf16 weights (it picks
-    flash-linear-attention's kernels when fla is installed)."""
+    flash-linear-attention's kernels when fla is installed); an FP8 model's weights dequantized (the peer
+    is transformers' bf16 model of the same checkpoint)."""
     import transformers
 
+    from metrale_graph.quantized import dequantize_weights
     from metrale_graph.weights import hf_state_dict
 
-    cfg = model.config
+    cfg, weights = model.config, dict(model.named_parameters())
+    if cfg.quantization is not None:
+        weights, cfg = dequantize_weights(weights, cfg)
     config_cls, model_cls = (getattr(transformers, n) for n in (cfg.family.config_class, cfg.family.causal_lm_class))
     hf_cfg = config_cls(**cfg.to_hf())
     with torch.device("meta"):
         hf = model_cls(hf_cfg)
-    state = hf_state_dict(dict(model.named_parameters()), cfg)
+    state = hf_state_dict(weights, cfg)
     hf.load_state_dict(state, strict=False, assign=True)
     hf.model.rotary_emb = type(hf.model.rotary_emb)(hf_cfg, device=model.device)
     return hf.to(model.device).eval()

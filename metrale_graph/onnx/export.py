@@ -190,7 +190,9 @@ def export_prefill(model, cache: HybridCache, batch_size: int, num_tokens: int,
     """Export `model.forward_packed` for bucket (batch_size, num_tokens) on `cache`'s geometry
     (slots, blocks, block size, blocks per stream). Returns the ONNXProgram.
 
-    The model must be whole: a tensor-parallel shard's collectives have no ONNX form (ValueError)."""
+    The model must be whole: a tensor-parallel shard's collectives have no ONNX form (ValueError); and
+    floating point: an FP8 model (config.quantization) is refused (ValueError), its W8A8 projections
+    (per-token dynamic FP8 activations) having no translation here."""
     for name, value in (("batch_size", batch_size), ("num_tokens", num_tokens)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -201,6 +203,10 @@ def export_prefill(model, cache: HybridCache, batch_size: int, num_tokens: int,
     if tp is not None:
         raise ValueError(f"the ONNX export writes one whole model; this one is a tensor-parallel shard (rank "
                          f"{tp.rank} of {tp.size}): load the model without tp")
+    if getattr(model.config, "quantization", None) is not None:
+        raise ValueError("the ONNX export does not write FP8 models (a quantization_config with float8 weights): "
+                         "its translations have no W8A8 projections; dequantize it first "
+                         "(metrale_graph.quantized.dequantize_weights) or export the floating-point checkpoint")
     model.check_cache(cache)
     pools = cache.pool_names()
     return export_onnx(PrefillStep(model, cache), example_inputs(cache, batch_size, num_tokens), translations,

@@ -31,6 +31,9 @@ model dtype (`_rnd`) wherever the op's CPU reference holds a model-dtype tensor,
 that dtype rounds its result; an op's model-dtype outputs are cast down once at the end (`_down`).
 For fp32 models these helpers add no nodes.
 
+FP8 models are not exported (export_prefill refuses them): a weight's scales argument (`*_s`) is the
+empty tensor of a weight in the model dtype here, and is not read.
+
 Shape letters as in ops/common.py; P = MB*BS key positions per stream.
 """
 
@@ -176,7 +179,7 @@ class _Body:
 
 
 # the ops
-def gdn_proj(x, norm_w, qkv_w, z_w, b_w, a_w, A_log, dt_bias, eps):
+def gdn_proj(x, norm_w, qkv_w, qkv_s, z_w, z_s, b_w, b_s, a_w, a_s, A_log, dt_bias, eps):
     """ops.gdn_proj: (qkv [T, C], z [T, HV*V], beta [T, HV]) in x's dtype, g [T, HV] fp32."""
     dt = x.dtype
     h = _rms_norm(_up(x), norm_w, eps, dt)
@@ -277,7 +280,7 @@ def gdn_recurrence(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state):
     return o, _write_slots(gdn_state, slots, finals, op.Greater(lengths, _const(0)), B)
 
 
-def gdn_out(o, z, residual, gnorm_w, out_w, eps):
+def gdn_out(o, z, residual, gnorm_w, out_w, out_s, eps):
     """ops.gdn_out: gated RMSNorm (as transformers' Qwen3_5RMSNormGated), out_proj, residual."""
     (T, HV, V), dt = o.shape, o.dtype
     of = _normalize(_up(o), eps)
@@ -287,7 +290,7 @@ def gdn_out(o, z, residual, gnorm_w, out_w, eps):
     return _down(out if residual is None else op.Add(_up(residual), out), dt)
 
 
-def mlp(h, norm_w, gate_w, up_w, down_w, eps, add_residual=True):
+def mlp(h, norm_w, gate_w, gate_s, up_w, up_s, down_w, down_s, eps, add_residual=True):
     """ops.mlp: h + down(silu(gate(n)) * up(n)), n = rms_norm(h)."""
     hf, dt = _up(h), h.dtype
     out = _swiglu(_rms_norm(hf, norm_w, eps, dt), gate_w, up_w, down_w, dt)
@@ -305,8 +308,8 @@ def _rounded_sum(x, T: int, n: int, D: int, dt: ir.DataType):
     return _emit("Loop", _const(n), None, zeros, outputs=1, body=loop)[0]
 
 
-def moe(h, norm_w, router_w, w13, w2, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, top_k,
-        norm_topk, eps, first_expert=0, add_residual=True):
+def moe(h, norm_w, router_w, w13, w13_s, w2, w2_s, shared_gate_w, shared_gate_s, shared_up_w, shared_up_s,
+        shared_down_w, shared_down_s, shared_expert_gate_w, top_k, norm_topk, eps, first_expert=0, add_residual=True):
     """ops.moe, densely: every expert runs on every token and the routing weights (zero for the experts
     a token did not choose) combine them. Exact, and quadratic in nothing; meant for CPU checks, not
     for speed (T * E expert rows)."""
@@ -350,7 +353,7 @@ def _rope(x, cos, sin, R: int, HD: int, dt: ir.DataType):
     return op.Concat(out, op.Slice(x, _const([R]), _const([HD]), _const([-1])), axis=-1)
 
 
-def attn_proj(x, norm_w, q_w, k_w, v_w, q_norm_w, k_norm_w, positions, inv_freq, head_dim, eps):
+def attn_proj(x, norm_w, q_w, q_s, k_w, k_s, v_w, v_s, q_norm_w, k_norm_w, positions, inv_freq, head_dim, eps):
     """ops.attn_proj: q [T, HQ, HD], k, v [T, HKV, HD], gate [T, HQ*HD]."""
     T, HD, dt = x.shape[0], head_dim, x.dtype
     HQ, HKV, R = q_w.shape[0] // (2 * HD), k_w.shape[0] // HD, 2 * inv_freq.shape[0]
@@ -403,7 +406,7 @@ def paged_attention(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_t
     return _down(op.Reshape(o, _const([T, HQ, HD])), dt), k_cache, v_cache
 
 
-def attn_out(o, gate, residual, o_w):
+def attn_out(o, gate, residual, o_w, o_s):
     """ops.attn_out: o * sigmoid(gate), o_proj, residual."""
     (T, HQ, HD), dt = o.shape, o.dtype
     gated = _rnd(op.Mul(op.Reshape(_up(o), _const([T, HQ * HD])), _rnd(op.Sigmoid(_up(gate)), dt)), dt)

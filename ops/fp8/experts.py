@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..moe.align import align_pairs, block_m  # the bf16 grouped GEMMs' pair sorting and block rows
 from .quant import (FP8_DTYPE, INTERPRET, SCALE_DTYPES, dequantize_weight_blocks, fake_quantize_activations,
                     num_blocks, quantize_activations, quantize_e4m3, round_to)
 
@@ -248,6 +247,10 @@ def moe_experts_fp8(x, top_w, top_e, w13, w13_scale, w2, w2_scale, first_expert=
     (the reference otherwise). No host sync; every size follows from T, k and the expert counts, so a
     CUDA graph of it is static. num_experts: the router's E (default EL); with first_expert, the experts
     of this tensor-parallel rank. Returns a fresh y [T * k, D] in x's dtype; mutates nothing."""
+    # the bf16 grouped GEMMs' pair sorting and block rows; imported here, as importing ops.fp8 (which the
+    # phase ops do) must not import the ops.moe package, registering metrale::moe before the ops before it
+    from ..moe.align import align_pairs, block_m
+
     check_experts(x, top_w, top_e, w13, w13_scale, w2, w2_scale, first_expert, num_experts)
     if not (x.is_cuda or INTERPRET):
         return moe_experts_fp8_ref(x, top_w, top_e, w13, w13_scale, w2, w2_scale, first_expert, num_experts)

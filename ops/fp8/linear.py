@@ -55,12 +55,17 @@ def block_fp8_linear_ref(x: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtyp
     return (y if residual is None else y + residual.float()).to(out_dtype)
 
 
+CUBLAS_MIN_ROWS = 16  # cuBLAS' blockwise FP8 GEMM takes M in multiples of 16: fewer rows take the Triton GEMM
+
+
 def cublas_blockwise_ok(N: int, K: int, device: torch.device, out_dtype=torch.bfloat16) -> bool:
-    """Whether block_fp8_linear's auto backend takes cuBLAS: Hopper or later, a bf16 output, whole
-    128-blocks in N and K, and KB = K / 128 a multiple of 4 (the weight scales' row stride is then
-    16-byte aligned, the layout every torch version's blockwise check accepts). Static sizes only
-    (capture-safe). tools/check_fp8.py reports which other shapes and dtypes cuBLAS takes."""
-    return (device.type == "cuda" and not INTERPRET and out_dtype == torch.bfloat16
+    """Whether block_fp8_linear's auto backend takes cuBLAS for an [N, K] weight: Hopper or later, a bf16
+    or fp32 output, N a multiple of 128 (whole weight-scale blocks; cuBLAS refuses N not a multiple of
+    16) and K a multiple of 512 (KB = K / 128 a multiple of 4). On an H200 (torch 2.11, cuBLAS 13) K of
+    128, 384 and 4224 (KB 1, 3, 33) were accepted and gave wrong results, and a weight-scale row stride
+    padded to 4 was refused, so those K take the Triton GEMM; M is padded to a multiple of 16
+    (block_fp8_linear). Static sizes only (capture-safe)."""
+    return (device.type == "cuda" and not INTERPRET and out_dtype in (torch.bfloat16, torch.float32)
             and torch.cuda.get_device_capability(device) >= (9, 0) and N % BLOCK == 0 and K % (4 * BLOCK) == 0)
 
 
@@ -176,19 +181,23 @@ def block_fp8_linear(x: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype=No
     w_scale_inv [NB, KB] fp32 or bf16, residual [T, N] in out_dtype or None -> fresh [T, N] in out_dtype
     (default x's dtype). Mutates nothing. The Triton GEMM adds the residual in its epilogue (one rounding,
     as the reference); cuBLAS' output is rounded, then the residual added (a second rounding).
-    backend: "auto" (cuBLAS where cublas_blockwise_ok, else Triton), "cublas" or "triton" (CUDA or the
-    interpreter); on a CPU without the interpreter every backend is the reference. Bad arguments raise
-    ValueError naming them."""
+    backend: "auto" (cuBLAS where cublas_blockwise_ok and T >= 16, else Triton), "cublas" or "triton"
+    (CUDA or the interpreter); on a CPU without the interpreter every backend is the reference. cuBLAS
+    runs on T rounded up to a multiple of 16 (zero rows, sliced off). Bad arguments raise ValueError
+    naming them."""
     out_dtype = _check(x, w_fp8, w_scale_inv, out_dtype, residual, "block_fp8_linear")
     if backend not in BACKENDS:
         raise ValueError(f"block_fp8_linear: backend must be one of {BACKENDS}, got {backend!r}")
     if not (x.is_cuda or INTERPRET):
         return block_fp8_linear_ref(x, w_fp8, w_scale_inv, out_dtype, residual)
+    T = x.shape[0]
     N, K = w_fp8.shape
-    use_cublas = x.is_cuda and (backend == "cublas" or (
-        backend == "auto" and cublas_blockwise_ok(N, K, x.device, out_dtype)))
-    x_fp8, x_scale = quantize_activations(x, column_major_scales=use_cublas)
+    use_cublas = x.is_cuda and T > 0 and (backend == "cublas" or (
+        backend == "auto" and T >= CUBLAS_MIN_ROWS and cublas_blockwise_ok(N, K, x.device, out_dtype)))
     if use_cublas:
-        out = block_fp8_gemm_cublas(x_fp8, x_scale, w_fp8, w_scale_inv, out_dtype)
+        rows = -(-T // CUBLAS_MIN_ROWS) * CUBLAS_MIN_ROWS
+        x_fp8, x_scale = quantize_activations(x, column_major_scales=True, rows=rows)
+        out = block_fp8_gemm_cublas(x_fp8, x_scale, w_fp8, w_scale_inv, out_dtype)[:T]
         return out if residual is None else out.add_(residual)
+    x_fp8, x_scale = quantize_activations(x)
     return block_fp8_gemm_triton(x_fp8, x_scale, w_fp8, w_scale_inv, out_dtype, residual)

@@ -12,10 +12,14 @@ the elements they hold (transformers' quantizer leaves such tensors in bf16; we 
 
 Activations: per token and group of 128 channels, as vLLM's / SGLang's per_token_group_quant_fp8:
 scale = max(amax, 1e-10) / 448, x_fp8 = clamp(x / scale, -448, 448) rounded to nearest even; both
-divisions IEEE (fp32). A group of zeros gets scale 1e-10 / 448 and codes 0. The Triton kernel and the
-torch reference agree bit for bit (codes and scales).
+divisions IEEE (fp32: div_rn in the kernel, tensor divisors in the reference on every device). A group
+of zeros gets scale 1e-10 / 448 and codes 0. The Triton kernel and the torch reference agree bit for
+bit (codes and scales).
 """
 
+
+import contextlib
+import os
 
 import torch
 import triton
@@ -32,6 +36,32 @@ SCALE_DTYPES = (torch.float32, torch.bfloat16)  # weight_scale_inv as checkpoint
 # truncates fp32 -> bf16; there the kernels round on the bits first (_round_e4m3, round_to), so the
 # casts that follow are exact and the CPU suite sees the GPU's numerics.
 _ROUND_BITS = tl.constexpr(INTERPRET)
+
+
+# Debug option: FP8 projections compute with unrounded activations (weight-only FP8: x @ dequantized(w).T),
+# set by activation_rounding(False) or METRALE_FP8_ACTIVATIONS=off. Read at call time by the phase ops
+# (ops/fp8/projection.py, ops/moe), never traced.
+_ROUNDING = {"activations": os.environ.get("METRALE_FP8_ACTIVATIONS", "on").lower() not in ("off", "0", "false")}
+
+
+def activations_rounded() -> bool:
+    """Whether the phase ops round activations to FP8 before an FP8 GEMM (W8A8, the default)."""
+    return _ROUNDING["activations"]
+
+
+@contextlib.contextmanager
+def activation_rounding(enabled: bool):
+    """Within the block, the phase ops' FP8 projections round activations (W8A8, True: the default) or not
+    (False: weight-only, x @ dequantized(w).T; a debug option that isolates the weights' quantization from
+    the activations'; on CUDA it dequantizes every weight per call, slowly). Not thread-local."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"activation_rounding takes True or False, got {enabled!r}")
+    before = _ROUNDING["activations"]
+    _ROUNDING["activations"] = enabled
+    try:
+        yield
+    finally:
+        _ROUNDING["activations"] = before
 
 
 def num_blocks(n: int) -> int:
@@ -109,7 +139,10 @@ def quantize_activations_ref(x: Tensor) -> tuple[Tensor, Tensor]:
     T, K = x.shape
     KB = num_blocks(K)
     xf = torch.nn.functional.pad(x.float(), (0, KB * BLOCK - K)).reshape(T, KB, BLOCK)
-    scale = xf.abs().amax(dim=-1).clamp_min(ACT_EPS) / FP8_MAX
+    amax = xf.abs().amax(dim=-1).clamp_min(ACT_EPS)
+    # a tensor divisor, not the Python number: CUDA's torch divides by a CPU scalar as a multiplication
+    # by its reciprocal (one rounding more), which moved scales by an ulp against the kernel's div_rn
+    scale = amax / amax.new_full((), FP8_MAX)
     q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.reshape(T, KB * BLOCK)[:, :K].contiguous(), scale
 
@@ -176,18 +209,27 @@ def _quantize_activations_kernel(x_ptr, q_ptr, s_ptr, T, K, stride_x, stride_st,
     tl.store(s_ptr + r64 * stride_st + g * stride_sg, scale, mask=rows < T)
 
 
-def quantize_activations_triton(x: Tensor, column_major_scales: bool = False) -> tuple[Tensor, Tensor]:
+def quantize_activations_triton(x: Tensor, column_major_scales: bool = False,
+                                rows: int | None = None) -> tuple[Tensor, Tensor]:
     """quantize_activations_ref in one Triton launch. x [T, K] with unit inner stride (any row stride).
-    Returns fresh (x_fp8 [T, K] contiguous, scale [T, KB] fp32); with column_major_scales the scale is
-    stored KB-major (strides (1, T)), the layout cuBLAS' 1x128 blockwise scaling reads."""
+    Returns fresh (x_fp8 [R, K] contiguous, scale [R, KB] fp32), R = rows (default T, at least T): rows
+    past T hold zero codes and zero scales (the padding cuBLAS' blockwise GEMM needs, M a multiple of 16).
+    With column_major_scales the scale is stored KB-major (strides (1, R)), the layout cuBLAS' 1x128
+    blockwise scaling reads."""
     _check_activations(x, "quantize_activations")
     if x.stride(-1) != 1:
         x = x.contiguous()
     T, K = x.shape
+    R = T if rows is None else rows
+    if R < T:
+        raise ValueError(f"quantize_activations: rows ({R}) must be at least x's {T} rows")
     KB = num_blocks(K)
-    q = torch.empty((T, K), dtype=FP8_DTYPE, device=x.device)
-    scale = (torch.empty((KB, T), dtype=torch.float32, device=x.device).t() if column_major_scales
-             else torch.empty((T, KB), dtype=torch.float32, device=x.device))
+    q = torch.empty((R, K), dtype=FP8_DTYPE, device=x.device)
+    scale = (torch.empty((KB, R), dtype=torch.float32, device=x.device).t() if column_major_scales
+             else torch.empty((R, KB), dtype=torch.float32, device=x.device))
+    if R > T:
+        q[T:].view(torch.uint8).zero_()
+        scale[T:].zero_()
     if T and K:
         BT = 16 if INTERPRET else 32
         _quantize_activations_kernel[(triton.cdiv(T, BT), KB)](x, q, scale, T, K, x.stride(0), scale.stride(0),
@@ -195,10 +237,15 @@ def quantize_activations_triton(x: Tensor, column_major_scales: bool = False) ->
     return q, scale
 
 
-def quantize_activations(x: Tensor, column_major_scales: bool = False) -> tuple[Tensor, Tensor]:
-    """x [T, K] -> (x_fp8 [T, K], scale [T, KB] fp32): the Triton kernel on CUDA (and under the
-    interpreter), the torch reference otherwise. Same values either way."""
+def quantize_activations(x: Tensor, column_major_scales: bool = False,
+                         rows: int | None = None) -> tuple[Tensor, Tensor]:
+    """x [T, K] -> (x_fp8 [R, K], scale [R, KB] fp32), R = rows (default T; rows past T zero, see
+    quantize_activations_triton): the Triton kernel on CUDA (and under the interpreter), the torch
+    reference otherwise. Same values either way."""
     if x.is_cuda or INTERPRET:
-        return quantize_activations_triton(x, column_major_scales)
+        return quantize_activations_triton(x, column_major_scales, rows)
     q, s = quantize_activations_ref(x)
+    if rows is not None and rows > x.shape[0]:
+        q = torch.cat([q, q.new_zeros(rows - x.shape[0], q.shape[1])])
+        s = torch.cat([s, s.new_zeros(rows - x.shape[0], s.shape[1])])
     return q, (s.t().contiguous().t() if column_major_scales else s)

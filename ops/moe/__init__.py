@@ -19,11 +19,14 @@ from torch import Tensor
 
 from .. import kernels
 from ..common import INTERPRET, check, check_tensor, rms_norm
-from ..registry import OpSpec, Shapes, metrale_cuda, metrale_fake, metrale_op, norm_weight, rand, register, weight
+from ..fp8 import projection as fp8
+from ..fp8.experts import moe_experts_fp8
+from ..registry import (OpSpec, Shapes, fp8_weight, metrale_cuda, metrale_fake, metrale_op, norm_weight, rand,
+                        register, weight)
 from .align import align_pairs, block_m
 from .combine import combine_outputs
 from .gemm import down, gate_up
-from .reference import route, routed_experts, shared_expert
+from .reference import route, routed_experts, routed_experts_fp8, shared_expert
 from .routing import route_topk
 
 
@@ -35,18 +38,27 @@ def _check(a):
     first = a.first_expert
     check(isinstance(first, int) and 0 <= first and first + EL <= E,
           f"experts {first}..{first + EL - 1} are not among the router's {E}")
-    for name, shape in (("router_w", (E, D)), ("w13", (EL, 2 * IE, D)), ("w2", (EL, D, IE)),
-                        ("shared_gate_w", (IS, D)), ("shared_up_w", (IS, D)), ("shared_down_w", (D, IS)),
-                        ("shared_expert_gate_w", (1, D))):
+    for name, shape in (("router_w", (E, D)), ("shared_expert_gate_w", (1, D))):
         w = getattr(a, name)
         check_tensor(w, name, ndim=len(shape), dtype=a.h.dtype, device=a.h.device)
         check(tuple(w.shape) == shape, f"{name} has shape {tuple(w.shape)}, expected {shape}")
+    for name, shape in (("w13", (EL, 2 * IE, D)), ("w2", (EL, D, IE))):
+        check_tensor(getattr(a, name), name, ndim=3)
+        fp8.check_experts_weight(getattr(a, name), getattr(a, name + "_s"), name, a.h.dtype, a.h.device, shape,
+                                 2 if name == "w13" else 1)
+    check(fp8.is_fp8(a.w13) == fp8.is_fp8(a.w2), f"w13 is {a.w13.dtype} and w2 {a.w2.dtype}: the experts' "
+                                                  "projections are FP8 together or not at all")
+    for name, shape in (("shared_gate_w", (IS, D)), ("shared_up_w", (IS, D)), ("shared_down_w", (D, IS))):
+        w = getattr(a, name)
+        check_tensor(w, name, ndim=2)
+        fp8.check_weight(w, getattr(a, name[:-2] + "_s"), name, a.h.dtype, a.h.device, shape)
     check(isinstance(a.top_k, int) and 1 <= a.top_k <= E, f"top_k must be in 1..{E} (the experts), got {a.top_k}")
 
 
 @metrale_op(check=_check)
-def moe(h: Tensor, norm_w: Tensor, router_w: Tensor, w13: Tensor, w2: Tensor, shared_gate_w: Tensor,
-        shared_up_w: Tensor, shared_down_w: Tensor, shared_expert_gate_w: Tensor, top_k: int, norm_topk: bool,
+def moe(h: Tensor, norm_w: Tensor, router_w: Tensor, w13: Tensor, w13_s: Tensor, w2: Tensor, w2_s: Tensor,
+        shared_gate_w: Tensor, shared_gate_s: Tensor, shared_up_w: Tensor, shared_up_s: Tensor,
+        shared_down_w: Tensor, shared_down_s: Tensor, shared_expert_gate_w: Tensor, top_k: int, norm_topk: bool,
         eps: float, first_expert: int = 0, add_residual: bool = True) -> Tensor:
     """Sparse MoE block with its norm and residual. The CPU reference: plain torch, op for op as
     transformers' Qwen3_5MoeSparseMoeBlock (experts in ascending order, each over the tokens that
@@ -60,6 +72,10 @@ def moe(h: Tensor, norm_w: Tensor, router_w: Tensor, w13: Tensor, w2: Tensor, sh
             for experts first_expert .. first_expert + EL - 1 (EL = E without tensor parallelism).
         w2: [EL, D, IE] each of those experts' down projection (experts.down_proj).
         shared_gate_w, shared_up_w: [IS, D]; shared_down_w: [D, IS]: the shared expert.
+        w13_s, w2_s, shared_gate_s, shared_up_s, shared_down_s: the FP8 block scales of the weight before
+            each, where it is float8_e4m3fn (w13_s [EL, 2 * ceil(IE/128), ceil(D/128)]: the gate's grid, then
+            the up's; w2_s [EL, ceil(D/128), ceil(IE/128)]), else an empty tensor (ops/fp8/projection.py).
+            The router and the shared expert's gate stay in h's dtype.
         shared_expert_gate_w: [1, D] the shared expert's sigmoid gate.
         top_k: experts per token (1..E). norm_topk: renormalize the top-k weights to sum 1.
         eps: RMSNorm epsilon.
@@ -73,8 +89,10 @@ def moe(h: Tensor, norm_w: Tensor, router_w: Tensor, w13: Tensor, w2: Tensor, sh
     """
     n = rms_norm(h, norm_w, eps)
     top_w, top_e = route(n, router_w, top_k, norm_topk)
-    ffn = (routed_experts(n, top_w, top_e, w13, w2, first_expert)
-           + shared_expert(n, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w))
+    routed = (routed_experts_fp8(n, top_w, top_e, w13, w13_s, w2, w2_s, first_expert) if fp8.is_fp8(w13)
+              else routed_experts(n, top_w, top_e, w13, w2, first_expert))
+    ffn = routed + shared_expert(n, shared_gate_w, shared_up_w, shared_down_w, shared_expert_gate_w, shared_gate_s,
+                                 shared_up_s, shared_down_s)
     return (h + ffn if add_residual else ffn).contiguous()  # h + ffn follows h's layout
 
 
@@ -103,11 +121,26 @@ def moe_cuda(a):
         return torch.empty_like(h, memory_format=torch.contiguous_format)
     h = h if h.stride(-1) == 1 else h.contiguous()
     n = kernels.rms_norm(h, a.norm_w, a.eps)  # [T, D] contiguous
-    dense = n @ kernels.stacked(a.shared_gate_w, a.shared_up_w, a.router_w).t()  # [T, 2IS + E]
-    shared = kernels.silu_mul(dense[:, :2 * IS]) @ a.shared_down_w.t()  # [T, D]
-    top_w, top_e = route_topk(dense[:, 2 * IS:2 * IS + E], top_k, a.norm_topk)
+    shared_fp8 = any(fp8.is_fp8(w) for w in (a.shared_gate_w, a.shared_up_w, a.shared_down_w))
+    if not shared_fp8:
+        dense = n @ kernels.stacked(a.shared_gate_w, a.shared_up_w, a.router_w).t()  # [T, 2IS + E]
+        shared = kernels.silu_mul(dense[:, :2 * IS]) @ a.shared_down_w.t()  # [T, D]
+        logits = dense[:, 2 * IS:2 * IS + E]
+    else:  # FP8 shared expert: its gate | up one W8A8 GEMM where stacked, the router a GEMM of its own
+        gate, up = fp8.project(n, [(a.shared_gate_w, a.shared_gate_s), (a.shared_up_w, a.shared_up_s)])
+        stacked = up.data_ptr() == gate.data_ptr() + IS * gate.element_size() and gate.stride() == up.stride()
+        shared = fp8.project_one(kernels.silu_mul(gate.as_strided((T, 2 * IS), gate.stride()) if stacked
+                                                  else torch.cat([gate, up], dim=1)), a.shared_down_w, a.shared_down_s)
+        logits = n @ a.router_w.t()
+    top_w, top_e = route_topk(logits, top_k, a.norm_topk)
 
     P = T * top_k
+    w13, w2 = _inner_contiguous(a.w13), _inner_contiguous(a.w2)
+    if fp8.is_fp8(w13) and fp8.activations_rounded():  # W8A8 grouped GEMMs (their own pair alignment)
+        y = moe_experts_fp8(n, top_w, top_e, w13, a.w13_s, w2, a.w2_s, first_expert, E)
+        return combine_outputs(h, n, _inner_contiguous(a.shared_expert_gate_w), y, shared, top_k, a.add_residual)
+    if fp8.is_fp8(w13):  # weight-only debug mode: the experts dequantized, the bf16 kernels
+        w13, w2 = fp8.dequantized(w13, a.w13_s, h.dtype, parts=2), fp8.dequantized(w2, a.w2_s, h.dtype)
     if EL < E:  # tensor parallelism: other ranks' experts go to a group of their own, whose blocks are skipped
         top_e = top_e - first_expert
         top_e = torch.where((top_e >= 0) & (top_e < EL), top_e, EL)
@@ -116,17 +149,18 @@ def moe_cuda(a):
     if EL < E:
         block_expert = torch.where(block_expert == EL, -1, block_expert)
     ieee = h.dtype == torch.float32 or INTERPRET
-    act = gate_up(n, _inner_contiguous(a.w13), sorted_ids, block_expert, top_k, BM, ieee)
+    act = gate_up(n, w13, sorted_ids, block_expert, top_k, BM, ieee)
     y = h.new_empty(P, D) if EL == E else h.new_zeros(P, D)  # pairs of other ranks' experts: 0
-    down(act, _inner_contiguous(a.w2), sorted_ids, block_expert, top_w, y, BM, ieee)
+    down(act, w2, sorted_ids, block_expert, top_w, y, BM, ieee)
     return combine_outputs(h, n, _inner_contiguous(a.shared_expert_gate_w), y, shared, top_k, a.add_residual)
 
 
 def example(s: Shapes, dtype, g):
+    """With s.fp8 the experts and the shared expert FP8 (the router and the shared expert's gate in dtype)."""
     return (rand(g, s.T, s.D, dtype=dtype), norm_weight(g, s.D, dtype), weight(g, s.E, s.D, dtype=dtype),
-            weight(g, s.E, 2 * s.IE, s.D, dtype=dtype), weight(g, s.E, s.D, s.IE, dtype=dtype),
-            weight(g, s.IS, s.D, dtype=dtype), weight(g, s.IS, s.D, dtype=dtype), weight(g, s.D, s.IS, dtype=dtype),
-            weight(g, 1, s.D, dtype=dtype), s.TOPK, True, s.eps)
+            *fp8_weight(s, g, dtype, s.E, 2 * s.IE, s.D, parts=2), *fp8_weight(s, g, dtype, s.E, s.D, s.IE),
+            *fp8_weight(s, g, dtype, s.IS, s.D), *fp8_weight(s, g, dtype, s.IS, s.D),
+            *fp8_weight(s, g, dtype, s.D, s.IS), weight(g, 1, s.D, dtype=dtype), s.TOPK, True, s.eps)
 
 
 def cost(s: Shapes):
@@ -135,7 +169,8 @@ def cost(s: Shapes):
     T, D = s.T, s.D
     flops = 2 * T * (s.E * D + s.TOPK * 3 * D * s.IE + 3 * D * s.IS + D)
     touched = min(s.E, T * s.TOPK)
-    return flops, 2 * (touched * 3 * D * s.IE + (s.E + 3 * s.IS + 1) * D + 2 * T * D)
+    wb = 1 if s.fp8 else 2  # bytes per converted weight element (the experts, the shared expert)
+    return flops, wb * (touched * 3 * D * s.IE + 3 * s.IS * D) + 2 * ((s.E + 1) * D + 2 * T * D)
 
 
 register(OpSpec(moe, example, cost, cuda=moe_cuda,

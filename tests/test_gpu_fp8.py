@@ -1,0 +1,81 @@
+"""On a GPU: the FP8 ops' CUDA paths (cuBLAS blockwise with rows padded to 16, the Triton GEMMs below
+16 rows, the FP8 expert GEMMs) against their references at 35B-A3B-like head shapes, an FP8 model's
+graph replay against eager, and the FP8 presets built on the device (9B whole, Qwen3-Next-80B-A3B with
+all 48 layers on one H200)."""
+
+import pytest
+import torch
+
+from helpers import clone_args, outputs, rel_err, upcast
+from metrale_graph import PRESETS, HybridModel, Stream
+from metrale_graph.ops import REGISTRY, Shapes, example_args
+from op_cases import FP8_OPS
+
+pytestmark = pytest.mark.gpu
+
+# 35B-A3B's head shapes (fewer experts): D 2048, GDN 16 / 32 heads of 128, attention 16 / 2 heads of 256,
+# experts of 512; a decode batch (Triton GEMMs), a prefill of 322 tokens (cuBLAS, rows padded to 336)
+CASES = [Shapes(lengths=(1, 1, 1), context=(5, 9, 0), H=16, HV=32, K=128, V=128, HQ=16, HKV=2, HD=256, R=64, D=2048,
+                I=4096, E=16, TOPK=4, IE=512, IS=512, BS=64, num_blocks=8, fp8=True),
+         Shapes(lengths=(17, 300, 5), context=(0, 40, 0), H=16, HV=32, K=128, V=128, HQ=16, HKV=2, HD=256, R=64,
+                D=2048, I=4096, E=16, TOPK=4, IE=512, IS=512, BS=64, num_blocks=24, fp8=True)]
+# bf16 against the fp32 reference on the same FP8 weights: a bf16 ulp in a quantizer's input flips an FP8
+# code (tests/test_kernels.py FP8_BF16_TOL); fp32: the GEMMs' accumulation order only
+TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=["decode", "prefill"])
+@pytest.mark.parametrize("name", FP8_OPS)
+def test_fp8_ops_match_reference_on_cuda(name, case, dtype):
+    args = example_args(name, case, dtype, seed=1)
+    ref = outputs(REGISTRY[name].op(*upcast(clone_args(args, "cpu"))))
+    out = outputs(REGISTRY[name].op(*clone_args(args, "cuda")))
+    for i, (r, o) in enumerate(zip(ref, out)):
+        if r.numel():
+            err = rel_err(o.cpu(), r)
+            print(f"{name} {dtype} T={case.T} output {i}: {err:.2e}")
+            assert err <= TOL[dtype], (name, i, err)
+
+
+def test_fp8_model_graph_replay_equals_eager():
+    """An FP8 model (9B head shapes, 4 layers) through GraphRunner: two replays of a batch are bit-identical,
+    and within the FP8 reach of the eager step (a compiled step rounds elsewhere in bf16, which flips the
+    odd FP8 code)."""
+    from metrale_graph.capture import GraphRunner
+    from metrale_graph.quantization import QWEN_KEPT
+    from metrale_graph.quantized import fp8_config
+
+    cfg = fp8_config(PRESETS["qwen3.5-9b"].replace(vocab_size=2048, hidden_size=1024, intermediate_size=2048,
+                                                   num_hidden_layers=4), QWEN_KEPT)
+    model = HybridModel.from_preset(cfg, dtype=torch.bfloat16, device="cuda", seed=3)
+    runner = GraphRunner(model, model.new_cache(8, 64), batch_sizes=[4], token_counts=[64, 512])
+    g = torch.Generator().manual_seed(3)
+    for lengths in ([1, 1, 1], [17, 300, 5]):
+        streams = [Stream(i, torch.randint(0, 2048, (n,), generator=g)) for i, n in enumerate(lengths)]
+        eager_cache = model.new_cache(8, 64)
+        ref = model.prefill(eager_cache, streams)
+        first = runner.prefill(streams)
+        for s in range(len(lengths)):
+            runner.cache.reset(s)
+        again = runner.prefill(streams)
+        for s in range(len(lengths)):
+            runner.cache.reset(s)
+        assert torch.equal(first, again)
+        print(f"lengths {lengths}: graphs vs eager {rel_err(first.float(), ref.float()):.2e}")
+        assert rel_err(first.float(), ref.float()) <= 5e-2
+
+
+@pytest.mark.parametrize("preset, gb", [("qwen3.5-9b-fp8", 11.0), ("qwen3-next-80b-a3b-fp8", 80.4)])
+def test_fp8_presets_on_one_gpu(preset, gb):
+    """The FP8 presets drawn and quantized on the device: their weights' bytes, and a prefill runs (the
+    80B-A3B with all 48 layers on one H200)."""
+    torch.cuda.empty_cache()
+    model = HybridModel.from_preset(preset, dtype=torch.bfloat16, device="cuda", seed=0)
+    held = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
+    assert abs(held - gb) < 0.2, held
+    cache = model.new_cache(4, 64)
+    logits = model.prefill(cache, [Stream(0, list(range(1, 300))), Stream(1, [7])])
+    assert logits.shape == (2, model.config.vocab_size) and torch.isfinite(logits).all()
+    del model, cache
+    torch.cuda.empty_cache()
