@@ -11,7 +11,9 @@ then 200. SIGTERM or Ctrl-C ends it gracefully: new requests are refused, runnin
 --shutdown-timeout seconds to finish and then end with an error, the port is freed, and the tool
 prints what it served and one JSON line (exit code 0). Under `torchrun --nproc-per-node N ... --tp N`
 rank 0 serves HTTP and the other ranks follow its engine's steps (Engine(broadcast_plans=True),
-engine.follow()); they end when rank 0 does.
+engine.follow()), ignoring SIGINT / SIGTERM: they end when rank 0 does. Stop such a server with
+SIGTERM to rank 0 (its pid is on the "serving" line): every rank then exits 0, and so does torchrun
+(a signal to torchrun itself ends the server as well, but torchrun reports the signal).
 """
 
 from __future__ import annotations
@@ -111,11 +113,12 @@ def main(argv=None) -> None:
     p, args = _parse_args(argv)
     _check_installed(p)
     check_engine_sizes(p, args)
+    kwargs = _engine_kwargs(p, args)
     run = start_run(args, p)
     sock = _listen_socket(p, args.host, args.port) if run.reports else None
     t0 = time.perf_counter()
     model = load_model(args, p, run)
-    engine = build_engine(p, args, model, **_engine_kwargs(p, args))
+    engine = build_engine(p, args, model, **kwargs)
     if not run.reports:  # a follower rank: rank 0's SHUTDOWN ends it (its own signals would only kill it early)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
@@ -145,7 +148,7 @@ def _serve(args, engine, name: str, sock: socket.socket, run) -> None:
                                 name="metrale-serve-warmup", daemon=True)
         warm.start()
     else:
-        print(f"serving {name!r} at {url} (no warmup: buckets compile on first use)", flush=True)
+        print(f"serving {name!r} at {url} (pid {os.getpid()}; no warmup: buckets compile on first use)", flush=True)
     t0 = time.perf_counter()
     # uvicorn re-raises a signal it handled once it has shut down; these handlers take it then (the shutdown
     # is done: the tool ends as usual, exit code 0)
@@ -191,7 +194,8 @@ def _warm_up(engine, state, server, url: str, progress: bool) -> None:
         return
     what = "eager" if engine.runner is None else f"{len(engine.runner.grid)} buckets"
     state.ready.set()
-    print(f"warmup ({what}): {time.perf_counter() - t:.1f} s\nserving {state.model_name!r} at {url}", flush=True)
+    print(f"warmup ({what}): {time.perf_counter() - t:.1f} s\nserving {state.model_name!r} at {url} (pid {os.getpid()})",
+          flush=True)
 
 
 _drain_lock = threading.Lock()
