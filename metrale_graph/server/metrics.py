@@ -2,10 +2,10 @@
 
 Read from the engine at each scrape (Engine.stats()): running and waiting requests, slots and KV
 blocks in use, engine steps. Counted by the server per request (`RequestMetrics`): time to first
-token, inter-token latency and end-to-end latency histograms, new tokens as they come, and as each
-request ends its prompt tokens, its finish reason ("stop", "length", "abort": the client went away;
-"error": it failed), and the prefix cache's queried and hit prompt tokens (`cached_tokens` of a GenerationResult, 0
-while the engine has no prefix cache), whose ratio is the hit rate. Names follow vLLM's
+token, inter-token latency and end-to-end latency histograms, and as each request ends its prompt
+and new tokens, its finish reason ("stop", "length", "abort": the client went away; "error": it
+failed), and the prefix cache's queried and hit prompt tokens (`cached_tokens` of a
+GenerationResult, 0 while the engine has no prefix cache), whose ratio is the hit rate. Names follow vLLM's
 (`vllm:time_to_first_token_seconds` here is `metrale_time_to_first_token_seconds`).
 """
 
@@ -74,7 +74,7 @@ class ServerMetrics:
                         "of the engine: one token).", ITL_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "Seconds from a request's arrival to its end.", E2E_BUCKETS)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests that ended.")
-        self.generation_tokens = counter("generation_tokens", "New tokens, counted as they reach the server.")
+        self.generation_tokens = counter("generation_tokens", "New tokens of the requests that ended.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled "
                                    "again).")
@@ -85,15 +85,13 @@ class ServerMetrics:
         # the same counts as plain numbers, for the serve tool's report at exit
         self.totals = dict.fromkeys(FINISH_REASONS + ("prompt_tokens", "generation_tokens"), 0)
 
-    def _ended(self, reason: str, prompt_tokens: int) -> None:
+    def _ended(self, reason: str, prompt_tokens: int, generation_tokens: int) -> None:
         self.finished[reason].inc()
         self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generation_tokens)
         self.totals[reason] += 1
         self.totals["prompt_tokens"] += prompt_tokens
-
-    def _generated(self, tokens: int) -> None:
-        self.generation_tokens.inc(tokens)
-        self.totals["generation_tokens"] += tokens
+        self.totals["generation_tokens"] += generation_tokens
 
     def request(self) -> "RequestMetrics":
         return RequestMetrics(self)
@@ -110,11 +108,10 @@ class RequestMetrics:
         self.ended = False
 
     def output(self, tokens: int) -> None:
-        """An output of `tokens` new tokens reached the server."""
+        """An output of `tokens` new tokens reached the server (per token: only the latency histograms)."""
         if not tokens:
             return
         self.tokens += tokens
-        self.metrics._generated(tokens)
         now = time.perf_counter()
         if self.first is None:
             self.first = now
@@ -124,7 +121,8 @@ class RequestMetrics:
         self.last = now
 
     def finish(self, result) -> None:
-        """The request ended: `result` is its GenerationResult (finish_reason "abort" for an aborted one)."""
+        """The request ended: `result` is its GenerationResult (finish_reason "abort" for an aborted one: its
+        tokens include those nobody read)."""
         if self.ended:
             return
         self.ended = True
@@ -132,13 +130,12 @@ class RequestMetrics:
         m.e2e.observe(time.perf_counter() - self.arrival)
         m.prefix_queries.inc(result.prompt_tokens)
         m.prefix_hits.inc(getattr(result, "cached_tokens", 0) or 0)
-        if len(result.token_ids) > self.tokens:  # an aborted request's tokens nobody read
-            m._generated(len(result.token_ids) - self.tokens)
-        m._ended(result.finish_reason if result.finish_reason in m.finished else "error", result.prompt_tokens)
+        m._ended(result.finish_reason if result.finish_reason in m.finished else "error", result.prompt_tokens,
+                 max(len(result.token_ids), self.tokens))
 
     def fail(self, prompt_tokens: int) -> None:
         """The request failed (its step's error, the engine shut down)."""
         if self.ended:
             return
         self.ended = True
-        self.metrics._ended("error", prompt_tokens)
+        self.metrics._ended("error", prompt_tokens, self.tokens)
