@@ -198,14 +198,12 @@ def _warm_up(engine, state, server, url: str, progress: bool) -> None:
           flush=True)
 
 
-_drain_lock = threading.Lock()
-
-
 def _drain(state, engine, wait_s: float) -> None:
-    """Refuse new requests, give the running ones `wait_s` seconds, then end the engine (idempotent)."""
-    with _drain_lock:
-        state.closing.set()
-        engine.shutdown(wait_s=wait_s)
+    """Refuse new requests, give the running ones `wait_s` seconds, then end the engine. Idempotent, and safe
+    from two threads at once: the exit hook's drain may still wait when the server has ended (a second Ctrl-C
+    forces the exit), and the call with wait_s=0 then ends the running requests at once."""
+    state.closing.set()
+    engine.shutdown(wait_s=wait_s)
 
 
 def _report(engine, state, name: str, url: str, served_s: float) -> None:
