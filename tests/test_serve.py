@@ -8,6 +8,7 @@ Retry-After), the benchmark client, and SIGTERM (running requests end, the proce
 free). The app's warmup state is tested in-process. Waits are bounded so that a hang fails fast."""
 
 import asyncio
+import inspect
 import json
 import re
 import threading
@@ -43,13 +44,17 @@ def checkpoint(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
+PREFIX_CACHE = "prefix_cache" in inspect.signature(Engine).parameters  # the engine has one: the server uses it
+
+
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     port = free_port()
     proc = ServerProcess(["-m", "metrale_graph.tools.serve", "--model", checkpoint, "--port", str(port),
                           "--served-model-name", NAME, "--api-key", KEY, "--eager", "--num-slots", str(SLOTS),
                           "--max-context", str(MAX_CONTEXT), "--token-budget", "256", "--max-waiting", "64",
-                          "--shutdown-timeout", "3", "--device", "cpu"], port, tmp_path_factory.mktemp("server"))
+                          "--shutdown-timeout", "3", "--device", "cpu"] + ["--prefix-cache"] * PREFIX_CACHE,
+                         port, tmp_path_factory.mktemp("server"))
     proc.wait_healthy(TIMEOUT)
     yield proc
     proc.stop()
@@ -309,6 +314,18 @@ def test_metrics_count_tokens_and_latencies(server):
     assert m["metrale_slots_total"] == SLOTS and m["metrale_kv_blocks_total"] > 0
     assert m["metrale_prefix_cache_queries_total"] == m["metrale_prompt_tokens_total"]  # no request failed
     assert "metrale_prefix_cache_hits_total" in m and "metrale_engine_steps_total" in m
+
+
+@pytest.mark.skipif(not PREFIX_CACHE, reason="this engine has no prefix cache (Engine(prefix_cache=...))")
+def test_prefix_cache_hits_show_in_usage_and_metrics(server, client, engine):
+    prompt = random_tokens(200, seed=5, vocab=256)
+    hits = _metrics(server)["metrale_prefix_cache_hits_total"]
+    first, again = (client.completions.create(model=NAME, prompt=prompt, max_tokens=3, temperature=0,
+                                              extra_body={"return_token_ids": True}) for _ in range(2))
+    assert first.choices[0].token_ids == again.choices[0].token_ids == _ids(engine, prompt, max_new_tokens=3)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < len(prompt) and again.usage.prompt_tokens == len(prompt)
+    assert _metrics(server)["metrale_prefix_cache_hits_total"] >= hits + cached
 
 
 def test_bench_serve_runs_against_the_server(server, capsys, tmp_path):
