@@ -98,7 +98,6 @@ def _listen_socket(p, host: str, port_: int) -> socket.socket:
         sock.bind((host, port_))
     except OSError as e:
         p.error(f"--host {host} --port {port_}: cannot listen there ({e.strerror or e})")
-    sock.set_inheritable(True)
     return sock
 
 
@@ -220,8 +219,15 @@ def _report(engine, state, name: str, url: str, served_s: float) -> None:
 
 
 def cli() -> None:
-    """The console script and `python -m`: main(), then the end of a --tp run (tools.distributed)."""
-    main()
+    """The console script and `python -m`: main(), then the end of a --tp run (tools.distributed). A Ctrl-C
+    before the server runs (loading the model) ends the tool with one line and exit code 130; once it runs,
+    Ctrl-C is its graceful shutdown."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second one while the interpreter exits
+        print("interrupted (Ctrl-C) before the server started", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
     end_tensor_parallel()
 
 
