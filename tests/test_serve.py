@@ -364,10 +364,37 @@ def test_warming_up_app_answers_503(engine):
     assert ready.status_code == 200 and served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 1
 
 
+def test_a_failing_step_is_500_or_an_error_event(engine, monkeypatch):
+    """In-process: a step that raises fails its requests: a whole response is 500, a stream ends with an error
+    event and [DONE]; the app goes on serving."""
+    from metrale_graph.server import build_app
+
+    app = build_app(engine, "failing")
+    real = engine._loop.prefill
+
+    def failing(streams):
+        raise RuntimeError("injected step failure")
+
+    async def calls():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as c:
+            body = {"prompt": [1, 2, 3], "max_tokens": 3}
+            monkeypatch.setattr(engine._loop, "prefill", failing)
+            whole = await c.post("/v1/completions", json=body)
+            streamed = await c.post("/v1/completions", json={**body, "stream": True})
+            monkeypatch.setattr(engine._loop, "prefill", real)
+            return whole, streamed, await c.post("/v1/completions", json=body)
+
+    whole, streamed, after = asyncio.run(calls())
+    assert whole.status_code == 500 and "injected step failure" in whole.json()["error"]["message"]
+    events = [line for line in streamed.text.splitlines() if line]
+    assert events[-1] == "data: [DONE]" and "injected step failure" in json.loads(events[-2][6:])["error"]["message"]
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3
+
+
 def test_sigterm_ends_running_requests_and_frees_the_port(server, client):
-    """Last: a stream runs, SIGTERM arrives; new requests are refused, the stream ends (here with an error:
-    it would outlast the 3 s shutdown timeout), the process exits 0 and prints its JSON line, the port is
-    free."""
+    """Last: a stream and a whole request run, SIGTERM arrives; new requests are refused, both end (here with
+    an error: they would outlast the 3 s shutdown timeout; the whole one is 503), the process exits 0 and
+    prints its JSON line, the port is free."""
     ended = {}
 
     def stream():
@@ -379,8 +406,17 @@ def test_sigterm_ends_running_requests_and_frees_the_port(server, client):
         except openai.APIError as e:
             ended["how"] = f"error: {e}"
 
-    t = threading.Thread(target=stream)
+    def whole():
+        try:
+            client.completions.create(model=NAME, prompt=[7, 8], max_tokens=MAX_CONTEXT - 4,
+                                      extra_body={"ignore_eos": True})
+            ended["whole"] = "finished"
+        except openai.APIStatusError as e:
+            ended["whole"] = f"{e.status_code}: {e.message}"
+
+    t, w = threading.Thread(target=stream), threading.Thread(target=whole)
     t.start()
+    w.start()
     deadline = time.monotonic() + TIMEOUT
     while "first" not in ended and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -390,7 +426,9 @@ def test_sigterm_ends_running_requests_and_frees_the_port(server, client):
         client.completions.create(model=NAME, prompt=[1, 2], max_tokens=2)
     assert not isinstance(refused.value, openai.APIStatusError) or refused.value.status_code == 503
     t.join(30)
+    w.join(30)
     assert not t.is_alive() and "shutting down" in ended.get("how", ""), ended
+    assert not w.is_alive() and ended.get("whole", "").startswith("503") and "shutting down" in ended["whole"], ended
     assert server.proc.wait(30) == 0, server.output()
     assert time.monotonic() - sent < 30 and port_is_free(server.port)
     last = open(server.out_path).read().strip().splitlines()[-1]

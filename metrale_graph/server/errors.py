@@ -89,6 +89,16 @@ def from_engine(e: BaseException, param: str | None = None) -> APIError:
     return internal_error(e)
 
 
+def from_failure(e: BaseException) -> APIError:
+    """The APIError of a request that failed after the engine took it: the engine shut down (503), or its
+    step failed (500)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineClosedError):
+        return from_engine(e)
+    return internal_error(e)
+
+
 def internal_error(e: BaseException) -> APIError:
     """500 for an exception nothing expected (logged with its traceback; the server goes on)."""
     logger.error("request failed: %s: %s", type(e).__name__, e, exc_info=e)
@@ -98,7 +108,7 @@ def internal_error(e: BaseException) -> APIError:
 
 def stream_event(e: BaseException) -> str:
     """The server-sent event of an error after a stream started (the status line has gone already)."""
-    return f"data: {json.dumps(from_engine(e).body())}\n\n"
+    return f"data: {json.dumps(from_failure(e).body())}\n\n"
 
 
 def validation_error(e: RequestValidationError, content_type: str | None = None) -> APIError:

@@ -19,7 +19,7 @@ import asyncio
 from typing import AsyncIterator
 
 from ..handle import GenerationResult, RequestOutput
-from .errors import from_engine
+from .errors import from_engine, from_failure
 from .protocol import Usage
 from .state import Sampling, ServerState
 
@@ -110,9 +110,13 @@ class Generations:
                 t.cancel()
 
     async def results(self) -> list[GenerationResult]:
-        """Every request's GenerationResult, in choice order, once all have ended."""
-        async for _ in self.stream():
-            pass
+        """Every request's GenerationResult, in choice order, once all have ended; a request's failure as an
+        APIError (503 at shutdown, 500 for a failed step)."""
+        try:
+            async for _ in self.stream():
+                pass
+        except Exception as e:
+            raise from_failure(e) from e
         return list(self._results)
 
     def close(self) -> None:
