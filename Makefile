@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0 triton==3.6.0
-	$(PY) -m pip install -q -e ".[test,onnx]"
+	$(PY) -m pip install -q -e ".[test,onnx,serve]"
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -234,6 +234,9 @@ class EngineLoop:
                     continue
                 r.finish_reason = "abort"
                 r.channel.put(RequestOutput(r.index, [], "" if r.text is not None else None, "abort"))
+        if aborts:  # waiting requests may have left: submit's max_waiting counts them (no step may follow)
+            with self._cond:
+                self._scheduled_waiting = len(sched.waiting)
         for job in jobs:  # between steps: a capture never runs while a step does
             if job.warmup and self._broadcast is not None:
                 self._broadcast.send(WARMUP, resets=self._take_released())

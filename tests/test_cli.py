@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from metrale_graph import PRESETS, HybridModel, load_config
-from metrale_graph.tools import bench, bench_ops, export_onnx, prefill, warmup
+from metrale_graph.tools import bench, bench_ops, bench_serve, export_onnx, prefill, serve, warmup
 
 NO_GPU = f"cuda:{torch.cuda.device_count()}"  # a CUDA device this machine lacks
 
@@ -329,7 +329,8 @@ def test_result_files_are_written_whole(tmp_path, monkeypatch):
     assert path.read_text() == '{"results": [1]}' and os.listdir(tmp_path) == ["r.json"]
 
 
-@pytest.mark.parametrize("name", ["prefill", "generate", "warmup", "bench", "bench_ops", "export_onnx"])
+@pytest.mark.parametrize("name", ["prefill", "generate", "warmup", "bench", "bench_ops", "export_onnx", "serve",
+                                  "bench_serve"])
 def test_help_names_the_installed_command(capsys, name):
     """--help said `usage: python -m tools.prefill`, which works only from a checkout's root; the tools are
     installed as metrale_graph.tools (README uses that form, and the console scripts)."""
@@ -341,3 +342,70 @@ def test_help_names_the_installed_command(capsys, name):
     out = capsys.readouterr().out
     assert e.value.code == 0 and out.startswith(f"usage: python -m metrale_graph.tools.{name} "), out[:80]
     assert "python -m tools." not in out and "-m tools." not in out
+
+
+@pytest.mark.parametrize("argv, message", MODEL_FLAGS + [
+    (["--port", "70000"], "argument --port: expected a port in [0, 65535], got '70000'"),
+    (["--port", "-1"], "argument --port: expected a non-negative integer, got '-1'"),
+    (["--num-slots", "0"], "argument --num-slots: expected a positive integer, got '0'"),
+    (["--max-waiting", "-1"], "argument --max-waiting: expected a non-negative integer, got '-1'"),
+    (["--shutdown-timeout", "-1"], "argument --shutdown-timeout: expected a number >= 0, got '-1'"),
+    (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
+    (["--num-slots", "8", "--token-budget", "4"], "--token-budget 4 must be at least num_slots (--num-slots 8)"),
+    (["--max-context", "5000"], "--max-context 5000 exceeds the model's max_position_embeddings (4096)"),
+    (["--host", "256.1.1.1"], "--host 256.1.1.1 --port 8000: cannot listen there"),
+])
+def test_serve_flags(capsys, argv, message):
+    _usage_error(capsys, serve.main, argv, message)
+
+
+def test_serve_port_in_use_fails_before_the_model_loads(capsys, monkeypatch):
+    import socket
+
+    def no_load(*args):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(serve, "load_model", no_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        _usage_error(capsys, serve.main, ["--port", str(port)], f"--host 127.0.0.1 --port {port}: cannot listen there")
+
+
+def test_serve_prefix_cache_flag_needs_an_engine_that_has_one(capsys, monkeypatch):
+    """--prefix-cache goes to Engine(prefix_cache=...) only where Engine takes it; asked of an engine without
+    one, it is a usage error before the model loads (--no-prefix-cache has nothing to turn off there)."""
+    import inspect
+
+    from metrale_graph import Engine
+
+    args = serve._parse_args(["--prefix-cache"])[1]
+    if "prefix_cache" in inspect.signature(Engine).parameters:
+        assert serve._engine_kwargs(None, args)["prefix_cache"] is True
+    else:
+        _usage_error(capsys, serve.main, ["--prefix-cache"], "--prefix-cache: this engine has no prefix cache")
+        assert "prefix_cache" not in serve._engine_kwargs(None, serve._parse_args(["--no-prefix-cache"])[1])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--input-len", "0"], "argument --input-len: expected a positive integer N or a range LO:HI"),
+    (["--input-len", "9:3"], "argument --input-len: expected a positive integer N or a range LO:HI (1 <= LO <= HI), "
+                             "got '9:3'"),
+    (["--output-len", "1:2:3"], "argument --output-len: expected a positive integer N or a range LO:HI"),
+    (["--output-len", "x"], "argument --output-len: expected a positive integer N or a range LO:HI"),
+    (["--request-rate", "0"], "argument --request-rate: expected a request rate > 0 (or inf), got '0'"),
+    (["--max-concurrency", "0"], "argument --max-concurrency: expected a positive integer, got '0'"),
+    (["--num-prompts", "0"], "argument --num-prompts: expected a positive integer, got '0'"),
+    (["--json", "/nonexistent/r.json"], "argument --json: '/nonexistent/r.json': folder /nonexistent does not exist"),
+])
+def test_bench_serve_flags(capsys, argv, message):
+    _usage_error(capsys, bench_serve.main, argv, message)
+
+
+def test_bench_serve_without_a_server_says_so(capsys):
+    from server_process import free_port
+
+    with pytest.raises(SystemExit) as e:
+        bench_serve.main(["--base-url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "1"])
+    assert "cannot reach http://127.0.0.1:" in str(e.value.code)

@@ -207,6 +207,26 @@ def test_a_full_waiting_queue_refuses_submit(tiny, monkeypatch):
         Engine(tiny, **KW, max_waiting=-1)
 
 
+def test_aborting_waiting_requests_empties_the_waiting_queue(tiny, monkeypatch):
+    """Waiting requests aborted when nothing else runs leave the queue at once: stats() shows none waiting
+    and submit takes new requests (the count had stayed until a step ran, and an idle loop runs none, so a
+    full queue aborted stayed full for ever)."""
+    engine = Engine(tiny, **{**KW, "num_slots": 1}, max_waiting=3)
+    prompts = _prompts([3, 4, 5, 6], seed=21)
+    gate = _Gate(engine, monkeypatch, at=1)
+    first = engine.submit(prompts[0], max_new_tokens=1)  # ends with step 1
+    gate.wait()
+    handles = [engine.submit(p, max_new_tokens=2) for p in prompts[1:]]  # the queue is full
+    for h in handles:
+        h.abort()  # handed in with them: the next iteration takes both, and has nothing to step
+    gate.release()
+    assert first.result(TIMEOUT).finish_reason == "length"
+    assert [h.result(TIMEOUT).finish_reason for h in handles] == ["abort"] * 3
+    assert engine.stats().waiting == 0 and engine.stats().running == 0
+    assert engine.submit(prompts[0], max_new_tokens=2).result(TIMEOUT).token_ids == \
+        _alone(engine, prompts[0], max_new_tokens=2)
+
+
 def test_a_failing_step_fails_only_its_requests(tiny, monkeypatch):
     """The second step (A's decode, B's prompt) raises: A and B end with that error (result() and
     iteration raise it), C, waiting meanwhile, and D, submitted after, get their tokens; nothing leaks."""

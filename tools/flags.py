@@ -156,6 +156,22 @@ def add_model_args(p: argparse.ArgumentParser, seed_help: str = "seed of random 
     add_moe_parallel_arg(p, shown=parallel)
 
 
+def add_engine_args(p: argparse.ArgumentParser, num_slots: int) -> None:
+    """The Engine's sizes and modes: --num-slots (default `num_slots`), --max-context, --token-budget,
+    --eager and --no-warmup (loading.check_engine_sizes checks them against the model; loading.build_engine
+    builds the Engine)."""
+    p.add_argument("--num-slots", type=positive_int, default=num_slots, help="cache slots (concurrent requests)")
+    p.add_argument("--max-context", type=positive_int, default=None,
+                   help="most tokens (prompt + new) per request, at most the model's max_position_embeddings "
+                        "(default: min(model's, 4096))")
+    p.add_argument("--token-budget", type=positive_int, default=None,
+                   help="most tokens per step, from --num-slots to --num-slots x max context "
+                        "(default: max(2048, slots))")
+    p.add_argument("--eager", action="store_true", help="run model.prefill eagerly (no compile, no graphs)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="compile / capture buckets on first use instead of before timing")
+
+
 def add_moe_parallel_arg(p: argparse.ArgumentParser, shown: bool = True) -> None:
     from metrale_graph.sharding import DEFAULT_MOE, MOE_MODES
 

@@ -18,12 +18,10 @@ import signal
 import sys
 import time
 
-import torch
-
 from metrale_graph.tools.distributed import end_tensor_parallel, start_run
-from metrale_graph.tools.flags import (INT_TEXT, add_model_args, non_negative_float, non_negative_int, positive_int,
-                                       probability)
-from metrale_graph.tools.loading import load_model, model_config
+from metrale_graph.tools.flags import (INT_TEXT, add_engine_args, add_model_args, non_negative_float, non_negative_int,
+                                       positive_int, probability)
+from metrale_graph.tools.loading import build_engine, check_engine_sizes, load_model
 from metrale_graph.tools.report import bars_shown, print_json
 
 
@@ -38,16 +36,7 @@ def _parse_args(argv):
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy (default)")
     p.add_argument("--top-k", type=non_negative_int, default=0, help="0: off (default)")
     p.add_argument("--top-p", type=probability, default=1.0, help="1.0: off (default)")
-    p.add_argument("--num-slots", type=positive_int, default=8, help="cache slots (concurrent requests)")
-    p.add_argument("--max-context", type=positive_int, default=None,
-                   help="most tokens (prompt + new) per request, at most the model's max_position_embeddings "
-                        "(default: min(model's, 4096))")
-    p.add_argument("--token-budget", type=positive_int, default=None,
-                   help="most tokens per step, from --num-slots to --num-slots x max context "
-                        "(default: max(2048, slots))")
-    p.add_argument("--eager", action="store_true", help="run model.prefill eagerly (no compile, no graphs)")
-    p.add_argument("--no-warmup", action="store_true",
-                   help="compile / capture buckets on first use instead of before timing")
+    add_engine_args(p, num_slots=8)
     return p, p.parse_args(argv)
 
 
@@ -64,31 +53,6 @@ def _prompts(p, args, tokenizer):
             p.error(f"--prompt {text!r}: an empty token id between commas; give comma-separated token ids")
         prompts.append([int(x) for x in items])
     return prompts
-
-
-def _check_sizes(p, args) -> None:
-    """--max-context and --token-budget against what the model and a step can hold, before the model loads
-    (the cache, the bucket grid and their buffers are sized by them)."""
-    from metrale_graph.engine import DEFAULT_MAX_CONTEXT
-
-    limit = model_config(args).max_position_embeddings
-    if args.max_context is not None and args.max_context > limit:
-        p.error(f"--max-context {args.max_context} exceeds the model's max_position_embeddings ({limit})")
-    if args.max_context == 1:
-        p.error("--max-context 1 leaves no room for a new token after a prompt: give at least 2")
-    max_context = args.max_context or min(limit, DEFAULT_MAX_CONTEXT)
-    if args.token_budget is not None and args.token_budget < args.num_slots:
-        p.error(f"--token-budget {args.token_budget} must be at least num_slots (--num-slots {args.num_slots}): "
-                "every running request feeds one token per step")
-    if args.token_budget is not None and args.token_budget > args.num_slots * max_context:
-        p.error(f"--token-budget {args.token_budget}: a step never holds more than --num-slots x max context "
-                f"({args.num_slots} x {max_context} = {args.num_slots * max_context}) tokens")
-
-
-def _out_of_memory(e: BaseException) -> bool:
-    """An allocation the device (or a size torch can express) could not hold."""
-    text = str(e)
-    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in text or "Overflow when unpacking" in text
 
 
 class _Produced:
@@ -128,7 +92,7 @@ def main(argv=None) -> None:
     from metrale_graph.tokenizer import has_tokenizer_files
 
     p, args = _parse_args(argv)
-    _check_sizes(p, args)
+    check_engine_sizes(p, args)
     if not has_tokenizer_files(args.model):  # a preset, or a folder without one: --prompt must be ids, checked now
         _prompts(p, args, None)
     run = start_run(args, p)
@@ -141,20 +105,9 @@ def main(argv=None) -> None:
 
 
 def _generate(p, args, run, produced: _Produced) -> None:
-    from metrale_graph import Engine
-
     t0 = time.perf_counter()
     model = load_model(args, p, run)
-    try:
-        engine = Engine(model, num_slots=args.num_slots, max_context=args.max_context,
-                        token_budget=args.token_budget, compile=not args.eager)
-    except ValueError as e:
-        p.error(str(e))
-    except (RuntimeError, TypeError) as e:  # torch.OutOfMemoryError is a RuntimeError
-        if not _out_of_memory(e):
-            raise
-        p.error(f"--num-slots {args.num_slots} / --max-context / --token-budget: the cache does not fit in the "
-                f"memory of {model.device} ({str(e).splitlines()[0]})")
+    engine = build_engine(p, args, model)
     produced.engine = engine
     prompts = _prompts(p, args, engine.tokenizer)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -17,6 +17,48 @@ def model_config(args):
     return load_config(args.model)
 
 
+def check_engine_sizes(p, args) -> None:
+    """--max-context and --token-budget (flags.add_engine_args) against what the model and a step can hold,
+    before the model loads (the cache, the bucket grid and their buffers are sized by them)."""
+    from metrale_graph.engine import DEFAULT_MAX_CONTEXT
+
+    limit = model_config(args).max_position_embeddings
+    if args.max_context is not None and args.max_context > limit:
+        p.error(f"--max-context {args.max_context} exceeds the model's max_position_embeddings ({limit})")
+    if args.max_context == 1:
+        p.error("--max-context 1 leaves no room for a new token after a prompt: give at least 2")
+    max_context = args.max_context or min(limit, DEFAULT_MAX_CONTEXT)
+    if args.token_budget is not None and args.token_budget < args.num_slots:
+        p.error(f"--token-budget {args.token_budget} must be at least num_slots (--num-slots {args.num_slots}): "
+                "every running request feeds one token per step")
+    if args.token_budget is not None and args.token_budget > args.num_slots * max_context:
+        p.error(f"--token-budget {args.token_budget}: a step never holds more than --num-slots x max context "
+                f"({args.num_slots} x {max_context} = {args.num_slots * max_context}) tokens")
+
+
+def build_engine(p, args, model, **kwargs):
+    """The Engine of the flags (flags.add_engine_args; `kwargs` go to Engine too). A size the Engine refuses,
+    or a cache that does not fit in the device's memory, ends the tool through p.error (exit code 2)."""
+    from metrale_graph import Engine
+
+    try:
+        return Engine(model, num_slots=args.num_slots, max_context=args.max_context, token_budget=args.token_budget,
+                      compile=not args.eager, **kwargs)
+    except ValueError as e:
+        p.error(str(e))
+    except (RuntimeError, TypeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        if not out_of_memory(e):
+            raise
+        p.error(f"--num-slots {args.num_slots} / --max-context / --token-budget: the cache does not fit in the "
+                f"memory of {model.device} ({str(e).splitlines()[0]})")
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """An allocation the device (or a size torch can express) could not hold."""
+    text = str(e)
+    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in text or "Overflow when unpacking" in text
+
+
 def load_model(args, parser, run: Run | None = None):
     """The model of the flags on `run`'s device and dtype (this rank's shard under --tp); run=None starts a
     one-process run (start_run) for a tool that has no other use for it. A checkpoint that does not load

@@ -1,0 +1,105 @@
+"""The FastAPI app of an Engine: OpenAI's completions and chat endpoints, /health, /v1/models, /metrics.
+
+    app = build_app(engine, model_name="qwen3.5-9b", api_key=None)    # serve it with uvicorn
+    app.state.server.ready.clear() / .set()                           # /health: 503 until set
+
+Endpoints are thin: completions.py and chat.py run the requests (through generation.py, which only
+submits to the engine and awaits its outputs: the engine loop alone steps the model), protocol.py
+holds the wire format, errors.py every error answer. With an API key, every /v1 path needs
+`Authorization: Bearer <key>` (checked before the body is read); /health and /metrics are open.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+
+from . import errors
+from .chat import create_chat_completion
+from .completions import create_completion
+from .errors import APIError, unknown_model
+from .generation import ClientGone
+from .protocol import ChatCompletionRequest, CompletionRequest, ModelList
+from .state import ServerState
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events; the body's generator is closed however the response ends (a client gone:
+    Starlette cancels it; an error sending), so a request it runs is aborted then, not when collected."""
+    media_type = "text/event-stream"
+
+    def __init__(self, events):
+        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+class APIKeyMiddleware:
+    """401 for a /v1 request without the server's key, before anything reads its body."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and self.state.api_key is not None and scope["path"].startswith("/v1"):
+            authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            try:
+                self.state.check_api_key(authorization)
+            except APIError as e:
+                await e.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine, model_name: str, api_key: str | None = None, ready: bool = True) -> FastAPI:
+    """The app serving `engine` as `model_name`; its ServerState is `app.state.server`. ready=False:
+    /health and the generation endpoints answer 503 until `app.state.server.ready.set()`."""
+    state = ServerState(engine, model_name, api_key, ready)
+    app = FastAPI(title="metrale-graph", summary=f"OpenAI-compatible server of {model_name}")
+    app.state.server = state
+    app.add_middleware(APIKeyMiddleware, state=state)
+    errors.install(app)
+
+    def respond(out):
+        if isinstance(out, BaseModel):
+            return Response(out.model_dump_json(), media_type="application/json")
+        return EventStream(out)
+
+    @app.get("/health")
+    async def health():
+        status = ("shutting down" if state.closing.is_set() else "ok" if state.ready.is_set() else "warming up")
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return respond(ModelList(data=[state.model_card()]))
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        if model != state.model_name:
+            raise unknown_model(model, state.model_name)
+        return respond(state.model_card())
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return respond(await create_completion(state, body, request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return respond(await create_chat_completion(state, body, request))
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, e: ClientGone):  # nobody reads it: the request was aborted
+        return Response(status_code=499)
+
+    return app

@@ -1,0 +1,62 @@
+"""POST /v1/chat/completions: messages through the tokenizer's chat template, the assistant's reply
+whole or streamed.
+
+The prompt is `tokenizer.apply_chat_template(messages, add_generation_prompt=True)` as token ids. A
+stream sends, per choice, a first delta with the role (`{"role": "assistant", "content": ""}`),
+then content deltas as the text comes, the last one with the finish reason ("stop": a stop token
+or string; "length": max_tokens or the context), then the usage chunk with
+stream_options.include_usage, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from .errors import stream_event
+from .generation import Generations, until_disconnected
+from .protocol import (DONE, AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletionRequest,
+                       ChatResponse, DeltaMessage, event, now, request_id)
+from .state import ServerState
+
+
+async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw_request):
+    """A ChatResponse, or the event stream's body when body.stream."""
+    state.check(body)
+    prompt = state.chat_prompt_ids([m.template_dict() for m in body.messages])
+    group = Generations.submit(state, [prompt], state.sampling(body, body.max_new_tokens), body.n, param="messages")
+    rid = request_id("chatcmpl")
+    if body.stream:
+        return _events(state, body, group, rid)
+    try:
+        results = await until_disconnected(raw_request, group.results())
+    finally:
+        group.close()
+    ids = body.return_token_ids
+    choices = [ChatChoice(index=i, message=AssistantMessage(content=r.text or ""), finish_reason=r.finish_reason,
+                          token_ids=list(r.token_ids) if ids else None, prompt_token_ids=prompt if ids else None)
+               for i, r in enumerate(results)]
+    return ChatResponse(id=rid, model=state.model_name, choices=choices, usage=group.usage())
+
+
+async def _events(state: ServerState, body: ChatCompletionRequest, group: Generations, rid: str) -> AsyncIterator[str]:
+    created, model, ids = now(), state.model_name, body.return_token_ids
+
+    def chunk(choices, usage=None) -> str:
+        return event(ChatChunk(id=rid, created=created, model=model, choices=choices, usage=usage))
+
+    try:
+        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                     for i in range(len(group))])
+        async for choice, out in group.stream():
+            if not (out.text or out.finish_reason or (ids and out.token_ids)):
+                continue
+            yield chunk([ChatChunkChoice(index=choice, delta=DeltaMessage(content=out.text or None),
+                                         finish_reason=out.finish_reason,
+                                         token_ids=list(out.token_ids) if ids else None)])
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield chunk([], group.usage())
+    except Exception as e:  # the request failed after the stream began (a step's error, shutdown)
+        yield stream_event(e)
+    finally:
+        group.close()
+    yield DONE

@@ -1,0 +1,166 @@
+"""Every error the server answers, built here, in OpenAI's shape:
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": null}}
+
+400 for bad parameters and malformed JSON (FastAPI's validation errors, the engine's ValueError, a
+prompt longer than the context), 401 for a missing or wrong API key, 404 for an unknown model or
+path, 503 with Retry-After while the waiting queue is full (EngineFullError), the server warms up
+or shuts down (EngineClosedError), 500 for anything else (logged; the server goes on). A stream
+that has started reports its error as one event (`stream_event`) before `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from ..handle import EngineClosedError, EngineFullError
+from .protocol import ErrorBody, ErrorInfo
+
+logger = logging.getLogger("metrale_graph.server")
+
+RETRY_AFTER_S = 1  # what a 503 asks a client to wait before it tries again
+INVALID = "invalid_request_error"
+
+# what a field of a union type takes, for the message of a value that fits none of its members
+EXPECTED = {
+    "prompt": "a string, a list of strings, a list of token ids (integers >= 0) or a list of lists of token ids",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of text parts ({'type': 'text', 'text': ...})",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client: HTTP `status` and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, type: str = INVALID, param: str | None = None,
+                 code: str | None = None, retry_after: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return ErrorBody(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                         code=self.code)).model_dump()
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        if self.status == 401:
+            headers = {"WWW-Authenticate": "Bearer"}
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                    code="invalid_api_key")
+
+
+def unknown_model(name: str, served: str) -> APIError:
+    return APIError(404, f"the model {name!r} does not exist: this server serves {served!r}", param="model",
+                    code="model_not_found")
+
+
+def warming_up() -> APIError:
+    return APIError(503, "the server is warming up (compiling its bucket grid): try again shortly",
+                    type="server_error", code="warming_up", retry_after=RETRY_AFTER_S)
+
+
+def from_engine(e: BaseException, param: str | None = None) -> APIError:
+    """The APIError of an exception raised by the engine for a request: its ValueError names what is wrong
+    with the request (400); refusals are 503; anything else failed the request's step (500)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ValueError):
+        return bad_request(str(e), param=param)
+    if isinstance(e, EngineFullError):
+        return APIError(503, str(e), type="server_error", code="engine_overloaded", retry_after=RETRY_AFTER_S)
+    if isinstance(e, EngineClosedError):
+        return APIError(503, f"the server is shutting down ({e})", type="server_error", code="shutting_down",
+                        retry_after=RETRY_AFTER_S)
+    return internal_error(e)
+
+
+def from_failure(e: BaseException) -> APIError:
+    """The APIError of a request that failed after the engine took it: the engine shut down (503), or its
+    step failed (500)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineClosedError):
+        return from_engine(e)
+    return internal_error(e)
+
+
+def internal_error(e: BaseException) -> APIError:
+    """500 for an exception nothing expected (logged with its traceback; the server goes on)."""
+    logger.error("request failed: %s: %s", type(e).__name__, e, exc_info=e)
+    return APIError(500, f"the request failed: {type(e).__name__}: {e}", type="server_error",
+                    code="internal_error")
+
+
+def stream_event(e: BaseException) -> str:
+    """The server-sent event of an error after a stream started (the status line has gone already)."""
+    return f"data: {json.dumps(from_failure(e).body())}\n\n"
+
+
+def validation_error(e: RequestValidationError, content_type: str | None = None) -> APIError:
+    """400 naming the first bad field (OpenAI's `param`) and what it takes. `content_type`: the request's
+    header (a body sent as a form, curl's default, is not read as JSON)."""
+    errors = e.errors()
+    if not errors:
+        return bad_request("invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        why = (first.get("ctx") or {}).get("error", first.get("msg"))
+        return bad_request(f"the request body is not valid JSON: {why}", code="invalid_json")
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if not loc:
+        if not content_type or "json" not in content_type.lower():
+            got = f"Content-Type: {content_type}" if content_type else "no Content-Type"
+            return bad_request(f"the request body must be JSON, sent with the header 'Content-Type: "
+                               f"application/json' (got {got})", code="invalid_json")
+        return bad_request(f"the request body must be a JSON object: {first.get('msg')}")
+    field = loc[0]
+    same = [err for err in errors if [str(x) for x in err.get("loc", ()) if x != "body"][:1] == [field]]
+    leaf = next((p for p in reversed(loc) if p in EXPECTED), None)
+    if len(same) > 1 and leaf is not None:  # a value that fits none of a union's members
+        return bad_request(f"{field}: expected {EXPECTED[leaf]}, got {_short(first.get('input'))}", param=field)
+    path = ".".join(loc)
+    got = f" (got {_short(first['input'])})" if "input" in first and first.get("type") != "missing" else ""
+    return bad_request(f"{path}: {first.get('msg')}{got}", param=field)
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def install(app: FastAPI) -> None:
+    """Answer every error of `app` in OpenAI's shape, and never let one end the server."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        return validation_error(e, request.headers.get("content-type")).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, e: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        message = (f"no route {request.method} {request.url.path}" if e.status_code in (404, 405)
+                   else str(e.detail))
+        return APIError(e.status_code, message, code=code).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        return internal_error(e).response()

@@ -1,0 +1,169 @@
+"""The engine requests of one HTTP request, consumed in asyncio.
+
+    group = Generations.submit(state, prompts, sampling, n)   # n engine requests per prompt
+    async for choice, output in group.stream(): ...           # outputs of all, as they come
+    results = await group.results()                           # or: every GenerationResult, in order
+    group.close()                                             # in a finally: aborts what still runs
+
+The engine loop is the only thing that steps the model; this only submits (Engine.submit, which
+checks the request and returns at once) and awaits each RequestHandle's outputs. Choice k of
+prompt p is request p * n + k (OpenAI's and vLLM's `index`); with a seed, choice k samples with
+seed + k, so the n choices differ and each is reproducible. A request that is closed before it
+ended (its client went away, the stream was cancelled) is aborted: the engine frees its slot and
+blocks at its next step, and its metrics are recorded once it has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+from ..handle import GenerationResult, RequestOutput
+from .errors import from_engine, from_failure
+from .protocol import Usage
+from .state import Sampling, ServerState
+
+
+class Generations:
+    def __init__(self, state: ServerState, handles: list, metrics: list, prompts: list[list[int]], n: int):
+        self.state, self.handles, self.metrics, self.prompts, self.n = state, handles, metrics, prompts, n
+        self._results: list[GenerationResult | None] = [None] * len(handles)
+
+    @classmethod
+    def submit(cls, state: ServerState, prompts: list[list[int]], sampling: Sampling, n: int,
+               param: str = "prompt") -> "Generations":
+        """Submit n requests per prompt, all or none: if the engine refuses one (ValueError: 400,
+        EngineFullError / EngineClosedError: 503), those already submitted are aborted and the error is
+        raised as an APIError."""
+        handles, metrics = [], []
+        engine = state.engine
+        try:
+            for ids in prompts:
+                for k in range(n):
+                    seed = None if sampling.seed is None else sampling.seed + k
+                    metrics.append(state.metrics.request())
+                    handles.append(engine.submit(ids, sampling.max_new_tokens, sampling.temperature, sampling.top_k,
+                                                 sampling.top_p, seed, sampling.stop_token_ids, sampling.stop))
+        except Exception as e:
+            for h in handles:
+                h.abort()
+            raise from_engine(e, param) from e
+        return cls(state, handles, metrics, prompts, n)
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    def usage(self) -> Usage:
+        """Usage of the requests that ended: each prompt counted once (not once per choice; its cached
+        tokens: the most any of its choices found in the prefix cache), every choice's new tokens."""
+        done = [r for r in self._results if r is not None]
+        cached = sum(max((getattr(r, "cached_tokens", 0) or 0 for r in self._results[p * self.n:(p + 1) * self.n]
+                          if r is not None), default=0) for p in range(len(self.prompts)))
+        return Usage.of(sum(len(p) for p in self.prompts), sum(len(r.token_ids) for r in done), cached)
+
+    def prompt_of(self, choice: int) -> list[int]:
+        return self.prompts[choice // self.n]
+
+    async def _outputs(self, choice: int) -> AsyncIterator[RequestOutput]:
+        """Request `choice`'s outputs, timed; its result is kept once it ends (its error raised)."""
+        handle, metrics = self.handles[choice], self.metrics[choice]
+        try:
+            async for out in handle:
+                metrics.output(len(out.token_ids))
+                yield out
+        except Exception:
+            metrics.fail(handle.prompt_tokens)
+            raise
+        result = await handle.result_async()  # (the last output came: this returns at once)
+        metrics.finish(result)
+        self._results[choice] = result
+
+    async def stream(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice, output) of every request as they come; raises the first request's error."""
+        if len(self.handles) == 1:
+            async for out in self._outputs(0):
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: int) -> None:
+            try:
+                async for out in self._outputs(choice):
+                    queue.put_nowait((choice, out, None))
+            except Exception as e:
+                queue.put_nowait((choice, None, e))
+            queue.put_nowait((choice, None, None))
+
+        tasks = [asyncio.ensure_future(pump(c)) for c in range(len(self.handles))]
+        try:
+            open_ = len(tasks)
+            while open_:
+                choice, out, error = await queue.get()
+                if error is not None:
+                    raise error
+                if out is None:
+                    open_ -= 1
+                else:
+                    yield choice, out
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def results(self) -> list[GenerationResult]:
+        """Every request's GenerationResult, in choice order, once all have ended; a request's failure as an
+        APIError (503 at shutdown, 500 for a failed step)."""
+        try:
+            async for _ in self.stream():
+                pass
+        except Exception as e:
+            raise from_failure(e) from e
+        return list(self._results)
+
+    def close(self) -> None:
+        """Abort every request that has not ended (a no-op for those that have); each is recorded in the
+        metrics once the engine has ended it."""
+        for handle, metrics in zip(self.handles, self.metrics):
+            if not metrics.ended:
+                handle.abort()
+                task = asyncio.ensure_future(_record_end(handle, metrics))
+                self.state.background.add(task)
+                task.add_done_callback(self.state.background.discard)
+
+
+async def _record_end(handle, metrics) -> None:
+    try:
+        result = await handle.result_async()
+    except Exception:
+        metrics.fail(handle.prompt_tokens)
+    else:
+        metrics.finish(result)
+
+
+class ClientGone(Exception):
+    """The client of a request disconnected before its response was ready (the app answers 499, which
+    nobody reads)."""
+
+
+async def until_disconnected(request, awaitable):
+    """Await `awaitable` unless the client of `request` disconnects first; then cancel it and raise
+    ClientGone. Streamed responses need none of this: Starlette cancels a StreamingResponse whose client
+    has gone."""
+    work = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
+        work.cancel()
+        raise ClientGone("the client disconnected")
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+
+
+async def _disconnected(request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,117 @@
+"""What every endpoint shares: the engine, the served name, readiness, and the checks of a request
+that come before the engine's (model name, unsupported fields, tokenizing, the context length).
+
+The engine checks the rest when a request is submitted (token ids in range, sampling values, KV
+blocks), raising ValueError, which errors.from_engine answers with 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import threading
+from dataclasses import dataclass
+
+from .errors import bad_request, unauthorized, unknown_model, warming_up
+from .metrics import ServerMetrics
+from .protocol import ModelCard, SamplingFields
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """One engine request's arguments (Engine.submit's), the same for every choice but the seed."""
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    stop_token_ids: frozenset
+    stop: tuple[str, ...]
+
+
+class ServerState:
+    """The engine behind an app and what its endpoints share. `ready` is set once the engine is warm
+    (the serve tool warms it while the server already answers /health with 503); `closing` once the
+    server shuts down."""
+
+    def __init__(self, engine, model_name: str, api_key: str | None = None, ready: bool = True):
+        self.engine, self.model_name, self.api_key = engine, model_name, api_key
+        self.tokenizer = engine.tokenizer
+        self.max_context = engine.max_context
+        self.vocab_size = engine.model.config.vocab_size
+        self.metrics = ServerMetrics(engine, model_name)
+        self.ready, self.closing = threading.Event(), threading.Event()
+        if ready:
+            self.ready.set()
+        self.background: set[asyncio.Task] = set()  # tasks that record aborted requests once they end
+
+    def model_card(self) -> ModelCard:
+        return ModelCard(id=self.model_name, max_model_len=self.max_context, vocab_size=self.vocab_size)
+
+    def check(self, body: SamplingFields) -> None:
+        """The checks every generation request passes before any tokenizing: the model it names, the
+        server being ready, no field this server cannot honour."""
+        if body.model is not None and body.model != self.model_name:
+            raise unknown_model(body.model, self.model_name)
+        if not self.ready.is_set():
+            raise warming_up()
+        field = body.unsupported()
+        if field is not None:
+            raise bad_request(f"{field} is not supported by this server", param=field, code="unsupported_parameter")
+        if body.stream_options is not None and not body.stream:
+            raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
+
+    def prompt_ids(self, prompt, param: str, index: int | None = None) -> list[int]:
+        """Token ids of one prompt (a string through the tokenizer, as Engine.submit encodes it), checked
+        against the context: a prompt must leave room for one new token."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise bad_request(f"{param}: this server's model has no tokenizer: send token ids", param=param)
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise bad_request(f"{param}{'' if index is None else f' {index}'} holds no tokens", param=param)
+        if len(ids) >= self.max_context:
+            where = param if index is None else f"{param} {index}"
+            raise bad_request(f"this model's maximum context length is {self.max_context} tokens (prompt and new "
+                              f"tokens); {where} has {len(ids)} tokens, which leaves no room for a new one",
+                              param=param, code="context_length_exceeded")
+        return ids
+
+    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The chat template of the tokenizer applied to `messages` (add_generation_prompt: the assistant's
+        turn starts), as token ids; the template's own special tokens are not added twice."""
+        tok = self.tokenizer
+        if tok is None or not callable(getattr(tok, "apply_chat_template", None)):
+            raise bad_request("this server's model has no tokenizer with a chat template: use /v1/completions",
+                              param="messages")
+        if not getattr(tok, "chat_template", None):
+            raise bad_request("this model's tokenizer has no chat template: use /v1/completions", param="messages")
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # the template raised (a role it does not take, ...)
+            raise bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}",
+                              param="messages") from e
+        return self.prompt_ids(list(tok.encode(text, add_special_tokens=False)), "messages")
+
+    def sampling(self, body: SamplingFields, max_new_tokens: int | None) -> Sampling:
+        """The engine arguments of `body`: stop token ids are the request's added to the model's eos
+        (only the request's with ignore_eos); max_new_tokens None runs up to the context."""
+        stops = frozenset(body.stop_token_ids or ())
+        if not body.ignore_eos:
+            stops |= self.engine.stop_token_ids
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        if stop and self.tokenizer is None:
+            raise bad_request("stop strings need a tokenizer and this server's model has none: use stop_token_ids",
+                              param="stop")
+        return Sampling(max_new_tokens if max_new_tokens is not None else self.max_context, body.temperature,
+                        max(body.top_k, 0), body.top_p, body.seed, stops, stop)
+
+    def check_api_key(self, authorization: str | None) -> None:
+        """401 unless `authorization` (the request's header) is 'Bearer <the key>' (no key: all pass)."""
+        if self.api_key is None:
+            return
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+            raise unauthorized()

@@ -1,0 +1,78 @@
+"""A real server process for tests: `python -m metrale_graph.tools.serve ...` (or a torchrun of it) on
+127.0.0.1 at a free port, waited for until /health answers 200, its output kept in files so that a
+failure shows it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a server could listen on `port` now (SO_REUSEADDR, as servers bind: the closed connections'
+    TIME_WAIT entries do not hold the port)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+class ServerProcess:
+    """A server started with `argv` (after the interpreter: ["-m", "metrale_graph.tools.serve", ...]) that
+    listens on `port`; stdout and stderr go to files in `folder`."""
+
+    def __init__(self, argv: list[str], port: int, folder, launcher: list[str] | None = None):
+        self.port, self.url = port, f"http://127.0.0.1:{port}"
+        self.out_path, self.err_path = os.path.join(folder, "server.out"), os.path.join(folder, "server.err")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen((launcher or [sys.executable]) + argv, stdout=out, stderr=err, env=env,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def output(self) -> str:
+        with open(self.out_path) as out, open(self.err_path) as err:
+            return f"--- stdout ---\n{out.read()[-3000:]}\n--- stderr ---\n{err.read()[-5000:]}"
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the server exited with {self.proc.returncode} before it was healthy\n"
+                                     + self.output())
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise AssertionError(f"the server was not healthy within {timeout} s\n" + self.output())
+
+    def signal(self, sig=signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM, then SIGKILL (the whole session: torchrun's ranks too) if it has not exited in `timeout` s."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        return self.proc.returncode

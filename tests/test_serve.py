@@ -1,0 +1,436 @@
+"""The OpenAI-compatible server as a real process (tools/serve.py on 127.0.0.1, a free port, started once
+for the module) on a tiny checkpoint with a byte-level BPE tokenizer and a chat template, called with the
+official `openai` client and httpx: completions (text, token ids, several prompts, n), chat, streaming,
+greedy and seeded outputs identical to Engine.generate in this process, stop strings and stop token ids,
+64 concurrent streaming clients, a client that disconnects mid-stream (its slot freed, the metrics show
+it), bad requests answered 4xx in OpenAI's shape with the server going on, a full queue (503 +
+Retry-After), the benchmark client, and SIGTERM (running requests end, the process exits 0, the port is
+free). The app's warmup state is tested in-process. Waits are bounded so that a hang fails fast."""
+
+import asyncio
+import inspect
+import json
+import re
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from helpers import random_tokens
+from metrale_graph import Engine, HybridModel
+from server_process import ServerProcess, free_port, port_is_free
+from tokenizer_fixture import tiny_checkpoint
+
+KEY = "test-key"
+NAME = "tiny-chat"
+MAX_CONTEXT = 512
+SLOTS = 16
+TIMEOUT = 120
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+PREFIX_CACHE = "prefix_cache" in inspect.signature(Engine).parameters  # the engine has one: the server uses it
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    port = free_port()
+    proc = ServerProcess(["-m", "metrale_graph.tools.serve", "--model", checkpoint, "--port", str(port),
+                          "--served-model-name", NAME, "--api-key", KEY, "--eager", "--num-slots", str(SLOTS),
+                          "--max-context", str(MAX_CONTEXT), "--token-budget", "256", "--max-waiting", "64",
+                          "--shutdown-timeout", "3", "--device", "cpu"] + ["--prefix-cache"] * PREFIX_CACHE,
+                         port, tmp_path_factory.mktemp("server"))
+    proc.wait_healthy(TIMEOUT)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    """The same checkpoint in this process: the reference outputs."""
+    model = HybridModel.from_pretrained(checkpoint, progress=False)
+    engine = Engine(model, num_slots=SLOTS, max_context=MAX_CONTEXT, token_budget=256, compile=False)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT)
+
+
+def _metrics(server) -> dict[str, float]:
+    """/metrics as {name{labels}: value} (model_name label left out)."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[re.sub(r',?model_name="[^"]*"', "", name).replace("{}", "")] = float(value)
+    return out
+
+
+def _wait_metrics(server, ok, what: str) -> dict:
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        m = _metrics(server)
+        if ok(m):
+            return m
+        time.sleep(0.05)
+    raise AssertionError(f"/metrics never showed {what}: {m}")
+
+
+def _ids(engine, prompt, **kw):
+    return engine.generate([prompt], **kw)[0].token_ids
+
+
+def test_health_models_and_api_key(server, client):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    (card,) = client.models.list().data
+    assert card.id == NAME and card.max_model_len == MAX_CONTEXT and card.vocab_size > 256
+    assert client.models.retrieve(NAME).id == NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+    wrong = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        wrong.completions.create(model=NAME, prompt="Hello", max_tokens=2)
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    bare = httpx.post(server.url + "/v1/completions", content=b"{not json")  # the key is checked first
+    assert bare.status_code == 401 and set(bare.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(server.url + "/metrics").status_code == 200  # open without the key
+
+
+def test_completion_text_and_token_ids_match_generate(client, engine):
+    text = "Hello world! How are you"
+    ids = engine.tokenizer.encode(text)
+    want = _ids(engine, ids, max_new_tokens=8)
+    out = client.completions.create(model=NAME, prompt=text, max_tokens=8, temperature=0,
+                                    extra_body={"return_token_ids": True})
+    (choice,) = out.choices
+    assert choice.token_ids == want and choice.text == engine.decode(want)
+    assert choice.finish_reason == ("stop" if want[-1] in engine.stop_token_ids else "length")
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), len(want))
+    assert out.usage.total_tokens == len(ids) + len(want) and out.usage.prompt_tokens_details.cached_tokens == 0
+    by_ids = client.completions.create(model=NAME, prompt=ids, max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == choice.text
+    # several prompts, strings and token id lists: one choice each, in order
+    prompts = [[5, 6, 7], [300, 2, 9, 11]]
+    many = client.completions.create(model=NAME, prompt=prompts, max_tokens=5, temperature=0,
+                                     extra_body={"return_token_ids": True})
+    assert [c.index for c in many.choices] == [0, 1]
+    assert [c.token_ids for c in many.choices] == [r.token_ids for r in engine.generate(prompts, max_new_tokens=5)]
+    assert many.usage.prompt_tokens == 7
+
+
+def test_streamed_completion_equals_whole(client, engine):
+    prompt = "The quick brown fox"
+    whole = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0)
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == whole.choices[0].text and len(texts) > 1
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason and not any(finishes[:-1])
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_seeded_n_choices_match_generate(client, engine):
+    prompt = [10, 20, 30, 40]
+    kw = dict(model=NAME, prompt=prompt, max_tokens=6, temperature=1.0, top_p=0.9, seed=7, n=2,
+              extra_body={"top_k": 50, "return_token_ids": True})
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    want = [r.token_ids for r in engine.generate([prompt, prompt], max_new_tokens=6, temperature=1.0, top_p=0.9,
+                                                 top_k=50, seed=7)]  # request i draws with seed + i
+    assert [c.token_ids for c in a.choices] == [c.token_ids for c in b.choices] == want
+    assert a.usage.prompt_tokens == 4 and a.usage.completion_tokens == sum(map(len, want))
+
+
+def test_stop_strings_and_stop_token_ids(client, engine):
+    prompt = "Naïve café, résumé"
+    ids = engine.tokenizer.encode(prompt)
+    free = _ids(engine, ids, max_new_tokens=24, stop_token_ids=[])
+    text = engine.decode(free)
+    start = next(i for i in range(2, len(text) - 2) if "\ufffd" not in text[i:i + 2] and text[i:i + 2].strip())
+    stop = text[start:start + 2]
+    out = client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == text[:text.find(stop)] and out.choices[0].finish_reason == "stop"
+    token = free[3]
+    out = client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0,
+                                    extra_body={"ignore_eos": True, "stop_token_ids": [token],
+                                                "return_token_ids": True})
+    assert out.choices[0].token_ids == free[:free.index(token) + 1] and out.choices[0].finish_reason == "stop"
+
+
+def test_chat_whole_and_streamed(client, engine):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello world!"}]
+    tok = engine.tokenizer
+    prompt = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                        add_special_tokens=False)
+    want = _ids(engine, prompt, max_new_tokens=10)
+    out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0)
+    (choice,) = out.choices
+    assert choice.message.role == "assistant" and choice.message.content == engine.decode(want)
+    assert choice.finish_reason in ("stop", "length") and out.usage.prompt_tokens == len(prompt)
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant" and deltas[0].content == ""
+    assert "".join(d.content or "" for d in deltas) == choice.message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == choice.finish_reason and not any(finishes[:-1])
+    assert chunks[-1].usage.completion_tokens == len(want)
+    # content as a list of text parts is the same message
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "world!"}]}]
+    plain = [{"role": "user", "content": "Hello world!"}]
+    kw = dict(model=NAME, max_tokens=4, temperature=0)
+    assert (client.chat.completions.create(messages=parts, **kw).choices[0].message.content
+            == client.chat.completions.create(messages=plain, **kw).choices[0].message.content)
+
+
+def test_64_concurrent_streaming_clients(server, engine):
+    prompts = [random_tokens(3 + i % 7, seed=100 + i, vocab=256) for i in range(64)]
+    want = [r.token_ids for r in engine.generate(prompts, max_new_tokens=6)]
+
+    async def one(aclient, prompt):
+        stream = await aclient.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0,
+                                                  stream=True, extra_body={"return_token_ids": True})
+        tokens, reason = [], None
+        async for chunk in stream:
+            tokens += chunk.choices[0].token_ids or []
+            reason = chunk.choices[0].finish_reason or reason
+        return tokens, reason
+
+    async def all_clients():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT)
+        async with aclient:
+            return await asyncio.wait_for(asyncio.gather(*(one(aclient, p) for p in prompts)), TIMEOUT)
+
+    t = time.monotonic()
+    got = asyncio.run(all_clients())
+    assert [tokens for tokens, _ in got] == want, f"{time.monotonic() - t:.1f} s"
+    assert all(reason in ("stop", "length") for _, reason in got)
+    _wait_metrics(server, lambda m: m["metrale_num_requests_running"] == 0, "no request running")
+
+
+def test_client_that_disconnects_frees_its_slot(server, client):
+    before = _metrics(server)['metrale_request_finished_total{finished_reason="abort"}']
+    stream = client.completions.create(model=NAME, prompt=[1, 2, 3], max_tokens=400, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    seen = 0
+    for _ in stream:
+        seen += 1
+        if seen == 3:
+            break
+    running = _metrics(server)["metrale_num_requests_running"]
+    stream.close()
+    m = _wait_metrics(server, lambda m: m['metrale_request_finished_total{finished_reason="abort"}'] == before + 1
+                      and m["metrale_num_requests_running"] == 0 and m["metrale_kv_blocks_used"] == 0,
+                      "the aborted request's slot and blocks freed")
+    assert running == 1 and m["metrale_slots_used"] == 0
+    assert client.completions.create(model=NAME, prompt="Hello", max_tokens=2).choices[0].text is not None
+
+
+BAD = [  # (path, body, status, param, code)
+    ("/v1/completions", b"{not json", 400, None, "invalid_json"),
+    ("/v1/completions", b"[1, 2]", 400, None, None),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", None),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", None),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", None),
+    ("/v1/completions", {"prompt": [1, -1]}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": [1, 10**6]}, 400, "prompt", None),  # the engine's check: not in the vocabulary
+    ("/v1/completions", {"prompt": [1] * MAX_CONTEXT}, 400, "prompt", "context_length_exceeded"),
+    ("/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop", None),
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", None),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ("/v1/completions", {}, 400, "prompt", None),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages",
+     None),
+    ("/v1/nothing", {"prompt": "x"}, 404, None, "not_found"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param, code", BAD, ids=[f"{b[2]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_request_gets_its_4xx_and_the_next_is_served(server, client, path, body, status, param, code):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    r = httpx.post(server.url + path, headers=headers, timeout=30, **kw)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert (error["param"], error["code"]) == (param, code), error
+    assert client.completions.create(model=NAME, prompt=[1, 2], max_tokens=1).usage.completion_tokens == 1
+
+
+def test_form_body_and_wrong_method(server):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for kw in ({"data": {"prompt": "x"}}, {"content": b'{"prompt": "x"}'}):  # a form (curl -d's default); no type
+        r = httpx.post(server.url + "/v1/completions", headers=headers, **kw)
+        assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"], r.text
+    assert httpx.get(server.url + "/v1/completions", headers=headers).status_code == 405
+
+
+def test_official_client_raises_on_bad_requests(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt="x", temperature=-1)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+
+
+def test_full_queue_is_503_with_retry_after(server, client):
+    r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                   json={"prompt": [1, 2], "max_tokens": 2, "n": 100})  # 100 requests at once; 64 may wait
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    assert r.json()["error"]["code"] == "engine_overloaded"
+    _wait_metrics(server, lambda m: m["metrale_num_requests_running"] == 0 and m["metrale_num_requests_waiting"] == 0,
+                  "the refused request's others aborted")
+    assert client.completions.create(model=NAME, prompt=[1, 2], max_tokens=1).usage.completion_tokens == 1
+
+
+def test_metrics_count_tokens_and_latencies(server):
+    m = _metrics(server)
+    assert m["metrale_time_to_first_token_seconds_count"] > 64 and m["metrale_inter_token_latency_seconds_count"] > 0
+    assert m["metrale_prompt_tokens_total"] > 0 and m["metrale_generation_tokens_total"] > 64 * 6
+    assert m["metrale_slots_total"] == SLOTS and m["metrale_kv_blocks_total"] > 0
+    assert m["metrale_prefix_cache_queries_total"] == m["metrale_prompt_tokens_total"]  # no request failed
+    assert "metrale_prefix_cache_hits_total" in m and "metrale_engine_steps_total" in m
+
+
+@pytest.mark.skipif(not PREFIX_CACHE, reason="this engine has no prefix cache (Engine(prefix_cache=...))")
+def test_prefix_cache_hits_show_in_usage_and_metrics(server, client, engine):
+    prompt = random_tokens(200, seed=5, vocab=256)
+    hits = _metrics(server)["metrale_prefix_cache_hits_total"]
+    first, again = (client.completions.create(model=NAME, prompt=prompt, max_tokens=3, temperature=0,
+                                              extra_body={"return_token_ids": True}) for _ in range(2))
+    assert first.choices[0].token_ids == again.choices[0].token_ids == _ids(engine, prompt, max_new_tokens=3)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < len(prompt) and again.usage.prompt_tokens == len(prompt)
+    assert _metrics(server)["metrale_prefix_cache_hits_total"] >= hits + cached
+
+
+def test_bench_serve_runs_against_the_server(server, capsys, tmp_path):
+    from metrale_graph.tools import bench_serve
+
+    bench_serve.main(["--base-url", server.url + "/v1", "--api-key", KEY, "--num-prompts", "8", "--input-len", "4:8",
+                      "--output-len", "4", "--max-concurrency", "4", "--json", str(tmp_path / "bench.json")])
+    out = capsys.readouterr().out
+    record = json.loads(out.strip().splitlines()[-1])
+    assert record["tool"] == "bench_serve" and record["model"] == NAME
+    assert (record["completed"], record["failed"], record["output_tokens"]) == (8, 0, 32)
+    assert 0 < record["ttft_p50_ms"] <= record["ttft_p99_ms"] and record["itl_p50_ms"] > 0
+    assert record["output_tokens_per_s"] > 0 and "TTFT mean / p50 / p99 (ms)" in out
+    assert json.loads((tmp_path / "bench.json").read_text()) == record
+
+
+def test_warming_up_app_answers_503(engine):
+    """In-process: an app built before its engine is warm answers /health and generation requests with 503."""
+    from metrale_graph.server import build_app
+
+    app = build_app(engine, "warming", ready=False)
+
+    async def calls():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+            health = await c.get("/health")
+            refused = await c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
+            app.state.server.ready.set()
+            return health, refused, await c.get("/health"), await c.post(
+                "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
+
+    health, refused, ready, served = asyncio.run(calls())
+    assert health.status_code == 503 and health.json() == {"status": "warming up"}
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "warming_up"
+    assert refused.headers["retry-after"] == "1"
+    assert ready.status_code == 200 and served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 1
+
+
+def test_a_failing_step_is_500_or_an_error_event(engine, monkeypatch):
+    """In-process: a step that raises fails its requests: a whole response is 500, a stream ends with an error
+    event and [DONE]; the app goes on serving."""
+    from metrale_graph.server import build_app
+
+    app = build_app(engine, "failing")
+    real = engine._loop.prefill
+
+    def failing(streams):
+        raise RuntimeError("injected step failure")
+
+    async def calls():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as c:
+            body = {"prompt": [1, 2, 3], "max_tokens": 3}
+            monkeypatch.setattr(engine._loop, "prefill", failing)
+            whole = await c.post("/v1/completions", json=body)
+            streamed = await c.post("/v1/completions", json={**body, "stream": True})
+            monkeypatch.setattr(engine._loop, "prefill", real)
+            return whole, streamed, await c.post("/v1/completions", json=body)
+
+    whole, streamed, after = asyncio.run(calls())
+    assert whole.status_code == 500 and "injected step failure" in whole.json()["error"]["message"]
+    events = [line for line in streamed.text.splitlines() if line]
+    assert events[-1] == "data: [DONE]" and "injected step failure" in json.loads(events[-2][6:])["error"]["message"]
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3
+
+
+def test_sigterm_ends_running_requests_and_frees_the_port(server, client):
+    """Last: a stream and a whole request run, SIGTERM arrives; new requests are refused, both end (here with
+    an error: they would outlast the 3 s shutdown timeout; the whole one is 503), the process exits 0 and
+    prints its JSON line, the port is free."""
+    ended = {}
+
+    def stream():
+        try:
+            for _ in client.completions.create(model=NAME, prompt=[4, 5, 6], max_tokens=MAX_CONTEXT - 4, stream=True,
+                                               extra_body={"ignore_eos": True}):
+                ended.setdefault("first", time.monotonic())
+            ended["how"] = "finished"
+        except openai.APIError as e:
+            ended["how"] = f"error: {e}"
+
+    def whole():
+        try:
+            client.completions.create(model=NAME, prompt=[7, 8], max_tokens=MAX_CONTEXT - 4,
+                                      extra_body={"ignore_eos": True})
+            ended["whole"] = "finished"
+        except openai.APIStatusError as e:
+            ended["whole"] = f"{e.status_code}: {e.message}"
+
+    t, w = threading.Thread(target=stream), threading.Thread(target=whole)
+    t.start()
+    w.start()
+    deadline = time.monotonic() + TIMEOUT
+    while "first" not in ended and time.monotonic() < deadline:
+        time.sleep(0.02)
+    server.signal()
+    sent = time.monotonic()
+    with pytest.raises((openai.APIStatusError, openai.APIConnectionError)) as refused:
+        client.completions.create(model=NAME, prompt=[1, 2], max_tokens=2)
+    assert not isinstance(refused.value, openai.APIStatusError) or refused.value.status_code == 503
+    t.join(30)
+    w.join(30)
+    assert not t.is_alive() and "shutting down" in ended.get("how", ""), ended
+    assert not w.is_alive() and ended.get("whole", "").startswith("503") and "shutting down" in ended["whole"], ended
+    assert server.proc.wait(30) == 0, server.output()
+    assert time.monotonic() - sent < 30 and port_is_free(server.port)
+    last = open(server.out_path).read().strip().splitlines()[-1]
+    record = json.loads(last)
+    assert record["tool"] == "serve" and record["requests"]["error"] >= 1 and record["requests"]["abort"] >= 1

@@ -1,0 +1,235 @@
+"""An OpenAI-compatible HTTP server over the Engine: /v1/completions, /v1/chat/completions,
+/v1/models, /health and /metrics (Prometheus), with FastAPI and uvicorn (the `serve` extra).
+
+    python -m metrale_graph.tools.serve --model FOLDER_OR_PRESET [--host 127.0.0.1] [--port 8000]
+        [--served-model-name NAME] [--api-key KEY] [--num-slots 64] [--max-context N] [--token-budget N]
+        [--max-waiting N] [--eager] [--no-warmup] [--tp N]
+
+The port is taken before the model loads (a port in use fails at once); the server answers from
+then on, /health with 503 until the engine has warmed its bucket grid (a progress bar on a terminal),
+then 200. SIGTERM or Ctrl-C ends it gracefully: new requests are refused, running ones get
+--shutdown-timeout seconds to finish and then end with an error, the port is freed, and the tool
+prints what it served and one JSON line (exit code 0). Under `torchrun --nproc-per-node N ... --tp N`
+rank 0 serves HTTP and the other ranks follow its engine's steps (Engine(broadcast_plans=True),
+engine.follow()), ignoring SIGINT / SIGTERM: they end when rank 0 does. Stop such a server with
+SIGTERM to rank 0 (its pid is on the "serving" line): every rank then exits 0, and so does torchrun
+(a signal to torchrun itself ends the server as well, but torchrun reports the signal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+from metrale_graph.tools.distributed import end_tensor_parallel, start_run
+from metrale_graph.tools.flags import add_engine_args, add_model_args, non_negative_float, non_negative_int, positive_int
+from metrale_graph.tools.loading import build_engine, check_engine_sizes, load_model
+from metrale_graph.tools.report import bars_shown, print_json, print_table
+
+API_KEY_ENV = "METRALE_API_KEY"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def port(text: str) -> int:
+    value = non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {text!r}")
+    return value
+
+
+def _parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m metrale_graph.tools.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p, seed_help="seed of random preset weights")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
+    p.add_argument("--port", type=port, default=8000, help="port to listen on (default 8000; 0: any free one)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send and /v1/models lists (default: --model as given)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"clients must send 'Authorization: Bearer KEY' on /v1 paths (default: ${API_KEY_ENV}; "
+                        "none: open)")
+    add_engine_args(p, num_slots=64)
+    p.add_argument("--max-waiting", type=non_negative_int, default=None,
+                   help="requests waiting for a slot before new ones get 503 with Retry-After "
+                        "(default max(256, 4 x slots))")
+    p.add_argument("--block-size", type=positive_int, default=64, help="tokens per KV block (default 64)")
+    p.add_argument("--num-blocks", type=positive_int, default=None,
+                   help="KV blocks (default: every slot can hold max context)")
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV of prompt prefixes seen before (default: the engine's); needs an engine "
+                        "with a prefix cache")
+    p.add_argument("--shutdown-timeout", type=non_negative_float, default=10.0,
+                   help="seconds running requests get to finish on SIGTERM / Ctrl-C (default 10)")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="uvicorn's log level (default info)")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
+    return p, p.parse_args(argv)
+
+
+def _engine_kwargs(p, args) -> dict:
+    """Engine arguments besides the sizes: those of flags this engine takes (--prefix-cache only where its
+    signature has prefix_cache)."""
+    from metrale_graph import Engine
+
+    kwargs = dict(max_waiting=args.max_waiting, block_size=args.block_size, num_blocks=args.num_blocks,
+                  broadcast_plans=args.tp > 1)
+    if args.prefix_cache is not None:
+        if "prefix_cache" in inspect.signature(Engine).parameters:
+            kwargs["prefix_cache"] = args.prefix_cache
+        elif args.prefix_cache:
+            p.error("--prefix-cache: this engine has no prefix cache")
+    return kwargs
+
+
+def _listen_socket(p, host: str, port_: int) -> socket.socket:
+    """The server's socket, bound now (before the model loads, so a port in use fails at once); uvicorn
+    listens on it once it starts."""
+    try:
+        family = socket.getaddrinfo(host, port_, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port_))
+    except OSError as e:
+        p.error(f"--host {host} --port {port_}: cannot listen there ({e.strerror or e})")
+    return sock
+
+
+def _check_installed(p) -> None:
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        p.error(f"the server needs the serve extra (missing: {', '.join(missing)}): "
+                "pip install 'metrale-graph[serve]'")
+
+
+def main(argv=None) -> None:
+    p, args = _parse_args(argv)
+    _check_installed(p)
+    check_engine_sizes(p, args)
+    kwargs = _engine_kwargs(p, args)
+    run = start_run(args, p)
+    sock = _listen_socket(p, args.host, args.port) if run.reports else None
+    t0 = time.perf_counter()
+    model = load_model(args, p, run)
+    engine = build_engine(p, args, model, **kwargs)
+    if not run.reports:  # a follower rank: rank 0's SHUTDOWN ends it (its own signals would only kill it early)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        engine.follow()
+        return
+    name = args.served_model_name or args.model
+    print(f"model: {args.model}  {model.extra_repr()}  (built in {time.perf_counter() - t0:.2f} s)\n{engine}",
+          flush=True)
+    _serve(args, engine, name, sock, run)
+
+
+def _serve(args, engine, name: str, sock: socket.socket, run) -> None:
+    import uvicorn
+
+    from metrale_graph.server import build_app
+
+    app = build_app(engine, name, api_key=args.api_key, ready=args.no_warmup)
+    state = app.state.server
+    config = uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log,
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    server = _server(config, lambda: _drain(state, engine, args.shutdown_timeout))
+    host, port_ = sock.getsockname()[:2]
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port_}"
+    warm = None
+    if not args.no_warmup:
+        warm = threading.Thread(target=_warm_up, args=(engine, state, server, url, bars_shown(run)),
+                                name="metrale-serve-warmup", daemon=True)
+        warm.start()
+    else:
+        print(f"serving {name!r} at {url} (pid {os.getpid()}; no warmup: buckets compile on first use)", flush=True)
+    t0 = time.perf_counter()
+    # uvicorn re-raises a signal it handled once it has shut down; these handlers take it then (the shutdown
+    # is done: the tool ends as usual, exit code 0)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _drain(state, engine, 0.0)
+        sock.close()
+    if server.warmup_error is not None:
+        print(f"warmup failed: {type(server.warmup_error).__name__}: {server.warmup_error}", file=sys.stderr)
+        raise SystemExit(1)
+    _report(engine, state, name, url, time.perf_counter() - t0)
+
+
+def _server(config, on_exit):
+    """A uvicorn.Server whose exit signal also calls on_exit() (in a thread: it drains the engine while the
+    event loop goes on streaming what the running requests produce)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        warmup_error = None
+
+        def handle_exit(self, sig, frame):
+            threading.Thread(target=on_exit, name="metrale-serve-drain", daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    return Server(config)
+
+
+def _warm_up(engine, state, server, url: str, progress: bool) -> None:
+    t = time.perf_counter()
+    try:
+        engine.warmup(progress=progress)
+    except Exception as e:  # the server cannot serve: end it (main exits 1 with the error)
+        if not state.closing.is_set():
+            server.warmup_error = e
+            logging.getLogger("metrale_graph.server").error("warmup failed", exc_info=e)
+        server.should_exit = True
+        return
+    what = "eager" if engine.runner is None else f"{len(engine.runner.grid)} buckets"
+    state.ready.set()
+    print(f"warmup ({what}): {time.perf_counter() - t:.1f} s\nserving {state.model_name!r} at {url} (pid {os.getpid()})",
+          flush=True)
+
+
+def _drain(state, engine, wait_s: float) -> None:
+    """Refuse new requests, give the running ones `wait_s` seconds, then end the engine. Idempotent, and safe
+    from two threads at once: the exit hook's drain may still wait when the server has ended (a second Ctrl-C
+    forces the exit), and the call with wait_s=0 then ends the running requests at once."""
+    state.closing.set()
+    engine.shutdown(wait_s=wait_s)
+
+
+def _report(engine, state, name: str, url: str, served_s: float) -> None:
+    from metrale_graph.server.metrics import FINISH_REASONS
+
+    totals, steps = state.metrics.totals, engine.stats().steps
+    finished = {reason: totals[reason] for reason in FINISH_REASONS}
+    print_table(["requests", *FINISH_REASONS, "prompt tokens", "new tokens", "steps", "served s"],
+                [[sum(finished.values()), *finished.values(), totals["prompt_tokens"], totals["generation_tokens"],
+                  steps, f"{served_s:.1f}"]])
+    print_json({"tool": "serve", "model": name, "url": url, "requests": finished,
+                "prompt_tokens": totals["prompt_tokens"], "generation_tokens": totals["generation_tokens"],
+                "steps": steps, "served_s": round(served_s, 3)})
+
+
+def cli() -> None:
+    """The console script and `python -m`: main(), then the end of a --tp run (tools.distributed). A Ctrl-C
+    before the server runs (loading the model) ends the tool with one line and exit code 130; once it runs,
+    Ctrl-C is its graceful shutdown."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second one while the interpreter exits
+        print("interrupted (Ctrl-C) before the server started", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+    end_tensor_parallel()
+
+
+if __name__ == "__main__":
+    cli()
