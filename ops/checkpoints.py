@@ -5,9 +5,11 @@ A step may ask the GDN ops to keep the state after some of its tokens: `checkpoi
 int64 (the entry of the checkpoint pool it goes to; the pool's last entry, the scratch one, for -1).
 NC is fixed for a cache, so a bucket's graph stays static; which tokens is data. `causal_conv1d` keeps
 the last W-1 inputs up to t (`checkpoint_conv_states` [P+1, C, W-1]), `gdn_recurrence` the recurrent
-state after t (`checkpoint_states` [P+1, HV, K, V] fp32). The CPU references keep any token; the CUDA
-paths keep the states at a stream's chunk boundaries (t - start + 1 a multiple of 64) and at its last
-token, which is what the prefill protocol asks for (metrale_graph/protocol.py).
+state after t (`checkpoint_states` [P+1, HV, K, V] fp32). The CPU references keep any token, and so do
+the CUDA conv and the recurrent GDN kernel (token_entries); the chunked GDN path keeps the states at a
+stream's chunk boundaries (t - start + 1 a multiple of 64, chunk_rows) and at its last token
+(keep_end_states), which is what the prefill protocol asks for (HybridCache.plan_checkpoints). At most one
+entry per token on CUDA.
 """
 
 import torch
@@ -77,3 +79,26 @@ def keep_end_states(cu_seqlens: Tensor, slot_ids: Tensor, gdn_state: Tensor, tok
     at_end = (r > 0) & (r == lengths[b])
     dest = torch.where(at_end, dest, pool.shape[0] - 1)
     pool.index_copy_(0, dest, gdn_state[slot_ids.long()[b]])
+
+
+def chunk_rows(tokens: Tensor, entries: Tensor, cu_seqlens: Tensor, cu_aligned: Tensor, short: int, scratch: int):
+    """For the chunked GDN path (ops/gdn_recurrence/chunked.py): per checkpoint, the chunk row at whose
+    start its state is (stream b's chunk i is row cu_aligned[b] // 64 + i), -1 where it is not a chunk
+    start inside a stream the chunked path takes (longer than `short` tokens; a stream's last token is
+    keep_end_states' job), and its entry (`scratch` for none). Device ops only."""
+    b, _, r, dest = targets(tokens, entries, cu_seqlens, scratch)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    n = lengths[b] if lengths.numel() else torch.zeros_like(r)
+    inner = (r > 0) & (r % 64 == 0) & (r < n) & (n > short)
+    rows = torch.where(inner, cu_aligned[b] // 64 + r // 64, -1)
+    return rows, dest
+
+
+def token_entries(tokens: Tensor, entries: Tensor, num_tokens: int) -> Tensor:
+    """[T] int64: the checkpoint entry that wants the state after packed token t, -1 for none (the
+    recurrent kernel's per-token lookup; one entry per token). Device ops only."""
+    T = num_tokens
+    valid = (tokens >= 0) & (tokens < T)
+    out = torch.full((T + 1,), -1, dtype=torch.int64, device=tokens.device)
+    out.index_copy_(0, torch.where(valid, tokens, T), torch.where(valid, entries.long(), -1))
+    return out[:T]

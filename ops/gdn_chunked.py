@@ -198,7 +198,7 @@ def _gdn_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, bos_ptr, eos_ptr, idx
 # the last sequence's programs (the spare one, empty) zero the output rows from its start to T instead.
 @triton.jit(do_not_specialize=["NT", "T"])
 def _gdn_chunk_state_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, tm_ptr, aqk_ptr, first_ptr, h0_ptr, ht_ptr, slot_ptr, o_ptr,
-                            bos_ptr, eos_ptr, ck_idx_ptr, ck_ptr, NT, T, scale, stride_qt, stride_qh, stride_kt,
+                            bos_ptr, eos_ptr, ck_idx_ptr, ck_dest_ptr, ck_ptr, NT, T, scale, stride_qt, stride_qh, stride_kt,
                             stride_kh, stride_vt, stride_vh, stride_h0n, stride_h0h, stride_h0k, stride_h0v,
                             stride_htn, stride_hth, stride_htk, stride_htv, stride_c0, stride_c1, stride_c2,
                             stride_c3, R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -240,9 +240,8 @@ def _gdn_chunk_state_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, tm_ptr, aqk_ptr, first_
             if tl.reduce((ck_chunks == c).to(tl.int32), 0, _SUM) > 0:
                 p_ck = ck_ptr + hv * stride_c1 + kk[:, None] * stride_c2 + vv[None, :] * stride_c3
                 for p in range(P):
-                    if tl.load(ck_idx_ptr + p) == c:
-                        tl.store(p_ck, S, mask=m_s)
-                    p_ck += stride_c0
+                    if tl.load(ck_idx_ptr + p) == c:  # into entry ck_dest[p] of the checkpoint buffer
+                        tl.store(p_ck + tl.load(ck_dest_ptr + p) * stride_c0, S, mask=m_s)
         t0 = bos + i * _C
         valid = rows < eos - t0
         tok = t0 + rows
@@ -287,7 +286,7 @@ def _fail(fn: str, msg: str):
     raise ValueError(f"{fn}: {msg}")
 
 
-def _check_tokens(fn, q, k, v, g, beta, chunk_indices, checkpoint_chunks, checkpoints, more):
+def _check_tokens(fn, q, k, v, g, beta, chunk_indices, checkpoint_chunks, checkpoints, more, checkpoint_entries=None):
     """The checks both entry points share; `more`: (name, tensor, ndim) of their other tensors."""
     for name, t, nd in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2), ("beta", beta, 2),
                         ("chunk_indices", chunk_indices, 2), *more):
@@ -318,10 +317,18 @@ def _check_tokens(fn, q, k, v, g, beta, chunk_indices, checkpoint_chunks, checkp
         if checkpoint_chunks.dtype != torch.int64 or P < 0 or checkpoint_chunks.device != q.device:
             _fail(fn, f"checkpoint_chunks must be int64 [P] on {q.device}, got {checkpoint_chunks.dtype} "
                       f"{tuple(checkpoint_chunks.shape)} on {checkpoint_chunks.device}")
-        if (tuple(checkpoints.shape) != (P, HV, K, V) or checkpoints.dtype != torch.float32
+        E = P if checkpoint_entries is None else checkpoints.shape[0]
+        if (tuple(checkpoints.shape) != (E, HV, K, V) or checkpoints.dtype != torch.float32
                 or checkpoints.device != q.device):
             _fail(fn, f"checkpoints is {tuple(checkpoints.shape)} {checkpoints.dtype} on {checkpoints.device}, "
-                      f"expected {(P, HV, K, V)} torch.float32 on {q.device}")
+                      f"expected {(E, HV, K, V)} torch.float32 on {q.device}")
+        if checkpoint_entries is not None and (checkpoint_entries.dtype != torch.int64
+                                               or tuple(checkpoint_entries.shape) != (P,)
+                                               or checkpoint_entries.device != q.device):
+            _fail(fn, f"checkpoint_entries must be int64 [{P}] on {q.device}, got {checkpoint_entries.dtype} "
+                      f"{tuple(checkpoint_entries.shape)} on {checkpoint_entries.device}")
+    elif checkpoint_entries is not None:
+        _fail(fn, "checkpoint_entries needs checkpoint_chunks and checkpoints")
 
 
 MAX_HEAD_DIM = 256  # K and V: a [K, BV] state tile and [64, K] key tiles in registers
@@ -337,7 +344,7 @@ def _rows(x: Tensor) -> Tensor:
 
 
 def _launch(q, k, v, g, beta, bos, eos, chunk_indices, h0, ht, slots, o, checkpoint_chunks, checkpoints,
-            config, pool: bool) -> None:
+            config, pool: bool, checkpoint_entries=None) -> None:
     """Both kernels over len(bos) sequences (bos, eos [N] token bounds, any integer dtype); states read from
     h0[slot] and written to ht[slot] (slot = n, or slots[n] with `pool`), outputs into o [T, HV, V]."""
     T, H, K = q.shape
@@ -365,13 +372,18 @@ def _launch(q, k, v, g, beta, bos, eos, chunk_indices, h0, ht, slots, o, checkpo
             beta.stride(0), beta.stride(1), R=HV // H, K=K, BK=BK, SB=cfg.solve_block,
             LOG_SB=cfg.solve_block.bit_length() - 1, PREC=prec, DOT_T=dot_t,
             num_warps=cfg.intra_warps, num_stages=cfg.intra_stages)
-    P = 0 if checkpoints is None else checkpoints.shape[0]
+    P = 0 if checkpoints is None else checkpoint_chunks.shape[0]
     ck_idx = checkpoint_chunks.contiguous() if P else bos  # unread when P == 0 (non-empty stand-ins)
+    if P:
+        ck_dest = (torch.arange(P, dtype=torch.int64, device=q.device) if checkpoint_entries is None
+                   else checkpoint_entries.contiguous())
+    else:
+        ck_dest = bos
     ck = checkpoints if P else ht
     ck_strides = ck.stride() if P else (0, 0, 0, 0)
     slots = slots if pool and slots.shape[0] else bos  # read only for non-empty sequences before the spare one
     _gdn_chunk_state_kernel[(HV * triton.cdiv(V, BV), N)](
-        q, k, v, gc, tmat, aqk, first, h0, ht, slots, o, bos, eos, ck_idx, ck, NT, T, scale,
+        q, k, v, gc, tmat, aqk, first, h0, ht, slots, o, bos, eos, ck_idx, ck_dest, ck, NT, T, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *h0.stride(), *ht.stride(),
         *ck_strides, R=HV // H, HV=HV, K=K, V=V, P=P, BK=BK, BV=BV, BLOCK_P=triton.next_power_of_2(max(P, 1)),
         PREC=prec, DOT_T=dot_t, POOL=pool, num_warps=cfg.state_warps, num_stages=cfg.state_stages)
@@ -419,7 +431,7 @@ def chunked_gdn_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
 def chunked_gdn_pool_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, bounds: Tensor,
                              chunk_indices: Tensor, state: Tensor, slots: Tensor, o: Tensor | None = None,
                              checkpoint_chunks: Tensor | None = None, checkpoints: Tensor | None = None,
-                             config: ChunkConfig | None = None) -> Tensor:
+                             config: ChunkConfig | None = None, checkpoint_entries: Tensor | None = None) -> Tensor:
     """The gated delta rule over B packed streams, each from and back into its row of a state pool (the GDN
     op's chunked path: no layout copies, no state gather / scatter).
 
@@ -439,13 +451,16 @@ def chunked_gdn_pool_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
             other rows (tokens of empty sequences) are left as they are.
         checkpoint_chunks, checkpoints: as chunked_gdn_forward's (chunk rows of chunk_indices; an entry whose
             row names the spare sequence is left as it was, like one of no chunk).
+        checkpoint_entries: optional [P] int64 (with checkpoint_chunks): checkpoint p goes to
+            checkpoints[checkpoint_entries[p]] instead of checkpoints[p] (checkpoints then [E, HV, K, V], any
+            E, entries in 0..E-1 and distinct among those with a chunk: a pool of prefix-caching states).
         config: launch parameters (default: default_config(B + 1, HV, V)).
     Returns:
         o.
     """
     fn = "chunked_gdn_pool_forward"
     _check_tokens(fn, q, k, v, g, beta, chunk_indices, checkpoint_chunks, checkpoints,
-                  (("bounds", bounds, 2), ("state", state, 4), ("slots", slots, 1)))
+                  (("bounds", bounds, 2), ("state", state, 4), ("slots", slots, 1)), checkpoint_entries)
     B = slots.shape[0]
     T, HV, K, V = q.shape[0], v.shape[1], q.shape[2], v.shape[2]
     if bounds.dtype != torch.int64 or tuple(bounds.shape) != (2, B + 1):
@@ -463,7 +478,7 @@ def chunked_gdn_pool_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
         return o
     bounds, slots = bounds.contiguous(), slots.contiguous()
     _launch(q, k, v, g, beta, bounds[0], bounds[1], chunk_indices, state, state, slots, o, checkpoint_chunks,
-            checkpoints, config, pool=True)
+            checkpoints, config, pool=True, checkpoint_entries=checkpoint_entries)
     return o
 
 

@@ -339,7 +339,7 @@ build(m._gdn_chunk_intra_kernel, intra, dict(stride_gh=1, stride_bh=1, R=2, K=12
       LOG_SB=cfg.solve_block.bit_length() - 1, PREC="tf32", DOT_T=tl.bfloat16), cfg.intra_warps, cfg.intra_stages)
 state = dict(ptr(["q_ptr", "k_ptr", "v_ptr", "tm_ptr", "aqk_ptr", "o_ptr"], bf),
              **ptr(["gc_ptr", "h0_ptr", "ht_ptr", "ck_ptr"], f32),
-             **ptr(["first_ptr", "slot_ptr", "bos_ptr", "eos_ptr", "ck_idx_ptr"], i64), scale="fp32")
+             **ptr(["first_ptr", "slot_ptr", "bos_ptr", "eos_ptr", "ck_idx_ptr", "ck_dest_ptr"], i64), scale="fp32")
 # fla's contract (h0 / final contiguous) and the op's pool (int32 or int64 slots), with and without checkpoints
 for P, pool in ((0, False), (3, False), (0, True), (3, True)):
     sig = dict(state, slot_ptr="*i32") if pool and P == 0 else state

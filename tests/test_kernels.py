@@ -371,6 +371,45 @@ def test_chunked_path_touches_no_slot_but_its_streams(dtype, monkeypatch):
     assert torch.equal(ckpt[1], args[7][slots[1]]) and torch.equal(ckpt[2], torch.zeros_like(ckpt[2]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("lengths", [(1, 70, 0, 64, 130, 65), (200,), (1, 40, 2), (3, 1, 1, 129, 1, 1, 1, 1)],
+                         ids=["split", "one-stream", "decode-shaped", "decode-shaped-long"])
+def test_cuda_path_keeps_prefix_checkpoints(lengths, dtype, monkeypatch):
+    """The op's prefix-caching checkpoints (ops/checkpoints.py) on the CUDA path: the states after the
+    tokens the prefill protocol asks for (chunk ends of chunked streams, any token of the recurrent kernel's
+    streams, every stream's last token) match the reference's; entries no checkpoint names are untouched,
+    tokens -1 and past the streams keep nothing, and o / the pool are those of a call without checkpoints."""
+    round_bf16_to_nearest(monkeypatch)
+    case = _split_case(lengths)
+    args = list(op_args("gdn_recurrence", case, dtype, seed=3))
+    cu, B, T = args[5], case.B, case.T
+    decode = decode_shaped(B, T)
+    short = T if decode else gdn_split.split_max_len(B)
+    tokens = []
+    for b, n in enumerate(lengths):
+        ends = range(1, n + 1) if n <= short else [*range(64, n, 64), n]
+        tokens += [int(cu[b]) + r - 1 for r in ends if r in (1, 2, n) or n > short or r % 17 == 0]
+    tokens += [-1, T + 5]
+    NC, E = len(tokens), len(tokens) + 3
+    entries = torch.randperm(E - 1, generator=torch.Generator().manual_seed(0))[:NC]
+    entries[-2:] = E - 1  # the none-targets' scratch entry
+    ck = [torch.tensor(tokens, dtype=torch.int64), entries.long(),
+          torch.full((E,) + tuple(args[7].shape[1:]), 9.0)]
+    ref_args = upcast(clone_args(args + ck, "cpu"))
+    ref = REGISTRY["gdn_recurrence"].op(*ref_args)
+    plain = clone_args(args, DEVICE)
+    o_plain = CUDA_IMPLS["gdn_recurrence"](*plain)
+    test_args = clone_args(args + ck, DEVICE)
+    o = CUDA_IMPLS["gdn_recurrence"](*test_args)
+    assert torch.equal(o.cpu(), o_plain.cpu()) and torch.equal(test_args[7].cpu(), plain[7].cpu())
+    assert_close("o", ref, o.cpu().float(), TOL[dtype])
+    pool = test_args[10].cpu()
+    for i, (t, e) in enumerate(zip(tokens[:-2], entries[:-2].tolist())):
+        assert_close(f"checkpoint after token {t}", ref_args[10][e], pool[e], TOL[dtype])
+    untouched = set(range(E - 1)) - set(entries[:-2].tolist())
+    assert untouched and all((pool[e] == 9.0).all() for e in untouched), "an entry no checkpoint names changed"
+
+
 # several 64 / 128-key splits per stream with a partial last one, blocks of 16 / 48 / 64 (splits and
 # blocks unaligned), query heads per KV head 1..4, streams of several query tiles, zero-length streams
 DECODE_ATTENTION_CASES = [
@@ -797,11 +836,12 @@ smem.append(compile_(align._moe_align_rows_kernel, dict(order_ptr="*i64", first_
                      block_expert_ptr=I, P="i32", E="i32"), dict(BM=64, BLOCK_E=512), 4, 1))
 B16, F32 = "*bf16", "*fp32"
 rec = dict(q_ptr=B16, k_ptr=B16, v_ptr=B16, g_ptr=F32, beta_ptr=B16, o_ptr=B16, state_ptr=F32, cu_ptr=I,
-           slot_ptr="*i64", scale="fp32")
+           slot_ptr="*i64", ck_map_ptr="*i64", ck_ptr=F32, scale="fp32")
 for K in (128, 256):
     BK, BV, warps = recurrent.recurrent_tiles(K, 128)
     fn = recurrent._gdn_recurrent_kernel
-    smem.append(compile_(fn, {n: rec.get(n, "i32") for n in fn.arg_names}, dict(BK=BK, BV=BV), warps, 3))
+    for ck in (False, True):  # with prefix-caching checkpoints or without
+        smem.append(compile_(fn, {n: rec.get(n, "i32") for n in fn.arg_names}, dict(BK=BK, BV=BV, CK=ck), warps, 3))
 for E, k in ((256, 8), (512, 10)):
     smem.append(compile_(routing._moe_route_kernel, dict(logits_ptr=P, w_ptr=P, e_ptr="*i64", stride_l="i32", E="i32"),
                          dict(TOP_K=k, BLOCK_K=16 if k > 8 else 8, BLOCK_E=E, NORM=True), 4, 1))

@@ -19,6 +19,9 @@ import os
 import torch
 from torch import Tensor
 
+from typing import Optional
+
+from ..checkpoints import check_checkpoints, wanted
 from ..common import INDEX_DTYPES, check, check_tensor, decode_shaped
 from ..registry import OpSpec, Shapes, metrale_cuda, metrale_fake, metrale_op, rand, register, stream_meta
 from ..gdn_chunked import supported_head_dims
@@ -48,11 +51,14 @@ def _check(a):
     check_tensor(a.gdn_state, "gdn_state", ndim=4, dtype=torch.float32, device=device)
     check(tuple(a.gdn_state.shape[1:]) == (HV, K, V),
           f"gdn_state slots are {tuple(a.gdn_state.shape[1:])}, expected {(HV, K, V)}")
+    check_checkpoints(a.checkpoint_tokens, a.checkpoint_entries, a.checkpoint_states, device, (HV, K, V),
+                      torch.float32)
 
 
-@metrale_op(mutates_args=("gdn_state",), check=_check)
+@metrale_op(mutates_args=("gdn_state", "checkpoint_states"), check=_check)
 def gdn_recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor,
-                   slot_ids: Tensor, gdn_state: Tensor) -> Tensor:
+                   slot_ids: Tensor, gdn_state: Tensor, checkpoint_tokens: Optional[Tensor] = None,
+                   checkpoint_entries: Optional[Tensor] = None, checkpoint_states: Optional[Tensor] = None) -> Tensor:
     """Varlen gated delta rule with per-slot recurrent state. The CPU reference (the spec): plain
     torch, token by token, in fp32.
 
@@ -64,6 +70,9 @@ def gdn_recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_
         cu_seqlens: [B+1] int32 stream boundaries.
         slot_ids: [B] int32/int64 state slot of each stream.
         gdn_state: [S, HV, K, V] float32 pool. MUTATED: each stream's slot holds its final state.
+        checkpoint_tokens, checkpoint_entries: [NC] int64, or None; checkpoint_states: [P+1, HV, K, V]
+            float32 pool. MUTATED: entry checkpoint_entries[i] receives the state after token
+            checkpoint_tokens[i] (prefix caching, ops/checkpoints.py).
     Returns:
         o: [T, HV, V] in v's dtype.
     """
@@ -75,6 +84,11 @@ def gdn_recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_
     kf = k.float().repeat_interleave(r, dim=1)
     vf, bf, decay = v.float(), beta.float(), g.float().exp()
     bounds = cu_seqlens.tolist()
+    keep = {}  # token -> checkpoint entries that want the state after it
+    if wanted(checkpoint_tokens):
+        for t, entry in zip(checkpoint_tokens.tolist(), checkpoint_entries.tolist()):
+            if 0 <= t < bounds[-1]:
+                keep.setdefault(t, []).append(entry)
     for b, slot in enumerate(slot_ids.tolist()):
         s, e = bounds[b], bounds[b + 1]
         if e == s:
@@ -86,6 +100,8 @@ def gdn_recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_
             delta = (vf[t] - pred) * bf[t, :, None]
             S = S + kf[t, :, :, None] * delta[:, None, :]
             o[t] = torch.einsum("hk,hkv->hv", qf[t], S)
+            for entry in keep.get(t, ()):
+                checkpoint_states[entry] = S
         gdn_state[slot] = S
     return o.to(v.dtype)
 
@@ -115,14 +131,17 @@ def chunked_backend(K: int, V: int) -> str:
 def gdn_recurrence_cuda(a):
     """Decode-shaped calls: the recurrent kernel on every stream; others: gdn_recurrence_split, its chunked
     path by chunked_backend (ours on the packed tokens, or fla on the aligned layout)."""
-    if wanted(a.checkpoint_tokens):
-        raise NotImplementedError("metrale::gdn_recurrence: the CUDA path does not keep prefix-caching checkpoints "
-                                  "yet (the CPU reference does)")
+    keep = (a.checkpoint_tokens, a.checkpoint_entries, a.checkpoint_states) if wanted(a.checkpoint_tokens) else None
     if use_recurrent(a.q, a.slot_ids):
-        return gdn_recurrence_recurrent(*a[:8])
+        return gdn_recurrence_recurrent(*a[:8], keep=keep)
     if chunked_backend(a.q.shape[2], a.v.shape[2]) == "fla":
+        if keep is not None:
+            raise NotImplementedError(
+                "metrale::gdn_recurrence: prefix-caching checkpoints inside the step need our chunked kernels "
+                f"(METRALE_GDN_CHUNKED=triton, head dims up to 256; here {CHUNKED_BACKEND!r}, K {a.q.shape[2]}, "
+                f"V {a.v.shape[2]}); use checkpoint_interval=0")
         return gdn_recurrence_split(*a[:8], fla_varlen)
-    return gdn_recurrence_split(*a[:8])
+    return gdn_recurrence_split(*a[:8], keep=keep)
 
 
 def example(s: Shapes, dtype, g):

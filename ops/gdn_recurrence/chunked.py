@@ -13,6 +13,7 @@ neither reads nor writes; the spare sequence's programs zero the output rows of 
 import torch
 from torch import Tensor
 
+from ..checkpoints import chunk_rows
 from ..gdn_chunked import ChunkConfig, chunked_gdn_pool_forward
 from .layout import chunk_layout_bounds
 
@@ -20,7 +21,7 @@ from .layout import chunk_layout_bounds
 def gdn_recurrence_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor,
                            slot_ids: Tensor, gdn_state: Tensor, short: int = 0, o: Tensor | None = None,
                            checkpoint_chunks: Tensor | None = None, checkpoints: Tensor | None = None,
-                           config: ChunkConfig | None = None) -> Tensor:
+                           config: ChunkConfig | None = None, keep=None) -> Tensor:
     """metrale::gdn_recurrence's arguments: the streams longer than `short` tokens through the chunked
     kernels, from and into their pool rows (no host sync, no copies of tokens or states).
 
@@ -33,12 +34,23 @@ def gdn_recurrence_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     receives the state at the start of chunk row checkpoint_chunks[p] (-1: none), where stream b's chunk i
     (tokens cu_seqlens[b] + 64 i onwards) is row cu_aligned[b] // 64 + i of
     chunk_layout_bounds(cu_seqlens, T, short)'s cu_aligned. config: default_config(B + 1, HV, V).
+    keep: (checkpoint_tokens, checkpoint_entries, pool) or None, the op's prefix-caching checkpoints
+    (ops/checkpoints.py): pool[entry] receives the state after its token where that token ends a chunk
+    inside a stream this path takes (chunk_rows); instead of checkpoint_chunks / checkpoints.
     """
     T = q.shape[0]
     if o is None:
         o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if T == 0:
         return o
-    _, bounds, chunk_indices = chunk_layout_bounds(cu_seqlens.contiguous(), T, short)
+    cu_aligned, bounds, chunk_indices = chunk_layout_bounds(cu_seqlens.contiguous(), T, short)
+    entries = None
+    if keep is not None:
+        if checkpoints is not None:
+            raise ValueError("gdn_recurrence_chunked: keep or checkpoint_chunks / checkpoints, not both")
+        tokens, wanted_entries, checkpoints = keep
+        checkpoint_chunks, entries = chunk_rows(tokens, wanted_entries, cu_seqlens, cu_aligned, short,
+                                                checkpoints.shape[0] - 1)
     return chunked_gdn_pool_forward(q, k, v, g, beta, bounds, chunk_indices, gdn_state, slot_ids, o,
-                                    checkpoint_chunks=checkpoint_chunks, checkpoints=checkpoints, config=config)
+                                    checkpoint_chunks=checkpoint_chunks, checkpoints=checkpoints, config=config,
+                                    checkpoint_entries=entries)

@@ -15,13 +15,16 @@ import torch
 import triton
 import triton.language as tl
 
+from ..checkpoints import token_entries
+
 
 # max_len is not specialized on: one compiled kernel whatever the bucket's T
 @triton.jit(do_not_specialize=["max_len"])
-def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, cu_ptr, slot_ptr, scale, R, K, V,
-                          max_len, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt,
-                          stride_gh, stride_bt, stride_bh, stride_ot, stride_oh, stride_s0, stride_s1, stride_s2,
-                          stride_s3, BK: tl.constexpr, BV: tl.constexpr):
+def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, cu_ptr, slot_ptr, ck_map_ptr, ck_ptr,
+                          scale, R, K, V, max_len, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                          stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, stride_oh, stride_s0, stride_s1,
+                          stride_s2, stride_s3, stride_c0, stride_c1, stride_c2, stride_c3, BK: tl.constexpr,
+                          BV: tl.constexpr, CK: tl.constexpr):
     b = tl.program_id(0)
     hv = tl.program_id(1)
     start = tl.load(cu_ptr + b)
@@ -43,7 +46,10 @@ def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr
         p_g = g_ptr + t0 * stride_gt + hv * stride_gh
         p_b = beta_ptr + t0 * stride_bt + hv * stride_bh
         p_o = o_ptr + t0 * stride_ot + hv * stride_oh + vv
-        for _ in range(start, end):
+        if CK:  # checkpoints: after token t, entry ck_map[t] of the pool ck receives the state (-1: none)
+            p_ck = (ck_ptr + hv * stride_c1 + kk[:, None].to(tl.int64) * stride_c2
+                    + vv[None, :].to(tl.int64) * stride_c3)
+        for t in range(start, end):
             q = tl.load(p_q, mask=mk, other=0.0).to(tl.float32) * scale
             k = tl.load(p_k, mask=mk, other=0.0).to(tl.float32)
             v = tl.load(p_v, mask=mv, other=0.0).to(tl.float32)
@@ -54,6 +60,10 @@ def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr
             S = S + k[:, None] * delta[None, :]
             o = tl.sum(S * q[:, None], axis=0)
             tl.store(p_o, o.to(p_o.dtype.element_ty), mask=mv)
+            if CK:
+                entry = tl.load(ck_map_ptr + t)
+                if entry >= 0:
+                    tl.store(p_ck + entry * stride_c0, S, mask=m_s)
             p_q += stride_qt
             p_k += stride_kt
             p_v += stride_vt
@@ -71,12 +81,14 @@ def recurrent_tiles(K: int, V: int) -> tuple[int, int, int]:
     return BK, min(8, triton.next_power_of_2(V)), 1 if BK <= 128 else 2
 
 
-def gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, max_len=None, o=None):
+def gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, max_len=None, o=None, keep=None):
     """The gated delta rule token by token, each stream from and back into its pool row (one launch,
     no host sync). Exact for any lengths; sequential in each stream's length.
 
     Streams longer than `max_len` (default: none) are left alone: their slots and output rows are not
     touched. `o` (default: a fresh [T, HV, V] in v's dtype) receives the other streams' rows.
+    keep: (checkpoint_tokens, checkpoint_entries, pool) or None (ops/checkpoints.py): pool[entry] receives
+    the state after its token, for the tokens of the streams this call takes (one entry per token).
     """
     T, H, K = q.shape
     HV, V = v.shape[1:]
@@ -88,9 +100,14 @@ def gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, 
     q, k, v = (x if x.stride(2) == 1 else x.contiguous() for x in (q, k, v))
     cu_seqlens, slot_ids = cu_seqlens.contiguous(), slot_ids.contiguous()  # indexed as contiguous; the pool by strides
     BK, BV, warps = recurrent_tiles(K, V)
+    if keep is not None:
+        ck_map, pool = token_entries(keep[0], keep[1], T), keep[2]
+    else:
+        ck_map, pool = cu_seqlens, gdn_state  # unread stand-ins
     _gdn_recurrent_kernel[(B, HV, triton.cdiv(V, BV))](
-        q, k, v, g, beta, o, gdn_state, cu_seqlens, slot_ids, K**-0.5, HV // H, K, V, T if max_len is None else max_len,
+        q, k, v, g, beta, o, gdn_state, cu_seqlens, slot_ids, ck_map, pool, K**-0.5, HV // H, K, V,
+        T if max_len is None else max_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
-        beta.stride(0), beta.stride(1), o.stride(0), o.stride(1), *gdn_state.stride(),
-        BK=BK, BV=BV, num_warps=warps)
+        beta.stride(0), beta.stride(1), o.stride(0), o.stride(1), *gdn_state.stride(), *pool.stride(),
+        BK=BK, BV=BV, CK=keep is not None, num_warps=warps)
     return o

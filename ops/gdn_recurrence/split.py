@@ -11,6 +11,7 @@ layout, layout.py); a single stream takes the chunked path whole.
 
 from torch import Tensor
 
+from ..checkpoints import keep_end_states
 from ..common import decode_shaped
 from .chunked import gdn_recurrence_chunked
 from .layout import gdn_recurrence_aligned
@@ -32,7 +33,7 @@ def split_max_len(num_streams: int) -> int:
     return SHORT if num_streams > 1 else 0
 
 
-def gdn_recurrence_split(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, varlen_fn=None, **chunked):
+def gdn_recurrence_split(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, varlen_fn=None, keep=None, **chunked):
     """A call that is not decode-shaped: the chunked path over the streams longer than split_max_len(B), then
     the recurrent kernel over the others, into the same output.
 
@@ -42,15 +43,21 @@ def gdn_recurrence_split(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, varl
     the batch back (the short streams' unchanged) before the recurrent kernel updates the short streams'
     slots in place and writes their rows of o. Which stream goes where is decided on the device
     (cu_seqlens); shapes depend on (B, T) only.
+
+    keep: (checkpoint_tokens, checkpoint_entries, pool) or None, the op's prefix-caching checkpoints
+    (ops/checkpoints.py), with our chunked kernels only: the chunked streams' chunk starts, the short
+    streams' every token, and last, every stream's last token from the pool of slot states.
     """
     max_len = split_max_len(slot_ids.shape[0])
     if varlen_fn is None:
-        o = gdn_recurrence_chunked(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, max_len, **chunked)
-    elif chunked:
-        raise ValueError(f"gdn_recurrence_split: {', '.join(chunked)} apply to our chunked kernels only, "
-                         f"not to varlen_fn {getattr(varlen_fn, '__name__', varlen_fn)!r}")
+        o = gdn_recurrence_chunked(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, max_len, keep=keep, **chunked)
+    elif chunked or keep is not None:
+        raise ValueError(f"gdn_recurrence_split: {', '.join([*chunked, *(['keep'] if keep else [])])} apply to "
+                         f"our chunked kernels only, not to varlen_fn {getattr(varlen_fn, '__name__', varlen_fn)!r}")
     else:
         o = gdn_recurrence_aligned(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, varlen_fn, max_len)
     if max_len:
-        gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, max_len, o)
+        gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, max_len, o, keep=keep)
+    if keep is not None:
+        keep_end_states(cu_seqlens, slot_ids, gdn_state, *keep)
     return o
