@@ -31,3 +31,30 @@ def test_graph_engine_greedy_equals_eager_engine():
         print(f"prompt {i}: {len(a.token_ids)} tokens, first difference at {same}")
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason == "length"
     assert any(b.tokens == b.streams for b in replayed)  # a pure-decode bucket ran from a graph
+
+
+def test_prefix_cache_under_graphs_gives_the_same_greedy_tokens():
+    """Prefix caching on CUDA, every step a graph replay: the interval checkpoints written inside the step by
+    the GDN kernels (chunked and recurrent) and the prompt-end / request-end states restore prefixes that give
+    the same greedy tokens as an engine without the cache (fp32: no bf16 near-tie flips a token)."""
+    model = HybridModel.from_preset(CFG, dtype=torch.float32, device="cuda", seed=6)
+    g = torch.Generator().manual_seed(1)
+    draw = lambda n: torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    system = draw(200)
+    first = [system + draw(n) for n in (9, 40)]
+    second = [system + draw(n) for n in (17, 3, 70)]
+    opts = dict(num_slots=4, max_context=512, token_budget=128, block_size=64)
+    with Engine(model, **opts) as plain, Engine(model, prefix_cache=True, checkpoint_interval=64,
+                                                prefix_checkpoints=16, **opts) as cached:
+        assert cached.runner is not None and cached.runner.use_graphs
+        want = plain.generate(first, max_new_tokens=12) + plain.generate(second, max_new_tokens=12)
+        got = cached.generate(first, max_new_tokens=12)
+        in_step = cached.stats().prefix["checkpoints"]
+        got += cached.generate(second, max_new_tokens=12)
+        turn = second[2] + want[4].token_ids + draw(30)  # the next turn of a conversation
+        a, b = plain.generate([turn], max_new_tokens=12)[0], cached.generate([turn], max_new_tokens=12)[0]
+        print(f"checkpoints after the first prompts: {in_step}; cached tokens "
+              f"{[r.cached_tokens for r in got]}, next turn {b.cached_tokens}; {cached.stats().prefix}")
+        assert [r.token_ids for r in got] == [r.token_ids for r in want] and a.token_ids == b.token_ids
+        assert in_step >= 3  # 64 / 128 / 192 of the system prompt, kept inside a step
+        assert all(r.cached_tokens == 192 for r in got[2:]) and b.cached_tokens == len(second[2]) + 11
