@@ -308,8 +308,9 @@ def _check_tokens(fn, q, k, v, g, beta, chunk_indices, checkpoint_chunks, checkp
         _fail(fn, f"beta is {tuple(beta.shape)} {beta.dtype}, expected {(T, HV)} {q.dtype} or torch.float32")
     if chunk_indices.dtype != torch.int64 or chunk_indices.shape[1:] != (2,):
         _fail(fn, f"chunk_indices must be int64 [NT, 2], got {chunk_indices.dtype} {tuple(chunk_indices.shape)}")
-    if not (supported_head_dims(K, V)):
-        _fail(fn, f"head dims K = {K}, V = {V}: supported 1..{MAX_HEAD_DIM}")
+    if not supported_head_dims(K, V, q.device):
+        _fail(fn, f"head dims K = {K}, V = {V}: supported 1..{MAX_HEAD_DIM} (on a GPU K a multiple of 16 or "
+                  f"below 16)")
     if (checkpoint_chunks is None) != (checkpoints is None):
         _fail(fn, "checkpoint_chunks and checkpoints come together")
     if checkpoints is not None:
@@ -334,8 +335,14 @@ def _check_tokens(fn, q, k, v, g, beta, chunk_indices, checkpoint_chunks, checkp
 MAX_HEAD_DIM = 256  # K and V: a [K, BV] state tile and [64, K] key tiles in registers
 
 
-def supported_head_dims(K: int, V: int) -> bool:
-    return 1 <= K <= MAX_HEAD_DIM and 1 <= V <= MAX_HEAD_DIM
+def supported_head_dims(K: int, V: int, device: torch.device | str | None = None) -> bool:
+    """Whether our kernels take key / value head dims K, V: up to MAX_HEAD_DIM; compiled for a GPU, K a
+    multiple of 16 or below 16 as well (measured on the H200, triton 3.6: the state kernel's bf16 build
+    made illegal accesses at K 24 and 200, padded to 32 / 256, and ran right at 8, 16, 128; the
+    interpreter takes any K). The GDN op hands other dims to fla (gdn_recurrence.chunked_backend)."""
+    if not (1 <= K <= MAX_HEAD_DIM and 1 <= V <= MAX_HEAD_DIM):
+        return False
+    return torch.device(device).type != "cuda" if device is not None and K >= 16 and K % 16 else True
 
 
 def _rows(x: Tensor) -> Tensor:

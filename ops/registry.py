@@ -109,9 +109,40 @@ def metrale_op(fn: Callable | None = None, /, *, mutates_args: tuple[str, ...] =
         schema = torch.library.infer_schema(fn, mutates_args=mutates_args)
         op = torch.library.custom_op(f"metrale::{name}", reference, mutates_args=mutates_args, device_types="cpu",
                                      schema=schema)
+        _bump_versions_with_defaults(op, mutates_args)
         _DECLARED[op] = Declaration(name, signature, tuple(mutates_args), Args, check, reference)
         return op
     return declare if fn is None else declare(fn)
+
+
+def _bump_versions_with_defaults(op, mutates_args) -> None:
+    """torch 2.11's custom-op ADInplaceOrView kernel bumps the versions of mutated arguments by their
+    position among the arguments given (IndexError for an omitted optional one, e.g. gdn_recurrence's
+    checkpoint pool); 2.13's fills the schema's defaults first. Register that kernel for every op with an
+    optional mutated argument, so both behave alike: defaults filled, versions of the given tensors bumped,
+    the call passed on below ADInplaceOrView unchanged."""
+    schema = op._opoverload._schema
+    optional = [i for i, arg in enumerate(schema.arguments)
+                if arg.name in mutates_args and arg.has_default_value()]
+    if not optional:
+        return
+    from torch._library.utils import fill_defaults
+    mutated = [i for i, arg in enumerate(schema.arguments) if arg.name in mutates_args]
+    overload = op._opoverload
+
+    def adinplaceorview(keyset, *args, **kwargs):
+        filled, _ = fill_defaults(schema, args, kwargs)
+        for i in mutated:
+            if isinstance(filled[i], torch.Tensor):
+                torch.autograd.graph.increment_version(filled[i])
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return overload.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args, **kwargs)
+
+    try:
+        op._lib.impl(op._name, adinplaceorview, "ADInplaceOrView", with_keyset=True, allow_override=True)
+    except TypeError:  # a torch whose Library.impl has no allow_override: its python-impl record, dropped
+        torch.library._impls.discard(f"{op._lib.ns}/{op._name}/ADInplaceOrView")
+        op._lib.impl(op._name, adinplaceorview, "ADInplaceOrView", with_keyset=True)
 
 
 def declaration(op) -> Declaration:

@@ -24,8 +24,12 @@ def test_phases_partition_the_step(preset):
     (so phase_floor_ms >= floor_ms), and the bytes are, derived independently here: the weights (the
     embedding's T looked-up rows, MoE experts scaled by the share a batch touches), K/V read and written,
     the GDN states (fp32) and conv states read and written, the logits written."""
+    from metrale_graph.spec import SCALE, model_spec
+
     cfg = PRESETS[preset]
     shapes = weight_shapes(cfg)
+    specs = model_spec(cfg)  # FP8 presets: converted weights one byte an element, their scales four
+    size = {n: 1 if s.fp8 else 4 if s.kind == SCALE else 2 for n, s in specs.items()}
     for name in shapes:
         assert floors.phase_of(cfg, name)[0] in floors.KINDS
     for w in workloads.WORKLOADS.values():
@@ -36,14 +40,14 @@ def test_phases_partition_the_step(preset):
         assert f.phase_floor_ms == pytest.approx(sum(f.by_kind().values()))
         T, B = sum(w.new), len(w.new)
         share = floors.expected_experts(cfg, T) / cfg.num_experts if cfg.moe_layers else 0
-        weights = sum(_numel(s) * (share if ".experts." in n else 1) for n, s in shapes.items()
+        weights = sum(_numel(s.shape) * size[n] * (share if ".experts." in n else 1) for n, s in specs.items()
                       if n != "embed_tokens.weight")
         if cfg.tie_word_embeddings:
-            weights += _numel(shapes["embed_tokens.weight"])
+            weights += 2 * _numel(shapes["embed_tokens.weight"])
         kv = 2 * cfg.num_key_value_heads * cfg.head_dim * (sum(w.cached) + T) * len(cfg.full_layers)
         gdn = 2 * B * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
         conv = 2 * B * cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1)
-        expected = 2 * (weights + T * cfg.hidden_size + kv + B * cfg.vocab_size) \
+        expected = weights + 2 * (T * cfg.hidden_size + kv + B * cfg.vocab_size) \
             + (gdn + 2 * conv) * len(cfg.linear_layers)
         assert f.bytes == pytest.approx(expected, rel=1e-9)
 

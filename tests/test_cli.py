@@ -43,8 +43,7 @@ MODEL_FLAGS = [
     (["--seed", "1.5"], "argument --seed: expected an integer in [-2**63, 2**64 - 1], got '1.5'"),
     (["--seed", str(2**64)], "argument --seed: expected an integer"),
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
-    (["--model", "nope"], "argument --model: 'nope' is neither a preset (tiny, qwen3.5-9b, qwen3.5-27b, "
-                         "qwen3.5-35b-a3b, qwen3-next-80b-a3b) nor"),
+    (["--model", "nope"], f"argument --model: 'nope' is neither a preset ({', '.join(PRESETS)}) nor"),
 ]
 
 

@@ -20,8 +20,10 @@ CASES = [Shapes(lengths=(1, 1, 1), context=(5, 9, 0), H=16, HV=32, K=128, V=128,
          Shapes(lengths=(17, 300, 5), context=(0, 40, 0), H=16, HV=32, K=128, V=128, HQ=16, HKV=2, HD=256, R=64,
                 D=2048, I=4096, E=16, TOPK=4, IE=512, IS=512, BS=64, num_blocks=24, fp8=True)]
 # bf16 against the fp32 reference on the same FP8 weights: a bf16 ulp in a quantizer's input flips an FP8
-# code (tests/test_kernels.py FP8_BF16_TOL); fp32: the GEMMs' accumulation order only
-TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+# code (tests/test_kernels.py FP8_BF16_TOL). fp32 too: the GEMMs' accumulation order moves a quantizer's
+# input by an fp32 ulp, which flips the code of a value on a rounding boundary (one e4m3 step, 2^-3
+# relative, of that element): measured on the H200 1.2e-4 (gdn_proj, attn_proj) to 1.8e-3 (mlp, moe)
+TOL = {torch.float32: 5e-3, torch.bfloat16: 3e-2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -49,7 +49,7 @@ def takes_chunked_path(name, case):
 
 def tolerance(name, case, dtype):
     if DEVICE == "cuda" and dtype == torch.float32 and takes_chunked_path(name, case):
-        return FLA_FP32_TOL if gdn_recurrence.chunked_backend(case.K, case.V) == "fla" else CHUNKED_FP32_TOL
+        return FLA_FP32_TOL if gdn_recurrence.chunked_backend(case.K, case.V, DEVICE) == "fla" else CHUNKED_FP32_TOL
     return TOL[dtype]
 
 
@@ -92,7 +92,7 @@ def check_against_reference(name, impl, case, dtype, seed=0):
 @pytest.mark.parametrize("name", list(CUDA_IMPLS))
 def test_cuda_impl_matches_reference(name, case, dtype, monkeypatch):
     if name == "gdn_recurrence":
-        fla = gdn_recurrence.chunked_backend(case.K, case.V) == "fla"
+        fla = gdn_recurrence.chunked_backend(case.K, case.V, DEVICE) == "fla"
         if DEVICE == "cpu" and takes_chunked_path(name, case) and fla:
             pytest.skip("METRALE_GDN_CHUNKED=fla: fla runs on a GPU only")
         round_bf16_to_nearest(monkeypatch)  # the interpreter's bf16 casts, as the GPU rounds (chunked kernels)

@@ -118,13 +118,14 @@ CHUNKED_BACKENDS = ("triton", "fla")
 CHUNKED_BACKEND = os.environ.get("METRALE_GDN_CHUNKED", "triton")
 
 
-def chunked_backend(K: int, V: int) -> str:
-    """The chunked path's backend for key / value head dims K, V: CHUNKED_BACKEND, except "fla" where our
-    kernels do not take the head dims (above 256). ValueError naming METRALE_GDN_CHUNKED for another name."""
+def chunked_backend(K: int, V: int, device=None) -> str:
+    """The chunked path's backend for key / value head dims K, V on `device`: CHUNKED_BACKEND, except "fla"
+    where our kernels do not take the head dims (gdn_chunked.supported_head_dims: above 256; on a GPU a K
+    that is not a multiple of 16 from 16 up). ValueError naming METRALE_GDN_CHUNKED for another name."""
     if CHUNKED_BACKEND not in CHUNKED_BACKENDS:
         raise ValueError(f"METRALE_GDN_CHUNKED / gdn_recurrence.CHUNKED_BACKEND must be one of "
                          f"{', '.join(CHUNKED_BACKENDS)}, got {CHUNKED_BACKEND!r}")
-    return CHUNKED_BACKEND if supported_head_dims(K, V) else "fla"
+    return CHUNKED_BACKEND if supported_head_dims(K, V, device) else "fla"
 
 
 @metrale_cuda(gdn_recurrence)
@@ -134,7 +135,7 @@ def gdn_recurrence_cuda(a):
     keep = (a.checkpoint_tokens, a.checkpoint_entries, a.checkpoint_states) if wanted(a.checkpoint_tokens) else None
     if use_recurrent(a.q, a.slot_ids):
         return gdn_recurrence_recurrent(*a[:8], keep=keep)
-    if chunked_backend(a.q.shape[2], a.v.shape[2]) == "fla":
+    if chunked_backend(a.q.shape[2], a.v.shape[2], a.q.device) == "fla":
         if keep is not None:
             raise NotImplementedError(
                 "metrale::gdn_recurrence: prefix-caching checkpoints inside the step need our chunked kernels "
