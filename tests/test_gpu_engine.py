@@ -43,7 +43,8 @@ def test_prefix_cache_under_graphs_gives_the_same_greedy_tokens():
     system = draw(200)
     first = [system + draw(n) for n in (9, 40)]
     second = [system + draw(n) for n in (17, 3, 70)]
-    opts = dict(num_slots=4, max_context=512, token_budget=128, block_size=64)
+    # two buckets (decode 4 x 4, prefill 4 x 128): each fp32 bucket of another size compiles again (~10 s)
+    opts = dict(num_slots=4, max_context=512, token_budget=128, block_size=64, batch_sizes=[4], token_counts=[4, 128])
     with Engine(model, **opts) as plain, Engine(model, prefix_cache=True, checkpoint_interval=64,
                                                 prefix_checkpoints=16, **opts) as cached:
         assert cached.runner is not None and cached.runner.use_graphs
