@@ -372,19 +372,13 @@ def test_serve_port_in_use_fails_before_the_model_loads(capsys, monkeypatch):
         _usage_error(capsys, serve.main, ["--port", str(port)], f"--host 127.0.0.1 --port {port}: cannot listen there")
 
 
-def test_serve_prefix_cache_flag_needs_an_engine_that_has_one(capsys, monkeypatch):
-    """--prefix-cache goes to Engine(prefix_cache=...) only where Engine takes it; asked of an engine without
-    one, it is a usage error before the model loads (--no-prefix-cache has nothing to turn off there)."""
-    import inspect
-
-    from metrale_graph import Engine
-
-    args = serve._parse_args(["--prefix-cache"])[1]
-    if "prefix_cache" in inspect.signature(Engine).parameters:
-        assert serve._engine_kwargs(None, args)["prefix_cache"] is True
-    else:
-        _usage_error(capsys, serve.main, ["--prefix-cache"], "--prefix-cache: this engine has no prefix cache")
-        assert "prefix_cache" not in serve._engine_kwargs(None, serve._parse_args(["--no-prefix-cache"])[1])
+def test_serve_prefix_cache_flag(capsys):
+    """--prefix-cache / --no-prefix-cache go to Engine(prefix_cache=...) (absent: the engine's default); with
+    --tp it is a usage error before the model loads (not supported under tensor parallelism yet)."""
+    assert serve._engine_kwargs(None, serve._parse_args(["--prefix-cache"])[1])["prefix_cache"] is True
+    assert serve._engine_kwargs(None, serve._parse_args(["--no-prefix-cache"])[1])["prefix_cache"] is False
+    assert "prefix_cache" not in serve._engine_kwargs(None, serve._parse_args([])[1])
+    _usage_error(capsys, serve.main, ["--prefix-cache", "--tp", "2"], "--prefix-cache: not supported with --tp yet")
 
 
 @pytest.mark.parametrize("argv, message", [

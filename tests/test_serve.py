@@ -8,7 +8,6 @@ Retry-After), the benchmark client, and SIGTERM (running requests end, the proce
 free). The app's warmup state is tested in-process. Waits are bounded so that a hang fails fast."""
 
 import asyncio
-import inspect
 import json
 import re
 import threading
@@ -44,7 +43,6 @@ def checkpoint(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
-PREFIX_CACHE = "prefix_cache" in inspect.signature(Engine).parameters  # the engine has one: the server uses it
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +51,7 @@ def server(checkpoint, tmp_path_factory):
     proc = ServerProcess(["-m", "metrale_graph.tools.serve", "--model", checkpoint, "--port", str(port),
                           "--served-model-name", NAME, "--api-key", KEY, "--eager", "--num-slots", str(SLOTS),
                           "--max-context", str(MAX_CONTEXT), "--token-budget", "256", "--max-waiting", "64",
-                          "--shutdown-timeout", "3", "--device", "cpu"] + ["--prefix-cache"] * PREFIX_CACHE,
+                          "--shutdown-timeout", "3", "--device", "cpu"] + ["--prefix-cache"],
                          port, tmp_path_factory.mktemp("server"))
     proc.wait_healthy(TIMEOUT)
     yield proc
@@ -316,7 +314,6 @@ def test_metrics_count_tokens_and_latencies(server):
     assert "metrale_prefix_cache_hits_total" in m and "metrale_engine_steps_total" in m
 
 
-@pytest.mark.skipif(not PREFIX_CACHE, reason="this engine has no prefix cache (Engine(prefix_cache=...))")
 def test_prefix_cache_hits_show_in_usage_and_metrics(server, client, engine):
     prompt = random_tokens(200, seed=5, vocab=256)
     hits = _metrics(server)["metrale_prefix_cache_hits_total"]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import inspect
 import logging
 import os
 import signal
@@ -74,17 +73,14 @@ def _parse_args(argv):
 
 
 def _engine_kwargs(p, args) -> dict:
-    """Engine arguments besides the sizes: those of flags this engine takes (--prefix-cache only where its
-    signature has prefix_cache)."""
-    from metrale_graph import Engine
-
+    """Engine arguments besides the sizes. --prefix-cache under --tp is refused here, before the model loads
+    (the engine does not yet keep prefixes when rank 0 broadcasts its plans)."""
     kwargs = dict(max_waiting=args.max_waiting, block_size=args.block_size, num_blocks=args.num_blocks,
                   broadcast_plans=args.tp > 1)
+    if args.prefix_cache and args.tp > 1:
+        p.error("--prefix-cache: not supported with --tp yet (prefix caching under tensor parallelism)")
     if args.prefix_cache is not None:
-        if "prefix_cache" in inspect.signature(Engine).parameters:
-            kwargs["prefix_cache"] = args.prefix_cache
-        elif args.prefix_cache:
-            p.error("--prefix-cache: this engine has no prefix cache")
+        kwargs["prefix_cache"] = args.prefix_cache
     return kwargs
 
 
