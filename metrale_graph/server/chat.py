@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 from .errors import stream_event
-from .generation import Generations, until_disconnected
+from .generation import Generations
 from .protocol import (DONE, AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletionRequest,
                        ChatResponse, DeltaMessage, event, now, request_id)
 from .state import ServerState
@@ -27,10 +27,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     rid = request_id("chatcmpl")
     if body.stream:
         return _events(state, body, group, rid)
-    try:
-        results = await until_disconnected(raw_request, group.results())
-    finally:
-        group.close()
+    results = await group.whole(raw_request)
     ids = body.return_token_ids
     choices = [ChatChoice(index=i, message=AssistantMessage(content=r.text or ""), finish_reason=r.finish_reason,
                           token_ids=list(r.token_ids) if ids else None, prompt_token_ids=prompt if ids else None)

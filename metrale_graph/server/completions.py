@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 from .errors import stream_event
-from .generation import Generations, until_disconnected
+from .generation import Generations
 from .protocol import DONE, CompletionChoice, CompletionRequest, CompletionResponse, event, now, request_id
 from .state import ServerState
 
@@ -34,10 +34,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw_req
     rid = request_id("cmpl")
     if body.stream:
         return _events(state, body, group, rid)
-    try:
-        results = await until_disconnected(raw_request, group.results())
-    finally:
-        group.close()
+    results = await group.whole(raw_request)
     choices = [CompletionChoice(index=i, text=r.text or "", finish_reason=r.finish_reason,
                                 token_ids=list(r.token_ids) if body.return_token_ids else None,
                                 prompt_token_ids=group.prompt_of(i) if body.return_token_ids else None)

@@ -119,6 +119,14 @@ class Generations:
             raise from_failure(e) from e
         return list(self._results)
 
+    async def whole(self, request) -> list[GenerationResult]:
+        """results() for a whole (not streamed) response: unless the client of `request` disconnects first
+        (ClientGone); the group is closed either way."""
+        try:
+            return await until_disconnected(request, self.results())
+        finally:
+            self.close()
+
     def close(self) -> None:
         """Abort every request that has not ended (a no-op for those that have); each is recorded in the
         metrics once the engine has ended it."""
