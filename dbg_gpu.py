@@ -12,7 +12,7 @@ if len(sys.argv) == 1:
     sys.exit(0)
 import torch
 sys.path.insert(0, "tests")
-from helpers import clone_args
+from metrics import clone_args
 from op_cases import op_args
 from metrale_graph.ops import REGISTRY, Shapes
 import metrale_graph.ops.gdn_recurrence as gdn_op
