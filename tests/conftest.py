@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests/helpers.py
+sys.path.insert(0, os.path.dirname(__file__))  # tests/helpers.py, metrics.py, references.py, distributed.py
 
 # Without a GPU, our Triton kernels run in Triton's interpreter (set before any kernel is defined).
 if not torch.cuda.is_available():

@@ -13,7 +13,7 @@ import importlib
 import pytest
 import torch
 
-from helpers import TOL, assert_close, upcast
+from metrics import TOL, assert_close, upcast
 from metrale_graph.ops import REGISTRY, Shapes, example_args
 from test_kernels import _forbid_python_syncs, _NoHostSync
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from helpers import packed_batch, rel_err, unit_gain
+from helpers import packed_batch, unit_gain
+from metrics import rel_err
 from metrale_graph import HybridModel, Stream
 from metrale_graph.capture import Bucket, GraphRunner, choose, make_grid, split
 from metrale_graph.batch import PackedBatch

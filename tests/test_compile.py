@@ -4,7 +4,8 @@ breaks, and the same logits and cache state as eager, through a continuation."""
 import torch
 from torch._dynamo.utils import counters
 
-from helpers import rel_err, run_step, unit_gain
+from helpers import run_step, unit_gain
+from metrics import rel_err
 from metrale_graph import HybridModel, Stream
 
 

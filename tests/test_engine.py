@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from helpers import hf_reference, random_tokens, tiny_config
+from helpers import random_tokens, tiny_config
+from references import hf_reference
 from metrale_graph import Engine, HybridModel, TokenEvent
 from metrale_graph.engine import default_grid
 from metrale_graph.sampling import SamplingParams, new_generator, sample

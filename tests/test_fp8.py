@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import assert_close, rel_err
+from metrics import assert_close, rel_err
 from metrale_graph.ops import fp8
 from metrale_graph.ops.fp8 import quant
 

@@ -15,7 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import hf_class, hf_logits, hf_reference, moe_config, random_streams, rel_err, tiny_config
+from helpers import moe_config, tiny_config
+from metrics import rel_err
+from references import hf_class, hf_logits, hf_reference, random_streams
 from metrale_graph import HybridModel, Stream
 from metrale_graph.ops.fp8 import activation_rounding
 from metrale_graph.quantization import QWEN_KEPT

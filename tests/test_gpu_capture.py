@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from helpers import rel_err, replay_memory_growth
+from helpers import replay_memory_growth
+from metrics import rel_err
 from metrale_graph import HybridModel, PRESETS, Stream
 from metrale_graph.capture import GraphRunner
 

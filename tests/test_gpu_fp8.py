@@ -6,7 +6,7 @@ all 48 layers on one H200)."""
 import pytest
 import torch
 
-from helpers import clone_args, outputs, rel_err, upcast
+from metrics import clone_args, outputs, rel_err, upcast
 from metrale_graph import PRESETS, HybridModel, Stream
 from metrale_graph.ops import REGISTRY, Shapes, example_args
 from op_cases import FP8_OPS

@@ -4,7 +4,7 @@ fp32 on the upcast weights."""
 import pytest
 import torch
 
-from helpers import rel_err
+from metrics import rel_err
 from metrale_graph import PRESETS, HybridModel, Stream
 
 pytestmark = pytest.mark.gpu

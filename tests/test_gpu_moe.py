@@ -7,7 +7,9 @@ random replays without memory growth."""
 import pytest
 import torch
 
-from helpers import hf_class, rel_err, replay_memory_growth
+from helpers import replay_memory_growth
+from metrics import rel_err
+from references import hf_class
 from metrale_graph import PRESETS, HybridModel, Stream
 from metrale_graph.capture import GraphRunner
 from metrale_graph.weights import hf_state_dict

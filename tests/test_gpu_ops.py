@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import TOL, assert_close, assert_no_aliasing, clone_args, compared_rows, outputs, upcast
+from metrics import TOL, assert_close, assert_no_aliasing, clone_args, compared_rows, outputs, upcast
 from metrale_graph.ops import REGISTRY, Shapes, declaration
 from metrale_graph.ops import gdn_recurrence as gdn_op, paged_attention as attention_op
 from metrale_graph.ops.moe.reference import route

@@ -15,7 +15,8 @@ import os
 import pytest
 import torch
 
-from helpers import rel_err, run_step, tiny_config
+from helpers import run_step, tiny_config
+from metrics import rel_err
 from metrale_graph import HybridModel, Stream
 from metrale_graph.capture import GraphRunner
 from metrale_graph.config import FULL, LINEAR

@@ -12,9 +12,10 @@ lengths, and their choice against static sizes.
 import pytest
 import torch
 
-from helpers import (TOL, assert_close, assert_no_aliasing, clone_args, compared_rows, outputs, round_bf16_to_nearest,
-                     tiny_config, upcast)
+from helpers import tiny_config
 from kernel_oracles import align_pairs_torch, aligned_layout
+from metrics import (TOL, assert_close, assert_no_aliasing, clone_args, compared_rows, outputs, round_bf16_to_nearest,
+                     upcast)
 from metrale_graph.config import FULL
 from metrale_graph.ops import (REGISTRY, Shapes, causal_conv1d, declaration, gdn_chunked, gdn_recurrence, kernels, moe,
                                paged_attention)

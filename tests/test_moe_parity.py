@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch._dynamo.utils import counters
 
-from helpers import (check_parity, hf_class, hf_reference, moe_config, random_tokens, rel_err, run_step,
-                     unit_gain)
+from helpers import moe_config, random_tokens, run_step, unit_gain
+from metrics import rel_err
+from references import check_parity, hf_class, hf_reference
 from metrale_graph import PRESETS, HybridModel, ModelConfig, Stream, load_config
 from metrale_graph.config import FULL, LINEAR
 from metrale_graph.families import QWEN3_NEXT
@@ -138,10 +139,7 @@ def test_our_checkpoint_round_trips_through_transformers(tmp_path, cfg):
     """save_pretrained writes what transformers' save_pretrained writes for the family (experts one
     tensor each, Qwen3-Next's in_proj_qkvz / in_proj_ba), which transformers loads and agrees with,
     and which loads back bit for bit."""
-    model = HybridModel.from_preset(cfg, seed=2)
-    with torch.no_grad():  # routers of realistic scale (random_weights' 0.02 routes almost uniformly)
-        for i in cfg.moe_layers:
-            model.layers[i].mlp.gate.weight.normal_(0, cfg.hidden_size ** -0.5)
+    model = unit_gain(HybridModel.from_preset(cfg, seed=2), 2)  # random_weights' 0.02 routes almost uniformly
     model.save_pretrained(str(tmp_path))
     keys = {k.removeprefix("model.") for k in _checkpoint_keys(tmp_path)}
     assert keys == set(checkpoint_shapes(cfg))
@@ -277,9 +275,7 @@ def test_compiled_moe_step_equals_eager_without_graph_breaks():
     model = HybridModel.from_preset(moe_config("qwen3_next", num_hidden_layers=2, layer_types=(LINEAR, FULL),
                                                decoder_sparse_step=2, num_experts=6, num_experts_per_tok=2), seed=5)
     assert model.config.moe_layers == [1]  # a dense and a MoE layer in one graph
-    with torch.no_grad():
-        for i in model.config.moe_layers:
-            model.layers[i].mlp.gate.weight.normal_(0, model.config.hidden_size ** -0.5)
+    unit_gain(model, 5)  # routers that pick (random_weights' 0.02 routes almost uniformly), layers that matter
     vocab = model.config.vocab_size
     first = [Stream(4, random_tokens(63, 1, vocab)), Stream(0, random_tokens(1, 2, vocab)),
              Stream(2, random_tokens(130, 3, vocab))]

@@ -17,7 +17,8 @@ pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxscript")
 
-from helpers import assert_close, packed_batch, random_tokens, unit_gain  # noqa: E402
+from helpers import packed_batch, random_tokens, unit_gain  # noqa: E402
+from metrics import assert_close  # noqa: E402
 from metrale_graph import HybridModel, Stream  # noqa: E402
 from metrale_graph.batch import PackedBatch  # noqa: E402
 from metrale_graph.onnx import (check_versions, export_onnx, export_prefill, ort_session, run_step,  # noqa: E402

@@ -13,7 +13,8 @@ pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxscript")
 
-from helpers import TOL, assert_close, moe_config, packed_batch, random_tokens, tiny_config, unit_gain  # noqa: E402
+from helpers import moe_config, packed_batch, random_tokens, tiny_config, unit_gain  # noqa: E402
+from metrics import TOL, assert_close  # noqa: E402
 from metrale_graph import HybridModel, Stream  # noqa: E402
 from metrale_graph.onnx import export_prefill, ort_session, run_step, save_onnx  # noqa: E402
 

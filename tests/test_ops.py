@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import metrale_graph.ops
-from helpers import assert_close
+from metrics import assert_close
 from metrale_graph.ops import OPS, REGISTRY, OpSpec, metrale_cuda, metrale_fake, metrale_op, register
 from metrale_graph.ops.common import OpInputError, check
 from op_cases import CASES, op_args, opcheck_cases

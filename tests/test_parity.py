@@ -6,7 +6,9 @@ import os
 import pytest
 import torch
 
-from helpers import check_parity, hf_class, hf_logits, hf_reference, moe_config, random_streams, rel_err, tiny_config
+from helpers import moe_config, tiny_config
+from metrics import rel_err
+from references import check_parity, hf_class, hf_logits, hf_reference, random_streams, randomize_reference
 from metrale_graph import HybridModel, Stream
 
 CONFIGS = [
@@ -85,10 +87,7 @@ def test_multimodal_ties_by_top_level_flag(tmp_path, top, text):
     mm = transformers.Qwen3_5Config(text_config=text_cfg, tie_word_embeddings=top, vision_config=dict(
         depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=cfg.hidden_size))
     torch.manual_seed(0)
-    hf = transformers.Qwen3_5ForConditionalGeneration(mm).float().eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5 if p.dim() > 1 else p + 0.2 * torch.randn(p.shape))
+    hf = randomize_reference(transformers.Qwen3_5ForConditionalGeneration(mm), 0)
     hf.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["text_config"]["tie_word_embeddings"] == text
     model = HybridModel.from_pretrained(str(tmp_path), progress=False)

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from helpers import random_tokens, rel_err
+from helpers import random_tokens
+from metrics import rel_err
 from metrale_graph import HybridModel, Stream
 
 VOCAB = 512

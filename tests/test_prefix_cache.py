@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from helpers import rel_err, unit_gain
+from helpers import unit_gain
+from metrics import rel_err
 from metrale_graph import Engine, HybridModel, Stream
 from metrale_graph.prefix_cache import PrefixIndex, chain_hashes, prefix_key
 from metrale_graph.protocol import restore_prefix

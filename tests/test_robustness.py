@@ -7,7 +7,8 @@ import threading
 import pytest
 import torch
 
-from helpers import random_tokens, rel_err, tiny_config
+from helpers import random_tokens, tiny_config
+from metrics import rel_err
 from metrale_graph import HybridModel, Stream
 from metrale_graph.cache import CacheInUseError
 from metrale_graph.capture import GraphRunner

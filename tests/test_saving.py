@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import check_parity, hf_class, hf_reference, tiny_config
+from helpers import tiny_config
+from references import check_parity, hf_class, hf_reference
 from metrale_graph import HybridModel
 
 

@@ -17,7 +17,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from helpers import moe_config, rel_err, run_torchrun, tiny_config
+from distributed import run_torchrun
+from helpers import moe_config, tiny_config
+from metrics import rel_err
 from metrale_graph import HybridModel, Stream
 
 WORLD = 2

@@ -25,7 +25,7 @@ def test_prefill_main_job():
 def test_generate_under_torchrun_says_tp_as_prefill_does():
     """Under torchrun --tp 2 rank 0 prints the one JSON line, and it carries "tp" as tools.prefill's does (it
     had no "tp": a tensor-parallel run's record read as a one-GPU one)."""
-    from helpers import run_torchrun
+    from distributed import run_torchrun
 
     done = run_torchrun(2, ["-m", "metrale_graph.tools.generate", "--device", "cpu", "--eager", "--tp", "2",
                             "--prompt", "1,2,3", "--max-new-tokens", "3"], cwd=ROOT)

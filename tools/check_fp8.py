@@ -41,7 +41,7 @@ SHAPES_RAGGED = [(5632, 2048), (200, 300), (4096, 1000), (1000, 4096)]
 PERF_M = (1, 32, 128, 512, 4096, 16384)
 EXPERTS_35B = dict(E=256, D=2048, IE=512, k=8, tokens=(512, 4096, 16384))
 SMOKE = dict(shapes=[(200, 300), (128, 256)], m=(1, 17), experts=dict(E=4, D=200, IE=100, k=2, tokens=(5,)))
-TOL = 1e-2  # bf16 outputs against their reference (tests/helpers.TOL)
+TOL = 1e-2  # bf16 outputs against their reference (tests/metrics.TOL)
 # a GEMM's bf16 output against the reference's bf16 output: only sums rounded in another order differ,
 # which moves an element by one bf16 ulp where its fp32 value lies near a rounding boundary (all of them
 # moving would be 2^-8 = 3.9e-3; the output's own bf16 rounding is ~1.6e-3)
