@@ -23,3 +23,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module's tests (pytestmark = pytest.mark.usefixtures("one_torch_thread")):
+    tiny models gain nothing from intra-op threads, and many small steps on busy cores lose a lot to them
+    (x20 on a shared 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -17,14 +17,7 @@ LENGTHS = [5, 37, 1, 70, 12]  # 70 and 37 tokens exceed the budget of 16: chunke
 NEW = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and many small steps on busy cores lose a lot
-    to them (x20 on a shared 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _hf_generate(hf, prompt, n, **kw):

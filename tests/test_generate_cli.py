@@ -5,17 +5,11 @@ import json
 import re
 
 import pytest
-import torch
 
 from metrale_graph.tools.generate import main
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _run(capsys, *argv):

@@ -21,12 +21,7 @@ TIMEOUT = 60.0
 KW = dict(num_slots=2, token_budget=12, block_size=16, max_context=96, compile=False)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

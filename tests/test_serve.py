@@ -16,7 +16,6 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 
 from helpers import random_tokens
 from metrale_graph import Engine, HybridModel
@@ -30,12 +29,7 @@ SLOTS = 16
 TIMEOUT = 120
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
