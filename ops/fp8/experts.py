@@ -1,6 +1,6 @@
 """W8A8 block-scaled FP8 grouped GEMMs for the routed experts of a sparse-MoE layer: the FP8 twins of
-ops/moe.py's `_moe_gate_up_kernel` / `_moe_down_kernel`, over the same expert-sorted pairs
-(ops/moe.py's align_pairs) with the same fused epilogues (SiLU-mul; routing weight).
+ops/moe/gemm.py's `_moe_gate_up_kernel` / `_moe_down_kernel`, over the same expert-sorted pairs
+(ops/moe/align.py's align_local_pairs) with the same fused epilogues (SiLU-mul; routing weight).
 
     moe_experts_fp8(x [T, D], top_w [T, k], top_e [T, k], w13 [EL, 2*IE, D], w13_scale [EL, 2*IB, DB],
                     w2 [EL, D, IE], w2_scale [EL, DB, IB]) -> y [T * k, D]
@@ -249,7 +249,7 @@ def moe_experts_fp8(x, top_w, top_e, w13, w13_scale, w2, w2_scale, first_expert=
     of this tensor-parallel rank. Returns a fresh y [T * k, D] in x's dtype; mutates nothing."""
     # the bf16 grouped GEMMs' pair sorting and block rows; imported here, as importing ops.fp8 (which the
     # phase ops do) must not import the ops.moe package, registering metrale::moe before the ops before it
-    from ..moe.align import align_pairs, block_m
+    from ..moe.align import align_local_pairs, block_m
 
     check_experts(x, top_w, top_e, w13, w13_scale, w2, w2_scale, first_expert, num_experts)
     if not (x.is_cuda or INTERPRET):
@@ -260,13 +260,8 @@ def moe_experts_fp8(x, top_w, top_e, w13, w13_scale, w2, w2_scale, first_expert=
     P = T * k
     if P == 0:
         return x.new_empty(0, D)
-    if EL < E:  # tensor parallelism: other ranks' experts go to a group of their own, whose blocks are skipped
-        top_e = top_e - first_expert
-        top_e = torch.where((top_e >= 0) & (top_e < EL), top_e, EL)
     BM = block_m(P, EL)
-    sorted_ids, block_expert = align_pairs(top_e, EL + (EL < E), BM)
-    if EL < E:
-        block_expert = torch.where(block_expert == EL, -1, block_expert)
+    sorted_ids, block_expert = align_local_pairs(top_e, EL, E, first_expert, BM)
     nblk = block_expert.shape[0]
     w13, w2 = _inner_contiguous(w13), _inner_contiguous(w2)
     w13_scale, w2_scale = _inner_contiguous(w13_scale), _inner_contiguous(w2_scale)

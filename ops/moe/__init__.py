@@ -23,7 +23,7 @@ from ..fp8 import projection as fp8
 from ..fp8.experts import moe_experts_fp8
 from ..registry import (OpSpec, Shapes, fp8_weight, metrale_cuda, metrale_fake, metrale_op, norm_weight, rand,
                         register, weight)
-from .align import align_pairs, block_m
+from .align import align_local_pairs, block_m
 from .combine import combine_outputs
 from .gemm import down, gate_up
 from .reference import route, routed_experts, routed_experts_fp8, shared_expert
@@ -141,13 +141,8 @@ def moe_cuda(a):
         return combine_outputs(h, n, _inner_contiguous(a.shared_expert_gate_w), y, shared, top_k, a.add_residual)
     if fp8.is_fp8(w13):  # weight-only debug mode: the experts dequantized, the bf16 kernels
         w13, w2 = fp8.dequantized(w13, a.w13_s, h.dtype, parts=2), fp8.dequantized(w2, a.w2_s, h.dtype)
-    if EL < E:  # tensor parallelism: other ranks' experts go to a group of their own, whose blocks are skipped
-        top_e = top_e - first_expert
-        top_e = torch.where((top_e >= 0) & (top_e < EL), top_e, EL)
     BM = block_m(P, EL)
-    sorted_ids, block_expert = align_pairs(top_e, EL + (EL < E), BM)
-    if EL < E:
-        block_expert = torch.where(block_expert == EL, -1, block_expert)
+    sorted_ids, block_expert = align_local_pairs(top_e, EL, E, first_expert, BM)
     ieee = h.dtype == torch.float32 or INTERPRET
     act = gate_up(n, w13, sorted_ids, block_expert, top_k, BM, ieee)
     y = h.new_empty(P, D) if EL == E else h.new_zeros(P, D)  # pairs of other ranks' experts: 0

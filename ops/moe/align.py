@@ -102,3 +102,19 @@ def align_pairs(top_e: Tensor, num_experts: int, block: int) -> tuple[Tensor, Te
     _moe_align_rows_kernel[(nblk,)](order, first, start, sorted_ids, block_expert, P, E, BM=block,
                                     BLOCK_E=BLOCK_E)
     return sorted_ids, block_expert
+
+
+def align_local_pairs(top_e: Tensor, local_experts: int, num_experts: int, first_expert: int, block: int
+                      ) -> tuple[Tensor, Tensor]:
+    """align_pairs for the experts one rank holds, [first_expert, first_expert + local_experts) of
+    num_experts (tensor parallelism; all of them without it): the pairs of other ranks' experts go to a group
+    of their own, whose blocks are marked -1 in block_expert like the blocks past the last group, so the
+    grouped GEMMs skip them. Returns (sorted_ids, block_expert) as align_pairs, expert ids local."""
+    EL, E = local_experts, num_experts
+    if EL < E:
+        top_e = top_e - first_expert
+        top_e = torch.where((top_e >= 0) & (top_e < EL), top_e, EL)
+    sorted_ids, block_expert = align_pairs(top_e, EL + (EL < E), block)
+    if EL < E:
+        block_expert = torch.where(block_expert == EL, -1, block_expert)
+    return sorted_ids, block_expert
