@@ -18,7 +18,7 @@ run: $(STAMP)
 	$(PY) -m metrale_graph.tools.prefill
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 clean:
 	rm -rf $(VENV) *.egg-info

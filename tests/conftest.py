@@ -11,7 +11,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# `make test` runs the suite on two workers (pytest-xdist, --dist loadgroup). The tests of these modules are
+# independent calls (op cases, no module fixtures), spread one by one; every other module runs whole on
+# one worker, in order, with its module fixtures (servers, engines, models) made once.
+SPREAD_MODULES = {"test_kernels", "test_ops"}
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__
+        if module not in SPREAD_MODULES:
+            item.add_marker(pytest.mark.xdist_group(module))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -71,6 +71,9 @@ def check_against_reference(name, impl, case, dtype, seed=0):
     ref = outputs(REGISTRY[name].op(*ref_args))
     out = outputs(impl(*test_args))
     assert len(out) == len(ref), f"{name}: {len(out)} outputs, the reference returns {len(ref)}"
+    if dtype == torch.float32:  # fresh outputs (fp32: where a dtype cast is a no-op that could hand back its input)
+        assert_no_aliasing(f"{name} (reference)", ref, ref_args)
+        assert_no_aliasing(f"{name} (cuda)", out, test_args)
     rows = compared_rows(name, args, dtype)  # moe: tokens whose routing has a margin
     if rows is not None and len(rows) >= 16:
         assert rows.float().mean() >= 0.5, f"{name}: too few tokens to compare ({int(rows.sum())} of {len(rows)})"
@@ -198,20 +201,20 @@ def _aligned_path(*args):
 CUDA_PATHS = dict(CUDA_IMPLS)
 
 
+# (op, path) pairs check_against_reference does not run: references of ops without a CUDA path, the aligned layout
+ALIAS_PATHS = [(name, "reference") for name in REGISTRY if name not in CUDA_PATHS] + [("gdn_recurrence", "aligned")]
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-@pytest.mark.parametrize("impl", ["reference", "cuda", "aligned"])
-@pytest.mark.parametrize("name", list(REGISTRY))
+@pytest.mark.parametrize("name, impl", ALIAS_PATHS, ids=[f"{n}-{i}" for n, i in ALIAS_PATHS])
 def test_outputs_alias_nothing(name, impl, case):
-    """Fresh outputs from the CPU reference and the CUDA path (recurrence: the recurrent kernel, or the
-    chunked kernels then the recurrent kernel on short streams; "aligned": the fla backend's aligned layout)
-    for every case; T = 1 and T = 0 are where a slice or reshape of one GEMM output comes back as a view.
-    fp32 only: there dtype casts are no-ops that could hand back their input."""
-    if impl == "aligned" and name != "gdn_recurrence":
-        pytest.skip("the aligned layout is the recurrence's")
-    if impl == "cuda" and name not in CUDA_PATHS:
-        pytest.skip(f"metrale::{name} has no CUDA path yet")
+    """Fresh outputs (T = 1 and T = 0 are where a slice or reshape of one GEMM output comes back as a
+    view; fp32, where dtype casts are no-ops that could hand back their input) from the paths the fp32
+    reference comparison does not run: the CPU reference of an op without a CUDA path, and the fla
+    backend's aligned layout of the recurrence. The CUDA paths and the references of the others are checked
+    in check_against_reference (test_cuda_impl_matches_reference's fp32 cases)."""
     args = clone_args(op_args(name, case, torch.float32), DEVICE)
-    fn = {"reference": REGISTRY[name].reference, "aligned": _aligned_path}.get(impl) or CUDA_PATHS[name]
+    fn = {"reference": REGISTRY[name].reference, "aligned": _aligned_path}[impl]
     assert_no_aliasing(f"{name} ({impl})", outputs(fn(*args)), args)
 
 
