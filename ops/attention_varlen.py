@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from .common import INTERPRET
+from .tiles import _tile_of
 
 # Triton's CPU interpreter computes bf16 tl.dot wrongly (triton 3.6.0): there the kernel takes its
 # fp32 path on upcast tiles (as ops/paged_attention's kernels do)
@@ -92,28 +93,6 @@ def context_config(block_d: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _context_tile_of(cu_ptr, ctx_ptr, w, B, QB, CH: tl.constexpr):
-    """(stream, query tile within it) of work tile w among the tiles of the streams with cached context,
-    stream-major, QB queries a tile (stream B: none). Streams whose cumulative tile count ends at or
-    before w come before it (those without context or tokens count no tiles)."""
-    b = tl.full([], 0, tl.int32)
-    before = tl.full([], 0, tl.int32)  # tiles of the streams before b
-    base = tl.full([], 0, tl.int32)  # tiles of the streams before this chunk
-    for c0 in range(0, B, CH):
-        i = c0 + tl.arange(0, CH)
-        mi = i < B
-        lo = tl.load(cu_ptr + i, mask=mi, other=0)
-        hi = tl.load(cu_ptr + 1 + i, mask=mi, other=0)
-        ctx = tl.load(ctx_ptr + i, mask=mi, other=0)
-        n = tl.where(ctx > 0, (hi - lo + QB - 1) // QB, 0)
-        done = mi & (base + tl.cumsum(n, axis=0) <= w)
-        b += tl.sum(done.to(tl.int32), axis=0)
-        before += tl.sum(tl.where(done, n, 0), axis=0)
-        base += tl.sum(n, axis=0)
-    return b, w - before
-
-
-@triton.jit
 def _context_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr, b, kvh, n0, ctx, d, md, qk_scale, stride_kb,
                   stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd, stride_bt, BS,
                   BN: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
@@ -162,7 +141,7 @@ def _context_merge_kernel(q_ptr, k_cache, v_cache, o_ptr, lse_ptr, cu_ptr, ctx_p
     d = tl.arange(0, BLOCK_D)
     md = d < HD
     if w < NW:
-        b, tile = _context_tile_of(cu_ptr, ctx_ptr, w, B, QB, CH)
+        b, tile = _tile_of(cu_ptr, ctx_ptr, w, B, QB, CH, True)  # tiles of the streams with cached context
         if b < B:  # else: a work tile past the batch's
             start = tl.load(cu_ptr + b)
             L = tl.load(cu_ptr + b + 1) - start

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ..common import INTERPRET
+from ..tiles import _tile_of
 from .attend import LOG2E, _attend_tile
 
 DECODE_PROGRAMS = 1024  # splits are chosen to give about this many programs (H200: 132 SMs, ~8 each)
@@ -62,26 +63,6 @@ def _stream_of(cu_ptr, t, B, CH: tl.constexpr):
     return b
 
 
-@triton.jit
-def _tile_of(cu_ptr, w, B, QB, CH: tl.constexpr):
-    """(stream, query tile within it) of work tile w, stream-major, QB queries a tile (stream B: none).
-    Streams whose cumulative tile count ends at or before w come before it (zero-length ones too)."""
-    b = tl.full([], 0, tl.int32)
-    before = tl.full([], 0, tl.int32)  # tiles of the streams before b
-    base = tl.full([], 0, tl.int32)  # tiles of the streams before this chunk
-    for c0 in range(0, B, CH):
-        i = c0 + tl.arange(0, CH)
-        mi = i < B
-        lo = tl.load(cu_ptr + i, mask=mi, other=0)
-        hi = tl.load(cu_ptr + 1 + i, mask=mi, other=0)
-        n = (hi - lo + QB - 1) // QB
-        done = mi & (base + tl.cumsum(n, axis=0) <= w)
-        b += tl.sum(done.to(tl.int32), axis=0)
-        before += tl.sum(tl.where(done, n, 0), axis=0)
-        base += tl.sum(n, axis=0)
-    return b, w - before
-
-
 @triton.autotune(configs=_decode_configs(), key=["HD", "GROUP", "QB", "SL", "IEEE"], cache_results=True)
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_cache, v_cache, m_ptr, l_ptr, acc_ptr, cu_ptr, ctx_ptr, bt_ptr, qk_scale, B,
@@ -91,7 +72,7 @@ def _paged_decode_kernel(q_ptr, k_cache, v_cache, m_ptr, l_ptr, acc_ptr, cu_ptr,
                          BN: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr):
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
-    b, tile = _tile_of(cu_ptr, tl.program_id(0), B, QB, CH)
+    b, tile = _tile_of(cu_ptr, ctx_ptr, tl.program_id(0), B, QB, CH, False)
     if b < B:  # else: a work tile past the batch's
         start = tl.load(cu_ptr + b)
         L = tl.load(cu_ptr + b + 1) - start
