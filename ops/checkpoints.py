@@ -71,12 +71,13 @@ def keep_conv_windows(x: Tensor, cu_seqlens: Tensor, slot_ids: Tensor, conv_stat
 
 
 def keep_end_states(cu_seqlens: Tensor, slot_ids: Tensor, gdn_state: Tensor, tokens: Tensor, entries: Tensor,
-                    pool: Tensor) -> None:
-    """pool[entry] = the slot's state, for the checkpoints at their stream's last token (after the pool of
-    slot states holds the streams' final states); the others' entries untouched. Device ops only."""
+                    pool: Tensor, longer_than: int = 0) -> None:
+    """pool[entry] = the slot's state, for the checkpoints at the last token of a stream of more than
+    `longer_than` tokens (after the pool of slot states holds the streams' final states; a split call's
+    shorter streams had theirs kept by the recurrent kernel); the others' entries untouched. Device ops only."""
     b, _, r, dest = targets(tokens, entries, cu_seqlens, pool.shape[0] - 1)
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    at_end = (r > 0) & (r == lengths[b])
+    at_end = (r > 0) & (r == lengths[b]) & (r > longer_than)
     dest = torch.where(at_end, dest, pool.shape[0] - 1)
     pool.index_copy_(0, dest, gdn_state[slot_ids.long()[b]])
 

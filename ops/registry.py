@@ -122,12 +122,10 @@ def _bump_versions_with_defaults(op, mutates_args) -> None:
     optional mutated argument, so both behave alike: defaults filled, versions of the given tensors bumped,
     the call passed on below ADInplaceOrView unchanged."""
     schema = op._opoverload._schema
-    optional = [i for i, arg in enumerate(schema.arguments)
-                if arg.name in mutates_args and arg.has_default_value()]
-    if not optional:
+    mutated = [i for i, arg in enumerate(schema.arguments) if arg.name in mutates_args]
+    if not any(schema.arguments[i].has_default_value() for i in mutated):
         return
     from torch._library.utils import fill_defaults
-    mutated = [i for i, arg in enumerate(schema.arguments) if arg.name in mutates_args]
     overload = op._opoverload
 
     def adinplaceorview(keyset, *args, **kwargs):

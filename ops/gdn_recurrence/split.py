@@ -46,7 +46,7 @@ def gdn_recurrence_split(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, varl
 
     keep: (checkpoint_tokens, checkpoint_entries, pool) or None, the op's prefix-caching checkpoints
     (ops/checkpoints.py), with our chunked kernels only: the chunked streams' chunk starts, the short
-    streams' every token, and last, every stream's last token from the pool of slot states.
+    streams' every token, and last, the chunked streams' last tokens from the pool of slot states.
     """
     max_len = split_max_len(slot_ids.shape[0])
     if varlen_fn is None:
@@ -58,6 +58,6 @@ def gdn_recurrence_split(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, varl
         o = gdn_recurrence_aligned(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, varlen_fn, max_len)
     if max_len:
         gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, max_len, o, keep=keep)
-    if keep is not None:
-        keep_end_states(cu_seqlens, slot_ids, gdn_state, *keep)
+    if keep is not None:  # the chunked streams' last tokens (the recurrent kernel kept the short streams')
+        keep_end_states(cu_seqlens, slot_ids, gdn_state, *keep, longer_than=max_len)
     return o
