@@ -190,6 +190,9 @@ def test_render_reports_both_floors_and_the_busy_fraction():
         bench.render(record, variants, "html")
     short = _record(rows, ["graphs"], layers=4)
     assert bench.render(short, ["graphs"]).splitlines()[0] == "qwen3.5-9b (4 layers), bf16, NVIDIA H200"
+    fp8 = {**short, "preset": "qwen3.5-9b-fp8"}
+    assert bench.render(fp8, ["graphs"]).splitlines()[0] == \
+        "qwen3.5-9b-fp8 (4 layers), FP8 weights (128 x 128 blocks), bf16 activations, NVIDIA H200"
 
 
 def test_profile_attributes_the_step_kernels_to_their_ops():

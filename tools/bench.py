@@ -187,7 +187,9 @@ def title(record: dict) -> str:
     layers = record["layers"]
     full = PRESETS[record["preset"]].num_hidden_layers if record["preset"] in PRESETS else layers
     gpus = f"{record['tp']} x " if record["tp"] > 1 else ""
-    return f"{record['preset']}{f' ({layers} layers)' if layers != full else ''}, bf16, {gpus}{record['device']}"
+    fp8 = record["preset"] in PRESETS and PRESETS[record["preset"]].quantization is not None
+    dtype = "FP8 weights (128 x 128 blocks), bf16 activations" if fp8 else "bf16"
+    return f"{record['preset']}{f' ({layers} layers)' if layers != full else ''}, {dtype}, {gpus}{record['device']}"
 
 
 def render(record: dict, variants: list[str], fmt: str = "table") -> str:
