@@ -36,11 +36,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from .common import INTERPRET
+from .attend import LOG2E, _attend_tile
 from .tiles import _tile_of
 
 # Triton's CPU interpreter computes bf16 tl.dot wrongly (triton 3.6.0): there the kernel takes its
 # fp32 path on upcast tiles (as ops/paged_attention's kernels do)
-LOG2E = 1.4426950408889634
 BACKENDS = ("cudnn", "cudnn_varlen", "fa2", "cudnn_fa2", "fa2_paged", "reference")
 DEFAULT_BACKEND = "cudnn"
 CONTEXT_ROWS = 64  # (query, head) rows per context program: QB queries x GROUP heads
@@ -93,38 +93,6 @@ def context_config(block_d: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _context_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr, b, kvh, n0, ctx, d, md, qk_scale, stride_kb,
-                  stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd, stride_bt, BS,
-                  BN: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
-    """One online-softmax step over context keys [n0, n0 + BN), those below ctx (MASKED: the last tile)."""
-    kpos = n0 + tl.arange(0, BN)
-    mk = kpos < ctx
-    blk = tl.load(bt_ptr + b * stride_bt + kpos // BS, mask=mk, other=0).to(tl.int64)
-    slot = (kpos % BS)[:, None]
-    kv_mask = mk[:, None] & md[None, :]
-    k = tl.load(k_cache + blk[:, None] * stride_kb + slot * stride_ks + kvh * stride_kh + d[None, :] * stride_kd,
-                mask=kv_mask, other=0.0)
-    if IEEE:
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = s * qk_scale  # log2 domain: exp2 below
-    if MASKED:
-        s = tl.where(mk[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # key n0 < ctx is visible to every row: finite
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_cache + blk[:, None] * stride_vb + slot * stride_vs + kvh * stride_vh + d[None, :] * stride_vd,
-                mask=kv_mask, other=0.0)
-    if IEEE:
-        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc * alpha[:, None] + pv
-
-
-@triton.jit
 def _context_merge_kernel(q_ptr, k_cache, v_cache, o_ptr, lse_ptr, cu_ptr, ctx_ptr, bt_ptr, qk_scale, lse_to_log2,
                           B, T, NW, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb,
                           stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, lse_sb, lse_sh, lse_st, stride_bt,
@@ -155,15 +123,16 @@ def _context_merge_kernel(q_ptr, k_cache, v_cache, o_ptr, lse_ptr, cu_ptr, ctx_p
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            q_pos = ctx + qi  # every context key (position < ctx) is before every query: the causal mask passes
             full = (ctx // BN) * BN  # tiles wholly below ctx need no mask
             for n0 in range(0, full, BN):
-                m_i, l_i, acc = _context_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr, b, kvh, n0, ctx, d, md,
-                                              qk_scale, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb,
-                                              stride_vs, stride_vh, stride_vd, stride_bt, BS, BN, False, IEEE)
+                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr, b, kvh, n0, ctx, q_pos, d,
+                                             md, qk_scale, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb,
+                                             stride_vs, stride_vh, stride_vd, stride_bt, BS, BN, False, IEEE, False)
             for n0 in range(full, ctx, BN):
-                m_i, l_i, acc = _context_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr, b, kvh, n0, ctx, d, md,
-                                              qk_scale, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb,
-                                              stride_vs, stride_vh, stride_vd, stride_bt, BS, BN, True, IEEE)
+                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr, b, kvh, n0, ctx, q_pos, d,
+                                             md, qk_scale, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb,
+                                             stride_vs, stride_vh, stride_vd, stride_bt, BS, BN, True, IEEE, False)
             if LSE_PADDED:
                 lse_off = b.to(tl.int64) * lse_sb + head * lse_sh + qi.to(tl.int64) * lse_st
             else:

@@ -1,6 +1,12 @@
-"""Work-tile lookup shared by the attention kernels (ops/paged_attention/decode.py's split-K decode, and
-ops/attention_varlen.py's context-merge kernel): a launch of a fixed number of programs over the query
-tiles of varlen streams finds its (stream, tile) from cu_seqlens on the device."""
+"""How kernels of several ops find and load their work tiles.
+
+- `_tile_of`: the attention kernels' (ops/paged_attention/decode.py's split-K decode, and
+  ops/attention_varlen.py's context-merge kernel): a launch of a fixed number of programs over the query
+  tiles of varlen streams finds its (stream, tile) from cu_seqlens on the device.
+- `_grouped_tile`, `_block_pairs`, `_load_rows`, `_load_cols`, `EVEN_K`: the routed experts' grouped
+  GEMMs (bf16 ops/moe/gemm.py, FP8 ops/fp8/experts.py) over the expert-sorted pairs of
+  ops/moe/align.py: a program's (row block, column tile), its block's pairs, and one K step's tiles.
+"""
 
 import triton
 import triton.language as tl
@@ -28,3 +34,41 @@ def _tile_of(cu_ptr, ctx_ptr, w, B, QB, CH: tl.constexpr, CONTEXT_ONLY: tl.const
         before += tl.sum(tl.where(done, n, 0), axis=0)
         base += tl.sum(n, axis=0)
     return b, w - before
+
+
+# the grouped GEMMs' K loop drops its masks when BK divides K
+EVEN_K = {"EVEN_K": lambda a: a["K"] % a["BK"] == 0}
+
+
+@triton.jit
+def _grouped_tile(pid, num_blocks, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program -> (row block, column tile), GROUP_M row blocks at a time: consecutive programs share a
+    weight tile (same expert) in L2."""
+    num_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(num_blocks - first_m, GROUP_M)
+    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
+
+
+@triton.jit
+def _block_pairs(ids_ptr, pid_m, num_pairs, BM: tl.constexpr):
+    """(pair ids of row block pid_m, which of them are real pairs: ids past num_pairs pad the block)."""
+    pair = tl.load(ids_ptr + pid_m * BM + tl.arange(0, BM))
+    return pair, pair < num_pairs
+
+
+@triton.jit
+def _load_rows(ptrs, valid, k, k_left, EVEN_K: tl.constexpr):
+    """A [BM, BK] activation tile: the rows of real pairs, the columns k < k_left (EVEN_K: all); 0 elsewhere."""
+    if EVEN_K:
+        return tl.load(ptrs, mask=valid[:, None], other=0.0)
+    return tl.load(ptrs, mask=valid[:, None] & (k < k_left)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_cols(ptrs, k, k_left, EVEN_K: tl.constexpr):
+    """A [BK, BN] weight tile: the rows k < k_left (EVEN_K: all); 0 elsewhere."""
+    if EVEN_K:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=(k < k_left)[:, None], other=0.0)

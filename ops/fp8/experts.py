@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..tiles import EVEN_K, _block_pairs, _grouped_tile, _load_cols, _load_rows
 from .quant import (FP8_DTYPE, INTERPRET, SCALE_DTYPES, dequantize_weight_blocks, fake_quantize_activations,
                     num_blocks, quantize_activations, quantize_e4m3, round_to)
 
@@ -121,21 +122,9 @@ def _prune(configs, named_args, **kwargs):
     return keep or configs[:1]
 
 
-_EVEN_K = {"EVEN_K": lambda a: a["K"] % a["BK"] == 0}
-
-
-@triton.jit
-def _tile(pid, num_blocks, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-    """Program -> (row block, column tile), GROUP_M row blocks at a time (they share weight tiles in L2)."""
-    num_n = tl.cdiv(N, BN)
-    first_m = (pid // (GROUP_M * num_n)) * GROUP_M
-    size_m = tl.minimum(num_blocks - first_m, GROUP_M)
-    return first_m + (pid % (GROUP_M * num_n)) % size_m, (pid % (GROUP_M * num_n)) // size_m
-
-
 @triton.autotune(configs=_configs(_GATE_UP_TILES), key=["N", "K", "BM"],
                  prune_configs_by={"early_config_prune": _prune}, cache_results=True)
-@triton.heuristics(_EVEN_K)
+@triton.heuristics(EVEN_K)
 @triton.jit
 def _moe_gate_up_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, q_ptr, qs_ptr, ids_ptr, expert_ptr, num_pairs, num_blocks,
                             N, K, stride_x, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, stride_qs,
@@ -146,12 +135,11 @@ def _moe_gate_up_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, q_ptr, qs_ptr, ids_ptr
     qs[p, n // 128] its scale. x: [T, K] fp8 with scales xs [T, KB]; w: [E, 2N, K] fp8 with scales ws
     [E, 2 * NB, KB] (the gate's rows NB, then the up's)."""
     tl.static_assert(BN == 128)
-    pid_m, pid_n = _tile(tl.program_id(0), num_blocks, N, BM, BN, GROUP_M)
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), num_blocks, N, BM, BN, GROUP_M)
     e = tl.load(expert_ptr + pid_m).to(tl.int64)
     if e < 0:  # blocks past the last group
         return
-    pair = tl.load(ids_ptr + pid_m * BM + tl.arange(0, BM))
-    valid = pair < num_pairs
+    pair, valid = _block_pairs(ids_ptr, pid_m, num_pairs, BM)
     token = (pair // TOP_K).to(tl.int64)
     cols = pid_n * BN + tl.arange(0, BN)
     k = tl.arange(0, BK)
@@ -164,15 +152,9 @@ def _moe_gate_up_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, q_ptr, qs_ptr, ids_ptr
     gate = tl.zeros((BM, BN), dtype=tl.float32)
     up = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=valid[:, None], other=0.0)
-            wg = tl.load(g_ptrs)
-            wu = tl.load(u_ptrs)
-        else:
-            mk = k < K - k0
-            x = tl.load(x_ptrs, mask=valid[:, None] & mk[None, :], other=0.0)
-            wg = tl.load(g_ptrs, mask=mk[:, None], other=0.0)
-            wu = tl.load(u_ptrs, mask=mk[:, None], other=0.0)
+        x = _load_rows(x_ptrs, valid, k, K - k0, EVEN_K)
+        wg = _load_cols(g_ptrs, k, K - k0, EVEN_K)
+        wu = _load_cols(u_ptrs, k, K - k0, EVEN_K)
         g = k0 // 128
         sx = tl.load(xs_ptrs + g, mask=valid, other=0.0)
         gate += tl.dot(x, wg) * (sx * tl.load(gs_ptr + g).to(tl.float32))[:, None]
@@ -192,19 +174,18 @@ def _moe_gate_up_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, q_ptr, qs_ptr, ids_ptr
 
 @triton.autotune(configs=_configs(_DOWN_TILES), key=["N", "K", "BM"],
                  prune_configs_by={"early_config_prune": _prune}, cache_results=True)
-@triton.heuristics(_EVEN_K)
+@triton.heuristics(EVEN_K)
 @triton.jit
 def _moe_down_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, ids_ptr, expert_ptr, rw_ptr, num_pairs, num_blocks, N,
                          K, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, BM: tl.constexpr,
                          BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
     """y[p, n] = (a[p] . w[e, n]) * rw[p] for the pairs p of one block (expert e), rounded in y's dtype.
     a: [P, K] fp8 with scales as [P, KB]; w: [E, N, K] fp8 with scales ws [E, NB, KB]."""
-    pid_m, pid_n = _tile(tl.program_id(0), num_blocks, N, BM, BN, GROUP_M)
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), num_blocks, N, BM, BN, GROUP_M)
     e = tl.load(expert_ptr + pid_m).to(tl.int64)
     if e < 0:
         return
-    pair = tl.load(ids_ptr + pid_m * BM + tl.arange(0, BM))
-    valid = pair < num_pairs
+    pair, valid = _block_pairs(ids_ptr, pid_m, num_pairs, BM)
     rows = pair.to(tl.int64)
     cols = pid_n * BN + tl.arange(0, BN)
     c_safe = (cols % N).to(tl.int64)
@@ -215,13 +196,8 @@ def _moe_down_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, ids_ptr, expert_pt
     ws_ptrs = ws_ptr + e * stride_wse + (c_safe // 128) * stride_wsn
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-            w = tl.load(w_ptrs)
-        else:
-            mk = k < K - k0
-            a = tl.load(a_ptrs, mask=valid[:, None] & mk[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=mk[:, None], other=0.0)
+        a = _load_rows(a_ptrs, valid, k, K - k0, EVEN_K)
+        w = _load_cols(w_ptrs, k, K - k0, EVEN_K)
         g = k0 // 128
         sa = tl.load(as_ptrs + g, mask=valid, other=0.0)
         acc += tl.dot(a, w) * sa[:, None] * tl.load(ws_ptrs + g).to(tl.float32)[None, :]

@@ -7,6 +7,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..common import INTERPRET
+from ..tiles import EVEN_K, _block_pairs, _grouped_tile, _load_cols, _load_rows
 from .rounding import _rnd
 
 
@@ -31,20 +32,6 @@ def _prune(acc_tiles: int):
     return prune
 
 
-_EVEN_K = {"EVEN_K": lambda a: a["K"] % a["BK"] == 0}
-
-
-@triton.jit
-def _tile(pid, num_blocks, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-    """Program -> (row block, column tile), GROUP_M row blocks at a time: consecutive programs share a
-    weight tile (same expert) in L2."""
-    num_n = tl.cdiv(N, BN)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = tl.minimum(num_blocks - first_m, GROUP_M)
-    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
-
-
 @triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr):
     if IEEE:
@@ -55,19 +42,18 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 # autotuned per (N, K, BM) and dtypes; warmup runs every bucket before capture, so no tuning runs in a graph
 @triton.autotune(configs=_gemm_configs(2), key=["N", "K", "BM"], prune_configs_by={"early_config_prune": _prune(2)},
                  cache_results=True)
-@triton.heuristics(_EVEN_K)
+@triton.heuristics(EVEN_K)
 @triton.jit
 def _moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, expert_ptr, num_pairs, num_blocks, N, K, stride_x,
                         stride_we, stride_wn, TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                         BK: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
     """act[p, n] = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n]) for the pairs p = t * TOP_K + j of one block
     (expert e); the gate and up tiles of the same columns are computed side by side."""
-    pid_m, pid_n = _tile(tl.program_id(0), num_blocks, N, BM, BN, GROUP_M)
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), num_blocks, N, BM, BN, GROUP_M)
     e = tl.load(expert_ptr + pid_m).to(tl.int64)
     if e < 0:  # blocks past the last group
         return
-    pair = tl.load(ids_ptr + pid_m * BM + tl.arange(0, BM))
-    valid = pair < num_pairs
+    pair, valid = _block_pairs(ids_ptr, pid_m, num_pairs, BM)
     token = (pair // TOP_K).to(tl.int64)
     cols = pid_n * BN + tl.arange(0, BN)
     k = tl.arange(0, BK)
@@ -77,15 +63,9 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, expert_ptr, num_pairs, n
     gate = tl.zeros((BM, BN), dtype=tl.float32)
     up = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=valid[:, None], other=0.0)
-            wg = tl.load(g_ptrs)
-            wu = tl.load(u_ptrs)
-        else:
-            mk = k < K - k0
-            x = tl.load(x_ptrs, mask=valid[:, None] & mk[None, :], other=0.0)
-            wg = tl.load(g_ptrs, mask=mk[:, None], other=0.0)
-            wu = tl.load(u_ptrs, mask=mk[:, None], other=0.0)
+        x = _load_rows(x_ptrs, valid, k, K - k0, EVEN_K)
+        wg = _load_cols(g_ptrs, k, K - k0, EVEN_K)
+        wu = _load_cols(u_ptrs, k, K - k0, EVEN_K)
         gate = _dot(x, wg, gate, IEEE)
         up = _dot(x, wu, up, IEEE)
         x_ptrs += BK
@@ -100,18 +80,17 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, expert_ptr, num_pairs, n
 
 @triton.autotune(configs=_gemm_configs(1), key=["N", "K", "BM"], prune_configs_by={"early_config_prune": _prune(1)},
                  cache_results=True)
-@triton.heuristics(_EVEN_K)
+@triton.heuristics(EVEN_K)
 @triton.jit
 def _moe_down_kernel(act_ptr, w_ptr, y_ptr, ids_ptr, expert_ptr, rw_ptr, num_pairs, num_blocks, N, K, stride_we,
                      stride_wn, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                      EVEN_K: tl.constexpr, IEEE: tl.constexpr):
     """y[p, n] = (act[p] . w[e, n]) * rw[p] for the pairs p of one block (expert e)."""
-    pid_m, pid_n = _tile(tl.program_id(0), num_blocks, N, BM, BN, GROUP_M)
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), num_blocks, N, BM, BN, GROUP_M)
     e = tl.load(expert_ptr + pid_m).to(tl.int64)
     if e < 0:
         return
-    pair = tl.load(ids_ptr + pid_m * BM + tl.arange(0, BM))
-    valid = pair < num_pairs
+    pair, valid = _block_pairs(ids_ptr, pid_m, num_pairs, BM)
     rows = pair.to(tl.int64)
     cols = pid_n * BN + tl.arange(0, BN)
     k = tl.arange(0, BK)
@@ -119,13 +98,8 @@ def _moe_down_kernel(act_ptr, w_ptr, y_ptr, ids_ptr, expert_ptr, rw_ptr, num_pai
     w_ptrs = w_ptr + e * stride_we + (cols % N).to(tl.int64)[None, :] * stride_wn + k[:, None]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-            w = tl.load(w_ptrs)
-        else:
-            mk = k < K - k0
-            a = tl.load(a_ptrs, mask=valid[:, None] & mk[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=mk[:, None], other=0.0)
+        a = _load_rows(a_ptrs, valid, k, K - k0, EVEN_K)
+        w = _load_cols(w_ptrs, k, K - k0, EVEN_K)
         acc = _dot(a, w, acc, IEEE)
         a_ptrs += BK
         w_ptrs += BK

@@ -10,7 +10,7 @@ K / V (kv_write.py), then attends: decode-shaped calls by split-K (decode.py); o
 kernels take the call (bf16 / fp16, head dims multiples of 8 up to 256, sm_80+), by
 ops/attention_varlen.py (the new tokens over themselves by cuDNN's dense kernel for one stream or
 FlashAttention-2 varlen, the cached context by our context + merge kernel), else by our 64-row query
-tiles (prefill.py). Our two kernels share one online-softmax step (attend.py).
+tiles (prefill.py). Our kernels share one online-softmax step (ops/attend.py).
 """
 
 import functools

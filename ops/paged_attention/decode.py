@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ..common import INTERPRET
 from ..tiles import _tile_of
-from .attend import LOG2E, _attend_tile
+from ..attend import LOG2E, _attend_tile
 
 DECODE_PROGRAMS = 1024  # splits are chosen to give about this many programs (H200: 132 SMs, ~8 each)
 SPLIT_ALIGN = 64  # split lengths are multiples of every key tile BN

@@ -9,7 +9,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..common import INTERPRET
-from .attend import LOG2E, _attend_tile
+from ..attend import LOG2E, _attend_tile
 
 
 def _attention_configs():

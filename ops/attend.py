@@ -1,5 +1,6 @@
-"""The online-softmax step both attention kernels share (prefill.py's 64-row query tiles, decode.py's
-split-K tiles): one tile of keys read through the block table, scores in the log2 domain."""
+"""The online-softmax step our attention kernels share (paged_attention/prefill.py's 64-row query tiles,
+paged_attention/decode.py's split-K tiles, attention_varlen.py's context-merge kernel): one tile of keys
+read through the block table, scores in the log2 domain."""
 
 import triton
 import triton.language as tl
