@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session in one command (device machines start bare): install the carried
 # flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
-#   usage: bash tools/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|bench|profile|moe|tp|fp8|fp8-bench|all|setup]
+#   usage: bash tools/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|bench|profile|moe|tp|fp8|fp8-bench|serve|prefix|all|setup]
 #   (run from the repository root)
 # tests: every GPU test (sweep + op-tests + model-tests: ~18 min, more than one call); ops: per-op
 # benchmark; bench: 9B workloads with the peer and generation; profile (not in all): the 9B workloads' device
@@ -10,7 +10,9 @@
 # (9B W2 / W5 against the one-GPU JSON in benchmarks/, 27B W1-W6, 35B-A3B W1 / W2 / W5 with the experts
 # split across the ranks and within); fp8 (not in all): the FP8 primitives' check (tools/check_fp8.py: correctness,
 # cuBLAS shapes, graphs), tests/test_gpu_fp8.py, bench_ops on the 9B FP8 preset; fp8-bench (not in all): the FP8
-# presets' workloads beside their bf16 runs (issue 26). `setup` only installs (source it
+# presets' workloads beside their bf16 runs (issue 26); serve (not in all): metrale-serve + bench_serve at concurrency
+# 32 / 128 / 256 on the 9B and 35B-A3B (issue 27; SERVE_PRESETS to choose); prefix (not in all): bench_prefix on the 9B
+# (issue 28). `setup` only installs (source it
 # with `. tools/gpu_session.sh setup` to keep the environment).
 # Wall times measured on H200s (2026-11-30; plan device time by them, 10 minutes per call at most):
 #   test_gpu_sweep -n 8 ~4.5 min; test_gpu_ops ~5.5 min (beside another job); test_gpu_model + capture +
@@ -102,6 +104,30 @@ if [[ $what == fp8 ]]; then
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
     python3 -m metrale_graph.tools.bench_ops --preset qwen3.5-9b-fp8 --markdown "$OUT/bench_ops-fp8.md" 2>&1 \
         | tee "$OUT/bench_ops-fp8.log" | tail -14
+fi
+if [[ $what == serve ]]; then
+    # issue 27: metrale-serve on a preset, bench_serve at concurrency 32 / 128 / 256 (512 in, 256 out); the
+    # server warms its bucket grid (decode buckets up to the slots) before /health says 200
+    for preset in ${SERVE_PRESETS:-qwen3.5-9b qwen3.5-35b-a3b}; do
+        python3 -m metrale_graph.tools.serve --model $preset --port 8011 --num-slots 256 --max-context 1024 \
+            --token-budget 4096 > "$OUT/serve-$preset.log" 2>&1 &
+        server=$!
+        get() { python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen('$1').read().decode())"; }
+        for _ in $(seq 600); do get http://127.0.0.1:8011/health >/dev/null 2>&1 && break; sleep 1; done
+        grep -E "warmup|serving" "$OUT/serve-$preset.log" | tail -2
+        for c in 32 128 256; do
+            python3 -m metrale_graph.tools.bench_serve --base-url http://127.0.0.1:8011 --num-prompts $((c * 2)) \
+                --input-len 512 --output-len 256 --max-concurrency $c --json "$OUT/bench_serve-$preset-c$c.json" 2>&1 \
+                | tee "$OUT/bench_serve-$preset-c$c.log" | tail -12
+        done
+        get http://127.0.0.1:8011/metrics > "$OUT/metrics-$preset.txt"
+        kill -TERM $server; wait $server; tail -3 "$OUT/serve-$preset.log"
+    done
+fi
+if [[ $what == prefix ]]; then
+    # issue 28: the prefix cache's workloads on the 9B, with the cache and without, CUDA graphs
+    python3 -m metrale_graph.tools.bench_prefix --model qwen3.5-9b --json "$OUT/bench_prefix-9b.json" 2>&1 \
+        | tee "$OUT/bench_prefix-9b.log" | tail -16
 fi
 if [[ $what == fp8-bench ]]; then
     for preset in qwen3.5-9b-fp8 qwen3.5-35b-a3b-fp8; do
