@@ -190,6 +190,36 @@ def test_linear_exact_on_representable_inputs(N, K):
     ref = x.double() @ w.double().t()
     assert_close("reference", ref, fp8.block_fp8_linear_ref(x, q, s, torch.float32), 1e-6)
     assert_close("triton", ref, fp8.block_fp8_linear(x, q, s, torch.float32, backend="triton"), 1e-6)
+    assert_close("splitk", ref, fp8.block_fp8_linear(x, q, s, torch.float32, backend="splitk"), 1e-6)
+
+
+@pytest.mark.parametrize("T,N,K,out_dtype", [(1, 100, 1000, F32), (5, 200, 300, BF16), (16, 130, 128, F32),
+                                             (3, 64, 2048, BF16)], ids=lambda v: str(v).replace("torch.", ""))
+def test_linear_splitk_matches_reference(T, N, K, out_dtype):
+    """The decode-shaped split-K GEMM: K cut into parts of whole 128-groups (several parts here, a ragged
+    last one at K 1000 / 300), fp32 partials summed in order, the residual added before the one rounding."""
+    parts, k_per = fp8.linear.splitk_parts(N, K, torch.device("cpu"))
+    assert k_per % 128 == 0 and (parts - 1) * k_per < K <= parts * k_per
+    assert parts > 1 or K <= 128
+    g = torch.Generator().manual_seed(T * 7 + N + K)
+    w = torch.randn(N, K, generator=g)
+    q, s = fp8.quantize_weight_blocks(w)
+    x = (torch.randn(T, K, generator=g) * torch.logspace(-1, 1, K)).to(out_dtype)
+    tol = 1e-6 if out_dtype == torch.float32 else 4e-3
+    out = fp8.block_fp8_linear(x, q, s, out_dtype, backend="splitk")
+    assert out.dtype == out_dtype and out.shape == (T, N)
+    assert_close("splitk", fp8.block_fp8_linear_ref(x, q, s, out_dtype), out, tol)
+    residual = torch.randn(T, N, generator=g).to(out_dtype)
+    sb = s.bfloat16()  # as some checkpoints store them
+    assert_close("splitk + residual", fp8.block_fp8_linear_ref(x, q, sb, out_dtype, residual),
+                 fp8.block_fp8_linear(x, q, sb, out_dtype, residual, backend="splitk"), tol)
+    assert torch.equal(out, fp8.block_fp8_linear(x, q, s, out_dtype, backend="splitk"))  # the same sums
+
+
+def test_linear_splitk_refuses_more_than_16_rows():
+    q, s = fp8.quantize_weight_blocks(torch.randn(64, 128))
+    with pytest.raises(ValueError, match="splitk backend takes at most 16 rows, got 17"):
+        fp8.block_fp8_linear(torch.randn(17, 128), q, s, backend="splitk")
 
 
 def test_linear_empty_and_fresh():

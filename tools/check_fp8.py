@@ -4,12 +4,13 @@ speed against bf16, and CUDA-graph replay. Sections (each case in its own try, a
 
   correctness  at the Qwen3.5-9B projection shapes (N x K = 24576 x 4096, 4096 x 12288, 16448 x 4096,
                4096 x 4096) and ragged ones: the Triton activation quantizer bit for bit against its
-               torch reference; block_fp8_linear's Triton, cuBLAS and auto paths against
+               torch reference; block_fp8_linear's Triton, split-K (M <= 16), cuBLAS and auto paths against
                block_fp8_linear_ref (bf16 out); W8A8's distance from the bf16 product
   cublas       which (M, N, K, out dtype, weight-scale layout) torch._scaled_mm blockwise takes, and
                whether what it returns is right
   perf         device time (CUDA-graph replay) at M = 1 .. 16384 at the 9B shapes: bf16 x @ w.t(), the
-               activation quantizer, FP8 via cuBLAS and via Triton (quantizer included), TFLOP/s and TB/s;
+               activation quantizer, FP8 via cuBLAS, via Triton and via split-K Triton (M <= 16; quantizer
+               included), TFLOP/s and TB/s;
                the ceilings (bf16 and FP8 tensorwise 8192^3)
   experts      Qwen3.5-35B-A3B's routed experts (E 256, D 2048, IE 512, top 8) at T = 512, 4096, 16384:
                moe_experts_fp8 against moe_experts_fp8_ref and against ops/moe.py's bf16 grouped GEMMs
@@ -38,7 +39,7 @@ import torch
 SECTIONS = ("correctness", "cublas", "perf", "experts", "graphs")
 SHAPES_9B = [(24576, 4096), (4096, 12288), (16448, 4096), (4096, 4096)]
 SHAPES_RAGGED = [(5632, 2048), (200, 300), (4096, 1000), (1000, 4096)]
-PERF_M = (1, 32, 128, 512, 4096, 16384)
+PERF_M = (1, 4, 16, 32, 128, 512, 4096, 16384)
 EXPERTS_35B = dict(E=256, D=2048, IE=512, k=8, tokens=(512, 4096, 16384))
 SMOKE = dict(shapes=[(200, 300), (128, 256)], m=(1, 17), experts=dict(E=4, D=200, IE=100, k=2, tokens=(5,)))
 TOL = 1e-2  # bf16 outputs against their reference (tests/metrics.TOL)
@@ -108,8 +109,9 @@ class Checker:
                 ref = ref32.to(torch.bfloat16)  # the spec's bf16 output
                 rec["w8a8_vs_bf16_product"] = rel_err(ref32, x.float() @ w.float().t())
                 rec["bf16_rounding"] = rel_err(ref, ref32)
-                for backend in ("triton", "cublas", "auto"):
-                    if backend == "cublas" and not x.is_cuda:
+                for backend in ("triton", "splitk", "cublas", "auto"):
+                    if (backend == "cublas" and not x.is_cuda) or (backend == "splitk"
+                                                                   and M > fp8.linear.SPLITK_MAX_ROWS):
                         continue
                     out, err = attempt(lambda: fp8.block_fp8_linear(x, q, s, torch.bfloat16, backend=backend))
                     rec[backend] = err if err else rel_err(out, ref)
@@ -124,10 +126,10 @@ class Checker:
                              f"residual {M}x{N}x{K}: {rec['auto_residual']}")
                 recs.append(rec)
                 rows.append([f"{N}x{K}", M, rec["auto_backend"], rec["quant_bitexact"], *(
-                    _fmt(rec.get(b, "-")) for b in ("triton", "cublas", "auto", "auto_residual")),
+                    _fmt(rec.get(b, "-")) for b in ("triton", "splitk", "cublas", "auto", "auto_residual")),
                     _fmt(rec["bf16_rounding"]), _fmt(rec["w8a8_vs_bf16_product"])])
         _table("correctness: rel. error of bf16 outputs against block_fp8_linear_ref's bf16 output",
-               ["N x K", "M", "auto", "quant bit-exact", "triton", "cublas", "auto", "auto + residual",
+               ["N x K", "M", "auto", "quant bit-exact", "triton", "splitk", "cublas", "auto", "auto + residual",
                 "bf16 rounding", "W8A8 vs bf16 product"], rows)
         return recs
 
@@ -194,30 +196,35 @@ class Checker:
                          "fp8_cublas": attempt(lambda: self.bench(
                              lambda: fp8.block_fp8_linear(x, q, s, torch.bfloat16, backend="cublas"))),
                          "fp8_triton": attempt(lambda: self.bench(
-                             lambda: fp8.block_fp8_linear(x, q, s, torch.bfloat16, backend="triton")))}
+                             lambda: fp8.block_fp8_linear(x, q, s, torch.bfloat16, backend="triton"))),
+                         "fp8_splitk": attempt(lambda: self.bench(
+                             lambda: fp8.block_fp8_linear(x, q, s, torch.bfloat16, backend="splitk")))
+                         if M <= fp8.linear.SPLITK_MAX_ROWS else (None, None)}
                 rec = {"N": N, "K": K, "M": M, **{f"{k}_ms": v for k, (v, _) in times.items()},
                        **{f"{k}_error": e for k, (_, e) in times.items() if e}}
-                wbytes = {"bf16": 2 * N * K, "fp8_cublas": N * K, "fp8_triton": N * K}
+                wbytes = {"bf16": 2 * N * K, "fp8_cublas": N * K, "fp8_triton": N * K, "fp8_splitk": N * K}
                 for k, nb in wbytes.items():
                     t = rec[f"{k}_ms"]
                     rec[f"{k}_tflops"] = flops / t / 1e9 if t else None
                     rec[f"{k}_tbs"] = (nb + io) / t / 1e9 if t else None
-                fp8_ms = [t for t in (rec["fp8_cublas_ms"], rec["fp8_triton_ms"]) if t]
-                rec["best_fp8"] = min(("fp8_cublas", "fp8_triton"), key=lambda k: rec[f"{k}_ms"] or float("inf"))
+                kinds = ("fp8_cublas", "fp8_triton", "fp8_splitk")
+                fp8_ms = [rec[f"{k}_ms"] for k in kinds if rec[f"{k}_ms"]]
+                rec["best_fp8"] = min(kinds, key=lambda k: rec[f"{k}_ms"] or float("inf"))
                 rec["speedup"] = rec["bf16_ms"] / min(fp8_ms) if fp8_ms and rec["bf16_ms"] else None
                 recs.append(rec)
                 rows.append([f"{N}x{K}", M,
-                             *(_ms(rec[f"{k}_ms"]) for k in ("bf16", "quant", "fp8_cublas", "fp8_triton")),
-                             *(_num(rec[f"{k}_tflops"]) for k in ("bf16", "fp8_cublas", "fp8_triton")),
-                             *(_num(rec[f"{k}_tbs"], 2) for k in ("bf16", "fp8_cublas", "fp8_triton")),
+                             *(_ms(rec[f"{k}_ms"]) for k in ("bf16", "quant", *kinds)),
+                             *(_num(rec[f"{k}_tflops"]) for k in ("bf16", *kinds)),
+                             *(_num(rec[f"{k}_tbs"], 2) for k in ("bf16", *kinds)),
                              rec["best_fp8"][4:], _num(rec["speedup"], 2)])
                 del x
             del w, q, s
         print(f"\nceilings: bf16 8192^3 {_num(ceilings['bf16_tflops'])} TFLOP/s, FP8 tensorwise 8192^3 "
               f"{_num(ceilings['fp8_tensorwise_tflops'])} TFLOP/s")
         _table("perf: device ms (CUDA-graph replay); FP8 rows include the activation quantizer",
-               ["N x K", "M", "bf16", "quant", "fp8 cublas", "fp8 triton", "TF bf16", "TF cublas", "TF triton",
-                "TB/s bf16", "TB/s cublas", "TB/s triton", "best fp8", "speed-up"], rows)
+               ["N x K", "M", "bf16", "quant", "fp8 cublas", "fp8 triton", "fp8 splitk", "TF bf16", "TF cublas",
+                "TF triton", "TF splitk", "TB/s bf16", "TB/s cublas", "TB/s triton", "TB/s splitk", "best fp8",
+                "speed-up"], rows)
         return {"ceilings": ceilings, "rows": recs}
 
     # experts ---------------------------------------------------------------------------------
@@ -336,7 +343,8 @@ class Checker:
             return []
         fp8, rows, recs = self.fp8, [], []
         cases = []
-        for N, K, M, backend in ((4096, 4096, 128, "auto"), (4096, 4096, 1, "triton"), (16448, 4096, 512, "auto"),
+        for N, K, M, backend in ((4096, 4096, 128, "auto"), (4096, 4096, 1, "triton"), (4096, 12288, 1, "splitk"),
+                                 (200, 300, 7, "splitk"), (16448, 4096, 512, "auto"),
                                  (200, 300, 33, "auto")):
             _, q, s = self.weight(N, K)
             cases.append((f"linear {backend} {M}x{N}x{K}", lambda seed, M=M, K=K: (self.acts(M, K, seed),),

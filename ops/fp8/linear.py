@@ -6,7 +6,7 @@ quantized on the fly per token per 128 channels (see quant.py).
 
 CUDA: quantize x (one Triton launch), then cuBLAS' blockwise FP8 GEMM (torch._scaled_mm, 1x128
 activation scales x 128x128 weight scales) where cublas_blockwise_ok says the shapes allow it, else
-the Triton block-scaled GEMM below (FP8 tensor cores; each 128-channel K step's partial product is
+the Triton block-scaled GEMM below (or, chosen by name for now, its split-K form for decode shapes) (FP8 tensor cores; each 128-channel K step's partial product is
 scaled by its activation and weight scales into an fp32 accumulator). CPU (and the spec both paths
 are tested against): block_fp8_linear_ref, the dequantized weights times the fake-quantized
 activations in fp32, cast to out_dtype. Shape letters: quant.py.
@@ -21,7 +21,7 @@ from .quant import (BLOCK, INTERPRET, check_block_weight, dequantize_weight_bloc
                     quantize_activations, round_to)
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BACKENDS = ("auto", "cublas", "triton")
+BACKENDS = ("auto", "cublas", "triton", "splitk")
 
 
 def _check(x: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype, residual, where: str):
@@ -152,26 +152,132 @@ def _block_fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, r_ptr, c_ptr, M, N, K, 
     tl.store(c_ptr + r64[:, None] * stride_cm + cols[None, :], round_to(acc, dt).to(dt), mask=mask)
 
 
+def _operands(x_fp8: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype, residual):
+    """The Triton GEMMs' fresh output [T, N], whether it is already the answer (no rows, columns or K: zeros
+    or the residual), and the weight, its scales and the residual with unit inner strides."""
+    T, K = x_fp8.shape
+    N = w_fp8.shape[0]
+    out = torch.empty((T, N), dtype=out_dtype, device=x_fp8.device)
+    if T == 0 or N == 0 or K == 0:
+        if T and N:
+            out.zero_() if residual is None else out.copy_(residual)
+        return out, True, w_fp8, w_scale_inv, residual
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    w_fp8 = w_fp8 if w_fp8.stride(-1) == 1 else w_fp8.contiguous()
+    w_scale_inv = w_scale_inv if w_scale_inv.stride(-1) == 1 else w_scale_inv.contiguous()
+    return out, False, w_fp8, w_scale_inv, residual
+
+
 def block_fp8_gemm_triton(x_fp8: Tensor, x_scale: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype,
                           residual=None) -> Tensor:
     """The Triton block-scaled GEMM: x_fp8 [T, K] (unit inner stride), x_scale [T, KB] fp32 (any strides),
     w_fp8 [N, K], w_scale_inv [NB, KB] (fp32 / bf16), residual [T, N] out_dtype or None -> fresh [T, N]."""
     T, K = x_fp8.shape
     N = w_fp8.shape[0]
-    out = torch.empty((T, N), dtype=out_dtype, device=x_fp8.device)
-    if T == 0 or N == 0:
+    out, empty, w_fp8, w_scale_inv, residual = _operands(x_fp8, w_fp8, w_scale_inv, out_dtype, residual)
+    if empty:
         return out
-    if K == 0:
-        return out.zero_() if residual is None else out.copy_(residual)
-    if residual is not None and residual.stride(-1) != 1:
-        residual = residual.contiguous()
-    w_fp8 = w_fp8 if w_fp8.stride(-1) == 1 else w_fp8.contiguous()
-    w_scale_inv = w_scale_inv if w_scale_inv.stride(-1) == 1 else w_scale_inv.contiguous()
     BM = gemm_block_m(T)
     _block_fp8_gemm_kernel[lambda meta: (triton.cdiv(T, BM) * triton.cdiv(N, meta["BN"]),)](
         x_fp8, x_scale, w_fp8, w_scale_inv, out if residual is None else residual, out, T, N, K, x_fp8.stride(0),
         x_scale.stride(0), x_scale.stride(1), w_fp8.stride(0), w_scale_inv.stride(0),
         0 if residual is None else residual.stride(0), out.stride(0), HAS_RESIDUAL=residual is not None, BM=BM)
+    return out
+
+
+SPLITK_BN = 64  # columns per program of the split-K GEMM
+SPLITK_MAX_ROWS = 16  # the split-K GEMM's rows: decode-shaped calls (one 16-row tile)
+
+
+def splitk_parts(N: int, K: int, device: torch.device) -> tuple[int, int]:
+    """(parts, K_PER) of the split-K GEMM for an [N, K] weight: K cut into parts of K_PER channels (a
+    multiple of 128, so a part holds whole scale groups) so that about four programs per SM stream the
+    weight (at decode sizes one program per column tile leaves most SMs idle or latency-bound). Static:
+    from the shapes and the device only."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    KB = -(-K // BLOCK)
+    want = max(1, -(-4 * sms // -(-N // SPLITK_BN)))
+    per = -(-KB // min(KB, want))  # scale groups per part
+    return -(-KB // per), per * BLOCK
+
+
+@triton.autotune(configs=[triton.Config({}, num_warps=4, num_stages=3)] if INTERPRET else
+                 [triton.Config({}, num_warps=w, num_stages=st) for w, st in ((4, 3), (4, 4), (8, 3), (2, 4))],
+                 key=["N", "K", "K_PER"], cache_results=True)
+@triton.jit
+def _block_fp8_splitk_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, p_ptr, M, N, K, K_PER, stride_am, stride_as_m, stride_as_g,
+                             stride_bn, stride_bs_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Part program_id(1) of K ([k_lo, k_lo + K_PER), whole 128-groups) for BN columns of all M <= BM rows:
+    p[part, m, n] = sum over its K steps of (a[m] . b[n]) * as[m, g] * bs[n // 128, g] in fp32. a, as,
+    b, bs as _block_fp8_gemm_kernel's; p: [parts, M, N] fp32."""
+    pid_n = tl.program_id(0)
+    part = tl.program_id(1)
+    rows = tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    r_safe = (rows % M).to(tl.int64)
+    c_safe = (cols % N).to(tl.int64)
+    k_lo = part * K_PER
+    k_hi = tl.minimum(K, k_lo + K_PER)
+    k = tl.arange(0, BK)
+    a_ptrs = a_ptr + r_safe[:, None] * stride_am + (k_lo + k)[None, :]
+    b_ptrs = b_ptr + c_safe[None, :] * stride_bn + (k_lo + k)[:, None]
+    as_ptrs = as_ptr + r_safe * stride_as_m
+    bs_ptrs = bs_ptr + (c_safe // 128) * stride_bs_n
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        mk = k < k_hi - k0
+        a = tl.load(a_ptrs, mask=mk[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=mk[:, None], other=0.0)
+        g = k0 // 128
+        acc += tl.dot(a, b) * tl.load(as_ptrs + g * stride_as_g)[:, None] * tl.load(bs_ptrs + g).to(tl.float32)[None, :]
+        a_ptrs += BK
+        b_ptrs += BK
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    off = (part * M + rows).to(tl.int64)[:, None] * N + cols[None, :]
+    tl.store(p_ptr + off, acc, mask=mask)
+
+
+@triton.jit
+def _splitk_sum_kernel(p_ptr, r_ptr, c_ptr, M, N, PARTS, stride_rm, stride_cm, HAS_RESIDUAL: tl.constexpr,
+                       BLOCK_E: tl.constexpr):
+    """c[m, n] = sum over the parts of p[part, m, n], in part order (the same sum every call: replays are
+    exact), plus r[m, n] with HAS_RESIDUAL, rounded once to c's dtype."""
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    inside = e < M * N
+    m = (e // N).to(tl.int64)
+    n = e % N
+    acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    for part in range(0, PARTS):
+        acc += tl.load(p_ptr + part * M * N + e, mask=inside, other=0.0)
+    if HAS_RESIDUAL:
+        acc += tl.load(r_ptr + m * stride_rm + n, mask=inside, other=0.0).to(tl.float32)
+    dt = c_ptr.dtype.element_ty
+    tl.store(c_ptr + m * stride_cm + n, round_to(acc, dt).to(dt), mask=inside)
+
+
+def block_fp8_gemm_splitk(x_fp8: Tensor, x_scale: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype,
+                          residual=None) -> Tensor:
+    """The split-K block-scaled GEMM for decode-shaped calls (T <= SPLITK_MAX_ROWS): K in parts
+    (splitk_parts), each part's fp32 partial product stored, then summed in a fixed order with the
+    residual and rounded once (as block_fp8_gemm_triton). Arguments and result as block_fp8_gemm_triton's."""
+    T, K = x_fp8.shape
+    N = w_fp8.shape[0]
+    if T > SPLITK_MAX_ROWS:
+        raise ValueError(f"block_fp8_gemm_splitk: at most {SPLITK_MAX_ROWS} rows, got {T}")
+    out, empty, w_fp8, w_scale_inv, residual = _operands(x_fp8, w_fp8, w_scale_inv, out_dtype, residual)
+    if empty:
+        return out
+    parts, k_per = splitk_parts(N, K, x_fp8.device)
+    partial = torch.empty((parts, T, N), dtype=torch.float32, device=x_fp8.device)
+    _block_fp8_splitk_kernel[(triton.cdiv(N, SPLITK_BN), parts)](
+        x_fp8, x_scale, w_fp8, w_scale_inv, partial, T, N, K, k_per, x_fp8.stride(0), x_scale.stride(0),
+        x_scale.stride(1), w_fp8.stride(0), w_scale_inv.stride(0), BM=SPLITK_MAX_ROWS, BN=SPLITK_BN, BK=128)
+    BLOCK_E = 1024
+    _splitk_sum_kernel[(triton.cdiv(T * N, BLOCK_E),)](
+        partial, out if residual is None else residual, out, T, N, parts,
+        0 if residual is None else residual.stride(0), out.stride(0), HAS_RESIDUAL=residual is not None,
+        BLOCK_E=BLOCK_E)
     return out
 
 
@@ -181,8 +287,9 @@ def block_fp8_linear(x: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype=No
     w_scale_inv [NB, KB] fp32 or bf16, residual [T, N] in out_dtype or None -> fresh [T, N] in out_dtype
     (default x's dtype). Mutates nothing. The Triton GEMM adds the residual in its epilogue (one rounding,
     as the reference); cuBLAS' output is rounded, then the residual added (a second rounding).
-    backend: "auto" (cuBLAS where cublas_blockwise_ok and T >= 16, else Triton), "cublas" or "triton"
-    (CUDA or the interpreter); on a CPU without the interpreter every backend is the reference. cuBLAS
+    backend: "auto" (cuBLAS where cublas_blockwise_ok and T >= 16, else Triton), "cublas", "triton" or
+    "splitk" (the split-K Triton GEMM, T <= SPLITK_MAX_ROWS; CUDA or the interpreter); on a CPU without
+    the interpreter every backend is the reference. cuBLAS
     runs on T rounded up to a multiple of 16 (zero rows, sliced off). Bad arguments raise ValueError
     naming them."""
     out_dtype = _check(x, w_fp8, w_scale_inv, out_dtype, residual, "block_fp8_linear")
@@ -199,5 +306,8 @@ def block_fp8_linear(x: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype=No
         x_fp8, x_scale = quantize_activations(x, column_major_scales=True, rows=rows)
         out = block_fp8_gemm_cublas(x_fp8, x_scale, w_fp8, w_scale_inv, out_dtype)[:T]
         return out if residual is None else out.add_(residual)
+    if backend == "splitk" and T > SPLITK_MAX_ROWS:
+        raise ValueError(f"block_fp8_linear: the splitk backend takes at most {SPLITK_MAX_ROWS} rows, got {T}")
     x_fp8, x_scale = quantize_activations(x)
-    return block_fp8_gemm_triton(x_fp8, x_scale, w_fp8, w_scale_inv, out_dtype, residual)
+    gemm = block_fp8_gemm_splitk if backend == "splitk" else block_fp8_gemm_triton
+    return gemm(x_fp8, x_scale, w_fp8, w_scale_inv, out_dtype, residual)

@@ -131,7 +131,8 @@ def _runs(members: list[tuple[Tensor, Tensor]]) -> list[list[int]]:
 def project(x: Tensor, members: list[tuple[Tensor, Tensor]], out_dtype=None) -> list[Tensor]:
     """The CUDA paths' projections of x [T, K] (contiguous) by each member (w [N_i, K], s): per member its
     output [T, N_i] in out_dtype (default x's), a column slice of its run's GEMM output (module docstring).
-    FP8 runs through block_fp8_linear (weight-only: dequantized, a bf16 GEMM), float runs through x @ w.T."""
+    FP8 runs through block_fp8_linear (W8A8; under activation_rounding(False), the weight-only debug mode, x @
+    the dequantized weight), float runs through x @ w.T."""
     out_dtype = out_dtype or x.dtype
     outs: list[Tensor] = [None] * len(members)
     for run in _runs(members):
