@@ -96,7 +96,7 @@ if [[ $what == tp || $what == all ]] && (( $(nvidia-smi -L | wc -l) >= 2 )); the
     done
 fi
 if [[ $what == fp8 ]]; then
-    limit python3 -m metrale_graph.tools.check_fp8 --sections correctness,cublas,graphs --json "$OUT/fp8.json" \
+    limit python3 -m metrale_graph.tools.check_fp8 --sections correctness,cublas,perf,graphs --json "$OUT/fp8.json" \
         2>"$OUT/fp8.err" | tee "$OUT/fp8.log" | tail -40
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
     limit python3 -m pytest -q -rfE -s -p no:cacheprovider tests/test_gpu_fp8.py 2>&1 | tee "$OUT/gpu_fp8_tests.log" \
