@@ -275,9 +275,9 @@ def test_stop_strings_across_token_boundaries_whole_and_streamed(client, tokeniz
 
 
 def test_streamed_text_equals_the_whole_text_when_sampling(client):
-    for seed in range(4):
+    for seed in range(3):
         for prompt in ("東京は日本の首都", "Emoji: 👋🌍"):
-            kw = dict(model=NAME, prompt=prompt, max_tokens=24, temperature=1.0, seed=seed,
+            kw = dict(model=NAME, prompt=prompt, max_tokens=20, temperature=1.0, seed=seed,
                       extra_body={"ignore_eos": True})
             whole = client.completions.create(**kw).choices[0].text
             pieces = [c.choices[0].text for c in client.completions.create(**kw, stream=True)]
