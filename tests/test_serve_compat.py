@@ -173,6 +173,7 @@ def test_a_field_this_server_cannot_honour_is_refused_by_name(server, path, fiel
     body = {"prompt": "x"} if path == "/v1/completions" else {"messages": CHAT}
     error = _error(_post(server, path, {**body, field: value, "max_tokens": 1}))
     assert (error["param"], error["code"]) == (field, "unsupported_parameter"), error
+    assert f"(got {value!r})" in error["message"] and "leave it unset" in error["message"], error
 
 
 def test_those_fields_at_their_neutral_values_are_served(server):

@@ -132,9 +132,9 @@ def validation_error(e: RequestValidationError, content_type: str | None = None)
     same = [err for err in errors if [str(x) for x in err.get("loc", ()) if x != "body"][:1] == [field]]
     leaf = next((p for p in reversed(loc) if p in EXPECTED), None)
     if len(same) > 1 and leaf is not None:  # a value that fits none of a union's members
-        return bad_request(f"{field}: expected {EXPECTED[leaf]}, got {_short(first.get('input'))}", param=field)
+        return bad_request(f"{field}: expected {EXPECTED[leaf]}, got {short(first.get('input'))}", param=field)
     path = ".".join(loc)
-    got = f" (got {_short(first['input'])})" if "input" in first and first.get("type") != "missing" else ""
+    got = f" (got {short(first['input'])})" if "input" in first and first.get("type") != "missing" else ""
     return bad_request(f"{path}: {first.get('msg')}{got}", param=field)
 
 
@@ -158,7 +158,8 @@ def http_error(e: HTTPException, method: str, path: str):
     return response
 
 
-def _short(value, limit: int = 80) -> str:
+def short(value, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
 

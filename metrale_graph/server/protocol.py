@@ -189,18 +189,10 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def unsupported(self) -> str | None:
-        for name in ("top_logprobs", "tools"):
-            if getattr(self, name):
-                return name
-        if self.response_format not in (None, {"type": "text"}):
-            return "response_format"
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice"
-        return super().unsupported()
-
     def neutral(self) -> dict:
-        return {**NEUTRAL, "logprobs": (None, False)}  # chat's logprobs is a boolean
+        return {"top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
+                "response_format": (None, {"type": "text"}), **NEUTRAL,
+                "logprobs": (None, False)}  # chat's logprobs is a boolean
 
     @property
     def max_new_tokens(self) -> int | None:

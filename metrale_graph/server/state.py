@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import threading
 from dataclasses import dataclass
 
-from .errors import bad_request, unauthorized, unknown_model, warming_up
+from .errors import bad_request, short, unauthorized, unknown_model, warming_up
 from .metrics import ServerMetrics
 from .protocol import ModelCard, SamplingFields
 
@@ -63,7 +64,10 @@ class ServerState:
             raise warming_up()
         field = body.unsupported()
         if field is not None:
-            raise bad_request(f"{field} is not supported by this server", param=field, code="unsupported_parameter")
+            neutral = [v for v in body.neutral().get(field, (None,)) if v is not None]
+            unset = "leave it unset" + (f" (or {' / '.join(map(json.dumps, neutral))})" if neutral else "")
+            raise bad_request(f"{field} is not supported by this server (got {short(getattr(body, field))}): {unset}",
+                              param=field, code="unsupported_parameter")
         if body.stream_options is not None and not body.stream:
             raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
 
