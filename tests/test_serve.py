@@ -290,12 +290,20 @@ def test_official_client_raises_on_bad_requests(client):
 
 
 def test_full_queue_is_503_with_retry_after(server, client):
-    r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
-                   json={"prompt": [1, 2], "max_tokens": 2, "n": 100})  # 100 requests at once; 64 may wait
-    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
-    assert r.json()["error"]["code"] == "engine_overloaded"
+    headers = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server.url + "/v1/completions", headers=headers, timeout=30,
+                   json={"prompt": [1, 2], "max_tokens": 2, "n": 65})  # more than the 64 that may wait: never fits
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "--max-waiting" in r.text, r.text
+    body = {"prompt": [1, 2], "max_tokens": MAX_CONTEXT - 4, "n": 64, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", headers=headers, json=body, timeout=TIMEOUT) as s:
+        assert s.status_code == 200
+        _wait_metrics(server, lambda m: m["metrale_num_requests_running"] == SLOTS, "the slots full")
+        r = httpx.post(server.url + "/v1/completions", headers=headers, timeout=30,  # 48 wait: 17 more do not fit
+                       json={"prompt": [1, 2], "max_tokens": 2, "n": 17})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["code"] == "engine_overloaded"
     _wait_metrics(server, lambda m: m["metrale_num_requests_running"] == 0 and m["metrale_num_requests_waiting"] == 0,
-                  "the refused request's others aborted")
+                  "the stream's requests aborted and the refused request's others too")
     assert client.completions.create(model=NAME, prompt=[1, 2], max_tokens=1).usage.completion_tokens == 1
 
 

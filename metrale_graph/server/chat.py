@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: messages through the tokenizer's chat template, the assistant's reply
 whole or streamed.
 
-The prompt is `tokenizer.apply_chat_template(messages, add_generation_prompt=True)` as token ids. A
+The prompt is `tokenizer.apply_chat_template(messages, add_generation_prompt=True)` as token ids
+(vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs change its arguments). A
 stream sends, per choice, a first delta with the role (`{"role": "assistant", "content": ""}`),
 then content deltas as the text comes, the last one with the finish reason ("stop": a stop token
 or string; "length": max_tokens or the context), then the usage chunk with
@@ -22,7 +23,9 @@ from .state import ServerState
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw_request):
     """A ChatResponse, or the event stream's body when body.stream."""
     state.check(body)
-    prompt = state.chat_prompt_ids([m.template_dict() for m in body.messages])
+    prompt = state.chat_prompt_ids([m.template_dict() for m in body.messages], body.add_generation_prompt,
+                                   body.continue_final_message, body.chat_template_kwargs)
+    state.check_room([prompt], body)
     group = Generations.submit(state, [prompt], state.sampling(body, body.max_new_tokens), body.n, param="messages")
     rid = request_id("chatcmpl")
     if body.stream:

@@ -30,6 +30,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw_req
     (an async iterator of server-sent events) when body.stream."""
     state.check(body)
     prompts = prompts_of(state, body)
+    state.check_room(prompts, body)
     group = Generations.submit(state, prompts, state.sampling(body, body.max_tokens), body.n)
     rid = request_id("cmpl")
     if body.stream:

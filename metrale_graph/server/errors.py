@@ -132,13 +132,34 @@ def validation_error(e: RequestValidationError, content_type: str | None = None)
     same = [err for err in errors if [str(x) for x in err.get("loc", ()) if x != "body"][:1] == [field]]
     leaf = next((p for p in reversed(loc) if p in EXPECTED), None)
     if len(same) > 1 and leaf is not None:  # a value that fits none of a union's members
-        return bad_request(f"{field}: expected {EXPECTED[leaf]}, got {_short(first.get('input'))}", param=field)
+        return bad_request(f"{field}: expected {EXPECTED[leaf]}, got {short(first.get('input'))}", param=field)
     path = ".".join(loc)
-    got = f" (got {_short(first['input'])})" if "input" in first and first.get("type") != "missing" else ""
+    got = f" (got {short(first['input'])})" if "input" in first and first.get("type") != "missing" else ""
     return bad_request(f"{path}: {first.get('msg')}{got}", param=field)
 
 
-def _short(value, limit: int = 80) -> str:
+def http_error(e: HTTPException, method: str, path: str):
+    """The response of Starlette's and FastAPI's own HTTPExceptions: no route (404), a method the route does
+    not take (405, with the Allow header RFC 9110 asks for), a body that could not be read (400: not UTF-8)."""
+    allow = ", ".join(sorted(m.strip() for m in (e.headers or {}).get("Allow", "").split(",") if m.strip()))
+    if e.status_code == 404:
+        error = APIError(404, f"no route {method} {path}", code="not_found")
+    elif e.status_code == 405:
+        error = APIError(405, f"{path} does not take {method}" + (f" (it takes {allow})" if allow else ""),
+                         code="method_not_allowed")
+    elif e.status_code == 400:  # FastAPI's "There was an error parsing the body": JSON's own errors are 422s
+        error = APIError(400, f"the request body could not be read: it must be JSON encoded as UTF-8 ({e.detail})",
+                         code="invalid_json")
+    else:
+        error = APIError(e.status_code, str(e.detail))
+    response = error.response()
+    if allow:
+        response.headers["Allow"] = allow
+    return response
+
+
+def short(value, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
@@ -156,10 +177,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, e: HTTPException):
-        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        message = (f"no route {request.method} {request.url.path}" if e.status_code in (404, 405)
-                   else str(e.detail))
-        return APIError(e.status_code, message, code=code).response()
+        return http_error(e, request.method, request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):

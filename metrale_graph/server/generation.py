@@ -19,7 +19,7 @@ import asyncio
 from typing import AsyncIterator
 
 from ..handle import GenerationResult, RequestOutput
-from .errors import from_engine, from_failure
+from .errors import bad_request, from_engine, from_failure
 from .protocol import Usage
 from .state import Sampling, ServerState
 
@@ -34,9 +34,15 @@ class Generations:
                param: str = "prompt") -> "Generations":
         """Submit n requests per prompt, all or none: if the engine refuses one (ValueError: 400,
         EngineFullError / EngineClosedError: 503), those already submitted are aborted and the error is
-        raised as an APIError."""
+        raised as an APIError. More requests than the engine's waiting queue holds (max_waiting) are a 400:
+        they are queued before the engine loop admits any, so they could never all be."""
         handles, metrics = [], []
         engine = state.engine
+        total, queue = len(prompts) * n, getattr(engine, "max_waiting", None)
+        if queue is not None and total > queue:  # it could never be queued whole: a 503 would be retried forever
+            what = f"{len(prompts)} prompts x n={n}" if len(prompts) > 1 else f"n={n}"
+            raise bad_request(f"this request asks for {total} generations ({what}) but the server queues at most "
+                              f"{queue} at once (--max-waiting): send fewer", param="n" if n > 1 else param)
         try:
             for ids in prompts:
                 for k in range(n):

@@ -1,9 +1,11 @@
 """The wire format: OpenAI's request and response bodies as pydantic models, and server-sent events.
 
 Requests mirror OpenAI's `/v1/completions` and `/v1/chat/completions` (the fields this server
-runs; a field OpenAI has that the engine cannot honour, such as `logprobs` or `echo`, is refused by
-name when it is set, never silently ignored), plus vLLM's extensions `top_k`, `stop_token_ids`,
-`ignore_eos` and `return_token_ids`. Responses carry what OpenAI's do, `usage` always (a stream:
+runs; a field OpenAI or vLLM has that the engine cannot honour, such as `logprobs`, `echo` or
+`repetition_penalty`, is refused by name when it is set, never silently ignored), plus vLLM's
+extensions `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids` and the chat template's
+arguments (`chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`). Values are
+strict JSON types (`true` is not 1, "5" is not 5). Responses carry what OpenAI's do, `usage` always (a stream:
 in its last event when `stream_options.include_usage`), with `prompt_tokens_details.cached_tokens`.
 
 A stream is `data: {chunk}\\n\\n` events ending in `data: [DONE]\\n\\n`; an error after the stream
@@ -16,7 +18,9 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_serializer
+
+from ..sampling import SEED_RANGE
 
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
 Prompt = Union[StrictStr, TokenIds, Annotated[list[StrictStr], Field(min_length=1)],
@@ -40,50 +44,98 @@ def request_id(prefix: str) -> str:
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
+
+
+# Fields of OpenAI's API and vLLM's extensions that the engine cannot honour, with the values that ask for
+# nothing (sent by clients that fill in every field): any other value is refused by name (unsupported()).
+# Identity, not equality, for the booleans: `logprobs: 0` asks for logprobs (OpenAI's completions: of the
+# sampled tokens), though 0 == False.
+NEUTRAL = {
+    "logprobs": (None,),  # completions'; chat's is a boolean, False too (ChatCompletionRequest.neutral)
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+    "min_p": (None, 0), "repetition_penalty": (None, 1), "length_penalty": (None, 1), "min_tokens": (None, 0),
+    "use_beam_search": (None, False), "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "prompt_logprobs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,), "logits_processors": (None,), "guided_json": (None,),
+    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
+}
+
+
+def is_neutral(value, neutral: tuple) -> bool:
+    if isinstance(value, bool) or any(isinstance(n, bool) for n in neutral):
+        return any(value is n for n in neutral)
+    return value in neutral
 
 
 class SamplingFields(BaseModel):
     """What /v1/completions and /v1/chat/completions share. OpenAI's fields first, then vLLM's extensions.
-    `top_k` -1 or 0: off (vLLM's and transformers' conventions). Unknown fields are ignored, as OpenAI
-    and vLLM do (clients send fields of newer API versions)."""
+    `top_k` -1 or 0: off (vLLM's and transformers' conventions). Values are taken as JSON types them (strict:
+    `true` is no integer, "5" no number). Unknown fields are ignored, as OpenAI and vLLM do (clients send
+    fields of newer API versions); known ones this server cannot honour (NEUTRAL) are refused when set."""
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None  # None: the served model (OpenAI requires it; vLLM does not)
-    n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    model: StrictStr | None = None  # None: the served model (OpenAI requires it; vLLM does not)
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    temperature: StrictFloat = Field(1.0, ge=0.0, allow_inf_nan=False)
+    top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    seed: Annotated[StrictInt, Field(ge=SEED_RANGE[0], lt=SEED_RANGE[1])] | None = None
     stop: Stop = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # OpenAI fields the engine cannot honour: refused when set (unsupported())
-    logprobs: Any = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
     # vLLM's extensions
-    top_k: int = Field(0, ge=-1)
+    top_k: StrictInt = Field(0, ge=-1)
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
-    ignore_eos: bool = False
-    return_token_ids: bool = False
+    ignore_eos: StrictBool = False
+    return_token_ids: StrictBool = False
+    # fields the engine cannot honour (NEUTRAL): refused unless neutral
+    logprobs: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    length_penalty: Any = None
+    min_tokens: Any = None
+    use_beam_search: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    prompt_logprobs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    logits_processors: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    def neutral(self) -> dict:
+        """NEUTRAL of this request's kind of body."""
+        return NEUTRAL
 
     def unsupported(self) -> str | None:
         """The name of the first field set to something this server cannot do, or None."""
-        for name, off in (("logprobs", (None, False, 0)), ("presence_penalty", (0,)), ("frequency_penalty", (0,)),
-                          ("logit_bias", (None, {}))):
-            if getattr(self, name) not in off:
+        for name, neutral in self.neutral().items():
+            if not is_neutral(getattr(self, name), neutral):
                 return name
+        return None
+
+    def explicit_max_tokens(self) -> tuple[str, int] | None:
+        """(field, value) of the request's own limit on new tokens, or None when it set none (a default)."""
         return None
 
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default; None: up to the context
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    max_tokens: StrictInt | None = Field(16, ge=1)  # OpenAI's default; None: up to the context
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
 
     def unsupported(self) -> str | None:
         if self.echo:
@@ -94,16 +146,25 @@ class CompletionRequest(SamplingFields):
             return "suffix"
         return super().unsupported()
 
+    def explicit_max_tokens(self) -> tuple[str, int] | None:
+        if "max_tokens" in self.model_fields_set and self.max_tokens is not None:
+            return "max_tokens", self.max_tokens
+        return None
+
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: StrictStr
+
+
+# OpenAI's roles (a chat template may drop a message of any other silently, as Qwen's do)
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: handed to the chat template as they are
 
-    role: StrictStr
+    role: Role
     content: Union[StrictStr, list[TextPart], None] = None
 
     def template_dict(self) -> dict:
@@ -116,24 +177,33 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: int | None = Field(None, ge=1)  # None: up to the context
-    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
-    top_logprobs: int | None = None
-    tools: list | None = None
+    max_tokens: StrictInt | None = Field(None, ge=1)  # None: up to the context
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    top_logprobs: Any = None
+    tools: Any = None
     tool_choice: Any = None
     response_format: Any = None
+    # vLLM's chat template arguments (chat_template_kwargs: the template's own variables, e.g. Qwen3's
+    # enable_thinking)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
-    def unsupported(self) -> str | None:
-        for name in ("top_logprobs", "tools", "response_format"):
-            if getattr(self, name):
-                return name
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice"
-        return super().unsupported()
+    def neutral(self) -> dict:
+        return {"top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
+                "response_format": (None, {"type": "text"}), **NEUTRAL,
+                "logprobs": (None, False)}  # chat's logprobs is a boolean
 
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def explicit_max_tokens(self) -> tuple[str, int] | None:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        if self.max_tokens is not None:
+            return "max_tokens", self.max_tokens
+        return None
 
 
 # responses ---------------------------------------------------------------------------------------

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import threading
 from dataclasses import dataclass
 
-from .errors import bad_request, unauthorized, unknown_model, warming_up
+from .errors import bad_request, short, unauthorized, unknown_model, warming_up
 from .metrics import ServerMetrics
 from .protocol import ModelCard, SamplingFields
+
+
+# apply_chat_template's arguments that the server sets itself (chat_template_kwargs may not)
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt",
+                                "continue_final_message", "return_dict", "return_tensors", "tokenizer_kwargs",
+                                "chat_template"})
 
 
 @dataclass(frozen=True)
@@ -57,7 +64,10 @@ class ServerState:
             raise warming_up()
         field = body.unsupported()
         if field is not None:
-            raise bad_request(f"{field} is not supported by this server", param=field, code="unsupported_parameter")
+            neutral = [v for v in body.neutral().get(field, (None,)) if v is not None]
+            unset = "leave it unset" + (f" (or {' / '.join(map(json.dumps, neutral))})" if neutral else "")
+            raise bad_request(f"{field} is not supported by this server (got {short(getattr(body, field))}): {unset}",
+                              param=field, code="unsupported_parameter")
         if body.stream_options is not None and not body.stream:
             raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
 
@@ -79,17 +89,46 @@ class ServerState:
                               param=param, code="context_length_exceeded")
         return ids
 
-    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The chat template of the tokenizer applied to `messages` (add_generation_prompt: the assistant's
-        turn starts), as token ids; the template's own special tokens are not added twice."""
+    def check_room(self, prompts: list[list[int]], body: SamplingFields) -> None:
+        """400 if the request's own max_tokens (or max_completion_tokens) does not fit in the context after
+        one of its prompts, as vLLM and OpenAI answer; a limit the request did not set is capped instead."""
+        limit = body.explicit_max_tokens()
+        if limit is None:
+            return
+        field, max_tokens = limit
+        for i, ids in enumerate(prompts):
+            if len(ids) + max_tokens > self.max_context:
+                where = f"prompt {i}" if len(prompts) > 1 else "the prompt"
+                raise bad_request(f"{field} is too large: {max_tokens}. This model's maximum context length is "
+                                  f"{self.max_context} tokens and {where} has {len(ids)} tokens, which leaves room "
+                                  f"for {self.max_context - len(ids)} new ones", param=field,
+                                  code="context_length_exceeded")
+
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                        continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
+        """The chat template of the tokenizer applied to `messages` as token ids (add_generation_prompt: the
+        assistant's turn starts; continue_final_message: the last message stays open, its end tokens left
+        out; template_kwargs: the template's own variables), the template's special tokens not added twice."""
         tok = self.tokenizer
         if tok is None or not callable(getattr(tok, "apply_chat_template", None)):
             raise bad_request("this server's model has no tokenizer with a chat template: use /v1/completions",
                               param="messages")
         if not getattr(tok, "chat_template", None):
             raise bad_request("this model's tokenizer has no chat template: use /v1/completions", param="messages")
+        if add_generation_prompt and continue_final_message:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true (the last "
+                              "message either goes on or the assistant's turn starts)", param="continue_final_message")
+        template_kwargs = dict(template_kwargs or {})
+        taken = sorted(set(template_kwargs) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise bad_request(f"chat_template_kwargs: {', '.join(taken)} is set by the server, not by the request "
+                              "(add_generation_prompt and continue_final_message are fields of their own)",
+                              param="chat_template_kwargs")
+        if continue_final_message:  # (only then: a tokenizer of its own may not take the argument)
+            template_kwargs["continue_final_message"] = True
         try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           **template_kwargs)
         except Exception as e:  # the template raised (a role it does not take, ...)
             raise bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}",
                               param="messages") from e
@@ -99,9 +138,16 @@ class ServerState:
         """The engine arguments of `body`: stop token ids are the request's added to the model's eos
         (only the request's with ignore_eos); max_new_tokens None runs up to the context."""
         stops = frozenset(body.stop_token_ids or ())
+        bad = sorted(t for t in stops if t >= self.vocab_size)
+        if bad:
+            raise bad_request(f"stop_token_ids: {bad[0]} is not a token id of this model (expected ids in [0, "
+                              f"{self.vocab_size}))", param="stop_token_ids")
         if not body.ignore_eos:
             stops |= self.engine.stop_token_ids
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        if any(not s for s in stop):
+            raise bad_request("stop: stop strings must be non-empty (an empty one would stop before any text)",
+                              param="stop")
         if stop and self.tokenizer is None:
             raise bad_request("stop strings need a tokenizer and this server's model has none: use stop_token_ids",
                               param="stop")
