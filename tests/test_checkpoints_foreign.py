@@ -7,7 +7,8 @@ against transformers on the same folder (fp32, relative error <= 1e-4). FP8: a c
 transformers' FineGrainedFP8 quantizer, and ones in Qwen's published layout written here (bf16 scales, the
 quantization_config at the top or in text_config, Qwen's explicit modules_to_not_convert, per-expert and
 stacked experts, an FP8 MTP head), against transformers on the dequantized weights (weight-only <= 1e-5).
-Other quantization methods are a ValueError naming the method."""
+Other quantization methods, and folders no loader should take (no config.json), are each a ValueError
+naming the method or the files."""
 
 import contextlib
 import glob
@@ -368,3 +369,17 @@ def test_other_quantization_methods_are_refused_by_name(qwen3_5_folder, tmp_path
     edit_config(folder, lambda c: c.update(quantization_config=QUANTIZED[method]))
     with pytest.raises(ValueError, match=f"quant_method '{method}'.* is not supported"):
         HybridModel.from_pretrained(folder, progress=False)
+
+
+# ---- folders no loader should take -------------------------------------------------------------------
+
+def test_folder_without_config_json(qwen3_5_folder, tmp_path):
+    """A folder of weights without config.json (a download cut short, an adapter folder): the error says so.
+    It said the folder was "neither a preset (tiny, ...) nor a checkpoint folder with a config.json", though
+    from_pretrained takes no preset."""
+    folder = copy_of(qwen3_5_folder, tmp_path)
+    os.unlink(os.path.join(folder, "config.json"))
+    with pytest.raises(ValueError) as e:
+        HybridModel.from_pretrained(folder, progress=False)
+    assert re.search(f"checkpoint folder '{re.escape(folder)}' has no config.json", str(e.value)), e.value
+    assert "preset" not in str(e.value)  # from_pretrained reads folders only
