@@ -7,7 +7,7 @@ against transformers on the same folder (fp32, relative error <= 1e-4). FP8: a c
 transformers' FineGrainedFP8 quantizer, and ones in Qwen's published layout written here (bf16 scales, the
 quantization_config at the top or in text_config, Qwen's explicit modules_to_not_convert, per-expert and
 stacked experts, an FP8 MTP head), against transformers on the dequantized weights (weight-only <= 1e-5).
-Other quantization methods, and folders no loader should take (no config.json), are each a ValueError
+Other quantization methods, and folders no loader should take (pickle-only weights, shards without their index, no config.json), are each a ValueError
 naming the method or the files."""
 
 import contextlib
@@ -372,6 +372,47 @@ def test_other_quantization_methods_are_refused_by_name(qwen3_5_folder, tmp_path
 
 
 # ---- folders no loader should take -------------------------------------------------------------------
+
+def to_pickles(folder) -> None:
+    """What transformers wrote before safetensors: pytorch_model.bin, or its shards with their index."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    for path in glob.glob(os.path.join(folder, "*.safetensors")):
+        name = os.path.basename(path).replace("model", "pytorch_model", 1).replace(".safetensors", ".bin")
+        torch.save(load_file(path), os.path.join(folder, name))
+        os.unlink(path)
+    if os.path.isfile(index):
+        with open(index) as f:
+            data = json.load(f)
+        data["weight_map"] = {k: v.replace("model", "pytorch_model", 1).replace(".safetensors", ".bin")
+                              for k, v in data["weight_map"].items()}
+        with open(os.path.join(folder, "pytorch_model.bin.index.json"), "w") as f:
+            json.dump(data, f)
+        os.unlink(index)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+def test_pickle_only_checkpoint_is_refused_naming_its_files(tmp_path, sharded):
+    """A checkpoint in PyTorch's pickle format (pytorch_model.bin, or shards with pytorch_model.bin.index.json)
+    is refused naming its files and what to do; the error said only that no model.safetensors was there."""
+    folder = str(tmp_path)
+    transformers_model("qwen3_5_text", False).save_pretrained(folder, **({"max_shard_size": "60KB"} if sharded else {}))
+    to_pickles(folder)
+    name = "pytorch_model.bin.index.json" if sharded else "pytorch_model.bin"
+    with pytest.raises(ValueError, match=f"no model.safetensors .* PyTorch pickle weights .*{re.escape(name)}.*"
+                                         "safetensors"):
+        HybridModel.from_pretrained(folder, progress=False)
+
+
+def test_shards_without_their_index_are_refused_naming_them(tmp_path):
+    """Shards whose index is missing (a download cut short): the error names the shards and the index it
+    lacks; it said only that no model.safetensors was there."""
+    folder = str(tmp_path)
+    transformers_model("qwen3_5_text", False).save_pretrained(folder, max_shard_size="60KB")
+    os.unlink(os.path.join(folder, "model.safetensors.index.json"))
+    with pytest.raises(ValueError, match=r"\d+ safetensors files \('model-00001-of-\d+\.safetensors', .*but no "
+                                         r"model\.safetensors\.index\.json"):
+        HybridModel.from_pretrained(folder, progress=False)
+
 
 def test_folder_without_config_json(qwen3_5_folder, tmp_path):
     """A folder of weights without config.json (a download cut short, an adapter folder): the error says so.
