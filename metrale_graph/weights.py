@@ -301,7 +301,9 @@ def our_name(key: str) -> str | None:
 def checkpoint_files(folder: str) -> list[str]:
     """The safetensors files of a checkpoint folder, found as transformers finds them: `model.safetensors`,
     else the shards of `model.safetensors.index.json`, else the folder's one safetensors file. (A folder
-    saved unsharded over a sharded checkpoint may keep the old index: the single file is the checkpoint.)"""
+    saved unsharded over a sharded checkpoint may keep the old index: the single file is the checkpoint.)
+    ValueError naming what the folder holds instead: several safetensors files without their index, or
+    PyTorch pickle weights (pytorch_model.bin, which is not read: it runs code when unpickled)."""
     single = os.path.join(folder, WEIGHTS_FILE)
     if os.path.isfile(single):
         return [single]
@@ -320,10 +322,26 @@ def checkpoint_files(folder: str) -> list[str]:
         if missing:
             raise ValueError(f"{index} names shards that are not in {folder}: {missing}")
         return [os.path.join(folder, f) for f in files]
-    found = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    names = sorted(os.listdir(folder))
+    found = [f for f in names if f.endswith(".safetensors")]
     if len(found) == 1:
         return [os.path.join(folder, found[0])]
+    if found:  # shards whose index is missing: which of them make up the checkpoint is not known
+        raise ValueError(f"{folder} holds {len(found)} safetensors files ({', '.join(map(repr, found[:4]))}"
+                         f"{', ...' if len(found) > 4 else ''}) but no model.safetensors.index.json saying which "
+                         "tensors they hold, and no model.safetensors")
+    pickles = sorted((f for f in names if f.startswith(("pytorch_model", "model")) and f.endswith(_PICKLE_SUFFIXES)),
+                     key=lambda f: not f.endswith(".json"))  # a sharded one's index first
+    if pickles:
+        raise ValueError(f"no model.safetensors or model.safetensors.index.json in {folder}: it holds PyTorch pickle "
+                         f"weights ({', '.join(pickles[:4])}{', ...' if len(pickles) > 4 else ''}), which metrale-graph "
+                         "does not read; it reads safetensors only (transformers' save_pretrained writes them: load "
+                         "the folder with transformers and save it again)")
     raise ValueError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+
+
+# PyTorch pickle checkpoints (torch.save): transformers' older format, and its sharded index
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".bin.index.json")
 
 
 class _Read(NamedTuple):

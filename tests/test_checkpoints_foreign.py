@@ -7,8 +7,8 @@ against transformers on the same folder (fp32, relative error <= 1e-4). FP8: a c
 transformers' FineGrainedFP8 quantizer, and ones in Qwen's published layout written here (bf16 scales, the
 quantization_config at the top or in text_config, Qwen's explicit modules_to_not_convert, per-expert and
 stacked experts, an FP8 MTP head), against transformers on the dequantized weights (weight-only <= 1e-5).
-Other quantization methods, and folders no loader should take (pickle-only weights, shards without their index, no config.json), are each a ValueError
-naming the method or the files."""
+Other quantization methods, and folders no loader should take (pickle-only weights, shards without their
+index, no config.json), are each a ValueError naming the method or the files."""
 
 import contextlib
 import glob
