@@ -8,7 +8,7 @@ transformers' FineGrainedFP8 quantizer, and ones in Qwen's published layout writ
 quantization_config at the top or in text_config, Qwen's explicit modules_to_not_convert, per-expert and
 stacked experts, an FP8 MTP head), against transformers on the dequantized weights (weight-only <= 1e-5).
 Other quantization methods, and folders no loader should take (pickle-only weights, shards without their
-index, no config.json), are each a ValueError naming the method or the files."""
+index, FP8 tensors without a quantization_config, no config.json), are each a ValueError naming the method or the files."""
 
 import contextlib
 import glob
@@ -412,6 +412,19 @@ def test_shards_without_their_index_are_refused_naming_them(tmp_path):
     with pytest.raises(ValueError, match=r"\d+ safetensors files \('model-00001-of-\d+\.safetensors', .*but no "
                                          r"model\.safetensors\.index\.json"):
         HybridModel.from_pretrained(folder, progress=False)
+
+
+def test_fp8_tensors_without_a_quantization_config_name_the_missing_field(tmp_path):
+    """An FP8 checkpoint whose config.json lost its quantization_config (edited by hand, or the text config
+    of a multimodal one copied alone): the error names the scales and the missing field; it said only that
+    the checkpoint had unexpected tensors."""
+    src, dst = str(tmp_path / "bf16"), str(tmp_path / "fp8")
+    transformers_model("qwen3_5_text", False, **fp8_shapes("qwen3_5_text", aligned=False)).save_pretrained(src)
+    write_qwen_fp8(src, dst, text_config=False, shards=1)
+    edit_config(dst, lambda c: c.pop("quantization_config"))
+    with pytest.raises(ValueError, match=r"FP8 block scales .*in_proj_qkv\.weight_scale_inv.* config\.json has no "
+                                         "quantization_config"):
+        HybridModel.from_pretrained(dst, progress=False)
 
 
 def test_folder_without_config_json(qwen3_5_folder, tmp_path):
