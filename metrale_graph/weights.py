@@ -355,7 +355,8 @@ def _plan(files: list[str], asm: _Assembler, cfg: ModelConfig) -> tuple[list[_Re
     """Every tensor the files hold, checked from their headers alone (names, shapes, dtypes; no tensor data
     read, nothing allocated): the reads that fill the weights, and a tied model's stored lm_head (key, file)
     or None. ValueError naming the tensor and its file for a duplicate, mis-shaped or wrongly typed one, the
-    unexpected ones (an FP8 block scale of a module that is not converted named as such), the missing ones."""
+    unexpected ones (FP8 block scales of a module that is not converted, or under a config without a
+    quantization_config, named as such), the missing ones."""
     from safetensors import SafetensorError, safe_open
 
     given: dict[str, str] = {}  # checkpoint_shapes name -> the checkpoint key that gave it
@@ -398,10 +399,15 @@ def _plan(files: list[str], asm: _Assembler, cfg: ModelConfig) -> tuple[list[_Re
             raise ValueError(f"cannot read safetensors file {path}: {e}") from None
     if unexpected:
         scales = [(k, f) for k, f in unexpected if k.endswith(scale_name("weight"))]
+        examples = ", ".join(f"{k!r} in {f}" for k, f in scales[:5])
         if scales and cfg.quantization is not None:
             raise ValueError(f"checkpoint holds {len(scales)} FP8 block scale(s) of modules the quantization_config "
                              "does not convert (modules_to_not_convert, or a weight metrale-graph keeps in floating "
-                             "point), e.g. " + ", ".join(f"{k!r} in {f}" for k, f in scales[:5]))
+                             "point), e.g. " + examples)
+        if scales:
+            raise ValueError(f"checkpoint holds {len(scales)} FP8 block scale(s) but its config.json has no "
+                             "quantization_config (an FP8 checkpoint declares its format there: quant_method 'fp8', "
+                             "at the top or in text_config), e.g. " + examples)
         raise ValueError(f"checkpoint has {len(unexpected)} unexpected tensor(s), e.g. "
                          + ", ".join(f"{k!r} in {f}" for k, f in unexpected[:5]))
     missing = [n for n in asm.layout if n not in given]

@@ -422,8 +422,8 @@ def test_fp8_tensors_without_a_quantization_config_name_the_missing_field(tmp_pa
     transformers_model("qwen3_5_text", False, **fp8_shapes("qwen3_5_text", aligned=False)).save_pretrained(src)
     write_qwen_fp8(src, dst, text_config=False, shards=1)
     edit_config(dst, lambda c: c.pop("quantization_config"))
-    with pytest.raises(ValueError, match=r"FP8 block scales .*in_proj_qkv\.weight_scale_inv.* config\.json has no "
-                                         "quantization_config"):
+    with pytest.raises(ValueError, match=r"FP8 block scale\(s\) but its config\.json has no quantization_config .*"
+                                         r"in_proj_qkv\.weight_scale_inv"):
         HybridModel.from_pretrained(dst, progress=False)
 
 
