@@ -1,14 +1,15 @@
 """Checkpoints written by other tools, on the CPU. transformers' own config classes (built from their keyword
 arguments, not from ModelConfig.to_hf) and save_pretrained, for every family and multimodal wrapper: single
-file and sharded, fp32 / bf16 / fp16, tied and untied, with what transformers' and Qwen's files carry beyond
-what a text prefill reads (architectures, torch_dtype in place of dtype, transformers_version, the mrope
-rope_parameters, attn_output_gate and mtp_* fields with an MTP head's tensors, a vision tower), loaded and run
-against transformers on the same folder (fp32, relative error <= 1e-4). FP8: a checkpoint written by
-transformers' FineGrainedFP8 quantizer, and ones in Qwen's published layout written here (bf16 scales, the
-quantization_config at the top or in text_config, Qwen's explicit modules_to_not_convert, per-expert and
-stacked experts, an FP8 MTP head), against transformers on the dequantized weights (weight-only <= 1e-5).
-Other quantization methods, and folders no loader should take (pickle-only weights, shards without their
-index, FP8 tensors without a quantization_config, no config.json), are each a ValueError naming the method or the files."""
+file and sharded, fp32 / bf16 / fp16, tied and untied (the pair stored under either name), with what
+transformers' and Qwen's files carry beyond what a text prefill reads (architectures, torch_dtype in place of
+dtype, transformers_version, the mrope rope_parameters, attn_output_gate and mtp_* fields with an MTP head's
+tensors, a vision tower), loaded and run against transformers on the same folder (fp32, relative error
+<= 1e-4). FP8: a checkpoint written by transformers' FineGrainedFP8 quantizer, and ones in Qwen's published
+layout written here (bf16 scales, the quantization_config at the top or in text_config, Qwen's explicit
+modules_to_not_convert, per-expert and stacked experts, an FP8 MTP head), against transformers on the
+dequantized weights (weight-only <= 1e-5). Other quantization methods, and folders no loader should take
+(pickle-only weights, shards without their index, FP8 tensors without a quantization_config, no
+config.json), are each a ValueError naming the method or the files."""
 
 import contextlib
 import glob
@@ -163,6 +164,26 @@ def test_transformers_checkpoints_load_and_match(tmp_path, family, multimodal, d
     check_parity(ours, load_transformers(folder, multimodal), ours.config, LENGTHS)
 
 
+
+@pytest.mark.parametrize("family, multimodal",
+                         [("qwen3_5_text", False), ("qwen3_next", False), ("qwen3_5_moe_text", True)],
+                         ids=["qwen3_5", "qwen3_next", "mm-qwen3_5_moe"])
+def test_tied_checkpoint_that_stores_lm_head_for_the_pair(tmp_path, family, multimodal):
+    """safetensors' save_model writes one name of each tied pair, lm_head.weight (the first in sort order),
+    where transformers' save_pretrained writes model.embed_tokens.weight; transformers loads either, taking
+    the embeddings from lm_head. It was refused: 'lacks embed_tokens.weight'."""
+    from safetensors.torch import save_model
+
+    folder = str(tmp_path)
+    model = transformers_model(family, multimodal, tie=True)
+    model.save_pretrained(folder)
+    os.unlink(os.path.join(folder, "model.safetensors"))
+    save_model(model, os.path.join(folder, "model.safetensors"))
+    keys = load_file(os.path.join(folder, "model.safetensors"))
+    assert "lm_head.weight" in keys and not any(k.endswith("embed_tokens.weight") for k in keys)
+    ours = HybridModel.from_pretrained(folder, progress=False)
+    check_parity(ours, load_transformers(folder, multimodal), ours.config, LENGTHS)
+
 # ---- FP8 --------------------------------------------------------------------------------------------
 
 def fp8_shapes(family: str, aligned: bool) -> dict:
@@ -204,8 +225,8 @@ def test_transformers_fp8_quantizer_checkpoint(tmp_path, multimodal):
     src, dst = str(tmp_path / "bf16"), str(tmp_path / "fp8")
     transformers_model("qwen3_5_text", multimodal, **fp8_shapes("qwen3_5_text", aligned=True)).save_pretrained(src)
     cls = transformers.AutoModelForImageTextToText if multimodal else transformers.AutoModelForCausalLM
-    quant = transformers.FineGrainedFP8Config(weight_block_size=[128, 128],
-                                              modules_to_not_convert=["lm_head", "in_proj_a", "in_proj_b", "model.visual"])
+    quant = transformers.FineGrainedFP8Config(
+        weight_block_size=[128, 128], modules_to_not_convert=["lm_head", "in_proj_a", "in_proj_b", "model.visual"])
     with pretend_cuda():
         cls.from_pretrained(src, quantization_config=quant, dtype=torch.bfloat16).save_pretrained(dst)
     ours = HybridModel.from_pretrained(dst, progress=False)
