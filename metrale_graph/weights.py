@@ -39,6 +39,8 @@ from .spec import (EXPERTS, FP8_DTYPE, SCALE, SCALE_DTYPE, VECTOR, WeightSpec, m
 EMBEDDINGS = "embed_tokens.weight"  # a tied model's lm_head too
 WEIGHTS_FILE = "model.safetensors"  # a checkpoint in one file, or sharded with an index (transformers' names)
 INDEX_FILE = "model.safetensors.index.json"
+# PyTorch pickle checkpoints (torch.save; not read): transformers' older format, and its sharded index
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".bin.index.json")
 # Checkpoint prefixes of the language model, most specific first, and of the parts of a multimodal / MTP
 # checkpoint that a text prefill never uses: those of every family (families.py).
 _TEXT_PREFIXES = tuple(sorted({m.text_prefix for f in FAMILIES.values() for m in f.multimodal} | {"model."},
@@ -331,18 +333,15 @@ def checkpoint_files(folder: str) -> list[str]:
         raise ValueError(f"{folder} holds {len(found)} safetensors files ({', '.join(map(repr, found[:4]))}"
                          f"{', ...' if len(found) > 4 else ''}) but no model.safetensors.index.json saying which "
                          "tensors they hold, and no model.safetensors")
-    pickles = sorted((f for f in names if f.startswith(("pytorch_model", "model")) and f.endswith(_PICKLE_SUFFIXES)),
+    pickles = sorted((f for f in names if f.startswith(("pytorch_model", "model")) and f.endswith(PICKLE_SUFFIXES)),
                      key=lambda f: not f.endswith(".json"))  # a sharded one's index first
     if pickles:
+        listed = ", ".join(pickles[:4]) + (", ..." if len(pickles) > 4 else "")
         raise ValueError(f"no model.safetensors or model.safetensors.index.json in {folder}: it holds PyTorch pickle "
-                         f"weights ({', '.join(pickles[:4])}{', ...' if len(pickles) > 4 else ''}), which metrale-graph "
-                         "does not read; it reads safetensors only (transformers' save_pretrained writes them: load "
-                         "the folder with transformers and save it again)")
+                         f"weights ({listed}), which metrale-graph does not read; it reads safetensors only "
+                         "(transformers' save_pretrained writes them: load the folder with transformers and save it "
+                         "again)")
     raise ValueError(f"no model.safetensors or model.safetensors.index.json in {folder}")
-
-
-# PyTorch pickle checkpoints (torch.save): transformers' older format, and its sharded index
-_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".bin.index.json")
 
 
 class _Read(NamedTuple):
@@ -356,9 +355,9 @@ def _plan(files: list[str], asm: _Assembler, cfg: ModelConfig) -> tuple[list[_Re
     """Every tensor the files hold, checked from their headers alone (names, shapes, dtypes; no tensor data
     read, nothing allocated): the reads that fill the weights, and a tied model's stored lm_head (key, file)
     to compare with its embeddings, or None (none stored, or it is the only copy of the pair: then it is
-    read as the embeddings). ValueError naming the tensor and its file for a duplicate, mis-shaped or wrongly typed one, the
-    unexpected ones (FP8 block scales of a module that is not converted, or under a config without a
-    quantization_config, named as such), the missing ones."""
+    read as the embeddings). ValueError naming the tensor and its file for a duplicate, mis-shaped or wrongly
+    typed one, the unexpected ones (FP8 block scales of a module that is not converted, or under a config
+    without a quantization_config, named as such), the missing ones."""
     from safetensors import SafetensorError, safe_open
 
     given: dict[str, str] = {}  # checkpoint_shapes name -> the checkpoint key that gave it
