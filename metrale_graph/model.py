@@ -128,6 +128,9 @@ class HybridModel(nn.Module):
                              "the safetensors files)")
         if not os.path.isdir(path):
             raise ValueError(f"checkpoint folder {path!r} does not exist")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"checkpoint folder {path!r} has no config.json (the model's Hugging Face config, "
+                             "which transformers' save_pretrained writes beside the weights)")
         config = load_config(path)
         try:
             weights, error = load_checkpoint(path, config, dtype, device, progress=progress,

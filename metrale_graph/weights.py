@@ -36,8 +36,11 @@ from .sharding import (expert_part_ranges, first_expert, fusion_ranges, local_co
 from .spec import (EXPERTS, FP8_DTYPE, SCALE, SCALE_DTYPE, VECTOR, WeightSpec, model_spec, stacked_groups, weight_bytes,
                    weight_dtype, weight_shapes)
 
+EMBEDDINGS = "embed_tokens.weight"  # a tied model's lm_head too
 WEIGHTS_FILE = "model.safetensors"  # a checkpoint in one file, or sharded with an index (transformers' names)
 INDEX_FILE = "model.safetensors.index.json"
+# PyTorch pickle checkpoints (torch.save; not read): transformers' older format, and its sharded index
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".bin.index.json")
 # Checkpoint prefixes of the language model, most specific first, and of the parts of a multimodal / MTP
 # checkpoint that a text prefill never uses: those of every family (families.py).
 _TEXT_PREFIXES = tuple(sorted({m.text_prefix for f in FAMILIES.values() for m in f.multimodal} | {"model."},
@@ -301,7 +304,9 @@ def our_name(key: str) -> str | None:
 def checkpoint_files(folder: str) -> list[str]:
     """The safetensors files of a checkpoint folder, found as transformers finds them: `model.safetensors`,
     else the shards of `model.safetensors.index.json`, else the folder's one safetensors file. (A folder
-    saved unsharded over a sharded checkpoint may keep the old index: the single file is the checkpoint.)"""
+    saved unsharded over a sharded checkpoint may keep the old index: the single file is the checkpoint.)
+    ValueError naming what the folder holds instead: several safetensors files without their index, or
+    PyTorch pickle weights (pytorch_model.bin, which is not read: it runs code when unpickled)."""
     single = os.path.join(folder, WEIGHTS_FILE)
     if os.path.isfile(single):
         return [single]
@@ -320,9 +325,22 @@ def checkpoint_files(folder: str) -> list[str]:
         if missing:
             raise ValueError(f"{index} names shards that are not in {folder}: {missing}")
         return [os.path.join(folder, f) for f in files]
-    found = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    names = sorted(os.listdir(folder))
+    found = [f for f in names if f.endswith(".safetensors")]
     if len(found) == 1:
         return [os.path.join(folder, found[0])]
+    if found:  # shards whose index is missing: which of them make up the checkpoint is not known
+        raise ValueError(f"{folder} holds {len(found)} safetensors files ({', '.join(map(repr, found[:4]))}"
+                         f"{', ...' if len(found) > 4 else ''}) but no model.safetensors.index.json saying which "
+                         "tensors they hold, and no model.safetensors")
+    pickles = sorted((f for f in names if f.startswith(("pytorch_model", "model")) and f.endswith(PICKLE_SUFFIXES)),
+                     key=lambda f: not f.endswith(".json"))  # a sharded one's index first
+    if pickles:
+        listed = ", ".join(pickles[:4]) + (", ..." if len(pickles) > 4 else "")
+        raise ValueError(f"no model.safetensors or model.safetensors.index.json in {folder}: it holds PyTorch pickle "
+                         f"weights ({listed}), which metrale-graph does not read; it reads safetensors only "
+                         "(transformers' save_pretrained writes them: load the folder with transformers and save it "
+                         "again)")
     raise ValueError(f"no model.safetensors or model.safetensors.index.json in {folder}")
 
 
@@ -336,8 +354,10 @@ class _Read(NamedTuple):
 def _plan(files: list[str], asm: _Assembler, cfg: ModelConfig) -> tuple[list[_Read], tuple[str, str] | None]:
     """Every tensor the files hold, checked from their headers alone (names, shapes, dtypes; no tensor data
     read, nothing allocated): the reads that fill the weights, and a tied model's stored lm_head (key, file)
-    or None. ValueError naming the tensor and its file for a duplicate, mis-shaped or wrongly typed one, the
-    unexpected ones (an FP8 block scale of a module that is not converted named as such), the missing ones."""
+    to compare with its embeddings, or None (none stored, or it is the only copy of the pair: then it is
+    read as the embeddings). ValueError naming the tensor and its file for a duplicate, mis-shaped or wrongly
+    typed one, the unexpected ones (FP8 block scales of a module that is not converted, or under a config
+    without a quantization_config, named as such), the missing ones."""
     from safetensors import SafetensorError, safe_open
 
     given: dict[str, str] = {}  # checkpoint_shapes name -> the checkpoint key that gave it
@@ -350,6 +370,7 @@ def _plan(files: list[str], asm: _Assembler, cfg: ModelConfig) -> tuple[list[_Re
                 for key in f.keys():
                     name = our_name(key)
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                        _check_header(f.get_slice(key), key, path, asm.pieces[EMBEDDINGS], asm)
                         tied_head = (key, path)
                         continue
                     if name is None:
@@ -367,12 +388,7 @@ def _plan(files: list[str], asm: _Assembler, cfg: ModelConfig) -> tuple[list[_Re
                             raise ValueError(f"tensor {key!r} ({path}) holds weights that {other!r} holds too "
                                              f"(in {given_in[other]}; a layer's experts come either stacked or "
                                              "one tensor per expert)")
-                    header = f.get_slice(key)
-                    shape = tuple(header.get_shape())
-                    if shape != piece.shape:
-                        raise ValueError(f"tensor {key!r} has shape {shape}, the config needs {piece.shape} "
-                                         f"({path})")
-                    asm.check_dtype(key, path, header.get_dtype(), piece.spec)
+                    _check_header(f.get_slice(key), key, path, piece, asm)
                     given.update(dict.fromkeys(piece.units, key))
                     given_in[key] = path
                     reads.append(_Read(key, path, piece))
@@ -380,17 +396,37 @@ def _plan(files: list[str], asm: _Assembler, cfg: ModelConfig) -> tuple[list[_Re
             raise ValueError(f"cannot read safetensors file {path}: {e}") from None
     if unexpected:
         scales = [(k, f) for k, f in unexpected if k.endswith(scale_name("weight"))]
+        examples = ", ".join(f"{k!r} in {f}" for k, f in scales[:5])
         if scales and cfg.quantization is not None:
             raise ValueError(f"checkpoint holds {len(scales)} FP8 block scale(s) of modules the quantization_config "
                              "does not convert (modules_to_not_convert, or a weight metrale-graph keeps in floating "
-                             "point), e.g. " + ", ".join(f"{k!r} in {f}" for k, f in scales[:5]))
+                             "point), e.g. " + examples)
+        if scales:
+            raise ValueError(f"checkpoint holds {len(scales)} FP8 block scale(s) but its config.json has no "
+                             "quantization_config (an FP8 checkpoint declares its format there: quant_method 'fp8', "
+                             "at the top or in text_config), e.g. " + examples)
         raise ValueError(f"checkpoint has {len(unexpected)} unexpected tensor(s), e.g. "
                          + ", ".join(f"{k!r} in {f}" for k, f in unexpected[:5]))
+    if tied_head is not None and EMBEDDINGS not in given:
+        # the tied pair stored under lm_head's name alone (safetensors' save_model keeps that name of shared
+        # tensors; transformers' save_pretrained the embeddings'): transformers takes the embeddings from it
+        reads.append(_Read(*tied_head, asm.pieces[EMBEDDINGS]))
+        given[EMBEDDINGS] = tied_head[0]
+        tied_head = None
     missing = [n for n in asm.layout if n not in given]
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. "
                          f"{_collapse(missing, asm, given)[:5]}")
     return reads, tied_head
+
+
+def _check_header(header, key: str, path: str, piece: _Piece, asm: _Assembler) -> None:
+    """ValueError naming the tensor and its file unless its header (a safetensors slice) has the piece's
+    shape and a dtype the piece may be stored in (_Assembler.check_dtype)."""
+    shape = tuple(header.get_shape())
+    if shape != piece.shape:
+        raise ValueError(f"tensor {key!r} has shape {shape}, the config needs {piece.shape} ({path})")
+    asm.check_dtype(key, path, header.get_dtype(), piece.spec)
 
 
 def check_checkpoint(folder: str, cfg: ModelConfig) -> dict[str, WeightSpec]:
@@ -417,7 +453,8 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
     for a module that is not converted), and for a file safetensors cannot read. Tensors of the vision
     tower and the MTP head are skipped. A tied model takes a stored lm_head equal to the embeddings as
     tied and refuses (ValueError naming tie_word_embeddings) one that differs: transformers does not tie
-    such a pair, it runs the stored lm_head.
+    such a pair, it runs the stored lm_head. A tied checkpoint storing lm_head alone (safetensors'
+    save_model names the pair so) gives the embeddings, as in transformers.
 
     `check_finite` rejects a tensor holding NaN or infinity once it is on `device` in `dtype`
     (so a value beyond float16's range counts too; FP8 codes: NaN). It reads every weight once more: for
@@ -463,13 +500,10 @@ def _check_tied_head(asm: _Assembler, key: str, path: str) -> None:
     equal; otherwise it warns and runs the stored lm_head, which a tied model here would silently ignore."""
     from safetensors import safe_open
 
-    embed = asm.pieces["embed_tokens.weight"]
+    embed = asm.pieces[EMBEDDINGS]  # _plan has checked the stored lm_head's shape and dtype against it
     with safe_open(path, framework="pt", device="cpu") as f:
-        shape = tuple(f.get_slice(key).get_shape())
-        if shape != embed.shape:
-            raise ValueError(f"tensor {key!r} has shape {shape}, the config needs {embed.shape} ({path})")
         head = take(f.get_slice(key), embed.ranges) if embed.ranges else f.get_tensor(key)
-    if not torch.equal(asm._converted(head, asm.specs["embed_tokens.weight"]), asm.out["embed_tokens.weight"]):
+    if not torch.equal(asm._converted(head, asm.specs[EMBEDDINGS]), asm.out[EMBEDDINGS]):
         raise ValueError(f"the config sets tie_word_embeddings (lm_head is embed_tokens) but the checkpoint stores "
                          f"a different {key!r} ({path}); transformers runs the stored one untied: set "
                          "tie_word_embeddings to false in config.json to load it")

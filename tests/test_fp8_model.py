@@ -213,7 +213,10 @@ def test_save_pretrained_round_trip_and_transformers_reads_it(tmp_path):
     hf_cfg = transformers.AutoConfig.from_pretrained(str(tmp_path / "a"))
     assert hf_cfg.quantization_config["quant_method"] == "fp8"
     pytest.importorskip("accelerate")  # transformers needs it to load FP8 checkpoints
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "a"), dtype=torch.float32).eval()
+    # dequantized (as transformers does by itself without a GPU; with one it would keep FP8 modules on the CPU)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "a"), dtype=torch.float32,
+        quantization_config=transformers.FineGrainedFP8Config(dequantize=True)).eval()
     with activation_rounding(False):
         assert max(logits_errors(model, hf)) <= 1e-5
 
@@ -356,8 +359,16 @@ def test_compiled_fp8_step_has_no_graph_break():
 def test_quantizer_flags(tmp_path, capsys):
     src = str(tmp_path / "src")
     HybridModel.from_preset(tiny_config()).save_pretrained(src)
+    weights_only = tmp_path / "weights-only"  # no config.json: was a FileNotFoundError traceback
+    weights_only.mkdir()
+    (weights_only / "model.safetensors").write_bytes((tmp_path / "src" / "model.safetensors").read_bytes())
+    bad_json = tmp_path / "bad-json"  # was json's bare "Expecting value: line 1 column 1 (char 0)"
+    bad_json.mkdir()
+    (bad_json / "config.json").write_text("")
     for argv, message in ((["--model", src, "--out", src], "another folder"),
                           (["--model", str(tmp_path / "nope"), "--out", "x"], "not a checkpoint folder"),
+                          (["--model", str(weights_only), "--out", "x"], f"{weights_only} has no config.json"),
+                          (["--model", str(bad_json), "--out", "x"], f"cannot read model config {bad_json}"),
                           (["--model", src, "--out", str(tmp_path / "a" / "b")], "does not exist")):
         with pytest.raises(SystemExit) as e:
             quantize.main(argv)

@@ -3,9 +3,9 @@
 replicated, a vocabulary that does not divide), an MoE model (experts split across ranks, and each
 expert split within: five experts over two ranks), a Qwen3-Next checkpoint each rank loads only its
 shard of (both ways of splitting the experts; also in FP8, its weights and their 128 x 128 block scales
-split on the blocks, the fused in_proj_qkvz split at load), and the compiled step; unseeded sampling through the
-Engine agrees across ranks; a shard that fails to load fails every rank; and the main job under
-torchrun prints what the single process prints."""
+split on the blocks, the fused in_proj_qkvz split at load), a tied checkpoint storing the pair as lm_head,
+and the compiled step; unseeded sampling through the Engine agrees across ranks; a shard that fails to load
+fails every rank; and the main job under torchrun prints what the single process prints."""
 
 import json
 import os
@@ -151,6 +151,7 @@ def _worker(rank, folder, checkpoint):
         out["engine-sampled"] = _sampled(HybridModel.from_preset("tiny", seed=1, tp=tp))
         out["engine-served"] = _served(HybridModel.from_preset("tiny", seed=1, tp=tp))
         out["bad-shard"] = _load_errors(checkpoint + "-nan", tp)
+        out["tied-lm-head-only"] = _run(HybridModel.from_pretrained(checkpoint + "-tied-head", tp=tp, progress=False))
         if rank == 0:
             torch.save(out, os.path.join(folder, "rank0.pt"))
     finally:
@@ -179,6 +180,18 @@ FP8_NEXT = moe_config("qwen3_next", hidden_size=96, num_experts=4, num_experts_p
                       linear_value_head_dim=128)
 
 
+def _tied_as_lm_head(folder):
+    """A tied checkpoint (vocabulary 257: the last rank's rows are short) storing the pair as lm_head.weight
+    alone, as safetensors' save_model names it."""
+    from safetensors.torch import load_file, save_file
+
+    HybridModel.from_preset(tiny_config(vocab_size=257, tie_word_embeddings=True), seed=2).save_pretrained(folder)
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
     from metrale_graph.quantization import QWEN_KEPT
@@ -190,17 +203,20 @@ def sharded(tmp_path_factory):
         checkpoint)
     HybridModel.from_preset(fp8_config(FP8_NEXT, QWEN_KEPT), seed=2).save_pretrained(checkpoint + "-fp8")
     _with_nan_expert(checkpoint, checkpoint + "-nan")
+    _tied_as_lm_head(checkpoint + "-tied-head")
     mp.start_processes(_worker, args=(str(folder), checkpoint), nprocs=WORLD, start_method="spawn")
     return torch.load(folder / "rank0.pt"), checkpoint
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS) + ["compiled", "qwen3-next-checkpoint",
                                                    "qwen3-next-checkpoint-within", "qwen3-next-fp8-expert",
-                                                   "qwen3-next-fp8-within"])
+                                                   "qwen3-next-fp8-within", "tied-lm-head-only"])
 def test_tensor_parallel_equals_one_process(sharded, name):
     out, checkpoint = sharded
     if name.startswith("qwen3-next-checkpoint"):
         model = HybridModel.from_pretrained(checkpoint, progress=False)
+    elif name == "tied-lm-head-only":  # each rank takes its vocabulary rows of the embeddings from lm_head
+        model = HybridModel.from_pretrained(checkpoint + "-tied-head", progress=False)
     elif name.startswith("qwen3-next-fp8"):  # weight-only (FP8_ROUNDING_NOTE)
         from metrale_graph.ops.fp8 import activation_rounding
 

@@ -62,8 +62,8 @@ def _parser() -> argparse.ArgumentParser:
 def plan(folder: str, patterns: list[str] | None):
     """(the input's config.json dict, its ModelConfig, the FP8 ModelConfig, each checkpoint tensor's spec
     under the FP8 config by our name) for a floating-point checkpoint folder, its headers checked; ValueError
-    naming the problem (an FP8 checkpoint already, a fused tensor whose split is not whole 128-row blocks,
-    a tensor the config does not need, ...)."""
+    naming the problem (no or a bad config.json, an FP8 checkpoint already, a fused tensor whose split is not
+    whole 128-row blocks, a tensor the config does not need, ...)."""
     import dataclasses
 
     from metrale_graph.config import load_config
@@ -71,9 +71,12 @@ def plan(folder: str, patterns: list[str] | None):
     from metrale_graph.quantized import fp8_config
     from metrale_graph.weights import check_checkpoint
 
-    with open(os.path.join(folder, "config.json")) as f:
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{folder} has no config.json")
+    cfg = load_config(path)  # a ValueError naming the file for one that cannot be read or is not valid
+    with open(path) as f:
         raw = json.load(f)
-    cfg = load_config(folder)
     if cfg.quantization is not None:
         raise ValueError(f"{folder} is an FP8 checkpoint already (its config.json has a quantization_config)")
     check_checkpoint(folder, cfg)

@@ -1,0 +1,462 @@
+"""Checkpoints written by other tools, on the CPU. transformers' own config classes (built from their keyword
+arguments, not from ModelConfig.to_hf) and save_pretrained, for every family and multimodal wrapper: single
+file and sharded, fp32 / bf16 / fp16, tied and untied (the pair stored under either name), with what
+transformers' and Qwen's files carry beyond what a text prefill reads (architectures, torch_dtype in place of
+dtype, transformers_version, the mrope rope_parameters, attn_output_gate and mtp_* fields with an MTP head's
+tensors, a vision tower), loaded and run against transformers on the same folder (fp32, relative error
+<= 1e-4). FP8: a checkpoint written by transformers' FineGrainedFP8 quantizer, and ones in Qwen's published
+layout written here (bf16 scales, the quantization_config at the top or in text_config, Qwen's explicit
+modules_to_not_convert, per-expert and stacked experts, an FP8 MTP head), against transformers on the
+dequantized weights (weight-only <= 1e-5). Other quantization methods, and folders no loader should take
+(pickle-only weights, shards without their index, FP8 tensors without a quantization_config, no
+config.json), are each a ValueError naming the method or the files."""
+
+import contextlib
+import glob
+import json
+import os
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from metrics import rel_err
+from references import check_parity, hf_logits, random_streams, randomize_reference
+from metrale_graph import HybridModel, Stream
+from metrale_graph.ops.fp8 import activation_rounding
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# transformers' class names per family: text config, causal LM, multimodal config, multimodal model
+CLASSES = {
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeConfig",
+                         "Qwen3_5MoeForConditionalGeneration"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", None, None),
+}
+TEXT = dict(vocab_size=256, hidden_size=48, intermediate_size=80, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=24, max_position_embeddings=2048)
+MOE = dict(num_experts=5, num_experts_per_tok=3, moe_intermediate_size=20, shared_expert_intermediate_size=12)
+VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2)
+LENGTHS = [1, 20, 65]
+
+
+def transformers_model(family: str, multimodal: bool, tie: bool = False, seed: int = 0, **text):
+    """transformers' model of a tiny config of `family` (its multimodal wrapper with a one-block vision tower
+    when `multimodal`), every weight random (references.randomize_reference), fp32."""
+    import transformers
+
+    text_cls, lm_cls, mm_cls, mm_model_cls = CLASSES[family]
+    kwargs = {**TEXT, **({} if family == "qwen3_5_text" else MOE), **text}
+    if family == "qwen3_5_moe_text":
+        kwargs.pop("intermediate_size")  # no dense MLP
+    if multimodal:
+        config = getattr(transformers, mm_cls)(text_config=kwargs, tie_word_embeddings=tie,
+                                               vision_config={**VISION, "out_hidden_size": kwargs["hidden_size"]})
+        model = getattr(transformers, mm_model_cls)(config)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(
+            getattr(transformers, text_cls)(**kwargs, tie_word_embeddings=tie))
+    if family != "qwen3_5_text":
+        model.set_experts_implementation("eager")
+    return randomize_reference(model, seed)
+
+
+def load_transformers(folder: str, multimodal: bool, fp8: bool = False):
+    """transformers' fp32 model of a checkpoint folder (experts in its eager loop); an `fp8` one dequantized
+    (as transformers does by itself without a GPU; with one it would keep FP8 modules whose kernels need it)."""
+    import transformers
+
+    cls = transformers.AutoModelForImageTextToText if multimodal else transformers.AutoModelForCausalLM
+    quant = {"quantization_config": transformers.FineGrainedFP8Config(dequantize=True)} if fp8 else {}
+    return cls.from_pretrained(folder, dtype=torch.float32, experts_implementation="eager", **quant).eval()
+
+
+def edit_config(folder, edit) -> None:
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    edit(config)
+    with open(path, "w") as f:
+        json.dump(config, f)
+
+
+def add_tensors(folder, tensors: dict[str, torch.Tensor]) -> None:
+    """Add tensors to a checkpoint: into its one file, or as a new shard listed in its index."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        save_file(tensors, os.path.join(folder, "model-extra.safetensors"), metadata={"format": "pt"})
+        with open(index) as f:
+            data = json.load(f)
+        data["weight_map"].update(dict.fromkeys(tensors, "model-extra.safetensors"))
+        with open(index, "w") as f:
+            json.dump(data, f)
+    else:
+        path = os.path.join(folder, "model.safetensors")
+        save_file({**load_file(path), **tensors}, path, metadata={"format": "pt"})
+
+
+def mtp_head(hidden: int, expert_rows: int, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Some tensors of the multi-token-prediction head Qwen's checkpoints carry (`mtp.`), which transformers
+    and a text prefill do not read."""
+    g = torch.Generator().manual_seed(5)
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    return {"mtp.fc.weight": draw(hidden, 2 * hidden), "mtp.norm.weight": draw(hidden),
+            "mtp.pre_fc_norm_embedding.weight": draw(hidden), "mtp.pre_fc_norm_hidden.weight": draw(hidden),
+            "mtp.layers.0.input_layernorm.weight": draw(hidden),
+            "mtp.layers.0.self_attn.q_proj.weight": draw(128, hidden),
+            "mtp.layers.0.mlp.experts.0.gate_proj.weight": draw(expert_rows, hidden)}
+
+
+def qwen_fields(multimodal: bool, family: str):
+    """What Qwen's config.json files hold beyond transformers' fields: the mrope rope_parameters, the MTP and
+    gate fields, and torch_dtype (transformers 4.x's name) in place of dtype."""
+    def edit(config):
+        text = config["text_config"] if multimodal else config
+        text.update(attn_output_gate=True, mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False,
+                    mamba_ssm_dtype="float32", full_attention_interval=4, eos_token_id=5,
+                    rope_parameters={"mrope_interleaved": True, "mrope_section": [2, 1, 1], "rope_type": "default",
+                                     "rope_theta": 10_000_000, "partial_rotary_factor": 0.5})
+        if family == "qwen3_5_moe_text":
+            text["mlp_only_layers"] = []  # Qwen3.5-MoE's files carry it; transformers ignores it there
+        for section in (config, text):
+            if "dtype" in section:
+                section["torch_dtype"] = section.pop("dtype")
+        assert "transformers_version" in config and "architectures" in config
+    return edit
+
+
+def legacy_rope(multimodal: bool):
+    """transformers 4.x's RoPE fields: rope_theta and partial_rotary_factor at the top, rope_scaling null."""
+    def edit(config):
+        text = config["text_config"] if multimodal else config
+        text.pop("rope_parameters", None)
+        text.update(rope_scaling=None, rope_theta=1e6, partial_rotary_factor=0.5)
+    return edit
+
+
+WRAPPED = [(f, False) for f in CLASSES] + [(f, True) for f, c in CLASSES.items() if c[2]]
+CASES = [pytest.param(f, mm, dtype, shard, tie, extras,
+                      id=f"{'mm-' if mm else ''}{f}-{str(dtype)[6:]}-{'sharded' if shard else 'single'}"
+                         f"-{'tied' if tie else 'untied'}-{extras}")
+         for f, mm in WRAPPED
+         for dtype, shard, tie, extras in ((torch.float32, True, False, "qwen"), (torch.bfloat16, False, True, "mtp"),
+                                           (torch.float16, False, False, "legacy-rope"))]
+
+
+@pytest.mark.parametrize("family, multimodal, dtype, sharded, tie, extras", CASES)
+def test_transformers_checkpoints_load_and_match(tmp_path, family, multimodal, dtype, sharded, tie, extras):
+    folder = str(tmp_path)
+    model = transformers_model(family, multimodal, tie, partial_rotary_factor=0.5).to(dtype)
+    model.save_pretrained(folder, **({"max_shard_size": "60KB"} if sharded else {}))
+    assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json")) == sharded
+    if extras in ("qwen", "mtp"):
+        add_tensors(folder, mtp_head(TEXT["hidden_size"], MOE["moe_intermediate_size"]))
+    if extras == "qwen":
+        edit_config(folder, qwen_fields(multimodal, family))
+    elif extras == "legacy-rope":
+        edit_config(folder, legacy_rope(multimodal))
+    ours = HybridModel.from_pretrained(folder, progress=False)
+    assert ours.config.model_type == family and ours.config.tie_word_embeddings == tie
+    check_parity(ours, load_transformers(folder, multimodal), ours.config, LENGTHS)
+
+
+
+@pytest.mark.parametrize("family, multimodal",
+                         [("qwen3_5_text", False), ("qwen3_next", False), ("qwen3_5_moe_text", True)],
+                         ids=["qwen3_5", "qwen3_next", "mm-qwen3_5_moe"])
+def test_tied_checkpoint_that_stores_lm_head_for_the_pair(tmp_path, family, multimodal):
+    """safetensors' save_model writes one name of each tied pair, lm_head.weight (the first in sort order),
+    where transformers' save_pretrained writes model.embed_tokens.weight; transformers loads either, taking
+    the embeddings from lm_head. It was refused: 'lacks embed_tokens.weight'."""
+    from safetensors.torch import save_model
+
+    folder = str(tmp_path)
+    model = transformers_model(family, multimodal, tie=True)
+    model.save_pretrained(folder)
+    os.unlink(os.path.join(folder, "model.safetensors"))
+    save_model(model, os.path.join(folder, "model.safetensors"))
+    keys = load_file(os.path.join(folder, "model.safetensors"))
+    assert "lm_head.weight" in keys and not any(k.endswith("embed_tokens.weight") for k in keys)
+    ours = HybridModel.from_pretrained(folder, progress=False)
+    check_parity(ours, load_transformers(folder, multimodal), ours.config, LENGTHS)
+
+# ---- FP8 --------------------------------------------------------------------------------------------
+
+def fp8_shapes(family: str, aligned: bool) -> dict:
+    """Text sizes for an FP8 checkpoint. `aligned`: every converted weight of Qwen3.5 in whole 128-blocks (as
+    transformers' quantizer needs); else ragged hidden / intermediate sizes. Qwen3-Next: 128-row key / value
+    heads (its fused in_proj_qkvz splits on 128-row blocks)."""
+    if aligned:
+        return dict(hidden_size=128, intermediate_size=256, head_dim=64, linear_key_head_dim=32,
+                    linear_value_head_dim=32)
+    out = dict(hidden_size=136, intermediate_size=200)
+    if family != "qwen3_5_text":
+        out.update(moe_intermediate_size=72, shared_expert_intermediate_size=40)
+    if family == "qwen3_next":
+        out.update(linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1, linear_num_value_heads=1)
+    return out
+
+
+@contextlib.contextmanager
+def pretend_cuda():
+    """transformers quantizes to FP8 only where it sees a GPU (sm 8.9+): let it see one while it quantizes (its
+    quantize rule is plain torch; no kernel runs)."""
+    available, capability = torch.cuda.is_available, torch.cuda.get_device_capability
+    torch.cuda.is_available, torch.cuda.get_device_capability = (lambda: True), (lambda *a: (9, 0))
+    try:
+        yield
+    finally:
+        torch.cuda.is_available, torch.cuda.get_device_capability = available, capability
+
+
+@pytest.mark.parametrize("multimodal", [False, True], ids=["text", "multimodal"])
+def test_transformers_fp8_quantizer_checkpoint(tmp_path, multimodal):
+    """Qwen3.5 quantized by transformers' FineGrainedFP8 quantizer (quantize on load, then save_pretrained), the
+    modules Qwen keeps listed as patterns: our loader holds its FP8 weights as they are, and runs them as
+    transformers runs its own dequantization of that folder. (transformers' save of FP8 MoE experts writes
+    squeezed per-expert scales it cannot read back itself: the MoE families are written by hand below.)"""
+    pytest.importorskip("accelerate")  # transformers needs it for FP8 checkpoints
+    import transformers
+
+    src, dst = str(tmp_path / "bf16"), str(tmp_path / "fp8")
+    transformers_model("qwen3_5_text", multimodal, **fp8_shapes("qwen3_5_text", aligned=True)).save_pretrained(src)
+    cls = transformers.AutoModelForImageTextToText if multimodal else transformers.AutoModelForCausalLM
+    quant = transformers.FineGrainedFP8Config(
+        weight_block_size=[128, 128], modules_to_not_convert=["lm_head", "in_proj_a", "in_proj_b", "model.visual"])
+    with pretend_cuda():
+        cls.from_pretrained(src, quantization_config=quant, dtype=torch.bfloat16).save_pretrained(dst)
+    ours = HybridModel.from_pretrained(dst, progress=False)
+    fp8 = {n for n, p in ours.named_parameters() if p.dtype == torch.float8_e4m3fn}
+    assert {"layers.0.linear_attn.in_proj_qkv.weight", "layers.3.self_attn.k_proj.weight",
+            "layers.0.mlp.down_proj.weight"} <= fp8 and "layers.0.linear_attn.in_proj_a.weight" not in fp8
+    assert weight_only_error(ours, load_transformers(dst, multimodal, fp8=True)) <= 1e-5
+
+
+def weight_only_error(ours, hf) -> float:
+    """The largest relative error of our FP8 model's logits (activations not rounded) against `hf`'s."""
+    streams = random_streams(ours.config.vocab_size, LENGTHS)
+    cache = ours.new_cache(num_slots=len(LENGTHS) + 1, num_blocks=32, block_size=16)
+    with activation_rounding(False):
+        out = ours.prefill(cache, [Stream(i + 1, t) for i, t in enumerate(streams)])
+    return max(rel_err(out[i], hf_logits(hf, t)[-1]) for i, t in enumerate(streams))
+
+
+# Qwen's FP8 layout, written from the format's description (issue 26) with plain torch
+CONVERTED = re.compile(r".*\.(q_proj|k_proj|v_proj|o_proj|in_proj_qkv|in_proj_z|in_proj_qkvz|out_proj|gate_proj|"
+                       r"up_proj|down_proj|fc)\.weight$")
+EXPERT = re.compile(r"(model\..*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
+
+
+def quantize_block(w: torch.Tensor, scale_dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 codes, scale_inv [ceil(N/128), ceil(K/128)] in scale_dtype): per 128 x 128 block,
+    ragged last blocks included, scale = amax / 448 as stored (rounded to scale_dtype), codes = w / scale."""
+    N, K = w.shape
+    codes = torch.empty(N, K, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(-(-N // 128), -(-K // 128), dtype=scale_dtype)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            block = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].float()
+            amax = block.abs().max()
+            scale[i, j] = amax / 448 if amax > 0 else 1.0
+            codes[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (block / scale[i, j].float()).clamp(-448, 448).to(
+                torch.float8_e4m3fn)
+    return codes, scale
+
+
+def dequantize_block(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    full = scale.float().repeat_interleave(128, 0).repeat_interleave(128, 1)[:codes.shape[0], :codes.shape[1]]
+    return codes.float() * full
+
+
+def stack_experts(tensors: dict[str, torch.Tensor]) -> None:
+    """Per-expert tensors (and scales) -> stacked `experts.gate_up_proj` [E, 2I, D] (gate rows, then up) and
+    `experts.down_proj` [E, D, I], with `..._scale_inv` grids likewise (in place)."""
+    groups: dict[str, dict] = {}
+    for key in [k for k in tensors if EXPERT.match(k)]:
+        base, e, part, leaf = EXPERT.match(key).groups()
+        groups.setdefault(base, {})[(part, leaf, int(e))] = tensors.pop(key)
+    for base, g in groups.items():
+        experts = range(1 + max(e for _, _, e in g))
+        for leaf, suffix in (("weight", ""), ("weight_scale_inv", "_scale_inv")):
+            def stacked(parts):
+                rows = [torch.cat([g[(p, leaf, e)] for p in parts]) for e in experts]
+                if rows[0].dtype == torch.float8_e4m3fn:  # no torch.stack of float8 on the CPU: through its bytes
+                    return torch.stack([r.view(torch.uint8) for r in rows]).view(torch.float8_e4m3fn)
+                return torch.stack(rows)
+            tensors[f"{base}.gate_up_proj{suffix}"] = stacked(("gate_proj", "up_proj"))
+            tensors[f"{base}.down_proj{suffix}"] = stacked(("down_proj",))
+
+
+def write_qwen_fp8(src: str, dst: str, *, text_config: bool, scale_dtype=torch.bfloat16, shards: int = 3,
+                   stacked: bool = False, mtp: dict | None = None) -> str:
+    """Quantize the transformers checkpoint `src` into `dst` as Qwen's FP8 releases are written: the
+    projections float8_e4m3fn with weight_scale_inv, the router, shared-expert gate, GDN a / b, lm_head, the
+    vision tower, norms and embeddings kept and listed by full module name in modules_to_not_convert; the
+    quantization_config at the top of config.json or in text_config; `shards` files with an index; `mtp` (an
+    MTP head, quantized like the model) added. Returns a folder with the same checkpoint dequantized (fp32,
+    no quantization_config): what transformers' unquantized model of it computes with."""
+    os.makedirs(dst)
+    ref = dst + "-dequantized"
+    os.makedirs(ref)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    tensors = {}
+    for path in glob.glob(os.path.join(src, "*.safetensors")):
+        tensors.update(load_file(path))
+    tensors.update(mtp or {})
+    out, dequantized, kept = {}, {}, []
+    for key, w in sorted(tensors.items()):
+        if CONVERTED.match(key) and not key.startswith("model.visual."):
+            codes, scale = quantize_block(w, scale_dtype)
+            out[key], out[key[:-len("weight")] + "weight_scale_inv"] = codes, scale
+            dequantized[key] = dequantize_block(codes, scale)
+        else:
+            out[key], dequantized[key] = w, w.float()
+            if key.endswith(".weight"):  # a module (linear, norm, conv, embedding) kept in floating point
+                kept.append(key[:-len(".weight")])
+    if stacked:
+        stack_experts(out)
+    quant = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128],
+             "modules_to_not_convert": kept}
+    quantized = dict(config)
+    if text_config:
+        quantized["text_config"] = {**config["text_config"], "quantization_config": quant}
+    else:
+        quantized["quantization_config"] = quant
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(quantized, f, indent=2)
+    keys, weight_map = sorted(out), {}
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: out[k].contiguous() for k in keys[i::shards]}, os.path.join(dst, name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(keys[i::shards], name))
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    with open(os.path.join(ref, "config.json"), "w") as f:
+        json.dump(config, f)
+    save_file(dequantized, os.path.join(ref, "model.safetensors"), metadata={"format": "pt"})
+    return ref
+
+
+@pytest.mark.parametrize("family, multimodal, text_config, scale_dtype, stacked", [
+    pytest.param("qwen3_5_moe_text", True, True, torch.bfloat16, False, id="mm-qwen3_5_moe-text_config-bf16-scales"),
+    pytest.param("qwen3_5_moe_text", False, False, torch.float32, True, id="qwen3_5_moe-stacked-experts-fp32-scales"),
+    pytest.param("qwen3_next", False, False, torch.bfloat16, False, id="qwen3_next-bf16-scales"),
+    pytest.param("qwen3_5_text", True, False, torch.bfloat16, False, id="mm-qwen3_5-top-level-bf16-scales"),
+])
+def test_qwen_layout_fp8_checkpoints(tmp_path, family, multimodal, text_config, scale_dtype, stacked):
+    src, dst = str(tmp_path / "bf16"), str(tmp_path / "fp8")
+    sizes = fp8_shapes(family, aligned=False)
+    transformers_model(family, multimodal, **sizes).to(torch.bfloat16).save_pretrained(src)
+    ref = write_qwen_fp8(src, dst, text_config=text_config, scale_dtype=scale_dtype, stacked=stacked,
+                         mtp=mtp_head(sizes["hidden_size"], 72))
+    ours = HybridModel.from_pretrained(dst, progress=False)
+    kinds = {n.split(".")[-2] for n, p in ours.named_parameters() if p.dtype == torch.float8_e4m3fn}
+    assert {"in_proj_qkv", "out_proj", "o_proj"} <= kinds and not kinds & {"in_proj_a", "in_proj_b", "gate"}
+    assert weight_only_error(ours, load_transformers(ref, multimodal)) <= 1e-5
+
+
+QUANTIZED = {  # config.json's quantization_config as each tool writes it
+    "compressed-tensors": {"quant_method": "compressed-tensors", "format": "float-quantized",
+                           "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8,
+                                                                                           "type": "float"}}}},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True},
+    "bitsandbytes": {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
+}
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_folder(tmp_path_factory):
+    """A Qwen3.5 checkpoint transformers wrote, one file."""
+    folder = str(tmp_path_factory.mktemp("qwen3_5"))
+    transformers_model("qwen3_5_text", False).save_pretrained(folder)
+    return folder
+
+
+def copy_of(folder, tmp_path) -> str:
+    import shutil
+
+    return shutil.copytree(folder, str(tmp_path / "copy"))
+
+
+@pytest.mark.parametrize("method", list(QUANTIZED))
+def test_other_quantization_methods_are_refused_by_name(qwen3_5_folder, tmp_path, method):
+    folder = copy_of(qwen3_5_folder, tmp_path)
+    edit_config(folder, lambda c: c.update(quantization_config=QUANTIZED[method]))
+    with pytest.raises(ValueError, match=f"quant_method '{method}'.* is not supported"):
+        HybridModel.from_pretrained(folder, progress=False)
+
+
+# ---- folders no loader should take -------------------------------------------------------------------
+
+def to_pickles(folder) -> None:
+    """What transformers wrote before safetensors: pytorch_model.bin, or its shards with their index."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    for path in glob.glob(os.path.join(folder, "*.safetensors")):
+        name = os.path.basename(path).replace("model", "pytorch_model", 1).replace(".safetensors", ".bin")
+        torch.save(load_file(path), os.path.join(folder, name))
+        os.unlink(path)
+    if os.path.isfile(index):
+        with open(index) as f:
+            data = json.load(f)
+        data["weight_map"] = {k: v.replace("model", "pytorch_model", 1).replace(".safetensors", ".bin")
+                              for k, v in data["weight_map"].items()}
+        with open(os.path.join(folder, "pytorch_model.bin.index.json"), "w") as f:
+            json.dump(data, f)
+        os.unlink(index)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+def test_pickle_only_checkpoint_is_refused_naming_its_files(tmp_path, sharded):
+    """A checkpoint in PyTorch's pickle format (pytorch_model.bin, or shards with pytorch_model.bin.index.json)
+    is refused naming its files and what to do; the error said only that no model.safetensors was there."""
+    folder = str(tmp_path)
+    transformers_model("qwen3_5_text", False).save_pretrained(folder, **({"max_shard_size": "60KB"} if sharded else {}))
+    to_pickles(folder)
+    name = "pytorch_model.bin.index.json" if sharded else "pytorch_model.bin"
+    with pytest.raises(ValueError, match=f"no model.safetensors .* PyTorch pickle weights .*{re.escape(name)}.*"
+                                         "safetensors"):
+        HybridModel.from_pretrained(folder, progress=False)
+
+
+def test_shards_without_their_index_are_refused_naming_them(tmp_path):
+    """Shards whose index is missing (a download cut short): the error names the shards and the index it
+    lacks; it said only that no model.safetensors was there."""
+    folder = str(tmp_path)
+    transformers_model("qwen3_5_text", False).save_pretrained(folder, max_shard_size="60KB")
+    os.unlink(os.path.join(folder, "model.safetensors.index.json"))
+    with pytest.raises(ValueError, match=r"\d+ safetensors files \('model-00001-of-\d+\.safetensors', .*but no "
+                                         r"model\.safetensors\.index\.json"):
+        HybridModel.from_pretrained(folder, progress=False)
+
+
+def test_fp8_tensors_without_a_quantization_config_name_the_missing_field(tmp_path):
+    """An FP8 checkpoint whose config.json lost its quantization_config (edited by hand, or the text config
+    of a multimodal one copied alone): the error names the scales and the missing field; it said only that
+    the checkpoint had unexpected tensors."""
+    src, dst = str(tmp_path / "bf16"), str(tmp_path / "fp8")
+    transformers_model("qwen3_5_text", False, **fp8_shapes("qwen3_5_text", aligned=False)).save_pretrained(src)
+    write_qwen_fp8(src, dst, text_config=False, shards=1)
+    edit_config(dst, lambda c: c.pop("quantization_config"))
+    with pytest.raises(ValueError, match=r"FP8 block scale\(s\) but its config\.json has no quantization_config .*"
+                                         r"in_proj_qkv\.weight_scale_inv"):
+        HybridModel.from_pretrained(dst, progress=False)
+
+
+def test_folder_without_config_json(qwen3_5_folder, tmp_path):
+    """A folder of weights without config.json (a download cut short, an adapter folder): the error says so.
+    It said the folder was "neither a preset (tiny, ...) nor a checkpoint folder with a config.json", though
+    from_pretrained takes no preset."""
+    folder = copy_of(qwen3_5_folder, tmp_path)
+    os.unlink(os.path.join(folder, "config.json"))
+    with pytest.raises(ValueError) as e:
+        HybridModel.from_pretrained(folder, progress=False)
+    assert re.search(f"checkpoint folder '{re.escape(folder)}' has no config.json", str(e.value)), e.value
+    assert "preset" not in str(e.value)  # from_pretrained reads folders only
