@@ -179,10 +179,11 @@ class GraphRunner:
         as a chunked prefill)."""
         self._check_model()
         with prefill_call(self.model, self.cache, streams) as call:  # metrale_graph/protocol.py
-            pieces = [call.whole]
-            if choose(self.grid, len(call.lengths), sum(call.lengths)) is None:
+            pieces = None  # the whole batch in one step
+            buckets = {choose(self.grid, len(call.lengths), call.num_tokens)}
+            if buckets == {None}:
                 pieces = split(call.lengths, self.largest.streams, self.largest.tokens)
-            buckets = {choose(self.grid, len(p), sum(b - a for _, a, b in p)) for p in pieces}
+                buckets = {choose(self.grid, len(p), sum(b - a for _, a, b in p)) for p in pieces}
             # compile / capture first (a failure here changes no slot), the largest first as in warmup: the
             # smaller graphs then reuse the larger one's memory pool
             for bucket in sorted(buckets, reverse=True):
