@@ -75,26 +75,33 @@ class PackedBatch:
                        block_tables=torch.full((B, cache.max_blocks_per_slot), cache.null_block, dtype=torch.int32,
                                                device=dev))
 
-    def fill(self, packed: "PackedBatch", cache: HybridCache) -> None:
-        """Copy `packed` into these (larger or equal) buffers and pad the rest; allocates nothing."""
+    def fill(self, packed: "PackedBatch", cache: HybridCache, last: tuple[int, int] | None = None) -> None:
+        """Copy `packed` into these (larger or equal) buffers and pad the rest; allocates nothing. `last`:
+        the (streams, tokens) of the batch these buffers were last filled with, past which they hold padding
+        already; then only the rows that batch used past packed's are padded again (a step of the same
+        size as the last pads nothing but the padding streams' ends). None: every spare row is padded."""
         n, t = packed.num_streams, packed.num_tokens
-        if n > self.num_streams or t > self.num_tokens:
+        B, T = self.num_streams, self.num_tokens
+        if n > B or t > T:
             raise ValueError(f"a batch of {n} streams and {t} tokens does not fit buffers of "
-                             f"{self.num_streams} streams and {self.num_tokens} tokens")
+                             f"{B} streams and {T} tokens")
+        used_streams, used_tokens = (B, T) if last is None else last
         self.tokens[:t].copy_(packed.tokens)
-        self.tokens[t:].zero_()
         self.positions[:t].copy_(packed.positions)
-        self.positions[t:].zero_()
+        if used_tokens > t:
+            self.tokens[t:used_tokens].zero_()
+            self.positions[t:used_tokens].zero_()
         self.cu_seqlens[: n + 1].copy_(packed.cu_seqlens)
         # zero-length padding streams, ending where packed's streams end (not at t: a padded batch's spare
         # tokens lie past its last stream and must stay in no stream)
-        self.cu_seqlens[n + 1:].copy_(packed.cu_seqlens[n:].expand(self.num_streams - n))
+        self.cu_seqlens[n + 1:].copy_(packed.cu_seqlens[n:].expand(B - n))
         self.slot_ids[:n].copy_(packed.slot_ids)
-        self.slot_ids[n:].fill_(cache.scratch_slot)
         self.context_lens[:n].copy_(packed.context_lens)
-        self.context_lens[n:].zero_()
         self.block_tables[:n].copy_(packed.block_tables)
-        self.block_tables[n:].fill_(cache.null_block)
+        if used_streams > n:
+            self.slot_ids[n:used_streams].fill_(cache.scratch_slot)
+            self.context_lens[n:used_streams].zero_()
+            self.block_tables[n:used_streams].fill_(cache.null_block)
 
     def padded(self, num_streams: int, num_tokens: int, cache: HybridCache) -> "PackedBatch":
         """A new batch of exactly `num_streams` streams and `num_tokens` tokens: this one, padded."""
