@@ -140,14 +140,20 @@ def token_tensor(tokens, where: str, device: torch.device) -> torch.Tensor:
         if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
             raise ValueError(f"{where}: tokens must be a sequence of ints or a 1-D tensor, "
                              f"got {type(tokens).__name__}")
-        ids = [as_int(x) for x in tokens]  # ints, and numpy / 0-d torch integers as users pass them
-        bad = next((x for x, i in zip(tokens, ids) if i is None), None)
-        if bad is not None:
-            raise ValueError(f"{where}: token {bad!r} is not an int")
-        try:
-            t = torch.tensor(ids, dtype=torch.int64)
-        except (ValueError, RuntimeError, OverflowError):  # an int beyond int64 (torch versions differ)
-            raise ValueError(f"{where}: a token id does not fit in int64") from None
+        if type(tokens) is list and set(map(type, tokens)) == {int}:  # plain ints (a prompt): all at once
+            try:
+                t = int_tensor(tokens)
+            except OverflowError:
+                raise ValueError(f"{where}: a token id does not fit in int64") from None
+        else:
+            ids = [as_int(x) for x in tokens]  # ints, and numpy / 0-d torch integers as users pass them
+            bad = next((x for x, i in zip(tokens, ids) if i is None), None)
+            if bad is not None:
+                raise ValueError(f"{where}: token {bad!r} is not an int")
+            try:
+                t = torch.tensor(ids, dtype=torch.int64)
+            except (ValueError, RuntimeError, OverflowError):  # an int beyond int64 (torch versions differ)
+                raise ValueError(f"{where}: a token id does not fit in int64") from None
     if t.numel() == 0:
         raise ValueError(f"{where} is empty (no tokens)")
     return t
