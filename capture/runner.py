@@ -66,6 +66,7 @@ class BucketEntry:
     report: BucketReport | None = None  # set once the bucket is compiled (and captured)
     graph: torch.cuda.CUDAGraph | None = None
     output: torch.Tensor | None = None  # the captured step's logits, in graph memory
+    filled: tuple[int, int] | None = None  # (streams, tokens) of the batch last filled in (None: not known)
 
 
 class GraphRunner:
@@ -137,7 +138,9 @@ class GraphRunner:
         if entry.report is not None:
             return entry.report
         report = BucketReport(bucket)
+        entry.filled = None
         entry.batch.fill(empty_batch(self.cache), self.cache)
+        entry.filled = (0, 0)
         dev = self.model.device
         t0 = time.perf_counter()
         if self.use_graphs:
@@ -179,10 +182,11 @@ class GraphRunner:
         as a chunked prefill)."""
         self._check_model()
         with prefill_call(self.model, self.cache, streams) as call:  # metrale_graph/protocol.py
-            pieces = [call.whole]
-            if choose(self.grid, len(call.lengths), sum(call.lengths)) is None:
+            pieces = None  # the whole batch in one step
+            buckets = {choose(self.grid, len(call.lengths), call.num_tokens)}
+            if buckets == {None}:
                 pieces = split(call.lengths, self.largest.streams, self.largest.tokens)
-            buckets = {choose(self.grid, len(p), sum(b - a for _, a, b in p)) for p in pieces}
+                buckets = {choose(self.grid, len(p), sum(b - a for _, a, b in p)) for p in pieces}
             # compile / capture first (a failure here changes no slot), the largest first as in warmup: the
             # smaller graphs then reuse the larger one's memory pool
             for bucket in sorted(buckets, reverse=True):
@@ -193,7 +197,9 @@ class GraphRunner:
         return self.entries[choose(self.grid, packed.num_streams, packed.num_tokens)]
 
     def _run(self, entry: BucketEntry, packed: PackedBatch) -> torch.Tensor:
-        entry.batch.fill(packed, self.cache)
+        last, entry.filled = entry.filled, None  # (a fill that fails half way leaves the buffers unknown)
+        entry.batch.fill(packed, self.cache, last)
+        entry.filled = (packed.num_streams, packed.num_tokens)
         if self.use_graphs:
             entry.graph.replay()
             return entry.output[: packed.num_streams].clone()

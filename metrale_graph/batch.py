@@ -16,13 +16,15 @@ their output rows are unspecified.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from .cache import HybridCache
-from .numbers import as_int
+from .numbers import as_int, int_tensor
 
 
 @dataclass
@@ -73,26 +75,33 @@ class PackedBatch:
                        block_tables=torch.full((B, cache.max_blocks_per_slot), cache.null_block, dtype=torch.int32,
                                                device=dev))
 
-    def fill(self, packed: "PackedBatch", cache: HybridCache) -> None:
-        """Copy `packed` into these (larger or equal) buffers and pad the rest; allocates nothing."""
+    def fill(self, packed: "PackedBatch", cache: HybridCache, last: tuple[int, int] | None = None) -> None:
+        """Copy `packed` into these (larger or equal) buffers and pad the rest; allocates nothing. `last`:
+        the (streams, tokens) of the batch these buffers were last filled with, past which they hold padding
+        already; then only the rows that batch used past packed's are padded again (a step of the same
+        size as the last pads nothing but the padding streams' ends). None: every spare row is padded."""
         n, t = packed.num_streams, packed.num_tokens
-        if n > self.num_streams or t > self.num_tokens:
+        B, T = self.num_streams, self.num_tokens
+        if n > B or t > T:
             raise ValueError(f"a batch of {n} streams and {t} tokens does not fit buffers of "
-                             f"{self.num_streams} streams and {self.num_tokens} tokens")
+                             f"{B} streams and {T} tokens")
+        used_streams, used_tokens = (B, T) if last is None else last
         self.tokens[:t].copy_(packed.tokens)
-        self.tokens[t:].zero_()
         self.positions[:t].copy_(packed.positions)
-        self.positions[t:].zero_()
+        if used_tokens > t:
+            self.tokens[t:used_tokens].zero_()
+            self.positions[t:used_tokens].zero_()
         self.cu_seqlens[: n + 1].copy_(packed.cu_seqlens)
         # zero-length padding streams, ending where packed's streams end (not at t: a padded batch's spare
         # tokens lie past its last stream and must stay in no stream)
-        self.cu_seqlens[n + 1:].copy_(packed.cu_seqlens[n:].expand(self.num_streams - n))
+        self.cu_seqlens[n + 1:].copy_(packed.cu_seqlens[n:].expand(B - n))
         self.slot_ids[:n].copy_(packed.slot_ids)
-        self.slot_ids[n:].fill_(cache.scratch_slot)
         self.context_lens[:n].copy_(packed.context_lens)
-        self.context_lens[n:].zero_()
         self.block_tables[:n].copy_(packed.block_tables)
-        self.block_tables[n:].fill_(cache.null_block)
+        if used_streams > n:
+            self.slot_ids[n:used_streams].fill_(cache.scratch_slot)
+            self.context_lens[n:used_streams].zero_()
+            self.block_tables[n:used_streams].fill_(cache.null_block)
 
     def padded(self, num_streams: int, num_tokens: int, cache: HybridCache) -> "PackedBatch":
         """A new batch of exactly `num_streams` streams and `num_tokens` tokens: this one, padded."""
@@ -131,14 +140,20 @@ def token_tensor(tokens, where: str, device: torch.device) -> torch.Tensor:
         if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
             raise ValueError(f"{where}: tokens must be a sequence of ints or a 1-D tensor, "
                              f"got {type(tokens).__name__}")
-        ids = [as_int(x) for x in tokens]  # ints, and numpy / 0-d torch integers as users pass them
-        bad = next((x for x, i in zip(tokens, ids) if i is None), None)
-        if bad is not None:
-            raise ValueError(f"{where}: token {bad!r} is not an int")
-        try:
-            t = torch.tensor(ids, dtype=torch.int64)
-        except (ValueError, RuntimeError, OverflowError):  # an int beyond int64 (torch versions differ)
-            raise ValueError(f"{where}: a token id does not fit in int64") from None
+        if type(tokens) is list and set(map(type, tokens)) == {int}:  # plain ints (a prompt): all at once
+            try:
+                t = int_tensor(tokens)
+            except OverflowError:
+                raise ValueError(f"{where}: a token id does not fit in int64") from None
+        else:
+            ids = [as_int(x) for x in tokens]  # ints, and numpy / 0-d torch integers as users pass them
+            bad = next((x for x, i in zip(tokens, ids) if i is None), None)
+            if bad is not None:
+                raise ValueError(f"{where}: token {bad!r} is not an int")
+            try:
+                t = torch.tensor(ids, dtype=torch.int64)
+            except (ValueError, RuntimeError, OverflowError):  # an int beyond int64 (torch versions differ)
+                raise ValueError(f"{where}: a token id does not fit in int64") from None
     if t.numel() == 0:
         raise ValueError(f"{where} is empty (no tokens)")
     return t
@@ -172,20 +187,94 @@ def check_token_ids(tokens: list[torch.Tensor], vocab_size: int, what: str = "st
                 raise ValueError(f"{what} {i}: token id {lo if lo < 0 else hi} is out of range [0, {vocab_size})")
 
 
-def validate(streams, cache: HybridCache, vocab_size: int) -> list[torch.Tensor]:
-    """Check a batch against the cache; return each stream's tokens as an int64 tensor.
+@dataclass(frozen=True)
+class BatchTokens:
+    """A validated batch (validate): stream i writes slot `slots[i]` with its `lengths[i]` new tokens, which
+    are ids[sum(lengths[:i]) : sum(lengths[:i + 1])]. `ids` [sum(lengths)] int64 holds every stream's ids back
+    to back, on the CPU, or on the cache's device when any stream's tokens were there. `new_blocks`: the
+    (slot, blocks) of the streams that need more KV blocks (HybridCache.block_needs, as of validation: the
+    cache is held until the call has run)."""
+    slots: list[int]
+    ids: torch.Tensor
+    lengths: list[int]
+    new_blocks: list[tuple[int, int]]
+
+
+def validate(streams, cache: HybridCache, vocab_size: int) -> BatchTokens:
+    """Check a batch against the cache; return its slots and token ids (BatchTokens).
 
     Raises ValueError (naming the stream and the problem) for: an empty batch, an object that
     is not a Stream, an unknown or duplicate slot, an empty stream, a token id out of range,
     tokens of the wrong dtype or device, a stream that would grow past the cache's per-slot
     capacity, or a batch that needs more KV blocks than are free. Touches nothing.
+
+    A decode batch is many one-token streams, and its per-stream host work is the step's overhead: the
+    common batch (plain int slots; every stream's tokens a list of ints, or every stream's a 1-D int64 CPU
+    tensor) is checked in bulk, its ids made one tensor at once and range-checked in one pass; any other
+    batch, or one the bulk checks refuse, is checked stream by stream (which names the problem).
     """
     if isinstance(streams, Stream):
         raise ValueError("prefill takes a list of Streams, got a single Stream")
     if not isinstance(streams, Sequence) or len(streams) == 0:
         raise ValueError("prefill needs a non-empty list of Streams")
+    slots, ids, lengths = _checked_in_bulk(streams, cache) or _checked_one_by_one(streams, cache)
+    lo, hi = torch.aminmax(ids)
+    if int(lo) < 0 or int(hi) >= vocab_size:  # name the first stream with a bad id
+        check_token_ids(list(torch.split(ids, lengths)), vocab_size)
+    new_blocks = cache.block_needs(zip(slots, lengths))
+    need = sum(n for _, n in new_blocks)
+    if need > cache.free_blocks:
+        raise ValueError(f"the batch needs {need} more KV blocks but the cache has {cache.free_blocks} free "
+                         "(reset finished slots or build a larger cache)")
+    return BatchTokens(slots, ids, lengths, new_blocks)
+
+
+_slot_of, _tokens_of = operator.attrgetter("slot"), operator.attrgetter("tokens")
+_kind_of = operator.attrgetter("dtype", "is_cpu", "ndim")
+
+
+def _checked_in_bulk(streams: Sequence, cache: HybridCache) -> tuple[list[int], torch.Tensor, list[int]] | None:
+    """(slots, ids, lengths) of a batch of Streams with distinct plain int slots of the cache, every stream's
+    tokens a non-empty list of plain ints or every stream's a non-empty 1-D int64 CPU tensor, all within the
+    cache's capacity; None for any other batch (_checked_one_by_one then finds what is wrong, if anything).
+    Each check is one pass of builtins over the batch."""
+    if set(map(type, streams)) != {Stream}:
+        return None
+    slots = list(map(_slot_of, streams))
+    if (set(map(type, slots)) != {int} or min(slots) < 0 or max(slots) >= cache.num_slots
+            or len(set(slots)) != len(slots)):
+        return None
+    tokens = list(map(_tokens_of, streams))
+    kinds = set(map(type, tokens))
+    if kinds == {list}:
+        lengths = list(map(len, tokens))
+        flat = list(itertools.chain.from_iterable(tokens))
+        if min(lengths) == 0 or set(map(type, flat)) != {int}:
+            return None
+        try:
+            ids = int_tensor(flat)
+        except OverflowError:  # an id beyond int64
+            return None
+    elif kinds == {torch.Tensor}:
+        if set(map(_kind_of, tokens)) != {(torch.int64, True, 1)}:  # int64, on the CPU, 1-D
+            return None
+        lengths = list(map(torch.Tensor.numel, tokens))
+        if min(lengths) == 0:
+            return None
+        ids = torch.cat(tokens) if len(tokens) > 1 else tokens[0]
+    else:
+        return None
+    if max(map(operator.add, map(cache.context_lens.__getitem__, slots), lengths)) > cache.max_context:
+        return None
+    return slots, ids, lengths
+
+
+def _checked_one_by_one(streams: Sequence, cache: HybridCache) -> tuple[list[int], torch.Tensor, list[int]]:
+    """validate's checks of each stream in turn, the first problem raised (ValueError naming the stream):
+    (slots, ids, lengths) of a batch that passes them."""
     seen: dict[int, int] = {}
-    tokens = []
+    slots, lengths, tokens = [], [], []
+    context, capacity, device = cache.context_lens, cache.max_context, cache.device
     for i, s in enumerate(streams):
         if not isinstance(s, Stream):
             raise ValueError(f"stream {i}: expected a Stream, got {type(s).__name__}")
@@ -196,46 +285,42 @@ def validate(streams, cache: HybridCache, vocab_size: int) -> list[torch.Tensor]
         if s.slot in seen:
             raise ValueError(f"stream {i}: duplicate slot {s.slot} (also used by stream {seen[s.slot]})")
         seen[s.slot] = i
-        t = token_tensor(s.tokens, f"stream {i}", cache.device)
-        ctx = cache.context_lens[s.slot]
-        if ctx + t.numel() > cache.max_context:
+        t = token_tensor(s.tokens, f"stream {i}", device)
+        ctx = context[s.slot]
+        if ctx + t.numel() > capacity:
             raise ValueError(f"stream {i}: slot {s.slot} holds {ctx} tokens; {t.numel()} more exceed the "
-                             f"cache's capacity of {cache.max_context} tokens per slot")
+                             f"cache's capacity of {capacity} tokens per slot")
+        slots.append(s.slot)
+        lengths.append(t.numel())
         tokens.append(t)
-    check_token_ids(tokens, vocab_size)
-    need = sum(cache.blocks_needed(s.slot, t.numel()) for s, t in zip(streams, tokens))
-    if need > cache.free_blocks:
-        raise ValueError(f"the batch needs {need} more KV blocks but the cache has {cache.free_blocks} free "
-                         "(reset finished slots or build a larger cache)")
-    return tokens
+    if not all(t.is_cpu for t in tokens):  # some streams' tokens are on the device already
+        tokens = [t.to(device) for t in tokens]
+    return slots, torch.cat(tokens), lengths  # (a copy also of one stream's: contiguous, not the caller's)
 
 
-def pack(streams: Sequence[Stream], tokens: list[torch.Tensor], cache: HybridCache) -> PackedBatch:
-    """Lay validated streams back to back on the cache's device. Blocks must be allocated.
+def pack(slots: list[int], ids: torch.Tensor, lengths: list[int], cache: HybridCache) -> PackedBatch:
+    """Lay validated streams back to back on the cache's device: stream i writes slot `slots[i]` with
+    `lengths[i]` tokens of `ids` (int64, all streams' back to back). Blocks must be allocated.
 
-    Built on the host and moved in two copies (the int64 fields, then the int32 ones) rather than
-    one per stream and field: for a decode batch of many one-token streams the host work is the
-    step's overhead."""
-    device = cache.device
-    B = len(streams)
-    lengths = torch.tensor([t.numel() for t in tokens], dtype=torch.int64)
-    ctx = torch.tensor([cache.context_lens[s.slot] for s in streams], dtype=torch.int64)
-    ends = lengths.cumsum(0)
-    T = int(ends[-1])
-    # position of token j of stream b: ctx[b] + j = arange(T)[j] - (start of b) + ctx[b]
-    positions = torch.arange(T) + torch.repeat_interleave(ctx - (ends - lengths), lengths, output_size=T)
-    slot_ids = torch.tensor([s.slot for s in streams], dtype=torch.int64)
-    on_host = all(t.device.type == "cpu" for t in tokens)
-    host64 = torch.cat(([torch.cat(tokens)] if on_host else []) + [positions, slot_ids])
-    host32 = torch.cat([torch.zeros(1, dtype=torch.int64), ends, ctx]).to(torch.int32)
-    dev64, dev32 = host64.to(device), host32.to(device)
-    if on_host:
-        tok, rest = dev64[:T], dev64[T:]
-    else:  # some streams' tokens are on the device already
-        tok, rest = torch.cat([t.to(device) for t in tokens]), dev64
-    slots = rest[T:]
-    return PackedBatch(tokens=tok, positions=rest[:T], cu_seqlens=dev32[:B + 1], slot_ids=slots,
-                       context_lens=dev32[B + 1:], block_tables=cache.block_tables[slots])
+    Built on the host and moved in one copy (the int32 fields travel as int64 and are narrowed on the
+    device) rather than one per stream and field: for a decode batch of many one-token streams the host
+    work is the step's overhead."""
+    B, T = len(slots), ids.numel()
+    ctx = list(map(cache.context_lens.__getitem__, slots))
+    if T == B:  # one token per stream (a decode step): each at its stream's context
+        host = int_tensor(itertools.chain(ctx, slots, range(B + 1), ctx))
+    else:
+        starts = [0, *itertools.accumulate(lengths)]
+        # position of token j of stream b: ctx[b] + j = arange(T)[j] - (start of b) + ctx[b]
+        shift = int_tensor(map(operator.sub, ctx, starts))
+        positions = torch.arange(T) + torch.repeat_interleave(shift, int_tensor(lengths), output_size=T)
+        host = torch.cat([positions, int_tensor(itertools.chain(slots, starts, ctx))])
+    on_host = ids.is_cpu
+    dev = (torch.cat([ids, host]) if on_host else host).to(cache.device)
+    tok, dev = (dev[:T], dev[T:]) if on_host else (ids, dev)
+    slot_ids, dev32 = dev[T:T + B], dev[T + B:].to(torch.int32)  # cu_seqlens [B + 1], then context_lens [B]
+    return PackedBatch(tokens=tok, positions=dev[:T], cu_seqlens=dev32[:B + 1], slot_ids=slot_ids,
+                       context_lens=dev32[B + 1:], block_tables=cache.block_tables.index_select(0, slot_ids))
 
 
 def empty_batch(cache: HybridCache) -> PackedBatch:

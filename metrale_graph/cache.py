@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import sys
 import threading
 import weakref
@@ -32,7 +33,7 @@ from types import SimpleNamespace
 import torch
 
 from .config import ModelConfig
-from .numbers import as_int
+from .numbers import as_int, int_tensor
 from .prefix_cache import PrefixIndex, chain_hashes, prefix_key
 
 
@@ -235,25 +236,45 @@ class HybridCache:
         need = -(-(self.context_lens[slot] + new_tokens) // self.block_size)
         return max(0, need - len(self._blocks[slot]))
 
-    def allocate(self, growth: dict[int, int]) -> None:
-        """Give each slot the blocks for its new tokens. The caller has checked capacity."""
-        total = sum(self.blocks_needed(s, n) for s, n in growth.items())
+    def block_needs(self, growth) -> list[tuple[int, int]]:
+        """(slot, blocks) of each slot of the (slot, new tokens) pairs of `growth` (distinct slots) that must
+        still be given blocks to hold its new tokens: the slots' share of blocks_needed, those above 0."""
+        bs, context, blocks = self.block_size, self.context_lens, self._blocks
+        needs = [(slot, -(-(context[slot] + n) // bs) - len(blocks[slot])) for slot, n in growth]
+        return [sn for sn in needs if sn[1] > 0]
+
+    def allocate(self, needs: list[tuple[int, int]]) -> None:
+        """Give each (slot, blocks) of `needs` (block_needs) that many more blocks. The caller has checked
+        capacity. The block table is written once for them all (one copy to the device, not one per slot)."""
+        if not needs:
+            return
+        total = sum(n for _, n in needs)
         assert total <= self.free_blocks, "allocate() called without a capacity check"
-        for slot, n in growth.items():
-            need = self.blocks_needed(slot, n)
-            if need == 0:
-                continue
-            first = len(self._blocks[slot])
-            new = [self._index.take() for _ in range(need)]
-            self._blocks[slot].extend(new)
-            self.block_tables[slot, first:first + need] = torch.tensor(new, dtype=torch.int32)
+        taken = self._index.take_many(total)
+        width, blocks, entries, at = self.max_blocks_per_slot, self._blocks, [], 0
+        if total == len(needs):  # a block each (decode streams crossing a block boundary)
+            for (slot, _), b in zip(needs, taken):
+                held = blocks[slot]
+                entries.append(slot * width + len(held))
+                held.append(b)
+        else:
+            for slot, n in needs:
+                held = blocks[slot]
+                first = slot * width + len(held)
+                held.extend(taken[at:at + n])
+                entries.extend(range(first, first + n))
+                at += n
+        host = int_tensor(itertools.chain(entries, taken)).to(self.device)  # block-table entries, their blocks
+        self.block_tables.view(-1).index_copy_(0, host[:total], host[total:].to(torch.int32))
 
     def commit(self, growth: dict[int, int], tokens: dict[int, list[int]] | None = None) -> None:
         """Advance each slot's context by its new tokens, once the step that wrote them has run. With prefix
         caching, `tokens` (slot -> its new token ids) labels the blocks they filled with their chain hashes."""
+        context = self.context_lens
         for slot, n in growth.items():
-            self.context_lens[slot] += n
-            if self.prefix_caching:
+            context[slot] += n
+        if self.prefix_caching:
+            for slot in growth:
                 self._record(slot, tokens[slot])
 
     def _record(self, slot: int, new: list[int]) -> None:
@@ -261,6 +282,8 @@ class HybridCache:
         toks, hashes, bs = self._tokens[slot], self._hashes[slot], self.block_size
         toks.extend(new)
         start = len(hashes) * bs
+        if len(toks) < start + bs:  # no block filled (most decode steps)
+            return
         fresh = chain_hashes(toks, bs, hashes[-1] if hashes else b"", start)
         for k, h in enumerate(fresh, len(hashes)):
             self._index.label(self._blocks[slot][k], h)
@@ -311,6 +334,8 @@ class HybridCache:
         for slot, offset, new in streams:
             ctx = self.context_lens[slot]
             first = -(-(ctx + 1) // every) * every
+            if first > ctx + len(new):  # no multiple of the interval reached (a decode's one token, mostly)
+                continue
             ends = [p for p in range(first, ctx + len(new) + 1, every) if (p - ctx) % 64 == 0]
             if not ends:
                 continue

@@ -374,7 +374,7 @@ class Engine:
         elif prompt is None or isinstance(prompt, bytes) or not isinstance(prompt, (Sequence, torch.Tensor)):
             raise ValueError(f"prompt {i}: expected a list of token ids, a 1-D int tensor or array, or a string, "
                              f"got {type(prompt).__name__}")
-        if not isinstance(prompt, torch.Tensor):
+        if not isinstance(prompt, torch.Tensor) and not (type(prompt) is list and set(map(type, prompt)) == {int}):
             prompt = [_plain_int(x) for x in prompt]
         return token_tensor(prompt, f"prompt {i}", self.model.device)
 

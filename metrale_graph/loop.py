@@ -253,18 +253,20 @@ class EngineLoop:
         with self._cond:
             self._scheduled_waiting = len(sched.waiting)
         streams = [Stream(c.request.slot, c.tokens) for c in step]
-        prompt_tokens = sum(len(c.tokens) for c in step if not c.request.prefilled)  # the rest are decodes
+        prompts = step[sched.decodes:]  # the step's first chunks are decodes (one sampled token each)
+        prompt_tokens = sum(len(c.tokens) for c in prompts)
         try:
             if self._broadcast is not None:
                 self._broadcast.send(STEP, streams, self._take_released())
             logits = self.prefill(streams)
             sched.advance(step)
-            todo = [c.request for c in step if c.sample]
+            rows = None if all(c.sample for c in prompts) else [k for k, c in enumerate(step) if c.sample]
+            todo = [c.request for c in step] if rows is None else [step[k].request for k in rows]
             tokens = []
             if todo:
-                rows = torch.tensor([k for k, c in enumerate(step) if c.sample], device=logits.device)
-                tokens = sample(logits.index_select(0, rows), [r.params for r in todo],
-                                [r.generator for r in todo]).tolist()
+                if rows is not None:  # (else every row samples, as in a decode step: no gather)
+                    logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+                tokens = sample(logits, [r.params for r in todo], [r.generator for r in todo]).tolist()
         except BaseException as e:  # KeyboardInterrupt included: only this step's requests see it
             for c in step:
                 self._fail(c.request, e)

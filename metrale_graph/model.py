@@ -194,11 +194,12 @@ class HybridModel(nn.Module):
         cache made without an owner becomes this model's (claim=False: only checked)."""
         if not isinstance(cache, HybridCache):
             raise ValueError(f"expected a HybridCache, got {type(cache).__name__}")
-        if cache.config != self.local:
+        if cache.config is not self.local and cache.config != self.local:  # (the comparison reads every field)
             raise ValueError("the cache was built for another model config")
-        if cache.dtype != self.dtype or cache.device != self.device:
-            raise ValueError(f"the cache is {cache.dtype} on {cache.device}; the model is {self.dtype} "
-                             f"on {self.device}")
+        weight = self.embed_tokens.weight  # (dtype and device: read once, a module attribute is slow to reach)
+        if cache.dtype != weight.dtype or cache.device != weight.device:
+            raise ValueError(f"the cache is {cache.dtype} on {cache.device}; the model is {weight.dtype} "
+                             f"on {weight.device}")
         cache.bind(self, claim)
 
     @torch.no_grad()

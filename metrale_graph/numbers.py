@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import operator
+from array import array
+
+import torch
+
+_ARRAY_CODES = {torch.int64: "q", torch.int32: "i"}
+assert array("q").itemsize == 8 and array("i").itemsize == 4, "array.array's int sizes are not int64 / int32 here"
 
 
 def as_int(value) -> int | None:
@@ -16,3 +22,13 @@ def as_int(value) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def int_tensor(values, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Python ints (any iterable) as a 1-D CPU tensor of `dtype` (int64 or int32), built through an
+    array.array's buffer: torch.tensor inspects a list element by element, several times slower, which
+    shows in the host work of a step of many streams. OverflowError for an int that does not fit."""
+    buffer = array(_ARRAY_CODES[dtype], values)
+    if not buffer:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(buffer, dtype=dtype)  # shares (and keeps alive) the array's memory

@@ -108,6 +108,18 @@ class PrefixIndex:
         self.refs[b] = 1
         return b
 
+    def take_many(self, n: int) -> list[int]:
+        """n blocks, as n calls of take() give them (the plain free ones first, lowest id first)."""
+        plain = self._plain
+        if n > len(plain):
+            return [self.take() for _ in range(n)]
+        taken = plain[len(plain) - n:][::-1]  # pop() order
+        del plain[len(plain) - n:]
+        refs = self.refs
+        for b in taken:
+            refs[b] = 1
+        return taken
+
     def share(self, b: int) -> None:
         """One more holder of block b (a cached block leaves the free LRU)."""
         if self.refs[b] == 0:

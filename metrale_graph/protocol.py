@@ -25,23 +25,26 @@ prefill does, and its logits are those of its last range.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .batch import PackedBatch, Stream, check_token_ids, pack, token_tensor, validate
+from .batch import BatchTokens, PackedBatch, Stream, check_token_ids, pack, token_tensor, validate
 from .cache import HybridCache
 
 Piece = list[tuple[int, int, int]]  # (stream index, start, stop) token ranges of one step
 
 
 class PrefillCall:
-    """One prefill call: its validated streams (`tokens[i]`: stream i's int64 ids) on a held cache."""
+    """One prefill call: its validated batch (`batch.validate`: each stream's slot, its token ids and
+    count) on a held cache."""
 
-    def __init__(self, cache: HybridCache, streams: Sequence[Stream], tokens: list[torch.Tensor]):
-        self.cache, self.streams, self.tokens = cache, list(streams), tokens
-        self.lengths = [t.numel() for t in tokens]
-        self.growth = {s.slot: n for s, n in zip(self.streams, self.lengths)}  # new tokens per slot
+    def __init__(self, cache: HybridCache, tokens: BatchTokens):
+        self.cache, self.tokens = cache, tokens
+        self.slots, self.lengths = tokens.slots, tokens.lengths
+        self.num_tokens = tokens.ids.numel()
+        self.growth = dict(zip(self.slots, self.lengths))  # new tokens per slot
         self._ran = False
 
     @property
@@ -53,36 +56,59 @@ class PrefillCall:
         """Write the streams into the cache: reserve their KV blocks, then per piece (default: one piece
         holding every stream) pack it, run `step(packed)` (logits [piece streams, vocab], row r for the
         piece's r-th range) and commit its tokens. Returns logits [num_streams, vocab] of each stream's
-        last token. Anything raised inside (by `step` too) resets the call's slots and propagates
-        (HybridCache.transaction). One run per call."""
+        last token (with one piece, the rows of step's own output). Anything raised inside (by `step`
+        too) resets the call's slots and propagates (HybridCache.transaction). One run per call."""
         if self._ran:
             raise RuntimeError("a PrefillCall runs once")
         self._ran = True
-        pieces = [self.whole] if pieces is None else list(pieces)
-        self._check_pieces(pieces)
-        cache = self.cache
-        logits: list[torch.Tensor | None] = [None] * len(self.streams)
+        if pieces is not None:
+            pieces = list(pieces)
+            self._check_pieces(pieces)
+        cache, B = self.cache, len(self.slots)
+        chosen: list[torch.Tensor] = []  # per piece, the logits of the streams whose last range it holds
+        order: list[int] = []  # those streams, in the order of `chosen`'s rows
         with cache.transaction(self.growth):
-            cache.allocate(self.growth)
-            for piece in pieces:
-                sub = [Stream(self.streams[i].slot, self.tokens[i][a:b]) for i, a, b in piece]
-                fed = {s.slot: s.tokens.tolist() for s in sub} if cache.prefix_caching else None
-                plan = cache.plan_checkpoints(_offsets(sub, fed)) if fed is not None else []
+            cache.allocate(self.tokens.new_blocks)
+            for slots, ids, lengths, piece in self._pieces(pieces):
+                fed = _split_list(ids.tolist(), lengths) if cache.prefix_caching else None
+                plan = cache.plan_checkpoints(_offsets(slots, fed)) if fed is not None else []
                 try:
-                    out = step(pack(sub, [s.tokens for s in sub], cache))
+                    out = step(pack(slots, ids, lengths, cache))
                 except BaseException:
                     cache.record_checkpoints(plan, written=False)
                     raise
                 cache.record_checkpoints(plan, written=True)
-                cache.commit({s.slot: b - a for s, (_, a, b) in zip(sub, piece)}, fed)
-                for row, (i, _, b) in enumerate(piece):
-                    if b == self.lengths[i]:
-                        logits[i] = out[row]
-        return torch.stack(logits)
+                growth = self.growth if piece is None else dict(zip(slots, lengths))
+                cache.commit(growth, None if fed is None else dict(zip(slots, fed)))
+                if piece is None:  # every stream whole: the step's rows are the logits
+                    return out if out.shape[0] == B else out[:B]
+                rows = [r for r, (i, _, b) in enumerate(piece) if b == self.lengths[i]]
+                if rows:
+                    order += [piece[r][0] for r in rows]
+                    chosen.append(out.index_select(0, torch.tensor(rows, device=out.device)))
+        logits = torch.cat(chosen) if len(chosen) > 1 else chosen[0]
+        if order != list(range(B)):  # pieces that end their streams out of order
+            logits = logits.index_select(0, torch.tensor(order, device=logits.device).argsort())
+        return logits
+
+    def _pieces(self, pieces: list[Piece] | None):
+        """(slots, ids, lengths, piece) of each step: the whole batch (piece None) or each piece's ranges."""
+        tokens = self.tokens
+        if pieces is None:
+            yield self.slots, tokens.ids, self.lengths, None
+            return
+        starts = [0, *itertools.accumulate(self.lengths)][:-1]  # of each stream in tokens.ids
+        for piece in pieces:
+            spans = [(starts[i] + a, starts[i] + b) for i, a, b in piece]
+            if all(spans[k][1] == spans[k + 1][0] for k in range(len(spans) - 1)):  # one run of ids (split's)
+                ids = tokens.ids[spans[0][0]:spans[-1][1]]
+            else:
+                ids = torch.cat([tokens.ids[a:b] for a, b in spans])
+            yield [self.slots[i] for i, _, _ in piece], ids, [b - a for _, a, b in piece], piece
 
     def _check_pieces(self, pieces: list[Piece]) -> None:
         """Internal invariant: the pieces cover each stream's tokens once, in order."""
-        done = [0] * len(self.streams)
+        done = [0] * len(self.slots)
         for piece in pieces:
             for i, a, b in piece:
                 assert a == done[i] and a < b <= self.lengths[i], f"piece range {(i, a, b)} out of order"
@@ -90,12 +116,21 @@ class PrefillCall:
         assert done == self.lengths, "the pieces do not cover every stream's tokens"
 
 
-def _offsets(sub: list[Stream], fed: dict[int, list[int]]) -> list[tuple[int, int, list[int]]]:
+def _split_list(ids: list[int], lengths: list[int]) -> list[list[int]]:
+    """`ids` cut into consecutive runs of `lengths`."""
+    out, start = [], 0
+    for n in lengths:
+        out.append(ids[start:start + n])
+        start += n
+    return out
+
+
+def _offsets(slots: list[int], fed: list[list[int]]) -> list[tuple[int, int, list[int]]]:
     """(slot, packed offset, new tokens) of each stream of a piece, as laid out by pack."""
     out, offset = [], 0
-    for s in sub:
-        out.append((s.slot, offset, fed[s.slot]))
-        offset += len(fed[s.slot])
+    for slot, new in zip(slots, fed):
+        out.append((slot, offset, new))
+        offset += len(new)
     return out
 
 
@@ -107,7 +142,7 @@ def prefill_call(model, cache: HybridCache, streams: Sequence[Stream]) -> Iterat
     with cache.exclusive():
         tokens = validate(streams, cache, model.config.vocab_size)
         cache.bind(model)  # the input is good: a cache made without an owner becomes this model's
-        yield PrefillCall(cache, streams, tokens)
+        yield PrefillCall(cache, tokens)
 
 
 def restore_prefix(model, cache: HybridCache, slot: int, tokens, limit: int | None = None) -> int:

@@ -89,25 +89,26 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row of `logits` [n, vocab] (int64 [n], on the logits' device). Row i uses
     params[i]; a sampled row draws one uniform number from generators[i] (greedy rows: None)."""
-    logits = logits.float()
-    greedy = logits.argmax(dim=-1)
+    greedy = logits.argmax(dim=-1)  # in the logits' dtype: widening to fp32 is exact, so the same argmax
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return greedy
     dev, vocab = logits.device, logits.shape[-1]
     uniforms = torch.cat([torch.rand(1, generator=generators[i]) for i in rows])
     temps = torch.tensor([params[i].temperature for i in rows])
-    top_k = torch.tensor([min(params[i].top_k or vocab, vocab) for i in rows])  # any int: beyond int64 too
     top_p = torch.tensor([params[i].top_p if params[i].top_p < 1.0 else 2.0 for i in rows])  # 1.0: no mask
-    index = torch.tensor(rows)
-    probs, order = _sorted_probs(logits[index.to(dev)], temps.to(dev), top_k.to(dev), top_p.to(dev))
+    top_k = [min(params[i].top_k or vocab, vocab) for i in rows]  # any int: beyond int64 too
+    floats = torch.stack([uniforms, temps, top_p]).to(dev)  # one copy per dtype to the device
+    ints = torch.tensor([top_k, rows], dtype=torch.int64).to(dev)
+    uniforms, temps, top_p, top_k, index = floats[0], floats[1], floats[2], ints[0], ints[1]
+    probs, order = _sorted_probs(logits[index].float(), temps, top_k, top_p)
     cdf = probs.cumsum(dim=-1)
-    target = uniforms.to(dev).unsqueeze(1) * cdf[:, -1:]
+    target = uniforms.unsqueeze(1) * cdf[:, -1:]
     pos = torch.searchsorted(cdf, target, right=True)
     kept = (probs > 0).sum(dim=-1, keepdim=True)
     pos = torch.minimum(pos, kept - 1)  # rounding: u * total can reach the last kept entry's cdf
     out = greedy.clone()
-    out[index.to(dev)] = order.gather(1, pos).squeeze(1)
+    out[index] = order.gather(1, pos).squeeze(1)
     return out
 
 

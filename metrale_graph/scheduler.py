@@ -33,6 +33,7 @@ it hands out is empty. Requests join (add) and leave (finish, abort, drop) betwe
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -97,6 +98,7 @@ class Scheduler:
         self.running: list[Request] = []  # admitted (holding a slot), in admission order
         self.free_slots = list(range(cache.num_slots))
         self.released: list[int] = []  # slots reset since the caller last cleared this (plan broadcasts)
+        self.decodes = 0  # how many chunks of the last plan() are decodes (they come first)
 
     def blocks_for(self, request: Request) -> int:
         return -(-request.kv_tokens // self.cache.block_size)
@@ -110,12 +112,18 @@ class Scheduler:
 
     def plan(self) -> list[Chunk]:
         """The next step's streams (decodes first, then prompt chunks); admits waiting requests."""
-        budget = self.token_budget
-        step = [Chunk(r, [r.out[-1]], True) for r in self.running if r.prefilled]  # <= slots <= budget
-        budget -= len(step)
-        for r in self.running:
-            if budget > 0 and not r.prefilled:
-                budget -= self._chunk(r, budget, step)
+        step, prefilling = [], []
+        for r in self.running:  # (one pass: a decode step of many requests is host work per request)
+            if r.fed == len(r.prompt):
+                step.append(Chunk(r, [r.out[-1]], True))
+            else:
+                prefilling.append(r)
+        self.decodes = len(step)  # <= slots <= budget
+        budget = self.token_budget - self.decodes
+        for r in prefilling:
+            if budget <= 0:
+                break
+            budget -= self._chunk(r, budget, step)
         while budget > 0 and self.waiting and self.free_slots and self._fits(self.waiting[0]) and self._worth(budget):
             r = self.waiting.popleft()
             r.slot = self.free_slots.pop(0)
@@ -148,13 +156,12 @@ class Scheduler:
         return self.blocks_for(r) <= self.cache.free_blocks - pending
 
     def advance(self, step: list[Chunk]) -> None:
-        """The step ran: count the prompt tokens it fed."""
-        for c in step:
+        """The step (the last plan()) ran: count the prompt tokens it fed."""
+        for c in itertools.islice(step, self.decodes, None):  # its prompt chunks (the decodes feed no prompt)
             r = c.request
-            if not r.prefilled:
-                r.fed += len(c.tokens)
-                if self.keep is not None and r.fed == len(r.prompt) - 1:
-                    self.keep(r)  # the state after all but the last prompt token
+            r.fed += len(c.tokens)
+            if self.keep is not None and r.fed == len(r.prompt) - 1:
+                self.keep(r)  # the state after all but the last prompt token
 
     def finish(self, r: Request, reason: str) -> None:
         """End `r` (running or waiting) with `reason`: free its slot at once."""

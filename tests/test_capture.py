@@ -85,6 +85,23 @@ def test_static_batch_padding():
     assert (b.block_tables[2:] == cache.null_block).all() and (b.tokens[23:] == 0).all()
 
 
+def test_refilled_buffers_pad_only_what_the_last_batch_used():
+    """fill(packed, cache, last) pads only the rows the last batch used past packed's: after any sequence
+    of batches the buffers equal buffers padded from scratch."""
+    model = HybridModel.from_preset("tiny")
+    cache = model.new_cache(5, 40, block_size=16)
+    b, last = PackedBatch.padding(4, 48, cache), (0, 0)
+    for k, lengths in enumerate([[3, 20], [1, 1, 1, 1], [1, 1, 1, 1], [30], [1, 2], [5, 5, 5, 33], [4]]):
+        g = torch.Generator().manual_seed(k)
+        streams = [Stream(s, torch.randint(1, 512, (n,), generator=g).tolist()) for s, n in enumerate(lengths)]
+        packed = packed_batch(model, cache, streams)
+        fresh = PackedBatch.padding(4, 48, cache)
+        fresh.fill(packed, cache)
+        b.fill(packed, cache, last)
+        last = (packed.num_streams, packed.num_tokens)
+        assert all(torch.equal(x, y) for x, y in zip(b.tensors(), fresh.tensors())), lengths
+
+
 def _random_batch(g, vocab, slots, max_len):
     n = len(slots)
     lengths = torch.randint(1, max_len + 1, (n,), generator=g).tolist()

@@ -242,3 +242,90 @@ def test_numpy_tokens_and_sizes_are_taken_as_users_pass_them():
         model.prefill(a, [Stream(0, [True])])
     with pytest.raises(ValueError, match="num_slots must be a positive integer"):
         model.new_cache(np.float64(2.0), 8)
+
+
+def test_the_bulk_checks_take_the_common_batches_and_agree_with_the_stream_by_stream_ones(model):
+    """validate checks a batch of list tokens or of int64 CPU tensors in bulk (a decode step's host work);
+    any other batch stream by stream. Both give the same slots, ids and lengths."""
+    np = pytest.importorskip("numpy")
+    from metrale_graph.batch import _checked_in_bulk, _checked_one_by_one
+
+    cache = model.new_cache(6, 48, block_size=16, max_context=128)
+    model.prefill(cache, [Stream(1, random_tokens(40, 1)), Stream(4, random_tokens(16, 2))])
+    lists = [Stream(4, [7]), Stream(1, random_tokens(5, 3)), Stream(0, [0, VOCAB - 1])]
+    tensors = [Stream(s.slot, torch.tensor(s.tokens)) for s in lists]
+    for batch in (lists, tensors, [Stream(5, [3])], [Stream(2, torch.tensor(random_tokens(88, 4))[::2])]):
+        bulk = _checked_in_bulk(batch, cache)
+        assert bulk is not None
+        slots, ids, lengths = _checked_one_by_one(batch, cache)
+        assert bulk[0] == slots and torch.equal(bulk[1], ids) and bulk[2] == lengths
+        assert ids.dtype == torch.int64 and lengths == [len(s.tokens) for s in batch]
+    others = [lists[:1] + tensors[1:],  # lists and tensors together
+              [Stream(0, torch.tensor([1, 2], dtype=torch.int32))], [Stream(0, np.array([1, 2]))],
+              [Stream(0, (1, 2))], [Stream(0, [1, np.int64(2)])], [Stream(1, [1] * 89)]]  # the last: past capacity
+    for batch in others:
+        assert _checked_in_bulk(batch, cache) is None
+    slots, ids, lengths = _checked_one_by_one(others[0], cache)
+    assert slots == [4, 1, 0] and lengths == [1, 5, 2] and ids.tolist() == sum((s.tokens for s in lists), [])
+
+
+def test_a_decode_batch_packs_each_token_at_its_context(model):
+    """pack's one-token path (positions = the contexts) and its general path lay out the same fields."""
+    from helpers import packed_batch
+
+    cache = model.new_cache(5, 40, block_size=16)
+    model.prefill(cache, [Stream(0, random_tokens(31, 1)), Stream(3, random_tokens(32, 2)),
+                          Stream(4, random_tokens(48, 3))])
+    for streams in ([Stream(3, [5]), Stream(0, [6]), Stream(2, [7]), Stream(4, [8])],
+                    [Stream(3, [5, 9]), Stream(0, [6]), Stream(2, [7, 1, 2]), Stream(4, [8])]):
+        ctx = [cache.context_lens[s.slot] for s in streams]
+        lengths = [len(s.tokens) for s in streams]
+        batch = packed_batch(model, cache, streams)
+        assert batch.tokens.tolist() == sum((s.tokens for s in streams), [])
+        assert batch.positions.tolist() == [c + j for c, n in zip(ctx, lengths) for j in range(n)]
+        assert batch.cu_seqlens.tolist() == [sum(lengths[:i]) for i in range(len(streams) + 1)]
+        assert batch.slot_ids.tolist() == [s.slot for s in streams] and batch.context_lens.tolist() == ctx
+        assert batch.cu_seqlens.dtype == batch.context_lens.dtype == torch.int32
+        assert batch.slot_ids.dtype == batch.positions.dtype == torch.int64
+        assert torch.equal(batch.block_tables, cache.block_tables[[s.slot for s in streams]])
+
+
+def test_the_block_table_holds_each_slots_blocks(model):
+    """allocate writes the block table once per batch: every slot's row is its blocks, then the null block,
+    for streams that take no block, one block, or several."""
+    cache = model.new_cache(4, 40, block_size=16)
+    for streams in ([Stream(0, random_tokens(16, 1)), Stream(1, random_tokens(40, 2))],
+                    [Stream(0, [3]), Stream(1, [4]), Stream(2, random_tokens(70, 3))],
+                    [Stream(3, [5]), Stream(1, random_tokens(30, 4)), Stream(0, random_tokens(15, 5))]):
+        model.prefill(cache, streams)
+        for slot in range(cache.num_slots):
+            blocks = cache._blocks[slot]
+            assert len(blocks) == -(-cache.context_lens[slot] // 16)
+            expected = blocks + [cache.null_block] * (cache.max_blocks_per_slot - len(blocks))
+            assert cache.block_tables[slot].tolist() == expected
+    held = sorted(b for blocks in cache._blocks for b in blocks)
+    assert held == list(range(len(held)))  # handed out lowest first, none twice
+
+
+def test_pieces_that_end_streams_out_of_order_give_logits_in_stream_order(model):
+    """PrefillCall.run with pieces (a runner's split): each stream's logits are those of the piece holding
+    its last range, in stream order, however the pieces order the streams."""
+    from metrale_graph.protocol import prefill_call
+
+    cache = model.new_cache(6, 16, block_size=16)
+    tokens = [random_tokens(4, 1), random_tokens(2, 2), random_tokens(3, 3)]
+    streams = [Stream(5, tokens[0]), Stream(2, tokens[1]), Stream(0, tokens[2])]
+    fed = []
+
+    def step(packed):  # row r: the slot of the piece's r-th range and its last token
+        fed.append((packed.slot_ids.tolist(), packed.tokens.tolist(), packed.positions.tolist()))
+        last = packed.tokens[packed.cu_seqlens[1:].long() - 1]
+        return torch.stack([packed.slot_ids, last], dim=1).float()
+
+    pieces = [[(1, 0, 2), (0, 0, 2)], [(2, 0, 3), (0, 2, 4)]]  # stream 1 ends first, then 2, then 0
+    with prefill_call(model, cache, streams) as call:
+        logits = call.run(step, pieces)
+    assert logits.tolist() == [[5, tokens[0][-1]], [2, tokens[1][-1]], [0, tokens[2][-1]]]
+    assert fed == [([2, 5], tokens[1] + tokens[0][:2], [0, 1, 0, 1]),
+                   ([0, 5], tokens[2] + tokens[0][2:], [0, 1, 2, 2, 3])]
+    assert [cache.context_lens[s] for s in (5, 2, 0)] == [4, 2, 3]

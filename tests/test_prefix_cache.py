@@ -199,3 +199,22 @@ def test_bench_prefix_runs_its_workloads_with_the_same_tokens(capsys):
     for name, w in record["workloads"].items():
         assert w["same_tokens"], name
         assert w["with"]["cached_tokens"] > 0 and w["without"]["cached_tokens"] == 0, name
+
+
+def test_take_many_hands_out_the_blocks_take_would():
+    """PrefixIndex.take_many(n) (a batch's blocks at once) gives what n calls of take() give: plain free
+    blocks lowest id first, then cached ones least recently freed first."""
+    import copy
+
+    index = PrefixIndex(num_blocks=8, block_size=2, num_entries=0)
+    blocks = [index.take() for _ in range(8)]
+    for k, b in enumerate([5, 1, 6, 2, 7]):
+        if k < 2:
+            index.label(b, bytes([k + 1]))  # 5 and 1 keep a key: cached once dropped
+        index.drop(b)
+    for n in range(index.free_blocks + 1):  # 3 plain, then 2 cached
+        one_by_one = copy.deepcopy(index)
+        together = copy.deepcopy(index)
+        assert together.take_many(n) == [one_by_one.take() for _ in range(n)]
+        assert together.refs == one_by_one.refs and together.free_blocks == one_by_one.free_blocks
+    assert sorted(blocks) == list(range(8))

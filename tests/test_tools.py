@@ -135,3 +135,21 @@ def test_console_scripts_of_tp_tools_end_the_group(monkeypatch):
             monkeypatch.setattr(module, "end_tensor_parallel", lambda: calls.append("end"))
         module.cli()
         assert calls == ["main", "end"], name
+
+
+def test_bench_host_times_the_runners_and_the_engines_steps(capsys):
+    """tools.bench_host runs the decode step's host path (the runner's, the engine loop's) over a no-op step;
+    its figures are printed, never asserted beyond being times."""
+    import pytest
+
+    from metrale_graph.tools import bench_host
+
+    for extra, path in (([], "runner"), (["--engine"], "engine")):
+        bench_host.main(["--streams", "1,3", "--cached", "70", "--repeat", "2", *extra])
+        record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert record["tool"] == "bench_host" and record["path"] == path and record["cached"] == 70
+        assert [r["streams"] for r in record["results"]] == [1, 3]
+        assert all(0 < r["min_ms"] <= r["median_ms"] for r in record["results"])
+    with pytest.raises(SystemExit) as e:
+        bench_host.main(["--cached", "4096"])
+    assert e.value.code == 2 and "past the tiny preset's max_position_embeddings" in capsys.readouterr().err
