@@ -92,6 +92,7 @@ class EngineLoop:
         self._draining: BaseException | None = None  # set by drain(): what new requests are refused with
         self._thread: threading.Thread | None = None
         self._scheduled_waiting = 0  # len(scheduler.waiting), kept under the lock for other threads
+        self._free_slots = len(self.scheduler.free_slots)  # len(scheduler.free_slots), likewise
         self._steps = self._prompt_tokens = self._generated = self._cached = 0
 
     # other threads ---------------------------------------------------------------------------
@@ -101,11 +102,14 @@ class EngineLoop:
 
     def submit(self, requests: list[Request], max_waiting: int | None = None) -> None:
         """Hand `requests` to the loop, all in one iteration, in order. EngineClosedError once closed (or
-        shutting down); with max_waiting, EngineFullError if they would make more than that many wait."""
+        shutting down); with max_waiting, EngineFullError if they would make more than that many wait (requests
+        not in a slot yet, beyond the slots free now)."""
         with self._cond:
             if self._closing is not None or self._draining is not None:
                 raise EngineClosedError(f"{self._closing or self._draining}: build a new Engine")
-            if max_waiting is not None and len(self._inbox) + self._scheduled_waiting + len(requests) > max_waiting:
+            # what would wait: the requests not yet in a slot, less the slots free for them
+            if (max_waiting is not None
+                    and len(self._inbox) + self._scheduled_waiting + len(requests) - self._free_slots > max_waiting):
                 raise EngineFullError(f"the engine's waiting queue is full ({max_waiting} requests wait for a "
                                       "slot): try again later")
             now = time.perf_counter()
@@ -223,6 +227,7 @@ class EngineLoop:
                     closing = self._closing
                     sched.waiting.extend(new)
                     self._scheduled_waiting = len(sched.waiting)
+                    self._free_slots = len(sched.free_slots)
                     break
             self._broadcast.send(IDLE)  # nothing to run: keep the followers' broadcast alive
         for r in aborts:
@@ -237,6 +242,7 @@ class EngineLoop:
         if aborts:  # waiting requests may have left: submit's max_waiting counts them (no step may follow)
             with self._cond:
                 self._scheduled_waiting = len(sched.waiting)
+                self._free_slots = len(sched.free_slots)
         for job in jobs:  # between steps: a capture never runs while a step does
             if job.warmup and self._broadcast is not None:
                 self._broadcast.send(WARMUP, resets=self._take_released())
@@ -252,6 +258,7 @@ class EngineLoop:
         step = sched.plan()
         with self._cond:
             self._scheduled_waiting = len(sched.waiting)
+            self._free_slots = len(sched.free_slots)
         streams = [Stream(c.request.slot, c.tokens) for c in step]
         prompts = step[sched.decodes:]  # the step's first chunks are decodes (one sampled token each)
         prompt_tokens = sum(len(c.tokens) for c in prompts)

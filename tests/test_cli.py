@@ -347,7 +347,7 @@ def test_help_names_the_installed_command(capsys, name):
     (["--port", "70000"], "argument --port: expected a port in [0, 65535], got '70000'"),
     (["--port", "-1"], "argument --port: expected a non-negative integer, got '-1'"),
     (["--num-slots", "0"], "argument --num-slots: expected a positive integer, got '0'"),
-    (["--max-waiting", "0"], "argument --max-waiting: expected a positive integer, got '0'"),  # would refuse all
+    (["--max-waiting", "-1"], "argument --max-waiting: expected a non-negative integer, got '-1'"),
     (["--shutdown-timeout", "-1"], "argument --shutdown-timeout: expected a number >= 0, got '-1'"),
     (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
     (["--num-slots", "8", "--token-budget", "4"], "--token-budget 4 must be at least num_slots (--num-slots 8)"),

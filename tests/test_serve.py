@@ -292,7 +292,7 @@ def test_official_client_raises_on_bad_requests(client):
 def test_full_queue_is_503_with_retry_after(server, client):
     headers = {"Authorization": f"Bearer {KEY}"}
     r = httpx.post(server.url + "/v1/completions", headers=headers, timeout=30,
-                   json={"prompt": [1, 2], "max_tokens": 2, "n": 65})  # more than the 64 that may wait: never fits
+                   json={"prompt": [1, 2], "max_tokens": 2, "n": SLOTS + 65})  # beyond 16 slots + 64 waiting: never fits
     assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "--max-waiting" in r.text, r.text
     body = {"prompt": [1, 2], "max_tokens": MAX_CONTEXT - 4, "n": 64, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/completions", headers=headers, json=body, timeout=TIMEOUT) as s:

@@ -10,9 +10,8 @@ vLLM's chat template arguments (chat_template_kwargs, add_generation_prompt, con
 with Allow, a body that is not UTF-8, the Prometheus text parsed by prometheus_client with its counters
 moving, stop strings across token boundaries (several at once, whole and streamed), streamed text equal to
 the whole text over sampled outputs, and SIGINT with streams in flight (the port freed at once, the
-process gone within the shutdown timeout). One engine defect is an xfail (strict) naming it: an engine
-without a waiting queue (max_waiting=0) refuses every request. Waits are bounded so that a hang fails
-fast."""
+process gone within the shutdown timeout), an engine without a waiting queue (max_waiting=0) serving
+while a slot is free. Waits are bounded so that a hang fails fast."""
 
 import json
 import re
@@ -285,9 +284,6 @@ def test_streamed_text_equals_the_whole_text_when_sampling(client):
             assert "".join(pieces) == whole, (seed, prompt, pieces)
 
 
-@pytest.mark.xfail(strict=True, reason="engine: EventLoop.submit counts a request in its inbox as waiting even "
-                   "while slots are free, so Engine(max_waiting=0) refuses every request (the serve tool refuses "
-                   "--max-waiting 0 until the engine admits to free slots first)")
 def test_an_engine_without_a_waiting_queue_serves_while_a_slot_is_free(checkpoint):
     from metrale_graph import Engine, HybridModel
 

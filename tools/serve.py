@@ -56,9 +56,9 @@ def _parse_args(argv):
                    help=f"clients must send 'Authorization: Bearer KEY' on /v1 paths (default: ${API_KEY_ENV}; "
                         "none: open)")
     add_engine_args(p, num_slots=64)
-    p.add_argument("--max-waiting", type=positive_int, default=None,
+    p.add_argument("--max-waiting", type=non_negative_int, default=None,
                    help="requests waiting for a slot before new ones get 503 with Retry-After "
-                        "(default max(256, 4 x slots); at least 1: a request waits until the engine's next step)")
+                        "(default max(256, 4 x slots); 0: none wait, a request needs a free slot)")
     p.add_argument("--block-size", type=positive_int, default=64, help="tokens per KV block (default 64)")
     p.add_argument("--num-blocks", type=positive_int, default=None,
                    help="KV blocks (default: every slot can hold max context)")

@@ -34,15 +34,16 @@ class Generations:
                param: str = "prompt") -> "Generations":
         """Submit n requests per prompt, all or none: if the engine refuses one (ValueError: 400,
         EngineFullError / EngineClosedError: 503), those already submitted are aborted and the error is
-        raised as an APIError. More requests than the engine's waiting queue holds (max_waiting) are a 400:
-        they are queued before the engine loop admits any, so they could never all be."""
+        raised as an APIError. More requests than the engine's slots and waiting queue hold together
+        (num_slots + max_waiting) are a 400: even an idle engine could never take them all."""
         handles, metrics = [], []
         engine = state.engine
-        total, queue = len(prompts) * n, getattr(engine, "max_waiting", None)
+        total, waiting = len(prompts) * n, getattr(engine, "max_waiting", None)
+        queue = None if waiting is None else waiting + engine.num_slots
         if queue is not None and total > queue:  # it could never be queued whole: a 503 would be retried forever
             what = f"{len(prompts)} prompts x n={n}" if len(prompts) > 1 else f"n={n}"
             raise bad_request(f"this request asks for {total} generations ({what}) but the server queues at most "
-                              f"{queue} at once (--max-waiting): send fewer", param="n" if n > 1 else param)
+                              f"{queue} at once (--num-slots + --max-waiting): send fewer", param="n" if n > 1 else param)
         try:
             for ids in prompts:
                 for k in range(n):
