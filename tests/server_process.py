@@ -4,6 +4,7 @@ failure shows it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -76,3 +77,17 @@ class ServerProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def running_server(checkpoint: str, folder, flags: list[str], timeout: float):
+    """`metrale-serve --model checkpoint --eager --device cpu` with `flags` at a free port, healthy, for the
+    block's duration; stopped after it."""
+    port = free_port()
+    proc = ServerProcess(["-m", "metrale_graph.tools.serve", "--model", checkpoint, "--port", str(port), "--eager",
+                          "--device", "cpu", *flags], port, folder)
+    proc.wait_healthy(timeout)
+    try:
+        yield proc
+    finally:
+        proc.stop()

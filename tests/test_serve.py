@@ -19,7 +19,7 @@ import pytest
 
 from helpers import random_tokens
 from metrale_graph import Engine, HybridModel
-from server_process import ServerProcess, free_port, port_is_free
+from server_process import port_is_free, running_server
 from tokenizer_fixture import tiny_checkpoint
 
 KEY = "test-key"
@@ -41,15 +41,11 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
-    port = free_port()
-    proc = ServerProcess(["-m", "metrale_graph.tools.serve", "--model", checkpoint, "--port", str(port),
-                          "--served-model-name", NAME, "--api-key", KEY, "--eager", "--num-slots", str(SLOTS),
-                          "--max-context", str(MAX_CONTEXT), "--token-budget", "256", "--max-waiting", "64",
-                          "--shutdown-timeout", "3", "--device", "cpu"] + ["--prefix-cache"],
-                         port, tmp_path_factory.mktemp("server"))
-    proc.wait_healthy(TIMEOUT)
-    yield proc
-    proc.stop()
+    flags = ["--served-model-name", NAME, "--api-key", KEY, "--num-slots", str(SLOTS), "--max-context",
+             str(MAX_CONTEXT), "--token-budget", "256", "--max-waiting", "64", "--shutdown-timeout", "3",
+             "--prefix-cache"]
+    with running_server(checkpoint, tmp_path_factory.mktemp("server"), flags, TIMEOUT) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server_process import ServerProcess, free_port, port_is_free
+from server_process import port_is_free, running_server
 from tokenizer_fixture import CHAT_TEMPLATE, tiny_checkpoint
 
 NAME = "tiny-compat"
@@ -59,15 +59,10 @@ def tokenizer(checkpoint):
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
-    port = free_port()
-    proc = ServerProcess(["-m", "metrale_graph.tools.serve", "--model", checkpoint, "--port", str(port),
-                          "--served-model-name", NAME, "--eager", "--num-slots", str(SLOTS),
-                          "--max-context", str(MAX_CONTEXT), "--token-budget", "128", "--max-waiting", "32",
-                          "--shutdown-timeout", str(SHUTDOWN_S), "--device", "cpu"],
-                         port, tmp_path_factory.mktemp("server"))
-    proc.wait_healthy(TIMEOUT)
-    yield proc
-    proc.stop()
+    flags = ["--served-model-name", NAME, "--num-slots", str(SLOTS), "--max-context", str(MAX_CONTEXT),
+             "--token-budget", "128", "--max-waiting", "32", "--shutdown-timeout", str(SHUTDOWN_S)]
+    with running_server(checkpoint, tmp_path_factory.mktemp("server"), flags, TIMEOUT) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")
