@@ -91,8 +91,8 @@ class EngineLoop:
         self._closing: BaseException | None = None  # set by close(): what outstanding requests end with
         self._draining: BaseException | None = None  # set by drain(): what new requests are refused with
         self._thread: threading.Thread | None = None
-        self._scheduled_waiting = 0  # len(scheduler.waiting), kept under the lock for other threads
-        self._free_slots = len(self.scheduler.free_slots)  # len(scheduler.free_slots), likewise
+        self._scheduled_waiting = 0  # len(scheduler.waiting) and len(scheduler.free_slots), kept under the
+        self._free_slots = len(self.scheduler.free_slots)  # lock for other threads (_publish_queue)
         self._steps = self._prompt_tokens = self._generated = self._cached = 0
 
     # other threads ---------------------------------------------------------------------------
@@ -226,8 +226,7 @@ class EngineLoop:
                     jobs, self._jobs = self._jobs, []
                     closing = self._closing
                     sched.waiting.extend(new)
-                    self._scheduled_waiting = len(sched.waiting)
-                    self._free_slots = len(sched.free_slots)
+                    self._publish_queue()
                     break
             self._broadcast.send(IDLE)  # nothing to run: keep the followers' broadcast alive
         for r in aborts:
@@ -241,8 +240,7 @@ class EngineLoop:
                 r.channel.put(RequestOutput(r.index, [], "" if r.text is not None else None, "abort"))
         if aborts:  # waiting requests may have left: submit's max_waiting counts them (no step may follow)
             with self._cond:
-                self._scheduled_waiting = len(sched.waiting)
-                self._free_slots = len(sched.free_slots)
+                self._publish_queue()
         for job in jobs:  # between steps: a capture never runs while a step does
             if job.warmup and self._broadcast is not None:
                 self._broadcast.send(WARMUP, resets=self._take_released())
@@ -253,12 +251,16 @@ class EngineLoop:
             self._step()
         return True
 
+    def _publish_queue(self) -> None:
+        """What submit() reads of the scheduler, copied for other threads (the caller holds the lock)."""
+        self._scheduled_waiting = len(self.scheduler.waiting)
+        self._free_slots = len(self.scheduler.free_slots)
+
     def _step(self) -> None:
         sched = self.scheduler
         step = sched.plan()
         with self._cond:
-            self._scheduled_waiting = len(sched.waiting)
-            self._free_slots = len(sched.free_slots)
+            self._publish_queue()
         streams = [Stream(c.request.slot, c.tokens) for c in step]
         prompts = step[sched.decodes:]  # the step's first chunks are decodes (one sampled token each)
         prompt_tokens = sum(len(c.tokens) for c in prompts)

@@ -114,7 +114,7 @@ class Scheduler:
         """The next step's streams (decodes first, then prompt chunks); admits waiting requests."""
         step, prefilling = [], []
         for r in self.running:  # (one pass: a decode step of many requests is host work per request)
-            if r.fed == len(r.prompt):
+            if r.prefilled:
                 step.append(Chunk(r, [r.out[-1]], True))
             else:
                 prefilling.append(r)
