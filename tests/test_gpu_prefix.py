@@ -25,6 +25,7 @@ CFG = PRESETS["qwen3.5-9b"].replace(vocab_size=2048, hidden_size=512, intermedia
                                     num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2,
                                     linear_num_value_heads=4)
 DTYPE, TOL = torch.float32, 1e-4
+TOL_PLAIN = 1e-3  # other chunk boundaries than the plain cache's (a keep-one-token-early bug: 4e-3)
 SLOTS, BLOCKS, BS, MAX_CONTEXT = 6, 128, 64, 1024
 CHECKPOINTS, INTERVAL = 12, 64  # few entries: the sequence below evicts some, one step evicts three
 # two buckets, one compiled trace (both of several streams): every step below fits one of them, unsplit
@@ -78,7 +79,7 @@ class Twins:
             self.fed_plain[s] = len(self.history[s])
         self.same_decisions(what)
         assert rel_err(out_g, out_e) <= TOL, f"{what}: logits, replay vs eager {rel_err(out_g, out_e):.2e}"
-        assert rel_err(out_e, want) <= TOL, f"{what}: logits vs the plain cache {rel_err(out_e, want):.2e}"
+        assert rel_err(out_e, want) <= TOL_PLAIN, f"{what}: logits vs the plain cache {rel_err(out_e, want):.2e}"
 
         written = g.checkpoint_entries[g.checkpoint_tokens >= 0].tolist()  # this step's (one piece: its plan)
         assert len(written) == checkpoints and len(set(written)) == len(written), f"{what}: checkpoints {written}"

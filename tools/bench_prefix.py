@@ -166,6 +166,9 @@ def main(argv=None) -> None:
                      f"{off['ttft_p50_s'] * 1e3:.1f} / {on['ttft_p50_s'] * 1e3:.1f}",
                      f"{off['ttft_p99_s'] * 1e3:.1f} / {on['ttft_p99_s'] * 1e3:.1f}",
                      f"{off['tokens_per_s']:,.0f} / {on['tokens_per_s']:,.0f}", "yes" if same else "NO"])
+        # a long run's progress (and what a run stopped early has measured): one line per workload
+        print(f"{w}: hit rate {rows[-1][3]}, TTFT p50 ms {rows[-1][4]}, tok/s {rows[-1][6]}, same tokens "
+              f"{rows[-1][7]}", flush=True)
     print_table(["workload", "reusable tok", "cached tok", "hit rate", "TTFT p50 ms (off / on)",
                  "TTFT p99 ms (off / on)", "tok/s (off / on)", "same tokens"], rows)
     record = {"tool": "bench_prefix", "model": args.model, "scale": args.scale, "num_slots": args.num_slots,
