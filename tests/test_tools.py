@@ -56,6 +56,10 @@ def test_benchmark_records_say_what_produced_them():
     if head.returncode == 0:  # a git checkout (a clean clone in CI)
         assert info["commit"].removesuffix("-dirty") == head.stdout.strip()
     assert info["command"].endswith("--repeat 3") and info["torch"] and info["triton"]
+    # a copy whose .git is not its tree's (a device machine's) is told its commit
+    stated = json.loads(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                                       check=True, env={**os.environ, "METRALE_COMMIT": "abc1234"}).stdout)
+    assert stated["commit"] == "abc1234"
 
 
 def test_warm_warmup_compares_only_with_a_cold_run_of_the_same_grid(tmp_path, monkeypatch, capsys):

@@ -9,7 +9,8 @@ import sys
 
 def provenance() -> dict:
     """The command line, the commit of this checkout ("-dirty" with uncommitted changes; None outside a git
-    checkout) and the torch / triton versions."""
+    checkout) and the torch / triton versions. METRALE_COMMIT, when set, is the commit instead: for a copy of
+    a working tree whose .git is not that tree's (a device machine's copy keeps the .git it was first given)."""
     import torch
     import triton
 
@@ -21,8 +22,8 @@ def provenance() -> dict:
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    commit = git("rev-parse", "--short", "HEAD") or None
-    if commit and git("status", "--porcelain", "--untracked-files=no"):
+    commit = os.environ.get("METRALE_COMMIT") or git("rev-parse", "--short", "HEAD") or None
+    if commit and "METRALE_COMMIT" not in os.environ and git("status", "--porcelain", "--untracked-files=no"):
         commit += "-dirty"
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     program = f"python -m {spec.name}" if spec else f"python {sys.argv[0]}"
