@@ -98,8 +98,7 @@ class Checker:
             for M in (SMOKE["m"] if self.smoke else (1, 257)):
                 x = self.acts(M, K)
                 rec = {"N": N, "K": K, "M": M,
-                       "auto_backend": "cublas" if M >= fp8.CUBLAS_MIN_ROWS and fp8.cublas_blockwise_ok(N, K, x.device)
-                       else "triton"}
+                       "auto_backend": fp8.auto_backend(M, N, K, x.device)}
                 qa, sa = fp8.quantize_activations_ref(x)
                 qb, sb = fp8.quantize_activations(x)
                 rec["quant_bitexact"] = bool(torch.equal(qa.view(torch.uint8), qb.view(torch.uint8))
