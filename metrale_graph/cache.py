@@ -395,6 +395,14 @@ class HybridCache:
                 pool[slot].copy_(entries[hit.entry])
         return n
 
+    def clear_prefixes(self) -> None:
+        """Forget every prefix kept for later prompts (prefix caching; else nothing to do): their cached
+        blocks become free, their checkpoint entries unused. Slots keep their contexts and blocks (a prefix
+        they reach later is kept again as it fills). The prefix counters are lifetime figures and stay."""
+        with self.exclusive():
+            if self.prefix_caching:
+                self._index.clear()
+
     def prefix_stats(self) -> dict:
         """Prefix caching's counters: lookups, hits and the tokens they restored, cached blocks and
         checkpoints held, evictions, and the checkpoint pool's bytes."""

@@ -246,6 +246,13 @@ class Engine:
             return []
         return self._loop.run_job(lambda: self.runner.warmup(progress=progress), warmup=True)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every prompt prefix the prefix cache keeps (HybridCache.clear_prefixes), between two steps
+        of the engine loop: requests running meanwhile go on (what they hold stays theirs); later prompts
+        hit only what is kept from now on. Without prefix caching: nothing to forget."""
+        self._check_not_follower("reset_prefix_cache")
+        self._loop.run_job(self.cache.clear_prefixes)
+
     def follow(self) -> None:
         """Under tensor parallelism with broadcast_plans, on every rank but 0: replay rank 0's steps (and
         warmup) until rank 0 shuts its engine down (plan_sync.py). Blocks the calling thread."""

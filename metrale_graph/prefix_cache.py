@@ -188,6 +188,21 @@ class PrefixIndex:
         if not at:
             del self._by_prefix[meta.full]
 
+    def clear(self) -> None:
+        """Forget every kept prefix: no block keeps a key (cached free blocks become plain free ones; blocks
+        slots hold stay theirs, no longer findable) and no checkpoint entry is recorded. The counters are
+        kept (lifetime figures)."""
+        for b in range(len(self.refs)):
+            if self._keys[b]:
+                self._keys[b] = set()
+        self._by_key.clear()
+        self._plain = sorted(set(self._plain) | set(self._cached), reverse=True)
+        self._cached.clear()
+        self._entries.clear()
+        self._entry_lru.clear()
+        self._by_prefix.clear()
+        self._free_entries = list(range(self.num_entries - 1, -1, -1))
+
     # lookup ---------------------------------------------------------------------------------------
     def lookup(self, tokens, limit: int) -> Hit | None:
         """The longest usable cached prefix of `tokens` of at most `limit` tokens (module docstring)."""

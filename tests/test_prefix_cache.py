@@ -154,6 +154,38 @@ def test_engine_hits_give_the_same_greedy_tokens(engines):
     assert cached.cache._index.refs == [0] * cached.cache.num_blocks
 
 
+def test_reset_prefix_cache_forgets_every_prefix_and_frees_its_blocks(engines):
+    plain, cached = engines
+    prompts = [tokens(140, 31) + tokens(n, 40 + n) for n in (7, 12)]
+    first = cached.generate(prompts, max_new_tokens=4)
+    assert first[1].cached_tokens == 128
+    assert cached.stats().prefix["checkpoints"] > 0 and cached.cache._index.cached_blocks > 0
+    hits = cached.stats().prefix["hits"]
+    cached.reset_prefix_cache()
+    index = cached.cache._index
+    assert cached.stats().prefix["checkpoints"] == 0 and index.cached_blocks == 0 and index.hits == hits
+    assert cached.cache.free_blocks == cached.cache.num_blocks and index.refs == [0] * cached.cache.num_blocks
+    again = cached.generate([prompts[1]], max_new_tokens=4)[0]  # nothing kept: a full prefill, the same tokens
+    assert again.cached_tokens == 0 and again.token_ids == first[1].token_ids
+    plain.reset_prefix_cache()  # no prefix caching: nothing to forget
+
+
+def test_clearing_the_index_keeps_held_blocks_held():
+    index = PrefixIndex(num_blocks=4, block_size=2, num_entries=2)
+    held, freed = index.take(), index.take()
+    hashes = chain_hashes([1, 2, 3, 4], 2)
+    index.label(held, hashes[0])
+    index.label(freed, hashes[1])
+    index.drop(freed)
+    index.add_entry(index.new_entry(), 4, hashes[1], ())
+    assert index.cached_blocks == 1 and index.lookup([1, 2, 3, 4, 5], 5) is not None
+    index.clear()
+    assert index.lookup([1, 2, 3, 4, 5], 5) is None and index.cached_blocks == 0 and index.free_blocks == 3
+    assert index.refs[held] == 1 and index.block_of(hashes[0]) is None
+    assert [index.take() for _ in range(3)] == sorted({0, 1, 2, 3} - {held})  # low ids first, as before
+    assert index.new_entry() == 0
+
+
 def test_random_prefixes_in_small_pools(model):
     """Many requests sharing random prefixes, few blocks and checkpoints (evictions all along): the same
     greedy tokens as without prefix caching, and every block free at the end."""

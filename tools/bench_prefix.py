@@ -14,7 +14,8 @@ run on a CPU):
   split   64 requests sharing their first 1500 tokens, 700 of their own after; reusable: the shared
           part of every request but the first (also 1600 / 600: split-1600)
 
-Each workload runs on a fresh engine (no prefix from another workload); a workload's requests are
+One engine per mode runs every workload (warmed once: on a GPU the bucket grid's capture is the slow
+part), its prefix cache reset before each (no prefix from another workload); a workload's requests are
 submitted together (chat: turn by turn, every conversation's turn t together). Prints a table and ends
 with one JSON line.
 """
@@ -97,33 +98,60 @@ def _quantile(values, q):
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def bench(model, workload: str, args, prefix: bool) -> dict:
+def run_workload(engine, workload: str, args) -> dict:
+    """One workload's waves on `engine` (its prompts drawn from args.seed: the same in both modes)."""
+    gen = torch.Generator().manual_seed(args.seed)
+    vocab = engine.model.config.vocab_size
+    if workload == "chat":
+        first, follow, reusable = chat_workload(gen, vocab, args.scale, args.requests // 2)
+        record = run_waves(engine, [first], args.max_new_tokens // 2 or 1, follow)
+        record["reusable_tokens"] = reusable[0]
+    else:
+        waves, reusable = (system_workload(gen, vocab, args.scale, args.requests) if workload == "system" else
+                           split_workload(gen, vocab, args.scale, args.requests,
+                                          *((1600, 600) if workload == "split-1600" else (1500, 700))))
+        record = run_waves(engine, waves, args.max_new_tokens)
+        record["reusable_tokens"] = reusable
+    record["hit_rate"] = record["cached_tokens"] / record["reusable_tokens"] if record["reusable_tokens"] else None
+    return record
+
+
+COUNTERS = ("lookups", "hits", "hit_tokens", "evicted_blocks", "evicted_checkpoints")
+
+
+def run_mode(model, args, prefix: bool) -> dict[str, dict]:
+    """Every workload on one engine (warmed once), with the prefix cache or without; the cache forgets
+    every kept prefix before each workload (reset_prefix_cache), so none hits another's. Returns
+    workload -> record."""
     from metrale_graph import Engine
 
-    gen = torch.Generator().manual_seed(args.seed)
-    vocab = model.config.vocab_size
     opts = dict(num_slots=args.num_slots, max_context=args.max_context, token_budget=args.token_budget,
                 compile=not args.eager, prefix_cache=prefix)
     if prefix and args.checkpoint_interval is not None:
         opts["checkpoint_interval"] = args.checkpoint_interval
     if prefix and args.prefix_checkpoints is not None:
         opts["prefix_checkpoints"] = args.prefix_checkpoints
+    records = {}
     with Engine(model, **opts) as engine:
         if not args.eager:
+            t = time.perf_counter()
             engine.warmup()
-        if workload == "chat":
-            first, follow, reusable = chat_workload(gen, vocab, args.scale, args.requests // 2)
-            record = run_waves(engine, [first], args.max_new_tokens // 2 or 1, follow)
-            record["reusable_tokens"] = reusable[0]
-        else:
-            waves, reusable = (system_workload(gen, vocab, args.scale, args.requests) if workload == "system" else
-                               split_workload(gen, vocab, args.scale, args.requests,
-                                              *((1600, 600) if workload == "split-1600" else (1500, 700))))
-            record = run_waves(engine, waves, args.max_new_tokens)
-            record["reusable_tokens"] = reusable
-        record["prefix_stats"] = engine.stats().prefix
-    record["hit_rate"] = record["cached_tokens"] / record["reusable_tokens"] if record["reusable_tokens"] else None
-    return record
+            print(f"{'with' if prefix else 'without'} the prefix cache: warmup {time.perf_counter() - t:.1f} s",
+                  flush=True)
+        for w in args.workloads:
+            engine.reset_prefix_cache()
+            before = engine.stats().prefix
+            record = run_workload(engine, w, args)
+            after = engine.stats().prefix
+            if after is not None:  # this workload's counters, and what the cache holds after it
+                after.update({k: after[k] - before[k] for k in COUNTERS})
+            record["prefix_stats"] = after
+            records[w] = record
+            hit = "" if not prefix else f", hit rate {100 * record['hit_rate']:.1f}%"
+            # a long run's progress (and what a run stopped early has measured): one line per workload
+            print(f"{w} {'with' if prefix else 'without'} the prefix cache: TTFT p50 "
+                  f"{record['ttft_p50_s'] * 1e3:.1f} ms, {record['tokens_per_s']:,.0f} tok/s{hit}", flush=True)
+    return records
 
 
 def main(argv=None) -> None:
@@ -154,9 +182,10 @@ def main(argv=None) -> None:
         longest = int(max(2048 + 128, 1600 + 700, 4 * (64 + args.max_new_tokens // 2)) * args.scale) + \
             args.max_new_tokens + 1
         args.max_context = min(model.config.max_position_embeddings, longest)
+    offs, ons = run_mode(model, args, prefix=False), run_mode(model, args, prefix=True)
     rows, records = [], {}
     for w in args.workloads:
-        off, on = bench(model, w, args, prefix=False), bench(model, w, args, prefix=True)
+        off, on = offs[w], ons[w]
         same = all(a.token_ids == b.token_ids for (_, x), (_, y) in zip(off["results"], on["results"])
                    for a, b in zip(x, y))
         for r in (off, on):
@@ -166,9 +195,6 @@ def main(argv=None) -> None:
                      f"{off['ttft_p50_s'] * 1e3:.1f} / {on['ttft_p50_s'] * 1e3:.1f}",
                      f"{off['ttft_p99_s'] * 1e3:.1f} / {on['ttft_p99_s'] * 1e3:.1f}",
                      f"{off['tokens_per_s']:,.0f} / {on['tokens_per_s']:,.0f}", "yes" if same else "NO"])
-        # a long run's progress (and what a run stopped early has measured): one line per workload
-        print(f"{w}: hit rate {rows[-1][3]}, TTFT p50 ms {rows[-1][4]}, tok/s {rows[-1][6]}, same tokens "
-              f"{rows[-1][7]}", flush=True)
     print_table(["workload", "reusable tok", "cached tok", "hit rate", "TTFT p50 ms (off / on)",
                  "TTFT p99 ms (off / on)", "tok/s (off / on)", "same tokens"], rows)
     record = {"tool": "bench_prefix", "model": args.model, "scale": args.scale, "num_slots": args.num_slots,

@@ -13,7 +13,8 @@
 # presets' workloads beside their bf16 runs (issue 26); serve (not in all): metrale-serve + bench_serve at concurrency
 # 32 / 128 / 256 on the 9B and 35B-A3B (issue 27; SERVE_PRESETS to choose); prefix (not in all): bench_prefix on the 9B
 # (issue 28). `setup` only installs (source it
-# with `. tools/gpu_session.sh setup` to keep the environment).
+# with `. tools/gpu_session.sh setup` to keep the environment). The device's copy of the tree may carry an older
+# .git: export METRALE_COMMIT=<the commit> in the command so the records name the right one.
 # Wall times measured on H200s (2026-11-30; plan device time by them, 10 minutes per call at most):
 #   test_gpu_sweep -n 8 ~4.5 min; test_gpu_ops ~5.5 min (beside another job); test_gpu_model + capture +
 #   engine + moe (both families) 6.2 min; test_gpu_tp ~0.6 min; test_kernels -k gdn_recurrence > 2 min;
@@ -107,13 +108,28 @@ if [[ $what == fp8 ]]; then
 fi
 if [[ $what == serve ]]; then
     # issue 27: metrale-serve on a preset, bench_serve at concurrency 32 / 128 / 256 (512 in, 256 out); the
-    # server warms its bucket grid (decode buckets up to the slots) before /health says 200
+    # server warms its bucket grid (decode buckets up to the slots) before /health says 200. The device machine
+    # has no fastapi / uvicorn / pydantic: carry their wheels in .whl-serve (pip download fastapi uvicorn
+    # prometheus_client --python-version 3.12 --only-binary=:all: -d .whl-serve); only what is missing installs
+    if [[ -d .whl-serve ]]; then
+        missing=()
+        for w in .whl-serve/*.whl; do
+            n=$(basename "$w" | cut -d- -f1); [[ $n == opentelemetry_api ]] && n=opentelemetry
+            python3 -c "import $n" 2>/dev/null || missing+=("$w")
+        done
+        (( ${#missing[@]} )) && python3 -m pip install -q --no-index --no-deps --target /tmp/site-serve "${missing[@]}"
+        export PYTHONPATH=$PYTHONPATH:/tmp/site-serve
+    fi
     for preset in ${SERVE_PRESETS:-qwen3.5-9b qwen3.5-35b-a3b}; do
         python3 -m metrale_graph.tools.serve --model $preset --port 8011 --num-slots 256 --max-context 1024 \
             --token-budget 4096 > "$OUT/serve-$preset.log" 2>&1 &
         server=$!
         get() { python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen('$1').read().decode())"; }
-        for _ in $(seq 600); do get http://127.0.0.1:8011/health >/dev/null 2>&1 && break; sleep 1; done
+        for _ in $(seq 600); do
+            get http://127.0.0.1:8011/health >/dev/null 2>&1 && break
+            kill -0 $server 2>/dev/null || break  # it exited (its log says why)
+            sleep 1
+        done
         grep -E "warmup|serving" "$OUT/serve-$preset.log" | tail -2
         for c in 32 128 256; do
             python3 -m metrale_graph.tools.bench_serve --base-url http://127.0.0.1:8011 --num-prompts $((c * 2)) \
