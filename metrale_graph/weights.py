@@ -424,6 +424,16 @@ def _check_header(header, key: str, path: str, piece: _Piece, asm: _Assembler) -
     """ValueError naming the tensor and its file unless its header (a safetensors slice) has the piece's
     shape and a dtype the piece may be stored in (_Assembler.check_dtype)."""
     shape = tuple(header.get_shape())
+    spec = piece.spec
+    if spec.kind == SCALE and len(spec.parts) > 1 and len(piece.units) > 1 and spec.of is not None:
+        rows = spec.of.shape[1] // len(spec.parts)  # a part's rows (gate's, up's)
+        if rows % 128:
+            raise ValueError(
+                f"tensor {key!r} ({path}): FP8 block scales of stacked experts whose parts ({', '.join(spec.parts)}) "
+                f"have {rows} rows each, not a multiple of 128, so a 128-row block may hold the end of one part and "
+                "the start of the next, or each part may start its own blocks; the scale grid's shape does not say "
+                "which. Store the experts one tensor per expert, each with its weight_scale_inv (as Qwen's FP8 "
+                "releases do and metrale-graph's save_pretrained writes)")
     if shape != piece.shape:
         raise ValueError(f"tensor {key!r} has shape {shape}, the config needs {piece.shape} ({path})")
     asm.check_dtype(key, path, header.get_dtype(), piece.spec)
