@@ -211,3 +211,17 @@ def test_profile_attributes_the_step_kernels_to_their_ops():
         "void at::native::elementwise_kernel<128, 4>": profiling.OTHER,
     }
     assert {k: profiling.phase_of(k) for k in expected} == expected
+
+
+def test_host_profile_names_where_a_steps_host_time_goes():
+    from metrale_graph.tools.profiling import host_profile
+
+    def inner():
+        return sorted(range(20000), key=lambda i: -i)
+
+    setups = []
+    rows = host_profile(lambda: inner(), lambda: setups.append(1), runs=4, top=5)
+    assert len(setups) == 4 and 1 <= len(rows) <= 5
+    inner_row = next(r for r in rows if r["function"].startswith("inner ("))
+    assert inner_row["calls"] == 1 and inner_row["cum_ms"] >= inner_row["self_ms"] >= 0
+    assert rows == sorted(rows, key=lambda r: -r["cum_ms"])

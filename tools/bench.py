@@ -100,12 +100,12 @@ def read_baseline(path: str, preset: str, layers: int) -> dict[str, float]:
 
 def run_workloads(model, names: list[str], variants: list[str], repeat: int, seed: int = 0, gpus: int = 1,
                   hf=None, profile: bool = False, baseline: dict[str, float] | None = None,
-                  run=None, on_row=None) -> list[dict]:
+                  run=None, on_row=None, host_profile: bool = False) -> list[dict]:
     """Measure each workload of `names` in each of `variants` (the peer needs `hf`); returns one record
     per workload (the JSON rows: floors, ms per variant, the GPU-busy fraction with graphs, the profile).
     `on_row(row, lines)` is called as each workload finishes, with the lines of its profile (--profile)."""
     from metrale_graph.tools.peer import bench_peer
-    from metrale_graph.tools.profiling import device_busy_ms, kernel_breakdown, phase_of, time_cuda
+    from metrale_graph.tools.profiling import device_busy_ms, host_profile as profile_host, kernel_breakdown, phase_of, time_cuda
 
     cfg = model.config
     ours = Ours(model, [WORKLOADS[w] for w in names], grid_of(names))
@@ -135,6 +135,12 @@ def run_workloads(model, names: list[str], variants: list[str], repeat: int, see
                 row["graphs_device_ms"] = busy
                 row["gpu_busy"] = None if busy is None else busy / row["graphs_ms"]
         lines = []
+        if host_profile and "graphs" in variants:
+            ours.prepare_context(ctx)
+            row["host_profile"] = profile_host(lambda: ours.run("graphs", streams), ours.restore)
+            lines += [f"{name}: host time of a graphs step by function (cProfile, ms per step, cumulative / own)"]
+            lines += [f"  {r['cum_ms']:8.3f} {r['self_ms']:8.3f}  x{r['calls']:<6g} {r['function'][:110]}"
+                      for r in row["host_profile"]]
         if profile:
             ours.prepare_context(ctx)
             phases, kernels = kernel_breakdown(lambda: ours.run("compiled", streams), ours.restore)
@@ -248,6 +254,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="also time end-to-end generation (32 prompts x 512 tokens, 256 new each) against the peer")
     p.add_argument("--json", type=output_file, default=None, help="write the results to this JSON file")
     p.add_argument("--markdown", type=output_file, default=None, help="write the table to this markdown file")
+    p.add_argument("--host-profile", action="store_true",
+                   help="also print where the host's time in a graphs step goes (cProfile, top functions)")
     p.add_argument("--profile", action="store_true",
                    help="also print each workload's device time by phase and its top kernels (torch.profiler "
                         "over the compiled step)")
@@ -345,7 +353,7 @@ def _bench(p, args, plan: _Plan, run) -> None:
             write_whole(args.json, render(record, variants, "json"))
 
     results = run_workloads(model, plan.workloads, variants, args.repeat, args.seed, args.tp, hf, args.profile,
-                            plan.baseline, run, on_row)
+                            plan.baseline, run, on_row, args.host_profile)
     generation = None
     if args.generate:
         torch.cuda.empty_cache()

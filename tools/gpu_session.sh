@@ -69,7 +69,7 @@ if [[ $what == bench || $what == all ]]; then
 fi
 if [[ $what == profile ]]; then
     python3 -m metrale_graph.tools.bench --workloads W2,W4,W5,W7,D1,D32,D128 --variants compiled,graphs --repeat 5 \
-        --profile --json "$OUT/bench-profile.json" 2>&1 | tee "$OUT/bench-profile.log" | tail -120
+        --profile --host-profile --json "$OUT/bench-profile.json" 2>&1 | tee "$OUT/bench-profile.log" | tail -160
 fi
 if [[ $what == moe || $what == all ]]; then
     python3 -m metrale_graph.tools.bench --preset qwen3.5-35b-a3b --workloads W1,W2,W3,W4,W5,W6 --repeat 5 \

@@ -41,6 +41,29 @@ def time_cuda(fn, setup, repeat: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def host_profile(fn, setup, runs: int = 10, top: int = 15) -> list[dict]:
+    """Where the host's time in fn() goes: cProfile over `runs` calls (setup() and a device sync outside
+    each), the `top` functions by cumulative time, in ms per call (time blocked in CUDA calls included:
+    a function that waits for the GPU shows it)."""
+    import cProfile
+    import pstats
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    prof = cProfile.Profile()
+    for _ in range(runs):
+        setup()
+        sync()
+        prof.enable()
+        fn()
+        prof.disable()
+        sync()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive calls, tottime, cumtime, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][3])[:top]
+    return [{"function": f"{name} ({file.rsplit('/', 1)[-1]}:{line})", "calls": calls / runs,
+             "self_ms": 1e3 * tottime / runs, "cum_ms": 1e3 * cumtime / runs}
+            for (file, line, name), (_, calls, tottime, cumtime, _) in rows]
+
+
 def union_ms(intervals) -> float:
     """Length of the union of (start, end) intervals, in their unit: time covered by at least one of
     them, so overlapping kernels (several streams) count once. Empty -> 0."""
