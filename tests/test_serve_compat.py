@@ -331,3 +331,29 @@ def test_sigint_with_streams_in_flight_frees_the_port_at_once(server):
     record = json.loads(open(server.out_path).read().strip().splitlines()[-1])
     assert record["tool"] == "serve" and record["requests"]["error"] == 6, record
     assert re.search(r"serving 'tiny-compat' at http://127\.0\.0\.1:\d+ \(pid \d+\)", server.output())
+
+
+@pytest.mark.parametrize("text", ["", "a", 'quote " and \\ backslash', "line\nbreak\ttab\x01", "日本語 ☃ é",
+                                  "\u2028\u2029", "</script>"])
+@pytest.mark.parametrize("finish", [None, "stop", "length"])
+@pytest.mark.parametrize("ids", [None, [0, 7, 123456]])
+def test_streamed_chunks_are_the_models_json(text, finish, ids):
+    """The per-output events written from a template (StreamChunks) hold the JSON event() writes of the
+    response models, field for field (an event one JSON object; the same keys, values and order)."""
+    from metrale_graph.server.protocol import (ChatChunk, ChatChunkChoice, CompletionChoice, CompletionResponse,
+                                               DeltaMessage, StreamChunks, event)
+
+    def body(sse):
+        assert sse.startswith("data: ") and sse.endswith("\n\n") and "\n" not in sse[6:-2]
+        return json.loads(sse[6:-2], object_pairs_hook=list)  # pairs: the keys' order counts too
+
+    rid, created, model = "cmpl-1f", 1764547200, 'tiny "model" é'
+    completion = StreamChunks("text_completion", rid, created, model).completion(3, text, finish, ids)
+    want = event(CompletionResponse(id=rid, created=created, model=model, choices=[
+        CompletionChoice(index=3, text=text, finish_reason=finish, token_ids=ids)]))
+    assert body(completion) == body(want)
+    content = text or None
+    chat = StreamChunks("chat.completion.chunk", rid, created, model).chat(0, content, finish, ids)
+    want = event(ChatChunk(id=rid, created=created, model=model, choices=[
+        ChatChunkChoice(index=0, delta=DeltaMessage(content=content), finish_reason=finish, token_ids=ids)]))
+    assert body(chat) == body(want)

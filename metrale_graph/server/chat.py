@@ -16,7 +16,7 @@ from typing import AsyncIterator
 from .errors import stream_event
 from .generation import Generations
 from .protocol import (DONE, AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletionRequest,
-                       ChatResponse, DeltaMessage, event, now, request_id)
+                       ChatResponse, DeltaMessage, StreamChunks, event, now, request_id)
 from .state import ServerState
 
 
@@ -44,15 +44,14 @@ async def _events(state: ServerState, body: ChatCompletionRequest, group: Genera
     def chunk(choices, usage=None) -> str:
         return event(ChatChunk(id=rid, created=created, model=model, choices=choices, usage=usage))
 
+    chunks = StreamChunks("chat.completion.chunk", rid, created, model)
     try:
         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(len(group))])
         async for choice, out in group.stream():
             if not (out.text or out.finish_reason or (ids and out.token_ids)):
                 continue
-            yield chunk([ChatChunkChoice(index=choice, delta=DeltaMessage(content=out.text or None),
-                                         finish_reason=out.finish_reason,
-                                         token_ids=list(out.token_ids) if ids else None)])
+            yield chunks.chat(choice, out.text or None, out.finish_reason, list(out.token_ids) if ids else None)
         if body.stream_options is not None and body.stream_options.include_usage:
             yield chunk([], group.usage())
     except Exception as e:  # the request failed after the stream began (a step's error, shutdown)

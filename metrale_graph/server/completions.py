@@ -12,7 +12,8 @@ from typing import AsyncIterator
 
 from .errors import stream_event
 from .generation import Generations
-from .protocol import DONE, CompletionChoice, CompletionRequest, CompletionResponse, event, now, request_id
+from .protocol import (DONE, CompletionChoice, CompletionRequest, CompletionResponse, StreamChunks, event, now,
+                       request_id)
 from .state import ServerState
 
 
@@ -46,13 +47,12 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw_req
 async def _events(state: ServerState, body: CompletionRequest, group: Generations, rid: str) -> AsyncIterator[str]:
     created, model = now(), state.model_name
     ids = body.return_token_ids
+    chunks = StreamChunks("text_completion", rid, created, model)
     try:
         async for choice, out in group.stream():
             if not (out.text or out.finish_reason or (ids and out.token_ids)):
                 continue
-            chunk = CompletionChoice(index=choice, text=out.text or "", finish_reason=out.finish_reason,
-                                     token_ids=list(out.token_ids) if ids else None)
-            yield event(CompletionResponse(id=rid, created=created, model=model, choices=[chunk]))
+            yield chunks.completion(choice, out.text or "", out.finish_reason, list(out.token_ids) if ids else None)
         if body.stream_options is not None and body.stream_options.include_usage:
             usage = group.usage()
             yield event(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage))

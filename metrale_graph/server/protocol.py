@@ -14,8 +14,10 @@ started is one `data: {"error": {...}}` event before `[DONE]` (the openai client
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from json.encoder import encode_basestring  # (C) a str as a JSON string, non-ASCII kept: as json.dumps(s, ensure_ascii=False)
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_serializer
@@ -323,3 +325,36 @@ DONE = "data: [DONE]\n\n"
 def event(body: BaseModel) -> str:
     """One server-sent event holding `body` as JSON."""
     return f"data: {body.model_dump_json()}\n\n"
+
+
+def _json(value) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+_FINISH = {None: "null", "stop": '"stop"', "length": '"length"'}  # FinishReason's values, encoded
+
+
+class StreamChunks:
+    """The per-output events of one stream (a completion's or a chat's), the JSON of the same models that
+    event() writes, from a template: the fields that stay (id, object, created, model) are encoded once,
+    so an output costs one encoding of its text (a server streams one event per request per step;
+    pydantic models per event were a large part of the server's time per token)."""
+
+    def __init__(self, obj: str, rid: str, created: int, model: str):
+        head = _json({"id": rid, "object": obj, "created": created, "model": model})
+        self._head = f'data: {head[:-1]},"choices":[{{"index":'
+
+    def completion(self, index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None) -> str:
+        """event(CompletionResponse(..., choices=[CompletionChoice(index, text, finish_reason, token_ids)]))."""
+        ids = "" if token_ids is None else f',"token_ids":[{",".join(map(str, token_ids))}]'
+        return (f'{self._head}{index},"text":{encode_basestring(text)},"logprobs":null,'
+                f'"finish_reason":{_FINISH[finish_reason]}{ids}}}]}}\n\n')
+
+    def chat(self, index: int, content: str | None, finish_reason: str | None,
+             token_ids: list[int] | None = None) -> str:
+        """event(ChatChunk(..., choices=[ChatChunkChoice(index, DeltaMessage(content=content), finish_reason,
+        token_ids)]))."""
+        delta = "{}" if content is None else f'{{"content":{encode_basestring(content)}}}'
+        ids = "" if token_ids is None else f',"token_ids":[{",".join(map(str, token_ids))}]'
+        return (f'{self._head}{index},"delta":{delta},"logprobs":null,'
+                f'"finish_reason":{_FINISH[finish_reason]}{ids}}}]}}\n\n')
