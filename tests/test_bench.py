@@ -225,3 +225,16 @@ def test_host_profile_names_where_a_steps_host_time_goes():
     inner_row = next(r for r in rows if r["function"].startswith("inner ("))
     assert inner_row["calls"] == 1 and inner_row["cum_ms"] >= inner_row["self_ms"] >= 0
     assert rows == sorted(rows, key=lambda r: -r["cum_ms"])
+
+
+def test_decode_tools_refuse_to_run_without_a_gpu(capsys):
+    """bench_ops --decode and check_decode parse their flags and exit with a clear error on a CPU-only machine."""
+    from metrale_graph.tools import bench_ops, check_decode
+
+    for tool, argv in ((bench_ops, ["--decode", "1,32"]), (check_decode, ["--streams", "1"])):
+        with pytest.raises(SystemExit) as e:
+            tool.main(argv)
+        assert e.value.code == 1 and "needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        bench_ops.main(["--decode", "0"])
+    assert e.value.code == 2

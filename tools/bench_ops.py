@@ -7,6 +7,11 @@ which is what a captured prefill pays). Prints a table, optionally writes it as 
 ends with one JSON line.
 
     python -m metrale_graph.tools.bench_ops [--tokens 512,8192] [--streams 4] [--markdown FILE]
+    python -m metrale_graph.tools.bench_ops --decode 1,32,128 [--context 2048]   # decode steps' ops
+
+--decode B,...: instead of prefills, decode-shaped calls: B streams of one new token after --context
+cached tokens each (tools.bench's D1 / D32 / D128), where the floor is the states, the cached K/V and
+the weights a step reads.
 """
 
 from __future__ import annotations
@@ -42,15 +47,28 @@ def ops_of(cfg) -> list[str]:
     return [name for name in REGISTRY if name not in skip]
 
 
+def _shapes(cfg, n: int, args) -> Shapes:
+    """The call's sizes: with --decode, n one-token streams after --context cached tokens each; else n
+    tokens over --streams fresh streams (one slot each)."""
+    if args.decode:
+        return Shapes.from_config(cfg, [1] * n, [args.context] * n)
+    lengths = [n // args.streams] * args.streams
+    lengths[-1] += n - sum(lengths)
+    return Shapes.from_config(cfg, lengths)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m metrale_graph.tools.bench_ops", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen3.5-9b", choices=list(PRESETS))
     p.add_argument("--tokens", type=positive_ints, default="512,8192", help="comma-separated total token counts")
     p.add_argument("--streams", type=positive_int, default=4, help="streams the tokens are split into")
+    p.add_argument("--decode", type=positive_ints, default=None,
+                   help="comma-separated stream counts: decode-shaped calls (one new token each) instead of --tokens")
+    p.add_argument("--context", type=positive_int, default=2048, help="cached tokens per stream with --decode")
     p.add_argument("--markdown", type=output_file, default=None, help="also write the table to this markdown file")
     args = p.parse_args(argv)
-    if min(args.tokens) < args.streams:
+    if args.decode is None and min(args.tokens) < args.streams:
         p.error(f"--tokens {min(args.tokens)} is fewer than --streams {args.streams}: every stream needs a token")
     if not torch.cuda.is_available():
         p.exit(1, f"{p.prog}: error: this benchmark needs a CUDA GPU; torch sees none\n")
@@ -58,11 +76,9 @@ def main(argv=None) -> None:
 
     cfg = PRESETS[args.preset]
     rows, records = [], []
-    jobs = [(T, name) for T in args.tokens for name in ops_of(cfg)]
+    jobs = [(T, name) for T in (args.decode or args.tokens) for name in ops_of(cfg)]
     for T, name in progress_bar(jobs, desc="ops", unit="op"):
-        lengths = [T // args.streams] * args.streams
-        lengths[-1] += T - sum(lengths)
-        shapes = Shapes.from_config(cfg, lengths)  # fresh streams, one slot each
+        shapes = _shapes(cfg, T, args)
         inputs = example_args(name, shapes, torch.bfloat16, device="cuda")
         call = functools.partial(REGISTRY[name].op, *inputs)
         eager = triton.testing.do_bench(call, warmup=50, rep=200, return_mode="median")
@@ -73,12 +89,15 @@ def main(argv=None) -> None:
         floor, bound = floor_ms(0.0, nbytes, flops) if shapes.fp8 else floor_ms(flops, nbytes)
         rows.append([name, T, f"{eager:.3f}", f"{ms:.3f}", f"{floor:.3f}", f"{ms / floor:.2f}x", bound,
                      f"{flops / ms / 1e9:.0f}", f"{nbytes / ms / 1e6:.0f}"])
-        records.append({"op": name, "tokens": T, "eager_ms": round(eager, 4), "graph_ms": round(ms, 4),
-                        "floor_ms": round(floor, 4)})
+        records.append({"op": name, "tokens": T, "cached": sum(shapes.context), "eager_ms": round(eager, 4),
+                        "graph_ms": round(ms, 4), "floor_ms": round(floor, 4)})
         del inputs, call
-    headers = ["op", "tokens", "eager ms", "graph ms", "floor ms", "graph / floor", "bound", "TFLOP/s", "GB/s"]
+    headers = ["op", "streams" if args.decode else "tokens", "eager ms", "graph ms", "floor ms", "graph / floor",
+               "bound", "TFLOP/s", "GB/s"]
     weights = "FP8 weights, bf16 activations" if cfg.quantization is not None else "bf16"
-    print(f"\n{args.preset}, {weights}, {args.streams} streams, {torch.cuda.get_device_name()}")
+    what = (f"decode: one new token a stream after {args.context} cached" if args.decode else
+            f"{args.streams} streams")
+    print(f"\n{args.preset}, {weights}, {what}, {torch.cuda.get_device_name()}")
     print_table(headers, rows)
     if args.markdown:
         write_whole(args.markdown, markdown_table(headers, rows))

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One GPU session in one command (device machines start bare): install the carried
 # flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
-#   usage: bash tools/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|bench|profile|moe|tp|fp8|fp8-bench|serve|prefix|all|setup]
+#   usage: bash tools/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|tp|fp8|fp8-bench|serve|prefix|all|setup]
 #   (run from the repository root)
 # tests: every GPU test (sweep + op-tests + model-tests: ~18 min, more than one call); ops: per-op
-# benchmark; bench: 9B workloads with the peer and generation; profile (not in all): the 9B workloads' device
+# benchmark; decode (not in all): bench_ops at decode shapes and tools/check_decode.py's tile sweep; bench: 9B workloads with the peer and generation; profile (not in all): the 9B workloads' device
 # time by phase and top kernels (bench --profile);
 # moe: the 35B-A3B and (12 layers) Qwen3-Next-80B-A3B workloads with the peer, the 35B-A3B default-grid warmup; tp: the two-GPU benchmarks
 # (9B W2 / W5 against the one-GPU JSON in benchmarks/, 27B W1-W6, 35B-A3B W1 / W2 / W5 with the experts
@@ -66,6 +66,14 @@ if [[ $what == bench || $what == all ]]; then
     python3 -m metrale_graph.tools.bench --preset tiny --repeat 3 2>&1 | tee "$OUT/bench_tiny.log" | tail -12
     python3 -m metrale_graph.tools.bench --repeat 7 --generate --json "$OUT/bench.json" --markdown "$OUT/bench.md" \
         2>&1 | tee "$OUT/bench.log" | tail -18
+fi
+if [[ $what == decode ]]; then
+    # issue 24's decode targets: every op at D1 / D32 / D128 shapes against its floor, then the sweep of the two
+    # state-bound kernels' tiles (the GDN recurrence's BV / warps, paged decode's split count)
+    python3 -m metrale_graph.tools.bench_ops --decode 1,32,128 --markdown "$OUT/bench_ops-decode.md" 2>&1 \
+        | tee "$OUT/bench_ops-decode.log" | tail -32
+    python3 -m metrale_graph.tools.check_decode --json "$OUT/check_decode.json" 2>&1 | tee "$OUT/check_decode.log" \
+        | tail -45
 fi
 if [[ $what == profile ]]; then
     python3 -m metrale_graph.tools.bench --workloads W2,W4,W5,W7,D1,D32,D128 --variants compiled,graphs --repeat 5 \

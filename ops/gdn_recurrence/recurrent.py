@@ -81,7 +81,8 @@ def recurrent_tiles(K: int, V: int) -> tuple[int, int, int]:
     return BK, min(8, triton.next_power_of_2(V)), 1 if BK <= 128 else 2
 
 
-def gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, max_len=None, o=None, keep=None):
+def gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, max_len=None, o=None, keep=None,
+                             tiles=None):
     """The gated delta rule token by token, each stream from and back into its pool row (one launch,
     no host sync). Exact for any lengths; sequential in each stream's length.
 
@@ -89,6 +90,7 @@ def gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, 
     touched. `o` (default: a fresh [T, HV, V] in v's dtype) receives the other streams' rows.
     keep: (checkpoint_tokens, checkpoint_entries, pool) or None (ops/checkpoints.py): pool[entry] receives
     the state after its token, for the tokens of the streams this call takes (one entry per token).
+    tiles: (BV, num_warps) instead of recurrent_tiles' (tools/check_decode.py's sweep; BV a power of two).
     """
     T, H, K = q.shape
     HV, V = v.shape[1:]
@@ -100,6 +102,8 @@ def gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, 
     q, k, v = (x if x.stride(2) == 1 else x.contiguous() for x in (q, k, v))
     cu_seqlens, slot_ids = cu_seqlens.contiguous(), slot_ids.contiguous()  # indexed as contiguous; the pool by strides
     BK, BV, warps = recurrent_tiles(K, V)
+    if tiles is not None:
+        BV, warps = tiles
     if keep is not None:
         ck_map, pool = token_entries(keep[0], keep[1], T), keep[2]
     else:
