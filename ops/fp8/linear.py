@@ -18,7 +18,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .quant import (BLOCK, INTERPRET, check_block_weight, dequantize_weight_blocks, fake_quantize_activations,
-                    quantize_activations, round_to)
+                    quantize_activations, quantize_e4m3, round_to)
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BACKENDS = ("auto", "cublas", "triton", "splitk")
@@ -207,10 +207,14 @@ def splitk_parts(N: int, K: int, device: torch.device) -> tuple[int, int]:
                  key=["N", "K", "K_PER"], cache_results=True)
 @triton.jit
 def _block_fp8_splitk_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, p_ptr, M, N, K, K_PER, stride_am, stride_as_m, stride_as_g,
-                             stride_bn, stride_bs_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                             stride_bn, stride_bs_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                             QUANT_A: tl.constexpr):
     """Part program_id(1) of K ([k_lo, k_lo + K_PER), whole 128-groups) for BN columns of all M <= BM rows:
     p[part, m, n] = sum over its K steps of (a[m] . b[n]) * as[m, g] * bs[n // 128, g] in fp32. a, as,
-    b, bs as _block_fp8_gemm_kernel's; p: [parts, M, N] fp32."""
+    b, bs as _block_fp8_gemm_kernel's; p: [parts, M, N] fp32. QUANT_A: a is the unquantized activations
+    (bf16 / fp16 / fp32, as_ptr unread), each K step (one 128-group, BK = 128) quantized in registers with
+    quantize_activations' arithmetic (quantize_e4m3): the same codes and scales, one launch and one round
+    trip through memory fewer."""
     pid_n = tl.program_id(0)
     part = tl.program_id(1)
     rows = tl.arange(0, BM)
@@ -227,10 +231,15 @@ def _block_fp8_splitk_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, p_ptr, M, N, K, K_PER
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         mk = k < k_hi - k0
-        a = tl.load(a_ptrs, mask=mk[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=mk[:, None], other=0.0)
         g = k0 // 128
-        acc += tl.dot(a, b) * tl.load(as_ptrs + g * stride_as_g)[:, None] * tl.load(bs_ptrs + g).to(tl.float32)[None, :]
+        if QUANT_A:
+            x = tl.load(a_ptrs, mask=mk[None, :], other=0.0).to(tl.float32)
+            a, sa = quantize_e4m3(x, tl.max(tl.abs(x), axis=1))
+        else:
+            a = tl.load(a_ptrs, mask=mk[None, :], other=0.0)
+            sa = tl.load(as_ptrs + g * stride_as_g)
+        b = tl.load(b_ptrs, mask=mk[:, None], other=0.0)
+        acc += tl.dot(a, b) * sa[:, None] * tl.load(bs_ptrs + g).to(tl.float32)[None, :]
         a_ptrs += BK
         b_ptrs += BK
     mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -256,11 +265,13 @@ def _splitk_sum_kernel(p_ptr, r_ptr, c_ptr, M, N, PARTS, stride_rm, stride_cm, H
     tl.store(c_ptr + m * stride_cm + n, round_to(acc, dt).to(dt), mask=inside)
 
 
-def block_fp8_gemm_splitk(x_fp8: Tensor, x_scale: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype,
+def block_fp8_gemm_splitk(x_fp8: Tensor, x_scale: Tensor | None, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype,
                           residual=None) -> Tensor:
     """The split-K block-scaled GEMM for decode-shaped calls (T <= SPLITK_MAX_ROWS): K in parts
     (splitk_parts), each part's fp32 partial product stored, then summed in a fixed order with the
-    residual and rounded once (as block_fp8_gemm_triton). Arguments and result as block_fp8_gemm_triton's."""
+    residual and rounded once (as block_fp8_gemm_triton). Arguments and result as block_fp8_gemm_triton's;
+    x_scale None: x_fp8 is the unquantized activations (unit inner stride), quantized inside the GEMM
+    (the same codes and scales as quantize_activations: the same result bit for bit)."""
     T, K = x_fp8.shape
     N = w_fp8.shape[0]
     if T > SPLITK_MAX_ROWS:
@@ -268,11 +279,16 @@ def block_fp8_gemm_splitk(x_fp8: Tensor, x_scale: Tensor, w_fp8: Tensor, w_scale
     out, empty, w_fp8, w_scale_inv, residual = _operands(x_fp8, w_fp8, w_scale_inv, out_dtype, residual)
     if empty:
         return out
+    quant = x_scale is None
+    if quant and x_fp8.stride(-1) != 1:
+        x_fp8 = x_fp8.contiguous()
     parts, k_per = splitk_parts(N, K, x_fp8.device)
     partial = torch.empty((parts, T, N), dtype=torch.float32, device=x_fp8.device)
+    scale = x_fp8 if quant else x_scale  # (unread when quant)
     _block_fp8_splitk_kernel[(triton.cdiv(N, SPLITK_BN), parts)](
-        x_fp8, x_scale, w_fp8, w_scale_inv, partial, T, N, K, k_per, x_fp8.stride(0), x_scale.stride(0),
-        x_scale.stride(1), w_fp8.stride(0), w_scale_inv.stride(0), BM=SPLITK_MAX_ROWS, BN=SPLITK_BN, BK=128)
+        x_fp8, scale, w_fp8, w_scale_inv, partial, T, N, K, k_per, x_fp8.stride(0), scale.stride(0),
+        scale.stride(1), w_fp8.stride(0), w_scale_inv.stride(0), BM=SPLITK_MAX_ROWS, BN=SPLITK_BN, BK=128,
+        QUANT_A=quant)
     BLOCK_E = 1024
     _splitk_sum_kernel[(triton.cdiv(T * N, BLOCK_E),)](
         partial, out if residual is None else residual, out, T, N, parts,
@@ -318,8 +334,9 @@ def block_fp8_linear(x: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype=No
         x_fp8, x_scale = quantize_activations(x, column_major_scales=True, rows=rows)
         out = block_fp8_gemm_cublas(x_fp8, x_scale, w_fp8, w_scale_inv, out_dtype)[:T]
         return out if residual is None else out.add_(residual)
-    if backend == "splitk" and T > SPLITK_MAX_ROWS:
-        raise ValueError(f"block_fp8_linear: the splitk backend takes at most {SPLITK_MAX_ROWS} rows, got {T}")
+    if backend == "splitk":
+        if T > SPLITK_MAX_ROWS:
+            raise ValueError(f"block_fp8_linear: the splitk backend takes at most {SPLITK_MAX_ROWS} rows, got {T}")
+        return block_fp8_gemm_splitk(x, None, w_fp8, w_scale_inv, out_dtype, residual)  # x quantized inside
     x_fp8, x_scale = quantize_activations(x)
-    gemm = block_fp8_gemm_splitk if backend == "splitk" else block_fp8_gemm_triton
-    return gemm(x_fp8, x_scale, w_fp8, w_scale_inv, out_dtype, residual)
+    return block_fp8_gemm_triton(x_fp8, x_scale, w_fp8, w_scale_inv, out_dtype, residual)
