@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 SPREAD_MODULES = {"test_kernels", "test_ops"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the marks to group the items
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.module.__name__
