@@ -331,6 +331,7 @@ def test_bench_serve_runs_against_the_server(server, capsys, tmp_path):
     out = capsys.readouterr().out
     record = json.loads(out.strip().splitlines()[-1])
     assert record["tool"] == "bench_serve" and record["model"] == NAME
+    assert "--max-concurrency 4" in record["command"] and record["torch"]  # what produced it (provenance)
     assert (record["completed"], record["failed"], record["output_tokens"]) == (8, 0, 32)
     assert 0 < record["ttft_p50_ms"] <= record["ttft_p99_ms"] and record["itl_p50_ms"] > 0
     assert record["output_tokens_per_s"] > 0 and "TTFT mean / p50 / p99 (ms)" in out

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from metrale_graph.tools.flags import non_negative_float, output_file, positive_int
+from metrale_graph.tools.provenance import provenance
 from metrale_graph.tools.report import bars_shown, print_json, print_table
 
 
@@ -269,7 +270,7 @@ def main(argv=None) -> None:
     args.base_url = args.base_url.rstrip("/")
     if args.base_url.endswith("/v1"):
         args.base_url = args.base_url[:-3]
-    record = asyncio.run(_run(args))
+    record = {**asyncio.run(_run(args)), **provenance(argv)}
     _print(record)
     print_json(record)
     if args.json:

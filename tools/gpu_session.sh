@@ -144,6 +144,12 @@ if [[ $what == serve ]]; then
                 --input-len 512 --output-len 256 --max-concurrency $c --json "$OUT/bench_serve-$preset-c$c.json" 2>&1 \
                 | tee "$OUT/bench_serve-$preset-c$c.log" | tail -12
         done
+        # issue 27's TTFT target is at a request rate the server sustains (Poisson arrivals, not waves of 128)
+        for rate in ${SERVE_RATES:-8 12}; do
+            python3 -m metrale_graph.tools.bench_serve --base-url http://127.0.0.1:8011 --num-prompts 256 \
+                --input-len 512 --output-len 256 --request-rate $rate --max-concurrency 128 \
+                --json "$OUT/bench_serve-$preset-r$rate.json" 2>&1 | tee "$OUT/bench_serve-$preset-r$rate.log" | tail -12
+        done
         get http://127.0.0.1:8011/metrics > "$OUT/metrics-$preset.txt"
         kill -TERM $server; wait $server; tail -3 "$OUT/serve-$preset.log"
     done

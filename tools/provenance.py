@@ -7,10 +7,11 @@ import subprocess
 import sys
 
 
-def provenance() -> dict:
+def provenance(argv=None) -> dict:
     """The command line, the commit of this checkout ("-dirty" with uncommitted changes; None outside a git
     checkout) and the torch / triton versions. METRALE_COMMIT, when set, is the commit instead: for a copy of
-    a working tree whose .git is not that tree's (a device machine's copy keeps the .git it was first given)."""
+    a working tree whose .git is not that tree's (a device machine's copy keeps the .git it was first given).
+    argv: the tool's arguments when main(argv) was called with them (default: the command line's)."""
     import torch
     import triton
 
@@ -27,5 +28,6 @@ def provenance() -> dict:
         commit += "-dirty"
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     program = f"python -m {spec.name}" if spec else f"python {sys.argv[0]}"
-    return {"command": " ".join([program] + sys.argv[1:]), "commit": commit, "torch": torch.__version__,
+    args = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    return {"command": " ".join([program] + args), "commit": commit, "torch": torch.__version__,
             "triton": triton.__version__}
