@@ -233,12 +233,11 @@ class HybridCache:
 
     def blocks_needed(self, slot: int, new_tokens: int) -> int:
         """Blocks slot must still be given to hold `new_tokens` more tokens."""
-        need = -(-(self.context_lens[slot] + new_tokens) // self.block_size)
-        return max(0, need - len(self._blocks[slot]))
+        return sum(n for _, n in self.block_needs([(slot, new_tokens)]))
 
     def block_needs(self, growth) -> list[tuple[int, int]]:
         """(slot, blocks) of each slot of the (slot, new tokens) pairs of `growth` (distinct slots) that must
-        still be given blocks to hold its new tokens: the slots' share of blocks_needed, those above 0."""
+        still be given blocks to hold its new tokens (blocks_needed of each), those above 0."""
         bs, context, blocks = self.block_size, self.context_lens, self._blocks
         needs = [(slot, -(-(context[slot] + n) // bs) - len(blocks[slot])) for slot, n in growth]
         return [sn for sn in needs if sn[1] > 0]

@@ -192,9 +192,7 @@ class PrefixIndex:
         """Forget every kept prefix: no block keeps a key (cached free blocks become plain free ones; blocks
         slots hold stay theirs, no longer findable) and no checkpoint entry is recorded. The counters are
         kept (lifetime figures)."""
-        for b in range(len(self.refs)):
-            if self._keys[b]:
-                self._keys[b] = set()
+        self._keys = [set() for _ in self.refs]
         self._by_key.clear()
         self._plain = sorted(set(self._plain) | set(self._cached), reverse=True)
         self._cached.clear()

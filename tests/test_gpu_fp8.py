@@ -44,13 +44,13 @@ def test_fp8_model_graph_replay_equals_eager():
     """An FP8 model (9B head shapes, 4 layers) through GraphRunner: two replays of a batch are bit-identical;
     where the bucket's padded token count takes the same GEMM backend as the eager step's real one (both
     at most SPLITK_MAX_ROWS: the split-K GEMM, whose rows do not see each other and whose parts depend on
-    the weight's shape only) replay = eager as in bf16; where padding crosses to cuBLAS (or cuBLAS runs at another row count) replay and eager are two W8A8
-    roundings of one product, as far apart as FP8 activations go: within the activation rounding's own
-    reach, measured on the same batch (eager W8A8 against eager weight-only). Measured on the H200 at
-    6b9890b: 3 decode tokens padded to 64 (then the one-pass Triton GEMM eager, cuBLAS replay) 1.24e-1 of the logits, on a
-    random model whose activation rounding moves them by ~2e-1 (on the CPU reference path 2.0e-1 at 3 tokens,
-    2.4e-1 at 322)."""
-    from metrale_graph.capture import GraphRunner
+    the weight's shape only) replay = eager as in bf16; where padding crosses to cuBLAS (or cuBLAS runs at
+    another row count) replay and eager are two W8A8 roundings of one product, as far apart as FP8
+    activations go: within the activation rounding's own reach, measured on the same batch (eager W8A8
+    against eager weight-only). Measured on the H200 at 6b9890b: 3 decode tokens padded to 64 (then the
+    one-pass Triton GEMM eager, cuBLAS replay) 1.24e-1 of the logits, on a random model whose activation
+    rounding moves them by ~2e-1 (on the CPU reference path 2.0e-1 at 3 tokens, 2.4e-1 at 322)."""
+    from metrale_graph.capture import GraphRunner, choose
     from metrale_graph.ops.fp8 import SPLITK_MAX_ROWS, activation_rounding
     from metrale_graph.quantization import QWEN_KEPT
     from metrale_graph.quantized import fp8_config
@@ -73,7 +73,7 @@ def test_fp8_model_graph_replay_equals_eager():
         for s in range(len(lengths)):
             runner.cache.reset(s)
         assert torch.equal(first, again)
-        padded = min(t for t in (4, 64, 512) if t >= sum(lengths))
+        padded = choose(runner.grid, len(lengths), sum(lengths)).tokens
         err, reach = rel_err(first.float(), ref), rel_err(ref, weight_only)
         print(f"lengths {lengths} (bucket {padded}): graphs vs eager {err:.2e}, activation rounding's reach "
               f"{reach:.2e}")

@@ -105,7 +105,8 @@ def run_workloads(model, names: list[str], variants: list[str], repeat: int, see
     per workload (the JSON rows: floors, ms per variant, the GPU-busy fraction with graphs, the profile).
     `on_row(row, lines)` is called as each workload finishes, with the lines of its profile (--profile)."""
     from metrale_graph.tools.peer import bench_peer
-    from metrale_graph.tools.profiling import device_busy_ms, host_profile as profile_host, kernel_breakdown, phase_of, time_cuda
+    from metrale_graph.tools.profiling import (device_busy_ms, host_profile as profile_host, kernel_breakdown,
+                                               phase_of, time_cuda)
 
     cfg = model.config
     ours = Ours(model, [WORKLOADS[w] for w in names], grid_of(names))

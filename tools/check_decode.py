@@ -22,6 +22,7 @@ import torch
 
 from metrale_graph import PRESETS
 from metrale_graph.ops import REGISTRY, Shapes, example_args
+from metrale_graph.tools.check_gdn_chunked import rel
 from metrale_graph.tools.files import write_whole
 from metrale_graph.tools.flags import output_file, positive_int, positive_ints
 from metrale_graph.tools.provenance import provenance
@@ -40,15 +41,12 @@ def graph_ms(call) -> float:
         return triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median")
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
 def sweep_recurrent(cfg, B: int) -> list[dict]:
     from metrale_graph.ops.gdn_recurrence import gdn_recurrence_recurrent
     from metrale_graph.ops.gdn_recurrence.recurrent import recurrent_tiles
 
-    H, HV, K, V = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    H, HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    K, V = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     g = torch.Generator(device="cuda").manual_seed(B)
     qk = torch.nn.functional.normalize(torch.randn(B, 2 * H, K, generator=g, device="cuda"), dim=-1).to(torch.bfloat16)
     q, k = qk[:, :H], qk[:, H:]
@@ -94,7 +92,6 @@ def sweep_paged(cfg, B: int, context: int) -> list[dict]:
                    "floor_ms": round(floor, 4)}
             try:
                 out = op.op(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
-                out = out[0] if isinstance(out, tuple) else out
                 ref = out if ref is None else ref
                 row["vs_default"] = rel(out, ref)
                 row["graph_ms"] = round(graph_ms(functools.partial(op.op, *args)), 4)
@@ -126,7 +123,8 @@ def main(argv=None) -> None:
               r.get("graph_ms", "-"), r["floor_ms"],
               f"{r['graph_ms'] / r['floor_ms']:.2f}x" if "graph_ms" in r else "-",
               f"{r['vs_default']:.1e}" if "vs_default" in r else "-", r.get("error", "")] for r in rows]
-    print(f"\n{args.preset}, one layer, decode after {args.context} cached tokens a stream, {torch.cuda.get_device_name()}")
+    print(f"\n{args.preset}, one layer, decode after {args.context} cached tokens a stream, "
+          f"{torch.cuda.get_device_name()}")
     print_table(["kernel", "streams", "config", "graph ms", "floor ms", "/ floor", "vs default", "error"], table)
     record = {"tool": "check_decode", "preset": args.preset, "context": args.context,
               "device": torch.cuda.get_device_name(), **provenance(), "rows": rows}

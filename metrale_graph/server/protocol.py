@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from json.encoder import encode_basestring  # (C) a str as a JSON string, non-ASCII kept: as json.dumps(s, ensure_ascii=False)
+from json.encoder import encode_basestring  # (C) a str as JSON, non-ASCII kept: json.dumps(s, ensure_ascii=False)
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_serializer
@@ -327,10 +327,6 @@ def event(body: BaseModel) -> str:
     return f"data: {body.model_dump_json()}\n\n"
 
 
-def _json(value) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-
-
 _FINISH = {None: "null", "stop": '"stop"', "length": '"length"'}  # FinishReason's values, encoded
 
 
@@ -341,20 +337,23 @@ class StreamChunks:
     pydantic models per event were a large part of the server's time per token)."""
 
     def __init__(self, obj: str, rid: str, created: int, model: str):
-        head = _json({"id": rid, "object": obj, "created": created, "model": model})
+        head = json.dumps({"id": rid, "object": obj, "created": created, "model": model}, ensure_ascii=False,
+                          separators=(",", ":"))
         self._head = f'data: {head[:-1]},"choices":[{{"index":'
 
     def completion(self, index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None) -> str:
         """event(CompletionResponse(..., choices=[CompletionChoice(index, text, finish_reason, token_ids)]))."""
-        ids = "" if token_ids is None else f',"token_ids":[{",".join(map(str, token_ids))}]'
-        return (f'{self._head}{index},"text":{encode_basestring(text)},"logprobs":null,'
-                f'"finish_reason":{_FINISH[finish_reason]}{ids}}}]}}\n\n')
+        return f'{self._head}{index},"text":{encode_basestring(text)},{_choice_end(finish_reason, token_ids)}'
 
     def chat(self, index: int, content: str | None, finish_reason: str | None,
              token_ids: list[int] | None = None) -> str:
         """event(ChatChunk(..., choices=[ChatChunkChoice(index, DeltaMessage(content=content), finish_reason,
         token_ids)]))."""
         delta = "{}" if content is None else f'{{"content":{encode_basestring(content)}}}'
-        ids = "" if token_ids is None else f',"token_ids":[{",".join(map(str, token_ids))}]'
-        return (f'{self._head}{index},"delta":{delta},"logprobs":null,'
-                f'"finish_reason":{_FINISH[finish_reason]}{ids}}}]}}\n\n')
+        return f'{self._head}{index},"delta":{delta},{_choice_end(finish_reason, token_ids)}'
+
+
+def _choice_end(finish_reason: str | None, token_ids: list[int] | None) -> str:
+    """A streamed choice's last fields (logprobs, finish_reason, token_ids when given) and the event's end."""
+    ids = "" if token_ids is None else f',"token_ids":[{",".join(map(str, token_ids))}]'
+    return f'"logprobs":null,"finish_reason":{_FINISH[finish_reason]}{ids}}}]}}\n\n'

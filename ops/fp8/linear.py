@@ -300,8 +300,9 @@ def block_fp8_gemm_splitk(x_fp8: Tensor, x_scale: Tensor | None, w_fp8: Tensor, 
 def auto_backend(T: int, N: int, K: int, device: torch.device, out_dtype=torch.bfloat16) -> str:
     """The GEMM block_fp8_linear's "auto" takes for T rows of an [N, K] weight on `device`: on CUDA the
     split-K GEMM for decode rows (T <= SPLITK_MAX_ROWS: faster than the one-pass GEMM and cuBLAS at
-    three of the 9B's four shapes on the H200, up to 2.7x; tools/check_fp8.py perf), cuBLAS above where cublas_blockwise_ok, else the
-    one-pass Triton GEMM; in the interpreter the one-pass GEMM; elsewhere the reference."""
+    three of the 9B's four shapes on the H200, up to 2.7x; tools/check_fp8.py perf), cuBLAS above where
+    cublas_blockwise_ok, else the one-pass Triton GEMM; in the interpreter the one-pass GEMM; elsewhere
+    the reference."""
     if device.type != "cuda":
         return "triton" if INTERPRET else "reference"
     if 0 < T <= SPLITK_MAX_ROWS:
@@ -319,8 +320,8 @@ def block_fp8_linear(x: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype=No
     as the reference); cuBLAS' output is rounded, then the residual added (a second rounding).
     backend: "auto" (auto_backend), "cublas", "triton" or "splitk" (the split-K Triton GEMM, T <=
     SPLITK_MAX_ROWS; CUDA or the interpreter); on a CPU without the interpreter every backend is the
-    reference. cuBLAS runs on T rounded up to a multiple of 16 (zero rows, sliced off). Bad arguments raise ValueError
-    naming them."""
+    reference. cuBLAS runs on T rounded up to a multiple of 16 (zero rows, sliced off). Bad arguments
+    raise ValueError naming them."""
     out_dtype = _check(x, w_fp8, w_scale_inv, out_dtype, residual, "block_fp8_linear")
     if backend not in BACKENDS:
         raise ValueError(f"block_fp8_linear: backend must be one of {BACKENDS}, got {backend!r}")
