@@ -244,6 +244,21 @@ def test_recurrent_kernel_matches_reference(case, dtype):
     _check_pool(args, ref_args, test_args, dtype)
 
 
+@pytest.mark.parametrize("tiles", [(16, 2), (32, 4)])
+def test_recurrent_kernel_tiles_match_the_default(tiles):
+    """tools/check_decode's tile sweep: other (BV, num_warps) tiles give the default's outputs and states (each
+    value column is its own reduction over K); tiles that are not two powers of two are a ValueError."""
+    case = RECURRENT_CASES[1]
+    args = op_args("gdn_recurrence", case, torch.float32, seed=4)
+    default, other = clone_args(args, DEVICE), clone_args(args, DEVICE)
+    out = gdn_recurrent.gdn_recurrence_recurrent(*default)
+    assert torch.equal(out, gdn_recurrent.gdn_recurrence_recurrent(*other, tiles=tiles))
+    assert torch.equal(default[-1], other[-1])
+    for bad in ((12, 2), (16,), (16, 0), (16.0, 2)):
+        with pytest.raises(ValueError, match="tiles must be"):
+            gdn_recurrent.gdn_recurrence_recurrent(*clone_args(args, DEVICE), tiles=bad)
+
+
 def _check_pool(args, ref_args, test_args, dtype, tol=None):
     """The GDN state pool after a call: within tolerance (default TOL[dtype]) of the reference's, and the rows
     of slots outside the batch (and of zero-length streams) bit-identical to before."""

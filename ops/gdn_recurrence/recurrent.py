@@ -95,6 +95,9 @@ def gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, 
     T, H, K = q.shape
     HV, V = v.shape[1:]
     B = slot_ids.shape[0]
+    if tiles is not None and not (len(tiles) == 2 and all(isinstance(t, int) and t > 0 and t & (t - 1) == 0
+                                                          for t in tiles)):
+        raise ValueError(f"gdn_recurrence_recurrent: tiles must be (BV, num_warps), two powers of two, got {tiles!r}")
     if o is None:
         o = torch.empty((T, HV, V), dtype=v.dtype, device=v.device)  # rows of tokens in no stream: unspecified
     if T == 0 or B == 0:
