@@ -858,10 +858,12 @@ B16, F32 = "*bf16", "*fp32"
 rec = dict(q_ptr=B16, k_ptr=B16, v_ptr=B16, g_ptr=F32, beta_ptr=B16, o_ptr=B16, state_ptr=F32, cu_ptr=I,
            slot_ptr="*i64", ck_map_ptr="*i64", ck_ptr=F32, scale="fp32")
 for K in (128, 256):
-    BK, BV, warps = recurrent.recurrent_tiles(K, 128)
-    fn = recurrent._gdn_recurrent_kernel
-    for ck in (False, True):  # with prefix-caching checkpoints or without
-        smem.append(compile_(fn, {n: rec.get(n, "i32") for n in fn.arg_names}, dict(BK=BK, BV=BV, CK=ck), warps, 3))
+    for pairs in (1, recurrent.WIDE_PROGRAMS):  # both tiles
+        BK, BV, warps = recurrent.recurrent_tiles(K, 128, pairs)
+        fn = recurrent._gdn_recurrent_kernel
+        for ck in (False, True):  # with prefix-caching checkpoints or without
+            smem.append(compile_(fn, {n: rec.get(n, "i32") for n in fn.arg_names}, dict(BK=BK, BV=BV, CK=ck), warps,
+                                 3))
 for E, k in ((256, 8), (512, 10)):
     smem.append(compile_(routing._moe_route_kernel, dict(logits_ptr=P, w_ptr=P, e_ptr="*i64", stride_l="i32", E="i32"),
                          dict(TOP_K=k, BLOCK_K=16 if k > 8 else 8, BLOCK_E=E, NORM=True), 4, 1))

@@ -57,7 +57,7 @@ def sweep_recurrent(cfg, B: int) -> list[dict]:
     slots = torch.arange(B, dtype=torch.int64, device="cuda")
     state0 = torch.randn(B + 1, HV, K, V, generator=g, device="cuda") * 0.1
     floor = (2 * B * HV * K * V * 4 + (2 * B * H * K + 2 * B * HV * V) * 2) / HBM * 1e3
-    default = recurrent_tiles(K, V)[1:]
+    default = recurrent_tiles(K, V, B * HV)[1:]
     ref_state = state0.clone()
     ref_o = gdn_recurrence_recurrent(q, k, v, gate, beta, cu, slots, ref_state)
     rows = []

@@ -73,12 +73,20 @@ def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr
         tl.store(p_s, S, mask=m_s)
 
 
-def recurrent_tiles(K: int, V: int) -> tuple[int, int, int]:
-    """(BK, BV, num_warps) of the recurrent kernel: the whole key dim (masked to a power of two) by 8
-    value columns, fla's fused_recurrent choice (many small programs: decode is bound by reading and
-    writing the state, so parallelism over (stream, head, V tile) is what counts)."""
+WIDE_PROGRAMS = 2048  # (stream, value head) pairs from which the wide tile fills the GPU (H200: 132 SMs)
+
+
+def recurrent_tiles(K: int, V: int, pairs: int = 0) -> tuple[int, int, int]:
+    """(BK, BV, num_warps) of the recurrent kernel for a call of `pairs` (stream, value head) pairs: the
+    whole key dim (masked to a power of two) by 32 value columns over 2 warps, or by 64 over 4 warps once
+    the pairs alone give WIDE_PROGRAMS programs (twice the warps for a key dim past 128). Measured on an
+    H200 at the 9B shape, one token per stream after 2048 (tools/check_decode.py, per layer): fla's
+    fused_recurrent tile (BV 8, one warp) took 3.8 / 85 / 544 us at 1 / 32 / 128 streams, BV 32 over 2
+    warps 3.1 / 43 / 165, BV 64 over 4 warps 3.7 / 42 / 150 against a state-traffic floor of 1 / 31 /
+    126: the state's rows are read and written in 128- and 256-byte runs instead of 32-byte ones."""
     BK = max(16, triton.next_power_of_2(K))
-    return BK, min(8, triton.next_power_of_2(V)), 1 if BK <= 128 else 2
+    wide = pairs >= WIDE_PROGRAMS
+    return BK, min(64 if wide else 32, triton.next_power_of_2(V)), (4 if wide else 2) * (1 if BK <= 128 else 2)
 
 
 def gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, max_len=None, o=None, keep=None,
@@ -90,7 +98,7 @@ def gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, 
     touched. `o` (default: a fresh [T, HV, V] in v's dtype) receives the other streams' rows.
     keep: (checkpoint_tokens, checkpoint_entries, pool) or None (ops/checkpoints.py): pool[entry] receives
     the state after its token, for the tokens of the streams this call takes (one entry per token).
-    tiles: (BV, num_warps) instead of recurrent_tiles' (tools/check_decode.py's sweep; BV a power of two).
+    tiles: (BV, num_warps) instead of recurrent_tiles' choice (tools/check_decode.py's sweep; BV a power of two).
     """
     T, H, K = q.shape
     HV, V = v.shape[1:]
@@ -104,7 +112,7 @@ def gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, 
         return o
     q, k, v = (x if x.stride(2) == 1 else x.contiguous() for x in (q, k, v))
     cu_seqlens, slot_ids = cu_seqlens.contiguous(), slot_ids.contiguous()  # indexed as contiguous; the pool by strides
-    BK, BV, warps = recurrent_tiles(K, V)
+    BK, BV, warps = recurrent_tiles(K, V, B * HV)
     if tiles is not None:
         BV, warps = tiles
     if keep is not None:
