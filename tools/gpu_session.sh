@@ -22,6 +22,13 @@
 #   one-GPU machine it had not finished W1 after 130 s: give it 5 min); 35B warmup ~2.5 min;
 #   bench --tp 2 9B W2,W5 ~1.5 min; bench --tp 2 27B W1-W6 ~2.5 min. On `nvidia-h200-x2` two one-GPU
 #   steps can run side by side (CUDA_VISIBLE_DEVICES=0 / 1).
+# Measured 2026-12-01 (fourth session): bench 9B --repeat 3 --generate had reached D128 after 370 s (every variant:
+#   run W1-D32 and D128 + --generate as two commands); serve (9B, 256 slots, 68 buckets in 68 s) with c32 / c128 /
+#   c256 / 8 req/s ~4 min; check_decode ~1 min; bench --profile D128,W7,D1 graphs ~1.5 min; bench 35B-A3B W1-W6
+#   graphs ~1.5 min; test_gpu_moe ~3 min; test_gpu_fp8 1.6 min; test_gpu_prefix did not finish in 290 s beside two
+#   other test processes (give it a call of its own). `timeout -s INT` does not stop pytest while Inductor
+#   compiles (ptxas dies, the compile goes on): keep each step's limit well inside the call's. A call returns at
+#   most 8 files from $OUT: the sections write few.
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/metrale_out}
@@ -128,9 +135,11 @@ if [[ $what == serve ]]; then
         (( ${#missing[@]} )) && python3 -m pip install -q --no-index --no-deps --target /tmp/site-serve "${missing[@]}"
         export PYTHONPATH=$PYTHONPATH:/tmp/site-serve
     fi
+    # a device call returns at most 8 files: per preset the server's log, the clients' log and one JSON of every run
+    runs=/tmp/serve-runs; rm -rf $runs; mkdir -p $runs
     for preset in ${SERVE_PRESETS:-qwen3.5-9b qwen3.5-35b-a3b}; do
-        python3 -m metrale_graph.tools.serve --model $preset --port 8011 --num-slots 256 --max-context 1024 \
-            --token-budget 4096 > "$OUT/serve-$preset.log" 2>&1 &
+        server_args="--model $preset --port 8011 --num-slots 256 --max-context 1024 --token-budget 4096"
+        python3 -m metrale_graph.tools.serve $server_args > "$OUT/serve-$preset.log" 2>&1 &
         server=$!
         get() { python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen('$1').read().decode())"; }
         for _ in $(seq 600); do
@@ -139,19 +148,28 @@ if [[ $what == serve ]]; then
             sleep 1
         done
         grep -E "warmup|serving" "$OUT/serve-$preset.log" | tail -2
-        for c in 32 128 256; do
-            python3 -m metrale_graph.tools.bench_serve --base-url http://127.0.0.1:8011 --num-prompts $((c * 2)) \
-                --input-len 512 --output-len 256 --max-concurrency $c --json "$OUT/bench_serve-$preset-c$c.json" 2>&1 \
-                | tee "$OUT/bench_serve-$preset-c$c.log" | tail -12
-        done
-        # issue 27's TTFT target is at a request rate the server sustains (Poisson arrivals, not waves of 128)
-        for rate in ${SERVE_RATES:-8 12}; do
-            python3 -m metrale_graph.tools.bench_serve --base-url http://127.0.0.1:8011 --num-prompts 256 \
-                --input-len 512 --output-len 256 --request-rate $rate --max-concurrency 128 \
-                --json "$OUT/bench_serve-$preset-r$rate.json" 2>&1 | tee "$OUT/bench_serve-$preset-r$rate.log" | tail -12
-        done
-        get http://127.0.0.1:8011/metrics > "$OUT/metrics-$preset.txt"
+        bench() {  # name, then bench_serve's load flags
+            local name=$1; shift
+            python3 -m metrale_graph.tools.bench_serve --base-url http://127.0.0.1:8011 --input-len 512 --output-len 256 \
+                "$@" --json "$runs/$preset-$name.json" 2>&1 | tee -a "$OUT/bench_serve-$preset.log" | tail -12
+        }
+        for c in 32 128 256; do bench c$c --num-prompts $((c * 2)) --max-concurrency $c; done
+        # issue 27's TTFT target is at a request rate the server sustains (Poisson arrivals, not waves of 128; the
+        # 9B saturates near 20 req/s)
+        for rate in ${SERVE_RATES:-8 16}; do bench r$rate --num-prompts 256 --request-rate $rate --max-concurrency 128; done
+        get http://127.0.0.1:8011/metrics > "$runs/$preset-metrics.txt"
         kill -TERM $server; wait $server; tail -3 "$OUT/serve-$preset.log"
+        python3 - "$runs" "$preset" "python -m metrale_graph.tools.serve $server_args" "$OUT/bench_serve-$preset.json" <<'PY'
+import glob, json, os, sys
+runs, preset, command, out = sys.argv[1:]
+record = {"server_command": command, "runs": {}}
+for f in sorted(glob.glob(os.path.join(runs, preset + "-*.json"))):
+    record["runs"][os.path.basename(f)[len(preset) + 1:-5]] = json.load(open(f))
+metrics = os.path.join(runs, preset + "-metrics.txt")
+if os.path.exists(metrics):
+    record["metrics"] = open(metrics).read()
+json.dump(record, open(out, "w"), indent=1)
+PY
     done
 fi
 if [[ $what == prefix ]]; then
