@@ -238,3 +238,34 @@ def test_decode_tools_refuse_to_run_without_a_gpu(capsys):
     with pytest.raises(SystemExit) as e:
         bench_ops.main(["--decode", "0"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("T", [1, 5, 40])
+def test_check_moe_gemm_compares_the_same_pair_rows(T):
+    """tools/check_moe_gemm's two paths (ours: aligned blocks and our grouped-GEMM kernels, Triton's
+    interpreter; torch._grouped_mm over the pairs sorted by expert) give the same row per (token, expert) pair,
+    and the tool refuses to time without a GPU or with an unknown preset."""
+    from metrale_graph.tools import check_moe_gemm as tool
+
+    cfg = PRESETS["qwen3.5-35b-a3b"].replace(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
+                                             hidden_size=48)
+    ours, grouped = tool.case(cfg, T, "cpu", torch.float32, seed=T)
+    want = torch.zeros(T * 3, 48)
+    for p in range(T * 3):  # pair p = t * k + j: expert e's down(silu(gate) * up) of token t, times its weight
+        t, e = divmod(p, 3)[0], int(ours.top_e.reshape(-1)[p])
+        h = ours.n[t] @ ours.w13[e].T
+        want[p] = (torch.nn.functional.silu(h[:32]) * h[32:]) @ ours.w2[e].T * ours.top_w.reshape(-1)[p]
+    assert tool.rel(tool.pair_rows(ours), want) <= 1e-5
+    assert tool.rel(tool.pair_rows(grouped), want) <= 1e-5
+    assert tool.expert_bytes(T, 6, 3, 32, 48) <= 6 * 3 * 32 * 48 * 2
+
+
+def test_check_moe_gemm_refuses_without_a_gpu_or_a_moe_preset(capsys):
+    from metrale_graph.tools import check_moe_gemm as tool
+
+    with pytest.raises(SystemExit) as e:
+        tool.main(["--presets", "qwen3.5-9b"])
+    assert e.value.code == 2 and "qwen3.5-9b" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        tool.main(["--tokens", "4"])
+    assert e.value.code == 1 and "needs a CUDA GPU" in capsys.readouterr().err

@@ -797,14 +797,46 @@ def _forbid_python_syncs(monkeypatch):
         monkeypatch.setattr(torch, name, forbidden(f"torch.{name}"))
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.T in (0, 1, 45, 150)], ids=lambda c: c.id)
-def test_moe_cuda_path_never_syncs(case, monkeypatch):
+@pytest.mark.parametrize("case, experts", [(c, e) for c in CASES if c.T in (0, 1, 45, 150) for e in moe.EXPERTS_BACKENDS
+                                            if e == "triton" or c.T < 128], ids=lambda x: getattr(x, "id", x))
+def test_moe_cuda_path_never_syncs(case, experts, monkeypatch):
     """The CUDA path (on CPU tensors, its Triton kernels in the interpreter) calls no op that syncs with
-    the host or has a data-dependent output shape; the Python-level escapes raise too."""
+    the host or has a data-dependent output shape; the Python-level escapes raise too. Both experts backends."""
+    monkeypatch.setattr(moe, "EXPERTS_BACKEND", experts)
     _forbid_python_syncs(monkeypatch)
     args = op_args("moe", case, torch.bfloat16, seed=2)
     with _NoHostSync():
         moe.moe_cuda(*args)
+
+
+def _local_experts(args: list, first: int, count: int) -> list:
+    """The moe op's arguments for the rank holding experts first .. first + count - 1 (tensor parallelism)."""
+    a = declaration(REGISTRY["moe"].op).Args(*args)
+    args = list(args)
+    args[3], args[5] = a.w13[first:first + count], a.w2[first:first + count]
+    return args + [first]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.E > 2 and c.T < 128], ids=lambda c: c.id)
+def test_moe_grouped_mm_experts_match_reference(case, monkeypatch):
+    """The "grouped_mm" experts backend (torch._grouped_mm over the pairs sorted by expert) against the op's
+    reference, all experts and a rank's slice of them (the other ranks' pairs 0), fp32; METRALE_MOE_EXPERTS
+    names a backend or the op says which it takes."""
+    monkeypatch.setattr(moe, "EXPERTS_BACKEND", "grouped_mm")
+    args = list(op_args("moe", case, torch.float32, seed=3))
+    first, count = 1, case.E - 2
+    for call in (args, _local_experts(args, first, count)):
+        ref = REGISTRY["moe"].op(*clone_args(call, "cpu"))
+        out = moe.moe_cuda(*clone_args(call, DEVICE))
+        assert_close(f"moe, grouped_mm experts ({len(call)} arguments)", ref, out.cpu(), TOL[torch.float32])
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert moe.experts_backend(torch.float32, cpu, 64, 40) == "grouped_mm"
+    assert moe.experts_backend(torch.float32, cuda, 64, 40) == "triton"  # bf16 only on CUDA
+    assert moe.experts_backend(torch.bfloat16, cuda, 64, 36) == "triton"  # 72-byte rows: not 16-byte strides
+    assert moe.experts_backend(torch.bfloat16, cuda, 2048, 512) == "grouped_mm"
+    monkeypatch.setattr(moe, "EXPERTS_BACKEND", "cutlass")
+    with pytest.raises(ValueError, match="METRALE_MOE_EXPERTS"):
+        moe.experts_backend(torch.bfloat16, cpu, 64, 40)
 
 
 @pytest.mark.parametrize("chunked", ["ours", "aligned"])

@@ -11,8 +11,11 @@ top_k and the number of experts alone, so a bucket's CUDA graph is static.
 
 Here: the op (its CPU reference is the spec, its pieces in reference.py), its check, fake, CUDA path
 and spec. The CUDA path: the router's top-k (routing.py), the pairs aligned to grouped-GEMM blocks
-(align.py), the grouped GEMMs (gemm.py), the combine (combine.py).
+(align.py), the grouped GEMMs (gemm.py; or torch._grouped_mm, grouped.py: EXPERTS_BACKEND), the combine
+(combine.py).
 """
+
+import os
 
 import torch
 from torch import Tensor
@@ -26,6 +29,7 @@ from ..registry import (OpSpec, Shapes, fp8_weight, metrale_cuda, metrale_fake, 
 from .align import align_local_pairs, block_m
 from .combine import combine_outputs
 from .gemm import down, gate_up
+from .grouped import grouped_mm_supported, routed_experts_grouped_mm
 from .reference import route, routed_experts, routed_experts_fp8, shared_expert
 from .routing import route_topk
 
@@ -101,6 +105,26 @@ def _(a):
     return a.h.new_empty(a.h.shape)  # contiguous whatever h's layout, as the CUDA path's and the reference's
 
 
+# The routed experts' bf16 grouped GEMMs: "triton" (ours, gemm.py: aligned blocks, SiLU-mul and the routing weight
+# in the epilogues) or "grouped_mm" (torch._grouped_mm, grouped.py; bf16 on CUDA, else "triton"). Read at import
+# from METRALE_MOE_EXPERTS; set moe.EXPERTS_BACKEND before a step is compiled or captured. FP8 experts keep
+# their own kernels.
+EXPERTS_BACKENDS = ("triton", "grouped_mm")
+EXPERTS_BACKEND = os.environ.get("METRALE_MOE_EXPERTS", "triton")
+
+
+def experts_backend(dtype: torch.dtype, device: torch.device, D: int, IE: int) -> str:
+    """The backend of bf16 / fp32 experts (hidden size D, intermediate IE) for activations of `dtype` on
+    `device`: EXPERTS_BACKEND where it serves them, else "triton". ValueError naming METRALE_MOE_EXPERTS for
+    another name."""
+    if EXPERTS_BACKEND not in EXPERTS_BACKENDS:
+        raise ValueError(f"METRALE_MOE_EXPERTS / moe.EXPERTS_BACKEND must be one of {', '.join(EXPERTS_BACKENDS)}, "
+                         f"got {EXPERTS_BACKEND!r}")
+    if EXPERTS_BACKEND == "grouped_mm" and not grouped_mm_supported(dtype, device, D, IE):
+        return "triton"
+    return EXPERTS_BACKEND
+
+
 def _inner_contiguous(w: Tensor) -> Tensor:
     return w if w.stride(-1) == 1 else w.contiguous()
 
@@ -141,6 +165,9 @@ def moe_cuda(a):
         return combine_outputs(h, n, _inner_contiguous(a.shared_expert_gate_w), y, shared, top_k, a.add_residual)
     if fp8.is_fp8(w13):  # weight-only debug mode: the experts dequantized, the bf16 kernels
         w13, w2 = fp8.dequantized(w13, a.w13_s, h.dtype, parts=2), fp8.dequantized(w2, a.w2_s, h.dtype)
+    if experts_backend(h.dtype, h.device, D, w2.shape[-1]) == "grouped_mm":
+        y = routed_experts_grouped_mm(n, top_w, top_e, w13, w2, first_expert, E)
+        return combine_outputs(h, n, _inner_contiguous(a.shared_expert_gate_w), y, shared, top_k, a.add_residual)
     BM = block_m(P, EL)
     sorted_ids, block_expert = align_local_pairs(top_e, EL, E, first_expert, BM)
     ieee = h.dtype == torch.float32 or INTERPRET

@@ -1,0 +1,45 @@
+"""The routed experts through torch._grouped_mm (PyTorch's grouped GEMM; CUTLASS on sm_90): the EXPERTS_BACKEND
+"grouped_mm" of the MoE op's CUDA path, the A/B partner of our aligned-block Triton GEMMs (gemm.py) that
+tools/check_moe_gemm.py and `tools.bench` under METRALE_MOE_EXPERTS=grouped_mm measure.
+
+The pairs are sorted by expert (a stable sort; other ranks' experts after every local group), each group's end
+found by searchsorted (no host sync: every size follows from T, top_k and the local experts), the normed rows
+gathered, gate|up one grouped GEMM, SiLU-mul, down one grouped GEMM, the routing weight, and the rows put back
+in pair order. Unlike the Triton kernels it rounds the down projection to the activations' dtype before the
+routing weight multiplies it (one more rounding: bf16 parity, not bit equality, with the other backend)."""
+
+import torch
+from torch import Tensor
+
+from .. import kernels
+
+
+def grouped_mm_supported(dtype: torch.dtype, device: torch.device, D: int, IE: int) -> bool:
+    """Where torch._grouped_mm serves experts of hidden size D and intermediate size IE: bf16 on CUDA (its CUDA
+    kernels take bf16 alone), any float dtype on the CPU (the interpreter's runs of the CUDA path), rows of D
+    and IE elements a multiple of 16 bytes (its operands' strides must be)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    size = torch.empty(0, dtype=dtype).element_size()
+    return (dtype == torch.bfloat16 or device.type == "cpu") and (D * size) % 16 == 0 and (IE * size) % 16 == 0
+
+
+def routed_experts_grouped_mm(n: Tensor, top_w: Tensor, top_e: Tensor, w13: Tensor, w2: Tensor, first_expert: int,
+                              num_experts: int) -> Tensor:
+    """y [P, D] (P = T * top_k, n's dtype): row p = t * top_k + j holds top_w[t, j] * down_e(silu(gate_e(n[t])) *
+    up_e(n[t])) for e = top_e[t, j] among this rank's experts first_expert .. first_expert + EL - 1, 0 for the
+    experts of other ranks (num_experts in all). w13 [EL, 2 * IE, D] (gate rows, then up rows), w2 [EL, D, IE]."""
+    T, k = top_e.shape
+    EL = w13.shape[0]
+    local = top_e.reshape(-1) - first_expert
+    mine = (local >= 0) & (local < EL)
+    experts, order = torch.sort(torch.where(mine, local, EL), stable=True)  # others' pairs last
+    ends = torch.arange(1, EL + 1, device=n.device, dtype=experts.dtype)
+    offs = torch.searchsorted(experts, ends).to(torch.int32)  # [EL]: the end of each local expert's rows
+    x = n.index_select(0, order // k)
+    act = kernels.silu_mul(torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs))  # [P, IE]
+    out = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)  # [P, D]; rows past offs[-1]: unspecified
+    out = out * top_w.reshape(-1).index_select(0, order)[:, None]
+    if EL < num_experts:  # other ranks' pairs: 0 (their rows were never computed)
+        out = torch.where(mine.index_select(0, order)[:, None], out, 0)
+    return torch.empty_like(out).index_copy_(0, order, out)

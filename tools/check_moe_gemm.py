@@ -1,0 +1,193 @@
+"""The routed experts' grouped GEMMs of a sparse-MoE preset, ours (ops/moe: the pairs aligned to blocks of
+BM rows, gate|up with SiLU-mul in its epilogue, down with the routing weight in its epilogue) against
+torch._grouped_mm (the op's "grouped_mm" backend, ops/moe/grouped.py: the pairs sorted by expert and
+gathered, two grouped GEMMs, SiLU-mul and the routing weight, the rows put back in pair order), per layer,
+at the token counts of the workloads (W1 512, W2-W4 4096, W5 16384, decode 1 / 32 / 128), random uniform
+routing.
+
+On a GPU each is timed under CUDA-graph replay (triton.testing.do_bench_cudagraph medians: capturing it is
+part of the check) twice: the GEMMs alone (the alignment / sort done before) and the whole path (routing
+given: from top-k ids to the pair rows). Beside each: the expert weights the tokens touch in expectation
+and the floor, max(weight bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s); effective TB/s = those bytes / time, the
+figure issue 25's targets name (>= 3.5 TB/s where memory-bound; >= 50% of the bf16 peak at W5). Both
+paths' pair rows are compared (relative error); the CPU suite checks that they agree at tiny shapes under
+Triton's interpreter (tests/test_bench.py).
+
+    . tools/gpu_session.sh setup && python3 -m metrale_graph.tools.check_moe_gemm --json "$OUT/moe_gemm.json"
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from metrale_graph import PRESETS
+from metrale_graph.tools.files import write_whole
+from metrale_graph.tools.flags import output_file, positive_ints
+from metrale_graph.tools.provenance import provenance
+from metrale_graph.tools.report import print_json, print_table
+
+HBM, MATMUL = 4.3e12, 790e12  # the floor's rates (tools/floors.py)
+MOE_PRESETS = [name for name, cfg in PRESETS.items() if cfg.moe_layers and cfg.quantization is None]
+
+
+def routing(T: int, E: int, k: int, device, dtype=torch.bfloat16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """top_w [T, k] (softmax over the chosen, in `dtype`) and top_e [T, k] int64: k distinct uniform experts a
+    token."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    top_e = torch.rand(T, E, generator=g).topk(k, dim=1).indices
+    top_w = torch.softmax(torch.randn(T, k, generator=g), dim=1)
+    return top_w.to(device, dtype), top_e.to(device)
+
+
+class Ours:
+    """ops/moe's CUDA path for the routed experts: align_local_pairs, gate_up, down (as moe_cuda calls them)."""
+
+    def __init__(self, n, top_w, top_e, w13, w2):
+        from metrale_graph.ops.common import INTERPRET
+        from metrale_graph.ops.moe.align import align_local_pairs, block_m
+
+        self.n, self.top_w, self.top_e, self.w13, self.w2 = n, top_w, top_e, w13, w2
+        self.k, self.E = top_e.shape[1], w13.shape[0]
+        self.BM = block_m(n.shape[0] * self.k, self.E)
+        self.align = lambda: align_local_pairs(top_e, self.E, self.E, 0, self.BM)
+        self.ieee = n.dtype == torch.float32 or INTERPRET
+        self.sorted_ids, self.block_expert = self.align()
+        self.y = n.new_empty(n.shape[0] * self.k, w2.shape[1])
+
+    def gemms(self, sorted_ids=None, block_expert=None):
+        from metrale_graph.ops.moe.gemm import down, gate_up
+
+        ids = self.sorted_ids if sorted_ids is None else sorted_ids
+        blocks = self.block_expert if block_expert is None else block_expert
+        act = gate_up(self.n, self.w13, ids, blocks, self.k, self.BM, self.ieee)
+        return down(act, self.w2, ids, blocks, self.top_w, self.y, self.BM, self.ieee)
+
+    def whole(self):
+        return self.gemms(*self.align())
+
+
+class Grouped:
+    """The MoE op's "grouped_mm" backend (ops/moe/grouped.py): the pairs sorted by expert, two torch._grouped_mm
+    calls with SiLU-mul between, the routing weight, the rows put back in pair order."""
+
+    def __init__(self, n, top_w, top_e, w13, w2):
+        self.n, self.top_w, self.top_e, self.w13, self.w2 = n, top_w, top_e, w13, w2
+        self.k, self.E = top_e.shape[1], w13.shape[0]
+        experts, self.order = torch.sort(top_e.reshape(-1), stable=True)
+        ends = torch.arange(1, self.E + 1, device=n.device, dtype=experts.dtype)
+        self.offs = torch.searchsorted(experts, ends).to(torch.int32)
+        self.x = n.index_select(0, self.order // self.k)
+        self.w = top_w.reshape(-1).index_select(0, self.order)[:, None]
+
+    def gemms(self):
+        from metrale_graph.ops import kernels
+
+        act = kernels.silu_mul(torch._grouped_mm(self.x, self.w13.transpose(-2, -1), offs=self.offs))
+        return torch._grouped_mm(act, self.w2.transpose(-2, -1), offs=self.offs) * self.w  # in expert order
+
+    def whole(self):
+        from metrale_graph.ops.moe.grouped import routed_experts_grouped_mm
+
+        return routed_experts_grouped_mm(self.n, self.top_w, self.top_e, self.w13, self.w2, 0, self.E)
+
+
+def pair_rows(path) -> torch.Tensor:
+    """The path's y [P, D] in pair order (row p = t * k + j)."""
+    return path.whole().clone()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def expert_bytes(T: int, E: int, k: int, IE: int, D: int, itemsize: int = 2) -> float:
+    """The expert weights T tokens touch in expectation (uniform routing): E * (1 - (1 - k/E)^T) experts of
+    3 * IE * D elements."""
+    return E * (1 - (1 - k / E) ** T) * 3 * IE * D * itemsize
+
+
+def graph_ms(call) -> float:
+    import triton.testing
+
+    call()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        return triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median")
+
+
+def case(cfg, T: int, device, dtype=torch.bfloat16, seed: int = 0):
+    """(ours, grouped) for T tokens of cfg's expert shapes."""
+    E, k, IE, D = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    n = torch.randn(T, D, generator=g).to(device, dtype)
+    w13 = (torch.randn(E, 2 * IE, D, generator=g) * D ** -0.5).to(device, dtype)
+    w2 = (torch.randn(E, D, IE, generator=g) * IE ** -0.5).to(device, dtype)
+    top_w, top_e = routing(T, E, k, device, dtype, seed)
+    return Ours(n, top_w, top_e, w13, w2), Grouped(n, top_w, top_e, w13, w2)
+
+
+def measure(preset: str, T: int) -> dict:
+    cfg = PRESETS[preset]
+    E, k, IE, D = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
+    ours, grouped = case(cfg, T, "cuda")
+    weights = expert_bytes(T, E, k, IE, D)
+    flops = 2 * T * k * 3 * IE * D
+    floor = max(weights / HBM, flops / MATMUL) * 1e3
+    row = {"preset": preset, "tokens": T, "pairs": T * k, "BM": ours.BM, "weights_MB": round(weights / 1e6, 1),
+           "floor_ms": round(floor, 4), "vs_grouped": rel(pair_rows(ours), pair_rows(grouped))}
+    for name, path in (("ours", ours), ("grouped_mm", grouped)):
+        for part in ("gemms", "whole"):
+            key = f"{name}_{part}"
+            try:
+                ms = graph_ms(getattr(path, part))
+            except Exception as e:  # noqa: BLE001 (a path that fails to capture is a finding: reported, not fatal)
+                row[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:160]}"
+                continue
+            row[f"{key}_ms"] = round(ms, 4)
+            row[f"{key}_TB_s"] = round(weights / (ms * 1e-3) / 1e12, 2)
+            row[f"{key}_TFLOP_s"] = round(flops / (ms * 1e-3) / 1e12, 1)
+    return row
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m metrale_graph.tools.check_moe_gemm", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", default="qwen3.5-35b-a3b,qwen3-next-80b-a3b",
+                   help=f"comma-separated, out of {', '.join(MOE_PRESETS)}")
+    p.add_argument("--tokens", type=positive_ints, default="1,32,128,512,4096,16384")
+    p.add_argument("--json", type=output_file, default=None)
+    args = p.parse_args(argv)
+    presets = [s for s in args.presets.split(",") if s]
+    unknown = [s for s in presets if s not in MOE_PRESETS]
+    if unknown or not presets:
+        p.error(f"--presets: {', '.join(unknown) or 'none given'}; out of {', '.join(MOE_PRESETS)}")
+    if not torch.cuda.is_available():
+        p.exit(1, f"{p.prog}: error: this check needs a CUDA GPU; torch sees none\n")
+    rows = []
+    for preset in presets:
+        for T in args.tokens:
+            rows.append(measure(preset, T))
+            print(f"  {preset}: {T} tokens", flush=True)
+    heads = ["preset", "tokens", "BM", "weights MB", "floor ms", "ours GEMMs ms", "TB/s", "ours whole ms",
+             "grouped_mm GEMMs ms", "TB/s", "grouped_mm whole ms", "vs grouped_mm"]
+    cell = lambda r, key: r.get(f"{key}_ms", "error" if f"{key}_error" in r else "-")  # noqa: E731
+    table = [[r["preset"], r["tokens"], r["BM"], r["weights_MB"], r["floor_ms"], cell(r, "ours_gemms"),
+              r.get("ours_gemms_TB_s", "-"), cell(r, "ours_whole"), cell(r, "grouped_mm_gemms"),
+              r.get("grouped_mm_gemms_TB_s", "-"), cell(r, "grouped_mm_whole"), f"{r['vs_grouped']:.1e}"]
+             for r in rows]
+    print(f"\nrouted experts, one layer, uniform routing, {torch.cuda.get_device_name()}")
+    print_table(heads, table)
+    for r in rows:
+        for key, text in r.items():
+            if key.endswith("_error"):
+                print(f"{r['preset']} {r['tokens']} tokens, {key[:-6]}: {text}")
+    record = {"tool": "check_moe_gemm", "device": torch.cuda.get_device_name(), **provenance(argv), "rows": rows}
+    if args.json:
+        import json
+
+        write_whole(args.json, json.dumps(record, indent=1))
+    print_json(record)
+
+if __name__ == "__main__":
+    main()
