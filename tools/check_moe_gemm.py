@@ -116,21 +116,30 @@ def graph_ms(call) -> float:
         return triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median")
 
 
-def case(cfg, T: int, device, dtype=torch.bfloat16, seed: int = 0):
-    """(ours, grouped) for T tokens of cfg's expert shapes."""
-    E, k, IE, D = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
-    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+def expert_weights(cfg, device, dtype=torch.bfloat16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random w13 [E, 2 IE, D] and w2 [E, D, IE] of cfg's experts, drawn on `device` (a 512-expert stack is 1.6 GB:
+    drawn once per preset)."""
+    E, IE, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    w13 = (torch.randn(E, 2 * IE, D, generator=g, device=device) * D ** -0.5).to(dtype)
+    w2 = (torch.randn(E, D, IE, generator=g, device=device) * IE ** -0.5).to(dtype)
+    return w13, w2
+
+
+def case(cfg, T: int, device, dtype=torch.bfloat16, seed: int = 0, weights=None):
+    """(ours, grouped) for T tokens of cfg's expert shapes (weights: expert_weights' pair, else drawn)."""
+    E, k, D = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size
+    w13, w2 = weights if weights is not None else expert_weights(cfg, device, dtype, seed)
+    g = torch.Generator(device="cpu").manual_seed(seed + 2)
     n = torch.randn(T, D, generator=g).to(device, dtype)
-    w13 = (torch.randn(E, 2 * IE, D, generator=g) * D ** -0.5).to(device, dtype)
-    w2 = (torch.randn(E, D, IE, generator=g) * IE ** -0.5).to(device, dtype)
     top_w, top_e = routing(T, E, k, device, dtype, seed)
     return Ours(n, top_w, top_e, w13, w2), Grouped(n, top_w, top_e, w13, w2)
 
 
-def measure(preset: str, T: int) -> dict:
+def measure(preset: str, T: int, weights) -> dict:
     cfg = PRESETS[preset]
     E, k, IE, D = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
-    ours, grouped = case(cfg, T, "cuda")
+    ours, grouped = case(cfg, T, "cuda", weights=weights)
     weights = expert_bytes(T, E, k, IE, D)
     flops = 2 * T * k * 3 * IE * D
     floor = max(weights / HBM, flops / MATMUL) * 1e3
@@ -166,9 +175,11 @@ def main(argv=None) -> None:
         p.exit(1, f"{p.prog}: error: this check needs a CUDA GPU; torch sees none\n")
     rows = []
     for preset in presets:
+        weights = expert_weights(PRESETS[preset], "cuda")
         for T in args.tokens:
-            rows.append(measure(preset, T))
+            rows.append(measure(preset, T, weights))
             print(f"  {preset}: {T} tokens", flush=True)
+        del weights
     heads = ["preset", "tokens", "BM", "weights MB", "floor ms", "ours GEMMs ms", "TB/s", "ours whole ms",
              "grouped_mm GEMMs ms", "TB/s", "grouped_mm whole ms", "vs grouped_mm"]
     cell = lambda r, key: r.get(f"{key}_ms", "error" if f"{key}_error" in r else "-")  # noqa: E731
