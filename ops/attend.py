@@ -5,7 +5,27 @@ read through the block table, scores in the log2 domain."""
 import triton
 import triton.language as tl
 
+from .common import INTERPRET
+
 LOG2E = 1.4426950408889634  # scores are scaled by HD**-0.5 * LOG2E, so exp2 gives the softmax's exp
+
+
+def attention_configs() -> list:
+    """The key-tile candidates of the paged-attention kernels (prefill.py, decode.py): BN x warps x stages,
+    one under the interpreter."""
+    if INTERPRET:
+        return [triton.Config({"BN": 32}, num_warps=4)]
+    return [triton.Config({"BN": bn}, num_warps=w, num_stages=st)
+            for bn in (32, 64) for w in (4, 8) for st in (1, 2, 3)]
+
+
+def one_config_for_fp32(configs, named_args, **kwargs) -> list:
+    """The autotuner's pruning: with IEEE (fp32) dots, the tests' and the references' dtype rather than a
+    serving one, one candidate, the smallest in shared memory (BN 32, 4 warps, 1 stage): else each of the
+    twelve is compiled for fp32 at the first call, minutes of ptxas at head dim 256 for timings nobody reads."""
+    if kwargs.get("IEEE"):
+        return [min(configs, key=lambda c: (c.kwargs["BN"], c.num_stages, c.num_warps))]
+    return configs
 
 
 @triton.jit

@@ -937,3 +937,20 @@ def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
+
+
+def test_attention_autotune_takes_one_config_for_fp32():
+    """The paged-attention kernels' autotuner keeps one candidate (the smallest in shared memory) for fp32's
+    IEEE dots, all twelve for bf16 / fp16: fp32 is the tests' dtype, and compiling every candidate for it
+    took minutes on a GPU."""
+    import triton
+
+    from metrale_graph.ops import attend
+
+    configs = [triton.Config({"BN": bn}, num_warps=w, num_stages=st) for bn in (64, 32) for w in (8, 4)
+               for st in (3, 2, 1)]
+    (one,) = attend.one_config_for_fp32(configs, {}, IEEE=True)
+    assert (one.kwargs["BN"], one.num_warps, one.num_stages) == (32, 4, 1)
+    assert attend.one_config_for_fp32(configs, {}, IEEE=False) == configs
+    for kernel in (attn_prefill._paged_attention_kernel, attn_decode._paged_decode_kernel):
+        assert kernel.early_config_prune is attend.one_config_for_fp32

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ..common import INTERPRET
 from ..tiles import _tile_of
-from ..attend import LOG2E, _attend_tile
+from ..attend import LOG2E, _attend_tile, attention_configs, one_config_for_fp32
 
 DECODE_PROGRAMS = 1024  # splits are chosen to give about this many programs (H200: 132 SMs, ~8 each)
 SPLIT_ALIGN = 64  # split lengths are multiples of every key tile BN
@@ -44,13 +44,6 @@ def decode_split(num_streams: int, num_tokens: int, num_kv_heads: int, max_keys:
     return max(SPLIT_ALIGN, -(-per // SPLIT_ALIGN) * SPLIT_ALIGN)
 
 
-def _decode_configs():
-    if INTERPRET:
-        return [triton.Config({"BN": 32}, num_warps=4)]
-    return [triton.Config({"BN": bn}, num_warps=w, num_stages=st)
-            for bn in (32, 64) for w in (4, 8) for st in (1, 2, 3)]
-
-
 @triton.jit
 def _stream_of(cu_ptr, t, B, CH: tl.constexpr):
     """The stream holding packed token t: how many streams end at or before t (B: none)."""
@@ -63,7 +56,8 @@ def _stream_of(cu_ptr, t, B, CH: tl.constexpr):
     return b
 
 
-@triton.autotune(configs=_decode_configs(), key=["HD", "GROUP", "QB", "SL", "IEEE"], cache_results=True)
+@triton.autotune(configs=attention_configs(), key=["HD", "GROUP", "QB", "SL", "IEEE"],
+                 prune_configs_by={"early_config_prune": one_config_for_fp32}, cache_results=True)
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_cache, v_cache, m_ptr, l_ptr, acc_ptr, cu_ptr, ctx_ptr, bt_ptr, qk_scale, B,
                          stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs,

@@ -9,19 +9,13 @@ import triton.language as tl
 from torch import Tensor
 
 from ..common import INTERPRET
-from ..attend import LOG2E, _attend_tile
-
-
-def _attention_configs():
-    if INTERPRET:
-        return [triton.Config({"BN": 32}, num_warps=4)]
-    return [triton.Config({"BN": bn}, num_warps=w, num_stages=st)
-            for bn in (32, 64) for w in (4, 8) for st in (1, 2, 3)]
+from ..attend import LOG2E, _attend_tile, attention_configs, one_config_for_fp32
 
 
 # cache_results: the choice is kept in Triton's cache folder (tools.warmup points it into its
 # --cache-dir), so a warm start neither benchmarks nor compiles the losing configs
-@triton.autotune(configs=_attention_configs(), key=["HD", "GROUP", "IEEE"], cache_results=True)
+@triton.autotune(configs=attention_configs(), key=["HD", "GROUP", "IEEE"],
+                 prune_configs_by={"early_config_prune": one_config_for_fp32}, cache_results=True)
 @triton.jit
 def _paged_attention_kernel(q_ptr, k_cache, v_cache, o_ptr, work_ptr, cu_ptr, ctx_ptr, bt_ptr, qk_scale,
                             stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs,
