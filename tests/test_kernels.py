@@ -950,7 +950,7 @@ def test_attention_autotune_takes_one_config_for_fp32():
     configs = [triton.Config({"BN": bn}, num_warps=w, num_stages=st) for bn in (64, 32) for w in (8, 4)
                for st in (3, 2, 1)]
     (one,) = attend.one_config_for_fp32(configs, {}, IEEE=True)
-    assert (one.kwargs["BN"], one.num_warps, one.num_stages) == (32, 4, 1)
+    assert (one.kwargs["BN"], one.num_warps, one.num_stages) == (32, 8, 1)
     assert attend.one_config_for_fp32(configs, {}, IEEE=False) == configs
     for kernel in (attn_prefill._paged_attention_kernel, attn_decode._paged_decode_kernel):
         assert kernel.early_config_prune is attend.one_config_for_fp32
