@@ -919,6 +919,21 @@ types = {n: B16 if n in ("q_ptr", "k_cache", "v_cache") else F32 if n in ("m_ptr
          else I if n.endswith("_ptr") else "i32" for n in pd.arg_names}
 types["qk_scale"] = "fp32"
 smem.append(compile_(pd, types, dict(BLOCK_D=256, BLOCK_M=16, BN=32, CH=decode.STREAM_CHUNK, IEEE=False), 4, 2))
+# fp32 (IEEE dots) has one autotune candidate (attend.one_config_for_fp32): it must compile at head dim 256
+from metrale_graph.ops import attend
+import triton as _t
+fp32 = attend.one_config_for_fp32([_t.Config({"BN": bn}, num_warps=w, num_stages=st) for bn in (32, 64)
+                                   for w in (4, 8) for st in (1, 2, 3)], {}, IEEE=True)[0]
+types = {n: F32 if n in ("q_ptr", "k_cache", "v_cache", "o_ptr") else I if n.endswith("_ptr") else "i32"
+         for n in pa.arg_names}
+types["qk_scale"] = "fp32"
+smem.append(compile_(pa, types, dict(BLOCK_D=256, BM=prefill.BM, BN=fp32.kwargs["BN"], IEEE=True), fp32.num_warps,
+                     fp32.num_stages))
+types = {n: F32 if n in ("q_ptr", "k_cache", "v_cache", "m_ptr", "l_ptr", "acc_ptr") else I if n.endswith("_ptr")
+         else "i32" for n in pd.arg_names}
+types["qk_scale"] = "fp32"
+smem.append(compile_(pd, types, dict(BLOCK_D=256, BLOCK_M=16, BN=fp32.kwargs["BN"], CH=decode.STREAM_CHUNK, IEEE=True),
+                     fp32.num_warps, fp32.num_stages))
 assert max(smem) <= 232448, smem  # an H100 / H200 block's shared memory
 print("compiled", smem)
 """
