@@ -285,6 +285,7 @@ def test_moe_grouped_mm_experts_match_reference_and_replay(case, monkeypatch):
 
     monkeypatch.setattr(moe, "EXPERTS_BACKEND", "grouped_mm")
     a = declaration(REGISTRY["moe"].op).Args(*op_args("moe", case, torch.bfloat16, seed=1))
-    assert moe.experts_backend(torch.bfloat16, torch.device("cuda"), a.h.shape[1], a.w2.shape[-1]) == "grouped_mm"
+    assert moe.experts_backend(torch.bfloat16, torch.device("cuda"), a.h.shape[1], a.w2.shape[-1],
+                               a.w13.shape[0]) == "grouped_mm"
     check_cuda_op("moe", case)
     check_replay("moe", op_args("moe", case, torch.bfloat16, seed=2), op_args("moe", case, torch.bfloat16, seed=3))

@@ -244,7 +244,7 @@ def test_recurrent_kernel_matches_reference(case, dtype):
     _check_pool(args, ref_args, test_args, dtype)
 
 
-@pytest.mark.parametrize("tiles", [(16, 2), (32, 4)])
+@pytest.mark.parametrize("tiles", [(8, 1), (16, 2), (32, 4), (64, 4)])
 def test_recurrent_kernel_tiles_match_the_default(tiles):
     """tools/check_decode's tile sweep: other (BV, num_warps) tiles give the default's outputs and states (each
     value column is its own reduction over K); tiles that are not two powers of two are a ValueError."""
@@ -820,23 +820,39 @@ def _local_experts(args: list, first: int, count: int) -> list:
 @pytest.mark.parametrize("case", [c for c in CASES if c.E > 2 and c.T < 128], ids=lambda c: c.id)
 def test_moe_grouped_mm_experts_match_reference(case, monkeypatch):
     """The "grouped_mm" experts backend (torch._grouped_mm over the pairs sorted by expert) against the op's
-    reference, all experts and a rank's slice of them (the other ranks' pairs 0), fp32; METRALE_MOE_EXPERTS
-    names a backend or the op says which it takes."""
+    reference, all experts and a rank's slice of them (the other ranks' pairs 0), fp32 (on the CPU: on a GPU
+    fp32 takes the Triton kernels, and tests/test_gpu_ops.py runs this backend in bf16)."""
+    if DEVICE != "cpu":
+        pytest.skip("fp32 on CUDA takes the Triton experts")
     monkeypatch.setattr(moe, "EXPERTS_BACKEND", "grouped_mm")
     args = list(op_args("moe", case, torch.float32, seed=3))
     first, count = 1, case.E - 2
-    for call in (args, _local_experts(args, first, count)):
+    for call, experts in ((args, case.E), (_local_experts(args, first, count), count)):
+        assert moe.experts_backend(torch.float32, torch.device("cpu"), case.D, case.IE, experts) == "grouped_mm"
         ref = REGISTRY["moe"].op(*clone_args(call, "cpu"))
         out = moe.moe_cuda(*clone_args(call, DEVICE))
-        assert_close(f"moe, grouped_mm experts ({len(call)} arguments)", ref, out.cpu(), TOL[torch.float32])
+        assert_close(f"moe, grouped_mm experts ({experts} local)", ref, out.cpu(), TOL[torch.float32])
+
+
+def test_moe_experts_backend_takes_grouped_mm_where_it_serves(monkeypatch):
+    """experts_backend: "grouped_mm" only where torch._grouped_mm's fused kernels serve the call (bf16 on
+    sm_90 / sm_100, 16-byte rows, fewer than 1024 groups; any float dtype on the CPU), "triton" elsewhere; a
+    backend name it does not know is a ValueError naming METRALE_MOE_EXPERTS."""
+    monkeypatch.setattr(moe, "EXPERTS_BACKEND", "grouped_mm")
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert moe.experts_backend(torch.float32, cpu, 64, 40) == "grouped_mm"
-    assert moe.experts_backend(torch.float32, cuda, 64, 40) == "triton"  # bf16 only on CUDA
-    assert moe.experts_backend(torch.bfloat16, cuda, 64, 36) == "triton"  # 72-byte rows: not 16-byte strides
-    assert moe.experts_backend(torch.bfloat16, cuda, 2048, 512) == "grouped_mm"
+    assert moe.experts_backend(torch.float32, cpu, 64, 40, 8) == "grouped_mm"
+    assert moe.experts_backend(torch.float32, cpu, 64, 40, 1023) == "triton"  # 1024 groups with the others'
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for capability, want in (((9, 0), "grouped_mm"), ((10, 0), "grouped_mm"), ((8, 0), "triton")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert moe.experts_backend(torch.bfloat16, cuda, 2048, 512, 256) == want, capability
+    assert moe.experts_backend(torch.float32, cuda, 64, 40, 8) == "triton"  # bf16 only on CUDA
+    assert moe.experts_backend(torch.bfloat16, cuda, 64, 36, 8) == "triton"  # 72-byte rows: not 16-byte strides
+    monkeypatch.setattr(moe, "EXPERTS_BACKEND", "triton")
+    assert moe.experts_backend(torch.bfloat16, cuda, 2048, 512, 256) == "triton"
     monkeypatch.setattr(moe, "EXPERTS_BACKEND", "cutlass")
     with pytest.raises(ValueError, match="METRALE_MOE_EXPERTS"):
-        moe.experts_backend(torch.bfloat16, cpu, 64, 40)
+        moe.experts_backend(torch.bfloat16, cpu, 64, 40, 8)
 
 
 @pytest.mark.parametrize("chunked", ["ours", "aligned"])

@@ -4,7 +4,8 @@ move / 4.3 TB/s), for B = 1, 32, 128 one-token streams after --context cached to
 
 - the GDN recurrence's token-by-token kernel (ops/gdn_recurrence/recurrent.py) over (BV, num_warps) tiles;
   each tile's outputs and states against the default tile's (the K reduction's order may differ: fp32
-  rounding only);
+  rounding only); also on streams of --short tokens each (a split call's short streams: the kernel loops
+  over a stream's tokens, so its per-token latency counts there, not only the state traffic);
 - paged attention's split-K decode (ops/paged_attention/decode.py) over the number of programs its
   splits aim at (DECODE_PROGRAMS), the whole op (K/V write, splits, merge); outputs against the default's.
 
@@ -41,28 +42,30 @@ def graph_ms(call) -> float:
         return triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median")
 
 
-def sweep_recurrent(cfg, B: int) -> list[dict]:
+def sweep_recurrent(cfg, B: int, L: int = 1) -> list[dict]:
+    """The recurrent kernel's tiles for B streams of L tokens each (L > 1: the short streams of a split call)."""
     from metrale_graph.ops.gdn_recurrence import gdn_recurrence_recurrent
     from metrale_graph.ops.gdn_recurrence.recurrent import recurrent_tiles
 
     H, HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     K, V = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    T = B * L
     g = torch.Generator(device="cuda").manual_seed(B)
-    qk = torch.nn.functional.normalize(torch.randn(B, 2 * H, K, generator=g, device="cuda"), dim=-1).to(torch.bfloat16)
+    qk = torch.nn.functional.normalize(torch.randn(T, 2 * H, K, generator=g, device="cuda"), dim=-1).to(torch.bfloat16)
     q, k = qk[:, :H], qk[:, H:]
-    v = torch.randn(B, HV, V, generator=g, device="cuda").to(torch.bfloat16)
-    gate = torch.nn.functional.logsigmoid(torch.randn(B, HV, generator=g, device="cuda")) * 0.5
-    beta = torch.rand(B, HV, generator=g, device="cuda").to(torch.bfloat16)
-    cu = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+    v = torch.randn(T, HV, V, generator=g, device="cuda").to(torch.bfloat16)
+    gate = torch.nn.functional.logsigmoid(torch.randn(T, HV, generator=g, device="cuda")) * 0.5
+    beta = torch.rand(T, HV, generator=g, device="cuda").to(torch.bfloat16)
+    cu = torch.arange(0, T + 1, L, dtype=torch.int32, device="cuda")
     slots = torch.arange(B, dtype=torch.int64, device="cuda")
     state0 = torch.randn(B + 1, HV, K, V, generator=g, device="cuda") * 0.1
-    floor = (2 * B * HV * K * V * 4 + (2 * B * H * K + 2 * B * HV * V) * 2) / HBM * 1e3
+    floor = (2 * B * HV * K * V * 4 + (2 * T * H * K + 2 * T * HV * V) * 2) / HBM * 1e3
     default = recurrent_tiles(K, V, B * HV)[1:]
     ref_state = state0.clone()
     ref_o = gdn_recurrence_recurrent(q, k, v, gate, beta, cu, slots, ref_state)
     rows = []
     for tiles in TILES:
-        row = {"kernel": "gdn recurrent", "streams": B, "config": f"BV {tiles[0]}, {tiles[1]} warps",
+        row = {"kernel": "gdn recurrent", "streams": B, "tokens": L, "config": f"BV {tiles[0]}, {tiles[1]} warps",
                "default": tiles == default, "floor_ms": round(floor, 4)}
         try:
             state = state0.clone()
@@ -109,8 +112,13 @@ def main(argv=None) -> None:
     p.add_argument("--preset", default="qwen3.5-9b", choices=list(PRESETS))
     p.add_argument("--streams", type=positive_ints, default="1,32,128")
     p.add_argument("--context", type=positive_int, default=2048)
+    p.add_argument("--short", type=positive_ints, default="16,64",
+                   help="also sweep the recurrent kernel on streams of this many tokens each (a split call's short "
+                        "streams, at most 64)")
     p.add_argument("--json", type=output_file, default=None)
     args = p.parse_args(argv)
+    if max(args.short) > 64:
+        p.error(f"--short: streams of at most 64 tokens take the recurrent kernel, got {max(args.short)}")
     if not torch.cuda.is_available():
         p.exit(1, f"{p.prog}: error: this check needs a CUDA GPU; torch sees none\n")
     cfg = PRESETS[args.preset]
@@ -118,14 +126,16 @@ def main(argv=None) -> None:
     for B in args.streams:
         rows += sweep_recurrent(cfg, B)
         rows += sweep_paged(cfg, B, args.context)
+        for L in args.short:
+            rows += sweep_recurrent(cfg, B, L)
         print(f"  swept {B} streams", flush=True)
-    table = [[r["kernel"], r["streams"], r["config"] + (" (default)" if r["default"] else ""),
+    table = [[r["kernel"], r["streams"], r.get("tokens", 1), r["config"] + (" (default)" if r["default"] else ""),
               r.get("graph_ms", "-"), r["floor_ms"],
               f"{r['graph_ms'] / r['floor_ms']:.2f}x" if "graph_ms" in r else "-",
               f"{r['vs_default']:.1e}" if "vs_default" in r else "-", r.get("error", "")] for r in rows]
     print(f"\n{args.preset}, one layer, decode after {args.context} cached tokens a stream, "
           f"{torch.cuda.get_device_name()}")
-    print_table(["kernel", "streams", "config", "graph ms", "floor ms", "/ floor", "vs default", "error"], table)
+    print_table(["kernel", "streams", "tokens", "config", "graph ms", "floor ms", "/ floor", "vs default", "error"], table)
     record = {"tool": "check_decode", "preset": args.preset, "context": args.context,
               "device": torch.cuda.get_device_name(), **provenance(), "rows": rows}
     if args.json:

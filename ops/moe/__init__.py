@@ -113,14 +113,14 @@ EXPERTS_BACKENDS = ("triton", "grouped_mm")
 EXPERTS_BACKEND = os.environ.get("METRALE_MOE_EXPERTS", "triton")
 
 
-def experts_backend(dtype: torch.dtype, device: torch.device, D: int, IE: int) -> str:
-    """The backend of bf16 / fp32 experts (hidden size D, intermediate IE) for activations of `dtype` on
-    `device`: EXPERTS_BACKEND where it serves them, else "triton". ValueError naming METRALE_MOE_EXPERTS for
+def experts_backend(dtype: torch.dtype, device: torch.device, D: int, IE: int, experts: int) -> str:
+    """The backend of `experts` bf16 / fp32 experts (hidden size D, intermediate IE) for activations of `dtype`
+    on `device`: EXPERTS_BACKEND where it serves them, else "triton". ValueError naming METRALE_MOE_EXPERTS for
     another name."""
     if EXPERTS_BACKEND not in EXPERTS_BACKENDS:
         raise ValueError(f"METRALE_MOE_EXPERTS / moe.EXPERTS_BACKEND must be one of {', '.join(EXPERTS_BACKENDS)}, "
                          f"got {EXPERTS_BACKEND!r}")
-    if EXPERTS_BACKEND == "grouped_mm" and not grouped_mm_supported(dtype, device, D, IE):
+    if EXPERTS_BACKEND == "grouped_mm" and not grouped_mm_supported(dtype, device, D, IE, experts):
         return "triton"
     return EXPERTS_BACKEND
 
@@ -165,7 +165,7 @@ def moe_cuda(a):
         return combine_outputs(h, n, _inner_contiguous(a.shared_expert_gate_w), y, shared, top_k, a.add_residual)
     if fp8.is_fp8(w13):  # weight-only debug mode: the experts dequantized, the bf16 kernels
         w13, w2 = fp8.dequantized(w13, a.w13_s, h.dtype, parts=2), fp8.dequantized(w2, a.w2_s, h.dtype)
-    if experts_backend(h.dtype, h.device, D, w2.shape[-1]) == "grouped_mm":
+    if experts_backend(h.dtype, h.device, D, w2.shape[-1], EL) == "grouped_mm":
         y = routed_experts_grouped_mm(n, top_w, top_e, w13, w2, first_expert, E)
         return combine_outputs(h, n, _inner_contiguous(a.shared_expert_gate_w), y, shared, top_k, a.add_residual)
     BM = block_m(P, EL)

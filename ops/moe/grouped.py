@@ -14,14 +14,24 @@ from torch import Tensor
 from .. import kernels
 
 
-def grouped_mm_supported(dtype: torch.dtype, device: torch.device, D: int, IE: int) -> bool:
-    """Where torch._grouped_mm serves experts of hidden size D and intermediate size IE: bf16 on CUDA (its CUDA
-    kernels take bf16 alone), any float dtype on the CPU (the interpreter's runs of the CUDA path), rows of D
-    and IE elements a multiple of 16 bytes (its operands' strides must be)."""
-    if not hasattr(torch, "_grouped_mm"):
+MAX_GROUPS = 1023  # torch's grouped kernels refuse 1024 groups or more
+
+
+def grouped_mm_supported(dtype: torch.dtype, device: torch.device, D: int, IE: int, experts: int) -> bool:
+    """Where torch._grouped_mm serves `experts` experts of hidden size D and intermediate size IE: bf16 on an
+    sm_90 / sm_100 GPU (its fused kernels; elsewhere torch falls back to a loop that reads the group ends on
+    the host, which CUDA graph capture forbids), any float dtype on the CPU (the interpreter's runs of the
+    CUDA path); rows of D and IE elements a multiple of 16 bytes (its operands' strides must be); at most
+    MAX_GROUPS groups (the local experts and, under tensor parallelism, one for the others' pairs)."""
+    if not hasattr(torch, "_grouped_mm") or experts + 1 > MAX_GROUPS:
         return False
     size = torch.empty(0, dtype=dtype).element_size()
-    return (dtype == torch.bfloat16 or device.type == "cpu") and (D * size) % 16 == 0 and (IE * size) % 16 == 0
+    if (D * size) % 16 or (IE * size) % 16:
+        return False
+    if device.type == "cpu":
+        return True
+    return (device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device)[0] in (9, 10))
 
 
 def routed_experts_grouped_mm(n: Tensor, top_w: Tensor, top_e: Tensor, w13: Tensor, w2: Tensor, first_expert: int,
@@ -33,7 +43,7 @@ def routed_experts_grouped_mm(n: Tensor, top_w: Tensor, top_e: Tensor, w13: Tens
     EL = w13.shape[0]
     local = top_e.reshape(-1) - first_expert
     mine = (local >= 0) & (local < EL)
-    experts, order = torch.sort(torch.where(mine, local, EL), stable=True)  # others' pairs last
+    experts, order = torch.sort(torch.where(mine, local, EL).to(torch.int32), stable=True)  # others' pairs last
     ends = torch.arange(1, EL + 1, device=n.device, dtype=experts.dtype)
     offs = torch.searchsorted(experts, ends).to(torch.int32)  # [EL]: the end of each local expert's rows
     x = n.index_select(0, order // k)
