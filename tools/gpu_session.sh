@@ -192,13 +192,14 @@ if [[ $what == prefix ]]; then
         | tee "$OUT/bench_prefix-9b.log" | tail -16
 fi
 if [[ $what == fp8-bench ]]; then
+    # (no --markdown: a call returns at most 8 files, and the JSON holds every figure)
     for preset in qwen3.5-9b-fp8 qwen3.5-35b-a3b-fp8; do
         python3 -m metrale_graph.tools.bench --preset $preset --workloads W1,W2,W3,W4,W5,W6,W7,D1,D32 --variants graphs \
-            --repeat 5 --json "$OUT/bench-$preset.json" --markdown "$OUT/bench-$preset.md" 2>&1 \
+            --repeat 5 --json "$OUT/bench-$preset.json" 2>&1 \
             | tee "$OUT/bench-$preset.log" | tail -12
     done
     python3 -m metrale_graph.tools.bench --preset qwen3-next-80b-a3b-fp8 --workloads W1,W2,W3,W4,W5,W6,D1,D32 \
-        --variants graphs --repeat 5 --generate --json "$OUT/bench-next-fp8.json" --markdown "$OUT/bench-next-fp8.md" \
+        --variants graphs --repeat 5 --generate --json "$OUT/bench-next-fp8.json" \
         2>&1 | tee "$OUT/bench-next-fp8.log" | tail -12
 fi
 exit $status
