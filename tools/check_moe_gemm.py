@@ -27,10 +27,12 @@ import torch
 from metrale_graph import PRESETS
 from metrale_graph.tools.files import write_whole
 from metrale_graph.tools.flags import output_file, positive_ints
+from metrale_graph.tools.check_decode import graph_ms
+from metrale_graph.tools.check_gdn_chunked import rel
+from metrale_graph.tools.floors import COPY_RATE, MATMUL_RATE
 from metrale_graph.tools.provenance import provenance
 from metrale_graph.tools.report import print_json, print_table
 
-HBM, MATMUL = 4.3e12, 790e12  # the floor's rates (tools/floors.py)
 MOE_PRESETS = [name for name, cfg in PRESETS.items() if cfg.moe_layers and cfg.quantization is None]
 
 
@@ -75,19 +77,18 @@ class Grouped:
     calls with SiLU-mul between, the routing weight, the rows put back in pair order."""
 
     def __init__(self, n, top_w, top_e, w13, w2):
+        from metrale_graph.ops.moe.grouped import sort_pairs
+
         self.n, self.top_w, self.top_e, self.w13, self.w2 = n, top_w, top_e, w13, w2
         self.k, self.E = top_e.shape[1], w13.shape[0]
-        experts, self.order = torch.sort(top_e.reshape(-1), stable=True)
-        ends = torch.arange(1, self.E + 1, device=n.device, dtype=experts.dtype)
-        self.offs = torch.searchsorted(experts, ends).to(torch.int32)
-        self.x = n.index_select(0, self.order // self.k)
-        self.w = top_w.reshape(-1).index_select(0, self.order)[:, None]
+        _, order, self.offs = sort_pairs(top_e, 0, self.E)
+        self.x = n.index_select(0, order // self.k)
+        self.w = top_w.reshape(-1).index_select(0, order)[:, None]
 
     def gemms(self):
-        from metrale_graph.ops import kernels
+        from metrale_graph.ops.moe.grouped import grouped_experts
 
-        act = kernels.silu_mul(torch._grouped_mm(self.x, self.w13.transpose(-2, -1), offs=self.offs))
-        return torch._grouped_mm(act, self.w2.transpose(-2, -1), offs=self.offs) * self.w  # in expert order
+        return grouped_experts(self.x, self.w13, self.w2, self.offs) * self.w  # in expert order
 
     def whole(self):
         from metrale_graph.ops.moe.grouped import routed_experts_grouped_mm
@@ -100,22 +101,10 @@ def pair_rows(path) -> torch.Tensor:
     return path.whole().clone()
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
 def expert_bytes(T: int, E: int, k: int, IE: int, D: int, itemsize: int = 2) -> float:
     """The expert weights T tokens touch in expectation (uniform routing): E * (1 - (1 - k/E)^T) experts of
     3 * IE * D elements."""
     return E * (1 - (1 - k / E) ** T) * 3 * IE * D * itemsize
-
-
-def graph_ms(call) -> float:
-    import triton.testing
-
-    call()
-    with torch.cuda.stream(torch.cuda.Stream()):
-        return triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median")
 
 
 def expert_weights(cfg, device, dtype=torch.bfloat16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +133,7 @@ def measure(preset: str, T: int, weights) -> dict:
     ours, grouped = case(cfg, T, "cuda", weights=weights)
     weights = expert_bytes(T, E, k, IE, D)
     flops = 2 * T * k * 3 * IE * D
-    floor = max(weights / HBM, flops / MATMUL) * 1e3
+    floor = max(weights / COPY_RATE, flops / MATMUL_RATE) * 1e3
     row = {"preset": preset, "tokens": T, "pairs": T * k, "BM": ours.BM, "weights_MB": round(weights / 1e6, 1),
            "floor_ms": round(floor, 4), "vs_grouped": rel(pair_rows(ours), pair_rows(grouped))}
     for name, path in (("ours", ours), ("grouped_mm", grouped)):

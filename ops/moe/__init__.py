@@ -106,9 +106,9 @@ def _(a):
 
 
 # The routed experts' bf16 grouped GEMMs: "triton" (ours, gemm.py: aligned blocks, SiLU-mul and the routing weight
-# in the epilogues) or "grouped_mm" (torch._grouped_mm, grouped.py; bf16 on CUDA, else "triton"). Read at import
-# from METRALE_MOE_EXPERTS; set moe.EXPERTS_BACKEND before a step is compiled or captured. FP8 experts keep
-# their own kernels.
+# in the epilogues) or "grouped_mm" (torch._grouped_mm, grouped.py, where grouped_mm_supported; else "triton").
+# Read at import from METRALE_MOE_EXPERTS; set moe.EXPERTS_BACKEND before a step is compiled or captured. FP8
+# experts keep their own kernels.
 EXPERTS_BACKENDS = ("triton", "grouped_mm")
 EXPERTS_BACKEND = os.environ.get("METRALE_MOE_EXPERTS", "triton")
 

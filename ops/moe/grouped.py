@@ -25,8 +25,7 @@ def grouped_mm_supported(dtype: torch.dtype, device: torch.device, D: int, IE: i
     MAX_GROUPS groups (the local experts and, under tensor parallelism, one for the others' pairs)."""
     if not hasattr(torch, "_grouped_mm") or experts + 1 > MAX_GROUPS:
         return False
-    size = torch.empty(0, dtype=dtype).element_size()
-    if (D * size) % 16 or (IE * size) % 16:
+    if (D * dtype.itemsize) % 16 or (IE * dtype.itemsize) % 16:
         return False
     if device.type == "cpu":
         return True
@@ -34,21 +33,33 @@ def grouped_mm_supported(dtype: torch.dtype, device: torch.device, D: int, IE: i
             and torch.cuda.get_device_capability(device)[0] in (9, 10))
 
 
+def sort_pairs(top_e: Tensor, first_expert: int, local_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The (token, expert) pairs of top_e [T, k] sorted by expert, no host sync: (mine [P] bool, the pairs of
+    this rank's experts first_expert .. first_expert + local_experts - 1; order [P], the pair ids in expert
+    order, others' last; offs [local_experts] int32, where each local expert's rows end)."""
+    EL = local_experts
+    local = top_e.reshape(-1) - first_expert
+    mine = (local >= 0) & (local < EL)
+    experts, order = torch.sort(torch.where(mine, local, EL).to(torch.int32), stable=True)  # others' pairs last
+    ends = torch.arange(1, EL + 1, device=top_e.device, dtype=experts.dtype)
+    return mine, order, torch.searchsorted(experts, ends).to(torch.int32)
+
+
+def grouped_experts(x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor) -> Tensor:
+    """down_e(silu(gate_e(x)) * up_e(x)) [P, D] of rows x [P, D] in expert order (offs: sort_pairs'), two
+    torch._grouped_mm calls; rows past offs[-1] unspecified."""
+    act = kernels.silu_mul(torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs))  # [P, IE]
+    return torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)
+
+
 def routed_experts_grouped_mm(n: Tensor, top_w: Tensor, top_e: Tensor, w13: Tensor, w2: Tensor, first_expert: int,
                               num_experts: int) -> Tensor:
     """y [P, D] (P = T * top_k, n's dtype): row p = t * top_k + j holds top_w[t, j] * down_e(silu(gate_e(n[t])) *
     up_e(n[t])) for e = top_e[t, j] among this rank's experts first_expert .. first_expert + EL - 1, 0 for the
     experts of other ranks (num_experts in all). w13 [EL, 2 * IE, D] (gate rows, then up rows), w2 [EL, D, IE]."""
-    T, k = top_e.shape
-    EL = w13.shape[0]
-    local = top_e.reshape(-1) - first_expert
-    mine = (local >= 0) & (local < EL)
-    experts, order = torch.sort(torch.where(mine, local, EL).to(torch.int32), stable=True)  # others' pairs last
-    ends = torch.arange(1, EL + 1, device=n.device, dtype=experts.dtype)
-    offs = torch.searchsorted(experts, ends).to(torch.int32)  # [EL]: the end of each local expert's rows
-    x = n.index_select(0, order // k)
-    act = kernels.silu_mul(torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs))  # [P, IE]
-    out = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)  # [P, D]; rows past offs[-1]: unspecified
+    k, EL = top_e.shape[1], w13.shape[0]
+    mine, order, offs = sort_pairs(top_e, first_expert, EL)
+    out = grouped_experts(n.index_select(0, order // k), w13, w2, offs)
     out = out * top_w.reshape(-1).index_select(0, order)[:, None]
     if EL < num_experts:  # other ranks' pairs: 0 (their rows were never computed)
         out = torch.where(mine.index_select(0, order)[:, None], out, 0)
