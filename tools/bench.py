@@ -221,11 +221,12 @@ def render(record: dict, variants: list[str], fmt: str = "table") -> str:
 def bench_record(args, layers: int, moe_parallel: str | None, device: str, run_info: dict, results: list[dict],
                  generation: dict | None = None) -> dict:
     """The JSON record of a run: what ran (preset, depth, parallelism, device, provenance, the kernel backends
-    chosen by environment variable, the floor model's rates) and its rows, floats rounded to 3 places (the GPU-busy fraction to 4)."""
+    chosen by environment variable, the floor model's rates) and its rows, floats rounded to 3 places (the
+    GPU-busy fraction to 4)."""
+    from metrale_graph.ops import gdn_recurrence, moe
+
     def rounded(k, v):
         return round(v, 4 if k == "gpu_busy" else 3) if isinstance(v, float) else v
-
-    from metrale_graph.ops import gdn_recurrence, moe
 
     return {"tool": "bench", "preset": args.preset, "layers": layers, "tp": args.tp, "moe_parallel": moe_parallel,
             "device": device, **run_info, "repeat": args.repeat,

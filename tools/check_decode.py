@@ -26,10 +26,10 @@ from metrale_graph.ops import REGISTRY, Shapes, example_args
 from metrale_graph.tools.check_gdn_chunked import rel
 from metrale_graph.tools.files import write_whole
 from metrale_graph.tools.flags import output_file, positive_int, positive_ints
+from metrale_graph.tools.floors import COPY_RATE
 from metrale_graph.tools.provenance import provenance
 from metrale_graph.tools.report import print_json, print_table
 
-HBM = 4.3e12  # bytes / s, the floor's rate (tools/floors.py)
 TILES = [(8, 1), (8, 2), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (128, 8)]  # (BV, num_warps)
 PROGRAMS = [256, 512, 1024, 2048, 4096]  # paged decode: programs its splits aim at
 
@@ -59,7 +59,7 @@ def sweep_recurrent(cfg, B: int, L: int = 1) -> list[dict]:
     cu = torch.arange(0, T + 1, L, dtype=torch.int32, device="cuda")
     slots = torch.arange(B, dtype=torch.int64, device="cuda")
     state0 = torch.randn(B + 1, HV, K, V, generator=g, device="cuda") * 0.1
-    floor = (2 * B * HV * K * V * 4 + (2 * T * H * K + 2 * T * HV * V) * 2) / HBM * 1e3
+    floor = (2 * B * HV * K * V * 4 + (2 * T * H * K + 2 * T * HV * V) * 2) / COPY_RATE * 1e3
     default = recurrent_tiles(K, V, B * HV)[1:]
     ref_state = state0.clone()
     ref_o = gdn_recurrence_recurrent(q, k, v, gate, beta, cu, slots, ref_state)
@@ -86,7 +86,7 @@ def sweep_paged(cfg, B: int, context: int) -> list[dict]:
     shapes = Shapes.from_config(cfg, [1] * B, [context] * B)
     args = example_args("paged_attention", shapes, torch.bfloat16, device="cuda")
     op = REGISTRY["paged_attention"]
-    floor = op.cost(shapes)[1] / HBM * 1e3
+    floor = op.cost(shapes)[1] / COPY_RATE * 1e3
     default, rows, ref = decode_mod.DECODE_PROGRAMS, [], None
     try:
         for n in [default] + [p for p in PROGRAMS if p != default]:
@@ -137,7 +137,7 @@ def main(argv=None) -> None:
           f"{torch.cuda.get_device_name()}")
     print_table(["kernel", "streams", "tokens", "config", "graph ms", "floor ms", "/ floor", "vs default", "error"], table)
     record = {"tool": "check_decode", "preset": args.preset, "context": args.context,
-              "device": torch.cuda.get_device_name(), **provenance(), "rows": rows}
+              "device": torch.cuda.get_device_name(), **provenance(argv), "rows": rows}
     if args.json:
         import json
 
