@@ -244,8 +244,8 @@ def test_decode_tools_refuse_to_run_without_a_gpu(capsys):
 @pytest.mark.parametrize("T", [1, 5, 40])
 def test_check_moe_gemm_compares_the_same_pair_rows(T):
     """tools/check_moe_gemm's two paths (ours: aligned blocks and our grouped-GEMM kernels, Triton's
-    interpreter; torch._grouped_mm over the pairs sorted by expert) give the same row per (token, expert) pair,
-    and the tool refuses to time without a GPU or with an unknown preset."""
+    interpreter; torch._grouped_mm over the pairs sorted by expert) give the same row per (token, expert) pair
+    as a loop over the pairs; expert_bytes counts the experts T tokens touch."""
     from metrale_graph.tools import check_moe_gemm as tool
 
     cfg = PRESETS["qwen3.5-35b-a3b"].replace(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,

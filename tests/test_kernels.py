@@ -905,10 +905,10 @@ smem.append(compile_(align._moe_align_rows_kernel, dict(order_ptr="*i64", first_
 B16, F32 = "*bf16", "*fp32"
 rec = dict(q_ptr=B16, k_ptr=B16, v_ptr=B16, g_ptr=F32, beta_ptr=B16, o_ptr=B16, state_ptr=F32, cu_ptr=I,
            slot_ptr="*i64", ck_map_ptr="*i64", ck_ptr=F32, scale="fp32")
+fn = recurrent._gdn_recurrent_kernel
 for K in (128, 256):
     for pairs in (1, recurrent.WIDE_PROGRAMS):  # both tiles
         BK, BV, warps = recurrent.recurrent_tiles(K, 128, pairs)
-        fn = recurrent._gdn_recurrent_kernel
         for ck in (False, True):  # with prefix-caching checkpoints or without
             smem.append(compile_(fn, {n: rec.get(n, "i32") for n in fn.arg_names}, dict(BK=BK, BV=BV, CK=ck), warps,
                                  3))
@@ -937,9 +937,7 @@ types["qk_scale"] = "fp32"
 smem.append(compile_(pd, types, dict(BLOCK_D=256, BLOCK_M=16, BN=32, CH=decode.STREAM_CHUNK, IEEE=False), 4, 2))
 # fp32 (IEEE dots) has one autotune candidate (attend.one_config_for_fp32): it must compile at head dim 256
 from metrale_graph.ops import attend
-import triton as _t
-fp32 = attend.one_config_for_fp32([_t.Config({"BN": bn}, num_warps=w, num_stages=st) for bn in (32, 64)
-                                   for w in (4, 8) for st in (1, 2, 3)], {}, IEEE=True)[0]
+fp32 = attend.one_config_for_fp32(attend.attention_configs(), {}, IEEE=True)[0]  # (no interpreter here: all twelve)
 types = {n: F32 if n in ("q_ptr", "k_cache", "v_cache", "o_ptr") else I if n.endswith("_ptr") else "i32"
          for n in pa.arg_names}
 types["qk_scale"] = "fp32"
@@ -972,8 +970,8 @@ def test_kernels_compile_for_sm90():
 
 def test_attention_autotune_takes_one_config_for_fp32():
     """The paged-attention kernels' autotuner keeps one candidate (the smallest in shared memory) for fp32's
-    IEEE dots, all twelve for bf16 / fp16: fp32 is the tests' dtype, and compiling every candidate for it
-    took minutes on a GPU."""
+    IEEE dots, all twelve for bf16 / fp16: fp32 is the tests' dtype, and compiling every candidate for it at
+    the first call is the likely reason fp32 GPU tests were still compiling after 290 s on an H200."""
     import triton
 
     from metrale_graph.ops import attend
