@@ -152,6 +152,7 @@ if [[ $what == serve ]]; then
     # a device call returns at most 8 files: per preset the server's log, the clients' log and one JSON of every run
     runs=/tmp/serve-runs; rm -rf $runs; mkdir -p $runs
     for preset in ${SERVE_PRESETS:-qwen3.5-9b qwen3.5-35b-a3b}; do
+        dir=$runs/$preset; mkdir -p "$dir"  # (a folder per preset: qwen3.5-9b's files are not qwen3.5-9b-fp8's)
         server_args="--model $preset --port 8011 --num-slots 256 --max-context 1024 --token-budget 4096"
         python3 -m metrale_graph.tools.serve $server_args > "$OUT/serve-$preset.log" 2>&1 &
         server=$!
@@ -165,21 +166,21 @@ if [[ $what == serve ]]; then
         bench() {  # name, then bench_serve's load flags
             local name=$1; shift
             python3 -m metrale_graph.tools.bench_serve --base-url http://127.0.0.1:8011 --input-len 512 --output-len 256 \
-                "$@" --json "$runs/$preset-$name.json" 2>&1 | tee -a "$OUT/bench_serve-$preset.log" | tail -12
+                "$@" --json "$dir/$name.json" 2>&1 | tee -a "$OUT/bench_serve-$preset.log" | tail -12
         }
         for c in 32 128 256; do bench c$c --num-prompts $((c * 2)) --max-concurrency $c; done
         # issue 27's TTFT target is at a request rate the server sustains (Poisson arrivals, not waves of 128; the
         # 9B saturates near 20 req/s)
         for rate in ${SERVE_RATES:-8 16}; do bench r$rate --num-prompts 256 --request-rate $rate --max-concurrency 128; done
-        get http://127.0.0.1:8011/metrics > "$runs/$preset-metrics.txt"
+        get http://127.0.0.1:8011/metrics > "$dir/metrics.txt"
         kill -TERM $server; wait $server; tail -3 "$OUT/serve-$preset.log"
-        python3 - "$runs" "$preset" "python -m metrale_graph.tools.serve $server_args" "$OUT/bench_serve-$preset.json" <<'PY'
+        python3 - "$dir" "python -m metrale_graph.tools.serve $server_args" "$OUT/bench_serve-$preset.json" <<'PY'
 import glob, json, os, sys
-runs, preset, command, out = sys.argv[1:]
+runs, command, out = sys.argv[1:]
 record = {"server_command": command, "runs": {}}
-for f in sorted(glob.glob(os.path.join(runs, preset + "-*.json"))):
-    record["runs"][os.path.basename(f)[len(preset) + 1:-5]] = json.load(open(f))
-metrics = os.path.join(runs, preset + "-metrics.txt")
+for f in sorted(glob.glob(os.path.join(runs, "*.json"))):
+    record["runs"][os.path.basename(f)[:-5]] = json.load(open(f))
+metrics = os.path.join(runs, "metrics.txt")
 if os.path.exists(metrics):
     record["metrics"] = open(metrics).read()
 json.dump(record, open(out, "w"), indent=1)
