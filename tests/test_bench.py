@@ -241,6 +241,16 @@ def test_decode_tools_refuse_to_run_without_a_gpu(capsys):
     assert e.value.code == 2
 
 
+def test_check_decode_refuses_short_streams_the_recurrent_kernel_does_not_take(capsys):
+    """check_decode --short: streams of more than 64 tokens take the chunked path, not the recurrent kernel:
+    a usage error naming the flag, before anything runs."""
+    from metrale_graph.tools import check_decode
+
+    with pytest.raises(SystemExit) as e:
+        check_decode.main(["--short", "16,65"])
+    assert e.value.code == 2 and "--short" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("T", [1, 5, 40])
 def test_check_moe_gemm_compares_the_same_pair_rows(T):
     """tools/check_moe_gemm's two paths (ours: aligned blocks and our grouped-GEMM kernels, Triton's
