@@ -33,7 +33,7 @@ from types import SimpleNamespace
 import torch
 
 from .config import ModelConfig
-from .numbers import as_int, int_tensor, to_device
+from .numbers import as_int, int_tensor
 from .prefix_cache import PrefixIndex, chain_hashes, prefix_key
 
 
@@ -263,7 +263,7 @@ class HybridCache:
                 held.extend(taken[at:at + n])
                 entries.extend(range(first, first + n))
                 at += n
-        host = to_device(int_tensor(itertools.chain(entries, taken)), self.device)  # table entries, their blocks
+        host = int_tensor(itertools.chain(entries, taken)).to(self.device)  # block-table entries, their blocks
         self.block_tables.view(-1).index_copy_(0, host[:total], host[total:].to(torch.int32))
 
     def commit(self, growth: dict[int, int], tokens: dict[int, list[int]] | None = None) -> None:

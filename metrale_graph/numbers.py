@@ -32,14 +32,3 @@ def int_tensor(values, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     if not buffer:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(buffer, dtype=dtype)  # shares (and keeps alive) the array's memory
-
-
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU tensor's copy on `device`. On CUDA through pinned memory and without blocking the host: a
-    pageable copy synchronizes with the stream, so the host would wait there for the step queued before it
-    (the copy is still ordered before the kernels queued after it, and torch's caching host allocator keeps
-    the pinned buffer until the copy has run). Elsewhere a plain copy (none on the CPU itself)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
