@@ -238,12 +238,19 @@ for quant, a_type in ((False, "*fp8e4nv"), (True, "*bf16")):
     for cfg in lin._block_fp8_splitk_kernel.configs:
         opts = backend.parse_options({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
         triton.compile(src, target=target, options=opts.__dict__)
+    gemv = lin._block_fp8_gemv_kernel  # the one-row form, at its one launch config
+    consts = dict(BN=lin.SPLITK_BN, BK=128, QUANT_A=quant)
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in gemv.arg_names}
+    opts = backend.parse_options({"num_warps": 4, "num_stages": 4})
+    triton.compile(triton.compiler.ASTSource(fn=gemv, constexprs=consts, signature=sig), target=target,
+                   options=opts.__dict__)
 print("compiled")
 """
 
 
 def test_splitk_kernel_compiles_for_sm90():
-    """The split-K GEMM, with activations quantized inside it and without, at every autotune config through
+    """The split-K GEMM (and its one-row GEMV form), with activations quantized inside it and without, at every
+    autotune config through
     Triton's real compiler for sm_90 (no GPU needed): the interpreter accepts what the compiler rejects."""
     import os
     import subprocess

@@ -1,0 +1,159 @@
+"""Sweep of the decode-shaped FP8 GEMM's tiles on a GPU (issue 26: FP8 decode should approach 2x bf16).
+
+At D1 the 9B-FP8 preset spent 3.71 of its 5.6 ms of device time in `_block_fp8_splitk_kernel` (9e87066,
+bench --profile), about 1.9 TB/s on the FP8 weights, and at D32 3.44 ms in cuBLAS' blockwise GEMM. This
+tool times, under CUDA-graph replay at the 9B's projection shapes:
+  splitk  ops/fp8's split-K GEMM (tensor-core dot, BM rows) at each (BN, programs per SM, warps, stages);
+  gemv    a split-K GEMV for one row (the same activation codes and scales; fp32 FMAs instead of a dot);
+  cublas  block_fp8_linear's cuBLAS path (the quantizer + torch._scaled_mm), and bf16 x @ w.T;
+and prints each one's effective TB/s on the weight bytes, the best per shape, and a JSON line.
+
+    python -m metrale_graph.tools.sweep_fp8_decode [--rows 1,16,32] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import triton
+import triton.language as tl
+
+from metrale_graph.ops import fp8
+from metrale_graph.ops.fp8.linear import _block_fp8_splitk_kernel, _splitk_sum_kernel
+from metrale_graph.ops.fp8.quant import quantize_e4m3
+
+SHAPES = [(24576, 4096), (4096, 12288), (16448, 4096), (4096, 4096)]  # the 9B's (N, K): check_fp8's SHAPES_9B
+
+
+@triton.jit
+def _gemv_fp8_kernel(x_ptr, w_ptr, ws_ptr, p_ptr, N, K, K_PER, stride_wn, stride_ws_n, BN: tl.constexpr,
+                     BK: tl.constexpr):
+    """p[part, n] = sum over the part's 128-groups g of (codes(x_g) . w[n, g]) * scale(x_g) * ws[n // 128, g]:
+    one row x (unquantized, quantized per group as quantize_activations), fp32 FMAs."""
+    pid_n = tl.program_id(0)
+    part = tl.program_id(1)
+    cols = pid_n * BN + tl.arange(0, BN)
+    c_safe = (cols % N).to(tl.int64)
+    k_lo = part * K_PER
+    k_hi = tl.minimum(K, k_lo + K_PER)
+    k = tl.arange(0, BK)
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        mk = k < k_hi - k0
+        x = tl.load(x_ptr + k0 + k, mask=mk, other=0.0).to(tl.float32)[None, :]
+        codes, sx = quantize_e4m3(x, tl.max(tl.abs(x), axis=1))
+        w = tl.load(w_ptr + c_safe[:, None] * stride_wn + (k0 + k)[None, :], mask=mk[None, :], other=0.0)
+        dot = tl.sum(w.to(tl.float32) * codes.to(tl.float32), axis=1)
+        acc += dot * sx * tl.load(ws_ptr + (c_safe // 128) * stride_ws_n + k0 // 128).to(tl.float32)
+    tl.store(p_ptr + part * N + cols, acc, mask=cols < N)
+
+
+def parts_for(N, K, BN, per_sm):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    KB = -(-K // 128)
+    want = max(1, -(-per_sm * sms // -(-N // BN)))
+    per = -(-KB // min(KB, want))
+    return -(-KB // per), per * 128
+
+
+def splitk(x, w, s, BM, BN, per_sm, warps, stages):
+    T, K = x.shape
+    N = w.shape[0]
+    parts, k_per = parts_for(N, K, BN, per_sm)
+    partial = torch.empty((parts, T, N), dtype=torch.float32, device=x.device)
+    out = torch.empty((T, N), dtype=torch.bfloat16, device=x.device)
+
+    def run():
+        _block_fp8_splitk_kernel.fn[(triton.cdiv(N, BN), parts)](
+            x, x, w, s, partial, T, N, K, k_per, x.stride(0), 0, 0, w.stride(0), s.stride(0), BM=BM, BN=BN,
+            BK=128, QUANT_A=True, num_warps=warps, num_stages=stages)
+        _splitk_sum_kernel[(triton.cdiv(T * N, 1024),)](partial, out, out, T, N, parts, 0, out.stride(0),
+                                                       HAS_RESIDUAL=False, BLOCK_E=1024)
+        return out
+    return run
+
+
+def gemv(x, w, s, BN, per_sm, warps, stages):
+    _, K = x.shape
+    N = w.shape[0]
+    parts, k_per = parts_for(N, K, BN, per_sm)
+    partial = torch.empty((parts, 1, N), dtype=torch.float32, device=x.device)
+    out = torch.empty((1, N), dtype=torch.bfloat16, device=x.device)
+
+    def run():
+        _gemv_fp8_kernel[(triton.cdiv(N, BN), parts)](x, w, s, partial, N, K, k_per, w.stride(0), s.stride(0),
+                                                      BN=BN, BK=128, num_warps=warps, num_stages=stages)
+        _splitk_sum_kernel[(triton.cdiv(N, 1024),)](partial, out, out, 1, N, parts, 0, out.stride(0),
+                                                   HAS_RESIDUAL=False, BLOCK_E=1024)
+        return out
+    return run
+
+
+def bench(fn):
+    fn()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="1,16,32")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("sweep_fp8_decode: needs a CUDA GPU")
+    rows_list = [int(r) for r in args.rows.split(",")]
+    dev = torch.device("cuda")
+    recs = []
+    for N, K in SHAPES:
+        g = torch.Generator(device=dev).manual_seed(0)
+        wb = (torch.randn(N, K, device=dev, generator=g) * 0.02).to(torch.bfloat16)
+        q, s = fp8.quantize_weight_blocks(wb)
+        for M in rows_list:
+            x = torch.randn(M, K, device=dev, generator=g).to(torch.bfloat16)
+            ref = fp8.block_fp8_linear_ref(x, q, s, torch.float32)
+            cands = {"bf16": lambda: x @ wb.t(),
+                     "auto": lambda: fp8.block_fp8_linear(x, q, s, torch.bfloat16)}
+            if M >= 16 or M in (1,):
+                cands["cublas"] = lambda: fp8.block_fp8_linear(x, q, s, torch.bfloat16, backend="cublas")
+            BM = 16 if M <= 16 else 32
+            for BN, per_sm, (w, st) in itertools.product((64, 128), (4, 8, 16), ((4, 3), (4, 5), (8, 4))):
+                cands[f"splitk BM{BM} BN{BN} x{per_sm} w{w} s{st}"] = splitk(x, q, s, BM, BN, per_sm, w, st)
+            if M == 1:
+                for BN, per_sm, (w, st) in itertools.product((32, 64, 128), (4, 8), ((4, 3), (4, 4), (8, 3))):
+                    cands[f"gemv BN{BN} x{per_sm} w{w} s{st}"] = gemv(x, q, s, BN, per_sm, w, st)
+            best = None
+            for name, fn in cands.items():
+                try:
+                    out = fn()
+                    err = ((out.float() - ref).norm() / ref.norm()).item()
+                    ms = bench(fn)
+                except Exception as e:  # a config that does not compile or launch: recorded, not fatal
+                    recs.append({"N": N, "K": K, "M": M, "name": name, "error": f"{type(e).__name__}: {e}"[:200]})
+                    continue
+                nbytes = (2 if name == "bf16" else 1) * N * K
+                rec = {"N": N, "K": K, "M": M, "name": name, "us": ms * 1e3, "TB_s": nbytes / ms / 1e9,
+                       "rel_err": err}
+                recs.append(rec)
+                if name != "bf16" and err < 0.05 and (best is None or ms * 1e3 < best["us"]):
+                    best = rec
+            base = {r["name"]: r for r in recs if r["N"] == N and r["K"] == K and r["M"] == M and "us" in r}
+            print(f"{N}x{K} M={M}: bf16 {base['bf16']['us']:.1f} us ({base['bf16']['TB_s']:.2f} TB/s), auto "
+                  f"{base['auto']['us']:.1f} us ({base['auto']['TB_s']:.2f}), best {best['name']} {best['us']:.1f} us "
+                  f"({best['TB_s']:.2f} TB/s, err {best['rel_err']:.1e})", flush=True)
+            del x
+        del wb, q, s
+    out = {"tool": "sweep_fp8_decode", "torch": torch.__version__, "triton": triton.__version__,
+           "device": torch.cuda.get_device_name(), "records": recs}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    print(json.dumps({"records": len(recs)}))
+
+
+if __name__ == "__main__":
+    main()
