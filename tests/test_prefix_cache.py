@@ -229,7 +229,7 @@ def test_bench_prefix_runs_its_workloads_with_the_same_tokens(capsys):
                        "--checkpoint-interval", "64", "--prefix-checkpoints", "24", "--workloads", "system,chat,split"])
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for name, w in record["workloads"].items():
-        assert w["same_tokens"], name
+        assert w["same_tokens"] and w["identical_requests"] == w["same_first_token"] == w["requests"] > 0, name
         assert w["with"]["cached_tokens"] > 0 and w["without"]["cached_tokens"] == 0, name
 
 

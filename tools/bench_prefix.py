@@ -186,17 +186,23 @@ def main(argv=None) -> None:
     rows, records = [], {}
     for w in args.workloads:
         off, on = offs[w], ons[w]
-        same = all(a.token_ids == b.token_ids for (_, x), (_, y) in zip(off["results"], on["results"])
-                   for a, b in zip(x, y))
+        pairs = [(a.token_ids, b.token_ids) for (_, x), (_, y) in zip(off["results"], on["results"])
+                 for a, b in zip(x, y)]
+        identical = sum(a == b for a, b in pairs)
+        same = identical == len(pairs)
         for r in (off, on):
             del r["results"]
-        records[w] = {"without": off, "with": on, "same_tokens": same}
+        # (in bf16 a random-weight model's near-tie logits flip a greedy token at any change of batch or
+        # chunking, so the counts say how far apart; fp32 runs give the same tokens: tests/test_prefix_cache.py)
+        records[w] = {"without": off, "with": on, "same_tokens": same, "requests": len(pairs),
+                      "identical_requests": identical, "same_first_token": sum(a[:1] == b[:1] for a, b in pairs)}
         rows.append([w, f"{on['reusable_tokens']:,}", f"{on['cached_tokens']:,}", f"{100 * on['hit_rate']:.1f}%",
                      f"{off['ttft_p50_s'] * 1e3:.1f} / {on['ttft_p50_s'] * 1e3:.1f}",
                      f"{off['ttft_p99_s'] * 1e3:.1f} / {on['ttft_p99_s'] * 1e3:.1f}",
-                     f"{off['tokens_per_s']:,.0f} / {on['tokens_per_s']:,.0f}", "yes" if same else "NO"])
+                     f"{off['tokens_per_s']:,.0f} / {on['tokens_per_s']:,.0f}",
+                     f"{identical} / {len(pairs)}", f"{records[w]['same_first_token']} / {len(pairs)}"])
     print_table(["workload", "reusable tok", "cached tok", "hit rate", "TTFT p50 ms (off / on)",
-                 "TTFT p99 ms (off / on)", "tok/s (off / on)", "same tokens"], rows)
+                 "TTFT p99 ms (off / on)", "tok/s (off / on)", "same tokens", "same first token"], rows)
     record = {"tool": "bench_prefix", "model": args.model, "scale": args.scale, "num_slots": args.num_slots,
               **provenance(), "workloads": records}
     if args.json:

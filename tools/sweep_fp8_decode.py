@@ -24,6 +24,7 @@ import triton.language as tl
 from metrale_graph.ops import fp8
 from metrale_graph.ops.fp8.linear import _block_fp8_splitk_kernel, _splitk_sum_kernel
 from metrale_graph.ops.fp8.quant import quantize_e4m3
+from metrale_graph.tools.provenance import provenance
 
 SHAPES = [(24576, 4096), (4096, 12288), (16448, 4096), (4096, 4096)]  # the 9B's (N, K): check_fp8's SHAPES_9B
 
@@ -147,8 +148,7 @@ def main(argv=None):
                   f"({best['TB_s']:.2f} TB/s, err {best['rel_err']:.1e})", flush=True)
             del x
         del wb, q, s
-    out = {"tool": "sweep_fp8_decode", "torch": torch.__version__, "triton": triton.__version__,
-           "device": torch.cuda.get_device_name(), "records": recs}
+    out = {"tool": "sweep_fp8_decode", **provenance(argv), "device": torch.cuda.get_device_name(), "records": recs}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
