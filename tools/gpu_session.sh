@@ -12,7 +12,7 @@
 # (9B W2 / W5 against the one-GPU JSON in benchmarks/, 27B W1-W6, 35B-A3B W1 / W2 / W5 with the experts
 # split across the ranks and within); fp8 (not in all): the FP8 primitives' check (tools/check_fp8.py: correctness,
 # cuBLAS shapes, graphs), tests/test_gpu_fp8.py, bench_ops on the 9B FP8 preset; fp8-bench (not in all): the FP8
-# presets' workloads beside their bf16 runs (issue 26); serve (not in all): metrale-serve + bench_serve at concurrency
+# presets' workloads beside their bf16 runs, the FP8 ops at decode shapes (issue 26; FP8_PRESETS, BF16_35B, FP8_OPS, FP8_NEXT); serve (not in all): metrale-serve + bench_serve at concurrency
 # 32 / 128 / 256 on the 9B and 35B-A3B (issue 27; SERVE_PRESETS to choose); prefix (not in all): bench_prefix on the 9B
 # (issue 28). `setup` only installs (source it
 # with `. tools/gpu_session.sh setup` to keep the environment). The device's copy of the tree may carry an older
@@ -193,14 +193,27 @@ if [[ $what == prefix ]]; then
         | tee "$OUT/bench_prefix-9b.log" | tail -16
 fi
 if [[ $what == fp8-bench ]]; then
-    # (no --markdown: a call returns at most 8 files, and the JSON holds every figure)
-    for preset in qwen3.5-9b-fp8 qwen3.5-35b-a3b-fp8; do
-        python3 -m metrale_graph.tools.bench --preset $preset --workloads W1,W2,W3,W4,W5,W6,W7,D1,D32 --variants graphs \
-            --repeat 5 --json "$OUT/bench-$preset.json" 2>&1 \
-            | tee "$OUT/bench-$preset.log" | tail -12
+    # issue 26: one bench run of each FP8 preset (W1-W7, D1, D32; FP8_PRESETS to choose, e.g. one per device call on a
+    # fresh machine), the 35B-A3B's bf16 workloads its FP8 run is compared with that no other run measured (BF16_35B:
+    # W3,W7,D1,D32; empty to skip), the FP8 ops against their floor (bench_ops, FP8_OPS=0 to skip). FP8_NEXT=1 adds
+    # Qwen3-Next-80B-A3B-FP8, all 48 layers (~4.5 min; measured at 9e87066). No --markdown: a call returns at most 8
+    # files, and the JSON holds every figure
+    for preset in ${FP8_PRESETS:-qwen3.5-9b-fp8 qwen3.5-35b-a3b-fp8}; do
+        limit python3 -m metrale_graph.tools.bench --preset $preset --workloads W1,W2,W3,W4,W5,W6,W7,D1,D32 \
+            --variants graphs --repeat 3 --json "$OUT/bench-$preset.json" 2>&1 | tee "$OUT/bench-$preset.log" | tail -12
     done
-    python3 -m metrale_graph.tools.bench --preset qwen3-next-80b-a3b-fp8 --workloads W1,W2,W3,W4,W5,W6,D1,D32 \
-        --variants graphs --repeat 5 --generate --json "$OUT/bench-next-fp8.json" \
-        2>&1 | tee "$OUT/bench-next-fp8.log" | tail -12
+    if [[ -n ${BF16_35B-W3,W7,D1,D32} ]]; then
+        limit python3 -m metrale_graph.tools.bench --preset qwen3.5-35b-a3b --workloads ${BF16_35B-W3,W7,D1,D32} \
+            --variants graphs --repeat 3 --json "$OUT/bench-qwen3.5-35b-a3b-bf16.json" 2>&1 | tail -7
+    fi
+    if [[ ${FP8_OPS:-1} == 1 ]]; then
+        limit python3 -m metrale_graph.tools.bench_ops --preset qwen3.5-9b-fp8 --decode 1,32 2>&1 \
+            | tee "$OUT/bench_ops-fp8.log" | tail -24
+    fi
+    if [[ ${FP8_NEXT:-0} == 1 ]]; then
+        python3 -m metrale_graph.tools.bench --preset qwen3-next-80b-a3b-fp8 --workloads W1,W2,W3,W4,W5,W6,D1,D32 \
+            --variants graphs --repeat 3 --generate --json "$OUT/bench-next-fp8.json" 2>&1 \
+            | tee "$OUT/bench-next-fp8.log" | tail -12
+    fi
 fi
 exit $status
