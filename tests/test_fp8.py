@@ -393,3 +393,26 @@ def test_check_script_help_flags_and_smoke(tmp_path, capsys):
     assert all(r["quant_bitexact"] and r["triton"] < 1e-3 and r["auto_backend"] == "triton"
                for r in record["correctness"])
     assert record["experts"][0]["fp8_vs_ref"] < 1e-2
+
+
+@pytest.mark.parametrize("M", [1, 3, 17])
+def test_sweep_fp8_decode_candidates_match_reference(M):
+    """tools/sweep_fp8_decode.py's own candidate kernels (the GEMV with a 2-D accumulator, the split-K GEMM
+    with swapped operands) give block_fp8_linear_ref's product: the sweep times kernels that are right."""
+    import triton
+
+    from metrale_graph.tools import sweep_fp8_decode as sweep
+
+    N, K, parts, k_per = 200, 300, 2, 256  # a ragged column tile, a ragged last group, two parts
+    g = torch.Generator().manual_seed(M)
+    q, s = fp8.quantize_weight_blocks(torch.randn(N, K, generator=g) * 0.02)
+    x = torch.randn(M, K, generator=g)
+    ref = fp8.block_fp8_linear_ref(x, q, s, torch.float32)
+    p = torch.empty(parts, M, N)
+    if M == 1:
+        sweep._gemv2d_fp8_kernel[(triton.cdiv(N, 64), parts)](x, q, s, p, N, K, k_per, q.stride(0), s.stride(0),
+                                                            BN=64, BK=128)
+        assert_close("gemv2d", ref, p.sum(0), 1e-5)
+    sweep._splitk_swap_kernel[(triton.cdiv(N, 64), parts)](x, q, s, p, M, N, K, k_per, x.stride(0), q.stride(0),
+                                                         s.stride(0), BM=16 if M <= 16 else 32, BN=64, BK=128)
+    assert_close("swapped split-K", ref, p.sum(0), 1e-5)

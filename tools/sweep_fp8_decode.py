@@ -2,13 +2,20 @@
 
 At D1 the 9B-FP8 preset spent 3.71 of its 5.6 ms of device time in `_block_fp8_splitk_kernel` (9e87066,
 bench --profile), about 1.9 TB/s on the FP8 weights, and at D32 3.44 ms in cuBLAS' blockwise GEMM. This
-tool times, under CUDA-graph replay at the 9B's projection shapes:
-  splitk  ops/fp8's split-K GEMM (tensor-core dot, BM rows) at each (BN, programs per SM, warps, stages);
-  gemv    a split-K GEMV for one row (the same activation codes and scales; fp32 FMAs instead of a dot);
-  cublas  block_fp8_linear's cuBLAS path (the quantizer + torch._scaled_mm), and bf16 x @ w.T;
+tool's first run (9e87066, benchmarks/h200-fp8-decode-sweep.json) chose the GEMV form for one row and
+128-column tiles (f340188). It times, under CUDA-graph replay at the 9B's projection shapes:
+  auto        block_fp8_linear as the model calls it (its backend and tiles);
+  gemv        ops/fp8's one-row GEMV at each (BN, programs per SM, warps, stages);
+  gemv2d      the GEMV with its multiply-adds kept in a [BN, 128] accumulator, reduced once at the end
+              (no cross-thread reduction per K step);
+  splitk      ops/fp8's split-K GEMM (FP8 tensor-core dot, 16 or 32 rows) at each tile;
+  splitk-swap the split-K GEMM with its operands swapped (w . codes(x).T: the weight's columns on the
+              MMA's M side, so Hopper's FP8 wgmma can take it; at 16 / 32 rows the unswapped kernel
+              compiles to fp16 mma.sync, every weight byte converted first);
+  cublas      the quantizer + torch._scaled_mm blockwise, and bf16 x @ w.T;
 and prints each one's effective TB/s on the weight bytes, the best per shape, and a JSON line.
 
-    python -m metrale_graph.tools.sweep_fp8_decode [--rows 1,16,32] [--json FILE]
+    python -m metrale_graph.tools.sweep_fp8_decode [--rows 1,4,16,32] [--json FILE]
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import triton
 import triton.language as tl
 
 from metrale_graph.ops import fp8
-from metrale_graph.ops.fp8.linear import _block_fp8_splitk_kernel, _splitk_sum_kernel
+from metrale_graph.ops.fp8.linear import _block_fp8_gemv_kernel, _block_fp8_splitk_kernel, _splitk_sum_kernel
 from metrale_graph.ops.fp8.quant import quantize_e4m3
 from metrale_graph.tools.provenance import provenance
 
@@ -30,10 +37,10 @@ SHAPES = [(24576, 4096), (4096, 12288), (16448, 4096), (4096, 4096)]  # the 9B's
 
 
 @triton.jit
-def _gemv_fp8_kernel(x_ptr, w_ptr, ws_ptr, p_ptr, N, K, K_PER, stride_wn, stride_ws_n, BN: tl.constexpr,
-                     BK: tl.constexpr):
-    """p[part, n] = sum over the part's 128-groups g of (codes(x_g) . w[n, g]) * scale(x_g) * ws[n // 128, g]:
-    one row x (unquantized, quantized per group as quantize_activations), fp32 FMAs."""
+def _gemv2d_fp8_kernel(x_ptr, w_ptr, ws_ptr, p_ptr, N, K, K_PER, stride_wn, stride_ws_n, BN: tl.constexpr,
+                       BK: tl.constexpr):
+    """ops/fp8's _block_fp8_gemv_kernel with the products, scaled per group, summed in a [BN, BK] accumulator and reduced
+    over K once after the loop."""
     pid_n = tl.program_id(0)
     part = tl.program_id(1)
     cols = pid_n * BN + tl.arange(0, BN)
@@ -41,15 +48,48 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, ws_ptr, p_ptr, N, K, K_PER, stride_wn, stride
     k_lo = part * K_PER
     k_hi = tl.minimum(K, k_lo + K_PER)
     k = tl.arange(0, BK)
-    acc = tl.zeros((BN,), dtype=tl.float32)
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         mk = k < k_hi - k0
         x = tl.load(x_ptr + k0 + k, mask=mk, other=0.0).to(tl.float32)[None, :]
         codes, sx = quantize_e4m3(x, tl.max(tl.abs(x), axis=1))
+        scale = sx * tl.load(ws_ptr + (c_safe // 128) * stride_ws_n + k0 // 128).to(tl.float32)  # [BN]
         w = tl.load(w_ptr + c_safe[:, None] * stride_wn + (k0 + k)[None, :], mask=mk[None, :], other=0.0)
-        dot = tl.sum(w.to(tl.float32) * codes.to(tl.float32), axis=1)
-        acc += dot * sx * tl.load(ws_ptr + (c_safe // 128) * stride_ws_n + k0 // 128).to(tl.float32)
-    tl.store(p_ptr + part * N + cols, acc, mask=cols < N)
+        acc += w.to(tl.float32) * (codes.to(tl.float32) * scale[:, None])
+    tl.store(p_ptr + part * N + cols, tl.sum(acc, axis=1), mask=cols < N)
+
+
+@triton.jit
+def _splitk_swap_kernel(a_ptr, b_ptr, bs_ptr, p_ptr, M, N, K, K_PER, stride_am, stride_bn, stride_bs_n,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """ops/fp8's _block_fp8_splitk_kernel (QUANT_A) with the operands swapped: acc [BN, BM] = w [BN, BK] .
+    codes(x).T [BK, BM], so the weight's BN columns are the MMA's M side (64 / 128: Hopper's FP8 wgmma) and
+    the few rows its N side, where BM rows as the M side (16 / 32) compile to fp16 mma.sync after a
+    conversion of every weight byte (sm_90 PTX of the unswapped kernel)."""
+    pid_n = tl.program_id(0)
+    part = tl.program_id(1)
+    rows = tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    r_safe = (rows % M).to(tl.int64)
+    c_safe = (cols % N).to(tl.int64)
+    k_lo = part * K_PER
+    k_hi = tl.minimum(K, k_lo + K_PER)
+    k = tl.arange(0, BK)
+    a_ptrs = a_ptr + r_safe[:, None] * stride_am + (k_lo + k)[None, :]  # [BM, BK]
+    b_ptrs = b_ptr + c_safe[:, None] * stride_bn + (k_lo + k)[None, :]  # [BN, BK]
+    bs_ptrs = bs_ptr + (c_safe // 128) * stride_bs_n
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        mk = k < k_hi - k0
+        x = tl.load(a_ptrs, mask=mk[None, :], other=0.0).to(tl.float32)
+        a, sa = quantize_e4m3(x, tl.max(tl.abs(x), axis=1))
+        b = tl.load(b_ptrs, mask=mk[None, :], other=0.0)
+        acc += tl.dot(b, tl.trans(a)) * tl.load(bs_ptrs + k0 // 128).to(tl.float32)[:, None] * sa[None, :]
+        a_ptrs += BK
+        b_ptrs += BK
+    mask = (cols < N)[:, None] & (rows < M)[None, :]
+    off = (part * M + rows).to(tl.int64)[None, :] * N + cols[:, None]
+    tl.store(p_ptr + off, acc, mask=mask)
 
 
 def parts_for(N, K, BN, per_sm):
@@ -60,7 +100,9 @@ def parts_for(N, K, BN, per_sm):
     return -(-KB // per), per * 128
 
 
-def splitk(x, w, s, BM, BN, per_sm, warps, stages):
+def _launch(x, w, s, BN, per_sm, rows, kernel):
+    """A run() of one candidate: `kernel(grid, partial)` launches its partials, then the ops' fixed-order
+    sum kernel rounds them to bf16."""
     T, K = x.shape
     N = w.shape[0]
     parts, k_per = parts_for(N, K, BN, per_sm)
@@ -68,29 +110,35 @@ def splitk(x, w, s, BM, BN, per_sm, warps, stages):
     out = torch.empty((T, N), dtype=torch.bfloat16, device=x.device)
 
     def run():
-        _block_fp8_splitk_kernel.fn[(triton.cdiv(N, BN), parts)](
-            x, x, w, s, partial, T, N, K, k_per, x.stride(0), 0, 0, w.stride(0), s.stride(0), BM=BM, BN=BN,
-            BK=128, QUANT_A=True, num_warps=warps, num_stages=stages)
+        kernel((triton.cdiv(N, BN), parts), partial, k_per)
         _splitk_sum_kernel[(triton.cdiv(T * N, 1024),)](partial, out, out, T, N, parts, 0, out.stride(0),
                                                        HAS_RESIDUAL=False, BLOCK_E=1024)
         return out
     return run
 
 
-def gemv(x, w, s, BN, per_sm, warps, stages):
+def splitk(x, w, s, BM, BN, per_sm, warps, stages, swap=False):
+    T, K = x.shape
+    N = w.shape[0]
+    if swap:
+        return _launch(x, w, s, BN, per_sm, T, lambda grid, p, k_per: _splitk_swap_kernel[grid](
+            x, w, s, p, T, N, K, k_per, x.stride(0), w.stride(0), s.stride(0), BM=BM, BN=BN, BK=128,
+            num_warps=warps, num_stages=stages))
+    return _launch(x, w, s, BN, per_sm, T, lambda grid, p, k_per: _block_fp8_splitk_kernel.fn[grid](
+        x, x, w, s, p, T, N, K, k_per, x.stride(0), 0, 0, w.stride(0), s.stride(0), BM=BM, BN=BN, BK=128,
+        QUANT_A=True, num_warps=warps, num_stages=stages))
+
+
+def gemv(x, w, s, BN, per_sm, warps, stages, two_d=False):
     _, K = x.shape
     N = w.shape[0]
-    parts, k_per = parts_for(N, K, BN, per_sm)
-    partial = torch.empty((parts, 1, N), dtype=torch.float32, device=x.device)
-    out = torch.empty((1, N), dtype=torch.bfloat16, device=x.device)
-
-    def run():
-        _gemv_fp8_kernel[(triton.cdiv(N, BN), parts)](x, w, s, partial, N, K, k_per, w.stride(0), s.stride(0),
-                                                      BN=BN, BK=128, num_warps=warps, num_stages=stages)
-        _splitk_sum_kernel[(triton.cdiv(N, 1024),)](partial, out, out, 1, N, parts, 0, out.stride(0),
-                                                   HAS_RESIDUAL=False, BLOCK_E=1024)
-        return out
-    return run
+    if two_d:
+        return _launch(x, w, s, BN, per_sm, 1, lambda grid, p, k_per: _gemv2d_fp8_kernel[grid](
+            x, w, s, p, N, K, k_per, w.stride(0), s.stride(0), BN=BN, BK=128, num_warps=warps,
+            num_stages=stages))
+    return _launch(x, w, s, BN, per_sm, 1, lambda grid, p, k_per: _block_fp8_gemv_kernel[grid](
+        x, x, w, s, p, N, K, k_per, 0, w.stride(0), s.stride(0), BN=BN, BK=128, QUANT_A=True,
+        num_warps=warps, num_stages=stages))
 
 
 def bench(fn):
@@ -102,12 +150,14 @@ def bench(fn):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", default="1,16,32")
+    p.add_argument("--rows", default="1,4,16,32")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("sweep_fp8_decode: needs a CUDA GPU")
     rows_list = [int(r) for r in args.rows.split(",")]
+    if not all(1 <= r <= 32 for r in rows_list):
+        p.error(f"--rows: decode rows from 1 to 32, got {args.rows}")
     dev = torch.device("cuda")
     recs = []
     for N, K in SHAPES:
@@ -119,14 +169,19 @@ def main(argv=None):
             ref = fp8.block_fp8_linear_ref(x, q, s, torch.float32)
             cands = {"bf16": lambda: x @ wb.t(),
                      "auto": lambda: fp8.block_fp8_linear(x, q, s, torch.bfloat16)}
-            if M >= 16 or M in (1,):
+            if M >= 16:
                 cands["cublas"] = lambda: fp8.block_fp8_linear(x, q, s, torch.bfloat16, backend="cublas")
             BM = 16 if M <= 16 else 32
-            for BN, per_sm, (w, st) in itertools.product((64, 128), (4, 8, 16), ((4, 3), (4, 5), (8, 4))):
-                cands[f"splitk BM{BM} BN{BN} x{per_sm} w{w} s{st}"] = splitk(x, q, s, BM, BN, per_sm, w, st)
             if M == 1:
-                for BN, per_sm, (w, st) in itertools.product((32, 64, 128), (4, 8), ((4, 3), (4, 4), (8, 3))):
+                for BN, per_sm, (w, st) in itertools.product((64, 128), (2, 4, 8), ((4, 3), (4, 4), (8, 3))):
                     cands[f"gemv BN{BN} x{per_sm} w{w} s{st}"] = gemv(x, q, s, BN, per_sm, w, st)
+                for BN, per_sm, (w, st) in itertools.product((32, 64, 128), (2, 4, 8), ((4, 3), (8, 3))):
+                    cands[f"gemv2d BN{BN} x{per_sm} w{w} s{st}"] = gemv(x, q, s, BN, per_sm, w, st, two_d=True)
+            else:
+                for BN, per_sm, (w, st) in itertools.product((64, 128), (4, 8), ((4, 3), (4, 4), (8, 3))):
+                    cands[f"splitk BM{BM} BN{BN} x{per_sm} w{w} s{st}"] = splitk(x, q, s, BM, BN, per_sm, w, st)
+                    cands[f"splitk-swap BM{BM} BN{BN} x{per_sm} w{w} s{st}"] = splitk(x, q, s, BM, BN, per_sm, w, st,
+                                                                                      swap=True)
             best = None
             for name, fn in cands.items():
                 try:
