@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session in one command (device machines start bare): install the carried
 # flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
-#   usage: bash tools/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-ab|tp|fp8|fp8-bench|serve|prefix|all|setup]
+#   usage: bash tools/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-ab|tp|fp8|fp8-sweep|fp8-bench|serve|prefix|all|setup]
 #   (run from the repository root)
 # tests: every GPU test (sweep + op-tests + model-tests: ~18 min, more than one call); ops: per-op
 # benchmark; decode (not in all): bench_ops at decode shapes and tools/check_decode.py's tile sweep; bench: 9B workloads with the peer and generation; profile (not in all): the 9B workloads' device
@@ -12,7 +12,8 @@
 # (9B W2 / W5 against the one-GPU JSON in benchmarks/, 27B W1-W6, 35B-A3B W1 / W2 / W5 with the experts
 # split across the ranks and within); fp8 (not in all): the FP8 primitives' check (tools/check_fp8.py: correctness,
 # cuBLAS shapes, graphs), tests/test_gpu_fp8.py, bench_ops on the 9B FP8 preset; fp8-bench (not in all): the FP8
-# presets' workloads beside their bf16 runs, the FP8 ops at decode shapes (issue 26; FP8_PRESETS, BF16_35B, FP8_OPS, FP8_NEXT); serve (not in all): metrale-serve + bench_serve at concurrency
+# presets' workloads beside their bf16 runs, the FP8 ops at decode shapes (issue 26; FP8_PRESETS, BF16_35B, FP8_OPS, FP8_NEXT);
+# fp8-sweep (not in all): tools/sweep_fp8_decode.py, the decode-shaped FP8 GEMM's forms and tiles; serve (not in all): metrale-serve + bench_serve at concurrency
 # 32 / 128 / 256 on the 9B and 35B-A3B (issue 27; SERVE_PRESETS to choose); prefix (not in all): bench_prefix on the 9B
 # (issue 28). `setup` only installs (source it
 # with `. tools/gpu_session.sh setup` to keep the environment). The device's copy of the tree may carry an older
@@ -191,6 +192,11 @@ if [[ $what == prefix ]]; then
     # issue 28: the prefix cache's workloads on the 9B, with the cache and without, CUDA graphs
     python3 -m metrale_graph.tools.bench_prefix --model qwen3.5-9b --json "$OUT/bench_prefix-9b.json" 2>&1 \
         | tee "$OUT/bench_prefix-9b.log" | tail -16
+fi
+if [[ $what == fp8-sweep ]]; then
+    # issue 26's decode GEMM: every candidate form and tile of the FP8 GEMM at 1 / 4 / 16 / 32 rows (~2-3 min)
+    limit python3 -m metrale_graph.tools.sweep_fp8_decode --json "$OUT/sweep_fp8_decode.json" 2>&1 \
+        | grep -v Warning | tee "$OUT/sweep_fp8_decode.log" | tail -20
 fi
 if [[ $what == fp8-bench ]]; then
     # issue 26: one bench run of each FP8 preset (W1-W7, D1, D32; FP8_PRESETS to choose, e.g. one per device call on a
