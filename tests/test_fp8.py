@@ -238,6 +238,14 @@ for quant, a_type in ((False, "*fp8e4nv"), (True, "*bf16")):
     for cfg in lin._block_fp8_splitk_kernel.configs:
         opts = backend.parse_options({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
         triton.compile(src, target=target, options=opts.__dict__)
+    swap = lin._block_fp8_swap_kernel.fn  # the swapped form, 16 and 32 rows, at every autotune config
+    for bm in (16, 32):
+        consts = dict(BM=bm, BN=lin.SPLITK_BN, BK=128, QUANT_A=quant)
+        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in swap.arg_names}
+        for cfg in lin._block_fp8_swap_kernel.configs:
+            opts = backend.parse_options({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+            triton.compile(triton.compiler.ASTSource(fn=swap, constexprs=consts, signature=sig), target=target,
+                           options=opts.__dict__)
     gemv = lin._block_fp8_gemv_kernel  # the one-row form, at its one launch config
     consts = dict(BN=lin.SPLITK_BN, BK=128, QUANT_A=quant)
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in gemv.arg_names}
@@ -249,7 +257,8 @@ print("compiled")
 
 
 def test_splitk_kernel_compiles_for_sm90():
-    """The split-K GEMM (and its one-row GEMV form), with activations quantized inside it and without, at every
+    """The split-K GEMM (its one-row GEMV form, its swapped form), with activations quantized inside it and
+    without, at every
     autotune config through
     Triton's real compiler for sm_90 (no GPU needed): the interpreter accepts what the compiler rejects."""
     import os
@@ -395,24 +404,59 @@ def test_check_script_help_flags_and_smoke(tmp_path, capsys):
     assert record["experts"][0]["fp8_vs_ref"] < 1e-2
 
 
-@pytest.mark.parametrize("M", [1, 3, 17])
-def test_sweep_fp8_decode_candidates_match_reference(M):
-    """tools/sweep_fp8_decode.py's own candidate kernels (the GEMV with a 2-D accumulator, the split-K GEMM
-    with swapped operands) give block_fp8_linear_ref's product: the sweep times kernels that are right."""
+@pytest.mark.parametrize("T,N,K,out_dtype", [(1, 100, 1000, F32), (5, 200, 300, BF16), (17, 130, 256, F32),
+                                             (32, 64, 2048, BF16)], ids=lambda v: str(v).replace("torch.", ""))
+def test_linear_swap_matches_reference(T, N, K, out_dtype):
+    """The swapped split-K GEMM (backend "swap", at most 32 rows: 16-row tiles up to 16, 32-row above): the
+    reference's product, the residual before the one rounding, the same sums every call, and bit for bit
+    the GEMM of quantize_activations' codes and scales (x quantized inside)."""
+    g = torch.Generator().manual_seed(T * 5 + N + K)
+    q, s = fp8.quantize_weight_blocks(torch.randn(N, K, generator=g))
+    x = (torch.randn(T, K, generator=g) * torch.logspace(-1, 1, K)).to(out_dtype)
+    tol = 1e-6 if out_dtype == torch.float32 else 4e-3
+    out = fp8.block_fp8_linear(x, q, s, out_dtype, backend="swap")
+    assert out.dtype == out_dtype and out.shape == (T, N)
+    assert_close("swap", fp8.block_fp8_linear_ref(x, q, s, out_dtype), out, tol)
+    residual = torch.randn(T, N, generator=g).to(out_dtype)
+    assert_close("swap + residual", fp8.block_fp8_linear_ref(x, q, s.bfloat16(), out_dtype, residual),
+                 fp8.block_fp8_linear(x, q, s.bfloat16(), out_dtype, residual, backend="swap"), tol)
+    assert torch.equal(out, fp8.block_fp8_linear(x, q, s, out_dtype, backend="swap"))
+    xq, xs = fp8.quantize_activations(x)
+    assert torch.equal(out, fp8.block_fp8_gemm_splitk(xq, xs, q, s, out_dtype, swap=True))
+
+
+def test_linear_swap_refuses_more_than_32_rows():
+    q, s = fp8.quantize_weight_blocks(torch.randn(64, 128))
+    with pytest.raises(ValueError, match="swap backend takes at most 32 rows, got 33"):
+        fp8.block_fp8_linear(torch.randn(33, 128), q, s, backend="swap")
+
+
+def test_decode_gemm_choice(monkeypatch):
+    """METRALE_FP8_DECODE (linear.DECODE_GEMM): "splitk" (default) gives CUDA decode rows to the split-K GEMM
+    up to 16 rows, "swap" to the swapped form up to 32; anything else is a ValueError naming the variable."""
+    lin = fp8.linear
+    cuda = torch.device("cuda")
+    assert lin.DECODE_GEMM == "splitk"
+    assert [lin.auto_backend(t, 4096, 4096, cuda) for t in (1, 16)] == ["splitk", "splitk"]
+    monkeypatch.setattr(lin, "DECODE_GEMM", "swap")
+    assert [lin.auto_backend(t, 4096, 4096, cuda) for t in (1, 16, 32)] == ["swap"] * 3
+    monkeypatch.setattr(lin, "DECODE_GEMM", "fast")
+    with pytest.raises(ValueError, match="METRALE_FP8_DECODE.*one of splitk, swap, got 'fast'"):
+        lin.auto_backend(1, 4096, 4096, cuda)
+
+
+def test_sweep_fp8_decode_gemv2d_matches_reference():
+    """tools/sweep_fp8_decode.py's own candidate (the GEMV with a 2-D accumulator, reduced once) gives
+    block_fp8_linear_ref's product: the sweep times a kernel that is right."""
     import triton
 
     from metrale_graph.tools import sweep_fp8_decode as sweep
 
     N, K, parts, k_per = 200, 300, 2, 256  # a ragged column tile, a ragged last group, two parts
-    g = torch.Generator().manual_seed(M)
+    g = torch.Generator().manual_seed(1)
     q, s = fp8.quantize_weight_blocks(torch.randn(N, K, generator=g) * 0.02)
-    x = torch.randn(M, K, generator=g)
-    ref = fp8.block_fp8_linear_ref(x, q, s, torch.float32)
-    p = torch.empty(parts, M, N)
-    if M == 1:
-        sweep._gemv2d_fp8_kernel[(triton.cdiv(N, 64), parts)](x, q, s, p, N, K, k_per, q.stride(0), s.stride(0),
-                                                            BN=64, BK=128)
-        assert_close("gemv2d", ref, p.sum(0), 1e-5)
-    sweep._splitk_swap_kernel[(triton.cdiv(N, 64), parts)](x, q, s, p, M, N, K, k_per, x.stride(0), q.stride(0),
-                                                         s.stride(0), BM=16 if M <= 16 else 32, BN=64, BK=128)
-    assert_close("swapped split-K", ref, p.sum(0), 1e-5)
+    x = torch.randn(1, K, generator=g)
+    p = torch.empty(parts, 1, N)
+    sweep._gemv2d_fp8_kernel[(triton.cdiv(N, 64), parts)](x, q, s, p, N, K, k_per, q.stride(0), s.stride(0),
+                                                        BN=64, BK=128)
+    assert_close("gemv2d", fp8.block_fp8_linear_ref(x, q, s, torch.float32), p.sum(0), 1e-5)

@@ -9,9 +9,9 @@ tool's first run (9e87066, benchmarks/h200-fp8-decode-sweep.json) chose the GEMV
   gemv2d      the GEMV with its multiply-adds kept in a [BN, 128] accumulator, reduced once at the end
               (no cross-thread reduction per K step);
   splitk      ops/fp8's split-K GEMM (FP8 tensor-core dot, 16 or 32 rows) at each tile;
-  splitk-swap the split-K GEMM with its operands swapped (w . codes(x).T: the weight's columns on the
-              MMA's M side, so Hopper's FP8 wgmma can take it; at 16 / 32 rows the unswapped kernel
-              compiles to fp16 mma.sync, every weight byte converted first);
+  splitk-swap ops/fp8's swapped split-K GEMM (METRALE_FP8_DECODE=swap: w . codes(x).T, the weight's
+              columns on the MMA's M side, so Hopper's FP8 wgmma takes it; at 16 / 32 rows the unswapped
+              kernel compiles to fp16 mma.sync, every weight byte converted first), 1 row too;
   cublas      the quantizer + torch._scaled_mm blockwise, and bf16 x @ w.T;
 and prints each one's effective TB/s on the weight bytes, the best per shape, and a JSON line.
 
@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from metrale_graph.ops import fp8
-from metrale_graph.ops.fp8.linear import _block_fp8_gemv_kernel, _block_fp8_splitk_kernel, _splitk_sum_kernel
+from metrale_graph.ops.fp8.linear import (_block_fp8_gemv_kernel, _block_fp8_splitk_kernel, _block_fp8_swap_kernel,
+                                          _splitk_sum_kernel)
 from metrale_graph.ops.fp8.quant import quantize_e4m3
 from metrale_graph.tools.provenance import provenance
 
@@ -57,39 +58,6 @@ def _gemv2d_fp8_kernel(x_ptr, w_ptr, ws_ptr, p_ptr, N, K, K_PER, stride_wn, stri
         w = tl.load(w_ptr + c_safe[:, None] * stride_wn + (k0 + k)[None, :], mask=mk[None, :], other=0.0)
         acc += w.to(tl.float32) * (codes.to(tl.float32) * scale[:, None])
     tl.store(p_ptr + part * N + cols, tl.sum(acc, axis=1), mask=cols < N)
-
-
-@triton.jit
-def _splitk_swap_kernel(a_ptr, b_ptr, bs_ptr, p_ptr, M, N, K, K_PER, stride_am, stride_bn, stride_bs_n,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """ops/fp8's _block_fp8_splitk_kernel (QUANT_A) with the operands swapped: acc [BN, BM] = w [BN, BK] .
-    codes(x).T [BK, BM], so the weight's BN columns are the MMA's M side (64 / 128: Hopper's FP8 wgmma) and
-    the few rows its N side, where BM rows as the M side (16 / 32) compile to fp16 mma.sync after a
-    conversion of every weight byte (sm_90 PTX of the unswapped kernel)."""
-    pid_n = tl.program_id(0)
-    part = tl.program_id(1)
-    rows = tl.arange(0, BM)
-    cols = pid_n * BN + tl.arange(0, BN)
-    r_safe = (rows % M).to(tl.int64)
-    c_safe = (cols % N).to(tl.int64)
-    k_lo = part * K_PER
-    k_hi = tl.minimum(K, k_lo + K_PER)
-    k = tl.arange(0, BK)
-    a_ptrs = a_ptr + r_safe[:, None] * stride_am + (k_lo + k)[None, :]  # [BM, BK]
-    b_ptrs = b_ptr + c_safe[:, None] * stride_bn + (k_lo + k)[None, :]  # [BN, BK]
-    bs_ptrs = bs_ptr + (c_safe // 128) * stride_bs_n
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        mk = k < k_hi - k0
-        x = tl.load(a_ptrs, mask=mk[None, :], other=0.0).to(tl.float32)
-        a, sa = quantize_e4m3(x, tl.max(tl.abs(x), axis=1))
-        b = tl.load(b_ptrs, mask=mk[None, :], other=0.0)
-        acc += tl.dot(b, tl.trans(a)) * tl.load(bs_ptrs + k0 // 128).to(tl.float32)[:, None] * sa[None, :]
-        a_ptrs += BK
-        b_ptrs += BK
-    mask = (cols < N)[:, None] & (rows < M)[None, :]
-    off = (part * M + rows).to(tl.int64)[None, :] * N + cols[:, None]
-    tl.store(p_ptr + off, acc, mask=mask)
 
 
 def parts_for(N, K, BN, per_sm):
@@ -120,11 +88,8 @@ def _launch(x, w, s, BN, per_sm, rows, kernel):
 def splitk(x, w, s, BM, BN, per_sm, warps, stages, swap=False):
     T, K = x.shape
     N = w.shape[0]
-    if swap:
-        return _launch(x, w, s, BN, per_sm, T, lambda grid, p, k_per: _splitk_swap_kernel[grid](
-            x, w, s, p, T, N, K, k_per, x.stride(0), w.stride(0), s.stride(0), BM=BM, BN=BN, BK=128,
-            num_warps=warps, num_stages=stages))
-    return _launch(x, w, s, BN, per_sm, T, lambda grid, p, k_per: _block_fp8_splitk_kernel.fn[grid](
+    kernel = (_block_fp8_swap_kernel if swap else _block_fp8_splitk_kernel).fn
+    return _launch(x, w, s, BN, per_sm, T, lambda grid, p, k_per: kernel[grid](
         x, x, w, s, p, T, N, K, k_per, x.stride(0), 0, 0, w.stride(0), s.stride(0), BM=BM, BN=BN, BK=128,
         QUANT_A=True, num_warps=warps, num_stages=stages))
 
@@ -172,6 +137,8 @@ def main(argv=None):
             if M >= 16:
                 cands["cublas"] = lambda: fp8.block_fp8_linear(x, q, s, torch.bfloat16, backend="cublas")
             BM = 16 if M <= 16 else 32
+            for BN, per_sm, st in itertools.product((64, 128), (4, 8), (3, 4, 5)):
+                cands[f"splitk-swap BM{BM} BN{BN} x{per_sm} w4 s{st}"] = splitk(x, q, s, BM, BN, per_sm, 4, st, swap=True)
             if M == 1:
                 for BN, per_sm, (w, st) in itertools.product((64, 128), (2, 4, 8), ((4, 3), (4, 4), (8, 3))):
                     cands[f"gemv BN{BN} x{per_sm} w{w} s{st}"] = gemv(x, q, s, BN, per_sm, w, st)
@@ -180,8 +147,6 @@ def main(argv=None):
             else:
                 for BN, per_sm, (w, st) in itertools.product((64, 128), (4, 8), ((4, 3), (4, 4), (8, 3))):
                     cands[f"splitk BM{BM} BN{BN} x{per_sm} w{w} s{st}"] = splitk(x, q, s, BM, BN, per_sm, w, st)
-                    cands[f"splitk-swap BM{BM} BN{BN} x{per_sm} w{w} s{st}"] = splitk(x, q, s, BM, BN, per_sm, w, st,
-                                                                                      swap=True)
             best = None
             for name, fn in cands.items():
                 try:

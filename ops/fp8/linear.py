@@ -4,13 +4,18 @@ quantized on the fly per token per 128 channels (see quant.py).
     block_fp8_linear(x [T, K], w_fp8 [N, K], w_scale_inv [NB, KB], out_dtype, residual [T, N] or None)
         -> [T, N] = residual + x @ w.T
 
-CUDA: quantize x (one Triton launch), then cuBLAS' blockwise FP8 GEMM (torch._scaled_mm, 1x128
-activation scales x 128x128 weight scales) where cublas_blockwise_ok says the shapes allow it, else
-the Triton block-scaled GEMM below (or, chosen by name for now, its split-K form for decode shapes) (FP8 tensor cores; each 128-channel K step's partial product is
-scaled by its activation and weight scales into an fp32 accumulator). CPU (and the spec both paths
-are tested against): block_fp8_linear_ref, the dequantized weights times the fake-quantized
-activations in fp32, cast to out_dtype. Shape letters: quant.py.
+CUDA (auto_backend chooses): decode rows (T <= SPLITK_MAX_ROWS) take the split-K Triton GEMM, which
+quantizes x itself (one row: its GEMV form); more rows are quantized (one Triton launch) and take cuBLAS'
+blockwise FP8 GEMM (torch._scaled_mm, 1x128 activation scales x 128x128 weight scales) where
+cublas_blockwise_ok says the shapes allow it, else the one-pass Triton GEMM. Each 128-channel K step's
+partial product is scaled by its activation and weight scales into an fp32 accumulator. Opt-in
+(METRALE_FP8_DECODE=swap): the split-K GEMM with swapped operands up to SWAP_MAX_ROWS rows, the form Triton
+compiles to Hopper's FP8 wgmma. CPU (and the spec every path is tested against): block_fp8_linear_ref,
+the dequantized weights times the fake-quantized activations in fp32, cast to out_dtype. Shape letters:
+quant.py.
 """
+
+import os
 
 import torch
 import triton
@@ -21,7 +26,13 @@ from .quant import (BLOCK, INTERPRET, check_block_weight, dequantize_weight_bloc
                     quantize_activations, quantize_e4m3, round_to)
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BACKENDS = ("auto", "cublas", "triton", "splitk")
+BACKENDS = ("auto", "cublas", "triton", "splitk", "swap")
+SWAP_MAX_ROWS = 32  # the swapped split-K GEMM's rows (its MMA's N side: 16 or 32)
+# Which GEMM "auto" gives decode rows on CUDA: "splitk" (the default: the GEMV for one row, the split-K GEMM up
+# to SPLITK_MAX_ROWS, cuBLAS above) or "swap" (the swapped split-K GEMM up to SWAP_MAX_ROWS, cuBLAS above).
+# Read at import from METRALE_FP8_DECODE; set linear.DECODE_GEMM before a step is compiled or captured.
+DECODE_GEMMS = ("splitk", "swap")
+DECODE_GEMM = os.environ.get("METRALE_FP8_DECODE", "splitk")
 
 
 def _check(x: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype, residual, where: str):
@@ -281,6 +292,50 @@ def _block_fp8_gemv_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, p_ptr, N, K, K_PER, str
     tl.store(p_ptr + part * N + cols, acc, mask=cols < N)
 
 
+@triton.autotune(configs=[triton.Config({}, num_warps=4, num_stages=3)] if INTERPRET else
+                 [triton.Config({}, num_warps=4, num_stages=st) for st in (3, 4, 5)],
+                 key=["N", "K", "K_PER", "BM"], cache_results=True)
+@triton.jit
+def _block_fp8_swap_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, p_ptr, M, N, K, K_PER, stride_am, stride_as_m, stride_as_g,
+                           stride_bn, stride_bs_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                           QUANT_A: tl.constexpr):
+    """_block_fp8_splitk_kernel with its operands swapped: acc [BN, BM] = b [BN, BK] . a.T [BK, BM] per K step,
+    so the weight's BN columns are the MMA's M side and the M <= BM rows its N side. Triton 3.6 compiles
+    this for sm_90 to FP8 wgmma (m64n16k32 / m64n32k32 e4m3, fed by cp.async), where the unswapped 16-row
+    dot becomes fp16 mma.sync after a conversion of every weight byte (Hopper's wgmma needs M >= 64).
+    p[part, m, n] as _block_fp8_splitk_kernel's; QUANT_A as there."""
+    pid_n = tl.program_id(0)
+    part = tl.program_id(1)
+    rows = tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    r_safe = (rows % M).to(tl.int64)
+    c_safe = (cols % N).to(tl.int64)
+    k_lo = part * K_PER
+    k_hi = tl.minimum(K, k_lo + K_PER)
+    k = tl.arange(0, BK)
+    a_ptrs = a_ptr + r_safe[:, None] * stride_am + (k_lo + k)[None, :]  # [BM, BK]
+    b_ptrs = b_ptr + c_safe[:, None] * stride_bn + (k_lo + k)[None, :]  # [BN, BK]
+    as_ptrs = as_ptr + r_safe * stride_as_m
+    bs_ptrs = bs_ptr + (c_safe // 128) * stride_bs_n
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        mk = k < k_hi - k0
+        g = k0 // 128
+        if QUANT_A:
+            x = tl.load(a_ptrs, mask=mk[None, :], other=0.0).to(tl.float32)
+            a, sa = quantize_e4m3(x, tl.max(tl.abs(x), axis=1))
+        else:
+            a = tl.load(a_ptrs, mask=mk[None, :], other=0.0)
+            sa = tl.load(as_ptrs + g * stride_as_g)
+        b = tl.load(b_ptrs, mask=mk[None, :], other=0.0)
+        acc += tl.dot(b, tl.trans(a)) * tl.load(bs_ptrs + g).to(tl.float32)[:, None] * sa[None, :]
+        a_ptrs += BK
+        b_ptrs += BK
+    mask = (cols < N)[:, None] & (rows < M)[None, :]
+    off = (part * M + rows).to(tl.int64)[None, :] * N + cols[:, None]
+    tl.store(p_ptr + off, acc, mask=mask)
+
+
 @triton.jit
 def _splitk_sum_kernel(p_ptr, r_ptr, c_ptr, M, N, PARTS, stride_rm, stride_cm, HAS_RESIDUAL: tl.constexpr,
                        BLOCK_E: tl.constexpr):
@@ -300,17 +355,19 @@ def _splitk_sum_kernel(p_ptr, r_ptr, c_ptr, M, N, PARTS, stride_rm, stride_cm, H
 
 
 def block_fp8_gemm_splitk(x_fp8: Tensor, x_scale: Tensor | None, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype,
-                          residual=None) -> Tensor:
+                          residual=None, swap: bool = False) -> Tensor:
     """The split-K block-scaled GEMM for decode-shaped calls (T <= SPLITK_MAX_ROWS): K in parts
     (splitk_parts), each part's fp32 partial product stored (one row: by the GEMV form,
     _block_fp8_gemv_kernel), then summed in a fixed order with the residual and rounded once (as
     block_fp8_gemm_triton). Arguments and result as block_fp8_gemm_triton's;
     x_scale None: x_fp8 is the unquantized activations (unit inner stride), quantized inside the GEMM
-    (the same codes and scales as quantize_activations: the same result bit for bit)."""
+    (the same codes and scales as quantize_activations: the same result bit for bit). swap: the swapped
+    split-K GEMM (_block_fp8_swap_kernel, at most SWAP_MAX_ROWS rows, one row too) instead."""
     T, K = x_fp8.shape
     N = w_fp8.shape[0]
-    if T > SPLITK_MAX_ROWS:
-        raise ValueError(f"block_fp8_gemm_splitk: at most {SPLITK_MAX_ROWS} rows, got {T}")
+    most = SWAP_MAX_ROWS if swap else SPLITK_MAX_ROWS
+    if T > most:
+        raise ValueError(f"block_fp8_gemm_splitk: at most {most} rows{' (swap)' if swap else ''}, got {T}")
     out, empty, w_fp8, w_scale_inv, residual = _operands(x_fp8, w_fp8, w_scale_inv, out_dtype, residual)
     if empty:
         return out
@@ -320,7 +377,12 @@ def block_fp8_gemm_splitk(x_fp8: Tensor, x_scale: Tensor | None, w_fp8: Tensor, 
     parts, k_per = splitk_parts(N, K, x_fp8.device)
     partial = torch.empty((parts, T, N), dtype=torch.float32, device=x_fp8.device)
     scale = x_fp8 if quant else x_scale  # (unread when quant)
-    if T == 1:  # (one row: the GEMV form, fixed tile: the sweep's best at every 9B shape)
+    if swap:
+        _block_fp8_swap_kernel[(triton.cdiv(N, SPLITK_BN), parts)](
+            x_fp8, scale, w_fp8, w_scale_inv, partial, T, N, K, k_per, x_fp8.stride(0), scale.stride(0),
+            scale.stride(1), w_fp8.stride(0), w_scale_inv.stride(0), BM=16 if T <= 16 else 32, BN=SPLITK_BN,
+            BK=128, QUANT_A=quant)
+    elif T == 1:  # (one row: the GEMV form, fixed tile: the sweep's best at every 9B shape)
         _block_fp8_gemv_kernel[(triton.cdiv(N, SPLITK_BN), parts)](
             x_fp8, scale, w_fp8, w_scale_inv, partial, N, K, k_per, scale.stride(-1), w_fp8.stride(0),
             w_scale_inv.stride(0), BN=SPLITK_BN, BK=128, QUANT_A=quant, num_warps=4, num_stages=4)
@@ -342,9 +404,16 @@ def auto_backend(T: int, N: int, K: int, device: torch.device, out_dtype=torch.b
     split-K GEMM for decode rows (T <= SPLITK_MAX_ROWS: faster than the one-pass GEMM and cuBLAS at
     three of the 9B's four shapes on the H200, up to 2.7x; tools/check_fp8.py perf), cuBLAS above where
     cublas_blockwise_ok, else the one-pass Triton GEMM; in the interpreter the one-pass GEMM; elsewhere
-    the reference."""
+    the reference. With DECODE_GEMM "swap" (METRALE_FP8_DECODE=swap) the swapped split-K GEMM takes the rows
+    up to SWAP_MAX_ROWS instead (until the H200 says which is faster: tools/sweep_fp8_decode.py). A
+    DECODE_GEMM that is neither is a ValueError naming it."""
+    if DECODE_GEMM not in DECODE_GEMMS:
+        raise ValueError(f"METRALE_FP8_DECODE / linear.DECODE_GEMM must be one of {', '.join(DECODE_GEMMS)}, "
+                         f"got {DECODE_GEMM!r}")
     if device.type != "cuda":
         return "triton" if INTERPRET else "reference"
+    if DECODE_GEMM == "swap" and 0 < T <= SWAP_MAX_ROWS:
+        return "swap"
     if 0 < T <= SPLITK_MAX_ROWS:
         return "splitk"
     if T >= CUBLAS_MIN_ROWS and cublas_blockwise_ok(N, K, device, out_dtype):
@@ -358,8 +427,8 @@ def block_fp8_linear(x: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype=No
     w_scale_inv [NB, KB] fp32 or bf16, residual [T, N] in out_dtype or None -> fresh [T, N] in out_dtype
     (default x's dtype). Mutates nothing. The Triton GEMM adds the residual in its epilogue (one rounding,
     as the reference); cuBLAS' output is rounded, then the residual added (a second rounding).
-    backend: "auto" (auto_backend), "cublas", "triton" or "splitk" (the split-K Triton GEMM, T <=
-    SPLITK_MAX_ROWS; CUDA or the interpreter); on a CPU without the interpreter every backend is the
+    backend: "auto" (auto_backend), "cublas", "triton", "splitk" (the split-K Triton GEMM, T <=
+    SPLITK_MAX_ROWS; CUDA or the interpreter) or "swap" (its swapped form, T <= SWAP_MAX_ROWS); on a CPU without the interpreter every backend is the
     reference. cuBLAS runs on T rounded up to a multiple of 16 (zero rows, sliced off). Bad arguments
     raise ValueError naming them."""
     out_dtype = _check(x, w_fp8, w_scale_inv, out_dtype, residual, "block_fp8_linear")
@@ -375,9 +444,11 @@ def block_fp8_linear(x: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype=No
         x_fp8, x_scale = quantize_activations(x, column_major_scales=True, rows=rows)
         out = block_fp8_gemm_cublas(x_fp8, x_scale, w_fp8, w_scale_inv, out_dtype)[:T]
         return out if residual is None else out.add_(residual)
-    if backend == "splitk":
-        if T > SPLITK_MAX_ROWS:
-            raise ValueError(f"block_fp8_linear: the splitk backend takes at most {SPLITK_MAX_ROWS} rows, got {T}")
-        return block_fp8_gemm_splitk(x, None, w_fp8, w_scale_inv, out_dtype, residual)  # x quantized inside
+    if backend in ("splitk", "swap"):
+        most = SWAP_MAX_ROWS if backend == "swap" else SPLITK_MAX_ROWS
+        if T > most:
+            raise ValueError(f"block_fp8_linear: the {backend} backend takes at most {most} rows, got {T}")
+        return block_fp8_gemm_splitk(x, None, w_fp8, w_scale_inv, out_dtype, residual,  # x quantized inside
+                                     swap=backend == "swap")
     x_fp8, x_scale = quantize_activations(x)
     return block_fp8_gemm_triton(x_fp8, x_scale, w_fp8, w_scale_inv, out_dtype, residual)
