@@ -193,11 +193,14 @@ def test_linear_exact_on_representable_inputs(N, K):
     assert_close("splitk", ref, fp8.block_fp8_linear(x, q, s, torch.float32, backend="splitk"), 1e-6)
 
 
-@pytest.mark.parametrize("T,N,K,out_dtype", [(1, 100, 1000, F32), (5, 200, 300, BF16), (16, 130, 128, F32),
-                                             (3, 64, 2048, BF16)], ids=lambda v: str(v).replace("torch.", ""))
-def test_linear_splitk_matches_reference(T, N, K, out_dtype):
-    """The decode-shaped split-K GEMM: K cut into parts of whole 128-groups (several parts here, a ragged
-    last one at K 1000 / 300), fp32 partials summed in order, the residual added before the one rounding."""
+@pytest.mark.parametrize("backend,T,N,K,out_dtype", [
+    ("splitk", 1, 100, 1000, F32), ("splitk", 5, 200, 300, BF16), ("splitk", 16, 130, 128, F32),
+    ("splitk", 3, 64, 2048, BF16), ("swap", 1, 100, 1000, F32), ("swap", 5, 200, 300, BF16),
+    ("swap", 17, 130, 256, F32), ("swap", 32, 64, 2048, BF16)], ids=lambda v: str(v).replace("torch.", ""))
+def test_linear_splitk_matches_reference(backend, T, N, K, out_dtype):
+    """The decode-shaped split-K GEMM, and its swapped form (backend "swap", up to 32 rows: 16-row tiles up to
+    16, 32-row above): K cut into parts of whole 128-groups (several parts here, a ragged last one at K 1000
+    / 300), fp32 partials summed in order, the residual added before the one rounding."""
     parts, k_per = fp8.linear.splitk_parts(N, K, torch.device("cpu"))
     assert k_per % 128 == 0 and (parts - 1) * k_per < K <= parts * k_per
     assert parts > 1 or K <= 128
@@ -206,20 +209,22 @@ def test_linear_splitk_matches_reference(T, N, K, out_dtype):
     q, s = fp8.quantize_weight_blocks(w)
     x = (torch.randn(T, K, generator=g) * torch.logspace(-1, 1, K)).to(out_dtype)
     tol = 1e-6 if out_dtype == torch.float32 else 4e-3
-    out = fp8.block_fp8_linear(x, q, s, out_dtype, backend="splitk")
+    out = fp8.block_fp8_linear(x, q, s, out_dtype, backend=backend)
     assert out.dtype == out_dtype and out.shape == (T, N)
-    assert_close("splitk", fp8.block_fp8_linear_ref(x, q, s, out_dtype), out, tol)
+    assert_close(backend, fp8.block_fp8_linear_ref(x, q, s, out_dtype), out, tol)
     residual = torch.randn(T, N, generator=g).to(out_dtype)
     sb = s.bfloat16()  # as some checkpoints store them
-    assert_close("splitk + residual", fp8.block_fp8_linear_ref(x, q, sb, out_dtype, residual),
-                 fp8.block_fp8_linear(x, q, sb, out_dtype, residual, backend="splitk"), tol)
-    assert torch.equal(out, fp8.block_fp8_linear(x, q, s, out_dtype, backend="splitk"))  # the same sums
+    assert_close(f"{backend} + residual", fp8.block_fp8_linear_ref(x, q, sb, out_dtype, residual),
+                 fp8.block_fp8_linear(x, q, sb, out_dtype, residual, backend=backend), tol)
+    assert torch.equal(out, fp8.block_fp8_linear(x, q, s, out_dtype, backend=backend))  # the same sums
     # the linear quantizes x inside the GEMM: bit for bit the GEMM of quantize_activations' codes and scales
+    swap = backend == "swap"
     xq, xs = fp8.quantize_activations(x)
-    assert torch.equal(out, fp8.block_fp8_gemm_splitk(xq, xs, q, s, out_dtype))
+    assert torch.equal(out, fp8.block_fp8_gemm_splitk(xq, xs, q, s, out_dtype, swap=swap))
     rows = torch.randn(T, 2 * K, generator=g).to(out_dtype)[:, ::2]  # a strided x: made contiguous first
-    assert torch.equal(fp8.block_fp8_gemm_splitk(rows, None, q, s, out_dtype),
-                       fp8.block_fp8_gemm_splitk(*fp8.quantize_activations(rows.contiguous()), q, s, out_dtype))
+    assert torch.equal(fp8.block_fp8_gemm_splitk(rows, None, q, s, out_dtype, swap=swap),
+                       fp8.block_fp8_gemm_splitk(*fp8.quantize_activations(rows.contiguous()), q, s, out_dtype,
+                                                 swap=swap))
 
 
 _SPLITK_SM90 = r"""
@@ -232,20 +237,13 @@ backend = triton.compiler.make_backend(target)
 fn = lin._block_fp8_splitk_kernel.fn
 for quant, a_type in ((False, "*fp8e4nv"), (True, "*bf16")):
     types = {"a_ptr": a_type, "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "p_ptr": "*fp32"}
-    consts = dict(BM=lin.SPLITK_MAX_ROWS, BN=lin.SPLITK_BN, BK=128, QUANT_A=quant)
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    src = triton.compiler.ASTSource(fn=fn, constexprs=consts, signature=sig)
-    for cfg in lin._block_fp8_splitk_kernel.configs:
-        opts = backend.parse_options({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-        triton.compile(src, target=target, options=opts.__dict__)
-    swap = lin._block_fp8_swap_kernel.fn  # the swapped form, 16 and 32 rows, at every autotune config
-    for bm in (16, 32):
-        consts = dict(BM=bm, BN=lin.SPLITK_BN, BK=128, QUANT_A=quant)
-        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in swap.arg_names}
-        for cfg in lin._block_fp8_swap_kernel.configs:
+    for swap, bm in ((False, 16), (True, 16), (True, 32)):  # the plain form, the swapped one (16, 32 rows)
+        consts = dict(BM=bm, BN=lin.SPLITK_BN, BK=128, QUANT_A=quant, SWAP=swap)
+        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+        src = triton.compiler.ASTSource(fn=fn, constexprs=consts, signature=sig)
+        for cfg in lin._splitk_prune(lin._block_fp8_splitk_kernel.configs, {}, SWAP=swap):
             opts = backend.parse_options({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-            triton.compile(triton.compiler.ASTSource(fn=swap, constexprs=consts, signature=sig), target=target,
-                           options=opts.__dict__)
+            triton.compile(src, target=target, options=opts.__dict__)
     gemv = lin._block_fp8_gemv_kernel  # the one-row form, at its one launch config
     consts = dict(BN=lin.SPLITK_BN, BK=128, QUANT_A=quant)
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in gemv.arg_names}
@@ -402,27 +400,6 @@ def test_check_script_help_flags_and_smoke(tmp_path, capsys):
     assert all(r["quant_bitexact"] and r["triton"] < 1e-3 and r["auto_backend"] == "triton"
                for r in record["correctness"])
     assert record["experts"][0]["fp8_vs_ref"] < 1e-2
-
-
-@pytest.mark.parametrize("T,N,K,out_dtype", [(1, 100, 1000, F32), (5, 200, 300, BF16), (17, 130, 256, F32),
-                                             (32, 64, 2048, BF16)], ids=lambda v: str(v).replace("torch.", ""))
-def test_linear_swap_matches_reference(T, N, K, out_dtype):
-    """The swapped split-K GEMM (backend "swap", at most 32 rows: 16-row tiles up to 16, 32-row above): the
-    reference's product, the residual before the one rounding, the same sums every call, and bit for bit
-    the GEMM of quantize_activations' codes and scales (x quantized inside)."""
-    g = torch.Generator().manual_seed(T * 5 + N + K)
-    q, s = fp8.quantize_weight_blocks(torch.randn(N, K, generator=g))
-    x = (torch.randn(T, K, generator=g) * torch.logspace(-1, 1, K)).to(out_dtype)
-    tol = 1e-6 if out_dtype == torch.float32 else 4e-3
-    out = fp8.block_fp8_linear(x, q, s, out_dtype, backend="swap")
-    assert out.dtype == out_dtype and out.shape == (T, N)
-    assert_close("swap", fp8.block_fp8_linear_ref(x, q, s, out_dtype), out, tol)
-    residual = torch.randn(T, N, generator=g).to(out_dtype)
-    assert_close("swap + residual", fp8.block_fp8_linear_ref(x, q, s.bfloat16(), out_dtype, residual),
-                 fp8.block_fp8_linear(x, q, s.bfloat16(), out_dtype, residual, backend="swap"), tol)
-    assert torch.equal(out, fp8.block_fp8_linear(x, q, s, out_dtype, backend="swap"))
-    xq, xs = fp8.quantize_activations(x)
-    assert torch.equal(out, fp8.block_fp8_gemm_splitk(xq, xs, q, s, out_dtype, swap=True))
 
 
 def test_linear_swap_refuses_more_than_32_rows():

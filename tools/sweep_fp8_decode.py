@@ -29,8 +29,7 @@ import triton
 import triton.language as tl
 
 from metrale_graph.ops import fp8
-from metrale_graph.ops.fp8.linear import (_block_fp8_gemv_kernel, _block_fp8_splitk_kernel, _block_fp8_swap_kernel,
-                                          _splitk_sum_kernel)
+from metrale_graph.ops.fp8.linear import _block_fp8_gemv_kernel, _block_fp8_splitk_kernel, _splitk_sum_kernel
 from metrale_graph.ops.fp8.quant import quantize_e4m3
 from metrale_graph.tools.provenance import provenance
 
@@ -88,10 +87,9 @@ def _launch(x, w, s, BN, per_sm, rows, kernel):
 def splitk(x, w, s, BM, BN, per_sm, warps, stages, swap=False):
     T, K = x.shape
     N = w.shape[0]
-    kernel = (_block_fp8_swap_kernel if swap else _block_fp8_splitk_kernel).fn
-    return _launch(x, w, s, BN, per_sm, T, lambda grid, p, k_per: kernel[grid](
+    return _launch(x, w, s, BN, per_sm, T, lambda grid, p, k_per: _block_fp8_splitk_kernel.fn[grid](
         x, x, w, s, p, T, N, K, k_per, x.stride(0), 0, 0, w.stride(0), s.stride(0), BM=BM, BN=BN, BK=128,
-        QUANT_A=True, num_warps=warps, num_stages=stages))
+        QUANT_A=True, SWAP=swap, num_warps=warps, num_stages=stages))
 
 
 def gemv(x, w, s, BN, per_sm, warps, stages, two_d=False):

@@ -214,19 +214,28 @@ def splitk_parts(N: int, K: int, device: torch.device) -> tuple[int, int]:
     return -(-KB // per), per * BLOCK
 
 
+def _splitk_prune(configs, named_args, **kwargs):
+    """The swapped form's dot is a wgmma: one warpgroup (4 warps) each; the plain form takes every tile."""
+    return [c for c in configs if c.num_warps == 4] if kwargs["SWAP"] else configs
+
+
 @triton.autotune(configs=[triton.Config({}, num_warps=4, num_stages=3)] if INTERPRET else
-                 [triton.Config({}, num_warps=w, num_stages=st) for w, st in ((4, 3), (4, 4), (8, 3), (2, 4))],
-                 key=["N", "K", "K_PER"], cache_results=True)
+                 [triton.Config({}, num_warps=w, num_stages=st) for w, st in ((4, 3), (4, 4), (4, 5), (8, 3), (2, 4))],
+                 key=["N", "K", "K_PER", "BM", "SWAP"], prune_configs_by={"early_config_prune": _splitk_prune},
+                 cache_results=True)
 @triton.jit
 def _block_fp8_splitk_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, p_ptr, M, N, K, K_PER, stride_am, stride_as_m, stride_as_g,
                              stride_bn, stride_bs_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                             QUANT_A: tl.constexpr):
+                             QUANT_A: tl.constexpr, SWAP: tl.constexpr):
     """Part program_id(1) of K ([k_lo, k_lo + K_PER), whole 128-groups) for BN columns of all M <= BM rows:
     p[part, m, n] = sum over its K steps of (a[m] . b[n]) * as[m, g] * bs[n // 128, g] in fp32. a, as,
     b, bs as _block_fp8_gemm_kernel's; p: [parts, M, N] fp32. QUANT_A: a is the unquantized activations
     (bf16 / fp16 / fp32, as_ptr unread), each K step (one 128-group, BK = 128) quantized in registers with
     quantize_activations' arithmetic (quantize_e4m3): the same codes and scales, one launch and one round
-    trip through memory fewer."""
+    trip through memory fewer. SWAP: the operands swapped, acc [BN, BM] = b [BN, BK] . a.T [BK, BM] per K
+    step, so the weight's BN columns are the MMA's M side and the rows its N side: Triton 3.6 compiles that
+    for sm_90 to FP8 wgmma (m64n16k32 / m64n32k32 e4m3, fed by cp.async), where the unswapped 16-row dot
+    becomes fp16 mma.sync after a conversion of every weight byte (Hopper's wgmma needs M >= 64)."""
     pid_n = tl.program_id(0)
     part = tl.program_id(1)
     rows = tl.arange(0, BM)
@@ -236,11 +245,15 @@ def _block_fp8_splitk_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, p_ptr, M, N, K, K_PER
     k_lo = part * K_PER
     k_hi = tl.minimum(K, k_lo + K_PER)
     k = tl.arange(0, BK)
-    a_ptrs = a_ptr + r_safe[:, None] * stride_am + (k_lo + k)[None, :]
-    b_ptrs = b_ptr + c_safe[None, :] * stride_bn + (k_lo + k)[:, None]
+    a_ptrs = a_ptr + r_safe[:, None] * stride_am + (k_lo + k)[None, :]  # [BM, BK]
+    if SWAP:
+        b_ptrs = b_ptr + c_safe[:, None] * stride_bn + (k_lo + k)[None, :]  # [BN, BK]
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        b_ptrs = b_ptr + c_safe[None, :] * stride_bn + (k_lo + k)[:, None]  # [BK, BN]
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
     as_ptrs = as_ptr + r_safe * stride_as_m
     bs_ptrs = bs_ptr + (c_safe // 128) * stride_bs_n
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         mk = k < k_hi - k0
         g = k0 // 128
@@ -250,13 +263,21 @@ def _block_fp8_splitk_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, p_ptr, M, N, K, K_PER
         else:
             a = tl.load(a_ptrs, mask=mk[None, :], other=0.0)
             sa = tl.load(as_ptrs + g * stride_as_g)
-        b = tl.load(b_ptrs, mask=mk[:, None], other=0.0)
-        acc += tl.dot(a, b) * sa[:, None] * tl.load(bs_ptrs + g).to(tl.float32)[None, :]
+        sb = tl.load(bs_ptrs + g).to(tl.float32)
+        if SWAP:
+            b = tl.load(b_ptrs, mask=mk[None, :], other=0.0)
+            acc += tl.dot(b, tl.trans(a)) * sb[:, None] * sa[None, :]
+        else:
+            b = tl.load(b_ptrs, mask=mk[:, None], other=0.0)
+            acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
         a_ptrs += BK
         b_ptrs += BK
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    off = (part * M + rows).to(tl.int64)[:, None] * N + cols[None, :]
-    tl.store(p_ptr + off, acc, mask=mask)
+    if SWAP:
+        mask = (cols < N)[:, None] & (rows < M)[None, :]
+        tl.store(p_ptr + (part * M + rows).to(tl.int64)[None, :] * N + cols[:, None], acc, mask=mask)
+    else:
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        tl.store(p_ptr + (part * M + rows).to(tl.int64)[:, None] * N + cols[None, :], acc, mask=mask)
 
 
 @triton.jit
@@ -292,50 +313,6 @@ def _block_fp8_gemv_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, p_ptr, N, K, K_PER, str
     tl.store(p_ptr + part * N + cols, acc, mask=cols < N)
 
 
-@triton.autotune(configs=[triton.Config({}, num_warps=4, num_stages=3)] if INTERPRET else
-                 [triton.Config({}, num_warps=4, num_stages=st) for st in (3, 4, 5)],
-                 key=["N", "K", "K_PER", "BM"], cache_results=True)
-@triton.jit
-def _block_fp8_swap_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, p_ptr, M, N, K, K_PER, stride_am, stride_as_m, stride_as_g,
-                           stride_bn, stride_bs_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                           QUANT_A: tl.constexpr):
-    """_block_fp8_splitk_kernel with its operands swapped: acc [BN, BM] = b [BN, BK] . a.T [BK, BM] per K step,
-    so the weight's BN columns are the MMA's M side and the M <= BM rows its N side. Triton 3.6 compiles
-    this for sm_90 to FP8 wgmma (m64n16k32 / m64n32k32 e4m3, fed by cp.async), where the unswapped 16-row
-    dot becomes fp16 mma.sync after a conversion of every weight byte (Hopper's wgmma needs M >= 64).
-    p[part, m, n] as _block_fp8_splitk_kernel's; QUANT_A as there."""
-    pid_n = tl.program_id(0)
-    part = tl.program_id(1)
-    rows = tl.arange(0, BM)
-    cols = pid_n * BN + tl.arange(0, BN)
-    r_safe = (rows % M).to(tl.int64)
-    c_safe = (cols % N).to(tl.int64)
-    k_lo = part * K_PER
-    k_hi = tl.minimum(K, k_lo + K_PER)
-    k = tl.arange(0, BK)
-    a_ptrs = a_ptr + r_safe[:, None] * stride_am + (k_lo + k)[None, :]  # [BM, BK]
-    b_ptrs = b_ptr + c_safe[:, None] * stride_bn + (k_lo + k)[None, :]  # [BN, BK]
-    as_ptrs = as_ptr + r_safe * stride_as_m
-    bs_ptrs = bs_ptr + (c_safe // 128) * stride_bs_n
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        mk = k < k_hi - k0
-        g = k0 // 128
-        if QUANT_A:
-            x = tl.load(a_ptrs, mask=mk[None, :], other=0.0).to(tl.float32)
-            a, sa = quantize_e4m3(x, tl.max(tl.abs(x), axis=1))
-        else:
-            a = tl.load(a_ptrs, mask=mk[None, :], other=0.0)
-            sa = tl.load(as_ptrs + g * stride_as_g)
-        b = tl.load(b_ptrs, mask=mk[None, :], other=0.0)
-        acc += tl.dot(b, tl.trans(a)) * tl.load(bs_ptrs + g).to(tl.float32)[:, None] * sa[None, :]
-        a_ptrs += BK
-        b_ptrs += BK
-    mask = (cols < N)[:, None] & (rows < M)[None, :]
-    off = (part * M + rows).to(tl.int64)[None, :] * N + cols[:, None]
-    tl.store(p_ptr + off, acc, mask=mask)
-
-
 @triton.jit
 def _splitk_sum_kernel(p_ptr, r_ptr, c_ptr, M, N, PARTS, stride_rm, stride_cm, HAS_RESIDUAL: tl.constexpr,
                        BLOCK_E: tl.constexpr):
@@ -362,7 +339,7 @@ def block_fp8_gemm_splitk(x_fp8: Tensor, x_scale: Tensor | None, w_fp8: Tensor, 
     block_fp8_gemm_triton). Arguments and result as block_fp8_gemm_triton's;
     x_scale None: x_fp8 is the unquantized activations (unit inner stride), quantized inside the GEMM
     (the same codes and scales as quantize_activations: the same result bit for bit). swap: the swapped
-    split-K GEMM (_block_fp8_swap_kernel, at most SWAP_MAX_ROWS rows, one row too) instead."""
+    split-K GEMM (_block_fp8_splitk_kernel's SWAP form, at most SWAP_MAX_ROWS rows, one row too) instead."""
     T, K = x_fp8.shape
     N = w_fp8.shape[0]
     most = SWAP_MAX_ROWS if swap else SPLITK_MAX_ROWS
@@ -377,20 +354,15 @@ def block_fp8_gemm_splitk(x_fp8: Tensor, x_scale: Tensor | None, w_fp8: Tensor, 
     parts, k_per = splitk_parts(N, K, x_fp8.device)
     partial = torch.empty((parts, T, N), dtype=torch.float32, device=x_fp8.device)
     scale = x_fp8 if quant else x_scale  # (unread when quant)
-    if swap:
-        _block_fp8_swap_kernel[(triton.cdiv(N, SPLITK_BN), parts)](
-            x_fp8, scale, w_fp8, w_scale_inv, partial, T, N, K, k_per, x_fp8.stride(0), scale.stride(0),
-            scale.stride(1), w_fp8.stride(0), w_scale_inv.stride(0), BM=16 if T <= 16 else 32, BN=SPLITK_BN,
-            BK=128, QUANT_A=quant)
-    elif T == 1:  # (one row: the GEMV form, fixed tile: the sweep's best at every 9B shape)
+    if T == 1 and not swap:  # (one row: the GEMV form, fixed tile: the sweep's best at every 9B shape)
         _block_fp8_gemv_kernel[(triton.cdiv(N, SPLITK_BN), parts)](
             x_fp8, scale, w_fp8, w_scale_inv, partial, N, K, k_per, scale.stride(-1), w_fp8.stride(0),
             w_scale_inv.stride(0), BN=SPLITK_BN, BK=128, QUANT_A=quant, num_warps=4, num_stages=4)
     else:
         _block_fp8_splitk_kernel[(triton.cdiv(N, SPLITK_BN), parts)](
             x_fp8, scale, w_fp8, w_scale_inv, partial, T, N, K, k_per, x_fp8.stride(0), scale.stride(0),
-            scale.stride(1), w_fp8.stride(0), w_scale_inv.stride(0), BM=SPLITK_MAX_ROWS, BN=SPLITK_BN, BK=128,
-            QUANT_A=quant)
+            scale.stride(1), w_fp8.stride(0), w_scale_inv.stride(0), BM=16 if T <= 16 else 32, BN=SPLITK_BN,
+            BK=128, QUANT_A=quant, SWAP=swap)
     BLOCK_E = 1024
     _splitk_sum_kernel[(triton.cdiv(T * N, BLOCK_E),)](
         partial, out if residual is None else residual, out, T, N, parts,
