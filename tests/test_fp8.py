@@ -269,6 +269,56 @@ def test_splitk_kernel_compiles_for_sm90():
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
 
 
+_SWAP_SM90 = r"""
+import importlib, re
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+ex = importlib.import_module("metrale_graph.ops.fp8.experts")
+lin = importlib.import_module("metrale_graph.ops.fp8.linear")
+target = GPUTarget("cuda", 90, 32)
+backend = triton.compiler.make_backend(target)
+types = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "q_ptr": "*fp8e4nv",
+         "qs_ptr": "*fp32", "ids_ptr": "*i32", "expert_ptr": "*i32", "a_ptr": "*fp8e4nv", "as_ptr": "*fp32",
+         "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "p_ptr": "*fp32", "y_ptr": "*bf16", "rw_ptr": "*fp32"}
+def ptx(fn, consts, cfg, **types_of):
+    sig = {n: "constexpr" if n in consts else types_of.get(n, types.get(n, "i32")) for n in fn.arg_names}
+    # the runtime's divisibility hints (pointers, sizes and strides of the 9B / 35B shapes are multiples of 16)
+    hints = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in consts
+             and (n.endswith("_ptr") or n in ("N", "K", "K_PER") or n.startswith("stride"))}
+    opts = backend.parse_options({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    src = triton.compiler.ASTSource(fn=fn, constexprs=consts, signature=sig, attrs=hints)
+    return triton.compile(src, target=target, options=opts.__dict__).asm["ptx"]
+wgmma = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n(16|32)k32\.f32\.e4m3\.e4m3")
+for bm in (16, 32):
+    for kern, extra in ((ex._moe_gate_up_fp8_kernel, dict(TOP_K=8, DT=tl.bfloat16)), (ex._moe_down_fp8_kernel, {})):
+        for swap in (True, False):
+            for cfg in ex._prune(kern.configs, {"N": 4096, "K": 4096}, BM=bm, SWAP=swap):
+                consts = {k: v for k, v in dict(BM=bm, EVEN_K=True, SWAP=swap, **cfg.kwargs, **extra).items()
+                          if k in kern.fn.fn.arg_names}
+                code = ptx(kern.fn.fn, consts, cfg)
+                assert bool(wgmma.search(code)) == swap, (kern.fn.fn.__name__, bm, swap, cfg)
+    code = ptx(lin._block_fp8_splitk_kernel.fn, dict(BM=bm, BN=128, BK=128, QUANT_A=True, SWAP=True),
+               lin._block_fp8_splitk_kernel.configs[0], a_ptr="*bf16")
+    assert wgmma.search(code), ("splitk swap", bm)
+print("compiled")
+"""
+
+
+def test_swapped_forms_compile_to_fp8_wgmma_for_sm90():
+    """The FP8 kernels' swapped forms (the split-K GEMM's SWAP, the expert kernels' SMALL_BLOCKS "swap"), at
+    16 and 32 rows and every autotune config, compile for sm_90 to FP8 wgmma (m64n16k32 / m64n32k32 e4m3),
+    the reason they exist; the experts' plain form at those rows does not (it is fp16 mma.sync)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _SWAP_SM90], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
+
+
 def test_linear_splitk_refuses_more_than_16_rows():
     q, s = fp8.quantize_weight_blocks(torch.randn(64, 128))
     with pytest.raises(ValueError, match="splitk backend takes at most 16 rows, got 17"):
@@ -298,10 +348,13 @@ def _routing(g, T, E, k, dtype):
     return top_w.to(dtype), top_e
 
 
+@pytest.mark.parametrize("form", ["plain", "swap"])
 @pytest.mark.parametrize("T,D,IE,E,k,dtype", [(7, 200, 100, 6, 2, F32), (9, 128, 256, 4, 3, BF16),
                                                (5, 300, 130, 5, 2, BF16), (1, 100, 24, 3, 1, F32)],
                          ids=lambda v: str(v).replace("torch.", ""))
-def test_experts_kernels_match_reference(T, D, IE, E, k, dtype):
+def test_experts_kernels_match_reference(T, D, IE, E, k, dtype, form, monkeypatch):
+    """Both forms of the 16-row blocks (experts.SMALL_BLOCKS: the interpreter's blocks are all 16 rows)."""
+    monkeypatch.setattr(fp8.experts, "SMALL_BLOCKS", form)
     g = torch.Generator().manual_seed(T + D + IE)
     (gate, up, down), (w13, w13s, w2, w2s) = _experts(g, E, D, IE, dtype)
     x = torch.randn(T, D, generator=g).to(dtype)
@@ -319,7 +372,21 @@ def test_experts_kernels_match_reference(T, D, IE, E, k, dtype):
     assert rel_err(ref.float(), y) < 0.12
 
 
-def test_experts_tensor_parallel_split():
+def test_experts_small_block_form_choice(monkeypatch):
+    """METRALE_FP8_EXPERTS (experts.SMALL_BLOCKS): "plain" by default; "swap" takes blocks of 16 and 32 rows
+    (64+ compile to FP8 wgmma as they are); anything else is a ValueError naming the variable."""
+    ex = fp8.experts
+    assert ex.SMALL_BLOCKS == "plain" and not any(ex.small_block_swap(bm) for bm in (16, 32, 64, 128))
+    monkeypatch.setattr(ex, "SMALL_BLOCKS", "swap")
+    assert [ex.small_block_swap(bm) for bm in (16, 32, 64, 128)] == [True, True, False, False]
+    monkeypatch.setattr(ex, "SMALL_BLOCKS", "wgmma")
+    with pytest.raises(ValueError, match="METRALE_FP8_EXPERTS.*one of plain, swap, got 'wgmma'"):
+        ex.small_block_swap(16)
+
+
+@pytest.mark.parametrize("form", ["plain", "swap"])
+def test_experts_tensor_parallel_split(form, monkeypatch):
+    monkeypatch.setattr(fp8.experts, "SMALL_BLOCKS", form)
     g = torch.Generator().manual_seed(3)
     T, D, IE, E, k = 6, 200, 100, 6, 2
     _, (w13, w13s, w2, w2s) = _experts(g, E, D, IE, torch.float32)

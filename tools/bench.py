@@ -231,7 +231,7 @@ def bench_record(args, layers: int, moe_parallel: str | None, device: str, run_i
     return {"tool": "bench", "preset": args.preset, "layers": layers, "tp": args.tp, "moe_parallel": moe_parallel,
             "device": device, **run_info, "repeat": args.repeat,
             "backends": {"gdn_chunked": gdn_recurrence.CHUNKED_BACKEND, "moe_experts": moe.EXPERTS_BACKEND,
-                         "fp8_decode": fp8.linear.DECODE_GEMM},
+                         "fp8_decode": fp8.linear.DECODE_GEMM, "fp8_experts": fp8.experts.SMALL_BLOCKS},
             "floor_rates": {"matmul_flop_s": MATMUL_RATE, "fp8_matmul_flop_s": FP8_MATMUL_RATE,
                             "copy_byte_s": COPY_RATE}, "generation": generation,
             "results": [{k: rounded(k, v) for k, v in r.items()} for r in results]}

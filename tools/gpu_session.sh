@@ -14,7 +14,7 @@
 # cuBLAS shapes, graphs), tests/test_gpu_fp8.py, bench_ops on the 9B FP8 preset; fp8-bench (not in all): the FP8
 # presets' workloads beside their bf16 runs, the FP8 ops at decode shapes (issue 26; FP8_PRESETS, BF16_35B, FP8_OPS, FP8_NEXT);
 # fp8-sweep (not in all): tools/sweep_fp8_decode.py, the decode-shaped FP8 GEMM's forms and tiles, then the 9B-FP8's
-# D1 / D32 under each METRALE_FP8_DECODE; serve (not in all): metrale-serve + bench_serve at concurrency
+# D1 / D32 under each METRALE_FP8_DECODE and the 35B-A3B-FP8's W1 / D1 / D32 under each METRALE_FP8_EXPERTS (~8 min); serve (not in all): metrale-serve + bench_serve at concurrency
 # 32 / 128 / 256 on the 9B and 35B-A3B (issue 27; SERVE_PRESETS to choose); prefix (not in all): bench_prefix on the 9B
 # (issue 28). `setup` only installs (source it
 # with `. tools/gpu_session.sh setup` to keep the environment). The device's copy of the tree may carry an older
@@ -201,7 +201,13 @@ if [[ $what == fp8-sweep ]]; then
     # then the 9B-FP8's decode steps with each decode GEMM (METRALE_FP8_DECODE: the default split-K / GEMV, swap)
     for form in splitk swap; do
         METRALE_FP8_DECODE=$form limit python3 -m metrale_graph.tools.bench --preset qwen3.5-9b-fp8 --workloads D1,D32 \
-            --variants graphs --repeat 5 --json "$OUT/bench-9b-fp8-decode-$form.json" 2>&1 | grep -E "^ *D(1|32) " 
+            --variants graphs --repeat 5 --json "$OUT/bench-9b-fp8-decode-$form.json" 2>&1 | grep -E "^ *D(1|32) "
+    done
+    # and the 35B-A3B-FP8's small-block expert kernels in each form (METRALE_FP8_EXPERTS), the linears swapped in both
+    for form in plain swap; do
+        METRALE_FP8_DECODE=swap METRALE_FP8_EXPERTS=$form limit python3 -m metrale_graph.tools.bench \
+            --preset qwen3.5-35b-a3b-fp8 --workloads W1,D1,D32 --variants graphs --repeat 5 \
+            --json "$OUT/bench-35b-fp8-experts-$form.json" 2>&1 | grep -E "^ *(W1|D1|D32) "
     done
 fi
 if [[ $what == fp8-bench ]]; then
