@@ -208,6 +208,7 @@ def test_profile_attributes_the_step_kernels_to_their_ops():
         "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x128x128_4x1x1_kernel0_0": attention,
         "_context_merge_kernel": attention, "_paged_decode_kernel": attention,
         "_conv1d_state_kernel": "causal_conv1d (own kernels)", "nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT": "GEMM",
+        "_block_fp8_gemv_kernel": "GEMM", "_block_fp8_splitk_kernel": "GEMM", "_splitk_sum_kernel": "GEMM",
         "void at::native::elementwise_kernel<128, 4>": profiling.OTHER,
     }
     assert {k: profiling.phase_of(k) for k in expected} == expected
@@ -283,3 +284,18 @@ def test_check_moe_gemm_refuses_without_a_gpu_or_a_moe_preset(capsys):
     with pytest.raises(SystemExit) as e:
         tool.main(["--tokens", "4"])
     assert e.value.code == 1 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_record_names_the_kernel_choices(monkeypatch):
+    """The JSON says which backend each switchable kernel ran with (the env switches read at import), so an
+    A/B's two records tell themselves apart."""
+    import argparse
+
+    from metrale_graph.ops import fp8
+
+    args = argparse.Namespace(preset="qwen3.5-9b-fp8", tp=1, repeat=3)
+    monkeypatch.setattr(fp8.linear, "DECODE_GEMM", "swap")
+    monkeypatch.setattr(fp8.experts, "SMALL_BLOCKS", "swap")
+    record = bench.bench_record(args, 32, None, "NVIDIA H200", {"commit": "x"}, [])
+    assert record["backends"] == {"gdn_chunked": "triton", "moe_experts": "triton", "fp8_decode": "swap",
+                                  "fp8_experts": "swap"}

@@ -298,9 +298,11 @@ for bm in (16, 32):
                           if k in kern.fn.fn.arg_names}
                 code = ptx(kern.fn.fn, consts, cfg)
                 assert bool(wgmma.search(code)) == swap, (kern.fn.fn.__name__, bm, swap, cfg)
-    code = ptx(lin._block_fp8_splitk_kernel.fn, dict(BM=bm, BN=128, BK=128, QUANT_A=True, SWAP=True),
-               lin._block_fp8_splitk_kernel.configs[0], a_ptr="*bf16")
-    assert wgmma.search(code), ("splitk swap", bm)
+    for quant, a_type in ((True, "*bf16"), (False, "*fp8e4nv")):
+        for cfg in lin._splitk_prune(lin._block_fp8_splitk_kernel.configs, {}, SWAP=True):
+            code = ptx(lin._block_fp8_splitk_kernel.fn, dict(BM=bm, BN=128, BK=128, QUANT_A=quant, SWAP=True), cfg,
+                       a_ptr=a_type)
+            assert wgmma.search(code), ("splitk swap", bm, quant, cfg)
 print("compiled")
 """
 
@@ -467,6 +469,29 @@ def test_check_script_help_flags_and_smoke(tmp_path, capsys):
     assert all(r["quant_bitexact"] and r["triton"] < 1e-3 and r["auto_backend"] == "triton"
                for r in record["correctness"])
     assert record["experts"][0]["fp8_vs_ref"] < 1e-2
+
+
+def test_one_row_takes_the_gemv_form(monkeypatch):
+    """block_fp8_linear of one row on the split-K backend launches the GEMV kernel (and not the split-K GEMM's
+    dot); two rows, or the swap backend, launch the split-K kernel."""
+    lin = fp8.linear
+    launched = []
+
+    class Spy:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(lin, "_block_fp8_gemv_kernel", Spy("gemv", lin._block_fp8_gemv_kernel))
+    monkeypatch.setattr(lin, "_block_fp8_splitk_kernel", Spy("splitk", lin._block_fp8_splitk_kernel))
+    q, s = fp8.quantize_weight_blocks(torch.randn(64, 256))
+    for rows, backend in ((1, "splitk"), (2, "splitk"), (1, "swap")):
+        launched.clear()
+        fp8.block_fp8_linear(torch.randn(rows, 256), q, s, torch.float32, backend=backend)
+        assert launched == (["gemv"] if (rows, backend) == (1, "splitk") else ["splitk"]), (rows, backend)
 
 
 def test_linear_swap_refuses_more_than_32_rows():

@@ -14,7 +14,8 @@
 # cuBLAS shapes, graphs), tests/test_gpu_fp8.py, bench_ops on the 9B FP8 preset; fp8-bench (not in all): the FP8
 # presets' workloads beside their bf16 runs, the FP8 ops at decode shapes (issue 26; FP8_PRESETS, BF16_35B, FP8_OPS, FP8_NEXT);
 # fp8-sweep (not in all): tools/sweep_fp8_decode.py, the decode-shaped FP8 GEMM's forms and tiles, then the 9B-FP8's
-# D1 / D32 under each METRALE_FP8_DECODE and the 35B-A3B-FP8's W1 / D1 / D32 under each METRALE_FP8_EXPERTS (~8 min); serve (not in all): metrale-serve + bench_serve at concurrency
+# D1 / D32 under each METRALE_FP8_DECODE and the 35B-A3B-FP8's W1 / D1 / D32 under each METRALE_FP8_EXPERTS (not yet
+# measured; estimate 6-9 min on a warm machine: give the call its own 600 s, or STEP_LIMIT=150); serve (not in all): metrale-serve + bench_serve at concurrency
 # 32 / 128 / 256 on the 9B and 35B-A3B (issue 27; SERVE_PRESETS to choose); prefix (not in all): bench_prefix on the 9B
 # (issue 28). `setup` only installs (source it
 # with `. tools/gpu_session.sh setup` to keep the environment). The device's copy of the tree may carry an older
@@ -198,16 +199,21 @@ if [[ $what == fp8-sweep ]]; then
     # issue 26's decode GEMM: every candidate form and tile of the FP8 GEMM at 1 / 4 / 16 / 32 rows (~2-3 min)
     limit python3 -m metrale_graph.tools.sweep_fp8_decode --json "$OUT/sweep_fp8_decode.json" 2>&1 \
         | grep -v Warning | tee "$OUT/sweep_fp8_decode.log" | tail -20
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
     # then the 9B-FP8's decode steps with each decode GEMM (METRALE_FP8_DECODE: the default split-K / GEMV, swap)
     for form in splitk swap; do
         METRALE_FP8_DECODE=$form limit python3 -m metrale_graph.tools.bench --preset qwen3.5-9b-fp8 --workloads D1,D32 \
-            --variants graphs --repeat 5 --json "$OUT/bench-9b-fp8-decode-$form.json" 2>&1 | grep -E "^ *D(1|32) "
+            --variants graphs --repeat 5 --json "$OUT/bench-9b-fp8-decode-$form.json" 2>&1 \
+            | tee -a "$OUT/bench-fp8-forms.log" | grep -E "^ *D(1|32) |Error"
+        [[ ${PIPESTATUS[0]} == 0 ]] || status=1
     done
     # and the 35B-A3B-FP8's small-block expert kernels in each form (METRALE_FP8_EXPERTS), the linears swapped in both
     for form in plain swap; do
         METRALE_FP8_DECODE=swap METRALE_FP8_EXPERTS=$form limit python3 -m metrale_graph.tools.bench \
             --preset qwen3.5-35b-a3b-fp8 --workloads W1,D1,D32 --variants graphs --repeat 5 \
-            --json "$OUT/bench-35b-fp8-experts-$form.json" 2>&1 | grep -E "^ *(W1|D1|D32) "
+            --json "$OUT/bench-35b-fp8-experts-$form.json" 2>&1 | tee -a "$OUT/bench-fp8-forms.log" \
+            | grep -E "^ *(W1|D1|D32) |Error"
+        [[ ${PIPESTATUS[0]} == 0 ]] || status=1
     done
 fi
 if [[ $what == fp8-bench ]]; then
@@ -229,7 +235,7 @@ if [[ $what == fp8-bench ]]; then
             | tee "$OUT/bench_ops-fp8.log" | tail -24
     fi
     if [[ ${FP8_NEXT:-0} == 1 ]]; then
-        python3 -m metrale_graph.tools.bench --preset qwen3-next-80b-a3b-fp8 --workloads W1,W2,W3,W4,W5,W6,D1,D32 \
+        limit python3 -m metrale_graph.tools.bench --preset qwen3-next-80b-a3b-fp8 --workloads W1,W2,W3,W4,W5,W6,D1,D32 \
             --variants graphs --repeat 3 --generate --json "$OUT/bench-next-fp8.json" 2>&1 \
             | tee "$OUT/bench-next-fp8.log" | tail -12
     fi

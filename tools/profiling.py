@@ -12,7 +12,7 @@ from metrale_graph.ops import REGISTRY, kernels
 # kernel name -> phase, first match wins: each op's own kernels (its spec), then the GEMMs (cuBLAS /
 # CUTLASS kernels have many names), then the row kernels several ops share
 PHASES = ([(f"{name} (own kernels)", spec.kernels) for name, spec in REGISTRY.items() if spec.kernels]
-          + [("GEMM", ("gemm", "nvjet", "xmma", "cutlass", "splitk", "splitK", "sm90_", "sm80_")),
+          + [("GEMM", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk", "splitK", "sm90_", "sm80_")),
              ("shared row kernels (norms, SiLU-mul)", kernels.SHARED_KERNELS)])
 
 

@@ -197,8 +197,9 @@ def block_fp8_gemm_triton(x_fp8: Tensor, x_scale: Tensor, w_fp8: Tensor, w_scale
     return out
 
 
-SPLITK_BN = 128  # columns per program of the split-K GEMM and GEMV (tools/sweep_fp8_decode.py: 128 beat 64 at
-# every 9B shape at M 1 and 16 on the H200, 9e87066)
+SPLITK_BN = 128  # columns per program of the split-K GEMM and GEMV (tools/sweep_fp8_decode.py on the H200, 9e87066:
+# 128 beat 64 at every 9B shape at M 16, and at three of four at M 1; at 4096 x 4096 the GEMV's BN 64 took 9.5 us
+# against 9.9)
 SPLITK_MAX_ROWS = 16  # the split-K GEMM's rows: decode-shaped calls (one 16-row tile)
 
 
@@ -354,7 +355,7 @@ def block_fp8_gemm_splitk(x_fp8: Tensor, x_scale: Tensor | None, w_fp8: Tensor, 
     parts, k_per = splitk_parts(N, K, x_fp8.device)
     partial = torch.empty((parts, T, N), dtype=torch.float32, device=x_fp8.device)
     scale = x_fp8 if quant else x_scale  # (unread when quant)
-    if T == 1 and not swap:  # (one row: the GEMV form, fixed tile: the sweep's best at every 9B shape)
+    if T == 1 and not swap:  # (one row: the GEMV form, one tile: the sweep's best in sum over the 9B's shapes)
         _block_fp8_gemv_kernel[(triton.cdiv(N, SPLITK_BN), parts)](
             x_fp8, scale, w_fp8, w_scale_inv, partial, N, K, k_per, scale.stride(-1), w_fp8.stride(0),
             w_scale_inv.stride(0), BN=SPLITK_BN, BK=128, QUANT_A=quant, num_warps=4, num_stages=4)
