@@ -244,12 +244,13 @@ for quant, a_type in ((False, "*fp8e4nv"), (True, "*bf16")):
         for cfg in lin._splitk_prune(lin._block_fp8_splitk_kernel.configs, {}, SWAP=swap):
             opts = backend.parse_options({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
             triton.compile(src, target=target, options=opts.__dict__)
-    gemv = lin._block_fp8_gemv_kernel  # the one-row form, at its one launch config
-    consts = dict(BN=lin.SPLITK_BN, BK=128, QUANT_A=quant)
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in gemv.arg_names}
-    opts = backend.parse_options({"num_warps": 4, "num_stages": 4})
-    triton.compile(triton.compiler.ASTSource(fn=gemv, constexprs=consts, signature=sig), target=target,
-                   options=opts.__dict__)
+    gemv = lin._block_fp8_gemv_kernel  # the one-row form, at its one launch config (and its DEFER candidate)
+    for defer in (False, True):
+        consts = dict(BN=lin.SPLITK_BN, BK=128, QUANT_A=quant, DEFER=defer)
+        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in gemv.arg_names}
+        opts = backend.parse_options({"num_warps": 4, "num_stages": 4})
+        triton.compile(triton.compiler.ASTSource(fn=gemv, constexprs=consts, signature=sig), target=target,
+                       options=opts.__dict__)
 print("compiled")
 """
 
@@ -514,18 +515,17 @@ def test_decode_gemm_choice(monkeypatch):
         lin.auto_backend(1, 4096, 4096, cuda)
 
 
-def test_sweep_fp8_decode_gemv2d_matches_reference():
-    """tools/sweep_fp8_decode.py's own candidate (the GEMV with a 2-D accumulator, reduced once) gives
-    block_fp8_linear_ref's product: the sweep times a kernel that is right."""
+def test_gemv_deferred_reduction_matches_reference():
+    """The GEMV's DEFER form (tools/sweep_fp8_decode.py's gemv2d candidate: the products in a 2-D accumulator,
+    reduced once) gives block_fp8_linear_ref's product: the sweep times a kernel that is right."""
     import triton
-
-    from metrale_graph.tools import sweep_fp8_decode as sweep
 
     N, K, parts, k_per = 200, 300, 2, 256  # a ragged column tile, a ragged last group, two parts
     g = torch.Generator().manual_seed(1)
     q, s = fp8.quantize_weight_blocks(torch.randn(N, K, generator=g) * 0.02)
     x = torch.randn(1, K, generator=g)
     p = torch.empty(parts, 1, N)
-    sweep._gemv2d_fp8_kernel[(triton.cdiv(N, 64), parts)](x, q, s, p, N, K, k_per, q.stride(0), s.stride(0),
-                                                        BN=64, BK=128)
-    assert_close("gemv2d", fp8.block_fp8_linear_ref(x, q, s, torch.float32), p.sum(0), 1e-5)
+    fp8.linear._block_fp8_gemv_kernel[(triton.cdiv(N, 64), parts)](x, x, q, s, p, N, K, k_per, 0, q.stride(0),
+                                                                 s.stride(0), BN=64, BK=128, QUANT_A=True,
+                                                                 DEFER=True)
+    assert_close("gemv, deferred reduction", fp8.block_fp8_linear_ref(x, q, s, torch.float32), p.sum(0), 1e-5)

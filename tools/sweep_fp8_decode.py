@@ -6,8 +6,8 @@ tool's first run (9e87066, benchmarks/h200-fp8-decode-sweep.json) chose the GEMV
 128-column tiles (f340188). It times, under CUDA-graph replay at the 9B's projection shapes:
   auto        block_fp8_linear as the model calls it (its backend and tiles);
   gemv        ops/fp8's one-row GEMV at each (BN, programs per SM, warps, stages);
-  gemv2d      the GEMV with its multiply-adds kept in a [BN, 128] accumulator, reduced once at the end
-              (no cross-thread reduction per K step);
+  gemv2d      the GEMV's DEFER form: its multiply-adds kept in a [BN, 128] accumulator, reduced once at
+              the end (no cross-thread reduction per K step);
   splitk      ops/fp8's split-K GEMM (FP8 tensor-core dot, 16 or 32 rows) at each tile;
   splitk-swap ops/fp8's swapped split-K GEMM (METRALE_FP8_DECODE=swap: w . codes(x).T, the weight's
               columns on the MMA's M side, so Hopper's FP8 wgmma takes it; at 16 / 32 rows the unswapped
@@ -26,45 +26,13 @@ import json
 
 import torch
 import triton
-import triton.language as tl
 
 from metrale_graph.ops import fp8
-from metrale_graph.ops.fp8.linear import _block_fp8_gemv_kernel, _block_fp8_splitk_kernel, _splitk_sum_kernel
-from metrale_graph.ops.fp8.quant import quantize_e4m3
+from metrale_graph.ops.fp8.linear import (_block_fp8_gemv_kernel, _block_fp8_splitk_kernel, _splitk_sum_kernel,
+                                          splitk_parts)
 from metrale_graph.tools.provenance import provenance
 
 SHAPES = [(24576, 4096), (4096, 12288), (16448, 4096), (4096, 4096)]  # the 9B's (N, K): check_fp8's SHAPES_9B
-
-
-@triton.jit
-def _gemv2d_fp8_kernel(x_ptr, w_ptr, ws_ptr, p_ptr, N, K, K_PER, stride_wn, stride_ws_n, BN: tl.constexpr,
-                       BK: tl.constexpr):
-    """ops/fp8's _block_fp8_gemv_kernel with the products, scaled per group, summed in a [BN, BK] accumulator and reduced
-    over K once after the loop."""
-    pid_n = tl.program_id(0)
-    part = tl.program_id(1)
-    cols = pid_n * BN + tl.arange(0, BN)
-    c_safe = (cols % N).to(tl.int64)
-    k_lo = part * K_PER
-    k_hi = tl.minimum(K, k_lo + K_PER)
-    k = tl.arange(0, BK)
-    acc = tl.zeros((BN, BK), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        mk = k < k_hi - k0
-        x = tl.load(x_ptr + k0 + k, mask=mk, other=0.0).to(tl.float32)[None, :]
-        codes, sx = quantize_e4m3(x, tl.max(tl.abs(x), axis=1))
-        scale = sx * tl.load(ws_ptr + (c_safe // 128) * stride_ws_n + k0 // 128).to(tl.float32)  # [BN]
-        w = tl.load(w_ptr + c_safe[:, None] * stride_wn + (k0 + k)[None, :], mask=mk[None, :], other=0.0)
-        acc += w.to(tl.float32) * (codes.to(tl.float32) * scale[:, None])
-    tl.store(p_ptr + part * N + cols, tl.sum(acc, axis=1), mask=cols < N)
-
-
-def parts_for(N, K, BN, per_sm):
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    KB = -(-K // 128)
-    want = max(1, -(-per_sm * sms // -(-N // BN)))
-    per = -(-KB // min(KB, want))
-    return -(-KB // per), per * 128
 
 
 def _launch(x, w, s, BN, per_sm, rows, kernel):
@@ -72,7 +40,7 @@ def _launch(x, w, s, BN, per_sm, rows, kernel):
     sum kernel rounds them to bf16."""
     T, K = x.shape
     N = w.shape[0]
-    parts, k_per = parts_for(N, K, BN, per_sm)
+    parts, k_per = splitk_parts(N, K, x.device, BN, per_sm)
     partial = torch.empty((parts, T, N), dtype=torch.float32, device=x.device)
     out = torch.empty((T, N), dtype=torch.bfloat16, device=x.device)
 
@@ -95,12 +63,8 @@ def splitk(x, w, s, BM, BN, per_sm, warps, stages, swap=False):
 def gemv(x, w, s, BN, per_sm, warps, stages, two_d=False):
     _, K = x.shape
     N = w.shape[0]
-    if two_d:
-        return _launch(x, w, s, BN, per_sm, 1, lambda grid, p, k_per: _gemv2d_fp8_kernel[grid](
-            x, w, s, p, N, K, k_per, w.stride(0), s.stride(0), BN=BN, BK=128, num_warps=warps,
-            num_stages=stages))
     return _launch(x, w, s, BN, per_sm, 1, lambda grid, p, k_per: _block_fp8_gemv_kernel[grid](
-        x, x, w, s, p, N, K, k_per, 0, w.stride(0), s.stride(0), BN=BN, BK=128, QUANT_A=True,
+        x, x, w, s, p, N, K, k_per, 0, w.stride(0), s.stride(0), BN=BN, BK=128, QUANT_A=True, DEFER=two_d,
         num_warps=warps, num_stages=stages))
 
 

@@ -203,14 +203,14 @@ SPLITK_BN = 128  # columns per program of the split-K GEMM and GEMV (tools/sweep
 SPLITK_MAX_ROWS = 16  # the split-K GEMM's rows: decode-shaped calls (one 16-row tile)
 
 
-def splitk_parts(N: int, K: int, device: torch.device) -> tuple[int, int]:
-    """(parts, K_PER) of the split-K GEMM for an [N, K] weight: K cut into parts of K_PER channels (a
-    multiple of 128, so a part holds whole scale groups) so that about four programs per SM stream the
-    weight (at decode sizes one program per column tile leaves most SMs idle or latency-bound). Static:
-    from the shapes and the device only."""
+def splitk_parts(N: int, K: int, device: torch.device, BN: int = SPLITK_BN, per_sm: int = 4) -> tuple[int, int]:
+    """(parts, K_PER) of the split-K GEMM for an [N, K] weight in tiles of BN columns: K cut into parts of
+    K_PER channels (a multiple of 128, so a part holds whole scale groups) so that about `per_sm` programs
+    per SM stream the weight (at decode sizes one program per column tile leaves most SMs idle or
+    latency-bound). Static: from the shapes and the device only."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     KB = -(-K // BLOCK)
-    want = max(1, -(-4 * sms // -(-N // SPLITK_BN)))
+    want = max(1, -(-per_sm * sms // -(-N // BN)))
     per = -(-KB // min(KB, want))  # scale groups per part
     return -(-KB // per), per * BLOCK
 
@@ -283,11 +283,13 @@ def _block_fp8_splitk_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, p_ptr, M, N, K, K_PER
 
 @triton.jit
 def _block_fp8_gemv_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, p_ptr, N, K, K_PER, stride_as_g, stride_bn, stride_bs_n,
-                           BN: tl.constexpr, BK: tl.constexpr, QUANT_A: tl.constexpr):
+                           BN: tl.constexpr, BK: tl.constexpr, QUANT_A: tl.constexpr, DEFER: tl.constexpr = False):
     """The split-K GEMM's one-row form: p[part, 0, n] as _block_fp8_splitk_kernel's for a single row a, with
     the group's dot as fp32 multiply-adds (codes times codes: exact products) instead of a tensor-core dot
     padded to 16 rows. One row reads the weight once either way; without the padded dot a program streams
-    its [BN, 128] weight tiles faster (on the H200 1.4-1.8x at the 9B's shapes: tools/sweep_fp8_decode.py)."""
+    its [BN, 128] weight tiles faster (on the H200 1.4-1.8x at the 9B's shapes: tools/sweep_fp8_decode.py).
+    DEFER (a candidate tools/sweep_fp8_decode.py times, not the linear's): the products, scaled per group,
+    summed in a [BN, BK] accumulator and reduced over K once after the loop instead of at every K step."""
     pid_n = tl.program_id(0)
     part = tl.program_id(1)
     cols = pid_n * BN + tl.arange(0, BN)
@@ -297,7 +299,10 @@ def _block_fp8_gemv_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, p_ptr, N, K, K_PER, str
     k = tl.arange(0, BK)
     b_ptrs = b_ptr + c_safe[:, None] * stride_bn + (k_lo + k)[None, :]  # [BN, BK]
     bs_ptrs = bs_ptr + (c_safe // 128) * stride_bs_n
-    acc = tl.zeros((BN,), dtype=tl.float32)
+    if DEFER:
+        acc2 = tl.zeros((BN, BK), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BN,), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         mk = k < k_hi - k0
         g = k0 // 128
@@ -309,8 +314,13 @@ def _block_fp8_gemv_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, p_ptr, N, K, K_PER, str
             a = tl.load(a_ptr + k0 + k, mask=mk, other=0.0).to(tl.float32)[None, :]
             sa = tl.load(as_ptr + g * stride_as_g + tl.zeros((1,), dtype=tl.int32))
         b = tl.load(b_ptrs, mask=mk[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(b * a, axis=1) * sa * tl.load(bs_ptrs + g).to(tl.float32)
+        if DEFER:
+            acc2 += b * (a * (sa * tl.load(bs_ptrs + g).to(tl.float32))[:, None])
+        else:
+            acc += tl.sum(b * a, axis=1) * sa * tl.load(bs_ptrs + g).to(tl.float32)
         b_ptrs += BK
+    if DEFER:
+        acc = tl.sum(acc2, axis=1)
     tl.store(p_ptr + part * N + cols, acc, mask=cols < N)
 
 
