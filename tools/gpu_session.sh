@@ -49,7 +49,7 @@ status=0
 # `tests` is three parts, each under one device call of 10 minutes: sweep, op-tests, model-tests. STEP_LIMIT
 # (seconds) stops a part with SIGINT, so pytest still prints which tests failed and why.
 runs() { [[ $what == "$1" || $what == tests || $what == all ]]; }
-limit() { if [[ -n ${STEP_LIMIT:-} ]]; then timeout -s INT "$STEP_LIMIT" "$@"; else "$@"; fi; }
+limit() { if [[ -n ${STEP_LIMIT:-} ]]; then timeout -k 10 -s INT "$STEP_LIMIT" "$@"; else "$@"; fi; }
 if runs sweep; then
     # the config sweep compiles one step per config: in parallel processes
     METRALE_REPORT="$OUT/gpu_sweep.jsonl" limit python3 -m pytest -q -rfE -p no:cacheprovider -n 8 \
