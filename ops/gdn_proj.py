@@ -79,9 +79,8 @@ def gdn_proj_cuda(a):
         beta, g = kernels.gdn_gates(y, C + Z, C + Z + HV, a.A_log, a.dt_bias)
         return y[:, :C].clone(memory_format=fresh), y[:, C:C + Z].clone(memory_format=fresh), beta, g
     qkv, z, b, a_ = fp8.project(n, [(a.qkv_w, a.qkv_s), (a.z_w, a.z_s), (a.b_w, a.b_s), (a.a_w, a.a_s)])
-    adjacent = b.data_ptr() + HV * b.element_size() == a_.data_ptr() and b.stride() == a_.stride()
-    ba = b if adjacent else torch.cat([b, a_], dim=1)  # the gates kernel reads b and a as columns of one tensor
-    beta, g = kernels.gdn_gates(ba, 0, HV, a.A_log, a.dt_bias)
+    # the gates kernel reads b and a as columns of one tensor: a view where b | a ran as one GEMM
+    beta, g = kernels.gdn_gates(kernels.side_by_side(b, a_), 0, HV, a.A_log, a.dt_bias)
     return qkv.clone(memory_format=fresh), z.clone(memory_format=fresh), beta, g
 
 

@@ -192,6 +192,26 @@ def silu_mul(ab: Tensor) -> Tensor:
     return y
 
 
+def side_by_side(*cols: Tensor) -> Tensor:
+    """The column-wise concatenation of [T, N_i] tensors (unit inner stride). Free (a view) when they
+    are column slices of one buffer, back to back with one row stride, as a stacked GEMM's outputs are;
+    otherwise a concatenated copy. Two separate allocations that merely happen to sit next to each
+    other in memory are copied: a view across them would reach outside the first one's storage."""
+    first = cols[0]
+    T, size = first.shape[0], first.element_size()
+    storage, ptr, n = first.untyped_storage().data_ptr(), first.data_ptr(), 0
+    for c in cols:
+        if not (c.dim() == 2 and c.shape[0] == T and c.dtype == first.dtype and c.stride(-1) == 1
+                and (T <= 1 or c.stride(0) == first.stride(0))
+                and c.untyped_storage().data_ptr() == storage and c.data_ptr() == ptr + n * size):
+            return torch.cat(cols, dim=1)
+        n += c.shape[1]
+    row = first.stride(0) if T > 1 else n
+    view = first.as_strided((T, n), (row, 1))
+    end = (view.storage_offset() + (T - 1) * row + n) * size if T else 0
+    return view if end <= first.untyped_storage().nbytes() else torch.cat(cols, dim=1)
+
+
 def stacked(*weights: Tensor) -> Tensor:
     """The row-wise concatenation of weights [N_i, D] as one GEMM operand [sum N_i, D]. Free (a view)
     when they already sit back to back in one buffer, as HybridModel stores each layer's

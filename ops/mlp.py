@@ -63,10 +63,7 @@ def mlp_cuda(a):
         act = kernels.silu_mul(n @ kernels.stacked(a.gate_w, a.up_w).t())
         return torch.addmm(a.h, act, a.down_w.t()) if a.add_residual else act @ a.down_w.t()
     gate, up = fp8.project(n, [(a.gate_w, a.gate_s), (a.up_w, a.up_s)])
-    I = a.gate_w.shape[0]
-    stacked = up.data_ptr() == gate.data_ptr() + I * gate.element_size() and gate.stride() == up.stride()
-    act = kernels.silu_mul(gate.as_strided((gate.shape[0], 2 * I), gate.stride()) if stacked
-                           else torch.cat([gate, up], dim=1))
+    act = kernels.silu_mul(kernels.side_by_side(gate, up))  # a view where gate | up ran as one GEMM
     h = a.h if a.h.stride(-1) == 1 else a.h.contiguous()
     return fp8.project_one(act, a.down_w, a.down_s, h if a.add_residual else None)
 

@@ -14,11 +14,14 @@ from op_cases import FP8_OPS
 pytestmark = pytest.mark.gpu
 
 # 35B-A3B's head shapes (fewer experts): D 2048, GDN 16 / 32 heads of 128, attention 16 / 2 heads of 256,
-# experts of 512; a decode batch (Triton GEMMs), a prefill of 322 tokens (cuBLAS, rows padded to 336)
+# experts of 512; a decode batch (Triton GEMMs), a prefill of 322 tokens (cuBLAS, rows padded to 336), one row
+# (the GEMV; the 9B's MLP width, whose separate gate and up outputs the caching allocator put back to back)
 CASES = [Shapes(lengths=(1, 1, 1), context=(5, 9, 0), H=16, HV=32, K=128, V=128, HQ=16, HKV=2, HD=256, R=64, D=2048,
                 I=4096, E=16, TOPK=4, IE=512, IS=512, BS=64, num_blocks=8, fp8=True),
          Shapes(lengths=(17, 300, 5), context=(0, 40, 0), H=16, HV=32, K=128, V=128, HQ=16, HKV=2, HD=256, R=64,
-                D=2048, I=4096, E=16, TOPK=4, IE=512, IS=512, BS=64, num_blocks=24, fp8=True)]
+                D=2048, I=4096, E=16, TOPK=4, IE=512, IS=512, BS=64, num_blocks=24, fp8=True),
+         Shapes(lengths=(1,), context=(7,), H=16, HV=32, K=128, V=128, HQ=16, HKV=2, HD=256, R=64, D=2048,
+                I=12288, E=16, TOPK=4, IE=512, IS=512, BS=64, num_blocks=4, fp8=True)]
 # bf16 against the fp32 reference on the same FP8 weights: a bf16 ulp in a quantizer's input flips an FP8
 # code (tests/test_kernels.py FP8_BF16_TOL). fp32 too: the GEMMs' accumulation order moves a quantizer's
 # input by an fp32 ulp, which flips the code of a value on a rounding boundary (one e4m3 step, 2^-3
@@ -27,7 +30,7 @@ TOL = {torch.float32: 5e-3, torch.bfloat16: 3e-2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", CASES, ids=["decode", "prefill"])
+@pytest.mark.parametrize("case", CASES, ids=["decode", "prefill", "one-row"])
 @pytest.mark.parametrize("name", FP8_OPS)
 def test_fp8_ops_match_reference_on_cuda(name, case, dtype):
     args = example_args(name, case, dtype, seed=1)

@@ -9,6 +9,7 @@ fla call itself is covered by the GPU tests). The decode paths are also checked 
 lengths, and their choice against static sizes.
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -647,6 +648,25 @@ def test_stacked_is_a_view_of_adjacent_weights():
     flat = torch.randn(40)  # adjacent in memory but separate tensors: no view across storages
     e, f = torch.randn(3, 4), flat[:28].view(7, 4)
     assert torch.equal(kernels.stacked(e, f), torch.cat([e, f]))
+
+
+def test_side_by_side_is_a_view_only_within_one_buffer():
+    """Column slices of one GEMM output come back as a view; separate tensors are concatenated, also
+    when they sit back to back in memory (two storages over one numpy array: a view across them would
+    reach outside the first one's storage, as the FP8 MLP's gate | up did at one row on the H200)."""
+    y = torch.randn(3, 10)
+    a, b = y[:, :4], y[:, 4:9]
+    v = kernels.side_by_side(a, b)
+    assert v.data_ptr() == y.data_ptr() and torch.equal(v, y[:, :9])
+    c, d = torch.randn(3, 2), torch.randn(3, 5)
+    assert torch.equal(kernels.side_by_side(c, d), torch.cat([c, d], dim=1))
+    flat = np.random.rand(16).astype(np.float32)
+    e, f = torch.from_numpy(flat[:8]).view(1, 8), torch.from_numpy(flat[8:]).view(1, 8)
+    assert e.data_ptr() + 8 * 4 == f.data_ptr() and e.untyped_storage().nbytes() == 32
+    out = kernels.side_by_side(e, f)
+    assert out.data_ptr() != e.data_ptr() and torch.equal(out, torch.cat([e, f], dim=1))
+    row = torch.randn(1, 6)  # one row: any stride
+    assert kernels.side_by_side(row[:, :2], row[:, 2:]).data_ptr() == row.data_ptr()
 
 
 def test_check_supported_rejects_only_fla_key_dims():

@@ -152,9 +152,7 @@ def moe_cuda(a):
         logits = dense[:, 2 * IS:2 * IS + E]
     else:  # FP8 shared expert: its gate | up one W8A8 GEMM where stacked, the router a GEMM of its own
         gate, up = fp8.project(n, [(a.shared_gate_w, a.shared_gate_s), (a.shared_up_w, a.shared_up_s)])
-        stacked = up.data_ptr() == gate.data_ptr() + IS * gate.element_size() and gate.stride() == up.stride()
-        shared = fp8.project_one(kernels.silu_mul(gate.as_strided((T, 2 * IS), gate.stride()) if stacked
-                                                  else torch.cat([gate, up], dim=1)), a.shared_down_w, a.shared_down_s)
+        shared = fp8.project_one(kernels.silu_mul(kernels.side_by_side(gate, up)), a.shared_down_w, a.shared_down_s)
         logits = n @ a.router_w.t()
     top_w, top_e = route_topk(logits, top_k, a.norm_topk)
 
