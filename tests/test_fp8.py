@@ -232,6 +232,7 @@ import importlib
 import triton
 from triton.backends.compiler import GPUTarget
 lin = importlib.import_module("metrale_graph.ops.fp8.linear")
+sweep = importlib.import_module("metrale_graph.tools.sweep_fp8_decode")
 target = GPUTarget("cuda", 90, 32)
 backend = triton.compiler.make_backend(target)
 fn = lin._block_fp8_splitk_kernel.fn
@@ -244,7 +245,7 @@ for quant, a_type in ((False, "*fp8e4nv"), (True, "*bf16")):
         for cfg in lin._splitk_prune(lin._block_fp8_splitk_kernel.configs, {}, SWAP=swap):
             opts = backend.parse_options({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
             triton.compile(src, target=target, options=opts.__dict__)
-    gemv = lin._block_fp8_gemv_kernel  # the one-row form, at its one launch config (and its DEFER candidate)
+    gemv = sweep._block_fp8_gemv_kernel  # the sweep's one-row candidate (and its DEFER form)
     for defer in (False, True):
         consts = dict(BN=lin.SPLITK_BN, BK=128, QUANT_A=quant, DEFER=defer)
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in gemv.arg_names}
@@ -256,10 +257,9 @@ print("compiled")
 
 
 def test_splitk_kernel_compiles_for_sm90():
-    """The split-K GEMM (its one-row GEMV form, its swapped form), with activations quantized inside it and
-    without, at every
-    autotune config through
-    Triton's real compiler for sm_90 (no GPU needed): the interpreter accepts what the compiler rejects."""
+    """The split-K GEMM (plain and swapped) at every autotune config, and the sweep's one-row GEMV candidate,
+    with activations quantized inside them and without, through Triton's real compiler for sm_90 (no GPU
+    needed): the interpreter accepts what the compiler rejects."""
     import os
     import subprocess
     import sys
@@ -277,6 +277,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 ex = importlib.import_module("metrale_graph.ops.fp8.experts")
 lin = importlib.import_module("metrale_graph.ops.fp8.linear")
+sweep = importlib.import_module("metrale_graph.tools.sweep_fp8_decode")
 target = GPUTarget("cuda", 90, 32)
 backend = triton.compiler.make_backend(target)
 types = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "q_ptr": "*fp8e4nv",
@@ -472,9 +473,9 @@ def test_check_script_help_flags_and_smoke(tmp_path, capsys):
     assert record["experts"][0]["fp8_vs_ref"] < 1e-2
 
 
-def test_one_row_takes_the_gemv_form(monkeypatch):
-    """block_fp8_linear of one row on the split-K backend launches the GEMV kernel (and not the split-K GEMM's
-    dot); two rows, or the swap backend, launch the split-K kernel."""
+def test_decode_rows_take_the_splitk_kernel(monkeypatch):
+    """block_fp8_linear of one, two or sixteen rows on the split-K backend, and of one on the swap backend,
+    launches the split-K kernel once (one row included: ops/fp8/linear.py SPLITK_BN says why)."""
     lin = fp8.linear
     launched = []
 
@@ -486,13 +487,14 @@ def test_one_row_takes_the_gemv_form(monkeypatch):
             launched.append(self.name)
             return self.kernel[grid]
 
-    monkeypatch.setattr(lin, "_block_fp8_gemv_kernel", Spy("gemv", lin._block_fp8_gemv_kernel))
     monkeypatch.setattr(lin, "_block_fp8_splitk_kernel", Spy("splitk", lin._block_fp8_splitk_kernel))
     q, s = fp8.quantize_weight_blocks(torch.randn(64, 256))
-    for rows, backend in ((1, "splitk"), (2, "splitk"), (1, "swap")):
+    for rows, backend in ((1, "splitk"), (2, "splitk"), (16, "splitk"), (1, "swap")):
         launched.clear()
-        fp8.block_fp8_linear(torch.randn(rows, 256), q, s, torch.float32, backend=backend)
-        assert launched == (["gemv"] if (rows, backend) == (1, "splitk") else ["splitk"]), (rows, backend)
+        x = torch.randn(rows, 256)
+        out = fp8.block_fp8_linear(x, q, s, torch.float32, backend=backend)
+        assert launched == ["splitk"], (rows, backend)
+        assert_close(f"{backend} {rows} rows", fp8.block_fp8_linear_ref(x, q, s, torch.float32), out, 1e-5)
 
 
 def test_linear_swap_refuses_more_than_32_rows():
@@ -515,17 +517,19 @@ def test_decode_gemm_choice(monkeypatch):
         lin.auto_backend(1, 4096, 4096, cuda)
 
 
-def test_gemv_deferred_reduction_matches_reference():
-    """The GEMV's DEFER form (tools/sweep_fp8_decode.py's gemv2d candidate: the products in a 2-D accumulator,
-    reduced once) gives block_fp8_linear_ref's product: the sweep times a kernel that is right."""
+@pytest.mark.parametrize("defer", [False, True], ids=["gemv", "gemv2d"])
+def test_sweep_gemv_candidates_match_reference(defer):
+    """The sweep's one-row GEMV and its DEFER form (gemv2d: the products in a 2-D accumulator, reduced once)
+    give block_fp8_linear_ref's product: the sweep times kernels that are right."""
     import triton
+
+    from metrale_graph.tools.sweep_fp8_decode import _block_fp8_gemv_kernel
 
     N, K, parts, k_per = 200, 300, 2, 256  # a ragged column tile, a ragged last group, two parts
     g = torch.Generator().manual_seed(1)
     q, s = fp8.quantize_weight_blocks(torch.randn(N, K, generator=g) * 0.02)
     x = torch.randn(1, K, generator=g)
     p = torch.empty(parts, 1, N)
-    fp8.linear._block_fp8_gemv_kernel[(triton.cdiv(N, 64), parts)](x, x, q, s, p, N, K, k_per, 0, q.stride(0),
-                                                                 s.stride(0), BN=64, BK=128, QUANT_A=True,
-                                                                 DEFER=True)
-    assert_close("gemv, deferred reduction", fp8.block_fp8_linear_ref(x, q, s, torch.float32), p.sum(0), 1e-5)
+    _block_fp8_gemv_kernel[(triton.cdiv(N, 64), parts)](x, x, q, s, p, N, K, k_per, 0, q.stride(0), s.stride(0),
+                                                        BN=64, BK=128, QUANT_A=True, DEFER=defer)
+    assert_close(f"gemv (DEFER {defer})", fp8.block_fp8_linear_ref(x, q, s, torch.float32), p.sum(0), 1e-5)

@@ -200,7 +200,7 @@ if [[ $what == fp8-sweep ]]; then
     limit python3 -m metrale_graph.tools.sweep_fp8_decode --json "$OUT/sweep_fp8_decode.json" 2>&1 \
         | grep -v Warning | tee "$OUT/sweep_fp8_decode.log" | tail -20
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
-    # then the 9B-FP8's decode steps with each decode GEMM (METRALE_FP8_DECODE: the default split-K / GEMV, swap)
+    # then the 9B-FP8's decode steps with each decode GEMM (METRALE_FP8_DECODE: the default split-K, swap)
     for form in splitk swap; do
         METRALE_FP8_DECODE=$form limit python3 -m metrale_graph.tools.bench --preset qwen3.5-9b-fp8 --workloads D1,D32 \
             --variants graphs --repeat 5 --json "$OUT/bench-9b-fp8-decode-$form.json" 2>&1 \

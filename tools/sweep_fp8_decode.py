@@ -2,10 +2,12 @@
 
 At D1 the 9B-FP8 preset spent 3.71 of its 5.6 ms of device time in `_block_fp8_splitk_kernel` (9e87066,
 bench --profile), about 1.9 TB/s on the FP8 weights, and at D32 3.44 ms in cuBLAS' blockwise GEMM. This
-tool's first run (9e87066, benchmarks/h200-fp8-decode-sweep.json) chose the GEMV form for one row and
-128-column tiles (f340188). It times, under CUDA-graph replay at the 9B's projection shapes:
+tool's first run (9e87066, benchmarks/h200-fp8-decode-sweep.json) chose a GEMV form for one row and
+128-column tiles (f340188); its second (755f071, benchmarks/h200-fp8-decode-sweep-755f071.json) and an A/B
+at 0a36b93 (benchmarks/h200-fp8-gemv-ab-0a36b93.json) did not find the GEMV faster again, so the linear
+takes the split-K kernel at one row too. It times, under CUDA-graph replay at the 9B's projection shapes:
   auto        block_fp8_linear as the model calls it (its backend and tiles);
-  gemv        ops/fp8's one-row GEMV at each (BN, programs per SM, warps, stages);
+  gemv        the one-row GEMV below (_block_fp8_gemv_kernel) at each (BN, programs per SM, warps, stages);
   gemv2d      the GEMV's DEFER form: its multiply-adds kept in a [BN, 128] accumulator, reduced once at
               the end (no cross-thread reduction per K step);
   splitk      ops/fp8's split-K GEMM (FP8 tensor-core dot, 16 or 32 rows) at each tile;
@@ -26,13 +28,56 @@ import json
 
 import torch
 import triton
+import triton.language as tl
 
 from metrale_graph.ops import fp8
-from metrale_graph.ops.fp8.linear import (_block_fp8_gemv_kernel, _block_fp8_splitk_kernel, _splitk_sum_kernel,
-                                          splitk_parts)
+from metrale_graph.ops.fp8.linear import _block_fp8_splitk_kernel, _splitk_sum_kernel, splitk_parts
+from metrale_graph.ops.fp8.quant import quantize_e4m3
 from metrale_graph.tools.provenance import provenance
 
 SHAPES = [(24576, 4096), (4096, 12288), (16448, 4096), (4096, 4096)]  # the 9B's (N, K): check_fp8's SHAPES_9B
+
+
+@triton.jit
+def _block_fp8_gemv_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, p_ptr, N, K, K_PER, stride_as_g, stride_bn, stride_bs_n,
+                           BN: tl.constexpr, BK: tl.constexpr, QUANT_A: tl.constexpr, DEFER: tl.constexpr = False):
+    """A one-row form of ops/fp8's split-K GEMM (a candidate; the linear launches the split-K kernel at one row
+    too, ops/fp8/linear.py SPLITK_BN says why): p[part, 0, n] as _block_fp8_splitk_kernel's for a single row
+    a, each group's dot as fp32 multiply-adds (codes times codes: exact products) instead of a tensor-core dot
+    padded to 16 rows. DEFER: the products, scaled per group, summed in a [BN, BK] accumulator and reduced
+    over K once after the loop instead of at every K step."""
+    pid_n = tl.program_id(0)
+    part = tl.program_id(1)
+    cols = pid_n * BN + tl.arange(0, BN)
+    c_safe = (cols % N).to(tl.int64)
+    k_lo = part * K_PER
+    k_hi = tl.minimum(K, k_lo + K_PER)
+    k = tl.arange(0, BK)
+    b_ptrs = b_ptr + c_safe[:, None] * stride_bn + (k_lo + k)[None, :]  # [BN, BK]
+    bs_ptrs = bs_ptr + (c_safe // 128) * stride_bs_n
+    if DEFER:
+        acc2 = tl.zeros((BN, BK), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BN,), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        mk = k < k_hi - k0
+        g = k0 // 128
+        if QUANT_A:
+            x = tl.load(a_ptr + k0 + k, mask=mk, other=0.0).to(tl.float32)[None, :]
+            a, sa = quantize_e4m3(x, tl.max(tl.abs(x), axis=1))
+            a = a.to(tl.float32)
+        else:
+            a = tl.load(a_ptr + k0 + k, mask=mk, other=0.0).to(tl.float32)[None, :]
+            sa = tl.load(as_ptr + g * stride_as_g + tl.zeros((1,), dtype=tl.int32))
+        b = tl.load(b_ptrs, mask=mk[None, :], other=0.0).to(tl.float32)
+        if DEFER:
+            acc2 += b * (a * (sa * tl.load(bs_ptrs + g).to(tl.float32))[:, None])
+        else:
+            acc += tl.sum(b * a, axis=1) * sa * tl.load(bs_ptrs + g).to(tl.float32)
+        b_ptrs += BK
+    if DEFER:
+        acc = tl.sum(acc2, axis=1)
+    tl.store(p_ptr + part * N + cols, acc, mask=cols < N)
 
 
 def _launch(x, w, s, BN, per_sm, rows, kernel):
@@ -106,9 +151,8 @@ def main(argv=None):
                     cands[f"gemv BN{BN} x{per_sm} w{w} s{st}"] = gemv(x, q, s, BN, per_sm, w, st)
                 for BN, per_sm, (w, st) in itertools.product((32, 64, 128), (2, 4, 8), ((4, 3), (8, 3))):
                     cands[f"gemv2d BN{BN} x{per_sm} w{w} s{st}"] = gemv(x, q, s, BN, per_sm, w, st, two_d=True)
-            else:
-                for BN, per_sm, (w, st) in itertools.product((64, 128), (4, 8), ((4, 3), (4, 4), (8, 3))):
-                    cands[f"splitk BM{BM} BN{BN} x{per_sm} w{w} s{st}"] = splitk(x, q, s, BM, BN, per_sm, w, st)
+            for BN, per_sm, (w, st) in itertools.product((64, 128), (4, 8), ((4, 3), (4, 4), (8, 3))):
+                cands[f"splitk BM{BM} BN{BN} x{per_sm} w{w} s{st}"] = splitk(x, q, s, BM, BN, per_sm, w, st)
             best = None
             for name, fn in cands.items():
                 try:

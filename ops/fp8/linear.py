@@ -5,7 +5,7 @@ quantized on the fly per token per 128 channels (see quant.py).
         -> [T, N] = residual + x @ w.T
 
 CUDA (auto_backend chooses): decode rows (T <= SPLITK_MAX_ROWS) take the split-K Triton GEMM, which
-quantizes x itself (one row: its GEMV form); more rows are quantized (one Triton launch) and take cuBLAS'
+quantizes x itself; more rows are quantized (one Triton launch) and take cuBLAS'
 blockwise FP8 GEMM (torch._scaled_mm, 1x128 activation scales x 128x128 weight scales) where
 cublas_blockwise_ok says the shapes allow it, else the one-pass Triton GEMM. Each 128-channel K step's
 partial product is scaled by its activation and weight scales into an fp32 accumulator. Opt-in
@@ -28,8 +28,8 @@ from .quant import (BLOCK, INTERPRET, check_block_weight, dequantize_weight_bloc
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BACKENDS = ("auto", "cublas", "triton", "splitk", "swap")
 SWAP_MAX_ROWS = 32  # the swapped split-K GEMM's rows (its MMA's N side: 16 or 32)
-# Which GEMM "auto" gives decode rows on CUDA: "splitk" (the default: the GEMV for one row, the split-K GEMM up
-# to SPLITK_MAX_ROWS, cuBLAS above) or "swap" (the swapped split-K GEMM up to SWAP_MAX_ROWS, cuBLAS above).
+# Which GEMM "auto" gives decode rows on CUDA: "splitk" (the default: the split-K GEMM up to SPLITK_MAX_ROWS,
+# cuBLAS above) or "swap" (the swapped split-K GEMM up to SWAP_MAX_ROWS, cuBLAS above).
 # Read at import from METRALE_FP8_DECODE; set linear.DECODE_GEMM before a step is compiled or captured.
 DECODE_GEMMS = ("splitk", "swap")
 DECODE_GEMM = os.environ.get("METRALE_FP8_DECODE", "splitk")
@@ -197,9 +197,12 @@ def block_fp8_gemm_triton(x_fp8: Tensor, x_scale: Tensor, w_fp8: Tensor, w_scale
     return out
 
 
-SPLITK_BN = 128  # columns per program of the split-K GEMM and GEMV (tools/sweep_fp8_decode.py on the H200, 9e87066:
-# 128 beat 64 at every 9B shape at M 16, and at three of four at M 1; at 4096 x 4096 the GEMV's BN 64 took 9.5 us
-# against 9.9)
+SPLITK_BN = 128  # columns per program of the split-K GEMM (tools/sweep_fp8_decode.py on the H200, 9e87066: 128 beat
+# 64 at every 9B shape at M 16). One row takes this kernel too. The sweep's one-row GEMV form (fp32 multiply-adds,
+# tools/sweep_fp8_decode.py) measured faster at 9e87066 but not again at 0a36b93: at the 9B's four shapes, one row,
+# 150.7 us in all at the tile the linear launched it with, against 109.2 for this kernel as autotuned (at the best
+# tiles 108.0 against 103.4). Graphs never take one row either: a one-stream bucket holds two tokens
+# (capture/runner.py), and at two rows this kernel beat a two-row GEMV 1.1-1.7x
 SPLITK_MAX_ROWS = 16  # the split-K GEMM's rows: decode-shaped calls (one 16-row tile)
 
 
@@ -282,49 +285,6 @@ def _block_fp8_splitk_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, p_ptr, M, N, K, K_PER
 
 
 @triton.jit
-def _block_fp8_gemv_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, p_ptr, N, K, K_PER, stride_as_g, stride_bn, stride_bs_n,
-                           BN: tl.constexpr, BK: tl.constexpr, QUANT_A: tl.constexpr, DEFER: tl.constexpr = False):
-    """The split-K GEMM's one-row form: p[part, 0, n] as _block_fp8_splitk_kernel's for a single row a, with
-    the group's dot as fp32 multiply-adds (codes times codes: exact products) instead of a tensor-core dot
-    padded to 16 rows. One row reads the weight once either way; without the padded dot a program streams
-    its [BN, 128] weight tiles faster (on the H200 1.4-1.8x at the 9B's shapes: tools/sweep_fp8_decode.py).
-    DEFER (a candidate tools/sweep_fp8_decode.py times, not the linear's): the products, scaled per group,
-    summed in a [BN, BK] accumulator and reduced over K once after the loop instead of at every K step."""
-    pid_n = tl.program_id(0)
-    part = tl.program_id(1)
-    cols = pid_n * BN + tl.arange(0, BN)
-    c_safe = (cols % N).to(tl.int64)
-    k_lo = part * K_PER
-    k_hi = tl.minimum(K, k_lo + K_PER)
-    k = tl.arange(0, BK)
-    b_ptrs = b_ptr + c_safe[:, None] * stride_bn + (k_lo + k)[None, :]  # [BN, BK]
-    bs_ptrs = bs_ptr + (c_safe // 128) * stride_bs_n
-    if DEFER:
-        acc2 = tl.zeros((BN, BK), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BN,), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        mk = k < k_hi - k0
-        g = k0 // 128
-        if QUANT_A:
-            x = tl.load(a_ptr + k0 + k, mask=mk, other=0.0).to(tl.float32)[None, :]
-            a, sa = quantize_e4m3(x, tl.max(tl.abs(x), axis=1))
-            a = a.to(tl.float32)
-        else:
-            a = tl.load(a_ptr + k0 + k, mask=mk, other=0.0).to(tl.float32)[None, :]
-            sa = tl.load(as_ptr + g * stride_as_g + tl.zeros((1,), dtype=tl.int32))
-        b = tl.load(b_ptrs, mask=mk[None, :], other=0.0).to(tl.float32)
-        if DEFER:
-            acc2 += b * (a * (sa * tl.load(bs_ptrs + g).to(tl.float32))[:, None])
-        else:
-            acc += tl.sum(b * a, axis=1) * sa * tl.load(bs_ptrs + g).to(tl.float32)
-        b_ptrs += BK
-    if DEFER:
-        acc = tl.sum(acc2, axis=1)
-    tl.store(p_ptr + part * N + cols, acc, mask=cols < N)
-
-
-@triton.jit
 def _splitk_sum_kernel(p_ptr, r_ptr, c_ptr, M, N, PARTS, stride_rm, stride_cm, HAS_RESIDUAL: tl.constexpr,
                        BLOCK_E: tl.constexpr):
     """c[m, n] = sum over the parts of p[part, m, n], in part order (the same sum every call: replays are
@@ -345,8 +305,8 @@ def _splitk_sum_kernel(p_ptr, r_ptr, c_ptr, M, N, PARTS, stride_rm, stride_cm, H
 def block_fp8_gemm_splitk(x_fp8: Tensor, x_scale: Tensor | None, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype,
                           residual=None, swap: bool = False) -> Tensor:
     """The split-K block-scaled GEMM for decode-shaped calls (T <= SPLITK_MAX_ROWS): K in parts
-    (splitk_parts), each part's fp32 partial product stored (one row: by the GEMV form,
-    _block_fp8_gemv_kernel), then summed in a fixed order with the residual and rounded once (as
+    (splitk_parts), each part's fp32 partial product stored, then summed in a fixed order with the
+    residual and rounded once (as
     block_fp8_gemm_triton). Arguments and result as block_fp8_gemm_triton's;
     x_scale None: x_fp8 is the unquantized activations (unit inner stride), quantized inside the GEMM
     (the same codes and scales as quantize_activations: the same result bit for bit). swap: the swapped
@@ -365,15 +325,10 @@ def block_fp8_gemm_splitk(x_fp8: Tensor, x_scale: Tensor | None, w_fp8: Tensor, 
     parts, k_per = splitk_parts(N, K, x_fp8.device)
     partial = torch.empty((parts, T, N), dtype=torch.float32, device=x_fp8.device)
     scale = x_fp8 if quant else x_scale  # (unread when quant)
-    if T == 1 and not swap:  # (one row: the GEMV form, one tile: the sweep's best in sum over the 9B's shapes)
-        _block_fp8_gemv_kernel[(triton.cdiv(N, SPLITK_BN), parts)](
-            x_fp8, scale, w_fp8, w_scale_inv, partial, N, K, k_per, scale.stride(-1), w_fp8.stride(0),
-            w_scale_inv.stride(0), BN=SPLITK_BN, BK=128, QUANT_A=quant, num_warps=4, num_stages=4)
-    else:
-        _block_fp8_splitk_kernel[(triton.cdiv(N, SPLITK_BN), parts)](
-            x_fp8, scale, w_fp8, w_scale_inv, partial, T, N, K, k_per, x_fp8.stride(0), scale.stride(0),
-            scale.stride(1), w_fp8.stride(0), w_scale_inv.stride(0), BM=16 if T <= 16 else 32, BN=SPLITK_BN,
-            BK=128, QUANT_A=quant, SWAP=swap)
+    _block_fp8_splitk_kernel[(triton.cdiv(N, SPLITK_BN), parts)](
+        x_fp8, scale, w_fp8, w_scale_inv, partial, T, N, K, k_per, x_fp8.stride(0), scale.stride(0),
+        scale.stride(1), w_fp8.stride(0), w_scale_inv.stride(0), BM=16 if T <= 16 else 32, BN=SPLITK_BN,
+        BK=128, QUANT_A=quant, SWAP=swap)
     BLOCK_E = 1024
     _splitk_sum_kernel[(triton.cdiv(T * N, BLOCK_E),)](
         partial, out if residual is None else residual, out, T, N, parts,
