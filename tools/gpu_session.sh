@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # One GPU session in one command (device machines start bare): install the carried
 # flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
-#   usage: bash tools/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-ab|tp|fp8|fp8-sweep|fp8-bench|serve|prefix|all|setup]
+#   usage: bash tools/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-ab|moe-sort|tp|fp8|fp8-sweep|fp8-bench|serve|prefix|all|setup]
 #   (run from the repository root)
 # tests: every GPU test (sweep + op-tests + model-tests: ~18 min, more than one call); ops: per-op
 # benchmark; decode (not in all): bench_ops at decode shapes and tools/check_decode.py's tile sweep; bench: 9B workloads with the peer and generation; profile (not in all): the 9B workloads' device
 # time by phase and top kernels (bench --profile);
 # moe: the 35B-A3B and (12 layers) Qwen3-Next-80B-A3B workloads with the peer, the 35B-A3B default-grid warmup;
 # moe-ab (not in all): the experts' grouped GEMMs, ours against torch._grouped_mm (check_moe_gemm, the 35B-A3B's
-# workloads under each METRALE_MOE_EXPERTS, the grouped_mm GPU tests); tp: the two-GPU benchmarks
+# workloads under each METRALE_MOE_EXPERTS, the grouped_mm GPU tests); moe-sort (not in all): the routing sort,
+# torch.sort against the counting sort (METRALE_MOE_SORT; the alignment tests on CUDA, 35B-A3B-FP8 W1 / D1 / D32,
+# SORT_PRESET to choose); tp: the two-GPU benchmarks
 # (9B W2 / W5 against the one-GPU JSON in benchmarks/, 27B W1-W6, 35B-A3B W1 / W2 / W5 with the experts
 # split across the ranks and within); fp8 (not in all): the FP8 primitives' check (tools/check_fp8.py: correctness,
 # cuBLAS shapes, graphs), tests/test_gpu_fp8.py, bench_ops on the 9B FP8 preset; fp8-bench (not in all): the FP8
@@ -213,6 +215,19 @@ if [[ $what == fp8-sweep ]]; then
             --preset qwen3.5-35b-a3b-fp8 --workloads W1,D1,D32 --variants graphs --repeat 5 \
             --json "$OUT/bench-35b-fp8-experts-$form.json" 2>&1 | tee -a "$OUT/bench-fp8-forms.log" \
             | grep -E "^ *(W1|D1|D32) |Error"
+        [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+    done
+fi
+if [[ $what == moe-sort ]]; then
+    # the routing's sort (ops/moe/align.py METRALE_MOE_SORT): the counting sort against torch.sort on the GPU (the
+    # alignment tests, CUDA tensors), then the 35B-A3B-FP8's W1 / D1 / D32 under each (~4 min warm)
+    METRALE_MOE_SORT=count limit python3 -m pytest -q -rfE -p no:cacheprovider tests/test_kernels.py \
+        -k "moe_alignment or count_sort" 2>&1 | tee "$OUT/moe_sort_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed"
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+    for sort in torch count; do
+        METRALE_MOE_SORT=$sort limit python3 -m metrale_graph.tools.bench --preset ${SORT_PRESET:-qwen3.5-35b-a3b-fp8} \
+            --workloads W1,D1,D32 --variants graphs --repeat 5 --json "$OUT/bench-moe-sort-$sort.json" 2>&1 \
+            | tee -a "$OUT/bench-moe-sort.log" | grep -E "^ *(W1|D1|D32) |Error"
         [[ ${PIPESTATUS[0]} == 0 ]] || status=1
     done
 fi

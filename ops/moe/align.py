@@ -9,12 +9,24 @@ routing only changes the contents of the sorted ids and of the per-block expert 
 tests/kernel_oracles.py has the same alignment in torch ops.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from ..common import INTERPRET
+
+# How align_pairs sorts the pairs by expert: "torch" (the default: torch.sort(stable=True); at decode sizes
+# CUDA runs it as one warp's radixSortKVInPlace, 0.75 of the 35B-A3B-FP8's 13.1 ms of D32 device time at
+# 0a36b93) or "count" (_moe_count_sort_kernel for up to COUNT_SORT_MAX_PAIRS pairs, torch.sort above; the
+# same result). Opt-in until the H200 measures it (gpu_session's `moe-sort`). Read at import from
+# METRALE_MOE_SORT; set align.SORT before a step is compiled or captured.
+SORTS = ("torch", "count")
+SORT = os.environ.get("METRALE_MOE_SORT", "torch")
+COUNT_SORT_MAX_PAIRS = 4096  # its work grows as P^2 / COUNT_BLOCK per program
+COUNT_BLOCK = 64
 
 
 def block_m(num_pairs: int, num_experts: int) -> int:
@@ -77,9 +89,44 @@ def _moe_align_rows_kernel(order_ptr, first_ptr, start_ptr, ids_ptr, block_exper
         tl.store(ids_ptr + r0 + rows, tl.zeros((BM,), dtype=tl.int32) + P)
 
 
+@triton.jit
+def _moe_count_sort_kernel(e_ptr, experts_ptr, order_ptr, P, BLOCK: tl.constexpr):
+    """torch.sort(e, stable=True) of P expert ids by counting, one program per BLOCK pairs i: pos[i] =
+    #{j : e[j] < e[i]} + #{j < i : e[j] == e[i]} over all P pairs, BLOCK x BLOCK comparisons at a time; then
+    experts[pos[i]] = e[i], order[pos[i]] = i. The positions are a permutation (ties in pair order), so
+    the result is the stable sort's whatever the ids."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mi = i < P
+    ei = tl.load(e_ptr + i, mask=mi, other=0)
+    pos = tl.zeros((BLOCK,), dtype=tl.int32)
+    for j0 in range(0, P, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        ej = tl.load(e_ptr + j, mask=j < P, other=2147483647)  # past P: above every id, never counted
+        before = (ej[None, :] < ei[:, None]) | ((ej[None, :] == ei[:, None]) & (j[None, :] < i[:, None]))
+        pos += tl.sum(before.to(tl.int32), axis=1)
+    tl.store(experts_ptr + pos, ei, mask=mi)
+    tl.store(order_ptr + pos, i, mask=mi)
+
+
+def sort_experts(experts: Tensor, sort: str | None = None) -> tuple[Tensor, Tensor]:
+    """(sorted ids, the pair order) of the int32 expert ids `experts` [P], ties in pair order:
+    torch.sort(stable=True)'s values and indices (indices int64 with "torch", int32 with "count"). `sort`:
+    SORT by default; ValueError naming METRALE_MOE_SORT for anything but SORTS."""
+    sort = SORT if sort is None else sort
+    if sort not in SORTS:
+        raise ValueError(f"METRALE_MOE_SORT / align.SORT must be one of {', '.join(SORTS)}, got {sort!r}")
+    P = experts.numel()
+    if sort == "torch" or P > COUNT_SORT_MAX_PAIRS or not (experts.is_cuda or INTERPRET) or P == 0:
+        return torch.sort(experts, stable=True)
+    out = torch.empty_like(experts)
+    order = torch.empty(P, dtype=torch.int32, device=experts.device)
+    _moe_count_sort_kernel[(triton.cdiv(P, COUNT_BLOCK),)](experts, out, order, P, BLOCK=COUNT_BLOCK)
+    return out, order
+
+
 def align_pairs(top_e: Tensor, num_experts: int, block: int) -> tuple[Tensor, Tensor]:
     """Sort the pairs of top_e [T, k] (expert ids) by expert, on the device and without a host sync:
-    a stable sort, then two Triton launches.
+    a stable sort (sort_experts), then two Triton launches.
 
     Returns:
         sorted_ids: [NBLK * block] int32 pair ids p = t * k + j: expert 0's pairs (in pair order), padded
@@ -94,7 +141,7 @@ def align_pairs(top_e: Tensor, num_experts: int, block: int) -> tuple[Tensor, Te
     block_expert = torch.empty(nblk, dtype=torch.int32, device=dev)
     if nblk == 0:
         return sorted_ids, block_expert
-    experts, order = torch.sort(top_e.reshape(-1).to(torch.int32), stable=True)  # pair order within an expert
+    experts, order = sort_experts(top_e.reshape(-1).to(torch.int32).contiguous())  # pair order within an expert
     first = torch.empty(E + 1, dtype=torch.int32, device=dev)
     start = torch.empty(E + 1, dtype=torch.int32, device=dev)
     BLOCK_E = triton.next_power_of_2(E + 1)
