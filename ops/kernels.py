@@ -207,9 +207,10 @@ def side_by_side(*cols: Tensor) -> Tensor:
             return torch.cat(cols, dim=1)
         n += c.shape[1]
     row = first.stride(0) if T > 1 else n
-    view = first.as_strided((T, n), (row, 1))
-    end = (view.storage_offset() + (T - 1) * row + n) * size if T else 0
-    return view if end <= first.untyped_storage().nbytes() else torch.cat(cols, dim=1)
+    end = (first.storage_offset() + (T - 1) * row + n) * size if T else 0
+    if end > first.untyped_storage().nbytes():  # storages that share a base pointer (numpy, DLPack)
+        return torch.cat(cols, dim=1)
+    return first.as_strided((T, n), (row, 1))
 
 
 def stacked(*weights: Tensor) -> Tensor:
@@ -224,4 +225,6 @@ def stacked(*weights: Tensor) -> Tensor:
                 and w.data_ptr() == ptr + rows * D * size):
             return torch.cat(weights)
         rows += w.shape[0]
+    if (first.storage_offset() + rows * D) * size > first.untyped_storage().nbytes():  # storages sharing a base
+        return torch.cat(weights)
     return first.as_strided((rows, D), (D, 1))

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 # 35B-A3B's head shapes (fewer experts): D 2048, GDN 16 / 32 heads of 128, attention 16 / 2 heads of 256,
 # experts of 512; a decode batch (Triton GEMMs), a prefill of 322 tokens (cuBLAS, rows padded to 336), one row
-# (the GEMV; the 9B's MLP width, whose separate gate and up outputs the caching allocator put back to back)
+# (the 9B's MLP width, whose separate gate and up outputs the caching allocator once put back to back)
 CASES = [Shapes(lengths=(1, 1, 1), context=(5, 9, 0), H=16, HV=32, K=128, V=128, HQ=16, HKV=2, HD=256, R=64, D=2048,
                 I=4096, E=16, TOPK=4, IE=512, IS=512, BS=64, num_blocks=8, fp8=True),
          Shapes(lengths=(17, 300, 5), context=(0, 40, 0), H=16, HV=32, K=128, V=128, HQ=16, HKV=2, HD=256, R=64,

@@ -667,6 +667,11 @@ def test_side_by_side_is_a_view_only_within_one_buffer():
     assert out.data_ptr() != e.data_ptr() and torch.equal(out, torch.cat([e, f], dim=1))
     row = torch.randn(1, 6)  # one row: any stride
     assert kernels.side_by_side(row[:, :2], row[:, 2:]).data_ptr() == row.data_ptr()
+    base = np.random.rand(16).astype(np.float32)  # two storages from one base pointer, the first the shorter
+    short, long = torch.from_numpy(base[:8]).view(1, 8), torch.from_numpy(base).view(2, 8)
+    assert short.untyped_storage().data_ptr() == long.untyped_storage().data_ptr()
+    assert torch.equal(kernels.side_by_side(short, long[1:]), torch.cat([short, long[1:]], dim=1))
+    assert torch.equal(kernels.stacked(short, long[1:]), torch.cat([short, long[1:]]))
 
 
 def test_check_supported_rejects_only_fla_key_dims():

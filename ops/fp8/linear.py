@@ -199,10 +199,10 @@ def block_fp8_gemm_triton(x_fp8: Tensor, x_scale: Tensor, w_fp8: Tensor, w_scale
 
 SPLITK_BN = 128  # columns per program of the split-K GEMM (tools/sweep_fp8_decode.py on the H200, 9e87066: 128 beat
 # 64 at every 9B shape at M 16). One row takes this kernel too. The sweep's one-row GEMV form (fp32 multiply-adds,
-# tools/sweep_fp8_decode.py) measured faster at 9e87066 but not again at 0a36b93: at the 9B's four shapes, one row,
-# 150.7 us in all at the tile the linear launched it with, against 109.2 for this kernel as autotuned (at the best
-# tiles 108.0 against 103.4). Graphs never take one row either: a one-stream bucket holds two tokens
-# (capture/runner.py), and at two rows this kernel beat a two-row GEMV 1.1-1.7x
+# tools/sweep_fp8_decode.py) was the linear's from f340188 to 0a36b93: summed over the 9B's four shapes at one row
+# it took 152.7 us on the H200 (755f071 sweep, `auto`), where this kernel's best 4-programs-per-SM tile per shape
+# took 109.2 (0a36b93 A/B, benchmarks/h200-fp8-gemv-ab-0a36b93.json). Graphs never take one row either: a
+# one-stream bucket holds two tokens (capture/runner.py), and at two rows this kernel beat a two-row GEMV 1.1-1.7x
 SPLITK_MAX_ROWS = 16  # the split-K GEMM's rows: decode-shaped calls (one 16-row tile)
 
 

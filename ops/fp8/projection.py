@@ -104,7 +104,8 @@ def _adjacent(parts: list[Tensor]) -> bool:
                 and p.data_ptr() == ptr + offset):
             return False
         offset += p.shape[0] * row
-    return True
+    # the stacked view must fit the first one's storage (storages that share a base pointer: numpy, DLPack)
+    return first.storage_offset() * first.element_size() + offset <= first.untyped_storage().nbytes()
 
 
 def _stacked_view(parts: list[Tensor]) -> Tensor:
