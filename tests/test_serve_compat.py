@@ -11,7 +11,9 @@ with Allow, a body that is not UTF-8, the Prometheus text parsed by prometheus_c
 moving, stop strings across token boundaries (several at once, whole and streamed), streamed text equal to
 the whole text over sampled outputs, and SIGINT with streams in flight (the port freed at once, the
 process gone within the shutdown timeout), an engine without a waiting queue (max_waiting=0) serving
-while a slot is free. Waits are bounded so that a hang fails fast."""
+while a slot is free; text UTF-8 cannot encode (lone surrogates) answered 400, a seed at the top of its range
+with n > 1, messages without their content, HEAD /health, and a prompt of megabytes tokenized off the event
+loop. Waits are bounded so that a hang fails fast."""
 
 import json
 import re
@@ -279,6 +281,65 @@ def test_streamed_text_equals_the_whole_text_when_sampling(client):
             assert "".join(pieces) == whole, (seed, prompt, pieces)
 
 
+SURROGATES = [  # (path, body, param): JSON's \ud800 escapes carry lone UTF-16 surrogates UTF-8 cannot encode
+    ("/v1/completions", b'{"prompt": "hi \\ud800", "max_tokens": 1}', "prompt"),
+    ("/v1/completions", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 1}', "prompt"),
+    ("/v1/completions", b'{"prompt": "hi", "stop": ["\\ud83d"], "max_tokens": 1}', "stop"),
+    ("/v1/completions", b'{"prompt": "hi \\ud800", "max_tokens": 1, "stream": true}', "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 1}', "messages"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udc00"}]}]}',
+     "messages"),
+]
+
+
+@pytest.mark.parametrize("path, body, param", SURROGATES, ids=[f"{p.split('/')[-1]}-{i}" for i, (p, _, _) in
+                                                               enumerate(SURROGATES)])
+def test_a_lone_surrogate_is_400_naming_its_field(server, path, body, param):
+    error = _error(_post(server, path, body))
+    assert error["param"] == param and "surrogate" in error["message"], error
+
+
+def test_a_seed_at_the_top_of_its_range_serves_every_choice(client):
+    """Choice k samples with seed + k, wrapped past 2**64 - 1: a valid seed is valid for every choice, and
+    the choices stay reproducible."""
+    kw = dict(model=NAME, prompt="a", max_tokens=4, temperature=1.0, n=3, seed=2**64 - 1)
+    first = [c.text for c in client.completions.create(**kw).choices]
+    assert [c.text for c in client.completions.create(**kw).choices] == first
+
+
+def test_messages_need_their_content_but_an_assistants(server, client):
+    error = _error(_post(server, "/v1/chat/completions", {"messages": [{"role": "user"}], "max_tokens": 1}))
+    assert error["param"] == "messages" and "needs its content" in error["message"], error
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}, {"role": "user", "content": "y"}]
+    assert client.chat.completions.create(model=NAME, messages=messages, max_tokens=1).usage.completion_tokens == 1
+
+
+def test_head_health_and_the_model_list_with_a_trailing_slash(server):
+    assert httpx.head(server.url + "/health", timeout=10).status_code == 200
+    r = httpx.get(server.url + "/v1/models/", timeout=10)
+    assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == [NAME], r.text
+
+
+def test_a_prompt_of_megabytes_is_tokenized_off_the_event_loop(server):
+    """While the server tokenizes a 2 MB prompt (seconds on the CPU), it still answers: /health comes back
+    before that request does (whose answer is a 400: far past the context)."""
+    done = threading.Event()
+    result = {}
+
+    def big():
+        result["r"] = _post(server, "/v1/completions", {"prompt": "hello world " * 175_000, "max_tokens": 1})
+        done.set()
+
+    thread = threading.Thread(target=big)
+    thread.start()
+    time.sleep(0.3)  # (the request is in: its body is read before it is tokenized)
+    health = httpx.get(server.url + "/health", timeout=TIMEOUT)
+    answered_first = not done.is_set()
+    thread.join(TIMEOUT)
+    assert health.status_code == 200 and answered_first
+    assert _error(result["r"])["code"] == "context_length_exceeded"
+
+
 def test_an_engine_without_a_waiting_queue_serves_while_a_slot_is_free(checkpoint):
     from metrale_graph import Engine, HybridModel
 
@@ -357,3 +418,4 @@ def test_streamed_chunks_are_the_models_json(text, finish, ids):
     want = event(ChatChunk(id=rid, created=created, model=model, choices=[
         ChatChunkChoice(index=0, delta=DeltaMessage(content=content), finish_reason=finish, token_ids=ids)]))
     assert body(chat) == body(want)
+

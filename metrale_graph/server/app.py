@@ -71,7 +71,7 @@ def build_app(engine, model_name: str, api_key: str | None = None, ready: bool =
             return Response(out.model_dump_json(), media_type="application/json")
         return EventStream(out)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         status = ("shutting down" if state.closing.is_set() else "ok" if state.ready.is_set() else "warming up")
         return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
@@ -86,6 +86,8 @@ def build_app(engine, model_name: str, api_key: str | None = None, ready: bool =
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
+        if not model:  # /v1/models/ (a trailing slash): the list
+            return respond(ModelList(data=[state.model_card()]))
         if model != state.model_name:
             raise unknown_model(model, state.model_name)
         return respond(state.model_card())

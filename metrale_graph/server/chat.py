@@ -23,8 +23,8 @@ from .state import ServerState
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw_request):
     """A ChatResponse, or the event stream's body when body.stream."""
     state.check(body)
-    prompt = state.chat_prompt_ids([m.template_dict() for m in body.messages], body.add_generation_prompt,
-                                   body.continue_final_message, body.chat_template_kwargs)
+    prompt = await state.off_loop(state.chat_prompt_ids, [m.template_dict() for m in body.messages],
+                                  body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
     state.check_room([prompt], body)
     group = Generations.submit(state, [prompt], state.sampling(body, body.max_new_tokens), body.n, param="messages")
     rid = request_id("chatcmpl")

@@ -30,7 +30,9 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw_req
     """The response of one /v1/completions request: a CompletionResponse, or the event stream's body
     (an async iterator of server-sent events) when body.stream."""
     state.check(body)
-    prompts = prompts_of(state, body)
+    prompt = body.prompt
+    text = isinstance(prompt, str) or any(isinstance(p, str) for p in prompt)
+    prompts = await state.off_loop(prompts_of, state, body) if text else prompts_of(state, body)
     state.check_room(prompts, body)
     group = Generations.submit(state, prompts, state.sampling(body, body.max_tokens), body.n)
     rid = request_id("cmpl")

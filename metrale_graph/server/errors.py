@@ -99,9 +99,11 @@ def from_failure(e: BaseException) -> APIError:
     return internal_error(e)
 
 
-def internal_error(e: BaseException) -> APIError:
-    """500 for an exception nothing expected (logged with its traceback; the server goes on)."""
-    logger.error("request failed: %s: %s", type(e).__name__, e, exc_info=e)
+def internal_error(e: BaseException, log: bool = True) -> APIError:
+    """500 for an exception nothing expected (logged with its traceback unless `log` is False; the server
+    goes on)."""
+    if log:
+        logger.error("request failed: %s: %s", type(e).__name__, e, exc_info=e)
     return APIError(500, f"the request failed: {type(e).__name__}: {e}", type="server_error",
                     code="internal_error")
 
@@ -148,8 +150,8 @@ def http_error(e: HTTPException, method: str, path: str):
         error = APIError(405, f"{path} does not take {method}" + (f" (it takes {allow})" if allow else ""),
                          code="method_not_allowed")
     elif e.status_code == 400:  # FastAPI's "There was an error parsing the body": JSON's own errors are 422s
-        error = APIError(400, f"the request body could not be read: it must be JSON encoded as UTF-8 ({e.detail})",
-                         code="invalid_json")
+        error = APIError(400, f"the request body could not be parsed: it must be a JSON object encoded as UTF-8, "
+                              f"nested at most a few hundred levels deep ({e.detail})", code="invalid_json")
     else:
         error = APIError(e.status_code, str(e.detail))
     response = error.response()
@@ -181,4 +183,5 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):
-        return internal_error(e).response()
+        # not logged here: Starlette raises the exception on after this response, and uvicorn logs its traceback
+        return internal_error(e, log=False).response()

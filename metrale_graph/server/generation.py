@@ -24,6 +24,30 @@ from .protocol import Usage
 from .state import Sampling, ServerState
 
 
+SEED_SPAN = 2 ** 64  # the engine's seeds: integers in [-2**63, 2**64)
+# the engine's argument names its ValueErrors begin with, and the request fields they come from
+ENGINE_FIELDS = {"seed": "seed", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+                 "max_new_tokens": "max_tokens", "stop_token_ids": "stop_token_ids", "stop token": "stop_token_ids",
+                 "stop string": "stop", "stop": "stop"}
+
+
+def choice_seed(seed: int, k: int) -> int:
+    """Choice k's seed: seed + k, wrapped past 2**64 - 1 to the bottom of the engine's range (a seed near
+    the top stays valid for every choice, and each choice's differs)."""
+    s = seed + k
+    return s - SEED_SPAN if s >= SEED_SPAN else s
+
+
+def param_of(e: BaseException, default: str) -> str:
+    """The request field an engine ValueError is about (its message begins with the engine's argument name),
+    else `default` (the prompt or the messages)."""
+    text = str(e)
+    for name, field in ENGINE_FIELDS.items():
+        if text.startswith((f"{name} ", f"{name}:", f"{name}=")):
+            return field
+    return default
+
+
 class Generations:
     def __init__(self, state: ServerState, handles: list, metrics: list, prompts: list[list[int]], n: int):
         self.state, self.handles, self.metrics, self.prompts, self.n = state, handles, metrics, prompts, n
@@ -47,14 +71,14 @@ class Generations:
         try:
             for ids in prompts:
                 for k in range(n):
-                    seed = None if sampling.seed is None else sampling.seed + k
+                    seed = None if sampling.seed is None else choice_seed(sampling.seed, k)
                     metrics.append(state.metrics.request())
                     handles.append(engine.submit(ids, sampling.max_new_tokens, sampling.temperature, sampling.top_k,
                                                  sampling.top_p, seed, sampling.stop_token_ids, sampling.stop))
         except Exception as e:
             for h in handles:
                 h.abort()
-            raise from_engine(e, param) from e
+            raise from_engine(e, param_of(e, param)) from e
         return cls(state, handles, metrics, prompts, n)
 
     def __len__(self) -> int:

@@ -20,7 +20,8 @@ import uuid
 from json.encoder import encode_basestring  # (C) a str as JSON, non-ASCII kept: json.dumps(s, ensure_ascii=False)
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_serializer
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_serializer,
+                      model_validator)
 
 from ..sampling import SEED_RANGE
 
@@ -168,6 +169,13 @@ class ChatMessage(BaseModel):
 
     role: Role
     content: Union[StrictStr, list[TextPart], None] = None
+
+    @model_validator(mode="after")
+    def _content_given(self):
+        """Only an assistant's message may leave out its content (OpenAI's rule: one that made tool calls)."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs its content (a string or a list of text parts)")
+        return self
 
     def template_dict(self) -> dict:
         """The message as a chat template reads it: content parts joined into one string."""

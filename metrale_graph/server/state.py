@@ -8,9 +8,11 @@ blocks), raising ValueError, which errors.from_engine answers with 400.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .errors import bad_request, short, unauthorized, unknown_model, warming_up
@@ -36,6 +38,23 @@ class Sampling:
     stop: tuple[str, ...]
 
 
+def check_text(value, name: str, param: str) -> None:
+    """400 naming `name` if `value` (a string, or lists / dicts of them) holds a character UTF-8 cannot
+    encode: a lone UTF-16 surrogate, which JSON's \\ud800 escapes can carry (half of an emoji pair)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise bad_request(f"{name}: the text holds an invalid Unicode character {value[e.start]!r} at {e.start} "
+                              "(a lone UTF-16 surrogate, half of a pair): send valid UTF-8 text", param=param) from None
+    elif isinstance(value, dict):
+        for v in value.values():
+            check_text(v, name, param)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            check_text(v, name, param)
+
+
 class ServerState:
     """The engine behind an app and what its endpoints share. `ready` is set once the engine is warm
     (the serve tool warms it while the server already answers /health with 503); `closing` once the
@@ -51,6 +70,13 @@ class ServerState:
         if ready:
             self.ready.set()
         self.background: set[asyncio.Task] = set()  # tasks that record aborted requests once they end
+        # tokenizing and chat templates off the event loop (a prompt of megabytes takes seconds, and every
+        # stream would wait), one worker: a tokenizer is not asked to encode two texts at once
+        self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrale-tokenize")
+
+    async def off_loop(self, fn, *args):
+        """fn(*args) in the tokenizing worker, awaited (its exceptions raised here)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize, functools.partial(fn, *args))
 
     def model_card(self) -> ModelCard:
         return ModelCard(id=self.model_name, max_model_len=self.max_context, vocab_size=self.vocab_size)
@@ -73,15 +99,20 @@ class ServerState:
 
     def prompt_ids(self, prompt, param: str, index: int | None = None) -> list[int]:
         """Token ids of one prompt (a string through the tokenizer, as Engine.submit encodes it), checked
-        against the context: a prompt must leave room for one new token."""
+        against the context (a prompt must leave room for one new token) and, given as ids, the vocabulary."""
+        name = param if index is None else f"{param} {index}"
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise bad_request(f"{param}: this server's model has no tokenizer: send token ids", param=param)
+            check_text(prompt, name, param)
             ids = list(self.tokenizer.encode(prompt))
         else:
             ids = list(prompt)
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise bad_request(f"{name}: token id {bad} is out of range [0, {self.vocab_size})", param=param)
         if not ids:
-            raise bad_request(f"{param}{'' if index is None else f' {index}'} holds no tokens", param=param)
+            raise bad_request(f"{name} holds no tokens", param=param)
         if len(ids) >= self.max_context:
             where = param if index is None else f"{param} {index}"
             raise bad_request(f"this model's maximum context length is {self.max_context} tokens (prompt and new "
@@ -101,7 +132,8 @@ class ServerState:
                 where = f"prompt {i}" if len(prompts) > 1 else "the prompt"
                 raise bad_request(f"{field} is too large: {max_tokens}. This model's maximum context length is "
                                   f"{self.max_context} tokens and {where} has {len(ids)} tokens, which leaves room "
-                                  f"for {self.max_context - len(ids)} new ones", param=field,
+                                  f"for {self.max_context - len(ids)} new "
+                                  f"{'one' if self.max_context - len(ids) == 1 else 'ones'}", param=field,
                                   code="context_length_exceeded")
 
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
@@ -124,6 +156,9 @@ class ServerState:
             raise bad_request(f"chat_template_kwargs: {', '.join(taken)} is set by the server, not by the request "
                               "(add_generation_prompt and continue_final_message are fields of their own)",
                               param="chat_template_kwargs")
+        for i, message in enumerate(messages):  # every string the template may read: UTF-8 encodable
+            for key, value in message.items():
+                check_text(value, f"messages {i}: {key}", "messages")
         if continue_final_message:  # (only then: a tokenizer of its own may not take the argument)
             template_kwargs["continue_final_message"] = True
         try:
@@ -145,6 +180,7 @@ class ServerState:
         if not body.ignore_eos:
             stops |= self.engine.stop_token_ids
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        check_text(list(stop), "stop", "stop")
         if any(not s for s in stop):
             raise bad_request("stop: stop strings must be non-empty (an empty one would stop before any text)",
                               param="stop")
