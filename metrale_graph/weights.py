@@ -281,6 +281,11 @@ class _Assembler:
         elif stored not in _REAL_FLOAT:
             raise ValueError(f"tensor {key!r} in {path} is {_dtype_name(stored)}; expected "
                              "floating-point weights (quantized checkpoints are not supported)")
+        elif stored == "F8_E4M3" and self.cfg.quantization is None and spec.quantizable:
+            raise ValueError(f"tensor {key!r} in {path} is float8_e4m3fn, but config.json has no quantization_config: "
+                             "an FP8 projection is codes to be multiplied by its block scales (weight_scale_inv), "
+                             "and the checkpoint declares its format there (quant_method 'fp8', fmt 'e4m3', "
+                             "weight_block_size [128, 128]); without them its values are not the weights")
         elif stored == "F8_E4M3" and self.cfg.quantization is not None:
             why = ("kept in floating point: the quantization_config does not convert it (modules_to_not_convert)"
                    if spec.quantizable else "one metrale-graph keeps in floating point (not an FP8 projection)")
@@ -428,12 +433,20 @@ def _check_header(header, key: str, path: str, piece: _Piece, asm: _Assembler) -
     if spec.kind == SCALE and len(spec.parts) > 1 and len(piece.units) > 1 and spec.of is not None:
         rows = spec.of.shape[1] // len(spec.parts)  # a part's rows (gate's, up's)
         if rows % 128:
+            parts = len(spec.parts)
+            per_part, fused = parts * -(-rows // 128), -(-parts * rows // 128)
+            got = shape[1] if len(shape) > 1 else None
+            which = (f"its {got} block rows are the whole stacked matrix's (a grid per part has {per_part}), so a "
+                     "block holds the end of one part and the start of the next, which this loader does not re-block "
+                     "into the parts' own grids" if got == fused != per_part else
+                     f"a 128-row block may hold the end of one part and the start of the next ({fused} block rows) "
+                     f"or each part may start its own blocks ({per_part})" + (
+                         "; its grid's shape does not say which" if fused == per_part else ""))
             raise ValueError(
                 f"tensor {key!r} ({path}): FP8 block scales of stacked experts whose parts ({', '.join(spec.parts)}) "
-                f"have {rows} rows each, not a multiple of 128, so a 128-row block may hold the end of one part and "
-                "the start of the next, or each part may start its own blocks; the scale grid's shape does not say "
-                "which. Store the experts one tensor per expert, each with its weight_scale_inv (as Qwen's FP8 "
-                "releases do and metrale-graph's save_pretrained writes)")
+                f"have {rows} rows each, not a multiple of 128: {which}. Store the experts one tensor per expert, "
+                "each with its weight_scale_inv (as Qwen's FP8 releases do and metrale-graph's save_pretrained and "
+                "tools.quantize write)")
     if shape != piece.shape:
         raise ValueError(f"tensor {key!r} has shape {shape}, the config needs {piece.shape} ({path})")
     asm.check_dtype(key, path, header.get_dtype(), piece.spec)

@@ -454,14 +454,33 @@ def test_shards_without_their_index_are_refused_naming_them(tmp_path):
 
 def test_fp8_tensors_without_a_quantization_config_name_the_missing_field(tmp_path):
     """An FP8 checkpoint whose config.json lost its quantization_config (edited by hand, or the text config
-    of a multimodal one copied alone): the error names the scales and the missing field; it said only that
+    of a multimodal one copied alone): the error names the missing field (and the scales, or an FP8 projection
+    stored without its config); it said only that
     the checkpoint had unexpected tensors."""
     src, dst = str(tmp_path / "bf16"), str(tmp_path / "fp8")
     transformers_model("qwen3_5_text", False, **fp8_shapes("qwen3_5_text", aligned=False)).save_pretrained(src)
     write_qwen_fp8(src, dst, text_config=False, shards=1)
     edit_config(dst, lambda c: c.pop("quantization_config"))
     with pytest.raises(ValueError, match=r"FP8 block scale\(s\) but its config\.json has no quantization_config .*"
-                                         r"in_proj_qkv\.weight_scale_inv"):
+                                         r"in_proj_qkv\.weight_scale_inv|in_proj_qkv\.weight' .* is float8_e4m3fn, "
+                                         r"but config\.json has no quantization_config"):
+        HybridModel.from_pretrained(dst, progress=False)
+
+
+def test_fp8_projections_without_scales_or_a_quantization_config_are_refused(tmp_path):
+    """FP8 codes stored alone (the quantization_config and every weight_scale_inv dropped): they are not the
+    weights, and loading them as unscaled floats gave logits 1.4 (relative) from the true ones. The error
+    names an FP8 projection and the missing field, before anything is read."""
+    from safetensors.torch import load_file, save_file
+
+    src, dst = str(tmp_path / "bf16"), str(tmp_path / "fp8")
+    transformers_model("qwen3_5_text", False, **fp8_shapes("qwen3_5_text", aligned=False)).save_pretrained(src)
+    write_qwen_fp8(src, dst, text_config=False, shards=1)
+    edit_config(dst, lambda c: c.pop("quantization_config"))
+    (path,) = glob.glob(os.path.join(dst, "*.safetensors"))
+    tensors = {k: v for k, v in load_file(path).items() if not k.endswith("_scale_inv")}
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"is float8_e4m3fn, but config\.json has no quantization_config"):
         HybridModel.from_pretrained(dst, progress=False)
 
 

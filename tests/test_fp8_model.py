@@ -379,3 +379,43 @@ def test_quantizer_flags(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:  # an FP8 checkpoint already
         quantize.main(["--model", str(tmp_path / "fp8"), "--out", str(tmp_path / "again")])
     assert e.value.code == 2 and "FP8 checkpoint already" in capsys.readouterr().err
+
+
+def test_the_quantizer_writes_stacked_experts_one_tensor_each(family, tmp_path):
+    """A bf16 checkpoint whose experts are stacked (transformers 5's `experts.gate_up_proj` [E, 2I, D],
+    `experts.down_proj`; here I = 72, not whole 128-row blocks) quantizes into per-expert tensors with their
+    scales, the layout Qwen's FP8 releases use: it loads, holding the same FP8 weights as the quantizer's
+    output of the same checkpoint stored per expert."""
+    name, cfg, src, ours, _, _ = family
+    if name != "qwen3_5_moe":
+        pytest.skip("one MoE family is enough: the stacking is the family's experts'")
+    tensors, expert = {}, re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    for f in sorted(os.listdir(src)):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(src, f)))
+    groups: dict[str, dict] = {}
+    for key in [k for k in tensors if expert.match(k)]:
+        base, e, part = expert.match(key).groups()
+        groups.setdefault(base, {})[(part, int(e))] = tensors.pop(key)
+    for base, g in groups.items():  # gate rows then up rows; down as it is
+        E = 1 + max(e for _, e in g)
+        tensors[f"{base}.gate_up_proj"] = torch.stack([torch.cat([g["gate_proj", e], g["up_proj", e]]) for e in range(E)])
+        tensors[f"{base}.down_proj"] = torch.stack([g["down_proj", e] for e in range(E)])
+    assert any(k.endswith("experts.gate_up_proj") for k in tensors)
+    stacked_src, out = str(tmp_path / "stacked"), str(tmp_path / "fp8")
+    os.makedirs(stacked_src)
+    for f in os.listdir(src):
+        if not f.endswith(".safetensors") and f != "model.safetensors.index.json":
+            shutil.copyfile(os.path.join(src, f), os.path.join(stacked_src, f))
+    save_file(tensors, os.path.join(stacked_src, "model.safetensors"), metadata={"format": "pt"})
+    quantize.quantize_checkpoint(stacked_src, out)
+    written = load_file(os.path.join(out, "model.safetensors"))
+    assert not any("gate_up_proj" in k or k.endswith("experts.down_proj") for k in written)
+    assert "model.layers.0.mlp.experts.4.up_proj.weight_scale_inv" in written
+    got = dict(HybridModel.from_pretrained(out, progress=False).named_parameters())
+    want = dict(HybridModel.from_pretrained(ours, progress=False).named_parameters())
+    assert got.keys() == want.keys()
+    for n, w in want.items():
+        same = torch.equal(got[n].view(torch.uint8), w.view(torch.uint8)) if w.dtype == torch.float8_e4m3fn \
+            else torch.equal(got[n], w)
+        assert same, n

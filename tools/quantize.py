@@ -12,7 +12,11 @@ down, every routed expert), less the modules matching --modules-to-not-convert (
 default Qwen's: in_proj_a, in_proj_b, in_proj_ba). The router, the shared-expert gate, lm_head,
 embeddings, norms and the conv stay as they are, and so do the vision tower and MTP head of a
 checkpoint that has them. The checkpoint keeps its layout (tensor names, per-expert tensors, fusions
-as stored); the other files of the folder (tokenizer, generation config, ...) are copied. Tensors are
+as stored), except experts stored stacked (transformers 5's `experts.gate_up_proj` [E, 2I, D] /
+`experts.down_proj`): those are written one tensor per expert and part with their scales, as Qwen's FP8
+releases and transformers' FP8 quantizer write them (a stacked gate | up whose parts are not whole
+128-row blocks has no scale grid both readers agree on). The other files of the folder (tokenizer,
+generation config, ...) are copied. Tensors are
 read one at a time; every file is written under a temporary name and renamed into place at the end,
 so a failure leaves --out without a partial checkpoint.
 """
@@ -101,6 +105,25 @@ def checkpoint_specs(fp8_cfg):
     return specs
 
 
+def per_expert(key: str, name: str, spec, stacked: torch.Tensor, dev: torch.device) -> dict[str, torch.Tensor]:
+    """The FP8 tensors of stacked experts [E, parts * rows, K] (checkpoint key `key`, our name `name`) one per
+    expert and part, each with its `weight_scale_inv`, under the names per-expert checkpoints use
+    (`...experts.3.up_proj.weight`), the key's prefix kept."""
+    from metrale_graph.quantization import scale_name
+    from metrale_graph.quantized import quantize_weight
+    from metrale_graph.weights import _expert_name
+
+    prefix = key[:len(key) - len(name)]
+    rows = stacked.shape[1] // len(spec.parts)
+    out = {}
+    for e in range(stacked.shape[0]):
+        for k, part in enumerate(spec.parts):
+            q, s = quantize_weight(stacked[e, k * rows:(k + 1) * rows].to(dev))
+            weight = prefix + _expert_name(spec, e, part)
+            out[weight], out[scale_name(weight)] = q.cpu(), s.cpu()
+    return out
+
+
 def quantize_checkpoint(folder: str, out: str, patterns: list[str] | None = None, shard_gb: float = 5.0,
                         dev: torch.device = torch.device("cpu"), progress: bool = False) -> dict:
     """Write the FP8 checkpoint of `folder` into `out` (module docstring). Returns counts for the report."""
@@ -144,9 +167,11 @@ def quantize_checkpoint(folder: str, out: str, patterns: list[str] | None = None
                     if name is None:
                         skipped.add(next(p for p in SKIPPED_PREFIXES if key.startswith(p)).rstrip("."))
                     spec = specs.get(name) if name is not None else None
-                    if spec is not None and spec.fp8 and spec.kind != SCALE:
-                        parts = len(spec.parts) if spec.kind == EXPERTS and t.dim() == 3 else 1
-                        q, s = quantize_weight(t.to(dev), parts)
+                    if spec is not None and spec.fp8 and spec.kind != SCALE and spec.kind == EXPERTS and t.dim() == 3:
+                        out_tensors = per_expert(key, name, spec, t, dev)  # stacked experts: one tensor each
+                        counts["converted"] += 1
+                    elif spec is not None and spec.fp8 and spec.kind != SCALE:
+                        q, s = quantize_weight(t.to(dev))
                         out_tensors = {key: q.cpu(), scale_name(key): s.cpu()}
                         counts["converted"] += 1
                     else:
