@@ -125,6 +125,8 @@ def token_tensor(tokens, where: str, device: torch.device) -> torch.Tensor:
     if isinstance(tokens, torch.Tensor):
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise ValueError(f"{where}: tokens must be an integer tensor, got dtype {tokens.dtype}")
+        if tokens.layout != torch.strided:
+            raise ValueError(f"{where}: tokens must be a dense tensor, got layout {tokens.layout}")
         if tokens.device.type != "cpu" and tokens.device != device:
             raise ValueError(f"{where}: tokens are on {tokens.device}; the model is on {device} "
                              "(pass them on the CPU or on the model's device)")
@@ -230,7 +232,7 @@ def validate(streams, cache: HybridCache, vocab_size: int) -> BatchTokens:
 
 
 _slot_of, _tokens_of = operator.attrgetter("slot"), operator.attrgetter("tokens")
-_kind_of = operator.attrgetter("dtype", "is_cpu", "ndim")
+_kind_of = operator.attrgetter("dtype", "is_cpu", "ndim", "layout")
 
 
 def _checked_in_bulk(streams: Sequence, cache: HybridCache) -> tuple[list[int], torch.Tensor, list[int]] | None:
@@ -256,7 +258,7 @@ def _checked_in_bulk(streams: Sequence, cache: HybridCache) -> tuple[list[int], 
         except OverflowError:  # an id beyond int64
             return None
     elif kinds == {torch.Tensor}:
-        if set(map(_kind_of, tokens)) != {(torch.int64, True, 1)}:  # int64, on the CPU, 1-D
+        if set(map(_kind_of, tokens)) != {(torch.int64, True, 1, torch.strided)}:  # int64, on the CPU, 1-D, dense
             return None
         lengths = list(map(torch.Tensor.numel, tokens))
         if min(lengths) == 0:

@@ -439,6 +439,9 @@ class HybridCache:
     def restore(self, snapshot: tuple) -> None:
         """Put the cache back to a snapshot() of itself (in place: captured graphs stay valid). A snapshot
         of another cache geometry raises ValueError before anything is copied."""
+        if not (isinstance(snapshot, tuple) and len(snapshot) == 4):
+            raise ValueError(f"the snapshot is not of this cache (a snapshot() of it is a 4-tuple, got "
+                             f"{type(snapshot).__name__}); nothing was restored")
         tensors, ctx, blocks, index = snapshot
         mine = self.state_tensors()
         if len(tensors) != len(mine) or len(ctx) != self.num_slots or len(blocks) != self.num_slots or any(

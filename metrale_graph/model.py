@@ -27,6 +27,7 @@ from .ops import OPS
 from .ops.common import rms_norm
 from .ops.limits import check_supported
 from .parallel import TensorParallel
+from .numbers import as_int
 from .placement import DTYPES as _DTYPES, as_device, as_dtype
 from .protocol import prefill_call
 from .saving import GENERATION_CONFIG, save_checkpoint
@@ -123,6 +124,9 @@ class HybridModel(nn.Module):
         torch.dtype or its name ("bfloat16"); on the CPU, weights that would not fit in the memory
         available are a ValueError before any is read."""
         dtype, device = as_dtype(dtype), as_device(device)
+        if not isinstance(path, (str, os.PathLike)):
+            raise ValueError(f"path must be a checkpoint folder's path (a str), got {type(path).__name__} {path!r}")
+        path = os.fspath(path)
         if os.path.isfile(path):
             raise ValueError(f"{path!r} is a file, not a checkpoint folder (a folder holding config.json and "
                              "the safetensors files)")
@@ -156,6 +160,12 @@ class HybridModel(nn.Module):
             if preset not in PRESETS:
                 raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
             preset = PRESETS[preset]
+        elif not isinstance(preset, ModelConfig):
+            raise ValueError(f"preset must be a preset's name ({', '.join(PRESETS)}) or a ModelConfig, got "
+                             f"{type(preset).__name__} {preset!r}")
+        if as_int(seed) is None:
+            raise ValueError(f"seed must be an integer, got {type(seed).__name__} {seed!r}")
+        seed = as_int(seed)
         weights = random_weights(preset, dtype, device, seed)
         if tp is not None and tp.size > 1:
             weights = shard_weights(weights, preset, tp)

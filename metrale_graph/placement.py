@@ -32,6 +32,9 @@ def as_device(device) -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"invalid device {device!r}: {e}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {str(dev)!r}: a model runs on 'cpu' or 'cuda' (its weights are read and its "
+                         f"kernels run there)")
     if dev.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:

@@ -137,8 +137,9 @@ class Scheduler:
     def _worth(self, budget: int) -> bool:
         """With prefix caching a request is admitted with at least 64 tokens of budget (or its whole prompt)
         left: admitted with a handful, it would look its prefix up a step before the checkpoints of the
-        prompts ahead of it exist."""
-        return self.restore is None or budget >= min(64, len(self.waiting[0].prompt))
+        prompts ahead of it exist. (A token budget below 64 asks for the whole budget: with nothing else in the
+        step a request is always admitted.)"""
+        return self.restore is None or budget >= min(64, len(self.waiting[0].prompt), self.token_budget)
 
     def _chunk(self, r: Request, budget: int, step: list[Chunk]) -> int:
         n = min(len(r.prompt) - r.fed, budget)

@@ -356,3 +356,22 @@ def test_sharded_checkpoint_errors_name_the_files(checkpoint):
     with pytest.raises(ValueError, match=rf"tensor '{re.escape(first[0])}' appears twice in the checkpoint "
                                          r"\(.*b\.safetensors; .* in .*a\.safetensors\)"):
         HybridModel.from_pretrained(str(checkpoint), progress=False)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: HybridModel.from_pretrained(None), "path must be a checkpoint folder's path"),
+    (lambda: HybridModel.from_preset(None), "preset must be a preset's name"),
+    (lambda: HybridModel.from_preset("tiny", seed=1.5), "seed must be an integer"),
+    (lambda: HybridModel.from_preset("tiny", device="meta"), "runs on 'cpu' or 'cuda'"),
+], ids=["path-none", "preset-none", "float-seed", "meta-device"])
+def test_bad_arguments_of_the_constructors_are_value_errors(call, message):
+    """Each was a TypeError, AttributeError or RuntimeError from deep inside."""
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_restore_of_something_not_a_snapshot_is_a_value_error():
+    cache = HybridModel.from_preset("tiny").new_cache(1, 4)
+    for bad in (None, (1, 2)):
+        with pytest.raises(ValueError, match="the snapshot is not of this cache"):
+            cache.restore(bad)

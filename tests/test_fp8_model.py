@@ -369,7 +369,10 @@ def test_quantizer_flags(tmp_path, capsys):
                           (["--model", str(tmp_path / "nope"), "--out", "x"], "not a checkpoint folder"),
                           (["--model", str(weights_only), "--out", "x"], f"{weights_only} has no config.json"),
                           (["--model", str(bad_json), "--out", "x"], f"cannot read model config {bad_json}"),
-                          (["--model", src, "--out", str(tmp_path / "a" / "b")], "does not exist")):
+                          (["--model", src, "--out", str(tmp_path / "a" / "b")], "does not exist"),
+                          (["--model", src, "--out", ""], "--out is empty"),  # was os.makedirs' FileNotFoundError
+                          (["--model", src, "--out", "x", "--modules-to-not-convert", "[("],  # was re.error
+                           "'[(' is not a regular expression")):
         with pytest.raises(SystemExit) as e:
             quantize.main(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err

@@ -94,6 +94,7 @@ BAD_BATCHES = [
     pytest.param(lambda c: [Stream(0, torch.ones(2, dtype=torch.long, device="meta"))], "on meta",
                  id="wrong-device"),
     pytest.param(lambda c: [Stream(0, "hello")], "sequence of ints", id="string-tokens"),
+    pytest.param(lambda c: [Stream(0, torch.tensor([1, 2]).to_sparse())], "dense tensor", id="sparse-tensor"),
     pytest.param(lambda c: [Stream(1, [1] * 60)], "capacity of 128 tokens", id="past-capacity"),
     pytest.param(lambda c: [Stream(2, [1] * 100), Stream(3, [1] * 100)],
                  "needs 14 more KV blocks but the cache has 3 free", id="out-of-blocks"),

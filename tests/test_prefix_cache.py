@@ -209,6 +209,20 @@ def test_random_prefixes_in_small_pools(model):
     assert stats["hits"] > 0 and stats["evicted_checkpoints"] > 0 and stats["evicted_blocks"] > 0
 
 
+def test_a_token_budget_below_64_still_admits_prompts(model):
+    """With prefix caching a request waits for 64 tokens of budget; a budget below 64 (here 32) never has
+    them, and the loop stopped on "requests that fit no step", every later request failing. Now the whole
+    budget is enough: the same greedy tokens as without prefix caching, prompts longer than the budget too."""
+    prompts = [tokens(100, 1), tokens(100, 1)[:70] + tokens(9, 2), tokens(3, 3)]
+    kw = dict(num_slots=2, token_budget=32, block_size=BS, max_context=256, compile=False)
+    with Engine(model, **kw) as plain, Engine(model, prefix_cache=True, **kw) as cached:
+        want = plain.generate(prompts, max_new_tokens=3)
+        got = cached.generate(prompts, max_new_tokens=3)
+        again = cached.generate(prompts[:1], max_new_tokens=3)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert again[0].token_ids == want[0].token_ids
+
+
 def test_the_onnx_export_refuses_a_cache_that_keeps_checkpoints_in_the_step(model):
     pytest.importorskip("onnxscript")
     from metrale_graph.onnx import export_prefill

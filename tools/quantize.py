@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -224,6 +225,13 @@ def quantize_checkpoint(folder: str, out: str, patterns: list[str] | None = None
 def main(argv=None) -> None:
     p = _parser()
     args = p.parse_args(argv)
+    if not args.out.strip():
+        p.error("--out is empty: name the folder to write")
+    for pattern in args.modules_to_not_convert or ():
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            p.error(f"--modules-to-not-convert: {pattern!r} is not a regular expression ({e})")
     out = os.path.abspath(args.out)
     if os.path.abspath(args.model) == out:
         p.error("--out must be another folder than --model")
