@@ -224,6 +224,14 @@ def test_a_tensor_parallel_shard_is_refused_before_the_export(capsys):
     _usage_error(capsys, ["--tp", "2", "-B", "2", "-T", "16"], "--tp: the ONNX export writes one whole model")
 
 
+def test_export_tool_checks_its_default_output_path_before_any_work(capsys, monkeypatch, tmp_path):
+    """Without -o the default file (prefill_B{B}_T{T}.onnx) passes -o's check: a folder of that name was found
+    only after the whole export, as an IsADirectoryError traceback."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prefill_B2_T8.onnx").mkdir()
+    _usage_error(capsys, ["-B", "2", "-T", "8"], "-o (default): 'prefill_B2_T8.onnx' is a folder")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["-B", "4", "-T", "256", "--slots", "6", "--blocks", "3"],
      "need 13 KV blocks (it has 3); pass --blocks 13"),

@@ -137,3 +137,20 @@ def test_export_tool_leaves_no_file_when_the_save_fails(tmp_path, monkeypatch, p
         export_onnx.main(["-B", "2", "-T", "16", "--slots", "2", "--blocks", "4", "--block-size", "16",
                           "--max-context", "32", "--dtype", "float32", "-o", str(tmp_path / "step.onnx")])
     assert _listing(tmp_path) == []
+
+
+def test_a_path_that_cannot_be_written_is_refused_before_anything_is(tmp_path):
+    """A folder, or a file in a folder that does not exist: a ValueError naming the path, before the save (it was
+    a FileNotFoundError / IsADirectoryError naming the hidden scratch folder, the latter after the whole write)."""
+    saved = []
+
+    class Program:
+        def save(self, path):
+            saved.append(path)
+
+    (tmp_path / "dir.onnx").mkdir()
+    with pytest.raises(ValueError, match="is a folder"):
+        save_onnx(Program(), tmp_path / "dir.onnx")
+    with pytest.raises(ValueError, match="does not exist"):
+        save_onnx(Program(), tmp_path / "missing" / "x.onnx")
+    assert saved == [] and _listing(tmp_path) == ["dir.onnx"]

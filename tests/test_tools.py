@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -157,3 +159,19 @@ def test_bench_host_times_the_runners_and_the_engines_steps(capsys):
     with pytest.raises(SystemExit) as e:
         bench_host.main(["--cached", "4096"])
     assert e.value.code == 2 and "past the tiny preset's max_position_embeddings" in capsys.readouterr().err
+
+
+def test_warmup_usage_errors_leave_no_cache_folder_behind(tmp_path, capsys):
+    """A usage error found after --cache-dir was made (--moe-parallel without --tp): the folder this run made
+    is removed again (it was left empty); a folder that was there before stays."""
+    from metrale_graph.tools import warmup
+
+    fresh = tmp_path / "fresh"
+    with pytest.raises(SystemExit) as e:
+        warmup.main(["--model", "tiny", "--moe-parallel", "expert", "--cache-dir", str(fresh)])
+    assert e.value.code == 2 and "--moe-parallel" in capsys.readouterr().err and not fresh.exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    with pytest.raises(SystemExit):
+        warmup.main(["--model", "tiny", "--moe-parallel", "expert", "--cache-dir", str(kept)])
+    assert kept.is_dir()

@@ -17,6 +17,7 @@ import argparse
 import copy
 import logging
 import os
+import signal
 import sys
 import time
 import warnings
@@ -136,7 +137,10 @@ def main(argv=None) -> None:
         p.error("--moe-parallel says how --tp ranks split MoE experts; the ONNX export runs one whole model: "
                 "leave it out")
     B, T = args.batch_size, args.tokens
-    path = args.output or f"prefill_B{B}_T{T}.onnx"
+    try:  # the default path passes the same check as -o
+        path = args.output or output_file(f"prefill_B{B}_T{T}.onnx")
+    except argparse.ArgumentTypeError as e:
+        p.error(f"-o (default): {e}")
     verify_slots = 2 * _verify_streams(B, T)  # _verify: half the streams continue, half start
     if args.verify and verify_slots > args.slots:
         p.error(f"--verify needs {verify_slots} slots for a bucket of {B} streams and {T} tokens; "
@@ -146,6 +150,8 @@ def main(argv=None) -> None:
         p.error(why)
     if args.verify and device_and_dtype(args)[1] != torch.float32:
         p.error("--verify runs ONNX Runtime's CPU kernels, which lack bfloat16 and float16: pass --dtype float32")
+    # SIGTERM (timeout, a job scheduler) as an exit: the staged save then removes its partial files, as on Ctrl-C
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # torchvision-not-installed notices
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)  # torch.export internals
 

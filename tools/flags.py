@@ -110,7 +110,8 @@ def output_file(text: str) -> str:
     if os.path.isdir(text) or text.endswith((os.sep, os.altsep or os.sep)):  # "out/" names a folder
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; expected a file path")
     if not os.path.isdir(folder):
-        raise argparse.ArgumentTypeError(f"{text!r}: folder {folder} does not exist")
+        raise argparse.ArgumentTypeError(f"{text!r}: {folder} is a file, not a folder" if os.path.exists(folder)
+                                         else f"{text!r}: folder {folder} does not exist")
     why = unwritable(folder)
     if why:
         raise argparse.ArgumentTypeError(f"{text!r}: cannot write into folder {folder} ({why})")

@@ -17,6 +17,7 @@ the ranks write at the same time); the files are written whole or not at all (a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -109,10 +110,21 @@ def main(argv=None) -> None:
     cache_dir = os.path.abspath(args.cache_dir)
     if os.path.exists(cache_dir) and not os.path.isdir(cache_dir):
         p.error(f"--cache-dir {args.cache_dir!r} is a file; expected a folder")
+    created = not os.path.exists(cache_dir)
     try:
         os.makedirs(cache_dir, exist_ok=True)
     except OSError as e:
         p.error(f"--cache-dir {args.cache_dir!r}: cannot create the folder ({e.strerror})")
+    try:
+        _checked_run(p, args, cache_dir)
+    except SystemExit as e:  # a usage error after the folder was made: a folder this run made goes again if empty
+        if e.code == 2 and created:
+            with contextlib.suppress(OSError):
+                os.rmdir(cache_dir)
+        raise
+
+
+def _checked_run(p, args, cache_dir: str) -> None:
     artifacts_name, record_name = own_files(int(os.environ.get("RANK", "0")) if args.tp > 1 else None)
     problem = check_cache_dir(cache_dir, record_name)
     if problem:

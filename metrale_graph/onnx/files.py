@@ -24,6 +24,11 @@ def staged(path: str | os.PathLike) -> Iterator[str]:
     were) and re-raises. Raises RuntimeError if the block wrote no file at the yielded path."""
     path = os.path.abspath(os.fspath(path))
     folder, name = os.path.split(path)
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a folder; expected a file path to write")
+    if not os.path.isdir(folder):
+        raise ValueError(f"cannot write {path}: folder {folder} does not exist"
+                         + (" (it is a file)" if os.path.exists(folder) else ""))
     scratch = tempfile.mkdtemp(prefix=f".{name}.", suffix=".partial", dir=folder)
     written, previous = os.path.join(scratch, name), os.path.join(scratch, ".previous")
     moved: list[tuple[str, str | None]] = []  # (side file's target, where the file it replaced waits)
@@ -59,7 +64,8 @@ def save_onnx(program, path: str | os.PathLike, check: bool = True,
     after `onnx.checker.check_model(full_check=True)` passes on the written file (check=True), or not at
     all. progress(step) is called with "save" and "check_model" as each starts.
 
-    Raises RuntimeError naming the checker's complaint (nothing written) when the graph fails it."""
+    Raises ValueError, before anything is written, for a path that is a folder or whose folder does not
+    exist; RuntimeError naming the checker's complaint (nothing written) when the graph fails it."""
     import onnx
 
     step = progress or (lambda _: None)
