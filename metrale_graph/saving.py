@@ -68,7 +68,7 @@ def save_checkpoint(weights: dict[str, torch.Tensor], cfg: ModelConfig, folder: 
                 os.unlink(path)
         raise
     for name, path in written.items():
-        os.replace(path, os.path.join(folder, name))
+        publish(path, os.path.join(folder, name))
     for name in stale_files(folder, keep_generation_config):
         os.unlink(os.path.join(folder, name))
 
@@ -84,6 +84,15 @@ def stale_files(folder: str, keep_generation_config: bool) -> list[str]:
                 or (name == GENERATION_CONFIG and not keep_generation_config)):
             stale.append(name)
     return stale
+
+
+def publish(temporary: str, final: str) -> None:
+    """Rename a written temporary file into place with the mode a new file of this process gets (0666 less the
+    umask): safetensors writes its files 0600, which a server running as another user could not read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(temporary, 0o666 & ~mask)
+    os.replace(temporary, final)
 
 
 def _temporary(folder: str, name: str) -> str:

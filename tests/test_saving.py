@@ -108,3 +108,19 @@ def test_other_files_stay_and_a_file_is_no_folder(tmp_path):
     assert set(load_file(folder / "model.safetensors")) >= {"model.embed_tokens.weight", "lm_head.weight"}
     with pytest.raises(ValueError, match="it is a file, not a folder"):
         model.save_pretrained(str(folder / "tokenizer.json"))
+
+
+def test_saved_files_are_readable_as_any_new_file_of_the_process(tmp_path):
+    """safetensors writes its files 0600: a server running as another user (a container) could not read the
+    weights of a checkpoint save_pretrained or tools.quantize wrote. They get the mode a new file gets (0666
+    less the umask), as config.json does."""
+    import stat
+
+    from metrale_graph.tools import quantize
+
+    src, fp8 = tmp_path / "src", tmp_path / "fp8"
+    HybridModel.from_preset("tiny").save_pretrained(str(src))
+    quantize.quantize_checkpoint(str(src), str(fp8))
+    for folder in (src, fp8):
+        modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in folder.iterdir()}
+        assert modes["model.safetensors"] == modes["config.json"], modes

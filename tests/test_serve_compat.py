@@ -314,6 +314,31 @@ def test_messages_need_their_content_but_an_assistants(server, client):
     assert client.chat.completions.create(model=NAME, messages=messages, max_tokens=1).usage.completion_tokens == 1
 
 
+def test_a_developer_message_is_a_system_message_to_the_template(client, tokenizer):
+    """OpenAI's developer role reaches the chat template as system (Qwen's template raised "Unexpected message
+    role" on it): the prompt is the system message's."""
+    def prompt_ids(role):
+        r = client.chat.completions.create(model=NAME, messages=[{"role": role, "content": "Be brief."}, *CHAT],
+                                           max_tokens=1, extra_body={"return_token_ids": True})
+        return r.choices[0].prompt_token_ids
+    assert prompt_ids("developer") == prompt_ids("system")
+
+
+def test_tool_call_arguments_sent_as_json_strings_reach_the_template_as_mappings():
+    """OpenAI's wire format carries a tool call's function.arguments as a JSON string; Qwen's template iterates
+    `arguments|items` and raised on it (a 400 for every agent loop). The template gets the parsed object; an
+    argument string that is not a JSON object stays as it was."""
+    from metrale_graph.server.protocol import ChatMessage
+
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    message = ChatMessage(role="assistant", content=None, tool_calls=[call, {**call, "function": {
+        "name": "f", "arguments": "[1, 2]"}}, {**call, "function": {"name": "g", "arguments": "not json"}}])
+    calls = message.template_dict()["tool_calls"]
+    assert calls[0]["function"]["arguments"] == {"city": "Paris"} and calls[0]["id"] == "c1"
+    assert [c["function"]["arguments"] for c in calls[1:]] == ["[1, 2]", "not json"]
+    assert call["function"]["arguments"] == '{"city": "Paris"}'  # the request's own message is not changed
+
+
 def test_head_health_and_the_model_list_with_a_trailing_slash(server):
     assert httpx.head(server.url + "/health", timeout=10).status_code == 200
     r = httpx.get(server.url + "/v1/models/", timeout=10)

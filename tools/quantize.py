@@ -133,7 +133,7 @@ def quantize_checkpoint(folder: str, out: str, patterns: list[str] | None = None
 
     from metrale_graph.quantization import scale_name
     from metrale_graph.quantized import kept_modules, quantize_weight
-    from metrale_graph.saving import _temporary
+    from metrale_graph.saving import _temporary, publish
     from metrale_graph.spec import EXPERTS, SCALE
     from metrale_graph.weights import INDEX_FILE, SKIPPED_PREFIXES, WEIGHTS_FILE, checkpoint_files, our_name
 
@@ -217,7 +217,7 @@ def quantize_checkpoint(folder: str, out: str, patterns: list[str] | None = None
                 os.unlink(tmp)
         raise
     for tmp, final in written:
-        os.replace(tmp, os.path.join(out, final))
+        publish(tmp, os.path.join(out, final))
     counts["files"] = len(finals)
     return counts
 

@@ -178,11 +178,32 @@ class ChatMessage(BaseModel):
         return self
 
     def template_dict(self) -> dict:
-        """The message as a chat template reads it: content parts joined into one string."""
+        """The message as a chat template reads it: content parts joined into one string; OpenAI's
+        `developer` role as `system` (OpenAI treats them alike; chat templates such as Qwen's know only the
+        latter); a tool call's `function.arguments` sent as a JSON string (OpenAI's wire format) parsed into
+        the mapping templates iterate (as vLLM does; one that is not a JSON object stays a string)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+        extra = dict(self.model_extra or {})
+        if isinstance(extra.get("tool_calls"), list):
+            extra["tool_calls"] = [_parsed_arguments(call) for call in extra["tool_calls"]]
+        role = "system" if self.role == "developer" else self.role
+        return {**extra, "role": role, "content": content or ""}
+
+
+def _parsed_arguments(call):
+    """A tool call with its function's `arguments` JSON string parsed, if it is a JSON object."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not (isinstance(function, dict) and isinstance(function.get("arguments"), str)):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class ChatCompletionRequest(SamplingFields):
