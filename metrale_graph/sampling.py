@@ -74,14 +74,19 @@ def _describe(x) -> str:
     return repr(x) if isinstance(x, numbers.Number) else f"{type(x).__name__} {x!r}"
 
 
+def wrapped_seed(seed: int) -> int:
+    """`seed` in SEED_RANGE: one past 2**64 - 1 (seed + request index, for a seed near the top) wrapped around
+    modulo 2**64, which seeds torch's generators alike."""
+    return seed - 2**64 if seed >= SEED_RANGE[1] else seed
+
+
 def new_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator seeded with `seed`, or from the OS's entropy when seed is None. A seed past
-    2**64 - 1 (seed + request index, for a seed near the top) wraps around modulo 2**64."""
+    """A CPU generator seeded with `seed` (wrapped_seed), or from the OS's entropy when seed is None."""
     g = torch.Generator()
     if seed is None:
         g.seed()
     else:
-        g.manual_seed(seed - 2**64 if seed >= SEED_RANGE[1] else seed)
+        g.manual_seed(wrapped_seed(seed))
     return g
 
 

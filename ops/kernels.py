@@ -6,6 +6,8 @@ All of them also run on the CPU under TRITON_INTERPRET=1, which is how the CPU s
 tests them. Shape letters: see ops/common.py.
 """
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -213,18 +215,29 @@ def side_by_side(*cols: Tensor) -> Tensor:
     return first.as_strided((T, n), (row, 1))
 
 
+def rows_back_to_back(parts: list[Tensor]) -> bool:
+    """Whether the tensors [N_i, ...] (one trailing shape) sit back to back, rows after rows, in one storage,
+    each contiguous, so that rows_view of them fits that storage (two storages that share a base pointer,
+    numpy's or DLPack's, may not hold it)."""
+    first = parts[0]
+    row, ptr, offset = math.prod(first.shape[1:]) * first.element_size(), first.data_ptr(), 0
+    storage = first.untyped_storage().data_ptr()
+    for p in parts:
+        if not (p.is_contiguous() and p.shape[1:] == first.shape[1:] and p.untyped_storage().data_ptr() == storage
+                and p.data_ptr() == ptr + offset):
+            return False
+        offset += p.shape[0] * row
+    return first.storage_offset() * first.element_size() + offset <= first.untyped_storage().nbytes()
+
+
+def rows_view(parts: list[Tensor]) -> Tensor:
+    """The row-wise concatenation of tensors rows_back_to_back holds for, as a view of the first one's storage."""
+    rows = sum(p.shape[0] for p in parts)
+    return parts[0].as_strided((rows, *parts[0].shape[1:]), parts[0].stride())
+
+
 def stacked(*weights: Tensor) -> Tensor:
     """The row-wise concatenation of weights [N_i, D] as one GEMM operand [sum N_i, D]. Free (a view)
     when they already sit back to back in one buffer, as HybridModel stores each layer's
     projections; otherwise a concatenated copy."""
-    first = weights[0]
-    D, size = first.shape[1], first.element_size()
-    storage, ptr, rows = first.untyped_storage().data_ptr(), first.data_ptr(), 0
-    for w in weights:
-        if not (w.is_contiguous() and w.shape[1] == D and w.untyped_storage().data_ptr() == storage
-                and w.data_ptr() == ptr + rows * D * size):
-            return torch.cat(weights)
-        rows += w.shape[0]
-    if (first.storage_offset() + rows * D) * size > first.untyped_storage().nbytes():  # storages sharing a base
-        return torch.cat(weights)
-    return first.as_strided((rows, D), (D, 1))
+    return rows_view(weights) if rows_back_to_back(weights) else torch.cat(weights)

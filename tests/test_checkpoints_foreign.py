@@ -276,7 +276,7 @@ def dequantize_block(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def stack_experts(tensors: dict[str, torch.Tensor]) -> None:
     """Per-expert tensors (and scales) -> stacked `experts.gate_up_proj` [E, 2I, D] (gate rows, then up) and
-    `experts.down_proj` [E, D, I], with `..._scale_inv` grids likewise (in place)."""
+    `experts.down_proj` [E, D, I], with `..._scale_inv` grids likewise where there are any (in place)."""
     groups: dict[str, dict] = {}
     for key in [k for k in tensors if EXPERT.match(k)]:
         base, e, part, leaf = EXPERT.match(key).groups()
@@ -284,6 +284,9 @@ def stack_experts(tensors: dict[str, torch.Tensor]) -> None:
     for base, g in groups.items():
         experts = range(1 + max(e for _, _, e in g))
         for leaf, suffix in (("weight", ""), ("weight_scale_inv", "_scale_inv")):
+            if ("gate_proj", leaf, 0) not in g:  # (a floating-point checkpoint: no scales)
+                continue
+
             def stacked(parts):
                 rows = [torch.cat([g[(p, leaf, e)] for p in parts]) for e in experts]
                 if rows[0].dtype == torch.float8_e4m3fn:  # no torch.stack of float8 on the CPU: through its bytes

@@ -389,21 +389,16 @@ def test_the_quantizer_writes_stacked_experts_one_tensor_each(family, tmp_path):
     `experts.down_proj`; here I = 72, not whole 128-row blocks) quantizes into per-expert tensors with their
     scales, the layout Qwen's FP8 releases use: it loads, holding the same FP8 weights as the quantizer's
     output of the same checkpoint stored per expert."""
+    from test_checkpoints_foreign import stack_experts
+
     name, cfg, src, ours, _, _ = family
     if name != "qwen3_5_moe":
         pytest.skip("one MoE family is enough: the stacking is the family's experts'")
-    tensors, expert = {}, re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    tensors = {}
     for f in sorted(os.listdir(src)):
         if f.endswith(".safetensors"):
             tensors.update(load_file(os.path.join(src, f)))
-    groups: dict[str, dict] = {}
-    for key in [k for k in tensors if expert.match(k)]:
-        base, e, part = expert.match(key).groups()
-        groups.setdefault(base, {})[(part, int(e))] = tensors.pop(key)
-    for base, g in groups.items():  # gate rows then up rows; down as it is
-        E = 1 + max(e for _, e in g)
-        tensors[f"{base}.gate_up_proj"] = torch.stack([torch.cat([g["gate_proj", e], g["up_proj", e]]) for e in range(E)])
-        tensors[f"{base}.down_proj"] = torch.stack([g["down_proj", e] for e in range(E)])
+    stack_experts(tensors)
     assert any(k.endswith("experts.gate_up_proj") for k in tensors)
     stacked_src, out = str(tmp_path / "stacked"), str(tmp_path / "fp8")
     os.makedirs(stacked_src)

@@ -768,37 +768,6 @@ def test_count_sort_is_the_stable_sort(monkeypatch):
         moe_align.sort_experts(torch.zeros(3, dtype=torch.int32), "radix")
 
 
-_COUNT_SORT_SM90 = r"""
-import importlib
-import triton
-from triton.backends.compiler import GPUTarget
-align = importlib.import_module("metrale_graph.ops.moe.align")
-target = GPUTarget("cuda", 90, 32)
-backend = triton.compiler.make_backend(target)
-fn = align._moe_count_sort_kernel
-consts = dict(BLOCK=align.COUNT_BLOCK)
-types = {"e_ptr": "*i32", "experts_ptr": "*i32", "order_ptr": "*i32", "P": "i32"}
-sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
-opts = backend.parse_options({"num_warps": 4, "num_stages": 3})
-triton.compile(triton.compiler.ASTSource(fn=fn, constexprs=consts, signature=sig), target=target, options=opts.__dict__)
-print("compiled")
-"""
-
-
-def test_count_sort_kernel_compiles_for_sm90():
-    """The counting sort through Triton's real compiler for sm_90 (no GPU needed): the interpreter accepts
-    what the compiler rejects."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COUNT_SORT_SM90], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
-
-
 def test_moe_block_rows_follow_the_shapes():
     """The worst case fits: rows = P + min(E, P) * (BM - 1), in whole blocks; BM is a function of shapes."""
     for P, E in ((0, 4), (1, 1), (8, 256), (300, 4), (131072, 256)):
@@ -985,8 +954,11 @@ smem.append(compile_(combine._moe_combine_kernel, dict(h_ptr=P, n_ptr=P, seg_w_p
                      D="i32", stride_h="i32"), dict(TOP_K=8, BLOCK=2048, ADD_RESIDUAL=True), 8, 1))
 smem.append(compile_(align._moe_align_groups_kernel, dict(experts_ptr=I, first_ptr=I, start_ptr=I, P="i32", E="i32",
                      steps="i32"), dict(BM=64, BLOCK_E=512), 4, 1))
-smem.append(compile_(align._moe_align_rows_kernel, dict(order_ptr="*i64", first_ptr=I, start_ptr=I, ids_ptr=I,
-                     block_expert_ptr=I, P="i32", E="i32"), dict(BM=64, BLOCK_E=512), 4, 1))
+for order in ("*i64", I):  # torch.sort's order, the counting sort's (METRALE_MOE_SORT=count)
+    smem.append(compile_(align._moe_align_rows_kernel, dict(order_ptr=order, first_ptr=I, start_ptr=I, ids_ptr=I,
+                         block_expert_ptr=I, P="i32", E="i32"), dict(BM=64, BLOCK_E=512), 4, 1))
+smem.append(compile_(align._moe_count_sort_kernel, dict(e_ptr=I, experts_ptr=I, order_ptr=I, P="i32"),
+                     dict(BLOCK=align.COUNT_BLOCK), 4, 3))
 B16, F32 = "*bf16", "*fp32"
 rec = dict(q_ptr=B16, k_ptr=B16, v_ptr=B16, g_ptr=F32, beta_ptr=B16, o_ptr=B16, state_ptr=F32, cu_ptr=I,
            slot_ptr="*i64", ck_map_ptr="*i64", ck_ptr=F32, scale="fp32")
@@ -1039,10 +1011,10 @@ print("compiled", smem)
 
 
 def test_kernels_compile_for_sm90():
-    """The MoE Triton kernels, the GDN recurrent, layout and gates kernels and the attention kernels
-    through Triton's real compiler for sm_90 (PTX and ptxas, no GPU needed): the interpreter runs Python
-    and accepts what the compiler rejects (non-constexpr globals, types). A subprocess: the interpreter
-    is on in this one."""
+    """The MoE Triton kernels (the opt-in counting sort included), the GDN recurrent, layout and gates kernels
+    and the attention kernels through Triton's real compiler for sm_90 (PTX and ptxas, no GPU needed): the
+    interpreter runs Python and accepts what the compiler rejects (non-constexpr globals, types). A
+    subprocess: the interpreter is on in this one."""
     import os
     import subprocess
     import sys

@@ -168,12 +168,12 @@ def quantize_checkpoint(folder: str, out: str, patterns: list[str] | None = None
                     if name is None:
                         skipped.add(next(p for p in SKIPPED_PREFIXES if key.startswith(p)).rstrip("."))
                     spec = specs.get(name) if name is not None else None
-                    if spec is not None and spec.fp8 and spec.kind != SCALE and spec.kind == EXPERTS and t.dim() == 3:
-                        out_tensors = per_expert(key, name, spec, t, dev)  # stacked experts: one tensor each
-                        counts["converted"] += 1
-                    elif spec is not None and spec.fp8 and spec.kind != SCALE:
-                        q, s = quantize_weight(t.to(dev))
-                        out_tensors = {key: q.cpu(), scale_name(key): s.cpu()}
+                    if spec is not None and spec.fp8 and spec.kind != SCALE:
+                        if spec.kind == EXPERTS and t.dim() == 3:  # stacked experts: one tensor each
+                            out_tensors = per_expert(key, name, spec, t, dev)
+                        else:
+                            q, s = quantize_weight(t.to(dev))
+                            out_tensors = {key: q.cpu(), scale_name(key): s.cpu()}
                         counts["converted"] += 1
                     else:
                         out_tensors = {key: t}

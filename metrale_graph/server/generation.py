@@ -19,23 +19,17 @@ import asyncio
 from typing import AsyncIterator
 
 from ..handle import GenerationResult, RequestOutput
+from ..sampling import wrapped_seed
 from .errors import bad_request, from_engine, from_failure
 from .protocol import Usage
 from .state import Sampling, ServerState
 
 
-SEED_SPAN = 2 ** 64  # the engine's seeds: integers in [-2**63, 2**64)
-# the engine's argument names its ValueErrors begin with, and the request fields they come from
+# the engine's argument names its ValueErrors begin with, and the request fields they come from ("stop token"
+# before "stop": the engine's stop_token_ids errors)
 ENGINE_FIELDS = {"seed": "seed", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
                  "max_new_tokens": "max_tokens", "stop_token_ids": "stop_token_ids", "stop token": "stop_token_ids",
-                 "stop string": "stop", "stop": "stop"}
-
-
-def choice_seed(seed: int, k: int) -> int:
-    """Choice k's seed: seed + k, wrapped past 2**64 - 1 to the bottom of the engine's range (a seed near
-    the top stays valid for every choice, and each choice's differs)."""
-    s = seed + k
-    return s - SEED_SPAN if s >= SEED_SPAN else s
+                 "stop": "stop"}
 
 
 def param_of(e: BaseException, default: str) -> str:
@@ -71,7 +65,8 @@ class Generations:
         try:
             for ids in prompts:
                 for k in range(n):
-                    seed = None if sampling.seed is None else choice_seed(sampling.seed, k)
+                    # (wrapped past 2**64 - 1: a seed near the top stays valid for every choice)
+                    seed = None if sampling.seed is None else wrapped_seed(sampling.seed + k)
                     metrics.append(state.metrics.request())
                     handles.append(engine.submit(ids, sampling.max_new_tokens, sampling.temperature, sampling.top_k,
                                                  sampling.top_p, seed, sampling.stop_token_ids, sampling.stop))

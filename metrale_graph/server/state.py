@@ -114,9 +114,8 @@ class ServerState:
         if not ids:
             raise bad_request(f"{name} holds no tokens", param=param)
         if len(ids) >= self.max_context:
-            where = param if index is None else f"{param} {index}"
             raise bad_request(f"this model's maximum context length is {self.max_context} tokens (prompt and new "
-                              f"tokens); {where} has {len(ids)} tokens, which leaves no room for a new one",
+                              f"tokens); {name} has {len(ids)} tokens, which leaves no room for a new one",
                               param=param, code="context_length_exceeded")
         return ids
 

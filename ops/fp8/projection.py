@@ -15,13 +15,12 @@ their scale grids back to back too, or all floating point, are one GEMM; the oth
 copies a weight.
 """
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ..common import check
+from ..kernels import rows_back_to_back, rows_view
 from .linear import block_fp8_linear
 from .quant import (BLOCK, FP8_DTYPE, activations_rounded, dequantize_weight_blocks, fake_quantize_activations,
                     num_blocks)
@@ -94,25 +93,6 @@ def linear_fp32(x: Tensor, w: Tensor, s: Tensor, parts: int = 1) -> Tensor:
     return (xq @ dequantized(w, s, torch.float32, parts).t()).reshape(*lead, w.shape[-2])
 
 
-def _adjacent(parts: list[Tensor]) -> bool:
-    """Whether the tensors [N_i, ...] sit back to back (rows) in one buffer, each contiguous."""
-    first = parts[0]
-    row, ptr, offset = math.prod(first.shape[1:]) * first.element_size(), first.data_ptr(), 0
-    for p in parts:
-        if not (p.is_contiguous() and p.shape[1:] == first.shape[1:]
-                and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-                and p.data_ptr() == ptr + offset):
-            return False
-        offset += p.shape[0] * row
-    # the stacked view must fit the first one's storage (storages that share a base pointer: numpy, DLPack)
-    return first.storage_offset() * first.element_size() + offset <= first.untyped_storage().nbytes()
-
-
-def _stacked_view(parts: list[Tensor]) -> Tensor:
-    rows = sum(p.shape[0] for p in parts)
-    return parts[0].as_strided((rows, *parts[0].shape[1:]), parts[0].stride())
-
-
 def _runs(members: list[tuple[Tensor, Tensor]]) -> list[list[int]]:
     """Member indices grouped into GEMMs (module docstring)."""
     runs: list[list[int]] = []
@@ -122,7 +102,8 @@ def _runs(members: list[tuple[Tensor, Tensor]]) -> list[list[int]]:
             pw, ps = members[last[-1]]
             same = is_fp8(pw) == is_fp8(w) and (not is_fp8(w) or pw.shape[0] % BLOCK == 0)
             ws = [members[j][0] for j in last] + [w]
-            if same and _adjacent(ws) and (not is_fp8(w) or _adjacent([members[j][1] for j in last] + [s])):
+            scales = [members[j][1] for j in last] + [s]
+            if same and rows_back_to_back(ws) and (not is_fp8(w) or rows_back_to_back(scales)):
                 last.append(i)
                 continue
         runs.append([i])
@@ -138,9 +119,9 @@ def project(x: Tensor, members: list[tuple[Tensor, Tensor]], out_dtype=None) -> 
     outs: list[Tensor] = [None] * len(members)
     for run in _runs(members):
         ws, ss = [members[i][0] for i in run], [members[i][1] for i in run]
-        w = ws[0] if len(ws) == 1 else _stacked_view(ws)
+        w = ws[0] if len(ws) == 1 else rows_view(ws)
         if is_fp8(w):
-            s = ss[0] if len(ss) == 1 else _stacked_view(ss)
+            s = ss[0] if len(ss) == 1 else rows_view(ss)
             y = (block_fp8_linear(x, w, s, out_dtype) if activations_rounded()
                  else x @ dequantize_weight_blocks(w, s, x.dtype).t())
         else:
