@@ -1,17 +1,19 @@
 # `make run` and `make test` each set up what they need (a virtual environment in .venv with
-# the CPU build of torch 2.13.0 and this package, editable) and then do their job.
+# the CPU build of torch 2.13.0 and this package, editable) and then do their job. Every package is
+# installed at the version constraints.txt names (the versions the suite was last green with);
+# `make constraints` refreshes that file from a new environment resolved without it.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test clean
+.PHONY: run test constraints clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0 triton==3.6.0
-	$(PY) -m pip install -q -e ".[test,onnx,serve]"
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0 triton==3.6.0
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,onnx,serve]"
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -19,6 +21,18 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadgroup
+
+# Resolve the newest versions pyproject.toml allows in a scratch environment and write them to constraints.txt.
+constraints:
+	rm -rf .venv-constraints
+	$(PYTHON) -m venv .venv-constraints
+	.venv-constraints/bin/python -m pip install -q --upgrade pip
+	.venv-constraints/bin/python -m pip install -q torch==2.13.0 triton==3.6.0
+	.venv-constraints/bin/python -m pip install -q -e ".[test,onnx,serve]"
+	{ sed -n '1,2p' constraints.txt; .venv-constraints/bin/python -m pip freeze --exclude-editable \
+	  | sed 's/^torch==\([0-9.]*\)+cpu$$/torch==\1/'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
+	rm -rf .venv-constraints
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -24,6 +24,22 @@ def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, tol: float) ->
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # each op vs its reference on upcast inputs
 
+# fp32's unit roundoff: one rounding moves a value by at most this much, relatively.
+FP32_UNIT_ROUNDOFF = 2.0 ** -24  # 6.0e-8
+
+
+def fp32_model_bound(config, tokens: int) -> float:
+    """How far two fp32 computations of one model's logits may differ when they differ only in the order of
+    their sums (transformers' code against ours, or one BLAS against another machine's: another vector width
+    or blocking). A sum of K terms of unit size can move by K * u relative under a reordering (its worst
+    case; u: fp32's unit roundoff), and each layer adds its own. K is the model's longest contraction: the
+    hidden size, the MLP, expert and shared-expert sizes, or the stream's tokens (attention, the recurrence).
+    So: longest contraction x layers x u. The tiny configs of the suite give 3e-5 to 1e-4; what such tests
+    catch (a wrong weight, a missed scale, a stale state) moves logits by 1e-3 and more."""
+    sizes = [config.hidden_size, tokens] + [getattr(config, f, None) or 0 for f in (
+        "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")]
+    return max(sizes) * config.num_hidden_layers * FP32_UNIT_ROUNDOFF
+
 # A token's routing is decided when its k-th and (k+1)-th router logits (the upcast reference's) differ
 # by more than one ulp of the model dtype at that magnitude (closer logits may round to one value, a
 # tie topk breaks either way) plus twice what the model-dtype input of the router may move a logit
