@@ -193,16 +193,34 @@ class GraphRunner:
                 self._warm(bucket)
             return call.run(lambda packed: self._run(self._bucket_of(packed), packed), pieces)
 
+    @torch.no_grad()
+    def launch(self, streams: Sequence[Stream], last_tokens: torch.Tensor, k: int):
+        """prefill's one step for the engine's asynchronous loop (PrefillCall.launch: the first k streams read
+        their token from `last_tokens` on the device; returns (logits, commit)). The batch must fit one bucket
+        (the engine's grid covers its steps). The logits are the graph's own output buffer, valid until the
+        next replay: the caller samples from them before launching another step."""
+        self._check_model()
+        with prefill_call(self.model, self.cache, streams) as call:
+            bucket = choose(self.grid, len(call.lengths), call.num_tokens)
+            if bucket is None:
+                raise ValueError(f"a step of {len(call.lengths)} streams and {call.num_tokens} tokens fits no bucket "
+                                 f"of this runner (the largest is {self.largest})")
+            self._warm(bucket)
+            entry = self.entries[bucket]
+            return call.launch(lambda packed: self._run(entry, packed, copy=False), last_tokens, k)
+
     def _bucket_of(self, packed: PackedBatch) -> "BucketEntry":
         return self.entries[choose(self.grid, packed.num_streams, packed.num_tokens)]
 
-    def _run(self, entry: BucketEntry, packed: PackedBatch) -> torch.Tensor:
+    def _run(self, entry: BucketEntry, packed: PackedBatch, copy: bool = True) -> torch.Tensor:
+        """copy=False: a replay's logits are the graph's output buffer itself (valid until the next replay)."""
         last, entry.filled = entry.filled, None  # (a fill that fails half way leaves the buffers unknown)
         entry.batch.fill(packed, self.cache, last)
         entry.filled = (packed.num_streams, packed.num_tokens)
         if self.use_graphs:
             entry.graph.replay()
-            return entry.output[: packed.num_streams].clone()
+            out = entry.output[: packed.num_streams]
+            return out.clone() if copy else out
         return self._step_of(entry)(self.cache, entry.batch)[: packed.num_streams]
 
     def _check_model(self) -> None:

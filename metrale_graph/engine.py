@@ -101,7 +101,7 @@ class Engine:
                  use_graphs: bool | None = None, batch_sizes: Sequence[int] | None = None,
                  token_counts: Sequence[int] | None = None, max_waiting: int | None = None,
                  broadcast_plans: bool = False, prefix_cache: bool = False, prefix_checkpoints: int | None = None,
-                 checkpoint_interval: int | None = None):
+                 checkpoint_interval: int | None = None, overlap: bool = True):
         """A generation engine owning a cache of `num_slots` slots over `model`.
 
         max_context: the most tokens (prompt + new) a request holds, at most the model's
@@ -119,6 +119,9 @@ class Engine:
         checkpointed every `checkpoint_interval` tokens of a prompt, after all but a prompt's last token and at
         the end of every request; `prefix_checkpoints` state checkpoints at most, default 4 x num_slots); each
         result reports its `cached_tokens`, stats() the hit counters.
+        overlap: the loop launches each step before it reads the previous one's tokens back (loop.py), so the
+        host's work runs while the device computes; False reads each step back before planning the next (the
+        same tokens, for debugging and comparison).
         """
         cfg = model.config
         if max_context is None:
@@ -148,6 +151,8 @@ class Engine:
             raise ValueError("use_graphs=True needs compile=True (graphs replay the compiled step)")
         if not isinstance(broadcast_plans, bool):
             raise ValueError(f"broadcast_plans must be True or False, got {broadcast_plans!r}")
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {overlap!r}")
         self.model, self.num_slots, self.max_context, self.token_budget = model, num_slots, max_context, token_budget
         self.max_waiting = max_waiting
         self.tokenizer = resolve_tokenizer(tokenizer, model)
@@ -175,7 +180,7 @@ class Engine:
         self.cache.hold(self._token, "the Engine that built it")
         self._broadcast = (PlanBroadcast(model.tp, model.device, num_slots, token_budget)
                            if broadcast_plans and model.tp is not None else None)
-        self._loop = EngineLoop(model, self.runner, self.cache, self._token, token_budget, self._broadcast)
+        self._loop = EngineLoop(model, self.runner, self.cache, self._token, token_budget, self._broadcast, overlap)
         self._ids = itertools.count()
         self._finalizer = weakref.finalize(self, _close, self._loop)
 
@@ -261,7 +266,7 @@ class Engine:
                              "tensor parallelism")
         runner = self.runner
         with torch.no_grad(), self.cache.acting_for(self._token), self._loop._on_device():
-            follow(self._broadcast, self.cache.reset, self._loop.prefill,
+            follow(self._broadcast, self.cache.reset, self._loop.follow_step,
                    (lambda: runner.warmup(progress=False)) if runner is not None else (lambda: None))
 
     def stats(self) -> EngineStats:

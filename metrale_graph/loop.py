@@ -7,11 +7,30 @@
     loop.close(error)          # outstanding requests end with `error`; the thread ends
 
 Each iteration takes what other threads handed in (new requests, aborts, jobs; under one lock,
-so requests submitted together join together), then runs one step: Scheduler.plan picks the
-streams (scheduler.py has the policy), the step runs once (GraphRunner.prefill, or model.prefill
-with compile=False), `sample` draws every sampling row's next token, and each request's output
-goes to its channel (handle.py), never waiting for a consumer. A request that ends frees its slot
-before its last output is delivered, so whoever sees that output finds the slot free.
+so requests submitted together join together), then launches one step: Scheduler.plan picks the
+streams (scheduler.py has the policy), the step runs once (GraphRunner.launch, or the eager
+model step with compile=False) and `sample` draws every sampling row's next token on the device.
+
+The loop runs one step ahead of what it reads back (overlap, the default; vLLM's async scheduling,
+SGLang's overlap scheduler). A step's sampled tokens stay on the device, in `last_tokens[slot]`,
+which the next step's decode streams read there; the loop launches step N+1 and only then waits
+for step N's tokens, so the host's work for N+1 (planning, packing, the graph launch) and for N
+(stop checks, text, delivery) runs while the device computes. In order, each iteration:
+
+    plan N+1, launch N+1 (it reads N's tokens on the device)
+    wait for N's tokens; commit N+1 (the slots' contexts; prefix caching labels blocks with the ids)
+    N's stop checks, text, outputs (a request that ends frees its slot)
+
+A request that stops at N (a stop token, a stop string) was already in N+1: that step's token for
+it is dropped, never emitted nor counted, and its slot is reset behind N+1 on the device's stream.
+Stops the host can foresee (max_new_tokens) are never overrun: a request is planned only while it
+has tokens left to sample. Each sampled request draws from its own generator once per step it
+samples in, so the streams are the ones of a loop without overlap (`overlap=False`: each step read
+back before the next is planned), token for token.
+
+Each request's output goes to its channel (handle.py), never waiting for a consumer. A request
+that ends frees its slot before its last output is delivered, so whoever sees that output finds the
+slot free.
 
 The thread runs inside `cache.acting_for(token)`: the engine holds its cache with that token, so
 the loop alone may use it. A step that raises (an op error, out of memory) fails the requests of
@@ -33,7 +52,7 @@ import torch
 
 from .batch import Stream
 from .handle import EngineClosedError, EngineFullError, Failure, RequestOutput, deliver, wait_for
-from .protocol import restore_prefix
+from .protocol import prefill_call, restore_prefix
 from .plan_sync import IDLE, IDLE_SYNC_S, SHUTDOWN, STEP, WARMUP, PlanBroadcast
 from .sampling import sample
 from .scheduler import Request, Scheduler
@@ -75,15 +94,38 @@ class _Job:
             self.done.notify_all()
 
 
+@dataclass
+class _Launched:
+    """A step launched and not read back yet."""
+    step: list  # its chunks (scheduler.Chunk), decodes first
+    decodes: int  # how many of them are decodes (their token read on the device)
+    sampled: list  # the requests whose rows sampled, in row order
+    tokens: torch.Tensor | None  # their tokens: a host buffer the device copies into, or (CPU) the tokens
+    ready: object  # a CUDA event recorded after that copy (None on the CPU)
+    commit: Callable[[list[int]], None]  # PrefillCall.launch's commit
+    prompt_tokens: int
+    committed: bool = False
+
+
 class EngineLoop:
     def __init__(self, model, runner, cache, token: object, token_budget: int,
-                 broadcast: PlanBroadcast | None = None):
+                 broadcast: PlanBroadcast | None = None, overlap: bool = True):
         self.model, self.runner, self.cache, self._token = model, runner, cache, token
         self._model_version = model.version
         prefix = cache.prefix_caching
         self.scheduler = Scheduler(cache, token_budget, self._restore if prefix else None,
                                    self._keep if prefix else None)
         self._broadcast = broadcast
+        self.overlap = overlap
+        dev = cache.device
+        with torch.inference_mode(False):
+            # the last token each slot sampled (scratch slot included), which its next decode reads on the device
+            self.last_tokens = torch.zeros(cache.num_slots + 1, dtype=torch.int64, device=dev)
+        pin = dev.type == "cuda"
+        # two host buffers for the sampled tokens' copies: step N + 1's copy must not overwrite N's before it is read
+        self._host_tokens = [torch.zeros(cache.num_slots, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._flip = 0
+        self._inflight: _Launched | None = None  # the step launched and not read back yet (overlap)
         self._cond = threading.Condition(threading.Lock())
         self._inbox: list[Request] = []
         self._aborts: collections.deque[Request] = collections.deque()  # appended without the lock (abort())
@@ -229,6 +271,8 @@ class EngineLoop:
                     self._publish_queue()
                     break
             self._broadcast.send(IDLE)  # nothing to run: keep the followers' broadcast alive
+        if (aborts or jobs or closing is not None) and self._inflight is not None:
+            self._read_back()  # aborts, jobs and the end see every launched step read back
         for r in aborts:
             if not r.ended:
                 try:
@@ -261,30 +305,93 @@ class EngineLoop:
         step = sched.plan()
         with self._cond:
             self._publish_queue()
+        launched, error = self._launch(step, sched.decodes) if step else (None, None)
+        previous, self._inflight = self._inflight, None
+        if previous is not None:  # (overlap only)
+            self._finish(previous, launched)
+        if error is not None:  # after the step before has delivered its tokens, as without overlap
+            for c in step:
+                self._fail(c.request, error)
+        elif launched is not None and not self.overlap:
+            self._finish(launched, None)
+        elif launched is not None:
+            if previous is None:  # nothing was in flight: the tokens it read are all read back
+                self._commit(launched)
+            if launched.committed:
+                self._inflight = launched
+
+    def _launch(self, step: list, decodes: int) -> tuple[_Launched | None, BaseException | None]:
+        """Run `step` (its first `decodes` chunks decodes, which read their token on the device) and sample its
+        sampling rows on the device; their tokens are copied to the host behind it. (launched, None), or
+        (None, the error) if it failed: the caller fails its requests."""
         streams = [Stream(c.request.slot, c.tokens) for c in step]
-        prompts = step[sched.decodes:]  # the step's first chunks are decodes (one sampled token each)
-        prompt_tokens = sum(len(c.tokens) for c in prompts)
+        prompts = step[decodes:]
         try:
             if self._broadcast is not None:
-                self._broadcast.send(STEP, streams, self._take_released())
-            logits = self.prefill(streams)
-            sched.advance(step)
+                self._broadcast.send(STEP, streams, self._take_released(), decodes, [k for k, c in enumerate(step)
+                                                                                   if c.sample])
+            logits, commit = self.launch(streams, decodes)
             rows = None if all(c.sample for c in prompts) else [k for k, c in enumerate(step) if c.sample]
             todo = [c.request for c in step] if rows is None else [step[k].request for k in rows]
-            tokens = []
+            tokens, ready = None, None
             if todo:
                 if rows is not None:  # (else every row samples, as in a decode step: no gather)
                     logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-                tokens = sample(logits, [r.params for r in todo], [r.generator for r in todo]).tolist()
+                sampled = sample(logits, [r.params for r in todo], [r.generator for r in todo])
+                self._share(sampled)
+                self.last_tokens.index_copy_(0, torch.tensor([r.slot for r in todo]).to(sampled.device), sampled)
+                tokens, ready = self._to_host(sampled)
         except BaseException as e:  # KeyboardInterrupt included: only this step's requests see it
-            for c in step:
+            return None, e
+        return _Launched(step, decodes, todo, tokens, ready, commit, sum(len(c.tokens) for c in prompts)), None
+
+    def _to_host(self, sampled: torch.Tensor):
+        """(host tokens, event): `sampled` copied to a host buffer behind the step, and the event after it."""
+        if sampled.device.type != "cuda":
+            return sampled, None
+        buf = self._host_tokens[self._flip][:sampled.numel()]
+        self._flip ^= 1
+        buf.copy_(sampled, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return buf, ready
+
+    def _share(self, sampled: torch.Tensor) -> None:
+        """With a plan broadcast: the sampled tokens go to every rank (followers read them on the device)."""
+        if self._broadcast is not None:
+            self._broadcast.share_tokens(sampled)
+
+    def _read_back(self) -> None:
+        """Read the step in flight back (nothing launched after it)."""
+        previous, self._inflight = self._inflight, None
+        self._finish(previous, None)
+
+    def _finish(self, done: _Launched, launched: _Launched | None) -> None:
+        """Read `done`'s tokens back and take them into their requests (stop checks, text, outputs). Each step
+        is committed once the host knows the tokens it read on the device: `done` (without overlap) before
+        its own tokens are taken in, `launched` (the step after it, which read them) after."""
+        try:
+            if done.ready is not None:
+                done.ready.synchronize()
+            tokens = done.tokens.tolist() if done.tokens is not None else []
+        except BaseException as e:  # the device failed: neither step's tokens can be trusted
+            for c in done.step + (launched.step if launched is not None else []):
                 self._fail(c.request, e)
             return
+        if not done.committed:
+            self._commit(done)
+        for r, t in zip(done.sampled, tokens):
+            if not r.ended:
+                r.out.append(t)
+        if launched is not None:
+            self._commit(launched)
         self._steps += 1
-        self._prompt_tokens += prompt_tokens
-        self._generated += len(tokens)
+        self._prompt_tokens += done.prompt_tokens
         now, outputs = time.perf_counter(), {}
-        for r, token in zip(todo, tokens):
+        for r, token in zip(done.sampled, tokens):
+            if r.ended:  # it stopped at the step before (this token is one past its stop), or failed
+                continue
+            self._generated += 1
             try:
                 output = self._advance(r, token, now)
             except Exception as e:  # the tokenizer failed on its tokens, or its slot's reset did
@@ -293,9 +400,20 @@ class EngineLoop:
                 outputs.setdefault(r.channel, []).append(output)
         deliver(outputs)  # the step's outputs together: one wakeup per consumer, not one per token
 
+    def _commit(self, launched: _Launched) -> None:
+        """Advance `launched`'s slots: its decodes read the last token each request has taken in."""
+        step = launched.step
+        try:
+            launched.commit([c.request.out[-1] if c.request.out else 0 for c in step[:launched.decodes]])
+            launched.committed = True
+            self.scheduler.advance(step, launched.decodes)
+        except BaseException as e:
+            for c in step:
+                self._fail(c.request, e)
+
     def _advance(self, r: Request, token: int, now: float) -> RequestOutput:
-        """Take `token` into `r`: its output; an ending request is finished (its slot freed) first."""
-        r.out.append(token)
+        """Take `token` (already in r.out) into `r`: its output; an ending request is finished (its slot
+        freed) first."""
         if r.first_token_time is None:
             r.first_token_time = now
         reason = "stop" if token in r.stop_ids else "length" if len(r.out) >= r.max_new else None
@@ -308,14 +426,25 @@ class EngineLoop:
             r.finish_reason = reason
         return RequestOutput(r.index, [token], text, reason)
 
-    def prefill(self, streams: list[Stream]) -> torch.Tensor:
-        """One step: logits [len(streams), vocab] of each stream's last token."""
+    def launch(self, streams: list[Stream], decodes: int):
+        """One step: (logits [len(streams), vocab] of each stream's last token, commit) (PrefillCall.launch);
+        the first `decodes` streams read their token from last_tokens."""
         if self.model.version != self._model_version:
             raise ValueError("the model was converted or moved (model.to / .half / ...) after this Engine was built: "
                              "its cache and compiled step hold the old dtype and device: build a new Engine")
         if self.runner is not None:
-            return self.runner.prefill(streams)
-        return self.model.prefill(self.cache, streams)
+            return self.runner.launch(streams, self.last_tokens, decodes)
+        with prefill_call(self.model, self.cache, streams) as call:
+            return call.launch(lambda batch: self.model.forward_packed(self.cache, batch), self.last_tokens, decodes)
+
+    def follow_step(self, streams: list[Stream], decodes: int, sampling: list[int]) -> None:
+        """A follower of a plan broadcast: run rank 0's step and take its sampled tokens (rows `sampling`)."""
+        _, commit = self.launch(streams, decodes)
+        commit([0] * decodes)  # (no prefix caching under a plan broadcast: the ids are not needed)
+        if sampling:
+            tokens = self._broadcast.receive_tokens(len(sampling))
+            slots = torch.tensor([streams[k].slot for k in sampling]).to(tokens.device)
+            self.last_tokens.index_copy_(0, slots, tokens)
 
     def _restore(self, r: Request) -> int:
         """Prefix caching: start r's fresh slot from the longest cached prefix of its prompt."""

@@ -70,14 +70,7 @@ class PrefillCall:
         with cache.transaction(self.growth):
             cache.allocate(self.tokens.new_blocks)
             for slots, ids, lengths, piece in self._pieces(pieces):
-                fed = _split_list(ids.tolist(), lengths) if cache.prefix_caching else None
-                plan = cache.plan_checkpoints(_offsets(slots, fed)) if fed is not None else []
-                try:
-                    out = step(pack(slots, ids, lengths, cache))
-                except BaseException:
-                    cache.record_checkpoints(plan, written=False)
-                    raise
-                cache.record_checkpoints(plan, written=True)
+                out, fed = self._step(step, slots, ids, lengths)
                 growth = self.growth if piece is None else dict(zip(slots, lengths))
                 cache.commit(growth, None if fed is None else dict(zip(slots, fed)))
                 if piece is None:  # every stream whole: the step's rows are the logits
@@ -90,6 +83,54 @@ class PrefillCall:
         if order != list(range(B)):  # pieces that end their streams out of order
             logits = logits.index_select(0, torch.tensor(order, device=logits.device).argsort())
         return logits
+
+    def launch(self, step: Callable[[PackedBatch], torch.Tensor], last_tokens: torch.Tensor,
+               k: int) -> tuple[torch.Tensor, Callable[[list[int]], None]]:
+        """run()'s one step for a caller that knows the first `k` streams' token ids only on the device (the
+        engine's asynchronous loop: the tokens it sampled in the step before, not read back yet). Each of
+        those streams is one token, given in `streams` as a placeholder id; the step reads
+        `last_tokens[slot]` (int64 [slots + 1], on the cache's device) instead. Returns (logits, commit):
+        the logits as `step` returned them (one piece: the whole batch), and commit(ids), which the caller
+        calls with those k ids once it has them, before any other use of the cache: it advances the slots'
+        contexts (and with prefix caching labels the blocks they filled). Anything raised before launch
+        returns resets the call's slots (as run's); a caller that never commits resets them itself."""
+        if self._ran:
+            raise RuntimeError("a PrefillCall runs once")
+        self._ran = True
+        assert 0 <= k <= len(self.slots) and all(n == 1 for n in self.lengths[:k]), "k one-token streams first"
+
+        def read_last(packed: PackedBatch) -> torch.Tensor:
+            if k:
+                packed.tokens[:k] = last_tokens.index_select(0, packed.slot_ids[:k])
+            return step(packed)
+
+        with self.cache.transaction(self.growth):
+            self.cache.allocate(self.tokens.new_blocks)
+            out, fed = self._step(read_last, self.slots, self.tokens.ids, self.lengths)
+
+        def commit(ids: list[int]) -> None:
+            assert len(ids) == k, "commit takes the k ids the step read on the device"
+            if fed is not None:
+                for i, t in enumerate(ids):
+                    fed[i] = [t]
+            self.cache.commit(self.growth, None if fed is None else dict(zip(self.slots, fed)))
+
+        return out, commit
+
+    def _step(self, step, slots: list[int], ids: torch.Tensor, lengths: list[int]):
+        """Pack one piece, run `step` on it with prefix caching's checkpoints planned (and recorded once it has
+        run, or given back if it raises); returns (step's output, each stream's new ids with prefix caching
+        else None), the slots not committed yet."""
+        cache = self.cache
+        fed = _split_list(ids.tolist(), lengths) if cache.prefix_caching else None
+        plan = cache.plan_checkpoints(_offsets(slots, fed)) if fed is not None else []
+        try:
+            out = step(pack(slots, ids, lengths, cache))
+        except BaseException:
+            cache.record_checkpoints(plan, written=False)
+            raise
+        cache.record_checkpoints(plan, written=True)
+        return out, fed
 
     def _pieces(self, pieces: list[Piece] | None):
         """(slots, ids, lengths, piece) of each step: the whole batch (piece None) or each piece's ranges."""

@@ -3,7 +3,9 @@
 Policy, one step at a time (each step is one call of the captured prefill step):
 
 1. Decodes first: every running request whose prompt is fully prefilled feeds its last sampled
-   token (a one-token stream).
+   token (a one-token stream), unless it has sampled its max_new tokens already (the engine loop may
+   not have read the last of them yet: it runs one step ahead of its reads, loop.py). The token is
+   the step's to read on the device: the chunk carries a placeholder id (DEVICE_TOKEN).
 2. Then prompt chunks, first come first served, under what is left of the token budget: the
    requests already admitted whose prompt is partly prefilled, then waiting requests, admitted
    in arrival order while a slot is free and their worst-case KV blocks can be reserved. A
@@ -61,6 +63,7 @@ class Request:
     slot: int | None = None
     fed: int = 0  # prompt tokens in the cache
     cached: int = 0  # of those, restored from the prefix cache
+    sampled: int = 0  # tokens the steps planned so far sample (out, and those not read back yet)
     out: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length", "abort"; set when it ends
     error: BaseException | None = None  # what failed it
@@ -77,6 +80,9 @@ class Request:
     def kv_tokens(self) -> int:
         """The most tokens this request ever puts in its slot."""
         return len(self.prompt) + self.max_new - 1
+
+
+DEVICE_TOKEN = [0]  # a decode chunk's tokens: a placeholder id; the step reads the slot's last sampled token
 
 
 @dataclass
@@ -115,7 +121,9 @@ class Scheduler:
         step, prefilling = [], []
         for r in self.running:  # (one pass: a decode step of many requests is host work per request)
             if r.prefilled:
-                step.append(Chunk(r, [r.out[-1]], True))
+                if r.sampled < r.max_new:
+                    step.append(Chunk(r, DEVICE_TOKEN, True))
+                    r.sampled += 1
             else:
                 prefilling.append(r)
         self.decodes = len(step)  # <= slots <= budget
@@ -131,7 +139,8 @@ class Scheduler:
             if self.restore is not None:
                 r.fed = r.cached = self.restore(r)
             budget -= self._chunk(r, budget, step)
-        assert step, "requests that fit no step (a request's KV blocks are checked against the cache at submit)"
+        assert step or any(r.sampled > len(r.out) for r in self.running), \
+            "requests that fit no step (a request's KV blocks are checked against the cache at submit)"
         return step
 
     def _worth(self, budget: int) -> bool:
@@ -148,7 +157,9 @@ class Scheduler:
             end = (r.fed + n) // 64 * 64
             if r.fed + n < len(r.prompt) - 1 and end > r.fed:  # cut by the budget: end on a multiple of 64
                 n = end - r.fed
-        step.append(Chunk(r, r.prompt[r.fed:r.fed + n], r.fed + n == len(r.prompt)))
+        last = r.fed + n == len(r.prompt)
+        step.append(Chunk(r, r.prompt[r.fed:r.fed + n], last))
+        r.sampled += last
         return n
 
     def _fits(self, r: Request) -> bool:
@@ -156,9 +167,10 @@ class Scheduler:
         pending = sum(self.blocks_for(q) - -(-self.cache.context_lens[q.slot] // bs) for q in self.running)
         return self.blocks_for(r) <= self.cache.free_blocks - pending
 
-    def advance(self, step: list[Chunk]) -> None:
-        """The step (the last plan()) ran: count the prompt tokens it fed."""
-        for c in itertools.islice(step, self.decodes, None):  # its prompt chunks (the decodes feed no prompt)
+    def advance(self, step: list[Chunk], decodes: int) -> None:
+        """A step plan() gave (its first `decodes` chunks decodes) ran and its slots were committed: count the
+        prompt tokens it fed."""
+        for c in itertools.islice(step, decodes, None):  # its prompt chunks (the decodes feed no prompt)
             r = c.request
             r.fed += len(c.tokens)
             if self.keep is not None and r.fed == len(r.prompt) - 1:

@@ -42,13 +42,13 @@ def checkpoint(tmp_path_factory):
 
 def _record_steps(engine, monkeypatch):
     """Every step's streams as (slot, number of tokens)."""
-    steps, real = [], engine._loop.prefill
+    steps, real = [], engine._loop.launch
 
-    def spy(streams):
+    def spy(streams, decodes):
         steps.append([(s.slot, len(s.tokens)) for s in streams])
-        return real(streams)
+        return real(streams, decodes)
 
-    monkeypatch.setattr(engine._loop, "prefill", spy)
+    monkeypatch.setattr(engine._loop, "launch", spy)
     return steps
 
 
@@ -85,8 +85,8 @@ def test_compiled_runner_matches_transformers(checkpoint, monkeypatch):
     engine = Engine(checkpoint["model"], num_slots=3, token_budget=16, block_size=16, max_context=128)
     assert engine.runner is not None and not engine.runner.use_graphs
     calls = []
-    real = engine.runner.prefill
-    monkeypatch.setattr(engine.runner, "prefill", lambda streams: calls.append(len(streams)) or real(streams))
+    real = engine.runner.launch
+    monkeypatch.setattr(engine.runner, "launch", lambda streams, *a: calls.append(len(streams)) or real(streams, *a))
     steps = _check_greedy_against_hf(engine, checkpoint, monkeypatch)
     assert len(calls) == len(steps)  # each step is one call of the runner
 
@@ -352,12 +352,12 @@ def test_bad_requests_raise_and_touch_nothing(tiny):
             assert all(torch.equal(a, b) for a, b in zip(engine.cache.state_tensors(), before))
             _assert_cache_empty(engine)
     steps = []
-    real = engine._loop.prefill
-    engine._loop.prefill = lambda streams: steps.append(streams) or real(streams)
+    real = engine._loop.launch
+    engine._loop.launch = lambda streams, decodes: steps.append(streams) or real(streams, decodes)
     with pytest.raises(ValueError, match="on_token must be a callable"):
         engine.generate([ok], max_new_tokens=2, on_token=5)
     assert steps == []  # nothing ran
-    del engine._loop.prefill
+    del engine._loop.launch
     assert engine.generate([ok], max_new_tokens=2)[0].finish_reason == "length"
     for kwargs, msg in [(dict(num_slots=0), "num_slots must be an integer >= 1"),
                         (dict(num_slots=4, token_budget=2), "at least num_slots"),
@@ -459,8 +459,9 @@ def test_warmup_of_a_compiled_engine_runs_between_steps(tiny, monkeypatch):
     and the stream goes on. The runner's steps run eagerly here (no compile in this test)."""
     engine = Engine(tiny, num_slots=2, token_budget=8, block_size=16, max_context=32)
     warmed, steps = [], []
-    monkeypatch.setattr(engine.runner, "prefill",
-                        lambda streams: steps.append("step") or engine.model.prefill(engine.cache, streams))
+    monkeypatch.setattr(engine._loop, "runner", None)  # the loop's steps eager
+    real = engine._loop.launch
+    monkeypatch.setattr(engine._loop, "launch", lambda streams, decodes: steps.append("step") or real(streams, decodes))
     monkeypatch.setattr(engine.runner, "warmup",
                         lambda progress=False: warmed.append(progress) or steps.append("warmup") or [])
     stream = engine.stream([[1, 2, 3]], max_new_tokens=3)

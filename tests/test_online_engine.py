@@ -56,18 +56,21 @@ class _Gate:
     def __init__(self, engine, monkeypatch, at=None, fail_at=None):
         self.steps, self.at, self.fail_at = [], at, fail_at
         self.entered, self.go = threading.Event(), threading.Event()
-        real = engine._loop.prefill
+        loop = engine._loop
+        real = loop.launch
 
-        def spy(streams):
-            self.steps.append([(s.slot, list(s.tokens)) for s in streams])
+        def spy(streams, decodes):
+            # a decode feeds the token its slot sampled last, which the step reads on the device (read here)
+            self.steps.append([(s.slot, [int(loop.last_tokens[s.slot])] if i < decodes else list(s.tokens))
+                               for i, s in enumerate(streams)])
             if len(self.steps) == self.at:
                 self.entered.set()
                 assert self.go.wait(TIMEOUT), "the test never released the gate"
             if len(self.steps) == self.fail_at:
                 raise RuntimeError("injected step failure")
-            return real(streams)
+            return real(streams, decodes)
 
-        monkeypatch.setattr(engine._loop, "prefill", spy)
+        monkeypatch.setattr(loop, "launch", spy)
 
     def wait(self):
         assert self.entered.wait(TIMEOUT), "the loop never reached the gated step"

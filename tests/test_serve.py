@@ -366,18 +366,18 @@ def test_a_failing_step_is_500_or_an_error_event(engine, monkeypatch):
     from metrale_graph.server import build_app
 
     app = build_app(engine, "failing")
-    real = engine._loop.prefill
+    real = engine._loop.launch
 
-    def failing(streams):
+    def failing(streams, decodes):
         raise RuntimeError("injected step failure")
 
     async def calls():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as c:
             body = {"prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True}  # (sampled: EOS could end it early)
-            monkeypatch.setattr(engine._loop, "prefill", failing)
+            monkeypatch.setattr(engine._loop, "launch", failing)
             whole = await c.post("/v1/completions", json=body)
             streamed = await c.post("/v1/completions", json={**body, "stream": True})
-            monkeypatch.setattr(engine._loop, "prefill", real)
+            monkeypatch.setattr(engine._loop, "launch", real)
             return whole, streamed, await c.post("/v1/completions", json=body)
 
     whole, streamed, after = asyncio.run(calls())
