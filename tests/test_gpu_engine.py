@@ -59,3 +59,28 @@ def test_prefix_cache_under_graphs_gives_the_same_greedy_tokens():
         assert [r.token_ids for r in got] == [r.token_ids for r in want] and a.token_ids == b.token_ids
         assert in_step >= 3  # 64 / 128 / 192 of the system prompt, kept inside a step
         assert all(r.cached_tokens == 192 for r in got[2:]) and b.cached_tokens == len(second[2]) + 11
+
+
+def test_overlapped_loop_under_graphs_gives_the_streams_of_the_plain_loop():
+    """The overlapped loop on CUDA (step N+1 launched before N's tokens reach the host, decodes reading their
+    token from the device): the same greedy and seeded-sampling streams as the loop without overlap, every
+    step a graph replay, prompts queued and chunked, stop tokens ending requests mid-batch, prefix caching on."""
+    model = HybridModel.from_preset(CFG, dtype=torch.bfloat16, device="cuda", seed=7)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist() for n in (5, 37, 100, 3, 64, 130, 9)]
+    opts = dict(num_slots=4, max_context=512, token_budget=64, prefix_cache=True, checkpoint_interval=64)
+    runs = {}
+    for overlap in (False, True):
+        with Engine(model, overlap=overlap, **opts) as engine:
+            greedy = engine.generate(prompts, max_new_tokens=20, stop_token_ids=[])
+            stops = sorted({r.token_ids[4] for r in greedy[:3]})
+            stopped = engine.generate(prompts, max_new_tokens=20, stop_token_ids=stops)
+            sampled = engine.generate(prompts, max_new_tokens=16, temperature=0.8, top_p=0.95, seed=3,
+                                      stop_token_ids=[])
+            again = engine.generate(prompts, max_new_tokens=20, stop_token_ids=[])  # prefix hits
+            runs[overlap] = [[(r.token_ids, r.finish_reason) for r in out] for out in (greedy, stopped, sampled, again)]
+            assert engine.stats().generated_tokens == sum(len(t) for out in runs[overlap] for t, _ in out)
+    for name, a, b in zip(("greedy", "stop tokens", "sampled", "prefix hits"), runs[True], runs[False]):
+        print(f"{name}: {sum(x == y for x, y in zip(a, b))} of {len(a)} streams equal")
+        assert a == b, name
+    assert any(reason == "stop" for _, reason in runs[False][1])

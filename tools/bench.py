@@ -38,7 +38,7 @@ from metrale_graph.tools.flags import add_moe_parallel_arg, names_of, output_fil
 from metrale_graph.tools.floors import COPY_RATE, FP8_MATMUL_RATE, MATMUL_RATE
 from metrale_graph.tools.provenance import provenance
 from metrale_graph.tools.report import format_table, markdown_table, print_json, progress_bar
-from metrale_graph.tools.workloads import WORKLOADS, Ours, fitting_workloads, grid_of, workload_floor
+from metrale_graph.tools.workloads import WORKLOADS, Ours, Workload, fitting_workloads, grid_of, workload_floor
 
 VARIANTS = ("peer", "eager", "compiled", "graphs")
 TOP_KERNELS = 25  # kernels per workload in the JSON record (--profile)
@@ -75,6 +75,63 @@ def bench_generate(model, hf, prompts: int = 32, prompt_len: int = 512, new_toke
         peer_s = time.perf_counter() - t0
         row.update(peer_s=round(peer_s, 3), peer_tok_s=round(prompts * new_tokens / peer_s, 1))
     return row
+
+
+@torch.no_grad()
+def bench_decode_loop(model, streams: int, context: int = 2048, steps: int = 48, seed: int = 0) -> list[dict]:
+    """The Engine's decode step in steady state, with the loop's overlap and without (loop.py; one engine,
+    the same graphs): `streams` requests with `context`-token prompts, each then decoding `steps` + 2 tokens
+    (stop tokens off), every step a graph replay. Times the steps after every request has its second token
+    (prefill and the first decode left out): wall ms per step (host work included: what a user waits for
+    per token) and the GPU-busy fraction of that window, the union of the device's kernels and copies
+    (torch.profiler, CUDA activity only) between two marker kernels the measuring thread puts in the stream
+    at the window's ends. One row per mode."""
+    from metrale_graph import Engine
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, model.config.vocab_size, (context,), generator=g).tolist() for _ in range(streams)]
+    engine = Engine(model, num_slots=streams, max_context=context + steps + 4, token_budget=max(2048, streams),
+                    batch_sizes=[streams], token_counts=sorted({streams, 2048}), stop_token_ids=[])
+    try:
+        engine.warmup()
+        rows = []
+        for overlap in (True, False):
+            engine._loop.overlap = overlap  # (between calls: no step runs)
+            rows.append({"streams": streams, "context": context, "overlap": overlap,
+                         **_decode_window(engine, prompts, steps)})
+        return rows
+    finally:
+        engine.shutdown()
+
+
+def _decode_window(engine, prompts: list[list[int]], steps: int) -> dict:
+    """bench_decode_loop's measurement of one generate call (see there)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from metrale_graph.tools.profiling import device_intervals, union_ms
+
+    counts, marks = [0] * len(prompts), {}
+
+    def on_token(index, _token):
+        counts[index] += 1
+        if counts[index] == 2 and min(counts) >= 2 and "start" not in marks:
+            torch.cuda._sleep(1000)  # the window's first marker, behind the steps launched so far
+            marks["start"], marks["steps"] = time.perf_counter(), engine.stats().steps
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts, max_new_tokens=steps + 2, on_token=on_token)
+        torch.cuda.synchronize()
+        wall_s, done = time.perf_counter() - marks["start"], engine.stats().steps - marks["steps"]
+        torch.cuda._sleep(1000)  # the last marker
+        torch.cuda.synchronize()
+    intervals = device_intervals(prof.events(), DeviceType.CUDA)
+    spins = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and "spin" in e.name)
+    lo, hi = spins[0][1], spins[-1][0]
+    busy = union_ms([(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]) / (hi - lo)
+    return {"steps": done, "step_ms": round(1e3 * wall_s / done, 3), "device_ms": round(busy * 1e3 * wall_s / done, 3),
+            "gpu_busy": round(busy, 3)}
 
 
 def read_baseline(path: str, preset: str, layers: int) -> dict[str, float]:
@@ -258,6 +315,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="JSON of a one-GPU run (--json) of the same preset: adds the speed-up over one GPU")
     p.add_argument("--generate", action="store_true",
                    help="also time end-to-end generation (32 prompts x 512 tokens, 256 new each) against the peer")
+    p.add_argument("--loop", type=_stream_counts, default=None,
+                   help="also time the Engine's decode step in steady state at these stream counts (e.g. 1,32,128; "
+                        "2048 cached tokens each), with the loop's overlap and without, beside the D workloads' floors")
     p.add_argument("--json", type=output_file, default=None, help="write the results to this JSON file")
     p.add_argument("--markdown", type=output_file, default=None, help="write the table to this markdown file")
     p.add_argument("--host-profile", action="store_true",
@@ -266,6 +326,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="also print each workload's device time by phase and its top kernels (torch.profiler "
                         "over the compiled step)")
     return p
+
+
+def _stream_counts(text: str) -> list[int]:
+    """--loop's comma-separated positive stream counts."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated stream counts (e.g. 1,32,128), got {text!r}")
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"stream counts must be positive, got {text!r}")
+    return counts
 
 
 @dataclass(frozen=True)
@@ -286,6 +357,8 @@ def _plan(p: argparse.ArgumentParser, args) -> _Plan:
         p.error("the peer runs on one GPU: leave it out of --variants under --tp")
     if args.tp > 1 and args.generate:
         p.error("--generate times one GPU against the peer; under --tp use metrale_graph.tools.generate --tp")
+    if args.tp > 1 and args.loop:
+        p.error("--loop times one GPU's engine; leave it out under --tp")
     if args.baseline and "graphs" not in variants:
         p.error("--baseline compares graphs timings: keep graphs in --variants")
     files = [(flag, path) for flag, path in (("--baseline", args.baseline), ("--json", args.json),
@@ -364,7 +437,22 @@ def _bench(p, args, plan: _Plan, run) -> None:
     if args.generate:
         torch.cuda.empty_cache()
         generation = bench_generate(model, hf, seed=args.seed)
+    loop_rows = []
+    for n in args.loop or []:
+        floor = workload_floor(cfg, Workload((1,) * n, (2048,) * n)).floor_ms
+        torch.cuda.empty_cache()
+        for row in bench_decode_loop(model, n, seed=args.seed):
+            row.update(floor_ms=round(floor, 3), vs_floor=round(row["step_ms"] / floor, 2))
+            loop_rows.append(row)
+            if run.reports:
+                tqdm.write(json.dumps(row))
     record = bench_record(args, cfg.num_hidden_layers, moe_parallel, device, run_info, results, generation)
+    if loop_rows:
+        record["decode_loop"] = loop_rows
+        print("\nthe Engine's decode step (steady state, 2048 cached per stream, graphs):")
+        print(format_table(["streams", "overlap", "step ms", "device ms", "GPU busy", "floor ms", "x floor"],
+                           [[r["streams"], r["overlap"], r["step_ms"], r["device_ms"], f"{100 * r['gpu_busy']:.0f}%",
+                             r["floor_ms"], r["vs_floor"]] for r in loop_rows]))
     print("\n" + render(record, variants))
     if not run.reports:  # the other ranks ran the same steps; rank 0 reports
         return
