@@ -323,34 +323,47 @@ class HybridCache:
         """The state checkpoints the next step keeps (prefix caching with a checkpoint_interval): for each
         (slot, packed offset, new tokens) stream, every multiple of the interval its new tokens reach, where
         the slot's context is a multiple of 64 away (ops/checkpoints.py: the CUDA path keeps states at
-        chunk boundaries) and no checkpoint of that prefix exists; at most len(checkpoint_tokens). Writes
-        the targets into checkpoint_tokens / checkpoint_entries and returns (entry, length, chain hash)
-        of each, to record once the step has run (record_checkpoints) or give back if it fails."""
+        chunk boundaries) and no checkpoint of that prefix exists or is planned (two streams reaching one
+        prefix plan it once). At most what the pool can give (free entries and recorded ones, evicted least
+        recently used first) and len(checkpoint_tokens): when fewer, each stream's deepest first, a round
+        across the streams at a time (a deeper checkpoint restores more of every prompt that reaches it).
+        Writes the targets into checkpoint_tokens / checkpoint_entries and returns (entry, length, chain
+        hash) of each, to record once the step has run (record_checkpoints) or give back if it fails. A
+        failure inside gives back the entries it took."""
         if self.checkpoint_tokens is None:
             return []
-        every, bs, room = self.checkpoint_interval, self.block_size, self.checkpoint_tokens.shape[0]
-        plan, tokens = [], []
-        for slot, offset, new in streams:
+        every, bs = self.checkpoint_interval, self.block_size
+        wanted, planned = [], set()  # per stream, its (stream, length, packed token, hash) targets deepest first
+        for i, (slot, offset, new) in enumerate(streams):
             ctx = self.context_lens[slot]
             first = -(-(ctx + 1) // every) * every
-            if first > ctx + len(new):  # no multiple of the interval reached (a decode's one token, mostly)
-                continue
             ends = [p for p in range(first, ctx + len(new) + 1, every) if (p - ctx) % 64 == 0]
-            if not ends:
+            if not ends:  # no multiple of the interval reached (a decode's one token, mostly)
                 continue
-            hashes = self._hashes[slot]
+            held = self._hashes[slot]
             seq = self._tokens[slot] + list(new)
-            fresh = chain_hashes(seq[:ends[-1]], bs, hashes[-1] if hashes else b"", len(hashes) * bs)
-            for p in ends:
-                h = (hashes + fresh)[p // bs - 1]
-                if len(plan) == room or self._index.has_entry(h, ()):
-                    continue
+            chain = held + chain_hashes(seq[:ends[-1]], bs, held[-1] if held else b"", len(held) * bs)
+            targets = []
+            for p in reversed(ends):
+                h = chain[p // bs - 1]
+                if h not in planned and not self._index.has_entry(h, ()):
+                    planned.add(h)
+                    targets.append((i, p, offset + p - ctx - 1, h))
+            wanted.append(targets)
+        room = min(self.checkpoint_tokens.shape[0], self._index.available_entries)
+        chosen = [t for round_ in itertools.zip_longest(*wanted) for t in round_ if t is not None][:room]
+        chosen.sort()  # recorded stream by stream, shallow first: the deeper, the later evicted
+        plan = []
+        try:
+            for _, p, _, h in chosen:
                 plan.append((self._index.new_entry(), p, h))
-                tokens.append(offset + p - ctx - 1)
-        entries = [e for e, _, _ in plan]
-        pad = room - len(plan)
-        self.checkpoint_tokens.copy_(torch.tensor(tokens + [-1] * pad, dtype=torch.int64))
-        self.checkpoint_entries.copy_(torch.tensor(entries + [self.scratch_checkpoint] * pad, dtype=torch.int64))
+            pad = self.checkpoint_tokens.shape[0] - len(plan)
+            self.checkpoint_tokens.copy_(torch.tensor([t for _, _, t, _ in chosen] + [-1] * pad, dtype=torch.int64))
+            self.checkpoint_entries.copy_(torch.tensor([e for e, _, _ in plan] + [self.scratch_checkpoint] * pad,
+                                                       dtype=torch.int64))
+        except BaseException:
+            self.record_checkpoints(plan, written=False)
+            raise
         return plan
 
     def record_checkpoints(self, plan: list[tuple[int, int, bytes]], written: bool) -> None:

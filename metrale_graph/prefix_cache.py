@@ -152,9 +152,17 @@ class PrefixIndex:
         self._keys[b] = set()
 
     # checkpoint entries ---------------------------------------------------------------------------
+    @property
+    def available_entries(self) -> int:
+        """Entries new_entry can still give: free ones and recorded ones (evicted least recently used first).
+        Entries taken and neither recorded nor given back yet are not among them."""
+        return len(self._free_entries) + len(self._entry_lru)
+
     def new_entry(self) -> int:
         """An entry to write a checkpoint into: a free one, else the least recently used one (forgotten
-        now). The caller records it with add_entry once the state is written, or gives it back."""
+        now). The caller has checked available_entries, and records the entry with add_entry once the
+        state is written, or gives it back."""
+        assert self.available_entries, "new_entry() called without an available entry"
         if self._free_entries:
             return self._free_entries.pop()
         e, _ = self._entry_lru.popitem(last=False)

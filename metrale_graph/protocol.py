@@ -123,8 +123,10 @@ class PrefillCall:
         else None), the slots not committed yet."""
         cache = self.cache
         fed = _split_list(ids.tolist(), lengths) if cache.prefix_caching else None
-        plan = cache.plan_checkpoints(_offsets(slots, fed)) if fed is not None else []
-        try:
+        plan = []
+        try:  # the planned entries go back if the step fails (plan_checkpoints gives back its own)
+            if fed is not None:
+                plan = cache.plan_checkpoints(_offsets(slots, fed))
             out = step(pack(slots, ids, lengths, cache))
         except BaseException:
             cache.record_checkpoints(plan, written=False)

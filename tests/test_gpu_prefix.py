@@ -160,9 +160,9 @@ def run_sequence(twins: Twins, seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)
     draw = lambda n: torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist()  # noqa: E731
     prefix, x0, q, x3 = draw(300), draw(40), draw(192), draw(10)
-    # 340 tokens: 64..320 kept inside the step; q: 64, 128 and 192, its last token; prefix + x3 plans 64..256
-    # again (an entry of the same prefix planned twice in one step: the second is given back)
-    twins.prefill("four prompts", [(0, prefix + x0), (1, q), (2, draw(30)), (3, prefix + x3)], checkpoints=12)
+    # 340 tokens: 64..320 kept inside the step; q: 64, 128 and 192, its last token; prefix + x3 reaches 64..256
+    # too, the same prefixes as slot 0's: planned once
+    twins.prefill("four prompts", [(0, prefix + x0), (1, q), (2, draw(30)), (3, prefix + x3)], checkpoints=8)
     twins.keep(3)  # 310 tokens: 4 full blocks and a partial one of 54 rows, labelled
     q2 = draw(200)
     twins.prefill("continued prompts", [(1, q2), (2, draw(100))], checkpoints=3)  # 256, 320, 384 from 192

@@ -1,0 +1,250 @@
+"""Prefix caching with checkpoint pools smaller than a step's checkpoints (issue 37, item 2), and failures
+inside planning and saving.
+
+The bookkeeping test drives HybridCache through the prefill protocol with a stand-in step that writes, into
+every state a step would write, a mark of the tokens that state follows (`mark`): a checkpoint restored
+later must carry the mark of exactly the tokens it is restored for."""
+
+import bisect
+import itertools
+import random
+import zlib
+from array import array
+
+import pytest
+import torch
+
+from helpers import unit_gain
+from metrics import rel_err
+from metrale_graph import Engine, HybridModel, Stream
+from metrale_graph.protocol import prefill_call, restore_prefix
+
+BS, EVERY = 16, 64
+
+
+@pytest.fixture(scope="module")
+def model():
+    return unit_gain(HybridModel.from_preset("tiny", seed=5), 5)
+
+
+def tokens(n, seed):
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def mark(prefix) -> float:
+    """A number that names a token sequence (exact in fp32)."""
+    return float(zlib.crc32(array("q", prefix).tobytes()) % 65536)
+
+
+def slot_mark(cache, slot) -> set[float]:
+    return {pool[slot].flatten()[0].item() for pool in cache.conv_states + cache.gdn_states}
+
+
+def entry_mark(cache, e) -> set[float]:
+    return {pool[e].flatten()[0].item() for pool in cache.checkpoint_conv_states + cache.checkpoint_gdn_states}
+
+
+def marking_step(cache, streams, vocab):
+    """A stand-in for the model's step over `streams` ((slot, new tokens), packed in that order): each planned
+    checkpoint entry and each slot's states get the mark of the tokens they follow."""
+    starts = [0, *itertools.accumulate(len(new) for _, new in streams)]
+
+    def step(packed):
+        for t, e in zip(cache.checkpoint_tokens.tolist(), cache.checkpoint_entries.tolist()):
+            if t >= 0:
+                i = bisect.bisect_right(starts, t) - 1
+                slot, new = streams[i]
+                for pool in cache.checkpoint_conv_states + cache.checkpoint_gdn_states:
+                    pool[e].fill_(mark(cache._tokens[slot] + new[:t - starts[i] + 1]))
+        for slot, new in streams:
+            for pool in cache.conv_states + cache.gdn_states:
+                pool[slot].fill_(mark(cache._tokens[slot] + new))
+        return torch.zeros(len(streams), vocab)
+
+    return step
+
+
+def assert_idle_and_exact(cache):
+    """No checkpoint entry in flight (each free or recorded, once), the prefix index consistent with itself,
+    and the blocks' ref counts, free lists and block tables those of the slots' contexts."""
+    index = cache._index
+    recorded = list(index._entries)
+    assert sorted(index._free_entries + recorded) == list(range(cache.prefix_checkpoints))
+    assert set(index._entry_lru) == set(recorded)
+    assert sorted((m.full, m.tail, e) for e, m in index._entries.items()) == sorted(
+        (full, tail, e) for full, at in index._by_prefix.items() for tail, e in at.items())
+    holders = [0] * cache.num_blocks
+    for slot, blocks in enumerate(cache._blocks):
+        n = cache.context_lens[slot]
+        assert len(blocks) == -(-n // BS) and len(cache._tokens[slot]) == n and len(cache._hashes[slot]) == n // BS
+        for b in blocks:
+            holders[b] += 1
+        row = cache.block_tables[slot].tolist()
+        assert row == blocks + [cache.null_block] * (len(row) - len(blocks))
+    assert index.refs == holders
+    plain, cached = set(index._plain), set(index._cached)
+    assert len(plain) == len(index._plain) and not plain & cached
+    assert plain | cached == {b for b, r in enumerate(holders) if r == 0}
+    assert all(index._keys[b] for b in cached) and not any(index._keys[b] for b in plain)
+    assert sorted(index._by_key.items()) == sorted((k, b) for b, keys in enumerate(index._keys) for k in keys)
+
+
+class Failures:
+    """Random failures, each at `rate`: taking a checkpoint entry (raises before the entry is taken: in
+    planning, a failure after the entries taken before it), the step, and the copy of a save (the last
+    checkpoint pool swapped for one that copy cannot go into, after the other pools were written)."""
+
+    def __init__(self, cache, rng, rate):
+        self.cache, self.rng, self.rate, self.count = cache, rng, rate, 0
+        real = cache._index.new_entry
+
+        def new_entry():
+            if self.roll():
+                raise RuntimeError("injected: taking an entry")
+            return real()
+
+        cache._index.new_entry = new_entry
+
+    def roll(self) -> bool:
+        hit = self.rng.random() < self.rate
+        self.count += hit
+        return hit
+
+    def step(self, step):
+        def failing(packed):
+            if self.roll():
+                raise RuntimeError("injected: the step")
+            return step(packed)
+
+        return failing
+
+    def save(self, slot) -> bool:
+        """save_prefix(slot), or False when an injected failure stopped it."""
+        pools = self.cache.checkpoint_gdn_states
+        real = pools[-1]
+        if self.roll():
+            pools[-1] = torch.zeros(real.shape[0], 1, 1, 2)
+        try:
+            return self.cache.save_prefix(slot)
+        except RuntimeError as e:
+            assert "injected" in str(e) or pools[-1] is not real
+            return False
+        finally:
+            pools[-1] = real
+
+
+def drive(model, cache, rng, prompts, fail_rate):
+    """Run `prompts` through the cache's slots as the engine would: restore the longest kept prefix, feed
+    the rest in chunks (several slots per call), decode a token or two, keep the context, reset. Checks
+    every restored state's mark and the bookkeeping after every call."""
+    vocab = model.config.vocab_size
+    failures = Failures(cache, rng, fail_rate)
+    todo = iter(prompts)
+    work: dict[int, list[int]] = {}  # slot -> tokens still to feed
+    restored = 0
+    while True:
+        for slot in range(cache.num_slots):
+            if slot not in work and (prompt := next(todo, None)) is not None:
+                n = restore_prefix(model, cache, slot, prompt)
+                if n:
+                    assert slot_mark(cache, slot) == {mark(prompt[:n])}
+                    restored += n
+                work[slot] = prompt[n:] + tokens(rng.randint(0, 2), rng.randrange(10**9))  # and a token or two
+        if not work:
+            return restored, failures.count
+        streams = []
+        for slot in rng.sample(sorted(work), rng.randint(1, len(work))):
+            rest = work[slot]
+            size = rng.choice([EVERY, 2 * EVERY, 3 * EVERY, rng.randint(1, 100)])
+            streams.append((slot, rest[:size]))
+            work[slot] = rest[size:]
+        step = failures.step(marking_step(cache, streams, vocab))
+        try:
+            with prefill_call(model, cache, [Stream(s, new) for s, new in streams]) as call:
+                call.run(step)
+        except RuntimeError as e:
+            assert "injected" in str(e)
+            for slot, _ in streams:  # the transaction reset the batch's slots: their requests end
+                assert cache.context_lens[slot] == 0
+                work.pop(slot)
+        assert_idle_and_exact(cache)
+        for slot, _ in streams:
+            if slot in work and not work[slot]:
+                failures.save(slot)
+                assert_idle_and_exact(cache)
+                cache.reset(slot)
+                del work[slot]
+        for e in cache._index._entries:  # every recorded checkpoint holds the states of its tokens
+            assert len(entry_mark(cache, e)) == 1
+
+
+@pytest.mark.parametrize("entries", [1, 2, 3, 4])
+def test_thousands_of_prompts_through_small_checkpoint_pools(model, entries):
+    """Issue 37, item 2: a step that planned more checkpoints than the pool holds raised KeyError and kept
+    the entries it had taken, so every later step failed too. Now a small pool keeps fewer checkpoints,
+    failures anywhere in planning, the step or saving give back what they took, and every restored
+    prefix carries the states of its own tokens."""
+    rng = random.Random(entries)
+    roots, prompts = [tokens(rng.randint(64, 400), 1000 * entries + i) for i in range(4)], []
+    for _ in range(1000):  # parts of a few long prompts and of the latest ones, and a few tokens of their own
+        root = rng.choice(roots + prompts[-2:])
+        prompts.append((root[:rng.randint(1, len(root))] + tokens(rng.randint(0, 30), rng.randrange(10**9)))[:440])
+    cache = model.new_cache(2, 2 * 28 + 12, block_size=BS, max_context=448, prefix_checkpoints=entries,
+                            checkpoint_interval=EVERY)
+    restored, failed = drive(model, cache, rng, prompts, fail_rate=0.03)
+    stats = cache.prefix_stats()
+    assert restored > 0 and failed > 0 and stats["evicted_checkpoints"] > 0 and stats["hits"] > 0
+    assert cache.context_lens == [0, 0] and not any(cache._index.refs)
+
+
+def test_a_step_plans_at_most_the_pool_and_keeps_the_deepest(model):
+    """A 400-token prompt in one step reaches checkpoints at 64..384 (6); a pool of 4 keeps the deepest 4,
+    the shallowest of them evicted first (by a prompt reaching 64), and a later prompt sharing 330 tokens
+    restores 320."""
+    prompt = tokens(400, 1)
+    cache = model.new_cache(1, 30, block_size=BS, max_context=448, prefix_checkpoints=4, checkpoint_interval=EVERY)
+    model.prefill(cache, [Stream(0, prompt)])
+    assert sorted(m.length for m in cache._index._entries.values()) == [192, 256, 320, 384]
+    cache.reset(0)
+    model.prefill(cache, [Stream(0, tokens(70, 9))])
+    assert sorted(m.length for m in cache._index._entries.values()) == [64, 256, 320, 384]
+    cache.reset(0)
+    other = prompt[:330] + tokens(20, 2)
+    n = restore_prefix(model, cache, 0, other)
+    assert n == 320
+    assert rel_err(model.prefill(cache, [Stream(0, other[n:])]),
+                   model.prefill(model.new_cache(1, 30, block_size=BS), [Stream(0, other)])) <= 1e-5
+    cache.reset(0)
+    assert_idle_and_exact(cache)
+
+
+@pytest.mark.parametrize("num_slots,entries", [(1, 1), (1, 4), (2, 1), (2, 3)])
+def test_engine_with_a_small_checkpoint_pool_gives_the_tokens_of_no_prefix_cache(model, num_slots, entries):
+    """Prompts that reach more checkpoints than the pool holds: the same greedy tokens as without prefix
+    caching, hits among them, and the bookkeeping idle at the end."""
+    base = tokens(330, 3)
+    prompts = [base + tokens(5, 5), base[:300] + tokens(9, 4), tokens(200, 6), base[:290] + tokens(3, 7)]
+    kw = dict(num_slots=num_slots, token_budget=384, block_size=BS, max_context=448, compile=False)
+    with Engine(model, **kw) as plain, Engine(model, prefix_cache=True, prefix_checkpoints=entries,
+                                              checkpoint_interval=EVERY, **kw) as cached:
+        want = plain.generate(prompts, max_new_tokens=3)
+        got = cached.generate(prompts, max_new_tokens=3)
+        turn = prompts[-1] + want[-1].token_ids + tokens(4, 8)  # the next turn: restores the last request
+        again = cached.generate([turn], max_new_tokens=3)[0]
+        assert again.token_ids == plain.generate([turn], max_new_tokens=3)[0].token_ids
+        assert_idle_and_exact(cached.cache)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert again.cached_tokens == len(turn) - 5
+
+
+def test_the_issue_case_one_slot_default_pool_long_prompt():
+    """The issue's own case: one slot, the default pool (4) and interval (128), a 700-token prompt (5
+    checkpoints): the request and every later one used to fail with KeyError."""
+    m = HybridModel.from_preset("tiny")
+    with Engine(m, num_slots=1, compile=False, prefix_cache=True) as e, Engine(m, num_slots=1, compile=False) as p:
+        long = [i % 512 for i in range(700)]
+        for prompt in (long, [1, 2, 3], long):
+            want = p.generate([prompt], max_new_tokens=2)[0].token_ids
+            assert e.generate([prompt], max_new_tokens=2)[0].token_ids == want
+        assert e.stats().prefix["hits"] > 0
+        assert_idle_and_exact(e.cache)
