@@ -28,6 +28,7 @@ import itertools
 import sys
 import threading
 import weakref
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -35,6 +36,15 @@ import torch
 from .config import ModelConfig
 from .numbers import as_int, int_tensor
 from .prefix_cache import PrefixIndex, chain_hashes, prefix_key
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """HybridCache.snapshot(): the cache it is of (a weak reference), copies of its state_tensors() and of its
+    host bookkeeping (contexts, blocks, prefix index, tokens, chain hashes)."""
+    cache: weakref.ref
+    tensors: list[torch.Tensor]
+    host: tuple
 
 
 class CacheInUseError(ValueError, RuntimeError):
@@ -444,51 +454,32 @@ class HybridCache:
             self._broken = f"resetting slots {slots} failed ({type(e).__name__}: {e})"
             raise
 
-    def snapshot(self) -> tuple:
-        """A copy of everything the cache holds (device pools and host bookkeeping)."""
-        return ([t.clone() for t in self.state_tensors()], list(self.context_lens),
-                [list(b) for b in self._blocks], copy.deepcopy((self._index, self._tokens, self._hashes)))
+    def snapshot(self) -> CacheSnapshot:
+        """A copy of everything the cache holds: every device tensor (state_tensors(): the slot pools, KV
+        pools, block tables and prefix caching's checkpoint pools) and the host bookkeeping (contexts, blocks,
+        tokens and chain hashes, the prefix index: ref counts, labels, checkpoint entries)."""
+        return CacheSnapshot(weakref.ref(self), [t.clone() for t in self.state_tensors()],
+                             copy.deepcopy((self.context_lens, self._blocks, self._index, self._tokens, self._hashes)))
 
-    def restore(self, snapshot: tuple) -> None:
-        """Put the cache back to a snapshot() of itself (in place: captured graphs stay valid). A snapshot
-        of another cache geometry raises ValueError before anything is copied."""
-        if not (isinstance(snapshot, tuple) and len(snapshot) == 4):
-            raise ValueError(f"the snapshot is not of this cache (a snapshot() of it is a 4-tuple, got "
-                             f"{type(snapshot).__name__}); nothing was restored")
-        tensors, ctx, blocks, index = snapshot
-        mine = self.state_tensors()
-        if len(tensors) != len(mine) or len(ctx) != self.num_slots or len(blocks) != self.num_slots or any(
-                t.shape != s.shape or t.dtype != s.dtype for t, s in zip(mine, tensors)) or not self._fits_geometry(
-                tensors[-1], ctx, blocks, index):
-            raise ValueError("the snapshot is not of this cache (other pools, slots or block tables); nothing "
-                             "was restored")
+    def restore(self, snapshot: CacheSnapshot) -> None:
+        """Put the cache back to a snapshot() of itself (in place: captured graphs stay valid). Anything else
+        (a snapshot of another cache, even of the same geometry) raises ValueError before anything is
+        copied. If a copy fails midway, every slot is reset and every kept prefix forgotten (the pools'
+        contents are then unknown) and the error propagates."""
+        if not isinstance(snapshot, CacheSnapshot) or snapshot.cache() is not self:
+            got = "a snapshot of another cache" if isinstance(snapshot, CacheSnapshot) else type(snapshot).__name__
+            raise ValueError(f"the snapshot is not of this cache (restore takes a snapshot() of this very cache, got "
+                             f"{got}); nothing was restored")
         with self.exclusive():
-            for t, s in zip(self.state_tensors(), tensors):
-                t.copy_(s)
+            try:
+                for t, s in zip(self.state_tensors(), snapshot.tensors):
+                    t.copy_(s)
+            except BaseException:
+                self._index.clear()
+                self._reset(list(range(self.num_slots)))
+                raise
+            ctx, self._blocks, self._index, self._tokens, self._hashes = copy.deepcopy(snapshot.host)
             self.context_lens[:] = ctx
-            self._blocks = [list(b) for b in blocks]
-            self._index, self._tokens, self._hashes = copy.deepcopy(index)
-
-    def _fits_geometry(self, block_tables: torch.Tensor, ctx, blocks, index) -> bool:
-        """Whether a snapshot's bookkeeping describes this cache's blocks: each slot's context within
-        max_context and held in ceil(context / block_size) blocks, its block-table row those blocks then
-        the null block, and each block's ref count the number of slots holding it. (The pool shapes alone
-        do not pin the block geometry: a model without attention layers has no KV pools.)"""
-        bs, holders = self.block_size, [0] * self.num_blocks
-        refs = getattr(index[0] if isinstance(index, tuple) and index else None, "refs", None)
-        if refs is None or len(refs) != self.num_blocks:
-            return False
-        for n, b in zip(ctx, blocks):
-            if not isinstance(n, int) or not 0 <= n <= self.max_context or len(b) != -(-n // bs):
-                return False
-            for x in b:
-                if not 0 <= x < self.num_blocks:
-                    return False
-                holders[x] += 1
-        if holders != list(refs):
-            return False
-        rows = block_tables[:self.num_slots].tolist()
-        return all(row == list(b) + [self.null_block] * (len(row) - len(b)) for row, b in zip(rows, blocks))
 
     # the pools in one order, which the ONNX export's inputs and outputs follow
     _POOL_KINDS = (("conv_states", "conv_state", "linear_layers"), ("gdn_states", "gdn_state", "linear_layers"),
@@ -515,8 +506,10 @@ class HybridCache:
         return view
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """Every device tensor of the cache (for snapshots in tests and tools)."""
-        return self.pools() + [self.block_tables]
+        """Every device tensor of the cache (for snapshots in tests and tools): pools(), the block tables, then
+        with prefix caching the checkpoint pools and the step's checkpoint targets."""
+        targets = [t for t in (self.checkpoint_tokens, self.checkpoint_entries) if t is not None]
+        return self.pools() + [self.block_tables] + self.checkpoint_conv_states + self.checkpoint_gdn_states + targets
 
     def __getstate__(self):  # pickle (torch.save): a new lock, and no owner (a weak reference cannot be saved,
         # and the model may not exist where the cache is loaded): the first model to use the loaded cache claims it

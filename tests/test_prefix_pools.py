@@ -1,11 +1,12 @@
-"""Prefix caching with checkpoint pools smaller than a step's checkpoints (issue 37, item 2), and failures
-inside planning and saving.
+"""Prefix caching with checkpoint pools smaller than a step's checkpoints (issue 37, item 2), failures
+inside planning and saving, and snapshots that hold the checkpoint pools (item 3).
 
 The bookkeeping test drives HybridCache through the prefill protocol with a stand-in step that writes, into
 every state a step would write, a mark of the tokens that state follows (`mark`): a checkpoint restored
 later must carry the mark of exactly the tokens it is restored for."""
 
 import bisect
+import copy
 import itertools
 import random
 import zlib
@@ -248,3 +249,81 @@ def test_the_issue_case_one_slot_default_pool_long_prompt():
             assert e.generate([prompt], max_new_tokens=2)[0].token_ids == want
         assert e.stats().prefix["hits"] > 0
         assert_idle_and_exact(e.cache)
+
+
+# snapshots (issue 37, item 3) ---------------------------------------------------------------------------
+
+def test_restore_puts_back_the_checkpoint_pools(model):
+    """Keep a prefix of A, snapshot, keep a prefix of B over the same (only) checkpoint entry, restore, then
+    restore A's prefix: it used to come back with B's GDN states (no error, wrong logits)."""
+    a, b = tokens(100, 11), tokens(100, 12)
+    cache = model.new_cache(1, 16, block_size=BS, prefix_checkpoints=1)
+    model.prefill(cache, [Stream(0, a[:80])])
+    assert cache.save_prefix(0)
+    cache.reset(0)
+    snap = cache.snapshot()
+    before = [t.clone() for t in cache.state_tensors()]
+    model.prefill(cache, [Stream(0, b[:80])])
+    assert cache.save_prefix(0) and cache.prefix_stats()["evicted_checkpoints"] == 1
+    cache.reset(0)
+    cache.restore(snap)
+    assert all(torch.equal(x, y) for x, y in zip(cache.state_tensors(), before))
+    assert_idle_and_exact(cache)
+    assert restore_prefix(model, cache, 0, a) == 80
+    got = model.prefill(cache, [Stream(0, a[80:])])
+    assert rel_err(got, model.prefill(model.new_cache(1, 16, block_size=BS), [Stream(0, a)])) <= 1e-5
+
+
+def test_a_snapshot_covers_every_tensor_and_the_host_bookkeeping(model):
+    """Every tensor attribute of the cache is in state_tensors() (so in a snapshot), and a restore gives back
+    the block ref counts, labels, prefix index, checkpoint entries, tokens and contexts."""
+    cache = model.new_cache(2, 24, block_size=BS, max_context=192, prefix_checkpoints=3, checkpoint_interval=EVERY)
+    model.prefill(cache, [Stream(0, tokens(150, 1)), Stream(1, tokens(40, 2))])
+    cache.save_prefix(1)
+    tensors = {id(t) for t in cache.state_tensors()}
+    for name, value in vars(cache).items():
+        for t in value if isinstance(value, list) else [value]:
+            if isinstance(t, torch.Tensor):
+                assert id(t) in tensors, name
+    def host():
+        index = cache._index
+        return (cache.context_lens, cache._blocks, cache._tokens, cache._hashes, index.refs, index._keys,
+                index._by_key, index._plain, list(index._cached), index._entries, list(index._entry_lru),
+                index._by_prefix, index._free_entries)
+
+    want, snap = copy.deepcopy(host()), cache.snapshot()
+    cache.reset(0)
+    model.prefill(cache, [Stream(0, tokens(190, 3))])
+    cache.save_prefix(0)
+    cache.clear_prefixes()
+    cache.restore(snap)
+    assert host() == want
+    assert_idle_and_exact(cache)
+
+
+def test_restore_refuses_a_snapshot_of_another_cache_of_the_same_geometry(model):
+    kw = dict(block_size=BS, prefix_checkpoints=2)
+    cache, other = model.new_cache(1, 8, **kw), model.new_cache(1, 8, **kw)
+    model.prefill(other, [Stream(0, tokens(30, 1))])
+    other.save_prefix(0)
+    before = [t.clone() for t in cache.state_tensors()]
+    with pytest.raises(ValueError, match="not of this cache"):
+        cache.restore(other.snapshot())
+    assert all(torch.equal(x, y) for x, y in zip(cache.state_tensors(), before))
+    assert cache.context_lens == [0] and cache.prefix_stats()["checkpoints"] == 0
+
+
+def test_a_restore_that_fails_midway_leaves_an_empty_cache(model):
+    """A copy failing midway (here a snapshot tensor of the wrong shape, standing in for a device error)
+    leaves pools half restored: the cache then holds nothing, rather than bookkeeping that describes
+    other pools, and serves again."""
+    cache = model.new_cache(2, 8, block_size=BS, prefix_checkpoints=2)
+    model.prefill(cache, [Stream(0, tokens(30, 1))])
+    cache.save_prefix(0)
+    snap = cache.snapshot()
+    snap.tensors[-1] = torch.zeros(3, 5, 7, 11)
+    with pytest.raises(RuntimeError):
+        cache.restore(snap)
+    assert_idle_and_exact(cache)
+    assert cache.context_lens == [0, 0] and cache.free_blocks == cache.num_blocks
+    assert cache.prefix_stats()["checkpoints"] == 0 and restore_prefix(model, cache, 0, tokens(30, 1)) == 0
