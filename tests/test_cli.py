@@ -352,6 +352,7 @@ def test_help_names_the_installed_command(capsys, name):
     (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
     (["--num-slots", "8", "--token-budget", "4"], "--token-budget 4 must be at least num_slots (--num-slots 8)"),
     (["--max-context", "5000"], "--max-context 5000 exceeds the model's max_position_embeddings (4096)"),
+    (["--max-request-bytes", "0"], "argument --max-request-bytes: expected a positive integer, got '0'"),
     (["--host", "256.1.1.1"], "--host 256.1.1.1 --port 8000: cannot listen there"),
 ])
 def test_serve_flags(capsys, argv, message):

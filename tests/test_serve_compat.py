@@ -12,12 +12,15 @@ moving, stop strings across token boundaries (several at once, whole and streame
 the whole text over sampled outputs, and SIGINT with streams in flight (the port freed at once, the
 process gone within the shutdown timeout), an engine without a waiting queue (max_waiting=0) serving
 while a slot is free; text UTF-8 cannot encode (lone surrogates) answered 400, a seed at the top of its range
-with n > 1, messages without their content, HEAD /health, and a prompt of megabytes tokenized off the event
-loop. Waits are bounded so that a hang fails fast."""
+with n > 1, messages without their content, HEAD /health, prompts of megabytes tokenized off the event
+loop; a body over --max-request-bytes answered 413 as it is read (a chunked one that never ends too), and
+texts that cannot fit in the context (a prompt, chat messages, a stop string) refused before they are
+tokenized. Waits are bounded so that a hang fails fast."""
 
 import json
 import re
 import signal
+import socket
 import threading
 import time
 
@@ -33,6 +36,7 @@ NAME = "tiny-compat"
 MAX_CONTEXT = 512
 SLOTS = 8
 SHUTDOWN_S = 2
+MAX_REQUEST_BYTES = 3 * 1024 * 1024
 TIMEOUT = 120
 # Qwen3's switch: a chat template variable that only chat_template_kwargs sets
 THINKING_TEMPLATE = CHAT_TEMPLATE + ("{% if enable_thinking is defined and not enable_thinking %}"
@@ -62,7 +66,8 @@ def tokenizer(checkpoint):
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     flags = ["--served-model-name", NAME, "--num-slots", str(SLOTS), "--max-context", str(MAX_CONTEXT),
-             "--token-budget", "128", "--max-waiting", "32", "--shutdown-timeout", str(SHUTDOWN_S)]
+             "--token-budget", "128", "--max-waiting", "32", "--shutdown-timeout", str(SHUTDOWN_S),
+             "--max-request-bytes", str(MAX_REQUEST_BYTES)]
     with running_server(checkpoint, tmp_path_factory.mktemp("server"), flags, TIMEOUT) as proc:
         yield proc
 
@@ -345,14 +350,17 @@ def test_head_health_and_the_model_list_with_a_trailing_slash(server):
     assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == [NAME], r.text
 
 
-def test_a_prompt_of_megabytes_is_tokenized_off_the_event_loop(server):
-    """While the server tokenizes a 2 MB prompt (seconds on the CPU), it still answers: /health comes back
-    before that request does (whose answer is a 400: far past the context)."""
+def test_prompts_of_megabytes_are_tokenized_off_the_event_loop(server):
+    """While the server tokenizes 3 MB of prompts (seconds on the CPU; each fits in the context), it still
+    answers: /health comes back before that request does (whose answer is a 400: more prompts than the slots
+    and the queue hold, known once they are tokenized)."""
     done = threading.Event()
     result = {}
+    prompt = "Hello world! " * 70  # 490 tokens
+    prompts = [prompt] * ((MAX_REQUEST_BYTES - 100) // (len(prompt) + 4))  # a body within the limit
 
     def big():
-        result["r"] = _post(server, "/v1/completions", {"prompt": "hello world " * 175_000, "max_tokens": 1})
+        result["r"] = _post(server, "/v1/completions", {"prompt": prompts, "max_tokens": 1})
         done.set()
 
     thread = threading.Thread(target=big)
@@ -362,7 +370,73 @@ def test_a_prompt_of_megabytes_is_tokenized_off_the_event_loop(server):
     answered_first = not done.is_set()
     thread.join(TIMEOUT)
     assert health.status_code == 200 and answered_first
-    assert _error(result["r"])["code"] == "context_length_exceeded"
+    assert _error(result["r"])["param"] == "prompt" and "--max-waiting" in result["r"].text
+
+
+def _answer(sock: socket.socket) -> tuple[int, dict, dict]:
+    """(status, headers, JSON body) of the HTTP response read from `sock`."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        received = sock.recv(65536)
+        assert received, f"the server closed the connection without an answer (got {data!r})"
+        data += received
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict((k.lower(), v.strip()) for k, v in (line.split(":", 1) for line in lines[1:]))
+    while len(body) < int(headers["content-length"]):
+        body += sock.recv(65536)
+    return int(lines[0].split()[1]), headers, json.loads(body)
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read_whole(server):
+    """--max-request-bytes: a Content-Length over it is answered at once (no byte of the body sent); a chunked
+    body (no Content-Length) as soon as it passes the limit, though it never ends; a whole one too, with
+    OpenAI's error; a body at the limit is served."""
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {30 * 1024 * 1024}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head)
+        status, headers, body = _answer(sock)
+    assert status == 413 and body["error"]["code"] == "request_too_large", body
+    assert f"at most {MAX_REQUEST_BYTES} bytes" in body["error"]["message"]
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    chunk = b"x" * 65536
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head)
+        for _ in range(MAX_REQUEST_BYTES // len(chunk) + 1):  # one chunk past the limit; the last chunk never sent
+            sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        status, headers, body = _answer(sock)
+    assert status == 413 and body["error"]["code"] == "request_too_large", body
+    prompt = "x" * (MAX_REQUEST_BYTES - len('{"prompt": "", "max_tokens": 1}'))
+    error = _error(_post(server, "/v1/completions", b'{"prompt": "%s!", "max_tokens": 1}' % prompt.encode()), 413)
+    assert error["type"] == "invalid_request_error" and error["code"] == "request_too_large"
+    at_limit = _post(server, "/v1/completions", b'{"prompt": "%s", "max_tokens": 1}' % prompt.encode())
+    assert _error(at_limit)["code"] == "context_length_exceeded"  # read whole and answered: far past the context
+    assert _post(server, "/v1/completions", {"prompt": [1, 2], "max_tokens": 1}).status_code == 200
+
+
+def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenized(server, tokenizer):
+    """A text of more bytes than (context - 1) x the most bytes a token covers is a 400 context_length_exceeded
+    naming its field, said before tokenizing (a prompt, one of several, chat messages through the template);
+    a stop string longer than any text the context can generate is a 400 too."""
+    from metrale_graph.server.limits import TokenBound
+
+    per_token = TokenBound(tokenizer).bytes_per_token
+    long = "hello world " * (MAX_CONTEXT * per_token // 12 + 1)
+    for path, body, param, name in [
+            ("/v1/completions", {"prompt": long}, "prompt", "prompt is at least"),
+            ("/v1/completions", {"prompt": ["hi", long]}, "prompt", "prompt 1 is at least"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": long}]}, "messages",
+             "messages (through the chat template) is at least")]:
+        error = _error(_post(server, path, {**body, "max_tokens": 1}))
+        assert (error["param"], error["code"]) == (param, "context_length_exceeded"), error
+        assert name in error["message"] and f"covers more than {per_token} bytes" in error["message"], error
+    most = (MAX_CONTEXT - 1) * per_token
+    error = _error(_post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "stop": ["x" * (most + 1)]}))
+    assert error["param"] == "stop" and "can never match" in error["message"], error
+    ok = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "stop": ["x" * most]})
+    assert ok.status_code == 200, ok.text
 
 
 def test_an_engine_without_a_waiting_queue_serves_while_a_slot_is_free(checkpoint):

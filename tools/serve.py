@@ -3,7 +3,7 @@
 
     python -m metrale_graph.tools.serve --model FOLDER_OR_PRESET [--host 127.0.0.1] [--port 8000]
         [--served-model-name NAME] [--api-key KEY] [--num-slots 64] [--max-context N] [--token-budget N]
-        [--max-waiting N] [--eager] [--no-warmup] [--tp N]
+        [--max-waiting N] [--max-request-bytes N] [--eager] [--no-warmup] [--tp N]
 
 The port is taken before the model loads (a port in use fails at once); the server answers from
 then on, /health with 503 until the engine has warmed its bucket grid (a progress bar on a terminal),
@@ -59,6 +59,9 @@ def _parse_args(argv):
     p.add_argument("--max-waiting", type=non_negative_int, default=None,
                    help="requests waiting for a slot before new ones get 503 with Retry-After "
                         "(default max(256, 4 x slots); 0: none wait, a request needs a free slot)")
+    p.add_argument("--max-request-bytes", type=positive_int, default=None,
+                   help="request bodies larger than this get 413, counted as they are read (default 4 MiB, "
+                        "4194304: a full context of token ids fits)")
     p.add_argument("--block-size", type=positive_int, default=64, help="tokens per KV block (default 64)")
     p.add_argument("--num-blocks", type=positive_int, default=None,
                    help="KV blocks (default: every slot can hold max context)")
@@ -130,7 +133,8 @@ def _serve(args, engine, name: str, sock: socket.socket, run) -> None:
 
     from metrale_graph.server import build_app
 
-    app = build_app(engine, name, api_key=args.api_key, ready=args.no_warmup)
+    kwargs = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
+    app = build_app(engine, name, api_key=args.api_key, ready=args.no_warmup, **kwargs)
     state = app.state.server
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)

@@ -6,7 +6,8 @@
 Endpoints are thin: completions.py and chat.py run the requests (through generation.py, which only
 submits to the engine and awaits its outputs: the engine loop alone steps the model), protocol.py
 holds the wire format, errors.py every error answer. With an API key, every /v1 path needs
-`Authorization: Bearer <key>` (checked before the body is read); /health and /metrics are open.
+`Authorization: Bearer <key>` (checked before the body is read); /health and /metrics are open. A body of
+more than `max_request_bytes` is answered 413 while it is read (limits.BodyLimit).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .chat import create_chat_completion
 from .completions import create_completion
 from .errors import APIError, unknown_model
 from .generation import ClientGone
+from .limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelList
 from .state import ServerState
 
@@ -57,13 +59,18 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(engine, model_name: str, api_key: str | None = None, ready: bool = True) -> FastAPI:
+def build_app(engine, model_name: str, api_key: str | None = None, ready: bool = True,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The app serving `engine` as `model_name`; its ServerState is `app.state.server`. ready=False:
-    /health and the generation endpoints answer 503 until `app.state.server.ready.set()`."""
+    /health and the generation endpoints answer 503 until `app.state.server.ready.set()`. A request body of
+    more than `max_request_bytes` is a 413."""
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be a positive number of bytes, got {max_request_bytes}")
     state = ServerState(engine, model_name, api_key, ready)
     app = FastAPI(title="metrale-graph", summary=f"OpenAI-compatible server of {model_name}")
     app.state.server = state
-    app.add_middleware(APIKeyMiddleware, state=state)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    app.add_middleware(APIKeyMiddleware, state=state)  # (added last, it runs first: a 401 reads no body)
     errors.install(app)
 
     def respond(out):

@@ -4,8 +4,9 @@
 
 400 for bad parameters and malformed JSON (FastAPI's validation errors, the engine's ValueError, a
 prompt longer than the context), 401 for a missing or wrong API key, 404 for an unknown model or
-path, 503 with Retry-After while the waiting queue is full (EngineFullError), the server warms up
-or shuts down (EngineClosedError), 500 for anything else (logged; the server goes on). A stream
+path, 413 for a body over the server's limit, 503 with Retry-After while the waiting queue is full
+(EngineFullError), the server warms up or shuts down (EngineClosedError), 500 for
+anything else (logged; the server goes on). A stream
 that has started reports its error as one event (`stream_event`) before `data: [DONE]`.
 """
 
@@ -67,6 +68,14 @@ def unauthorized() -> APIError:
 def unknown_model(name: str, served: str) -> APIError:
     return APIError(404, f"the model {name!r} does not exist: this server serves {served!r}", param="model",
                     code="model_not_found")
+
+
+def body_too_large(limit: int, size: int | None = None) -> APIError:
+    """413 for a request body over `limit` bytes (`size`: its Content-Length; None: a body sent in chunks, cut
+    off once it passed the limit)."""
+    got = f"{size} bytes" if size is not None else "more, sent in chunks"
+    return APIError(413, f"the request body is larger than this server takes: at most {limit} bytes "
+                         f"(--max-request-bytes), got {got}", code="request_too_large")
 
 
 def warming_up() -> APIError:

@@ -1,5 +1,6 @@
 """What every endpoint shares: the engine, the served name, readiness, and the checks of a request
-that come before the engine's (model name, unsupported fields, tokenizing, the context length).
+that come before the engine's (model name, unsupported fields, tokenizing, the context length: a text
+that cannot fit is refused before it is tokenized, limits.TokenBound).
 
 The engine checks the rest when a request is submitted (token ids in range, sampling values, KV
 blocks), raising ValueError, which errors.from_engine answers with 400.
@@ -16,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .errors import bad_request, short, unauthorized, unknown_model, warming_up
+from .limits import TokenBound
 from .metrics import ServerMetrics
 from .protocol import ModelCard, SamplingFields
 
@@ -65,6 +67,7 @@ class ServerState:
         self.tokenizer = engine.tokenizer
         self.max_context = engine.max_context
         self.vocab_size = engine.model.config.vocab_size
+        self.token_bound = TokenBound(self.tokenizer)
         self.metrics = ServerMetrics(engine, model_name)
         self.ready, self.closing = threading.Event(), threading.Event()
         if ready:
@@ -105,6 +108,7 @@ class ServerState:
             if self.tokenizer is None:
                 raise bad_request(f"{param}: this server's model has no tokenizer: send token ids", param=param)
             check_text(prompt, name, param)
+            self.check_fits(prompt, name, param)
             ids = list(self.tokenizer.encode(prompt))
         else:
             ids = list(prompt)
@@ -118,6 +122,20 @@ class ServerState:
                               f"tokens); {name} has {len(ids)} tokens, which leaves no room for a new one",
                               param=param, code="context_length_exceeded")
         return ids
+
+    def check_fits(self, text: str, name: str, param: str) -> None:
+        """400 context_length_exceeded, before tokenizing, for a text that is certainly more tokens than a
+        prompt may have (TokenBound: its normalized UTF-8 bytes pass (max_context - 1) x bytes_per_token), instead
+        of holding the tokenizing thread for it; a shorter one is tokenized and checked as every prompt is."""
+        per_token, room = self.token_bound.bytes_per_token, self.max_context - 1
+        if per_token is None or len(text) * 4 <= room * per_token:  # (at most 4 UTF-8 bytes a character)
+            return
+        fewest = self.token_bound.fewest_tokens(text)
+        if fewest > room:
+            raise bad_request(f"this model's maximum context length is {self.max_context} tokens (prompt and new "
+                              f"tokens); {name} is at least {fewest} tokens ({len(text)} characters, and no token "
+                              f"of this tokenizer covers more than {per_token} bytes), which leaves no room for a "
+                              "new one", param=param, code="context_length_exceeded")
 
     def check_room(self, prompts: list[list[int]], body: SamplingFields) -> None:
         """400 if the request's own max_tokens (or max_completion_tokens) does not fit in the context after
@@ -166,6 +184,7 @@ class ServerState:
         except Exception as e:  # the template raised (a role it does not take, ...)
             raise bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}",
                               param="messages") from e
+        self.check_fits(text, "messages (through the chat template)", "messages")
         return self.prompt_ids(list(tok.encode(text, add_special_tokens=False)), "messages")
 
     def sampling(self, body: SamplingFields, max_new_tokens: int | None) -> Sampling:
@@ -185,6 +204,12 @@ class ServerState:
                               param="stop")
         if stop and self.tokenizer is None:
             raise bad_request("stop strings need a tokenizer and this server's model has none: use stop_token_ids",
+                              param="stop")
+        most = self.token_bound.most_characters(self.max_context - 1)
+        longest = max(map(len, stop), default=0)
+        if most is not None and longest > most:  # (and the detokenizer would hold back that much text per request)
+            raise bad_request(f"stop: a stop string of {longest} characters can never match: this model generates at "
+                              f"most {self.max_context - 1} tokens, which decode to at most {most} characters",
                               param="stop")
         return Sampling(max_new_tokens if max_new_tokens is not None else self.max_context, body.temperature,
                         max(body.top_k, 0), body.top_p, body.seed, stops, stop)
