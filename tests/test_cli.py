@@ -353,13 +353,22 @@ def test_help_names_the_installed_command(capsys, name):
     (["--num-slots", "8", "--token-budget", "4"], "--token-budget 4 must be at least num_slots (--num-slots 8)"),
     (["--max-context", "5000"], "--max-context 5000 exceeds the model's max_position_embeddings (4096)"),
     (["--max-request-bytes", "0"], "argument --max-request-bytes: expected a positive integer, got '0'"),
-    (["--host", "256.1.1.1"], "--host 256.1.1.1 --port 8000: cannot listen there"),
 ])
 def test_serve_flags(capsys, argv, message):
     _usage_error(capsys, serve.main, argv, message)
 
 
-def test_serve_port_in_use_fails_before_the_model_loads(capsys, monkeypatch):
+def _one_line_error(capsys, main, argv, message):
+    """The tool ends with exit code 2 and one line on stderr, `message` in it (not argparse's usage)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert err.startswith("python -m metrale_graph.tools.serve: error: ") and err.count("\n") == 1, err
+    assert message in err, err
+
+
+def test_serve_port_in_use_fails_in_one_line_before_the_model_loads(capsys, monkeypatch):
     import socket
 
     def no_load(*args):
@@ -370,7 +379,9 @@ def test_serve_port_in_use_fails_before_the_model_loads(capsys, monkeypatch):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        _usage_error(capsys, serve.main, ["--port", str(port)], f"--host 127.0.0.1 --port {port}: cannot listen there")
+        _one_line_error(capsys, serve.main, ["--port", str(port)],
+                        f"--host 127.0.0.1 --port {port}: cannot listen there (Address already in use)")
+    _one_line_error(capsys, serve.main, ["--host", "256.1.1.1"], "--host 256.1.1.1 --port 8000: cannot listen there")
 
 
 def test_serve_prefix_cache_flag(capsys):

@@ -89,14 +89,15 @@ def _engine_kwargs(p, args) -> dict:
 
 def _listen_socket(p, host: str, port_: int) -> socket.socket:
     """The server's socket, bound now (before the model loads, so a port in use fails at once); uvicorn
-    listens on it once it starts."""
+    listens on it as soon as it starts. A port that cannot be taken ends the tool with that one line (exit
+    code 2), not argparse's usage: the flags parsed, the address is the problem."""
     try:
         family = socket.getaddrinfo(host, port_, type=socket.SOCK_STREAM)[0][0]
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port_))
     except OSError as e:
-        p.error(f"--host {host} --port {port_}: cannot listen there ({e.strerror or e})")
+        p.exit(2, f"{p.prog}: error: --host {host} --port {port_}: cannot listen there ({e.strerror or e})\n")
     return sock
 
 
