@@ -1,6 +1,6 @@
 """A real server process for tests: `python -m metrale_graph.tools.serve ...` (or a torchrun of it) on
-127.0.0.1 at a free port, waited for until /health answers 200, its output kept in files so that a
-failure shows it."""
+127.0.0.1 at a free port, waited for until /health answers 200 (what /health answered meanwhile kept),
+its output kept in files so that a failure shows it."""
 
 from __future__ import annotations
 
@@ -50,17 +50,26 @@ class ServerProcess:
             return f"--- stdout ---\n{out.read()[-3000:]}\n--- stderr ---\n{err.read()[-5000:]}"
 
     def wait_healthy(self, timeout: float) -> None:
+        """Poll /health until it answers 200. `health_answers`: what it answered meanwhile, in order, a repeat
+        of the previous one left out: its "status" field, or "refused" (no connection) or "failed" (none came)."""
+        self.health_answers = []
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"the server exited with {self.proc.returncode} before it was healthy\n"
                                      + self.output())
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
+                r = httpx.get(self.url + "/health", timeout=2)
+                answer = r.json().get("status") if r.headers.get("content-type") == "application/json" else r.text
+            except httpx.ConnectError:
+                answer, r = "refused", None
             except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+                answer, r = "failed", None
+            if not self.health_answers or self.health_answers[-1] != answer:
+                self.health_answers.append(answer)
+            if r is not None and r.status_code == 200:
+                return
+            time.sleep(0.05)
         self.stop()
         raise AssertionError(f"the server was not healthy within {timeout} s\n" + self.output())
 

@@ -5,7 +5,8 @@ greedy and seeded outputs identical to Engine.generate in this process, stop str
 64 concurrent streaming clients, a client that disconnects mid-stream (its slot freed, the metrics show
 it), bad requests answered 4xx in OpenAI's shape with the server going on, a full queue (503 +
 Retry-After), the benchmark client, and SIGTERM (running requests end, the process exits 0, the port is
-free). The app's warmup state is tested in-process. Waits are bounded so that a hang fails fast."""
+free); /health while it started ("loading" from the moment it listened). The app's warmup state is tested
+in-process. Waits are bounded so that a hang fails fast."""
 
 import asyncio
 import json
@@ -101,6 +102,15 @@ def test_health_models_and_api_key(server, client):
     bare = httpx.post(server.url + "/v1/completions", content=b"{not json")  # the key is checked first
     assert bare.status_code == 401 and set(bare.json()["error"]) == {"message", "type", "param", "code"}
     assert httpx.get(server.url + "/metrics").status_code == 200  # open without the key
+
+
+def test_it_answered_from_the_moment_it_listened(server):
+    """The server listens before the model loads: from its first answer on (the connections refused before
+    were the process starting), /health always answered: "loading", then "warming up" or "ok"."""
+    answers = server.health_answers
+    first = next(i for i, a in enumerate(answers) if a != "refused")
+    assert answers[first] == "loading" and answers[-1] == "ok", answers
+    assert set(answers[first:]) <= {"loading", "warming up", "ok"}, answers
 
 
 def test_completion_text_and_token_ids_match_generate(client, engine):

@@ -5,15 +5,19 @@
         [--served-model-name NAME] [--api-key KEY] [--num-slots 64] [--max-context N] [--token-budget N]
         [--max-waiting N] [--max-request-bytes N] [--eager] [--no-warmup] [--tp N]
 
-The port is taken before the model loads (a port in use fails at once); the server answers from
-then on, /health with 503 until the engine has warmed its bucket grid (a progress bar on a terminal),
-then 200. SIGTERM or Ctrl-C ends it gracefully: new requests are refused, running ones get
---shutdown-timeout seconds to finish and then end with an error, the port is freed, and the tool
-prints what it served and one JSON line (exit code 0). Under `torchrun --nproc-per-node N ... --tp N`
-rank 0 serves HTTP and the other ranks follow its engine's steps (Engine(broadcast_plans=True),
-engine.follow()), ignoring SIGINT / SIGTERM: they end when rank 0 does. Stop such a server with
-SIGTERM to rank 0 (its pid is on the "serving" line): every rank then exits 0, and so does torchrun
-(a signal to torchrun itself ends the server as well, but torchrun reports the signal).
+The server listens before the model loads (a port in use fails at once, in one line) and answers from
+then on: /health 503 {"status": "loading"} while the model loads, "warming up" while the engine warms
+its bucket grid (a progress bar on a terminal), then 200; every other path 503 with Retry-After until
+the model has loaded. A model that does not load ends the tool with its error (exit code 1, or 2 for
+a checkpoint that does not load). SIGTERM or Ctrl-C ends it gracefully: new requests are refused,
+running ones get --shutdown-timeout seconds to finish and then end with an error, the port is freed,
+and the tool prints what it served and one JSON line (exit code 0); before the model has loaded, it
+ends at once with one line (exit code 128 + the signal's number: 130 for Ctrl-C). Under `torchrun
+--nproc-per-node N ... --tp N` rank 0 serves HTTP and the other ranks follow its engine's steps
+(Engine(broadcast_plans=True), engine.follow()), ignoring SIGINT / SIGTERM: they end when rank 0 does.
+Stop such a server with SIGTERM to rank 0 (its pid is on the "listening" and "serving" lines): every
+rank then exits 0, and so does torchrun (a signal to torchrun itself ends the server as well, but
+torchrun reports the signal).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import socket
 import sys
 import threading
 import time
+
+import torch
 
 from metrale_graph.tools.distributed import end_tensor_parallel, start_run
 from metrale_graph.tools.flags import add_engine_args, add_model_args, non_negative_float, non_negative_int, positive_int
@@ -114,44 +120,37 @@ def main(argv=None) -> None:
     check_engine_sizes(p, args)
     kwargs = _engine_kwargs(p, args)
     run = start_run(args, p)
-    sock = _listen_socket(p, args.host, args.port) if run.reports else None
-    t0 = time.perf_counter()
-    model = load_model(args, p, run)
-    engine = build_engine(p, args, model, **kwargs)
     if not run.reports:  # a follower rank: rank 0's SHUTDOWN ends it (its own signals would only kill it early)
+        engine = build_engine(p, args, load_model(args, p, run), **kwargs)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         engine.follow()
         return
-    name = args.served_model_name or args.model
-    print(f"model: {args.model}  {model.extra_repr()}  (built in {time.perf_counter() - t0:.2f} s)\n{engine}",
-          flush=True)
-    _serve(args, engine, name, sock, run)
+    _serve(p, args, run, kwargs, _listen_socket(p, args.host, args.port))
 
 
-def _serve(args, engine, name: str, sock: socket.socket, run) -> None:
+def _serve(p, args, run, engine_kwargs: dict, sock: socket.socket) -> None:
+    """uvicorn on `sock` in this thread (it takes SIGINT / SIGTERM) from the start, answering through a Loading
+    gate while a Startup thread loads the model and warms the engine; then the tool's end: the report (exit
+    code 0), the startup's error (exit code 1, or 2 for a checkpoint that does not load), or, stopped before the
+    model had loaded, one line and 128 + the signal's number."""
     import uvicorn
 
-    from metrale_graph.server import build_app
+    from metrale_graph.server import Loading
 
-    kwargs = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
-    app = build_app(engine, name, api_key=args.api_key, ready=args.no_warmup, **kwargs)
-    state = app.state.server
-    config = uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log,
+    gate = Loading()
+    config = uvicorn.Config(gate, log_level=args.log_level, access_log=args.access_log, lifespan="off",
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)
-    server = _server(config, lambda: _drain(state, engine, args.shutdown_timeout))
     host, port_ = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port_}"
-    warm = None
-    if not args.no_warmup:
-        warm = threading.Thread(target=_warm_up, args=(engine, state, server, url, bars_shown(run)),
-                                name="metrale-serve-warmup", daemon=True)
-        warm.start()
-    else:
-        print(f"serving {name!r} at {url} (pid {os.getpid()}; no warmup: buckets compile on first use)", flush=True)
+    startup = Startup(p, args, run, engine_kwargs, gate, url)
+    server = startup.server = _server(config, lambda: startup.stop(args.shutdown_timeout))
+    print(f"listening at {url} (pid {os.getpid()}); loading {args.model} (/health answers 503 until it is ready)",
+          flush=True)
+    threading.Thread(target=startup.run, name="metrale-serve-startup", daemon=True).start()
     t0 = time.perf_counter()
     # uvicorn re-raises a signal it handled once it has shut down; these handlers take it then (the shutdown
-    # is done: the tool ends as usual, exit code 0)
+    # is done: the tool ends as usual)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:
@@ -159,51 +158,114 @@ def _serve(args, engine, name: str, sock: socket.socket, run) -> None:
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        _drain(state, engine, 0.0)
+        startup.stop(0.0)
         sock.close()
-    if server.warmup_error is not None:
-        print(f"warmup failed: {type(server.warmup_error).__name__}: {server.warmup_error}", file=sys.stderr)
+    if startup.error is not None:
+        what, error = startup.error
+        if isinstance(error, SystemExit):  # load_model's / build_engine's parser.error: printed already
+            raise error
+        print(f"{what} failed: {type(error).__name__}: {error}", file=sys.stderr)
         raise SystemExit(1)
-    _report(engine, state, name, url, time.perf_counter() - t0)
+    if startup.engine is None:
+        # the model still loads in its thread, which nothing can interrupt: the process ends here, at once
+        sig = server.exit_signal
+        why = f"stopped ({signal.Signals(sig).name})" if sig is not None else "the server ended"
+        print(f"{why} before the model had loaded: nothing was served", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(128 + sig if sig is not None else 1)
+    _report(startup.engine, startup.state, startup.name, url, time.perf_counter() - t0)
+
+
+class Startup:
+    """The model's load, the engine's build and its warmup, in a thread while uvicorn already answers: through
+    `gate` (server.Loading) 503 until the app is built, then the app, /health 503 until warm. What main reads
+    once the server has ended: `error` ((what failed, the exception): the server was ended for it), else
+    `engine` and `state` (None: the server was stopped before the model had loaded)."""
+
+    def __init__(self, p, args, run, engine_kwargs: dict, gate, url: str):
+        self.p, self.args, self.run_, self.engine_kwargs, self.gate, self.url = p, args, run, engine_kwargs, gate, url
+        self.name = args.served_model_name or args.model
+        self.server = None  # the uvicorn.Server, ended on a failure
+        self.engine = self.state = None
+        self.error: tuple[str, BaseException] | None = None
+        self._lock, self._stopping = threading.Lock(), False
+
+    def run(self) -> None:
+        from metrale_graph.server import build_app
+
+        args, run = self.args, self.run_
+        t0 = time.perf_counter()
+        try:
+            if run.device.type == "cuda" and run.device.index is not None:
+                # each thread has its current device (--tp: the main thread's is this rank's; a device without an
+                # index is every thread's default, the first)
+                torch.cuda.set_device(run.device)
+            model = load_model(args, self.p, run)
+            engine = build_engine(self.p, args, model, **self.engine_kwargs)
+            kwargs = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
+            app = build_app(engine, self.name, api_key=args.api_key, ready=args.no_warmup, **kwargs)
+        except BaseException as e:  # SystemExit too: parser.error for a checkpoint that does not load
+            self._fail("loading the model", e)
+            return
+        with self._lock:
+            stopped = self._stopping
+            if not stopped:
+                self.engine, self.state = engine, app.state.server
+        if stopped:  # the server ended while the model loaded (the process is ending)
+            engine.shutdown()
+            return
+        print(f"model: {args.model}  {model.extra_repr()}  (built in {time.perf_counter() - t0:.2f} s)\n{engine}",
+              flush=True)
+        self.gate.serve(app)
+        if args.no_warmup:
+            print(f"serving {self.name!r} at {self.url} (pid {os.getpid()}; no warmup: buckets compile on first use)",
+                  flush=True)
+            return
+        t = time.perf_counter()
+        try:
+            engine.warmup(progress=bars_shown(run))
+        except Exception as e:  # the server cannot serve: end it (main exits 1 with the error)
+            if not self.state.closing.is_set():
+                self._fail("warmup", e)
+            return
+        what = "eager" if engine.runner is None else f"{len(engine.runner.grid)} buckets"
+        self.state.ready.set()
+        print(f"warmup ({what}): {time.perf_counter() - t:.1f} s\nserving {self.name!r} at {self.url} "
+              f"(pid {os.getpid()})", flush=True)
+
+    def _fail(self, what: str, e: BaseException) -> None:
+        if not isinstance(e, SystemExit):
+            logging.getLogger("metrale_graph.server").error("%s failed", what, exc_info=e)
+        self.error = (what, e)
+        self.server.should_exit = True
+
+    def stop(self, wait_s: float) -> None:
+        """Refuse new requests, give the running ones `wait_s` seconds, then end the engine (none yet: the
+        model's load, once done, ends the engine it built). Idempotent, and safe from two threads at once: the
+        exit hook's call may still wait when the server has ended (a second Ctrl-C forces the exit), and the
+        call with wait_s=0 then ends the running requests at once."""
+        with self._lock:
+            self._stopping = True
+            engine, state = self.engine, self.state
+        if engine is not None:
+            state.closing.set()
+            engine.shutdown(wait_s=wait_s)
 
 
 def _server(config, on_exit):
     """A uvicorn.Server whose exit signal also calls on_exit() (in a thread: it drains the engine while the
-    event loop goes on streaming what the running requests produce)."""
+    event loop goes on streaming what the running requests produce); `exit_signal` is the first one."""
     import uvicorn
 
     class Server(uvicorn.Server):
-        warmup_error = None
+        exit_signal = None
 
         def handle_exit(self, sig, frame):
+            self.exit_signal = self.exit_signal or sig
             threading.Thread(target=on_exit, name="metrale-serve-drain", daemon=True).start()
             super().handle_exit(sig, frame)
 
     return Server(config)
-
-
-def _warm_up(engine, state, server, url: str, progress: bool) -> None:
-    t = time.perf_counter()
-    try:
-        engine.warmup(progress=progress)
-    except Exception as e:  # the server cannot serve: end it (main exits 1 with the error)
-        if not state.closing.is_set():
-            server.warmup_error = e
-            logging.getLogger("metrale_graph.server").error("warmup failed", exc_info=e)
-        server.should_exit = True
-        return
-    what = "eager" if engine.runner is None else f"{len(engine.runner.grid)} buckets"
-    state.ready.set()
-    print(f"warmup ({what}): {time.perf_counter() - t:.1f} s\nserving {state.model_name!r} at {url} (pid {os.getpid()})",
-          flush=True)
-
-
-def _drain(state, engine, wait_s: float) -> None:
-    """Refuse new requests, give the running ones `wait_s` seconds, then end the engine. Idempotent, and safe
-    from two threads at once: the exit hook's drain may still wait when the server has ended (a second Ctrl-C
-    forces the exit), and the call with wait_s=0 then ends the running requests at once."""
-    state.closing.set()
-    engine.shutdown(wait_s=wait_s)
 
 
 def _report(engine, state, name: str, url: str, served_s: float) -> None:
@@ -221,8 +283,8 @@ def _report(engine, state, name: str, url: str, served_s: float) -> None:
 
 def cli() -> None:
     """The console script and `python -m`: main(), then the end of a --tp run (tools.distributed). A Ctrl-C
-    before the server runs (loading the model) ends the tool with one line and exit code 130; once it runs,
-    Ctrl-C is its graceful shutdown."""
+    before the server runs (a follower rank loading its shard; the flags' checks) ends the tool with one line
+    and exit code 130; once it runs, Ctrl-C is its graceful shutdown (_serve)."""
     try:
         main()
     except KeyboardInterrupt:

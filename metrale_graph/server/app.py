@@ -2,6 +2,7 @@
 
     app = build_app(engine, model_name="qwen3.5-9b", api_key=None)    # serve it with uvicorn
     app.state.server.ready.clear() / .set()                           # /health: 503 until set
+    app = Loading(); ...; app.serve(build_app(engine, ...))           # loading.py: 503s before the model loads
 
 Endpoints are thin: completions.py and chat.py run the requests (through generation.py, which only
 submits to the engine and awaits its outputs: the engine loop alone steps the model), protocol.py

@@ -5,7 +5,7 @@
 400 for bad parameters and malformed JSON (FastAPI's validation errors, the engine's ValueError, a
 prompt longer than the context), 401 for a missing or wrong API key, 404 for an unknown model or
 path, 413 for a body over the server's limit, 503 with Retry-After while the waiting queue is full
-(EngineFullError), the server warms up or shuts down (EngineClosedError), 500 for
+(EngineFullError), the model loads, the server warms up or shuts down (EngineClosedError), 500 for
 anything else (logged; the server goes on). A stream
 that has started reports its error as one event (`stream_event`) before `data: [DONE]`.
 """
@@ -68,6 +68,11 @@ def unauthorized() -> APIError:
 def unknown_model(name: str, served: str) -> APIError:
     return APIError(404, f"the model {name!r} does not exist: this server serves {served!r}", param="model",
                     code="model_not_found")
+
+
+def loading() -> APIError:
+    return APIError(503, "the server is loading its model: try again shortly", type="server_error", code="loading",
+                    retry_after=RETRY_AFTER_S)
 
 
 def body_too_large(limit: int, size: int | None = None) -> APIError:

@@ -1,0 +1,78 @@
+"""The server's start as real processes (tools/serve.py on 127.0.0.1, a free port), called with httpx and
+the official `openai` client: it listens before the model loads, answering /health 503 "loading" and every
+other path 503 with Retry-After in OpenAI's shape; SIGTERM then ends it at once (one line, exit code 128 +
+15); a checkpoint that does not load ends it with the error (exit code 2), not a server answering 503 for
+ever. (A start that goes on to serve: every server fixture, whose /health answers test_serve.py checks.)
+Waits are bounded so that a hang fails fast."""
+
+import signal
+import time
+
+import httpx
+import openai
+
+from metrale_graph import HybridModel
+from server_process import ServerProcess, free_port, port_is_free
+from tokenizer_fixture import tiny_checkpoint
+
+TIMEOUT = 120
+
+
+def _start(checkpoint, folder) -> ServerProcess:
+    port = free_port()
+    return ServerProcess(["-m", "metrale_graph.tools.serve", "--model", str(checkpoint), "--port", str(port),
+                          "--eager", "--device", "cpu", "--num-slots", "2", "--max-context", "256"], port, folder)
+
+
+def _first_answer(server: ServerProcess) -> httpx.Response:
+    """/health's first answer (connections are refused until the process has started)."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise AssertionError(f"the server exited with {server.proc.returncode}\n{server.output()}")
+        try:
+            return httpx.get(server.url + "/health", timeout=10)
+        except httpx.ConnectError:
+            time.sleep(0.02)
+    raise AssertionError(f"the server never answered within {TIMEOUT} s\n{server.output()}")
+
+
+def test_while_the_model_loads_every_path_is_503_and_sigterm_ends_it_at_once(tmp_path):
+    server = _start(tiny_checkpoint(tmp_path / "ckpt"), tmp_path)
+    try:
+        health = _first_answer(server)
+        assert (health.status_code, health.json()) == (503, {"status": "loading"}), server.output()
+        for method, path in [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+                             ("GET", "/metrics"), ("GET", "/nothing")]:
+            r = httpx.request(method, server.url + path, json={"prompt": "hi"} if method == "POST" else None,
+                              timeout=10)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", (path, r.text)
+            assert r.json()["error"] | {"message": ""} == {"message": "", "type": "server_error", "param": None,
+                                                           "code": "loading"}, (path, r.text)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=10)
+        try:
+            client.completions.create(model="m", prompt="hi", max_tokens=1)
+            raise AssertionError("a completion was served while the model loaded")
+        except openai.APIStatusError as e:
+            assert e.status_code == 503 and e.body["code"] == "loading" and "loading" in e.message, e
+        server.signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 128 + signal.SIGTERM, server.output()
+    finally:
+        server.stop()
+    assert "stopped (SIGTERM) before the model had loaded: nothing was served" in server.output()
+    assert port_is_free(server.port)
+
+
+def test_a_model_that_does_not_load_ends_the_process_with_its_error(tmp_path):
+    folder = tmp_path / "truncated"
+    HybridModel.from_preset("tiny").save_pretrained(str(folder))
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    server = _start(folder, tmp_path)
+    try:
+        code = server.proc.wait(TIMEOUT)
+    finally:
+        server.stop()
+    output = server.output()
+    assert code == 2 and f"--model {folder}: cannot read safetensors file" in output, output
+    assert f"listening at {server.url}" in output  # it answered while it loaded
