@@ -6,7 +6,8 @@ runs; a field OpenAI or vLLM has that the engine cannot honour, such as `logprob
 extensions `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids` and the chat template's
 arguments (`chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`). Values are
 strict JSON types (`true` is not 1, "5" is not 5). Responses carry what OpenAI's do, `usage` always (a stream:
-in its last event when `stream_options.include_usage`), with `prompt_tokens_details.cached_tokens`.
+in its last event when `stream_options.include_usage`), with `prompt_tokens_details.cached_tokens`; a chat
+reply's `tool_calls` and vLLM's `reasoning_content` (in a stream: `delta.tool_calls`, `delta.reasoning_content`).
 
 A stream is `data: {chunk}\\n\\n` events ending in `data: [DONE]\\n\\n`; an error after the stream
 started is one `data: {"error": {...}}` event before `[DONE]` (the openai client raises it).
@@ -29,7 +30,7 @@ TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1
 Prompt = Union[StrictStr, TokenIds, Annotated[list[StrictStr], Field(min_length=1)],
                Annotated[list[TokenIds], Field(min_length=1)]]
 Stop = Union[StrictStr, list[StrictStr], None]
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 MAX_N = 128  # choices of one request (each runs as its own engine request)
 
@@ -206,13 +207,45 @@ def _parsed_arguments(call):
     return {**call, "function": {**function, "arguments": arguments}}
 
 
+# tools: OpenAI's function tools and tool_choice (the checks that span fields: tool_choice.py) ----------------
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")  # handed to the chat template as it is
+
+    # OpenAI's letters, digits, '_' and '-' (and '.', which MCP's tool names use): what Qwen's `<function=NAME>`
+    # can hold
+    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments' object
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: StrictInt | None = Field(None, ge=1)  # None: up to the context
     max_completion_tokens: StrictInt | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     top_logprobs: Any = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
+    parallel_tool_calls: Any = None  # refused when false (NEUTRAL): a reply may hold several calls
+    functions: Any = None  # OpenAI's deprecated forms of tools and tool_choice: refused (NEUTRAL)
+    function_call: Any = None
     response_format: Any = None
     # vLLM's chat template arguments (chat_template_kwargs: the template's own variables, e.g. Qwen3's
     # enable_thinking)
@@ -221,8 +254,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def neutral(self) -> dict:
-        return {"top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
-                "response_format": (None, {"type": "text"}), **NEUTRAL,
+        return {"top_logprobs": (None, 0), "parallel_tool_calls": (None, True), "functions": (None, []),
+                "function_call": (None, "none"), "response_format": (None, {"type": "text"}), **NEUTRAL,
                 "logprobs": (None, False)}  # chat's logprobs is a boolean
 
     @property
@@ -273,18 +306,49 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = Field(None, exclude_if=_none)  # None only in a stream's chunks
 
 
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
+class SetFieldsOnly(BaseModel):
+    """A model whose JSON leaves out its None fields: a delta holds only what it changes."""
 
     @model_serializer(mode="wrap")
-    def _set_fields_only(self, handler):  # a delta holds only what it changes
+    def _set_fields_only(self, handler):
         return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(SetFieldsOnly):
+    name: str | None = None  # in a call's first delta
+    arguments: str | None = None  # the next piece of the arguments' JSON text
+
+
+class DeltaToolCall(SetFieldsOnly):
+    index: int  # the call's place among the choice's calls
+    id: str | None = None  # these two in a call's first delta
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class DeltaMessage(SetFieldsOnly):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text of an object, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: a reply of tool calls (or reasoning) only
+    reasoning_content: str | None = None  # the reasoning parser's (vLLM's field, null as vLLM sends it)
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=_none)
 
 
 class ChatChoice(BaseModel):
@@ -356,7 +420,7 @@ def event(body: BaseModel) -> str:
     return f"data: {body.model_dump_json()}\n\n"
 
 
-_FINISH = {None: "null", "stop": '"stop"', "length": '"length"'}  # FinishReason's values, encoded
+_FINISH = {None: "null", "stop": '"stop"', "length": '"length"', "tool_calls": '"tool_calls"'}  # encoded
 
 
 class StreamChunks:

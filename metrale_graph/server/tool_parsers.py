@@ -1,0 +1,361 @@
+"""Tool calls in Qwen's formats (`--tool-call-parser qwen3_xml | qwen3_json`): a reply's text (its content,
+after reasoning.py took the reasoning out) into content and calls, whole or as the text streams.
+
+    parser = PARSERS["qwen3_xml"](functions)       # functions: {name: its parameters' JSON schema}
+    events = parser.feed(delta)                    # per text delta: ContentDelta, CallStart, CallArguments
+    events = parser.finish()                       # the end of the reply: what was held back, an open call closed
+
+Qwen3.5 / Qwen3.6 (and Qwen3-Coder) write a call as XML, one value per parameter, the value as text:
+
+    <tool_call>\\n<function=get_weather>\\n<parameter=city>\\nParis\\n</parameter>\\n</function>\\n</tool_call>
+
+and a value becomes the JSON type its parameter's schema asks for (`typed_value`: integer, number, boolean,
+object and array through JSON, a string as written, the newline that frames it dropped). Older Qwen templates
+(Qwen2.5, Qwen3) ask for JSON: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`.
+
+Text that only looks like a call stays content: a `<tool_call>` not followed by `<function=NAME>` (XML) or by
+one JSON object with a "name" and object "arguments" (JSON), or naming a function the request did not send.
+An XML call counts from its `<function=NAME>` on: it is streamed from there (the name at once, then the
+arguments a parameter at a time, '{"city": "Paris"', ', "days": 3', '}'), and what follows inside it that is
+not a parameter is dropped; a reply that ends inside a call (max_tokens) closes it with the parameters it
+has. A JSON call is held back whole until its `</tool_call>`. Whitespace around calls is dropped (the
+template's framing), and a parameter named twice keeps its first value. Events joined equal the whole
+text's, however the text was cut.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .tags import partial_tag_len, trailing_space_len
+
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+FUNCTION_START, FUNCTION_END = "<function=", "</function>"
+PARAMETER_START, PARAMETER_END = "<parameter=", "</parameter>"
+TEXT, HEADER, BODY, PARAMETER, AFTER_FUNCTION, JSON_BLOCK = "text", "header", "body", "parameter", "after", "json"
+INTEGER = re.compile(r"[+-]?\d+")
+
+
+@dataclass(frozen=True)
+class ContentDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class CallStart:
+    index: int  # the call's place among the reply's calls, from 0
+    name: str
+
+
+@dataclass(frozen=True)
+class CallArguments:
+    index: int
+    text: str  # the next piece of the arguments' JSON text
+
+
+class ToolCallParser:
+    """The content and the calls of one reply, from its text deltas in order. `functions` maps each function the
+    request offers to its parameters' JSON schema ({} for none). Not thread-safe (one per reply)."""
+
+    def __init__(self, functions: Mapping[str, Mapping]):
+        self.functions = functions
+        self.calls = 0  # calls started
+        self._state = TEXT
+        self._held = ""  # text received and not yet given out or consumed
+        self._trim_start = False  # the whitespace that follows a call is dropped
+        self._reopen = ""  # a candidate call's opening (and the whitespace before it): content if it is none
+
+    def feed(self, text: str) -> list:
+        self._held += text
+        return self._drain(final=False)
+
+    def finish(self) -> list:
+        return self._drain(final=True)
+
+    def _drain(self, final: bool) -> list:
+        out: list = []
+        while self._step(final, out):
+            pass
+        return out
+
+    def _step(self, final: bool, out: list) -> bool:
+        """One move of the state machine; False when it waits for more text (or the reply has ended)."""
+        if self._state == TEXT:
+            return self._text(final, out)
+        return self._call(final, out)
+
+    def _call(self, final: bool, out: list) -> bool:
+        raise NotImplementedError
+
+    def _text(self, final: bool, out: list) -> bool:
+        if self._trim_start:
+            self._held = self._held.lstrip()
+            if not self._held:
+                return False
+            self._trim_start = False
+        start = self._held.find(CALL_START)
+        if start >= 0:  # a candidate: the whitespace before it goes with it until it proves to be a call
+            before = self._held[:start]
+            text = before.rstrip()
+            if text:
+                out.append(ContentDelta(text))
+            self._reopen = before[len(text):] + CALL_START
+            self._held, self._state = self._held[start + len(CALL_START):], self._opened_state()
+            return True
+        if final:
+            text = self._held.rstrip() if self.calls else self._held
+            if text:
+                out.append(ContentDelta(text))
+            self._held = ""
+            return False
+        body = self._held[:len(self._held) - partial_tag_len(self._held, CALL_START)]
+        keep = len(body) - trailing_space_len(body)  # may be the whitespace before a call
+        if keep:
+            out.append(ContentDelta(self._held[:keep]))
+            self._held = self._held[keep:]
+        return False
+
+    def _opened_state(self) -> str:
+        raise NotImplementedError
+
+    def _not_a_call(self, out: list) -> bool:
+        """The candidate after `<tool_call>` is no call: its opening is content, and the text after it is read
+        again as text (it may hold the next candidate)."""
+        out.append(ContentDelta(self._reopen))
+        self._state, self._reopen = TEXT, ""
+        return True
+
+    def _start_call(self, name: str, out: list) -> None:
+        out.append(CallStart(self.calls, name))
+        self.calls += 1
+        self._reopen = ""
+
+    def _call_ended(self) -> None:
+        self._state, self._trim_start = TEXT, True
+
+
+class Qwen3XmlToolParser(ToolCallParser):
+    """`<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>`."""
+
+    def __init__(self, functions: Mapping[str, Mapping]):
+        super().__init__(functions)
+        self._name, self._key, self._given = "", "", set()
+
+    def _opened_state(self) -> str:
+        return HEADER
+
+    def _call(self, final: bool, out: list) -> bool:
+        if self._state == HEADER:
+            return self._header(final, out)
+        if self._state == BODY:
+            return self._body(final, out)
+        if self._state == PARAMETER:
+            return self._parameter(final, out)
+        return self._after_function(final, out)
+
+    def _header(self, final: bool, out: list) -> bool:
+        text = self._held.lstrip()
+        if text.startswith(FUNCTION_START):
+            end = text.find(">")
+            name = text[len(FUNCTION_START):end if end >= 0 else len(text)]
+            if end < 0 and not final and not any(c in name for c in "<\n"):
+                return False  # the name goes on
+            if end < 0 or name not in self.functions:
+                return self._not_a_call(out)
+            self._start_call(name, out)
+            self._name, self._given = name, set()
+            self._held, self._state = text[end + 1:], BODY
+            return True
+        if not final and FUNCTION_START.startswith(text):
+            return False
+        return self._not_a_call(out)
+
+    def _body(self, final: bool, out: list) -> bool:
+        text = self._held.lstrip()
+        if text.startswith(PARAMETER_START):
+            end = text.find(">")
+            if end < 0 and not final:
+                return False
+            if end >= 0:
+                self._key, self._held, self._state = text[len(PARAMETER_START):end], text[end + 1:], PARAMETER
+                return True
+        elif text.startswith(FUNCTION_END):
+            self._held, self._state = text[len(FUNCTION_END):], AFTER_FUNCTION
+            return True
+        elif text.startswith(CALL_END):  # no </function>: the call ends all the same
+            self._held = text[len(CALL_END):]
+            return self._close(out)
+        elif not final and any(tag.startswith(text) for tag in (PARAMETER_START, FUNCTION_END, CALL_END)):
+            self._held = text
+            return False
+        if final:
+            self._held = ""
+            return self._close(out)
+        skip = text.find("<", 1)  # not a parameter: dropped, up to the next tag
+        self._held = text[skip:] if skip >= 0 else ""
+        return skip >= 0
+
+    def _parameter(self, final: bool, out: list) -> bool:
+        end = self._held.find(PARAMETER_END)
+        if end < 0 and not final:
+            return False
+        value = self._held[:end] if end >= 0 else self._held
+        self._held = self._held[end + len(PARAMETER_END):] if end >= 0 else ""
+        value = value[1:] if value.startswith("\n") else value
+        value = value[:-1] if value.endswith("\n") else value
+        if self._key not in self._given:
+            schema = (self.functions[self._name].get("properties") or {}).get(self._key)
+            value = json.dumps(typed_value(value, schema), ensure_ascii=False)
+            piece = f"{', ' if self._given else '{'}{json.dumps(self._key, ensure_ascii=False)}: {value}"
+            out.append(CallArguments(self.calls - 1, piece))
+            self._given.add(self._key)
+        self._state = BODY
+        return True
+
+    def _after_function(self, final: bool, out: list) -> bool:
+        text = self._held.lstrip()
+        if text.startswith(CALL_END):
+            self._held = text[len(CALL_END):]
+        elif not final and CALL_END.startswith(text):
+            return False
+        return self._close(out)  # (no </tool_call>: the call ends at </function>)
+
+    def _close(self, out: list) -> bool:
+        out.append(CallArguments(self.calls - 1, "}" if self._given else "{}"))
+        self._call_ended()
+        return True
+
+
+class Qwen3JsonToolParser(ToolCallParser):
+    """`<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>` (Qwen2.5's and Qwen3's hermes form)."""
+
+    def _opened_state(self) -> str:
+        return JSON_BLOCK
+
+    def _call(self, final: bool, out: list) -> bool:
+        end = self._held.find(CALL_END)
+        if end < 0 and not final:
+            return False
+        call = json_call(self._held[:end] if end >= 0 else self._held, self.functions)
+        if call is None:
+            return self._not_a_call(out)
+        self._start_call(call[0], out)
+        out.append(CallArguments(self.calls - 1, call[1]))
+        self._held = self._held[end + len(CALL_END):] if end >= 0 else ""
+        self._call_ended()
+        return True
+
+
+def json_call(text: str, functions: Mapping[str, Mapping]) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of one JSON call {"name": ..., "arguments": {...}} (or "parameters"; the
+    arguments may be a JSON string of an object), or None if `text` is no call of one of `functions`."""
+    try:
+        call = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or call["name"] not in functions:
+        return None
+    arguments = call.get("arguments", call.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return call["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+PARSERS = {"qwen3_xml": Qwen3XmlToolParser, "qwen3_json": Qwen3JsonToolParser}
+
+
+def parser_of_template(template: str | None) -> str | None:
+    """The format a chat template asks for: "qwen3_xml" when it shows `<function=` calls, "qwen3_json" when it
+    shows `<tool_call>` blocks without them, else None."""
+    if not template or CALL_START not in template:
+        return None
+    return "qwen3_xml" if FUNCTION_START in template else "qwen3_json"
+
+
+# a parameter's value, typed by its schema -----------------------------------------------------------------
+def schema_types(schema) -> set[str]:
+    """The JSON types a schema allows: its "type" (one or a list), its anyOf / oneOf members', else what its
+    "enum", "properties" or "items" imply; empty when it says nothing."""
+    if not isinstance(schema, Mapping):
+        return set()
+    kind = schema.get("type")
+    types = {kind} if isinstance(kind, str) else {t for t in kind if isinstance(t, str)} if isinstance(kind, list) \
+        else set()
+    for key in ("anyOf", "oneOf"):
+        for member in schema.get(key) or ():
+            types |= schema_types(member)
+    if not types and isinstance(schema.get("enum"), list):
+        types = {_json_type(v) for v in schema["enum"]}
+    if not types and "properties" in schema:
+        types = {"object"}
+    if not types and "items" in schema:
+        types = {"array"}
+    return types
+
+
+def _json_type(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), "string")
+
+
+def typed_value(text: str, schema) -> Any:
+    """`text`, a parameter's value as the model wrote it, as the JSON value its schema asks for: an integer,
+    number, boolean or null when it reads as one, an object or array through JSON (or a Python literal, which
+    models sometimes write); a string, or a value that reads as none of its types, as written (so a schema
+    that allows a string keeps the text)."""
+    types = schema_types(schema)
+    if not types or "string" in types:
+        return text
+    stripped = text.strip()
+    if "null" in types and stripped in ("null", "None"):
+        return None
+    for kind in ("integer", "number", "boolean", "object", "array"):
+        if kind in types:
+            value = _convert(kind, stripped)
+            if value is not _NO_VALUE:
+                return value
+    return text
+
+
+_NO_VALUE = object()
+
+
+def _convert(kind: str, text: str):
+    if kind == "integer":
+        return int(text) if INTEGER.fullmatch(text) else _NO_VALUE
+    if kind == "number":
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return _NO_VALUE
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return value if number else _NO_VALUE  # (json reads NaN and Infinity, which no JSON text holds)
+    if kind == "boolean":
+        return {"true": True, "false": False}.get(text.lower(), _NO_VALUE)
+    want = dict if kind == "object" else list
+    try:
+        value = json.loads(text)
+    except ValueError:
+        try:
+            value = ast.literal_eval(text)
+            json.dumps(value)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return _NO_VALUE
+    return value if isinstance(value, want) else _NO_VALUE

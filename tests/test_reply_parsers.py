@@ -1,0 +1,284 @@
+"""The chat reply's parsers on text alone (no model, no server): Qwen3's reasoning split (reasoning.py), tool
+calls in Qwen's XML and JSON formats (tool_parsers.py), the two together (reply.py), and a request's tools
+and tool_choice (tool_choice.py). Every streamed case is checked against the whole text's result with the text
+cut at every position (and at every pair of positions for the longer ones): tags split across deltas."""
+
+import json
+
+import pytest
+
+from chain_model import QWEN35_TEMPLATE
+from metrale_graph.server.errors import APIError
+from metrale_graph.server.protocol import NamedToolChoice, Tool
+from metrale_graph.server.reasoning import ReasoningParser, split_reasoning, starts_in_reasoning
+from metrale_graph.server.reply import Reply, ReplyParsers
+from metrale_graph.server.tool_choice import forced_call_schema, forced_calls, tool_request
+from metrale_graph.server.tool_parsers import (PARSERS, CallArguments, CallStart, ContentDelta, json_call,
+                                               parser_of_template, typed_value)
+
+SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "ratio": {"type": "number"},
+    "metric": {"type": "boolean"}, "options": {"type": "object"}, "tags": {"type": "array"},
+    "note": {"type": ["string", "null"]}, "limit": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}}
+FUNCTIONS = {"get_weather": SCHEMA, "get_time": {}}
+JSON_TEMPLATE = ("{%- if tools %}For each function call, return a json object with function name and arguments "
+                 "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+                 "<args-json-object>}\n</tool_call>{%- endif %}")
+
+
+def xml_call(name: str, **params) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def events_of(parser, pieces) -> list:
+    return [e for piece in pieces for e in parser.feed(piece)] + parser.finish()
+
+
+def cuts(text: str, pairs: bool = False):
+    """The text cut at every position (pairs: at every pair of positions, the second a few apart)."""
+    for i in range(len(text) + 1):
+        yield [text[:i], text[i:]]
+        if pairs:
+            for j in range(i + 1, min(len(text), i + 12) + 1):
+                yield [text[:i], text[i:j], text[j:]]
+
+
+def parse(kind: str, pieces, functions=FUNCTIONS) -> Reply:
+    return Reply.of(events_of(PARSERS[kind](functions), pieces))
+
+
+def assert_same_when_streamed(kind: str, text: str, functions=FUNCTIONS, pairs: bool = False) -> Reply:
+    whole = parse(kind, [text], functions)
+    for pieces in cuts(text, pairs):
+        assert parse(kind, pieces, functions) == whole, pieces
+    return whole
+
+
+# reasoning ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, in_reasoning, want", [
+    ("I think so.\n</think>\n\nYes.", True, ("I think so.", "Yes.")),  # Qwen3.5: the prompt opened the block
+    ("<think>\nI think so.\n</think>\n\nYes.", False, ("I think so.", "Yes.")),  # Qwen3: the reply opens it
+    ("\n<think>a</think>b", False, ("a", "b")),
+    ("Yes.", False, (None, "Yes.")),  # enable_thinking false: the prompt closed the block
+    ("  Yes, <think> is a tag.\n", False, (None, "  Yes, <think> is a tag.\n")),  # not at the start: content
+    ("still thinking when max_tokens came", True, ("still thinking when max_tokens came", "")),
+    ("cut inside the tag </thi", True, ("cut inside the tag </thi", "")),
+    ("<thi", False, (None, "<thi")),
+    ("</think>\n\nAt once.", True, (None, "At once.")),
+    ("a\n\n b</think>x\n\ny\n", True, ("a\n\n b", "x\n\ny\n")),  # inner whitespace kept
+    ("a</think></think>", True, ("a", "</think>")),
+])
+def test_reasoning_split_whole_and_at_every_cut(text, in_reasoning, want):
+    assert split_reasoning(text, in_reasoning) == want
+    for pieces in cuts(text, pairs=True):
+        parser = ReasoningParser(in_reasoning)
+        got = [parser.feed(p) for p in pieces] + [parser.finish()]
+        reasoning, content = "".join(r for r, _ in got), "".join(c for _, c in got)
+        assert ((reasoning or None), content) == want, pieces
+
+
+def test_reasoning_is_sent_as_it_comes_not_held_to_the_end():
+    parser = ReasoningParser(in_reasoning=True)
+    assert parser.feed("Let me see") == ("Let me see", "")
+    assert parser.feed(" more.\n</th") == (" more.", "")  # the newline and "</th" wait
+    assert parser.feed("ink>\n\nOK") == ("", "OK")
+
+
+def test_starts_in_reasoning_reads_the_rendered_prompt():
+    from jinja2 import Environment
+
+    template = Environment().from_string(QWEN35_TEMPLATE)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>\nx\n</think>\n\nhey"},
+                {"role": "user", "content": "again"}]
+    assert starts_in_reasoning(template.render(messages=messages, add_generation_prompt=True))
+    assert not starts_in_reasoning(template.render(messages=messages, add_generation_prompt=True,
+                                                   enable_thinking=False))
+    assert not starts_in_reasoning(template.render(messages=messages, add_generation_prompt=False))
+    assert not starts_in_reasoning("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")  # Qwen3's own
+
+
+# XML calls ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, text, want", [
+    ("city", "Paris", "Paris"), ("city", "42", "42"), ("city", " two\nlines ", " two\nlines "),
+    ("days", "3", 3), ("days", " -7 ", -7), ("days", "3.5", "3.5"), ("days", "three", "three"),
+    ("ratio", "0.25", 0.25), ("ratio", "2", 2), ("ratio", "1e3", 1000.0), ("ratio", "NaN", "NaN"),
+    ("metric", "true", True), ("metric", "False", False), ("metric", "yes", "yes"),
+    ("options", '{"a": [1, 2]}', {"a": [1, 2]}), ("options", "{'a': None}", {"a": None}),
+    ("options", "[1]", "[1]"), ("tags", '["x", "y"]', ["x", "y"]), ("tags", "x, y", "x, y"),
+    ("note", "null", "null"), ("limit", "null", None), ("limit", "5", 5),  # (a string allowed: text kept)
+    ("unknown", "5", "5"),  # a parameter the schema does not name: as written
+])
+def test_xml_parameter_values_are_typed_by_the_schema(name, text, want):
+    value = typed_value(text, SCHEMA["properties"].get(name))
+    assert value == want and type(value) is type(want)
+    whole = parse("qwen3_xml", [xml_call("get_weather", **{name: text})])
+    assert json.loads(whole.calls[0][1]) == {name: want}
+
+
+def test_xml_call_streamed_at_every_cut_equals_the_whole():
+    text = ("Let me check.\n\n" + xml_call("get_weather", city="Paris", days=3, options='{"x": "</parameter"}')
+            + "\n" + xml_call("get_time") + "\n")
+    whole = assert_same_when_streamed("qwen3_xml", text, pairs=True)
+    assert whole == Reply(None, "Let me check.", [("get_weather", '{"city": "Paris", "days": 3, "options": '
+                                                                  '{"x": "</parameter"}}'), ("get_time", "{}")])
+
+
+def test_xml_call_streams_its_name_first_then_one_parameter_at_a_time():
+    parser = PARSERS["qwen3_xml"](FUNCTIONS)
+    assert parser.feed("Sure.\n<tool_call>\n<function=get_wea") == [ContentDelta("Sure.")]
+    assert parser.feed("ther>\n<parameter=city>\nPar") == [CallStart(0, "get_weather")]
+    assert parser.feed("is\n</parameter>\n<parameter=days>\n3\n") == [CallArguments(0, '{"city": "Paris"')]
+    assert parser.feed("</parameter>\n</function>\n</tool_call>") == [CallArguments(0, ', "days": 3'),
+                                                                        CallArguments(0, "}")]
+    assert parser.finish() == [] and parser.calls == 1
+
+
+@pytest.mark.parametrize("text", [
+    xml_call("delete_everything", path="/"),  # a function the request does not offer
+    "<tool_call>\nnot xml at all\n</tool_call>",
+    "<tool_call>{\"name\": \"get_weather\"}</tool_call>",  # JSON where the XML parser reads
+    "<tool_call>\n<function=get_weather",  # cut in the name
+    "<tool_call>\n<function=get\nweather>\n</function></tool_call>",
+    "<tool_call>",
+    "a <tool_call",
+    "Use <tool_call> tags.",
+])
+def test_text_that_only_looks_like_an_xml_call_stays_content(text):
+    whole = assert_same_when_streamed("qwen3_xml", text)
+    assert whole == Reply(None, text, [])
+
+
+def test_malformed_xml_inside_a_call_is_dropped_and_the_call_still_ends():
+    text = ("<tool_call>\n<tool_call>\n<function=get_weather>\nstray text\n<parameter=city>\nOslo\n</parameter>\n"
+            "<parameter=city>\nRome\n</parameter>\n<bogus>\n</function>\n</tool_call>Done.")
+    whole = assert_same_when_streamed("qwen3_xml", text)
+    # the first <tool_call> opened nothing (it is content); a name given twice keeps its first value; text after
+    # a call is content too
+    assert whole == Reply(None, "<tool_call>Done.", [("get_weather", '{"city": "Oslo"}')])
+    assert parse("qwen3_xml", ["<tool_call><function=get_time></function>after"]) == \
+        Reply(None, "after", [("get_time", "{}")])  # no </tool_call>: the call ends at </function>
+    assert parse("qwen3_xml", ["<tool_call><function=get_time><parameter=x>1</parameter></tool_call>"]) == \
+        Reply(None, None, [("get_time", '{"x": "1"}')])  # no </function>
+
+
+def test_a_reply_cut_inside_an_xml_call_closes_it_with_what_it_has():
+    for tail, arguments in [("", "{}"), ("\n<parameter=city>\nLi", '{"city": "Li"}'),
+                            ("\n<parameter=days>\n3\n</parameter>\n</func", '{"days": 3}'), ("\n<param", "{}")]:
+        text = "<tool_call>\n<function=get_weather>" + tail
+        assert assert_same_when_streamed("qwen3_xml", text) == Reply(None, None, [("get_weather", arguments)])
+
+
+# JSON calls ---------------------------------------------------------------------------------------------
+def test_json_call_streamed_at_every_cut_equals_the_whole():
+    text = ('I will call it.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}\n</tool_call>')
+    whole = assert_same_when_streamed("qwen3_json", text, pairs=True)
+    assert whole == Reply(None, "I will call it.", [("get_weather", '{"city": "Paris", "days": 3}'),
+                                                     ("get_time", '{"zone": "UTC"}')])
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>\n{"name": "delete_everything", "arguments": {}}\n</tool_call>',
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>',  # bad JSON
+    '<tool_call>\n{"name": "get_weather", "arguments": [1]}\n</tool_call>',
+    '<tool_call>\n["get_weather"]\n</tool_call>',
+    '<tool_call>\n<function=get_weather>\n</function>\n</tool_call>',  # XML where the JSON parser reads
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',  # cut (max_tokens)
+])
+def test_text_that_only_looks_like_a_json_call_stays_content(text):
+    assert assert_same_when_streamed("qwen3_json", text) == Reply(None, text, [])
+
+
+def test_json_call_without_its_closing_tag_counts_when_its_json_is_whole():
+    text = '<tool_call>\n{"name": "get_time", "parameters": {"zone": "UTC"}}'
+    assert assert_same_when_streamed("qwen3_json", text) == Reply(None, None, [("get_time", '{"zone": "UTC"}')])
+    assert json_call('{"name": "get_time"}', FUNCTIONS) == ("get_time", "{}")
+
+
+def test_nested_json_blocks_read_the_inner_call():
+    text = '<tool_call><tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    assert assert_same_when_streamed("qwen3_json", text) == Reply(None, "<tool_call>", [("get_time", "{}")])
+
+
+# the two together, and the server's choice of parsers -----------------------------------------------------
+def test_reasoning_then_calls_in_one_reply():
+    parsers = ReplyParsers.of(QWEN35_TEMPLATE)
+    assert parsers == ReplyParsers("qwen3_xml", True)
+    text = "Weather needed.\n</think>\n\n" + xml_call("get_weather", city="Paris") + "\n"
+    whole = None
+    for pieces in cuts(text):
+        parser = parsers.parser(FUNCTIONS, in_reasoning=True)
+        reply = Reply.of(events_of(parser, pieces))
+        assert whole is None or reply == whole, pieces
+        whole = reply
+    assert whole == Reply("Weather needed.", None, [("get_weather", '{"city": "Paris"}')])
+    # no functions (no tools, or tool_choice none): the call stays text; no reasoning parser: all is content
+    assert Reply.of(events_of(parsers.parser(None, True), [text])) == \
+        Reply("Weather needed.", xml_call("get_weather", city="Paris") + "\n", [])
+    assert Reply.of(events_of(ReplyParsers(None, False).parser(FUNCTIONS, True), [text])) == Reply(None, text, [])
+
+
+def test_the_parsers_are_picked_from_the_template_or_named():
+    assert parser_of_template(QWEN35_TEMPLATE) == "qwen3_xml"
+    assert parser_of_template(JSON_TEMPLATE) == "qwen3_json"
+    assert parser_of_template("{{ messages }}") is None and parser_of_template(None) is None
+    assert ReplyParsers.of(JSON_TEMPLATE) == ReplyParsers("qwen3_json", False)
+    assert ReplyParsers.of(QWEN35_TEMPLATE, "qwen3_json", "none") == ReplyParsers("qwen3_json", False)
+    assert ReplyParsers.of("{{ messages }}", "qwen3_xml", "qwen3") == ReplyParsers("qwen3_xml", True)
+    assert ReplyParsers.of(QWEN35_TEMPLATE, "none") == ReplyParsers(None, True)
+    with pytest.raises(ValueError, match="tool_call_parser: expected auto, none or one of qwen3_xml"):
+        ReplyParsers.of(None, "hermes")
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        ReplyParsers.of(None, "auto", "deepseek_r1")
+
+
+# tools and tool_choice ----------------------------------------------------------------------------------
+TOOLS = [Tool.model_validate({"type": "function", "function": {"name": n, "parameters": s}})
+         for n, s in (("get_weather", SCHEMA), ("get_time", None))]
+
+
+def _refusal(tools, choice, tool_format="qwen3_xml") -> APIError:
+    with pytest.raises(APIError) as e:
+        tool_request(tools, choice, tool_format)
+    assert e.value.status == 400
+    return e.value
+
+
+def test_tool_request_checks_names_and_choices():
+    request = tool_request(TOOLS, None, "qwen3_xml")  # "auto"
+    assert request.functions == {"get_weather": SCHEMA, "get_time": {}}
+    assert request.template_tools[1] == {"type": "function", "function": {"name": "get_time"}}
+    assert tool_request(TOOLS, "none", "qwen3_xml").template_tools is None  # none: not rendered, not parsed
+    assert tool_request(None, None, None).functions is None
+    assert _refusal(TOOLS * 2, "auto").param == "tools"
+    e = _refusal(TOOLS, NamedToolChoice.model_validate({"type": "function", "function": {"name": "get_date"}}))
+    assert e.param == "tool_choice" and "'get_date'" in e.message and "'get_time'" in e.message
+    assert _refusal(None, "required").param == "tool_choice"
+    e = _refusal(TOOLS, "auto", tool_format=None)
+    assert e.param == "tools" and "--tool-call-parser" in e.message
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_forced_calls_are_refused_until_the_engine_has_structured_output(choice):
+    """tool_choice "required" and named functions need sampling held to forced_call_schema: until the engine's
+    sampler takes a schema, the server says so instead of letting the model not call."""
+    choice = choice if isinstance(choice, str) else NamedToolChoice.model_validate(choice)
+    e = _refusal(TOOLS, choice)
+    assert (e.param, e.code) == ("tool_choice", "unsupported_parameter") and "structured output" in e.message
+
+
+def test_the_forced_call_schema_and_its_replies():
+    named = NamedToolChoice.model_validate({"type": "function", "function": {"name": "get_weather"}})
+    assert forced_call_schema(TOOLS, named) == SCHEMA
+    schema = forced_call_schema(TOOLS, "required")
+    assert schema["type"] == "array" and schema["minItems"] == 1
+    assert [c["properties"]["name"]["enum"] for c in schema["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}
+    assert forced_calls('{"city": "Paris"}', named) == [("get_weather", '{"city": "Paris"}')]
+    assert forced_calls('[{"name": "get_time", "parameters": {}}]', "required") == [("get_time", "{}")]
+    for bad, choice in (("[1]", named), ("[]", "required"), ('[{"name": "get_time"}]', "required")):
+        with pytest.raises(ValueError):
+            forced_calls(bad, choice)
+    with pytest.raises(ValueError, match="forces no call"):
+        forced_call_schema(TOOLS, "auto")
