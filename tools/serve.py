@@ -4,6 +4,7 @@
     python -m metrale_graph.tools.serve --model FOLDER_OR_PRESET [--host 127.0.0.1] [--port 8000]
         [--served-model-name NAME] [--api-key KEY] [--num-slots 64] [--max-context N] [--token-budget N]
         [--max-waiting N] [--max-request-bytes N] [--eager] [--no-warmup] [--tp N]
+        [--tool-call-parser auto|qwen3_xml|qwen3_json|none] [--reasoning-parser auto|qwen3|none]
 
 The server listens before the model loads (a port in use fails at once, in one line) and answers from
 then on: /health 503 {"status": "loading"} while the model loads, "warming up" while the engine warms
@@ -40,6 +41,8 @@ from metrale_graph.tools.loading import build_engine, check_engine_sizes, load_m
 from metrale_graph.tools.report import bars_shown, print_json, print_table
 
 API_KEY_ENV = "METRALE_API_KEY"
+TOOL_PARSERS = ("qwen3_xml", "qwen3_json")  # metrale_graph.server.tool_parsers.PARSERS (without the serve extra)
+REASONING_PARSERS = ("qwen3",)  # metrale_graph.server.reply.REASONING_PARSERS
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -74,6 +77,13 @@ def _parse_args(argv):
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV of prompt prefixes seen before (default: the engine's); needs an engine "
                         "with a prefix cache")
+    p.add_argument("--tool-call-parser", choices=("auto", *TOOL_PARSERS, "none"), default="auto",
+                   help="how chat replies write tool calls: qwen3_xml (Qwen3.5 / 3.6: <function=NAME> "
+                        "<parameter=KEY>), qwen3_json (Qwen2.5 / Qwen3: JSON in <tool_call>); none: requests with "
+                        "tools are refused (default auto: as the chat template shows a call)")
+    p.add_argument("--reasoning-parser", choices=("auto", *REASONING_PARSERS, "none"), default="auto",
+                   help="qwen3: a reply's <think> block goes to reasoning_content (default auto: when the chat "
+                        "template has </think>)")
     p.add_argument("--shutdown-timeout", type=non_negative_float, default=10.0,
                    help="seconds running requests get to finish on SIGTERM / Ctrl-C (default 10)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="uvicorn's log level (default info)")
@@ -203,7 +213,8 @@ class Startup:
             model = load_model(args, self.p, run)
             engine = build_engine(self.p, args, model, **self.engine_kwargs)
             kwargs = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
-            app = build_app(engine, self.name, api_key=args.api_key, ready=args.no_warmup, **kwargs)
+            app = build_app(engine, self.name, api_key=args.api_key, ready=args.no_warmup,
+                            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser, **kwargs)
         except BaseException as e:  # SystemExit too: parser.error for a checkpoint that does not load
             self._fail("loading the model", e)
             return
@@ -216,6 +227,9 @@ class Startup:
             return
         print(f"model: {args.model}  {model.extra_repr()}  (built in {time.perf_counter() - t0:.2f} s)\n{engine}",
               flush=True)
+        replies = app.state.server.replies
+        print(f"chat replies: tool calls {replies.tool_format or 'not parsed (requests with tools: 400)'}, "
+              f"reasoning {'qwen3' if replies.reasoning else 'not parsed'}", flush=True)
         self.gate.serve(app)
         if args.no_warmup:
             print(f"serving {self.name!r} at {self.url} (pid {os.getpid()}; no warmup: buckets compile on first use)",

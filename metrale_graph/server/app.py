@@ -61,13 +61,16 @@ class APIKeyMiddleware:
 
 
 def build_app(engine, model_name: str, api_key: str | None = None, ready: bool = True,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tool_call_parser: str = "auto",
+              reasoning_parser: str = "auto") -> FastAPI:
     """The app serving `engine` as `model_name`; its ServerState is `app.state.server`. ready=False:
     /health and the generation endpoints answer 503 until `app.state.server.ready.set()`. A request body of
-    more than `max_request_bytes` is a 413."""
+    more than `max_request_bytes` is a 413. tool_call_parser ("qwen3_xml", "qwen3_json", "none") and
+    reasoning_parser ("qwen3", "none") read chat replies; "auto": as the tokenizer's chat template shows them
+    (reply.py)."""
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be a positive number of bytes, got {max_request_bytes}")
-    state = ServerState(engine, model_name, api_key, ready)
+    state = ServerState(engine, model_name, api_key, ready, tool_call_parser, reasoning_parser)
     app = FastAPI(title="metrale-graph", summary=f"OpenAI-compatible server of {model_name}")
     app.state.server = state
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)

@@ -1,57 +1,126 @@
 """POST /v1/chat/completions: messages through the tokenizer's chat template, the assistant's reply
-whole or streamed.
+whole or streamed, its reasoning and tool calls parsed out.
 
-The prompt is `tokenizer.apply_chat_template(messages, add_generation_prompt=True)` as token ids
-(vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs change its arguments). A
-stream sends, per choice, a first delta with the role (`{"role": "assistant", "content": ""}`),
-then content deltas as the text comes, the last one with the finish reason ("stop": a stop token
-or string; "length": max_tokens or the context), then the usage chunk with
-stream_options.include_usage, then `data: [DONE]`.
+The prompt is `tokenizer.apply_chat_template(messages, tools=..., add_generation_prompt=True)` as token ids
+(vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs change its arguments; the
+tools are rendered unless tool_choice is "none": tool_choice.py). A reply is read by the server's parsers
+(reply.py): `<think>` blocks into `reasoning_content` (from the prompt's open `<think>` when the template
+opened one), and, when the request offers tools, calls in the template's format into `tool_calls` (ids
+`call_...`; finish_reason "tool_calls" when a reply that stopped made one; content None when it holds only
+calls). A stream sends, per choice, a first delta with the role (`{"role": "assistant", "content": ""}`),
+then a delta per piece as the text comes (`content`, `reasoning_content`, or `tool_calls`: a call's index,
+id, type and name first with arguments "", then its arguments in pieces), the last one with the finish
+reason ("stop": a stop token or string; "length": max_tokens or the context; "tool_calls"), then the usage
+chunk with stream_options.include_usage, then `data: [DONE]`.
 """
 
 from __future__ import annotations
 
+import uuid
 from typing import AsyncIterator
 
 from .errors import stream_event
 from .generation import Generations
 from .protocol import (DONE, AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletionRequest,
-                       ChatResponse, DeltaMessage, StreamChunks, event, now, request_id)
+                       ChatResponse, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, StreamChunks,
+                       ToolCall, event, now, request_id)
+from .reasoning import starts_in_reasoning
+from .reply import ReasoningDelta, Reply, ReplyParser
 from .state import ServerState
+from .tool_choice import tool_request
+from .tool_parsers import CallArguments, CallStart, ContentDelta
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def finish_reason(engine_reason: str | None, calls: int) -> str | None:
+    """OpenAI's "tool_calls" for a reply that stopped after making calls; a reply cut short keeps "length"."""
+    return "tool_calls" if calls and engine_reason == "stop" else engine_reason
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw_request):
     """A ChatResponse, or the event stream's body when body.stream."""
     state.check(body)
-    prompt = await state.off_loop(state.chat_prompt_ids, [m.template_dict() for m in body.messages],
-                                  body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
+    tools = tool_request(body.tools, body.tool_choice, state.replies.tool_format)
+    text, prompt = await state.off_loop(state.chat_prompt, [m.template_dict() for m in body.messages],
+                                        body.add_generation_prompt, body.continue_final_message,
+                                        body.chat_template_kwargs, tools.template_tools)
     state.check_room([prompt], body)
     group = Generations.submit(state, [prompt], state.sampling(body, body.max_new_tokens), body.n, param="messages")
     rid = request_id("chatcmpl")
+    plain = tools.functions is None and state.replies.plain
+
+    def parser() -> ReplyParser:
+        return state.replies.parser(tools.functions, starts_in_reasoning(text))
+
     if body.stream:
-        return _events(state, body, group, rid)
+        return _events(state, body, group, rid, None if plain else parser)
     results = await group.whole(raw_request)
     ids = body.return_token_ids
-    choices = [ChatChoice(index=i, message=AssistantMessage(content=r.text or ""), finish_reason=r.finish_reason,
-                          token_ids=list(r.token_ids) if ids else None, prompt_token_ids=prompt if ids else None)
-               for i, r in enumerate(results)]
+    choices = []
+    for i, r in enumerate(results):
+        if plain:
+            message, calls = AssistantMessage(content=r.text or ""), 0
+        else:
+            reader = parser()
+            reply = Reply.of(reader.feed(r.text or "") + reader.finish())
+            message = AssistantMessage(content=reply.content, reasoning_content=reply.reasoning,
+                                       tool_calls=[ToolCall(id=call_id(), function=FunctionCall(name=n, arguments=a))
+                                                   for n, a in reply.calls] or None)
+            calls = len(reply.calls)
+        choices.append(ChatChoice(index=i, message=message, finish_reason=finish_reason(r.finish_reason, calls),
+                                  token_ids=list(r.token_ids) if ids else None,
+                                  prompt_token_ids=prompt if ids else None))
     return ChatResponse(id=rid, model=state.model_name, choices=choices, usage=group.usage())
 
 
-async def _events(state: ServerState, body: ChatCompletionRequest, group: Generations, rid: str) -> AsyncIterator[str]:
+def _delta(event, call_ids: list[str]) -> DeltaMessage:
+    """The stream's delta of one reply event; a call's first gets its id (appended to `call_ids`)."""
+    if isinstance(event, ContentDelta):
+        return DeltaMessage(content=event.text)
+    if isinstance(event, ReasoningDelta):
+        return DeltaMessage(reasoning_content=event.text)
+    if isinstance(event, CallStart):
+        call_ids.append(call_id())
+        return DeltaMessage(tool_calls=[DeltaToolCall(index=event.index, id=call_ids[event.index], type="function",
+                                                      function=DeltaFunctionCall(name=event.name, arguments=""))])
+    assert isinstance(event, CallArguments)
+    return DeltaMessage(tool_calls=[DeltaToolCall(index=event.index, function=DeltaFunctionCall(arguments=event.text))])
+
+
+async def _events(state: ServerState, body: ChatCompletionRequest, group: Generations, rid: str,
+                  parser) -> AsyncIterator[str]:
+    """The stream's events; `parser` makes each choice's ReplyParser (None: replies are plain text)."""
     created, model, ids = now(), state.model_name, body.return_token_ids
 
     def chunk(choices, usage=None) -> str:
         return event(ChatChunk(id=rid, created=created, model=model, choices=choices, usage=usage))
 
     chunks = StreamChunks("chat.completion.chunk", rid, created, model)
+    readers = [parser() for _ in range(len(group))] if parser is not None else None
+    call_ids: list[list[str]] = [[] for _ in range(len(group))]
     try:
         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(len(group))])
         async for choice, out in group.stream():
-            if not (out.text or out.finish_reason or (ids and out.token_ids)):
+            tokens = list(out.token_ids) if ids and out.token_ids else None
+            if readers is None:
+                if out.text or out.finish_reason or tokens:
+                    yield chunks.chat(choice, out.text or None, out.finish_reason, list(out.token_ids) if ids else None)
                 continue
-            yield chunks.chat(choice, out.text or None, out.finish_reason, list(out.token_ids) if ids else None)
+            reader = readers[choice]
+            events = reader.feed(out.text) if out.text else []
+            if out.finish_reason:
+                events += reader.finish()
+            finish = finish_reason(out.finish_reason, reader.calls)
+            deltas = [_delta(e, call_ids[choice]) for e in events]
+            if not deltas and (finish or tokens):
+                deltas = [DeltaMessage()]
+            for k, delta in enumerate(deltas):
+                yield chunk([ChatChunkChoice(index=choice, delta=delta, finish_reason=finish if k == len(deltas) - 1
+                                             else None, token_ids=tokens if k == 0 else None)])
         if body.stream_options is not None and body.stream_options.include_usage:
             yield chunk([], group.usage())
     except Exception as e:  # the request failed after the stream began (a step's error, shutdown)

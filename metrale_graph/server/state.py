@@ -20,12 +20,13 @@ from .errors import bad_request, short, unauthorized, unknown_model, warming_up
 from .limits import TokenBound
 from .metrics import ServerMetrics
 from .protocol import ModelCard, SamplingFields
+from .reply import ReplyParsers
 
 
 # apply_chat_template's arguments that the server sets itself (chat_template_kwargs may not)
 TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt",
                                 "continue_final_message", "return_dict", "return_tensors", "tokenizer_kwargs",
-                                "chat_template"})
+                                "chat_template", "tools"})
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,13 @@ class ServerState:
     (the serve tool warms it while the server already answers /health with 503); `closing` once the
     server shuts down."""
 
-    def __init__(self, engine, model_name: str, api_key: str | None = None, ready: bool = True):
+    def __init__(self, engine, model_name: str, api_key: str | None = None, ready: bool = True,
+                 tool_call_parser: str = "auto", reasoning_parser: str = "auto"):
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.tokenizer = engine.tokenizer
+        # how chat replies are read: reasoning and tool calls (reply.py; "auto": from the chat template)
+        self.replies = ReplyParsers.of(getattr(self.tokenizer, "chat_template", None), tool_call_parser,
+                                       reasoning_parser)
         self.max_context = engine.max_context
         self.vocab_size = engine.model.config.vocab_size
         self.token_bound = TokenBound(self.tokenizer)
@@ -153,11 +158,13 @@ class ServerState:
                                   f"{'one' if self.max_context - len(ids) == 1 else 'ones'}", param=field,
                                   code="context_length_exceeded")
 
-    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
-                        continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
-        """The chat template of the tokenizer applied to `messages` as token ids (add_generation_prompt: the
-        assistant's turn starts; continue_final_message: the last message stays open, its end tokens left
-        out; template_kwargs: the template's own variables), the template's special tokens not added twice."""
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, template_kwargs: dict | None = None,
+                    tools: list[dict] | None = None) -> tuple[str, list[int]]:
+        """The chat template of the tokenizer applied to `messages`, as text and as token ids (add_generation_prompt:
+        the assistant's turn starts; continue_final_message: the last message stays open, its end tokens left
+        out; template_kwargs: the template's own variables; tools: the functions the template renders), the
+        template's special tokens not added twice."""
         tok = self.tokenizer
         if tok is None or not callable(getattr(tok, "apply_chat_template", None)):
             raise bad_request("this server's model has no tokenizer with a chat template: use /v1/completions",
@@ -178,6 +185,9 @@ class ServerState:
                 check_text(value, f"messages {i}: {key}", "messages")
         if continue_final_message:  # (only then: a tokenizer of its own may not take the argument)
             template_kwargs["continue_final_message"] = True
+        if tools:  # (likewise)
+            check_text(tools, "tools", "tools")
+            template_kwargs["tools"] = tools
         try:
             text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                            **template_kwargs)
@@ -185,7 +195,7 @@ class ServerState:
             raise bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}",
                               param="messages") from e
         self.check_fits(text, "messages (through the chat template)", "messages")
-        return self.prompt_ids(list(tok.encode(text, add_special_tokens=False)), "messages")
+        return text, self.prompt_ids(list(tok.encode(text, add_special_tokens=False)), "messages")
 
     def sampling(self, body: SamplingFields, max_new_tokens: int | None) -> Sampling:
         """The engine arguments of `body`: stop token ids are the request's added to the model's eos
