@@ -115,3 +115,17 @@ def test_no_import_cycle_in_the_package():
     assert not new, "import cycles among package modules: " + "; ".join(" <-> ".join(c) for c in new)
     gone = sorted(KNOWN_CYCLES - found)
     assert not gone, f"no longer cycles, remove them from KNOWN_CYCLES: {gone}"
+
+
+def test_python_files_live_in_the_package_and_tests():
+    """Every tracked Python file is a module of the package (its folders) or of tests/: a script at the
+    repository root is a stray probe (one imported from a folder outside the repository and could not run)."""
+    import subprocess
+
+    try:
+        listed = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    homes = {os.path.relpath(f, ROOT) for f in package_folders().values()} | {"tests"}
+    stray = [f for f in listed.stdout.split() if f.split("/")[0] not in homes]
+    assert not stray, f"Python files outside the package folders and tests/: {stray}"
