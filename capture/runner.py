@@ -106,11 +106,13 @@ class GraphRunner:
     def warmup(self, progress: bool = True, on_bucket=None) -> list[BucketReport]:
         """Compile (and on CUDA capture) every bucket, largest first. Runs only padding: no slot or
         block of the cache is read or written except the scratch slot and the null block.
-        `on_bucket(report)` is called as each bucket finishes."""
+        `on_bucket(report)` is called as each bucket finishes. `progress`: a bar where standard error is a
+        terminal."""
         from tqdm.auto import tqdm
 
         self._check_model()
-        bar = tqdm(sorted(self.grid, reverse=True), desc="capturing buckets", unit="bucket", disable=not progress)
+        bar = tqdm(sorted(self.grid, reverse=True), desc="capturing buckets", unit="bucket",
+                   disable=None if progress else True)  # on a terminal only (tqdm's None), never in a log
         with self.cache.exclusive():
             for bucket in bar:
                 report = self._warm(bucket)

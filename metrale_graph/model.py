@@ -122,7 +122,8 @@ class HybridModel(nn.Module):
         for the 9B model in bfloat16 about 40 ms on an H200, about 4.5 s on 2 CPU cores (see
         `load_checkpoint`). With a tensor-parallel `tp`, only this rank's shard is read. `dtype` is a
         torch.dtype or its name ("bfloat16"); on the CPU, weights that would not fit in the memory
-        available are a ValueError before any is read."""
+        available are a ValueError before any is read. `progress`: a bar while the weights load, drawn
+        where standard error is a terminal (in a log, none)."""
         dtype, device = as_dtype(dtype), as_device(device)
         if not isinstance(path, (str, os.PathLike)):
             raise ValueError(f"path must be a checkpoint folder's path (a str), got {type(path).__name__} {path!r}")

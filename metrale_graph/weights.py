@@ -494,7 +494,9 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
     asm = _Assembler(cfg, dtype, device, tp)
     check_host_memory(weight_bytes(asm.shapes, dtype, cfg), device, f"the weights of {folder} in {dtype}")
     reads, tied_head = _plan(checkpoint_files(folder), asm, cfg)
-    bar = tqdm(total=len(asm.layout), desc="loading weights", unit="tensor", disable=not progress, leave=False)
+    # drawn where standard error is a terminal (tqdm's disable=None; a notebook's widget too), never in a log
+    bar = tqdm(total=len(asm.layout), desc="loading weights", unit="tensor", disable=None if progress else True,
+               leave=False)
     by_file: dict[str, list[_Read]] = {}
     for r in reads:
         by_file.setdefault(r.path, []).append(r)

@@ -191,3 +191,25 @@ def test_warm_bucket_outside_the_grid_is_a_value_error():
         with pytest.raises(ValueError, match=r"is not a bucket of this runner's grid \(B1xT16, B2xT16\)"):
             runner.warm_bucket(bad)
     assert runner.reports == {}
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["log", "terminal"])
+def test_warmup_draws_its_progress_bar_on_a_terminal_only(monkeypatch, terminal):
+    """GraphRunner.warmup's bar (progress=True, the default) goes to standard error when it is a terminal
+    only (each bucket's compile stubbed out here: the bar is what is tested)."""
+    import io
+    import sys
+
+    from metrale_graph.capture.runner import BucketReport
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    model = HybridModel.from_preset("tiny")
+    runner = GraphRunner(model, model.new_cache(2, 4, block_size=16), [1, 2], [2, 4])
+    monkeypatch.setattr(runner, "_warm", lambda bucket: BucketReport(bucket))
+    err = Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    runner.warmup()
+    assert ("capturing buckets" in err.getvalue()) == terminal

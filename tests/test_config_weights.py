@@ -1,7 +1,9 @@
 """Config parsing and checkpoint loading errors."""
 
+import io
 import json
 import re
+import sys
 
 import pytest
 import torch
@@ -375,3 +377,18 @@ def test_restore_of_something_not_a_snapshot_is_a_value_error():
     for bad in (None, (1, 2)):
         with pytest.raises(ValueError, match="the snapshot is not of this cache"):
             cache.restore(bad)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["log", "terminal"])
+def test_loading_draws_its_progress_bar_on_a_terminal_only(checkpoint, monkeypatch, terminal):
+    """from_pretrained's bar (progress=True, the default) goes to standard error when it is a terminal; in a
+    log (here pytest's capture) none, as the README says: it landed inside pytest's dots and logs."""
+    err = _Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    HybridModel.from_pretrained(checkpoint)
+    assert ("loading weights" in err.getvalue()) == terminal
