@@ -10,14 +10,39 @@ a large preset's transient fp32 copies stay small.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .config import ModelConfig
-from .ops.fp8.quant import dequantize_weight_blocks, quantize_weight_blocks
+from .ops.fp8.quant import FP8_MAX, dequantize_weight_blocks, quantize_weight_blocks
 from .quantization import Fp8Config, scale_name
 from .spec import EXPERTS, model_spec
 
 EXPERTS_AT_ONCE = 16  # stacked experts quantized per call (transient fp32 copies of that many experts)
+
+
+def scale_problem(scales: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """Why block scales (weight_scale_inv, fp32 or bf16) cannot serve a model computing in `dtype`, or None.
+    Each scale must be finite, positive and normal (a zero or negative scale zeroes or flips its block's
+    weights, a subnormal one drops their bits), and the largest e4m3 code, 448, times it must be finite in
+    `dtype` (else the block's weights are infinite there). One pass over the scales, none over the codes:
+    448 bounds every block's codes, and is every block's largest code in a checkpoint quantized as
+    transformers' Fp8Quantize quantizes (amax to 448)."""
+    if scales.numel() == 0:
+        return None
+    lo, hi = (v.item() for v in torch.aminmax(scales.float()))  # NaN anywhere: both NaN
+    normal, largest = torch.finfo(torch.float32).tiny, torch.finfo(dtype).max / FP8_MAX
+    if math.isnan(lo):
+        return "holds NaN block scales"
+    if lo <= 0:
+        return f"holds a block scale of {lo:g}: scales must be positive"
+    if lo < normal:
+        return f"holds a subnormal block scale, {lo:g} (below float32's smallest normal number, {normal:g})"
+    if hi > largest:
+        return (f"holds a block scale of {hi:g}: the largest e4m3 code (448) times it is not finite in {dtype} "
+                f"(scales up to {largest:g} are)")
+    return None
 
 
 def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

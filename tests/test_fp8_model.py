@@ -298,6 +298,86 @@ def test_malformed_checkpoints_name_the_tensor_before_reading(tmp_path, monkeypa
         HybridModel.from_pretrained(bad, progress=False)
 
 
+EXPERT_UP = "model.layers.0.mlp.experts.3.up_proj.weight_scale_inv"
+SHARED_DOWN = "model.layers.1.mlp.shared_expert.down_proj.weight_scale_inv"
+
+
+def _set_block(key, value, dtype=None):
+    """An edit: one block scale of `key` (its last block; the whole grid with value None: zeroed) set, the
+    tensor stored in `dtype` (default: as it is)."""
+    def edit(tensors):
+        t = tensors[key].clone()
+        if value is None:
+            t.zero_()
+        else:
+            t.view(-1)[-1] = value
+        tensors[key] = t if dtype is None else t.to(dtype)
+    return edit
+
+
+BAD_SCALES = [
+    # (what, tensor, edit, the model's dtype, message): each loaded without a word, the logits NaN or moved
+    ("huge", QKV + ".weight_scale_inv", _set_block(QKV + ".weight_scale_inv", 1e38), torch.float32,
+     r"holds a block scale of 1e\+38: the largest e4m3 code \(448\) times it is not finite in torch\.float32"),
+    ("infinite", QKV + ".weight_scale_inv", _set_block(QKV + ".weight_scale_inv", float("inf")), torch.float32,
+     r"holds a block scale of inf"),
+    ("negative", QKV + ".weight_scale_inv", _set_block(QKV + ".weight_scale_inv", -1e-3), torch.float32,
+     r"holds a block scale of -0\.001: scales must be positive"),
+    ("all zero", SHARED_DOWN, _set_block(SHARED_DOWN, None), torch.float32,
+     r"holds a block scale of 0: scales must be positive"),
+    ("subnormal", QKV + ".weight_scale_inv", _set_block(QKV + ".weight_scale_inv", 1e-45), torch.float32,
+     r"holds a subnormal block scale, 1\.4\d*e-45 \(below float32's smallest normal number"),
+    ("NaN", QKV + ".weight_scale_inv", _set_block(QKV + ".weight_scale_inv", float("nan")), torch.float32,
+     r"holds NaN block scales"),
+    ("subnormal in bf16", QKV + ".weight_scale_inv", _set_block(QKV + ".weight_scale_inv", 1e-39, torch.bfloat16),
+     torch.float32, r"holds a subnormal block scale"),
+    # one expert's of the per-expert tensors Qwen's releases store (the model stacks them)
+    ("one expert's", EXPERT_UP, _set_block(EXPERT_UP, -2.0), torch.float32, r"holds a block scale of -2"),
+    # finite in fp32, not in fp16: 448 x 200 > 65504
+    ("beyond fp16", QKV + ".weight_scale_inv", _set_block(QKV + ".weight_scale_inv", 200.0), torch.float16,
+     r"holds a block scale of 200: .* not finite in torch\.float16 \(scales up to 146\.2\d* are\)"),
+]
+
+
+@pytest.fixture(scope="module")
+def fp8_moe(tmp_path_factory):
+    """An FP8 Qwen3.5-MoE checkpoint (hidden size 136: two column blocks, the last ragged; experts of 128 rows,
+    which also stack on whole blocks), experts one tensor each."""
+    folder = str(tmp_path_factory.mktemp("fp8-moe") / "good")
+    cfg = moe_config("qwen3_5_moe_text", hidden_size=136, moe_intermediate_size=128)
+    HybridModel.from_preset(fp8_config(cfg, QWEN_KEPT)).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("what, key, edit, dtype, message", BAD_SCALES, ids=[b[0] for b in BAD_SCALES])
+def test_scales_that_make_the_model_unusable_are_refused(fp8_moe, tmp_path, what, key, edit, dtype, message):
+    """A block scale must be finite, positive and normal, and 448 (the largest e4m3 code) times it finite in
+    the model's dtype: otherwise a ValueError naming the tensor as the checkpoint names it and its file."""
+    bad = _edit(fp8_moe, tmp_path / "bad", edit)
+    with pytest.raises(ValueError, match=rf"tensor '{re.escape(key)}' in .*model\.safetensors {message}"):
+        HybridModel.from_pretrained(bad, dtype=dtype, progress=False)
+    if what == "beyond fp16":
+        HybridModel.from_pretrained(bad, dtype=torch.float32, progress=False)  # fine in fp32
+
+
+def test_stacked_expert_scales_are_checked_by_their_stacked_name(fp8_moe, tmp_path):
+    """Experts stored stacked (transformers' `experts.gate_up_proj` with `gate_up_proj_scale_inv`): the stacked
+    tensor is named."""
+    from test_checkpoints_foreign import stack_experts
+
+    key = "model.layers.0.mlp.experts.gate_up_proj_scale_inv"
+
+    def edit(tensors):
+        stack_experts(tensors)
+        tensors[key] = tensors[key].clone()
+        tensors[key][2, 0, 1] = 0.0
+
+    bad = _edit(fp8_moe, tmp_path / "bad", edit)
+    with pytest.raises(ValueError, match=rf"tensor '{re.escape(key)}' in .* holds a block scale of 0"):
+        HybridModel.from_pretrained(bad, progress=False)
+    HybridModel.from_pretrained(_edit(fp8_moe, tmp_path / "good", stack_experts), progress=False)
+
+
 def test_a_fused_tensor_not_on_128_row_blocks_is_refused(tmp_path):
     """Qwen3-Next with 16-row heads: its FP8 in_proj_qkvz cannot be split into in_proj_qkv / in_proj_z."""
     cfg = fp8_config(moe_config("qwen3_next"), QWEN_KEPT)

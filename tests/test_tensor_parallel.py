@@ -151,6 +151,7 @@ def _worker(rank, folder, checkpoint):
         out["engine-sampled"] = _sampled(HybridModel.from_preset("tiny", seed=1, tp=tp))
         out["engine-served"] = _served(HybridModel.from_preset("tiny", seed=1, tp=tp))
         out["bad-shard"] = _load_errors(checkpoint + "-nan", tp)
+        out["bad-scale-shard"] = _load_errors(checkpoint + "-fp8-bad-scale", tp)
         out["tied-lm-head-only"] = _run(HybridModel.from_pretrained(checkpoint + "-tied-head", tp=tp, progress=False))
         if rank == 0:
             torch.save(out, os.path.join(folder, "rank0.pt"))
@@ -158,8 +159,9 @@ def _worker(rank, folder, checkpoint):
         dist.destroy_process_group()
 
 
-def _with_nan_expert(folder, out):
-    """A copy of a checkpoint whose last expert (rank 1's, split across 2 ranks) of layer 0 holds a NaN."""
+def _with_nan_expert(folder, out, leaf="weight", value=float("nan")):
+    """A copy of a checkpoint whose last expert (rank 1's, split across 2 ranks) of layer 0 holds a NaN (or
+    `value`) in its down_proj's `leaf` (its weight; weight_scale_inv: its block scales)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -168,7 +170,7 @@ def _with_nan_expert(folder, out):
     shutil.copy(os.path.join(folder, "config.json"), out)
     tensors = load_file(os.path.join(folder, "model.safetensors"))
     last = max(int(k.split(".")[5]) for k in tensors if ".layers.0.mlp.experts." in k)
-    tensors[f"model.layers.0.mlp.experts.{last}.down_proj.weight"][0, 0] = float("nan")
+    tensors[f"model.layers.0.mlp.experts.{last}.down_proj.{leaf}"][0, 0] = value
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -203,6 +205,7 @@ def sharded(tmp_path_factory):
         checkpoint)
     HybridModel.from_preset(fp8_config(FP8_NEXT, QWEN_KEPT), seed=2).save_pretrained(checkpoint + "-fp8")
     _with_nan_expert(checkpoint, checkpoint + "-nan")
+    _with_nan_expert(checkpoint + "-fp8", checkpoint + "-fp8-bad-scale", "weight_scale_inv", -1.0)
     _tied_as_lm_head(checkpoint + "-tied-head")
     mp.start_processes(_worker, args=(str(folder), checkpoint), nprocs=WORLD, start_method="spawn")
     return torch.load(folder / "rank0.pt"), checkpoint
@@ -310,6 +313,16 @@ def test_torchrun_prints_what_one_process_prints():
     two = json.loads(run_torchrun(2, [*args, "--tp", "2"]).stdout.strip().splitlines()[-1])
     assert two["top_tokens"] == one["top_tokens"] and two["continued"] == one["continued"]
     assert two["tp"] == 2 and {k for k in one if k != "tp"} <= set(two)
+
+
+def test_a_shard_with_bad_block_scales_fails_every_rank(sharded):
+    """A negative block scale of an FP8 expert only rank 1 reads: each rank checks the scales of its shard as
+    it reads them, rank 1 names the tensor, and rank 0 raises too."""
+    out, _ = sharded
+    first, second = out["bad-scale-shard"]
+    assert second is not None and "'model.layers.0.mlp.experts.3.down_proj.weight_scale_inv'" in second
+    assert "block scale of -1: scales must be positive" in second
+    assert first is not None and "rank(s) [1] could not load" in first
 
 
 def test_each_rank_reads_only_its_part_of_the_experts():
