@@ -76,6 +76,27 @@ def test_weight_zero_blocks_and_experts():
         assert torch.equal(codes(qe), codes(q[e])) and torch.equal(se, s[e])
 
 
+def test_weight_blocks_of_tiny_values_keep_normal_scales():
+    """A block whose amax is below 448 x float32's smallest normal number: 448 / amax overflowed, so its scale_inv
+    was 0 and its zeros' codes NaN (0 x inf); now a normal scale_inv (2^-126) and finite codes that hold the
+    values to e4m3's precision. NaN or infinite weights are refused."""
+    from metrale_graph.quantized import scale_problem
+
+    w = torch.zeros(2, 200, 130)
+    w[0, 3, 5], w[0, 7, 9] = 1e-37, -3e-38  # block (0, 0): amax 1e-37
+    w[1, 150, 129] = 5e-36  # the ragged last block: just below the floor
+    w[1, 0, 0] = 0.5
+    q, s = fp8.quantize_weight_blocks(w)
+    assert not torch.isnan(q.float()).any() and scale_problem(s, torch.float32) is None
+    assert s[0, 0, 0] == s[1, 1, 1] == torch.finfo(torch.float32).tiny and s[1, 0, 0] == 0.5 / 448
+    back = fp8.dequantize_weight_blocks(q, s)
+    assert torch.allclose(back, w, rtol=2 ** -3, atol=0)  # e4m3 subnormal codes: 3 bits or fewer
+    for bad in (float("nan"), float("inf")):
+        w[1, 4, 4] = bad
+        with pytest.raises(ValueError, match="w holds NaN or infinite values"):
+            fp8.quantize_weight_blocks(w)
+
+
 def test_weight_quantization_matches_transformers():
     """transformers' own quantizer (FineGrainedFP8's Fp8Quantize), on the shapes it quantizes (whole blocks),
     and its dequantizer."""

@@ -436,6 +436,25 @@ def test_compiled_fp8_step_has_no_graph_break():
     assert dict(counters["graph_break"]) == {}, f"graph breaks: {dict(counters['graph_break'])}"
 
 
+def test_the_quantizer_writes_scales_that_load(tmp_path):
+    """A weight of values too small for 448 / amax to be finite (1e-38: its blocks got scale_inv 0 and NaN
+    codes, so the checkpoint written could not load) quantizes to normal scales and loads, holding them; a
+    weight holding NaN is refused by name, nothing written."""
+    src, out = str(tmp_path / "src"), str(tmp_path / "fp8")
+    HybridModel.from_preset(tiny_config()).save_pretrained(src)
+    tiny = _edit(src, tmp_path / "tiny", lambda t: t.update({QKV + ".weight": t[QKV + ".weight"] * 1e-38}))
+    quantize.quantize_checkpoint(tiny, out)
+    held = dict(HybridModel.from_pretrained(out, progress=False).named_parameters())
+    want = load_file(os.path.join(tiny, "model.safetensors"))[QKV + ".weight"]
+    got = dequantize_weights(held, fp8_config(tiny_config(), QWEN_KEPT))[0]["layers.0.linear_attn.in_proj_qkv.weight"]
+    assert rel_err(got, want) <= 0.1  # e4m3's subnormal codes at the smallest normal scale: 3 bits or fewer
+    nan = _edit(src, tmp_path / "nan", lambda t: t[QKV + ".weight"].view(-1).__setitem__(7, float("nan")))
+    with pytest.raises(ValueError, match=rf"tensor '{re.escape(QKV)}\.weight' in .* holds NaN or infinite values: "
+                                         "it cannot be quantized"):
+        quantize.quantize_checkpoint(nan, str(tmp_path / "nan-fp8"))
+    assert not any(f.endswith((".safetensors", ".json")) for f in os.listdir(tmp_path / "nan-fp8"))
+
+
 def test_quantizer_flags(tmp_path, capsys):
     src = str(tmp_path / "src")
     HybridModel.from_preset(tiny_config()).save_pretrained(src)

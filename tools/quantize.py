@@ -18,7 +18,9 @@ releases and transformers' FP8 quantizer write them (a stacked gate | up whose p
 128-row blocks has no scale grid both readers agree on). The other files of the folder (tokenizer,
 generation config, ...) are copied. Tensors are
 read one at a time; every file is written under a temporary name and renamed into place at the end,
-so a failure leaves --out without a partial checkpoint.
+so a failure leaves --out without a partial checkpoint. A weight to convert holding NaN or infinite values is
+an error naming it; a block of values too small for a normal scale (amax below 5.3e-36) gets the smallest
+normal one, so every scale written loads.
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def quantize_checkpoint(folder: str, out: str, patterns: list[str] | None = None
     from metrale_graph.quantized import kept_modules, quantize_weight
     from metrale_graph.saving import _temporary, publish
     from metrale_graph.spec import EXPERTS, SCALE
-    from metrale_graph.weights import INDEX_FILE, SKIPPED_PREFIXES, WEIGHTS_FILE, checkpoint_files, our_name
+    from metrale_graph.weights import INDEX_FILE, SKIPPED_PREFIXES, WEIGHTS_FILE, _finite, checkpoint_files, our_name
 
     raw, cfg, fp8, specs = plan(folder, patterns)
     files = checkpoint_files(folder)
@@ -169,6 +171,9 @@ def quantize_checkpoint(folder: str, out: str, patterns: list[str] | None = None
                         skipped.add(next(p for p in SKIPPED_PREFIXES if key.startswith(p)).rstrip("."))
                     spec = specs.get(name) if name is not None else None
                     if spec is not None and spec.fp8 and spec.kind != SCALE:
+                        if not _finite(t):  # no block scale represents them (the loader would refuse the codes)
+                            raise ValueError(f"tensor {key!r} in {path} holds NaN or infinite values: it cannot be "
+                                             "quantized (keep its module in floating point, or fix the weights)")
                         if spec.kind == EXPERTS and t.dim() == 3:  # stacked experts: one tensor each
                             out_tensors = per_expert(key, name, spec, t, dev)
                         else:

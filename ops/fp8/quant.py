@@ -8,7 +8,10 @@ Weights: w ~= w_fp8 * scale_inv per 128 x 128 block. quantize_weight_blocks foll
 `Fp8Quantize` (the FineGrainedFP8 integration's quantizer): scale = 448 / amax in fp32, w_fp8 =
 clamp(w * scale, -448, 448) rounded to nearest even, scale_inv = 1 / scale; a block of zeros gets
 scale = scale_inv = 1 (its codes are 0 whatever the scale). Ragged last blocks take their amax over
-the elements they hold (transformers' quantizer leaves such tensors in bf16; we extend it).
+the elements they hold (transformers' quantizer leaves such tensors in bf16; we extend it). An amax
+below AMAX_FLOOR (448 x float32's smallest normal number, 5.3e-36) counts as AMAX_FLOOR, so scale_inv is
+normal and scale finite (where transformers' rule gives scale_inv 0 and NaN codes); NaN or infinite
+weights are a ValueError.
 
 Activations: per token and group of 128 channels, as vLLM's / SGLang's per_token_group_quant_fp8:
 scale = max(amax, 1e-10) / 448, x_fp8 = clamp(x / scale, -448, 448) rounded to nearest even; both
@@ -31,6 +34,9 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = 128  # the format's block edge (weights) and group size (activations)
 ACT_EPS = 1e-10  # floor of an activation group's amax (vLLM's eps)
+# floor of a nonzero weight block's amax: its scale_inv then stays a normal fp32 number and its scale finite (below
+# it 448 / amax overflows: transformers' rule gives such a block scale_inv 0 and NaN codes where it holds zeros)
+AMAX_FLOOR = FP8_MAX * torch.finfo(torch.float32).tiny
 SCALE_DTYPES = (torch.float32, torch.bfloat16)  # weight_scale_inv as checkpoints store it
 # Triton 3.6's interpreter rounds fp32 -> fp8 casts half-up without carrying into the exponent, and
 # truncates fp32 -> bf16; there the kernels round on the bits first (_round_e4m3, round_to), so the
@@ -111,8 +117,10 @@ def quantize_weight_blocks(w: Tensor) -> tuple[Tensor, Tensor]:
                          f"{tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__}")
     blocks, N, K = _blocks_view(w.float())
     amax = blocks.abs().amax(dim=(-3, -1))  # [..., NB, KB]
+    if not bool(torch.isfinite(amax).all()):
+        raise ValueError("quantize_weight_blocks: w holds NaN or infinite values, which no block scale represents")
     nonzero = amax > 0
-    scale = torch.where(nonzero, FP8_MAX / torch.where(nonzero, amax, 1.0), 1.0)
+    scale = torch.where(nonzero, FP8_MAX / torch.where(nonzero, amax.clamp_min(AMAX_FLOOR), 1.0), 1.0)
     q = (blocks * scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     q = q.reshape(*q.shape[:-4], q.shape[-4] * BLOCK, q.shape[-2] * BLOCK)[..., :N, :K].contiguous()
     return q, (1.0 / scale).float()
