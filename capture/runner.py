@@ -42,6 +42,7 @@ from typing import Sequence
 import torch
 
 from metrale_graph.batch import PackedBatch, Stream, empty_batch
+from metrale_graph.placement import check_memory
 from metrale_graph.cache import HybridCache
 from metrale_graph.model import HybridModel
 from metrale_graph.protocol import prefill_call
@@ -81,13 +82,15 @@ class GraphRunner:
             use_graphs = model.device.type == "cuda"
         if use_graphs and model.device.type != "cuda":
             raise ValueError("CUDA graphs need a model on a CUDA device")
+        one = bool(one_stream_step)
+        sizes = {b: (1 if one and b.streams == 1 else max(b.streams, 2), max(b.tokens, 2)) for b in self.grid}
+        check_memory([(f"buckets of up to {self.largest.tokens} tokens (token_counts; an Engine's token_budget)",
+                       sum(PackedBatch.padding_bytes(*bt, cache) for bt in sizes.values()))],
+                     cache.device, "the buckets' static input buffers")
         model.check_cache(cache)  # last of the checks: it binds a cache made without an owner to the model
         self.model, self.cache = model, cache
         self.use_graphs = use_graphs
-        one = bool(one_stream_step)
-        self.entries = {b: BucketEntry(b, PackedBatch.padding(1 if one and b.streams == 1 else max(b.streams, 2),
-                                                              max(b.tokens, 2), cache))
-                        for b in self.grid}
+        self.entries = {b: BucketEntry(b, PackedBatch.padding(*sizes[b], cache)) for b in self.grid}
         for entry in self.entries.values():
             if entry.batch.num_streams == 1:
                 _mark_tokens_dynamic(entry.batch)

@@ -75,6 +75,12 @@ class PackedBatch:
                        block_tables=torch.full((B, cache.max_blocks_per_slot), cache.null_block, dtype=torch.int32,
                                                device=dev))
 
+    @staticmethod
+    def padding_bytes(num_streams: int, num_tokens: int, cache: HybridCache) -> int:
+        """The bytes padding(num_streams, num_tokens, cache) allocates."""
+        B, T = num_streams, num_tokens
+        return 16 * T + 4 * (B + 1) + 12 * B + 4 * B * cache.max_blocks_per_slot
+
     def fill(self, packed: "PackedBatch", cache: HybridCache, last: tuple[int, int] | None = None) -> None:
         """Copy `packed` into these (larger or equal) buffers and pad the rest; allocates nothing. `last`:
         the (streams, tokens) of the batch these buffers were last filled with, past which they hold padding

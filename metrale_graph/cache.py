@@ -35,6 +35,7 @@ import torch
 
 from .config import ModelConfig
 from .numbers import as_int, int_tensor
+from .placement import check_memory
 from .prefix_cache import PrefixIndex, chain_hashes, prefix_key
 
 
@@ -75,6 +76,8 @@ class HybridCache:
         if max_context > cfg.max_position_embeddings:
             raise ValueError(f"max_context ({max_context}) exceeds the model's max_position_embeddings "
                              f"({cfg.max_position_embeddings}): no position past it exists")
+        check_memory(_pool_asks(cfg, num_slots, num_blocks, block_size, max_context, dtype, prefix_checkpoints),
+                     device, "the cache's pools")
         self.config = cfg
         self.num_slots, self.num_blocks, self.block_size = num_slots, num_blocks, block_size
         # exactly max_context tokens per slot (validate refuses a stream past it), in whole blocks
@@ -555,6 +558,23 @@ def _prefix_options(checkpoints, interval, block_size: int) -> tuple[int, int]:
     if every and not n:
         raise ValueError("checkpoint_interval needs prefix_checkpoints > 0 (the pool the checkpoints go to)")
     return n, every
+
+
+def _pool_asks(cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: int, max_context: int,
+               dtype: torch.dtype, prefix_checkpoints: int) -> list[tuple[str, int]]:
+    """The bytes of a cache's pools by the argument that sizes them (placement.check_memory's asks): each
+    slot's states and block table, the KV blocks, the GDN state checkpoints (each pool with its padding row)."""
+    states = len(cfg.linear_layers) * (cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * dtype.itemsize
+                                       + cfg.linear_num_value_heads * cfg.linear_key_head_dim
+                                       * cfg.linear_value_head_dim * 4)  # one slot's (or checkpoint's)
+    kv_block = 2 * len(cfg.full_layers) * block_size * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+    table_row = -(-max_context // block_size) * 4
+    asks = [(f"slot states (num_slots={num_slots})", (num_slots + 1) * (states + table_row)),
+            (f"KV blocks (num_blocks={num_blocks} of block_size={block_size})", (num_blocks + 1) * kv_block)]
+    if prefix_checkpoints:
+        asks.append((f"GDN state checkpoints (prefix_checkpoints={prefix_checkpoints})",
+                     (prefix_checkpoints + 1) * states))
+    return asks
 
 
 def _add_note(e: BaseException, note: str) -> None:

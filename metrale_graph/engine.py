@@ -118,10 +118,15 @@ class Engine:
         prefix_cache: keep prompts' prefixes for later requests (prefix_cache.py: KV blocks shared, GDN states
         checkpointed every `checkpoint_interval` tokens of a prompt, after all but a prompt's last token and at
         the end of every request; `prefix_checkpoints` state checkpoints at most, default 4 x num_slots); each
-        result reports its `cached_tokens`, stats() the hit counters.
+        result reports its `cached_tokens`, stats() the hit counters. prefix_checkpoints and checkpoint_interval
+        without prefix_cache=True are a ValueError.
         overlap: the loop launches each step before it reads the previous one's tokens back (loop.py), so the
         host's work runs while the device computes; False reads each step back before planning the next (the
         same tokens, for debugging and comparison).
+
+        Sizes that ask for more memory than the device has free (the cache's pools: num_slots, num_blocks x
+        block_size, prefix_checkpoints; the bucket grid's buffers: token_budget) are a ValueError naming the
+        largest, before it is allocated.
         """
         cfg = model.config
         if max_context is None:
@@ -162,6 +167,10 @@ class Engine:
         self.stop_token_ids = self._check_stop_ids(stop_token_ids)
         if not isinstance(prefix_cache, bool):
             raise ValueError(f"prefix_cache must be True or False, got {prefix_cache!r}")
+        for name, value in (("prefix_checkpoints", prefix_checkpoints), ("checkpoint_interval", checkpoint_interval)):
+            if value is not None and not prefix_cache:
+                raise ValueError(f"{name}={value!r} sizes the prefix cache, which is off: pass prefix_cache=True too, "
+                                 f"or leave {name} out")
         checkpoints, interval = (_prefix_sizes(num_slots, block_size, prefix_checkpoints, checkpoint_interval)
                                  if prefix_cache else (0, 0))
         if prefix_cache and broadcast_plans and model.tp is not None:

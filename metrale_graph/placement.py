@@ -1,6 +1,7 @@
 """Where and in what weights go: the dtypes the model runs in (given as a torch.dtype or its name), the
 device (checked against what torch sees), and the host memory a CPU allocation needs, checked before
-it is made (the kernel's out-of-memory killer ends a process without a message)."""
+it is made (the kernel's out-of-memory killer ends a process without a message); the memory a cache or
+a runner's buffers ask for, checked on any device before they are allocated."""
 
 from __future__ import annotations
 
@@ -50,17 +51,51 @@ def as_device(device) -> torch.device:
 def available_memory() -> int | None:
     """Bytes of host memory available to a new allocation without swapping: /proc/meminfo's MemAvailable,
     else the free pages (os.sysconf); None when neither is known."""
+    return _meminfo("MemAvailable:", "SC_AVPHYS_PAGES")
+
+
+def total_memory() -> int | None:
+    """Bytes of host memory in all: /proc/meminfo's MemTotal, else the physical pages; None when not known."""
+    return _meminfo("MemTotal:", "SC_PHYS_PAGES")
+
+
+def _meminfo(field: str, pages: str) -> int | None:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
         return None
+
+
+def device_memory(device: torch.device) -> tuple[int | None, int | None]:
+    """(bytes a new allocation on `device` may take, bytes in all): on the CPU the host's available and total
+    memory; on CUDA the device's free memory plus what torch's caching allocator holds unused, and its total."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), total
+    return available_memory(), total_memory()
+
+
+def check_memory(asks: list[tuple[str, int]], device, what: str) -> None:
+    """Before allocating `what`: ValueError when its bytes exceed what `device` may still take, naming each of
+    `asks` (what it sizes with the argument and value that size it, e.g. "GDN state checkpoints
+    (prefix_checkpoints=1000)", and its bytes), largest first, and the device's free and total memory: an
+    absurd size is an error that says which argument asked for it, not the allocator's (or, on the CPU, the
+    out-of-memory killer)."""
+    device = torch.device(device)
+    need = sum(n for _, n in asks)
+    free, total = device_memory(device)
+    if free is None or need <= free:
+        return
+    has = f"{_size(free)} free" + (f" of {_size(total)}" if total is not None else "")
+    parts = ", ".join(f"{name} {_size(n)}" for name, n in sorted(asks, key=lambda ask: -ask[1]))
+    raise ValueError(f"{what} need {_size(need)} of memory and {device} has {has}: {parts}")
 
 
 def check_host_memory(nbytes: int, device: torch.device, what: str) -> None:
@@ -74,4 +109,7 @@ def check_host_memory(nbytes: int, device: torch.device, what: str) -> None:
 
 
 def _size(nbytes: int) -> str:
-    return f"{nbytes / 2 ** 30:.1f} GiB" if nbytes >= 2 ** 30 else f"{nbytes / 2 ** 20:.1f} MiB"
+    for unit, shift in (("PiB", 50), ("TiB", 40), ("GiB", 30), ("MiB", 20)):
+        if nbytes >= 2 ** shift:
+            return f"{nbytes / 2 ** shift:.1f} {unit}"
+    return f"{nbytes / 2 ** 10:.1f} KiB"

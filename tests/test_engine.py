@@ -370,7 +370,20 @@ def test_bad_requests_raise_and_touch_nothing(tiny):
                         (dict(tokenizer="/no/such/folder"), "does not exist"),
                         # an empty grid is refused, not replaced by the default one
                         (dict(batch_sizes=[]), "batch_sizes must be a non-empty list"),
-                        (dict(token_counts=()), "token_counts must be a non-empty list")]:
+                        (dict(token_counts=()), "token_counts must be a non-empty list"),
+                        # sizes of the prefix cache while it is off (was: accepted)
+                        (dict(prefix_checkpoints=-5), "prefix_checkpoints=-5 sizes the prefix cache, which is off"),
+                        (dict(checkpoint_interval=64), "checkpoint_interval=64 sizes the prefix cache, which is off"),
+                        # sizes beyond the memory free, named (were the allocator's RuntimeError)
+                        (dict(prefix_cache=True, prefix_checkpoints=10**12), r"the cache's pools need \d+\.\d PiB of "
+                         r"memory and cpu has \d+\.\d [MGT]iB free of \d+\.\d [MGT]iB: GDN state checkpoints "
+                         r"\(prefix_checkpoints=1000000000000\) \d+\.\d PiB, "),
+                        (dict(num_slots=10**12), r"PiB of memory .* slot states \(num_slots=1000000000000\) "),
+                        (dict(num_blocks=10**12), r"PiB of memory .*: KV blocks \(num_blocks=1000000000000 of "),
+                        (dict(block_size=2**30, max_context=64), r"KV blocks \(num_blocks=64 of block_size=1073741824\)"),
+                        (dict(token_budget=10**12), r"the buckets' static input buffers need \d+\.\d TiB of memory "
+                         r"and cpu has .*: buckets of up to 1000000000000 tokens \(token_counts; an Engine's "
+                         r"token_budget\)")]:
         with pytest.raises(ValueError, match=msg):
             Engine(tiny, **kwargs)
     small = Engine(tiny, num_slots=2, block_size=16, max_context=64, num_blocks=2, compile=False)

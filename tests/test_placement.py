@@ -51,8 +51,8 @@ def test_weights_beyond_the_memory_available_are_refused_before_allocating():
     anything is allocated (torch would refuse too, with its own RuntimeError; a model within a few times
     the machine's memory was killed by the kernel without a message)."""
     cfg = tiny_config(vocab_size=10 ** 12)
-    with pytest.raises(ValueError, match=r"random weights in torch.bfloat16 need \d+\.\d GiB of memory and this "
-                                         r"machine has \d+\.\d [MG]iB available"):
+    with pytest.raises(ValueError, match=r"random weights in torch.bfloat16 need 174\.6 TiB of memory and this "
+                                         r"machine has \d+\.\d [MGT]iB available"):
         HybridModel.from_preset(cfg, dtype=torch.bfloat16)
 
 
@@ -63,9 +63,9 @@ def test_the_check_reads_what_the_weights_take(checkpoint, monkeypatch):
 
     need = weight_bytes(weight_shapes(HybridModel.from_preset("tiny").config), torch.float32)
     monkeypatch.setattr(placement, "available_memory", lambda: need - 1)
-    with pytest.raises(ValueError, match=r"random weights in torch.float32 need \d\.\d MiB of memory"):
+    with pytest.raises(ValueError, match=r"random weights in torch.float32 need \d+\.\d [KM]iB of memory"):
         HybridModel.from_preset("tiny")
-    with pytest.raises(ValueError, match=r"the weights of .* in torch.float32 need \d\.\d MiB"):
+    with pytest.raises(ValueError, match=r"the weights of .* in torch.float32 need \d+\.\d [KM]iB"):
         HybridModel.from_pretrained(checkpoint, progress=False)
     assert HybridModel.from_preset("tiny", dtype=torch.bfloat16).dtype == torch.bfloat16
     monkeypatch.setattr(placement, "available_memory", lambda: need)
@@ -76,3 +76,43 @@ def test_the_check_reads_what_the_weights_take(checkpoint, monkeypatch):
 def test_available_memory_reads_the_machine():
     available = placement.available_memory()
     assert available is None or 0 < available < 2 ** 60
+
+
+def test_a_cache_is_checked_against_the_memory_free_before_it_is_allocated(monkeypatch):
+    """The cache's pools ask for exactly what it allocates: just below, refused naming each argument's share;
+    at it, built. (A prefix_checkpoints of 10**12 was the allocator's RuntimeError.)"""
+    from metrale_graph.batch import PackedBatch
+    from metrale_graph.cache import _pool_asks
+
+    model = HybridModel.from_preset("tiny")
+    cache = model.new_cache(3, 10, block_size=16, max_context=100, prefix_checkpoints=4)
+    pools = (cache.conv_states + cache.gdn_states + cache.k_caches + cache.v_caches + [cache.block_tables]
+             + cache.checkpoint_conv_states + cache.checkpoint_gdn_states)
+    need = sum(n for _, n in _pool_asks(model.config, 3, 10, 16, 100, model.dtype, 4))
+    assert need == sum(t.numel() * t.element_size() for t in pools)
+    padding = PackedBatch.padding(3, 37, cache)
+    assert PackedBatch.padding_bytes(3, 37, cache) == sum(t.numel() * t.element_size() for t in (
+        padding.tokens, padding.positions, padding.cu_seqlens, padding.slot_ids, padding.context_lens,
+        padding.block_tables))
+    monkeypatch.setattr(placement, "available_memory", lambda: need - 1)
+    with pytest.raises(ValueError, match=r"the cache's pools need \d+\.\d KiB of memory and cpu has \d+\.\d KiB free "
+                                         r"of \d+\.\d [GT]iB: ") as refused:
+        model.new_cache(3, 10, block_size=16, max_context=100, prefix_checkpoints=4)
+    for part in ("KV blocks (num_blocks=10 of block_size=16)", "GDN state checkpoints (prefix_checkpoints=4)",
+                 "slot states (num_slots=3)"):
+        assert part in str(refused.value)
+    monkeypatch.setattr(placement, "available_memory", lambda: need)
+    model.new_cache(3, 10, block_size=16, max_context=100, prefix_checkpoints=4)
+
+
+def test_cuda_memory_free_counts_what_the_caching_allocator_holds_unused(monkeypatch):
+    """On CUDA a new allocation may take the device's free memory and the blocks torch's caching allocator
+    reserved but does not use (the CUDA calls stubbed: this runs without a GPU)."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * 2 ** 30, 140 * 2 ** 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 5 * 2 ** 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 4 * 2 ** 30)
+    assert placement.device_memory(torch.device("cuda:0")) == (4 * 2 ** 30, 140 * 2 ** 30)
+    placement.check_memory([("slot states (num_slots=8)", 4 * 2 ** 30)], "cuda:0", "the cache's pools")
+    with pytest.raises(ValueError, match=r"the cache's pools need 4\.0 GiB of memory and cuda:0 has 4\.0 GiB free of "
+                                         r"140\.0 GiB: slot states \(num_slots=8\) 4\.0 GiB"):
+        placement.check_memory([("slot states (num_slots=8)", 4 * 2 ** 30 + 1)], "cuda:0", "the cache's pools")
