@@ -950,6 +950,14 @@ for fn, types, extra, cfg in ((gemm._moe_gate_up_kernel.fn.fn, gu, dict(TOP_K=8)
                               (gemm._moe_down_kernel.fn.fn, dn, {}, gemm._gemm_configs(1)[1])):
     for even_k in (True, False):
         smem.append(compile_(fn, types, dict(BM=64, EVEN_K=even_k, IEEE=False, **extra, **cfg.kwargs), 4, 4))
+# fp32 (IEEE dots) has one autotune candidate (gemm.FP32_CONFIG): it must compile at every block size
+F = "*fp32"
+for fn, types, extra in ((gemm._moe_gate_up_kernel.fn.fn, gu, dict(TOP_K=8)), (gemm._moe_down_kernel.fn.fn, dn, {})):
+    types = {n: F if t == P else t for n, t in types.items()}
+    for BM in (16, 32, 64, 128):
+        for even_k in (True, False):
+            smem.append(compile_(fn, types, dict(BM=BM, EVEN_K=even_k, IEEE=True, **extra, **gemm.FP32_CONFIG.kwargs),
+                                 gemm.FP32_CONFIG.num_warps, gemm.FP32_CONFIG.num_stages))
 smem.append(compile_(combine._moe_combine_kernel, dict(h_ptr=P, n_ptr=P, seg_w_ptr=P, y_ptr=P, shared_ptr=P, out_ptr=P,
                      D="i32", stride_h="i32"), dict(TOP_K=8, BLOCK=2048, ADD_RESIDUAL=True), 8, 1))
 smem.append(compile_(align._moe_align_groups_kernel, dict(experts_ptr=I, first_ptr=I, start_ptr=I, P="i32", E="i32",
@@ -1023,6 +1031,19 @@ def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
+
+
+def test_moe_autotune_takes_one_config_for_fp32():
+    """The routed experts' grouped GEMMs keep one candidate for fp32's IEEE dots (gemm.FP32_CONFIG), the
+    pruned candidates for bf16 / fp16: autotuning every candidate in fp32 took 17-45 s per new prefill shape
+    on an H200, with nothing printed."""
+    from metrale_graph.ops.moe import gemm
+
+    for kernel, acc_tiles in ((gemm._moe_gate_up_kernel, 2), (gemm._moe_down_kernel, 1)):
+        configs = gemm._gemm_configs(acc_tiles)
+        assert kernel.early_config_prune(configs, {"N": 512, "K": 2048}, BM=64, IEEE=True) == [gemm.FP32_CONFIG]
+        kept = kernel.early_config_prune(configs, {"N": 512, "K": 2048}, BM=64, IEEE=False)
+        assert kept == [c for c in configs if acc_tiles * 64 * c.kwargs["BN"] <= 128 * 128] and kept
 
 
 def test_attention_autotune_takes_one_config_for_fp32():

@@ -21,9 +21,19 @@ def _gemm_configs(acc_tiles: int):
     return [triton.Config({"BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=st) for bn, bk, w, st in tiles]
 
 
+# fp32's one tile (IEEE dots: the tests' and the references' dtype, not a serving one), as the attention
+# kernels keep one (attend.one_config_for_fp32): autotuning compiled every candidate for fp32 at the first
+# call of each new shape (17-45 s per prefill shape on an H200, nothing printed). BK 32 and 2 stages keep its
+# fp32 tiles within a block's shared memory at BM 128 (the candidates' BK 64 / 128 at 3-4 stages do not).
+FP32_CONFIG = triton.Config({"BN": 32, "BK": 32, "GROUP_M": 8}, num_warps=4, num_stages=2)
+
+
 def _prune(acc_tiles: int):
-    """Drop tiles far wider than the problem, and accumulators that cannot stay in registers."""
+    """Drop tiles far wider than the problem, and accumulators that cannot stay in registers; with IEEE
+    (fp32) dots, FP32_CONFIG alone."""
     def prune(configs, named_args, **kwargs):
+        if kwargs.get("IEEE"):
+            return [FP32_CONFIG]
         N, K, BM = named_args["N"], named_args["K"], kwargs["BM"]
         keep = [c for c in configs if c.kwargs["BN"] <= max(32, triton.next_power_of_2(N))
                 and c.kwargs["BK"] <= max(32, triton.next_power_of_2(K))
