@@ -247,6 +247,33 @@ def test_bench_prefix_runs_its_workloads_with_the_same_tokens(capsys):
         assert w["with"]["cached_tokens"] > 0 and w["without"]["cached_tokens"] == 0, name
 
 
+def test_bench_prefix_scales_its_interval_and_budget_with_the_workloads(capsys):
+    """At --scale 0.1 (a quick CPU run) the defaults were the Engine's: a 2048-token budget started every short
+    prompt in the first step, and the 128-token interval hardly fit the shared part: hit rates 0.0%, unexplained.
+    The interval and budget scale with --scale (the interval a multiple of 64) and are printed; a shared part
+    still shorter than the interval is named."""
+    import json
+
+    from metrale_graph.tools import bench_prefix
+
+    bench_prefix.main(["--scale", "0.1", "--requests", "4", "--num-slots", "4", "--eager", "--max-new-tokens", "2",
+                       "--workloads", "system,split"])
+    out = capsys.readouterr().out
+    assert "checkpoint interval 64 tokens, token budget 204 tokens (--scale 0.1)" in out and "note:" not in out
+    record = json.loads(out.strip().splitlines()[-1])
+    assert (record["checkpoint_interval"], record["token_budget"]) == (64, 204)
+    for name, w in record["workloads"].items():
+        assert w["with"]["hit_rate"] >= 0.5 and w["same_tokens"], name
+    bench_prefix.main(["--scale", "0.02", "--requests", "2", "--num-slots", "2", "--eager", "--max-new-tokens", "1",
+                       "--workloads", "system,chat,split"])
+    out = capsys.readouterr().out
+    assert ("note: the shared prefix of system (40 tokens), split (30 tokens) is shorter than the checkpoint interval "
+            "(64): no checkpoint falls inside it") in out
+    with pytest.raises(SystemExit):
+        bench_prefix.main(["--checkpoint-interval", "100"])
+    assert "--checkpoint-interval must be a multiple of 64" in capsys.readouterr().err
+
+
 def test_take_many_hands_out_the_blocks_take_would():
     """PrefixIndex.take_many(n) (a batch's blocks at once) gives what n calls of take() give: plain free
     blocks lowest id first, then cached ones least recently freed first."""

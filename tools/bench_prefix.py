@@ -5,14 +5,21 @@ tokens restored / reusable prompt tokens), time to first token and throughput.
     python -m metrale_graph.tools.bench_prefix [--model tiny|FOLDER|PRESET] [--workloads system,chat,split]
                                                [--scale 1.0] [--num-slots 64] [--json FILE]
 
-Workloads (token counts at --scale 1; --scale multiplies them and --requests sets how many, for a quick
-run on a CPU):
+Workloads (token counts at --scale 1; --scale multiplies them, and the default checkpoint interval and
+token budget with them, and --requests sets how many, for a quick run on a CPU):
   system  a 2048-token shared system prompt + 64 distinct 128-token questions, 32 new tokens each;
           reusable: the system prompt of every request but the first
   chat    32 conversations x 4 turns, each turn adding a 64-token user message to the conversation so
           far (its prompts and answers; 32 new tokens each); reusable: everything but the new message
   split   64 requests sharing their first 1500 tokens, 700 of their own after; reusable: the shared
           part of every request but the first (also 1600 / 600: split-1600)
+
+The checkpoint interval (default 128 x --scale, at least 64 and a multiple of 64: the GDN chunk and the
+block size) and token budget (default 2048 x --scale, at least --num-slots) keep a scaled-down run's
+shape: a shared part longer than the interval, and a first prompt that fills a step alone, as at scale 1
+(with the whole budget a few short prompts would all start in one step, none finding another's prefix).
+Both are printed; a shared part still shorter than the interval (below --scale 0.04) is named, since its
+workload can have no hits.
 
 One engine per mode runs every workload (warmed once: on a GPU the bucket grid's capture is the slow
 part), its prefix cache reset before each (no prefix from another workload); a workload's requests are
@@ -36,6 +43,17 @@ from metrale_graph.tools.provenance import provenance
 from metrale_graph.tools.report import print_json, print_table
 
 WORKLOADS = ("system", "chat", "split", "split-1600")
+SHARED = {"system": 2048, "split": 1500, "split-1600": 1600}  # each workload's shared prefix at --scale 1
+CHUNK = 64  # the GDN chunk (and the Engine's block size here): checkpoint intervals are multiples of it
+
+
+def scaled_sizes(scale: float, num_slots: int) -> tuple[int, int]:
+    """The default (checkpoint interval, token budget) at `scale`: the Engine's defaults (128, 2048) scaled,
+    the interval a multiple of CHUNK and at least one, the budget at least num_slots."""
+    from metrale_graph.engine import DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_TOKEN_BUDGET
+
+    interval = max(CHUNK, int(DEFAULT_CHECKPOINT_INTERVAL * scale) // CHUNK * CHUNK)
+    return interval, max(num_slots, int(DEFAULT_TOKEN_BUDGET * scale))
 
 
 def _tokens(gen: torch.Generator, n: int, vocab: int) -> list[int]:
@@ -127,7 +145,7 @@ def run_mode(model, args, prefix: bool) -> dict[str, dict]:
 
     opts = dict(num_slots=args.num_slots, max_context=args.max_context, token_budget=args.token_budget,
                 compile=not args.eager, prefix_cache=prefix)
-    if prefix and args.checkpoint_interval is not None:
+    if prefix:
         opts["checkpoint_interval"] = args.checkpoint_interval
     if prefix and args.prefix_checkpoints is not None:
         opts["prefix_checkpoints"] = args.prefix_checkpoints
@@ -162,10 +180,12 @@ def main(argv=None) -> None:
     p.add_argument("--scale", type=float, default=1.0, help="multiplies every token count (default 1)")
     p.add_argument("--num-slots", type=positive_int, default=64)
     p.add_argument("--max-context", type=positive_int, default=None, help="default: the longest request")
-    p.add_argument("--token-budget", type=positive_int, default=None)
+    p.add_argument("--token-budget", type=positive_int, default=None,
+                   help="tokens per step (default 2048 x --scale, at least --num-slots)")
     p.add_argument("--max-new-tokens", type=positive_int, default=32)
     p.add_argument("--checkpoint-interval", type=positive_int, default=None,
-                   help="tokens between a prompt's state checkpoints (default: the Engine's)")
+                   help="tokens between a prompt's state checkpoints, a multiple of 64 (default 128 x --scale, "
+                        "at least 64)")
     p.add_argument("--prefix-checkpoints", type=positive_int, default=None,
                    help="state checkpoints the prefix cache holds (default: the Engine's, 4 x --num-slots)")
     p.add_argument("--requests", type=positive_int, default=64,
@@ -177,6 +197,20 @@ def main(argv=None) -> None:
         p.error(f"--scale must be in (0, 1], got {args.scale}")
     if args.requests < 2:
         p.error("--requests must be at least 2 (a prefix is reused from the second request on)")
+    if args.checkpoint_interval is not None and args.checkpoint_interval % CHUNK:
+        p.error(f"--checkpoint-interval must be a multiple of {CHUNK} (the GDN chunk and the block size), got "
+                f"{args.checkpoint_interval}")
+    interval, budget = scaled_sizes(args.scale, args.num_slots)
+    args.checkpoint_interval = args.checkpoint_interval or interval
+    args.token_budget = args.token_budget or budget
+    print(f"checkpoint interval {args.checkpoint_interval} tokens, token budget {args.token_budget} tokens "
+          f"(--scale {args.scale})")
+    short = {w: int(SHARED[w] * args.scale) for w in args.workloads
+             if w in SHARED and int(SHARED[w] * args.scale) < args.checkpoint_interval}
+    if short:
+        print(f"note: the shared prefix of {', '.join(f'{w} ({n} tokens)' for w, n in short.items())} is shorter than "
+              f"the checkpoint interval ({args.checkpoint_interval}): no checkpoint falls inside it, so those "
+              "workloads cannot hit (a larger --scale gives them one)")
     model = load_model(args, p, start_run(args, p))
     if args.max_context is None:
         longest = int(max(2048 + 128, 1600 + 700, 4 * (64 + args.max_new_tokens // 2)) * args.scale) + \
@@ -204,6 +238,7 @@ def main(argv=None) -> None:
     print_table(["workload", "reusable tok", "cached tok", "hit rate", "TTFT p50 ms (off / on)",
                  "TTFT p99 ms (off / on)", "tok/s (off / on)", "same tokens", "same first token"], rows)
     record = {"tool": "bench_prefix", "model": args.model, "scale": args.scale, "num_slots": args.num_slots,
+              "checkpoint_interval": args.checkpoint_interval, "token_budget": args.token_budget,
               **provenance(), "workloads": records}
     if args.json:
         import json
