@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from .cache import HybridCache
-from .numbers import as_int, int_tensor
+from .numbers import as_int, int_tensor, to_device
 
 
 @dataclass
@@ -324,7 +324,7 @@ def pack(slots: list[int], ids: torch.Tensor, lengths: list[int], cache: HybridC
         positions = torch.arange(T) + torch.repeat_interleave(shift, int_tensor(lengths), output_size=T)
         host = torch.cat([positions, int_tensor(itertools.chain(slots, starts, ctx))])
     on_host = ids.is_cpu
-    dev = (torch.cat([ids, host]) if on_host else host).to(cache.device)
+    dev = to_device(torch.cat([ids, host]) if on_host else host, cache.device)
     tok, dev = (dev[:T], dev[T:]) if on_host else (ids, dev)
     slot_ids, dev32 = dev[T:T + B], dev[T + B:].to(torch.int32)  # cu_seqlens [B + 1], then context_lens [B]
     return PackedBatch(tokens=tok, positions=dev[:T], cu_seqlens=dev32[:B + 1], slot_ids=slot_ids,

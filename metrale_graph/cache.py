@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import torch
 
 from .config import ModelConfig
-from .numbers import as_int, int_tensor
+from .numbers import as_int, int_tensor, to_device
 from .placement import check_memory
 from .prefix_cache import PrefixIndex, chain_hashes, prefix_key
 
@@ -276,7 +276,7 @@ class HybridCache:
                 held.extend(taken[at:at + n])
                 entries.extend(range(first, first + n))
                 at += n
-        host = int_tensor(itertools.chain(entries, taken)).to(self.device)  # block-table entries, their blocks
+        host = to_device(int_tensor(itertools.chain(entries, taken)), self.device)  # block-table entries, their blocks
         self.block_tables.view(-1).index_copy_(0, host[:total], host[total:].to(torch.int32))
 
     def commit(self, growth: dict[int, int], tokens: dict[int, list[int]] | None = None) -> None:
@@ -371,9 +371,10 @@ class HybridCache:
             for _, p, _, h in chosen:
                 plan.append((self._index.new_entry(), p, h))
             pad = self.checkpoint_tokens.shape[0] - len(plan)
-            self.checkpoint_tokens.copy_(torch.tensor([t for _, _, t, _ in chosen] + [-1] * pad, dtype=torch.int64))
-            self.checkpoint_entries.copy_(torch.tensor([e for e, _, _ in plan] + [self.scratch_checkpoint] * pad,
-                                                       dtype=torch.int64))
+            # (behind the step before on the device's stream, which may still read them: numbers.to_device)
+            self.checkpoint_tokens.copy_(to_device(int_tensor([t for _, _, t, _ in chosen] + [-1] * pad), self.device))
+            self.checkpoint_entries.copy_(to_device(int_tensor([e for e, _, _ in plan] + [self.scratch_checkpoint] * pad),
+                                                    self.device))
         except BaseException:
             self.record_checkpoints(plan, written=False)
             raise
@@ -410,7 +411,7 @@ class HybridCache:
             self.context_lens[slot] = n
             self._tokens[slot] = list(tokens[:n])
             self._hashes[slot] = chain_hashes(self._tokens[slot], bs)
-            self.block_tables[slot, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            self.block_tables[slot, :len(blocks)] = to_device(int_tensor(blocks, torch.int32), self.device)
             if partial:
                 rows = n % bs
                 for pool in self.k_caches + self.v_caches:
@@ -449,7 +450,7 @@ class HybridCache:
             self.context_lens[slot] = 0
             self._tokens[slot], self._hashes[slot] = [], []
         try:
-            index = torch.tensor(slots, dtype=torch.int64, device=self.device)
+            index = to_device(int_tensor(slots), self.device)
             for t in self.conv_states + self.gdn_states:
                 t.index_fill_(0, index, 0)
             self.block_tables.index_fill_(0, index, self.null_block)

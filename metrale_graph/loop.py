@@ -52,6 +52,7 @@ import torch
 
 from .batch import Stream
 from .handle import EngineClosedError, EngineFullError, Failure, RequestOutput, deliver, wait_for
+from .numbers import int_tensor, to_device
 from .protocol import prefill_call, restore_prefix
 from .plan_sync import IDLE, IDLE_SYNC_S, SHUTDOWN, STEP, WARMUP, PlanBroadcast
 from .sampling import sample
@@ -336,10 +337,10 @@ class EngineLoop:
             tokens, ready = None, None
             if todo:
                 if rows is not None:  # (else every row samples, as in a decode step: no gather)
-                    logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+                    logits = logits.index_select(0, to_device(int_tensor(rows), logits.device))
                 sampled = sample(logits, [r.params for r in todo], [r.generator for r in todo])
                 self._share(sampled)
-                self.last_tokens.index_copy_(0, torch.tensor([r.slot for r in todo]).to(sampled.device), sampled)
+                self.last_tokens.index_copy_(0, to_device(int_tensor([r.slot for r in todo]), sampled.device), sampled)
                 tokens, ready = self._to_host(sampled)
         except BaseException as e:  # KeyboardInterrupt included: only this step's requests see it
             return None, e
@@ -443,7 +444,7 @@ class EngineLoop:
         commit([0] * decodes)  # (no prefix caching under a plan broadcast: the ids are not needed)
         if sampling:
             tokens = self._broadcast.receive_tokens(len(sampling))
-            slots = torch.tensor([streams[k].slot for k in sampling]).to(tokens.device)
+            slots = to_device(int_tensor([streams[k].slot for k in sampling]), tokens.device)
             self.last_tokens.index_copy_(0, slots, tokens)
 
     def _restore(self, r: Request) -> int:

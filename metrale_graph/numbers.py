@@ -1,4 +1,5 @@
-"""Numbers as users pass them: Python ints, numpy integers and 0-d integer tensors alike."""
+"""Numbers as users pass them: Python ints, numpy integers and 0-d integer tensors alike; host tensors to the
+device without waiting for it."""
 
 from __future__ import annotations
 
@@ -32,3 +33,12 @@ def int_tensor(values, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     if not buffer:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(buffer, dtype=dtype)  # shares (and keeps alive) the array's memory
+
+
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A tensor in pageable host memory copied to `device` without waiting for the device. torch's blocking
+    host-to-device copy (`.to(device)`, `torch.tensor(..., device=...)`, `copy_` from the host) synchronizes
+    the stream after it: every kernel queued before it must finish first, which would stall the engine loop
+    while the step before runs. CUDA stages a pageable source before cudaMemcpyAsync returns, so `host` may be
+    freed or changed at once (not so a pinned one: this is for tensors the caller just built)."""
+    return host.to(device, non_blocking=True)

@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 import torch
 
 from .batch import Stream
+from .numbers import to_device
 
 STEP, WARMUP, IDLE, SHUTDOWN = 1, 2, 3, 4
 IDLE_SYNC_S = 5.0
@@ -70,7 +71,7 @@ class PlanBroadcast:
         assert _HEADER + len(body) <= self.size, "a plan larger than the scheduler's limits"
         message = torch.zeros(self.size, dtype=torch.int64)
         message[:_HEADER + len(body)] = torch.tensor(header + body, dtype=torch.int64)
-        dist.broadcast(message.to(self.device), self._src, group=self._group)
+        dist.broadcast(to_device(message, self.device), self._src, group=self._group)
 
     def receive(self) -> tuple[int, list[Stream], list[int], int, list[int]]:
         """Another rank: the next message as (kind, streams, resets, decodes, sampling rows)."""

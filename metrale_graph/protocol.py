@@ -32,6 +32,7 @@ import torch
 
 from .batch import BatchTokens, PackedBatch, Stream, check_token_ids, pack, token_tensor, validate
 from .cache import HybridCache
+from .numbers import int_tensor, to_device
 
 Piece = list[tuple[int, int, int]]  # (stream index, start, stop) token ranges of one step
 
@@ -78,10 +79,10 @@ class PrefillCall:
                 rows = [r for r, (i, _, b) in enumerate(piece) if b == self.lengths[i]]
                 if rows:
                     order += [piece[r][0] for r in rows]
-                    chosen.append(out.index_select(0, torch.tensor(rows, device=out.device)))
+                    chosen.append(out.index_select(0, to_device(int_tensor(rows), out.device)))
         logits = torch.cat(chosen) if len(chosen) > 1 else chosen[0]
         if order != list(range(B)):  # pieces that end their streams out of order
-            logits = logits.index_select(0, torch.tensor(order, device=logits.device).argsort())
+            logits = logits.index_select(0, to_device(int_tensor(order), logits.device).argsort())
         return logits
 
     def launch(self, step: Callable[[PackedBatch], torch.Tensor], last_tokens: torch.Tensor,

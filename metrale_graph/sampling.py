@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .numbers import to_device
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -103,8 +105,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     temps = torch.tensor([params[i].temperature for i in rows])
     top_p = torch.tensor([params[i].top_p if params[i].top_p < 1.0 else 2.0 for i in rows])  # 1.0: no mask
     top_k = [min(params[i].top_k or vocab, vocab) for i in rows]  # any int: beyond int64 too
-    floats = torch.stack([uniforms, temps, top_p]).to(dev)  # one copy per dtype to the device
-    ints = torch.tensor([top_k, rows], dtype=torch.int64).to(dev)
+    floats = to_device(torch.stack([uniforms, temps, top_p]), dev)  # one copy per dtype to the device
+    ints = to_device(torch.tensor([top_k, rows], dtype=torch.int64), dev)
     uniforms, temps, top_p, top_k, index = floats[0], floats[1], floats[2], ints[0], ints[1]
     probs, order = _sorted_probs(logits[index].float(), temps, top_k, top_p)
     cdf = probs.cumsum(dim=-1)

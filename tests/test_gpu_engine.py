@@ -84,3 +84,35 @@ def test_overlapped_loop_under_graphs_gives_the_streams_of_the_plain_loop():
         print(f"{name}: {sum(x == y for x, y in zip(a, b))} of {len(a)} streams equal")
         assert a == b, name
     assert any(reason == "stop" for _, reason in runs[False][1])
+
+
+def test_the_loop_never_waits_for_the_device_but_to_read_tokens_back():
+    """Planning, launching a step (pack, the graph's buffers, replay, sampling, the tokens' copy out) and
+    taking a step's tokens in (stop checks, slot resets, prefix saves) never synchronize with the device
+    (torch.cuda's sync debug mode raises on a blocking copy, .item(), ...): the one wait is the event behind
+    the tokens' copy, so the host plans step N+1 while N runs. Seeded sampling, stop tokens and prefix hits."""
+    model = HybridModel.from_preset(CFG, dtype=torch.bfloat16, device="cuda", seed=8)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist() for n in (5, 70, 130, 3, 64)]
+    with Engine(model, num_slots=4, max_context=512, token_budget=64, prefix_cache=True,
+                checkpoint_interval=64) as engine:
+        engine.warmup()  # compiling and capturing synchronize: before the check
+        want = engine.generate(prompts, max_new_tokens=10, stop_token_ids=[])
+        stops = sorted({r.token_ids[3] for r in want[:2]})
+        loop, sched = engine._loop, engine._loop.scheduler
+
+        def checked(fn):
+            def run(*args):
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    return fn(*args)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            return run
+
+        loop._launch, loop._advance, loop._commit = checked(loop._launch), checked(loop._advance), checked(loop._commit)
+        sched.plan = checked(sched.plan)
+        again = engine.generate(prompts, max_new_tokens=10, stop_token_ids=[])  # prefix hits
+        sampled = engine.generate(prompts, max_new_tokens=10, temperature=0.8, seed=4, stop_token_ids=stops)
+    assert [r.token_ids for r in again] == [r.token_ids for r in want]
+    assert all(len(r.token_ids) >= 1 for r in sampled)
