@@ -14,7 +14,9 @@ first word (sentencepiece) spaces the first new word as the whole text would.
 `StreamingText` adds stop strings on top: a stop string is matched on the text (across token
 boundaries), the text from it on is cut and never sent, and the request ends with "stop". While
 the request runs the last (longest stop string - 1) characters are held back, because they may
-be the start of a stop string that the next tokens complete.
+be the start of a stop string that the next tokens complete. As in vLLM, `include_stop` keeps the
+stop string (the text is cut after it, nothing held back), and with `min_tokens` a stop string ends
+the text only from the token after the first min_tokens on.
 
 For a byte-level tokenizer the pieces joined equal `tokenizer.decode(new_ids)` (cut at a stop
 string); a tokenizer that rewrites text across tokens (clean_up_tokenization_spaces) may differ
@@ -93,10 +95,11 @@ class StreamingText:
     """A request's streamed text: IncrementalDetokenizer plus stop strings (module docstring)."""
 
     def __init__(self, tokenizer, prompt_ids: Sequence[int], decode_kwargs: dict | None = None,
-                 stop: Sequence[str] = ()):
+                 stop: Sequence[str] = (), include_stop: bool = False, min_tokens: int = 0):
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, decode_kwargs)
-        self.stop = tuple(stop)
-        self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self.stop, self.include_stop, self.min_tokens = tuple(stop), include_stop, min_tokens
+        self._hold = 0 if include_stop else max((len(s) for s in self.stop), default=1) - 1
+        self._tokens = 0  # tokens added so far
         self._text = ""  # everything decoded so far (cut at a stop string once one matched)
         self.sent = 0  # characters of _text already given out
         self.stop_string: str | None = None  # the stop string that ended the text
@@ -112,11 +115,14 @@ class StreamingText:
         if self.stop_string is not None:
             return "", True
         start = len(self._text)
+        self._tokens += len(token_ids)
         self._text += self._detok.add(token_ids)
         if final:
             self._text += self._detok.flush()
-        cut = self._find_stop(start)
+        cut = self._find_stop(start) if self._tokens > self.min_tokens else None
         if cut is not None:
+            if self.include_stop:
+                cut += len(self.stop_string)
             self._text = self._text[:cut]
             end = cut
         else:

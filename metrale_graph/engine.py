@@ -31,6 +31,14 @@ Semantics:
   Request i of a call draws from its own generator seeded with seed + i (seed=None: from the OS;
   under tensor parallelism rank 0 draws the seed and shares it, so every rank samples the same
   tokens), so its tokens do not depend on the other requests of the batch.
+- Sampling controls (keyword arguments, vLLM's semantics; sampling.py and logits_processors.py have the
+  order): logit_bias {token id: bias in [-100, 100]} added first; min_tokens suppresses the stop tokens
+  (and submit's stop strings) until that many tokens are out; repetition_penalty (> 0) over the prompt
+  and the output, presence_penalty and frequency_penalty (in [-2, 2]) over the output; min_p (in [0, 1])
+  relative to the most likely token after temperature. logprobs=N / prompt_logprobs=N (N <= 20): each
+  new / prompt token's raw log-probability (log_softmax of the model's logits, before any of the above:
+  vLLM's default) and the N most likely, in RequestOutput.logprobs and GenerationResult.logprobs /
+  .prompt_logprobs (the first prompt token's is None).
 - Bad requests raise ValueError before anything is queued (numbers may be Python or numpy ones,
   prompts lists, 1-D integer tensors or numpy arrays, or strings with a tokenizer); submit raises
   EngineFullError when max_waiting requests already wait, EngineClosedError after shutdown.
@@ -59,13 +67,17 @@ from .loop import EngineLoop, EngineStats
 from .model import HybridModel
 from .plan_sync import PlanBroadcast, follow
 from .sampling import check_params, check_seed, new_generator
+from .logprobs import TokenLogprobs
 from .scheduler import Request
 from .tokenizer import decode_kwargs, default_stop_ids, resolve_tokenizer
 
 __all__ = ["Engine", "EngineBusyError", "EngineClosedError", "EngineFullError", "EngineStats", "GenerationResult",
-           "RequestHandle", "RequestOutput", "TokenEvent", "default_grid"]
+           "RequestHandle", "RequestOutput", "TokenEvent", "TokenLogprobs", "default_grid"]
 
 DEFAULT_MAX_CONTEXT = 4096
+# submit / generate / stream's keyword arguments that go to sampling.check_params
+SAMPLING_CONTROLS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+                     "logprobs", "prompt_logprobs")
 DEFAULT_TOKEN_BUDGET = 2048
 
 
@@ -196,12 +208,15 @@ class Engine:
     # public calls ------------------------------------------------------------------------------
     def submit(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop_token_ids: Sequence[int] | None = None,
-               stop: str | Sequence[str] | None = None) -> RequestHandle:
+               stop: str | Sequence[str] | None = None, *, include_stop_str_in_output: bool = False,
+               **controls) -> RequestHandle:
         """Queue one request (a prompt as generate takes them) from any thread; it joins the running batch
         at the next step. Returns its RequestHandle (outputs as they come, result(), abort()). With a
         tokenizer each output carries the text its tokens add (UTF-8 safe; `stop` strings matched across
-        tokens and cut). ValueError for a bad request, EngineFullError when max_waiting requests wait,
-        EngineClosedError after shutdown(); nothing is queued then."""
+        tokens and cut, or kept with include_stop_str_in_output). `controls`: the sampling controls
+        (min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens, logprobs,
+        prompt_logprobs; the module docstring). ValueError for a bad request, EngineFullError when
+        max_waiting requests wait, EngineClosedError after shutdown(); nothing is queued then."""
         if self.model.tp is not None and self._broadcast is None:
             raise ValueError("under tensor parallelism submit() needs Engine(..., broadcast_plans=True) (rank 0 "
                              "serves, the other ranks run engine.follow()); generate / stream called alike on "
@@ -209,8 +224,11 @@ class Engine:
         stop = check_stop_strings(stop)
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (Engine(model, tokenizer=...)); use stop_token_ids")
+        if not isinstance(include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be True or False, got {include_stop_str_in_output!r}")
         (request,) = self._requests([prompt], max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
-                                    stop=stop, text=self.tokenizer is not None)
+                                    stop=stop, text=self.tokenizer is not None, controls=controls,
+                                    include_stop=include_stop_str_in_output)
         channel = Channel(1)
         request.channel = channel
         self._loop.submit([request], self.max_waiting)
@@ -218,9 +236,9 @@ class Engine:
 
     def generate(self, prompts, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop_token_ids: Sequence[int] | None = None,
-                 on_token: Callable[[int, int], None] | None = None) -> list[GenerationResult]:
+                 on_token: Callable[[int, int], None] | None = None, **controls) -> list[GenerationResult]:
         """Generate for every prompt (token id lists, 1-D int tensors or numpy arrays, or strings with a
-        tokenizer); results in the prompts' order. The requests are queued together, in order (under
+        tokenizer); results in the prompts' order. `controls`: submit's sampling controls. The requests are queued together, in order (under
         tensor parallelism every rank then schedules them alike). `on_token(request_index, token_id)` is
         called in this thread for each new token, in the order they are sampled. If anything fails (a
         request's step, the callback, Ctrl-C) the call's other requests are aborted and their slots
@@ -229,7 +247,8 @@ class Engine:
         if on_token is not None and not callable(on_token):
             raise ValueError(f"on_token must be a callable (request_index, token_id) or None, got "
                              f"{type(on_token).__name__}")
-        requests = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids)
+        requests = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
+                                  controls=controls)
         events = self._events(requests)
         try:
             for event in events:
@@ -241,12 +260,13 @@ class Engine:
 
     def stream(self, prompts, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None,
-               stop_token_ids: Sequence[int] | None = None) -> Iterator[TokenEvent]:
+               stop_token_ids: Sequence[int] | None = None, **controls) -> Iterator[TokenEvent]:
         """generate's requests as a stream of TokenEvents, in the order tokens are sampled. The
         arguments are checked now (ValueError); the requests are queued on the first next() and run
         whether or not the stream is consumed. Once the last request has finished the stream holds
         nothing; closing it early (or dropping it) aborts its requests and frees their slots."""
-        requests = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids)
+        requests = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
+                                  controls=controls)
         return self._events(requests)
 
     def warmup(self, progress: bool = False) -> list:
@@ -325,12 +345,14 @@ class Engine:
 
     def _result(self, r: Request, t0: float) -> GenerationResult:
         return GenerationResult(list(r.out), self.decode(r.out), r.finish_reason, len(r.prompt),
-                                r.first_token_time - t0, r.cached)
+                                r.first_token_time - t0, r.cached, r.logprobs, r.prompt_logprobs)
 
     # checking requests -------------------------------------------------------------------------
     def _requests(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
-                  stop: tuple[str, ...] = (), text: bool = False) -> list[Request]:
-        """Requests from generate's arguments; ValueError naming the first bad one."""
+                  stop: tuple[str, ...] = (), text: bool = False, controls: dict | None = None,
+                  include_stop: bool = False) -> list[Request]:
+        """Requests from generate's arguments (`controls`: the sampling controls, check_params' keywords);
+        ValueError naming the first bad one."""
         self._check_not_follower("generate / stream / submit")
         if self.model.version != self._loop._model_version:
             raise ValueError("the model was converted or moved (model.to / .half / ...) after this Engine was built: "
@@ -340,7 +362,7 @@ class Engine:
                              f"or a string with a tokenizer), got {type(prompts).__name__}")
         if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        params = check_params(temperature, top_k, top_p)
+        params = self._check_controls(temperature, top_k, top_p, max_new_tokens, controls or {})
         seed = check_seed(seed)
         stops = self.stop_token_ids if stop_token_ids is None else self._check_stop_ids(stop_token_ids)
         ids_of = [self._prompt_ids(i, prompt) for i, prompt in enumerate(prompts)]
@@ -352,7 +374,9 @@ class Engine:
                 raise ValueError(f"prompt {i} has {len(ids)} tokens; max_context is {self.max_context} and a "
                                  f"prompt must leave room for at least one new token (at most {self.max_context - 1})")
             max_new = min(int(max_new_tokens), self.max_context - len(ids))
-            r = Request(i, ids, max_new, params, None, stop_ids=stops)
+            r = Request(i, ids, max_new, params, None, stop_ids=stops,
+                        logprobs=[] if params.logprobs is not None else None,
+                        prompt_logprobs=[] if params.prompt_logprobs is not None else None)
             need = -(-r.kv_tokens // self.cache.block_size)
             if need > self.cache.num_blocks:
                 raise ValueError(f"prompt {i}: {len(ids)} tokens + {max_new} new need {need} KV blocks; the "
@@ -366,8 +390,23 @@ class Engine:
             if not params.greedy:
                 r.generator = new_generator(None if seed is None else seed + r.index)
             if text:
-                r.text = StreamingText(self.tokenizer, r.prompt, self._decode_kwargs, stop)
+                r.text = StreamingText(self.tokenizer, r.prompt, self._decode_kwargs, stop, include_stop,
+                                       params.min_tokens)
         return requests
+
+    def _check_controls(self, temperature, top_k, top_p, max_new_tokens: int, controls: dict):
+        """The SamplingParams of a call (sampling.check_params), min_tokens within max_new_tokens; ValueError
+        naming an unknown or bad control."""
+        unknown = sorted(set(controls) - set(SAMPLING_CONTROLS))
+        if unknown:
+            raise ValueError(f"{unknown[0]} is not a sampling control (expected one of {', '.join(SAMPLING_CONTROLS)})")
+        params = check_params(temperature, top_k, top_p, vocab_size=self.model.config.vocab_size, **controls)
+        if params.min_tokens > max_new_tokens:
+            raise ValueError(f"min_tokens ({params.min_tokens}) must be at most max_new_tokens ({max_new_tokens})")
+        if params.prompt_logprobs is not None and self.model.tp is not None:
+            raise ValueError("prompt_logprobs under tensor parallelism is not supported yet (its eager step is not "
+                             "part of the broadcast plans)")
+        return params
 
     def _check_not_follower(self, what: str) -> None:
         if self._broadcast is not None and not self._broadcast.leader:

@@ -2,7 +2,7 @@
 
     handle = engine.submit(prompt, max_new_tokens=64, stop=["\\n\\n"])
     for out in handle:                  # or: async for out in handle
-        out.token_ids, out.text, out.finish_reason
+        out.token_ids, out.text, out.finish_reason, out.logprobs   # logprobs: submit(..., logprobs=N)
     handle.result()                     # GenerationResult (or: await handle.result_async())
     handle.abort()                      # the engine frees its slot and blocks at its next step
 
@@ -20,6 +20,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
+
+from .logprobs import TokenLogprobs
 
 
 class EngineBusyError(RuntimeError):
@@ -46,17 +48,24 @@ class GenerationResult:
     prompt_tokens: int
     first_token_s: float | None  # seconds from the call (generate) or submit to the first new token
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache (Engine(prefix_cache=True)), not computed
+    # logprobs=N: each new token's raw log-probability and the N most likely (logprobs.py), else None
+    logprobs: list[TokenLogprobs] | None = None
+    # prompt_logprobs=N: each prompt token's (None for the first), else None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class RequestOutput(NamedTuple):
     """One delivery of a request: the token(s) sampled for it since the last one, the text they add
     ("" while held back: an incomplete character or a possible stop string; None without a tokenizer),
     and the finish reason when this output ends the request ("stop", "length", "abort"), else None. The
-    last output of an aborted request carries no tokens."""
+    last output of an aborted request carries no tokens. With logprobs=N, `logprobs` holds each token's
+    TokenLogprobs; with prompt_logprobs=N the first output holds the prompt's (None for its first token)."""
     index: int  # the request's position in its call (generate / stream's prompts; 0 for submit)
     token_ids: list[int]
     text: str | None
     finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class Failure(NamedTuple):
@@ -123,6 +132,10 @@ class Channel:
             future = loop.create_future()
             self._waiters.append((loop, future))
             return future
+
+
+def _copy(items: list | None) -> list | None:
+    return None if items is None else list(items)
 
 
 SIGNAL_SLICE_S = 0.1  # how long the main thread sleeps at a time while it waits (see wait_for)
@@ -221,7 +234,7 @@ class RequestHandle:
             raise r.error
         first = None if r.first_token_time is None else r.first_token_time - r.submit_time
         return GenerationResult(list(r.out), None if r.text is None else r.text.text, r.finish_reason,
-                                len(r.prompt), first, r.cached)
+                                len(r.prompt), first, r.cached, _copy(r.logprobs), _copy(r.prompt_logprobs))
 
     def abort(self) -> None:
         """End the request: at the engine's next step its slot and KV blocks are freed and its last output

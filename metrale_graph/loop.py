@@ -52,7 +52,10 @@ import torch
 
 from .batch import Stream
 from .handle import EngineClosedError, EngineFullError, Failure, RequestOutput, deliver, wait_for
+from .logits_processors import PenaltyState
+from .logprobs import DeviceLogprobs
 from .numbers import int_tensor, to_device
+from .prompt_logprobs import prefill_step
 from .protocol import prefill_call, restore_prefix
 from .plan_sync import IDLE, IDLE_SYNC_S, SHUTDOWN, STEP, WARMUP, PlanBroadcast
 from .sampling import sample
@@ -96,13 +99,34 @@ class _Job:
 
 
 @dataclass
+class _HostCopy:
+    """What a step's sampling gives the host, in host memory once `ready`: the tokens of its sampling rows, the
+    logprobs of the rows that ask (row indices, each row's top N), and the prompt logprobs of its prompt chunks
+    that ask (prompt_logprobs.PromptPiece, their logprobs on the host)."""
+    tokens: torch.Tensor | None
+    logprob_rows: list
+    top_n: list
+    logprobs: DeviceLogprobs | None
+    pieces: list
+
+    def read(self) -> tuple[list[int], list]:
+        """The tokens, and each row's TokenLogprobs (None for a row that did not ask)."""
+        tokens = self.tokens.tolist() if self.tokens is not None else []
+        entries = [None] * len(tokens)
+        if self.logprobs is not None:
+            for k, entry in zip(self.logprob_rows, self.logprobs.to_host(self.top_n)):
+                entries[k] = entry
+        return tokens, entries
+
+
+@dataclass
 class _Launched:
     """A step launched and not read back yet."""
     step: list  # its chunks (scheduler.Chunk), decodes first
     decodes: int  # how many of them are decodes (their token read on the device)
     sampled: list  # the requests whose rows sampled, in row order
-    tokens: torch.Tensor | None  # their tokens: a host buffer the device copies into, or (CPU) the tokens
-    ready: object  # a CUDA event recorded after that copy (None on the CPU)
+    host: "_HostCopy"  # their tokens (and logprobs), copied to the host behind the step
+    ready: object  # a CUDA event recorded after those copies (None on the CPU)
     commit: Callable[[list[int]], None]  # PrefillCall.launch's commit
     prompt_tokens: int
     committed: bool = False
@@ -127,6 +151,7 @@ class EngineLoop:
         self._host_tokens = [torch.zeros(cache.num_slots, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._flip = 0
         self._inflight: _Launched | None = None  # the step launched and not read back yet (overlap)
+        self.penalties = PenaltyState(cache.num_slots, model.config.vocab_size, model.device)  # sampling's
         self._cond = threading.Condition(threading.Lock())
         self._inbox: list[Request] = []
         self._aborts: collections.deque[Request] = collections.deque()  # appended without the lock (abort())
@@ -331,31 +356,46 @@ class EngineLoop:
             if self._broadcast is not None:
                 self._broadcast.send(STEP, streams, self._take_released(), decodes, [k for k, c in enumerate(step)
                                                                                    if c.sample])
-            logits, commit = self.launch(streams, decodes)
+            # the prompt chunks of requests asking for prompt logprobs run apart (prompt_logprobs.py)
+            logits, commit, pieces = prefill_step(self.launch, self.model, self.cache, step, streams, decodes)
             rows = None if all(c.sample for c in prompts) else [k for k, c in enumerate(step) if c.sample]
             todo = [c.request for c in step] if rows is None else [step[k].request for k in rows]
-            tokens, ready = None, None
+            result = None
             if todo:
                 if rows is not None:  # (else every row samples, as in a decode step: no gather)
                     logits = logits.index_select(0, to_device(int_tensor(rows), logits.device))
-                sampled = sample(logits, [r.params for r in todo], [r.generator for r in todo])
-                self._share(sampled)
-                self.last_tokens.index_copy_(0, to_device(int_tensor([r.slot for r in todo]), sampled.device), sampled)
-                tokens, ready = self._to_host(sampled)
+                result = sample(logits, todo, self.penalties)
+                self._share(result.tokens)
+                self.last_tokens.index_copy_(0, to_device(int_tensor([r.slot for r in todo]), logits.device),
+                                             result.tokens)
+            host, ready = self._to_host(result, pieces)
         except BaseException as e:  # KeyboardInterrupt included: only this step's requests see it
             return None, e
-        return _Launched(step, decodes, todo, tokens, ready, commit, sum(len(c.tokens) for c in prompts)), None
+        return _Launched(step, decodes, todo, host, ready, commit, sum(len(c.tokens) for c in prompts)), None
 
-    def _to_host(self, sampled: torch.Tensor):
-        """(host tokens, event): `sampled` copied to a host buffer behind the step, and the event after it."""
-        if sampled.device.type != "cuda":
-            return sampled, None
-        buf = self._host_tokens[self._flip][:sampled.numel()]
-        self._flip ^= 1
-        buf.copy_(sampled, non_blocking=True)
+    def _to_host(self, result, pieces: list) -> tuple[_HostCopy, object]:
+        """(_HostCopy, event): a step's sampling result (sampling.SampleResult, or None) and prompt logprobs
+        (pieces) copied to host memory behind the step, and the CUDA event after the copies (None on the CPU,
+        where they are host memory already). The tokens go to one of two pinned buffers in turn (step N + 1's
+        copy must not overwrite N's before it is read); the logprobs, which few requests ask for, to pinned
+        memory torch's non-blocking copy allocates."""
+        if result is None:
+            host = _HostCopy(None, [], [], None, pieces)
+        else:
+            host = _HostCopy(result.tokens, result.logprob_rows, result.top_n, result.logprobs, pieces)
+        if self.cache.device.type != "cuda":
+            return host, None
+        if host.tokens is not None:
+            buf = self._host_tokens[self._flip][:host.tokens.numel()]
+            self._flip ^= 1
+            host.tokens = buf.copy_(host.tokens, non_blocking=True)
+        to_cpu = lambda lp: DeviceLogprobs(*(t.to("cpu", non_blocking=True) for t in lp))  # noqa: E731
+        if host.logprobs is not None:
+            host.logprobs = to_cpu(host.logprobs)
+        host.pieces = [piece._replace(logprobs=to_cpu(piece.logprobs)) for piece in pieces]
         ready = torch.cuda.Event()
         ready.record()
-        return buf, ready
+        return host, ready
 
     def _share(self, sampled: torch.Tensor) -> None:
         """With a plan broadcast: the sampled tokens go to every rank (followers read them on the device)."""
@@ -374,7 +414,9 @@ class EngineLoop:
         try:
             if done.ready is not None:
                 done.ready.synchronize()
-            tokens = done.tokens.tolist() if done.tokens is not None else []
+            tokens, logprobs = done.host.read()
+            for piece in done.host.pieces:  # (before the first token's output, which carries them)
+                piece.request.prompt_logprobs.extend(piece.to_host())
         except BaseException as e:  # the device failed: neither step's tokens can be trusted
             for c in done.step + (launched.step if launched is not None else []):
                 self._fail(c.request, e)
@@ -389,12 +431,12 @@ class EngineLoop:
         self._steps += 1
         self._prompt_tokens += done.prompt_tokens
         now, outputs = time.perf_counter(), {}
-        for r, token in zip(done.sampled, tokens):
+        for r, token, entry in zip(done.sampled, tokens, logprobs):
             if r.ended:  # it stopped at the step before (this token is one past its stop), or failed
                 continue
             self._generated += 1
             try:
-                output = self._advance(r, token, now)
+                output = self._advance(r, token, now, entry)
             except Exception as e:  # the tokenizer failed on its tokens, or its slot's reset did
                 self._fail(r, e)
             else:
@@ -412,9 +454,12 @@ class EngineLoop:
             for c in step:
                 self._fail(c.request, e)
 
-    def _advance(self, r: Request, token: int, now: float) -> RequestOutput:
-        """Take `token` (already in r.out) into `r`: its output; an ending request is finished (its slot
-        freed) first."""
+    def _advance(self, r: Request, token: int, now: float, logprobs=None) -> RequestOutput:
+        """Take `token` (already in r.out; and its TokenLogprobs, when r asks for them) into `r`: its output; an
+        ending request is finished (its slot freed) first. The first output carries the prompt's logprobs, when r
+        asks."""
+        if logprobs is not None:
+            r.logprobs.append(logprobs)
         if r.first_token_time is None:
             r.first_token_time = now
         reason = "stop" if token in r.stop_ids else "length" if len(r.out) >= r.max_new else None
@@ -425,7 +470,8 @@ class EngineLoop:
         if reason is not None:
             self.scheduler.remove(r)  # the slot is free before the consumer sees the last output
             r.finish_reason = reason
-        return RequestOutput(r.index, [token], text, reason)
+        return RequestOutput(r.index, [token], text, reason, None if logprobs is None else [logprobs],
+                             r.prompt_logprobs if len(r.out) == 1 else None)
 
     def launch(self, streams: list[Stream], decodes: int):
         """One step: (logits [len(streams), vocab] of each stream's last token, commit) (PrefillCall.launch);
@@ -448,7 +494,10 @@ class EngineLoop:
             self.last_tokens.index_copy_(0, slots, tokens)
 
     def _restore(self, r: Request) -> int:
-        """Prefix caching: start r's fresh slot from the longest cached prefix of its prompt."""
+        """Prefix caching: start r's fresh slot from the longest cached prefix of its prompt (none when r asks
+        for prompt logprobs: a restored prefix has no logits)."""
+        if r.params.prompt_logprobs is not None:
+            return 0
         n = restore_prefix(self.model, self.cache, r.slot, r.prompt)
         self._cached += n
         return n

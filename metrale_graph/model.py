@@ -227,6 +227,14 @@ class HybridModel(nn.Module):
     def forward_packed(self, cache: HybridCache, batch: PackedBatch) -> torch.Tensor:
         """The step: packed batch in, last-token logits [B, vocab] out; mutates the batch's slots
         and blocks in the cache pools. No host sync, shapes follow from input shapes."""
+        h = self.hidden_states(cache, batch)
+        last = (batch.cu_seqlens[1:].long() - 1).clamp(min=0)  # zero-length (padding) streams: any row
+        return self.logits_of(h[last])
+
+    def hidden_states(self, cache: HybridCache, batch: PackedBatch) -> torch.Tensor:
+        """The layers of the step: the hidden states [T, hidden] of every packed token before the final norm
+        (forward_packed's, which keeps each stream's last; prompt_logprobs.py reads them all). Mutates the
+        cache as forward_packed does."""
         cfg = self.local
         h = self._embed(batch.tokens)
         for i, kind in enumerate(cfg.layer_types):
@@ -237,10 +245,14 @@ class HybridModel(nn.Module):
                 h = self._attention_mixer(layer, h, batch, cache.k_caches[j], cache.v_caches[j])
             h = self._reduce(h)
             h = self._reduce(self._feed_forward(layer, h))
-        last = (batch.cu_seqlens[1:].long() - 1).clamp(min=0)  # zero-length (padding) streams: any row
-        h_last = rms_norm(h[last], self.norm.weight, cfg.rms_norm_eps)
+        return h
+
+    def logits_of(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits [n, vocab] of hidden states [n, hidden] (hidden_states' rows): the final norm and the LM head."""
+        cfg = self.local
+        h = rms_norm(h, self.norm.weight, cfg.rms_norm_eps)
         lm_head = self.embed_tokens.weight if cfg.tie_word_embeddings else self.lm_head.weight
-        logits = F.linear(h_last, lm_head)
+        logits = F.linear(h, lm_head)
         if self.tp:  # every rank's vocabulary rows, the padding of the last shard cut off
             logits = self.tp.all_gather(logits, 1)[:, :self.config.vocab_size]
         return logits

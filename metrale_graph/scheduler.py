@@ -67,6 +67,16 @@ class Request:
     out: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length", "abort"; set when it ends
     error: BaseException | None = None  # what failed it
+    # sampling: params.logprobs / prompt_logprobs set: the TokenLogprobs of each new token / of each prompt
+    # token (None for the first) as they come, else None
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
+
+    @property
+    def generated(self) -> int:
+        """Tokens drawn for it before the step being sampled (sampling.SampleRow's field): the draws the scheduler
+        planned (`sampled` counts this step's), not the tokens read back (`out`, a step behind with overlap)."""
+        return self.sampled - 1
 
     @property
     def ended(self) -> bool:

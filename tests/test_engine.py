@@ -11,7 +11,7 @@ from helpers import random_tokens, tiny_config
 from references import hf_reference
 from metrale_graph import Engine, HybridModel, TokenEvent
 from metrale_graph.engine import default_grid
-from metrale_graph.sampling import SamplingParams, new_generator, sample
+from metrale_graph.sampling import SampleRow, SamplingParams, new_generator, sample as sample_rows
 
 LENGTHS = [5, 37, 1, 70, 12]  # 70 and 37 tokens exceed the budget of 16: chunked
 NEW = 8
@@ -148,6 +148,11 @@ def test_default_stop_tokens_of_a_multimodal_config(tmp_path):
 @pytest.fixture(scope="module")
 def tiny():
     return HybridModel.from_preset("tiny", seed=3)
+
+
+def sample(logits, params, generators):
+    """sample()'s tokens for rows of these parameters and generators."""
+    return sample_rows(logits, [SampleRow(p, g) for p, g in zip(params, generators)]).tokens
 
 
 def _prompts(lengths, seed=0):

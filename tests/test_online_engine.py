@@ -15,6 +15,7 @@ from helpers import random_tokens
 from metrale_graph import Engine, HybridModel, Stream
 from metrale_graph.detokenizer import REPLACEMENT
 from metrale_graph.engine import EngineBusyError, EngineClosedError, EngineFullError
+from metrale_graph.sampling import SampleResult
 from tokenizer_fixture import tiny_checkpoint
 
 TIMEOUT = 60.0
@@ -253,7 +254,8 @@ def _scripted(monkeypatch, tokens):
     import metrale_graph.loop as loop_module
 
     script = iter(tokens)
-    monkeypatch.setattr(loop_module, "sample", lambda logits, params, gens: torch.tensor([next(script)]))
+    monkeypatch.setattr(loop_module, "sample",
+                        lambda logits, rows, state: SampleResult(torch.tensor([next(script)]), [], None, []))
 
 
 def test_streamed_text_is_whole_characters(with_tokenizer, monkeypatch):
