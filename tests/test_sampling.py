@@ -5,60 +5,19 @@ logprobs and prompt logprobs equal log_softmax of model.prefill's logits; each c
 decoding as a reference decode loop over model.prefill says; bad controls are ValueErrors naming them), and
 the stop strings' include_stop_str_in_output and min_tokens."""
 
-import math
-
 import pytest
 import torch
 
 from helpers import random_tokens
-from metrale_graph import Engine, HybridModel, Stream
+from metrale_graph import Engine, HybridModel
 from metrale_graph.detokenizer import StreamingText
 from metrale_graph.logits_processors import PenaltyState, process_logits
 from metrale_graph.sampling import SampleRow, SamplingParams, check_params, new_generator, probabilities, sample
+from sampling_reference import reference_decode, reference_logits, reference_probs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VOCAB = 37  # not a multiple of 32: the bitmask's last word is partial
-
-
-# references: one row at a time, in float64, as the definitions read ------------------------------------------
-def reference_logits(logits, params: SamplingParams, prompt, out, stop_ids, bitmask=None):
-    """vLLM's processing of one row's logits [vocab]: bitmask, logit_bias, min_tokens, repetition, then frequency
-    and presence penalties; `out` the tokens generated so far."""
-    x = [float(v) for v in logits]
-    for t in range(len(x)):
-        if bitmask is not None and not (int(bitmask[t // 32]) >> (t % 32)) & 1:
-            x[t] = -math.inf
-    for t, b in params.logit_bias:
-        x[t] += b
-    if len(out) < params.min_tokens:
-        for t in stop_ids:
-            x[t] = -math.inf
-    r = params.repetition_penalty
-    for t in set(prompt) | set(out):
-        x[t] = x[t] / r if x[t] > 0 else x[t] * r
-    for t in set(out):
-        x[t] -= params.frequency_penalty * out.count(t) + params.presence_penalty
-    return torch.tensor(x, dtype=torch.float64)
-
-
-def reference_probs(x, params: SamplingParams):
-    """The distribution one sampled row draws from: softmax(x / T), min_p against the most likely, top-k, then
-    top-p over what is left (the smallest most-likely set reaching top_p), renormalized."""
-    p = torch.softmax(x.double() / params.temperature, 0)
-    p = torch.where(p >= params.min_p * p.max(), p, 0.0)
-    p = p / p.sum()
-    order = sorted(range(len(p)), key=lambda t: -float(p[t]))
-    kept = order[:params.top_k] if params.top_k else order
-    p = torch.tensor([float(p[t]) if t in kept else 0.0 for t in range(len(p))], dtype=torch.float64)
-    p = p / p.sum()
-    before, keep = 0.0, set()
-    for t in order:
-        if t in kept and (before < params.top_p or not keep):
-            keep.add(t)
-        before += float(p[t])
-    p = torch.tensor([float(p[t]) if t in keep else 0.0 for t in range(len(p))], dtype=torch.float64)
-    return p / p.sum()
 
 
 CONTROLS = {  # the control under test on some rows, the others left neutral
@@ -206,22 +165,6 @@ def tiny():
     return HybridModel.from_preset("tiny", seed=3)
 
 
-def _reference_decode(model, prompt, n, params=SamplingParams(), stop_ids=frozenset()):
-    """Greedy decoding one token at a time through model.prefill on a cache of its own, with the reference's
-    processing: the tokens, and log_softmax of the raw logits after each token (prompt and new) but the last."""
-    cache = model.new_cache(1, 16, 16, 256)
-    logprobs = []
-    for token in prompt[:-1]:
-        logprobs.append(torch.log_softmax(model.prefill(cache, [Stream(0, [token])]).float(), -1)[0])
-    logits, out = model.prefill(cache, [Stream(0, prompt[-1:])]), []
-    for _ in range(n):
-        logprobs.append(torch.log_softmax(logits.float(), -1)[0])
-        token = int(reference_logits(logits[0], params, prompt, out, stop_ids).argmax())
-        out.append(token)
-        logits = model.prefill(cache, [Stream(0, [token])])
-    return out, logprobs
-
-
 def test_engine_logprobs_equal_the_models_log_softmax(tiny):
     """generate with logprobs and prompt_logprobs, with a prompt chunked over steps (the budget is 12 tokens),
     prefix caching on (a request with prompt logprobs restores nothing) and requests without them in the same
@@ -233,7 +176,7 @@ def test_engine_logprobs_equal_the_models_log_softmax(tiny):
     results = engine.generate(prompts, max_new_tokens=4, logprobs=2, prompt_logprobs=3)
     plain = engine.generate(prompts, max_new_tokens=4)
     for prompt, r, q in zip(prompts, results, plain):
-        want, logprobs = _reference_decode(tiny, prompt, 4)
+        want, logprobs = reference_decode(tiny, prompt, 4)
         assert r.token_ids == want == q.token_ids and q.logprobs is None and q.prompt_logprobs is None
         assert r.cached_tokens == 0 and r.prompt_logprobs[0] is None and len(r.prompt_logprobs) == len(prompt)
         entries = r.prompt_logprobs[1:] + r.logprobs
@@ -259,7 +202,7 @@ def test_engine_greedy_decoding_follows_each_control(tiny, controls):
     stops = frozenset({plain[0][0], plain[0][1]}) if "min_tokens" in controls else frozenset()
     got = engine.generate(prompts[:1] + prompts, max_new_tokens=8, stop_token_ids=sorted(stops), **controls)
     params = check_params(0.0, 0, 1.0, **controls)
-    want, _ = _reference_decode(tiny, prompts[0], 8, params, stops)
+    want, _ = reference_decode(tiny, prompts[0], 8, params, stops)
     stop_at = next((i for i, t in enumerate(want) if t in stops), None)
     want = want if stop_at is None else want[:stop_at + 1]
     assert got[0].token_ids == got[1].token_ids == want != plain[0]

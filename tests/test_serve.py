@@ -256,7 +256,8 @@ BAD = [  # (path, body, status, param, code)
     ("/v1/completions", {"prompt": [1, 10**6]}, 400, "prompt", None),  # the engine's check: not in the vocabulary
     ("/v1/completions", {"prompt": [1] * MAX_CONTEXT}, 400, "prompt", "context_length_exceeded"),
     ("/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop", None),
-    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", None),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search", "unsupported_parameter"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", None),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
     ("/v1/completions", {}, 400, "prompt", None),

@@ -12,6 +12,11 @@ then a delta per piece as the text comes (`content`, `reasoning_content`, or `to
 id, type and name first with arguments "", then its arguments in pieces), the last one with the finish
 reason ("stop": a stop token or string; "length": max_tokens or the context; "tool_calls"), then the usage
 chunk with stream_options.include_usage, then `data: [DONE]`.
+
+`logprobs: true` (with `top_logprobs: N`) gives each new token's logprob in `logprobs.content`
+(server/logprobs.py; streamed, with the first delta of the output that sends its text); vLLM's
+`prompt_logprobs: N` gives the response's `prompt_logprobs` (streamed: a chunk of its own, without choices,
+before the content).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import AsyncIterator
 
 from .errors import stream_event
 from .generation import Generations
+from .logprobs import chat_logprobs, prompt_logprobs
 from .protocol import (DONE, AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletionRequest,
                        ChatResponse, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, StreamChunks,
                        ToolCall, event, now, request_id)
@@ -48,7 +54,9 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                                         body.add_generation_prompt, body.continue_final_message,
                                         body.chat_template_kwargs, tools.template_tools)
     state.check_room([prompt], body)
-    group = Generations.submit(state, [prompt], state.sampling(body, body.max_new_tokens), body.n, param="messages")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    sampling = state.sampling(body, body.max_new_tokens, logprobs, body.prompt_logprobs)
+    group = Generations.submit(state, [prompt], sampling, body.n, param="messages")
     rid = request_id("chatcmpl")
     plain = tools.functions is None and state.replies.plain
 
@@ -71,9 +79,21 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                                                    for n, a in reply.calls] or None)
             calls = len(reply.calls)
         choices.append(ChatChoice(index=i, message=message, finish_reason=finish_reason(r.finish_reason, calls),
+                                  logprobs=_logprobs(state, body, r.token_ids, r.logprobs),
                                   token_ids=list(r.token_ids) if ids else None,
                                   prompt_token_ids=prompt if ids else None))
-    return ChatResponse(id=rid, model=state.model_name, choices=choices, usage=group.usage())
+    return ChatResponse(id=rid, model=state.model_name, choices=choices, usage=group.usage(),
+                        prompt_logprobs=_prompt_logprobs(state, body, prompt, results[0].prompt_logprobs))
+
+
+def _logprobs(state: ServerState, body: ChatCompletionRequest, token_ids, entries):
+    return chat_logprobs(state.token_strings, token_ids, entries, body.top_logprobs or 0) if body.logprobs else None
+
+
+def _prompt_logprobs(state: ServerState, body: ChatCompletionRequest, prompt: list[int], entries):
+    if body.prompt_logprobs is None or entries is None:
+        return None
+    return prompt_logprobs(state.token_strings, prompt, entries, body.prompt_logprobs)
 
 
 def _delta(event, call_ids: list[str]) -> DeltaMessage:
@@ -101,14 +121,24 @@ async def _events(state: ServerState, body: ChatCompletionRequest, group: Genera
     chunks = StreamChunks("chat.completion.chunk", rid, created, model)
     readers = [parser() for _ in range(len(group))] if parser is not None else None
     call_ids: list[list[str]] = [[] for _ in range(len(group))]
+    pending: dict[int, tuple[list, list]] = {}  # per choice, the tokens (and logprobs) of outputs not sent yet
     try:
         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(len(group))])
         async for choice, out in group.stream():
-            tokens = list(out.token_ids) if ids and out.token_ids else None
+            if choice == 0 and out.prompt_logprobs is not None and body.prompt_logprobs is not None:
+                yield event(ChatChunk(id=rid, created=created, model=model, choices=[],
+                                      prompt_logprobs=_prompt_logprobs(state, body, group.prompt_of(0),
+                                                                       out.prompt_logprobs)))
+            token_ids, entries = pending.setdefault(choice, ([], []))
+            token_ids += out.token_ids
+            entries += out.logprobs or []
             if readers is None:
-                if out.text or out.finish_reason or tokens:
-                    yield chunks.chat(choice, out.text or None, out.finish_reason, list(out.token_ids) if ids else None)
+                if not (out.text or out.finish_reason or (ids and out.token_ids)):
+                    continue
+                pending[choice] = ([], [])
+                yield chunks.chat(choice, out.text or None, out.finish_reason, token_ids if ids else None,
+                                  _logprobs(state, body, token_ids, entries))
                 continue
             reader = readers[choice]
             events = reader.feed(out.text) if out.text else []
@@ -116,11 +146,16 @@ async def _events(state: ServerState, body: ChatCompletionRequest, group: Genera
                 events += reader.finish()
             finish = finish_reason(out.finish_reason, reader.calls)
             deltas = [_delta(e, call_ids[choice]) for e in events]
-            if not deltas and (finish or tokens):
+            if not deltas and (finish or (ids and out.token_ids)):
                 deltas = [DeltaMessage()]
+            if not deltas:  # (text the parsers hold back: its tokens and logprobs go with the next delta)
+                continue
+            pending[choice] = ([], [])
             for k, delta in enumerate(deltas):
-                yield chunk([ChatChunkChoice(index=choice, delta=delta, finish_reason=finish if k == len(deltas) - 1
-                                             else None, token_ids=tokens if k == 0 else None)])
+                yield chunk([ChatChunkChoice(index=choice, delta=delta,
+                                             logprobs=_logprobs(state, body, token_ids, entries) if k == 0 else None,
+                                             finish_reason=finish if k == len(deltas) - 1 else None,
+                                             token_ids=(token_ids if ids else None) if k == 0 else None)])
         if body.stream_options is not None and body.stream_options.include_usage:
             yield chunk([], group.usage())
     except Exception as e:  # the request failed after the stream began (a step's error, shutdown)

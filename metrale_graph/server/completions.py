@@ -2,8 +2,15 @@
 
 Choice `index` is prompt p's k-th of n at p * n + k. Streamed, every output of the engine that
 adds text (or tokens, with return_token_ids) is one event; an output whose text is held back (an
-incomplete UTF-8 character, a possible stop string) waits for the next. `usage` counts each
-prompt once (not once per choice) and every choice's new tokens.
+incomplete UTF-8 character, a possible stop string) waits for the next, and so do its tokens' logprobs.
+`usage` counts each prompt once (not once per choice) and every choice's new tokens.
+
+`logprobs: N` gives OpenAI's legacy logprobs of the new tokens (server/logprobs.py); `echo` puts the prompt
+before the text (a prompt sent as a string as it was sent, token ids decoded) and, with logprobs, the prompt's
+tokens before the new ones (the first with None), computed by the engine as prompt logprobs; `echo` with
+`max_tokens: 0` gives the prompt alone (the engine samples one token, which is dropped): how lm-eval scores
+loglikelihood tasks. vLLM's `prompt_logprobs: N` adds the choice's `prompt_logprobs` (in a stream, with the
+choice's first event).
 """
 
 from __future__ import annotations
@@ -12,7 +19,8 @@ from typing import AsyncIterator
 
 from .errors import stream_event
 from .generation import Generations
-from .protocol import (DONE, CompletionChoice, CompletionRequest, CompletionResponse, StreamChunks, event, now,
+from .logprobs import completion_logprobs, prompt_logprobs
+from .protocol import (DONE, CompletionChoice, CompletionRequest, CompletionResponse, StreamChunks, Usage, event, now,
                        request_id)
 from .state import ServerState
 
@@ -26,6 +34,13 @@ def prompts_of(state: ServerState, body: CompletionRequest) -> list[list[int]]:
     return [state.prompt_ids(p, "prompt", i) for i, p in enumerate(prompt)]
 
 
+def prompt_texts(state: ServerState, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+    """What echo puts before each prompt's text: a string prompt as sent, token ids decoded."""
+    raw = body.prompt
+    sent = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
+    return [p if isinstance(p, str) else (state.engine.decode(ids) or "") for p, ids in zip(sent, prompts)]
+
+
 async def create_completion(state: ServerState, body: CompletionRequest, raw_request):
     """The response of one /v1/completions request: a CompletionResponse, or the event stream's body
     (an async iterator of server-sent events) when body.stream."""
@@ -34,30 +49,98 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw_req
     text = isinstance(prompt, str) or any(isinstance(p, str) for p in prompt)
     prompts = await state.off_loop(prompts_of, state, body) if text else prompts_of(state, body)
     state.check_room(prompts, body)
-    group = Generations.submit(state, prompts, state.sampling(body, body.max_tokens), body.n)
+    echoed = body.echo and body.logprobs is not None  # the prompt's logprobs in `logprobs`
+    wanted = [n for n in (body.logprobs if echoed else None, body.prompt_logprobs) if n is not None]
+    sampling = state.sampling(body, 1 if body.echo_only else body.max_tokens, body.logprobs,
+                              max(wanted) if wanted else None)
+    group = Generations.submit(state, prompts, sampling, body.n)
+    echo = prompt_texts(state, body, prompts) if body.echo else None
     rid = request_id("cmpl")
     if body.stream:
-        return _events(state, body, group, rid)
+        return _events(state, body, group, rid, echo)
     results = await group.whole(raw_request)
-    choices = [CompletionChoice(index=i, text=r.text or "", finish_reason=r.finish_reason,
-                                token_ids=list(r.token_ids) if body.return_token_ids else None,
-                                prompt_token_ids=group.prompt_of(i) if body.return_token_ids else None)
-               for i, r in enumerate(results)]
-    return CompletionResponse(id=rid, model=state.model_name, choices=choices, usage=group.usage())
+    choices = []
+    for i, r in enumerate(results):
+        ids, entries = ([], []) if body.echo_only else (list(r.token_ids), list(r.logprobs or []))
+        text, p = "" if body.echo_only else r.text or "", i // body.n
+        if echo is not None:
+            text = echo[p] + text
+            if echoed:
+                ids, entries = group.prompt_of(i) + ids, r.prompt_logprobs + entries
+        choices.append(CompletionChoice(
+            index=i, text=text, finish_reason=r.finish_reason,
+            logprobs=None if body.logprobs is None else completion_logprobs(state.token_strings, ids, entries,
+                                                                            body.logprobs),
+            token_ids=([] if body.echo_only else list(r.token_ids)) if body.return_token_ids else None,
+            prompt_token_ids=group.prompt_of(i) if body.return_token_ids else None,
+            prompt_logprobs=_prompt_logprobs(state, body, group.prompt_of(i), r.prompt_logprobs)))
+    return CompletionResponse(id=rid, model=state.model_name, choices=choices, usage=_usage(body, group))
 
 
-async def _events(state: ServerState, body: CompletionRequest, group: Generations, rid: str) -> AsyncIterator[str]:
+def _prompt_logprobs(state: ServerState, body: CompletionRequest, prompt: list[int], entries):
+    if body.prompt_logprobs is None:
+        return None
+    return prompt_logprobs(state.token_strings, prompt, entries, body.prompt_logprobs)
+
+
+def _usage(body: CompletionRequest, group: Generations) -> Usage:
+    usage = group.usage()
+    if body.echo_only:  # the token the engine sampled is dropped
+        usage = Usage.of(usage.prompt_tokens, 0, usage.prompt_tokens_details.cached_tokens)
+    return usage
+
+
+class _Pending:
+    """What a streamed choice has not sent yet: an output whose text is held back sends nothing, so its tokens and
+    logprobs wait for the next event; the prompt's logprobs wait for the choice's first event."""
+
+    def __init__(self):
+        self.started = False  # the choice's first output has come
+        self.text, self.token_ids, self.logprob_ids, self.entries = "", [], [], []
+        self.prompt_logprobs = None  # the first output's, until sent
+        self.offset = 0  # characters of text sent so far: the next text_offset
+
+
+async def _events(state: ServerState, body: CompletionRequest, group: Generations, rid: str,
+                  echo: list[str] | None) -> AsyncIterator[str]:
     created, model = now(), state.model_name
-    ids = body.return_token_ids
     chunks = StreamChunks("text_completion", rid, created, model)
+    pending: dict[int, _Pending] = {}
     try:
         async for choice, out in group.stream():
-            if not (out.text or out.finish_reason or (ids and out.token_ids)):
+            p = pending.setdefault(choice, _Pending())
+            if not p.started:
+                p.started, p.prompt_logprobs = True, out.prompt_logprobs
+                if echo is not None:
+                    p.text = echo[choice // body.n]
+                    if body.logprobs is not None:
+                        p.logprob_ids, p.entries = list(group.prompt_of(choice)), list(out.prompt_logprobs or [])
+            if not body.echo_only:
+                p.text += out.text or ""
+                p.token_ids += out.token_ids
+                p.logprob_ids += out.token_ids
+                p.entries += out.logprobs or []
+            prompt = p.prompt_logprobs is not None and body.prompt_logprobs is not None
+            if not (p.text or out.finish_reason or (body.return_token_ids and p.token_ids) or prompt):
                 continue
-            yield chunks.completion(choice, out.text or "", out.finish_reason, list(out.token_ids) if ids else None)
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = completion_logprobs(state.token_strings, p.logprob_ids, p.entries, body.logprobs, p.offset)
+            text, token_ids = p.text, p.token_ids if body.return_token_ids else None
+            p.offset += len(text)
+            p.text, p.token_ids, p.logprob_ids, p.entries = "", [], [], []
+            if prompt:  # (once per choice: the event built from the models)
+                choice_body = CompletionChoice(index=choice, text=text, logprobs=logprobs,
+                                               finish_reason=out.finish_reason, token_ids=token_ids,
+                                               prompt_logprobs=_prompt_logprobs(state, body, group.prompt_of(choice),
+                                                                                p.prompt_logprobs))
+                p.prompt_logprobs = None
+                yield event(CompletionResponse(id=rid, created=created, model=model, choices=[choice_body]))
+            else:
+                yield chunks.completion(choice, text, out.finish_reason, token_ids, logprobs)
         if body.stream_options is not None and body.stream_options.include_usage:
-            usage = group.usage()
-            yield event(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage))
+            yield event(CompletionResponse(id=rid, created=created, model=model, choices=[],
+                                           usage=_usage(body, group)))
     except Exception as e:  # the request failed after the stream began (a step's error, shutdown)
         yield stream_event(e)
     finally:

@@ -29,7 +29,9 @@ from .state import Sampling, ServerState
 # before "stop": the engine's stop_token_ids errors)
 ENGINE_FIELDS = {"seed": "seed", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
                  "max_new_tokens": "max_tokens", "stop_token_ids": "stop_token_ids", "stop token": "stop_token_ids",
-                 "stop": "stop"}
+                 "stop": "stop", **{name: name for name in ("min_p", "presence_penalty", "frequency_penalty",
+                                                            "repetition_penalty", "logit_bias", "min_tokens",
+                                                            "logprobs", "prompt_logprobs")}}
 
 
 def param_of(e: BaseException, default: str) -> str:
@@ -69,7 +71,9 @@ class Generations:
                     seed = None if sampling.seed is None else wrapped_seed(sampling.seed + k)
                     metrics.append(state.metrics.request())
                     handles.append(engine.submit(ids, sampling.max_new_tokens, sampling.temperature, sampling.top_k,
-                                                 sampling.top_p, seed, sampling.stop_token_ids, sampling.stop))
+                                                 sampling.top_p, seed, sampling.stop_token_ids, sampling.stop,
+                                                 include_stop_str_in_output=sampling.include_stop_str_in_output,
+                                                 **sampling.controls))
         except Exception as e:
             for h in handles:
                 h.abort()

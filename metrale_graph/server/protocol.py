@@ -1,10 +1,11 @@
 """The wire format: OpenAI's request and response bodies as pydantic models, and server-sent events.
 
 Requests mirror OpenAI's `/v1/completions` and `/v1/chat/completions` (the fields this server
-runs; a field OpenAI or vLLM has that the engine cannot honour, such as `logprobs`, `echo` or
-`repetition_penalty`, is refused by name when it is set, never silently ignored), plus vLLM's
-extensions `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids` and the chat template's
-arguments (`chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`). Values are
+runs; a field OpenAI or vLLM has that the engine cannot honour, such as `best_of`, beam search or guided
+decoding, is refused by name when it is set, never silently ignored), plus vLLM's extensions `top_k`,
+`stop_token_ids`, `ignore_eos`, `return_token_ids`, the sampling controls (`min_p`, `repetition_penalty`,
+`min_tokens`, `include_stop_str_in_output`, `prompt_logprobs`) and the chat template's arguments
+(`chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`). Values are
 strict JSON types (`true` is not 1, "5" is not 5). Responses carry what OpenAI's do, `usage` always (a stream:
 in its last event when `stream_options.include_usage`), with `prompt_tokens_details.cached_tokens`; a chat
 reply's `tool_calls` and vLLM's `reasoning_content` (in a stream: `delta.tool_calls`, `delta.reasoning_content`).
@@ -24,13 +25,17 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_serializer,
                       model_validator)
 
-from ..sampling import SEED_RANGE
+from ..logprobs import MAX_LOGPROBS
+from ..sampling import MAX_LOGIT_BIAS, MAX_PENALTY, SEED_RANGE
 
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
 Prompt = Union[StrictStr, TokenIds, Annotated[list[StrictStr], Field(min_length=1)],
                Annotated[list[TokenIds], Field(min_length=1)]]
 Stop = Union[StrictStr, list[StrictStr], None]
 FinishReason = Literal["stop", "length", "tool_calls"]
+NumLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]  # top tokens per position
+Penalty = Annotated[StrictFloat, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)]
+Bias = Annotated[StrictFloat, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
 
 MAX_N = 128  # choices of one request (each runs as its own engine request)
 
@@ -53,15 +58,11 @@ class StreamOptions(BaseModel):
 
 # Fields of OpenAI's API and vLLM's extensions that the engine cannot honour, with the values that ask for
 # nothing (sent by clients that fill in every field): any other value is refused by name (unsupported()).
-# Identity, not equality, for the booleans: `logprobs: 0` asks for logprobs (OpenAI's completions: of the
-# sampled tokens), though 0 == False.
+# Identity, not equality, for the booleans: `use_beam_search: 0` is not False.
 NEUTRAL = {
-    "logprobs": (None,),  # completions'; chat's is a boolean, False too (ChatCompletionRequest.neutral)
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
-    "min_p": (None, 0), "repetition_penalty": (None, 1), "length_penalty": (None, 1), "min_tokens": (None, 0),
-    "use_beam_search": (None, False), "include_stop_str_in_output": (None, False),
+    "length_penalty": (None, 1), "use_beam_search": (None, False),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
-    "prompt_logprobs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "allowed_token_ids": (None,), "bad_words": (None, []),
     "truncate_prompt_tokens": (None,), "logits_processors": (None,), "guided_json": (None,),
     "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
 }
@@ -94,20 +95,22 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     ignore_eos: StrictBool = False
     return_token_ids: StrictBool = False
+    # sampling controls (metrale_graph/logits_processors.py: vLLM's semantics); null: the default (off).
+    # OpenAI's penalties, logit_bias (token ids as JSON object keys); vLLM's min_p, repetition_penalty,
+    # min_tokens, include_stop_str_in_output, prompt_logprobs (each prompt token's logprob and the top N)
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[StrictStr, Bias] | None = None
+    min_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    repetition_penalty: Annotated[StrictFloat, Field(gt=0.0, allow_inf_nan=False)] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    prompt_logprobs: NumLogprobs | None = None
     # fields the engine cannot honour (NEUTRAL): refused unless neutral
-    logprobs: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
-    min_p: Any = None
-    repetition_penalty: Any = None
     length_penalty: Any = None
-    min_tokens: Any = None
     use_beam_search: Any = None
-    include_stop_str_in_output: Any = None
     skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
-    prompt_logprobs: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
     truncate_prompt_tokens: Any = None
@@ -133,17 +136,21 @@ class SamplingFields(BaseModel):
         """(field, value) of the request's own limit on new tokens, or None when it set none (a default)."""
         return None
 
+    def conflict(self) -> tuple[str, str] | None:
+        """(field, message) of values that are each valid but not together, or None."""
+        return None
+
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: StrictInt | None = Field(16, ge=1)  # OpenAI's default; None: up to the context
-    echo: StrictBool = False
+    # OpenAI's default; None: up to the context; 0: none, with echo (the prompt's logprobs alone)
+    max_tokens: StrictInt | None = Field(16, ge=0)
+    echo: StrictBool = False  # the prompt before the text (and its tokens' logprobs, with logprobs)
+    logprobs: NumLogprobs | None = None  # each token's logprob and the top N (OpenAI's legacy format)
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
 
     def unsupported(self) -> str | None:
-        if self.echo:
-            return "echo"
         if self.best_of not in (None, 1, self.n):
             return "best_of"
         if self.suffix:
@@ -154,6 +161,16 @@ class CompletionRequest(SamplingFields):
         if "max_tokens" in self.model_fields_set and self.max_tokens is not None:
             return "max_tokens", self.max_tokens
         return None
+
+    def conflict(self) -> tuple[str, str] | None:
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens 0 asks for no new tokens: only with echo (the prompt, and its logprobs)"
+        return None
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) and no new token."""
+        return self.echo and self.max_tokens == 0
 
 
 class TextPart(BaseModel):
@@ -240,7 +257,8 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: StrictInt | None = Field(None, ge=1)  # None: up to the context
     max_completion_tokens: StrictInt | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
-    top_logprobs: Any = None
+    logprobs: StrictBool | None = None  # each new token's logprob (and top_logprobs' top N)
+    top_logprobs: NumLogprobs | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
     parallel_tool_calls: Any = None  # refused when false (NEUTRAL): a reply may hold several calls
@@ -254,13 +272,17 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def neutral(self) -> dict:
-        return {"top_logprobs": (None, 0), "parallel_tool_calls": (None, True), "functions": (None, []),
-                "function_call": (None, "none"), "response_format": (None, {"type": "text"}), **NEUTRAL,
-                "logprobs": (None, False)}  # chat's logprobs is a boolean
+        return {"parallel_tool_calls": (None, True), "functions": (None, []), "function_call": (None, "none"),
+                "response_format": (None, {"type": "text"}), **NEUTRAL}
 
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def conflict(self) -> tuple[str, str] | None:
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
+        return None
 
     def explicit_max_tokens(self) -> tuple[str, int] | None:
         if self.max_completion_tokens is not None:
@@ -288,13 +310,49 @@ class Usage(BaseModel):
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
+# logprobs (server/logprobs.py fills them) -------------------------------------------------------------------------
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy logprobs of a completion: per token its string, its logprob (None for a prompt's first
+    token), its top N as {token string: logprob} with its own entry added, and where its string begins in the
+    text (the token strings' lengths summed, as vLLM does)."""
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None  # the token string's UTF-8 (vLLM's: U+FFFD's bytes for a partial character)
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob, in prompt_logprobs: {token id: PromptLogprob} per prompt position (None for the first)."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
     token_ids: list[int] | None = Field(None, exclude_if=_none)  # return_token_ids (vLLM's extension)
     prompt_token_ids: list[int] | None = Field(None, exclude_if=_none)
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_none)  # vLLM's extension
 
 
 class CompletionResponse(BaseModel):
@@ -354,7 +412,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     token_ids: list[int] | None = Field(None, exclude_if=_none)
     prompt_token_ids: list[int] | None = Field(None, exclude_if=_none)
@@ -367,12 +425,13 @@ class ChatResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_none)  # vLLM's extension (one prompt)
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     token_ids: list[int] | None = Field(None, exclude_if=_none)
 
@@ -384,6 +443,7 @@ class ChatChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = Field(None, exclude_if=_none)  # the last chunk's, with include_usage
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_none)  # the first chunk's, with prompt_logprobs
 
 
 class ModelCard(BaseModel):
@@ -434,19 +494,23 @@ class StreamChunks:
                           separators=(",", ":"))
         self._head = f'data: {head[:-1]},"choices":[{{"index":'
 
-    def completion(self, index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None) -> str:
-        """event(CompletionResponse(..., choices=[CompletionChoice(index, text, finish_reason, token_ids)]))."""
-        return f'{self._head}{index},"text":{encode_basestring(text)},{_choice_end(finish_reason, token_ids)}'
+    def completion(self, index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None,
+                   logprobs: BaseModel | None = None) -> str:
+        """event(CompletionResponse(..., choices=[CompletionChoice(index, text, logprobs, finish_reason,
+        token_ids)]))."""
+        end = _choice_end(finish_reason, token_ids, logprobs)
+        return f'{self._head}{index},"text":{encode_basestring(text)},{end}'
 
     def chat(self, index: int, content: str | None, finish_reason: str | None,
-             token_ids: list[int] | None = None) -> str:
-        """event(ChatChunk(..., choices=[ChatChunkChoice(index, DeltaMessage(content=content), finish_reason,
-        token_ids)]))."""
+             token_ids: list[int] | None = None, logprobs: BaseModel | None = None) -> str:
+        """event(ChatChunk(..., choices=[ChatChunkChoice(index, DeltaMessage(content=content), logprobs,
+        finish_reason, token_ids)]))."""
         delta = "{}" if content is None else f'{{"content":{encode_basestring(content)}}}'
-        return f'{self._head}{index},"delta":{delta},{_choice_end(finish_reason, token_ids)}'
+        return f'{self._head}{index},"delta":{delta},{_choice_end(finish_reason, token_ids, logprobs)}'
 
 
-def _choice_end(finish_reason: str | None, token_ids: list[int] | None) -> str:
+def _choice_end(finish_reason: str | None, token_ids: list[int] | None, logprobs: BaseModel | None = None) -> str:
     """A streamed choice's last fields (logprobs, finish_reason, token_ids when given) and the event's end."""
     ids = "" if token_ids is None else f',"token_ids":[{",".join(map(str, token_ids))}]'
-    return f'"logprobs":null,"finish_reason":{_FINISH[finish_reason]}{ids}}}]}}\n\n'
+    encoded = "null" if logprobs is None else logprobs.model_dump_json()
+    return f'"logprobs":{encoded},"finish_reason":{_FINISH[finish_reason]}{ids}}}]}}\n\n'

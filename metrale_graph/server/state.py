@@ -14,10 +14,11 @@ import hmac
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import bad_request, short, unauthorized, unknown_model, warming_up
 from .limits import TokenBound
+from .logprobs import TokenStrings
 from .metrics import ServerMetrics
 from .protocol import ModelCard, SamplingFields
 from .reply import ReplyParsers
@@ -27,6 +28,10 @@ from .reply import ReplyParsers
 TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt",
                                 "continue_final_message", "return_dict", "return_tensors", "tokenizer_kwargs",
                                 "chat_template", "tools"})
+
+
+# the request fields that go to Engine.submit as sampling controls of the same name, when set
+CONTROLS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,8 @@ class Sampling:
     seed: int | None
     stop_token_ids: frozenset
     stop: tuple[str, ...]
+    controls: dict = field(default_factory=dict)  # submit's sampling controls (logprobs, penalties, ...) set
+    include_stop_str_in_output: bool = False
 
 
 def check_text(value, name: str, param: str) -> None:
@@ -70,6 +77,7 @@ class ServerState:
         # how chat replies are read: reasoning and tool calls (reply.py; "auto": from the chat template)
         self.replies = ReplyParsers.of(getattr(self.tokenizer, "chat_template", None), tool_call_parser,
                                        reasoning_parser)
+        self.token_strings = TokenStrings(self.tokenizer)  # logprobs' token strings, cached
         self.max_context = engine.max_context
         self.vocab_size = engine.model.config.vocab_size
         self.token_bound = TokenBound(self.tokenizer)
@@ -96,12 +104,15 @@ class ServerState:
             raise unknown_model(body.model, self.model_name)
         if not self.ready.is_set():
             raise warming_up()
-        field = body.unsupported()
-        if field is not None:
-            neutral = [v for v in body.neutral().get(field, (None,)) if v is not None]
+        name = body.unsupported()
+        if name is not None:
+            neutral = [v for v in body.neutral().get(name, (None,)) if v is not None]
             unset = "leave it unset" + (f" (or {' / '.join(map(json.dumps, neutral))})" if neutral else "")
-            raise bad_request(f"{field} is not supported by this server (got {short(getattr(body, field))}): {unset}",
-                              param=field, code="unsupported_parameter")
+            raise bad_request(f"{name} is not supported by this server (got {short(getattr(body, name))}): {unset}",
+                              param=name, code="unsupported_parameter")
+        conflict = body.conflict()
+        if conflict is not None:
+            raise bad_request(conflict[1], param=conflict[0])
         if body.stream_options is not None and not body.stream:
             raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
 
@@ -197,9 +208,11 @@ class ServerState:
         self.check_fits(text, "messages (through the chat template)", "messages")
         return text, self.prompt_ids(list(tok.encode(text, add_special_tokens=False)), "messages")
 
-    def sampling(self, body: SamplingFields, max_new_tokens: int | None) -> Sampling:
+    def sampling(self, body: SamplingFields, max_new_tokens: int | None, logprobs: int | None = None,
+                 prompt_logprobs: int | None = None) -> Sampling:
         """The engine arguments of `body`: stop token ids are the request's added to the model's eos
-        (only the request's with ignore_eos); max_new_tokens None runs up to the context."""
+        (only the request's with ignore_eos); max_new_tokens None runs up to the context; logprobs /
+        prompt_logprobs: the top N the endpoint wants per new / prompt token (None: none)."""
         stops = frozenset(body.stop_token_ids or ())
         bad = sorted(t for t in stops if t >= self.vocab_size)
         if bad:
@@ -221,8 +234,15 @@ class ServerState:
             raise bad_request(f"stop: a stop string of {longest} characters can never match: this model generates at "
                               f"most {self.max_context - 1} tokens, which decode to at most {most} characters",
                               param="stop")
+        controls = {name: getattr(body, name) for name in CONTROLS if getattr(body, name) is not None}
+        if body.logit_bias:
+            controls["logit_bias"] = _token_keys(body.logit_bias)
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None:
+                controls[name] = value
         return Sampling(max_new_tokens if max_new_tokens is not None else self.max_context, body.temperature,
-                        max(body.top_k, 0), body.top_p, body.seed, stops, stop)
+                        max(body.top_k, 0), body.top_p, body.seed, stops, stop, controls,
+                        bool(body.include_stop_str_in_output))
 
     def check_api_key(self, authorization: str | None) -> None:
         """401 unless `authorization` (the request's header) is 'Bearer <the key>' (no key: all pass)."""
@@ -231,3 +251,15 @@ class ServerState:
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
             raise unauthorized()
+
+
+def _token_keys(logit_bias: dict[str, float]) -> dict[int, float]:
+    """logit_bias with its JSON object keys as token ids (the engine checks them against the vocabulary); 400
+    naming logit_bias for a key that is not a number."""
+    out = {}
+    for key, bias in logit_bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise bad_request(f"logit_bias: {key!r} is not a token id (its keys are token ids, as strings of digits)",
+                              param="logit_bias")
+        out[int(key)] = bias
+    return out

@@ -1,0 +1,89 @@
+"""The engine's TokenLogprobs in the wire formats: OpenAI's completions (`tokens`, `token_logprobs`,
+`top_logprobs`, `text_offset`) and chat (`logprobs.content[{token, logprob, bytes, top_logprobs}]`) formats, and
+vLLM's `prompt_logprobs` ({token id: {logprob, rank, decoded_token}} per prompt position).
+
+Token strings are vLLM's: `tokenizer.decode([token_id])` of each token alone, special tokens kept, so a token
+that ends inside a UTF-8 character is U+FFFD (and its chat `bytes` U+FFFD's three, as vLLM writes them);
+without a tokenizer, "token_id:N" (vLLM's return_tokens_as_token_ids). A logprob of -inf is written -9999.0
+(JSON has no infinity; vLLM's value). The values are the raw distribution's (metrale_graph/logprobs.py).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..logprobs import TokenLogprobs
+from .protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs, TopLogprob
+
+LOWEST = -9999.0  # what a logprob of -inf is written as
+
+
+def _value(logprob: float) -> float:
+    return max(logprob, LOWEST)
+
+
+class TokenStrings:
+    """Each token id's string, decoded once and kept (a server sees the same few thousand tokens again and
+    again). Used by the event loop only."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self._strings = tokenizer, {}
+
+    def __call__(self, token_id: int) -> str:
+        string = self._strings.get(token_id)
+        if string is None:
+            string = (f"token_id:{token_id}" if self._tokenizer is None
+                      else self._tokenizer.decode([token_id]))
+            self._strings[token_id] = string
+        return string
+
+
+def completion_logprobs(strings: TokenStrings, token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None],
+                        top_n: int, offset: int = 0) -> CompletionLogprobs:
+    """OpenAI's completions logprobs of `token_ids` (entries[i]: token i's, None for a prompt's first token), each
+    position's top `top_n` and the token itself; offsets from `offset` (the text before these tokens)."""
+    out = CompletionLogprobs()
+    for token, entry in zip(token_ids, entries):
+        string = strings(token)
+        out.tokens.append(string)
+        out.text_offset.append(offset)
+        offset += len(string)
+        if entry is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(_value(entry.logprob))
+        top = {strings(t): _value(v) for t, v in entry.top[:top_n]}
+        top.setdefault(string, _value(entry.logprob))
+        out.top_logprobs.append(top)
+    return out
+
+
+def chat_logprobs(strings: TokenStrings, token_ids: Sequence[int], entries: Sequence[TokenLogprobs],
+                  top_n: int) -> ChatLogprobs:
+    """OpenAI's chat logprobs of `token_ids`: each token's string, logprob and bytes, and its position's top
+    `top_n`."""
+    return ChatLogprobs(content=[
+        ChatTokenLogprob(**_top(strings(token), entry.logprob),
+                         top_logprobs=[TopLogprob(**_top(strings(t), v)) for t, v in entry.top[:top_n]])
+        for token, entry in zip(token_ids, entries)])
+
+
+def _top(string: str, logprob: float) -> dict:
+    return {"token": string, "logprob": _value(logprob), "bytes": list(string.encode("utf-8", errors="replace"))}
+
+
+def prompt_logprobs(strings: TokenStrings, prompt: Sequence[int], entries: Sequence[TokenLogprobs | None],
+                    top_n: int) -> PromptLogprobs:
+    """vLLM's prompt_logprobs: per prompt position None (the first) or {token id: PromptLogprob}, the prompt's
+    own token first, then the top `top_n` (most likely first, rank 1 up)."""
+    out: PromptLogprobs = []
+    for token, entry in zip(prompt, entries):
+        if entry is None:
+            out.append(None)
+            continue
+        position = {str(t): PromptLogprob(logprob=_value(v), rank=rank, decoded_token=strings(t))
+                    for rank, (t, v) in enumerate(entry.top[:top_n], start=1)}
+        own = PromptLogprob(logprob=_value(entry.logprob), rank=entry.rank, decoded_token=strings(token))
+        out.append({str(token): own, **{k: v for k, v in position.items() if k != str(token)}})
+    return out

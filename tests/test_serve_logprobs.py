@@ -1,0 +1,313 @@
+"""Logprobs and the sampling controls through the OpenAI-compatible server: a real process (tools/serve.py on
+127.0.0.1, a free port, started once for the module, prefix caching on) on a tiny fp32 checkpoint with a byte-level
+BPE tokenizer, called with the official `openai` client, httpx and lm-eval's `local-completions` model.
+
+The reference is the same checkpoint in this process: log_softmax of model.prefill's logits, fed one token at a
+time (tests/sampling_reference.py). Completions' logprobs (whole and streamed), chat's, echo with max_tokens 0
+(the prompt's logprobs, as lm-eval asks) and vLLM's prompt_logprobs equal it within 1e-4; they are the raw
+distribution's whatever the request's temperature and penalties; greedy decoding with each control equals the
+reference decode loop applying that control's definition; include_stop_str_in_output keeps the stop string; bad
+values are 400s naming their field; lm-eval runs a loglikelihood task and a generate_until task over local data
+(no hub download) and its loglikelihoods equal ours."""
+
+import json
+import math
+
+import httpx
+import openai
+import pytest
+import torch
+
+from metrale_graph import HybridModel, Stream
+from metrale_graph.sampling import check_params
+from sampling_reference import reference_decode
+from server_process import running_server
+from tokenizer_fixture import tiny_checkpoint
+
+NAME = "tiny-logprobs"
+MAX_CONTEXT = 256
+TIMEOUT = 120
+TOL = 1e-4
+PROMPT = "The quick brown fox jumps over the lazy dog. Hello"
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    flags = ["--served-model-name", NAME, "--num-slots", "4", "--max-context", str(MAX_CONTEXT), "--token-budget",
+             "16", "--prefix-cache"]  # a budget of 16: PROMPT's 23 tokens are prefilled in two chunks
+    with running_server(checkpoint, tmp_path_factory.mktemp("server"), flags, TIMEOUT) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return HybridModel.from_pretrained(checkpoint, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(checkpoint)
+
+
+def log_softmax_after(model, tokens: list[int]) -> list[torch.Tensor]:
+    """log_softmax of the model's logits after each of `tokens` (fp32 [vocab] each), one token fed at a time."""
+    cache = model.new_cache(1, MAX_CONTEXT // 16, 16, MAX_CONTEXT)
+    return [torch.log_softmax(model.prefill(cache, [Stream(0, [t])]).float(), -1)[0] for t in tokens]
+
+
+def assert_top(top: dict, row: torch.Tensor, n: int, strings, token: int):
+    """A completions top_logprobs dict: the n most likely tokens' strings and the token's own, with their values."""
+    want = {strings(t): float(row[t]) for t in row.topk(n).indices.tolist()}
+    want.setdefault(strings(token), float(row[token]))
+    assert top.keys() == want.keys()
+    assert all(abs(top[k] - want[k]) < TOL for k in want), (top, want)
+
+
+def test_completion_logprobs_equal_the_models_log_softmax(client, model, tokenizer):
+    """logprobs: 3 of greedy and of sampled-with-penalties completions: each new token's logprob and top 3 are
+    log_softmax of the raw logits (the penalties and the temperature change the tokens, not the values); tokens are
+    decode([id]); text_offset sums the token strings; streamed, the same values."""
+    strings = lambda t: tokenizer.decode([t])  # noqa: E731
+    prompt = tokenizer.encode(PROMPT)
+    for kw in (dict(temperature=0), dict(temperature=1.5, seed=3, presence_penalty=1.0, frequency_penalty=0.5,
+                                         extra={"repetition_penalty": 1.3, "min_p": 0.01})):
+        extra = {"return_token_ids": True, "ignore_eos": True, **kw.pop("extra", {})}
+        out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=6, logprobs=3, extra_body=extra, **kw)
+        choice = out.choices[0]
+        ids, lp = choice.token_ids, choice.logprobs
+        rows = log_softmax_after(model, prompt + ids)[len(prompt) - 1:]
+        assert lp.tokens == [strings(t) for t in ids]
+        assert lp.text_offset == [sum(len(strings(t)) for t in ids[:i]) for i in range(len(ids))]
+        for i, t in enumerate(ids):
+            assert abs(lp.token_logprobs[i] - float(rows[i][t])) < TOL, i
+            assert_top(lp.top_logprobs[i], rows[i], 3, strings, t)
+        stream = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=6, logprobs=3, stream=True,
+                                           extra_body=extra, **kw)
+        streamed = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+        assert sum((s.tokens for s in streamed), []) == lp.tokens
+        values = sum((s.token_logprobs for s in streamed), [])
+        assert all(abs(a - b) < TOL for a, b in zip(values, lp.token_logprobs)) and len(values) == len(ids)
+        assert sum((s.top_logprobs for s in streamed), []) == pytest.approx(lp.top_logprobs, abs=TOL)
+
+
+def test_chat_logprobs_equal_the_models_log_softmax(client, model, tokenizer):
+    """Chat's logprobs: true, top_logprobs: 4, whole and streamed: content[i] is token i's string, logprob, bytes
+    and its position's top 4, equal to log_softmax of the raw logits."""
+    messages = [{"role": "user", "content": "Hello world! How are you today?"}]
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                              add_special_tokens=False)
+    out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=5, logprobs=True, top_logprobs=4,
+                                         temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+    ids, content = out.choices[0].token_ids, out.choices[0].logprobs.content
+    rows = log_softmax_after(model, prompt + ids)[len(prompt) - 1:]
+    assert len(content) == len(ids) == 5
+    for i, (t, entry) in enumerate(zip(ids, content)):
+        assert entry.token == tokenizer.decode([t]) and entry.bytes == list(entry.token.encode("utf-8"))
+        assert abs(entry.logprob - float(rows[i][t])) < TOL
+        top = rows[i].topk(4)
+        assert [e.token for e in entry.top_logprobs] == [tokenizer.decode([k]) for k in top.indices.tolist()]
+        assert [e.logprob for e in entry.top_logprobs] == pytest.approx(top.values.tolist(), abs=TOL)
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=5, logprobs=True,
+                                            top_logprobs=4, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.top_logprobs) for e in streamed] == [(e.token, e.top_logprobs) for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=TOL)
+
+
+def test_echo_with_no_new_tokens_gives_the_prompts_logprobs(client, model, tokenizer):
+    """echo, max_tokens 0, logprobs 1 (what lm-eval sends to score a text), for a string and token ids, whole and
+    streamed: the text is the prompt, token_logprobs are None then each prompt token's logprob, no token is
+    generated; echo with max_tokens 2 appends the new tokens after the prompt's."""
+    prompt = tokenizer.encode(PROMPT)
+    rows = log_softmax_after(model, prompt)
+    want = [None] + [float(rows[i][t]) for i, t in enumerate(prompt[1:])]
+    for sent in (PROMPT, prompt):
+        out = client.completions.create(model=NAME, prompt=sent, max_tokens=0, echo=True, logprobs=1)
+        choice = out.choices[0]
+        assert choice.text == PROMPT and out.usage.completion_tokens == 0 and choice.finish_reason == "length"
+        got = choice.logprobs.token_logprobs
+        assert got[0] is None and choice.logprobs.top_logprobs[0] is None and len(got) == len(prompt)
+        assert max(abs(a - b) for a, b in zip(got[1:], want[1:])) < TOL
+        assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in prompt]
+        for i, t in enumerate(prompt[1:]):
+            assert_top(choice.logprobs.top_logprobs[i + 1], rows[i], 1, lambda k: tokenizer.decode([k]), t)
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == PROMPT
+    assert sum((c.choices[0].logprobs.token_logprobs for c in chunks), []) == pytest.approx(want, abs=TOL)
+    both = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2, echo=True, logprobs=0, temperature=0,
+                                     extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0]
+    assert both.text.startswith(PROMPT) and len(both.logprobs.token_logprobs) == len(prompt) + 2
+    assert both.logprobs.token_logprobs[:len(prompt)] == pytest.approx(want, abs=TOL)
+
+
+def test_vllm_prompt_logprobs(server, model, tokenizer):
+    """vLLM's prompt_logprobs: 2 on completions (and its choice's first streamed event) and chat: per prompt
+    position None first, then {token id: {logprob, rank, decoded_token}}, the prompt's token first."""
+    prompt = tokenizer.encode(PROMPT)
+    rows = log_softmax_after(model, prompt)
+    for stream in (False, True):
+        r = httpx.post(server.url + "/v1/completions", timeout=TIMEOUT, json={
+            "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2, "stream": stream})
+        if stream:
+            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            got = events[0]["choices"][0]["prompt_logprobs"]
+            assert all("prompt_logprobs" not in e["choices"][0] for e in events[1:])
+        else:
+            got = r.json()["choices"][0]["prompt_logprobs"]
+        assert got[0] is None and len(got) == len(prompt)
+        for i, t in enumerate(prompt[1:]):
+            position, row = got[i + 1], rows[i]
+            assert list(position)[0] == str(t)
+            assert abs(position[str(t)]["logprob"] - float(row[t])) < TOL
+            assert position[str(t)]["rank"] == int((row >= row[t]).sum())
+            assert position[str(t)]["decoded_token"] == tokenizer.decode([t])
+            for k in row.topk(2).indices.tolist():
+                assert abs(position[str(k)]["logprob"] - float(row[k])) < TOL
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=TIMEOUT, json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0})
+    assert r.status_code == 200 and r.json()["prompt_logprobs"][0] is None, r.text
+
+
+CONTROLS = [dict(logit_bias={"7": 3.0}, presence_penalty=0.4), dict(logit_bias={"7": 3.0}, frequency_penalty=0.3),
+            dict(logit_bias={"7": 3.0, "9": 2.9}, repetition_penalty=2.0), dict(logit_bias={"7": 3.0}),
+            dict(min_tokens=3)]
+
+
+@pytest.mark.parametrize("controls", CONTROLS, ids=lambda c: "-".join(c))
+def test_each_control_changes_greedy_decoding_by_its_definition(client, model, tokenizer, controls):
+    """Greedy completions with a control (sent as the openai client sends them: OpenAI's as arguments, vLLM's in
+    extra_body) equal the reference decode loop applying that control's definition to model.prefill's logits, and
+    differ from plain greedy decoding."""
+    prompt = tokenizer.encode(PROMPT)
+    plain = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0,
+                                      extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0].token_ids
+    openai_side = {k: v for k, v in controls.items() if k in ("logit_bias", "presence_penalty", "frequency_penalty")}
+    extra = {k: v for k, v in controls.items() if k not in openai_side}
+    stops = frozenset(plain[:2]) if "min_tokens" in controls else frozenset()
+    extra.update(return_token_ids=True, ignore_eos=True, stop_token_ids=sorted(stops))
+    got = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0, extra_body=extra,
+                                    **openai_side).choices[0].token_ids
+    bias = {int(k): v for k, v in controls.get("logit_bias", {}).items()}
+    params = check_params(0.0, 0, 1.0, **{**controls, "logit_bias": bias})
+    want, _ = reference_decode(model, prompt, 8, params, stops)
+    stop_at = next((i for i, t in enumerate(want) if t in stops), None)
+    want = want if stop_at is None else want[:stop_at + 1]
+    assert got == want != plain
+
+
+def test_min_p_of_one_samples_the_most_likely_token(client):
+    """min_p 1 keeps only the most likely token: any seed at any temperature gives the greedy tokens."""
+    kw = dict(model=NAME, prompt=PROMPT, max_tokens=6, extra_body={"ignore_eos": True})
+    greedy = client.completions.create(temperature=0, **kw).choices[0].text
+    sampled = client.completions.create(temperature=2.0, seed=5, **kw).choices[0].text
+    kw["extra_body"] = {"ignore_eos": True, "min_p": 1.0}
+    assert [client.completions.create(temperature=2.0, seed=s, **kw).choices[0].text for s in (5, 6)] == [greedy] * 2
+    assert sampled != greedy
+
+
+def test_include_stop_str_in_output(client):
+    """A stop string from the middle of the greedy text ends it: before the stop string, or after it with vLLM's
+    include_stop_str_in_output, whole and streamed."""
+    kw = dict(model=NAME, prompt=PROMPT, max_tokens=12, temperature=0)
+    text = client.completions.create(extra_body={"ignore_eos": True}, **kw).choices[0].text
+    stop = text[4:6]
+    assert stop and text.find(stop) == 4, text
+    cut = client.completions.create(stop=[stop], extra_body={"ignore_eos": True}, **kw).choices[0]
+    kept = client.completions.create(stop=[stop], extra_body={"ignore_eos": True, "include_stop_str_in_output": True},
+                                     **kw).choices[0]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        stop=[stop], stream=True, extra_body={"ignore_eos": True, "include_stop_str_in_output": True}, **kw))
+    assert (cut.text, cut.finish_reason) == (text[:4], "stop")
+    assert (kept.text, kept.finish_reason) == (text[:6], "stop") and streamed == text[:6]
+
+
+BAD = [  # (path, body, param)
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),  # chat's is a boolean
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/completions", {"prompt_logprobs": -1}, "prompt_logprobs"),
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens"),  # without echo
+    ("/v1/completions", {"logit_bias": {"abc": 1}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"100000": 1}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"frequency_penalty": "1"}, "frequency_penalty"),
+    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"min_p": 1.5}, "min_p"),
+    ("/v1/completions", {"min_tokens": 5, "max_tokens": 3}, "min_tokens"),
+    ("/v1/completions", {"min_tokens": -1}, "min_tokens"),
+    ("/v1/completions", {"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+]
+
+
+@pytest.mark.parametrize("path, body, param", BAD, ids=[f"{p}-{i}" for i, (_, _, p) in enumerate(BAD)])
+def test_bad_values_are_400_naming_the_field(server, path, body, param):
+    base = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    r = httpx.post(server.url + path, json={**base, "max_tokens": 1, **body}, timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
+# lm-eval ----------------------------------------------------------------------------------------------------------
+DOCS = [{"question": "The quick brown fox", "choices": ["jumps over", "sleeps", "runs away"], "answer": 0},
+        {"question": "Hello world! How are", "choices": ["you today?", "they"], "answer": 0},
+        {"question": "東京は日本の", "choices": ["首都です。", "天気"], "answer": 0}]
+TASKS = {
+    "tiny_ll": "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
+               "doc_to_target: answer\nmetric_list:\n  - metric: acc\n",
+    "tiny_gen": "output_type: generate_until\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{choices[0]}}'\n"
+                "generation_kwargs:\n  until: ['\\n\\n']\n  max_gen_toks: 5\nmetric_list:\n  - metric: exact_match\n",
+}
+
+
+def test_lm_eval_scores_through_the_server(server, model, checkpoint, tmp_path, monkeypatch):
+    """lm-eval's local-completions model on the server, with local task files over a local jsonl (offline): a
+    loglikelihood (multiple choice) task and a generate_until task run to the end, and every loglikelihood it
+    got equals the sum of log_softmax of model.prefill's logits over the continuation's tokens."""
+    pytest.importorskip("lm_eval")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    import lm_eval
+    from lm_eval.api.registry import get_model
+    from lm_eval.tasks import TaskManager
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in DOCS))
+    for name, body in TASKS.items():
+        (tmp_path / f"{name}.yaml").write_text(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                              f"    test: {data}\ntest_split: test\n{body}")
+    lm = get_model("local-completions")(base_url=server.url + "/v1/completions", model=NAME, tokenizer=checkpoint,
+                                        tokenizer_backend="huggingface", max_length=MAX_CONTEXT, max_retries=1)
+    out = lm_eval.simple_evaluate(model=lm, tasks=list(TASKS), task_manager=TaskManager(include_path=str(tmp_path)),
+                                  log_samples=True)
+    assert out["results"]["tiny_ll"]["sample_len"] == out["results"]["tiny_gen"]["sample_len"] == len(DOCS)
+    assert 0.0 <= out["results"]["tiny_ll"]["acc,none"] <= 1.0
+    scored = [(s["arguments"][k], s["resps"][k][0][0]) for s in out["samples"]["tiny_ll"]
+              for k in range(len(s["arguments"]))]
+    assert len(scored) == sum(len(d["choices"]) for d in DOCS)
+    for (context, continuation), got in scored:
+        context_ids, continuation_ids = lm._encode_pair(context, continuation)
+        tokens = context_ids + continuation_ids
+        rows = log_softmax_after(model, tokens[:-1])[len(context_ids) - 1:]
+        want = sum(float(row[t]) for row, t in zip(rows, continuation_ids))
+        assert math.isfinite(got) and abs(got - want) < TOL * len(continuation_ids), (context, continuation)
+    generated = [s["resps"][0][0] for s in out["samples"]["tiny_gen"]]
+    assert len(generated) == len(DOCS) and all(isinstance(g, str) for g in generated)
