@@ -260,3 +260,61 @@ def test_stop_strings_with_include_and_min_tokens():
     assert run("abxabyy", min_tokens=2) == ("abx", True)  # the first "ab" ends at token 2: too early
     assert run("abxabyy", min_tokens=2, include_stop=True) == ("abxab", True)
     assert run("xab", min_tokens=3) == ("xa", False)  # "ab" ends at token 3: not a stop; its last character held
+
+
+# on a GPU -----------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_sample_reads_nothing_back_on_cuda():
+    """sample() with every control (token bitmask, logit_bias, min_tokens, penalties starting and counting, min_p,
+    top-k / top-p, logprobs) never synchronizes with the host: torch's sync debug mode raises on any read of the
+    device (an .item(), a .tolist(), a pageable copy) over three steps, one of them starting new requests."""
+    dev, vocab = torch.device("cuda"), 1000
+    state = PenaltyState(8, vocab, dev)
+    params = [check_params(0.0, 0, 1.0, presence_penalty=0.5, frequency_penalty=0.2, logprobs=5),
+              check_params(0.9, 40, 0.9, repetition_penalty=1.3, min_p=0.05, logit_bias={3: 2.0}, logprobs=0),
+              check_params(1.1, 0, 1.0, min_tokens=2), check_params(0.0, 0, 1.0)]
+    bitmask = torch.full((4, -(-vocab // 32)), -1, dtype=torch.int32, device=dev)
+    logits = torch.randn(4, vocab, device=dev, dtype=torch.bfloat16)
+
+    def rows(generated, seed):
+        return [SampleRow(p, new_generator(seed + k), 2 * k, generated, [1, 2, 3 + k], frozenset({7}))
+                for k, p in enumerate(params)]
+
+    sample(logits, rows(0, 0), state, bitmask).to_host()  # kernels loaded, pinned memory pooled
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        results = [sample(logits, rows(g, 10 * g), state, bitmask) for g in (0, 1, 2)]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    tokens, entries = results[-1].to_host()
+    assert len(tokens) == 4 and entries[0] is not None and len(entries[0].top) == 5 and entries[3] is None
+
+
+@pytest.mark.gpu
+def test_graph_engine_logprobs_and_controls_equal_the_eager_engine():
+    """On CUDA with every step a graph replay (prompt chunks asking for prompt logprobs run eagerly beside it): greedy
+    tokens with penalties, logit_bias and min_tokens equal the eager engine's, and logprobs and prompt logprobs
+    equal log_softmax of model.prefill's logits (fp32)."""
+    from metrale_graph import PRESETS, Stream
+
+    cfg = PRESETS["qwen3.5-9b"].replace(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2,
+                                        linear_num_value_heads=4)
+    model = HybridModel.from_preset(cfg, dtype=torch.float32, device="cuda", seed=5)
+    prompts = [random_tokens(n, seed=70 + n, vocab=cfg.vocab_size) for n in (5, 37, 100)]
+    opts = dict(num_slots=4, max_context=256, token_budget=64, batch_sizes=[4], token_counts=[4, 64])
+    kw = dict(max_new_tokens=10, logprobs=4, prompt_logprobs=2, presence_penalty=0.5, frequency_penalty=0.3,
+              repetition_penalty=1.2, logit_bias={7: 1.0}, min_tokens=2, stop_token_ids=[11])
+    with Engine(model, **opts) as graphs, Engine(model, compile=False, **opts) as eager:
+        assert graphs.runner is not None and graphs.runner.use_graphs
+        got, want = graphs.generate(prompts, **kw), eager.generate(prompts, **kw)
+    for prompt, a, b in zip(prompts, got, want):
+        assert a.token_ids == b.token_ids
+        cache = model.new_cache(1, 16, 16, 256)
+        rows = [torch.log_softmax(model.prefill(cache, [Stream(0, [t])]).float(), -1)[0].cpu()
+                for t in prompt + a.token_ids[:-1]]
+        values = [e.logprob for e in a.prompt_logprobs[1:] + a.logprobs]
+        assert a.prompt_logprobs[0] is None and len(values) == len(rows)
+        for i, (t, v) in enumerate(zip(prompt[1:] + a.token_ids, values)):
+            assert abs(v - float(rows[i][t])) < 1e-4, i
