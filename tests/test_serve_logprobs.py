@@ -284,6 +284,7 @@ def test_lm_eval_scores_through_the_server(server, model, checkpoint, tmp_path, 
     pytest.importorskip("lm_eval")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))  # (read when datasets is first imported)
     monkeypatch.chdir(tmp_path)
     import lm_eval
     from lm_eval.api.registry import get_model
