@@ -349,6 +349,21 @@ def test_bench_serve_runs_against_the_server(server, capsys, tmp_path):
     assert json.loads((tmp_path / "bench.json").read_text()) == record
 
 
+def test_bench_serve_cookbook_levels_beside_sglang(server, capsys, monkeypatch):
+    """--cookbook runs one level per concurrency (here the workload shrunk to this server's context) and prints
+    each level's TPOT beside SGLang's published figure."""
+    from metrale_graph.tools import bench_serve
+
+    monkeypatch.setattr(bench_serve, "COOKBOOK", {**bench_serve.COOKBOOK, "input_len": 6, "output_len": 3,
+                                                  "concurrency": (1, 16)})
+    bench_serve.main(["--base-url", server.url, "--api-key", KEY, "--cookbook"])
+    out = capsys.readouterr().out
+    record = json.loads(out.strip().splitlines()[-1])
+    assert record["workload"] == "cookbook" and [r["max_concurrency"] for r in record["levels"]] == [1, 16]
+    assert [(r["completed"], r["output_tokens"]) for r in record["levels"]] == [(4, 12), (32, 96)]
+    assert record["sglang_tpot_ms"]["bf16"]["1"] == 2.23 and "2.23 / 1.98" in out and "8.13 / 6.2" in out
+
+
 def test_warming_up_app_answers_503(engine):
     """In-process: an app built before its engine is warm answers /health and generation requests with 503."""
     from metrale_graph.server import build_app

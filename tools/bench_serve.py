@@ -13,6 +13,10 @@ runs to its output length, and return_token_ids so that every streamed token is 
 the model has no tokenizer. TTFT is from sending a request to its first token; ITL is the gap
 between two events that carry tokens; TPOT is a request's (latency - TTFT) / (tokens - 1). One
 request of 1 token is sent first (not timed) to check the server and the model name.
+
+`--cookbook` runs SGLang's Qwen3.6 cookbook workload instead (8192 prompt tokens, 1024 new, at concurrency
+1, 16 and 64, 2 x concurrency requests each, at least 4) and prints each level's TPOT beside SGLang's
+published one-H200 figures for Qwen3.6-35B-A3B (MTP speculation on), so ours stand beside theirs.
 """
 
 from __future__ import annotations
@@ -52,6 +56,11 @@ def rate(text: str) -> float:
     return value
 
 
+# SGLang's Qwen3.6 cookbook, one H200, 8192 in / 1024 out, MTP on: TPOT ms of Qwen3.6-35B-A3B by concurrency
+COOKBOOK = {"input_len": 8192, "output_len": 1024, "concurrency": (1, 16, 64),
+            "sglang_tpot_ms": {"bf16": {1: 2.23, 16: 8.13}, "fp8": {1: 1.98, 16: 6.20}}}
+
+
 def _parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m metrale_graph.tools.bench_serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -73,6 +82,9 @@ def _parse_args(argv):
                    help="prompt token ids are drawn from [0, N) (default: the server's vocab_size in /v1/models)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts, lengths and arrival times")
     p.add_argument("--timeout", type=positive_int, default=600, help="seconds one request may take (default 600)")
+    p.add_argument("--cookbook", action="store_true",
+                   help="SGLang's cookbook workload (8192 in / 1024 out at concurrency 1, 16, 64) beside its published "
+                        "TPOT; replaces --input-len / --output-len / --max-concurrency / --num-prompts / --request-rate")
     p.add_argument("--json", type=output_file, default=None, help="also write the JSON record to this file")
     return p, p.parse_args(argv)
 
@@ -270,11 +282,32 @@ def main(argv=None) -> None:
     args.base_url = args.base_url.rstrip("/")
     if args.base_url.endswith("/v1"):
         args.base_url = args.base_url[:-3]
-    record = {**asyncio.run(_run(args)), **provenance(argv)}
-    _print(record)
+    if args.cookbook:
+        record = {**_cookbook(args), **provenance(argv)}
+    else:
+        record = {**asyncio.run(_run(args)), **provenance(argv)}
+        _print(record)
     print_json(record)
     if args.json:
         write_whole(args.json, json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+
+def _cookbook(args) -> dict:
+    """The cookbook workload's levels, each a _run of its own; a table of TPOT beside SGLang's."""
+    length = COOKBOOK["input_len"], COOKBOOK["output_len"]
+    args.input_len, args.output_len, args.request_rate = (length[0],) * 2, (length[1],) * 2, float("inf")
+    levels = []
+    for c in COOKBOOK["concurrency"]:
+        args.max_concurrency, args.num_prompts = c, max(4, 2 * c)
+        levels.append(asyncio.run(_run(args)))
+    theirs = COOKBOOK["sglang_tpot_ms"]
+    print_table(["concurrency", "requests", "output tok/s", "TPOT p50 ms", "TTFT p50 ms", "SGLang TPOT ms (bf16 / fp8)"],
+                [[r["max_concurrency"], f"{r['completed']} / {r['num_prompts']}", r["output_tokens_per_s"], r["tpot_p50_ms"],
+                  r["ttft_p50_ms"], " / ".join(str(theirs[k].get(r["max_concurrency"], "-")) for k in ("bf16", "fp8"))]
+                 for r in levels])
+    return {"tool": "bench_serve", "workload": "cookbook", "base_url": args.base_url, "model": levels[0]["model"],
+            "levels": levels, "sglang_tpot_ms": {k: {str(c): v for c, v in d.items()} for k, d in theirs.items()},
+            "sglang_source": "SGLang's Qwen3.6 cookbook, one H200, Qwen3.6-35B-A3B, MTP on"}
 
 
 def cli() -> None:
