@@ -35,15 +35,15 @@ from __future__ import annotations
 
 import torch
 
+from . import numbers
+
 NEG_INF = float("-inf")
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`values` (numbers, or equal-length lists of them) as a tensor on `device`; on CUDA through pinned memory
-    and a non-blocking copy, so the host does not wait for the device's queue to drain."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    """`values` (numbers, or equal-length lists of them) as a tensor of `dtype` on `device`, without waiting for
+    the device (numbers.to_device)."""
+    return numbers.to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
