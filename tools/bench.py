@@ -80,32 +80,35 @@ def bench_generate(model, hf, prompts: int = 32, prompt_len: int = 512, new_toke
 @torch.no_grad()
 def bench_decode_loop(model, streams: int, context: int = 2048, steps: int = 48, seed: int = 0) -> list[dict]:
     """The Engine's decode step in steady state, with the loop's overlap and without (loop.py; one engine,
-    the same graphs): `streams` requests with `context`-token prompts, each then decoding `steps` + 2 tokens
-    (stop tokens off), every step a graph replay. Times the steps after every request has its second token
-    (prefill and the first decode left out): wall ms per step (host work included: what a user waits for
-    per token) and the GPU-busy fraction of that window, the union of the device's kernels and copies
-    (torch.profiler, CUDA activity only) between two marker kernels the measuring thread puts in the stream
-    at the window's ends. One row per mode."""
+    the same graphs): `streams` requests with `context`-token prompts decoding (stop tokens off), every step a
+    graph replay. Times `steps` steps from the first in which every request decodes: the prompts are prefilled
+    a budget of 2048 tokens a step, so the first requests decode long before the last starts, and each request
+    asks for enough tokens to decode through the whole window (a window in which some have finished would time
+    a smaller batch). Wall ms per step (host work included: what a user waits for per token) and the GPU-busy
+    fraction of the window, the union of the device's kernels and copies (torch.profiler, CUDA activity only)
+    between two marker kernels the measuring thread puts in the stream at its ends. One row per mode."""
     from metrale_graph import Engine
 
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, model.config.vocab_size, (context,), generator=g).tolist() for _ in range(streams)]
-    engine = Engine(model, num_slots=streams, max_context=context + steps + 4, token_budget=max(2048, streams),
-                    batch_sizes=[streams], token_counts=sorted({streams, 2048}), stop_token_ids=[])
+    budget = max(2048, streams)
+    new = steps + 4 + -(-streams * context // budget)  # the first request's tokens while the others prefill, the window
+    engine = Engine(model, num_slots=streams, max_context=context + new + 1, token_budget=budget,
+                    batch_sizes=[streams], token_counts=sorted({streams, budget}), stop_token_ids=[])
     try:
         engine.warmup()
         rows = []
         for overlap in (True, False):
             engine._loop.overlap = overlap  # (between calls: no step runs)
             rows.append({"streams": streams, "context": context, "overlap": overlap,
-                         **_decode_window(engine, prompts, steps)})
+                         **_decode_window(engine, prompts, new, steps)})
         return rows
     finally:
         engine.shutdown()
 
 
-def _decode_window(engine, prompts: list[list[int]], steps: int) -> dict:
-    """bench_decode_loop's measurement of one generate call (see there)."""
+def _decode_window(engine, prompts: list[list[int]], new: int, steps: int) -> dict:
+    """bench_decode_loop's measurement of one generate call of `new` tokens a prompt (see there)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -113,18 +116,21 @@ def _decode_window(engine, prompts: list[list[int]], steps: int) -> dict:
 
     counts, marks = [0] * len(prompts), {}
 
-    def on_token(index, _token):
+    def on_token(index, _token):  # (in this thread, as each step's tokens are delivered)
         counts[index] += 1
-        if counts[index] == 2 and min(counts) >= 2 and "start" not in marks:
-            torch.cuda._sleep(1000)  # the window's first marker, behind the steps launched so far
-            marks["start"], marks["steps"] = time.perf_counter(), engine.stats().steps
+        if "start" not in marks:
+            if counts[index] == 2 and min(counts) >= 2:  # every request decodes from here
+                torch.cuda._sleep(1000)  # the window's first marker, behind the steps launched so far
+                marks["start"], marks["steps"] = time.perf_counter(), engine.stats().steps
+        elif "end" not in marks and engine.stats().steps - marks["steps"] >= steps:
+            marks["end"], marks["done"] = time.perf_counter(), engine.stats().steps - marks["steps"]
+            torch.cuda._sleep(1000)  # the last marker
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.generate(prompts, max_new_tokens=steps + 2, on_token=on_token)
+        engine.generate(prompts, max_new_tokens=new, on_token=on_token)
         torch.cuda.synchronize()
-        wall_s, done = time.perf_counter() - marks["start"], engine.stats().steps - marks["steps"]
-        torch.cuda._sleep(1000)  # the last marker
-        torch.cuda.synchronize()
+    assert "end" in marks, "the window never closed: every request finished first"
+    wall_s, done = marks["end"] - marks["start"], marks["done"]
     intervals = device_intervals(prof.events(), DeviceType.CUDA)
     spins = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                    if e.device_type == DeviceType.CUDA and "spin" in e.name)
