@@ -39,6 +39,12 @@ Semantics:
   new / prompt token's raw log-probability (log_softmax of the model's logits, before any of the above:
   vLLM's default) and the N most likely, in RequestOutput.logprobs and GenerationResult.logprobs /
   .prompt_logprobs (the first prompt token's is None).
+- Structured output (structured=, structured.py and grammar.py): {"json": schema}, {"json_object": True},
+  {"regex": ...}, {"choice": [...]} or {"grammar": EBNF} holds every request of the call to it: each token is
+  sampled under a mask of what the grammar allows next (eos only where the output may end), so a request that
+  ends with "stop" has a whole, valid output ("length" may cut it). The grammar is compiled (once per distinct
+  one, cached) in the engine's grammar worker before the request is queued; one that does not compile is a
+  ValueError (StructuredOutputError). Needs a transformers tokenizer; not with min_tokens.
 - Bad requests raise ValueError before anything is queued (numbers may be Python or numpy ones,
   prompts lists, 1-D integer tensors or numpy arrays, or strings with a tokenizer); submit raises
   EngineFullError when max_waiting requests already wait, EngineClosedError after shutdown.
@@ -55,11 +61,13 @@ import sys
 import threading
 import time
 import weakref
+from concurrent.futures import Future
 from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
 from .batch import check_token_ids, token_tensor
+from .grammar import Grammars
 from .detokenizer import StreamingText, check_stop_strings
 from .handle import (Channel, EngineBusyError, EngineClosedError, EngineFullError, Failure, GenerationResult,
                      RequestHandle, RequestOutput)
@@ -69,10 +77,12 @@ from .plan_sync import PlanBroadcast, follow
 from .sampling import check_params, check_seed, new_generator
 from .logprobs import TokenLogprobs
 from .scheduler import Request
+from .structured import StructuredOutput, StructuredOutputError, structured_output
 from .tokenizer import decode_kwargs, default_stop_ids, resolve_tokenizer
 
 __all__ = ["Engine", "EngineBusyError", "EngineClosedError", "EngineFullError", "EngineStats", "GenerationResult",
-           "RequestHandle", "RequestOutput", "TokenEvent", "TokenLogprobs", "default_grid"]
+           "RequestHandle", "RequestOutput", "StructuredOutput", "StructuredOutputError", "TokenEvent", "TokenLogprobs",
+           "default_grid"]
 
 DEFAULT_MAX_CONTEXT = 4096
 # submit / generate / stream's keyword arguments that go to sampling.check_params
@@ -203,19 +213,22 @@ class Engine:
                            if broadcast_plans and model.tp is not None else None)
         self._loop = EngineLoop(model, self.runner, self.cache, self._token, token_budget, self._broadcast, overlap)
         self._ids = itertools.count()
+        self._grammars: Grammars | None = None  # structured output's compiler, made for the first grammar
+        self._grammars_lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _close, self._loop)
 
     # public calls ------------------------------------------------------------------------------
     def submit(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop_token_ids: Sequence[int] | None = None,
                stop: str | Sequence[str] | None = None, *, include_stop_str_in_output: bool = False,
-               **controls) -> RequestHandle:
+               structured=None, **controls) -> RequestHandle:
         """Queue one request (a prompt as generate takes them) from any thread; it joins the running batch
         at the next step. Returns its RequestHandle (outputs as they come, result(), abort()). With a
         tokenizer each output carries the text its tokens add (UTF-8 safe; `stop` strings matched across
         tokens and cut, or kept with include_stop_str_in_output). `controls`: the sampling controls
         (min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens, logprobs,
-        prompt_logprobs; the module docstring). ValueError for a bad request, EngineFullError when
+        prompt_logprobs; the module docstring); `structured`: the output's grammar (module docstring). ValueError for a
+        bad request, EngineFullError when
         max_waiting requests wait, EngineClosedError after shutdown(); nothing is queued then."""
         if self.model.tp is not None and self._broadcast is None:
             raise ValueError("under tensor parallelism submit() needs Engine(..., broadcast_plans=True) (rank 0 "
@@ -228,7 +241,7 @@ class Engine:
             raise ValueError(f"include_stop_str_in_output must be True or False, got {include_stop_str_in_output!r}")
         (request,) = self._requests([prompt], max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
                                     stop=stop, text=self.tokenizer is not None, controls=controls,
-                                    include_stop=include_stop_str_in_output)
+                                    include_stop=include_stop_str_in_output, structured=structured)
         channel = Channel(1)
         request.channel = channel
         self._loop.submit([request], self.max_waiting)
@@ -236,9 +249,11 @@ class Engine:
 
     def generate(self, prompts, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop_token_ids: Sequence[int] | None = None,
-                 on_token: Callable[[int, int], None] | None = None, **controls) -> list[GenerationResult]:
+                 on_token: Callable[[int, int], None] | None = None, *, structured=None,
+                 **controls) -> list[GenerationResult]:
         """Generate for every prompt (token id lists, 1-D int tensors or numpy arrays, or strings with a
-        tokenizer); results in the prompts' order. `controls`: submit's sampling controls. The requests are queued together, in order (under
+        tokenizer); results in the prompts' order. `controls`: submit's sampling controls; `structured`: every
+        request's grammar (module docstring). The requests are queued together, in order (under
         tensor parallelism every rank then schedules them alike). `on_token(request_index, token_id)` is
         called in this thread for each new token, in the order they are sampled. If anything fails (a
         request's step, the callback, Ctrl-C) the call's other requests are aborted and their slots
@@ -248,7 +263,7 @@ class Engine:
             raise ValueError(f"on_token must be a callable (request_index, token_id) or None, got "
                              f"{type(on_token).__name__}")
         requests = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
-                                  controls=controls)
+                                  controls=controls, structured=structured)
         events = self._events(requests)
         try:
             for event in events:
@@ -260,14 +275,33 @@ class Engine:
 
     def stream(self, prompts, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None,
-               stop_token_ids: Sequence[int] | None = None, **controls) -> Iterator[TokenEvent]:
+               stop_token_ids: Sequence[int] | None = None, *, structured=None, **controls) -> Iterator[TokenEvent]:
         """generate's requests as a stream of TokenEvents, in the order tokens are sampled. The
         arguments are checked now (ValueError); the requests are queued on the first next() and run
         whether or not the stream is consumed. Once the last request has finished the stream holds
         nothing; closing it early (or dropping it) aborts its requests and frees their slots."""
         requests = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
-                                  controls=controls)
+                                  controls=controls, structured=structured)
         return self._events(requests)
+
+    def compile_grammar(self, structured) -> Future:
+        """Compile `structured`'s grammar (a dict as submit takes it, or a StructuredOutput) in the engine's grammar
+        worker, or find it compiled: a Future whose exception is a StructuredOutputError when it does not compile.
+        A request with the same grammar then finds it done (a server awaits this off its event loop before it
+        submits). StructuredOutputError now for a bad spec."""
+        spec = structured_output(structured, self.model.config.vocab_size)
+        if spec is None:
+            raise StructuredOutputError("expected a structured output, got None")
+        return self._grammar_compiler().compile(spec)
+
+    def _grammar_compiler(self) -> Grammars:
+        if self.tokenizer is None:
+            raise StructuredOutputError("structured output needs a tokenizer (Engine(model, tokenizer=...)): the "
+                                        "grammar is over its vocabulary")
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size)
+            return self._grammars
 
     def warmup(self, progress: bool = False) -> list:
         """Compile (and on CUDA capture) every bucket now rather than on first use; returns the
@@ -309,6 +343,8 @@ class Engine:
         directly). Idempotent."""
         self._loop.drain(wait_s)
         self._loop.close(timeout=timeout)
+        if self._grammars is not None:
+            self._grammars.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -350,7 +386,7 @@ class Engine:
     # checking requests -------------------------------------------------------------------------
     def _requests(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
                   stop: tuple[str, ...] = (), text: bool = False, controls: dict | None = None,
-                  include_stop: bool = False) -> list[Request]:
+                  include_stop: bool = False, structured=None) -> list[Request]:
         """Requests from generate's arguments (`controls`: the sampling controls, check_params' keywords);
         ValueError naming the first bad one."""
         self._check_not_follower("generate / stream / submit")
@@ -365,6 +401,10 @@ class Engine:
         params = self._check_controls(temperature, top_k, top_p, max_new_tokens, controls or {})
         seed = check_seed(seed)
         stops = self.stop_token_ids if stop_token_ids is None else self._check_stop_ids(stop_token_ids)
+        spec = structured_output(structured, self.model.config.vocab_size)
+        if spec is not None and params.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured output: the grammar decides where the "
+                             "output may end (it may allow nothing but a stop token)")
         ids_of = [self._prompt_ids(i, prompt) for i, prompt in enumerate(prompts)]
         check_token_ids(ids_of, self.model.config.vocab_size, what="prompt")
         requests = []
@@ -382,6 +422,10 @@ class Engine:
                 raise ValueError(f"prompt {i}: {len(ids)} tokens + {max_new} new need {need} KV blocks; the "
                                  f"cache has {self.cache.num_blocks} (raise num_blocks or lower max_new_tokens)")
             requests.append(r)
+        if spec is not None:  # the last check: the grammar compiles (waited for here, never in the engine loop)
+            compiled = self._grammar_compiler().compile(spec).result()
+            for r in requests:
+                r.grammar = self._grammars.matcher(compiled, spec, stops)
         # every check passed (on every rank alike): only now agree on a seed
         if not params.greedy and seed is None and self.model.tp is not None and self._broadcast is None:
             seed = self._shared_seed()

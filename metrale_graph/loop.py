@@ -28,6 +28,14 @@ has tokens left to sample. Each sampled request draws from its own generator onc
 samples in, so the streams are the ones of a loop without overlap (`overlap=False`: each step read
 back before the next is planned), token for token.
 
+Structured output (grammar.py): a request with a grammar samples under a token bitmask that allows what its
+grammar allows after the tokens it has taken in, so its next step's mask needs this step's token on the host.
+A step in flight that sampled such a request is therefore read back before the next step is planned: while
+any request with a grammar runs, steps do not overlap (the others' steps keep overlapping). The mask is filled
+on the host after the next step is launched, while the device runs it, and applied in `sample` on the device.
+Each token read back advances its request's grammar; one it does not allow fails the request, and a request
+without stop tokens ends ("stop") when its output is complete.
+
 Each request's output goes to its channel (handle.py), never waiting for a consumer. A request
 that ends frees its slot before its last output is delivered, so whoever sees that output finds the
 slot free.
@@ -51,6 +59,7 @@ from typing import Callable
 import torch
 
 from .batch import Stream
+from .grammar import TokenMasks
 from .handle import EngineClosedError, EngineFullError, Failure, RequestOutput, deliver, wait_for
 from .logits_processors import PenaltyState
 from .logprobs import DeviceLogprobs
@@ -75,6 +84,8 @@ class EngineStats:
     generated_tokens: int  # new tokens sampled so far
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead (prefix caching)
     prefix: dict | None = None  # the cache's prefix-caching counters (HybridCache.prefix_stats), or None
+    mask_rows: int = 0  # structured output: token masks filled so far (one per grammar request and step)
+    mask_fill_s: float = 0.0  # host seconds spent filling them
 
 
 class _Job:
@@ -129,6 +140,7 @@ class _Launched:
     ready: object  # a CUDA event recorded after those copies (None on the CPU)
     commit: Callable[[list[int]], None]  # PrefillCall.launch's commit
     prompt_tokens: int
+    grammars: bool = False  # a sampled request has a grammar: read it back before the next plan
     committed: bool = False
 
 
@@ -152,6 +164,7 @@ class EngineLoop:
         self._flip = 0
         self._inflight: _Launched | None = None  # the step launched and not read back yet (overlap)
         self.penalties = PenaltyState(cache.num_slots, model.config.vocab_size, model.device)  # sampling's
+        self.masks: TokenMasks | None = None  # structured output's bitmask, made for the first grammar
         self._cond = threading.Condition(threading.Lock())
         self._inbox: list[Request] = []
         self._aborts: collections.deque[Request] = collections.deque()  # appended without the lock (abort())
@@ -245,10 +258,12 @@ class EngineLoop:
     def stats(self) -> EngineStats:
         with self._cond:
             s, cache = self.scheduler, self.cache
+            masks = self.masks
             return EngineStats(len(s.running), len(self._inbox) + self._scheduled_waiting, cache.num_slots,
                                cache.num_blocks - cache.free_blocks, cache.num_blocks, self._steps,
                                self._prompt_tokens, self._generated, self._cached,
-                               cache.prefix_stats() if cache.prefix_caching else None)
+                               cache.prefix_stats() if cache.prefix_caching else None,
+                               masks.filled if masks else 0, masks.fill_s if masks else 0.0)
 
     def is_loop_thread(self) -> bool:
         return threading.current_thread() is self._thread
@@ -328,6 +343,10 @@ class EngineLoop:
 
     def _step(self) -> None:
         sched = self.scheduler
+        if self._inflight is not None and self._inflight.grammars:
+            self._read_back()  # its tokens advance the grammars the next step's masks need (module docstring)
+            if sched.done:
+                return
         step = sched.plan()
         with self._cond:
             self._publish_queue()
@@ -364,14 +383,24 @@ class EngineLoop:
             if todo:
                 if rows is not None:  # (else every row samples, as in a decode step: no gather)
                     logits = logits.index_select(0, to_device(int_tensor(rows), logits.device))
-                result = sample(logits, todo, self.penalties)
+                # (filled on the host while the device runs the step launched above)
+                result = sample(logits, todo, self.penalties, self._token_masks(todo))
                 self._share(result.tokens)
                 self.last_tokens.index_copy_(0, to_device(int_tensor([r.slot for r in todo]), logits.device),
                                              result.tokens)
             host, ready = self._to_host(result, pieces)
         except BaseException as e:  # KeyboardInterrupt included: only this step's requests see it
             return None, e
-        return _Launched(step, decodes, todo, host, ready, commit, sum(len(c.tokens) for c in prompts)), None
+        return _Launched(step, decodes, todo, host, ready, commit, sum(len(c.tokens) for c in prompts),
+                         any(r.grammar is not None for r in todo)), None
+
+    def _token_masks(self, requests: list[Request]) -> torch.Tensor | None:
+        """The bitmask of the sampling rows `requests` (grammar.TokenMasks), or None when none has a grammar."""
+        if all(r.grammar is None for r in requests):
+            return None
+        if self.masks is None:
+            self.masks = TokenMasks(self.cache.num_slots, self.model.config.vocab_size, self.cache.device)
+        return self.masks.fill(requests)
 
     def _to_host(self, result, pieces: list) -> tuple[_HostCopy, object]:
         """(_HostCopy, event): a step's sampling result (sampling.SampleResult, or None) and prompt logprobs
@@ -463,6 +492,10 @@ class EngineLoop:
         if r.first_token_time is None:
             r.first_token_time = now
         reason = "stop" if token in r.stop_ids else "length" if len(r.out) >= r.max_new else None
+        if r.grammar is not None:
+            r.grammar.accept(token)  # (a token it does not allow fails the request)
+            if reason is None and r.grammar.complete:
+                reason = "stop"
         text = None
         if r.text is not None:
             text, stopped = r.text.add([token], final=reason is not None)

@@ -71,6 +71,7 @@ class Request:
     # token (None for the first) as they come, else None
     logprobs: list | None = None
     prompt_logprobs: list | None = None
+    grammar: object | None = None  # structured output: its grammar.Grammar (the tokens it may sample), else None
 
     @property
     def generated(self) -> int:
