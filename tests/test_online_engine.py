@@ -254,8 +254,8 @@ def _scripted(monkeypatch, tokens):
     import metrale_graph.loop as loop_module
 
     script = iter(tokens)
-    monkeypatch.setattr(loop_module, "sample",
-                        lambda logits, rows, state: SampleResult(torch.tensor([next(script)]), [], None, []))
+    monkeypatch.setattr(loop_module, "sample", lambda logits, rows, state, token_bitmask=None:
+                        SampleResult(torch.tensor([next(script)]), [], None, []))
 
 
 def test_streamed_text_is_whole_characters(with_tokenizer, monkeypatch):
