@@ -12,7 +12,7 @@ from metrale_graph.server.errors import APIError
 from metrale_graph.server.protocol import NamedToolChoice, Tool
 from metrale_graph.server.reasoning import ReasoningParser, split_reasoning, starts_in_reasoning
 from metrale_graph.server.reply import Reply, ReplyParsers
-from metrale_graph.server.tool_choice import forced_call_schema, forced_calls, tool_request
+from metrale_graph.server.tool_choice import ForcedCallParser, forced_call_schema, forced_calls, tool_request
 from metrale_graph.server.tool_parsers import (PARSERS, CallArguments, CallStart, ContentDelta, json_call,
                                                parser_of_template, typed_value)
 
@@ -260,12 +260,29 @@ def test_tool_request_checks_names_and_choices():
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
-def test_forced_calls_are_refused_until_the_engine_has_structured_output(choice):
-    """tool_choice "required" and named functions need sampling held to forced_call_schema: until the engine's
-    sampler takes a schema, the server says so instead of letting the model not call."""
+@pytest.mark.parametrize("tool_format", ["qwen3_xml", None])
+def test_forced_calls_are_held_to_their_schema_in_any_template(choice, tool_format):
+    """tool_choice "required" and named functions give the schema the reply is sampled under, and no parser of
+    the model's format: a server that cannot read its template's calls serves them too."""
     choice = choice if isinstance(choice, str) else NamedToolChoice.model_validate(choice)
-    e = _refusal(TOOLS, choice)
-    assert (e.param, e.code) == ("tool_choice", "unsupported_parameter") and "structured output" in e.message
+    request = tool_request(TOOLS, choice, tool_format)
+    assert request.forced == forced_call_schema(TOOLS, choice) and request.functions is None
+    assert [t["function"]["name"] for t in request.template_tools] == ["get_weather", "get_time"]
+
+
+def test_the_forced_call_parser_reads_the_calls_at_the_end():
+    named = NamedToolChoice.model_validate({"type": "function", "function": {"name": "get_weather"}})
+    parser = ForcedCallParser(named)
+    assert parser.feed('{"city": ') == [] and parser.feed('"Paris"}') == []
+    assert parser.finish() == [CallStart(0, "get_weather"), CallArguments(0, '{"city": "Paris"}')]
+    assert parser.calls == 1
+    parser = ForcedCallParser("required")
+    parser.feed('[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"days": 2}}]')
+    assert parser.finish() == [CallStart(0, "get_time"), CallArguments(0, "{}"), CallStart(1, "get_weather"),
+                               CallArguments(1, '{"days": 2}')]
+    parser = ForcedCallParser("required")
+    parser.feed('[{"name": "get_ti')  # cut by max_tokens: content, no call
+    assert parser.finish() == [ContentDelta('[{"name": "get_ti')] and parser.calls == 0
 
 
 def test_the_forced_call_schema_and_its_replies():
@@ -275,6 +292,8 @@ def test_the_forced_call_schema_and_its_replies():
     assert schema["type"] == "array" and schema["minItems"] == 1
     assert [c["properties"]["name"]["enum"] for c in schema["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
     assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}
+    assert "maxItems" not in schema and forced_call_schema(TOOLS, "required", parallel=False)["maxItems"] == 1
+    assert tool_request(TOOLS, "required", None, parallel_tool_calls=False).forced["maxItems"] == 1
     assert forced_calls('{"city": "Paris"}', named) == [("get_weather", '{"city": "Paris"}')]
     assert forced_calls('[{"name": "get_time", "parameters": {}}]', "required") == [("get_time", "{}")]
     for bad, choice in (("[1]", named), ("[]", "required"), ('[{"name": "get_time"}]', "required")):

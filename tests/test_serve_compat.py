@@ -157,10 +157,9 @@ def test_an_engine_check_names_its_field(server, body, param):
 UNSUPPORTED = [  # (path, field, value): OpenAI's and vLLM's fields the engine cannot honour
     ("/v1/completions", "use_beam_search", True),
     ("/v1/completions", "skip_special_tokens", False),
-    ("/v1/completions", "guided_json", {"type": "object"}),
+    ("/v1/completions", "allowed_token_ids", [1, 2]),
     ("/v1/completions", "length_penalty", 0.5),
-    ("/v1/chat/completions", "guided_choice", ["a", "b"]),
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "logits_processors", ["a"]),
 ]
 
 

@@ -7,8 +7,8 @@ Covered: the agent loop (call, the result sent back as a `tool` message, the ans
 (`delta.tool_calls` with the name first and the arguments in pieces, `delta.reasoning_content`), n > 1,
 enable_thinking false (the template closes the reasoning in the prompt), tool_choice "none" (no tools rendered,
 no call parsed), a call of a function the request does not offer (content, never a 500), a reply cut inside a
-call, and the 400s naming their field (a tool without a name, tool_choice naming an unknown function, the
-forced choices the engine cannot enforce yet, OpenAI's fields this server does not honour)."""
+call, and the 400s naming their field (a tool without a name, tool_choice naming an unknown function, OpenAI's
+fields this server does not honour). Forced calls (tool_choice "required" / named): test_serve_structured.py."""
 
 import json
 
@@ -148,12 +148,9 @@ def test_bad_tools_are_400_naming_the_field(server, body, param, says):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"tools": [WEATHER_TOOL], "tool_choice": "required"}, "tool_choice"),
-    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-     "tool_choice"),
     ({"tools": [WEATHER_TOOL], "parallel_tool_calls": False}, "parallel_tool_calls"),
     ({"functions": [WEATHER_TOOL["function"]]}, "functions"),
 ])
-def test_what_the_engine_cannot_enforce_yet_is_refused_by_name(server, body, param):
+def test_what_the_server_does_not_honour_is_refused_by_name(server, body, param):
     error = _error(server, body)
     assert (error["param"], error["code"]) == (param, "unsupported_parameter"), error

@@ -13,6 +13,11 @@ id, type and name first with arguments "", then its arguments in pieces), the la
 reason ("stop": a stop token or string; "length": max_tokens or the context; "tool_calls"), then the usage
 chunk with stream_options.include_usage, then `data: [DONE]`.
 
+Structured output (`response_format`, `structured_outputs`, `guided_*`; server/structured.py) holds the reply
+to its grammar (from after `</think>` when the reply starts inside a reasoning block). tool_choice "required"
+or a named function holds it to the calls' JSON (tool_choice.py), read back into `tool_calls` (a stream sends
+the calls at its end).
+
 `logprobs: true` (with `top_logprobs: N`) gives each new token's logprob in `logprobs.content`
 (server/logprobs.py; streamed, with the first delta of the output that sends its text); vLLM's
 `prompt_logprobs: N` gives the response's `prompt_logprobs` (streamed: a chunk of its own, without choices,
@@ -33,7 +38,8 @@ from .protocol import (DONE, AssistantMessage, ChatChoice, ChatChunk, ChatChunkC
 from .reasoning import starts_in_reasoning
 from .reply import ReasoningDelta, Reply, ReplyParser
 from .state import ServerState
-from .tool_choice import tool_request
+from .structured import compile_grammar, structured_request
+from .tool_choice import ForcedCallParser, tool_request
 from .tool_parsers import CallArguments, CallStart, ContentDelta
 
 
@@ -49,19 +55,25 @@ def finish_reason(engine_reason: str | None, calls: int) -> str | None:
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw_request):
     """A ChatResponse, or the event stream's body when body.stream."""
     state.check(body)
-    tools = tool_request(body.tools, body.tool_choice, state.replies.tool_format)
+    tools = tool_request(body.tools, body.tool_choice, state.replies.tool_format, body.parallel_tool_calls)
     text, prompt = await state.off_loop(state.chat_prompt, [m.template_dict() for m in body.messages],
                                         body.add_generation_prompt, body.continue_final_message,
                                         body.chat_template_kwargs, tools.template_tools)
     state.check_room([prompt], body)
+    in_reasoning = starts_in_reasoning(text)
+    structured, field = structured_request(state, body, tools.forced,
+                                           state.think_end if in_reasoning and state.replies.reasoning else None)
+    if structured is not None:
+        await compile_grammar(state, structured, field)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    sampling = state.sampling(body, body.max_new_tokens, logprobs, body.prompt_logprobs)
+    sampling = state.sampling(body, body.max_new_tokens, logprobs, body.prompt_logprobs, structured)
     group = Generations.submit(state, [prompt], sampling, body.n, param="messages")
     rid = request_id("chatcmpl")
-    plain = tools.functions is None and state.replies.plain
+    plain = tools.functions is None and tools.forced is None and state.replies.plain
 
     def parser() -> ReplyParser:
-        return state.replies.parser(tools.functions, starts_in_reasoning(text))
+        forced = ForcedCallParser(tools.choice) if tools.forced is not None else None
+        return state.replies.parser(tools.functions, in_reasoning, forced)
 
     if body.stream:
         return _events(state, body, group, rid, None if plain else parser)

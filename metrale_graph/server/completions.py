@@ -10,7 +10,8 @@ before the text (a prompt sent as a string as it was sent, token ids decoded) an
 tokens before the new ones (the first with None), computed by the engine as prompt logprobs; `echo` with
 `max_tokens: 0` gives the prompt alone (the engine samples one token, which is dropped): how lm-eval scores
 loglikelihood tasks. vLLM's `prompt_logprobs: N` adds the choice's `prompt_logprobs` (in a stream, with the
-choice's first event).
+choice's first event). Structured output (`response_format`, `structured_outputs`, `guided_*`: server/structured.py)
+holds every choice's text to its grammar.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .logprobs import completion_logprobs, prompt_logprobs
 from .protocol import (DONE, CompletionChoice, CompletionRequest, CompletionResponse, StreamChunks, Usage, event, now,
                        request_id)
 from .state import ServerState
+from .structured import compile_grammar, structured_request
 
 
 def prompts_of(state: ServerState, body: CompletionRequest) -> list[list[int]]:
@@ -45,14 +47,17 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw_req
     """The response of one /v1/completions request: a CompletionResponse, or the event stream's body
     (an async iterator of server-sent events) when body.stream."""
     state.check(body)
+    structured, field = structured_request(state, body)
     prompt = body.prompt
     text = isinstance(prompt, str) or any(isinstance(p, str) for p in prompt)
     prompts = await state.off_loop(prompts_of, state, body) if text else prompts_of(state, body)
     state.check_room(prompts, body)
+    if structured is not None:
+        await compile_grammar(state, structured, field)
     echoed = body.echo and body.logprobs is not None  # the prompt's logprobs in `logprobs`
     wanted = [n for n in (body.logprobs if echoed else None, body.prompt_logprobs) if n is not None]
     sampling = state.sampling(body, 1 if body.echo_only else body.max_tokens, body.logprobs,
-                              max(wanted) if wanted else None)
+                              max(wanted) if wanted else None, structured)
     group = Generations.submit(state, prompts, sampling, body.n)
     echo = prompt_texts(state, body, prompts) if body.echo else None
     rid = request_id("cmpl")

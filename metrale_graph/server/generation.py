@@ -73,7 +73,7 @@ class Generations:
                     handles.append(engine.submit(ids, sampling.max_new_tokens, sampling.temperature, sampling.top_k,
                                                  sampling.top_p, seed, sampling.stop_token_ids, sampling.stop,
                                                  include_stop_str_in_output=sampling.include_stop_str_in_output,
-                                                 **sampling.controls))
+                                                 structured=sampling.structured, **sampling.controls))
         except Exception as e:
             for h in handles:
                 h.abort()

@@ -1,10 +1,12 @@
 """The wire format: OpenAI's request and response bodies as pydantic models, and server-sent events.
 
 Requests mirror OpenAI's `/v1/completions` and `/v1/chat/completions` (the fields this server
-runs; a field OpenAI or vLLM has that the engine cannot honour, such as `best_of`, beam search or guided
-decoding, is refused by name when it is set, never silently ignored), plus vLLM's extensions `top_k`,
-`stop_token_ids`, `ignore_eos`, `return_token_ids`, the sampling controls (`min_p`, `repetition_penalty`,
-`min_tokens`, `include_stop_str_in_output`, `prompt_logprobs`) and the chat template's arguments
+runs; a field OpenAI or vLLM has that the engine cannot honour, such as `best_of` or beam search, is refused by
+name when it is set, never silently ignored), plus vLLM's extensions `top_k`, `stop_token_ids`, `ignore_eos`,
+`return_token_ids`, the sampling controls (`min_p`, `repetition_penalty`, `min_tokens`,
+`include_stop_str_in_output`, `prompt_logprobs`), structured output (OpenAI's `response_format`, vLLM's
+`structured_outputs` and `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`: server/structured.py)
+and the chat template's arguments
 (`chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`). Values are
 strict JSON types (`true` is not 1, "5" is not 5). Responses carry what OpenAI's do, `usage` always (a stream:
 in its last event when `stream_options.include_usage`), with `prompt_tokens_details.cached_tokens`; a chat
@@ -63,8 +65,7 @@ NEUTRAL = {
     "length_penalty": (None, 1), "use_beam_search": (None, False),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "allowed_token_ids": (None,), "bad_words": (None, []),
-    "truncate_prompt_tokens": (None,), "logits_processors": (None,), "guided_json": (None,),
-    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
+    "truncate_prompt_tokens": (None,), "logits_processors": (None,),
 }
 
 
@@ -72,6 +73,33 @@ def is_neutral(value, neutral: tuple) -> bool:
     if isinstance(value, bool) or any(isinstance(n, bool) for n in neutral):
         return any(value is n for n in neutral)
     return value in neutral
+
+
+class JsonSchemaFormat(BaseModel):
+    """response_format's json_schema (OpenAI's): the schema under `schema` (a JSON Schema object)."""
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: StrictStr
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: one of json (a schema, or its JSON text), regex, choice, grammar (xgrammar's
+    EBNF), json_object. vLLM's other keys (whitespace_pattern, structural_tag, ...) are refused."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
 
 
 class SamplingFields(BaseModel):
@@ -106,6 +134,13 @@ class SamplingFields(BaseModel):
     min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
     include_stop_str_in_output: StrictBool | None = None
     prompt_logprobs: NumLogprobs | None = None
+    # structured output (server/structured.py: at most one of them; null or {"type": "text"}: none)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
     # fields the engine cannot honour (NEUTRAL): refused unless neutral
     length_penalty: Any = None
     use_beam_search: Any = None
@@ -115,11 +150,6 @@ class SamplingFields(BaseModel):
     bad_words: Any = None
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
 
     def neutral(self) -> dict:
         """NEUTRAL of this request's kind of body."""
@@ -261,10 +291,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: NumLogprobs | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
-    parallel_tool_calls: Any = None  # refused when false (NEUTRAL): a reply may hold several calls
+    parallel_tool_calls: Any = None  # false: one call, under a forced tool_choice only (else refused: NEUTRAL)
     functions: Any = None  # OpenAI's deprecated forms of tools and tool_choice: refused (NEUTRAL)
     function_call: Any = None
-    response_format: Any = None
     # vLLM's chat template arguments (chat_template_kwargs: the template's own variables, e.g. Qwen3's
     # enable_thinking)
     add_generation_prompt: StrictBool = True
@@ -272,8 +301,10 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def neutral(self) -> dict:
-        return {"parallel_tool_calls": (None, True), "functions": (None, []), "function_call": (None, "none"),
-                "response_format": (None, {"type": "text"}), **NEUTRAL}
+        # parallel_tool_calls false: one call, which a forced tool_choice's schema holds the reply to (tool_choice.py)
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+        return {"parallel_tool_calls": (None, True, False) if forced else (None, True), "functions": (None, []),
+                "function_call": (None, "none"), **NEUTRAL}
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -106,12 +106,13 @@ class ReplyParsers:
         reasoning = (THINK_END in (chat_template or "") if reasoning_parser == AUTO else reasoning_parser != NONE)
         return cls(tool_format, reasoning)
 
-    def parser(self, functions: Mapping[str, Mapping] | None, in_reasoning: bool) -> ReplyParser:
+    def parser(self, functions: Mapping[str, Mapping] | None, in_reasoning: bool, forced=None) -> ReplyParser:
         """The parser of one reply: calls of `functions` (None: none parsed), starting inside a reasoning block
-        when `in_reasoning` (the prompt opened one)."""
+        when `in_reasoning` (the prompt opened one); `forced`: the content's parser instead under a forced
+        tool_choice (tool_choice.ForcedCallParser: the calls as JSON, not in the model's format)."""
         reasoning = ReasoningParser(in_reasoning) if self.reasoning else None
         tools = PARSERS[self.tool_format](functions) if functions is not None and self.tool_format else None
-        return ReplyParser(reasoning, tools)
+        return ReplyParser(reasoning, forced if forced is not None else tools)
 
     @property
     def plain(self) -> bool:

@@ -21,6 +21,7 @@ from .limits import TokenBound
 from .logprobs import TokenStrings
 from .metrics import ServerMetrics
 from .protocol import ModelCard, SamplingFields
+from .reasoning import THINK_END
 from .reply import ReplyParsers
 
 
@@ -46,6 +47,7 @@ class Sampling:
     stop: tuple[str, ...]
     controls: dict = field(default_factory=dict)  # submit's sampling controls (logprobs, penalties, ...) set
     include_stop_str_in_output: bool = False
+    structured: object = None  # the engine's StructuredOutput (server/structured.py), or None
 
 
 def check_text(value, name: str, param: str) -> None:
@@ -81,6 +83,8 @@ class ServerState:
         self.max_context = engine.max_context
         self.vocab_size = engine.model.config.vocab_size
         self.token_bound = TokenBound(self.tokenizer)
+        # the end of a reasoning block as one token id, where a reply's grammar starts (server/structured.py)
+        self.think_end = _think_end_token(self.tokenizer)
         self.metrics = ServerMetrics(engine, model_name)
         self.ready, self.closing = threading.Event(), threading.Event()
         if ready:
@@ -209,10 +213,11 @@ class ServerState:
         return text, self.prompt_ids(list(tok.encode(text, add_special_tokens=False)), "messages")
 
     def sampling(self, body: SamplingFields, max_new_tokens: int | None, logprobs: int | None = None,
-                 prompt_logprobs: int | None = None) -> Sampling:
+                 prompt_logprobs: int | None = None, structured=None) -> Sampling:
         """The engine arguments of `body`: stop token ids are the request's added to the model's eos
         (only the request's with ignore_eos); max_new_tokens None runs up to the context; logprobs /
-        prompt_logprobs: the top N the endpoint wants per new / prompt token (None: none)."""
+        prompt_logprobs: the top N the endpoint wants per new / prompt token (None: none); structured: the
+        StructuredOutput the endpoint made of it (server/structured.py)."""
         stops = frozenset(body.stop_token_ids or ())
         bad = sorted(t for t in stops if t >= self.vocab_size)
         if bad:
@@ -242,7 +247,7 @@ class ServerState:
                 controls[name] = value
         return Sampling(max_new_tokens if max_new_tokens is not None else self.max_context, body.temperature,
                         max(body.top_k, 0), body.top_p, body.seed, stops, stop, controls,
-                        bool(body.include_stop_str_in_output))
+                        bool(body.include_stop_str_in_output), structured)
 
     def check_api_key(self, authorization: str | None) -> None:
         """401 unless `authorization` (the request's header) is 'Bearer <the key>' (no key: all pass)."""
@@ -251,6 +256,14 @@ class ServerState:
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
             raise unauthorized()
+
+
+def _think_end_token(tokenizer) -> int | None:
+    """The id of the one token that ends a reasoning block: the added token whose text holds `</think>` (Qwen's
+    `</think>`; some templates' `</think>\n\n`), or None when the tokenizer has none or several."""
+    added = getattr(tokenizer, "get_added_vocab", None)
+    ids = [i for text, i in (added() if callable(added) else {}).items() if THINK_END in text]
+    return ids[0] if len(ids) == 1 else None
 
 
 def _token_keys(logit_bias: dict[str, float]) -> dict[int, float]:

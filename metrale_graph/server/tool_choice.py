@@ -1,17 +1,18 @@
 """A chat request's `tools` and `tool_choice`: the checks that span fields, what the chat template gets, the
-functions a reply's calls are parsed against, and the schema that would enforce a call.
+functions a reply's calls are parsed against, and the schema that enforces a forced call.
 
     request = tool_request(body.tools, body.tool_choice, tool_format)   # 400 APIError for what is wrong
     request.template_tools     # the `tools` apply_chat_template renders (None: none)
     request.functions          # {name: parameters' JSON schema} for the reply's parser (None: no parsing)
+    request.forced             # the JSON schema a forced reply is held to (None: no call forced)
 
 tool_choice (OpenAI's): "auto" (the default with tools) lets the model choose; "none" (the default without)
 means no call: the tools are not rendered into the prompt and the reply is not parsed for calls; "required"
-and a named function ({"type": "function", "function": {"name": ...}}) need the reply held to a call while
-it is sampled. That is what `forced_call_schema` is for: the JSON schema a structured-output backend will
-hold the reply to (vLLM's convention: a forced reply is JSON, read back with `forced_calls`, not in the
-model's own format). The engine has no such backend yet, so those two choices are refused (400
-`unsupported_parameter`) after the checks that any server would make.
+and a named function ({"type": "function", "function": {"name": ...}}) hold the reply to a call while it is
+sampled: structured output (server/structured.py) under `forced_call_schema`, vLLM's convention: a forced
+reply is JSON (for "required" an array of {"name", "parameters"}, for a named function its arguments object),
+not the model's own call format, read back by `ForcedCallParser` into the reply's calls. The tools are still
+rendered into the prompt, so the model knows them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Mapping
 
 from .errors import bad_request
 from .protocol import NamedToolChoice, Tool
+from .tool_parsers import CallArguments, CallStart, ContentDelta
 
 
 @dataclass(frozen=True)
@@ -29,12 +31,14 @@ class ToolRequest:
     template_tools: list[dict] | None
     functions: dict[str, Mapping] | None
     choice: object = None  # the effective tool_choice: "none", "auto", "required" or a NamedToolChoice
+    forced: dict | None = None  # forced_call_schema's, for "required" and a named function
 
 
-def tool_request(tools: list[Tool] | None, tool_choice, tool_format: str | None) -> ToolRequest:
+def tool_request(tools: list[Tool] | None, tool_choice, tool_format: str | None,
+                 parallel_tool_calls: bool | None = None) -> ToolRequest:
     """The checked tools of a request (400 naming the field: two functions of one name, a tool_choice naming
-    a function the request does not offer or asking for a call without tools, tools on a server that cannot
-    read its model's calls, a forced call, which the engine cannot enforce yet)."""
+    a function the request does not offer or asking for a call without tools, tools left to the model on a
+    server that cannot read its model's calls). parallel_tool_calls false: a forced reply makes one call."""
     tools = tools or []
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
     names = [t.function.name for t in tools]
@@ -50,25 +54,22 @@ def tool_request(tools: list[Tool] | None, tool_choice, tool_format: str | None)
         raise bad_request("tool_choice 'required' needs tools: the request has none", param="tool_choice")
     if choice == "none" or not tools:
         return ToolRequest(None, None, choice)
+    template_tools = [t.model_dump(exclude_none=True) for t in tools]
+    if choice == "required" or isinstance(choice, NamedToolChoice):  # (read back as JSON: any chat template will do)
+        return ToolRequest(template_tools, None, choice,
+                           forced_call_schema(tools, choice, parallel=parallel_tool_calls is not False))
     if tool_format is None:
         raise bad_request("tools: this server cannot read tool calls in its model's chat template (neither of "
-                          "Qwen's formats): start metrale-serve with --tool-call-parser qwen3_xml or qwen3_json",
-                          param="tools")
-    if choice == "required" or isinstance(choice, NamedToolChoice):
-        forced_call_schema(tools, choice)  # (what the structured-output backend will take, once there is one)
-        what = "'required'" if choice == "required" else f"a named function ({choice.function.name!r})"
-        raise bad_request(f"tool_choice {what} is not supported by this server yet: it needs structured output "
-                          "(sampling held to a schema), which the engine does not have; use 'auto' or 'none'",
-                          param="tool_choice", code="unsupported_parameter")
-    template_tools = [t.model_dump(exclude_none=True) for t in tools]
+                          "Qwen's formats): start metrale-serve with --tool-call-parser qwen3_xml or qwen3_json, "
+                          "or force the call (tool_choice 'required' or a named function)", param="tools")
     return ToolRequest(template_tools, {t.function.name: t.function.parameters or {} for t in tools}, choice)
 
 
-def forced_call_schema(tools: list[Tool], tool_choice) -> dict:
+def forced_call_schema(tools: list[Tool], tool_choice, parallel: bool = True) -> dict:
     """The JSON schema of a reply held to tool_choice "required" (a non-empty array of {"name": a function,
-    "parameters": its arguments}) or to a named function (that function's arguments object). The hook for
-    the structured-output backend: the engine samples the reply under this schema and `forced_calls` reads
-    the calls out of its text."""
+    "parameters": its arguments}, at most one unless `parallel`) or to a named function (that function's
+    arguments object): the engine samples the reply under it and `forced_calls` reads the calls out of its
+    text."""
     def parameters(tool: Tool) -> dict:
         return tool.function.parameters or {"type": "object"}
 
@@ -79,7 +80,7 @@ def forced_call_schema(tools: list[Tool], tool_choice) -> dict:
     calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
                                                 "parameters": parameters(t)},
               "required": ["name", "parameters"]} for t in tools]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": calls}}
 
 
 def forced_calls(text: str, tool_choice) -> list[tuple[str, str]]:
@@ -95,3 +96,26 @@ def forced_calls(text: str, tool_choice) -> list[tuple[str, str]]:
         raise ValueError("a reply under tool_choice 'required' must be a non-empty JSON array of "
                          "{'name': ..., 'parameters': {...}}")
     return [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+
+
+class ForcedCallParser:
+    """A reply's content under a forced tool_choice, as tool_parsers' parsers give events (reply.py): the text is
+    held back whole, then read by `forced_calls` at the end, a CallStart and the whole arguments per call (a
+    stream sends the calls at its end). Text that does not parse (a reply cut by max_tokens) is content."""
+
+    def __init__(self, tool_choice):
+        self.tool_choice, self.calls, self._held = tool_choice, 0, []
+
+    def feed(self, text: str) -> list:
+        self._held.append(text)
+        return []
+
+    def finish(self) -> list:
+        text, self._held = "".join(self._held), []
+        try:
+            calls = forced_calls(text, self.tool_choice)
+        except ValueError:
+            return [ContentDelta(text)] if text else []
+        self.calls = len(calls)
+        return [event for i, (name, arguments) in enumerate(calls)
+                for event in (CallStart(i, name), CallArguments(i, arguments))]

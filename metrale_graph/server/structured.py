@@ -1,0 +1,78 @@
+"""Structured output on the wire: which field of a request asks for it, as the engine's StructuredOutput
+(metrale_graph/structured.py), checked and compiled before the request is submitted.
+
+    spec, field = structured_request(state, body, forced_schema, starts_after)   # 400 naming the field
+    await compile_grammar(state, spec, field)      # off the event loop; a grammar that fails: 400 naming it
+
+The fields, of both endpoints (at most one of them per request; two are a 400 naming the second):
+
+| field | engine spec |
+|---|---|
+| `response_format` {"type": "json_object"} / {"type": "json_schema", "json_schema": {"name", "schema"}} (OpenAI) | json_object / json |
+| `structured_outputs` {"json" \\| "regex" \\| "choice" \\| "grammar" \\| "json_object": ...} (vLLM) | the same kind |
+| `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (vLLM's older names) | json, regex, choice, grammar |
+| `tool_choice` "required" or a named function (chat, tool_choice.py: the reply is the calls' JSON) | json |
+
+`response_format` {"type": "text"} asks for nothing. A chat reply that starts inside a reasoning block (the prompt
+opened `<think>`, and the server parses reasoning) is held to its grammar from after `</think>` on (`starts_after`),
+when the tokenizer has it as one token: the reasoning stays free, the answer follows the grammar.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ..structured import StructuredOutput, StructuredOutputError, structured_output
+from .errors import bad_request
+from .protocol import SamplingFields
+
+
+def structured_request(state, body: SamplingFields, forced_schema: dict | None = None,
+                       starts_after: int | None = None) -> tuple[StructuredOutput | None, str | None]:
+    """(the engine's spec, the field that asked for it), or (None, None): the request asks for no structured
+    output. 400 naming the field for a malformed one, or for a second field asking too."""
+    asked = _asked(body)
+    if forced_schema is not None:
+        asked.append(("tool_choice", {"json": forced_schema}))
+    if not asked:
+        return None, None
+    if len(asked) > 1:
+        (first, _), (second, _) = asked[:2]
+        raise bad_request(f"{second}: the request already asks for structured output with {first}: send one of "
+                          "them", param=second)
+    field, value = asked[0]
+    try:
+        return structured_output({**value, "starts_after": starts_after}, state.vocab_size), field
+    except StructuredOutputError as e:
+        raise bad_request(f"{field}: {e.detail}", param=field) from None
+
+
+def _asked(body: SamplingFields) -> list[tuple[str, dict]]:
+    """(field, the engine's spec as a mapping) of every field of `body` that asks for structured output."""
+    asked = []
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        asked.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise bad_request("response_format: type json_schema needs its schema: {\"type\": \"json_schema\", "
+                              "\"json_schema\": {\"name\": ..., \"schema\": {...}}}", param="response_format")
+        asked.append(("response_format", {"json": fmt.json_schema.schema_}))
+    outputs = body.structured_outputs
+    if outputs is not None:
+        asked.append(("structured_outputs", {"json": outputs.json_, "regex": outputs.regex, "choice": outputs.choice,
+                                             "grammar": outputs.grammar, "json_object": outputs.json_object}))
+    for field, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                        ("guided_grammar", "grammar")):
+        if getattr(body, field) is not None:
+            asked.append((field, {kind: getattr(body, field)}))
+    return asked
+
+
+async def compile_grammar(state, spec: StructuredOutput, field: str) -> None:
+    """Compile `spec`'s grammar in the engine's grammar worker (or find it cached), awaited off the event loop:
+    Engine.submit then finds it done. 400 naming `field` when it does not compile."""
+    try:
+        await asyncio.wrap_future(state.engine.compile_grammar(spec))
+    except StructuredOutputError as e:
+        raise bad_request(f"{field}: {e.detail}", param=field) from None

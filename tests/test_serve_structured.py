@@ -1,0 +1,203 @@
+"""Structured output through the server as its clients use it: a real process (tools/serve.py on 127.0.0.1, a
+free port, started once for the module) on the checkpoint of test_serve_tools.py (chain_model.py: Qwen3.5's chat
+format, a reasoning block, then an XML call, never JSON), called with the official `openai` client, `instructor`
+(PyPI) and raw HTTP. Under a grammar its replies follow the schema only because the mask forces them (the
+model's own next token is masked away; it then takes the allowed token of lowest id, greedy), after its
+reasoning, which stays free.
+
+Covered: response_format json_schema (and instructor's JSON_SCHEMA mode) giving a validated pydantic object,
+instructor's TOOLS mode (a named tool_choice), tool_choice "required" and named, whole and streamed, vLLM's
+guided_* and structured_outputs on both endpoints, sampled outputs that validate, and the 400s naming their
+field (a schema that is not JSON Schema, one structured output asked twice, ...)."""
+
+import json
+import re
+from typing import Literal
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from chain_model import REASONING, chain_checkpoint
+from server_process import running_server
+
+pytest.importorskip("xgrammar")
+NAME = "tiny-structured"
+TIMEOUT = 120
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+class Weather(BaseModel):
+    """A forecast whose every field is bounded: the model's output cannot grow without end."""
+    city: Literal["Paris", "Rome"]
+    days: int = Field(ge=1, le=7)
+    sunny: bool
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": Weather.model_json_schema()}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = chain_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    flags = ["--served-model-name", NAME, "--num-slots", "4", "--max-context", "2048", "--token-budget", "512"]
+    with running_server(folder, tmp_path_factory.mktemp("server"), flags, TIMEOUT) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+
+
+def chat(client, **kw):
+    return client.chat.completions.create(model=NAME, messages=USER, **{"temperature": 0, "max_tokens": 64, **kw})
+
+
+def test_response_format_json_schema_after_the_reasoning(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "Weather", "schema": Weather.model_json_schema()}}
+    choice = chat(client, response_format=fmt).choices[0]
+    assert choice.finish_reason == "stop" and choice.message.reasoning_content == REASONING
+    assert Weather.model_validate_json(choice.message.content) and choice.message.tool_calls is None
+
+
+def test_instructor_json_schema_mode_returns_a_validated_object(client):
+    import instructor
+
+    patched = instructor.from_openai(client, mode=instructor.Mode.JSON_SCHEMA)
+    weather = patched.chat.completions.create(model=NAME, messages=USER, response_model=Weather, temperature=0,
+                                              max_tokens=64, max_retries=1)
+    assert isinstance(weather, Weather)
+
+
+def test_instructor_tools_mode_returns_a_validated_object(client):
+    """instructor's TOOLS mode sends the model as a function and names it in tool_choice: a forced call."""
+    import instructor
+
+    patched = instructor.from_openai(client, mode=instructor.Mode.TOOLS)
+    weather, completion = patched.chat.completions.create_with_completion(
+        model=NAME, messages=USER, response_model=Weather, temperature=0, max_tokens=64, max_retries=1)
+    assert isinstance(weather, Weather) and completion.choices[0].message.tool_calls[0].function.name == "Weather"
+
+
+def _calls(message_or_calls) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message_or_calls]
+
+
+def _streamed_calls(client, **kw) -> tuple[list[tuple[str, dict]], str]:
+    """The calls and finish reason of a streamed reply, its tool_calls deltas put together as a client does."""
+    names, arguments, finish = {}, {}, None
+    for chunk in chat(client, stream=True, **kw):
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                if call.function.name:
+                    names[call.index] = call.function.name
+                arguments[call.index] = arguments.get(call.index, "") + (call.function.arguments or "")
+            finish = choice.finish_reason or finish
+    return [(names[i], json.loads(arguments[i])) for i in sorted(names)], finish
+
+
+def _check_calls(calls):
+    assert calls
+    for name, arguments in calls:
+        assert name in ("get_weather", "get_time")
+        assert Weather.model_validate(arguments) if name == "get_weather" else arguments["zone"] in ("UTC", "CET")
+
+
+def test_tool_choice_required_makes_calls_of_the_offered_functions(client):
+    """Greedy, this model would add calls without end (',' is the allowed token of lowest id): with
+    parallel_tool_calls false it makes one. Sampled, it makes calls until it closes the list."""
+    one = dict(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
+    choice = chat(client, **one).choices[0]
+    calls = _calls(choice.message.tool_calls)
+    assert choice.finish_reason == "tool_calls" and len(calls) == 1 and choice.message.content is None
+    _check_calls(calls)
+    assert _streamed_calls(client, **one) == (calls, "tool_calls")
+    choice = chat(client, tools=[WEATHER, TIME], tool_choice="required", temperature=1.0, seed=1,
+                  max_tokens=400).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    _check_calls(_calls(choice.message.tool_calls))
+
+
+def test_a_named_tool_choice_calls_that_function(client):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    choice = chat(client, tools=[WEATHER, TIME], tool_choice=named).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content == REASONING
+    (call,) = _calls(choice.message.tool_calls)
+    assert call[0] == "get_time" and call[1]["zone"] in ("UTC", "CET")
+    assert _streamed_calls(client, tools=[WEATHER, TIME], tool_choice=named) == ([call], "tool_calls")
+
+
+def test_sampled_replies_validate(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "Weather", "schema": Weather.model_json_schema()}}
+    replies = client.chat.completions.create(model=NAME, messages=USER, temperature=1.0, seed=5, n=4, max_tokens=64,
+                                             response_format=fmt)
+    for choice in replies.choices:
+        assert choice.finish_reason == "stop" and Weather.model_validate_json(choice.message.content)
+
+
+GUIDED = [  # (endpoint, field, value, what the text must be)
+    ("completions", "guided_choice", ["sunny", "rainy"], lambda t: t in ("sunny", "rainy")),
+    ("completions", "guided_regex", "[0-9]{2}C", lambda t: re.fullmatch("[0-9]{2}C", t)),
+    ("completions", "guided_json", Weather.model_json_schema(), Weather.model_validate_json),
+    ("completions", "guided_grammar", 'root ::= "hot" | "cold"', lambda t: t in ("hot", "cold")),
+    ("completions", "structured_outputs", {"choice": ["a", "b"]}, lambda t: t in ("a", "b")),
+    ("chat", "guided_choice", ["sunny", "rainy"], lambda t: t in ("sunny", "rainy")),
+    ("chat", "structured_outputs", {"json": json.dumps(Weather.model_json_schema())}, Weather.model_validate_json),
+]
+
+
+@pytest.mark.parametrize("endpoint, field, value, check", GUIDED, ids=[f"{e}-{f}" for e, f, _, _ in GUIDED])
+def test_vllm_s_fields(client, endpoint, field, value, check):
+    for temperature in (0.0, 1.0):
+        if endpoint == "completions":
+            reply = client.completions.create(model=NAME, prompt="The weather:", max_tokens=64, seed=3,
+                                              temperature=temperature, extra_body={field: value})
+            text, finish = reply.choices[0].text, reply.choices[0].finish_reason
+        else:
+            reply = chat(client, temperature=temperature, seed=3, extra_body={field: value})
+            text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+        assert finish == "stop" and check(text), (temperature, text)
+
+
+def _error(server, path, body) -> dict:
+    base = {"prompt": "x"} if path == "/v1/completions" else {"messages": USER}
+    r = httpx.post(server.url + path, json={**base, "max_tokens": 8, **body}, timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    return r.json()["error"]
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+BAD = [  # (path, body, param, words of the message)
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format", "needs its schema"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}, "response_format", 'Unsupported type "nonsense"'),
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format", "response_format.type"),
+    ("/v1/completions", {"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", "'uniqueItems'"),
+    ("/v1/completions", {"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ("/v1/completions", {"guided_regex": "(("}, "guided_regex", "regular expression does not compile"),
+    ("/v1/completions", {"guided_grammar": "root ::= foo"}, "guided_grammar", "grammar does not compile"),
+    ("/v1/completions", {"guided_choice": []}, "guided_choice", "non-empty list"),
+    ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
+     "regex and choice"),
+    ("/v1/completions", {"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs",
+     "whitespace_pattern"),
+    ("/v1/completions", {"guided_json": SCHEMA, "guided_regex": "a"}, "guided_regex", "already asks"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "guided_json": SCHEMA}, "guided_json",
+     "already asks for structured output with response_format"),
+    ("/v1/chat/completions", {"tools": [WEATHER], "tool_choice": "required", "guided_choice": ["a"]},
+     "tool_choice", "already asks for structured output with guided_choice"),
+    ("/v1/completions", {"guided_choice": ["a"], "min_tokens": 2}, "min_tokens", "cannot be combined"),
+]
+
+
+@pytest.mark.parametrize("path, body, param, says", BAD, ids=[f"{p[1]}-{'-'.join(b)}" for _, b, p, _ in BAD])
+def test_bad_structured_output_is_400_naming_the_field(server, path, body, param, says):
+    error = _error(server, path, body)
+    assert error["param"] == param and says in error["message"], error
