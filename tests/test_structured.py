@@ -275,3 +275,33 @@ def test_graphs_on_cuda_give_the_eager_engine_s_outputs(tokenizer):
             runs.append(gpu.generate(PROMPTS, max_new_tokens=60, structured={"json": SCHEMA}))
     assert [r.token_ids for r in runs[1]] == [r.token_ids for r in runs[0]]
     _valid_pets(runs[1])
+
+
+# tools.bench_structured (on the CPU, tiny sizes: the arithmetic and the report, not the figures) ------------------
+@pytest.mark.parametrize("library", ["xgrammar", "llguidance"])
+def test_bench_structured_times_the_mask_fill(tokenizer, capsys, library):
+    pytest.importorskip(library)
+    from metrale_graph.tools import bench_structured
+
+    bench_structured.main(["--masks-only", "--tokenizer", tokenizer.name_or_path, "--streams", "6", "--repeat", "1",
+                           "--library", library])
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (record["library"], record["vocab_size"]) == (library, len(tokenizer))
+    assert [r["case"] for r in record["results"]] == ["object", "tool calls", "any object", "mixed"]
+    assert all(0 < r["median"] <= r["p90"] <= r["max"] for r in record["results"])
+
+
+def test_bench_structured_times_the_engine_s_steps(tmp_path, capsys):
+    from metrale_graph.tools import bench_structured
+    from tokenizer_fixture import tiny_checkpoint
+
+    folder = tiny_checkpoint(tmp_path / "ckpt")
+    bench_structured.main(["--model", folder, "--eager", "--streams", "3", "--prompt-tokens", "4", "--new-tokens", "6"])
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {r["variant"]: r for r in record["results"]}
+    assert list(rows) == ["plain", "plain, no overlap", "structured"]
+    assert all(r["step_ms"] > 0 for r in rows.values())
+    assert rows["plain"]["mask_fill_us_per_token"] is None and rows["structured"]["mask_fill_us_per_token"] > 0
+    with pytest.raises(SystemExit) as e:
+        bench_structured.main(["--model", "tiny"])
+    assert e.value.code == 2 and "--tokenizer" in capsys.readouterr().err
