@@ -67,8 +67,8 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 import torch
 
 from .batch import check_token_ids, token_tensor
-from .grammar import Grammars
 from .detokenizer import StreamingText, check_stop_strings
+from .grammar import Grammars
 from .handle import (Channel, EngineBusyError, EngineClosedError, EngineFullError, Failure, GenerationResult,
                      RequestHandle, RequestOutput)
 from .loop import EngineLoop, EngineStats
@@ -227,9 +227,9 @@ class Engine:
         tokenizer each output carries the text its tokens add (UTF-8 safe; `stop` strings matched across
         tokens and cut, or kept with include_stop_str_in_output). `controls`: the sampling controls
         (min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens, logprobs,
-        prompt_logprobs; the module docstring); `structured`: the output's grammar (module docstring). ValueError for a
-        bad request, EngineFullError when
-        max_waiting requests wait, EngineClosedError after shutdown(); nothing is queued then."""
+        prompt_logprobs; the module docstring); `structured`: the output's grammar (module docstring). ValueError
+        for a bad request, EngineFullError when max_waiting requests wait, EngineClosedError after shutdown();
+        nothing is queued then."""
         if self.model.tp is not None and self._broadcast is None:
             raise ValueError("under tensor parallelism submit() needs Engine(..., broadcast_plans=True) (rank 0 "
                              "serves, the other ranks run engine.follow()); generate / stream called alike on "
@@ -298,6 +298,8 @@ class Engine:
         if self.tokenizer is None:
             raise StructuredOutputError("structured output needs a tokenizer (Engine(model, tokenizer=...)): the "
                                         "grammar is over its vocabulary")
+        if self._loop.closed:  # (its grammar worker is shut down too)
+            raise EngineClosedError("the engine was shut down: build a new Engine")
         with self._grammars_lock:
             if self._grammars is None:
                 self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size)

@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field, TypeAdapter
 from typing import Literal
 
 from helpers import tiny_config
-from metrale_graph import Engine, HybridModel
+from metrale_graph import Engine, EngineClosedError, HybridModel
 from metrale_graph.grammar import TokenMasks
 from metrale_graph.scheduler import Request
 from metrale_graph.structured import StructuredOutputError, structured_output
@@ -305,3 +305,10 @@ def test_bench_structured_times_the_engine_s_steps(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         bench_structured.main(["--model", "tiny"])
     assert e.value.code == 2 and "--tokenizer" in capsys.readouterr().err
+
+
+def test_after_shutdown_a_grammar_request_is_refused_as_any_other(model, tokenizer):
+    with Engine(model, num_slots=1, max_context=64, compile=False, tokenizer=tokenizer) as engine:
+        assert engine.generate(["x"], max_new_tokens=8, structured={"choice": ["a"]})[0].text == "a"
+    with pytest.raises(EngineClosedError):
+        engine.submit("x", max_new_tokens=4, structured={"choice": ["b"]})
