@@ -329,7 +329,7 @@ def test_result_files_are_written_whole(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["prefill", "generate", "warmup", "bench", "bench_ops", "export_onnx", "serve",
-                                  "bench_serve", "bench_host"])
+                                  "bench_serve", "bench_host", "bench_structured"])
 def test_help_names_the_installed_command(capsys, name):
     """--help said `usage: python -m tools.prefill`, which works only from a checkout's root; the tools are
     installed as metrale_graph.tools (README uses that form, and the console scripts)."""

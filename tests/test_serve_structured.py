@@ -64,6 +64,8 @@ def test_response_format_json_schema_after_the_reasoning(client):
     choice = chat(client, response_format=fmt).choices[0]
     assert choice.finish_reason == "stop" and choice.message.reasoning_content == REASONING
     assert Weather.model_validate_json(choice.message.content) and choice.message.tool_calls is None
+    streamed = [c.choices[0].delta.content or "" for c in chat(client, response_format=fmt, stream=True) if c.choices]
+    assert "".join(streamed) == choice.message.content
 
 
 def test_instructor_json_schema_mode_returns_a_validated_object(client):
