@@ -30,6 +30,7 @@ is complete under the grammar (`complete`); the mask never allows eos then.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import OrderedDict
@@ -105,8 +106,6 @@ class Grammars:
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.source)
             if spec.kind == "choice":
-                import json
-
                 return compiler.compile_grammar(choice_grammar(json.loads(spec.source)))
             return compiler.compile_grammar(spec.source)
         except RuntimeError as e:  # xgrammar's errors: "[time] file.cc:line: reason"
