@@ -15,6 +15,13 @@ not in `mlp_only_layers`, (i + 1) % `decoder_sparse_step` == 0: every layer for 
 has no dense MLP and so `intermediate_size` 0), a dense MLP on the others (every layer for Qwen3.5,
 `num_experts` 0). A family's config has only its own fields: the others keep their defaults (so
 `to_hf` and `from_hf` round-trip every config exactly).
+
+`mtp_num_hidden_layers`: the multi-token-prediction layers the model holds (the `mtp.*` weights of
+spec.py; 0: none), read from and written to the family's field (`mtp_num_hidden_layers` for Qwen3.5,
+`num_nextn_predict_layers` for Qwen3-Next). A config.json may declare MTP layers its checkpoint does not
+hold (transformers' save_pretrained drops `mtp.*`) or hold them undeclared (Qwen3-Next):
+weights.checkpoint_config settles the count from the checkpoint's tensors. An MTP with its own embeddings
+(`mtp_use_dedicated_embeddings`) is refused.
 """
 
 from __future__ import annotations
@@ -71,6 +78,8 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()  # ... except these (dense MLP)
     # FP8 checkpoints: which projections are stored float8_e4m3fn with block scales (None: none)
     quantization: Fp8Config | None = None
+    # the multi-token-prediction head's decoder layers (module docstring; 0: no MTP head)
+    mtp_num_hidden_layers: int = 0
 
     def __post_init__(self):
         """Check every field's type and range (ValueError naming the field); integral floats
@@ -112,6 +121,12 @@ class ModelConfig:
     def moe_layers(self) -> list[int]:
         """Layers whose feed-forward half is a sparse MoE block (the others have a dense MLP)."""
         return _moe_layers(self.num_hidden_layers, self.num_experts, self.decoder_sparse_step, self.mlp_only_layers)
+
+    @property
+    def mtp_moe_layers(self) -> list[int]:
+        """The MTP layers (0 ..) whose feed-forward half is a sparse MoE block: the main model's rule applied to
+        the MTP layer's own index, as vLLM builds them (every one for Qwen3.5-MoE and Qwen3-Next's releases)."""
+        return _moe_layers(self.mtp_num_hidden_layers, self.num_experts, self.decoder_sparse_step, self.mlp_only_layers)
 
     def replace(self, **changes) -> "ModelConfig":
         if "num_hidden_layers" in changes and "layer_types" not in changes:
@@ -194,6 +209,11 @@ class ModelConfig:
         if fields["mlp_only_layers"] is None:  # transformers reads null as []
             fields["mlp_only_layers"] = []
         fields["quantization"] = quantization
+        mtp = cfg.get(family.mtp_field)
+        fields["mtp_num_hidden_layers"] = 0 if mtp is None else _int(family.mtp_field, mtp, 0, where)
+        if cfg.get("mtp_use_dedicated_embeddings") and mtp:
+            raise _invalid(where, "mtp_use_dedicated_embeddings is true: an MTP head with embeddings of its own is "
+                                  "not supported (Qwen's MTP heads share the model's)")
         return cls(**_checked(fields, where))
 
     def to_hf(self) -> dict:
@@ -227,6 +247,8 @@ class ModelConfig:
             hf[name] = list(value) if isinstance(value, tuple) else value
         if self.quantization is not None:
             hf["quantization_config"] = self.quantization.to_hf()
+        if self.mtp_num_hidden_layers:
+            hf[self.family.mtp_field] = self.mtp_num_hidden_layers
         return hf
 
 
@@ -236,7 +258,8 @@ _INT_FIELDS = {name: 1 for name in (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
     "linear_value_head_dim", "max_position_embeddings", "num_experts_per_tok", "moe_intermediate_size",
-    "shared_expert_intermediate_size", "decoder_sparse_step")} | {"linear_conv_kernel_dim": 2, "num_experts": 0}
+    "shared_expert_intermediate_size", "decoder_sparse_step")} | {"linear_conv_kernel_dim": 2, "num_experts": 0,
+                                                                  "mtp_num_hidden_layers": 0}
 
 
 def _invalid(where: str, msg: str) -> ValueError:

@@ -10,7 +10,8 @@ A family's record says:
   config.json takes them, as in transformers);
 - transformers' class names: its config class and causal-LM class (`architectures` in config.json);
 - its checkpoint transforms: tensors the checkpoint fuses that the model keeps apart (`Fusion`: split
-  at load, fused at save), and where its checkpoints keep tensors a text prefill does not read.
+  at load, fused at save), and where a multimodal wrapper's checkpoint keeps the text model's tensors;
+- the config.json field that counts its multi-token-prediction (MTP) layers (`mtp.*` tensors, spec.py).
 Which blocks a layer holds follows from the config (spec.py), not from the family.
 
 Adding a family: its record here (and in FAMILIES), its new config fields in `ModelConfig`, and, for a
@@ -91,8 +92,8 @@ class Family:
     multimodal: tuple[Multimodal, ...] = ()
     fusions: tuple[Fusion, ...] = ()
     minimums: Mapping[str, tuple[int, str]] = field(default_factory=dict)  # field -> (its least value here, why)
-    # checkpoint tensors a text prefill never reads (the multi-token-prediction head)
-    skipped_prefixes: tuple[str, ...] = ("mtp.", "model.mtp.")
+    # the config.json field holding the number of MTP layers (ModelConfig.mtp_num_hidden_layers)
+    mtp_field: str = "mtp_num_hidden_layers"
 
     @property
     def architectures(self) -> list[str]:
@@ -156,6 +157,7 @@ QWEN3_NEXT = Family(
                   num_key_value_heads=2, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
                   shared_expert_intermediate_size=512, norm_topk_prob=True, decoder_sparse_step=1,
                   mlp_only_layers=[]),
+    mtp_field="num_nextn_predict_layers",  # vLLM's name for it (Qwen3-Next's config.json may not hold it)
     fusions=(
         Fusion("linear_attn.in_proj_qkvz.weight", ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight"),
                _key_head_groups, _qkvz_segments),

@@ -9,6 +9,10 @@ data-dependent shapes, which is what `torch.compile(fullgraph=True)` and CUDA gr
 With `tp` (parallel.TensorParallel) the model holds this rank's shard of every weight, its cache
 this rank's shard of every pool, and the step all-reduces after each mixer and feed-forward half
 (sharding.py says how each weight is split).
+
+A checkpoint's multi-token-prediction head (config.mtp_num_hidden_layers > 0; spec.mtp_block) is held as
+`model.mtp` (None without one): its weights load, shard, quantize and save with the others, and its decoder
+layers `model.mtp.layers[i]` run through the same layer methods as the main ones (speculative/mtp.py).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from torch import nn
 
 from .batch import PackedBatch, Stream
 from .cache import HybridCache
-from .config import LINEAR, ModelConfig, PRESETS, load_config
+from .config import LINEAR, ModelConfig, PRESETS
 from .ops import OPS
 from .ops.common import rms_norm
 from .ops.limits import check_supported
@@ -33,8 +37,8 @@ from .protocol import prefill_call
 from .saving import GENERATION_CONFIG, save_checkpoint
 from .quantization import SCALE_SUFFIX
 from .sharding import first_expert, local_config, shard_weights, sharded_shapes
-from .spec import MOE, feed_forward, model_spec, weight_dtype, weight_shapes
-from .weights import load_checkpoint, random_weights, stack_projections
+from .spec import MOE, feed_forward, model_spec, mtp_feed_forward, weight_dtype, weight_shapes
+from .weights import checkpoint_config, load_checkpoint, random_weights, stack_projections
 
 
 class HybridModel(nn.Module):
@@ -58,6 +62,13 @@ class HybridModel(nn.Module):
         self.layers = nn.ModuleList(nn.Module() for _ in range(config.num_hidden_layers))
         for i, layer in enumerate(self.layers):
             layer.feed_forward = feed_forward(config, i)  # its block (spec.py): MOE on config.moe_layers, else MLP
+        if config.mtp_num_hidden_layers:
+            self.mtp = nn.Module()
+            self.mtp.layers = nn.ModuleList(nn.Module() for _ in range(config.mtp_num_hidden_layers))
+            for i, layer in enumerate(self.mtp.layers):
+                layer.feed_forward = mtp_feed_forward(config, i)
+        else:
+            self.mtp = None  # no MTP head
         self._set_weights(weights)
         # layer index -> index into the cache's per-kind pools
         self._pool_index = {i: j for kinds in (config.linear_layers, config.full_layers)
@@ -112,10 +123,13 @@ class HybridModel(nn.Module):
     # construction
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device="cpu", progress: bool = True,
-                        check_finite: bool = True, tp: TensorParallel | None = None) -> "HybridModel":
+                        check_finite: bool = True, tp: TensorParallel | None = None, mtp: bool = True
+                        ) -> "HybridModel":
         """Load a Hugging Face checkpoint folder (config.json + safetensors, single or sharded): Qwen3.5
         (`qwen3_5_text`, multimodal `qwen3_5`), Qwen3.5-MoE (`qwen3_5_moe_text`, multimodal
-        `qwen3_5_moe`) or Qwen3-Next (`qwen3_next`); a vision tower and MTP head are skipped.
+        `qwen3_5_moe`) or Qwen3-Next (`qwen3_next`); a vision tower is skipped. The checkpoint's MTP head
+        (`mtp.*`) is loaded as `model.mtp` when its files hold one (weights.checkpoint_config: whatever
+        config.json declares, a checkpoint without `mtp.*` tensors loads without); mtp=False leaves it unread.
 
         A bad config or checkpoint raises ValueError naming the file and field or tensor.
         `check_finite` rejects NaN / infinite weights; it reads every weight once more on `device`:
@@ -136,7 +150,9 @@ class HybridModel(nn.Module):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"checkpoint folder {path!r} has no config.json (the model's Hugging Face config, "
                              "which transformers' save_pretrained writes beside the weights)")
-        config = load_config(path)
+        if not isinstance(mtp, bool):
+            raise ValueError(f"mtp must be True or False (whether to read the checkpoint's MTP head), got {mtp!r}")
+        config = checkpoint_config(path, mtp)
         try:
             weights, error = load_checkpoint(path, config, dtype, device, progress=progress,
                                              check_finite=check_finite, tp=tp), None
@@ -153,8 +169,8 @@ class HybridModel(nn.Module):
     @classmethod
     def from_preset(cls, preset: str | ModelConfig = "tiny", dtype: torch.dtype = torch.float32, device="cpu",
                     seed: int = 0, tp: TensorParallel | None = None) -> "HybridModel":
-        """A model with seeded random weights: `preset` names one of PRESETS or is a ModelConfig. With
-        `tp`, every rank draws the same full weights and keeps its shard. `dtype` is a torch.dtype or its
+        """A model with seeded random weights: `preset` names one of PRESETS or is a ModelConfig (an MTP head too
+        when its mtp_num_hidden_layers > 0). With `tp`, every rank draws the same full weights and keeps its shard. `dtype` is a torch.dtype or its
         name; on the CPU, weights that would not fit in the memory available are a ValueError first."""
         dtype, device = as_dtype(dtype), as_device(device)
         if isinstance(preset, str):
@@ -249,10 +265,18 @@ class HybridModel(nn.Module):
 
     def logits_of(self, h: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] of hidden states [n, hidden] (hidden_states' rows): the final norm and the LM head."""
-        cfg = self.local
-        h = rms_norm(h, self.norm.weight, cfg.rms_norm_eps)
-        lm_head = self.embed_tokens.weight if cfg.tie_word_embeddings else self.lm_head.weight
-        logits = F.linear(h, lm_head)
+        return self.head(self.normed(h))
+
+    def normed(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm of hidden states [n, hidden] (hidden_states' rows): what the LM head reads, and the
+        hidden state the MTP head takes beside the next token's embedding (speculative/mtp.py)."""
+        return rms_norm(h, self.norm.weight, self.local.rms_norm_eps)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head: logits [n, vocab] of normed hidden states [n, hidden] (the main model's, or the MTP head's,
+        which shares it)."""
+        lm_head = self.embed_tokens.weight if self.local.tie_word_embeddings else self.lm_head.weight
+        logits = F.linear(x, lm_head)
         if self.tp:  # every rank's vocabulary rows, the padding of the last shard cut off
             logits = self.tp.all_gather(logits, 1)[:, :self.config.vocab_size]
         return logits
@@ -323,7 +347,8 @@ class HybridModel(nn.Module):
         c = self.config
         moe = (f", {len(c.moe_layers)} MoE ({c.num_experts} experts, top-{c.num_experts_per_tok})"
                if c.moe_layers else "")
-        return (f"layers={c.num_hidden_layers} ({len(c.linear_layers)} GDN + {len(c.full_layers)} attention{moe}), "
+        mtp = f", MTP head of {c.mtp_num_hidden_layers} layer(s)" if c.mtp_num_hidden_layers else ""
+        return (f"layers={c.num_hidden_layers} ({len(c.linear_layers)} GDN + {len(c.full_layers)} attention{moe}){mtp}, "
                 f"hidden={c.hidden_size}, vocab={c.vocab_size}, dtype={self.dtype}, device={self.device}")
 
 

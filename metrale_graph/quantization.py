@@ -10,7 +10,8 @@ channels ("dynamic"). Which weights may be converted is the weight spec's (spec.
 experts, except the router, the shared-expert gate and lm_head); which of those are converted is
 `modules_to_not_convert`, matched as transformers' `should_convert_module` matches it against its
 module names (`model.layers.0.linear_attn.in_proj_a`; `model.language_model.` in the multimodal
-wrappers; `lm_head`), a pattern being a regular expression matched at the start, or a suffix.
+wrappers; `lm_head`; the MTP head's as its checkpoints name it, `mtp.fc`, `mtp.layers.0.self_attn.q_proj`),
+a pattern being a regular expression matched at the start, or a suffix.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ FP8_METHOD = "fp8"
 FP8_BLOCK = 128  # the only weight_block_size supported, both ways
 SCALE_SUFFIX = "_scale_inv"  # `<module>.weight` -> `<module>.weight_scale_inv`; experts: `gate_up_proj_scale_inv`
 TEXT_PREFIX = "model."  # module names of a text-only causal LM (and of the checkpoints save_pretrained writes)
+MTP_PREFIX = "mtp."  # the multi-token-prediction head's tensors, in our names and in checkpoints (spec.mtp_block)
 # what Qwen's FP8 releases keep in floating point among the modules transformers would convert (the
 # GDN gates' projections; the router, the shared-expert gate and lm_head are never converted here)
 QWEN_KEPT = ("in_proj_a", "in_proj_b", "in_proj_ba")
@@ -41,7 +43,7 @@ class Fp8Config:
         converted: transformers' should_convert_module over its full name."""
         if self.modules_to_not_convert is None:
             return True
-        full = module if module == "lm_head" else self.prefix + module
+        full = checkpoint_module(module, self.prefix)
         return not any(re.match(f"{p}\\.", full) or re.match(p, full) or full.endswith(p)
                        for p in self.modules_to_not_convert)
 
@@ -52,6 +54,12 @@ class Fp8Config:
         return {"quant_method": FP8_METHOD, "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
                 "modules_to_not_convert": None if patterns is None else list(patterns)}
+
+
+def checkpoint_module(module: str, prefix: str = TEXT_PREFIX) -> str:
+    """A module's name in a checkpoint whose text modules start with `prefix`: `lm_head` and the MTP head's
+    (`mtp.`) as they are, the others prefixed."""
+    return module if module == "lm_head" or module.startswith(MTP_PREFIX) else prefix + module
 
 
 def scale_name(weight: str) -> str:

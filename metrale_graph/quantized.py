@@ -16,7 +16,7 @@ import torch
 
 from .config import ModelConfig
 from .ops.fp8.quant import FP8_MAX, dequantize_weight_blocks, quantize_weight_blocks
-from .quantization import Fp8Config, scale_name
+from .quantization import Fp8Config, checkpoint_module, scale_name
 from .spec import EXPERTS, model_spec
 
 EXPERTS_AT_ONCE = 16  # stacked experts quantized per call (transient fp32 copies of that many experts)
@@ -131,8 +131,8 @@ def kept_modules(cfg: ModelConfig, prefix: str = "model.") -> list[str]:
         if spec.kind not in ("projection", EXPERTS) or spec.fp8:
             continue
         fusion = cfg.family.fusion_of(spec.local) if spec.layer is not None else None
-        module = f"layers.{spec.layer}.{fusion.name.rsplit('.', 1)[0]}" if fusion is not None else spec.module
-        name = module if module == "lm_head" else prefix + module
+        module = f"{spec.layer_prefix}{fusion.name.rsplit('.', 1)[0]}" if fusion is not None else spec.module
+        name = checkpoint_module(module, prefix)
         if name not in kept:
             kept.append(name)
     return kept

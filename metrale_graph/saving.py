@@ -22,7 +22,7 @@ import torch
 
 from .config import ModelConfig
 from .quantized import kept_modules
-from .weights import INDEX_FILE, WEIGHTS_FILE, to_checkpoint
+from .weights import INDEX_FILE, WEIGHTS_FILE, checkpoint_key, to_checkpoint
 
 GENERATION_CONFIG = "generation_config.json"
 _SHARD = re.compile(r"(.*?)-\d{5}-of-\d{5}")  # transformers' save_pretrained: a shard of an earlier save
@@ -31,7 +31,8 @@ _SHARD = re.compile(r"(.*?)-\d{5}-of-\d{5}")  # transformers' save_pretrained: a
 def save_checkpoint(weights: dict[str, torch.Tensor], cfg: ModelConfig, folder: str,
                     generation_config: str | None = None) -> None:
     """Write the checkpoint of `weights` (our names, whole tensors) as transformers' save_pretrained writes
-    it for the family (experts one tensor each, the family's fusions fused; an FP8 model's converted weights
+    it for the family (experts one tensor each, the family's fusions fused, the MTP head under `mtp.` as Qwen's
+    checkpoints keep it; an FP8 model's converted weights
     float8_e4m3fn with their fp32 weight_scale_inv, its quantization_config listing the modules it keeps in
     floating point) into `folder` (created when
     missing), with `generation_config` (a generation_config.json path, e.g. the model's source folder's)
@@ -41,8 +42,7 @@ def save_checkpoint(weights: dict[str, torch.Tensor], cfg: ModelConfig, folder: 
 
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ValueError(f"cannot save a checkpoint into {folder!r}: it is a file, not a folder")
-    tensors = {(n if n == "lm_head.weight" else "model." + n): t.detach().contiguous().cpu()
-               for n, t in to_checkpoint(weights, cfg).items()}
+    tensors = {checkpoint_key(n): t.detach().contiguous().cpu() for n, t in to_checkpoint(weights, cfg).items()}
     hf = cfg.to_hf()
     hf["dtype"] = str(weights["embed_tokens.weight"].dtype).removeprefix("torch.")
     if cfg.quantization is not None:  # the modules kept in floating point by name: what was converted reads back

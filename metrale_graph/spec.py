@@ -10,7 +10,17 @@ choice of feed-forward op per layer. Our names are transformers' in-memory modul
 A layer is its two norms, its feed-forward block (`feed_forward`: a sparse MoE block on the layers of
 `config.moe_layers`, else a dense MLP) and its mixer block (by `config.layer_types`: Gated DeltaNet or
 gated full attention), in that order; the embedding comes first, the final norm and the LM head
-(untied models) last. This order is the order of `weight_shapes` and of the random draws.
+(untied models) after the layers, and the multi-token-prediction head (`mtp_block`, when
+config.mtp_num_hidden_layers > 0) last. This order is the order of `weight_shapes` and of the random draws
+(a config with an MTP head draws the same main weights as the one without).
+
+The MTP head (Qwen3.5 / Qwen3-Next checkpoints' `mtp.*`, named as they name it): `mtp.pre_fc_norm_embedding`,
+`mtp.pre_fc_norm_hidden` (zero-centred RMSNorm weights [D]), `mtp.fc` [D, 2 D] (a projection of the two
+normed halves, embedding first; held whole on every tensor-parallel rank), its decoder layers
+`mtp.layers.{i}.*` (each a full-attention layer of the model's kind: norms, feed-forward as
+config.mtp_moe_layers says, gated attention; split over ranks like the main layers), and `mtp.norm`. Its
+layers carry layer indices after the main model's (num_hidden_layers + i) and `layer_prefix`
+`mtp.layers.{i}.`. It shares the embeddings and the LM head (speculative/mtp.py runs it).
 
 FP8 (config.quantization, quantization.py): a weight that may be FP8 (`quantizable`: projections and
 experts but the router, the shared-expert gate and lm_head) and that the quantization_config converts
@@ -97,10 +107,11 @@ class WeightSpec:
     shard: Shard | None = None
     stack: tuple[str, int] | None = None
     parts: tuple[str, ...] = ()
-    layer: int | None = None  # the layer it belongs to (None: embedding, final norm, LM head)
+    layer: int | None = None  # the layer it belongs to (None: embedding, final norm, LM head, MTP fc / norms)
     quantizable: bool = False
     fp8: bool = False
     of: "WeightSpec | None" = None
+    layer_prefix: str = ""  # its layer's part of the name: `layers.3.`, `mtp.layers.0.` ("" outside layers)
 
     @property
     def module(self) -> str:
@@ -110,7 +121,7 @@ class WeightSpec:
     @property
     def local(self) -> str:
         """The name within its layer (`linear_attn.in_proj_qkv.weight`), or the whole name outside layers."""
-        return self.name if self.layer is None else self.name[len(f"layers.{self.layer}."):]
+        return self.name[len(self.layer_prefix):]
 
 
 def _projection(name, out_features, in_features, shard=None, stack=None, quantizable=True) -> WeightSpec:
@@ -214,13 +225,35 @@ def model_spec(cfg: ModelConfig) -> Mapping[str, WeightSpec]:
     moe = set(cfg.moe_layers)
     for i, kind in enumerate(cfg.layer_types):
         block = norms_block(cfg) + FEED_FORWARDS[MOE if i in moe else MLP](cfg) + MIXERS[kind](cfg)
-        specs += [dataclasses.replace(s, name=f"layers.{i}.{s.name}", layer=i) for s in block]
+        specs += _in_layer(block, f"layers.{i}.", i)
     specs.append(_vector("norm.weight", D))
     if not cfg.tie_word_embeddings:
         specs.append(_projection("lm_head.weight", V, D, vocab, quantizable=False))
+    if cfg.mtp_num_hidden_layers:
+        specs += mtp_block(cfg)
     if cfg.quantization is not None:
         specs = _quantized(specs, cfg)
     return MappingProxyType({s.name: s for s in specs})
+
+
+def mtp_feed_forward(cfg: ModelConfig, mtp_layer: int) -> str:
+    """The feed-forward block of MTP layer `mtp_layer` (0 ..): MOE on config.mtp_moe_layers, else MLP."""
+    return MOE if mtp_layer in cfg.mtp_moe_layers else MLP
+
+
+def mtp_block(cfg: ModelConfig) -> list[WeightSpec]:
+    """The multi-token-prediction head (module docstring): the fc's norms and fc, its decoder layers, its norm."""
+    D, L = cfg.hidden_size, cfg.num_hidden_layers
+    specs = [_vector("mtp.pre_fc_norm_embedding.weight", D), _vector("mtp.pre_fc_norm_hidden.weight", D),
+             _projection("mtp.fc.weight", D, 2 * D)]
+    for i in range(cfg.mtp_num_hidden_layers):
+        block = norms_block(cfg) + FEED_FORWARDS[mtp_feed_forward(cfg, i)](cfg) + attention_block(cfg)
+        specs += _in_layer(block, f"mtp.layers.{i}.", L + i)
+    return specs + [_vector("mtp.norm.weight", D)]
+
+
+def _in_layer(block: list[WeightSpec], prefix: str, layer: int) -> list[WeightSpec]:
+    return [dataclasses.replace(s, name=prefix + s.name, layer=layer, layer_prefix=prefix) for s in block]
 
 
 def _quantized(specs: list[WeightSpec], cfg: ModelConfig) -> list[WeightSpec]:
@@ -228,12 +261,13 @@ def _quantized(specs: list[WeightSpec], cfg: ModelConfig) -> list[WeightSpec]:
     out = []
     for s in specs:
         fusion = cfg.family.fusion_of(s.local) if s.layer is not None else None
-        module = f"layers.{s.layer}.{fusion.name.rsplit('.', 1)[0]}" if fusion is not None else s.module
+        module = f"{s.layer_prefix}{fusion.name.rsplit('.', 1)[0]}" if fusion is not None else s.module
         if not (s.quantizable and cfg.quantization.converts(module)):
             out.append(s)
             continue
         s = dataclasses.replace(s, fp8=True)
-        out += [s, WeightSpec(scale_name(s.name), scale_shape(s), SCALE, None, layer=s.layer, parts=s.parts, of=s)]
+        out += [s, WeightSpec(scale_name(s.name), scale_shape(s), SCALE, None, layer=s.layer, parts=s.parts, of=s,
+                              layer_prefix=s.layer_prefix)]
     return out
 
 

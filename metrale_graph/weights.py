@@ -27,10 +27,10 @@ from typing import Callable, NamedTuple
 import torch
 from tqdm.auto import tqdm
 
-from .config import ModelConfig
+from .config import ModelConfig, load_config
 from .families import FAMILIES, Fusion
 from .placement import as_device, as_dtype, check_host_memory
-from .quantization import FP8_BLOCK, scale_name
+from .quantization import FP8_BLOCK, MTP_PREFIX, TEXT_PREFIX, scale_name
 from .quantized import scale_problem
 from .sharding import (expert_part_ranges, first_expert, fusion_ranges, local_config, pad_shards, sharded_shapes, take,
                        weight_ranges)
@@ -42,13 +42,14 @@ WEIGHTS_FILE = "model.safetensors"  # a checkpoint in one file, or sharded with 
 INDEX_FILE = "model.safetensors.index.json"
 # PyTorch pickle checkpoints (torch.save; not read): transformers' older format, and its sharded index
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".bin.index.json")
-# Checkpoint prefixes of the language model, most specific first, and of the parts of a multimodal / MTP
-# checkpoint that a text prefill never uses: those of every family (families.py).
+# Checkpoint prefixes of the language model, most specific first, and of the part of a multimodal checkpoint
+# that a text model never uses (the vision tower): those of every family (families.py).
 _TEXT_PREFIXES = tuple(sorted({m.text_prefix for f in FAMILIES.values() for m in f.multimodal} | {"model."},
                               key=len, reverse=True))
-SKIPPED_PREFIXES = tuple(dict.fromkeys(p for f in FAMILIES.values()
-                                        for p in (*(q for m in f.multimodal for q in m.skipped_prefixes),
-                                                  *f.skipped_prefixes)))
+SKIPPED_PREFIXES = tuple(dict.fromkeys(p for f in FAMILIES.values() for m in f.multimodal for p in m.skipped_prefixes))
+# where checkpoints keep the MTP head (spec.mtp_block): Qwen's at the top (`mtp.fc.weight`, also in the multimodal
+# wrappers), some under `model.`; our names are `mtp.*`, and save_pretrained writes them so
+MTP_KEYS = (MTP_PREFIX, TEXT_PREFIX + MTP_PREFIX)
 
 
 def stack_projections(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -138,7 +139,7 @@ def _layout(cfg: ModelConfig, experts_apart: bool = True) -> list[_Stored]:
                 fusion = _scale_fusion(fusion, cfg, spec.layer)
             if (spec.layer, fusion.name) not in fused:
                 fused.add((spec.layer, fusion.name))
-                out.append(_Stored(f"layers.{spec.layer}.{fusion.name}", (fusion.rows(cfg), *spec.shape[1:]), spec,
+                out.append(_Stored(f"{spec.layer_prefix}{fusion.name}", (fusion.rows(cfg), *spec.shape[1:]), spec,
                                    fusion=fusion))
         elif weight.kind == EXPERTS and experts_apart:
             E, rows, *rest = spec.shape
@@ -151,7 +152,7 @@ def _layout(cfg: ModelConfig, experts_apart: bool = True) -> list[_Stored]:
 
 
 def _members(stored: _Stored, weights: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    return [weights[f"layers.{stored.spec.layer}.{m}"] for m in stored.fusion.members]
+    return [weights[f"{stored.spec.layer_prefix}{m}"] for m in stored.fusion.members]
 
 
 def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -179,10 +180,11 @@ def hf_state_dict(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     stacked as its `experts.gate_up_proj` / `down_proj`, the family's fusions fused): what a
     transformers model of the same weights loads (the benchmarks' peer, the GPU parity tests). An FP8
     model's scales go by transformers' FP8 modules' names (`weight_scale_inv`, `gate_up_proj_scale_inv`);
-    its bf16 peer takes quantized.dequantize_weights first."""
+    its bf16 peer takes quantized.dequantize_weights first. transformers' models have no MTP head: its weights
+    are left out."""
     out = {s.name: s.fusion.fuse(_members(s, weights), cfg) if s.fusion is not None else weights[s.name]
-           for s in _layout(cfg, experts_apart=False)}
-    return {(n if n == "lm_head.weight" else "model." + n): t.contiguous() for n, t in out.items()}
+           for s in _layout(cfg, experts_apart=False) if not s.name.startswith(MTP_PREFIX)}
+    return {checkpoint_key(n): t.contiguous() for n, t in out.items()}
 
 
 class _Piece(NamedTuple):
@@ -257,7 +259,7 @@ class _Assembler:
         return place
 
     def _split(self, stored: _Stored):
-        prefix = f"layers.{stored.spec.layer}."
+        prefix = stored.spec.layer_prefix
 
         def place(t):
             t = self._converted(t, stored.spec)
@@ -294,17 +296,57 @@ class _Assembler:
                              "stores such tensors in bf16 / fp16 / fp32")
 
 
-def our_name(key: str) -> str | None:
+def our_name(key: str, mtp: bool = True) -> str | None:
     """Checkpoint key -> our name (checkpoint_shapes' names: experts one tensor each, fusions fused); None for
-    tensors a text prefill skips (the vision tower, the MTP head: SKIPPED_PREFIXES)."""
+    tensors the model does not read: the vision tower's (SKIPPED_PREFIXES), and with mtp=False (a config without
+    an MTP head) the MTP head's."""
     if key.startswith(SKIPPED_PREFIXES):
         return None
+    if key.startswith(MTP_KEYS):
+        return key[key.index(MTP_PREFIX):] if mtp else None
     if key == "lm_head.weight":
         return key
     for prefix in _TEXT_PREFIXES:
         if key.startswith(prefix):
             return key[len(prefix):]
     return key
+
+
+def checkpoint_key(name: str) -> str:
+    """Our name -> the key save_pretrained writes (a text checkpoint's: `model.` but for lm_head and the MTP head)."""
+    return name if name == "lm_head.weight" or name.startswith(MTP_PREFIX) else TEXT_PREFIX + name
+
+
+def stored_mtp_layers(folder: str) -> int:
+    """The MTP layers a checkpoint's tensors hold, from the files' headers: 0 without any MTP tensor (MTP_KEYS),
+    else 1 + the largest i of its `mtp.layers.{i}.` tensors (1 when it names none: the loader names what lacks)."""
+    from safetensors import SafetensorError, safe_open
+
+    found, layers = False, -1
+    for path in checkpoint_files(folder):
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                keys = list(f.keys())
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"cannot read safetensors file {path}: {e}") from None
+        for key in keys:
+            if key.startswith(MTP_KEYS):
+                found = True
+                rest = key[key.index(MTP_PREFIX) + len(MTP_PREFIX):].split(".")
+                if len(rest) > 2 and rest[0] == "layers" and rest[1].isdigit():
+                    layers = max(layers, int(rest[1]))
+    return 0 if not found else max(layers + 1, 1)
+
+
+def checkpoint_config(folder: str, mtp: bool = True) -> ModelConfig:
+    """The config of a checkpoint folder (load_config) with its MTP layers settled by its tensors (config.py): none
+    when the files hold no MTP tensor (transformers' save_pretrained drops them; its config.json still declares
+    them) or with mtp=False (the head is not read), else the count config.json declares, or where it declares
+    none (Qwen3-Next's files) the count the tensors name."""
+    cfg = load_config(folder)
+    stored = stored_mtp_layers(folder) if mtp else 0
+    layers = (cfg.mtp_num_hidden_layers or stored) if stored else 0
+    return cfg if layers == cfg.mtp_num_hidden_layers else cfg.replace(mtp_num_hidden_layers=layers)
 
 
 def checkpoint_files(folder: str) -> list[str]:
@@ -374,7 +416,7 @@ def _plan(files: list[str], asm: _Assembler, cfg: ModelConfig) -> tuple[list[_Re
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for key in f.keys():
-                    name = our_name(key)
+                    name = our_name(key, mtp=cfg.mtp_num_hidden_layers > 0)
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:
                         _check_header(f.get_slice(key), key, path, asm.pieces[EMBEDDINGS], asm)
                         tied_head = (key, path)
@@ -475,7 +517,8 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
     the tensor and its file for a missing, unexpected, duplicate, mis-shaped or wrongly typed one (per
     expert: `layers.3.mlp.experts.17.up_proj.weight`; an FP8 weight that is not float8_e4m3fn, a scale
     for a module that is not converted), and for a file safetensors cannot read. Tensors of the vision
-    tower and the MTP head are skipped. A tied model takes a stored lm_head equal to the embeddings as
+    tower are skipped, and the MTP head's when the config has none (checkpoint_config settles whether it
+    does); a config with one needs all of it. A tied model takes a stored lm_head equal to the embeddings as
     tied and refuses (ValueError naming tie_word_embeddings) one that differs: transformers does not tie
     such a pair, it runs the stored lm_head. A tied checkpoint storing lm_head alone (safetensors'
     save_model names the pair so) gives the embeddings, as in transformers.

@@ -2,9 +2,9 @@
 arguments, not from ModelConfig.to_hf) and save_pretrained, for every family and multimodal wrapper: single
 file and sharded, fp32 / bf16 / fp16, tied and untied (the pair stored under either name), with what
 transformers' and Qwen's files carry beyond what a text prefill reads (architectures, torch_dtype in place of
-dtype, transformers_version, the mrope rope_parameters, attn_output_gate and mtp_* fields with an MTP head's
-tensors, a vision tower), loaded and run against transformers on the same folder (fp32, relative error
-<= 1e-4). FP8: a checkpoint written by transformers' FineGrainedFP8 quantizer, and ones in Qwen's published
+dtype, transformers_version, the mrope rope_parameters, attn_output_gate and mtp_* fields, a vision tower), loaded
+and run against transformers on the same folder (fp32, relative error <= 1e-4); a whole MTP head in Qwen's layout
+(mtp_head, declared in config.json or not) loads as the model's own. FP8: a checkpoint written by transformers' FineGrainedFP8 quantizer, and ones in Qwen's published
 layout written here (bf16 scales, the quantization_config at the top or in text_config, Qwen's explicit
 modules_to_not_convert, per-expert and stacked experts, an FP8 MTP head), against transformers on the
 dequantized weights (weight-only within metrics.fp32_model_bound: fp32's reordering of sums). Other quantization methods, and folders no loader should take
@@ -98,19 +98,40 @@ def add_tensors(folder, tensors: dict[str, torch.Tensor]) -> None:
         save_file({**load_file(path), **tensors}, path, metadata={"format": "pt"})
 
 
-def mtp_head(hidden: int, expert_rows: int, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Some tensors of the multi-token-prediction head Qwen's checkpoints carry (`mtp.`), which transformers
-    and a text prefill do not read."""
-    g = torch.Generator().manual_seed(5)
+def mtp_head(family: str, dtype=torch.bfloat16, seed: int = 5, **sizes) -> dict[str, torch.Tensor]:
+    """A whole multi-token-prediction head (`mtp.`) as Qwen's checkpoints carry it, named and shaped from the
+    format (written here, not by our saver): the fc and its two norms, one full-attention decoder layer of the
+    family's kind (a dense MLP for Qwen3.5, per-expert tensors, a router, a shared expert and its gate for the
+    MoE families), the final norm. `sizes` override TEXT / MOE's. transformers does not read it."""
+    z = {**TEXT, **({} if family == "qwen3_5_text" else MOE), **sizes}
+    g = torch.Generator().manual_seed(seed)
 
     def draw(*shape):
-        return torch.randn(*shape, generator=g).to(dtype)
+        return (torch.randn(*shape, generator=g) / (shape[-1] ** 0.5 if len(shape) > 1 else 5)).to(dtype)
 
-    return {"mtp.fc.weight": draw(hidden, 2 * hidden), "mtp.norm.weight": draw(hidden),
-            "mtp.pre_fc_norm_embedding.weight": draw(hidden), "mtp.pre_fc_norm_hidden.weight": draw(hidden),
-            "mtp.layers.0.input_layernorm.weight": draw(hidden),
-            "mtp.layers.0.self_attn.q_proj.weight": draw(128, hidden),
-            "mtp.layers.0.mlp.experts.0.gate_proj.weight": draw(expert_rows, hidden)}
+    D, HD, HQ, HKV = z["hidden_size"], z["head_dim"], z["num_attention_heads"], z["num_key_value_heads"]
+    layer = "mtp.layers.0."
+    out = {"mtp.fc.weight": draw(D, 2 * D), "mtp.norm.weight": draw(D), "mtp.pre_fc_norm_embedding.weight": draw(D),
+           "mtp.pre_fc_norm_hidden.weight": draw(D), layer + "input_layernorm.weight": draw(D),
+           layer + "post_attention_layernorm.weight": draw(D),
+           layer + "self_attn.q_proj.weight": draw(2 * HQ * HD, D), layer + "self_attn.k_proj.weight": draw(HKV * HD, D),
+           layer + "self_attn.v_proj.weight": draw(HKV * HD, D), layer + "self_attn.o_proj.weight": draw(D, HQ * HD),
+           layer + "self_attn.q_norm.weight": draw(HD), layer + "self_attn.k_norm.weight": draw(HD)}
+    if family == "qwen3_5_text":
+        I = z["intermediate_size"]
+        out.update({layer + "mlp.gate_proj.weight": draw(I, D), layer + "mlp.up_proj.weight": draw(I, D),
+                    layer + "mlp.down_proj.weight": draw(D, I)})
+        return out
+    E, IE, IS = z["num_experts"], z["moe_intermediate_size"], z["shared_expert_intermediate_size"]
+    out.update({layer + "mlp.gate.weight": draw(E, D), layer + "mlp.shared_expert_gate.weight": draw(1, D),
+                layer + "mlp.shared_expert.gate_proj.weight": draw(IS, D),
+                layer + "mlp.shared_expert.up_proj.weight": draw(IS, D),
+                layer + "mlp.shared_expert.down_proj.weight": draw(D, IS)})
+    for e in range(E):
+        out.update({f"{layer}mlp.experts.{e}.gate_proj.weight": draw(IE, D),
+                    f"{layer}mlp.experts.{e}.up_proj.weight": draw(IE, D),
+                    f"{layer}mlp.experts.{e}.down_proj.weight": draw(D, IE)})
+    return out
 
 
 def qwen_fields(multimodal: bool, family: str):
@@ -155,15 +176,32 @@ def test_transformers_checkpoints_load_and_match(tmp_path, family, multimodal, d
     model = transformers_model(family, multimodal, tie, partial_rotary_factor=0.5).to(dtype)
     model.save_pretrained(folder, **({"max_shard_size": "60KB"} if sharded else {}))
     assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json")) == sharded
-    if extras in ("qwen", "mtp"):
-        add_tensors(folder, mtp_head(TEXT["hidden_size"], MOE["moe_intermediate_size"]))
+    head = mtp_head(family, partial_rotary_factor=0.5) if extras in ("qwen", "mtp") else {}
+    if head:
+        add_tensors(folder, head)
     if extras == "qwen":
         edit_config(folder, qwen_fields(multimodal, family))
     elif extras == "legacy-rope":
         edit_config(folder, legacy_rope(multimodal))
     ours = HybridModel.from_pretrained(folder, progress=False)
     assert ours.config.model_type == family and ours.config.tie_word_embeddings == tie
+    assert_mtp_head(ours, head)
     check_parity(ours, load_transformers(folder, multimodal), ours.config, LENGTHS)
+
+
+def assert_mtp_head(model, head: dict[str, torch.Tensor]) -> None:
+    """The model holds the MTP head `head` (checkpoint tensors, mtp_head's) in its dtype, and nothing else under
+    mtp. (no head: model.mtp is None)."""
+    from metrale_graph.weights import to_checkpoint
+
+    if not head:
+        assert model.mtp is None
+        return
+    stored = {k: v for k, v in to_checkpoint(dict(model.named_parameters()), model.config).items()
+              if k.startswith("mtp.")}
+    assert sorted(stored) == sorted(head)
+    for key, tensor in head.items():
+        assert torch.equal(stored[key], tensor.to(stored[key].dtype)), key
 
 
 
@@ -362,7 +400,7 @@ def test_qwen_layout_fp8_checkpoints(tmp_path, family, multimodal, text_config, 
         sizes["moe_intermediate_size"] = 256
     transformers_model(family, multimodal, **sizes).to(torch.bfloat16).save_pretrained(src)
     ref = write_qwen_fp8(src, dst, text_config=text_config, scale_dtype=scale_dtype, stacked=stacked,
-                         mtp=mtp_head(sizes["hidden_size"], 72))
+                         mtp=mtp_head(family, **sizes))
     ours = HybridModel.from_pretrained(dst, progress=False)
     kinds = {n.split(".")[-2] for n, p in ours.named_parameters() if p.dtype == torch.float8_e4m3fn}
     assert {"in_proj_qkv", "out_proj", "o_proj"} <= kinds and not kinds & {"in_proj_a", "in_proj_b", "gate"}

@@ -8,10 +8,10 @@ a `quantization_config` in config.json. Prints what it converted; ends with one 
 
 Converted: the projections and experts the weight spec allows (attention q/k/v/o, GDN in_proj_qkv / z /
 b / a / out_proj or Qwen3-Next's fused in_proj_qkvz / in_proj_ba, MLP and shared-expert gate / up /
-down, every routed expert), less the modules matching --modules-to-not-convert (transformers' patterns;
-default Qwen's: in_proj_a, in_proj_b, in_proj_ba). The router, the shared-expert gate, lm_head,
-embeddings, norms and the conv stay as they are, and so do the vision tower and MTP head of a
-checkpoint that has them. The checkpoint keeps its layout (tensor names, per-expert tensors, fusions
+down, every routed expert, and an MTP head's fc and its layer's projections), less the modules matching
+--modules-to-not-convert (transformers' patterns; default Qwen's: in_proj_a, in_proj_b, in_proj_ba). The
+router, the shared-expert gate, lm_head, embeddings, norms and the conv stay as they are, and so does the
+vision tower of a checkpoint that has one. The checkpoint keeps its layout (tensor names, per-expert tensors, fusions
 as stored), except experts stored stacked (transformers 5's `experts.gate_up_proj` [E, 2I, D] /
 `experts.down_proj`): those are written one tensor per expert and part with their scales, as Qwen's FP8
 releases and transformers' FP8 quantizer write them (a stacked gate | up whose parts are not whole
@@ -73,15 +73,15 @@ def plan(folder: str, patterns: list[str] | None):
     whole 128-row blocks, a tensor the config does not need, ...)."""
     import dataclasses
 
-    from metrale_graph.config import load_config
     from metrale_graph.families import MULTIMODAL
     from metrale_graph.quantized import fp8_config
-    from metrale_graph.weights import check_checkpoint
+    from metrale_graph.weights import check_checkpoint, checkpoint_config
 
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"{folder} has no config.json")
-    cfg = load_config(path)  # a ValueError naming the file for one that cannot be read or is not valid
+    # a ValueError naming the file for one that cannot be read or is not valid; the MTP head as the files hold it
+    cfg = checkpoint_config(folder)
     with open(path) as f:
         raw = json.load(f)
     if cfg.quantization is not None:
