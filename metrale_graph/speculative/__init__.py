@@ -1,5 +1,7 @@
 """Speculative decoding's pieces (issue 39), apart from the engine: draft, then verify, then accept.
 
+- options.py: the user's `speculative=` option checked against the model (`check_speculative`).
+- proposers.py: `ngram_propose`, prompt lookup over a stream's tokens (no weights).
 - acceptance.py: `target_probabilities`, `draw_uniforms`, `rejection_sample`: batched greedy acceptance and
   speculative rejection sampling.
 
@@ -8,5 +10,8 @@ engine's.
 """
 
 from .acceptance import EMPTY, Accepted, draw_uniforms, rejection_sample, target_probabilities
+from .options import METHODS, Speculative, check_speculative
+from .proposers import ngram_propose
 
-__all__ = ["EMPTY", "Accepted", "draw_uniforms", "rejection_sample", "target_probabilities"]
+__all__ = ["EMPTY", "Accepted", "METHODS", "Speculative", "check_speculative", "draw_uniforms", "ngram_propose",
+           "rejection_sample", "target_probabilities"]

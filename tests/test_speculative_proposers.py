@@ -1,0 +1,99 @@
+"""Prompt lookup (the `ngram` proposer) as a host function over token lists, against a plain reference on random
+lists; its rules case by case (no match, the longest suffix first, the most recent of several matches, k and the
+end of the list limiting what it proposes); and the `speculative=` option's checks (speculative/options.py)."""
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import moe_config, tiny_config
+from metrale_graph import HybridModel
+from metrale_graph.speculative import Speculative, check_speculative, ngram_propose
+
+
+def reference(tokens, k, low=2, high=4):
+    """Prompt lookup as the rule reads, one n and one start at a time."""
+    for n in range(high, low - 1, -1):
+        if len(tokens) <= n:
+            continue
+        suffix = tokens[-n:]
+        for i in range(len(tokens) - n - 1, -1, -1):
+            if tokens[i:i + n] == suffix:
+                return tokens[i + n:i + n + k]
+    return []
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(([1, 2, 3, 4, 5], 3, []), id="no-match"),
+    pytest.param(([], 3, []), id="empty"),
+    pytest.param(([7], 3, []), id="one-token"),
+    pytest.param(([7, 7], 3, []), id="shorter-than-an-earlier-pair"),
+    pytest.param(([1, 2, 9, 9, 1, 2], 3, [9, 9, 1]), id="pair"),
+    pytest.param(([1, 2, 5, 0, 2, 6, 0, 1, 2], 2, [5, 0]), id="k-limits"),
+    pytest.param(([1, 2, 3, 8, 1, 2, 3, 4, 9, 2, 3], 5, [4, 9, 2, 3]), id="most-recent-of-two"),
+    pytest.param(([4, 1, 2, 3, 7, 5, 2, 3, 6, 4, 1, 2, 3], 2, [7, 5]), id="longest-suffix-first"),
+    pytest.param(([5, 5, 5, 5], 3, [5]), id="overlapping-runs-to-the-end"),
+    pytest.param(([3, 1, 2, 3, 1, 2], 10, [3, 1, 2]), id="the-list-ends-first"),
+])
+def test_prompt_lookup_cases(case):
+    tokens, k, want = case
+    assert ngram_propose(tokens, k) == want == reference(tokens, k)
+    assert ngram_propose(np.array(tokens, dtype=np.int64), k) == want
+    assert ngram_propose(torch.tensor(tokens, dtype=torch.int64), k) == want
+
+
+def test_prompt_lookup_against_the_reference_on_random_lists():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        tokens = torch.randint(0, 1 + trial % 6, (int(torch.randint(0, 40, (1,), generator=g)),), generator=g).tolist()
+        k = 1 + trial % 5
+        low, high = (2, 4) if trial % 3 else (1, 3)
+        assert ngram_propose(tokens, k, low, high) == reference(tokens, k, low, high), (tokens, k, low, high)
+
+
+def test_prompt_lookup_arguments_are_checked():
+    with pytest.raises(ValueError, match="k .* must be an integer >= 1, got 0"):
+        ngram_propose([1, 2, 1, 2], 0)
+    with pytest.raises(ValueError, match="1 <= min_n <= max_n, got 3 and 2"):
+        ngram_propose([1, 2, 1, 2], 2, min_n=3, max_n=2)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return HybridModel.from_preset(tiny_config(mtp_num_hidden_layers=1)), HybridModel.from_preset(tiny_config())
+
+
+def test_the_speculative_option(models):
+    with_head, without = models
+    assert check_speculative(None, without) is None
+    assert check_speculative("ngram", without) == Speculative("ngram", 3)
+    assert check_speculative("mtp", with_head) == Speculative("mtp", 1)
+    assert check_speculative({"method": "mtp", "num_tokens": 4}, with_head) == Speculative("mtp", 4)
+    assert check_speculative({"method": "ngram", "num_tokens": np.int64(2)}, without) == Speculative("ngram", 2)
+
+
+@pytest.mark.parametrize("option, match", [
+    ("eagle", "unknown speculative method 'eagle'; expected one of 'mtp', 'ngram'"),
+    ({"num_tokens": 2}, "speculative needs a 'method'"),
+    ({"method": "ngram", "k": 2}, r"unknown key\(s\) 'k'"),
+    ({"method": "ngram", "num_tokens": 0}, "num_tokens .* must be an integer >= 1, got 0"),
+    ({"method": "ngram", "num_tokens": 2.5}, "got 2.5"),
+    ({"method": "ngram", "num_tokens": True}, "got True"),
+    ({"method": "ngram", "num_tokens": "3"}, "got '3'"),
+    (3, "speculative must be None, a method name"),
+])
+def test_bad_speculative_options_are_named(models, option, match):
+    with pytest.raises(ValueError, match=match):
+        check_speculative(option, models[0])
+
+
+def test_mtp_on_a_model_without_a_head_names_what_is_missing(models):
+    with pytest.raises(ValueError, match=r"'mtp' needs the model's multi-token-prediction head, and this model has "
+                                         r"none: no mtp\.\* weights .*mtp_num_hidden_layers >= 1"):
+        check_speculative("mtp", models[1])
+    nxt = HybridModel.from_preset(moe_config("qwen3_next"))
+    with pytest.raises(ValueError, match="num_nextn_predict_layers >= 1"):
+        check_speculative({"method": "mtp", "num_tokens": 2}, nxt)
+    two = HybridModel.from_preset(tiny_config(mtp_num_hidden_layers=2))
+    with pytest.raises(ValueError, match="drafts with one MTP layer; this model's head has 2"):
+        check_speculative("mtp", two)
