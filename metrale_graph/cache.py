@@ -4,7 +4,12 @@ Per GDN layer (in `config.linear_layers` order):
     conv_states[j]: [S+1, C, W-1] model dtype    gdn_states[j]: [S+1, HV, K, V] float32
 Per attention layer (in `config.full_layers` order):
     k_caches[j], v_caches[j]: [NB+1, BS, HKV, HD] model dtype
-and one block table for all layers: block_tables [S+1, MB] int32.
+and one block table for all layers: block_tables [S+1, MB] int32. A model with an MTP head
+(config.mtp_num_hidden_layers > 0) has, per MTP layer, its attention's pools of the same shape:
+    mtp_k_caches[i], mtp_v_caches[i]: [NB+1, BS, HKV, HD] model dtype
+indexed by the same block table: the MTP's entry of position p sits where the main model's of p does, so
+it needs no blocks of its own. `mtp_context_lens[slot]`: how many positions of the slot the MTP head has
+caught up on (speculative/mtp.py); 0 after a reset or a prefix restore.
 
 Slot S (`scratch_slot`) and block NB (`null_block`) exist only for padding: no stream is
 ever given them, so padding never reads or writes a real slot or block. Unused block-table
@@ -96,6 +101,9 @@ class HybridCache:
                                for _ in cfg.linear_layers]
             self.k_caches = [torch.zeros(kv_shape, dtype=dtype, device=self.device) for _ in cfg.full_layers]
             self.v_caches = [torch.zeros(kv_shape, dtype=dtype, device=self.device) for _ in cfg.full_layers]
+            mtp_layers = range(cfg.mtp_num_hidden_layers)
+            self.mtp_k_caches = [torch.zeros(kv_shape, dtype=dtype, device=self.device) for _ in mtp_layers]
+            self.mtp_v_caches = [torch.zeros(kv_shape, dtype=dtype, device=self.device) for _ in mtp_layers]
             self.block_tables = torch.full((S, self.max_blocks_per_slot), self.null_block, dtype=torch.int32,
                                            device=self.device)
             # prefix caching (prefix_cache.py): GDN state checkpoints, entry P the scratch entry
@@ -114,6 +122,7 @@ class HybridCache:
                                        if NC else None)
         self.prefix_checkpoints, self.checkpoint_interval = prefix_checkpoints, checkpoint_interval
         self.context_lens = [0] * num_slots
+        self.mtp_context_lens = [0] * num_slots  # the positions whose MTP KV entries are written
         self._blocks: list[list[int]] = [[] for _ in range(num_slots)]
         self._index = PrefixIndex(num_blocks, block_size, prefix_checkpoints)  # block refs and keys, checkpoints
         # with prefix caching, each slot's tokens and its full blocks' chain hashes (what its blocks hold)
@@ -447,7 +456,7 @@ class HybridCache:
             for b in reversed(self._blocks[slot]):
                 self._index.drop(b)
             self._blocks[slot] = []
-            self.context_lens[slot] = 0
+            self.context_lens[slot] = self.mtp_context_lens[slot] = 0
             self._tokens[slot], self._hashes[slot] = [], []
         try:
             index = to_device(int_tensor(slots), self.device)
@@ -463,7 +472,8 @@ class HybridCache:
         pools, block tables and prefix caching's checkpoint pools) and the host bookkeeping (contexts, blocks,
         tokens and chain hashes, the prefix index: ref counts, labels, checkpoint entries)."""
         return CacheSnapshot(weakref.ref(self), [t.clone() for t in self.state_tensors()],
-                             copy.deepcopy((self.context_lens, self._blocks, self._index, self._tokens, self._hashes)))
+                             copy.deepcopy((self.context_lens, self.mtp_context_lens, self._blocks, self._index,
+                                            self._tokens, self._hashes)))
 
     def restore(self, snapshot: CacheSnapshot) -> None:
         """Put the cache back to a snapshot() of itself (in place: captured graphs stay valid). Anything else
@@ -482,8 +492,8 @@ class HybridCache:
                 self._index.clear()
                 self._reset(list(range(self.num_slots)))
                 raise
-            ctx, self._blocks, self._index, self._tokens, self._hashes = copy.deepcopy(snapshot.host)
-            self.context_lens[:] = ctx
+            ctx, mtp_ctx, self._blocks, self._index, self._tokens, self._hashes = copy.deepcopy(snapshot.host)
+            self.context_lens[:], self.mtp_context_lens[:] = ctx, mtp_ctx
 
     # the pools in one order, which the ONNX export's inputs and outputs follow
     _POOL_KINDS = (("conv_states", "conv_state", "linear_layers"), ("gdn_states", "gdn_state", "linear_layers"),
@@ -511,9 +521,11 @@ class HybridCache:
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every device tensor of the cache (for snapshots in tests and tools): pools(), the block tables, then
-        with prefix caching the checkpoint pools and the step's checkpoint targets."""
+        with prefix caching the checkpoint pools and the step's checkpoint targets, then the MTP head's KV pools
+        (which the step does not touch: not in pools())."""
         targets = [t for t in (self.checkpoint_tokens, self.checkpoint_entries) if t is not None]
-        return self.pools() + [self.block_tables] + self.checkpoint_conv_states + self.checkpoint_gdn_states + targets
+        return (self.pools() + [self.block_tables] + self.checkpoint_conv_states + self.checkpoint_gdn_states + targets
+                + self.mtp_k_caches + self.mtp_v_caches)
 
     def __getstate__(self):  # pickle (torch.save): a new lock, and no owner (a weak reference cannot be saved,
         # and the model may not exist where the cache is loaded): the first model to use the loaded cache claims it
@@ -568,7 +580,8 @@ def _pool_asks(cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: in
     states = len(cfg.linear_layers) * (cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * dtype.itemsize
                                        + cfg.linear_num_value_heads * cfg.linear_key_head_dim
                                        * cfg.linear_value_head_dim * 4)  # one slot's (or checkpoint's)
-    kv_block = 2 * len(cfg.full_layers) * block_size * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+    kv_layers = len(cfg.full_layers) + cfg.mtp_num_hidden_layers  # the MTP head's attention layers have pools too
+    kv_block = 2 * kv_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
     table_row = -(-max_context // block_size) * 4
     asks = [(f"slot states (num_slots={num_slots})", (num_slots + 1) * (states + table_row)),
             (f"KV blocks (num_blocks={num_blocks} of block_size={block_size})", (num_blocks + 1) * kv_block)]

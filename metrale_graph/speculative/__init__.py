@@ -2,16 +2,19 @@
 
 - options.py: the user's `speculative=` option checked against the model (`check_speculative`).
 - proposers.py: `ngram_propose`, prompt lookup over a stream's tokens (no weights).
+- mtp.py: the checkpoint's MTP head as a drafter: `mtp_hidden_states` (its step), `draft_mtp` (k drafts for a
+  stream, eager).
 - acceptance.py: `target_probabilities`, `draw_uniforms`, `rejection_sample`: batched greedy acceptance and
   speculative rejection sampling.
 
 The verify step (the main model over each stream's last token and drafts) and its state handling are the
-engine's.
+engine's; docs/DESIGN.md ("Speculative decoding") has the plan.
 """
 
 from .acceptance import EMPTY, Accepted, draw_uniforms, rejection_sample, target_probabilities
+from .mtp import Draft, draft_mtp, mtp_hidden_states
 from .options import METHODS, Speculative, check_speculative
 from .proposers import ngram_propose
 
-__all__ = ["EMPTY", "Accepted", "METHODS", "Speculative", "check_speculative", "draw_uniforms", "ngram_propose",
-           "rejection_sample", "target_probabilities"]
+__all__ = ["EMPTY", "Accepted", "Draft", "METHODS", "Speculative", "check_speculative", "draft_mtp",
+           "draw_uniforms", "mtp_hidden_states", "ngram_propose", "rejection_sample", "target_probabilities"]

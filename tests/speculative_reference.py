@@ -1,0 +1,117 @@
+"""Speculative decoding without the engine, for tests: the main model's normed hidden states through the prefill
+protocol, plain greedy decoding, a greedy speculative decoding loop over our pieces (draft, verify, accept), and
+the bigram checkpoint of issue 39's done-when.
+
+    tokens, steps = speculative_greedy(model, prompt, new_tokens, k, method="mtp")   # steps: (drafts, accepted)
+
+The loop keeps exact state the plain way: each verify runs on a snapshot of the cache, which is then put back and
+given the accepted tokens alone (a stream's GDN state cannot drop the rejected drafts' tokens). The engine's
+verify will keep per-token state checkpoints instead (docs/DESIGN.md, "Speculative decoding").
+
+The bigram checkpoint: every output projection of the main model is zero (GDN out_proj, attention o_proj, MLP and
+expert down projections), so its residual stream carries the current token's embedding alone to the head and the
+next token depends on the current one only; the MTP head computes the same function: its fc passes the embedding
+half (identity on it, zero on the hidden half), its layer's output projections are zero, its pre-fc embedding norm
+is the identity (w 0) and its final norm the model's. Its drafts are then the model's own greedy continuation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metrale_graph import HybridModel, Stream
+from metrale_graph.protocol import prefill_call
+from metrale_graph.sampling import SamplingParams
+from metrale_graph.speculative import draft_mtp, ngram_propose, rejection_sample, target_probabilities
+
+OUTPUTS = ("linear_attn.out_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight",
+           "mlp.experts.down_proj", "mlp.shared_expert.down_proj.weight")  # a layer's projections into the residual
+
+
+@torch.no_grad()
+def prefill_hidden(model, cache, slot: int, tokens: list[int]) -> torch.Tensor:
+    """model.prefill of one stream, returning the normed hidden states [len(tokens), D] of its positions
+    (model.normed of hidden_states' rows: the LM head's input, the MTP head's hidden input)."""
+    rows = []
+
+    def step(batch):
+        h = model.hidden_states(cache, batch)
+        rows.append(model.normed(h[:len(tokens)]))
+        last = (batch.cu_seqlens[1:].long() - 1).clamp(min=0)
+        return model.logits_of(h[last])
+
+    with prefill_call(model, cache, [Stream(slot, tokens)]) as call:
+        call.run(step)
+    return rows[0]
+
+
+@torch.no_grad()
+def greedy_decode(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """Plain greedy decoding, one token per step."""
+    cache = model.new_cache(1, 64, 16)
+    logits = model.prefill(cache, [Stream(0, prompt)])
+    out = []
+    for _ in range(new_tokens):
+        out.append(int(logits[0].argmax()))
+        logits = model.prefill(cache, [Stream(0, out[-1:])])
+    return out
+
+
+@torch.no_grad()
+def speculative_greedy(model, prompt: list[int], new_tokens: int, k: int, method: str = "mtp"):
+    """Greedy speculative decoding of `new_tokens` tokens (the last step's extra ones cut off) with `method`'s
+    drafts ("mtp": draft_mtp; "ngram": ngram_propose over prompt and output). Returns (tokens, steps): steps[i] =
+    (drafts proposed, drafts accepted) of verify step i."""
+    cache = model.new_cache(1, 64, 16)
+    hidden = prefill_hidden(model, cache, 0, prompt)
+    out = [int(model.head(hidden[-1:])[0].argmax())]
+    follow = prompt[1:] + out  # the MTP head's tokens beside `hidden`: each position's next token
+    steps = []
+    while len(out) < new_tokens:
+        if method == "mtp":
+            drafts = draft_mtp(model, cache, 0, follow, hidden, k).tokens
+        else:
+            drafts = ngram_propose(prompt + out, k)
+        snapshot = cache.snapshot()
+        verified = prefill_hidden(model, cache, 0, out[-1:] + drafts)
+        probs = target_probabilities(model.head(verified)[None], [SamplingParams()])  # [1, drafts + 1, V]
+        probs = torch.cat([probs, probs.new_zeros(1, k - len(drafts), probs.shape[-1])], dim=1)
+        result = rejection_sample(probs, torch.tensor([drafts + [0] * (k - len(drafts))]),
+                                  torch.tensor([len(drafts)]), torch.tensor([True]), torch.zeros(1, k + 1))
+        accepted = int(result.counts[0])
+        emitted = result.tokens[0, :accepted + 1].tolist()
+        steps.append((len(drafts), accepted))
+        cache.restore(snapshot)
+        hidden = prefill_hidden(model, cache, 0, out[-1:] + drafts[:accepted])
+        follow = emitted
+        out += emitted
+    return out[:new_tokens], steps
+
+
+def bigram_model(cfg, seed: int = 0) -> HybridModel:
+    """from_preset(cfg) (cfg.mtp_num_hidden_layers 1) made a bigram model with an MTP head of the same function
+    (module docstring)."""
+    assert cfg.mtp_num_hidden_layers == 1
+    model = HybridModel.from_preset(cfg, seed=seed)
+    D = cfg.hidden_size
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(OUTPUTS):
+                p.zero_()
+        fc = model.mtp.fc.weight
+        fc.zero_()
+        fc[:, :D].copy_(torch.eye(D))
+        model.mtp.pre_fc_norm_embedding.weight.zero_()
+        model.mtp.norm.weight.copy_(model.norm.weight)
+    return model
+
+
+def with_random_mtp(model, seed: int) -> HybridModel:
+    """The model with every MTP weight redrawn (matrices at unit gain, norms 0.2 randn), in place."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("mtp."):
+                scale = p.shape[-1] ** -0.5 if p.dim() >= 2 else 0.2
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return model
