@@ -76,8 +76,10 @@ def speculative_greedy(model, prompt: list[int], new_tokens: int, k: int, method
         verified = prefill_hidden(model, cache, 0, out[-1:] + drafts)
         probs = target_probabilities(model.head(verified)[None], [SamplingParams()])  # [1, drafts + 1, V]
         probs = torch.cat([probs, probs.new_zeros(1, k - len(drafts), probs.shape[-1])], dim=1)
-        result = rejection_sample(probs, torch.tensor([drafts + [0] * (k - len(drafts))]),
-                                  torch.tensor([len(drafts)]), torch.tensor([True]), torch.zeros(1, k + 1))
+        dev = probs.device
+        result = rejection_sample(probs, torch.tensor([drafts + [0] * (k - len(drafts))], device=dev),
+                                  torch.tensor([len(drafts)], device=dev), torch.tensor([True], device=dev),
+                                  torch.zeros(1, k + 1, device=dev))
         accepted = int(result.counts[0])
         emitted = result.tokens[0, :accepted + 1].tolist()
         steps.append((len(drafts), accepted))

@@ -1,0 +1,56 @@
+"""On a GPU: the MTP head's drafts through the ops' CUDA paths against the CPU reference (fp32, and bf16 within
+its rounding), the done-when's bigram checkpoint drafting its own greedy continuation on CUDA, and acceptance on
+CUDA tensors equal to the CPU's for the same inputs."""
+
+import pytest
+import torch
+
+from helpers import moe_config, tiny_config, unit_gain
+from metrics import rel_err
+from speculative_reference import bigram_model, greedy_decode, prefill_hidden, speculative_greedy
+from metrale_graph import HybridModel
+from metrale_graph.sampling import SamplingParams
+from metrale_graph.speculative import draft_mtp, rejection_sample, target_probabilities
+
+pytestmark = pytest.mark.gpu
+
+PROMPT = [9, 4, 77, 31, 2, 150, 6, 18, 90, 11, 23, 40, 41, 42, 43, 44, 70]
+
+
+def drafts_on(model, k=4):
+    cache = model.new_cache(2, 16, 16)
+    hidden = prefill_hidden(model, cache, 1, PROMPT)
+    first = int(model.head(hidden[-1:])[0].argmax())
+    return draft_mtp(model, cache, 1, PROMPT[1:] + [first], hidden, k)
+
+
+@pytest.mark.parametrize("cfg", [tiny_config(mtp_num_hidden_layers=1), moe_config("qwen3_next", mtp_num_hidden_layers=1)],
+                         ids=["qwen3_5", "qwen3_next"])
+def test_cuda_drafts_match_the_cpu_reference(cfg):
+    cpu = unit_gain(HybridModel.from_preset(cfg, seed=1), seed=2)
+    want = drafts_on(cpu)
+    got = drafts_on(cpu.to("cuda"))
+    assert got.tokens == want.tokens and rel_err(got.logits.cpu(), want.logits) <= 1e-4
+    bf16 = drafts_on(unit_gain(HybridModel.from_preset(cfg, seed=1), seed=2).to("cuda", torch.bfloat16))
+    assert rel_err(bf16.logits.float().cpu(), want.logits) <= 5e-2
+
+
+def test_a_bigram_checkpoint_drafts_its_own_continuation_on_cuda(tmp_path):
+    bigram_model(tiny_config(mtp_num_hidden_layers=1), seed=3).save_pretrained(str(tmp_path))
+    model = HybridModel.from_pretrained(str(tmp_path), device="cuda", progress=False)
+    got, steps = speculative_greedy(model, PROMPT, 33, 3)
+    assert got == greedy_decode(model, PROMPT, 33) and steps == [(3, 3)] * 8
+
+
+def test_acceptance_on_cuda_equals_the_cpu():
+    g = torch.Generator().manual_seed(0)
+    B, K, V = 32, 4, 50
+    logits, drafts = torch.randn(B, K + 1, V, generator=g), torch.randint(0, V, (B, K), generator=g)
+    num, u = torch.randint(0, K + 1, (B,), generator=g), torch.rand(B, K + 1, generator=g)
+    q = torch.softmax(torch.randn(B, K, V, generator=g), -1)
+    params = [SamplingParams() if b % 4 == 0 else SamplingParams(temperature=0.7, top_k=10, top_p=0.9) for b in range(B)]
+    greedy = torch.tensor([p.greedy for p in params])
+    want = rejection_sample(target_probabilities(logits, params), drafts, num, greedy, u, q)
+    got = rejection_sample(target_probabilities(logits.cuda(), params), drafts.cuda(), num.cuda(), greedy.cuda(),
+                           u.cuda(), q.cuda())
+    assert torch.equal(got.counts.cpu(), want.counts) and torch.equal(got.tokens.cpu(), want.tokens)
