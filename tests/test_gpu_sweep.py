@@ -10,14 +10,13 @@ errors are appended to that file as JSON lines (pytest-xdist keeps workers' prin
 
 import copy
 import json
-import os
 
 import pytest
 import torch
 
 from helpers import run_step, tiny_config
 from metrics import rel_err
-from metrale_graph import HybridModel, Stream
+from metrale_graph import HybridModel, Stream, envs
 from metrale_graph.capture import GraphRunner
 from metrale_graph.config import FULL, LINEAR
 
@@ -93,8 +92,8 @@ def test_config_eager_compiled_replayed_match_cpu_fp32(overrides, block_size):
                "batch": k, "eager_vs_cpu_fp32": err, "compiled_vs_eager": rel_err(compiled, eager),
                "replayed_vs_eager": rel_err(replayed, eager)}
         print(row)
-        if os.environ.get("METRALE_REPORT"):
-            with open(os.environ["METRALE_REPORT"], "a") as f:
+        if envs.METRALE_REPORT:
+            with open(envs.METRALE_REPORT, "a") as f:
                 f.write(json.dumps(row) + "\n")
         assert err <= 3e-2, f"batch {k}: eager bf16 vs CPU fp32 {err:.2e}"
         assert rel_err(compiled, eager) <= 1e-2 and rel_err(replayed, eager) <= 1e-2, f"batch {k}"

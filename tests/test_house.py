@@ -129,3 +129,85 @@ def test_python_files_live_in_the_package_and_tests():
     homes = {os.path.relpath(f, ROOT) for f in package_folders().values()} | {"tests"}
     stray = [f for f in listed.stdout.split() if f.split("/")[0] not in homes]
     assert not stray, f"Python files outside the package folders and tests/: {stray}"
+
+
+# Settings: metrale_graph/envs.py is the one reader of METRALE_* variables ----------------------------------
+SETTINGS_MODULE = os.path.join(ROOT, PACKAGE, "envs.py")
+
+
+def environ_reads(source: str, path: str = "<source>") -> list[str]:
+    """Where `source` reads an environment variable that may be a METRALE_* one: os.environ[KEY],
+    os.environ.get / pop / setdefault (KEY), os.getenv(KEY), KEY in os.environ, with KEY a "METRALE_..." literal
+    or not a literal at all (a name could hold one). Each as "line N: KEY". Copies of the whole environment
+    (a subprocess's env) are not reads."""
+    tree = ast.parse(source, path)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+    def is_environ(node):
+        return (isinstance(node, ast.Attribute) and node.attr == "environ") or (
+            isinstance(node, ast.Name) and node.id == "environ")
+
+    found = []
+    for node in ast.walk(tree):
+        key = None
+        if isinstance(node, ast.Subscript) and is_environ(node.value) and isinstance(node.ctx, ast.Load):
+            key = node.slice
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.func, ast.Attribute) and (
+                (node.func.attr in ("get", "pop", "setdefault") and is_environ(node.func.value))
+                or node.func.attr == "getenv"):
+            key = node.args[0]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.func, ast.Name) and node.func.id == "getenv":
+            key = node.args[0]
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) and any(
+                is_environ(c) for c in node.comparators):
+            key = node.left
+        if key is None or isinstance(parents.get(node), ast.Delete):
+            continue
+        if not isinstance(key, ast.Constant):
+            found.append(f"line {node.lineno}: {ast.unparse(key)} (not a literal)")
+        elif isinstance(key.value, str) and key.value.startswith("METRALE_"):
+            found.append(f"line {node.lineno}: {key.value}")
+    return found
+
+
+def test_environ_reads_finds_every_form():
+    source = ('import os\nfrom os import environ, getenv\n'
+              'a = os.environ["METRALE_A"]\nb = os.environ.get("METRALE_B", "x")\nc = os.getenv("METRALE_C")\n'
+              'd = "METRALE_D" in os.environ\ne = environ.pop("METRALE_E")\nf = getenv("METRALE_F")\n'
+              'NAME = "METRALE_G"\ng = os.environ.get(NAME)\n'
+              'ok = os.environ.get("RANK"), os.environ["LOCAL_RANK"], {**os.environ, "METRALE_COMMIT": "x"}\n'
+              'os.environ["TRITON_CACHE_DIR"] = "/tmp"\n')
+    assert environ_reads(source) == ["line 3: METRALE_A", "line 4: METRALE_B", "line 5: METRALE_C",
+                                     "line 6: METRALE_D", "line 7: METRALE_E", "line 8: METRALE_F",
+                                     "line 10: NAME (not a literal)"]
+
+
+def python_files_to_check() -> dict[str, str]:
+    """Every Python file of the package, benchmarks/ and tests/, by its path in the repository."""
+    files = {os.path.relpath(path, ROOT): path for path in package_modules().values()}
+    for folder in ("benchmarks", "tests"):
+        for here, _, names in os.walk(os.path.join(ROOT, folder)):
+            files.update({os.path.relpath(os.path.join(here, n), ROOT): os.path.join(here, n)
+                          for n in names if n.endswith(".py")})
+    return files
+
+
+def test_the_settings_module_is_the_only_reader_of_metrale_variables():
+    """METRALE_* variables are read by metrale_graph/envs.py alone (docs/DESIGN.md "Settings"): a module that
+    reads one itself escapes the declared type, default, check and docs table."""
+    readers = {}
+    for name, path in sorted(python_files_to_check().items()):
+        if path != SETTINGS_MODULE:
+            with open(path) as f:
+                reads = environ_reads(f.read(), path)
+            if reads:
+                readers[name] = reads
+    assert not readers, f"METRALE_* variables read outside metrale_graph/envs.py: {readers}"
+
+
+def test_design_shows_the_settings_table():
+    from metrale_graph import envs
+
+    with open(os.path.join(ROOT, "docs", "DESIGN.md")) as f:
+        design = f.read()
+    assert envs.markdown_table() in design, "docs/DESIGN.md's settings table is not envs.markdown_table()"

@@ -19,7 +19,7 @@ pytest.importorskip("onnxscript")
 
 from helpers import packed_batch, random_tokens, unit_gain  # noqa: E402
 from metrics import assert_close  # noqa: E402
-from metrale_graph import HybridModel, Stream  # noqa: E402
+from metrale_graph import HybridModel, Stream, envs  # noqa: E402
 from metrale_graph.batch import PackedBatch  # noqa: E402
 from metrale_graph.onnx import (check_versions, export_onnx, export_prefill, ort_session, run_step,  # noqa: E402
                                 translation)
@@ -183,8 +183,8 @@ def test_versions_outside_the_verified_range_are_named(monkeypatch):
     monkeypatch.setitem(export.VERIFIED, "torch", ((1, 0), (1, 13)))
     with pytest.raises(RuntimeError, match=r"verified on torch 1\.0-1\.13, onnxscript 0\.7-0\.7; found torch 2\."):
         check_versions()
-    monkeypatch.setenv("METRALE_ONNX_UNVERIFIED", "1")
-    check_versions()
+    with envs.override(METRALE_ONNX_UNVERIFIED="1"):
+        check_versions()
 
 
 def test_export_tool_verifies_a_bucket_with_fewer_tokens_than_streams(tmp_path, capsys):

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+from metrale_graph import envs
+
 
 def provenance(argv=None) -> dict:
     """The command line, the commit of this checkout ("-dirty" with uncommitted changes; None outside a git
@@ -23,8 +25,8 @@ def provenance(argv=None) -> dict:
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    commit = os.environ.get("METRALE_COMMIT") or git("rev-parse", "--short", "HEAD") or None
-    if commit and "METRALE_COMMIT" not in os.environ and git("status", "--porcelain", "--untracked-files=no"):
+    commit = envs.METRALE_COMMIT or git("rev-parse", "--short", "HEAD") or None
+    if commit and envs.METRALE_COMMIT is None and git("status", "--porcelain", "--untracked-files=no"):
         commit += "-dirty"
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     program = f"python -m {spec.name}" if spec else f"python {sys.argv[0]}"

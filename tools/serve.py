@@ -35,6 +35,7 @@ import time
 
 import torch
 
+from metrale_graph import envs
 from metrale_graph.tools.distributed import end_tensor_parallel, start_run
 from metrale_graph.tools.flags import add_engine_args, add_model_args, non_negative_float, non_negative_int, positive_int
 from metrale_graph.tools.loading import build_engine, check_engine_sizes, load_model
@@ -61,7 +62,7 @@ def _parse_args(argv):
     p.add_argument("--port", type=port, default=8000, help="port to listen on (default 8000; 0: any free one)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send and /v1/models lists (default: --model as given)")
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+    p.add_argument("--api-key", default=envs.METRALE_API_KEY,
                    help=f"clients must send 'Authorization: Bearer KEY' on /v1 paths (default: ${API_KEY_ENV}; "
                         "none: open)")
     add_engine_args(p, num_slots=64)

@@ -15,13 +15,13 @@ down kernel reads FP8. Rounding where ops/moe.py rounds: gate and up in x's dtyp
 product; the expert's output, the product with the routing weight.
 """
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from metrale_graph import envs
 
 from ..tiles import EVEN_K, _block_pairs, _grouped_tile, _load_cols, _load_rows, _load_rows_of
 from .quant import (FP8_DTYPE, INTERPRET, SCALE_DTYPES, dequantize_weight_blocks, fake_quantize_activations,
@@ -32,9 +32,10 @@ WHERE = "moe_experts_fp8"
 # side, which Triton 3.6 compiles for sm_90 to fp16 mma.sync after converting every weight byte) or "swap"
 # (w . x.T per K step, the weight's 128 columns on the M side: FP8 wgmma m64n16k32 / m64n32k32, as
 # linear.py's SWAP form). Blocks of 64+ rows compile to FP8 wgmma either way and keep the plain form. Read
-# at import from METRALE_FP8_EXPERTS; set experts.SMALL_BLOCKS before a step is compiled or captured.
-SMALL_BLOCK_FORMS = ("plain", "swap")
-SMALL_BLOCKS = os.environ.get("METRALE_FP8_EXPERTS", "plain")
+# at import from METRALE_FP8_EXPERTS (metrale_graph.envs); set experts.SMALL_BLOCKS before a step is compiled
+# or captured.
+SMALL_BLOCK_FORMS = envs.choices("METRALE_FP8_EXPERTS")
+SMALL_BLOCKS = envs.METRALE_FP8_EXPERTS
 
 
 def check_experts(x, top_w, top_e, w13, w13_scale, w2, w2_scale, first_expert=0, num_experts=None) -> None:

@@ -15,12 +15,12 @@ the dequantized weights times the fake-quantized activations in fp32, cast to ou
 quant.py.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from metrale_graph import envs
 
 from .quant import (BLOCK, INTERPRET, check_block_weight, dequantize_weight_blocks, fake_quantize_activations,
                     quantize_activations, quantize_e4m3, round_to)
@@ -30,9 +30,10 @@ BACKENDS = ("auto", "cublas", "triton", "splitk", "swap")
 SWAP_MAX_ROWS = 32  # the swapped split-K GEMM's rows (its MMA's N side: 16 or 32)
 # Which GEMM "auto" gives decode rows on CUDA: "splitk" (the default: the split-K GEMM up to SPLITK_MAX_ROWS,
 # cuBLAS above) or "swap" (the swapped split-K GEMM up to SWAP_MAX_ROWS, cuBLAS above).
-# Read at import from METRALE_FP8_DECODE; set linear.DECODE_GEMM before a step is compiled or captured.
-DECODE_GEMMS = ("splitk", "swap")
-DECODE_GEMM = os.environ.get("METRALE_FP8_DECODE", "splitk")
+# Read at import from METRALE_FP8_DECODE (metrale_graph.envs); set linear.DECODE_GEMM before a step is compiled
+# or captured.
+DECODE_GEMMS = envs.choices("METRALE_FP8_DECODE")
+DECODE_GEMM = envs.METRALE_FP8_DECODE
 
 
 def _check(x: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype, residual, where: str):

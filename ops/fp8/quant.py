@@ -22,12 +22,14 @@ bit (codes and scales).
 
 
 import contextlib
-import os
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from metrale_graph import envs
+
 from ..common import INTERPRET
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -45,9 +47,9 @@ _ROUND_BITS = tl.constexpr(INTERPRET)
 
 
 # Debug option: FP8 projections compute with unrounded activations (weight-only FP8: x @ dequantized(w).T),
-# set by activation_rounding(False) or METRALE_FP8_ACTIVATIONS=off. Read at call time by the phase ops
-# (ops/fp8/projection.py, ops/moe), never traced.
-_ROUNDING = {"activations": os.environ.get("METRALE_FP8_ACTIVATIONS", "on").lower() not in ("off", "0", "false")}
+# set by activation_rounding(False) or METRALE_FP8_ACTIVATIONS=off (metrale_graph.envs, read at import). Read at
+# call time by the phase ops (ops/fp8/projection.py, ops/moe), never traced.
+_ROUNDING = {"activations": envs.METRALE_FP8_ACTIVATIONS}
 
 
 def activations_rounded() -> bool:

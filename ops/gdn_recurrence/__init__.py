@@ -14,12 +14,12 @@ CHUNKED_BACKEND "fla" flash-linear-attention's (fla_adapter.py) on a chunk-align
 kept as the GPU tests' second opinion and for A/B timing.
 """
 
-import os
-
 import torch
 from torch import Tensor
 
 from typing import Optional
+
+from metrale_graph import envs
 
 from ..checkpoints import check_checkpoints, wanted
 from ..common import INDEX_DTYPES, check, check_tensor, decode_shaped
@@ -112,10 +112,11 @@ def _(a):
 
 
 # The chunked path of calls that are not decode-shaped: "triton" (ours, ops/gdn_chunked.py) or "fla"
-# (flash-linear-attention 0.6.0 on the aligned layout). Read at import from METRALE_GDN_CHUNKED; the
-# module attribute may be set at run time (before a bucket is captured: a graph keeps the path it holds).
-CHUNKED_BACKENDS = ("triton", "fla")
-CHUNKED_BACKEND = os.environ.get("METRALE_GDN_CHUNKED", "triton")
+# (flash-linear-attention 0.6.0 on the aligned layout). Read at import from METRALE_GDN_CHUNKED
+# (metrale_graph.envs); the module attribute may be set at run time (before a bucket is captured: a graph keeps
+# the path it holds).
+CHUNKED_BACKENDS = envs.choices("METRALE_GDN_CHUNKED")
+CHUNKED_BACKEND = envs.METRALE_GDN_CHUNKED
 
 
 def chunked_backend(K: int, V: int, device=None) -> str:

@@ -15,10 +15,10 @@ and spec. The CUDA path: the router's top-k (routing.py), the pairs aligned to g
 (combine.py).
 """
 
-import os
-
 import torch
 from torch import Tensor
+
+from metrale_graph import envs
 
 from .. import kernels
 from ..common import INTERPRET, check, check_tensor, rms_norm
@@ -107,10 +107,10 @@ def _(a):
 
 # The routed experts' bf16 grouped GEMMs: "triton" (ours, gemm.py: aligned blocks, SiLU-mul and the routing weight
 # in the epilogues) or "grouped_mm" (torch._grouped_mm, grouped.py, where grouped_mm_supported; else "triton").
-# Read at import from METRALE_MOE_EXPERTS; set moe.EXPERTS_BACKEND before a step is compiled or captured. FP8
-# experts keep their own kernels.
-EXPERTS_BACKENDS = ("triton", "grouped_mm")
-EXPERTS_BACKEND = os.environ.get("METRALE_MOE_EXPERTS", "triton")
+# Read at import from METRALE_MOE_EXPERTS (metrale_graph.envs); set moe.EXPERTS_BACKEND before a step is compiled
+# or captured. FP8 experts keep their own kernels.
+EXPERTS_BACKENDS = envs.choices("METRALE_MOE_EXPERTS")
+EXPERTS_BACKEND = envs.METRALE_MOE_EXPERTS
 
 
 def experts_backend(dtype: torch.dtype, device: torch.device, D: int, IE: int, experts: int) -> str:

@@ -9,12 +9,12 @@ routing only changes the contents of the sorted ids and of the per-block expert 
 tests/kernel_oracles.py has the same alignment in torch ops.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from metrale_graph import envs
 
 from ..common import INTERPRET
 
@@ -22,9 +22,9 @@ from ..common import INTERPRET
 # CUDA runs it as one warp's radixSortKVInPlace, 0.75 of the 35B-A3B-FP8's 13.1 ms of D32 device time at
 # 0a36b93) or "count" (_moe_count_sort_kernel for up to COUNT_SORT_MAX_PAIRS pairs, torch.sort above; the
 # same result). Opt-in until the H200 measures it (gpu_session's `moe-sort`). Read at import from
-# METRALE_MOE_SORT; set align.SORT before a step is compiled or captured.
-SORTS = ("torch", "count")
-SORT = os.environ.get("METRALE_MOE_SORT", "torch")
+# METRALE_MOE_SORT (metrale_graph.envs); set align.SORT before a step is compiled or captured.
+SORTS = envs.choices("METRALE_MOE_SORT")
+SORT = envs.METRALE_MOE_SORT
 COUNT_SORT_MAX_PAIRS = 4096  # its work grows as P^2 / COUNT_BLOCK per program
 COUNT_BLOCK = 64
 

@@ -14,10 +14,11 @@ tiles (prefill.py). Our kernels share one online-softmax step (ops/attend.py).
 """
 
 import functools
-import os
 
 import torch
 from torch import Tensor
+
+from metrale_graph import envs
 
 from ..attention_varlen import varlen_prefill_attention, varlen_supported
 from ..common import INDEX_DTYPES, check, check_tensor, decode_shaped
@@ -127,10 +128,11 @@ def paged_attention_triton(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, 
 # one-stream call at the head dims CUDNN_DENSE_HEAD_DIMS on sm_90, FlashAttention-2 varlen otherwise, the
 # context by our merge kernel), "fa2" (FlashAttention-2 varlen for every call), or "triton" (our 64-row
 # query tiles, the previous path). Where the library kernels do not take a call (fp32, head dims, the GPU)
-# it runs the Triton kernel whatever the choice. Read at import from METRALE_ATTENTION_PREFILL; the module
-# attribute may be set at run time (before a bucket is captured: a graph keeps the path it holds).
-PREFILL_BACKENDS = ("cudnn_fa2", "fa2", "triton")
-PREFILL_BACKEND = os.environ.get("METRALE_ATTENTION_PREFILL", "cudnn_fa2")
+# it runs the Triton kernel whatever the choice. Read at import from METRALE_ATTENTION_PREFILL
+# (metrale_graph.envs); the module attribute may be set at run time (before a bucket is captured: a graph keeps
+# the path it holds).
+PREFILL_BACKENDS = envs.choices("METRALE_ATTENTION_PREFILL")
+PREFILL_BACKEND = envs.METRALE_ATTENTION_PREFILL
 # head dims at which cuDNN's dense kernel was measured on the H200 (correctness, capture, 556-603 TFLOP/s at
 # HD 256); other head dims of one-stream calls take FlashAttention-2 varlen
 CUDNN_DENSE_HEAD_DIMS = (128, 256)

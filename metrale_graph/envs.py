@@ -1,0 +1,174 @@
+"""Every METRALE_* environment variable the package reads, in one table (SETTINGS): name, type, default, meaning.
+
+Read through one accessor, the module's attributes (`envs.METRALE_MOE_EXPERTS`), and read once: the first access
+parses every METRALE_* variable of the environment and keeps the values for the life of the process. A value a
+setting does not take, or a METRALE_* variable that is none of SETTINGS (a typo: METRALE_MOE_EXPERT), is a
+ValueError naming each such variable and what it takes, raised at that first access, which importing the package
+makes (the backend switches below are read when their op modules are imported).
+
+The backend switches become module attributes of their op (ops.moe.EXPERTS_BACKEND, ops.fp8.linear.DECODE_GEMM,
+...) when it is imported; code may set those attributes afterwards, before a step is compiled or captured, and
+the op checks them again where it reads them. Tests read settings under other values with `override`.
+docs/DESIGN.md ("Settings") shows the table (`markdown_table`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+PREFIX = "METRALE_"
+FLAG_WORDS = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False, "no": False}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable: `kind` "choice" (one of `choices`), "flag" (FLAG_WORDS, any case) or "text" (any
+    string); `default` is its value when the variable is unset; `meaning` is one line for the docs table."""
+
+    name: str
+    kind: str
+    default: Any
+    meaning: str
+    choices: tuple[str, ...] = ()
+
+    def parse(self, raw: str) -> Any:
+        """The value of `raw` as this setting takes it; ValueError naming the variable and what it takes."""
+        if self.kind == "choice":
+            if raw not in self.choices:
+                raise ValueError(f"{self.name} must be one of {', '.join(self.choices)}, got {raw!r}")
+            return raw
+        if self.kind == "flag":
+            word = raw.strip().lower()
+            if word not in FLAG_WORDS:
+                raise ValueError(f"{self.name} is a flag: one of {', '.join(FLAG_WORDS)}, got {raw!r}")
+            return FLAG_WORDS[word]
+        return raw
+
+    @property
+    def type_text(self) -> str:
+        return " \\| ".join(f"`{c}`" for c in self.choices) if self.kind == "choice" else self.kind
+
+    @property
+    def default_text(self) -> str:
+        if self.default is None:
+            return "unset"
+        if self.kind == "flag":
+            return "on" if self.default else "off"
+        return f"`{self.default}`"
+
+
+def _settings(*settings: Setting) -> dict[str, Setting]:
+    return {s.name: s for s in settings}
+
+
+SETTINGS = _settings(
+    # backend switches: the op module that reads each at import, and its attribute
+    Setting("METRALE_ATTENTION_PREFILL", "choice", "cudnn_fa2",
+            "attention of calls that are not decode-shaped: cuDNN's dense kernel for one stream and FlashAttention-2 "
+            "varlen, FlashAttention-2 for every call, or our Triton tiles (ops.paged_attention.PREFILL_BACKEND)",
+            ("cudnn_fa2", "fa2", "triton")),
+    Setting("METRALE_GDN_CHUNKED", "choice", "triton",
+            "the GDN recurrence's chunked path: our kernels or flash-linear-attention 0.6.0 on an aligned layout "
+            "(ops.gdn_recurrence.CHUNKED_BACKEND)", ("triton", "fla")),
+    Setting("METRALE_MOE_EXPERTS", "choice", "triton",
+            "the bf16 routed experts' grouped GEMMs: ours or torch._grouped_mm where it serves them "
+            "(ops.moe.EXPERTS_BACKEND)", ("triton", "grouped_mm")),
+    Setting("METRALE_MOE_SORT", "choice", "torch",
+            "the MoE routing's sort of pairs by expert: torch.sort or our counting sort (ops.moe.align.SORT)",
+            ("torch", "count")),
+    Setting("METRALE_FP8_DECODE", "choice", "splitk",
+            "the FP8 linear's GEMM for decode rows on CUDA: split-K or the swapped split-K (ops.fp8.linear.DECODE_GEMM)",
+            ("splitk", "swap")),
+    Setting("METRALE_FP8_EXPERTS", "choice", "plain",
+            "the FP8 expert kernels' form for blocks of 16 or 32 rows (ops.fp8.experts.SMALL_BLOCKS)", ("plain", "swap")),
+    # debug and tool options
+    Setting("METRALE_FP8_ACTIVATIONS", "flag", True,
+            "FP8 projections round activations to FP8 (W8A8); off: weight-only FP8, a debug mode "
+            "(ops.fp8.activation_rounding)"),
+    Setting("METRALE_ONNX_UNVERIFIED", "flag", False,
+            "the ONNX export runs on torch / onnxscript versions outside metrale_graph.onnx.VERIFIED"),
+    Setting("METRALE_API_KEY", "text", None, "metrale-serve's --api-key when the flag is not given"),
+    Setting("METRALE_COMMIT", "text", None,
+            "the commit benchmark records name, for a copy of a tree whose .git is not its own (tools/provenance.py)"),
+    Setting("METRALE_REPORT", "text", None,
+            "a file tests/test_gpu_sweep.py appends one JSON line per batch to (benchmarks/gpu_session.sh sweep)"),
+)
+
+_values: dict[str, Any] | None = None
+
+
+def read(environ=None) -> dict[str, Any]:
+    """Every setting's value from `environ` (default os.environ): the parsed variable, else the default.
+    ValueError naming each METRALE_* variable that is not a setting (with the nearest setting's name) and
+    each value a setting does not take."""
+    environ = os.environ if environ is None else environ
+    values, problems = {name: s.default for name, s in SETTINGS.items()}, []
+    for name in sorted(k for k in environ if k.startswith(PREFIX)):
+        if name not in SETTINGS:
+            problems.append(_not_a_setting(name))
+            continue
+        try:
+            values[name] = SETTINGS[name].parse(environ[name])
+        except ValueError as e:
+            problems.append(str(e))
+    if problems:
+        raise ValueError("environment: " + "; ".join(problems))
+    return values
+
+
+def _not_a_setting(name: str) -> str:
+    # compared without the prefix, which every name shares
+    near = difflib.get_close_matches(name.removeprefix(PREFIX), [s.removeprefix(PREFIX) for s in SETTINGS], n=1)
+    hint = f" (did you mean {PREFIX}{near[0]}?)" if near else ""
+    return f"{name} is not a metrale-graph setting{hint}; the settings: {', '.join(SETTINGS)}"
+
+
+def _current() -> dict[str, Any]:
+    global _values
+    if _values is None:
+        _values = read()
+    return _values
+
+
+def __getattr__(name: str) -> Any:
+    if name in SETTINGS:
+        return _current()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(SETTINGS))
+
+
+def choices(name: str) -> tuple[str, ...]:
+    """The values a "choice" setting takes (the op modules' tuples of backends)."""
+    return SETTINGS[name].choices
+
+
+@contextlib.contextmanager
+def override(**raw: str):
+    """Within the block, the named settings read as if the environment held these strings (parsed as the
+    environment's are: a ValueError for a value a setting does not take or a name that is not a setting);
+    the others keep theirs. For tests. Op module attributes already read at import keep their values."""
+    global _values
+    unknown = [name for name in raw if name not in SETTINGS]
+    if unknown:
+        raise ValueError("; ".join(map(_not_a_setting, unknown)))
+    before = _current()
+    parsed = read(raw)
+    _values = {**before, **{name: parsed[name] for name in raw}}
+    try:
+        yield
+    finally:
+        _values = before
+
+
+def markdown_table() -> str:
+    """The settings as docs/DESIGN.md shows them: variable, type, default, meaning."""
+    rows = ["| variable | type | default | meaning |", "|---|---|---|---|"]
+    rows += [f"| `{s.name}` | {s.type_text} | {s.default_text} | {s.meaning} |" for s in SETTINGS.values()]
+    return "\n".join(rows)
