@@ -3,6 +3,10 @@ the prefill protocol, and the CUDA allocator's growth over replayed batches."""
 
 from __future__ import annotations
 
+import importlib
+import os
+import sys
+
 import torch
 
 from metrale_graph.config import ModelConfig, default_layer_types
@@ -104,3 +108,15 @@ def replay_memory_growth(runner, vocab: int, replays: int = 1000, seed: int = 1)
         one()
     torch.cuda.synchronize()
     return torch.cuda.memory_allocated() - allocated, torch.cuda.memory_reserved() - reserved
+
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+def benchmark_script(path: str):
+    """The module of a script under benchmarks/ (`path` without ".py", e.g. "kernels/check_fp8"), imported as it
+    runs: its folder first on sys.path, where the scripts beside it (kernels/measure.py) are found."""
+    folder, name = os.path.split(os.path.join(BENCHMARKS, path))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(name)

@@ -1,7 +1,7 @@
 """ops/attention_varlen: the context + merge kernel (parts (b) and (c)) against metrale::paged_attention's
 reference, with part (a) (the new tokens over themselves, a library kernel on the GPU) computed by its
 plain-torch reference and handed over in each library's log-sum-exp layout. On the CPU the kernel runs in
-Triton's interpreter; cuDNN / FlashAttention run only on a GPU (tools/check_attention_varlen.py).
+Triton's interpreter; cuDNN / FlashAttention run only on a GPU (benchmarks/kernels/check_attention_varlen.py).
 
 Cases: head dims 16, 24 (masked to 32), 256; query heads per KV head 1, 2, 3, 4; blocks of 16 / 64; ragged
 lengths 1, 63, 65 with contexts 0, 1, 130; zero-length streams inside and at the tail (padding) and spare
@@ -20,7 +20,7 @@ from test_kernels import _forbid_python_syncs, _NoHostSync
 av = importlib.import_module("metrale_graph.ops.attention_varlen")
 
 # CPU tensors through Triton's interpreter; on a GPU the library paths and our context kernel are covered by
-# tests/test_gpu_ops.py (the op's one-stream, varlen and odd-dim calls) and tools/check_attention_varlen.py
+# tests/test_gpu_ops.py (the op's one-stream, varlen and odd-dim calls) and benchmarks/kernels/check_attention_varlen.py
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests (CPU tensors)")
 paged_attention_ref = REGISTRY["paged_attention"].reference
 

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from helpers import benchmark_script
 from metrale_graph import PRESETS, HybridModel
 from metrale_graph.tools import bench, floors, profiling, workloads
 from metrale_graph.weights import weight_shapes
@@ -231,7 +232,7 @@ def test_host_profile_names_where_a_steps_host_time_goes():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the tools run")
 def test_decode_tools_refuse_to_run_without_a_gpu(capsys):
     """bench_ops --decode and check_decode parse their flags and exit with a clear error on a CPU-only machine."""
-    from metrale_graph.tools import bench_ops, check_decode
+    bench_ops, check_decode = benchmark_script("kernels/bench_ops"), benchmark_script("kernels/check_decode")
 
     for tool, argv in ((bench_ops, ["--decode", "1,32"]), (check_decode, ["--streams", "1"])):
         with pytest.raises(SystemExit) as e:
@@ -245,7 +246,7 @@ def test_decode_tools_refuse_to_run_without_a_gpu(capsys):
 def test_check_decode_refuses_short_streams_the_recurrent_kernel_does_not_take(capsys):
     """check_decode --short: streams of more than 64 tokens take the chunked path, not the recurrent kernel:
     a usage error naming the flag, before anything runs."""
-    from metrale_graph.tools import check_decode
+    check_decode = benchmark_script("kernels/check_decode")
 
     with pytest.raises(SystemExit) as e:
         check_decode.main(["--short", "16,65"])
@@ -254,10 +255,10 @@ def test_check_decode_refuses_short_streams_the_recurrent_kernel_does_not_take(c
 
 @pytest.mark.parametrize("T", [1, 5, 40])
 def test_check_moe_gemm_compares_the_same_pair_rows(T):
-    """tools/check_moe_gemm's two paths (ours: aligned blocks and our grouped-GEMM kernels, Triton's
+    """benchmarks/kernels/check_moe_gemm.py's two paths (ours: aligned blocks and our grouped-GEMM kernels, Triton's
     interpreter; torch._grouped_mm over the pairs sorted by expert) give the same row per (token, expert) pair
     as a loop over the pairs; expert_bytes counts the experts T tokens touch."""
-    from metrale_graph.tools import check_moe_gemm as tool
+    tool = benchmark_script("kernels/check_moe_gemm")
 
     cfg = PRESETS["qwen3.5-35b-a3b"].replace(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
                                              hidden_size=48)
@@ -276,7 +277,7 @@ def test_check_moe_gemm_compares_the_same_pair_rows(T):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the tool runs")
 def test_check_moe_gemm_refuses_without_a_gpu_or_a_moe_preset(capsys):
-    from metrale_graph.tools import check_moe_gemm as tool
+    tool = benchmark_script("kernels/check_moe_gemm")
 
     with pytest.raises(SystemExit) as e:
         tool.main(["--presets", "qwen3.5-9b"])

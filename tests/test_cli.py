@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from metrale_graph import PRESETS, HybridModel, load_config
-from metrale_graph.tools import bench, bench_ops, bench_serve, export_onnx, prefill, serve, warmup
+from helpers import BENCHMARKS, benchmark_script
+from metrale_graph.tools import bench, bench_serve, export_onnx, prefill, serve, warmup
+
+bench_ops = benchmark_script("kernels/bench_ops")  # not installed: benchmarks/ in a checkout
 
 NO_GPU = f"cuda:{torch.cuda.device_count()}"  # a CUDA device this machine lacks
 
@@ -328,8 +331,8 @@ def test_result_files_are_written_whole(tmp_path, monkeypatch):
     assert path.read_text() == '{"results": [1]}' and os.listdir(tmp_path) == ["r.json"]
 
 
-@pytest.mark.parametrize("name", ["prefill", "generate", "warmup", "bench", "bench_ops", "export_onnx", "serve",
-                                  "bench_serve", "bench_host", "bench_structured"])
+@pytest.mark.parametrize("name", ["prefill", "generate", "warmup", "bench", "export_onnx", "serve", "bench_serve",
+                                  "bench_prefix", "quantize"])
 def test_help_names_the_installed_command(capsys, name):
     """--help said `usage: python -m tools.prefill`, which works only from a checkout's root; the tools are
     installed as metrale_graph.tools (README uses that form, and the console scripts)."""
@@ -414,3 +417,29 @@ def test_bench_serve_without_a_server_says_so(capsys):
     with pytest.raises(SystemExit) as e:
         bench_serve.main(["--base-url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "1"])
     assert "cannot reach http://127.0.0.1:" in str(e.value.code)
+
+
+SCRIPTS = ["kernels/bench_ops", "kernels/check_attention_varlen", "kernels/check_decode", "kernels/check_fp8",
+           "kernels/check_gdn_chunked", "kernels/check_moe_gemm", "kernels/sweep_fp8_decode", "bench_host"]
+
+
+@pytest.mark.parametrize("path", SCRIPTS)
+def test_benchmark_scripts_help_names_how_they_run(capsys, path):
+    """The kernel checks and sweeps live under benchmarks/ (not installed): run from a checkout's root as
+    `python benchmarks/<path>.py`, which their --help says."""
+    script = benchmark_script(path)
+    with pytest.raises(SystemExit) as e:
+        script.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith(f"usage: python benchmarks/{path}.py "), out[:80]
+
+
+def test_every_benchmark_script_is_named():
+    """SCRIPTS lists every script under benchmarks/ that has a main (the others are their shared modules)."""
+    found = []
+    for here, _, names in os.walk(BENCHMARKS):
+        for name in names:
+            path = os.path.join(here, name)
+            if name.endswith(".py") and "def main(" in open(path).read():
+                found.append(os.path.relpath(path, BENCHMARKS)[:-3])
+    assert sorted(found) == sorted(SCRIPTS)

@@ -4,11 +4,13 @@ block-scaled GEMMs (dense and grouped over experts) against their references in 
 ragged shapes (N, K not multiples of 128), and the named errors."""
 
 import json
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import BENCHMARKS, benchmark_script
 from metrics import assert_close, rel_err
 from metrale_graph.ops import fp8
 from metrale_graph.ops.fp8 import quant
@@ -248,12 +250,12 @@ def test_linear_splitk_matches_reference(backend, T, N, K, out_dtype):
                                                  swap=swap))
 
 
-_SPLITK_SM90 = r"""
+_SPLITK_SM90 = f"import sys\nsys.path.insert(0, {os.path.join(BENCHMARKS, 'kernels')!r})\n" + r"""
 import importlib
 import triton
 from triton.backends.compiler import GPUTarget
 lin = importlib.import_module("metrale_graph.ops.fp8.linear")
-sweep = importlib.import_module("metrale_graph.tools.sweep_fp8_decode")
+sweep = importlib.import_module("sweep_fp8_decode")
 target = GPUTarget("cuda", 90, 32)
 backend = triton.compiler.make_backend(target)
 fn = lin._block_fp8_splitk_kernel.fn
@@ -298,7 +300,6 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 ex = importlib.import_module("metrale_graph.ops.fp8.experts")
 lin = importlib.import_module("metrale_graph.ops.fp8.linear")
-sweep = importlib.import_module("metrale_graph.tools.sweep_fp8_decode")
 target = GPUTarget("cuda", 90, 32)
 backend = triton.compiler.make_backend(target)
 types = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "q_ptr": "*fp8e4nv",
@@ -477,7 +478,7 @@ def test_errors_name_the_bad_argument():
 
 # The GPU check script, on the CPU -------------------------------------------------------------------
 def test_check_script_help_flags_and_smoke(tmp_path, capsys):
-    from metrale_graph.tools import check_fp8
+    check_fp8 = benchmark_script("kernels/check_fp8")
 
     with pytest.raises(SystemExit) as exit_:
         check_fp8.main(["--help"])
@@ -545,7 +546,7 @@ def test_sweep_gemv_candidates_match_reference(defer):
     give block_fp8_linear_ref's product: the sweep times kernels that are right."""
     import triton
 
-    from metrale_graph.tools.sweep_fp8_decode import _block_fp8_gemv_kernel
+    _block_fp8_gemv_kernel = benchmark_script("kernels/sweep_fp8_decode")._block_fp8_gemv_kernel
 
     N, K, parts, k_per = 200, 300, 2, 256  # a ragged column tile, a ragged last group, two parts
     g = torch.Generator().manual_seed(1)

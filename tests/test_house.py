@@ -117,18 +117,40 @@ def test_no_import_cycle_in_the_package():
     assert not gone, f"no longer cycles, remove them from KNOWN_CYCLES: {gone}"
 
 
-def test_python_files_live_in_the_package_and_tests():
-    """Every tracked Python file is a module of the package (its folders) or of tests/: a script at the
-    repository root is a stray probe (one imported from a folder outside the repository and could not run)."""
+def test_python_files_live_in_the_package_benchmarks_and_tests():
+    """Every tracked Python file is a module of the package (its folders), a script of benchmarks/ or a module of
+    tests/: a script at the repository root is a stray probe (one imported from a folder outside the repository
+    and could not run)."""
     import subprocess
 
     try:
         listed = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout")
-    homes = {os.path.relpath(f, ROOT) for f in package_folders().values()} | {"tests"}
+    homes = {os.path.relpath(f, ROOT) for f in package_folders().values()} | {"benchmarks", "tests"}
     stray = [f for f in listed.stdout.split() if f.split("/")[0] not in homes]
-    assert not stray, f"Python files outside the package folders and tests/: {stray}"
+    assert not stray, f"Python files outside the package folders, benchmarks/ and tests/: {stray}"
+
+
+# The installed tools are the commands a user runs (issue 41, item 5): kernel checks, sweeps and op-level
+# benchmarks are scripts under benchmarks/, not installed
+USER_TOOLS = {"prefill", "generate", "serve", "warmup", "quantize", "export_onnx", "bench", "bench_serve", "bench_prefix"}
+
+
+def test_the_installed_tools_are_the_commands_users_run():
+    """A module of tools/ with a main() is a command; each is one a user runs, with a console script; the rest
+    of tools/ are their shared modules."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        scripts = tomllib.load(f)["project"]["scripts"]
+    commands = set()
+    for name, path in package_modules().items():
+        if name.startswith(f"{PACKAGE}.tools."):
+            with open(path) as f:
+                if any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in ast.parse(f.read()).body):
+                    commands.add(name.rsplit(".", 1)[1])
+    assert commands == USER_TOOLS, f"commands in tools/ that are not a user's: {sorted(commands - USER_TOOLS)}"
+    installed = {target.split(":")[0].rsplit(".", 1)[1] for target in scripts.values()}
+    assert installed == USER_TOOLS, f"console scripts: {sorted(installed ^ USER_TOOLS)}"
 
 
 # Settings: metrale_graph/envs.py is the one reader of METRALE_* variables ----------------------------------

@@ -247,7 +247,7 @@ def test_recurrent_kernel_matches_reference(case, dtype):
 
 @pytest.mark.parametrize("tiles", [(8, 1), (16, 2), (32, 4), (64, 4)])
 def test_recurrent_kernel_tiles_match_the_default(tiles):
-    """tools/check_decode's tile sweep: other (BV, num_warps) tiles give the default's outputs and states (each
+    """benchmarks/kernels/check_decode.py's tile sweep: other (BV, num_warps) tiles give the default's outputs and states (each
     value column is its own reduction over K); tiles that are not two powers of two are a ValueError."""
     case = RECURRENT_CASES[1]
     args = op_args("gdn_recurrence", case, torch.float32, seed=4)

@@ -14,7 +14,7 @@ import torch
 from pydantic import BaseModel, Field, TypeAdapter
 from typing import Literal
 
-from helpers import tiny_config
+from helpers import benchmark_script, tiny_config
 from metrale_graph import Engine, EngineClosedError, HybridModel
 from metrale_graph.grammar import TokenMasks
 from metrale_graph.scheduler import Request
@@ -277,11 +277,11 @@ def test_graphs_on_cuda_give_the_eager_engine_s_outputs(tokenizer):
     _valid_pets(runs[1])
 
 
-# tools.bench_structured (on the CPU, tiny sizes: the arithmetic and the report, not the figures) ------------------
+# benchmarks/bench_structured.py (on the CPU, tiny sizes: the arithmetic and the report, not the figures) ------------------
 @pytest.mark.parametrize("library", ["xgrammar", "llguidance"])
 def test_bench_structured_times_the_mask_fill(tokenizer, capsys, library):
     pytest.importorskip(library)
-    from metrale_graph.tools import bench_structured
+    bench_structured = benchmark_script("bench_structured")
 
     bench_structured.main(["--masks-only", "--tokenizer", tokenizer.name_or_path, "--streams", "6", "--repeat", "1",
                            "--library", library])
@@ -292,7 +292,7 @@ def test_bench_structured_times_the_mask_fill(tokenizer, capsys, library):
 
 
 def test_bench_structured_times_the_engine_s_steps(tmp_path, capsys):
-    from metrale_graph.tools import bench_structured
+    bench_structured = benchmark_script("bench_structured")
     from tokenizer_fixture import tiny_checkpoint
 
     folder = tiny_checkpoint(tmp_path / "ckpt")

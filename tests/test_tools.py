@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from helpers import benchmark_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -49,7 +51,7 @@ def test_warmup_persists_artifacts(tmp_path):
 
 
 def test_benchmark_records_say_what_produced_them():
-    """tools.bench / bench_ops records carry the command line, this checkout's commit and the versions."""
+    """tools.bench's records (and the benchmark scripts') carry the command line, this checkout's commit and the versions."""
     code = ("import sys, json; sys.argv = ['bench', '--repeat', '3']; "
             "from metrale_graph.tools.provenance import provenance; print(json.dumps(provenance()))")
     info = json.loads(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
@@ -144,11 +146,11 @@ def test_console_scripts_of_tp_tools_end_the_group(monkeypatch):
 
 
 def test_bench_host_times_the_runners_and_the_engines_steps(capsys):
-    """tools.bench_host runs the decode step's host path (the runner's, the engine loop's) over a no-op step;
+    """benchmarks/bench_host.py runs the decode step's host path (the runner's, the engine loop's) over a no-op step;
     its figures are printed, never asserted beyond being times."""
     import pytest
 
-    from metrale_graph.tools import bench_host
+    bench_host = benchmark_script("bench_host")
 
     for extra, path in (([], "runner"), (["--engine"], "engine")):
         bench_host.main(["--streams", "1,3", "--cached", "70", "--repeat", "2", *extra])

@@ -1,5 +1,5 @@
-"""The floor model of tools.bench and tools.bench_ops: the least time a step (or one op) can take on
-an H200, from the matrix FLOPs it must do and the bytes it must move (docs/DESIGN.md, "Benchmarks").
+"""The floor model of tools.bench and benchmarks/kernels/bench_ops.py: the least time a step (or one op) can
+take on an H200, from the matrix FLOPs it must do and the bytes it must move (docs/DESIGN.md, "Benchmarks").
 
 A step is split into phases in the order the step runs them: per layer the mixer's projections, its
 core (GDN conv and recurrence, or attention over the cache) and its output projection, then the

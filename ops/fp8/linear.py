@@ -198,12 +198,14 @@ def block_fp8_gemm_triton(x_fp8: Tensor, x_scale: Tensor, w_fp8: Tensor, w_scale
     return out
 
 
-SPLITK_BN = 128  # columns per program of the split-K GEMM (tools/sweep_fp8_decode.py on the H200, 9e87066: 128 beat
-# 64 at every 9B shape at M 16). One row takes this kernel too. The sweep's one-row GEMV form (fp32 multiply-adds,
-# tools/sweep_fp8_decode.py) was the linear's from f340188 to 0a36b93: summed over the 9B's four shapes at one row
-# it took 152.7 us on the H200 (755f071 sweep, `auto`), where this kernel's best 4-programs-per-SM tile per shape
-# took 109.2 (0a36b93 A/B, benchmarks/h200-fp8-gemv-ab-0a36b93.json). Graphs never take one row either: a
-# one-stream bucket holds two tokens (capture/runner.py), and at two rows this kernel beat a two-row GEMV 1.1-1.7x
+# SPLITK_BN: columns per program of the split-K GEMM (benchmarks/kernels/sweep_fp8_decode.py on the H200, 9e87066:
+# 128 beat 64 at every 9B shape at M 16). One row takes this kernel too. The sweep's one-row GEMV form (fp32
+# multiply-adds, benchmarks/kernels/sweep_fp8_decode.py) was the linear's from f340188 to 0a36b93: summed over the
+# 9B's four shapes at one row it took 152.7 us on the H200 (755f071 sweep, `auto`), where this kernel's best
+# 4-programs-per-SM tile per shape took 109.2 (0a36b93 A/B, benchmarks/h200-fp8-gemv-ab-0a36b93.json). Graphs never
+# take one row either: a one-stream bucket holds two tokens (capture/runner.py), and at two rows this kernel beat a
+# two-row GEMV 1.1-1.7x
+SPLITK_BN = 128
 SPLITK_MAX_ROWS = 16  # the split-K GEMM's rows: decode-shaped calls (one 16-row tile)
 
 
@@ -341,10 +343,10 @@ def block_fp8_gemm_splitk(x_fp8: Tensor, x_scale: Tensor | None, w_fp8: Tensor, 
 def auto_backend(T: int, N: int, K: int, device: torch.device, out_dtype=torch.bfloat16) -> str:
     """The GEMM block_fp8_linear's "auto" takes for T rows of an [N, K] weight on `device`: on CUDA the
     split-K GEMM for decode rows (T <= SPLITK_MAX_ROWS: faster than the one-pass GEMM and cuBLAS at
-    three of the 9B's four shapes on the H200, up to 2.7x; tools/check_fp8.py perf), cuBLAS above where
+    three of the 9B's four shapes on the H200, up to 2.7x; benchmarks/kernels/check_fp8.py perf), cuBLAS above where
     cublas_blockwise_ok, else the one-pass Triton GEMM; in the interpreter the one-pass GEMM; elsewhere
     the reference. With DECODE_GEMM "swap" (METRALE_FP8_DECODE=swap) the swapped split-K GEMM takes the rows
-    up to SWAP_MAX_ROWS instead (until the H200 says which is faster: tools/sweep_fp8_decode.py). A
+    up to SWAP_MAX_ROWS instead (until the H200 says which is faster: benchmarks/kernels/sweep_fp8_decode.py). A
     DECODE_GEMM that is neither is a ValueError naming it."""
     if DECODE_GEMM not in DECODE_GEMMS:
         raise ValueError(f"METRALE_FP8_DECODE / linear.DECODE_GEMM must be one of {', '.join(DECODE_GEMMS)}, "

@@ -80,7 +80,7 @@ def recurrent_tiles(K: int, V: int, pairs: int = 0) -> tuple[int, int, int]:
     """(BK, BV, num_warps) of the recurrent kernel for a call of `pairs` (stream, value head) pairs: the
     whole key dim (masked to a power of two) by 32 value columns over 2 warps, or by 64 over 4 warps once
     the pairs alone give WIDE_PROGRAMS programs (twice the warps for a key dim past 128). Measured on an
-    H200 at the 9B shape, one token per stream after 2048 (tools/check_decode.py, per layer): fla's
+    H200 at the 9B shape, one token per stream after 2048 (benchmarks/kernels/check_decode.py, per layer): fla's
     fused_recurrent tile (BV 8, one warp) took 3.8 / 85 / 544 us at 1 / 32 / 128 streams, BV 32 over 2
     warps 3.1 / 43 / 165, BV 64 over 4 warps 3.7 / 42 / 150 against a state-traffic floor of 1 / 31 /
     126: the state's rows are read and written in 128- and 256-byte runs instead of 32-byte ones."""
@@ -98,7 +98,8 @@ def gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, 
     touched. `o` (default: a fresh [T, HV, V] in v's dtype) receives the other streams' rows.
     keep: (checkpoint_tokens, checkpoint_entries, pool) or None (ops/checkpoints.py): pool[entry] receives
     the state after its token, for the tokens of the streams this call takes (one entry per token).
-    tiles: (BV, num_warps) instead of recurrent_tiles' choice (tools/check_decode.py's sweep; BV a power of two).
+    tiles: (BV, num_warps) instead of recurrent_tiles' choice (benchmarks/kernels/check_decode.py's sweep; BV a power
+    of two).
     """
     T, H, K = q.shape
     HV, V = v.shape[1:]

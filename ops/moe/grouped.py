@@ -1,6 +1,6 @@
 """The routed experts through torch._grouped_mm (PyTorch's grouped GEMM; CUTLASS on sm_90): the EXPERTS_BACKEND
 "grouped_mm" of the MoE op's CUDA path, the A/B partner of our aligned-block Triton GEMMs (gemm.py) that
-tools/check_moe_gemm.py and `tools.bench` under METRALE_MOE_EXPERTS=grouped_mm measure.
+benchmarks/kernels/check_moe_gemm.py and `tools.bench` under METRALE_MOE_EXPERTS=grouped_mm measure.
 
 The pairs are sorted by expert (a stable sort; other ranks' experts after every local group), each group's end
 found by searchsorted (no host sync: every size follows from T, top_k and the local experts), the normed rows

@@ -6,7 +6,7 @@ replay) of fla and of each config of a small sweep on the op's chunk-aligned lay
 in its own try/except, so one failure leaves the rest. Prints tables, ends with one JSON line, and
 writes it to --json.
 
-    . tools/gpu_session.sh setup && python3 -m tools.check_gdn_chunked --json "$OUT/gdn_chunked.json"
+    . benchmarks/gpu_session.sh setup && python3 benchmarks/kernels/check_gdn_chunked.py --json "$OUT/gdn_chunked.json"
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from metrale_graph.tools.files import write_whole  # noqa: E402
 from metrale_graph.tools.flags import non_negative_int, output_file  # noqa: E402
 from metrale_graph.tools.provenance import provenance  # noqa: E402
 from metrale_graph.tools.report import print_json, print_table  # noqa: E402
+from measure import rel  # noqa: E402
 
 H, HV, K, V = 16, 32, 128, 128  # Qwen3.5-9B GDN heads
 DEVICE = "cuda"
@@ -44,11 +45,6 @@ CONFIGS = {  # the sweep: state-pass tile / warps / stages, intra warps / stages
     "bv16-w4s2-sb8": ChunkConfig(block_v=16, solve_block=8),
     "bv16-w4s2-sb4": ChunkConfig(block_v=16, solve_block=4),
 }
-
-
-def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def num_chunks(B: int, T: int) -> int:
@@ -317,7 +313,7 @@ def time_whole_op(shapes, graphs: bool) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m tools.check_gdn_chunked", description=__doc__,
+    p = argparse.ArgumentParser(prog="python benchmarks/kernels/check_gdn_chunked.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", type=output_file, default=None, help="write the record to this file")
     p.add_argument("--configs", default=",".join(CONFIGS),

@@ -15,7 +15,7 @@ MB) about fit it, so decode-sized rows can read above the HBM rate. Both
 paths' pair rows are compared (relative error); the CPU suite checks that they agree at tiny shapes under
 Triton's interpreter (tests/test_bench.py).
 
-    . tools/gpu_session.sh setup && python3 -m metrale_graph.tools.check_moe_gemm --json "$OUT/moe_gemm.json"
+    . benchmarks/gpu_session.sh setup && python3 benchmarks/kernels/check_moe_gemm.py --json "$OUT/moe_gemm.json"
 """
 
 from __future__ import annotations
@@ -27,11 +27,10 @@ import torch
 from metrale_graph import PRESETS
 from metrale_graph.tools.files import write_whole
 from metrale_graph.tools.flags import output_file, positive_ints
-from metrale_graph.tools.check_decode import graph_ms
-from metrale_graph.tools.check_gdn_chunked import rel
 from metrale_graph.tools.floors import COPY_RATE, MATMUL_RATE
 from metrale_graph.tools.provenance import provenance
 from metrale_graph.tools.report import print_json, print_table
+from measure import graph_ms, rel
 
 MOE_PRESETS = [name for name, cfg in PRESETS.items() if cfg.moe_layers and cfg.quantization is None]
 
@@ -151,7 +150,7 @@ def measure(preset: str, T: int, weights) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m metrale_graph.tools.check_moe_gemm", description=__doc__,
+    p = argparse.ArgumentParser(prog="python benchmarks/kernels/check_moe_gemm.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", default="qwen3.5-35b-a3b,qwen3-next-80b-a3b",
                    help=f"comma-separated, out of {', '.join(MOE_PRESETS)}")

@@ -10,7 +10,7 @@ size), one torch thread, the garbage collector paused while timing; median and m
 `--repeat` steps. On a GPU the same work also launches the step's copies and kernels, so it costs
 more there; this measures what grows with the stream count.
 
-    python -m metrale_graph.tools.bench_host [--streams 1,32,128,256] [--cached 2048] [--repeat 50] [--engine]
+    python benchmarks/bench_host.py [--streams 1,32,128,256] [--cached 2048] [--repeat 50] [--engine]
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def engine_step_ms(model, streams: int, cached: int, repeat: int, warmup: int = 
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m metrale_graph.tools.bench_host", description=__doc__,
+    p = argparse.ArgumentParser(prog="python benchmarks/bench_host.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=positive_ints, default=[1, 32, 128, 256], help="decode streams per step")
     p.add_argument("--cached", type=positive_int, default=2048, help="tokens cached per stream before the step")

@@ -6,8 +6,8 @@ launch overhead included) and replayed from a CUDA graph (do_bench_cudagraph: de
 which is what a captured prefill pays). Prints a table, optionally writes it as markdown, and
 ends with one JSON line.
 
-    python -m metrale_graph.tools.bench_ops [--tokens 512,8192] [--streams 4] [--markdown FILE]
-    python -m metrale_graph.tools.bench_ops --decode 1,32,128 [--context 2048]   # decode steps' ops
+    python benchmarks/kernels/bench_ops.py [--tokens 512,8192] [--streams 4] [--markdown FILE]
+    python benchmarks/kernels/bench_ops.py --decode 1,32,128 [--context 2048]   # decode steps' ops
 
 --decode B,...: instead of prefills, decode-shaped calls: B streams of one new token after --context
 cached tokens each (tools.bench's D1 / D32 / D128), where the floor is the states, the cached K/V and
@@ -58,7 +58,7 @@ def _shapes(cfg, n: int, args) -> Shapes:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m metrale_graph.tools.bench_ops", description=__doc__,
+    p = argparse.ArgumentParser(prog="python benchmarks/kernels/bench_ops.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen3.5-9b", choices=list(PRESETS))
     p.add_argument("--tokens", type=positive_ints, default="512,8192", help="comma-separated total token counts")

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One GPU session in one command (device machines start bare): install the carried
 # flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
-#   usage: bash tools/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-ab|moe-sort|tp|fp8|fp8-sweep|fp8-bench|serve|prefix|structured|all|setup]
+#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-ab|moe-sort|tp|fp8|fp8-sweep|fp8-bench|serve|prefix|structured|all|setup]
 #   (run from the repository root)
 # tests: every GPU test (sweep + op-tests + model-tests: ~18 min, more than one call); ops: per-op
-# benchmark; decode (not in all): bench_ops at decode shapes and tools/check_decode.py's tile sweep; bench: 9B workloads with the peer and generation; profile (not in all): the 9B workloads' device
+# benchmark; decode (not in all): bench_ops at decode shapes and benchmarks/kernels/check_decode.py's tile sweep; bench: 9B workloads with the peer and generation; profile (not in all): the 9B workloads' device
 # time by phase and top kernels (bench --profile);
 # moe: the 35B-A3B and (12 layers) Qwen3-Next-80B-A3B workloads with the peer, the 35B-A3B default-grid warmup;
 # moe-ab (not in all): the experts' grouped GEMMs, ours against torch._grouped_mm (check_moe_gemm, the 35B-A3B's
@@ -12,18 +12,18 @@
 # torch.sort against the counting sort (METRALE_MOE_SORT; the alignment tests on CUDA, 35B-A3B-FP8 W1 / D1 / D32,
 # SORT_PRESET to choose); tp: the two-GPU benchmarks
 # (9B W2 / W5 against the one-GPU JSON in benchmarks/, 27B W1-W6, 35B-A3B W1 / W2 / W5 with the experts
-# split across the ranks and within); fp8 (not in all): the FP8 primitives' check (tools/check_fp8.py: correctness,
+# split across the ranks and within); fp8 (not in all): the FP8 primitives' check (benchmarks/kernels/check_fp8.py: correctness,
 # cuBLAS shapes, graphs), tests/test_gpu_fp8.py, bench_ops on the 9B FP8 preset; fp8-bench (not in all): the FP8
 # presets' workloads beside their bf16 runs, the FP8 ops at decode shapes (issue 26; FP8_PRESETS, BF16_35B, FP8_OPS, FP8_NEXT);
-# fp8-sweep (not in all): tools/sweep_fp8_decode.py, the decode-shaped FP8 GEMM's forms and tiles, then the 9B-FP8's
+# fp8-sweep (not in all): benchmarks/kernels/sweep_fp8_decode.py, the decode-shaped FP8 GEMM's forms and tiles, then the 9B-FP8's
 # D1 / D32 under each METRALE_FP8_DECODE and the 35B-A3B-FP8's W1 / D1 / D32 under each METRALE_FP8_EXPERTS (not yet
 # measured; estimate 6-9 min on a warm machine: give the call its own 600 s, or STEP_LIMIT=150); serve (not in all): metrale-serve + bench_serve at concurrency
 # 32 / 128 / 256 on the 9B and 35B-A3B (issue 27; SERVE_PRESETS to choose); prefix (not in all): bench_prefix on the 9B
-# (issue 28); structured (not in all): tools.bench_structured on the 9B preset, 64 requests with JSON masks against
-# without (issue 40; needs xgrammar and apache-tvm-ffi wheels in .whl-serve and a tokenizer of the 9B's vocabulary
-# in .qwen35-tokenizer: python -m metrale_graph.tools.bench_structured --make-qwen-tokenizer .qwen35-tokenizer),
+# (issue 28); structured (not in all): benchmarks/bench_structured.py on the 9B preset, 64 requests with JSON masks
+# against without (issue 40; needs xgrammar and apache-tvm-ffi wheels in .whl-serve and a tokenizer of the 9B's
+# vocabulary in .qwen35-tokenizer: python benchmarks/bench_structured.py --make-qwen-tokenizer .qwen35-tokenizer),
 # then the structured GPU test. `setup` only installs (source it
-# with `. tools/gpu_session.sh setup` to keep the environment). The device's copy of the tree may carry an older
+# with `. benchmarks/gpu_session.sh setup` to keep the environment). The device's copy of the tree may carry an older
 # .git: export METRALE_COMMIT=<the commit> in the command so the records name the right one.
 # Wall times measured on H200s (2026-11-30; plan device time by them, 10 minutes per call at most):
 #   test_gpu_sweep -n 8 ~4.5 min; test_gpu_ops ~5.5 min (beside another job); test_gpu_model + capture +
@@ -77,7 +77,7 @@ if runs model-tests; then
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 if [[ $what == ops || $what == all ]]; then
-    python3 -m metrale_graph.tools.bench_ops --markdown "$OUT/bench_ops.md" 2>&1 | tee "$OUT/bench_ops.log" | tail -20
+    python3 benchmarks/kernels/bench_ops.py --markdown "$OUT/bench_ops.md" 2>&1 | tee "$OUT/bench_ops.log" | tail -20
 fi
 if [[ $what == bench || $what == all ]]; then
     python3 -m metrale_graph.tools.bench --preset tiny --repeat 3 2>&1 | tee "$OUT/bench_tiny.log" | tail -12
@@ -87,9 +87,9 @@ fi
 if [[ $what == decode ]]; then
     # issue 24's decode targets: every op at D1 / D32 / D128 shapes against its floor, then the sweep of the two
     # state-bound kernels' tiles (the GDN recurrence's BV / warps, paged decode's split count)
-    python3 -m metrale_graph.tools.bench_ops --decode 1,32,128 --markdown "$OUT/bench_ops-decode.md" 2>&1 \
+    python3 benchmarks/kernels/bench_ops.py --decode 1,32,128 --markdown "$OUT/bench_ops-decode.md" 2>&1 \
         | tee "$OUT/bench_ops-decode.log" | tail -32
-    python3 -m metrale_graph.tools.check_decode --json "$OUT/check_decode.json" 2>&1 | tee "$OUT/check_decode.log" \
+    python3 benchmarks/kernels/check_decode.py --json "$OUT/check_decode.json" 2>&1 | tee "$OUT/check_decode.log" \
         | tail -45
 fi
 if [[ $what == profile ]]; then
@@ -109,7 +109,7 @@ fi
 if [[ $what == moe-ab ]]; then
     # issue 25's A/B of the routed experts: our grouped GEMMs against torch._grouped_mm per layer (check_moe_gemm),
     # then the 35B-A3B's workloads with each backend (METRALE_MOE_EXPERTS) and the grouped_mm backend's GPU tests
-    python3 -m metrale_graph.tools.check_moe_gemm --json "$OUT/moe_gemm.json" 2>&1 | tee "$OUT/moe_gemm.log" | tail -16
+    python3 benchmarks/kernels/check_moe_gemm.py --json "$OUT/moe_gemm.json" 2>&1 | tee "$OUT/moe_gemm.log" | tail -16
     for experts in triton grouped_mm; do
         METRALE_MOE_EXPERTS=$experts python3 -m metrale_graph.tools.bench --preset qwen3.5-35b-a3b \
             --workloads W1,W2,W4,W5,W6 --variants graphs --repeat 3 --json "$OUT/bench-35b-$experts.json" 2>&1 \
@@ -134,13 +134,13 @@ if [[ $what == tp || $what == all ]] && (( $(nvidia-smi -L | wc -l) >= 2 )); the
     done
 fi
 if [[ $what == fp8 ]]; then
-    limit python3 -m metrale_graph.tools.check_fp8 --sections correctness,cublas,perf,graphs --json "$OUT/fp8.json" \
+    limit python3 benchmarks/kernels/check_fp8.py --sections correctness,cublas,perf,graphs --json "$OUT/fp8.json" \
         2>"$OUT/fp8.err" | tee "$OUT/fp8.log" | tail -40
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
     limit python3 -m pytest -q -rfE -s -p no:cacheprovider tests/test_gpu_fp8.py 2>&1 | tee "$OUT/gpu_fp8_tests.log" \
         | grep -E "^(FAILED|ERROR)|passed|failed|graphs vs eager" | tail -30
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
-    python3 -m metrale_graph.tools.bench_ops --preset qwen3.5-9b-fp8 --markdown "$OUT/bench_ops-fp8.md" 2>&1 \
+    python3 benchmarks/kernels/bench_ops.py --preset qwen3.5-9b-fp8 --markdown "$OUT/bench_ops-fp8.md" 2>&1 \
         | tee "$OUT/bench_ops-fp8.log" | tail -14
 fi
 if [[ $what == serve ]]; then
@@ -200,10 +200,10 @@ if [[ $what == structured ]]; then
         python3 -m pip install -q --no-index --no-deps --target /tmp/site-serve .whl-serve/*.whl
         export PYTHONPATH=$PYTHONPATH:/tmp/site-serve
     fi
-    limit python3 -m metrale_graph.tools.bench_structured --model ${STRUCTURED_MODEL:-qwen3.5-9b} \
+    limit python3 benchmarks/bench_structured.py --model ${STRUCTURED_MODEL:-qwen3.5-9b} \
         --tokenizer ${STRUCTURED_TOKENIZER:-.qwen35-tokenizer} 2>&1 | tee "$OUT/bench_structured-9b.log" | tail -6
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
-    python3 -m metrale_graph.tools.bench_structured --masks-only --tokenizer ${STRUCTURED_TOKENIZER:-.qwen35-tokenizer} \
+    python3 benchmarks/bench_structured.py --masks-only --tokenizer ${STRUCTURED_TOKENIZER:-.qwen35-tokenizer} \
         2>&1 | tee -a "$OUT/bench_structured-9b.log" | tail -6
     limit python3 -m pytest -q -rfE -p no:cacheprovider tests/test_structured.py -k gpu 2>&1 | tail -3
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
@@ -215,7 +215,7 @@ if [[ $what == prefix ]]; then
 fi
 if [[ $what == fp8-sweep ]]; then
     # issue 26's decode GEMM: every candidate form and tile of the FP8 GEMM at 1 / 4 / 16 / 32 rows (~2-3 min)
-    limit python3 -m metrale_graph.tools.sweep_fp8_decode --json "$OUT/sweep_fp8_decode.json" 2>&1 \
+    limit python3 benchmarks/kernels/sweep_fp8_decode.py --json "$OUT/sweep_fp8_decode.json" 2>&1 \
         | grep -v Warning | tee "$OUT/sweep_fp8_decode.log" | tail -20
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
     # then the 9B-FP8's decode steps with each decode GEMM (METRALE_FP8_DECODE: the default split-K, swap)
@@ -262,7 +262,7 @@ if [[ $what == fp8-bench ]]; then
             --variants graphs --repeat 3 --json "$OUT/bench-qwen3.5-35b-a3b-bf16.json" 2>&1 | tail -7
     fi
     if [[ ${FP8_OPS:-1} == 1 ]]; then
-        limit python3 -m metrale_graph.tools.bench_ops --preset qwen3.5-9b-fp8 --decode 1,32 2>&1 \
+        limit python3 benchmarks/kernels/bench_ops.py --preset qwen3.5-9b-fp8 --decode 1,32 2>&1 \
             | tee "$OUT/bench_ops-fp8.log" | tail -24
     fi
     if [[ ${FP8_NEXT:-0} == 1 ]]; then

@@ -1,9 +1,9 @@
 """Structured output's cost: the Engine's decode step of --streams requests (default 64) held to a JSON grammar
 against the same step without one, and the host time the token masks take to fill.
 
-    python -m metrale_graph.tools.bench_structured --model /path/to/Qwen3.5-9B [--streams 64] [--new-tokens 128]
-    python -m metrale_graph.tools.bench_structured --model qwen3.5-9b --tokenizer FOLDER     # random weights
-    python -m metrale_graph.tools.bench_structured --masks-only --tokenizer FOLDER [--library llguidance]
+    python benchmarks/bench_structured.py --model /path/to/Qwen3.5-9B [--streams 64] [--new-tokens 128]
+    python benchmarks/bench_structured.py --model qwen3.5-9b --tokenizer FOLDER     # random weights
+    python benchmarks/bench_structured.py --masks-only --tokenizer FOLDER [--library llguidance]
 
 Engine runs (the model folder's tokenizer, or --tokenizer): the same --streams prompts in three variants, each
 request running --new-tokens tokens (no stop tokens; all prompts fit the first step, so every later step is a
@@ -210,7 +210,7 @@ def make_qwen_tokenizer(folder: str) -> int:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m metrale_graph.tools.bench_structured", description=__doc__,
+    p = argparse.ArgumentParser(prog="python benchmarks/bench_structured.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p, parallel=False)
     p.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: the --model folder's)")

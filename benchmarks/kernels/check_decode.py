@@ -11,7 +11,7 @@ move / 4.3 TB/s), for B = 1, 32, 128 one-token streams after --context cached to
 
 Prints a table per kernel and ends with one JSON line (also written to --json).
 
-    . tools/gpu_session.sh setup && python3 -m metrale_graph.tools.check_decode --json "$OUT/decode.json"
+    . benchmarks/gpu_session.sh setup && python3 benchmarks/kernels/check_decode.py --json "$OUT/decode.json"
 """
 
 from __future__ import annotations
@@ -23,23 +23,15 @@ import torch
 
 from metrale_graph import PRESETS
 from metrale_graph.ops import REGISTRY, Shapes, example_args
-from metrale_graph.tools.check_gdn_chunked import rel
 from metrale_graph.tools.files import write_whole
 from metrale_graph.tools.flags import output_file, positive_int, positive_ints
 from metrale_graph.tools.floors import COPY_RATE
 from metrale_graph.tools.provenance import provenance
 from metrale_graph.tools.report import print_json, print_table
+from measure import graph_ms, rel
 
 TILES = [(8, 1), (8, 2), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (128, 8)]  # (BV, num_warps)
 PROGRAMS = [256, 512, 1024, 2048, 4096]  # paged decode: programs its splits aim at
-
-
-def graph_ms(call) -> float:
-    import triton.testing
-
-    call()
-    with torch.cuda.stream(torch.cuda.Stream()):
-        return triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median")
 
 
 def sweep_recurrent(cfg, B: int, L: int = 1) -> list[dict]:
@@ -107,7 +99,7 @@ def sweep_paged(cfg, B: int, context: int) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m metrale_graph.tools.check_decode", description=__doc__,
+    p = argparse.ArgumentParser(prog="python benchmarks/kernels/check_decode.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen3.5-9b", choices=list(PRESETS))
     p.add_argument("--streams", type=positive_ints, default="1,32,128")

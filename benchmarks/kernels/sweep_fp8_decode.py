@@ -17,7 +17,7 @@ takes the split-K kernel at one row too. It times, under CUDA-graph replay at th
   cublas      the quantizer + torch._scaled_mm blockwise, and bf16 x @ w.T;
 and prints each one's effective TB/s on the weight bytes, the best per shape, and a JSON line.
 
-    python -m metrale_graph.tools.sweep_fp8_decode [--rows 1,4,16,32] [--json FILE]
+    python benchmarks/kernels/sweep_fp8_decode.py [--rows 1,4,16,32] [--json FILE]
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def bench(fn):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/kernels/sweep_fp8_decode.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,4,16,32")
     p.add_argument("--json")
     args = p.parse_args(argv)

@@ -17,8 +17,8 @@ speed against bf16, and CUDA-graph replay. Sections (each case in its own try, a
                (correctness and time)
   graphs       captured and replayed (with new inputs) = eager, bit for bit
 
-    python -m tools.check_fp8 [--sections correctness,cublas,perf,experts,graphs] [--json FILE]
-    TRITON_INTERPRET=1 python -m tools.check_fp8 --smoke   # tiny shapes on the CPU (no cuBLAS, perf, graphs)
+    python benchmarks/kernels/check_fp8.py [--sections correctness,cublas,perf,experts,graphs] [--json FILE]
+    TRITON_INTERPRET=1 python benchmarks/kernels/check_fp8.py --smoke   # tiny shapes on the CPU (no cuBLAS, perf, graphs)
 
 Prints a table per section and ends with one JSON line (also written to --json FILE); exit code 1
 if a correctness check failed.
@@ -390,7 +390,7 @@ def _sections(text: str) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.check_fp8", description=__doc__,
+    p = argparse.ArgumentParser(prog="python benchmarks/kernels/check_fp8.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sections", type=_sections, default=list(SECTIONS), help="comma-separated, default all")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the JSON record to FILE")

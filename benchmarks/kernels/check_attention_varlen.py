@@ -19,7 +19,7 @@ Implementations (attention_varlen's backends): cudnn (one-stream buckets dense, 
 fa2, cudnn_fa2 (one-stream buckets cuDNN dense, else fa2), fa2_paged (pools of 256-token blocks, where this
 torch takes a block table); triton: metrale::paged_attention as it is.
 
-    python -m tools.check_attention_varlen --json $OUT/attention_varlen.json    (after: pip install -e .)
+    python benchmarks/kernels/check_attention_varlen.py --json $OUT/attention_varlen.json    (after: pip install -e .)
 """
 
 from __future__ import annotations
@@ -511,7 +511,7 @@ def summarize(record: dict) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m tools.check_attention_varlen", description=__doc__,
+    p = argparse.ArgumentParser(prog="python benchmarks/kernels/check_attention_varlen.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", type=output_file, default=None, help="write the whole record (every section) here")
     p.add_argument("--sections", default=",".join(SECTIONS),
@@ -543,7 +543,7 @@ def main(argv=None) -> None:
             print(f"\n=== {name} ===", flush=True)
             start = time.time()
             try:
-                run = subprocess.run([sys.executable, "-m", "metrale_graph.tools.check_attention_varlen",
+                run = subprocess.run([sys.executable, os.path.abspath(__file__),
                                       "--section", name, "--part", part], timeout=min(args.timeout, left))
                 code = run.returncode
             except subprocess.TimeoutExpired:
