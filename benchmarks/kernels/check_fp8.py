@@ -27,14 +27,14 @@ if a correctness check failed.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
 import time
-import traceback
 
 import torch
+
+from measure import attempt, fmt_ms, fmt_num, fmt_value, rel as rel_err, titled_table
 
 SECTIONS = ("correctness", "cublas", "perf", "experts", "graphs")
 SHAPES_9B = [(24576, 4096), (4096, 12288), (16448, 4096), (4096, 4096)]
@@ -47,26 +47,6 @@ TOL = 1e-2  # bf16 outputs against their reference (tests/metrics.TOL)
 # which moves an element by one bf16 ulp where its fp32 value lies near a rounding boundary (all of them
 # moving would be 2^-8 = 3.9e-3; the output's own bf16 rounding is ~1.6e-3)
 TOL_SPEC = 3e-3
-BF16_MOE_MODULES = ("metrale_graph.ops.moe", "metrale_graph.ops.moe.kernels", "metrale_graph.ops.moe.moe")
-
-
-def rel_err(out, ref) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm()).item()
-
-
-def short(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:160]
-
-
-def attempt(fn):
-    """(result, None) or (None, the error's first line); the traceback goes to stderr."""
-    try:
-        return fn(), None
-    except Exception as e:  # every case reports instead of ending the run
-        traceback.print_exc(file=sys.stderr)
-        return None, short(e)
 
 
 class Checker:
@@ -125,11 +105,11 @@ class Checker:
                              f"residual {M}x{N}x{K}: {rec['auto_residual']}")
                 recs.append(rec)
                 rows.append([f"{N}x{K}", M, rec["auto_backend"], rec["quant_bitexact"], *(
-                    _fmt(rec.get(b, "-")) for b in ("triton", "splitk", "cublas", "auto", "auto_residual")),
-                    _fmt(rec["bf16_rounding"]), _fmt(rec["w8a8_vs_bf16_product"])])
-        _table("correctness: rel. error of bf16 outputs against block_fp8_linear_ref's bf16 output",
-               ["N x K", "M", "auto", "quant bit-exact", "triton", "splitk", "cublas", "auto", "auto + residual",
-                "bf16 rounding", "W8A8 vs bf16 product"], rows)
+                    fmt_value(rec.get(b, "-")) for b in ("triton", "splitk", "cublas", "auto", "auto_residual")),
+                    fmt_value(rec["bf16_rounding"]), fmt_value(rec["w8a8_vs_bf16_product"])])
+        titled_table("correctness: rel. error of bf16 outputs against block_fp8_linear_ref's bf16 output",
+                     ["N x K", "M", "auto", "quant bit-exact", "triton", "splitk", "cublas", "auto", "auto + residual",
+                      "bf16 rounding", "W8A8 vs bf16 product"], rows)
         return recs
 
     # cuBLAS acceptance -----------------------------------------------------------------------
@@ -159,9 +139,9 @@ class Checker:
                                "rel_err": None if err else rel_err(out, ref)}
                         recs.append(rec)
                         rows.append([N, K, M, name, rec["out"], rec["accepted"],
-                                     _fmt(rec["rel_err"]) if rec["accepted"] else err[:70]])
-        _table("cublas: torch._scaled_mm blockwise (1x128 activations, 128x128 weights)",
-               ["N", "K", "M", "w scale layout", "out", "accepted", "rel. err / error"], rows)
+                                     fmt_value(rec["rel_err"]) if rec["accepted"] else err[:70]])
+        titled_table("cublas: torch._scaled_mm blockwise (1x128 activations, 128x128 weights)",
+                     ["N", "K", "M", "w scale layout", "out", "accepted", "rel. err / error"], rows)
         return recs
 
     # speed -----------------------------------------------------------------------------------
@@ -183,7 +163,7 @@ class Checker:
         a8, one = a.to(fp8.FP8_DTYPE), torch.ones((), device=self.dev)
         ms, _ = attempt(lambda: self.bench(lambda: torch._scaled_mm(a8, a8.t(), one, one, out_dtype=torch.bfloat16)))
         ceilings["fp8_tensorwise_tflops"] = 2 * 8192 ** 3 / ms / 1e9 if ms else None
-        del a, a8
+        a = a8 = None  # the 8192^2 operands freed (lambdas above close over them: no del)
         for N, K in SHAPES_9B:
             w, q, s = self.weight(N, K)
             for M in PERF_M:
@@ -212,49 +192,33 @@ class Checker:
                 rec["speedup"] = rec["bf16_ms"] / min(fp8_ms) if fp8_ms and rec["bf16_ms"] else None
                 recs.append(rec)
                 rows.append([f"{N}x{K}", M,
-                             *(_ms(rec[f"{k}_ms"]) for k in ("bf16", "quant", *kinds)),
-                             *(_num(rec[f"{k}_tflops"]) for k in ("bf16", *kinds)),
-                             *(_num(rec[f"{k}_tbs"], 2) for k in ("bf16", *kinds)),
-                             rec["best_fp8"][4:], _num(rec["speedup"], 2)])
-                del x
-            del w, q, s
-        print(f"\nceilings: bf16 8192^3 {_num(ceilings['bf16_tflops'])} TFLOP/s, FP8 tensorwise 8192^3 "
-              f"{_num(ceilings['fp8_tensorwise_tflops'])} TFLOP/s")
-        _table("perf: device ms (CUDA-graph replay); FP8 rows include the activation quantizer",
-               ["N x K", "M", "bf16", "quant", "fp8 cublas", "fp8 triton", "fp8 splitk", "TF bf16", "TF cublas",
-                "TF triton", "TF splitk", "TB/s bf16", "TB/s cublas", "TB/s triton", "TB/s splitk", "best fp8",
-                "speed-up"], rows)
+                             *(fmt_ms(rec[f"{k}_ms"]) for k in ("bf16", "quant", *kinds)),
+                             *(fmt_num(rec[f"{k}_tflops"]) for k in ("bf16", *kinds)),
+                             *(fmt_num(rec[f"{k}_tbs"], 2) for k in ("bf16", *kinds)),
+                             rec["best_fp8"][4:], fmt_num(rec["speedup"], 2)])
+                x = None
+            w = q = s = None
+        print(f"\nceilings: bf16 8192^3 {fmt_num(ceilings['bf16_tflops'])} TFLOP/s, FP8 tensorwise 8192^3 "
+              f"{fmt_num(ceilings['fp8_tensorwise_tflops'])} TFLOP/s")
+        titled_table("perf: device ms (CUDA-graph replay); FP8 rows include the activation quantizer",
+                     ["N x K", "M", "bf16", "quant", "fp8 cublas", "fp8 triton", "fp8 splitk", "TF bf16", "TF cublas",
+                      "TF triton", "TF splitk", "TB/s bf16", "TB/s cublas", "TB/s triton", "TB/s splitk", "best fp8",
+                      "speed-up"], rows)
         return {"ceilings": ceilings, "rows": recs}
 
     # experts ---------------------------------------------------------------------------------
     def bf16_experts(self):
-        """ops/moe.py's bf16 grouped GEMMs over the same sorted pairs, as moe_cuda calls them."""
-        import triton
-        for name in BF16_MOE_MODULES:
-            try:
-                mod = importlib.import_module(name)
-            except ImportError:
-                continue
-            if hasattr(mod, "_moe_gate_up_kernel"):
-                break
-        else:
-            raise ImportError(f"no module of {BF16_MOE_MODULES} holds _moe_gate_up_kernel")
+        """ops/moe's bf16 grouped GEMMs (gemm.gate_up, gemm.down) over the pairs aligned as the op aligns them:
+        pair rows [T * k, D]; IEEE dots in the interpreter, as the op's (its bf16 dots are not the GPU's there)."""
+        from metrale_graph.ops.common import INTERPRET
+        from metrale_graph.ops.moe import align, gemm
 
         def run(x, top_w, top_e, w13, w2):
-            (T, D), k, E, IE = x.shape, top_e.shape[1], w13.shape[0], w2.shape[-1]
-            P = T * k
-            BM = mod.block_m(P, E)
-            ids, block_expert = mod.align_pairs(top_e, E, BM)
-            nblk = block_expert.shape[0]
-            act = x.new_empty(P, IE)
-            mod._moe_gate_up_kernel[lambda meta: (nblk * triton.cdiv(IE, meta["BN"]),)](
-                x, w13, act, ids, block_expert, P, nblk, IE, D, x.stride(0), w13.stride(0), w13.stride(1),
-                TOP_K=k, BM=BM, IEEE=False)
-            y = x.new_empty(P, D)
-            mod._moe_down_kernel[lambda meta: (nblk * triton.cdiv(D, meta["BN"]),)](
-                act, w2, y, ids, block_expert, top_w.reshape(-1), P, nblk, D, IE, w2.stride(0), w2.stride(1), BM=BM,
-                IEEE=False)
-            return y
+            (T, D), k, E = x.shape, top_e.shape[1], w13.shape[0]
+            BM = align.block_m(T * k, E)
+            ids, block_expert = align.align_pairs(top_e, E, BM)
+            act = gemm.gate_up(x, w13, ids, block_expert, k, BM, ieee=INTERPRET)
+            return gemm.down(act, w2, ids, block_expert, top_w, x.new_empty(T * k, D), BM, ieee=INTERPRET)
         return run
 
     def expert_weights(self, E, D, IE):
@@ -280,7 +244,7 @@ class Checker:
         cfg = SMOKE["experts"] if self.smoke else EXPERTS_35B
         E, D, IE, k = cfg["E"], cfg["D"], cfg["IE"], cfg["k"]
         (w13, w2), fp8_w = self.expert_weights(E, D, IE)
-        bf16, bf16_err = attempt(self.bf16_experts) if torch.cuda.is_available() else (None, "no CUDA")
+        bf16, bf16_err = attempt(self.bf16_experts) if torch.cuda.is_available() or self.smoke else (None, "no CUDA")
         for T in cfg["tokens"]:
             x, top_w, top_e = self.routing(T, E, k, D, seed=T)
             rec = {"E": E, "D": D, "IE": IE, "k": k, "T": T}
@@ -305,13 +269,13 @@ class Checker:
                     rec[f"{name}_tflops"] = flops / ms / 1e9 if ms else None
                     rec[f"{name}_tbs"] = (touched * 3 * D * IE * wb + io) / ms / 1e9 if ms else None
             recs.append(rec)
-            rows.append([T, _fmt(rec.get("fp8_vs_ref", "-")), _fmt(rec.get("fp8_vs_bf16_kernels", "-")),
-                         _ms(rec.get("fp8_ms")), _ms(rec.get("bf16_ms")), _num(rec.get("fp8_tflops")),
-                         _num(rec.get("bf16_tflops")), _num(rec.get("fp8_tbs"), 2), _num(rec.get("bf16_tbs"), 2),
-                         _num(rec["bf16_ms"] / rec["fp8_ms"], 2) if rec.get("fp8_ms") and rec.get("bf16_ms") else "-"])
-        _table(f"experts: E {E}, D {D}, IE {IE}, top {k} (device ms; FP8 includes quantizing x)",
-               ["T", "fp8 vs ref", "fp8 vs bf16 kernels", "fp8 ms", "bf16 ms", "TF fp8", "TF bf16", "TB/s fp8",
-                "TB/s bf16", "speed-up"], rows)
+            rows.append([T, fmt_value(rec.get("fp8_vs_ref", "-")), fmt_value(rec.get("fp8_vs_bf16_kernels", "-")),
+                         fmt_ms(rec.get("fp8_ms")), fmt_ms(rec.get("bf16_ms")), fmt_num(rec.get("fp8_tflops")),
+                         fmt_num(rec.get("bf16_tflops")), fmt_num(rec.get("fp8_tbs"), 2), fmt_num(rec.get("bf16_tbs"), 2),
+                         fmt_num(rec["bf16_ms"] / rec["fp8_ms"], 2) if rec.get("fp8_ms") and rec.get("bf16_ms") else "-"])
+        titled_table(f"experts: E {E}, D {D}, IE {IE}, top {k} (device ms; FP8 includes quantizing x)",
+                     ["T", "fp8 vs ref", "fp8 vs bf16 kernels", "fp8 ms", "bf16 ms", "TF fp8", "TF bf16", "TB/s fp8",
+                      "TB/s bf16", "speed-up"], rows)
         return recs
 
     # graphs ----------------------------------------------------------------------------------
@@ -359,27 +323,9 @@ class Checker:
                          f"graph {name}: {rec}")
             recs.append(rec)
             rows.append([name, rec.get("replay_equal", "-"), rec.get("replay_new_inputs_equal", "-"), err or ""])
-        _table("graphs: captured, replayed = eager (bit for bit)",
-               ["case", "replay", "replay, new inputs", "error"], rows)
+        titled_table("graphs: captured, replayed = eager (bit for bit)",
+                     ["case", "replay", "replay, new inputs", "error"], rows)
         return recs
-
-
-def _fmt(v) -> str:
-    return f"{v:.2e}" if isinstance(v, float) else str(v)[:60]
-
-
-def _ms(v) -> str:
-    return "-" if v is None else f"{v:.4f}"
-
-
-def _num(v, digits=0) -> str:
-    return "-" if v is None else f"{v:.{digits}f}"
-
-
-def _table(title, headers, rows):
-    from metrale_graph.tools.report import print_table
-    print(f"\n{title}")
-    print_table(headers, rows)
 
 
 def _sections(text: str) -> list[str]:
