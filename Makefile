@@ -1,4 +1,4 @@
-# `make run` and `make test` each set up what they need (a virtual environment in .venv with
+# `make run`, `make test` and `make lint` each set up what they need (a virtual environment in .venv with
 # the CPU build of torch 2.13.0 and this package, editable) and then do their job. Every package is
 # installed at the version constraints.txt names (the versions the suite was last green with);
 # `make constraints` refreshes that file from a new environment resolved without it.
@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test constraints clean
+.PHONY: run test lint constraints clean
 
 $(STAMP): pyproject.toml Makefile constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadgroup
+
+# ruff over the repository, its rules in pyproject.toml ([tool.ruff])
+lint: $(STAMP)
+	$(PY) -m ruff check .
 
 # Resolve the newest versions pyproject.toml allows in a scratch environment and write them to constraints.txt.
 constraints:

@@ -2,7 +2,7 @@
 
 Read through one accessor, the module's attributes (`envs.METRALE_MOE_EXPERTS`), and read once: the first access
 parses every METRALE_* variable of the environment and keeps the values for the life of the process. A value a
-setting does not take, or a METRALE_* variable that is none of SETTINGS (a typo: METRALE_MOE_EXPERT), is a
+setting does not take, or a METRALE_* variable that is none of SETTINGS (a misspelt name), is a
 ValueError naming each such variable and what it takes, raised at that first access, which importing the package
 makes (the backend switches below are read when their op modules are imported).
 

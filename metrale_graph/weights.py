@@ -34,7 +34,7 @@ from .quantization import FP8_BLOCK, MTP_PREFIX, TEXT_PREFIX, scale_name
 from .quantized import scale_problem
 from .sharding import (expert_part_ranges, first_expert, fusion_ranges, local_config, pad_shards, sharded_shapes, take,
                        weight_ranges)
-from .spec import (EXPERTS, FP8_DTYPE, SCALE, SCALE_DTYPE, VECTOR, WeightSpec, model_spec, stacked_groups, weight_bytes,
+from .spec import (EXPERTS, FP8_DTYPE, SCALE, VECTOR, WeightSpec, model_spec, stacked_groups, weight_bytes,
                    weight_dtype, weight_shapes)
 
 EMBEDDINGS = "embed_tokens.weight"  # a tied model's lm_head too

@@ -216,7 +216,9 @@ def _cudnn_dense(q, k, v):
     """One stream at rows [0, L), spare rows after it: causal over all T rows leaves the stream's rows exact
     (spare keys come after every real query; their rows must be finite, as the padding contract has them:
     masked scores still multiply their values by 0)."""
-    as_bhsd = lambda x: x.unsqueeze(0).transpose(1, 2)  # [1, H, T, HD] strided views, no copy
+    def as_bhsd(x):  # [1, H, T, HD] strided views, no copy
+        return x.unsqueeze(0).transpose(1, 2)
+
     out = torch.ops.aten._scaled_dot_product_cudnn_attention(as_bhsd(q), as_bhsd(k), as_bhsd(v), None, True, 0.0,
                                                              True, False, scale=q.shape[2] ** -0.5)
     return out[0][0].transpose(0, 1), out[1], "head_major"

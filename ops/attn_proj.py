@@ -3,7 +3,6 @@ per-head output gate split out of q_proj, q_norm / k_norm, partial rotary embedd
 """
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from . import kernels

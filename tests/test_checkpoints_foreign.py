@@ -7,7 +7,8 @@ and run against transformers on the same folder (fp32, relative error <= 1e-4); 
 (mtp_head, declared in config.json or not) loads as the model's own. FP8: a checkpoint written by transformers' FineGrainedFP8 quantizer, and ones in Qwen's published
 layout written here (bf16 scales, the quantization_config at the top or in text_config, Qwen's explicit
 modules_to_not_convert, per-expert and stacked experts, an FP8 MTP head), against transformers on the
-dequantized weights (weight-only within metrics.fp32_model_bound: fp32's reordering of sums). Other quantization methods, and folders no loader should take
+dequantized weights (weight-only within metrics.fp32_model_bound: fp32's reordering of sums). Other quantization
+methods, and folders no loader should take
 (pickle-only weights, shards without their index, FP8 tensors without a quantization_config, no
 config.json), are each a ValueError naming the method or the files."""
 

@@ -223,7 +223,8 @@ def test_output_into_a_folder_that_takes_no_files(capsys, main, flag):
     (["--json", "/nonexistent/r.json"], "argument --json: '/nonexistent/r.json': folder /nonexistent does not exist"),
     (["--seed", "x"], "argument --seed: expected an integer"),
     (["--tp", "2", "--variants", "peer,graphs"], "the peer runs on one GPU: leave it out of --variants under --tp"),
-    (["--tp", "2", "--generate"], "--generate times one GPU against the peer; under --tp use metrale_graph.tools.generate --tp"),
+    (["--tp", "2", "--generate"],
+     "--generate times one GPU against the peer; under --tp use metrale_graph.tools.generate --tp"),
     (["--baseline", "/nonexistent/b.json"], "--baseline: cannot read baseline /nonexistent/b.json"),
     (["--baseline", "b.json", "--variants", "eager"], "--baseline compares graphs timings"),
 ])

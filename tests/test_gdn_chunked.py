@@ -9,7 +9,6 @@ tests marked gpu compare with flash-linear-attention at the Qwen3.5-9B head shap
 
 import pytest
 import torch
-import triton.language as tl
 from metrics import assert_close, round_bf16_to_nearest
 
 from metrale_graph.ops.gdn_chunked import (CHUNK, ChunkConfig, chunked_gdn_forward, chunked_gdn_pool_forward,

@@ -1,8 +1,12 @@
-"""The package's structure: no import cycle among the modules of metrale_graph (its own folder and the
-folders pyproject.toml installs under it: ops, capture, tools), counting imports inside functions."""
+"""The house rules the code can check: no import cycle among the modules of metrale_graph (its own folder and
+the folders pyproject.toml installs under it: ops, capture, tools), counting imports inside functions; Python
+files only in the package, benchmarks/ and tests/, and nothing stray at the root; tools/ holding the commands
+users run; METRALE_* variables read by metrale_graph/envs.py alone, its table in docs/DESIGN.md, and no removed
+setting or backend named; no source file outside tests/ past 400 lines but those listed."""
 
 import ast
 import os
+import re
 
 import pytest
 
@@ -233,3 +237,98 @@ def test_design_shows_the_settings_table():
     with open(os.path.join(ROOT, "docs", "DESIGN.md")) as f:
         design = f.read()
     assert envs.markdown_table() in design, "docs/DESIGN.md's settings table is not envs.markdown_table()"
+
+
+# Habits (issue 41, item 7) ---------------------------------------------------------------------------------
+MAX_LINES = 400
+# Source files outside tests/ over MAX_LINES lines, each with what will split it. A file that reaches MAX_LINES
+# without an entry fails the test, and so does an entry whose file is back under it (or gone): the list only shrinks.
+OVER_MAX_LINES = {
+    "metrale_graph/cache.py": "issue 41: the cache's split, under way on another branch",
+    "metrale_graph/loop.py": "issue 41: the engine loop's split, under way on another branch",
+    "metrale_graph/engine.py": "issue 41: with the loop's split (request intake and checks apart from the Engine)",
+    "metrale_graph/weights.py": "not scheduled: the checkpoint layout (_layout, _Assembler) apart from loading",
+    "metrale_graph/server/protocol.py": "not scheduled: the request models apart from the response and stream models",
+    "metrale_graph/config.py": "not scheduled: the field checks (_int, _float, _checked) apart from ModelConfig",
+    "metrale_graph/onnx/translations.py": "not scheduled: one module per mixer's translations",
+    "ops/gdn_chunked.py": "not scheduled: a folder as ops/gdn_recurrence/ (kernels, launch, reference)",
+    "tools/bench.py": "not scheduled: the workloads' runner and tables apart from the command",
+    "benchmarks/kernels/check_attention_varlen.py": "issue 41, item 1: goes with the attention backends it compares "
+                                                    "(kept and split, or deleted)",
+}
+SOURCE_SUFFIXES = (".py", ".sh")
+# what the repository's root holds: anything else there is a stray file
+ROOT_ENTRIES = {".ci", ".gitignore", "BENCHMARKS.md", "LICENSE", "Makefile", "README.md", "benchmarks", "capture",
+                "constraints.txt", "docs", "metrale_graph", "ops", "pyproject.toml", "tests", "tools"}
+
+
+def tracked_files() -> list[str]:
+    import subprocess
+
+    try:
+        listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    return [f for f in listed.stdout.splitlines() if os.path.exists(os.path.join(ROOT, f))]
+
+
+def test_no_source_file_outside_tests_grows_past_400_lines():
+    long = {}
+    for name in tracked_files():
+        if name.endswith(SOURCE_SUFFIXES) and not name.startswith("tests/"):
+            with open(os.path.join(ROOT, name)) as f:
+                lines = sum(1 for _ in f)
+            if lines > MAX_LINES:
+                long[name] = lines
+    new = {name: n for name, n in long.items() if name not in OVER_MAX_LINES}
+    assert not new, f"over {MAX_LINES} lines: {new}; split them (a file of one concern)"
+    back = sorted(set(OVER_MAX_LINES) - set(long))
+    assert not back, f"no longer over {MAX_LINES} lines (or gone): remove them from OVER_MAX_LINES: {back}"
+
+
+def test_no_stray_file_at_the_root():
+    stray = sorted({name.split("/")[0] for name in tracked_files()} - ROOT_ENTRIES)
+    assert not stray, f"files at the repository's root that belong in a folder: {stray}"
+
+
+SETTING_MENTION = re.compile(r"\b(METRALE_[A-Z0-9_]*[A-Z0-9])(?:=([A-Za-z0-9_.]+))?")
+
+
+def stale_settings(text: str) -> list[str]:
+    """The METRALE_* names `text` mentions that are not settings, and the NAME=value mentions whose value the
+    setting does not take (a backend or setting removed, the docs and scripts left behind)."""
+    from metrale_graph import envs
+
+    found = []
+    for match in SETTING_MENTION.finditer(text):
+        name, value = match.groups()
+        if name not in envs.SETTINGS:
+            found.append(name)
+        elif value is not None and envs.SETTINGS[name].kind != "text":
+            try:
+                envs.SETTINGS[name].parse(value)
+            except ValueError:
+                found.append(f"{name}={value}")
+    return found
+
+
+def test_stale_settings_finds_removed_names_and_values():
+    text = ("METRALE_MOE_EXPERTS=grouped_mm METRALE_FP8_DECODE=gemv `METRALE_MOE_BACKEND` METRALE_* "
+            "METRALE_COMMIT=abc METRALE_MOE_SORT=$sort METRALE_FP8_ACTIVATIONS=off METRALE_ONNX_UNVERIFIED=2")
+    assert stale_settings(text) == ["METRALE_FP8_DECODE=gemv", "METRALE_MOE_BACKEND", "METRALE_ONNX_UNVERIFIED=2"]
+
+
+def test_no_removed_setting_or_backend_is_named():
+    """Every METRALE_* name the code, scripts and docs mention is a setting, and every NAME=value a value it
+    takes: a backend deleted from envs.SETTINGS leaves no switch to it behind. BENCHMARKS.md and the JSON
+    records are history (what ran then) and stay as they are; test_envs.py and this file name bad ones on
+    purpose."""
+    files = [name for name in python_files_to_check() if name not in ("tests/test_envs.py", "tests/test_house.py")]
+    files += ["README.md", "docs/DESIGN.md", "benchmarks/gpu_session.sh", "Makefile", "pyproject.toml"]
+    stale = {}
+    for name in files:
+        with open(os.path.join(ROOT, name)) as f:
+            found = stale_settings(f.read())
+        if found:
+            stale[name] = found
+    assert not stale, f"settings or values that are no longer there: {stale}"

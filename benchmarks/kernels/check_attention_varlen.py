@@ -86,23 +86,26 @@ def build(lengths, contexts, HQ, HKV, HD, BS=64, spare=0, seed=0, spare_nan=Fals
     dev, dt = DEVICE, torch.bfloat16
     B, n = len(lengths), sum(lengths)
     T = n + spare
-    MB = blocks_per_stream or max(1, max(-(-(c + l) // BS) for c, l in zip(contexts, lengths)))
+    MB = blocks_per_stream or max(1, max(-(-(c + length) // BS) for c, length in zip(contexts, lengths)))
     NB = B * MB
     g = torch.Generator(device=dev).manual_seed(seed)
-    r = lambda *shape: torch.randn(*shape, generator=g, device=dev).to(dt)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, device=dev).to(dt)
+
     q, k, v = r(T, HQ, HD), r(T, HKV, HD), r(T, HKV, HD)
     k_cache, v_cache = r(NB + 1, BS, HKV, HD), r(NB + 1, BS, HKV, HD)
     bt = torch.randperm(NB, generator=g, device=dev).view(B, MB).to(torch.int32)
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=dev)
     ctx = torch.tensor(contexts, dtype=torch.int32, device=dev)
-    for b, (l, c) in enumerate(zip(lengths, contexts)):
-        if l == 0 and c == 0:
+    for b, (length, c) in enumerate(zip(lengths, contexts)):
+        if length == 0 and c == 0:
             bt[b] = NB
         s = int(cu[b])
-        pos = torch.arange(c, c + l, device=dev)
+        pos = torch.arange(c, c + length, device=dev)
         blk = bt[b].long()[pos // BS]
-        k_cache[blk, pos % BS] = k[s:s + l]
-        v_cache[blk, pos % BS] = v[s:s + l]
+        k_cache[blk, pos % BS] = k[s:s + length]
+        v_cache[blk, pos % BS] = v[s:s + length]
     if spare_nan and spare:
         for x in (q, k, v):
             x[n:] = float("nan")
@@ -290,11 +293,14 @@ def _capture_one(out, rows, impl, B, T, batches, HQ, HKV, HD):
     if skip:
         return emit(out, rows, dict(impl=impl, bucket=bucket, skipped=skip))
     MB = -(-(T + MAX_CONTEXT) // BS)
-    cases = {name: build(l, c, HQ, HKV, HD, BS=BS, spare=T - sum(l), seed=3 + i, blocks_per_stream=MB)
-             for i, (name, (l, c)) in enumerate(batches.items())}
+    cases = {name: build(lens, c, HQ, HKV, HD, BS=BS, spare=T - sum(lens), seed=3 + i, blocks_per_stream=MB)
+             for i, (name, (lens, c)) in enumerate(batches.items())}
     static = {k: v.clone() for k, v in cases["captured"].items() if isinstance(v, torch.Tensor)}
     fn = implementation(impl)
-    call = lambda: fn(*args_of(static))
+
+    def call():
+        return fn(*args_of(static))
+
     try:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -383,7 +389,8 @@ def section_timing(out):
                 c = cases[BS]
                 if impl in IMPLS:
                     fn = implementation(impl)
-                    call = lambda fn=fn, c=c: fn(*args_of(c))
+                    def call(fn=fn, c=c):
+                        return fn(*args_of(c))
                 elif impl == "sdpa cudnn dense":
                     call = sdpa_cudnn(c)
                 else:
@@ -450,7 +457,10 @@ def _sweep_context_configs(out, rows, c):
         rec = dict(config=list(config), default=config == default)
         try:
             work = o.clone()
-            call = lambda: av.context_merge(q, kc, vc, cu, ctx, bt, work, lse, layout, config=config)
+
+            def call(work=work, config=config):
+                return av.context_merge(q, kc, vc, cu, ctx, bt, work, lse, layout, config=config)
+
             call()
             torch.cuda.synchronize()
             with torch.cuda.stream(torch.cuda.Stream()):

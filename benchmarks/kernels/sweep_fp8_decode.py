@@ -172,8 +172,8 @@ def main(argv=None):
             print(f"{N}x{K} M={M}: bf16 {base['bf16']['us']:.1f} us ({base['bf16']['TB_s']:.2f} TB/s), auto "
                   f"{base['auto']['us']:.1f} us ({base['auto']['TB_s']:.2f}), best {best['name']} {best['us']:.1f} us "
                   f"({best['TB_s']:.2f} TB/s, err {best['rel_err']:.1e})", flush=True)
-            del x
-        del wb, q, s
+            x = None  # freed (the candidates' lambdas close over it: no del)
+        wb = q = s = None
     out = {"tool": "sweep_fp8_decode", **provenance(argv), "device": torch.cuda.get_device_name(), "records": recs}
     if args.json:
         with open(args.json, "w") as f:

@@ -369,9 +369,9 @@ def block_fp8_linear(x: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype=No
     (default x's dtype). Mutates nothing. The Triton GEMM adds the residual in its epilogue (one rounding,
     as the reference); cuBLAS' output is rounded, then the residual added (a second rounding).
     backend: "auto" (auto_backend), "cublas", "triton", "splitk" (the split-K Triton GEMM, T <=
-    SPLITK_MAX_ROWS; CUDA or the interpreter) or "swap" (its swapped form, T <= SWAP_MAX_ROWS); on a CPU without the interpreter every backend is the
-    reference. cuBLAS runs on T rounded up to a multiple of 16 (zero rows, sliced off). Bad arguments
-    raise ValueError naming them."""
+    SPLITK_MAX_ROWS; CUDA or the interpreter) or "swap" (its swapped form, T <= SWAP_MAX_ROWS); on a CPU
+    without the interpreter every backend is the reference. cuBLAS runs on T rounded up to a multiple of 16
+    (zero rows, sliced off). Bad arguments raise ValueError naming them."""
     out_dtype = _check(x, w_fp8, w_scale_inv, out_dtype, residual, "block_fp8_linear")
     if backend not in BACKENDS:
         raise ValueError(f"block_fp8_linear: backend must be one of {BACKENDS}, got {backend!r}")
