@@ -170,8 +170,9 @@ class HybridModel(nn.Module):
     def from_preset(cls, preset: str | ModelConfig = "tiny", dtype: torch.dtype = torch.float32, device="cpu",
                     seed: int = 0, tp: TensorParallel | None = None) -> "HybridModel":
         """A model with seeded random weights: `preset` names one of PRESETS or is a ModelConfig (an MTP head too
-        when its mtp_num_hidden_layers > 0). With `tp`, every rank draws the same full weights and keeps its shard. `dtype` is a torch.dtype or its
-        name; on the CPU, weights that would not fit in the memory available are a ValueError first."""
+        when its mtp_num_hidden_layers > 0). With `tp`, every rank draws the same full weights and keeps its shard.
+        `dtype` is a torch.dtype or its name; on the CPU, weights that would not fit in the memory available are a
+        ValueError first."""
         dtype, device = as_dtype(dtype), as_device(device)
         if isinstance(preset, str):
             if preset not in PRESETS:

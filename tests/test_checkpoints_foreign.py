@@ -4,7 +4,8 @@ file and sharded, fp32 / bf16 / fp16, tied and untied (the pair stored under eit
 transformers' and Qwen's files carry beyond what a text prefill reads (architectures, torch_dtype in place of
 dtype, transformers_version, the mrope rope_parameters, attn_output_gate and mtp_* fields, a vision tower), loaded
 and run against transformers on the same folder (fp32, relative error <= 1e-4); a whole MTP head in Qwen's layout
-(mtp_head, declared in config.json or not) loads as the model's own. FP8: a checkpoint written by transformers' FineGrainedFP8 quantizer, and ones in Qwen's published
+(mtp_head, declared in config.json or not) loads as the model's own. FP8: a checkpoint written by transformers'
+FineGrainedFP8 quantizer, and ones in Qwen's published
 layout written here (bf16 scales, the quantization_config at the top or in text_config, Qwen's explicit
 modules_to_not_convert, per-expert and stacked experts, an FP8 MTP head), against transformers on the
 dequantized weights (weight-only within metrics.fp32_model_bound: fp32's reordering of sums). Other quantization
@@ -119,9 +120,9 @@ def mtp_head(family: str, dtype=torch.bfloat16, seed: int = 5, **sizes) -> dict[
            layer + "self_attn.v_proj.weight": draw(HKV * HD, D), layer + "self_attn.o_proj.weight": draw(D, HQ * HD),
            layer + "self_attn.q_norm.weight": draw(HD), layer + "self_attn.k_norm.weight": draw(HD)}
     if family == "qwen3_5_text":
-        I = z["intermediate_size"]
-        out.update({layer + "mlp.gate_proj.weight": draw(I, D), layer + "mlp.up_proj.weight": draw(I, D),
-                    layer + "mlp.down_proj.weight": draw(D, I)})
+        inter = z["intermediate_size"]
+        out.update({layer + "mlp.gate_proj.weight": draw(inter, D), layer + "mlp.up_proj.weight": draw(inter, D),
+                    layer + "mlp.down_proj.weight": draw(D, inter)})
         return out
     E, IE, IS = z["num_experts"], z["moe_intermediate_size"], z["shared_expert_intermediate_size"]
     out.update({layer + "mlp.gate.weight": draw(E, D), layer + "mlp.shared_expert_gate.weight": draw(1, D),

@@ -165,7 +165,8 @@ def test_seeded_rows_are_deterministic_and_independent_of_their_batch():
 
 def test_bad_shapes_are_named():
     probs = torch.full((2, K + 1, V), 1 / V)
-    drafts, num, greedy, u = torch.zeros(2, K, dtype=torch.int64), torch.full((2,), K), torch.zeros(2, dtype=torch.bool), torch.rand(2, K + 1)
+    drafts, num = torch.zeros(2, K, dtype=torch.int64), torch.full((2,), K)
+    greedy, u = torch.zeros(2, dtype=torch.bool), torch.rand(2, K + 1)
     with pytest.raises(ValueError, match=r"draft_tokens \(2, 2\).*expected \[2, 3\]"):
         rejection_sample(probs, drafts[:, :2], num, greedy, u)
     with pytest.raises(ValueError, match=r"draft_probs \(2, 3, 5\), expected \(2, 3, 6\)"):
