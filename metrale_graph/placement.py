@@ -82,6 +82,11 @@ def device_memory(device: torch.device) -> tuple[int | None, int | None]:
     return available_memory(), total_memory()
 
 
+class NotEnoughMemory(ValueError):
+    """check_memory's refusal: a ValueError (bad sizes), of its own class so that a tool can name the flags
+    that asked for the sizes."""
+
+
 def check_memory(asks: list[tuple[str, int]], device, what: str) -> None:
     """Before allocating `what`: ValueError when its bytes exceed what `device` may still take, naming each of
     `asks` (what it sizes with the argument and value that size it, e.g. "GDN state checkpoints
@@ -95,7 +100,7 @@ def check_memory(asks: list[tuple[str, int]], device, what: str) -> None:
         return
     has = f"{_size(free)} free" + (f" of {_size(total)}" if total is not None else "")
     parts = ", ".join(f"{name} {_size(n)}" for name, n in sorted(asks, key=lambda ask: -ask[1]))
-    raise ValueError(f"{what} need {_size(need)} of memory and {device} has {has}: {parts}")
+    raise NotEnoughMemory(f"{what} need {_size(need)} of memory and {device} has {has}: {parts}")
 
 
 def check_host_memory(nbytes: int, device: torch.device, what: str) -> None:

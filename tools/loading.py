@@ -40,10 +40,14 @@ def build_engine(p, args, model, **kwargs):
     """The Engine of the flags (flags.add_engine_args; `kwargs` go to Engine too). A size the Engine refuses,
     or a cache that does not fit in the device's memory, ends the tool through p.error (exit code 2)."""
     from metrale_graph import Engine
+    from metrale_graph.placement import NotEnoughMemory
 
     try:
         return Engine(model, num_slots=args.num_slots, max_context=args.max_context, token_budget=args.token_budget,
                       compile=not args.eager, **kwargs)
+    except NotEnoughMemory as e:
+        p.error(f"--num-slots {args.num_slots} / --max-context / --token-budget: the cache does not fit in the "
+                f"memory of {model.device} ({e})")
     except ValueError as e:
         p.error(str(e))
     except (RuntimeError, TypeError) as e:  # torch.OutOfMemoryError is a RuntimeError
