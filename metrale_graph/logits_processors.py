@@ -85,9 +85,10 @@ class PenaltyState:
             self.prompt_mask = torch.zeros(self.num_slots, self.vocab_size, dtype=torch.bool, device=self.device)
         slots = to_device([r.slot for r in repeat], torch.int64, self.device)
         self.prompt_mask.index_fill_(0, slots, False)
-        where = to_device([[r.slot for r in repeat for _ in r.prompt], [t for r in repeat for t in r.prompt]],
-                          torch.int64, self.device)
-        self.prompt_mask[where[0], where[1]] = True
+        # one flat index_fill_ (slot * vocab + token): a boolean index_put_ of a Python True copies the scalar
+        # to the device with a blocking copy, a synchronization in every step that starts such a request
+        flat = to_device([r.slot * self.vocab_size + t for r in repeat for t in r.prompt], torch.int64, self.device)
+        self.prompt_mask.view(-1).index_fill_(0, flat, True)
 
     def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count `tokens` [m] (int64, sampled) in the rows of `slots` [m] (int64, distinct), on the device."""

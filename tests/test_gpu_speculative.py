@@ -17,10 +17,12 @@ pytestmark = pytest.mark.gpu
 PROMPT = [9, 4, 77, 31, 2, 150, 6, 18, 90, 11, 23, 40, 41, 42, 43, 44, 70]
 
 
-def drafts_on(model, k=4):
+def drafts_on(model, k=4, first=None):
+    """The head's k drafts after PROMPT and `first` (default: the model's own greedy token after PROMPT)."""
     cache = model.new_cache(2, 16, 16)
     hidden = prefill_hidden(model, cache, 1, PROMPT)
-    first = int(model.head(hidden[-1:])[0].argmax())
+    if first is None:
+        first = int(model.head(hidden[-1:])[0].argmax())
     return draft_mtp(model, cache, 1, PROMPT[1:] + [first], hidden, k)
 
 
@@ -28,11 +30,16 @@ def drafts_on(model, k=4):
                          ids=["qwen3_5", "qwen3_next"])
 def test_cuda_drafts_match_the_cpu_reference(cfg):
     cpu = unit_gain(HybridModel.from_preset(cfg, seed=1), seed=2)
+    first = int(cpu.head(prefill_hidden(cpu, cpu.new_cache(2, 16, 16), 1, PROMPT)[-1:])[0].argmax())
     want = drafts_on(cpu)
     got = drafts_on(cpu.to("cuda"))
     assert got.tokens == want.tokens and rel_err(got.logits.cpu(), want.logits) <= 1e-4
-    bf16 = drafts_on(unit_gain(HybridModel.from_preset(cfg, seed=1), seed=2).to("cuda", torch.bfloat16))
-    assert rel_err(bf16.logits.float().cpu(), want.logits) <= 5e-2
+    # bf16: the same first token as fp32's (a random tiny model's top logits lie within bf16's rounding of each
+    # other, so its own greedy choice may differ), and each draft's logits compared while the drafts before it
+    # agree (an argmax that flips within the rounding feeds the head another token from there on)
+    bf16 = drafts_on(unit_gain(HybridModel.from_preset(cfg, seed=1), seed=2).to("cuda", torch.bfloat16), first=first)
+    same = next((i for i, (a, b) in enumerate(zip(bf16.tokens, want.tokens)) if a != b), len(want.tokens))
+    assert rel_err(bf16.logits[:same + 1].float().cpu(), want.logits[:same + 1]) <= 5e-2
 
 
 def test_a_bigram_checkpoint_drafts_its_own_continuation_on_cuda(tmp_path):
