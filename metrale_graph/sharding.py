@@ -27,7 +27,7 @@ from .spec import EXPERTS, PADDED, REPLICATE, SCALE, Shard, WeightSpec, blocks, 
 
 Ranges = tuple[int, list[tuple[int, int]]]
 MOE_MODES = ("expert", "within")  # how MoE experts are split over ranks (module docstring)
-DEFAULT_MOE = "within"  # measured faster on two H200s (docs/DESIGN.md, "Tensor parallelism")
+DEFAULT_MOE = "within"  # measured faster on two H200s (docs/parallel.md)
 
 
 def check_moe_mode(moe) -> None:

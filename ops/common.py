@@ -57,7 +57,7 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 # GDN recurrence runs its recurrent kernel instead of fla's chunked kernels on a chunk-aligned layout,
 # and the paged attention runs split-K instead of 64-row query tiles. Static sizes only, so every
 # bucket's CUDA graph holds one path; both paths are exact for any lengths, the rule only picks the
-# faster. Why this bound: docs/DESIGN.md, "Decode-shaped calls".
+# faster. Why this bound: docs/ops.md, "Decode-shaped calls".
 DECODE_MAX_TOKENS = 64
 
 

@@ -112,7 +112,7 @@ def _sm_count(index: int) -> int:
 def default_config(num_seqs: int, HV: int, V: int, device: torch.device | None = None) -> ChunkConfig:
     """The widest V tile (32 down to 16) that still gives the state pass about two programs per SM over
     the real sequences (num_seqs - 1: the last is the absorber / spare sequence), 4 warps, 2 stages. Static
-    sizes only. At the 9B heads on an H200 (HV 32, V 128: docs/DESIGN.md, "How the GDN op keeps its
+    sizes only. At the 9B heads on an H200 (HV 32, V 128: docs/ops.md, "How the GDN op keeps its
     chunked path static") that is BV 16 for one stream and BV 32 from 4 streams on, the fastest of the
     sweep at every measured shape; BV 64 lost at 8 and 32 streams."""
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \

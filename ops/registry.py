@@ -3,7 +3,7 @@ module. Tests (opcheck, references, CUDA paths), the benchmarks (inputs, FLOPs a
 profiler (kernel names) and the ONNX export (translation, mutated arguments) read it from here; the
 model calls the ops through `OPS`.
 
-An op's module declares it in four pieces (docs/DESIGN.md, "Adding an op"; ops/l2norm.py is the
+An op's module declares it in four pieces (docs/ops.md, "Adding an op"; ops/l2norm.py is the
 smallest):
 
     @metrale_op(mutates_args=(...), check=_check)   # the schema, its contract, the CPU reference

@@ -6,7 +6,7 @@ the bigram checkpoint of issue 39's done-when.
 
 The loop keeps exact state the plain way: each verify runs on a snapshot of the cache, which is then put back and
 given the accepted tokens alone (a stream's GDN state cannot drop the rejected drafts' tokens). The engine's
-verify will keep per-token state checkpoints instead (docs/DESIGN.md, "Speculative decoding").
+verify will keep per-token state checkpoints instead (docs/speculative.md).
 
 The bigram checkpoint: every output projection of the main model is zero (GDN out_proj, attention o_proj, MLP and
 expert down projections), so its residual stream carries the current token's embedding alone to the head and the

@@ -42,9 +42,9 @@ def test_bf16_model_matches_transformers_fp32():
             baseline = hf_bf16(input_ids=ids).logits[0, -1].float()
             errors.append((name, rel_err(got, ref), rel_err(baseline, ref)))
             print(f"{name}: ours bf16 {errors[-1][1]:.2e}, transformers bf16 {errors[-1][2]:.2e} (vs fp32)")
-    # DESIGN.md asks for 2e-2. Measured on an H200 (seed 7, 4 layers of the 9B shape) transformers'
-    # own bf16 forward lands 1.9e-2 to 3.3e-2 from its fp32 one, so bf16 rounding alone exceeds
-    # 2e-2 here; the check is that ours is no further from fp32 than transformers' bf16 (10%
-    # slack) and within 3.5e-2.
+    # A flat 2e-2 will not do (docs/testing.md: bf16 no further from fp32 than transformers' own bf16).
+    # Measured on an H200 (seed 7, 4 layers of the 9B shape) transformers' own bf16 forward lands
+    # 1.9e-2 to 3.3e-2 from its fp32 one, so bf16 rounding alone exceeds 2e-2 here; the check is that
+    # ours is no further from fp32 than transformers' bf16 (10% slack) and within 3.5e-2.
     for name, ours, theirs in errors:
         assert ours <= max(2e-2, 1.1 * theirs) and ours <= 3.5e-2, (name, ours, theirs)

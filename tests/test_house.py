@@ -320,11 +320,12 @@ def test_stale_settings_finds_removed_names_and_values():
 
 def test_no_removed_setting_or_backend_is_named():
     """Every METRALE_* name the code, scripts and docs mention is a setting, and every NAME=value a value it
-    takes: a backend deleted from envs.SETTINGS leaves no switch to it behind. BENCHMARKS.md and the JSON
-    records are history (what ran then) and stay as they are; test_envs.py and this file name bad ones on
-    purpose."""
+    takes: a backend deleted from envs.SETTINGS leaves no switch to it behind; the docs are every page under
+    docs/. BENCHMARKS.md, benchmarks/HISTORY.md and the JSON records are history (what ran then) and stay as they
+    are; test_envs.py and this file name bad ones on purpose."""
     files = [name for name in python_files_to_check() if name not in ("tests/test_envs.py", "tests/test_house.py")]
-    files += ["README.md", "docs/DESIGN.md", "benchmarks/gpu_session.sh", "Makefile", "pyproject.toml"]
+    files += ["README.md", "benchmarks/gpu_session.sh", "Makefile", "pyproject.toml"]
+    files += sorted(os.path.join("docs", n) for n in os.listdir(os.path.join(ROOT, "docs")) if n.endswith(".md"))
     stale = {}
     for name in files:
         with open(os.path.join(ROOT, name)) as f:

@@ -1,4 +1,4 @@
-"""End-to-end benchmark: the workloads of docs/DESIGN.md on one model shape (default the Qwen3.5-9B
+"""End-to-end benchmark: the workloads of docs/benchmarking.md on one model shape (default the Qwen3.5-9B
 shape, random bf16 weights, full depth), side by side in one process with the same weights: the
 peer (transformers with flash-linear-attention kernels, eager), ours eager, ours compiled, ours
 compiled + CUDA graphs. W1-W7 are prefill / mixed steps; D1, D32 and D128 are decode steps (one new

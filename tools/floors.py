@@ -1,5 +1,5 @@
 """The floor model of tools.bench and benchmarks/kernels/bench_ops.py: the least time a step (or one op) can
-take on an H200, from the matrix FLOPs it must do and the bytes it must move (docs/DESIGN.md, "Benchmarks").
+take on an H200, from the matrix FLOPs it must do and the bytes it must move (docs/benchmarking.md, "Floors").
 
 A step is split into phases in the order the step runs them: per layer the mixer's projections, its
 core (GDN conv and recurrence, or attention over the cache) and its output projection, then the
@@ -22,7 +22,7 @@ import math
 import re
 from dataclasses import dataclass
 
-# The H200's two ceilings, measured there (docs/DESIGN.md): bf16 dense matrix rate, and device-to-device
+# The H200's two ceilings, measured there (docs/benchmarking.md): bf16 dense matrix rate, and device-to-device
 # copy bandwidth counting bytes read plus bytes written.
 MATMUL_RATE = 790e12
 # FP8 dense matrix rate (e4m3 x e4m3, fp32 accumulate): cuBLAS at 8192^3 on the H200, 1274 TFLOP/s with one

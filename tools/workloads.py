@@ -1,4 +1,4 @@
-"""The workloads of tools.bench (docs/DESIGN.md, "Benchmarks") and the one cache that holds any of
+"""The workloads of tools.bench (docs/benchmarking.md) and the one cache that holds any of
 them for our model's three modes."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The GDN recurrence's chunked path: our chunked kernels (ops/gdn_chunked.py) straight on the packed
-tokens and the state pool. docs/DESIGN.md, "How the GDN op keeps its chunked path static".
+tokens and the state pool. docs/ops.md, "How the GDN op keeps its chunked path static".
 
 Three launches, every size from (B, T): one program computes each stream's bounds and chunk rows
 (layout.chunk_layout_bounds: stream b's chunks of 64 tokens from its first token, NT =

@@ -1,7 +1,7 @@
 """flash-linear-attention's chunked gated delta rule, the GDN recurrence's chunked path with the "fla"
 backend (the A/B baseline and second opinion beside our kernels): fla's forward called below its
 autograd wrapper (which is compile-disabled and prepares chunk indices on the host), on the
-chunk-aligned layout (layout.py), with fla's tensor cache off. Why: docs/DESIGN.md, "How the GDN op
+chunk-aligned layout (layout.py), with fla's tensor cache off. Why: docs/ops.md, "How the GDN op
 keeps its chunked path static".
 
 `chunk_gated_delta_rule_fwd` is fla's internal forward, not its public API; this adapter is written

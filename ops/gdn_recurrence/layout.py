@@ -1,6 +1,6 @@
 """The GDN recurrence's chunk layout, built on the device in Triton: the chunk rows of both chunked paths
 (each stream's chunks of 64 tokens, a count fixed by (B, T)), and the chunk-aligned layout that fla's
-chunked kernels run on (the "fla" backend). Why: docs/DESIGN.md, "How the GDN op keeps its chunked
+chunked kernels run on (the "fla" backend). Why: docs/ops.md, "How the GDN op keeps its chunked
 path static".
 
 The layout of the T packed tokens of B streams, those of at most `short` tokens left out: each other

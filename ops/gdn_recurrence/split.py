@@ -1,5 +1,5 @@
 """Which CUDA path each stream of a GDN recurrence call takes, from static sizes only (so every
-bucket's CUDA graph holds one path; docs/DESIGN.md, "Decode-shaped calls" and "How the GDN op keeps
+bucket's CUDA graph holds one path; docs/ops.md, "Decode-shaped calls" and "How the GDN op keeps
 its chunked path static").
 
 Decode-shaped calls (ops.common.decode_shaped) run the recurrent kernel (recurrent.py) on every

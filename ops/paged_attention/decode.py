@@ -1,5 +1,5 @@
 """The paged attention's split-K (flash-decoding) kernels, for decode-shaped calls
-(ops.common.decode_shaped; why: docs/DESIGN.md, "Decode-shaped calls").
+(ops.common.decode_shaped; why: docs/ops.md, "Decode-shaped calls").
 
 A program takes a tile of QB consecutive queries of one stream times the GROUP query heads that share
 one KV head (QB * GROUP <= 16 rows where GROUP allows: a [16, HD] x [HD, BN] dot, each key tile read
