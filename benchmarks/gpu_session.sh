@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
 # One GPU session in one command (device machines start bare): install the carried
 # flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
-#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-ab|moe-sort|tp|fp8|fp8-sweep|fp8-bench|serve|prefix|structured|all|setup]
+#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-sort|tp|fp8|fp8-sweep|fp8-bench|serve|prefix|structured|all|setup]
 #   (run from the repository root)
 # tests: every GPU test (sweep + op-tests + model-tests: ~18 min, more than one call); ops: per-op
 # benchmark; decode (not in all): bench_ops at decode shapes and benchmarks/kernels/check_decode.py's tile sweep; bench: 9B workloads with the peer and generation; profile (not in all): the 9B workloads' device
 # time by phase and top kernels (bench --profile);
 # moe: the 35B-A3B and (12 layers) Qwen3-Next-80B-A3B workloads with the peer, the 35B-A3B default-grid warmup;
-# moe-ab (not in all): the experts' grouped GEMMs, ours against torch._grouped_mm (check_moe_gemm, the 35B-A3B's
-# workloads under each METRALE_MOE_EXPERTS, the grouped_mm GPU tests); moe-sort (not in all): the routing sort,
+# moe-sort (not in all): the routing sort,
 # torch.sort against the counting sort (METRALE_MOE_SORT; the alignment tests on CUDA, 35B-A3B-FP8 W1 / D1 / D32,
 # SORT_PRESET to choose); tp: the two-GPU benchmarks
 # (9B W2 / W5 against the one-GPU JSON in benchmarks/, 27B W1-W6, 35B-A3B W1 / W2 / W5 with the experts
@@ -105,18 +104,6 @@ if [[ $what == moe || $what == all ]]; then
         | tee "$OUT/bench-next-12l.log" | tail -10
     python3 -m metrale_graph.tools.warmup --model qwen3.5-35b-a3b --no-progress --cache-dir /tmp/metrale_cache \
         2>&1 | tee "$OUT/warmup-35b.log" | tail -3
-fi
-if [[ $what == moe-ab ]]; then
-    # issue 25's A/B of the routed experts: our grouped GEMMs against torch._grouped_mm per layer (check_moe_gemm),
-    # then the 35B-A3B's workloads with each backend (METRALE_MOE_EXPERTS) and the grouped_mm backend's GPU tests
-    python3 benchmarks/kernels/check_moe_gemm.py --json "$OUT/moe_gemm.json" 2>&1 | tee "$OUT/moe_gemm.log" | tail -16
-    for experts in triton grouped_mm; do
-        METRALE_MOE_EXPERTS=$experts python3 -m metrale_graph.tools.bench --preset qwen3.5-35b-a3b \
-            --workloads W1,W2,W4,W5,W6 --variants graphs --repeat 3 --json "$OUT/bench-35b-$experts.json" 2>&1 \
-            | tee -a "$OUT/bench-35b-ab.log" | tail -8
-    done
-    limit python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_ops.py -k grouped_mm 2>&1 \
-        | grep -E "^(FAILED|ERROR)|passed|failed" | tail -8
 fi
 if [[ $what == tp || $what == all ]] && (( $(nvidia-smi -L | wc -l) >= 2 )); then
     python3 -m torch.distributed.run --nproc-per-node 2 -m metrale_graph.tools.bench --tp 2 --workloads W2,W5 \

@@ -1,14 +1,14 @@
 """Every METRALE_* environment variable the package reads, in one table (SETTINGS): name, type, default, meaning.
 
-Read through one accessor, the module's attributes (`envs.METRALE_MOE_EXPERTS`), and read once: the first access
+Read through one accessor, the module's attributes (`envs.METRALE_MOE_SORT`), and read once: the first access
 parses every METRALE_* variable of the environment and keeps the values for the life of the process. A value a
 setting does not take, or a METRALE_* variable that is none of SETTINGS (a misspelt name), is a
 ValueError naming each such variable and what it takes, raised at that first access, which importing the package
 makes (the backend switches below are read when their op modules are imported).
 
-The backend switches become module attributes of their op (ops.moe.EXPERTS_BACKEND, ops.fp8.linear.DECODE_GEMM,
-...) when it is imported; code may set those attributes afterwards, before a step is compiled or captured, and
-the op checks them again where it reads them. Tests read settings under other values with `override`.
+The backend switches become module attributes of their op (ops.gdn_recurrence.CHUNKED_BACKEND,
+ops.moe.align.SORT, ...) when it is imported; code may set those attributes afterwards, before a step is compiled
+or captured, and the op checks them again where it reads them. Tests read settings under other values with `override`.
 docs/DESIGN.md ("Settings") shows the table (`markdown_table`).
 """
 
@@ -74,9 +74,6 @@ SETTINGS = _settings(
     Setting("METRALE_GDN_CHUNKED", "choice", "triton",
             "the GDN recurrence's chunked path: our kernels or flash-linear-attention 0.6.0 on an aligned layout "
             "(ops.gdn_recurrence.CHUNKED_BACKEND)", ("triton", "fla")),
-    Setting("METRALE_MOE_EXPERTS", "choice", "triton",
-            "the bf16 routed experts' grouped GEMMs: ours or torch._grouped_mm where it serves them "
-            "(ops.moe.EXPERTS_BACKEND)", ("triton", "grouped_mm")),
     Setting("METRALE_MOE_SORT", "choice", "torch",
             "the MoE routing's sort of pairs by expert: torch.sort or our counting sort (ops.moe.align.SORT)",
             ("torch", "count")),
