@@ -14,9 +14,8 @@
 # split across the ranks and within); fp8 (not in all): the FP8 primitives' check (benchmarks/kernels/check_fp8.py: correctness,
 # cuBLAS shapes, graphs), tests/test_gpu_fp8.py, bench_ops on the 9B FP8 preset; fp8-bench (not in all): the FP8
 # presets' workloads beside their bf16 runs, the FP8 ops at decode shapes (issue 26; FP8_PRESETS, BF16_35B, FP8_OPS, FP8_NEXT);
-# fp8-sweep (not in all): benchmarks/kernels/sweep_fp8_decode.py, the decode-shaped FP8 GEMM's forms and tiles, then the 9B-FP8's
-# D1 / D32 under each METRALE_FP8_DECODE and the 35B-A3B-FP8's W1 / D1 / D32 under each METRALE_FP8_EXPERTS (not yet
-# measured; estimate 6-9 min on a warm machine: give the call its own 600 s, or STEP_LIMIT=150); serve (not in all): metrale-serve + bench_serve at concurrency
+# fp8-sweep (not in all): benchmarks/kernels/sweep_fp8_decode.py, the decode-shaped FP8 GEMM's forms and tiles
+# (~2-3 min); serve (not in all): metrale-serve + bench_serve at concurrency
 # 32 / 128 / 256 on the 9B and 35B-A3B (issue 27; SERVE_PRESETS to choose); prefix (not in all): bench_prefix on the 9B
 # (issue 28); structured (not in all): benchmarks/bench_structured.py on the 9B preset, 64 requests with JSON masks
 # against without (issue 40; needs xgrammar and apache-tvm-ffi wheels in .whl-serve and a tokenizer of the 9B's
@@ -205,21 +204,6 @@ if [[ $what == fp8-sweep ]]; then
     limit python3 benchmarks/kernels/sweep_fp8_decode.py --json "$OUT/sweep_fp8_decode.json" 2>&1 \
         | grep -v Warning | tee "$OUT/sweep_fp8_decode.log" | tail -20
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
-    # then the 9B-FP8's decode steps with each decode GEMM (METRALE_FP8_DECODE: the default split-K, swap)
-    for form in splitk swap; do
-        METRALE_FP8_DECODE=$form limit python3 -m metrale_graph.tools.bench --preset qwen3.5-9b-fp8 --workloads D1,D32 \
-            --variants graphs --repeat 5 --json "$OUT/bench-9b-fp8-decode-$form.json" 2>&1 \
-            | tee -a "$OUT/bench-fp8-forms.log" | grep -E "^ *D(1|32) |Error"
-        [[ ${PIPESTATUS[0]} == 0 ]] || status=1
-    done
-    # and the 35B-A3B-FP8's small-block expert kernels in each form (METRALE_FP8_EXPERTS), the linears swapped in both
-    for form in plain swap; do
-        METRALE_FP8_DECODE=swap METRALE_FP8_EXPERTS=$form limit python3 -m metrale_graph.tools.bench \
-            --preset qwen3.5-35b-a3b-fp8 --workloads W1,D1,D32 --variants graphs --repeat 5 \
-            --json "$OUT/bench-35b-fp8-experts-$form.json" 2>&1 | tee -a "$OUT/bench-fp8-forms.log" \
-            | grep -E "^ *(W1|D1|D32) |Error"
-        [[ ${PIPESTATUS[0]} == 0 ]] || status=1
-    done
 fi
 if [[ $what == moe-sort ]]; then
     # the routing's sort (ops/moe/align.py METRALE_MOE_SORT): the counting sort against torch.sort on the GPU (the

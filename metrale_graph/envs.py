@@ -77,11 +77,6 @@ SETTINGS = _settings(
     Setting("METRALE_MOE_SORT", "choice", "torch",
             "the MoE routing's sort of pairs by expert: torch.sort or our counting sort (ops.moe.align.SORT)",
             ("torch", "count")),
-    Setting("METRALE_FP8_DECODE", "choice", "splitk",
-            "the FP8 linear's GEMM for decode rows on CUDA: split-K or the swapped split-K (ops.fp8.linear.DECODE_GEMM)",
-            ("splitk", "swap")),
-    Setting("METRALE_FP8_EXPERTS", "choice", "plain",
-            "the FP8 expert kernels' form for blocks of 16 or 32 rows (ops.fp8.experts.SMALL_BLOCKS)", ("plain", "swap")),
     # debug and tool options
     Setting("METRALE_FP8_ACTIVATIONS", "flag", True,
             "FP8 projections round activations to FP8 (W8A8); off: weight-only FP8, a debug mode "

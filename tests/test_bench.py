@@ -292,10 +292,11 @@ def test_bench_record_names_the_kernel_choices(monkeypatch):
     A/B's two records tell themselves apart."""
     import argparse
 
-    from metrale_graph.ops import fp8
+    from metrale_graph.ops import gdn_recurrence
+    from metrale_graph.ops.moe import align
 
     args = argparse.Namespace(preset="qwen3.5-9b-fp8", tp=1, repeat=3)
-    monkeypatch.setattr(fp8.linear, "DECODE_GEMM", "swap")
-    monkeypatch.setattr(fp8.experts, "SMALL_BLOCKS", "swap")
+    monkeypatch.setattr(gdn_recurrence, "CHUNKED_BACKEND", "fla")
+    monkeypatch.setattr(align, "SORT", "count")
     record = bench.bench_record(args, 32, None, "NVIDIA H200", {"commit": "x"}, [])
-    assert record["backends"] == {"gdn_chunked": "triton", "fp8_decode": "swap", "fp8_experts": "swap"}
+    assert record["backends"] == {"gdn_chunked": "fla", "moe_sort": "count"}

@@ -27,15 +27,17 @@ def test_flags_take_the_usual_words(raw, value):
 
 
 def test_choices_and_text():
-    values = envs.read({"METRALE_GDN_CHUNKED": "fla", "METRALE_FP8_DECODE": "swap", "METRALE_COMMIT": "abc1234"})
-    assert values["METRALE_GDN_CHUNKED"] == "fla" and values["METRALE_FP8_DECODE"] == "swap"
+    values = envs.read({"METRALE_GDN_CHUNKED": "fla", "METRALE_ATTENTION_PREFILL": "fa2", "METRALE_COMMIT": "abc1234"})
+    assert values["METRALE_GDN_CHUNKED"] == "fla" and values["METRALE_ATTENTION_PREFILL"] == "fa2"
     assert values["METRALE_COMMIT"] == "abc1234" and values["METRALE_MOE_SORT"] == "torch"
     assert envs.choices("METRALE_MOE_SORT") == ("torch", "count")
 
 
 @pytest.mark.parametrize("environ, message", [
     ({"METRALE_MOE_SORT": "radix"}, "METRALE_MOE_SORT must be one of torch, count, got 'radix'"),
-    ({"METRALE_FP8_DECODE": "Swap"}, "METRALE_FP8_DECODE must be one of splitk, swap, got 'Swap'"),
+    ({"METRALE_GDN_CHUNKED": "FLA"}, "METRALE_GDN_CHUNKED must be one of triton, fla, got 'FLA'"),
+    ({"METRALE_FP8_DECODE": "splitk"}, "METRALE_FP8_DECODE is not a metrale-graph setting"),  # removed
+    ({"METRALE_FP8_EXPERTS": "plain"}, "METRALE_FP8_EXPERTS is not a metrale-graph setting"),  # removed
     ({"METRALE_ATTENTION_PREFILL": ""}, "METRALE_ATTENTION_PREFILL must be one of cudnn_fa2, fa2, triton, got ''"),
     ({"METRALE_FP8_ACTIVATIONS": "maybe"}, "METRALE_FP8_ACTIVATIONS is a flag: one of 1, true, on, yes, 0, false, off, "
                                            "no, got 'maybe'"),
@@ -71,8 +73,8 @@ def test_override_parses_like_the_environment_and_restores():
     with pytest.raises(RuntimeError), envs.override(METRALE_COMMIT="f00"):
         raise RuntimeError
     assert envs.METRALE_COMMIT == envs.read()["METRALE_COMMIT"]
-    with pytest.raises(ValueError, match="METRALE_FP8_DECODE must be one of splitk, swap, got 'gemv'"):
-        with envs.override(METRALE_FP8_DECODE="gemv"):
+    with pytest.raises(ValueError, match="METRALE_MOE_SORT must be one of torch, count, got 'radix'"):
+        with envs.override(METRALE_MOE_SORT="radix"):
             pass
     with pytest.raises(ValueError, match="METRALE_COMIT is not a metrale-graph setting .did you mean METRALE_COMMIT"):
         with envs.override(METRALE_COMIT="f00"):
@@ -84,8 +86,7 @@ def test_override_parses_like_the_environment_and_restores():
 _BACKENDS = """
 from metrale_graph.ops import fp8, gdn_recurrence, paged_attention
 from metrale_graph.ops.moe import align
-print(paged_attention.PREFILL_BACKEND, gdn_recurrence.CHUNKED_BACKEND, align.SORT,
-      fp8.linear.DECODE_GEMM, fp8.experts.SMALL_BLOCKS, fp8.activations_rounded())
+print(paged_attention.PREFILL_BACKEND, gdn_recurrence.CHUNKED_BACKEND, align.SORT, fp8.activations_rounded())
 """
 
 
@@ -99,9 +100,9 @@ def test_the_environment_still_chooses_the_backends():
     """Each backend switch reaches its op module's attribute from the environment, as before the settings
     had one module; a misspelt variable stops the import, naming it, where it was silently ignored."""
     run = _run(_BACKENDS, METRALE_ATTENTION_PREFILL="fa2", METRALE_GDN_CHUNKED="fla", METRALE_MOE_SORT="count",
-               METRALE_FP8_DECODE="swap", METRALE_FP8_EXPERTS="swap", METRALE_FP8_ACTIVATIONS="off")
+               METRALE_FP8_ACTIVATIONS="off")
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split() == ["fa2", "fla", "count", "swap", "swap", "False"]
+    assert run.stdout.split() == ["fa2", "fla", "count", "False"]
     typo = _run(_BACKENDS, METRALE_MOE_SORTS="count")
     assert typo.returncode != 0
     assert ("ValueError: environment: METRALE_MOE_SORTS is not a metrale-graph setting (did you mean "
