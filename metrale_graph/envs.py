@@ -67,10 +67,6 @@ def _settings(*settings: Setting) -> dict[str, Setting]:
 
 SETTINGS = _settings(
     # backend switches: the op module that reads each at import, and its attribute
-    Setting("METRALE_ATTENTION_PREFILL", "choice", "cudnn_fa2",
-            "attention of calls that are not decode-shaped: cuDNN's dense kernel for one stream and FlashAttention-2 "
-            "varlen, FlashAttention-2 for every call, or our Triton tiles (ops.paged_attention.PREFILL_BACKEND)",
-            ("cudnn_fa2", "fa2", "triton")),
     Setting("METRALE_GDN_CHUNKED", "choice", "triton",
             "the GDN recurrence's chunked path: our kernels or flash-linear-attention 0.6.0 on an aligned layout "
             "(ops.gdn_recurrence.CHUNKED_BACKEND)", ("triton", "fla")),
