@@ -69,10 +69,14 @@ SETTINGS = _settings(
     # backend switches: the op module that reads each at import, and its attribute
     Setting("METRALE_GDN_CHUNKED", "choice", "triton",
             "the GDN recurrence's chunked path: our kernels or flash-linear-attention 0.6.0 on an aligned layout "
-            "(ops.gdn_recurrence.CHUNKED_BACKEND)", ("triton", "fla")),
+            "(ops.gdn_recurrence.CHUNKED_BACKEND). fla is kept: it serves the head dims ours do not take whatever "
+            "the setting, and chosen for all it is the GPU tests' second opinion and the A/B baseline (1.5x slower "
+            "than ours at the 9B's heads on the H200)", ("triton", "fla")),
     Setting("METRALE_MOE_SORT", "choice", "torch",
-            "the MoE routing's sort of pairs by expert: torch.sort or our counting sort (ops.moe.align.SORT)",
-            ("torch", "count")),
+            "the MoE routing's sort of pairs by expert: torch.sort or our counting sort up to 4096 pairs "
+            "(ops.moe.align.SORT). Kept while unmeasured: torch.sort's one-warp radix sort took 0.75 of the "
+            "35B-A3B-FP8's 13.1 ms of D32 device time on the H200; pending the A/B of gpu_session.sh moe-sort "
+            "(W1 / D1 / D32 under each), then the loser goes", ("torch", "count")),
     # debug and tool options
     Setting("METRALE_FP8_ACTIVATIONS", "flag", True,
             "FP8 projections round activations to FP8 (W8A8); off: weight-only FP8, a debug mode "
