@@ -1,23 +1,21 @@
 #!/usr/bin/env bash
 # One GPU session in one command (device machines start bare): install the carried
 # flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
-#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-ab|moe-sort|tp|fp8|fp8-sweep|fp8-bench|serve|prefix|structured|all|setup]
+#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-sort|tp|fp8|fp8-sweep|fp8-bench|serve|prefix|structured|all|setup]
 #   (run from the repository root)
 # tests: every GPU test (sweep + op-tests + model-tests: ~18 min, more than one call); ops: per-op
 # benchmark; decode (not in all): bench_ops at decode shapes and benchmarks/kernels/check_decode.py's tile sweep; bench: 9B workloads with the peer and generation; profile (not in all): the 9B workloads' device
 # time by phase and top kernels (bench --profile);
 # moe: the 35B-A3B and (12 layers) Qwen3-Next-80B-A3B workloads with the peer, the 35B-A3B default-grid warmup;
-# moe-ab (not in all): the experts' grouped GEMMs, ours against torch._grouped_mm (check_moe_gemm, the 35B-A3B's
-# workloads under each METRALE_MOE_EXPERTS, the grouped_mm GPU tests); moe-sort (not in all): the routing sort,
+# moe-sort (not in all): the routing sort,
 # torch.sort against the counting sort (METRALE_MOE_SORT; the alignment tests on CUDA, 35B-A3B-FP8 W1 / D1 / D32,
 # SORT_PRESET to choose); tp: the two-GPU benchmarks
 # (9B W2 / W5 against the one-GPU JSON in benchmarks/, 27B W1-W6, 35B-A3B W1 / W2 / W5 with the experts
 # split across the ranks and within); fp8 (not in all): the FP8 primitives' check (benchmarks/kernels/check_fp8.py: correctness,
 # cuBLAS shapes, graphs), tests/test_gpu_fp8.py, bench_ops on the 9B FP8 preset; fp8-bench (not in all): the FP8
 # presets' workloads beside their bf16 runs, the FP8 ops at decode shapes (issue 26; FP8_PRESETS, BF16_35B, FP8_OPS, FP8_NEXT);
-# fp8-sweep (not in all): benchmarks/kernels/sweep_fp8_decode.py, the decode-shaped FP8 GEMM's forms and tiles, then the 9B-FP8's
-# D1 / D32 under each METRALE_FP8_DECODE and the 35B-A3B-FP8's W1 / D1 / D32 under each METRALE_FP8_EXPERTS (not yet
-# measured; estimate 6-9 min on a warm machine: give the call its own 600 s, or STEP_LIMIT=150); serve (not in all): metrale-serve + bench_serve at concurrency
+# fp8-sweep (not in all): benchmarks/kernels/sweep_fp8_decode.py, the decode-shaped FP8 GEMM's forms and tiles
+# (~2-3 min); serve (not in all): metrale-serve + bench_serve at concurrency
 # 32 / 128 / 256 on the 9B and 35B-A3B (issue 27; SERVE_PRESETS to choose); prefix (not in all): bench_prefix on the 9B
 # (issue 28); structured (not in all): benchmarks/bench_structured.py on the 9B preset, 64 requests with JSON masks
 # against without (issue 40; needs xgrammar and apache-tvm-ffi wheels in .whl-serve and a tokenizer of the 9B's
@@ -105,18 +103,6 @@ if [[ $what == moe || $what == all ]]; then
         | tee "$OUT/bench-next-12l.log" | tail -10
     python3 -m metrale_graph.tools.warmup --model qwen3.5-35b-a3b --no-progress --cache-dir /tmp/metrale_cache \
         2>&1 | tee "$OUT/warmup-35b.log" | tail -3
-fi
-if [[ $what == moe-ab ]]; then
-    # issue 25's A/B of the routed experts: our grouped GEMMs against torch._grouped_mm per layer (check_moe_gemm),
-    # then the 35B-A3B's workloads with each backend (METRALE_MOE_EXPERTS) and the grouped_mm backend's GPU tests
-    python3 benchmarks/kernels/check_moe_gemm.py --json "$OUT/moe_gemm.json" 2>&1 | tee "$OUT/moe_gemm.log" | tail -16
-    for experts in triton grouped_mm; do
-        METRALE_MOE_EXPERTS=$experts python3 -m metrale_graph.tools.bench --preset qwen3.5-35b-a3b \
-            --workloads W1,W2,W4,W5,W6 --variants graphs --repeat 3 --json "$OUT/bench-35b-$experts.json" 2>&1 \
-            | tee -a "$OUT/bench-35b-ab.log" | tail -8
-    done
-    limit python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_ops.py -k grouped_mm 2>&1 \
-        | grep -E "^(FAILED|ERROR)|passed|failed" | tail -8
 fi
 if [[ $what == tp || $what == all ]] && (( $(nvidia-smi -L | wc -l) >= 2 )); then
     python3 -m torch.distributed.run --nproc-per-node 2 -m metrale_graph.tools.bench --tp 2 --workloads W2,W5 \
@@ -218,21 +204,6 @@ if [[ $what == fp8-sweep ]]; then
     limit python3 benchmarks/kernels/sweep_fp8_decode.py --json "$OUT/sweep_fp8_decode.json" 2>&1 \
         | grep -v Warning | tee "$OUT/sweep_fp8_decode.log" | tail -20
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
-    # then the 9B-FP8's decode steps with each decode GEMM (METRALE_FP8_DECODE: the default split-K, swap)
-    for form in splitk swap; do
-        METRALE_FP8_DECODE=$form limit python3 -m metrale_graph.tools.bench --preset qwen3.5-9b-fp8 --workloads D1,D32 \
-            --variants graphs --repeat 5 --json "$OUT/bench-9b-fp8-decode-$form.json" 2>&1 \
-            | tee -a "$OUT/bench-fp8-forms.log" | grep -E "^ *D(1|32) |Error"
-        [[ ${PIPESTATUS[0]} == 0 ]] || status=1
-    done
-    # and the 35B-A3B-FP8's small-block expert kernels in each form (METRALE_FP8_EXPERTS), the linears swapped in both
-    for form in plain swap; do
-        METRALE_FP8_DECODE=swap METRALE_FP8_EXPERTS=$form limit python3 -m metrale_graph.tools.bench \
-            --preset qwen3.5-35b-a3b-fp8 --workloads W1,D1,D32 --variants graphs --repeat 5 \
-            --json "$OUT/bench-35b-fp8-experts-$form.json" 2>&1 | tee -a "$OUT/bench-fp8-forms.log" \
-            | grep -E "^ *(W1|D1|D32) |Error"
-        [[ ${PIPESTATUS[0]} == 0 ]] || status=1
-    done
 fi
 if [[ $what == moe-sort ]]; then
     # the routing's sort (ops/moe/align.py METRALE_MOE_SORT): the counting sort against torch.sort on the GPU (the

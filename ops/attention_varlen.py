@@ -6,9 +6,9 @@ cu_seqlens[b]:cu_seqlens[b+1] of q / k / v, sit at positions context_lens[b] + i
 to the stream's cached context (positions [0, context_lens[b]) of its blocks in the paged pools) and
 to themselves. Split at the context boundary, that is
 
-  (a) the new queries over the new keys, causal, varlen: cuDNN's fused attention
-      (aten._cudnn_attention_forward with cum_seq tensors; one stream: its dense kernel) or
-      FlashAttention-2 (aten._flash_attention_forward), both returning o_a and the log-sum-exp;
+  (a) the new queries over the new keys, causal: for one stream cuDNN's dense kernel
+      (aten._scaled_dot_product_cudnn_attention), else FlashAttention-2 varlen
+      (aten._flash_attention_forward), both returning o_a and the log-sum-exp;
   (b) the same queries over the cached context: non-causal (all of it precedes every new token), a
       Triton kernel over the paged pools, GQA-packed (the GROUP query heads of one KV head share
       each K/V tile), which also forms its log-sum-exp, and
@@ -20,11 +20,18 @@ o_a as it is. Its other programs zero the rows of spare tokens (past cu_seqlens[
 stream: the library kernels leave them unwritten, and the contract wants them finite).
 
 The new tokens' K / V are read from k / v, the context from the pools: nothing is written to the
-pools, so this runs before or after the op's KV write ("fa2_paged", one FlashAttention call over
-the pools, new tokens included, needs the write done first). Sizes are static for a bucket
+pools, so this runs before or after the op's KV write. Sizes are static for a bucket
 (B, T): no host sync, no data-dependent shapes. Zero-length streams (padding) anywhere; spare
 tokens per batch.py's padding contract (their q / k / v rows finite: the library kernels multiply masked
 keys' values by 0); cu_seqlens[0] == 0 (as batch.py packs).
+
+Backends: "cudnn_fa2" (the op's: cuDNN dense for one stream, FlashAttention-2 varlen for several), "fa2"
+(FlashAttention-2 for every call: the op's choice where the dense kernel was not measured, other head dims
+or GPUs) and "reference" (plain torch for part (a): the tests' oracle). On the H200 (torch 2.11,
+benchmarks/h200-attention-varlen-ops.json) cuDNN's varlen kernel failed under CUDA graph capture at every
+multi-stream bucket, so the backends on it ("cudnn", "cudnn_varlen") were removed, and so was "fa2_paged"
+(one FlashAttention call over the pools): that torch's FlashAttention takes no block table, and it needs
+256-token blocks.
 """
 
 from __future__ import annotations
@@ -41,13 +48,10 @@ from .tiles import _tile_of
 
 # Triton's CPU interpreter computes bf16 tl.dot wrongly (triton 3.6.0): there the kernel takes its
 # fp32 path on upcast tiles (as ops/paged_attention's kernels do)
-BACKENDS = ("cudnn", "cudnn_varlen", "fa2", "cudnn_fa2", "fa2_paged", "reference")
-DEFAULT_BACKEND = "cudnn"
+BACKENDS = ("cudnn_fa2", "fa2", "reference")
+DEFAULT_BACKEND = "cudnn_fa2"
 CONTEXT_ROWS = 64  # (query, head) rows per context program: QB queries x GROUP heads
 STREAM_CHUNK = 64  # streams looked at per vector step when a program finds its stream
-# torch's varlen front end sends cuDNN only max_q > 128 (torch.nn.attention.varlen); max_q is an upper
-# bound of the streams' lengths, so a larger one is as exact
-CUDNN_MIN_MAX_SEQLEN = 129
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ class LseLayout:
 
 
 def lse_layout(lse: Tensor, kind: str) -> LseLayout:
-    """The layout of a library kernel's log-sum-exp. kind: "token_major" ([T, HQ(, 1)]: cuDNN varlen),
+    """The layout of a library kernel's log-sum-exp. kind: "token_major" ([T, HQ(, 1)]: the reference's),
     "head_major" ([HQ, T]: FlashAttention varlen; [1, HQ, T(, 1)]: cuDNN dense, one stream starting at
     row 0) or "padded" ([B, HQ, max_q]: FlashAttention before its packed LSE)."""
     if kind == "token_major":
@@ -204,14 +208,6 @@ def new_tokens_attention_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor
     return o, lse
 
 
-def _cudnn_varlen(q, k, v, cu_seqlens):
-    T = q.shape[0]
-    max_seqlen = max(T, CUDNN_MIN_MAX_SEQLEN)
-    out = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, True,
-                                                  0.0, True, False, scale=q.shape[2] ** -0.5)
-    return out[0], out[1], "token_major"
-
-
 def _cudnn_dense(q, k, v):
     """One stream at rows [0, L), spare rows after it: causal over all T rows leaves the stream's rows exact
     (spare keys come after every real query; their rows must be finite, as the padding contract has them:
@@ -232,27 +228,6 @@ def _fa2_varlen(q, k, v, cu_seqlens):
     return out[0], lse, "head_major" if lse.dim() == 2 else "padded"
 
 
-def fa2_paged_supported(block_size: int) -> bool:
-    """Whether this torch's FlashAttention takes a block table for pools of `block_size` tokens a block
-    (FlashAttention-2 wants multiples of 256)."""
-    schema = str(torch.ops.aten._flash_attention_forward.default._schema)
-    return "block_table" in schema and block_size % 256 == 0
-
-
-def _fa2_paged(q, k_cache, v_cache, cu_seqlens, context_lens, block_tables):
-    """All of it in one call over the pools (new tokens written): bottom-right-aligned causal is exactly
-    "new tokens at the end of the context"."""
-    T = q.shape[0]
-    B = cu_seqlens.shape[0] - 1
-    used = (context_lens + cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
-    cu_k = torch.zeros(B + 1, dtype=torch.int32, device=q.device)
-    cu_k[1:] = torch.cumsum(used, 0)
-    out = torch.ops.aten._flash_attention_forward(
-        q, k_cache, v_cache, cu_seqlens, cu_k, T, block_tables.shape[1] * k_cache.shape[1], 0.0, True, False,
-        scale=q.shape[2] ** -0.5, seqused_k=used, block_table=block_tables.to(torch.int32).contiguous())
-    return out[0]
-
-
 def varlen_supported(q: Tensor, backend: str | None = None) -> bool:
     """Whether `backend`'s library kernel takes q's dtype and head dim (static facts only): half
     precision, HD a multiple of 8 up to 256, on CUDA ("reference": anything)."""
@@ -269,11 +244,8 @@ def varlen_prefill_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v
     Args: as metrale::paged_attention (q [T, HQ, HD], k / v [T, HKV, HD] the new tokens, pools
     [NB, BS, HKV, HD], cu_seqlens [B+1] int32 with cu_seqlens[0] == 0, context_lens [B] int32,
     block_tables [B, MB]); bf16 or fp16, HD % 8 == 0 and <= 256 for the library kernels.
-    backend: part (a) by "cudnn" (one-stream buckets through cuDNN's dense kernel, others varlen),
-    "cudnn_varlen" (always varlen), "fa2" (FlashAttention-2 varlen), "cudnn_fa2" (one-stream buckets
-    cuDNN dense, others FlashAttention-2), "reference" (plain torch, host sync: tests), or "fa2_paged"
-    (all parts in one FlashAttention call over the pools: needs the new tokens written,
-    `fa2_paged_supported`); default DEFAULT_BACKEND.
+    backend: part (a) by "cudnn_fa2" (one-stream buckets cuDNN dense, others FlashAttention-2 varlen), "fa2"
+    (FlashAttention-2 varlen) or "reference" (plain torch, host sync: tests); default DEFAULT_BACKEND.
     Returns o [T, HQ, HD] in q's dtype; rows of spare tokens 0. Reads the pools, writes nothing else.
     """
     backend = backend or DEFAULT_BACKEND
@@ -284,22 +256,13 @@ def varlen_prefill_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v
     if T == 0 or B == 0:
         return torch.zeros_like(q)
     q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v))
-    if backend == "fa2_paged":
-        if not fa2_paged_supported(k_cache.shape[1]):
-            raise ValueError(f"fa2_paged needs this torch's FlashAttention to take a block table and blocks of a "
-                             f"multiple of 256 tokens, got {k_cache.shape[1]}")
-        o = _fa2_paged(q, k_cache, v_cache, cu_seqlens, context_lens, block_tables)
-        lse, kind = o.new_zeros((1, 1, 1), dtype=torch.float32), "padded"
-        context_lens = torch.zeros_like(context_lens)  # nothing left to merge: the kernel only zeroes spare rows
-    elif backend == "reference":
+    if backend == "reference":
         o, lse = new_tokens_attention_ref(q, k, v, cu_seqlens)
         o, kind = o.to(q.dtype), "token_major"
-    elif backend == "fa2" or (backend == "cudnn_fa2" and B > 1):
+    elif backend == "fa2" or B > 1:
         o, lse, kind = _fa2_varlen(q, k, v, cu_seqlens)
-    elif backend in ("cudnn", "cudnn_fa2") and B == 1:
+    else:  # "cudnn_fa2", one stream
         o, lse, kind = _cudnn_dense(q, k, v)
-    else:
-        o, lse, kind = _cudnn_varlen(q, k, v, cu_seqlens)
     if o.stride(2) != 1:
         o = o.contiguous()
     return context_merge(q, k_cache, v_cache, cu_seqlens, context_lens, block_tables, o, lse, lse_layout(lse, kind))

@@ -67,14 +67,6 @@ def _load_rows(ptrs, valid, k, k_left, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _load_rows_of(ptrs, k, k_left, EVEN_K: tl.constexpr):
-    """A [BN, BK] weight tile (the swapped forms' operand): the columns k < k_left (EVEN_K: all); 0 elsewhere."""
-    if EVEN_K:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=(k < k_left)[None, :], other=0.0)
-
-
-@triton.jit
 def _load_cols(ptrs, k, k_left, EVEN_K: tl.constexpr):
     """A [BK, BN] weight tile: the rows k < k_left (EVEN_K: all); 0 elsewhere."""
     if EVEN_K:

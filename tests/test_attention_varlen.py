@@ -110,17 +110,11 @@ def test_reference_backend_is_paged_attention(case):
 
 class FakeLibraries:
     """aten's cuDNN / FlashAttention entry points as the plain-torch reference, returning what the GPU ones
-    return: cuDNN varlen (o [T, HQ, HD], lse [T, HQ, 1]), cuDNN dense (o [1, HQ, T, HD] in q's BSHD layout,
-    lse [1, HQ, T, 1]), FlashAttention varlen (o [T, HQ, HD], lse [HQ, T]). Records each call."""
+    return: cuDNN dense (o [1, HQ, T, HD] in q's BSHD layout, lse [1, HQ, T, 1]), FlashAttention varlen
+    (o [T, HQ, HD], lse [HQ, T]). Records each call."""
 
     def __init__(self):
         self.calls = []
-
-    def cudnn_varlen(self, q, k, v, bias, cu_q, cu_k, max_q, max_k, lse, dropout, causal, debug, *, scale):
-        self.calls.append(("cudnn_varlen", max_q, scale))
-        assert cu_q is cu_k and bias is None and lse and causal and max_q == max_k >= q.shape[0]
-        o, lse = av.new_tokens_attention_ref(q, k, v, cu_q)
-        return o.to(q.dtype), lse.unsqueeze(-1).contiguous(), cu_q, cu_k, max_q, max_k, None, None, None
 
     def cudnn_dense(self, q, k, v, bias, lse, dropout, causal, debug, *, scale):
         self.calls.append(("cudnn_dense", q.shape[2], scale))
@@ -135,16 +129,13 @@ class FakeLibraries:
         return o.to(q.dtype), lse.t().contiguous(), None, None, None
 
 
-@pytest.mark.parametrize("backend, one, many", [("cudnn", "cudnn_dense", "cudnn_varlen"),
-                                                ("cudnn_varlen", "cudnn_varlen", "cudnn_varlen"),
-                                                ("fa2", "fa2_varlen", "fa2_varlen"),
+@pytest.mark.parametrize("backend, one, many", [("fa2", "fa2_varlen", "fa2_varlen"),
                                                 ("cudnn_fa2", "cudnn_dense", "fa2_varlen")])
 def test_library_backends_route_and_lay_out(backend, one, many, monkeypatch):
-    """Each backend calls its library kernel (one-stream buckets and others) with the scale and a static
-    max_q of at least CUDNN_MIN_MAX_SEQLEN, and reads its output and log-sum-exp in the layout that kernel
-    returns (faked from the reference): metrale::paged_attention's output, spare rows 0."""
+    """Each backend calls its library kernel (one-stream buckets and others) with the scale, and reads its
+    output and log-sum-exp in the layout that kernel returns (faked from the reference):
+    metrale::paged_attention's output, spare rows 0."""
     fake = FakeLibraries()
-    monkeypatch.setattr(torch.ops.aten, "_cudnn_attention_forward", fake.cudnn_varlen)
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", fake.cudnn_dense)
     monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", fake.fa2_varlen)
     for case, expected in ((Shapes(lengths=(65,), context=(130,), HQ=4, HKV=2, HD=16, BS=16, num_blocks=13), one),
@@ -155,8 +146,6 @@ def test_library_backends_route_and_lay_out(backend, one, many, monkeypatch):
         out = av.varlen_prefill_attention(q, k, v, k_cache, v_cache, cu, ctx, blocks, backend=backend)
         assert [c[0] for c in fake.calls] == [expected]
         assert fake.calls[0][2] == case.HD**-0.5
-        if expected == "cudnn_varlen":
-            assert fake.calls[0][1] == max(q.shape[0], av.CUDNN_MIN_MAX_SEQLEN)
         assert_close(f"{backend} o", ref[: case.T], out[: case.T].float(), TOL[torch.bfloat16])
         assert torch.equal(out[case.T:], torch.zeros_like(out[case.T:]))
 
@@ -187,19 +176,18 @@ def test_context_merge_never_syncs(monkeypatch):
         av.context_merge(q, k_cache, v_cache, cu, ctx, blocks, o, lse, layout)
 
 
-def test_bad_backend_and_paged_block_size_are_refused():
+def test_bad_backend_and_layout_are_refused():
     case = CASES[0]
     args = inputs(case, torch.bfloat16, spare=0)
-    with pytest.raises(ValueError, match="unknown attention backend 'flash3'"):
-        av.varlen_prefill_attention(*args, backend="flash3")
-    with pytest.raises(ValueError, match="multiple of 256 tokens, got 16"):
-        av.varlen_prefill_attention(*args, backend="fa2_paged")
+    for removed in ("flash3", "cudnn", "cudnn_varlen", "fa2_paged"):  # (the last three: removed backends)
+        with pytest.raises(ValueError, match=f"unknown attention backend '{removed}'"):
+            av.varlen_prefill_attention(*args, backend=removed)
     with pytest.raises(ValueError, match="unknown LSE layout"):
         av.lse_layout(torch.zeros(2, 2), "bhsd")
 
 
 def test_lse_layouts_read_the_libraries_shapes():
-    """Strides of the shapes each library returns: cuDNN varlen [T, HQ, 1], cuDNN dense [1, HQ, T, 1],
+    """Strides of the shapes each part (a) returns: the reference's [T, HQ, 1], cuDNN dense [1, HQ, T, 1],
     FlashAttention varlen [HQ, T] and its older [B, HQ, max_q]."""
     T, HQ = 10, 4
     assert av.lse_layout(torch.empty(T, HQ, 1), "token_major") == av.LseLayout(False, 0, 1, HQ)
@@ -257,8 +245,7 @@ pa = importlib.import_module("metrale_graph.ops.paged_attention")
 
 def test_prefill_backend_follows_static_facts(monkeypatch):
     """One stream at a measured head dim on sm_90: cuDNN's dense kernel; several streams, other head dims,
-    sm_80, or the "fa2" choice: FlashAttention-2 varlen; "triton", or what the libraries do not take (fp32,
-    CPU tensors): our Triton kernel. An unknown choice is a ValueError naming the variable."""
+    sm_80: FlashAttention-2 varlen; what the libraries do not take (fp32, CPU tensors): our Triton kernel."""
     q256, q96 = torch.empty(8, 4, 256, dtype=torch.bfloat16), torch.empty(8, 4, 96, dtype=torch.bfloat16)
     assert pa.prefill_backend(q256, 1) == "triton"  # CPU tensors: no library kernel
     monkeypatch.setattr(pa, "library_prefill_supported", lambda q: q.dtype != torch.float32)
@@ -268,14 +255,7 @@ def test_prefill_backend_follows_static_facts(monkeypatch):
     assert pa.prefill_backend(q256.float(), 1) == "triton"
     monkeypatch.setattr(pa, "device_capability", lambda device: (8, 0))
     assert pa.prefill_backend(q256, 1) == "fa2"
-    monkeypatch.setattr(pa, "device_capability", lambda device: (9, 0))
-    monkeypatch.setattr(pa, "PREFILL_BACKEND", "fa2")
-    assert pa.prefill_backend(q256, 1) == "fa2"
-    monkeypatch.setattr(pa, "PREFILL_BACKEND", "triton")
-    assert pa.prefill_backend(q256, 1) == "triton"
-    monkeypatch.setattr(pa, "PREFILL_BACKEND", "flash3")
-    with pytest.raises(ValueError, match="METRALE_ATTENTION_PREFILL .* got 'flash3'"):
-        pa.prefill_backend(q256, 1)
+    assert not hasattr(pa, "PREFILL_BACKEND")  # the environment's choice of backend was removed
 
 
 ONE_STREAM = Shapes(lengths=(65,), context=(130,), HQ=4, HKV=2, HD=128, BS=16, num_blocks=13)
@@ -292,7 +272,6 @@ def test_op_cuda_path_dispatches_to_the_libraries(case, dtype, expected, monkeyp
     cuDNN dense for one stream, FlashAttention-2 for several, split-K for decode-shaped calls and Triton for
     fp32; the op's output and pools either way (spare rows 0 on the library path)."""
     fake = FakeLibraries()
-    monkeypatch.setattr(torch.ops.aten, "_cudnn_attention_forward", fake.cudnn_varlen)
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", fake.cudnn_dense)
     monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", fake.fa2_varlen)
     monkeypatch.setattr(pa, "library_prefill_supported", lambda q: q.dtype in (torch.bfloat16, torch.float16))

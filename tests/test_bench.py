@@ -255,21 +255,21 @@ def test_check_decode_refuses_short_streams_the_recurrent_kernel_does_not_take(c
 
 @pytest.mark.parametrize("T", [1, 5, 40])
 def test_check_moe_gemm_compares_the_same_pair_rows(T):
-    """benchmarks/kernels/check_moe_gemm.py's two paths (ours: aligned blocks and our grouped-GEMM kernels, Triton's
-    interpreter; torch._grouped_mm over the pairs sorted by expert) give the same row per (token, expert) pair
-    as a loop over the pairs; expert_bytes counts the experts T tokens touch."""
+    """benchmarks/kernels/check_moe_gemm.py's path (aligned blocks and our grouped-GEMM kernels, Triton's
+    interpreter) and its reference (a loop over the experts) give the same row per (token, expert) pair as a
+    loop over the pairs; expert_bytes counts the experts T tokens touch."""
     tool = benchmark_script("kernels/check_moe_gemm")
 
     cfg = PRESETS["qwen3.5-35b-a3b"].replace(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
                                              hidden_size=48)
-    ours, grouped = tool.case(cfg, T, "cpu", torch.float32, seed=T)
+    ours = tool.case(cfg, T, "cpu", torch.float32, seed=T)
     want = torch.zeros(T * 3, 48)
     for p in range(T * 3):  # pair p = t * k + j: expert e's down(silu(gate) * up) of token t, times its weight
         t, e = divmod(p, 3)[0], int(ours.top_e.reshape(-1)[p])
         h = ours.n[t] @ ours.w13[e].T
         want[p] = (torch.nn.functional.silu(h[:32]) * h[32:]) @ ours.w2[e].T * ours.top_w.reshape(-1)[p]
     assert tool.rel(tool.pair_rows(ours), want) <= 1e-5
-    assert tool.rel(tool.pair_rows(grouped), want) <= 1e-5
+    assert tool.rel(tool.reference_rows(ours), want) <= 1e-5
     # the touched experts' weights in expectation: one token touches its k experts, many tokens all E
     assert tool.expert_bytes(1, 6, 3, 32, 48) == pytest.approx(3 * 3 * 32 * 48 * 2)
     assert tool.expert_bytes(10_000, 6, 3, 32, 48) == pytest.approx(6 * 3 * 32 * 48 * 2)
@@ -292,11 +292,11 @@ def test_bench_record_names_the_kernel_choices(monkeypatch):
     A/B's two records tell themselves apart."""
     import argparse
 
-    from metrale_graph.ops import fp8
+    from metrale_graph.ops import gdn_recurrence
+    from metrale_graph.ops.moe import align
 
     args = argparse.Namespace(preset="qwen3.5-9b-fp8", tp=1, repeat=3)
-    monkeypatch.setattr(fp8.linear, "DECODE_GEMM", "swap")
-    monkeypatch.setattr(fp8.experts, "SMALL_BLOCKS", "swap")
+    monkeypatch.setattr(gdn_recurrence, "CHUNKED_BACKEND", "fla")
+    monkeypatch.setattr(align, "SORT", "count")
     record = bench.bench_record(args, 32, None, "NVIDIA H200", {"commit": "x"}, [])
-    assert record["backends"] == {"gdn_chunked": "triton", "moe_experts": "triton", "fp8_decode": "swap",
-                                  "fp8_experts": "swap"}
+    assert record["backends"] == {"gdn_chunked": "fla", "moe_sort": "count"}

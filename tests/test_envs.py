@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_defaults_when_no_variable_is_set():
     values = envs.read({"PATH": "/bin", "OTHER_METRALE_X": "1"})  # only METRALE_* names are ours
     assert values == {name: s.default for name, s in envs.SETTINGS.items()}
-    assert values["METRALE_MOE_EXPERTS"] == "triton" and values["METRALE_FP8_ACTIVATIONS"] is True
+    assert values["METRALE_MOE_SORT"] == "torch" and values["METRALE_FP8_ACTIVATIONS"] is True
     assert values["METRALE_ONNX_UNVERIFIED"] is False and values["METRALE_COMMIT"] is None
 
 
@@ -27,21 +27,25 @@ def test_flags_take_the_usual_words(raw, value):
 
 
 def test_choices_and_text():
-    values = envs.read({"METRALE_MOE_EXPERTS": "grouped_mm", "METRALE_FP8_DECODE": "swap", "METRALE_COMMIT": "abc1234"})
-    assert values["METRALE_MOE_EXPERTS"] == "grouped_mm" and values["METRALE_FP8_DECODE"] == "swap"
-    assert values["METRALE_COMMIT"] == "abc1234" and values["METRALE_MOE_SORT"] == "torch"
+    values = envs.read({"METRALE_GDN_CHUNKED": "fla", "METRALE_MOE_SORT": "count", "METRALE_COMMIT": "abc1234"})
+    assert values["METRALE_GDN_CHUNKED"] == "fla" and values["METRALE_MOE_SORT"] == "count"
+    assert values["METRALE_COMMIT"] == "abc1234" and values["METRALE_FP8_ACTIVATIONS"] is True
     assert envs.choices("METRALE_MOE_SORT") == ("torch", "count")
 
 
 @pytest.mark.parametrize("environ, message", [
-    ({"METRALE_MOE_EXPERTS": "cutlass"}, "METRALE_MOE_EXPERTS must be one of triton, grouped_mm, got 'cutlass'"),
-    ({"METRALE_FP8_DECODE": "Swap"}, "METRALE_FP8_DECODE must be one of splitk, swap, got 'Swap'"),
-    ({"METRALE_ATTENTION_PREFILL": ""}, "METRALE_ATTENTION_PREFILL must be one of cudnn_fa2, fa2, triton, got ''"),
+    ({"METRALE_MOE_SORT": "radix"}, "METRALE_MOE_SORT must be one of torch, count, got 'radix'"),
+    ({"METRALE_GDN_CHUNKED": "FLA"}, "METRALE_GDN_CHUNKED must be one of triton, fla, got 'FLA'"),
+    ({"METRALE_FP8_DECODE": "splitk"}, "METRALE_FP8_DECODE is not a metrale-graph setting"),  # removed
+    ({"METRALE_FP8_EXPERTS": "plain"}, "METRALE_FP8_EXPERTS is not a metrale-graph setting"),  # removed
+    ({"METRALE_GDN_CHUNKED": ""}, "METRALE_GDN_CHUNKED must be one of triton, fla, got ''"),
+    ({"METRALE_ATTENTION_PREFILL": "fa2"}, "METRALE_ATTENTION_PREFILL is not a metrale-graph setting"),  # removed
     ({"METRALE_FP8_ACTIVATIONS": "maybe"}, "METRALE_FP8_ACTIVATIONS is a flag: one of 1, true, on, yes, 0, false, off, "
                                            "no, got 'maybe'"),
-    ({"METRALE_MOE_EXPERT": "grouped_mm"}, "METRALE_MOE_EXPERT is not a metrale-graph setting (did you mean "
-                                           "METRALE_MOE_EXPERTS?)"),
-    ({"METRALE_XYZZY": "1"}, "METRALE_XYZZY is not a metrale-graph setting; the settings: METRALE_ATTENTION_PREFILL"),
+    ({"METRALE_GDN_CHUNK": "fla"}, "METRALE_GDN_CHUNK is not a metrale-graph setting (did you mean "
+                                   "METRALE_GDN_CHUNKED?)"),
+    ({"METRALE_MOE_EXPERTS": "grouped_mm"}, "METRALE_MOE_EXPERTS is not a metrale-graph setting"),  # removed
+    ({"METRALE_XYZZY": "1"}, "METRALE_XYZZY is not a metrale-graph setting; the settings: METRALE_GDN_CHUNKED"),
 ])
 def test_bad_values_and_unknown_names_are_named(environ, message):
     with pytest.raises(ValueError) as info:
@@ -70,8 +74,8 @@ def test_override_parses_like_the_environment_and_restores():
     with pytest.raises(RuntimeError), envs.override(METRALE_COMMIT="f00"):
         raise RuntimeError
     assert envs.METRALE_COMMIT == envs.read()["METRALE_COMMIT"]
-    with pytest.raises(ValueError, match="METRALE_FP8_DECODE must be one of splitk, swap, got 'gemv'"):
-        with envs.override(METRALE_FP8_DECODE="gemv"):
+    with pytest.raises(ValueError, match="METRALE_MOE_SORT must be one of torch, count, got 'radix'"):
+        with envs.override(METRALE_MOE_SORT="radix"):
             pass
     with pytest.raises(ValueError, match="METRALE_COMIT is not a metrale-graph setting .did you mean METRALE_COMMIT"):
         with envs.override(METRALE_COMIT="f00"):
@@ -81,10 +85,9 @@ def test_override_parses_like_the_environment_and_restores():
 
 
 _BACKENDS = """
-from metrale_graph.ops import fp8, gdn_recurrence, moe, paged_attention
+from metrale_graph.ops import fp8, gdn_recurrence
 from metrale_graph.ops.moe import align
-print(paged_attention.PREFILL_BACKEND, gdn_recurrence.CHUNKED_BACKEND, moe.EXPERTS_BACKEND, align.SORT,
-      fp8.linear.DECODE_GEMM, fp8.experts.SMALL_BLOCKS, fp8.activations_rounded())
+print(gdn_recurrence.CHUNKED_BACKEND, align.SORT, fp8.activations_rounded())
 """
 
 
@@ -97,12 +100,10 @@ def _run(code: str, **variables: str) -> subprocess.CompletedProcess:
 def test_the_environment_still_chooses_the_backends():
     """Each backend switch reaches its op module's attribute from the environment, as before the settings
     had one module; a misspelt variable stops the import, naming it, where it was silently ignored."""
-    run = _run(_BACKENDS, METRALE_ATTENTION_PREFILL="fa2", METRALE_GDN_CHUNKED="fla", METRALE_MOE_EXPERTS="grouped_mm",
-               METRALE_MOE_SORT="count", METRALE_FP8_DECODE="swap", METRALE_FP8_EXPERTS="swap",
-               METRALE_FP8_ACTIVATIONS="off")
+    run = _run(_BACKENDS, METRALE_GDN_CHUNKED="fla", METRALE_MOE_SORT="count", METRALE_FP8_ACTIVATIONS="off")
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split() == ["fa2", "fla", "grouped_mm", "count", "swap", "swap", "False"]
-    typo = _run(_BACKENDS, METRALE_MOE_EXPERT="grouped_mm")
+    assert run.stdout.split() == ["fla", "count", "False"]
+    typo = _run(_BACKENDS, METRALE_MOE_SORTS="count")
     assert typo.returncode != 0
-    assert ("ValueError: environment: METRALE_MOE_EXPERT is not a metrale-graph setting (did you mean "
-            "METRALE_MOE_EXPERTS?)") in typo.stderr, typo.stderr[-2000:]
+    assert ("ValueError: environment: METRALE_MOE_SORTS is not a metrale-graph setting (did you mean "
+            "METRALE_MOE_SORT?)") in typo.stderr, typo.stderr[-2000:]

@@ -216,14 +216,12 @@ def test_linear_exact_on_representable_inputs(N, K):
     assert_close("splitk", ref, fp8.block_fp8_linear(x, q, s, torch.float32, backend="splitk"), 1e-6)
 
 
-@pytest.mark.parametrize("backend,T,N,K,out_dtype", [
-    ("splitk", 1, 100, 1000, F32), ("splitk", 5, 200, 300, BF16), ("splitk", 16, 130, 128, F32),
-    ("splitk", 3, 64, 2048, BF16), ("swap", 1, 100, 1000, F32), ("swap", 5, 200, 300, BF16),
-    ("swap", 17, 130, 256, F32), ("swap", 32, 64, 2048, BF16)], ids=lambda v: str(v).replace("torch.", ""))
-def test_linear_splitk_matches_reference(backend, T, N, K, out_dtype):
-    """The decode-shaped split-K GEMM, and its swapped form (backend "swap", up to 32 rows: 16-row tiles up to
-    16, 32-row above): K cut into parts of whole 128-groups (several parts here, a ragged last one at K 1000
-    / 300), fp32 partials summed in order, the residual added before the one rounding."""
+@pytest.mark.parametrize("T,N,K,out_dtype", [(1, 100, 1000, F32), (5, 200, 300, BF16), (16, 130, 128, F32),
+                                             (3, 64, 2048, BF16)], ids=lambda v: str(v).replace("torch.", ""))
+def test_linear_splitk_matches_reference(T, N, K, out_dtype):
+    """The decode-shaped split-K GEMM: K cut into parts of whole 128-groups (several parts here, a ragged last
+    one at K 1000 / 300), fp32 partials summed in order, the residual added before the one rounding."""
+    backend = "splitk"
     parts, k_per = fp8.linear.splitk_parts(N, K, torch.device("cpu"))
     assert k_per % 128 == 0 and (parts - 1) * k_per < K <= parts * k_per
     assert parts > 1 or K <= 128
@@ -241,13 +239,11 @@ def test_linear_splitk_matches_reference(backend, T, N, K, out_dtype):
                  fp8.block_fp8_linear(x, q, sb, out_dtype, residual, backend=backend), tol)
     assert torch.equal(out, fp8.block_fp8_linear(x, q, s, out_dtype, backend=backend))  # the same sums
     # the linear quantizes x inside the GEMM: bit for bit the GEMM of quantize_activations' codes and scales
-    swap = backend == "swap"
     xq, xs = fp8.quantize_activations(x)
-    assert torch.equal(out, fp8.block_fp8_gemm_splitk(xq, xs, q, s, out_dtype, swap=swap))
+    assert torch.equal(out, fp8.block_fp8_gemm_splitk(xq, xs, q, s, out_dtype))
     rows = torch.randn(T, 2 * K, generator=g).to(out_dtype)[:, ::2]  # a strided x: made contiguous first
-    assert torch.equal(fp8.block_fp8_gemm_splitk(rows, None, q, s, out_dtype, swap=swap),
-                       fp8.block_fp8_gemm_splitk(*fp8.quantize_activations(rows.contiguous()), q, s, out_dtype,
-                                                 swap=swap))
+    assert torch.equal(fp8.block_fp8_gemm_splitk(rows, None, q, s, out_dtype),
+                       fp8.block_fp8_gemm_splitk(*fp8.quantize_activations(rows.contiguous()), q, s, out_dtype))
 
 
 _SPLITK_SM90 = f"import sys\nsys.path.insert(0, {os.path.join(BENCHMARKS, 'kernels')!r})\n" + r"""
@@ -261,13 +257,12 @@ backend = triton.compiler.make_backend(target)
 fn = lin._block_fp8_splitk_kernel.fn
 for quant, a_type in ((False, "*fp8e4nv"), (True, "*bf16")):
     types = {"a_ptr": a_type, "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "p_ptr": "*fp32"}
-    for swap, bm in ((False, 16),):  # the plain form (the swapped one: _SWAP_SM90 compiles it, wgmma asserted)
-        consts = dict(BM=bm, BN=lin.SPLITK_BN, BK=128, QUANT_A=quant, SWAP=swap)
-        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-        src = triton.compiler.ASTSource(fn=fn, constexprs=consts, signature=sig)
-        for cfg in lin._splitk_prune(lin._block_fp8_splitk_kernel.configs, {}, SWAP=swap):
-            opts = backend.parse_options({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-            triton.compile(src, target=target, options=opts.__dict__)
+    consts = dict(BM=lin.SPLITK_MAX_ROWS, BN=lin.SPLITK_BN, BK=128, QUANT_A=quant)
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    src = triton.compiler.ASTSource(fn=fn, constexprs=consts, signature=sig)
+    for cfg in lin._block_fp8_splitk_kernel.configs:
+        opts = backend.parse_options({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+        triton.compile(src, target=target, options=opts.__dict__)
     gemv = sweep._block_fp8_gemv_kernel  # the sweep's one-row candidate (and its DEFER form)
     for defer in (False, True):
         consts = dict(BN=lin.SPLITK_BN, BK=128, QUANT_A=quant, DEFER=defer)
@@ -280,9 +275,9 @@ print("compiled")
 
 
 def test_splitk_kernel_compiles_for_sm90():
-    """The split-K GEMM at every autotune config (its swapped form: test_swapped_forms_compile_to_fp8_wgmma_for_sm90),
-    and the sweep's one-row GEMV candidate, with activations quantized inside them and without, through Triton's
-    real compiler for sm_90 (no GPU needed): the interpreter accepts what the compiler rejects."""
+    """The split-K GEMM at every autotune config, and the sweep's one-row GEMV candidate, with activations
+    quantized inside them and without, through Triton's real compiler for sm_90 (no GPU needed): the
+    interpreter accepts what the compiler rejects."""
     import os
     import subprocess
     import sys
@@ -293,63 +288,50 @@ def test_splitk_kernel_compiles_for_sm90():
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
 
 
-_SWAP_SM90 = r"""
+_EXPERTS_SM90 = r"""
 import importlib, re
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 ex = importlib.import_module("metrale_graph.ops.fp8.experts")
-lin = importlib.import_module("metrale_graph.ops.fp8.linear")
 target = GPUTarget("cuda", 90, 32)
 backend = triton.compiler.make_backend(target)
 types = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "q_ptr": "*fp8e4nv",
          "qs_ptr": "*fp32", "ids_ptr": "*i32", "expert_ptr": "*i32", "a_ptr": "*fp8e4nv", "as_ptr": "*fp32",
-         "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "p_ptr": "*fp32", "y_ptr": "*bf16", "rw_ptr": "*fp32"}
-def ptx(fn, consts, cfg, **types_of):
-    sig = {n: "constexpr" if n in consts else types_of.get(n, types.get(n, "i32")) for n in fn.arg_names}
+         "y_ptr": "*bf16", "rw_ptr": "*fp32"}
+def ptx(fn, consts, cfg):
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     # the runtime's divisibility hints (pointers, sizes and strides of the 9B / 35B shapes are multiples of 16)
     hints = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in consts
-             and (n.endswith("_ptr") or n in ("N", "K", "K_PER") or n.startswith("stride"))}
+             and (n.endswith("_ptr") or n in ("N", "K") or n.startswith("stride"))}
     opts = backend.parse_options({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     src = triton.compiler.ASTSource(fn=fn, constexprs=consts, signature=sig, attrs=hints)
     return triton.compile(src, target=target, options=opts.__dict__).asm["ptx"]
 wgmma = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n(16|32)k32\.f32\.e4m3\.e4m3")
+mma = re.compile(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32")
 for bm in (16, 32):
     for kern, extra in ((ex._moe_gate_up_fp8_kernel, dict(TOP_K=8, DT=tl.bfloat16)), (ex._moe_down_fp8_kernel, {})):
-        for swap in (True, False):
-            for cfg in ex._prune(kern.configs, {"N": 4096, "K": 4096}, BM=bm, SWAP=swap):
-                consts = {k: v for k, v in dict(BM=bm, EVEN_K=True, SWAP=swap, **cfg.kwargs, **extra).items()
-                          if k in kern.fn.fn.arg_names}
-                code = ptx(kern.fn.fn, consts, cfg)
-                assert bool(wgmma.search(code)) == swap, (kern.fn.fn.__name__, bm, swap, cfg)
-    for quant, a_type in ((True, "*bf16"), (False, "*fp8e4nv")):
-        for cfg in lin._splitk_prune(lin._block_fp8_splitk_kernel.configs, {}, SWAP=True)[:1]:  # (its stages alone
-            code = ptx(lin._block_fp8_splitk_kernel.fn, dict(BM=bm, BN=128, BK=128, QUANT_A=quant, SWAP=True), cfg,
-                       a_ptr=a_type)
-            assert wgmma.search(code), ("splitk swap", bm, quant, cfg)  # differ past the first: the same MMA)
+        for cfg in ex._prune(kern.configs, {"N": 4096, "K": 4096}, BM=bm):
+            consts = {k: v for k, v in dict(BM=bm, EVEN_K=True, **cfg.kwargs, **extra).items()
+                      if k in kern.fn.fn.arg_names}
+            code = ptx(kern.fn.fn, consts, cfg)
+            assert not wgmma.search(code) and mma.search(code), (kern.fn.fn.__name__, bm, cfg)
 print("compiled")
 """
 
 
-def test_swapped_forms_compile_to_fp8_wgmma_for_sm90():
-    """The FP8 kernels' swapped forms (the split-K GEMM's SWAP at its first autotune config, the expert
-    kernels' SMALL_BLOCKS "swap" at every one), at 16 and 32 rows, compile for sm_90 to FP8 wgmma
-    (m64n16k32 / m64n32k32 e4m3),
-    the reason they exist; the experts' plain form at those rows does not (it is fp16 mma.sync)."""
+def test_expert_kernels_compile_for_sm90():
+    """The FP8 expert kernels at every autotune config, blocks of 16 and 32 rows, through Triton's real compiler
+    for sm_90: fp16 mma.sync, not FP8 wgmma, as ops/fp8/experts.py says (the swapped form that did compile to
+    wgmma there was within noise on the H200, and was removed)."""
     import os
     import subprocess
     import sys
 
     pytest.importorskip("triton.backends.nvidia.compiler")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _SWAP_SM90], env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-c", _EXPERTS_SM90], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
-
-
-def test_linear_splitk_refuses_more_than_16_rows():
-    q, s = fp8.quantize_weight_blocks(torch.randn(64, 128))
-    with pytest.raises(ValueError, match="splitk backend takes at most 16 rows, got 17"):
-        fp8.block_fp8_linear(torch.randn(17, 128), q, s, backend="splitk")
 
 
 def test_linear_empty_and_fresh():
@@ -375,13 +357,10 @@ def _routing(g, T, E, k, dtype):
     return top_w.to(dtype), top_e
 
 
-@pytest.mark.parametrize("form", ["plain", "swap"])
 @pytest.mark.parametrize("T,D,IE,E,k,dtype", [(7, 200, 100, 6, 2, F32), (9, 128, 256, 4, 3, BF16),
                                                (5, 300, 130, 5, 2, BF16), (1, 100, 24, 3, 1, F32)],
                          ids=lambda v: str(v).replace("torch.", ""))
-def test_experts_kernels_match_reference(T, D, IE, E, k, dtype, form, monkeypatch):
-    """Both forms of the 16-row blocks (experts.SMALL_BLOCKS: the interpreter's blocks are all 16 rows)."""
-    monkeypatch.setattr(fp8.experts, "SMALL_BLOCKS", form)
+def test_experts_kernels_match_reference(T, D, IE, E, k, dtype):
     g = torch.Generator().manual_seed(T + D + IE)
     (gate, up, down), (w13, w13s, w2, w2s) = _experts(g, E, D, IE, dtype)
     x = torch.randn(T, D, generator=g).to(dtype)
@@ -399,21 +378,7 @@ def test_experts_kernels_match_reference(T, D, IE, E, k, dtype, form, monkeypatc
     assert rel_err(ref.float(), y) < 0.12
 
 
-def test_experts_small_block_form_choice(monkeypatch):
-    """METRALE_FP8_EXPERTS (experts.SMALL_BLOCKS): "plain" by default; "swap" takes blocks of 16 and 32 rows
-    (64+ compile to FP8 wgmma as they are); anything else is a ValueError naming the variable."""
-    ex = fp8.experts
-    assert ex.SMALL_BLOCKS == "plain" and not any(ex.small_block_swap(bm) for bm in (16, 32, 64, 128))
-    monkeypatch.setattr(ex, "SMALL_BLOCKS", "swap")
-    assert [ex.small_block_swap(bm) for bm in (16, 32, 64, 128)] == [True, True, False, False]
-    monkeypatch.setattr(ex, "SMALL_BLOCKS", "wgmma")
-    with pytest.raises(ValueError, match="METRALE_FP8_EXPERTS.*one of plain, swap, got 'wgmma'"):
-        ex.small_block_swap(16)
-
-
-@pytest.mark.parametrize("form", ["plain", "swap"])
-def test_experts_tensor_parallel_split(form, monkeypatch):
-    monkeypatch.setattr(fp8.experts, "SMALL_BLOCKS", form)
+def test_experts_tensor_parallel_split():
     g = torch.Generator().manual_seed(3)
     T, D, IE, E, k = 6, 200, 100, 6, 2
     _, (w13, w13s, w2, w2s) = _experts(g, E, D, IE, torch.float32)
@@ -500,8 +465,8 @@ def test_check_script_help_flags_and_smoke(tmp_path, capsys):
 
 
 def test_decode_rows_take_the_splitk_kernel(monkeypatch):
-    """block_fp8_linear of one, two or sixteen rows on the split-K backend, and of one on the swap backend,
-    launches the split-K kernel once (one row included: ops/fp8/linear.py SPLITK_BN says why)."""
+    """block_fp8_linear of one, two or sixteen rows on the split-K backend launches the split-K kernel once (one
+    row included: ops/fp8/linear.py SPLITK_BN says why)."""
     lin = fp8.linear
     launched = []
 
@@ -515,7 +480,7 @@ def test_decode_rows_take_the_splitk_kernel(monkeypatch):
 
     monkeypatch.setattr(lin, "_block_fp8_splitk_kernel", Spy("splitk", lin._block_fp8_splitk_kernel))
     q, s = fp8.quantize_weight_blocks(torch.randn(64, 256))
-    for rows, backend in ((1, "splitk"), (2, "splitk"), (16, "splitk"), (1, "swap")):
+    for rows, backend in ((1, "splitk"), (2, "splitk"), (16, "splitk")):
         launched.clear()
         x = torch.randn(rows, 256)
         out = fp8.block_fp8_linear(x, q, s, torch.float32, backend=backend)
@@ -523,24 +488,18 @@ def test_decode_rows_take_the_splitk_kernel(monkeypatch):
         assert_close(f"{backend} {rows} rows", fp8.block_fp8_linear_ref(x, q, s, torch.float32), out, 1e-5)
 
 
-def test_linear_swap_refuses_more_than_32_rows():
+def test_linear_splitk_refuses_more_than_16_rows():
     q, s = fp8.quantize_weight_blocks(torch.randn(64, 128))
-    with pytest.raises(ValueError, match="swap backend takes at most 32 rows, got 33"):
-        fp8.block_fp8_linear(torch.randn(33, 128), q, s, backend="swap")
+    with pytest.raises(ValueError, match="splitk backend takes at most 16 rows, got 17"):
+        fp8.block_fp8_linear(torch.randn(17, 128), q, s, backend="splitk")
+    with pytest.raises(ValueError, match="block_fp8_linear: backend must be one of"):
+        fp8.block_fp8_linear(torch.randn(1, 128), q, s, backend="swap")  # removed: the split-K GEMM won
 
 
-def test_decode_gemm_choice(monkeypatch):
-    """METRALE_FP8_DECODE (linear.DECODE_GEMM): "splitk" (default) gives CUDA decode rows to the split-K GEMM
-    up to 16 rows, "swap" to the swapped form up to 32; anything else is a ValueError naming the variable."""
-    lin = fp8.linear
+def test_cuda_decode_rows_take_the_splitk_gemm():
+    """auto_backend gives CUDA decode rows (1 to SPLITK_MAX_ROWS) to the split-K GEMM."""
     cuda = torch.device("cuda")
-    assert lin.DECODE_GEMM == "splitk"
-    assert [lin.auto_backend(t, 4096, 4096, cuda) for t in (1, 16)] == ["splitk", "splitk"]
-    monkeypatch.setattr(lin, "DECODE_GEMM", "swap")
-    assert [lin.auto_backend(t, 4096, 4096, cuda) for t in (1, 16, 32)] == ["swap"] * 3
-    monkeypatch.setattr(lin, "DECODE_GEMM", "fast")
-    with pytest.raises(ValueError, match="METRALE_FP8_DECODE.*one of splitk, swap, got 'fast'"):
-        lin.auto_backend(1, 4096, 4096, cuda)
+    assert [fp8.linear.auto_backend(t, 4096, 4096, cuda) for t in (1, 16)] == ["splitk", "splitk"]
 
 
 @pytest.mark.parametrize("defer", [False, True], ids=["gemv", "gemv2d"])

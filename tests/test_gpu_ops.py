@@ -275,17 +275,3 @@ def test_moe_replays_other_routings(case):
     if case.T > 1:
         assert counts[1].max() >= case.T // 2 and (counts[1] > 0).sum() < (counts[0] > 0).sum()  # skewed indeed
     assert not torch.equal(counts[0], counts[2])
-
-
-@pytest.mark.parametrize("case", MOE_CASES, ids=[c.id + f"-D{c.D}-IE{c.IE}" for c in MOE_CASES])
-def test_moe_grouped_mm_experts_match_reference_and_replay(case, monkeypatch):
-    """The "grouped_mm" experts backend (torch._grouped_mm, bf16) against the reference, and captured in a CUDA
-    graph and replayed with another batch (another routing) like the Triton backend."""
-    from metrale_graph.ops import moe
-
-    monkeypatch.setattr(moe, "EXPERTS_BACKEND", "grouped_mm")
-    a = declaration(REGISTRY["moe"].op).Args(*op_args("moe", case, torch.bfloat16, seed=1))
-    assert moe.experts_backend(torch.bfloat16, torch.device("cuda"), a.h.shape[1], a.w2.shape[-1],
-                               a.w13.shape[0]) == "grouped_mm"
-    check_cuda_op("moe", case)
-    check_replay("moe", op_args("moe", case, torch.bfloat16, seed=2), op_args("moe", case, torch.bfloat16, seed=3))

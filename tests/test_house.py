@@ -253,8 +253,8 @@ OVER_MAX_LINES = {
     "metrale_graph/onnx/translations.py": "not scheduled: one module per mixer's translations",
     "ops/gdn_chunked.py": "not scheduled: a folder as ops/gdn_recurrence/ (kernels, launch, reference)",
     "tools/bench.py": "not scheduled: the workloads' runner and tables apart from the command",
-    "benchmarks/kernels/check_attention_varlen.py": "issue 41, item 1: goes with the attention backends it compares "
-                                                    "(kept and split, or deleted)",
+    "benchmarks/kernels/check_attention_varlen.py": "not scheduled: kept for the two library backends and the "
+                                                    "Triton fallback; its sections into modules of their own",
 }
 SOURCE_SUFFIXES = (".py", ".sh")
 # what the repository's root holds: anything else there is a stray file
@@ -313,9 +313,10 @@ def stale_settings(text: str) -> list[str]:
 
 
 def test_stale_settings_finds_removed_names_and_values():
-    text = ("METRALE_MOE_EXPERTS=grouped_mm METRALE_FP8_DECODE=gemv `METRALE_MOE_BACKEND` METRALE_* "
-            "METRALE_COMMIT=abc METRALE_MOE_SORT=$sort METRALE_FP8_ACTIVATIONS=off METRALE_ONNX_UNVERIFIED=2")
-    assert stale_settings(text) == ["METRALE_FP8_DECODE=gemv", "METRALE_MOE_BACKEND", "METRALE_ONNX_UNVERIFIED=2"]
+    text = ("METRALE_GDN_CHUNKED=fla METRALE_GDN_CHUNKED=gemv METRALE_MOE_EXPERTS=grouped_mm `METRALE_MOE_BACKEND` "
+            "METRALE_* METRALE_COMMIT=abc METRALE_MOE_SORT=$sort METRALE_FP8_ACTIVATIONS=off METRALE_ONNX_UNVERIFIED=2")
+    assert stale_settings(text) == ["METRALE_GDN_CHUNKED=gemv", "METRALE_MOE_EXPERTS", "METRALE_MOE_BACKEND",
+                                    "METRALE_ONNX_UNVERIFIED=2"]
 
 
 def test_no_removed_setting_or_backend_is_named():
@@ -333,3 +334,24 @@ def test_no_removed_setting_or_backend_is_named():
         if found:
             stale[name] = found
     assert not stale, f"settings or values that are no longer there: {stale}"
+
+
+# the names of backends removed after they lost (issue 41, item 1): the code that ran them, not the words that say
+# they are gone (docs and docstrings may name torch._grouped_mm or "cudnn_varlen" to say why)
+REMOVED_BACKEND_NAMES = ("EXPERTS_BACKEND", "experts_backend", "routed_experts_grouped_mm", "torch._grouped_mm(",
+                         "DECODE_GEMM", "SWAP_MAX_ROWS", "SMALL_BLOCKS", "small_block_swap", "_load_rows_of",
+                         "SWAP=", "PREFILL_BACKEND", "_cudnn_varlen", "_fa2_paged", "fa2_paged_supported")
+
+
+def test_no_removed_backend_is_called():
+    """No source file outside tests/ uses a removed backend's function, switch or constexpr."""
+    found = {}
+    for name, path in sorted(python_files_to_check().items()):
+        if name.startswith("tests/"):
+            continue
+        with open(path) as f:
+            text = f.read()
+        hits = [n for n in REMOVED_BACKEND_NAMES if n in text]
+        if hits:
+            found[name] = hits
+    assert not found, f"removed backends still called: {found}"

@@ -851,12 +851,10 @@ def _forbid_python_syncs(monkeypatch):
         monkeypatch.setattr(torch, name, forbidden(f"torch.{name}"))
 
 
-@pytest.mark.parametrize("case, experts", [(c, e) for c in CASES if c.T in (0, 1, 45, 150) for e in moe.EXPERTS_BACKENDS
-                                            if e == "triton" or c.T < 128], ids=lambda x: getattr(x, "id", x))
-def test_moe_cuda_path_never_syncs(case, experts, monkeypatch):
+@pytest.mark.parametrize("case", [c for c in CASES if c.T in (0, 1, 45, 150)], ids=lambda c: c.id)
+def test_moe_cuda_path_never_syncs(case, monkeypatch):
     """The CUDA path (on CPU tensors, its Triton kernels in the interpreter) calls no op that syncs with
-    the host or has a data-dependent output shape; the Python-level escapes raise too. Both experts backends."""
-    monkeypatch.setattr(moe, "EXPERTS_BACKEND", experts)
+    the host or has a data-dependent output shape; the Python-level escapes raise too."""
     _forbid_python_syncs(monkeypatch)
     args = op_args("moe", case, torch.bfloat16, seed=2)
     with _NoHostSync():
@@ -872,41 +870,15 @@ def _local_experts(args: list, first: int, count: int) -> list:
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.E > 2 and c.T < 128], ids=lambda c: c.id)
-def test_moe_grouped_mm_experts_match_reference(case, monkeypatch):
-    """The "grouped_mm" experts backend (torch._grouped_mm over the pairs sorted by expert) against the op's
-    reference, all experts and a rank's slice of them (the other ranks' pairs 0), fp32 (on the CPU: on a GPU
-    fp32 takes the Triton kernels, and tests/test_gpu_ops.py runs this backend in bf16)."""
-    if DEVICE != "cpu":
-        pytest.skip("fp32 on CUDA takes the Triton experts")
-    monkeypatch.setattr(moe, "EXPERTS_BACKEND", "grouped_mm")
+def test_moe_cuda_path_matches_reference_for_a_ranks_experts(case):
+    """The CUDA path's experts (our grouped GEMMs) against the op's reference, all experts and a rank's slice of
+    them (the other ranks' pairs 0), fp32."""
     args = list(op_args("moe", case, torch.float32, seed=3))
     first, count = 1, case.E - 2
     for call, experts in ((args, case.E), (_local_experts(args, first, count), count)):
-        assert moe.experts_backend(torch.float32, torch.device("cpu"), case.D, case.IE, experts) == "grouped_mm"
         ref = REGISTRY["moe"].op(*clone_args(call, "cpu"))
         out = moe.moe_cuda(*clone_args(call, DEVICE))
-        assert_close(f"moe, grouped_mm experts ({experts} local)", ref, out.cpu(), TOL[torch.float32])
-
-
-def test_moe_experts_backend_takes_grouped_mm_where_it_serves(monkeypatch):
-    """experts_backend: "grouped_mm" only where torch._grouped_mm's fused kernels serve the call (bf16 on
-    sm_90 / sm_100, 16-byte rows, fewer than 1024 groups; any float dtype on the CPU), "triton" elsewhere; a
-    backend name it does not know is a ValueError naming METRALE_MOE_EXPERTS."""
-    monkeypatch.setattr(moe, "EXPERTS_BACKEND", "grouped_mm")
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert moe.experts_backend(torch.float32, cpu, 64, 40, 8) == "grouped_mm"
-    assert moe.experts_backend(torch.float32, cpu, 64, 40, 1023) == "triton"  # 1024 groups with the others'
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for capability, want in (((9, 0), "grouped_mm"), ((10, 0), "grouped_mm"), ((8, 0), "triton")):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
-        assert moe.experts_backend(torch.bfloat16, cuda, 2048, 512, 256) == want, capability
-    assert moe.experts_backend(torch.float32, cuda, 64, 40, 8) == "triton"  # bf16 only on CUDA
-    assert moe.experts_backend(torch.bfloat16, cuda, 64, 36, 8) == "triton"  # 72-byte rows: not 16-byte strides
-    monkeypatch.setattr(moe, "EXPERTS_BACKEND", "triton")
-    assert moe.experts_backend(torch.bfloat16, cuda, 2048, 512, 256) == "triton"
-    monkeypatch.setattr(moe, "EXPERTS_BACKEND", "cutlass")
-    with pytest.raises(ValueError, match="METRALE_MOE_EXPERTS"):
-        moe.experts_backend(torch.bfloat16, cpu, 64, 40, 8)
+        assert_close(f"moe ({experts} local experts)", ref, out.cpu(), TOL[torch.float32])
 
 
 @pytest.mark.parametrize("chunked", ["ours", "aligned"])

@@ -286,15 +286,15 @@ def bench_record(args, layers: int, moe_parallel: str | None, device: str, run_i
     """The JSON record of a run: what ran (preset, depth, parallelism, device, provenance, the kernel backends
     chosen by environment variable, the floor model's rates) and its rows, floats rounded to 3 places (the
     GPU-busy fraction to 4)."""
-    from metrale_graph.ops import fp8, gdn_recurrence, moe
+    from metrale_graph.ops import gdn_recurrence
+    from metrale_graph.ops.moe import align
 
     def rounded(k, v):
         return round(v, 4 if k == "gpu_busy" else 3) if isinstance(v, float) else v
 
     return {"tool": "bench", "preset": args.preset, "layers": layers, "tp": args.tp, "moe_parallel": moe_parallel,
             "device": device, **run_info, "repeat": args.repeat,
-            "backends": {"gdn_chunked": gdn_recurrence.CHUNKED_BACKEND, "moe_experts": moe.EXPERTS_BACKEND,
-                         "fp8_decode": fp8.linear.DECODE_GEMM, "fp8_experts": fp8.experts.SMALL_BLOCKS},
+            "backends": {"gdn_chunked": gdn_recurrence.CHUNKED_BACKEND, "moe_sort": align.SORT},
             "floor_rates": {"matmul_flop_s": MATMUL_RATE, "fp8_matmul_flop_s": FP8_MATMUL_RATE,
                             "copy_byte_s": COPY_RATE}, "generation": generation,
             "results": [{k: rounded(k, v) for k, v in r.items()} for r in results]}

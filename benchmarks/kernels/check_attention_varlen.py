@@ -1,9 +1,9 @@
 """GPU check of ops/attention_varlen (issue 24's attention lever), one run: what the library kernels return,
 whether every implementation is exact, capture-safe and how fast, against metrale::paged_attention's
-reference and its current Triton path.
+reference and its Triton fallback.
 
 Sections, each in its own process (a CUDA fault in one loses only that one), each case in its own try:
-  probe        raw cuDNN varlen / dense and FlashAttention-2 varlen calls on a ragged batch with zero-length
+  probe        raw cuDNN dense and FlashAttention-2 varlen calls on a ragged batch with zero-length
                streams inside and at the tail and spare tokens: output error, the log-sum-exp's shape,
                strides and units (which reading matches the reference), NaN in spare rows, spare tokens
                as an extra sequence instead
@@ -15,9 +15,10 @@ Sections, each in its own process (a CUDA fault in one loses only that one), eac
   timing       TFLOP/s (graph replay and eager) at 1 x 16384, 1 x 8192, 8 x 2048, 8 x 512 and 4 x 512 new
                after 2048 cached each; the library call alone; a sweep of the context kernel's configs at the
                last shape; the CUDA kernels each implementation launches (profile names)
-Implementations (attention_varlen's backends): cudnn (one-stream buckets dense, else varlen), cudnn_varlen,
-fa2, cudnn_fa2 (one-stream buckets cuDNN dense, else fa2), fa2_paged (pools of 256-token blocks, where this
-torch takes a block table); triton: metrale::paged_attention as it is.
+Implementations (attention_varlen's backends): fa2, cudnn_fa2 (one-stream buckets cuDNN dense, else fa2);
+triton: the op's 64-row Triton kernel, its fallback where the libraries do not take a call. (Its first run,
+benchmarks/h200-attention-varlen-ops.json, also had cuDNN varlen, which failed under capture, and
+FlashAttention over the pools, which torch 2.11 cannot run: both removed.)
 
     python benchmarks/kernels/check_attention_varlen.py --json $OUT/attention_varlen.json    (after: pip install -e .)
 """
@@ -42,7 +43,7 @@ from metrale_graph.tools.report import print_json, print_table
 
 SECTIONS = ("probe", "correctness", "capture", "timing")
 DIMS = {"9b": (16, 4, 256), "odd128": (6, 2, 128), "hd80": (4, 1, 80)}  # HQ, HKV, HD
-IMPLS = ("cudnn", "cudnn_varlen", "fa2", "cudnn_fa2", "fa2_paged", "triton")
+IMPLS = ("fa2", "cudnn_fa2", "triton")
 BATCHES = {  # lengths, contexts, spare tokens, spare rows NaN
     "fresh": ([700, 1, 0, 333, 64, 0, 0], [0] * 7, 37, False),
     "context": ([300, 129, 1, 0, 517, 0], [2048, 0, 65, 0, 130, 0], 11, False),
@@ -124,11 +125,11 @@ def reference(c):
 
 
 def implementation(name):
-    from metrale_graph.ops import REGISTRY
     from metrale_graph.ops import attention_varlen as av
+    from metrale_graph.ops import paged_attention as pa
 
-    if name == "triton":
-        return REGISTRY["paged_attention"].op
+    if name == "triton":  # the KV write again (the pools hold the new tokens already), then the Triton kernel
+        return lambda *a: pa.paged_attention_triton(*a, decode=False)
     return lambda *a: av.varlen_prefill_attention(*a, backend=name)
 
 
@@ -146,23 +147,13 @@ def compare(out, ref, n):
                 spare_zero=bool((spare == 0).all()))
 
 
-def applicable(name, BS):
-    from metrale_graph.ops import attention_varlen as av
-
-    if name == "fa2_paged" and not av.fa2_paged_supported(BS):
-        return "this torch's FlashAttention takes no block table" if BS % 256 == 0 else "needs 256-token blocks"
-    return None
-
-
 # sections ----------------------------------------------------------------------------------------------
 def section_probe(out):
     from metrale_graph.ops import attention_varlen as av
 
     lengths, spare = [300, 0, 517, 129, 0], 40
-    calls = {"cudnn_varlen": lambda q, k, v, cu: av._cudnn_varlen(q, k, v, cu),
-             "fa2_varlen": lambda q, k, v, cu: av._fa2_varlen(q, k, v, cu),
-             "cudnn_dense_one_stream": lambda q, k, v, cu: av._cudnn_dense(q, k, v),
-             "cudnn_varlen_one_stream": lambda q, k, v, cu: av._cudnn_varlen(q, k, v, cu)}
+    calls = {"fa2_varlen": lambda q, k, v, cu: av._fa2_varlen(q, k, v, cu),
+             "cudnn_dense_one_stream": lambda q, k, v, cu: av._cudnn_dense(q, k, v)}
     rows = out.setdefault("probe", [])
     for dims in ("9b", "odd128"):
         HQ, HKV, HD = DIMS[dims]
@@ -229,9 +220,9 @@ def section_correctness(out):
             if dims != "9b" and batch not in ODD_DIMS_BATCHES:
                 continue
             for impl in IMPLS:
-                BS = 256 if impl == "fa2_paged" else 64
+                BS = 64
                 rec = dict(impl=impl, dims=dims, batch=batch, BS=BS)
-                skip = applicable(impl, BS)
+                skip = None
                 if impl == "triton" and dims != "9b":
                     skip = "odd dims: tests/test_gpu_ops.py covers it (and its autotuning costs ~20 s a shape)"
                 if skip:
@@ -287,11 +278,8 @@ def section_capture(out):
 
 def _capture_one(out, rows, impl, B, T, batches, HQ, HKV, HD):
     """Capture `impl` at bucket (B, T) on the first batch, replay it filled with each batch in turn."""
-    BS = 256 if impl == "fa2_paged" else 64
+    BS = 64
     bucket = f"{B}x{T}"
-    skip = applicable(impl, BS)
-    if skip:
-        return emit(out, rows, dict(impl=impl, bucket=bucket, skipped=skip))
     MB = -(-(T + MAX_CONTEXT) // BS)
     cases = {name: build(lens, c, HQ, HKV, HD, BS=BS, spare=T - sum(lens), seed=3 + i, blocks_per_stream=MB)
              for i, (name, (lens, c)) in enumerate(batches.items())}
@@ -356,8 +344,8 @@ def section_timing(out):
 
     def library_only(backend, c):
         q, k, v, cu = c["q"], c["k"], c["v"], c["cu"]
-        if backend == "cudnn":
-            return (lambda: av._cudnn_dense(q, k, v)) if cu.shape[0] == 2 else (lambda: av._cudnn_varlen(q, k, v, cu))
+        if backend == "cudnn":  # its dense kernel: one stream
+            return lambda: av._cudnn_dense(q, k, v)
         return lambda: av._fa2_varlen(q, k, v, cu)
 
     def sdpa_cudnn(c):
@@ -374,10 +362,10 @@ def section_timing(out):
         flops = 4 * HQ * HD * pairs(lengths, contexts)
         cases = {}
         for impl in IMPLS + ("cudnn (a) only", "fa2 (a) only", "sdpa cudnn dense"):
-            BS = 256 if impl == "fa2_paged" else 64
+            BS = 64
             rec = dict(impl=impl, shape=shape)
-            skip = applicable(impl, BS) if impl in IMPLS else None
-            if impl == "sdpa cudnn dense" and len(lengths) > 1:
+            skip = None
+            if impl in ("sdpa cudnn dense", "cudnn (a) only") and len(lengths) > 1:
                 skip = "one stream only"
             if skip:
                 rec["skipped"] = skip
@@ -448,7 +436,7 @@ def _sweep_context_configs(out, rows, c):
     from metrale_graph.ops import attention_varlen as av
 
     q, k, v, kc, vc, cu, ctx, bt = args_of(c)
-    o, lse, kind = av._cudnn_varlen(q, k, v, cu)
+    o, lse, kind = av._fa2_varlen(q, k, v, cu)
     layout = av.lse_layout(lse, kind)
     default = av.context_config(triton.next_power_of_2(q.shape[2]))
     HQ, HD = q.shape[1], q.shape[2]

@@ -11,11 +11,10 @@ takes the split-K kernel at one row too. It times, under CUDA-graph replay at th
   gemv2d      the GEMV's DEFER form: its multiply-adds kept in a [BN, 128] accumulator, reduced once at
               the end (no cross-thread reduction per K step);
   splitk      ops/fp8's split-K GEMM (FP8 tensor-core dot, 16 or 32 rows) at each tile;
-  splitk-swap ops/fp8's swapped split-K GEMM (METRALE_FP8_DECODE=swap: w . codes(x).T, the weight's
-              columns on the MMA's M side, so Hopper's FP8 wgmma takes it; at 16 / 32 rows the unswapped
-              kernel compiles to fp16 mma.sync, every weight byte converted first), 1 row too;
-  cublas      the quantizer + torch._scaled_mm blockwise, and bf16 x @ w.T;
-and prints each one's effective TB/s on the weight bytes, the best per shape, and a JSON line.
+  cublas      the quantizer + torch._scaled_mm blockwise, and bf16 x @ w.T.
+(Its runs at 755f071 also timed a swapped split-K form, the weight's columns on the MMA's M side so that
+Hopper's FP8 wgmma takes it; it lost the 9B-FP8's decode steps and was removed: BENCHMARKS.md, FP8.) It
+prints each one's effective TB/s on the weight bytes, the best per shape, and a JSON line.
 
     python benchmarks/kernels/sweep_fp8_decode.py [--rows 1,4,16,32] [--json FILE]
 """
@@ -97,12 +96,12 @@ def _launch(x, w, s, BN, per_sm, rows, kernel):
     return run
 
 
-def splitk(x, w, s, BM, BN, per_sm, warps, stages, swap=False):
+def splitk(x, w, s, BM, BN, per_sm, warps, stages):
     T, K = x.shape
     N = w.shape[0]
     return _launch(x, w, s, BN, per_sm, T, lambda grid, p, k_per: _block_fp8_splitk_kernel.fn[grid](
         x, x, w, s, p, T, N, K, k_per, x.stride(0), 0, 0, w.stride(0), s.stride(0), BM=BM, BN=BN, BK=128,
-        QUANT_A=True, SWAP=swap, num_warps=warps, num_stages=stages))
+        QUANT_A=True, num_warps=warps, num_stages=stages))
 
 
 def gemv(x, w, s, BN, per_sm, warps, stages, two_d=False):
@@ -144,8 +143,6 @@ def main(argv=None):
             if M >= 16:
                 cands["cublas"] = lambda: fp8.block_fp8_linear(x, q, s, torch.bfloat16, backend="cublas")
             BM = 16 if M <= 16 else 32
-            for BN, per_sm, st in itertools.product((64, 128), (4, 8), (3, 4, 5)):
-                cands[f"splitk-swap BM{BM} BN{BN} x{per_sm} w4 s{st}"] = splitk(x, q, s, BM, BN, per_sm, 4, st, swap=True)
             if M == 1:
                 for BN, per_sm, (w, st) in itertools.product((64, 128), (2, 4, 8), ((4, 3), (4, 4), (8, 3))):
                     cands[f"gemv BN{BN} x{per_sm} w{w} s{st}"] = gemv(x, q, s, BN, per_sm, w, st)

@@ -15,7 +15,7 @@ Plain functions, not ops: the phase ops call them from their CUDA paths and refe
 """
 
 from .experts import check_experts, dequantize_gate_up, moe_experts_fp8, moe_experts_fp8_ref, stack_gate_up
-from .linear import (CUBLAS_MIN_ROWS, SPLITK_MAX_ROWS, SWAP_MAX_ROWS, auto_backend, block_fp8_gemm_cublas,
+from .linear import (CUBLAS_MIN_ROWS, SPLITK_MAX_ROWS, auto_backend, block_fp8_gemm_cublas,
                      block_fp8_gemm_splitk, block_fp8_gemm_triton, block_fp8_linear, block_fp8_linear_ref,
                      cublas_blockwise_ok)
 from .quant import (ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX, activation_rounding, activations_rounded, check_block_weight,
@@ -23,7 +23,7 @@ from .quant import (ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX, activation_rounding, act
                     dequantize_weight_blocks, fake_quantize_activations, num_blocks, quantize_activations,
                     quantize_activations_ref, quantize_activations_triton, quantize_weight_blocks)
 
-__all__ = ["ACT_EPS", "BLOCK", "CUBLAS_MIN_ROWS", "SPLITK_MAX_ROWS", "SWAP_MAX_ROWS", "auto_backend",
+__all__ = ["ACT_EPS", "BLOCK", "CUBLAS_MIN_ROWS", "SPLITK_MAX_ROWS", "auto_backend",
            "activation_rounding", "activations_rounded", "FP8_DTYPE", "FP8_MAX", "block_fp8_gemm_cublas",
            "block_fp8_gemm_splitk", "block_fp8_gemm_triton",
            "block_fp8_linear", "block_fp8_linear_ref", "check_block_weight", "check_experts", "cublas_blockwise_ok",

@@ -13,6 +13,10 @@ x is quantized once per token (per 128 channels of D); the gate|up kernel quanti
 output per pair per 128 channels of IE in its epilogue (one 128-column tile is one group), so the
 down kernel reads FP8. Rounding where ops/moe.py rounds: gate and up in x's dtype, SiLU(gate), the
 product; the expert's output, the product with the routing weight.
+
+Blocks of 16 or 32 rows compile for sm_90 (Triton 3.6) to fp16 mma.sync after converting every weight byte,
+blocks of 64+ to FP8 wgmma. A swapped form for the small blocks (w . x.T per K step, FP8 wgmma) was within noise
+of this one on the 35B-A3B-FP8 on the H200 and was removed (BENCHMARKS.md, FP8).
 """
 
 import torch
@@ -21,21 +25,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from metrale_graph import envs
-
-from ..tiles import EVEN_K, _block_pairs, _grouped_tile, _load_cols, _load_rows, _load_rows_of
+from ..tiles import EVEN_K, _block_pairs, _grouped_tile, _load_cols, _load_rows
 from .quant import (FP8_DTYPE, INTERPRET, SCALE_DTYPES, dequantize_weight_blocks, fake_quantize_activations,
                     num_blocks, quantize_activations, quantize_e4m3, round_to)
 
 WHERE = "moe_experts_fp8"
-# The gate|up and down kernels' form for blocks of 16 or 32 rows: "plain" (the default: rows on the dot's M
-# side, which Triton 3.6 compiles for sm_90 to fp16 mma.sync after converting every weight byte) or "swap"
-# (w . x.T per K step, the weight's 128 columns on the M side: FP8 wgmma m64n16k32 / m64n32k32, as
-# linear.py's SWAP form). Blocks of 64+ rows compile to FP8 wgmma either way and keep the plain form. Read
-# at import from METRALE_FP8_EXPERTS (metrale_graph.envs); set experts.SMALL_BLOCKS before a step is compiled
-# or captured.
-SMALL_BLOCK_FORMS = envs.choices("METRALE_FP8_EXPERTS")
-SMALL_BLOCKS = envs.METRALE_FP8_EXPERTS
 
 
 def check_experts(x, top_w, top_e, w13, w13_scale, w2, w2_scale, first_expert=0, num_experts=None) -> None:
@@ -123,30 +117,27 @@ _DOWN_TILES = ((64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (256, 64, 8,
 
 
 def _prune(configs, named_args, **kwargs):
-    """Drop tiles far wider than the problem, 128-row blocks with 4 warps on wide tiles (their fp32
-    accumulators would not stay in registers), and swapped tiles of fewer than 64 weight rows a warpgroup
-    (the M of its wgmma)."""
+    """Drop tiles far wider than the problem, and 128-row blocks with 4 warps on wide tiles (their fp32
+    accumulators would not stay in registers)."""
     N, K, BM = named_args["N"], named_args["K"], kwargs["BM"]
     keep = [c for c in configs if c.kwargs["BN"] <= max(128, triton.next_power_of_2(N))
             and c.kwargs["BK"] <= max(64, triton.next_power_of_2(K))
-            and not (BM >= 128 and c.num_warps < 8 and c.kwargs["BN"] >= 128)
-            and not (kwargs["SWAP"] and c.kwargs["BN"] < 16 * c.num_warps)]  # (swap: 64 weight rows a warpgroup)
+            and not (BM >= 128 and c.num_warps < 8 and c.kwargs["BN"] >= 128)]
     return keep or configs[:1]
 
 
-@triton.autotune(configs=_configs(_GATE_UP_TILES), key=["N", "K", "BM", "SWAP"],
+@triton.autotune(configs=_configs(_GATE_UP_TILES), key=["N", "K", "BM"],
                  prune_configs_by={"early_config_prune": _prune}, cache_results=True)
 @triton.heuristics(EVEN_K)
 @triton.jit
 def _moe_gate_up_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, q_ptr, qs_ptr, ids_ptr, expert_ptr, num_pairs, num_blocks,
                             N, K, stride_x, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, stride_qs,
                             TOP_K: tl.constexpr, DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                            BK: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr):
+                            BK: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
     """For the pairs p = t * TOP_K + j of one block (expert e) and 128 columns n (BN = 128: one group):
     act = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n]) rounded in DT, stored quantized: q[p, n] codes,
     qs[p, n // 128] its scale. x: [T, K] fp8 with scales xs [T, KB]; w: [E, 2N, K] fp8 with scales ws
-    [E, 2 * NB, KB] (the gate's rows NB, then the up's). SWAP: each K step's dots as w [BN, BK] . x.T
-    into [BN, BM] accumulators, transposed once before the epilogue (SMALL_BLOCKS)."""
+    [E, 2 * NB, KB] (the gate's rows NB, then the up's)."""
     tl.static_assert(BN == 128)
     pid_m, pid_n = _grouped_tile(tl.program_id(0), num_blocks, N, BM, BN, GROUP_M)
     e = tl.load(expert_ptr + pid_m).to(tl.int64)
@@ -158,14 +149,9 @@ def _moe_gate_up_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, q_ptr, qs_ptr, ids_ptr
     k = tl.arange(0, BK)
     x_ptrs = x_ptr + token[:, None] * stride_x + k[None, :]
     c_safe = (cols % N).to(tl.int64)
-    if SWAP:
-        g_ptrs = w_ptr + e * stride_we + c_safe[:, None] * stride_wn + k[None, :]  # [BN, BK]
-        gate_t = tl.zeros((BN, BM), dtype=tl.float32)
-        up_t = tl.zeros((BN, BM), dtype=tl.float32)
-    else:
-        g_ptrs = w_ptr + e * stride_we + c_safe[None, :] * stride_wn + k[:, None]  # [BK, BN]
-        gate = tl.zeros((BM, BN), dtype=tl.float32)
-        up = tl.zeros((BM, BN), dtype=tl.float32)
+    g_ptrs = w_ptr + e * stride_we + c_safe[None, :] * stride_wn + k[:, None]  # [BK, BN]
+    gate = tl.zeros((BM, BN), dtype=tl.float32)
+    up = tl.zeros((BM, BN), dtype=tl.float32)
     u_ptrs = g_ptrs + N * stride_wn
     xs_ptrs = xs_ptr + token * stride_xs
     gs_ptr = ws_ptr + e * stride_wse + pid_n * stride_wsn  # this tile's 128 rows are one scale row
@@ -174,21 +160,13 @@ def _moe_gate_up_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, q_ptr, qs_ptr, ids_ptr
         x = _load_rows(x_ptrs, valid, k, K - k0, EVEN_K)
         g = k0 // 128
         sx = tl.load(xs_ptrs + g, mask=valid, other=0.0)
-        if SWAP:
-            wg = _load_rows_of(g_ptrs, k, K - k0, EVEN_K)
-            wu = _load_rows_of(u_ptrs, k, K - k0, EVEN_K)
-            gate_t += tl.dot(wg, tl.trans(x)) * (sx * tl.load(gs_ptr + g).to(tl.float32))[None, :]
-            up_t += tl.dot(wu, tl.trans(x)) * (sx * tl.load(us_ptr + g).to(tl.float32))[None, :]
-        else:
-            wg = _load_cols(g_ptrs, k, K - k0, EVEN_K)
-            wu = _load_cols(u_ptrs, k, K - k0, EVEN_K)
-            gate += tl.dot(x, wg) * (sx * tl.load(gs_ptr + g).to(tl.float32))[:, None]
-            up += tl.dot(x, wu) * (sx * tl.load(us_ptr + g).to(tl.float32))[:, None]
+        wg = _load_cols(g_ptrs, k, K - k0, EVEN_K)
+        wu = _load_cols(u_ptrs, k, K - k0, EVEN_K)
+        gate += tl.dot(x, wg) * (sx * tl.load(gs_ptr + g).to(tl.float32))[:, None]
+        up += tl.dot(x, wu) * (sx * tl.load(us_ptr + g).to(tl.float32))[:, None]
         x_ptrs += BK
         g_ptrs += BK
         u_ptrs += BK
-    if SWAP:
-        gate, up = tl.trans(gate_t), tl.trans(up_t)
     gate = round_to(gate, DT)
     act = round_to(round_to(gate * tl.sigmoid(gate), DT) * round_to(up, DT), DT)
     in_n = cols < N
@@ -199,17 +177,15 @@ def _moe_gate_up_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, q_ptr, qs_ptr, ids_ptr
     tl.store(qs_ptr + rows * stride_qs + pid_n, scale, mask=valid)
 
 
-@triton.autotune(configs=_configs(_DOWN_TILES), key=["N", "K", "BM", "SWAP"],
+@triton.autotune(configs=_configs(_DOWN_TILES), key=["N", "K", "BM"],
                  prune_configs_by={"early_config_prune": _prune}, cache_results=True)
 @triton.heuristics(EVEN_K)
 @triton.jit
 def _moe_down_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, ids_ptr, expert_ptr, rw_ptr, num_pairs, num_blocks, N,
                          K, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, BM: tl.constexpr,
-                         BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                         SWAP: tl.constexpr):
+                         BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
     """y[p, n] = (a[p] . w[e, n]) * rw[p] for the pairs p of one block (expert e), rounded in y's dtype.
-    a: [P, K] fp8 with scales as [P, KB]; w: [E, N, K] fp8 with scales ws [E, NB, KB]. SWAP: as the
-    gate|up kernel's."""
+    a: [P, K] fp8 with scales as [P, KB]; w: [E, N, K] fp8 with scales ws [E, NB, KB]."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), num_blocks, N, BM, BN, GROUP_M)
     e = tl.load(expert_ptr + pid_m).to(tl.int64)
     if e < 0:
@@ -220,12 +196,8 @@ def _moe_down_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, ids_ptr, expert_pt
     c_safe = (cols % N).to(tl.int64)
     k = tl.arange(0, BK)
     a_ptrs = a_ptr + rows[:, None] * K + k[None, :]
-    if SWAP:
-        w_ptrs = w_ptr + e * stride_we + c_safe[:, None] * stride_wn + k[None, :]  # [BN, BK]
-        acc_t = tl.zeros((BN, BM), dtype=tl.float32)
-    else:
-        w_ptrs = w_ptr + e * stride_we + c_safe[None, :] * stride_wn + k[:, None]  # [BK, BN]
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    w_ptrs = w_ptr + e * stride_we + c_safe[None, :] * stride_wn + k[:, None]  # [BK, BN]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
     as_ptrs = as_ptr + rows * stride_as
     ws_ptrs = ws_ptr + e * stride_wse + (c_safe // 128) * stride_wsn
     for k0 in range(0, K, BK):
@@ -233,16 +205,10 @@ def _moe_down_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, ids_ptr, expert_pt
         g = k0 // 128
         sa = tl.load(as_ptrs + g, mask=valid, other=0.0)
         sw = tl.load(ws_ptrs + g).to(tl.float32)
-        if SWAP:
-            w = _load_rows_of(w_ptrs, k, K - k0, EVEN_K)
-            acc_t += tl.dot(w, tl.trans(a)) * sw[:, None] * sa[None, :]
-        else:
-            w = _load_cols(w_ptrs, k, K - k0, EVEN_K)
-            acc += tl.dot(a, w) * sa[:, None] * sw[None, :]
+        w = _load_cols(w_ptrs, k, K - k0, EVEN_K)
+        acc += tl.dot(a, w) * sa[:, None] * sw[None, :]
         a_ptrs += BK
         w_ptrs += BK
-    if SWAP:
-        acc = tl.trans(acc_t)
     dt = y_ptr.dtype.element_ty
     rw = tl.load(rw_ptr + rows, mask=valid, other=0.0).to(tl.float32)
     y = round_to(round_to(acc, dt) * rw[:, None], dt).to(dt)
@@ -250,15 +216,6 @@ def _moe_down_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, ids_ptr, expert_pt
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-def small_block_swap(BM: int) -> bool:
-    """Whether blocks of BM rows take the swapped form (SMALL_BLOCKS "swap" and BM of 16 or 32). ValueError
-    naming METRALE_FP8_EXPERTS for a form that is neither."""
-    if SMALL_BLOCKS not in SMALL_BLOCK_FORMS:
-        raise ValueError(f"METRALE_FP8_EXPERTS / experts.SMALL_BLOCKS must be one of {', '.join(SMALL_BLOCK_FORMS)}, "
-                         f"got {SMALL_BLOCKS!r}")
-    return SMALL_BLOCKS == "swap" and BM <= 32
 
 
 def _inner_contiguous(t: Tensor) -> Tensor:
@@ -286,7 +243,6 @@ def moe_experts_fp8(x, top_w, top_e, w13, w13_scale, w2, w2_scale, first_expert=
     if P == 0:
         return x.new_empty(0, D)
     BM = block_m(P, EL)
-    swap = small_block_swap(BM)
     sorted_ids, block_expert = align_local_pairs(top_e, EL, E, first_expert, BM)
     nblk = block_expert.shape[0]
     w13, w2 = _inner_contiguous(w13), _inner_contiguous(w2)
@@ -298,9 +254,9 @@ def moe_experts_fp8(x, top_w, top_e, w13, w13_scale, w2, w2_scale, first_expert=
     _moe_gate_up_fp8_kernel[(nblk * IB,)](
         xq, xs, w13, w13_scale, act_q, act_s, sorted_ids, block_expert, P, nblk, IE, D, xq.stride(0), xs.stride(0),
         w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), act_s.stride(0), TOP_K=k,
-        DT=_TL_DTYPES[x.dtype], BM=BM, SWAP=swap)
+        DT=_TL_DTYPES[x.dtype], BM=BM)
     y = x.new_empty(P, D) if EL == E else x.new_zeros(P, D)  # pairs of other ranks' experts: 0
     _moe_down_fp8_kernel[lambda meta: (nblk * triton.cdiv(D, meta["BN"]),)](
         act_q, act_s, w2, w2_scale, y, sorted_ids, block_expert, top_w.reshape(-1), P, nblk, D, IE, act_s.stride(0),
-        w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), BM=BM, SWAP=swap)
+        w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), BM=BM)
     return y

@@ -8,9 +8,9 @@ CUDA (auto_backend chooses): decode rows (T <= SPLITK_MAX_ROWS) take the split-K
 quantizes x itself; more rows are quantized (one Triton launch) and take cuBLAS'
 blockwise FP8 GEMM (torch._scaled_mm, 1x128 activation scales x 128x128 weight scales) where
 cublas_blockwise_ok says the shapes allow it, else the one-pass Triton GEMM. Each 128-channel K step's
-partial product is scaled by its activation and weight scales into an fp32 accumulator. Opt-in
-(METRALE_FP8_DECODE=swap): the split-K GEMM with swapped operands up to SWAP_MAX_ROWS rows, the form Triton
-compiles to Hopper's FP8 wgmma. CPU (and the spec every path is tested against): block_fp8_linear_ref,
+partial product is scaled by its activation and weight scales into an fp32 accumulator. (A swapped form of
+the split-K GEMM, which Triton compiles to Hopper's FP8 wgmma, lost the 9B-FP8's D1 and D32 steps on the H200
+and was removed: BENCHMARKS.md, FP8.) CPU (and the spec every path is tested against): block_fp8_linear_ref,
 the dequantized weights times the fake-quantized activations in fp32, cast to out_dtype. Shape letters:
 quant.py.
 """
@@ -20,20 +20,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from metrale_graph import envs
-
 from .quant import (BLOCK, INTERPRET, check_block_weight, dequantize_weight_blocks, fake_quantize_activations,
                     quantize_activations, quantize_e4m3, round_to)
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BACKENDS = ("auto", "cublas", "triton", "splitk", "swap")
-SWAP_MAX_ROWS = 32  # the swapped split-K GEMM's rows (its MMA's N side: 16 or 32)
-# Which GEMM "auto" gives decode rows on CUDA: "splitk" (the default: the split-K GEMM up to SPLITK_MAX_ROWS,
-# cuBLAS above) or "swap" (the swapped split-K GEMM up to SWAP_MAX_ROWS, cuBLAS above).
-# Read at import from METRALE_FP8_DECODE (metrale_graph.envs); set linear.DECODE_GEMM before a step is compiled
-# or captured.
-DECODE_GEMMS = envs.choices("METRALE_FP8_DECODE")
-DECODE_GEMM = envs.METRALE_FP8_DECODE
+BACKENDS = ("auto", "cublas", "triton", "splitk")
 
 
 def _check(x: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype, residual, where: str):
@@ -221,28 +212,19 @@ def splitk_parts(N: int, K: int, device: torch.device, BN: int = SPLITK_BN, per_
     return -(-KB // per), per * BLOCK
 
 
-def _splitk_prune(configs, named_args, **kwargs):
-    """The swapped form's dot is a wgmma: one warpgroup (4 warps) each; the plain form takes every tile."""
-    return [c for c in configs if c.num_warps == 4] if kwargs["SWAP"] else configs
-
-
 @triton.autotune(configs=[triton.Config({}, num_warps=4, num_stages=3)] if INTERPRET else
                  [triton.Config({}, num_warps=w, num_stages=st) for w, st in ((4, 3), (4, 4), (4, 5), (8, 3), (2, 4))],
-                 key=["N", "K", "K_PER", "BM", "SWAP"], prune_configs_by={"early_config_prune": _splitk_prune},
-                 cache_results=True)
+                 key=["N", "K", "K_PER", "BM"], cache_results=True)
 @triton.jit
 def _block_fp8_splitk_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, p_ptr, M, N, K, K_PER, stride_am, stride_as_m, stride_as_g,
                              stride_bn, stride_bs_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                             QUANT_A: tl.constexpr, SWAP: tl.constexpr):
+                             QUANT_A: tl.constexpr):
     """Part program_id(1) of K ([k_lo, k_lo + K_PER), whole 128-groups) for BN columns of all M <= BM rows:
     p[part, m, n] = sum over its K steps of (a[m] . b[n]) * as[m, g] * bs[n // 128, g] in fp32. a, as,
     b, bs as _block_fp8_gemm_kernel's; p: [parts, M, N] fp32. QUANT_A: a is the unquantized activations
     (bf16 / fp16 / fp32, as_ptr unread), each K step (one 128-group, BK = 128) quantized in registers with
     quantize_activations' arithmetic (quantize_e4m3): the same codes and scales, one launch and one round
-    trip through memory fewer. SWAP: the operands swapped, acc [BN, BM] = b [BN, BK] . a.T [BK, BM] per K
-    step, so the weight's BN columns are the MMA's M side and the rows its N side: Triton 3.6 compiles that
-    for sm_90 to FP8 wgmma (m64n16k32 / m64n32k32 e4m3, fed by cp.async), where the unswapped 16-row dot
-    becomes fp16 mma.sync after a conversion of every weight byte (Hopper's wgmma needs M >= 64)."""
+    trip through memory fewer."""
     pid_n = tl.program_id(0)
     part = tl.program_id(1)
     rows = tl.arange(0, BM)
@@ -253,12 +235,8 @@ def _block_fp8_splitk_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, p_ptr, M, N, K, K_PER
     k_hi = tl.minimum(K, k_lo + K_PER)
     k = tl.arange(0, BK)
     a_ptrs = a_ptr + r_safe[:, None] * stride_am + (k_lo + k)[None, :]  # [BM, BK]
-    if SWAP:
-        b_ptrs = b_ptr + c_safe[:, None] * stride_bn + (k_lo + k)[None, :]  # [BN, BK]
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-    else:
-        b_ptrs = b_ptr + c_safe[None, :] * stride_bn + (k_lo + k)[:, None]  # [BK, BN]
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    b_ptrs = b_ptr + c_safe[None, :] * stride_bn + (k_lo + k)[:, None]  # [BK, BN]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
     as_ptrs = as_ptr + r_safe * stride_as_m
     bs_ptrs = bs_ptr + (c_safe // 128) * stride_bs_n
     for k0 in range(k_lo, k_hi, BK):
@@ -271,20 +249,12 @@ def _block_fp8_splitk_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, p_ptr, M, N, K, K_PER
             a = tl.load(a_ptrs, mask=mk[None, :], other=0.0)
             sa = tl.load(as_ptrs + g * stride_as_g)
         sb = tl.load(bs_ptrs + g).to(tl.float32)
-        if SWAP:
-            b = tl.load(b_ptrs, mask=mk[None, :], other=0.0)
-            acc += tl.dot(b, tl.trans(a)) * sb[:, None] * sa[None, :]
-        else:
-            b = tl.load(b_ptrs, mask=mk[:, None], other=0.0)
-            acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+        b = tl.load(b_ptrs, mask=mk[:, None], other=0.0)
+        acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
         a_ptrs += BK
         b_ptrs += BK
-    if SWAP:
-        mask = (cols < N)[:, None] & (rows < M)[None, :]
-        tl.store(p_ptr + (part * M + rows).to(tl.int64)[None, :] * N + cols[:, None], acc, mask=mask)
-    else:
-        mask = (rows < M)[:, None] & (cols < N)[None, :]
-        tl.store(p_ptr + (part * M + rows).to(tl.int64)[:, None] * N + cols[None, :], acc, mask=mask)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    tl.store(p_ptr + (part * M + rows).to(tl.int64)[:, None] * N + cols[None, :], acc, mask=mask)
 
 
 @triton.jit
@@ -306,19 +276,17 @@ def _splitk_sum_kernel(p_ptr, r_ptr, c_ptr, M, N, PARTS, stride_rm, stride_cm, H
 
 
 def block_fp8_gemm_splitk(x_fp8: Tensor, x_scale: Tensor | None, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype,
-                          residual=None, swap: bool = False) -> Tensor:
+                          residual=None) -> Tensor:
     """The split-K block-scaled GEMM for decode-shaped calls (T <= SPLITK_MAX_ROWS): K in parts
     (splitk_parts), each part's fp32 partial product stored, then summed in a fixed order with the
     residual and rounded once (as
     block_fp8_gemm_triton). Arguments and result as block_fp8_gemm_triton's;
     x_scale None: x_fp8 is the unquantized activations (unit inner stride), quantized inside the GEMM
-    (the same codes and scales as quantize_activations: the same result bit for bit). swap: the swapped
-    split-K GEMM (_block_fp8_splitk_kernel's SWAP form, at most SWAP_MAX_ROWS rows, one row too) instead."""
+    (the same codes and scales as quantize_activations: the same result bit for bit)."""
     T, K = x_fp8.shape
     N = w_fp8.shape[0]
-    most = SWAP_MAX_ROWS if swap else SPLITK_MAX_ROWS
-    if T > most:
-        raise ValueError(f"block_fp8_gemm_splitk: at most {most} rows{' (swap)' if swap else ''}, got {T}")
+    if T > SPLITK_MAX_ROWS:
+        raise ValueError(f"block_fp8_gemm_splitk: at most {SPLITK_MAX_ROWS} rows, got {T}")
     out, empty, w_fp8, w_scale_inv, residual = _operands(x_fp8, w_fp8, w_scale_inv, out_dtype, residual)
     if empty:
         return out
@@ -330,8 +298,8 @@ def block_fp8_gemm_splitk(x_fp8: Tensor, x_scale: Tensor | None, w_fp8: Tensor, 
     scale = x_fp8 if quant else x_scale  # (unread when quant)
     _block_fp8_splitk_kernel[(triton.cdiv(N, SPLITK_BN), parts)](
         x_fp8, scale, w_fp8, w_scale_inv, partial, T, N, K, k_per, x_fp8.stride(0), scale.stride(0),
-        scale.stride(1), w_fp8.stride(0), w_scale_inv.stride(0), BM=16 if T <= 16 else 32, BN=SPLITK_BN,
-        BK=128, QUANT_A=quant, SWAP=swap)
+        scale.stride(1), w_fp8.stride(0), w_scale_inv.stride(0), BM=SPLITK_MAX_ROWS, BN=SPLITK_BN,
+        BK=128, QUANT_A=quant)
     BLOCK_E = 1024
     _splitk_sum_kernel[(triton.cdiv(T * N, BLOCK_E),)](
         partial, out if residual is None else residual, out, T, N, parts,
@@ -345,16 +313,9 @@ def auto_backend(T: int, N: int, K: int, device: torch.device, out_dtype=torch.b
     split-K GEMM for decode rows (T <= SPLITK_MAX_ROWS: faster than the one-pass GEMM and cuBLAS at
     three of the 9B's four shapes on the H200, up to 2.7x; benchmarks/kernels/check_fp8.py perf), cuBLAS above where
     cublas_blockwise_ok, else the one-pass Triton GEMM; in the interpreter the one-pass GEMM; elsewhere
-    the reference. With DECODE_GEMM "swap" (METRALE_FP8_DECODE=swap) the swapped split-K GEMM takes the rows
-    up to SWAP_MAX_ROWS instead (until the H200 says which is faster: benchmarks/kernels/sweep_fp8_decode.py). A
-    DECODE_GEMM that is neither is a ValueError naming it."""
-    if DECODE_GEMM not in DECODE_GEMMS:
-        raise ValueError(f"METRALE_FP8_DECODE / linear.DECODE_GEMM must be one of {', '.join(DECODE_GEMMS)}, "
-                         f"got {DECODE_GEMM!r}")
+    the reference."""
     if device.type != "cuda":
         return "triton" if INTERPRET else "reference"
-    if DECODE_GEMM == "swap" and 0 < T <= SWAP_MAX_ROWS:
-        return "swap"
     if 0 < T <= SPLITK_MAX_ROWS:
         return "splitk"
     if T >= CUBLAS_MIN_ROWS and cublas_blockwise_ok(N, K, device, out_dtype):
@@ -369,7 +330,7 @@ def block_fp8_linear(x: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype=No
     (default x's dtype). Mutates nothing. The Triton GEMM adds the residual in its epilogue (one rounding,
     as the reference); cuBLAS' output is rounded, then the residual added (a second rounding).
     backend: "auto" (auto_backend), "cublas", "triton", "splitk" (the split-K Triton GEMM, T <=
-    SPLITK_MAX_ROWS; CUDA or the interpreter) or "swap" (its swapped form, T <= SWAP_MAX_ROWS); on a CPU
+    SPLITK_MAX_ROWS; CUDA or the interpreter); on a CPU
     without the interpreter every backend is the reference. cuBLAS runs on T rounded up to a multiple of 16
     (zero rows, sliced off). Bad arguments raise ValueError naming them."""
     out_dtype = _check(x, w_fp8, w_scale_inv, out_dtype, residual, "block_fp8_linear")
@@ -385,11 +346,9 @@ def block_fp8_linear(x: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype=No
         x_fp8, x_scale = quantize_activations(x, column_major_scales=True, rows=rows)
         out = block_fp8_gemm_cublas(x_fp8, x_scale, w_fp8, w_scale_inv, out_dtype)[:T]
         return out if residual is None else out.add_(residual)
-    if backend in ("splitk", "swap"):
-        most = SWAP_MAX_ROWS if backend == "swap" else SPLITK_MAX_ROWS
-        if T > most:
-            raise ValueError(f"block_fp8_linear: the {backend} backend takes at most {most} rows, got {T}")
-        return block_fp8_gemm_splitk(x, None, w_fp8, w_scale_inv, out_dtype, residual,  # x quantized inside
-                                     swap=backend == "swap")
+    if backend == "splitk":
+        if T > SPLITK_MAX_ROWS:
+            raise ValueError(f"block_fp8_linear: the splitk backend takes at most {SPLITK_MAX_ROWS} rows, got {T}")
+        return block_fp8_gemm_splitk(x, None, w_fp8, w_scale_inv, out_dtype, residual)  # x quantized inside
     x_fp8, x_scale = quantize_activations(x)
     return block_fp8_gemm_triton(x_fp8, x_scale, w_fp8, w_scale_inv, out_dtype, residual)

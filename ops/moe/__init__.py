@@ -11,14 +11,13 @@ top_k and the number of experts alone, so a bucket's CUDA graph is static.
 
 Here: the op (its CPU reference is the spec, its pieces in reference.py), its check, fake, CUDA path
 and spec. The CUDA path: the router's top-k (routing.py), the pairs aligned to grouped-GEMM blocks
-(align.py), the grouped GEMMs (gemm.py; or torch._grouped_mm, grouped.py: EXPERTS_BACKEND), the combine
-(combine.py).
+(align.py), the grouped GEMMs (gemm.py), the combine (combine.py). (torch._grouped_mm, once a second backend of
+the bf16 experts, was 1.17-1.28x slower than gemm.py at every 35B-A3B workload on the H200 and was removed:
+BENCHMARKS.md, MoE.)
 """
 
 import torch
 from torch import Tensor
-
-from metrale_graph import envs
 
 from .. import kernels
 from ..common import INTERPRET, check, check_tensor, rms_norm
@@ -29,7 +28,6 @@ from ..registry import (OpSpec, Shapes, fp8_weight, metrale_cuda, metrale_fake, 
 from .align import align_local_pairs, block_m
 from .combine import combine_outputs
 from .gemm import down, gate_up
-from .grouped import grouped_mm_supported, routed_experts_grouped_mm
 from .reference import route, routed_experts, routed_experts_fp8, shared_expert
 from .routing import route_topk
 
@@ -105,26 +103,6 @@ def _(a):
     return a.h.new_empty(a.h.shape)  # contiguous whatever h's layout, as the CUDA path's and the reference's
 
 
-# The routed experts' bf16 grouped GEMMs: "triton" (ours, gemm.py: aligned blocks, SiLU-mul and the routing weight
-# in the epilogues) or "grouped_mm" (torch._grouped_mm, grouped.py, where grouped_mm_supported; else "triton").
-# Read at import from METRALE_MOE_EXPERTS (metrale_graph.envs); set moe.EXPERTS_BACKEND before a step is compiled
-# or captured. FP8 experts keep their own kernels.
-EXPERTS_BACKENDS = envs.choices("METRALE_MOE_EXPERTS")
-EXPERTS_BACKEND = envs.METRALE_MOE_EXPERTS
-
-
-def experts_backend(dtype: torch.dtype, device: torch.device, D: int, IE: int, experts: int) -> str:
-    """The backend of `experts` bf16 / fp32 experts (hidden size D, intermediate IE) for activations of `dtype`
-    on `device`: EXPERTS_BACKEND where it serves them, else "triton". ValueError naming METRALE_MOE_EXPERTS for
-    another name."""
-    if EXPERTS_BACKEND not in EXPERTS_BACKENDS:
-        raise ValueError(f"METRALE_MOE_EXPERTS / moe.EXPERTS_BACKEND must be one of {', '.join(EXPERTS_BACKENDS)}, "
-                         f"got {EXPERTS_BACKEND!r}")
-    if EXPERTS_BACKEND == "grouped_mm" and not grouped_mm_supported(dtype, device, D, IE, experts):
-        return "triton"
-    return EXPERTS_BACKEND
-
-
 def _inner_contiguous(w: Tensor) -> Tensor:
     return w if w.stride(-1) == 1 else w.contiguous()
 
@@ -163,9 +141,6 @@ def moe_cuda(a):
         return combine_outputs(h, n, _inner_contiguous(a.shared_expert_gate_w), y, shared, top_k, a.add_residual)
     if fp8.is_fp8(w13):  # weight-only debug mode: the experts dequantized, the bf16 kernels
         w13, w2 = fp8.dequantized(w13, a.w13_s, h.dtype, parts=2), fp8.dequantized(w2, a.w2_s, h.dtype)
-    if experts_backend(h.dtype, h.device, D, w2.shape[-1], EL) == "grouped_mm":
-        y = routed_experts_grouped_mm(n, top_w, top_e, w13, w2, first_expert, E)
-        return combine_outputs(h, n, _inner_contiguous(a.shared_expert_gate_w), y, shared, top_k, a.add_residual)
     BM = block_m(P, EL)
     sorted_ids, block_expert = align_local_pairs(top_e, EL, E, first_expert, BM)
     ieee = h.dtype == torch.float32 or INTERPRET

@@ -18,8 +18,6 @@ import functools
 import torch
 from torch import Tensor
 
-from metrale_graph import envs
-
 from ..attention_varlen import varlen_prefill_attention, varlen_supported
 from ..common import INDEX_DTYPES, check, check_tensor, decode_shaped
 from ..registry import (OpSpec, Shapes, attention_pairs, metrale_cuda, metrale_fake, metrale_op, rand, register,
@@ -124,15 +122,15 @@ def paged_attention_triton(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, 
     return attend(q, k_cache, v_cache, cu_seqlens, context_lens, block_tables, o)
 
 
-# The attention of calls that are not decode-shaped: "cudnn_fa2" (the default: cuDNN's dense kernel for a
-# one-stream call at the head dims CUDNN_DENSE_HEAD_DIMS on sm_90, FlashAttention-2 varlen otherwise, the
-# context by our merge kernel), "fa2" (FlashAttention-2 varlen for every call), or "triton" (our 64-row
-# query tiles, the previous path). Where the library kernels do not take a call (fp32, head dims, the GPU)
-# it runs the Triton kernel whatever the choice. Read at import from METRALE_ATTENTION_PREFILL
-# (metrale_graph.envs); the module attribute may be set at run time (before a bucket is captured: a graph keeps
-# the path it holds).
-PREFILL_BACKENDS = envs.choices("METRALE_ATTENTION_PREFILL")
-PREFILL_BACKEND = envs.METRALE_ATTENTION_PREFILL
+# The attention of calls that are not decode-shaped (prefill_backend): the library kernels where they take the
+# call, cuDNN's dense kernel for one stream at CUDNN_DENSE_HEAD_DIMS on sm_90 (H200, HQ 16 / HKV 4 / HD 256: 603
+# TFLOP/s at 1 x 16384 against FlashAttention-2's 300 and our Triton kernel's 237), FlashAttention-2 varlen for
+# the rest (263 / 159 TFLOP/s at 8 x 2048 / 8 x 512, Triton 201 / 92), the context by our merge kernel. Our
+# 64-row Triton kernel (prefill.py) is the fallback for what the libraries do not take: fp32, head dims that are
+# not a multiple of 8 or above 256, GPUs before sm_80. (It was also an environment setting's choice, "triton",
+# beside "fa2" for FlashAttention-2 everywhere; both lost and the setting was removed. Pending: the one shape where
+# Triton was timed faster, 4 x 512 new after 2048 cached, 0.417 ms against 0.522 before the merge kernel's tile
+# was tuned, ~0.373 estimated since; benchmarks/kernels/check_attention_varlen.py times both.)
 # head dims at which cuDNN's dense kernel was measured on the H200 (correctness, capture, 556-603 TFLOP/s at
 # HD 256); other head dims of one-stream calls take FlashAttention-2 varlen
 CUDNN_DENSE_HEAD_DIMS = (128, 256)
@@ -152,15 +150,12 @@ def device_capability(device: torch.device) -> tuple[int, int]:
 
 def prefill_backend(q: Tensor, num_streams: int) -> str:
     """The attention backend of a call that is not decode-shaped, from static facts only (q's dtype, head dim
-    and device, the call's stream count): "cudnn_fa2" (one stream, cuDNN's dense kernel), "fa2" or "triton".
-    ValueError naming METRALE_ATTENTION_PREFILL for an unknown PREFILL_BACKEND."""
-    if PREFILL_BACKEND not in PREFILL_BACKENDS:
-        raise ValueError(f"METRALE_ATTENTION_PREFILL / paged_attention.PREFILL_BACKEND must be one of "
-                         f"{', '.join(PREFILL_BACKENDS)}, got {PREFILL_BACKEND!r}")
-    if PREFILL_BACKEND == "triton" or not library_prefill_supported(q):
+    and device, the call's stream count): "cudnn_fa2" (one stream, cuDNN's dense kernel), "fa2" (FlashAttention-2
+    varlen) or "triton" (the fallback where the libraries do not take q; the comment above says why)."""
+    if not library_prefill_supported(q):
         return "triton"
     dense = num_streams == 1 and q.shape[-1] in CUDNN_DENSE_HEAD_DIMS and device_capability(q.device) >= (9, 0)
-    return "cudnn_fa2" if PREFILL_BACKEND == "cudnn_fa2" and dense else "fa2"
+    return "cudnn_fa2" if dense else "fa2"
 
 
 def library_prefill_supported(q: Tensor) -> bool:
