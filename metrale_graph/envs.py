@@ -81,8 +81,9 @@ SETTINGS = _settings(
             "the MoE routing's sort of pairs by expert: torch.sort or our counting sort (ops.moe.align.SORT)",
             ("torch", "count")),
     Setting("METRALE_FP8_DECODE", "choice", "splitk",
-            "the FP8 linear's GEMM for decode rows on CUDA: split-K or the swapped split-K (ops.fp8.linear.DECODE_GEMM)",
-            ("splitk", "swap")),
+            "the FP8 linear's GEMM for decode rows on CUDA: split-K or the swapped split-K (ops.fp8.linear.DECODE_GEMM); "
+            "w8a16: weight-only FP8 up to 32 rows, x not quantized (ops/fp8/w8a16.py; default splitk until an H200 "
+            "measures it)", ("splitk", "swap", "w8a16")),
     Setting("METRALE_FP8_EXPERTS", "choice", "plain",
             "the FP8 expert kernels' form for blocks of 16 or 32 rows (ops.fp8.experts.SMALL_BLOCKS)", ("plain", "swap")),
     # debug and tool options

@@ -24,9 +24,10 @@ from metrale_graph import envs
 
 from .quant import (BLOCK, INTERPRET, check_block_weight, dequantize_weight_blocks, fake_quantize_activations,
                     quantize_activations, quantize_e4m3, round_to)
+from .w8a16 import W8A16_MAX_ROWS, w8a16_linear
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BACKENDS = ("auto", "cublas", "triton", "splitk", "swap")
+BACKENDS = ("auto", "cublas", "triton", "splitk", "swap", "w8a16")  # w8a16: weight-only, ops/fp8/w8a16.py
 SWAP_MAX_ROWS = 32  # the swapped split-K GEMM's rows (its MMA's N side: 16 or 32)
 # Which GEMM "auto" gives decode rows on CUDA: "splitk" (the default: the split-K GEMM up to SPLITK_MAX_ROWS,
 # cuBLAS above) or "swap" (the swapped split-K GEMM up to SWAP_MAX_ROWS, cuBLAS above).
@@ -351,6 +352,8 @@ def auto_backend(T: int, N: int, K: int, device: torch.device, out_dtype=torch.b
     if DECODE_GEMM not in DECODE_GEMMS:
         raise ValueError(f"METRALE_FP8_DECODE / linear.DECODE_GEMM must be one of {', '.join(DECODE_GEMMS)}, "
                          f"got {DECODE_GEMM!r}")
+    if DECODE_GEMM == "w8a16" and 0 < T <= W8A16_MAX_ROWS and (device.type == "cuda" or INTERPRET):
+        return "w8a16"  # METRALE_FP8_DECODE=w8a16: weight-only decode rows (the interpreter too, for the CPU tests)
     if device.type != "cuda":
         return "triton" if INTERPRET else "reference"
     if DECODE_GEMM == "swap" and 0 < T <= SWAP_MAX_ROWS:
@@ -385,6 +388,8 @@ def block_fp8_linear(x: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype=No
         x_fp8, x_scale = quantize_activations(x, column_major_scales=True, rows=rows)
         out = block_fp8_gemm_cublas(x_fp8, x_scale, w_fp8, w_scale_inv, out_dtype)[:T]
         return out if residual is None else out.add_(residual)
+    if backend == "w8a16":  # x not quantized: weight-only numerics (w8a16_linear_ref), at most W8A16_MAX_ROWS rows
+        return w8a16_linear(x, w_fp8, w_scale_inv, out_dtype, residual)
     if backend in ("splitk", "swap"):
         most = SWAP_MAX_ROWS if backend == "swap" else SPLITK_MAX_ROWS
         if T > most:
