@@ -35,7 +35,7 @@ def test_choices_and_text():
 
 @pytest.mark.parametrize("environ, message", [
     ({"METRALE_MOE_EXPERTS": "cutlass"}, "METRALE_MOE_EXPERTS must be one of triton, grouped_mm, got 'cutlass'"),
-    ({"METRALE_FP8_DECODE": "Swap"}, "METRALE_FP8_DECODE must be one of splitk, swap, got 'Swap'"),
+    ({"METRALE_FP8_DECODE": "Swap"}, "METRALE_FP8_DECODE must be one of splitk, swap, w8a16, got 'Swap'"),
     ({"METRALE_ATTENTION_PREFILL": ""}, "METRALE_ATTENTION_PREFILL must be one of cudnn_fa2, fa2, triton, got ''"),
     ({"METRALE_FP8_ACTIVATIONS": "maybe"}, "METRALE_FP8_ACTIVATIONS is a flag: one of 1, true, on, yes, 0, false, off, "
                                            "no, got 'maybe'"),
@@ -70,7 +70,7 @@ def test_override_parses_like_the_environment_and_restores():
     with pytest.raises(RuntimeError), envs.override(METRALE_COMMIT="f00"):
         raise RuntimeError
     assert envs.METRALE_COMMIT == envs.read()["METRALE_COMMIT"]
-    with pytest.raises(ValueError, match="METRALE_FP8_DECODE must be one of splitk, swap, got 'gemv'"):
+    with pytest.raises(ValueError, match="METRALE_FP8_DECODE must be one of splitk, swap, w8a16, got 'gemv'"):
         with envs.override(METRALE_FP8_DECODE="gemv"):
             pass
     with pytest.raises(ValueError, match="METRALE_COMIT is not a metrale-graph setting .did you mean METRALE_COMMIT"):

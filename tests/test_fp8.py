@@ -539,7 +539,7 @@ def test_decode_gemm_choice(monkeypatch):
     monkeypatch.setattr(lin, "DECODE_GEMM", "swap")
     assert [lin.auto_backend(t, 4096, 4096, cuda) for t in (1, 16, 32)] == ["swap"] * 3
     monkeypatch.setattr(lin, "DECODE_GEMM", "fast")
-    with pytest.raises(ValueError, match="METRALE_FP8_DECODE.*one of splitk, swap, got 'fast'"):
+    with pytest.raises(ValueError, match="METRALE_FP8_DECODE.*one of splitk, swap, w8a16, got 'fast'"):
         lin.auto_backend(1, 4096, 4096, cuda)
 
 
