@@ -251,3 +251,34 @@ def test_w8a16_on_cuda_at_the_9b_decode_shapes(N, K):
         for tiles in ((128, False, 4, 4), (128, True, 4, 4)):
             assert_within_fp32_sums(f"{N}x{K} M {M} {tiles}", x, q, s,
                                     w8a16.w8a16_linear(x, q, s, F32, tiles=tiles))
+
+
+@pytest.mark.gpu
+def test_fp8_model_decode_with_w8a16(monkeypatch):
+    """An FP8 model (9B head shapes, 4 layers) on decode batches with linear.DECODE_GEMM "w8a16": its logits are
+    weight-only FP8's (eager with activation_rounding(False): x @ the bf16-dequantized weights, whose one bf16
+    rounding per weight is all that separates them), so much closer to them than W8A8's (the default), whose
+    activation rounding moves a random model's logits by ~2e-1 (test_gpu_fp8.py); graph replay (bucket 4, the
+    same kernels on one padded row more) within 1e-2 of eager, as the split-K GEMM's."""
+    from metrale_graph import PRESETS, HybridModel, Stream
+    from metrale_graph.capture import GraphRunner
+    from metrale_graph.quantization import QWEN_KEPT
+    from metrale_graph.quantized import fp8_config
+
+    cfg = fp8_config(PRESETS["qwen3.5-9b"].replace(vocab_size=2048, hidden_size=1024, intermediate_size=2048,
+                                                   num_hidden_layers=4), QWEN_KEPT)
+    model = HybridModel.from_preset(cfg, dtype=torch.bfloat16, device="cuda", seed=3)
+    g = torch.Generator().manual_seed(3)
+    streams = [Stream(i, torch.randint(0, 2048, (1,), generator=g)) for i in range(3)]
+    w8a8 = model.prefill(model.new_cache(8, 64), streams).float()
+    with fp8.activation_rounding(False):
+        weight_only = model.prefill(model.new_cache(8, 64), streams).float()
+    monkeypatch.setattr(lin, "DECODE_GEMM", "w8a16")
+    eager = model.prefill(model.new_cache(8, 64), streams).float()
+    runner = GraphRunner(model, model.new_cache(8, 64), batch_sizes=[4], token_counts=[4])
+    replay = runner.prefill(streams).float()
+    err, reach = rel_err(eager, weight_only), rel_err(w8a8, weight_only)
+    print(f"w8a16 vs weight-only {err:.2e}, W8A8 vs weight-only {reach:.2e}, replay vs eager "
+          f"{rel_err(replay, eager):.2e}")
+    assert err <= reach / 4
+    assert rel_err(replay, eager) <= 1e-2

@@ -34,8 +34,10 @@ The kernel (_w8a16_kernel), one program per (BN columns, part of K):
   codes.T) is mma.sync on sm_90; the swapped form (codes [BN, 128] . x.T, the weight's columns on the MMA's
   M side, BN >= 64) lets Triton take Hopper's wgmma with the converted codes as its register operand. The
   autotuner picks between them per (N, K, K_PER, BM, dtypes): BN 64 / 128 / 256, 4 or 8 warps, 3 or 4
-  stages (at 4 stages of BN 256 the tiles fill 160 KB of the 227 KB of shared memory; 8 warps with BN >= 128
-  in the swapped form: two warpgroups of 64 rows), pruned by BM and N (_prune).
+  stages (BN 256 at 3 stages: 120 KB of the 227 KB of shared memory at 32 rows; 8 warps with BN >= 128 in
+  the swapped form: two warpgroups of 64 rows), pruned by BM and N (_prune). Each program also reads its
+  [BM, K_PER] slice of x (from L2: x is at most 32 * K * 2 bytes), (N / BN) times over in all: at 32 rows and
+  BN 64 half the bytes of the codes, hence no BN 64 at 32 rows.
 - One part (small K): the program adds the residual and stores out_dtype itself. Several: it stores its
   fp32 partial [parts, T, N]; a second kernel sums the parts in part order, adds the residual and rounds
   once: the same sums every call, so graph replays and reruns are exact (no atomics). The partials are
@@ -114,11 +116,12 @@ def _config(tile):
 
 
 def _prune(configs, named_args, **kwargs):
-    """Drop tiles much wider than N, BN 256 at 32 rows (its [32, 256] accumulator and [256, 128] converted
-    codes crowd the registers), and the swapped form's 8 warps below BN 128 (each warpgroup takes 64 rows)."""
+    """Drop tiles much wider than N, BN 64 at 32 rows (each program re-reads its [BM, K_PER] slice of x from
+    L2: at BN 64 and 32 rows that is half the bytes of its codes), and the swapped form's 8 warps below BN 128
+    (each warpgroup takes 64 rows)."""
     N, BM = named_args["N"], kwargs["BM"]
     keep = [c for c in configs if c.kwargs["BN"] <= max(64, triton.next_power_of_2(N))
-            and not (BM > 16 and c.kwargs["BN"] > 128)
+            and not (BM > 16 and c.kwargs["BN"] < 128)
             and not (c.kwargs["SWAP"] and c.num_warps == 8 and c.kwargs["BN"] < 128)]
     return keep or configs[:1]
 
