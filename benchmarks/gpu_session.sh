@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session in one command (device machines start bare): install the carried
 # flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
-#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-sort|tp|fp8|fp8-sweep|fp8-bench|serve|prefix|structured|all|setup]
+#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-sort|tp|fp8|fp8-sweep|fp8-bench|w8a16|serve|prefix|structured|all|setup]
 #   (run from the repository root)
 # tests: every GPU test (sweep + op-tests + model-tests: ~18 min, more than one call); ops: per-op
 # benchmark; decode (not in all): bench_ops at decode shapes and benchmarks/kernels/check_decode.py's tile sweep; bench: 9B workloads with the peer and generation; profile (not in all): the 9B workloads' device
@@ -15,7 +15,9 @@
 # cuBLAS shapes, graphs), tests/test_gpu_fp8.py, bench_ops on the 9B FP8 preset; fp8-bench (not in all): the FP8
 # presets' workloads beside their bf16 runs, the FP8 ops at decode shapes (issue 26; FP8_PRESETS, BF16_35B, FP8_OPS, FP8_NEXT);
 # fp8-sweep (not in all): benchmarks/kernels/sweep_fp8_decode.py, the decode-shaped FP8 GEMM's forms and tiles
-# (~2-3 min); serve (not in all): metrale-serve + bench_serve at concurrency
+# (~2-3 min); w8a16 (not in all): the weight-only FP8 decode GEMM (issue 38, item 3: benchmarks/kernels/bench_w8a16.py
+# at the 9B's shapes, every tile, its GPU tests, the 9B-FP8's D1 / D32 under METRALE_FP8_DECODE splitk and w8a16; not
+# yet measured); serve (not in all): metrale-serve + bench_serve at concurrency
 # 32 / 128 / 256 on the 9B and 35B-A3B (issue 27; SERVE_PRESETS to choose); prefix (not in all): bench_prefix on the 9B
 # (issue 28); structured (not in all): benchmarks/bench_structured.py on the 9B preset, 64 requests with JSON masks
 # against without (issue 40; needs xgrammar and apache-tvm-ffi wheels in .whl-serve and a tokenizer of the 9B's
@@ -204,6 +206,18 @@ if [[ $what == fp8-sweep ]]; then
     limit python3 benchmarks/kernels/sweep_fp8_decode.py --json "$OUT/sweep_fp8_decode.json" 2>&1 \
         | grep -v Warning | tee "$OUT/sweep_fp8_decode.log" | tail -20
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+fi
+if [[ $what == w8a16 ]]; then
+    limit python3 benchmarks/kernels/bench_w8a16.py --sweep --json "$OUT/bench_w8a16.json" 2>&1 | grep -v Warning \
+        | tee "$OUT/bench_w8a16.log" | grep -v "^ " | tail -14
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+    limit python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_fp8_w8a16.py 2>&1 | tail -5
+    for form in splitk w8a16; do
+        METRALE_FP8_DECODE=$form limit python3 -m metrale_graph.tools.bench --preset qwen3.5-9b-fp8 --workloads D1,D32 \
+            --variants graphs --repeat 5 --json "$OUT/bench-9b-fp8-decode-$form.json" 2>&1 \
+            | tee -a "$OUT/bench-w8a16.log" | grep -E "^ *D(1|32) |Error"
+        [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+    done
 fi
 if [[ $what == moe-sort ]]; then
     # the routing's sort (ops/moe/align.py METRALE_MOE_SORT): the counting sort against torch.sort on the GPU (the

@@ -36,7 +36,7 @@ def test_choices_and_text():
 @pytest.mark.parametrize("environ, message", [
     ({"METRALE_MOE_SORT": "radix"}, "METRALE_MOE_SORT must be one of torch, count, got 'radix'"),
     ({"METRALE_GDN_CHUNKED": "FLA"}, "METRALE_GDN_CHUNKED must be one of triton, fla, got 'FLA'"),
-    ({"METRALE_FP8_DECODE": "splitk"}, "METRALE_FP8_DECODE is not a metrale-graph setting"),  # removed
+    ({"METRALE_FP8_DECODE": "swap"}, "METRALE_FP8_DECODE must be one of splitk, w8a16, got 'swap'"),  # removed form
     ({"METRALE_FP8_EXPERTS": "plain"}, "METRALE_FP8_EXPERTS is not a metrale-graph setting"),  # removed
     ({"METRALE_GDN_CHUNKED": ""}, "METRALE_GDN_CHUNKED must be one of triton, fla, got ''"),
     ({"METRALE_ATTENTION_PREFILL": "fa2"}, "METRALE_ATTENTION_PREFILL is not a metrale-graph setting"),  # removed

@@ -500,6 +500,7 @@ def test_cuda_decode_rows_take_the_splitk_gemm():
     """auto_backend gives CUDA decode rows (1 to SPLITK_MAX_ROWS) to the split-K GEMM."""
     cuda = torch.device("cuda")
     assert [fp8.linear.auto_backend(t, 4096, 4096, cuda) for t in (1, 16)] == ["splitk", "splitk"]
+    assert fp8.linear.DECODE_GEMM == "splitk"  # METRALE_FP8_DECODE's default (w8a16: tests/test_fp8_w8a16.py)
 
 
 @pytest.mark.parametrize("defer", [False, True], ids=["gemv", "gemv2d"])

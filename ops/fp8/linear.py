@@ -20,11 +20,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from metrale_graph import envs
+
 from .quant import (BLOCK, INTERPRET, check_block_weight, dequantize_weight_blocks, fake_quantize_activations,
                     quantize_activations, quantize_e4m3, round_to)
+from .w8a16 import W8A16_MAX_ROWS, w8a16_linear
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BACKENDS = ("auto", "cublas", "triton", "splitk")
+BACKENDS = ("auto", "cublas", "triton", "splitk", "w8a16")  # w8a16: weight-only, ops/fp8/w8a16.py
+# Which GEMM "auto" gives decode rows on CUDA: "splitk" (the default: the split-K GEMM up to SPLITK_MAX_ROWS, cuBLAS
+# above) or "w8a16" (the weight-only GEMM up to W8A16_MAX_ROWS). Read at import from METRALE_FP8_DECODE
+# (metrale_graph.envs); set linear.DECODE_GEMM before a step is compiled or captured.
+DECODE_GEMMS = envs.choices("METRALE_FP8_DECODE")
+DECODE_GEMM = envs.METRALE_FP8_DECODE
 
 
 def _check(x: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype, residual, where: str):
@@ -313,7 +321,13 @@ def auto_backend(T: int, N: int, K: int, device: torch.device, out_dtype=torch.b
     split-K GEMM for decode rows (T <= SPLITK_MAX_ROWS: faster than the one-pass GEMM and cuBLAS at
     three of the 9B's four shapes on the H200, up to 2.7x; benchmarks/kernels/check_fp8.py perf), cuBLAS above where
     cublas_blockwise_ok, else the one-pass Triton GEMM; in the interpreter the one-pass GEMM; elsewhere
-    the reference."""
+    the reference. With DECODE_GEMM "w8a16" (METRALE_FP8_DECODE=w8a16) the weight-only GEMM takes the rows up to
+    W8A16_MAX_ROWS instead, on CUDA and in the interpreter. A DECODE_GEMM that is neither is a ValueError naming it."""
+    if DECODE_GEMM not in DECODE_GEMMS:
+        raise ValueError(f"METRALE_FP8_DECODE / linear.DECODE_GEMM must be one of {', '.join(DECODE_GEMMS)}, "
+                         f"got {DECODE_GEMM!r}")
+    if DECODE_GEMM == "w8a16" and 0 < T <= W8A16_MAX_ROWS and (device.type == "cuda" or INTERPRET):
+        return "w8a16"  # weight-only decode rows (the interpreter too, for the CPU tests)
     if device.type != "cuda":
         return "triton" if INTERPRET else "reference"
     if 0 < T <= SPLITK_MAX_ROWS:
@@ -346,6 +360,8 @@ def block_fp8_linear(x: Tensor, w_fp8: Tensor, w_scale_inv: Tensor, out_dtype=No
         x_fp8, x_scale = quantize_activations(x, column_major_scales=True, rows=rows)
         out = block_fp8_gemm_cublas(x_fp8, x_scale, w_fp8, w_scale_inv, out_dtype)[:T]
         return out if residual is None else out.add_(residual)
+    if backend == "w8a16":  # x not quantized: weight-only numerics (w8a16_linear_ref), at most W8A16_MAX_ROWS rows
+        return w8a16_linear(x, w_fp8, w_scale_inv, out_dtype, residual)
     if backend == "splitk":
         if T > SPLITK_MAX_ROWS:
             raise ValueError(f"block_fp8_linear: the splitk backend takes at most {SPLITK_MAX_ROWS} rows, got {T}")
