@@ -236,6 +236,31 @@ def test_include_stop_str_in_output(client):
     assert (kept.text, kept.finish_reason) == (text[:6], "stop") and streamed == text[:6]
 
 
+
+def test_streamed_text_offsets_equal_the_whole_responses(client):
+    """Streamed completions logprobs with a stop string (its text held back while it may begin the stop string, so
+    the text sent lags the tokens) and echo, n 2: the events' tokens, text_offset and values joined equal the whole
+    response's (text_offset sums the token strings before each token, whatever text was sent so far)."""
+    kw = dict(model=NAME, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=1, n=2)
+    text = client.completions.create(extra_body={"ignore_eos": True}, **kw).choices[0].text
+    for extra in ({"ignore_eos": True}, {"ignore_eos": True, "include_stop_str_in_output": True}):
+        for echo in (False, True):
+            whole = client.completions.create(stop=[text[5:7]], echo=echo, extra_body=extra, **kw)
+            joined = {0: ([], [], [], ""), 1: ([], [], [], "")}
+            for chunk in client.completions.create(stop=[text[5:7]], echo=echo, extra_body=extra, stream=True, **kw):
+                for c in chunk.choices:
+                    tokens, offsets, values, got = joined[c.index]
+                    lp = c.logprobs or openai.types.completion_choice.Logprobs()
+                    tokens += lp.tokens or []
+                    offsets += lp.text_offset or []
+                    values += lp.token_logprobs or []
+                    joined[c.index] = (tokens, offsets, values, got + c.text)
+            for c in whole.choices:
+                tokens, offsets, values, got = joined[c.index]
+                assert (got, tokens, offsets) == (c.text, c.logprobs.tokens, c.logprobs.text_offset), (extra, echo)
+                assert values == pytest.approx(c.logprobs.token_logprobs, abs=TOL)
+
+
 BAD = [  # (path, body, param)
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true

@@ -103,7 +103,9 @@ class _Pending:
         self.started = False  # the choice's first output has come
         self.text, self.token_ids, self.logprob_ids, self.entries = "", [], [], []
         self.prompt_logprobs = None  # the first output's, until sent
-        self.offset = 0  # characters of text sent so far: the next text_offset
+        # the next text_offset: the characters of the token strings sent so far (as a whole response counts them;
+        # not of the text sent, which lags the tokens while a possible stop string is held back)
+        self.offset = 0
 
 
 async def _events(state: ServerState, body: CompletionRequest, group: Generations, rid: str,
@@ -131,8 +133,8 @@ async def _events(state: ServerState, body: CompletionRequest, group: Generation
             logprobs = None
             if body.logprobs is not None:
                 logprobs = completion_logprobs(state.token_strings, p.logprob_ids, p.entries, body.logprobs, p.offset)
+                p.offset += sum(len(state.token_strings(t)) for t in p.logprob_ids)
             text, token_ids = p.text, p.token_ids if body.return_token_ids else None
-            p.offset += len(text)
             p.text, p.token_ids, p.logprob_ids, p.entries = "", [], [], []
             if prompt:  # (once per choice: the event built from the models)
                 choice_body = CompletionChoice(index=choice, text=text, logprobs=logprobs,
