@@ -22,7 +22,7 @@ from .errors import stream_event
 from .generation import Generations
 from .logprobs import completion_logprobs, prompt_logprobs
 from .protocol import (DONE, CompletionChoice, CompletionRequest, CompletionResponse, StreamChunks, Usage, event, now,
-                       request_id)
+                       request_id, with_usage)
 from .state import ServerState
 from .structured import compile_grammar, structured_request
 
@@ -88,8 +88,9 @@ def _prompt_logprobs(state: ServerState, body: CompletionRequest, prompt: list[i
     return prompt_logprobs(state.token_strings, prompt, entries, body.prompt_logprobs)
 
 
-def _usage(body: CompletionRequest, group: Generations) -> Usage:
-    usage = group.usage()
+def _usage(body: CompletionRequest, group: Generations, so_far: bool = False) -> Usage:
+    """The request's usage (`so_far`: of the tokens output so far, for continuous_usage_stats)."""
+    usage = group.usage_so_far() if so_far else group.usage()
     if body.echo_only:  # the token the engine sampled is dropped
         usage = Usage.of(usage.prompt_tokens, 0, usage.prompt_tokens_details.cached_tokens)
     return usage
@@ -113,6 +114,11 @@ async def _events(state: ServerState, body: CompletionRequest, group: Generation
     created, model = now(), state.model_name
     chunks = StreamChunks("text_completion", rid, created, model)
     pending: dict[int, _Pending] = {}
+    continuous = body.stream_options is not None and body.stream_options.continuous
+
+    def sent(sse: str) -> str:  # with vLLM's continuous_usage_stats, the usage so far in every event
+        return with_usage(sse, _usage(body, group, so_far=True)) if continuous else sse
+
     try:
         async for choice, out in group.stream():
             p = pending.setdefault(choice, _Pending())
@@ -142,9 +148,9 @@ async def _events(state: ServerState, body: CompletionRequest, group: Generation
                                                prompt_logprobs=_prompt_logprobs(state, body, group.prompt_of(choice),
                                                                                 p.prompt_logprobs))
                 p.prompt_logprobs = None
-                yield event(CompletionResponse(id=rid, created=created, model=model, choices=[choice_body]))
+                yield sent(event(CompletionResponse(id=rid, created=created, model=model, choices=[choice_body])))
             else:
-                yield chunks.completion(choice, text, out.finish_reason, token_ids, logprobs)
+                yield sent(chunks.completion(choice, text, out.finish_reason, token_ids, logprobs))
         if body.stream_options is not None and body.stream_options.include_usage:
             yield event(CompletionResponse(id=rid, created=created, model=model, choices=[],
                                            usage=_usage(body, group)))

@@ -55,7 +55,13 @@ def request_id(prefix: str) -> str:
 
 
 class StreamOptions(BaseModel):
-    include_usage: StrictBool = False
+    include_usage: StrictBool = False  # a last event with the usage
+    # vLLM's: with include_usage, every event also carries the usage so far (the prompt, the tokens sent)
+    continuous_usage_stats: StrictBool = False
+
+    @property
+    def continuous(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 # Fields of OpenAI's API and vLLM's extensions that the engine cannot honour, with the values that ask for
@@ -538,6 +544,13 @@ class StreamChunks:
         finish_reason, token_ids)]))."""
         delta = "{}" if content is None else f'{{"content":{encode_basestring(content)}}}'
         return f'{self._head}{index},"delta":{delta},{_choice_end(finish_reason, token_ids, logprobs)}'
+
+
+def with_usage(sse: str, usage: Usage) -> str:
+    """The server-sent event `sse` (one JSON object: event()'s or StreamChunks') with `usage` added as its last
+    field."""
+    assert sse.startswith("data: {") and sse.endswith("}\n\n"), sse
+    return f'{sse[:-3]},"usage":{usage.model_dump_json()}}}\n\n'
 
 
 def _choice_end(finish_reason: str | None, token_ids: list[int] | None, logprobs: BaseModel | None = None) -> str:
