@@ -155,6 +155,22 @@ def test_echo_with_no_new_tokens_gives_the_prompts_logprobs(client, model, token
     assert both.logprobs.token_logprobs[:len(prompt)] == pytest.approx(want, abs=TOL)
 
 
+
+def test_echo_of_token_ids_keeps_their_special_tokens(client, tokenizer):
+    """echo of a token-id prompt holding special tokens (a chat turn's <|im_start|> / <|im_end|>), whole and
+    streamed: the text is the ids decoded with their special tokens, as vLLM echoes them, so the echoed tokens'
+    strings sit in it at their text_offset (once the special tokens were dropped from the text only)."""
+    prompt = tokenizer.encode("<|im_start|>user\nHello<|im_end|>\n")
+    assert set(tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])) <= set(prompt)
+    assert tokenizer.decode(prompt, skip_special_tokens=True) == "user\nHello\n"  # what echo once sent
+    choice = client.completions.create(model=NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=0).choices[0]
+    lp = choice.logprobs
+    assert choice.text == tokenizer.decode(prompt) == "<|im_start|>user\nHello<|im_end|>\n"
+    assert all(choice.text[o:o + len(t)] == t for o, t in zip(lp.text_offset, lp.tokens)), (choice.text, lp)
+    streamed = client.completions.create(model=NAME, prompt=prompt, max_tokens=0, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+
+
 def test_vllm_prompt_logprobs(server, model, tokenizer):
     """vLLM's prompt_logprobs: 2 on completions (and its choice's first streamed event) and chat: per prompt
     position None first, then {token id: {logprob, rank, decoded_token}}, the prompt's token first."""

@@ -37,10 +37,12 @@ def prompts_of(state: ServerState, body: CompletionRequest) -> list[list[int]]:
 
 
 def prompt_texts(state: ServerState, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
-    """What echo puts before each prompt's text: a string prompt as sent, token ids decoded."""
+    """What echo puts before each prompt's text: a string prompt as sent, token ids decoded with their special
+    tokens (as vLLM echoes them: the text the echoed tokens' strings and text_offsets spell)."""
     raw = body.prompt
     sent = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
-    return [p if isinstance(p, str) else (state.engine.decode(ids) or "") for p, ids in zip(sent, prompts)]
+    return [p if isinstance(p, str) else "" if state.tokenizer is None else state.tokenizer.decode(ids)
+            for p, ids in zip(sent, prompts)]
 
 
 async def create_completion(state: ServerState, body: CompletionRequest, raw_request):
