@@ -277,6 +277,21 @@ def test_streamed_text_offsets_equal_the_whole_responses(client):
                 assert values == pytest.approx(c.logprobs.token_logprobs, abs=TOL)
 
 
+
+def test_repetition_penalties_past_fp32s_range_serve(client):
+    """repetition_penalty 1e-45 (0 in fp32: positive logits divided by it were inf, negative ones times it 0, a
+    masked one NaN) and 1e39 (inf in fp32): valid JSON numbers > 0, served like fp32's extremes (once 1e-45 was a
+    500, 'index -1 is out of bounds', the sampler given NaN, or other tokens), greedy and sampled."""
+    kw = dict(model=NAME, prompt=PROMPT, max_tokens=6, logprobs=1)
+    for penalty, like in ((1e-45, 1.2e-38), (1e39, 3.4e38)):
+        for temperature in (0.0, 1.0):
+            extra = {"repetition_penalty": penalty, "ignore_eos": True, "return_token_ids": True}
+            got = client.completions.create(temperature=temperature, seed=1, extra_body=extra, **kw).choices[0]
+            want = client.completions.create(temperature=temperature, seed=1, extra_body={**extra, "repetition_penalty": like},
+                                             **kw).choices[0]
+            assert got.token_ids == want.token_ids and all(math.isfinite(v) for v in got.logprobs.token_logprobs)
+
+
 BAD = [  # (path, body, param)
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
