@@ -160,6 +160,7 @@ UNSUPPORTED = [  # (path, field, value): OpenAI's and vLLM's fields the engine c
     ("/v1/completions", "allowed_token_ids", [1, 2]),
     ("/v1/completions", "length_penalty", 0.5),
     ("/v1/chat/completions", "logits_processors", ["a"]),
+    ("/v1/completions", "guided_whitespace_pattern", "\\n"),  # (once accepted and ignored)
 ]
 
 

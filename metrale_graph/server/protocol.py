@@ -72,6 +72,7 @@ NEUTRAL = {
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "allowed_token_ids": (None,), "bad_words": (None, []),
     "truncate_prompt_tokens": (None,), "logits_processors": (None,),
+    "guided_whitespace_pattern": (None,),  # vLLM's: the JSON grammars' whitespace (xgrammar's is fixed here)
 }
 
 
@@ -156,6 +157,7 @@ class SamplingFields(BaseModel):
     bad_words: Any = None
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
+    guided_whitespace_pattern: Any = None
 
     def neutral(self) -> dict:
         """NEUTRAL of this request's kind of body."""
