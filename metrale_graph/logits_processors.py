@@ -38,6 +38,7 @@ import torch
 from . import numbers
 
 NEG_INF = float("-inf")
+_FP32 = torch.finfo(torch.float32)
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -142,7 +143,11 @@ def _apply_penalties_(x: torch.Tensor, rows: list, index: torch.Tensor, state: P
     generated = counts > 0
     if any(r.params.repetition_penalty != 1.0 for r in rows):
         seen = generated | state.prompt_mask.index_select(0, slots)
-        penalty = torch.where(seen, repetition, 1.0)
-        sub = torch.where(sub > 0, sub / penalty, sub * penalty)
+        # a penalty past fp32's range (1e-45 is 0 in fp32, 1e39 inf) would make inf and 0 * inf = NaN logits, which
+        # sample nothing: it is clamped to fp32's positive normals, and so are the penalized logits that overflow
+        # (a -inf, a token masked before, stays -inf)
+        penalty = torch.where(seen, repetition.clamp(_FP32.tiny, _FP32.max), 1.0)
+        multiplied = torch.where(sub == NEG_INF, sub, (sub * penalty).clamp(min=-_FP32.max))
+        sub = torch.where(sub > 0, (sub / penalty).clamp(max=_FP32.max), multiplied)
     sub = sub - frequency * counts - presence * generated
     x.index_copy_(0, index, sub)

@@ -160,6 +160,7 @@ UNSUPPORTED = [  # (path, field, value): OpenAI's and vLLM's fields the engine c
     ("/v1/completions", "allowed_token_ids", [1, 2]),
     ("/v1/completions", "length_penalty", 0.5),
     ("/v1/chat/completions", "logits_processors", ["a"]),
+    ("/v1/completions", "guided_whitespace_pattern", "\\n"),  # (once accepted and ignored)
 ]
 
 
@@ -280,6 +281,26 @@ def test_streamed_text_equals_the_whole_text_when_sampling(client):
             whole = client.completions.create(**kw).choices[0].text
             pieces = [c.choices[0].text for c in client.completions.create(**kw, stream=True)]
             assert "".join(pieces) == whole, (seed, prompt, pieces)
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_event(client):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every event of a completions and of a chat
+    stream (n 2, its tokens counted over both choices) carries the usage so far: the prompt's tokens, the tokens
+    sent so far (never fewer than the events with text have sent), the last event's the whole usage."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    kw = dict(model=NAME, max_tokens=4, n=2, temperature=0, stream=True, stream_options=options,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    for chunks in (list(client.completions.create(prompt="Hello world", **kw)),
+                   list(client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], **kw))):
+        assert all(c.usage is not None for c in chunks)
+        prompt, sent = chunks[-1].usage.prompt_tokens, 0
+        for c in chunks:
+            sent += sum(len(getattr(choice, "token_ids", None) or []) for choice in c.choices)
+            assert c.usage.prompt_tokens == prompt and c.usage.completion_tokens >= sent
+            assert c.usage.total_tokens == prompt + c.usage.completion_tokens
+        assert sent == chunks[-1].usage.completion_tokens == 8 and chunks[-1].choices == []
+    plain = list(client.completions.create(prompt="Hello world", **{**kw, "stream_options": {"include_usage": True}}))
+    assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
 
 
 SURROGATES = [  # (path, body, param): JSON's \ud800 escapes carry lone UTF-16 surrogates UTF-8 cannot encode

@@ -155,6 +155,22 @@ def test_echo_with_no_new_tokens_gives_the_prompts_logprobs(client, model, token
     assert both.logprobs.token_logprobs[:len(prompt)] == pytest.approx(want, abs=TOL)
 
 
+
+def test_echo_of_token_ids_keeps_their_special_tokens(client, tokenizer):
+    """echo of a token-id prompt holding special tokens (a chat turn's <|im_start|> / <|im_end|>), whole and
+    streamed: the text is the ids decoded with their special tokens, as vLLM echoes them, so the echoed tokens'
+    strings sit in it at their text_offset (once the special tokens were dropped from the text only)."""
+    prompt = tokenizer.encode("<|im_start|>user\nHello<|im_end|>\n")
+    assert set(tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])) <= set(prompt)
+    assert tokenizer.decode(prompt, skip_special_tokens=True) == "user\nHello\n"  # what echo once sent
+    choice = client.completions.create(model=NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=0).choices[0]
+    lp = choice.logprobs
+    assert choice.text == tokenizer.decode(prompt) == "<|im_start|>user\nHello<|im_end|>\n"
+    assert all(choice.text[o:o + len(t)] == t for o, t in zip(lp.text_offset, lp.tokens)), (choice.text, lp)
+    streamed = client.completions.create(model=NAME, prompt=prompt, max_tokens=0, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+
+
 def test_vllm_prompt_logprobs(server, model, tokenizer):
     """vLLM's prompt_logprobs: 2 on completions (and its choice's first streamed event) and chat: per prompt
     position None first, then {token id: {logprob, rank, decoded_token}}, the prompt's token first."""
@@ -234,6 +250,46 @@ def test_include_stop_str_in_output(client):
         stop=[stop], stream=True, extra_body={"ignore_eos": True, "include_stop_str_in_output": True}, **kw))
     assert (cut.text, cut.finish_reason) == (text[:4], "stop")
     assert (kept.text, kept.finish_reason) == (text[:6], "stop") and streamed == text[:6]
+
+
+
+def test_streamed_text_offsets_equal_the_whole_responses(client):
+    """Streamed completions logprobs with a stop string (its text held back while it may begin the stop string, so
+    the text sent lags the tokens) and echo, n 2: the events' tokens, text_offset and values joined equal the whole
+    response's (text_offset sums the token strings before each token, whatever text was sent so far)."""
+    kw = dict(model=NAME, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=1, n=2)
+    text = client.completions.create(extra_body={"ignore_eos": True}, **kw).choices[0].text
+    for extra in ({"ignore_eos": True}, {"ignore_eos": True, "include_stop_str_in_output": True}):
+        for echo in (False, True):
+            whole = client.completions.create(stop=[text[5:7]], echo=echo, extra_body=extra, **kw)
+            joined = {0: ([], [], [], ""), 1: ([], [], [], "")}
+            for chunk in client.completions.create(stop=[text[5:7]], echo=echo, extra_body=extra, stream=True, **kw):
+                for c in chunk.choices:
+                    tokens, offsets, values, got = joined[c.index]
+                    lp = c.logprobs or openai.types.completion_choice.Logprobs()
+                    tokens += lp.tokens or []
+                    offsets += lp.text_offset or []
+                    values += lp.token_logprobs or []
+                    joined[c.index] = (tokens, offsets, values, got + c.text)
+            for c in whole.choices:
+                tokens, offsets, values, got = joined[c.index]
+                assert (got, tokens, offsets) == (c.text, c.logprobs.tokens, c.logprobs.text_offset), (extra, echo)
+                assert values == pytest.approx(c.logprobs.token_logprobs, abs=TOL)
+
+
+
+def test_repetition_penalties_past_fp32s_range_serve(client):
+    """repetition_penalty 1e-45 (0 in fp32: positive logits divided by it were inf, negative ones times it 0, a
+    masked one NaN) and 1e39 (inf in fp32): valid JSON numbers > 0, served like fp32's extremes (once 1e-45 was a
+    500, 'index -1 is out of bounds', the sampler given NaN, or other tokens), greedy and sampled."""
+    kw = dict(model=NAME, prompt=PROMPT, max_tokens=6, logprobs=1)
+    for penalty, like in ((1e-45, 1.2e-38), (1e39, 3.4e38)):
+        for temperature in (0.0, 1.0):
+            extra = {"repetition_penalty": penalty, "ignore_eos": True, "return_token_ids": True}
+            got = client.completions.create(temperature=temperature, seed=1, extra_body=extra, **kw).choices[0]
+            want = client.completions.create(temperature=temperature, seed=1, extra_body={**extra, "repetition_penalty": like},
+                                             **kw).choices[0]
+            assert got.token_ids == want.token_ids and all(math.isfinite(v) for v in got.logprobs.token_logprobs)
 
 
 BAD = [  # (path, body, param)

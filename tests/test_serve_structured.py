@@ -135,6 +135,40 @@ def test_a_named_tool_choice_calls_that_function(client):
     assert _streamed_calls(client, tools=[WEATHER, TIME], tool_choice=named) == ([call], "tool_calls")
 
 
+
+class Place(BaseModel):
+    name: Literal["Paris", "Rome"]
+
+
+class Trip(BaseModel):
+    """Arguments with a nested model: pydantic's schema refers to it as "#/$defs/Place"."""
+    to: Place
+    days: int = Field(ge=1, le=7)
+
+
+class Route(BaseModel):
+    """Another tool's nested model of the same name but another schema."""
+    class Place(BaseModel):
+        zone: Literal["UTC", "CET"]
+
+    at: Place
+
+
+def test_a_forced_call_of_functions_whose_parameters_refer_to_their_own_defs(client):
+    """tool_choice "required" over tools whose parameters hold references into their own schema ("#/$defs/Place",
+    pydantic's nested models; two tools with a definition of one name and different schemas): the calls'
+    schema keeps each tool's references pointing into its own parameters (once a 400: "Cannot find field
+    '$defs'"), and the calls validate."""
+    tools = [{"type": "function", "function": {"name": "trip", "parameters": Trip.model_json_schema()}},
+             {"type": "function", "function": {"name": "route", "parameters": Route.model_json_schema()}}]
+    assert all("$ref" in json.dumps(t["function"]["parameters"]) for t in tools)
+    for kw in (dict(parallel_tool_calls=False), dict(temperature=1.0, seed=3, max_tokens=400)):
+        choice = chat(client, tools=tools, tool_choice="required", **kw).choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        for name, arguments in _calls(choice.message.tool_calls):
+            assert (Trip if name == "trip" else Route).model_validate(arguments)
+
+
 def test_sampled_replies_validate(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "Weather", "schema": Weather.model_json_schema()}}
     replies = client.chat.completions.create(model=NAME, messages=USER, temperature=1.0, seed=5, n=4, max_tokens=64,

@@ -10,10 +10,12 @@ no call parsed), a call of a function the request does not offer (content, never
 call, and the 400s naming their field (a tool without a name, tool_choice naming an unknown function, OpenAI's
 fields this server does not honour). Forced calls (tool_choice "required" / named): test_serve_structured.py."""
 
+import enum
 import json
 
 import httpx
 import openai
+import pydantic
 import pytest
 
 from chain_model import (AFTER_TOOL_REASONING, ANSWER, CALL, REASONING, WEATHER_TOOL, chain_checkpoint)
@@ -115,6 +117,35 @@ def test_a_call_of_a_function_the_request_does_not_offer_stays_content(client):
     assert whole.message.content == "".join(CALL)
     (streamed,) = _streamed(client, USER, tools=[OTHER_TOOL])
     assert streamed == {"reasoning": REASONING, "content": "".join(CALL), "calls": [], "finish": "stop"}
+
+
+
+class City(str, enum.Enum):
+    PARIS = "Paris"
+    ROME = "Rome"
+
+
+class Days(enum.IntEnum):
+    ONE, THREE = 1, 3
+
+
+class Forecast(pydantic.BaseModel):
+    """get_weather's arguments as pydantic writes them: each enum a "$ref" to its "$defs" entry."""
+    city: City
+    days: Days
+
+
+def test_parameters_typed_through_references_to_their_defs(client):
+    """A parameter whose schema is a reference into the parameters' own $defs (pydantic's enums and nested models)
+    is typed by what it points at: days, a "$ref" to an integer enum, is 3, not "3" (once left a string, which the
+    pydantic model then refused), whole and streamed."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": Forecast.model_json_schema()}}
+    assert tool["function"]["parameters"]["properties"]["days"] == {"$ref": "#/$defs/Days"}
+    (call,) = ask(client, USER, tools=[tool]).choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == ARGUMENTS
+    assert Forecast.model_validate_json(call.function.arguments) == Forecast(city=City.PARIS, days=Days.THREE)
+    (streamed,) = _streamed(client, USER, tools=[tool])
+    assert json.loads("".join(d["function"].get("arguments", "") for d in streamed["calls"])) == ARGUMENTS
 
 
 def test_a_reply_cut_inside_a_call_closes_it_and_keeps_length(client):

@@ -34,7 +34,7 @@ from .generation import Generations
 from .logprobs import chat_logprobs, prompt_logprobs
 from .protocol import (DONE, AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletionRequest,
                        ChatResponse, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, StreamChunks,
-                       ToolCall, event, now, request_id)
+                       ToolCall, event, now, request_id, with_usage)
 from .reasoning import starts_in_reasoning
 from .reply import ReasoningDelta, Reply, ReplyParser
 from .state import ServerState
@@ -127,6 +127,11 @@ async def _events(state: ServerState, body: ChatCompletionRequest, group: Genera
     """The stream's events; `parser` makes each choice's ReplyParser (None: replies are plain text)."""
     created, model, ids = now(), state.model_name, body.return_token_ids
 
+    continuous = body.stream_options is not None and body.stream_options.continuous
+
+    def sent(sse: str) -> str:  # with vLLM's continuous_usage_stats, the usage so far in every event
+        return with_usage(sse, group.usage_so_far()) if continuous else sse
+
     def chunk(choices, usage=None) -> str:
         return event(ChatChunk(id=rid, created=created, model=model, choices=choices, usage=usage))
 
@@ -135,13 +140,13 @@ async def _events(state: ServerState, body: ChatCompletionRequest, group: Genera
     call_ids: list[list[str]] = [[] for _ in range(len(group))]
     pending: dict[int, tuple[list, list]] = {}  # per choice, the tokens (and logprobs) of outputs not sent yet
     try:
-        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                     for i in range(len(group))])
+        yield sent(chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                          for i in range(len(group))]))
         async for choice, out in group.stream():
             if choice == 0 and out.prompt_logprobs is not None and body.prompt_logprobs is not None:
-                yield event(ChatChunk(id=rid, created=created, model=model, choices=[],
-                                      prompt_logprobs=_prompt_logprobs(state, body, group.prompt_of(0),
-                                                                       out.prompt_logprobs)))
+                yield sent(event(ChatChunk(id=rid, created=created, model=model, choices=[],
+                                           prompt_logprobs=_prompt_logprobs(state, body, group.prompt_of(0),
+                                                                            out.prompt_logprobs))))
             token_ids, entries = pending.setdefault(choice, ([], []))
             token_ids += out.token_ids
             entries += out.logprobs or []
@@ -149,8 +154,8 @@ async def _events(state: ServerState, body: ChatCompletionRequest, group: Genera
                 if not (out.text or out.finish_reason or (ids and out.token_ids)):
                     continue
                 pending[choice] = ([], [])
-                yield chunks.chat(choice, out.text or None, out.finish_reason, token_ids if ids else None,
-                                  _logprobs(state, body, token_ids, entries))
+                yield sent(chunks.chat(choice, out.text or None, out.finish_reason, token_ids if ids else None,
+                                       _logprobs(state, body, token_ids, entries)))
                 continue
             reader = readers[choice]
             events = reader.feed(out.text) if out.text else []
@@ -164,10 +169,10 @@ async def _events(state: ServerState, body: ChatCompletionRequest, group: Genera
                 continue
             pending[choice] = ([], [])
             for k, delta in enumerate(deltas):
-                yield chunk([ChatChunkChoice(index=choice, delta=delta,
-                                             logprobs=_logprobs(state, body, token_ids, entries) if k == 0 else None,
-                                             finish_reason=finish if k == len(deltas) - 1 else None,
-                                             token_ids=(token_ids if ids else None) if k == 0 else None)])
+                yield sent(chunk([ChatChunkChoice(index=choice, delta=delta,
+                                                  logprobs=_logprobs(state, body, token_ids, entries) if k == 0 else None,
+                                                  finish_reason=finish if k == len(deltas) - 1 else None,
+                                                  token_ids=(token_ids if ids else None) if k == 0 else None)]))
         if body.stream_options is not None and body.stream_options.include_usage:
             yield chunk([], group.usage())
     except Exception as e:  # the request failed after the stream began (a step's error, shutdown)

@@ -22,7 +22,7 @@ from .errors import stream_event
 from .generation import Generations
 from .logprobs import completion_logprobs, prompt_logprobs
 from .protocol import (DONE, CompletionChoice, CompletionRequest, CompletionResponse, StreamChunks, Usage, event, now,
-                       request_id)
+                       request_id, with_usage)
 from .state import ServerState
 from .structured import compile_grammar, structured_request
 
@@ -37,10 +37,12 @@ def prompts_of(state: ServerState, body: CompletionRequest) -> list[list[int]]:
 
 
 def prompt_texts(state: ServerState, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
-    """What echo puts before each prompt's text: a string prompt as sent, token ids decoded."""
+    """What echo puts before each prompt's text: a string prompt as sent, token ids decoded with their special
+    tokens (as vLLM echoes them: the text the echoed tokens' strings and text_offsets spell)."""
     raw = body.prompt
     sent = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
-    return [p if isinstance(p, str) else (state.engine.decode(ids) or "") for p, ids in zip(sent, prompts)]
+    return [p if isinstance(p, str) else "" if state.tokenizer is None else state.tokenizer.decode(ids)
+            for p, ids in zip(sent, prompts)]
 
 
 async def create_completion(state: ServerState, body: CompletionRequest, raw_request):
@@ -88,8 +90,9 @@ def _prompt_logprobs(state: ServerState, body: CompletionRequest, prompt: list[i
     return prompt_logprobs(state.token_strings, prompt, entries, body.prompt_logprobs)
 
 
-def _usage(body: CompletionRequest, group: Generations) -> Usage:
-    usage = group.usage()
+def _usage(body: CompletionRequest, group: Generations, so_far: bool = False) -> Usage:
+    """The request's usage (`so_far`: of the tokens output so far, for continuous_usage_stats)."""
+    usage = group.usage_so_far() if so_far else group.usage()
     if body.echo_only:  # the token the engine sampled is dropped
         usage = Usage.of(usage.prompt_tokens, 0, usage.prompt_tokens_details.cached_tokens)
     return usage
@@ -103,7 +106,9 @@ class _Pending:
         self.started = False  # the choice's first output has come
         self.text, self.token_ids, self.logprob_ids, self.entries = "", [], [], []
         self.prompt_logprobs = None  # the first output's, until sent
-        self.offset = 0  # characters of text sent so far: the next text_offset
+        # the next text_offset: the characters of the token strings sent so far (as a whole response counts them;
+        # not of the text sent, which lags the tokens while a possible stop string is held back)
+        self.offset = 0
 
 
 async def _events(state: ServerState, body: CompletionRequest, group: Generations, rid: str,
@@ -111,6 +116,11 @@ async def _events(state: ServerState, body: CompletionRequest, group: Generation
     created, model = now(), state.model_name
     chunks = StreamChunks("text_completion", rid, created, model)
     pending: dict[int, _Pending] = {}
+    continuous = body.stream_options is not None and body.stream_options.continuous
+
+    def sent(sse: str) -> str:  # with vLLM's continuous_usage_stats, the usage so far in every event
+        return with_usage(sse, _usage(body, group, so_far=True)) if continuous else sse
+
     try:
         async for choice, out in group.stream():
             p = pending.setdefault(choice, _Pending())
@@ -131,8 +141,8 @@ async def _events(state: ServerState, body: CompletionRequest, group: Generation
             logprobs = None
             if body.logprobs is not None:
                 logprobs = completion_logprobs(state.token_strings, p.logprob_ids, p.entries, body.logprobs, p.offset)
+                p.offset += sum(len(state.token_strings(t)) for t in p.logprob_ids)
             text, token_ids = p.text, p.token_ids if body.return_token_ids else None
-            p.offset += len(text)
             p.text, p.token_ids, p.logprob_ids, p.entries = "", [], [], []
             if prompt:  # (once per choice: the event built from the models)
                 choice_body = CompletionChoice(index=choice, text=text, logprobs=logprobs,
@@ -140,9 +150,9 @@ async def _events(state: ServerState, body: CompletionRequest, group: Generation
                                                prompt_logprobs=_prompt_logprobs(state, body, group.prompt_of(choice),
                                                                                 p.prompt_logprobs))
                 p.prompt_logprobs = None
-                yield event(CompletionResponse(id=rid, created=created, model=model, choices=[choice_body]))
+                yield sent(event(CompletionResponse(id=rid, created=created, model=model, choices=[choice_body])))
             else:
-                yield chunks.completion(choice, text, out.finish_reason, token_ids, logprobs)
+                yield sent(chunks.completion(choice, text, out.finish_reason, token_ids, logprobs))
         if body.stream_options is not None and body.stream_options.include_usage:
             yield event(CompletionResponse(id=rid, created=created, model=model, choices=[],
                                            usage=_usage(body, group)))

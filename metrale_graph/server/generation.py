@@ -48,6 +48,7 @@ class Generations:
     def __init__(self, state: ServerState, handles: list, metrics: list, prompts: list[list[int]], n: int):
         self.state, self.handles, self.metrics, self.prompts, self.n = state, handles, metrics, prompts, n
         self._results: list[GenerationResult | None] = [None] * len(handles)
+        self._generated = [0] * len(handles)  # new tokens each request has output so far
 
     @classmethod
     def submit(cls, state: ServerState, prompts: list[list[int]], sampling: Sampling, n: int,
@@ -91,6 +92,12 @@ class Generations:
                           if r is not None), default=0) for p in range(len(self.prompts)))
         return Usage.of(sum(len(p) for p in self.prompts), sum(len(r.token_ids) for r in done), cached)
 
+    def usage_so_far(self) -> Usage:
+        """Usage of the tokens output so far (a stream's continuous usage: vLLM's continuous_usage_stats); cached
+        tokens as usage() counts them, of the requests that ended."""
+        return Usage.of(sum(len(p) for p in self.prompts), sum(self._generated),
+                        self.usage().prompt_tokens_details.cached_tokens)
+
     def prompt_of(self, choice: int) -> list[int]:
         return self.prompts[choice // self.n]
 
@@ -100,6 +107,7 @@ class Generations:
         try:
             async for out in handle:
                 metrics.output(len(out.token_ids))
+                self._generated[choice] += len(out.token_ids)
                 yield out
         except Exception:
             metrics.fail(handle.prompt_tokens)

@@ -55,7 +55,13 @@ def request_id(prefix: str) -> str:
 
 
 class StreamOptions(BaseModel):
-    include_usage: StrictBool = False
+    include_usage: StrictBool = False  # a last event with the usage
+    # vLLM's: with include_usage, every event also carries the usage so far (the prompt, the tokens sent)
+    continuous_usage_stats: StrictBool = False
+
+    @property
+    def continuous(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 # Fields of OpenAI's API and vLLM's extensions that the engine cannot honour, with the values that ask for
@@ -66,6 +72,7 @@ NEUTRAL = {
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "allowed_token_ids": (None,), "bad_words": (None, []),
     "truncate_prompt_tokens": (None,), "logits_processors": (None,),
+    "guided_whitespace_pattern": (None,),  # vLLM's: the JSON grammars' whitespace (xgrammar's is fixed here)
 }
 
 
@@ -150,6 +157,7 @@ class SamplingFields(BaseModel):
     bad_words: Any = None
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
+    guided_whitespace_pattern: Any = None
 
     def neutral(self) -> dict:
         """NEUTRAL of this request's kind of body."""
@@ -538,6 +546,13 @@ class StreamChunks:
         finish_reason, token_ids)]))."""
         delta = "{}" if content is None else f'{{"content":{encode_basestring(content)}}}'
         return f'{self._head}{index},"delta":{delta},{_choice_end(finish_reason, token_ids, logprobs)}'
+
+
+def with_usage(sse: str, usage: Usage) -> str:
+    """The server-sent event `sse` (one JSON object: event()'s or StreamChunks') with `usage` added as its last
+    field."""
+    assert sse.startswith("data: {") and sse.endswith("}\n\n"), sse
+    return f'{sse[:-3]},"usage":{usage.model_dump_json()}}}\n\n'
 
 
 def _choice_end(finish_reason: str | None, token_ids: list[int] | None, logprobs: BaseModel | None = None) -> str:

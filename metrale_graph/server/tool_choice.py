@@ -77,10 +77,46 @@ def forced_call_schema(tools: list[Tool], tool_choice, parallel: bool = True) ->
         return parameters(next(t for t in tools if t.function.name == tool_choice.function.name))
     if tool_choice != "required":
         raise ValueError(f"tool_choice {tool_choice!r} forces no call")
-    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                                                "parameters": parameters(t)},
-              "required": ["name", "parameters"]} for t in tools]
-    return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": calls}}
+    # a function's parameters whose references point into its own schema ("#/$defs/City", pydantic's nested
+    # models; "#" itself, a recursive one) would resolve against the array's root: such a schema moves under the
+    # root's $defs, its references rewritten to point there
+    moved = {f"tool_{i}": _referring(parameters(t), f"#/$defs/tool_{i}") for i, t in enumerate(tools)
+             if _refers_to_its_root(parameters(t))}
+    calls = [{"type": "object", "properties": {
+        "name": {"type": "string", "enum": [t.function.name]},
+        "parameters": {"$ref": f"#/$defs/tool_{i}"} if f"tool_{i}" in moved else parameters(t)},
+        "required": ["name", "parameters"]} for i, t in enumerate(tools)]
+    return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": calls},
+            **({"$defs": moved} if moved else {})}
+
+
+_LITERALS = ("enum", "const", "default", "examples")  # values, not schemas: a "$ref" in them is no reference
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # {name: schema}
+
+
+def _refers_to_its_root(schema) -> bool:
+    """Whether a JSON schema holds a "$ref" within the document ("#", "#/$defs/...")."""
+    return _referring(schema, "") is not schema
+
+
+def _referring(schema, root: str):
+    """`schema` with its references within the document ("#...") pointing into it at `root` instead: a copy, or
+    `schema` itself when it has none."""
+    if isinstance(schema, list):
+        items = [_referring(v, root) for v in schema]
+        return schema if all(a is b for a, b in zip(items, schema)) else items
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+            out[k] = root + v[1:]
+        elif k in _NAMED and isinstance(v, dict):
+            named = {name: _referring(sub, root) for name, sub in v.items()}
+            out[k] = v if all(named[n] is v[n] for n in v) else named
+        else:
+            out[k] = v if k in _LITERALS else _referring(v, root)
+    return schema if all(out[k] is schema[k] for k in schema) else out
 
 
 def forced_calls(text: str, tool_choice) -> list[tuple[str, str]]:

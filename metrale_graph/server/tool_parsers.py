@@ -209,8 +209,9 @@ class Qwen3XmlToolParser(ToolCallParser):
         value = value[1:] if value.startswith("\n") else value
         value = value[:-1] if value.endswith("\n") else value
         if self._key not in self._given:
-            schema = (self.functions[self._name].get("properties") or {}).get(self._key)
-            value = json.dumps(typed_value(value, schema), ensure_ascii=False)
+            parameters = self.functions[self._name]
+            schema = (parameters.get("properties") or {}).get(self._key)
+            value = json.dumps(typed_value(value, schema, parameters), ensure_ascii=False)
             piece = f"{', ' if self._given else '{'}{json.dumps(self._key, ensure_ascii=False)}: {value}"
             out.append(CallArguments(self.calls - 1, piece))
             self._given.add(self._key)
@@ -283,17 +284,24 @@ def parser_of_template(template: str | None) -> str | None:
 
 
 # a parameter's value, typed by its schema -----------------------------------------------------------------
-def schema_types(schema) -> set[str]:
-    """The JSON types a schema allows: its "type" (one or a list), its anyOf / oneOf members', else what its
-    "enum", "properties" or "items" imply; empty when it says nothing."""
+def schema_types(schema, root=None, _seen=()) -> set[str]:
+    """The JSON types a schema allows: its "type" (one or a list), its anyOf / oneOf members', allOf's in common,
+    what a "$ref" within the document `root` (the function's parameters: "#/$defs/Place", pydantic's nested models
+    and enums) points at, else what its "enum", "properties" or "items" imply; empty when it says nothing."""
     if not isinstance(schema, Mapping):
         return set()
     kind = schema.get("type")
     types = {kind} if isinstance(kind, str) else {t for t in kind if isinstance(t, str)} if isinstance(kind, list) \
         else set()
+    ref = schema.get("$ref")
+    if not types and isinstance(ref, str) and ref.startswith("#") and ref not in _seen:
+        types = schema_types(_pointed(root, ref), root, (*_seen, ref))
     for key in ("anyOf", "oneOf"):
         for member in schema.get(key) or ():
-            types |= schema_types(member)
+            types |= schema_types(member, root, _seen)
+    if not types and isinstance(schema.get("allOf"), list):
+        each = [t for t in (schema_types(member, root, _seen) for member in schema["allOf"]) if t]
+        types = set.intersection(*each) if each else set()
     if not types and isinstance(schema.get("enum"), list):
         types = {_json_type(v) for v in schema["enum"]}
     if not types and "properties" in schema:
@@ -301,6 +309,20 @@ def schema_types(schema) -> set[str]:
     if not types and "items" in schema:
         types = {"array"}
     return types
+
+
+def _pointed(root, ref: str):
+    """What the JSON pointer of an in-document reference ("#", "#/$defs/Place") points at in `root`, or None."""
+    node = root
+    for part in ref[1:].split("/")[1:] if ref != "#" else ():
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, Mapping):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 def _json_type(value) -> str:
@@ -315,12 +337,12 @@ def _json_type(value) -> str:
     return {str: "string", list: "array", dict: "object"}.get(type(value), "string")
 
 
-def typed_value(text: str, schema) -> Any:
+def typed_value(text: str, schema, root=None) -> Any:
     """`text`, a parameter's value as the model wrote it, as the JSON value its schema asks for: an integer,
     number, boolean or null when it reads as one, an object or array through JSON (or a Python literal, which
     models sometimes write); a string, or a value that reads as none of its types, as written (so a schema
-    that allows a string keeps the text)."""
-    types = schema_types(schema)
+    that allows a string keeps the text). `root`: the document its references point into (the parameters)."""
+    types = schema_types(schema, root)
     if not types or "string" in types:
         return text
     stripped = text.strip()
