@@ -123,7 +123,7 @@ class Engine:
                  use_graphs: bool | None = None, batch_sizes: Sequence[int] | None = None,
                  token_counts: Sequence[int] | None = None, max_waiting: int | None = None,
                  broadcast_plans: bool = False, prefix_cache: bool = False, prefix_checkpoints: int | None = None,
-                 checkpoint_interval: int | None = None, overlap: bool = True):
+                 checkpoint_interval: int | None = None, overlap: bool = True, speculative=None):
         """A generation engine owning a cache of `num_slots` slots over `model`.
 
         max_context: the most tokens (prompt + new) a request holds, at most the model's
@@ -145,12 +145,23 @@ class Engine:
         overlap: the loop launches each step before it reads the previous one's tokens back (loop.py), so the
         host's work runs while the device computes; False reads each step back before planning the next (the
         same tokens, for debugging and comparison).
+        speculative: None (off), "ngram", "mtp" or {"method": ..., "num_tokens": k} (speculative/options.py; a
+        ValueError naming the problem first, e.g. "mtp" for a model without an MTP head): each decode step
+        verifies k drafts per request in one step of the model, emitting the accepted ones and one more, with the
+        same tokens as without (greedy) or the same distribution (sampled); speculative/verify.py and
+        docs/speculative.md. stats().speculative counts drafts proposed and accepted.
 
         Sizes that ask for more memory than the device has free (the cache's pools: num_slots, num_blocks x
         block_size, prefix_checkpoints; the bucket grid's buffers: token_budget) are a ValueError naming the
         largest, before it is allocated.
         """
         cfg = model.config
+        from .speculative import check_speculative
+
+        speculative = check_speculative(speculative, model)
+        if speculative is not None and broadcast_plans and model.tp is not None:
+            raise ValueError("speculative with broadcast_plans under tensor parallelism is not supported yet (the plan "
+                             "broadcast does not carry drafts or accept counts): turn one of them off")
         if max_context is None:
             max_context = min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
         if token_budget is None:
@@ -198,7 +209,9 @@ class Engine:
         if prefix_cache and broadcast_plans and model.tp is not None:
             raise ValueError("prefix_cache with broadcast_plans under tensor parallelism is not supported yet (the plan "
                              "broadcast does not carry the prefix restores): turn one of them off")
-        self.cache = model.new_cache(num_slots, num_blocks, block_size, max_context, checkpoints, interval)
+        self.speculative = speculative
+        verify = num_slots * speculative.num_tokens if speculative is not None else 0  # speculative/verify.py
+        self.cache = model.new_cache(num_slots, num_blocks, block_size, max_context, checkpoints, interval, verify)
         self.runner = None
         if compile:
             from .capture import GraphRunner
@@ -211,7 +224,8 @@ class Engine:
         self.cache.hold(self._token, "the Engine that built it")
         self._broadcast = (PlanBroadcast(model.tp, model.device, num_slots, token_budget)
                            if broadcast_plans and model.tp is not None else None)
-        self._loop = EngineLoop(model, self.runner, self.cache, self._token, token_budget, self._broadcast, overlap)
+        self._loop = EngineLoop(model, self.runner, self.cache, self._token, token_budget, self._broadcast, overlap,
+                                speculative)
         self._ids = itertools.count()
         self._grammars: Grammars | None = None  # structured output's compiler, made for the first grammar
         self._grammars_lock = threading.Lock()

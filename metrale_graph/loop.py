@@ -86,6 +86,7 @@ class EngineStats:
     prefix: dict | None = None  # the cache's prefix-caching counters (HybridCache.prefix_stats), or None
     mask_rows: int = 0  # structured output: token masks filled so far (one per grammar request and step)
     mask_fill_s: float = 0.0  # host seconds spent filling them
+    speculative: dict | None = None  # speculative decoding: method, num_tokens, proposed, accepted, steps; else None
 
 
 class _Job:
@@ -146,7 +147,7 @@ class _Launched:
 
 class EngineLoop:
     def __init__(self, model, runner, cache, token: object, token_budget: int,
-                 broadcast: PlanBroadcast | None = None, overlap: bool = True):
+                 broadcast: PlanBroadcast | None = None, overlap: bool = True, speculative=None):
         self.model, self.runner, self.cache, self._token = model, runner, cache, token
         self._model_version = model.version
         prefix = cache.prefix_caching
@@ -175,6 +176,11 @@ class EngineLoop:
         self._scheduled_waiting = 0  # len(scheduler.waiting) and len(scheduler.free_slots), kept under the
         self._free_slots = len(self.scheduler.free_slots)  # lock for other threads (_publish_queue)
         self._steps = self._prompt_tokens = self._generated = self._cached = 0
+        self.spec = None  # speculative decoding's step (speculative/verify.py), with Engine(speculative=...)
+        if speculative is not None:
+            from .speculative.verify import SpeculativeStep
+
+            self.spec = SpeculativeStep(self, speculative)
 
     # other threads ---------------------------------------------------------------------------
     @property
@@ -263,7 +269,8 @@ class EngineLoop:
                                cache.num_blocks - cache.free_blocks, cache.num_blocks, self._steps,
                                self._prompt_tokens, self._generated, self._cached,
                                cache.prefix_stats() if cache.prefix_caching else None,
-                               masks.filled if masks else 0, masks.fill_s if masks else 0.0)
+                               masks.filled if masks else 0, masks.fill_s if masks else 0.0,
+                               self.spec.stats() if self.spec is not None else None)
 
     def is_loop_thread(self) -> bool:
         return threading.current_thread() is self._thread
@@ -350,6 +357,8 @@ class EngineLoop:
         step = sched.plan()
         with self._cond:
             self._publish_queue()
+        if self.spec is not None and step and self.spec.may_take(step):
+            step = self._speculate(step)
         launched, error = self._launch(step, sched.decodes) if step else (None, None)
         previous, self._inflight = self._inflight, None
         if previous is not None:  # (overlap only)
@@ -364,6 +373,26 @@ class EngineLoop:
                 self._commit(launched)
             if launched.committed:
                 self._inflight = launched
+
+    def _speculate(self, step: list) -> list:
+        """Speculative decoding (speculative/verify.py): read the step in flight back (its tokens are the decodes'
+        last ones; a request it ended leaves `step`), then run `step` as a speculative step if it takes it:
+        returns [] then, else the step for the loop's own launch (the head, "mtp", did not see it)."""
+        sched = self.scheduler
+        if self._inflight is not None:
+            self._read_back()
+            decodes = sum(1 for c in step[:sched.decodes] if not c.request.ended)
+            step = [c for c in step if not c.request.ended]
+            sched.decodes = decodes
+        if step and self.spec.takes(step, sched.decodes):
+            try:
+                self.spec.run(step, sched.decodes)
+            except BaseException as e:  # KeyboardInterrupt included: only this step's requests see it
+                for c in step:
+                    self._fail(c.request, e)
+            return []
+        self.spec.normal(step)
+        return step
 
     def _launch(self, step: list, decodes: int) -> tuple[_Launched | None, BaseException | None]:
         """Run `step` (its first `decodes` chunks decodes, which read their token on the device) and sample its
