@@ -36,6 +36,11 @@ on the host after the next step is launched, while the device runs it, and appli
 Each token read back advances its request's grammar; one it does not allow fails the request, and a request
 without stop tokens ends ("stop") when its output is complete.
 
+Speculative decoding (Engine(speculative=...), speculative/verify.py): a plan holding a request that speculates
+reads the step in flight back first, then runs as a speculative step (drafts verified in one eager step, accept
+counts read back, the accepted tokens delivered in order) when it holds drafts to verify (for "mtp": any chunk of
+a request the head follows); otherwise it launches as above. While such requests run, steps do not overlap.
+
 Each request's output goes to its channel (handle.py), never waiting for a consumer. A request
 that ends frees its slot before its last output is delivered, so whoever sees that output finds the
 slot free.

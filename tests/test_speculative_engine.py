@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import moe_config, random_tokens, tiny_config, unit_gain
-from speculative_reference import bigram_model, with_random_mtp
+from speculative_reference import Oracle, bigram_model, staggered, with_random_mtp
 from metrale_graph import Engine, HybridModel
 from metrale_graph.speculative import verify
 
@@ -33,45 +33,6 @@ def prompts_of(cfg):
 def plain(model, prompts, new_tokens=16, **kw):
     with Engine(model, 4, compile=False, **kw) as e:
         return [r.token_ids for r in e.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[])]
-
-
-class Oracle:
-    """A stand-in for ngram_propose that knows plain decoding's output (`reference`: prompt -> tokens) and drafts
-    it with one token in three wrong (at a place that moves with the output's length), so that verify steps
-    accept 0 .. k drafts: partial runs, full runs and rejections at once."""
-
-    def __init__(self, prompts, reference, vocab: int):
-        self.refs = [(p, r) for p, r in zip(prompts, reference)]
-        self.vocab, self.calls = vocab, 0
-
-    def __call__(self, tokens, k):
-        self.calls += 1
-        for p, r in self.refs:
-            if tokens[:len(p)] == p and len(tokens) - len(p) <= len(r):
-                done = len(tokens) - len(p)
-                drafts = list(r[done:done + k])
-                wrong = (done * 7) % 3 + done % (k + 1)
-                if wrong < len(drafts):
-                    drafts[wrong] = (drafts[wrong] + 1) % self.vocab
-                return drafts
-        return []
-
-
-def staggered(engine, prompts, new_tokens=16, abort=None):
-    """Requests arriving at different times: two first, the rest once the first has 3 tokens out. `abort`: the
-    index of a request aborted after its first output. Returns each request's tokens (None for the aborted)."""
-    kw = dict(max_new_tokens=new_tokens, stop_token_ids=[])
-    handles = [engine.submit(p, **kw) for p in prompts[:2]]
-    seen = 0
-    for _ in handles[0]:
-        seen += 1
-        if seen == 3:
-            break
-    handles += [engine.submit(p, **kw) for p in prompts[2:]]
-    if abort is not None:
-        next(iter(handles[abort]))
-        handles[abort].abort()
-    return [None if i == abort else h.result().token_ids for i, h in enumerate(handles)]
 
 
 def test_the_option_is_checked_first():
