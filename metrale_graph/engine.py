@@ -45,6 +45,9 @@ Semantics:
   ends with "stop" has a whole, valid output ("length" may cut it). The grammar is compiled (once per distinct
   one, cached) in the engine's grammar worker before the request is queued; one that does not compile is a
   ValueError (StructuredOutputError). Needs a transformers tokenizer; not with min_tokens.
+- Speculative decoding (Engine(speculative=...), docs/speculative.md): speculate=False (generate, stream,
+  submit) makes a call's requests decode one token per step; requests with a grammar, logprobs, penalties or
+  min_tokens do anyway.
 - Bad requests raise ValueError before anything is queued (numbers may be Python or numpy ones,
   prompts lists, 1-D integer tensors or numpy arrays, or strings with a tokenizer); submit raises
   EngineFullError when max_waiting requests already wait, EngineClosedError after shutdown.
@@ -406,6 +409,10 @@ class Engine:
         """Requests from generate's arguments (`controls`: the sampling controls, check_params' keywords);
         ValueError naming the first bad one."""
         self._check_not_follower("generate / stream / submit")
+        controls = dict(controls or {})
+        speculate = controls.pop("speculate", True)  # (a request's opt-out of Engine(speculative=...))
+        if not isinstance(speculate, bool):
+            raise ValueError(f"speculate must be True or False, got {speculate!r}")
         if self.model.version != self._loop._model_version:
             raise ValueError("the model was converted or moved (model.to / .half / ...) after this Engine was built: "
                              "its cache and compiled step hold the old dtype and device: build a new Engine")
@@ -414,7 +421,7 @@ class Engine:
                              f"or a string with a tokenizer), got {type(prompts).__name__}")
         if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        params = self._check_controls(temperature, top_k, top_p, max_new_tokens, controls or {})
+        params = self._check_controls(temperature, top_k, top_p, max_new_tokens, controls)
         seed = check_seed(seed)
         stops = self.stop_token_ids if stop_token_ids is None else self._check_stop_ids(stop_token_ids)
         spec = structured_output(structured, self.model.config.vocab_size)
@@ -430,7 +437,7 @@ class Engine:
                 raise ValueError(f"prompt {i} has {len(ids)} tokens; max_context is {self.max_context} and a "
                                  f"prompt must leave room for at least one new token (at most {self.max_context - 1})")
             max_new = min(int(max_new_tokens), self.max_context - len(ids))
-            r = Request(i, ids, max_new, params, None, stop_ids=stops,
+            r = Request(i, ids, max_new, params, None, stop_ids=stops, speculate=speculate,
                         logprobs=[] if params.logprobs is not None else None,
                         prompt_logprobs=[] if params.prompt_logprobs is not None else None)
             need = -(-r.kv_tokens // self.cache.block_size)

@@ -144,6 +144,12 @@ def test_requests_that_do_not_speculate_decode_beside_those_that_do(models):
         with_logprobs = e.submit(prompts[1], logprobs=2, **kw)
         speculating = e.submit(prompts[2], **kw)
         out = [penalized.result(), with_logprobs.result(), speculating.result()]
+        proposed = e.stats().speculative["proposed"]
+        assert proposed > 0
+        opted_out = e.generate(prompts[2:], speculate=False, **kw)[0]  # decodes alone, drafting nothing
+        assert opted_out.token_ids == out[2].token_ids and e.stats().speculative["proposed"] == proposed
+        with pytest.raises(ValueError, match="speculate must be True or False"):
+            e.submit(prompts[0], speculate=1)
     with Engine(model, 3, compile=False) as e:
         ref = [e.submit(prompts[0], repetition_penalty=1.3, **kw).result(), e.submit(prompts[1], logprobs=2, **kw).result(),
                e.submit(prompts[2], **kw).result()]
