@@ -37,7 +37,7 @@ Each token read back advances its request's grammar; one it does not allow fails
 without stop tokens ends ("stop") when its output is complete.
 
 Speculative decoding (Engine(speculative=...), speculative/verify.py): a plan holding a request that speculates
-reads the step in flight back first, then runs as a speculative step (drafts verified in one eager step, accept
+reads the step in flight back first, then runs as a speculative step (drafts verified in one step, accept
 counts read back, the accepted tokens delivered in order) when it holds drafts to verify (for "mtp": any chunk of
 a request the head follows); otherwise it launches as above. While such requests run, steps do not overlap.
 

@@ -184,7 +184,7 @@ def test_sampling_with_speculation_follows_plain_sampling(monkeypatch):
     assert (freqs[0] - freqs[1]).abs().max() < 4.5 * (0.5 / N) ** 0.5
 
 
-def test_compiled_engine_verifies_eagerly_with_the_same_tokens(models, monkeypatch):
+def test_compiled_engine_verifies_in_its_compiled_hidden_states_step(models, monkeypatch):
     model, cfg = models["dense"], CONFIGS["dense"]
     prompts = prompts_of(cfg)[:3]
     reference = plain(model, prompts, 10)
@@ -193,3 +193,5 @@ def test_compiled_engine_verifies_eagerly_with_the_same_tokens(models, monkeypat
                 speculative="ngram") as e:
         out = [r.token_ids for r in e.generate(prompts, max_new_tokens=10, stop_token_ids=[])]
         assert out == reference and e.stats().speculative["accepted"] > 0
+        # the verify steps ran the runner's compiled hidden-states step of their bucket, not the eager model
+        assert [b for b, entry in e.runner.hidden_entries.items() if entry.report is not None]

@@ -6,8 +6,9 @@
 A request speculates (`speculates`) unless it has a grammar, logprobs, a penalty or min_tokens (their processors
 depend on the drafts before each position: not supported yet, so such requests decode one token per step) or
 it opted out (Request.speculate False). Each step that holds a speculating decode (with drafts) or, for "mtp",
-any chunk of a request the head follows, runs here, eagerly and synchronously (module docstring of loop.py:
-the step before is read back first, so each decode's last token and drafts are on the host):
+any chunk of a request the head follows, runs here, synchronously (loop.py: the step before is read back first,
+so each decode's last token and drafts are on the host); its layers through the runner's compiled (on CUDA
+captured) hidden-states step of the bucket it fits (GraphRunner.hidden_bucket), else eagerly:
 
 1. Streams: a speculating decode feeds (x_n, d_1 .. d_k), k = min(num_tokens, tokens it may still emit - 1)
    (so neither max_new_tokens nor its KV reservation is overrun); the other chunks are the plan's own.
@@ -112,8 +113,12 @@ class SpeculativeStep:
         out: dict = {}
 
         def forward(packed):
+            runner = loop.runner  # its compiled (captured) hidden-states step of the bucket the step fits, if any
+            entry = runner.hidden_bucket(packed.num_streams, packed.num_tokens) if runner is not None else None
             targets(cache, keep_tok, keep_entry)
             try:
+                if entry is not None:
+                    return runner.run_hidden(entry, packed)
                 if dev.type == "cuda" and packed.num_streams == 1:  # one stream would take the chunked GDN
                     packed = packed.padded(2, packed.num_tokens, cache)  # path, which keeps chunk ends only
                 return model.hidden_states(cache, packed)
