@@ -458,7 +458,8 @@ class HybridCache:
     def prefix_stats(self) -> dict:
         """Prefix caching's counters: lookups, hits and the tokens they restored, cached blocks and
         checkpoints held, evictions, and the checkpoint pool's bytes."""
-        nbytes = sum(t.numel() * t.element_size() for t in self.checkpoint_conv_states + self.checkpoint_gdn_states)
+        nbytes = sum(t[0].numel() * t.element_size() * (self.prefix_checkpoints + 1)  # (not the verify entries)
+                     for t in self.checkpoint_conv_states + self.checkpoint_gdn_states)
         return {**self._index.stats(), "checkpoint_bytes": nbytes, "checkpoint_entries": self.prefix_checkpoints}
 
     def reset(self, slot: int) -> None:

@@ -382,20 +382,25 @@ class EngineLoop:
     def _speculate(self, step: list) -> list:
         """Speculative decoding (speculative/verify.py): read the step in flight back (its tokens are the decodes'
         last ones; a request it ended leaves `step`), then run `step` as a speculative step if it takes it:
-        returns [] then, else the step for the loop's own launch (the head, "mtp", did not see it)."""
+        returns then what is left for the loop's own launch (prompt chunks asking for prompt logprobs), else the
+        whole step (the head, "mtp", did not see it)."""
         sched = self.scheduler
         if self._inflight is not None:
             self._read_back()
             decodes = sum(1 for c in step[:sched.decodes] if not c.request.ended)
             step = [c for c in step if not c.request.ended]
             sched.decodes = decodes
-        if step and self.spec.takes(step, sched.decodes):
+        # prompt chunks asking for prompt logprobs take the loop's own step (prompt_logprobs.py), launched after
+        rest = [c for c in step[sched.decodes:] if c.request.params.prompt_logprobs is not None]
+        mine = [c for c in step if all(c is not x for x in rest)]
+        if mine and self.spec.takes(mine, sched.decodes):
             try:
-                self.spec.run(step, sched.decodes)
+                self.spec.run(mine, sched.decodes)
             except BaseException as e:  # KeyboardInterrupt included: only this step's requests see it
-                for c in step:
+                for c in mine:
                     self._fail(c.request, e)
-            return []
+            sched.decodes = 0
+            return rest
         self.spec.normal(step)
         return step
 

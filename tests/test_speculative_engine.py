@@ -141,7 +141,7 @@ def test_requests_that_do_not_speculate_decode_beside_those_that_do(models):
     with Engine(model, 3, compile=False, speculative={"method": "mtp", "num_tokens": 2}) as e:
         kw = dict(max_new_tokens=10, stop_token_ids=[])
         penalized = e.submit(prompts[0], repetition_penalty=1.3, **kw)  # a penalty: one token per step
-        with_logprobs = e.submit(prompts[1], logprobs=2, **kw)
+        with_logprobs = e.submit(prompts[1], logprobs=2, prompt_logprobs=1, **kw)  # its prompt in the loop's step
         speculating = e.submit(prompts[2], **kw)
         out = [penalized.result(), with_logprobs.result(), speculating.result()]
         proposed = e.stats().speculative["proposed"]
@@ -151,10 +151,11 @@ def test_requests_that_do_not_speculate_decode_beside_those_that_do(models):
         with pytest.raises(ValueError, match="speculate must be True or False"):
             e.submit(prompts[0], speculate=1)
     with Engine(model, 3, compile=False) as e:
-        ref = [e.submit(prompts[0], repetition_penalty=1.3, **kw).result(), e.submit(prompts[1], logprobs=2, **kw).result(),
-               e.submit(prompts[2], **kw).result()]
+        ref = [e.submit(prompts[0], repetition_penalty=1.3, **kw).result(),
+               e.submit(prompts[1], logprobs=2, prompt_logprobs=1, **kw).result(), e.submit(prompts[2], **kw).result()]
     assert [r.token_ids for r in out] == [r.token_ids for r in ref]
     assert len(out[1].logprobs) == len(ref[1].logprobs) == 10
+    assert len(out[1].prompt_logprobs) == len(prompts[1]) and out[1].prompt_logprobs[1] is not None
 
 
 def test_sampling_with_speculation_follows_plain_sampling(monkeypatch):
