@@ -326,12 +326,21 @@ class Engine:
         """Compile (and on CUDA capture) every bucket now rather than on first use; returns the
         runner's per-bucket reports. Runs in the engine loop between two steps (requests running
         meanwhile wait for it). With compile=False: one 1-token request, so that one-time
-        initialization stays out of later timings; returns []."""
+        initialization stays out of later timings; returns []. With speculation, the buckets' hidden-states
+        steps too (the verify steps', GraphRunner.hidden_bucket; not in the reports)."""
         self._check_not_follower("warmup")
         if self.runner is None:
             self.generate([[0]], max_new_tokens=1, stop_token_ids=[])
             return []
-        return self._loop.run_job(lambda: self.runner.warmup(progress=progress), warmup=True)
+        return self._loop.run_job(lambda: self._warm_all(progress), warmup=True)
+
+    def _warm_all(self, progress: bool) -> list:
+        reports = self.runner.warmup(progress=progress)
+        if self.speculative is not None:
+            with self.cache.exclusive():
+                for bucket in sorted(self.runner.grid, reverse=True):
+                    self.runner.hidden_bucket(bucket.streams, bucket.tokens)
+        return reports
 
     def reset_prefix_cache(self) -> None:
         """Forget every prompt prefix the prefix cache keeps (HybridCache.clear_prefixes), between two steps

@@ -185,6 +185,19 @@ def test_sampling_with_speculation_follows_plain_sampling(monkeypatch):
     assert (freqs[0] - freqs[1]).abs().max() < 4.5 * (0.5 / N) ** 0.5
 
 
+def test_seeded_sampling_with_mtp_drafts_is_deterministic(models):
+    """A seeded request's uniforms come from its own generator in a fixed order (acceptance tests, then the final
+    draw): the same seed gives the same tokens, whatever else shares the batch."""
+    model, cfg = models["next"], CONFIGS["next"]
+    prompts = prompts_of(cfg)[:3]
+    kw = dict(max_new_tokens=12, temperature=0.8, top_k=20, stop_token_ids=[])
+    with Engine(model, 3, compile=False, speculative={"method": "mtp", "num_tokens": 2}) as e:
+        together = [r.token_ids for r in e.generate(prompts, seed=5, **kw)]
+        alone = e.generate(prompts[1:2], seed=6, **kw)[0].token_ids  # request 1 of the first call drew seed 5 + 1
+        assert e.stats().speculative["proposed"] > 0
+    assert alone == together[1] and len(set(map(tuple, together))) == 3
+
+
 def test_compiled_engine_verifies_in_its_compiled_hidden_states_step(models, monkeypatch):
     model, cfg = models["dense"], CONFIGS["dense"]
     prompts = prompts_of(cfg)[:3]
@@ -192,7 +205,11 @@ def test_compiled_engine_verifies_in_its_compiled_hidden_states_step(models, mon
     monkeypatch.setattr(verify, "ngram_propose", Oracle(prompts, reference, cfg.vocab_size))
     with Engine(model, 2, compile=True, token_budget=64, batch_sizes=[2], token_counts=[64],
                 speculative="ngram") as e:
+        e.warmup()  # the hidden-states step of every bucket too
+        assert set(e.runner.hidden_entries) == set(e.runner.grid)
+        assert all(entry.report is not None for entry in e.runner.hidden_entries.values())
+        runs, run_hidden = [], e.runner.run_hidden
+        monkeypatch.setattr(e.runner, "run_hidden", lambda entry, packed: runs.append(1) or run_hidden(entry, packed))
         out = [r.token_ids for r in e.generate(prompts, max_new_tokens=10, stop_token_ids=[])]
         assert out == reference and e.stats().speculative["accepted"] > 0
-        # the verify steps ran the runner's compiled hidden-states step of their bucket, not the eager model
-        assert [b for b, entry in e.runner.hidden_entries.items() if entry.report is not None]
+        assert len(runs) >= e.stats().speculative["steps"]  # every verify step ran the compiled step, none eagerly
