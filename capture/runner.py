@@ -66,8 +66,9 @@ class BucketEntry:
     # a runner with one_stream_step, else at least 2)
     report: BucketReport | None = None  # set once the bucket is compiled (and captured)
     graph: torch.cuda.CUDAGraph | None = None
-    output: torch.Tensor | None = None  # the captured step's logits, in graph memory
+    output: torch.Tensor | None = None  # the captured step's logits (hidden states: hidden_states), in graph memory
     filled: tuple[int, int] | None = None  # (streams, tokens) of the batch last filled in (None: not known)
+    hidden: bool = False  # the hidden-states step's (speculative decoding's verify), not the logits step's
 
 
 class GraphRunner:
@@ -100,6 +101,11 @@ class GraphRunner:
         self.step_one_stream = _compile_step(model, recompile_limit=len(self.grid) + 8) if one else None
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._model_version = model.version
+        self._one = one
+        # speculative decoding's verify (hidden_states): the hidden states of every token, per bucket, made on
+        # first use (their own buffers and compiled steps; a runner without speculation never builds them)
+        self.hidden_entries: dict[Bucket, BucketEntry] = {}
+        self.hidden_step = self.hidden_step_one_stream = None
 
     @property
     def reports(self) -> dict[Bucket, BucketReport]:
@@ -138,8 +144,8 @@ class GraphRunner:
             return self._warm(bucket)
 
     @torch.no_grad()
-    def _warm(self, bucket: Bucket) -> BucketReport:
-        entry = self.entries[bucket]
+    def _warm(self, bucket: Bucket, hidden: bool = False) -> BucketReport:
+        entry = (self.hidden_entries if hidden else self.entries)[bucket]
         if entry.report is not None:
             return entry.report
         report = BucketReport(bucket)
@@ -175,8 +181,40 @@ class GraphRunner:
         return report
 
     def _step_of(self, entry: BucketEntry):
-        """The compiled step of the entry's kind: one stream or several."""
+        """The compiled step of the entry's kind: one stream or several; logits, or hidden states."""
+        if entry.hidden:
+            return self.hidden_step_one_stream if entry.batch.num_streams == 1 else self.hidden_step
         return self.step_one_stream if entry.batch.num_streams == 1 else self.step
+
+    # speculative decoding's verify ----------------------------------------------------------------
+    def hidden_bucket(self, num_streams: int, num_tokens: int) -> BucketEntry | None:
+        """The hidden-states entry of the bucket a step of `num_streams` streams and `num_tokens` tokens fits,
+        compiled (on CUDA captured) now, or None when it fits none. Call it before the step's checkpoint targets
+        are set: warming runs padding only (the scratch slot, the null block)."""
+        self._check_model()
+        bucket = choose(self.grid, num_streams, num_tokens)
+        if bucket is None:
+            return None
+        if bucket not in self.hidden_entries:
+            if self.hidden_step is None:
+                limit = len(self.grid) + 8
+                self.hidden_step = _compile_step(self.model, limit, "hidden_states")
+                self.hidden_step_one_stream = _compile_step(self.model, limit, "hidden_states") if self._one else None
+            main = self.entries[bucket].batch
+            batch = PackedBatch.padding(main.num_streams, main.num_tokens, self.cache)
+            if batch.num_streams == 1:
+                _mark_tokens_dynamic(batch)
+            else:
+                batch.mark_dynamic()
+            self.hidden_entries[bucket] = BucketEntry(bucket, batch, hidden=True)
+        self._warm(bucket, hidden=True)
+        return self.hidden_entries[bucket]
+
+    def run_hidden(self, entry: BucketEntry, packed: PackedBatch) -> torch.Tensor:
+        """The hidden states [packed tokens, hidden] (model.hidden_states) of `packed`, a step's batch inside its
+        caller's prefill call, through `entry` (hidden_bucket's); with graphs, the graph's own output buffer,
+        valid until the entry's next replay."""
+        return self._run(entry, packed, copy=False, rows=packed.num_tokens)
 
     # prefill -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -217,16 +255,18 @@ class GraphRunner:
     def _bucket_of(self, packed: PackedBatch) -> "BucketEntry":
         return self.entries[choose(self.grid, packed.num_streams, packed.num_tokens)]
 
-    def _run(self, entry: BucketEntry, packed: PackedBatch, copy: bool = True) -> torch.Tensor:
-        """copy=False: a replay's logits are the graph's output buffer itself (valid until the next replay)."""
+    def _run(self, entry: BucketEntry, packed: PackedBatch, copy: bool = True, rows: int | None = None) -> torch.Tensor:
+        """copy=False: a replay's logits are the graph's output buffer itself (valid until the next replay).
+        rows: the output's rows kept (default: one per stream)."""
         last, entry.filled = entry.filled, None  # (a fill that fails half way leaves the buffers unknown)
         entry.batch.fill(packed, self.cache, last)
         entry.filled = (packed.num_streams, packed.num_tokens)
+        rows = packed.num_streams if rows is None else rows
         if self.use_graphs:
             entry.graph.replay()
-            out = entry.output[: packed.num_streams]
+            out = entry.output[:rows]
             return out.clone() if copy else out
-        return self._step_of(entry)(self.cache, entry.batch)[: packed.num_streams]
+        return self._step_of(entry)(self.cache, entry.batch)[:rows]
 
     def _check_model(self) -> None:
         if self.model.version != self._model_version:
@@ -241,10 +281,11 @@ def _mark_tokens_dynamic(batch: PackedBatch) -> None:
         torch._dynamo.mark_dynamic(t, 0)
 
 
-def _compile_step(model: HybridModel, recompile_limit: int):
-    """`model.forward_packed` compiled with fullgraph=True, through a copy of the function with its own
-    code object (see the module docstring), under a recompile limit of `recompile_limit`."""
-    func = model.forward_packed.__func__
+def _compile_step(model: HybridModel, recompile_limit: int, method: str = "forward_packed"):
+    """`model.forward_packed` (or another step method of the same signature: hidden_states) compiled with
+    fullgraph=True, through a copy of the function with its own code object (see the module docstring), under a
+    recompile limit of `recompile_limit`."""
+    func = getattr(model, method).__func__
     own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
                              func.__closure__)
     compiled = torch.compile(types.MethodType(own, model), fullgraph=True, dynamic=False)  # dims: mark_dynamic

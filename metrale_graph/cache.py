@@ -11,6 +11,12 @@ indexed by the same block table: the MTP's entry of position p sits where the ma
 it needs no blocks of its own. `mtp_context_lens[slot]`: how many positions of the slot the MTP head has
 caught up on (speculative/mtp.py); 0 after a reset or a prefix restore.
 
+The GDN state checkpoints (prefix caching's, and speculative decoding's verify entries) share one pool per GDN
+layer, checkpoint_conv_states / checkpoint_gdn_states [P + V + 1, ...]: entries 0 .. P - 1 prefix caching's
+(prefix_checkpoints), P .. P + V - 1 the verify step's (verify_entries, speculative/verify.py), P + V the scratch
+entry; and one target list checkpoint_tokens / checkpoint_entries, its first `prefix_targets` prefix caching's
+(plan_checkpoints), the last V the verify step's (-1 outside a verify step).
+
 Slot S (`scratch_slot`) and block NB (`null_block`) exist only for padding: no stream is
 ever given them, so padding never reads or writes a real slot or block. Unused block-table
 entries point at the null block.
@@ -65,7 +71,8 @@ _acting = threading.local()
 class HybridCache:
     def __init__(self, cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: int = 64,
                  max_context: int | None = None, dtype: torch.dtype = torch.float32, device="cpu", owner=None,
-                 prefix_checkpoints: int = 0, checkpoint_interval: int = 0, step_checkpoints: int | None = None):
+                 prefix_checkpoints: int = 0, checkpoint_interval: int = 0, step_checkpoints: int | None = None,
+                 verify_entries: int = 0):
         sizes = {}
         for name, value in (("num_slots", num_slots), ("num_blocks", num_blocks), ("block_size", block_size)):
             sizes[name] = as_int(value)
@@ -73,6 +80,9 @@ class HybridCache:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         num_slots, num_blocks, block_size = sizes["num_slots"], sizes["num_blocks"], sizes["block_size"]
         prefix_checkpoints, checkpoint_interval = _prefix_options(prefix_checkpoints, checkpoint_interval, block_size)
+        verify_entries = as_int(verify_entries)
+        if verify_entries is None or verify_entries < 0:
+            raise ValueError(f"verify_entries must be an integer >= 0, got {verify_entries!r}")
         if max_context is None:
             max_context = min(cfg.max_position_embeddings, num_blocks * block_size)
         max_context = as_int(max_context)
@@ -81,8 +91,8 @@ class HybridCache:
         if max_context > cfg.max_position_embeddings:
             raise ValueError(f"max_context ({max_context}) exceeds the model's max_position_embeddings "
                              f"({cfg.max_position_embeddings}): no position past it exists")
-        check_memory(_pool_asks(cfg, num_slots, num_blocks, block_size, max_context, dtype, prefix_checkpoints),
-                     device, "the cache's pools")
+        check_memory(_pool_asks(cfg, num_slots, num_blocks, block_size, max_context, dtype, prefix_checkpoints,
+                                verify_entries), device, "the cache's pools")
         self.config = cfg
         self.num_slots, self.num_blocks, self.block_size = num_slots, num_blocks, block_size
         # exactly max_context tokens per slot (validate refuses a stream past it), in whole blocks
@@ -106,21 +116,27 @@ class HybridCache:
             self.mtp_v_caches = [torch.zeros(kv_shape, dtype=dtype, device=self.device) for _ in mtp_layers]
             self.block_tables = torch.full((S, self.max_blocks_per_slot), self.null_block, dtype=torch.int32,
                                            device=self.device)
-            # prefix caching (prefix_cache.py): GDN state checkpoints, entry P the scratch entry
-            P = prefix_checkpoints + 1 if prefix_checkpoints else 0
+            # prefix caching (prefix_cache.py): GDN state checkpoints 0 .. P - 1; speculative decoding's verify
+            # entries (speculative/verify.py) P .. P + V - 1; the last entry the scratch one (what padding writes)
+            P = prefix_checkpoints + verify_entries + 1 if prefix_checkpoints or verify_entries else 0
             self.checkpoint_conv_states = [torch.zeros(P, cfg.conv_dim, W - 1, dtype=dtype, device=self.device)
                                            for _ in cfg.linear_layers] if P else []
             self.checkpoint_gdn_states = [torch.zeros(P, HV, K, V, dtype=torch.float32, device=self.device)
                                           for _ in cfg.linear_layers] if P else []
             # the checkpoints a step keeps inside the GDN ops (ops/checkpoints.py): NC targets, filled by the
             # prefill protocol before each step; the step reads them where they are (static for graphs)
+            # (prefix caching's first, then the verify step's V: targets past `prefix_targets` are speculation's)
             NC = 0
             if checkpoint_interval:
                 NC = num_slots + max_context // checkpoint_interval if step_checkpoints is None else step_checkpoints
+            self.prefix_targets = NC
+            NC += verify_entries
+            scratch = prefix_checkpoints + verify_entries
             self.checkpoint_tokens = torch.full((NC,), -1, dtype=torch.int64, device=self.device) if NC else None
-            self.checkpoint_entries = (torch.full((NC,), prefix_checkpoints, dtype=torch.int64, device=self.device)
+            self.checkpoint_entries = (torch.full((NC,), scratch, dtype=torch.int64, device=self.device)
                                        if NC else None)
         self.prefix_checkpoints, self.checkpoint_interval = prefix_checkpoints, checkpoint_interval
+        self.verify_entries = verify_entries
         self.context_lens = [0] * num_slots
         self.mtp_context_lens = [0] * num_slots  # the positions whose MTP KV entries are written
         self._blocks: list[list[int]] = [[] for _ in range(num_slots)]
@@ -244,8 +260,8 @@ class HybridCache:
 
     @property
     def scratch_checkpoint(self) -> int:
-        """The checkpoint entry that only padding writes (prefix caching)."""
-        return self.prefix_checkpoints
+        """The checkpoint entry that only padding writes (prefix caching, speculative decoding's verify)."""
+        return self.prefix_checkpoints + self.verify_entries
 
     def check_slot(self, slot) -> None:
         if not isinstance(slot, int) or isinstance(slot, bool):
@@ -352,7 +368,7 @@ class HybridCache:
         Writes the targets into checkpoint_tokens / checkpoint_entries and returns (entry, length, chain
         hash) of each, to record once the step has run (record_checkpoints) or give back if it fails. A
         failure inside gives back the entries it took."""
-        if self.checkpoint_tokens is None:
+        if not self.prefix_targets:
             return []
         every, bs = self.checkpoint_interval, self.block_size
         wanted, planned = [], set()  # per stream, its (stream, length, packed token, hash) targets deepest first
@@ -372,18 +388,19 @@ class HybridCache:
                     planned.add(h)
                     targets.append((i, p, offset + p - ctx - 1, h))
             wanted.append(targets)
-        room = min(self.checkpoint_tokens.shape[0], self._index.available_entries)
+        room = min(self.prefix_targets, self._index.available_entries)
         chosen = [t for round_ in itertools.zip_longest(*wanted) for t in round_ if t is not None][:room]
         chosen.sort()  # recorded stream by stream, shallow first: the deeper, the later evicted
         plan = []
         try:
             for _, p, _, h in chosen:
                 plan.append((self._index.new_entry(), p, h))
-            pad = self.checkpoint_tokens.shape[0] - len(plan)
+            pad, NC = self.prefix_targets - len(plan), self.prefix_targets
             # (behind the step before on the device's stream, which may still read them: numbers.to_device)
-            self.checkpoint_tokens.copy_(to_device(int_tensor([t for _, _, t, _ in chosen] + [-1] * pad), self.device))
-            self.checkpoint_entries.copy_(to_device(int_tensor([e for e, _, _ in plan] + [self.scratch_checkpoint] * pad),
-                                                    self.device))
+            self.checkpoint_tokens[:NC].copy_(to_device(int_tensor([t for _, _, t, _ in chosen] + [-1] * pad),
+                                                        self.device))
+            self.checkpoint_entries[:NC].copy_(to_device(int_tensor([e for e, _, _ in plan]
+                                                                    + [self.scratch_checkpoint] * pad), self.device))
         except BaseException:
             self.record_checkpoints(plan, written=False)
             raise
@@ -441,7 +458,8 @@ class HybridCache:
     def prefix_stats(self) -> dict:
         """Prefix caching's counters: lookups, hits and the tokens they restored, cached blocks and
         checkpoints held, evictions, and the checkpoint pool's bytes."""
-        nbytes = sum(t.numel() * t.element_size() for t in self.checkpoint_conv_states + self.checkpoint_gdn_states)
+        nbytes = sum(t[0].numel() * t.element_size() * (self.prefix_checkpoints + 1)  # (not the verify entries)
+                     for t in self.checkpoint_conv_states + self.checkpoint_gdn_states)
         return {**self._index.stats(), "checkpoint_bytes": nbytes, "checkpoint_entries": self.prefix_checkpoints}
 
     def reset(self, slot: int) -> None:
@@ -574,7 +592,7 @@ def _prefix_options(checkpoints, interval, block_size: int) -> tuple[int, int]:
 
 
 def _pool_asks(cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: int, max_context: int,
-               dtype: torch.dtype, prefix_checkpoints: int) -> list[tuple[str, int]]:
+               dtype: torch.dtype, prefix_checkpoints: int, verify_entries: int = 0) -> list[tuple[str, int]]:
     """The bytes of a cache's pools by the argument that sizes them (placement.check_memory's asks): each
     slot's states and block table, the KV blocks, the GDN state checkpoints (each pool with its padding row)."""
     states = len(cfg.linear_layers) * (cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * dtype.itemsize
@@ -588,6 +606,8 @@ def _pool_asks(cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: in
     if prefix_checkpoints:
         asks.append((f"GDN state checkpoints (prefix_checkpoints={prefix_checkpoints})",
                      (prefix_checkpoints + 1) * states))
+    if verify_entries:
+        asks.append((f"speculative verify states (num_slots x num_tokens = {verify_entries})", verify_entries * states))
     return asks
 
 

@@ -45,6 +45,9 @@ Semantics:
   ends with "stop" has a whole, valid output ("length" may cut it). The grammar is compiled (once per distinct
   one, cached) in the engine's grammar worker before the request is queued; one that does not compile is a
   ValueError (StructuredOutputError). Needs a transformers tokenizer; not with min_tokens.
+- Speculative decoding (Engine(speculative=...), docs/speculative.md): speculate=False (generate, stream,
+  submit) makes a call's requests decode one token per step; requests with a grammar, logprobs, penalties or
+  min_tokens do anyway.
 - Bad requests raise ValueError before anything is queued (numbers may be Python or numpy ones,
   prompts lists, 1-D integer tensors or numpy arrays, or strings with a tokenizer); submit raises
   EngineFullError when max_waiting requests already wait, EngineClosedError after shutdown.
@@ -123,7 +126,7 @@ class Engine:
                  use_graphs: bool | None = None, batch_sizes: Sequence[int] | None = None,
                  token_counts: Sequence[int] | None = None, max_waiting: int | None = None,
                  broadcast_plans: bool = False, prefix_cache: bool = False, prefix_checkpoints: int | None = None,
-                 checkpoint_interval: int | None = None, overlap: bool = True):
+                 checkpoint_interval: int | None = None, overlap: bool = True, speculative=None):
         """A generation engine owning a cache of `num_slots` slots over `model`.
 
         max_context: the most tokens (prompt + new) a request holds, at most the model's
@@ -145,12 +148,23 @@ class Engine:
         overlap: the loop launches each step before it reads the previous one's tokens back (loop.py), so the
         host's work runs while the device computes; False reads each step back before planning the next (the
         same tokens, for debugging and comparison).
+        speculative: None (off), "ngram", "mtp" or {"method": ..., "num_tokens": k} (speculative/options.py; a
+        ValueError naming the problem first, e.g. "mtp" for a model without an MTP head): each decode step
+        verifies k drafts per request in one step of the model, emitting the accepted ones and one more, with the
+        same tokens as without (greedy) or the same distribution (sampled); speculative/verify.py and
+        docs/speculative.md. stats().speculative counts drafts proposed and accepted.
 
         Sizes that ask for more memory than the device has free (the cache's pools: num_slots, num_blocks x
         block_size, prefix_checkpoints; the bucket grid's buffers: token_budget) are a ValueError naming the
         largest, before it is allocated.
         """
         cfg = model.config
+        from .speculative import check_speculative
+
+        speculative = check_speculative(speculative, model)
+        if speculative is not None and broadcast_plans and model.tp is not None:
+            raise ValueError("speculative with broadcast_plans under tensor parallelism is not supported yet (the plan "
+                             "broadcast does not carry drafts or accept counts): turn one of them off")
         if max_context is None:
             max_context = min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
         if token_budget is None:
@@ -198,7 +212,9 @@ class Engine:
         if prefix_cache and broadcast_plans and model.tp is not None:
             raise ValueError("prefix_cache with broadcast_plans under tensor parallelism is not supported yet (the plan "
                              "broadcast does not carry the prefix restores): turn one of them off")
-        self.cache = model.new_cache(num_slots, num_blocks, block_size, max_context, checkpoints, interval)
+        self.speculative = speculative
+        verify = num_slots * speculative.num_tokens if speculative is not None else 0  # speculative/verify.py
+        self.cache = model.new_cache(num_slots, num_blocks, block_size, max_context, checkpoints, interval, verify)
         self.runner = None
         if compile:
             from .capture import GraphRunner
@@ -211,7 +227,8 @@ class Engine:
         self.cache.hold(self._token, "the Engine that built it")
         self._broadcast = (PlanBroadcast(model.tp, model.device, num_slots, token_budget)
                            if broadcast_plans and model.tp is not None else None)
-        self._loop = EngineLoop(model, self.runner, self.cache, self._token, token_budget, self._broadcast, overlap)
+        self._loop = EngineLoop(model, self.runner, self.cache, self._token, token_budget, self._broadcast, overlap,
+                                speculative)
         self._ids = itertools.count()
         self._grammars: Grammars | None = None  # structured output's compiler, made for the first grammar
         self._grammars_lock = threading.Lock()
@@ -309,12 +326,21 @@ class Engine:
         """Compile (and on CUDA capture) every bucket now rather than on first use; returns the
         runner's per-bucket reports. Runs in the engine loop between two steps (requests running
         meanwhile wait for it). With compile=False: one 1-token request, so that one-time
-        initialization stays out of later timings; returns []."""
+        initialization stays out of later timings; returns []. With speculation, the buckets' hidden-states
+        steps too (the verify steps', GraphRunner.hidden_bucket; not in the reports)."""
         self._check_not_follower("warmup")
         if self.runner is None:
             self.generate([[0]], max_new_tokens=1, stop_token_ids=[])
             return []
-        return self._loop.run_job(lambda: self.runner.warmup(progress=progress), warmup=True)
+        return self._loop.run_job(lambda: self._warm_all(progress), warmup=True)
+
+    def _warm_all(self, progress: bool) -> list:
+        reports = self.runner.warmup(progress=progress)
+        if self.speculative is not None:
+            with self.cache.exclusive():
+                for bucket in sorted(self.runner.grid, reverse=True):
+                    self.runner.hidden_bucket(bucket.streams, bucket.tokens)
+        return reports
 
     def reset_prefix_cache(self) -> None:
         """Forget every prompt prefix the prefix cache keeps (HybridCache.clear_prefixes), between two steps
@@ -392,6 +418,10 @@ class Engine:
         """Requests from generate's arguments (`controls`: the sampling controls, check_params' keywords);
         ValueError naming the first bad one."""
         self._check_not_follower("generate / stream / submit")
+        controls = dict(controls or {})
+        speculate = controls.pop("speculate", True)  # (a request's opt-out of Engine(speculative=...))
+        if not isinstance(speculate, bool):
+            raise ValueError(f"speculate must be True or False, got {speculate!r}")
         if self.model.version != self._loop._model_version:
             raise ValueError("the model was converted or moved (model.to / .half / ...) after this Engine was built: "
                              "its cache and compiled step hold the old dtype and device: build a new Engine")
@@ -400,7 +430,7 @@ class Engine:
                              f"or a string with a tokenizer), got {type(prompts).__name__}")
         if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        params = self._check_controls(temperature, top_k, top_p, max_new_tokens, controls or {})
+        params = self._check_controls(temperature, top_k, top_p, max_new_tokens, controls)
         seed = check_seed(seed)
         stops = self.stop_token_ids if stop_token_ids is None else self._check_stop_ids(stop_token_ids)
         spec = structured_output(structured, self.model.config.vocab_size)
@@ -416,7 +446,7 @@ class Engine:
                 raise ValueError(f"prompt {i} has {len(ids)} tokens; max_context is {self.max_context} and a "
                                  f"prompt must leave room for at least one new token (at most {self.max_context - 1})")
             max_new = min(int(max_new_tokens), self.max_context - len(ids))
-            r = Request(i, ids, max_new, params, None, stop_ids=stops,
+            r = Request(i, ids, max_new, params, None, stop_ids=stops, speculate=speculate,
                         logprobs=[] if params.logprobs is not None else None,
                         prompt_logprobs=[] if params.prompt_logprobs is not None else None)
             need = -(-r.kv_tokens // self.cache.block_size)

@@ -36,6 +36,11 @@ on the host after the next step is launched, while the device runs it, and appli
 Each token read back advances its request's grammar; one it does not allow fails the request, and a request
 without stop tokens ends ("stop") when its output is complete.
 
+Speculative decoding (Engine(speculative=...), speculative/verify.py): a plan holding a request that speculates
+reads the step in flight back first, then runs as a speculative step (drafts verified in one step, accept
+counts read back, the accepted tokens delivered in order) when it holds drafts to verify (for "mtp": any chunk of
+a request the head follows); otherwise it launches as above. While such requests run, steps do not overlap.
+
 Each request's output goes to its channel (handle.py), never waiting for a consumer. A request
 that ends frees its slot before its last output is delivered, so whoever sees that output finds the
 slot free.
@@ -86,6 +91,7 @@ class EngineStats:
     prefix: dict | None = None  # the cache's prefix-caching counters (HybridCache.prefix_stats), or None
     mask_rows: int = 0  # structured output: token masks filled so far (one per grammar request and step)
     mask_fill_s: float = 0.0  # host seconds spent filling them
+    speculative: dict | None = None  # speculative decoding: method, num_tokens, proposed, accepted, steps; else None
 
 
 class _Job:
@@ -146,7 +152,7 @@ class _Launched:
 
 class EngineLoop:
     def __init__(self, model, runner, cache, token: object, token_budget: int,
-                 broadcast: PlanBroadcast | None = None, overlap: bool = True):
+                 broadcast: PlanBroadcast | None = None, overlap: bool = True, speculative=None):
         self.model, self.runner, self.cache, self._token = model, runner, cache, token
         self._model_version = model.version
         prefix = cache.prefix_caching
@@ -175,6 +181,11 @@ class EngineLoop:
         self._scheduled_waiting = 0  # len(scheduler.waiting) and len(scheduler.free_slots), kept under the
         self._free_slots = len(self.scheduler.free_slots)  # lock for other threads (_publish_queue)
         self._steps = self._prompt_tokens = self._generated = self._cached = 0
+        self.spec = None  # speculative decoding's step (speculative/verify.py), with Engine(speculative=...)
+        if speculative is not None:
+            from .speculative.verify import SpeculativeStep
+
+            self.spec = SpeculativeStep(self, speculative)
 
     # other threads ---------------------------------------------------------------------------
     @property
@@ -263,7 +274,8 @@ class EngineLoop:
                                cache.num_blocks - cache.free_blocks, cache.num_blocks, self._steps,
                                self._prompt_tokens, self._generated, self._cached,
                                cache.prefix_stats() if cache.prefix_caching else None,
-                               masks.filled if masks else 0, masks.fill_s if masks else 0.0)
+                               masks.filled if masks else 0, masks.fill_s if masks else 0.0,
+                               self.spec.stats() if self.spec is not None else None)
 
     def is_loop_thread(self) -> bool:
         return threading.current_thread() is self._thread
@@ -350,6 +362,8 @@ class EngineLoop:
         step = sched.plan()
         with self._cond:
             self._publish_queue()
+        if self.spec is not None and step and self.spec.may_take(step):
+            step = self._speculate(step)
         launched, error = self._launch(step, sched.decodes) if step else (None, None)
         previous, self._inflight = self._inflight, None
         if previous is not None:  # (overlap only)
@@ -364,6 +378,31 @@ class EngineLoop:
                 self._commit(launched)
             if launched.committed:
                 self._inflight = launched
+
+    def _speculate(self, step: list) -> list:
+        """Speculative decoding (speculative/verify.py): read the step in flight back (its tokens are the decodes'
+        last ones; a request it ended leaves `step`), then run `step` as a speculative step if it takes it:
+        returns then what is left for the loop's own launch (prompt chunks asking for prompt logprobs), else the
+        whole step (the head, "mtp", did not see it)."""
+        sched = self.scheduler
+        if self._inflight is not None:
+            self._read_back()
+            decodes = sum(1 for c in step[:sched.decodes] if not c.request.ended)
+            step = [c for c in step if not c.request.ended]
+            sched.decodes = decodes
+        # prompt chunks asking for prompt logprobs take the loop's own step (prompt_logprobs.py), launched after
+        rest = [c for c in step[sched.decodes:] if c.request.params.prompt_logprobs is not None]
+        mine = [c for c in step if all(c is not x for x in rest)]
+        if mine and self.spec.takes(mine, sched.decodes):
+            try:
+                self.spec.run(mine, sched.decodes)
+            except BaseException as e:  # KeyboardInterrupt included: only this step's requests see it
+                for c in mine:
+                    self._fail(c.request, e)
+            sched.decodes = 0
+            return rest
+        self.spec.normal(step)
+        return step
 
     def _launch(self, step: list, decodes: int) -> tuple[_Launched | None, BaseException | None]:
         """Run `step` (its first `decodes` chunks decodes, which read their token on the device) and sample its

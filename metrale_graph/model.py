@@ -209,12 +209,14 @@ class HybridModel(nn.Module):
         return self.embed_tokens.weight.device
 
     def new_cache(self, num_slots: int, num_blocks: int, block_size: int = 64, max_context: int | None = None,
-                  prefix_checkpoints: int = 0, checkpoint_interval: int = 0) -> HybridCache:
+                  prefix_checkpoints: int = 0, checkpoint_interval: int = 0, verify_entries: int = 0) -> HybridCache:
         """A cache of `num_slots` streams and `num_blocks` KV blocks of `block_size` tokens. With
         `prefix_checkpoints` > 0 it keeps prefixes for later prompts (prefix caching: shared KV blocks and
-        that many GDN state checkpoints; a prompt's state every `checkpoint_interval` tokens, 0: none)."""
+        that many GDN state checkpoints; a prompt's state every `checkpoint_interval` tokens, 0: none).
+        `verify_entries`: the state entries speculative decoding's verify step keeps (speculative/verify.py)."""
         return HybridCache(self.local, num_slots, num_blocks, block_size, max_context, self.dtype, self.device,
-                           owner=self, prefix_checkpoints=prefix_checkpoints, checkpoint_interval=checkpoint_interval)
+                           owner=self, prefix_checkpoints=prefix_checkpoints, checkpoint_interval=checkpoint_interval,
+                           verify_entries=verify_entries)
 
     # the prefill
     def check_cache(self, cache: HybridCache, claim: bool = True) -> None:

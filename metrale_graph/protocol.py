@@ -118,6 +118,25 @@ class PrefillCall:
 
         return out, commit
 
+    def run_settled(self, step: Callable[[PackedBatch], torch.Tensor], settle: Callable[[torch.Tensor], list[int]]):
+        """One step whose streams keep only part of what they fed (speculative decoding's verify,
+        speculative/verify.py): reserve, pack, `step(packed)`, then `settle(step's output)` returns how many of
+        each stream's tokens it keeps (a prefix, <= its length; its states already made those of the kept
+        tokens), and only those are committed (the context advances by them; with prefix caching only they label
+        blocks). KV written past a kept run lies past the context: never read, overwritten later; the blocks
+        stay with the slot. All inside one transaction (a failure resets the call's slots). Returns step's output."""
+        if self._ran:
+            raise RuntimeError("a PrefillCall runs once")
+        self._ran = True
+        with self.cache.transaction(self.growth):
+            self.cache.allocate(self.tokens.new_blocks)
+            out, fed = self._step(step, self.slots, self.tokens.ids, self.lengths)
+            kept = settle(out)
+            assert all(0 <= k <= n for k, n in zip(kept, self.lengths)), "settle keeps a prefix of each stream"
+            self.cache.commit(dict(zip(self.slots, kept)),
+                              None if fed is None else {s: f[:k] for s, f, k in zip(self.slots, fed, kept)})
+        return out
+
     def _step(self, step, slots: list[int], ids: torch.Tensor, lengths: list[int]):
         """Pack one piece, run `step` on it with prefix caching's checkpoints planned (and recorded once it has
         run, or given back if it raises); returns (step's output, each stream's new ids with prefix caching

@@ -72,6 +72,11 @@ class Request:
     logprobs: list | None = None
     prompt_logprobs: list | None = None
     grammar: object | None = None  # structured output: its grammar.Grammar (the tokens it may sample), else None
+    # speculative decoding (speculative/verify.py): whether it may speculate, the drafts its next decode verifies,
+    # and ("mtp") whether the head has followed it from its first position
+    speculate: bool = True
+    drafts: list[int] = field(default_factory=list)
+    mtp_ok: bool = True
 
     @property
     def generated(self) -> int:

@@ -3,6 +3,8 @@ protocol, plain greedy decoding, a greedy speculative decoding loop over our pie
 the bigram checkpoint of issue 39's done-when.
 
     tokens, steps = speculative_greedy(model, prompt, new_tokens, k, method="mtp")   # steps: (drafts, accepted)
+    monkeypatch.setattr(verify, "ngram_propose", Oracle(prompts, plain_outputs, vocab))  # the engine's drafts
+    staggered(engine, prompts)                                                          # requests at two times
 
 The loop keeps exact state the plain way: each verify runs on a snapshot of the cache, which is then put back and
 given the accepted tokens alone (a stream's GDN state cannot drop the rejected drafts' tokens). The engine's
@@ -117,3 +119,42 @@ def with_random_mtp(model, seed: int) -> HybridModel:
                 scale = p.shape[-1] ** -0.5 if p.dim() >= 2 else 0.2
                 p.copy_(torch.randn(p.shape, generator=g) * scale)
     return model
+
+
+class Oracle:
+    """A stand-in for ngram_propose that knows plain decoding's output (`reference`: prompt -> tokens) and drafts
+    it with one token in three wrong (at a place that moves with the output's length), so that verify steps
+    accept 0 .. k drafts: partial runs, full runs and rejections at once."""
+
+    def __init__(self, prompts, reference, vocab: int):
+        self.refs = [(p, r) for p, r in zip(prompts, reference)]
+        self.vocab, self.calls = vocab, 0
+
+    def __call__(self, tokens, k):
+        self.calls += 1
+        for p, r in self.refs:
+            if tokens[:len(p)] == p and len(tokens) - len(p) <= len(r):
+                done = len(tokens) - len(p)
+                drafts = list(r[done:done + k])
+                wrong = (done * 7) % 3 + done % (k + 1)
+                if wrong < len(drafts):
+                    drafts[wrong] = (drafts[wrong] + 1) % self.vocab
+                return drafts
+        return []
+
+
+def staggered(engine, prompts, new_tokens=16, abort=None):
+    """Requests arriving at different times: two first, the rest once the first has 3 tokens out. `abort`: the
+    index of a request aborted after its first output. Returns each request's tokens (None for the aborted)."""
+    kw = dict(max_new_tokens=new_tokens, stop_token_ids=[])
+    handles = [engine.submit(p, **kw) for p in prompts[:2]]
+    seen = 0
+    for _ in handles[0]:
+        seen += 1
+        if seen == 3:
+            break
+    handles += [engine.submit(p, **kw) for p in prompts[2:]]
+    if abort is not None:
+        next(iter(handles[abort]))
+        handles[abort].abort()
+    return [None if i == abort else h.result().token_ids for i, h in enumerate(handles)]

@@ -65,6 +65,21 @@ def _sampled(model):
     return ranks
 
 
+def _speculative(model):
+    """Greedy tokens with MTP and with n-gram drafts, and without, on this rank, and the MTP stats."""
+    from metrale_graph import Engine
+
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5], [6, 7, 8, 9, 10, 11]]
+    out = []
+    for spec in (None, {"method": "mtp", "num_tokens": 2}, "ngram"):
+        with Engine(model, num_slots=2, token_budget=16, block_size=16, max_context=40, compile=False,
+                    speculative=spec) as engine:
+            out.append([r.token_ids for r in engine.generate(prompts, max_new_tokens=12, stop_token_ids=[])])
+            if spec is not None and spec != "ngram":
+                out.append(engine.stats().speculative)
+    return out
+
+
 SERVED_PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10, 11], [3]]
 SERVED_KW = dict(num_slots=2, token_budget=8, block_size=16, max_context=32, compile=False)
 
@@ -150,6 +165,8 @@ def _worker(rank, folder, checkpoint):
                                                                                 tp=replace(tp, moe=moe), progress=False))
         out["engine-sampled"] = _sampled(HybridModel.from_preset("tiny", seed=1, tp=tp))
         out["engine-served"] = _served(HybridModel.from_preset("tiny", seed=1, tp=tp))
+        out["engine-speculative"] = _speculative(HybridModel.from_preset(tiny_config(mtp_num_hidden_layers=1), seed=1,
+                                                                         tp=tp))
         out["bad-shard"] = _load_errors(checkpoint + "-nan", tp)
         out["bad-scale-shard"] = _load_errors(checkpoint + "-fp8-bad-scale", tp)
         out["tied-lm-head-only"] = _run(HybridModel.from_pretrained(checkpoint + "-tied-head", tp=tp, progress=False))
@@ -233,6 +250,13 @@ def test_tensor_parallel_equals_one_process(sharded, name):
     for k, (got, want) in enumerate(zip(out[name], _run(model))):
         assert got.shape == want.shape
         assert rel_err(got, want) <= 1e-5, f"{name}, batch {k}: {rel_err(got, want):.2e}"
+
+
+def test_speculative_decoding_under_tensor_parallelism_gives_plain_decoding(sharded):
+    """Engine(speculative=...) on 2 ranks: MTP drafts (the head sharded as a main layer, fc whole) and n-gram drafts
+    give the same greedy tokens as plain decoding on the same ranks."""
+    plain, mtp, stats, ngram = sharded[0]["engine-speculative"]
+    assert mtp == plain and ngram == plain and stats["proposed"] > 0
 
 
 def test_unseeded_sampling_draws_the_same_tokens_on_every_rank(sharded):

@@ -1,4 +1,4 @@
-"""Speculative decoding's pieces (issue 39), apart from the engine: draft, then verify, then accept.
+"""Speculative decoding (issue 39): draft, then verify, then accept; the pieces, then the engine's step.
 
 - options.py: the user's `speculative=` option checked against the model (`check_speculative`).
 - proposers.py: `ngram_propose`, prompt lookup over a stream's tokens (no weights).
@@ -7,8 +7,11 @@
 - acceptance.py: `target_probabilities`, `draw_uniforms`, `rejection_sample`: batched greedy acceptance and
   speculative rejection sampling.
 
-The verify step (the main model over each stream's last token and drafts) and its state handling are the
-engine's; docs/DESIGN.md ("Speculative decoding") has the plan.
+- verify.py: the engine's speculative step (Engine(speculative=...)): drafts verified in one step of the main
+  model, the accepted run's GDN / conv state made the slot's (in-step checkpoints), stops applied in order.
+- drafting.py: the MTP head's catch-up and drafts batched over a step's requests.
+
+docs/speculative.md has the state handling and what the first version does not do.
 """
 
 from .acceptance import EMPTY, Accepted, draw_uniforms, rejection_sample, target_probabilities

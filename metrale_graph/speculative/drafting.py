@@ -1,0 +1,87 @@
+"""The MTP head's drafts in the engine, batched over the requests of a speculative step (verify.py), eagerly.
+
+The conventions are mtp.py's (draft_mtp is the one-stream form of the same thing). After a step kept positions
+b .. n' - 1 of a request (b: its context before the step; n': after; the head has caught up on b positions,
+cache.mtp_context_lens[slot] == b), the head catches up on them: position p reads token p + 1 (the request's
+prompt and output hold it: a prompt token, a kept draft, or the token the step emitted) beside the main model's
+normed hidden state of p from this very step; the last output gives draft 1 (of token n' + 1), and draft j + 1
+runs the head at position n' + j - 1 on draft j beside its own previous output. Drafts are the head's argmax
+(one-hot proposals for rejection_sample, whatever the request's temperature: exact either way). The drafts' own
+KV entries (positions n' .. n' + k - 2) are not counted (mtp_context_lens becomes n'); the next catch-up
+rewrites the kept positions. The blocks they need are the slot's, within its reservation (k leaves room for the
+added token: n' + k - 1 <= prompt + max_new - 1).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ..batch import PackedBatch
+from ..numbers import int_tensor, to_device
+from .mtp import mtp_hidden_states
+
+
+class MtpDrafter:
+    def __init__(self, model, cache):
+        self.model, self.cache = model, cache
+
+    def draft(self, h: torch.Tensor, reqs: list, before: list[int], starts: list[int], room: list[int]) -> dict:
+        """Drafts {slot: ids} for requests `reqs` after a step whose hidden states (before the final norm) are `h`:
+        request i's kept positions are before[i] .. its context now - 1, its rows of h from starts[i] on; it gets
+        room[i] drafts (none for 0). A request the head has not followed up to before[i] gets none."""
+        cache, model = self.cache, self.model
+        todo = [i for i, r in enumerate(reqs) if cache.mtp_context_lens[r.slot] == before[i]
+                and cache.context_lens[r.slot] > before[i]]
+        if not todo:
+            return {}
+        slots = [reqs[i].slot for i in todo]
+        with cache.exclusive(), cache.transaction(slots):
+            # catch-up: every kept position of each request, its next token from the request's tokens
+            lengths = [cache.context_lens[reqs[i].slot] - before[i] for i in todo]
+            ids, rows = [], []
+            for i, n in zip(todo, lengths):
+                seq = reqs[i].prompt + reqs[i].out
+                ids += seq[before[i] + 1:before[i] + n + 1]
+                rows += range(starts[i], starts[i] + n)
+            hidden = model.normed(h.index_select(0, to_device(int_tensor(rows), h.device)))
+            out = mtp_hidden_states(model, cache, _packed(cache, slots, ids, lengths, [before[i] for i in todo]),
+                                    hidden)
+            for slot in slots:
+                cache.mtp_context_lens[slot] = cache.context_lens[slot]
+            ends = [s - 1 for s in itertools.accumulate(lengths)]
+            prev = out.index_select(0, to_device(int_tensor(ends), out.device))
+            want = [room[i] for i in todo]
+            cache.allocate(cache.block_needs([(s, k - 1) for s, k in zip(slots, want) if k > 1]))
+            drafts = {s: [] for s, k in zip(slots, want) if k > 0}
+            live = [j for j, k in enumerate(want) if k > 0]
+            prev = prev.index_select(0, to_device(int_tensor(live), prev.device)) if live else prev
+            step = 0
+            while live:
+                for j, t in zip(live, model.head(prev).argmax(dim=-1).tolist()):
+                    drafts[slots[j]].append(t)
+                more = [x for x, j in enumerate(live) if want[j] > step + 1]
+                if not more:
+                    break
+                live = [live[x] for x in more]
+                prev = prev.index_select(0, to_device(int_tensor(more), prev.device))
+                # draft step + 2 from the head at position n' + step on draft step + 1, beside its own output
+                batch = _packed(cache, [slots[j] for j in live], [drafts[slots[j]][-1] for j in live],
+                                [1] * len(live), [cache.context_lens[slots[j]] + step for j in live])
+                prev = mtp_hidden_states(model, cache, batch, prev)
+                step += 1
+        return drafts
+
+
+def _packed(cache, slots: list[int], ids: list[int], lengths: list[int], starts: list[int]) -> PackedBatch:
+    """A PackedBatch of streams writing `slots` (the head's entries) with `lengths` tokens `ids` at positions
+    starts[i] ..; their entries start at starts[i]."""
+    dev = cache.device
+    positions = [p for s, n in zip(starts, lengths) for p in range(s, s + n)]
+    cu = [0, *itertools.accumulate(lengths)]
+    slot_ids = to_device(int_tensor(slots), dev)
+    return PackedBatch(tokens=to_device(int_tensor(ids), dev), positions=to_device(int_tensor(positions), dev),
+                       cu_seqlens=to_device(int_tensor(cu, torch.int32), dev), slot_ids=slot_ids,
+                       context_lens=to_device(int_tensor(starts, torch.int32), dev),
+                       block_tables=cache.block_tables.index_select(0, slot_ids))

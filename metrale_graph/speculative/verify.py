@@ -1,0 +1,219 @@
+"""The engine's speculative step: draft, verify in one step of the main model, accept, keep the cache exact.
+
+    spec = SpeculativeStep(loop, Speculative("ngram", 3))     # the engine loop's, with Engine(speculative=...)
+    if spec.takes(step): spec.run(step, decodes)               # instead of the loop's own launch (loop.py)
+
+A request speculates (`speculates`) unless it has a grammar, logprobs, a penalty or min_tokens (their processors
+depend on the drafts before each position: not supported yet, so such requests decode one token per step) or
+it opted out (Request.speculate False). Each step that holds a speculating decode (with drafts) or, for "mtp",
+any chunk of a request the head follows, runs here, synchronously (loop.py: the step before is read back first,
+so each decode's last token and drafts are on the host); its layers through the runner's compiled (on CUDA
+captured) hidden-states step of the bucket it fits (GraphRunner.hidden_bucket), else eagerly:
+
+1. Streams: a speculating decode feeds (x_n, d_1 .. d_k), k = min(num_tokens, tokens it may still emit - 1)
+   (so neither max_new_tokens nor its KV reservation is overrun); the other chunks are the plan's own.
+2. One step of the main model (`model.hidden_states` through the prefill protocol's `run_settled`) over all of
+   them, with the verify checkpoints (cache.checkpoint_tokens past prefix_targets, ops/checkpoints.py) asking
+   the GDN ops to keep the conv window and recurrent state after each of a speculating stream's first k tokens
+   in its verify entries (cache entries prefix_checkpoints + j * num_tokens + t for the j-th speculating stream).
+3. Logits at every position of a speculating stream (the logit_bias processor, the only one a speculating
+   request may have, applied per position), `acceptance.rejection_sample` (greedy rows: argmax match; sampled
+   rows: rejection sampling with one-hot draft probabilities) with uniforms from the request's generator; the
+   other sampling rows through `sampling.sample` as in a plain step. Accept counts read back (one sync).
+4. Settling the cache: a stream that kept a of its k drafts keeps a + 1 tokens: its slot's conv / GDN states
+   are replaced by verify entry a (a == k: the step's own final state, nothing to copy), its context advances by
+   a + 1 (KV of the rejected positions lies past it; the next step overwrites it) and with prefix caching only
+   the kept tokens label blocks. Nothing of a rejected draft stays in a state.
+5. Emission, in order, through the loop's `_advance` (stop tokens, stop strings, max_new_tokens): a token after
+   a stop is neither emitted nor counted.
+6. Drafts for the next step: "ngram" looks them up when the step is planned (proposers.ngram_propose over prompt
+   + output); "mtp" runs the head now (drafting.py: catch-up on the positions this step kept, then k drafts).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..batch import Stream
+from ..handle import deliver
+from ..logits_processors import process_logits
+from ..numbers import int_tensor, to_device
+from ..protocol import prefill_call
+from ..sampling import sample
+from .acceptance import draw_uniforms, rejection_sample, target_probabilities
+from .drafting import MtpDrafter
+from .options import Speculative
+from .proposers import ngram_propose
+
+
+def speculates(r) -> bool:
+    """Whether request `r` may speculate at all (module docstring)."""
+    p = r.params
+    return (r.speculate and r.grammar is None and p.logprobs is None and p.prompt_logprobs is None
+            and not p.penalized and p.min_tokens == 0)
+
+
+class SpeculativeStep:
+    def __init__(self, loop, spec: Speculative):
+        self.loop, self.spec, self.k = loop, spec, spec.num_tokens
+        self.cache, self.model = loop.cache, loop.model
+        self.base = self.cache.prefix_checkpoints  # the first verify entry
+        self.mtp = MtpDrafter(self.model, self.cache) if spec.method == "mtp" else None
+        self.proposed = self.accepted = self.steps = 0
+
+    def stats(self) -> dict:
+        """Drafts proposed and accepted, and the steps that verified any, so far."""
+        return {"method": self.spec.method, "num_tokens": self.k, "proposed": self.proposed,
+                "accepted": self.accepted, "steps": self.steps}
+
+    def room(self, r) -> int:
+        """The drafts r may verify now: at most num_tokens, and leaving room for the added token."""
+        return max(0, min(self.k, r.max_new - len(r.out) - 1))
+
+    def follows(self, r) -> bool:
+        """"mtp": whether the head has followed r from its first position (a restored prefix, or a step that did
+        not run here, leaves it behind: no MTP drafts for r)."""
+        return self.mtp is not None and speculates(r) and r.cached == 0 and r.mtp_ok
+
+    def may_take(self, step: list) -> bool:
+        """Whether `step` (a plan) may run here: the loop then reads the step in flight back first."""
+        return any(speculates(c.request) for c in step)
+
+    def takes(self, step: list, decodes: int) -> bool:
+        """Whether `step` (read back: every decode's last token on the host) runs here; sets each decode's drafts
+        ("ngram": looked up now)."""
+        take = False
+        for i, c in enumerate(step):
+            r = c.request
+            if self.mtp is None and i < decodes:
+                r.drafts = ngram_propose(r.prompt + r.out, self.room(r)) if speculates(r) and self.room(r) else []
+            take = take or (i < decodes and bool(r.drafts)) or self.follows(r)
+        return take
+
+    def normal(self, step: list) -> None:
+        """`step` ran the loop's own way: the head did not see its positions, and drafts made for it are gone."""
+        for c in step:
+            c.request.drafts = []
+            c.request.mtp_ok = False
+
+    def run(self, step: list, decodes: int) -> None:
+        loop, cache, model = self.loop, self.cache, self.model
+        K, dev = self.k, cache.device
+        reqs = [c.request for c in step]
+        tokens = [[r.out[-1]] + r.drafts if i < decodes else c.tokens for i, (c, r) in enumerate(zip(step, reqs))]
+        lengths = [len(t) for t in tokens]
+        starts = [sum(lengths[:i]) for i in range(len(step))]
+        before = [cache.context_lens[r.slot] for r in reqs]
+        spec = [i for i in range(decodes) if reqs[i].drafts]
+        plain = [i for i, c in enumerate(step) if c.sample and i not in spec]
+        keep_tok = [starts[i] + t for i in spec for t in range(lengths[i] - 1)]
+        keep_entry = [self.base + j * K + t for j, i in enumerate(spec) for t in range(lengths[i] - 1)]
+        out: dict = {}
+
+        def forward(packed):
+            runner = loop.runner  # its compiled (captured) hidden-states step of the bucket the step fits, if any
+            entry = runner.hidden_bucket(packed.num_streams, packed.num_tokens) if runner is not None else None
+            targets(cache, keep_tok, keep_entry)
+            try:
+                if entry is not None:
+                    return runner.run_hidden(entry, packed)
+                if dev.type == "cuda" and packed.num_streams == 1:  # one stream would take the chunked GDN
+                    packed = packed.padded(2, packed.num_tokens, cache)  # path, which keeps chunk ends only
+                return model.hidden_states(cache, packed)
+            finally:
+                targets(cache, [], [])
+
+        def settle(h):
+            out["h"] = h
+            kept = list(lengths)
+            if spec:
+                counts, emitted = self._accept(h, [reqs[i] for i in spec], [starts[i] for i in spec], K)
+                out["spec"] = dict(zip(spec, emitted))
+                redo = [(j, i, c) for j, (i, c) in enumerate(zip(spec, counts)) if c < lengths[i] - 1]
+                if redo:  # the state after the kept tokens: verify entry c of the j-th speculating stream
+                    entries = to_device(int_tensor([self.base + j * K + c for j, _, c in redo]), dev)
+                    slots = to_device(int_tensor([reqs[i].slot for _, i, _ in redo]), dev)
+                    for pool, kept_states in zip(cache.conv_states + cache.gdn_states,
+                                                 cache.checkpoint_conv_states + cache.checkpoint_gdn_states):
+                        pool.index_copy_(0, slots, kept_states.index_select(0, entries))
+                for i, c in zip(spec, counts):
+                    kept[i] = c + 1
+            if plain:
+                rows = to_device(int_tensor([starts[i] + lengths[i] - 1 for i in plain]), dev)
+                todo = [reqs[i] for i in plain]
+                result = sample(model.logits_of(h.index_select(0, rows)), todo, loop.penalties, loop._token_masks(todo))
+                host, entries = result.to_host()
+                out["plain"] = {i: ([t], [e]) for i, t, e in zip(plain, host, entries)}
+            return kept
+
+        with prefill_call(model, cache, [Stream(r.slot, t) for r, t in zip(reqs, tokens)]) as call:
+            call.run_settled(forward, settle)
+        self._deliver(step, decodes, reqs, out, spec)
+        if self.mtp is not None:
+            live = [i for i, r in enumerate(reqs) if self.follows(r) and not r.ended]
+            drafted = self.mtp.draft(out["h"], [reqs[i] for i in live], [before[i] for i in live],
+                                     [starts[i] for i in live], [self.room(reqs[i]) for i in live])
+            for i in live:
+                reqs[i].drafts = drafted.get(reqs[i].slot, [])
+
+    def _accept(self, h, reqs: list, starts: list[int], K: int) -> tuple[list[int], list[list[int]]]:
+        """Rejection sampling over the speculating streams (h: the step's hidden states): accepted drafts and the
+        tokens each emits (its kept drafts and one more), on the host."""
+        dev, n = h.device, [len(r.drafts) for r in reqs]
+        # rows [S, K + 1]: a stream's positions, its last one repeated past its own drafts (masked by num_drafts)
+        rows = [[s + min(t, m) for t in range(K + 1)] for s, m in zip(starts, n)]
+        flat = to_device(int_tensor([x for row in rows for x in row]), dev)
+        logits = process_logits(self.model.logits_of(h.index_select(0, flat)),
+                                [r for r in reqs for _ in range(K + 1)], None)
+        probs = target_probabilities(logits.view(len(reqs), K + 1, -1), [r.params for r in reqs])
+        drafts = to_device(int_tensor([t for r in reqs for t in r.drafts + [0] * (K - len(r.drafts))]), dev)
+        drafts = drafts.view(len(reqs), K)
+        result = rejection_sample(probs, drafts, to_device(int_tensor(n), dev),
+                                  to_device(torch.tensor([r.params.greedy for r in reqs]), dev),
+                                  draw_uniforms([r.generator for r in reqs], n, K, dev))
+        counts, emitted = result.counts.tolist(), result.tokens.tolist()  # the step's one read back
+        self.proposed += sum(n)
+        self.accepted += sum(counts)
+        self.steps += 1
+        return counts, [row[:c + 1] for row, c in zip(emitted, counts)]
+
+    def _deliver(self, step: list, decodes: int, reqs: list, out: dict, spec: list[int]) -> None:
+        """Take the step's tokens into their requests, in order, through the loop's stop checks; count the step."""
+        loop = self.loop
+        loop.scheduler.advance(step, decodes)
+        loop._steps += 1
+        loop._prompt_tokens += sum(len(c.tokens) for c in step[decodes:])
+        now, outputs, last = time.perf_counter(), {}, []
+        emitted = {i: (t, [None] * len(t)) for i, t in out.get("spec", {}).items()} | out.get("plain", {})
+        for i, (toks, entries) in sorted(emitted.items()):
+            r = reqs[i]
+            for t, entry in zip(toks, entries):
+                if r.ended:  # a stop before it: never emitted nor counted
+                    break
+                r.out.append(t)
+                loop._generated += 1
+                try:
+                    outputs.setdefault(r.channel, []).append(loop._advance(r, t, now, entry))
+                except Exception as e:  # the tokenizer failed on its tokens, or its slot's reset did
+                    loop._fail(r, e)
+            r.sampled = len(r.out)
+            if not r.ended:
+                last.append((r.slot, r.out[-1]))
+        if last:  # a later plain step's decodes read them on the device
+            slots, ids = zip(*last)
+            loop.last_tokens.index_copy_(0, to_device(int_tensor(slots), loop.last_tokens.device),
+                                         to_device(int_tensor(ids), loop.last_tokens.device))
+        deliver(outputs)
+
+
+def targets(cache, tokens: list[int], entries: list[int]) -> None:
+    """The verify checkpoints of a step (cache.checkpoint_tokens / entries past prefix_targets): the GDN ops keep
+    the state after packed token tokens[i] in entry entries[i]; the rest -1 (none)."""
+    if not cache.verify_entries:
+        return
+    P, V = cache.prefix_targets, cache.verify_entries
+    pad = V - len(tokens)
+    cache.checkpoint_tokens[P:].copy_(to_device(int_tensor(tokens + [-1] * pad), cache.device))
+    cache.checkpoint_entries[P:].copy_(to_device(int_tensor(entries + [cache.scratch_checkpoint] * pad), cache.device))

@@ -1,0 +1,215 @@
+"""Engine(speculative=...): greedy output token-identical to plain decoding (dense, MoE, Qwen3-Next; n-gram and
+MTP drafts; continuous batching, prefix-cache hits, aborts, stops inside an accepted run), the bigram checkpoint's
+full acceptance, and sampling's distribution. fp32 on the CPU, eager (one compiled case)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import moe_config, random_tokens, tiny_config, unit_gain
+from speculative_reference import Oracle, bigram_model, staggered, with_random_mtp
+from metrale_graph import Engine, HybridModel
+from metrale_graph.speculative import verify
+
+CONFIGS = {
+    "dense": tiny_config(mtp_num_hidden_layers=1),
+    "moe": moe_config(mtp_num_hidden_layers=1, tie_word_embeddings=True),
+    "next": moe_config("qwen3_next", mtp_num_hidden_layers=1),
+}
+PROMPTS = [(7, 1), (23, 2), (3, 3), (41, 4), (12, 5)]  # (length, seed)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: with_random_mtp(unit_gain(HybridModel.from_preset(cfg, seed=1), seed=2), seed=3)
+            for name, cfg in CONFIGS.items()}
+
+
+def prompts_of(cfg):
+    return [random_tokens(n, s, cfg.vocab_size) for n, s in PROMPTS]
+
+
+def plain(model, prompts, new_tokens=16, **kw):
+    with Engine(model, 4, compile=False, **kw) as e:
+        return [r.token_ids for r in e.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[])]
+
+
+def test_the_option_is_checked_first():
+    model = HybridModel.from_preset(tiny_config())  # no MTP head
+    with pytest.raises(ValueError, match="mtp.fc"):
+        Engine(model, 2, compile=False, speculative="mtp")
+    with pytest.raises(ValueError, match="unknown speculative method 'eagle'"):
+        Engine(model, 2, compile=False, speculative="eagle")
+    with pytest.raises(ValueError, match="num_tokens"):
+        Engine(model, 2, compile=False, speculative={"method": "ngram", "num_tokens": 0})
+    with Engine(model, 2, compile=False, speculative="ngram") as e:
+        assert e.stats().speculative == {"method": "ngram", "num_tokens": 3, "proposed": 0, "accepted": 0, "steps": 0}
+        assert e.cache.verify_entries == 2 * 3
+    with Engine(model, 2, compile=False) as e:
+        assert e.stats().speculative is None and e.cache.checkpoint_tokens is None
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_verified_drafts_give_plain_decoding_under_continuous_batching(models, family, monkeypatch):
+    model, cfg = models[family], CONFIGS[family]
+    prompts = prompts_of(cfg)
+    reference = plain(model, prompts)
+    oracle = Oracle(prompts, reference, cfg.vocab_size)
+    monkeypatch.setattr(verify, "ngram_propose", oracle)
+    with Engine(model, 3, compile=False, speculative={"method": "ngram", "num_tokens": 3}) as e:
+        assert staggered(e, prompts) == reference
+        stats = e.stats().speculative
+    # drafts were verified, some accepted and some not: the states of rejected tokens were dropped
+    assert oracle.calls and 0 < stats["accepted"] < stats["proposed"]
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_a_random_mtp_head_still_gives_plain_decoding(models, family):
+    model = models[family]
+    prompts = prompts_of(CONFIGS[family])
+    with Engine(model, 3, compile=False, speculative={"method": "mtp", "num_tokens": 2}) as e:
+        assert staggered(e, prompts) == plain(model, prompts)
+        assert e.stats().speculative["proposed"] > 0
+
+
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+@pytest.mark.parametrize("family", ["dense", "next"])
+def test_the_bigram_checkpoint_accepts_every_draft(family, method):
+    model = bigram_model(CONFIGS[family])
+    k, new = 3, 41
+    with Engine(model, 2, compile=False, speculative={"method": method, "num_tokens": k}) as e:
+        out = e.generate([[3, 5, 7]], max_new_tokens=new, stop_token_ids=[])[0].token_ids
+        s = e.stats()
+    assert out == plain(model, [[3, 5, 7]], new)[0]
+    spec = s.speculative
+    if method == "mtp":  # drafts from the first step on: k + 1 tokens per verify step, every draft kept
+        assert spec == {"method": "mtp", "num_tokens": k, "proposed": k * spec["steps"], "accepted": k * spec["steps"],
+                        "steps": (new - 1) // (k + 1)}
+        assert s.steps == 1 + spec["steps"]  # the prompt's step, then the verify steps
+    else:  # prompt lookup has drafts once the bigram cycle has repeated; then every one is kept
+        assert spec["accepted"] == spec["proposed"] > 0
+
+
+def test_stops_inside_an_accepted_run_end_the_request_there():
+    model = bigram_model(CONFIGS["dense"])
+    ref = plain(model, [[3, 5, 7]], 30)[0]
+    stop = next(t for i, t in enumerate(ref) if i >= 2 and t not in ref[:i])  # first seen inside the first run
+    cut = ref.index(stop) + 1
+    assert 2 < cut < 5  # (the first verify step emits output tokens 1 .. 4: the stop's run goes on past it)
+    with Engine(model, 2, compile=False, speculative={"method": "mtp", "num_tokens": 3}) as e:
+        r = e.generate([[3, 5, 7]], max_new_tokens=30, stop_token_ids=[stop])[0]
+        assert (r.token_ids, r.finish_reason) == (ref[:cut], "stop")
+        for n in (2, 5, 6, 7):  # max_new_tokens falling inside a run of k + 1
+            r = e.generate([[3, 5, 7]], max_new_tokens=n, stop_token_ids=[])[0]
+            assert (r.token_ids, r.finish_reason) == (ref[:n], "length")
+        assert e.stats().generated_tokens == cut + 2 + 5 + 6 + 7  # nothing past a stop counted
+        assert e.stats().running == 0 and e.stats().used_blocks == 0
+
+
+def test_aborts_leave_the_others_exact(models, monkeypatch):
+    model, cfg = models["dense"], CONFIGS["dense"]
+    prompts = prompts_of(cfg)
+    reference = plain(model, prompts)
+    monkeypatch.setattr(verify, "ngram_propose", Oracle(prompts, reference, cfg.vocab_size))
+    with Engine(model, 3, compile=False, speculative="ngram") as e:
+        out = staggered(e, prompts, abort=3)
+        assert out == [None if i == 3 else r for i, r in enumerate(reference)]
+        assert e.stats().used_blocks == 0
+
+
+def test_prefix_cache_hits_stay_exact_and_mtp_skips_restored_streams(models, monkeypatch):
+    model, cfg = models["dense"], CONFIGS["dense"]
+    shared = random_tokens(70, 9, cfg.vocab_size)
+    prompts = [shared, shared + [3, 4]]  # the second restores the first but its last token
+    reference = plain(model, prompts, 12)
+    monkeypatch.setattr(verify, "ngram_propose", Oracle(prompts, reference, cfg.vocab_size))
+    for method in ("ngram", "mtp"):
+        with Engine(model, 2, compile=False, prefix_cache=True, speculative={"method": method, "num_tokens": 2}) as e:
+            first = e.generate(prompts[:1], max_new_tokens=12, stop_token_ids=[])[0]
+            proposed = e.stats().speculative["proposed"]
+            second = e.generate(prompts[1:], max_new_tokens=12, stop_token_ids=[])[0]
+            assert [first.token_ids, second.token_ids] == reference
+            assert second.cached_tokens > 0
+            if method == "mtp":  # a restored prefix: the head never saw it, no MTP drafts (docs/speculative.md)
+                assert proposed > 0 and e.stats().speculative["proposed"] == proposed
+
+
+def test_requests_that_do_not_speculate_decode_beside_those_that_do(models):
+    model, cfg = models["dense"], CONFIGS["dense"]
+    prompts = prompts_of(cfg)[:3]
+    with Engine(model, 3, compile=False, speculative={"method": "mtp", "num_tokens": 2}) as e:
+        kw = dict(max_new_tokens=10, stop_token_ids=[])
+        penalized = e.submit(prompts[0], repetition_penalty=1.3, **kw)  # a penalty: one token per step
+        with_logprobs = e.submit(prompts[1], logprobs=2, prompt_logprobs=1, **kw)  # its prompt in the loop's step
+        speculating = e.submit(prompts[2], **kw)
+        out = [penalized.result(), with_logprobs.result(), speculating.result()]
+        proposed = e.stats().speculative["proposed"]
+        assert proposed > 0
+        opted_out = e.generate(prompts[2:], speculate=False, **kw)[0]  # decodes alone, drafting nothing
+        assert opted_out.token_ids == out[2].token_ids and e.stats().speculative["proposed"] == proposed
+        with pytest.raises(ValueError, match="speculate must be True or False"):
+            e.submit(prompts[0], speculate=1)
+    with Engine(model, 3, compile=False) as e:
+        ref = [e.submit(prompts[0], repetition_penalty=1.3, **kw).result(),
+               e.submit(prompts[1], logprobs=2, prompt_logprobs=1, **kw).result(), e.submit(prompts[2], **kw).result()]
+    assert [r.token_ids for r in out] == [r.token_ids for r in ref]
+    assert len(out[1].logprobs) == len(ref[1].logprobs) == 10
+    assert len(out[1].prompt_logprobs) == len(prompts[1]) and out[1].prompt_logprobs[1] is not None
+
+
+def test_sampling_with_speculation_follows_plain_sampling(monkeypatch):
+    """Each of the first 4 tokens' distribution over a vocabulary of 8, from N = 1200 seeded requests with and
+    without speculation (random drafts, so tests accept and reject). Each token's two frequencies differ by a
+    difference of two binomial proportions, sd sqrt(2 p (1 - p) / N) <= sqrt(0.5 / 1200) = 0.0204; a bound of
+    4.5 sd (0.092) holds for all 32 (position, token) pairs with probability > 1 - 32 * 6.8e-6 under the null."""
+    cfg = tiny_config(vocab_size=8, num_hidden_layers=2, hidden_size=32, mtp_num_hidden_layers=1)
+    model = unit_gain(HybridModel.from_preset(cfg, seed=4), seed=5)
+    N, new = 1200, 4
+    prompts = [[1, 2, 3]] * N
+
+    def drafts(tokens, k):  # one-hot proposals that depend on the tokens so far (a sampled stream's own)
+        g = torch.Generator().manual_seed(sum(t * 31 ** i for i, t in enumerate(tokens)) % 2**31)
+        return torch.randint(0, 8, (k,), generator=g).tolist()
+
+    monkeypatch.setattr(verify, "ngram_propose", drafts)
+    freqs = []
+    for spec in (None, {"method": "ngram", "num_tokens": 2}):
+        with Engine(model, 64, compile=False, speculative=spec) as e:
+            out = e.generate(prompts, max_new_tokens=new, temperature=1.0, seed=11, stop_token_ids=[])
+            if spec:
+                s = e.stats().speculative
+                assert 0 < s["accepted"] < s["proposed"]
+        tokens = torch.tensor([r.token_ids for r in out])  # [N, new]
+        freqs.append(torch.stack([torch.bincount(tokens[:, j], minlength=8) for j in range(new)]).double() / N)
+    assert (freqs[0] - freqs[1]).abs().max() < 4.5 * (0.5 / N) ** 0.5
+
+
+def test_seeded_sampling_with_mtp_drafts_is_deterministic(models):
+    """A seeded request's uniforms come from its own generator in a fixed order (acceptance tests, then the final
+    draw): the same seed gives the same tokens, whatever else shares the batch."""
+    model, cfg = models["next"], CONFIGS["next"]
+    prompts = prompts_of(cfg)[:3]
+    kw = dict(max_new_tokens=12, temperature=0.8, top_k=20, stop_token_ids=[])
+    with Engine(model, 3, compile=False, speculative={"method": "mtp", "num_tokens": 2}) as e:
+        together = [r.token_ids for r in e.generate(prompts, seed=5, **kw)]
+        alone = e.generate(prompts[1:2], seed=6, **kw)[0].token_ids  # request 1 of the first call drew seed 5 + 1
+        assert e.stats().speculative["proposed"] > 0
+    assert alone == together[1] and len(set(map(tuple, together))) == 3
+
+
+def test_compiled_engine_verifies_in_its_compiled_hidden_states_step(models, monkeypatch):
+    model, cfg = models["dense"], CONFIGS["dense"]
+    prompts = prompts_of(cfg)[:3]
+    reference = plain(model, prompts, 10)
+    monkeypatch.setattr(verify, "ngram_propose", Oracle(prompts, reference, cfg.vocab_size))
+    with Engine(model, 2, compile=True, token_budget=64, batch_sizes=[2], token_counts=[64],
+                speculative="ngram") as e:
+        e.warmup()  # the hidden-states step of every bucket too
+        assert set(e.runner.hidden_entries) == set(e.runner.grid)
+        assert all(entry.report is not None for entry in e.runner.hidden_entries.values())
+        runs, run_hidden = [], e.runner.run_hidden
+        monkeypatch.setattr(e.runner, "run_hidden", lambda entry, packed: runs.append(1) or run_hidden(entry, packed))
+        out = [r.token_ids for r in e.generate(prompts, max_new_tokens=10, stop_token_ids=[])]
+        assert out == reference and e.stats().speculative["accepted"] > 0
+        assert len(runs) >= e.stats().speculative["steps"]  # every verify step ran the compiled step, none eagerly
