@@ -36,10 +36,20 @@ def test_cuda_drafts_match_the_cpu_reference(cfg):
     assert got.tokens == want.tokens and rel_err(got.logits.cpu(), want.logits) <= 1e-4
     # bf16: the same first token as fp32's (a random tiny model's top logits lie within bf16's rounding of each
     # other, so its own greedy choice may differ), and each draft's logits compared while the drafts before it
-    # agree (an argmax that flips within the rounding feeds the head another token from there on)
-    bf16 = drafts_on(unit_gain(HybridModel.from_preset(cfg, seed=1), seed=2).to("cuda", torch.bfloat16), first=first)
+    # agree (an argmax that flips within the rounding feeds the head another token from there on). The bound is
+    # the main model's own bf16 error on the prompt's logits, same model and device, times 2: the head reads the
+    # main model's last hidden state (its error, at most the main logits') and adds one decoder layer of its own
+    # (at most as much again). A flat figure will not do: on the CPU the tiny models' bf16 logits lie 0.07
+    # (dense) and 0.20 (Next) from fp32's, their drafts 0.03 and 0.09; on the H200 the dense drafts 0.106.
+    bf16_model = unit_gain(HybridModel.from_preset(cfg, seed=1), seed=2).to("cuda", torch.bfloat16)
+    main_fp32 = cpu.head(prefill_hidden(cpu, cpu.new_cache(2, 16, 16), 1, PROMPT))
+    main_bf16 = bf16_model.head(prefill_hidden(bf16_model, bf16_model.new_cache(2, 16, 16), 1, PROMPT))
+    main_err = rel_err(main_bf16.float().cpu(), main_fp32)
+    bf16 = drafts_on(bf16_model, first=first)
     same = next((i for i, (a, b) in enumerate(zip(bf16.tokens, want.tokens)) if a != b), len(want.tokens))
-    assert rel_err(bf16.logits[:same + 1].float().cpu(), want.logits[:same + 1]) <= 5e-2
+    draft_err = rel_err(bf16.logits[:same + 1].float().cpu(), want.logits[:same + 1])
+    print(f"bf16 vs fp32: main logits {main_err:.3e}, drafts {draft_err:.3e} ({same + 1} compared)")
+    assert draft_err <= 2 * main_err
 
 
 def test_a_bigram_checkpoint_drafts_its_own_continuation_on_cuda(tmp_path):
