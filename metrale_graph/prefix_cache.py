@@ -13,7 +13,7 @@ every GDN layer's conv and recurrent state. So:
 A prefix of L tokens is usable when its checkpoint entry exists and every block it spans still holds
 its content: the full blocks by their chain hashes, the partial last one (L not a multiple of the
 block size) by the prefix's key; the partial block is copied into a fresh one (copy on write), since
-the new stream appends to it. Nothing here touches device memory: HybridCache does the copies.
+the new stream appends to it. Nothing here touches device memory: cache_prefixes.PrefixStore does the copies.
 """
 
 from __future__ import annotations

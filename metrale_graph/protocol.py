@@ -211,8 +211,8 @@ def prefill_call(model, cache: HybridCache, streams: Sequence[Stream]) -> Iterat
 def restore_prefix(model, cache: HybridCache, slot: int, tokens, limit: int | None = None) -> int:
     """Start empty `slot` of a cache with prefix caching from the longest cached prefix of `tokens` (at
     most `limit` tokens; default len(tokens) - 1, leaving the last token to prefill, whose logits a caller
-    samples): its KV blocks shared, its GDN states restored (HybridCache._restore_prefix). Returns the
-    number of tokens restored, 0 when none is cached (or prefix caching is off); the caller then
+    samples): its KV blocks shared, its GDN states restored (`cache.prefixes`: cache_prefixes.PrefixStore.restore).
+    Returns the number of tokens restored, 0 when none is cached (or prefix caching is off); the caller then
     prefills `tokens[restored:]` into the slot. ValueError for bad tokens or a slot that holds context,
     before anything changes."""
     model.check_cache(cache, claim=False)
@@ -228,4 +228,4 @@ def restore_prefix(model, cache: HybridCache, slot: int, tokens, limit: int | No
         if not (isinstance(limit, int) and 0 <= limit <= min(n, cache.max_context)):
             raise ValueError(f"limit must be an int in [0, {min(n, cache.max_context)}], got {limit!r}")
         cache.bind(model)
-        return cache._restore_prefix(slot, ids.tolist(), limit)
+        return cache.prefixes.restore(slot, ids.tolist(), limit)

@@ -82,13 +82,13 @@ def test_a_cache_is_checked_against_the_memory_free_before_it_is_allocated(monke
     """The cache's pools ask for exactly what it allocates: just below, refused naming each argument's share;
     at it, built. (A prefix_checkpoints of 10**12 was the allocator's RuntimeError.)"""
     from metrale_graph.batch import PackedBatch
-    from metrale_graph.cache import _pool_asks
+    from metrale_graph.cache_sizes import pool_asks
 
     model = HybridModel.from_preset("tiny")
     cache = model.new_cache(3, 10, block_size=16, max_context=100, prefix_checkpoints=4)
     pools = (cache.conv_states + cache.gdn_states + cache.k_caches + cache.v_caches + [cache.block_tables]
              + cache.checkpoint_conv_states + cache.checkpoint_gdn_states)
-    need = sum(n for _, n in _pool_asks(model.config, 3, 10, 16, 100, model.dtype, 4))
+    need = sum(n for _, n in pool_asks(model.config, 3, 10, 16, 100, model.dtype, 4))
     assert need == sum(t.numel() * t.element_size() for t in pools)
     padding = PackedBatch.padding(3, 37, cache)
     assert PackedBatch.padding_bytes(3, 37, cache) == sum(t.numel() * t.element_size() for t in (

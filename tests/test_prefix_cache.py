@@ -69,6 +69,29 @@ def test_a_shared_block_is_never_written_and_serves_two_slots(model):
     assert_empty(cache)
 
 
+def test_a_copied_cache_keeps_and_restores_prefixes_in_itself(model):
+    """A cache's prefix caching (cache.prefixes, which works on its cache) and block bookkeeping (cache.slot_blocks)
+    are parts of it: a deep copy and a pickled one (torch.save) keep, find and restore prefixes in themselves,
+    never in the cache they were copied from."""
+    import copy
+    import io
+
+    prompt = tokens(100, 6)
+    cache = model.new_cache(2, 40, block_size=BS, prefix_checkpoints=4)
+    model.prefill(cache, [Stream(0, prompt[:64])])
+    refs, free = list(cache._index.refs), cache.free_blocks
+    buffer = io.BytesIO()
+    torch.save(cache, buffer)
+    buffer.seek(0)
+    for c in (copy.deepcopy(cache), torch.load(buffer, weights_only=False)):
+        assert c.prefixes.cache is c
+        assert c.save_prefix(0) and restore_prefix(model, c, 1, prompt) == 64
+        assert rel_err(model.prefill(c, [Stream(1, prompt[64:])]), alone(model, prompt)) <= 1e-5
+        assert c.prefix_stats()["hits"] == 1
+    assert cache.prefix_stats()["checkpoints"] == cache.prefix_stats()["lookups"] == 0
+    assert cache._index.refs == refs and cache.free_blocks == free and cache.context_lens == [64, 0]
+
+
 def test_interval_checkpoints_inside_one_step(model):
     """A prompt of 200 tokens in one step with a checkpoint interval of 64 leaves states at 64, 128 and 192
     (the GDN ops keep them inside the step): a prompt sharing 150 tokens restores 128."""
