@@ -84,7 +84,7 @@ def speculative(text: str) -> dict:
     """Speculative decoding's option (speculative/options.py) from a flag: vLLM's --speculative-config JSON
     ('{"method": "mtp", "num_speculative_tokens": 3}', options.from_vllm's keys), or METHOD[:K] ("mtp:3",
     "ngram"). Checked but for the model's MTP head (loading.check_speculative_model, before the model loads)."""
-    from metrale_graph.speculative import from_vllm, parse_speculative
+    from metrale_graph.speculative import from_vllm
 
     text = text.strip()
     try:
@@ -103,7 +103,6 @@ def speculative(text: str) -> dict:
                     raise ValueError(f"expected METHOD or METHOD:K (K the drafts per step, an integer), got {text!r}")
                 config["num_tokens"] = int(k)
         option = from_vllm(config)
-        parse_speculative(option)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return option

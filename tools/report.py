@@ -49,7 +49,7 @@ def speculative_line(figures: dict) -> str:
         return f"speculative ({f['method']}, k = {f['num_tokens']}): no drafts proposed"
     return (f"speculative ({f['method']}, k = {f['num_tokens']}): {f['proposed']} drafts proposed, {f['accepted']} "
             f"accepted ({100 * f['acceptance']:.1f} %), {f['tokens_per_step']:.2f} tokens per stream and verify step "
-            f"({f['steps']} verify steps of {f['drafts']} streams in all)")
+            f"({f['steps']} verify steps verifying {f['drafts']} drafts)")
 
 
 def bars_shown(run=None) -> bool:

@@ -123,8 +123,8 @@ def from_vllm(config) -> dict:
     our option (a mapping for check_speculative). vLLM's keys VLLM_KEYS maps ("disable_by_batch_size": our
     max_streams) and our own (num_tokens, max_streams) are taken; ValueError naming any other key (vLLM's
     draft-model keys among them: no draft model here), a key given under both names, or a method that is not
-    one of VLLM_METHODS. A null value is vLLM's "not given": our default. The values are check_speculative's to
-    check."""
+    one of VLLM_METHODS, and a value out of range (parse_speculative's checks, the key named as given). A null value
+    is vLLM's "not given": our default."""
     if not isinstance(config, Mapping):
         raise ValueError(f"expected a JSON object such as {{\"method\": \"mtp\", \"num_speculative_tokens\": 3}}, "
                          f"got {type(config).__name__} {config!r}")
@@ -150,4 +150,11 @@ def from_vllm(config) -> dict:
         raise ValueError(f"unknown method {method!r}; expected one of {', '.join(map(repr, VLLM_METHODS))} "
                          "(qwen3_next_mtp: vLLM's older name of mtp)")
     option["method"] = VLLM_METHODS[method]
+    try:
+        parse_speculative(option)
+    except ValueError as e:  # named as the user wrote it
+        text = str(e)
+        for key in config:
+            text = text.replace(f"speculative {names[key]} ", f"{key} ")
+        raise ValueError(text) from None
     return option
