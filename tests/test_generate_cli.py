@@ -48,6 +48,7 @@ def test_speculative_runs_print_their_acceptance(capsys, bigram_folder):
     _, plain = _run(capsys, *args)
     out, mtp = _run(capsys, *args, "--speculative", "mtp:3")
     assert plain["speculative"] is None and mtp["token_ids"] == plain["token_ids"]
+    assert "eager, speculative=mtp k=3 max_streams=16, tokenizer=no" in out  # the engine's line
     # the prompt's step gives a token, then 3 verify steps keep all 3 drafts and one token more
     assert mtp["speculative"] == {"method": "mtp", "num_tokens": 3, "proposed": 9, "accepted": 9, "drafts": 3,
                                   "steps": 3, "acceptance": 1.0, "tokens_per_step": 4.0}

@@ -24,9 +24,10 @@ from .proposers import NGRAM_MAX, NGRAM_MIN
 METHODS = ("mtp", "ngram")
 DEFAULT_NUM_TOKENS = {"mtp": 1, "ngram": 3}
 # Provisional, not measured: at k = 3, 16 streams make a 64-token verify step, which on an H200 should still cost
-# about a plain decode step of the 9B / 35B-A3B (weight-bound: the weights' read dominates a step to ~100+ tokens),
-# while the verify checkpoints' GDN state writes grow with streams x k (9B: ~50 MiB per entry, 2.4 GB at 16 x 3).
-# vLLM's recipes report MTP a loss at concurrency 64. docs/speculative.md says what measurement will set it.
+# about a plain decode step of the dense 9B (bound by its weight reads up to ~125 tokens), while the verify
+# checkpoints' GDN state writes grow with streams x k (9B: ~50 MiB per entry, 2.4 GB at 16 x 3); MoE steps read
+# more experts as tokens grow, so theirs may want less. vLLM's recipes report MTP a loss at concurrency 64.
+# docs/speculative.md "When a step speculates" says what measurement will set it.
 DEFAULT_MAX_STREAMS = 16
 _KEYS = ("method", "num_tokens", "max_streams", "prompt_lookup_min", "prompt_lookup_max")
 _NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
