@@ -529,8 +529,10 @@ class Engine:
 
     def __repr__(self) -> str:
         mode = "eager" if self.runner is None else "CUDA graphs" if self.runner.use_graphs else "compiled"
+        s = self.speculative
+        spec = "" if s is None else f"speculative={s.method} k={s.num_tokens} max_streams={s.max_streams}, "
         return (f"Engine(slots={self.num_slots}, max_context={self.max_context}, token_budget={self.token_budget}, "
-                f"{mode}, tokenizer={'yes' if self.tokenizer is not None else 'no'}, {self.cache})")
+                f"{mode}, {spec}tokenizer={'yes' if self.tokenizer is not None else 'no'}, {self.cache})")
 
 
 def _close(loop: EngineLoop) -> None:

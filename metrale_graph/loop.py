@@ -36,10 +36,11 @@ on the host after the next step is launched, while the device runs it, and appli
 Each token read back advances its request's grammar; one it does not allow fails the request, and a request
 without stop tokens ends ("stop") when its output is complete.
 
-Speculative decoding (Engine(speculative=...), speculative/verify.py): a plan holding a request that speculates
-reads the step in flight back first, then runs as a speculative step (drafts verified in one step, accept
-counts read back, the accepted tokens delivered in order) when it holds drafts to verify (for "mtp": any chunk of
-a request the head follows); otherwise it launches as above. While such requests run, steps do not overlap.
+Speculative decoding (Engine(speculative=...), speculative/verify.py): a plan holding a request that speculates,
+and no more decodes than the option's max_streams, reads the step in flight back first, then runs as a
+speculative step (drafts verified in one step, accept counts read back, the accepted tokens delivered in order)
+when it holds drafts to verify (for "mtp": any chunk of a request the head follows); otherwise it launches as
+above. While such requests run in steps of at most max_streams decodes, steps do not overlap.
 
 Each request's output goes to its channel (handle.py), never waiting for a consumer. A request
 that ends frees its slot before its last output is delivered, so whoever sees that output finds the
@@ -91,7 +92,7 @@ class EngineStats:
     prefix: dict | None = None  # the cache's prefix-caching counters (HybridCache.prefix_stats), or None
     mask_rows: int = 0  # structured output: token masks filled so far (one per grammar request and step)
     mask_fill_s: float = 0.0  # host seconds spent filling them
-    speculative: dict | None = None  # speculative decoding: method, num_tokens, proposed, accepted, steps; else None
+    speculative: dict | None = None  # speculative decoding: method, num_tokens, proposed, accepted, drafts, steps
 
 
 class _Job:
@@ -362,8 +363,11 @@ class EngineLoop:
         step = sched.plan()
         with self._cond:
             self._publish_queue()
-        if self.spec is not None and step and self.spec.may_take(step):
-            step = self._speculate(step)
+        if self.spec is not None and step:
+            if self.spec.may_take(step, sched.decodes):
+                step = self._speculate(step)
+            else:  # the loop's own step: drafts made for it are dropped ("mtp": the head stops following)
+                self.spec.normal(step)
         launched, error = self._launch(step, sched.decodes) if step else (None, None)
         previous, self._inflight = self._inflight, None
         if previous is not None:  # (overlap only)

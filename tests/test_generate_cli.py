@@ -6,7 +6,9 @@ import re
 
 import pytest
 
+from helpers import tiny_config
 from metrale_graph.tools.generate import main
+from speculative_reference import bigram_model
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -33,6 +35,32 @@ def test_tiny_run_streams_and_prints_json(capsys):
     assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) == 2
 
 
+@pytest.fixture(scope="module")
+def bigram_folder(tmp_path_factory):
+    """Issue 39's bigram checkpoint (tests/speculative_reference.py): every MTP draft is the model's own token."""
+    folder = str(tmp_path_factory.mktemp("bigram"))
+    bigram_model(tiny_config(mtp_num_hidden_layers=1)).save_pretrained(folder)
+    return folder
+
+
+def test_speculative_runs_print_their_acceptance(capsys, bigram_folder):
+    args = ("--model", bigram_folder, "--prompt", "3,5,7", "--max-new-tokens", "13", "--num-slots", "2")
+    _, plain = _run(capsys, *args)
+    out, mtp = _run(capsys, *args, "--speculative", "mtp:3")
+    assert plain["speculative"] is None and mtp["token_ids"] == plain["token_ids"]
+    assert "eager, speculative=mtp k=3 max_streams=16, tokenizer=no" in out  # the engine's line
+    # the prompt's step gives a token, then 3 verify steps keep all 3 drafts and one token more
+    assert mtp["speculative"] == {"method": "mtp", "num_tokens": 3, "proposed": 9, "accepted": 9, "drafts": 3,
+                                  "steps": 3, "acceptance": 1.0, "tokens_per_step": 4.0}
+    assert ("speculative (mtp, k = 3): 9 drafts proposed, 9 accepted (100.0 %), 4.00 tokens per stream and verify "
+            "step (3 verify steps verifying 3 drafts)") in out
+    _, ngram = _run(capsys, *args, "--speculative",
+                    '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}')
+    s = ngram["speculative"]
+    assert ngram["token_ids"] == plain["token_ids"] and (s["method"], s["num_tokens"]) == ("ngram", 2)
+    assert s["accepted"] == s["proposed"] > 0  # the bigram cycle repeats: lookup drafts it once seen
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--max-new-tokens", "0"], "--max-new-tokens: expected a positive integer"),
     (["--temperature", "-1"], "--temperature: expected a number >= 0"),
@@ -46,6 +74,11 @@ def test_tiny_run_streams_and_prints_json(capsys):
     (["--prompt", "1_0"], "--prompt '1_0': this model has no tokenizer"),
     (["--num-slots", "8", "--token-budget", "4"], "at least num_slots"),
     (["--max-context", "4", "--prompt", "1,2,3,4"], "must leave room for at least one new token"),
+    (["--speculative", "mtp:3"], "--speculative: --model tiny: speculative method 'mtp' needs the model's "
+                                 "multi-token-prediction head"),
+    (["--speculative", "mtp:x"], r"--speculative: expected METHOD or METHOD:K"),
+    (["--speculative", '{"method": "ngram",}'], "--speculative: not valid JSON"),
+    (["--speculative", '{"method": "ngram", "k": 2}'], r"--speculative: unknown key\(s\) 'k'"),
 ])
 def test_bad_flags_exit_2(capsys, argv, message):
     with pytest.raises(SystemExit) as e:

@@ -10,7 +10,7 @@ import torch
 from helpers import moe_config, random_tokens, tiny_config, unit_gain
 from speculative_reference import Oracle, bigram_model, staggered, with_random_mtp
 from metrale_graph import Engine, HybridModel
-from metrale_graph.speculative import verify
+from metrale_graph.speculative import ngram_propose, verify
 
 CONFIGS = {
     "dense": tiny_config(mtp_num_hidden_layers=1),
@@ -44,7 +44,8 @@ def test_the_option_is_checked_first():
     with pytest.raises(ValueError, match="num_tokens"):
         Engine(model, 2, compile=False, speculative={"method": "ngram", "num_tokens": 0})
     with Engine(model, 2, compile=False, speculative="ngram") as e:
-        assert e.stats().speculative == {"method": "ngram", "num_tokens": 3, "proposed": 0, "accepted": 0, "steps": 0}
+        assert e.stats().speculative == {"method": "ngram", "num_tokens": 3, "proposed": 0, "accepted": 0, "drafts": 0,
+                                         "steps": 0}
         assert e.cache.verify_entries == 2 * 3
     with Engine(model, 2, compile=False) as e:
         assert e.stats().speculative is None and e.cache.checkpoint_tokens is None
@@ -85,10 +86,34 @@ def test_the_bigram_checkpoint_accepts_every_draft(family, method):
     spec = s.speculative
     if method == "mtp":  # drafts from the first step on: k + 1 tokens per verify step, every draft kept
         assert spec == {"method": "mtp", "num_tokens": k, "proposed": k * spec["steps"], "accepted": k * spec["steps"],
-                        "steps": (new - 1) // (k + 1)}
+                        "drafts": spec["steps"], "steps": (new - 1) // (k + 1)}  # one stream: a draft per step
         assert s.steps == 1 + spec["steps"]  # the prompt's step, then the verify steps
     else:  # prompt lookup has drafts once the bigram cycle has repeated; then every one is kept
         assert spec["accepted"] == spec["proposed"] > 0
+
+
+def test_steps_of_more_decodes_than_max_streams_do_not_speculate(monkeypatch):
+    model = bigram_model(CONFIGS["dense"])
+    prompts = [[3, 5, 7], [9, 2], [4, 4, 1, 6]]
+    reference = plain(model, prompts, 12)
+    seen = []
+
+    def recorded(tokens, k, min_n, max_n):
+        seen.append((min_n, max_n))
+        return ngram_propose(tokens, k, min_n, max_n)
+
+    monkeypatch.setattr(verify, "ngram_propose", recorded)
+    for method in ("mtp", "ngram"):
+        lookup = {"prompt_lookup_min": 1, "prompt_lookup_max": 3} if method == "ngram" else {}
+        for max_streams, speculates in ((2, False), (3, True)):  # the three requests decode in the same steps
+            option = {"method": method, "num_tokens": 2, "max_streams": max_streams, **lookup}
+            with Engine(model, 3, compile=False, speculative=option) as e:
+                out = [r.token_ids for r in e.generate(prompts, max_new_tokens=12, stop_token_ids=[])]
+                s = e.stats().speculative
+            assert out == reference
+            assert (s["proposed"] > 0) == speculates and s["accepted"] == s["proposed"], (method, max_streams, s)
+            assert s["drafts"] <= 3 * s["steps"]
+    assert seen and set(seen) == {(1, 3)}  # prompt lookup asked only when the step may speculate
 
 
 def test_stops_inside_an_accepted_run_end_the_request_there():
@@ -168,13 +193,13 @@ def test_sampling_with_speculation_follows_plain_sampling(monkeypatch):
     N, new = 1200, 4
     prompts = [[1, 2, 3]] * N
 
-    def drafts(tokens, k):  # one-hot proposals that depend on the tokens so far (a sampled stream's own)
+    def drafts(tokens, k, *lookup):  # one-hot proposals that depend on the tokens so far (a sampled stream's own)
         g = torch.Generator().manual_seed(sum(t * 31 ** i for i, t in enumerate(tokens)) % 2**31)
         return torch.randint(0, 8, (k,), generator=g).tolist()
 
     monkeypatch.setattr(verify, "ngram_propose", drafts)
     freqs = []
-    for spec in (None, {"method": "ngram", "num_tokens": 2}):
+    for spec in (None, {"method": "ngram", "num_tokens": 2, "max_streams": 64}):  # every step speculates
         with Engine(model, 64, compile=False, speculative=spec) as e:
             out = e.generate(prompts, max_new_tokens=new, temperature=1.0, seed=11, stop_token_ids=[])
             if spec:

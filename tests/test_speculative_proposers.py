@@ -8,7 +8,7 @@ import torch
 
 from helpers import moe_config, tiny_config
 from metrale_graph import HybridModel
-from metrale_graph.speculative import Speculative, check_speculative, ngram_propose
+from metrale_graph.speculative import Speculative, check_speculative, from_vllm, ngram_propose
 
 
 def reference(tokens, k, low=2, high=4):
@@ -70,6 +70,28 @@ def test_the_speculative_option(models):
     assert check_speculative("mtp", with_head) == Speculative("mtp", 1)
     assert check_speculative({"method": "mtp", "num_tokens": 4}, with_head) == Speculative("mtp", 4)
     assert check_speculative({"method": "ngram", "num_tokens": np.int64(2)}, without) == Speculative("ngram", 2)
+    assert check_speculative({"method": "ngram", "max_streams": 4, "prompt_lookup_max": 1}, without) == Speculative(
+        "ngram", 3, 4, 1, 1)  # one suffix length given: the other's default moves to it
+    assert check_speculative({"method": "ngram", "prompt_lookup_min": 5}, without) == Speculative("ngram", 3, 16, 5, 5)
+
+
+def test_vllm_speculative_config_maps_onto_the_option():
+    assert from_vllm({"method": "mtp", "num_speculative_tokens": 3}) == {"method": "mtp", "num_tokens": 3}
+    assert from_vllm({"method": "qwen3_next_mtp", "disable_by_batch_size": 8, "num_speculative_tokens": None}) == {
+        "method": "mtp", "max_streams": 8}  # null: vLLM's "not given"
+    assert from_vllm({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5,
+                      "max_streams": 2}) == {"method": "ngram", "num_tokens": 4, "prompt_lookup_min": 2,
+                                             "prompt_lookup_max": 5, "max_streams": 2}
+    for config, match in [({"method": "mtp", "model": "x", "draft_tensor_parallel_size": 1},
+                           r"unknown key\(s\) 'model', 'draft_tensor_parallel_size'; the keys taken are 'method', "
+                           "'num_speculative_tokens'"),
+                          ({"num_speculative_tokens": 2}, "a 'method' is needed"),
+                          ({"method": "eagle3"}, "unknown method 'eagle3'; expected one of 'mtp', 'qwen3_next_mtp'"),
+                          ({"method": "mtp", "num_tokens": 2, "num_speculative_tokens": 2},
+                           "'num_tokens' and 'num_speculative_tokens' name the same setting"),
+                          ([1, 2], "expected a JSON object")]:
+        with pytest.raises(ValueError, match=match):
+            from_vllm(config)
 
 
 @pytest.mark.parametrize("option, match", [
@@ -81,6 +103,11 @@ def test_the_speculative_option(models):
     ({"method": "ngram", "num_tokens": True}, "got True"),
     ({"method": "ngram", "num_tokens": "3"}, "got '3'"),
     (3, "speculative must be None, a method name"),
+    ({"method": "ngram", "max_streams": 0}, r"max_streams \(the most decode streams .*\) must be an integer >= 1"),
+    ({"method": "mtp", "prompt_lookup_max": 3}, "'prompt_lookup_max': prompt lookup's suffix lengths, for method "
+                                                "'ngram' only"),
+    ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 3}, r"prompt_lookup_min \(4\) must be at most"),
+    ({"method": "ngram", "prompt_lookup_min": 0}, "prompt_lookup_min .* must be an integer >= 1, got 0"),
 ])
 def test_bad_speculative_options_are_named(models, option, match):
     with pytest.raises(ValueError, match=match):

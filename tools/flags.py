@@ -7,6 +7,7 @@ flag ends the tool with argparse's usage message and exit code 2 before any work
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 
@@ -77,6 +78,34 @@ def names_of(choices):
             raise argparse.ArgumentTypeError(f"{', '.join(twice)} given more than once in {text!r}")
         return names
     return parse
+
+
+def speculative(text: str) -> dict:
+    """Speculative decoding's option (speculative/options.py) from a flag: vLLM's --speculative-config JSON
+    ('{"method": "mtp", "num_speculative_tokens": 3}', options.from_vllm's keys), or METHOD[:K] ("mtp:3",
+    "ngram"). Checked but for the model's MTP head (loading.check_speculative_model, before the model loads)."""
+    from metrale_graph.speculative import from_vllm
+
+    text = text.strip()
+    try:
+        if text.startswith("{"):
+            try:
+                config = json.loads(text)
+            except ValueError as e:
+                raise ValueError(f"not valid JSON ({e}); expected an object such as "
+                                 "'{\"method\": \"mtp\", \"num_speculative_tokens\": 3}' (single quotes around it in "
+                                 "a shell)") from None
+        else:
+            method, sep, k = text.partition(":")
+            config = {"method": method}
+            if sep:
+                if not INT_TEXT.fullmatch(k):
+                    raise ValueError(f"expected METHOD or METHOD:K (K the drafts per step, an integer), got {text!r}")
+                config["num_tokens"] = int(k)
+        option = from_vllm(config)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return option
 
 
 def seed(text: str) -> int:
@@ -171,6 +200,17 @@ def add_engine_args(p: argparse.ArgumentParser, num_slots: int) -> None:
     p.add_argument("--eager", action="store_true", help="run model.prefill eagerly (no compile, no graphs)")
     p.add_argument("--no-warmup", action="store_true",
                    help="compile / capture buckets on first use instead of before timing")
+
+
+def add_speculative_arg(p: argparse.ArgumentParser, flag: str) -> None:
+    """`flag` (--speculative-config in serve, vLLM's name; --speculative in generate) as args.speculative: the
+    Engine's speculative= option (flags.speculative), None when not given."""
+    p.add_argument(flag, dest="speculative", type=speculative, default=None, metavar="CONFIG",
+                   help="speculative decoding (docs/speculative.md): vLLM's JSON, e.g. '{\"method\": \"mtp\", "
+                        "\"num_speculative_tokens\": 3}' (methods mtp, its older name qwen3_next_mtp, ngram; keys "
+                        "num_speculative_tokens, prompt_lookup_min / prompt_lookup_max for ngram, "
+                        "disable_by_batch_size or max_streams: steps with more decode streams decode one token per "
+                        "stream), or METHOD[:K] such as mtp:3 (default: off)")
 
 
 def add_moe_parallel_arg(p: argparse.ArgumentParser, shown: bool = True) -> None:

@@ -4,10 +4,13 @@ JSON line.
 
     python -m metrale_graph.tools.generate [--model tiny|FOLDER] [--prompt TEXT_OR_IDS]... [--max-new-tokens 32]
                                            [--temperature 0] [--top-k 0] [--top-p 1.0] [--seed 0] [--num-slots 8]
+                                           [--speculative mtp:3 | ngram | '{"method": ..., ...}']
 
 --prompt is text when the model folder has a tokenizer, else comma-separated token ids (the
 default `tiny` preset has none); repeat it for several prompts, generated as one batch. One
-prompt streams token by token; several print each request as it finishes. Ctrl-C ends the run with
+prompt streams token by token; several print each request as it finishes. With --speculative (vLLM's
+--speculative-config JSON or METHOD[:K]) the figures add the drafts' acceptance: proposed, accepted, and
+tokens per stream and verify step. Ctrl-C ends the run with
 one line on standard error and the text produced so far (exit code 130).
 """
 
@@ -19,10 +22,10 @@ import sys
 import time
 
 from metrale_graph.tools.distributed import end_tensor_parallel, start_run
-from metrale_graph.tools.flags import (INT_TEXT, add_engine_args, add_model_args, non_negative_float, non_negative_int,
-                                       positive_int, probability)
-from metrale_graph.tools.loading import build_engine, check_engine_sizes, load_model
-from metrale_graph.tools.report import bars_shown, print_json
+from metrale_graph.tools.flags import (INT_TEXT, add_engine_args, add_model_args, add_speculative_arg, non_negative_float,
+                                       non_negative_int, positive_int, probability)
+from metrale_graph.tools.loading import build_engine, check_engine_sizes, check_speculative_model, load_model
+from metrale_graph.tools.report import bars_shown, print_json, speculative_figures, speculative_line
 
 
 def _parse_args(argv):
@@ -37,6 +40,7 @@ def _parse_args(argv):
     p.add_argument("--top-k", type=non_negative_int, default=0, help="0: off (default)")
     p.add_argument("--top-p", type=probability, default=1.0, help="1.0: off (default)")
     add_engine_args(p, num_slots=8)
+    add_speculative_arg(p, "--speculative")
     return p, p.parse_args(argv)
 
 
@@ -93,6 +97,7 @@ def main(argv=None) -> None:
 
     p, args = _parse_args(argv)
     check_engine_sizes(p, args)
+    check_speculative_model(p, args, "--speculative")
     if not has_tokenizer_files(args.model):  # a preset, or a folder without one: --prompt must be ids, checked now
         _prompts(p, args, None)
     run = start_run(args, p)
@@ -107,7 +112,7 @@ def main(argv=None) -> None:
 def _generate(p, args, run, produced: _Produced) -> None:
     t0 = time.perf_counter()
     model = load_model(args, p, run)
-    engine = build_engine(p, args, model)
+    engine = build_engine(p, args, model, speculative=args.speculative)
     produced.engine = engine
     prompts = _prompts(p, args, engine.tokenizer)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -129,6 +134,7 @@ def _generate(p, args, run, produced: _Produced) -> None:
     single = produced.streaming = len(prompts) == 1
     outputs, reasons = produced.outputs, produced.reasons
     outputs.update({i: [] for i in range(len(prompts))})
+    before = engine.stats().speculative  # (the warmup's and the checks' steps left out)
     stream = engine.stream(prompts, **kwargs)
     start = produced.start = time.perf_counter()
     first = None
@@ -151,13 +157,16 @@ def _generate(p, args, run, produced: _Produced) -> None:
     new = sum(len(o) for o in outputs.values())
     print(f"\n{len(prompts)} prompt(s), {new} new tokens in {elapsed:.3f} s: time to first token "
           f"{first * 1e3:.1f} ms, {new / elapsed:,.1f} tokens/s ({model.dtype}, {model.device})")
+    speculative = speculative_figures(engine.stats().speculative, before)
+    if speculative is not None:
+        print(speculative_line(speculative))
     print_json({"tool": "generate", "tp": args.tp, "model": args.model, "device": str(model.device),
                 "dtype": str(model.dtype),
                 "prompts": len(prompts), "new_tokens": new, "token_ids": [outputs[i] for i in sorted(outputs)],
                 "texts": [engine.decode(outputs[i]) for i in sorted(outputs)],
                 "finish_reasons": [reasons[i] for i in sorted(outputs)],
                 "ttft_ms": round(first * 1e3, 3), "elapsed_s": round(elapsed, 4),
-                "tokens_per_s": round(new / elapsed, 1)})
+                "tokens_per_s": round(new / elapsed, 1), "speculative": speculative})
 
 
 def _interrupted(produced: _Produced) -> None:

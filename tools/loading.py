@@ -36,6 +36,26 @@ def check_engine_sizes(p, args) -> None:
                 f"({args.num_slots} x {max_context} = {args.num_slots * max_context}) tokens")
 
 
+def check_speculative_model(p, args, flag: str) -> None:
+    """An "mtp" option (`args.speculative`, flags.speculative) against --model's config and checkpoint headers,
+    before the model loads: a model without an MTP head ends the tool through p.error (exit code 2) naming what
+    it lacks. A checkpoint whose headers cannot be read is left to load_model to name."""
+    from metrale_graph import PRESETS
+    from metrale_graph.speculative.options import check_mtp_head
+    from metrale_graph.weights import checkpoint_config
+
+    if not args.speculative or args.speculative["method"] != "mtp":
+        return
+    try:
+        cfg = PRESETS[args.model] if args.model in PRESETS else checkpoint_config(args.model)
+    except ValueError:
+        return
+    try:
+        check_mtp_head(cfg, cfg.mtp_num_hidden_layers > 0)
+    except ValueError as e:
+        p.error(f"{flag}: --model {args.model}: {e}")
+
+
 def build_engine(p, args, model, **kwargs):
     """The Engine of the flags (flags.add_engine_args; `kwargs` go to Engine too). A size the Engine refuses,
     or a cache that does not fit in the device's memory, ends the tool through p.error (exit code 2)."""

@@ -28,6 +28,30 @@ def print_json(record: dict) -> None:
     print(json.dumps(record, sort_keys=True))
 
 
+def speculative_figures(stats: dict | None, before: dict | None = None) -> dict | None:
+    """engine.stats().speculative (its counts less those of `before`, an earlier one) with two ratios: acceptance
+    (drafts accepted / proposed) and tokens_per_step (what a speculating stream gains per verify step, its
+    accepted drafts and the one token more: (accepted + drafts) / drafts, vLLM's mean acceptance length); None
+    when speculation is off, a ratio None when nothing was proposed."""
+    if stats is None:
+        return None
+    counts = {k: stats[k] - (before[k] if before else 0) for k in ("proposed", "accepted", "drafts", "steps")}
+    proposed, accepted, drafts = counts["proposed"], counts["accepted"], counts["drafts"]
+    return {"method": stats["method"], "num_tokens": stats["num_tokens"], **counts,
+            "acceptance": round(accepted / proposed, 4) if proposed else None,
+            "tokens_per_step": round((accepted + drafts) / drafts, 3) if drafts else None}
+
+
+def speculative_line(figures: dict) -> str:
+    """speculative_figures as one line for a person."""
+    f = figures
+    if not f["proposed"]:
+        return f"speculative ({f['method']}, k = {f['num_tokens']}): no drafts proposed"
+    return (f"speculative ({f['method']}, k = {f['num_tokens']}): {f['proposed']} drafts proposed, {f['accepted']} "
+            f"accepted ({100 * f['acceptance']:.1f} %), {f['tokens_per_step']:.2f} tokens per stream and verify step "
+            f"({f['steps']} verify steps verifying {f['drafts']} drafts)")
+
+
 def bars_shown(run=None) -> bool:
     """Whether progress bars are drawn: on a terminal only (standard error a TTY), and only by the reporting
     rank. In a log that standard output shares, a bar's text would be left in front of the next output line."""

@@ -5,12 +5,15 @@
         [--served-model-name NAME] [--api-key KEY] [--num-slots 64] [--max-context N] [--token-budget N]
         [--max-waiting N] [--max-request-bytes N] [--eager] [--no-warmup] [--tp N]
         [--tool-call-parser auto|qwen3_xml|qwen3_json|none] [--reasoning-parser auto|qwen3|none]
+        [--speculative-config '{"method": "mtp", "num_speculative_tokens": 3}']
 
 The server listens before the model loads (a port in use fails at once, in one line) and answers from
 then on: /health 503 {"status": "loading"} while the model loads, "warming up" while the engine warms
 its bucket grid (a progress bar on a terminal), then 200; every other path 503 with Retry-After until
 the model has loaded. A model that does not load ends the tool with its error (exit code 1, or 2 for
-a checkpoint that does not load). SIGTERM or Ctrl-C ends it gracefully: new requests are refused,
+a checkpoint that does not load). A flag the model cannot take ends it before it listens, with the reason
+(exit code 2): a --speculative-config that is not valid JSON, names a key or method this server does not
+have, or asks for "mtp" of a model without an MTP head. SIGTERM or Ctrl-C ends it gracefully: new requests are refused,
 running ones get --shutdown-timeout seconds to finish and then end with an error, the port is freed,
 and the tool prints what it served and one JSON line (exit code 0); before the model has loaded, it
 ends at once with one line (exit code 128 + the signal's number: 130 for Ctrl-C). Under `torchrun
@@ -37,9 +40,10 @@ import torch
 
 from metrale_graph import envs
 from metrale_graph.tools.distributed import end_tensor_parallel, start_run
-from metrale_graph.tools.flags import add_engine_args, add_model_args, non_negative_float, non_negative_int, positive_int
-from metrale_graph.tools.loading import build_engine, check_engine_sizes, load_model
-from metrale_graph.tools.report import bars_shown, print_json, print_table
+from metrale_graph.tools.flags import (add_engine_args, add_model_args, add_speculative_arg, non_negative_float,
+                                       non_negative_int, positive_int)
+from metrale_graph.tools.loading import build_engine, check_engine_sizes, check_speculative_model, load_model
+from metrale_graph.tools.report import bars_shown, print_json, print_table, speculative_figures, speculative_line
 
 API_KEY_ENV = "METRALE_API_KEY"
 TOOL_PARSERS = ("qwen3_xml", "qwen3_json")  # metrale_graph.server.tool_parsers.PARSERS (without the serve extra)
@@ -66,6 +70,7 @@ def _parse_args(argv):
                    help=f"clients must send 'Authorization: Bearer KEY' on /v1 paths (default: ${API_KEY_ENV}; "
                         "none: open)")
     add_engine_args(p, num_slots=64)
+    add_speculative_arg(p, "--speculative-config")
     p.add_argument("--max-waiting", type=non_negative_int, default=None,
                    help="requests waiting for a slot before new ones get 503 with Retry-After "
                         "(default max(256, 4 x slots); 0: none wait, a request needs a free slot)")
@@ -101,6 +106,10 @@ def _engine_kwargs(p, args) -> dict:
         p.error("--prefix-cache: not supported with --tp yet (prefix caching under tensor parallelism)")
     if args.prefix_cache is not None:
         kwargs["prefix_cache"] = args.prefix_cache
+    if args.speculative is not None and args.tp > 1:
+        p.error("--speculative-config: not supported with --tp yet (the plans rank 0 broadcasts carry no drafts)")
+    if args.speculative is not None:
+        kwargs["speculative"] = args.speculative
     return kwargs
 
 
@@ -129,6 +138,7 @@ def main(argv=None) -> None:
     p, args = _parse_args(argv)
     _check_installed(p)
     check_engine_sizes(p, args)
+    check_speculative_model(p, args, "--speculative-config")
     kwargs = _engine_kwargs(p, args)
     run = start_run(args, p)
     if not run.reports:  # a follower rank: rank 0's SHUTDOWN ends it (its own signals would only kill it early)
@@ -286,14 +296,18 @@ def _server(config, on_exit):
 def _report(engine, state, name: str, url: str, served_s: float) -> None:
     from metrale_graph.server.metrics import FINISH_REASONS
 
-    totals, steps = state.metrics.totals, engine.stats().steps
+    stats = engine.stats()
+    totals, steps = state.metrics.totals, stats.steps
     finished = {reason: totals[reason] for reason in FINISH_REASONS}
     print_table(["requests", *FINISH_REASONS, "prompt tokens", "new tokens", "steps", "served s"],
                 [[sum(finished.values()), *finished.values(), totals["prompt_tokens"], totals["generation_tokens"],
                   steps, f"{served_s:.1f}"]])
+    speculative = speculative_figures(stats.speculative)
+    if speculative is not None:
+        print(speculative_line(speculative))
     print_json({"tool": "serve", "model": name, "url": url, "requests": finished,
                 "prompt_tokens": totals["prompt_tokens"], "generation_tokens": totals["generation_tokens"],
-                "steps": steps, "served_s": round(served_s, 3)})
+                "steps": steps, "served_s": round(served_s, 3), "speculative": speculative})
 
 
 def cli() -> None:

@@ -1,8 +1,12 @@
 """The server's Prometheus metrics (GET /metrics), one registry per app.
 
 Read from the engine at each scrape (Engine.stats()): running and waiting requests, slots and KV
-blocks in use, engine steps. Counted by the server per request (`RequestMetrics`): time to first
-token, inter-token latency and end-to-end latency histograms, and as each request ends its prompt
+blocks in use, engine steps, and with speculative decoding (Engine(speculative=...)) its acceptance counters:
+draft tokens proposed and accepted, drafts verified (one per stream and verify step) and verify steps
+(`metrale_spec_decode_num_draft_tokens`, `..._num_accepted_tokens`, `..._num_drafts` as vLLM's, and
+`metrale_spec_decode_verify_steps`); a stream's mean acceptance length is 1 + accepted / drafts. Counted by
+the server per request (`RequestMetrics`): time to first token, inter-token latency and end-to-end latency
+histograms, and as each request ends its prompt
 and new tokens, its finish reason ("stop", "length", "abort": the client went away; "error": it
 failed), and the prefix cache's queried and hit prompt tokens (`cached_tokens` of a
 GenerationResult, 0 while the engine has no prefix cache), whose ratio is the hit rate. Names follow vLLM's
@@ -25,6 +29,13 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# speculative decoding's counters (vLLM's names but the last): (metric, help, key of Engine.stats().speculative)
+SPECULATIVE = (
+    ("spec_decode_num_draft_tokens", "Draft tokens proposed (verified by the main model).", "proposed"),
+    ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "accepted"),
+    ("spec_decode_num_drafts", "Drafts verified: one per speculating stream and verify step.", "drafts"),
+    ("spec_decode_verify_steps", "Engine steps that verified drafts.", "steps"),
+)
 
 
 class EngineCollector:
@@ -51,6 +62,11 @@ class EngineCollector:
         steps = CounterMetricFamily(PREFIX + "engine_steps", "Steps the engine loop has run.", labels=names)
         steps.add_metric(values, s.steps)
         yield steps
+        if s.speculative is not None:
+            for name, doc, key in SPECULATIVE:
+                counter = CounterMetricFamily(PREFIX + name, doc, labels=names)
+                counter.add_metric(values, s.speculative[key])
+                yield counter
 
 
 class ServerMetrics:

@@ -1,6 +1,7 @@
 """Speculative decoding (issue 39): draft, then verify, then accept; the pieces, then the engine's step.
 
-- options.py: the user's `speculative=` option checked against the model (`check_speculative`).
+- options.py: the user's `speculative=` option checked against the model (`check_speculative`; `parse_speculative`
+  without it), and vLLM's --speculative-config as that option (`from_vllm`).
 - proposers.py: `ngram_propose`, prompt lookup over a stream's tokens (no weights).
 - mtp.py: the checkpoint's MTP head as a drafter: `mtp_hidden_states` (its step), `draft_mtp` (k drafts for a
   stream, eager).
@@ -16,8 +17,9 @@ docs/speculative.md has the state handling and what the first version does not d
 
 from .acceptance import EMPTY, Accepted, draw_uniforms, rejection_sample, target_probabilities
 from .mtp import Draft, draft_mtp, mtp_hidden_states
-from .options import METHODS, Speculative, check_speculative
+from .options import DEFAULT_MAX_STREAMS, METHODS, Speculative, check_speculative, from_vllm, parse_speculative
 from .proposers import ngram_propose
 
-__all__ = ["EMPTY", "Accepted", "Draft", "METHODS", "Speculative", "check_speculative", "draft_mtp",
-           "draw_uniforms", "mtp_hidden_states", "ngram_propose", "rejection_sample", "target_probabilities"]
+__all__ = ["DEFAULT_MAX_STREAMS", "EMPTY", "Accepted", "Draft", "METHODS", "Speculative", "check_speculative",
+           "draft_mtp", "draw_uniforms", "from_vllm", "mtp_hidden_states", "ngram_propose", "parse_speculative",
+           "rejection_sample", "target_probabilities"]

@@ -5,10 +5,13 @@
 
 A request speculates (`speculates`) unless it has a grammar, logprobs, a penalty or min_tokens (their processors
 depend on the drafts before each position: not supported yet, so such requests decode one token per step) or
-it opted out (Request.speculate False). Each step that holds a speculating decode (with drafts) or, for "mtp",
-any chunk of a request the head follows, runs here, synchronously (loop.py: the step before is read back first,
-so each decode's last token and drafts are on the host); its layers through the runner's compiled (on CUDA
-captured) hidden-states step of the bucket it fits (GraphRunner.hidden_bucket), else eagerly:
+it opted out (Request.speculate False). A step with more decode streams than the option's max_streams speculates
+not at all (k = 0 for every stream: the loop's own overlapped step; for "mtp" the head then stops following its
+requests, as after any step run the loop's way). Each step of at most max_streams decodes that holds a
+speculating decode (with drafts) or, for "mtp", any chunk of a request the head follows, runs here,
+synchronously (loop.py: the step before is read back first, so each decode's last token and drafts are on the
+host); its layers through the runner's compiled (on CUDA captured) hidden-states step of the bucket it fits
+(GraphRunner.hidden_bucket), else eagerly:
 
 1. Streams: a speculating decode feeds (x_n, d_1 .. d_k), k = min(num_tokens, tokens it may still emit - 1)
    (so neither max_new_tokens nor its KV reservation is overrun); the other chunks are the plan's own.
@@ -61,12 +64,14 @@ class SpeculativeStep:
         self.cache, self.model = loop.cache, loop.model
         self.base = self.cache.prefix_checkpoints  # the first verify entry
         self.mtp = MtpDrafter(self.model, self.cache) if spec.method == "mtp" else None
-        self.proposed = self.accepted = self.steps = 0
+        self.proposed = self.accepted = self.drafts = self.steps = 0
 
     def stats(self) -> dict:
-        """Drafts proposed and accepted, and the steps that verified any, so far."""
+        """So far: drafts proposed and accepted (tokens), drafts verified (`drafts`: one per stream and verify
+        step, vLLM's num_drafts; a stream gains (accepted + drafts) / drafts tokens per verify on average), and
+        the steps that verified any."""
         return {"method": self.spec.method, "num_tokens": self.k, "proposed": self.proposed,
-                "accepted": self.accepted, "steps": self.steps}
+                "accepted": self.accepted, "drafts": self.drafts, "steps": self.steps}
 
     def room(self, r) -> int:
         """The drafts r may verify now: at most num_tokens, and leaving room for the added token."""
@@ -77,9 +82,11 @@ class SpeculativeStep:
         not run here, leaves it behind: no MTP drafts for r)."""
         return self.mtp is not None and speculates(r) and r.cached == 0 and r.mtp_ok
 
-    def may_take(self, step: list) -> bool:
-        """Whether `step` (a plan) may run here: the loop then reads the step in flight back first."""
-        return any(speculates(c.request) for c in step)
+    def may_take(self, step: list, decodes: int) -> bool:
+        """Whether `step` (a plan whose first `decodes` chunks are decodes) may run here: the loop then reads the
+        step in flight back first. Not with more decodes than max_streams (the module docstring): the loop then
+        runs it its own way (and calls normal)."""
+        return decodes <= self.spec.max_streams and any(speculates(c.request) for c in step)
 
     def takes(self, step: list, decodes: int) -> bool:
         """Whether `step` (read back: every decode's last token on the host) runs here; sets each decode's drafts
@@ -88,7 +95,8 @@ class SpeculativeStep:
         for i, c in enumerate(step):
             r = c.request
             if self.mtp is None and i < decodes:
-                r.drafts = ngram_propose(r.prompt + r.out, self.room(r)) if speculates(r) and self.room(r) else []
+                r.drafts = (ngram_propose(r.prompt + r.out, self.room(r), self.spec.prompt_lookup_min,
+                                          self.spec.prompt_lookup_max) if speculates(r) and self.room(r) else [])
             take = take or (i < decodes and bool(r.drafts)) or self.follows(r)
         return take
 
@@ -176,6 +184,7 @@ class SpeculativeStep:
         counts, emitted = result.counts.tolist(), result.tokens.tolist()  # the step's one read back
         self.proposed += sum(n)
         self.accepted += sum(counts)
+        self.drafts += len(reqs)
         self.steps += 1
         return counts, [row[:c + 1] for row, c in zip(emitted, counts)]
 
