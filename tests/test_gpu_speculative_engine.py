@@ -48,6 +48,20 @@ def test_cuda_speculation_gives_plain_decoding(family, compile, monkeypatch):
             assert s["proposed"] > 0 and (spec["method"] == "mtp" or 0 < s["accepted"] < s["proposed"])
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "graphs"])
+def test_one_stream_keeps_the_state_after_a_rejected_draft(compile, monkeypatch):
+    """A request decoding alone: a one-stream step would take the GDN op's chunked path whole, which keeps the
+    states at chunk ends only, so verify pads it to two streams (the recurrent kernel keeps any token), in a
+    captured bucket too. The oracle's wrong drafts make partial runs, whose state comes from a verify entry."""
+    model, prompts = cuda_model("dense"), prompts_of("dense")[3:4]
+    reference = plain(model, prompts, compile, new=24)
+    monkeypatch.setattr(verify, "ngram_propose", Oracle(prompts, reference, CONFIGS["dense"].vocab_size))
+    with Engine(model, 1, compile=compile, speculative={"method": "ngram", "num_tokens": 3}) as e:
+        out = e.generate(prompts, max_new_tokens=24, stop_token_ids=[])[0].token_ids
+        s = e.stats().speculative
+    assert out == reference[0] and 0 < s["accepted"] < s["proposed"]
+
+
 def test_cuda_bigram_checkpoint_accepts_every_mtp_draft():
     model = bigram_model(CONFIGS["dense"]).to("cuda")
     with Engine(model, 2, compile=False, speculative={"method": "mtp", "num_tokens": 3}) as e:

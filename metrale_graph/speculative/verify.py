@@ -121,14 +121,15 @@ class SpeculativeStep:
         out: dict = {}
 
         def forward(packed):
+            if dev.type == "cuda" and packed.num_streams == 1:  # one stream would take the chunked GDN path
+                packed = packed.padded(2, packed.num_tokens, cache)  # (split.py), which keeps chunk ends only:
+                # an empty second stream sends it to the recurrent kernel, which keeps any token, in a graph too
             runner = loop.runner  # its compiled (captured) hidden-states step of the bucket the step fits, if any
             entry = runner.hidden_bucket(packed.num_streams, packed.num_tokens) if runner is not None else None
             targets(cache, keep_tok, keep_entry)
             try:
                 if entry is not None:
                     return runner.run_hidden(entry, packed)
-                if dev.type == "cuda" and packed.num_streams == 1:  # one stream would take the chunked GDN
-                    packed = packed.padded(2, packed.num_tokens, cache)  # path, which keeps chunk ends only
                 return model.hidden_states(cache, packed)
             finally:
                 targets(cache, [], [])
