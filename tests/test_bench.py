@@ -300,3 +300,94 @@ def test_bench_record_names_the_kernel_choices(monkeypatch):
     monkeypatch.setattr(align, "SORT", "count")
     record = bench.bench_record(args, 32, None, "NVIDIA H200", {"commit": "x"}, [])
     assert record["backends"] == {"gdn_chunked": "fla", "moe_sort": "count"}
+
+
+def test_projection_arithmetic_at_published_acceptance():
+    """vLLM's per-position rates are unconditional (position 2 counts only when 1 was kept): a step emits the bonus
+    token plus their sum, 1 + 0.80 + 0.43 = 2.23 tokens a stream (its published acceptance length)."""
+    from metrale_graph.tools import bench_speculative as bs
+
+    assert bs.acceptance_length(bs.PUBLISHED["per_position"]) == pytest.approx(2.23)
+    row = bs.project(8, step_ms=10.0, plain_ms=6.0)
+    assert row["projected_tok_s"] == pytest.approx(8 * 2.23 / 10.0 * 1e3, abs=0.05)
+    assert row["plain_tok_s"] == pytest.approx(8 / 6.0 * 1e3, abs=0.05)
+    assert row["speedup"] == pytest.approx(2.23 * 6.0 / 10.0, abs=1e-3) and row["k"] == 2
+    for bad in ([0.4, 0.8], [1.2], [-0.1]):  # a later position cannot be kept more often than an earlier one
+        with pytest.raises(ValueError, match="per-position acceptance rates"):
+            bs.acceptance_length(bad)
+
+
+def test_echo_prompts_and_the_engines_buckets():
+    from metrale_graph.tools import bench_speculative as bs
+
+    assert bs.echo_prompts([[1, 2], [3]], [[7, 8, 9], [4]]) == [[1, 2, 7, 8, 9, 1, 2], [3, 4, 3]]
+    with pytest.raises(ValueError, match="2 prompts for 1 continuations"):
+        bs.echo_prompts([[1], [2]], [[3]])
+    # every step a window replays has its bucket: plain decodes (n), verifies (n x (k + 1)), prompt chunks beside them
+    batch_sizes, tokens = bs.engine_grid([1, 8], (1, 3), 2048)
+    assert batch_sizes == [1, 8] and tokens == [1, 2, 4, 8, 16, 32, 2048, 2051, 2072]
+    plan = bs.SpecPlan(streams=(32,), context=2048, steps=32, settle=4)
+    # 32 x 2048 prompt tokens at 2048 a step: 32 steps (+2) before the last decodes, then 2 windows, 4 tokens a step
+    assert bs.window_tokens(plan, 32, phases=2, k=3) == (34 + 2 * (4 + 32 + bs.SLACK)) * 4
+
+
+def test_speculative_flags(capsys):
+    from metrale_graph.tools import bench_speculative as bs
+
+    p = bench._parser()
+    args = p.parse_args(["--preset", "tiny", "--speculative", "1,8", "--speculative-k", "3,1", "--echo", "16"])
+    plan = bench._plan(p, args)
+    assert plan.workloads == [] and plan.spec == bs.SpecPlan(streams=(1, 8), ks=(1, 3), mtp_k=2, echo=(16,))
+    assert bs.model_config(plan.cfg, plan.spec).mtp_num_hidden_layers == 1  # a random head for the MTP engine
+    assert bench._plan(p, p.parse_args(["--preset", "tiny"])).spec is None
+    only_echo = bench._plan(p, p.parse_args(["--preset", "tiny", "--echo", "1", "--workloads", "D1"]))
+    assert only_echo.workloads == ["D1"] and not only_echo.spec.needs_mtp
+    assert bs.model_config(only_echo.cfg, only_echo.spec) is only_echo.cfg
+    for argv, message in ((["--speculative", "1,1"], "names a value twice"),
+                          (["--speculative", "1", "--tp", "2"], "leave them out under --tp"),
+                          (["--speculative", "0"], "positive integers"),
+                          (["--speculative-mtp-k", "-1"], "non-negative")):
+        with pytest.raises(SystemExit) as e:
+            bench._plan(p, p.parse_args(["--preset", "tiny", *argv]))
+        assert e.value.code == 2 and message in capsys.readouterr().err, argv
+
+
+def test_speculative_workloads_run_on_the_cpu():
+    """The whole driver on the tiny preset, eager on the CPU (times are not asserted): the plain engine's windows,
+    the n-gram engine's phases with drafts forced to k, the MTP engine's with its drafter timed, the echo workload
+    and the projection; the record's shape, and counters that follow from the forcing."""
+    from metrale_graph.speculative import verify
+    from metrale_graph.tools import bench_speculative as bs
+
+    plan = bs.SpecPlan(streams=(2,), ks=(1, 2), mtp_k=1, echo=(2,), context=6, steps=2, settle=2, echo_prompt=5,
+                       echo_new=6)
+    model = HybridModel.from_preset(bs.model_config(PRESETS["tiny"], plan), seed=0)
+    logged = []
+    spec = bs.run_speculative(model, plan, compile=False, log=logged.append)
+    assert verify.ngram_propose.__module__ == "metrale_graph.speculative.proposers"  # the forcing is undone
+    assert set(spec) == {"setup", "verify", "echo", "projection"}
+    assert spec["setup"]["forced"] == bs.FORCED and spec["setup"]["published"] == bs.PUBLISHED
+    assert [(r["engine"], r["k"]) for r in spec["verify"]] == [("plain", 0), ("ngram, forced drafts", 0),
+                                                               ("ngram, forced drafts", 1), ("ngram, forced drafts", 2),
+                                                               ("mtp", 1)]
+    assert len(logged) == 6 and all(r in logged for r in spec["verify"] + spec["echo"])  # as each was measured
+    for r in spec["verify"]:
+        n, k = r["streams"], r["k"]
+        assert r["steps"] >= plan.steps and r["device_ms"] is None  # (no CUDA: no device time)
+        assert 1 <= r["tokens_per_step"] <= k + 1
+        # every step verifies k drafts of each stream (one step of slack: the phase switch, the counters' read)
+        assert abs(r["proposed"] - r["steps"] * n * k) <= n * k and r["accepted"] <= r["proposed"]
+        assert (r["verify_steps"] == 0) == (k == 0)
+    mtp = spec["verify"][-1]
+    assert abs(mtp["draft_calls"] - mtp["steps"]) <= 1 and mtp["draft_tokens"] == mtp["draft_calls"] * 2 * 1
+    assert mtp["draft_ms_per_step"] > 0
+    for r in spec["echo"]:
+        assert r["prompt_tokens"] == 2 * 5 + 6 and r["new_tokens"] == 6
+        assert r["same_output"] == 1.0  # greedy speculation gives plain decoding's tokens (fp32)
+        assert r["proposed"] >= r["accepted"] >= 0
+    (proj,) = spec["projection"]  # mtp_k 1: the forced verify step at the published k = 2
+    step = spec["verify"][3]["step_ms"]
+    assert proj["from"] == "forced verify step (no draft)" and proj["step_ms"] == step
+    assert proj["projected_tok_s"] == pytest.approx(2 * 2.23 / step * 1e3, abs=0.1)
+    text = bs.render(spec)
+    assert "PROJECTION, not a measurement" in text and bs.FORCED in text and "echoed C" in text

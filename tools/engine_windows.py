@@ -1,0 +1,160 @@
+"""Timing windows over one Engine.generate call (tools.bench_speculative; bench --loop's measurement, in phases):
+once every request decodes, each phase runs `settle` steps, then a window of `steps` timed steps between two marker
+kernels; the call ends (its requests aborted) when the last window closes. Also the two hooks the speculative
+workloads need: ForcedDrafts (drafts forced to k per decode, in place of prompt lookup) and DraftTimer (the MTP
+drafter's calls timed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+FORCED = "each decode proposes exactly k drafts (its last token repeated; a stand-in for prompt lookup that never misses)"
+
+
+class ForcedDrafts:
+    """A stand-in for verify.ngram_propose (FORCED): `k` drafts (at most the engine's room), set by the measuring
+    thread between phases."""
+
+    def __init__(self):
+        self.k = 0
+
+    def __call__(self, tokens, room: int) -> list[int]:
+        return [tokens[-1]] * min(self.k, room)
+
+
+@contextlib.contextmanager
+def forced_drafts():
+    """verify.ngram_propose replaced by a ForcedDrafts while the block runs."""
+    from metrale_graph.speculative import verify
+
+    forced, real = ForcedDrafts(), verify.ngram_propose
+    verify.ngram_propose = forced
+    try:
+        yield forced
+    finally:
+        verify.ngram_propose = real
+
+
+class DraftTimer:
+    """The MTP drafter's calls timed (wall, the device synchronized before and after): totals of ms, calls and
+    drafted tokens."""
+
+    def __init__(self, engine):
+        self.drafter = engine._loop.spec.mtp
+        self.real, self.ms, self.calls, self.tokens = self.drafter.draft, 0.0, 0, 0
+        self.sync = torch.cuda.synchronize if engine.model.device.type == "cuda" else (lambda: None)
+        self.drafter.draft = self
+
+    def __call__(self, *args, **kwargs):
+        self.sync()
+        t0 = time.perf_counter()
+        drafts = self.real(*args, **kwargs)
+        self.sync()
+        self.ms += 1e3 * (time.perf_counter() - t0)
+        self.calls += 1
+        self.tokens += sum(len(d) for d in drafts.values())
+        return drafts
+
+    def totals(self) -> tuple[float, int, int]:
+        return self.ms, self.calls, self.tokens
+
+
+class _Done(Exception):
+    """Raised from on_token once the last window has closed: generate aborts the rest."""
+
+
+class Windows:
+    """on_token of one generate call of n requests: once every request decodes, for each phase (its k, set on
+    `forced` when given) `settle` steps then a window of `steps` steps, marked by a marker kernel at
+    each end on CUDA. Watches request 0's tokens (every request decodes in every step)."""
+
+    def __init__(self, engine, n: int, phases: list, steps: int, settle: int, forced=None, timer=None):
+        self.engine, self.phases, self.steps, self.settle = engine, phases, steps, settle
+        self.forced, self.timer = forced, timer
+        self.cuda = engine.model.device.type == "cuda"
+        self.counts, self.phase, self.state, self.marks = [0] * n, -1, None, []
+
+    def _snapshot(self) -> dict:
+        s = self.engine.stats()
+        spec = s.speculative or {}
+        return {"t": time.perf_counter(), "steps": s.steps, "tokens": s.generated_tokens,
+                "proposed": spec.get("proposed", 0), "accepted": spec.get("accepted", 0),
+                "verify_steps": spec.get("steps", 0), "draft": self.timer.totals() if self.timer else None}
+
+    def _begin(self, phase: int) -> None:
+        self.phase, self.state = phase, ("settle", self.engine.stats().steps + self.settle)
+        if self.forced is not None:
+            self.forced.k = self.phases[phase]
+
+    def __call__(self, index: int, _token: int) -> None:
+        self.counts[index] += 1
+        if self.phase < 0:
+            if self.counts[index] == 2 and min(self.counts) >= 2:
+                self._begin(0)
+            return
+        if index != 0:
+            return
+        kind, until = self.state
+        if self.engine.stats().steps < until:
+            return
+        if kind == "settle":
+            if self.cuda:
+                torch.cuda._sleep(1000)  # the window's first marker, behind the steps launched so far
+            start = self._snapshot()
+            self.state, self.start = ("time", start["steps"] + self.steps), start
+            return
+        end = self._snapshot()
+        if self.cuda:
+            torch.cuda._sleep(1000)
+        self.marks.append((self.phases[self.phase], self.start, end))
+        if self.phase + 1 == len(self.phases):
+            raise _Done
+        self._begin(self.phase + 1)
+
+
+def run_windows(engine, prompts: list[list[int]], phases: list[int], new: int, steps: int, settle: int,
+                forced: ForcedDrafts | None = None, timer: DraftTimer | None = None) -> list[dict]:
+    """One generate call of `prompts` (`new` tokens at most each: enough for every request to decode through every
+    window) measured in Windows; a row per phase (k: its forced drafts, or the engine's own num_tokens): steps
+    timed, wall ms per step, device ms and GPU busy (CUDA; else None), tokens a stream gets per step, ms per
+    emitted token (a stream's), drafts proposed and accepted, verify steps, and with `timer` the drafter's ms."""
+    n = len(prompts)
+    windows = Windows(engine, n, phases, steps, settle, forced, timer)
+    busy = None
+    if windows.cuda:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        from metrale_graph.tools.profiling import busy_between_markers
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with contextlib.suppress(_Done):
+                engine.generate(prompts, max_new_tokens=new, on_token=windows)
+            torch.cuda.synchronize()
+        busy = busy_between_markers(prof.events(), DeviceType.CUDA)
+    else:
+        with contextlib.suppress(_Done):
+            engine.generate(prompts, max_new_tokens=new, on_token=windows)
+    if len(windows.marks) != len(phases):
+        raise RuntimeError(f"{len(windows.marks)} of {len(phases)} windows closed: requests finished first")
+    rows = []
+    for i, (k, a, b) in enumerate(windows.marks):
+        steps, wall_s = b["steps"] - a["steps"], b["t"] - a["t"]
+        per_stream = max(b["tokens"] - a["tokens"], 1) / steps / n
+        row = {"streams": n, "k": k, "steps": steps, "step_ms": round(1e3 * wall_s / steps, 3),
+               "device_ms": None, "gpu_busy": None, "tokens_per_step": round(per_stream, 3),
+               "ms_per_token": round(1e3 * wall_s / steps / per_stream, 3),
+               "proposed": b["proposed"] - a["proposed"], "accepted": b["accepted"] - a["accepted"],
+               "verify_steps": b["verify_steps"] - a["verify_steps"]}
+        if busy is not None:
+            row.update(gpu_busy=round(busy[i], 4), device_ms=round(busy[i] * 1e3 * wall_s / steps, 3))
+        if timer is not None:
+            ms, calls, tokens = (y - x for x, y in zip(a["draft"], b["draft"]))
+            row.update(draft_calls=calls, draft_tokens=tokens, draft_ms_per_step=round(ms / steps, 3),
+                       draft_ms_per_position=round(ms / calls / k, 3) if calls and k else None)
+        rows.append(row)
+    return rows
