@@ -150,9 +150,13 @@ def engine_grid(counts, ks, budget: int) -> tuple[list[int], list[int]]:
 
 @contextlib.contextmanager
 def _engine(model, plan: SpecPlan, counts, speculative, compile: bool):
-    """An Engine for the stream counts `counts` (a slot each for the widest), stop tokens off; shut down and its
-    memory freed after the block."""
+    """An Engine for the stream counts `counts` (a slot each for the widest), stop tokens off, shut down after the
+    block. The engine before it must be gone (the caller dels its name): its memory is freed first."""
     from metrale_graph import Engine
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
     ks = (0,) if speculative is None else (*plan.ks, plan.mtp_k)
     budget = _budget(counts)
@@ -166,10 +170,6 @@ def _engine(model, plan: SpecPlan, counts, speculative, compile: bool):
         yield engine
     finally:
         engine.shutdown()
-        del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
 
 def _warm(engine, n: int, ks) -> None:
@@ -236,6 +236,7 @@ def run_speculative(model, plan: SpecPlan, seed: int = 0, compile: bool = True, 
             continuations = [r.token_ids for r in engine.generate(echo_source, max_new_tokens=plan.echo_new)]
             echo_set = echo_prompts(echo_source, continuations)
             plain_echo = {n: _generate(engine, echo_set[:n], plan.echo_new) for n in plan.echo}
+    del engine  # (its cache and graphs go before the next engine's are made)
     with _engine(model, plan, counts, {"method": "ngram", "num_tokens": K}, compile) as engine:
         with forced_drafts() as forced:
             for n in plan.streams:
@@ -246,6 +247,7 @@ def run_speculative(model, plan: SpecPlan, seed: int = 0, compile: bool = True, 
             echo.append(_echo_row(n, plain_echo[n], _generate(engine, echo_set[:n], plan.echo_new),
                                   continuations[:n], len(echo_set[0])))
             log(echo[-1])
+    del engine
     if plan.needs_mtp:
         with _engine(model, plan, plan.streams, {"method": "mtp", "num_tokens": plan.mtp_k}, compile) as engine:
             timer = DraftTimer(engine)
@@ -301,10 +303,11 @@ def render(spec: dict) -> str:
         parts.append(f"speculative decoding's steps (steady state, {setup['context']} prompt tokens per stream, "
                      f"{setup['steps']} steps a window); ngram rows: {FORCED}; k 0: no drafts\n" + format_table(
                          ["streams", "engine", "k", "step ms", "device ms", "GPU busy", "tokens/step", "ms/token",
-                          "proposed", "accepted", "x plain", "draft ms/step"],
+                          "proposed", "accepted", "x plain", "draft ms/step", "draft ms/position"],
                          [[r["streams"], r["engine"], r["k"], r["step_ms"], opt(r["device_ms"]), pct(r["gpu_busy"]),
                            r["tokens_per_step"], r["ms_per_token"], r["proposed"], r["accepted"], r["vs_plain"],
-                           opt(r.get("draft_ms_per_step"))] for r in spec["verify"]]))
+                           opt(r.get("draft_ms_per_step")), opt(r.get("draft_ms_per_position"))]
+                          for r in spec["verify"]]))
     if spec["echo"]:
         parts.append("echo (prompt P + its greedy continuation C + P; tokens/s of the whole generate call)\n"
                      + format_table(["streams", "prompt", "new", "plain tok/s", "ngram tok/s", "speed-up",

@@ -77,6 +77,8 @@ class Windows:
         self.forced, self.timer = forced, timer
         self.cuda = engine.model.device.type == "cuda"
         self.counts, self.phase, self.state, self.marks = [0] * n, -1, None, []
+        if forced is not None:
+            forced.k = 0  # no drafts while the prompts prefill (an earlier call's last phase set it)
 
     def _snapshot(self) -> dict:
         s = self.engine.stats()
@@ -135,12 +137,13 @@ def run_windows(engine, prompts: list[list[int]], phases: list[int], new: int, s
             with contextlib.suppress(_Done):
                 engine.generate(prompts, max_new_tokens=new, on_token=windows)
             torch.cuda.synchronize()
-        busy = busy_between_markers(prof.events(), DeviceType.CUDA)
     else:
         with contextlib.suppress(_Done):
             engine.generate(prompts, max_new_tokens=new, on_token=windows)
     if len(windows.marks) != len(phases):
         raise RuntimeError(f"{len(windows.marks)} of {len(phases)} windows closed: requests finished first")
+    if windows.cuda:
+        busy = busy_between_markers(prof.events(), DeviceType.CUDA)
     rows = []
     for i, (k, a, b) in enumerate(windows.marks):
         steps, wall_s = b["steps"] - a["steps"], b["t"] - a["t"]
