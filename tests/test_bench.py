@@ -1,6 +1,7 @@
 """tools.bench's arithmetic on the CPU: the floor model (tools/floors.py), the union of device intervals
 behind the GPU-busy fraction, the cache that holds every workload (D128 included) and the rendering of
-a run's record. Timing itself needs a GPU (tools.bench refuses to run without one, test_cli.py)."""
+a run's record; the speculative workloads (tools/bench_speculative.py): their flags, arithmetic, and the whole
+driver on the tiny preset, eagerly. Timing itself needs a GPU (tools.bench refuses to run without one, test_cli.py)."""
 
 import json
 
@@ -346,7 +347,9 @@ def test_speculative_flags(capsys):
     for argv, message in ((["--speculative", "1,1"], "names a value twice"),
                           (["--speculative", "1", "--tp", "2"], "leave them out under --tp"),
                           (["--speculative", "0"], "positive integers"),
-                          (["--speculative-mtp-k", "-1"], "non-negative")):
+                          (["--speculative-mtp-k", "-1"], "non-negative"),
+                          (["--speculative-k", "2"], "give one of them too"),
+                          (["--echo", "1", "--speculative-mtp-k", "1"], "give --speculative too")):
         with pytest.raises(SystemExit) as e:
             bench._plan(p, p.parse_args(["--preset", "tiny", *argv]))
         assert e.value.code == 2 and message in capsys.readouterr().err, argv

@@ -92,8 +92,9 @@ def add_args(p) -> None:
                         "prompts): the plain engine's decode step, the n-gram engine with drafts forced to each "
                         "--speculative-k, the MTP engine at --speculative-mtp-k, and the projection at published "
                         "acceptance")
-    p.add_argument("--speculative-k", type=positive_ints, default=[1, 2, 3], help="forced drafts per stream (1,2,3)")
-    p.add_argument("--speculative-mtp-k", type=non_negative_int, default=2,
+    p.add_argument("--speculative-k", type=positive_ints, default=None,
+                   help="the n-gram engine's forced drafts per stream and step (default 1,2,3; its most is the echo's k)")
+    p.add_argument("--speculative-mtp-k", type=non_negative_int, default=None,
                    help="drafts per step of the MTP engine (a random one-layer head; default 2, the published "
                         "acceptance's k; 0 leaves it out)")
     p.add_argument("--echo", type=positive_ints, default=None,
@@ -104,15 +105,21 @@ def add_args(p) -> None:
 def plan_of(p, args) -> SpecPlan | None:
     """The flags' SpecPlan (None without --speculative and --echo); usage errors through p.error."""
     if not args.speculative and not args.echo:
+        for flag, value in (("--speculative-k", args.speculative_k), ("--speculative-mtp-k", args.speculative_mtp_k)):
+            if value is not None:
+                p.error(f"{flag} sets up --speculative / --echo; give one of them too")
         return None
+    if args.speculative_mtp_k is not None and not args.speculative:
+        p.error("--speculative-mtp-k sets up the MTP engine of --speculative; give --speculative too")
     if args.tp > 1:
         p.error("--speculative and --echo time one GPU's engine; leave them out under --tp")
     for flag, values in (("--speculative", args.speculative), ("--speculative-k", args.speculative_k),
                          ("--echo", args.echo)):
         if values and len(set(values)) != len(values):
             p.error(f"{flag}: {values} names a value twice")
-    return SpecPlan(tuple(args.speculative or ()), tuple(sorted(args.speculative_k)), args.speculative_mtp_k,
-                    tuple(args.echo or ()))
+    defaults = SpecPlan()
+    return SpecPlan(tuple(args.speculative or ()), tuple(sorted(args.speculative_k or defaults.ks)),
+                    defaults.mtp_k if args.speculative_mtp_k is None else args.speculative_mtp_k, tuple(args.echo or ()))
 
 
 def model_config(cfg, plan: SpecPlan | None):
