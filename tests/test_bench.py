@@ -388,9 +388,14 @@ def test_speculative_workloads_run_on_the_cpu():
         assert r["prompt_tokens"] == 2 * 5 + 6 and r["new_tokens"] == 6
         assert r["same_output"] == 1.0  # greedy speculation gives plain decoding's tokens (fp32)
         assert r["proposed"] >= r["accepted"] >= 0
-    (proj,) = spec["projection"]  # mtp_k 1: the forced verify step at the published k = 2
+    (proj,) = spec["projection"]  # mtp_k 1: the forced verify step alone at the published k = 2
     step = spec["verify"][3]["step_ms"]
     assert proj["from"] == "forced verify step (no draft)" and proj["step_ms"] == step
     assert proj["projected_tok_s"] == pytest.approx(2 * 2.23 / step * 1e3, abs=0.1)
+    # with the MTP engine at k = 2: its step, and the forced verify step plus its drafting
+    at2 = [{**r, "k": 2, "draft_ms_per_step": 1.5} if r["engine"] == "mtp" else r for r in spec["verify"]]
+    both = bs.projections(at2, plan)
+    assert [(r["from"], r["step_ms"]) for r in both] == [("MTP engine step", mtp["step_ms"]),
+                                                         ("forced verify + MTP draft", round(step + 1.5, 3))]
     text = bs.render(spec)
     assert "PROJECTION, not a measurement" in text and bs.FORCED in text and "echoed C" in text

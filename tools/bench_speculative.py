@@ -15,8 +15,8 @@
    plain and with real n-gram drafts (prompt lookup, k = max k): tokens/s of the whole generate call (prefill
    included), acceptance, whether the two outputs agree and whether the model echoed C.
 4. A projection (PUBLISHED, labelled as such): tokens/s at vLLM's published acceptance for the 35B-A3B-FP8 with MTP
-   at k = 2 (per-position 0.80 / 0.43: 2.23 tokens a step) from the measured step at k = 2 (the MTP engine's, draft
-   included; else the forced verify step's, draft excluded, said in the row).
+   at k = 2 (per-position 0.80 / 0.43: 2.23 tokens a step) from the steps measured at k = 2 (projections(): the MTP
+   engine's, and the forced verify step plus the MTP draft; the verify step alone without the MTP engine).
 
 Each window: `settle` steps after every request decodes (or after the phase changes), then `steps` timed steps;
 wall ms per step (host work included), device ms and the GPU-busy fraction between two marker kernels (as bench
@@ -284,16 +284,22 @@ def _echo_row(n: int, plain, spec, continuations, prompt_tokens: int) -> dict:
 
 
 def projections(verify: list[dict], plan: SpecPlan, published: dict = PUBLISHED) -> list[dict]:
-    """A projection per stream count (PUBLISHED's acceptance) from the step measured at its k: the MTP engine's
-    (draft included), else the forced verify step's (draft excluded); none where neither ran at that k."""
+    """Projections per stream count (PUBLISHED's acceptance) from the steps measured at its k: the MTP engine's step
+    (verify and draft as they ran together), and the forced verify step plus the MTP engine's draft ms per step
+    (the two measured costs added); the forced verify step alone (draft excluded) where the MTP engine did not run
+    at that k; none where nothing ran at that k."""
     k, out = published["num_tokens"], []
     for n in plan.streams:
         rows = {(r["engine"], r["k"]): r for r in verify if r["streams"] == n}
-        step = rows.get(("mtp", k)) or rows.get(("ngram, forced drafts", k))
-        if step is None:
-            continue
-        source = "MTP engine step (verify + draft)" if step["engine"] == "mtp" else "forced verify step (no draft)"
-        out.append({**project(n, step["step_ms"], rows[("plain", 0)]["step_ms"], published), "from": source})
+        plain, mtp, forced = rows[("plain", 0)]["step_ms"], rows.get(("mtp", k)), rows.get(("ngram, forced drafts", k))
+        steps = []
+        if mtp is not None:
+            steps.append(("MTP engine step", mtp["step_ms"]))
+        if forced is not None and mtp is not None:
+            steps.append(("forced verify + MTP draft", round(forced["step_ms"] + mtp["draft_ms_per_step"], 3)))
+        elif forced is not None:
+            steps.append(("forced verify step (no draft)", forced["step_ms"]))
+        out += [{**project(n, ms, plain, published), "from": source} for source, ms in steps]
     return out
 
 
