@@ -359,20 +359,22 @@ def test_speculative_workloads_run_on_the_cpu():
     """The whole driver on the tiny preset, eager on the CPU (times are not asserted): the plain engine's windows,
     the n-gram engine's phases with drafts forced to k, the MTP engine's with its drafter timed, the echo workload
     and the projection; the record's shape, and counters that follow from the forcing."""
-    from metrale_graph.speculative import verify
+    from metrale_graph.speculative import drafting, mtp, verify
     from metrale_graph.tools import bench_speculative as bs
 
-    plan = bs.SpecPlan(streams=(2,), ks=(1, 2), mtp_k=1, echo=(2,), context=6, steps=2, settle=2, echo_prompt=5,
+    plan = bs.SpecPlan(streams=(2,), ks=(1, 2), mtp_k=2, echo=(2,), context=6, steps=2, settle=2, echo_prompt=5,
                        echo_new=6)
     model = HybridModel.from_preset(bs.model_config(PRESETS["tiny"], plan), seed=0)
     logged = []
     spec = bs.run_speculative(model, plan, compile=False, log=logged.append)
-    assert verify.ngram_propose.__module__ == "metrale_graph.speculative.proposers"  # the forcing is undone
+    # the hooks are undone: prompt lookup and the MTP head's step are the package's own again
+    assert verify.ngram_propose.__module__ == "metrale_graph.speculative.proposers"
+    assert drafting.mtp_hidden_states is mtp.mtp_hidden_states
     assert set(spec) == {"setup", "verify", "echo", "projection"}
     assert spec["setup"]["forced"] == bs.FORCED and spec["setup"]["published"] == bs.PUBLISHED
     assert [(r["engine"], r["k"]) for r in spec["verify"]] == [("plain", 0), ("ngram, forced drafts", 0),
                                                                ("ngram, forced drafts", 1), ("ngram, forced drafts", 2),
-                                                               ("mtp", 1)]
+                                                               ("mtp", 2)]
     assert len(logged) == 6 and all(r in logged for r in spec["verify"] + spec["echo"])  # as each was measured
     for r in spec["verify"]:
         n, k = r["streams"], r["k"]
@@ -381,21 +383,22 @@ def test_speculative_workloads_run_on_the_cpu():
         # every step verifies k drafts of each stream (one step of slack: the phase switch, the counters' read)
         assert abs(r["proposed"] - r["steps"] * n * k) <= n * k and r["accepted"] <= r["proposed"]
         assert (r["verify_steps"] == 0) == (k == 0)
-    mtp = spec["verify"][-1]
-    assert abs(mtp["draft_calls"] - mtp["steps"]) <= 1 and mtp["draft_tokens"] == mtp["draft_calls"] * 2 * 1
-    assert mtp["draft_ms_per_step"] > 0
+    mtp_row = spec["verify"][-1]
+    # a draft call per step, k drafts a stream; in each, the catch-up then k - 1 single-token head steps
+    assert abs(mtp_row["draft_calls"] - mtp_row["steps"]) <= 1 and mtp_row["draft_tokens"] == mtp_row["draft_calls"] * 2 * 2
+    assert mtp_row["draft_ms_per_step"] > 0 and mtp_row["draft_catchup_ms"] > 0 and mtp_row["draft_head_step_ms"] > 0
     for r in spec["echo"]:
         assert r["prompt_tokens"] == 2 * 5 + 6 and r["new_tokens"] == 6
         assert r["same_output"] == 1.0  # greedy speculation gives plain decoding's tokens (fp32)
         assert r["proposed"] >= r["accepted"] >= 0
-    (proj,) = spec["projection"]  # mtp_k 1: the forced verify step alone at the published k = 2
+    # at the published k = 2: the MTP engine's step, and the forced verify step plus the MTP drafting
     step = spec["verify"][3]["step_ms"]
-    assert proj["from"] == "forced verify step (no draft)" and proj["step_ms"] == step
-    assert proj["projected_tok_s"] == pytest.approx(2 * 2.23 / step * 1e3, abs=0.1)
-    # with the MTP engine at k = 2: its step, and the forced verify step plus its drafting
-    at2 = [{**r, "k": 2, "draft_ms_per_step": 1.5} if r["engine"] == "mtp" else r for r in spec["verify"]]
-    both = bs.projections(at2, plan)
-    assert [(r["from"], r["step_ms"]) for r in both] == [("MTP engine step", mtp["step_ms"]),
-                                                         ("forced verify + MTP draft", round(step + 1.5, 3))]
+    assert [(r["from"], r["step_ms"]) for r in spec["projection"]] == [
+        ("MTP engine step", mtp_row["step_ms"]),
+        ("forced verify + MTP draft", round(step + mtp_row["draft_ms_per_step"], 3))]
+    proj = spec["projection"][1]
+    assert proj["projected_tok_s"] == pytest.approx(2 * 2.23 / proj["step_ms"] * 1e3, abs=0.1)
+    (alone,) = bs.projections(spec["verify"][:-1], plan)  # without the MTP engine: the verify step alone
+    assert alone["from"] == "forced verify step (no draft)" and alone["step_ms"] == step
     text = bs.render(spec)
-    assert "PROJECTION, not a measurement" in text and bs.FORCED in text and "echoed C" in text
+    assert "PROJECTION, not a measurement" in text and bs.FORCED in text and "echoed C" in text and "catch-up" in text

@@ -257,11 +257,11 @@ def run_speculative(model, plan: SpecPlan, seed: int = 0, compile: bool = True, 
     del engine
     if plan.needs_mtp:
         with _engine(model, plan, plan.streams, {"method": "mtp", "num_tokens": plan.mtp_k}, compile) as engine:
-            timer = DraftTimer(engine)
-            for n in plan.streams:
-                _warm(engine, n, [plan.mtp_k])
-                done(run_windows(engine, verify_prompts[n], [plan.mtp_k], window_tokens(plan, n, 1, plan.mtp_k),
-                                 plan.steps, plan.settle, timer=timer), "mtp")
+            with DraftTimer(engine) as timer:
+                for n in plan.streams:
+                    _warm(engine, n, [plan.mtp_k])
+                    done(run_windows(engine, verify_prompts[n], [plan.mtp_k], window_tokens(plan, n, 1, plan.mtp_k),
+                                     plan.steps, plan.settle, timer=timer), "mtp")
     plain = {r["streams"]: r["step_ms"] for r in verify if r["engine"] == "plain"}
     for r in verify:
         r["vs_plain"] = round(r["step_ms"] / plain[r["streams"]], 3)
@@ -316,11 +316,19 @@ def render(spec: dict) -> str:
         parts.append(f"speculative decoding's steps (steady state, {setup['context']} prompt tokens per stream, "
                      f"{setup['steps']} steps a window); ngram rows: {FORCED}; k 0: no drafts\n" + format_table(
                          ["streams", "engine", "k", "step ms", "device ms", "GPU busy", "tokens/step", "ms/token",
-                          "proposed", "accepted", "x plain", "draft ms/step", "draft ms/position"],
+                          "proposed", "accepted", "x plain"],
                          [[r["streams"], r["engine"], r["k"], r["step_ms"], opt(r["device_ms"]), pct(r["gpu_busy"]),
-                           r["tokens_per_step"], r["ms_per_token"], r["proposed"], r["accepted"], r["vs_plain"],
-                           opt(r.get("draft_ms_per_step")), opt(r.get("draft_ms_per_position"))]
+                           r["tokens_per_step"], r["ms_per_token"], r["proposed"], r["accepted"], r["vs_plain"]]
                           for r in spec["verify"]]))
+    drafting = [r for r in spec["verify"] if "draft_calls" in r]
+    if drafting:
+        parts.append("the MTP head's drafting inside the MTP engine's steps (MtpDrafter.draft: the catch-up over the "
+                     "kept positions, then a head step per further draft; device synchronized around each)\n"
+                     + format_table(["streams", "k", "ms/step", "ms/draft position", "catch-up ms", "head step ms",
+                                     "drafts"],
+                                    [[r["streams"], r["k"], r["draft_ms_per_step"], opt(r["draft_ms_per_position"]),
+                                      opt(r["draft_catchup_ms"]), opt(r["draft_head_step_ms"]), r["draft_tokens"]]
+                                     for r in drafting]))
     if spec["echo"]:
         parts.append("echo (prompt P + its greedy continuation C + P; tokens/s of the whole generate call)\n"
                      + format_table(["streams", "prompt", "new", "plain tok/s", "ngram tok/s", "speed-up",

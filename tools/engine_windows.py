@@ -40,27 +40,53 @@ def forced_drafts():
 
 
 class DraftTimer:
-    """The MTP drafter's calls timed (wall, the device synchronized before and after): totals of ms, calls and
-    drafted tokens."""
+    """The MTP drafter's calls timed inside an engine's steps, wall time with the device synchronized around each
+    (drafting.py, eager): whole calls (MtpDrafter.draft) and, inside them, each run of the head
+    (drafting.mtp_hidden_states): the first of a call is the catch-up over the positions the step kept, the others
+    the further drafts' single-token steps. A context manager: the hooks go when it exits."""
 
     def __init__(self, engine):
-        self.drafter = engine._loop.spec.mtp
-        self.real, self.ms, self.calls, self.tokens = self.drafter.draft, 0.0, 0, 0
-        self.sync = torch.cuda.synchronize if engine.model.device.type == "cuda" else (lambda: None)
-        self.drafter.draft = self
+        from metrale_graph.speculative import drafting
 
-    def __call__(self, *args, **kwargs):
+        self.drafter, self.module = engine._loop.spec.mtp, drafting
+        self.real_draft, self.real_head = self.drafter.draft, drafting.mtp_hidden_states
+        self.sync = torch.cuda.synchronize if engine.model.device.type == "cuda" else (lambda: None)
+        self.ms = self.catchup_ms = self.step_ms = 0.0
+        self.calls = self.tokens = self.head_steps = self._runs = 0
+
+    def __enter__(self) -> "DraftTimer":
+        self.drafter.draft, self.module.mtp_hidden_states = self._draft, self._head
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.drafter.draft  # (the instance attribute: the class's method again)
+        self.module.mtp_hidden_states = self.real_head
+
+    def _timed(self, fn, *args, **kwargs):
         self.sync()
         t0 = time.perf_counter()
-        drafts = self.real(*args, **kwargs)
+        out = fn(*args, **kwargs)
         self.sync()
-        self.ms += 1e3 * (time.perf_counter() - t0)
-        self.calls += 1
+        return out, 1e3 * (time.perf_counter() - t0)
+
+    def _draft(self, *args, **kwargs):
+        self._runs = 0
+        drafts, ms = self._timed(self.real_draft, *args, **kwargs)
+        self.ms, self.calls = self.ms + ms, self.calls + 1
         self.tokens += sum(len(d) for d in drafts.values())
         return drafts
 
-    def totals(self) -> tuple[float, int, int]:
-        return self.ms, self.calls, self.tokens
+    def _head(self, *args, **kwargs):
+        out, ms = self._timed(self.real_head, *args, **kwargs)
+        if self._runs == 0:
+            self.catchup_ms += ms
+        else:
+            self.step_ms, self.head_steps = self.step_ms + ms, self.head_steps + 1
+        self._runs += 1
+        return out
+
+    def totals(self) -> tuple:
+        return self.ms, self.calls, self.tokens, self.catchup_ms, self.step_ms, self.head_steps
 
 
 class _Done(Exception):
@@ -156,8 +182,10 @@ def run_windows(engine, prompts: list[list[int]], phases: list[int], new: int, s
         if busy is not None:
             row.update(gpu_busy=round(busy[i], 4), device_ms=round(busy[i] * 1e3 * wall_s / steps, 3))
         if timer is not None:
-            ms, calls, tokens = (y - x for x, y in zip(a["draft"], b["draft"]))
+            ms, calls, tokens, catchup, head_ms, head_steps = (y - x for x, y in zip(a["draft"], b["draft"]))
             row.update(draft_calls=calls, draft_tokens=tokens, draft_ms_per_step=round(ms / steps, 3),
-                       draft_ms_per_position=round(ms / calls / k, 3) if calls and k else None)
+                       draft_ms_per_position=round(ms / calls / k, 3) if calls and k else None,
+                       draft_catchup_ms=round(catchup / calls, 3) if calls else None,
+                       draft_head_step_ms=round(head_ms / head_steps, 3) if head_steps else None)
         rows.append(row)
     return rows
