@@ -402,3 +402,24 @@ def test_speculative_workloads_run_on_the_cpu():
     assert alone["from"] == "forced verify step (no draft)" and alone["step_ms"] == step
     text = bs.render(spec)
     assert "PROJECTION, not a measurement" in text and bs.FORCED in text and "echoed C" in text and "catch-up" in text
+
+
+def test_bench_part_writes_each_row_as_it_comes(monkeypatch, tmp_path):
+    """tools.bench's call of the speculative workloads: a run cut short (an engine that does not fit, say) keeps the
+    rows measured before it in --json; at the end the part is the record's "speculative"."""
+    from metrale_graph.tools import bench_speculative as bs
+
+    path, rows = tmp_path / "spec.json", [{"engine": "plain", "streams": 1}, {"engine": "mtp", "streams": 1}]
+    seen = []
+
+    def run(model, plan, seed, log):
+        for i, row in enumerate(rows):
+            log(row)
+            seen.append(json.loads(path.read_text()))
+        return {"setup": {}, "verify": [], "echo": [], "projection": []}
+
+    monkeypatch.setattr(bs, "run_speculative", run)
+    record = {"tool": "bench", "results": []}
+    assert bs.bench_part(None, bs.SpecPlan(streams=(1,)), 0, record, str(path)) == ""
+    assert [s["speculative_rows_so_far"] for s in seen] == [rows[:1], rows]
+    assert seen[0]["tool"] == "bench" and record["speculative"]["verify"] == []

@@ -462,10 +462,7 @@ def _bench(p, args, plan: _Plan, run) -> None:
                            [[r["streams"], r["overlap"], r["step_ms"], r["device_ms"], f"{100 * r['gpu_busy']:.0f}%",
                              r["floor_ms"], r["vs_floor"]] for r in loop_rows]))
     if plan.spec:
-        torch.cuda.empty_cache()
-        record["speculative"] = bench_speculative.run_speculative(model, plan.spec, args.seed,
-                                                                  log=lambda row: tqdm.write(json.dumps(row)))
-        print("\n" + bench_speculative.render(record["speculative"]))
+        print("\n" + bench_speculative.bench_part(model, plan.spec, args.seed, record, args.json))
     if results or not plan.spec:
         print("\n" + render(record, variants))
     if not run.reports:  # the other ranks ran the same steps; rank 0 reports

@@ -269,6 +269,29 @@ def run_speculative(model, plan: SpecPlan, seed: int = 0, compile: bool = True, 
             "projection": projections(verify, plan)}
 
 
+def bench_part(model, plan: SpecPlan, seed: int, record: dict, json_path: str | None) -> str:
+    """run_speculative for tools.bench: each row printed as a JSON line and, with json_path, the record so far
+    written there (a run cut short keeps its rows); the part goes into record["speculative"]. Returns its tables."""
+    import json
+
+    from tqdm.auto import tqdm
+
+    from metrale_graph.tools.files import write_whole
+
+    rows = []
+
+    def row_done(row: dict) -> None:
+        rows.append(row)
+        tqdm.write(json.dumps(row))
+        if json_path:
+            write_whole(json_path, json.dumps({**record, "speculative_rows_so_far": rows}, indent=1))
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    record["speculative"] = run_speculative(model, plan, seed, log=row_done)
+    return render(record["speculative"])
+
+
 def _echo_row(n: int, plain, spec, continuations, prompt_tokens: int) -> dict:
     (plain_s, plain_out, plain_stats), (spec_s, spec_out, spec_stats) = plain, spec
     new = sum(len(o) for o in spec_out)
