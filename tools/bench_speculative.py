@@ -130,8 +130,6 @@ def model_config(cfg, plan: SpecPlan | None):
     return cfg
 
 
-
-
 BUDGET = 2048  # the engines' token budget (at least their slots)
 
 
