@@ -467,8 +467,9 @@ def _bench(p, args, plan: _Plan, run) -> None:
         print("\n" + render(record, variants))
     if not run.reports:  # the other ranks ran the same steps; rank 0 reports
         return
-    if args.markdown:
-        write_whole(args.markdown, render(record, variants, "markdown"))
+    if args.markdown:  # (the speculative tables as the tool prints them)
+        spec = f"\n\n```\n{bench_speculative.render(record['speculative'])}\n```\n" if plan.spec else ""
+        write_whole(args.markdown, (render(record, variants, "markdown") if results else title(record)) + spec)
     if args.json:
         write_whole(args.json, render(record, variants, "json"))
     print_json(record)
