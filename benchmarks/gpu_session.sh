@@ -25,8 +25,8 @@
 # then the structured GPU test; spec (not in all): issue 39's speed item, bench --speculative 1,8,32,128 --echo 1,16 on
 # the 9B and the 35B-A3B (SPEC_PRESETS, SPEC_STREAMS to choose): per preset three engines (plain, n-gram with drafts
 # forced to k = 1, 2, 3, MTP at k = 2 with a random head), each compiled and captured, the prompts prefilled three
-# times; estimated ~4 min a preset, ~8 min for both (from --loop 1,32,128's ~4 min for three engines on the 9B; not
-# yet measured: give each preset its own device call). `setup` only installs (source it
+# times; estimated ~3.5-4 min for the 9B and ~4-5 min for the 35B-A3B (slower compiles), ~8-9 min for both (from
+# --loop 1,32,128's ~4 min for three engines on the 9B; not yet measured: give each preset its own device call). `setup` only installs (source it
 # with `. benchmarks/gpu_session.sh setup` to keep the environment). The device's copy of the tree may carry an older
 # .git: export METRALE_COMMIT=<the commit> in the command so the records name the right one.
 # Wall times measured on H200s (2026-11-30; plan device time by them, 10 minutes per call at most):
@@ -206,7 +206,7 @@ if [[ $what == spec ]]; then
     for preset in ${SPEC_PRESETS:-qwen3.5-9b qwen3.5-35b-a3b}; do
         limit python3 -m metrale_graph.tools.bench --preset $preset --speculative ${SPEC_STREAMS:-1,8,32,128} \
             --speculative-k 1,2,3 --speculative-mtp-k 2 --echo 1,16 --json "$OUT/bench-spec-$preset.json" 2>&1 \
-            | tee "$OUT/bench-spec-$preset.log" | grep -v "^{" | tail -40
+            | tee "$OUT/bench-spec-$preset.log" | grep -v "^{" | tail -60
         [[ ${PIPESTATUS[0]} == 0 ]] || status=1
     done
 fi
