@@ -201,6 +201,7 @@ def _generate(engine, prompts, new: int) -> tuple[float, list[list[int]], dict]:
     engine.generate(prompts, max_new_tokens=new)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    gc.collect()  # (the untimed call's garbage, and the engine's before it)
     before = engine.stats()
     t0 = time.perf_counter()
     out = [r.token_ids for r in engine.generate(prompts, max_new_tokens=new)]

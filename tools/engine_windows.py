@@ -8,6 +8,7 @@ drafter's calls timed).
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 
 import torch
@@ -152,25 +153,26 @@ def run_windows(engine, prompts: list[list[int]], phases: list[int], new: int, s
     window) measured in Windows; a row per phase (k: its forced drafts, or the engine's own num_tokens): steps
     timed, wall ms per step, device ms and GPU busy (CUDA; else None), tokens a stream gets per step, ms per
     emitted token (a stream's), drafts proposed and accepted, verify steps, and with `timer` the drafter's ms."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from metrale_graph.tools.profiling import busy_between_markers
+
     n = len(prompts)
     windows = Windows(engine, n, phases, steps, settle, forced, timer)
-    busy = None
-    if windows.cuda:
-        from torch.autograd import DeviceType
-        from torch.profiler import ProfilerActivity, profile
-
-        from metrale_graph.tools.profiling import busy_between_markers
-
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            with contextlib.suppress(_Done):
-                engine.generate(prompts, max_new_tokens=new, on_token=windows)
-            torch.cuda.synchronize()
-    else:
-        with contextlib.suppress(_Done):
+    prof = profile(activities=[ProfilerActivity.CUDA]) if windows.cuda else contextlib.nullcontext()
+    gc.collect()  # then off for the call, as timeit does: a collection's pause is no step's cost
+    gc.disable()
+    try:
+        with prof, contextlib.suppress(_Done):
             engine.generate(prompts, max_new_tokens=new, on_token=windows)
+    finally:
+        gc.enable()
     if len(windows.marks) != len(phases):
         raise RuntimeError(f"{len(windows.marks)} of {len(phases)} windows closed: requests finished first")
+    busy = None
     if windows.cuda:
+        torch.cuda.synchronize()
         busy = busy_between_markers(prof.events(), DeviceType.CUDA)
     rows = []
     for i, (k, a, b) in enumerate(windows.marks):
