@@ -164,16 +164,16 @@ def run_windows(engine, prompts: list[list[int]], phases: list[int], new: int, s
     gc.collect()  # then off for the call, as timeit does: a collection's pause is no step's cost
     gc.disable()
     try:
-        with prof, contextlib.suppress(_Done):
-            engine.generate(prompts, max_new_tokens=new, on_token=windows)
+        with prof:
+            with contextlib.suppress(_Done):
+                engine.generate(prompts, max_new_tokens=new, on_token=windows)
+            if windows.cuda:
+                torch.cuda.synchronize()  # the last marker done inside the profile
     finally:
         gc.enable()
     if len(windows.marks) != len(phases):
         raise RuntimeError(f"{len(windows.marks)} of {len(phases)} windows closed: requests finished first")
-    busy = None
-    if windows.cuda:
-        torch.cuda.synchronize()
-        busy = busy_between_markers(prof.events(), DeviceType.CUDA)
+    busy = busy_between_markers(prof.events(), DeviceType.CUDA) if windows.cuda else None
     rows = []
     for i, (k, a, b) in enumerate(windows.marks):
         steps, wall_s = b["steps"] - a["steps"], b["t"] - a["t"]
