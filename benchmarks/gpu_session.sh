@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session in one command (device machines start bare): install the carried
 # flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
-#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-sort|tp|fp8|fp8-sweep|fp8-bench|w8a16|serve|prefix|structured|all|setup]
+#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-sort|tp|fp8|fp8-sweep|fp8-bench|w8a16|serve|prefix|structured|spec|all|setup]
 #   (run from the repository root)
 # tests: every GPU test (sweep + op-tests + model-tests: ~18 min, more than one call); ops: per-op
 # benchmark; decode (not in all): bench_ops at decode shapes and benchmarks/kernels/check_decode.py's tile sweep; bench: 9B workloads with the peer and generation; profile (not in all): the 9B workloads' device
@@ -22,7 +22,11 @@
 # (issue 28); structured (not in all): benchmarks/bench_structured.py on the 9B preset, 64 requests with JSON masks
 # against without (issue 40; needs xgrammar and apache-tvm-ffi wheels in .whl-serve and a tokenizer of the 9B's
 # vocabulary in .qwen35-tokenizer: python benchmarks/bench_structured.py --make-qwen-tokenizer .qwen35-tokenizer),
-# then the structured GPU test. `setup` only installs (source it
+# then the structured GPU test; spec (not in all): issue 39's speed item, bench --speculative 1,8,32,128 --echo 1,16 on
+# the 9B and the 35B-A3B (SPEC_PRESETS, SPEC_STREAMS to choose): per preset three engines (plain, n-gram with drafts
+# forced to k = 1, 2, 3, MTP at k = 2 with a random head), each compiled and captured, the prompts prefilled three
+# times; estimated ~3.5-4 min for the 9B and ~4-5 min for the 35B-A3B (slower compiles), ~8-9 min for both (from
+# --loop 1,32,128's ~4 min for three engines on the 9B; not yet measured: give each preset its own device call). `setup` only installs (source it
 # with `. benchmarks/gpu_session.sh setup` to keep the environment). The device's copy of the tree may carry an older
 # .git: export METRALE_COMMIT=<the commit> in the command so the records name the right one.
 # Wall times measured on H200s (2026-11-30; plan device time by them, 10 minutes per call at most):
@@ -195,6 +199,16 @@ if [[ $what == structured ]]; then
         2>&1 | tee -a "$OUT/bench_structured-9b.log" | tail -6
     limit python3 -m pytest -q -rfE -p no:cacheprovider tests/test_structured.py -k gpu 2>&1 | tail -3
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+fi
+if [[ $what == spec ]]; then
+    # issue 39: the verify step against the plain decode step, the MTP draft's cost, the n-gram echo workload and the
+    # projection at vLLM's published acceptance (tools/bench_speculative.py; docs/benchmarking.md)
+    for preset in ${SPEC_PRESETS:-qwen3.5-9b qwen3.5-35b-a3b}; do
+        limit python3 -m metrale_graph.tools.bench --preset $preset --speculative ${SPEC_STREAMS:-1,8,32,128} \
+            --speculative-k 1,2,3 --speculative-mtp-k 2 --echo 1,16 --json "$OUT/bench-spec-$preset.json" 2>&1 \
+            | tee "$OUT/bench-spec-$preset.log" | grep -v "^{" | tail -60
+        [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+    done
 fi
 if [[ $what == prefix ]]; then
     # issue 28: the prefix cache's workloads on the 9B, with the cache and without, CUDA graphs

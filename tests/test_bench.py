@@ -1,6 +1,7 @@
 """tools.bench's arithmetic on the CPU: the floor model (tools/floors.py), the union of device intervals
 behind the GPU-busy fraction, the cache that holds every workload (D128 included) and the rendering of
-a run's record. Timing itself needs a GPU (tools.bench refuses to run without one, test_cli.py)."""
+a run's record; the speculative workloads (tools/bench_speculative.py): their flags, arithmetic, and the whole
+driver on the tiny preset, eagerly. Timing itself needs a GPU (tools.bench refuses to run without one, test_cli.py)."""
 
 import json
 
@@ -119,6 +120,24 @@ def test_d128_decode_floor_is_states_and_kv():
 ])
 def test_union_of_device_intervals(intervals, expected):
     assert profiling.union_ms(intervals) == expected
+
+
+def test_busy_fraction_of_each_marked_window():
+    """Windows are marked by pairs of "spin" kernels (torch.cuda._sleep): each one's busy fraction is the union of
+    the device intervals between its markers' inner ends over that span; what lies outside (between two windows,
+    before the first) counts nowhere, a kernel across a marker only inside."""
+    from types import SimpleNamespace
+
+    def event(name, start, end, device="cuda"):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [event("spin_kernel", 0, 10), event("gemm", 12, 20), event("gemm", 15, 25), event("spin_kernel", 30, 40),
+              event("copy", 50, 60), event("spin_kernel", 100, 110), event("gemm", 105, 130),
+              event("gemm", 140, 150, device="cpu"), event("spin_kernel", 160, 170)]
+    # window 1: 10 .. 30, busy 12 .. 25; window 2: 110 .. 160, busy 110 .. 130 (the gemm from 105 clipped)
+    assert profiling.busy_between_markers(events, "cuda") == [13 / 20, 20 / 50]
+    with pytest.raises(ValueError, match="3 marker kernels"):
+        profiling.busy_between_markers(events[:-1], "cuda")
 
 
 def test_device_intervals_from_a_real_profile():
@@ -300,3 +319,126 @@ def test_bench_record_names_the_kernel_choices(monkeypatch):
     monkeypatch.setattr(align, "SORT", "count")
     record = bench.bench_record(args, 32, None, "NVIDIA H200", {"commit": "x"}, [])
     assert record["backends"] == {"gdn_chunked": "fla", "moe_sort": "count"}
+
+
+def test_projection_arithmetic_at_published_acceptance():
+    """vLLM's per-position rates are unconditional (position 2 counts only when 1 was kept): a step emits the bonus
+    token plus their sum, 1 + 0.80 + 0.43 = 2.23 tokens a stream (its published acceptance length)."""
+    from metrale_graph.tools import bench_speculative as bs
+
+    assert bs.acceptance_length(bs.PUBLISHED["per_position"]) == pytest.approx(2.23)
+    row = bs.project(8, step_ms=10.0, plain_ms=6.0)
+    assert row["projected_tok_s"] == pytest.approx(8 * 2.23 / 10.0 * 1e3, abs=0.05)
+    assert row["plain_tok_s"] == pytest.approx(8 / 6.0 * 1e3, abs=0.05)
+    assert row["speedup"] == pytest.approx(2.23 * 6.0 / 10.0, abs=1e-3) and row["k"] == 2
+    for bad in ([0.4, 0.8], [1.2], [-0.1]):  # a later position cannot be kept more often than an earlier one
+        with pytest.raises(ValueError, match="per-position acceptance rates"):
+            bs.acceptance_length(bad)
+
+
+def test_echo_prompts_and_the_engines_buckets():
+    from metrale_graph.tools import bench_speculative as bs
+
+    assert bs.echo_prompts([[1, 2], [3]], [[7, 8, 9], [4]]) == [[1, 2, 7, 8, 9, 1, 2], [3, 4, 3]]
+    with pytest.raises(ValueError, match="2 prompts for 1 continuations"):
+        bs.echo_prompts([[1], [2]], [[3]])
+    # every step a window replays has its bucket: plain decodes (n), verifies (n x (k + 1)), prompt chunks beside them
+    batch_sizes, tokens = bs.engine_grid([1, 8], (1, 3), 2048)
+    assert batch_sizes == [1, 8] and tokens == [1, 2, 4, 8, 16, 32, 2048, 2051, 2072]
+    plan = bs.SpecPlan(streams=(32,), context=2048, steps=32, settle=4)
+    # 32 x 2048 prompt tokens at 2048 a step: 32 steps (+2) before the last decodes, then 2 windows, 4 tokens a step
+    assert bs.window_tokens(plan, 32, phases=2, k=3) == (34 + 2 * (4 + 32 + bs.SLACK)) * 4
+
+
+def test_speculative_flags(capsys):
+    from metrale_graph.tools import bench_speculative as bs
+
+    p = bench._parser()
+    args = p.parse_args(["--preset", "tiny", "--speculative", "1,8", "--speculative-k", "3,1", "--echo", "16"])
+    plan = bench._plan(p, args)
+    assert plan.workloads == [] and plan.spec == bs.SpecPlan(streams=(1, 8), ks=(1, 3), mtp_k=2, echo=(16,))
+    assert bs.model_config(plan.cfg, plan.spec).mtp_num_hidden_layers == 1  # a random head for the MTP engine
+    assert bench._plan(p, p.parse_args(["--preset", "tiny"])).spec is None
+    only_echo = bench._plan(p, p.parse_args(["--preset", "tiny", "--echo", "1", "--workloads", "D1"]))
+    assert only_echo.workloads == ["D1"] and not only_echo.spec.needs_mtp
+    assert bs.model_config(only_echo.cfg, only_echo.spec) is only_echo.cfg
+    for argv, message in ((["--speculative", "1,1"], "names a value twice"),
+                          (["--speculative", "1", "--tp", "2"], "leave them out under --tp"),
+                          (["--speculative", "0"], "positive integers"),
+                          (["--speculative-mtp-k", "-1"], "non-negative"),
+                          (["--speculative-k", "2"], "give one of them too"),
+                          (["--echo", "1", "--speculative-mtp-k", "1"], "give --speculative too")):
+        with pytest.raises(SystemExit) as e:
+            bench._plan(p, p.parse_args(["--preset", "tiny", *argv]))
+        assert e.value.code == 2 and message in capsys.readouterr().err, argv
+
+
+def test_speculative_workloads_run_on_the_cpu():
+    """The whole driver on the tiny preset, eager on the CPU (times are not asserted): the plain engine's windows,
+    the n-gram engine's phases with drafts forced to k, the MTP engine's with its drafter timed, the echo workload
+    and the projection; the record's shape, and counters that follow from the forcing."""
+    from metrale_graph.speculative import drafting, mtp, verify
+    from metrale_graph.tools import bench_speculative as bs
+
+    plan = bs.SpecPlan(streams=(2,), ks=(1, 2), mtp_k=2, echo=(2,), context=6, steps=2, settle=2, echo_prompt=5,
+                       echo_new=6)
+    model = HybridModel.from_preset(bs.model_config(PRESETS["tiny"], plan), seed=0)
+    logged = []
+    spec = bs.run_speculative(model, plan, compile=False, log=logged.append)
+    # the hooks are undone: prompt lookup and the MTP head's step are the package's own again
+    assert verify.ngram_propose.__module__ == "metrale_graph.speculative.proposers"
+    assert drafting.mtp_hidden_states is mtp.mtp_hidden_states
+    assert set(spec) == {"setup", "verify", "echo", "projection"}
+    assert spec["setup"]["forced"] == bs.FORCED and spec["setup"]["published"] == bs.PUBLISHED
+    assert [(r["engine"], r["k"]) for r in spec["verify"]] == [("plain", 0), ("ngram, forced drafts", 0),
+                                                               ("ngram, forced drafts", 1), ("ngram, forced drafts", 2),
+                                                               ("mtp", 2)]
+    assert len(logged) == 6 and all(r in logged for r in spec["verify"] + spec["echo"])  # as each was measured
+    for r in spec["verify"]:
+        n, k = r["streams"], r["k"]
+        assert r["steps"] >= plan.steps and r["device_ms"] is None  # (no CUDA: no device time)
+        # 1 .. k + 1 tokens a stream and step, but for a step the counters' read may cut at each end
+        assert (r["steps"] - 1) / r["steps"] <= r["tokens_per_step"] <= (k + 1) * (r["steps"] + 1) / r["steps"]
+        # every step verifies k drafts of each stream (one step of slack: the phase switch, the counters' read)
+        assert abs(r["proposed"] - r["steps"] * n * k) <= n * k and r["accepted"] <= r["proposed"]
+        assert (r["verify_steps"] == 0) == (k == 0)
+    mtp_row = spec["verify"][-1]
+    # a draft call per step, k drafts a stream; in each, the catch-up then k - 1 single-token head steps
+    assert abs(mtp_row["draft_calls"] - mtp_row["steps"]) <= 1 and mtp_row["draft_tokens"] == mtp_row["draft_calls"] * 2 * 2
+    assert mtp_row["draft_ms_per_step"] > 0 and mtp_row["draft_catchup_ms"] > 0 and mtp_row["draft_head_step_ms"] > 0
+    for r in spec["echo"]:
+        assert r["prompt_tokens"] == 2 * 5 + 6 and r["new_tokens"] == 6
+        assert r["same_output"] == 1.0  # greedy speculation gives plain decoding's tokens (fp32)
+        assert r["proposed"] >= r["accepted"] >= 0
+    # at the published k = 2: the MTP engine's step, and the forced verify step plus the MTP drafting
+    step = spec["verify"][3]["step_ms"]
+    assert [(r["from"], r["step_ms"]) for r in spec["projection"]] == [
+        ("MTP engine step", mtp_row["step_ms"]),
+        ("forced verify + MTP draft", round(step + mtp_row["draft_ms_per_step"], 3))]
+    proj = spec["projection"][1]
+    assert proj["projected_tok_s"] == pytest.approx(2 * 2.23 / proj["step_ms"] * 1e3, abs=0.1)
+    (alone,) = bs.projections(spec["verify"][:-1], plan)  # without the MTP engine: the verify step alone
+    assert alone["from"] == "forced verify step (no draft)" and alone["step_ms"] == step
+    text = bs.render(spec)
+    assert "PROJECTION, not a measurement" in text and bs.FORCED in text and "echoed C" in text and "catch-up" in text
+
+
+def test_bench_part_writes_each_row_as_it_comes(monkeypatch, tmp_path):
+    """tools.bench's call of the speculative workloads: a run cut short (an engine that does not fit, say) keeps the
+    rows measured before it in --json; at the end the part is the record's "speculative"."""
+    from metrale_graph.tools import bench_speculative as bs
+
+    path, rows = tmp_path / "spec.json", [{"engine": "plain", "streams": 1}, {"engine": "mtp", "streams": 1}]
+    seen = []
+
+    def run(model, plan, seed, log):
+        for i, row in enumerate(rows):
+            log(row)
+            seen.append(json.loads(path.read_text()))
+        return {"setup": {}, "verify": [], "echo": [], "projection": []}
+
+    monkeypatch.setattr(bs, "run_speculative", run)
+    record = {"tool": "bench", "results": []}
+    assert bs.bench_part(None, bs.SpecPlan(streams=(1,)), 0, record, str(path)) == ""
+    assert [s["speculative_rows_so_far"] for s in seen] == [rows[:1], rows]
+    assert seen[0]["tool"] == "bench" and record["speculative"]["verify"] == []

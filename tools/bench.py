@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from metrale_graph import PRESETS, HybridModel, Stream
+from metrale_graph.tools import bench_speculative
 from metrale_graph.tools.distributed import end_tensor_parallel, start_run
 from metrale_graph.tools.files import write_whole
 from metrale_graph.tools.flags import add_moe_parallel_arg, names_of, output_file, positive_int, seed
@@ -112,7 +113,7 @@ def _decode_window(engine, prompts: list[list[int]], new: int, steps: int) -> di
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from metrale_graph.tools.profiling import device_intervals, union_ms
+    from metrale_graph.tools.profiling import busy_between_markers
 
     counts, marks = [0] * len(prompts), {}
 
@@ -131,11 +132,7 @@ def _decode_window(engine, prompts: list[list[int]], new: int, steps: int) -> di
         torch.cuda.synchronize()
     assert "end" in marks, "the window never closed: every request finished first"
     wall_s, done = marks["end"] - marks["start"], marks["done"]
-    intervals = device_intervals(prof.events(), DeviceType.CUDA)
-    spins = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == DeviceType.CUDA and "spin" in e.name)
-    lo, hi = spins[0][1], spins[-1][0]
-    busy = union_ms([(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]) / (hi - lo)
+    (busy,) = busy_between_markers(prof.events(), DeviceType.CUDA)
     return {"steps": done, "step_ms": round(1e3 * wall_s / done, 3), "device_ms": round(busy * 1e3 * wall_s / done, 3),
             "gpu_busy": round(busy, 3)}
 
@@ -324,6 +321,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--loop", type=_stream_counts, default=None,
                    help="also time the Engine's decode step in steady state at these stream counts (e.g. 1,32,128; "
                         "2048 cached tokens each), with the loop's overlap and without, beside the D workloads' floors")
+    bench_speculative.add_args(p)
     p.add_argument("--json", type=output_file, default=None, help="write the results to this JSON file")
     p.add_argument("--markdown", type=output_file, default=None, help="write the table to this markdown file")
     p.add_argument("--host-profile", action="store_true",
@@ -348,12 +346,13 @@ def _stream_counts(text: str) -> list[int]:
 @dataclass(frozen=True)
 class _Plan:
     """What the flags ask for, checked: the variants, the config (at --layers), the workloads to run and
-    those left out (too long for the preset), the baseline timings."""
+    those left out (too long for the preset), the baseline timings, the speculative workloads."""
     variants: list[str]
     cfg: object
     workloads: list[str]
     too_long: dict[str, int]
     baseline: dict[str, float] | None
+    spec: bench_speculative.SpecPlan | None = None
 
 
 def _plan(p: argparse.ArgumentParser, args) -> _Plan:
@@ -379,7 +378,9 @@ def _plan(p: argparse.ArgumentParser, args) -> _Plan:
                 "--layers takes at most that many")
     if args.layers:
         cfg = cfg.replace(num_hidden_layers=args.layers)
-    workloads, too_long = fitting_workloads(cfg, args.workloads or list(WORKLOADS))
+    spec = bench_speculative.plan_of(p, args)
+    # --speculative / --echo alone run no step workload (name --workloads to add them)
+    workloads, too_long = fitting_workloads(cfg, args.workloads or ([] if spec else list(WORKLOADS)))
     if args.workloads and too_long:
         p.error(f"--workloads: {', '.join(f'{w} ({n} positions)' for w, n in too_long.items())} past the preset "
                 f"{args.preset}'s max_position_embeddings {cfg.max_position_embeddings}")
@@ -389,7 +390,7 @@ def _plan(p: argparse.ArgumentParser, args) -> _Plan:
             baseline = read_baseline(args.baseline, args.preset, cfg.num_hidden_layers)
         except ValueError as e:
             p.error(f"--baseline: {e}")
-    return _Plan(variants, cfg, workloads, too_long, baseline)
+    return _Plan(variants, cfg, workloads, too_long, baseline, spec)
 
 
 def main(argv=None) -> None:
@@ -412,11 +413,12 @@ def _bench(p, args, plan: _Plan, run) -> None:
         print(f"left out {', '.join(plan.too_long)}: longer than the preset {args.preset}'s max_position_embeddings "
               f"{cfg.max_position_embeddings}")
     try:
-        model = HybridModel.from_preset(cfg, dtype=torch.bfloat16, device=run.device, seed=args.seed, tp=run.tp)
+        model = HybridModel.from_preset(bench_speculative.model_config(cfg, plan.spec), dtype=torch.bfloat16,
+                                        device=run.device, seed=args.seed, tp=run.tp)
     except ValueError as e:
         p.error(f"--preset {args.preset}: {e}")
     hf = None
-    if "peer" in variants:
+    if "peer" in variants and (plan.workloads or args.generate):
         from metrale_graph.tools.peer import peer_model
 
         hf = peer_model(model)
@@ -438,7 +440,7 @@ def _bench(p, args, plan: _Plan, run) -> None:
             write_whole(args.json, render(record, variants, "json"))
 
     results = run_workloads(model, plan.workloads, variants, args.repeat, args.seed, args.tp, hf, args.profile,
-                            plan.baseline, run, on_row, args.host_profile)
+                            plan.baseline, run, on_row, args.host_profile) if plan.workloads else []
     generation = None
     if args.generate:
         torch.cuda.empty_cache()
@@ -459,11 +461,15 @@ def _bench(p, args, plan: _Plan, run) -> None:
         print(format_table(["streams", "overlap", "step ms", "device ms", "GPU busy", "floor ms", "x floor"],
                            [[r["streams"], r["overlap"], r["step_ms"], r["device_ms"], f"{100 * r['gpu_busy']:.0f}%",
                              r["floor_ms"], r["vs_floor"]] for r in loop_rows]))
-    print("\n" + render(record, variants))
+    if plan.spec:
+        print("\n" + bench_speculative.bench_part(model, plan.spec, args.seed, record, args.json))
+    if results or not plan.spec:
+        print("\n" + render(record, variants))
     if not run.reports:  # the other ranks ran the same steps; rank 0 reports
         return
-    if args.markdown:
-        write_whole(args.markdown, render(record, variants, "markdown"))
+    if args.markdown:  # (the speculative tables as the tool prints them)
+        spec = f"\n\n```\n{bench_speculative.render(record['speculative'])}\n```\n" if plan.spec else ""
+        write_whole(args.markdown, (render(record, variants, "markdown") if results else title(record)) + spec)
     if args.json:
         write_whole(args.json, render(record, variants, "json"))
     print_json(record)

@@ -86,6 +86,22 @@ def device_intervals(events, device_type) -> list[tuple[float, float]]:
     return [(e.time_range.start, e.time_range.end) for e in events if e.device_type == device_type]
 
 
+def busy_between_markers(events, device_type) -> list[float]:
+    """The GPU-busy fraction of each window the measuring thread marked with a pair of marker kernels
+    (torch.cuda._sleep, "spin" kernels; window i between markers 2i and 2i + 1, in time order): the union of the
+    device intervals inside it over its length."""
+    spins = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == device_type and "spin" in e.name)
+    if len(spins) % 2:
+        raise ValueError(f"{len(spins)} marker kernels: the windows' markers come in pairs")
+    intervals = device_intervals(events, device_type)
+    busy = []
+    for (_, lo), (hi, _) in zip(spins[::2], spins[1::2]):
+        inside = [(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]
+        busy.append(union_ms(inside) / (hi - lo))
+    return busy
+
+
 def device_busy_ms(fn, setup, runs: int = 3) -> float | None:
     """Median over `runs` calls of fn() of the time the GPU was busy with its work (ms): the union of its
     device intervals from torch.profiler, one profile per call (setup() outside it). None when the
