@@ -168,6 +168,8 @@ def _engine(model, plan: SpecPlan, counts, speculative, compile: bool):
     longest = max([plan.context + window_tokens(plan, n, 1 + len(plan.ks), max(ks)) for n in plan.streams]
                   + [2 * plan.echo_prompt + 2 * plan.echo_new] * bool(plan.echo))
     batch_sizes, token_counts = engine_grid(counts, ks, budget)
+    if speculative is not None:  # every stream count measured speculates (options.py's max_streams would stop it)
+        speculative = {**speculative, "max_streams": max(counts)}
     engine = Engine(model, num_slots=max(counts), max_context=longest + 1, token_budget=budget,
                     batch_sizes=batch_sizes, token_counts=token_counts, stop_token_ids=[], compile=compile,
                     speculative=speculative)

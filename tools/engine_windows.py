@@ -23,7 +23,7 @@ class ForcedDrafts:
     def __init__(self):
         self.k = 0
 
-    def __call__(self, tokens, room: int) -> list[int]:
+    def __call__(self, tokens, room: int, *lookup) -> list[int]:  # (lookup: prompt lookup's suffix lengths)
         return [tokens[-1]] * min(self.k, room)
 
 
