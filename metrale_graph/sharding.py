@@ -15,15 +15,18 @@ for a stacked expert tensor), or check_shardable names the config field that doe
 
 from __future__ import annotations
 
+import functools
 import math
+from types import MappingProxyType
+from typing import Mapping, NamedTuple
 
 import torch
 
-from typing import NamedTuple
-
 from .config import ModelConfig
+from .families import Fusion
 from .quantization import FP8_BLOCK
-from .spec import EXPERTS, PADDED, REPLICATE, SCALE, Shard, WeightSpec, blocks, model_spec
+from .spec import (EXPERTS, PADDED, REPLICATE, SCALE, Shard, WeightSpec, blocks, checkpoint_layout, expert_name,
+                   model_spec)
 
 Ranges = tuple[int, list[tuple[int, int]]]
 MOE_MODES = ("expert", "within")  # how MoE experts are split over ranks (module docstring)
@@ -254,6 +257,71 @@ def pad_shards(weights: dict[str, torch.Tensor], cfg: ModelConfig, tp) -> dict[s
             pad[dim] = want[dim] - t.shape[dim]
             weights[name] = torch.cat([t, t.new_zeros(pad)], dim)
     return weights
+
+
+class Read(NamedTuple):
+    """What a rank reads of one checkpoint tensor and where it puts it: a tensor of the checkpoint layout
+    (spec.checkpoint_layout), or a stacked expert tensor that a checkpoint may hold instead of its per-expert
+    ones. Placed whole as our weight `spec.name`; with `fusion`, split into the fusion's members (at the rank's
+    sizes, Plan.local); with `expert`, copied into rows `rows` of that expert of the stacked buffer."""
+    shape: tuple[int, ...]  # the checkpoint tensor's
+    spec: WeightSpec  # the weight (or FP8 scales) it holds; a fusion's first member
+    units: tuple[str, ...]  # the checkpoint layout's tensors it provides (a stacked expert tensor: every expert's)
+    ranges: Ranges | None  # the part of it this rank reads (take); None: all of it; NOTHING: none
+    fusion: Fusion | None = None
+    expert: int | None = None  # this rank's index of the expert
+    rows: slice | None = None  # the expert's rows of the part this rank holds
+
+
+NOTHING: Ranges = (0, [(0, 0)])  # the ranges of a tensor a rank reads none of (another rank's expert)
+
+
+class Plan(NamedTuple):
+    """What one rank loads of a config's checkpoint (load_plan): the sizes its shard has, the shape of each of
+    its weights, and a Read for every checkpoint tensor by its name without the `model.` prefix."""
+    local: ModelConfig  # local_config: the rank's heads and sizes (what its ops and cache are built for)
+    shapes: Mapping[str, tuple[int, ...]]  # our weights' shard shapes (sharded_shapes; all of each on one rank)
+    reads: Mapping[str, Read]
+    layout: Mapping[str, tuple[int, ...]]  # the checkpoint layout's tensors: what a checkpoint must provide
+    stacked_of: Mapping[str, str]  # a per-expert tensor's name -> the stacked name that also provides it
+    first_expert: int
+
+
+def load_plan(cfg: ModelConfig, tp) -> Plan:
+    """The Plan of rank tp.rank of tp.size (None or size 1: one process holding everything). Computed once per
+    config and rank (the loader and the model read the same one): read-only."""
+    return _load_plan(cfg, (tp.rank, tp.size, tp.moe) if _parallel(tp) else None)
+
+
+@functools.lru_cache(maxsize=16)
+def _load_plan(cfg: ModelConfig, rank: tuple[int, int, str] | None) -> Plan:
+    tp = _Rank(*rank) if rank is not None else None
+    shapes = sharded_shapes(cfg, tp)
+    local = local_config(cfg, tp.size, tp.moe) if tp else cfg
+    first = first_expert(cfg, tp)
+    layout = checkpoint_layout(cfg)
+    reads: dict[str, Read] = {}
+    stacked_of: dict[str, str] = {}
+    for s in layout:
+        spec = s.spec
+        if s.fusion is not None:
+            reads[s.name] = Read(s.shape, spec, (s.name,), fusion_ranges(s.fusion, cfg, tp), s.fusion)
+        elif s.expert is not None:
+            if (s.expert, s.part) == (0, 0):  # a checkpoint may store the experts stacked, as we do
+                units = tuple(expert_name(spec, e, p) for e in range(spec.shape[0]) for p in spec.parts)
+                reads[spec.name] = Read(spec.shape, spec, units, weight_ranges(spec, tp))
+            local_expert, held = s.expert - first, shapes[spec.name]
+            if 0 <= local_expert < held[0]:
+                rows = held[1] // len(spec.parts)  # this rank's rows of the part (split within: a slice)
+                reads[s.name] = Read(s.shape, spec, (s.name,), expert_part_ranges(spec, s.part, tp),
+                                     expert=local_expert, rows=slice(s.part * rows, (s.part + 1) * rows))
+            else:  # another rank's expert: none of it is read
+                reads[s.name] = Read(s.shape, spec, (s.name,), NOTHING)
+            stacked_of[s.name] = spec.name
+        else:
+            reads[s.name] = Read(s.shape, spec, (s.name,), weight_ranges(spec, tp))
+    return Plan(local, MappingProxyType(shapes), MappingProxyType(reads),
+                MappingProxyType({s.name: s.shape for s in layout}), MappingProxyType(stacked_of), first)
 
 
 def _parallel(tp) -> bool:

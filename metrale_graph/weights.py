@@ -22,20 +22,19 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
 
 from .config import ModelConfig, load_config
-from .families import FAMILIES, Fusion
+from .families import FAMILIES
 from .placement import as_device, as_dtype, check_host_memory
 from .quantization import FP8_BLOCK, MTP_PREFIX, TEXT_PREFIX, scale_name
 from .quantized import scale_problem
-from .sharding import (expert_part_ranges, first_expert, fusion_ranges, local_config, pad_shards, sharded_shapes, take,
-                       weight_ranges)
-from .spec import (EXPERTS, FP8_DTYPE, SCALE, VECTOR, WeightSpec, model_spec, stacked_groups, weight_bytes,
-                   weight_dtype, weight_shapes)
+from .sharding import NOTHING, Read, load_plan, pad_shards, take
+from .spec import (EXPERTS, FP8_DTYPE, SCALE, VECTOR, Stored, WeightSpec, checkpoint_layout, model_spec,
+                   stacked_groups, weight_bytes, weight_dtype, weight_shapes)
 
 EMBEDDINGS = "embed_tokens.weight"  # a tied model's lm_head too
 WEIGHTS_FILE = "model.safetensors"  # a checkpoint in one file, or sharded with an index (transformers' names)
@@ -91,80 +90,14 @@ def _stack(weights: dict[str, torch.Tensor], names: list[str]) -> None:
         row += p.shape[0]
 
 
-# ---- checkpoint layout: what transformers' save_pretrained writes, and how it maps onto ours ----
-
-class _Stored(NamedTuple):
-    """One tensor of the checkpoint layout (name without the `model.` prefix) and what it holds: our
-    weight `spec` whole, one expert's part of it (`expert`, `part`: an index into spec.parts), or, with
-    `fusion`, every member of the family's fusion in that layer (`spec`: its first member)."""
-    name: str
-    shape: tuple[int, ...]
-    spec: WeightSpec
-    expert: int | None = None
-    part: int = 0
-    fusion: Fusion | None = None
-
-
-def _expert_name(spec: WeightSpec, expert: int, part: str) -> str:
-    """`layers.0.mlp.experts.gate_up_proj`, 3, `up_proj` -> `layers.0.mlp.experts.3.up_proj.weight` (its
-    block scales, `..._scale_inv`: `layers.0.mlp.experts.3.up_proj.weight_scale_inv`)."""
-    leaf = scale_name("weight") if spec.kind == SCALE else "weight"
-    return f"{spec.name.rsplit('.', 1)[0]}.{expert}.{part}.{leaf}"
-
-
-def _scale_fusion(fusion: Fusion, cfg: ModelConfig, layer: int) -> Fusion:
-    """The fusion of the block scales of an FP8 fused tensor: the same groups and members' scales, each
-    segment in 128-row blocks. ValueError when a segment is not whole blocks (a block would straddle two
-    members: the fused tensor cannot be split)."""
-    bad = [n for member in fusion.segments(cfg) for n in member if n % FP8_BLOCK]
-    if bad:
-        raise ValueError(f"the quantization_config converts layers.{layer}.{fusion.name} to FP8, but its members' "
-                         f"rows per group {fusion.segments(cfg)} are not multiples of 128: its 128-row scale blocks "
-                         "would straddle members, so it cannot be split at load (keep it in floating point: "
-                         "modules_to_not_convert)")
-    return Fusion(scale_name(fusion.name), tuple(scale_name(m) for m in fusion.members), fusion.groups,
-                  lambda c: tuple(tuple(n // FP8_BLOCK for n in member) for member in fusion.segments(c)))
-
-
-def _layout(cfg: ModelConfig, experts_apart: bool = True) -> list[_Stored]:
-    """The checkpoint's tensors in our weights' order: the family's fusions fused (at their first member),
-    and, with experts_apart (the checkpoint on disk, not transformers' in-memory state), experts one tensor
-    per expert and part; FP8 block scales likewise (each after its weight)."""
-    out, fused = [], set()
-    for name, spec in model_spec(cfg).items():
-        weight = spec.of if spec.kind == SCALE else spec
-        fusion = cfg.family.fusion_of(weight.local) if spec.layer is not None else None
-        if fusion is not None:
-            if spec.kind == SCALE:
-                fusion = _scale_fusion(fusion, cfg, spec.layer)
-            if (spec.layer, fusion.name) not in fused:
-                fused.add((spec.layer, fusion.name))
-                out.append(_Stored(f"{spec.layer_prefix}{fusion.name}", (fusion.rows(cfg), *spec.shape[1:]), spec,
-                                   fusion=fusion))
-        elif weight.kind == EXPERTS and experts_apart:
-            E, rows, *rest = spec.shape
-            shape = (rows // len(spec.parts), *rest)
-            out += [_Stored(_expert_name(spec, e, part), shape, spec, e, k)
-                    for e in range(E) for k, part in enumerate(spec.parts)]
-        else:
-            out.append(_Stored(name, spec.shape, spec))
-    return out
-
-
-def _members(stored: _Stored, weights: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+def _members(stored: Stored, weights: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     return [weights[f"{stored.spec.layer_prefix}{m}"] for m in stored.fusion.members]
-
-
-def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the config's checkpoint as transformers' save_pretrained writes it (names
-    without the `model.` prefix): experts one tensor each, the family's fusions fused."""
-    return {s.name: s.shape for s in _layout(cfg)}
 
 
 def to_checkpoint(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our weights in checkpoint layout (checkpoint_shapes' names; views where no rearranging is needed)."""
     out: dict[str, torch.Tensor] = {}
-    for s in _layout(cfg):
+    for s in checkpoint_layout(cfg):
         if s.fusion is not None:
             out[s.name] = s.fusion.fuse(_members(s, weights), cfg)
         elif s.expert is not None:
@@ -183,90 +116,46 @@ def hf_state_dict(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     its bf16 peer takes quantized.dequantize_weights first. transformers' models have no MTP head: its weights
     are left out."""
     out = {s.name: s.fusion.fuse(_members(s, weights), cfg) if s.fusion is not None else weights[s.name]
-           for s in _layout(cfg, experts_apart=False) if not s.name.startswith(MTP_PREFIX)}
+           for s in checkpoint_layout(cfg, experts_apart=False) if not s.name.startswith(MTP_PREFIX)}
     return {checkpoint_key(n): t.contiguous() for n, t in out.items()}
-
-
-class _Piece(NamedTuple):
-    """One loadable checkpoint tensor (name without the `model.` prefix)."""
-    shape: tuple[int, ...]
-    units: tuple[str, ...]  # the checkpoint_shapes entries it provides (a stacked expert tensor: all its experts)
-    place: Callable[[torch.Tensor], torch.Tensor | None]  # stores it among the weights; returns what it wrote
-    ranges: tuple | None = None  # the part of it this tensor-parallel rank reads (sharding.take), None: all
-    spec: WeightSpec | None = None  # the weight (or FP8 scales) it holds (its first member, for a fusion)
-
-
-_NOTHING = (0, [(0, 0)])  # the ranges of a tensor a rank reads none of (another rank's expert)
 
 
 class _Assembler:
     """Lays checkpoint tensors into our weights on `device` in `dtype` (FP8 weights as they are, their
-    scales in fp32: spec.weight_dtype): whole tensors as they are, per-expert tensors into stacked buffers
-    allocated once, the family's fused tensors split."""
+    scales in fp32: spec.weight_dtype), as the rank's plan (sharding.load_plan) says: whole tensors as they
+    are, per-expert tensors into stacked buffers allocated once, the family's fused tensors split."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, tp=None):
         self.cfg, self.dtype, self.device = cfg, dtype, device
-        tp = tp if tp is not None and tp.size > 1 else None
-        self.shapes = sharded_shapes(cfg, tp) if tp else weight_shapes(cfg)
-        self.local = local_config(cfg, tp.size, tp.moe) if tp else cfg  # the shard's sizes (for splitting fusions)
-        first = first_expert(cfg, tp)
-        layout = _layout(cfg)
-        self.layout = {s.name: s.shape for s in layout}
-        self.specs = model_spec(cfg)
+        self.plan = load_plan(cfg, tp)
         self.out: dict[str, torch.Tensor] = {}
-        self.pieces: dict[str, _Piece] = {}
-        self.stacked_of: dict[str, str] = {}  # per-expert name -> the stacked name that also provides it
-        for s in layout:
-            spec = s.spec
-            if s.fusion is not None:
-                self.pieces[s.name] = _Piece(s.shape, (s.name,), self._split(s), fusion_ranges(s.fusion, cfg, tp), spec)
-            elif s.expert is not None:
-                if (s.expert, s.part) == (0, 0):  # a checkpoint may store the experts stacked, as we do
-                    parts = tuple(_expert_name(spec, e, p) for e in range(spec.shape[0]) for p in spec.parts)
-                    self.pieces[spec.name] = _Piece(spec.shape, parts, self._whole(spec.name),
-                                                    weight_ranges(spec, tp), spec)
-                local, held = s.expert - first, self.shapes[spec.name]
-                if 0 <= local < held[0]:
-                    rows = held[1] // len(spec.parts)  # this rank's rows of the part (split within: a slice)
-                    place = self._expert(spec.name, local, slice(s.part * rows, (s.part + 1) * rows))
-                    self.pieces[s.name] = _Piece(s.shape, (s.name,), place, expert_part_ranges(spec, s.part, tp), spec)
-                else:  # another rank's expert: none of it is read
-                    self.pieces[s.name] = _Piece(s.shape, (s.name,), lambda t: None, _NOTHING, spec)
-                self.stacked_of[s.name] = spec.name
-            else:
-                self.pieces[s.name] = _Piece(s.shape, (s.name,), self._whole(s.name), weight_ranges(spec, tp), spec)
 
     def dtype_of(self, spec: WeightSpec) -> torch.dtype:
         return weight_dtype(spec, self.dtype)
 
-    def _converted(self, t: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
+    def converted(self, t: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
         return t.to(device=self.device, dtype=self.dtype_of(spec))
 
-    def _whole(self, name):
-        def place(t):
-            self.out[name] = self._converted(t, self.specs[name])
-            return self.out[name]
-        return place
-
-    def _expert(self, name, e, rows):
-        def place(t):  # copied straight into the stacked buffer: no converted copy of the expert
-            if name not in self.out:
-                self.out[name] = torch.empty(self.shapes[name], dtype=self.dtype_of(self.specs[name]),
-                                             device=self.device)
-            view = self.out[name][e, rows]
+    def place(self, read: Read, t: torch.Tensor) -> torch.Tensor | None:
+        """Store what this rank read of a checkpoint tensor among the weights; returns what it wrote (None:
+        nothing, another rank's expert)."""
+        spec = read.spec
+        if read.fusion is not None:
+            t = self.converted(t, spec)
+            for member, part in zip(read.fusion.members, read.fusion.split(t, self.plan.local)):
+                self.out[spec.layer_prefix + member] = part
+            return t
+        if read.expert is not None:  # copied straight into the stacked buffer: no converted copy of the expert
+            if spec.name not in self.out:
+                self.out[spec.name] = torch.empty(self.plan.shapes[spec.name], dtype=self.dtype_of(spec),
+                                                  device=self.device)
+            view = self.out[spec.name][read.expert, read.rows]
             view.copy_(t)
             return view
-        return place
-
-    def _split(self, stored: _Stored):
-        prefix = stored.spec.layer_prefix
-
-        def place(t):
-            t = self._converted(t, stored.spec)
-            for member, part in zip(stored.fusion.members, stored.fusion.split(t, self.local)):
-                self.out[prefix + member] = part
-            return t
-        return place
+        if read.ranges == NOTHING:
+            return None
+        self.out[spec.name] = self.converted(t, spec)
+        return self.out[spec.name]
 
     def check_dtype(self, key: str, path: str, stored: str, spec: WeightSpec) -> None:
         """ValueError naming the tensor unless safetensors dtype `stored` is what `spec` is stored in: FP8
@@ -392,14 +281,15 @@ def checkpoint_files(folder: str) -> list[str]:
     raise ValueError(f"no model.safetensors or model.safetensors.index.json in {folder}")
 
 
-class _Read(NamedTuple):
-    """A checkpoint tensor to read: its key, file, and the piece it fills."""
+class _Reading(NamedTuple):
+    """A checkpoint tensor to read: its key, file, and what the plan reads of it (sharding.Read)."""
     key: str
     path: str
-    piece: _Piece
+    read: Read
 
 
-def _plan(files: list[str], asm: _Assembler, cfg: ModelConfig) -> tuple[list[_Read], tuple[str, str] | None]:
+def _check_headers(files: list[str], asm: _Assembler, cfg: ModelConfig
+                   ) -> tuple[list[_Reading], tuple[str, str] | None]:
     """Every tensor the files hold, checked from their headers alone (names, shapes, dtypes; no tensor data
     read, nothing allocated): the reads that fill the weights, and a tied model's stored lm_head (key, file)
     to compare with its embeddings, or None (none stored, or it is the only copy of the pair: then it is
@@ -408,6 +298,7 @@ def _plan(files: list[str], asm: _Assembler, cfg: ModelConfig) -> tuple[list[_Re
     without a quantization_config, named as such), the missing ones."""
     from safetensors import SafetensorError, safe_open
 
+    plan = asm.plan
     given: dict[str, str] = {}  # checkpoint_shapes name -> the checkpoint key that gave it
     given_in: dict[str, str] = {}  # checkpoint key -> its file
     unexpected = []  # (key, file)
@@ -418,12 +309,12 @@ def _plan(files: list[str], asm: _Assembler, cfg: ModelConfig) -> tuple[list[_Re
                 for key in f.keys():
                     name = our_name(key, mtp=cfg.mtp_num_hidden_layers > 0)
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                        _check_header(f.get_slice(key), key, path, asm.pieces[EMBEDDINGS], asm)
+                        _check_header(f.get_slice(key), key, path, plan.reads[EMBEDDINGS], asm)
                         tied_head = (key, path)
                         continue
                     if name is None:
                         continue
-                    piece = asm.pieces.get(name)
+                    piece = plan.reads.get(name)
                     if piece is None:
                         unexpected.append((key, path))
                         continue
@@ -439,7 +330,7 @@ def _plan(files: list[str], asm: _Assembler, cfg: ModelConfig) -> tuple[list[_Re
                     _check_header(f.get_slice(key), key, path, piece, asm)
                     given.update(dict.fromkeys(piece.units, key))
                     given_in[key] = path
-                    reads.append(_Read(key, path, piece))
+                    reads.append(_Reading(key, path, piece))
         except (SafetensorError, OSError) as e:
             raise ValueError(f"cannot read safetensors file {path}: {e}") from None
     if unexpected:
@@ -458,17 +349,17 @@ def _plan(files: list[str], asm: _Assembler, cfg: ModelConfig) -> tuple[list[_Re
     if tied_head is not None and EMBEDDINGS not in given:
         # the tied pair stored under lm_head's name alone (safetensors' save_model keeps that name of shared
         # tensors; transformers' save_pretrained the embeddings'): transformers takes the embeddings from it
-        reads.append(_Read(*tied_head, asm.pieces[EMBEDDINGS]))
+        reads.append(_Reading(*tied_head, plan.reads[EMBEDDINGS]))
         given[EMBEDDINGS] = tied_head[0]
         tied_head = None
-    missing = [n for n in asm.layout if n not in given]
+    missing = [n for n in plan.layout if n not in given]
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. "
                          f"{_collapse(missing, asm, given)[:5]}")
     return reads, tied_head
 
 
-def _check_header(header, key: str, path: str, piece: _Piece, asm: _Assembler) -> None:
+def _check_header(header, key: str, path: str, piece: Read, asm: _Assembler) -> None:
     """ValueError naming the tensor and its file unless its header (a safetensors slice) has the piece's
     shape and a dtype the piece may be stored in (_Assembler.check_dtype)."""
     shape = tuple(header.get_shape())
@@ -500,8 +391,8 @@ def check_checkpoint(folder: str, cfg: ModelConfig) -> dict[str, WeightSpec]:
     before it reads anything (ValueError naming the tensor); returns each checkpoint tensor's spec by our
     name (our_name): the weight it is, or is a part of (an expert's, a fusion's first member), or its scales."""
     asm = _Assembler(cfg, torch.float32, torch.device("cpu"))
-    _plan(checkpoint_files(folder), asm, cfg)
-    return {name: piece.spec for name, piece in asm.pieces.items()}
+    _check_headers(checkpoint_files(folder), asm, cfg)
+    return {name: read.spec for name, read in asm.plan.reads.items()}
 
 
 def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
@@ -513,7 +404,7 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
     ValueError before any is read. An FP8 checkpoint's converted weights stay float8_e4m3fn, their
     weight_scale_inv are read into fp32 (spec.py).
 
-    The files' headers are checked first, before anything is allocated or read (_plan): ValueError naming
+    The files' headers are checked first, before anything is allocated or read (_check_headers): ValueError naming
     the tensor and its file for a missing, unexpected, duplicate, mis-shaped or wrongly typed one (per
     expert: `layers.3.mlp.experts.17.up_proj.weight`; an FP8 weight that is not float8_e4m3fn, a scale
     for a module that is not converted), and for a file safetensors cannot read. Tensors of the vision
@@ -540,12 +431,12 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
 
     dtype, device = as_dtype(dtype), as_device(device)
     asm = _Assembler(cfg, dtype, device, tp)
-    check_host_memory(weight_bytes(asm.shapes, dtype, cfg), device, f"the weights of {folder} in {dtype}")
-    reads, tied_head = _plan(checkpoint_files(folder), asm, cfg)
+    check_host_memory(weight_bytes(asm.plan.shapes, dtype, cfg), device, f"the weights of {folder} in {dtype}")
+    reads, tied_head = _check_headers(checkpoint_files(folder), asm, cfg)
     # drawn where standard error is a terminal (tqdm's disable=None; a notebook's widget too), never in a log
-    bar = tqdm(total=len(asm.layout), desc="loading weights", unit="tensor", disable=None if progress else True,
+    bar = tqdm(total=len(asm.plan.layout), desc="loading weights", unit="tensor", disable=None if progress else True,
                leave=False)
-    by_file: dict[str, list[_Read]] = {}
+    by_file: dict[str, list[_Reading]] = {}
     for r in reads:
         by_file.setdefault(r.path, []).append(r)
     for path, items in by_file.items():
@@ -555,7 +446,7 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
                     stored = take(f.get_slice(key), piece.ranges) if piece.ranges else f.get_tensor(key)
                     if piece.spec.kind == SCALE and (problem := scale_problem(stored, dtype)) is not None:
                         raise ValueError(f"tensor {key!r} in {path} {problem}")
-                    written = piece.place(stored)
+                    written = asm.place(piece, stored)
                     if written is not None and check_finite and not _finite(written):
                         what = (f"values beyond the range of {written.dtype}" if _finite(stored)
                                 else "NaN or infinite values")
@@ -575,10 +466,10 @@ def _check_tied_head(asm: _Assembler, key: str, path: str) -> None:
     equal; otherwise it warns and runs the stored lm_head, which a tied model here would silently ignore."""
     from safetensors import safe_open
 
-    embed = asm.pieces[EMBEDDINGS]  # _plan has checked the stored lm_head's shape and dtype against it
+    embed = asm.plan.reads[EMBEDDINGS]  # _check_headers has checked the stored lm_head's shape and dtype against it
     with safe_open(path, framework="pt", device="cpu") as f:
         head = take(f.get_slice(key), embed.ranges) if embed.ranges else f.get_tensor(key)
-    if not torch.equal(asm._converted(head, asm.specs[EMBEDDINGS]), asm.out[EMBEDDINGS]):
+    if not torch.equal(asm.converted(head, embed.spec), asm.out[EMBEDDINGS]):
         raise ValueError(f"the config sets tie_word_embeddings (lm_head is embed_tokens) but the checkpoint stores "
                          f"a different {key!r} ({path}); transformers runs the stored one untied: set "
                          "tie_word_embeddings to false in config.json to load it")
@@ -587,11 +478,11 @@ def _check_tied_head(asm: _Assembler, key: str, path: str) -> None:
 def _collapse(missing: list[str], asm: _Assembler, given: dict[str, str]) -> list[str]:
     """Missing checkpoint tensors by name; where the checkpoint stores experts stacked, a stacked tensor
     missing whole is named as such rather than expert by expert."""
-    stacked = not set(asm.stacked_of.values()).isdisjoint(our_name(k) for k in given.values())
+    stacked = not set(asm.plan.stacked_of.values()).isdisjoint(our_name(k) for k in given.values())
     absent, out = set(missing), []
     for name in missing:
-        whole = asm.stacked_of.get(name)
-        if stacked and whole and all(u in absent for u in asm.pieces[whole].units):
+        whole = asm.plan.stacked_of.get(name)
+        if stacked and whole and all(u in absent for u in asm.plan.reads[whole].units):
             if whole not in out:
                 out.append(whole)
         else:

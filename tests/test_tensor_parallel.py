@@ -353,11 +353,11 @@ def test_each_rank_reads_only_its_part_of_the_experts():
     """Experts one tensor each in the checkpoint: split across ranks, a rank reads its own experts whole and
     none of another's (an empty range); split within, its rows (gate / up) or columns (down) of every one."""
     from metrale_graph.parallel import TensorParallel
-    from metrale_graph.weights import _Assembler
+    from metrale_graph.sharding import load_plan
 
     cfg = moe_config("qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2)  # IE 20
-    across = _Assembler(cfg, torch.float32, "cpu", TensorParallel(1, 2, moe="expert")).pieces
-    within = _Assembler(cfg, torch.float32, "cpu", TensorParallel(1, 2, moe="within")).pieces
+    across = load_plan(cfg, TensorParallel(1, 2, moe="expert")).reads
+    within = load_plan(cfg, TensorParallel(1, 2, moe="within")).reads
     for e in range(4):
         for proj in ("gate_proj", "up_proj", "down_proj"):
             name = f"layers.0.mlp.experts.{e}.{proj}.weight"
