@@ -36,9 +36,9 @@ from .placement import DTYPES as _DTYPES, as_device, as_dtype
 from .protocol import prefill_call
 from .saving import GENERATION_CONFIG, save_checkpoint
 from .quantization import SCALE_SUFFIX
-from .sharding import first_expert, local_config, shard_weights, sharded_shapes
+from .sharding import first_expert, local_config, sharded_shapes
 from .spec import MOE, feed_forward, model_spec, mtp_feed_forward, weight_dtype, weight_shapes
-from .weights import checkpoint_config, load_checkpoint, random_weights, stack_projections
+from .weights import checkpoint_config, load_checkpoint, random_weights, shard_weights, stack_projections
 
 
 class HybridModel(nn.Module):

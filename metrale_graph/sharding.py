@@ -20,8 +20,6 @@ import math
 from types import MappingProxyType
 from typing import Mapping, NamedTuple
 
-import torch
-
 from .config import ModelConfig
 from .families import Fusion
 from .quantization import FP8_BLOCK
@@ -207,19 +205,6 @@ def shard_ranges(name: str, cfg: ModelConfig, tp) -> Ranges | None:
     return weight_ranges(model_spec(cfg)[name], tp)
 
 
-def take(t, ranges: Ranges | None) -> torch.Tensor:
-    """The shard of `t` (a tensor, or a safetensors slice: only the ranges are read)."""
-    if ranges is None:
-        return t if isinstance(t, torch.Tensor) else t[:]
-    dim, spans = ranges
-    index = [slice(None)] * (dim + 1)
-    pieces = []
-    for a, b in spans:
-        index[dim] = slice(a, b)
-        pieces.append(t[tuple(index)])
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
-
-
 def shard_shape(spec: WeightSpec, tp) -> tuple[int, ...]:
     """The shape of a weight's shard on this rank; a PADDED rule's shard has its padded length."""
     ranges = weight_ranges(spec, tp)
@@ -235,28 +220,6 @@ def shard_shape(spec: WeightSpec, tp) -> tuple[int, ...]:
 def sharded_shapes(cfg: ModelConfig, tp) -> dict[str, tuple[int, ...]]:
     """The shape of every weight's shard on this rank (the vocabulary shards padded to ceil(V / n))."""
     return {name: shard_shape(spec, tp) for name, spec in model_spec(cfg).items()}
-
-
-def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, tp) -> dict[str, torch.Tensor]:
-    """Every weight's shard for this rank (from full tensors; loading from a checkpoint reads only the
-    shard instead: weights.load_checkpoint(..., tp=)). The vocabulary shard is padded to ceil(V / n)
-    rows with zeros."""
-    out = {name: take(t, shard_ranges(name, cfg, tp)).clone() for name, t in weights.items()}
-    return pad_shards(out, cfg, tp)
-
-
-def pad_shards(weights: dict[str, torch.Tensor], cfg: ModelConfig, tp) -> dict[str, torch.Tensor]:
-    """Pad, in the dict, each shard of a PADDED rule (the vocabulary's) with zeros to its shard shape."""
-    for name, spec in model_spec(cfg).items():
-        t = weights.get(name)
-        if t is None or spec.shard is None or spec.shard.mode != PADDED:
-            continue
-        dim, want = spec.shard.dim, shard_shape(spec, tp)
-        if t.shape[dim] < want[dim]:
-            pad = list(t.shape)
-            pad[dim] = want[dim] - t.shape[dim]
-            weights[name] = torch.cat([t, t.new_zeros(pad)], dim)
-    return weights
 
 
 class Read(NamedTuple):
@@ -296,10 +259,10 @@ def load_plan(cfg: ModelConfig, tp) -> Plan:
 @functools.lru_cache(maxsize=16)
 def _load_plan(cfg: ModelConfig, rank: tuple[int, int, str] | None) -> Plan:
     tp = _Rank(*rank) if rank is not None else None
+    layout = checkpoint_layout(cfg)  # what the checkpoint holds (the spec's), then what this rank takes of it
     shapes = sharded_shapes(cfg, tp)
     local = local_config(cfg, tp.size, tp.moe) if tp else cfg
     first = first_expert(cfg, tp)
-    layout = checkpoint_layout(cfg)
     reads: dict[str, Read] = {}
     stacked_of: dict[str, str] = {}
     for s in layout:

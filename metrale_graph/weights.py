@@ -32,7 +32,7 @@ from .families import FAMILIES
 from .placement import as_device, as_dtype, check_host_memory
 from .quantization import FP8_BLOCK, MTP_PREFIX, TEXT_PREFIX, scale_name
 from .quantized import scale_problem
-from .sharding import NOTHING, Read, load_plan, pad_shards, take
+from .sharding import NOTHING, Ranges, Read, load_plan, shard_ranges
 from .spec import (EXPERTS, FP8_DTYPE, SCALE, VECTOR, Stored, WeightSpec, checkpoint_layout, model_spec,
                    stacked_groups, weight_bytes, weight_dtype, weight_shapes)
 
@@ -154,8 +154,13 @@ class _Assembler:
             return view
         if read.ranges == NOTHING:
             return None
-        self.out[spec.name] = self.converted(t, spec)
-        return self.out[spec.name]
+        want = self.plan.shapes[spec.name]
+        if tuple(t.shape) == want:
+            self.out[spec.name] = self.converted(t, spec)
+            return self.out[spec.name]
+        # this rank's vocabulary rows, short of its padded shard (sharding.PADDED): zeros after them
+        self.out[spec.name] = torch.zeros(want, dtype=self.dtype_of(spec), device=self.device)
+        return _leading(self.out[spec.name], t.shape).copy_(t)
 
     def check_dtype(self, key: str, path: str, stored: str, spec: WeightSpec) -> None:
         """ValueError naming the tensor unless safetensors dtype `stored` is what `spec` is stored in: FP8
@@ -457,7 +462,7 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
     bar.close()
     if tied_head is not None:
         _check_tied_head(asm, *tied_head)
-    return pad_shards(asm.out, cfg, tp) if tp is not None and tp.size > 1 else asm.out
+    return asm.out
 
 
 def _check_tied_head(asm: _Assembler, key: str, path: str) -> None:
@@ -469,7 +474,7 @@ def _check_tied_head(asm: _Assembler, key: str, path: str) -> None:
     embed = asm.plan.reads[EMBEDDINGS]  # _check_headers has checked the stored lm_head's shape and dtype against it
     with safe_open(path, framework="pt", device="cpu") as f:
         head = take(f.get_slice(key), embed.ranges) if embed.ranges else f.get_tensor(key)
-    if not torch.equal(asm.converted(head, embed.spec), asm.out[EMBEDDINGS]):
+    if not torch.equal(asm.converted(head, embed.spec), _leading(asm.out[EMBEDDINGS], head.shape)):
         raise ValueError(f"the config sets tie_word_embeddings (lm_head is embed_tokens) but the checkpoint stores "
                          f"a different {key!r} ({path}); transformers runs the stored one untied: set "
                          "tie_word_embeddings to false in config.json to load it")
@@ -513,6 +518,39 @@ def _finite(t: torch.Tensor) -> bool:
         t = t.half()
     lo, hi = torch.aminmax(t)
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def take(t, ranges: Ranges | None) -> torch.Tensor:
+    """The shard of `t` (a tensor, or a safetensors slice: only the ranges are read; sharding.Ranges)."""
+    if ranges is None:
+        return t if isinstance(t, torch.Tensor) else t[:]
+    dim, spans = ranges
+    index = [slice(None)] * (dim + 1)
+    pieces = []
+    for a, b in spans:
+        index[dim] = slice(a, b)
+        pieces.append(t[tuple(index)])
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+
+def _leading(t: torch.Tensor, shape) -> torch.Tensor:
+    """The view of t's first `shape` elements along each dim (a padded shard's rows that hold weights)."""
+    return t[tuple(slice(0, n) for n in shape)]
+
+
+def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, tp) -> dict[str, torch.Tensor]:
+    """Every weight's shard for this rank (from full tensors; loading from a checkpoint reads only the
+    shard instead: load_checkpoint(..., tp=)), copied. The vocabulary shard is padded to ceil(V / n)
+    rows with zeros (sharding.load_plan's shapes)."""
+    shapes, out = load_plan(cfg, tp).shapes, {}
+    for name, t in weights.items():
+        part = take(t, shard_ranges(name, cfg, tp))
+        if tuple(part.shape) == shapes[name]:
+            out[name] = part.clone()
+        else:
+            out[name] = part.new_zeros(shapes[name])
+            _leading(out[name], part.shape).copy_(part)
+    return out
 
 
 def random_weights(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 0) -> dict[str, torch.Tensor]:
