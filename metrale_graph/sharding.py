@@ -22,9 +22,9 @@ from typing import Mapping, NamedTuple
 
 from .config import ModelConfig
 from .families import Fusion
-from .quantization import FP8_BLOCK
+from .quantization import FP8_BLOCK, scale_name
 from .spec import (EXPERTS, PADDED, REPLICATE, SCALE, Shard, WeightSpec, blocks, checkpoint_layout, expert_name,
-                   model_spec)
+                   model_spec, stacked_groups)
 
 Ranges = tuple[int, list[tuple[int, int]]]
 MOE_MODES = ("expert", "within")  # how MoE experts are split over ranks (module docstring)
@@ -239,6 +239,14 @@ class Read(NamedTuple):
 NOTHING: Ranges = (0, [(0, 0)])  # the ranges of a tensor a rank reads none of (another rank's expert)
 
 
+class Stack(NamedTuple):
+    """Weights held back to back, rows after rows, in one buffer so that one GEMM reads them without a copy
+    (ops.kernels.stacked): a run of a layer's stacked group (spec.WeightSpec.stack), or an FP8 run's scales."""
+    names: tuple[str, ...]
+    shape: tuple[int, ...]  # the buffer's: the members' rows summed
+    rows: tuple[int, ...]  # each member's first row in it
+
+
 class Plan(NamedTuple):
     """What one rank loads of a config's checkpoint (load_plan): the sizes its shard has, the shape of each of
     its weights, and a Read for every checkpoint tensor by its name without the `model.` prefix."""
@@ -248,6 +256,8 @@ class Plan(NamedTuple):
     layout: Mapping[str, tuple[int, ...]]  # the checkpoint layout's tensors: what a checkpoint must provide
     stacked_of: Mapping[str, str]  # a per-expert tensor's name -> the stacked name that also provides it
     first_expert: int
+    stacks: tuple[Stack, ...]  # the buffers of the stacked groups (_stacks), at this rank's shapes
+    stack_of: Mapping[str, tuple[int, int]]  # a stacked weight's name -> (its Stack's index, its first row)
 
 
 def load_plan(cfg: ModelConfig, tp) -> Plan:
@@ -259,7 +269,8 @@ def load_plan(cfg: ModelConfig, tp) -> Plan:
 @functools.lru_cache(maxsize=16)
 def _load_plan(cfg: ModelConfig, rank: tuple[int, int, str] | None) -> Plan:
     tp = _Rank(*rank) if rank is not None else None
-    layout = checkpoint_layout(cfg)  # what the checkpoint holds (the spec's), then what this rank takes of it
+    # what the checkpoint holds and which weights share a buffer (the spec's), then what this rank takes of it
+    layout, groups = checkpoint_layout(cfg), stacked_groups(cfg)
     shapes = sharded_shapes(cfg, tp)
     local = local_config(cfg, tp.size, tp.moe) if tp else cfg
     first = first_expert(cfg, tp)
@@ -283,8 +294,38 @@ def _load_plan(cfg: ModelConfig, rank: tuple[int, int, str] | None) -> Plan:
             stacked_of[s.name] = spec.name
         else:
             reads[s.name] = Read(s.shape, spec, (s.name,), weight_ranges(spec, tp))
+    stacks = _stacks(cfg, groups, shapes)
+    stack_of = {n: (i, row) for i, stack in enumerate(stacks) for n, row in zip(stack.names, stack.rows)}
     return Plan(local, MappingProxyType(shapes), MappingProxyType(reads),
-                MappingProxyType({s.name: s.shape for s in layout}), MappingProxyType(stacked_of), first)
+                MappingProxyType({s.name: s.shape for s in layout}), MappingProxyType(stacked_of), first, stacks,
+                MappingProxyType(stack_of))
+
+
+def _stacks(cfg: ModelConfig, groups: list[list[str]], shapes: Mapping[str, tuple[int, ...]]) -> tuple[Stack, ...]:
+    """Each layer's stacked groups (spec.stacked_groups) in runs of at least two members that share one buffer:
+    consecutive members all FP8 or all not; an FP8 run goes on past a member only when its rows are whole
+    128-blocks (its scale grid's rows then line up with the weight's: one GEMM reads both), and its scales are a
+    Stack too."""
+    specs, out = model_spec(cfg), []
+    for names in groups:
+        runs: list[list[str]] = []
+        for n in names:
+            last = runs[-1] if runs else None
+            if (last is not None and specs[last[-1]].fp8 == specs[n].fp8
+                    and (not specs[n].fp8 or shapes[last[-1]][0] % FP8_BLOCK == 0)):
+                last.append(n)
+            else:
+                runs.append([n])
+        for run in (r for r in runs if len(r) > 1):
+            out += [_stack(run, shapes)] + ([_stack([scale_name(n) for n in run], shapes)] if specs[run[0]].fp8 else [])
+    return tuple(out)
+
+
+def _stack(names: list[str], shapes: Mapping[str, tuple[int, ...]]) -> Stack:
+    rows = [0]
+    for n in names:
+        rows.append(rows[-1] + shapes[n][0])
+    return Stack(tuple(names), (rows[-1], *shapes[names[0]][1:]), tuple(rows[:-1]))
 
 
 def _parallel(tp) -> bool:

@@ -30,11 +30,12 @@ from tqdm.auto import tqdm
 from .config import ModelConfig, load_config
 from .families import FAMILIES
 from .placement import as_device, as_dtype, check_host_memory
-from .quantization import FP8_BLOCK, MTP_PREFIX, TEXT_PREFIX, scale_name
+from .quantization import MTP_PREFIX, TEXT_PREFIX, scale_name
 from .quantized import scale_problem
-from .sharding import NOTHING, Ranges, Read, load_plan, shard_ranges
+from .ops.kernels import rows_back_to_back
+from .sharding import NOTHING, Ranges, Read, Stack, load_plan, shard_ranges
 from .spec import (EXPERTS, FP8_DTYPE, SCALE, VECTOR, Stored, WeightSpec, checkpoint_layout, model_spec,
-                   stacked_groups, weight_bytes, weight_dtype, weight_shapes)
+                   weight_bytes, weight_dtype, weight_shapes)
 
 EMBEDDINGS = "embed_tokens.weight"  # a tied model's lm_head too
 WEIGHTS_FILE = "model.safetensors"  # a checkpoint in one file, or sharded with an index (transformers' names)
@@ -51,43 +52,19 @@ SKIPPED_PREFIXES = tuple(dict.fromkeys(p for f in FAMILIES.values() for m in f.m
 MTP_KEYS = (MTP_PREFIX, TEXT_PREFIX + MTP_PREFIX)
 
 
-def stack_projections(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Re-home each layer's stacked groups (spec.WeightSpec.stack) as row views of one buffer, so the CUDA
-    path runs each group as one GEMM without copying (ops.kernels.stacked). In place in the dict, one group
-    at a time, so the peak is one extra group. In an FP8 model a group is stacked in runs (stack_runs):
-    FP8 members with their scales (each scale grid's rows after the previous one's), the others apart."""
-    specs = model_spec(cfg)
-    for names in stacked_groups(cfg):
-        for run in stack_runs(names, specs, weights):
-            if len(run) > 1:
-                _stack(weights, run)
-                if specs[run[0]].fp8:
-                    _stack(weights, [scale_name(n) for n in run])
+def stack_projections(weights: dict[str, torch.Tensor], stacks: tuple[Stack, ...]) -> dict[str, torch.Tensor]:
+    """Re-home each stack of the rank's plan (sharding.Plan.stacks: each layer's stacked groups, in FP8 runs with
+    their scales) as row views of one buffer, so the CUDA path runs each group as one GEMM without copying
+    (ops.kernels.stacked). Members already back to back (as load_checkpoint lays them) stay where they are; the
+    others are copied, in place in the dict, one stack at a time, so the peak is one extra group."""
+    for stack in stacks:
+        parts = [weights[n] for n in stack.names]
+        if rows_back_to_back(parts):
+            continue
+        buf = torch.cat(parts)
+        for n, p, row in zip(stack.names, parts, stack.rows):
+            weights[n] = buf[row:row + p.shape[0]]
     return weights
-
-
-def stack_runs(names: list[str], specs, weights: dict[str, torch.Tensor]) -> list[list[str]]:
-    """A stacked group's members in runs that share one buffer: consecutive members all FP8 or all not;
-    an FP8 run goes on past a member only when its rows are whole 128-blocks (its scale grid's rows then
-    line up with the weight's: one GEMM reads both)."""
-    runs: list[list[str]] = []
-    for n in names:
-        last = runs[-1] if runs else None
-        if (last is not None and specs[last[-1]].fp8 == specs[n].fp8
-                and (not specs[n].fp8 or weights[last[-1]].shape[0] % FP8_BLOCK == 0)):
-            last.append(n)
-        else:
-            runs.append([n])
-    return runs
-
-
-def _stack(weights: dict[str, torch.Tensor], names: list[str]) -> None:
-    parts = [weights[n] for n in names]
-    buf = torch.cat(parts)
-    row = 0
-    for n, p in zip(names, parts):
-        weights[n] = buf[row:row + p.shape[0]]
-        row += p.shape[0]
 
 
 def _members(stored: Stored, weights: dict[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -129,6 +106,7 @@ class _Assembler:
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.plan = load_plan(cfg, tp)
         self.out: dict[str, torch.Tensor] = {}
+        self.stacks: dict[int, torch.Tensor] = {}  # the buffers of the plan's stacks, by index
 
     def dtype_of(self, spec: WeightSpec) -> torch.dtype:
         return weight_dtype(spec, self.dtype)
@@ -143,7 +121,8 @@ class _Assembler:
         if read.fusion is not None:
             t = self.converted(t, spec)
             for member, part in zip(read.fusion.members, read.fusion.split(t, self.plan.local)):
-                self.out[spec.layer_prefix + member] = part
+                if self._stacked(spec.layer_prefix + member, part, spec) is None:
+                    self.out[spec.layer_prefix + member] = part
             return t
         if read.expert is not None:  # copied straight into the stacked buffer: no converted copy of the expert
             if spec.name not in self.out:
@@ -154,6 +133,8 @@ class _Assembler:
             return view
         if read.ranges == NOTHING:
             return None
+        if (view := self._stacked(spec.name, t, spec)) is not None:
+            return view
         want = self.plan.shapes[spec.name]
         if tuple(t.shape) == want:
             self.out[spec.name] = self.converted(t, spec)
@@ -161,6 +142,19 @@ class _Assembler:
         # this rank's vocabulary rows, short of its padded shard (sharding.PADDED): zeros after them
         self.out[spec.name] = torch.zeros(want, dtype=self.dtype_of(spec), device=self.device)
         return _leading(self.out[spec.name], t.shape).copy_(t)
+
+    def _stacked(self, name: str, t: torch.Tensor, spec: WeightSpec) -> torch.Tensor | None:
+        """Copy weight `name` into its rows of its stack's buffer (allocated at its first member) and return them;
+        None when it is not stacked (sharding.Plan.stacks)."""
+        where = self.plan.stack_of.get(name)
+        if where is None:
+            return None
+        index, row = where
+        if index not in self.stacks:
+            self.stacks[index] = torch.empty(self.plan.stacks[index].shape, dtype=self.dtype_of(spec),
+                                             device=self.device)
+        self.out[name] = self.stacks[index][row:row + t.shape[0]]
+        return self.out[name].copy_(t)
 
     def check_dtype(self, key: str, path: str, stored: str, spec: WeightSpec) -> None:
         """ValueError naming the tensor unless safetensors dtype `stored` is what `spec` is stored in: FP8
