@@ -2,11 +2,13 @@
 checkpoint with an MTP head (its GDN fusions, FP8 block scales, experts one tensor each), as tensor-parallel rank 0
 of 2 computed on the CPU (the ranks' agreement on the load answered locally: one process plays rank 0 alone).
 
-Two counts, from a profile hook (sys.setprofile) over the call:
+Counts from a profile hook (sys.setprofile) over the call:
 
 - the walk: the package's functions in the order the load first calls them, each once: what a reader follows to
   learn how a tensor gets from the files into the model. A stay is a run of consecutive functions of one file; a
   return is a stay in a file the walk was in before (returns = stays - files).
+- the reader's walk: the same without what a reader takes in where it is used: property getters (a config's
+  derived sizes, a spec's name parts), comprehensions, generator expressions and lambdas.
 - crossings: calls from a function of one package file into another's, every call counted (the load's tensors
   each walk their own path; this grows with the tensor count).
 
@@ -58,9 +60,9 @@ def _file(code) -> str | None:
     return os.path.relpath(path, ROOT) if path.startswith(PACKAGE_DIRS) else None
 
 
-def trace(fn) -> tuple[list[tuple[str, str]], collections.Counter]:
-    """Run fn() under a profile hook: the package's functions in first-call order as (file, function), and the
-    calls from one package file into another, by (caller's file, callee's file)."""
+def trace(fn) -> tuple[list[tuple[str, str, object]], collections.Counter]:
+    """Run fn() under a profile hook: the package's functions in first-call order as (file, function, code), and
+    the calls from one package file into another, by (caller's file, callee's file)."""
     first: dict = {}
     crossings: collections.Counter = collections.Counter()
 
@@ -72,7 +74,7 @@ def trace(fn) -> tuple[list[tuple[str, str]], collections.Counter]:
         if where is None or code.co_name == "<module>":
             return
         if code not in first:
-            first[code] = (where, code.co_qualname)
+            first[code] = (where, code.co_qualname, code)
         caller = frame.f_back
         while caller is not None and _file(caller.f_code) is None:  # through torch / safetensors frames
             caller = caller.f_back
@@ -87,10 +89,28 @@ def trace(fn) -> tuple[list[tuple[str, str]], collections.Counter]:
     return list(first.values()), crossings
 
 
-def stays(walk: list[tuple[str, str]]) -> list[tuple[str, list[str]]]:
+def _read_in_place(code, getters: set) -> bool:
+    """Whether a reader takes the function in where it is used: a property getter, a comprehension or a lambda."""
+    return code in getters or code.co_name.startswith("<")
+
+
+def property_getters() -> set:
+    """The code of every property getter of the package's classes (those of the modules loaded so far)."""
+    out = set()
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("metrale_graph") or module is None:
+            continue
+        for cls in vars(module).values():
+            if isinstance(cls, type) and cls.__module__ == name:
+                out.update(v.fget.__code__ for v in vars(cls).values()
+                           if isinstance(v, property) and hasattr(v.fget, "__code__"))
+    return out
+
+
+def stays(walk: list[tuple[str, str, object]]) -> list[tuple[str, list[str]]]:
     """The walk's runs of consecutive functions of one file: (file, its functions)."""
     out: list[tuple[str, list[str]]] = []
-    for where, name in walk:
+    for where, name, _ in walk:
         if out and out[-1][0] == where:
             out[-1][1].append(name)
         else:
@@ -115,9 +135,15 @@ def measure(moe: str = "within", ranks: int = 2) -> dict:
     assert model.mtp is not None and scales and model.dtype == torch.float32
     runs = stays(walk)
     entered = collections.Counter(where for where, _ in runs)
+    getters = property_getters()
+    reader = stays([w for w in walk if not _read_in_place(w[2], getters)])
+    reader_entered = collections.Counter(where for where, _ in reader)
     return {"tool": "load_walk", "moe": moe, "ranks": ranks, "functions": len(walk), "stays": len(runs),
             "files": len(entered), "returns": len(runs) - len(entered), "entered": dict(entered.most_common()),
-            "crossings": sum(crossings.values()), "walk": [f"{w}: {', '.join(names)}" for w, names in runs]}
+            "reader": {"functions": sum(len(n) for _, n in reader), "stays": len(reader), "files": len(reader_entered),
+                       "returns": len(reader) - len(reader_entered), "entered": dict(reader_entered.most_common())},
+            "crossings": sum(crossings.values()), "walk": [f"{w}: {', '.join(names)}" for w, names in runs],
+            "reader_walk": [f"{w}: {', '.join(names)}" for w, names in reader]}
 
 
 def main(argv=None) -> None:
@@ -129,15 +155,19 @@ def main(argv=None) -> None:
     p.add_argument("--moe", choices=("within", "expert"), default="within", help="how the experts split over ranks")
     p.add_argument("--ranks", type=positive_int, default=2, help="tensor-parallel ranks (this process is rank 0)")
     p.add_argument("--walk", action="store_true", help="print the walk, stay by stay")
+    p.add_argument("--reader", action="store_true", help="with --walk: the reader's walk")
     args = p.parse_args(argv)
     record = measure(args.moe, args.ranks)
     if args.walk:
-        for i, stay in enumerate(record["walk"], 1):
+        for i, stay in enumerate(record["reader_walk" if args.reader else "walk"], 1):
             print(f"{i:3d} {stay}")
-    print_table(["file", "stays"], [[f, str(n)] for f, n in record["entered"].items()])
-    print(f"{record['functions']} functions, {record['stays']} stays in {record['files']} files, {record['returns']} "
-          f"returns; {record['crossings']} calls from one file into another")
-    print_json({k: v for k, v in record.items() if k != "walk"})
+    reader = record["reader"]
+    print_table(["file", "stays", "reader's stays"], [[f, str(n), str(reader["entered"].get(f, 0))]
+                                                      for f, n in record["entered"].items()])
+    for what, r in (("walk", record), ("reader's walk", reader)):
+        print(f"{what}: {r['functions']} functions, {r['stays']} stays in {r['files']} files, {r['returns']} returns")
+    print(f"{record['crossings']} calls from one file into another")
+    print_json({k: v for k, v in record.items() if k not in ("walk", "reader_walk")})
 
 
 if __name__ == "__main__":

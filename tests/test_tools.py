@@ -178,6 +178,9 @@ def test_load_walk_counts_the_stays_of_a_sharded_fp8_mtp_load(capsys):
     assert record["entered"] == {f: files.count(f) for f in set(files)}
     assert record["returns"] == record["stays"] - record["files"] == len(files) - len(set(files))
     assert "metrale_graph/sharding.py" in record["entered"] and record["crossings"] > record["stays"]
+    reader = record["reader"]  # the same walk less property getters, comprehensions and lambdas
+    assert reader["functions"] < record["functions"] and reader["stays"] <= record["stays"]
+    assert reader["returns"] == reader["stays"] - reader["files"] == reader["stays"] - len(reader["entered"])
 
 
 def test_warmup_usage_errors_leave_no_cache_folder_behind(tmp_path, capsys):
