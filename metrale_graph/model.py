@@ -38,7 +38,8 @@ from .saving import GENERATION_CONFIG, save_checkpoint
 from .quantization import SCALE_SUFFIX
 from .sharding import load_plan
 from .spec import MOE, feed_forward, model_spec, mtp_feed_forward, weight_dtype
-from .weights import checkpoint_config, load_checkpoint, random_weights, shard_weights, stack_projections
+from .loader import load_checkpoint
+from .weights import checkpoint_config, random_weights, shard_weights, stack_projections
 
 
 class HybridModel(nn.Module):

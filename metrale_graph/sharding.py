@@ -1,6 +1,8 @@
 """The tensor-parallel plan: which part of each weight a rank holds, the shapes of the shards, the
 vocabulary padding and the per-rank config. It reads only the config and the weight spec (spec.py,
-where each weight's `Shard` rule lives); parallel.TensorParallel is the communicator.
+where each weight's `Shard` rule lives) and holds no tensors; parallel.TensorParallel is the communicator.
+load_plan gathers it for one rank, once per config: what the rank reads of each checkpoint tensor and where
+that goes (Read), its weights' shapes and stacked buffers (Stack); the loader (loader.py) and the model read it.
 
 A `tp` argument here is anything with `rank`, `size` and `moe` (a parallel.TensorParallel); `None` or
 size 1 means one process holding everything. Ranges are (dim, [start, stop) spans concatenated in

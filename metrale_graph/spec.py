@@ -3,9 +3,10 @@ tensor parallelism, drawn at random, stacked for the GEMM that reads it, and wha
 (a projection [out, in], a stacked expert tensor [E, out, in], ...).
 
 Everything that lists or walks the weights derives from here: `weight_shapes`, random initialization,
-the checkpoint loader and saver (weights.py), the tensor-parallel plan (sharding.py) and the model's
-choice of feed-forward op per layer. Our names are transformers' in-memory module names without the
-`model.` prefix (`layers.3.linear_attn.in_proj_qkv.weight`, `layers.0.mlp.experts.gate_up_proj`).
+the checkpoint layout (`checkpoint_layout`, below) the loader (loader.py) and the saver read, the
+tensor-parallel plan (sharding.py) and the model's choice of feed-forward op per layer. Our names are
+transformers' in-memory module names without the `model.` prefix (`layers.3.linear_attn.in_proj_qkv.weight`,
+`layers.0.mlp.experts.gate_up_proj`).
 
 A layer is its two norms, its feed-forward block (`feed_forward`: a sparse MoE block on the layers of
 `config.moe_layers`, else a dense MLP) and its mixer block (by `config.layer_types`: Gated DeltaNet or

@@ -375,7 +375,7 @@ def test_the_loader_lays_each_tensor_once_into_its_place(tmp_path, rank, moe):
     from metrale_graph.quantization import QWEN_KEPT
     from metrale_graph.quantized import fp8_config
     from metrale_graph.sharding import load_plan
-    from metrale_graph.weights import load_checkpoint
+    from metrale_graph.loader import load_checkpoint
 
     cfg = fp8_config(replace(FP8_NEXT, mtp_num_hidden_layers=1), QWEN_KEPT)
     HybridModel.from_preset(cfg, seed=1).save_pretrained(str(tmp_path))

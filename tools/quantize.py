@@ -75,7 +75,8 @@ def plan(folder: str, patterns: list[str] | None):
 
     from metrale_graph.families import MULTIMODAL
     from metrale_graph.quantized import fp8_config
-    from metrale_graph.weights import check_checkpoint, checkpoint_config
+    from metrale_graph.loader import check_checkpoint
+    from metrale_graph.weights import checkpoint_config
 
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
@@ -137,7 +138,8 @@ def quantize_checkpoint(folder: str, out: str, patterns: list[str] | None = None
     from metrale_graph.quantized import kept_modules, quantize_weight
     from metrale_graph.saving import _temporary, publish
     from metrale_graph.spec import EXPERTS, SCALE
-    from metrale_graph.weights import INDEX_FILE, SKIPPED_PREFIXES, WEIGHTS_FILE, _finite, checkpoint_files, our_name
+    from metrale_graph.loader import SKIPPED_PREFIXES, _finite, our_name
+    from metrale_graph.weights import INDEX_FILE, WEIGHTS_FILE, checkpoint_files
 
     raw, cfg, fp8, specs = plan(folder, patterns)
     files = checkpoint_files(folder)
