@@ -68,7 +68,7 @@ class _Assembler:
     """Lays checkpoint tensors into our weights on `device` in `dtype` (FP8 weights as they are, their
     scales in fp32: spec.weight_dtype), as the rank's plan (sharding.load_plan) says: whole tensors as they
     are, per-expert tensors into stacked buffers allocated once, the family's fused tensors split, a stacked
-    group's members into its buffer (Plan.stacks), a vocabulary shard into its zero-padded rows."""
+    group's members into its buffer (Shards.stacks), a vocabulary shard into its zero-padded rows."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, tp=None):
         self.cfg, self.dtype, self.device = cfg, dtype, device
@@ -88,13 +88,13 @@ class _Assembler:
         spec = read.spec
         if read.fusion is not None:
             t = self.converted(t, spec)
-            for member, part in zip(read.fusion.members, read.fusion.split(t, self.plan.local)):
+            for member, part in zip(read.fusion.members, read.fusion.split(t, self.plan.shards.local)):
                 if self._stacked(spec.layer_prefix + member, part, spec) is None:
                     self.out[spec.layer_prefix + member] = part
             return t
         if read.expert is not None:  # copied straight into the stacked buffer: no converted copy of the expert
             if spec.name not in self.out:
-                self.out[spec.name] = torch.empty(self.plan.shapes[spec.name], dtype=self.dtype_of(spec),
+                self.out[spec.name] = torch.empty(self.plan.shards.shapes[spec.name], dtype=self.dtype_of(spec),
                                                   device=self.device)
             view = self.out[spec.name][read.expert, read.rows]
             view.copy_(t)
@@ -103,7 +103,7 @@ class _Assembler:
             return None
         if (view := self._stacked(spec.name, t, spec)) is not None:
             return view
-        want = self.plan.shapes[spec.name]
+        want = self.plan.shards.shapes[spec.name]
         if tuple(t.shape) == want:
             self.out[spec.name] = self.converted(t, spec)
             return self.out[spec.name]
@@ -113,13 +113,13 @@ class _Assembler:
 
     def _stacked(self, name: str, t: torch.Tensor, spec: WeightSpec) -> torch.Tensor | None:
         """Copy weight `name` into its rows of its stack's buffer (allocated at its first member) and return them;
-        None when it is not stacked (sharding.Plan.stacks)."""
-        where = self.plan.stack_of.get(name)
+        None when it is not stacked (sharding.Shards.stacks)."""
+        where = self.plan.shards.stack_of.get(name)
         if where is None:
             return None
         index, row = where
         if index not in self.stacks:
-            self.stacks[index] = torch.empty(self.plan.stacks[index].shape, dtype=self.dtype_of(spec),
+            self.stacks[index] = torch.empty(self.plan.shards.stacks[index].shape, dtype=self.dtype_of(spec),
                                              device=self.device)
         self.out[name] = self.stacks[index][row:row + t.shape[0]]
         return self.out[name].copy_(t)
@@ -302,7 +302,7 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
 
     dtype, device = as_dtype(dtype), as_device(device)
     asm = _Assembler(cfg, dtype, device, tp)
-    check_host_memory(weight_bytes(asm.plan.shapes, dtype, cfg), device, f"the weights of {folder} in {dtype}")
+    check_host_memory(weight_bytes(asm.plan.shards.shapes, dtype, cfg), device, f"the weights of {folder} in {dtype}")
     reads, tied_head = _check_headers(checkpoint_files(folder), asm, cfg)
     # drawn where standard error is a terminal (tqdm's disable=None; a notebook's widget too), never in a log
     bar = tqdm(total=len(asm.plan.layout), desc="loading weights", unit="tensor", disable=None if progress else True,

@@ -1,8 +1,9 @@
 """The tensor-parallel plan: which part of each weight a rank holds, the shapes of the shards, the
 vocabulary padding and the per-rank config. It reads only the config and the weight spec (spec.py,
 where each weight's `Shard` rule lives) and holds no tensors; parallel.TensorParallel is the communicator.
-load_plan gathers it for one rank, once per config: what the rank reads of each checkpoint tensor and where
-that goes (Read), its weights' shapes and stacked buffers (Stack); the loader (loader.py) and the model read it.
+rank_shards gathers what one rank holds, once per config and rank: its config, its weights' shapes, their stacked
+buffers (Stack), its first expert; load_plan, for one load, what it reads of each checkpoint tensor and where that
+goes (Read). The model reads the first, the loader (loader.py) both.
 
 A `tp` argument here is anything with `rank`, `size` and `moe` (a parallel.TensorParallel); `None` or
 size 1 means one process holding everything. Ranges are (dim, [start, stop) spans concatenated in
@@ -228,7 +229,7 @@ class Read(NamedTuple):
     """What a rank reads of one checkpoint tensor and where it puts it: a tensor of the checkpoint layout
     (spec.checkpoint_layout), or a stacked expert tensor that a checkpoint may hold instead of its per-expert
     ones. Placed whole as our weight `spec.name`; with `fusion`, split into the fusion's members (at the rank's
-    sizes, Plan.local); with `expert`, copied into rows `rows` of that expert of the stacked buffer."""
+    sizes, Shards.local); with `expert`, copied into rows `rows` of that expert of the stacked buffer."""
     shape: tuple[int, ...]  # the checkpoint tensor's
     spec: WeightSpec  # the weight (or FP8 scales) it holds; a fusion's first member
     units: tuple[str, ...]  # the checkpoint layout's tensors it provides (a stacked expert tensor: every expert's)
@@ -249,33 +250,47 @@ class Stack(NamedTuple):
     rows: tuple[int, ...]  # each member's first row in it
 
 
-class Plan(NamedTuple):
-    """What one rank loads of a config's checkpoint (load_plan): the sizes its shard has, the shape of each of
-    its weights, and a Read for every checkpoint tensor by its name without the `model.` prefix."""
+class Shards(NamedTuple):
+    """What one rank holds (rank_shards): the sizes of its shard, each of its weights' shape, the buffers its
+    stacked weights share, its first expert."""
     local: ModelConfig  # local_config: the rank's heads and sizes (what its ops and cache are built for)
     shapes: Mapping[str, tuple[int, ...]]  # our weights' shard shapes (sharded_shapes; all of each on one rank)
-    reads: Mapping[str, Read]
-    layout: Mapping[str, tuple[int, ...]]  # the checkpoint layout's tensors: what a checkpoint must provide
-    stacked_of: Mapping[str, str]  # a per-expert tensor's name -> the stacked name that also provides it
-    first_expert: int
     stacks: tuple[Stack, ...]  # the buffers of the stacked groups (_stacks), at this rank's shapes
     stack_of: Mapping[str, tuple[int, int]]  # a stacked weight's name -> (its Stack's index, its first row)
+    first_expert: int
 
 
-def load_plan(cfg: ModelConfig, tp) -> Plan:
-    """The Plan of rank tp.rank of tp.size (None or size 1: one process holding everything). Computed once per
-    config and rank (the loader and the model read the same one): read-only."""
-    return _load_plan(cfg, (tp.rank, tp.size, tp.moe) if _parallel(tp) else None)
+def rank_shards(cfg: ModelConfig, tp) -> Shards:
+    """The Shards of rank tp.rank of tp.size (None or size 1: one process holding everything). Computed once per
+    config and rank (the loader, the model and shard_weights read the same one): read-only."""
+    return _rank_shards(cfg, (tp.rank, tp.size, tp.moe) if _parallel(tp) else None)
 
 
 @functools.lru_cache(maxsize=16)
-def _load_plan(cfg: ModelConfig, rank: tuple[int, int, str] | None) -> Plan:
+def _rank_shards(cfg: ModelConfig, rank: tuple[int, int, str] | None) -> Shards:
     tp = _Rank(*rank) if rank is not None else None
-    # what the checkpoint holds and which weights share a buffer (the spec's), then what this rank takes of it
-    layout, groups = checkpoint_layout(cfg), stacked_groups(cfg)
     shapes = sharded_shapes(cfg, tp)
     local = local_config(cfg, tp.size, tp.moe) if tp else cfg
-    first = first_expert(cfg, tp)
+    stacks = _stacks(cfg, stacked_groups(cfg), shapes)
+    stack_of = {n: (i, row) for i, stack in enumerate(stacks) for n, row in zip(stack.names, stack.rows)}
+    return Shards(local, MappingProxyType(shapes), stacks, MappingProxyType(stack_of), first_expert(cfg, tp))
+
+
+class Plan(NamedTuple):
+    """What one rank reads of a config's checkpoint (load_plan): what it holds, and a Read for every checkpoint
+    tensor by its name without the `model.` prefix."""
+    shards: Shards
+    reads: dict[str, Read]
+    layout: dict[str, tuple[int, ...]]  # the checkpoint layout's tensors: what a checkpoint must provide
+    stacked_of: dict[str, str]  # a per-expert tensor's name -> the stacked name that also provides it
+
+
+def load_plan(cfg: ModelConfig, tp) -> Plan:
+    """The Plan of rank tp.rank of tp.size (None or size 1: one process holding everything), for one load: a Read
+    per tensor of the spec's checkpoint layout (a model of 512 experts has some 150,000), so it is not kept."""
+    layout = checkpoint_layout(cfg)  # what the checkpoint holds (the spec's), then what this rank takes of it
+    shards = rank_shards(cfg, tp)
+    tp = tp if _parallel(tp) else None
     reads: dict[str, Read] = {}
     stacked_of: dict[str, str] = {}
     for s in layout:
@@ -286,7 +301,7 @@ def _load_plan(cfg: ModelConfig, rank: tuple[int, int, str] | None) -> Plan:
             if (s.expert, s.part) == (0, 0):  # a checkpoint may store the experts stacked, as we do
                 units = tuple(expert_name(spec, e, p) for e in range(spec.shape[0]) for p in spec.parts)
                 reads[spec.name] = Read(spec.shape, spec, units, weight_ranges(spec, tp))
-            local_expert, held = s.expert - first, shapes[spec.name]
+            local_expert, held = s.expert - shards.first_expert, shards.shapes[spec.name]
             if 0 <= local_expert < held[0]:
                 rows = held[1] // len(spec.parts)  # this rank's rows of the part (split within: a slice)
                 reads[s.name] = Read(s.shape, spec, (s.name,), expert_part_ranges(spec, s.part, tp),
@@ -296,11 +311,7 @@ def _load_plan(cfg: ModelConfig, rank: tuple[int, int, str] | None) -> Plan:
             stacked_of[s.name] = spec.name
         else:
             reads[s.name] = Read(s.shape, spec, (s.name,), weight_ranges(spec, tp))
-    stacks = _stacks(cfg, groups, shapes)
-    stack_of = {n: (i, row) for i, stack in enumerate(stacks) for n, row in zip(stack.names, stack.rows)}
-    return Plan(local, MappingProxyType(shapes), MappingProxyType(reads),
-                MappingProxyType({s.name: s.shape for s in layout}), MappingProxyType(stacked_of), first, stacks,
-                MappingProxyType(stack_of))
+    return Plan(shards, reads, {s.name: s.shape for s in layout}, stacked_of)
 
 
 def _stacks(cfg: ModelConfig, groups: list[list[str]], shapes: Mapping[str, tuple[int, ...]]) -> tuple[Stack, ...]:

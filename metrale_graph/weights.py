@@ -16,7 +16,7 @@ from .config import ModelConfig, load_config
 from .ops.kernels import rows_back_to_back
 from .placement import as_device, as_dtype, check_host_memory
 from .quantization import MTP_PREFIX, TEXT_PREFIX, scale_name
-from .sharding import Ranges, Stack, load_plan, shard_ranges
+from .sharding import Ranges, Stack, rank_shards, shard_ranges
 from .spec import EXPERTS, SCALE, VECTOR, Stored, checkpoint_layout, model_spec, weight_bytes, weight_shapes
 
 
@@ -105,7 +105,7 @@ def checkpoint_files(folder: str) -> list[str]:
 
 
 def stack_projections(weights: dict[str, torch.Tensor], stacks: tuple[Stack, ...]) -> dict[str, torch.Tensor]:
-    """Re-home each stack of the rank's plan (sharding.Plan.stacks: each layer's stacked groups, in FP8 runs with
+    """Re-home each stack of the rank's plan (sharding.Shards.stacks: each layer's stacked groups, in FP8 runs with
     their scales) as row views of one buffer, so the CUDA path runs each group as one GEMM without copying
     (ops.kernels.stacked). Members already back to back (as load_checkpoint lays them) stay where they are; the
     others are copied, in place in the dict, one stack at a time, so the peak is one extra group."""
@@ -175,8 +175,8 @@ def _leading(t: torch.Tensor, shape) -> torch.Tensor:
 def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, tp) -> dict[str, torch.Tensor]:
     """Every weight's shard for this rank (from full tensors; loading from a checkpoint reads only the
     shard instead: load_checkpoint(..., tp=)), copied. The vocabulary shard is padded to ceil(V / n)
-    rows with zeros (sharding.load_plan's shapes)."""
-    shapes, out = load_plan(cfg, tp).shapes, {}
+    rows with zeros (sharding.rank_shards' shapes)."""
+    shapes, out = rank_shards(cfg, tp).shapes, {}
     for name, t in weights.items():
         part = take(t, shard_ranges(name, cfg, tp))
         if tuple(part.shape) == shapes[name]:

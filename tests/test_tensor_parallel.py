@@ -369,19 +369,20 @@ def test_each_rank_reads_only_its_part_of_the_experts():
 def test_the_loader_lays_each_tensor_once_into_its_place(tmp_path, rank, moe):
     """load_checkpoint reads each tensor once into where the model keeps it: a stacked group's members (FP8 runs
     and their scales too; the fused in_proj_qkvz / in_proj_ba split into the GDN group) back to back in the buffer
-    of the plan's Stack, which HybridModel keeps as it is, and the values those of the model stacked from copies."""
+    of the rank's Stack (sharding.rank_shards), which HybridModel keeps as it is, and the values those of the model
+    stacked from copies."""
     from metrale_graph.ops.kernels import rows_back_to_back
     from metrale_graph.parallel import TensorParallel
     from metrale_graph.quantization import QWEN_KEPT
     from metrale_graph.quantized import fp8_config
-    from metrale_graph.sharding import load_plan
     from metrale_graph.loader import load_checkpoint
+    from metrale_graph.sharding import rank_shards
 
     cfg = fp8_config(replace(FP8_NEXT, mtp_num_hidden_layers=1), QWEN_KEPT)
     HybridModel.from_preset(cfg, seed=1).save_pretrained(str(tmp_path))
     tp = TensorParallel(rank, 2, moe=moe) if rank is not None else None
     weights = load_checkpoint(str(tmp_path), cfg, torch.float32, "cpu", progress=False, tp=tp)
-    stacks = load_plan(cfg, tp).stacks
+    stacks = rank_shards(cfg, tp).stacks
     stacked = {n for s in stacks for n in s.names}
     assert any(n.endswith("in_proj_qkv.weight_scale_inv") for n in stacked)  # an FP8 GDN run's scales, fused on disk
     assert any(n.startswith("mtp.layers.0.") for n in stacked)
