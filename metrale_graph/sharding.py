@@ -27,7 +27,7 @@ from .config import ModelConfig
 from .families import Fusion
 from .quantization import FP8_BLOCK, scale_name
 from .spec import (EXPERTS, PADDED, REPLICATE, SCALE, Shard, WeightSpec, blocks, checkpoint_layout, expert_name,
-                   model_spec, stacked_groups)
+                   model_spec)
 
 Ranges = tuple[int, list[tuple[int, int]]]
 MOE_MODES = ("expert", "within")  # how MoE experts are split over ranks (module docstring)
@@ -271,7 +271,7 @@ def _rank_shards(cfg: ModelConfig, rank: tuple[int, int, str] | None) -> Shards:
     tp = _Rank(*rank) if rank is not None else None
     shapes = sharded_shapes(cfg, tp)
     local = local_config(cfg, tp.size, tp.moe) if tp else cfg
-    stacks = _stacks(cfg, stacked_groups(cfg), shapes)
+    stacks = _stacks(cfg, shapes)
     stack_of = {n: (i, row) for i, stack in enumerate(stacks) for n, row in zip(stack.names, stack.rows)}
     return Shards(local, MappingProxyType(shapes), stacks, MappingProxyType(stack_of), first_expert(cfg, tp))
 
@@ -314,13 +314,17 @@ def load_plan(cfg: ModelConfig, tp) -> Plan:
     return Plan(shards, reads, {s.name: s.shape for s in layout}, stacked_of)
 
 
-def _stacks(cfg: ModelConfig, groups: list[list[str]], shapes: Mapping[str, tuple[int, ...]]) -> tuple[Stack, ...]:
-    """Each layer's stacked groups (spec.stacked_groups) in runs of at least two members that share one buffer:
-    consecutive members all FP8 or all not; an FP8 run goes on past a member only when its rows are whole
-    128-blocks (its scale grid's rows then line up with the weight's: one GEMM reads both), and its scales are a
-    Stack too."""
-    specs, out = model_spec(cfg), []
-    for names in groups:
+def _stacks(cfg: ModelConfig, shapes: Mapping[str, tuple[int, ...]]) -> tuple[Stack, ...]:
+    """Each layer's stacked groups (its weights of one WeightSpec.stack group, in position order) in runs of at
+    least two members that share one buffer: consecutive members all FP8 or all not; an FP8 run goes on past a
+    member only when its rows are whole 128-blocks (its scale grid's rows then line up with the weight's: one GEMM
+    reads both), and its scales are a Stack too."""
+    specs, groups, out = model_spec(cfg), {}, []
+    for name, s in specs.items():
+        if s.stack is not None:
+            groups.setdefault((s.layer, s.stack[0]), []).append((s.stack[1], name))
+    for members in groups.values():
+        names = [name for _, name in sorted(members)]
         runs: list[list[str]] = []
         for n in names:
             last = runs[-1] if runs else None

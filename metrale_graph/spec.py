@@ -290,15 +290,6 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: s.shape for name, s in model_spec(cfg).items()}
 
 
-def stacked_groups(cfg: ModelConfig) -> list[list[str]]:
-    """Each layer's stacked groups: the names of its members, in position order (WeightSpec.stack)."""
-    groups: dict[tuple[int | None, str], list[tuple[int, str]]] = {}
-    for name, s in model_spec(cfg).items():
-        if s.stack is not None:
-            groups.setdefault((s.layer, s.stack[0]), []).append((s.stack[1], name))
-    return [[name for _, name in sorted(members)] for members in groups.values()]
-
-
 def weight_bytes(shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, cfg: ModelConfig | None = None) -> int:
     """Bytes that tensors of these shapes take in `dtype`; with `cfg`, its FP8 weights (spec.fp8) one byte an
     element and their scales four (weight_dtype)."""
