@@ -269,14 +269,16 @@ def check_checkpoint(folder: str, cfg: ModelConfig) -> dict[str, WeightSpec]:
 def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
                     progress: bool = True, check_finite: bool = True, tp=None) -> dict[str, torch.Tensor]:
     """Read every tensor the config needs from a safetensors checkpoint folder, in our layout
-    (weight_shapes): per-expert tensors are copied into stacked buffers allocated once on `device`,
-    stacked ones are taken as they are; the family's fused tensors are split (module docstring). `dtype` is
+    (weight_shapes), each once and straight into its place as the rank's plan says (sharding.load_plan):
+    per-expert tensors into stacked buffers allocated once on `device`, stacked ones taken as they are, the
+    family's fused tensors split (module docstring), a stacked group's members into its one buffer (so the
+    model keeps them without a copy). `dtype` is
     a torch.dtype or its name; on the CPU, weights that would not fit in the memory available are a
     ValueError before any is read. An FP8 checkpoint's converted weights stay float8_e4m3fn, their
     weight_scale_inv are read into fp32 (spec.py).
 
-    The files' headers are checked first, before anything is allocated or read (_check_headers): ValueError naming
-    the tensor and its file for a missing, unexpected, duplicate, mis-shaped or wrongly typed one (per
+    The files' headers are checked against the plan first, before anything is allocated or read (_check_headers):
+    ValueError naming the tensor and its file for a missing, unexpected, duplicate, mis-shaped or wrongly typed one (per
     expert: `layers.3.mlp.experts.17.up_proj.weight`; an FP8 weight that is not float8_e4m3fn, a scale
     for a module that is not converted), and for a file safetensors cannot read. Tensors of the vision
     tower are skipped, and the MTP head's when the config has none (checkpoint_config settles whether it
@@ -296,7 +298,7 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
 
     With a tensor-parallel `tp` (parallel.TensorParallel), only this rank's shard of each tensor is
     read from the files (and only its experts, and their blocks' scales, which it checks); the vocabulary
-    shards are padded to ceil(V / tp).
+    shards are read into their rows of buffers padded with zeros to ceil(V / tp).
     """
     from safetensors import SafetensorError, safe_open
 
