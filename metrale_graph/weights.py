@@ -124,7 +124,7 @@ def _members(stored: Stored, weights: dict[str, torch.Tensor]) -> list[torch.Ten
 
 
 def to_checkpoint(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our weights in checkpoint layout (checkpoint_shapes' names; views where no rearranging is needed)."""
+    """Our weights in checkpoint layout (spec.checkpoint_shapes' names; views where no rearranging is needed)."""
     out: dict[str, torch.Tensor] = {}
     for s in checkpoint_layout(cfg):
         if s.fusion is not None:
@@ -174,7 +174,7 @@ def _leading(t: torch.Tensor, shape) -> torch.Tensor:
 
 def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, tp) -> dict[str, torch.Tensor]:
     """Every weight's shard for this rank (from full tensors; loading from a checkpoint reads only the
-    shard instead: load_checkpoint(..., tp=)), copied. The vocabulary shard is padded to ceil(V / n)
+    shard instead: loader.load_checkpoint(..., tp=)), copied. The vocabulary shard is padded to ceil(V / n)
     rows with zeros (sharding.rank_shards' shapes)."""
     shapes, out = rank_shards(cfg, tp).shapes, {}
     for name, t in weights.items():
