@@ -1,6 +1,7 @@
 """Model families: one record per Hugging Face text `model_type` the package runs, holding every fact
-that differs between families. config.py reads and writes configs through it, weights.py lays out
-checkpoints through it, and the tests and benchmarks build transformers' model of a family from it.
+that differs between families. config.py reads and writes configs through it, spec.py lays out
+checkpoints through it (loader.py reads its multimodal prefixes), and the tests and benchmarks build
+transformers' model of a family from it.
 
 A family's record says:
 - its `model_type` and the multimodal wrappers that nest it under `text_config`;

@@ -36,21 +36,24 @@ from .placement import DTYPES as _DTYPES, as_device, as_dtype
 from .protocol import prefill_call
 from .saving import GENERATION_CONFIG, save_checkpoint
 from .quantization import SCALE_SUFFIX
-from .sharding import first_expert, local_config, shard_weights, sharded_shapes
-from .spec import MOE, feed_forward, model_spec, mtp_feed_forward, weight_dtype, weight_shapes
-from .weights import checkpoint_config, load_checkpoint, random_weights, stack_projections
+from .sharding import rank_shards
+from .spec import MOE, feed_forward, model_spec, mtp_feed_forward, weight_dtype
+from .loader import load_checkpoint
+from .weights import checkpoint_config, random_weights, shard_weights, stack_projections
 
 
 class HybridModel(nn.Module):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], tp: TensorParallel | None = None):
         """Wrap `weights` (names as `weight_shapes(config)`, all on one device and in one dtype but an FP8
         config's converted weights, float8_e4m3fn, and their fp32 scales (spec.weight_dtype); with a
-        tensor-parallel `tp` of size > 1, this rank's shards: sharding.sharded_shapes)."""
+        tensor-parallel `tp` of size > 1, this rank's shards: sharding.rank_shards' shapes)."""
         super().__init__()
         self.tp = tp if tp is not None and tp.size > 1 else None
-        # the sizes this rank's ops and cache see (its heads, its MLP slice); the config for all else
-        self.local = local_config(config, self.tp.size, self.tp.moe) if self.tp else config
-        expected = sharded_shapes(config, self.tp) if self.tp else weight_shapes(config)
+        # what this rank holds (sharding.rank_shards): the sizes its ops and cache see (its heads, its MLP slice;
+        # the config for all else), its weights' shapes, their stacked buffers, its first expert
+        self._shards = rank_shards(config, self.tp)
+        self.local, self._first_expert = self._shards.local, self._shards.first_expert
+        expected = self._shards.shapes
         if set(weights) != set(expected):
             missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
             raise ValueError(f"weights do not match the config: missing {missing[:5]}, unexpected {extra[:5]}")
@@ -79,7 +82,7 @@ class HybridModel(nn.Module):
         (spec.WeightSpec.stack), and the fp32 RoPE frequencies on their device."""
         if weights["embed_tokens.weight"].device.type == "cuda":
             check_supported(self.local)  # a shape the CUDA path cannot run: ValueError now, not at prefill
-        weights = stack_projections(dict(weights), self.config)
+        weights = stack_projections(dict(weights), self._shards.stacks)
         # the scales argument of the ops' weights that are not FP8 (ops/fp8/projection.py)
         self.register_buffer("no_scale", torch.empty(0, device=weights["embed_tokens.weight"].device),
                              persistent=False)
@@ -338,7 +341,7 @@ class HybridModel(nn.Module):
                            *self._w(mlp.experts, "gate_up_proj"), *self._w(mlp.experts, "down_proj"),
                            *self._w(shared.gate_proj), *self._w(shared.up_proj), *self._w(shared.down_proj),
                            mlp.shared_expert_gate.weight, cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                           cfg.rms_norm_eps, first_expert(self.config, self.tp), self._adds_residual)
+                           cfg.rms_norm_eps, self._first_expert, self._adds_residual)
         return OPS.mlp(h, layer.post_attention_layernorm.weight, *self._w(mlp.gate_proj), *self._w(mlp.up_proj),
                        *self._w(mlp.down_proj), cfg.rms_norm_eps, self._adds_residual)
 

@@ -1,6 +1,9 @@
 """The tensor-parallel plan: which part of each weight a rank holds, the shapes of the shards, the
 vocabulary padding and the per-rank config. It reads only the config and the weight spec (spec.py,
-where each weight's `Shard` rule lives); parallel.TensorParallel is the communicator.
+where each weight's `Shard` rule lives) and holds no tensors; parallel.TensorParallel is the communicator.
+rank_shards gathers what one rank holds, once per config and rank: its config, its weights' shapes, their stacked
+buffers (Stack), its first expert; load_plan, for one load, what it reads of each checkpoint tensor and where that
+goes (Read). The model reads the first, the loader (loader.py) both.
 
 A `tp` argument here is anything with `rank`, `size` and `moe` (a parallel.TensorParallel); `None` or
 size 1 means one process holding everything. Ranges are (dim, [start, stop) spans concatenated in
@@ -15,15 +18,16 @@ for a stacked expert tensor), or check_shardable names the config field that doe
 
 from __future__ import annotations
 
+import functools
 import math
-
-import torch
-
-from typing import NamedTuple
+from types import MappingProxyType
+from typing import Mapping, NamedTuple
 
 from .config import ModelConfig
-from .quantization import FP8_BLOCK
-from .spec import EXPERTS, PADDED, REPLICATE, SCALE, Shard, WeightSpec, blocks, model_spec
+from .families import Fusion
+from .quantization import FP8_BLOCK, scale_name
+from .spec import (EXPERTS, PADDED, REPLICATE, SCALE, Shard, WeightSpec, blocks, checkpoint_layout, expert_name,
+                   model_spec)
 
 Ranges = tuple[int, list[tuple[int, int]]]
 MOE_MODES = ("expert", "within")  # how MoE experts are split over ranks (module docstring)
@@ -204,19 +208,6 @@ def shard_ranges(name: str, cfg: ModelConfig, tp) -> Ranges | None:
     return weight_ranges(model_spec(cfg)[name], tp)
 
 
-def take(t, ranges: Ranges | None) -> torch.Tensor:
-    """The shard of `t` (a tensor, or a safetensors slice: only the ranges are read)."""
-    if ranges is None:
-        return t if isinstance(t, torch.Tensor) else t[:]
-    dim, spans = ranges
-    index = [slice(None)] * (dim + 1)
-    pieces = []
-    for a, b in spans:
-        index[dim] = slice(a, b)
-        pieces.append(t[tuple(index)])
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
-
-
 def shard_shape(spec: WeightSpec, tp) -> tuple[int, ...]:
     """The shape of a weight's shard on this rank; a PADDED rule's shard has its padded length."""
     ranges = weight_ranges(spec, tp)
@@ -234,26 +225,124 @@ def sharded_shapes(cfg: ModelConfig, tp) -> dict[str, tuple[int, ...]]:
     return {name: shard_shape(spec, tp) for name, spec in model_spec(cfg).items()}
 
 
-def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, tp) -> dict[str, torch.Tensor]:
-    """Every weight's shard for this rank (from full tensors; loading from a checkpoint reads only the
-    shard instead: weights.load_checkpoint(..., tp=)). The vocabulary shard is padded to ceil(V / n)
-    rows with zeros."""
-    out = {name: take(t, shard_ranges(name, cfg, tp)).clone() for name, t in weights.items()}
-    return pad_shards(out, cfg, tp)
+class Read(NamedTuple):
+    """What a rank reads of one checkpoint tensor and where it puts it: a tensor of the checkpoint layout
+    (spec.checkpoint_layout), or a stacked expert tensor that a checkpoint may hold instead of its per-expert
+    ones. Placed whole as our weight `spec.name`; with `fusion`, split into the fusion's members (at the rank's
+    sizes, Shards.local); with `expert`, copied into rows `rows` of that expert of the stacked buffer."""
+    shape: tuple[int, ...]  # the checkpoint tensor's
+    spec: WeightSpec  # the weight (or FP8 scales) it holds; a fusion's first member
+    units: tuple[str, ...]  # the checkpoint layout's tensors it provides (a stacked expert tensor: every expert's)
+    ranges: Ranges | None  # the part of it this rank reads (take); None: all of it; NOTHING: none
+    fusion: Fusion | None = None
+    expert: int | None = None  # this rank's index of the expert
+    rows: slice | None = None  # the expert's rows of the part this rank holds
 
 
-def pad_shards(weights: dict[str, torch.Tensor], cfg: ModelConfig, tp) -> dict[str, torch.Tensor]:
-    """Pad, in the dict, each shard of a PADDED rule (the vocabulary's) with zeros to its shard shape."""
-    for name, spec in model_spec(cfg).items():
-        t = weights.get(name)
-        if t is None or spec.shard is None or spec.shard.mode != PADDED:
-            continue
-        dim, want = spec.shard.dim, shard_shape(spec, tp)
-        if t.shape[dim] < want[dim]:
-            pad = list(t.shape)
-            pad[dim] = want[dim] - t.shape[dim]
-            weights[name] = torch.cat([t, t.new_zeros(pad)], dim)
-    return weights
+NOTHING: Ranges = (0, [(0, 0)])  # the ranges of a tensor a rank reads none of (another rank's expert)
+
+
+class Stack(NamedTuple):
+    """Weights held back to back, rows after rows, in one buffer so that one GEMM reads them without a copy
+    (ops.kernels.stacked): a run of a layer's stacked group (spec.WeightSpec.stack), or an FP8 run's scales."""
+    names: tuple[str, ...]
+    shape: tuple[int, ...]  # the buffer's: the members' rows summed
+    rows: tuple[int, ...]  # each member's first row in it
+
+
+class Shards(NamedTuple):
+    """What one rank holds (rank_shards): the sizes of its shard, each of its weights' shape, the buffers its
+    stacked weights share, its first expert."""
+    local: ModelConfig  # local_config: the rank's heads and sizes (what its ops and cache are built for)
+    shapes: Mapping[str, tuple[int, ...]]  # our weights' shard shapes (sharded_shapes; all of each on one rank)
+    stacks: tuple[Stack, ...]  # the buffers of the stacked groups (_stacks), at this rank's shapes
+    stack_of: Mapping[str, tuple[int, int]]  # a stacked weight's name -> (its Stack's index, its first row)
+    first_expert: int
+
+
+def rank_shards(cfg: ModelConfig, tp) -> Shards:
+    """The Shards of rank tp.rank of tp.size (None or size 1: one process holding everything). Computed once per
+    config and rank (the loader, the model and shard_weights read the same one): read-only."""
+    return _rank_shards(cfg, (tp.rank, tp.size, tp.moe) if _parallel(tp) else None)
+
+
+@functools.lru_cache(maxsize=16)
+def _rank_shards(cfg: ModelConfig, rank: tuple[int, int, str] | None) -> Shards:
+    tp = _Rank(*rank) if rank is not None else None
+    shapes = sharded_shapes(cfg, tp)
+    local = local_config(cfg, tp.size, tp.moe) if tp else cfg
+    stacks = _stacks(cfg, shapes)
+    stack_of = {n: (i, row) for i, stack in enumerate(stacks) for n, row in zip(stack.names, stack.rows)}
+    return Shards(local, MappingProxyType(shapes), stacks, MappingProxyType(stack_of), first_expert(cfg, tp))
+
+
+class Plan(NamedTuple):
+    """What one rank reads of a config's checkpoint (load_plan): what it holds, and a Read for every checkpoint
+    tensor by its name without the `model.` prefix."""
+    shards: Shards
+    reads: dict[str, Read]
+    layout: dict[str, tuple[int, ...]]  # the checkpoint layout's tensors: what a checkpoint must provide
+    stacked_of: dict[str, str]  # a per-expert tensor's name -> the stacked name that also provides it
+
+
+def load_plan(cfg: ModelConfig, tp) -> Plan:
+    """The Plan of rank tp.rank of tp.size (None or size 1: one process holding everything), for one load: a Read
+    per tensor of the spec's checkpoint layout (a model of 512 experts has some 150,000), so it is not kept."""
+    layout = checkpoint_layout(cfg)  # what the checkpoint holds (the spec's), then what this rank takes of it
+    shards = rank_shards(cfg, tp)
+    tp = tp if _parallel(tp) else None
+    reads: dict[str, Read] = {}
+    stacked_of: dict[str, str] = {}
+    for s in layout:
+        spec = s.spec
+        if s.fusion is not None:
+            reads[s.name] = Read(s.shape, spec, (s.name,), fusion_ranges(s.fusion, cfg, tp), s.fusion)
+        elif s.expert is not None:
+            if (s.expert, s.part) == (0, 0):  # a checkpoint may store the experts stacked, as we do
+                units = tuple(expert_name(spec, e, p) for e in range(spec.shape[0]) for p in spec.parts)
+                reads[spec.name] = Read(spec.shape, spec, units, weight_ranges(spec, tp))
+            local_expert, held = s.expert - shards.first_expert, shards.shapes[spec.name]
+            if 0 <= local_expert < held[0]:
+                rows = held[1] // len(spec.parts)  # this rank's rows of the part (split within: a slice)
+                reads[s.name] = Read(s.shape, spec, (s.name,), expert_part_ranges(spec, s.part, tp),
+                                     expert=local_expert, rows=slice(s.part * rows, (s.part + 1) * rows))
+            else:  # another rank's expert: none of it is read
+                reads[s.name] = Read(s.shape, spec, (s.name,), NOTHING)
+            stacked_of[s.name] = spec.name
+        else:
+            reads[s.name] = Read(s.shape, spec, (s.name,), weight_ranges(spec, tp))
+    return Plan(shards, reads, {s.name: s.shape for s in layout}, stacked_of)
+
+
+def _stacks(cfg: ModelConfig, shapes: Mapping[str, tuple[int, ...]]) -> tuple[Stack, ...]:
+    """Each layer's stacked groups (its weights of one WeightSpec.stack group, in position order) in runs of at
+    least two members that share one buffer: consecutive members all FP8 or all not; an FP8 run goes on past a
+    member only when its rows are whole 128-blocks (its scale grid's rows then line up with the weight's: one GEMM
+    reads both), and its scales are a Stack too."""
+    specs, groups, out = model_spec(cfg), {}, []
+    for name, s in specs.items():
+        if s.stack is not None:
+            groups.setdefault((s.layer, s.stack[0]), []).append((s.stack[1], name))
+    for members in groups.values():
+        names = [name for _, name in sorted(members)]
+        runs: list[list[str]] = []
+        for n in names:
+            last = runs[-1] if runs else None
+            if (last is not None and specs[last[-1]].fp8 == specs[n].fp8
+                    and (not specs[n].fp8 or shapes[last[-1]][0] % FP8_BLOCK == 0)):
+                last.append(n)
+            else:
+                runs.append([n])
+        for run in (r for r in runs if len(r) > 1):
+            out += [_stack(run, shapes)] + ([_stack([scale_name(n) for n in run], shapes)] if specs[run[0]].fp8 else [])
+    return tuple(out)
+
+
+def _stack(names: list[str], shapes: Mapping[str, tuple[int, ...]]) -> Stack:
+    rows = [0]
+    for n in names:
+        rows.append(rows[-1] + shapes[n][0])
+    return Stack(tuple(names), (rows[-1], *shapes[names[0]][1:]), tuple(rows[:-1]))
 
 
 def _parallel(tp) -> bool:

@@ -3,9 +3,10 @@ tensor parallelism, drawn at random, stacked for the GEMM that reads it, and wha
 (a projection [out, in], a stacked expert tensor [E, out, in], ...).
 
 Everything that lists or walks the weights derives from here: `weight_shapes`, random initialization,
-the checkpoint loader and saver (weights.py), the tensor-parallel plan (sharding.py) and the model's
-choice of feed-forward op per layer. Our names are transformers' in-memory module names without the
-`model.` prefix (`layers.3.linear_attn.in_proj_qkv.weight`, `layers.0.mlp.experts.gate_up_proj`).
+the checkpoint layout (`checkpoint_layout`, below) the loader (loader.py) and the saver read, the
+tensor-parallel plan (sharding.py) and the model's choice of feed-forward op per layer. Our names are
+transformers' in-memory module names without the `model.` prefix (`layers.3.linear_attn.in_proj_qkv.weight`,
+`layers.0.mlp.experts.gate_up_proj`).
 
 A layer is its two norms, its feed-forward block (`feed_forward`: a sparse MoE block on the layers of
 `config.moe_layers`, else a dense MLP) and its mixer block (by `config.layer_types`: Gated DeltaNet or
@@ -40,6 +41,7 @@ from typing import Callable, Mapping, NamedTuple
 import torch
 
 from .config import FULL, LINEAR, ModelConfig
+from .families import Fusion
 from .quantization import FP8_BLOCK, scale_name
 
 # kinds of weight
@@ -288,15 +290,6 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: s.shape for name, s in model_spec(cfg).items()}
 
 
-def stacked_groups(cfg: ModelConfig) -> list[list[str]]:
-    """Each layer's stacked groups: the names of its members, in position order (WeightSpec.stack)."""
-    groups: dict[tuple[int | None, str], list[tuple[int, str]]] = {}
-    for name, s in model_spec(cfg).items():
-        if s.stack is not None:
-            groups.setdefault((s.layer, s.stack[0]), []).append((s.stack[1], name))
-    return [[name for _, name in sorted(members)] for members in groups.values()]
-
-
 def weight_bytes(shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, cfg: ModelConfig | None = None) -> int:
     """Bytes that tensors of these shapes take in `dtype`; with `cfg`, its FP8 weights (spec.fp8) one byte an
     element and their scales four (weight_dtype)."""
@@ -312,3 +305,69 @@ SCALE_DTYPE = torch.float32
 def weight_dtype(spec: WeightSpec, dtype: torch.dtype) -> torch.dtype:
     """The dtype a weight is held in by a model of `dtype`: float8_e4m3fn if fp8, fp32 for scales."""
     return FP8_DTYPE if spec.fp8 else SCALE_DTYPE if spec.kind == SCALE else dtype
+
+
+# ---- the checkpoint layout: the tensors transformers' save_pretrained writes, and what each holds of ours ----
+
+class Stored(NamedTuple):
+    """One tensor of the checkpoint layout (name without the `model.` prefix) and what it holds: our
+    weight `spec` whole, one expert's part of it (`expert`, `part`: an index into spec.parts), or, with
+    `fusion`, every member of the family's fusion in that layer (`spec`: its first member)."""
+    name: str
+    shape: tuple[int, ...]
+    spec: WeightSpec
+    expert: int | None = None
+    part: int = 0
+    fusion: Fusion | None = None
+
+
+def expert_name(spec: WeightSpec, expert: int, part: str) -> str:
+    """`layers.0.mlp.experts.gate_up_proj`, 3, `up_proj` -> `layers.0.mlp.experts.3.up_proj.weight` (its
+    block scales, `..._scale_inv`: `layers.0.mlp.experts.3.up_proj.weight_scale_inv`)."""
+    leaf = scale_name("weight") if spec.kind == SCALE else "weight"
+    return f"{spec.name.rsplit('.', 1)[0]}.{expert}.{part}.{leaf}"
+
+
+def _scale_fusion(fusion: Fusion, cfg: ModelConfig, layer: int) -> Fusion:
+    """The fusion of the block scales of an FP8 fused tensor: the same groups and members' scales, each
+    segment in 128-row blocks. ValueError when a segment is not whole blocks (a block would straddle two
+    members: the fused tensor cannot be split)."""
+    bad = [n for member in fusion.segments(cfg) for n in member if n % FP8_BLOCK]
+    if bad:
+        raise ValueError(f"the quantization_config converts layers.{layer}.{fusion.name} to FP8, but its members' "
+                         f"rows per group {fusion.segments(cfg)} are not multiples of 128: its 128-row scale blocks "
+                         "would straddle members, so it cannot be split at load (keep it in floating point: "
+                         "modules_to_not_convert)")
+    return Fusion(scale_name(fusion.name), tuple(scale_name(m) for m in fusion.members), fusion.groups,
+                  lambda c: tuple(tuple(n // FP8_BLOCK for n in member) for member in fusion.segments(c)))
+
+
+def checkpoint_layout(cfg: ModelConfig, experts_apart: bool = True) -> list[Stored]:
+    """The checkpoint's tensors in our weights' order: the family's fusions fused (at their first member),
+    and, with experts_apart (the checkpoint on disk, not transformers' in-memory state), experts one tensor
+    per expert and part; FP8 block scales likewise (each after its weight); the MTP head's as ours."""
+    out, fused = [], set()
+    for name, spec in model_spec(cfg).items():
+        weight = spec.of if spec.kind == SCALE else spec
+        fusion = cfg.family.fusion_of(weight.local) if spec.layer is not None else None
+        if fusion is not None:
+            if spec.kind == SCALE:
+                fusion = _scale_fusion(fusion, cfg, spec.layer)
+            if (spec.layer, fusion.name) not in fused:
+                fused.add((spec.layer, fusion.name))
+                out.append(Stored(f"{spec.layer_prefix}{fusion.name}", (fusion.rows(cfg), *spec.shape[1:]), spec,
+                                  fusion=fusion))
+        elif weight.kind == EXPERTS and experts_apart:
+            E, rows, *rest = spec.shape
+            shape = (rows // len(spec.parts), *rest)
+            out += [Stored(expert_name(spec, e, part), shape, spec, e, k)
+                    for e in range(E) for k, part in enumerate(spec.parts)]
+        else:
+            out.append(Stored(name, spec.shape, spec))
+    return out
+
+
+def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the config's checkpoint as transformers' save_pretrained writes it (names
+    without the `model.` prefix): experts one tensor each, the family's fusions fused."""
+    return {s.name: s.shape for s in checkpoint_layout(cfg)}

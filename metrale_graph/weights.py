@@ -1,320 +1,32 @@
-"""Weights: safetensors loading in Hugging Face layout (single file or sharded, text-only or
-multimodal, or this rank's shard), random initialization, the stacked projection buffers, and the
-checkpoint layout both ways. Which tensors a config has, and all that is known of each, is its weight
-spec (spec.py); what a family's checkpoint fuses is its record (families.py); saving is saving.py.
-
-Our parameter names are transformers' in-memory names without the `model.` prefix
-(`layers.3.linear_attn.in_proj_qkv.weight`, `embed_tokens.weight`, `lm_head.weight`,
-`layers.0.mlp.experts.gate_up_proj`). Checkpoints differ from them in two ways, both rearranged
-once at load and back at save (what transformers' own conversion does):
-
-- MoE experts (spec.EXPERTS): the hub (and `save_pretrained`) stores one tensor per expert and part
-  (`mlp.experts.{e}.gate_proj.weight` [IE, D], `up_proj` [IE, D], `down_proj` [D, IE]); we keep
-  them stacked, `mlp.experts.gate_up_proj` [E, 2*IE, D] (gate rows, then up rows) and
-  `mlp.experts.down_proj` [E, D, IE], filled expert by expert in a buffer allocated once on the
-  target device. Checkpoints that already hold the stacked names load as they are.
-- A family's fusions (families.Fusion; Qwen3-Next's GDN `in_proj_qkvz` [H * (2K + 2rV), D] and
-  `in_proj_ba` [H * 2r, D], interleaved per key-head group): split at load into our weights
-  (`in_proj_qkv` with channels [q | k | v], `in_proj_z`, `in_proj_b`, `in_proj_a`), fused at save.
-"""
+"""Weights apart from loading them (loader.py): a checkpoint folder's safetensors files (checkpoint_files), its
+config with the MTP layers its files hold (checkpoint_config), the keys save_pretrained writes (checkpoint_key;
+loader.our_name reads keys back); our weights back in checkpoint layout (to_checkpoint, for saving.py;
+hf_state_dict, transformers' in-memory state; the layout itself is the spec's, spec.checkpoint_layout); random
+initialization; a rank's shard of full weights (take, shard_weights); the stacked projection buffers of weights
+from elsewhere than a checkpoint (stack_projections)."""
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Callable, NamedTuple
 
 import torch
-from tqdm.auto import tqdm
 
 from .config import ModelConfig, load_config
-from .families import FAMILIES, Fusion
+from .ops.kernels import rows_back_to_back
 from .placement import as_device, as_dtype, check_host_memory
-from .quantization import FP8_BLOCK, MTP_PREFIX, TEXT_PREFIX, scale_name
-from .quantized import scale_problem
-from .sharding import (expert_part_ranges, first_expert, fusion_ranges, local_config, pad_shards, sharded_shapes, take,
-                       weight_ranges)
-from .spec import (EXPERTS, FP8_DTYPE, SCALE, VECTOR, WeightSpec, model_spec, stacked_groups, weight_bytes,
-                   weight_dtype, weight_shapes)
+from .quantization import MTP_PREFIX, TEXT_PREFIX, scale_name
+from .sharding import Ranges, Stack, rank_shards, shard_ranges
+from .spec import EXPERTS, SCALE, VECTOR, Stored, checkpoint_layout, model_spec, weight_bytes, weight_shapes
 
-EMBEDDINGS = "embed_tokens.weight"  # a tied model's lm_head too
+
 WEIGHTS_FILE = "model.safetensors"  # a checkpoint in one file, or sharded with an index (transformers' names)
 INDEX_FILE = "model.safetensors.index.json"
 # PyTorch pickle checkpoints (torch.save; not read): transformers' older format, and its sharded index
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".bin.index.json")
-# Checkpoint prefixes of the language model, most specific first, and of the part of a multimodal checkpoint
-# that a text model never uses (the vision tower): those of every family (families.py).
-_TEXT_PREFIXES = tuple(sorted({m.text_prefix for f in FAMILIES.values() for m in f.multimodal} | {"model."},
-                              key=len, reverse=True))
-SKIPPED_PREFIXES = tuple(dict.fromkeys(p for f in FAMILIES.values() for m in f.multimodal for p in m.skipped_prefixes))
 # where checkpoints keep the MTP head (spec.mtp_block): Qwen's at the top (`mtp.fc.weight`, also in the multimodal
 # wrappers), some under `model.`; our names are `mtp.*`, and save_pretrained writes them so
 MTP_KEYS = (MTP_PREFIX, TEXT_PREFIX + MTP_PREFIX)
-
-
-def stack_projections(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Re-home each layer's stacked groups (spec.WeightSpec.stack) as row views of one buffer, so the CUDA
-    path runs each group as one GEMM without copying (ops.kernels.stacked). In place in the dict, one group
-    at a time, so the peak is one extra group. In an FP8 model a group is stacked in runs (stack_runs):
-    FP8 members with their scales (each scale grid's rows after the previous one's), the others apart."""
-    specs = model_spec(cfg)
-    for names in stacked_groups(cfg):
-        for run in stack_runs(names, specs, weights):
-            if len(run) > 1:
-                _stack(weights, run)
-                if specs[run[0]].fp8:
-                    _stack(weights, [scale_name(n) for n in run])
-    return weights
-
-
-def stack_runs(names: list[str], specs, weights: dict[str, torch.Tensor]) -> list[list[str]]:
-    """A stacked group's members in runs that share one buffer: consecutive members all FP8 or all not;
-    an FP8 run goes on past a member only when its rows are whole 128-blocks (its scale grid's rows then
-    line up with the weight's: one GEMM reads both)."""
-    runs: list[list[str]] = []
-    for n in names:
-        last = runs[-1] if runs else None
-        if (last is not None and specs[last[-1]].fp8 == specs[n].fp8
-                and (not specs[n].fp8 or weights[last[-1]].shape[0] % FP8_BLOCK == 0)):
-            last.append(n)
-        else:
-            runs.append([n])
-    return runs
-
-
-def _stack(weights: dict[str, torch.Tensor], names: list[str]) -> None:
-    parts = [weights[n] for n in names]
-    buf = torch.cat(parts)
-    row = 0
-    for n, p in zip(names, parts):
-        weights[n] = buf[row:row + p.shape[0]]
-        row += p.shape[0]
-
-
-# ---- checkpoint layout: what transformers' save_pretrained writes, and how it maps onto ours ----
-
-class _Stored(NamedTuple):
-    """One tensor of the checkpoint layout (name without the `model.` prefix) and what it holds: our
-    weight `spec` whole, one expert's part of it (`expert`, `part`: an index into spec.parts), or, with
-    `fusion`, every member of the family's fusion in that layer (`spec`: its first member)."""
-    name: str
-    shape: tuple[int, ...]
-    spec: WeightSpec
-    expert: int | None = None
-    part: int = 0
-    fusion: Fusion | None = None
-
-
-def _expert_name(spec: WeightSpec, expert: int, part: str) -> str:
-    """`layers.0.mlp.experts.gate_up_proj`, 3, `up_proj` -> `layers.0.mlp.experts.3.up_proj.weight` (its
-    block scales, `..._scale_inv`: `layers.0.mlp.experts.3.up_proj.weight_scale_inv`)."""
-    leaf = scale_name("weight") if spec.kind == SCALE else "weight"
-    return f"{spec.name.rsplit('.', 1)[0]}.{expert}.{part}.{leaf}"
-
-
-def _scale_fusion(fusion: Fusion, cfg: ModelConfig, layer: int) -> Fusion:
-    """The fusion of the block scales of an FP8 fused tensor: the same groups and members' scales, each
-    segment in 128-row blocks. ValueError when a segment is not whole blocks (a block would straddle two
-    members: the fused tensor cannot be split)."""
-    bad = [n for member in fusion.segments(cfg) for n in member if n % FP8_BLOCK]
-    if bad:
-        raise ValueError(f"the quantization_config converts layers.{layer}.{fusion.name} to FP8, but its members' "
-                         f"rows per group {fusion.segments(cfg)} are not multiples of 128: its 128-row scale blocks "
-                         "would straddle members, so it cannot be split at load (keep it in floating point: "
-                         "modules_to_not_convert)")
-    return Fusion(scale_name(fusion.name), tuple(scale_name(m) for m in fusion.members), fusion.groups,
-                  lambda c: tuple(tuple(n // FP8_BLOCK for n in member) for member in fusion.segments(c)))
-
-
-def _layout(cfg: ModelConfig, experts_apart: bool = True) -> list[_Stored]:
-    """The checkpoint's tensors in our weights' order: the family's fusions fused (at their first member),
-    and, with experts_apart (the checkpoint on disk, not transformers' in-memory state), experts one tensor
-    per expert and part; FP8 block scales likewise (each after its weight)."""
-    out, fused = [], set()
-    for name, spec in model_spec(cfg).items():
-        weight = spec.of if spec.kind == SCALE else spec
-        fusion = cfg.family.fusion_of(weight.local) if spec.layer is not None else None
-        if fusion is not None:
-            if spec.kind == SCALE:
-                fusion = _scale_fusion(fusion, cfg, spec.layer)
-            if (spec.layer, fusion.name) not in fused:
-                fused.add((spec.layer, fusion.name))
-                out.append(_Stored(f"{spec.layer_prefix}{fusion.name}", (fusion.rows(cfg), *spec.shape[1:]), spec,
-                                   fusion=fusion))
-        elif weight.kind == EXPERTS and experts_apart:
-            E, rows, *rest = spec.shape
-            shape = (rows // len(spec.parts), *rest)
-            out += [_Stored(_expert_name(spec, e, part), shape, spec, e, k)
-                    for e in range(E) for k, part in enumerate(spec.parts)]
-        else:
-            out.append(_Stored(name, spec.shape, spec))
-    return out
-
-
-def _members(stored: _Stored, weights: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    return [weights[f"{stored.spec.layer_prefix}{m}"] for m in stored.fusion.members]
-
-
-def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the config's checkpoint as transformers' save_pretrained writes it (names
-    without the `model.` prefix): experts one tensor each, the family's fusions fused."""
-    return {s.name: s.shape for s in _layout(cfg)}
-
-
-def to_checkpoint(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our weights in checkpoint layout (checkpoint_shapes' names; views where no rearranging is needed)."""
-    out: dict[str, torch.Tensor] = {}
-    for s in _layout(cfg):
-        if s.fusion is not None:
-            out[s.name] = s.fusion.fuse(_members(s, weights), cfg)
-        elif s.expert is not None:
-            rows = s.shape[0]
-            out[s.name] = weights[s.spec.name][s.expert, s.part * rows:(s.part + 1) * rows]
-        else:
-            out[s.name] = weights[s.name]
-    return out
-
-
-def hf_state_dict(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our weights as transformers' in-memory state dict of the family (its module names, experts
-    stacked as its `experts.gate_up_proj` / `down_proj`, the family's fusions fused): what a
-    transformers model of the same weights loads (the benchmarks' peer, the GPU parity tests). An FP8
-    model's scales go by transformers' FP8 modules' names (`weight_scale_inv`, `gate_up_proj_scale_inv`);
-    its bf16 peer takes quantized.dequantize_weights first. transformers' models have no MTP head: its weights
-    are left out."""
-    out = {s.name: s.fusion.fuse(_members(s, weights), cfg) if s.fusion is not None else weights[s.name]
-           for s in _layout(cfg, experts_apart=False) if not s.name.startswith(MTP_PREFIX)}
-    return {checkpoint_key(n): t.contiguous() for n, t in out.items()}
-
-
-class _Piece(NamedTuple):
-    """One loadable checkpoint tensor (name without the `model.` prefix)."""
-    shape: tuple[int, ...]
-    units: tuple[str, ...]  # the checkpoint_shapes entries it provides (a stacked expert tensor: all its experts)
-    place: Callable[[torch.Tensor], torch.Tensor | None]  # stores it among the weights; returns what it wrote
-    ranges: tuple | None = None  # the part of it this tensor-parallel rank reads (sharding.take), None: all
-    spec: WeightSpec | None = None  # the weight (or FP8 scales) it holds (its first member, for a fusion)
-
-
-_NOTHING = (0, [(0, 0)])  # the ranges of a tensor a rank reads none of (another rank's expert)
-
-
-class _Assembler:
-    """Lays checkpoint tensors into our weights on `device` in `dtype` (FP8 weights as they are, their
-    scales in fp32: spec.weight_dtype): whole tensors as they are, per-expert tensors into stacked buffers
-    allocated once, the family's fused tensors split."""
-
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, tp=None):
-        self.cfg, self.dtype, self.device = cfg, dtype, device
-        tp = tp if tp is not None and tp.size > 1 else None
-        self.shapes = sharded_shapes(cfg, tp) if tp else weight_shapes(cfg)
-        self.local = local_config(cfg, tp.size, tp.moe) if tp else cfg  # the shard's sizes (for splitting fusions)
-        first = first_expert(cfg, tp)
-        layout = _layout(cfg)
-        self.layout = {s.name: s.shape for s in layout}
-        self.specs = model_spec(cfg)
-        self.out: dict[str, torch.Tensor] = {}
-        self.pieces: dict[str, _Piece] = {}
-        self.stacked_of: dict[str, str] = {}  # per-expert name -> the stacked name that also provides it
-        for s in layout:
-            spec = s.spec
-            if s.fusion is not None:
-                self.pieces[s.name] = _Piece(s.shape, (s.name,), self._split(s), fusion_ranges(s.fusion, cfg, tp), spec)
-            elif s.expert is not None:
-                if (s.expert, s.part) == (0, 0):  # a checkpoint may store the experts stacked, as we do
-                    parts = tuple(_expert_name(spec, e, p) for e in range(spec.shape[0]) for p in spec.parts)
-                    self.pieces[spec.name] = _Piece(spec.shape, parts, self._whole(spec.name),
-                                                    weight_ranges(spec, tp), spec)
-                local, held = s.expert - first, self.shapes[spec.name]
-                if 0 <= local < held[0]:
-                    rows = held[1] // len(spec.parts)  # this rank's rows of the part (split within: a slice)
-                    place = self._expert(spec.name, local, slice(s.part * rows, (s.part + 1) * rows))
-                    self.pieces[s.name] = _Piece(s.shape, (s.name,), place, expert_part_ranges(spec, s.part, tp), spec)
-                else:  # another rank's expert: none of it is read
-                    self.pieces[s.name] = _Piece(s.shape, (s.name,), lambda t: None, _NOTHING, spec)
-                self.stacked_of[s.name] = spec.name
-            else:
-                self.pieces[s.name] = _Piece(s.shape, (s.name,), self._whole(s.name), weight_ranges(spec, tp), spec)
-
-    def dtype_of(self, spec: WeightSpec) -> torch.dtype:
-        return weight_dtype(spec, self.dtype)
-
-    def _converted(self, t: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
-        return t.to(device=self.device, dtype=self.dtype_of(spec))
-
-    def _whole(self, name):
-        def place(t):
-            self.out[name] = self._converted(t, self.specs[name])
-            return self.out[name]
-        return place
-
-    def _expert(self, name, e, rows):
-        def place(t):  # copied straight into the stacked buffer: no converted copy of the expert
-            if name not in self.out:
-                self.out[name] = torch.empty(self.shapes[name], dtype=self.dtype_of(self.specs[name]),
-                                             device=self.device)
-            view = self.out[name][e, rows]
-            view.copy_(t)
-            return view
-        return place
-
-    def _split(self, stored: _Stored):
-        prefix = stored.spec.layer_prefix
-
-        def place(t):
-            t = self._converted(t, stored.spec)
-            for member, part in zip(stored.fusion.members, stored.fusion.split(t, self.local)):
-                self.out[prefix + member] = part
-            return t
-        return place
-
-    def check_dtype(self, key: str, path: str, stored: str, spec: WeightSpec) -> None:
-        """ValueError naming the tensor unless safetensors dtype `stored` is what `spec` is stored in: FP8
-        weights float8_e4m3fn, their scales fp32 / bf16, the rest real floating point (in an FP8 checkpoint
-        not float8_e4m3fn: such a tensor is a quantized weight the quantization_config does not convert)."""
-        if spec.fp8:
-            if stored != "F8_E4M3":
-                raise ValueError(f"tensor {key!r} in {path} is {_dtype_name(stored)}; the quantization_config "
-                                 "converts it, so it must be float8_e4m3fn with a weight_scale_inv beside it (list "
-                                 "its module in modules_to_not_convert to load it in floating point)")
-        elif spec.kind == SCALE:
-            if stored not in ("F32", "BF16"):
-                raise ValueError(f"tensor {key!r} in {path} is {_dtype_name(stored)}; FP8 block scales "
-                                 "(weight_scale_inv) must be float32 or bfloat16")
-        elif stored not in _REAL_FLOAT:
-            raise ValueError(f"tensor {key!r} in {path} is {_dtype_name(stored)}; expected "
-                             "floating-point weights (quantized checkpoints are not supported)")
-        elif stored == "F8_E4M3" and self.cfg.quantization is None and spec.quantizable:
-            raise ValueError(f"tensor {key!r} in {path} is float8_e4m3fn, but config.json has no quantization_config: "
-                             "an FP8 projection is codes to be multiplied by its block scales (weight_scale_inv), "
-                             "and the checkpoint declares its format there (quant_method 'fp8', fmt 'e4m3', "
-                             "weight_block_size [128, 128]); without them its values are not the weights")
-        elif stored == "F8_E4M3" and self.cfg.quantization is not None:
-            why = ("kept in floating point: the quantization_config does not convert it (modules_to_not_convert)"
-                   if spec.quantizable else "one metrale-graph keeps in floating point (not an FP8 projection)")
-            raise ValueError(f"tensor {key!r} in {path} is float8_e4m3fn, but it is {why}; an FP8 checkpoint "
-                             "stores such tensors in bf16 / fp16 / fp32")
-
-
-def our_name(key: str, mtp: bool = True) -> str | None:
-    """Checkpoint key -> our name (checkpoint_shapes' names: experts one tensor each, fusions fused); None for
-    tensors the model does not read: the vision tower's (SKIPPED_PREFIXES), and with mtp=False (a config without
-    an MTP head) the MTP head's."""
-    if key.startswith(SKIPPED_PREFIXES):
-        return None
-    if key.startswith(MTP_KEYS):
-        return key[key.index(MTP_PREFIX):] if mtp else None
-    if key == "lm_head.weight":
-        return key
-    for prefix in _TEXT_PREFIXES:
-        if key.startswith(prefix):
-            return key[len(prefix):]
-    return key
-
-
-def checkpoint_key(name: str) -> str:
-    """Our name -> the key save_pretrained writes (a text checkpoint's: `model.` but for lm_head and the MTP head)."""
-    return name if name == "lm_head.weight" or name.startswith(MTP_PREFIX) else TEXT_PREFIX + name
 
 
 def stored_mtp_layers(folder: str) -> int:
@@ -392,236 +104,87 @@ def checkpoint_files(folder: str) -> list[str]:
     raise ValueError(f"no model.safetensors or model.safetensors.index.json in {folder}")
 
 
-class _Read(NamedTuple):
-    """A checkpoint tensor to read: its key, file, and the piece it fills."""
-    key: str
-    path: str
-    piece: _Piece
+def stack_projections(weights: dict[str, torch.Tensor], stacks: tuple[Stack, ...]) -> dict[str, torch.Tensor]:
+    """Re-home each stack of the rank's plan (sharding.Shards.stacks: each layer's stacked groups, in FP8 runs with
+    their scales) as row views of one buffer, so the CUDA path runs each group as one GEMM without copying
+    (ops.kernels.stacked). Members already back to back (as load_checkpoint lays them) stay where they are; the
+    others are copied, in place in the dict, one stack at a time, so the peak is one extra group."""
+    for stack in stacks:
+        parts = [weights[n] for n in stack.names]
+        if rows_back_to_back(parts):
+            continue
+        buf = torch.cat(parts)
+        for n, p, row in zip(stack.names, parts, stack.rows):
+            weights[n] = buf[row:row + p.shape[0]]
+    return weights
 
 
-def _plan(files: list[str], asm: _Assembler, cfg: ModelConfig) -> tuple[list[_Read], tuple[str, str] | None]:
-    """Every tensor the files hold, checked from their headers alone (names, shapes, dtypes; no tensor data
-    read, nothing allocated): the reads that fill the weights, and a tied model's stored lm_head (key, file)
-    to compare with its embeddings, or None (none stored, or it is the only copy of the pair: then it is
-    read as the embeddings). ValueError naming the tensor and its file for a duplicate, mis-shaped or wrongly
-    typed one, the unexpected ones (FP8 block scales of a module that is not converted, or under a config
-    without a quantization_config, named as such), the missing ones."""
-    from safetensors import SafetensorError, safe_open
-
-    given: dict[str, str] = {}  # checkpoint_shapes name -> the checkpoint key that gave it
-    given_in: dict[str, str] = {}  # checkpoint key -> its file
-    unexpected = []  # (key, file)
-    reads, tied_head = [], None
-    for path in files:
-        try:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    name = our_name(key, mtp=cfg.mtp_num_hidden_layers > 0)
-                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                        _check_header(f.get_slice(key), key, path, asm.pieces[EMBEDDINGS], asm)
-                        tied_head = (key, path)
-                        continue
-                    if name is None:
-                        continue
-                    piece = asm.pieces.get(name)
-                    if piece is None:
-                        unexpected.append((key, path))
-                        continue
-                    for unit in piece.units:
-                        if unit in given:
-                            other = given[unit]
-                            if our_name(other) == name:
-                                raise ValueError(f"tensor {key!r} appears twice in the checkpoint ({path}; "
-                                                 f"{other!r} in {given_in[other]})")
-                            raise ValueError(f"tensor {key!r} ({path}) holds weights that {other!r} holds too "
-                                             f"(in {given_in[other]}; a layer's experts come either stacked or "
-                                             "one tensor per expert)")
-                    _check_header(f.get_slice(key), key, path, piece, asm)
-                    given.update(dict.fromkeys(piece.units, key))
-                    given_in[key] = path
-                    reads.append(_Read(key, path, piece))
-        except (SafetensorError, OSError) as e:
-            raise ValueError(f"cannot read safetensors file {path}: {e}") from None
-    if unexpected:
-        scales = [(k, f) for k, f in unexpected if k.endswith(scale_name("weight"))]
-        examples = ", ".join(f"{k!r} in {f}" for k, f in scales[:5])
-        if scales and cfg.quantization is not None:
-            raise ValueError(f"checkpoint holds {len(scales)} FP8 block scale(s) of modules the quantization_config "
-                             "does not convert (modules_to_not_convert, or a weight metrale-graph keeps in floating "
-                             "point), e.g. " + examples)
-        if scales:
-            raise ValueError(f"checkpoint holds {len(scales)} FP8 block scale(s) but its config.json has no "
-                             "quantization_config (an FP8 checkpoint declares its format there: quant_method 'fp8', "
-                             "at the top or in text_config), e.g. " + examples)
-        raise ValueError(f"checkpoint has {len(unexpected)} unexpected tensor(s), e.g. "
-                         + ", ".join(f"{k!r} in {f}" for k, f in unexpected[:5]))
-    if tied_head is not None and EMBEDDINGS not in given:
-        # the tied pair stored under lm_head's name alone (safetensors' save_model keeps that name of shared
-        # tensors; transformers' save_pretrained the embeddings'): transformers takes the embeddings from it
-        reads.append(_Read(*tied_head, asm.pieces[EMBEDDINGS]))
-        given[EMBEDDINGS] = tied_head[0]
-        tied_head = None
-    missing = [n for n in asm.layout if n not in given]
-    if missing:
-        raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. "
-                         f"{_collapse(missing, asm, given)[:5]}")
-    return reads, tied_head
+def _members(stored: Stored, weights: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    return [weights[f"{stored.spec.layer_prefix}{m}"] for m in stored.fusion.members]
 
 
-def _check_header(header, key: str, path: str, piece: _Piece, asm: _Assembler) -> None:
-    """ValueError naming the tensor and its file unless its header (a safetensors slice) has the piece's
-    shape and a dtype the piece may be stored in (_Assembler.check_dtype)."""
-    shape = tuple(header.get_shape())
-    spec = piece.spec
-    if spec.kind == SCALE and len(spec.parts) > 1 and len(piece.units) > 1 and spec.of is not None:
-        rows = spec.of.shape[1] // len(spec.parts)  # a part's rows (gate's, up's)
-        if rows % 128:
-            parts = len(spec.parts)
-            per_part, fused = parts * -(-rows // 128), -(-parts * rows // 128)
-            got = shape[1] if len(shape) > 1 else None
-            which = (f"its {got} block rows are the whole stacked matrix's (a grid per part has {per_part}), so a "
-                     "block holds the end of one part and the start of the next, which this loader does not re-block "
-                     "into the parts' own grids" if got == fused != per_part else
-                     f"a 128-row block may hold the end of one part and the start of the next ({fused} block rows) "
-                     f"or each part may start its own blocks ({per_part})" + (
-                         "; its grid's shape does not say which" if fused == per_part else ""))
-            raise ValueError(
-                f"tensor {key!r} ({path}): FP8 block scales of stacked experts whose parts ({', '.join(spec.parts)}) "
-                f"have {rows} rows each, not a multiple of 128: {which}. Store the experts one tensor per expert, "
-                "each with its weight_scale_inv (as Qwen's FP8 releases do and metrale-graph's save_pretrained and "
-                "tools.quantize write)")
-    if shape != piece.shape:
-        raise ValueError(f"tensor {key!r} has shape {shape}, the config needs {piece.shape} ({path})")
-    asm.check_dtype(key, path, header.get_dtype(), piece.spec)
-
-
-def check_checkpoint(folder: str, cfg: ModelConfig) -> dict[str, WeightSpec]:
-    """Check a checkpoint folder's tensors against `cfg` from their headers alone, as load_checkpoint does
-    before it reads anything (ValueError naming the tensor); returns each checkpoint tensor's spec by our
-    name (our_name): the weight it is, or is a part of (an expert's, a fusion's first member), or its scales."""
-    asm = _Assembler(cfg, torch.float32, torch.device("cpu"))
-    _plan(checkpoint_files(folder), asm, cfg)
-    return {name: piece.spec for name, piece in asm.pieces.items()}
-
-
-def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
-                    progress: bool = True, check_finite: bool = True, tp=None) -> dict[str, torch.Tensor]:
-    """Read every tensor the config needs from a safetensors checkpoint folder, in our layout
-    (weight_shapes): per-expert tensors are copied into stacked buffers allocated once on `device`,
-    stacked ones are taken as they are; the family's fused tensors are split (module docstring). `dtype` is
-    a torch.dtype or its name; on the CPU, weights that would not fit in the memory available are a
-    ValueError before any is read. An FP8 checkpoint's converted weights stay float8_e4m3fn, their
-    weight_scale_inv are read into fp32 (spec.py).
-
-    The files' headers are checked first, before anything is allocated or read (_plan): ValueError naming
-    the tensor and its file for a missing, unexpected, duplicate, mis-shaped or wrongly typed one (per
-    expert: `layers.3.mlp.experts.17.up_proj.weight`; an FP8 weight that is not float8_e4m3fn, a scale
-    for a module that is not converted), and for a file safetensors cannot read. Tensors of the vision
-    tower are skipped, and the MTP head's when the config has none (checkpoint_config settles whether it
-    does); a config with one needs all of it. A tied model takes a stored lm_head equal to the embeddings as
-    tied and refuses (ValueError naming tie_word_embeddings) one that differs: transformers does not tie
-    such a pair, it runs the stored lm_head. A tied checkpoint storing lm_head alone (safetensors'
-    save_model names the pair so) gives the embeddings, as in transformers.
-
-    FP8 block scales are checked as they are read, whatever check_finite says (quantized.scale_problem; one
-    pass over the scales, not the codes): each finite, positive and normal, and 448 (the largest e4m3 code)
-    times it finite in `dtype`, else ValueError naming the tensor and its file.
-
-    `check_finite` rejects a tensor holding NaN or infinity once it is on `device` in `dtype`
-    (so a value beyond float16's range counts too; FP8 codes: NaN). It reads every weight once more: for
-    the 9B model's 19 GB in bfloat16, about 40 ms on an H200 and about 4.5 s on 2 CPU cores (measured
-    4.4 GB/s in bfloat16, 6.3 GB/s in float32; torch.isfinite(t).all() reads 0.3 GB/s there).
-
-    With a tensor-parallel `tp` (parallel.TensorParallel), only this rank's shard of each tensor is
-    read from the files (and only its experts, and their blocks' scales, which it checks); the vocabulary
-    shards are padded to ceil(V / tp).
-    """
-    from safetensors import SafetensorError, safe_open
-
-    dtype, device = as_dtype(dtype), as_device(device)
-    asm = _Assembler(cfg, dtype, device, tp)
-    check_host_memory(weight_bytes(asm.shapes, dtype, cfg), device, f"the weights of {folder} in {dtype}")
-    reads, tied_head = _plan(checkpoint_files(folder), asm, cfg)
-    # drawn where standard error is a terminal (tqdm's disable=None; a notebook's widget too), never in a log
-    bar = tqdm(total=len(asm.layout), desc="loading weights", unit="tensor", disable=None if progress else True,
-               leave=False)
-    by_file: dict[str, list[_Read]] = {}
-    for r in reads:
-        by_file.setdefault(r.path, []).append(r)
-    for path, items in by_file.items():
-        try:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for key, _, piece in items:
-                    stored = take(f.get_slice(key), piece.ranges) if piece.ranges else f.get_tensor(key)
-                    if piece.spec.kind == SCALE and (problem := scale_problem(stored, dtype)) is not None:
-                        raise ValueError(f"tensor {key!r} in {path} {problem}")
-                    written = piece.place(stored)
-                    if written is not None and check_finite and not _finite(written):
-                        what = (f"values beyond the range of {written.dtype}" if _finite(stored)
-                                else "NaN or infinite values")
-                        raise ValueError(f"tensor {key!r} in {path} holds {what}")
-                    bar.update(len(piece.units))
-        except (SafetensorError, OSError) as e:
-            raise ValueError(f"cannot read safetensors file {path}: {e}") from None
-    bar.close()
-    if tied_head is not None:
-        _check_tied_head(asm, *tied_head)
-    return pad_shards(asm.out, cfg, tp) if tp is not None and tp.size > 1 else asm.out
-
-
-def _check_tied_head(asm: _Assembler, key: str, path: str) -> None:
-    """A tied model's checkpoint stores lm_head.weight too: fine when it equals the embeddings (this rank's
-    rows of it under tensor parallelism), else ValueError. transformers ties the pair only when the two are
-    equal; otherwise it warns and runs the stored lm_head, which a tied model here would silently ignore."""
-    from safetensors import safe_open
-
-    embed = asm.pieces[EMBEDDINGS]  # _plan has checked the stored lm_head's shape and dtype against it
-    with safe_open(path, framework="pt", device="cpu") as f:
-        head = take(f.get_slice(key), embed.ranges) if embed.ranges else f.get_tensor(key)
-    if not torch.equal(asm._converted(head, asm.specs[EMBEDDINGS]), asm.out[EMBEDDINGS]):
-        raise ValueError(f"the config sets tie_word_embeddings (lm_head is embed_tokens) but the checkpoint stores "
-                         f"a different {key!r} ({path}); transformers runs the stored one untied: set "
-                         "tie_word_embeddings to false in config.json to load it")
-
-
-def _collapse(missing: list[str], asm: _Assembler, given: dict[str, str]) -> list[str]:
-    """Missing checkpoint tensors by name; where the checkpoint stores experts stacked, a stacked tensor
-    missing whole is named as such rather than expert by expert."""
-    stacked = not set(asm.stacked_of.values()).isdisjoint(our_name(k) for k in given.values())
-    absent, out = set(missing), []
-    for name in missing:
-        whole = asm.stacked_of.get(name)
-        if stacked and whole and all(u in absent for u in asm.pieces[whole].units):
-            if whole not in out:
-                out.append(whole)
+def to_checkpoint(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our weights in checkpoint layout (spec.checkpoint_shapes' names; views where no rearranging is needed)."""
+    out: dict[str, torch.Tensor] = {}
+    for s in checkpoint_layout(cfg):
+        if s.fusion is not None:
+            out[s.name] = s.fusion.fuse(_members(s, weights), cfg)
+        elif s.expert is not None:
+            rows = s.shape[0]
+            out[s.name] = weights[s.spec.name][s.expert, s.part * rows:(s.part + 1) * rows]
         else:
-            out.append(name)
+            out[s.name] = weights[s.name]
     return out
 
 
-# safetensors' names of the real floating-point dtypes a weight may be stored in; any other (integers,
-# bool, complex, float4, the exponent-only float8 scale format) is refused, not converted
-_REAL_FLOAT = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"}
-_SAFETENSORS_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
-                       "U32": "uint32", "I64": "int64", "U64": "uint64", "C64": "complex64", "F4": "float4_e2m1fn_x2",
-                       "F8_E8M0": "float8_e8m0fnu"}
+def hf_state_dict(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our weights as transformers' in-memory state dict of the family (its module names, experts
+    stacked as its `experts.gate_up_proj` / `down_proj`, the family's fusions fused): what a
+    transformers model of the same weights loads (the benchmarks' peer, the GPU parity tests). An FP8
+    model's scales go by transformers' FP8 modules' names (`weight_scale_inv`, `gate_up_proj_scale_inv`);
+    its bf16 peer takes quantized.dequantize_weights first. transformers' models have no MTP head: its weights
+    are left out."""
+    out = {s.name: s.fusion.fuse(_members(s, weights), cfg) if s.fusion is not None else weights[s.name]
+           for s in checkpoint_layout(cfg, experts_apart=False) if not s.name.startswith(MTP_PREFIX)}
+    return {checkpoint_key(n): t.contiguous() for n, t in out.items()}
 
 
-def _dtype_name(stored: str) -> str:
-    """A safetensors dtype name as torch's (torch.int8), or as safetensors writes it when torch has no name."""
-    name = _SAFETENSORS_DTYPES.get(stored)
-    return f"torch.{name}" if name and hasattr(torch, name) else stored
+def checkpoint_key(name: str) -> str:
+    """Our name -> the key save_pretrained writes (a text checkpoint's: `model.` but for lm_head and the MTP head)."""
+    return name if name == "lm_head.weight" or name.startswith(MTP_PREFIX) else TEXT_PREFIX + name
 
 
-def _finite(t: torch.Tensor) -> bool:
-    """No NaN or infinity in t (NaN propagates through min / max; one pass, no temporary). float8_e4m3fn
-    (no infinity): no NaN code (0x7F / 0xFF)."""
-    if t.dtype == FP8_DTYPE:
-        return not bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
-    if t.dtype.itemsize == 1:  # other 8-bit floats: compared in fp16
-        t = t.half()
-    lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+def take(t, ranges: Ranges | None) -> torch.Tensor:
+    """The shard of `t` (a tensor, or a safetensors slice: only the ranges are read; sharding.Ranges)."""
+    if ranges is None:
+        return t if isinstance(t, torch.Tensor) else t[:]
+    dim, spans = ranges
+    index = [slice(None)] * (dim + 1)
+    pieces = []
+    for a, b in spans:
+        index[dim] = slice(a, b)
+        pieces.append(t[tuple(index)])
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+
+def _leading(t: torch.Tensor, shape) -> torch.Tensor:
+    """The view of t's first `shape` elements along each dim (a padded shard's rows that hold weights)."""
+    return t[tuple(slice(0, n) for n in shape)]
+
+
+def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, tp) -> dict[str, torch.Tensor]:
+    """Every weight's shard for this rank (from full tensors; loading from a checkpoint reads only the
+    shard instead: loader.load_checkpoint(..., tp=)), copied. The vocabulary shard is padded to ceil(V / n)
+    rows with zeros (sharding.rank_shards' shapes)."""
+    shapes, out = rank_shards(cfg, tp).shapes, {}
+    for name, t in weights.items():
+        part = take(t, shard_ranges(name, cfg, tp))
+        if tuple(part.shape) == shapes[name]:
+            out[name] = part.clone()
+        else:
+            out[name] = part.new_zeros(shapes[name])
+            _leading(out[name], part.shape).copy_(part)
+    return out
 
 
 def random_weights(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 0) -> dict[str, torch.Tensor]:

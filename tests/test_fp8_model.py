@@ -150,7 +150,8 @@ def test_quantized_checkpoints_load_and_match_transformers(family, writer):
     bf16 = [rel_err(hf_logits(hf_bf16, t)[-1], hf_logits(hf, t)[-1]) for t in random_streams(cfg.vocab_size, LENGTHS)]
     assert max(rounded) <= ACTIVATION_REACH * max(bf16), (rounded, bf16)
     if writer == "script":  # what the loader holds is what the script wrote, block for block
-        from metrale_graph.weights import our_name, to_checkpoint
+        from metrale_graph.loader import our_name
+        from metrale_graph.weights import to_checkpoint
 
         deq, cfg_f = dequantize_weights(dict(model.named_parameters()), model.config, torch.float32)
         held = to_checkpoint(deq, cfg_f)

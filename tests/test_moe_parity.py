@@ -16,8 +16,7 @@ from references import check_parity, hf_class, hf_reference
 from metrale_graph import PRESETS, HybridModel, ModelConfig, Stream, load_config
 from metrale_graph.config import FULL, LINEAR
 from metrale_graph.families import QWEN3_NEXT
-from metrale_graph.spec import weight_shapes
-from metrale_graph.weights import checkpoint_shapes
+from metrale_graph.spec import checkpoint_shapes, weight_shapes
 
 
 CONFIGS = [

@@ -233,7 +233,7 @@ def _tp_worker(rank, folder):
     import torch.distributed as dist
 
     from metrale_graph.parallel import TensorParallel
-    from metrale_graph.sharding import shard_weights
+    from metrale_graph.weights import shard_weights
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=WORLD)

@@ -353,13 +353,43 @@ def test_each_rank_reads_only_its_part_of_the_experts():
     """Experts one tensor each in the checkpoint: split across ranks, a rank reads its own experts whole and
     none of another's (an empty range); split within, its rows (gate / up) or columns (down) of every one."""
     from metrale_graph.parallel import TensorParallel
-    from metrale_graph.weights import _Assembler
+    from metrale_graph.sharding import load_plan
 
     cfg = moe_config("qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2)  # IE 20
-    across = _Assembler(cfg, torch.float32, "cpu", TensorParallel(1, 2, moe="expert")).pieces
-    within = _Assembler(cfg, torch.float32, "cpu", TensorParallel(1, 2, moe="within")).pieces
+    across = load_plan(cfg, TensorParallel(1, 2, moe="expert")).reads
+    within = load_plan(cfg, TensorParallel(1, 2, moe="within")).reads
     for e in range(4):
         for proj in ("gate_proj", "up_proj", "down_proj"):
             name = f"layers.0.mlp.experts.{e}.{proj}.weight"
             assert across[name].ranges == (None if e >= 2 else (0, [(0, 0)]))
             assert within[name].ranges == ((1, [(10, 20)]) if proj == "down_proj" else (0, [(10, 20)]))
+
+
+@pytest.mark.parametrize("rank,moe", [(None, None), (0, "within"), (1, "expert")], ids=["one", "r0-within", "r1-expert"])
+def test_the_loader_lays_each_tensor_once_into_its_place(tmp_path, rank, moe):
+    """load_checkpoint reads each tensor once into where the model keeps it: a stacked group's members (FP8 runs
+    and their scales too; the fused in_proj_qkvz / in_proj_ba split into the GDN group) back to back in the buffer
+    of the rank's Stack (sharding.rank_shards), which HybridModel keeps as it is, and the values those of the model
+    stacked from copies."""
+    from metrale_graph.ops.kernels import rows_back_to_back
+    from metrale_graph.parallel import TensorParallel
+    from metrale_graph.quantization import QWEN_KEPT
+    from metrale_graph.quantized import fp8_config
+    from metrale_graph.loader import load_checkpoint
+    from metrale_graph.sharding import rank_shards
+
+    cfg = fp8_config(replace(FP8_NEXT, mtp_num_hidden_layers=1), QWEN_KEPT)
+    HybridModel.from_preset(cfg, seed=1).save_pretrained(str(tmp_path))
+    tp = TensorParallel(rank, 2, moe=moe) if rank is not None else None
+    weights = load_checkpoint(str(tmp_path), cfg, torch.float32, "cpu", progress=False, tp=tp)
+    stacks = rank_shards(cfg, tp).stacks
+    stacked = {n for s in stacks for n in s.names}
+    assert any(n.endswith("in_proj_qkv.weight_scale_inv") for n in stacked)  # an FP8 GDN run's scales, fused on disk
+    assert any(n.startswith("mtp.layers.0.") for n in stacked)
+    for stack in stacks:
+        assert rows_back_to_back([weights[n] for n in stack.names]), stack.names
+    copies = {n: t.clone() for n, t in weights.items()}
+    model, apart = HybridModel(cfg, weights, tp), dict(HybridModel(cfg, copies, tp).named_parameters())
+    for name, p in model.named_parameters():
+        assert p.data_ptr() == weights[name].data_ptr() and torch.equal(p.view(torch.uint8), apart[name].view(
+            torch.uint8)), name

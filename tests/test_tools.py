@@ -163,6 +163,26 @@ def test_bench_host_times_the_runners_and_the_engines_steps(capsys):
     assert e.value.code == 2 and "past the tiny preset's max_position_embeddings" in capsys.readouterr().err
 
 
+def test_load_walk_counts_the_stays_of_a_sharded_fp8_mtp_load(capsys):
+    """benchmarks/load_walk.py traces from_pretrained of an FP8 checkpoint with an MTP head as rank 0 of 2: its walk
+    starts in from_pretrained, its counts agree with the walk it prints (stays per file, returns = stays - files)."""
+    load_walk = benchmark_script("load_walk")
+
+    load_walk.main(["--walk"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    record = json.loads(lines[-1])
+    assert record["tool"] == "load_walk" and record["ranks"] == 2 and record["moe"] == "within"
+    walk = [line.split(None, 1)[1] for line in lines[:record["stays"]]]
+    assert walk[0].startswith("metrale_graph/model.py: HybridModel.from_pretrained")
+    files = [stay.split(":")[0] for stay in walk]
+    assert record["entered"] == {f: files.count(f) for f in set(files)}
+    assert record["returns"] == record["stays"] - record["files"] == len(files) - len(set(files))
+    assert "metrale_graph/sharding.py" in record["entered"] and record["crossings"] > record["stays"]
+    reader = record["reader"]  # the same walk less property getters, comprehensions and lambdas
+    assert reader["functions"] < record["functions"] and reader["stays"] <= record["stays"]
+    assert reader["returns"] == reader["stays"] - reader["files"] == reader["stays"] - len(reader["entered"])
+
+
 def test_warmup_usage_errors_leave_no_cache_folder_behind(tmp_path, capsys):
     """A usage error found after --cache-dir was made (--moe-parallel without --tp): the folder this run made
     is removed again (it was left empty); a folder that was there before stays."""

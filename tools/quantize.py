@@ -75,7 +75,8 @@ def plan(folder: str, patterns: list[str] | None):
 
     from metrale_graph.families import MULTIMODAL
     from metrale_graph.quantized import fp8_config
-    from metrale_graph.weights import check_checkpoint, checkpoint_config
+    from metrale_graph.loader import check_checkpoint
+    from metrale_graph.weights import checkpoint_config
 
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
@@ -98,10 +99,10 @@ def plan(folder: str, patterns: list[str] | None):
 def checkpoint_specs(fp8_cfg):
     """Our name -> spec under the FP8 config of every tensor a floating-point checkpoint of it holds (the
     ones to quantize: their fp8 spec; experts one tensor each, or stacked)."""
-    from metrale_graph.weights import _layout
+    from metrale_graph.spec import checkpoint_layout
 
     specs = {}
-    for s in _layout(fp8_cfg):
+    for s in checkpoint_layout(fp8_cfg):
         specs[s.name] = s.spec
         if s.expert is not None and (s.expert, s.part) == (0, 0):
             specs[s.spec.name] = s.spec  # the experts stored stacked
@@ -114,7 +115,7 @@ def per_expert(key: str, name: str, spec, stacked: torch.Tensor, dev: torch.devi
     (`...experts.3.up_proj.weight`), the key's prefix kept."""
     from metrale_graph.quantization import scale_name
     from metrale_graph.quantized import quantize_weight
-    from metrale_graph.weights import _expert_name
+    from metrale_graph.spec import expert_name
 
     prefix = key[:len(key) - len(name)]
     rows = stacked.shape[1] // len(spec.parts)
@@ -122,7 +123,7 @@ def per_expert(key: str, name: str, spec, stacked: torch.Tensor, dev: torch.devi
     for e in range(stacked.shape[0]):
         for k, part in enumerate(spec.parts):
             q, s = quantize_weight(stacked[e, k * rows:(k + 1) * rows].to(dev))
-            weight = prefix + _expert_name(spec, e, part)
+            weight = prefix + expert_name(spec, e, part)
             out[weight], out[scale_name(weight)] = q.cpu(), s.cpu()
     return out
 
@@ -137,7 +138,8 @@ def quantize_checkpoint(folder: str, out: str, patterns: list[str] | None = None
     from metrale_graph.quantized import kept_modules, quantize_weight
     from metrale_graph.saving import _temporary, publish
     from metrale_graph.spec import EXPERTS, SCALE
-    from metrale_graph.weights import INDEX_FILE, SKIPPED_PREFIXES, WEIGHTS_FILE, _finite, checkpoint_files, our_name
+    from metrale_graph.loader import SKIPPED_PREFIXES, _finite, our_name
+    from metrale_graph.weights import INDEX_FILE, WEIGHTS_FILE, checkpoint_files
 
     raw, cfg, fp8, specs = plan(folder, patterns)
     files = checkpoint_files(folder)

@@ -10,7 +10,7 @@ input as `project`.
         rounding off (quant.activation_rounding, a debug option) x itself.
 
 `project` runs a list of (w, s) members as few GEMMs as their memory allows: consecutive members that
-sit back to back in one buffer (HybridModel stacks them: weights.stack_runs) and are all FP8 with
+sit back to back in one buffer (the rank's plan stacks them: sharding.Shards.stacks) and are all FP8 with
 their scale grids back to back too, or all floating point, are one GEMM; the others one each. It never
 copies a weight.
 """
