@@ -48,10 +48,13 @@ def takes_direct(num_pairs: int, num_experts: int, decode: str | None = None) ->
 
 def _configs(acc_tiles: int):
     """(BN, BK, warps) candidates: at the 35B-A3B's D1 (8 pairs; gate|up 512 columns of 2048, down 2048 of 512)
-    BN 16 gives 256 gate|up and 1024 down programs over the 132 SMs."""
+    BN 16 gives 256 gate|up and 1024 down programs over the 132 SMs. Triton does not pipeline loads that feed no
+    dot: the bytes in flight are one K step's tile (BK 512: 8 16-byte loads a thread of gate|up's 8 x 512 x 2),
+    so wide K steps stand in for stages."""
     if INTERPRET:
         return [triton.Config({"BN": 16, "BK": 32}, num_warps=4)]
-    tiles = ((8, 256, 4), (16, 256, 4), (16, 128, 4), (32, 128, 4), (32, 256, 8), (64, 128, 8))
+    tiles = ((4, 512, 4), (8, 512, 4), (8, 256, 4), (16, 512, 8), (16, 256, 4), (16, 128, 4), (32, 128, 4),
+             (32, 256, 8), (64, 128, 8))
     if acc_tiles == 1:
         tiles += ((64, 64, 4),)
     return [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=3) for bn, bk, w in tiles]
@@ -66,7 +69,7 @@ def _prune(configs, named_args, **kwargs):
     if kwargs.get("FP32"):
         return [FP32_CONFIG]
     N, K = named_args["N"], named_args["K"]
-    keep = [c for c in configs if c.kwargs["BN"] <= max(8, triton.next_power_of_2(N))
+    keep = [c for c in configs if c.kwargs["BN"] <= max(4, triton.next_power_of_2(N))
             and c.kwargs["BK"] <= max(64, triton.next_power_of_2(K))]
     return keep or [min(configs, key=lambda c: c.kwargs["BN"] * c.kwargs["BK"])]
 
@@ -83,14 +86,15 @@ def _expert_of(e_ptr, pair, first_expert, EL):
 
 @triton.jit
 def _row_dot(acc, w_ptrs, x_ptrs, k, k_left, EVEN_K: tl.constexpr):
-    """acc [BN] += w [BN, BK] . x [BK] in fp32 (the columns k < k_left; EVEN_K: all)."""
+    """acc [BN, BK] += w [BN, BK] * x [BK] in fp32 (the columns k < k_left; EVEN_K: all): the products of one K
+    step, summed over K by the caller once at the end (no cross-thread reduction per step)."""
     if EVEN_K:
         w = tl.load(w_ptrs)
         x = tl.load(x_ptrs)
     else:
         w = tl.load(w_ptrs, mask=(k < k_left)[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=k < k_left, other=0.0)
-    return acc + tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    return acc + w.to(tl.float32) * x.to(tl.float32)[None, :]
 
 
 @triton.autotune(configs=_configs(2), key=["N", "K", "P"], prune_configs_by={"early_config_prune": _prune},
@@ -112,8 +116,8 @@ def _moe_direct_gate_up_kernel(x_ptr, w_ptr, act_ptr, e_ptr, P, first_expert, EL
         x_ptrs = x_ptr + token * stride_x + k
         g_ptrs = w_ptr + e * stride_we + (cols % N).to(tl.int64)[:, None] * stride_wn + k[None, :]  # [BN, BK]
         u_ptrs = g_ptrs + N * stride_wn
-        gate = tl.zeros((BN,), dtype=tl.float32)
-        up = tl.zeros((BN,), dtype=tl.float32)
+        gate = tl.zeros((BN, BK), dtype=tl.float32)
+        up = tl.zeros((BN, BK), dtype=tl.float32)
         for k0 in range(0, K, BK):
             gate = _row_dot(gate, g_ptrs, x_ptrs, k, K - k0, EVEN_K)
             up = _row_dot(up, u_ptrs, x_ptrs, k, K - k0, EVEN_K)
@@ -121,7 +125,8 @@ def _moe_direct_gate_up_kernel(x_ptr, w_ptr, act_ptr, e_ptr, P, first_expert, EL
             g_ptrs += BK
             u_ptrs += BK
         dt = act_ptr.dtype.element_ty  # rounded as gemm.py's _moe_gate_up_kernel
-        gate = _rnd(gate, dt)
+        gate = _rnd(tl.sum(gate, axis=1), dt)
+        up = tl.sum(up, axis=1)
         y = _rnd(_rnd(gate * tl.sigmoid(gate), dt) * _rnd(up, dt), dt).to(dt)
         tl.store(act_ptr + pair.to(tl.int64) * N + cols, y, mask=cols < N)
 
@@ -144,13 +149,13 @@ def _moe_direct_down_kernel(act_ptr, w_ptr, y_ptr, e_ptr, rw_ptr, P, first_exper
         k = tl.arange(0, BK)
         a_ptrs = act_ptr + row * K + k
         w_ptrs = w_ptr + e * stride_we + (cols % N).to(tl.int64)[:, None] * stride_wn + k[None, :]
-        acc = tl.zeros((BN,), dtype=tl.float32)
+        acc = tl.zeros((BN, BK), dtype=tl.float32)
         for k0 in range(0, K, BK):
             acc = _row_dot(acc, w_ptrs, a_ptrs, k, K - k0, EVEN_K)
             a_ptrs += BK
             w_ptrs += BK
         rw = tl.load(rw_ptr + row).to(tl.float32)  # rounded as gemm.py's _moe_down_kernel
-        y = _rnd(_rnd(acc, dt) * rw, dt)
+        y = _rnd(_rnd(tl.sum(acc, axis=1), dt) * rw, dt)
     tl.store(y_ptr + row * N + cols, y.to(dt), mask=cols < N)
 
 
