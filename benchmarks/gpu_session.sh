@@ -10,7 +10,8 @@
 # moe-sort (not in all): the routing sort,
 # torch.sort against the counting sort (METRALE_MOE_SORT; the alignment tests on CUDA, 35B-A3B-FP8 W1 / D1 / D32,
 # SORT_PRESET to choose); moe-decode (not in all): the MoE direct decode path against the aligned one
-# (METRALE_MOE_DECODE; its GPU test, the 35B-A3B's D1 / D32 under each, DECODE_PRESET to choose); tp: the two-GPU benchmarks
+# (METRALE_MOE_DECODE; its GPU tests, the 35B-A3B's D1 / D32 under each; DECODE_PRESET=qwen3.5-35b-a3b-fp8 for the
+# FP8 experts' direct form); tp: the two-GPU benchmarks
 # (9B W2 / W5 against the one-GPU JSON in benchmarks/, 27B W1-W6, 35B-A3B W1 / W2 / W5 with the experts
 # split across the ranks and within); fp8 (not in all): the FP8 primitives' check (benchmarks/kernels/check_fp8.py: correctness,
 # cuBLAS shapes, graphs), tests/test_gpu_fp8.py, bench_ops on the 9B FP8 preset; fp8-bench (not in all): the FP8

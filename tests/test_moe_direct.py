@@ -138,6 +138,53 @@ def test_direct_path_never_syncs(monkeypatch):
         moe.moe_cuda(*args)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fp8_direct_matches_reference_and_aligned(dtype):
+    """The W8A8 experts' direct form (ops/fp8/experts_direct.py) against moe_experts_fp8_ref and the aligned
+    moe_experts_fp8 (test_fp8's tolerances: the same quantization points, fp32 sums in another order), at D and IE
+    off the 128-groups and the tiles, all experts and a rank's (first_expert 3, 5 of 12: zero rows for the others'
+    pairs); zero tokens; a fresh output."""
+    from metrale_graph.ops.fp8 import experts as fp8_experts, quantize_weight_blocks
+    from metrale_graph.ops.fp8.experts_direct import moe_experts_fp8_direct
+
+    g = torch.Generator().manual_seed(9)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for T, k, E, D, IE, first, EL in ((1, 2, 8, 200, 136, 0, 8), (5, 3, 12, 256, 72, 3, 5), (8, 1, 6, 130, 128, 0, 6)):
+        x = torch.randn(T, D, generator=g).to(dtype)
+        gate, up, down = (torch.randn(EL, *s, generator=g) * 0.1 for s in ((IE, D), (IE, D), (D, IE)))
+        w13, w13s = fp8_experts.stack_gate_up(*quantize_weight_blocks(gate), *quantize_weight_blocks(up))
+        w2, w2s = quantize_weight_blocks(down)
+        top_e = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        top_w = torch.rand(T, k, generator=g).to(dtype)
+        call = (x, top_w, top_e, w13, w13s, w2, w2s, first, E)
+        ref = fp8_experts.moe_experts_fp8_ref(*call)
+        aligned = fp8_experts.moe_experts_fp8(*call)
+        out = moe_experts_fp8_direct(*call)
+        assert out.shape == (T * k, D) and out.dtype == dtype
+        assert_no_aliasing("moe_experts_fp8_direct", [out], list(call))
+        assert_close("fp8 direct vs reference", ref.float(), out.float(), tol)
+        assert_close("fp8 direct vs aligned", aligned.float(), out.float(), tol)
+        theirs = ((top_e < first) | (top_e >= first + EL)).reshape(-1)
+        assert (out[theirs] == 0).all() and (out[~theirs] != 0).any(dim=1).all()
+    empty = moe_experts_fp8_direct(x[:0], top_w[:0], top_e[:0], w13, w13s, w2, w2s, 0, E)
+    assert empty.shape == (0, D)
+
+
+def test_fp8_op_takes_the_direct_form(monkeypatch):
+    """moe_cuda with FP8 experts and METRALE_MOE_DECODE=direct at a decode shape (2 tokens x top 2 of 16 experts)
+    calls the direct form, not the aligned one, and agrees with the aligned op."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the aligned FP8 experts ran")
+
+    args = list(op_args("moe", Shapes(lengths=(2,), context=(0,), D=200, IE=72, IS=40, E=16, TOPK=2, fp8=True),
+                        torch.bfloat16, seed=4))
+    aligned = moe.moe_cuda(*args)
+    monkeypatch.setattr(direct, "DECODE", "direct")
+    monkeypatch.setattr(moe, "moe_experts_fp8", forbidden)
+    out = moe.moe_cuda(*args)
+    assert_close("moe fp8 direct vs aligned", aligned.float(), out.float(), TOL[torch.bfloat16])
+
+
 _SM90_COMPILE = r"""
 import triton
 from triton.backends.compiler import GPUTarget
@@ -166,14 +213,29 @@ for fn, types, extra, acc in ((direct._moe_direct_gate_up_kernel.fn.fn, gu, dict
             for even_k in (True, False) if i == 0 else (True,):
                 t = {n: v.replace("X", x) for n, v in types.items()}
                 smem.append(compile_(fn, t, dict(EVEN_K=even_k, FP32=x == "fp32", **extra, **cfg.kwargs), cfg))
+from metrale_graph.ops.fp8 import experts_direct as fd
+F8, F = "*fp8e4nv", "*fp32"
+fgu = dict(x_ptr=F8, xs_ptr=F, w_ptr=F8, ws_ptr=F, gu_ptr=F, e_ptr=I, P="i32", first_expert="i32", EL="i32", N="i32",
+           K="i32", stride_x="i32", stride_xs="i32", stride_we="i32", stride_wn="i32", stride_wse="i32",
+           stride_wsn="i32")
+fdn = dict(a_ptr=F8, as_ptr=F, w_ptr=F8, ws_ptr=F, y_ptr="*bf16", e_ptr=I, rw_ptr="*bf16", P="i32",
+           first_expert="i32", EL="i32", N="i32", K="i32", stride_as="i32", stride_we="i32", stride_wn="i32",
+           stride_wse="i32", stride_wsn="i32")
+for fn, types, extra in ((fd._moe_direct_gate_up_fp8_kernel.fn.fn, fgu, dict(TOP_K=8)),
+                         (fd._moe_direct_down_fp8_kernel.fn.fn, fdn, {})):
+    for i, cfg in enumerate(fd._configs()):
+        for even_k in (True, False) if i == 0 else (True,):
+            smem.append(compile_(fn, types, dict(EVEN_K=even_k, **extra, **cfg.kwargs), cfg))
+smem.append(compile_(fd._moe_direct_act_fp8_kernel, dict(gu_ptr=F, q_ptr=F8, qs_ptr=F, e_ptr=I, first_expert="i32",
+                     EL="i32", N="i32", stride_qs="i32"), dict(DT=triton.language.bfloat16), fd._configs()[0]))
 assert max(smem) <= 232448, smem
 print("compiled", len(smem))
 """
 
 
 def test_direct_kernels_compile_for_sm90():
-    """The direct kernels through Triton's real compiler for sm_90 (PTX and ptxas, no GPU needed): the interpreter
-    accepts what the compiler rejects. A subprocess: the interpreter is on in this one."""
+    """The direct kernels (bf16 / fp32 and FP8) through Triton's real compiler for sm_90 (PTX and ptxas, no GPU
+    needed): the interpreter accepts what the compiler rejects. A subprocess: the interpreter is on in this one."""
     import os
     import subprocess
     import sys
@@ -223,3 +285,41 @@ def test_direct_at_35b_a3b_shape_and_replay(monkeypatch):
             call[0].copy_(cuda_h[start:start + T])
             graph.replay()
             assert torch.equal(static_out, moe.moe_cuda(*call)), (T, start)
+
+
+@pytest.mark.gpu
+def test_fp8_direct_at_35b_a3b_shape_and_replay():
+    """CUDA, the 35B-A3B-FP8's routed experts (D 2048, 256 experts, top 8, IE 512; weights quantized on the
+    device), bf16, T = 1 and 8: the direct form against the reference and the aligned form (test_fp8's bf16
+    tolerance), then captured in a CUDA graph at T = 8 and replayed on other routings, equal to eager bit for bit."""
+    from metrale_graph.ops.fp8 import experts as fp8_experts, quantize_weight_blocks
+    from metrale_graph.ops.fp8.experts_direct import moe_experts_fp8_direct
+
+    E, k, D, IE = 256, 8, 2048, 512
+    g = torch.Generator(device="cuda").manual_seed(5)
+    gate, up = (torch.randn(E, IE, D, generator=g, device="cuda") * 0.02 for _ in range(2))
+    w13, w13s = fp8_experts.stack_gate_up(*quantize_weight_blocks(gate), *quantize_weight_blocks(up))
+    del gate, up
+    w2, w2s = quantize_weight_blocks(torch.randn(E, D, IE, generator=g, device="cuda") * 0.02)
+
+    def routing(T):
+        x = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
+        top_e = torch.stack([torch.randperm(E, generator=g, device="cuda")[:k] for _ in range(T)])
+        return x, torch.rand(T, k, generator=g, device="cuda").to(torch.bfloat16), top_e
+
+    for T in (1, 8):
+        call = (*routing(T), w13, w13s, w2, w2s, 0, E)
+        out = moe_experts_fp8_direct(*call)
+        assert_close(f"fp8 direct T={T} vs reference", fp8_experts.moe_experts_fp8_ref(*call).float(), out.float(), 1e-2)
+        assert_close(f"fp8 direct T={T} vs aligned", fp8_experts.moe_experts_fp8(*call).float(), out.float(), 1e-2)
+    x, top_w, top_e = routing(8)
+    moe_experts_fp8_direct(x, top_w, top_e, w13, w13s, w2, w2s, 0, E)  # autotuned before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = moe_experts_fp8_direct(x, top_w, top_e, w13, w13s, w2, w2s, 0, E)
+    for _ in range(3):
+        for buf, new in zip((x, top_w, top_e), routing(8)):
+            buf.copy_(new)
+        graph.replay()
+        assert torch.equal(static_out, moe_experts_fp8_direct(x, top_w, top_e, w13, w13s, w2, w2s, 0, E))

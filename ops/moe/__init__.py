@@ -24,6 +24,7 @@ from .. import kernels
 from ..common import INTERPRET, check, check_tensor, rms_norm
 from ..fp8 import projection as fp8
 from ..fp8.experts import moe_experts_fp8
+from ..fp8.experts_direct import moe_experts_fp8_direct
 from ..registry import (OpSpec, Shapes, fp8_weight, metrale_cuda, metrale_fake, metrale_op, norm_weight, rand,
                         register, weight)
 from .align import align_local_pairs, block_m
@@ -138,8 +139,9 @@ def moe_cuda(a):
 
     P = T * top_k
     w13, w2 = _inner_contiguous(a.w13), _inner_contiguous(a.w2)
-    if fp8.is_fp8(w13) and fp8.activations_rounded():  # W8A8 grouped GEMMs (their own pair alignment)
-        y = moe_experts_fp8(n, top_w, top_e, w13, a.w13_s, w2, a.w2_s, first_expert, E)
+    if fp8.is_fp8(w13) and fp8.activations_rounded():  # W8A8 grouped GEMMs (their own pair alignment) or direct
+        experts = moe_experts_fp8_direct if direct.takes_direct(P, E) else moe_experts_fp8
+        y = experts(n, top_w, top_e, w13, a.w13_s, w2, a.w2_s, first_expert, E)
         return combine_outputs(h, n, _inner_contiguous(a.shared_expert_gate_w), y, shared, top_k, a.add_residual)
     if fp8.is_fp8(w13):  # weight-only debug mode: the experts dequantized, the bf16 kernels
         w13, w2 = fp8.dequantized(w13, a.w13_s, h.dtype, parts=2), fp8.dequantized(w2, a.w2_s, h.dtype)
@@ -175,5 +177,5 @@ def cost(s: Shapes):
 
 register(OpSpec(moe, example, cost, cuda=moe_cuda,
                 kernels=("_moe_route", "_moe_align", "_moe_gate_up", "_moe_down", "_moe_direct_gate_up",
-                         "_moe_direct_down", "_moe_combine"),
+                         "_moe_direct_act", "_moe_direct_down", "_moe_combine"),
                 onnx="metrale_graph.onnx.translations:moe"))
