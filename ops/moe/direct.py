@@ -15,9 +15,10 @@ bf16 / fp16 values are exact and fp32 ones are IEEE, as the aligned kernels' IEE
 When (`takes_direct`, shapes only, so a bucket's graph stays static): DECODE == "direct" and P = T * top_k
 <= MAX_PAIRS and 4 * P <= E. Each pair reads its expert's weights on its own, so an expert chosen by two
 pairs is read twice (the aligned path reads it once); over E experts the expected repeats among P pairs
-are about P^2 / (2E), at most P / 8 with 4P <= E: at most ~1/8 more weight bytes than the aligned path,
-which at 64 pairs (the 35B-A3B's D8: 8 tokens x top 8 of 256) the launches saved outweigh. Above 64 pairs
-the aligned path's blocks start holding several rows of an expert (D32: 256 pairs over 256 experts).
+are about P^2 / (2E), at most P / 8 with 4P <= E: at most ~1/8 more weight bytes than the aligned path
+(expected, not measured, to cost less than the sort and alignment launches it saves up to the 35B-A3B's 8
+tokens x top 8 of 256). Above 64 pairs the aligned path's blocks start to hold several rows of an expert
+(D32: 256 pairs over 256 experts), and 64 pairs of one expert each already fill 64 x (IE / BN) programs.
 """
 
 import torch
