@@ -21,11 +21,12 @@ from .quant import FP8_DTYPE, INTERPRET, num_blocks, quantize_activations, quant
 
 
 def _configs():
-    """(BN, BK, warps): BN divides 128 (a tile's rows share one weight scale row), BK 64 or 128 (a K step within
-    one scale group)."""
+    """(BN, BK, warps): BN divides 128 (a tile's rows share one weight scale row); a K step may span scale groups
+    (each element takes its group's scales). Triton does not pipeline loads that feed no dot, so wide K steps
+    keep more bytes in flight (one byte a code). The interpreter's BK 256 crosses groups."""
     if INTERPRET:
-        return [triton.Config({"BN": 16, "BK": 64}, num_warps=4)]
-    tiles = ((8, 128, 4), (16, 128, 4), (32, 128, 8), (16, 64, 4), (32, 64, 4), (64, 128, 8))
+        return [triton.Config({"BN": 16, "BK": 256}, num_warps=4)]
+    tiles = ((8, 256, 4), (16, 256, 4), (8, 512, 4), (16, 512, 8), (32, 128, 4), (32, 256, 8), (64, 128, 8))
     return [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=3) for bn, bk, w in tiles]
 
 
@@ -33,15 +34,19 @@ _EVEN_K = {"EVEN_K": lambda a: a["K"] % a["BK"] == 0}
 
 
 @triton.jit
-def _scaled_products(acc, w_ptrs, x_ptrs, k, k_left, scale, EVEN_K: tl.constexpr):
-    """acc [BN, BK] += w [BN, BK] * x [BK] * scale in fp32 (codes' products exact; the columns k < k_left)."""
+def _scaled_products(acc, w_ptrs, x_ptrs, xs_ptrs, ws_ptrs, k, k_left, EVEN_K: tl.constexpr):
+    """acc [BN, BK] += w [BN, BK] * x [BK] * (xs * ws) [BK] in fp32, the codes' products (exact) times the scales
+    of each column's 128-group (xs_ptrs / ws_ptrs [BK]: per column; the columns k < k_left, EVEN_K: all)."""
     if EVEN_K:
         w = tl.load(w_ptrs)
         x = tl.load(x_ptrs)
+        s = tl.load(xs_ptrs) * tl.load(ws_ptrs).to(tl.float32)
     else:
-        w = tl.load(w_ptrs, mask=(k < k_left)[None, :], other=0.0)
-        x = tl.load(x_ptrs, mask=k < k_left, other=0.0)
-    return acc + (w.to(tl.float32) * x.to(tl.float32)[None, :]) * scale
+        m = k < k_left
+        w = tl.load(w_ptrs, mask=m[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=m, other=0.0)
+        s = tl.load(xs_ptrs, mask=m, other=0.0) * tl.load(ws_ptrs, mask=m, other=0.0).to(tl.float32)
+    return acc + (w.to(tl.float32) * x.to(tl.float32)[None, :]) * s[None, :]
 
 
 @triton.autotune(configs=_configs(), key=["N", "K", "P"], cache_results=True)
@@ -68,10 +73,10 @@ def _moe_direct_gate_up_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, gu_ptr, e_ptr, 
         gate = tl.zeros((BN, BK), dtype=tl.float32)
         up = tl.zeros((BN, BK), dtype=tl.float32)
         for k0 in range(0, K, BK):
-            g = k0 // 128
-            sx = tl.load(xs_ptr + token * stride_xs + g)
-            gate = _scaled_products(gate, g_ptrs, x_ptrs, k, K - k0, sx * tl.load(gs_ptr + g).to(tl.float32), EVEN_K)
-            up = _scaled_products(up, u_ptrs, x_ptrs, k, K - k0, sx * tl.load(us_ptr + g).to(tl.float32), EVEN_K)
+            g = (k0 + k) // 128  # each column's scale group
+            xs_ptrs = xs_ptr + token * stride_xs + g
+            gate = _scaled_products(gate, g_ptrs, x_ptrs, xs_ptrs, gs_ptr + g, k, K - k0, EVEN_K)
+            up = _scaled_products(up, u_ptrs, x_ptrs, xs_ptrs, us_ptr + g, k, K - k0, EVEN_K)
             x_ptrs += BK
             g_ptrs += BK
             u_ptrs += BK
@@ -122,9 +127,8 @@ def _moe_direct_down_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, e_ptr, rw_p
         ws_row = ws_ptr + e * stride_wse + (pid_n * BN // 128) * stride_wsn
         acc = tl.zeros((BN, BK), dtype=tl.float32)
         for k0 in range(0, K, BK):
-            g = k0 // 128
-            s = tl.load(as_ptr + row * stride_as + g) * tl.load(ws_row + g).to(tl.float32)
-            acc = _scaled_products(acc, w_ptrs, a_ptrs, k, K - k0, s, EVEN_K)
+            g = (k0 + k) // 128
+            acc = _scaled_products(acc, w_ptrs, a_ptrs, as_ptr + row * stride_as + g, ws_row + g, k, K - k0, EVEN_K)
             a_ptrs += BK
             w_ptrs += BK
         rw = tl.load(rw_ptr + row).to(tl.float32)
