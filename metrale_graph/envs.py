@@ -77,6 +77,12 @@ SETTINGS = _settings(
             "(ops.moe.align.SORT). Kept while unmeasured: torch.sort's one-warp radix sort took 0.75 of the "
             "35B-A3B-FP8's 13.1 ms of D32 device time on the H200; pending the A/B of gpu_session.sh moe-sort "
             "(W1 / D1 / D32 under each), then the loser goes", ("torch", "count")),
+    Setting("METRALE_MOE_DECODE", "choice", "aligned",
+            "the MoE experts' path for calls of at most 64 token-expert pairs, at most a quarter of the experts "
+            "(decode): aligned, the pairs sorted and aligned to grouped-GEMM blocks as every other call, or direct, "
+            "no sort nor alignment, one row per pair (ops/moe/direct.py; bf16 and W8A8 FP8 experts). aligned stays "
+            "the default until an H200 A/B (gpu_session.sh moe-decode) measures direct (ops.moe.direct.DECODE)",
+            ("aligned", "direct")),
     Setting("METRALE_FP8_DECODE", "choice", "splitk",
             "the FP8 linear's GEMM for decode rows (1 to 32) on CUDA: splitk, W8A8 (x rounded to FP8 128-groups; "
             "split-K up to 16 rows, cuBLAS above), or w8a16, weight-only FP8 (x kept in bf16, the weights dequantized "

@@ -9,6 +9,8 @@ GEMMs (dense and grouped over MoE experts), each with the plain-torch reference 
   "w8a16" backend, auto's with METRALE_FP8_DECODE=w8a16), and w8a16_linear_ref.
 - experts.py: moe_experts_fp8, the FP8 grouped gate|up and down GEMMs over expert-sorted pairs, and
   moe_experts_fp8_ref.
+- experts_direct.py: moe_experts_fp8_direct, the same experts for decode-sized calls without the sort (one row
+  per pair; METRALE_MOE_DECODE=direct, ops/moe/direct.py's rule).
 - projection.py: what the phase ops with projections share: a weight's scales argument checked, the
   CPU references' FP8 linear, the CUDA paths' grouped projections.
 

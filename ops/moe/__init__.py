@@ -11,7 +11,8 @@ top_k and the number of experts alone, so a bucket's CUDA graph is static.
 
 Here: the op (its CPU reference is the spec, its pieces in reference.py), its check, fake, CUDA path
 and spec. The CUDA path: the router's top-k (routing.py), the pairs aligned to grouped-GEMM blocks
-(align.py), the grouped GEMMs (gemm.py), the combine (combine.py). (torch._grouped_mm, once a second backend of
+(align.py), the grouped GEMMs (gemm.py), the combine (combine.py); with METRALE_MOE_DECODE=direct, calls of few
+pairs skip the alignment for one row per pair (direct.py). (torch._grouped_mm, once a second backend of
 the bf16 experts, was 1.17-1.28x slower than gemm.py at every 35B-A3B workload on the H200 and was removed:
 BENCHMARKS.md, MoE.)
 """
@@ -23,9 +24,11 @@ from .. import kernels
 from ..common import INTERPRET, check, check_tensor, rms_norm
 from ..fp8 import projection as fp8
 from ..fp8.experts import moe_experts_fp8
+from ..fp8.experts_direct import moe_experts_fp8_direct
 from ..registry import (OpSpec, Shapes, fp8_weight, metrale_cuda, metrale_fake, metrale_op, norm_weight, rand,
                         register, weight)
 from .align import align_local_pairs, block_m
+from . import direct
 from .combine import combine_outputs
 from .gemm import down, gate_up
 from .reference import route, routed_experts, routed_experts_fp8, shared_expert
@@ -136,11 +139,15 @@ def moe_cuda(a):
 
     P = T * top_k
     w13, w2 = _inner_contiguous(a.w13), _inner_contiguous(a.w2)
-    if fp8.is_fp8(w13) and fp8.activations_rounded():  # W8A8 grouped GEMMs (their own pair alignment)
-        y = moe_experts_fp8(n, top_w, top_e, w13, a.w13_s, w2, a.w2_s, first_expert, E)
+    if fp8.is_fp8(w13) and fp8.activations_rounded():  # W8A8 grouped GEMMs (their own pair alignment) or direct
+        experts = moe_experts_fp8_direct if direct.takes_direct(P, E) else moe_experts_fp8
+        y = experts(n, top_w, top_e, w13, a.w13_s, w2, a.w2_s, first_expert, E)
         return combine_outputs(h, n, _inner_contiguous(a.shared_expert_gate_w), y, shared, top_k, a.add_residual)
     if fp8.is_fp8(w13):  # weight-only debug mode: the experts dequantized, the bf16 kernels
         w13, w2 = fp8.dequantized(w13, a.w13_s, h.dtype, parts=2), fp8.dequantized(w2, a.w2_s, h.dtype)
+    if direct.takes_direct(P, E):  # decode (METRALE_MOE_DECODE=direct): one row per pair, no alignment
+        y = direct.direct_experts(n, top_w, top_e, w13, w2, first_expert)
+        return combine_outputs(h, n, _inner_contiguous(a.shared_expert_gate_w), y, shared, top_k, a.add_residual)
     BM = block_m(P, EL)
     sorted_ids, block_expert = align_local_pairs(top_e, EL, E, first_expert, BM)
     ieee = h.dtype == torch.float32 or INTERPRET
@@ -169,5 +176,6 @@ def cost(s: Shapes):
 
 
 register(OpSpec(moe, example, cost, cuda=moe_cuda,
-                kernels=("_moe_route", "_moe_align", "_moe_gate_up", "_moe_down", "_moe_combine"),
+                kernels=("_moe_route", "_moe_align", "_moe_gate_up", "_moe_down", "_moe_direct_gate_up",
+                         "_moe_direct_act", "_moe_direct_down", "_moe_combine"),
                 onnx="metrale_graph.onnx.translations:moe"))
