@@ -130,8 +130,9 @@ def test_seeded_sampling_with_processors_is_deterministic(model, monkeypatch):
     again, _ = run(model, PROMPTS, [dict(kw, seed=20 + i) for i in range(4)], spec)
     alone, _ = run(model, PROMPTS[2:3], [dict(kw, seed=22)], spec)
     assert stats["proposed"] > 0
-    assert [(r.token_ids, r.logprobs) for r in together] == [(r.token_ids, r.logprobs) for r in again]
-    assert_same(alone, together[2:3])  # (its logprobs within rounding: other streams share its steps)
+    # the same tokens; logprobs within rounding (which requests share a step depends on when each arrives)
+    assert_same(again, together)
+    assert_same(alone, together[2:3])
     assert len({tuple(r.token_ids) for r in together}) == 4
 
 
