@@ -164,3 +164,109 @@ def test_sampling_with_processors_follows_plain_sampling(monkeypatch):
         freqs.append(torch.stack([torch.bincount(tokens[:, j], minlength=9) for j in range(new)]).double() / N)
     assert (freqs[0][:3, 0] == 0).all()  # min_tokens held the stop token
     assert (freqs[0] - freqs[1]).abs().max() < 4.5 * (0.5 / N) ** 0.5
+
+
+# structured output ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    pytest.importorskip("xgrammar")
+    from transformers import AutoTokenizer
+
+    from tokenizer_fixture import build_tokenizer
+
+    return AutoTokenizer.from_pretrained(build_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.fixture(scope="module")
+def text_model(tokenizer):
+    return unit_gain(HybridModel.from_preset(tiny_config(vocab_size=len(tokenizer) + 7), seed=0), seed=3)
+
+
+def mask_of(masks, r):
+    """A plain step's mask row of request r (every token allowed when it has no grammar started)."""
+    row = masks.fill([r])
+    return torch.full((masks.host.shape[1],), -1, dtype=torch.int32) if row is None else row[0].clone()
+
+
+def test_verify_masks_follow_the_matcher_along_the_drafts(tokenizer, text_model):
+    """TokenMasks.fill_drafts' row j of a request is what a plain step's mask is after its drafts d_1 .. d_j were
+    taken in, for every j whose drafts the grammar allows (the rows acceptance reads); the row before a draft the
+    grammar refuses does not allow it, and later rows (never read) allow every token, as do rows past a stop token,
+    rows of a grammar not yet started (it starts after a draft equal to starts_after) and rows without a grammar.
+    The matchers end as they began."""
+    from metrale_graph.grammar import TokenMasks
+    from metrale_graph.scheduler import Request
+    from metrale_graph.structured import StructuredOutputError, structured_output
+
+    K, V, eos = 6, text_model.config.vocab_size, tokenizer.eos_token_id
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    cases = [  # (spec, drafts)
+        ({"regex": "(ab|c)+d"}, enc("ab") + enc("x") + enc("cd")),  # "x": refused, the rest never read
+        ({"regex": "(ab|c)+d"}, enc("abcd") + [eos] + enc("c")),  # complete, a stop token, then past the end
+        ({"regex": "c+d", "starts_after": enc("x")[0]}, enc("ab") + enc("x") + enc("cc")),
+        (None, enc("abc")),
+        ({"regex": "(ab|c)+d"}, enc("c")),  # fewer drafts than K
+    ]
+    with Engine(text_model, 2, compile=False, tokenizer=tokenizer) as e:
+        def request(spec, drafts):
+            r = Request(0, [1], 8, None, None)
+            if spec is not None:
+                checked = structured_output(spec)
+                compiled = e.compile_grammar(checked).result()  # (makes e._grammars)
+                r.grammar = e._grammars.matcher(compiled, checked, {eos})
+            r.drafts = list(drafts)
+            return r
+
+        plain = TokenMasks(1, V, torch.device("cpu"))
+        reqs = [request(spec, drafts) for spec, drafts in cases]
+        before = [mask_of(plain, r) for r in reqs]
+        rows = TokenMasks(4, V, torch.device("cpu")).fill_drafts(reqs, K).view(len(cases), K + 1, -1)
+        for r, b in zip(reqs, before):  # rolled back
+            assert torch.equal(mask_of(plain, r), b)
+        every = torch.full_like(rows[0, 0], -1)
+        refused = []
+        for b, (spec, drafts) in enumerate(cases):
+            walk = request(spec, drafts)  # a second matcher, walked as plain decoding would
+            read = True
+            for j in range(K + 1):
+                g = walk.grammar
+                filled = read and j <= len(drafts) and g is not None and g.started and not g.matcher.is_terminated()
+                expected = plain.fill([walk])[0] if filled else every
+                assert torch.equal(rows[b, j], expected), (b, j)
+                if j < len(drafts) and read and g is not None:
+                    try:
+                        g.accept(drafts[j])
+                    except StructuredOutputError:  # refused: the row before (when read) masks it
+                        assert not (filled and (int(expected[drafts[j] // 32]) >> (drafts[j] % 32)) & 1)
+                        read = False
+            refused.append(not read)
+        assert refused == [True, True, False, False, False]  # "x"; "c" after the stop token
+
+
+def test_structured_outputs_speculate_and_give_plain_decoding(tokenizer, text_model, monkeypatch):
+    """Greedy requests under a JSON schema (eos its stop), a regex without stop tokens (ends when complete), a
+    choice, and a regex that starts after a token the free output emits, beside a free request; the Oracle's wrong
+    drafts are mostly tokens the grammar refuses. Then a seeded sampled run twice."""
+    import json
+
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    prompts = [enc(s) for s in ("Hello world", "The quick brown fox", "def fibonacci(n):", "東京は", "Ça va?")]
+    free, _ = run(text_model, prompts, [{}] * len(prompts), slots=5, tokenizer=tokenizer)
+    schema = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer"}},
+              "required": ["kind", "age"]}
+    kws = [dict(structured={"json": schema}, stop_token_ids=[tokenizer.eos_token_id], max_new_tokens=40),
+           dict(structured={"regex": "[0-9]{3}-[a-z]{2,5}"}),
+           dict(structured={"choice": ["yellow", "yes", "no"]}, stop_token_ids=[tokenizer.eos_token_id]),
+           dict(structured={"regex": "(ab|c)+d", "starts_after": free[3].token_ids[2]}),
+           {}]
+    results, reference = speculated(text_model, prompts, kws, monkeypatch, slots=5, tokenizer=tokenizer)
+    assert_same(results, reference)
+    assert json.loads(tokenizer.decode(reference[0].token_ids[:-1]))["kind"] in ("cat", "dog")
+    assert reference[1].finish_reason == "stop" and reference[3].finish_reason == "stop"
+    assert reference[3].token_ids[:3] == free[3].token_ids[:3]  # free until its starts_after token
+    sampled = [dict(kw, temperature=1.0, seed=7 + i) for i, kw in enumerate(kws)]
+    spec = {"method": "ngram", "num_tokens": 3}
+    once, _ = run(text_model, prompts, sampled, spec, slots=5, tokenizer=tokenizer)
+    twice, _ = run(text_model, prompts, sampled, spec, slots=5, tokenizer=tokenizer)
+    assert [r.token_ids for r in once] == [r.token_ids for r in twice]
+    assert json.loads(tokenizer.decode(once[0].token_ids[:-1]))["kind"] in ("cat", "dog")
