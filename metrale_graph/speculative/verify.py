@@ -6,7 +6,7 @@
 A request speculates (`speculates`) unless it opted out (Request.speculate False): grammars, logprobs,
 penalties, min_tokens and logit_bias included, their processors seeing each position as if the drafts before it
 had been emitted (step 3); "mtp" does not follow a request asking for prompt logprobs (its prompt chunks run the
-loop's way), which gets prompt lookup's drafts only. A step with more decode streams than the option's max_streams speculates
+loop's way: no MTP drafts for it). A step with more decode streams than the option's max_streams speculates
 not at all (k = 0 for every stream: the loop's own overlapped step; for "mtp" the head then stops following its
 requests, as after any step run the loop's way). Each step of at most max_streams decodes that holds a
 speculating decode (with drafts) or, for "mtp", any chunk of a request the head follows, runs here,
@@ -144,8 +144,8 @@ class SpeculativeStep:
             out["h"] = h
             kept = list(lengths)
             if spec:
-                counts, emitted, entries = self._accept(h, [reqs[i] for i in spec], [starts[i] for i in spec], K)
-                out["spec"] = {i: (t, e) for i, t, e in zip(spec, emitted, entries)}
+                counts, emitted, logprobs = self._accept(h, [reqs[i] for i in spec], [starts[i] for i in spec], K)
+                out["spec"] = {i: (t, lp) for i, t, lp in zip(spec, emitted, logprobs)}
                 redo = [(j, i, c) for j, (i, c) in enumerate(zip(spec, counts)) if c < lengths[i] - 1]
                 if redo:  # the state after the kept tokens: verify entry c of the j-th speculating stream
                     entries = to_device(int_tensor([self.base + j * K + c for j, _, c in redo]), dev)
