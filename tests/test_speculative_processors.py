@@ -21,10 +21,10 @@ PROMPTS = [random_tokens(n, s, CFG.vocab_size) for n, s in ((7, 1), (23, 2), (3,
 NEW = 16
 # logprobs: the verify step computes a position's logits from a (k + 1)-token chunk, plain decoding from one token:
 # the same fp32 arithmetic summed in another order (chunked against recurrent GDN, a longer attention call), so
-# they differ by rounding: a few ulps (2^-23 ~ 1.2e-7 relative) of each of the 4 layers' residual adds, carried to
-# logits of magnitude ~10 and through log_softmax (whose error is at most twice its inputs' plus the sum's). 1e-4
-# bounds that with two orders of magnitude to spare, and is far below any logprob a processor would move (a
-# penalty or a mask moves a logit by 0.5 or more).
+# they differ by rounding: a few ulps (2^-23 ~ 1.2e-7 relative) of each of the 4 layers' sums, amplified through
+# the layers and carried to logits of magnitude ~10 and through log_softmax (whose error is at most twice its
+# inputs' plus the sum's): ~1e-5 (measured here: at most 8e-6). 1e-4 leaves an order of magnitude, and is far
+# below what a processor moves if it leaked into logprobs (a penalty or a mask moves a logit by 0.5 or more).
 LOGPROB_TOL = 1e-4
 
 
