@@ -7,6 +7,7 @@ and the batch's token bitmask filled on the host for the device to apply (vLLM's
     masks = TokenMasks(rows, vocab_size, device)      # per engine loop
     bitmask = masks.fill(requests)                    # int32 [n, ceil(vocab / 32)] on the device, for sample()
     r.grammar.accept(token)                           # each token read back; .complete: the output is whole
+    bitmask = masks.fill_drafts(requests, K)          # a verify step's [len(requests) * (K + 1), words]
 
 Why xgrammar and not llguidance: the mask's fill per token on Qwen3.5's 248k vocabulary measured 2-10 us
 (median) against 15-21 us, and a batch of 64 0.6 ms against 1.0 ms (docs/structured.md).
@@ -184,6 +185,7 @@ class TokenMasks:
         self.on_device = torch.empty(rows, words, dtype=torch.int32, device=self.device) if cuda else self.host
         self._batch = xgr.BatchGrammarMatcher()
         self.fill_s, self.filled = 0.0, 0
+        self._drafts: tuple[torch.Tensor, torch.Tensor] | None = None  # fill_drafts' host and device buffers
 
     def fill(self, requests: list) -> torch.Tensor | None:
         """The bitmask [len(requests), words] on the device of each request's allowed tokens (every token for a
@@ -211,3 +213,76 @@ class TokenMasks:
         if self.on_device is self.host:
             return host
         return self.on_device[:n].copy_(host, non_blocking=True)
+
+    def fill_drafts(self, requests: list, K: int) -> torch.Tensor | None:
+        """A verify step's bitmask [len(requests) * (K + 1), words] on the device: row b * (K + 1) + j holds what
+        request b may sample after its drafts d_1 .. d_j (`r.drafts`), as its matcher would after they were taken
+        in. Filled per position over the requests (one batch fill each), the matchers advanced draft by draft and
+        rolled back after, so they end as they began (the loop's `_advance` takes the kept tokens in). A draft the
+        grammar does not allow ends its request's rows: that draft, masked at the row before, cannot be kept, nor
+        can any after it, so their rows allow every token, never read (so do a terminated matcher's, past a stop
+        token, and rows past a request's drafts: acceptance reads none). A grammar that has not started starts
+        after a draft equal to starts_after. None when no row is held."""
+        n = len(requests) * (K + 1)
+        host, on_device = self._draft_buffers(n)
+        host.fill_(-1)
+        t0 = time.perf_counter()
+        walk = [_Walk(r.grammar) if r.grammar is not None else None for r in requests]
+        filled = 0
+        try:
+            for j in range(K + 1):
+                rows = [b for b, w in enumerate(walk) if w is not None and w.live and j <= len(requests[b].drafts)]
+                if rows:
+                    self._batch.batch_fill_next_token_bitmask([walk[b].grammar.matcher for b in rows], host,
+                                                              [b * (K + 1) + j for b in rows])
+                    for b in rows:
+                        also = walk[b].grammar.also
+                        if also is not None:
+                            host[b * (K + 1) + j] &= also
+                    filled += len(rows)
+                for w, r in zip(walk, requests):
+                    if w is not None and j < len(r.drafts):
+                        w.take(r.drafts[j])
+        finally:
+            for w in walk:
+                if w is not None and w.taken:
+                    w.grammar.matcher.rollback(w.taken)
+        self.fill_s += time.perf_counter() - t0
+        self.filled += filled
+        if not filled:
+            return None
+        if on_device is host:
+            return host
+        return on_device.copy_(host, non_blocking=True)
+
+    def _draft_buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fill_drafts' buffers of n rows at least (grown as needed), apart from fill's: a speculative step fills
+        both (its verify rows, then its plain rows)."""
+        if self._drafts is None or self._drafts[0].shape[0] < n:
+            words, cuda = self.host.shape[1], self.device.type == "cuda"
+            host = torch.empty(n, words, dtype=torch.int32, pin_memory=cuda)
+            self._drafts = host, (torch.empty(n, words, dtype=torch.int32, device=self.device) if cuda else host)
+        host, on_device = self._drafts
+        return host[:n], on_device[:n]
+
+
+class _Walk:
+    """A request's grammar walked along its drafts by fill_drafts: `live` while its next row is to be filled,
+    `taken` the tokens its matcher accepted (rolled back after)."""
+
+    def __init__(self, grammar: Grammar):
+        self.grammar, self.started, self.taken = grammar, grammar.started, 0
+        self.live = self.started and not grammar.matcher.is_terminated()
+
+    def take(self, token: int) -> None:
+        g = self.grammar
+        if not self.started:  # (its rows so far allow every token, as the plain step's would)
+            self.started = self.live = token == g.starts_after
+            return
+        if not self.live:
+            return
+        if not g.matcher.accept_token(token):
+            self.live = False
+            return
+        self.taken += 1
+        self.live = not g.matcher.is_terminated()

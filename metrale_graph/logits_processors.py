@@ -95,13 +95,22 @@ class PenaltyState:
         """Count `tokens` [m] (int64, sampled) in the rows of `slots` [m] (int64, distinct), on the device."""
         self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
 
+    def record_runs(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count each row of `tokens` [m, n] (int64: the tokens a verify step emits for a slot, then negative
+        padding, which counts nothing) in the row of `slots` [m] (int64, distinct), on the device."""
+        counted = tokens >= 0
+        self.counts.index_put_((slots.unsqueeze(1).expand_as(tokens), tokens.clamp(min=0)), counted.to(torch.int32),
+                               accumulate=True)
+
 
 def process_logits(logits: torch.Tensor, rows: list, state: PenaltyState | None,
-                   token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
+                   token_bitmask: torch.Tensor | None = None, pending: list | None = None) -> torch.Tensor:
     """The logits [n, vocab] with steps 1-4 of the module docstring applied for each row's request: `logits`
     itself when no row needs any (nothing copied), else a new fp32 tensor (the input is never changed: its
     raw values give the logprobs). `state` is needed when a row has a penalty; its rows drawing their first
-    token are started here."""
+    token are started here. `pending`: per row, tokens before it that `state` has not counted (a verify
+    position's drafts: speculative/verify.py), counted for the penalties as if recorded; row.generated
+    includes them."""
     params = [r.params for r in rows]
     biased = [k for k, p in enumerate(params) if p.logit_bias]
     holding = [k for k, r in enumerate(rows) if r.generated < r.params.min_tokens and r.stop_ids]
@@ -127,12 +136,14 @@ def process_logits(logits: torch.Tensor, rows: list, state: PenaltyState | None,
         starting = [rows[k] for k in penalized if rows[k].generated == 0]
         if starting:
             state.start(starting)
-        _apply_penalties_(x, [rows[k] for k in penalized], to_device(penalized, torch.int64, dev), state)
+        _apply_penalties_(x, [rows[k] for k in penalized], to_device(penalized, torch.int64, dev), state,
+                          None if pending is None else [pending[k] for k in penalized])
     return x
 
 
-def _apply_penalties_(x: torch.Tensor, rows: list, index: torch.Tensor, state: PenaltyState) -> None:
-    """Step 4 on rows `index` [m] of x (in place), from the slots' statistics."""
+def _apply_penalties_(x: torch.Tensor, rows: list, index: torch.Tensor, state: PenaltyState,
+                      pending: list | None = None) -> None:
+    """Step 4 on rows `index` [m] of x (in place), from the slots' statistics and each row's `pending` tokens."""
     dev = x.device
     slots = to_device([r.slot for r in rows], torch.int64, dev)
     values = to_device([[r.params.repetition_penalty for r in rows], [r.params.frequency_penalty for r in rows],
@@ -140,6 +151,10 @@ def _apply_penalties_(x: torch.Tensor, rows: list, index: torch.Tensor, state: P
     repetition, frequency, presence = values[0].unsqueeze(1), values[1].unsqueeze(1), values[2].unsqueeze(1)
     sub = x.index_select(0, index)
     counts = state.counts.index_select(0, slots)
+    if pending is not None and any(pending):  # one scatter for all rows' pending tokens
+        where = to_device([[k for k, p in enumerate(pending) for _ in p], [t for p in pending for t in p]],
+                          torch.int64, dev)
+        counts.index_put_((where[0], where[1]), counts.new_ones(()), accumulate=True)
     generated = counts > 0
     if any(r.params.repetition_penalty != 1.0 for r in rows):
         seen = generated | state.prompt_mask.index_select(0, slots)

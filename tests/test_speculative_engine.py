@@ -165,8 +165,9 @@ def test_requests_that_do_not_speculate_decode_beside_those_that_do(models):
     prompts = prompts_of(cfg)[:3]
     with Engine(model, 3, compile=False, speculative={"method": "mtp", "num_tokens": 2}) as e:
         kw = dict(max_new_tokens=10, stop_token_ids=[])
-        penalized = e.submit(prompts[0], repetition_penalty=1.3, **kw)  # a penalty: one token per step
-        with_logprobs = e.submit(prompts[1], logprobs=2, prompt_logprobs=1, **kw)  # its prompt in the loop's step
+        penalized = e.submit(prompts[0], repetition_penalty=1.3, **kw)  # speculates (test_speculative_processors)
+        # its prompt in the loop's step (prompt logprobs): the head does not follow it, one token per step
+        with_logprobs = e.submit(prompts[1], logprobs=2, prompt_logprobs=1, **kw)
         speculating = e.submit(prompts[2], **kw)
         out = [penalized.result(), with_logprobs.result(), speculating.result()]
         proposed = e.stats().speculative["proposed"]

@@ -3,9 +3,10 @@
     spec = SpeculativeStep(loop, Speculative("ngram", 3))     # the engine loop's, with Engine(speculative=...)
     if spec.takes(step): spec.run(step, decodes)               # instead of the loop's own launch (loop.py)
 
-A request speculates (`speculates`) unless it has a grammar, logprobs, a penalty or min_tokens (their processors
-depend on the drafts before each position: not supported yet, so such requests decode one token per step) or
-it opted out (Request.speculate False). A step with more decode streams than the option's max_streams speculates
+A request speculates (`speculates`) unless it opted out (Request.speculate False): grammars, logprobs,
+penalties, min_tokens and logit_bias included, their processors seeing each position as if the drafts before it
+had been emitted (step 3); "mtp" does not follow a request asking for prompt logprobs (its prompt chunks run the
+loop's way: no MTP drafts for it). A step with more decode streams than the option's max_streams speculates
 not at all (k = 0 for every stream: the loop's own overlapped step; for "mtp" the head then stops following its
 requests, as after any step run the loop's way). Each step of at most max_streams decodes that holds a
 speculating decode (with drafts) or, for "mtp", any chunk of a request the head follows, runs here,
@@ -19,10 +20,14 @@ host); its layers through the runner's compiled (on CUDA captured) hidden-states
    them, with the verify checkpoints (cache.checkpoint_tokens past prefix_targets, ops/checkpoints.py) asking
    the GDN ops to keep the conv window and recurrent state after each of a speculating stream's first k tokens
    in its verify entries (cache entries prefix_checkpoints + j * num_tokens + t for the j-th speculating stream).
-3. Logits at every position of a speculating stream (the logit_bias processor, the only one a speculating
-   request may have, applied per position), `acceptance.rejection_sample` (greedy rows: argmax match; sampled
-   rows: rejection sampling with one-hot draft probabilities) with uniforms from the request's generator; the
-   other sampling rows through `sampling.sample` as in a plain step. Accept counts read back (one sync).
+3. Logits at every position of a speculating stream, through the logits processors batched over all positions
+   (`_processed`): position j (after d_1 .. d_j) has min_tokens counting the drafts before it, the penalties
+   counting them on top of the slot's statistics, and its grammar's mask after them (grammar.TokenMasks
+   .fill_drafts: the matcher advanced along the drafts and rolled back); then `acceptance.rejection_sample`
+   (greedy rows: argmax match; sampled rows: rejection sampling with one-hot draft probabilities) with uniforms
+   from the request's generator; the emitted tokens join the penalty statistics, and their logprobs come from
+   their position's raw logits (logprobs.py, as a plain step's). The other sampling rows go through
+   `sampling.sample` as in a plain step. Accept counts, tokens and logprobs read back (one sync).
 4. Settling the cache: a stream that kept a of its k drafts keeps a + 1 tokens: its slot's conv / GDN states
    are replaced by verify entry a (a == k: the step's own final state, nothing to copy), its context advances by
    a + 1 (KV of the rejected positions lies past it; the next step overwrites it) and with prefix caching only
@@ -40,11 +45,13 @@ import time
 import torch
 
 from ..batch import Stream
+from ..grammar import TokenMasks
 from ..handle import deliver
 from ..logits_processors import process_logits
+from ..logprobs import token_logprobs
 from ..numbers import int_tensor, to_device
 from ..protocol import prefill_call
-from ..sampling import sample
+from ..sampling import SampleRow, sample
 from .acceptance import draw_uniforms, rejection_sample, target_probabilities
 from .drafting import MtpDrafter
 from .options import Speculative
@@ -52,10 +59,8 @@ from .proposers import ngram_propose
 
 
 def speculates(r) -> bool:
-    """Whether request `r` may speculate at all (module docstring)."""
-    p = r.params
-    return (r.speculate and r.grammar is None and p.logprobs is None and p.prompt_logprobs is None
-            and not p.penalized and p.min_tokens == 0)
+    """Whether request `r` may speculate at all: unless it opted out (module docstring)."""
+    return r.speculate
 
 
 class SpeculativeStep:
@@ -80,7 +85,8 @@ class SpeculativeStep:
     def follows(self, r) -> bool:
         """"mtp": whether the head has followed r from its first position (a restored prefix, or a step that did
         not run here, leaves it behind: no MTP drafts for r)."""
-        return self.mtp is not None and speculates(r) and r.cached == 0 and r.mtp_ok
+        return (self.mtp is not None and speculates(r) and r.cached == 0 and r.mtp_ok
+                and r.params.prompt_logprobs is None)  # (whose prompt chunks run the loop's way: loop._speculate)
 
     def may_take(self, step: list, decodes: int) -> bool:
         """Whether `step` (a plan whose first `decodes` chunks are decodes) may run here: the loop then reads the
@@ -138,8 +144,8 @@ class SpeculativeStep:
             out["h"] = h
             kept = list(lengths)
             if spec:
-                counts, emitted = self._accept(h, [reqs[i] for i in spec], [starts[i] for i in spec], K)
-                out["spec"] = dict(zip(spec, emitted))
+                counts, emitted, logprobs = self._accept(h, [reqs[i] for i in spec], [starts[i] for i in spec], K)
+                out["spec"] = {i: (t, lp) for i, t, lp in zip(spec, emitted, logprobs)}
                 redo = [(j, i, c) for j, (i, c) in enumerate(zip(spec, counts)) if c < lengths[i] - 1]
                 if redo:  # the state after the kept tokens: verify entry c of the j-th speculating stream
                     entries = to_device(int_tensor([self.base + j * K + c for j, _, c in redo]), dev)
@@ -167,27 +173,63 @@ class SpeculativeStep:
             for i in live:
                 reqs[i].drafts = drafted.get(reqs[i].slot, [])
 
-    def _accept(self, h, reqs: list, starts: list[int], K: int) -> tuple[list[int], list[list[int]]]:
-        """Rejection sampling over the speculating streams (h: the step's hidden states): accepted drafts and the
-        tokens each emits (its kept drafts and one more), on the host."""
+    def _accept(self, h, reqs: list, starts: list[int], K: int) -> tuple[list[int], list[list[int]], list[list]]:
+        """Rejection sampling over the speculating streams (h: the step's hidden states): accepted drafts, the
+        tokens each emits (its kept drafts and one more) and their TokenLogprobs (None where not asked), on the
+        host."""
         dev, n = h.device, [len(r.drafts) for r in reqs]
         # rows [S, K + 1]: a stream's positions, its last one repeated past its own drafts (masked by num_drafts)
         rows = [[s + min(t, m) for t in range(K + 1)] for s, m in zip(starts, n)]
         flat = to_device(int_tensor([x for row in rows for x in row]), dev)
-        logits = process_logits(self.model.logits_of(h.index_select(0, flat)),
-                                [r for r in reqs for _ in range(K + 1)], None)
+        raw = self.model.logits_of(h.index_select(0, flat))
+        logits = self._processed(raw, reqs, K)
         probs = target_probabilities(logits.view(len(reqs), K + 1, -1), [r.params for r in reqs])
         drafts = to_device(int_tensor([t for r in reqs for t in r.drafts + [0] * (K - len(r.drafts))]), dev)
         drafts = drafts.view(len(reqs), K)
         result = rejection_sample(probs, drafts, to_device(int_tensor(n), dev),
                                   to_device(torch.tensor([r.params.greedy for r in reqs]), dev),
                                   draw_uniforms([r.generator for r in reqs], n, K, dev))
+        penalized = [b for b, r in enumerate(reqs) if r.params.penalized]
+        if penalized:  # the emitted tokens (kept drafts, the added one) join the counts; rejected drafts do not
+            index = to_device(int_tensor(penalized), dev)
+            self.loop.penalties.record_runs(to_device(int_tensor([reqs[b].slot for b in penalized]), dev),
+                                            result.tokens.index_select(0, index))
+        want = [b for b, r in enumerate(reqs) if r.params.logprobs is not None]
+        if want:  # each position's emitted token under its raw logits, as a plain step's (logprobs.py)
+            index = to_device(int_tensor([b * (K + 1) + t for b in want for t in range(K + 1)]), dev)
+            chosen = result.tokens.index_select(0, to_device(int_tensor(want), dev)).reshape(-1).clamp(min=0)
+            device_logprobs = token_logprobs(raw.index_select(0, index), chosen,
+                                             max(reqs[b].params.logprobs for b in want))
         counts, emitted = result.counts.tolist(), result.tokens.tolist()  # the step's one read back
+        entries = [[None] * (c + 1) for c in counts]
+        if want:
+            host = device_logprobs.to_host([reqs[b].params.logprobs for b in want for _ in range(K + 1)])
+            for w, b in enumerate(want):
+                entries[b] = host[w * (K + 1):w * (K + 1) + counts[b] + 1]
         self.proposed += sum(n)
         self.accepted += sum(counts)
         self.drafts += len(reqs)
         self.steps += 1
-        return counts, [row[:c + 1] for row, c in zip(emitted, counts)]
+        return counts, [row[:c + 1] for row, c in zip(emitted, counts)], entries
+
+    def _processed(self, raw, reqs: list, K: int):
+        """The logits processors over the verify rows `raw` [S * (K + 1), V], batched: row (b, t) is request b
+        after its drafts d_1 .. d_j (j = min(t, its drafts)), as a plain step would see it had they been emitted:
+        min_tokens counts them, the penalties count them on top of the slot's statistics, the grammar's mask is
+        its matcher's after them (grammar.TokenMasks.fill_drafts)."""
+        rows, pending = [], []
+        for r in reqs:
+            for t in range(K + 1):
+                j = min(t, len(r.drafts))
+                rows.append(SampleRow(r.params, r.generator, r.slot, len(r.out) + j, r.prompt, r.stop_ids))
+                pending.append(r.drafts[:j])
+        bitmask = None
+        if any(r.grammar is not None for r in reqs):
+            loop = self.loop
+            if loop.masks is None:
+                loop.masks = TokenMasks(loop.cache.num_slots, self.model.config.vocab_size, loop.cache.device)
+            bitmask = loop.masks.fill_drafts(reqs, K)
+        return process_logits(raw, rows, self.loop.penalties, bitmask, pending)
 
     def _deliver(self, step: list, decodes: int, reqs: list, out: dict, spec: list[int]) -> None:
         """Take the step's tokens into their requests, in order, through the loop's stop checks; count the step."""
@@ -196,7 +238,7 @@ class SpeculativeStep:
         loop._steps += 1
         loop._prompt_tokens += sum(len(c.tokens) for c in step[decodes:])
         now, outputs, last = time.perf_counter(), {}, []
-        emitted = {i: (t, [None] * len(t)) for i, t in out.get("spec", {}).items()} | out.get("plain", {})
+        emitted = out.get("spec", {}) | out.get("plain", {})
         for i, (toks, entries) in sorted(emitted.items()):
             r = reqs[i]
             for t, entry in zip(toks, entries):
