@@ -246,8 +246,6 @@ MAX_LINES = 400
 OVER_MAX_LINES = {
     "metrale_graph/loop.py": "issue 41: the engine loop's split, under way on another branch",
     "metrale_graph/engine.py": "issue 41: with the loop's split (request intake and checks apart from the Engine)",
-    "benchmarks/kernels/check_attention_varlen.py": "not scheduled: kept for the two library backends and the "
-                                                    "Triton fallback; its sections into modules of their own",
 }
 SOURCE_SUFFIXES = (".py", ".sh")
 # what the repository's root holds: anything else there is a stray file
