@@ -3,7 +3,7 @@ failing at prefill.
 
 Our Triton kernels mask every size a transformers config allows (any even rotary dim up to
 head_dim, any head dims, ratios of value to key heads and of query to KV heads, KV block sizes,
-conv widths), except the GDN recurrence's chunked kernels (ops/gdn_chunked.py), which hold a
+conv widths), except the GDN recurrence's chunked kernels (ops/gdn_chunked/), which hold a
 [K, BV] state tile and [64, K] key tiles in registers: key and value head dims up to 256. Value
 head dims above that take flash-linear-attention 0.6.0's chunked kernels (the op's "fla" backend),
 whose limit on key head dims is the same 256. The attention's library kernels (cuDNN,

@@ -10,7 +10,7 @@ import torch
 
 from helpers import benchmark_script
 from metrale_graph import PRESETS, HybridModel
-from metrale_graph.tools import bench, floors, profiling, workloads
+from metrale_graph.tools import bench, bench_runs, floors, profiling, workloads
 from metrale_graph.weights import weight_shapes
 
 MODELS = list(PRESETS)
@@ -193,7 +193,7 @@ def test_render_reports_both_floors_and_the_busy_fraction():
              "eager_ms": 40.0, "graphs_ms": 5.9, "gpu_busy": None, "peer_ms": 30.0}]
     variants = ["peer", "eager", "graphs"]
     record = _record(rows, variants)
-    text = bench.render(record, variants)
+    text = bench_runs.render(record, variants)
     lines = text.splitlines()
     assert lines[0] == "qwen3.5-9b, bf16, NVIDIA H200"
     headers = lines[1].split("  ")
@@ -203,15 +203,15 @@ def test_render_reports_both_floors_and_the_busy_fraction():
     w2 = lines[3]
     assert f"{110 / 72.33:.2f}x" in w2 and f"{110 / 72.79:.2f}x" in w2 and "94.7%" in w2 and "2.00x" in w2
     assert lines[4].split()[-2:] == ["-", "169"]  # no busy fraction recorded; 1 token / 5.9 ms
-    markdown = bench.render(record, variants, "markdown")
+    markdown = bench_runs.render(record, variants, "markdown")
     assert markdown.splitlines()[2].startswith("| workload | floor ms | phase floor ms |")
-    assert json.loads(bench.render(record, variants, "json")) == record
+    assert json.loads(bench_runs.render(record, variants, "json")) == record
     with pytest.raises(ValueError, match="fmt must be 'table', 'markdown' or 'json', got 'html'"):
-        bench.render(record, variants, "html")
+        bench_runs.render(record, variants, "html")
     short = _record(rows, ["graphs"], layers=4)
-    assert bench.render(short, ["graphs"]).splitlines()[0] == "qwen3.5-9b (4 layers), bf16, NVIDIA H200"
+    assert bench_runs.render(short, ["graphs"]).splitlines()[0] == "qwen3.5-9b (4 layers), bf16, NVIDIA H200"
     fp8 = {**short, "preset": "qwen3.5-9b-fp8"}
-    assert bench.render(fp8, ["graphs"]).splitlines()[0] == \
+    assert bench_runs.render(fp8, ["graphs"]).splitlines()[0] == \
         "qwen3.5-9b-fp8 (4 layers), FP8 weights (128 x 128 blocks), bf16 activations, NVIDIA H200"
 
 
@@ -317,7 +317,7 @@ def test_bench_record_names_the_kernel_choices(monkeypatch):
     args = argparse.Namespace(preset="qwen3.5-9b-fp8", tp=1, repeat=3)
     monkeypatch.setattr(gdn_recurrence, "CHUNKED_BACKEND", "fla")
     monkeypatch.setattr(align, "SORT", "count")
-    record = bench.bench_record(args, 32, None, "NVIDIA H200", {"commit": "x"}, [])
+    record = bench_runs.bench_record(args, 32, None, "NVIDIA H200", {"commit": "x"}, [])
     assert record["backends"] == {"gdn_chunked": "fla", "moe_sort": "count"}
 
 

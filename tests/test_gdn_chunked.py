@@ -1,4 +1,4 @@
-"""ops/gdn_chunked.py (our chunked gated delta rule) against the plain token-by-token fp32 reference.
+"""ops/gdn_chunked/ (our chunked gated delta rule) against the plain token-by-token fp32 reference.
 
 The kernels run on the GPU where there is one, else in Triton's interpreter (conftest.py), whose dots
 are fp32: fp32 inputs must match to 1e-4 and bf16 inputs to 1e-2 (relative norm error). Streams are
@@ -321,6 +321,7 @@ import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import metrale_graph.ops.gdn_chunked as m
+from metrale_graph.ops.gdn_chunked import kernels
 
 def build(fn, args, consts, warps, stages):
     names = [n for n in fn.arg_names if n not in consts]
@@ -334,7 +335,7 @@ bf, f32, i64 = "*bf16", "*fp32", "*i64"
 cfg = m.default_config(2, 32, 128)
 intra = dict(ptr(["q_ptr", "k_ptr", "beta_ptr", "tm_ptr", "aqk_ptr"], bf), **ptr(["g_ptr", "gc_ptr"], f32),
              **ptr(["bos_ptr", "eos_ptr", "idx_ptr", "first_ptr"], i64), scale="fp32")
-build(m._gdn_chunk_intra_kernel, intra, dict(stride_gh=1, stride_bh=1, R=2, K=128, BK=128, SB=cfg.solve_block,
+build(kernels._gdn_chunk_intra_kernel, intra, dict(stride_gh=1, stride_bh=1, R=2, K=128, BK=128, SB=cfg.solve_block,
       LOG_SB=cfg.solve_block.bit_length() - 1, PREC="tf32", DOT_T=tl.bfloat16), cfg.intra_warps, cfg.intra_stages)
 state = dict(ptr(["q_ptr", "k_ptr", "v_ptr", "tm_ptr", "aqk_ptr", "o_ptr"], bf),
              **ptr(["gc_ptr", "h0_ptr", "ht_ptr", "ck_ptr"], f32),
@@ -342,7 +343,7 @@ state = dict(ptr(["q_ptr", "k_ptr", "v_ptr", "tm_ptr", "aqk_ptr", "o_ptr"], bf),
 # fla's contract (h0 / final contiguous) and the op's pool (int32 or int64 slots), with and without checkpoints
 for P, pool in ((0, False), (3, False), (0, True), (3, True)):
     sig = dict(state, slot_ptr="*i32") if pool and P == 0 else state
-    build(m._gdn_chunk_state_kernel, sig, dict(stride_h0v=1, stride_htv=1, stride_c3=1, R=2, HV=32, K=128, V=128,
+    build(kernels._gdn_chunk_state_kernel, sig, dict(stride_h0v=1, stride_htv=1, stride_c3=1, R=2, HV=32, K=128, V=128,
           P=P, BK=128, BV=cfg.block_v, BLOCK_P=4, PREC="tf32", DOT_T=tl.bfloat16, POOL=pool), cfg.state_warps,
           cfg.state_stages)
 print("compiled")

@@ -18,9 +18,10 @@ from kernel_oracles import align_pairs_torch, aligned_layout
 from metrics import (TOL, assert_close, assert_no_aliasing, clone_args, compared_rows, outputs, round_bf16_to_nearest,
                      upcast)
 from metrale_graph.config import FULL
-from metrale_graph.ops import (REGISTRY, Shapes, causal_conv1d, declaration, gdn_chunked, gdn_recurrence, kernels, moe,
+from metrale_graph.ops import (REGISTRY, Shapes, causal_conv1d, declaration, gdn_recurrence, kernels, moe,
                                paged_attention)
 from metrale_graph.ops.common import decode_shaped, rms_norm
+from metrale_graph.ops.gdn_chunked import launch as gdn_chunked_launch
 from metrale_graph.ops.gdn_recurrence import (chunked as gdn_chunked_path, layout as gdn_layout,
                                               recurrent as gdn_recurrent, split as gdn_split)
 from metrale_graph.ops.limits import check_supported
@@ -593,7 +594,7 @@ class _Launches:
 def _launch_log(monkeypatch):
     log = []
     for module, names in ((gdn_layout, ["_chunk_layout_kernel"]),
-                          (gdn_chunked, ["_gdn_chunk_intra_kernel", "_gdn_chunk_state_kernel"]),
+                          (gdn_chunked_launch, ["_gdn_chunk_intra_kernel", "_gdn_chunk_state_kernel"]),
                           (gdn_recurrent, ["_gdn_recurrent_kernel"]), (kv_write, ["_kv_write_kernel"]),
                           (attn_prefill, ["_paged_attention_kernel"]),
                           (attn_decode, ["_paged_decode_kernel", "_paged_decode_merge_kernel"])):

@@ -517,8 +517,8 @@ def test_sigint_with_streams_in_flight_frees_the_port_at_once(server):
 def test_streamed_chunks_are_the_models_json(text, finish, ids):
     """The per-output events written from a template (StreamChunks) hold the JSON event() writes of the
     response models, field for field (an event one JSON object; the same keys, values and order)."""
-    from metrale_graph.server.protocol import (ChatChunk, ChatChunkChoice, CompletionChoice, CompletionResponse,
-                                               DeltaMessage, StreamChunks, event)
+    from metrale_graph.server.responses import (ChatChunk, ChatChunkChoice, CompletionChoice, CompletionResponse,
+                                                DeltaMessage, StreamChunks, event)
 
     def body(sse):
         assert sse.startswith("data: ") and sse.endswith("\n\n") and "\n" not in sse[6:-2]

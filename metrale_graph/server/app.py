@@ -6,7 +6,7 @@
 
 Endpoints are thin: completions.py and chat.py run the requests (through generation.py, which only
 submits to the engine and awaits its outputs: the engine loop alone steps the model), protocol.py
-holds the wire format, errors.py every error answer. With an API key, every /v1 path needs
+and responses.py hold the wire format, errors.py every error answer. With an API key, every /v1 path needs
 `Authorization: Bearer <key>` (checked before the body is read); /health and /metrics are open. A body of
 more than `max_request_bytes` is answered 413 while it is read (limits.BodyLimit).
 """
@@ -24,7 +24,8 @@ from .completions import create_completion
 from .errors import APIError, unknown_model
 from .generation import ClientGone
 from .limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
-from .protocol import ChatCompletionRequest, CompletionRequest, ModelList
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .responses import ModelList
 from .state import ServerState
 
 

@@ -32,11 +32,12 @@ from typing import AsyncIterator
 from .errors import stream_event
 from .generation import Generations
 from .logprobs import chat_logprobs, prompt_logprobs
-from .protocol import (DONE, AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletionRequest,
-                       ChatResponse, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, StreamChunks,
-                       ToolCall, event, now, request_id, with_usage)
+from .protocol import ChatCompletionRequest
 from .reasoning import starts_in_reasoning
 from .reply import ReasoningDelta, Reply, ReplyParser
+from .responses import (DONE, AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatResponse, DeltaFunctionCall,
+                        DeltaMessage, DeltaToolCall, FunctionCall, StreamChunks, ToolCall, event, now, request_id,
+                        with_usage)
 from .state import ServerState
 from .structured import compile_grammar, structured_request
 from .tool_choice import ForcedCallParser, tool_request

@@ -21,8 +21,9 @@ from typing import AsyncIterator
 from .errors import stream_event
 from .generation import Generations
 from .logprobs import completion_logprobs, prompt_logprobs
-from .protocol import (DONE, CompletionChoice, CompletionRequest, CompletionResponse, StreamChunks, Usage, event, now,
-                       request_id, with_usage)
+from .protocol import CompletionRequest
+from .responses import (DONE, CompletionChoice, CompletionResponse, StreamChunks, Usage, event, now, request_id,
+                        with_usage)
 from .state import ServerState
 from .structured import compile_grammar, structured_request
 

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from ..handle import EngineClosedError, EngineFullError
-from .protocol import ErrorBody, ErrorInfo
+from .responses import ErrorBody, ErrorInfo
 
 logger = logging.getLogger("metrale_graph.server")
 

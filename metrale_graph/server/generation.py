@@ -21,7 +21,7 @@ from typing import AsyncIterator
 from ..handle import GenerationResult, RequestOutput
 from ..sampling import wrapped_seed
 from .errors import bad_request, from_engine, from_failure
-from .protocol import Usage
+from .responses import Usage
 from .state import Sampling, ServerState
 
 

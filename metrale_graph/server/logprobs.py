@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..logprobs import TokenLogprobs
-from .protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs, TopLogprob
+from .responses import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs, TopLogprob
 
 LOWEST = -9999.0  # what a logprob of -inf is written as
 

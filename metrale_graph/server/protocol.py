@@ -1,4 +1,5 @@
-"""The wire format: OpenAI's request and response bodies as pydantic models, and server-sent events.
+"""The wire format: OpenAI's request bodies as pydantic models (the response bodies and the server-sent events
+are in responses.py).
 
 Requests mirror OpenAI's `/v1/completions` and `/v1/chat/completions` (the fields this server
 runs; a field OpenAI or vLLM has that the engine cannot honour, such as `best_of` or beam search, is refused by
@@ -11,21 +12,14 @@ and the chat template's arguments
 strict JSON types (`true` is not 1, "5" is not 5). Responses carry what OpenAI's do, `usage` always (a stream:
 in its last event when `stream_options.include_usage`), with `prompt_tokens_details.cached_tokens`; a chat
 reply's `tool_calls` and vLLM's `reasoning_content` (in a stream: `delta.tool_calls`, `delta.reasoning_content`).
-
-A stream is `data: {chunk}\\n\\n` events ending in `data: [DONE]\\n\\n`; an error after the stream
-started is one `data: {"error": {...}}` event before `[DONE]` (the openai client raises it).
 """
 
 from __future__ import annotations
 
 import json
-import time
-import uuid
-from json.encoder import encode_basestring  # (C) a str as JSON, non-ASCII kept: json.dumps(s, ensure_ascii=False)
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_serializer,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
 from ..logprobs import MAX_LOGPROBS
 from ..sampling import MAX_LOGIT_BIAS, MAX_PENALTY, SEED_RANGE
@@ -34,24 +28,11 @@ TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1
 Prompt = Union[StrictStr, TokenIds, Annotated[list[StrictStr], Field(min_length=1)],
                Annotated[list[TokenIds], Field(min_length=1)]]
 Stop = Union[StrictStr, list[StrictStr], None]
-FinishReason = Literal["stop", "length", "tool_calls"]
 NumLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]  # top tokens per position
 Penalty = Annotated[StrictFloat, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)]
 Bias = Annotated[StrictFloat, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
 
 MAX_N = 128  # choices of one request (each runs as its own engine request)
-
-
-def _none(value) -> bool:
-    return value is None
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 class StreamOptions(BaseModel):
@@ -329,234 +310,3 @@ class ChatCompletionRequest(SamplingFields):
         if self.max_tokens is not None:
             return "max_tokens", self.max_tokens
         return None
-
-
-# responses ---------------------------------------------------------------------------------------
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> "Usage":
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
-
-
-# logprobs (server/logprobs.py fills them) -------------------------------------------------------------------------
-class CompletionLogprobs(BaseModel):
-    """OpenAI's legacy logprobs of a completion: per token its string, its logprob (None for a prompt's first
-    token), its top N as {token string: logprob} with its own entry added, and where its string begins in the
-    text (the token strings' lengths summed, as vLLM does)."""
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None  # the token string's UTF-8 (vLLM's: U+FFFD's bytes for a partial character)
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class PromptLogprob(BaseModel):
-    """vLLM's Logprob, in prompt_logprobs: {token id: PromptLogprob} per prompt position (None for the first)."""
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-PromptLogprobs = list[dict[str, PromptLogprob] | None]
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: FinishReason | None = None
-    token_ids: list[int] | None = Field(None, exclude_if=_none)  # return_token_ids (vLLM's extension)
-    prompt_token_ids: list[int] | None = Field(None, exclude_if=_none)
-    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_none)  # vLLM's extension
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = Field(None, exclude_if=_none)  # None only in a stream's chunks
-
-
-class SetFieldsOnly(BaseModel):
-    """A model whose JSON leaves out its None fields: a delta holds only what it changes."""
-
-    @model_serializer(mode="wrap")
-    def _set_fields_only(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class DeltaFunctionCall(SetFieldsOnly):
-    name: str | None = None  # in a call's first delta
-    arguments: str | None = None  # the next piece of the arguments' JSON text
-
-
-class DeltaToolCall(SetFieldsOnly):
-    index: int  # the call's place among the choice's calls
-    id: str | None = None  # these two in a call's first delta
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall
-
-
-class DeltaMessage(SetFieldsOnly):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str  # JSON text of an object, as OpenAI sends it
-
-
-class ToolCall(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None  # None: a reply of tool calls (or reasoning) only
-    reasoning_content: str | None = None  # the reasoning parser's (vLLM's field, null as vLLM sends it)
-    tool_calls: list[ToolCall] | None = Field(None, exclude_if=_none)
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
-    token_ids: list[int] | None = Field(None, exclude_if=_none)
-    prompt_token_ids: list[int] | None = Field(None, exclude_if=_none)
-
-
-class ChatResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_none)  # vLLM's extension (one prompt)
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
-    token_ids: list[int] | None = Field(None, exclude_if=_none)
-
-
-class ChatChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = Field(None, exclude_if=_none)  # the last chunk's, with include_usage
-    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_none)  # the first chunk's, with prompt_logprobs
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=now)
-    owned_by: str = "metrale-graph"
-    max_model_len: int  # the engine's max_context (prompt + new tokens), as vLLM reports it
-    vocab_size: int  # token ids a prompt may hold: [0, vocab_size)
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorBody(BaseModel):
-    error: ErrorInfo
-
-
-# server-sent events --------------------------------------------------------------------------------
-DONE = "data: [DONE]\n\n"
-
-
-def event(body: BaseModel) -> str:
-    """One server-sent event holding `body` as JSON."""
-    return f"data: {body.model_dump_json()}\n\n"
-
-
-_FINISH = {None: "null", "stop": '"stop"', "length": '"length"', "tool_calls": '"tool_calls"'}  # encoded
-
-
-class StreamChunks:
-    """The per-output events of one stream (a completion's or a chat's), the JSON of the same models that
-    event() writes, from a template: the fields that stay (id, object, created, model) are encoded once,
-    so an output costs one encoding of its text (a server streams one event per request per step;
-    pydantic models per event were a large part of the server's time per token)."""
-
-    def __init__(self, obj: str, rid: str, created: int, model: str):
-        head = json.dumps({"id": rid, "object": obj, "created": created, "model": model}, ensure_ascii=False,
-                          separators=(",", ":"))
-        self._head = f'data: {head[:-1]},"choices":[{{"index":'
-
-    def completion(self, index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None,
-                   logprobs: BaseModel | None = None) -> str:
-        """event(CompletionResponse(..., choices=[CompletionChoice(index, text, logprobs, finish_reason,
-        token_ids)]))."""
-        end = _choice_end(finish_reason, token_ids, logprobs)
-        return f'{self._head}{index},"text":{encode_basestring(text)},{end}'
-
-    def chat(self, index: int, content: str | None, finish_reason: str | None,
-             token_ids: list[int] | None = None, logprobs: BaseModel | None = None) -> str:
-        """event(ChatChunk(..., choices=[ChatChunkChoice(index, DeltaMessage(content=content), logprobs,
-        finish_reason, token_ids)]))."""
-        delta = "{}" if content is None else f'{{"content":{encode_basestring(content)}}}'
-        return f'{self._head}{index},"delta":{delta},{_choice_end(finish_reason, token_ids, logprobs)}'
-
-
-def with_usage(sse: str, usage: Usage) -> str:
-    """The server-sent event `sse` (one JSON object: event()'s or StreamChunks') with `usage` added as its last
-    field."""
-    assert sse.startswith("data: {") and sse.endswith("}\n\n"), sse
-    return f'{sse[:-3]},"usage":{usage.model_dump_json()}}}\n\n'
-
-
-def _choice_end(finish_reason: str | None, token_ids: list[int] | None, logprobs: BaseModel | None = None) -> str:
-    """A streamed choice's last fields (logprobs, finish_reason, token_ids when given) and the event's end."""
-    ids = "" if token_ids is None else f',"token_ids":[{",".join(map(str, token_ids))}]'
-    encoded = "null" if logprobs is None else logprobs.model_dump_json()
-    return f'"logprobs":{encoded},"finish_reason":{_FINISH[finish_reason]}{ids}}}]}}\n\n'

@@ -20,9 +20,10 @@ from .errors import bad_request, short, unauthorized, unknown_model, warming_up
 from .limits import TokenBound
 from .logprobs import TokenStrings
 from .metrics import ServerMetrics
-from .protocol import ModelCard, SamplingFields
+from .protocol import SamplingFields
 from .reasoning import THINK_END
 from .reply import ReplyParsers
+from .responses import ModelCard
 
 
 # apply_chat_template's arguments that the server sets itself (chat_template_kwargs may not)

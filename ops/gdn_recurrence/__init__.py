@@ -9,7 +9,7 @@ stream (padding) leaves its slot unchanged.
 
 Here: the op (its CPU reference, token by token, is the spec), its check, fake, CUDA path and spec.
 The CUDA path: split.py picks per stream between the recurrent kernel (recurrent.py) and the chunked
-path: our chunked kernels (ops/gdn_chunked.py) on the packed tokens and the pool (chunked.py), or with
+path: our chunked kernels (ops/gdn_chunked/) on the packed tokens and the pool (chunked.py), or with
 CHUNKED_BACKEND "fla" flash-linear-attention's (fla_adapter.py) on a chunk-aligned layout (layout.py),
 kept as the GPU tests' second opinion and for A/B timing.
 """
@@ -111,7 +111,7 @@ def _(a):
     return a.v.new_empty(a.v.shape)
 
 
-# The chunked path of calls that are not decode-shaped: "triton" (ours, ops/gdn_chunked.py) or "fla"
+# The chunked path of calls that are not decode-shaped: "triton" (ours, ops/gdn_chunked/) or "fla"
 # (flash-linear-attention 0.6.0 on the aligned layout). Read at import from METRALE_GDN_CHUNKED
 # (metrale_graph.envs); the module attribute may be set at run time (before a bucket is captured: a graph keeps
 # the path it holds).

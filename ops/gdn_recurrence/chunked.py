@@ -1,4 +1,4 @@
-"""The GDN recurrence's chunked path: our chunked kernels (ops/gdn_chunked.py) straight on the packed
+"""The GDN recurrence's chunked path: our chunked kernels (ops/gdn_chunked/) straight on the packed
 tokens and the state pool. docs/ops.md, "How the GDN op keeps its chunked path static".
 
 Three launches, every size from (B, T): one program computes each stream's bounds and chunk rows

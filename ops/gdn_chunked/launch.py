@@ -1,46 +1,7 @@
-"""Our chunked forward of the gated delta rule (Triton), a drop-in for fla_varlen's contract.
-
-Per value head j (key head j // r, r = HV / H), token by token from the sequence's h0:
-    S = exp(g_t) * S;  S = S + k_t (beta_t * (v_t - S^T k_t))^T;  o_t = S^T (q_t * K**-0.5)
-with S [K, V] fp32. Chunked (chunk C = 64 tokens, rows i, j of one chunk, S the state at its start,
-G_i = exp(cumsum(g)_i) the decay from the chunk's start through token i):
-    A_ij = beta_i (k_i . k_j) G_i / G_j (i > j),   T = (I + A)^-1 diag(beta)          (intra)
-    Aqk_ij = scale (q_i . k_j) G_i / G_j (i >= j)                                      (intra)
-    v_new = T (v - G * (k S))           the WY form of beta (v - pred), row by row    (state pass)
-    o = scale * G * (q S) + Aqk v_new                                                   (state pass)
-    S' = G_C * S + k^T ((G_C / G) * v_new)                                              (state pass)
-(v_new = u - w S with fla's u = T_fla diag(beta) v and w = T_fla diag(beta G) k, associated the
-other way: T (v - G (k S)) costs one [C, C] x [C, BV] dot where w = T k costs a [C, C] x [C, K] one,
-and w, u need not exist at all.)
-
-Two launches (fla 0.6.0 takes five: cumsum, kkt + solve, w / u, state pass writing every chunk's
-state, output):
-1. `_gdn_chunk_intra_kernel`, one program per (value head, chunk): the decay cumsum, k k^T and q k^T as whole
-   [64, 64] tiles, and T by a solve that is stable where keys repeat (a power series of A cancels
-   catastrophically there; see the kernel). Writes T (beta folded in), Aqk (scale folded in) in the
-   input dtype and the cumsum in fp32: 16 KB a chunk and head (bf16, K = V = 128) where fla writes and
-   reads back A, w, u, v_new and every chunk's state (88 KB).
-2. `_gdn_chunk_state_kernel`, one program per (value head, V tile of BV columns, sequence): the chunks of its
-   sequence in order, S [K, BV] fp32 in registers, the output of each chunk written as it goes (no
-   per-chunk states in memory), the final state, and the optional checkpoints. V columns of S evolve
-   independently, so a tile needs no other tile's data: smaller tiles are more programs for one long
-   sequence (fla: 2 tiles x 32 heads = 64 programs on 132 SMs; BV = 16 gives 256) at the price of
-   reading each chunk's k, q, T, Aqk once per tile (from L2: the tiles of one head, and the r value
-   heads of one key head, are adjacent program ids).
-Dots accumulate in fp32; operands are the input dtype (S rounded to it for the dots, as fla does); dots
-of fp32 operands (the solve; all of them for fp32 inputs) take ChunkConfig.fp32_dots. Every grid follows
-from shapes, no host sync, no data-dependent allocation: exact in CUDA graph replay. The kernels read
-and write through strides and take each sequence's start and end separately, so any bounds work,
-chunk-aligned or not, and a sequence may be empty wherever it lies.
-
-Two entry points: `chunked_gdn_forward`, fla_varlen's contract (cu_aligned, h0 in, final states out),
-and `chunked_gdn_pool_forward`, the GDN op's chunked path: the packed tokens as they are, each stream's
-state read from and written back to its row of the state pool by slot index inside the state kernel,
-empty sequences (streams left to the recurrent kernel, padding) reading and writing no state, and the
-output rows of tokens in no stream zeroed by the spare sequence's programs.
-
-Shape letters: T (T_al) token rows, H / HV key / value heads, K / V head dims, N sequences (B streams +
-the absorber or spare sequence), NT chunks, P checkpoints, S pool slots, C = 64.
+"""The chunked gated delta rule's launches: ChunkConfig (the launch parameters) and default_config, the
+argument checks, and the two entry points, `chunked_gdn_forward` (fla_varlen's contract) and
+`chunked_gdn_pool_forward` (the GDN op's chunked path, on the state pool); the package docstring says what
+each computes.
 """
 
 from __future__ import annotations
@@ -53,13 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-CHUNK = 64
-_C = tl.constexpr(CHUNK)  # kernels read only constexpr globals
-
-# tl.sum / tl.cumsum are jit functions, and Triton's interpreter re-patches the language on every jit call
-# (~10 ms); the reduction / scan with their combine function is the same op compiled, and the interpreter
-# runs it as np.sum / np.cumsum.
-_SUM = tl.standard._sum_combine
+from .kernels import CHUNK, _gdn_chunk_intra_kernel, _gdn_chunk_state_kernel
 
 
 @dataclass(frozen=True)
@@ -121,161 +76,6 @@ def default_config(num_seqs: int, HV: int, V: int, device: torch.device | None =
     while bv > 16 and max(num_seqs - 1, 1) * HV * triton.cdiv(V, bv) < 2 * sms:
         bv //= 2
     return ChunkConfig(block_v=bv, state_warps=4, state_stages=2)
-
-
-# Kernel 1: intra-chunk ------------------------------------------------------------------------------
-# The solve, on the whole [64, 64] tile (wgmma-sized dots, no sub-tiles): X = (I + A)^-1 of the
-# block-diagonal part of A in blocks of SB rows by forward substitution (all blocks at once: their rows
-# live in disjoint columns, so one reduction extracts row i of every block), then doublings: with X the
-# inverse of the block-diagonal part D in blocks of s, and L the part of A in the lower-left s x s
-# quadrant of every 2s block, (D + L)^-1 = X - X L X exactly (L X L = 0). Every X is a principal block
-# of T itself, so nothing grows and cancels (a power series of A does, binomially, for repeated keys).
-@triton.jit(do_not_specialize=["NT"])
-def _gdn_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, bos_ptr, eos_ptr, idx_ptr, gc_ptr, tm_ptr, aqk_ptr,
-                            first_ptr, NT, scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh,
-                            stride_bt, stride_bh, R: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                            SB: tl.constexpr, LOG_SB: tl.constexpr, PREC: tl.constexpr, DOT_T: tl.constexpr):
-    hv = tl.program_id(0)
-    c = tl.program_id(1).to(tl.int64)
-    seq = tl.load(idx_ptr + 2 * c)
-    within = tl.load(idx_ptr + 2 * c + 1)
-    if (hv == 0) & (within == 0):
-        tl.store(first_ptr + seq, c)  # each sequence's first chunk row, for the state pass
-    t0 = tl.load(bos_ptr + seq).to(tl.int64) + _C * within
-    L = tl.load(eos_ptr + seq).to(tl.int64) - t0  # this chunk's rows in its sequence (> 64 before its last)
-    h = hv // R
-    rows = tl.arange(0, _C)
-    valid = rows < L
-    kk = tl.arange(0, BK)
-    m_qk = valid[:, None] & (kk < K)[None, :]
-    tok = t0 + rows
-    g = tl.load(g_ptr + tok * stride_gt + hv * stride_gh, mask=valid, other=0.0).to(tl.float32)
-    gc = tl.associative_scan(g, 0, _SUM)  # identity rows past the sequence keep the last row's value
-    beta = tl.load(beta_ptr + tok * stride_bt + hv * stride_bh, mask=valid, other=0.0).to(tl.float32)
-    out = (hv * NT + c) * _C  # this chunk's first row in the [HV, NT, C, ...] buffers
-    tl.store(gc_ptr + out + rows, gc)
-    q = tl.load(q_ptr + h * stride_qh + tok[:, None] * stride_qt + kk[None, :], mask=m_qk, other=0.0)
-    k = tl.load(k_ptr + h * stride_kh + tok[:, None] * stride_kt + kk[None, :], mask=m_qk, other=0.0)
-    kt = tl.trans(k.to(DOT_T))
-    kkt = tl.dot(k.to(DOT_T), kt, input_precision=PREC)
-    qk = tl.dot(q.to(DOT_T), kt, input_precision=PREC)
-    both = valid[:, None] & valid[None, :]
-    diff = gc[:, None] - gc[None, :]
-    causal = (rows[:, None] >= rows[None, :]) & both
-    aqk = tl.where(causal, qk * tl.exp(tl.where(causal, diff, 0.0)), 0.0) * scale
-    tl.store(aqk_ptr + (out + rows)[:, None] * _C + rows[None, :], aqk.to(aqk_ptr.dtype.element_ty))
-    strict = (rows[:, None] > rows[None, :]) & both
-    A = tl.where(strict, kkt * tl.exp(tl.where(strict, diff, 0.0)), 0.0) * beta[:, None]
-
-    # Row i of a block's M = (I + A_block)^-1 is e_i + sum_{j<i} (-A_ij) M_j. As [blocks, SB, 64] tiles
-    # (a dot's layout gives each warp whole blocks of rows), both sums run within a warp: the extraction
-    # of every block's row i, and, on M kept transposed (Mt = M^T, column i written at step i), the sum
-    # over j along a row.
-    NB: tl.constexpr = _C // SB
-    same = (rows // SB)[:, None] == (rows // SB)[None, :]
-    eye = (rows[:, None] == rows[None, :]).to(tl.float32)
-    Ad = tl.reshape(tl.where(same, A, 0.0), [NB, SB, _C])
-    Mt = tl.reshape(eye, [NB, SB, _C])
-    eye3 = tl.reshape(eye, [NB, SB, _C])
-    sub = tl.arange(0, SB)
-    target = tl.arange(0, NB) * SB  # the column of each block's row i: its first column + i
-    for i in range(1, SB):
-        a = tl.reduce(tl.where((sub == i)[None, :, None], -Ad, 0.0), 1, _SUM)  # [NB, 64]: -A_ij of row i
-        col = tl.reduce(Mt * a[:, None, :], 2, _SUM)  # [NB, SB]: sum_j M_jc a_j for each c of the block
-        Mt = tl.where(rows[None, None, :] == (target + i)[:, None, None], col[:, :, None] + eye3, Mt)
-    X = tl.trans(tl.reshape(Mt, [_C, _C]))
-    for lvl in tl.static_range(LOG_SB, 6):
-        bs = rows // (1 << lvl)
-        quad = ((bs[:, None] - bs[None, :]) == 1) & ((bs % 2) == 1)[:, None]
-        X = X - tl.dot(X, tl.dot(tl.where(quad, A, 0.0), X, input_precision=PREC), input_precision=PREC)
-    X = X * beta[None, :]  # T diag(beta)
-    tl.store(tm_ptr + (out + rows)[:, None] * _C + rows[None, :], X.to(tm_ptr.dtype.element_ty))
-
-
-# Kernel 2: the state pass with the output -----------------------------------------------------------
-# Sequence n's state is read from h0[slot] and written to ht[slot] (slot = n, or slots[n] with POOL: h0 and
-# ht are then one state pool, updated in place). With POOL an empty sequence reads and writes no state, and
-# the last sequence's programs (the spare one, empty) zero the output rows from its start to T instead.
-@triton.jit(do_not_specialize=["NT", "T"])
-def _gdn_chunk_state_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, tm_ptr, aqk_ptr, first_ptr, h0_ptr, ht_ptr, slot_ptr, o_ptr,
-                            bos_ptr, eos_ptr, ck_idx_ptr, ck_dest_ptr, ck_ptr, NT, T, scale, stride_qt, stride_qh, stride_kt,
-                            stride_kh, stride_vt, stride_vh, stride_h0n, stride_h0h, stride_h0k, stride_h0v,
-                            stride_htn, stride_hth, stride_htk, stride_htv, stride_c0, stride_c1, stride_c2,
-                            stride_c3, R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                            P: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BLOCK_P: tl.constexpr,
-                            PREC: tl.constexpr, DOT_T: tl.constexpr, POOL: tl.constexpr):
-    NV: tl.constexpr = (V + BV - 1) // BV
-    pid = tl.program_id(0)
-    hv = pid // NV
-    iv = pid % NV
-    n = tl.program_id(1)
-    h = hv // R
-    bos = tl.load(bos_ptr + n).to(tl.int64)
-    eos = tl.load(eos_ptr + n).to(tl.int64)
-    num_chunks = (eos - bos + _C - 1) // _C
-    c0 = tl.load(first_ptr + n, mask=num_chunks > 0, other=0)  # written by the intra kernel
-
-    rows = tl.arange(0, _C)
-    kk = tl.arange(0, BK)
-    vv = iv * BV + tl.arange(0, BV)
-    mk, mv = kk < K, vv < V
-    m_s = mk[:, None] & mv[None, :]
-    if POOL:
-        slot = tl.load(slot_ptr + n, mask=num_chunks > 0, other=0).to(tl.int64)
-        m_io = m_s & (num_chunks > 0)  # an empty sequence's slot is neither read nor written
-    else:
-        slot = n.to(tl.int64)
-        m_io = m_s
-    S = tl.load(h0_ptr + slot * stride_h0n + hv * stride_h0h + kk[:, None] * stride_h0k + vv[None, :] * stride_h0v,
-                mask=m_io, other=0.0)
-    q_ptr += h * stride_qh
-    k_ptr += h * stride_kh
-    v_ptr += hv * stride_vh
-    o_ptr += hv * V
-    if P > 0:
-        ck_chunks = tl.load(ck_idx_ptr + tl.arange(0, BLOCK_P), mask=tl.arange(0, BLOCK_P) < P, other=-1)
-    for i in range(num_chunks):
-        c = c0 + i
-        if P > 0:  # checkpoints: the state at the start of chunk c (rare: test all P only on a hit)
-            if tl.reduce((ck_chunks == c).to(tl.int32), 0, _SUM) > 0:
-                p_ck = ck_ptr + hv * stride_c1 + kk[:, None] * stride_c2 + vv[None, :] * stride_c3
-                for p in range(P):
-                    if tl.load(ck_idx_ptr + p) == c:  # into entry ck_dest[p] of the checkpoint buffer
-                        tl.store(p_ck + tl.load(ck_dest_ptr + p) * stride_c0, S, mask=m_s)
-        t0 = bos + i * _C
-        valid = rows < eos - t0
-        tok = t0 + rows
-        m_k = valid[:, None] & mk[None, :]
-        buf = (hv * NT + c) * _C
-        gc = tl.load(gc_ptr + buf + rows)
-        g_last = tl.load(gc_ptr + buf + _C - 1)
-        k = tl.load(k_ptr + tok[:, None] * stride_kt + kk[None, :], mask=m_k, other=0.0).to(DOT_T)
-        v = tl.load(v_ptr + tok[:, None] * stride_vt + vv[None, :], mask=valid[:, None] & mv[None, :], other=0.0)
-        tmat = tl.load(tm_ptr + (buf + rows)[:, None] * _C + rows[None, :]).to(DOT_T)
-        q = tl.load(q_ptr + tok[:, None] * stride_qt + kk[None, :], mask=m_k, other=0.0).to(DOT_T)
-        aqk = tl.load(aqk_ptr + (buf + rows)[:, None] * _C + rows[None, :]).to(DOT_T)
-        # k S -> T resid -> k^T v_new is the chain from one chunk's state to the next; q S and Aqk v_new
-        # feed only the output (and the update's dot takes the decayed state as its accumulator).
-        Sb = S.to(q_ptr.dtype.element_ty).to(DOT_T)
-        kS = tl.dot(k, Sb, input_precision=PREC)
-        qS = tl.dot(q, Sb, input_precision=PREC)
-        # v_new = T diag(beta) (v - G (k S)): each row's delta with the earlier rows' writes folded in
-        resid = v.to(tl.float32) - tl.exp(gc)[:, None] * kS
-        v_new = tl.dot(tmat, resid.to(q_ptr.dtype.element_ty).to(DOT_T), input_precision=PREC)
-        decayed = (v_new * tl.exp(g_last - gc)[:, None]).to(q_ptr.dtype.element_ty).to(DOT_T)
-        S = tl.dot(tl.trans(k), decayed, S * tl.exp(g_last), input_precision=PREC)
-        o = tl.dot(aqk, v_new.to(q_ptr.dtype.element_ty).to(DOT_T), (scale * tl.exp(gc))[:, None] * qS,
-                   input_precision=PREC)
-        tl.store(o_ptr + tok[:, None] * (HV * V) + vv[None, :], o.to(o_ptr.dtype.element_ty),
-                 mask=valid[:, None] & mv[None, :])
-    tl.store(ht_ptr + slot * stride_htn + hv * stride_hth + kk[:, None] * stride_htk + vv[None, :] * stride_htv, S,
-             mask=m_io)
-    if POOL:  # the spare sequence's programs: rows [bos, T) (tokens in no stream) of this head's V tile = 0
-        spare = tl.where(n == tl.num_programs(1) - 1, (T - bos + _C - 1) // _C, 0)
-        zeros = tl.zeros([_C, BV], dtype=o_ptr.dtype.element_ty)
-        for i in range(spare):
-            tok = bos + i * _C + rows
-            tl.store(o_ptr + tok[:, None] * (HV * V) + vv[None, :], zeros, mask=(tok < T)[:, None] & mv[None, :])
 
 
 # Launchers -----------------------------------------------------------------------------------------
@@ -487,32 +287,3 @@ def chunked_gdn_pool_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     _launch(q, k, v, g, beta, bounds[0], bounds[1], chunk_indices, state, state, slots, o, checkpoint_chunks,
             checkpoints, config, pool=True, checkpoint_entries=checkpoint_entries)
     return o
-
-
-# Reference ------------------------------------------------------------------------------------------
-def chunked_gdn_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_aligned: Tensor,
-                          h0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Plain torch, token by token, fp32: (o [T_al, HV, V] fp32 (zeros outside every sequence), final
-    [N, HV, K, V], starts [NT, HV, K, V]: the state at the start of every chunk of 64 tokens, in
-    chunk_indices order)."""
-    T, H, K = q.shape
-    HV = v.shape[1]
-    r = HV // H
-    qf = q.float().repeat_interleave(r, dim=1) * K ** -0.5
-    kf = k.float().repeat_interleave(r, dim=1)
-    vf, bf, decay = v.float(), beta.float(), g.float().exp()
-    o = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    final, starts = h0.clone(), []
-    bounds = cu_aligned.tolist()
-    for n in range(len(bounds) - 1):
-        S = h0[n].clone()
-        for t in range(bounds[n], bounds[n + 1]):
-            if (t - bounds[n]) % CHUNK == 0:
-                starts.append(S.clone())
-            S = S * decay[t, :, None, None]
-            delta = (vf[t] - (kf[t, :, :, None] * S).sum(1)) * bf[t, :, None]
-            S = S + kf[t, :, :, None] * delta[:, None, :]
-            o[t] = (qf[t, :, :, None] * S).sum(1)
-        final[n] = S
-    starts = torch.stack(starts) if starts else h0.new_zeros((0,) + tuple(h0.shape[1:]))
-    return o, final, starts

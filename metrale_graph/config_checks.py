@@ -1,0 +1,124 @@
+"""The field checks of a model config: each field's type and range, normalized (an integral float to an int,
+a list to a tuple), and the rules across fields (a family's own fields, the MoE layers, the layer types, the
+head groupings, the rotary dim); config.ModelConfig runs them on every instance (__post_init__) and on
+`from_hf`'s fields. A failed check is a ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .families import FAMILIES, OPTIONAL_FIELDS
+from .quantization import Fp8Config
+
+LINEAR = "linear_attention"
+FULL = "full_attention"
+
+
+# field -> smallest value. The conv keeps kernel - 1 columns of state, so its kernel is >= 2.
+# (intermediate_size: >= 1 when a layer is dense, checked in _checked.)
+_INT_FIELDS = {name: 1 for name in (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+    "linear_value_head_dim", "max_position_embeddings", "num_experts_per_tok", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "decoder_sparse_step")} | {"linear_conv_kernel_dim": 2, "num_experts": 0,
+                                                                  "mtp_num_hidden_layers": 0}
+
+
+def _invalid(where: str, msg: str) -> ValueError:
+    return ValueError(f"invalid model config{where}: {msg}")
+
+
+def _int(name: str, value, minimum: int, where: str = "") -> int:
+    """An int (an integral float such as 4.0 too; not a bool) >= minimum."""
+    number = int(value) if isinstance(value, float) and value.is_integer() else value
+    if not isinstance(number, int) or isinstance(number, bool) or number < minimum:
+        raise _invalid(where, f"field {name!r} must be an integer >= {minimum}, got {value!r}")
+    return number
+
+
+def _float(name: str, value, ok, expected: str, where: str = "") -> float:
+    """A finite int or float (not a bool) for which ok(value) holds, as a float."""
+    try:
+        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    except OverflowError:  # an int beyond float's range
+        number = math.inf
+    if not (math.isfinite(number) and ok(number)):
+        raise _invalid(where, f"field {name!r} must be {expected}, got {value!r}")
+    return number
+
+
+def _moe_layers(num_layers: int, num_experts: int, sparse_step: int, mlp_only: tuple[int, ...]) -> list[int]:
+    """transformers' Qwen3-Next rule (Qwen3.5-MoE's config keeps step 1 and no mlp_only_layers: every layer)."""
+    if num_experts <= 0:
+        return []
+    return [i for i in range(num_layers) if i not in mlp_only and (i + 1) % sparse_step == 0]
+
+
+def _strings(name: str, value, where: str = "") -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise _invalid(where, f"field {name!r} must be a list of strings, got {value!r}")
+    return tuple(value)
+
+
+def _checked(v: dict, where: str = "") -> dict:
+    """ModelConfig field values, type- and range-checked and normalized (see __post_init__)."""
+    def need(cond: bool, msg: str):
+        if not cond:
+            raise _invalid(where, msg)
+
+    v = dict(v)
+    for name, minimum in _INT_FIELDS.items():
+        v[name] = _int(name, v[name], minimum, where)
+    v["partial_rotary_factor"] = _float("partial_rotary_factor", v["partial_rotary_factor"], lambda x: 0 < x <= 1,
+                                        "a number in (0, 1]", where)
+    for name in ("rope_theta", "rms_norm_eps"):
+        v[name] = _float(name, v[name], lambda x: x > 0, "a positive number", where)
+    for name in ("tie_word_embeddings", "norm_topk_prob"):
+        need(isinstance(v[name], bool), f"field {name!r} must be true or false, got {v[name]!r}")
+    model_type = v["model_type"]
+    need(isinstance(model_type, str) and model_type in FAMILIES,
+         f"field 'model_type' must be one of {', '.join(map(repr, FAMILIES))}, got {model_type!r}")
+    family = FAMILIES[model_type]
+    layers = v["mlp_only_layers"]
+    need(isinstance(layers, (list, tuple)), f"field 'mlp_only_layers' must be a list of layer indices, got {layers!r}")
+    # an index past the last layer names no layer (transformers accepts it too, and to_hf keeps it)
+    v["mlp_only_layers"] = layers = tuple(_int("mlp_only_layers", i, 0, where) for i in layers)
+    need(len(set(layers)) == len(layers), f"field 'mlp_only_layers' holds a layer twice: {list(layers)}")
+    if v["num_experts"] > 0:
+        need(v["num_experts_per_tok"] <= v["num_experts"],
+             f"field 'num_experts_per_tok' ({v['num_experts_per_tok']}) exceeds num_experts ({v['num_experts']})")
+    def owned(name):  # a field the family does not have keeps its default
+        absent = OPTIONAL_FIELDS[name]
+        need(name in family.fields or v[name] == absent,
+             f"model_type {model_type!r} has no field {name!r}: it must be {absent!r}, got {v[name]!r}")
+
+    for name in OPTIONAL_FIELDS:
+        if name != "intermediate_size":
+            owned(name)
+    for name, (least, why) in family.minimums.items():
+        need(v[name] >= least, f"field {name!r} must be an integer >= {least} for model_type {model_type!r} "
+                               f"({why}), got {v[name]!r}")
+    moe = _moe_layers(v["num_hidden_layers"], v["num_experts"], v["decoder_sparse_step"], layers)
+    # a dense MLP needs an intermediate size; a model without one may say 0
+    v["intermediate_size"] = _int("intermediate_size", v["intermediate_size"],
+                                  1 if len(moe) < v["num_hidden_layers"] else 0, where)
+    owned("intermediate_size")
+    need(v["quantization"] is None or isinstance(v["quantization"], Fp8Config),
+         f"field 'quantization' must be a quantization.Fp8Config or None, got {v['quantization']!r}")
+    v["layer_types"] = types = _strings("layer_types", v["layer_types"], where)
+    need(len(types) == v["num_hidden_layers"],
+         f"layer_types has {len(types)} entries for {v['num_hidden_layers']} layers")
+    bad = sorted({t for t in types if t not in (LINEAR, FULL)})
+    need(not bad, f"layer_types holds {bad}; expected {LINEAR!r} or {FULL!r}")
+    need(v["num_attention_heads"] % v["num_key_value_heads"] == 0,
+         f"num_attention_heads ({v['num_attention_heads']}) is not a multiple of "
+         f"num_key_value_heads ({v['num_key_value_heads']})")
+    need(v["linear_num_value_heads"] % v["linear_num_key_heads"] == 0,
+         f"linear_num_value_heads ({v['linear_num_value_heads']}) is not a multiple of "
+         f"linear_num_key_heads ({v['linear_num_key_heads']})")
+    rotary = int(v["head_dim"] * v["partial_rotary_factor"])
+    need(rotary >= 2 and rotary % 2 == 0,
+         f"partial_rotary_factor {v['partial_rotary_factor']} gives rotary dim {rotary} of head_dim "
+         f"{v['head_dim']}; it must be even and >= 2")
+    return v
