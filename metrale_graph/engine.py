@@ -47,20 +47,21 @@ Semantics:
   ValueError (StructuredOutputError). Needs a transformers tokenizer; not with min_tokens.
 - Speculative decoding (Engine(speculative=...), docs/speculative.md): speculate=False (generate, stream,
   submit) makes a call's requests decode one token per step; requests with a grammar, logprobs, penalties or
-  min_tokens do anyway.
+  min_tokens speculate too, their processors run per verify position (speculative/verify.py).
 - Bad requests raise ValueError before anything is queued (numbers may be Python or numpy ones,
   prompts lists, 1-D integer tensors or numpy arrays, or strings with a tokenizer); submit raises
   EngineFullError when max_waiting requests already wait, EngineClosedError after shutdown.
 - The engine holds its cache (HybridCache.hold) for its whole life: any other use of engine.cache
   (model.prefill, a runner, reset) raises CacheInUseError, so no stream gets into it from outside.
+
+The Engine's code: this module (the Engine: construction, the public calls, generate / stream's events),
+engine_requests.py (RequestIntake, its base class: each call's arguments checked and made into Requests) and
+engine_sizes.py (the constructor's sizes defaulted and checked, the bucket grid, prefix caching's sizes).
 """
 
 from __future__ import annotations
 
 import itertools
-import math
-import numbers
-import sys
 import threading
 import time
 import weakref
@@ -69,15 +70,17 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from .batch import check_token_ids, token_tensor
-from .detokenizer import StreamingText, check_stop_strings
+from .detokenizer import check_stop_strings
+from .engine_requests import RequestIntake
+# the defaults, re-exported: the tools import them from here
+from .engine_sizes import DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_MAX_CONTEXT, DEFAULT_TOKEN_BUDGET  # noqa: F401
+from .engine_sizes import check_sizes, default_grid, prefix_sizes
 from .grammar import Grammars
 from .handle import (Channel, EngineBusyError, EngineClosedError, EngineFullError, Failure, GenerationResult,
                      RequestHandle, RequestOutput)
 from .loop import EngineLoop, EngineStats
 from .model import HybridModel
 from .plan_sync import PlanBroadcast, follow
-from .sampling import check_params, check_seed, new_generator
 from .logprobs import TokenLogprobs
 from .scheduler import Request
 from .structured import StructuredOutput, StructuredOutputError, structured_output
@@ -86,12 +89,6 @@ from .tokenizer import decode_kwargs, default_stop_ids, resolve_tokenizer
 __all__ = ["Engine", "EngineBusyError", "EngineClosedError", "EngineFullError", "EngineStats", "GenerationResult",
            "RequestHandle", "RequestOutput", "StructuredOutput", "StructuredOutputError", "TokenEvent", "TokenLogprobs",
            "default_grid"]
-
-DEFAULT_MAX_CONTEXT = 4096
-# submit / generate / stream's keyword arguments that go to sampling.check_params
-SAMPLING_CONTROLS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
-                     "logprobs", "prompt_logprobs")
-DEFAULT_TOKEN_BUDGET = 2048
 
 
 class TokenEvent(NamedTuple):
@@ -102,24 +99,7 @@ class TokenEvent(NamedTuple):
     finish_reason: str | None
 
 
-def default_grid(num_slots: int, token_budget: int) -> tuple[list[int], list[int]]:
-    """Batch sizes 2, 4, 8, ... up to num_slots and token counts 2, 4, 8, ... up to token_budget
-    (each list ends at the limit itself): every step fits one bucket (its streams <= num_slots,
-    its tokens <= token_budget), pure-decode steps of B streams land in (B', B') with B' < 2B, and
-    padding is under 2x in both dimensions. Sizes start at 2 because the runner pads smaller
-    buckets to 2 streams and 2 tokens anyway."""
-    return _doubling(num_slots), _doubling(token_budget)
-
-
-def _doubling(limit: int) -> list[int]:
-    sizes, n = [], min(2, limit)
-    while n < limit:
-        sizes.append(n)
-        n *= 2
-    return sizes + [limit]
-
-
-class Engine:
+class Engine(RequestIntake):
     def __init__(self, model: HybridModel, num_slots: int = 64, *, max_context: int | None = None,
                  token_budget: int | None = None, block_size: int = 64, num_blocks: int | None = None,
                  tokenizer=None, stop_token_ids: Sequence[int] | None = None, compile: bool = True,
@@ -165,29 +145,8 @@ class Engine:
         if speculative is not None and broadcast_plans and model.tp is not None:
             raise ValueError("speculative with broadcast_plans under tensor parallelism is not supported yet (the plan "
                              "broadcast does not carry drafts or accept counts): turn one of them off")
-        if max_context is None:
-            max_context = min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
-        if token_budget is None:
-            token_budget = max(DEFAULT_TOKEN_BUDGET, num_slots if _is_int(num_slots) else 0)
-        if max_waiting is None:
-            max_waiting = max(256, 4 * num_slots) if _is_int(num_slots) else 0
-        for name, value, low in (("num_slots", num_slots, 1), ("max_context", max_context, 2),
-                                 ("token_budget", token_budget, 1), ("block_size", block_size, 1),
-                                 ("max_waiting", max_waiting, 0)):
-            if not _is_int(value) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        num_slots, max_context, token_budget, block_size, max_waiting = map(
-            int, (num_slots, max_context, token_budget, block_size, max_waiting))
-        if max_context > cfg.max_position_embeddings:
-            raise ValueError(f"max_context ({max_context}) exceeds the model's max_position_embeddings "
-                             f"({cfg.max_position_embeddings})")
-        if token_budget < num_slots:
-            raise ValueError(f"token_budget ({token_budget}) must be at least num_slots ({num_slots}): every "
-                             "running request feeds one token per step")
-        if num_blocks is None:
-            num_blocks = num_slots * -(-max_context // block_size)
-        elif _is_int(num_blocks):
-            num_blocks = int(num_blocks)
+        num_slots, max_context, token_budget, block_size, num_blocks, max_waiting = check_sizes(
+            cfg, num_slots, max_context, token_budget, block_size, num_blocks, max_waiting)
         if use_graphs and not compile:
             raise ValueError("use_graphs=True needs compile=True (graphs replay the compiled step)")
         if not isinstance(broadcast_plans, bool):
@@ -201,14 +160,8 @@ class Engine:
         if stop_token_ids is None:
             stop_token_ids = [t for t in default_stop_ids(model, self.tokenizer) if 0 <= t < cfg.vocab_size]
         self.stop_token_ids = self._check_stop_ids(stop_token_ids)
-        if not isinstance(prefix_cache, bool):
-            raise ValueError(f"prefix_cache must be True or False, got {prefix_cache!r}")
-        for name, value in (("prefix_checkpoints", prefix_checkpoints), ("checkpoint_interval", checkpoint_interval)):
-            if value is not None and not prefix_cache:
-                raise ValueError(f"{name}={value!r} sizes the prefix cache, which is off: pass prefix_cache=True too, "
-                                 f"or leave {name} out")
-        checkpoints, interval = (_prefix_sizes(num_slots, block_size, prefix_checkpoints, checkpoint_interval)
-                                 if prefix_cache else (0, 0))
+        checkpoints, interval = prefix_sizes(prefix_cache, num_slots, block_size, prefix_checkpoints,
+                                             checkpoint_interval)
         if prefix_cache and broadcast_plans and model.tp is not None:
             raise ValueError("prefix_cache with broadcast_plans under tensor parallelism is not supported yet (the plan "
                              "broadcast does not carry the prefix restores): turn one of them off")
@@ -411,122 +364,6 @@ class Engine:
         return GenerationResult(list(r.out), self.decode(r.out), r.finish_reason, len(r.prompt),
                                 r.first_token_time - t0, r.cached, r.logprobs, r.prompt_logprobs)
 
-    # checking requests -------------------------------------------------------------------------
-    def _requests(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
-                  stop: tuple[str, ...] = (), text: bool = False, controls: dict | None = None,
-                  include_stop: bool = False, structured=None) -> list[Request]:
-        """Requests from generate's arguments (`controls`: the sampling controls, check_params' keywords);
-        ValueError naming the first bad one."""
-        self._check_not_follower("generate / stream / submit")
-        controls = dict(controls or {})
-        speculate = controls.pop("speculate", True)  # (a request's opt-out of Engine(speculative=...))
-        if not isinstance(speculate, bool):
-            raise ValueError(f"speculate must be True or False, got {speculate!r}")
-        if self.model.version != self._loop._model_version:
-            raise ValueError("the model was converted or moved (model.to / .half / ...) after this Engine was built: "
-                             "its cache and compiled step hold the old dtype and device: build a new Engine")
-        if isinstance(prompts, (str, bytes, torch.Tensor)) or _numpy_array(prompts) or not isinstance(prompts, Sequence):
-            raise ValueError("prompts must be a list of prompts (each a list of token ids, a 1-D int tensor or array, "
-                             f"or a string with a tokenizer), got {type(prompts).__name__}")
-        if not _is_int(max_new_tokens) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        params = self._check_controls(temperature, top_k, top_p, max_new_tokens, controls)
-        seed = check_seed(seed)
-        stops = self.stop_token_ids if stop_token_ids is None else self._check_stop_ids(stop_token_ids)
-        spec = structured_output(structured, self.model.config.vocab_size)
-        if spec is not None and params.min_tokens:
-            raise ValueError("min_tokens cannot be combined with structured output: the grammar decides where the "
-                             "output may end (it may allow nothing but a stop token)")
-        ids_of = [self._prompt_ids(i, prompt) for i, prompt in enumerate(prompts)]
-        check_token_ids(ids_of, self.model.config.vocab_size, what="prompt")
-        requests = []
-        for i, ids in enumerate(ids_of):
-            ids = ids.tolist()
-            if len(ids) >= self.max_context:
-                raise ValueError(f"prompt {i} has {len(ids)} tokens; max_context is {self.max_context} and a "
-                                 f"prompt must leave room for at least one new token (at most {self.max_context - 1})")
-            max_new = min(int(max_new_tokens), self.max_context - len(ids))
-            r = Request(i, ids, max_new, params, None, stop_ids=stops, speculate=speculate,
-                        logprobs=[] if params.logprobs is not None else None,
-                        prompt_logprobs=[] if params.prompt_logprobs is not None else None)
-            need = -(-r.kv_tokens // self.cache.block_size)
-            if need > self.cache.num_blocks:
-                raise ValueError(f"prompt {i}: {len(ids)} tokens + {max_new} new need {need} KV blocks; the "
-                                 f"cache has {self.cache.num_blocks} (raise num_blocks or lower max_new_tokens)")
-            requests.append(r)
-        if spec is not None:  # the last check: the grammar compiles (waited for here, never in the engine loop)
-            compiled = self._grammar_compiler().compile(spec).result()
-            for r in requests:
-                r.grammar = self._grammars.matcher(compiled, spec, stops)
-        # every check passed (on every rank alike): only now agree on a seed
-        if not params.greedy and seed is None and self.model.tp is not None and self._broadcast is None:
-            seed = self._shared_seed()
-        for r in requests:
-            r.request_id = next(self._ids)
-            if not params.greedy:
-                r.generator = new_generator(None if seed is None else seed + r.index)
-            if text:
-                r.text = StreamingText(self.tokenizer, r.prompt, self._decode_kwargs, stop, include_stop,
-                                       params.min_tokens)
-        return requests
-
-    def _check_controls(self, temperature, top_k, top_p, max_new_tokens: int, controls: dict):
-        """The SamplingParams of a call (sampling.check_params), min_tokens within max_new_tokens; ValueError
-        naming an unknown or bad control."""
-        unknown = sorted(set(controls) - set(SAMPLING_CONTROLS))
-        if unknown:
-            raise ValueError(f"{unknown[0]} is not a sampling control (expected one of {', '.join(SAMPLING_CONTROLS)})")
-        params = check_params(temperature, top_k, top_p, vocab_size=self.model.config.vocab_size, **controls)
-        if params.min_tokens > max_new_tokens:
-            raise ValueError(f"min_tokens ({params.min_tokens}) must be at most max_new_tokens ({max_new_tokens})")
-        if params.prompt_logprobs is not None and self.model.tp is not None:
-            raise ValueError("prompt_logprobs under tensor parallelism is not supported yet (its eager step is not "
-                             "part of the broadcast plans)")
-        return params
-
-    def _check_not_follower(self, what: str) -> None:
-        if self._broadcast is not None and not self._broadcast.leader:
-            raise ValueError(f"{what} on tensor-parallel rank {self._broadcast.tp.rank}: with broadcast_plans only "
-                             "rank 0 takes requests; the other ranks run engine.follow()")
-
-    def _shared_seed(self) -> int:
-        """A seed drawn from the OS on rank 0 of the model's tensor-parallel group and given to every
-        rank: the ranks sample from the same logits, so with the same generators they draw the same
-        tokens and keep feeding the same batches (independent seeds let them diverge, and with stop
-        tokens their schedules, and so their collectives, part ways)."""
-        tp = self.model.tp
-        mine = int(torch.randint(0, 2**62, (1,), generator=new_generator(None))) if tp.rank == 0 else 0
-        return int(tp.all_reduce(torch.tensor([mine], dtype=torch.int64, device=self.model.device))[0])
-
-    def _prompt_ids(self, i: int, prompt) -> torch.Tensor:
-        """Prompt i's token ids (text through the tokenizer), type-checked as a batch's streams are."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"prompt {i} is a string but the engine has no tokenizer: pass token ids, or "
-                                 "Engine(model, tokenizer=folder_or_object)")
-            prompt = list(self.tokenizer.encode(prompt))
-        elif _numpy_array(prompt):
-            prompt = _numpy_ids(prompt, f"prompt {i}")
-        elif prompt is None or isinstance(prompt, bytes) or not isinstance(prompt, (Sequence, torch.Tensor)):
-            raise ValueError(f"prompt {i}: expected a list of token ids, a 1-D int tensor or array, or a string, "
-                             f"got {type(prompt).__name__}")
-        if not isinstance(prompt, torch.Tensor) and not (type(prompt) is list and set(map(type, prompt)) == {int}):
-            prompt = [_plain_int(x) for x in prompt]
-        return token_tensor(prompt, f"prompt {i}", self.model.device)
-
-    def _check_stop_ids(self, stop_token_ids) -> frozenset:
-        if _numpy_array(stop_token_ids):
-            stop_token_ids = _numpy_ids(stop_token_ids, "stop_token_ids")
-        if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (Sequence, set, frozenset)):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {type(stop_token_ids).__name__}")
-        vocab = self.model.config.vocab_size
-        for t in stop_token_ids:
-            if not _is_int(t):
-                raise ValueError(f"stop token {t!r} must be an int, got {type(t).__name__}")
-            if not 0 <= t < vocab:
-                raise ValueError(f"stop token {t!r} is not a token id in [0, {vocab})")
-        return frozenset(int(t) for t in stop_token_ids)
-
     def __repr__(self) -> str:
         mode = "eager" if self.runner is None else "CUDA graphs" if self.runner.use_graphs else "compiled"
         s = self.speculative
@@ -540,44 +377,3 @@ def _close(loop: EngineLoop) -> None:
     main thread waits for it (at exit, so that followers of a plan broadcast hear the end); a collection in
     another thread must not wait for the loop, which may be waiting to deliver to that thread."""
     loop.close(timeout=5.0 if threading.current_thread() is threading.main_thread() else 0.0)
-
-
-DEFAULT_CHECKPOINT_INTERVAL = 128
-
-
-def _prefix_sizes(num_slots: int, block_size: int, checkpoints, interval) -> tuple[int, int]:
-    """Prefix caching's checkpoint entries (default: four per slot: a request leaves a few, and the ones a
-    later prompt needs must outlive the requests between) and interval (default: the first multiple of
-    the block size and of 64 from DEFAULT_CHECKPOINT_INTERVAL on; 0: checkpoints at prompts' ends only)."""
-    if checkpoints is None:
-        checkpoints = 4 * num_slots
-    if not _is_int(checkpoints) or checkpoints < 1:
-        raise ValueError(f"prefix_checkpoints must be an integer >= 1, got {checkpoints!r}")
-    if interval is None:
-        unit = block_size * 64 // math.gcd(block_size, 64)
-        interval = -(-DEFAULT_CHECKPOINT_INTERVAL // unit) * unit
-    return int(checkpoints), interval
-
-
-def _is_int(x) -> bool:
-    """An integer as users pass them: a Python or numpy integer (not a bool)."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _plain_int(x):
-    """A numpy integer as a Python int; anything else as it is (token_tensor names what is not an int)."""
-    return int(x) if _is_int(x) and not isinstance(x, int) else x
-
-
-def _numpy_array(x) -> bool:
-    np = sys.modules.get("numpy")
-    return np is not None and isinstance(x, np.ndarray)
-
-
-def _numpy_ids(array, where: str) -> list[int]:
-    """A 1-D integer numpy array as a list of Python ints; ValueError naming `where` otherwise."""
-    if array.dtype.kind not in "iu":
-        raise ValueError(f"{where}: token ids must be an integer array, got dtype {array.dtype}")
-    if array.ndim != 1:
-        raise ValueError(f"{where}: token ids must be 1-D, got shape {tuple(array.shape)}")
-    return array.tolist()

@@ -1,10 +1,13 @@
-"""Numbers as users pass them: Python ints, numpy integers and 0-d integer tensors alike; host tensors to the
-device without waiting for it."""
+"""Numbers as users pass them: Python ints, numpy integers and 0-d integer tensors alike (`as_int`), or Python
+and numpy integers only (`is_int`, the Engine's arguments); token ids in numpy arrays; host tensors to the device
+without waiting for it."""
 
 from __future__ import annotations
 
 import operator
+import sys
 from array import array
+from numbers import Integral
 
 import torch
 
@@ -42,3 +45,28 @@ def to_device(host: torch.Tensor, device) -> torch.Tensor:
     while the step before runs. CUDA stages a pageable source before cudaMemcpyAsync returns, so `host` may be
     freed or changed at once (not so a pinned one: this is for tensors the caller just built)."""
     return host.to(device, non_blocking=True)
+
+
+def is_int(x) -> bool:
+    """An integer as users pass them: a Python or numpy integer (not a bool; unlike as_int, not a 0-d tensor)."""
+    return isinstance(x, Integral) and not isinstance(x, bool)
+
+
+def plain_int(x):
+    """A numpy integer as a Python int; anything else as it is (token_tensor names what is not an int)."""
+    return int(x) if is_int(x) and not isinstance(x, int) else x
+
+
+def is_numpy_array(x) -> bool:
+    """Whether `x` is a numpy array (without importing numpy: if it is not imported, nothing is one)."""
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(x, np.ndarray)
+
+
+def numpy_ids(array, where: str) -> list[int]:
+    """A 1-D integer numpy array as a list of Python ints; ValueError naming `where` otherwise."""
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"{where}: token ids must be an integer array, got dtype {array.dtype}")
+    if array.ndim != 1:
+        raise ValueError(f"{where}: token ids must be 1-D, got shape {tuple(array.shape)}")
+    return array.tolist()

@@ -1,0 +1,148 @@
+"""Request intake: generate / stream / submit's arguments checked and made into the scheduler's Requests.
+
+Every check runs before anything is queued, so a bad request is a ValueError naming it and leaves the engine as
+it was: prompts (token id lists, 1-D int tensors or numpy arrays, strings through the tokenizer), their length
+against max_context and the KV blocks, max_new_tokens, the sampling parameters and controls (sampling.py), the
+seed, stop token ids, the structured output's spec and grammar (compiled in the engine's grammar worker, waited
+for here, never in the engine loop), and the model's version. Only then does a call agree on a seed (under tensor
+parallelism rank 0 draws it for every rank) and give each request its id, generator and streamed text.
+
+`RequestIntake` is Engine's base class: its state is Engine's (model, cache, tokenizer, stop_token_ids,
+max_context, `_loop`, `_broadcast`, `_ids`, `_grammars`, `_decode_kwargs`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .batch import check_token_ids, token_tensor
+from .detokenizer import StreamingText
+from .numbers import is_int, is_numpy_array, numpy_ids, plain_int
+from .sampling import check_params, check_seed, new_generator
+from .scheduler import Request
+from .structured import structured_output
+
+# submit / generate / stream's keyword arguments that go to sampling.check_params
+SAMPLING_CONTROLS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+                     "logprobs", "prompt_logprobs")
+
+
+class RequestIntake:
+    """Engine's checks of its calls' arguments and the Requests it makes of them (the module docstring)."""
+
+    def _requests(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
+                  stop: tuple[str, ...] = (), text: bool = False, controls: dict | None = None,
+                  include_stop: bool = False, structured=None) -> list[Request]:
+        """Requests from generate's arguments (`controls`: the sampling controls, check_params' keywords);
+        ValueError naming the first bad one."""
+        self._check_not_follower("generate / stream / submit")
+        controls = dict(controls or {})
+        speculate = controls.pop("speculate", True)  # (a request's opt-out of Engine(speculative=...))
+        if not isinstance(speculate, bool):
+            raise ValueError(f"speculate must be True or False, got {speculate!r}")
+        if self.model.version != self._loop._model_version:
+            raise ValueError("the model was converted or moved (model.to / .half / ...) after this Engine was built: "
+                             "its cache and compiled step hold the old dtype and device: build a new Engine")
+        if isinstance(prompts, (str, bytes, torch.Tensor)) or is_numpy_array(prompts) or not isinstance(prompts, Sequence):
+            raise ValueError("prompts must be a list of prompts (each a list of token ids, a 1-D int tensor or array, "
+                             f"or a string with a tokenizer), got {type(prompts).__name__}")
+        if not is_int(max_new_tokens) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        params = self._check_controls(temperature, top_k, top_p, max_new_tokens, controls)
+        seed = check_seed(seed)
+        stops = self.stop_token_ids if stop_token_ids is None else self._check_stop_ids(stop_token_ids)
+        spec = structured_output(structured, self.model.config.vocab_size)
+        if spec is not None and params.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured output: the grammar decides where the "
+                             "output may end (it may allow nothing but a stop token)")
+        ids_of = [self._prompt_ids(i, prompt) for i, prompt in enumerate(prompts)]
+        check_token_ids(ids_of, self.model.config.vocab_size, what="prompt")
+        requests = []
+        for i, ids in enumerate(ids_of):
+            ids = ids.tolist()
+            if len(ids) >= self.max_context:
+                raise ValueError(f"prompt {i} has {len(ids)} tokens; max_context is {self.max_context} and a "
+                                 f"prompt must leave room for at least one new token (at most {self.max_context - 1})")
+            max_new = min(int(max_new_tokens), self.max_context - len(ids))
+            r = Request(i, ids, max_new, params, None, stop_ids=stops, speculate=speculate,
+                        logprobs=[] if params.logprobs is not None else None,
+                        prompt_logprobs=[] if params.prompt_logprobs is not None else None)
+            need = -(-r.kv_tokens // self.cache.block_size)
+            if need > self.cache.num_blocks:
+                raise ValueError(f"prompt {i}: {len(ids)} tokens + {max_new} new need {need} KV blocks; the "
+                                 f"cache has {self.cache.num_blocks} (raise num_blocks or lower max_new_tokens)")
+            requests.append(r)
+        if spec is not None:  # the last check: the grammar compiles (waited for here, never in the engine loop)
+            compiled = self._grammar_compiler().compile(spec).result()
+            for r in requests:
+                r.grammar = self._grammars.matcher(compiled, spec, stops)
+        # every check passed (on every rank alike): only now agree on a seed
+        if not params.greedy and seed is None and self.model.tp is not None and self._broadcast is None:
+            seed = self._shared_seed()
+        for r in requests:
+            r.request_id = next(self._ids)
+            if not params.greedy:
+                r.generator = new_generator(None if seed is None else seed + r.index)
+            if text:
+                r.text = StreamingText(self.tokenizer, r.prompt, self._decode_kwargs, stop, include_stop,
+                                       params.min_tokens)
+        return requests
+
+    def _check_controls(self, temperature, top_k, top_p, max_new_tokens: int, controls: dict):
+        """The SamplingParams of a call (sampling.check_params), min_tokens within max_new_tokens; ValueError
+        naming an unknown or bad control."""
+        unknown = sorted(set(controls) - set(SAMPLING_CONTROLS))
+        if unknown:
+            raise ValueError(f"{unknown[0]} is not a sampling control (expected one of {', '.join(SAMPLING_CONTROLS)})")
+        params = check_params(temperature, top_k, top_p, vocab_size=self.model.config.vocab_size, **controls)
+        if params.min_tokens > max_new_tokens:
+            raise ValueError(f"min_tokens ({params.min_tokens}) must be at most max_new_tokens ({max_new_tokens})")
+        if params.prompt_logprobs is not None and self.model.tp is not None:
+            raise ValueError("prompt_logprobs under tensor parallelism is not supported yet (its eager step is not "
+                             "part of the broadcast plans)")
+        return params
+
+    def _check_not_follower(self, what: str) -> None:
+        if self._broadcast is not None and not self._broadcast.leader:
+            raise ValueError(f"{what} on tensor-parallel rank {self._broadcast.tp.rank}: with broadcast_plans only "
+                             "rank 0 takes requests; the other ranks run engine.follow()")
+
+    def _shared_seed(self) -> int:
+        """A seed drawn from the OS on rank 0 of the model's tensor-parallel group and given to every
+        rank: the ranks sample from the same logits, so with the same generators they draw the same
+        tokens and keep feeding the same batches (independent seeds let them diverge, and with stop
+        tokens their schedules, and so their collectives, part ways)."""
+        tp = self.model.tp
+        mine = int(torch.randint(0, 2**62, (1,), generator=new_generator(None))) if tp.rank == 0 else 0
+        return int(tp.all_reduce(torch.tensor([mine], dtype=torch.int64, device=self.model.device))[0])
+
+    def _prompt_ids(self, i: int, prompt) -> torch.Tensor:
+        """Prompt i's token ids (text through the tokenizer), type-checked as a batch's streams are."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt {i} is a string but the engine has no tokenizer: pass token ids, or "
+                                 "Engine(model, tokenizer=folder_or_object)")
+            prompt = list(self.tokenizer.encode(prompt))
+        elif is_numpy_array(prompt):
+            prompt = numpy_ids(prompt, f"prompt {i}")
+        elif prompt is None or isinstance(prompt, bytes) or not isinstance(prompt, (Sequence, torch.Tensor)):
+            raise ValueError(f"prompt {i}: expected a list of token ids, a 1-D int tensor or array, or a string, "
+                             f"got {type(prompt).__name__}")
+        if not isinstance(prompt, torch.Tensor) and not (type(prompt) is list and set(map(type, prompt)) == {int}):
+            prompt = [plain_int(x) for x in prompt]
+        return token_tensor(prompt, f"prompt {i}", self.model.device)
+
+    def _check_stop_ids(self, stop_token_ids) -> frozenset:
+        if is_numpy_array(stop_token_ids):
+            stop_token_ids = numpy_ids(stop_token_ids, "stop_token_ids")
+        if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (Sequence, set, frozenset)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {type(stop_token_ids).__name__}")
+        vocab = self.model.config.vocab_size
+        for t in stop_token_ids:
+            if not is_int(t):
+                raise ValueError(f"stop token {t!r} must be an int, got {type(t).__name__}")
+            if not 0 <= t < vocab:
+                raise ValueError(f"stop token {t!r} is not a token id in [0, {vocab})")
+        return frozenset(int(t) for t in stop_token_ids)

@@ -1,0 +1,174 @@
+"""The read-back: what a launched step's sampling gives the host, and each token taken into its request.
+
+A step's sampled tokens (and the logprobs asked for) are copied to host memory behind the step (`_to_host`: a
+CUDA event after the copies; two pinned buffers for the tokens in turn). With overlap (loop.py) the loop reads
+step N back after it has launched N + 1: `_finish` waits for N's event, commits N (if not yet) and N + 1 (the
+slots' contexts advance once the host knows the tokens they read on the device), then takes each token into its
+request (`_advance`: stop tokens, length, the grammar, stop strings, text) and delivers the step's outputs
+together. A request that ended at N was already in N + 1: its token there is dropped. A failure fails its
+requests (`_fail`), never the loop.
+
+`LoopReadBack` is EngineLoop's base class: its state is EngineLoop's, made in EngineLoop.__init__ (`_inflight`,
+the host buffers `_host_tokens` / `_flip`, the scheduler, the counters `_steps`, `_prompt_tokens`,
+`_generated`). speculative/verify.py calls `_advance` and `_fail` for the tokens of its steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .handle import Failure, RequestOutput, deliver
+from .logprobs import DeviceLogprobs
+from .scheduler import Request
+
+
+@dataclass
+class _HostCopy:
+    """What a step's sampling gives the host, in host memory once `ready`: the tokens of its sampling rows, the
+    logprobs of the rows that ask (row indices, each row's top N), and the prompt logprobs of its prompt chunks
+    that ask (prompt_logprobs.PromptPiece, their logprobs on the host)."""
+    tokens: torch.Tensor | None
+    logprob_rows: list
+    top_n: list
+    logprobs: DeviceLogprobs | None
+    pieces: list
+
+    def read(self) -> tuple[list[int], list]:
+        """The tokens, and each row's TokenLogprobs (None for a row that did not ask)."""
+        tokens = self.tokens.tolist() if self.tokens is not None else []
+        entries = [None] * len(tokens)
+        if self.logprobs is not None:
+            for k, entry in zip(self.logprob_rows, self.logprobs.to_host(self.top_n)):
+                entries[k] = entry
+        return tokens, entries
+
+
+@dataclass
+class Launched:
+    """A step launched and not read back yet."""
+    step: list  # its chunks (scheduler.Chunk), decodes first
+    decodes: int  # how many of them are decodes (their token read on the device)
+    sampled: list  # the requests whose rows sampled, in row order
+    host: _HostCopy  # their tokens (and logprobs), copied to the host behind the step
+    ready: object  # a CUDA event recorded after those copies (None on the CPU)
+    commit: Callable[[list[int]], None]  # PrefillCall.launch's commit
+    prompt_tokens: int
+    grammars: bool = False  # a sampled request has a grammar: read it back before the next plan
+    committed: bool = False
+
+
+class LoopReadBack:
+    """EngineLoop's read-back of its launched steps (the module docstring)."""
+
+    def _to_host(self, result, pieces: list) -> tuple[_HostCopy, object]:
+        """(_HostCopy, event): a step's sampling result (sampling.SampleResult, or None) and prompt logprobs
+        (pieces) copied to host memory behind the step, and the CUDA event after the copies (None on the CPU,
+        where they are host memory already). The tokens go to one of two pinned buffers in turn (step N + 1's
+        copy must not overwrite N's before it is read); the logprobs, which few requests ask for, to pinned
+        memory torch's non-blocking copy allocates."""
+        if result is None:
+            host = _HostCopy(None, [], [], None, pieces)
+        else:
+            host = _HostCopy(result.tokens, result.logprob_rows, result.top_n, result.logprobs, pieces)
+        if self.cache.device.type != "cuda":
+            return host, None
+        if host.tokens is not None:
+            buf = self._host_tokens[self._flip][:host.tokens.numel()]
+            self._flip ^= 1
+            host.tokens = buf.copy_(host.tokens, non_blocking=True)
+        to_cpu = lambda lp: DeviceLogprobs(*(t.to("cpu", non_blocking=True) for t in lp))  # noqa: E731
+        if host.logprobs is not None:
+            host.logprobs = to_cpu(host.logprobs)
+        host.pieces = [piece._replace(logprobs=to_cpu(piece.logprobs)) for piece in pieces]
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready
+
+    def _read_back(self) -> None:
+        """Read the step in flight back (nothing launched after it)."""
+        previous, self._inflight = self._inflight, None
+        self._finish(previous, None)
+
+    def _finish(self, done: Launched, launched: Launched | None) -> None:
+        """Read `done`'s tokens back and take them into their requests (stop checks, text, outputs). Each step
+        is committed once the host knows the tokens it read on the device: `done` (without overlap) before
+        its own tokens are taken in, `launched` (the step after it, which read them) after."""
+        try:
+            if done.ready is not None:
+                done.ready.synchronize()
+            tokens, logprobs = done.host.read()
+            for piece in done.host.pieces:  # (before the first token's output, which carries them)
+                piece.request.prompt_logprobs.extend(piece.to_host())
+        except BaseException as e:  # the device failed: neither step's tokens can be trusted
+            for c in done.step + (launched.step if launched is not None else []):
+                self._fail(c.request, e)
+            return
+        if not done.committed:
+            self._commit(done)
+        for r, t in zip(done.sampled, tokens):
+            if not r.ended:
+                r.out.append(t)
+        if launched is not None:
+            self._commit(launched)
+        self._steps += 1
+        self._prompt_tokens += done.prompt_tokens
+        now, outputs = time.perf_counter(), {}
+        for r, token, entry in zip(done.sampled, tokens, logprobs):
+            if r.ended:  # it stopped at the step before (this token is one past its stop), or failed
+                continue
+            self._generated += 1
+            try:
+                output = self._advance(r, token, now, entry)
+            except Exception as e:  # the tokenizer failed on its tokens, or its slot's reset did
+                self._fail(r, e)
+            else:
+                outputs.setdefault(r.channel, []).append(output)
+        deliver(outputs)  # the step's outputs together: one wakeup per consumer, not one per token
+
+    def _commit(self, launched: Launched) -> None:
+        """Advance `launched`'s slots: its decodes read the last token each request has taken in."""
+        step = launched.step
+        try:
+            launched.commit([c.request.out[-1] if c.request.out else 0 for c in step[:launched.decodes]])
+            launched.committed = True
+            self.scheduler.advance(step, launched.decodes)
+        except BaseException as e:
+            for c in step:
+                self._fail(c.request, e)
+
+    def _advance(self, r: Request, token: int, now: float, logprobs=None) -> RequestOutput:
+        """Take `token` (already in r.out; and its TokenLogprobs, when r asks for them) into `r`: its output; an
+        ending request is finished (its slot freed) first. The first output carries the prompt's logprobs, when r
+        asks."""
+        if logprobs is not None:
+            r.logprobs.append(logprobs)
+        if r.first_token_time is None:
+            r.first_token_time = now
+        reason = "stop" if token in r.stop_ids else "length" if len(r.out) >= r.max_new else None
+        if r.grammar is not None:
+            r.grammar.accept(token)  # (a token it does not allow fails the request)
+            if reason is None and r.grammar.complete:
+                reason = "stop"
+        text = None
+        if r.text is not None:
+            text, stopped = r.text.add([token], final=reason is not None)
+            reason = "stop" if stopped else reason
+        if reason is not None:
+            self.scheduler.remove(r)  # the slot is free before the consumer sees the last output
+            r.finish_reason = reason
+        return RequestOutput(r.index, [token], text, reason, None if logprobs is None else [logprobs],
+                             r.prompt_logprobs if len(r.out) == 1 else None)
+
+    def _fail(self, r: Request, error: BaseException) -> None:
+        if r.ended:
+            return
+        r.error = error
+        with contextlib.suppress(Exception):  # a reset of a cache the failure broke: the error says enough
+            self.scheduler.remove(r)
+        r.channel.put(Failure(r.index, error))
+
