@@ -1,7 +1,8 @@
 """A prefix-cache hit keeps MTP drafting (docs/speculative.md, "The MTP head in the engine"): the head's entries
 come with the restored blocks (its pools share the block table), and SlotBlocks notes the token each entry read,
 so a restore whose entries are the new prompt's own sets mtp_context_lens and the request speculates with MTP
-drafts; one whose are not (the token after a kept position differs) gets none. Greedy output stays plain
+drafts; one whose are not (the token after a kept position differs, or the head did not follow the blocks'
+writer) gets none. Greedy output stays plain
 decoding's either way."""
 
 from __future__ import annotations
@@ -78,6 +79,18 @@ def test_a_prefix_whose_next_token_differs_gets_no_mtp_drafts():
     _, (second, cached, proposed, _, _) = run_one_by_one(model, prompts, 12, prefix_cache=True)
     assert second == plain(model, prompts[1:], 12)[0]
     assert cached == 69 and proposed == 0
+
+
+def test_blocks_written_while_the_head_did_not_follow_give_no_mtp_drafts():
+    model = bigram_model(CFG)
+    prompts = [SHARED, SHARED + [3, 4]]
+    with Engine(model, 2, compile=False, prefix_cache=True, speculative={"method": "mtp", "num_tokens": 2}) as e:
+        kw = dict(max_new_tokens=12, stop_token_ids=[])
+        first = e.generate(prompts[:1], prompt_logprobs=1, **kw)[0]  # its prompt runs the loop's way: no head
+        proposed = e.stats().speculative["proposed"]
+        second = e.generate(prompts[1:], **kw)[0]
+        assert second.cached_tokens > 0 and e.stats().speculative["proposed"] == proposed
+    assert [first.token_ids, second.token_ids] == plain(model, prompts, 12)
 
 
 @pytest.mark.parametrize("next_token_kept", [True, False])
