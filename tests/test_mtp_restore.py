@@ -2,8 +2,7 @@
 come with the restored blocks (its pools share the block table), and SlotBlocks notes the token each entry read,
 so a restore whose entries are the new prompt's own sets mtp_context_lens and the request speculates with MTP
 drafts; one whose are not (the token after a kept position differs, or the head did not follow the blocks'
-writer) gets none. Greedy output stays plain
-decoding's either way."""
+writer) gets none. Greedy output stays plain decoding's either way."""
 
 from __future__ import annotations
 
