@@ -9,7 +9,8 @@ and one block table for all layers: block_tables [S+1, MB] int32. A model with a
     mtp_k_caches[i], mtp_v_caches[i]: [NB+1, BS, HKV, HD] model dtype
 indexed by the same block table: the MTP's entry of position p sits where the main model's of p does, so
 it needs no blocks of its own. `mtp_context_lens[slot]`: how many positions of the slot the MTP head has
-caught up on (speculative/mtp.py); 0 after a reset or a prefix restore.
+caught up on (speculative/mtp.py); 0 after a reset; after a prefix restore the prefix's length where the
+head's entries that came with its blocks are the new tokens' (cache_prefixes.PrefixStore.restore), else 0.
 
 The GDN state checkpoints, prefix caching's and speculative decoding's verify entries, share one pool per GDN
 layer (checkpoint_conv_states / checkpoint_gdn_states) and one list of the step's targets (checkpoint_tokens /

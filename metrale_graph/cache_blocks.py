@@ -6,6 +6,10 @@
         labels (a full block's chain hash, a kept prefix's key) that let a later prompt find it; and
         prefix caching's checkpoint entries
 
+    head[block]: the token each of the block's rows' MTP head entries read (speculative/drafting.py: the entry
+        of position p reads token p + 1), rows 0 .. len - 1 written; what lets a restored prefix keep MTP drafts
+        (cache_prefixes.PrefixStore.restore). Emptied when the block is taken afresh.
+
 A block a slot holds is one ref; a slot's blocks go back when it is reset (`release`). Nothing here touches
 the device: the cache writes the block table from what `take` returns.
 """
@@ -25,6 +29,7 @@ class SlotBlocks:
         # with prefix caching, each slot's tokens and its full blocks' chain hashes (what its blocks hold)
         self.tokens: list[list[int]] = [[] for _ in range(num_slots)]
         self.hashes: list[list[bytes]] = [[] for _ in range(num_slots)]
+        self.head: dict[int, list[int]] = {}  # the MTP head's entries in each block (module docstring)
 
     @property
     def free_blocks(self) -> int:
@@ -44,6 +49,8 @@ class SlotBlocks:
         row length) and the block each one now holds."""
         total = sum(n for _, n in needs)
         taken = self.index.take_many(total)
+        for b in taken:
+            self.head.pop(b, None)
         blocks, entries, at = self.blocks, [], 0
         if total == len(needs):  # a block each (decode streams crossing a block boundary)
             for (slot, _), b in zip(needs, taken):
@@ -70,6 +77,23 @@ class SlotBlocks:
         for k, h in enumerate(fresh, len(hashes)):
             self.index.label(self.blocks[slot][k], h)
         hashes.extend(fresh)
+
+    def head_written(self, slot: int, start: int, tokens: list[int]) -> None:
+        """The MTP head wrote slot's entries of positions start .. start + len(tokens) - 1, entry p reading
+        tokens[p - start]; start is where the slot's entries end (its blocks from there on are its own)."""
+        bs = self.block_size
+        for p, t in enumerate(tokens, start):
+            rows = self.head.setdefault(self.blocks[slot][p // bs], [])
+            if len(rows) >= p % bs:  # (else a row before it is not written: the block's later rows do not count)
+                del rows[p % bs:]
+                rows.append(t)
+
+    def head_follows(self, blocks: list[int], tokens: list[int], n: int) -> bool:
+        """Whether `blocks` hold the MTP head's entries of positions 0 .. n - 1 as `tokens` (at least n + 1
+        of them) would have them written: entry p read tokens[p + 1]."""
+        bs = self.block_size
+        return all(tokens[k * bs + 1:min(n, (k + 1) * bs) + 1] == self.head.get(b, [])[:min(n - k * bs, bs)]
+                   for k, b in enumerate(blocks[:-(-n // bs)]))
 
     def adopt(self, slot: int, blocks: list[int], tokens: list[int]) -> None:
         """Empty `slot` now holds `blocks` (refs already taken), which hold `tokens` (a restored prefix)."""

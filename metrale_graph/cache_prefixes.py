@@ -117,7 +117,11 @@ class PrefixStore:
         """Start empty `slot` from the longest kept prefix of `tokens` of at most `limit` tokens: its full
         blocks shared, its partial last block copied into a fresh one (the stream appends to it), its GDN
         states copied from the checkpoint. Returns the tokens restored (0: none usable). The caller holds
-        the cache (exclusive) and has validated the tokens; protocol.restore_prefix is the entry point."""
+        the cache (exclusive) and has validated the tokens; protocol.restore_prefix is the entry point.
+        The MTP head's entries come with the blocks (its pools share the block table; a partial block's rows
+        are copied too): where they are those of `tokens`, entry p having read tokens[p + 1] up to the last
+        restored position (SlotBlocks.head_follows), the head has caught up on the prefix (mtp_context_lens
+        = the tokens restored), else it has not (0: the request gets no MTP drafts)."""
         c = self.cache
         held, index = c.slot_blocks, c.slot_blocks.index
         assert c.context_lens[slot] == 0 and not held.blocks[slot], "restore into a slot that holds context"
@@ -139,8 +143,11 @@ class PrefixStore:
             c.block_tables[slot, :len(blocks)] = to_device(int_tensor(blocks, torch.int32), c.device)
             if partial:
                 rows = n % bs
-                for pool in c.k_caches + c.v_caches:
+                for pool in c.k_caches + c.v_caches + c.mtp_k_caches + c.mtp_v_caches:
                     pool[blocks[-1], :rows].copy_(pool[partial[0], :rows])
+                held.head[blocks[-1]] = held.head.get(partial[0], [])[:rows]
+            if c.mtp_k_caches and held.head_follows(blocks, tokens, n):
+                c.mtp_context_lens[slot] = n
             for pool, entries in zip(c.conv_states + c.gdn_states, c.checkpoint_conv_states + c.checkpoint_gdn_states):
                 pool[slot].copy_(entries[hit.entry])
         return n

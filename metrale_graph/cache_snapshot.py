@@ -2,9 +2,9 @@
 
 Everything is every device tensor (`cache.state_tensors()`: the slot pools, KV pools, block tables, the
 checkpoint pools and the step's targets, the MTP head's KV pools) and the host bookkeeping: the contexts
-(`context_lens`, `mtp_context_lens`) and `cache.slot_blocks` (each slot's blocks, tokens and chain hashes; the
-prefix index: ref counts, labels, checkpoint entries). Tests and benchmarks use snapshots to run one workload
-from the same state again.
+(`context_lens`, `mtp_context_lens`) and `cache.slot_blocks` (each slot's blocks, tokens and chain hashes, the
+MTP head's notes per block; the prefix index: ref counts, labels, checkpoint entries). Tests and benchmarks use
+snapshots to run one workload from the same state again.
 """
 
 from __future__ import annotations

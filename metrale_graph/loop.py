@@ -309,6 +309,8 @@ class EngineLoop(LoopIntake, LoopReadBack):
             return 0
         n = restore_prefix(self.model, self.cache, r.slot, r.prompt)
         self._cached += n
+        if n and self.cache.mtp_context_lens[r.slot] != n:  # the head's entries of the prefix are not r's
+            r.mtp_ok = False
         return n
 
     def _keep(self, r: Request) -> None:

@@ -143,7 +143,7 @@ def test_aborts_leave_the_others_exact(models, monkeypatch):
         assert e.stats().used_blocks == 0
 
 
-def test_prefix_cache_hits_stay_exact_and_mtp_skips_restored_streams(models, monkeypatch):
+def test_prefix_cache_hits_stay_exact_and_restored_streams_get_mtp_drafts(models, monkeypatch):
     model, cfg = models["dense"], CONFIGS["dense"]
     shared = random_tokens(70, 9, cfg.vocab_size)
     prompts = [shared, shared + [3, 4]]  # the second restores the first but its last token
@@ -156,8 +156,9 @@ def test_prefix_cache_hits_stay_exact_and_mtp_skips_restored_streams(models, mon
             second = e.generate(prompts[1:], max_new_tokens=12, stop_token_ids=[])[0]
             assert [first.token_ids, second.token_ids] == reference
             assert second.cached_tokens > 0
-            if method == "mtp":  # a restored prefix: the head never saw it, no MTP drafts (docs/speculative.md)
-                assert proposed > 0 and e.stats().speculative["proposed"] == proposed
+            # the head's entries came with the restored blocks: MTP drafts after the hit too (test_mtp_restore.py:
+            # the bigram checkpoint keeps them all, random heads draft what a fresh run does)
+            assert proposed > 0 and e.stats().speculative["proposed"] > proposed
 
 
 def test_requests_that_do_not_speculate_decode_beside_those_that_do(models):

@@ -8,8 +8,9 @@ normed hidden state of p from this very step; the last output gives draft 1 (of 
 runs the head at position n' + j - 1 on draft j beside its own previous output. Drafts are the head's argmax
 (one-hot proposals for rejection_sample, whatever the request's temperature: exact either way). The drafts' own
 KV entries (positions n' .. n' + k - 2) are not counted (mtp_context_lens becomes n'); the next catch-up
-rewrites the kept positions. The blocks they need are the slot's, within its reservation (k leaves room for the
-added token: n' + k - 1 <= prompt + max_new - 1).
+rewrites the kept positions. With prefix caching the tokens each kept entry read are noted with its block
+(SlotBlocks.head_written), so that a request restoring those blocks keeps its MTP drafts. The blocks they need
+are the slot's, within its reservation (k leaves room for the added token: n' + k - 1 <= prompt + max_new - 1).
 """
 
 from __future__ import annotations
@@ -48,8 +49,12 @@ class MtpDrafter:
             hidden = model.normed(h.index_select(0, to_device(int_tensor(rows), h.device)))
             out = mtp_hidden_states(model, cache, _packed(cache, slots, ids, lengths, [before[i] for i in todo]),
                                     hidden)
-            for slot in slots:
+            at = 0
+            for i, slot, n in zip(todo, slots, lengths):
                 cache.mtp_context_lens[slot] = cache.context_lens[slot]
+                if cache.prefix_caching:  # what a restore of these blocks checks (cache_prefixes.restore)
+                    cache.slot_blocks.head_written(slot, before[i], ids[at:at + n])
+                at += n
             ends = [s - 1 for s in itertools.accumulate(lengths)]
             prev = out.index_select(0, to_device(int_tensor(ends), out.device))
             want = [room[i] for i in todo]

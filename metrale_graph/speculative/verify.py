@@ -83,9 +83,9 @@ class SpeculativeStep:
         return max(0, min(self.k, r.max_new - len(r.out) - 1))
 
     def follows(self, r) -> bool:
-        """"mtp": whether the head has followed r from its first position (a restored prefix, or a step that did
-        not run here, leaves it behind: no MTP drafts for r)."""
-        return (self.mtp is not None and speculates(r) and r.cached == 0 and r.mtp_ok
+        """"mtp": whether the head has followed r from its first position (a restored prefix whose head entries
+        are not r's, loop._restore, or a step that did not run here, leaves it behind: no MTP drafts for r)."""
+        return (self.mtp is not None and speculates(r) and r.mtp_ok
                 and r.params.prompt_logprobs is None)  # (whose prompt chunks run the loop's way: loop._speculate)
 
     def may_take(self, step: list, decodes: int) -> bool:
