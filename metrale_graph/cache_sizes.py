@@ -66,5 +66,6 @@ def pool_asks(cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: int
         asks.append((f"GDN state checkpoints (prefix_checkpoints={prefix_checkpoints})",
                      (prefix_checkpoints + 1) * states))
     if verify_entries:
-        asks.append((f"speculative verify states (num_slots x num_tokens = {verify_entries})", verify_entries * states))
+        asks.append((f"speculative verify states (min(num_slots, max_streams) x num_tokens = {verify_entries})",
+                     verify_entries * states))
     return asks

@@ -166,7 +166,8 @@ class Engine(RequestIntake):
             raise ValueError("prefix_cache with broadcast_plans under tensor parallelism is not supported yet (the plan "
                              "broadcast does not carry the prefix restores): turn one of them off")
         self.speculative = speculative
-        verify = num_slots * speculative.num_tokens if speculative is not None else 0  # speculative/verify.py
+        # speculative/verify.py: num_tokens entries per stream of a step that may speculate (at most max_streams)
+        verify = min(num_slots, speculative.max_streams) * speculative.num_tokens if speculative is not None else 0
         self.cache = model.new_cache(num_slots, num_blocks, block_size, max_context, checkpoints, interval, verify)
         self.runner = None
         if compile:

@@ -110,6 +110,7 @@ def test_steps_of_more_decodes_than_max_streams_do_not_speculate(monkeypatch):
             with Engine(model, 3, compile=False, speculative=option) as e:
                 out = [r.token_ids for r in e.generate(prompts, max_new_tokens=12, stop_token_ids=[])]
                 s = e.stats().speculative
+                assert e.cache.verify_entries == min(3, max_streams) * 2  # a stream of a step that may speculate
             assert out == reference
             assert (s["proposed"] > 0) == speculates and s["accepted"] == s["proposed"], (method, max_streams, s)
             assert s["drafts"] <= 3 * s["steps"]

@@ -123,6 +123,9 @@ class SpeculativeStep:
         spec = [i for i in range(decodes) if reqs[i].drafts]
         plain = [i for i, c in enumerate(step) if c.sample and i not in spec]
         keep_tok = [starts[i] + t for i in spec for t in range(lengths[i] - 1)]
+        if len(spec) * K > cache.verify_entries:  # may_take keeps a speculating step to max_streams decodes
+            raise RuntimeError(f"{len(spec)} speculating streams need {len(spec) * K} verify entries, the cache "
+                               f"has {cache.verify_entries}")
         keep_entry = [self.base + j * K + t for j, i in enumerate(spec) for t in range(lengths[i] - 1)]
         out: dict = {}
 
