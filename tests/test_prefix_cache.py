@@ -246,6 +246,39 @@ def test_a_token_budget_below_64_still_admits_prompts(model):
     assert again[0].token_ids == want[0].token_ids
 
 
+
+def test_a_failed_restore_fails_its_request_and_the_engine_goes_on(model, monkeypatch):
+    """A prefix restore that raises at admission (its state copies failing on the device, as a step's ops may)
+    fails that request with the error, as a failing step fails its requests; the others run, and later requests
+    hit the prefix and give plain decoding's tokens. It stopped the engine loop: every request then and after
+    ended with EngineClosedError."""
+    import metrale_graph.loop as loop_module
+
+    system = tokens(140, 8)
+    prompts = [system + tokens(9, 60), tokens(30, 61), system + tokens(12, 62)]
+    kw = dict(num_slots=3, token_budget=96, block_size=BS, max_context=512, compile=False)
+    with Engine(model, **kw) as plain, Engine(model, prefix_cache=True, checkpoint_interval=64, **kw) as cached:
+        want = [r.token_ids for r in plain.generate(prompts, max_new_tokens=5)]
+        cached.generate([system + tokens(3, 63)], max_new_tokens=2)  # the system prompt's prefix kept
+        real, calls = loop_module.restore_prefix, []
+
+        def failing(*args):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("restore failed")
+            return real(*args)
+
+        monkeypatch.setattr(loop_module, "restore_prefix", failing)
+        handles = [cached.submit(p, max_new_tokens=5) for p in prompts[:2]]
+        with pytest.raises(RuntimeError, match="restore failed"):
+            handles[0].result(60)
+        assert handles[1].result(60).token_ids == want[1]
+        monkeypatch.undo()
+        got = cached.generate(prompts, max_new_tokens=5)
+        assert [r.token_ids for r in got] == want and got[0].cached_tokens == 128
+        assert cached.cache.context_lens == [0] * 3 and cached.cache.free_blocks == cached.cache.num_blocks
+        assert not any(cached.cache._index.refs)
+
 def test_the_onnx_export_refuses_a_cache_that_keeps_checkpoints_in_the_step(model):
     pytest.importorskip("onnxscript")
     from metrale_graph.onnx import export_prefill
