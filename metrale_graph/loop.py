@@ -304,10 +304,15 @@ class EngineLoop(LoopIntake, LoopReadBack):
 
     def _restore(self, r: Request) -> int:
         """Prefix caching: start r's fresh slot from the longest cached prefix of its prompt (none when r asks
-        for prompt logprobs: a restored prefix has no logits)."""
+        for prompt logprobs: a restored prefix has no logits). A restore that raises fails r (r.ended; its slot
+        given back) and returns 0."""
         if r.params.prompt_logprobs is not None:
             return 0
-        n = restore_prefix(self.model, self.cache, r.slot, r.prompt)
+        try:
+            n = restore_prefix(self.model, self.cache, r.slot, r.prompt)
+        except BaseException as e:  # (its copies failing on the device): r fails, as a step's requests do; the
+            self._fail(r, e)  # restore's transaction reset the slot, which _fail gives back; the others go on
+            return 0
         self._cached += n
         if n and self.cache.mtp_context_lens[r.slot] != n:  # the head's entries of the prefix are not r's
             r.mtp_ok = False

@@ -111,8 +111,9 @@ class Chunk:
 
 class Scheduler:
     def __init__(self, cache: HybridCache, token_budget: int, restore=None, keep=None):
-        """restore(request) -> prompt tokens restored into its fresh slot; keep(request): its slot's context
-        kept for later prompts. Both given with prefix caching (module docstring), else None."""
+        """restore(request) -> prompt tokens restored into its fresh slot (a request it failed is ended, its slot
+        given back); keep(request): its slot's context kept for later prompts. Both given with prefix caching
+        (module docstring), else None."""
         assert not any(cache.context_lens), "the scheduler starts on an empty cache (module docstring)"
         self.cache, self.token_budget = cache, token_budget
         self.restore, self.keep = restore, keep
@@ -148,14 +149,18 @@ class Scheduler:
             if budget <= 0:
                 break
             budget -= self._chunk(r, budget, step)
+        failed = False  # a request whose restore failed at admission (nothing of it in the step)
         while budget > 0 and self.waiting and self.free_slots and self._fits(self.waiting[0]) and self._worth(budget):
             r = self.waiting.popleft()
             r.slot = self.free_slots.pop(0)
             self.running.append(r)
             if self.restore is not None:
                 r.fed = r.cached = self.restore(r)
+                if r.ended:  # its restore failed: the engine failed it and gave its slot back
+                    failed = True
+                    continue
             budget -= self._chunk(r, budget, step)
-        assert step or any(r.sampled > len(r.out) for r in self.running), \
+        assert step or failed or any(r.sampled > len(r.out) for r in self.running), \
             "requests that fit no step (a request's KV blocks are checked against the cache at submit)"
         return step
 

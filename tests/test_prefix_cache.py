@@ -264,7 +264,7 @@ def test_a_failed_restore_fails_its_request_and_the_engine_goes_on(model, monkey
 
         def failing(*args):
             calls.append(1)
-            if len(calls) == 1:
+            if len(calls) in (1, 3):
                 raise RuntimeError("restore failed")
             return real(*args)
 
@@ -273,6 +273,8 @@ def test_a_failed_restore_fails_its_request_and_the_engine_goes_on(model, monkey
         with pytest.raises(RuntimeError, match="restore failed"):
             handles[0].result(60)
         assert handles[1].result(60).token_ids == want[1]
+        with pytest.raises(RuntimeError, match="restore failed"):  # alone: its step then holds nothing
+            cached.generate(prompts[2:], max_new_tokens=5)
         monkeypatch.undo()
         got = cached.generate(prompts, max_new_tokens=5)
         assert [r.token_ids for r in got] == want and got[0].cached_tokens == 128
