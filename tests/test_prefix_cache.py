@@ -247,6 +247,29 @@ def test_a_token_budget_below_64_still_admits_prompts(model):
 
 
 
+def test_prompts_chunked_below_64_tokens_keep_their_interval_checkpoints(model):
+    """A token budget below 64 feeds a prompt in chunks shorter than 64 tokens, which end on the interval's
+    multiples (the scheduler cuts them there) without a stream's context ever 64 tokens before one: the
+    checkpoints at 64 and 128 are taken at those chunks' last tokens. None was written (every interval multiple
+    had to lie a multiple of 64 past the context), so a prompt sharing 140 tokens with an earlier one restored
+    nothing."""
+    first = tokens(150, 71)
+    nested = [first[:140] + tokens(5, 72), first[:100] + tokens(5, 73)]
+    kw = dict(num_slots=2, token_budget=32, block_size=BS, max_context=256, compile=False)
+    with (Engine(model, **kw) as plain,
+          Engine(model, prefix_cache=True, checkpoint_interval=64, prefix_checkpoints=32, **kw) as cached):
+        cached.generate([first], max_new_tokens=2)
+        got = [cached.generate([p], max_new_tokens=4)[0] for p in nested]
+        want = [plain.generate([p], max_new_tokens=4)[0] for p in nested]
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        assert [r.cached_tokens for r in got] == [128, 64]
+        # a decode reaching 64 keeps no checkpoint there: the request keeps its two (after all but its last prompt
+        # token, and at its end), as before
+        kept = cached.stats().prefix["checkpoints"]
+        cached.generate([tokens(3, 74)], max_new_tokens=70)
+        assert cached.stats().prefix["checkpoints"] == kept + 2
+
+
 def test_a_failed_restore_fails_its_request_and_the_engine_goes_on(model, monkeypatch):
     """A prefix restore that raises at admission (its state copies failing on the device, as a step's ops may)
     fails that request with the error, as a failing step fails its requests; the others run, and later requests
