@@ -58,8 +58,9 @@ class PrefixStore:
     def plan(self, streams: list[tuple[int, int, list[int]]]) -> list[tuple[int, int, bytes]]:
         """The state checkpoints the next step keeps (prefix caching with a checkpoint_interval): for each
         (slot, packed offset, new tokens) stream, every multiple of the interval its new tokens reach, where
-        the slot's context is a multiple of 64 away (ops/checkpoints.py: the CUDA path keeps states at
-        chunk boundaries) and no checkpoint of that prefix exists or is planned (two streams reaching one
+        the slot's context is a multiple of 64 away or at the last of its new tokens when it has several (a
+        prompt chunk; ops/checkpoints.py: the CUDA path keeps states at chunk boundaries and at each stream's
+        last token) and no checkpoint of that prefix exists or is planned (two streams reaching one
         prefix plan it once). At most what the pool can give (free entries and recorded ones, evicted least
         recently used first) and len(checkpoint_tokens): when fewer, each stream's deepest first, a round
         across the streams at a time (a deeper checkpoint restores more of every prompt that reaches it).
@@ -72,9 +73,10 @@ class PrefixStore:
         every, bs, held, index = c.checkpoint_interval, c.block_size, c.slot_blocks, c.slot_blocks.index
         wanted, planned = [], set()  # per stream, its (stream, length, packed token, hash) targets deepest first
         for i, (slot, offset, new) in enumerate(streams):
-            ctx = c.context_lens[slot]
+            ctx, end = c.context_lens[slot], c.context_lens[slot] + len(new)
             first = -(-(ctx + 1) // every) * every
-            ends = [p for p in range(first, ctx + len(new) + 1, every) if (p - ctx) % 64 == 0]
+            # (a prompt chunk's last token: the ops keep any stream's, ops/checkpoints.py; not a decode's one token)
+            ends = [p for p in range(first, end + 1, every) if (p - ctx) % 64 == 0 or (p == end and len(new) > 1)]
             if not ends:  # no multiple of the interval reached (a decode's one token, mostly)
                 continue
             hashes = held.hashes[slot]
