@@ -16,7 +16,10 @@ boundaries), the text from it on is cut and never sent, and the request ends wit
 the request runs the last (longest stop string - 1) characters are held back, because they may
 be the start of a stop string that the next tokens complete. As in vLLM, `include_stop` keeps the
 stop string (the text is cut after it, nothing held back), and with `min_tokens` a stop string ends
-the text only from the token after the first min_tokens on.
+the text only from the token after the first min_tokens on. A stop token (one of `stop_ids`: the eos
+tokens, a request's stop_token_ids) that ends the request adds no text, as vLLM's detokenizer leaves it
+out: a stop token that is no special token (a word of the vocabulary sent as a stop_token_id) would
+otherwise end the text; `include_stop` keeps it, as it keeps a stop string.
 
 For a byte-level tokenizer the pieces joined equal `tokenizer.decode(new_ids)` (cut at a stop
 string); a tokenizer that rewrites text across tokens (clean_up_tokenization_spaces) may differ
@@ -95,9 +98,11 @@ class StreamingText:
     """A request's streamed text: IncrementalDetokenizer plus stop strings (module docstring)."""
 
     def __init__(self, tokenizer, prompt_ids: Sequence[int], decode_kwargs: dict | None = None,
-                 stop: Sequence[str] = (), include_stop: bool = False, min_tokens: int = 0):
+                 stop: Sequence[str] = (), include_stop: bool = False, min_tokens: int = 0,
+                 stop_ids: frozenset = frozenset()):
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, decode_kwargs)
         self.stop, self.include_stop, self.min_tokens = tuple(stop), include_stop, min_tokens
+        self.stop_ids = stop_ids  # a last token among them adds no text (unless include_stop)
         self._hold = 0 if include_stop else max((len(s) for s in self.stop), default=1) - 1
         self._tokens = 0  # tokens added so far
         self._text = ""  # everything decoded so far (cut at a stop string once one matched)
@@ -116,6 +121,8 @@ class StreamingText:
             return "", True
         start = len(self._text)
         self._tokens += len(token_ids)
+        if final and token_ids and token_ids[-1] in self.stop_ids and not self.include_stop:
+            token_ids = token_ids[:-1]  # the stop token that ends the request: no text of its own
         self._text += self._detok.add(token_ids)
         if final:
             self._text += self._detok.flush()

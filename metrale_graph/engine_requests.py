@@ -87,7 +87,7 @@ class RequestIntake:
                 r.generator = new_generator(None if seed is None else seed + r.index)
             if text:
                 r.text = StreamingText(self.tokenizer, r.prompt, self._decode_kwargs, stop, include_stop,
-                                       params.min_tokens)
+                                       params.min_tokens, frozenset(stops))
         return requests
 
     def _check_controls(self, temperature, top_k, top_p, max_new_tokens: int, controls: dict):

@@ -252,6 +252,25 @@ def test_include_stop_str_in_output(client):
     assert (kept.text, kept.finish_reason) == (text[:6], "stop") and streamed == text[:6]
 
 
+def test_a_stop_token_adds_no_text(client, tokenizer):
+    """A stop_token_ids token that ends the reply (a word of the vocabulary, not a special token) is counted and
+    returned among the token ids but adds no text, as vLLM answers (its text once ended the reply); with
+    include_stop_str_in_output its text is kept; whole and streamed alike."""
+    kw = dict(model=NAME, prompt=PROMPT, max_tokens=8, temperature=0)
+    ids = client.completions.create(extra_body={"ignore_eos": True, "return_token_ids": True}, **kw).choices[0].token_ids
+    stop = ids[3]
+    assert stop not in ids[:3] and tokenizer.decode([stop]), ids  # its first time, a token with text
+    for include in (False, True):
+        extra = {"ignore_eos": True, "stop_token_ids": [stop], "include_stop_str_in_output": include,
+                 "return_token_ids": True}
+        whole = client.completions.create(extra_body=extra, **kw)
+        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, extra_body=extra, **kw))
+        want = tokenizer.decode(ids[:4] if include else ids[:3])
+        choice = whole.choices[0]
+        assert (choice.text, choice.finish_reason, choice.token_ids) == (want, "stop", ids[:4]), include
+        assert streamed == want and whole.usage.completion_tokens == 4
+
+
 
 def test_streamed_text_offsets_equal_the_whole_responses(client):
     """Streamed completions logprobs with a stop string (its text held back while it may begin the stop string, so
