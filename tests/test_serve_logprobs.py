@@ -271,6 +271,18 @@ def test_a_stop_token_adds_no_text(client, tokenizer):
         assert streamed == want and whole.usage.completion_tokens == 4
 
 
+def test_skip_special_tokens_false_keeps_their_text(client, tokenizer):
+    """vLLM's skip_special_tokens false (once refused) keeps a special token's text, whole and streamed; by default it
+    is skipped; a special token that ends the reply as a stop token adds none either way."""
+    special = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    kw = dict(model=NAME, prompt=PROMPT, max_tokens=2, temperature=0, logit_bias={str(special): 100})
+    for extra, want in (({}, ""), ({"skip_special_tokens": False}, "<|im_start|>" * 2),
+                        ({"skip_special_tokens": False, "stop_token_ids": [special]}, "")):
+        whole = client.completions.create(extra_body=extra, **kw).choices[0].text
+        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, extra_body=extra, **kw))
+        assert whole == streamed == want, extra
+
+
 
 def test_streamed_text_offsets_equal_the_whole_responses(client):
     """Streamed completions logprobs with a stop string (its text held back while it may begin the stop string, so

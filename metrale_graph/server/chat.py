@@ -67,10 +67,10 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     if structured is not None:
         await compile_grammar(state, structured, field)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    sampling = state.sampling(body, body.max_new_tokens, logprobs, body.prompt_logprobs, structured)
+    plain = tools.functions is None and tools.forced is None and state.replies.plain
+    sampling = state.sampling(body, body.max_new_tokens, logprobs, body.prompt_logprobs, structured, not plain)
     group = Generations.submit(state, [prompt], sampling, body.n, param="messages")
     rid = request_id("chatcmpl")
-    plain = tools.functions is None and tools.forced is None and state.replies.plain
 
     def parser() -> ReplyParser:
         forced = ForcedCallParser(tools.choice) if tools.forced is not None else None

@@ -59,6 +59,8 @@ class Generations:
         (num_slots + max_waiting) are a 400: even an idle engine could never take them all."""
         handles, metrics = [], []
         engine = state.engine
+        # (only when set: an engine of another kind need not take it)
+        keep = {"keep_special_ids": sampling.keep_special_ids} if sampling.keep_special_ids else {}
         total, waiting = len(prompts) * n, getattr(engine, "max_waiting", None)
         queue = None if waiting is None else waiting + engine.num_slots
         if queue is not None and total > queue:  # it could never be queued whole: a 503 would be retried forever
@@ -74,7 +76,8 @@ class Generations:
                     handles.append(engine.submit(ids, sampling.max_new_tokens, sampling.temperature, sampling.top_k,
                                                  sampling.top_p, seed, sampling.stop_token_ids, sampling.stop,
                                                  include_stop_str_in_output=sampling.include_stop_str_in_output,
-                                                 structured=sampling.structured, **sampling.controls))
+                                                 structured=sampling.structured, **sampling.controls,
+                                                 **keep))
         except Exception as e:
             for h in handles:
                 h.abort()

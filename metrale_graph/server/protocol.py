@@ -50,7 +50,7 @@ class StreamOptions(BaseModel):
 # Identity, not equality, for the booleans: `use_beam_search: 0` is not False.
 NEUTRAL = {
     "length_penalty": (None, 1), "use_beam_search": (None, False),
-    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
     "allowed_token_ids": (None,), "bad_words": (None, []),
     "truncate_prompt_tokens": (None,), "logits_processors": (None,),
     "guided_whitespace_pattern": (None,),  # vLLM's: the JSON grammars' whitespace (xgrammar's is fixed here)
@@ -111,6 +111,7 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     ignore_eos: StrictBool = False
     return_token_ids: StrictBool = False
+    skip_special_tokens: StrictBool | None = None  # false: every special token's text kept
     # sampling controls (metrale_graph/logits_processors.py: vLLM's semantics); null: the default (off).
     # OpenAI's penalties, logit_bias (token ids as JSON object keys); vLLM's min_p, repetition_penalty,
     # min_tokens, include_stop_str_in_output, prompt_logprobs (each prompt token's logprob and the top N)
@@ -132,7 +133,6 @@ class SamplingFields(BaseModel):
     # fields the engine cannot honour (NEUTRAL): refused unless neutral
     length_penalty: Any = None
     use_beam_search: Any = None
-    skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None

@@ -15,8 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from .reasoning import THINK_END, ReasoningParser
-from .tool_parsers import PARSERS, CallArguments, CallStart, ContentDelta, parser_of_template
+from .reasoning import THINK_END, THINK_START, ReasoningParser
+from .tool_parsers import (CALL_END, CALL_START, FUNCTION_END, FUNCTION_START, PARAMETER_END, PARAMETER_START, PARSERS,
+                           CallArguments, CallStart, ContentDelta, parser_of_template)
 
 AUTO, NONE = "auto", "none"
 REASONING_PARSERS = ("qwen3",)
@@ -113,6 +114,13 @@ class ReplyParsers:
         reasoning = ReasoningParser(in_reasoning) if self.reasoning else None
         tools = PARSERS[self.tool_format](functions) if functions is not None and self.tool_format else None
         return ReplyParser(reasoning, forced if forced is not None else tools)
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """The tags these parsers read in a reply's text (a tokenizer that marks their tokens special, as Qwen3.5's
+        marks `<think>` and `<tool_call>`, would drop them from it: the server keeps those tokens' text)."""
+        tools = (CALL_START, CALL_END, FUNCTION_START, FUNCTION_END, PARAMETER_START, PARAMETER_END)
+        return (THINK_START, THINK_END) * self.reasoning + tools * (self.tool_format is not None)
 
     @property
     def plain(self) -> bool:
