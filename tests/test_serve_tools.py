@@ -97,6 +97,21 @@ def test_the_agent_loop_streamed_with_arguments_in_pieces(client):
     assert got == {"reasoning": AFTER_TOOL_REASONING, "content": ANSWER, "calls": [], "finish": "stop"}
 
 
+def test_the_reasoning_under_both_of_vllms_names(client):
+    """The reasoning comes as `reasoning_content` and as `reasoning` (vLLM's newer name, which its clients read),
+    whole and streamed; a past reply's reasoning sent back under either name reaches the template alike."""
+    message = ask(client, USER).choices[0].message
+    assert message.reasoning == message.reasoning_content == REASONING
+    streamed = "".join(getattr(c.choices[0].delta, "reasoning", None) or ""
+                       for c in ask(client, USER, stream=True) if c.choices)
+    assert streamed == REASONING
+    tokens = {}
+    for name in (None, "reasoning", "reasoning_content"):
+        past = {"role": "assistant", "content": "Sunny.", **({name: REASONING} if name else {})}
+        tokens[name] = ask(client, [*USER, past, *USER], max_tokens=1).usage.prompt_tokens
+    assert tokens["reasoning"] == tokens["reasoning_content"] > tokens[None], tokens
+
+
 def test_without_thinking_the_reply_is_the_call_alone(client):
     choice = ask(client, USER, extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0]
     assert choice.message.reasoning_content is None and choice.message.content is None

@@ -2,16 +2,16 @@
 whole or streamed, its reasoning and tool calls parsed out.
 
 The prompt is `tokenizer.apply_chat_template(messages, tools=..., add_generation_prompt=True)` as token ids
-(vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs change its arguments; the
-tools are rendered unless tool_choice is "none": tool_choice.py). A reply is read by the server's parsers
-(reply.py): `<think>` blocks into `reasoning_content` (from the prompt's open `<think>` when the template
-opened one), and, when the request offers tools, calls in the template's format into `tool_calls` (ids
-`call_...`; finish_reason "tool_calls" when a reply that stopped made one; content None when it holds only
-calls). A stream sends, per choice, a first delta with the role (`{"role": "assistant", "content": ""}`),
-then a delta per piece as the text comes (`content`, `reasoning_content`, or `tool_calls`: a call's index,
-id, type and name first with arguments "", then its arguments in pieces), the last one with the finish
-reason ("stop": a stop token or string; "length": max_tokens or the context; "tool_calls"), then the usage
-chunk with stream_options.include_usage, then `data: [DONE]`.
+(vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs change its arguments; the tools
+are rendered unless tool_choice is "none": tool_choice.py). A reply is read by the server's parsers (reply.py):
+`<think>` blocks into `reasoning_content` and `reasoning` (vLLM's older and newer names for it; from the
+prompt's open `<think>` when the template opened one), and, when the request offers tools, calls in the
+template's format into `tool_calls` (ids `call_...`; finish_reason "tool_calls" when a reply that stopped made
+one; content None when it holds only calls). A stream sends, per choice, a first delta with the role (`{"role":
+"assistant", "content": ""}`), then a delta per piece as the text comes (`content`, `reasoning_content`, or
+`tool_calls`: a call's index, id, type and name first with arguments "", then its arguments in pieces), the last
+one with the finish reason ("stop": a stop token or string; "length": max_tokens or the context; "tool_calls"),
+then the usage chunk with stream_options.include_usage, then `data: [DONE]`.
 
 Structured output (`response_format`, `structured_outputs`, `guided_*`; server/structured.py) holds the reply
 to its grammar (from after `</think>` when the reply starts inside a reasoning block). tool_choice "required"
@@ -87,7 +87,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         else:
             reader = parser()
             reply = Reply.of(reader.feed(r.text or "") + reader.finish())
-            message = AssistantMessage(content=reply.content, reasoning_content=reply.reasoning,
+            message = AssistantMessage(content=reply.content, reasoning_content=reply.reasoning, reasoning=reply.reasoning,
                                        tool_calls=[ToolCall(id=call_id(), function=FunctionCall(name=n, arguments=a))
                                                    for n, a in reply.calls] or None)
             calls = len(reply.calls)
@@ -114,7 +114,7 @@ def _delta(event, call_ids: list[str]) -> DeltaMessage:
     if isinstance(event, ContentDelta):
         return DeltaMessage(content=event.text)
     if isinstance(event, ReasoningDelta):
-        return DeltaMessage(reasoning_content=event.text)
+        return DeltaMessage(reasoning_content=event.text, reasoning=event.text)
     if isinstance(event, CallStart):
         call_ids.append(call_id())
         return DeltaMessage(tool_calls=[DeltaToolCall(index=event.index, id=call_ids[event.index], type="function",

@@ -218,13 +218,18 @@ class ChatMessage(BaseModel):
         """The message as a chat template reads it: content parts joined into one string; OpenAI's
         `developer` role as `system` (OpenAI treats them alike; chat templates such as Qwen's know only the
         latter); a tool call's `function.arguments` sent as a JSON string (OpenAI's wire format) parsed into
-        the mapping templates iterate (as vLLM does; one that is not a JSON object stays a string)."""
+        the mapping templates iterate (as vLLM does; one that is not a JSON object stays a string); a past reply's
+        reasoning under either of vLLM's names (`reasoning`, `reasoning_content`) given under both (Qwen's templates
+        read `reasoning_content`)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         extra = dict(self.model_extra or {})
         if isinstance(extra.get("tool_calls"), list):
             extra["tool_calls"] = [_parsed_arguments(call) for call in extra["tool_calls"]]
+        for name, other in (("reasoning", "reasoning_content"), ("reasoning_content", "reasoning")):
+            if extra.get(name) is not None and extra.get(other) is None:  # vLLM's two names: templates read either
+                extra[other] = extra[name]
         role = "system" if self.role == "developer" else self.role
         return {**extra, "role": role, "content": content or ""}
 

@@ -127,6 +127,7 @@ class DeltaMessage(SetFieldsOnly):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # the same text under vLLM's newer name
     tool_calls: list[DeltaToolCall] | None = None
 
 
@@ -145,6 +146,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None  # None: a reply of tool calls (or reasoning) only
     reasoning_content: str | None = None  # the reasoning parser's (vLLM's field, null as vLLM sends it)
+    reasoning: str | None = None  # the same, under the name vLLM renamed it to (clients read either)
     tool_calls: list[ToolCall] | None = Field(None, exclude_if=_none)
 
 
