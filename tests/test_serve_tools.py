@@ -112,6 +112,20 @@ def test_the_reasoning_under_both_of_vllms_names(client):
     assert tokens["reasoning"] == tokens["reasoning_content"] > tokens[None], tokens
 
 
+def test_parallel_tool_calls_false_is_served(client):
+    """parallel_tool_calls false with tool_choice auto (LangChain's and the Agents SDK's way to ask for one call at a
+    time; once a 400): served, the reply's first call given (the others dropped, as vLLM does: test_reply_parsers)."""
+    for stream in (False, True):
+        if stream:
+            calls = [d for c in ask(client, USER, parallel_tool_calls=False, stream=True) if c.choices
+                     for d in c.choices[0].delta.tool_calls or ()]
+            name, arguments = calls[0].function.name, "".join(d.function.arguments for d in calls)
+        else:
+            (call,) = ask(client, USER, parallel_tool_calls=False).choices[0].message.tool_calls
+            name, arguments = call.function.name, call.function.arguments
+        assert (name, json.loads(arguments)) == ("get_weather", ARGUMENTS), stream
+
+
 def test_without_thinking_the_reply_is_the_call_alone(client):
     choice = ask(client, USER, extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0]
     assert choice.message.reasoning_content is None and choice.message.content is None
@@ -194,7 +208,7 @@ def test_bad_tools_are_400_naming_the_field(server, body, param, says):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"tools": [WEATHER_TOOL], "parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"tools": [WEATHER_TOOL], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ({"functions": [WEATHER_TOOL["function"]]}, "functions"),
 ])
 def test_what_the_server_does_not_honour_is_refused_by_name(server, body, param):

@@ -74,7 +74,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
 
     def parser() -> ReplyParser:
         forced = ForcedCallParser(tools.choice) if tools.forced is not None else None
-        return state.replies.parser(tools.functions, in_reasoning, forced)
+        return state.replies.parser(tools.functions, in_reasoning, forced, body.parallel_tool_calls is False)
 
     if body.stream:
         return _events(state, body, group, rid, None if plain else parser)

@@ -285,7 +285,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: NumLogprobs | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
-    parallel_tool_calls: Any = None  # false: one call, under a forced tool_choice only (else refused: NEUTRAL)
+    parallel_tool_calls: Any = None  # false: one call (forced: the schema's; auto: the first, as vLLM: chat.py)
     functions: Any = None  # OpenAI's deprecated forms of tools and tool_choice: refused (NEUTRAL)
     function_call: Any = None
     # vLLM's chat template arguments (chat_template_kwargs: the template's own variables, e.g. Qwen3's
@@ -295,9 +295,9 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def neutral(self) -> dict:
-        # parallel_tool_calls false: one call, which a forced tool_choice's schema holds the reply to (tool_choice.py)
-        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
-        return {"parallel_tool_calls": (None, True, False) if forced else (None, True), "functions": (None, []),
+        # parallel_tool_calls false: one call (a forced tool_choice's schema holds the reply to one, tool_choice.py;
+        # under "auto" the calls after the first are dropped, as vLLM does)
+        return {"parallel_tool_calls": (None, True, False), "functions": (None, []),
                 "function_call": (None, "none"), **NEUTRAL}
 
     @property
