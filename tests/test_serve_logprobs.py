@@ -238,7 +238,7 @@ def test_min_p_of_one_samples_the_most_likely_token(client):
 
 def test_include_stop_str_in_output(client):
     """A stop string from the middle of the greedy text ends it: before the stop string, or after it with vLLM's
-    include_stop_str_in_output, whole and streamed."""
+    include_stop_str_in_output, whole and streamed; vLLM's stop_reason names it (null for a reply cut by length)."""
     kw = dict(model=NAME, prompt=PROMPT, max_tokens=12, temperature=0)
     text = client.completions.create(extra_body={"ignore_eos": True}, **kw).choices[0].text
     stop = text[4:6]
@@ -246,9 +246,12 @@ def test_include_stop_str_in_output(client):
     cut = client.completions.create(stop=[stop], extra_body={"ignore_eos": True}, **kw).choices[0]
     kept = client.completions.create(stop=[stop], extra_body={"ignore_eos": True, "include_stop_str_in_output": True},
                                      **kw).choices[0]
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
+    chunks = list(client.completions.create(
         stop=[stop], stream=True, extra_body={"ignore_eos": True, "include_stop_str_in_output": True}, **kw))
-    assert (cut.text, cut.finish_reason) == (text[:4], "stop")
+    streamed = "".join(c.choices[0].text for c in chunks)
+    assert (cut.text, cut.finish_reason, cut.stop_reason) == (text[:4], "stop", stop)
+    assert chunks[-1].choices[0].stop_reason == stop and chunks[0].choices[0].stop_reason is None
+    assert client.completions.create(extra_body={"ignore_eos": True}, **kw).choices[0].stop_reason is None
     assert (kept.text, kept.finish_reason) == (text[:6], "stop") and streamed == text[:6]
 
 
@@ -269,6 +272,7 @@ def test_a_stop_token_adds_no_text(client, tokenizer):
         choice = whole.choices[0]
         assert (choice.text, choice.finish_reason, choice.token_ids) == (want, "stop", ids[:4]), include
         assert streamed == want and whole.usage.completion_tokens == 4
+        assert choice.stop_reason == stop  # vLLM's stop_reason: the stop_token_ids token that ended it
 
 
 def test_skip_special_tokens_false_keeps_their_text(client, tokenizer):

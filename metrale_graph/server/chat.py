@@ -92,6 +92,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                                                    for n, a in reply.calls] or None)
             calls = len(reply.calls)
         choices.append(ChatChoice(index=i, message=message, finish_reason=finish_reason(r.finish_reason, calls),
+                                  stop_reason=group.stop_reason(i, r.finish_reason, r.token_ids),
                                   logprobs=_logprobs(state, body, r.token_ids, r.logprobs),
                                   token_ids=list(r.token_ids) if ids else None,
                                   prompt_token_ids=prompt if ids else None))
@@ -156,7 +157,8 @@ async def _events(state: ServerState, body: ChatCompletionRequest, group: Genera
                     continue
                 pending[choice] = ([], [])
                 yield sent(chunks.chat(choice, out.text or None, out.finish_reason, token_ids if ids else None,
-                                       _logprobs(state, body, token_ids, entries)))
+                                       _logprobs(state, body, token_ids, entries),
+                                       group.stop_reason(choice, out.finish_reason, out.token_ids)))
                 continue
             reader = readers[choice]
             events = reader.feed(out.text) if out.text else []
@@ -169,10 +171,12 @@ async def _events(state: ServerState, body: ChatCompletionRequest, group: Genera
             if not deltas:  # (text the parsers hold back: its tokens and logprobs go with the next delta)
                 continue
             pending[choice] = ([], [])
+            stop_reason = group.stop_reason(choice, out.finish_reason, out.token_ids)
             for k, delta in enumerate(deltas):
                 yield sent(chunk([ChatChunkChoice(index=choice, delta=delta,
                                                   logprobs=_logprobs(state, body, token_ids, entries) if k == 0 else None,
                                                   finish_reason=finish if k == len(deltas) - 1 else None,
+                                                  stop_reason=stop_reason if k == len(deltas) - 1 else None,
                                                   token_ids=(token_ids if ids else None) if k == 0 else None)]))
         if body.stream_options is not None and body.stream_options.include_usage:
             yield chunk([], group.usage())

@@ -51,6 +51,7 @@ class Sampling:
     include_stop_str_in_output: bool = False
     structured: object = None  # the engine's StructuredOutput (server/structured.py), or None
     keep_special_ids: frozenset = frozenset()  # special tokens whose text the reply keeps (Engine.submit's)
+    request_stop_ids: frozenset = frozenset()  # the request's own stop_token_ids (a stop_reason, vLLM's field)
 
 
 def check_text(value, name: str, param: str) -> None:
@@ -257,7 +258,8 @@ class ServerState:
             self.tag_ids if parsed else frozenset())
         return Sampling(max_new_tokens if max_new_tokens is not None else self.max_context, body.temperature,
                         max(body.top_k, 0), body.top_p, body.seed, stops, stop, controls,
-                        bool(body.include_stop_str_in_output), structured, keep)
+                        bool(body.include_stop_str_in_output), structured, keep,
+                        frozenset(body.stop_token_ids or ()))
 
     def check_api_key(self, authorization: str | None) -> None:
         """401 unless `authorization` (the request's header) is 'Bearer <the key>' (no key: all pass)."""
