@@ -16,7 +16,14 @@ boundaries), the text from it on is cut and never sent, and the request ends wit
 the request runs the last (longest stop string - 1) characters are held back, because they may
 be the start of a stop string that the next tokens complete. As in vLLM, `include_stop` keeps the
 stop string (the text is cut after it, nothing held back), and with `min_tokens` a stop string ends
-the text only from the token after the first min_tokens on.
+the text only from the token after the first min_tokens on. A stop token (one of `stop_ids`: the eos
+tokens, a request's stop_token_ids) that ends the request adds no text, as vLLM's detokenizer leaves it
+out: a stop token that is no special token (a word of the vocabulary sent as a stop_token_id) would
+otherwise end the text; `include_stop` keeps it, as it keeps a stop string.
+
+`drop_ids`: tokens whose text is left out, filtered before decoding: a request that keeps some special tokens'
+text (Engine.submit's keep_special_ids) decodes with skip_special_tokens=False and drops the other special
+tokens itself.
 
 For a byte-level tokenizer the pieces joined equal `tokenizer.decode(new_ids)` (cut at a stop
 string); a tokenizer that rewrites text across tokens (clean_up_tokenization_spaces) may differ
@@ -34,9 +41,11 @@ CONTEXT_TOKENS = 5  # prompt tokens decoded ahead of the first new token (vLLM's
 class IncrementalDetokenizer:
     """The text of a growing token sequence, piece by piece. Not thread-safe (one per request)."""
 
-    def __init__(self, tokenizer, prompt_ids: Sequence[int], decode_kwargs: dict | None = None):
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], decode_kwargs: dict | None = None,
+                 drop_ids: frozenset = frozenset()):
         self._tokenizer, self._kwargs = tokenizer, dict(decode_kwargs or {})
-        context = list(prompt_ids[-CONTEXT_TOKENS:])
+        self._drop = drop_ids  # tokens left out before decoding (the special tokens a request skips itself)
+        context = [t for t in prompt_ids[-CONTEXT_TOKENS:] if t not in drop_ids]
         if self._decode(context).endswith(REPLACEMENT):  # the prompt ends inside a character: no context
             context = []
         self._ids = context
@@ -50,7 +59,7 @@ class IncrementalDetokenizer:
     def add(self, token_ids: Sequence[int]) -> str:
         """Append `token_ids`; the text they complete ("" while the newest token ends inside a character,
         or adds no text, e.g. a skipped special token)."""
-        self._ids.extend(token_ids)
+        self._ids.extend(t for t in token_ids if t not in self._drop)
         if self._prefix_text is None:
             self._prefix_text = self._decode(self._ids[self._prefix:self._read])
         full = self._decode(self._ids[self._prefix:])
@@ -95,9 +104,11 @@ class StreamingText:
     """A request's streamed text: IncrementalDetokenizer plus stop strings (module docstring)."""
 
     def __init__(self, tokenizer, prompt_ids: Sequence[int], decode_kwargs: dict | None = None,
-                 stop: Sequence[str] = (), include_stop: bool = False, min_tokens: int = 0):
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, decode_kwargs)
+                 stop: Sequence[str] = (), include_stop: bool = False, min_tokens: int = 0,
+                 stop_ids: frozenset = frozenset(), drop_ids: frozenset = frozenset()):
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, decode_kwargs, drop_ids)
         self.stop, self.include_stop, self.min_tokens = tuple(stop), include_stop, min_tokens
+        self.stop_ids = stop_ids  # a last token among them adds no text (unless include_stop)
         self._hold = 0 if include_stop else max((len(s) for s in self.stop), default=1) - 1
         self._tokens = 0  # tokens added so far
         self._text = ""  # everything decoded so far (cut at a stop string once one matched)
@@ -116,6 +127,8 @@ class StreamingText:
             return "", True
         start = len(self._text)
         self._tokens += len(token_ids)
+        if final and token_ids and token_ids[-1] in self.stop_ids and not self.include_stop:
+            token_ids = token_ids[:-1]  # the stop token that ends the request: no text of its own
         self._text += self._detok.add(token_ids)
         if final:
             self._text += self._detok.flush()

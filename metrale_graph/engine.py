@@ -192,11 +192,12 @@ class Engine(RequestIntake):
     def submit(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop_token_ids: Sequence[int] | None = None,
                stop: str | Sequence[str] | None = None, *, include_stop_str_in_output: bool = False,
-               structured=None, **controls) -> RequestHandle:
+               structured=None, keep_special_ids: Sequence[int] = (), **controls) -> RequestHandle:
         """Queue one request (a prompt as generate takes them) from any thread; it joins the running batch
         at the next step. Returns its RequestHandle (outputs as they come, result(), abort()). With a
         tokenizer each output carries the text its tokens add (UTF-8 safe; `stop` strings matched across
-        tokens and cut, or kept with include_stop_str_in_output). `controls`: the sampling controls
+        tokens and cut, or kept with include_stop_str_in_output; `keep_special_ids`: special tokens whose text
+        it keeps, the others skipped as always). `controls`: the sampling controls
         (min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens, logprobs,
         prompt_logprobs; the module docstring); `structured`: the output's grammar (module docstring). ValueError
         for a bad request, EngineFullError when max_waiting requests wait, EngineClosedError after shutdown();
@@ -212,7 +213,8 @@ class Engine(RequestIntake):
             raise ValueError(f"include_stop_str_in_output must be True or False, got {include_stop_str_in_output!r}")
         (request,) = self._requests([prompt], max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
                                     stop=stop, text=self.tokenizer is not None, controls=controls,
-                                    include_stop=include_stop_str_in_output, structured=structured)
+                                    include_stop=include_stop_str_in_output, structured=structured,
+                                    keep_special=keep_special_ids)
         channel = Channel(1)
         request.channel = channel
         self._loop.submit([request], self.max_waiting)

@@ -23,6 +23,7 @@ from .numbers import is_int, is_numpy_array, numpy_ids, plain_int
 from .sampling import check_params, check_seed, new_generator
 from .scheduler import Request
 from .structured import structured_output
+from .tokenizer import special_token_ids
 
 # submit / generate / stream's keyword arguments that go to sampling.check_params
 SAMPLING_CONTROLS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
@@ -34,7 +35,7 @@ class RequestIntake:
 
     def _requests(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
                   stop: tuple[str, ...] = (), text: bool = False, controls: dict | None = None,
-                  include_stop: bool = False, structured=None) -> list[Request]:
+                  include_stop: bool = False, structured=None, keep_special=()) -> list[Request]:
         """Requests from generate's arguments (`controls`: the sampling controls, check_params' keywords);
         ValueError naming the first bad one."""
         self._check_not_follower("generate / stream / submit")
@@ -57,6 +58,7 @@ class RequestIntake:
         if spec is not None and params.min_tokens:
             raise ValueError("min_tokens cannot be combined with structured output: the grammar decides where the "
                              "output may end (it may allow nothing but a stop token)")
+        decoding, drop = self._decoding(keep_special)
         ids_of = [self._prompt_ids(i, prompt) for i, prompt in enumerate(prompts)]
         check_token_ids(ids_of, self.model.config.vocab_size, what="prompt")
         requests = []
@@ -86,9 +88,24 @@ class RequestIntake:
             if not params.greedy:
                 r.generator = new_generator(None if seed is None else seed + r.index)
             if text:
-                r.text = StreamingText(self.tokenizer, r.prompt, self._decode_kwargs, stop, include_stop,
-                                       params.min_tokens)
+                r.text = StreamingText(self.tokenizer, r.prompt, decoding, stop, include_stop, params.min_tokens,
+                                       frozenset(stops), drop)
         return requests
+
+    def _decoding(self, keep_special) -> tuple[dict, frozenset]:
+        """(decode kwargs, token ids dropped before decoding) of a request that keeps the text of the special tokens
+        `keep_special` (token ids): skip_special_tokens=False and every other special token dropped; ValueError for
+        an id that is not an int in the vocabulary."""
+        if isinstance(keep_special, (str, bytes)) or not isinstance(keep_special, (Sequence, set, frozenset)):
+            raise ValueError(f"keep_special_ids must be a list of token ids, got {type(keep_special).__name__}")
+        keep = frozenset(keep_special)
+        bad = [t for t in keep if not is_int(t) or not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            raise ValueError(f"keep_special_ids: {bad[0]!r} is not a token id of this model (expected ints in [0, "
+                             f"{self.model.config.vocab_size}))")
+        if not keep or "skip_special_tokens" not in self._decode_kwargs:  # (a decode that skips nothing keeps all)
+            return self._decode_kwargs, frozenset()
+        return {**self._decode_kwargs, "skip_special_tokens": False}, special_token_ids(self.tokenizer) - keep
 
     def _check_controls(self, temperature, top_k, top_p, max_new_tokens: int, controls: dict):
         """The SamplingParams of a call (sampling.check_params), min_tokens within max_new_tokens; ValueError

@@ -200,6 +200,12 @@ class RequestHandle:
     def finish_reason(self) -> str | None:
         return self._request.finish_reason
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the request (set before its last output is delivered), else None."""
+        text = self._request.text
+        return None if text is None else text.stop_string
+
     def __iter__(self):
         while True:
             for item in self._channel.get():

@@ -57,6 +57,15 @@ def decode_kwargs(tokenizer) -> dict:
     return {"skip_special_tokens": True} if takes else {}
 
 
+def special_token_ids(tokenizer) -> frozenset[int]:
+    """The ids whose text a decode with skip_special_tokens=True drops: transformers' added tokens marked special
+    (Qwen3.5's `<think>` and `<tool_call>` among them) and its named special tokens; empty for a tokenizer
+    without them."""
+    added = getattr(tokenizer, "added_tokens_decoder", None)
+    ids = {i for i, t in added.items() if getattr(t, "special", False)} if isinstance(added, dict) else set()
+    return frozenset(ids | set(getattr(tokenizer, "all_special_ids", None) or ()))
+
+
 def _load(folder):
     from transformers import AutoTokenizer
 

@@ -104,7 +104,9 @@ def chain_checkpoint(folder, c: float = 10.0) -> str:
     tok = AutoTokenizer.from_pretrained(str(folder))
     plain, with_marker = _successors()
     pieces = sorted({p for pair in plain + with_marker for p in pair if p != EOS} | {MARKER})
-    tok.add_tokens([AddedToken(p, normalized=False, special=False) for p in pieces])
+    # the pieces that hold a tag are special tokens, as Qwen3.5's tokenizer marks `<think>`, `<tool_call>`, ...: a
+    # decode that skips special tokens drops them (the server keeps the text of those its parsers read)
+    tok.add_tokens([AddedToken(p, normalized=False, special="<" in p) for p in pieces])
     tok.eos_token = EOS
     tok.chat_template = QWEN35_TEMPLATE
     tok.save_pretrained(str(folder))

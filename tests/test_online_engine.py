@@ -293,6 +293,26 @@ def test_stop_strings_across_tokens_end_the_request(with_tokenizer, monkeypatch)
         Engine(HybridModel.from_preset("tiny"), **KW).submit([1, 2], stop="x")
 
 
+def test_kept_special_tokens_and_a_stop_token_in_the_streamed_text(with_tokenizer, monkeypatch):
+    """keep_special_ids keeps those special tokens' text and skips the others; a stop token that ends the request
+    adds no text (its text kept with include_stop_str_in_output); bad ids are a ValueError before anything runs."""
+    engine = Engine(with_tokenizer, **KW)
+    tok = engine.tokenizer
+    start, end, eos = (tok.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"))
+    word = tok.encode(" fox")
+    ids = [start, *tok.encode("The quick"), end, *word]
+    for keep, include, want in (((), False, "The quick"), ([start], False, "<|im_start|>The quick"),
+                                ([start, end], True, "<|im_start|>The quick<|im_end|> fox")):
+        _scripted(monkeypatch, ids)
+        handle = engine.submit("Say it:", max_new_tokens=len(ids), stop_token_ids=[word[-1], eos],
+                               keep_special_ids=keep, include_stop_str_in_output=include)
+        assert "".join(o.text for o in handle) == handle.result().text == want, keep
+    for bad in ([tok.vocab_size + 50], [1.5], 3):
+        with pytest.raises(ValueError, match="keep_special_ids"):
+            engine.submit("x", keep_special_ids=bad)
+    _assert_cache_empty(engine)
+
+
 def test_streamed_text_of_a_model_joins_to_its_decode(with_tokenizer):
     """The tiny model's own (random) tokens: the pieces join to tokenizer.decode of the new tokens, and
     no piece but the last ends inside a character."""

@@ -219,6 +219,21 @@ def test_reasoning_then_calls_in_one_reply():
     assert Reply.of(events_of(ReplyParsers(None, False).parser(FUNCTIONS, True), [text])) == Reply(None, text, [])
 
 
+@pytest.mark.parametrize("tool_format", ["qwen3_xml", "qwen3_json"])
+def test_parallel_tool_calls_false_gives_the_first_call_alone(tool_format):
+    """parallel_tool_calls false under tool_choice auto: a reply of two calls gives its first alone (vLLM drops the
+    others), streamed at every cut as whole; the text around the calls stays as it was."""
+    call = xml_call if tool_format == "qwen3_xml" else lambda name, **args: (
+        f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>")
+    text = "Both.\n</think>\n\n" + call("get_weather", city="Paris") + "\n" + call("get_time") + "\n"
+    parsers = ReplyParsers(tool_format, True)
+    both = Reply.of(events_of(parsers.parser(FUNCTIONS, True), [text]))
+    assert [name for name, _ in both.calls] == ["get_weather", "get_time"]
+    for pieces in cuts(text):
+        assert Reply.of(events_of(parsers.parser(FUNCTIONS, True, one_call=True), pieces)) == \
+            Reply("Both.", None, both.calls[:1]), pieces
+
+
 def test_the_parsers_are_picked_from_the_template_or_named():
     assert parser_of_template(QWEN35_TEMPLATE) == "qwen3_xml"
     assert parser_of_template(JSON_TEMPLATE) == "qwen3_json"

@@ -156,7 +156,7 @@ def test_an_engine_check_names_its_field(server, body, param):
 
 UNSUPPORTED = [  # (path, field, value): OpenAI's and vLLM's fields the engine cannot honour
     ("/v1/completions", "use_beam_search", True),
-    ("/v1/completions", "skip_special_tokens", False),
+    ("/v1/completions", "spaces_between_special_tokens", False),
     ("/v1/completions", "allowed_token_ids", [1, 2]),
     ("/v1/completions", "length_penalty", 0.5),
     ("/v1/chat/completions", "logits_processors", ["a"]),
@@ -271,6 +271,14 @@ def test_stop_strings_across_token_boundaries_whole_and_streamed(client, tokeniz
         assert whole.choices[0].text == streamed == text[:cut], (stop, text)
         assert whole.choices[0].finish_reason == "stop" and chunks[-2].choices[0].finish_reason == "stop"
         assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+        matched = next(s for s in stop if text.find(s) == cut)  # vLLM's stop_reason: the stop string that matched
+        assert whole.choices[0].stop_reason == chunks[-2].choices[0].stop_reason == matched
+    chat = dict(model=NAME, messages=CHAT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    said = client.chat.completions.create(**chat).choices[0].message.content
+    stop = said[3:5]
+    for c in (client.chat.completions.create(**chat, stop=[stop]).choices[0],
+              list(client.chat.completions.create(**chat, stop=[stop], stream=True))[-1].choices[0]):
+        assert (c.finish_reason, c.stop_reason) == ("stop", stop), said
 
 
 def test_streamed_text_equals_the_whole_text_when_sampling(client):

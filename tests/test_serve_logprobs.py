@@ -238,7 +238,7 @@ def test_min_p_of_one_samples_the_most_likely_token(client):
 
 def test_include_stop_str_in_output(client):
     """A stop string from the middle of the greedy text ends it: before the stop string, or after it with vLLM's
-    include_stop_str_in_output, whole and streamed."""
+    include_stop_str_in_output, whole and streamed; vLLM's stop_reason names it (null for a reply cut by length)."""
     kw = dict(model=NAME, prompt=PROMPT, max_tokens=12, temperature=0)
     text = client.completions.create(extra_body={"ignore_eos": True}, **kw).choices[0].text
     stop = text[4:6]
@@ -246,10 +246,45 @@ def test_include_stop_str_in_output(client):
     cut = client.completions.create(stop=[stop], extra_body={"ignore_eos": True}, **kw).choices[0]
     kept = client.completions.create(stop=[stop], extra_body={"ignore_eos": True, "include_stop_str_in_output": True},
                                      **kw).choices[0]
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
+    chunks = list(client.completions.create(
         stop=[stop], stream=True, extra_body={"ignore_eos": True, "include_stop_str_in_output": True}, **kw))
-    assert (cut.text, cut.finish_reason) == (text[:4], "stop")
+    streamed = "".join(c.choices[0].text for c in chunks)
+    assert (cut.text, cut.finish_reason, cut.stop_reason) == (text[:4], "stop", stop)
+    assert chunks[-1].choices[0].stop_reason == stop and chunks[0].choices[0].stop_reason is None
+    assert client.completions.create(extra_body={"ignore_eos": True}, **kw).choices[0].stop_reason is None
     assert (kept.text, kept.finish_reason) == (text[:6], "stop") and streamed == text[:6]
+
+
+def test_a_stop_token_adds_no_text(client, tokenizer):
+    """A stop_token_ids token that ends the reply (a word of the vocabulary, not a special token) is counted and
+    returned among the token ids but adds no text, as vLLM answers (its text once ended the reply); with
+    include_stop_str_in_output its text is kept; whole and streamed alike."""
+    kw = dict(model=NAME, prompt=PROMPT, max_tokens=8, temperature=0)
+    ids = client.completions.create(extra_body={"ignore_eos": True, "return_token_ids": True}, **kw).choices[0].token_ids
+    stop = ids[3]
+    assert stop not in ids[:3] and tokenizer.decode([stop]), ids  # its first time, a token with text
+    for include in (False, True):
+        extra = {"ignore_eos": True, "stop_token_ids": [stop], "include_stop_str_in_output": include,
+                 "return_token_ids": True}
+        whole = client.completions.create(extra_body=extra, **kw)
+        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, extra_body=extra, **kw))
+        want = tokenizer.decode(ids[:4] if include else ids[:3])
+        choice = whole.choices[0]
+        assert (choice.text, choice.finish_reason, choice.token_ids) == (want, "stop", ids[:4]), include
+        assert streamed == want and whole.usage.completion_tokens == 4
+        assert choice.stop_reason == stop  # vLLM's stop_reason: the stop_token_ids token that ended it
+
+
+def test_skip_special_tokens_false_keeps_their_text(client, tokenizer):
+    """vLLM's skip_special_tokens false (once refused) keeps a special token's text, whole and streamed; by default it
+    is skipped; a special token that ends the reply as a stop token adds none either way."""
+    special = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    kw = dict(model=NAME, prompt=PROMPT, max_tokens=2, temperature=0, logit_bias={str(special): 100})
+    for extra, want in (({}, ""), ({"skip_special_tokens": False}, "<|im_start|>" * 2),
+                        ({"skip_special_tokens": False, "stop_token_ids": [special]}, "")):
+        whole = client.completions.create(extra_body=extra, **kw).choices[0].text
+        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, extra_body=extra, **kw))
+        assert whole == streamed == want, extra
 
 
 

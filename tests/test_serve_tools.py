@@ -97,6 +97,35 @@ def test_the_agent_loop_streamed_with_arguments_in_pieces(client):
     assert got == {"reasoning": AFTER_TOOL_REASONING, "content": ANSWER, "calls": [], "finish": "stop"}
 
 
+def test_the_reasoning_under_both_of_vllms_names(client):
+    """The reasoning comes as `reasoning_content` and as `reasoning` (vLLM's newer name, which its clients read),
+    whole and streamed; a past reply's reasoning sent back under either name reaches the template alike."""
+    message = ask(client, USER).choices[0].message
+    assert message.reasoning == message.reasoning_content == REASONING
+    streamed = "".join(getattr(c.choices[0].delta, "reasoning", None) or ""
+                       for c in ask(client, USER, stream=True) if c.choices)
+    assert streamed == REASONING
+    tokens = {}
+    for name in (None, "reasoning", "reasoning_content"):
+        past = {"role": "assistant", "content": "Sunny.", **({name: REASONING} if name else {})}
+        tokens[name] = ask(client, [*USER, past, *USER], max_tokens=1).usage.prompt_tokens
+    assert tokens["reasoning"] == tokens["reasoning_content"] > tokens[None], tokens
+
+
+def test_parallel_tool_calls_false_is_served(client):
+    """parallel_tool_calls false with tool_choice auto (LangChain's and the Agents SDK's way to ask for one call at a
+    time; once a 400): served, the reply's first call given (the others dropped, as vLLM does: test_reply_parsers)."""
+    for stream in (False, True):
+        if stream:
+            calls = [d for c in ask(client, USER, parallel_tool_calls=False, stream=True) if c.choices
+                     for d in c.choices[0].delta.tool_calls or ()]
+            name, arguments = calls[0].function.name, "".join(d.function.arguments for d in calls)
+        else:
+            (call,) = ask(client, USER, parallel_tool_calls=False).choices[0].message.tool_calls
+            name, arguments = call.function.name, call.function.arguments
+        assert (name, json.loads(arguments)) == ("get_weather", ARGUMENTS), stream
+
+
 def test_without_thinking_the_reply_is_the_call_alone(client):
     choice = ask(client, USER, extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0]
     assert choice.message.reasoning_content is None and choice.message.content is None
@@ -179,7 +208,7 @@ def test_bad_tools_are_400_naming_the_field(server, body, param, says):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"tools": [WEATHER_TOOL], "parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"tools": [WEATHER_TOOL], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ({"functions": [WEATHER_TOOL["function"]]}, "functions"),
 ])
 def test_what_the_server_does_not_honour_is_refused_by_name(server, body, param):

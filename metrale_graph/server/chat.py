@@ -2,16 +2,16 @@
 whole or streamed, its reasoning and tool calls parsed out.
 
 The prompt is `tokenizer.apply_chat_template(messages, tools=..., add_generation_prompt=True)` as token ids
-(vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs change its arguments; the
-tools are rendered unless tool_choice is "none": tool_choice.py). A reply is read by the server's parsers
-(reply.py): `<think>` blocks into `reasoning_content` (from the prompt's open `<think>` when the template
-opened one), and, when the request offers tools, calls in the template's format into `tool_calls` (ids
-`call_...`; finish_reason "tool_calls" when a reply that stopped made one; content None when it holds only
-calls). A stream sends, per choice, a first delta with the role (`{"role": "assistant", "content": ""}`),
-then a delta per piece as the text comes (`content`, `reasoning_content`, or `tool_calls`: a call's index,
-id, type and name first with arguments "", then its arguments in pieces), the last one with the finish
-reason ("stop": a stop token or string; "length": max_tokens or the context; "tool_calls"), then the usage
-chunk with stream_options.include_usage, then `data: [DONE]`.
+(vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs change its arguments; the tools
+are rendered unless tool_choice is "none": tool_choice.py). A reply is read by the server's parsers (reply.py):
+`<think>` blocks into `reasoning_content` and `reasoning` (vLLM's older and newer names for it; from the
+prompt's open `<think>` when the template opened one), and, when the request offers tools, calls in the
+template's format into `tool_calls` (ids `call_...`; finish_reason "tool_calls" when a reply that stopped made
+one; content None when it holds only calls). A stream sends, per choice, a first delta with the role (`{"role":
+"assistant", "content": ""}`), then a delta per piece as the text comes (`content`, `reasoning_content`, or
+`tool_calls`: a call's index, id, type and name first with arguments "", then its arguments in pieces), the last
+one with the finish reason ("stop": a stop token or string; "length": max_tokens or the context; "tool_calls"),
+then the usage chunk with stream_options.include_usage, then `data: [DONE]`.
 
 Structured output (`response_format`, `structured_outputs`, `guided_*`; server/structured.py) holds the reply
 to its grammar (from after `</think>` when the reply starts inside a reasoning block). tool_choice "required"
@@ -67,14 +67,14 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     if structured is not None:
         await compile_grammar(state, structured, field)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    sampling = state.sampling(body, body.max_new_tokens, logprobs, body.prompt_logprobs, structured)
+    plain = tools.functions is None and tools.forced is None and state.replies.plain
+    sampling = state.sampling(body, body.max_new_tokens, logprobs, body.prompt_logprobs, structured, not plain)
     group = Generations.submit(state, [prompt], sampling, body.n, param="messages")
     rid = request_id("chatcmpl")
-    plain = tools.functions is None and tools.forced is None and state.replies.plain
 
     def parser() -> ReplyParser:
         forced = ForcedCallParser(tools.choice) if tools.forced is not None else None
-        return state.replies.parser(tools.functions, in_reasoning, forced)
+        return state.replies.parser(tools.functions, in_reasoning, forced, body.parallel_tool_calls is False)
 
     if body.stream:
         return _events(state, body, group, rid, None if plain else parser)
@@ -87,11 +87,12 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         else:
             reader = parser()
             reply = Reply.of(reader.feed(r.text or "") + reader.finish())
-            message = AssistantMessage(content=reply.content, reasoning_content=reply.reasoning,
+            message = AssistantMessage(content=reply.content, reasoning_content=reply.reasoning, reasoning=reply.reasoning,
                                        tool_calls=[ToolCall(id=call_id(), function=FunctionCall(name=n, arguments=a))
                                                    for n, a in reply.calls] or None)
             calls = len(reply.calls)
         choices.append(ChatChoice(index=i, message=message, finish_reason=finish_reason(r.finish_reason, calls),
+                                  stop_reason=group.stop_reason(i, r.finish_reason, r.token_ids),
                                   logprobs=_logprobs(state, body, r.token_ids, r.logprobs),
                                   token_ids=list(r.token_ids) if ids else None,
                                   prompt_token_ids=prompt if ids else None))
@@ -114,7 +115,7 @@ def _delta(event, call_ids: list[str]) -> DeltaMessage:
     if isinstance(event, ContentDelta):
         return DeltaMessage(content=event.text)
     if isinstance(event, ReasoningDelta):
-        return DeltaMessage(reasoning_content=event.text)
+        return DeltaMessage(reasoning_content=event.text, reasoning=event.text)
     if isinstance(event, CallStart):
         call_ids.append(call_id())
         return DeltaMessage(tool_calls=[DeltaToolCall(index=event.index, id=call_ids[event.index], type="function",
@@ -156,7 +157,8 @@ async def _events(state: ServerState, body: ChatCompletionRequest, group: Genera
                     continue
                 pending[choice] = ([], [])
                 yield sent(chunks.chat(choice, out.text or None, out.finish_reason, token_ids if ids else None,
-                                       _logprobs(state, body, token_ids, entries)))
+                                       _logprobs(state, body, token_ids, entries),
+                                       group.stop_reason(choice, out.finish_reason, out.token_ids)))
                 continue
             reader = readers[choice]
             events = reader.feed(out.text) if out.text else []
@@ -169,10 +171,12 @@ async def _events(state: ServerState, body: ChatCompletionRequest, group: Genera
             if not deltas:  # (text the parsers hold back: its tokens and logprobs go with the next delta)
                 continue
             pending[choice] = ([], [])
+            stop_reason = group.stop_reason(choice, out.finish_reason, out.token_ids)
             for k, delta in enumerate(deltas):
                 yield sent(chunk([ChatChunkChoice(index=choice, delta=delta,
                                                   logprobs=_logprobs(state, body, token_ids, entries) if k == 0 else None,
                                                   finish_reason=finish if k == len(deltas) - 1 else None,
+                                                  stop_reason=stop_reason if k == len(deltas) - 1 else None,
                                                   token_ids=(token_ids if ids else None) if k == 0 else None)]))
         if body.stream_options is not None and body.stream_options.include_usage:
             yield chunk([], group.usage())

@@ -77,6 +77,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw_req
                 ids, entries = group.prompt_of(i) + ids, r.prompt_logprobs + entries
         choices.append(CompletionChoice(
             index=i, text=text, finish_reason=r.finish_reason,
+            stop_reason=group.stop_reason(i, r.finish_reason, r.token_ids),
             logprobs=None if body.logprobs is None else completion_logprobs(state.token_strings, ids, entries,
                                                                             body.logprobs),
             token_ids=([] if body.echo_only else list(r.token_ids)) if body.return_token_ids else None,
@@ -144,16 +145,18 @@ async def _events(state: ServerState, body: CompletionRequest, group: Generation
                 logprobs = completion_logprobs(state.token_strings, p.logprob_ids, p.entries, body.logprobs, p.offset)
                 p.offset += sum(len(state.token_strings(t)) for t in p.logprob_ids)
             text, token_ids = p.text, p.token_ids if body.return_token_ids else None
+            stop_reason = group.stop_reason(choice, out.finish_reason, out.token_ids)
             p.text, p.token_ids, p.logprob_ids, p.entries = "", [], [], []
             if prompt:  # (once per choice: the event built from the models)
                 choice_body = CompletionChoice(index=choice, text=text, logprobs=logprobs,
-                                               finish_reason=out.finish_reason, token_ids=token_ids,
+                                               finish_reason=out.finish_reason, stop_reason=stop_reason,
+                                               token_ids=token_ids,
                                                prompt_logprobs=_prompt_logprobs(state, body, group.prompt_of(choice),
                                                                                 p.prompt_logprobs))
                 p.prompt_logprobs = None
                 yield sent(event(CompletionResponse(id=rid, created=created, model=model, choices=[choice_body])))
             else:
-                yield sent(chunks.completion(choice, text, out.finish_reason, token_ids, logprobs))
+                yield sent(chunks.completion(choice, text, out.finish_reason, token_ids, logprobs, stop_reason))
         if body.stream_options is not None and body.stream_options.include_usage:
             yield event(CompletionResponse(id=rid, created=created, model=model, choices=[],
                                            usage=_usage(body, group)))

@@ -45,8 +45,10 @@ def param_of(e: BaseException, default: str) -> str:
 
 
 class Generations:
-    def __init__(self, state: ServerState, handles: list, metrics: list, prompts: list[list[int]], n: int):
+    def __init__(self, state: ServerState, handles: list, metrics: list, prompts: list[list[int]], n: int,
+                 stop_ids: frozenset = frozenset()):
         self.state, self.handles, self.metrics, self.prompts, self.n = state, handles, metrics, prompts, n
+        self.stop_ids = stop_ids  # the request's own stop_token_ids
         self._results: list[GenerationResult | None] = [None] * len(handles)
         self._generated = [0] * len(handles)  # new tokens each request has output so far
 
@@ -59,6 +61,8 @@ class Generations:
         (num_slots + max_waiting) are a 400: even an idle engine could never take them all."""
         handles, metrics = [], []
         engine = state.engine
+        # (only when set: an engine of another kind need not take it)
+        keep = {"keep_special_ids": sampling.keep_special_ids} if sampling.keep_special_ids else {}
         total, waiting = len(prompts) * n, getattr(engine, "max_waiting", None)
         queue = None if waiting is None else waiting + engine.num_slots
         if queue is not None and total > queue:  # it could never be queued whole: a 503 would be retried forever
@@ -74,12 +78,13 @@ class Generations:
                     handles.append(engine.submit(ids, sampling.max_new_tokens, sampling.temperature, sampling.top_k,
                                                  sampling.top_p, seed, sampling.stop_token_ids, sampling.stop,
                                                  include_stop_str_in_output=sampling.include_stop_str_in_output,
-                                                 structured=sampling.structured, **sampling.controls))
+                                                 structured=sampling.structured, **sampling.controls,
+                                                 **keep))
         except Exception as e:
             for h in handles:
                 h.abort()
             raise from_engine(e, param_of(e, param)) from e
-        return cls(state, handles, metrics, prompts, n)
+        return cls(state, handles, metrics, prompts, n, sampling.request_stop_ids)
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -97,6 +102,16 @@ class Generations:
         tokens as usage() counts them, of the requests that ended."""
         return Usage.of(sum(len(p) for p in self.prompts), sum(self._generated),
                         self.usage().prompt_tokens_details.cached_tokens)
+
+    def stop_reason(self, choice: int, finish_reason: str | None, token_ids) -> int | str | None:
+        """vLLM's stop_reason of a choice that ended with `finish_reason` (its last tokens `token_ids`): the stop
+        string that ended it, or the token of the request's stop_token_ids; None for an eos token, a length."""
+        if finish_reason != "stop":
+            return None
+        string = getattr(self.handles[choice], "stop_string", None)
+        if string is not None:
+            return string
+        return token_ids[-1] if token_ids and token_ids[-1] in self.stop_ids else None
 
     def prompt_of(self, choice: int) -> list[int]:
         return self.prompts[choice // self.n]

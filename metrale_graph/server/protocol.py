@@ -50,7 +50,7 @@ class StreamOptions(BaseModel):
 # Identity, not equality, for the booleans: `use_beam_search: 0` is not False.
 NEUTRAL = {
     "length_penalty": (None, 1), "use_beam_search": (None, False),
-    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
     "allowed_token_ids": (None,), "bad_words": (None, []),
     "truncate_prompt_tokens": (None,), "logits_processors": (None,),
     "guided_whitespace_pattern": (None,),  # vLLM's: the JSON grammars' whitespace (xgrammar's is fixed here)
@@ -111,6 +111,7 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     ignore_eos: StrictBool = False
     return_token_ids: StrictBool = False
+    skip_special_tokens: StrictBool | None = None  # false: every special token's text kept
     # sampling controls (metrale_graph/logits_processors.py: vLLM's semantics); null: the default (off).
     # OpenAI's penalties, logit_bias (token ids as JSON object keys); vLLM's min_p, repetition_penalty,
     # min_tokens, include_stop_str_in_output, prompt_logprobs (each prompt token's logprob and the top N)
@@ -132,7 +133,6 @@ class SamplingFields(BaseModel):
     # fields the engine cannot honour (NEUTRAL): refused unless neutral
     length_penalty: Any = None
     use_beam_search: Any = None
-    skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
@@ -218,13 +218,18 @@ class ChatMessage(BaseModel):
         """The message as a chat template reads it: content parts joined into one string; OpenAI's
         `developer` role as `system` (OpenAI treats them alike; chat templates such as Qwen's know only the
         latter); a tool call's `function.arguments` sent as a JSON string (OpenAI's wire format) parsed into
-        the mapping templates iterate (as vLLM does; one that is not a JSON object stays a string)."""
+        the mapping templates iterate (as vLLM does; one that is not a JSON object stays a string); a past reply's
+        reasoning under either of vLLM's names (`reasoning`, `reasoning_content`) given under both (Qwen's templates
+        read `reasoning_content`)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         extra = dict(self.model_extra or {})
         if isinstance(extra.get("tool_calls"), list):
             extra["tool_calls"] = [_parsed_arguments(call) for call in extra["tool_calls"]]
+        for name, other in (("reasoning", "reasoning_content"), ("reasoning_content", "reasoning")):
+            if extra.get(name) is not None and extra.get(other) is None:  # vLLM's two names: templates read either
+                extra[other] = extra[name]
         role = "system" if self.role == "developer" else self.role
         return {**extra, "role": role, "content": content or ""}
 
@@ -280,7 +285,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: NumLogprobs | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
-    parallel_tool_calls: Any = None  # false: one call, under a forced tool_choice only (else refused: NEUTRAL)
+    parallel_tool_calls: Any = None  # false: one call (forced: the schema's; auto: the first, as vLLM: chat.py)
     functions: Any = None  # OpenAI's deprecated forms of tools and tool_choice: refused (NEUTRAL)
     function_call: Any = None
     # vLLM's chat template arguments (chat_template_kwargs: the template's own variables, e.g. Qwen3's
@@ -290,9 +295,9 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def neutral(self) -> dict:
-        # parallel_tool_calls false: one call, which a forced tool_choice's schema holds the reply to (tool_choice.py)
-        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
-        return {"parallel_tool_calls": (None, True, False) if forced else (None, True), "functions": (None, []),
+        # parallel_tool_calls false: one call (a forced tool_choice's schema holds the reply to one, tool_choice.py;
+        # under "auto" the calls after the first are dropped, as vLLM does)
+        return {"parallel_tool_calls": (None, True, False), "functions": (None, []),
                 "function_call": (None, "none"), **NEUTRAL}
 
     @property

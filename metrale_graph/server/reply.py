@@ -15,8 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from .reasoning import THINK_END, ReasoningParser
-from .tool_parsers import PARSERS, CallArguments, CallStart, ContentDelta, parser_of_template
+from .reasoning import THINK_END, THINK_START, ReasoningParser
+from .tool_parsers import (CALL_END, CALL_START, FUNCTION_END, FUNCTION_START, PARAMETER_END, PARAMETER_START, PARSERS,
+                           CallArguments, CallStart, ContentDelta, parser_of_template)
 
 AUTO, NONE = "auto", "none"
 REASONING_PARSERS = ("qwen3",)
@@ -30,8 +31,9 @@ class ReasoningDelta:
 class ReplyParser:
     """One reply's text deltas, in order, into events; with neither parser every delta is content."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools=None):
+    def __init__(self, reasoning: ReasoningParser | None, tools=None, one_call: bool = False):
         self.reasoning, self.tools = reasoning, tools
+        self.one_call = one_call  # parallel_tool_calls false: the calls after the first are dropped (as vLLM)
 
     def feed(self, text: str) -> list:
         if self.reasoning is None:
@@ -54,7 +56,10 @@ class ReplyParser:
         if self.tools is None:
             return [ContentDelta(text)] if text else []
         events = self.tools.feed(text) if text else []
-        return events + self.tools.finish() if final else events
+        events = events + self.tools.finish() if final else events
+        if self.one_call:
+            events = [e for e in events if not (isinstance(e, (CallStart, CallArguments)) and e.index > 0)]
+        return events
 
 
 @dataclass
@@ -106,13 +111,22 @@ class ReplyParsers:
         reasoning = (THINK_END in (chat_template or "") if reasoning_parser == AUTO else reasoning_parser != NONE)
         return cls(tool_format, reasoning)
 
-    def parser(self, functions: Mapping[str, Mapping] | None, in_reasoning: bool, forced=None) -> ReplyParser:
+    def parser(self, functions: Mapping[str, Mapping] | None, in_reasoning: bool, forced=None,
+               one_call: bool = False) -> ReplyParser:
         """The parser of one reply: calls of `functions` (None: none parsed), starting inside a reasoning block
         when `in_reasoning` (the prompt opened one); `forced`: the content's parser instead under a forced
-        tool_choice (tool_choice.ForcedCallParser: the calls as JSON, not in the model's format)."""
+        tool_choice (tool_choice.ForcedCallParser: the calls as JSON, not in the model's format); `one_call`
+        (parallel_tool_calls false): only the reply's first call is given, the others dropped (as vLLM does)."""
         reasoning = ReasoningParser(in_reasoning) if self.reasoning else None
         tools = PARSERS[self.tool_format](functions) if functions is not None and self.tool_format else None
-        return ReplyParser(reasoning, forced if forced is not None else tools)
+        return ReplyParser(reasoning, forced if forced is not None else tools, one_call)
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """The tags these parsers read in a reply's text (a tokenizer that marks their tokens special, as Qwen3.5's
+        marks `<think>` and `<tool_call>`, would drop them from it: the server keeps those tokens' text)."""
+        tools = (CALL_START, CALL_END, FUNCTION_START, FUNCTION_END, PARAMETER_START, PARAMETER_END)
+        return (THINK_START, THINK_END) * self.reasoning + tools * (self.tool_format is not None)
 
     @property
     def plain(self) -> bool:

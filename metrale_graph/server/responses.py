@@ -84,11 +84,16 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
+# vLLM's stop_reason: the stop string or the stop_token_ids token that ended a choice (null: an eos, a length)
+StopReason = int | str | None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    stop_reason: StopReason = None
     token_ids: list[int] | None = Field(None, exclude_if=_none)  # return_token_ids (vLLM's extension)
     prompt_token_ids: list[int] | None = Field(None, exclude_if=_none)
     prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_none)  # vLLM's extension
@@ -127,6 +132,7 @@ class DeltaMessage(SetFieldsOnly):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # the same text under vLLM's newer name
     tool_calls: list[DeltaToolCall] | None = None
 
 
@@ -145,6 +151,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None  # None: a reply of tool calls (or reasoning) only
     reasoning_content: str | None = None  # the reasoning parser's (vLLM's field, null as vLLM sends it)
+    reasoning: str | None = None  # the same, under the name vLLM renamed it to (clients read either)
     tool_calls: list[ToolCall] | None = Field(None, exclude_if=_none)
 
 
@@ -153,6 +160,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
+    stop_reason: StopReason = None
     token_ids: list[int] | None = Field(None, exclude_if=_none)
     prompt_token_ids: list[int] | None = Field(None, exclude_if=_none)
 
@@ -172,6 +180,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
+    stop_reason: StopReason = None
     token_ids: list[int] | None = Field(None, exclude_if=_none)
 
 
@@ -234,18 +243,19 @@ class StreamChunks:
         self._head = f'data: {head[:-1]},"choices":[{{"index":'
 
     def completion(self, index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None,
-                   logprobs: BaseModel | None = None) -> str:
+                   logprobs: BaseModel | None = None, stop_reason: int | str | None = None) -> str:
         """event(CompletionResponse(..., choices=[CompletionChoice(index, text, logprobs, finish_reason,
-        token_ids)]))."""
-        end = _choice_end(finish_reason, token_ids, logprobs)
+        stop_reason, token_ids)]))."""
+        end = _choice_end(finish_reason, token_ids, logprobs, stop_reason)
         return f'{self._head}{index},"text":{encode_basestring(text)},{end}'
 
     def chat(self, index: int, content: str | None, finish_reason: str | None,
-             token_ids: list[int] | None = None, logprobs: BaseModel | None = None) -> str:
+             token_ids: list[int] | None = None, logprobs: BaseModel | None = None,
+             stop_reason: int | str | None = None) -> str:
         """event(ChatChunk(..., choices=[ChatChunkChoice(index, DeltaMessage(content=content), logprobs,
         finish_reason, token_ids)]))."""
         delta = "{}" if content is None else f'{{"content":{encode_basestring(content)}}}'
-        return f'{self._head}{index},"delta":{delta},{_choice_end(finish_reason, token_ids, logprobs)}'
+        return f'{self._head}{index},"delta":{delta},{_choice_end(finish_reason, token_ids, logprobs, stop_reason)}'
 
 
 def with_usage(sse: str, usage: Usage) -> str:
@@ -255,8 +265,12 @@ def with_usage(sse: str, usage: Usage) -> str:
     return f'{sse[:-3]},"usage":{usage.model_dump_json()}}}\n\n'
 
 
-def _choice_end(finish_reason: str | None, token_ids: list[int] | None, logprobs: BaseModel | None = None) -> str:
-    """A streamed choice's last fields (logprobs, finish_reason, token_ids when given) and the event's end."""
+def _choice_end(finish_reason: str | None, token_ids: list[int] | None, logprobs: BaseModel | None = None,
+                stop_reason: int | str | None = None) -> str:
+    """A streamed choice's last fields (logprobs, finish_reason, stop_reason, token_ids when given) and the event's
+    end."""
     ids = "" if token_ids is None else f',"token_ids":[{",".join(map(str, token_ids))}]'
     encoded = "null" if logprobs is None else logprobs.model_dump_json()
-    return f'"logprobs":{encoded},"finish_reason":{_FINISH[finish_reason]}{ids}}}]}}\n\n'
+    stop = ("null" if stop_reason is None else encode_basestring(stop_reason) if isinstance(stop_reason, str)
+            else str(int(stop_reason)))
+    return f'"logprobs":{encoded},"finish_reason":{_FINISH[finish_reason]},"stop_reason":{stop}{ids}}}]}}\n\n'

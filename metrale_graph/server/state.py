@@ -16,6 +16,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ..tokenizer import special_token_ids
 from .errors import bad_request, short, unauthorized, unknown_model, warming_up
 from .limits import TokenBound
 from .logprobs import TokenStrings
@@ -49,6 +50,8 @@ class Sampling:
     controls: dict = field(default_factory=dict)  # submit's sampling controls (logprobs, penalties, ...) set
     include_stop_str_in_output: bool = False
     structured: object = None  # the engine's StructuredOutput (server/structured.py), or None
+    keep_special_ids: frozenset = frozenset()  # special tokens whose text the reply keeps (Engine.submit's)
+    request_stop_ids: frozenset = frozenset()  # the request's own stop_token_ids (a stop_reason, vLLM's field)
 
 
 def check_text(value, name: str, param: str) -> None:
@@ -86,6 +89,9 @@ class ServerState:
         self.token_bound = TokenBound(self.tokenizer)
         # the end of a reasoning block as one token id, where a reply's grammar starts (server/structured.py)
         self.think_end = _think_end_token(self.tokenizer)
+        # the special tokens that hold the reply parsers' tags: their text kept in the replies they read
+        self.tag_ids = frozenset(i for i in special_token_ids(self.tokenizer)
+                                 if any(tag in _added_text(self.tokenizer, i) for tag in self.replies.tags))
         self.metrics = ServerMetrics(engine, model_name)
         self.ready, self.closing = threading.Event(), threading.Event()
         if ready:
@@ -214,11 +220,13 @@ class ServerState:
         return text, self.prompt_ids(list(tok.encode(text, add_special_tokens=False)), "messages")
 
     def sampling(self, body: SamplingFields, max_new_tokens: int | None, logprobs: int | None = None,
-                 prompt_logprobs: int | None = None, structured=None) -> Sampling:
+                 prompt_logprobs: int | None = None, structured=None, parsed: bool = False) -> Sampling:
         """The engine arguments of `body`: stop token ids are the request's added to the model's eos
         (only the request's with ignore_eos); max_new_tokens None runs up to the context; logprobs /
         prompt_logprobs: the top N the endpoint wants per new / prompt token (None: none); structured: the
-        StructuredOutput the endpoint made of it (server/structured.py)."""
+        StructuredOutput the endpoint made of it (server/structured.py); parsed: the reply parsers read the text
+        (the special tokens of their tags keep their text). vLLM's skip_special_tokens false keeps every special
+        token's text (a stop token that ends the reply adds none, as in vLLM)."""
         stops = frozenset(body.stop_token_ids or ())
         bad = sorted(t for t in stops if t >= self.vocab_size)
         if bad:
@@ -246,9 +254,12 @@ class ServerState:
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None:
                 controls[name] = value
+        keep = (special_token_ids(self.tokenizer) if body.skip_special_tokens is False else frozenset()) | (
+            self.tag_ids if parsed else frozenset())
         return Sampling(max_new_tokens if max_new_tokens is not None else self.max_context, body.temperature,
                         max(body.top_k, 0), body.top_p, body.seed, stops, stop, controls,
-                        bool(body.include_stop_str_in_output), structured)
+                        bool(body.include_stop_str_in_output), structured, keep,
+                        frozenset(body.stop_token_ids or ()))
 
     def check_api_key(self, authorization: str | None) -> None:
         """401 unless `authorization` (the request's header) is 'Bearer <the key>' (no key: all pass)."""
@@ -265,6 +276,13 @@ def _think_end_token(tokenizer) -> int | None:
     added = getattr(tokenizer, "get_added_vocab", None)
     ids = [i for text, i in (added() if callable(added) else {}).items() if THINK_END in text]
     return ids[0] if len(ids) == 1 else None
+
+
+def _added_text(tokenizer, token_id: int) -> str:
+    """The text of an added token (transformers' added_tokens_decoder), or "" for another token."""
+    added = getattr(tokenizer, "added_tokens_decoder", None)
+    token = added.get(token_id) if isinstance(added, dict) else None
+    return str(getattr(token, "content", "")) if token is not None else ""
 
 
 def _token_keys(logit_bias: dict[str, float]) -> dict[int, float]:
