@@ -51,15 +51,18 @@ class Graphed:
 
 
 class SpeculativeGraphs:
-    def __init__(self, runner, num_tokens: int, mtp: bool):
+    def __init__(self, runner, num_tokens: int, mtp: bool, compiled: bool = True):
+        """runner: the GraphRunner whose hidden-states buckets run the verify steps; num_tokens: K, the most drafts a
+        stream verifies; mtp: whether to make the MTP head's entries. compiled=False runs tail.py's functions as
+        they are, on the same buffers (tests: the path without compile times)."""
         self.runner, self.model, self.cache = runner, runner.model, runner.cache
         self.K, self.mtp = num_tokens, mtp
         self.use_graphs, self.pool, self.device = runner.use_graphs, runner.pool, runner.model.device
         self.vocab = self.model.config.vocab_size
         limit = len(runner.grid) + 8
-        self._greedy = _compiled(tail.accept_greedy, limit)
-        self._sampled = _compiled(tail.accept_sampled, limit)
-        self._drafts = _compiled(tail.mtp_drafts, limit) if mtp else None
+        wrap = (lambda f: _compiled(f, limit)) if compiled else (lambda f: f)
+        self._greedy, self._sampled = wrap(tail.accept_greedy), wrap(tail.accept_sampled)
+        self._drafts = wrap(tail.mtp_drafts) if mtp else None
         self.entries: dict[tuple[str, Bucket], Graphed] = {}
         self.copies: dict[int, Graphed] = {}
         self._hidden: dict[Bucket, torch.Tensor] = {}  # without graphs: each bucket's copy of h

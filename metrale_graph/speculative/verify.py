@@ -70,6 +70,7 @@ class SpeculativeStep:
         self.cache, self.model = loop.cache, loop.model
         self.base = self.cache.prefix_checkpoints  # the first verify entry
         self.mtp = MtpDrafter(self.model, self.cache) if spec.method == "mtp" else None
+        self.runner = loop.runner  # its hidden-states buckets run the verify steps (compile=True), else None
         self.graphs = None  # the tail compiled (on CUDA captured) beside the runner's buckets (capture/speculative.py)
         if loop.runner is not None:
             from ..capture.speculative import SpeculativeGraphs
@@ -119,7 +120,7 @@ class SpeculativeStep:
             c.request.mtp_ok = False
 
     def run(self, step: list, decodes: int) -> None:
-        loop, cache, model = self.loop, self.cache, self.model
+        cache, model = self.cache, self.model
         K, dev = self.k, cache.device
         reqs = [c.request for c in step]
         tokens = [[r.out[-1]] + r.drafts if i < decodes else c.tokens for i, (c, r) in enumerate(zip(step, reqs))]
@@ -139,7 +140,7 @@ class SpeculativeStep:
             if dev.type == "cuda" and packed.num_streams == 1:  # one stream would take the chunked GDN path
                 packed = packed.padded(2, packed.num_tokens, cache)  # (split.py), which keeps chunk ends only:
                 # an empty second stream sends it to the recurrent kernel, which keeps any token, in a graph too
-            runner = loop.runner  # its compiled (captured) hidden-states step of the bucket the step fits, if any
+            runner = self.runner  # its compiled (captured) hidden-states step of the bucket the step fits, if any
             entry = runner.hidden_bucket(packed.num_streams, packed.num_tokens) if runner is not None else None
             targets(cache, keep_tok, keep_entry)
             out["bucket"] = None if entry is None else entry.bucket
