@@ -82,7 +82,9 @@ class SpeculativeGraphs:
         """The hidden states the bucket's entries read: with graphs the verify graph's own output, else a buffer
         the caller's h is copied into (run)."""
         if self.use_graphs:
-            return self.runner.hidden_entries[bucket].output
+            output = self.runner.hidden_entries[bucket].output
+            torch._dynamo.mark_dynamic(output, 0)  # (one trace for every bucket's; the runner's step never reads it)
+            return output
         if bucket not in self._hidden:
             with torch.inference_mode(False):
                 self._hidden[bucket] = torch.zeros(self.sizes(bucket)[1], self.model.config.hidden_size,

@@ -155,7 +155,7 @@ class SpeculativeStep:
             out["h"] = h
             kept = list(lengths)
             rows = [reqs[i] for i in spec + plain]
-            if self.graphs is not None and out["bucket"] is not None and all(map(unprocessed, rows)):
+            if rows and self.graphs is not None and out["bucket"] is not None and all(map(unprocessed, rows)):
                 counts = self._accept_captured(h, out, reqs, spec, plain, starts, lengths)
             else:
                 counts = self._accept_eager(h, out, reqs, spec, plain, starts, lengths)
