@@ -78,7 +78,7 @@ class SpeculativeGraphs:
         for kind in ("greedy", "sampled") + (("drafts",) if self.mtp else ()):
             self._entry(kind, bucket)
 
-    def _source(self, bucket: Bucket) -> torch.Tensor:
+    def hidden_source(self, bucket: Bucket) -> torch.Tensor:
         """The hidden states the bucket's entries read: with graphs the verify graph's own output, else a buffer
         the caller's h is copied into (run)."""
         if self.use_graphs:
@@ -96,7 +96,7 @@ class SpeculativeGraphs:
         key = (kind, bucket)
         if key not in self.entries:
             rows, tokens = self.sizes(bucket)
-            K, h, dev = self.K, self._source(bucket), self.device
+            K, h, dev = self.K, self.hidden_source(bucket), self.device
             with torch.inference_mode(False):
                 if kind == "drafts":
                     tok = torch.zeros(3, tokens, dtype=torch.int64, device=dev)

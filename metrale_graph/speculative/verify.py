@@ -27,7 +27,10 @@ host); its layers through the runner's compiled (on CUDA captured) hidden-states
    (greedy rows: argmax match; sampled rows: rejection sampling with one-hot draft probabilities) with uniforms
    from the request's generator; the emitted tokens join the penalty statistics, and their logprobs come from
    their position's raw logits (logprobs.py, as a plain step's). The other sampling rows go through
-   `sampling.sample` as in a plain step. Accept counts, tokens and logprobs read back (one sync).
+   `sampling.sample` as in a plain step. Accept counts, tokens and logprobs read back (one sync). With a runner
+   and a step in one of its buckets whose rows no processor touches (`unprocessed`), all of this is one replay
+   of the bucket's acceptance graph instead (`_accept_captured`: capture/speculative.py, tail.py), and the state
+   copy of step 4 and the MTP head of step 6 replay graphs too.
 4. Settling the cache: a stream that kept a of its k drafts keeps a + 1 tokens: its slot's conv / GDN states
    are replaced by verify entry a (a == k: the step's own final state, nothing to copy), its context advances by
    a + 1 (KV of the rejected positions lies past it; the next step overwrites it) and with prefix caching only
