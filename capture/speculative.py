@@ -189,7 +189,8 @@ class SpeculativeGraphs:
 
 
 def _fill(buffer: torch.Tensor, host: torch.Tensor) -> None:
-    """Rows 0 .. r - 1 of a tail buffer from `host` [r, ...]; the rest keep their padding (never written)."""
+    """Rows 0 .. r - 1 of a tail buffer from `host` [r, ...]. The rest keep the padding or an earlier call's rows of
+    the same bucket: valid inputs (h rows inside the bucket, a distribution per row) whose outputs nobody reads."""
     buffer[:host.shape[0]].copy_(host, non_blocking=True)  # (numbers.to_device's reason)
 
 
