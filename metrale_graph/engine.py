@@ -283,7 +283,8 @@ class Engine(RequestIntake):
         runner's per-bucket reports. Runs in the engine loop between two steps (requests running
         meanwhile wait for it). With compile=False: one 1-token request, so that one-time
         initialization stays out of later timings; returns []. With speculation, the buckets' hidden-states
-        steps too (the verify steps', GraphRunner.hidden_bucket; not in the reports)."""
+        steps too (the verify steps', GraphRunner.hidden_bucket) and their tails (acceptance, MTP drafts:
+        capture/speculative.py); not in the reports."""
         self._check_not_follower("warmup")
         if self.runner is None:
             self.generate([[0]], max_new_tokens=1, stop_token_ids=[])
@@ -296,6 +297,7 @@ class Engine(RequestIntake):
             with self.cache.exclusive():
                 for bucket in sorted(self.runner.grid, reverse=True):
                     self.runner.hidden_bucket(bucket.streams, bucket.tokens)
+                    self._loop.spec.graphs.warm(bucket)  # its tail: acceptance, MTP drafts (capture/speculative.py)
         return reports
 
     def reset_prefix_cache(self) -> None:

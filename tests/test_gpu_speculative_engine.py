@@ -1,8 +1,8 @@
 """On a GPU: Engine(speculative=...) against plain decoding on CUDA, fp32 (token-identical: the verify step's GDN
-states come from the CUDA conv and recurrent kernels' per-token checkpoints), eager and with the graph runner for
-the plain steps (verify steps run eagerly, docs/speculative.md); bf16's agreement with plain bf16 decoding printed
-(a random tiny model's top logits lie within bf16's rounding of each other, so an argmax may flip between a
-(k + 1)-token verify and a one-token decode)."""
+states come from the CUDA conv and recurrent kernels' per-token checkpoints), eager and with the graph runner (the
+verify steps in its hidden-states graphs, their tails in capture/speculative.py's: test_gpu_speculative_graphs.py);
+bf16's agreement with plain bf16 decoding printed (a random tiny model's top logits lie within bf16's rounding of
+each other, so an argmax may flip between a (k + 1)-token verify and a one-token decode)."""
 
 import pytest
 import torch

@@ -181,7 +181,7 @@ def _engine(model, plan: SpecPlan, counts, speculative, compile: bool):
 
 def _warm(engine, n: int, ks) -> None:
     """Capture now the buckets a window of n streams replays: the plain decode's and each k's verify (hidden
-    states), so that no window times a capture."""
+    states, then the tail's graphs), so that no window times a capture."""
     runner = engine.runner
     if runner is None:
         return
@@ -192,7 +192,9 @@ def _warm(engine, n: int, ks) -> None:
         if engine.speculative is not None:
             with engine.cache.exclusive():
                 for k in ks:
-                    runner.hidden_bucket(n, n * (k + 1))
+                    entry = runner.hidden_bucket(n, n * (k + 1))
+                    if entry is not None:  # and its tail (acceptance, MTP drafts: capture/speculative.py)
+                        engine._loop.spec.graphs.warm(entry.bucket)
 
     engine._loop.run_job(warm, warmup=True)
 

@@ -1,4 +1,5 @@
-"""The MTP head's drafts in the engine, batched over the requests of a speculative step (verify.py), eagerly.
+"""The MTP head's drafts in the engine, batched over the requests of a speculative step (verify.py): compiled (on
+CUDA captured) through capture/speculative.py's SpeculativeGraphs where the step ran in a bucket, else eagerly.
 
 The conventions are mtp.py's (draft_mtp is the one-stream form of the same thing). After a step kept positions
 b .. n' - 1 of a request (b: its context before the step; n': after; the head has caught up on b positions,
@@ -28,11 +29,14 @@ class MtpDrafter:
     def __init__(self, model, cache):
         self.model, self.cache = model, cache
 
-    def draft(self, h: torch.Tensor, reqs: list, before: list[int], starts: list[int], room: list[int]) -> dict:
+    def draft(self, h: torch.Tensor, reqs: list, before: list[int], starts: list[int], room: list[int],
+              graphs=None, bucket=None) -> dict:
         """Drafts {slot: ids} for requests `reqs` after a step whose hidden states (before the final norm) are `h`:
         request i's kept positions are before[i] .. its context now - 1, its rows of h from starts[i] on; it gets
-        room[i] drafts (none for 0). A request the head has not followed up to before[i] gets none."""
-        cache, model = self.cache, self.model
+        room[i] drafts (none for 0). A request the head has not followed up to before[i] gets none. `graphs`,
+        `bucket`: a SpeculativeGraphs (capture/speculative.py) and the bucket whose hidden-states step made `h`:
+        the head runs there, compiled (on CUDA captured: one replay, one read back), else eagerly."""
+        cache = self.cache
         todo = [i for i, r in enumerate(reqs) if cache.mtp_context_lens[r.slot] == before[i]
                 and cache.context_lens[r.slot] > before[i]]
         if not todo:
@@ -46,36 +50,61 @@ class MtpDrafter:
                 seq = reqs[i].prompt + reqs[i].out
                 ids += seq[before[i] + 1:before[i] + n + 1]
                 rows += range(starts[i], starts[i] + n)
-            hidden = model.normed(h.index_select(0, to_device(int_tensor(rows), h.device)))
-            out = mtp_hidden_states(model, cache, _packed(cache, slots, ids, lengths, [before[i] for i in todo]),
-                                    hidden)
+            want = [room[i] for i in todo]
+            cache.allocate(cache.block_needs([(s, k - 1) for s, k in zip(slots, want) if k > 1]))
+            args = (h, slots, ids, rows, lengths, [before[i] for i in todo], want)
+            if graphs is not None and bucket is not None and bucket.holds(len(slots), len(ids)):
+                drafts = self._captured(graphs, bucket, *args)
+            else:
+                drafts = self._eager(*args)
             at = 0
             for i, slot, n in zip(todo, slots, lengths):
                 cache.mtp_context_lens[slot] = cache.context_lens[slot]
                 if cache.prefix_caching:  # what a restore of these blocks checks (cache_prefixes.restore)
                     cache.slot_blocks.head_written(slot, before[i], ids[at:at + n])
                 at += n
-            ends = [s - 1 for s in itertools.accumulate(lengths)]
-            prev = out.index_select(0, to_device(int_tensor(ends), out.device))
-            want = [room[i] for i in todo]
-            cache.allocate(cache.block_needs([(s, k - 1) for s, k in zip(slots, want) if k > 1]))
-            drafts = {s: [] for s, k in zip(slots, want) if k > 0}
-            live = [j for j, k in enumerate(want) if k > 0]
-            prev = prev.index_select(0, to_device(int_tensor(live), prev.device)) if live else prev
-            step = 0
-            while live:
-                for j, t in zip(live, model.head(prev).argmax(dim=-1).tolist()):
-                    drafts[slots[j]].append(t)
-                more = [x for x, j in enumerate(live) if want[j] > step + 1]
-                if not more:
-                    break
-                live = [live[x] for x in more]
-                prev = prev.index_select(0, to_device(int_tensor(more), prev.device))
-                # draft step + 2 from the head at position n' + step on draft step + 1, beside its own output
-                batch = _packed(cache, [slots[j] for j in live], [drafts[slots[j]][-1] for j in live],
-                                [1] * len(live), [cache.context_lens[slots[j]] + step for j in live])
-                prev = mtp_hidden_states(model, cache, batch, prev)
-                step += 1
+        return drafts
+
+    def _captured(self, graphs, bucket, h, slots, ids, rows, lengths, begins, want) -> dict:
+        """draft's head through graphs.draft (tail.mtp_drafts' layouts): every stream runs every draft step, a
+        stream past its own drafts on the scratch slot at position 0 (its null-block row), as padding does."""
+        cache, K = self.cache, graphs.K
+        context = [cache.context_lens[s] for s in slots]
+        positions = [p for b, n in zip(begins, lengths) for p in range(b, b + n)]
+        tok = torch.tensor([ids, positions, list(rows)], dtype=torch.int64)
+        ends = list(itertools.accumulate(lengths))
+        strm = [ends, slots, begins, [e - 1 for e in ends]]
+        for step in range(K - 1):  # draft step + 2 at position n' + step, for a stream that wants it
+            live = [k > step + 1 for k in want]
+            strm += [[c + step if w else 0 for c, w in zip(context, live)],
+                     [s if w else cache.scratch_slot for s, w in zip(slots, live)]]
+        out = graphs.draft(bucket, h, tok, torch.tensor(strm, dtype=torch.int64)).tolist()  # the drafting's one read back
+        return {s: row[:k] for s, row, k in zip(slots, out, want) if k > 0}
+
+    def _eager(self, h, slots, ids, rows, lengths, begins, want) -> dict:
+        """draft's head step by step: the catch-up, then one batched head step per draft (a read back each)."""
+        cache, model = self.cache, self.model
+        hidden = model.normed(h.index_select(0, to_device(int_tensor(rows), h.device)))
+        out = mtp_hidden_states(model, cache, _packed(cache, slots, ids, lengths, begins), hidden)
+        ends = [s - 1 for s in itertools.accumulate(lengths)]
+        prev = out.index_select(0, to_device(int_tensor(ends), out.device))
+        drafts = {s: [] for s, k in zip(slots, want) if k > 0}
+        live = [j for j, k in enumerate(want) if k > 0]
+        prev = prev.index_select(0, to_device(int_tensor(live), prev.device)) if live else prev
+        step = 0
+        while live:
+            for j, t in zip(live, model.head(prev).argmax(dim=-1).tolist()):
+                drafts[slots[j]].append(t)
+            more = [x for x, j in enumerate(live) if want[j] > step + 1]
+            if not more:
+                break
+            live = [live[x] for x in more]
+            prev = prev.index_select(0, to_device(int_tensor(more), prev.device))
+            # draft step + 2 from the head at position n' + step on draft step + 1, beside its own output
+            batch = _packed(cache, [slots[j] for j in live], [drafts[slots[j]][-1] for j in live],
+                            [1] * len(live), [cache.context_lens[slots[j]] + step for j in live])
+            prev = mtp_hidden_states(model, cache, batch, prev)
+            step += 1
         return drafts
 
 

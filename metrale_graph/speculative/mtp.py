@@ -1,7 +1,7 @@
 """The multi-token-prediction (MTP) head of Qwen3.5 / Qwen3-Next checkpoints as a drafter: its step over packed
 tokens (`mtp_hidden_states`, a pure function of packed tensors, weights and pools, as the model's step is) and
-an eager drafting loop for one stream (`draft_mtp`, engine-free; the engine's batched, captured drafting comes
-later).
+an eager drafting loop for one stream (`draft_mtp`, engine-free; the engine's, batched: drafting.py, compiled and
+captured through tail.mtp_drafts).
 
 The conventions are vLLM's (qwen3_5_mtp.py, qwen3_next_mtp.py, and its EAGLE proposer with method "mtp"):
 

@@ -27,7 +27,10 @@ host); its layers through the runner's compiled (on CUDA captured) hidden-states
    (greedy rows: argmax match; sampled rows: rejection sampling with one-hot draft probabilities) with uniforms
    from the request's generator; the emitted tokens join the penalty statistics, and their logprobs come from
    their position's raw logits (logprobs.py, as a plain step's). The other sampling rows go through
-   `sampling.sample` as in a plain step. Accept counts, tokens and logprobs read back (one sync).
+   `sampling.sample` as in a plain step. Accept counts, tokens and logprobs read back (one sync). With a runner
+   and a step in one of its buckets whose rows no processor touches (`unprocessed`), all of this is one replay
+   of the bucket's acceptance graph instead (`_accept_captured`: capture/speculative.py, tail.py), and the state
+   copy of step 4 and the MTP head of step 6 replay graphs too.
 4. Settling the cache: a stream that kept a of its k drafts keeps a + 1 tokens: its slot's conv / GDN states
    are replaced by verify entry a (a == k: the step's own final state, nothing to copy), its context advances by
    a + 1 (KV of the rejected positions lies past it; the next step overwrites it) and with prefix caching only
@@ -56,6 +59,7 @@ from .acceptance import draw_uniforms, rejection_sample, target_probabilities
 from .drafting import MtpDrafter
 from .options import Speculative
 from .proposers import ngram_propose
+from .tail import host_rows
 
 
 def speculates(r) -> bool:
@@ -69,6 +73,12 @@ class SpeculativeStep:
         self.cache, self.model = loop.cache, loop.model
         self.base = self.cache.prefix_checkpoints  # the first verify entry
         self.mtp = MtpDrafter(self.model, self.cache) if spec.method == "mtp" else None
+        self.runner = loop.runner  # its hidden-states buckets run the verify steps (compile=True), else None
+        self.graphs = None  # the tail compiled (on CUDA captured) beside the runner's buckets (capture/speculative.py)
+        if loop.runner is not None:
+            from ..capture.speculative import SpeculativeGraphs
+
+            self.graphs = SpeculativeGraphs(loop.runner, self.k, self.mtp is not None)
         self.proposed = self.accepted = self.drafts = self.steps = 0
 
     def stats(self) -> dict:
@@ -113,7 +123,7 @@ class SpeculativeStep:
             c.request.mtp_ok = False
 
     def run(self, step: list, decodes: int) -> None:
-        loop, cache, model = self.loop, self.cache, self.model
+        cache, model = self.cache, self.model
         K, dev = self.k, cache.device
         reqs = [c.request for c in step]
         tokens = [[r.out[-1]] + r.drafts if i < decodes else c.tokens for i, (c, r) in enumerate(zip(step, reqs))]
@@ -133,9 +143,10 @@ class SpeculativeStep:
             if dev.type == "cuda" and packed.num_streams == 1:  # one stream would take the chunked GDN path
                 packed = packed.padded(2, packed.num_tokens, cache)  # (split.py), which keeps chunk ends only:
                 # an empty second stream sends it to the recurrent kernel, which keeps any token, in a graph too
-            runner = loop.runner  # its compiled (captured) hidden-states step of the bucket the step fits, if any
+            runner = self.runner  # its compiled (captured) hidden-states step of the bucket the step fits, if any
             entry = runner.hidden_bucket(packed.num_streams, packed.num_tokens) if runner is not None else None
             targets(cache, keep_tok, keep_entry)
+            out["bucket"] = None if entry is None else entry.bucket
             try:
                 if entry is not None:
                     return runner.run_hidden(entry, packed)
@@ -146,24 +157,16 @@ class SpeculativeStep:
         def settle(h):
             out["h"] = h
             kept = list(lengths)
-            if spec:
-                counts, emitted, logprobs = self._accept(h, [reqs[i] for i in spec], [starts[i] for i in spec], K)
-                out["spec"] = {i: (t, lp) for i, t, lp in zip(spec, emitted, logprobs)}
-                redo = [(j, i, c) for j, (i, c) in enumerate(zip(spec, counts)) if c < lengths[i] - 1]
-                if redo:  # the state after the kept tokens: verify entry c of the j-th speculating stream
-                    entries = to_device(int_tensor([self.base + j * K + c for j, _, c in redo]), dev)
-                    slots = to_device(int_tensor([reqs[i].slot for _, i, _ in redo]), dev)
-                    for pool, kept_states in zip(cache.conv_states + cache.gdn_states,
-                                                 cache.checkpoint_conv_states + cache.checkpoint_gdn_states):
-                        pool.index_copy_(0, slots, kept_states.index_select(0, entries))
-                for i, c in zip(spec, counts):
-                    kept[i] = c + 1
-            if plain:
-                rows = to_device(int_tensor([starts[i] + lengths[i] - 1 for i in plain]), dev)
-                todo = [reqs[i] for i in plain]
-                result = sample(model.logits_of(h.index_select(0, rows)), todo, loop.penalties, loop._token_masks(todo))
-                host, entries = result.to_host()
-                out["plain"] = {i: ([t], [e]) for i, t, e in zip(plain, host, entries)}
+            rows = [reqs[i] for i in spec + plain]
+            if rows and self.graphs is not None and out["bucket"] is not None and all(map(unprocessed, rows)):
+                counts = self._accept_captured(h, out, reqs, spec, plain, starts, lengths)
+            else:
+                counts = self._accept_eager(h, out, reqs, spec, plain, starts, lengths)
+            redo = [(j, i, c) for j, (i, c) in enumerate(zip(spec, counts)) if c < lengths[i] - 1]
+            if redo:  # the state after the kept tokens: verify entry c of the j-th speculating stream
+                self._keep_states([reqs[i].slot for _, i, _ in redo], [self.base + j * K + c for j, _, c in redo])
+            for i, c in zip(spec, counts):
+                kept[i] = c + 1
             return kept
 
         with prefill_call(model, cache, [Stream(r.slot, t) for r, t in zip(reqs, tokens)]) as call:
@@ -172,9 +175,62 @@ class SpeculativeStep:
         if self.mtp is not None:
             live = [i for i, r in enumerate(reqs) if self.follows(r) and not r.ended]
             drafted = self.mtp.draft(out["h"], [reqs[i] for i in live], [before[i] for i in live],
-                                     [starts[i] for i in live], [self.room(reqs[i]) for i in live])
+                                     [starts[i] for i in live], [self.room(reqs[i]) for i in live], self.graphs,
+                                     out["bucket"])
             for i in live:
                 reqs[i].drafts = drafted.get(reqs[i].slot, [])
+
+    def _accept_eager(self, h, out: dict, reqs: list, spec: list[int], plain: list[int], starts: list[int],
+                      lengths: list[int]) -> list[int]:
+        """settle's acceptance with every logits processor (_accept), and the plain sampling rows through
+        sampling.sample; sets out["spec"] / out["plain"]; returns the speculating streams' accept counts."""
+        counts, dev, loop = [], h.device, self.loop
+        if spec:
+            counts, emitted, logprobs = self._accept(h, [reqs[i] for i in spec], [starts[i] for i in spec], self.k)
+            out["spec"] = {i: (t, lp) for i, t, lp in zip(spec, emitted, logprobs)}
+        if plain:
+            rows = to_device(int_tensor([starts[i] + lengths[i] - 1 for i in plain]), dev)
+            todo = [reqs[i] for i in plain]
+            result = sample(self.model.logits_of(h.index_select(0, rows)), todo, loop.penalties, loop._token_masks(todo))
+            host, entries = result.to_host()
+            out["plain"] = {i: ([t], [e]) for i, t, e in zip(plain, host, entries)}
+        return counts
+
+    def _accept_captured(self, h, out: dict, reqs: list, spec: list[int], plain: list[int], starts: list[int],
+                         lengths: list[int]) -> list[int]:
+        """_accept_eager's tokens for rows no logits processor touches (`unprocessed`), in one replay of the
+        bucket's acceptance graph (capture/speculative.py, speculative/tail.py) and one read back."""
+        K = self.k
+        drafts = [reqs[i].drafts for i in spec] + [[] for _ in plain]
+        positions = ([[starts[i] + min(t, len(reqs[i].drafts)) for t in range(K + 1)] for i in spec]
+                     + [[starts[i] + lengths[i] - 1] * (K + 1) for i in plain])
+        rows = [reqs[i] for i in spec + plain]
+        uniforms = draw_uniforms([r.generator for r in rows], [len(d) for d in drafts], K)
+        ints, floats = host_rows(positions, drafts, [r.params for r in rows], uniforms, K, self.model.config.vocab_size)
+        result = self.graphs.accept(out["bucket"], h, ints, floats).tolist()  # the step's one read back
+        counts = [row[0] for row in result[:len(spec)]]
+        out["spec"] = {i: (row[1:row[0] + 2], [None] * (row[0] + 1)) for i, row in zip(spec, result)}
+        out["plain"] = {i: ([row[1]], [None]) for i, row in zip(plain, result[len(spec):])}
+        if spec:
+            self._count([len(d) for d in drafts[:len(spec)]], counts)
+        return counts
+
+    def _keep_states(self, slots: list[int], entries: list[int]) -> None:
+        """Each slot's conv and GDN states of every layer := verify entry entries[i]'s (one graph with a runner)."""
+        if self.graphs is not None:
+            self.graphs.copy_states(slots, entries)
+            return
+        cache, dev = self.cache, self.cache.device
+        index, slot_ids = to_device(int_tensor(entries), dev), to_device(int_tensor(slots), dev)
+        for pool, kept_states in zip(cache.conv_states + cache.gdn_states,
+                                     cache.checkpoint_conv_states + cache.checkpoint_gdn_states):
+            pool.index_copy_(0, slot_ids, kept_states.index_select(0, index))
+
+    def _count(self, proposed: list[int], accepted: list[int]) -> None:
+        self.proposed += sum(proposed)
+        self.accepted += sum(accepted)
+        self.drafts += len(proposed)
+        self.steps += 1
 
     def _accept(self, h, reqs: list, starts: list[int], K: int) -> tuple[list[int], list[list[int]], list[list]]:
         """Rejection sampling over the speculating streams (h: the step's hidden states): accepted drafts, the
@@ -209,10 +265,7 @@ class SpeculativeStep:
             host = device_logprobs.to_host([reqs[b].params.logprobs for b in want for _ in range(K + 1)])
             for w, b in enumerate(want):
                 entries[b] = host[w * (K + 1):w * (K + 1) + counts[b] + 1]
-        self.proposed += sum(n)
-        self.accepted += sum(counts)
-        self.drafts += len(reqs)
-        self.steps += 1
+        self._count(n, counts)
         return counts, [row[:c + 1] for row, c in zip(emitted, counts)], entries
 
     def _processed(self, raw, reqs: list, K: int):
@@ -261,6 +314,15 @@ class SpeculativeStep:
             loop.last_tokens.index_copy_(0, to_device(int_tensor(slots), loop.last_tokens.device),
                                          to_device(int_tensor(ids), loop.last_tokens.device))
         deliver(outputs)
+
+
+def unprocessed(r) -> bool:
+    """Whether no logits processor changes request r's logits at any verify position (no grammar, penalty,
+    logit_bias, logprobs nor min_tokens still holding its stop tokens back): its rows may take the captured
+    acceptance (SpeculativeStep._accept_captured)."""
+    p = r.params
+    return (r.grammar is None and not p.penalized and not p.logit_bias and p.logprobs is None
+            and (not r.stop_ids or p.min_tokens <= min(len(r.out), r.generated)))
 
 
 def targets(cache, tokens: list[int], entries: list[int]) -> None:

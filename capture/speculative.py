@@ -1,0 +1,237 @@
+"""SpeculativeGraphs: the speculative step's tail (speculative/tail.py) compiled with torch.compile(fullgraph=True)
+and, on CUDA, captured into CUDA graphs bucketed like the verify step (GraphRunner.hidden_bucket), beside a
+GraphRunner, into its memory pool.
+
+    graphs = SpeculativeGraphs(runner, num_tokens=K, mtp=True)        # the engine's SpeculativeStep makes it
+    result = graphs.accept(bucket, h, ints, floats)    # [r, K + 2] on the device: counts, then tokens
+    graphs.copy_states(slots, entries)                 # the accepted runs' GDN / conv states into their slots
+    drafts = graphs.draft(bucket, h, tok, strm)        # [b, K] on the device: the MTP head's drafts
+
+Per bucket of the runner's grid (the verify step's: the step's hidden states `h` are that bucket's graph output)
+there are up to three entries, made and warmed on first use or by `warm(bucket)`: the greedy acceptance, the
+sampled one (rows of temperature > 0 beside greedy ones: its sorts over the vocabulary are skipped by a greedy
+step) and the MTP head's catch-up with its draft steps. Their per-call inputs are static buffers of the bucket's
+streams (rows) and tokens, at least 2 each, filled from host tensors by one copy per buffer, their spare rows
+padding (tail.py's layouts); each function is traced once for every bucket (the rows and tokens dimensions are
+marked dynamic, as the runner's buffers are) through its own copy of the function's code (the runner's reason:
+dynamo's entries and recompile count are per code object). The state copy after acceptance is plain indexing
+(an index_select and an index_copy_ per pool): not compiled (nothing to fuse, and a functionalized in-place copy
+into a pool risks a copy of the whole pool), captured on CUDA per row count (padded to the grid's stream sizes
+with scratch-slot rows, which copy the scratch entry into the scratch slot).
+
+Capture follows the runner's recipe: two runs on a side stream (compile, then anything lazily initialized), then
+the capture into the runner's pool; warming runs only padding (the tail reads; the copies and the draft steps
+write the scratch slot and the null block). With graphs a replay's output is the graph's own buffer, valid until
+that entry's next replay. Without graphs (CPU, use_graphs=False) the same compiled functions run on the same
+buffers.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from metrale_graph.numbers import to_device
+from metrale_graph.speculative import tail
+
+from .buckets import Bucket
+
+
+@dataclass
+class Graphed:
+    """One function of static inputs: compiled (fn), and with graphs captured (graph, output)."""
+    fn: Callable
+    args: tuple
+    graph: torch.cuda.CUDAGraph | None = None
+    output: torch.Tensor | None = None
+    warm: bool = False
+
+
+class SpeculativeGraphs:
+    def __init__(self, runner, num_tokens: int, mtp: bool, compiled: bool = True):
+        """runner: the GraphRunner whose hidden-states buckets run the verify steps; num_tokens: K, the most drafts a
+        stream verifies; mtp: whether to make the MTP head's entries. compiled=False runs tail.py's functions as
+        they are, on the same buffers (tests: the path without compile times)."""
+        self.runner, self.model, self.cache = runner, runner.model, runner.cache
+        self.K, self.mtp = num_tokens, mtp
+        self.use_graphs, self.pool, self.device = runner.use_graphs, runner.pool, runner.model.device
+        self.vocab = self.model.config.vocab_size
+        limit = len(runner.grid) + 8
+        wrap = (lambda f: _compiled(f, limit)) if compiled else (lambda f: f)
+        self._greedy, self._sampled = wrap(tail.accept_greedy), wrap(tail.accept_sampled)
+        self._drafts = wrap(tail.mtp_drafts) if mtp else None
+        self.entries: dict[tuple[str, Bucket], Graphed] = {}
+        self.copies: dict[int, Graphed] = {}
+        self._hidden: dict[Bucket, torch.Tensor] = {}  # without graphs: each bucket's copy of h
+
+    # the entries ---------------------------------------------------------------------------------
+    def sizes(self, bucket: Bucket) -> tuple[int, int]:
+        """(rows / streams, tokens) of a bucket's static buffers."""
+        return max(bucket.streams, 2), max(bucket.tokens, 2)
+
+    def warm(self, bucket: Bucket) -> None:
+        """Make, compile and (on CUDA) capture every entry of `bucket` now (its hidden-states entry must exist:
+        GraphRunner.hidden_bucket)."""
+        for kind in ("greedy", "sampled") + (("drafts",) if self.mtp else ()):
+            self._entry(kind, bucket)
+
+    def hidden_source(self, bucket: Bucket) -> torch.Tensor:
+        """The hidden states the bucket's entries read: with graphs the verify graph's own output, else a buffer
+        the caller's h is copied into (run)."""
+        if self.use_graphs:
+            output = self.runner.hidden_entries[bucket].output
+            torch._dynamo.mark_dynamic(output, 0)  # (one trace for every bucket's; the runner's step never reads it)
+            return output
+        if bucket not in self._hidden:
+            with torch.inference_mode(False):
+                self._hidden[bucket] = torch.zeros(self.sizes(bucket)[1], self.model.config.hidden_size,
+                                                   dtype=self.model.dtype, device=self.device)
+            torch._dynamo.mark_dynamic(self._hidden[bucket], 0)
+        return self._hidden[bucket]
+
+    def _entry(self, kind: str, bucket: Bucket) -> Graphed:
+        key = (kind, bucket)
+        if key not in self.entries:
+            rows, tokens = self.sizes(bucket)
+            K, h, dev = self.K, self.hidden_source(bucket), self.device
+            with torch.inference_mode(False):
+                if kind == "drafts":
+                    tok = torch.zeros(3, tokens, dtype=torch.int64, device=dev)
+                    strm = torch.zeros(4 + 2 * (K - 1), rows, dtype=torch.int64, device=dev)
+                    strm[1].fill_(self.cache.scratch_slot)  # the slot ids' rows: 1, then 5, 7, ...
+                    strm[5::2].fill_(self.cache.scratch_slot)
+                    args, fn = (self.model, self.cache, h, tok, strm, K), self._drafts
+                    torch._dynamo.mark_dynamic(tok, 1)
+                    torch._dynamo.mark_dynamic(strm, 1)
+                else:
+                    ints = torch.zeros(rows, 2 * K + 4, dtype=torch.int64, device=dev)
+                    ints[:, 2 * K + 2:] = torch.tensor([self.vocab, 1])  # greedy padding rows
+                    floats = torch.tensor([0.0] * (K + 1) + list(tail.GREEDY_ROW), device=dev).repeat(rows, 1)
+                    torch._dynamo.mark_dynamic(ints, 0)
+                    torch._dynamo.mark_dynamic(floats, 0)
+                    args, fn = ((self.model, h, ints, K), self._greedy) if kind == "greedy" else \
+                        ((self.model, h, ints, floats, K), self._sampled)
+            self.entries[key] = Graphed(fn, args)
+        entry = self.entries[key]
+        if not entry.warm:
+            self._warm(entry)
+        return entry
+
+    @torch.no_grad()
+    def _warm(self, entry: Graphed) -> None:
+        if self.use_graphs:
+            entry.graph, entry.output = _capture(lambda: entry.fn(*entry.args), self.device, self.pool)
+        else:
+            entry.fn(*entry.args)
+        entry.warm = True
+
+    def _run(self, entry: Graphed, h: torch.Tensor) -> torch.Tensor:
+        source = entry.args[2 if entry.fn is self._drafts else 1]
+        if self.use_graphs:
+            assert h.data_ptr() == source.data_ptr(), "h must be the bucket's hidden-states graph output"
+            entry.graph.replay()
+            return entry.output
+        source[:h.shape[0]].copy_(h)
+        return entry.fn(*entry.args)
+
+    # the calls ----------------------------------------------------------------------------------
+    def accept(self, bucket: Bucket, h: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor) -> torch.Tensor:
+        """Acceptance of r rows (tail.accept_greedy / accept_sampled; ints [r, 2K + 4], floats [r, K + 4] on the
+        host, tail.host_rows) over h, the verify step's hidden states of `bucket` (with graphs, its graph's
+        output). Returns int64 [r, K + 2] on the device (counts, then tokens)."""
+        sampled = bool((ints[:, 2 * self.K + 3] == 0).any())
+        entry = self._entry("sampled" if sampled else "greedy", bucket)
+        r = ints.shape[0]
+        _fill(entry.args[2], ints)
+        if sampled:
+            _fill(entry.args[3], floats)
+        return self._run(entry, h)[:r]
+
+    def draft(self, bucket: Bucket, h: torch.Tensor, tok: torch.Tensor, strm: torch.Tensor) -> torch.Tensor:
+        """The MTP head's catch-up and drafts (tail.mtp_drafts; tok [3, t] and strm [4 + 2(K - 1), b] on the host,
+        drafting.py builds them) over h, the verify step's hidden states of `bucket`. int64 [b, K] on the device."""
+        entry = self._entry("drafts", bucket)
+        tok_buf, strm_buf = entry.args[3], entry.args[4]
+        t, b = tok.shape[1], strm.shape[1]
+        full_tok = torch.zeros(tok_buf.shape, dtype=torch.int64)  # spare tokens: id 0, position 0, in no stream
+        full_tok[:, :t] = tok
+        full_strm = torch.zeros(strm_buf.shape, dtype=torch.int64)
+        full_strm[:, :b] = strm
+        full_strm[0, b:] = t  # padding streams: zero-length, ending where the last real one does
+        full_strm[5::2, b:] = full_strm[1, b:] = self.cache.scratch_slot  # (draft steps: one token there)
+        tok_buf.copy_(full_tok, non_blocking=True)  # (numbers.to_device's reason: no stream sync)
+        strm_buf.copy_(full_strm, non_blocking=True)
+        return self._run(entry, h)[:b]
+
+    @torch.no_grad()
+    def copy_states(self, slots: list[int], entries: list[int]) -> None:
+        """Each slot's conv and GDN states of every layer := its checkpoint entry's (verify.py's accepted runs)."""
+        cache, n = self.cache, len(slots)
+        if not self.use_graphs:
+            index = to_device(torch.tensor([slots, entries], dtype=torch.int64), self.device)
+            _copy_states(cache, index)
+            return
+        size = next((s for s in sorted({b.streams for b in self.runner.grid} | {n}) if s >= n))
+        if size not in self.copies:
+            with torch.inference_mode(False):
+                index = torch.tensor([[cache.scratch_slot], [cache.scratch_checkpoint]], device=self.device)
+                index = index.repeat(1, size)
+            entry = self.copies[size] = Graphed(_copy_states, (cache, index))
+            self._warm(entry)
+        entry = self.copies[size]
+        pad = size - n
+        host = torch.tensor([slots + [cache.scratch_slot] * pad, entries + [cache.scratch_checkpoint] * pad])
+        entry.args[1].copy_(host, non_blocking=True)  # (numbers.to_device's reason)
+        entry.graph.replay()
+
+
+def _fill(buffer: torch.Tensor, host: torch.Tensor) -> None:
+    """Rows 0 .. r - 1 of a tail buffer from `host` [r, ...]. The rest keep the padding or an earlier call's rows of
+    the same bucket: valid inputs (h rows inside the bucket, a distribution per row) whose outputs nobody reads."""
+    buffer[:host.shape[0]].copy_(host, non_blocking=True)  # (numbers.to_device's reason)
+
+
+def _copy_states(cache, index: torch.Tensor) -> None:
+    """index [2, n]: slots, then checkpoint entries; each pool's slot rows := the entries' kept states."""
+    slots, entries = index[0], index[1]
+    for pool, kept in zip(cache.conv_states + cache.gdn_states,
+                          cache.checkpoint_conv_states + cache.checkpoint_gdn_states):
+        pool.index_copy_(0, slots, kept.index_select(0, entries))
+
+
+def _capture(fn: Callable[[], torch.Tensor | None], device: torch.device, pool):
+    """fn warmed on a side stream (twice: compile, then anything lazily initialized), then captured into a CUDA
+    graph in `pool`: (graph, its output)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        output = fn()
+    torch.cuda.synchronize(device)
+    return graph, output
+
+
+def _compiled(func, recompile_limit: int):
+    """`func` compiled with fullgraph=True through a copy of it with its own code object (capture/runner.py's
+    _compile_step), under a recompile limit of at least `recompile_limit`."""
+    own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                             func.__closure__)
+    compiled = torch.compile(own, fullgraph=True, dynamic=False)  # dims: mark_dynamic
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    limit = max(recompile_limit, getattr(dynamo_config, name))
+
+    def run(*args):
+        with dynamo_config.patch(**{name: limit}):
+            return compiled(*args)
+
+    return run

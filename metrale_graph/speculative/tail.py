@@ -1,0 +1,147 @@
+"""The speculative step's tail as functions of a few static tensors: what capture/speculative.py compiles with
+torch.compile(fullgraph=True) and, on CUDA, captures into one graph per bucket, so that after the verify step's
+own graph a speculative step replays a handful of graphs instead of launching hundreds of eager kernels.
+
+Shapes: R rows (a bucket's sampling rows: a speculating stream's K + 1 verify positions, or a plain row's one
+position repeated K + 1 times), K drafts per stream (the option's num_tokens), V vocabulary, T tokens, B
+streams, D hidden. Each function reads its per-call inputs from two or three packed buffers that the host fills
+with one copy each (layouts below; `host_rows`, `host_drafting` build them), so the graph's inputs keep their
+addresses.
+
+- `accept_greedy(model, h, ints, K)` / `accept_sampled(model, h, ints, floats, K)`: the LM head over the rows'
+  hidden states, then the tokens verify.py's eager path gives for the same rows when no logits processor applies:
+  `acceptance.target_probabilities` + `rejection_sample` for rows with drafts, and for rows without any (prompt
+  chunks' last tokens, decodes without drafts) `sampling.sample`'s own draw (its inverse CDF over the sorted
+  probabilities with the request's one uniform), so a seeded request draws the same token whichever path its
+  step took. Returns int64 [R, K + 2]: the accept count, then the row's K + 1 tokens (Accepted's layout).
+- `mtp_drafts(model, cache, h, tok, strm, K)`: the MTP head's catch-up over the kept positions and its K - 1
+  single-token draft steps (drafting.py's eager loop), drafts chosen on the device: int64 [B, K].
+
+Layouts (int64 unless stated):
+    ints   [R, 2K + 4]: h rows of the K + 1 positions | drafts (K) | num_drafts | top_k | greedy (0 / 1)
+    floats [R, K + 4] fp32: uniforms (K + 1, acceptance.draw_uniforms') | temperature | top_p | log(min_p)
+    tok    [3, T]: the catch-up's tokens | positions | h rows
+    strm   [4 + 2 (K - 1), B]: the catch-up streams' cu_seqlens[1:] | slot ids | context_lens (the head's entries
+           start there) | the catch-up row of each stream's last token; then per draft step s: positions (= the
+           head's context) | slot ids
+A greedy row's sampling values must still describe a distribution (temperature 1, top_k V, top_p 2, log(min_p)
+-inf: `host_rows` writes them) so that no row of the sampled variant divides by zero. Padding streams of the
+draft steps run one token on the scratch slot at position 0, whose block-table row is all the null block: what
+they write lands there, which no stream reads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..batch import PackedBatch
+from ..sampling import _sorted_probs
+from .acceptance import EMPTY, rejection_sample
+from .mtp import mtp_hidden_states
+
+GREEDY_ROW = (1.0, 2.0, -math.inf)  # temperature, top_p, log(min_p) of a greedy or padding row (top_k: V)
+
+
+def _logits(model, h: Tensor, ints: Tensor, K: int) -> Tensor:
+    """The LM head's logits [R * (K + 1), V] of the rows' positions (model.logits_of, as the eager path)."""
+    return model.logits_of(h.index_select(0, ints[:, :K + 1].reshape(-1)))
+
+
+def _result(counts: Tensor, tokens: Tensor) -> Tensor:
+    return torch.cat([counts.unsqueeze(1), tokens], dim=1)
+
+
+def accept_greedy(model, h: Tensor, ints: Tensor, K: int) -> Tensor:
+    """Every row greedy: the longest run of drafts equal to the argmax, then the argmax after it (rejection_sample
+    on target_probabilities' one-hot rows, without building them). int64 [R, K + 2]."""
+    R = ints.shape[0]
+    top = _logits(model, h, ints, K).argmax(dim=-1).view(R, K + 1)
+    drafts, num_drafts = ints[:, K + 1:2 * K + 1], ints[:, 2 * K + 1]
+    valid = torch.arange(K, device=ints.device).unsqueeze(0) < num_drafts.unsqueeze(1)
+    counts = ((drafts == top[:, :K]) & valid).long().cumprod(dim=1).sum(dim=1)
+    final = top.gather(1, counts.unsqueeze(1))
+    cols = torch.arange(K + 1, device=ints.device).unsqueeze(0)
+    padded = torch.cat([drafts, drafts.new_full((R, 1), EMPTY)], dim=1)
+    tokens = torch.where(cols < counts.unsqueeze(1), padded, EMPTY)
+    return _result(counts, torch.where(cols == counts.unsqueeze(1), final, tokens))
+
+
+def accept_sampled(model, h: Tensor, ints: Tensor, floats: Tensor, K: int) -> Tensor:
+    """Greedy and sampled rows together (the layouts in the module docstring). int64 [R, K + 2]."""
+    R, K1 = ints.shape[0], K + 1
+    logits = _logits(model, h, ints, K)
+    V = logits.shape[1]
+    greedy = ints[:, 2 * K + 3] != 0
+    num_drafts, drafts = ints[:, 2 * K + 1], ints[:, K + 1:2 * K + 1]
+
+    def per_position(x: Tensor) -> Tensor:
+        return x.unsqueeze(1).expand(R, K1).reshape(R * K1)
+
+    # sampling.probabilities' distributions (every row: greedy rows carry a harmless one, replaced below)
+    sorted_probs, order = _sorted_probs(logits.float(), per_position(floats[:, K1]), per_position(ints[:, 2 * K + 2]),
+                                        per_position(floats[:, K1 + 1]), per_position(floats[:, K1 + 2]))
+    probs = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs / sorted_probs.sum(dim=-1, keepdim=True))
+    one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    target = torch.where(per_position(greedy).unsqueeze(1), one_hot, probs).view(R, K1, V)
+    uniforms = floats[:, :K1]
+    accepted = rejection_sample(target, drafts, num_drafts, greedy, uniforms)
+    # rows without drafts draw as sampling.sample does (_draw): the sorted probabilities of their one position
+    first, first_order = sorted_probs.view(R, K1, V)[:, 0], order.view(R, K1, V)[:, 0]
+    cdf = first.cumsum(dim=-1)
+    pos = torch.searchsorted(cdf, uniforms[:, K:] * cdf[:, -1:], right=True)
+    pos = torch.minimum(pos, (first > 0).sum(dim=-1, keepdim=True) - 1).clamp(min=0)  # (clamp: padding rows only)
+    drawn = first_order.gather(1, pos).squeeze(1)
+    plain = (num_drafts == 0) & ~greedy
+    tokens = accepted.tokens
+    tokens = torch.cat([torch.where(plain, drawn, tokens[:, 0]).unsqueeze(1), tokens[:, 1:]], dim=1)
+    return _result(accepted.counts, tokens)
+
+
+def mtp_drafts(model, cache, h: Tensor, tok: Tensor, strm: Tensor, K: int) -> Tensor:
+    """The MTP head's catch-up and drafts (drafting.py's conventions; the layouts in the module docstring):
+    h [T', D] the verify step's hidden states (before the final norm). Mutates the head's KV pools at the
+    catch-up's and the draft steps' positions. int64 [B, K]."""
+    B = strm.shape[1]
+    slots = strm[1]
+    cu = torch.cat([strm.new_zeros(1), strm[0]]).to(torch.int32)
+    catch = PackedBatch(tokens=tok[0], positions=tok[1], cu_seqlens=cu, slot_ids=slots,
+                        context_lens=strm[2].to(torch.int32), block_tables=cache.block_tables.index_select(0, slots))
+    out = mtp_hidden_states(model, cache, catch, model.normed(h.index_select(0, tok[2])))
+    prev = out.index_select(0, strm[3])
+    draft = model.head(prev).argmax(dim=-1)
+    drafts = [draft]
+    one_each = torch.arange(B + 1, dtype=torch.int32, device=strm.device)
+    for s in range(K - 1):  # draft s + 2 from the head at the stream's position on draft s + 1, beside its output
+        positions, step_slots = strm[4 + 2 * s], strm[5 + 2 * s]
+        batch = PackedBatch(tokens=draft, positions=positions, cu_seqlens=one_each, slot_ids=step_slots,
+                            context_lens=positions.to(torch.int32),
+                            block_tables=cache.block_tables.index_select(0, step_slots))
+        prev = mtp_hidden_states(model, cache, batch, prev)
+        draft = model.head(prev).argmax(dim=-1)
+        drafts.append(draft)
+    return torch.stack(drafts, dim=1)
+
+
+def row_values(params, vocab: int) -> tuple[int, int, float, float, float]:
+    """(greedy, top_k, temperature, top_p, log(min_p)) of a row's SamplingParams, as sampling._row_values writes
+    them (a greedy row: GREEDY_ROW's harmless distribution)."""
+    if params.greedy:
+        return 1, vocab, *GREEDY_ROW
+    return (0, min(params.top_k or vocab, vocab), params.temperature, params.top_p if params.top_p < 1.0 else 2.0,
+            math.log(params.min_p) if params.min_p > 0.0 else -math.inf)
+
+
+def host_rows(positions: list[list[int]], drafts: list[list[int]], params: list, uniforms: Tensor, K: int,
+              vocab: int) -> tuple[Tensor, Tensor]:
+    """(ints [r, 2K + 4], floats [r, K + 4]) on the host for r rows: each row's K + 1 h rows, its drafts (fewer
+    than K: padded), its SamplingParams and its uniforms [r, K + 1] (acceptance.draw_uniforms)."""
+    ints, floats = [], []
+    for rows, d, p in zip(positions, drafts, params):
+        greedy, top_k, temperature, top_p, log_min_p = row_values(p, vocab)
+        ints.append(rows + d + [0] * (K - len(d)) + [len(d), top_k, greedy])
+        floats.append([temperature, top_p, log_min_p])
+    return (torch.tensor(ints, dtype=torch.int64),
+            torch.cat([uniforms, torch.tensor(floats, dtype=torch.float32)], dim=1))

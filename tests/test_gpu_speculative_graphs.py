@@ -1,0 +1,105 @@
+"""On a GPU: the speculative step's tail captured into CUDA graphs (capture/speculative.py: acceptance, the
+accepted-state copy, the MTP head's catch-up and drafts, per verify bucket) against the eager speculative engine,
+fp32: greedy tokens equal to plain decoding's, the same drafts and seeded sampled tokens as the eager tail, every
+entry captured; and each acceptance graph's replay equal to its function run eagerly on the same buffers."""
+
+import pytest
+import torch
+
+from helpers import moe_config, random_tokens, tiny_config, unit_gain
+from speculative_reference import Oracle, bigram_model, with_random_mtp
+from metrale_graph import Engine, HybridModel
+from metrale_graph.sampling import SamplingParams
+from metrale_graph.speculative import draw_uniforms, verify
+from metrale_graph.speculative.drafting import MtpDrafter
+from metrale_graph.speculative.tail import accept_greedy, accept_sampled, host_rows
+
+pytestmark = pytest.mark.gpu
+
+CONFIGS = {
+    "dense": tiny_config(mtp_num_hidden_layers=1),
+    "moe": moe_config(mtp_num_hidden_layers=1, tie_word_embeddings=True),
+    "next": moe_config("qwen3_next", mtp_num_hidden_layers=1),
+}
+GRID = dict(token_budget=128, batch_sizes=[2, 4], token_counts=[16, 128])
+
+
+def cuda_model(family):
+    return with_random_mtp(unit_gain(HybridModel.from_preset(CONFIGS[family], seed=1), seed=2), seed=3).to("cuda")
+
+
+def prompts_of(family):
+    return [random_tokens(n, s, CONFIGS[family].vocab_size) for n, s in ((7, 1), (23, 2), (3, 3), (41, 4), (12, 5))]
+
+
+def run(model, prompts, compile, speculative=None, **kw):
+    with Engine(model, 3, compile=compile, speculative=speculative, **GRID) as e:
+        out = [r.token_ids for r in e.generate(prompts, max_new_tokens=14, stop_token_ids=[], **kw)]
+        graphs = e._loop.spec.graphs if speculative is not None else None
+        if graphs is not None:  # every entry the steps used was captured
+            assert graphs.entries and all(g.graph is not None for g in list(graphs.entries.values())
+                                          + list(graphs.copies.values()))
+        return out, graphs
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_captured_tails_give_the_eager_tokens_and_drafts(family, monkeypatch):
+    model, prompts = cuda_model(family), prompts_of(family)
+    reference, _ = run(model, prompts, False)
+    monkeypatch.setattr(verify, "ngram_propose", Oracle(prompts, reference, CONFIGS[family].vocab_size))
+    seen, draft = [], MtpDrafter.draft
+    monkeypatch.setattr(MtpDrafter, "draft", lambda self, *a, **kw: seen.append(draft(self, *a, **kw)) or seen[-1])
+    sampled = dict(temperature=0.8, top_k=20, seed=5)
+    for spec in ({"method": "ngram", "num_tokens": 3}, {"method": "mtp", "num_tokens": 2}):
+        runs = []
+        for compile in (False, True):
+            seen.clear()
+            greedy, graphs = run(model, prompts, compile, spec)
+            runs.append((greedy, list(seen), run(model, prompts, compile, spec, **sampled)[0]))
+        assert runs[0][0] == runs[1][0] == reference, spec
+        assert runs[0][1] == runs[1][1], spec  # the captured head's drafts are the eager head's
+        assert runs[0][2] == runs[1][2], spec  # seeded sampling: the same draws
+        if spec["method"] == "ngram":  # partial runs: the accepted-state copy replayed
+            assert graphs.copies
+
+
+def test_acceptance_replays_equal_their_functions():
+    """Random hidden states in each bucket's verify output buffer and random rows (greedy, sampled, with and
+    without drafts): graphs.accept's replay gives accept_greedy / accept_sampled's tokens on the same inputs."""
+    model, K = cuda_model("dense"), 3
+    V = model.config.vocab_size
+    with Engine(model, 3, compile=True, speculative={"method": "mtp", "num_tokens": K}, **GRID) as e:
+        e.warmup()
+        runner, graphs = e.runner, e._loop.spec.graphs
+        with torch.no_grad():
+            for bucket in runner.grid:
+                out = graphs.hidden_source(bucket)  # with graphs: the verify graph's output buffer
+                g = torch.Generator().manual_seed(bucket.tokens + bucket.streams)
+                out.copy_(torch.randn(out.shape, generator=g) * 3)
+                r = min(bucket.streams, 3)
+                params = [SamplingParams(), SamplingParams(temperature=0.9, top_k=30), SamplingParams(top_p=0.8,
+                                                                                                      temperature=1.1)][:r]
+                n = [K, 2, 0][:r]
+                starts = torch.randint(0, out.shape[0] - K, (r,), generator=g).tolist()
+                positions = [[s + min(t, m) for t in range(K + 1)] for s, m in zip(starts, n)]
+                drafts = [torch.randint(0, V, (m,), generator=g).tolist() for m in n]
+                gens = [None if p.greedy else torch.Generator().manual_seed(i) for i, p in enumerate(params)]
+                ints, floats = host_rows(positions, drafts, params, draw_uniforms(gens, n, K), K, V)
+                for rows in ([0], list(range(r))):  # greedy alone (its own graph), then all
+                    got = graphs.accept(bucket, out, ints[rows], floats[rows]).clone()
+                    if len(rows) == 1:
+                        want = accept_greedy(model, out, ints[rows].cuda(), K)
+                    else:
+                        want = accept_sampled(model, out, ints[rows].cuda(), floats[rows].cuda(), K)
+                    assert torch.equal(got, want), (bucket, rows)
+
+
+def test_captured_bigram_drafts_are_all_kept():
+    model = bigram_model(CONFIGS["dense"]).to("cuda")
+    with Engine(model, 2, compile=False) as e:
+        reference = e.generate([[3, 5, 7]], max_new_tokens=41, stop_token_ids=[])[0].token_ids
+    with Engine(model, 2, compile=True, speculative={"method": "mtp", "num_tokens": 3}, **GRID) as e:
+        out = e.generate([[3, 5, 7]], max_new_tokens=41, stop_token_ids=[])[0].token_ids
+        s = e.stats().speculative
+        assert any(kind == "drafts" and g.graph is not None for (kind, _), g in e._loop.spec.graphs.entries.items())
+    assert out == reference and s["accepted"] == s["proposed"] == 30  # 10 verify steps of 3

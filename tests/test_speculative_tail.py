@@ -1,0 +1,254 @@
+"""The speculative step's tail on static buffers (speculative/tail.py, capture/speculative.py): its functions give
+the eager path's tokens (acceptance.target_probabilities + rejection_sample for rows with drafts, sampling.sample
+for rows without), and an engine whose speculative steps take it (`tail_engine`: the buffers, their padding and the
+host layouts of SpeculativeGraphs with the functions uncompiled, behind a stand-in for the runner's hidden-states
+buckets) gives plain decoding's greedy tokens and the eager speculative engine's drafts and seeded sampled tokens.
+One case compiles (torch.compile, fullgraph); graphs only on a GPU (test_gpu_speculative_graphs.py). fp32, CPU."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers import moe_config, random_tokens, tiny_config, unit_gain
+from speculative_reference import Oracle, bigram_model, with_random_mtp
+from metrale_graph import Engine, HybridModel
+from metrale_graph.capture import choose, make_grid
+from metrale_graph.capture.speculative import SpeculativeGraphs
+from metrale_graph.sampling import SampleRow, SamplingParams, new_generator, sample
+from metrale_graph.speculative import draw_uniforms, rejection_sample, target_probabilities, verify
+from metrale_graph.speculative.drafting import MtpDrafter
+from metrale_graph.speculative.tail import accept_greedy, accept_sampled, host_rows
+
+CONFIGS = {
+    "dense": tiny_config(mtp_num_hidden_layers=1),
+    "moe": moe_config(mtp_num_hidden_layers=1, tie_word_embeddings=True),
+    "next": moe_config("qwen3_next", mtp_num_hidden_layers=1),
+}
+PROMPTS = [(7, 1), (23, 2), (3, 3), (41, 4), (12, 5)]  # (length, seed)
+GRID = dict(batch_sizes=[2, 4], token_counts=[16, 128])  # (128: every step of PROMPTS fits a bucket)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: with_random_mtp(unit_gain(HybridModel.from_preset(cfg, seed=1), seed=2), seed=3)
+            for name, cfg in CONFIGS.items()}
+
+
+def prompts_of(family):
+    return [random_tokens(n, s, CONFIGS[family].vocab_size) for n, s in PROMPTS]
+
+
+class EagerBuckets:
+    """A stand-in for GraphRunner's hidden-states buckets: the grid's bucket of each step, run eagerly."""
+
+    def __init__(self, model, cache, grid):
+        self.model, self.cache, self.grid = model, cache, grid
+        self.use_graphs, self.pool, self.hidden_entries = False, None, {}
+
+    def hidden_bucket(self, num_streams, num_tokens):
+        bucket = choose(self.grid, num_streams, num_tokens)
+        return None if bucket is None else SimpleNamespace(bucket=bucket)
+
+    def run_hidden(self, entry, packed):
+        return self.model.hidden_states(self.cache, packed)
+
+
+def tail_engine(model, slots, speculative, calls=None, **kw):
+    """An eager Engine whose speculative steps take SpeculativeGraphs' path (its functions uncompiled) in the
+    buckets of GRID; `calls` counts them ("accept", "draft")."""
+    e = Engine(model, slots, compile=False, speculative=speculative, **kw)
+    spec = e._loop.spec
+    spec.runner = EagerBuckets(model, e.cache, make_grid(GRID["batch_sizes"], GRID["token_counts"]))
+    graphs = spec.graphs = SpeculativeGraphs(spec.runner, spec.k, spec.mtp is not None, compiled=False)
+    if calls is not None:
+        for name in ("accept", "draft"):
+            method = getattr(graphs, name)
+            setattr(graphs, name, lambda *a, _m=method, _n=name: calls.append(_n) or _m(*a))
+    return e
+
+
+def eager_tails(monkeypatch) -> list:
+    """The eager tails' calls (SpeculativeStep._accept_eager, MtpDrafter._eager), by name."""
+    seen = []
+    for cls, name in ((verify.SpeculativeStep, "_accept_eager"), (MtpDrafter, "_eager")):
+        method = getattr(cls, name)
+        monkeypatch.setattr(cls, name, lambda *a, _m=method, _n=name: seen.append(_n) or _m(*a))
+    return seen
+
+
+def recorded_drafts(monkeypatch) -> list:
+    """Every MtpDrafter.draft result, in order."""
+    seen, draft = [], MtpDrafter.draft
+
+    def recording(self, *a, **kw):
+        out = draft(self, *a, **kw)
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(MtpDrafter, "draft", recording)
+    return seen
+
+
+def test_tail_functions_give_the_eager_tokens():
+    """Rows of every kind over random hidden states, 24 draws: greedy and sampled rows with drafts (the argmax's,
+    so that runs are kept, or random ones, so that the residual is drawn), sampled and greedy rows without drafts;
+    top-k, top-p, min_p and temperatures. Each token equals the eager path's (the same per-row arithmetic on the
+    CPU: exact)."""
+    model = unit_gain(HybridModel.from_preset(tiny_config(), seed=1), seed=2)
+    K, V, T = 3, model.config.vocab_size, 40
+    greedy, plain_p = SamplingParams(), SamplingParams(temperature=1.2)
+    params = [greedy, SamplingParams(temperature=0.9, top_k=20), SamplingParams(temperature=0.7, top_p=0.8, min_p=0.05),
+              plain_p, greedy, SamplingParams(temperature=1.0), greedy]
+    num_drafts = [3, 3, 1, 0, 0, 2, 2]
+    for draw in range(24):
+        g = torch.Generator().manual_seed(draw)
+        h = torch.randn(T, model.config.hidden_size, generator=g) * 3
+        starts = torch.randint(0, T - K, (len(params),), generator=g).tolist()
+        positions = [[s + min(t, n) for t in range(K + 1)] for s, n in zip(starts, num_drafts)]
+        top = model.logits_of(h).argmax(dim=-1)
+        drafts = []
+        for b, (row, n) in enumerate(zip(positions, num_drafts)):
+            d = [int(top[p]) for p in row[:n]]
+            if b >= 5 or draw % 3 == 0:  # a wrong draft somewhere (or everywhere: random ids)
+                at = draw % max(n, 1)
+                d = [(t + 1 + draw) % V if (b == 5 or i == at) else t for i, t in enumerate(d)]
+            drafts.append(d)
+        seeds = [None if p.greedy else 100 * draw + b for b, p in enumerate(params)]
+        gens = lambda: [None if s is None else new_generator(s) for s in seeds]  # noqa: E731
+        ints, floats = host_rows(positions, drafts, params, draw_uniforms(gens(), num_drafts, K), K, V)
+        got = accept_sampled(model, h, ints, floats, K)
+        # eager: rows with drafts through rejection_sample, rows without through sampling.sample
+        spec = [b for b, n in enumerate(num_drafts) if n]
+        flat = torch.tensor([x for b in spec for x in positions[b]])
+        probs = target_probabilities(model.logits_of(h[flat]).view(len(spec), K + 1, V), [params[b] for b in spec])
+        padded = torch.tensor([drafts[b] + [0] * (K - len(drafts[b])) for b in spec])
+        g_all = gens()
+        ref = rejection_sample(probs, padded, torch.tensor([num_drafts[b] for b in spec]),
+                               torch.tensor([params[b].greedy for b in spec]),
+                               draw_uniforms([g_all[b] for b in spec], [num_drafts[b] for b in spec], K))
+        assert got[spec, 0].tolist() == ref.counts.tolist(), draw
+        assert got[spec, 1:].tolist() == ref.tokens.tolist(), draw
+        for b in (b for b, n in enumerate(num_drafts) if not n):
+            plain = sample(model.logits_of(h[positions[b][:1]]), [SampleRow(params[b], gens()[b])])
+            assert got[b, 0] == 0 and got[b, 1].item() == plain.tokens.item() and (got[b, 2:] == -1).all()
+        if draw % 3 == 0:  # the greedy rows alone, through the greedy variant
+            rows = [b for b, p in enumerate(params) if p.greedy]
+            alone = accept_greedy(model, h, ints[rows], K)
+            assert alone.tolist() == got[rows].tolist()
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_the_captured_path_gives_plain_decoding(models, family, monkeypatch):
+    """n-gram (an oracle's drafts: partial runs, so the accepted-state copy) and MTP (a random head; k = 3 and
+    max_new_tokens leave fewer drafts to the last steps: streams past their own drafts ride the draft steps on the
+    scratch slot) through the tail's buffers, in buckets of 2 and 4 streams: plain decoding's tokens, the eager
+    speculative engine's drafts, and no step's tail taken eagerly."""
+    model, prompts = models[family], prompts_of(family)
+    with Engine(model, 3, compile=False) as e:
+        reference = [r.token_ids for r in e.generate(prompts, max_new_tokens=14, stop_token_ids=[])]
+    monkeypatch.setattr(verify, "ngram_propose", Oracle(prompts, reference, CONFIGS[family].vocab_size))
+    drafts, eager = recorded_drafts(monkeypatch), eager_tails(monkeypatch)
+    for option in ({"method": "ngram", "num_tokens": 3}, {"method": "mtp", "num_tokens": 3}):
+        runs = {}
+        for captured in (False, True):
+            drafts.clear()
+            eager.clear()
+            calls = []
+            make = tail_engine if captured else (lambda m, s, o, c: Engine(m, s, compile=False, speculative=o))
+            with make(model, 3, option, calls) as e:
+                out = [r.token_ids for r in e.generate(prompts, max_new_tokens=14, stop_token_ids=[])]
+                runs[captured] = (out, e.stats().speculative, [dict(d) for d in drafts])
+                tail = e._loop.spec.graphs
+            assert out == reference, (option, captured)
+        assert runs[True] == runs[False], option  # the same drafts, counts and tokens
+        stats = runs[True][1]
+        assert eager == [] and calls.count("accept") >= stats["steps"] > 0  # (steps without drafts take it too)
+        assert (calls.count("draft") > 0) == (option["method"] == "mtp")
+        assert {kind for kind, _ in tail.entries} == ({"greedy", "drafts"} if option["method"] == "mtp" else {"greedy"})
+        if option["method"] == "ngram":
+            assert 0 < stats["accepted"] < stats["proposed"]
+
+
+def test_captured_sampling_draws_the_eager_tokens(models, monkeypatch):
+    """Seeded sampled requests (temperatures, top-k, top-p, min_p) beside greedy ones, random n-gram drafts (kept
+    and rejected: residual draws) and MTP drafts: the captured tail's tokens are the eager speculative engine's,
+    whose distribution tests/test_speculative_engine.py checks against plain sampling; so are they."""
+    model, prompts = models["next"], prompts_of("next")
+
+    def random_drafts(tokens, k, *lookup):
+        g = torch.Generator().manual_seed(sum(t * 31 ** i for i, t in enumerate(tokens)) % 2**31)
+        return torch.randint(0, CONFIGS["next"].vocab_size, (k,), generator=g).tolist()
+
+    monkeypatch.setattr(verify, "ngram_propose", random_drafts)
+    samplers = [dict(temperature=0.8, top_k=20), dict(temperature=1.3, top_p=0.7), dict(), dict(temperature=0.6,
+                                                                                              min_p=0.1)]
+    for option in ({"method": "ngram", "num_tokens": 2}, {"method": "mtp", "num_tokens": 2}):
+        runs = []
+        for captured in (False, True):
+            make = tail_engine if captured else (lambda m, s, o: Engine(m, s, compile=False, speculative=o))
+            with make(model, 4, option) as e:
+                handles = [e.submit(p, max_new_tokens=12, stop_token_ids=[], seed=7 + i, **samplers[i % 4])
+                           for i, p in enumerate(prompts)]
+                runs.append([h.result().token_ids for h in handles])  # (seeded: whatever shares the steps)
+                assert e.stats().speculative["proposed"] > 0
+                if captured:
+                    assert {kind for kind, _ in e._loop.spec.graphs.entries} >= {"sampled"}
+        assert runs[0] == runs[1], option
+
+
+def test_logits_processors_keep_the_eager_tail(models, monkeypatch):
+    """A step with a penalized request takes the eager tail (its processors per verify position), the others the
+    captured one; both give plain decoding's tokens."""
+    model, prompts = models["dense"], prompts_of("dense")[:3]
+    kw = dict(max_new_tokens=10, stop_token_ids=[])
+    with Engine(model, 3, compile=False) as e:
+        reference = [e.submit(prompts[0], repetition_penalty=1.3, **kw).result().token_ids,
+                     e.submit(prompts[1], **kw).result().token_ids]
+    calls, eager = [], eager_tails(monkeypatch)
+    with tail_engine(model, 3, {"method": "mtp", "num_tokens": 2}, calls) as e:
+        penalized = e.submit(prompts[0], repetition_penalty=1.3, **kw).result().token_ids  # alone: eager tails
+        assert "accept" not in calls and eager.count("_accept_eager") >= e.stats().speculative["steps"] > 0
+        assert "_eager" not in eager and "draft" in calls  # (drafting has no processors: captured throughout)
+        assert [penalized, e.generate(prompts[1:2], **kw)[0].token_ids] == reference
+        assert "accept" in calls
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_the_bigram_checkpoint_keeps_every_captured_draft(k):
+    """Every draft kept (k = 1: the head's catch-up alone, no draft step), and a prompt of 41 tokens in chunks of
+    at most 16 (token_budget): speculative steps of prompt chunks that sample no row."""
+    model = bigram_model(CONFIGS["dense"])
+    prompt = random_tokens(41, 6, CONFIGS["dense"].vocab_size)
+    with Engine(model, 2, compile=False) as e:
+        reference = [e.generate([p], max_new_tokens=41, stop_token_ids=[])[0].token_ids for p in ([3, 5, 7], prompt)]
+    calls = []
+    with tail_engine(model, 2, {"method": "mtp", "num_tokens": k}, calls, token_budget=16) as e:
+        out = [e.generate([p], max_new_tokens=41, stop_token_ids=[])[0].token_ids for p in ([3, 5, 7], prompt)]
+        s = e.stats().speculative
+    assert out == reference
+    assert s["accepted"] == s["proposed"] > 0 and "draft" in calls and "accept" in calls
+
+
+def test_the_compiled_tail_gives_the_eager_tokens(models, monkeypatch):
+    """torch.compile(fullgraph=True) of the three functions (warmup: each once for the one bucket), then greedy
+    and seeded sampled MTP requests: the eager engine's tokens and drafts."""
+    model, prompts = models["dense"], prompts_of("dense")[:3]
+    drafts = recorded_drafts(monkeypatch)
+    runs = []
+    for compile in (False, True):
+        drafts.clear()
+        with Engine(model, 2, compile=compile, token_budget=64, batch_sizes=[2], token_counts=[64],
+                    speculative={"method": "mtp", "num_tokens": 2}) as e:
+            if compile:
+                e.warmup()
+                graphs = e._loop.spec.graphs
+                assert {kind for kind, _ in graphs.entries} == {"greedy", "sampled", "drafts"}
+                assert all(entry.warm for entry in graphs.entries.values())
+            greedy = [r.token_ids for r in e.generate(prompts, max_new_tokens=10, stop_token_ids=[])]
+            sampled = [r.token_ids for r in e.generate(prompts, max_new_tokens=10, stop_token_ids=[], temperature=0.9,
+                                                       top_k=30, seed=3)]
+            runs.append((greedy, sampled, e.stats().speculative, [dict(d) for d in drafts]))
+    assert runs[0] == runs[1] and runs[1][2]["proposed"] > 0
