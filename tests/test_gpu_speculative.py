@@ -32,6 +32,8 @@ def test_cuda_drafts_match_the_cpu_reference(cfg):
     cpu = unit_gain(HybridModel.from_preset(cfg, seed=1), seed=2)
     first = int(cpu.head(prefill_hidden(cpu, cpu.new_cache(2, 16, 16), 1, PROMPT)[-1:])[0].argmax())
     want = drafts_on(cpu)
+    # (before .to("cuda"), which moves the module itself)
+    main_fp32 = cpu.head(prefill_hidden(cpu, cpu.new_cache(2, 16, 16), 1, PROMPT))
     got = drafts_on(cpu.to("cuda"))
     assert got.tokens == want.tokens and rel_err(got.logits.cpu(), want.logits) <= 1e-4
     # bf16: the same first token as fp32's (a random tiny model's top logits lie within bf16's rounding of each
@@ -42,7 +44,6 @@ def test_cuda_drafts_match_the_cpu_reference(cfg):
     # (at most as much again). A flat figure will not do: on the CPU the tiny models' bf16 logits lie 0.07
     # (dense) and 0.20 (Next) from fp32's, their drafts 0.03 and 0.09; on the H200 the dense drafts 0.106.
     bf16_model = unit_gain(HybridModel.from_preset(cfg, seed=1), seed=2).to("cuda", torch.bfloat16)
-    main_fp32 = cpu.head(prefill_hidden(cpu, cpu.new_cache(2, 16, 16), 1, PROMPT))
     main_bf16 = bf16_model.head(prefill_hidden(bf16_model, bf16_model.new_cache(2, 16, 16), 1, PROMPT))
     main_err = rel_err(main_bf16.float().cpu(), main_fp32)
     bf16 = drafts_on(bf16_model, first=first)
