@@ -32,7 +32,7 @@ from typing import AsyncIterator
 from .errors import stream_event
 from .generation import Generations
 from .logprobs import chat_logprobs, prompt_logprobs
-from .protocol import ChatCompletionRequest
+from .protocol import ChatCompletionRequest, NamedToolChoice
 from .reasoning import starts_in_reasoning
 from .reply import ReasoningDelta, Reply, ReplyParser
 from .responses import (DONE, AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatResponse, DeltaFunctionCall,
@@ -48,9 +48,11 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def finish_reason(engine_reason: str | None, calls: int) -> str | None:
-    """OpenAI's "tool_calls" for a reply that stopped after making calls; a reply cut short keeps "length"."""
-    return "tool_calls" if calls and engine_reason == "stop" else engine_reason
+def finish_reason(engine_reason: str | None, calls: int, choice=None) -> str | None:
+    """OpenAI's "tool_calls" for a reply that stopped after making calls; a reply cut short keeps "length". A
+    call forced by name (`tool_choice` a NamedToolChoice) keeps "stop", as OpenAI and vLLM answer it."""
+    named = isinstance(choice, NamedToolChoice)
+    return "tool_calls" if calls and engine_reason == "stop" and not named else engine_reason
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw_request):
@@ -91,7 +93,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                                        tool_calls=[ToolCall(id=call_id(), function=FunctionCall(name=n, arguments=a))
                                                    for n, a in reply.calls] or None)
             calls = len(reply.calls)
-        choices.append(ChatChoice(index=i, message=message, finish_reason=finish_reason(r.finish_reason, calls),
+        finish = finish_reason(r.finish_reason, calls, body.tool_choice)
+        choices.append(ChatChoice(index=i, message=message, finish_reason=finish,
                                   stop_reason=group.stop_reason(i, r.finish_reason, r.token_ids),
                                   logprobs=_logprobs(state, body, r.token_ids, r.logprobs),
                                   token_ids=list(r.token_ids) if ids else None,
@@ -164,7 +167,7 @@ async def _events(state: ServerState, body: ChatCompletionRequest, group: Genera
             events = reader.feed(out.text) if out.text else []
             if out.finish_reason:
                 events += reader.finish()
-            finish = finish_reason(out.finish_reason, reader.calls)
+            finish = finish_reason(out.finish_reason, reader.calls, body.tool_choice)
             deltas = [_delta(e, call_ids[choice]) for e in events]
             if not deltas and (finish or (ids and out.token_ids)):
                 deltas = [DeltaMessage()]
