@@ -1,17 +1,14 @@
 #!/usr/bin/env bash
 # One GPU session in one command (device machines start bare): install the carried
 # flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
-#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-sort|moe-decode|tp|fp8|fp8-sweep|fp8-bench|w8a16|serve|prefix|structured|spec|all|setup]
+#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-tests|tp|fp8|fp8-sweep|fp8-bench|w8a16|serve|prefix|structured|spec|all|setup]
 #   (run from the repository root)
 # tests: every GPU test (sweep + op-tests + model-tests: ~18 min, more than one call); ops: per-op
 # benchmark; decode (not in all): bench_ops at decode shapes and benchmarks/kernels/check_decode.py's tile sweep; bench: 9B workloads with the peer and generation; profile (not in all): the 9B workloads' device
 # time by phase and top kernels (bench --profile);
 # moe: the 35B-A3B and (12 layers) Qwen3-Next-80B-A3B workloads with the peer, the 35B-A3B default-grid warmup;
-# moe-sort (not in all): the routing sort,
-# torch.sort against the counting sort (METRALE_MOE_SORT; the alignment tests on CUDA, 35B-A3B-FP8 W1 / D1 / D32,
-# SORT_PRESET to choose); moe-decode (not in all): the MoE direct decode path against the aligned one
-# (METRALE_MOE_DECODE; its GPU tests, the 35B-A3B's D1 / D32 under each; DECODE_PRESET=qwen3.5-35b-a3b-fp8 for the
-# FP8 experts' direct form); tp: the two-GPU benchmarks
+# moe-tests (not in all): the GPU tests of the MoE decode paths, the direct one (bf16 and FP8, CUDA-graph replay)
+# and the counting sort on CUDA tensors (not yet timed); tp: the two-GPU benchmarks
 # (9B W2 / W5 against the one-GPU JSON in benchmarks/, 27B W1-W6, 35B-A3B W1 / W2 / W5 with the experts
 # split across the ranks and within); fp8 (not in all): the FP8 primitives' check (benchmarks/kernels/check_fp8.py: correctness,
 # cuBLAS shapes, graphs), tests/test_gpu_fp8.py, bench_ops on the 9B FP8 preset; fp8-bench (not in all): the FP8
@@ -235,32 +232,12 @@ if [[ $what == w8a16 ]]; then
         [[ ${PIPESTATUS[0]} == 0 ]] || status=1
     done
 fi
-if [[ $what == moe-sort ]]; then
-    # the routing's sort (ops/moe/align.py METRALE_MOE_SORT): the counting sort against torch.sort on the GPU (the
-    # alignment tests, CUDA tensors), then the 35B-A3B-FP8's W1 / D1 / D32 under each (~4 min warm)
-    METRALE_MOE_SORT=count limit python3 -m pytest -q -rfE -p no:cacheprovider tests/test_kernels.py \
-        -k "moe_alignment or count_sort" 2>&1 | tee "$OUT/moe_sort_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed"
+if [[ $what == moe-tests ]]; then
+    # the MoE decode paths the 820b41b A/B made the only ones (BENCHMARKS.md, MoE): the direct path's GPU tests
+    # (35B-A3B layer shape, bf16 and FP8, graph replay) and the counting sort's (CUDA tensors, align_pairs, a graph)
+    limit python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_moe_direct.py tests/test_kernels.py \
+        -k "direct or count_sort" 2>&1 | tee "$OUT/moe_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed"
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
-    for sort in torch count; do
-        METRALE_MOE_SORT=$sort limit python3 -m metrale_graph.tools.bench --preset ${SORT_PRESET:-qwen3.5-35b-a3b-fp8} \
-            --workloads W1,D1,D32 --variants graphs --repeat 5 --json "$OUT/bench-moe-sort-$sort.json" 2>&1 \
-            | tee -a "$OUT/bench-moe-sort.log" | grep -E "^ *(W1|D1|D32) |Error"
-        [[ ${PIPESTATUS[0]} == 0 ]] || status=1
-    done
-fi
-if [[ $what == moe-decode ]]; then
-    # issue 38 item 2: the MoE direct decode path (ops/moe/direct.py METRALE_MOE_DECODE) against the aligned one: its
-    # GPU test (35B-A3B layer shape, graph replay), then the 35B-A3B's D1 / D32 under each (D32's 256 pairs stay
-    # aligned under both: the A/B of D32 checks that nothing else moved; DECODE_PRESET to choose)
-    limit python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_moe_direct.py 2>&1 \
-        | tee "$OUT/moe_decode_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed"
-    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
-    for decode in aligned direct; do
-        METRALE_MOE_DECODE=$decode limit python3 -m metrale_graph.tools.bench --preset ${DECODE_PRESET:-qwen3.5-35b-a3b} \
-            --workloads D1,D32 --variants graphs --repeat 5 --json "$OUT/bench-moe-decode-$decode.json" 2>&1 \
-            | tee -a "$OUT/bench-moe-decode.log" | grep -E "^ *(D1|D32) |Error"
-        [[ ${PIPESTATUS[0]} == 0 ]] || status=1
-    done
 fi
 if [[ $what == fp8-bench ]]; then
     # issue 26: one bench run of each FP8 preset (W1-W7, D1, D32; FP8_PRESETS to choose, e.g. one per device call on a

@@ -1,13 +1,13 @@
 """Every METRALE_* environment variable the package reads, in one table (SETTINGS): name, type, default, meaning.
 
-Read through one accessor, the module's attributes (`envs.METRALE_MOE_SORT`), and read once: the first access
+Read through one accessor, the module's attributes (`envs.METRALE_GDN_CHUNKED`), and read once: the first access
 parses every METRALE_* variable of the environment and keeps the values for the life of the process. A value a
 setting does not take, or a METRALE_* variable that is none of SETTINGS (a misspelt name), is a
 ValueError naming each such variable and what it takes, raised at that first access, which importing the package
 makes (the backend switches below are read when their op modules are imported).
 
 The backend switches become module attributes of their op (ops.gdn_recurrence.CHUNKED_BACKEND,
-ops.moe.align.SORT, ...) when it is imported; code may set those attributes afterwards, before a step is compiled
+ops.fp8.linear.DECODE_GEMM) when it is imported; code may set those attributes afterwards, before a step is compiled
 or captured, and the op checks them again where it reads them. Tests read settings under other values with `override`.
 docs/DESIGN.md ("Settings") shows the table (`markdown_table`).
 """
@@ -72,17 +72,6 @@ SETTINGS = _settings(
             "(ops.gdn_recurrence.CHUNKED_BACKEND). fla is kept: it serves the head dims ours do not take whatever "
             "the setting, and chosen for all it is the GPU tests' second opinion and the A/B baseline (1.5x slower "
             "than ours at the 9B's heads on the H200)", ("triton", "fla")),
-    Setting("METRALE_MOE_SORT", "choice", "torch",
-            "the MoE routing's sort of pairs by expert: torch.sort or our counting sort up to 4096 pairs "
-            "(ops.moe.align.SORT). Kept while unmeasured: torch.sort's one-warp radix sort took 0.75 of the "
-            "35B-A3B-FP8's 13.1 ms of D32 device time on the H200; pending the A/B of gpu_session.sh moe-sort "
-            "(W1 / D1 / D32 under each), then the loser goes", ("torch", "count")),
-    Setting("METRALE_MOE_DECODE", "choice", "aligned",
-            "the MoE experts' path for calls of at most 64 token-expert pairs, at most a quarter of the experts "
-            "(decode): aligned, the pairs sorted and aligned to grouped-GEMM blocks as every other call, or direct, "
-            "no sort nor alignment, one row per pair (ops/moe/direct.py; bf16 and W8A8 FP8 experts). aligned stays "
-            "the default until an H200 A/B (gpu_session.sh moe-decode) measures direct (ops.moe.direct.DECODE)",
-            ("aligned", "direct")),
     Setting("METRALE_FP8_DECODE", "choice", "splitk",
             "the FP8 linear's GEMM for decode rows (1 to 32) on CUDA: splitk, W8A8 (x rounded to FP8 128-groups; "
             "split-K up to 16 rows, cuBLAS above), or w8a16, weight-only FP8 (x kept in bf16, the weights dequantized "

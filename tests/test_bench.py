@@ -312,13 +312,13 @@ def test_bench_record_names_the_kernel_choices(monkeypatch):
     import argparse
 
     from metrale_graph.ops import gdn_recurrence
-    from metrale_graph.ops.moe import align
+    from metrale_graph.ops.fp8 import linear
 
     args = argparse.Namespace(preset="qwen3.5-9b-fp8", tp=1, repeat=3)
     monkeypatch.setattr(gdn_recurrence, "CHUNKED_BACKEND", "fla")
-    monkeypatch.setattr(align, "SORT", "count")
+    monkeypatch.setattr(linear, "DECODE_GEMM", "w8a16")
     record = bench_runs.bench_record(args, 32, None, "NVIDIA H200", {"commit": "x"}, [])
-    assert record["backends"] == {"gdn_chunked": "fla", "moe_sort": "count"}
+    assert record["backends"] == {"gdn_chunked": "fla", "fp8_decode": "w8a16"}
 
 
 def test_projection_arithmetic_at_published_acceptance():

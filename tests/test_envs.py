@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_defaults_when_no_variable_is_set():
     values = envs.read({"PATH": "/bin", "OTHER_METRALE_X": "1"})  # only METRALE_* names are ours
     assert values == {name: s.default for name, s in envs.SETTINGS.items()}
-    assert values["METRALE_MOE_SORT"] == "torch" and values["METRALE_FP8_ACTIVATIONS"] is True
+    assert values["METRALE_FP8_DECODE"] == "splitk" and values["METRALE_FP8_ACTIVATIONS"] is True
     assert values["METRALE_ONNX_UNVERIFIED"] is False and values["METRALE_COMMIT"] is None
 
 
@@ -27,14 +27,15 @@ def test_flags_take_the_usual_words(raw, value):
 
 
 def test_choices_and_text():
-    values = envs.read({"METRALE_GDN_CHUNKED": "fla", "METRALE_MOE_SORT": "count", "METRALE_COMMIT": "abc1234"})
-    assert values["METRALE_GDN_CHUNKED"] == "fla" and values["METRALE_MOE_SORT"] == "count"
+    values = envs.read({"METRALE_GDN_CHUNKED": "fla", "METRALE_FP8_DECODE": "w8a16", "METRALE_COMMIT": "abc1234"})
+    assert values["METRALE_GDN_CHUNKED"] == "fla" and values["METRALE_FP8_DECODE"] == "w8a16"
     assert values["METRALE_COMMIT"] == "abc1234" and values["METRALE_FP8_ACTIVATIONS"] is True
-    assert envs.choices("METRALE_MOE_SORT") == ("torch", "count")
+    assert envs.choices("METRALE_FP8_DECODE") == ("splitk", "w8a16")
 
 
 @pytest.mark.parametrize("environ, message", [
-    ({"METRALE_MOE_SORT": "radix"}, "METRALE_MOE_SORT must be one of torch, count, got 'radix'"),
+    ({"METRALE_MOE_SORT": "count"}, "METRALE_MOE_SORT is not a metrale-graph setting"),  # removed
+    ({"METRALE_MOE_DECODE": "direct"}, "METRALE_MOE_DECODE is not a metrale-graph setting"),  # removed
     ({"METRALE_GDN_CHUNKED": "FLA"}, "METRALE_GDN_CHUNKED must be one of triton, fla, got 'FLA'"),
     ({"METRALE_FP8_DECODE": "swap"}, "METRALE_FP8_DECODE must be one of splitk, w8a16, got 'swap'"),  # removed form
     ({"METRALE_FP8_EXPERTS": "plain"}, "METRALE_FP8_EXPERTS is not a metrale-graph setting"),  # removed
@@ -55,16 +56,16 @@ def test_bad_values_and_unknown_names_are_named(environ, message):
 
 def test_every_problem_is_named_at_once():
     with pytest.raises(ValueError) as info:
-        envs.read({"METRALE_GDN_CHUNKED": "flash", "METRALE_MOE_SORTS": "count", "METRALE_REPORT": "/tmp/r.jsonl"})
+        envs.read({"METRALE_GDN_CHUNKED": "flash", "METRALE_FP8_DECODES": "w8a16", "METRALE_REPORT": "/tmp/r.jsonl"})
     assert "METRALE_GDN_CHUNKED must be one of triton, fla, got 'flash'" in str(info.value)
-    assert "METRALE_MOE_SORTS is not a metrale-graph setting (did you mean METRALE_MOE_SORT?)" in str(info.value)
+    assert "METRALE_FP8_DECODES is not a metrale-graph setting (did you mean METRALE_FP8_DECODE?)" in str(info.value)
 
 
 def test_values_are_read_once(monkeypatch):
-    before = envs.METRALE_MOE_SORT  # read at the package's import, by ops.moe.align
-    monkeypatch.setenv("METRALE_MOE_SORT", "count" if before == "torch" else "torch")
+    before = envs.METRALE_FP8_DECODE  # read at the package's import, by ops.fp8.linear
+    monkeypatch.setenv("METRALE_FP8_DECODE", "w8a16" if before == "splitk" else "splitk")
     monkeypatch.setenv("METRALE_NOT_A_SETTING", "1")  # unknown, but the environment is not read again
-    assert envs.METRALE_MOE_SORT == before
+    assert envs.METRALE_FP8_DECODE == before
 
 
 def test_override_parses_like_the_environment_and_restores():
@@ -74,8 +75,8 @@ def test_override_parses_like_the_environment_and_restores():
     with pytest.raises(RuntimeError), envs.override(METRALE_COMMIT="f00"):
         raise RuntimeError
     assert envs.METRALE_COMMIT == envs.read()["METRALE_COMMIT"]
-    with pytest.raises(ValueError, match="METRALE_MOE_SORT must be one of torch, count, got 'radix'"):
-        with envs.override(METRALE_MOE_SORT="radix"):
+    with pytest.raises(ValueError, match="METRALE_FP8_DECODE must be one of splitk, w8a16, got 'swap'"):
+        with envs.override(METRALE_FP8_DECODE="swap"):
             pass
     with pytest.raises(ValueError, match="METRALE_COMIT is not a metrale-graph setting .did you mean METRALE_COMMIT"):
         with envs.override(METRALE_COMIT="f00"):
@@ -86,8 +87,8 @@ def test_override_parses_like_the_environment_and_restores():
 
 _BACKENDS = """
 from metrale_graph.ops import fp8, gdn_recurrence
-from metrale_graph.ops.moe import align
-print(gdn_recurrence.CHUNKED_BACKEND, align.SORT, fp8.activations_rounded())
+from metrale_graph.ops.fp8 import linear
+print(gdn_recurrence.CHUNKED_BACKEND, linear.DECODE_GEMM, fp8.activations_rounded())
 """
 
 
@@ -100,10 +101,10 @@ def _run(code: str, **variables: str) -> subprocess.CompletedProcess:
 def test_the_environment_still_chooses_the_backends():
     """Each backend switch reaches its op module's attribute from the environment, as before the settings
     had one module; a misspelt variable stops the import, naming it, where it was silently ignored."""
-    run = _run(_BACKENDS, METRALE_GDN_CHUNKED="fla", METRALE_MOE_SORT="count", METRALE_FP8_ACTIVATIONS="off")
+    run = _run(_BACKENDS, METRALE_GDN_CHUNKED="fla", METRALE_FP8_DECODE="w8a16", METRALE_FP8_ACTIVATIONS="off")
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split() == ["fla", "count", "False"]
-    typo = _run(_BACKENDS, METRALE_MOE_SORTS="count")
+    assert run.stdout.split() == ["fla", "w8a16", "False"]
+    typo = _run(_BACKENDS, METRALE_FP8_DECODES="w8a16")
     assert typo.returncode != 0
-    assert ("ValueError: environment: METRALE_MOE_SORTS is not a metrale-graph setting (did you mean "
-            "METRALE_MOE_SORT?)") in typo.stderr, typo.stderr[-2000:]
+    assert ("ValueError: environment: METRALE_FP8_DECODES is not a metrale-graph setting (did you mean "
+            "METRALE_FP8_DECODE?)") in typo.stderr, typo.stderr[-2000:]

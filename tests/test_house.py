@@ -303,9 +303,10 @@ def stale_settings(text: str) -> list[str]:
 
 def test_stale_settings_finds_removed_names_and_values():
     text = ("METRALE_GDN_CHUNKED=fla METRALE_GDN_CHUNKED=gemv METRALE_MOE_EXPERTS=grouped_mm `METRALE_MOE_BACKEND` "
-            "METRALE_* METRALE_COMMIT=abc METRALE_MOE_SORT=$sort METRALE_FP8_ACTIVATIONS=off METRALE_ONNX_UNVERIFIED=2")
+            "METRALE_* METRALE_COMMIT=abc METRALE_FP8_DECODE=$form METRALE_FP8_ACTIVATIONS=off METRALE_ONNX_UNVERIFIED=2 "
+            "METRALE_MOE_SORT=count METRALE_MOE_DECODE=$decode")
     assert stale_settings(text) == ["METRALE_GDN_CHUNKED=gemv", "METRALE_MOE_EXPERTS", "METRALE_MOE_BACKEND",
-                                    "METRALE_ONNX_UNVERIFIED=2"]
+                                    "METRALE_ONNX_UNVERIFIED=2", "METRALE_MOE_SORT", "METRALE_MOE_DECODE"]
 
 
 def test_no_removed_setting_or_backend_is_named():

@@ -701,12 +701,14 @@ def test_moe_alignment(align, T, k, E, BM, monkeypatch):
     """Every (token, expert) pair appears exactly once, grouped by expert in ascending order, each group
     starting at a multiple of BM on a block of its expert; padding rows hold the sentinel P; blocks past the
     last group have expert -1 and only sentinels; the buffer sizes depend on (T, k, E, BM) alone. "triton"
-    and "count": align_pairs with torch.sort and with the counting sort (METRALE_MOE_SORT)."""
+    and "count": align_pairs with torch.sort (COUNT_SORT_MAX_PAIRS lowered to 0, the path of more pairs) and
+    with the counting sort."""
     if align == "count" and T * k > 1000:
         pytest.skip("the interpreter walks the counting sort's P^2 / 64 loop slowly (13 s here); the sort is "
                     "checked up to 700 pairs by test_count_sort_is_the_stable_sort, in align_pairs up to 400 by "
                     "test_moe_alignment_matches_torch_oracle")
-    monkeypatch.setattr(moe_align, "SORT", "count" if align == "count" else "torch")
+    if align != "count":
+        monkeypatch.setattr(moe_align, "COUNT_SORT_MAX_PAIRS", 0)
     fn = align_pairs_torch if align == "torch" else moe_align.align_pairs
     P, sizes = T * k, set()
     for top_e in _routings(T, k, E, torch.Generator().manual_seed(T + k + E)):
@@ -738,9 +740,12 @@ def test_moe_alignment(align, T, k, E, BM, monkeypatch):
     assert len(sizes) <= 1
 
 
-@pytest.mark.parametrize("sort", moe_align.SORTS)
+@pytest.mark.parametrize("sort", ["count", "torch"])
 def test_moe_alignment_matches_torch_oracle(sort, monkeypatch):
-    monkeypatch.setattr(moe_align, "SORT", sort)
+    """align_pairs against the torch oracle with each sort ("torch": COUNT_SORT_MAX_PAIRS lowered to 0), and a
+    rank's align_local_pairs alike under both."""
+    if sort == "torch":
+        monkeypatch.setattr(moe_align, "COUNT_SORT_MAX_PAIRS", 0)
     g = torch.Generator().manual_seed(5)
     for T, k, E, BM in ((1, 8, 256, 16), (150, 2, 4, 16), (100, 4, 33, 32), (257, 1, 3, 64)):
         for top_e in _routings(T, k, E, g):
@@ -748,25 +753,55 @@ def test_moe_alignment_matches_torch_oracle(sort, monkeypatch):
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     top_e = torch.randint(0, 12, (40, 3), generator=g)  # a tensor-parallel rank's experts 4..7 of 12
     local = moe_align.align_local_pairs(top_e, 4, 12, 4, 16)
-    monkeypatch.setattr(moe_align, "SORT", "torch")
+    monkeypatch.setattr(moe_align, "COUNT_SORT_MAX_PAIRS", 0 if sort == "count" else 4096)
     assert all(torch.equal(x, y) for x, y in zip(local, moe_align.align_local_pairs(top_e, 4, 12, 4, 16)))
 
 
 def test_count_sort_is_the_stable_sort(monkeypatch):
-    """The counting sort (METRALE_MOE_SORT=count) gives torch.sort(stable=True)'s values and indices: ragged
-    pair counts around its 64-pair programs, many ties, one expert, ids up to E (a rank's other-experts
-    group); above COUNT_SORT_MAX_PAIRS it is torch.sort; an unknown choice is a ValueError naming it."""
+    """The counting sort (sort_experts up to COUNT_SORT_MAX_PAIRS pairs) gives torch.sort(stable=True)'s values
+    and indices: ragged pair counts around its 64-pair programs, many ties, one expert, ids up to E (a rank's
+    other-experts group); above COUNT_SORT_MAX_PAIRS it is torch.sort (int64 indices)."""
     g = torch.Generator().manual_seed(3)
     for P, E in ((1, 4), (5, 1), (63, 3), (64, 64), (65, 2), (130, 256), (700, 9)):
         e = torch.randint(0, E + 1, (P,), generator=g, dtype=torch.int32)
-        values, order = moe_align.sort_experts(e, "count")
+        values, order = moe_align.sort_experts(e)
         ref = torch.sort(e, stable=True)
         assert order.dtype == torch.int32 and torch.equal(values, ref.values)
         assert torch.equal(order.long(), ref.indices), (P, E)
     monkeypatch.setattr(moe_align, "COUNT_SORT_MAX_PAIRS", 8)
-    assert moe_align.sort_experts(torch.arange(9, dtype=torch.int32).flip(0), "count")[1].dtype == torch.int64
-    with pytest.raises(ValueError, match="METRALE_MOE_SORT.*one of torch, count, got 'radix'"):
-        moe_align.sort_experts(torch.zeros(3, dtype=torch.int32), "radix")
+    assert moe_align.sort_experts(torch.arange(8, dtype=torch.int32).flip(0))[1].dtype == torch.int32
+    values, order = moe_align.sort_experts(torch.arange(9, dtype=torch.int32).flip(0))
+    assert order.dtype == torch.int64 and torch.equal(order, torch.arange(9).flip(0))
+
+
+@pytest.mark.gpu
+def test_count_sort_and_alignment_on_cuda():
+    """On CUDA tensors (the kernel compiled, not interpreted): the counting sort gives torch.sort(stable=True)'s
+    values and indices up to COUNT_SORT_MAX_PAIRS pairs (the 35B-A3B's D1 and D32, 4096 pairs of 256 experts and
+    of one, ragged counts), torch.sort's above; align_pairs with it equals the torch oracle at decode and prefill
+    routings, and replayed from a CUDA graph on another routing."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for P, E in ((8, 256), (63, 3), (256, 256), (1000, 9), (4096, 256), (4096, 1), (4097, 256)):
+        e = torch.randint(0, E + 1, (P,), generator=g, device="cuda", dtype=torch.int32)
+        values, order = moe_align.sort_experts(e)
+        ref = torch.sort(e, stable=True)
+        assert order.dtype == (torch.int32 if P <= moe_align.COUNT_SORT_MAX_PAIRS else torch.int64), P
+        assert torch.equal(values, ref.values) and torch.equal(order.long(), ref.indices), (P, E)
+    for T, k, E, BM in ((1, 8, 256, 16), (32, 8, 256, 16), (500, 8, 256, 32), (150, 2, 4, 64)):
+        for top_e in _routings(T, k, E, torch.Generator().manual_seed(T + E)):
+            top_e = top_e.cuda()
+            a, b = moe_align.align_pairs(top_e, E, BM), align_pairs_torch(top_e, E, BM)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (T, k, E)
+    top_e = torch.randint(0, 256, (32, 8), device="cuda", generator=g)
+    moe_align.align_pairs(top_e, 256, 16)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = moe_align.align_pairs(top_e, 256, 16)
+    top_e.copy_(torch.randint(0, 256, (32, 8), device="cuda", generator=g))
+    graph.replay()
+    ref = align_pairs_torch(top_e, 256, 16)
+    assert torch.equal(static[0], ref[0]) and torch.equal(static[1], ref[1])
 
 
 def test_moe_block_rows_follow_the_shapes():
@@ -935,7 +970,7 @@ smem.append(compile_(combine._moe_combine_kernel, dict(h_ptr=P, n_ptr=P, seg_w_p
                      D="i32", stride_h="i32"), dict(TOP_K=8, BLOCK=2048, ADD_RESIDUAL=True), 8, 1))
 smem.append(compile_(align._moe_align_groups_kernel, dict(experts_ptr=I, first_ptr=I, start_ptr=I, P="i32", E="i32",
                      steps="i32"), dict(BM=64, BLOCK_E=512), 4, 1))
-for order in ("*i64", I):  # torch.sort's order, the counting sort's (METRALE_MOE_SORT=count)
+for order in ("*i64", I):  # torch.sort's order (above COUNT_SORT_MAX_PAIRS), the counting sort's
     smem.append(compile_(align._moe_align_rows_kernel, dict(order_ptr=order, first_ptr=I, start_ptr=I, ids_ptr=I,
                          block_expert_ptr=I, P="i32", E="i32"), dict(BM=64, BLOCK_E=512), 4, 1))
 smem.append(compile_(align._moe_count_sort_kernel, dict(e_ptr=I, experts_ptr=I, order_ptr=I, P="i32"),

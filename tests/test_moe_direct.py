@@ -1,4 +1,4 @@
-"""The MoE direct decode path (ops/moe/direct.py, METRALE_MOE_DECODE=direct): one row per token-expert pair, no
+"""The MoE direct decode path (ops/moe/direct.py, taken by its shape rule): one row per token-expert pair, no
 sort nor alignment. On the CPU (Triton's interpreter): against the op's reference and against the aligned path
 at T = 1..8, several top_k / E / D / IE (tiles' non-multiples included), a tensor-parallel rank's experts, fp32
 and bf16, zero tokens; its choice by shapes; no host sync; its kernels through Triton's compiler for sm_90. On a
@@ -22,7 +22,15 @@ SHAPES = [((1, 2, 3), 8, 2, 32, 24), ((4,), 16, 4, 40, 20), ((6,), 6, 6, 24, 36)
 
 def _direct(monkeypatch):
     """moe_cuda takes the direct path whatever its shapes (its own rule, 4P <= E, is tested apart)."""
-    monkeypatch.setattr(direct, "takes_direct", lambda P, E, decode=None: P > 0)
+    monkeypatch.setattr(direct, "takes_direct", lambda P, E: P > 0)
+
+
+def _moe_aligned(args):
+    """moe_cuda on the aligned path whatever the shapes (MAX_PAIRS 0: no call of pairs takes the direct one), the
+    comparison for the direct path."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(direct, "MAX_PAIRS", 0)
+        return moe.moe_cuda(*args)
 
 
 def _args(T, E, k, D, IE, dtype, seed):
@@ -46,7 +54,7 @@ def test_direct_matches_reference_and_aligned(tokens, E, k, D, IE, dtype, monkey
     for T in tokens:
         args = _args(T, E, k, D, IE, dtype, seed=T + E)
         ref = REGISTRY["moe"].op(*upcast(clone_args(args, "cpu")))
-        aligned = moe.moe_cuda(*clone_args(args, DEVICE))
+        aligned = _moe_aligned(clone_args(args, DEVICE))
         with monkeypatch.context() as m:
             _direct(m)
             call = clone_args(args, DEVICE)
@@ -72,7 +80,7 @@ def test_direct_for_a_ranks_experts(dtype, monkeypatch):
     for T, add_residual in ((1, False), (5, True)):
         args = _local(_args(T, 12, 3, 40, 20, dtype, seed=T), 3, 5) + [add_residual]
         ref = REGISTRY["moe"].op(*upcast(clone_args(args, "cpu")))
-        aligned = moe.moe_cuda(*clone_args(args, DEVICE))
+        aligned = _moe_aligned(clone_args(args, DEVICE))
         with monkeypatch.context() as m:
             _direct(m)
             out = moe.moe_cuda(*clone_args(args, DEVICE))
@@ -102,30 +110,26 @@ def test_direct_with_no_tokens(monkeypatch):
 
 
 def test_direct_is_chosen_by_shapes(monkeypatch):
-    """takes_direct: "direct" with 1..MAX_PAIRS pairs and 4 pairs per expert at most (the 35B-A3B: 256 experts,
-    top 8, up to 8 tokens; Qwen3-Next: 512, top 10, up to 6); never with "aligned"; an unknown choice is a
-    ValueError naming the setting. moe_cuda with DECODE "direct" at such a shape calls no alignment, with
-    "aligned" no direct kernel."""
-    assert direct.DECODES == ("aligned", "direct")
+    """takes_direct: 1..MAX_PAIRS pairs and 4 pairs per expert at most (the 35B-A3B: 256 experts, top 8, up to 8
+    tokens; Qwen3-Next: 512, top 10, up to 6). moe_cuda at such a shape calls no alignment; at one past the rule
+    (5 pairs of 16 experts), or with MAX_PAIRS lowered below its pairs, no direct kernel."""
+    assert direct.MAX_PAIRS == 64
     for P, E, want in ((8, 256, True), (64, 256, True), (72, 512, False), (65, 1024, False), (60, 512, True),
                        (0, 256, False), (9, 32, False), (8, 32, True)):
-        assert direct.takes_direct(P, E, "direct") is want, (P, E)
-        assert direct.takes_direct(P, E, "aligned") is False
-    with pytest.raises(ValueError, match="METRALE_MOE_DECODE.*one of aligned, direct, got 'sorted'"):
-        direct.takes_direct(8, 256, "sorted")
+        assert direct.takes_direct(P, E) is want, (P, E)
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the other path ran")
 
     args = _args(2, 16, 2, 32, 24, torch.bfloat16, seed=1)  # 4 pairs over 16 experts
-    ref = moe.moe_cuda(*args)
-    monkeypatch.setattr(direct, "DECODE", "direct")
+    ref = _moe_aligned(args)
     with monkeypatch.context() as m:
         m.setattr(moe, "align_local_pairs", forbidden)
         out = moe.moe_cuda(*args)
     assert_close("moe direct (chosen)", ref.float(), out.float(), TOL[torch.bfloat16])
-    monkeypatch.setattr(direct, "DECODE", "aligned")
     monkeypatch.setattr(direct, "direct_experts", forbidden)
+    moe.moe_cuda(*_args(5, 16, 1, 32, 24, torch.bfloat16, seed=1))  # 5 pairs over 16 experts: 4P > E
+    monkeypatch.setattr(direct, "MAX_PAIRS", 3)
     moe.moe_cuda(*args)
 
 
@@ -171,15 +175,14 @@ def test_fp8_direct_matches_reference_and_aligned(dtype):
 
 
 def test_fp8_op_takes_the_direct_form(monkeypatch):
-    """moe_cuda with FP8 experts and METRALE_MOE_DECODE=direct at a decode shape (2 tokens x top 2 of 16 experts)
-    calls the direct form, not the aligned one, and agrees with the aligned op."""
+    """moe_cuda with FP8 experts at a decode shape (2 tokens x top 2 of 16 experts) calls the direct form, not the
+    aligned one, and agrees with the aligned op."""
     def forbidden(*args, **kwargs):
         raise AssertionError("the aligned FP8 experts ran")
 
     args = list(op_args("moe", Shapes(lengths=(2,), context=(0,), D=200, IE=72, IS=40, E=16, TOPK=2, fp8=True),
                         torch.bfloat16, seed=4))
-    aligned = moe.moe_cuda(*args)
-    monkeypatch.setattr(direct, "DECODE", "direct")
+    aligned = _moe_aligned(args)
     monkeypatch.setattr(moe, "moe_experts_fp8", forbidden)
     out = moe.moe_cuda(*args)
     assert_close("moe fp8 direct vs aligned", aligned.float(), out.float(), TOL[torch.bfloat16])
@@ -247,7 +250,7 @@ def test_direct_kernels_compile_for_sm90():
 
 
 @pytest.mark.gpu
-def test_direct_at_35b_a3b_shape_and_replay(monkeypatch):
+def test_direct_at_35b_a3b_shape_and_replay():
     """CUDA, the 35B-A3B's layer (D 2048, 256 experts, top 8, IE 512, shared 512), bf16, T = 1..8 (one set of
     weights, the first T of 16 tokens): the direct path against the reference (decided tokens) and the aligned
     path; then captured in a CUDA graph at T = 1 and 8 and replayed on other tokens (other routings): equal to
@@ -263,17 +266,14 @@ def test_direct_at_35b_a3b_shape_and_replay(monkeypatch):
     ref_args, call = upcast(clone_args(args, "cpu")), clone_args(args, "cuda")
     h, ref_h, cuda_h = args[0], ref_args[0], call[0]
     for T in range(1, 9):
-        assert direct.takes_direct(T * k, E, "direct")
+        assert direct.takes_direct(T * k, E)
         ref_args[0], call[0], args[0] = ref_h[:T], cuda_h[:T], h[:T]
         ref = REGISTRY["moe"].op(*ref_args)
-        monkeypatch.setattr(direct, "DECODE", "aligned")
-        aligned = moe.moe_cuda(*call)
-        monkeypatch.setattr(direct, "DECODE", "direct")
+        aligned = _moe_aligned(call)
         out = moe.moe_cuda(*call)
         rows = compared_rows("moe", args, dtype)
         assert_close(f"35B-A3B direct T={T} vs reference", ref[rows], out.cpu()[rows], TOL[dtype])
         assert_close(f"35B-A3B direct T={T} vs aligned", aligned.cpu().float(), out.cpu().float(), TOL[dtype])
-    monkeypatch.setattr(direct, "DECODE", "direct")
     for T in (1, 8):
         call[0] = cuda_h[:T].clone()
         moe.moe_cuda(*call)  # autotuned before capture, as the runner's warmup does

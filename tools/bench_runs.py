@@ -237,14 +237,14 @@ def bench_record(args, layers: int, moe_parallel: str | None, device: str, run_i
     chosen by environment variable, the floor model's rates) and its rows, floats rounded to 3 places (the
     GPU-busy fraction to 4)."""
     from metrale_graph.ops import gdn_recurrence
-    from metrale_graph.ops.moe import align
+    from metrale_graph.ops.fp8 import linear
 
     def rounded(k, v):
         return round(v, 4 if k == "gpu_busy" else 3) if isinstance(v, float) else v
 
     return {"tool": "bench", "preset": args.preset, "layers": layers, "tp": args.tp, "moe_parallel": moe_parallel,
             "device": device, **run_info, "repeat": args.repeat,
-            "backends": {"gdn_chunked": gdn_recurrence.CHUNKED_BACKEND, "moe_sort": align.SORT},
+            "backends": {"gdn_chunked": gdn_recurrence.CHUNKED_BACKEND, "fp8_decode": linear.DECODE_GEMM},
             "floor_rates": {"matmul_flop_s": MATMUL_RATE, "fp8_matmul_flop_s": FP8_MATMUL_RATE,
                             "copy_byte_s": COPY_RATE}, "generation": generation,
             "results": [{k: rounded(k, v) for k, v in r.items()} for r in results]}

@@ -10,7 +10,7 @@ GEMMs (dense and grouped over MoE experts), each with the plain-torch reference 
 - experts.py: moe_experts_fp8, the FP8 grouped gate|up and down GEMMs over expert-sorted pairs, and
   moe_experts_fp8_ref.
 - experts_direct.py: moe_experts_fp8_direct, the same experts for decode-sized calls without the sort (one row
-  per pair; METRALE_MOE_DECODE=direct, ops/moe/direct.py's rule).
+  per pair; taken by ops/moe/direct.py's shape rule).
 - projection.py: what the phase ops with projections share: a weight's scales argument checked, the
   CPU references' FP8 linear, the CUDA paths' grouped projections.
 

@@ -1,5 +1,5 @@
-"""The W8A8 FP8 routed experts' direct decode form (ops/moe/direct.py's, for FP8 weights; METRALE_MOE_DECODE=
-direct): one row per token-expert pair, no sort nor alignment, the numerics of experts.py's grouped GEMMs.
+"""The W8A8 FP8 routed experts' direct decode form (ops/moe/direct.py's, for FP8 weights, taken by its shape rule):
+one row per token-expert pair, no sort nor alignment, the numerics of experts.py's grouped GEMMs.
 
 - `_moe_direct_gate_up_fp8_kernel`, one program per (pair, column tile of BN | 128 columns): the FP8 codes of the
   token's row (x quantized once per token per 128 channels) against the pair's expert's gate and up rows, each

@@ -11,10 +11,10 @@ top_k and the number of experts alone, so a bucket's CUDA graph is static.
 
 Here: the op (its CPU reference is the spec, its pieces in reference.py), its check, fake, CUDA path
 and spec. The CUDA path: the router's top-k (routing.py), the pairs aligned to grouped-GEMM blocks
-(align.py), the grouped GEMMs (gemm.py), the combine (combine.py); with METRALE_MOE_DECODE=direct, calls of few
-pairs skip the alignment for one row per pair (direct.py). (torch._grouped_mm, once a second backend of
-the bf16 experts, was 1.17-1.28x slower than gemm.py at every 35B-A3B workload on the H200 and was removed:
-BENCHMARKS.md, MoE.)
+(align.py), the grouped GEMMs (gemm.py), the combine (combine.py); calls of few pairs (decode) skip the sort
+and alignment for one row per pair (direct.py: its shape rule, measured faster at the 35B-A3B's D1).
+(torch._grouped_mm, once a second backend of the bf16 experts, was 1.17-1.28x slower than gemm.py at every
+35B-A3B workload on the H200 and was removed: BENCHMARKS.md, MoE.)
 """
 
 import torch
@@ -145,7 +145,7 @@ def moe_cuda(a):
         return combine_outputs(h, n, _inner_contiguous(a.shared_expert_gate_w), y, shared, top_k, a.add_residual)
     if fp8.is_fp8(w13):  # weight-only debug mode: the experts dequantized, the bf16 kernels
         w13, w2 = fp8.dequantized(w13, a.w13_s, h.dtype, parts=2), fp8.dequantized(w2, a.w2_s, h.dtype)
-    if direct.takes_direct(P, E):  # decode (METRALE_MOE_DECODE=direct): one row per pair, no alignment
+    if direct.takes_direct(P, E):  # decode: one row per pair, no alignment
         y = direct.direct_experts(n, top_w, top_e, w13, w2, first_expert)
         return combine_outputs(h, n, _inner_contiguous(a.shared_expert_gate_w), y, shared, top_k, a.add_residual)
     BM = block_m(P, EL)

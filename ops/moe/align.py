@@ -14,17 +14,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from metrale_graph import envs
-
 from ..common import INTERPRET
 
-# How align_pairs sorts the pairs by expert: "torch" (the default: torch.sort(stable=True); at decode sizes
-# CUDA runs it as one warp's radixSortKVInPlace, 0.75 of the 35B-A3B-FP8's 13.1 ms of D32 device time at
-# 0a36b93) or "count" (_moe_count_sort_kernel for up to COUNT_SORT_MAX_PAIRS pairs, torch.sort above; the
-# same result). Opt-in until the H200 measures it (gpu_session's `moe-sort`). Read at import from
-# METRALE_MOE_SORT (metrale_graph.envs); set align.SORT before a step is compiled or captured.
-SORTS = envs.choices("METRALE_MOE_SORT")
-SORT = envs.METRALE_MOE_SORT
+# align_pairs sorts the pairs by expert with _moe_count_sort_kernel up to COUNT_SORT_MAX_PAIRS pairs, torch.sort(
+# stable=True) above them and for CPU tensors outside Triton's interpreter: the same result. Measured on the H200
+# at 820b41b (BENCHMARKS.md, MoE): at decode sizes CUDA runs torch.sort as one warp's radixSortKVInPlace (0.75 ms
+# of a D32 step); the counting sort took the 35B-A3B's D32 device time from 15.78 to 15.04 ms (and D1's, when it
+# was aligned, from 4.69 to 4.46). Tests reach the torch.sort path by lowering COUNT_SORT_MAX_PAIRS.
 COUNT_SORT_MAX_PAIRS = 4096  # its work grows as P^2 / COUNT_BLOCK per program
 COUNT_BLOCK = 64
 
@@ -108,15 +104,12 @@ def _moe_count_sort_kernel(e_ptr, experts_ptr, order_ptr, P, BLOCK: tl.constexpr
     tl.store(order_ptr + pos, i, mask=mi)
 
 
-def sort_experts(experts: Tensor, sort: str | None = None) -> tuple[Tensor, Tensor]:
+def sort_experts(experts: Tensor) -> tuple[Tensor, Tensor]:
     """(sorted ids, the pair order) of the int32 expert ids `experts` [P], ties in pair order:
-    torch.sort(stable=True)'s values and indices (indices int64 with "torch", int32 with "count"). `sort`:
-    SORT by default; ValueError naming METRALE_MOE_SORT for anything but SORTS."""
-    sort = SORT if sort is None else sort
-    if sort not in SORTS:
-        raise ValueError(f"METRALE_MOE_SORT / align.SORT must be one of {', '.join(SORTS)}, got {sort!r}")
+    torch.sort(stable=True)'s values and indices: the counting sort's (indices int32) up to COUNT_SORT_MAX_PAIRS
+    pairs on CUDA or under the interpreter, torch.sort's (indices int64) otherwise."""
     P = experts.numel()
-    if sort == "torch" or P > COUNT_SORT_MAX_PAIRS or not (experts.is_cuda or INTERPRET) or P == 0:
+    if P > COUNT_SORT_MAX_PAIRS or not (experts.is_cuda or INTERPRET) or P == 0:
         return torch.sort(experts, stable=True)
     out = torch.empty_like(experts)
     order = torch.empty(P, dtype=torch.int32, device=experts.device)

@@ -1,6 +1,6 @@
-"""The MoE decode path without alignment (METRALE_MOE_DECODE=direct): each token-expert pair is its own
-row. For calls with few pairs (decode) the aligned path's sort, its two alignment launches and BM-row
-blocks holding one real row each cost more than the expert GEMMs' own work; here no sort, no alignment:
+"""The MoE decode path without alignment: each token-expert pair is its own row. For calls with few pairs
+(decode) the aligned path's sort, its two alignment launches and BM-row blocks holding one real row each cost
+more than the expert GEMMs' own work; here no sort, no alignment:
 
 - `_moe_direct_gate_up_kernel`, one program per (pair, column tile): the pair's expert's gate and up rows
   of the tile against the token's normed row (a matrix-vector product: fp32 products summed in fp32),
@@ -12,13 +12,14 @@ Pairs of other tensor-parallel ranks' experts (first_expert, EL < E) get zero ro
 gemm.py's (gate and up, SiLU, the product, the expert output, the weighted output). fp32 products of
 bf16 / fp16 values are exact and fp32 ones are IEEE, as the aligned kernels' IEEE dots: no tf32 anywhere.
 
-When (`takes_direct`, shapes only, so a bucket's graph stays static): DECODE == "direct" and P = T * top_k
-<= MAX_PAIRS and 4 * P <= E. Each pair reads its expert's weights on its own, so an expert chosen by two
-pairs is read twice (the aligned path reads it once); over E experts the expected repeats among P pairs
-are about P^2 / (2E), at most P / 8 with 4P <= E: at most ~1/8 more weight bytes than the aligned path
-(expected, not measured, to cost less than the sort and alignment launches it saves up to the 35B-A3B's 8
-tokens x top 8 of 256). Above 64 pairs the aligned path's blocks start to hold several rows of an expert
-(D32: 256 pairs over 256 experts), and 64 pairs of one expert each already fill 64 x (IE / BN) programs.
+When (`takes_direct`, shapes only, so a bucket's graph stays static): P = T * top_k <= MAX_PAIRS and 4 * P <= E;
+the aligned path otherwise. Each pair reads its expert's weights on its own, so an expert chosen by two pairs is
+read twice (the aligned path reads it once); over E experts the expected repeats among P pairs are about
+P^2 / (2E), at most P / 8 with 4P <= E: at most ~1/8 more weight bytes than the aligned path. Measured on the
+H200 at 820b41b (BENCHMARKS.md, MoE): the 35B-A3B's D1 (8 pairs of 256 experts) took 4.24 ms of device time
+direct against 4.46 aligned with the counting sort (4.69 with torch.sort). Above 64 pairs the aligned path's
+blocks start to hold several rows of an expert (D32: 256 pairs over 256 experts), and 64 pairs of one expert each
+already fill 64 x (IE / BN) programs. Tests force the aligned path at decode shapes by setting MAX_PAIRS to 0.
 """
 
 import torch
@@ -26,25 +27,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from metrale_graph import envs
-
 from ..common import INTERPRET
 from .rounding import _rnd
 
-# "aligned" (the default until the H200 measures "direct": gpu_session.sh moe-decode) or "direct". Read at import
-# from METRALE_MOE_DECODE (metrale_graph.envs); set direct.DECODE before a step is compiled or captured.
-DECODES = envs.choices("METRALE_MOE_DECODE")
-DECODE = envs.METRALE_MOE_DECODE
 MAX_PAIRS = 64
 
 
-def takes_direct(num_pairs: int, num_experts: int, decode: str | None = None) -> bool:
+def takes_direct(num_pairs: int, num_experts: int) -> bool:
     """Whether a call of num_pairs = T * top_k pairs over the router's num_experts takes the direct path (see
-    the module's note); `decode`: DECODE by default; ValueError naming METRALE_MOE_DECODE for anything else."""
-    decode = DECODE if decode is None else decode
-    if decode not in DECODES:
-        raise ValueError(f"METRALE_MOE_DECODE / direct.DECODE must be one of {', '.join(DECODES)}, got {decode!r}")
-    return decode == "direct" and 0 < num_pairs <= MAX_PAIRS and 4 * num_pairs <= num_experts
+    the module's note)."""
+    return 0 < num_pairs <= MAX_PAIRS and 4 * num_pairs <= num_experts
 
 
 def _configs(acc_tiles: int):
