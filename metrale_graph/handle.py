@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import operator
 import threading
 import time
 from dataclasses import dataclass
@@ -91,7 +92,11 @@ class Channel:
         """Append `items` and wake the threads waiting; returns the asyncio waiters to wake (deliver())."""
         with self._cond:
             self._items.extend(items)
-            self.open -= sum(isinstance(item, Failure) or item.finish_reason is not None for item in items)
+            if Failure in set(map(type, items)):
+                self.open -= sum(isinstance(item, Failure) or item.finish_reason is not None for item in items)
+            else:  # (a step's outputs: no per-item Python, as below)
+                reasons = list(map(_finish_reason, items))
+                self.open -= len(reasons) - reasons.count(None)
             waiters, self._waiters = self._waiters, []
             self._cond.notify_all()
         return waiters
@@ -132,6 +137,9 @@ class Channel:
             future = loop.create_future()
             self._waiters.append((loop, future))
             return future
+
+
+_finish_reason = operator.attrgetter("finish_reason")
 
 
 def _copy(items: list | None) -> list | None:
