@@ -51,7 +51,7 @@ class PackedBatch:
         return [f.name for f in dataclasses.fields(cls)]
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return tuple(getattr(self, n) for n in self.names())
+        return _fields_of(self)
 
     @property
     def num_streams(self) -> int:
@@ -92,18 +92,22 @@ class PackedBatch:
             raise ValueError(f"a batch of {n} streams and {t} tokens does not fit buffers of "
                              f"{B} streams and {T} tokens")
         used_streams, used_tokens = (B, T) if last is None else last
-        self.tokens[:t].copy_(packed.tokens)
-        self.positions[:t].copy_(packed.positions)
+        # the views the batch is copied into, kept for the next fill of the same size (a decode step's are all
+        # alike): slicing the six buffers again would cost as much as the copies themselves
+        size, views = getattr(self, "_views", (None, None))
+        if size != (n, t):
+            views = (self.tokens[:t], self.positions[:t], self.cu_seqlens[:n + 1], self.slot_ids[:n], self.context_lens[:n],
+                     self.block_tables[:n])
+            self._views = ((n, t), views)
+        for view, field in zip(views, packed.tensors()):
+            view.copy_(field)
         if used_tokens > t:
             self.tokens[t:used_tokens].zero_()
             self.positions[t:used_tokens].zero_()
-        self.cu_seqlens[: n + 1].copy_(packed.cu_seqlens)
-        # zero-length padding streams, ending where packed's streams end (not at t: a padded batch's spare
-        # tokens lie past its last stream and must stay in no stream)
-        self.cu_seqlens[n + 1:].copy_(packed.cu_seqlens[n:].expand(B - n))
-        self.slot_ids[:n].copy_(packed.slot_ids)
-        self.context_lens[:n].copy_(packed.context_lens)
-        self.block_tables[:n].copy_(packed.block_tables)
+        if n < B:
+            # zero-length padding streams, ending where packed's streams end (not at t: a padded batch's spare
+            # tokens lie past its last stream and must stay in no stream)
+            self.cu_seqlens[n + 1:].copy_(packed.cu_seqlens[n:].expand(B - n))
         if used_streams > n:
             self.slot_ids[n:used_streams].fill_(cache.scratch_slot)
             self.context_lens[n:used_streams].zero_()
@@ -120,6 +124,9 @@ class PackedBatch:
         specialized by dynamo: keep both >= 2 to share one trace)."""
         for t in self.tensors():
             torch._dynamo.mark_dynamic(t, 0)
+
+
+_fields_of = operator.attrgetter(*PackedBatch.names())  # (PackedBatch.tensors: the fields in order, at once)
 
 
 def token_tensor(tokens, where: str, device: torch.device) -> torch.Tensor:
