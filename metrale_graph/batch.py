@@ -261,7 +261,16 @@ def _checked_in_bulk(streams: Sequence, cache: HybridCache) -> tuple[list[int], 
         return None
     tokens = list(map(_tokens_of, streams))
     kinds = set(map(type, tokens))
-    if kinds == {list}:
+    first = tokens[0]
+    if kinds == {list} and set(map(id, tokens)) == {id(first)}:  # every stream the same list (a decode step's ids)
+        if not first or set(map(type, first)) != {int}:
+            return None
+        lengths, flat = [len(first)] * len(tokens), first * len(tokens)
+        try:
+            ids = int_tensor(flat)
+        except OverflowError:  # an id beyond int64
+            return None
+    elif kinds == {list}:
         lengths = list(map(len, tokens))
         flat = list(itertools.chain.from_iterable(tokens))
         if min(lengths) == 0 or set(map(type, flat)) != {int}:
