@@ -232,9 +232,9 @@ def validate(streams, cache: HybridCache, vocab_size: int) -> BatchTokens:
         raise ValueError("prefill takes a list of Streams, got a single Stream")
     if not isinstance(streams, Sequence) or len(streams) == 0:
         raise ValueError("prefill needs a non-empty list of Streams")
-    slots, ids, lengths = _checked_in_bulk(streams, cache) or _checked_one_by_one(streams, cache)
-    lo, hi = torch.aminmax(ids)
-    if int(lo) < 0 or int(hi) >= vocab_size:  # name the first stream with a bad id
+    slots, ids, lengths, same = _checked_in_bulk(streams, cache) or (*_checked_one_by_one(streams, cache), None)
+    lo, hi = (min(same), max(same)) if same is not None else map(int, torch.aminmax(ids))
+    if lo < 0 or hi >= vocab_size:  # name the first stream with a bad id
         check_token_ids(list(torch.split(ids, lengths)), vocab_size)
     new_blocks = cache.block_needs(zip(slots, lengths))
     need = sum(n for _, n in new_blocks)
@@ -248,11 +248,12 @@ _slot_of, _tokens_of = operator.attrgetter("slot"), operator.attrgetter("tokens"
 _kind_of = operator.attrgetter("dtype", "is_cpu", "ndim", "layout")
 
 
-def _checked_in_bulk(streams: Sequence, cache: HybridCache) -> tuple[list[int], torch.Tensor, list[int]] | None:
-    """(slots, ids, lengths) of a batch of Streams with distinct plain int slots of the cache, every stream's
+def _checked_in_bulk(streams: Sequence, cache: HybridCache) -> tuple[list[int], torch.Tensor, list[int], list | None] | None:
+    """(slots, ids, lengths, same) of a batch of Streams with distinct plain int slots of the cache, every stream's
     tokens a non-empty list of plain ints or every stream's a non-empty 1-D int64 CPU tensor, all within the
     cache's capacity; None for any other batch (_checked_one_by_one then finds what is wrong, if anything).
-    Each check is one pass of builtins over the batch."""
+    Each check is one pass of builtins over the batch. `same`: the one token list every stream holds (a decode
+    step's), else None."""
     if set(map(type, streams)) != {Stream}:
         return None
     slots = list(map(_slot_of, streams))
@@ -261,8 +262,9 @@ def _checked_in_bulk(streams: Sequence, cache: HybridCache) -> tuple[list[int], 
         return None
     tokens = list(map(_tokens_of, streams))
     kinds = set(map(type, tokens))
-    first = tokens[0]
+    first, same = tokens[0], None
     if kinds == {list} and set(map(id, tokens)) == {id(first)}:  # every stream the same list (a decode step's ids)
+        same = first
         if not first or set(map(type, first)) != {int}:
             return None
         lengths, flat = [len(first)] * len(tokens), first * len(tokens)
@@ -290,7 +292,7 @@ def _checked_in_bulk(streams: Sequence, cache: HybridCache) -> tuple[list[int], 
         return None
     if max(map(operator.add, map(cache.context_lens.__getitem__, slots), lengths)) > cache.max_context:
         return None
-    return slots, ids, lengths
+    return slots, ids, lengths, same
 
 
 def _checked_one_by_one(streams: Sequence, cache: HybridCache) -> tuple[list[int], torch.Tensor, list[int]]:

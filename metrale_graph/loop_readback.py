@@ -113,7 +113,7 @@ class LoopReadBack:
         if not done.committed:
             self._commit(done)
         for r, t in zip(done.sampled, tokens):
-            if not r.ended:
+            if r.finish_reason is None and r.error is None:  # (not r.ended, without a property call per request)
                 r.out.append(t)
         if launched is not None:
             self._commit(launched)
@@ -124,8 +124,8 @@ class LoopReadBack:
         now, outputs, channel, items, taken = time.perf_counter(), {}, None, None, 0
         advance = self._advance
         for r, token, entry in zip(done.sampled, tokens, logprobs):
-            if r.ended:  # it stopped at the step before (this token is one past its stop), or failed
-                continue
+            if r.finish_reason is not None or r.error is not None:  # (r.ended) it stopped at the step before (this
+                continue  # token is one past its stop), or failed
             taken += 1
             try:
                 output = advance(r, token, now, entry)
