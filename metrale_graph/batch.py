@@ -245,7 +245,7 @@ def validate(streams, cache: HybridCache, vocab_size: int) -> BatchTokens:
 
 
 _slot_of, _tokens_of = operator.attrgetter("slot"), operator.attrgetter("tokens")
-_kind_of = operator.attrgetter("dtype", "is_cpu", "ndim", "layout")
+_dtype_of = operator.attrgetter("dtype")
 
 
 def _checked_in_bulk(streams: Sequence, cache: HybridCache) -> tuple[list[int], torch.Tensor, list[int], list | None] | None:
@@ -282,12 +282,20 @@ def _checked_in_bulk(streams: Sequence, cache: HybridCache) -> tuple[list[int], 
         except OverflowError:  # an id beyond int64
             return None
     elif kinds == {torch.Tensor}:
-        if set(map(_kind_of, tokens)) != {(torch.int64, True, 1, torch.strided)}:  # int64, on the CPU, 1-D, dense
+        # int64, then on the CPU, 1-D and dense checked on the ids they make together: cat refuses tensors of
+        # different devices or dims (and 0-d ones), so only its result needs looking at (an attribute read per
+        # stream costs more than the cat)
+        if set(map(_dtype_of, tokens)) != {torch.int64}:
             return None
         lengths = list(map(torch.Tensor.numel, tokens))
         if min(lengths) == 0:
             return None
-        ids = torch.cat(tokens) if len(tokens) > 1 else tokens[0]
+        try:
+            ids = torch.cat(tokens) if len(tokens) > 1 else tokens[0]
+        except Exception:  # (devices or dims that do not go together: the checks one by one name the stream)
+            return None
+        if not (ids.is_cpu and ids.layout == torch.strided and ids.dim() == 1):
+            return None
     else:
         return None
     if max(map(operator.add, map(cache.context_lens.__getitem__, slots), lengths)) > cache.max_context:

@@ -270,7 +270,13 @@ def test_the_bulk_checks_take_the_common_batches_and_agree_with_the_stream_by_st
         validate([Stream(0, bad), Stream(3, bad)], cache, VOCAB)
     others = [lists[:1] + tensors[1:],  # lists and tensors together
               [Stream(0, torch.tensor([1, 2], dtype=torch.int32))], [Stream(0, np.array([1, 2]))],
-              [Stream(0, (1, 2))], [Stream(0, [1, np.int64(2)])], [Stream(1, [1] * 89)]]  # the last: past capacity
+              [Stream(0, (1, 2))], [Stream(0, [1, np.int64(2)])],
+              # tensors that cat refuses together (0-d, dims that differ) or makes what a step cannot take (2-D)
+              [Stream(0, torch.tensor(3)), Stream(1, torch.tensor(4))], [Stream(0, torch.tensor([[3]]))],
+              [Stream(0, torch.tensor([3])), Stream(1, torch.tensor([[4]]))],
+              [Stream(0, torch.tensor([[3]])), Stream(1, torch.tensor([[4]]))],
+              [Stream(0, torch.tensor([3])), Stream(1, torch.tensor([True]))],
+              [Stream(1, [1] * 89)]]  # the last: past capacity
     for batch in others:
         assert _checked_in_bulk(batch, cache) is None
     slots, ids, lengths = _checked_one_by_one(others[0], cache)
