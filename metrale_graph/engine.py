@@ -237,7 +237,7 @@ class Engine(RequestIntake):
                              f"{type(on_token).__name__}")
         requests = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
                                   controls=controls, structured=structured)
-        events = self._events(requests) if on_token is not None else self._outputs(requests)
+        events = self._events(requests) if on_token is not None else self._outputs(requests, each_step=False)
         try:
             for event in events:
                 if on_token is not None:
@@ -350,10 +350,11 @@ class Engine(RequestIntake):
                 for item in items:
                     yield TokenEvent(item.index, item.token_ids[0], item.finish_reason)
 
-    def _outputs(self, requests: list[Request]) -> Iterator[list[RequestOutput]]:
-        """`requests` submitted; their outputs as the loop delivers them, a step's at a time; the error that failed
-        one raised after the outputs before it. Closed early, the requests not ended are aborted. (Taken a list at a
-        time: the consumer's work per token competes with the loop thread's for the interpreter.)"""
+    def _outputs(self, requests: list[Request], each_step: bool = True) -> Iterator[list[RequestOutput]]:
+        """`requests` submitted; their outputs as the loop delivers them, a step's at a time (each_step=False: all
+        at once, woken only when they have ended or one has failed); the error that failed one raised after the
+        outputs before it. Closed early, the requests not ended are aborted. (Taken a list at a time: the
+        consumer's work per token, and each wakeup, competes with the loop thread's for the interpreter.)"""
         channel = Channel(len(requests))
         for r in requests:
             r.channel = channel
@@ -361,7 +362,7 @@ class Engine(RequestIntake):
         ended = 0
         try:
             while ended < len(requests):
-                items = channel.get()
+                items = channel.get(until_ended=not each_step)
                 if Failure in set(map(type, items)):
                     k = next(k for k, item in enumerate(items) if type(item) is Failure)
                     if k:
