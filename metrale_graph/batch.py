@@ -51,7 +51,7 @@ class PackedBatch:
         return [f.name for f in dataclasses.fields(cls)]
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return tuple(getattr(self, n) for n in self.names())
+        return _fields_of(self)
 
     @property
     def num_streams(self) -> int:
@@ -92,18 +92,22 @@ class PackedBatch:
             raise ValueError(f"a batch of {n} streams and {t} tokens does not fit buffers of "
                              f"{B} streams and {T} tokens")
         used_streams, used_tokens = (B, T) if last is None else last
-        self.tokens[:t].copy_(packed.tokens)
-        self.positions[:t].copy_(packed.positions)
+        # the views the batch is copied into, kept for the next fill of the same size (a decode step's are all
+        # alike): slicing the six buffers again would cost as much as the copies themselves
+        size, views = getattr(self, "_views", (None, None))
+        if size != (n, t):
+            views = (self.tokens[:t], self.positions[:t], self.cu_seqlens[:n + 1], self.slot_ids[:n], self.context_lens[:n],
+                     self.block_tables[:n])
+            self._views = ((n, t), views)
+        for view, field in zip(views, packed.tensors()):
+            view.copy_(field)
         if used_tokens > t:
             self.tokens[t:used_tokens].zero_()
             self.positions[t:used_tokens].zero_()
-        self.cu_seqlens[: n + 1].copy_(packed.cu_seqlens)
-        # zero-length padding streams, ending where packed's streams end (not at t: a padded batch's spare
-        # tokens lie past its last stream and must stay in no stream)
-        self.cu_seqlens[n + 1:].copy_(packed.cu_seqlens[n:].expand(B - n))
-        self.slot_ids[:n].copy_(packed.slot_ids)
-        self.context_lens[:n].copy_(packed.context_lens)
-        self.block_tables[:n].copy_(packed.block_tables)
+        if n < B:
+            # zero-length padding streams, ending where packed's streams end (not at t: a padded batch's spare
+            # tokens lie past its last stream and must stay in no stream)
+            self.cu_seqlens[n + 1:].copy_(packed.cu_seqlens[n:].expand(B - n))
         if used_streams > n:
             self.slot_ids[n:used_streams].fill_(cache.scratch_slot)
             self.context_lens[n:used_streams].zero_()
@@ -120,6 +124,9 @@ class PackedBatch:
         specialized by dynamo: keep both >= 2 to share one trace)."""
         for t in self.tensors():
             torch._dynamo.mark_dynamic(t, 0)
+
+
+_fields_of = operator.attrgetter(*PackedBatch.names())  # (PackedBatch.tensors: the fields in order, at once)
 
 
 def token_tensor(tokens, where: str, device: torch.device) -> torch.Tensor:
@@ -225,9 +232,9 @@ def validate(streams, cache: HybridCache, vocab_size: int) -> BatchTokens:
         raise ValueError("prefill takes a list of Streams, got a single Stream")
     if not isinstance(streams, Sequence) or len(streams) == 0:
         raise ValueError("prefill needs a non-empty list of Streams")
-    slots, ids, lengths = _checked_in_bulk(streams, cache) or _checked_one_by_one(streams, cache)
-    lo, hi = torch.aminmax(ids)
-    if int(lo) < 0 or int(hi) >= vocab_size:  # name the first stream with a bad id
+    slots, ids, lengths, same = _checked_in_bulk(streams, cache) or (*_checked_one_by_one(streams, cache), None)
+    lo, hi = (min(same), max(same)) if same is not None else map(int, torch.aminmax(ids))
+    if lo < 0 or hi >= vocab_size:  # name the first stream with a bad id
         check_token_ids(list(torch.split(ids, lengths)), vocab_size)
     new_blocks = cache.block_needs(zip(slots, lengths))
     need = sum(n for _, n in new_blocks)
@@ -238,14 +245,15 @@ def validate(streams, cache: HybridCache, vocab_size: int) -> BatchTokens:
 
 
 _slot_of, _tokens_of = operator.attrgetter("slot"), operator.attrgetter("tokens")
-_kind_of = operator.attrgetter("dtype", "is_cpu", "ndim", "layout")
+_dtype_of = operator.attrgetter("dtype")
 
 
-def _checked_in_bulk(streams: Sequence, cache: HybridCache) -> tuple[list[int], torch.Tensor, list[int]] | None:
-    """(slots, ids, lengths) of a batch of Streams with distinct plain int slots of the cache, every stream's
+def _checked_in_bulk(streams: Sequence, cache: HybridCache) -> tuple[list[int], torch.Tensor, list[int], list | None] | None:
+    """(slots, ids, lengths, same) of a batch of Streams with distinct plain int slots of the cache, every stream's
     tokens a non-empty list of plain ints or every stream's a non-empty 1-D int64 CPU tensor, all within the
     cache's capacity; None for any other batch (_checked_one_by_one then finds what is wrong, if anything).
-    Each check is one pass of builtins over the batch."""
+    Each check is one pass of builtins over the batch. `same`: the one token list every stream holds (a decode
+    step's), else None."""
     if set(map(type, streams)) != {Stream}:
         return None
     slots = list(map(_slot_of, streams))
@@ -254,7 +262,17 @@ def _checked_in_bulk(streams: Sequence, cache: HybridCache) -> tuple[list[int], 
         return None
     tokens = list(map(_tokens_of, streams))
     kinds = set(map(type, tokens))
-    if kinds == {list}:
+    first, same = tokens[0], None
+    if kinds == {list} and set(map(id, tokens)) == {id(first)}:  # every stream the same list (a decode step's ids)
+        same = first
+        if not first or set(map(type, first)) != {int}:
+            return None
+        lengths, flat = [len(first)] * len(tokens), first * len(tokens)
+        try:
+            ids = int_tensor(flat)
+        except OverflowError:  # an id beyond int64
+            return None
+    elif kinds == {list}:
         lengths = list(map(len, tokens))
         flat = list(itertools.chain.from_iterable(tokens))
         if min(lengths) == 0 or set(map(type, flat)) != {int}:
@@ -264,17 +282,25 @@ def _checked_in_bulk(streams: Sequence, cache: HybridCache) -> tuple[list[int], 
         except OverflowError:  # an id beyond int64
             return None
     elif kinds == {torch.Tensor}:
-        if set(map(_kind_of, tokens)) != {(torch.int64, True, 1, torch.strided)}:  # int64, on the CPU, 1-D, dense
+        # int64, then on the CPU, 1-D and dense checked on the ids they make together: cat refuses tensors of
+        # different devices or dims (and 0-d ones), so only its result needs looking at (an attribute read per
+        # stream costs more than the cat)
+        if set(map(_dtype_of, tokens)) != {torch.int64}:
             return None
         lengths = list(map(torch.Tensor.numel, tokens))
         if min(lengths) == 0:
             return None
-        ids = torch.cat(tokens) if len(tokens) > 1 else tokens[0]
+        try:
+            ids = torch.cat(tokens) if len(tokens) > 1 else tokens[0]
+        except Exception:  # (devices or dims that do not go together: the checks one by one name the stream)
+            return None
+        if not (ids.is_cpu and ids.layout == torch.strided and ids.dim() == 1):
+            return None
     else:
         return None
     if max(map(operator.add, map(cache.context_lens.__getitem__, slots), lengths)) > cache.max_context:
         return None
-    return slots, ids, lengths
+    return slots, ids, lengths, same
 
 
 def _checked_one_by_one(streams: Sequence, cache: HybridCache) -> tuple[list[int], torch.Tensor, list[int]]:
@@ -310,25 +336,28 @@ def pack(slots: list[int], ids: torch.Tensor, lengths: list[int], cache: HybridC
     """Lay validated streams back to back on the cache's device: stream i writes slot `slots[i]` with
     `lengths[i]` tokens of `ids` (int64, all streams' back to back). Blocks must be allocated.
 
-    Built on the host and moved in one copy (the int32 fields travel as int64 and are narrowed on the
-    device) rather than one per stream and field: for a decode batch of many one-token streams the host
-    work is the step's overhead."""
+    Built on the host and moved in two copies, the int64 fields' and the int32 fields' (each split into its
+    fields on the device, views), rather than one per stream and field: for a decode batch of many one-token
+    streams the host work is the step's overhead (an int32 field made on the host costs less than a narrowing
+    on the device)."""
     B, T = len(slots), ids.numel()
     ctx = list(map(cache.context_lens.__getitem__, slots))
     if T == B:  # one token per stream (a decode step): each at its stream's context
-        host = int_tensor(itertools.chain(ctx, slots, range(B + 1), ctx))
+        starts = range(B + 1)
+        host = int_tensor(ctx + slots)  # (array.array takes a list several times faster than an iterator)
     else:
         starts = [0, *itertools.accumulate(lengths)]
         # position of token j of stream b: ctx[b] + j = arange(T)[j] - (start of b) + ctx[b]
         shift = int_tensor(map(operator.sub, ctx, starts))
         positions = torch.arange(T) + torch.repeat_interleave(shift, int_tensor(lengths), output_size=T)
-        host = torch.cat([positions, int_tensor(itertools.chain(slots, starts, ctx))])
+        host = torch.cat([positions, int_tensor(slots)])
     on_host = ids.is_cpu
     dev = to_device(torch.cat([ids, host]) if on_host else host, cache.device)
-    tok, dev = (dev[:T], dev[T:]) if on_host else (ids, dev)
-    slot_ids, dev32 = dev[T:T + B], dev[T + B:].to(torch.int32)  # cu_seqlens [B + 1], then context_lens [B]
-    return PackedBatch(tokens=tok, positions=dev[:T], cu_seqlens=dev32[:B + 1], slot_ids=slot_ids,
-                       context_lens=dev32[B + 1:], block_tables=cache.block_tables.index_select(0, slot_ids))
+    tok, positions, slot_ids = dev.split_with_sizes([T, T, B]) if on_host else (ids, *dev.split_with_sizes([T, B]))
+    cu_seqlens, context_lens = to_device(int_tensor([*starts, *ctx], torch.int32),
+                                         cache.device).split_with_sizes([B + 1, B])
+    return PackedBatch(tokens=tok, positions=positions, cu_seqlens=cu_seqlens, slot_ids=slot_ids,
+                       context_lens=context_lens, block_tables=cache.block_tables.index_select(0, slot_ids))
 
 
 def empty_batch(cache: HybridCache) -> PackedBatch:

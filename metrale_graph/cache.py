@@ -34,7 +34,6 @@ a slot never holds half a step.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import sys
 from types import SimpleNamespace
 
@@ -166,8 +165,9 @@ class HybridCache(CacheOwnership):
         total = sum(n for _, n in needs)
         assert total <= self.free_blocks, "allocate() called without a capacity check"
         entries, taken = self.slot_blocks.take(needs, self.max_blocks_per_slot)
-        host = to_device(int_tensor(itertools.chain(entries, taken)), self.device)  # block-table entries, their blocks
-        self.block_tables.view(-1).index_copy_(0, host[:total], host[total:].to(torch.int32))
+        # the block-table entries and their blocks, each made on the host in its dtype (no narrowing on the device)
+        self.block_tables.view(-1).index_copy_(0, to_device(int_tensor(entries), self.device),
+                                               to_device(int_tensor(taken, torch.int32), self.device))
 
     def commit(self, growth: dict[int, int], tokens: dict[int, list[int]] | None = None) -> None:
         """Advance each slot's context by its new tokens, once the step that wrote them has run. With prefix

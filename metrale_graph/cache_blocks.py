@@ -49,8 +49,9 @@ class SlotBlocks:
         row length) and the block each one now holds."""
         total = sum(n for _, n in needs)
         taken = self.index.take_many(total)
-        for b in taken:
-            self.head.pop(b, None)
+        if self.head:  # (only with an MTP head's notes)
+            for b in taken:
+                self.head.pop(b, None)
         blocks, entries, at = self.blocks, [], 0
         if total == len(needs):  # a block each (decode streams crossing a block boundary)
             for (slot, _), b in zip(needs, taken):

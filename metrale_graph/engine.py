@@ -61,7 +61,9 @@ engine_sizes.py (the constructor's sizes defaulted and checked, the bucket grid,
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import operator
 import threading
 import time
 import weakref
@@ -237,7 +239,7 @@ class Engine(RequestIntake):
                              f"{type(on_token).__name__}")
         requests = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
                                   controls=controls, structured=structured)
-        events = self._events(requests)
+        events = self._events(requests) if on_token is not None else self._outputs(requests, each_step=False)
         try:
             for event in events:
                 if on_token is not None:
@@ -347,6 +349,16 @@ class Engine(RequestIntake):
 
     # generate / stream ---------------------------------------------------------------------------
     def _events(self, requests: list[Request]) -> Iterator[TokenEvent]:
+        with contextlib.closing(self._outputs(requests)) as batches:  # (closed: the requests left are aborted)
+            for items in batches:
+                for item in items:
+                    yield TokenEvent(item.index, item.token_ids[0], item.finish_reason)
+
+    def _outputs(self, requests: list[Request], each_step: bool = True) -> Iterator[list[RequestOutput]]:
+        """`requests` submitted; their outputs as the loop delivers them, a step's at a time (each_step=False: all
+        at once, woken only when they have ended or one has failed); the error that failed one raised after the
+        outputs before it. Closed early, the requests not ended are aborted. (Taken a list at a time: the
+        consumer's work per token, and each wakeup, competes with the loop thread's for the interpreter.)"""
         channel = Channel(len(requests))
         for r in requests:
             r.channel = channel
@@ -354,11 +366,15 @@ class Engine(RequestIntake):
         ended = 0
         try:
             while ended < len(requests):
-                for item in channel.get():
-                    if isinstance(item, Failure):
-                        raise item.error
-                    ended += item.finish_reason is not None
-                    yield TokenEvent(item.index, item.token_ids[0], item.finish_reason)
+                items = channel.get(until_ended=not each_step)
+                if Failure in set(map(type, items)):
+                    k = next(k for k, item in enumerate(items) if type(item) is Failure)
+                    if k:
+                        yield items[:k]
+                    raise items[k].error
+                reasons = list(map(_finish_reason, items))
+                ended += len(reasons) - reasons.count(None)
+                yield items
         finally:
             if channel.open:  # stopped early (an error, a close): free what the others hold, then go on
                 self._loop.abort([r for r in requests if not r.ended])
@@ -375,6 +391,9 @@ class Engine(RequestIntake):
         spec = "" if s is None else f"speculative={s.method} k={s.num_tokens} max_streams={s.max_streams}, "
         return (f"Engine(slots={self.num_slots}, max_context={self.max_context}, token_budget={self.token_budget}, "
                 f"{mode}, {spec}tokenizer={'yes' if self.tokenizer is not None else 'no'}, {self.cache})")
+
+
+_finish_reason = operator.attrgetter("finish_reason")
 
 
 def _close(loop: EngineLoop) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import operator
 import threading
 import time
 from dataclasses import dataclass
@@ -79,7 +80,12 @@ class Channel:
 
     def __init__(self, requests: int):
         self._items: collections.deque = collections.deque()
-        self._cond = threading.Condition(threading.Lock())
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # woken by every put: get()
+        # woken only when the last request ends or one fails: wait_closed(), get(until_ended=True), which then do not
+        # wake at every step (each wakeup of a waiting thread takes the interpreter from the engine loop's thread)
+        self._ends = threading.Condition(lock)
+        self._failed = False
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self.open = requests  # requests that have not delivered their last output
 
@@ -91,24 +97,36 @@ class Channel:
         """Append `items` and wake the threads waiting; returns the asyncio waiters to wake (deliver())."""
         with self._cond:
             self._items.extend(items)
-            self.open -= sum(isinstance(item, Failure) or item.finish_reason is not None for item in items)
+            failed = Failure in set(map(type, items))
+            if failed:
+                self.open -= sum(isinstance(item, Failure) or item.finish_reason is not None for item in items)
+            else:  # (a step's outputs: no per-item Python, as below)
+                reasons = list(map(_finish_reason, items))
+                self.open -= len(reasons) - reasons.count(None)
             waiters, self._waiters = self._waiters, []
             self._cond.notify_all()
+            if failed or self.open == 0:
+                self._failed |= failed
+                self._ends.notify_all()
         return waiters
 
-    def get(self, timeout: float | None = None) -> list:
-        """Every item there is, waiting for at least one (TimeoutError after `timeout` seconds)."""
+    def get(self, timeout: float | None = None, until_ended: bool = False) -> list:
+        """Every item there is, waiting for at least one (TimeoutError after `timeout` seconds); with until_ended,
+        waiting until every request has ended or one has failed (a caller that wants the results, not each step)."""
         with self._cond:
-            if not wait_for(self._cond, lambda: self._items, timeout):
+            cond, ready = ((self._ends, lambda: self.open == 0 or self._failed) if until_ended
+                           else (self._cond, lambda: self._items))
+            if not wait_for(cond, ready, timeout):
                 raise TimeoutError(f"no output within {timeout} s")
             items = list(self._items)
             self._items.clear()
+            self._failed = False  # (the failure is in `items`)
             return items
 
     def wait_closed(self, timeout: float | None = None) -> None:
         """Wait until every request delivered its last output (TimeoutError after `timeout` seconds)."""
         with self._cond:
-            if not wait_for(self._cond, lambda: self.open == 0, timeout):
+            if not wait_for(self._ends, lambda: self.open == 0, timeout):
                 raise TimeoutError(f"the request did not finish within {timeout} s")
 
     async def get_async(self) -> RequestOutput | Failure:
@@ -132,6 +150,9 @@ class Channel:
             future = loop.create_future()
             self._waiters.append((loop, future))
             return future
+
+
+_finish_reason = operator.attrgetter("finish_reason")
 
 
 def _copy(items: list | None) -> list | None:

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import operator
 import threading
 
 import torch
@@ -76,9 +77,11 @@ from .prompt_logprobs import prefill_step
 from .protocol import prefill_call, restore_prefix
 from .plan_sync import IDLE, IDLE_SYNC_S, SHUTDOWN, STEP, WARMUP, PlanBroadcast
 from .sampling import sample
-from .scheduler import Request, Scheduler
+from .scheduler import DEVICE_TOKEN, Request, Scheduler
 
 __all__ = ["EngineLoop", "EngineStats"]
+
+_request_of, _slot_of, _grammar_of = (operator.attrgetter(name) for name in ("request", "slot", "grammar"))
 
 
 class EngineLoop(LoopIntake, LoopReadBack):
@@ -100,6 +103,7 @@ class EngineLoop(LoopIntake, LoopReadBack):
         self._host_tokens = [torch.zeros(cache.num_slots, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._flip = 0
         self._inflight: Launched | None = None  # the step launched and not read back yet (overlap)
+        self._decode_streams = [Stream(slot, DEVICE_TOKEN) for slot in range(cache.num_slots)]  # (each slot's decode)
         self.penalties = PenaltyState(cache.num_slots, model.config.vocab_size, model.device)  # sampling's
         self.masks: TokenMasks | None = None  # structured output's bitmask, made for the first grammar
         self._cond = threading.Condition(threading.Lock())
@@ -244,8 +248,12 @@ class EngineLoop(LoopIntake, LoopReadBack):
         """Run `step` (its first `decodes` chunks decodes, which read their token on the device) and sample its
         sampling rows on the device; their tokens are copied to the host behind it. (launched, None), or
         (None, the error) if it failed: the caller fails its requests."""
-        streams = [Stream(c.request.slot, c.tokens) for c in step]
+        # (map passes, no per-chunk Python: a decode step of many requests is host work per request)
+        requests = list(map(_request_of, step))
+        slots = list(map(_slot_of, requests))
+        streams = list(map(self._decode_streams.__getitem__, slots[:decodes]))
         prompts = step[decodes:]
+        streams += [Stream(s, c.tokens) for s, c in zip(slots[decodes:], prompts)]
         try:
             if self._broadcast is not None:
                 self._broadcast.send(STEP, streams, self._take_released(), decodes, [k for k, c in enumerate(step)
@@ -253,21 +261,20 @@ class EngineLoop(LoopIntake, LoopReadBack):
             # the prompt chunks of requests asking for prompt logprobs run apart (prompt_logprobs.py)
             logits, commit, pieces = prefill_step(self.launch, self.model, self.cache, step, streams, decodes)
             rows = None if all(c.sample for c in prompts) else [k for k, c in enumerate(step) if c.sample]
-            todo = [c.request for c in step] if rows is None else [step[k].request for k in rows]
+            todo, todo_slots = (requests, slots) if rows is None else ([requests[k] for k in rows], [slots[k] for k in rows])
+            grammars = len(todo) - list(map(_grammar_of, todo)).count(None)
             result = None
             if todo:
                 if rows is not None:  # (else every row samples, as in a decode step: no gather)
                     logits = logits.index_select(0, to_device(int_tensor(rows), logits.device))
                 # (filled on the host while the device runs the step launched above)
-                result = sample(logits, todo, self.penalties, self._token_masks(todo))
+                result = sample(logits, todo, self.penalties, self._token_masks(todo) if grammars else None)
                 self._share(result.tokens)
-                self.last_tokens.index_copy_(0, to_device(int_tensor([r.slot for r in todo]), logits.device),
-                                             result.tokens)
+                self.last_tokens.index_copy_(0, to_device(int_tensor(todo_slots), logits.device), result.tokens)
             host, ready = self._to_host(result, pieces)
         except BaseException as e:  # KeyboardInterrupt included: only this step's requests see it
             return None, e
-        return Launched(step, decodes, todo, host, ready, commit, sum(len(c.tokens) for c in prompts),
-                        any(r.grammar is not None for r in todo)), None
+        return Launched(step, decodes, todo, host, ready, commit, sum(len(c.tokens) for c in prompts), grammars > 0), None
 
     def _token_masks(self, requests: list[Request]) -> torch.Tensor | None:
         """The bitmask of the sampling rows `requests` (grammar.TokenMasks), or None when none has a grammar."""

@@ -26,6 +26,8 @@ from .handle import Failure, RequestOutput, deliver
 from .logprobs import DeviceLogprobs
 from .scheduler import Request
 
+_new_output = tuple.__new__  # RequestOutput's six fields, built as a plain tuple (_advance)
+assert len(RequestOutput._fields) == 6
 
 @dataclass
 class _HostCopy:
@@ -111,30 +113,39 @@ class LoopReadBack:
         if not done.committed:
             self._commit(done)
         for r, t in zip(done.sampled, tokens):
-            if not r.ended:
+            if r.finish_reason is None and r.error is None:  # (not r.ended, without a property call per request)
                 r.out.append(t)
         if launched is not None:
             self._commit(launched)
         self._steps += 1
         self._prompt_tokens += done.prompt_tokens
-        now, outputs = time.perf_counter(), {}
+        # one pass over the step's requests, the cheapest per request that it can be (a decode step of many streams
+        # is host work per request): outputs grouped by channel, the channel's list looked up only when it changes
+        now, outputs, channel, items, taken = time.perf_counter(), {}, None, None, 0
+        advance = self._advance
         for r, token, entry in zip(done.sampled, tokens, logprobs):
-            if r.ended:  # it stopped at the step before (this token is one past its stop), or failed
-                continue
-            self._generated += 1
+            if r.finish_reason is not None or r.error is not None:  # (r.ended) it stopped at the step before (this
+                continue  # token is one past its stop), or failed
+            taken += 1
             try:
-                output = self._advance(r, token, now, entry)
+                output = advance(r, token, now, entry)
             except Exception as e:  # the tokenizer failed on its tokens, or its slot's reset did
                 self._fail(r, e)
-            else:
-                outputs.setdefault(r.channel, []).append(output)
+                continue
+            if r.channel is not channel:
+                channel = r.channel
+                items = outputs.setdefault(channel, [])
+            items.append(output)
+        self._generated += taken
         deliver(outputs)  # the step's outputs together: one wakeup per consumer, not one per token
 
     def _commit(self, launched: Launched) -> None:
         """Advance `launched`'s slots: its decodes read the last token each request has taken in."""
         step = launched.step
         try:
-            launched.commit([c.request.out[-1] if c.request.out else 0 for c in step[:launched.decodes]])
+            k = launched.decodes  # (the ids label the blocks they fill: prefix caching's only; follow_step's too)
+            launched.commit([c.request.out[-1] if c.request.out else 0 for c in step[:k]] if self.cache.prefix_caching
+                            else [0] * k)
             launched.committed = True
             self.scheduler.advance(step, launched.decodes)
         except BaseException as e:
@@ -149,7 +160,8 @@ class LoopReadBack:
             r.logprobs.append(logprobs)
         if r.first_token_time is None:
             r.first_token_time = now
-        reason = "stop" if token in r.stop_ids else "length" if len(r.out) >= r.max_new else None
+        out = r.out
+        reason = "stop" if token in r.stop_ids else "length" if len(out) >= r.max_new else None
         if r.grammar is not None:
             r.grammar.accept(token)  # (a token it does not allow fails the request)
             if reason is None and r.grammar.complete:
@@ -161,8 +173,9 @@ class LoopReadBack:
         if reason is not None:
             self.scheduler.remove(r)  # the slot is free before the consumer sees the last output
             r.finish_reason = reason
-        return RequestOutput(r.index, [token], text, reason, None if logprobs is None else [logprobs],
-                             r.prompt_logprobs if len(r.out) == 1 else None)
+        # (tuple.__new__: a NamedTuple's own __new__ is a Python function, a third of this method's time)
+        return _new_output(RequestOutput, (r.index, [token], text, reason, None if logprobs is None else [logprobs],
+                                           r.prompt_logprobs if len(out) == 1 else None))
 
     def _fail(self, r: Request, error: BaseException) -> None:
         if r.ended:

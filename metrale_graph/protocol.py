@@ -98,7 +98,7 @@ class PrefillCall:
         if self._ran:
             raise RuntimeError("a PrefillCall runs once")
         self._ran = True
-        assert 0 <= k <= len(self.slots) and all(n == 1 for n in self.lengths[:k]), "k one-token streams first"
+        assert 0 <= k <= len(self.slots) and self.lengths[:k].count(1) == k, "k one-token streams first"
 
         def read_last(packed: PackedBatch) -> torch.Tensor:
             if k:

@@ -21,8 +21,10 @@ a request's logprobs do not depend on how it samples.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+import operator
 import sys
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Sequence
@@ -57,6 +59,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @functools.cached_property
+    def plain(self) -> bool:
+        """Greedy with nothing else: no logit processor applies (logit_bias, min_tokens, penalties) and no logprobs
+        are asked for; its token is the argmax of the logits. (Cached: a decode step reads it for every row.)"""
+        return (self.greedy and not self.logit_bias and self.min_tokens == 0 and not self.penalized
+                and self.logprobs is None)
 
     @property
     def penalized(self) -> bool:
@@ -197,6 +206,8 @@ def sample(logits: torch.Tensor, rows: Sequence, state: PenaltyState | None = No
     `state`: the per-slot penalty statistics (needed when a row has a penalty), updated with the new tokens.
     `token_bitmask`: int32 [n, ceil(vocab / 32)] of the tokens each row may take (structured outputs), or None.
     `logits` is not changed."""
+    if token_bitmask is None and all(map(_plain, rows)):  # every row greedy, nothing else (a decode step's usual)
+        return SampleResult(logits.argmax(dim=-1), [], None, [])
     params = [r.params for r in rows]
     x = process_logits(logits, rows, state, token_bitmask)
     tokens = _draw(x, params, [r.generator for r in rows])
@@ -215,6 +226,9 @@ def sample(logits: torch.Tensor, rows: Sequence, state: PenaltyState | None = No
     else:
         raw, chosen = logits, tokens
     return SampleResult(tokens, want, token_logprobs(raw, chosen, max(top_n)), top_n)
+
+
+_plain = operator.attrgetter("params.plain")
 
 
 def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

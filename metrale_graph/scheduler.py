@@ -77,6 +77,7 @@ class Request:
     speculate: bool = True
     drafts: list[int] = field(default_factory=list)
     mtp_ok: bool = True
+    decode: Chunk | None = field(default=None, repr=False)  # its decode chunk while it holds a slot (plan reuses it)
 
     @property
     def generated(self) -> int:
@@ -137,9 +138,9 @@ class Scheduler:
         """The next step's streams (decodes first, then prompt chunks); admits waiting requests."""
         step, prefilling = [], []
         for r in self.running:  # (one pass: a decode step of many requests is host work per request)
-            if r.prefilled:
+            if r.fed == len(r.prompt):  # (r.prefilled)
                 if r.sampled < r.max_new:
-                    step.append(Chunk(r, DEVICE_TOKEN, True))
+                    step.append(r.decode or self._decode_chunk(r))
                     r.sampled += 1
             else:
                 prefilling.append(r)
@@ -163,6 +164,11 @@ class Scheduler:
         assert step or failed or any(r.sampled > len(r.out) for r in self.running), \
             "requests that fit no step (a request's KV blocks are checked against the cache at submit)"
         return step
+
+    @staticmethod
+    def _decode_chunk(r: Request) -> Chunk:
+        r.decode = Chunk(r, DEVICE_TOKEN, True)  # (dropped when its slot is: _release)
+        return r.decode
 
     def _worth(self, budget: int) -> bool:
         """With prefix caching a request is admitted with at least 64 tokens of budget (or its whole prompt)
@@ -229,7 +235,7 @@ class Scheduler:
         return left
 
     def _release(self, r: Request) -> None:
-        slot, r.slot = r.slot, None
+        slot, r.slot, r.decode = r.slot, None, None
         try:
             self.cache.reset(slot)
         finally:

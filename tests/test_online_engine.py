@@ -249,6 +249,36 @@ def test_a_failing_step_fails_only_its_requests(tiny, monkeypatch):
     _assert_cache_empty(engine)
 
 
+def test_a_channel_wakes_a_waiter_for_the_end_only_at_the_end():
+    """get(until_ended=True) (generate without on_token) and wait_closed() return once every request has ended or one
+    has failed, not at each put; get() returns at each put. A waiter in another thread is woken by the last end."""
+    from metrale_graph.handle import Channel, Failure, RequestOutput
+
+    channel, error = Channel(2), RuntimeError("failed")
+    outputs = [RequestOutput(0, [5], None, None), RequestOutput(1, [6], None, None)]
+    channel.put_all(outputs)
+    with pytest.raises(TimeoutError):
+        channel.get(timeout=0.05, until_ended=True)
+    assert channel.get(timeout=TIMEOUT) == outputs
+    ended = RequestOutput(0, [7], None, "stop")
+    channel.put_all([ended])
+    with pytest.raises(TimeoutError):
+        channel.wait_closed(timeout=0.05)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(channel.get(timeout=TIMEOUT, until_ended=True)))
+    waiter.start()
+    last = RequestOutput(1, [8], None, "length")
+    channel.put_all([last])
+    waiter.join(TIMEOUT)
+    assert got == [[ended, last]] and channel.open == 0
+    channel.wait_closed(timeout=TIMEOUT)
+    channel = Channel(2)  # a failure wakes it with a request still open
+    channel.put(Failure(0, error))
+    assert channel.get(timeout=TIMEOUT, until_ended=True) == [Failure(0, error)] and channel.open == 1
+    with pytest.raises(TimeoutError):  # (taken: it wakes nobody again)
+        channel.get(timeout=0.05, until_ended=True)
+
+
 def _scripted(monkeypatch, tokens):
     """The sampler returns `tokens` one by one (one request at a time): a model that says a known text."""
     import metrale_graph.loop as loop_module

@@ -249,21 +249,34 @@ def test_the_bulk_checks_take_the_common_batches_and_agree_with_the_stream_by_st
     """validate checks a batch of list tokens or of int64 CPU tensors in bulk (a decode step's host work);
     any other batch stream by stream. Both give the same slots, ids and lengths."""
     np = pytest.importorskip("numpy")
-    from metrale_graph.batch import _checked_in_bulk, _checked_one_by_one
+    from metrale_graph.batch import _checked_in_bulk, _checked_one_by_one, validate
 
     cache = model.new_cache(6, 48, block_size=16, max_context=128)
     model.prefill(cache, [Stream(1, random_tokens(40, 1)), Stream(4, random_tokens(16, 2))])
     lists = [Stream(4, [7]), Stream(1, random_tokens(5, 3)), Stream(0, [0, VOCAB - 1])]
     tensors = [Stream(s.slot, torch.tensor(s.tokens)) for s in lists]
-    for batch in (lists, tensors, [Stream(5, [3])], [Stream(2, torch.tensor(random_tokens(88, 4))[::2])]):
+    shared = [9, 2]  # one list every stream holds (a decode step's placeholder): checked once through it
+    for batch in (lists, tensors, [Stream(5, [3])], [Stream(2, torch.tensor(random_tokens(88, 4))[::2])],
+                  [Stream(0, shared), Stream(3, shared), Stream(2, shared)]):
         bulk = _checked_in_bulk(batch, cache)
         assert bulk is not None
         slots, ids, lengths = _checked_one_by_one(batch, cache)
         assert bulk[0] == slots and torch.equal(bulk[1], ids) and bulk[2] == lengths
         assert ids.dtype == torch.int64 and lengths == [len(s.tokens) for s in batch]
+        one_list = isinstance(batch[0].tokens, list) and len({id(s.tokens) for s in batch}) == 1
+        assert bulk[3] is (batch[0].tokens if one_list else None)
+    with pytest.raises(ValueError, match=f"stream 0: token id {VOCAB} is out of range"):
+        bad = [1, VOCAB]
+        validate([Stream(0, bad), Stream(3, bad)], cache, VOCAB)
     others = [lists[:1] + tensors[1:],  # lists and tensors together
               [Stream(0, torch.tensor([1, 2], dtype=torch.int32))], [Stream(0, np.array([1, 2]))],
-              [Stream(0, (1, 2))], [Stream(0, [1, np.int64(2)])], [Stream(1, [1] * 89)]]  # the last: past capacity
+              [Stream(0, (1, 2))], [Stream(0, [1, np.int64(2)])],
+              # tensors that cat refuses together (0-d, dims that differ) or makes what a step cannot take (2-D)
+              [Stream(0, torch.tensor(3)), Stream(1, torch.tensor(4))], [Stream(0, torch.tensor([[3]]))],
+              [Stream(0, torch.tensor([3])), Stream(1, torch.tensor([[4]]))],
+              [Stream(0, torch.tensor([[3]])), Stream(1, torch.tensor([[4]]))],
+              [Stream(0, torch.tensor([3])), Stream(1, torch.tensor([True]))],
+              [Stream(1, [1] * 89)]]  # the last: past capacity
     for batch in others:
         assert _checked_in_bulk(batch, cache) is None
     slots, ids, lengths = _checked_one_by_one(others[0], cache)
