@@ -67,7 +67,6 @@ import operator
 import threading
 import time
 import weakref
-from concurrent.futures import Future
 from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
@@ -85,7 +84,7 @@ from .model import HybridModel
 from .plan_sync import PlanBroadcast, follow
 from .logprobs import TokenLogprobs
 from .scheduler import Request
-from .structured import StructuredOutput, StructuredOutputError, structured_output
+from .structured import StructuredOutput, StructuredOutputError
 from .tokenizer import decode_kwargs, default_stop_ids, resolve_tokenizer
 
 __all__ = ["Engine", "EngineBusyError", "EngineClosedError", "EngineFullError", "EngineStats", "GenerationResult",
@@ -258,27 +257,6 @@ class Engine(RequestIntake):
         requests = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
                                   controls=controls, structured=structured)
         return self._events(requests)
-
-    def compile_grammar(self, structured) -> Future:
-        """Compile `structured`'s grammar (a dict as submit takes it, or a StructuredOutput) in the engine's grammar
-        worker, or find it compiled: a Future whose exception is a StructuredOutputError when it does not compile.
-        A request with the same grammar then finds it done (a server awaits this off its event loop before it
-        submits). StructuredOutputError now for a bad spec."""
-        spec = structured_output(structured, self.model.config.vocab_size)
-        if spec is None:
-            raise StructuredOutputError("expected a structured output, got None")
-        return self._grammar_compiler().compile(spec)
-
-    def _grammar_compiler(self) -> Grammars:
-        if self.tokenizer is None:
-            raise StructuredOutputError("structured output needs a tokenizer (Engine(model, tokenizer=...)): the "
-                                        "grammar is over its vocabulary")
-        if self._loop.closed:  # (its grammar worker is shut down too)
-            raise EngineClosedError("the engine was shut down: build a new Engine")
-        with self._grammars_lock:
-            if self._grammars is None:
-                self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size)
-            return self._grammars
 
     def warmup(self, progress: bool = False) -> list:
         """Compile (and on CUDA capture) every bucket now rather than on first use; returns the

@@ -13,16 +13,19 @@ max_context, `_loop`, `_broadcast`, `_ids`, `_grammars`, `_decode_kwargs`).
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Sequence
 
 import torch
 
 from .batch import check_token_ids, token_tensor
 from .detokenizer import StreamingText
+from .handle import EngineClosedError
 from .numbers import is_int, is_numpy_array, numpy_ids, plain_int
 from .sampling import check_params, check_seed, new_generator
 from .scheduler import Request
-from .structured import structured_output
+from .grammar import Grammars
+from .structured import StructuredOutputError, structured_output
 from .tokenizer import special_token_ids
 
 # submit / generate / stream's keyword arguments that go to sampling.check_params
@@ -163,3 +166,24 @@ class RequestIntake:
             if not 0 <= t < vocab:
                 raise ValueError(f"stop token {t!r} is not a token id in [0, {vocab})")
         return frozenset(int(t) for t in stop_token_ids)
+
+    def compile_grammar(self, structured) -> Future:
+        """Compile `structured`'s grammar (a dict as submit takes it, or a StructuredOutput) in the engine's grammar
+        worker, or find it compiled: a Future whose exception is a StructuredOutputError when it does not compile.
+        A request with the same grammar then finds it done (a server awaits this off its event loop before it
+        submits). StructuredOutputError now for a bad spec."""
+        spec = structured_output(structured, self.model.config.vocab_size)
+        if spec is None:
+            raise StructuredOutputError("expected a structured output, got None")
+        return self._grammar_compiler().compile(spec)
+
+    def _grammar_compiler(self) -> Grammars:
+        if self.tokenizer is None:
+            raise StructuredOutputError("structured output needs a tokenizer (Engine(model, tokenizer=...)): the "
+                                        "grammar is over its vocabulary")
+        if self._loop.closed:  # (its grammar worker is shut down too)
+            raise EngineClosedError("the engine was shut down: build a new Engine")
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size)
+            return self._grammars
