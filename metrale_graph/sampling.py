@@ -264,7 +264,7 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], generators: list) 
     uniforms = torch.cat([torch.rand(1, generator=generators[i]) for i in rows]).tolist()
     uniforms, temps, top_k, top_p, log_min_p, index = _row_values(logits, params, rows, uniforms)
     probs, order = _sorted_probs(logits.index_select(0, index).float(), temps, top_k, top_p, log_min_p)
-    cdf = probs.cumsum(dim=-1)
+    cdf = row_cumsum(probs)
     target = uniforms.unsqueeze(1) * cdf[:, -1:]
     pos = torch.searchsorted(cdf, target, right=True)
     kept = (probs > 0).sum(dim=-1, keepdim=True)
@@ -272,6 +272,25 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], generators: list) 
     out = greedy.clone()
     out[index] = order.gather(1, pos).squeeze(1)
     return out
+
+
+@torch.library.custom_op("metrale_sampling::row_cumsum", mutates_args=(), schema="(Tensor x) -> Tensor")
+def _row_cumsum_op(x):
+    return torch.cumsum(x, dim=-1)
+
+
+@_row_cumsum_op.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def row_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """torch.cumsum(x, dim=-1); under torch.compile an op Inductor does not see into. Inductor turns a cumsum
+    over a vocabulary-long row into a split scan, whose Triton codegen fails on a dynamic row count (torch 2.11 on
+    the H200: `TypeError: list indices must be integers or slices, not NoneType` in get_block_shape, compiling
+    the speculative step's sampled acceptance over Qwen3.5's 248,320 tokens). Through the op the compiled and
+    the eager paths run the same kernel, so they draw the same tokens."""
+    return _row_cumsum_op(x) if torch.compiler.is_compiling() else torch.cumsum(x, dim=-1)
 
 
 def _sorted_probs(logits, temps, top_k, top_p, log_min_p):
@@ -289,7 +308,7 @@ def _sorted_probs(logits, temps, top_k, top_p, log_min_p):
     rank = torch.arange(logits.shape[-1], device=logits.device)
     sorted_logits = sorted_logits.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # probability of the more likely tokens
+    before = row_cumsum(probs) - probs  # probability of the more likely tokens
     # the first token always stays, also for a top_p that rounds to 0 in fp32 (before 0 >= top_p 0)
     probs = probs.masked_fill((before >= top_p.unsqueeze(1)) & (rank > 0), 0.0)
     return probs, order

@@ -6,6 +6,8 @@ decoding as a reference decode loop over model.prefill says; bad controls are Va
 the stop strings' include_stop_str_in_output and min_tokens."""
 
 import pytest
+import math
+
 import torch
 
 from helpers import random_tokens
@@ -318,3 +320,32 @@ def test_graph_engine_logprobs_and_controls_equal_the_eager_engine():
         assert a.prompt_logprobs[0] is None and len(values) == len(rows)
         for i, (t, v) in enumerate(zip(prompt[1:] + a.token_ids, values)):
             assert abs(v - float(rows[i][t])) < 1e-4, i
+
+
+def test_row_cumsum_is_opaque_to_the_compiler_and_exact():
+    """sampling.row_cumsum: torch.cumsum eagerly, an op of its own under torch.compile (Inductor's split scan of a
+    vocabulary-long row fails to generate code for a dynamic row count on CUDA, torch 2.11: sampling.row_cumsum's
+    docstring), so the graph the speculative tail compiles holds no aten cumsum; the op passes opcheck and gives
+    the eager values exactly (the same kernel)."""
+    from torch.library import opcheck
+
+    from metrale_graph.sampling import _row_cumsum_op, _sorted_probs, row_cumsum
+
+    x = torch.rand(3, 1000)
+    opcheck(_row_cumsum_op, (x,))
+    assert torch.equal(row_cumsum(x), torch.cumsum(x, dim=-1))
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def sorted_probs(logits, temps, top_k, top_p, log_min_p):
+        return _sorted_probs(logits, temps, top_k, top_p, log_min_p)
+
+    fn = torch.compile(sorted_probs, backend=backend, fullgraph=True, dynamic=True)
+    logits = torch.randn(5, 300)
+    args = (logits, torch.full((5,), 0.7), torch.full((5,), 50), torch.full((5,), 0.9), torch.full((5,), -math.inf))
+    got, want = fn(*args), _sorted_probs(*args)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert any("row_cumsum" in t for t in targets) and not any("cumsum" in t and "row_cumsum" not in t for t in targets)

@@ -32,7 +32,7 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from ..sampling import SamplingParams, probabilities
+from ..sampling import SamplingParams, probabilities, row_cumsum
 
 EMPTY = -1  # tokens' entries past what a row emits
 
@@ -138,7 +138,7 @@ def rejection_sample(target_probs: Tensor, draft_tokens: Tensor, num_drafts: Ten
 def _inverse_cdf(dist: Tensor, u: Tensor) -> Tensor:
     """One token per row of `dist` [B, V] (non-negative, not normalized): the first id whose cumulative mass
     exceeds u * total, never one of zero mass (rounding at the top end takes the last id with mass)."""
-    cdf = dist.cumsum(dim=1)
+    cdf = row_cumsum(dist)  # (not Tensor.cumsum: sampling.row_cumsum says why)
     pick = torch.searchsorted(cdf, (u.float() * cdf[:, -1]).unsqueeze(1).contiguous(), right=True).squeeze(1)
     V = dist.shape[1]
     last = V - 1 - (dist > 0).flip(1).long().argmax(dim=1)

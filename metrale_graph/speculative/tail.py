@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from ..batch import PackedBatch
-from ..sampling import _sorted_probs
+from ..sampling import _sorted_probs, row_cumsum
 from .acceptance import EMPTY, rejection_sample
 from .mtp import mtp_hidden_states
 
@@ -90,7 +90,7 @@ def accept_sampled(model, h: Tensor, ints: Tensor, floats: Tensor, K: int) -> Te
     accepted = rejection_sample(target, drafts, num_drafts, greedy, uniforms)
     # rows without drafts draw as sampling.sample does (_draw): the sorted probabilities of their one position
     first, first_order = sorted_probs.view(R, K1, V)[:, 0], order.view(R, K1, V)[:, 0]
-    cdf = first.cumsum(dim=-1)
+    cdf = row_cumsum(first)
     pos = torch.searchsorted(cdf, uniforms[:, K:] * cdf[:, -1:], right=True)
     pos = torch.minimum(pos, (first > 0).sum(dim=-1, keepdim=True) - 1).clamp(min=0)  # (clamp: padding rows only)
     drawn = first_order.gather(1, pos).squeeze(1)
