@@ -241,3 +241,57 @@ def test_compiled_engine_verifies_in_its_compiled_hidden_states_step(models, mon
         out = [r.token_ids for r in e.generate(prompts, max_new_tokens=10, stop_token_ids=[])]
         assert out == reference and e.stats().speculative["accepted"] > 0
         assert len(runs) >= e.stats().speculative["steps"]  # every verify step ran the compiled step, none eagerly
+
+
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_drafts_stop_at_max_context(method):
+    """Requests whose max_new_tokens max_context caps (prompt + new = 17 tokens): k = 4 drafts would run past the
+    slot's room near the end; each verify keeps to it (k = tokens still to emit - 1), the bigram checkpoint keeps
+    every draft, and the tokens are plain decoding's under the same max_context, to its last position."""
+    model, prompts = bigram_model(CONFIGS["dense"]), [[3, 5, 7], list(range(1, 11))]
+    lookup = {"prompt_lookup_min": 1} if method == "ngram" else {}
+    kw = dict(max_new_tokens=100, stop_token_ids=[])
+    with Engine(model, 2, compile=False, max_context=17) as e:
+        reference = [r.token_ids for r in e.generate(prompts, **kw)]
+    assert [len(r) for r in reference] == [14, 7]
+    with Engine(model, 2, compile=False, max_context=17, speculative={"method": method, "num_tokens": 4, **lookup}) as e:
+        out = e.generate(prompts, **kw)
+        s = e.stats()
+    assert [r.token_ids for r in out] == reference and {r.finish_reason for r in out} == {"length"}
+    assert s.speculative["accepted"] == s.speculative["proposed"] > 0 and s.used_blocks == 0
+
+
+@pytest.mark.parametrize("where", ["_keep_states", "_deliver"])
+def test_a_failed_speculative_step_leaves_later_requests_exact(models, monkeypatch, where):
+    """An exception inside a speculative step (the accepted states' copy, inside the cache's transaction; the
+    delivery, after it committed) fails that step's requests alone; later requests on the same engine (the same
+    slots, the verify entries, the MTP head's entries) give plain decoding's tokens and nothing stays held."""
+    model, cfg = models["dense"], CONFIGS["dense"]
+    prompts = prompts_of(cfg)[:3]
+    reference = plain(model, prompts, 10)
+    monkeypatch.setattr(verify, "ngram_propose", Oracle(prompts, reference, cfg.vocab_size))
+    real, calls = getattr(verify.SpeculativeStep, where), []
+
+    def once(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return real(*args)
+
+    kw = dict(max_new_tokens=10, stop_token_ids=[])
+    for method in ("mtp", "ngram"):
+        calls.clear()
+        with Engine(model, 2, compile=False, speculative={"method": method, "num_tokens": 3}) as e:
+            monkeypatch.setattr(verify.SpeculativeStep, where, once)  # (k = 3: the Oracle rejects some drafts)
+            handles = [e.submit(p, **kw) for p in prompts]
+            failed = 0
+            for h, ref in zip(handles, reference):
+                try:
+                    assert h.result().token_ids == ref
+                except RuntimeError as err:
+                    assert str(err) == "injected"
+                    failed += 1
+            monkeypatch.setattr(verify.SpeculativeStep, where, real)
+            assert failed > 0 and e.stats().used_blocks == 0
+            assert [r.token_ids for r in e.generate(prompts, **kw)] == reference
+            assert e.stats().running == 0 and e.stats().used_blocks == 0
