@@ -140,6 +140,25 @@ def test_busy_fraction_of_each_marked_window():
         profiling.busy_between_markers(events[:-1], "cuda")
 
 
+def test_device_work_by_name_in_each_marked_window():
+    """kernels_between_markers: per window, each name's device time clipped to the window and its launches, largest
+    first; the markers and what lies outside every window are not counted."""
+    from types import SimpleNamespace
+
+    def event(name, start, end, device="cuda"):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [event("spin_kernel", 0, 10), event("gemm", 12, 20), event("gemm", 15, 25), event("copy", 26, 27),
+              event("spin_kernel", 30, 40), event("gemm", 50, 60), event("spin_kernel", 100, 110),
+              event("gemm", 105, 130), event("norm", 131, 135), event("norm", 140, 150, device="cpu"),
+              event("spin_kernel", 160, 170)]
+    assert profiling.kernels_between_markers(events, "cuda") == [
+        [("gemm", 18, 2), ("copy", 1, 1)], [("gemm", 20, 1), ("norm", 4, 1)]]
+    assert profiling.kernels_between_markers(events, "cuda", top=1)[1] == [("gemm", 20, 1)]
+    with pytest.raises(ValueError, match="3 marker kernels"):
+        profiling.kernels_between_markers(events[:-1], "cuda")
+
+
 def test_device_intervals_from_a_real_profile():
     """device_intervals reads torch.profiler's events (checked on the CPU's: there are no CUDA ones)."""
     from torch.autograd import DeviceType

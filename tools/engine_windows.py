@@ -152,11 +152,12 @@ def run_windows(engine, prompts: list[list[int]], phases: list[int], new: int, s
     """One generate call of `prompts` (`new` tokens at most each: enough for every request to decode through every
     window) measured in Windows; a row per phase (k: its forced drafts, or the engine's own num_tokens): steps
     timed, wall ms per step, device ms and GPU busy (CUDA; else None), tokens a stream gets per step, ms per
-    emitted token (a stream's), drafts proposed and accepted, verify steps, and with `timer` the drafter's ms."""
+    emitted token (a stream's), drafts proposed and accepted, verify steps, on CUDA the window's largest device work
+    by name (top_kernels: [name, ms a step, launches a step]), and with `timer` the drafter's ms."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from metrale_graph.tools.profiling import busy_between_markers
+    from metrale_graph.tools.profiling import busy_between_markers, kernels_between_markers
 
     n = len(prompts)
     windows = Windows(engine, n, phases, steps, settle, forced, timer)
@@ -174,6 +175,7 @@ def run_windows(engine, prompts: list[list[int]], phases: list[int], new: int, s
     if len(windows.marks) != len(phases):
         raise RuntimeError(f"{len(windows.marks)} of {len(phases)} windows closed: requests finished first")
     busy = busy_between_markers(prof.events(), DeviceType.CUDA) if windows.cuda else None
+    kernels = kernels_between_markers(prof.events(), DeviceType.CUDA) if windows.cuda else None
     rows = []
     for i, (k, a, b) in enumerate(windows.marks):
         steps, wall_s = b["steps"] - a["steps"], b["t"] - a["t"]
@@ -184,7 +186,10 @@ def run_windows(engine, prompts: list[list[int]], phases: list[int], new: int, s
                "proposed": b["proposed"] - a["proposed"], "accepted": b["accepted"] - a["accepted"],
                "verify_steps": b["verify_steps"] - a["verify_steps"]}
         if busy is not None:
-            row.update(gpu_busy=round(busy[i], 4), device_ms=round(busy[i] * 1e3 * wall_s / steps, 3))
+            row.update(gpu_busy=round(busy[i], 4), device_ms=round(busy[i] * 1e3 * wall_s / steps, 3),
+                       # the window's largest device work by name, ms and launches per step (profile by kernel first)
+                       top_kernels=[[name[:120], round(us / 1e3 / steps, 4), round(count / steps, 2)]
+                                    for name, us, count in kernels[i]])
         if timer is not None:
             ms, calls, tokens, catchup, head_ms, head_steps = (y - x for x, y in zip(a["draft"], b["draft"]))
             row.update(draft_calls=calls, draft_tokens=tokens, draft_ms_per_step=round(ms / steps, 3),

@@ -102,6 +102,27 @@ def busy_between_markers(events, device_type) -> list[float]:
     return busy
 
 
+def kernels_between_markers(events, device_type, top: int = 12) -> list[list[tuple[str, float, int]]]:
+    """Each marked window's (busy_between_markers) device work by name: (name, microseconds, count), the `top`
+    largest, each event's time clipped to the window (the markers themselves not counted)."""
+    spins = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == device_type and "spin" in e.name)
+    if len(spins) % 2:
+        raise ValueError(f"{len(spins)} marker kernels: the windows' markers come in pairs")
+    work = [(e.name, e.time_range.start, e.time_range.end) for e in events
+            if e.device_type == device_type and "spin" not in e.name]
+    windows = []
+    for (_, lo), (hi, _) in zip(spins[::2], spins[1::2]):
+        by_name: dict[str, list] = {}
+        for name, a, b in work:
+            if b > lo and a < hi:
+                entry = by_name.setdefault(name, [0.0, 0])
+                entry[0] += min(b, hi) - max(a, lo)
+                entry[1] += 1
+        windows.append(sorted(((n, t, c) for n, (t, c) in by_name.items()), key=lambda x: -x[1])[:top])
+    return windows
+
+
 def device_busy_ms(fn, setup, runs: int = 3) -> float | None:
     """Median over `runs` calls of fn() of the time the GPU was busy with its work (ms): the union of its
     device intervals from torch.profiler, one profile per call (setup() outside it). None when the
