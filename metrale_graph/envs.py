@@ -75,8 +75,9 @@ SETTINGS = _settings(
     Setting("METRALE_FP8_DECODE", "choice", "splitk",
             "the FP8 linear's GEMM for decode rows (1 to 32) on CUDA: splitk, W8A8 (x rounded to FP8 128-groups; "
             "split-K up to 16 rows, cuBLAS above), or w8a16, weight-only FP8 (x kept in bf16, the weights dequantized "
-            "in registers; ops/fp8/w8a16.py). splitk stays the default until an H200 A/B (gpu_session.sh w8a16) "
-            "measures w8a16 (ops.fp8.linear.DECODE_GEMM)", ("splitk", "w8a16")),
+            "in registers; ops/fp8/w8a16.py). w8a16 lost the H200 A/B (984b18e: 9B-FP8 D1 5.71 against 5.34 ms, "
+            "D32 8.74 against 8.15; BENCHMARKS.md): opt-in only while its kernel is reworked, removed if it loses "
+            "again (ops.fp8.linear.DECODE_GEMM)", ("splitk", "w8a16")),
     # debug and tool options
     Setting("METRALE_FP8_ACTIVATIONS", "flag", True,
             "FP8 projections round activations to FP8 (W8A8); off: weight-only FP8, a debug mode "
