@@ -15,8 +15,8 @@
 # presets' workloads beside their bf16 runs, the FP8 ops at decode shapes (issue 26; FP8_PRESETS, BF16_35B, FP8_OPS, FP8_NEXT);
 # fp8-sweep (not in all): benchmarks/kernels/sweep_fp8_decode.py, the decode-shaped FP8 GEMM's forms and tiles
 # (~2-3 min); w8a16 (not in all): the weight-only FP8 decode GEMM (issue 38, item 3: benchmarks/kernels/bench_w8a16.py
-# at the 9B's shapes, every tile, its GPU tests, the 9B-FP8's D1 / D32 under METRALE_FP8_DECODE splitk and w8a16; not
-# yet measured); serve (not in all): metrale-serve + bench_serve at concurrency
+# at the 9B's shapes, every tile, its GPU tests, the 9B-FP8's D1 / D32 under METRALE_FP8_DECODE splitk and w8a16; at
+# 984b18e w8a16 lost: BENCHMARKS.md, FP8); serve (not in all): metrale-serve + bench_serve at concurrency
 # 32 / 128 / 256 on the 9B and 35B-A3B (issue 27; SERVE_PRESETS to choose); prefix (not in all): bench_prefix on the 9B
 # (issue 28); structured (not in all): benchmarks/bench_structured.py on the 9B preset, 64 requests with JSON masks
 # against without (issue 40; needs xgrammar and apache-tvm-ffi wheels in .whl-serve and a tokenizer of the 9B's
