@@ -174,8 +174,9 @@ def run_windows(engine, prompts: list[list[int]], phases: list[int], new: int, s
         gc.enable()
     if len(windows.marks) != len(phases):
         raise RuntimeError(f"{len(windows.marks)} of {len(phases)} windows closed: requests finished first")
-    busy = busy_between_markers(prof.events(), DeviceType.CUDA) if windows.cuda else None
-    kernels = kernels_between_markers(prof.events(), DeviceType.CUDA) if windows.cuda else None
+    events = prof.events() if windows.cuda else None
+    busy = busy_between_markers(events, DeviceType.CUDA) if windows.cuda else None
+    kernels = kernels_between_markers(events, DeviceType.CUDA) if windows.cuda else None
     rows = []
     for i, (k, a, b) in enumerate(windows.marks):
         steps, wall_s = b["steps"] - a["steps"], b["t"] - a["t"]

@@ -86,33 +86,34 @@ def device_intervals(events, device_type) -> list[tuple[float, float]]:
     return [(e.time_range.start, e.time_range.end) for e in events if e.device_type == device_type]
 
 
-def busy_between_markers(events, device_type) -> list[float]:
-    """The GPU-busy fraction of each window the measuring thread marked with a pair of marker kernels
-    (torch.cuda._sleep, "spin" kernels; window i between markers 2i and 2i + 1, in time order): the union of the
-    device intervals inside it over its length."""
+def marker_windows(events, device_type) -> list[tuple[float, float]]:
+    """The windows the measuring thread marked with pairs of marker kernels (torch.cuda._sleep, "spin" kernels;
+    window i between markers 2i and 2i + 1, in time order): (first marker's end, second marker's start) each."""
     spins = sorted((e.time_range.start, e.time_range.end) for e in events
                    if e.device_type == device_type and "spin" in e.name)
     if len(spins) % 2:
         raise ValueError(f"{len(spins)} marker kernels: the windows' markers come in pairs")
+    return [(lo, hi) for (_, lo), (hi, _) in zip(spins[::2], spins[1::2])]
+
+
+def busy_between_markers(events, device_type) -> list[float]:
+    """The GPU-busy fraction of each marked window (marker_windows): the union of the device intervals inside it
+    over its length."""
     intervals = device_intervals(events, device_type)
     busy = []
-    for (_, lo), (hi, _) in zip(spins[::2], spins[1::2]):
+    for lo, hi in marker_windows(events, device_type):
         inside = [(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]
         busy.append(union_ms(inside) / (hi - lo))
     return busy
 
 
 def kernels_between_markers(events, device_type, top: int = 12) -> list[list[tuple[str, float, int]]]:
-    """Each marked window's (busy_between_markers) device work by name: (name, microseconds, count), the `top`
-    largest, each event's time clipped to the window (the markers themselves not counted)."""
-    spins = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.device_type == device_type and "spin" in e.name)
-    if len(spins) % 2:
-        raise ValueError(f"{len(spins)} marker kernels: the windows' markers come in pairs")
+    """Each marked window's (marker_windows) device work by name: (name, microseconds, count), the `top` largest,
+    each event's time clipped to the window (the markers themselves not counted)."""
     work = [(e.name, e.time_range.start, e.time_range.end) for e in events
             if e.device_type == device_type and "spin" not in e.name]
     windows = []
-    for (_, lo), (hi, _) in zip(spins[::2], spins[1::2]):
+    for lo, hi in marker_windows(events, device_type):
         by_name: dict[str, list] = {}
         for name, a, b in work:
             if b > lo and a < hi:
