@@ -436,12 +436,20 @@ def test_sigterm_ends_running_requests_and_frees_the_port(server, client):
         except openai.APIStatusError as e:
             ended["whole"] = f"{e.status_code}: {e.message}"
 
+    def submitted(m):  # every request the engine has taken: running, waiting or finished
+        return m["metrale_num_requests_running"] + m["metrale_num_requests_waiting"] + sum(
+            v for k, v in m.items() if k.startswith("metrale_request_finished_total"))
+
+    # the stream first, then the whole request behind its 48 choices (started together, the whole one could
+    # take the 16 slots and finish before the stream's first token, the moment SIGTERM used to be sent)
     t, w = threading.Thread(target=stream), threading.Thread(target=whole)
     t.start()
-    w.start()
     deadline = time.monotonic() + TIMEOUT
     while "first" not in ended and time.monotonic() < deadline:
         time.sleep(0.02)
+    before = submitted(_metrics(server))
+    w.start()
+    _wait_metrics(server, lambda m: submitted(m) >= before + 16, "the whole request's 16 choices submitted")
     server.signal()
     sent = time.monotonic()
     with pytest.raises((openai.APIStatusError, openai.APIConnectionError)) as refused:
