@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .checkpoints import check_checkpoints, keep_conv_windows, wanted
+from .checkpoints import check_checkpoints, keep_conv_windows, keep_conv_windows_triton, wanted
 from .common import INDEX_DTYPES, check, check_tensor
 from .registry import OpSpec, Shapes, metrale_cuda, metrale_fake, metrale_op, rand, register, stream_meta, weight
 
@@ -152,8 +152,8 @@ def causal_conv1d_triton(x, weight, cu_seqlens, slot_ids, conv_state):
 @metrale_cuda(causal_conv1d)
 def causal_conv1d_cuda(a):
     if wanted(a.checkpoint_tokens):  # before the states move on
-        keep_conv_windows(a.x, a.cu_seqlens, a.slot_ids, a.conv_state, a.checkpoint_tokens, a.checkpoint_entries,
-                          a.checkpoint_conv_states)
+        keep_conv_windows_triton(a.x, a.cu_seqlens, a.slot_ids, a.conv_state, a.checkpoint_tokens,
+                                 a.checkpoint_entries, a.checkpoint_conv_states)
     return causal_conv1d_triton(*a[:5])
 
 

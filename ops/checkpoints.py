@@ -13,6 +13,8 @@ entry per token on CUDA.
 """
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
 from .common import INDEX_DTYPES, check, check_tensor
@@ -70,6 +72,92 @@ def keep_conv_windows(x: Tensor, cu_seqlens: Tensor, slot_ids: Tensor, conv_stat
     pool.index_copy_(0, dest, window.to(pool.dtype))
 
 
+@triton.jit
+def _stream_of(cu_ptr, t, B, BLOCK_B: tl.constexpr):
+    """The stream b of packed token t (searchsorted(cu[1:], t, right) clamped to B - 1) and its bounds."""
+    bb = tl.arange(0, BLOCK_B)
+    ends = tl.load(cu_ptr + 1 + bb, mask=bb < B, other=2147483647)
+    b = tl.minimum(tl.sum((ends <= t).to(tl.int32), 0), B - 1)
+    return b, tl.load(cu_ptr + b).to(tl.int64), tl.load(cu_ptr + b + 1).to(tl.int64)
+
+
+@triton.jit
+def _keep_windows_kernel(x_ptr, cu_ptr, slot_ptr, state_ptr, tok_ptr, ent_ptr, pool_ptr, B, C, stride_xt, stride_xc,
+                         stride_s0, stride_s1, stride_s2, stride_p0, stride_p1, stride_p2, W1: tl.constexpr,
+                         BW: tl.constexpr, BLOCK_B: tl.constexpr, BC: tl.constexpr):
+    i = tl.program_id(0)
+    t = tl.load(tok_ptr + i)
+    if (t >= 0) & (t < tl.load(cu_ptr + B)):  # a checkpoint that keeps nothing costs its program two loads
+        b, start, _ = _stream_of(cu_ptr, t, B, BLOCK_B)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        dest = tl.load(ent_ptr + i).to(tl.int64)
+        cc = tl.program_id(1) * BC + tl.arange(0, BC)
+        jj = tl.arange(0, BW)
+        u = t - (W1 - 1) + jj  # the inputs kept: the stream's own from `start` on, the slot's old state before
+        mc, mj = cc < C, jj < W1
+        in_x = u >= start
+        from_x = tl.load(x_ptr + u[None, :] * stride_xt + cc[:, None] * stride_xc,
+                         mask=mc[:, None] & (mj & in_x)[None, :], other=0.0)
+        col = u - start + W1
+        from_s = tl.load(state_ptr + slot * stride_s0 + cc[:, None] * stride_s1 + col[None, :] * stride_s2,
+                         mask=mc[:, None] & (mj & (u < start))[None, :], other=0.0)
+        window = tl.where(in_x[None, :], from_x, from_s.to(from_x.dtype))
+        tl.store(pool_ptr + dest * stride_p0 + cc[:, None] * stride_p1 + jj[None, :] * stride_p2,
+                 window.to(pool_ptr.dtype.element_ty), mask=mc[:, None] & mj[None, :])
+
+
+def keep_conv_windows_triton(x: Tensor, cu_seqlens: Tensor, slot_ids: Tensor, conv_state: Tensor, tokens: Tensor,
+                             entries: Tensor, pool: Tensor) -> None:
+    """keep_conv_windows in one launch (the CUDA path): a program per checkpoint and block of channels,
+    computing its stream on the device; checkpoints that keep nothing write nothing (the torch version
+    writes them to the scratch entry)."""
+    T, C = x.shape
+    W1, B, NC = conv_state.shape[2], slot_ids.shape[0], tokens.shape[0]
+    if W1 == 0 or B == 0 or NC == 0 or T == 0:
+        return
+    BC = min(256, triton.next_power_of_2(C))
+    _keep_windows_kernel[(NC, triton.cdiv(C, BC))](
+        x, cu_seqlens.contiguous(), slot_ids.contiguous(), conv_state, tokens.contiguous(), entries.contiguous(),
+        pool, B, C, x.stride(0), x.stride(1), *conv_state.stride(), *pool.stride(), W1=W1,
+        BW=triton.next_power_of_2(W1), BLOCK_B=triton.next_power_of_2(B), BC=BC, num_warps=4)
+
+
+@triton.jit
+def _keep_end_states_kernel(state_ptr, cu_ptr, slot_ptr, tok_ptr, ent_ptr, pool_ptr, B, N, longer_than, stride_s0,
+                            stride_p0, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    t = tl.load(tok_ptr + i)
+    if (t >= 0) & (t < tl.load(cu_ptr + B)):
+        b, start, end = _stream_of(cu_ptr, t, B, BLOCK_B)
+        r = t - start + 1
+        if (r == end - start) & (r > longer_than):  # a stream's last token, of a stream that long
+            slot = tl.load(slot_ptr + b).to(tl.int64)
+            dest = tl.load(ent_ptr + i).to(tl.int64)
+            off = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+            m = off < N
+            x = tl.load(state_ptr + slot * stride_s0 + off, mask=m)
+            tl.store(pool_ptr + dest * stride_p0 + off, x.to(pool_ptr.dtype.element_ty), mask=m)
+
+
+def keep_end_states_triton(cu_seqlens: Tensor, slot_ids: Tensor, gdn_state: Tensor, tokens: Tensor, entries: Tensor,
+                           pool: Tensor, longer_than: int = 0) -> None:
+    """keep_end_states in one launch (the CUDA path): only the checkpoints at a kept stream end read and
+    write a state (the torch version copies every checkpoint's slot state, into the scratch entry for the
+    others: NC states each way whatever the step keeps). Falls back to it for states whose entries are not
+    contiguous."""
+    B, NC = slot_ids.shape[0], tokens.shape[0]
+    if B == 0 or NC == 0:
+        return
+    if not (gdn_state[0].is_contiguous() and pool[0].is_contiguous()):
+        keep_end_states(cu_seqlens, slot_ids, gdn_state, tokens, entries, pool, longer_than)
+        return
+    N, BLOCK = gdn_state[0].numel(), 4096
+    _keep_end_states_kernel[(NC, triton.cdiv(N, BLOCK))](
+        gdn_state, cu_seqlens.contiguous(), slot_ids.contiguous(), tokens.contiguous(), entries.contiguous(), pool,
+        B, N, longer_than, gdn_state.stride(0), pool.stride(0), BLOCK_B=triton.next_power_of_2(B), BLOCK=BLOCK,
+        num_warps=4)
+
+
 def keep_end_states(cu_seqlens: Tensor, slot_ids: Tensor, gdn_state: Tensor, tokens: Tensor, entries: Tensor,
                     pool: Tensor, longer_than: int = 0) -> None:
     """pool[entry] = the slot's state, for the checkpoints at the last token of a stream of more than
@@ -95,11 +183,25 @@ def chunk_rows(tokens: Tensor, entries: Tensor, cu_seqlens: Tensor, cu_aligned: 
     return rows, dest
 
 
+@triton.jit
+def _token_entries_kernel(tok_ptr, ent_ptr, out_ptr, T, NC, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    for s in range(0, T, BLOCK):
+        tl.store(out_ptr + s + offs, tl.full((BLOCK,), -1, tl.int64), mask=s + offs < T)
+    tl.debug_barrier()  # one program: its -1s land before the entries over them
+    for s in range(0, NC, BLOCK):
+        m = s + offs < NC
+        t = tl.load(tok_ptr + s + offs, mask=m, other=-1)
+        e = tl.load(ent_ptr + s + offs, mask=m, other=-1).to(tl.int64)
+        tl.store(out_ptr + t, e, mask=m & (t >= 0) & (t < T))
+
+
 def token_entries(tokens: Tensor, entries: Tensor, num_tokens: int) -> Tensor:
     """[T] int64: the checkpoint entry that wants the state after packed token t, -1 for none (the
-    recurrent kernel's per-token lookup; one entry per token). Device ops only."""
-    T = num_tokens
-    valid = (tokens >= 0) & (tokens < T)
-    out = torch.full((T + 1,), -1, dtype=torch.int64, device=tokens.device)
-    out.index_copy_(0, torch.where(valid, tokens, T), torch.where(valid, entries.long(), -1))
-    return out[:T]
+    recurrent kernel's per-token lookup; one entry per token). One launch of one program (it ran as four
+    torch ops in every GDN layer of every step)."""
+    out = torch.empty((num_tokens,), dtype=torch.int64, device=tokens.device)
+    if num_tokens:
+        _token_entries_kernel[(1,)](tokens.contiguous(), entries.contiguous(), out, num_tokens, tokens.shape[0],
+                                    BLOCK=1024, num_warps=4)
+    return out

@@ -432,6 +432,47 @@ def test_gdn_recurrence_cuda_path_keeps_prefix_checkpoints(lengths, dtype, monke
     assert untouched and all((pool[e] == 9.0).all() for e in untouched), "an entry no checkpoint names changed"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("lengths", [(1, 5, 0, 2, 1), (7,), (0, 0, 3)], ids=["streams", "one", "padding-first"])
+def test_checkpoint_kernels_match_their_torch_versions(lengths, dtype):
+    """The one-launch checkpoint kernels of the CUDA paths (ops/checkpoints.py: conv windows, stream-end
+    states, the per-token entry map) write what the torch versions write into every entry a checkpoint
+    names, and nothing anywhere else (the torch versions dump the none-targets into the scratch entry)."""
+    from metrale_graph.ops import checkpoints as ck
+    g = torch.Generator().manual_seed(11)
+    B, T, C, W1, S = len(lengths), sum(lengths), 40, 3, 9
+    cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
+    slots = torch.randperm(S - 1, generator=g)[:B].long()
+    x = torch.randn(T, 2 * C, generator=g).to(dtype)[:, ::2]  # strided, as the model passes it
+    conv_state = torch.randn(S, C, W1, generator=g).to(dtype)
+    gdn_state = torch.randn(S, 2, 8, 8, generator=g)
+    tokens = [*range(T), -1, T, T + 7]  # every token, then three that keep nothing
+    E = len(tokens) + 4
+    entries = torch.randperm(E - 1, generator=g)[:len(tokens)]
+    entries[-3:] = E - 1
+    tokens = torch.tensor(tokens, dtype=torch.int64)
+    named = set(entries[:-3].tolist())
+    for longer_than in (0, 2):
+        for torch_fn, kernel_fn, args, pool in (
+                (ck.keep_conv_windows, ck.keep_conv_windows_triton, (x, cu, slots, conv_state),
+                 torch.full((E, C, W1), 5.0, dtype=dtype)),
+                (ck.keep_end_states, ck.keep_end_states_triton, (cu, slots, gdn_state),
+                 torch.full((E, 2, 8, 8), 5.0))):
+            kw = {"longer_than": longer_than} if torch_fn is ck.keep_end_states else {}
+            want, got = pool.clone(), pool.clone()
+            torch_fn(*clone_args(args, "cpu"), tokens, entries, want, **kw)
+            kernel_fn(*clone_args(args, DEVICE), tokens.to(DEVICE), entries.to(DEVICE), got_d := got.to(DEVICE), **kw)
+            got = got_d.cpu()
+            for e in range(E):
+                if e in named:
+                    assert torch.equal(got[e], want[e]), f"{kernel_fn.__name__}: entry {e}"
+                else:
+                    assert (got[e] == 5.0).all(), f"{kernel_fn.__name__}: entry {e} that no checkpoint names changed"
+    entries_map = ck.token_entries(tokens.to(DEVICE), entries.to(DEVICE), T).cpu()
+    assert entries_map.tolist() == entries[:T].tolist()
+    assert ck.token_entries(tokens[T:].to(DEVICE), entries[T:].to(DEVICE), T).cpu().tolist() == [-1] * T
+
+
 # several 64 / 128-key splits per stream with a partial last one, blocks of 16 / 48 / 64 (splits and
 # blocks unaligned), query heads per KV head 1..4, streams of several query tiles, zero-length streams
 DECODE_ATTENTION_CASES = [

@@ -11,7 +11,7 @@ layout, layout.py); a single stream takes the chunked path whole.
 
 from torch import Tensor
 
-from ..checkpoints import keep_end_states
+from ..checkpoints import keep_end_states_triton
 from ..common import decode_shaped
 from .chunked import gdn_recurrence_chunked
 from .layout import gdn_recurrence_aligned
@@ -59,5 +59,5 @@ def gdn_recurrence_split(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, varl
     if max_len:
         gdn_recurrence_recurrent(q, k, v, g, beta, cu_seqlens, slot_ids, gdn_state, max_len, o, keep=keep)
     if keep is not None:  # the chunked streams' last tokens (the recurrent kernel kept the short streams')
-        keep_end_states(cu_seqlens, slot_ids, gdn_state, *keep, longer_than=max_len)
+        keep_end_states_triton(cu_seqlens, slot_ids, gdn_state, *keep, longer_than=max_len)
     return o
