@@ -14,10 +14,11 @@ step) and the MTP head's catch-up with its draft steps. Their per-call inputs ar
 streams (rows) and tokens, at least 2 each, filled from host tensors by one copy per buffer, their spare rows
 padding (tail.py's layouts); each function is traced once for every bucket (the rows and tokens dimensions are
 marked dynamic, as the runner's buffers are) through its own copy of the function's code (the runner's reason:
-dynamo's entries and recompile count are per code object). The state copy after acceptance is plain indexing
-(an index_select and an index_copy_ per pool): not compiled (nothing to fuse, and a functionalized in-place copy
-into a pool risks a copy of the whole pool), captured on CUDA per row count (padded to the grid's stream sizes
-with scratch-slot rows, which copy the scratch entry into the scratch slot).
+dynamo's entries and recompile count are per code object). The state copy after acceptance is one row-copy
+kernel per pool on CUDA (ops/checkpoints.copy_rows: each accepted state read and written once; index_select and
+index_copy_ on the CPU): not compiled (nothing to fuse, and a functionalized in-place copy into a pool risks a
+copy of the whole pool), captured on CUDA per row count (padded to the grid's stream sizes with scratch-slot
+rows, which the kernel skips).
 
 Capture follows the runner's recipe: two runs on a side stream (compile, then anything lazily initialized), then
 the capture into the runner's pool; warming runs only padding (the tail reads; the copies and the draft steps
@@ -35,6 +36,7 @@ from typing import Callable
 import torch
 
 from metrale_graph.numbers import to_device
+from metrale_graph.ops.checkpoints import copy_rows
 from metrale_graph.speculative import tail
 
 from .buckets import Bucket
@@ -196,10 +198,12 @@ def _fill(buffer: torch.Tensor, host: torch.Tensor) -> None:
 
 def _copy_states(cache, index: torch.Tensor) -> None:
     """index [2, n]: slots, then checkpoint entries; each pool's slot rows := the entries' kept states."""
-    slots, entries = index[0], index[1]
     for pool, kept in zip(cache.conv_states + cache.gdn_states,
                           cache.checkpoint_conv_states + cache.checkpoint_gdn_states):
-        pool.index_copy_(0, slots, kept.index_select(0, entries))
+        if pool.is_cuda:  # one launch a pool, padding (the scratch slot) skipped
+            copy_rows(pool, kept, index, skip=cache.scratch_slot)
+        else:
+            pool.index_copy_(0, index[0], kept.index_select(0, index[1]))
 
 
 def _capture(fn: Callable[[], torch.Tensor | None], device: torch.device, pool):

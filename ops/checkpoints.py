@@ -158,6 +158,34 @@ def keep_end_states_triton(cu_seqlens: Tensor, slot_ids: Tensor, gdn_state: Tens
         num_warps=4)
 
 
+@triton.jit
+def _copy_rows_kernel(src_ptr, dst_ptr, index_ptr, n, N, skip, stride_src, stride_dst, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    d = tl.load(index_ptr + i)
+    if d != skip:
+        s = tl.load(index_ptr + n + i)
+        off = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = off < N
+        x = tl.load(src_ptr + s * stride_src + off, mask=m)
+        tl.store(dst_ptr + d * stride_dst + off, x.to(dst_ptr.dtype.element_ty), mask=m)
+
+
+def copy_rows(dst: Tensor, src: Tensor, index: Tensor, skip: int = -1) -> None:
+    """dst[index[0, i]] = src[index[1, i]] for each column i of index [2, n] int64 whose row index[0, i] is not
+    `skip` (padding, left alone): the accepted verify states into their slots (capture/speculative.py), each row read once
+    and written once in one launch (index_select then index_copy_ moved them twice). Rows must not overlap
+    between dst and src. Torch ops where a row is not contiguous."""
+    n = index.shape[1]
+    if n == 0:
+        return
+    if not (dst[0].is_contiguous() and src[0].is_contiguous()) or dst.dtype != src.dtype:
+        dst.index_copy_(0, index[0], src.index_select(0, index[1]).to(dst.dtype))  # (padding rows copied too)
+        return
+    N, BLOCK = dst[0].numel(), 4096
+    _copy_rows_kernel[(n, triton.cdiv(N, BLOCK))](src, dst, index.contiguous(), n, N, skip, src.stride(0),
+                                                  dst.stride(0), BLOCK=BLOCK, num_warps=4)
+
+
 def keep_end_states(cu_seqlens: Tensor, slot_ids: Tensor, gdn_state: Tensor, tokens: Tensor, entries: Tensor,
                     pool: Tensor, longer_than: int = 0) -> None:
     """pool[entry] = the slot's state, for the checkpoints at the last token of a stream of more than

@@ -162,6 +162,20 @@ def test_chunk_layout_kernel_matches_torch_layout(short):
             ends = torch.where(cu[1:] - cu[:-1] > short, cu[1:], cu[:-1])
             expected = torch.stack([cu, torch.cat([ends, cu[-1:]])]).long()
             assert torch.equal(got_bounds.cpu(), expected), (lengths, got_bounds)
+            # the compacted layout (the CUDA chunked path's): the long streams in order, then empty sequences
+            # at cu[B] up to M = num_long, then the spare M; chunk rows renamed to these sequences
+            slot_ids = torch.randperm(len(lengths) + 3, generator=g)[:len(lengths)]
+            c_cu, c_bounds, c_slots, c_chunks = gdn_layout.chunk_layout_compact(cu.to(DEVICE), slot_ids.to(DEVICE),
+                                                                               T, short)
+            M = gdn_layout.num_long(len(lengths), T, short)
+            long = [b for b, n in enumerate(lengths) if n > short]
+            assert torch.equal(c_cu.cpu(), cu_al) and c_bounds.shape == (2, M + 1) and c_slots.shape == (M,)
+            want = expected[:, long + [len(lengths)] * (M + 1 - len(long))]
+            assert torch.equal(c_bounds.cpu(), want), (lengths, c_bounds)
+            assert c_slots.cpu()[:len(long)].tolist() == slot_ids[long].tolist()
+            rename = {b: j for j, b in enumerate(long)} | {len(lengths): M}
+            assert torch.equal(c_chunks.cpu()[:, 1], chunks[:, 1]), lengths
+            assert c_chunks.cpu()[:, 0].tolist() == [rename[int(b)] for b in chunks[:, 0]], lengths
 
 
 @pytest.mark.parametrize("short", [0, gdn_split.SHORT])
@@ -468,6 +482,13 @@ def test_checkpoint_kernels_match_their_torch_versions(lengths, dtype):
                     assert torch.equal(got[e], want[e]), f"{kernel_fn.__name__}: entry {e}"
                 else:
                     assert (got[e] == 5.0).all(), f"{kernel_fn.__name__}: entry {e} that no checkpoint names changed"
+    # copy_rows (the accepted verify states into their slots): the named rows moved, padding rows skipped
+    index = torch.tensor([[3, 0, S - 1, 5], [E - 2, 1, E - 1, 0]])
+    for dst, src in ((conv_state, torch.randn(E, C, W1, generator=g).to(dtype)), (gdn_state, torch.randn(E, 2, 8, 8))):
+        got, want = dst.clone().to(DEVICE), dst.clone()
+        ck.copy_rows(got, src.to(DEVICE), index.to(DEVICE), skip=S - 1)
+        want[[3, 0, 5]] = src[[E - 2, 1, 0]]
+        assert torch.equal(got.cpu(), want)
     entries_map = ck.token_entries(tokens.to(DEVICE), entries.to(DEVICE), T).cpu()
     assert entries_map.tolist() == entries[:T].tolist()
     assert ck.token_entries(tokens[T:].to(DEVICE), entries[T:].to(DEVICE), T).cpu().tolist() == [-1] * T

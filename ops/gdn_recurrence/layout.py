@@ -117,6 +117,70 @@ def chunk_layout_bounds(cu_seqlens: Tensor, num_tokens: int, short: int = 0) -> 
     return cu_al, bounds, chunk_indices
 
 
+def num_long(num_streams: int, num_tokens: int, short: int = 0) -> int:
+    """M = min(B, T // (short + 1)): at most this many of B streams over T tokens are longer than `short`."""
+    return min(num_streams, num_tokens // (short + 1))
+
+
+@triton.jit
+def _compact_layout_kernel(cu_ptr, slot_ptr, cu_al_ptr, bounds_ptr, slots_out_ptr, idx_ptr, B, M, NT, short,
+                           CHUNK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_C: tl.constexpr):
+    b = tl.arange(0, BLOCK_B)  # BLOCK_B >= B + 2
+    mb = b < B
+    start = tl.load(cu_ptr + b, mask=b <= B, other=0)
+    L = tl.load(cu_ptr + b + 1, mask=mb, other=0) - start
+    in_layout = mb & (L > short)
+    counts = tl.where(in_layout, (L + CHUNK - 1) // CHUNK, 0)
+    off = tl.cumsum(counts, 0) - counts
+    total = tl.sum(counts, 0)
+    off = tl.where(b <= B, off, NT)
+    tl.store(cu_al_ptr + b, off.to(tl.int64) * CHUNK, mask=b < B + 2)  # as chunk_layout_bounds' (chunk_rows)
+    # the compacted sequences: the streams in the layout in order (rank), the others empty at cu[B], then spare M
+    rank = tl.cumsum(in_layout.to(tl.int32), 0) - in_layout.to(tl.int32)
+    end = tl.load(cu_ptr + B).to(tl.int64)
+    j = tl.arange(0, BLOCK_M)  # BLOCK_M >= M + 1
+    tl.store(bounds_ptr + j, tl.full((BLOCK_M,), 0, tl.int64) + end, mask=j <= M)
+    tl.store(bounds_ptr + (M + 1) + j, tl.full((BLOCK_M,), 0, tl.int64) + end, mask=j <= M)
+    tl.store(slots_out_ptr + j, tl.full((BLOCK_M,), 0, tl.int64), mask=j < M)  # unread for empty sequences
+    tl.debug_barrier()  # one program: the empty bounds land before the real ones over them
+    slot = tl.load(slot_ptr + b, mask=in_layout, other=0).to(tl.int64)
+    tl.store(bounds_ptr + rank, start.to(tl.int64), mask=in_layout)
+    tl.store(bounds_ptr + (M + 1) + rank, (start + L).to(tl.int64), mask=in_layout)
+    tl.store(slots_out_ptr + rank, slot, mask=in_layout)
+    for c0 in range(0, NT, BLOCK_C):  # chunk c: the last stream in the layout starting at or before it
+        c = c0 + tl.arange(0, BLOCK_C)
+        before = (off[None, :] <= c[:, None]) & in_layout[None, :]
+        seq = tl.sum(before.to(tl.int32), 1) - 1
+        first = tl.max(tl.where(before, off[None, :], 0), 1)
+        used = c < total
+        mc = c < NT
+        tl.store(idx_ptr + 2 * c, tl.where(used, seq, M).to(tl.int64), mask=mc)
+        tl.store(idx_ptr + 2 * c + 1, tl.where(used, c - first, c - total).to(tl.int64), mask=mc)
+
+
+def chunk_layout_compact(cu_seqlens: Tensor, slot_ids: Tensor, num_tokens: int, short: int = 0
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(cu_aligned [B+2], bounds [2, M+1], slots [M], chunk_indices [NT, 2]), int64, in one Triton launch:
+    chunk_layout_bounds' layout over the M = num_long(B, T, short) sequences that can be in it instead of
+    all B: sequence j < M is the j-th stream longer than `short` (its bounds on the packed tokens, its slot),
+    or empty at cu_seqlens[B] when fewer are; sequence M is the spare one; chunk_indices name these
+    sequences. cu_aligned is chunk_layout_bounds' (per stream b: the checkpoints' chunk rows, chunk_rows).
+    So the state pass launches over M + 1 sequences, not B + 1 (a verify step of 32 streams x 3 tokens: 2,
+    not 33, most of them empty programs). Static sizes: NT = num_chunks(B, T, short)."""
+    B = cu_seqlens.shape[0] - 1
+    NT, M = num_chunks(B, num_tokens, short), num_long(B, num_tokens, short)
+    dev = cu_seqlens.device
+    cu_al = torch.empty(B + 2, dtype=torch.int64, device=dev)
+    bounds = torch.empty((2, M + 1), dtype=torch.int64, device=dev)
+    slots = torch.empty(M, dtype=torch.int64, device=dev)
+    chunk_indices = torch.empty((NT, 2), dtype=torch.int64, device=dev)
+    _compact_layout_kernel[(1,)](cu_seqlens, slot_ids, cu_al, bounds, slots, chunk_indices, B, M, NT, short,
+                                 CHUNK=CHUNK, BLOCK_B=triton.next_power_of_2(B + 2),
+                                 BLOCK_M=triton.next_power_of_2(M + 1), BLOCK_C=64)
+    return cu_al, bounds, slots, chunk_indices
+
+
 def _row_major(x: Tensor) -> Tensor:
     """x with each token's row contiguous (a view when it already is, e.g. q / k as head slices)."""
     inner = x.shape[1:]
