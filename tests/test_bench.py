@@ -400,7 +400,7 @@ def test_speculative_workloads_run_on_the_cpu():
     from metrale_graph.tools import bench_speculative as bs
 
     plan = bs.SpecPlan(streams=(2,), ks=(1, 2), mtp_k=2, echo=(2,), context=6, steps=2, settle=2, echo_prompt=5,
-                       echo_new=6)
+                       echo_new=6, host_top=5)
     model = HybridModel.from_preset(bs.model_config(PRESETS["tiny"], plan), seed=0)
     logged = []
     spec = bs.run_speculative(model, plan, compile=False, log=logged.append)
@@ -413,6 +413,10 @@ def test_speculative_workloads_run_on_the_cpu():
                                                                ("ngram, forced drafts", 1), ("ngram, forced drafts", 2),
                                                                ("mtp", 2)]
     assert len(logged) == 6 and all(r in logged for r in spec["verify"] + spec["echo"])  # as each was measured
+    # the engine loop's host functions, sampled per window: [function, inclusive ms, self ms] a step, at most 5
+    tops = [r["host_top"] for r in spec["verify"]]
+    assert all(len(t) <= 5 and all(isinstance(f, str) and incl >= own >= 0 for f, incl, own in t) for t in tops)
+    assert any(any(f.startswith("_run (loop") for f, _, _ in t) for t in tops), tops  # the loop thread's own
     for r in spec["verify"]:
         n, k = r["streams"], r["k"]
         assert r["steps"] >= plan.steps and r["device_ms"] is None  # (no CUDA: no device time)

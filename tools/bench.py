@@ -93,7 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=output_file, default=None, help="write the results to this JSON file")
     p.add_argument("--markdown", type=output_file, default=None, help="write the table to this markdown file")
     p.add_argument("--host-profile", action="store_true",
-                   help="also print where the host's time in a graphs step goes (cProfile, top functions)")
+                   help="also print where the host's time in a graphs step goes (cProfile, top functions; with "
+                        "--speculative / --echo: each window's engine-loop functions, sampled, as host_top in the "
+                        "JSON)")
     p.add_argument("--profile", action="store_true",
                    help="also print each workload's device time by phase and its top kernels (torch.profiler "
                         "over the compiled step)")

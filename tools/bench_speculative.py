@@ -80,6 +80,7 @@ class SpecPlan:
     settle: int = 4  # steps before each window
     echo_prompt: int = 128  # tokens of the echo's random prompt P
     echo_new: int = 256  # tokens of its continuation C, and of each echo generation
+    host_top: int = 0  # with --host-profile: each window's largest host functions of the engine loop (sampled)
 
     @property
     def needs_mtp(self) -> bool:
@@ -119,7 +120,8 @@ def plan_of(p, args) -> SpecPlan | None:
             p.error(f"{flag}: {values} names a value twice")
     defaults = SpecPlan()
     return SpecPlan(tuple(args.speculative or ()), tuple(sorted(args.speculative_k or defaults.ks)),
-                    defaults.mtp_k if args.speculative_mtp_k is None else args.speculative_mtp_k, tuple(args.echo or ()))
+                    defaults.mtp_k if args.speculative_mtp_k is None else args.speculative_mtp_k, tuple(args.echo or ()),
+                    host_top=12 if getattr(args, "host_profile", False) else 0)
 
 
 def model_config(cfg, plan: SpecPlan | None):
@@ -241,7 +243,7 @@ def run_speculative(model, plan: SpecPlan, seed: int = 0, compile: bool = True, 
         for n in plan.streams:
             _warm(engine, n, [])
             done(run_windows(engine, verify_prompts[n], [0], window_tokens(plan, n, 1, 0), plan.steps,
-                             plan.settle), "plain")
+                             plan.settle, host_top=plan.host_top), "plain")
         if plan.echo:
             continuations = [r.token_ids for r in engine.generate(echo_source, max_new_tokens=plan.echo_new)]
             echo_set = echo_prompts(echo_source, continuations)
@@ -252,7 +254,7 @@ def run_speculative(model, plan: SpecPlan, seed: int = 0, compile: bool = True, 
             for n in plan.streams:
                 _warm(engine, n, plan.ks)
                 done(run_windows(engine, verify_prompts[n], [0, *plan.ks], window_tokens(plan, n, 1 + len(plan.ks), K),
-                                 plan.steps, plan.settle, forced=forced), "ngram, forced drafts")
+                                 plan.steps, plan.settle, forced=forced, host_top=plan.host_top), "ngram, forced drafts")
         for n in plan.echo:  # real prompt lookup
             echo.append(_echo_row(n, plain_echo[n], _generate(engine, echo_set[:n], plan.echo_new),
                                   continuations[:n], len(echo_set[0])))
@@ -264,7 +266,7 @@ def run_speculative(model, plan: SpecPlan, seed: int = 0, compile: bool = True, 
                 for n in plan.streams:
                     _warm(engine, n, [plan.mtp_k])
                     done(run_windows(engine, verify_prompts[n], [plan.mtp_k], window_tokens(plan, n, 1, plan.mtp_k),
-                                     plan.steps, plan.settle, timer=timer), "mtp")
+                                     plan.steps, plan.settle, timer=timer, host_top=plan.host_top), "mtp")
     plain = {r["streams"]: r["step_ms"] for r in verify if r["engine"] == "plain"}
     for r in verify:
         r["vs_plain"] = round(r["step_ms"] / plain[r["streams"]], 3)

@@ -109,12 +109,15 @@ class Windows:
         if forced is not None:
             forced.k = 0  # no drafts while the prompts prefill (an earlier call's last phase set it)
 
+    sampler = None  # a StackSampler of the engine loop's thread (run_windows' host_top)
+
     def _snapshot(self) -> dict:
         s = self.engine.stats()
         spec = s.speculative or {}
         return {"t": time.perf_counter(), "steps": s.steps, "tokens": s.generated_tokens,
                 "proposed": spec.get("proposed", 0), "accepted": spec.get("accepted", 0),
-                "verify_steps": spec.get("steps", 0), "draft": self.timer.totals() if self.timer else None}
+                "verify_steps": spec.get("steps", 0), "draft": self.timer.totals() if self.timer else None,
+                "host": self.sampler.counts() if self.sampler else None}
 
     def _begin(self, phase: int) -> None:
         self.phase, self.state = phase, ("settle", self.engine.stats().steps + self.settle)
@@ -148,12 +151,14 @@ class Windows:
 
 
 def run_windows(engine, prompts: list[list[int]], phases: list[int], new: int, steps: int, settle: int,
-                forced: ForcedDrafts | None = None, timer: DraftTimer | None = None) -> list[dict]:
+                forced: ForcedDrafts | None = None, timer: DraftTimer | None = None, host_top: int = 0) -> list[dict]:
     """One generate call of `prompts` (`new` tokens at most each: enough for every request to decode through every
     window) measured in Windows; a row per phase (k: its forced drafts, or the engine's own num_tokens): steps
     timed, wall ms per step, device ms and GPU busy (CUDA; else None), tokens a stream gets per step, ms per
     emitted token (a stream's), drafts proposed and accepted, verify steps, on CUDA the window's largest device work
-    by name (top_kernels: [name, ms a step, launches a step]), and with `timer` the drafter's ms."""
+    by name (top_kernels: [name, ms a step, launches a step]), with `timer` the drafter's ms, and with host_top the
+    engine loop thread's largest Python functions, sampled (host_top: [function, inclusive ms a step, self ms a
+    step]; tools.profiling.StackSampler)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -162,10 +167,17 @@ def run_windows(engine, prompts: list[list[int]], phases: list[int], new: int, s
     n = len(prompts)
     windows = Windows(engine, n, phases, steps, settle, forced, timer)
     prof = profile(activities=[ProfilerActivity.CUDA]) if windows.cuda else contextlib.nullcontext()
+    sampler = contextlib.nullcontext()
+    if host_top:
+        from metrale_graph.tools.profiling import StackSampler
+
+        with engine._loop._cond:  # the loop's thread, started if no request ran yet (LoopIntake._start's lock)
+            engine._loop._start()
+        sampler = windows.sampler = StackSampler(engine._loop._thread.ident)
     gc.collect()  # then off for the call, as timeit does: a collection's pause is no step's cost
     gc.disable()
     try:
-        with prof:
+        with prof, sampler:
             with contextlib.suppress(_Done):
                 engine.generate(prompts, max_new_tokens=new, on_token=windows)
             if windows.cuda:
@@ -191,6 +203,10 @@ def run_windows(engine, prompts: list[list[int]], phases: list[int], new: int, s
                        # the window's largest device work by name, ms and launches per step (profile by kernel first)
                        top_kernels=[[name[:120], round(us / 1e3 / steps, 4), round(count / steps, 2)]
                                     for name, us, count in kernels[i]])
+        if host_top:
+            from metrale_graph.tools.profiling import sampled_top
+
+            row["host_top"] = sampled_top(a["host"], b["host"], 1e3 * wall_s / steps, host_top)
         if timer is not None:
             ms, calls, tokens, catchup, head_ms, head_steps = (y - x for x, y in zip(a["draft"], b["draft"]))
             row.update(draft_calls=calls, draft_tokens=tokens, draft_ms_per_step=round(ms / steps, 3),

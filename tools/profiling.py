@@ -4,6 +4,8 @@ and by kernel, and the GPU-busy fraction (the union of the step's device interva
 from __future__ import annotations
 
 import statistics
+import sys
+import threading
 
 import torch
 
@@ -62,6 +64,62 @@ def host_profile(fn, setup, runs: int = 10, top: int = 15) -> list[dict]:
     return [{"function": f"{name} ({file.rsplit('/', 1)[-1]}:{line})", "calls": calls / runs,
              "self_ms": 1e3 * tottime / runs, "cum_ms": 1e3 * cumtime / runs}
             for (file, line, name), (_, calls, tottime, cumtime, _) in rows]
+
+
+class StackSampler:
+    """Where one thread's time goes, sampled: every `interval` s a daemon thread reads that thread's Python stack
+    (sys._current_frames) and counts each function on it once (inclusive) and the innermost one (self). For a
+    thread cProfile cannot reach (the engine loop's, while the caller's thread measures); time blocked in a CUDA
+    call counts for the function that waits. `counts()` snapshots (samples, inclusive, self) for diffs between
+    marks; a context manager (the sampling thread stops on exit)."""
+
+    def __init__(self, thread_ident: int, interval: float = 2e-4):
+        import collections
+
+        self.ident, self.interval = thread_ident, interval
+        self.samples, self.incl, self.leaf = 0, collections.Counter(), collections.Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="metrale-stack-sampler", daemon=True)
+
+    @staticmethod
+    def _key(code) -> str:
+        return f"{code.co_name} ({code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno})"
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            frame = sys._current_frames().get(self.ident)
+            if frame is None:
+                continue
+            seen, leaf = set(), self._key(frame.f_code)
+            while frame is not None:
+                seen.add(self._key(frame.f_code))
+                frame = frame.f_back
+            self.incl.update(seen)
+            self.leaf[leaf] += 1
+            self.samples += 1
+
+    def counts(self) -> tuple:
+        return self.samples, dict(self.incl), dict(self.leaf)
+
+    def __enter__(self) -> "StackSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def sampled_top(before: tuple, after: tuple, ms: float, top: int = 15) -> list[list]:
+    """StackSampler counts between two snapshots as [function, inclusive ms, self ms] over `ms` of wall time
+    (each function's share of the samples times ms), the `top` by inclusive then self time."""
+    n = after[0] - before[0]
+    if n <= 0:
+        return []
+    diff = lambda a, b: {k: v - b.get(k, 0) for k, v in a.items() if v - b.get(k, 0) > 0}  # noqa: E731
+    incl, leaf = diff(after[1], before[1]), diff(after[2], before[2])
+    rows = sorted(incl, key=lambda k: (-incl[k], -leaf.get(k, 0)))[:top]
+    return [[k[:120], round(ms * incl[k] / n, 3), round(ms * leaf.get(k, 0) / n, 3)] for k in rows]
 
 
 def union_ms(intervals) -> float:
