@@ -37,7 +37,8 @@ Each token read back advances its request's grammar; one it does not allow fails
 without stop tokens ends ("stop") when its output is complete.
 
 Speculative decoding (Engine(speculative=...), speculative/verify.py): a plan holding a request that speculates,
-and no more decodes than the option's max_streams, reads the step in flight back first, then runs as a
+and no more decodes than the option's max_streams (for "ngram": and a decode whose prompt lookup over the tokens
+on the host proposes drafts, SpeculativeStep.worth_reading_back), reads the step in flight back first, then runs as a
 speculative step (drafts verified in one step, accept counts read back, the accepted tokens delivered in order)
 when it holds drafts to verify (for "mtp": any chunk of a request the head follows); otherwise it launches as
 above. While such requests run in steps of at most max_streams decodes, steps do not overlap.
@@ -200,7 +201,8 @@ class EngineLoop(LoopIntake, LoopReadBack):
         with self._cond:
             self._publish_queue()
         if self.spec is not None and step:
-            if self.spec.may_take(step, sched.decodes):
+            if (self.spec.may_take(step, sched.decodes)
+                    and self.spec.worth_reading_back(step, sched.decodes, self._inflight is not None)):
                 step = self._speculate(step)
             else:  # the loop's own step: drafts made for it are dropped ("mtp": the head stops following)
                 self.spec.normal(step)

@@ -92,6 +92,29 @@ def test_the_bigram_checkpoint_accepts_every_draft(family, method):
         assert spec["accepted"] == spec["proposed"] > 0
 
 
+def test_ngram_keeps_the_overlapped_step_until_lookup_hits(monkeypatch):
+    """"ngram" reads the step in flight back only while a decode's prompt lookup over its tokens on the host
+    proposes drafts (SpeculativeStep.worth_reading_back): on the bigram model's chain the steps before its cycle
+    repeats stay overlapped, those after it read back and verify; the tokens are plain decoding's."""
+    model = bigram_model(CONFIGS["dense"])
+    new, seen = 41, []
+    real = verify.SpeculativeStep.worth_reading_back
+
+    def watched(self, step, decodes, in_flight):
+        seen.append((in_flight, real(self, step, decodes, in_flight)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(verify.SpeculativeStep, "worth_reading_back", watched)
+    with Engine(model, 2, compile=False, speculative={"method": "ngram", "num_tokens": 3}) as e:
+        out = e.generate([[3, 5, 7]], max_new_tokens=new, stop_token_ids=[])[0].token_ids
+        spec = e.stats().speculative
+    assert out == plain(model, [[3, 5, 7]], new)[0]
+    overlapped = [i for i, (in_flight, back) in enumerate(seen) if in_flight and not back]
+    read_back = [i for i, (in_flight, back) in enumerate(seen) if in_flight and back]
+    assert overlapped and read_back and max(overlapped) < min(read_back), seen  # overlap, then the cycle's lookups
+    assert spec["steps"] > 0 and spec["accepted"] == spec["proposed"] > 0
+
+
 def test_steps_of_more_decodes_than_max_streams_do_not_speculate(monkeypatch):
     model = bigram_model(CONFIGS["dense"])
     prompts = [[3, 5, 7], [9, 2], [4, 4, 1, 6]]

@@ -11,7 +11,8 @@ not at all (k = 0 for every stream: the loop's own overlapped step; for "mtp" th
 requests, as after any step run the loop's way). Each step of at most max_streams decodes that holds a
 speculating decode (with drafts) or, for "mtp", any chunk of a request the head follows, runs here,
 synchronously (loop.py: the step before is read back first, so each decode's last token and drafts are on the
-host); its layers through the runner's compiled (on CUDA captured) hidden-states step of the bucket it fits
+host; for "ngram" the loop reads back only while some decode's lookup over its tokens on the host finds a match,
+`worth_reading_back`, and otherwise keeps its overlapped step); its layers through the runner's compiled (on CUDA captured) hidden-states step of the bucket it fits
 (GraphRunner.hidden_bucket), else eagerly:
 
 1. Streams: a speculating decode feeds (x_n, d_1 .. d_k), k = min(num_tokens, tokens it may still emit - 1)
@@ -103,6 +104,24 @@ class SpeculativeStep:
         step in flight back first. Not with more decodes than max_streams (the module docstring): the loop then
         runs it its own way (and calls normal)."""
         return decodes <= self.spec.max_streams and any(speculates(c.request) for c in step)
+
+    def worth_reading_back(self, step: list, decodes: int, in_flight: bool) -> bool:
+        """Whether `step` (may_take's) should read the step in flight back and try to speculate. Always for "mtp"
+        (the head follows its requests step by step) and with nothing in flight (reading back costs nothing). For
+        "ngram" only when prompt lookup over a speculating decode's tokens known on the host (its output up to
+        the step before the one in flight) proposes something: a stream whose text repeats goes on speculating,
+        and one whose lookup finds nothing keeps the loop's overlapped step (no read back: the host's work for
+        the step hides behind the device's). A stream whose lookup first hits with the token in flight
+        speculates one step later. The tokens are the same either way; only which steps verify drafts moves."""
+        if self.mtp is not None or not in_flight:
+            return True
+        lo, hi = self.spec.prompt_lookup_min, self.spec.prompt_lookup_max
+        for c in step[:decodes]:
+            r = c.request
+            room = self.room(r)
+            if speculates(r) and room and ngram_propose(r.prompt + r.out, room, lo, hi):
+                return True
+        return False
 
     def takes(self, step: list, decodes: int) -> bool:
         """Whether `step` (read back: every decode's last token on the host) runs here; sets each decode's drafts
