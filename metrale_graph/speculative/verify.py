@@ -12,8 +12,8 @@ requests, as after any step run the loop's way). Each step of at most max_stream
 speculating decode (with drafts) or, for "mtp", any chunk of a request the head follows, runs here,
 synchronously (loop.py: the step before is read back first, so each decode's last token and drafts are on the
 host; for "ngram" the loop reads back only while some decode's lookup over its tokens on the host finds a match,
-`worth_reading_back`, and otherwise keeps its overlapped step); its layers through the runner's compiled (on CUDA captured) hidden-states step of the bucket it fits
-(GraphRunner.hidden_bucket), else eagerly:
+`worth_reading_back`, and otherwise keeps its overlapped step); its layers through the runner's compiled (on
+CUDA captured) hidden-states step of the bucket it fits (GraphRunner.hidden_bucket), else eagerly:
 
 1. Streams: a speculating decode feeds (x_n, d_1 .. d_k), k = min(num_tokens, tokens it may still emit - 1)
    (so neither max_new_tokens nor its KV reservation is overrun); the other chunks are the plan's own.
