@@ -167,5 +167,5 @@ def cost(s: Shapes):
     return 2 * s.T * s.C * s.W, 2 * 2 * s.T * s.C
 
 
-register(OpSpec(causal_conv1d, example, cost, cuda=causal_conv1d_cuda, kernels=("conv1d",),
+register(OpSpec(causal_conv1d, example, cost, cuda=causal_conv1d_cuda, kernels=("conv1d", "_keep_windows_kernel"),
                 onnx="metrale_graph.onnx.translations:causal_conv1d"))

@@ -655,7 +655,7 @@ class _Launches:
 
 def _launch_log(monkeypatch):
     log = []
-    for module, names in ((gdn_layout, ["_chunk_layout_kernel"]),
+    for module, names in ((gdn_layout, ["_compact_layout_kernel"]),
                           (gdn_chunked_launch, ["_gdn_chunk_intra_kernel", "_gdn_chunk_state_kernel"]),
                           (gdn_recurrent, ["_gdn_recurrent_kernel"]), (kv_write, ["_kv_write_kernel"]),
                           (attn_prefill, ["_paged_attention_kernel"]),
@@ -698,7 +698,7 @@ def test_path_choice_depends_only_on_static_sizes(bucket, monkeypatch):
         assert names == ["_gdn_recurrent_kernel", "_kv_write_kernel", "_paged_decode_kernel",
                          "_paged_decode_merge_kernel"]
     else:
-        assert names == ["_chunk_layout_kernel", "_gdn_chunk_intra_kernel", "_gdn_chunk_state_kernel",
+        assert names == ["_compact_layout_kernel", "_gdn_chunk_intra_kernel", "_gdn_chunk_state_kernel",
                          "_gdn_recurrent_kernel", "_kv_write_kernel", "_paged_attention_kernel"]
 
 
@@ -998,6 +998,7 @@ _SM90_COMPILE = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from metrale_graph.ops import kernels as rows
+from metrale_graph.ops import checkpoints
 from metrale_graph.ops.gdn_recurrence import layout, recurrent
 from metrale_graph.ops.moe import align, combine, gemm, routing
 from metrale_graph.ops.paged_attention import decode, prefill
@@ -1054,6 +1055,22 @@ smem.append(compile_(rows._gdn_gates_kernel, dict(y_ptr=B16, A_ptr=B16, dt_ptr=B
                      stride_y="i32", b_off="i32", a_off="i32", HV="i32"), dict(BLOCK=32), 4, 1))
 smem.append(compile_(layout._chunk_layout_kernel, dict(cu_ptr=I, cu_al_ptr="*i64", bounds_ptr="*i64", idx_ptr="*i64",
                      B="i32", NT="i32", short="i32"), dict(CHUNK=64, BLOCK_B=64, BLOCK_C=64), 4, 1))
+smem.append(compile_(layout._compact_layout_kernel, dict(cu_ptr=I, slot_ptr="*i64", cu_al_ptr="*i64", bounds_ptr="*i64",
+                     slots_out_ptr="*i64", idx_ptr="*i64", B="i32", M="i32", NT="i32", short="i32"),
+                     dict(CHUNK=64, BLOCK_B=64, BLOCK_M=16, BLOCK_C=64), 4, 1))
+# the checkpoint kernels of the conv and GDN ops (prefix caching, speculation's verify states)
+for x in (B16, F32):
+    smem.append(compile_(checkpoints._keep_windows_kernel, dict(
+        x_ptr=x, cu_ptr=I, slot_ptr="*i64", state_ptr=x, tok_ptr="*i64", ent_ptr="*i64", pool_ptr=x, B="i32", C="i32",
+        stride_xt="i32", stride_xc="i32", stride_s0="i32", stride_s1="i32", stride_s2="i32", stride_p0="i32",
+        stride_p1="i32", stride_p2="i32"), dict(W1=3, BW=4, BLOCK_B=64, BC=256), 4, 1))
+    smem.append(compile_(checkpoints._copy_rows_kernel, dict(src_ptr=x, dst_ptr=x, index_ptr="*i64", n="i32", N="i32",
+                         skip="i32", stride_src="i32", stride_dst="i32"), dict(BLOCK=4096), 4, 1))
+smem.append(compile_(checkpoints._keep_end_states_kernel, dict(
+    state_ptr=F32, cu_ptr=I, slot_ptr="*i64", tok_ptr="*i64", ent_ptr="*i64", pool_ptr=F32, B="i32", N="i32",
+    longer_than="i32", stride_s0="i32", stride_p0="i32"), dict(BLOCK_B=64, BLOCK=4096), 4, 1))
+smem.append(compile_(checkpoints._token_entries_kernel, dict(tok_ptr="*i64", ent_ptr="*i64", out_ptr="*i64", T="i32",
+                     NC="i32"), dict(BLOCK=1024), 4, 1))
 for to_aligned in (True, False):
     for x in (B16, F32):
         smem.append(compile_(layout._aligned_copy_kernel, dict(x_ptr=x, out_ptr=x, cu_ptr=I, idx_ptr="*i64", B="i32",
@@ -1089,8 +1106,8 @@ print("compiled", smem)
 
 
 def test_kernels_compile_for_sm90():
-    """The MoE Triton kernels (the opt-in counting sort included), the GDN recurrent, layout and gates kernels
-    and the attention kernels through Triton's real compiler for sm_90 (PTX and ptxas, no GPU needed): the
+    """The MoE Triton kernels (the opt-in counting sort included), the GDN recurrent, layout, checkpoint and gates
+    kernels and the attention kernels through Triton's real compiler for sm_90 (PTX and ptxas, no GPU needed): the
     interpreter runs Python and accepts what the compiler rejects (non-constexpr globals, types). A
     subprocess: the interpreter is on in this one."""
     import os
