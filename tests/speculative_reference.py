@@ -25,9 +25,7 @@ from metrale_graph import HybridModel, Stream
 from metrale_graph.protocol import prefill_call
 from metrale_graph.sampling import SamplingParams
 from metrale_graph.speculative import draft_mtp, ngram_propose, rejection_sample, target_probabilities
-
-OUTPUTS = ("linear_attn.out_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight",
-           "mlp.experts.down_proj", "mlp.shared_expert.down_proj.weight")  # a layer's projections into the residual
+from metrale_graph.tools.bench_speculative import bigram_weights
 
 
 @torch.no_grad()
@@ -98,10 +96,8 @@ def bigram_model(cfg, seed: int = 0) -> HybridModel:
     assert cfg.mtp_num_hidden_layers == 1
     model = HybridModel.from_preset(cfg, seed=seed)
     D = cfg.hidden_size
+    bigram_weights(model)  # (the MTP layer's output projections too)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(OUTPUTS):
-                p.zero_()
         fc = model.mtp.fc.weight
         fc.zero_()
         fc[:, :D].copy_(torch.eye(D))

@@ -4,16 +4,20 @@
 1. The verify step: at each stream count, the plain Engine's decode step (speculative=None, overlap on), then one
    Engine(speculative={"method": "ngram", "num_tokens": max k}) whose prompt lookup is replaced by a proposer that
    never misses (FORCED: each decode proposes exactly k drafts, its last token repeated), in phases of one
-   generate call: k = 0 (no drafts: that engine's plain steps, which do not overlap) then each k of
+   generate call: k = 0 (no drafts: lookup finds nothing, so the loop keeps its overlapped step) then each k of
    --speculative-k. A verify step feeds k + 1 tokens per stream through the model whatever the drafts are, so its
    cost does not depend on acceptance; acceptance is reported as it comes (random weights: mostly rejected).
 2. The MTP engine (--speculative-mtp-k K, default 2; the preset given a random one-layer MTP head): its head drafts
    K every step (room permitting), so its steps are verify + draft at a fixed K; the head's drafting call
    (speculative/drafting.py's MtpDrafter.draft) is timed inside them (device synchronized around it).
-3. Echo (`--echo`): a greedy continuation C of random prompts P is generated first (plain engine), then the
-   prompt P + C + P (the text, then its prompt again: a model that copies continues with C) is generated again,
-   plain and with real n-gram drafts (prompt lookup, k = max k): tokens/s of the whole generate call (prefill
-   included), acceptance, whether the two outputs agree and whether the model echoed C.
+3. Echo (`--echo`), last, on the preset's weights made a bigram model (`bigram_weights`: every layer's output
+   projections into the residual zeroed, in place, so the next token is a function of the current one; every weight
+   is still read, so a step costs what a random-weight step costs; random weights do not repeat a continuation, and
+   prompt lookup then found 6 drafts in 250 steps on the H100): a greedy continuation C of random prompts P is
+   generated first (plain engine), then the prompt P + C + P (the text, then its prompt again: the bigram model
+   continues with C) is generated again, plain and with real n-gram drafts (prompt lookup, k = max k): tokens/s of
+   the whole generate call (prefill included), acceptance, whether the two outputs agree and whether the model
+   echoed C. The echo's two engines are built after the others (the weights change under them).
 4. A projection (PUBLISHED, labelled as such): tokens/s at vLLM's published acceptance for the 35B-A3B-FP8 with MTP
    at k = 2 (per-position 0.80 / 0.43: 2.23 tokens a step) from the steps measured at k = 2 (projections(): the MTP
    engine's, and the forced verify step plus the MTP draft; the verify step alone without the MTP engine).
@@ -40,6 +44,19 @@ from metrale_graph.tools.report import format_table
 PUBLISHED = {"source": "vLLM, Qwen3.5-35B-A3B-FP8 with MTP (num_speculative_tokens 2): acceptance length 2.23",
              "num_tokens": 2, "per_position": [0.80, 0.43]}
 SLACK = 8  # steps per phase the engine may run past what the measuring thread has seen
+# a decoder layer's projections into the residual stream (HybridModel's parameter names), main model and MTP head
+RESIDUAL_OUTPUTS = ("linear_attn.out_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight",
+                    "mlp.experts.down_proj", "mlp.shared_expert.down_proj.weight")
+
+
+@torch.no_grad()
+def bigram_weights(model) -> None:
+    """`model` made a bigram model in place: every parameter named by RESIDUAL_OUTPUTS zeroed (FP8 codes too: their
+    scales then multiply zeros), so each position's final hidden state is its token's embedding and the next token a
+    function of the current one. The echo workload's weights (module docstring)."""
+    for name, p in model.named_parameters():
+        if name.endswith(RESIDUAL_OUTPUTS):
+            p.zero_()
 
 
 def acceptance_length(per_position) -> float:
@@ -231,7 +248,6 @@ def run_speculative(model, plan: SpecPlan, seed: int = 0, compile: bool = True, 
 
     verify_prompts = {n: prompts(n, plan.context) for n in plan.streams}
     echo_source = prompts(max(plan.echo), plan.echo_prompt) if plan.echo else []
-    counts = sorted(set(plan.streams) | set(plan.echo))
     K = max(plan.ks)
     verify, echo, plain_echo = [], [], {}
 
@@ -240,27 +256,21 @@ def run_speculative(model, plan: SpecPlan, seed: int = 0, compile: bool = True, 
             verify.append({"engine": engine, **r})
             log(verify[-1])
 
-    with _engine(model, plan, counts, None, compile) as engine:
-        for n in plan.streams:
-            _warm(engine, n, [])
-            done(run_windows(engine, verify_prompts[n], [0], window_tokens(plan, n, 1, 0), plan.steps,
-                             plan.settle, host_top=plan.host_top), "plain")
-        if plan.echo:
-            continuations = [r.token_ids for r in engine.generate(echo_source, max_new_tokens=plan.echo_new)]
-            echo_set = echo_prompts(echo_source, continuations)
-            plain_echo = {n: _generate(engine, echo_set[:n], plan.echo_new) for n in plan.echo}
-    del engine  # (its cache and graphs go before the next engine's are made)
-    with _engine(model, plan, counts, {"method": "ngram", "num_tokens": K}, compile) as engine:
-        with forced_drafts() as forced:
+    if plan.streams:
+        with _engine(model, plan, plan.streams, None, compile) as engine:
             for n in plan.streams:
-                _warm(engine, n, plan.ks)
-                done(run_windows(engine, verify_prompts[n], [0, *plan.ks], window_tokens(plan, n, 1 + len(plan.ks), K),
-                                 plan.steps, plan.settle, forced=forced, host_top=plan.host_top), "ngram, forced drafts")
-        for n in plan.echo:  # real prompt lookup
-            echo.append(_echo_row(n, plain_echo[n], _generate(engine, echo_set[:n], plan.echo_new),
-                                  continuations[:n], len(echo_set[0])))
-            log(echo[-1])
-    del engine
+                _warm(engine, n, [])
+                done(run_windows(engine, verify_prompts[n], [0], window_tokens(plan, n, 1, 0), plan.steps,
+                                 plan.settle, host_top=plan.host_top), "plain")
+        del engine  # (its cache and graphs go before the next engine's are made)
+        with _engine(model, plan, plan.streams, {"method": "ngram", "num_tokens": K}, compile) as engine:
+            with forced_drafts() as forced:
+                for n in plan.streams:
+                    _warm(engine, n, plan.ks)
+                    done(run_windows(engine, verify_prompts[n], [0, *plan.ks],
+                                     window_tokens(plan, n, 1 + len(plan.ks), K), plan.steps, plan.settle,
+                                     forced=forced, host_top=plan.host_top), "ngram, forced drafts")
+        del engine
     if plan.needs_mtp:
         with _engine(model, plan, plan.streams, {"method": "mtp", "num_tokens": plan.mtp_k}, compile) as engine:
             with DraftTimer(engine) as timer:
@@ -268,6 +278,19 @@ def run_speculative(model, plan: SpecPlan, seed: int = 0, compile: bool = True, 
                     _warm(engine, n, [plan.mtp_k])
                     done(run_windows(engine, verify_prompts[n], [plan.mtp_k], window_tokens(plan, n, 1, plan.mtp_k),
                                      plan.steps, plan.settle, timer=timer, host_top=plan.host_top), "mtp")
+    if plan.echo:  # last: the weights become a bigram model's (module docstring)
+        bigram_weights(model)
+        with _engine(model, plan, plan.echo, None, compile) as engine:
+            continuations = [r.token_ids for r in engine.generate(echo_source, max_new_tokens=plan.echo_new)]
+            echo_set = echo_prompts(echo_source, continuations)
+            plain_echo = {n: _generate(engine, echo_set[:n], plan.echo_new) for n in plan.echo}
+        del engine
+        with _engine(model, plan, plan.echo, {"method": "ngram", "num_tokens": K}, compile) as engine:
+            for n in plan.echo:  # real prompt lookup
+                echo.append(_echo_row(n, plain_echo[n], _generate(engine, echo_set[:n], plan.echo_new),
+                                      continuations[:n], len(echo_set[0])))
+                log(echo[-1])
+        del engine
     plain = {r["streams"]: r["step_ms"] for r in verify if r["engine"] == "plain"}
     for r in verify:
         r["vs_plain"] = round(r["step_ms"] / plain[r["streams"]], 3)
