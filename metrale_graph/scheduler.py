@@ -73,10 +73,11 @@ class Request:
     prompt_logprobs: list | None = None
     grammar: object | None = None  # structured output: its grammar.Grammar (the tokens it may sample), else None
     # speculative decoding (speculative/verify.py): whether it may speculate, the drafts its next decode verifies,
-    # and ("mtp") whether the head has followed it from its first position
+    # ("mtp") whether the head has followed it from its first position, ("ngram") its tokens for prompt lookup
     speculate: bool = True
     drafts: list[int] = field(default_factory=list)
     mtp_ok: bool = True
+    history: object | None = field(default=None, repr=False)  # ("ngram") its proposers.TokenHistory
     decode: Chunk | None = field(default=None, repr=False)  # its decode chunk while it holds a slot (plan reuses it)
 
     @property

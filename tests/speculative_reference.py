@@ -128,6 +128,7 @@ class Oracle:
 
     def __call__(self, tokens, k, *lookup):  # (prompt lookup's suffix lengths: not an oracle's concern)
         self.calls += 1
+        tokens = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)  # (the engine passes an array)
         for p, r in self.refs:
             if tokens[:len(p)] == p and len(tokens) - len(p) <= len(r):
                 done = len(tokens) - len(p)

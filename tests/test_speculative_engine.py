@@ -220,7 +220,7 @@ def test_sampling_with_speculation_follows_plain_sampling(monkeypatch):
     prompts = [[1, 2, 3]] * N
 
     def drafts(tokens, k, *lookup):  # one-hot proposals that depend on the tokens so far (a sampled stream's own)
-        g = torch.Generator().manual_seed(sum(t * 31 ** i for i, t in enumerate(tokens)) % 2**31)
+        g = torch.Generator().manual_seed(sum(int(t) * 31 ** i for i, t in enumerate(tokens)) % 2**31)
         return torch.randint(0, 8, (k,), generator=g).tolist()
 
     monkeypatch.setattr(verify, "ngram_propose", drafts)

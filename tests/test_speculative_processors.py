@@ -147,7 +147,7 @@ def test_sampling_with_processors_follows_plain_sampling(monkeypatch):
     N, new = 1200, 4
 
     def drafts(tokens, k, *lookup):  # random one-hot proposals that depend on the tokens so far
-        g = torch.Generator().manual_seed(sum(t * 31 ** i for i, t in enumerate(tokens)) % 2**31)
+        g = torch.Generator().manual_seed(sum(int(t) * 31 ** i for i, t in enumerate(tokens)) % 2**31)
         return torch.randint(0, 8, (k,), generator=g).tolist()
 
     monkeypatch.setattr(verify, "ngram_propose", drafts)

@@ -51,6 +51,21 @@ def test_prompt_lookup_against_the_reference_on_random_lists():
         assert ngram_propose(tokens, k, low, high) == reference(tokens, k, low, high), (tokens, k, low, high)
 
 
+def test_token_history_follows_a_growing_output():
+    """The engine's per-request lookup array (proposers.TokenHistory): prompt then output, appended as the output
+    grows (across its capacity), rebuilt if the output were ever shorter than what it saw; lookup over it is
+    lookup over the list."""
+    from metrale_graph.speculative.proposers import TokenHistory
+
+    h, prompt, out = TokenHistory(), list(range(50)), []
+    for t in range(300):
+        out += [t % 7] * (1 + t % 3)  # a step may add several tokens (accepted drafts)
+        view = h.view(prompt, out)
+        assert view.tolist() == prompt + out
+        assert ngram_propose(view, 3) == reference(prompt + out, 3)
+    assert h.view(prompt, out[:5]).tolist() == prompt + out[:5]
+
+
 def test_prompt_lookup_arguments_are_checked():
     with pytest.raises(ValueError, match="k .* must be an integer >= 1, got 0"):
         ngram_propose([1, 2, 1, 2], 0)

@@ -179,7 +179,7 @@ def test_captured_sampling_draws_the_eager_tokens(models, monkeypatch):
     model, prompts = models["next"], prompts_of("next")
 
     def random_drafts(tokens, k, *lookup):
-        g = torch.Generator().manual_seed(sum(t * 31 ** i for i, t in enumerate(tokens)) % 2**31)
+        g = torch.Generator().manual_seed(sum(int(t) * 31 ** i for i, t in enumerate(tokens)) % 2**31)
         return torch.randint(0, CONFIGS["next"].vocab_size, (k,), generator=g).tolist()
 
     monkeypatch.setattr(verify, "ngram_propose", random_drafts)

@@ -24,7 +24,7 @@ class ForcedDrafts:
         self.k = 0
 
     def __call__(self, tokens, room: int, *lookup) -> list[int]:  # (lookup: prompt lookup's suffix lengths)
-        return [tokens[-1]] * min(self.k, room)
+        return [int(tokens[-1])] * min(self.k, room)
 
 
 @contextlib.contextmanager

@@ -59,8 +59,15 @@ from ..sampling import SampleRow, sample
 from .acceptance import draw_uniforms, rejection_sample, target_probabilities
 from .drafting import MtpDrafter
 from .options import Speculative
-from .proposers import ngram_propose
+from .proposers import TokenHistory, ngram_propose
 from .tail import host_rows
+
+
+def history(r):
+    """r's prompt and output as one int64 array for prompt lookup (its proposers.TokenHistory, made on first use)."""
+    if r.history is None:
+        r.history = TokenHistory()
+    return r.history.view(r.prompt, r.out)
 
 
 def speculates(r) -> bool:
@@ -119,7 +126,7 @@ class SpeculativeStep:
         for c in step[:decodes]:
             r = c.request
             room = self.room(r)
-            if speculates(r) and room and ngram_propose(r.prompt + r.out, room, lo, hi):
+            if speculates(r) and room and ngram_propose(history(r), room, lo, hi):
                 return True
         return False
 
@@ -130,7 +137,7 @@ class SpeculativeStep:
         for i, c in enumerate(step):
             r = c.request
             if self.mtp is None and i < decodes:
-                r.drafts = (ngram_propose(r.prompt + r.out, self.room(r), self.spec.prompt_lookup_min,
+                r.drafts = (ngram_propose(history(r), self.room(r), self.spec.prompt_lookup_min,
                                           self.spec.prompt_lookup_max) if speculates(r) and self.room(r) else [])
             take = take or (i < decodes and bool(r.drafts)) or self.follows(r)
         return take
