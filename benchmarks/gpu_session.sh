@@ -22,7 +22,8 @@
 # against without (issue 40; needs xgrammar and apache-tvm-ffi wheels in .whl-serve and a tokenizer of the 9B's
 # vocabulary in .qwen35-tokenizer: python benchmarks/bench_structured.py --make-qwen-tokenizer .qwen35-tokenizer),
 # then the structured GPU test; spec (not in all): issue 39's speed item, bench --speculative 1,8,32,128 --echo 1,16 on
-# the 9B and the 35B-A3B (SPEC_PRESETS, SPEC_STREAMS, SPEC_KS, SPEC_ECHO to choose; each window's largest kernels in the JSON): per preset three engines (plain, n-gram with drafts
+# the 9B and the 35B-A3B (SPEC_PRESETS, SPEC_STREAMS, SPEC_KS, SPEC_MTP_K, SPEC_ECHO, SPEC_LAYERS to choose; each
+# window's largest kernels and host functions in the JSON; the echo runs last on bigram weights): per preset three engines (plain, n-gram with drafts
 # forced to k = 1, 2, 3, MTP at k = 2 with a random head), each compiled and captured, the prompts prefilled three
 # times; estimated ~3.5-4 min for the 9B and ~4-5 min for the 35B-A3B (slower compiles), ~8-9 min for both (from
 # --loop 1,32,128's ~4 min for three engines on the 9B; not yet measured: give each preset its own device call). `setup` only installs (source it
@@ -203,8 +204,10 @@ if [[ $what == spec ]]; then
     # issue 39: the verify step against the plain decode step, the MTP draft's cost, the n-gram echo workload and the
     # projection at vLLM's published acceptance (tools/bench_speculative.py; docs/benchmarking.md)
     for preset in ${SPEC_PRESETS:-qwen3.5-9b qwen3.5-35b-a3b}; do
+        # --host-profile: each window's engine-loop functions (host_top in the JSON; the sync verify step's host gap)
         limit python3 -m metrale_graph.tools.bench --preset $preset --speculative ${SPEC_STREAMS:-1,8,32,128} \
-            --speculative-k ${SPEC_KS:-1,2,3} --speculative-mtp-k 2 --echo ${SPEC_ECHO:-1,16} --json "$OUT/bench-spec-$preset.json" 2>&1 \
+            --speculative-k ${SPEC_KS:-1,2,3} --speculative-mtp-k ${SPEC_MTP_K:-2} --echo ${SPEC_ECHO:-1,16} \
+            ${SPEC_LAYERS:+--layers $SPEC_LAYERS} --host-profile --json "$OUT/bench-spec-$preset.json" 2>&1 \
             | tee "$OUT/bench-spec-$preset.log" | grep -v "^{" | tail -60
         [[ ${PIPESTATUS[0]} == 0 ]] || status=1
     done
