@@ -414,9 +414,10 @@ def test_speculative_workloads_run_on_the_cpu():
                                                                ("ngram, forced drafts", 1), ("ngram, forced drafts", 2),
                                                                ("mtp", 2)]
     assert len(logged) == 6 and all(r in logged for r in spec["verify"] + spec["echo"])  # as each was measured
-    # the engine loop's host functions, sampled per window: [function, inclusive ms, self ms] a step, at most 5
+    # the engine loop's host functions, sampled per window: [function, inclusive ms, self ms] a step, the 5 largest
+    # by inclusive and the 5 by self time
     tops = [r["host_top"] for r in spec["verify"]]
-    assert all(len(t) <= 5 and all(isinstance(f, str) and incl >= own >= 0 for f, incl, own in t) for t in tops)
+    assert all(len(t) <= 10 and all(isinstance(f, str) and incl >= own >= 0 for f, incl, own in t) for t in tops)
     assert any(any(f.startswith("_run (loop") for f, _, _ in t) for t in tops), tops  # the loop thread's own
     for r in spec["verify"]:
         n, k = r["streams"], r["k"]
@@ -446,6 +447,7 @@ def test_speculative_workloads_run_on_the_cpu():
     assert alone["from"] == "forced verify step (no draft)" and alone["step_ms"] == step
     text = bs.render(spec)
     assert "PROJECTION, not a measurement" in text and bs.FORCED in text and "echoed C" in text and "catch-up" in text
+    assert "the engine loop's host time a step" in text
 
 
 def test_bench_part_writes_each_row_as_it_comes(monkeypatch, tmp_path):

@@ -381,6 +381,13 @@ def render(spec: dict) -> str:
                                     [[r["streams"], r["k"], r["draft_ms_per_step"], opt(r["draft_ms_per_position"]),
                                       opt(r["draft_catchup_ms"]), opt(r["draft_head_step_ms"]), r["draft_tokens"]]
                                      for r in drafting]))
+    hosted = [r for r in spec["verify"] if r.get("host_top")]
+    if hosted:
+        parts.append("the engine loop's host time a step, by function (sampled: self ms, the largest; --host-profile)\n"
+                     + format_table(["streams", "engine", "k", "step ms", "functions (self ms a step)"],
+                                    [[r["streams"], r["engine"], r["k"], r["step_ms"], "; ".join(
+                                        f"{f.split(' (')[0]} {own}" for f, _, own in
+                                        sorted(r["host_top"], key=lambda x: -x[2])[:6] if own > 0)] for r in hosted]))
     if spec["echo"]:
         parts.append("echo (prompt P + its greedy continuation C + P; tokens/s of the whole generate call)\n"
                      + format_table(["streams", "prompt", "new", "plain tok/s", "ngram tok/s", "speed-up",

@@ -112,14 +112,17 @@ class StackSampler:
 
 def sampled_top(before: tuple, after: tuple, ms: float, top: int = 15) -> list[list]:
     """StackSampler counts between two snapshots as [function, inclusive ms, self ms] over `ms` of wall time
-    (each function's share of the samples times ms), the `top` by inclusive then self time."""
+    (each function's share of the samples times ms): the `top` by inclusive time and the `top` by self time (where
+    the time is spent, often deep below the top inclusive ones), ordered by inclusive time."""
     n = after[0] - before[0]
     if n <= 0:
         return []
     diff = lambda a, b: {k: v - b.get(k, 0) for k, v in a.items() if v - b.get(k, 0) > 0}  # noqa: E731
     incl, leaf = diff(after[1], before[1]), diff(after[2], before[2])
-    rows = sorted(incl, key=lambda k: (-incl[k], -leaf.get(k, 0)))[:top]
-    return [[k[:120], round(ms * incl[k] / n, 3), round(ms * leaf.get(k, 0) / n, 3)] for k in rows]
+    by_self = sorted(leaf, key=lambda k: -leaf[k])[:top]
+    rows = sorted(set(sorted(incl, key=lambda k: (-incl[k], -leaf.get(k, 0)))[:top]) | set(by_self),
+                  key=lambda k: (-incl.get(k, 0), -leaf.get(k, 0)))
+    return [[k[:120], round(ms * incl.get(k, 0) / n, 3), round(ms * leaf.get(k, 0) / n, 3)] for k in rows]
 
 
 def union_ms(intervals) -> float:
