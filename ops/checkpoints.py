@@ -183,6 +183,9 @@ def copy_rows(dst: Tensor, src: Tensor, index: Tensor, skip: int = -1) -> None:
     `skip` (padding, left alone): the accepted verify states into their slots (capture/speculative.py), each row read once
     and written once in one launch (index_select then index_copy_ moved them twice). Rows must not overlap
     between dst and src. Torch ops where a row is not contiguous."""
+    if index.dtype != torch.int64 or index.dim() != 2 or index.shape[0] != 2:
+        raise ValueError(f"copy_rows: index must be int64 [2, n] (row offsets are int64 in the kernel), got "
+                         f"{index.dtype} {tuple(index.shape)}")
     n = index.shape[1]
     if n == 0:
         return

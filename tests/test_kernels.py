@@ -489,6 +489,8 @@ def test_checkpoint_kernels_match_their_torch_versions(lengths, dtype):
         ck.copy_rows(got, src.to(DEVICE), index.to(DEVICE), skip=S - 1)
         want[[3, 0, 5]] = src[[E - 2, 1, 0]]
         assert torch.equal(got.cpu(), want)
+    with pytest.raises(ValueError, match="int64"):
+        ck.copy_rows(gdn_state.clone(), gdn_state.clone(), index.int())
     entries_map = ck.token_entries(tokens.to(DEVICE), entries.to(DEVICE), T).cpu()
     assert entries_map.tolist() == entries[:T].tolist()
     assert ck.token_entries(tokens[T:].to(DEVICE), entries[T:].to(DEVICE), T).cpu().tolist() == [-1] * T
