@@ -115,6 +115,25 @@ def test_ngram_keeps_the_overlapped_step_until_lookup_hits(monkeypatch):
     assert spec["steps"] > 0 and spec["accepted"] == spec["proposed"] > 0
 
 
+def test_one_stream_verifies_padded_only_where_its_call_is_not_decode_shaped():
+    """verify.pads_one_stream: a one-stream verify step runs padded to two streams (on CUDA) only when the call its
+    GDN ops see would take the chunked path whole (keeping chunk ends only): a bucket, or without one the step,
+    of more than 64 tokens. A one-slot Engine's grid ([1] streams) has no 2-stream bucket, and padded, every such
+    verify ran eagerly."""
+    from types import SimpleNamespace
+
+    from metrale_graph.capture.buckets import make_grid
+    from metrale_graph.engine_sizes import default_grid
+
+    one_slot = SimpleNamespace(grid=make_grid(*default_grid(1, 2048)))
+    assert [b.streams for b in one_slot.grid] == [1] * len(one_slot.grid)
+    assert not verify.pads_one_stream(one_slot, 4) and not verify.pads_one_stream(one_slot, 64)
+    assert verify.pads_one_stream(one_slot, 65)  # its bucket holds 128 tokens
+    coarse = SimpleNamespace(grid=make_grid([1, 2], [1, 2048]))  # the only bucket above 1 token holds 2048
+    assert verify.pads_one_stream(coarse, 4)
+    assert not verify.pads_one_stream(None, 4) and verify.pads_one_stream(None, 65)  # eager: the step itself
+
+
 def test_steps_of_more_decodes_than_max_streams_do_not_speculate(monkeypatch):
     model = bigram_model(CONFIGS["dense"])
     prompts = [[3, 5, 7], [9, 2], [4, 4, 1, 6]]

@@ -165,9 +165,9 @@ def window_tokens(plan: SpecPlan, n: int, phases: int, k: int) -> int:
 
 
 def engine_grid(counts, ks, budget: int) -> tuple[list[int], list[int]]:
-    """Bucket grid of the engines: the stream counts (and 2 beside 1: a verify step of one stream runs padded to
-    two streams on CUDA, verify.py), and the tokens of their steps: n (plain decode), n x (k + 1) (verify), the
-    budget and the budget plus n x max k (a prompt chunk beside verifying decodes)."""
+    """Bucket grid of the engines: the stream counts (and 2 beside 1, for a one-stream verify that runs padded to
+    two streams: verify.pads_one_stream), and the tokens of their steps: n (plain decode), n x (k + 1) (verify),
+    the budget and the budget plus n x max k (a prompt chunk beside verifying decodes)."""
     k_max = max(ks, default=0)
     tokens = {n * (k + 1) for n in counts for k in (0, *ks)} | {budget} | {budget + n * k_max for n in counts}
     return sorted(set(counts) | ({2} if 1 in counts and k_max else set())), sorted(tokens)
@@ -206,13 +206,15 @@ def _warm(engine, n: int, ks) -> None:
     if runner is None:
         return
     from metrale_graph.capture.buckets import choose
+    from metrale_graph.speculative.verify import pads_one_stream
 
     def warm():
         runner.warm_bucket(choose(runner.grid, n, n))
         if engine.speculative is not None:
             with engine.cache.exclusive():
-                for k in ks:  # (one stream verifies padded to two on CUDA: verify.py)
-                    entry = runner.hidden_bucket(max(n, 2) if engine.model.device.type == "cuda" else n, n * (k + 1))
+                for k in ks:  # (the streams the verify step runs: verify.pads_one_stream)
+                    pad = n == 1 and engine.model.device.type == "cuda" and pads_one_stream(runner, n * (k + 1))
+                    entry = runner.hidden_bucket(2 if pad else n, n * (k + 1))
                     if entry is not None:  # and its tail (acceptance, MTP drafts: capture/speculative.py)
                         engine._loop.spec.graphs.warm(entry.bucket)
 

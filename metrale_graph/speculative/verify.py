@@ -63,6 +63,20 @@ from .proposers import TokenHistory, ngram_propose
 from .tail import host_rows
 
 
+def pads_one_stream(runner, num_tokens: int) -> bool:
+    """Whether a step of one stream and `num_tokens` tokens runs padded to two streams (on CUDA): when the call its
+    GDN ops see (the runner's bucket for it, else the step itself) is not decode-shaped, one stream takes the
+    chunked path whole (ops/gdn_recurrence/split.py), which keeps states at chunk ends only; an empty second stream
+    sends it to the recurrent kernel, which keeps any token, in a graph too. A verify of a few tokens in a bucket
+    of at most 64 is decode-shaped already: padded, it needed a 2-stream bucket, which an Engine of one slot (its
+    grid's batch sizes [1]) does not have, and ran eagerly every step."""
+    from ..capture.buckets import choose
+    from ..ops.common import decode_shaped
+
+    bucket = choose(runner.grid, 1, num_tokens) if runner is not None else None
+    return not decode_shaped(1, bucket.tokens if bucket is not None else num_tokens)
+
+
 def history(r):
     """r's prompt and output as one int64 array for prompt lookup (its proposers.TokenHistory, made on first use)."""
     if r.history is None:
@@ -166,9 +180,8 @@ class SpeculativeStep:
         out: dict = {}
 
         def forward(packed):
-            if dev.type == "cuda" and packed.num_streams == 1:  # one stream would take the chunked GDN path
-                packed = packed.padded(2, packed.num_tokens, cache)  # (split.py), which keeps chunk ends only:
-                # an empty second stream sends it to the recurrent kernel, which keeps any token, in a graph too
+            if dev.type == "cuda" and packed.num_streams == 1 and pads_one_stream(self.runner, packed.num_tokens):
+                packed = packed.padded(2, packed.num_tokens, cache)
             runner = self.runner  # its compiled (captured) hidden-states step of the bucket the step fits, if any
             entry = runner.hidden_bucket(packed.num_streams, packed.num_tokens) if runner is not None else None
             targets(cache, keep_tok, keep_entry)
