@@ -50,9 +50,11 @@ def test_cuda_speculation_gives_plain_decoding(family, compile, monkeypatch):
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "graphs"])
 def test_one_stream_keeps_the_state_after_a_rejected_draft(compile, monkeypatch):
-    """A request decoding alone: a one-stream step would take the GDN op's chunked path whole, which keeps the
-    states at chunk ends only, so verify pads it to two streams (the recurrent kernel keeps any token), in a
-    captured bucket too. The oracle's wrong drafts make partial runs, whose state comes from a verify entry."""
+    """A request decoding alone in a one-slot Engine: a one-stream step whose call is not decode-shaped would take
+    the GDN op's chunked path whole, which keeps the states at chunk ends only; a 4-token verify in its one-stream
+    bucket is decode-shaped (the recurrent kernel keeps any token), captured too (verify.pads_one_stream; padded
+    to two streams always, it fitted no bucket of this grid and ran eagerly). The oracle's wrong drafts make
+    partial runs, whose state comes from a verify entry."""
     model, prompts = cuda_model("dense"), prompts_of("dense")[3:4]
     reference = plain(model, prompts, compile, new=24)
     monkeypatch.setattr(verify, "ngram_propose", Oracle(prompts, reference, CONFIGS["dense"].vocab_size))
