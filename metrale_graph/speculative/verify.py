@@ -64,8 +64,9 @@ from .tail import host_rows
 
 
 def pads_one_stream(runner, num_tokens: int) -> bool:
-    """Whether a step of one stream and `num_tokens` tokens runs padded to two streams (on CUDA): when the call its
-    GDN ops see (the runner's bucket for it, else the step itself) is not decode-shaped, one stream takes the
+    """Whether a step of one stream and `num_tokens` tokens that keeps verify states runs padded to two streams (on
+    CUDA; a step that keeps none, "mtp"'s prompt chunks, needs only the chunk ends prefix caching asks for): when
+    the call its GDN ops see (the runner's bucket for it, else the step itself) is not decode-shaped, one stream takes the
     chunked path whole (ops/gdn_recurrence/split.py), which keeps states at chunk ends only; an empty second stream
     sends it to the recurrent kernel, which keeps any token, in a graph too. A verify of a few tokens in a bucket
     of at most 64 is decode-shaped already: padded, it needed a 2-stream bucket, which an Engine of one slot (its
@@ -180,7 +181,8 @@ class SpeculativeStep:
         out: dict = {}
 
         def forward(packed):
-            if dev.type == "cuda" and packed.num_streams == 1 and pads_one_stream(self.runner, packed.num_tokens):
+            if (dev.type == "cuda" and packed.num_streams == 1 and keep_tok  # (verify states to keep: any token)
+                    and pads_one_stream(self.runner, packed.num_tokens)):
                 packed = packed.padded(2, packed.num_tokens, cache)
             runner = self.runner  # its compiled (captured) hidden-states step of the bucket the step fits, if any
             entry = runner.hidden_bucket(packed.num_streams, packed.num_tokens) if runner is not None else None
