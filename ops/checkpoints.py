@@ -193,6 +193,8 @@ def copy_rows(dst: Tensor, src: Tensor, index: Tensor, skip: int = -1) -> None:
         dst.index_copy_(0, index[0], src.index_select(0, index[1]).to(dst.dtype))  # (padding rows copied too)
         return
     N, BLOCK = dst[0].numel(), 4096
+    if N == 0:  # (a conv window of width 1 keeps no inputs: [S, C, 0] pools)
+        return
     _copy_rows_kernel[(n, triton.cdiv(N, BLOCK))](src, dst, index.contiguous(), n, N, skip, src.stride(0),
                                                   dst.stride(0), BLOCK=BLOCK, num_warps=4)
 
