@@ -165,12 +165,12 @@ def window_tokens(plan: SpecPlan, n: int, phases: int, k: int) -> int:
 
 
 def engine_grid(counts, ks, budget: int) -> tuple[list[int], list[int]]:
-    """Bucket grid of the engines: the stream counts (and 2 beside 1, for a one-stream verify that runs padded to
-    two streams: verify.pads_one_stream), and the tokens of their steps: n (plain decode), n x (k + 1) (verify),
-    the budget and the budget plus n x max k (a prompt chunk beside verifying decodes)."""
+    """Bucket grid of the engines: the stream counts, and the tokens of their steps: n (plain decode), n x (k + 1)
+    (verify: at one stream a bucket of k + 1 <= 64 tokens, decode-shaped, so the step is not padded to two streams:
+    verify.pads_one_stream), the budget and the budget plus n x max k (a prompt chunk beside verifying decodes)."""
     k_max = max(ks, default=0)
     tokens = {n * (k + 1) for n in counts for k in (0, *ks)} | {budget} | {budget + n * k_max for n in counts}
-    return sorted(set(counts) | ({2} if 1 in counts and k_max else set())), sorted(tokens)
+    return sorted(set(counts)), sorted(tokens)
 
 
 @contextlib.contextmanager
