@@ -657,7 +657,7 @@ class _Launches:
 
 def _launch_log(monkeypatch):
     log = []
-    for module, names in ((gdn_layout, ["_compact_layout_kernel"]),
+    for module, names in ((gdn_layout, ["_chunk_layout_kernel"]),
                           (gdn_chunked_launch, ["_gdn_chunk_intra_kernel", "_gdn_chunk_state_kernel"]),
                           (gdn_recurrent, ["_gdn_recurrent_kernel"]), (kv_write, ["_kv_write_kernel"]),
                           (attn_prefill, ["_paged_attention_kernel"]),
@@ -700,7 +700,7 @@ def test_path_choice_depends_only_on_static_sizes(bucket, monkeypatch):
         assert names == ["_gdn_recurrent_kernel", "_kv_write_kernel", "_paged_decode_kernel",
                          "_paged_decode_merge_kernel"]
     else:
-        assert names == ["_compact_layout_kernel", "_gdn_chunk_intra_kernel", "_gdn_chunk_state_kernel",
+        assert names == ["_chunk_layout_kernel", "_gdn_chunk_intra_kernel", "_gdn_chunk_state_kernel",
                          "_gdn_recurrent_kernel", "_kv_write_kernel", "_paged_attention_kernel"]
 
 
@@ -1063,11 +1063,11 @@ for E, k in ((256, 8), (512, 10)):
                          dict(TOP_K=k, BLOCK_K=16 if k > 8 else 8, BLOCK_E=E, NORM=True), 4, 1))
 smem.append(compile_(rows._gdn_gates_kernel, dict(y_ptr=B16, A_ptr=B16, dt_ptr=B16, beta_ptr=B16, g_ptr=F32,
                      stride_y="i32", b_off="i32", a_off="i32", HV="i32"), dict(BLOCK=32), 4, 1))
-smem.append(compile_(layout._chunk_layout_kernel, dict(cu_ptr=I, cu_al_ptr="*i64", bounds_ptr="*i64", idx_ptr="*i64",
-                     B="i32", NT="i32", short="i32"), dict(CHUNK=64, BLOCK_B=64, BLOCK_C=64), 4, 1))
-smem.append(compile_(layout._compact_layout_kernel, dict(cu_ptr=I, slot_ptr="*i64", cu_al_ptr="*i64", bounds_ptr="*i64",
-                     slots_out_ptr="*i64", idx_ptr="*i64", B="i32", M="i32", NT="i32", short="i32"),
-                     dict(CHUNK=64, BLOCK_B=64, BLOCK_M=16, BLOCK_C=64), 4, 1))
+for compact in (False, True):  # the layout kernel's two forms (chunk_layout_bounds, chunk_layout_compact)
+    smem.append(compile_(layout._chunk_layout_kernel, dict(cu_ptr=I, slot_ptr="*i64" if compact else I, cu_al_ptr="*i64",
+                         bounds_ptr="*i64", slots_out_ptr="*i64", idx_ptr="*i64", B="i32", M="i32", NT="i32",
+                         short="i32"), dict(CHUNK=64, BLOCK_B=64, BLOCK_M=16 if compact else 1, BLOCK_C=64,
+                                            COMPACT=compact), 4, 1))
 # the checkpoint kernels of the conv and GDN ops (prefix caching, speculation's verify states)
 for x in (B16, F32):
     smem.append(compile_(checkpoints._keep_windows_kernel, dict(

@@ -173,8 +173,8 @@ def cost(s: Shapes):
 
 # fla 0.6.0's chunk kernels, by name ("chunk_" also names our layout kernel and our chunked kernels)
 FLA_KERNELS = ("chunk_", "recompute_w_u", "solve_tril", "merge_16x16", "kkt")
-OWN_KERNELS = ("_gdn_chunk_intra_kernel", "_gdn_chunk_state_kernel", "_chunk_layout_kernel", "_compact_layout_kernel",
-               "_keep_end_states_kernel", "_token_entries_kernel", "_aligned_copy_kernel",
+OWN_KERNELS = ("_gdn_chunk_intra_kernel", "_gdn_chunk_state_kernel", "_chunk_layout_kernel", "_keep_end_states_kernel",
+               "_token_entries_kernel", "_aligned_copy_kernel",
                "gdn_recurrent")
 register(OpSpec(gdn_recurrence, example, cost, cuda=gdn_recurrence_cuda,
                 kernels=FLA_KERNELS + OWN_KERNELS,

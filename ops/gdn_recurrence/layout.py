@@ -34,8 +34,12 @@ def num_chunks(num_streams: int, num_tokens: int, short: int = 0) -> int:
 
 
 @triton.jit
-def _chunk_layout_kernel(cu_ptr, cu_al_ptr, bounds_ptr, idx_ptr, B, NT, short, CHUNK: tl.constexpr,
-                         BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
+def _chunk_layout_kernel(cu_ptr, slot_ptr, cu_al_ptr, bounds_ptr, slots_out_ptr, idx_ptr, B, M, NT, short,
+                         CHUNK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+                         COMPACT: tl.constexpr):
+    """Both layouts: the B + 1 sequences (streams, absorber / spare B: chunk_layout_bounds), or with COMPACT the
+    M + 1 (the streams in the layout in order, empty ones, spare M: chunk_layout_compact; slot_ptr and
+    slots_out_ptr are read and written only then)."""
     b = tl.arange(0, BLOCK_B)  # BLOCK_B >= B + 2: the streams, the absorber, the end
     mb = b < B
     start = tl.load(cu_ptr + b, mask=b <= B, other=0)
@@ -45,14 +49,33 @@ def _chunk_layout_kernel(cu_ptr, cu_al_ptr, bounds_ptr, idx_ptr, B, NT, short, C
     off = tl.cumsum(counts, 0) - counts  # first chunk of stream b; of the absorber (b = B): all used chunks
     off = tl.where(b <= B, off, NT)
     tl.store(cu_al_ptr + b, off.to(tl.int64) * CHUNK, mask=b < B + 2)
-    # the packed bounds: stream b's tokens where they lie (none when left out), the spare sequence B empty
-    tl.store(bounds_ptr + b, start.to(tl.int64), mask=b <= B)
-    tl.store(bounds_ptr + (B + 1) + b, tl.where(in_layout, start + L, start).to(tl.int64), mask=b <= B)
-    for c0 in range(0, NT, BLOCK_C):  # chunk c: the last sequence (streams, absorber) starting at or before it
+    if COMPACT:  # sequence j < M: the j-th stream in the layout (rank), or empty at cu[B]; M the spare one
+        rank = tl.cumsum(in_layout.to(tl.int32), 0) - in_layout.to(tl.int32)
+        end = tl.load(cu_ptr + B).to(tl.int64)
+        j = tl.arange(0, BLOCK_M)  # BLOCK_M >= M + 1
+        tl.store(bounds_ptr + j, tl.full((BLOCK_M,), 0, tl.int64) + end, mask=j <= M)
+        tl.store(bounds_ptr + (M + 1) + j, tl.full((BLOCK_M,), 0, tl.int64) + end, mask=j <= M)
+        tl.store(slots_out_ptr + j, tl.full((BLOCK_M,), 0, tl.int64), mask=j < M)  # unread for empty sequences
+        tl.debug_barrier()  # one program: the empty bounds land before the real ones over them
+        slot = tl.load(slot_ptr + b, mask=in_layout, other=0).to(tl.int64)
+        tl.store(bounds_ptr + rank, start.to(tl.int64), mask=in_layout)
+        tl.store(bounds_ptr + (M + 1) + rank, (start + L).to(tl.int64), mask=in_layout)
+        tl.store(slots_out_ptr + rank, slot, mask=in_layout)
+        named = in_layout
+    else:  # the packed bounds: stream b's tokens where they lie (none when left out), the spare sequence B empty
+        tl.store(bounds_ptr + b, start.to(tl.int64), mask=b <= B)
+        tl.store(bounds_ptr + (B + 1) + b, tl.where(in_layout, start + L, start).to(tl.int64), mask=b <= B)
+        named = b <= B
+    total = tl.sum(counts, 0)
+    for c0 in range(0, NT, BLOCK_C):  # chunk c: the last sequence named starting at or before it
         c = c0 + tl.arange(0, BLOCK_C)
-        before = (off[None, :] <= c[:, None]) & (b <= B)[None, :]
+        before = (off[None, :] <= c[:, None]) & named[None, :]
         seq = tl.sum(before.to(tl.int32), 1) - 1
         first = tl.max(tl.where(before, off[None, :], 0), 1)  # offsets do not decrease: that sequence's
+        if COMPACT:  # chunks past every stream's: the spare sequence's
+            used = c < total
+            seq = tl.where(used, seq, M)
+            first = tl.where(used, first, total)
         mc = c < NT
         tl.store(idx_ptr + 2 * c, seq.to(tl.int64), mask=mc)
         tl.store(idx_ptr + 2 * c + 1, (c - first).to(tl.int64), mask=mc)
@@ -112,51 +135,15 @@ def chunk_layout_bounds(cu_seqlens: Tensor, num_tokens: int, short: int = 0) -> 
     cu_al = torch.empty(B + 2, dtype=torch.int64, device=dev)
     bounds = torch.empty((2, B + 1), dtype=torch.int64, device=dev)
     chunk_indices = torch.empty((NT, 2), dtype=torch.int64, device=dev)
-    _chunk_layout_kernel[(1,)](cu_seqlens, cu_al, bounds, chunk_indices, B, NT, short, CHUNK=CHUNK,
-                               BLOCK_B=triton.next_power_of_2(B + 2), BLOCK_C=64)
+    _chunk_layout_kernel[(1,)](cu_seqlens, cu_seqlens, cu_al, bounds, cu_al, chunk_indices, B, 0, NT, short,
+                               CHUNK=CHUNK, BLOCK_B=triton.next_power_of_2(B + 2), BLOCK_M=1, BLOCK_C=64,
+                               COMPACT=False)  # (slot_ptr, slots_out_ptr: unread stand-ins)
     return cu_al, bounds, chunk_indices
 
 
 def num_long(num_streams: int, num_tokens: int, short: int = 0) -> int:
     """M = min(B, T // (short + 1)): at most this many of B streams over T tokens are longer than `short`."""
     return min(num_streams, num_tokens // (short + 1))
-
-
-@triton.jit
-def _compact_layout_kernel(cu_ptr, slot_ptr, cu_al_ptr, bounds_ptr, slots_out_ptr, idx_ptr, B, M, NT, short,
-                           CHUNK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_C: tl.constexpr):
-    b = tl.arange(0, BLOCK_B)  # BLOCK_B >= B + 2
-    mb = b < B
-    start = tl.load(cu_ptr + b, mask=b <= B, other=0)
-    L = tl.load(cu_ptr + b + 1, mask=mb, other=0) - start
-    in_layout = mb & (L > short)
-    counts = tl.where(in_layout, (L + CHUNK - 1) // CHUNK, 0)
-    off = tl.cumsum(counts, 0) - counts
-    total = tl.sum(counts, 0)
-    off = tl.where(b <= B, off, NT)
-    tl.store(cu_al_ptr + b, off.to(tl.int64) * CHUNK, mask=b < B + 2)  # as chunk_layout_bounds' (chunk_rows)
-    # the compacted sequences: the streams in the layout in order (rank), the others empty at cu[B], then spare M
-    rank = tl.cumsum(in_layout.to(tl.int32), 0) - in_layout.to(tl.int32)
-    end = tl.load(cu_ptr + B).to(tl.int64)
-    j = tl.arange(0, BLOCK_M)  # BLOCK_M >= M + 1
-    tl.store(bounds_ptr + j, tl.full((BLOCK_M,), 0, tl.int64) + end, mask=j <= M)
-    tl.store(bounds_ptr + (M + 1) + j, tl.full((BLOCK_M,), 0, tl.int64) + end, mask=j <= M)
-    tl.store(slots_out_ptr + j, tl.full((BLOCK_M,), 0, tl.int64), mask=j < M)  # unread for empty sequences
-    tl.debug_barrier()  # one program: the empty bounds land before the real ones over them
-    slot = tl.load(slot_ptr + b, mask=in_layout, other=0).to(tl.int64)
-    tl.store(bounds_ptr + rank, start.to(tl.int64), mask=in_layout)
-    tl.store(bounds_ptr + (M + 1) + rank, (start + L).to(tl.int64), mask=in_layout)
-    tl.store(slots_out_ptr + rank, slot, mask=in_layout)
-    for c0 in range(0, NT, BLOCK_C):  # chunk c: the last stream in the layout starting at or before it
-        c = c0 + tl.arange(0, BLOCK_C)
-        before = (off[None, :] <= c[:, None]) & in_layout[None, :]
-        seq = tl.sum(before.to(tl.int32), 1) - 1
-        first = tl.max(tl.where(before, off[None, :], 0), 1)
-        used = c < total
-        mc = c < NT
-        tl.store(idx_ptr + 2 * c, tl.where(used, seq, M).to(tl.int64), mask=mc)
-        tl.store(idx_ptr + 2 * c + 1, tl.where(used, c - first, c - total).to(tl.int64), mask=mc)
 
 
 def chunk_layout_compact(cu_seqlens: Tensor, slot_ids: Tensor, num_tokens: int, short: int = 0
@@ -175,9 +162,9 @@ def chunk_layout_compact(cu_seqlens: Tensor, slot_ids: Tensor, num_tokens: int, 
     bounds = torch.empty((2, M + 1), dtype=torch.int64, device=dev)
     slots = torch.empty(M, dtype=torch.int64, device=dev)
     chunk_indices = torch.empty((NT, 2), dtype=torch.int64, device=dev)
-    _compact_layout_kernel[(1,)](cu_seqlens, slot_ids, cu_al, bounds, slots, chunk_indices, B, M, NT, short,
-                                 CHUNK=CHUNK, BLOCK_B=triton.next_power_of_2(B + 2),
-                                 BLOCK_M=triton.next_power_of_2(M + 1), BLOCK_C=64)
+    _chunk_layout_kernel[(1,)](cu_seqlens, slot_ids, cu_al, bounds, slots, chunk_indices, B, M, NT, short,
+                               CHUNK=CHUNK, BLOCK_B=triton.next_power_of_2(B + 2),
+                               BLOCK_M=triton.next_power_of_2(M + 1), BLOCK_C=64, COMPACT=True)
     return cu_al, bounds, slots, chunk_indices
 
 
