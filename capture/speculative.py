@@ -15,10 +15,10 @@ streams (rows) and tokens, at least 2 each, filled from host tensors by one copy
 padding (tail.py's layouts); each function is traced once for every bucket (the rows and tokens dimensions are
 marked dynamic, as the runner's buffers are) through its own copy of the function's code (the runner's reason:
 dynamo's entries and recompile count are per code object). The state copy after acceptance is one row-copy
-kernel per pool on CUDA (ops/checkpoints.copy_rows: each accepted state read and written once; index_select and
-index_copy_ on the CPU): not compiled (nothing to fuse, and a functionalized in-place copy into a pool risks a
-copy of the whole pool), captured on CUDA per row count (padded to the grid's stream sizes with scratch-slot
-rows, which the kernel skips).
+kernel per pool on CUDA (verify.keep_verified_states, ops/checkpoints.copy_rows: each accepted state read and
+written once; index_select and index_copy_ on the CPU): not compiled (nothing to fuse, and a functionalized
+in-place copy into a pool risks a copy of the whole pool), captured on CUDA per row count (padded to the grid's
+stream sizes with scratch-slot rows, which the kernel skips).
 
 Capture follows the runner's recipe: two runs on a side stream (compile, then anything lazily initialized), then
 the capture into the runner's pool; warming runs only padding (the tail reads; the copies and the draft steps
@@ -36,8 +36,8 @@ from typing import Callable
 import torch
 
 from metrale_graph.numbers import to_device
-from metrale_graph.ops.checkpoints import copy_rows
 from metrale_graph.speculative import tail
+from metrale_graph.speculative.verify import keep_verified_states
 
 from .buckets import Bucket
 
@@ -174,14 +174,14 @@ class SpeculativeGraphs:
         cache, n = self.cache, len(slots)
         if not self.use_graphs:
             index = to_device(torch.tensor([slots, entries], dtype=torch.int64), self.device)
-            _copy_states(cache, index)
+            keep_verified_states(cache, index)
             return
         size = next((s for s in sorted({b.streams for b in self.runner.grid} | {n}) if s >= n))
         if size not in self.copies:
             with torch.inference_mode(False):
                 index = torch.tensor([[cache.scratch_slot], [cache.scratch_checkpoint]], device=self.device)
                 index = index.repeat(1, size)
-            entry = self.copies[size] = Graphed(_copy_states, (cache, index))
+            entry = self.copies[size] = Graphed(keep_verified_states, (cache, index))
             self._warm(entry)
         entry = self.copies[size]
         pad = size - n
@@ -194,16 +194,6 @@ def _fill(buffer: torch.Tensor, host: torch.Tensor) -> None:
     """Rows 0 .. r - 1 of a tail buffer from `host` [r, ...]. The rest keep the padding or an earlier call's rows of
     the same bucket: valid inputs (h rows inside the bucket, a distribution per row) whose outputs nobody reads."""
     buffer[:host.shape[0]].copy_(host, non_blocking=True)  # (numbers.to_device's reason)
-
-
-def _copy_states(cache, index: torch.Tensor) -> None:
-    """index [2, n]: slots, then checkpoint entries; each pool's slot rows := the entries' kept states."""
-    for pool, kept in zip(cache.conv_states + cache.gdn_states,
-                          cache.checkpoint_conv_states + cache.checkpoint_gdn_states):
-        if pool.is_cuda:  # one launch a pool, padding (the scratch slot) skipped
-            copy_rows(pool, kept, index, skip=cache.scratch_slot)
-        else:
-            pool.index_copy_(0, index[0], kept.index_select(0, index[1]))
 
 
 def _capture(fn: Callable[[], torch.Tensor | None], device: torch.device, pool):

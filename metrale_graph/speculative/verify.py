@@ -54,6 +54,7 @@ from ..handle import deliver
 from ..logits_processors import process_logits
 from ..logprobs import token_logprobs
 from ..numbers import int_tensor, to_device
+from ..ops.checkpoints import copy_rows
 from ..protocol import prefill_call
 from ..sampling import SampleRow, sample
 from .acceptance import draw_uniforms, rejection_sample, target_probabilities
@@ -76,6 +77,17 @@ def pads_one_stream(runner, num_tokens: int) -> bool:
 
     bucket = choose(runner.grid, 1, num_tokens) if runner is not None else None
     return not decode_shaped(1, bucket.tokens if bucket is not None else num_tokens)
+
+
+def keep_verified_states(cache, index: torch.Tensor) -> None:
+    """index [2, n] int64: slots, then verify entries; each conv / GDN pool's slot rows := the entries' kept states
+    (on CUDA one row-copy kernel a pool, the scratch slot's padding rows skipped: ops/checkpoints.copy_rows)."""
+    for pool, kept in zip(cache.conv_states + cache.gdn_states,
+                          cache.checkpoint_conv_states + cache.checkpoint_gdn_states):
+        if pool.is_cuda:
+            copy_rows(pool, kept, index, skip=cache.scratch_slot)
+        else:
+            pool.index_copy_(0, index[0], kept.index_select(0, index[1]))
 
 
 def history(r):
@@ -261,11 +273,7 @@ class SpeculativeStep:
         if self.graphs is not None:
             self.graphs.copy_states(slots, entries)
             return
-        cache, dev = self.cache, self.cache.device
-        index, slot_ids = to_device(int_tensor(entries), dev), to_device(int_tensor(slots), dev)
-        for pool, kept_states in zip(cache.conv_states + cache.gdn_states,
-                                     cache.checkpoint_conv_states + cache.checkpoint_gdn_states):
-            pool.index_copy_(0, slot_ids, kept_states.index_select(0, index))
+        keep_verified_states(self.cache, to_device(torch.tensor([slots, entries], dtype=torch.int64), self.cache.device))
 
     def _count(self, proposed: list[int], accepted: list[int]) -> None:
         self.proposed += sum(proposed)
