@@ -15,7 +15,7 @@ streams (rows) and tokens, at least 2 each, filled from host tensors by one copy
 padding (tail.py's layouts); each function is traced once for every bucket (the rows and tokens dimensions are
 marked dynamic, as the runner's buffers are) through its own copy of the function's code (the runner's reason:
 dynamo's entries and recompile count are per code object). The state copy after acceptance is one row-copy
-kernel per pool on CUDA (verify.keep_verified_states, ops/checkpoints.copy_rows: each accepted state read and
+kernel per pool on CUDA (tail.keep_verified_states, ops/checkpoints.copy_rows: each accepted state read and
 written once; index_select and index_copy_ on the CPU): not compiled (nothing to fuse, and a functionalized
 in-place copy into a pool risks a copy of the whole pool), captured on CUDA per row count (padded to the grid's
 stream sizes with scratch-slot rows, which the kernel skips).
@@ -37,7 +37,7 @@ import torch
 
 from metrale_graph.numbers import to_device
 from metrale_graph.speculative import tail
-from metrale_graph.speculative.verify import keep_verified_states
+from metrale_graph.speculative.tail import keep_verified_states
 
 from .buckets import Bucket
 

@@ -16,6 +16,8 @@ addresses.
   step took. Returns int64 [R, K + 2]: the accept count, then the row's K + 1 tokens (Accepted's layout).
 - `mtp_drafts(model, cache, h, tok, strm, K)`: the MTP head's catch-up over the kept positions and its K - 1
   single-token draft steps (drafting.py's eager loop), drafts chosen on the device: int64 [B, K].
+- `keep_verified_states(cache, index)`: the accepted runs' conv / GDN states into their slots (not compiled:
+  captured as it is, and verify.py's eager path calls it too).
 
 Layouts (int64 unless stated):
     ints   [R, 2K + 4]: h rows of the K + 1 positions | drafts (K) | num_drafts | top_k | greedy (0 / 1)
@@ -38,6 +40,7 @@ import torch
 from torch import Tensor
 
 from ..batch import PackedBatch
+from ..ops.checkpoints import copy_rows
 from ..sampling import _sorted_probs, row_cumsum
 from .acceptance import EMPTY, rejection_sample
 from .mtp import mtp_hidden_states
@@ -145,3 +148,14 @@ def host_rows(positions: list[list[int]], drafts: list[list[int]], params: list,
         floats.append([temperature, top_p, log_min_p])
     return (torch.tensor(ints, dtype=torch.int64),
             torch.cat([uniforms, torch.tensor(floats, dtype=torch.float32)], dim=1))
+
+
+def keep_verified_states(cache, index: Tensor) -> None:
+    """index [2, n] int64: slots, then verify entries; each conv / GDN pool's slot rows := the entries' kept states
+    (on CUDA one row-copy kernel a pool, the scratch slot's padding rows skipped: ops/checkpoints.copy_rows)."""
+    for pool, kept in zip(cache.conv_states + cache.gdn_states,
+                          cache.checkpoint_conv_states + cache.checkpoint_gdn_states):
+        if pool.is_cuda:
+            copy_rows(pool, kept, index, skip=cache.scratch_slot)
+        else:
+            pool.index_copy_(0, index[0], kept.index_select(0, index[1]))

@@ -54,14 +54,13 @@ from ..handle import deliver
 from ..logits_processors import process_logits
 from ..logprobs import token_logprobs
 from ..numbers import int_tensor, to_device
-from ..ops.checkpoints import copy_rows
 from ..protocol import prefill_call
 from ..sampling import SampleRow, sample
 from .acceptance import draw_uniforms, rejection_sample, target_probabilities
 from .drafting import MtpDrafter
 from .options import Speculative
 from .proposers import TokenHistory, ngram_propose
-from .tail import host_rows
+from .tail import host_rows, keep_verified_states
 
 
 def pads_one_stream(runner, num_tokens: int) -> bool:
@@ -77,17 +76,6 @@ def pads_one_stream(runner, num_tokens: int) -> bool:
 
     bucket = choose(runner.grid, 1, num_tokens) if runner is not None else None
     return not decode_shaped(1, bucket.tokens if bucket is not None else num_tokens)
-
-
-def keep_verified_states(cache, index: torch.Tensor) -> None:
-    """index [2, n] int64: slots, then verify entries; each conv / GDN pool's slot rows := the entries' kept states
-    (on CUDA one row-copy kernel a pool, the scratch slot's padding rows skipped: ops/checkpoints.copy_rows)."""
-    for pool, kept in zip(cache.conv_states + cache.gdn_states,
-                          cache.checkpoint_conv_states + cache.checkpoint_gdn_states):
-        if pool.is_cuda:
-            copy_rows(pool, kept, index, skip=cache.scratch_slot)
-        else:
-            pool.index_copy_(0, index[0], kept.index_select(0, index[1]))
 
 
 def history(r):
