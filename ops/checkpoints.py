@@ -90,6 +90,14 @@ def _stream_of(cu_ptr, t, B, BLOCK_B: tl.constexpr):
 
 
 @triton.jit
+def _copy_row_block(src_ptr, s, dst_ptr, d, N, BLOCK: tl.constexpr):
+    """Block program_id(1) of the N elements at element offset s of src into offset d of dst (offsets int64)."""
+    off = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = off < N
+    tl.store(dst_ptr + d + off, tl.load(src_ptr + s + off, mask=m).to(dst_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _keep_windows_kernel(x_ptr, cu_ptr, slot_ptr, state_ptr, tok_ptr, ent_ptr, pool_ptr, B, C, stride_xt, stride_xc,
                          stride_s0, stride_s1, stride_s2, stride_p0, stride_p1, stride_p2, W1: tl.constexpr,
                          BW: tl.constexpr, BLOCK_B: tl.constexpr, BC: tl.constexpr):
@@ -141,10 +149,7 @@ def _keep_end_states_kernel(state_ptr, cu_ptr, slot_ptr, tok_ptr, ent_ptr, pool_
         if (r == end - start) & (r > longer_than):  # a stream's last token, of a stream that long
             slot = tl.load(slot_ptr + b).to(tl.int64)
             dest = tl.load(ent_ptr + i).to(tl.int64)
-            off = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-            m = off < N
-            x = tl.load(state_ptr + slot * stride_s0 + off, mask=m)
-            tl.store(pool_ptr + dest * stride_p0 + off, x.to(pool_ptr.dtype.element_ty), mask=m)
+            _copy_row_block(state_ptr, slot * stride_s0, pool_ptr, dest * stride_p0, N, BLOCK)
 
 
 def keep_end_states_triton(cu_seqlens: Tensor, slot_ids: Tensor, gdn_state: Tensor, tokens: Tensor, entries: Tensor,
@@ -171,11 +176,7 @@ def _copy_rows_kernel(src_ptr, dst_ptr, index_ptr, n, N, skip, stride_src, strid
     i = tl.program_id(0)
     d = tl.load(index_ptr + i)
     if d != skip:
-        s = tl.load(index_ptr + n + i)
-        off = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        m = off < N
-        x = tl.load(src_ptr + s * stride_src + off, mask=m)
-        tl.store(dst_ptr + d * stride_dst + off, x.to(dst_ptr.dtype.element_ty), mask=m)
+        _copy_row_block(src_ptr, tl.load(index_ptr + n + i) * stride_src, dst_ptr, d * stride_dst, N, BLOCK)
 
 
 def copy_rows(dst: Tensor, src: Tensor, index: Tensor, skip: int = -1) -> None:
