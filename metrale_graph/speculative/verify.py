@@ -54,6 +54,7 @@ from ..handle import deliver
 from ..logits_processors import process_logits
 from ..logprobs import token_logprobs
 from ..numbers import int_tensor, to_device
+from ..ops.common import decode_shaped
 from ..protocol import prefill_call
 from ..sampling import SampleRow, sample
 from .acceptance import draw_uniforms, rejection_sample, target_probabilities
@@ -71,8 +72,7 @@ def pads_one_stream(runner, num_tokens: int) -> bool:
     sends it to the recurrent kernel, which keeps any token, in a graph too. A verify of a few tokens in a bucket
     of at most 64 is decode-shaped already: padded, it needed a 2-stream bucket, which an Engine of one slot (its
     grid's batch sizes [1]) does not have, and ran eagerly every step."""
-    from ..capture.buckets import choose
-    from ..ops.common import decode_shaped
+    from ..capture.buckets import choose  # (capture imports this package: not at the top)
 
     bucket = choose(runner.grid, 1, num_tokens) if runner is not None else None
     return not decode_shaped(1, bucket.tokens if bucket is not None else num_tokens)
