@@ -19,7 +19,8 @@
 # 984b18e w8a16 lost: BENCHMARKS.md, FP8); serve (not in all): metrale-serve + bench_serve at concurrency
 # 32 / 128 / 256 on the 9B and 35B-A3B (issue 27; SERVE_PRESETS to choose); prefix (not in all): bench_prefix on the 9B
 # (issue 28); structured (not in all): benchmarks/bench_structured.py on the 9B preset, 64 requests with JSON masks
-# against without (issue 40; needs xgrammar and apache-tvm-ffi wheels in .whl-serve and a tokenizer of the 9B's
+# against without (issue 40; needs xgrammar, apache-tvm-ffi and pydantic (+ pydantic-core, annotated-types,
+# typing-inspection, typing-extensions) wheels in .whl-serve and a tokenizer of the 9B's
 # vocabulary in .qwen35-tokenizer: python benchmarks/bench_structured.py --make-qwen-tokenizer .qwen35-tokenizer),
 # then the structured GPU test; spec (not in all): issue 39's speed item, bench --speculative 1,8,32,128 --echo 1,16 on
 # the 9B and the 35B-A3B (SPEC_PRESETS, SPEC_STREAMS, SPEC_KS, SPEC_MTP_K, SPEC_ECHO, SPEC_LAYERS to choose; each
@@ -188,7 +189,7 @@ PY
     done
 fi
 if [[ $what == structured ]]; then
-    if [[ -d .whl-serve ]]; then  # (xgrammar and apache-tvm-ffi: what the device lacks)
+    if [[ -d .whl-serve ]]; then  # (xgrammar, apache-tvm-ffi, pydantic and its four: what the device lacks)
         python3 -m pip install -q --no-index --no-deps --target /tmp/site-serve .whl-serve/*.whl
         export PYTHONPATH=$PYTHONPATH:/tmp/site-serve
     fi

@@ -47,9 +47,12 @@ MAX_CACHED = 256  # compiled grammars kept (each a few MB at most for big schema
 def _xgrammar():
     try:
         import xgrammar
-    except ImportError:
-        raise StructuredOutputError("structured output needs the xgrammar package: pip install "
-                                    "'metrale-graph[serve]' (or xgrammar)") from None
+    except ImportError as e:
+        if getattr(e, "name", None) == "xgrammar":
+            raise StructuredOutputError("structured output needs the xgrammar package: pip install "
+                                        "'metrale-graph[serve]' (or xgrammar)") from None
+        # installed, but one of its own dependencies is missing or broken: say which
+        raise StructuredOutputError(f"structured output: xgrammar is installed but does not import ({e})") from e
     return xgrammar
 
 
