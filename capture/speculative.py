@@ -3,8 +3,9 @@ and, on CUDA, captured into CUDA graphs bucketed like the verify step (GraphRunn
 GraphRunner, into its memory pool.
 
     graphs = SpeculativeGraphs(runner, num_tokens=K, mtp=True)        # the engine's SpeculativeStep makes it
-    result = graphs.accept(bucket, h, ints, floats)    # [r, K + 2] on the device: counts, then tokens
-    graphs.copy_states(slots, entries)                 # the accepted runs' GDN / conv states into their slots
+    result = graphs.accept(bucket, h, ints, floats, keep)  # [r, K + 2] on the device: counts, then tokens;
+                                                       # and the accepted runs' GDN / conv states into their slots
+    graphs.copy_states(slots, entries)                 # that copy alone (after the eager acceptance)
     drafts = graphs.draft(bucket, h, tok, strm)        # [b, K] on the device: the MTP head's drafts
 
 Per bucket of the runner's grid (the verify step's: the step's hidden states `h` are that bucket's graph output)
@@ -17,8 +18,11 @@ marked dynamic, as the runner's buffers are) through its own copy of the functio
 dynamo's entries and recompile count are per code object). The state copy after acceptance is one row-copy
 kernel per pool on CUDA (tail.keep_verified_states, ops/checkpoints.copy_rows: each accepted state read and
 written once; index_select and index_copy_ on the CPU): not compiled (nothing to fuse, and a functionalized
-in-place copy into a pool risks a copy of the whole pool), captured on CUDA per row count (padded to the grid's
-stream sizes with scratch-slot rows, which the kernel skips).
+in-place copy into a pool risks a copy of the whole pool). An acceptance entry runs it itself, after the
+compiled acceptance, with its index made from the counts on the device (tail.keep_accepted_states: no read back
+and no launch of its own between the verify step's read back and the next step, where the GPU idles); after the
+eager acceptance `copy_states` runs it, captured on CUDA per row count (padded to the grid's stream sizes with
+scratch-slot rows, which the kernel skips).
 
 Capture follows the runner's recipe: two runs on a side stream (compile, then anything lazily initialized), then
 the capture into the runner's pool; warming runs only padding (the tail reads; the copies and the draft steps
@@ -35,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from metrale_graph.numbers import to_device
+from metrale_graph.numbers import int_tensor, to_device
 from metrale_graph.speculative import tail
 from metrale_graph.speculative.tail import keep_verified_states
 
@@ -112,15 +116,29 @@ class SpeculativeGraphs:
                     ints = torch.zeros(rows, 2 * K + 4, dtype=torch.int64, device=dev)
                     ints[:, 2 * K + 2:] = torch.tensor([self.vocab, 1])  # greedy padding rows
                     floats = torch.tensor([0.0] * (K + 1) + list(tail.GREEDY_ROW), device=dev).repeat(rows, 1)
+                    keep = self._nothing_kept(rows).to(dev)
                     torch._dynamo.mark_dynamic(ints, 0)
                     torch._dynamo.mark_dynamic(floats, 0)
-                    args, fn = ((self.model, h, ints, K), self._greedy) if kind == "greedy" else \
-                        ((self.model, h, ints, floats, K), self._sampled)
+                    args = (self.model, h, ints, K, keep) if kind == "greedy" else (self.model, h, ints, floats, K, keep)
+                    fn = self._keeping(self._greedy if kind == "greedy" else self._sampled)
             self.entries[key] = Graphed(fn, args)
         entry = self.entries[key]
         if not entry.warm:
             self._warm(entry)
         return entry
+
+    def _nothing_kept(self, rows: int) -> torch.Tensor:
+        """A keep buffer's rows that keep nothing (tail.keep_accepted_states): [2, rows] on the host."""
+        return torch.tensor([[self.cache.scratch_slot], [self.cache.scratch_checkpoint]]).repeat(1, rows)
+
+    def _keeping(self, accept: Callable) -> Callable:
+        """An acceptance entry's function: the compiled acceptance, then (not compiled) the accepted states' copy
+        from its counts (tail.keep_accepted_states; the last argument the keep buffer)."""
+        def run(*args):
+            result = accept(*args[:-1])
+            tail.keep_accepted_states(self.cache, result, args[2], args[-1], self.K)
+            return result
+        return run
 
     @torch.no_grad()
     def _warm(self, entry: Graphed) -> None:
@@ -140,16 +158,24 @@ class SpeculativeGraphs:
         return entry.fn(*entry.args)
 
     # the calls ----------------------------------------------------------------------------------
-    def accept(self, bucket: Bucket, h: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor) -> torch.Tensor:
+    def accept(self, bucket: Bucket, h: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor,
+               keep: list | None = None) -> torch.Tensor:
         """Acceptance of r rows (tail.accept_greedy / accept_sampled; ints [r, 2K + 4], floats [r, K + 4] on the
         host, tail.host_rows) over h, the verify step's hidden states of `bucket` (with graphs, its graph's
-        output). Returns int64 [r, K + 2] on the device (counts, then tokens)."""
+        output), and the accepted states' copy into the slots: keep[i] = (slot, first verify entry) of row i, or
+        None (or keep None) for a row that keeps nothing (tail.keep_accepted_states). Returns int64 [r, K + 2] on the device
+        (counts, then tokens)."""
         sampled = bool((ints[:, 2 * self.K + 3] == 0).any())
         entry = self._entry("sampled" if sampled else "greedy", bucket)
         r = ints.shape[0]
         _fill(entry.args[2], ints)
         if sampled:
             _fill(entry.args[3], floats)
+        # every row of the keep buffer (not only r: an earlier call's rows past r must keep nothing now)
+        n, slot, scratch = entry.args[-1].shape[1], self.cache.scratch_slot, self.cache.scratch_checkpoint
+        keep = keep or []
+        kept = [(slot, scratch) if pair is None else pair for pair in keep] + [(slot, scratch)] * (n - len(keep))
+        entry.args[-1].copy_(int_tensor([x for pair in zip(*kept) for x in pair]).view(2, n), non_blocking=True)
         return self._run(entry, h)[:r]
 
     def draft(self, bucket: Bucket, h: torch.Tensor, tok: torch.Tensor, strm: torch.Tensor) -> torch.Tensor:

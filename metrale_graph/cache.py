@@ -95,8 +95,8 @@ class HybridCache(CacheOwnership):
             if checkpoint_interval:
                 NC = num_slots + max_context // checkpoint_interval if step_checkpoints is None else step_checkpoints
             self.prefix_targets = NC
-            (self.checkpoint_conv_states, self.checkpoint_gdn_states, self.checkpoint_tokens,
-             self.checkpoint_entries) = checkpoint_buffers(cfg, P, NC + verify_entries, dtype, self.device)
+            (self.checkpoint_conv_states, self.checkpoint_gdn_states, self.checkpoint_tokens, self.checkpoint_entries,
+             self.checkpoint_targets) = checkpoint_buffers(cfg, P, NC + verify_entries, dtype, self.device)
         self.prefix_checkpoints, self.checkpoint_interval = prefix_checkpoints, checkpoint_interval
         self.verify_entries = verify_entries
         self.context_lens = [0] * num_slots
@@ -267,7 +267,7 @@ class HybridCache(CacheOwnership):
         """Every device tensor of the cache (for snapshots in tests and tools): pools(), the block tables, then
         with prefix caching the checkpoint pools and the step's checkpoint targets, then the MTP head's KV pools
         (which the step does not touch: not in pools())."""
-        targets = [t for t in (self.checkpoint_tokens, self.checkpoint_entries) if t is not None]
+        targets = [self.checkpoint_targets] if self.checkpoint_targets is not None else []  # (tokens, entries: its rows)
         return (self.pools() + [self.block_tables] + self.checkpoint_conv_states + self.checkpoint_gdn_states + targets
                 + self.mtp_k_caches + self.mtp_v_caches)
 

@@ -96,11 +96,7 @@ class PrefixStore:
         try:
             for _, p, _, h in chosen:
                 plan.append((index.new_entry(), p, h))
-            pad, NC = c.prefix_targets - len(plan), c.prefix_targets
-            # (behind the step before on the device's stream, which may still read them: numbers.to_device)
-            c.checkpoint_tokens[:NC].copy_(to_device(int_tensor([t for _, _, t, _ in chosen] + [-1] * pad), c.device))
-            c.checkpoint_entries[:NC].copy_(to_device(int_tensor([e for e, _, _ in plan]
-                                                                 + [c.scratch_checkpoint] * pad), c.device))
+            write_targets(c, 0, [t for _, _, t, _ in chosen], [e for e, _, _ in plan], c.prefix_targets)
         except BaseException:
             self.record(plan, written=False)
             raise
@@ -174,11 +170,21 @@ def checkpoint_buffers(cfg: ModelConfig, entries: int, targets: int, dtype: torc
     """A cache's checkpoint pools and the step's targets (module docstring): per GDN layer a conv pool
     [entries, C, W-1] (model dtype) and a GDN-state pool [entries, HV, K, V] (float32), none when entries is 0;
     checkpoint_tokens [targets] (-1: no target) and checkpoint_entries [targets] (the scratch entry, the last),
-    None when targets is 0."""
+    the two rows of checkpoint_targets [2, targets]; None when targets is 0."""
     W, HV, K, V = cfg.linear_conv_kernel_dim, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     P, NC, scratch = entries, targets, entries - 1
     conv = [torch.zeros(P, cfg.conv_dim, W - 1, dtype=dtype, device=device) for _ in cfg.linear_layers] if P else []
     gdn = [torch.zeros(P, HV, K, V, dtype=torch.float32, device=device) for _ in cfg.linear_layers] if P else []
-    tokens = torch.full((NC,), -1, dtype=torch.int64, device=device) if NC else None
-    ids = torch.full((NC,), scratch, dtype=torch.int64, device=device) if NC else None
-    return conv, gdn, tokens, ids
+    if not NC:
+        return conv, gdn, None, None, None
+    both = torch.tensor([[-1], [scratch]], dtype=torch.int64, device=device).repeat(1, NC)  # (write_targets: one copy)
+    return conv, gdn, both[0], both[1], both
+
+
+def write_targets(cache, start: int, tokens: list[int], entries: list[int], width: int) -> None:
+    """checkpoint_tokens / checkpoint_entries [start, start + width) := tokens / entries, the rest of the width none
+    (-1 / the scratch entry): one host-to-device copy into the [2, NC] tensor both are rows of (ordered behind
+    the step before on the device's stream, which may still read them: numbers.to_device)."""
+    pad = width - len(tokens)
+    host = int_tensor(tokens + [-1] * pad + entries + [cache.scratch_checkpoint] * pad).view(2, width)
+    cache.checkpoint_targets[:, start:start + width].copy_(to_device(host, cache.device))

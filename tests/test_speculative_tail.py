@@ -252,3 +252,53 @@ def test_the_compiled_tail_gives_the_eager_tokens(models, monkeypatch):
                                                        top_k=30, seed=3)]
             runs.append((greedy, sampled, e.stats().speculative, [dict(d) for d in drafts]))
     assert runs[0] == runs[1] and runs[1][2]["proposed"] > 0
+
+
+def test_accepted_states_are_kept_from_the_counts_on_the_device():
+    """tail.keep_accepted_states: a row that kept c of its n > c drafts takes verify entry first + c into its slot
+    (every conv and GDN pool), a row that kept all its drafts, a row without drafts and a row keeping nothing
+    (the scratch pair: plain rows, padding) leave every slot as it was: the eager path's redo list, made from
+    the counts on the device."""
+    from metrale_graph.cache import HybridCache
+    from metrale_graph.speculative.tail import keep_accepted_states
+
+    cfg, K = tiny_config(), 3
+    cache = HybridCache(cfg, 4, 16, block_size=16, max_context=64, verify_entries=4 * K)
+    g = torch.Generator().manual_seed(0)
+    for t in cache.conv_states + cache.gdn_states + cache.checkpoint_conv_states + cache.checkpoint_gdn_states:
+        t.copy_(torch.randn(t.shape, generator=g))
+    before = [t.clone() for t in cache.conv_states + cache.gdn_states]
+    base = cache.prefix_checkpoints
+    # rows: slot 2 kept 1 of 3 (entry base + 1), slot 0 kept 3 of 3, slot 3 kept 0 of 2 (entry base + 2K), a
+    # plain row (slot 1, no drafts), then a padding row
+    keep = torch.tensor([[2, 0, 3, cache.scratch_slot, cache.scratch_slot],
+                         [base, base + K, base + 2 * K, cache.scratch_checkpoint, cache.scratch_checkpoint]])
+    counts, num_drafts = torch.tensor([1, 3, 0, 0, 0]), torch.tensor([3, 3, 2, 0, 0])
+    ints = torch.zeros(5, 2 * K + 4, dtype=torch.int64)
+    ints[:, 2 * K + 1] = num_drafts
+    result = torch.cat([counts[:, None], torch.zeros(5, K + 1, dtype=torch.int64)], dim=1)
+    keep_accepted_states(cache, result, ints, keep, K)
+    kept = {2: base + 1, 3: base + 2 * K}
+    for pool, old, entries in zip(cache.conv_states + cache.gdn_states, before,
+                                  cache.checkpoint_conv_states + cache.checkpoint_gdn_states):
+        for slot in range(4):
+            want = entries[kept[slot]] if slot in kept else old[slot]
+            assert torch.equal(pool[slot], want), slot
+
+
+def test_verify_targets_take_one_copy_and_clear_on_the_device():
+    """verify.targets writes the verify checkpoints past prefix_targets (tokens and entries, the rest none) and
+    clears them (tokens -1) without touching prefix caching's targets before them."""
+    from metrale_graph.cache import HybridCache
+
+    cache = HybridCache(tiny_config(), 2, 16, block_size=16, max_context=128, prefix_checkpoints=2,
+                        checkpoint_interval=64, verify_entries=6)
+    P, scratch = cache.prefix_targets, cache.scratch_checkpoint
+    cache.checkpoint_tokens[:P].fill_(7)
+    verify.targets(cache, [4, 5], [3, 4])
+    assert cache.checkpoint_tokens[P:].tolist() == [4, 5, -1, -1, -1, -1]
+    assert cache.checkpoint_entries[P:].tolist() == [3, 4] + [scratch] * 4
+    verify.targets(cache, [], [])
+    assert cache.checkpoint_tokens[P:].tolist() == [-1] * 6 and (cache.checkpoint_tokens[:P] == 7).all()
+    assert cache.checkpoint_targets.shape == (2, P + 6)
+    assert cache.checkpoint_targets[0].data_ptr() == cache.checkpoint_tokens.data_ptr()

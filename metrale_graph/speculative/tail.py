@@ -17,12 +17,14 @@ addresses.
 - `mtp_drafts(model, cache, h, tok, strm, K)`: the MTP head's catch-up over the kept positions and its K - 1
   single-token draft steps (drafting.py's eager loop), drafts chosen on the device: int64 [B, K].
 - `keep_verified_states(cache, index)`: the accepted runs' conv / GDN states into their slots (not compiled:
-  captured as it is, and verify.py's eager path calls it too).
+  captured as it is, and verify.py's eager path calls it too); `keep_accepted_states` its index from an
+  acceptance's counts on the device, run (captured) right after accept_greedy / accept_sampled.
 
 Layouts (int64 unless stated):
     ints   [R, 2K + 4]: h rows of the K + 1 positions | drafts (K) | num_drafts | top_k | greedy (0 / 1)
     floats [R, K + 4] fp32: uniforms (K + 1, acceptance.draw_uniforms') | temperature | top_p | log(min_p)
     tok    [3, T]: the catch-up's tokens | positions | h rows
+    keep   [2, R]: each row's slot | its first verify entry (the scratch slot / checkpoint: nothing to keep)
     strm   [4 + 2 (K - 1), B]: the catch-up streams' cu_seqlens[1:] | slot ids | context_lens (the head's entries
            start there) | the catch-up row of each stream's last token; then per draft step s: positions (= the
            head's context) | slot ids
@@ -148,6 +150,19 @@ def host_rows(positions: list[list[int]], drafts: list[list[int]], params: list,
         floats.append([temperature, top_p, log_min_p])
     return (torch.tensor(ints, dtype=torch.int64),
             torch.cat([uniforms, torch.tensor(floats, dtype=torch.float32)], dim=1))
+
+
+def keep_accepted_states(cache, result: Tensor, ints: Tensor, keep: Tensor, K: int) -> None:
+    """After an acceptance (`result` [R, K + 2], accept_greedy's / accept_sampled's, over `ints`' rows): each row
+    that kept fewer drafts than it verified takes verify entry keep[1] + count into slot keep[0]; keep [2, R]:
+    the row's slot and its first verify entry, the scratch slot / checkpoint for rows that keep nothing (plain
+    rows, padding). The index is made on the device from the counts, so the copy needs no read back (captured in
+    the acceptance's graph). Not compiled (keep_verified_states' reason)."""
+    counts, num_drafts = result[:, 0], ints[:, 2 * K + 1]
+    redo = (counts < num_drafts) & (keep[1] != cache.scratch_checkpoint)
+    index = torch.stack([torch.where(redo, keep[0], cache.scratch_slot),
+                         torch.where(redo, keep[1] + counts, cache.scratch_checkpoint)])
+    keep_verified_states(cache, index)
 
 
 def keep_verified_states(cache, index: Tensor) -> None:

@@ -49,6 +49,7 @@ import time
 import torch
 
 from ..batch import Stream
+from ..cache_prefixes import write_targets
 from ..grammar import TokenMasks
 from ..handle import deliver
 from ..logits_processors import process_logits
@@ -200,12 +201,13 @@ class SpeculativeStep:
             kept = list(lengths)
             rows = [reqs[i] for i in spec + plain]
             if rows and self.graphs is not None and out["bucket"] is not None and all(map(unprocessed, rows)):
+                # (its graph also keeps the states: tail.keep_accepted_states)
                 counts = self._accept_captured(h, out, reqs, spec, plain, starts, lengths)
             else:
                 counts = self._accept_eager(h, out, reqs, spec, plain, starts, lengths)
-            redo = [(j, i, c) for j, (i, c) in enumerate(zip(spec, counts)) if c < lengths[i] - 1]
-            if redo:  # the state after the kept tokens: verify entry c of the j-th speculating stream
-                self._keep_states([reqs[i].slot for _, i, _ in redo], [self.base + j * K + c for j, _, c in redo])
+                redo = [(j, i, c) for j, (i, c) in enumerate(zip(spec, counts)) if c < lengths[i] - 1]
+                if redo:  # the state after the kept tokens: verify entry c of the j-th speculating stream
+                    self._keep_states([reqs[i].slot for _, i, _ in redo], [self.base + j * K + c for j, _, c in redo])
             for i, c in zip(spec, counts):
                 kept[i] = c + 1
             return kept
@@ -240,7 +242,8 @@ class SpeculativeStep:
     def _accept_captured(self, h, out: dict, reqs: list, spec: list[int], plain: list[int], starts: list[int],
                          lengths: list[int]) -> list[int]:
         """_accept_eager's tokens for rows no logits processor touches (`unprocessed`), in one replay of the
-        bucket's acceptance graph (capture/speculative.py, speculative/tail.py) and one read back."""
+        bucket's acceptance graph (capture/speculative.py, speculative/tail.py) and one read back; the graph
+        also puts each speculating stream's accepted state into its slot (settle's step 4)."""
         K = self.k
         drafts = [reqs[i].drafts for i in spec] + [[] for _ in plain]
         positions = ([[starts[i] + min(t, len(reqs[i].drafts)) for t in range(K + 1)] for i in spec]
@@ -248,7 +251,8 @@ class SpeculativeStep:
         rows = [reqs[i] for i in spec + plain]
         uniforms = draw_uniforms([r.generator for r in rows], [len(d) for d in drafts], K)
         ints, floats = host_rows(positions, drafts, [r.params for r in rows], uniforms, K, self.model.config.vocab_size)
-        result = self.graphs.accept(out["bucket"], h, ints, floats).tolist()  # the step's one read back
+        keep = [(reqs[i].slot, self.base + j * K) for j, i in enumerate(spec)] + [None] * len(plain)
+        result = self.graphs.accept(out["bucket"], h, ints, floats, keep).tolist()  # the step's one read back
         counts = [row[0] for row in result[:len(spec)]]
         out["spec"] = {i: (row[1:row[0] + 2], [None] * (row[0] + 1)) for i, row in zip(spec, result)}
         out["plain"] = {i: ([row[1]], [None]) for i, row in zip(plain, result[len(spec):])}
@@ -364,10 +368,11 @@ def unprocessed(r) -> bool:
 
 def targets(cache, tokens: list[int], entries: list[int]) -> None:
     """The verify checkpoints of a step (cache.checkpoint_tokens / entries past prefix_targets): the GDN ops keep
-    the state after packed token tokens[i] in entry entries[i]; the rest -1 (none)."""
+    the state after packed token tokens[i] in entry entries[i]; the rest -1 (none). One copy to the device
+    (cache_prefixes.write_targets); none at all to clear them (tokens -1: an entry beside -1 is never read)."""
     if not cache.verify_entries:
         return
-    P, V = cache.prefix_targets, cache.verify_entries
-    pad = V - len(tokens)
-    cache.checkpoint_tokens[P:].copy_(to_device(int_tensor(tokens + [-1] * pad), cache.device))
-    cache.checkpoint_entries[P:].copy_(to_device(int_tensor(entries + [cache.scratch_checkpoint] * pad), cache.device))
+    if tokens:
+        write_targets(cache, cache.prefix_targets, tokens, entries, cache.verify_entries)
+    else:
+        cache.checkpoint_tokens[cache.prefix_targets:].fill_(-1)
