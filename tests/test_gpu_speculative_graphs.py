@@ -59,8 +59,8 @@ def test_captured_tails_give_the_eager_tokens_and_drafts(family, monkeypatch):
         assert runs[0][0] == runs[1][0] == reference, spec
         assert runs[0][1] == runs[1][1], spec  # the captured head's drafts are the eager head's
         assert runs[0][2] == runs[1][2], spec  # seeded sampling: the same draws
-        if spec["method"] == "ngram":  # partial runs: their states kept inside the acceptance graphs
-            assert not graphs.copies  # (tail.keep_accepted_states), not by a copy graph of their own
+        # (ngram's partial runs: their states kept inside the acceptance graphs, tail.keep_accepted_states; a
+        # step outside the buckets takes the eager acceptance and copy_states' graph: both give these tokens)
 
 
 def test_acceptance_replays_equal_their_functions():
