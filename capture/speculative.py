@@ -116,7 +116,7 @@ class SpeculativeGraphs:
                     ints = torch.zeros(rows, 2 * K + 4, dtype=torch.int64, device=dev)
                     ints[:, 2 * K + 2:] = torch.tensor([self.vocab, 1])  # greedy padding rows
                     floats = torch.tensor([0.0] * (K + 1) + list(tail.GREEDY_ROW), device=dev).repeat(rows, 1)
-                    keep = self._nothing_kept(rows).to(dev)
+                    keep = self._keep_rows([], rows).to(dev)
                     torch._dynamo.mark_dynamic(ints, 0)
                     torch._dynamo.mark_dynamic(floats, 0)
                     args = (self.model, h, ints, K, keep) if kind == "greedy" else (self.model, h, ints, floats, K, keep)
@@ -127,9 +127,12 @@ class SpeculativeGraphs:
             self._warm(entry)
         return entry
 
-    def _nothing_kept(self, rows: int) -> torch.Tensor:
-        """A keep buffer's rows that keep nothing (tail.keep_accepted_states): [2, rows] on the host."""
-        return torch.tensor([[self.cache.scratch_slot], [self.cache.scratch_checkpoint]]).repeat(1, rows)
+    def _keep_rows(self, keep: list, rows: int) -> torch.Tensor:
+        """A keep buffer's contents (tail.keep_accepted_states), [2, rows] on the host: keep[i] = (slot, first
+        verify entry) of row i, or None; None and the rows past keep's keep nothing (the scratch slot / entry)."""
+        nothing = (self.cache.scratch_slot, self.cache.scratch_checkpoint)
+        pairs = [nothing if pair is None else pair for pair in keep] + [nothing] * (rows - len(keep))
+        return int_tensor([x for column in zip(*pairs) for x in column]).view(2, rows)
 
     def _keeping(self, accept: Callable) -> Callable:
         """An acceptance entry's function: the compiled acceptance, then (not compiled) the accepted states' copy
@@ -172,10 +175,8 @@ class SpeculativeGraphs:
         if sampled:
             _fill(entry.args[3], floats)
         # every row of the keep buffer (not only r: an earlier call's rows past r must keep nothing now)
-        n, slot, scratch = entry.args[-1].shape[1], self.cache.scratch_slot, self.cache.scratch_checkpoint
-        keep = keep or []
-        kept = [(slot, scratch) if pair is None else pair for pair in keep] + [(slot, scratch)] * (n - len(keep))
-        entry.args[-1].copy_(int_tensor([x for pair in zip(*kept) for x in pair]).view(2, n), non_blocking=True)
+        buffer = entry.args[-1]
+        buffer.copy_(self._keep_rows(keep or [], buffer.shape[1]), non_blocking=True)  # (numbers.to_device's reason)
         return self._run(entry, h)[:r]
 
     def draft(self, bucket: Bucket, h: torch.Tensor, tok: torch.Tensor, strm: torch.Tensor) -> torch.Tensor:

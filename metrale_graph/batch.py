@@ -348,15 +348,15 @@ def pack(slots: list[int], ids: torch.Tensor, lengths: list[int], cache: HybridC
     if T == B:  # one token per stream (a decode step): each at its stream's context
         starts = range(B + 1)
         host = int_tensor(ctx + slots)  # (array.array takes a list several times faster than an iterator)
-    elif T <= SMALL_STEP:  # a verify or small mixed step: Python's lists cost less than three tensor ops
-        starts = [0, *itertools.accumulate(lengths)]
-        host = int_tensor([p for c, n in zip(ctx, lengths) for p in range(c, c + n)] + slots)
     else:
         starts = [0, *itertools.accumulate(lengths)]
-        # position of token j of stream b: ctx[b] + j = arange(T)[j] - (start of b) + ctx[b]
-        shift = int_tensor(map(operator.sub, ctx, starts))
-        positions = torch.arange(T) + torch.repeat_interleave(shift, int_tensor(lengths), output_size=T)
-        host = torch.cat([positions, int_tensor(slots)])
+        if T <= SMALL_STEP:  # a verify or small mixed step: Python's lists cost less than three tensor ops
+            host = int_tensor([p for c, n in zip(ctx, lengths) for p in range(c, c + n)] + slots)
+        else:
+            # position of token j of stream b: ctx[b] + j = arange(T)[j] - (start of b) + ctx[b]
+            shift = int_tensor(map(operator.sub, ctx, starts))
+            positions = torch.arange(T) + torch.repeat_interleave(shift, int_tensor(lengths), output_size=T)
+            host = torch.cat([positions, int_tensor(slots)])
     on_host = ids.is_cpu
     dev = to_device(torch.cat([ids, host]) if on_host else host, cache.device)
     tok, positions, slot_ids = dev.split_with_sizes([T, T, B]) if on_host else (ids, *dev.split_with_sizes([T, B]))
