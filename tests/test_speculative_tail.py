@@ -302,3 +302,36 @@ def test_verify_targets_take_one_copy_and_clear_on_the_device():
     assert cache.checkpoint_tokens[P:].tolist() == [-1] * 6 and (cache.checkpoint_tokens[:P] == 7).all()
     assert cache.checkpoint_targets.shape == (2, P + 6)
     assert cache.checkpoint_targets[0].data_ptr() == cache.checkpoint_tokens.data_ptr()
+
+
+def test_a_failed_state_copy_in_the_acceptance_leaves_later_requests_exact(models, monkeypatch):
+    """The captured path's accepted-state copy (tail.keep_accepted_states, inside the acceptance entry) raising
+    once fails that step's requests alone, inside the cache's transaction: later requests on the same engine (its
+    slots, verify entries and the tail's buffers) give plain decoding's tokens and no block stays held."""
+    from metrale_graph.speculative import tail as tail_module
+
+    model, prompts = models["dense"], prompts_of("dense")[:3]
+    with Engine(model, 3, compile=False) as e:
+        reference = [r.token_ids for r in e.generate(prompts, max_new_tokens=10, stop_token_ids=[])]
+    monkeypatch.setattr(verify, "ngram_propose", Oracle(prompts, reference, CONFIGS["dense"].vocab_size))
+    real, calls = tail_module.keep_accepted_states, []
+
+    def once(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return real(*args)
+
+    with tail_engine(model, 3, {"method": "ngram", "num_tokens": 3}) as e:
+        monkeypatch.setattr(tail_module, "keep_accepted_states", once)
+        handles = [e.submit(p, max_new_tokens=10, stop_token_ids=[]) for p in prompts]
+        failed = 0
+        for h, ref in zip(handles, reference):
+            try:
+                assert h.result().token_ids == ref
+            except RuntimeError as err:
+                assert str(err) == "injected"
+                failed += 1
+        assert failed > 0 and len(calls) > 0 and e.stats().used_blocks == 0
+        assert [r.token_ids for r in e.generate(prompts, max_new_tokens=10, stop_token_ids=[])] == reference
+        assert len(calls) > 1 and e.stats().running == 0 and e.stats().used_blocks == 0
