@@ -256,22 +256,35 @@ def _row_values(logits: torch.Tensor, params: Sequence[SamplingParams], rows: Se
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
     """One token per row of `logits` [n, vocab] (int64 [n]): greedy rows the argmax, the others an inverse-CDF draw
-    under temperature, min_p, top-k and top-p."""
-    greedy = logits.argmax(dim=-1)  # in the logits' dtype: widening to fp32 is exact, so the same argmax
+    under temperature, min_p, top-k and top-p with one uniform from their generator."""
     rows = [i for i, p in enumerate(params) if not p.greedy]
+    return draw_with(logits, params, rows, [float(torch.rand(1, generator=generators[i])) for i in rows])
+
+
+def draw_with(logits: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[int],
+              uniforms: list[float]) -> torch.Tensor:
+    """_draw's tokens int64 [n] with given uniforms: uniforms[j] is row rows[j]'s (the sampled rows, in order);
+    the other rows take the argmax. A speculative step draws its verify positions here (acceptance.py), so a
+    position's token is the one a plain step would draw with the same uniform."""
+    greedy = logits.argmax(dim=-1)  # in the logits' dtype: widening to fp32 is exact, so the same argmax
     if not rows:
         return greedy
-    uniforms = torch.cat([torch.rand(1, generator=generators[i]) for i in rows]).tolist()
     uniforms, temps, top_k, top_p, log_min_p, index = _row_values(logits, params, rows, uniforms)
     probs, order = _sorted_probs(logits.index_select(0, index).float(), temps, top_k, top_p, log_min_p)
-    cdf = row_cumsum(probs)
-    target = uniforms.unsqueeze(1) * cdf[:, -1:]
-    pos = torch.searchsorted(cdf, target, right=True)
-    kept = (probs > 0).sum(dim=-1, keepdim=True)
-    pos = torch.minimum(pos, kept - 1)  # rounding: u * total can reach the last kept entry's cdf
     out = greedy.clone()
-    out[index] = order.gather(1, pos).squeeze(1)
+    out[index] = inverse_cdf(probs, order, uniforms)
     return out
+
+
+def inverse_cdf(probs: torch.Tensor, order: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row int64 [n] from _sorted_probs' (probs, order) [n, vocab] and uniforms [n]: the first sorted
+    entry whose cumulative mass exceeds u * total, never past the last kept entry (rounding: u * total can reach
+    its cdf)."""
+    cdf = row_cumsum(probs)
+    pos = torch.searchsorted(cdf, (uniforms.unsqueeze(1) * cdf[:, -1:]).contiguous(), right=True)
+    kept = (probs > 0).sum(dim=-1, keepdim=True)
+    pos = torch.minimum(pos, kept - 1).clamp(min=0)  # (clamp: a row of no mass, a captured bucket's padding)
+    return order.gather(1, pos).squeeze(1)
 
 
 @torch.library.custom_op("metrale_sampling::row_cumsum", mutates_args=(), schema="(Tensor x) -> Tensor")

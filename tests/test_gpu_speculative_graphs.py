@@ -84,7 +84,7 @@ def test_acceptance_replays_equal_their_functions():
                 positions = [[s + min(t, m) for t in range(K + 1)] for s, m in zip(starts, n)]
                 drafts = [torch.randint(0, V, (m,), generator=g).tolist() for m in n]
                 gens = [None if p.greedy else torch.Generator().manual_seed(i) for i, p in enumerate(params)]
-                ints, floats = host_rows(positions, drafts, params, draw_uniforms(gens, n, K), K, V)
+                ints, floats = host_rows(positions, drafts, params, draw_uniforms(gens, n, K).values, K, V)
                 for rows in ([0], list(range(r))):  # greedy alone (its own graph), then all
                     got = graphs.accept(bucket, out, ints[rows], floats[rows]).clone()
                     if len(rows) == 1:

@@ -243,7 +243,7 @@ def test_sampling_with_speculation_follows_plain_sampling(monkeypatch):
         return torch.randint(0, 8, (k,), generator=g).tolist()
 
     monkeypatch.setattr(verify, "ngram_propose", drafts)
-    freqs = []
+    freqs, runs = [], []
     for spec in (None, {"method": "ngram", "num_tokens": 2, "max_streams": 64}):  # every step speculates
         with Engine(model, 64, compile=False, speculative=spec) as e:
             out = e.generate(prompts, max_new_tokens=new, temperature=1.0, seed=11, stop_token_ids=[])
@@ -252,12 +252,40 @@ def test_sampling_with_speculation_follows_plain_sampling(monkeypatch):
                 assert 0 < s["accepted"] < s["proposed"]
         tokens = torch.tensor([r.token_ids for r in out])  # [N, new]
         freqs.append(torch.stack([torch.bincount(tokens[:, j], minlength=8) for j in range(new)]).double() / N)
+        runs.append(tokens)
     assert (freqs[0] - freqs[1]).abs().max() < 4.5 * (0.5 / N) ** 0.5
+    # stronger, since acceptance draws each position as a plain step would with the same uniform: the same tokens
+    assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_seeded_sampling_with_speculation_gives_plain_sampling(method):
+    """A seeded sampled request emits the tokens plain sampling gives with its seed, whether or not its steps
+    verify drafts and whatever shares them (acceptance.accept_drawn and Uniforms.settle). With "ngram" the loop
+    overlaps its steps until some decode's lookup hits, so a neighbour's hit (a greedy request on the bigram
+    chain, whose cycle repeats) turns a step into a verify in which the sampled request gets drafts of its own:
+    before, the count of uniforms it drew then depended on the neighbour."""
+    model = bigram_model(CONFIGS["dense"])  # (its MTP head drafts the greedy chain: some drafts are kept)
+    spec = {"method": method, "num_tokens": 2}
+    if method == "ngram":
+        spec["prompt_lookup_min"] = 1  # a repeated token is enough: the sampled stream gets drafts too
+    sampled = dict(max_new_tokens=24, temperature=0.9, stop_token_ids=[])
+    prompts = [[3, 5, 7, 3, 5], [11, 12, 13]]
+    with Engine(model, 3, compile=False) as e:
+        want = [r.token_ids for r in e.generate(prompts, seed=7, **sampled)]
+    with Engine(model, 3, compile=False, speculative=spec) as e:
+        alone = [r.token_ids for r in e.generate(prompts, seed=7, **sampled)]
+        neighbour = e.submit([9, 4, 9, 4], max_new_tokens=30, stop_token_ids=[])  # greedy, beside them
+        together = [r.token_ids for r in e.generate(prompts, seed=7, **sampled)]
+        neighbour.result()
+        s = e.stats().speculative
+    assert s["proposed"] > 0 and s["accepted"] > 0
+    assert alone == want and together == want
 
 
 def test_seeded_sampling_with_mtp_drafts_is_deterministic(models):
-    """A seeded request's uniforms come from its own generator in a fixed order (acceptance tests, then the final
-    draw): the same seed gives the same tokens, whatever else shares the batch."""
+    """A seeded request's uniforms come from its own generator, one per emitted position: the same seed gives the
+    same tokens, whatever else shares the batch."""
     model, cfg = models["next"], CONFIGS["next"]
     prompts = prompts_of(cfg)[:3]
     kw = dict(max_new_tokens=12, temperature=0.8, top_k=20, stop_token_ids=[])

@@ -1,6 +1,6 @@
 """The speculative step's tail on static buffers (speculative/tail.py, capture/speculative.py): its functions give
-the eager path's tokens (acceptance.target_probabilities + rejection_sample for rows with drafts, sampling.sample
-for rows without), and an engine whose speculative steps take it (`tail_engine`: the buffers, their padding and the
+the eager path's tokens (acceptance.draw_positions + accept_drawn for rows with drafts, sampling.sample for rows
+without), and an engine whose speculative steps take it (`tail_engine`: the buffers, their padding and the
 host layouts of SpeculativeGraphs with the functions uncompiled, behind a stand-in for the runner's hidden-states
 buckets) gives plain decoding's greedy tokens and the eager speculative engine's drafts and seeded sampled tokens.
 One case compiles (torch.compile, fullgraph); graphs only on a GPU (test_gpu_speculative_graphs.py). fp32, CPU."""
@@ -18,7 +18,7 @@ from metrale_graph import Engine, HybridModel
 from metrale_graph.capture import choose, make_grid
 from metrale_graph.capture.speculative import SpeculativeGraphs
 from metrale_graph.sampling import SampleRow, SamplingParams, new_generator, sample
-from metrale_graph.speculative import draw_uniforms, rejection_sample, target_probabilities, verify
+from metrale_graph.speculative import accept_drawn, draw_positions, draw_uniforms, verify
 from metrale_graph.speculative.drafting import MtpDrafter
 from metrale_graph.speculative.tail import accept_greedy, accept_sampled, host_rows
 
@@ -94,7 +94,7 @@ def recorded_drafts(monkeypatch) -> list:
 
 def test_tail_functions_give_the_eager_tokens():
     """Rows of every kind over random hidden states, 24 draws: greedy and sampled rows with drafts (the argmax's,
-    so that runs are kept, or random ones, so that the residual is drawn), sampled and greedy rows without drafts;
+    so that runs are kept, or random ones, so that rejections occur), sampled and greedy rows without drafts;
     top-k, top-p, min_p and temperatures. Each token equals the eager path's (the same per-row arithmetic on the
     CPU: exact)."""
     model = unit_gain(HybridModel.from_preset(tiny_config(), seed=1), seed=2)
@@ -118,17 +118,16 @@ def test_tail_functions_give_the_eager_tokens():
             drafts.append(d)
         seeds = [None if p.greedy else 100 * draw + b for b, p in enumerate(params)]
         gens = lambda: [None if s is None else new_generator(s) for s in seeds]  # noqa: E731
-        ints, floats = host_rows(positions, drafts, params, draw_uniforms(gens(), num_drafts, K), K, V)
+        ints, floats = host_rows(positions, drafts, params, draw_uniforms(gens(), num_drafts, K).values, K, V)
         got = accept_sampled(model, h, ints, floats, K)
-        # eager: rows with drafts through rejection_sample, rows without through sampling.sample
+        # eager: rows with drafts through draw_positions + accept_drawn, rows without through sampling.sample
         spec = [b for b, n in enumerate(num_drafts) if n]
         flat = torch.tensor([x for b in spec for x in positions[b]])
-        probs = target_probabilities(model.logits_of(h[flat]).view(len(spec), K + 1, V), [params[b] for b in spec])
         padded = torch.tensor([drafts[b] + [0] * (K - len(drafts[b])) for b in spec])
         g_all = gens()
-        ref = rejection_sample(probs, padded, torch.tensor([num_drafts[b] for b in spec]),
-                               torch.tensor([params[b].greedy for b in spec]),
-                               draw_uniforms([g_all[b] for b in spec], [num_drafts[b] for b in spec], K))
+        u = draw_uniforms([g_all[b] for b in spec], [num_drafts[b] for b in spec], K)
+        drawn = draw_positions(model.logits_of(h[flat]), [params[b] for b in spec], u.values)
+        ref = accept_drawn(drawn, padded, torch.tensor([num_drafts[b] for b in spec]))
         assert got[spec, 0].tolist() == ref.counts.tolist(), draw
         assert got[spec, 1:].tolist() == ref.tokens.tolist(), draw
         for b in (b for b, n in enumerate(num_drafts) if not n):

@@ -1,28 +1,32 @@
 """Acceptance of draft tokens: which of a stream's k drafts the target model keeps, and the one token it adds,
-on batched tensors, greedy and sampled rows side by side (vLLM's rejection sampler); no per-row host loop but
-the draw of each sampled row's uniforms from its request's generator.
+on batched tensors, greedy and sampled rows side by side; no per-row host loop but the draw of each sampled
+row's uniforms from its request's generator.
 
 Shapes: B streams (rows), K drafts at most (row b has num_drafts[b] <= K; the rest is padding), V vocabulary.
 
-    probs = target_probabilities(target_logits, params)       # [B, K+1, V]: the distribution the sampler draws
-    uniforms = draw_uniforms(generators, num_drafts, K)       # [B, K+1]: K acceptance tests, then the final draw
-    result = rejection_sample(probs, draft_tokens, num_drafts, greedy, uniforms, draft_probs)
-    result.counts [B], result.tokens [B, K+1]                  # accepted drafts, then one bonus / resampled token
+The engine's drafts (n-gram lookups, the MTP head's greedy drafts) are one-hot proposals, and for them
+acceptance is a match against the target's own draw at each position:
 
-`target_logits` [B, K+1, V] are the target model's logits at the stream's last verified token and at each
-draft, after the sampler's logits processors (sampling.process_logits: bias, penalties, masks); row b's
-position j scores the token after draft j (position 0: after the last token before the drafts).
+    uniforms = draw_uniforms(generators, num_drafts, K)       # .values [B, K+1]: one per verify position
+    drawn = draw_positions(logits, params, uniforms.values)   # [B, K+1]: what a plain step would draw there
+    result = accept_drawn(drawn, draft_tokens, num_drafts)     # counts [B], tokens [B, K+1]
+    uniforms.settle(result.counts)                             # each generator just past the uniforms used
 
-Greedy rows (temperature 0) keep the longest run of drafts equal to the target's argmax and add the argmax
-after it: the tokens greedy decoding emits. Sampled rows run standard speculative rejection sampling (Leviathan
-et al. 2023; Chen et al. 2023): draft j, drawn from the draft distribution q_j, is kept when u_j * q_j(d_j) <
-p_j(d_j) (probability min(1, p / q)); at the first rejection the added token is drawn from the normalized
-residual max(p_j - q_j, 0), and when all num_drafts are kept from p at the next position (the bonus token). So
-each emitted token is distributed exactly as the target's p, whatever q is: p is sampling.probabilities' (the
-request's temperature, min_p, top-k and top-p, renormalized), so the output follows the sampler's own
-distribution. `draft_probs` None: the drafts are one-hot proposals (n-gram lookups, greedy MTP drafts), q_j(d_j)
-= 1 and the residual is p_j without d_j. The final draw is the sampler's inverse CDF over token ids with the
-row's last uniform, which no acceptance test used (reusing the rejected test's uniform would bias it).
+Row b's position j scores the token after draft j (position 0: after the last token before the drafts). Its
+token there is drawn as a plain decode step draws (sampling.draw_with: the argmax for a greedy row, else the
+inverse CDF of the sorted, masked probabilities with the position's uniform u_j, the j-th uniform the request's
+generator gives from here); drafts are kept while they equal those draws, and the first draw that differs (or
+the one after the last draft) is the added token. For a one-hot draft d this is standard speculative rejection
+sampling (Leviathan et al. 2023; Chen et al. 2023) with q = one-hot(d): d is kept with probability p(d) =
+min(1, p(d) / q(d)), and on rejection the added token follows p conditioned on not being d, the normalized
+residual max(p - q, 0). The randomness is coupled to plain sampling's: a row that keeps c drafts has used c + 1
+uniforms, and `Uniforms.settle` puts its generator back just past them, so a seeded request draws the same
+uniform for the same output position whatever was drafted, and emits the tokens plain decoding with its seed
+would (up to the rounding of logits computed in a differently shaped step): its tokens never depend on what
+else shares its steps, nor on whether a step verified drafts.
+
+`rejection_sample` is the general form for drafts drawn from a distribution q (draft_probs; None: one-hot),
+with its own uniforms' layout (K acceptance tests, then the final draw); no engine path draws sampled drafts yet.
 """
 
 from __future__ import annotations
@@ -32,13 +36,13 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from ..sampling import SamplingParams, probabilities, row_cumsum
+from ..sampling import SamplingParams, draw_with, probabilities, row_cumsum
 
 EMPTY = -1  # tokens' entries past what a row emits
 
 
 class Accepted(NamedTuple):
-    """rejection_sample's result, on the inputs' device: `counts` int64 [B], the drafts each row keeps (0 ..
+    """accept_drawn's and rejection_sample's result, on the inputs' device: `counts` int64 [B], the drafts each row keeps (0 ..
     num_drafts[b]); `tokens` int64 [B, K+1], each row's kept drafts, then the token it adds, then EMPTY. Row b
     emits counts[b] + 1 tokens."""
     counts: Tensor
@@ -67,19 +71,75 @@ def target_probabilities(target_logits: Tensor, params: Sequence[SamplingParams]
     return out
 
 
-def draw_uniforms(generators: Sequence[torch.Generator | None], num_drafts: Sequence[int], max_drafts: int,
-                  device=None) -> Tensor:
-    """Each sampled row's uniforms [B, K+1] fp32 from its request's generator: num_drafts[b] for the acceptance
-    tests (columns 0 .. num_drafts[b] - 1), then one for the final draw (column K), drawn in that order, so a
-    seeded request's tokens depend on its seed and its drafts alone. Greedy rows (generator None) draw nothing
-    (zeros)."""
-    B, K = len(generators), max_drafts
-    out = torch.zeros(B, K + 1, dtype=torch.float32)
-    for b, (g, n) in enumerate(zip(generators, num_drafts)):
-        if g is not None:
-            u = torch.rand(n + 1, generator=g)
-            out[b, :n], out[b, K] = u[:n], u[n]
-    return out.to(device) if device is not None else out
+class Uniforms:
+    """Each sampled row's uniforms for a verify step (draw_uniforms): `values` fp32 [B, K+1], row b's
+    num_drafts[b] + 1 uniforms in columns 0 .. num_drafts[b] (position j's in column j), drawn from its request's
+    generator in that order; zeros elsewhere and in greedy rows (generator None)."""
+
+    def __init__(self, generators: Sequence[torch.Generator | None], num_drafts: Sequence[int], max_drafts: int):
+        if len(generators) != len(num_drafts):
+            raise ValueError(f"{len(generators)} generators for {len(num_drafts)} rows of drafts")
+        self.values = torch.zeros(len(generators), max_drafts + 1, dtype=torch.float32)
+        self._rewind = []  # (row, generator, its state before the draw, drafts): rows that may use fewer
+        for b, (g, n) in enumerate(zip(generators, num_drafts)):
+            if not 0 <= n <= max_drafts:
+                raise ValueError(f"row {b} has {n} drafts, outside 0 .. {max_drafts}")
+            if g is None:
+                continue
+            if n:
+                self._rewind.append((b, g, g.get_state(), n))
+            self.values[b, :n + 1] = torch.rand(n + 1, generator=g)
+
+    def settle(self, counts: Sequence[int]) -> None:
+        """After acceptance, `counts` (host ints [B]) the drafts each row kept: a row that kept c < num_drafts
+        used c + 1 uniforms, so its generator goes back to its state before the draw and draws those c + 1 again:
+        the next uniform it gives is the one after the last token the row emitted."""
+        for b, g, state, n in self._rewind:
+            c = int(counts[b])
+            if c < n:
+                g.set_state(state)
+                torch.rand(c + 1, generator=g)
+
+
+def draw_uniforms(generators: Sequence[torch.Generator | None], num_drafts: Sequence[int], max_drafts: int
+                  ) -> Uniforms:
+    """The verify positions' uniforms of B rows (Uniforms): generators[b] the row's request's (None: greedy),
+    num_drafts[b] its drafts (at most max_drafts)."""
+    return Uniforms(generators, num_drafts, max_drafts)
+
+
+def draw_positions(logits: Tensor, params: Sequence[SamplingParams], uniforms: Tensor) -> Tensor:
+    """The target's token at every verify position, int64 [B, K+1], from `logits` [B * (K+1), V] (row b's
+    positions together, after the logits processors) with each row's SamplingParams and uniforms [B, K+1]
+    (Uniforms.values; sampling.draw_with: a plain step's draw)."""
+    B, K1 = uniforms.shape
+    if logits.shape[0] != B * K1 or len(params) != B:
+        raise ValueError(f"draw_positions: {logits.shape[0]} rows of logits and {len(params)} sampling parameters "
+                         f"for {B} rows of {K1} positions")
+    rows = [b * K1 + t for b, p in enumerate(params) if not p.greedy for t in range(K1)]
+    values = uniforms.reshape(-1).tolist()
+    return draw_with(logits, [p for p in params for _ in range(K1)], rows, [values[i] for i in rows]).view(B, K1)
+
+
+def accept_drawn(drawn: Tensor, draft_tokens: Tensor, num_drafts: Tensor) -> Accepted:
+    """Accepted drafts and the added token (module docstring): drawn int64 [B, K+1] the target's token at each
+    verify position (a plain step's draw there), draft_tokens [B, K] (entries past num_drafts[b] ignored),
+    num_drafts [B]. Row b keeps the leading run of drafts equal to its draws, then adds the draw after it. Reads
+    nothing back to the host."""
+    B, K1 = drawn.shape
+    K = K1 - 1
+    if tuple(draft_tokens.shape) != (B, K) or tuple(num_drafts.shape) != (B,):
+        raise ValueError(f"accept_drawn: draft_tokens {tuple(draft_tokens.shape)} and num_drafts "
+                         f"{tuple(num_drafts.shape)} do not fit drawn {tuple(drawn.shape)} (expected [{B}, {K}] "
+                         f"and [{B}])")
+    dev = drawn.device
+    valid = torch.arange(K, device=dev).unsqueeze(0) < num_drafts.unsqueeze(1)
+    counts = ((draft_tokens == drawn[:, :K]) & valid).long().cumprod(dim=1).sum(dim=1)
+    final = drawn.gather(1, counts.unsqueeze(1))
+    cols = torch.arange(K1, device=dev).unsqueeze(0)
+    padded = torch.cat([draft_tokens, draft_tokens.new_full((B, 1), EMPTY)], dim=1)
+    tokens = torch.where(cols < counts.unsqueeze(1), padded, EMPTY)
+    return Accepted(counts, torch.where(cols == counts.unsqueeze(1), final, tokens))
 
 
 def rejection_sample(target_probs: Tensor, draft_tokens: Tensor, num_drafts: Tensor, greedy: Tensor,
@@ -91,7 +151,7 @@ def rejection_sample(target_probs: Tensor, draft_tokens: Tensor, num_drafts: Ten
         draft_tokens: [B, K] int64; entries past num_drafts[b] are ignored.
         num_drafts: [B] int64, each in [0, K].
         greedy: [B] bool: rows accepted by argmax (their uniforms and draft probabilities unused).
-        uniforms: [B, K+1] in [0, 1) (draw_uniforms): column j < K tests draft j, column K draws the final token.
+        uniforms: [B, K+1] in [0, 1): column j < K tests draft j, column K draws the final token.
         draft_probs: [B, K, V] the distributions the drafts were drawn from, or None (one-hot drafts).
     Returns Accepted (counts [B], tokens [B, K+1]). Reads nothing back to the host.
     """

@@ -7,7 +7,7 @@ cache.mtp_context_lens[slot] == b), the head catches up on them: position p read
 prompt and output hold it: a prompt token, a kept draft, or the token the step emitted) beside the main model's
 normed hidden state of p from this very step; the last output gives draft 1 (of token n' + 1), and draft j + 1
 runs the head at position n' + j - 1 on draft j beside its own previous output. Drafts are the head's argmax
-(one-hot proposals for rejection_sample, whatever the request's temperature: exact either way). The drafts' own
+(one-hot proposals for acceptance.accept_drawn, whatever the request's temperature: exact either way). The drafts' own
 KV entries (positions n' .. n' + k - 2) are not counted (mtp_context_lens becomes n'); the next catch-up
 rewrites the kept positions. With prefix caching the tokens each kept entry read are noted with its block
 (SlotBlocks.head_written), so that a request restoring those blocks keeps its MTP drafts. The blocks they need

@@ -43,7 +43,7 @@ from ..sampling import SamplingParams, probabilities
 class Draft(NamedTuple):
     """draft_mtp's result: `tokens` (k ids), `logits` [k, V] (the head's raw logits each was chosen from) and
     `probs` [k, V] fp32, the distributions they were drawn from (sampled drafts), or None (greedy drafts: one-hot
-    proposals for acceptance.rejection_sample)."""
+    proposals for acceptance.accept_drawn)."""
     tokens: list[int]
     logits: Tensor
     probs: Tensor | None

@@ -4,7 +4,7 @@ function over a stream's token list (its prompt and output so far). The MTP head
 The lookup: for n from max_n down to min_n, the last n tokens are searched for earlier in the list; at the
 longest n that occurs, its most recent earlier occurrence proposes the up to k tokens that followed it there
 (fewer where the list ends first). No occurrence of any n: no proposal. The proposals are one-hot drafts
-(acceptance.rejection_sample with draft_probs None).
+(acceptance.accept_drawn).
 """
 
 from __future__ import annotations

@@ -10,10 +10,11 @@ addresses.
 
 - `accept_greedy(model, h, ints, K)` / `accept_sampled(model, h, ints, floats, K)`: the LM head over the rows'
   hidden states, then the tokens verify.py's eager path gives for the same rows when no logits processor applies:
-  `acceptance.target_probabilities` + `rejection_sample` for rows with drafts, and for rows without any (prompt
-  chunks' last tokens, decodes without drafts) `sampling.sample`'s own draw (its inverse CDF over the sorted
-  probabilities with the request's one uniform), so a seeded request draws the same token whichever path its
-  step took. Returns int64 [R, K + 2]: the accept count, then the row's K + 1 tokens (Accepted's layout).
+  each position's token drawn as `sampling.sample` draws (the argmax, or its inverse CDF over the sorted
+  probabilities with the position's uniform) and `acceptance.accept_drawn` (rows without drafts, prompt chunks'
+  last tokens and decodes without any, simply emit their first position's draw), so a seeded request draws the
+  same token whichever path its step took. Returns int64 [R, K + 2]: the accept count, then the row's K + 1
+  tokens (Accepted's layout).
 - `mtp_drafts(model, cache, h, tok, strm, K)`: the MTP head's catch-up over the kept positions and its K - 1
   single-token draft steps (drafting.py's eager loop), drafts chosen on the device: int64 [B, K].
 - `keep_verified_states(cache, index)`: the accepted runs' conv / GDN states into their slots (not compiled:
@@ -22,7 +23,8 @@ addresses.
 
 Layouts (int64 unless stated):
     ints   [R, 2K + 4]: h rows of the K + 1 positions | drafts (K) | num_drafts | top_k | greedy (0 / 1)
-    floats [R, K + 4] fp32: uniforms (K + 1, acceptance.draw_uniforms') | temperature | top_p | log(min_p)
+    floats [R, K + 4] fp32: uniforms (K + 1: acceptance.Uniforms.values, position j's in column j) | temperature |
+           top_p | log(min_p)
     tok    [3, T]: the catch-up's tokens | positions | h rows
     keep   [2, R]: each row's slot | its first verify entry (the scratch slot / checkpoint: nothing to keep)
     strm   [4 + 2 (K - 1), B]: the catch-up streams' cu_seqlens[1:] | slot ids | context_lens (the head's entries
@@ -43,8 +45,8 @@ from torch import Tensor
 
 from ..batch import PackedBatch
 from ..ops.checkpoints import copy_rows
-from ..sampling import _sorted_probs, row_cumsum
-from .acceptance import EMPTY, rejection_sample
+from ..sampling import _sorted_probs, inverse_cdf
+from .acceptance import accept_drawn
 from .mtp import mtp_hidden_states
 
 GREEDY_ROW = (1.0, 2.0, -math.inf)  # temperature, top_p, log(min_p) of a greedy or padding row (top_k: V)
@@ -60,49 +62,30 @@ def _result(counts: Tensor, tokens: Tensor) -> Tensor:
 
 
 def accept_greedy(model, h: Tensor, ints: Tensor, K: int) -> Tensor:
-    """Every row greedy: the longest run of drafts equal to the argmax, then the argmax after it (rejection_sample
-    on target_probabilities' one-hot rows, without building them). int64 [R, K + 2]."""
+    """Every row greedy: the longest run of drafts equal to the argmax, then the argmax after it
+    (acceptance.accept_drawn on the argmax). int64 [R, K + 2]."""
     R = ints.shape[0]
     top = _logits(model, h, ints, K).argmax(dim=-1).view(R, K + 1)
-    drafts, num_drafts = ints[:, K + 1:2 * K + 1], ints[:, 2 * K + 1]
-    valid = torch.arange(K, device=ints.device).unsqueeze(0) < num_drafts.unsqueeze(1)
-    counts = ((drafts == top[:, :K]) & valid).long().cumprod(dim=1).sum(dim=1)
-    final = top.gather(1, counts.unsqueeze(1))
-    cols = torch.arange(K + 1, device=ints.device).unsqueeze(0)
-    padded = torch.cat([drafts, drafts.new_full((R, 1), EMPTY)], dim=1)
-    tokens = torch.where(cols < counts.unsqueeze(1), padded, EMPTY)
-    return _result(counts, torch.where(cols == counts.unsqueeze(1), final, tokens))
+    return _result(*accept_drawn(top, ints[:, K + 1:2 * K + 1], ints[:, 2 * K + 1]))
 
 
 def accept_sampled(model, h: Tensor, ints: Tensor, floats: Tensor, K: int) -> Tensor:
-    """Greedy and sampled rows together (the layouts in the module docstring). int64 [R, K + 2]."""
+    """Greedy and sampled rows together (the layouts in the module docstring): each position's token drawn as
+    sampling.draw_with draws it (the argmax, or the inverse CDF of the sorted probabilities with the position's
+    uniform), then acceptance.accept_drawn. int64 [R, K + 2]."""
     R, K1 = ints.shape[0], K + 1
     logits = _logits(model, h, ints, K)
-    V = logits.shape[1]
     greedy = ints[:, 2 * K + 3] != 0
-    num_drafts, drafts = ints[:, 2 * K + 1], ints[:, K + 1:2 * K + 1]
 
     def per_position(x: Tensor) -> Tensor:
         return x.unsqueeze(1).expand(R, K1).reshape(R * K1)
 
-    # sampling.probabilities' distributions (every row: greedy rows carry a harmless one, replaced below)
+    # every row's sorted distributions (greedy rows carry a harmless one, replaced below)
     sorted_probs, order = _sorted_probs(logits.float(), per_position(floats[:, K1]), per_position(ints[:, 2 * K + 2]),
                                         per_position(floats[:, K1 + 1]), per_position(floats[:, K1 + 2]))
-    probs = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs / sorted_probs.sum(dim=-1, keepdim=True))
-    one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    target = torch.where(per_position(greedy).unsqueeze(1), one_hot, probs).view(R, K1, V)
-    uniforms = floats[:, :K1]
-    accepted = rejection_sample(target, drafts, num_drafts, greedy, uniforms)
-    # rows without drafts draw as sampling.sample does (_draw): the sorted probabilities of their one position
-    first, first_order = sorted_probs.view(R, K1, V)[:, 0], order.view(R, K1, V)[:, 0]
-    cdf = row_cumsum(first)
-    pos = torch.searchsorted(cdf, uniforms[:, K:] * cdf[:, -1:], right=True)
-    pos = torch.minimum(pos, (first > 0).sum(dim=-1, keepdim=True) - 1).clamp(min=0)  # (clamp: padding rows only)
-    drawn = first_order.gather(1, pos).squeeze(1)
-    plain = (num_drafts == 0) & ~greedy
-    tokens = accepted.tokens
-    tokens = torch.cat([torch.where(plain, drawn, tokens[:, 0]).unsqueeze(1), tokens[:, 1:]], dim=1)
-    return _result(accepted.counts, tokens)
+    drawn = inverse_cdf(sorted_probs, order, floats[:, :K1].reshape(R * K1)).view(R, K1)
+    drawn = torch.where(greedy.unsqueeze(1), logits.argmax(dim=-1).view(R, K1), drawn)
+    return _result(*accept_drawn(drawn, ints[:, K + 1:2 * K + 1], ints[:, 2 * K + 1]))
 
 
 def mtp_drafts(model, cache, h: Tensor, tok: Tensor, strm: Tensor, K: int) -> Tensor:
@@ -142,7 +125,7 @@ def row_values(params, vocab: int) -> tuple[int, int, float, float, float]:
 def host_rows(positions: list[list[int]], drafts: list[list[int]], params: list, uniforms: Tensor, K: int,
               vocab: int) -> tuple[Tensor, Tensor]:
     """(ints [r, 2K + 4], floats [r, K + 4]) on the host for r rows: each row's K + 1 h rows, its drafts (fewer
-    than K: padded), its SamplingParams and its uniforms [r, K + 1] (acceptance.draw_uniforms)."""
+    than K: padded), its SamplingParams and its uniforms [r, K + 1] (acceptance.Uniforms.values)."""
     ints, floats = [], []
     for rows, d, p in zip(positions, drafts, params):
         greedy, top_k, temperature, top_p, log_min_p = row_values(p, vocab)

@@ -24,14 +24,16 @@ CUDA captured) hidden-states step of the bucket it fits (GraphRunner.hidden_buck
 3. Logits at every position of a speculating stream, through the logits processors batched over all positions
    (`_processed`): position j (after d_1 .. d_j) has min_tokens counting the drafts before it, the penalties
    counting them on top of the slot's statistics, and its grammar's mask after them (grammar.TokenMasks
-   .fill_drafts: the matcher advanced along the drafts and rolled back); then `acceptance.rejection_sample`
-   (greedy rows: argmax match; sampled rows: rejection sampling with one-hot draft probabilities) with uniforms
-   from the request's generator; the emitted tokens join the penalty statistics, and their logprobs come from
-   their position's raw logits (logprobs.py, as a plain step's). The other sampling rows go through
-   `sampling.sample` as in a plain step. Accept counts, tokens and logprobs read back (one sync). With a runner
-   and a step in one of its buckets whose rows no processor touches (`unprocessed`), all of this is one replay
-   of the bucket's acceptance graph instead (`_accept_captured`: capture/speculative.py, tail.py), and the state
-   copy of step 4 and the MTP head of step 6 replay graphs too.
+   .fill_drafts: the matcher advanced along the drafts and rolled back); then each position's token drawn as a plain
+   step draws it, with one uniform a position from the request's generator, and the drafts kept while they equal
+   those draws (`acceptance.accept_drawn`: for one-hot drafts, rejection sampling whose randomness is plain
+   sampling's; the generator then settles just past the uniforms the emitted tokens used, so a seeded request emits
+   plain decoding's tokens whatever was drafted); the emitted tokens join the penalty statistics, and their logprobs
+   come from their position's raw logits (logprobs.py, as a plain step's). The other sampling rows go through
+   `sampling.sample` as in a plain step. Accept counts, tokens and logprobs read back (one sync). With a runner and
+   a step in one of its buckets whose rows no processor touches (`unprocessed`), all of this is one replay of the
+   bucket's acceptance graph instead (`_accept_captured`: capture/speculative.py, tail.py), and the state copy of
+   step 4 and the MTP head of step 6 replay graphs too.
 4. Settling the cache: a stream that kept a of its k drafts keeps a + 1 tokens: its slot's conv / GDN states
    are replaced by verify entry a (a == k: the step's own final state, nothing to copy), its context advances by
    a + 1 (KV of the rejected positions lies past it; the next step overwrites it) and with prefix caching only
@@ -58,7 +60,7 @@ from ..numbers import int_tensor, to_device
 from ..ops.common import decode_shaped
 from ..protocol import prefill_call
 from ..sampling import SampleRow, sample
-from .acceptance import draw_uniforms, rejection_sample, target_probabilities
+from .acceptance import accept_drawn, draw_positions, draw_uniforms
 from .drafting import MtpDrafter
 from .options import Speculative
 from .proposers import TokenHistory, ngram_propose
@@ -250,9 +252,11 @@ class SpeculativeStep:
                      + [[starts[i] + lengths[i] - 1] * (K + 1) for i in plain])
         rows = [reqs[i] for i in spec + plain]
         uniforms = draw_uniforms([r.generator for r in rows], [len(d) for d in drafts], K)
-        ints, floats = host_rows(positions, drafts, [r.params for r in rows], uniforms, K, self.model.config.vocab_size)
+        ints, floats = host_rows(positions, drafts, [r.params for r in rows], uniforms.values, K,
+                                 self.model.config.vocab_size)
         keep = [(reqs[i].slot, self.base + j * K) for j, i in enumerate(spec)] + [None] * len(plain)
         result = self.graphs.accept(out["bucket"], h, ints, floats, keep).tolist()  # the step's one read back
+        uniforms.settle([row[0] for row in result])
         counts = [row[0] for row in result[:len(spec)]]
         out["spec"] = {i: (row[1:row[0] + 2], [None] * (row[0] + 1)) for i, row in zip(spec, result)}
         out["plain"] = {i: ([row[1]], [None]) for i, row in zip(plain, result[len(spec):])}
@@ -283,12 +287,10 @@ class SpeculativeStep:
         flat = to_device(int_tensor([x for row in rows for x in row]), dev)
         raw = self.model.logits_of(h.index_select(0, flat))
         logits = self._processed(raw, reqs, K)
-        probs = target_probabilities(logits.view(len(reqs), K + 1, -1), [r.params for r in reqs])
+        uniforms = draw_uniforms([r.generator for r in reqs], n, K)
+        drawn = draw_positions(logits, [r.params for r in reqs], uniforms.values)
         drafts = to_device(int_tensor([t for r in reqs for t in r.drafts + [0] * (K - len(r.drafts))]), dev)
-        drafts = drafts.view(len(reqs), K)
-        result = rejection_sample(probs, drafts, to_device(int_tensor(n), dev),
-                                  to_device(torch.tensor([r.params.greedy for r in reqs]), dev),
-                                  draw_uniforms([r.generator for r in reqs], n, K, dev))
+        result = accept_drawn(drawn, drafts.view(len(reqs), K), to_device(int_tensor(n), dev))
         penalized = [b for b, r in enumerate(reqs) if r.params.penalized]
         if penalized:  # the emitted tokens (kept drafts, the added one) join the counts; rejected drafts do not
             index = to_device(int_tensor(penalized), dev)
@@ -301,6 +303,7 @@ class SpeculativeStep:
             device_logprobs = token_logprobs(raw.index_select(0, index), chosen,
                                              max(reqs[b].params.logprobs for b in want))
         counts, emitted = result.counts.tolist(), result.tokens.tolist()  # the step's one read back
+        uniforms.settle(counts)
         entries = [[None] * (c + 1) for c in counts]
         if want:
             host = device_logprobs.to_host([reqs[b].params.logprobs for b in want for _ in range(K + 1)])
