@@ -88,6 +88,11 @@ def test_the_speculative_option(models):
     assert check_speculative({"method": "ngram", "max_streams": 4, "prompt_lookup_max": 1}, without) == Speculative(
         "ngram", 3, 4, 1, 1)  # one suffix length given: the other's default moves to it
     assert check_speculative({"method": "ngram", "prompt_lookup_min": 5}, without) == Speculative("ngram", 3, 16, 5, 5)
+    # a Speculative is taken (checked again), and a None value means the default, as in from_vllm
+    assert check_speculative(Speculative("mtp", 2, 8), with_head) == Speculative("mtp", 2, 8)
+    assert check_speculative(Speculative("ngram", 2, 4, 1, 3), without) == Speculative("ngram", 2, 4, 1, 3)
+    assert check_speculative({"method": "ngram", "max_streams": None, "num_tokens": None}, without) == Speculative(
+        "ngram", 3)
 
 
 def test_vllm_speculative_config_maps_onto_the_option():
@@ -123,6 +128,10 @@ def test_vllm_speculative_config_maps_onto_the_option():
                                                 "'ngram' only"),
     ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 3}, r"prompt_lookup_min \(4\) must be at most"),
     ({"method": "ngram", "prompt_lookup_min": 0}, "prompt_lookup_min .* must be an integer >= 1, got 0"),
+    (Speculative("ngram", 0), "num_tokens .* must be an integer >= 1, got 0"),
+    (Speculative("eagle", 2), "unknown speculative method 'eagle'"),
+    ({"method": None}, "unknown speculative method None"),
+    ({"method": ["mtp"]}, r"unknown speculative method \['mtp'\]"),
 ])
 def test_bad_speculative_options_are_named(models, option, match):
     with pytest.raises(ValueError, match=match):

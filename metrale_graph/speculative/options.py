@@ -1,6 +1,7 @@
 """The speculative-decoding option a user gives (the Engine takes it as `speculative=`), checked against the
-model before anything is built: None (off), a method's name, or {"method": ..., "num_tokens": k, ...}; and the
-same option from vLLM's `--speculative-config` JSON (`from_vllm`, for the command-line tools).
+model before anything is built: None (off), a method's name, {"method": ..., "num_tokens": k, ...} (a key whose
+value is None takes its default, as from_vllm's null) or a Speculative (checked again); and the same option from
+vLLM's `--speculative-config` JSON (`from_vllm`, for the command-line tools).
 
 Methods: "mtp" drafts with the checkpoint's multi-token-prediction head (speculative/mtp.py; the model must hold
 one of one layer), "ngram" by prompt lookup (speculative/proposers.py; no weights). Keys:
@@ -64,10 +65,13 @@ def parse_speculative(speculative) -> Speculative | None:
     """check_speculative without the model: every check but the MTP head's."""
     if speculative is None:
         return None
-    if isinstance(speculative, str):
-        options: Mapping = {"method": speculative}
+    if isinstance(speculative, Speculative):
+        options: Mapping = {k: v for k, v in vars(speculative).items()
+                            if speculative.method == "ngram" or k not in _NGRAM_KEYS}
+    elif isinstance(speculative, str):
+        options = {"method": speculative}
     elif isinstance(speculative, Mapping):
-        options = speculative
+        options = {k: v for k, v in speculative.items() if v is not None or k == "method"}
         unknown = sorted(map(repr, set(options) - set(_KEYS)))
         if unknown:
             raise ValueError(f"speculative: unknown key(s) {', '.join(unknown)}; expected 'method' and optionally "
@@ -75,10 +79,11 @@ def parse_speculative(speculative) -> Speculative | None:
         if "method" not in options:
             raise ValueError(f"speculative needs a 'method' ({' or '.join(map(repr, METHODS))}), got {dict(options)!r}")
     else:
-        raise ValueError(f"speculative must be None, a method name ({', '.join(map(repr, METHODS))}) or a mapping "
-                         f"{{'method': ..., 'num_tokens': k}}, got {type(speculative).__name__} {speculative!r}")
+        raise ValueError(f"speculative must be None, a method name ({', '.join(map(repr, METHODS))}), a mapping "
+                         f"{{'method': ..., 'num_tokens': k}} or a Speculative, got {type(speculative).__name__} "
+                         f"{speculative!r}")
     method = options["method"]
-    if method not in METHODS:
+    if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"unknown speculative method {method!r}; expected one of {', '.join(map(repr, METHODS))}")
     if method != "ngram" and any(key in options for key in _NGRAM_KEYS):
         raise ValueError(f"speculative {', '.join(repr(k) for k in _NGRAM_KEYS if k in options)}: prompt lookup's "
