@@ -386,7 +386,9 @@ def test_speculative_flags(capsys):
                           (["--speculative", "0"], "positive integers"),
                           (["--speculative-mtp-k", "-1"], "non-negative"),
                           (["--speculative-k", "2"], "give one of them too"),
-                          (["--echo", "1", "--speculative-mtp-k", "1"], "give --speculative too")):
+                          (["--echo", "1", "--speculative-mtp-k", "1"], "give --speculative too"),
+                          (["--trace", "t"], "give one of them too"),
+                          (["--echo", "1", "--trace", "t"], "give --speculative too")):
         with pytest.raises(SystemExit) as e:
             bench._plan(p, p.parse_args(["--preset", "tiny", *argv]))
         assert e.value.code == 2 and message in capsys.readouterr().err, argv

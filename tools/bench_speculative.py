@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -98,6 +99,7 @@ class SpecPlan:
     echo_prompt: int = 128  # tokens of the echo's random prompt P
     echo_new: int = 256  # tokens of its continuation C, and of each echo generation
     host_top: int = 0  # with --host-profile: each window's largest host functions of the engine loop (sampled)
+    trace: str | None = None  # --trace: a folder for each verify run's profiler trace (chrome format, gzipped)
 
     @property
     def needs_mtp(self) -> bool:
@@ -115,6 +117,10 @@ def add_args(p) -> None:
     p.add_argument("--speculative-mtp-k", type=non_negative_int, default=None,
                    help="drafts per step of the MTP engine (a random one-layer head; default 2, the published "
                         "acceptance's k; 0 leaves it out)")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="with --speculative: write each verify run's torch.profiler trace (its windows' CUDA kernels "
+                        "and runtime calls such as cudaGraphLaunch, chrome format) to DIR/<engine>-<streams>.json.gz, "
+                        "to see when a graph's launch lets the GPU start")
     p.add_argument("--echo", type=positive_ints, default=None,
                    help="the n-gram echo workload at these stream counts (e.g. 1,16): tokens/s plain and with "
                         "n-gram drafts")
@@ -123,10 +129,13 @@ def add_args(p) -> None:
 def plan_of(p, args) -> SpecPlan | None:
     """The flags' SpecPlan (None without --speculative and --echo); usage errors through p.error."""
     if not args.speculative and not args.echo:
-        for flag, value in (("--speculative-k", args.speculative_k), ("--speculative-mtp-k", args.speculative_mtp_k)):
+        for flag, value in (("--speculative-k", args.speculative_k), ("--speculative-mtp-k", args.speculative_mtp_k),
+                            ("--trace", args.trace)):
             if value is not None:
                 p.error(f"{flag} sets up --speculative / --echo; give one of them too")
         return None
+    if args.trace is not None and not args.speculative:
+        p.error("--trace records --speculative's verify runs; give --speculative too")
     if args.speculative_mtp_k is not None and not args.speculative:
         p.error("--speculative-mtp-k sets up the MTP engine of --speculative; give --speculative too")
     if args.tp > 1:
@@ -138,7 +147,7 @@ def plan_of(p, args) -> SpecPlan | None:
     defaults = SpecPlan()
     return SpecPlan(tuple(args.speculative or ()), tuple(sorted(args.speculative_k or defaults.ks)),
                     defaults.mtp_k if args.speculative_mtp_k is None else args.speculative_mtp_k, tuple(args.echo or ()),
-                    host_top=12 if getattr(args, "host_profile", False) else 0)
+                    host_top=12 if getattr(args, "host_profile", False) else 0, trace=args.trace)
 
 
 def model_config(cfg, plan: SpecPlan | None):
@@ -154,6 +163,14 @@ BUDGET = 2048  # the engines' token budget (at least their slots)
 
 def _budget(counts) -> int:
     return max(BUDGET, *counts)
+
+
+def _trace(plan: SpecPlan, engine: str, n: int) -> str | None:
+    """Where a verify run's trace goes (--trace), or None."""
+    if plan.trace is None:
+        return None
+    os.makedirs(plan.trace, exist_ok=True)
+    return os.path.join(plan.trace, f"{engine}-{n}.json.gz")
 
 
 def window_tokens(plan: SpecPlan, n: int, phases: int, k: int) -> int:
@@ -263,7 +280,7 @@ def run_speculative(model, plan: SpecPlan, seed: int = 0, compile: bool = True, 
             for n in plan.streams:
                 _warm(engine, n, [])
                 done(run_windows(engine, verify_prompts[n], [0], window_tokens(plan, n, 1, 0), plan.steps,
-                                 plan.settle, host_top=plan.host_top), "plain")
+                                 plan.settle, host_top=plan.host_top, trace=_trace(plan, "plain", n)), "plain")
         del engine  # (its cache and graphs go before the next engine's are made)
         with _engine(model, plan, plan.streams, {"method": "ngram", "num_tokens": K}, compile) as engine:
             with forced_drafts() as forced:
@@ -271,7 +288,8 @@ def run_speculative(model, plan: SpecPlan, seed: int = 0, compile: bool = True, 
                     _warm(engine, n, plan.ks)
                     done(run_windows(engine, verify_prompts[n], [0, *plan.ks],
                                      window_tokens(plan, n, 1 + len(plan.ks), K), plan.steps, plan.settle,
-                                     forced=forced, host_top=plan.host_top), "ngram, forced drafts")
+                                     forced=forced, host_top=plan.host_top, trace=_trace(plan, "ngram", n)),
+                         "ngram, forced drafts")
         del engine
     if plan.needs_mtp:
         with _engine(model, plan, plan.streams, {"method": "mtp", "num_tokens": plan.mtp_k}, compile) as engine:
@@ -279,7 +297,8 @@ def run_speculative(model, plan: SpecPlan, seed: int = 0, compile: bool = True, 
                 for n in plan.streams:
                     _warm(engine, n, [plan.mtp_k])
                     done(run_windows(engine, verify_prompts[n], [plan.mtp_k], window_tokens(plan, n, 1, plan.mtp_k),
-                                     plan.steps, plan.settle, timer=timer, host_top=plan.host_top), "mtp")
+                                     plan.steps, plan.settle, timer=timer, host_top=plan.host_top,
+                                     trace=_trace(plan, "mtp", n)), "mtp")
     if plan.echo:  # last: the weights become a bigram model's (module docstring)
         bigram_weights(model)
         with _engine(model, plan, plan.echo, None, compile) as engine:

@@ -151,14 +151,15 @@ class Windows:
 
 
 def run_windows(engine, prompts: list[list[int]], phases: list[int], new: int, steps: int, settle: int,
-                forced: ForcedDrafts | None = None, timer: DraftTimer | None = None, host_top: int = 0) -> list[dict]:
+                forced: ForcedDrafts | None = None, timer: DraftTimer | None = None, host_top: int = 0,
+                trace: str | None = None) -> list[dict]:
     """One generate call of `prompts` (`new` tokens at most each: enough for every request to decode through every
     window) measured in Windows; a row per phase (k: its forced drafts, or the engine's own num_tokens): steps
     timed, wall ms per step, device ms and GPU busy (CUDA; else None), tokens a stream gets per step, ms per
     emitted token (a stream's), drafts proposed and accepted, verify steps, on CUDA the window's largest device work
     by name (top_kernels: [name, ms a step, launches a step]), with `timer` the drafter's ms, and with host_top the
     engine loop thread's largest Python functions, sampled (host_top: [function, inclusive ms a step, self ms a
-    step]; tools.profiling.StackSampler)."""
+    step]; tools.profiling.StackSampler). `trace`: a path (".json.gz") for the call's profiler trace (CUDA only)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -186,6 +187,8 @@ def run_windows(engine, prompts: list[list[int]], phases: list[int], new: int, s
         gc.enable()
     if len(windows.marks) != len(phases):
         raise RuntimeError(f"{len(windows.marks)} of {len(phases)} windows closed: requests finished first")
+    if trace is not None and windows.cuda:
+        prof.export_chrome_trace(trace)
     events = prof.events() if windows.cuda else None
     busy = busy_between_markers(events, DeviceType.CUDA) if windows.cuda else None
     kernels = kernels_between_markers(events, DeviceType.CUDA) if windows.cuda else None
