@@ -184,6 +184,19 @@ def test_those_fields_at_their_neutral_values_are_served(server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
 
 
+def test_null_for_a_field_openai_makes_nullable_is_its_default(server, client):
+    # clients that write every field they know send null for those left unset (OpenAI's and vLLM's null: default)
+    nulls = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=4, seed=3, n=None, temperature=None,
+                                           top_p=None, extra_body={"top_k": None, "stream": None})
+    unset = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=4, seed=3)
+    assert len(nulls.choices) == 1 and nulls.choices[0].message.content == unset.choices[0].message.content
+    body = {"prompt": "x", "max_tokens": 2, "seed": 3}
+    r = _post(server, "/v1/completions", {**body, "n": None, "temperature": None, "top_p": None, "echo": None,
+                                          "stream": None, "top_k": None})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == _post(server, "/v1/completions", body).json()["choices"][0]["text"]
+
+
 def test_a_role_openai_does_not_have_is_400(server, client):
     error = _error(_post(server, "/v1/chat/completions",
                          {"messages": [{"role": "wizard", "content": "x"}], "max_tokens": 1}))

@@ -33,6 +33,9 @@ Penalty = Annotated[StrictFloat, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_in
 Bias = Annotated[StrictFloat, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
 
 MAX_N = 128  # choices of one request (each runs as its own engine request)
+# fields whose JSON null means their default, as in OpenAI's API (nullable there) and vLLM's (Optional): clients
+# that write every field they know send `"temperature": null`, `"n": null`, `"stream": null`
+NULL_IS_DEFAULT = ("n", "temperature", "top_p", "stream", "top_k", "echo")
 
 
 class StreamOptions(BaseModel):
@@ -139,6 +142,14 @@ class SamplingFields(BaseModel):
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
     guided_whitespace_pattern: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data):
+        """NULL_IS_DEFAULT's fields sent as null take their defaults (as though left out)."""
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in NULL_IS_DEFAULT):
+            return {k: v for k, v in data.items() if not (v is None and k in NULL_IS_DEFAULT)}
+        return data
 
     def neutral(self) -> dict:
         """NEUTRAL of this request's kind of body."""
