@@ -1,0 +1,107 @@
+"""When does the GPU start on a CUDA graph's work? Reads torch.profiler chrome traces (`bench --speculative ...
+--trace DIR` writes them) and matches each `cudaGraphLaunch` on the host with the device activity (kernels,
+copies, memsets) that carries its correlation id. Per graph (told apart by its device activity count), the
+medians of: the launch call's host time, the delay from the launch call's start to the graph's first device
+activity, that activity's start relative to the call's end (negative: the GPU began before the call returned),
+the device span of the graph, and the GPU's idle time just before it.
+
+    python benchmarks/trace_launches.py TRACE.json.gz [...] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+from collections import defaultdict
+
+from metrale_graph.tools.provenance import provenance
+from metrale_graph.tools.report import print_json
+
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def load(path: str) -> list[dict]:
+    """The trace's complete ("X") events."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    return [e for e in events if e.get("ph") == "X"]
+
+
+def launches(events: list[dict]) -> list[dict]:
+    """One row per cudaGraphLaunch (microseconds): its start, host duration, device activities, first device start,
+    last device end, and the device's idle gap before the graph's first activity."""
+    device = sorted((e for e in events if e.get("cat") in DEVICE_CATEGORIES), key=lambda e: e["ts"])
+    by_corr = defaultdict(list)
+    for e in device:
+        corr = (e.get("args") or {}).get("correlation")
+        if corr is not None:
+            by_corr[corr].append(e)
+    rows = []
+    for e in events:
+        if e.get("cat") != "cuda_runtime" or e.get("name") != "cudaGraphLaunch":
+            continue
+        work = by_corr.get((e.get("args") or {}).get("correlation"), [])
+        if not work:
+            continue
+        first = min(w["ts"] for w in work)
+        last = max(w["ts"] + w.get("dur", 0) for w in work)
+        before = [w["ts"] + w.get("dur", 0) for w in device if w["ts"] < first]
+        rows.append({"start": e["ts"], "host": e.get("dur", 0), "nodes": len(work), "first": first, "last": last,
+                     "idle_before": first - max(before) if before else None})
+    return rows
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Medians per graph size (device activity count), the largest graphs first."""
+    groups = defaultdict(list)
+    for r in rows:
+        groups[r["nodes"]].append(r)
+    out = []
+    for nodes, rs in sorted(groups.items(), reverse=True):
+        def med(f):
+            vals = [v for v in map(f, rs) if v is not None]
+            return statistics.median(vals) / 1e3 if vals else None
+        out.append({"device_activities": nodes, "launches": len(rs),
+                    "launch_host_ms": med(lambda r: r["host"]),
+                    "start_to_first_device_ms": med(lambda r: r["first"] - r["start"]),
+                    "first_device_after_call_end_ms": med(lambda r: r["first"] - r["start"] - r["host"]),
+                    "device_span_ms": med(lambda r: r["last"] - r["first"]),
+                    "gpu_idle_before_ms": med(lambda r: r["idle_before"])})
+    return out
+
+
+def render(path: str, table: list[dict]) -> str:
+    def f(x):
+        return "-" if x is None else f"{x:.3f}"
+    lines = [path, "| device activities | launches | launch call ms | call start -> first on GPU ms | "
+             "first on GPU after call end ms | device span ms | GPU idle before ms |", "|---|---|---|---|---|---|---|"]
+    for t in table:
+        lines.append(f"| {t['device_activities']} | {t['launches']} | {f(t['launch_host_ms'])} | "
+                     f"{f(t['start_to_first_device_ms'])} | {f(t['first_device_after_call_end_ms'])} | "
+                     f"{f(t['device_span_ms'])} | {f(t['gpu_idle_before_ms'])} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python benchmarks/trace_launches.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("traces", nargs="+", help="chrome-format profiler traces (.json or .json.gz)")
+    p.add_argument("--json", default=None, help="also write the tables to this file")
+    args = p.parse_args(argv)
+    tables = {}
+    for path in args.traces:
+        tables[path] = summary(launches(load(path)))
+        print(render(path, tables[path]))
+    record = {"tool": "trace_launches", "tables": tables, **provenance(argv)}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+    print_json(record)
+
+
+if __name__ == "__main__":
+    main()
