@@ -41,6 +41,7 @@ from typing import Sequence
 
 import torch
 
+from metrale_graph import envs
 from metrale_graph.batch import PackedBatch, Stream, empty_batch
 from metrale_graph.placement import check_memory
 from metrale_graph.cache import HybridCache
@@ -69,18 +70,26 @@ class BucketEntry:
     output: torch.Tensor | None = None  # the captured step's logits (hidden states: hidden_states), in graph memory
     filled: tuple[int, int] | None = None  # (streams, tokens) of the batch last filled in (None: not known)
     hidden: bool = False  # the hidden-states step's (speculative decoding's verify), not the logits step's
+    pieces: list = None  # a hidden entry's graphs, one per layer piece (verify_pieces), launched in order; the
+    # outputs of all but the last are kept referenced (the next piece's input) in `between`
+    between: list = None
 
 
 class GraphRunner:
     def __init__(self, model: HybridModel, cache: HybridCache, batch_sizes=DEFAULT_BATCH_SIZES,
-                 token_counts=DEFAULT_TOKEN_COUNTS, use_graphs: bool | None = None, one_stream_step: bool = True):
+                 token_counts=DEFAULT_TOKEN_COUNTS, use_graphs: bool | None = None, one_stream_step: bool = True,
+                 verify_pieces: Sequence[int] | None = None):
         """one_stream_step: single-stream buckets run one stream through a step compiled for one stream (a
         second trace, compiled when the first such bucket is warmed); False pads them to two streams in
-        the shared trace (the ops then take their several-stream paths)."""
+        the shared trace (the ops then take their several-stream paths). verify_pieces: the hidden-states
+        step's (speculative verify's) leading layer pieces, by layer count, each compiled and captured on its
+        own, the remaining layers the last piece (see `layer_pieces`); default METRALE_VERIFY_PIECES, else
+        DEFAULT_VERIFY_PIECES with graphs and one piece without."""
         self.grid = make_grid(batch_sizes, token_counts)
-        self.largest = max(self.grid)  # holds every bucket's streams and tokens (B <= T throughout)
         if use_graphs is None:
             use_graphs = model.device.type == "cuda"
+        self.hidden_pieces = layer_pieces(verify_pieces, len(model.local.layer_types), use_graphs)
+        self.largest = max(self.grid)  # holds every bucket's streams and tokens (B <= T throughout)
         if use_graphs and model.device.type != "cuda":
             raise ValueError("CUDA graphs need a model on a CUDA device")
         one = bool(one_stream_step)
@@ -105,7 +114,7 @@ class GraphRunner:
         # speculative decoding's verify (hidden_states): the hidden states of every token, per bucket, made on
         # first use (their own buffers and compiled steps; a runner without speculation never builds them)
         self.hidden_entries: dict[Bucket, BucketEntry] = {}
-        self.hidden_step = self.hidden_step_one_stream = None
+        self.hidden_steps: dict[bool, list] = {}  # one stream or several -> a compiled step per layer piece
 
     @property
     def reports(self) -> dict[Bucket, BucketReport]:
@@ -154,37 +163,49 @@ class GraphRunner:
         entry.filled = (0, 0)
         dev = self.model.device
         t0 = time.perf_counter()
+        pieces = self._pieces_of(entry)
         if self.use_graphs:
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
-            step = self._step_of(entry)
             with torch.cuda.stream(side):
                 for _ in range(2):  # compile, then a second run for anything lazily initialized
-                    step(self.cache, entry.batch)
+                    _run_pieces(pieces, self.cache, entry.batch)
             torch.cuda.current_stream(dev).wait_stream(side)
             torch.cuda.synchronize(dev)
             report.compile_s = time.perf_counter() - t0
             torch.cuda.empty_cache()  # capture empties the cache itself: measure from the same baseline
             before = torch.cuda.memory_reserved(dev)
             t1 = time.perf_counter()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                output = step(self.cache, entry.batch)
+            graphs, outputs, h = [], [], None
+            for piece in pieces:  # one graph a piece, the pieces' outputs kept (each the next one's input)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    h = _run_pieces([piece], self.cache, entry.batch, h)
+                graphs.append(graph)
+                outputs.append(h)
             torch.cuda.synchronize(dev)
             report.capture_s = time.perf_counter() - t1
             report.graph_bytes = torch.cuda.memory_reserved(dev) - before
-            entry.graph, entry.output = graph, output
+            entry.graph, entry.output = graphs[0], outputs[-1]
+            entry.pieces, entry.between = graphs, outputs[:-1]
         else:
-            self._step_of(entry)(self.cache, entry.batch)
+            _run_pieces(pieces, self.cache, entry.batch)
             report.compile_s = time.perf_counter() - t0
         entry.report = report
         return report
 
-    def _step_of(self, entry: BucketEntry):
-        """The compiled step of the entry's kind: one stream or several; logits, or hidden states."""
-        if entry.hidden:
-            return self.hidden_step_one_stream if entry.batch.num_streams == 1 else self.hidden_step
-        return self.step_one_stream if entry.batch.num_streams == 1 else self.step
+    def _pieces_of(self, entry: BucketEntry) -> list:
+        """The compiled steps that make the entry's output, in order: the logits step (one stream or several), or
+        the hidden-states step's pieces, each called as piece(cache, batch, h) on the previous piece's output."""
+        one = entry.batch.num_streams == 1 and self._one
+        if not entry.hidden:
+            step = self.step_one_stream if one else self.step
+            return [lambda cache, batch, h: step(cache, batch)]
+        if one not in self.hidden_steps:
+            limit = len(self.grid) + 8
+            self.hidden_steps[one] = [_compile_step(self.model, limit, "hidden_states", layers)
+                                      for layers in self.hidden_pieces]
+        return self.hidden_steps[one]
 
     # speculative decoding's verify ----------------------------------------------------------------
     def hidden_bucket(self, num_streams: int, num_tokens: int) -> BucketEntry | None:
@@ -196,10 +217,6 @@ class GraphRunner:
         if bucket is None:
             return None
         if bucket not in self.hidden_entries:
-            if self.hidden_step is None:
-                limit = len(self.grid) + 8
-                self.hidden_step = _compile_step(self.model, limit, "hidden_states")
-                self.hidden_step_one_stream = _compile_step(self.model, limit, "hidden_states") if self._one else None
             main = self.entries[bucket].batch
             batch = PackedBatch.padding(main.num_streams, main.num_tokens, self.cache)
             if batch.num_streams == 1:
@@ -263,10 +280,11 @@ class GraphRunner:
         entry.filled = (packed.num_streams, packed.num_tokens)
         rows = packed.num_streams if rows is None else rows
         if self.use_graphs:
-            entry.graph.replay()
+            for graph in entry.pieces:
+                graph.replay()
             out = entry.output[:rows]
             return out.clone() if copy else out
-        return self._step_of(entry)(self.cache, entry.batch)[:rows]
+        return _run_pieces(self._pieces_of(entry), self.cache, entry.batch)[:rows]
 
     def _check_model(self) -> None:
         if self.model.version != self._model_version:
@@ -281,21 +299,72 @@ def _mark_tokens_dynamic(batch: PackedBatch) -> None:
         torch._dynamo.mark_dynamic(t, 0)
 
 
-def _compile_step(model: HybridModel, recompile_limit: int, method: str = "forward_packed"):
+DEFAULT_VERIFY_PIECES = (1, 3, 8)  # with graphs: the verify's first graphs of 1, 3 and 8 layers, then the rest
+
+
+def layer_pieces(counts: Sequence[int] | None, num_layers: int, use_graphs: bool) -> list[tuple[int, int]]:
+    """The hidden-states step's layer ranges [(start, stop), ...] covering 0 .. num_layers - 1 in order: the leading
+    pieces of `counts` layers each (default METRALE_VERIFY_PIECES, else DEFAULT_VERIFY_PIECES with graphs, one piece
+    without: pieces only pay where a graph's launch would hold the GPU), the rest one more piece; counts that
+    reach the last layer are cut there. ValueError for a count below 1 (0 alone: one piece)."""
+    if counts is None:
+        raw = envs.METRALE_VERIFY_PIECES
+        if raw is not None:
+            try:
+                counts = [int(c) for c in raw.split(",") if c.strip()]
+            except ValueError:
+                raise ValueError(f"METRALE_VERIFY_PIECES takes layer counts separated by commas, got {raw!r}") from None
+        else:
+            counts = DEFAULT_VERIFY_PIECES if use_graphs else ()
+    counts = list(counts)
+    if counts == [0]:
+        counts = []
+    if any(not isinstance(c, int) or isinstance(c, bool) or c < 1 for c in counts):
+        raise ValueError(f"verify_pieces must be layer counts of at least 1 (or [0]: one piece), got {counts!r}")
+    pieces, start = [], 0
+    for c in counts:
+        if start + c >= num_layers:
+            break
+        pieces.append((start, start + c))
+        start += c
+    return pieces + [(start, num_layers)]
+
+
+def _run_pieces(pieces: list, cache: HybridCache, batch: PackedBatch, h: torch.Tensor | None = None) -> torch.Tensor:
+    """The pieces one after another, each on the previous one's output (its token dimension marked dynamic, as
+    the batch's are: one trace serves every bucket)."""
+    for piece in pieces:
+        if h is not None:
+            torch._dynamo.mark_dynamic(h, 0)
+        h = piece(cache, batch, h)
+    return h
+
+
+def _compile_step(model: HybridModel, recompile_limit: int, method: str = "forward_packed",
+                  layers: tuple[int, int] | None = None):
     """`model.forward_packed` (or another step method of the same signature: hidden_states) compiled with
     fullgraph=True, through a copy of the function with its own code object (see the module docstring), under a
-    recompile limit of `recompile_limit`."""
+    recompile limit of `recompile_limit`. layers: hidden_states' layer piece (start, stop); the step then takes the
+    previous piece's output, step(cache, batch, h)."""
     func = getattr(model, method).__func__
     own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
                              func.__closure__)
-    compiled = torch.compile(types.MethodType(own, model), fullgraph=True, dynamic=False)  # dims: mark_dynamic
+    if layers is not None:
+        def piece(cache, batch, h):
+            return own(model, cache, batch, h, layers)
+
+        fn = types.FunctionType(piece.__code__.replace(), piece.__globals__, f"layers_{layers[0]}_{layers[1]}", None,
+                                piece.__closure__)
+    else:
+        fn = types.MethodType(own, model)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)  # dims: mark_dynamic
     import torch._dynamo.config as dynamo_config
 
     name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
     limit = max(recompile_limit, getattr(dynamo_config, name))
 
-    def step(cache: HybridCache, batch: PackedBatch) -> torch.Tensor:
+    def step(cache: HybridCache, batch: PackedBatch, *h) -> torch.Tensor:
         with dynamo_config.patch(**{name: limit}):
-            return compiled(cache, batch)
+            return compiled(cache, batch, *h)
 
     return step

@@ -78,6 +78,11 @@ SETTINGS = _settings(
             "in registers; ops/fp8/w8a16.py). w8a16 lost the H200 A/B (984b18e: 9B-FP8 D1 5.71 against 5.34 ms, "
             "D32 8.74 against 8.15; BENCHMARKS.md): opt-in only while its kernel is reworked, removed if it loses "
             "again (ops.fp8.linear.DECODE_GEMM)", ("splitk", "w8a16")),
+    Setting("METRALE_VERIFY_PIECES", "text", None,
+            "the speculative verify step's CUDA graphs: layer counts of the leading pieces, comma-separated (e.g. "
+            "`1,3,8`; the remaining layers are the last piece), launched one after another so that the GPU starts "
+            "on the first while the host launches the rest; `0`: one graph of all layers; unset: the runner's "
+            "default (capture/runner.py, verify_pieces)"),
     # debug and tool options
     Setting("METRALE_FP8_ACTIVATIONS", "flag", True,
             "FP8 projections round activations to FP8 (W8A8); off: weight-only FP8, a debug mode "

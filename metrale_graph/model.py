@@ -253,14 +253,16 @@ class HybridModel(nn.Module):
         last = (batch.cu_seqlens[1:].long() - 1).clamp(min=0)  # zero-length (padding) streams: any row
         return self.logits_of(h[last])
 
-    def hidden_states(self, cache: HybridCache, batch: PackedBatch) -> torch.Tensor:
+    def hidden_states(self, cache: HybridCache, batch: PackedBatch, h: torch.Tensor | None = None,
+                      layers: tuple[int, int] | None = None) -> torch.Tensor:
         """The layers of the step: the hidden states [T, hidden] of every packed token before the final norm
         (forward_packed's, which keeps each stream's last; prompt_logprobs.py reads them all). Mutates the
-        cache as forward_packed does."""
-        cfg = self.local
-        h = self._embed(batch.tokens)
-        for i, kind in enumerate(cfg.layer_types):
-            j, layer = self._pool_index[i], self.layers[i]
+        cache as forward_packed does. layers (start, stop): those layers alone, on `h` (default: the tokens'
+        embeddings), as the verify step's graphs run them in pieces (capture/runner.py)."""
+        start, stop = layers or (0, len(self.local.layer_types))
+        h = self._embed(batch.tokens) if h is None else h
+        for i in range(start, stop):
+            j, layer, kind = self._pool_index[i], self.layers[i], self.local.layer_types[i]
             if kind == LINEAR:
                 h = self._gdn_mixer(layer, h, batch, cache.conv_states[j], cache.gdn_states[j], _checkpoints(cache, j))
             else:

@@ -213,3 +213,52 @@ def test_warmup_draws_its_progress_bar_on_a_terminal_only(monkeypatch, terminal)
     monkeypatch.setattr(sys, "stderr", err)
     runner.warmup()
     assert ("capturing buckets" in err.getvalue()) == terminal
+
+
+def test_verify_pieces_layer_ranges():
+    """The hidden-states step's layer pieces: leading counts, the rest last; counts past the last layer cut there;
+    graphs by default split (DEFAULT_VERIFY_PIECES), the compiled step without graphs not; bad counts named."""
+    from metrale_graph.capture.runner import DEFAULT_VERIFY_PIECES, layer_pieces
+
+    assert layer_pieces([1, 3, 8], 32, True) == [(0, 1), (1, 4), (4, 12), (12, 32)]
+    assert layer_pieces([1, 3, 8], 4, True) == [(0, 1), (1, 4)]  # 3 reaches the last layer: the rest is one piece
+    assert layer_pieces([0], 8, True) == layer_pieces([], 8, True) == [(0, 8)]
+    assert layer_pieces(None, 32, False) == [(0, 32)]
+    assert len(layer_pieces(None, 32, True)) == len(DEFAULT_VERIFY_PIECES) + 1
+    for bad in ([0, 2], [-1], [1.5], [True]):
+        with pytest.raises(ValueError, match="verify_pieces must be layer counts of at least 1"):
+            layer_pieces(bad, 8, True)
+
+
+def test_hidden_states_in_layer_pieces_equal_eager():
+    """A runner whose verify step runs in layer pieces (one compiled step each, chained on the hidden states)
+    gives model.hidden_states' rows and the same cache, over buckets of one stream and of several."""
+    from metrale_graph.protocol import prefill_call
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = unit_gain(HybridModel.from_preset("tiny", seed=2), 2)
+    cache_r, cache_e = model.new_cache(4, 64, block_size=16), model.new_cache(4, 64, block_size=16)
+    runner = GraphRunner(model, cache_r, batch_sizes=[1, 4], token_counts=[32], verify_pieces=[1, 1])
+    layers = len(model.config.layer_types)
+    assert runner.hidden_pieces == [(0, 1), (1, 2), (2, layers)]
+
+    def hidden(cache, streams, run):
+        got = {}
+
+        def settle(h):  # every token kept
+            got["h"] = h.clone()
+            return [len(s.tokens) for s in streams]
+
+        with prefill_call(model, cache, streams) as call:
+            call.run_settled(run, settle)
+        return got["h"]
+
+    for streams in ([Stream(3, list(range(20)))], [Stream(0, list(range(5))), Stream(1, list(range(9, 30)))]):
+        out = hidden(cache_r, streams, lambda p: runner.run_hidden(runner.hidden_bucket(p.num_streams, p.num_tokens), p))
+        ref = hidden(cache_e, streams, lambda p: model.hidden_states(cache_e, p))
+        assert out.shape == ref.shape and rel_err(out, ref) <= 1e-5
+    for a, b in zip(cache_r.state_tensors(), cache_e.state_tensors()):
+        assert rel_err(a.float(), b.float()) <= 1e-5 if b.any() else torch.equal(a, b)
+    assert dict(counters["graph_break"]) == {}
+    assert len(runner.hidden_steps[True]) == len(runner.hidden_steps[False]) == 3
