@@ -4,9 +4,11 @@ official `openai` client and httpx: completions (text, token ids, several prompt
 greedy and seeded outputs identical to Engine.generate in this process, stop strings and stop token ids,
 64 concurrent streaming clients, a client that disconnects mid-stream (its slot freed, the metrics show
 it), bad requests answered 4xx in OpenAI's shape with the server going on, a full queue (503 +
-Retry-After), the benchmark client, and SIGTERM (running requests end, the process exits 0, the port is
-free); /health while it started ("loading" from the moment it listened). The app's warmup state is tested
-in-process. Waits are bounded so that a hang fails fast."""
+Retry-After), CORS restricted to one origin with credentials (preflights answered before the API key's
+check, a 401 readable by the page, another origin given no Access-Control-Allow-Origin), the benchmark
+client, and SIGTERM (running requests end, the process exits 0, the port is free); /health while it
+started ("loading" from the moment it listened). The app's warmup state is tested in-process. Waits are
+bounded so that a hang fails fast."""
 
 import asyncio
 import json
@@ -24,6 +26,7 @@ from server_process import port_is_free, running_server
 from tokenizer_fixture import tiny_checkpoint
 
 KEY = "test-key"
+ORIGIN = "https://app.example"
 NAME = "tiny-chat"
 MAX_CONTEXT = 512
 SLOTS = 16
@@ -44,7 +47,8 @@ def checkpoint(tmp_path_factory):
 def server(checkpoint, tmp_path_factory):
     flags = ["--served-model-name", NAME, "--api-key", KEY, "--num-slots", str(SLOTS), "--max-context",
              str(MAX_CONTEXT), "--token-budget", "256", "--max-waiting", "64", "--shutdown-timeout", "3",
-             "--prefix-cache"]
+             "--prefix-cache", "--allowed-origins", json.dumps([ORIGIN]), "--allowed-methods", '["GET", "POST"]',
+             "--allow-credentials"]
     with running_server(checkpoint, tmp_path_factory.mktemp("server"), flags, TIMEOUT) as proc:
         yield proc
 
@@ -286,6 +290,31 @@ def test_form_body_and_wrong_method(server):
         r = httpx.post(server.url + "/v1/completions", headers=headers, **kw)
         assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"], r.text
     assert httpx.get(server.url + "/v1/completions", headers=headers).status_code == 405
+
+
+def test_cors_restricted_to_one_origin_with_credentials(server):
+    """--allowed-origins '["https://app.example"]' --allowed-methods '["GET", "POST"]' --allow-credentials: a
+    preflight from that origin is answered 200 without the key (browsers send none on it), the request after it
+    and its 401 carry the origin and credentials headers; another origin's preflight is refused and its requests
+    carry no Access-Control-Allow-Origin (the browser then hides the answer from the page)."""
+    url = server.url + "/v1/chat/completions"
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization, content-type"}
+    r = httpx.options(url, headers={"Origin": ORIGIN, **preflight}, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert r.headers["access-control-allow-origin"] == ORIGIN and r.headers["access-control-allow-credentials"] == "true"
+    assert {m.strip() for m in r.headers["access-control-allow-methods"].split(",")} == {"GET", "POST"}
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    body = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for key, status in ((KEY, 200), ("wrong", 401)):
+        r = httpx.post(url, json=body, headers={"Origin": ORIGIN, "Authorization": f"Bearer {key}"}, timeout=TIMEOUT)
+        assert r.status_code == status, r.text
+        assert r.headers["access-control-allow-origin"] == ORIGIN, r.headers
+        assert r.headers["access-control-allow-credentials"] == "true", r.headers
+    other = "https://elsewhere.example"
+    r = httpx.options(url, headers={"Origin": other, **preflight}, timeout=TIMEOUT)
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers, (r.status_code, r.headers)
+    r = httpx.post(url, json=body, headers={"Origin": other, "Authorization": f"Bearer {KEY}"}, timeout=TIMEOUT)
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers, r.headers
 
 
 def test_official_client_raises_on_bad_requests(client):

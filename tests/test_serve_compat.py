@@ -15,7 +15,8 @@ while a slot is free; text UTF-8 cannot encode (lone surrogates) answered 400, a
 with n > 1, messages without their content, HEAD /health, prompts of megabytes tokenized off the event
 loop; a body over --max-request-bytes answered 413 as it is read (a chunked one that never ends too), and
 texts that cannot fit in the context (a prompt, chat messages, a stop string) refused before they are
-tokenized. Waits are bounded so that a hang fails fast."""
+tokenized; CORS at its defaults (vLLM's: any origin, method and header), a browser's preflight and the
+headers of a cross-origin request, whole and streamed. Waits are bounded so that a hang fails fast."""
 
 import json
 import re
@@ -93,6 +94,31 @@ def _error(r: httpx.Response, status: int = 400) -> dict:
 
 
 CHAT = [{"role": "user", "content": "Hello world!"}]
+
+
+def test_cors_defaults_answer_any_origin(server):
+    """No CORS flags: vLLM's defaults, every origin, method and header; a preflight (OPTIONS, which the
+    endpoints do not take: 405 without CORS) is 200 with the Access-Control headers, and a cross-origin POST's
+    answer (a stream's too) carries Access-Control-Allow-Origin, so a page's fetch() can read it."""
+    origin = "http://localhost:3000"
+    r = httpx.options(server.url + "/v1/chat/completions", timeout=TIMEOUT,
+                      headers={"Origin": origin, "Access-Control-Request-Method": "POST",
+                               "Access-Control-Request-Headers": "content-type, authorization, x-stainless-os"})
+    assert r.status_code == 200, r.text
+    assert r.headers["access-control-allow-origin"] == "*", r.headers
+    assert "POST" in r.headers["access-control-allow-methods"], r.headers
+    assert "x-stainless-os" in r.headers["access-control-allow-headers"], r.headers
+    assert "access-control-allow-credentials" not in r.headers  # --allow-credentials: off by default
+    body = {"model": NAME, "messages": CHAT, "max_tokens": 2}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"Origin": origin}, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*", r.headers
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body | {"stream": True},
+                      headers={"Origin": origin}, timeout=TIMEOUT) as r:
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*", r.headers
+        assert r.read().decode().rstrip().endswith("data: [DONE]")
+    for path in ("/health", "/v1/models"):
+        assert httpx.get(server.url + path, headers={"Origin": origin}).headers["access-control-allow-origin"] == "*"
+    assert httpx.options(server.url + "/v1/chat/completions").status_code == 405  # not a preflight: as before
 
 
 def test_max_tokens_over_the_context_is_400_and_an_unset_one_is_capped(server, client):

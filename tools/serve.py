@@ -6,6 +6,7 @@
         [--max-waiting N] [--max-request-bytes N] [--eager] [--no-warmup] [--tp N]
         [--tool-call-parser auto|qwen3_xml|qwen3_json|none] [--reasoning-parser auto|qwen3|none]
         [--speculative-config '{"method": "mtp", "num_speculative_tokens": 3}']
+        [--allowed-origins '["*"]'] [--allowed-methods '["*"]'] [--allowed-headers '["*"]'] [--allow-credentials]
 
 The server listens before the model loads (a port in use fails at once, in one line) and answers from
 then on: /health 503 {"status": "loading"} while the model loads, "warming up" while the engine warms
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import logging
 import os
 import signal
@@ -55,6 +57,17 @@ def port(text: str) -> int:
     value = non_negative_int(text)
     if value > 65535:
         raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {text!r}")
+    return value
+
+
+def json_strings(text: str) -> list[str]:
+    """A JSON list of strings (vLLM's CORS flags: '["https://a.example", "https://b.example"]')."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
     return value
 
 
@@ -90,6 +103,14 @@ def _parse_args(argv):
     p.add_argument("--reasoning-parser", choices=("auto", *REASONING_PARSERS, "none"), default="auto",
                    help="qwen3: a reply's <think> block goes to reasoning_content (default auto: when the chat "
                         "template has </think>)")
+    p.add_argument("--allowed-origins", type=json_strings, default=["*"],
+                   help='CORS: origins whose pages may call the server, a JSON list (default ["*"]: any)')
+    p.add_argument("--allowed-methods", type=json_strings, default=["*"],
+                   help='CORS: methods allowed cross-origin, a JSON list (default ["*"])')
+    p.add_argument("--allowed-headers", type=json_strings, default=["*"],
+                   help='CORS: request headers allowed cross-origin, a JSON list (default ["*"])')
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: allow cross-origin requests with credentials (cookies, Authorization)")
     p.add_argument("--shutdown-timeout", type=non_negative_float, default=10.0,
                    help="seconds running requests get to finish on SIGTERM / Ctrl-C (default 10)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="uvicorn's log level (default info)")
@@ -157,10 +178,11 @@ def _serve(p, args, run, engine_kwargs: dict, sock: socket.socket) -> None:
     model had loaded, one line and 128 + the signal's number."""
     import uvicorn
 
-    from metrale_graph.server import Loading
+    from metrale_graph.server import Loading, with_cors
 
     gate = Loading()
-    config = uvicorn.Config(gate, log_level=args.log_level, access_log=args.access_log, lifespan="off",
+    cors = with_cors(gate, args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
+    config = uvicorn.Config(cors, log_level=args.log_level, access_log=args.access_log, lifespan="off",
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)
     host, port_ = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port_}"

@@ -7,7 +7,7 @@
 model loads), loads the model, warms the engine and serves it.
 """
 
-from .app import build_app
+from .app import build_app, with_cors
 from .loading import Loading
 
-__all__ = ["Loading", "build_app"]
+__all__ = ["Loading", "build_app", "with_cors"]

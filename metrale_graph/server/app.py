@@ -8,12 +8,15 @@ Endpoints are thin: completions.py and chat.py run the requests (through generat
 submits to the engine and awaits its outputs: the engine loop alone steps the model), protocol.py
 and responses.py hold the wire format, errors.py every error answer. With an API key, every /v1 path needs
 `Authorization: Bearer <key>` (checked before the body is read); /health and /metrics are open. A body of
-more than `max_request_bytes` is answered 413 while it is read (limits.BodyLimit).
+more than `max_request_bytes` is answered 413 while it is read (limits.BodyLimit). `with_cors(app, ...)` wraps an
+app (metrale-serve: the Loading gate, so answers while the model loads have the headers too) in CORSMiddleware,
+vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials.
 """
 
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
@@ -59,6 +62,16 @@ class APIKeyMiddleware:
                 await e.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def with_cors(app, allowed_origins=("*",), allowed_methods=("*",), allowed_headers=("*",),
+              allow_credentials: bool = False) -> CORSMiddleware:
+    """`app` behind CORS, as vLLM's server: a preflight (OPTIONS with Origin and Access-Control-Request-Method)
+    answered here, before the API key's check (browsers send no credentials on it), and every answer to an
+    allowed origin with its Access-Control-Allow-* headers (401s and 413s included, so that a page can read them).
+    Origins, methods and headers: lists, "*" for any."""
+    return CORSMiddleware(app, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
+                          allow_headers=list(allowed_headers), allow_credentials=allow_credentials)
 
 
 def build_app(engine, model_name: str, api_key: str | None = None, ready: bool = True,
