@@ -2,21 +2,21 @@
 port, started once for the module, no API key) on a tiny checkpoint whose chat template reads a template
 variable (Qwen3's `enable_thinking`), called with the official `openai` client and raw HTTP (httpx).
 
-What test_serve.py does not cover: a max_tokens that overflows the context (400, as vLLM and OpenAI answer;
-an unset one is capped), values of the wrong JSON type (400 naming the field, never coerced: `true` is not
-1, "5" is not 5), the engine's checks answered with the field they are about, OpenAI's and vLLM's fields
-this server cannot honour refused by name (never silently ignored), chat roles OpenAI does not have,
-vLLM's chat template arguments (chat_template_kwargs, add_generation_prompt, continue_final_message), 405
-with Allow, a body that is not UTF-8, the Prometheus text parsed by prometheus_client with its counters
-moving, stop strings across token boundaries (several at once, whole and streamed), streamed text equal to
-the whole text over sampled outputs, and SIGINT with streams in flight (the port freed at once, the
-process gone within the shutdown timeout), an engine without a waiting queue (max_waiting=0) serving
-while a slot is free; text UTF-8 cannot encode (lone surrogates) answered 400, a seed at the top of its range
-with n > 1, messages without their content, HEAD /health, prompts of megabytes tokenized off the event
-loop; a body over --max-request-bytes answered 413 as it is read (a chunked one that never ends too), and
-texts that cannot fit in the context (a prompt, chat messages, a stop string) refused before they are
-tokenized; CORS at its defaults (vLLM's: any origin, method and header), a browser's preflight and the
-headers of a cross-origin request, whole and streamed. Waits are bounded so that a hang fails fast."""
+What test_serve.py does not cover: a max_tokens that overflows the context (400, as vLLM and OpenAI answer; an
+unset one is capped), values of the wrong JSON type (400 naming the field, never coerced: `true` is not 1, "5"
+is not 5), the engine's checks answered with the field they are about, OpenAI's and vLLM's fields this server
+cannot honour refused by name (never silently ignored), chat roles OpenAI does not have, vLLM's chat template
+arguments (chat_template_kwargs, add_generation_prompt, continue_final_message), 405 with Allow, a body that
+is not UTF-8, the Prometheus text parsed by prometheus_client with its counters moving, stop strings across
+token boundaries (several at once, whole and streamed), streamed text equal to the whole text over sampled
+outputs, and SIGINT with streams in flight (the port freed at once, the process gone within the shutdown
+timeout), an engine without a waiting queue (max_waiting=0) serving while a slot is free; text UTF-8 cannot
+encode (lone surrogates) answered 400, a seed at the top of its range with n > 1, messages without their
+content, an assistant's refusal parts in the history, HEAD /health, prompts of megabytes tokenized off the
+event loop; a body over --max-request-bytes answered 413 as it is read (a chunked one that never ends too),
+and texts that cannot fit in the context (a prompt, chat messages, a stop string) refused before they are
+tokenized; CORS at its defaults (vLLM's: any origin, method and header), a browser's preflight and the headers
+of a cross-origin request, whole and streamed. Waits are bounded so that a hang fails fast."""
 
 import json
 import re
@@ -406,6 +406,34 @@ def test_tool_call_arguments_sent_as_json_strings_reach_the_template_as_mappings
     assert calls[0]["function"]["arguments"] == {"city": "Paris"} and calls[0]["id"] == "c1"
     assert [c["function"]["arguments"] for c in calls[1:]] == ["[1, 2]", "not json"]
     assert call["function"]["arguments"] == '{"city": "Paris"}'  # the request's own message is not changed
+
+
+def test_an_assistants_refusal_in_the_history_is_its_text(server, client):
+    """OpenAI's assistant messages may hold refusal parts ({"type": "refusal", "refusal": ...}; they were a 400),
+    or a message-level `refusal` in place of content: the refusal's text is the assistant's text (vLLM's reading),
+    so the prompt and the greedy reply are those of the same text sent as content. Only an assistant's parts may
+    be refusals (OpenAI's rule): a user's is a 400 naming messages."""
+    said = "I cannot help with that."
+
+    def history(reply):
+        return [{"role": "user", "content": "Hello world!"}, {"role": "assistant", **reply},
+                {"role": "user", "content": "Why?"}]
+
+    def answer(reply):
+        r = client.chat.completions.create(model=NAME, messages=history(reply), max_tokens=4, temperature=0)
+        return r.usage.prompt_tokens, r.choices[0].message.content
+
+    plain = answer({"content": said})
+    assert answer({"content": [{"type": "refusal", "refusal": said}]}) == plain
+    assert answer({"content": [{"type": "text", "text": "I cannot "}, {"type": "refusal", "refusal": "help with that."}]}) \
+        == plain
+    assert answer({"content": None, "refusal": said}) == plain
+    error = _error(_post(server, "/v1/chat/completions", {"model": NAME, "messages": [
+        {"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]}))
+    assert error["param"] == "messages" and "refusal" in error["message"], error
+    error = _error(_post(server, "/v1/chat/completions", {"model": NAME, "messages": history(
+        {"content": [{"type": "refusal", "text": said}]})}))  # a refusal part without its "refusal"
+    assert error["param"] == "messages", error
 
 
 def test_head_health_and_the_model_list_with_a_trailing_slash(server):

@@ -32,7 +32,8 @@ INVALID = "invalid_request_error"
 EXPECTED = {
     "prompt": "a string, a list of strings, a list of token ids (integers >= 0) or a list of lists of token ids",
     "stop": "a string or a list of strings",
-    "content": "a string or a list of text parts ({'type': 'text', 'text': ...})",
+    "content": "a string or a list of text parts ({'type': 'text', 'text': ...}; an assistant's may also be "
+               "{'type': 'refusal', 'refusal': ...})",
 }
 
 

@@ -208,6 +208,17 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class RefusalPart(BaseModel):
+    """An assistant's refusal in its content parts (OpenAI's assistant messages: text and refusal parts), as a
+    client sends a past reply back; its text is the reply's text, as vLLM reads it."""
+    type: Literal["refusal"]
+    refusal: StrictStr
+
+    @property
+    def text(self) -> str:
+        return self.refusal
+
+
 # OpenAI's roles (a chat template may drop a message of any other silently, as Qwen's do)
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
@@ -216,25 +227,33 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: handed to the chat template as they are
 
     role: Role
-    content: Union[StrictStr, list[TextPart], None] = None
+    content: Union[StrictStr, list[Union[TextPart, RefusalPart]], None] = None
 
     @model_validator(mode="after")
     def _content_given(self):
-        """Only an assistant's message may leave out its content (OpenAI's rule: one that made tool calls)."""
+        """Only an assistant's message may leave out its content (OpenAI's rule: one that made tool calls), or
+        hold refusal parts (OpenAI's: only an assistant's content parts may be refusals)."""
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs its content (a string or a list of text parts)")
+        if self.role != "assistant" and isinstance(self.content, list) and any(
+                isinstance(part, RefusalPart) for part in self.content):
+            raise ValueError(f"a {self.role} message cannot hold a refusal part: only an assistant's can")
         return self
 
     def template_dict(self) -> dict:
-        """The message as a chat template reads it: content parts joined into one string; OpenAI's
-        `developer` role as `system` (OpenAI treats them alike; chat templates such as Qwen's know only the
-        latter); a tool call's `function.arguments` sent as a JSON string (OpenAI's wire format) parsed into
+        """The message as a chat template reads it: content parts joined into one string, an assistant's refusal
+        (a refusal part, or OpenAI's message-level `refusal` in place of content) as its text, as vLLM reads it;
+        OpenAI's `developer` role as `system` (OpenAI treats them alike; chat templates such as Qwen's know only
+        the latter); a tool call's `function.arguments` sent as a JSON string (OpenAI's wire format) parsed into
         the mapping templates iterate (as vLLM does; one that is not a JSON object stays a string); a past reply's
         reasoning under either of vLLM's names (`reasoning`, `reasoning_content`) given under both (Qwen's templates
         read `reasoning_content`)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
+        refusal = (self.model_extra or {}).get("refusal")
+        if not content and self.role == "assistant" and isinstance(refusal, str):
+            content = refusal
         extra = dict(self.model_extra or {})
         if isinstance(extra.get("tool_calls"), list):
             extra["tool_calls"] = [_parsed_arguments(call) for call in extra["tool_calls"]]
