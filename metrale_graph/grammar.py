@@ -22,7 +22,13 @@ no other whitespace (vLLM's disable_any_whitespace), so a model cannot spend its
 values, or loop in it, and the text parses the same. A JSON text never holds a raw control character (U+0000 to
 U+001F: JSON escapes them in strings, and compact JSON has no whitespace outside them), but xgrammar's strings of
 bounded length (maxLength) allow them: a JSON grammar's mask is also held to the tokens without such a byte
-(`plain_tokens`; special tokens and the request's stop tokens stay allowed).
+(`plain_tokens`).
+
+Added tokens: xgrammar reads an added token (`<|im_start|>`, `<think>`, `<tool_call>`) as the text of its content,
+so a JSON string or a free regex allowed it, `{"a": "x<|im_start|>..."}`, a control token inside the output (whose
+text the reply then skips, or a parser reads as a tag). Every grammar's mask is also held to the tokenizer's own
+tokens (`ordinary_tokens`: not its added or special ones; a byte-level BPE spells any text without them); the
+request's stop tokens stay allowed, where the grammar may end (xgrammar's mask).
 
 Stop tokens: a request's stop tokens (eos and stop_token_ids) are its grammar's, allowed only where the output
 may end, and they end it as always ("stop"). A request without stop tokens ends ("stop") as soon as its output
@@ -69,7 +75,8 @@ class Grammars:
                                         f"the grammar library), got {type(tokenizer).__name__}")
         self.tokenizer, self.vocab_size, self._xgr = tokenizer, vocab_size, xgr
         self._compiler = None  # built in the worker by the first compilation
-        self.plain_tokens: torch.Tensor | None = None  # int32 [words]: the tokens without a control byte (JSON's)
+        self.ordinary_tokens: torch.Tensor | None = None  # int32 [words]: the tokens neither added nor special
+        self.plain_tokens: torch.Tensor | None = None  # int32 [words]: those without a control byte (JSON's)
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrale-grammar")
@@ -98,9 +105,11 @@ class Grammars:
         xgr = self._xgr
         if self._compiler is None:
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
-            self.plain_tokens = _bitmask(self.vocab_size, [i for i, piece in enumerate(info.decoded_vocab)
-                                                           if not any(b < 0x20 for b in piece)]
-                                         + list(info.special_token_ids))
+            added = set(self.tokenizer.added_tokens_decoder) | set(self.tokenizer.all_special_ids)
+            pieces = info.decoded_vocab  # (the ids past the tokenizer's, padding, are never allowed)
+            ordinary = [i for i in range(min(self.vocab_size, len(pieces))) if i not in added]
+            self.ordinary_tokens = _bitmask(self.vocab_size, ordinary)
+            self.plain_tokens = _bitmask(self.vocab_size, [i for i in ordinary if not any(b < 0x20 for b in pieces[i])])
             self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # (the cache is ours, by key)
         compiler = self._compiler
         try:
@@ -121,11 +130,10 @@ class Grammars:
         stops = sorted(stop_ids)
         matcher = (self._xgr.GrammarMatcher(compiled, override_stop_tokens=stops) if stops
                    else self._xgr.GrammarMatcher(compiled, terminate_without_stop_token=True))
-        also = None
-        if spec.kind in ("json", "json_object"):  # (compile() has run: plain_tokens is there)
-            also = self.plain_tokens
-            if any(not _allowed(also, t) for t in stops):
-                also = also | _bitmask(self.vocab_size, stops)
+        # (compile() has run: the bitmasks are there)
+        also = self.plain_tokens if spec.kind in ("json", "json_object") else self.ordinary_tokens
+        if any(not _allowed(also, t) for t in stops if t < self.vocab_size):
+            also = also | _bitmask(self.vocab_size, stops)
         return Grammar(matcher, spec.starts_after, not stops, also)
 
     def close(self) -> None:
@@ -155,7 +163,7 @@ class Grammar:
     def __init__(self, matcher, starts_after: int | None, ends_when_complete: bool,
                  also: torch.Tensor | None = None):
         self.matcher, self.starts_after, self.ends_when_complete = matcher, starts_after, ends_when_complete
-        self.also = also  # a bitmask its masks are also held to (JSON's plain tokens), or None
+        self.also = also  # a bitmask its masks are also held to (the ordinary or plain tokens, Grammars'), or None
         self.started = starts_after is None
 
     def accept(self, token: int) -> None:

@@ -2,7 +2,8 @@
 reference over a real byte-level BPE (tests/tokenizer_fixture.py: the mask allows exactly the tokens whose bytes
 continue a string of the grammar's language, and a stop token exactly where a string is complete), and the
 Engine end to end on a tiny random model, whose outputs parse and validate only because the mask forces them:
-greedy and sampled, beside plain requests, with prefix caching, with overlap (the same streams as without), a
+greedy and sampled, beside plain requests, no added or special token allowed under a grammar (but a
+stop token where the output may end), with prefix caching, with overlap (the same streams as without), a
 grammar that starts after a token, a request without stop tokens, and the ValueErrors before anything is
 queued."""
 
@@ -153,6 +154,67 @@ def test_json_object_is_an_object_written_compactly(engine, tokenizer):
     assert walk('{"a": [1, 2]}') == {0}
     with pytest.raises(StructuredOutputError):
         walk('{"a":[1, 2]}')
+
+
+FREE_TEXT = {  # (spec, a prefix into the text): grammars whose language holds "<|im_start|><think>" as text there
+    "json": ({"json": {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}}, '{"a": "x'),
+    "json_object": ({"json_object": True}, '{"a": "x'),
+    "regex": ({"regex": "[a-z<|>_]*"}, "x"),
+    "grammar": ({"grammar": 'root ::= [^#]* "#"'}, "x"),
+}
+
+
+def _allowed_ids(masks, request, vocab: int) -> set[int]:
+    bits = masks.fill([request])[0]
+    return {t for t in range(vocab) if (int(bits[t // 32]) >> (t % 32)) & 1}
+
+
+@pytest.mark.parametrize("name", list(FREE_TEXT))
+def test_added_and_special_tokens_are_never_allowed_under_a_grammar(tmp_path, name):
+    """xgrammar reads an added token as its content's text, so a JSON string or a free regex allowed
+    `<|im_start|>` (special) and `<think>` (added, not special) as single tokens: control tokens inside the
+    output. Every grammar's mask holds out the tokenizer's added and special tokens (the stop token only where
+    the output may end); their text stays reachable, spelled with the BPE's own tokens."""
+    from transformers import AutoTokenizer
+
+    from metrale_graph.grammar import Grammars
+
+    tok = AutoTokenizer.from_pretrained(build_tokenizer(tmp_path / "tok"))
+    tok.add_tokens(["<think>"])  # as Qwen3's: added, not special
+    vocab, eos = len(tok) + PADDING, tok.eos_token_id
+    added = {tok.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>", "<think>")}
+    assert len(added) == 3 and eos not in added
+    spec, prefix = FREE_TEXT[name]
+    grammars = Grammars(tok, vocab)
+    try:
+        compiled = grammars.compile(structured_output(spec)).result()
+    finally:
+        grammars.close()
+    masks = TokenMasks(1, vocab, torch.device("cpu"))
+    request = Request(0, [1], 8, None, None)
+    request.grammar = grammars.matcher(compiled, structured_output(spec), {eos})
+    for t in tok.encode(prefix, add_special_tokens=False):
+        request.grammar.accept(t)
+    for char in "<|im_start|><think>":  # the tags' text, a byte-level token per character
+        allowed = _allowed_ids(masks, request, vocab)
+        assert not allowed & added, (char, sorted(allowed & added))
+        assert (eos in allowed) == (name == "regex"), char  # json: the string is open; grammar: "#" is missing
+        request.grammar.accept(tok.convert_tokens_to_ids(char))
+    if name == "grammar":
+        request.grammar.accept(tok.convert_tokens_to_ids("#"))
+        assert _allowed_ids(masks, request, vocab) == {eos}
+
+
+def test_a_model_biased_to_special_tokens_writes_json_without_them(engine, tokenizer):
+    """logit_bias +100 on `<|im_start|>` and `<|im_end|>` (not stop tokens here): unmasked, the model would
+    write them inside the JSON string; the output is JSON of ordinary tokens, ended by eos."""
+    specials = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")]
+    schema = {"type": "object", "properties": {"note": {"type": "string", "maxLength": 40}}, "required": ["note"]}
+    results = engine.generate(PROMPTS, max_new_tokens=80, logit_bias={t: 100.0 for t in specials},
+                              structured={"json": schema})
+    for r in results:
+        assert r.finish_reason == "stop" and not set(r.token_ids) & set(specials), r
+        assert set(json.loads(r.text)) == {"note"} and r.token_ids[-1] == tokenizer.eos_token_id, r
 
 
 def test_a_token_the_grammar_does_not_allow_is_an_error(engine):
