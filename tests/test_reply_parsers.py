@@ -149,6 +149,42 @@ def test_text_that_only_looks_like_an_xml_call_stays_content(text):
     assert whole == Reply(None, text, [])
 
 
+def test_an_xml_call_without_its_opening_tag_counts():
+    """A model may drop the `<tool_call>` before `<function=NAME>` (vLLM's qwen3_coder parser reads such calls):
+    a bare `<function=NAME>` of an offered function whose next tag is a parameter or its `</function>` is a call,
+    with or without the `</tool_call>` after it, streamed at every cut as whole, beside calls with the tag."""
+    bare = xml_call("get_weather", city="Paris", days=3)[len("<tool_call>\n"):]
+    text = "Let me check.\n\n" + bare + "\n" + xml_call("get_time") + "\n<function=get_time>\n</function>\nDone."
+    whole = assert_same_when_streamed("qwen3_xml", text, pairs=True)
+    assert whole == Reply(None, "Let me check.Done.", [("get_weather", '{"city": "Paris", "days": 3}'),
+                                                       ("get_time", "{}"), ("get_time", "{}")])
+    assert parse("qwen3_xml", [bare]) == Reply(None, None, [("get_weather", '{"city": "Paris", "days": 3}')])
+    after_reasoning = ReplyParsers("qwen3_xml", True).parser(FUNCTIONS, in_reasoning=True)
+    assert Reply.of(events_of(after_reasoning, ["Weather needed.\n</think>\n\n" + bare])) == \
+        Reply("Weather needed.", None, [("get_weather", '{"city": "Paris", "days": 3}')])
+    parser = PARSERS["qwen3_xml"](FUNCTIONS)
+    assert parser.feed("Sure.\n<function=get_weather>\n") == [ContentDelta("Sure.")]  # its next tag to come
+    assert parser.feed("<param") == []
+    assert parser.feed("eter=ci") == [CallStart(0, "get_weather")]
+    assert parser.feed("ty>\nParis\n</parameter>\n</function>") == [CallArguments(0, '{"city": "Paris"')]
+    assert parser.finish() == [CallArguments(0, "}")]
+
+
+@pytest.mark.parametrize("text", [
+    "Call <function=get_weather> with a city.",  # prose: no parameter or </function> after it
+    "<function=get_weather>",  # the reply ends before its next tag
+    "<function=get_weather>\nParis\n</function>",
+    "<function=delete_everything>\n<parameter=path>\n/\n</parameter>\n</function>",  # not offered
+    "<function=get_weather",  # cut in the name
+    "<function=get weather>\n</function>",
+    "a <function",
+    "<function=<function=get_weather>x",
+])
+def test_a_bare_function_tag_that_is_no_call_stays_content(text):
+    assert assert_same_when_streamed("qwen3_xml", text) == Reply(None, text, [])
+    assert parse("qwen3_json", [text]) == Reply(None, text, [])  # the JSON format has no such calls
+
+
 def test_malformed_xml_inside_a_call_is_dropped_and_the_call_still_ends():
     text = ("<tool_call>\n<tool_call>\n<function=get_weather>\nstray text\n<parameter=city>\nOslo\n</parameter>\n"
             "<parameter=city>\nRome\n</parameter>\n<bogus>\n</function>\n</tool_call>Done.")

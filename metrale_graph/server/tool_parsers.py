@@ -14,7 +14,9 @@ object and array through JSON, a string as written, the newline that frames it d
 (Qwen2.5, Qwen3) ask for JSON: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`.
 
 Text that only looks like a call stays content: a `<tool_call>` not followed by `<function=NAME>` (XML) or by
-one JSON object with a "name" and object "arguments" (JSON), or naming a function the request did not send.
+one JSON object with a "name" and object "arguments" (JSON), or naming a function the request did not send. An XML
+call may lack its opening `<tool_call>` (as vLLM's qwen3_coder parser reads it): a bare `<function=NAME>` counts
+when NAME is offered and its next tag is a `<parameter=` or its `</function>`.
 An XML call counts from its `<function=NAME>` on: it is streamed from there (the name at once, then the
 arguments a parameter at a time, '{"city": "Paris"', ', "days": 3', '}'), and what follows inside it that is
 not a parameter is dropped; a reply that ends inside a call (max_tokens) closes it with the parameters it
@@ -35,7 +37,8 @@ from .tool_values import typed_value
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 FUNCTION_START, FUNCTION_END = "<function=", "</function>"
 PARAMETER_START, PARAMETER_END = "<parameter=", "</parameter>"
-TEXT, HEADER, BODY, PARAMETER, AFTER_FUNCTION, JSON_BLOCK = "text", "header", "body", "parameter", "after", "json"
+TEXT, HEADER, NAME, BODY, PARAMETER, AFTER_FUNCTION, JSON_BLOCK = ("text", "header", "name", "body", "parameter",
+                                                                   "after", "json")
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class CallArguments:
 class ToolCallParser:
     """The content and the calls of one reply, from its text deltas in order. `functions` maps each function the
     request offers to its parameters' JSON schema ({} for none). Not thread-safe (one per reply)."""
+    OPENINGS = (CALL_START,)  # the tags a candidate call begins with in text
 
     def __init__(self, functions: Mapping[str, Mapping]):
         self.functions = functions
@@ -95,14 +99,15 @@ class ToolCallParser:
             if not self._held:
                 return False
             self._trim_start = False
-        start = self._held.find(CALL_START)
-        if start >= 0:  # a candidate: the whitespace before it goes with it until it proves to be a call
+        found = [(i, tag) for tag in self.OPENINGS for i in [self._held.find(tag)] if i >= 0]
+        if found:  # a candidate: the whitespace before it goes with it until it proves to be a call
+            start, tag = min(found)
             before = self._held[:start]
             text = before.rstrip()
             if text:
                 out.append(ContentDelta(text))
-            self._reopen = before[len(text):] + CALL_START
-            self._held, self._state = self._held[start + len(CALL_START):], self._opened_state()
+            self._reopen = before[len(text):] + tag
+            self._held, self._state = self._held[start + len(tag):], self._opened_state(tag)
             return True
         if final:
             text = self._held.rstrip() if self.calls else self._held
@@ -110,14 +115,14 @@ class ToolCallParser:
                 out.append(ContentDelta(text))
             self._held = ""
             return False
-        body = self._held[:len(self._held) - partial_tag_len(self._held, CALL_START)]
+        body = self._held[:len(self._held) - partial_tag_len(self._held, *self.OPENINGS)]
         keep = len(body) - trailing_space_len(body)  # may be the whitespace before a call
         if keep:
             out.append(ContentDelta(self._held[:keep]))
             self._held = self._held[keep:]
         return False
 
-    def _opened_state(self) -> str:
+    def _opened_state(self, tag: str) -> str:
         raise NotImplementedError
 
     def _not_a_call(self, out: list) -> bool:
@@ -137,18 +142,25 @@ class ToolCallParser:
 
 
 class Qwen3XmlToolParser(ToolCallParser):
-    """`<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>`."""
+    """`<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>`; also
+    without its `<tool_call>` (models drop it at times; vLLM's qwen3_coder parser reads such calls): a bare
+    `<function=NAME>` of an offered function followed by a `<parameter=` or its `</function>` (so that prose
+    naming one stays content)."""
+    OPENINGS = (CALL_START, FUNCTION_START)
 
     def __init__(self, functions: Mapping[str, Mapping]):
         super().__init__(functions)
-        self._name, self._key, self._given = "", "", set()
+        self._name, self._key, self._given, self._bare = "", "", set(), False
 
-    def _opened_state(self) -> str:
-        return HEADER
+    def _opened_state(self, tag: str) -> str:
+        self._bare = tag == FUNCTION_START
+        return NAME if self._bare else HEADER
 
     def _call(self, final: bool, out: list) -> bool:
         if self._state == HEADER:
             return self._header(final, out)
+        if self._state == NAME:
+            return self._function_name(final, out)
         if self._state == BODY:
             return self._body(final, out)
         if self._state == PARAMETER:
@@ -157,20 +169,33 @@ class Qwen3XmlToolParser(ToolCallParser):
 
     def _header(self, final: bool, out: list) -> bool:
         text = self._held.lstrip()
-        if text.startswith(FUNCTION_START):
-            end = text.find(">")
-            name = text[len(FUNCTION_START):end if end >= 0 else len(text)]
-            if end < 0 and not final and not any(c in name for c in "<\n"):
-                return False  # the name goes on
-            if end < 0 or name not in self.functions:
-                return self._not_a_call(out)
-            self._start_call(name, out)
-            self._name, self._given = name, set()
-            self._held, self._state = text[end + 1:], BODY
+        if text.startswith(FUNCTION_START):  # (its text joins the opening: content if this is no call)
+            self._reopen += self._held[:len(self._held) - len(text)] + FUNCTION_START
+            self._held, self._state = text[len(FUNCTION_START):], NAME
             return True
         if not final and FUNCTION_START.startswith(text):
             return False
         return self._not_a_call(out)
+
+    def _function_name(self, final: bool, out: list) -> bool:
+        """After `<function=`: the name, up to `>`, of an offered function (a bare one's next tag a parameter or
+        the function's end), else no call."""
+        end = self._held.find(">")
+        name = self._held[:end if end >= 0 else len(self._held)]
+        if end < 0 and not final and not any(c in name for c in "<\n"):
+            return False  # the name goes on
+        if end < 0 or name not in self.functions:
+            return self._not_a_call(out)
+        if self._bare:
+            after = self._held[end + 1:].lstrip()
+            if not any(after.startswith(tag) for tag in (PARAMETER_START, FUNCTION_END)):
+                if not final and any(tag.startswith(after) for tag in (PARAMETER_START, FUNCTION_END)):
+                    return False  # its next tag is still to come
+                return self._not_a_call(out)
+        self._start_call(name, out)
+        self._name, self._given = name, set()
+        self._held, self._state = self._held[end + 1:], BODY
+        return True
 
     def _body(self, final: bool, out: list) -> bool:
         text = self._held.lstrip()
@@ -232,7 +257,7 @@ class Qwen3XmlToolParser(ToolCallParser):
 class Qwen3JsonToolParser(ToolCallParser):
     """`<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>` (Qwen2.5's and Qwen3's hermes form)."""
 
-    def _opened_state(self) -> str:
+    def _opened_state(self, tag: str) -> str:
         return JSON_BLOCK
 
     def _call(self, final: bool, out: list) -> bool:
