@@ -99,6 +99,8 @@ class HybridCache(CacheOwnership):
              self.checkpoint_targets) = checkpoint_buffers(cfg, P, NC + verify_entries, dtype, self.device)
         self.prefix_checkpoints, self.checkpoint_interval = prefix_checkpoints, checkpoint_interval
         self.verify_entries = verify_entries
+        # what the verify targets hold on the device (cache_prefixes.set_verify_targets): () none, None unknown
+        self.verify_targets_held: tuple | None = ()
         self.context_lens = [0] * num_slots
         self.mtp_context_lens = [0] * num_slots  # the positions whose MTP KV entries are written
         self.slot_blocks = SlotBlocks(num_slots, num_blocks, block_size, prefix_checkpoints)

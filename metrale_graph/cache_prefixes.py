@@ -188,3 +188,25 @@ def write_targets(cache, start: int, tokens: list[int], entries: list[int], widt
     pad = width - len(tokens)
     host = int_tensor(tokens + [-1] * pad + entries + [cache.scratch_checkpoint] * pad).view(2, width)
     cache.checkpoint_targets[:, start:start + width].copy_(to_device(host, cache.device))
+
+
+def set_verify_targets(cache, tokens: list[int], entries: list[int]) -> None:
+    """The verify step's checkpoint targets (past prefix_targets; speculative/verify.py): written only when they
+    differ from what the device holds (`cache.verify_targets_held`): a run of verify steps of the same streams and
+    draft count keeps one set, with no copy a step. They stay after the step; clear_verify_targets drops them
+    before any other step."""
+    held = (tuple(tokens), tuple(entries))
+    if cache.verify_targets_held == held:
+        return
+    cache.verify_targets_held = None  # (unknown if the copy fails)
+    write_targets(cache, cache.prefix_targets, tokens, entries, cache.verify_entries)
+    cache.verify_targets_held = held
+
+
+def clear_verify_targets(cache) -> None:
+    """No verify targets (every token -1) before a step that is not a verify step (the prefill protocol's run and
+    launch), so it keeps no verify states; nothing to do when none are held."""
+    if cache.verify_entries and cache.verify_targets_held != ():
+        cache.verify_targets_held = None
+        cache.checkpoint_tokens[cache.prefix_targets:].fill_(-1)
+        cache.verify_targets_held = ()

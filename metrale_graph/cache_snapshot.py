@@ -42,6 +42,7 @@ def put_back(cache, snapshot: CacheSnapshot) -> None:
                          f"{got}); nothing was restored")
     with cache.exclusive():
         try:
+            cache.verify_targets_held = None  # (the targets come back with the snapshot's tensors)
             for t, s in zip(cache.state_tensors(), snapshot.tensors):
                 t.copy_(s)
         except BaseException:

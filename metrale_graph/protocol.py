@@ -32,6 +32,7 @@ import torch
 
 from .batch import BatchTokens, PackedBatch, Stream, check_token_ids, pack, token_tensor, validate
 from .cache import HybridCache
+from .cache_prefixes import clear_verify_targets
 from .numbers import int_tensor, to_device
 
 Piece = list[tuple[int, int, int]]  # (stream index, start, stop) token ranges of one step
@@ -130,18 +131,21 @@ class PrefillCall:
         self._ran = True
         with self.cache.transaction(self.growth):
             self.cache.allocate(self.tokens.new_blocks)
-            out, fed = self._step(step, self.slots, self.tokens.ids, self.lengths)
+            out, fed = self._step(step, self.slots, self.tokens.ids, self.lengths, verify=True)
             kept = settle(out)
             assert all(0 <= k <= n for k, n in zip(kept, self.lengths)), "settle keeps a prefix of each stream"
             self.cache.commit(dict(zip(self.slots, kept)),
                               None if fed is None else {s: f[:k] for s, f, k in zip(self.slots, fed, kept)})
         return out
 
-    def _step(self, step, slots: list[int], ids: torch.Tensor, lengths: list[int]):
+    def _step(self, step, slots: list[int], ids: torch.Tensor, lengths: list[int], verify: bool = False):
         """Pack one piece, run `step` on it with prefix caching's checkpoints planned (and recorded once it has
         run, or given back if it raises); returns (step's output, each stream's new ids with prefix caching
-        else None), the slots not committed yet."""
+        else None), the slots not committed yet. A step that is not a verify step (run_settled's) first drops
+        the verify targets a verify step left (cache_prefixes.clear_verify_targets)."""
         cache = self.cache
+        if not verify:
+            clear_verify_targets(cache)
         fed = _split_list(ids.tolist(), lengths) if cache.prefix_caching else None
         plan = []
         try:  # the planned entries go back if the step fails (plan_checkpoints gives back its own)

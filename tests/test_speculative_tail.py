@@ -14,7 +14,7 @@ import torch
 
 from helpers import moe_config, random_tokens, tiny_config, unit_gain
 from speculative_reference import Oracle, bigram_model, with_random_mtp
-from metrale_graph import Engine, HybridModel
+from metrale_graph import Engine, HybridModel, Stream
 from metrale_graph.capture import choose, make_grid
 from metrale_graph.capture.speculative import SpeculativeGraphs
 from metrale_graph.sampling import SampleRow, SamplingParams, new_generator, sample
@@ -285,20 +285,45 @@ def test_accepted_states_are_kept_from_the_counts_on_the_device():
             assert torch.equal(pool[slot], want), slot
 
 
-def test_verify_targets_take_one_copy_and_clear_on_the_device():
-    """verify.targets writes the verify checkpoints past prefix_targets (tokens and entries, the rest none) and
-    clears them (tokens -1) without touching prefix caching's targets before them."""
+def test_verify_targets_take_one_copy_kept_until_another_step(monkeypatch):
+    """verify.targets writes the verify checkpoints past prefix_targets (tokens and entries, the rest none) in one
+    copy, none when the device holds them already; they stay set after the verify step and are cleared (tokens -1,
+    prefix caching's targets untouched) before the next step that is not a verify step (the prefill protocol);
+    a snapshot put back makes them unknown, so the next verify writes them again."""
+    from metrale_graph import cache_prefixes
     from metrale_graph.cache import HybridCache
+    from metrale_graph.protocol import prefill_call
 
-    cache = HybridCache(tiny_config(), 2, 16, block_size=16, max_context=128, prefix_checkpoints=2,
-                        checkpoint_interval=64, verify_entries=6)
+    model = HybridModel.from_preset(tiny_config(), seed=0)
+    cache = model.new_cache(2, 16, block_size=16, max_context=128, prefix_checkpoints=2, checkpoint_interval=64,
+                            verify_entries=6)
+    assert isinstance(cache, HybridCache)
     P, scratch = cache.prefix_targets, cache.scratch_checkpoint
+    copies = []
+    write = cache_prefixes.write_targets
+    monkeypatch.setattr(cache_prefixes, "write_targets", lambda *a: (a[1] == P and copies.append(a[1])) or write(*a))
+    snap = cache.snapshot()
     cache.checkpoint_tokens[:P].fill_(7)
     verify.targets(cache, [4, 5], [3, 4])
+    verify.targets(cache, [4, 5], [3, 4])  # the same again: no copy
+    assert copies == [P]
     assert cache.checkpoint_tokens[P:].tolist() == [4, 5, -1, -1, -1, -1]
     assert cache.checkpoint_entries[P:].tolist() == [3, 4] + [scratch] * 4
-    verify.targets(cache, [], [])
+    verify.targets(cache, [4], [3])
+    assert copies == [P, P] and cache.checkpoint_tokens[P:].tolist() == [4, -1, -1, -1, -1, -1]
+    cache_prefixes.clear_verify_targets(cache)
     assert cache.checkpoint_tokens[P:].tolist() == [-1] * 6 and (cache.checkpoint_tokens[:P] == 7).all()
+    assert cache.verify_targets_held == ()
+    verify.targets(cache, [4], [3])
+    seen = []
+    with prefill_call(model, cache, [Stream(0, [1, 2, 3])]) as call:  # a step that is not a verify step
+        call.run(lambda packed: seen.append(cache.checkpoint_tokens[P:].tolist()) or model.forward_packed(cache, packed))
+    assert seen == [[-1] * 6] and cache.verify_targets_held == ()
+    verify.targets(cache, [4], [3])
+    cache.restore(snap)
+    assert cache.verify_targets_held is None
+    verify.targets(cache, [4], [3])
+    assert copies == [P, P, P, P, P] and cache.checkpoint_tokens[P:].tolist() == [4, -1, -1, -1, -1, -1]
     assert cache.checkpoint_targets.shape == (2, P + 6)
     assert cache.checkpoint_targets[0].data_ptr() == cache.checkpoint_tokens.data_ptr()
 

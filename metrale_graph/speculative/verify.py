@@ -51,7 +51,7 @@ import time
 import torch
 
 from ..batch import Stream
-from ..cache_prefixes import write_targets
+from ..cache_prefixes import set_verify_targets
 from ..grammar import TokenMasks
 from ..handle import deliver
 from ..logits_processors import process_logits
@@ -189,14 +189,11 @@ class SpeculativeStep:
                 packed = packed.padded(2, packed.num_tokens, cache)
             runner = self.runner  # its compiled (captured) hidden-states step of the bucket the step fits, if any
             entry = runner.hidden_bucket(packed.num_streams, packed.num_tokens) if runner is not None else None
-            targets(cache, keep_tok, keep_entry)
+            targets(cache, keep_tok, keep_entry)  # (left set after the step: the protocol clears them before another)
             out["bucket"] = None if entry is None else entry.bucket
-            try:
-                if entry is not None:
-                    return runner.run_hidden(entry, packed)
-                return model.hidden_states(cache, packed)
-            finally:
-                targets(cache, [], [])
+            if entry is not None:
+                return runner.run_hidden(entry, packed)
+            return model.hidden_states(cache, packed)
 
         def settle(h):
             out["h"] = h
@@ -371,11 +368,8 @@ def unprocessed(r) -> bool:
 
 def targets(cache, tokens: list[int], entries: list[int]) -> None:
     """The verify checkpoints of a step (cache.checkpoint_tokens / entries past prefix_targets): the GDN ops keep
-    the state after packed token tokens[i] in entry entries[i]; the rest -1 (none). One copy to the device
-    (cache_prefixes.write_targets); none at all to clear them (tokens -1: an entry beside -1 is never read)."""
-    if not cache.verify_entries:
-        return
-    if tokens:
-        write_targets(cache, cache.prefix_targets, tokens, entries, cache.verify_entries)
-    else:
-        cache.checkpoint_tokens[cache.prefix_targets:].fill_(-1)
+    the state after packed token tokens[i] in entry entries[i]; the rest -1 (none). One copy to the device, none
+    when the device holds them already (cache_prefixes.set_verify_targets); the prefill protocol clears them
+    before any other step."""
+    if cache.verify_entries:
+        set_verify_targets(cache, tokens, entries)
