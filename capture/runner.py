@@ -30,6 +30,11 @@ entries go when it does. The recompile limit is raised to the grid size + 8 only
 
 Without a GPU (or with use_graphs=False) the same code runs the compiled step on the static
 buffers without graphs, so CPU users and CI exercise the same path.
+
+Speculative decoding's verify step (hidden_bucket / run_hidden: the hidden states of every token) is compiled
+and captured in layer pieces (verify_pieces, `layer_pieces`): a graph of the whole model took 1.9-2.2 ms to
+launch on an H100 with the GPU idle until the launch returned; its pieces are launched one after another, so the
+GPU starts on the first small one while the host launches the rest.
 """
 
 from __future__ import annotations
@@ -66,13 +71,13 @@ class BucketEntry:
     batch: PackedBatch  # static input buffers (at least 2 tokens; 1 stream for a single-stream bucket of
     # a runner with one_stream_step, else at least 2)
     report: BucketReport | None = None  # set once the bucket is compiled (and captured)
-    graph: torch.cuda.CUDAGraph | None = None
+    graphs: list[torch.cuda.CUDAGraph] | None = None  # its CUDA graphs, replayed in order: one, or a hidden entry's
+    # one per layer piece (verify_pieces)
     output: torch.Tensor | None = None  # the captured step's logits (hidden states: hidden_states), in graph memory
     filled: tuple[int, int] | None = None  # (streams, tokens) of the batch last filled in (None: not known)
     hidden: bool = False  # the hidden-states step's (speculative decoding's verify), not the logits step's
-    pieces: list = None  # a hidden entry's graphs, one per layer piece (verify_pieces), launched in order; the
-    # outputs of all but the last are kept referenced (the next piece's input) in `between`
-    between: list = None
+    between: list[torch.Tensor] | None = None  # the outputs of all graphs but the last (each the next one's input),
+    # kept referenced so that no later capture takes their memory
 
 
 class GraphRunner:
@@ -186,8 +191,7 @@ class GraphRunner:
             torch.cuda.synchronize(dev)
             report.capture_s = time.perf_counter() - t1
             report.graph_bytes = torch.cuda.memory_reserved(dev) - before
-            entry.graph, entry.output = graphs[0], outputs[-1]
-            entry.pieces, entry.between = graphs, outputs[:-1]
+            entry.graphs, entry.output, entry.between = graphs, outputs[-1], outputs[:-1]
         else:
             _run_pieces(pieces, self.cache, entry.batch)
             report.compile_s = time.perf_counter() - t0
@@ -280,7 +284,7 @@ class GraphRunner:
         entry.filled = (packed.num_streams, packed.num_tokens)
         rows = packed.num_streams if rows is None else rows
         if self.use_graphs:
-            for graph in entry.pieces:
+            for graph in entry.graphs:
                 graph.replay()
             out = entry.output[:rows]
             return out.clone() if copy else out

@@ -24,7 +24,7 @@ def test_graph_engine_greedy_equals_eager_engine():
     eager = Engine(model, compile=False, **opts)
     out_g = graphs.generate(prompts, max_new_tokens=24)
     out_e = eager.generate(prompts, max_new_tokens=24)
-    replayed = [b for b, e in graphs.runner.entries.items() if e.graph is not None]
+    replayed = [b for b, e in graphs.runner.entries.items() if e.graphs is not None]
     print(f"buckets captured and replayed: {len(replayed)} ({', '.join(map(str, sorted(replayed)))})")
     for i, (a, b) in enumerate(zip(out_g, out_e)):
         same = next((k for k, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)

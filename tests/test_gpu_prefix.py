@@ -202,4 +202,4 @@ def test_prefix_hits_replay_like_eager(model):
     assert twins.runner.use_graphs
     twins.runner.warmup(progress=False)
     run_sequence(twins)
-    assert all(entry.graph is not None for entry in twins.runner.entries.values())
+    assert all(entry.graphs is not None for entry in twins.runner.entries.values())
