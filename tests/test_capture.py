@@ -228,6 +228,15 @@ def test_verify_pieces_layer_ranges():
     for bad in ([0, 2], [-1], [1.5], [True]):
         with pytest.raises(ValueError, match="verify_pieces must be layer counts of at least 1"):
             layer_pieces(bad, 8, True)
+    from metrale_graph import envs
+
+    with envs.override(METRALE_VERIFY_PIECES="2, 2"):  # the setting, where no counts are given
+        assert layer_pieces(None, 8, False) == [(0, 2), (2, 4), (4, 8)]
+    with envs.override(METRALE_VERIFY_PIECES="0"):
+        assert layer_pieces(None, 8, True) == [(0, 8)]
+    with envs.override(METRALE_VERIFY_PIECES="1,x"):
+        with pytest.raises(ValueError, match="METRALE_VERIFY_PIECES takes layer counts separated by commas, got '1,x'"):
+            layer_pieces(None, 8, True)
 
 
 def test_hidden_states_in_layer_pieces_equal_eager():
