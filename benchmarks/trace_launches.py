@@ -3,9 +3,12 @@
 copies, memsets) that carries its correlation id. Per graph (told apart by its device activity count), the
 medians of: the launch call's host time, the delay from the launch call's start to the graph's first device
 activity, that activity's start relative to the call's end (negative: the GPU began before the call returned),
-the device span of the graph, and the GPU's idle time just before it.
+the device span of the graph, and the GPU's idle time just before it. `--gaps US`: also every stretch of at least
+US microseconds with no device activity, and what the host's CUDA runtime calls were during those stretches (by
+name: the time each overlaps them; "no runtime call" is the rest: Python between calls, or a wait outside CUDA):
+where a step's idle device time goes.
 
-    python benchmarks/trace_launches.py TRACE.json.gz [...] [--json FILE]
+    python benchmarks/trace_launches.py TRACE.json.gz [...] [--gaps 20] [--json FILE]
 """
 
 from __future__ import annotations
@@ -74,6 +77,46 @@ def summary(rows: list[dict]) -> list[dict]:
     return out
 
 
+def gaps(events: list[dict], least_us: float) -> dict:
+    """The device's idle stretches of at least `least_us` (between the first and the last device activity), their
+    total, and the host's runtime calls overlapping them: {"count", "idle_ms", "by_call": [[name, ms, calls]],
+    "no_runtime_call_ms", "longest": [[start_us, ms, [call names in order]]] (the ten longest)}."""
+    device = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events if e.get("cat") in DEVICE_CATEGORIES)
+    calls = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events if e.get("cat") == "cuda_runtime")
+    idle, end = [], None
+    for a, b in device:
+        if end is not None and a - end >= least_us:
+            idle.append((end, a))
+        end = b if end is None else max(end, b)
+    by_call: dict = defaultdict(lambda: [0.0, 0])
+    covered_total, longest = 0.0, []
+    for a, b in idle:
+        inside = [(max(a, s), min(b, e), n) for s, e, n in calls if s < b and e > a]
+        for s, e, n in inside:
+            by_call[n][0] += e - s
+            by_call[n][1] += 1
+        covered, reach = 0.0, a  # the union of the overlapping calls (they may nest)
+        for s, e, _ in sorted(inside):
+            if e > reach:
+                covered += e - max(s, reach)
+                reach = e
+        covered_total += covered
+        longest.append([a, (b - a) / 1e3, [n for _, _, n in sorted(inside)]])
+    total = sum(b - a for a, b in idle)
+    return {"count": len(idle), "idle_ms": total / 1e3,
+            "by_call": sorted(([n, v[0] / 1e3, v[1]] for n, v in by_call.items()), key=lambda x: -x[1]),
+            "no_runtime_call_ms": (total - covered_total) / 1e3,
+            "longest": sorted(longest, key=lambda x: -x[1])[:10]}
+
+
+def render_gaps(g: dict, least_us: float) -> str:
+    lines = [f"device idle stretches of at least {least_us:g} us: {g['count']}, {g['idle_ms']:.3f} ms in all; "
+             f"no runtime call during {g['no_runtime_call_ms']:.3f} ms of them", "| runtime call | ms overlapping | calls |",
+             "|---|---|---|"]
+    lines += [f"| {n} | {ms:.3f} | {c} |" for n, ms, c in g["by_call"]]
+    return "\n".join(lines)
+
+
 def render(path: str, table: list[dict]) -> str:
     def f(x):
         return "-" if x is None else f"{x:.3f}"
@@ -90,13 +133,19 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python benchmarks/trace_launches.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("traces", nargs="+", help="chrome-format profiler traces (.json or .json.gz)")
+    p.add_argument("--gaps", type=float, default=None, metavar="US",
+                   help="also the device's idle stretches of at least US microseconds and the host's runtime calls in them")
     p.add_argument("--json", default=None, help="also write the tables to this file")
     args = p.parse_args(argv)
-    tables = {}
+    tables, idle = {}, {}
     for path in args.traces:
-        tables[path] = summary(launches(load(path)))
+        events = load(path)
+        tables[path] = summary(launches(events))
         print(render(path, tables[path]))
-    record = {"tool": "trace_launches", "tables": tables, **provenance(argv)}
+        if args.gaps is not None:
+            idle[path] = gaps(events, args.gaps)
+            print(render_gaps(idle[path], args.gaps))
+    record = {"tool": "trace_launches", "tables": tables, **({"gaps": idle} if idle else {}), **provenance(argv)}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)

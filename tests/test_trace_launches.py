@@ -44,3 +44,14 @@ def test_summary_and_cli(tmp_path, capsys):
     trace_launches.main([path, "--json", str(out)])
     assert "| 3 | 1 | 0.100 | 0.150 | 0.050 | 0.100 | 0.130 |" in capsys.readouterr().out
     assert json.loads(out.read_text())["tables"][path][1]["launches"] == 1
+
+
+def test_gaps_name_the_host_calls_during_device_idle(tmp_path):
+    g = trace_launches.gaps(trace_launches.load(_trace(tmp_path)), 20)
+    # idle 20-150 (the launch call overlaps 20-100, nothing after) and 250-305 (graph B's call from 300)
+    assert g["count"] == 2 and g["idle_ms"] == 0.185
+    assert g["by_call"] == [["cudaGraphLaunch", 0.085, 2]]
+    assert g["no_runtime_call_ms"] == 0.1
+    assert [x[1] for x in g["longest"]] == [0.13, 0.055]
+    assert trace_launches.gaps(trace_launches.load(_trace(tmp_path)), 60)["count"] == 1
+    trace_launches.main([_trace(tmp_path), "--gaps", "20"])
