@@ -12,7 +12,8 @@ from metrale_graph.server.errors import APIError
 from metrale_graph.server.protocol import NamedToolChoice, Tool
 from metrale_graph.server.reasoning import ReasoningParser, split_reasoning, starts_in_reasoning
 from metrale_graph.server.reply import Reply, ReplyParsers
-from metrale_graph.server.tool_choice import ForcedCallParser, forced_call_schema, forced_calls, tool_request
+from metrale_graph.server.tool_choice import (NO_PARAMETERS, ForcedCallParser, forced_call_schema, forced_calls,
+                                              tool_request)
 from metrale_graph.server.tool_parsers import (PARSERS, CallArguments, CallStart, ContentDelta, json_call,
                                                parser_of_template, typed_value)
 
@@ -342,7 +343,7 @@ def test_the_forced_call_schema_and_its_replies():
     schema = forced_call_schema(TOOLS, "required")
     assert schema["type"] == "array" and schema["minItems"] == 1
     assert [c["properties"]["name"]["enum"] for c in schema["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
-    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == NO_PARAMETERS  # no parameters: an empty list
     assert "maxItems" not in schema and forced_call_schema(TOOLS, "required", parallel=False)["maxItems"] == 1
     assert tool_request(TOOLS, "required", None, parallel_tool_calls=False).forced["maxItems"] == 1
     assert forced_calls('{"city": "Paris"}', named) == [("get_weather", '{"city": "Paris"}')]

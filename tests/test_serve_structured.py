@@ -137,6 +137,18 @@ def test_a_named_tool_choice_calls_that_function(client):
 
 
 
+def test_a_forced_call_of_a_function_without_parameters_has_no_arguments(client):
+    """A function sent without `parameters` (OpenAI's empty parameter list), forced by name or by "required": its
+    call's arguments are {} (held to a bare object schema, this model wrote one key until max_tokens, and the
+    client got that text as content, no call)."""
+    clock = {"type": "function", "function": {"name": "get_clock", "description": "The time now"}}
+    named = {"type": "function", "function": {"name": "get_clock"}}
+    choice = chat(client, tools=[clock], tool_choice=named).choices[0]
+    assert choice.finish_reason == "stop" and _calls(choice.message.tool_calls) == [("get_clock", {})], choice
+    choice = chat(client, tools=[clock], tool_choice="required", parallel_tool_calls=False).choices[0]
+    assert choice.finish_reason == "tool_calls" and _calls(choice.message.tool_calls) == [("get_clock", {})], choice
+
+
 class Place(BaseModel):
     name: Literal["Paris", "Rome"]
 

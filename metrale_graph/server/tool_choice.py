@@ -26,6 +26,11 @@ from .protocol import NamedToolChoice, Tool
 from .tool_parsers import CallArguments, CallStart, ContentDelta
 
 
+# the arguments of a function sent without `parameters`: OpenAI's "empty parameter list", so a forced call is {} (a
+# bare {"type": "object"} would let the model invent keys without end)
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
 @dataclass(frozen=True)
 class ToolRequest:
     template_tools: list[dict] | None
@@ -71,7 +76,7 @@ def forced_call_schema(tools: list[Tool], tool_choice, parallel: bool = True) ->
     arguments object): the engine samples the reply under it and `forced_calls` reads the calls out of its
     text."""
     def parameters(tool: Tool) -> dict:
-        return tool.function.parameters or {"type": "object"}
+        return tool.function.parameters or NO_PARAMETERS
 
     if isinstance(tool_choice, NamedToolChoice):
         return parameters(next(t for t in tools if t.function.name == tool_choice.function.name))
