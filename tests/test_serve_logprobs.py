@@ -171,6 +171,42 @@ def test_echo_of_token_ids_keeps_their_special_tokens(client, tokenizer):
     assert "".join(c.choices[0].text for c in streamed) == choice.text
 
 
+def test_return_tokens_as_token_ids_writes_each_token_as_its_id(client, tokenizer):
+    """vLLM's return_tokens_as_token_ids (RL clients read token ids back from the logprobs' strings): every token
+    string, the tops' and the echoed prompt's too, is "token_id:N" of its id, whole and streamed, completions and
+    chat, text_offset summing those strings; the values are the request's without it (it was ignored: the strings
+    were the tokens' text)."""
+    as_id = lambda t: f"token_id:{t}"  # noqa: E731
+    prompt = tokenizer.encode(PROMPT)
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    plain = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, logprobs=2, echo=True, temperature=0,
+                                      extra_body=extra).choices[0]
+    choice = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, logprobs=2, echo=True, temperature=0,
+                                       extra_body=extra | {"return_tokens_as_token_ids": True}).choices[0]
+    ids, lp = prompt + choice.token_ids, choice.logprobs
+    assert lp.tokens == [as_id(t) for t in ids] and choice.token_ids == plain.token_ids
+    assert lp.token_logprobs == pytest.approx(plain.logprobs.token_logprobs, abs=TOL)
+    assert lp.text_offset == [sum(len(as_id(t)) for t in ids[:i]) for i in range(len(ids))]
+    assert all(set(top) <= {as_id(t) for t in range(len(tokenizer))} and as_id(t) in top
+               for top, t in zip(lp.top_logprobs[1:], ids[1:]))
+    stream = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, logprobs=2, echo=True, temperature=0,
+                                       stream=True, extra_body=extra | {"return_tokens_as_token_ids": True})
+    streamed = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+    messages = [{"role": "user", "content": "Hello world!"}]
+    for stream in (False, True):
+        out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=4, logprobs=True, top_logprobs=3,
+                                             temperature=0, stream=stream,
+                                             extra_body=extra | {"return_tokens_as_token_ids": True})
+        chunks = list(out) if stream else [out]
+        ids = sum((getattr(c.choices[0], "token_ids", None) or [] for c in chunks if c.choices), [])
+        content = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        assert [e.token for e in content] == [as_id(t) for t in ids] and len(ids) == 4
+        assert all(e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 3 for e in content)
+        assert all(top.token.startswith("token_id:") for e in content for top in e.top_logprobs)
+
+
 def test_vllm_prompt_logprobs(server, model, tokenizer):
     """vLLM's prompt_logprobs: 2 on completions (and its choice's first streamed event) and chat: per prompt
     position None first, then {token id: {logprob, rank, decoded_token}}, the prompt's token first."""

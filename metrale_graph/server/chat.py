@@ -104,7 +104,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
 
 
 def _logprobs(state: ServerState, body: ChatCompletionRequest, token_ids, entries):
-    return chat_logprobs(state.token_strings, token_ids, entries, body.top_logprobs or 0) if body.logprobs else None
+    return chat_logprobs(state.logprob_strings(body), token_ids, entries, body.top_logprobs or 0) if body.logprobs \
+        else None
 
 
 def _prompt_logprobs(state: ServerState, body: ChatCompletionRequest, prompt: list[int], entries):

@@ -78,7 +78,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw_req
         choices.append(CompletionChoice(
             index=i, text=text, finish_reason=r.finish_reason,
             stop_reason=group.stop_reason(i, r.finish_reason, r.token_ids),
-            logprobs=None if body.logprobs is None else completion_logprobs(state.token_strings, ids, entries,
+            logprobs=None if body.logprobs is None else completion_logprobs(state.logprob_strings(body), ids, entries,
                                                                             body.logprobs),
             token_ids=([] if body.echo_only else list(r.token_ids)) if body.return_token_ids else None,
             prompt_token_ids=group.prompt_of(i) if body.return_token_ids else None,
@@ -119,6 +119,7 @@ async def _events(state: ServerState, body: CompletionRequest, group: Generation
     chunks = StreamChunks("text_completion", rid, created, model)
     pending: dict[int, _Pending] = {}
     continuous = body.stream_options is not None and body.stream_options.continuous
+    strings = state.logprob_strings(body)
 
     def sent(sse: str) -> str:  # with vLLM's continuous_usage_stats, the usage so far in every event
         return with_usage(sse, _usage(body, group, so_far=True)) if continuous else sse
@@ -142,8 +143,8 @@ async def _events(state: ServerState, body: CompletionRequest, group: Generation
                 continue
             logprobs = None
             if body.logprobs is not None:
-                logprobs = completion_logprobs(state.token_strings, p.logprob_ids, p.entries, body.logprobs, p.offset)
-                p.offset += sum(len(state.token_strings(t)) for t in p.logprob_ids)
+                logprobs = completion_logprobs(strings, p.logprob_ids, p.entries, body.logprobs, p.offset)
+                p.offset += sum(len(strings(t)) for t in p.logprob_ids)
             text, token_ids = p.text, p.token_ids if body.return_token_ids else None
             stop_reason = group.stop_reason(choice, out.finish_reason, out.token_ids)
             p.text, p.token_ids, p.logprob_ids, p.entries = "", [], [], []

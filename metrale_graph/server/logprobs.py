@@ -4,8 +4,9 @@ vLLM's `prompt_logprobs` ({token id: {logprob, rank, decoded_token}} per prompt 
 
 Token strings are vLLM's: `tokenizer.decode([token_id])` of each token alone, special tokens kept, so a token
 that ends inside a UTF-8 character is U+FFFD (and its chat `bytes` U+FFFD's three, as vLLM writes them);
-without a tokenizer, "token_id:N" (vLLM's return_tokens_as_token_ids). A logprob of -inf is written -9999.0
-(JSON has no infinity; vLLM's value). The values are the raw distribution's (metrale_graph/logprobs.py).
+without a tokenizer, and for a request with vLLM's return_tokens_as_token_ids, "token_id:N" (`token_id_string`).
+A logprob of -inf is written -9999.0 (JSON has no infinity; vLLM's value). The values are the raw
+distribution's (metrale_graph/logprobs.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ def _value(logprob: float) -> float:
     return max(logprob, LOWEST)
 
 
+def token_id_string(token_id: int) -> str:
+    """A token's string as vLLM's return_tokens_as_token_ids writes it, whatever its text: "token_id:N"."""
+    return f"token_id:{token_id}"
+
+
 class TokenStrings:
     """Each token id's string, decoded once and kept (a server sees the same few thousand tokens again and
     again). Used by the event loop only."""
@@ -32,8 +38,7 @@ class TokenStrings:
     def __call__(self, token_id: int) -> str:
         string = self._strings.get(token_id)
         if string is None:
-            string = (f"token_id:{token_id}" if self._tokenizer is None
-                      else self._tokenizer.decode([token_id]))
+            string = token_id_string(token_id) if self._tokenizer is None else self._tokenizer.decode([token_id])
             self._strings[token_id] = string
         return string
 

@@ -4,7 +4,7 @@ are in responses.py).
 Requests mirror OpenAI's `/v1/completions` and `/v1/chat/completions` (the fields this server
 runs; a field OpenAI or vLLM has that the engine cannot honour, such as `best_of` or beam search, is refused by
 name when it is set, never silently ignored), plus vLLM's extensions `top_k`, `stop_token_ids`, `ignore_eos`,
-`return_token_ids`, the sampling controls (`min_p`, `repetition_penalty`, `min_tokens`,
+`return_token_ids`, `return_tokens_as_token_ids`, the sampling controls (`min_p`, `repetition_penalty`, `min_tokens`,
 `include_stop_str_in_output`, `prompt_logprobs`), structured output (OpenAI's `response_format`, vLLM's
 `structured_outputs` and `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`: server/structured.py)
 and the chat template's arguments
@@ -114,6 +114,8 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     ignore_eos: StrictBool = False
     return_token_ids: StrictBool = False
+    # logprobs' token strings as "token_id:N" (RL clients read the ids back from them; null: false)
+    return_tokens_as_token_ids: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None  # false: every special token's text kept
     # sampling controls (metrale_graph/logits_processors.py: vLLM's semantics); null: the default (off).
     # OpenAI's penalties, logit_bias (token ids as JSON object keys); vLLM's min_p, repetition_penalty,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from ..tokenizer import special_token_ids
 from .errors import bad_request, short, unauthorized, unknown_model, warming_up
 from .limits import TokenBound
-from .logprobs import TokenStrings
+from .logprobs import TokenStrings, token_id_string
 from .metrics import ServerMetrics
 from .protocol import SamplingFields
 from .reasoning import THINK_END
@@ -104,6 +104,11 @@ class ServerState:
     async def off_loop(self, fn, *args):
         """fn(*args) in the tokenizing worker, awaited (its exceptions raised here)."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenize, functools.partial(fn, *args))
+
+    def logprob_strings(self, body: SamplingFields):
+        """The token strings of `body`'s logprobs: each token's text, or "token_id:N" with vLLM's
+        return_tokens_as_token_ids."""
+        return token_id_string if body.return_tokens_as_token_ids else self.token_strings
 
     def model_card(self) -> ModelCard:
         return ModelCard(id=self.model_name, max_model_len=self.max_context, vocab_size=self.vocab_size)
