@@ -187,6 +187,8 @@ UNSUPPORTED = [  # (path, field, value): OpenAI's and vLLM's fields the engine c
     ("/v1/completions", "length_penalty", 0.5),
     ("/v1/chat/completions", "logits_processors", ["a"]),
     ("/v1/completions", "guided_whitespace_pattern", "\\n"),  # (once accepted and ignored)
+    ("/v1/chat/completions", "chat_template", "{{ 'x' }}"),  # (once ignored: the server's template rendered)
+    ("/v1/chat/completions", "echo", True),  # (likewise)
 ]
 
 
@@ -206,7 +208,8 @@ def test_those_fields_at_their_neutral_values_are_served(server):
     r = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, **neutral})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
     r = _post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "logprobs": False,
-                                               "top_logprobs": 0, "response_format": {"type": "text"}})
+                                               "top_logprobs": 0, "response_format": {"type": "text"}, "echo": False,
+                                               "chat_template": None})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
 
 

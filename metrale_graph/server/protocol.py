@@ -320,6 +320,11 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: Any = None  # false: one call (forced: the schema's; auto: the first, as vLLM: chat.py)
     functions: Any = None  # OpenAI's deprecated forms of tools and tool_choice: refused (NEUTRAL)
     function_call: Any = None
+    # vLLM's that this server does not run, refused (NEUTRAL): a request's own chat template (vLLM too refuses it
+    # without --trust-request-chat-template; the reply parsers read the server's template's formats) and echo (the
+    # reply after the last message's text)
+    chat_template: Any = None
+    echo: Any = None
     # vLLM's chat template arguments (chat_template_kwargs: the template's own variables, e.g. Qwen3's
     # enable_thinking)
     add_generation_prompt: StrictBool = True
@@ -330,7 +335,7 @@ class ChatCompletionRequest(SamplingFields):
         # parallel_tool_calls false: one call (a forced tool_choice's schema holds the reply to one, tool_choice.py;
         # under "auto" the calls after the first are dropped, as vLLM does)
         return {"parallel_tool_calls": (None, True, False), "functions": (None, []),
-                "function_call": (None, "none"), **NEUTRAL}
+                "function_call": (None, "none"), "chat_template": (None,), "echo": (None, False), **NEUTRAL}
 
     @property
     def max_new_tokens(self) -> int | None:
