@@ -57,11 +57,13 @@ class Graphed:
 
 
 class SpeculativeGraphs:
-    def __init__(self, runner, num_tokens: int, mtp: bool, compiled: bool = True):
+    def __init__(self, runner, num_tokens: int, mtp: bool, compiled: bool = True, last_tokens: torch.Tensor | None = None):
         """runner: the GraphRunner whose hidden-states buckets run the verify steps; num_tokens: K, the most drafts a
         stream verifies; mtp: whether to make the MTP head's entries. compiled=False runs tail.py's functions as
-        they are, on the same buffers (tests: the path without compile times)."""
-        self.runner, self.model, self.cache = runner, runner.model, runner.cache
+        they are, on the same buffers (tests: the path without compile times). last_tokens: the engine loop's
+        [slots + 1] buffer of each slot's last token, which the acceptance then sets for its rows on the device
+        (tail.write_last_tokens; None: the caller sets it)."""
+        self.runner, self.model, self.cache, self.last_tokens = runner, runner.model, runner.cache, last_tokens
         self.K, self.mtp = num_tokens, mtp
         self.use_graphs, self.pool, self.device = runner.use_graphs, runner.pool, runner.model.device
         self.vocab = self.model.config.vocab_size
@@ -127,12 +129,15 @@ class SpeculativeGraphs:
             self._warm(entry)
         return entry
 
-    def _keep_rows(self, keep: list, rows: int) -> torch.Tensor:
-        """A keep buffer's contents (tail.keep_accepted_states), [2, rows] on the host: keep[i] = (slot, first
-        verify entry) of row i, or None; None and the rows past keep's keep nothing (the scratch slot / entry)."""
-        nothing = (self.cache.scratch_slot, self.cache.scratch_checkpoint)
+    def _keep_rows(self, keep: list, rows: int, slots: list[int] = ()) -> torch.Tensor:
+        """A keep buffer's contents, [3, rows] on the host: keep[i] = (slot, first verify entry) of row i, or None;
+        None and the rows past keep's keep nothing (the scratch slot / entry: tail.keep_accepted_states); row 2,
+        the slot whose last token row i sets (slots[i]; the scratch slot past them: tail.write_last_tokens)."""
+        scratch = self.cache.scratch_slot
+        nothing = (scratch, self.cache.scratch_checkpoint)
         pairs = [nothing if pair is None else pair for pair in keep] + [nothing] * (rows - len(keep))
-        return int_tensor([x for column in zip(*pairs) for x in column]).view(2, rows)
+        last = list(slots) + [scratch] * (rows - len(slots))
+        return int_tensor([x for column in zip(*pairs) for x in column] + last).view(3, rows)
 
     def _keeping(self, accept: Callable) -> Callable:
         """An acceptance entry's function: the compiled acceptance, then (not compiled) the accepted states' copy
@@ -140,6 +145,8 @@ class SpeculativeGraphs:
         def run(*args):
             result = accept(*args[:-1])
             tail.keep_accepted_states(self.cache, result, args[2], args[-1], self.K)
+            if self.last_tokens is not None:
+                tail.write_last_tokens(self.last_tokens, result, args[-1][2])
             return result
         return run
 
@@ -162,12 +169,13 @@ class SpeculativeGraphs:
 
     # the calls ----------------------------------------------------------------------------------
     def accept(self, bucket: Bucket, h: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor,
-               keep: list | None = None) -> torch.Tensor:
+               keep: list | None = None, slots: list[int] = ()) -> torch.Tensor:
         """Acceptance of r rows (tail.accept_greedy / accept_sampled; ints [r, 2K + 4], floats [r, K + 4] on the
         host, tail.host_rows) over h, the verify step's hidden states of `bucket` (with graphs, its graph's
         output), and the accepted states' copy into the slots: keep[i] = (slot, first verify entry) of row i, or
-        None (or keep None) for a row that keeps nothing (tail.keep_accepted_states). Returns int64 [r, K + 2] on the device
-        (counts, then tokens)."""
+        None (or keep None) for a row that keeps nothing (tail.keep_accepted_states); with last_tokens, slot
+        slots[i]'s last token := row i's last emitted one. Returns int64 [r, K + 2] on the device (counts, then
+        tokens)."""
         sampled = bool((ints[:, 2 * self.K + 3] == 0).any())
         entry = self._entry("sampled" if sampled else "greedy", bucket)
         r = ints.shape[0]
@@ -176,7 +184,7 @@ class SpeculativeGraphs:
             _fill(entry.args[3], floats)
         # every row of the keep buffer (not only r: an earlier call's rows past r must keep nothing now)
         buffer = entry.args[-1]
-        buffer.copy_(self._keep_rows(keep or [], buffer.shape[1]), non_blocking=True)  # (numbers.to_device's reason)
+        buffer.copy_(self._keep_rows(keep or [], buffer.shape[1], slots), non_blocking=True)  # (numbers.to_device's reason)
         return self._run(entry, h)[:r]
 
     def draft(self, bucket: Bucket, h: torch.Tensor, tok: torch.Tensor, strm: torch.Tensor) -> torch.Tensor:

@@ -62,7 +62,8 @@ def tail_engine(model, slots, speculative, calls=None, **kw):
     e = Engine(model, slots, compile=False, speculative=speculative, **kw)
     spec = e._loop.spec
     spec.runner = EagerBuckets(model, e.cache, make_grid(GRID["batch_sizes"], GRID["token_counts"]))
-    graphs = spec.graphs = SpeculativeGraphs(spec.runner, spec.k, spec.mtp is not None, compiled=False)
+    graphs = spec.graphs = SpeculativeGraphs(spec.runner, spec.k, spec.mtp is not None, compiled=False,
+                                             last_tokens=e._loop.last_tokens)
     if calls is not None:
         for name in ("accept", "draft"):
             method = getattr(graphs, name)
@@ -169,6 +170,30 @@ def test_the_captured_path_gives_plain_decoding(models, family, monkeypatch):
         assert {kind for kind, _ in tail.entries} == ({"greedy", "drafts"} if option["method"] == "mtp" else {"greedy"})
         if option["method"] == "ngram":
             assert 0 < stats["accepted"] < stats["proposed"]
+
+
+def test_plain_steps_after_captured_verify_steps_read_the_last_tokens_it_set(models, monkeypatch):
+    """The acceptance sets each row's slot's last token on the device (tail.write_last_tokens) and the host copies
+    none (verify._deliver): an oracle drafting on every other call only, so verify steps and the loop's plain
+    decode steps (which read last_tokens on the device) alternate, gives plain decoding's tokens."""
+    model, prompts = models["dense"], prompts_of("dense")[:3]
+    with Engine(model, 3, compile=False) as e:
+        reference = [r.token_ids for r in e.generate(prompts, max_new_tokens=14, stop_token_ids=[])]
+    oracle = Oracle(prompts, reference, CONFIGS["dense"].vocab_size)
+
+    def every_other(*args):
+        drafts = oracle(*args)
+        return drafts if oracle.calls % 2 else []
+
+    monkeypatch.setattr(verify, "ngram_propose", every_other)
+    copies = []
+    real_to_device = verify.to_device
+    monkeypatch.setattr(verify, "to_device", lambda *a: copies.append(1) or real_to_device(*a))
+    with tail_engine(model, 3, {"method": "ngram", "num_tokens": 3}) as e:
+        assert [r.token_ids for r in e.generate(prompts, max_new_tokens=14, stop_token_ids=[])] == reference
+        stats = e.stats()
+    assert 0 < stats.speculative["steps"] < stats.steps  # (verify steps and plain ones)
+    assert copies == []  # (the captured path: no host copy of the slots' last tokens, nor of rows)
 
 
 def test_captured_sampling_draws_the_eager_tokens(models, monkeypatch):

@@ -148,6 +148,13 @@ def keep_accepted_states(cache, result: Tensor, ints: Tensor, keep: Tensor, K: i
     keep_verified_states(cache, index)
 
 
+def write_last_tokens(last_tokens: Tensor, result: Tensor, slots: Tensor) -> None:
+    """last_tokens[slots[i]] := row i's last emitted token (`result` [R, K + 2]: its count c, then tokens; the
+    token at c + 1), on the device, so the engine loop's plain steps read it there without a copy from the host.
+    Padding rows name the scratch slot (any token: nobody reads it). Not compiled (captured after the acceptance)."""
+    last_tokens.index_copy_(0, slots, result.gather(1, result[:, :1] + 1).squeeze(1))
+
+
 def keep_verified_states(cache, index: Tensor) -> None:
     """index [2, n] int64: slots, then verify entries; each conv / GDN pool's slot rows := the entries' kept states
     (on CUDA one row-copy kernel a pool, the scratch slot's padding rows skipped: ops/checkpoints.copy_rows)."""

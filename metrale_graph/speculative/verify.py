@@ -104,7 +104,7 @@ class SpeculativeStep:
         if loop.runner is not None:
             from ..capture.speculative import SpeculativeGraphs
 
-            self.graphs = SpeculativeGraphs(loop.runner, self.k, self.mtp is not None)
+            self.graphs = SpeculativeGraphs(loop.runner, self.k, self.mtp is not None, last_tokens=loop.last_tokens)
         self.proposed = self.accepted = self.drafts = self.steps = 0
 
     def stats(self) -> dict:
@@ -252,7 +252,8 @@ class SpeculativeStep:
         ints, floats = host_rows(positions, drafts, [r.params for r in rows], uniforms.values, K,
                                  self.model.config.vocab_size)
         keep = [(reqs[i].slot, self.base + j * K) for j, i in enumerate(spec)] + [None] * len(plain)
-        result = self.graphs.accept(out["bucket"], h, ints, floats, keep).tolist()  # the step's one read back
+        result = self.graphs.accept(out["bucket"], h, ints, floats, keep, [r.slot for r in rows]).tolist()  # one read back
+        out["last_set"] = self.graphs.last_tokens is not None  # (each row's slot's last token, on the device)
         uniforms.settle([row[0] for row in result])
         counts = [row[0] for row in result[:len(spec)]]
         out["spec"] = {i: (row[1:row[0] + 2], [None] * (row[0] + 1)) for i, row in zip(spec, result)}
@@ -350,7 +351,7 @@ class SpeculativeStep:
             r.sampled = len(r.out)
             if not r.ended:
                 last.append((r.slot, r.out[-1]))
-        if last:  # a later plain step's decodes read them on the device
+        if last and not out.get("last_set"):  # a later plain step's decodes read them on the device
             slots, ids = zip(*last)
             loop.last_tokens.index_copy_(0, to_device(int_tensor(slots), loop.last_tokens.device),
                                          to_device(int_tensor(ids), loop.last_tokens.device))
