@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session in one command (device machines start bare): install the carried
 # flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
-#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-tests|tp|fp8|fp8-sweep|fp8-bench|w8a16|serve|prefix|structured|spec|all|setup]
+#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-tests|tp|fp8|fp8-sweep|fp8-bench|w8a16|serve|cookbook|prefix|structured|spec|all|setup]
 #   (run from the repository root)
 # tests: every GPU test (sweep + op-tests + model-tests: ~18 min, more than one call); ops: per-op
 # benchmark; decode (not in all): bench_ops at decode shapes and benchmarks/kernels/check_decode.py's tile sweep; bench: 9B workloads with the peer and generation; profile (not in all): the 9B workloads' device
@@ -17,7 +17,8 @@
 # (~2-3 min); w8a16 (not in all): the weight-only FP8 decode GEMM (issue 38, item 3: benchmarks/kernels/bench_w8a16.py
 # at the 9B's shapes, every tile, its GPU tests, the 9B-FP8's D1 / D32 under METRALE_FP8_DECODE splitk and w8a16; at
 # 984b18e w8a16 lost: BENCHMARKS.md, FP8); serve (not in all): metrale-serve + bench_serve at concurrency
-# 32 / 128 / 256 on the 9B and 35B-A3B (issue 27; SERVE_PRESETS to choose); prefix (not in all): bench_prefix on the 9B
+# 32 / 128 / 256 on the 9B and 35B-A3B (issue 27; SERVE_PRESETS to choose); cookbook (not in all): SGLang's Qwen3.6 cookbook
+# workload through metrale-serve (bench_serve --cookbook, issue 38.4; COOKBOOK_PRESET); prefix (not in all): bench_prefix on the 9B
 # (issue 28); structured (not in all): benchmarks/bench_structured.py on the 9B preset, 64 requests with JSON masks
 # against without (issue 40; needs xgrammar, apache-tvm-ffi and pydantic (+ pydantic-core, annotated-types,
 # typing-inspection, typing-extensions) wheels in .whl-serve and a tokenizer of the 9B's
@@ -136,13 +137,9 @@ if [[ $what == fp8 ]]; then
     python3 benchmarks/kernels/bench_ops.py --preset qwen3.5-9b-fp8 --markdown "$OUT/bench_ops-fp8.md" 2>&1 \
         | tee "$OUT/bench_ops-fp8.log" | tail -14
 fi
-if [[ $what == serve ]]; then
-    # issue 27: metrale-serve on a preset, bench_serve at concurrency 32 / 128 / 256 (512 in, 256 out); the
-    # server warms its bucket grid (decode buckets up to the slots) before /health says 200. The device machine
-    # has no fastapi / uvicorn / pydantic: carry their wheels in .whl-serve (pip download fastapi uvicorn
-    # prometheus_client --python-version 3.12 --only-binary=:all: -d .whl-serve); only what is missing installs
+serve_wheels() {  # fastapi / uvicorn / pydantic ... from .whl-serve, only those the device lacks
     if [[ -d .whl-serve ]]; then
-        missing=()
+        local missing=() w n
         for w in .whl-serve/*.whl; do
             n=$(basename "$w" | cut -d- -f1); [[ $n == opentelemetry_api ]] && n=opentelemetry
             python3 -c "import $n" 2>/dev/null || missing+=("$w")
@@ -150,20 +147,32 @@ if [[ $what == serve ]]; then
         (( ${#missing[@]} )) && python3 -m pip install -q --no-index --no-deps --target /tmp/site-serve "${missing[@]}"
         export PYTHONPATH=$PYTHONPATH:/tmp/site-serve
     fi
+}
+get() { python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen('$1').read().decode())"; }
+serve_start() {  # log file, then metrale-serve's flags (port 8011): returns once /health answers or the server exits
+    local log=$1; shift
+    python3 -m metrale_graph.tools.serve --port 8011 "$@" > "$log" 2>&1 &
+    server=$!
+    for _ in $(seq 600); do
+        get http://127.0.0.1:8011/health >/dev/null 2>&1 && break
+        kill -0 $server 2>/dev/null || break  # it exited (its log says why)
+        sleep 1
+    done
+    grep -E "warmup|serving" "$log" | tail -2
+}
+serve_stop() { kill -TERM $server; wait $server; tail -3 "$1"; }
+if [[ $what == serve ]]; then
+    # issue 27: metrale-serve on a preset, bench_serve at concurrency 32 / 128 / 256 (512 in, 256 out); the
+    # server warms its bucket grid (decode buckets up to the slots) before /health says 200. The device machine
+    # has no fastapi / uvicorn / pydantic: carry their wheels in .whl-serve (pip download fastapi uvicorn
+    # prometheus_client --python-version 3.12 --only-binary=:all: -d .whl-serve); only what is missing installs
+    serve_wheels
     # a device call returns at most 8 files: per preset the server's log, the clients' log and one JSON of every run
     runs=/tmp/serve-runs; rm -rf $runs; mkdir -p $runs
     for preset in ${SERVE_PRESETS:-qwen3.5-9b qwen3.5-35b-a3b}; do
         dir=$runs/$preset; mkdir -p "$dir"  # (a folder per preset: qwen3.5-9b's files are not qwen3.5-9b-fp8's)
         server_args="--model $preset --port 8011 --num-slots 256 --max-context 1024 --token-budget 4096"
-        python3 -m metrale_graph.tools.serve $server_args > "$OUT/serve-$preset.log" 2>&1 &
-        server=$!
-        get() { python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen('$1').read().decode())"; }
-        for _ in $(seq 600); do
-            get http://127.0.0.1:8011/health >/dev/null 2>&1 && break
-            kill -0 $server 2>/dev/null || break  # it exited (its log says why)
-            sleep 1
-        done
-        grep -E "warmup|serving" "$OUT/serve-$preset.log" | tail -2
+        serve_start "$OUT/serve-$preset.log" $server_args
         bench() {  # name, then bench_serve's load flags
             local name=$1; shift
             python3 -m metrale_graph.tools.bench_serve --base-url http://127.0.0.1:8011 --input-len 512 --output-len 256 \
@@ -174,7 +183,7 @@ if [[ $what == serve ]]; then
         # 9B saturates near 20 req/s)
         for rate in ${SERVE_RATES:-8 16}; do bench r$rate --num-prompts 256 --request-rate $rate --max-concurrency 128; done
         get http://127.0.0.1:8011/metrics > "$dir/metrics.txt"
-        kill -TERM $server; wait $server; tail -3 "$OUT/serve-$preset.log"
+        serve_stop "$OUT/serve-$preset.log"
         python3 - "$dir" "python -m metrale_graph.tools.serve $server_args" "$OUT/bench_serve-$preset.json" <<'PY'
 import glob, json, os, sys
 runs, command, out = sys.argv[1:]
@@ -187,6 +196,18 @@ if os.path.exists(metrics):
 json.dump(record, open(out, "w"), indent=1)
 PY
     done
+fi
+if [[ $what == cookbook ]]; then
+    # issue 38.4: SGLang's Qwen3.6 cookbook workload (8192 in / 1024 out at concurrency 1, 16, 64) on metrale-serve,
+    # its TPOT beside SGLang's published one-H200 figures (bench_serve --cookbook); one preset a call (the 35B-A3B's
+    # warm-up takes minutes): COOKBOOK_PRESET (default qwen3.5-35b-a3b; qwen3.5-35b-a3b-fp8 for the FP8 column)
+    serve_wheels
+    preset=${COOKBOOK_PRESET:-qwen3.5-35b-a3b}
+    serve_start "$OUT/serve-cookbook-$preset.log" --model $preset --num-slots 64 --max-context 9472 --token-budget 8192
+    python3 -m metrale_graph.tools.bench_serve --base-url http://127.0.0.1:8011 --cookbook \
+        --json "$OUT/cookbook-$preset.json" 2>&1 | tee "$OUT/cookbook-$preset.log" | tail -12
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+    serve_stop "$OUT/serve-cookbook-$preset.log"
 fi
 if [[ $what == structured ]]; then
     if [[ -d .whl-serve ]]; then  # (xgrammar, apache-tvm-ffi, pydantic and its four: what the device lacks)
