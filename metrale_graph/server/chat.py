@@ -27,6 +27,7 @@ before the content).
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from .errors import stream_event
@@ -40,7 +41,7 @@ from .responses import (DONE, AssistantMessage, ChatChoice, ChatChunk, ChatChunk
                         with_usage)
 from .state import ServerState
 from .structured import compile_grammar, structured_request
-from .tool_choice import ForcedCallParser, tool_request
+from .tool_choice import ForcedCallParser, ToolRequest, tool_request
 from .tool_parsers import CallArguments, CallStart, ContentDelta
 
 
@@ -55,13 +56,32 @@ def finish_reason(engine_reason: str | None, calls: int, choice=None) -> str | N
     return "tool_calls" if calls and engine_reason == "stop" and not named else engine_reason
 
 
-async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw_request):
-    """A ChatResponse, or the event stream's body when body.stream."""
-    state.check(body)
-    tools = tool_request(body.tools, body.tool_choice, state.replies.tool_format, body.parallel_tool_calls)
-    text, prompt = await state.off_loop(state.chat_prompt, [m.template_dict() for m in body.messages],
-                                        body.add_generation_prompt, body.continue_final_message,
-                                        body.chat_template_kwargs, tools.template_tools)
+@dataclass
+class ChatRun:
+    """The engine requests of a chat's messages, submitted, and how their replies are read."""
+    state: ServerState
+    group: Generations
+    prompt: list[int]  # the rendered messages' token ids
+    tools: ToolRequest
+    in_reasoning: bool  # the prompt opened a reasoning block: replies start inside it
+    plain: bool  # replies are text as it is (no reasoning or tool parser)
+    one_call: bool  # parallel_tool_calls false: a reply's first call only
+
+    def parser(self) -> ReplyParser:
+        """A new ReplyParser of one reply."""
+        forced = ForcedCallParser(self.tools.choice) if self.tools.forced is not None else None
+        return self.state.replies.parser(self.tools.functions, self.in_reasoning, forced, self.one_call)
+
+
+async def start_chat(state: ServerState, body, messages: list[dict], tools: ToolRequest,
+                     param: str = "messages") -> ChatRun:
+    """Render `messages` (template dicts) with `tools`, check the request, compile its structured output and submit
+    body.n engine requests: what /v1/chat/completions and /v1/responses share. `body` is a SamplingFields with a
+    chat's fields (add_generation_prompt, continue_final_message, chat_template_kwargs, max_new_tokens, logprobs,
+    top_logprobs, parallel_tool_calls); `param`: the field the messages came from, which 400s name."""
+    text, prompt = await state.off_loop(state.chat_prompt, messages, body.add_generation_prompt,
+                                        body.continue_final_message, body.chat_template_kwargs, tools.template_tools,
+                                        param)
     state.check_room([prompt], body)
     in_reasoning = starts_in_reasoning(text)
     structured, field = structured_request(state, body, tools.forced,
@@ -71,12 +91,17 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     plain = tools.functions is None and tools.forced is None and state.replies.plain
     sampling = state.sampling(body, body.max_new_tokens, logprobs, body.prompt_logprobs, structured, not plain)
-    group = Generations.submit(state, [prompt], sampling, body.n, param="messages")
-    rid = request_id("chatcmpl")
+    group = Generations.submit(state, [prompt], sampling, body.n, param=param)
+    return ChatRun(state, group, prompt, tools, in_reasoning, plain, body.parallel_tool_calls is False)
 
-    def parser() -> ReplyParser:
-        forced = ForcedCallParser(tools.choice) if tools.forced is not None else None
-        return state.replies.parser(tools.functions, in_reasoning, forced, body.parallel_tool_calls is False)
+
+async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw_request):
+    """A ChatResponse, or the event stream's body when body.stream."""
+    state.check(body)
+    tools = tool_request(body.tools, body.tool_choice, state.replies.tool_format, body.parallel_tool_calls)
+    run = await start_chat(state, body, [m.template_dict() for m in body.messages], tools)
+    group, prompt, plain, parser = run.group, run.prompt, run.plain, run.parser
+    rid = request_id("chatcmpl")
 
     if body.stream:
         return _events(state, body, group, rid, None if plain else parser)

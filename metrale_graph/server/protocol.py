@@ -172,6 +172,10 @@ class SamplingFields(BaseModel):
         """(field, message) of values that are each valid but not together, or None."""
         return None
 
+    def formats(self) -> list[tuple[str, "ResponseFormat"]]:
+        """(field, format) of each OpenAI-style output format the request sets (server/structured.py)."""
+        return [("response_format", self.response_format)] if self.response_format is not None else []
+
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt

@@ -113,11 +113,15 @@ class ServerState:
     def model_card(self) -> ModelCard:
         return ModelCard(id=self.model_name, max_model_len=self.max_context, vocab_size=self.vocab_size)
 
+    def check_model(self, model: str | None) -> None:
+        """404 unless `model` (a request's field; None: the served one) is the served model."""
+        if model is not None and model != self.model_name:
+            raise unknown_model(model, self.model_name)
+
     def check(self, body: SamplingFields) -> None:
         """The checks every generation request passes before any tokenizing: the model it names, the
         server being ready, no field this server cannot honour."""
-        if body.model is not None and body.model != self.model_name:
-            raise unknown_model(body.model, self.model_name)
+        self.check_model(body.model)
         if not self.ready.is_set():
             raise warming_up()
         name = body.unsupported()
@@ -155,19 +159,23 @@ class ServerState:
                               param=param, code="context_length_exceeded")
         return ids
 
-    def check_fits(self, text: str, name: str, param: str) -> None:
+    def check_fits(self, text: str, name: str, param: str, room: int | None = None) -> None:
         """400 context_length_exceeded, before tokenizing, for a text that is certainly more tokens than a
-        prompt may have (TokenBound: its normalized UTF-8 bytes pass (max_context - 1) x bytes_per_token), instead
-        of holding the tokenizing thread for it; a shorter one is tokenized and checked as every prompt is."""
-        per_token, room = self.token_bound.bytes_per_token, self.max_context - 1
+        prompt may have (TokenBound: its normalized UTF-8 bytes pass room x bytes_per_token; room: max_context - 1
+        unless given), instead of holding the tokenizing thread for it; a shorter one is tokenized and checked as
+        every prompt is."""
+        per_token = self.token_bound.bytes_per_token
+        generating, room = room is None, self.max_context - 1 if room is None else room
         if per_token is None or len(text) * 4 <= room * per_token:  # (at most 4 UTF-8 bytes a character)
             return
         fewest = self.token_bound.fewest_tokens(text)
         if fewest > room:
             raise bad_request(f"this model's maximum context length is {self.max_context} tokens (prompt and new "
                               f"tokens); {name} is at least {fewest} tokens ({len(text)} characters, and no token "
-                              f"of this tokenizer covers more than {per_token} bytes), which leaves no room for a "
-                              "new one", param=param, code="context_length_exceeded")
+                              f"of this tokenizer covers more than {per_token} bytes), "
+                              + ("which leaves no room for a new one" if generating else f"more than the {room} "
+                                 "this server tokenizes"), param=param,
+                              code="context_length_exceeded")
 
     def check_room(self, prompts: list[list[int]], body: SamplingFields) -> None:
         """400 if the request's own max_tokens (or max_completion_tokens) does not fit in the context after
@@ -187,17 +195,25 @@ class ServerState:
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, template_kwargs: dict | None = None,
-                    tools: list[dict] | None = None) -> tuple[str, list[int]]:
+                    tools: list[dict] | None = None, param: str = "messages") -> tuple[str, list[int]]:
         """The chat template of the tokenizer applied to `messages`, as text and as token ids (add_generation_prompt:
         the assistant's turn starts; continue_final_message: the last message stays open, its end tokens left
         out; template_kwargs: the template's own variables; tools: the functions the template renders), the
-        template's special tokens not added twice."""
+        template's special tokens not added twice. `param`: the request field the messages came from (400s name
+        it)."""
+        text = self.chat_text(messages, add_generation_prompt, continue_final_message, template_kwargs, tools, param)
+        self.check_fits(text, f"{param} (through the chat template)", param)
+        return text, self.prompt_ids(list(self.tokenizer.encode(text, add_special_tokens=False)), param)
+
+    def chat_text(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
+                  template_kwargs: dict | None = None, tools: list[dict] | None = None, param: str = "messages") -> str:
+        """chat_prompt's text, not tokenized."""
         tok = self.tokenizer
         if tok is None or not callable(getattr(tok, "apply_chat_template", None)):
             raise bad_request("this server's model has no tokenizer with a chat template: use /v1/completions",
-                              param="messages")
+                              param=param)
         if not getattr(tok, "chat_template", None):
-            raise bad_request("this model's tokenizer has no chat template: use /v1/completions", param="messages")
+            raise bad_request("this model's tokenizer has no chat template: use /v1/completions", param=param)
         if add_generation_prompt and continue_final_message:
             raise bad_request("continue_final_message and add_generation_prompt cannot both be true (the last "
                               "message either goes on or the assistant's turn starts)", param="continue_final_message")
@@ -209,20 +225,18 @@ class ServerState:
                               param="chat_template_kwargs")
         for i, message in enumerate(messages):  # every string the template may read: UTF-8 encodable
             for key, value in message.items():
-                check_text(value, f"messages {i}: {key}", "messages")
+                check_text(value, f"{param} {i}: {key}", param)
         if continue_final_message:  # (only then: a tokenizer of its own may not take the argument)
             template_kwargs["continue_final_message"] = True
         if tools:  # (likewise)
             check_text(tools, "tools", "tools")
             template_kwargs["tools"] = tools
         try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                            **template_kwargs)
         except Exception as e:  # the template raised (a role it does not take, ...)
             raise bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}",
-                              param="messages") from e
-        self.check_fits(text, "messages (through the chat template)", "messages")
-        return text, self.prompt_ids(list(tok.encode(text, add_special_tokens=False)), "messages")
+                              param=param) from e
 
     def sampling(self, body: SamplingFields, max_new_tokens: int | None, logprobs: int | None = None,
                  prompt_logprobs: int | None = None, structured=None, parsed: bool = False) -> Sampling:

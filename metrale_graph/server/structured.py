@@ -9,6 +9,7 @@ The fields, of both endpoints (at most one of them per request; two are a 400 na
 | field | engine spec |
 |---|---|
 | `response_format` (OpenAI's): type "json_object", or "json_schema" with json_schema.schema | json_object / json |
+| `text.format` (the Responses API's): the same types, its schema under `schema` | json_object / json |
 | `structured_outputs` {"json" \\| "regex" \\| "choice" \\| "grammar" \\| "json_object": ...} (vLLM) | the same kind |
 | `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (vLLM's older names) | json, regex, choice, grammar |
 | `tool_choice` "required" or a named function (chat, tool_choice.py: the reply is the calls' JSON) | json |
@@ -50,14 +51,14 @@ def structured_request(state, body: SamplingFields, forced_schema: dict | None =
 def _asked(body: SamplingFields) -> list[tuple[str, dict]]:
     """(field, the engine's spec as a mapping) of every field of `body` that asks for structured output."""
     asked = []
-    fmt = body.response_format
-    if fmt is not None and fmt.type == "json_object":
-        asked.append(("response_format", {"json_object": True}))
-    elif fmt is not None and fmt.type == "json_schema":
-        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-            raise bad_request("response_format: type json_schema needs its schema: {\"type\": \"json_schema\", "
-                              "\"json_schema\": {\"name\": ..., \"schema\": {...}}}", param="response_format")
-        asked.append(("response_format", {"json": fmt.json_schema.schema_}))
+    for name, fmt in body.formats():
+        if fmt.type == "json_object":
+            asked.append((name, {"json_object": True}))
+        elif fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise bad_request(f"{name}: type json_schema needs its schema: {{\"type\": \"json_schema\", "
+                                  "\"json_schema\": {\"name\": ..., \"schema\": {...}}}", param=name)
+            asked.append((name, {"json": fmt.json_schema.schema_}))
     outputs = body.structured_outputs
     if outputs is not None:
         asked.append(("structured_outputs", {"json": outputs.json_, "regex": outputs.regex, "choice": outputs.choice,

@@ -59,7 +59,7 @@ def tool_request(tools: list[Tool] | None, tool_choice, tool_format: str | None,
         raise bad_request("tool_choice 'required' needs tools: the request has none", param="tool_choice")
     if choice == "none" or not tools:
         return ToolRequest(None, None, choice)
-    template_tools = [t.model_dump(exclude_none=True) for t in tools]
+    template_tools = rendered(tools)
     if choice == "required" or isinstance(choice, NamedToolChoice):  # (read back as JSON: any chat template will do)
         return ToolRequest(template_tools, None, choice,
                            forced_call_schema(tools, choice, parallel=parallel_tool_calls is not False))
@@ -68,6 +68,11 @@ def tool_request(tools: list[Tool] | None, tool_choice, tool_format: str | None,
                           "Qwen's formats): start metrale-serve with --tool-call-parser qwen3_xml or qwen3_json, "
                           "or force the call (tool_choice 'required' or a named function)", param="tools")
     return ToolRequest(template_tools, {t.function.name: t.function.parameters or {} for t in tools}, choice)
+
+
+def rendered(tools: list[Tool]) -> list[dict]:
+    """The tools as the chat template gets them (apply_chat_template's `tools`): OpenAI's function tools as sent."""
+    return [t.model_dump(exclude_none=True) for t in tools]
 
 
 def forced_call_schema(tools: list[Tool], tool_choice, parallel: bool = True) -> dict:
