@@ -108,6 +108,16 @@ def test_health_models_and_api_key(server, client):
     assert httpx.get(server.url + "/metrics").status_code == 200  # open without the key
 
 
+def test_the_tokenizer_endpoints_need_the_key(server):
+    """vLLM's /tokenize and /detokenize (outside /v1) are behind the API key too; /tokenizer_info is not served
+    without --enable-tokenizer-info-endpoint."""
+    for path, body in (("/tokenize", {"prompt": "Hello"}), ("/detokenize", {"tokens": [1]})):
+        assert httpx.post(server.url + path, json=body).status_code == 401
+        keyed = httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"})
+        assert keyed.status_code == 200, keyed.text
+    assert httpx.get(server.url + "/tokenizer_info", headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
+
+
 def test_it_answered_from_the_moment_it_listened(server):
     """The server listens before the model loads: from its first answer on (the connections refused before
     were the process starting), /health always answered: "loading", then "warming up" or "ok"."""

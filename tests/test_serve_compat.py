@@ -16,7 +16,9 @@ content, an assistant's refusal parts in the history, HEAD /health, prompts of m
 event loop; a body over --max-request-bytes answered 413 as it is read (a chunked one that never ends too),
 and texts that cannot fit in the context (a prompt, chat messages, a stop string) refused before they are
 tokenized; CORS at its defaults (vLLM's: any origin, method and header), a browser's preflight and the headers
-of a cross-origin request, whole and streamed. Waits are bounded so that a hang fails fast."""
+of a cross-origin request, whole and streamed; vLLM's /tokenize (a prompt, messages through the template),
+/detokenize and /tokenizer_info against the tokenizer in this process, and their 400s. Waits are bounded so that a
+hang fails fast."""
 
 import json
 import re
@@ -68,7 +70,7 @@ def tokenizer(checkpoint):
 def server(checkpoint, tmp_path_factory):
     flags = ["--served-model-name", NAME, "--num-slots", str(SLOTS), "--max-context", str(MAX_CONTEXT),
              "--token-budget", "128", "--max-waiting", "32", "--shutdown-timeout", str(SHUTDOWN_S),
-             "--max-request-bytes", str(MAX_REQUEST_BYTES)]
+             "--max-request-bytes", str(MAX_REQUEST_BYTES), "--enable-tokenizer-info-endpoint"]
     with running_server(checkpoint, tmp_path_factory.mktemp("server"), flags, TIMEOUT) as proc:
         yield proc
 
@@ -534,6 +536,69 @@ def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenized(server, tokeni
     assert ok.status_code == 200, ok.text
 
 
+# vLLM's tokenizer endpoints ---------------------------------------------------------------------------------
+def test_tokenize_a_prompt_as_the_tokenizer_does(server, tokenizer):
+    text = "Hello world! Ça va? 東京 👋"
+    r = _post(server, "/tokenize", {"model": NAME, "prompt": text, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    want = tokenizer.encode(text)
+    assert got == {"count": len(want), "max_model_len": MAX_CONTEXT, "tokens": want,
+                   "token_strs": tokenizer.convert_ids_to_tokens(want)}
+    assert _post(server, "/tokenize", {"prompt": text}).json()["token_strs"] is None
+    completion = _post(server, "/v1/completions", {"prompt": text, "max_tokens": 1}).json()
+    assert completion["usage"]["prompt_tokens"] == len(want)  # the ids a completion's prompt becomes
+
+
+def test_tokenize_messages_through_the_chat_template(server, tokenizer):
+    """messages are rendered as chat renders them (the template's variables, add_generation_prompt) and encoded
+    without special tokens added; the count is the chat's prompt_tokens."""
+    kwargs = {"enable_thinking": False}
+    r = _post(server, "/tokenize", {"messages": CHAT, "chat_template_kwargs": kwargs})
+    text = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True, **kwargs)
+    assert r.json()["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+    chat = _post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "chat_template_kwargs": kwargs})
+    assert chat.json()["usage"]["prompt_tokens"] == r.json()["count"]
+    bare = _post(server, "/tokenize", {"messages": CHAT, "add_generation_prompt": False}).json()
+    assert bare["count"] < r.json()["count"]
+
+
+def test_detokenize_gives_the_text_back(server, tokenizer):
+    text = "The quick brown fox. 東京"
+    tokens = _post(server, "/tokenize", {"prompt": text}).json()["tokens"]
+    assert _post(server, "/detokenize", {"model": NAME, "tokens": tokens}).json() == {"prompt": text}
+    special = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert _post(server, "/detokenize", {"tokens": [special]}).json() == {"prompt": "<|im_end|>"}  # kept
+
+
+@pytest.mark.parametrize("path, body, param, says", [
+    ("/tokenize", {"prompt": 5}, "prompt", "valid string"),
+    ("/tokenize", {}, "prompt", "Field required"),
+    ("/tokenize", {"messages": "Hi"}, "messages", "valid list"),
+    ("/tokenize", {"messages": [{"role": "robot", "content": "Hi"}]}, "messages", "role"),
+    ("/tokenize", {"prompt": "x" * (MAX_CONTEXT * 40)}, "prompt", "maximum context length"),
+    ("/tokenize", {"prompt": "half \ud83d"}, "prompt", "invalid Unicode"),
+    ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "tools"),
+    ("/detokenize", {"tokens": [10 ** 6]}, "tokens", "not a token id"),
+    ("/detokenize", {"tokens": [-1]}, "tokens", "greater than or equal to 0"),
+    ("/detokenize", {"tokens": "1 2"}, "tokens", "valid list"),
+])
+def test_tokenizer_endpoints_bad_requests_are_400_naming_the_field(server, path, body, param, says):
+    content = json.dumps(body).encode()  # (ASCII JSON: a lone surrogate as its \u escape)
+    error = _error(_post(server, path, content))
+    assert error["param"] == param and says in error["message"], error
+
+
+def test_tokenize_of_another_model_is_404(server):
+    assert _error(_post(server, "/tokenize", {"model": "other", "prompt": "Hi"}), 404)["code"] == "model_not_found"
+
+
+def test_tokenizer_info_with_its_flag(server, tokenizer):
+    info = httpx.get(server.url + "/tokenizer_info", timeout=TIMEOUT).json()
+    assert info["tokenizer_class"] == type(tokenizer).__name__ and info["chat_template"] == THINKING_TEMPLATE
+    assert info["eos_token"] == tokenizer.eos_token and "name_or_path" not in info  # (no server paths)
+
+
 def test_an_engine_without_a_waiting_queue_serves_while_a_slot_is_free(checkpoint):
     from metrale_graph import Engine, HybridModel
 
@@ -612,4 +677,5 @@ def test_streamed_chunks_are_the_models_json(text, finish, ids):
     want = event(ChatChunk(id=rid, created=created, model=model, choices=[
         ChatChunkChoice(index=0, delta=DeltaMessage(content=content), finish_reason=finish, token_ids=ids)]))
     assert body(chat) == body(want)
+
 

@@ -1,10 +1,12 @@
-"""An OpenAI-compatible HTTP server over the Engine: /v1/completions, /v1/chat/completions,
-/v1/models, /health and /metrics (Prometheus), with FastAPI and uvicorn (the `serve` extra).
+"""An OpenAI-compatible HTTP server over the Engine: /v1/completions, /v1/chat/completions, /v1/models,
+vLLM's /tokenize and /detokenize, /health and /metrics (Prometheus), with FastAPI and uvicorn (the
+`serve` extra).
 
     python -m metrale_graph.tools.serve --model FOLDER_OR_PRESET [--host 127.0.0.1] [--port 8000]
         [--served-model-name NAME] [--api-key KEY] [--num-slots 64] [--max-context N] [--token-budget N]
         [--max-waiting N] [--max-request-bytes N] [--eager] [--no-warmup] [--tp N]
         [--tool-call-parser auto|qwen3_xml|qwen3_json|none] [--reasoning-parser auto|qwen3|none]
+        [--enable-tokenizer-info-endpoint]
         [--speculative-config '{"method": "mtp", "num_speculative_tokens": 3}']
         [--allowed-origins '["*"]'] [--allowed-methods '["*"]'] [--allowed-headers '["*"]'] [--allow-credentials]
 
@@ -103,6 +105,9 @@ def _parse_args(argv):
     p.add_argument("--reasoning-parser", choices=("auto", *REASONING_PARSERS, "none"), default="auto",
                    help="qwen3: a reply's <think> block goes to reasoning_content (default auto: when the chat "
                         "template has </think>)")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="answer GET /tokenizer_info (vLLM's flag: it shows the tokenizer's configuration and chat "
+                        "template)")
     p.add_argument("--allowed-origins", type=json_strings, default=["*"],
                    help='CORS: origins whose pages may call the server, a JSON list (default ["*"]: any)')
     p.add_argument("--allowed-methods", type=json_strings, default=["*"],
@@ -247,7 +252,8 @@ class Startup:
             engine = build_engine(self.p, args, model, **self.engine_kwargs)
             kwargs = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
             app = build_app(engine, self.name, api_key=args.api_key, ready=args.no_warmup,
-                            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser, **kwargs)
+                            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                            enable_tokenizer_info=args.enable_tokenizer_info_endpoint, **kwargs)
         except BaseException as e:  # SystemExit too: parser.error for a checkpoint that does not load
             self._fail("loading the model", e)
             return

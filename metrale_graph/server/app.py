@@ -1,4 +1,5 @@
-"""The FastAPI app of an Engine: OpenAI's completions and chat endpoints, /health, /v1/models, /metrics.
+"""The FastAPI app of an Engine: OpenAI's completions and chat endpoints, vLLM's /tokenize and /detokenize,
+/health, /v1/models, /metrics.
 
     app = build_app(engine, model_name="qwen3.5-9b", api_key=None)    # serve it with uvicorn
     app.state.server.ready.clear() / .set()                           # /health: 503 until set
@@ -6,8 +7,9 @@
 
 Endpoints are thin: completions.py and chat.py run the requests (through generation.py, which only
 submits to the engine and awaits its outputs: the engine loop alone steps the model), protocol.py
-and responses.py hold the wire format, errors.py every error answer. With an API key, every /v1 path needs
-`Authorization: Bearer <key>` (checked before the body is read); /health and /metrics are open. A body of
+and responses.py hold the wire format, errors.py every error answer; tokenization.py runs vLLM's tokenizer
+endpoints. With an API key, every /v1 path and the tokenizer endpoints need `Authorization: Bearer <key>` (checked
+before the body is read); /health and /metrics are open. A body of
 more than `max_request_bytes` is answered 413 while it is read (limits.BodyLimit). `with_cors(app, ...)` wraps an
 app (metrale-serve: the Loading gate, so answers while the model loads have the headers too) in CORSMiddleware,
 vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials.
@@ -15,7 +17,9 @@ vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-crede
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
+from typing import Any
+
+from fastapi import Body, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -30,6 +34,7 @@ from .limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import ModelList
 from .state import ServerState
+from .tokenization import DetokenizeRequest, create_detokenize, create_tokenize, tokenizer_info
 
 
 class EventStream(StreamingResponse):
@@ -47,14 +52,18 @@ class EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+# the paths an API key guards: the OpenAI API's and vLLM's tokenizer endpoints (/health and /metrics stay open)
+KEYED = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")
+
+
 class APIKeyMiddleware:
-    """401 for a /v1 request without the server's key, before anything reads its body."""
+    """401 for a request of a KEYED path without the server's key, before anything reads its body."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and self.state.api_key is not None and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and self.state.api_key is not None and scope["path"].startswith(KEYED):
             authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             try:
                 self.state.check_api_key(authorization)
@@ -76,12 +85,13 @@ def with_cors(app, allowed_origins=("*",), allowed_methods=("*",), allowed_heade
 
 def build_app(engine, model_name: str, api_key: str | None = None, ready: bool = True,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tool_call_parser: str = "auto",
-              reasoning_parser: str = "auto") -> FastAPI:
+              reasoning_parser: str = "auto", enable_tokenizer_info: bool = False) -> FastAPI:
     """The app serving `engine` as `model_name`; its ServerState is `app.state.server`. ready=False:
     /health and the generation endpoints answer 503 until `app.state.server.ready.set()`. A request body of
     more than `max_request_bytes` is a 413. tool_call_parser ("qwen3_xml", "qwen3_json", "none") and
     reasoning_parser ("qwen3", "none") read chat replies; "auto": as the tokenizer's chat template shows them
-    (reply.py)."""
+    (reply.py). enable_tokenizer_info: GET /tokenizer_info answers (vLLM's --enable-tokenizer-info-endpoint: it
+    shows the chat template and the tokenizer's configuration)."""
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be a positive number of bytes, got {max_request_bytes}")
     state = ServerState(engine, model_name, api_key, ready, tool_call_parser, reasoning_parser)
@@ -124,6 +134,19 @@ def build_app(engine, model_name: str, api_key: str | None = None, ready: bool =
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return respond(await create_chat_completion(state, body, request))
+
+    @app.post("/tokenize")
+    async def tokenize(body: dict[str, Any] = Body(...)):
+        return respond(await create_tokenize(state, body))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return respond(await create_detokenize(state, body))
+
+    if enable_tokenizer_info:
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info():
+            return JSONResponse(tokenizer_info(state))
 
     @app.exception_handler(ClientGone)
     async def _client_gone(request: Request, e: ClientGone):  # nobody reads it: the request was aborted
