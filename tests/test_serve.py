@@ -427,7 +427,7 @@ def test_warming_up_app_answers_503(engine):
 
 def test_a_failing_step_is_500_or_an_error_event(engine, monkeypatch):
     """In-process: a step that raises fails its requests: a whole response is 500, a stream ends with an error
-    event and [DONE]; the app goes on serving."""
+    event and [DONE] (a Responses API stream: an error event and response.failed); the app goes on serving."""
     from metrale_graph.server import build_app
 
     app = build_app(engine, "failing")
@@ -442,13 +442,20 @@ def test_a_failing_step_is_500_or_an_error_event(engine, monkeypatch):
             monkeypatch.setattr(engine._loop, "launch", failing)
             whole = await c.post("/v1/completions", json=body)
             streamed = await c.post("/v1/completions", json={**body, "stream": True})
+            responses = await c.post("/v1/responses", json={"input": "Hello", "max_output_tokens": 3, "stream": True,
+                                                            "ignore_eos": True})
             monkeypatch.setattr(engine._loop, "launch", real)
-            return whole, streamed, await c.post("/v1/completions", json=body)
+            return whole, streamed, responses, await c.post("/v1/completions", json=body)
 
-    whole, streamed, after = asyncio.run(calls())
+    whole, streamed, responses, after = asyncio.run(calls())
     assert whole.status_code == 500 and "injected step failure" in whole.json()["error"]["message"]
     events = [line for line in streamed.text.splitlines() if line]
     assert events[-1] == "data: [DONE]" and "injected step failure" in json.loads(events[-2][6:])["error"]["message"]
+    # the Responses API's stream: an error event, then response.failed (status failed, its error)
+    data = [json.loads(line[6:]) for line in responses.text.splitlines() if line.startswith("data: ")]
+    assert [d["type"] for d in data] == ["response.created", "response.in_progress", "error", "response.failed"]
+    assert "injected step failure" in data[2]["message"] and data[3]["response"]["status"] == "failed"
+    assert "injected step failure" in data[3]["response"]["error"]["message"]
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3
 
 

@@ -8,7 +8,9 @@ reasoning, which stays free.
 Covered: response_format json_schema (and instructor's JSON_SCHEMA mode) giving a validated pydantic object,
 instructor's TOOLS mode (a named tool_choice), tool_choice "required" and named, whole and streamed, vLLM's
 guided_* and structured_outputs on both endpoints, sampled outputs that validate, and the 400s naming their
-field (a schema that is not JSON Schema, one structured output asked twice, ...)."""
+field (a schema that is not JSON Schema, one structured output asked twice, ...). The Responses API's text.format
+(client.responses.parse with a pydantic text_format, whole and streamed; json_object), its forced tool_choice (named,
+"required") and instructor's RESPONSES_TOOLS mode."""
 
 import json
 import re
@@ -250,3 +252,66 @@ BAD = [  # (path, body, param, words of the message)
 def test_bad_structured_output_is_400_naming_the_field(server, path, body, param, says):
     error = _error(server, path, body)
     assert error["param"] == param and says in error["message"], error
+
+
+# the Responses API (POST /v1/responses): text.format and forced tool_choice onto the same structured output ------
+FLAT_WEATHER = {"type": "function", "name": "get_weather", "parameters": Weather.model_json_schema()}
+FLAT_TIME = {"type": "function", **TIME["function"]}
+
+
+def test_responses_parse_with_a_pydantic_text_format(client):
+    """client.responses.parse(text_format=Model) sends text.format json_schema (strict): the message's text
+    follows the schema after the free reasoning, and the client parses it into the model, whole and streamed."""
+    r = client.responses.parse(model=NAME, input=USER, text_format=Weather, temperature=0, max_output_tokens=64)
+    assert r.status == "completed" and [item.type for item in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == REASONING
+    assert isinstance(r.output_parsed, Weather) and r.text.format.type == "json_schema"
+    with client.responses.stream(model=NAME, input=USER, text_format=Weather, temperature=0,
+                                 max_output_tokens=64) as stream:
+        final = stream.get_final_response()
+    assert final.output_parsed == r.output_parsed
+
+
+def test_responses_json_object_format(client):
+    r = client.responses.create(model=NAME, input=USER, text={"format": {"type": "json_object"}}, temperature=0,
+                                max_output_tokens=32)
+    assert r.status in ("completed", "incomplete") and r.output_text.startswith("{")
+
+
+def test_responses_forced_tool_choice_named_and_required(client):
+    named = client.responses.create(model=NAME, input=USER, tools=[FLAT_WEATHER, FLAT_TIME], temperature=0,
+                                    tool_choice={"type": "function", "name": "get_time"}, max_output_tokens=64)
+    (call,) = [item for item in named.output if item.type == "function_call"]
+    assert call.name == "get_time" and json.loads(call.arguments)["zone"] in ("UTC", "CET")
+    assert named.tool_choice.name == "get_time"
+    required = client.responses.create(model=NAME, input=USER, tools=[FLAT_WEATHER, FLAT_TIME], temperature=0,
+                                       tool_choice="required", parallel_tool_calls=False, max_output_tokens=64)
+    calls = [(item.name, json.loads(item.arguments)) for item in required.output if item.type == "function_call"]
+    assert len(calls) == 1
+    _check_calls(calls)
+    events = list(client.responses.create(model=NAME, input=USER, tools=[FLAT_WEATHER, FLAT_TIME], temperature=0,
+                                          tool_choice={"type": "function", "name": "get_time"}, max_output_tokens=64,
+                                          stream=True))
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert (done.name, json.loads(done.arguments)) == ("get_time", json.loads(call.arguments))
+
+
+def test_responses_text_format_with_a_forced_call_holds_no_text(server):
+    """A forced call and text.format together (instructor's RESPONSES_TOOLS sends both): the reply is the call, the
+    format has no text to hold; under tool_choice auto the format holds the reply's text (no call: JSON)."""
+    body = {"input": USER, "tools": [FLAT_TIME], "text": {"format": {"type": "json_object"}}, "max_output_tokens": 64,
+            "temperature": 0, "parallel_tool_calls": False}
+    forced = httpx.post(server.url + "/v1/responses", timeout=TIMEOUT, json={**body, "tool_choice": "required"})
+    assert forced.status_code == 200 and [i["type"] for i in forced.json()["output"]] == ["reasoning", "function_call"]
+    auto = httpx.post(server.url + "/v1/responses", timeout=TIMEOUT, json={**body, "tool_choice": "auto"})
+    assert auto.status_code == 200 and auto.json()["output"][-1]["type"] == "message", auto.text
+
+
+def test_instructor_responses_tools_mode_returns_a_validated_object(client):
+    """instructor's RESPONSES_TOOLS mode: the model as a flat function tool, forced by name."""
+    import instructor
+
+    patched = instructor.from_openai(client, mode=instructor.Mode.RESPONSES_TOOLS)
+    weather = patched.responses.create(model=NAME, input=USER, response_model=Weather, temperature=0,
+                                       max_output_tokens=64, max_retries=1)
+    assert isinstance(weather, Weather)

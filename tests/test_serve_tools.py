@@ -8,7 +8,11 @@ Covered: the agent loop (call, the result sent back as a `tool` message, the ans
 enable_thinking false (the template closes the reasoning in the prompt), tool_choice "none" (no tools rendered,
 no call parsed), a call of a function the request does not offer (content, never a 500), a reply cut inside a
 call, and the 400s naming their field (a tool without a name, tool_choice naming an unknown function, OpenAI's
-fields this server does not honour). Forced calls (tool_choice "required" / named): test_serve_structured.py."""
+fields this server does not honour). Forced calls (tool_choice "required" / named): test_serve_structured.py.
+The Responses API (POST /v1/responses) with the openai client over the same server: output items (reasoning, message,
+function_call), instructions and a multi-turn input, the function-call round trip with function_call_output,
+max_output_tokens cutting a reply (status incomplete), the stream's typed events in order and the client helper's
+final response, and the 400s naming their field (previous_response_id, item_reference, image parts, ...)."""
 
 import enum
 import json
@@ -214,3 +218,145 @@ def test_bad_tools_are_400_naming_the_field(server, body, param, says):
 def test_what_the_server_does_not_honour_is_refused_by_name(server, body, param):
     error = _error(server, body)
     assert (error["param"], error["code"]) == (param, "unsupported_parameter"), error
+
+
+# the Responses API (POST /v1/responses) over the same chat machinery ---------------------------------------------
+RESPONSE_TOOL = {"type": "function", **WEATHER_TOOL["function"]}  # (the Responses API's flat shape)
+
+
+def respond(client, input=USER, tools=(RESPONSE_TOOL,), **kw):
+    return client.responses.create(model=NAME, input=input, tools=list(tools), temperature=0, **kw)
+
+
+def _kinds(response) -> list[str]:
+    return [item.type for item in response.output]
+
+
+def test_responses_text_reasoning_and_usage(client):
+    """Without tools the reply is a reasoning item (the thinking text, as reasoning_text content) and a message
+    whose output_text is the rest (the call's text, unparsed: no tools offered); usage counts the reasoning."""
+    r = respond(client, input="What is the weather in Paris?", tools=())
+    assert (r.object, r.status, r.model, r.incomplete_details) == ("response", "completed", NAME, None)
+    assert r.id.startswith("resp_") and _kinds(r) == ["reasoning", "message"]
+    reasoning, message = r.output
+    assert reasoning.id.startswith("rs_") and [c.text for c in reasoning.content] == [REASONING]
+    assert message.id.startswith("msg_") and message.role == "assistant" and message.status == "completed"
+    assert r.output_text == "".join(CALL) == message.content[0].text
+    chat = ask(client, USER, tools=()).usage  # the same prompt through /v1/chat/completions
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.prompt_tokens, chat.completion_tokens)
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert r.usage.output_tokens_details.reasoning_tokens == 1  # (REASONING is one token of this tokenizer)
+
+
+def test_responses_instructions_and_a_multi_turn_input(client):
+    """instructions become a system message; input items of each role (content as a string or as input_text /
+    output_text parts) become the chat's messages, the template rendering them (more prompt tokens)."""
+    plain = respond(client, tools=())
+    told = respond(client, tools=(), instructions="Answer briefly.")
+    turns = [{"role": "user", "content": [{"type": "input_text", "text": "Hello"}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Hi.", "annotations": []}]},
+             {"type": "message", "role": "developer", "content": "Be kind."}, *USER]
+    multi = respond(client, input=turns, tools=())
+    assert told.instructions == "Answer briefly." and told.usage.input_tokens > plain.usage.input_tokens
+    assert multi.usage.input_tokens > plain.usage.input_tokens
+    assert told.output_text == multi.output_text == plain.output_text == "".join(CALL)
+
+
+def test_responses_function_call_round_trip(client):
+    """A function tool in the flat shape: the reply is reasoning then a function_call item (call_id, name, JSON
+    arguments typed by the schema); sent back as input with a function_call_output, the model answers."""
+    first = respond(client)
+    assert _kinds(first) == ["reasoning", "function_call"] and first.output_text == ""
+    call = first.output[1]
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_") and call.status == "completed"
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", ARGUMENTS)
+    assert first.tools[0].name == "get_weather" and first.tool_choice == "auto"
+    turn = [*USER, *[item.model_dump(exclude_none=True) for item in first.output],
+            {"type": "function_call_output", "call_id": call.call_id, "output": json.dumps(weather(**ARGUMENTS))}]
+    second = respond(client, input=turn)
+    assert _kinds(second) == ["reasoning", "message"]
+    assert (second.output[0].content[0].text, second.output_text) == (AFTER_TOOL_REASONING, ANSWER)
+
+
+def test_responses_tool_choice_none_and_parallel_calls_false(client):
+    none = respond(client, tool_choice="none")
+    assert _kinds(none) == ["reasoning", "message"] and none.output_text == "".join(CALL)
+    one = respond(client, parallel_tool_calls=False)
+    assert _kinds(one) == ["reasoning", "function_call"] and one.parallel_tool_calls is False
+
+
+def test_responses_cut_by_max_output_tokens_is_incomplete(client):
+    r = respond(client, tools=(), max_output_tokens=1)
+    assert (r.status, r.incomplete_details.reason, r.max_output_tokens) == ("incomplete", "max_output_tokens", 1)
+    assert _kinds(r) == ["reasoning"] and r.output[0].status == "incomplete" and r.usage.output_tokens == 1
+
+
+def _events(client, **kw) -> list:
+    with client.responses.stream(model=NAME, input=USER, temperature=0, **kw) as stream:
+        events = list(stream)
+        return events, stream.get_final_response()
+
+
+def test_responses_streamed_events_and_the_final_response(client):
+    """The stream's events, in OpenAI's order and numbered from 0, as the openai client's stream helper reads them;
+    its final response (from response.completed) equals the whole one, deltas joined equal the done texts."""
+    events, final = _events(client, tools=[RESPONSE_TOOL])
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    types = [e.type for e in events]
+    arguments = types.count("response.function_call_arguments.delta")
+    assert types == ["response.created", "response.in_progress",
+                     "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+                     "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.output_item.added", *["response.function_call_arguments.delta"] * arguments,
+                     "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    done = {e.type: e for e in events}
+    assert done["response.reasoning_text.done"].text == REASONING
+    assert done["response.function_call_arguments.done"].name == "get_weather"
+    assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == \
+        done["response.function_call_arguments.done"].arguments
+    whole = respond(client)
+    assert _kinds(final) == _kinds(whole) and final.status == "completed" and final.id == events[0].response.id
+    assert json.loads(final.output[1].arguments) == json.loads(whole.output[1].arguments) == ARGUMENTS
+    assert final.usage.model_dump() == whole.usage.model_dump()
+
+
+def test_responses_streamed_text_with_stream_true(client):
+    """stream=True through responses.create: the message's output_text deltas joined are its output_text.done."""
+    events = list(respond(client, tools=(), stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert deltas == done.text == "".join(CALL)
+    assert [e.type for e in events if "content_part" in e.type] == ["response.content_part.added",
+                                                                     "response.content_part.done"] * 2
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == "".join(CALL)
+
+
+def _responses_error(server, body) -> dict:
+    r = httpx.post(server.url + "/v1/responses", json={"input": "Hi", "max_output_tokens": 1, **body}, timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    return r.json()["error"]
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "not supported"),
+    ({"background": True}, "background", "not supported"),
+    ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),
+    ({"input": []}, "input", "non-empty"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "item_reference"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "input_image"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input", "call_id"),
+    ({"tools": [{"type": "web_search"}]}, "tools", "'function'"),
+    ({"tools": [RESPONSE_TOOL], "tool_choice": {"type": "function", "name": "get_time"}}, "tool_choice", "'get_time'"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "schema"),
+    ({"max_output_tokens": 5000}, "max_output_tokens", "too large"),
+    ({"n": 2}, "n", "not supported"),
+])
+def test_responses_bad_requests_are_400_naming_the_field(server, body, param, says):
+    error = _responses_error(server, body)
+    assert error["param"] == param and says in error["message"], error
+
+
+def test_responses_store_is_a_no_op(client):
+    r = respond(client, tools=(), store=True, metadata={"run": "7"})
+    assert r.status == "completed" and r.metadata == {"run": "7"}

@@ -1,5 +1,5 @@
-"""An OpenAI-compatible HTTP server over the Engine: /v1/completions, /v1/chat/completions, /v1/models,
-vLLM's /tokenize and /detokenize, /health and /metrics (Prometheus), with FastAPI and uvicorn (the
+"""An OpenAI-compatible HTTP server over the Engine: /v1/completions, /v1/chat/completions, /v1/responses,
+/v1/models, vLLM's /tokenize and /detokenize, /health and /metrics (Prometheus), with FastAPI and uvicorn (the
 `serve` extra).
 
     python -m metrale_graph.tools.serve --model FOLDER_OR_PRESET [--host 127.0.0.1] [--port 8000]

@@ -1,4 +1,4 @@
-"""The FastAPI app of an Engine: OpenAI's completions and chat endpoints, vLLM's /tokenize and /detokenize,
+"""The FastAPI app of an Engine: OpenAI's completions, chat and responses endpoints, vLLM's /tokenize and /detokenize,
 /health, /v1/models, /metrics.
 
     app = build_app(engine, model_name="qwen3.5-9b", api_key=None)    # serve it with uvicorn
@@ -33,6 +33,8 @@ from .generation import ClientGone
 from .limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import ModelList
+from .responses_api import create_response
+from .responses_api_protocol import ResponsesRequest
 from .state import ServerState
 from .tokenization import DetokenizeRequest, create_detokenize, create_tokenize, tokenizer_info
 
@@ -134,6 +136,10 @@ def build_app(engine, model_name: str, api_key: str | None = None, ready: bool =
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return respond(await create_chat_completion(state, body, request))
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return respond(await create_response(state, body, request))
 
     @app.post("/tokenize")
     async def tokenize(body: dict[str, Any] = Body(...)):

@@ -1,0 +1,130 @@
+"""POST /v1/responses: OpenAI's Responses API as vLLM serves it, over the chat endpoint's machinery.
+
+The request (responses_api_protocol.py) becomes a chat: its instructions and input items chat messages, its flat
+function tools chat's tools, its `text.format` a response_format; chat.start_chat renders, checks and submits it
+as /v1/chat/completions does (one reply: the Responses API has no `n`), and the server's reply parsers (reply.py)
+read the reply into reasoning, text and calls, which become output items (responses_api_output.py). Nothing is
+stored (no `previous_response_id`: send the conversation as `input`).
+
+A whole response has status "completed", or "incomplete" with incomplete_details {"reason": "max_output_tokens"}
+when the reply was cut by max_output_tokens or the context; usage counts the input, output and reasoning tokens
+(the reply's tokens from the reasoning block's start up to its `</think>` token). A stream sends
+`response.created` and `response.in_progress` (the response in progress, no output), each output item's events,
+then `response.completed` with the whole response (its status "incomplete" when cut: vLLM's way, where OpenAI's
+server sends `response.incomplete`; the openai client's stream helper takes its final response from
+`response.completed` alone). An error after the stream began is an `error` event and `response.failed`.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from pydantic import ValidationError
+
+from .chat import ChatRun, call_id, start_chat
+from .errors import bad_request, from_failure
+from .reasoning import THINK_START
+from .responses import now
+from .responses_api_output import (EventWriter, IncompleteDetails, InputTokensDetails, OutputItems,
+                                   OutputTokensDetails, ResponseError, ResponseObject, ResponseUsage, item_id)
+from .responses_api_protocol import FunctionChoice, ResponsesRequest
+from .state import ServerState
+from .tool_choice import tool_request
+
+
+async def create_response(state: ServerState, body: ResponsesRequest, raw_request):
+    """A ResponseObject, or the event stream's body when body.stream."""
+    state.check(body)
+    tools = tool_request(body.chat_tools, body.chat_tool_choice, state.replies.tool_format, body.parallel_tool_calls)
+    try:
+        messages = [m.template_dict() for m in body.messages]
+    except ValidationError as e:  # (an item a chat message cannot hold)
+        raise bad_request(f"input: {e.errors()[0]['msg']}", param="input") from None
+    run = await start_chat(state, body, messages, tools, param="input")
+    rid, created = item_id("resp"), now()
+    if body.stream:
+        return _events(state, body, run, rid, created)
+    (result,) = await run.group.whole(raw_request)
+    items, reader = OutputItems(EventWriter(), call_id), run.parser()
+    items.feed(reader.feed(result.text or "") + reader.finish())
+    status = "incomplete" if result.finish_reason == "length" else "completed"
+    items.close(status)
+    return _response(state, body, rid, created, status, items.items,
+                     _usage(state, run, result.token_ids, items.items))
+
+
+def _response(state: ServerState, body: ResponsesRequest, rid: str, created: int, status: str, output=(),
+              usage: ResponseUsage | None = None, error: ResponseError | None = None) -> ResponseObject:
+    """The response object: the request's settings echoed, `output` and `usage`."""
+    choice = body.tool_choice
+    text = body.text.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format else None
+    return ResponseObject(
+        id=rid, created_at=created, status=status, error=error, model=state.model_name, output=list(output),
+        incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
+        instructions=body.instructions, max_output_tokens=body.max_output_tokens, metadata=body.metadata,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        reasoning=body.reasoning.model_dump() if body.reasoning is not None else None,
+        temperature=body.temperature, top_p=body.top_p, **({"text": text} if text else {}),
+        tool_choice=choice.model_dump() if isinstance(choice, FunctionChoice) else choice or "auto",
+        tools=[t.model_dump(exclude_none=True) for t in body.tools or ()], usage=usage, user=body.user)
+
+
+def _usage(state: ServerState, run: ChatRun, token_ids, output) -> ResponseUsage:
+    usage = run.group.usage()
+    reasoning = "".join(part.text for item in output if item.type == "reasoning" for part in item.content or ())
+    return ResponseUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
+                         total_tokens=usage.total_tokens,
+                         input_tokens_details=InputTokensDetails(cached_tokens=usage.prompt_tokens_details.cached_tokens),
+                         output_tokens_details=OutputTokensDetails(
+                             reasoning_tokens=reasoning_tokens(state, run.in_reasoning, token_ids, reasoning)))
+
+
+def reasoning_tokens(state: ServerState, in_reasoning: bool, token_ids, reasoning: str) -> int:
+    """The reply's tokens inside its reasoning block: from its start (the prompt's open `<think>`, else the reply's
+    `<think>` token) up to its `</think>` token (the reply's end when cut inside). A tokenizer without a `</think>`
+    token: the reasoning's text encoded."""
+    if not reasoning:
+        return 0
+    if state.think_end is None:
+        return len(state.tokenizer.encode(reasoning, add_special_tokens=False))
+    ids = list(token_ids)
+    end = ids.index(state.think_end) if state.think_end in ids else len(ids)
+    start = 0
+    if not in_reasoning:
+        opening = state.tokenizer.convert_tokens_to_ids(THINK_START)
+        start = ids.index(opening) + 1 if opening in ids[:end] else 0
+    return end - start
+
+
+async def _events(state: ServerState, body: ResponsesRequest, run: ChatRun, rid: str, created: int) -> AsyncIterator[str]:
+    """The stream's events (responses_api_output.py says which, in what order)."""
+    write = EventWriter()
+    items, reader = OutputItems(write, call_id), run.parser()
+    token_ids: list[int] = []
+    try:
+        started = _response(state, body, rid, created, "in_progress")
+        yield write("response.created", response=started)
+        yield write("response.in_progress", response=started)
+        status = "completed"
+        async for _, out in run.group.stream():
+            token_ids += out.token_ids
+            events = reader.feed(out.text) if out.text else []
+            if out.finish_reason:
+                events += reader.finish()
+                status = "incomplete" if out.finish_reason == "length" else "completed"
+            items.feed(events)
+            for sse in items.drain():
+                yield sse
+        items.close(status)
+        for sse in items.drain():
+            yield sse
+        yield write("response.completed", response=_response(state, body, rid, created, status, items.items,
+                                                             _usage(state, run, token_ids, items.items)))
+    except Exception as e:  # the request failed after the stream began (a step's error, shutdown)
+        error = from_failure(e)
+        yield write("error", code=error.code, message=error.message, param=error.param)
+        yield write("response.failed", response=_response(state, body, rid, created, "failed", items.items,
+                                                          error=ResponseError(code="server_error",
+                                                                              message=error.message)))
+    finally:
+        run.group.close()

@@ -1,0 +1,227 @@
+"""The Responses API's replies (responses_api.py): output items, the response object, and `OutputItems`, which turns a
+reply parser's events (reply.py) into output items and the stream events that build them.
+
+A reply is, in order, a reasoning item (where the reply has reasoning), a message item (its text: one output_text
+part) and one function_call item per call (call_id `call_...`, arguments the JSON text of an object), as vLLM gives
+them. A stream sends each item as OpenAI's server does and the openai client reads it: `response.output_item.added`
+(the item in progress, empty), `response.content_part.added` (reasoning: a reasoning_text part, vLLM's way; a
+message: an output_text part), the deltas (`response.reasoning_text.delta`, `response.output_text.delta`,
+`response.function_call_arguments.delta`), then `.done` events with the whole text (`response.reasoning_text.done`,
+`response.output_text.done`, `response.function_call_arguments.done` with the name), `response.content_part.done`
+and `response.output_item.done` with the finished item. Every event is `event: TYPE` and `data: {"type": TYPE,
+"sequence_number": N, ...}`, N counting from 0 over the stream.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, Field
+from pydantic_core import to_jsonable_python
+
+from .reply import ReasoningDelta
+from .tool_parsers import CallArguments, CallStart, ContentDelta
+
+Status = Literal["in_progress", "completed", "incomplete"]
+
+
+def item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list = Field(default_factory=list)
+    logprobs: list = Field(default_factory=list)
+
+
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputMessage(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    status: Status
+    content: list[OutputText]
+
+
+class OutputReasoning(BaseModel):
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list = Field(default_factory=list)  # (the reasoning's text is its content, as vLLM gives it)
+    content: list[ReasoningText] | None = None
+    status: Status
+
+
+class OutputFunctionCall(BaseModel):
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str
+    status: Status
+
+
+OutputItem = Union[OutputReasoning, OutputMessage, OutputFunctionCall]
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseError(BaseModel):
+    code: str
+    message: str
+
+
+class ResponseObject(BaseModel):
+    """OpenAI's response object: the request's settings echoed, the output, the usage."""
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    metadata: dict[str, str] | None = None
+    model: str
+    output: list[OutputItem] = Field(default_factory=list)
+    parallel_tool_calls: bool = True
+    previous_response_id: None = None
+    reasoning: dict[str, Any] | None = None
+    temperature: float | None = None
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    tool_choice: Any = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    top_p: float | None = None
+    truncation: Literal["disabled"] = "disabled"
+    background: bool = False
+    usage: ResponseUsage | None = None
+    user: str | None = None
+
+
+class EventWriter:
+    """The stream's server-sent events, numbered: `event: TYPE` and its data with "type" and "sequence_number"."""
+
+    def __init__(self):
+        self.sequence = 0
+
+    def __call__(self, type_: str, **fields) -> str:
+        data = {"type": type_, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {type_}\ndata: {json.dumps(to_jsonable_python(data), ensure_ascii=False)}\n\n"
+
+
+@dataclass
+class _Open:
+    """The output item being built."""
+    kind: Literal["reasoning", "message", "function_call"]
+    id: str
+    index: int  # output_index
+    parts: list[str] = field(default_factory=list)  # its text (or arguments) so far
+    call_id: str = ""
+    name: str = ""
+
+
+class OutputItems:
+    """A reply's output items from its ReplyParser's events, in order, and the stream's events that build them
+    (`events`, drained by the stream; a whole response leaves them). `close(status)` ends the open item."""
+
+    def __init__(self, write: EventWriter, new_call_id):
+        self.write, self.new_call_id = write, new_call_id
+        self.items: list[OutputItem] = []
+        self.events: list[str] = []
+        self._open: _Open | None = None
+
+    def feed(self, reply_events: list) -> None:
+        for e in reply_events:
+            if isinstance(e, ReasoningDelta) and e.text:
+                self._delta("reasoning", e.text, "response.reasoning_text.delta")
+            elif isinstance(e, ContentDelta) and e.text:
+                self._delta("message", e.text, "response.output_text.delta", logprobs=[])
+            elif isinstance(e, CallStart):
+                self.close()
+                self._start(_Open("function_call", item_id("fc"), len(self.items), call_id=self.new_call_id(),
+                                  name=e.name))
+            elif isinstance(e, CallArguments) and e.text:
+                assert self._open is not None and self._open.kind == "function_call", "arguments outside a call"
+                self._open.parts.append(e.text)
+                self.events.append(self.write("response.function_call_arguments.delta", item_id=self._open.id,
+                                              output_index=self._open.index, delta=e.text))
+
+    def _delta(self, kind: str, text: str, event: str, **extra) -> None:
+        if self._open is None or self._open.kind != kind:
+            self.close()
+            self._start(_Open(kind, item_id("rs" if kind == "reasoning" else "msg"), len(self.items)))
+        self._open.parts.append(text)
+        self.events.append(self.write(event, item_id=self._open.id, output_index=self._open.index, content_index=0,
+                                      delta=text, **extra))
+
+    def _start(self, item: _Open) -> None:
+        self._open = item
+        where = {"item_id": item.id, "output_index": item.index, "content_index": 0}
+        if item.kind == "reasoning":
+            self.events += [self.write("response.output_item.added", output_index=item.index,
+                                       item=OutputReasoning(id=item.id, status="in_progress")),
+                            self.write("response.content_part.added", **where, part=ReasoningText(text=""))]
+        elif item.kind == "message":
+            self.events += [self.write("response.output_item.added", output_index=item.index,
+                                       item=OutputMessage(id=item.id, status="in_progress", content=[])),
+                            self.write("response.content_part.added", **where, part=OutputText(text=""))]
+        else:
+            self.events.append(self.write("response.output_item.added", output_index=item.index,
+                                          item=OutputFunctionCall(id=item.id, call_id=item.call_id, name=item.name,
+                                                                  arguments="", status="in_progress")))
+
+    def close(self, status: Status = "completed") -> None:
+        """End the open item (if any) with `status`: its .done events, the finished item."""
+        item, self._open = self._open, None
+        if item is None:
+            return
+        text = "".join(item.parts)
+        where = {"item_id": item.id, "output_index": item.index}
+        if item.kind == "reasoning":
+            done = OutputReasoning(id=item.id, content=[ReasoningText(text=text)], status=status)
+            self.events += [self.write("response.reasoning_text.done", **where, content_index=0, text=text),
+                            self.write("response.content_part.done", **where, content_index=0,
+                                       part=ReasoningText(text=text))]
+        elif item.kind == "message":
+            done = OutputMessage(id=item.id, content=[OutputText(text=text)], status=status)
+            self.events += [self.write("response.output_text.done", **where, content_index=0, text=text, logprobs=[]),
+                            self.write("response.content_part.done", **where, content_index=0,
+                                       part=OutputText(text=text))]
+        else:
+            text = text or "{}"  # (a call of no parameters the parser gave no arguments for)
+            done = OutputFunctionCall(id=item.id, call_id=item.call_id, name=item.name, arguments=text, status=status)
+            self.events.append(self.write("response.function_call_arguments.done", **where, name=item.name,
+                                          arguments=text))
+        self.items.append(done)
+        self.events.append(self.write("response.output_item.done", output_index=item.index, item=done))
+
+    def drain(self) -> list[str]:
+        events, self.events = self.events, []
+        return events

@@ -1,0 +1,292 @@
+"""The Responses API's wire format (POST /v1/responses, responses_api.py): its request as a pydantic model, its
+input items as chat messages, its output items, the response object and the stream's events.
+
+The request is OpenAI's, as vLLM serves it: `input` a string (one user message) or a list of items (messages of
+role user / system / developer / assistant with string or input_text / output_text / refusal parts; a past reply's
+`function_call` items and the `function_call_output` items answering them; its `reasoning` items, whose text goes
+back to the template as the assistant's reasoning, as vLLM reads them), `instructions` (a system message first),
+`max_output_tokens`, `temperature`, `top_p`, function `tools` in their flat shape, `tool_choice`,
+`parallel_tool_calls`, `text.format` (structured output: server/structured.py), `reasoning.effort` (the chat
+template's `reasoning_effort`, as vLLM passes it), `metadata` (echoed), and the sampling fields the chat endpoint
+takes from vLLM (`top_k`, `seed`, `stop`, `repetition_penalty`, ...). No response is stored: `store` is taken and
+does nothing, as in vLLM without its store; what needs a store (`previous_response_id`, `background`,
+`conversation`, `item_reference` items), `include`, `truncation: "auto"`, a prompt template, hosted tools and
+`text.verbosity` are refused by name (400), never ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag, TypeAdapter,
+                      ValidationError, field_validator, model_validator)
+
+from .protocol import (NEUTRAL, ChatMessage, FunctionDefinition, FunctionName, JsonSchemaFormat, NamedToolChoice,
+                       ResponseFormat, SamplingFields, Tool)
+
+
+# input items -----------------------------------------------------------------------------------------------
+class InputText(BaseModel):
+    type: Literal["input_text", "output_text", "text"]  # (a past reply's output_text parts sent back)
+    text: StrictStr
+
+
+class RefusalText(BaseModel):
+    type: Literal["refusal"]
+    refusal: StrictStr
+
+    @property
+    def text(self) -> str:
+        return self.refusal
+
+
+Part = Annotated[Union[InputText, RefusalText], Field(discriminator="type")]
+
+
+class MessageItem(BaseModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Union[StrictStr, list[Part]]
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallItem(BaseModel):
+    """A call a past reply made (its output item sent back)."""
+    type: Literal["function_call"]
+    call_id: StrictStr
+    name: StrictStr
+    arguments: StrictStr  # JSON text of an object
+
+
+class FunctionCallOutputItem(BaseModel):
+    """The result of a call, for the model to read: a `tool` message."""
+    type: Literal["function_call_output"]
+    call_id: StrictStr
+    output: Union[StrictStr, list[InputText]]
+
+
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text", "summary_text"]
+    text: StrictStr
+
+
+class ReasoningItem(BaseModel):
+    """A past reply's reasoning: its content's text (else its summary's), as vLLM reads it."""
+    type: Literal["reasoning"]
+    summary: list[ReasoningText] = Field(default_factory=list)
+    content: list[ReasoningText] | None = None
+    encrypted_content: None = None  # (this server writes none, so can read none)
+
+    @property
+    def text(self) -> str:
+        return "".join(part.text for part in (self.content or self.summary))
+
+
+def _item_type(value) -> str:
+    return value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
+
+
+InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
+                            Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+                            Annotated[ReasoningItem, Tag("reasoning")]], Discriminator(_item_type)]
+
+
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+PART_TYPES = ("input_text", "output_text", "text", "refusal")
+_ITEM = TypeAdapter(InputItem)
+
+
+def check_items(value):
+    """`input` checked item by item before pydantic reads it, so that a 400 names the item and what is wrong with
+    it (pydantic's own errors for a union of a string and a list begin with "not a string")."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list) or not value:
+        raise ValueError("expected a string or a non-empty list of items")
+    for i, item in enumerate(value):
+        kind = _item_type(item)
+        if kind not in ITEM_TYPES:
+            raise ValueError(f"item {i} is of type {kind!r}, which this server does not take (it takes "
+                             f"{', '.join(ITEM_TYPES)}; it stores no responses, so no item_reference)")
+        content = item.get("content") if isinstance(item, dict) and kind == "message" else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            part_type = part.get("type") if isinstance(part, dict) else None
+            if part_type not in PART_TYPES:
+                raise ValueError(f"item {i}: content part {j} is of type {part_type!r}: this server reads text "
+                                 f"parts ({', '.join(PART_TYPES)})")
+        try:
+            _ITEM.validate_python(item)
+        except ValidationError as e:
+            error = e.errors()[0]
+            where = ".".join(map(str, error["loc"][1:]))  # (after the item's type)
+            raise ValueError(f"item {i} ({kind}){' ' + where if where else ''}: {error['msg']}") from None
+    return value
+
+
+def chat_messages(instructions: str | None, items: str | list) -> list[ChatMessage]:
+    """The chat messages of `instructions` and `input`: the instructions as a system message, a string as a user
+    message; a past reply's reasoning, message and function calls joined into one assistant message (in the order
+    they come, as vLLM joins them: an assistant message takes the reasoning and the calls that follow it until
+    another message)."""
+    messages: list[dict] = [{"role": "system", "content": instructions}] if instructions is not None else []
+    for item in [MessageItem(role="user", content=items)] if isinstance(items, str) else items:
+        last = messages[-1] if messages and messages[-1]["role"] == "assistant" else None
+        if isinstance(item, FunctionCallOutputItem):
+            output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            if last is None:
+                messages.append(last := {"role": "assistant", "content": None})
+            last.setdefault("tool_calls", []).append(call)
+        elif isinstance(item, ReasoningItem):
+            if last is None or "reasoning" in last or last.get("content") is not None or "tool_calls" in last:
+                messages.append({"role": "assistant", "content": None, "reasoning": item.text})
+            else:
+                last["reasoning"] = item.text
+        elif item.role == "assistant" and last is not None and last.get("content") is None and "tool_calls" not in last:
+            last["content"] = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
+        else:
+            content = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
+            messages.append({"role": item.role, "content": content})
+    return [ChatMessage.model_validate(m) for m in messages]
+
+
+# tools and text formats ------------------------------------------------------------------------------------
+class FunctionTool(BaseModel):
+    """A function tool in the Responses API's flat shape; `function_tool` is chat's shape of it."""
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+    def chat_tool(self) -> Tool:
+        return Tool(type="function", function=FunctionDefinition.model_validate(self.model_dump(exclude={"type"})))
+
+
+class FunctionChoice(BaseModel):
+    type: Literal["function"]
+    name: StrictStr
+
+
+class TextFormat(BaseModel):
+    """text.format: "text" (none), "json_object", or "json_schema" with its `name` and `schema` at this level."""
+    model_config = ConfigDict(populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: StrictStr | None = None
+    strict: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and (self.name is None or self.schema_ is None):
+            raise ValueError("a json_schema format needs its name and its schema: {\"type\": \"json_schema\", "
+                             "\"name\": ..., \"schema\": {...}}")
+        return self
+
+
+class TextConfig(BaseModel):
+    format: TextFormat | None = None
+    verbosity: Any = None  # refused unless null or "medium" (NEUTRAL)
+
+
+class ReasoningConfig(BaseModel):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # (the reasoning's text is its content, as vLLM's)
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+# the Responses API's fields this server does not run, and the values that ask for nothing
+RESPONSES_NEUTRAL = {
+    "previous_response_id": (None,), "background": (None, False), "conversation": (None,), "prompt": (None,),
+    "include": (None, []), "truncation": (None, "disabled"), "max_tool_calls": (None,), "top_logprobs": (None, 0),
+    "stream_options": (None,), "n": (1,), "prompt_logprobs": (None,), "return_token_ids": (False,),
+    "return_tokens_as_token_ids": (None, False), "logprobs": (None, False),
+}
+
+
+class ResponsesRequest(SamplingFields):
+    input: Union[StrictStr, Annotated[list[InputItem], Field(min_length=1)]]
+    instructions: StrictStr | None = None
+    max_output_tokens: Annotated[StrictInt, Field(ge=1)] | None = None  # None: up to the context
+    tools: list[FunctionTool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], FunctionChoice, None] = None
+    parallel_tool_calls: StrictBool | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    metadata: dict[str, StrictStr] | None = None
+    store: StrictBool | None = None  # (nothing is stored: a no-op either way)
+    previous_response_id: Any = None
+    background: Any = None
+    conversation: Any = None
+    prompt: Any = None
+    include: Any = None
+    truncation: Any = None
+    max_tool_calls: Any = None
+    top_logprobs: Any = None
+    logprobs: Any = None
+    stream_options: Any = None  # (the Responses API's: include_obfuscation)
+
+    _input_items = field_validator("input", mode="before")(check_items)
+
+    def neutral(self) -> dict:
+        return {**RESPONSES_NEUTRAL, **NEUTRAL}
+
+    def unsupported(self) -> str | None:
+        if self.text is not None and self.text.verbosity not in (None, "medium"):
+            return "text"
+        return super().unsupported()
+
+    def explicit_max_tokens(self) -> tuple[str, int] | None:
+        return None if self.max_output_tokens is None else ("max_output_tokens", self.max_output_tokens)
+
+    def formats(self) -> list[tuple[str, ResponseFormat]]:
+        """text.format as a response_format; none under a forced call (tool_choice "required" or a function): the
+        reply is the call, there is no text for the format to hold (instructor's RESPONSES_TOOLS sends both)."""
+        fmt = self.text.format if self.text is not None else None
+        forced = self.tools and (self.tool_choice == "required" or isinstance(self.tool_choice, FunctionChoice))
+        if fmt is None or fmt.type == "text" or forced:
+            return super().formats()
+        schema = None if fmt.type == "json_object" else JsonSchemaFormat(name=fmt.name, schema=fmt.schema_)
+        return [*super().formats(), ("text", ResponseFormat(type=fmt.type, json_schema=schema))]
+
+    # a chat's fields (chat.start_chat reads them) ----------------------------------------------------------
+    @property
+    def messages(self) -> list[ChatMessage]:
+        return chat_messages(self.instructions, self.input)
+
+    @property
+    def continue_final_message(self) -> bool:
+        """A last item that is an assistant's message still in progress goes on (vLLM's partial replies)."""
+        last = None if isinstance(self.input, str) else self.input[-1]
+        return isinstance(last, MessageItem) and last.role == "assistant" and last.status in ("in_progress",
+                                                                                                 "incomplete")
+
+    @property
+    def add_generation_prompt(self) -> bool:
+        return not self.continue_final_message
+
+    @property
+    def chat_template_kwargs(self) -> dict | None:
+        effort = self.reasoning.effort if self.reasoning is not None else None
+        return None if effort is None else {"reasoning_effort": effort}
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_output_tokens
+
+    @property
+    def chat_tools(self) -> list[Tool] | None:
+        return None if self.tools is None else [t.chat_tool() for t in self.tools]
+
+    @property
+    def chat_tool_choice(self):
+        choice = self.tool_choice
+        return NamedToolChoice(type="function", function=FunctionName(name=choice.name)) \
+            if isinstance(choice, FunctionChoice) else choice
+
