@@ -32,7 +32,7 @@ import os
 from dataclasses import dataclass
 
 # the field checks; LINEAR and FULL, the layer types, live there and are imported from here too
-from .config_checks import FULL, LINEAR, _checked, _int, _invalid, _moe_layers, _strings
+from .config_checks import FULL, LINEAR, _checked, _int, _invalid, _moe_layers, _strings, check_model_kind
 from .families import FAMILIES, MULTIMODAL, OPTIONAL_FIELDS, QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, Family
 from .quantization import QWEN_KEPT, TEXT_PREFIX, Fp8Config, parse_quantization
 _LEGACY_LAYER_TYPES = {"mamba": LINEAR, "conv": LINEAR, "attention": FULL}
@@ -141,6 +141,7 @@ class ModelConfig:
         where = f" {source}" if source else ""
         if not isinstance(cfg, dict):
             raise _invalid(where, f"expected a JSON object, got {type(cfg).__name__}")
+        check_model_kind(cfg, where)
         model_type = cfg.get("model_type")
         tie = cfg.get("tie_word_embeddings", False)
         quant, prefix = cfg.get("quantization_config"), TEXT_PREFIX

@@ -29,6 +29,29 @@ def _invalid(where: str, msg: str) -> ValueError:
     return ValueError(f"invalid model config{where}: {msg}")
 
 
+def supported_architectures() -> list[str]:
+    """transformers' classes of the families run here (config.json's `architectures`): each family's causal LM
+    and its multimodal wrappers' models."""
+    return [name for f in FAMILIES.values() for name in (f.causal_lm_class, *(m.model_class for m in f.multimodal))]
+
+
+def check_model_kind(raw: dict, where: str = "") -> None:
+    """ValueError naming config.json's `architectures` when it names no class of a family here (a sequence
+    classifier, another model of a supported model_type's name), or its `model_type` when that is missing: the
+    model is told apart by them before any field is read. An absent or empty `architectures` is not checked
+    (transformers reads model_type alone)."""
+    names = raw.get("architectures")
+    if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise _invalid(where, f"field 'architectures' must be a list of class names, got {names!r}")
+    known = supported_architectures()
+    if names and not any(n in known for n in names):
+        raise _invalid(where, f"architectures {names} (model_type {raw.get('model_type')!r}) names no model "
+                              f"metrale-graph runs: it runs causal language models of {', '.join(known)}")
+    if raw.get("model_type") is None:
+        raise _invalid(where, "no 'model_type' field (transformers' name of the model's family, e.g. 'qwen3_5' "
+                              f"or 'qwen3_next'{f'; architectures {names}' if names else ''})")
+
+
 def _int(name: str, value, minimum: int, where: str = "") -> int:
     """An int (an integral float such as 4.0 too; not a bool) >= minimum."""
     number = int(value) if isinstance(value, float) and value.is_integer() else value

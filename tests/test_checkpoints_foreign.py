@@ -538,3 +538,28 @@ def test_folder_without_config_json(qwen3_5_folder, tmp_path):
         HybridModel.from_pretrained(folder, progress=False)
     assert re.search(f"checkpoint folder '{re.escape(folder)}' has no config.json", str(e.value)), e.value
     assert "preset" not in str(e.value)  # from_pretrained reads folders only
+
+
+# ---- what config.json says of the model: its kind, its tie, its dtype --------------------------------
+
+@pytest.mark.parametrize("edit, message", [
+    (dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"]), r"architectures \['Qwen3ForCausalLM'\] \(model_type "
+                                                                   r"'qwen3'\) names no model metrale-graph runs"),
+    (dict(architectures=["Qwen3_5ForSequenceClassification"]), r"Qwen3_5ForSequenceClassification.*runs causal "
+                                                               r"language models of Qwen3_5ForCausalLM"),
+    (dict(architectures="Qwen3_5ForCausalLM"), r"field 'architectures' must be a list of class names"),
+    (dict(model_type=None), r"no 'model_type' field .*architectures \['Qwen3_5ForCausalLM'\]"),
+], ids=["other-model", "sequence-classifier", "not-a-list", "no-model_type"])
+def test_config_naming_another_kind_of_model_is_refused_by_name(qwen3_5_folder, tmp_path, edit, message):
+    """A config.json whose architectures names a model that is not one of ours (another family, a classifier
+    head over a supported model_type) or that has no model_type: a ValueError naming the field and what runs
+    here, before any weight is read. A classifier over a supported model_type loaded as a causal LM, and a
+    missing model_type was called "unsupported model_type None"."""
+    folder = copy_of(qwen3_5_folder, tmp_path)
+    edit_config(folder, lambda c: (c.update(edit), [c.pop(k) for k, v in edit.items() if v is None]))
+    with pytest.raises(ValueError, match=message):
+        HybridModel.from_pretrained(folder, progress=False)
+    from metrale_graph import load_config
+
+    with pytest.raises(ValueError, match=message):  # the tools' --model check reads the same
+        load_config(folder)
