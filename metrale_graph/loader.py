@@ -224,6 +224,10 @@ def _check_headers(files: list[str], asm: _Assembler, cfg: ModelConfig
         given[EMBEDDINGS] = tied_head[0]
         tied_head = None
     missing = [n for n in plan.layout if n not in given]
+    if missing == ["lm_head.weight"]:
+        raise ValueError("checkpoint lacks lm_head.weight and its config does not tie lm_head to the embeddings: a "
+                         "checkpoint whose lm_head is embed_tokens sets tie_word_embeddings true in config.json (a "
+                         "multimodal one at its top level, where transformers reads it)")
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. "
                          f"{_collapse(missing, asm, given)[:5]}")

@@ -563,3 +563,23 @@ def test_config_naming_another_kind_of_model_is_refused_by_name(qwen3_5_folder, 
 
     with pytest.raises(ValueError, match=message):  # the tools' --model check reads the same
         load_config(folder)
+
+
+def test_multimodal_config_tied_in_its_text_config_alone(tmp_path):
+    """A multimodal config.json without a top-level tie_word_embeddings whose text_config ties (written by hand,
+    as vLLM reads it) over a checkpoint that stores no lm_head: the pair is tied, the same logits as transformers
+    on the folder with the flag at the top. It was refused as lacking lm_head.weight (transformers runs a random
+    lm_head there). An explicit top-level false over such a checkpoint names tie_word_embeddings."""
+    tied, folder = str(tmp_path / "tied"), str(tmp_path / "text-tied")
+    transformers_model("qwen3_5_text", True, tie=True).save_pretrained(tied)
+    import shutil
+
+    shutil.copytree(tied, folder)
+    edit_config(folder, lambda c: (c.pop("tie_word_embeddings"), c["text_config"].update(tie_word_embeddings=True)))
+    ours = HybridModel.from_pretrained(folder, progress=False)
+    assert ours.config.tie_word_embeddings
+    check_parity(ours, load_transformers(tied, True), ours.config, LENGTHS)
+    edit_config(folder, lambda c: c.update(tie_word_embeddings=False))
+    with pytest.raises(ValueError, match=r"lacks lm_head\.weight and its config does not tie .*tie_word_embeddings "
+                                         r"true in config\.json"):
+        HybridModel.from_pretrained(folder, progress=False)
