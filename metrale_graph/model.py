@@ -39,7 +39,7 @@ from .quantization import SCALE_SUFFIX
 from .sharding import rank_shards
 from .spec import MOE, feed_forward, model_spec, mtp_feed_forward, weight_dtype
 from .loader import load_checkpoint
-from .weights import checkpoint_config, random_weights, shard_weights, stack_projections
+from .weights import checkpoint_config, checkpoint_dtype, random_weights, shard_weights, stack_projections
 
 
 class HybridModel(nn.Module):
@@ -138,10 +138,10 @@ class HybridModel(nn.Module):
         `check_finite` rejects NaN / infinite weights; it reads every weight once more on `device`:
         for the 9B model in bfloat16 about 40 ms on an H200, about 4.5 s on 2 CPU cores (see
         `load_checkpoint`). With a tensor-parallel `tp`, only this rank's shard is read. `dtype` is a
-        torch.dtype or its name ("bfloat16"); on the CPU, weights that would not fit in the memory
-        available are a ValueError before any is read. `progress`: a bar while the weights load, drawn
-        where standard error is a terminal (in a log, none)."""
-        dtype, device = as_dtype(dtype), as_device(device)
+        torch.dtype or its name ("bfloat16"), or "auto": config.json's (weights.checkpoint_dtype); on the CPU,
+        weights that would not fit in the memory available are a ValueError before any is read. `progress`: a bar
+        while the weights load, drawn where standard error is a terminal (in a log, none)."""
+        device = as_device(device)
         if not isinstance(path, (str, os.PathLike)):
             raise ValueError(f"path must be a checkpoint folder's path (a str), got {type(path).__name__} {path!r}")
         path = os.fspath(path)
@@ -155,7 +155,7 @@ class HybridModel(nn.Module):
                              "which transformers' save_pretrained writes beside the weights)")
         if not isinstance(mtp, bool):
             raise ValueError(f"mtp must be True or False (whether to read the checkpoint's MTP head), got {mtp!r}")
-        config = checkpoint_config(path, mtp)
+        config, dtype = checkpoint_config(path, mtp), checkpoint_dtype(path, dtype)
         try:
             weights, error = load_checkpoint(path, config, dtype, device, progress=progress,
                                              check_finite=check_finite, tp=tp), None

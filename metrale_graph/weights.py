@@ -61,6 +61,35 @@ def checkpoint_config(folder: str, mtp: bool = True) -> ModelConfig:
     return cfg if layers == cfg.mtp_num_hidden_layers else cfg.replace(mtp_num_hidden_layers=layers)
 
 
+def checkpoint_dtype(folder: str, dtype) -> torch.dtype:
+    """The dtype a checkpoint folder's model loads in: `dtype` itself (a torch.dtype or its name, as_dtype), or for
+    "auto" the checkpoint's own, as transformers' dtype="auto" takes it: config.json's `dtype` (`torch_dtype` before
+    transformers 5; a multimodal config's text_config first), else the dtype its embeddings are stored in, else
+    float32. ValueError naming the field for a dtype the model does not run in (placement.DTYPES)."""
+    if not (isinstance(dtype, str) and dtype == "auto"):
+        return as_dtype(dtype)
+    with open(os.path.join(folder, "config.json")) as f:
+        raw = json.load(f)  # load_config has read it already
+    for section in (raw.get("text_config"), raw):
+        for field in ("dtype", "torch_dtype"):
+            if isinstance(section, dict) and section.get(field) is not None:
+                try:
+                    return as_dtype(section[field])
+                except ValueError as e:
+                    raise ValueError(f"dtype='auto' reads {field!r} of {folder}/config.json: {e}") from None
+    from safetensors import safe_open
+
+    for path in checkpoint_files(folder):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key.endswith("embed_tokens.weight"):
+                    return _STORED_DTYPES.get(f.get_slice(key).get_dtype(), torch.float32)
+    return torch.float32
+
+
+_STORED_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}  # safetensors' names
+
+
 def checkpoint_files(folder: str) -> list[str]:
     """The safetensors files of a checkpoint folder, found as transformers finds them: `model.safetensors`,
     else the shards of `model.safetensors.index.json`, else the folder's one safetensors file. (A folder

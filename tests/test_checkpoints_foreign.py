@@ -583,3 +583,37 @@ def test_multimodal_config_tied_in_its_text_config_alone(tmp_path):
     with pytest.raises(ValueError, match=r"lacks lm_head\.weight and its config does not tie .*tie_word_embeddings "
                                          r"true in config\.json"):
         HybridModel.from_pretrained(folder, progress=False)
+
+
+@pytest.mark.parametrize("field, stored, multimodal", [
+    ("torch_dtype", "bfloat16", False), ("dtype", "float16", True), ("dtype", "float32", False),
+    (None, "bfloat16", True)], ids=["torch_dtype-bf16", "mm-text_config-dtype-fp16", "dtype-fp32", "mm-none-bf16"])
+def test_auto_dtype_is_the_checkpoints_own_and_an_explicit_one_overrides(tmp_path, field, stored, multimodal):
+    """dtype="auto" loads in the dtype config.json names (transformers 5's `dtype`, 4.x's `torch_dtype`; a
+    multimodal config's text_config first), else in the one the embeddings are stored in, as transformers'
+    dtype="auto"; an explicit dtype overrides it; the weights are the stored ones. "auto" was an unsupported
+    dtype. A dtype the model does not run in is named with its field."""
+    folder = str(tmp_path)
+    transformers_model("qwen3_5_text", multimodal).to(getattr(torch, stored)).save_pretrained(folder)
+
+    def edit(config):
+        for section in (config, config.get("text_config", {})):
+            section.pop("dtype", None)
+            section.pop("torch_dtype", None)
+        if field:
+            (config["text_config"] if multimodal else config)[field] = stored
+        if field and multimodal:
+            config["dtype"] = "float32"  # a multimodal one's top level is read after its text_config
+    edit_config(folder, edit)
+    auto = HybridModel.from_pretrained(folder, progress=False, dtype="auto")
+    assert auto.dtype == getattr(torch, stored)
+    stored_embeddings = next(t for k, t in load_file(os.path.join(folder, "model.safetensors")).items()
+                             if k.endswith("embed_tokens.weight"))
+    assert torch.equal(auto.embed_tokens.weight, stored_embeddings)
+    assert HybridModel.from_pretrained(folder, progress=False, dtype="float16").dtype == torch.float16
+    assert HybridModel.from_pretrained(folder, progress=False).dtype == torch.float32  # the default stays float32
+    edit_config(folder, lambda c: (c.get("text_config", c).update(torch_dtype="int8"), c.get("text_config", c).pop(
+        "dtype", None)))
+    with pytest.raises(ValueError, match=r"dtype='auto' reads 'torch_dtype' of .*config\.json: unsupported dtype "
+                                         r"'int8'"):
+        HybridModel.from_pretrained(folder, progress=False, dtype="auto")
