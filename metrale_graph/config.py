@@ -318,6 +318,9 @@ def load_config(path_or_preset: str) -> ModelConfig:
     path = path_or_preset
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):  # a tokenizer's folder, a download cut short
+            raise ValueError(f"checkpoint folder {path_or_preset!r} has no config.json (the model's Hugging Face "
+                             "config, which transformers' save_pretrained writes beside the weights)")
     if not os.path.isfile(path):
         raise ValueError(
             f"{path_or_preset!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint folder "

@@ -617,3 +617,17 @@ def test_auto_dtype_is_the_checkpoints_own_and_an_explicit_one_overrides(tmp_pat
     with pytest.raises(ValueError, match=r"dtype='auto' reads 'torch_dtype' of .*config\.json: unsupported dtype "
                                          r"'int8'"):
         HybridModel.from_pretrained(folder, progress=False, dtype="auto")
+
+
+def test_tokenizer_folder_without_config_json_names_it_to_the_tools(tmp_path):
+    """A folder of tokenizer files alone given as --model: load_config (the tools' flag check) says the folder
+    has no config.json; it said the folder was "neither a preset (...) nor a checkpoint folder"."""
+    from tokenizer_fixture import build_tokenizer
+
+    from metrale_graph import load_config
+
+    folder = build_tokenizer(str(tmp_path))
+    with pytest.raises(ValueError, match=f"checkpoint folder '{re.escape(folder)}' has no config.json"):
+        load_config(folder)
+    with pytest.raises(ValueError, match="has no config.json"):
+        HybridModel.from_pretrained(folder, progress=False)
