@@ -229,8 +229,10 @@ def _check_headers(files: list[str], asm: _Assembler, cfg: ModelConfig
                          "checkpoint whose lm_head is embed_tokens sets tie_word_embeddings true in config.json (a "
                          "multimodal one at its top level, where transformers reads it)")
     if missing:
+        head = all(n.startswith(MTP_PREFIX) for n in missing)  # a head transformers never reads: its main model loads
+        hint = "; its MTP head (mtp.*) is incomplete: from_pretrained(..., mtp=False) loads the model without it"
         raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. "
-                         f"{_collapse(missing, asm, given)[:5]}")
+                         f"{_collapse(missing, asm, given)[:5]}{hint if head else ''}")
     return reads, tied_head
 
 

@@ -631,3 +631,26 @@ def test_tokenizer_folder_without_config_json_names_it_to_the_tools(tmp_path):
         load_config(folder)
     with pytest.raises(ValueError, match="has no config.json"):
         HybridModel.from_pretrained(folder, progress=False)
+
+
+def test_incomplete_mtp_head_names_the_way_to_load_without_it(tmp_path):
+    """An MTP head missing a tensor (a tool that kept part of `mtp.*`; transformers never reads the head): the
+    error names the tensor and says mtp=False loads the model without the head, which then matches transformers.
+    It named the tensor only, as if the model itself were incomplete."""
+    folder = str(tmp_path)
+    transformers_model("qwen3_5_moe_text", True).save_pretrained(folder)
+    head = mtp_head("qwen3_5_moe_text")
+    head.pop("mtp.norm.weight")
+    add_tensors(folder, head)
+    with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\) .*'mtp\.norm\.weight'.*MTP head \(mtp\.\*\) is "
+                                         r"incomplete: from_pretrained\(\.\.\., mtp=False\) loads"):
+        HybridModel.from_pretrained(folder, progress=False)
+    ours = HybridModel.from_pretrained(folder, progress=False, mtp=False)
+    assert ours.mtp is None
+    check_parity(ours, load_transformers(folder, True), ours.config, LENGTHS)
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    tensors.pop("model.language_model.norm.weight")  # the model lacks a tensor too: no hint
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks 2 tensor\(s\)") as e:
+        HybridModel.from_pretrained(folder, progress=False)
+    assert "mtp=False" not in str(e.value)
