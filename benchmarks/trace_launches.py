@@ -3,7 +3,8 @@
 copies, memsets) that carries its correlation id. Per graph (told apart by its device activity count), the
 medians of: the launch call's host time, the delay from the launch call's start to the graph's first device
 activity, that activity's start relative to the call's end (negative: the GPU began before the call returned),
-the device span of the graph, and the GPU's idle time just before it. `--gaps US`: also every stretch of at least
+the device span of the graph, the idle time inside that span (between its own activities), and the GPU's idle
+time just before it. `--gaps US`: also every stretch of at least
 US microseconds with no device activity, and what the host's CUDA runtime calls were during those stretches (by
 name: the time each overlaps them; "no runtime call" is the rest: Python between calls, or a wait outside CUDA):
 where a step's idle device time goes.
@@ -54,8 +55,19 @@ def launches(events: list[dict]) -> list[dict]:
         last = max(w["ts"] + w.get("dur", 0) for w in work)
         before = [w["ts"] + w.get("dur", 0) for w in device if w["ts"] < first]
         rows.append({"start": e["ts"], "host": e.get("dur", 0), "nodes": len(work), "first": first, "last": last,
-                     "idle_before": first - max(before) if before else None})
+                     "idle_before": first - max(before) if before else None, "idle_inside": _idle_inside(work)})
     return rows
+
+
+def _idle_inside(work: list[dict]) -> float:
+    """The time between a graph's first and last device activity during which none of them runs (the gaps
+    between its kernels: a graph of many small kernels idles the GPU at each boundary)."""
+    idle, end = 0.0, None
+    for w in sorted(work, key=lambda w: w["ts"]):
+        if end is not None and w["ts"] > end:
+            idle += w["ts"] - end
+        end = w["ts"] + w.get("dur", 0) if end is None else max(end, w["ts"] + w.get("dur", 0))
+    return idle
 
 
 def summary(rows: list[dict]) -> list[dict]:
@@ -73,6 +85,7 @@ def summary(rows: list[dict]) -> list[dict]:
                     "start_to_first_device_ms": med(lambda r: r["first"] - r["start"]),
                     "first_device_after_call_end_ms": med(lambda r: r["first"] - r["start"] - r["host"]),
                     "device_span_ms": med(lambda r: r["last"] - r["first"]),
+                    "idle_inside_ms": med(lambda r: r["idle_inside"]),
                     "gpu_idle_before_ms": med(lambda r: r["idle_before"])})
     return out
 
@@ -121,11 +134,12 @@ def render(path: str, table: list[dict]) -> str:
     def f(x):
         return "-" if x is None else f"{x:.3f}"
     lines = [path, "| device activities | launches | launch call ms | call start -> first on GPU ms | "
-             "first on GPU after call end ms | device span ms | GPU idle before ms |", "|---|---|---|---|---|---|---|"]
+             "first on GPU after call end ms | device span ms | idle inside ms | GPU idle before ms |",
+             "|---|---|---|---|---|---|---|---|"]
     for t in table:
         lines.append(f"| {t['device_activities']} | {t['launches']} | {f(t['launch_host_ms'])} | "
                      f"{f(t['start_to_first_device_ms'])} | {f(t['first_device_after_call_end_ms'])} | "
-                     f"{f(t['device_span_ms'])} | {f(t['gpu_idle_before_ms'])} |")
+                     f"{f(t['device_span_ms'])} | {f(t['idle_inside_ms'])} | {f(t['gpu_idle_before_ms'])} |")
     return "\n".join(lines)
 
 

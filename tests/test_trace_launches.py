@@ -33,6 +33,7 @@ def test_launches_matched_by_correlation(tmp_path):
     rows = trace_launches.launches(trace_launches.load(_trace(tmp_path)))
     assert [(r["nodes"], r["first"] - r["start"], r["last"] - r["first"]) for r in rows] == [(3, 150, 100), (1, 5, 20)]
     assert rows[0]["idle_before"] == 130 and rows[1]["idle_before"] == 55
+    assert rows[0]["idle_inside"] == 0 and rows[1]["idle_inside"] == 0
 
 
 def test_summary_and_cli(tmp_path, capsys):
@@ -42,7 +43,7 @@ def test_summary_and_cli(tmp_path, capsys):
     assert table[0]["first_device_after_call_end_ms"] == 0.05 and table[1]["first_device_after_call_end_ms"] == -0.025
     out = tmp_path / "t.json"
     trace_launches.main([path, "--json", str(out)])
-    assert "| 3 | 1 | 0.100 | 0.150 | 0.050 | 0.100 | 0.130 |" in capsys.readouterr().out
+    assert "| 3 | 1 | 0.100 | 0.150 | 0.050 | 0.100 | 0.000 | 0.130 |" in capsys.readouterr().out
     assert json.loads(out.read_text())["tables"][path][1]["launches"] == 1
 
 
@@ -55,3 +56,8 @@ def test_gaps_name_the_host_calls_during_device_idle(tmp_path):
     assert [x[1] for x in g["longest"]] == [0.13, 0.055]
     assert trace_launches.gaps(trace_launches.load(_trace(tmp_path)), 60)["count"] == 1
     trace_launches.main([_trace(tmp_path), "--gaps", "20"])
+
+
+def test_idle_inside_a_graph_sums_the_gaps_between_its_activities():
+    work = [{"ts": 0, "dur": 10}, {"ts": 12, "dur": 3}, {"ts": 14, "dur": 10}, {"ts": 30, "dur": 1}]
+    assert trace_launches._idle_inside(work) == 2 + 6  # (12 after 10; 14 overlaps 12-15; 30 after 24)
