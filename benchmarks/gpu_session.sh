@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session in one command (device machines start bare): install the carried
 # flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
-#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-tests|tp|fp8|fp8-sweep|fp8-bench|w8a16|serve|cookbook|prefix|structured|spec|all|setup]
+#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-tests|tp|fp8|fp8-sweep|fp8-bench|w8a16|serve|cookbook|prefix|structured|spec|spec-trace|all|setup]
 #   (run from the repository root)
 # tests: every GPU test (sweep + op-tests + model-tests: ~18 min, more than one call); ops: per-op
 # benchmark; decode (not in all): bench_ops at decode shapes and benchmarks/kernels/check_decode.py's tile sweep; bench: 9B workloads with the peer and generation; profile (not in all): the 9B workloads' device
@@ -23,7 +23,8 @@
 # against without (issue 40; needs xgrammar, apache-tvm-ffi and pydantic (+ pydantic-core, annotated-types,
 # typing-inspection, typing-extensions) wheels in .whl-serve and a tokenizer of the 9B's
 # vocabulary in .qwen35-tokenizer: python benchmarks/bench_structured.py --make-qwen-tokenizer .qwen35-tokenizer),
-# then the structured GPU test; spec (not in all): issue 39's speed item, bench --speculative 1,8,32,128 --echo 1,16 on
+# then the structured GPU test; spec-trace (not in all): the one-stream verify's profiler traces read by
+# benchmarks/trace_launches.py --gaps (issue 39's host gap); spec (not in all): issue 39's speed item, bench --speculative 1,8,32,128 --echo 1,16 on
 # the 9B and the 35B-A3B (SPEC_PRESETS, SPEC_STREAMS, SPEC_KS, SPEC_MTP_K, SPEC_ECHO, SPEC_LAYERS to choose; each
 # window's largest kernels and host functions in the JSON; the echo runs last on bigram weights): per preset three engines (plain, n-gram with drafts
 # forced to k = 1, 2, 3, MTP at k = 2 with a random head), each compiled and captured, the prompts prefilled three
@@ -232,6 +233,19 @@ if [[ $what == spec ]]; then
             ${SPEC_LAYERS:+--layers $SPEC_LAYERS} --host-profile --json "$OUT/bench-spec-$preset.json" 2>&1 \
             | tee "$OUT/bench-spec-$preset.log" | grep -v "^{" | tail -60
         [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+    done
+fi
+if [[ $what == spec-trace ]]; then
+    # issue 39's verify host gap: one stream, k 3 drafts, the profiler traces of the plain and verify windows, then
+    # benchmarks/trace_launches.py: each graph's launch, the idle inside it (between its kernels) and the device's
+    # idle stretches with the host's runtime calls in them (SPEC_PRESETS; ~3 min a preset)
+    for preset in ${SPEC_PRESETS:-qwen3.5-9b}; do
+        limit python3 -m metrale_graph.tools.bench --preset $preset --speculative 1 --speculative-k 3 --speculative-mtp-k 0 \
+            --host-profile --trace /tmp/traces-$preset --json "$OUT/bench-spec-trace-$preset.json" 2>&1 \
+            | tee "$OUT/bench-spec-trace-$preset.log" | grep -v "^{" | tail -12
+        [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+        python3 benchmarks/trace_launches.py /tmp/traces-$preset/*.json.gz --gaps 15 --json "$OUT/launches-$preset.json" \
+            | grep -v "^{" | tee "$OUT/launches-$preset.log"
     done
 fi
 if [[ $what == prefix ]]; then
