@@ -82,7 +82,9 @@ def parse_quantization(raw, where: str = "", prefix: str = TEXT_PREFIX, field: s
     method = raw.get("quant_method")
     if method != FP8_METHOD:
         raise bad(f"a quantized checkpoint ({field} with quant_method {method!r}) is not supported: metrale-graph "
-                  f"loads floating-point weights and fine-grained FP8 ('fp8', as Qwen's FP8 releases)")
+                  "loads floating-point weights and fine-grained FP8 ('fp8', as Qwen's FP8 releases: float8_e4m3fn "
+                  "weights with 128 x 128 block weight_scale_inv). Load the model's floating-point checkpoint, or its "
+                  "FP8 one in Qwen's format (metrale-quantize writes one from a floating-point checkpoint)")
     fmt = raw.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise bad(f"field '{field}.fmt' is {fmt!r}: only 'e4m3' (float8_e4m3fn weights) is supported")
