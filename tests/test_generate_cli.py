@@ -227,3 +227,28 @@ def test_ctrl_c_in_a_log_prints_one_line_and_the_text_so_far(tmp_path):
     ids = lines[-2].split(",")
     assert all(x.isdigit() for x in ids) and len(ids) >= 3, lines[-3:]
     assert re.fullmatch(rf"interrupted \(Ctrl-C\) while generating: {len(ids)} new tokens in [0-9.]+ s", lines[-1]), lines
+
+
+def test_dtype_auto_runs_a_checkpoint_in_its_own_dtype(capsys, tmp_path):
+    """--dtype auto: a checkpoint folder's config.json dtype (here bfloat16, on the CPU whose default is float32), the
+    same tokens as --dtype bfloat16; a preset runs in the default. A config.json dtype the model does not run in
+    exits 2 naming it. --dtype had no auto: a checkpoint ran in the device's default whatever it was saved in."""
+    import torch
+
+    from metrale_graph import HybridModel
+
+    folder = str(tmp_path / "bf16")
+    HybridModel.from_preset(tiny_config(), dtype=torch.bfloat16).save_pretrained(folder)
+    args = ("--model", folder, "--prompt", "1,2,3", "--max-new-tokens", "4", "--num-slots", "2")
+    _, auto = _run(capsys, *args, "--dtype", "auto")
+    _, bf16 = _run(capsys, *args, "--dtype", "bfloat16")
+    assert auto["dtype"] == "torch.bfloat16" and auto["token_ids"] == bf16["token_ids"]
+    _, preset = _run(capsys, "--prompt", "1,2,3", "--max-new-tokens", "2", "--dtype", "auto")
+    assert preset["dtype"] == "torch.float32"
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    (tmp_path / "bf16" / "config.json").write_text(json.dumps({**config, "dtype": "int8"}))
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cpu", "--eager", *args, "--dtype", "auto"])
+    assert e.value.code == 2
+    assert re.search(r"--dtype auto: dtype='auto' reads 'dtype' of .*config\.json: unsupported dtype 'int8'",
+                     capsys.readouterr().err)

@@ -61,7 +61,10 @@ def start_run(args, parser) -> Run:
     if tp_size == 1 and world > 1:
         parser.error(f"this run has {world} processes (torchrun): pass --tp {world}, or run one process "
                      "(without --tp each would run the whole model alone)")
-    dev, dtype = device_and_dtype(args)
+    try:
+        dev, dtype = device_and_dtype(args)
+    except ValueError as e:  # --dtype auto over a config.json whose dtype the model does not run in
+        parser.error(f"--dtype {args.dtype}: {e}")
     if tp_size == 1:
         if moe_parallel is not None:
             parser.error("--moe-parallel says how --tp ranks split MoE experts; it needs --tp N (N > 1)")

@@ -175,8 +175,9 @@ def add_model_args(p: argparse.ArgumentParser, seed_help: str = "seed of random 
     p.add_argument("--model", type=model_name, default="tiny",
                    help=f"preset name ({', '.join(PRESETS)}: random weights) or a Hugging Face checkpoint "
                         "folder (default: tiny, embedded)")
-    p.add_argument("--dtype", choices=list(DTYPES), default=None,
-                   help="weights and activations (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--dtype", choices=[*DTYPES, "auto"], default=None,
+                   help="weights and activations (default: bfloat16 on CUDA, float32 on CPU; auto: a checkpoint's "
+                        "own, config.json's dtype, as transformers' dtype='auto')")
     p.add_argument("--device", type=device, default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--seed", type=seed, default=0, help=seed_help)
     p.add_argument("--tp", type=positive_int, default=1,
@@ -224,7 +225,11 @@ def add_moe_parallel_arg(p: argparse.ArgumentParser, shown: bool = True) -> None
 
 def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
     """The --device and --dtype flags with their defaults filled in (a tool without one of them gets its
-    default)."""
+    default; --dtype auto: a checkpoint folder's own, weights.checkpoint_dtype, a preset's the default)."""
     dev = getattr(args, "device", None) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(args, "dtype", None)
-    return dev, DTYPES[dtype] if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    dtype, model = getattr(args, "dtype", None), getattr(args, "model", None)
+    if dtype == "auto" and model is not None and os.path.isdir(model):  # a preset has no dtype of its own
+        from metrale_graph.weights import checkpoint_dtype
+
+        return dev, checkpoint_dtype(model, "auto")
+    return dev, DTYPES[dtype] if dtype in DTYPES else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
