@@ -311,6 +311,22 @@ for _name in ("qwen3.5-9b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b"):
     PRESETS[f"{_name}-fp8"] = PRESETS[_name].replace(quantization=Fp8Config(QWEN_KEPT))
 
 
+def no_config(folder: str) -> ValueError:
+    """The error of a folder without config.json, naming what it holds instead where that is known (a PEFT adapter,
+    a tokenizer's files, a download cut short) and what to do."""
+    names = set(os.listdir(folder))
+    if "adapter_config.json" in names:
+        what = ("; it holds a PEFT adapter (adapter_config.json), not a model: merge it into its base model (peft's "
+                "merge_and_unload) and save_pretrained the result")
+    elif names and names <= {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                             "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json"}:
+        what = "; it holds a tokenizer's files only"
+    else:
+        what = ""
+    return ValueError(f"checkpoint folder {folder!r} has no config.json (the model's Hugging Face config, which "
+                      f"transformers' save_pretrained writes beside the weights){what}")
+
+
 def load_config(path_or_preset: str) -> ModelConfig:
     """A preset name, a checkpoint folder holding `config.json`, or a `config.json` path."""
     if path_or_preset in PRESETS:
@@ -318,9 +334,8 @@ def load_config(path_or_preset: str) -> ModelConfig:
     path = path_or_preset
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
-        if not os.path.isfile(path):  # a tokenizer's folder, a download cut short
-            raise ValueError(f"checkpoint folder {path_or_preset!r} has no config.json (the model's Hugging Face "
-                             "config, which transformers' save_pretrained writes beside the weights)")
+        if not os.path.isfile(path):
+            raise no_config(path_or_preset)
     if not os.path.isfile(path):
         raise ValueError(
             f"{path_or_preset!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint folder "

@@ -26,7 +26,7 @@ from torch import nn
 
 from .batch import PackedBatch, Stream
 from .cache import HybridCache
-from .config import LINEAR, ModelConfig, PRESETS
+from .config import LINEAR, ModelConfig, PRESETS, no_config
 from .ops import OPS
 from .ops.common import rms_norm
 from .ops.limits import check_supported
@@ -151,8 +151,7 @@ class HybridModel(nn.Module):
         if not os.path.isdir(path):
             raise ValueError(f"checkpoint folder {path!r} does not exist")
         if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ValueError(f"checkpoint folder {path!r} has no config.json (the model's Hugging Face config, "
-                             "which transformers' save_pretrained writes beside the weights)")
+            raise no_config(path)
         if not isinstance(mtp, bool):
             raise ValueError(f"mtp must be True or False (whether to read the checkpoint's MTP head), got {mtp!r}")
         config, dtype = checkpoint_config(path, mtp), checkpoint_dtype(path, dtype)

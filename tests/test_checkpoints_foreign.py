@@ -628,10 +628,28 @@ def test_tokenizer_folder_without_config_json_names_it_to_the_tools(tmp_path):
     from metrale_graph import load_config
 
     folder = build_tokenizer(str(tmp_path))
-    with pytest.raises(ValueError, match=f"checkpoint folder '{re.escape(folder)}' has no config.json"):
+    with pytest.raises(ValueError, match=f"checkpoint folder '{re.escape(folder)}' has no config.json .*; it holds a "
+                                         "tokenizer's files only"):
         load_config(folder)
-    with pytest.raises(ValueError, match="has no config.json"):
+    with pytest.raises(ValueError, match="has no config.json .*; it holds a tokenizer's files only"):
         HybridModel.from_pretrained(folder, progress=False)
+
+
+def test_peft_adapter_folder_is_named_as_such(tmp_path):
+    """A PEFT LoRA adapter's folder (adapter_config.json, adapter_model.safetensors) given as a model: the error says
+    it is an adapter and how to make a model of it; it said only that config.json was missing."""
+    from metrale_graph import load_config
+
+    folder = str(tmp_path)
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "base_model_name_or_path": "Qwen/Qwen3.5-9B", "r": 8,
+                   "target_modules": ["q_proj", "v_proj"]}, f)
+    save_file({"base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight": torch.zeros(8, 48)},
+              os.path.join(folder, "adapter_model.safetensors"))
+    for load in (load_config, lambda f: HybridModel.from_pretrained(f, progress=False)):
+        with pytest.raises(ValueError, match=r"has no config\.json .*; it holds a PEFT adapter \(adapter_config\.json\)"
+                                             r", not a model: merge it into its base model"):
+            load(folder)
 
 
 def test_incomplete_mtp_head_names_the_way_to_load_without_it(tmp_path):
