@@ -187,7 +187,10 @@ class ModelConfig:
                                   "RoPE parameters for every layer is supported")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
-            raise _invalid(where, f"unsupported rope_type {rope_type!r}: only 'default' RoPE is supported")
+            raise _invalid(where, f"unsupported rope_type {rope_type!r} in {rope_field!r}: only 'default' RoPE is "
+                                  "supported, no context extension (YaRN, linear, dynamic); set its rope_type to "
+                                  "'default' and drop its scaling fields to run within the native context "
+                                  "(max_position_embeddings)")
         family = FAMILIES[model_type]
         n_layers = _int("num_hidden_layers", cfg.get("num_hidden_layers", family.default("num_hidden_layers")), 1,
                         where)

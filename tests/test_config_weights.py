@@ -96,7 +96,9 @@ def test_multimodal_config_and_legacy_names():
     ({"model_type": "qwen3_moe"}, "unsupported model_type 'qwen3_moe'"),  # qwen3_next now runs: test_moe_parity.py
     ({"model_type": "llama"}, "unsupported model_type 'llama'"),
     ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' in 'rope_parameters'.*set its "
+                                                                 "rope_type to 'default' and drop its scaling fields"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_type 'linear' in 'rope_scaling'"),
     ({"linear_num_value_heads": 3}, "not a multiple of linear_num_key_heads"),
     ({"layer_types": ["linear_attention"] * 3}, "3 entries for 4 layers"),
     ({"layer_types": ["linear_attention"] * 3 + ["sliding"]}, "'sliding'"),
