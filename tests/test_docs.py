@@ -84,3 +84,59 @@ def test_design_links_every_topic_page():
     design = {os.path.normpath(os.path.join("docs", t.partition("#")[0])) for t in links(read("docs/DESIGN.md"))}
     pages = {n for n in markdown_files() if n.startswith("docs/") and n != "docs/DESIGN.md"}
     assert not pages - design, f"pages docs/DESIGN.md does not link: {sorted(pages - design)}"
+
+
+def map_section() -> str:
+    design = read("docs/DESIGN.md")
+    return design[design.index("## Map"):design.index("## Where each topic lives")]
+
+
+def map_paths() -> list[str]:
+    """The files and folders the first column of DESIGN.md's map names: a cell's bare names (`cache_snapshot.py`)
+    are in the folder of the cell's first path (`metrale_graph/cache_sizes.py`)."""
+    paths = []
+    for row in map_section().splitlines():
+        if not row.startswith("| `"):
+            continue
+        folder = ""
+        for name in CODE_SPAN.findall(row.split("|")[1]):
+            name = name.strip("`")
+            if "/" in name:
+                folder = name if name.endswith("/") else os.path.dirname(name)
+                paths.append(name)
+            elif name.endswith(".py"):
+                paths.append(os.path.join(folder, name))
+    return paths
+
+
+def test_design_map_names_what_exists():
+    missing = [p for p in map_paths() if not os.path.exists(os.path.join(ROOT, p))]
+    assert not missing, f"docs/DESIGN.md's map names paths that do not exist: {missing}"
+
+
+def test_design_map_lists_every_module():
+    """Every module and subpackage of the package (metrale_graph/, ops/, capture/, tools/ and the subpackages of
+    metrale_graph/) is named in DESIGN.md's map, by path or, in its folder's row, by file name (`app.py`) or
+    module name (`prefill`)."""
+    section = map_section()
+    named = {s.strip("`") for s in CODE_SPAN.findall(section)}
+    unlisted = []
+    for folder in ("metrale_graph", "ops", "capture", "tools", "metrale_graph/server", "metrale_graph/speculative",
+                   "metrale_graph/onnx"):
+        for entry in sorted(os.listdir(os.path.join(ROOT, folder))):
+            path = f"{folder}/{entry}"
+            if entry.endswith(".py") and entry != "__init__.py":
+                if not named & {path, entry, entry[:-3]}:
+                    unlisted.append(path)
+            elif os.path.isfile(os.path.join(ROOT, path, "__init__.py")) and f"{path}/" not in named:
+                unlisted.append(f"{path}/")
+    assert not unlisted, f"modules docs/DESIGN.md's map does not name (add each to its row): {unlisted}"
+
+
+def test_testing_page_names_every_test_file():
+    """docs/testing.md says what each test file checks: a test file it does not name is one a newcomer cannot
+    place."""
+    page = read("docs/testing.md")
+    files = sorted(n for n in os.listdir(os.path.join(ROOT, "tests")) if n.startswith("test_") and n.endswith(".py"))
+    unnamed = [n for n in files if f"`{n}`" not in page]
+    assert not unnamed, f"test files docs/testing.md's table does not name (add a row or join one): {unnamed}"
