@@ -262,13 +262,15 @@ def test_direct_kernels_compile_for_sm90():
 
 
 @pytest.mark.gpu
-def test_direct_at_35b_a3b_shape_and_replay():
+@pytest.mark.parametrize("form", FORMS)
+def test_direct_at_35b_a3b_shape_and_replay(form, monkeypatch):
     """CUDA, the 35B-A3B's layer (D 2048, 256 experts, top 8, IE 512, shared 512), bf16, T = 1..8 (one set of
-    weights, the first T of 16 tokens): the direct path against the reference (decided tokens) and the aligned
-    path; then captured in a CUDA graph at T = 1 and 8 and replayed on other tokens (other routings): equal to
-    eager bit for bit (no atomics, a fixed order)."""
+    weights, the first T of 16 tokens): the direct path (each form) against the reference (decided tokens) and the
+    aligned path; then captured in a CUDA graph at T = 1 and 8 and replayed on other tokens (other routings): equal
+    to eager bit for bit (no atomics, a fixed order)."""
     from metrale_graph import PRESETS
 
+    monkeypatch.setattr(direct, "FORM", form)
     cfg = PRESETS["qwen3.5-35b-a3b"]
     E, k = cfg.num_experts, cfg.num_experts_per_tok
     dtype = torch.bfloat16
