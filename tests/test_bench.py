@@ -155,6 +155,7 @@ def test_device_work_by_name_in_each_marked_window():
     assert profiling.kernels_between_markers(events, "cuda") == [
         [("gemm", 18, 2), ("copy", 1, 1)], [("gemm", 20, 1), ("norm", 4, 1)]]
     assert profiling.kernels_between_markers(events, "cuda", top=1)[1] == [("gemm", 20, 1)]
+    assert profiling.activities_between_markers(events, "cuda") == [3, 2]  # (the gemm at 50 lies between them)
     with pytest.raises(ValueError, match="3 marker kernels"):
         profiling.kernels_between_markers(events[:-1], "cuda")
 

@@ -155,15 +155,16 @@ def run_windows(engine, prompts: list[list[int]], phases: list[int], new: int, s
                 trace: str | None = None) -> list[dict]:
     """One generate call of `prompts` (`new` tokens at most each: enough for every request to decode through every
     window) measured in Windows; a row per phase (k: its forced drafts, or the engine's own num_tokens): steps
-    timed, wall ms per step, device ms and GPU busy (CUDA; else None), tokens a stream gets per step, ms per
-    emitted token (a stream's), drafts proposed and accepted, verify steps, on CUDA the window's largest device work
-    by name (top_kernels: [name, ms a step, launches a step]), with `timer` the drafter's ms, and with host_top the
-    engine loop thread's largest Python functions, sampled (host_top: [function, inclusive ms a step, self ms a
-    step]; tools.profiling.StackSampler). `trace`: a path (".json.gz") for the call's profiler trace (CUDA only)."""
+    timed, wall ms per step, device ms and GPU busy (CUDA; else None), device activities a step (CUDA), tokens a
+    stream gets per step, ms per emitted token (a stream's), drafts proposed and accepted, verify steps, on CUDA the
+    window's largest device work by name (top_kernels: [name, ms a step, launches a step]), with `timer` the
+    drafter's ms, and with host_top the engine loop thread's largest Python functions, sampled (host_top: [function,
+    inclusive ms a step, self ms a step]; tools.profiling.StackSampler). `trace`: a path (".json.gz") for the call's
+    profiler trace (CUDA only)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from metrale_graph.tools.profiling import busy_between_markers, kernels_between_markers
+    from metrale_graph.tools.profiling import activities_between_markers, busy_between_markers, kernels_between_markers
 
     n = len(prompts)
     windows = Windows(engine, n, phases, steps, settle, forced, timer)
@@ -192,6 +193,7 @@ def run_windows(engine, prompts: list[list[int]], phases: list[int], new: int, s
     events = prof.events() if windows.cuda else None
     busy = busy_between_markers(events, DeviceType.CUDA) if windows.cuda else None
     kernels = kernels_between_markers(events, DeviceType.CUDA) if windows.cuda else None
+    activities = activities_between_markers(events, DeviceType.CUDA) if windows.cuda else None
     rows = []
     for i, (k, a, b) in enumerate(windows.marks):
         steps, wall_s = b["steps"] - a["steps"], b["t"] - a["t"]
@@ -203,6 +205,7 @@ def run_windows(engine, prompts: list[list[int]], phases: list[int], new: int, s
                "verify_steps": b["verify_steps"] - a["verify_steps"]}
         if busy is not None:
             row.update(gpu_busy=round(busy[i], 4), device_ms=round(busy[i] * 1e3 * wall_s / steps, 3),
+                       device_activities=round(activities[i] / steps, 1),  # (kernels, copies, fills a step)
                        # the window's largest device work by name, ms and launches per step (profile by kernel first)
                        top_kernels=[[name[:120], round(us / 1e3 / steps, 4), round(count / steps, 2)]
                                     for name, us, count in kernels[i]])

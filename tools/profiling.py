@@ -168,6 +168,14 @@ def busy_between_markers(events, device_type) -> list[float]:
     return busy
 
 
+def activities_between_markers(events, device_type) -> list[int]:
+    """How many device activities (kernels, copies, fills; not the markers) overlap each marked window (as
+    kernels_between_markers counts them): with the window's steps, the launches a step costs the GPU (each boundary
+    between two idles it a little)."""
+    spans = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == device_type and "spin" not in e.name]
+    return [sum(b > lo and a < hi for a, b in spans) for lo, hi in marker_windows(events, device_type)]
+
+
 def kernels_between_markers(events, device_type, top: int = 12) -> list[list[tuple[str, float, int]]]:
     """Each marked window's (marker_windows) device work by name: (name, microseconds, count), the `top` largest,
     each event's time clipped to the window (the markers themselves not counted)."""

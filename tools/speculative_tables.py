@@ -20,10 +20,11 @@ def render(spec: dict) -> str:
     if spec["verify"]:
         parts.append(f"speculative decoding's steps (steady state, {setup['context']} prompt tokens per stream, "
                      f"{setup['steps']} steps a window); ngram rows: {FORCED}; k 0: no drafts\n" + format_table(
-                         ["streams", "engine", "k", "step ms", "device ms", "GPU busy", "tokens/step", "ms/token",
-                          "proposed", "accepted", "x plain"],
+                         ["streams", "engine", "k", "step ms", "device ms", "GPU busy", "device work/step", "tokens/step",
+                          "ms/token", "proposed", "accepted", "x plain"],
                          [[r["streams"], r["engine"], r["k"], r["step_ms"], opt(r["device_ms"]), pct(r["gpu_busy"]),
-                           r["tokens_per_step"], r["ms_per_token"], r["proposed"], r["accepted"], r["vs_plain"]]
+                           opt(r.get("device_activities")), r["tokens_per_step"], r["ms_per_token"], r["proposed"],
+                           r["accepted"], r["vs_plain"]]
                           for r in spec["verify"]]))
     drafting = [r for r in spec["verify"] if "draft_calls" in r]
     if drafting:
