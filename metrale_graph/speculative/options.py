@@ -9,7 +9,7 @@ one of one layer), "ngram" by prompt lookup (speculative/proposers.py; no weight
   3 for "ngram").
 - `max_streams`: a step with more decode streams than this decodes one token per stream (no drafts verified: the
   loop's own overlapped step), so speculation is off where the verify step's cost makes it a loss (default
-  DEFAULT_MAX_STREAMS, provisional: docs/speculative.md "When a step speculates").
+  DEFAULT_MAX_STREAMS, from the measured verify costs: docs/speculative.md "When a step speculates").
 - `prompt_lookup_min` / `prompt_lookup_max` ("ngram" only; vLLM's names): the suffix lengths prompt lookup
   searches, 1 <= min <= max (default proposers.NGRAM_MIN / NGRAM_MAX, 2 and 4).
 """
@@ -24,11 +24,12 @@ from .proposers import NGRAM_MAX, NGRAM_MIN
 
 METHODS = ("mtp", "ngram")
 DEFAULT_NUM_TOKENS = {"mtp": 1, "ngram": 3}
-# Provisional, not measured: at k = 3, 16 streams make a 64-token verify step, which on an H200 should still cost
-# about a plain decode step of the dense 9B (bound by its weight reads up to ~125 tokens), while the verify
-# checkpoints' GDN state writes grow with streams x k (9B: ~50 MiB per entry, 2.4 GB at 16 x 3); MoE steps read
-# more experts as tokens grow, so theirs may want less. vLLM's recipes report MTP a loss at concurrency 64.
-# docs/speculative.md "When a step speculates" says what measurement will set it.
+# From the 9B's verify costs (BENCHMARKS.md; H100, e69f6d5): a k = 3 verify step costs 1.20x a plain step at one
+# stream, 1.28x at 8, 1.86x at 32 and 2.62x at 128 (MTP k = 2: 1.52x / 1.55x / 2.10x / 2.52x), so at 32 streams
+# MTP's published acceptance length (2.23 at k = 2) gains ~6% and at 128 speculation loses; on the H200 16 streams
+# cost 1.53x (430bfa9). The verify checkpoints' GDN state writes grow with streams x k (9B: ~50 MiB per entry,
+# 2.4 GB at 16 x 3); MoE steps read more experts as tokens grow (35B-A3B: 1.59x at one stream), so theirs may want
+# less. vLLM's recipes report MTP a loss at concurrency 64. docs/speculative.md "When a step speculates".
 DEFAULT_MAX_STREAMS = 16
 _KEYS = ("method", "num_tokens", "max_streams", "prompt_lookup_min", "prompt_lookup_max")
 _NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
