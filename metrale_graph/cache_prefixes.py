@@ -15,12 +15,13 @@ Every failure inside gives back the checkpoint entries it took, so the index's a
 from __future__ import annotations
 
 import itertools
+from typing import Callable
 
 import torch
 
 from .config import ModelConfig
 from .numbers import int_tensor, to_device
-from .prefix_cache import chain_hashes, prefix_key
+from .prefix_cache import Hit, chain_hashes, prefix_key
 
 
 class PrefixStore:
@@ -29,12 +30,17 @@ class PrefixStore:
 
     def __init__(self, cache):
         self.cache = cache
+        # on_lookup(slot, tokens, hit): called by restore after its lookup (hit a prefix_cache.Hit or None); a plan
+        # broadcast's rank 0 journals it for the other ranks (plan_journal.py)
+        self.on_lookup: Callable[[int, list[int], Hit | None], None] | None = None
 
-    def save(self, slot: int) -> bool:
+    def save(self, slot: int, written: bool = True) -> bool:
         """Keep slot's whole context findable by later prompts: its GDN states copied into a checkpoint entry
         keyed by its tokens, its partial last block labelled with that key (full blocks are labelled as they
         fill). The slot is unchanged. False when there is nothing to keep: prefix caching off, an empty
-        slot, or an entry of this very prefix already there."""
+        slot, or an entry of this very prefix already there. written=False does the bookkeeping of a save whose
+        copy failed (the entry taken, the least recently used one evicted if none was free, then given back):
+        what a follower of a plan broadcast replays of rank 0's failed save (plan_journal.py)."""
         c = self.cache
         n, bs, held, index = c.context_lens[slot], c.block_size, c.slot_blocks, c.slot_blocks.index
         if not c.prefix_caching or n == 0:
@@ -44,6 +50,9 @@ class PrefixStore:
         if index.has_entry(full, tail):
             return False
         e = index.new_entry()
+        if not written:
+            index.give_back(e)
+            return False
         try:
             for pool, entries in zip(c.conv_states + c.gdn_states, c.checkpoint_conv_states + c.checkpoint_gdn_states):
                 entries[e].copy_(pool[slot])
@@ -123,7 +132,11 @@ class PrefixStore:
         c = self.cache
         held, index = c.slot_blocks, c.slot_blocks.index
         assert c.context_lens[slot] == 0 and not held.blocks[slot], "restore into a slot that holds context"
-        hit = index.lookup(tokens, limit) if c.prefix_caching and limit > 0 else None
+        if not (c.prefix_caching and limit > 0):
+            return 0
+        hit = index.lookup(tokens, limit)
+        if self.on_lookup is not None:
+            self.on_lookup(slot, tokens, hit)
         if hit is None:
             return 0
         bs, n = c.block_size, hit.length

@@ -125,7 +125,9 @@ class Engine(RequestIntake):
         checkpointed every `checkpoint_interval` tokens of a prompt, after all but a prompt's last token and at
         the end of every request; `prefix_checkpoints` state checkpoints at most, default 4 x num_slots); each
         result reports its `cached_tokens`, stats() the hit counters. prefix_checkpoints and checkpoint_interval
-        without prefix_cache=True are a ValueError.
+        without prefix_cache=True are a ValueError. With broadcast_plans under tensor parallelism rank 0's plans
+        carry its cache bookkeeping, which the other ranks replay (plan_journal.py): every rank keeps the same
+        prefixes in the same blocks (give every rank the same arguments).
         overlap: the loop launches each step before it reads the previous one's tokens back (loop.py), so the
         host's work runs while the device computes; False reads each step back before planning the next (the
         same tokens, for debugging and comparison).
@@ -163,9 +165,6 @@ class Engine(RequestIntake):
         self.stop_token_ids = self._check_stop_ids(stop_token_ids)
         checkpoints, interval = prefix_sizes(prefix_cache, num_slots, block_size, prefix_checkpoints,
                                              checkpoint_interval)
-        if prefix_cache and broadcast_plans and model.tp is not None:
-            raise ValueError("prefix_cache with broadcast_plans under tensor parallelism is not supported yet (the plan "
-                             "broadcast does not carry the prefix restores): turn one of them off")
         self.speculative = speculative
         # speculative/verify.py: num_tokens entries per stream of a step that may speculate (at most max_streams)
         verify = min(num_slots, speculative.max_streams) * speculative.num_tokens if speculative is not None else 0
@@ -285,7 +284,7 @@ class Engine(RequestIntake):
         of the engine loop: requests running meanwhile go on (what they hold stays theirs); later prompts
         hit only what is kept from now on. Without prefix caching: nothing to forget."""
         self._check_not_follower("reset_prefix_cache")
-        self._loop.run_job(self.cache.clear_prefixes)
+        self._loop.run_job(self._loop.clear_prefixes)
 
     def follow(self) -> None:
         """Under tensor parallelism with broadcast_plans, on every rank but 0: replay rank 0's steps (and
@@ -295,7 +294,7 @@ class Engine(RequestIntake):
                              "tensor parallelism")
         runner = self.runner
         with torch.no_grad(), self.cache.acting_for(self._token), self._loop._on_device():
-            follow(self._broadcast, self.cache.reset, self._loop.follow_step,
+            follow(self._broadcast, self._loop.replay.replay, self._loop.follow_step,
                    (lambda: runner.warmup(progress=False)) if runner is not None else (lambda: None))
 
     def stats(self) -> EngineStats:

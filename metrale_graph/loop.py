@@ -76,6 +76,7 @@ from .loop_readback import Launched, LoopReadBack
 from .numbers import int_tensor, to_device
 from .prompt_logprobs import prefill_step
 from .protocol import prefill_call, restore_prefix
+from .plan_journal import CacheJournal, JournalReplay, cache_state
 from .plan_sync import IDLE, IDLE_SYNC_S, SHUTDOWN, STEP, WARMUP, PlanBroadcast
 from .sampling import sample
 from .scheduler import DEVICE_TOKEN, Request, Scheduler
@@ -94,6 +95,15 @@ class EngineLoop(LoopIntake, LoopReadBack):
         self.scheduler = Scheduler(cache, token_budget, self._restore if prefix else None,
                                    self._keep if prefix else None)
         self._broadcast = broadcast
+        # a plan broadcast's cache journal (plan_journal.py): rank 0 writes it, the other ranks replay it
+        self.journal = self.replay = None
+        if broadcast is not None and broadcast.leader:
+            self.journal = CacheJournal(prefix)
+            self.scheduler.on_release = self.journal.reset
+            if prefix:
+                cache.prefixes.on_lookup = self.journal.lookup
+        elif broadcast is not None:
+            self.replay = JournalReplay(cache, broadcast.tp.rank)
         self.overlap = overlap
         dev = cache.device
         with torch.inference_mode(False):
@@ -140,6 +150,7 @@ class EngineLoop(LoopIntake, LoopReadBack):
                         self._closing.__cause__ = error
                 self._finish_outstanding(self.scheduler.release_all())
                 if self._broadcast is not None:
+                    self.cache.prefixes.on_lookup = None
                     with contextlib.suppress(Exception):  # the process group may be gone at exit
                         self._broadcast.send(SHUTDOWN)
         with contextlib.suppress(Exception):  # (another thread's hold() attempt at this very moment)
@@ -161,7 +172,7 @@ class EngineLoop(LoopIntake, LoopReadBack):
                     sched.waiting.extend(new)
                     self._publish_queue()
                     break
-            self._broadcast.send(IDLE)  # nothing to run: keep the followers' broadcast alive
+            self._send(IDLE)  # nothing to run: keep the followers' broadcast alive
         if (aborts or jobs or closing is not None) and self._inflight is not None:
             self._read_back()  # aborts, jobs and the end see every launched step read back
         for r in aborts:
@@ -178,7 +189,7 @@ class EngineLoop(LoopIntake, LoopReadBack):
                 self._publish_queue()
         for job in jobs:  # between steps: a capture never runs while a step does
             if job.warmup and self._broadcast is not None:
-                self._broadcast.send(WARMUP, resets=self._take_released())
+                self._send(WARMUP)
             job.run()
         if closing is not None:
             return False
@@ -258,8 +269,7 @@ class EngineLoop(LoopIntake, LoopReadBack):
         streams += [Stream(s, c.tokens) for s, c in zip(slots[decodes:], prompts)]
         try:
             if self._broadcast is not None:
-                self._broadcast.send(STEP, streams, self._take_released(), decodes, [k for k, c in enumerate(step)
-                                                                                   if c.sample])
+                self._send(STEP, streams, decodes, [k for k, c in enumerate(step) if c.sample])
             # the prompt chunks of requests asking for prompt logprobs run apart (prompt_logprobs.py)
             logits, commit, pieces = prefill_step(self.launch, self.model, self.cache, step, streams, decodes)
             rows = None if all(c.sample for c in prompts) else [k for k, c in enumerate(step) if c.sample]
@@ -302,10 +312,16 @@ class EngineLoop(LoopIntake, LoopReadBack):
         with prefill_call(self.model, self.cache, streams) as call:
             return call.launch(lambda batch: self.model.forward_packed(self.cache, batch), self.last_tokens, decodes)
 
+    def _send(self, kind: int, streams: list[Stream] = (), decodes: int = 0, sampling: list[int] = ()) -> None:
+        """Rank 0 of a plan broadcast: send a message, with the cache journal since the last one and the cache's
+        state now (plan_journal.py)."""
+        self._broadcast.send(kind, streams, self.journal.take(), decodes, sampling, cache_state(self.cache))
+
     def follow_step(self, streams: list[Stream], decodes: int, sampling: list[int]) -> None:
-        """A follower of a plan broadcast: run rank 0's step and take its sampled tokens (rows `sampling`)."""
+        """A follower of a plan broadcast: run rank 0's step and take its sampled tokens (rows `sampling`). The
+        step is committed when rank 0's journal says so (with prefix caching: with the decodes' ids), else now."""
         _, commit = self.launch(streams, decodes)
-        commit([0] * decodes)  # (no prefix caching under a plan broadcast: the ids are not needed)
+        self.replay.stepped(commit, decodes)
         if sampling:
             tokens = self._broadcast.receive_tokens(len(sampling))
             slots = to_device(int_tensor([streams[k].slot for k in sampling]), tokens.device)
@@ -329,11 +345,19 @@ class EngineLoop(LoopIntake, LoopReadBack):
 
     def _keep(self, r: Request) -> None:
         """Prefix caching: keep r's slot's context (all its fed tokens) for later prompts."""
-        self.cache.save_prefix(r.slot)
+        saved = False
+        try:
+            self.cache.save_prefix(r.slot)
+            saved = True
+        finally:
+            if self.journal is not None:
+                self.journal.save(r.slot, saved)
 
-    def _take_released(self) -> list[int]:
-        released, self.scheduler.released = self.scheduler.released, []
-        return released
+    def clear_prefixes(self) -> None:
+        """In the loop thread: forget every kept prefix (HybridCache.clear_prefixes), on every rank."""
+        if self.journal is not None:
+            self.journal.clear()
+        self.cache.clear_prefixes()
 
     @contextlib.contextmanager
     def _on_device(self):

@@ -10,7 +10,8 @@ requests (`_fail`), never the loop.
 
 `LoopReadBack` is EngineLoop's base class: its state is EngineLoop's, made in EngineLoop.__init__ (`_inflight`,
 the host buffers `_host_tokens` / `_flip`, the scheduler, the counters `_steps`, `_prompt_tokens`,
-`_generated`). speculative/verify.py calls `_advance` and `_fail` for the tokens of its steps.
+`_generated`, and under a plan broadcast rank 0's cache `journal`, which each commit goes into: plan_journal.py).
+speculative/verify.py calls `_advance` and `_fail` for the tokens of its steps.
 """
 
 from __future__ import annotations
@@ -143,9 +144,11 @@ class LoopReadBack:
         """Advance `launched`'s slots: its decodes read the last token each request has taken in."""
         step = launched.step
         try:
-            k = launched.decodes  # (the ids label the blocks they fill: prefix caching's only; follow_step's too)
-            launched.commit([c.request.out[-1] if c.request.out else 0 for c in step[:k]] if self.cache.prefix_caching
-                            else [0] * k)
+            k = launched.decodes  # (the ids label the blocks they fill: prefix caching's only)
+            ids = [c.request.out[-1] if c.request.out else 0 for c in step[:k]] if self.cache.prefix_caching else [0] * k
+            if self.journal is not None:  # (a plan broadcast's followers commit the step with these ids)
+                self.journal.commit(ids)
+            launched.commit(ids)
             launched.committed = True
             self.scheduler.advance(step, launched.decodes)
         except BaseException as e:

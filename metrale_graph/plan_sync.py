@@ -8,22 +8,27 @@ every rank must feed the same streams in the same order. Two ways to get there:
   tokens (the logits are gathered, the seeds shared), so no plan needs to travel.
 - A server receives requests on rank 0 only, at times no other rank can know. There
   `Engine(..., broadcast_plans=True)`: rank 0's loop sends each step's plan before running it (the
-  streams' slots and tokens, and the slots its scheduler reset since the last plan), and every other
-  rank runs `engine.follow()`, which resets those slots and runs the same step. Followers schedule
-  and sample nothing. Warmup is sent too (every rank compiles and captures the same buckets in the
-  same order), and so is the end (`engine.shutdown()` on rank 0 ends `follow()` everywhere). While
-  rank 0 has nothing to run it sends an idle message every IDLE_SYNC_S seconds, so a follower waiting
-  in the broadcast never reaches the process group's timeout.
+  streams' slots and tokens, and the journal of what it did to the cache's bookkeeping since the last
+  plan: slots reset, and with prefix caching prefixes kept, looked up and restored, steps committed;
+  plan_journal.py), and every other rank runs `engine.follow()`, which replays the journal on its cache
+  and runs the same step. Followers schedule and sample nothing. Warmup is sent too (every rank compiles
+  and captures the same buckets in the same order), and so is the end (`engine.shutdown()` on rank 0
+  ends `follow()` everywhere). While rank 0 has nothing to run it sends an idle message every
+  IDLE_SYNC_S seconds, so a follower waiting in the broadcast never reaches the process group's timeout.
 
-A message is one int64 tensor of a fixed size on the model's device, broadcast from the group's rank 0:
+A message is int64s broadcast from the group's rank 0 on the model's device, in one tensor of a fixed size
+(`PlanBroadcast.size`, room for a decode step of every slot and a full token budget) and, when a plan is longer
+(a journal holding restored prompts), a second tensor of the rest:
 
-    [kind, n_streams, n_tokens, n_resets, n_decodes, n_sampling, slots[n_streams], lengths[n_streams],
-     tokens[n_tokens], resets[n_resets], sampling[n_sampling], zeros...]
+    [kind, n_streams, n_tokens, n_journal, n_decodes, n_sampling, free_blocks, free_entries, length,
+     slots[n_streams], lengths[n_streams], tokens[n_tokens], journal[n_journal], sampling[n_sampling], zeros...]
 
 The first n_decodes streams are decodes, whose token each rank reads on the device (the engine loop's
-last_tokens: their tokens in the message are placeholders); `sampling` are the rows rank 0 samples.
-After each step rank 0 broadcasts the tokens it sampled (share_tokens, on the device: no rank waits for
-them on the host) and every follower puts them in its own last_tokens.
+last_tokens: their tokens in the message are placeholders); `sampling` are the rows rank 0 samples;
+(free_blocks, free_entries) is rank 0's cache as the step starts (plan_journal.cache_state), which a follower
+checks after its replay; `length` is the whole message's. After each step rank 0 broadcasts the tokens it
+sampled (share_tokens, on the device: no rank waits for them on the host) and every follower puts them in its
+own last_tokens.
 
 A step that fails on rank 0 alone (not on the others) leaves the ranks out of step; tensor-parallel
 serving has no recovery from that (a failure inside the step's collectives stops every rank anyway).
@@ -31,7 +36,7 @@ serving has no recovery from that (a failure inside the step's collectives stops
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -40,7 +45,17 @@ from .numbers import to_device
 
 STEP, WARMUP, IDLE, SHUTDOWN = 1, 2, 3, 4
 IDLE_SYNC_S = 5.0
-_HEADER = 6
+_HEADER = 9
+
+
+class Plan(NamedTuple):
+    """A message as a follower receives it (the module docstring)."""
+    kind: int
+    streams: list[Stream]
+    journal: list[int]  # plan_journal.py's operations
+    decodes: int
+    sampling: list[int]
+    state: tuple[int, int]  # rank 0's plan_journal.cache_state
 
 
 class PlanBroadcast:
@@ -50,8 +65,9 @@ class PlanBroadcast:
         import torch.distributed as dist
 
         self.tp, self.device = tp, device
-        # streams <= slots, tokens <= budget, resets <= slots, sampling rows <= streams
-        self.size = _HEADER + 4 * num_slots + token_budget
+        # a decode step of every slot: slots, lengths, tokens, sampling rows and its commit's ids (plan_journal.py),
+        # with room for a few resets; a prompt chunk's tokens <= budget. A longer plan takes a second broadcast.
+        self.size = _HEADER + 6 * num_slots + token_budget + 8
         self._group = tp.group
         self._src = 0 if tp.group is None else dist.get_global_rank(tp.group, 0)
 
@@ -59,39 +75,46 @@ class PlanBroadcast:
     def leader(self) -> bool:
         return self.tp.rank == 0
 
-    def send(self, kind: int, streams: Sequence[Stream] = (), resets: Sequence[int] = (), decodes: int = 0,
-             sampling: Sequence[int] = ()) -> None:
+    def send(self, kind: int, streams: Sequence[Stream] = (), journal: Sequence[int] = (), decodes: int = 0,
+             sampling: Sequence[int] = (), state: tuple[int, int] = (0, 0)) -> None:
         """Rank 0: broadcast one message (blocks until every rank has entered the broadcast)."""
         import torch.distributed as dist
 
         tokens = [int(t) for s in streams for t in s.tokens]
-        body = ([s.slot for s in streams] + [len(s.tokens) for s in streams] + tokens + list(resets)
+        body = ([s.slot for s in streams] + [len(s.tokens) for s in streams] + tokens + list(journal)
                 + list(sampling))
-        header = [kind, len(streams), len(tokens), len(resets), decodes, len(sampling)]
-        assert _HEADER + len(body) <= self.size, "a plan larger than the scheduler's limits"
-        message = torch.zeros(self.size, dtype=torch.int64)
-        message[:_HEADER + len(body)] = torch.tensor(header + body, dtype=torch.int64)
-        dist.broadcast(to_device(message, self.device), self._src, group=self._group)
+        length = _HEADER + len(body)
+        header = [kind, len(streams), len(tokens), len(journal), decodes, len(sampling), *state, length]
+        message = torch.zeros(max(self.size, length), dtype=torch.int64)
+        message[:length] = torch.tensor(header + body, dtype=torch.int64)
+        message = to_device(message, self.device)
+        dist.broadcast(message[:self.size], self._src, group=self._group)
+        if length > self.size:  # (a journal holding restored prompts, mostly)
+            dist.broadcast(message[self.size:], self._src, group=self._group)
 
-    def receive(self) -> tuple[int, list[Stream], list[int], int, list[int]]:
-        """Another rank: the next message as (kind, streams, resets, decodes, sampling rows)."""
+    def receive(self) -> Plan:
+        """Another rank: the next message."""
         import torch.distributed as dist
 
         message = torch.zeros(self.size, dtype=torch.int64, device=self.device)
         dist.broadcast(message, self._src, group=self._group)
         values = message.tolist()
-        kind, n, t, r, decodes, k = values[:_HEADER]
+        kind, n, t, j, decodes, k, free_blocks, free_entries, length = values[:_HEADER]
+        if length > self.size:
+            rest = torch.zeros(length - self.size, dtype=torch.int64, device=self.device)
+            dist.broadcast(rest, self._src, group=self._group)
+            values += rest.tolist()
         at = _HEADER
         slots, at = values[at:at + n], at + n
         lengths, at = values[at:at + n], at + n
         tokens, at = values[at:at + t], at + t
-        resets, at = values[at:at + r], at + r
+        journal, at = values[at:at + j], at + j
         sampling = values[at:at + k]
         streams, start = [], 0
         for slot, length in zip(slots, lengths):
             streams.append(Stream(slot, tokens[start:start + length]))
             start += length
-        return kind, streams, resets, decodes, sampling
+        return Plan(kind, streams, journal, decodes, sampling, (free_blocks, free_entries))
 
     def share_tokens(self, tokens: torch.Tensor) -> None:
         """Rank 0: broadcast the tokens a step sampled (int64, on the device)."""
@@ -108,22 +131,21 @@ class PlanBroadcast:
         return tokens
 
 
-def follow(broadcast: PlanBroadcast, reset: Callable[[int], None],
+def follow(broadcast: PlanBroadcast, replay: Callable[[list[int], tuple[int, int]], None],
            run_step: Callable[[list[Stream], int, list[int]], object], warmup: Callable[[], object]) -> None:
-    """Replay rank 0's messages until it shuts down: reset the slots it reset, run its steps
-    (run_step(streams, decodes, sampling rows)) and its warmup. A step that fails here fails on rank 0 too
-    (the same streams, the same checks) and rank 0 fails that step's requests and goes on, so the follower
-    goes on as well."""
+    """Replay rank 0's messages until it shuts down: its journal of the cache's bookkeeping (replay(journal,
+    state): plan_journal.JournalReplay.replay), then its steps (run_step(streams, decodes, sampling rows)) and its
+    warmup. A step that fails here fails on rank 0 too (the same streams, the same checks) and rank 0 fails that
+    step's requests and goes on, so the follower goes on as well."""
     while True:
-        kind, streams, resets, decodes, sampling = broadcast.receive()
-        if kind == SHUTDOWN:
+        plan = broadcast.receive()
+        if plan.kind == SHUTDOWN:
             return
-        for slot in resets:
-            reset(slot)
-        if kind == STEP:
+        replay(plan.journal, plan.state)
+        if plan.kind == STEP:
             try:
-                run_step(streams, decodes, sampling)
+                run_step(plan.streams, plan.decodes, plan.sampling)
             except Exception:  # the cache transaction reset the step's slots, as on rank 0
                 pass
-        elif kind == WARMUP:
+        elif plan.kind == WARMUP:
             warmup()

@@ -122,7 +122,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted (holding a slot), in admission order
         self.free_slots = list(range(cache.num_slots))
-        self.released: list[int] = []  # slots reset since the caller last cleared this (plan broadcasts)
+        self.on_release = None  # on_release(slot) after each slot's reset (a plan broadcast's journal, plan_journal.py)
         self.decodes = 0  # how many chunks of the last plan() are decodes (they come first)
 
     def blocks_for(self, request: Request) -> int:
@@ -242,4 +242,5 @@ class Scheduler:
         finally:
             self.free_slots.append(slot)
             self.free_slots.sort()
-            self.released.append(slot)
+            if self.on_release is not None:
+                self.on_release(slot)

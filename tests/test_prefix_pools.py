@@ -251,6 +251,30 @@ def test_the_issue_case_one_slot_default_pool_long_prompt():
         assert_idle_and_exact(e.cache)
 
 
+def test_a_save_without_its_copy_does_what_a_failed_copy_does(model):
+    """PrefixStore.save(slot, written=False), what a follower of a plan broadcast replays of rank 0's save whose
+    copy failed (plan_journal.py): the same entry taken (the only one, evicted) and given back as on the cache
+    whose copy failed, so the two caches' bookkeeping stays the same."""
+    a, b = tokens(100, 13), tokens(100, 14)
+    caches = [model.new_cache(1, 16, block_size=BS, prefix_checkpoints=1) for _ in range(2)]
+    for cache in caches:
+        model.prefill(cache, [Stream(0, a[:80])])
+        assert cache.save_prefix(0)
+        cache.reset(0)
+        model.prefill(cache, [Stream(0, b[:80])])
+    failing, replaying = caches
+    failures = Failures(failing, random.Random(0), 1.0)
+    failing._index.new_entry = type(failing._index).new_entry.__get__(failing._index)  # (only the copy fails)
+    assert not failures.save(0) and failures.count == 1
+    with replaying.exclusive():
+        assert not replaying.prefixes.save(0, written=False)
+    for cache in caches:
+        assert_idle_and_exact(cache)
+    index, other = failing._index, replaying._index
+    assert (index._entries, index._free_entries, index.stats()) == (other._entries, other._free_entries, other.stats())
+    assert index.stats()["evicted_checkpoints"] == 1 and not index._entries
+
+
 # snapshots (issue 37, item 3) ---------------------------------------------------------------------------
 
 def test_restore_puts_back_the_checkpoint_pools(model):
