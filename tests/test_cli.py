@@ -390,13 +390,14 @@ def test_serve_port_in_use_fails_in_one_line_before_the_model_loads(capsys, monk
     _one_line_error(capsys, serve.main, ["--host", "256.1.1.1"], "--host 256.1.1.1 --port 8000: cannot listen there")
 
 
-def test_serve_prefix_cache_flag(capsys):
-    """--prefix-cache / --no-prefix-cache go to Engine(prefix_cache=...) (absent: the engine's default); with
-    --tp it is a usage error before the model loads (not supported under tensor parallelism yet)."""
+def test_serve_prefix_cache_flag():
+    """--prefix-cache / --no-prefix-cache go to Engine(prefix_cache=...) (absent: the engine's default), with --tp
+    too (beside broadcast_plans: the plans carry rank 0's cache journal)."""
     assert serve._engine_kwargs(None, serve._parse_args(["--prefix-cache"])[1])["prefix_cache"] is True
     assert serve._engine_kwargs(None, serve._parse_args(["--no-prefix-cache"])[1])["prefix_cache"] is False
     assert "prefix_cache" not in serve._engine_kwargs(None, serve._parse_args([])[1])
-    _usage_error(capsys, serve.main, ["--prefix-cache", "--tp", "2"], "--prefix-cache: not supported with --tp yet")
+    tp = serve._engine_kwargs(None, serve._parse_args(["--prefix-cache", "--tp", "2"])[1])
+    assert tp["prefix_cache"] is True and tp["broadcast_plans"] is True
 
 
 @pytest.mark.parametrize("argv, message", [

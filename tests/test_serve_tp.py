@@ -1,7 +1,7 @@
 """The server under tensor parallelism on the CPU: torchrun of 2 gloo ranks, `--tp 2`; rank 0 serves HTTP
-and rank 1 follows its steps (Engine(broadcast_plans=True), engine.follow()). Greedy completions (one
-alone, two at once) give the tokens of the one-process Engine.generate; SIGTERM to rank 0 ends every rank
-and torchrun with exit code 0, and the port is free."""
+and rank 1 follows its steps (Engine(broadcast_plans=True), engine.follow()), with prefix caching. Greedy
+completions (one alone, the same again from the prefix cache, two at once) give the tokens of the one-process
+Engine.generate; SIGTERM to rank 0 ends every rank and torchrun with exit code 0, and the port is free."""
 
 import os
 import re
@@ -26,7 +26,7 @@ def test_tp_server_matches_one_process_and_ends_on_sigterm(tmp_path):
     torchrun = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "2",
                 "--master-port", str(free_port())]
     server = ServerProcess(["-m", "metrale_graph.tools.serve", "--model", checkpoint, "--tp", "2", "--device", "cpu",
-                            "--eager", "--num-slots", "4", "--max-context", "128", "--port", str(port),
+                            "--eager", "--num-slots", "4", "--max-context", "128", "--prefix-cache", "--port", str(port),
                             "--shutdown-timeout", "2"], port, tmp_path, launcher=torchrun)
     try:
         prompts = [[1, 2, 3], [7, 8, 9, 10, 11]]
@@ -37,15 +37,18 @@ def test_tp_server_matches_one_process_and_ends_on_sigterm(tmp_path):
             want = [r.token_ids for r in engine.generate(prompts, max_new_tokens=6)]
         torch.set_num_threads(threads)
         server.wait_healthy(TIMEOUT)
-        got = [None, None]
+        got, cached = [None, None], [None, None]
 
         def ask(i):
             r = httpx.post(server.url + "/v1/completions", timeout=TIMEOUT,
                            json={"prompt": prompts[i], "max_tokens": 6, "temperature": 0, "return_token_ids": True})
             got[i] = r.json()["choices"][0]["token_ids"]
+            cached[i] = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
         ask(0)
-        assert got[0] == want[0]
+        assert got[0] == want[0] and cached[0] == 0
+        ask(0)  # all but its last token from the prefix cache, on both ranks
+        assert got[0] == want[0] and cached[0] == len(prompts[0]) - 1
         clients = [threading.Thread(target=ask, args=(i,)) for i in range(2)]  # continuous batching across ranks
         for t in clients:
             t.start()

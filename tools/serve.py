@@ -124,12 +124,10 @@ def _parse_args(argv):
 
 
 def _engine_kwargs(p, args) -> dict:
-    """Engine arguments besides the sizes. --prefix-cache under --tp is refused here, before the model loads
-    (the engine does not yet keep prefixes when rank 0 broadcasts its plans)."""
+    """Engine arguments besides the sizes (--prefix-cache under --tp too: rank 0's plans carry its cache journal,
+    plan_journal.py)."""
     kwargs = dict(max_waiting=args.max_waiting, block_size=args.block_size, num_blocks=args.num_blocks,
                   broadcast_plans=args.tp > 1)
-    if args.prefix_cache and args.tp > 1:
-        p.error("--prefix-cache: not supported with --tp yet (prefix caching under tensor parallelism)")
     if args.prefix_cache is not None:
         kwargs["prefix_cache"] = args.prefix_cache
     if args.speculative is not None and args.tp > 1:
