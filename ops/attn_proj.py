@@ -90,25 +90,20 @@ def apply_rope(x, cos, sin):
 
 @metrale_cuda(attn_proj)
 def attn_proj_cuda(a):
-    """Triton RMSNorm, one GEMM over the stacked q|k|v projections, Triton per-head norm + RoPE. With FP8
-    weights the projections run as fp8.project groups them (q|k|v as one W8A8 GEMM when stacked)."""
+    """Triton RMSNorm, one GEMM over the stacked q|k|v projections, one Triton kernel for the per-head norm + RoPE
+    and the v / gate copies (kernels.attn_heads). With FP8 weights the projections run as fp8.project groups them
+    (q|k|v as one W8A8 GEMM when stacked)."""
     T, HD = a.x.shape[0], a.head_dim
     QG, KV = a.q_w.shape[0], a.k_w.shape[0]
-    HQ, HKV = QG // (2 * HD), KV // HD
+    HQ = QG // (2 * HD)
     n = kernels.rms_norm(a.x, a.norm_w, a.eps)
     if not any(fp8.is_fp8(w) for w in (a.q_w, a.k_w, a.v_w)):
         y = n @ kernels.stacked(a.q_w, a.k_w, a.v_w).t()
         qgy, ky, vy = y[:, :QG], y[:, QG:QG + KV], y[:, QG + KV:]
     else:
         qgy, ky, vy = fp8.project(n, [(a.q_w, a.q_s), (a.k_w, a.k_s), (a.v_w, a.v_s)])
-    qg = qgy.view(T, HQ, 2 * HD)
-    q = kernels.head_norm_rope(qg[..., :HD], a.q_norm_w, a.positions, a.inv_freq, a.eps)
-    k = kernels.head_norm_rope(ky.view(T, HKV, HD), a.k_norm_w, a.positions, a.inv_freq, a.eps)
-    # v and gate are copied out of y (outputs may not alias one another): explicitly, since with
-    # T <= 1 (or HQ = 1 for the gate) reshape / contiguous would return views of y
-    fresh = torch.contiguous_format
-    v = vy.view(T, HKV, HD).clone(memory_format=fresh)
-    return q, k, v, qg[..., HD:].clone(memory_format=fresh).view(T, HQ * HD)
+    # q and k normed and rotated, v and the gate copied out of y (outputs may not alias one another), one launch
+    return kernels.attn_heads(qgy.view(T, HQ, 2 * HD), ky, vy, a.q_norm_w, a.k_norm_w, a.positions, a.inv_freq, a.eps)
 
 
 def example(s: Shapes, dtype, g):
@@ -124,5 +119,5 @@ def cost(s: Shapes):
     return 2 * s.T * s.D * n, (1 if s.fp8 else 2) * n * s.D + 2 * (s.T * s.D + s.T * n)
 
 
-register(OpSpec(attn_proj, example, cost, cuda=attn_proj_cuda, kernels=("head_norm_rope",),
+register(OpSpec(attn_proj, example, cost, cuda=attn_proj_cuda, kernels=("attn_heads",),
                 onnx="metrale_graph.onnx.translations:attn_proj"))

@@ -67,21 +67,18 @@ def _(a):
 @metrale_cuda(gdn_proj)
 def gdn_proj_cuda(a):
     """Triton RMSNorm, then one GEMM over the four stacked projections (HybridModel stores them
-    back to back, so stacking is free), then both gates in one Triton kernel. With FP8 weights the
-    projections run as fp8.project groups them (qkv | z as one W8A8 GEMM, b | a as one bf16 GEMM)."""
+    back to back, so stacking is free), then one Triton kernel for both gates and the copies of qkv and z out of
+    the GEMM's output (outputs of a custom op may not alias one another). With FP8 weights the projections run
+    as fp8.project groups them (qkv | z as one W8A8 GEMM, b | a as one bf16 GEMM)."""
     C, Z, HV = a.qkv_w.shape[0], a.z_w.shape[0], a.b_w.shape[0]
     n = kernels.rms_norm(a.x, a.norm_w, a.eps)
-    # outputs of a custom op may not alias one another: the two big ones are copied out of y. Not
-    # .contiguous(): with T <= 1 a column slice of y is already contiguous and would come back as a view
-    fresh = torch.contiguous_format
     if not any(fp8.is_fp8(w) for w in (a.qkv_w, a.z_w, a.b_w, a.a_w)):
         y = n @ kernels.stacked(a.qkv_w, a.z_w, a.b_w, a.a_w).t()
-        beta, g = kernels.gdn_gates(y, C + Z, C + Z + HV, a.A_log, a.dt_bias)
-        return y[:, :C].clone(memory_format=fresh), y[:, C:C + Z].clone(memory_format=fresh), beta, g
+        return kernels.gdn_gates_split(y, C, Z, y, C + Z, C + Z + HV, a.A_log, a.dt_bias)
     qkv, z, b, a_ = fp8.project(n, [(a.qkv_w, a.qkv_s), (a.z_w, a.z_s), (a.b_w, a.b_s), (a.a_w, a.a_s)])
-    # the gates kernel reads b and a as columns of one tensor: a view where b | a ran as one GEMM
-    beta, g = kernels.gdn_gates(kernels.side_by_side(b, a_), 0, HV, a.A_log, a.dt_bias)
-    return qkv.clone(memory_format=fresh), z.clone(memory_format=fresh), beta, g
+    # the kernel reads qkv | z and b | a as columns of one tensor each: views where they ran as one GEMM
+    return kernels.gdn_gates_split(kernels.side_by_side(qkv, z), C, Z, kernels.side_by_side(b, a_), 0, HV, a.A_log,
+                                   a.dt_bias)
 
 
 def example(s: Shapes, dtype, g):

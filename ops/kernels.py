@@ -102,17 +102,14 @@ def l2norm(x: Tensor, eps: float) -> Tensor:
 
 # Per-head RMSNorm + partial rotate-half RoPE (attention q / k) ---------------------------------
 @triton.jit
-def _head_norm_rope_kernel(x_ptr, w_ptr, pos_ptr, inv_freq_ptr, y_ptr, NH, HD, HALF, stride_t, stride_h, eps,
-                           BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    t, h = row // NH, row % NH
+def _norm_rope_head(src, w_ptr, pos_ptr, inv_freq_ptr, dst, t, HD, HALF, eps, BLOCK: tl.constexpr):
+    """dst[:HD] := one head src[:HD] (token t), RMS-normed with (1 + w), then its first 2 * HALF channels rotated."""
     cols = tl.arange(0, BLOCK)
     m = cols < HD
-    src = x_ptr + t * stride_t + h * stride_h
     x = tl.load(src + cols, mask=m, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HD + eps)
-    dtype = y_ptr.dtype.element_ty
+    dtype = dst.dtype.element_ty
     n = x * rstd * (1.0 + w)  # fp32 throughout, one rounding at the store
     # rotate the first 2*HALF channels: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). Each channel
     # reads its partner in the other half (a second, gathering load), so HALF can be any size.
@@ -125,22 +122,51 @@ def _head_norm_rope_kernel(x_ptr, w_ptr, pos_ptr, inv_freq_ptr, y_ptr, NH, HD, H
     pos = tl.load(pos_ptr + t).to(tl.float32)
     ang = pos * tl.load(inv_freq_ptr + tl.where(first, cols, cols - HALF), mask=rot, other=0.0)
     rotated = n * tl.cos(ang) + tl.where(first, -n_partner, n_partner) * tl.sin(ang)
-    tl.store(y_ptr + row * HD + cols, tl.where(rot, rotated, n).to(dtype), mask=m)
+    tl.store(dst + cols, tl.where(rot, rotated, n).to(dtype), mask=m)
 
 
-def head_norm_rope(x: Tensor, weight: Tensor, positions: Tensor, inv_freq: Tensor, eps: float) -> Tensor:
-    """x: [T, N, HD] (strided view allowed) -> contiguous [T, N, HD]: per-head zero-centred RMSNorm,
-    then rotate-half RoPE on the first R = 2 * len(inv_freq) channels at each token's position.
-    Any even R <= HD."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    T, NH, HD = x.shape
-    weight, positions, inv_freq = _vec(weight, positions, inv_freq)
-    y = torch.empty((T, NH, HD), dtype=x.dtype, device=x.device)
+@triton.jit
+def _attn_heads_kernel(qg_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, q_ptr, ko_ptr, vo_ptr, gate_ptr,
+                       HQ, HKV, HD, HALF, stride_qg_t, stride_qg_h, stride_k_t, stride_v_t, eps, BLOCK: tl.constexpr):
+    """Program (t, j): q head j (j < HQ) or k head j - HQ normed and rotated; then the copies, a head each: the
+    gate (qg's second half of head j - HQ - HKV) and v (head j - 2 HQ - HKV)."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    if j < HQ:
+        _norm_rope_head(qg_ptr + t * stride_qg_t + j * stride_qg_h, qw_ptr, pos_ptr, inv_freq_ptr,
+                        q_ptr + (t * HQ + j) * HD, t, HD, HALF, eps, BLOCK)
+    elif j < HQ + HKV:
+        _norm_rope_head(k_ptr + t * stride_k_t + (j - HQ) * HD, kw_ptr, pos_ptr, inv_freq_ptr,
+                        ko_ptr + (t * HKV + j - HQ) * HD, t, HD, HALF, eps, BLOCK)
+    elif j < 2 * HQ + HKV:
+        cols = tl.arange(0, BLOCK)
+        h = j - HQ - HKV
+        vals = tl.load(qg_ptr + t * stride_qg_t + h * stride_qg_h + HD + cols, mask=cols < HD)
+        tl.store(gate_ptr + (t * HQ + h) * HD + cols, vals, mask=cols < HD)
+    else:
+        cols = tl.arange(0, BLOCK)
+        h = j - 2 * HQ - HKV
+        vals = tl.load(v_ptr + t * stride_v_t + h * HD + cols, mask=cols < HD)
+        tl.store(vo_ptr + (t * HKV + h) * HD + cols, vals, mask=cols < HD)
+
+
+def attn_heads(qg: Tensor, k: Tensor, v: Tensor, q_norm_w: Tensor, k_norm_w: Tensor, positions: Tensor,
+               inv_freq: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The attention projection's four outputs in one launch (a norm + RoPE kernel for q, one for k and two copies
+    took four): from qg [T, HQ, 2 HD] (each head's query, then its gate), k [T, HKV * HD] and v [T, HKV * HD] (column slices of
+    the projection's output: unit inner stride, rows of any stride), fresh contiguous q [T, HQ, HD] and k
+    [T, HKV, HD] (per-head zero-centred RMSNorm, then rotate-half RoPE on the first R = 2 * len(inv_freq)
+    channels at each token's position, any even R <= HD), v [T, HKV, HD] and gate [T, HQ * HD] copied."""
+    T, HQ, HD = qg.shape[0], qg.shape[1], qg.shape[2] // 2
+    HKV = k.shape[1] // HD
+    qw, kw, positions, inv_freq = _vec(q_norm_w, k_norm_w, positions, inv_freq)
+    q = qg.new_empty(T, HQ, HD)
+    k_out, v_out, gate = k.new_empty(T, HKV, HD), v.new_empty(T, HKV, HD), qg.new_empty(T, HQ * HD)
     if T:
-        _head_norm_rope_kernel[(T * NH,)](x, weight, positions, inv_freq, y, NH, HD, inv_freq.shape[0],
-                                          x.stride(0), x.stride(1), eps, BLOCK=triton.next_power_of_2(HD))
-    return y
+        _attn_heads_kernel[(T, 2 * (HQ + HKV))](
+            qg, k, v, qw, kw, positions, inv_freq, q, k_out, v_out, gate, HQ, HKV, HD, inv_freq.shape[0],
+            qg.stride(0), qg.stride(1), k.stride(0), v.stride(0), eps, BLOCK=triton.next_power_of_2(HD))
+    return q, k_out, v_out, gate
 
 
 # SiLU(a) * b over [T, 2I] rows holding [a | b] -------------------------------------------------
@@ -154,33 +180,49 @@ def _silu_mul_kernel(ab_ptr, y_ptr, I, stride_ab, BLOCK: tl.constexpr):
     tl.store(y_ptr + row * I + cols, (a * tl.sigmoid(a) * b).to(y_ptr.dtype.element_ty), mask=m)
 
 
-# GDN gates: beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias) ------------------------
+# GDN gates: beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); qkv and z copied out beside them -----
 @triton.jit
-def _gdn_gates_kernel(y_ptr, A_ptr, dt_ptr, beta_ptr, g_ptr, stride_y, b_off, a_off, HV, BLOCK: tl.constexpr):
+def _gdn_gates_split_kernel(src_ptr, gates_ptr, qkv_ptr, z_ptr, A_ptr, dt_ptr, beta_ptr, g_ptr, stride_src,
+                            stride_gates, b_off, a_off, C, Z, HV, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (row, 0): the row's gates from gates' columns b_off.. and a_off..; program (row, j > 0): columns
+    (j - 1) * BLOCK.. of src's first C + Z, into qkv (the first C) and z (the next Z)."""
     row = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, BLOCK)
-    m = h < HV
-    b = tl.load(y_ptr + row * stride_y + b_off + h, mask=m, other=0.0).to(tl.float32)
-    a = tl.load(y_ptr + row * stride_y + a_off + h, mask=m, other=0.0).to(tl.float32)
-    x = a + tl.load(dt_ptr + h, mask=m, other=0.0).to(tl.float32)
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's softplus, threshold 20
-    g = -tl.exp(tl.load(A_ptr + h, mask=m, other=0.0).to(tl.float32)) * softplus
-    tl.store(beta_ptr + row * HV + h, tl.sigmoid(b).to(beta_ptr.dtype.element_ty), mask=m)
-    tl.store(g_ptr + row * HV + h, g, mask=m)
+    part = tl.program_id(1)
+    if part == 0:
+        h = tl.arange(0, BLOCK_H)
+        m = h < HV
+        b = tl.load(gates_ptr + row * stride_gates + b_off + h, mask=m, other=0.0).to(tl.float32)
+        a = tl.load(gates_ptr + row * stride_gates + a_off + h, mask=m, other=0.0).to(tl.float32)
+        x = a + tl.load(dt_ptr + h, mask=m, other=0.0).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's softplus, threshold 20
+        g = -tl.exp(tl.load(A_ptr + h, mask=m, other=0.0).to(tl.float32)) * softplus
+        tl.store(beta_ptr + row * HV + h, tl.sigmoid(b).to(beta_ptr.dtype.element_ty), mask=m)
+        tl.store(g_ptr + row * HV + h, g, mask=m)
+    else:
+        cols = (part - 1) * BLOCK + tl.arange(0, BLOCK)
+        vals = tl.load(src_ptr + row * stride_src + cols, mask=cols < C + Z)  # (not x: a branch's names keep one type)
+        tl.store(qkv_ptr + row * C + cols, vals, mask=cols < C)
+        tl.store(z_ptr + row * Z + (cols - C), vals, mask=(cols >= C) & (cols < C + Z))
 
 
-def gdn_gates(y: Tensor, b_col: int, a_col: int, A_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
-    """From the projection output y [T, N] (unit inner stride), whose columns b_col.. and a_col.. hold
-    b and a [T, HV]: beta = sigmoid(b) in y's dtype and g = -exp(A_log) * softplus(a + dt_bias) in
-    float32, fp32 inside, in one launch (the torch expression takes six to eight)."""
-    T, HV = y.shape[0], A_log.shape[0]
+def gdn_gates_split(src: Tensor, C: int, Z: int, gates: Tensor, b_col: int, a_col: int, A_log: Tensor,
+                    dt_bias: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The GDN projection's four outputs in one launch (the torch expressions take eight to ten, and copying qkv
+    and z out of a stacked GEMM's output two more): qkv [T, C] and z [T, Z], fresh copies of src's columns 0..C
+    and C..C + Z; beta = sigmoid(b) in src's dtype and g = -exp(A_log) * softplus(a + dt_bias) in float32 (fp32
+    inside), b and a [T, HV] the columns b_col.. and a_col.. of gates (src itself where one GEMM made all four).
+    src and gates with unit inner stride."""
+    T, HV = src.shape[0], A_log.shape[0]
     A_log, dt_bias = _vec(A_log, dt_bias)
-    beta = torch.empty((T, HV), dtype=y.dtype, device=y.device)
-    g = torch.empty((T, HV), dtype=torch.float32, device=y.device)
+    qkv, z = src.new_empty(T, C), src.new_empty(T, Z)
+    beta = torch.empty((T, HV), dtype=src.dtype, device=src.device)
+    g = torch.empty((T, HV), dtype=torch.float32, device=src.device)
     if T:
-        _gdn_gates_kernel[(T,)](y, A_log, dt_bias, beta, g, y.stride(0), b_col, a_col, HV,
-                                BLOCK=triton.next_power_of_2(HV))
-    return beta, g
+        BLOCK = 1024
+        _gdn_gates_split_kernel[(T, 1 + triton.cdiv(C + Z, BLOCK))](
+            src, gates, qkv, z, A_log, dt_bias, beta, g, src.stride(0), gates.stride(0), b_col, a_col, C, Z, HV,
+            BLOCK=BLOCK, BLOCK_H=triton.next_power_of_2(HV))
+    return qkv, z, beta, g
 
 
 def silu_mul(ab: Tensor) -> Tensor:

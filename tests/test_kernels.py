@@ -1068,8 +1068,13 @@ for K in (128, 256):
 for E, k in ((256, 8), (512, 10)):
     smem.append(compile_(routing._moe_route_kernel, dict(logits_ptr=P, w_ptr=P, e_ptr="*i64", stride_l="i32", E="i32"),
                          dict(TOP_K=k, BLOCK_K=16 if k > 8 else 8, BLOCK_E=E, NORM=True), 4, 1))
-smem.append(compile_(rows._gdn_gates_kernel, dict(y_ptr=B16, A_ptr=B16, dt_ptr=B16, beta_ptr=B16, g_ptr=F32,
-                     stride_y="i32", b_off="i32", a_off="i32", HV="i32"), dict(BLOCK=32), 4, 1))
+smem.append(compile_(rows._attn_heads_kernel, dict(qg_ptr=B16, k_ptr=B16, v_ptr=B16, qw_ptr=B16, kw_ptr=B16, pos_ptr="*i64",
+                     inv_freq_ptr=F32, q_ptr=B16, ko_ptr=B16, vo_ptr=B16, gate_ptr=B16, HQ="i32", HKV="i32", HD="i32",
+                     HALF="i32", stride_qg_t="i32", stride_qg_h="i32", stride_k_t="i32", stride_v_t="i32", eps="fp32"),
+                     dict(BLOCK=256), 4, 1))
+smem.append(compile_(rows._gdn_gates_split_kernel, dict(src_ptr=B16, gates_ptr=B16, qkv_ptr=B16, z_ptr=B16, A_ptr=B16,
+                     dt_ptr=B16, beta_ptr=B16, g_ptr=F32, stride_src="i32", stride_gates="i32", b_off="i32",
+                     a_off="i32", C="i32", Z="i32", HV="i32"), dict(BLOCK=1024, BLOCK_H=32), 4, 1))
 for compact in (False, True):  # the layout kernel's two forms (chunk_layout_bounds, chunk_layout_compact)
     smem.append(compile_(layout._chunk_layout_kernel, dict(cu_ptr=I, slot_ptr="*i64" if compact else I, cu_al_ptr="*i64",
                          bounds_ptr="*i64", slots_out_ptr="*i64", idx_ptr="*i64", B="i32", M="i32", NT="i32",
