@@ -357,6 +357,7 @@ def test_help_names_the_installed_command(capsys, name):
     (["--num-slots", "8", "--token-budget", "4"], "--token-budget 4 must be at least num_slots (--num-slots 8)"),
     (["--max-context", "5000"], "--max-context 5000 exceeds the model's max_position_embeddings (4096)"),
     (["--max-request-bytes", "0"], "argument --max-request-bytes: expected a positive integer, got '0'"),
+    (["--responses-store-size", "-1"], "argument --responses-store-size: expected a non-negative integer, got '-1'"),
     (["--allowed-origins", "*"], "argument --allowed-origins: expected a JSON list of strings, got '*'"),
     (["--allowed-headers", '["a", 1]'], "argument --allowed-headers: expected a JSON list of strings, got '[\"a\", 1]'"),
 ])

@@ -17,8 +17,9 @@ event loop; a body over --max-request-bytes answered 413 as it is read (a chunke
 and texts that cannot fit in the context (a prompt, chat messages, a stop string) refused before they are
 tokenized; CORS at its defaults (vLLM's: any origin, method and header), a browser's preflight and the headers
 of a cross-origin request, whole and streamed; vLLM's /tokenize (a prompt, messages through the template),
-/detokenize and /tokenizer_info against the tokenizer in this process, and their 400s. Waits are bounded so that a
-hang fails fast."""
+/detokenize and /tokenizer_info against the tokenizer in this process, and their 400s; the Responses API on a server
+without a response store (--responses-store-size 0): store true taken and nothing stored, previous_response_id a 400
+saying so. Waits are bounded so that a hang fails fast."""
 
 import json
 import re
@@ -70,7 +71,8 @@ def tokenizer(checkpoint):
 def server(checkpoint, tmp_path_factory):
     flags = ["--served-model-name", NAME, "--num-slots", str(SLOTS), "--max-context", str(MAX_CONTEXT),
              "--token-budget", "128", "--max-waiting", "32", "--shutdown-timeout", str(SHUTDOWN_S),
-             "--max-request-bytes", str(MAX_REQUEST_BYTES), "--enable-tokenizer-info-endpoint"]
+             "--max-request-bytes", str(MAX_REQUEST_BYTES), "--enable-tokenizer-info-endpoint", "--responses-store-size",
+             "0"]
     with running_server(checkpoint, tmp_path_factory.mktemp("server"), flags, TIMEOUT) as proc:
         yield proc
 
@@ -597,6 +599,18 @@ def test_tokenizer_info_with_its_flag(server, tokenizer):
     info = httpx.get(server.url + "/tokenizer_info", timeout=TIMEOUT).json()
     assert info["tokenizer_class"] == type(tokenizer).__name__ and info["chat_template"] == THINKING_TEMPLATE
     assert info["eos_token"] == tokenizer.eos_token and "name_or_path" not in info  # (no server paths)
+
+
+def test_responses_without_a_store(client):
+    """--responses-store-size 0: store true (the default) is taken and stores nothing, as vLLM does without its
+    store; previous_response_id is a 400 naming it and saying why; GET of the id is NotFoundError."""
+    r = client.responses.create(model=NAME, input="Hello", max_output_tokens=2, store=True)
+    assert r.to_dict()["store"] is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.BadRequestError, match="stores no responses") as e:
+        client.responses.create(model=NAME, input="Hello", max_output_tokens=2, previous_response_id=r.id)
+    assert e.value.body["param"] == "previous_response_id"
 
 
 def test_an_engine_without_a_waiting_queue_serves_while_a_slot_is_free(checkpoint):

@@ -4,7 +4,9 @@ BPE tokenizer, called with the official `openai` client, httpx and lm-eval's `lo
 
 The reference is the same checkpoint in this process: log_softmax of model.prefill's logits, fed one token at a
 time (tests/sampling_reference.py). Completions' logprobs (whole and streamed), chat's, echo with max_tokens 0
-(the prompt's logprobs, as lm-eval asks) and vLLM's prompt_logprobs equal it within 1e-4; they are the raw
+(the prompt's logprobs, as lm-eval asks) and vLLM's prompt_logprobs equal it within 1e-4; the Responses API's
+output-text logprobs (include "message.output_text.logprobs", top_logprobs) whole and streamed equal chat's for the
+same prompt and seed; they are the raw
 distribution's whatever the request's temperature and penalties; greedy decoding with each control equals the
 reference decode loop applying that control's definition; include_stop_str_in_output keeps the stop string; bad
 values are 400s naming their field; lm-eval runs a loglikelihood task and a generate_until task over local data
@@ -126,6 +128,52 @@ def test_chat_logprobs_equal_the_models_log_softmax(client, model, tokenizer):
     streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [(e.token, e.top_logprobs) for e in streamed] == [(e.token, e.top_logprobs) for e in content]
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=TOL)
+
+
+def test_responses_logprobs_equal_chats(client):
+    """The Responses API's output text with include logprobs and top_logprobs 3, sampled (temperature 1, a seed):
+    whole, its logprobs (token, bytes, logprob, top) equal chat's logprobs.content for the same prompt and seed;
+    streamed, the output_text deltas' logprobs joined (the last delta, of empty text, holds the stop token's) equal
+    them, as do the done event's and the final response's."""
+    text, seed = "Hello world! How are you today?", 11
+    sampling = dict(temperature=1.0, top_p=1.0, extra_body={"seed": seed})  # (a vLLM field of the Responses API)
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": text}], max_tokens=6,
+                                          logprobs=True, top_logprobs=3, **sampling).choices[0]
+    want = [(e.token, e.bytes, e.logprob, [(t.token, t.bytes, t.logprob) for t in e.top_logprobs])
+            for e in chat.logprobs.content]
+    ask = dict(model=NAME, input=text, max_output_tokens=6, include=["message.output_text.logprobs"], top_logprobs=3,
+               **sampling)
+    whole = client.responses.create(**ask)
+    assert whole.output_text == chat.message.content and whole.top_logprobs == 3
+    (part,) = whole.output[-1].content
+    got = [(e.token, e.bytes, e.logprob, [(t.token, t.bytes, t.logprob) for t in e.top_logprobs]) for e in part.logprobs]
+    assert [(t, b, [(tt, tb) for tt, tb, _ in top]) for t, b, _, top in got] == \
+        [(t, b, [(tt, tb) for tt, tb, _ in top]) for t, b, _, top in want]
+    assert [v for *_, v, _ in got] == pytest.approx([v for *_, v, _ in want], abs=TOL)
+
+    def short(entries):  # the delta and done events' shape: token, logprob, top (no bytes)
+        return [(e.token, round(e.logprob, 4), [(t.token, round(t.logprob, 4)) for t in e.top_logprobs]) for e in entries]
+
+    events = list(client.responses.create(stream=True, **ask))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert "".join(e.delta for e in deltas) == whole.output_text
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    joined = short([lp for e in deltas for lp in e.logprobs])
+    assert joined == short(done.logprobs) == short(part.logprobs)
+    assert short(events[-1].response.output[-1].content[0].logprobs) == short(part.logprobs)
+    plain = client.responses.create(model=NAME, input=text, max_output_tokens=2)
+    assert plain.output[-1].content[0].logprobs == [] and plain.top_logprobs is None
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"top_logprobs": 2}, "top_logprobs", "include"),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs", "20"),
+    ({"include": ["message.input_image.image_url"]}, "include", "not supported"),
+    ({"logprobs": True}, "logprobs", "not supported"),
+])
+def test_responses_logprobs_bad_requests(server, body, param, says):
+    r = httpx.post(server.url + "/v1/responses", json={"input": "Hi", "max_output_tokens": 1, **body}, timeout=TIMEOUT)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param and says in r.json()["error"]["message"], r.text
 
 
 def test_echo_with_no_new_tokens_gives_the_prompts_logprobs(client, model, tokenizer):

@@ -12,7 +12,11 @@ fields this server does not honour). Forced calls (tool_choice "required" / name
 The Responses API (POST /v1/responses) with the openai client over the same server: output items (reasoning, message,
 function_call), instructions and a multi-turn input, the function-call round trip with function_call_output,
 max_output_tokens cutting a reply (status incomplete), the stream's typed events in order and the client helper's
-final response, and the 400s naming their field (previous_response_id, item_reference, image parts, ...)."""
+final response, and the 400s naming their field (background, item_reference, image parts, ...); the response store
+(--responses-store-size 4): a conversation continued by previous_response_id (the second prompt holds the first
+turn: the model answers the call's result, and its input tokens are those of the conversation sent whole, without
+the first turn's instructions), retrieve / delete / input_items (pages, order) through the client, a streamed
+response stored, store false, unknown ids as NotFoundError, least recently used responses evicted at the bound."""
 
 import enum
 import json
@@ -30,6 +34,7 @@ TIMEOUT = 120
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 ARGUMENTS = {"city": "Paris", "days": 3}
 OTHER_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+STORE_SIZE = 4  # the server's stored responses (a small bound, so that a test reaches it)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -37,7 +42,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = chain_checkpoint(tmp_path_factory.mktemp("ckpt"))
-    flags = ["--served-model-name", NAME, "--num-slots", "4", "--max-context", "2048", "--token-budget", "512"]
+    flags = ["--served-model-name", NAME, "--num-slots", "4", "--max-context", "2048", "--token-budget", "512",
+             "--responses-store-size", str(STORE_SIZE)]
     with running_server(folder, tmp_path_factory.mktemp("server"), flags, TIMEOUT) as proc:
         yield proc
 
@@ -339,9 +345,9 @@ def _responses_error(server, body) -> dict:
 
 
 @pytest.mark.parametrize("body, param, says", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id", "not supported"),
     ({"background": True}, "background", "not supported"),
-    ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),
+    ({"include": ["file_search_call.results"]}, "include", "not supported"),
+    ({"include": "message.output_text.logprobs"}, "include", "list"),
     ({"input": []}, "input", "non-empty"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "item_reference"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "input_image"),
@@ -357,6 +363,101 @@ def test_responses_bad_requests_are_400_naming_the_field(server, body, param, sa
     assert error["param"] == param and says in error["message"], error
 
 
-def test_responses_store_is_a_no_op(client):
-    r = respond(client, tools=(), store=True, metadata={"run": "7"})
-    assert r.status == "completed" and r.metadata == {"run": "7"}
+# the response store -----------------------------------------------------------------------------------------------
+def _dumped(response) -> list[dict]:
+    return [item.model_dump(exclude_none=True) for item in response.output]
+
+
+def _call_output(call) -> dict:
+    return {"type": "function_call_output", "call_id": call.call_id, "output": json.dumps(weather(**ARGUMENTS))}
+
+
+def test_responses_previous_response_id_continues_the_stored_conversation(client):
+    """Turn 2 sends only the call's result with previous_response_id: the model answers it (the chain model answers
+    only with the call in its context), and its prompt is the conversation sent whole (the same input tokens), the
+    first turn's instructions not carried over (OpenAI's rule); a third turn follows the second."""
+    first = respond(client, instructions="Answer briefly.")
+    assert _kinds(first) == ["reasoning", "function_call"] and first.to_dict()["store"] is True
+    second = respond(client, input=[_call_output(first.output[1])], previous_response_id=first.id)
+    assert second.previous_response_id == first.id and second.instructions is None
+    assert (second.output[0].content[0].text, second.output_text) == (AFTER_TOOL_REASONING, ANSWER)
+    whole = respond(client, input=[*USER, *_dumped(first), _call_output(first.output[1])], store=False)
+    assert second.usage.input_tokens == whole.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    told = respond(client, input=[*USER, *_dumped(first), _call_output(first.output[1])], instructions="Answer briefly.",
+                   store=False)
+    assert told.usage.input_tokens > second.usage.input_tokens  # (the instructions are a system message)
+    third = respond(client, input="Thanks!", previous_response_id=second.id)
+    again = respond(client, input=[*USER, *_dumped(first), _call_output(first.output[1]), *_dumped(second),
+                                   {"role": "user", "content": "Thanks!"}], store=False)
+    assert third.usage.input_tokens == again.usage.input_tokens
+
+
+def test_responses_retrieve_delete_and_input_items(client):
+    """The stored response through the openai client: retrieve equals the created one; input_items lists the
+    conversation it ran on with ids (newest first by default, order asc, pages of `limit` followed by the
+    client's auto-paging); delete, then retrieve, delete and previous_response_id are NotFoundError naming it."""
+    first = respond(client, metadata={"run": "7"})
+    second = respond(client, input=[_call_output(first.output[1])], previous_response_id=first.id)
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    (item,) = client.responses.input_items.list(first.id).data
+    assert (item.type, item.role, item.id[:4]) == ("message", "user", "msg_")
+    assert [c.text for c in item.content] == [USER[0]["content"]]
+    items = list(client.responses.input_items.list(second.id, order="asc", limit=2))  # (two pages and a half)
+    assert [i.type for i in items] == ["message", "reasoning", "function_call", "function_call_output"]
+    assert [i.id for i in items[1:3]] == [o.id for o in first.output] and items[3].id.startswith("fco_")
+    page = client.responses.input_items.list(second.id, limit=3)
+    assert [i.id for i in page.data] == [i.id for i in reversed(items)][:3] and page.has_more
+    assert client.responses.delete(first.id) is None
+    for call in (lambda: client.responses.retrieve(first.id), lambda: client.responses.delete(first.id),
+                 lambda: respond(client, input="Hi", previous_response_id=first.id)):
+        with pytest.raises(openai.NotFoundError, match=first.id):
+            call()
+    assert client.responses.retrieve(second.id).output_text == ANSWER  # (its conversation is its own)
+    with pytest.raises(openai.BadRequestError, match="limit"):
+        client.responses.input_items.list(second.id, limit=101)
+
+
+def test_responses_streamed_and_not_stored(client):
+    """A streamed response is stored once complete (retrieve equals the stream's final response) and can be
+    followed; store false stores nothing."""
+    events, final = _events(client, tools=[RESPONSE_TOOL])
+    got = client.responses.retrieve(final.id)  # (the stream helper's final response is a ParsedResponse)
+    assert [o.model_dump(exclude={"parsed_arguments"}) for o in final.output] == [o.model_dump() for o in got.output]
+    assert (got.status, got.usage, got.created_at) == (final.status, final.usage, final.created_at)
+    after = respond(client, input=[_call_output(final.output[1])], previous_response_id=final.id)
+    assert after.output_text == ANSWER
+    unstored = respond(client, tools=(), store=False)
+    assert unstored.to_dict()["store"] is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_responses_store_evicts_the_least_recently_used(client):
+    """At the bound (STORE_SIZE) a new response evicts the least recently used one; a retrieve is a use."""
+    ids = [respond(client, input="Hi", tools=(), max_output_tokens=1).id for _ in range(STORE_SIZE)]
+    client.responses.retrieve(ids[0])  # ids[1] is now the least recently used
+    newest = respond(client, input="Hi", tools=(), max_output_tokens=1).id
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(ids[1])
+    for kept in (ids[0], *ids[2:], newest):
+        assert client.responses.retrieve(kept).id == kept
+
+
+def test_response_store_is_safe_across_threads():
+    """The store itself: puts and gets from many threads keep its bound and its order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from metrale_graph.server.responses_api_output import ResponseObject
+    from metrale_graph.server.responses_store import ResponseStore, StoredResponse
+
+    store = ResponseStore(8)
+
+    def put(i):
+        store.put(StoredResponse(ResponseObject(id=f"resp_{i}", created_at=0, status="completed", model=NAME), ()))
+        return store.get(f"resp_{i}").response.id  # (not yet evicted: at most 8 threads put at once)
+
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(put, range(200))) == [f"resp_{i}" for i in range(200)]
+    assert len(store) == 8
+    with pytest.raises(ValueError, match=">= 0"):
+        ResponseStore(-1)

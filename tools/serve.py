@@ -6,7 +6,7 @@
         [--served-model-name NAME] [--api-key KEY] [--num-slots 64] [--max-context N] [--token-budget N]
         [--max-waiting N] [--max-request-bytes N] [--eager] [--no-warmup] [--tp N]
         [--tool-call-parser auto|qwen3_xml|qwen3_json|none] [--reasoning-parser auto|qwen3|none]
-        [--enable-tokenizer-info-endpoint]
+        [--enable-tokenizer-info-endpoint] [--responses-store-size N]
         [--speculative-config '{"method": "mtp", "num_speculative_tokens": 3}']
         [--allowed-origins '["*"]'] [--allowed-methods '["*"]'] [--allowed-headers '["*"]'] [--allow-credentials]
 
@@ -108,6 +108,9 @@ def _parse_args(argv):
     p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="answer GET /tokenizer_info (vLLM's flag: it shows the tokenizer's configuration and chat "
                         "template)")
+    p.add_argument("--responses-store-size", type=non_negative_int, default=None,
+                   help="Responses API: the last N responses kept in memory for previous_response_id, GET and DELETE "
+                        "/v1/responses/{id} (least recently used evicted first; default 1024; 0: none stored)")
     p.add_argument("--allowed-origins", type=json_strings, default=["*"],
                    help='CORS: origins whose pages may call the server, a JSON list (default ["*"]: any)')
     p.add_argument("--allowed-methods", type=json_strings, default=["*"],
@@ -249,6 +252,8 @@ class Startup:
             model = load_model(args, self.p, run)
             engine = build_engine(self.p, args, model, **self.engine_kwargs)
             kwargs = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
+            if args.responses_store_size is not None:
+                kwargs["responses_store_size"] = args.responses_store_size
             app = build_app(engine, self.name, api_key=args.api_key, ready=args.no_warmup,
                             tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                             enable_tokenizer_info=args.enable_tokenizer_info_endpoint, **kwargs)

@@ -1,5 +1,5 @@
-"""The FastAPI app of an Engine: OpenAI's completions, chat and responses endpoints, vLLM's /tokenize and /detokenize,
-/health, /v1/models, /metrics.
+"""The FastAPI app of an Engine: OpenAI's completions, chat and responses endpoints (stored responses read back, deleted
+and their input items listed), vLLM's /tokenize and /detokenize, /health, /v1/models, /metrics.
 
     app = build_app(engine, model_name="qwen3.5-9b", api_key=None)    # serve it with uvicorn
     app.state.server.ready.clear() / .set()                           # /health: 503 until set
@@ -35,6 +35,8 @@ from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import ModelList
 from .responses_api import create_response
 from .responses_api_protocol import ResponsesRequest
+from .responses_store import DEFAULT_SIZE as DEFAULT_STORE_SIZE
+from .responses_store import list_items
 from .state import ServerState
 from .tokenization import DetokenizeRequest, create_detokenize, create_tokenize, tokenizer_info
 
@@ -87,16 +89,18 @@ def with_cors(app, allowed_origins=("*",), allowed_methods=("*",), allowed_heade
 
 def build_app(engine, model_name: str, api_key: str | None = None, ready: bool = True,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tool_call_parser: str = "auto",
-              reasoning_parser: str = "auto", enable_tokenizer_info: bool = False) -> FastAPI:
+              reasoning_parser: str = "auto", enable_tokenizer_info: bool = False,
+              responses_store_size: int = DEFAULT_STORE_SIZE) -> FastAPI:
     """The app serving `engine` as `model_name`; its ServerState is `app.state.server`. ready=False:
     /health and the generation endpoints answer 503 until `app.state.server.ready.set()`. A request body of
     more than `max_request_bytes` is a 413. tool_call_parser ("qwen3_xml", "qwen3_json", "none") and
     reasoning_parser ("qwen3", "none") read chat replies; "auto": as the tokenizer's chat template shows them
     (reply.py). enable_tokenizer_info: GET /tokenizer_info answers (vLLM's --enable-tokenizer-info-endpoint: it
-    shows the chat template and the tokenizer's configuration)."""
+    shows the chat template and the tokenizer's configuration). responses_store_size: the Responses API's stored
+    responses (the last N, LRU; 0: none, so no previous_response_id; responses_store.py)."""
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be a positive number of bytes, got {max_request_bytes}")
-    state = ServerState(engine, model_name, api_key, ready, tool_call_parser, reasoning_parser)
+    state = ServerState(engine, model_name, api_key, ready, tool_call_parser, reasoning_parser, responses_store_size)
     app = FastAPI(title="metrale-graph", summary=f"OpenAI-compatible server of {model_name}")
     app.state.server = state
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
@@ -140,6 +144,23 @@ def build_app(engine, model_name: str, api_key: str | None = None, ready: bool =
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
         return respond(await create_response(state, body, request))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, stream: bool = False):
+        if stream:  # (OpenAI's resumption of a background response's stream: nothing runs in the background here)
+            raise errors.bad_request("stream: this server runs no background responses, so there is no stream to "
+                                     "resume: leave it unset", param="stream")
+        return respond(state.responses.get(response_id).response)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        state.responses.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, after: str | None = None, limit: int = 20,
+                                   order: str = "desc"):
+        return respond(list_items(state.responses.get(response_id), after, limit, order))
 
     @app.post("/tokenize")
     async def tokenize(body: dict[str, Any] = Body(...)):

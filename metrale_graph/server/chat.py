@@ -74,11 +74,12 @@ class ChatRun:
 
 
 async def start_chat(state: ServerState, body, messages: list[dict], tools: ToolRequest,
-                     param: str = "messages") -> ChatRun:
+                     param: str = "messages", logprobs: int | None = None) -> ChatRun:
     """Render `messages` (template dicts) with `tools`, check the request, compile its structured output and submit
     body.n engine requests: what /v1/chat/completions and /v1/responses share. `body` is a SamplingFields with a
     chat's fields (add_generation_prompt, continue_final_message, chat_template_kwargs, max_new_tokens, logprobs,
-    top_logprobs, parallel_tool_calls); `param`: the field the messages came from, which 400s name."""
+    top_logprobs, parallel_tool_calls); `param`: the field the messages came from, which 400s name; `logprobs`: the
+    top N of each new token's logprobs to ask for where the body has no chat `logprobs` (the Responses API's include)."""
     text, prompt = await state.off_loop(state.chat_prompt, messages, body.add_generation_prompt,
                                         body.continue_final_message, body.chat_template_kwargs, tools.template_tools,
                                         param)
@@ -88,7 +89,8 @@ async def start_chat(state: ServerState, body, messages: list[dict], tools: Tool
                                            state.think_end if in_reasoning and state.replies.reasoning else None)
     if structured is not None:
         await compile_grammar(state, structured, field)
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    if body.logprobs:
+        logprobs = body.top_logprobs or 0
     plain = tools.functions is None and tools.forced is None and state.replies.plain
     sampling = state.sampling(body, body.max_new_tokens, logprobs, body.prompt_logprobs, structured, not plain)
     group = Generations.submit(state, [prompt], sampling, body.n, param=param)

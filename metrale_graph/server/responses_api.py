@@ -3,8 +3,10 @@
 The request (responses_api_protocol.py) becomes a chat: its instructions and input items chat messages, its flat
 function tools chat's tools, its `text.format` a response_format; chat.start_chat renders, checks and submits it
 as /v1/chat/completions does (one reply: the Responses API has no `n`), and the server's reply parsers (reply.py)
-read the reply into reasoning, text and calls, which become output items (responses_api_output.py). Nothing is
-stored (no `previous_response_id`: send the conversation as `input`).
+read the reply into reasoning, text and calls, which become output items (responses_api_output.py). A response
+with `store` true or unset is kept in the server's store once it ends, and a request's `previous_response_id` runs
+it after that response's conversation (responses_store.py); `include: ["message.output_text.logprobs"]` (with
+`top_logprobs`) asks the engine for the new tokens' logprobs, which the output text carries.
 
 A whole response has status "completed", or "incomplete" with incomplete_details {"reason": "max_output_tokens"}
 when the reply was cut by max_output_tokens or the context; usage counts the input, output and reasoning tokens
@@ -12,7 +14,8 @@ when the reply was cut by max_output_tokens or the context; usage counts the inp
 `response.created` and `response.in_progress` (the response in progress, no output), each output item's events,
 then `response.completed` with the whole response (its status "incomplete" when cut: vLLM's way, where OpenAI's
 server sends `response.incomplete`; the openai client's stream helper takes its final response from
-`response.completed` alone). An error after the stream began is an `error` event and `response.failed`.
+`response.completed` alone: openai 3.3's `get_final_response` raises without it). An error after the stream began
+is an `error` event and `response.failed`.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ from pydantic import ValidationError
 
 from .chat import ChatRun, call_id, start_chat
 from .errors import bad_request, from_failure
+from .logprobs import chat_logprobs
 from .reasoning import THINK_START
 from .responses import now
 from .responses_api_output import (EventWriter, IncompleteDetails, InputTokensDetails, OutputItems,
                                    OutputTokensDetails, ResponseError, ResponseObject, ResponseUsage, item_id)
 from .responses_api_protocol import FunctionChoice, ResponsesRequest
+from .responses_store import StoredResponse, input_items
 from .state import ServerState
 from .tool_choice import tool_request
 
@@ -35,22 +40,47 @@ from .tool_choice import tool_request
 async def create_response(state: ServerState, body: ResponsesRequest, raw_request):
     """A ResponseObject, or the event stream's body when body.stream."""
     state.check(body)
+    history = () if body.previous_response_id is None else state.responses.history(body.previous_response_id)
     tools = tool_request(body.chat_tools, body.chat_tool_choice, state.replies.tool_format, body.parallel_tool_calls)
     try:
+        body.follow(list(history))
         messages = [m.template_dict() for m in body.messages]
     except ValidationError as e:  # (an item a chat message cannot hold)
         raise bad_request(f"input: {e.errors()[0]['msg']}", param="input") from None
-    run = await start_chat(state, body, messages, tools, param="input")
+    run = await start_chat(state, body, messages, tools, param="input", logprobs=body.output_logprobs)
     rid, created = item_id("resp"), now()
+    context = history + input_items(body.input) if _stored(state, body) else None
     if body.stream:
-        return _events(state, body, run, rid, created)
+        return _events(state, body, run, rid, created, context)
     (result,) = await run.group.whole(raw_request)
-    items, reader = OutputItems(EventWriter(), call_id), run.parser()
+    items, reader = OutputItems(EventWriter(), call_id, _logprobs(state, body, result.token_ids, result.logprobs)), \
+        run.parser()
     items.feed(reader.feed(result.text or "") + reader.finish())
     status = "incomplete" if result.finish_reason == "length" else "completed"
     items.close(status)
-    return _response(state, body, rid, created, status, items.items,
-                     _usage(state, run, result.token_ids, items.items))
+    return _kept(state, context, _response(state, body, rid, created, status, items.items,
+                                           _usage(state, run, result.token_ids, items.items)))
+
+
+def _stored(state: ServerState, body: ResponsesRequest) -> bool:
+    """Whether the response is to be stored: `store` true or unset (the API's default) on a server with a store."""
+    return state.responses.enabled and body.store is not False
+
+
+def _kept(state: ServerState, context: tuple[dict, ...] | None, response: ResponseObject) -> ResponseObject:
+    """`response`, stored with its context unless `context` is None."""
+    if context is not None:
+        state.responses.put(StoredResponse(response, context))
+    return response
+
+
+def _logprobs(state: ServerState, body: ResponsesRequest, token_ids, entries) -> list[dict] | None:
+    """The output text's logprobs of these tokens (the chat endpoint's logprobs.content entries), or None when the
+    request asks for none."""
+    top = body.output_logprobs
+    if top is None:
+        return None
+    return chat_logprobs(state.token_strings, token_ids, entries or [], top).model_dump()["content"]
 
 
 def _response(state: ServerState, body: ResponsesRequest, rid: str, created: int, status: str, output=(),
@@ -60,6 +90,8 @@ def _response(state: ServerState, body: ResponsesRequest, rid: str, created: int
     text = body.text.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format else None
     return ResponseObject(
         id=rid, created_at=created, status=status, error=error, model=state.model_name, output=list(output),
+        previous_response_id=body.previous_response_id, top_logprobs=body.top_logprobs,
+        store=_stored(state, body) and status != "failed",
         incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
         instructions=body.instructions, max_output_tokens=body.max_output_tokens, metadata=body.metadata,
         parallel_tool_calls=body.parallel_tool_calls is not False,
@@ -96,10 +128,12 @@ def reasoning_tokens(state: ServerState, in_reasoning: bool, token_ids, reasonin
     return end - start
 
 
-async def _events(state: ServerState, body: ResponsesRequest, run: ChatRun, rid: str, created: int) -> AsyncIterator[str]:
-    """The stream's events (responses_api_output.py says which, in what order)."""
+async def _events(state: ServerState, body: ResponsesRequest, run: ChatRun, rid: str, created: int,
+                  context: tuple[dict, ...] | None) -> AsyncIterator[str]:
+    """The stream's events (responses_api_output.py says which, in what order); the response stored once complete
+    unless `context` is None."""
     write = EventWriter()
-    items, reader = OutputItems(write, call_id), run.parser()
+    items, reader = OutputItems(write, call_id, [] if body.output_logprobs is not None else None), run.parser()
     token_ids: list[int] = []
     try:
         started = _response(state, body, rid, created, "in_progress")
@@ -108,6 +142,8 @@ async def _events(state: ServerState, body: ResponsesRequest, run: ChatRun, rid:
         status = "completed"
         async for _, out in run.group.stream():
             token_ids += out.token_ids
+            if items.logprobs is not None:
+                items.logprobs += _logprobs(state, body, out.token_ids, out.logprobs)
             events = reader.feed(out.text) if out.text else []
             if out.finish_reason:
                 events += reader.finish()
@@ -115,11 +151,12 @@ async def _events(state: ServerState, body: ResponsesRequest, run: ChatRun, rid:
             items.feed(events)
             for sse in items.drain():
                 yield sse
+        items.flush_logprobs()
         items.close(status)
         for sse in items.drain():
             yield sse
-        yield write("response.completed", response=_response(state, body, rid, created, status, items.items,
-                                                             _usage(state, run, token_ids, items.items)))
+        response = _response(state, body, rid, created, status, items.items, _usage(state, run, token_ids, items.items))
+        yield write("response.completed", response=_kept(state, context, response))
     except Exception as e:  # the request failed after the stream began (a step's error, shutdown)
         error = from_failure(e)
         yield write("error", code=error.code, message=error.message, param=error.param)

@@ -10,6 +10,13 @@ message: an output_text part), the deltas (`response.reasoning_text.delta`, `res
 `response.output_text.done`, `response.function_call_arguments.done` with the name), `response.content_part.done`
 and `response.output_item.done` with the finished item. Every event is `event: TYPE` and `data: {"type": TYPE,
 "sequence_number": N, ...}`, N counting from 0 over the stream.
+
+With include's "message.output_text.logprobs" the output_text part carries `logprobs` ({token, logprob, bytes,
+top_logprobs}: the chat endpoint's logprobs.content entries) of every token of the reply, as vLLM gives them (a
+reasoning's tokens before the text included: the parsers do not say which token a piece of text came from). A stream's
+`response.output_text.delta` carries those of the tokens since the last one ({token, logprob, top_logprobs}, the
+delta event's shape, without bytes); tokens that add no text at the end (the stop token) come in a last delta of
+empty text; `response.output_text.done` carries them all. Tokens after the message (its calls) are in no stream event.
 """
 
 from __future__ import annotations
@@ -111,12 +118,14 @@ class ResponseObject(BaseModel):
     model: str
     output: list[OutputItem] = Field(default_factory=list)
     parallel_tool_calls: bool = True
-    previous_response_id: None = None
+    previous_response_id: str | None = None
     reasoning: dict[str, Any] | None = None
+    store: bool = False  # whether it was stored (responses_store.py)
     temperature: float | None = None
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     tool_choice: Any = "auto"
     tools: list[dict[str, Any]] = Field(default_factory=list)
+    top_logprobs: int | None = None
     top_p: float | None = None
     truncation: Literal["disabled"] = "disabled"
     background: bool = False
@@ -145,16 +154,27 @@ class _Open:
     parts: list[str] = field(default_factory=list)  # its text (or arguments) so far
     call_id: str = ""
     name: str = ""
+    logprobs: list[dict] = field(default_factory=list)  # a message's output text's logprobs so far
+
+
+def delta_logprobs(entries: list[dict]) -> list[dict]:
+    """Output-text logprobs in the delta and done events' shape: without `bytes`."""
+    return [{"token": e["token"], "logprob": e["logprob"],
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]}
+            for e in entries]
 
 
 class OutputItems:
     """A reply's output items from its ReplyParser's events, in order, and the stream's events that build them
-    (`events`, drained by the stream; a whole response leaves them). `close(status)` ends the open item."""
+    (`events`, drained by the stream; a whole response leaves them). `close(status)` ends the open item.
+    `logprobs`: None, or the output text's logprobs (dicts of OutputText's shape) not yet in a message, which the
+    stream adds to as tokens come: the next text delta takes them."""
 
-    def __init__(self, write: EventWriter, new_call_id):
+    def __init__(self, write: EventWriter, new_call_id, logprobs: list[dict] | None = None):
         self.write, self.new_call_id = write, new_call_id
         self.items: list[OutputItem] = []
         self.events: list[str] = []
+        self.logprobs = logprobs
         self._open: _Open | None = None
 
     def feed(self, reply_events: list) -> None:
@@ -162,7 +182,7 @@ class OutputItems:
             if isinstance(e, ReasoningDelta) and e.text:
                 self._delta("reasoning", e.text, "response.reasoning_text.delta")
             elif isinstance(e, ContentDelta) and e.text:
-                self._delta("message", e.text, "response.output_text.delta", logprobs=[])
+                self._delta("message", e.text, "response.output_text.delta")
             elif isinstance(e, CallStart):
                 self.close()
                 self._start(_Open("function_call", item_id("fc"), len(self.items), call_id=self.new_call_id(),
@@ -173,13 +193,24 @@ class OutputItems:
                 self.events.append(self.write("response.function_call_arguments.delta", item_id=self._open.id,
                                               output_index=self._open.index, delta=e.text))
 
-    def _delta(self, kind: str, text: str, event: str, **extra) -> None:
+    def _delta(self, kind: str, text: str, event: str) -> None:
         if self._open is None or self._open.kind != kind:
             self.close()
             self._start(_Open(kind, item_id("rs" if kind == "reasoning" else "msg"), len(self.items)))
         self._open.parts.append(text)
+        extra = {}
+        if kind == "message":
+            taken, self.logprobs = self.logprobs, ([] if self.logprobs is not None else None)
+            self._open.logprobs += taken or []
+            extra["logprobs"] = delta_logprobs(taken or [])
         self.events.append(self.write(event, item_id=self._open.id, output_index=self._open.index, content_index=0,
                                       delta=text, **extra))
+
+    def flush_logprobs(self) -> None:
+        """The logprobs of tokens that added no text after the last delta (the stop token) in a last delta of empty
+        text, while a message is open."""
+        if self.logprobs and self._open is not None and self._open.kind == "message":
+            self._delta("message", "", "response.output_text.delta")
 
     def _start(self, item: _Open) -> None:
         self._open = item
@@ -210,10 +241,11 @@ class OutputItems:
                             self.write("response.content_part.done", **where, content_index=0,
                                        part=ReasoningText(text=text))]
         elif item.kind == "message":
-            done = OutputMessage(id=item.id, content=[OutputText(text=text)], status=status)
-            self.events += [self.write("response.output_text.done", **where, content_index=0, text=text, logprobs=[]),
-                            self.write("response.content_part.done", **where, content_index=0,
-                                       part=OutputText(text=text))]
+            part = OutputText(text=text, logprobs=item.logprobs)
+            done = OutputMessage(id=item.id, content=[part], status=status)
+            self.events += [self.write("response.output_text.done", **where, content_index=0, text=text,
+                                       logprobs=delta_logprobs(item.logprobs)),
+                            self.write("response.content_part.done", **where, content_index=0, part=part)]
         else:
             text = text or "{}"  # (a call of no parameters the parser gave no arguments for)
             done = OutputFunctionCall(id=item.id, call_id=item.call_id, name=item.name, arguments=text, status=status)

@@ -8,21 +8,22 @@ back to the template as the assistant's reasoning, as vLLM reads them), `instruc
 `max_output_tokens`, `temperature`, `top_p`, function `tools` in their flat shape, `tool_choice`,
 `parallel_tool_calls`, `text.format` (structured output: server/structured.py), `reasoning.effort` (the chat
 template's `reasoning_effort`, as vLLM passes it), `metadata` (echoed), and the sampling fields the chat endpoint
-takes from vLLM (`top_k`, `seed`, `stop`, `repetition_penalty`, ...). No response is stored: `store` is taken and
-does nothing, as in vLLM without its store; what needs a store (`previous_response_id`, `background`,
-`conversation`, `item_reference` items), `include`, `truncation: "auto"`, a prompt template, hosted tools and
-`text.verbosity` are refused by name (400), never ignored.
+takes from vLLM (`top_k`, `seed`, `stop`, `repetition_penalty`, ...), `store` and `previous_response_id` (the
+server's response store: responses_store.py), `include` ("message.output_text.logprobs", with `top_logprobs`; and
+"reasoning.encrypted_content", which asks for nothing here: a reasoning item carries its text). What this server does
+not run (`background`, `conversation`, `item_reference` items, other `include` values, `truncation: "auto"`, a prompt
+template, hosted tools, `text.verbosity`) is refused by name (400), never ignored.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag, TypeAdapter,
-                      ValidationError, field_validator, model_validator)
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, StrictBool, StrictInt, StrictStr, Tag,
+                      TypeAdapter, ValidationError, field_validator, model_validator)
 
 from .protocol import (NEUTRAL, ChatMessage, FunctionDefinition, FunctionName, JsonSchemaFormat, NamedToolChoice,
-                       ResponseFormat, SamplingFields, Tool)
+                       NumLogprobs, ResponseFormat, SamplingFields, Tool)
 
 
 # input items -----------------------------------------------------------------------------------------------
@@ -45,6 +46,7 @@ Part = Annotated[Union[InputText, RefusalText], Field(discriminator="type")]
 
 class MessageItem(BaseModel):
     type: Literal["message"] = "message"
+    id: StrictStr | None = None
     role: Literal["user", "system", "developer", "assistant"]
     content: Union[StrictStr, list[Part]]
     status: Literal["in_progress", "completed", "incomplete"] | None = None
@@ -53,6 +55,7 @@ class MessageItem(BaseModel):
 class FunctionCallItem(BaseModel):
     """A call a past reply made (its output item sent back)."""
     type: Literal["function_call"]
+    id: StrictStr | None = None
     call_id: StrictStr
     name: StrictStr
     arguments: StrictStr  # JSON text of an object
@@ -61,6 +64,7 @@ class FunctionCallItem(BaseModel):
 class FunctionCallOutputItem(BaseModel):
     """The result of a call, for the model to read: a `tool` message."""
     type: Literal["function_call_output"]
+    id: StrictStr | None = None
     call_id: StrictStr
     output: Union[StrictStr, list[InputText]]
 
@@ -73,6 +77,7 @@ class ReasoningText(BaseModel):
 class ReasoningItem(BaseModel):
     """A past reply's reasoning: its content's text (else its summary's), as vLLM reads it."""
     type: Literal["reasoning"]
+    id: StrictStr | None = None
     summary: list[ReasoningText] = Field(default_factory=list)
     content: list[ReasoningText] | None = None
     encrypted_content: None = None  # (this server writes none, so can read none)
@@ -107,7 +112,8 @@ def check_items(value):
         kind = _item_type(item)
         if kind not in ITEM_TYPES:
             raise ValueError(f"item {i} is of type {kind!r}, which this server does not take (it takes "
-                             f"{', '.join(ITEM_TYPES)}; it stores no responses, so no item_reference)")
+                             f"{', '.join(ITEM_TYPES)}; no item_reference: previous_response_id carries a stored "
+                             "conversation)")
         content = item.get("content") if isinstance(item, dict) and kind == "message" else None
         for j, part in enumerate(content if isinstance(content, list) else ()):
             part_type = part.get("type") if isinstance(part, dict) else None
@@ -123,13 +129,18 @@ def check_items(value):
     return value
 
 
+def as_items(items: str | list) -> list:
+    """`input` as a list of items (a string: one user message)."""
+    return [MessageItem(role="user", content=items)] if isinstance(items, str) else list(items)
+
+
 def chat_messages(instructions: str | None, items: str | list) -> list[ChatMessage]:
     """The chat messages of `instructions` and `input`: the instructions as a system message, a string as a user
     message; a past reply's reasoning, message and function calls joined into one assistant message (in the order
     they come, as vLLM joins them: an assistant message takes the reasoning and the calls that follow it until
     another message)."""
     messages: list[dict] = [{"role": "system", "content": instructions}] if instructions is not None else []
-    for item in [MessageItem(role="user", content=items)] if isinstance(items, str) else items:
+    for item in as_items(items):
         last = messages[-1] if messages and messages[-1]["role"] == "assistant" else None
         if isinstance(item, FunctionCallOutputItem):
             output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
@@ -203,11 +214,22 @@ class ReasoningConfig(BaseModel):
 
 # the Responses API's fields this server does not run, and the values that ask for nothing
 RESPONSES_NEUTRAL = {
-    "previous_response_id": (None,), "background": (None, False), "conversation": (None,), "prompt": (None,),
-    "include": (None, []), "truncation": (None, "disabled"), "max_tool_calls": (None,), "top_logprobs": (None, 0),
-    "stream_options": (None,), "n": (1,), "prompt_logprobs": (None,), "return_token_ids": (False,),
-    "return_tokens_as_token_ids": (None, False), "logprobs": (None, False),
+    "background": (None, False), "conversation": (None,), "prompt": (None,), "truncation": (None, "disabled"),
+    "max_tool_calls": (None,), "stream_options": (None,), "n": (1,), "prompt_logprobs": (None,),
+    "return_token_ids": (False,), "return_tokens_as_token_ids": (None, False), "logprobs": (None, False),
 }
+
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+# `include` values taken: the output text's logprobs; the reasoning's encrypted content, which this server never
+# writes (a reasoning item carries its text in `content`, and sent back it reaches the template: nothing to encrypt)
+INCLUDABLE = (OUTPUT_LOGPROBS, "reasoning.encrypted_content")
+
+
+def check_include(value):
+    for name in value or ():
+        if name not in INCLUDABLE:
+            raise ValueError(f"{name!r} is not supported by this server (it takes {', '.join(map(repr, INCLUDABLE))})")
+    return value
 
 
 class ResponsesRequest(SamplingFields):
@@ -220,19 +242,22 @@ class ResponsesRequest(SamplingFields):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     metadata: dict[str, StrictStr] | None = None
-    store: StrictBool | None = None  # (nothing is stored: a no-op either way)
-    previous_response_id: Any = None
+    store: StrictBool | None = None  # None: true, the API's default (stored while the server has a store)
+    previous_response_id: StrictStr | None = None
+    include: list[StrictStr] | None = None
+    top_logprobs: NumLogprobs | None = None  # with include's OUTPUT_LOGPROBS: each position's top N
     background: Any = None
     conversation: Any = None
     prompt: Any = None
-    include: Any = None
     truncation: Any = None
     max_tool_calls: Any = None
-    top_logprobs: Any = None
-    logprobs: Any = None
+    logprobs: Any = None  # (chat's field, refused: include asks for logprobs here)
     stream_options: Any = None  # (the Responses API's: include_obfuscation)
+    # the stored conversation before `input` (previous_response_id's items, responses_store.py), set by the endpoint
+    _history: list = PrivateAttr(default_factory=list)
 
     _input_items = field_validator("input", mode="before")(check_items)
+    _include = field_validator("include")(check_include)
 
     def neutral(self) -> dict:
         return {**RESPONSES_NEUTRAL, **NEUTRAL}
@@ -244,6 +269,20 @@ class ResponsesRequest(SamplingFields):
 
     def explicit_max_tokens(self) -> tuple[str, int] | None:
         return None if self.max_output_tokens is None else ("max_output_tokens", self.max_output_tokens)
+
+    def conflict(self) -> tuple[str, str] | None:
+        if self.top_logprobs and self.output_logprobs is None:
+            return "top_logprobs", f"top_logprobs needs include: [{OUTPUT_LOGPROBS!r}] (the output text's logprobs)"
+        return None
+
+    @property
+    def output_logprobs(self) -> int | None:
+        """The top N of each new token's logprobs the output text carries (include's OUTPUT_LOGPROBS), else None."""
+        return (self.top_logprobs or 0) if OUTPUT_LOGPROBS in (self.include or ()) else None
+
+    def follow(self, history: list) -> None:
+        """Run after `history` (the stored conversation of previous_response_id: input items, validated here)."""
+        self._history = [_ITEM.validate_python(item) for item in history]
 
     def formats(self) -> list[tuple[str, ResponseFormat]]:
         """text.format as a response_format; none under a forced call (tool_choice "required" or a function): the
@@ -258,7 +297,7 @@ class ResponsesRequest(SamplingFields):
     # a chat's fields (chat.start_chat reads them) ----------------------------------------------------------
     @property
     def messages(self) -> list[ChatMessage]:
-        return chat_messages(self.instructions, self.input)
+        return chat_messages(self.instructions, [*self._history, *as_items(self.input)])
 
     @property
     def continue_final_message(self) -> bool:

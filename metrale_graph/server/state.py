@@ -25,6 +25,8 @@ from .protocol import SamplingFields
 from .reasoning import THINK_END
 from .reply import ReplyParsers
 from .responses import ModelCard
+from .responses_store import DEFAULT_SIZE as DEFAULT_STORE_SIZE
+from .responses_store import ResponseStore
 
 
 # apply_chat_template's arguments that the server sets itself (chat_template_kwargs may not)
@@ -77,8 +79,10 @@ class ServerState:
     server shuts down."""
 
     def __init__(self, engine, model_name: str, api_key: str | None = None, ready: bool = True,
-                 tool_call_parser: str = "auto", reasoning_parser: str = "auto"):
+                 tool_call_parser: str = "auto", reasoning_parser: str = "auto",
+                 responses_store_size: int = DEFAULT_STORE_SIZE):
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
+        self.responses = ResponseStore(responses_store_size)  # the Responses API's stored responses
         self.tokenizer = engine.tokenizer
         # how chat replies are read: reasoning and tool calls (reply.py; "auto": from the chat template)
         self.replies = ReplyParsers.of(getattr(self.tokenizer, "chat_template", None), tool_call_parser,
