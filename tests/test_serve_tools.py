@@ -419,15 +419,16 @@ def test_responses_retrieve_delete_and_input_items(client):
 
 def test_responses_streamed_and_not_stored(client):
     """A streamed response is stored once complete (retrieve equals the stream's final response) and can be
-    followed; store false stores nothing."""
+    followed; store false stores nothing (with include reasoning.encrypted_content, as Codex asks: taken, the
+    reasoning item carries its text)."""
     events, final = _events(client, tools=[RESPONSE_TOOL])
     got = client.responses.retrieve(final.id)  # (the stream helper's final response is a ParsedResponse)
     assert [o.model_dump(exclude={"parsed_arguments"}) for o in final.output] == [o.model_dump() for o in got.output]
     assert (got.status, got.usage, got.created_at) == (final.status, final.usage, final.created_at)
     after = respond(client, input=[_call_output(final.output[1])], previous_response_id=final.id)
     assert after.output_text == ANSWER
-    unstored = respond(client, tools=(), store=False)
-    assert unstored.to_dict()["store"] is False
+    unstored = respond(client, tools=(), store=False, include=["reasoning.encrypted_content"])
+    assert unstored.to_dict()["store"] is False and unstored.output[0].content[0].text == REASONING
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
 
