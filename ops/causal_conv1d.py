@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .checkpoints import check_checkpoints, keep_conv_windows, keep_conv_windows_triton, wanted
 from .common import INDEX_DTYPES, check, check_tensor
+from .tiles import _stream_of, search_steps
 from .registry import OpSpec, Shapes, metrale_cuda, metrale_fake, metrale_op, rand, register, stream_meta, weight
 
 def _check(a):
@@ -74,12 +75,12 @@ def _(a):
 
 
 @triton.jit
-def _conv1d_kernel(x_ptr, w_ptr, y_ptr, state_ptr, tok_stream_ptr, cu_ptr, slot_ptr, T, C, B,
-                   stride_x, stride_s0, stride_s1, stride_s2, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _conv1d_kernel(x_ptr, w_ptr, y_ptr, state_ptr, cu_ptr, slot_ptr, T, C, B, stride_x, stride_s0, stride_s1,
+                   stride_s2, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STEPS: tl.constexpr):
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     mt, mc = t < T, c < C
-    b = tl.load(tok_stream_ptr + t, mask=mt, other=B)
+    b = tl.where(mt, _stream_of(cu_ptr, t, B, STEPS), B)
     valid = mt & (b < B)  # tokens past cu_seqlens[-1] belong to no stream: output 0
     bb = tl.minimum(b, B - 1)
     start = tl.load(cu_ptr + bb, mask=valid, other=0)
@@ -124,8 +125,9 @@ def _conv1d_state_kernel(x_ptr, state_ptr, cu_ptr, slot_ptr, C, stride_x, stride
 
 
 def causal_conv1d_triton(x, weight, cu_seqlens, slot_ids, conv_state):
-    """Two launches, no host sync: the conv over all tokens (reading old states), then the state
-    update per stream. Grid sizes follow from T, C and B alone."""
+    """Two launches, no host sync: the conv over all tokens (reading old states; each token's stream found by a
+    search of cu_seqlens in the kernel), then the state update per stream. Grid sizes follow from T, C and B
+    alone."""
     T, C = x.shape
     W = weight.shape[1]
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -135,13 +137,11 @@ def causal_conv1d_triton(x, weight, cu_seqlens, slot_ids, conv_state):
     # written through its strides (it is mutated in place: no copy)
     cu_seqlens, slot_ids = cu_seqlens.contiguous(), slot_ids.contiguous()
     y = torch.empty((T, C), dtype=x.dtype, device=x.device)
-    positions = torch.arange(T, device=x.device, dtype=torch.int32)
-    tok_stream = torch.searchsorted(cu_seqlens[1:], positions, right=True).to(torch.int32)
     BT, BC = 32, 128
-    if T:
+    if T:  # (each token's stream found in the kernel: tiles._stream_of)
         _conv1d_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
-            x, weight, y, conv_state, tok_stream, cu_seqlens, slot_ids, T, C, B, x.stride(0), *conv_state.stride(),
-            W=W, BT=BT, BC=BC)
+            x, weight, y, conv_state, cu_seqlens, slot_ids, T, C, B, x.stride(0), *conv_state.stride(),
+            W=W, BT=BT, BC=BC, STEPS=search_steps(B))
     if B and W > 1:  # with W = 1 there is no state
         _conv1d_state_kernel[(B, triton.cdiv(C, BC))](
             x, conv_state, cu_seqlens, slot_ids, C, x.stride(0), *conv_state.stride(), W=W,

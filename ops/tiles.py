@@ -3,6 +3,8 @@
 - `_tile_of`: the attention kernels' (ops/paged_attention/decode.py's split-K decode, and
   ops/attention_varlen.py's context-merge kernel): a launch of a fixed number of programs over the query
   tiles of varlen streams finds its (stream, tile) from cu_seqlens on the device.
+- `_stream_of`: the stream of packed tokens (ops/causal_conv1d.py's conv, the paged attention's KV write), a
+  binary search of cu_seqlens inside the kernel in place of a searchsorted (three launches per layer before it).
 - `_grouped_tile`, `_block_pairs`, `_load_rows`, `_load_cols`, `EVEN_K`: the routed experts' grouped
   GEMMs (bf16 ops/moe/gemm.py, FP8 ops/fp8/experts.py) over the expert-sorted pairs of
   ops/moe/align.py: a program's (row block, column tile), its block's pairs, and one K step's tiles.
@@ -10,6 +12,26 @@
 
 import triton
 import triton.language as tl
+
+
+def search_steps(num_streams: int) -> int:
+    """_stream_of's STEPS for B streams: enough halvings of [0, B] to end on one index."""
+    return max(1, int(num_streams).bit_length())
+
+
+@triton.jit
+def _stream_of(cu_ptr, t, B, STEPS: tl.constexpr):
+    """The stream of packed token(s) t (a scalar or a vector): the largest b in [0, B] with cu_ptr[b] <= t, that is
+    searchsorted(cu_seqlens[1:], t, right=True) (cu_seqlens nondecreasing, cu_seqlens[0] = 0 <= t); B for a token
+    past cu_seqlens[B], which belongs to no stream. STEPS (search_steps(B)) halvings of [lo, hi]."""
+    lo = t * 0
+    hi = lo + B
+    for _ in tl.static_range(STEPS):
+        mid = (lo + hi + 1) // 2
+        below = tl.load(cu_ptr + mid) <= t
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid - 1)
+    return lo
 
 
 @triton.jit

@@ -1068,6 +1068,16 @@ for K in (128, 256):
 for E, k in ((256, 8), (512, 10)):
     smem.append(compile_(routing._moe_route_kernel, dict(logits_ptr=P, w_ptr=P, e_ptr="*i64", stride_l="i32", E="i32"),
                          dict(TOP_K=k, BLOCK_K=16 if k > 8 else 8, BLOCK_E=E, NORM=True), 4, 1))
+from metrale_graph.ops import causal_conv1d as conv
+from metrale_graph.ops.paged_attention import kv_write
+for steps in (1, 9):  # (tiles._stream_of's search, unrolled)
+    smem.append(compile_(conv._conv1d_kernel, dict(x_ptr=B16, w_ptr=B16, y_ptr=B16, state_ptr=B16, cu_ptr=I,
+                         slot_ptr="*i64", T="i32", C="i32", B="i32", stride_x="i32", stride_s0="i32", stride_s1="i32",
+                         stride_s2="i32"), dict(W=4, BT=32, BC=128, STEPS=steps), 4, 1))
+    smem.append(compile_(kv_write._kv_write_kernel, dict(k_ptr=B16, v_ptr=B16, k_cache=B16, v_cache=B16, cu_ptr=I,
+                         ctx_ptr=I, bt_ptr=I, B="i32", BS="i32", N="i32", HD="i32", **{f"stride_{n}": "i32" for n in (
+                             "kt", "vt", "kb", "ks", "kh", "kd", "vb", "vs", "vh", "vd", "bt")}),
+                         dict(BLOCK=1024, STEPS=steps), 4, 1))
 smem.append(compile_(rows._attn_heads_kernel, dict(qg_ptr=B16, k_ptr=B16, v_ptr=B16, qw_ptr=B16, kw_ptr=B16, pos_ptr="*i64",
                      inv_freq_ptr=F32, q_ptr=B16, ko_ptr=B16, vo_ptr=B16, gate_ptr=B16, HQ="i32", HKV="i32", HD="i32",
                      HALF="i32", stride_qg_t="i32", stride_qg_h="i32", stride_k_t="i32", stride_v_t="i32", eps="fp32"),

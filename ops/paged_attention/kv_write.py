@@ -2,18 +2,19 @@
 Stream b's token i sits at position p = context_lens[b] + i, in block block_tables[b, p // BS] at offset
 p % BS; tokens past cu_seqlens[-1] belong to no stream and are not written."""
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..tiles import _stream_of, search_steps
+
 
 @triton.jit
-def _kv_write_kernel(k_ptr, v_ptr, k_cache, v_cache, tok_stream_ptr, cu_ptr, ctx_ptr, bt_ptr, B, BS, N, HD,
-                     stride_kt, stride_vt, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
-                     stride_vd, stride_bt, BLOCK: tl.constexpr):
+def _kv_write_kernel(k_ptr, v_ptr, k_cache, v_cache, cu_ptr, ctx_ptr, bt_ptr, B, BS, N, HD, stride_kt, stride_vt,
+                     stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd, stride_bt,
+                     BLOCK: tl.constexpr, STEPS: tl.constexpr):
     t = tl.program_id(0)
-    b = tl.load(tok_stream_ptr + t)
+    b = _stream_of(cu_ptr, t, B, STEPS)
     if b < B:  # tokens past cu_seqlens[-1] belong to no stream and are not written
         pos = tl.load(ctx_ptr + b) + t - tl.load(cu_ptr + b)
         blk = tl.load(bt_ptr + b * stride_bt + pos // BS).to(tl.int64)
@@ -29,11 +30,9 @@ def _kv_write_kernel(k_ptr, v_ptr, k_cache, v_cache, tok_stream_ptr, cu_ptr, ctx
 def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens: Tensor, context_lens: Tensor,
              block_tables: Tensor) -> None:
     """k, v [T, HKV * HD] with unit inner stride into the pools (through their strides, in place); the index
-    tensors contiguous. One launch, no host sync."""
+    tensors contiguous. One launch (each token's stream found in the kernel: tiles._stream_of), no host sync."""
     T, N = k.shape
     B, BS, HD = cu_seqlens.shape[0] - 1, k_cache.shape[1], k_cache.shape[3]
-    tok_stream = torch.searchsorted(cu_seqlens[1:], torch.arange(T, device=k.device, dtype=torch.int32),
-                                    right=True).to(torch.int32)
-    _kv_write_kernel[(T,)](k, v, k_cache, v_cache, tok_stream, cu_seqlens, context_lens, block_tables, B, BS, N, HD,
+    _kv_write_kernel[(T,)](k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables, B, BS, N, HD,
                            k.stride(0), v.stride(0), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
-                           BLOCK=triton.next_power_of_2(N))
+                           BLOCK=triton.next_power_of_2(N), STEPS=search_steps(B))
