@@ -12,6 +12,8 @@ lengths, and their choice against static sizes.
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from helpers import tiny_config
 from kernel_oracles import align_pairs_torch, aligned_layout
@@ -27,6 +29,7 @@ from metrale_graph.ops.gdn_recurrence import (chunked as gdn_chunked_path, layou
 from metrale_graph.ops.limits import check_supported
 from metrale_graph.ops.moe import align as moe_align, reference as moe_reference, routing as moe_routing
 from metrale_graph.ops.paged_attention import decode as attn_decode, kv_write, prefill as attn_prefill
+from metrale_graph.ops.tiles import _stream_of, search_steps
 from op_cases import CASES, FP8_CASES, FP8_OPS, op_args
 
 # every op's CUDA path
@@ -1180,3 +1183,29 @@ def test_attention_autotune_takes_one_config_for_fp32():
     assert attend.one_config_for_fp32(configs, {}, IEEE=False) == configs
     for kernel in (attn_prefill._paged_attention_kernel, attn_decode._paged_decode_kernel):
         assert kernel.early_config_prune is attend.one_config_for_fp32
+
+
+@triton.jit
+def _stream_lookup(cu_ptr, out_ptr, scalar_ptr, T, B, STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    """tiles._stream_of of tokens 0 .. T - 1 (a vector), and of T - 1 alone (a scalar, as the KV write's program id)."""
+    t = tl.arange(0, BLOCK)
+    tl.store(out_ptr + t, _stream_of(cu_ptr, t, B, STEPS), mask=t < T)
+    tl.store(scalar_ptr, _stream_of(cu_ptr, T - 1, B, STEPS))
+
+
+def test_stream_of_is_searchsorted_of_the_stream_ends():
+    """tiles._stream_of (the conv and KV-write kernels' in-kernel stream lookup) equals searchsorted(cu[1:], t,
+    right=True) for every token of batches with zero-length streams (at the start, in the middle, at the end), one
+    stream, and padding tokens past cu[-1] (stream B: none), vector and scalar t, at search_steps(B) steps."""
+    import itertools
+
+    for lengths, pad in (([3], 0), ([0, 2, 0, 0, 5, 1, 0], 3), ([1] * 9, 2), ([4, 0], 1), ([0, 0, 1], 0),
+                         ([2, 3, 1, 7, 2, 2, 1, 1, 4, 3, 2, 1, 1, 5, 6, 1, 2], 4)):
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=DEVICE)
+        B, T = len(lengths), int(cu[-1]) + pad
+        out = torch.full((T,), -1, dtype=torch.int32, device=DEVICE)
+        scalar = torch.full((1,), -1, dtype=torch.int32, device=DEVICE)
+        _stream_lookup[(1,)](cu, out, scalar, T, B, STEPS=search_steps(B), BLOCK=triton.next_power_of_2(T))
+        want = torch.searchsorted(cu[1:], torch.arange(T, dtype=torch.int32, device=DEVICE), right=True)
+        assert out.tolist() == want.tolist(), lengths
+        assert scalar.item() == want[-1].item(), lengths
