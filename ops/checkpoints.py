@@ -14,7 +14,7 @@ entry per token on CUDA.
 On CUDA each piece is one launch whatever NC is, and a checkpoint that keeps nothing (token -1, past the streams,
 or not at a stream end for keep_end_states_triton) costs its program a load or two and writes nothing:
 keep_conv_windows_triton, keep_end_states_triton and token_entries find each checkpoint's stream on the device
-(_stream_of). The torch versions (the CPU op's, and the tests' reference) move every one of the NC entries,
+(_stream_bounds). The torch versions (the CPU op's, and the tests' reference) move every one of the NC entries,
 dumping the none-targets into the scratch entry; run in every GDN layer of every step, that was 0.09 ms a GDN
 layer of the speculative engine's decode step on an H100 (NC sized for its verify entries), 0.29 at 32 streams x
 2 drafts. copy_rows moves the accepted verify states into their slots (capture/speculative.py).
@@ -26,6 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .common import INDEX_DTYPES, check, check_tensor
+from .tiles import _stream_of, search_steps
 
 
 def check_checkpoints(tokens, entries, states, device, shape: tuple[int, ...], dtype) -> None:
@@ -81,11 +82,10 @@ def keep_conv_windows(x: Tensor, cu_seqlens: Tensor, slot_ids: Tensor, conv_stat
 
 
 @triton.jit
-def _stream_of(cu_ptr, t, B, BLOCK_B: tl.constexpr):
-    """The stream b of packed token t (searchsorted(cu[1:], t, right) clamped to B - 1) and its bounds."""
-    bb = tl.arange(0, BLOCK_B)
-    ends = tl.load(cu_ptr + 1 + bb, mask=bb < B, other=2147483647)
-    b = tl.minimum(tl.sum((ends <= t).to(tl.int32), 0), B - 1)
+def _stream_bounds(cu_ptr, t, B, STEPS: tl.constexpr):
+    """The stream b of packed token t (tiles._stream_of, searchsorted(cu[1:], t, right), clamped to B - 1) and
+    its bounds."""
+    b = tl.minimum(_stream_of(cu_ptr, t, B, STEPS), B - 1)
     return b, tl.load(cu_ptr + b).to(tl.int64), tl.load(cu_ptr + b + 1).to(tl.int64)
 
 
@@ -100,11 +100,11 @@ def _copy_row_block(src_ptr, s, dst_ptr, d, N, BLOCK: tl.constexpr):
 @triton.jit
 def _keep_windows_kernel(x_ptr, cu_ptr, slot_ptr, state_ptr, tok_ptr, ent_ptr, pool_ptr, B, C, stride_xt, stride_xc,
                          stride_s0, stride_s1, stride_s2, stride_p0, stride_p1, stride_p2, W1: tl.constexpr,
-                         BW: tl.constexpr, BLOCK_B: tl.constexpr, BC: tl.constexpr):
+                         BW: tl.constexpr, STEPS: tl.constexpr, BC: tl.constexpr):
     i = tl.program_id(0)
     t = tl.load(tok_ptr + i)
     if (t >= 0) & (t < tl.load(cu_ptr + B)):  # a checkpoint that keeps nothing costs its program two loads
-        b, start, _ = _stream_of(cu_ptr, t, B, BLOCK_B)
+        b, start, _ = _stream_bounds(cu_ptr, t, B, STEPS)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         dest = tl.load(ent_ptr + i).to(tl.int64)
         cc = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -135,16 +135,16 @@ def keep_conv_windows_triton(x: Tensor, cu_seqlens: Tensor, slot_ids: Tensor, co
     _keep_windows_kernel[(NC, triton.cdiv(C, BC))](
         x, cu_seqlens.contiguous(), slot_ids.contiguous(), conv_state, tokens.contiguous(), entries.contiguous(),
         pool, B, C, x.stride(0), x.stride(1), *conv_state.stride(), *pool.stride(), W1=W1,
-        BW=triton.next_power_of_2(W1), BLOCK_B=triton.next_power_of_2(B), BC=BC, num_warps=4)
+        BW=triton.next_power_of_2(W1), STEPS=search_steps(B), BC=BC, num_warps=4)
 
 
 @triton.jit
 def _keep_end_states_kernel(state_ptr, cu_ptr, slot_ptr, tok_ptr, ent_ptr, pool_ptr, B, N, longer_than, stride_s0,
-                            stride_p0, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
+                            stride_p0, STEPS: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0)
     t = tl.load(tok_ptr + i)
     if (t >= 0) & (t < tl.load(cu_ptr + B)):
-        b, start, end = _stream_of(cu_ptr, t, B, BLOCK_B)
+        b, start, end = _stream_bounds(cu_ptr, t, B, STEPS)
         r = t - start + 1
         if (r == end - start) & (r > longer_than):  # a stream's last token, of a stream that long
             slot = tl.load(slot_ptr + b).to(tl.int64)
@@ -167,7 +167,7 @@ def keep_end_states_triton(cu_seqlens: Tensor, slot_ids: Tensor, gdn_state: Tens
     N, BLOCK = gdn_state[0].numel(), 4096
     _keep_end_states_kernel[(NC, triton.cdiv(N, BLOCK))](
         gdn_state, cu_seqlens.contiguous(), slot_ids.contiguous(), tokens.contiguous(), entries.contiguous(), pool,
-        B, N, longer_than, gdn_state.stride(0), pool.stride(0), BLOCK_B=triton.next_power_of_2(B), BLOCK=BLOCK,
+        B, N, longer_than, gdn_state.stride(0), pool.stride(0), STEPS=search_steps(B), BLOCK=BLOCK,
         num_warps=4)
 
 

@@ -3,8 +3,9 @@
 - `_tile_of`: the attention kernels' (ops/paged_attention/decode.py's split-K decode, and
   ops/attention_varlen.py's context-merge kernel): a launch of a fixed number of programs over the query
   tiles of varlen streams finds its (stream, tile) from cu_seqlens on the device.
-- `_stream_of`: the stream of packed tokens (ops/causal_conv1d.py's conv, the paged attention's KV write), a
-  binary search of cu_seqlens inside the kernel in place of a searchsorted (three launches per layer before it).
+- `_stream_of`: the stream of packed tokens, a binary search of cu_seqlens inside the kernel: ops/causal_conv1d.py's
+  conv and the paged attention's KV write (in place of a searchsorted, three launches per layer, before them),
+  the split-K decode's merge and the checkpoint kernels (ops/checkpoints.py's _stream_bounds).
 - `_grouped_tile`, `_block_pairs`, `_load_rows`, `_load_cols`, `EVEN_K`: the routed experts' grouped
   GEMMs (bf16 ops/moe/gemm.py, FP8 ops/fp8/experts.py) over the expert-sorted pairs of
   ops/moe/align.py: a program's (row block, column tile), its block's pairs, and one K step's tiles.

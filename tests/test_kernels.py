@@ -1098,12 +1098,12 @@ for x in (B16, F32):
     smem.append(compile_(checkpoints._keep_windows_kernel, dict(
         x_ptr=x, cu_ptr=I, slot_ptr="*i64", state_ptr=x, tok_ptr="*i64", ent_ptr="*i64", pool_ptr=x, B="i32", C="i32",
         stride_xt="i32", stride_xc="i32", stride_s0="i32", stride_s1="i32", stride_s2="i32", stride_p0="i32",
-        stride_p1="i32", stride_p2="i32"), dict(W1=3, BW=4, BLOCK_B=64, BC=256), 4, 1))
+        stride_p1="i32", stride_p2="i32"), dict(W1=3, BW=4, STEPS=7, BC=256), 4, 1))
     smem.append(compile_(checkpoints._copy_rows_kernel, dict(src_ptr=x, dst_ptr=x, index_ptr="*i64", n="i32", N="i32",
                          skip="i32", stride_src="i32", stride_dst="i32"), dict(BLOCK=4096), 4, 1))
 smem.append(compile_(checkpoints._keep_end_states_kernel, dict(
     state_ptr=F32, cu_ptr=I, slot_ptr="*i64", tok_ptr="*i64", ent_ptr="*i64", pool_ptr=F32, B="i32", N="i32",
-    longer_than="i32", stride_s0="i32", stride_p0="i32"), dict(BLOCK_B=64, BLOCK=4096), 4, 1))
+    longer_than="i32", stride_s0="i32", stride_p0="i32"), dict(STEPS=7, BLOCK=4096), 4, 1))
 smem.append(compile_(checkpoints._token_entries_kernel, dict(tok_ptr="*i64", ent_ptr="*i64", out_ptr="*i64", T="i32",
                      NC="i32"), dict(BLOCK=1024), 4, 1))
 for to_aligned in (True, False):

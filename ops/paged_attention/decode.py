@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..common import INTERPRET
-from ..tiles import _tile_of
+from ..tiles import _stream_of, _tile_of, search_steps
 from ..attend import LOG2E, _attend_tile, attention_configs, one_config_for_fp32
 
 DECODE_PROGRAMS = 1024  # splits are chosen to give about this many programs (H200: 132 SMs, ~8 each)
@@ -42,18 +42,6 @@ def decode_split(num_streams: int, num_tokens: int, num_kv_heads: int, max_keys:
     splits = max(1, -(-DECODE_PROGRAMS // tiles))
     per = -(-max(max_keys, 1) // splits)
     return max(SPLIT_ALIGN, -(-per // SPLIT_ALIGN) * SPLIT_ALIGN)
-
-
-@triton.jit
-def _stream_of(cu_ptr, t, B, CH: tl.constexpr):
-    """The stream holding packed token t: how many streams end at or before t (B: none)."""
-    b = tl.full([], 0, tl.int32)
-    for c0 in range(0, B, CH):
-        i = c0 + tl.arange(0, CH)
-        mi = i < B
-        ends = tl.load(cu_ptr + 1 + i, mask=mi, other=0)
-        b += tl.sum((mi & (ends <= t)).to(tl.int32), axis=0)
-    return b
 
 
 @triton.autotune(configs=attention_configs(), key=["HD", "GROUP", "QB", "SL", "IEEE"],
@@ -102,10 +90,10 @@ def _paged_decode_kernel(q_ptr, k_cache, v_cache, m_ptr, l_ptr, acc_ptr, cu_ptr,
 
 @triton.jit
 def _paged_decode_merge_kernel(o_ptr, m_ptr, l_ptr, acc_ptr, cu_ptr, ctx_ptr, B, SL, NS, HQ, HD, stride_ot,
-                               stride_oh, BLOCK_D: tl.constexpr, SC: tl.constexpr, CH: tl.constexpr):
+                               stride_oh, BLOCK_D: tl.constexpr, SC: tl.constexpr, STEPS: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
-    b = _stream_of(cu_ptr, t, B, CH)
+    b = _stream_of(cu_ptr, t, B, STEPS)  # (B: a token in no stream)
     if b < B:  # else: a token in no stream
         pos = tl.load(ctx_ptr + b) + t - tl.load(cu_ptr + b)
         n = (pos + SL) // SL  # splits holding keys [0, pos]: each has at least one
@@ -157,5 +145,5 @@ def paged_attention_decode(q, k_cache, v_cache, cu_seqlens, context_lens, block_
         GROUP, QB, SL, NS, HQ, BS, HD, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, CH=STREAM_CHUNK,
         IEEE=q.dtype == torch.float32 or INTERPRET)
     _paged_decode_merge_kernel[(T, HQ)](o, m, l, acc, cu_seqlens, context_lens, B, SL, NS, HQ, HD, o.stride(0),
-                                        o.stride(1), BLOCK_D=BLOCK_D, SC=MERGE_SPLITS, CH=STREAM_CHUNK)
+                                        o.stride(1), BLOCK_D=BLOCK_D, SC=MERGE_SPLITS, STEPS=search_steps(B))
     return o
