@@ -2,9 +2,10 @@
 and, on CUDA, captured into CUDA graphs bucketed like the verify step (GraphRunner.hidden_bucket), beside a
 GraphRunner, into its memory pool.
 
-    graphs = SpeculativeGraphs(runner, num_tokens=K, mtp=True)        # the engine's SpeculativeStep makes it
-    result = graphs.accept(bucket, h, ints, floats, keep)  # [r, K + 2] on the device: counts, then tokens;
-                                                       # and the accepted runs' GDN / conv states into their slots
+    graphs = SpeculativeGraphs(runner, K, True, last_tokens)  # the engine's SpeculativeStep makes it
+    result = graphs.accept(bucket, h, ints, floats, keep, slots)  # [r, K + 2] on the device: counts, then tokens;
+                                                       # the accepted runs' GDN / conv states into their slots and
+                                                       # each row's last token into last_tokens[slots[i]]
     graphs.copy_states(slots, entries)                 # that copy alone (after the eager acceptance)
     drafts = graphs.draft(bucket, h, tok, strm)        # [b, K] on the device: the MTP head's drafts
 
@@ -57,12 +58,12 @@ class Graphed:
 
 
 class SpeculativeGraphs:
-    def __init__(self, runner, num_tokens: int, mtp: bool, compiled: bool = True, last_tokens: torch.Tensor | None = None):
+    def __init__(self, runner, num_tokens: int, mtp: bool, last_tokens: torch.Tensor, compiled: bool = True):
         """runner: the GraphRunner whose hidden-states buckets run the verify steps; num_tokens: K, the most drafts a
-        stream verifies; mtp: whether to make the MTP head's entries. compiled=False runs tail.py's functions as
-        they are, on the same buffers (tests: the path without compile times). last_tokens: the engine loop's
-        [slots + 1] buffer of each slot's last token, which the acceptance then sets for its rows on the device
-        (tail.write_last_tokens; None: the caller sets it)."""
+        stream verifies; mtp: whether to make the MTP head's entries; last_tokens: the engine loop's [slots + 1]
+        buffer of each slot's last token, which the acceptance sets for its rows on the device
+        (tail.write_last_tokens). compiled=False runs tail.py's functions as they are, on the same buffers (tests:
+        the path without compile times)."""
         self.runner, self.model, self.cache, self.last_tokens = runner, runner.model, runner.cache, last_tokens
         self.K, self.mtp = num_tokens, mtp
         self.use_graphs, self.pool, self.device = runner.use_graphs, runner.pool, runner.model.device
@@ -145,8 +146,7 @@ class SpeculativeGraphs:
         def run(*args):
             result = accept(*args[:-1])
             tail.keep_accepted_states(self.cache, result, args[2], args[-1], self.K)
-            if self.last_tokens is not None:
-                tail.write_last_tokens(self.last_tokens, result, args[-1][2])
+            tail.write_last_tokens(self.last_tokens, result, args[-1][2])
             return result
         return run
 
@@ -173,8 +173,8 @@ class SpeculativeGraphs:
         """Acceptance of r rows (tail.accept_greedy / accept_sampled; ints [r, 2K + 4], floats [r, K + 4] on the
         host, tail.host_rows) over h, the verify step's hidden states of `bucket` (with graphs, its graph's
         output), and the accepted states' copy into the slots: keep[i] = (slot, first verify entry) of row i, or
-        None (or keep None) for a row that keeps nothing (tail.keep_accepted_states); with last_tokens, slot
-        slots[i]'s last token := row i's last emitted one. Returns int64 [r, K + 2] on the device (counts, then
+        None (or keep None) for a row that keeps nothing (tail.keep_accepted_states); and slot slots[i]'s last
+        token := row i's last emitted one (tail.write_last_tokens). Returns int64 [r, K + 2] on the device (counts, then
         tokens)."""
         sampled = bool((ints[:, 2 * self.K + 3] == 0).any())
         entry = self._entry("sampled" if sampled else "greedy", bucket)

@@ -62,8 +62,8 @@ def tail_engine(model, slots, speculative, calls=None, **kw):
     e = Engine(model, slots, compile=False, speculative=speculative, **kw)
     spec = e._loop.spec
     spec.runner = EagerBuckets(model, e.cache, make_grid(GRID["batch_sizes"], GRID["token_counts"]))
-    graphs = spec.graphs = SpeculativeGraphs(spec.runner, spec.k, spec.mtp is not None, compiled=False,
-                                             last_tokens=e._loop.last_tokens)
+    graphs = spec.graphs = SpeculativeGraphs(spec.runner, spec.k, spec.mtp is not None, e._loop.last_tokens,
+                                             compiled=False)
     if calls is not None:
         for name in ("accept", "draft"):
             method = getattr(graphs, name)

@@ -104,7 +104,7 @@ class SpeculativeStep:
         if loop.runner is not None:
             from ..capture.speculative import SpeculativeGraphs
 
-            self.graphs = SpeculativeGraphs(loop.runner, self.k, self.mtp is not None, last_tokens=loop.last_tokens)
+            self.graphs = SpeculativeGraphs(loop.runner, self.k, self.mtp is not None, loop.last_tokens)
         self.proposed = self.accepted = self.drafts = self.steps = 0
 
     def stats(self) -> dict:
@@ -253,7 +253,7 @@ class SpeculativeStep:
                                  self.model.config.vocab_size)
         keep = [(reqs[i].slot, self.base + j * K) for j, i in enumerate(spec)] + [None] * len(plain)
         result = self.graphs.accept(out["bucket"], h, ints, floats, keep, [r.slot for r in rows]).tolist()  # one read back
-        out["last_set"] = self.graphs.last_tokens is not None  # (each row's slot's last token, on the device)
+        out["last_set"] = True  # (each row's slot's last token, set on the device: tail.write_last_tokens)
         uniforms.settle([row[0] for row in result])
         counts = [row[0] for row in result[:len(spec)]]
         out["spec"] = {i: (row[1:row[0] + 2], [None] * (row[0] + 1)) for i, row in zip(spec, result)}
