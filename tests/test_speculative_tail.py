@@ -353,17 +353,19 @@ def test_verify_targets_take_one_copy_kept_until_another_step(monkeypatch):
     assert cache.checkpoint_targets[0].data_ptr() == cache.checkpoint_tokens.data_ptr()
 
 
-def test_a_failed_state_copy_in_the_acceptance_leaves_later_requests_exact(models, monkeypatch):
-    """The captured path's accepted-state copy (tail.keep_accepted_states, inside the acceptance entry) raising
-    once fails that step's requests alone, inside the cache's transaction: later requests on the same engine (its
-    slots, verify entries and the tail's buffers) give plain decoding's tokens and no block stays held."""
+@pytest.mark.parametrize("where", ["keep_accepted_states", "write_last_tokens"])
+def test_a_failed_state_copy_in_the_acceptance_leaves_later_requests_exact(models, monkeypatch, where):
+    """The captured path's accepted-state copy or last-token write (tail.keep_accepted_states /
+    tail.write_last_tokens, inside the acceptance entry) raising once fails that step's requests alone, inside the
+    cache's transaction: later requests on the same engine (its slots, verify entries, last tokens and the tail's
+    buffers) give plain decoding's tokens and no block stays held."""
     from metrale_graph.speculative import tail as tail_module
 
     model, prompts = models["dense"], prompts_of("dense")[:3]
     with Engine(model, 3, compile=False) as e:
         reference = [r.token_ids for r in e.generate(prompts, max_new_tokens=10, stop_token_ids=[])]
     monkeypatch.setattr(verify, "ngram_propose", Oracle(prompts, reference, CONFIGS["dense"].vocab_size))
-    real, calls = tail_module.keep_accepted_states, []
+    real, calls = getattr(tail_module, where), []
 
     def once(*args):
         calls.append(1)
@@ -372,7 +374,7 @@ def test_a_failed_state_copy_in_the_acceptance_leaves_later_requests_exact(model
         return real(*args)
 
     with tail_engine(model, 3, {"method": "ngram", "num_tokens": 3}) as e:
-        monkeypatch.setattr(tail_module, "keep_accepted_states", once)
+        monkeypatch.setattr(tail_module, where, once)
         handles = [e.submit(p, max_new_tokens=10, stop_token_ids=[]) for p in prompts]
         failed = 0
         for h, ref in zip(handles, reference):
