@@ -149,6 +149,34 @@ def test_completion_text_and_token_ids_match_generate(client, engine):
     assert many.usage.prompt_tokens == 7
 
 
+def test_return_token_ids_gives_the_prompt_tokens_where_vllm_does(client, engine):
+    """vLLM's return_token_ids: a completion's prompt_token_ids in each choice (a stream: in each choice's first
+    event, none after), a chat's once at the response's top level (a stream: in its first chunk), with every
+    choice's token_ids (a stream: each event's new ones, which join to the whole response's)."""
+    prompt, extra = [10, 20, 30, 40], {"return_token_ids": True}
+    kw = dict(model=NAME, max_tokens=5, temperature=0, n=2)
+    whole = client.completions.create(prompt=prompt, extra_body=extra, **kw)
+    assert [c.prompt_token_ids for c in whole.choices] == [prompt, prompt]
+    events = [c.choices[0] for c in client.completions.create(prompt=prompt, stream=True, extra_body=extra, **kw)]
+    for i in range(2):
+        mine = [c for c in events if c.index == i]
+        assert mine[0].prompt_token_ids == prompt and all(getattr(c, "prompt_token_ids", None) is None for c in mine[1:])
+        assert sum((c.token_ids for c in mine), []) == whole.choices[i].token_ids
+    messages = [{"role": "user", "content": "Hello world!"}]
+    tok = engine.tokenizer
+    rendered = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False)
+    chat = client.chat.completions.create(messages=messages, extra_body=extra, **kw)
+    assert chat.prompt_token_ids == rendered and all(c.token_ids for c in chat.choices)
+    assert all(getattr(c, "prompt_token_ids", None) is None for c in chat.choices)
+    chunks = list(client.chat.completions.create(messages=messages, stream=True, extra_body=extra, **kw))
+    assert chunks[0].prompt_token_ids == rendered
+    assert all(getattr(c, "prompt_token_ids", None) is None for c in chunks[1:])
+    for i in range(2):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert sum((getattr(c, "token_ids", None) or [] for c in mine), []) == chat.choices[i].token_ids
+
+
 def test_streamed_completion_equals_whole(client, engine):
     prompt = "The quick brown fox"
     whole = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0)

@@ -396,7 +396,7 @@ def test_a_developer_message_is_a_system_message_to_the_template(client, tokeniz
     def prompt_ids(role):
         r = client.chat.completions.create(model=NAME, messages=[{"role": role, "content": "Be brief."}, *CHAT],
                                            max_tokens=1, extra_body={"return_token_ids": True})
-        return r.choices[0].prompt_token_ids
+        return r.prompt_token_ids
     assert prompt_ids("developer") == prompt_ids("system")
 
 

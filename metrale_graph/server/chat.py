@@ -124,10 +124,10 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         choices.append(ChatChoice(index=i, message=message, finish_reason=finish,
                                   stop_reason=group.stop_reason(i, r.finish_reason, r.token_ids),
                                   logprobs=_logprobs(state, body, r.token_ids, r.logprobs),
-                                  token_ids=list(r.token_ids) if ids else None,
-                                  prompt_token_ids=prompt if ids else None))
+                                  token_ids=list(r.token_ids) if ids else None))
     return ChatResponse(id=rid, model=state.model_name, choices=choices, usage=group.usage(),
-                        prompt_logprobs=_prompt_logprobs(state, body, prompt, results[0].prompt_logprobs))
+                        prompt_logprobs=_prompt_logprobs(state, body, prompt, results[0].prompt_logprobs),
+                        prompt_token_ids=prompt if ids else None)
 
 
 def _logprobs(state: ServerState, body: ChatCompletionRequest, token_ids, entries):
@@ -165,8 +165,9 @@ async def _events(state: ServerState, body: ChatCompletionRequest, group: Genera
     def sent(sse: str) -> str:  # with vLLM's continuous_usage_stats, the usage so far in every event
         return with_usage(sse, group.usage_so_far()) if continuous else sse
 
-    def chunk(choices, usage=None) -> str:
-        return event(ChatChunk(id=rid, created=created, model=model, choices=choices, usage=usage))
+    def chunk(choices, usage=None, prompt_token_ids=None) -> str:
+        return event(ChatChunk(id=rid, created=created, model=model, choices=choices, usage=usage,
+                               prompt_token_ids=prompt_token_ids))
 
     chunks = StreamChunks("chat.completion.chunk", rid, created, model)
     readers = [parser() for _ in range(len(group))] if parser is not None else None
@@ -174,7 +175,7 @@ async def _events(state: ServerState, body: ChatCompletionRequest, group: Genera
     pending: dict[int, tuple[list, list]] = {}  # per choice, the tokens (and logprobs) of outputs not sent yet
     try:
         yield sent(chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                          for i in range(len(group))]))
+                          for i in range(len(group))], prompt_token_ids=group.prompt_of(0) if ids else None))
         async for choice, out in group.stream():
             if choice == 0 and out.prompt_logprobs is not None and body.prompt_logprobs is not None:
                 yield sent(event(ChatChunk(id=rid, created=created, model=model, choices=[],

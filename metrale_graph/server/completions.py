@@ -108,6 +108,7 @@ class _Pending:
         self.started = False  # the choice's first output has come
         self.text, self.token_ids, self.logprob_ids, self.entries = "", [], [], []
         self.prompt_logprobs = None  # the first output's, until sent
+        self.prompt_token_ids = None  # with return_token_ids, until sent (in the choice's first event, as vLLM)
         # the next text_offset: the characters of the token strings sent so far (as a whole response counts them;
         # not of the text sent, which lags the tokens while a possible stop string is held back)
         self.offset = 0
@@ -129,6 +130,7 @@ async def _events(state: ServerState, body: CompletionRequest, group: Generation
             p = pending.setdefault(choice, _Pending())
             if not p.started:
                 p.started, p.prompt_logprobs = True, out.prompt_logprobs
+                p.prompt_token_ids = group.prompt_of(choice) if body.return_token_ids else None
                 if echo is not None:
                     p.text = echo[choice // body.n]
                     if body.logprobs is not None:
@@ -138,7 +140,7 @@ async def _events(state: ServerState, body: CompletionRequest, group: Generation
                 p.token_ids += out.token_ids
                 p.logprob_ids += out.token_ids
                 p.entries += out.logprobs or []
-            prompt = p.prompt_logprobs is not None and body.prompt_logprobs is not None
+            prompt = (p.prompt_logprobs is not None and body.prompt_logprobs is not None) or p.prompt_token_ids is not None
             if not (p.text or out.finish_reason or (body.return_token_ids and p.token_ids) or prompt):
                 continue
             logprobs = None
@@ -151,10 +153,10 @@ async def _events(state: ServerState, body: CompletionRequest, group: Generation
             if prompt:  # (once per choice: the event built from the models)
                 choice_body = CompletionChoice(index=choice, text=text, logprobs=logprobs,
                                                finish_reason=out.finish_reason, stop_reason=stop_reason,
-                                               token_ids=token_ids,
+                                               token_ids=token_ids, prompt_token_ids=p.prompt_token_ids,
                                                prompt_logprobs=_prompt_logprobs(state, body, group.prompt_of(choice),
                                                                                 p.prompt_logprobs))
-                p.prompt_logprobs = None
+                p.prompt_logprobs = p.prompt_token_ids = None
                 yield sent(event(CompletionResponse(id=rid, created=created, model=model, choices=[choice_body])))
             else:
                 yield sent(chunks.completion(choice, text, out.finish_reason, token_ids, logprobs, stop_reason))

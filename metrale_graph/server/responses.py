@@ -162,7 +162,6 @@ class ChatChoice(BaseModel):
     finish_reason: FinishReason | None = None
     stop_reason: StopReason = None
     token_ids: list[int] | None = Field(None, exclude_if=_none)
-    prompt_token_ids: list[int] | None = Field(None, exclude_if=_none)
 
 
 class ChatResponse(BaseModel):
@@ -173,6 +172,8 @@ class ChatResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_none)  # vLLM's extension (one prompt)
+    # return_token_ids: the rendered messages' tokens, here and not per choice (vLLM's place: a chat has one prompt)
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_none)
 
 
 class ChatChunkChoice(BaseModel):
@@ -192,6 +193,7 @@ class ChatChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = Field(None, exclude_if=_none)  # the last chunk's, with include_usage
     prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_none)  # the first chunk's, with prompt_logprobs
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_none)  # the first chunk's, with return_token_ids
 
 
 class ModelCard(BaseModel):
