@@ -42,9 +42,11 @@ SLOTS = 8
 SHUTDOWN_S = 2
 MAX_REQUEST_BYTES = 3 * 1024 * 1024
 TIMEOUT = 120
-# Qwen3's switch: a chat template variable that only chat_template_kwargs sets
-THINKING_TEMPLATE = CHAT_TEMPLATE + ("{% if enable_thinking is defined and not enable_thinking %}"
-                                     "<think>\n\n</think>\n\n{% endif %}")
+# Qwen3's switch: a chat template variable that only chat_template_kwargs sets; and a line of reasoning_effort, the
+# variable gpt-oss's templates read, which vLLM sets from OpenAI's field of that name
+THINKING_TEMPLATE = ("{% if reasoning_effort is defined and reasoning_effort %}<|im_start|>system\nReasoning: "
+                     "{{ reasoning_effort }}<|im_end|>\n{% endif %}" + CHAT_TEMPLATE
+                     + "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}")
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -265,6 +267,16 @@ def test_chat_template_arguments_reach_the_template(client, tokenizer):
     with pytest.raises(openai.BadRequestError) as e:  # the server's own arguments stay its own
         prompt_tokens(chat_template_kwargs={"tokenize": True})
     assert e.value.body["param"] == "chat_template_kwargs"
+    # OpenAI's reasoning_effort is the template's variable of that name (vLLM's way), unless chat_template_kwargs sets it
+    def rendered(effort):
+        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, reasoning_effort=effort)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def prompt_ids(effort, **extra_body):
+        return client.chat.completions.create(model=NAME, messages=turns, max_tokens=1, reasoning_effort=effort,
+                                              extra_body={"return_token_ids": True, **extra_body}).prompt_token_ids
+    assert prompt_ids("high") == rendered("high") != rendered("low") and len(rendered("high")) > plain
+    assert prompt_ids("high", chat_template_kwargs={"reasoning_effort": "low"}) == rendered("low")
 
 
 def test_405_names_the_allowed_methods_and_a_body_that_is_not_utf8_is_400(server):

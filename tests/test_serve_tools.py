@@ -122,6 +122,27 @@ def test_the_reasoning_under_both_of_vllms_names(client):
     assert tokens["reasoning"] == tokens["reasoning_content"] > tokens[None], tokens
 
 
+def test_include_reasoning_false_leaves_the_reasoning_out(client):
+    """vLLM's include_reasoning false: the reply without its reasoning (under either name), whole and streamed, its
+    calls and answer as they are; the reasoning's tokens still count and their logprobs go with the next delta."""
+    off = {"include_reasoning": False}
+    whole = ask(client, USER, extra_body=off, logprobs=True)
+    (choice,) = whole.choices
+    assert choice.message.reasoning_content is None and choice.message.reasoning is None
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+    assert choice.finish_reason == "tool_calls"
+    assert whole.usage.completion_tokens == len(choice.logprobs.content) == ask(client, USER).usage.completion_tokens
+    (got,) = _streamed(client, USER, extra_body=off)
+    assert got["reasoning"] == "" and got["finish"] == "tool_calls" and len(got["calls"]) == 4
+    chunks = [c.choices[0] for c in ask(client, USER, stream=True, extra_body=off, logprobs=True) if c.choices]
+    assert not any(getattr(c.delta, "reasoning", None) for c in chunks)
+    assert sum(len(c.logprobs.content) for c in chunks if c.logprobs) == whole.usage.completion_tokens
+    answer = [*USER, {"role": "assistant", "content": None, "tool_calls": [choice.message.tool_calls[0].model_dump()]},
+              {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "sunny"}]
+    message = ask(client, answer, extra_body=off).choices[0].message
+    assert (message.reasoning_content, message.content) == (None, ANSWER)
+
+
 def test_parallel_tool_calls_false_is_served(client):
     """parallel_tool_calls false with tool_choice auto (LangChain's and the Agents SDK's way to ask for one call at a
     time; once a 400): served, the reply's first call given (the others dropped, as vLLM does: test_reply_parsers)."""

@@ -2,10 +2,11 @@
 whole or streamed, its reasoning and tool calls parsed out.
 
 The prompt is `tokenizer.apply_chat_template(messages, tools=..., add_generation_prompt=True)` as token ids
-(vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs change its arguments; the tools
-are rendered unless tool_choice is "none": tool_choice.py). A reply is read by the server's parsers (reply.py):
-`<think>` blocks into `reasoning_content` and `reasoning` (vLLM's older and newer names for it; from the
-prompt's open `<think>` when the template opened one), and, when the request offers tools, calls in the
+(vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs change its arguments, OpenAI's
+reasoning_effort is the template variable of that name as vLLM passes it; the tools are rendered unless tool_choice
+is "none": tool_choice.py). A reply is read by the server's parsers (reply.py): `<think>` blocks into
+`reasoning_content` and `reasoning` (vLLM's older and newer names for it; from the prompt's open `<think>` when the
+template opened one; left out under vLLM's include_reasoning false), and, when the request offers tools, calls in the
 template's format into `tool_calls` (ids `call_...`; finish_reason "tool_calls" when a reply that stopped made
 one; content None when it holds only calls). A stream sends, per choice, a first delta with the role (`{"role":
 "assistant", "content": ""}`), then a delta per piece as the text comes (`content`, `reasoning_content`, or
@@ -77,11 +78,11 @@ async def start_chat(state: ServerState, body, messages: list[dict], tools: Tool
                      param: str = "messages", logprobs: int | None = None) -> ChatRun:
     """Render `messages` (template dicts) with `tools`, check the request, compile its structured output and submit
     body.n engine requests: what /v1/chat/completions and /v1/responses share. `body` is a SamplingFields with a
-    chat's fields (add_generation_prompt, continue_final_message, chat_template_kwargs, max_new_tokens, logprobs,
+    chat's fields (add_generation_prompt, continue_final_message, template_kwargs, max_new_tokens, logprobs,
     top_logprobs, parallel_tool_calls); `param`: the field the messages came from, which 400s name; `logprobs`: the
     top N of each new token's logprobs to ask for where the body has no chat `logprobs` (the Responses API's include)."""
     text, prompt = await state.off_loop(state.chat_prompt, messages, body.add_generation_prompt,
-                                        body.continue_final_message, body.chat_template_kwargs, tools.template_tools,
+                                        body.continue_final_message, body.template_kwargs, tools.template_tools,
                                         param)
     state.check_room([prompt], body)
     in_reasoning = starts_in_reasoning(text)
@@ -115,7 +116,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
             message, calls = AssistantMessage(content=r.text or ""), 0
         else:
             reader = parser()
-            reply = Reply.of(reader.feed(r.text or "") + reader.finish())
+            reply = Reply.of(_shown(body, reader.feed(r.text or "") + reader.finish()))
             message = AssistantMessage(content=reply.content, reasoning_content=reply.reasoning, reasoning=reply.reasoning,
                                        tool_calls=[ToolCall(id=call_id(), function=FunctionCall(name=n, arguments=a))
                                                    for n, a in reply.calls] or None)
@@ -139,6 +140,11 @@ def _prompt_logprobs(state: ServerState, body: ChatCompletionRequest, prompt: li
     if body.prompt_logprobs is None or entries is None:
         return None
     return prompt_logprobs(state.token_strings, prompt, entries, body.prompt_logprobs)
+
+
+def _shown(body: ChatCompletionRequest, events: list) -> list:
+    """The reply's events the response shows: without its reasoning under vLLM's include_reasoning false."""
+    return events if body.include_reasoning else [e for e in events if not isinstance(e, ReasoningDelta)]
 
 
 def _delta(event, call_ids: list[str]) -> DeltaMessage:
@@ -196,6 +202,7 @@ async def _events(state: ServerState, body: ChatCompletionRequest, group: Genera
             events = reader.feed(out.text) if out.text else []
             if out.finish_reason:
                 events += reader.finish()
+            events = _shown(body, events)
             finish = finish_reason(out.finish_reason, reader.calls, body.tool_choice)
             deltas = [_delta(e, call_ids[choice]) for e in events]
             if not deltas and (finish or (ids and out.token_ids)):

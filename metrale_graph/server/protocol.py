@@ -334,6 +334,9 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's; to the template as its `reasoning_effort` variable (vLLM's way: Qwen's templates do not read it)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    include_reasoning: StrictBool = True  # vLLM's: false leaves the reasoning out of the reply (its text is parsed out)
 
     def neutral(self) -> dict:
         # parallel_tool_calls false: one call (a forced tool_choice's schema holds the reply to one, tool_choice.py;
@@ -344,6 +347,13 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def template_kwargs(self) -> dict | None:
+        """The chat template's own variables: chat_template_kwargs, and reasoning_effort unless they set it."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     def conflict(self) -> tuple[str, str] | None:
         if self.top_logprobs and not self.logprobs:

@@ -311,7 +311,7 @@ class ResponsesRequest(SamplingFields):
         return not self.continue_final_message
 
     @property
-    def chat_template_kwargs(self) -> dict | None:
+    def template_kwargs(self) -> dict | None:
         effort = self.reasoning.effort if self.reasoning is not None else None
         return None if effort is None else {"reasoning_effort": effort}
 
