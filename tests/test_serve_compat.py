@@ -42,10 +42,11 @@ SLOTS = 8
 SHUTDOWN_S = 2
 MAX_REQUEST_BYTES = 3 * 1024 * 1024
 TIMEOUT = 120
-# Qwen3's switch: a chat template variable that only chat_template_kwargs sets; and a line of reasoning_effort, the
-# variable gpt-oss's templates read, which vLLM sets from OpenAI's field of that name
+# Qwen3's switch: a chat template variable that only chat_template_kwargs sets; a line of reasoning_effort, the
+# variable gpt-oss's templates read, which vLLM sets from OpenAI's field of that name; vLLM's RAG documents
 THINKING_TEMPLATE = ("{% if reasoning_effort is defined and reasoning_effort %}<|im_start|>system\nReasoning: "
-                     "{{ reasoning_effort }}<|im_end|>\n{% endif %}" + CHAT_TEMPLATE
+                     "{{ reasoning_effort }}<|im_end|>\n{% endif %}{% for d in documents or [] %}<|im_start|>system\n"
+                     "{{ d.title }}: {{ d.text }}<|im_end|>\n{% endfor %}" + CHAT_TEMPLATE
                      + "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}")
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -195,6 +196,10 @@ UNSUPPORTED = [  # (path, field, value): OpenAI's and vLLM's fields the engine c
     ("/v1/completions", "guided_whitespace_pattern", "\\n"),  # (once accepted and ignored)
     ("/v1/chat/completions", "chat_template", "{{ 'x' }}"),  # (once ignored: the server's template rendered)
     ("/v1/chat/completions", "echo", True),  # (likewise)
+    ("/v1/chat/completions", "priority", 5),  # (these four once accepted and ignored)
+    ("/v1/completions", "cache_salt", "a-tenant's salt"),  # (the prefix cache not kept apart as it asks)
+    ("/v1/completions", "kv_transfer_params", {"do_remote_decode": True}),
+    ("/v1/chat/completions", "vllm_xargs", {"a": 1}),
 ]
 
 
@@ -215,7 +220,8 @@ def test_those_fields_at_their_neutral_values_are_served(server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
     r = _post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "logprobs": False,
                                                "top_logprobs": 0, "response_format": {"type": "text"}, "echo": False,
-                                               "chat_template": None})
+                                               "chat_template": None, "priority": 0, "cache_salt": None,
+                                               "vllm_xargs": {}})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
 
 
@@ -277,6 +283,9 @@ def test_chat_template_arguments_reach_the_template(client, tokenizer):
                                               extra_body={"return_token_ids": True, **extra_body}).prompt_token_ids
     assert prompt_ids("high") == rendered("high") != rendered("low") and len(rendered("high")) > plain
     assert prompt_ids("high", chat_template_kwargs={"reasoning_effort": "low"}) == rendered("low")
+    docs = [{"title": "Weather", "text": "Sunny in Paris."}]  # vLLM's documents: the template's, as they are
+    text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, documents=docs)
+    assert prompt_ids(None, documents=docs) == tokenizer.encode(text, add_special_tokens=False) != rendered(None)
 
 
 def test_405_names_the_allowed_methods_and_a_body_that_is_not_utf8_is_400(server):

@@ -8,7 +8,8 @@ name when it is set, never silently ignored), plus vLLM's extensions `top_k`, `s
 `include_stop_str_in_output`, `prompt_logprobs`), structured output (OpenAI's `response_format`, vLLM's
 `structured_outputs` and `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`: server/structured.py)
 and the chat template's arguments
-(`chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`). Values are
+(`chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`; OpenAI's `reasoning_effort` and vLLM's
+`documents` as template variables, as vLLM passes them). Values are
 strict JSON types (`true` is not 1, "5" is not 5). Responses carry what OpenAI's do, `usage` always (a stream:
 in its last event when `stream_options.include_usage`), with `prompt_tokens_details.cached_tokens`; a chat
 reply's `tool_calls` and vLLM's `reasoning_content` (in a stream: `delta.tool_calls`, `delta.reasoning_content`).
@@ -57,6 +58,10 @@ NEUTRAL = {
     "allowed_token_ids": (None,), "bad_words": (None, []),
     "truncate_prompt_tokens": (None,), "logits_processors": (None,),
     "guided_whitespace_pattern": (None,),  # vLLM's: the JSON grammars' whitespace (xgrammar's is fixed here)
+    # vLLM's: a scheduling priority (vLLM too refuses one but 0 without its priority scheduler), a salt keeping the
+    # request's prefix-cache entries apart from others' (this cache has none), disaggregated prefill's KV transfer,
+    # custom extensions' arguments
+    "priority": (None, 0), "cache_salt": (None,), "kv_transfer_params": (None,), "vllm_xargs": (None, {}),
 }
 
 
@@ -144,6 +149,10 @@ class SamplingFields(BaseModel):
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
     guided_whitespace_pattern: Any = None
+    priority: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
 
     @model_validator(mode="before")
     @classmethod
@@ -336,6 +345,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI's; to the template as its `reasoning_effort` variable (vLLM's way: Qwen's templates do not read it)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    documents: list[dict[str, Any]] | None = None  # vLLM's: to the template as its `documents` (RAG templates read it)
     include_reasoning: StrictBool = True  # vLLM's: false leaves the reasoning out of the reply (its text is parsed out)
 
     def neutral(self) -> dict:
@@ -350,10 +360,10 @@ class ChatCompletionRequest(SamplingFields):
 
     @property
     def template_kwargs(self) -> dict | None:
-        """The chat template's own variables: chat_template_kwargs, and reasoning_effort unless they set it."""
-        if self.reasoning_effort is None:
-            return self.chat_template_kwargs
-        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
+        """The chat template's own variables: chat_template_kwargs, and reasoning_effort and documents unless they
+        set them."""
+        fields = {name: value for name in ("reasoning_effort", "documents") if (value := getattr(self, name)) is not None}
+        return {**fields, **(self.chat_template_kwargs or {})} if fields else self.chat_template_kwargs
 
     def conflict(self) -> tuple[str, str] | None:
         if self.top_logprobs and not self.logprobs:
