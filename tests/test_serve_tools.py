@@ -349,8 +349,9 @@ def test_responses_streamed_events_and_the_final_response(client):
 
 
 def test_responses_streamed_text_with_stream_true(client):
-    """stream=True through responses.create: the message's output_text deltas joined are its output_text.done."""
-    events = list(respond(client, tools=(), stream=True))
+    """stream=True through responses.create: the message's output_text deltas joined are its output_text.done;
+    stream_options asking for no obfuscation (what every stream here is: no padding in its deltas) is taken."""
+    events = list(respond(client, tools=(), stream=True, stream_options={"include_obfuscation": False}))
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     (done,) = [e for e in events if e.type == "response.output_text.done"]
     assert deltas == done.text == "".join(CALL)
@@ -378,6 +379,7 @@ def _responses_error(server, body) -> dict:
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "schema"),
     ({"max_output_tokens": 5000}, "max_output_tokens", "too large"),
     ({"n": 2}, "n", "not supported"),
+    ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options", "not supported"),
 ])
 def test_responses_bad_requests_are_400_naming_the_field(server, body, param, says):
     error = _responses_error(server, body)

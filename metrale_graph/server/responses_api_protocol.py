@@ -215,7 +215,9 @@ class ReasoningConfig(BaseModel):
 # the Responses API's fields this server does not run, and the values that ask for nothing
 RESPONSES_NEUTRAL = {
     "background": (None, False), "conversation": (None,), "prompt": (None,), "truncation": (None, "disabled"),
-    "max_tool_calls": (None,), "stream_options": (None,), "n": (1,), "prompt_logprobs": (None,),
+    "max_tool_calls": (None,), "n": (1,), "prompt_logprobs": (None,),
+    # OpenAI's stream options: obfuscation (random padding of the deltas) off, as every stream here is
+    "stream_options": (None, {}, {"include_obfuscation": False}),
     "return_token_ids": (False,), "return_tokens_as_token_ids": (None, False), "logprobs": (None, False),
 }
 
@@ -252,7 +254,7 @@ class ResponsesRequest(SamplingFields):
     truncation: Any = None
     max_tool_calls: Any = None
     logprobs: Any = None  # (chat's field, refused: include asks for logprobs here)
-    stream_options: Any = None  # (the Responses API's: include_obfuscation)
+    stream_options: Any = None  # (the Responses API's: include_obfuscation, taken when false: RESPONSES_NEUTRAL)
     # the stored conversation before `input` (previous_response_id's items, responses_store.py), set by the endpoint
     _history: list = PrivateAttr(default_factory=list)
 
