@@ -200,6 +200,10 @@ UNSUPPORTED = [  # (path, field, value): OpenAI's and vLLM's fields the engine c
     ("/v1/completions", "cache_salt", "a-tenant's salt"),  # (the prefix cache not kept apart as it asks)
     ("/v1/completions", "kv_transfer_params", {"do_remote_decode": True}),
     ("/v1/chat/completions", "vllm_xargs", {"a": 1}),
+    ("/v1/chat/completions", "verbosity", "low"),  # (these four OpenAI's, once accepted and ignored: a reply of
+    ("/v1/chat/completions", "modalities", ["text", "audio"]),  # the one verbosity, text only, no web search)
+    ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}),
+    ("/v1/chat/completions", "web_search_options", {}),
 ]
 
 
@@ -221,7 +225,7 @@ def test_those_fields_at_their_neutral_values_are_served(server):
     r = _post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "logprobs": False,
                                                "top_logprobs": 0, "response_format": {"type": "text"}, "echo": False,
                                                "chat_template": None, "priority": 0, "cache_salt": None,
-                                               "vllm_xargs": {}})
+                                               "vllm_xargs": {}, "verbosity": "medium", "modalities": ["text"]})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
 
 

@@ -380,6 +380,7 @@ def _responses_error(server, body) -> dict:
     ({"max_output_tokens": 5000}, "max_output_tokens", "too large"),
     ({"n": 2}, "n", "not supported"),
     ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options", "not supported"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity", "'low'"),  # (named as "text", got TextConfig(...), once)
 ])
 def test_responses_bad_requests_are_400_naming_the_field(server, body, param, says):
     error = _responses_error(server, body)

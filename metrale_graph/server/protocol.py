@@ -65,6 +65,13 @@ NEUTRAL = {
 }
 
 
+def field_value(body, name: str):
+    """The value of a request's field by its dotted name (`text.verbosity`), None where a part of it is unset."""
+    for part in name.split("."):
+        body = getattr(body, part, None)
+    return body
+
+
 def is_neutral(value, neutral: tuple) -> bool:
     if isinstance(value, bool) or any(isinstance(n, bool) for n in neutral):
         return any(value is n for n in neutral)
@@ -169,7 +176,7 @@ class SamplingFields(BaseModel):
     def unsupported(self) -> str | None:
         """The name of the first field set to something this server cannot do, or None."""
         for name, neutral in self.neutral().items():
-            if not is_neutral(getattr(self, name), neutral):
+            if not is_neutral(field_value(self, name), neutral):
                 return name
         return None
 
@@ -320,6 +327,9 @@ class NamedToolChoice(BaseModel):
 
 
 ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
+# OpenAI's chat fields for what this server's replies cannot be (another verbosity, audio, web search results)
+CHAT_NEUTRAL = {"verbosity": (None, "medium"), "modalities": (None, ["text"]), "audio": (None,),
+                "web_search_options": (None,)}
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -333,6 +343,10 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: Any = None  # false: one call (forced: the schema's; auto: the first, as vLLM: chat.py)
     functions: Any = None  # OpenAI's deprecated forms of tools and tool_choice: refused (NEUTRAL)
     function_call: Any = None
+    verbosity: Any = None  # OpenAI's output options this server has not: refused (CHAT_NEUTRAL)
+    modalities: Any = None
+    audio: Any = None
+    web_search_options: Any = None
     # vLLM's that this server does not run, refused (NEUTRAL): a request's own chat template (vLLM too refuses it
     # without --trust-request-chat-template; the reply parsers read the server's template's formats) and echo (the
     # reply after the last message's text)
@@ -352,7 +366,8 @@ class ChatCompletionRequest(SamplingFields):
         # parallel_tool_calls false: one call (a forced tool_choice's schema holds the reply to one, tool_choice.py;
         # under "auto" the calls after the first are dropped, as vLLM does)
         return {"parallel_tool_calls": (None, True, False), "functions": (None, []),
-                "function_call": (None, "none"), "chat_template": (None,), "echo": (None, False), **NEUTRAL}
+                "function_call": (None, "none"), "chat_template": (None,), "echo": (None, False), **CHAT_NEUTRAL,
+                **NEUTRAL}
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -203,7 +203,7 @@ class TextFormat(BaseModel):
 
 class TextConfig(BaseModel):
     format: TextFormat | None = None
-    verbosity: Any = None  # refused unless null or "medium" (NEUTRAL)
+    verbosity: Any = None  # refused unless null or "medium" (RESPONSES_NEUTRAL: the replies have one verbosity)
 
 
 class ReasoningConfig(BaseModel):
@@ -217,7 +217,7 @@ RESPONSES_NEUTRAL = {
     "background": (None, False), "conversation": (None,), "prompt": (None,), "truncation": (None, "disabled"),
     "max_tool_calls": (None,), "n": (1,), "prompt_logprobs": (None,),
     # OpenAI's stream options: obfuscation (random padding of the deltas) off, as every stream here is
-    "stream_options": (None, {}, {"include_obfuscation": False}),
+    "stream_options": (None, {}, {"include_obfuscation": False}), "text.verbosity": (None, "medium"),
     "return_token_ids": (False,), "return_tokens_as_token_ids": (None, False), "logprobs": (None, False),
 }
 
@@ -263,11 +263,6 @@ class ResponsesRequest(SamplingFields):
 
     def neutral(self) -> dict:
         return {**RESPONSES_NEUTRAL, **NEUTRAL}
-
-    def unsupported(self) -> str | None:
-        if self.text is not None and self.text.verbosity not in (None, "medium"):
-            return "text"
-        return super().unsupported()
 
     def explicit_max_tokens(self) -> tuple[str, int] | None:
         return None if self.max_output_tokens is None else ("max_output_tokens", self.max_output_tokens)

@@ -21,7 +21,7 @@ from .errors import bad_request, short, unauthorized, unknown_model, warming_up
 from .limits import TokenBound
 from .logprobs import TokenStrings, token_id_string
 from .metrics import ServerMetrics
-from .protocol import SamplingFields
+from .protocol import SamplingFields, field_value
 from .reasoning import THINK_END
 from .reply import ReplyParsers
 from .responses import ModelCard
@@ -132,7 +132,7 @@ class ServerState:
         if name is not None:
             neutral = [v for v in body.neutral().get(name, (None,)) if v is not None]
             unset = "leave it unset" + (f" (or {' / '.join(map(json.dumps, neutral))})" if neutral else "")
-            raise bad_request(f"{name} is not supported by this server (got {short(getattr(body, name))}): {unset}",
+            raise bad_request(f"{name} is not supported by this server (got {short(field_value(body, name))}): {unset}",
                               param=name, code="unsupported_parameter")
         conflict = body.conflict()
         if conflict is not None:
