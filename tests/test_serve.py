@@ -1,6 +1,7 @@
 """The OpenAI-compatible server as a real process (tools/serve.py on 127.0.0.1, a free port, started once
 for the module) on a tiny checkpoint with a byte-level BPE tokenizer and a chat template, called with the
-official `openai` client and httpx: completions (text, token ids, several prompts, n), chat, streaming,
+official `openai` client and httpx: completions (text, token ids, several prompts, n), chat, streaming, vLLM's
+return_token_ids (the prompt's token ids where vLLM puts them),
 greedy and seeded outputs identical to Engine.generate in this process, stop strings and stop token ids,
 64 concurrent streaming clients, a client that disconnects mid-stream (its slot freed, the metrics show
 it), bad requests answered 4xx in OpenAI's shape with the server going on, a full queue (503 +

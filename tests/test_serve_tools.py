@@ -5,7 +5,8 @@ in the prompt, a reasoning and an answer), called with the official `openai` cli
 
 Covered: the agent loop (call, the result sent back as a `tool` message, the answer), whole and streamed
 (`delta.tool_calls` with the name first and the arguments in pieces, `delta.reasoning_content`), n > 1,
-enable_thinking false (the template closes the reasoning in the prompt), tool_choice "none" (no tools rendered,
+enable_thinking false (the template closes the reasoning in the prompt), vLLM's include_reasoning false (the reply
+without its reasoning), tool_choice "none" (no tools rendered,
 no call parsed), a call of a function the request does not offer (content, never a 500), a reply cut inside a
 call, and the 400s naming their field (a tool without a name, tool_choice naming an unknown function, OpenAI's
 fields this server does not honour). Forced calls (tool_choice "required" / named): test_serve_structured.py.
