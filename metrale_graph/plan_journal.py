@@ -18,9 +18,12 @@ The operations, each a run of int64s (the plan's `journal`):
                                       failed (the entry it took was given back)
     COMMIT k ids[k]                   the last step launched was committed, its k decodes having read `ids`
                                       (prefix caching labels the blocks they fill with them)
-    LOOKUP slot n entry tokens[n]     a prefix restore looked the prompt up and found n tokens in `entry` (n 0,
-                                      entry -1: nothing); tokens are the prompt's first n, which the replay looks
-                                      up again (the same index finds the same entry) and restores as rank 0 did
+    LOOKUP slot n entry m tokens[m]   a prefix restore looked the prompt up and found n tokens in `entry` (n 0,
+                                      entry -1, m 0: nothing); tokens are the prompt's first n and the one after
+                                      them where it has one (m = n + 1: the MTP head's entries of a restored prefix
+                                      are the prompt's own only if the last one read it, SlotBlocks.head_follows),
+                                      which the replay looks up again (at most n of them: the same index finds the
+                                      same entry) and restores as rank 0 did
     CLEAR                             every kept prefix forgotten (reset_prefix_cache)
 
 A restore that raises on rank 0 after its lookup (its copies failing) has its slot reset by its transaction and
@@ -70,9 +73,10 @@ class CacheJournal:
     def lookup(self, slot: int, tokens: list[int], hit) -> None:
         """PrefixStore.restore's lookup (its on_lookup): `hit` a prefix_cache.Hit, or None."""
         if hit is None:
-            self.ops += (LOOKUP, slot, 0, -1)
+            self.ops += (LOOKUP, slot, 0, -1, 0)
         else:
-            self.ops += (LOOKUP, slot, hit.length, hit.entry, *tokens[:hit.length])
+            carried = tokens[:hit.length + 1]
+            self.ops += (LOOKUP, slot, hit.length, hit.entry, len(carried), *carried)
 
     def clear(self) -> None:
         self.ops.append(CLEAR)
@@ -113,9 +117,9 @@ class JournalReplay:
                 self._commit(ops[at + 2:at + 2 + k])
                 at += 2 + k
             elif op == LOOKUP:
-                slot, n, entry = ops[at + 1:at + 4]
-                self._restore(slot, ops[at + 4:at + 4 + n], entry)
-                at += 4 + n
+                slot, n, entry, m = ops[at + 1:at + 5]
+                self._restore(slot, ops[at + 5:at + 5 + m], n, entry)
+                at += 5 + m
             elif op == CLEAR:
                 cache.clear_prefixes()
                 at += 1
@@ -135,29 +139,30 @@ class JournalReplay:
             self._diverged(f"rank 0 committed a step of {len(ids)} decodes, this rank's last step had {decodes}")
         commit(ids)
 
-    def _restore(self, slot: int, tokens: list[int], entry: int) -> None:
-        """Rank 0's restore into `slot`, whose lookup found `tokens` (none: nothing) in `entry`: the same lookup
-        (its counters and LRU order) and the same restore here. A restore that raises here after its lookup has
-        reset the slot (its transaction): where it raised on rank 0 too, the journal's RESET of the slot follows
-        and finds it empty; where it did not, rank 0 holds blocks this rank gave back, which the state check names."""
+    def _restore(self, slot: int, tokens: list[int], n: int, entry: int) -> None:
+        """Rank 0's restore into `slot`, whose lookup found the first `n` of `tokens` (0: nothing) in `entry`: the
+        same lookup (its counters and LRU order) and the same restore here. A restore that raises here after its
+        lookup has reset the slot (its transaction): where it raised on rank 0 too, the journal's RESET of the slot
+        follows and finds it empty; where it did not, rank 0 holds blocks this rank gave back, which the state
+        check names."""
         cache = self.cache
         index = cache.slot_blocks.index
-        if not tokens:
+        if not n:
             index.lookups += 1  # (a lookup that found nothing changes only the counter)
             return
         found = []
         cache.prefixes.on_lookup = lambda _slot, _tokens, hit: found.append(hit)
         try:
             with cache.exclusive():
-                cache.prefixes.restore(slot, tokens, len(tokens))
+                cache.prefixes.restore(slot, tokens, n)
         except Exception:
             pass
         finally:
             cache.prefixes.on_lookup = None
         hit = found[0] if found else None
-        if hit is None or (hit.length, hit.entry) != (len(tokens), entry):
+        if hit is None or (hit.length, hit.entry) != (n, entry):
             got = "nothing" if hit is None else f"{hit.length} tokens in entry {hit.entry}"
-            self._diverged(f"restoring slot {slot}, rank 0 found {len(tokens)} tokens in entry {entry}, this rank {got}")
+            self._diverged(f"restoring slot {slot}, rank 0 found {n} tokens in entry {entry}, this rank {got}")
 
     def _diverged(self, what: str) -> None:
         raise RuntimeError(f"the prefix cache of tensor-parallel rank {self.rank} diverged from rank 0's: {what}")
