@@ -187,6 +187,18 @@ class SpeculativeGraphs:
         buffer.copy_(self._keep_rows(keep or [], buffer.shape[1], slots), non_blocking=True)  # (numbers.to_device's reason)
         return self._run(entry, h)[:r]
 
+    def replay(self, bucket: Bucket, h: torch.Tensor, positions: list[list[int]], sampled: bool) -> None:
+        """A follower of a plan broadcast (speculative/following.py): the acceptance entry rank 0 runs (greedy, or
+        `sampled`) over h, for its LM head: vocabulary-parallel, so this rank computes its part of the vocabulary
+        for the rows rank 0's acceptance reads (positions [r][K + 1], tail.py's `ints` layout) and the gather
+        joins them there. Its rows are greedy rows without drafts (the follower settles with rank 0's counts) and
+        keep no state: the keep buffer of a follower's entry is never filled (its padding: nothing kept, the
+        scratch slot's last token set)."""
+        entry = self._entry("sampled" if sampled else "greedy", bucket)
+        K = self.K
+        _fill(entry.args[2], torch.tensor([p + [0] * (K + 1) + [self.vocab, 1] for p in positions], dtype=torch.int64))
+        self._run(entry, h)
+
     def draft(self, bucket: Bucket, h: torch.Tensor, tok: torch.Tensor, strm: torch.Tensor) -> torch.Tensor:
         """The MTP head's catch-up and drafts (tail.mtp_drafts; tok [3, t] and strm [4 + 2(K - 1), b] on the host,
         drafting.py builds them) over h, the verify step's hidden states of `bucket`. int64 [b, K] on the device."""

@@ -135,7 +135,9 @@ class Engine(RequestIntake):
         ValueError naming the problem first, e.g. "mtp" for a model without an MTP head): each decode step
         verifies k drafts per request in one step of the model, emitting the accepted ones and one more, with the
         same tokens as without (greedy) or the same distribution (sampled); speculative/verify.py and
-        docs/speculative.md. stats().speculative counts drafts proposed and accepted.
+        docs/speculative.md. stats().speculative counts drafts proposed and accepted. With broadcast_plans under
+        tensor parallelism rank 0's plans carry the drafts and it shares each verify step's accept counts; the
+        other ranks run the same verify steps and MTP drafting (speculative/following.py).
 
         Sizes that ask for more memory than the device has free (the cache's pools: num_slots, num_blocks x
         block_size, prefix_checkpoints; the bucket grid's buffers: token_budget) are a ValueError naming the
@@ -145,9 +147,6 @@ class Engine(RequestIntake):
         from .speculative import check_speculative
 
         speculative = check_speculative(speculative, model)
-        if speculative is not None and broadcast_plans and model.tp is not None:
-            raise ValueError("speculative with broadcast_plans under tensor parallelism is not supported yet (the plan "
-                             "broadcast does not carry drafts or accept counts): turn one of them off")
         num_slots, max_context, token_budget, block_size, num_blocks, max_waiting = check_sizes(
             cfg, num_slots, max_context, token_budget, block_size, num_blocks, max_waiting)
         if use_graphs and not compile:
@@ -292,10 +291,9 @@ class Engine(RequestIntake):
         if self._broadcast is None or self._broadcast.leader:
             raise ValueError("follow() runs on the ranks other than 0 of an Engine(..., broadcast_plans=True) under "
                              "tensor parallelism")
-        runner = self.runner
+        warmup = (lambda: self._warm_all(False)) if self.runner is not None else (lambda: None)  # (rank 0's warmup)
         with torch.no_grad(), self.cache.acting_for(self._token), self._loop._on_device():
-            follow(self._broadcast, self._loop.replay.replay, self._loop.follow_step,
-                   (lambda: runner.warmup(progress=False)) if runner is not None else (lambda: None))
+            follow(self._broadcast, self._loop.replay.replay, self._loop.follow_handlers(warmup))
 
     def stats(self) -> EngineStats:
         """Running and waiting requests, slot and KV-block use, and token counters, as of now."""

@@ -77,7 +77,7 @@ from .numbers import int_tensor, to_device
 from .prompt_logprobs import prefill_step
 from .protocol import prefill_call, restore_prefix
 from .plan_journal import CacheJournal, JournalReplay, cache_state
-from .plan_sync import IDLE, IDLE_SYNC_S, SHUTDOWN, STEP, WARMUP, PlanBroadcast
+from .plan_sync import DRAFT, IDLE, IDLE_SYNC_S, SHUTDOWN, SPECULATE, STEP, WARMUP, PlanBroadcast
 from .sampling import sample
 from .scheduler import DEVICE_TOKEN, Request, Scheduler
 
@@ -152,7 +152,7 @@ class EngineLoop(LoopIntake, LoopReadBack):
                 if self._broadcast is not None:
                     self.cache.prefixes.on_lookup = None
                     with contextlib.suppress(Exception):  # the process group may be gone at exit
-                        self._broadcast.send(SHUTDOWN)
+                        self._send(SHUTDOWN)  # (with the journal: the followers give back what release_all did)
         with contextlib.suppress(Exception):  # (another thread's hold() attempt at this very moment)
             self.cache.release(self._token)
 
@@ -312,14 +312,27 @@ class EngineLoop(LoopIntake, LoopReadBack):
         with prefill_call(self.model, self.cache, streams) as call:
             return call.launch(lambda batch: self.model.forward_packed(self.cache, batch), self.last_tokens, decodes)
 
-    def _send(self, kind: int, streams: list[Stream] = (), decodes: int = 0, sampling: list[int] = ()) -> None:
+    def _send(self, kind: int, streams: list[Stream] = (), decodes: int = 0, sampling: list[int] = (),
+              extra: list[int] = ()) -> None:
         """Rank 0 of a plan broadcast: send a message, with the cache journal since the last one and the cache's
         state now (plan_journal.py)."""
-        self._broadcast.send(kind, streams, self.journal.take(), decodes, sampling, cache_state(self.cache))
+        self._broadcast.send(kind, streams, self.journal.take(), decodes, sampling, cache_state(self.cache), extra)
 
-    def follow_step(self, streams: list[Stream], decodes: int, sampling: list[int]) -> None:
-        """A follower of a plan broadcast: run rank 0's step and take its sampled tokens (rows `sampling`). The
-        step is committed when rank 0's journal says so (with prefix caching: with the decodes' ids), else now."""
+    def follow_handlers(self, warmup) -> dict:
+        """A follower of a plan broadcast: what it runs for each kind of rank 0's messages (plan_sync.follow)."""
+        handlers = {STEP: lambda plan: self.follow_step(plan), WARMUP: lambda plan: warmup()}
+        if self.spec is not None:
+            from .speculative.following import SpeculativeFollower
+
+            follower = SpeculativeFollower(self.spec, self._broadcast)
+            handlers |= {SPECULATE: follower.verify, DRAFT: follower.draft}
+        return handlers
+
+    def follow_step(self, plan) -> None:
+        """A follower of a plan broadcast: run rank 0's step (a plan_sync.Plan of kind STEP) and take its sampled
+        tokens (rows plan.sampling). The step is committed when rank 0's journal says so (with prefix caching:
+        with the decodes' ids), else now."""
+        streams, decodes, sampling = plan.streams, plan.decodes, plan.sampling
         _, commit = self.launch(streams, decodes)
         self.replay.stepped(commit, decodes)
         if sampling:

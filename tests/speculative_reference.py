@@ -5,6 +5,7 @@ the bigram checkpoint of issue 39's done-when.
     tokens, steps = speculative_greedy(model, prompt, new_tokens, k, method="mtp")   # steps: (drafts, accepted)
     monkeypatch.setattr(verify, "ngram_propose", Oracle(prompts, plain_outputs, vocab))  # the engine's drafts
     staggered(engine, prompts)                                                          # requests at two times
+    with_eager_tail(engine, grid)            # its speculative steps through SpeculativeGraphs, uncompiled
 
 The loop keeps exact state the plain way: each verify runs on a snapshot of the cache, which is then put back and
 given the accepted tokens alone (a stream's GDN state cannot drop the rejected drafts' tokens). The engine's
@@ -19,9 +20,13 @@ is the identity (w 0) and its final norm the model's. Its drafts are then the mo
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from metrale_graph import HybridModel, Stream
+from metrale_graph.capture import choose
+from metrale_graph.capture.speculative import SpeculativeGraphs
 from metrale_graph.protocol import prefill_call
 from metrale_graph.sampling import SamplingParams
 from metrale_graph.speculative import draft_mtp, ngram_propose, rejection_sample, target_probabilities
@@ -155,3 +160,29 @@ def staggered(engine, prompts, new_tokens=16, abort=None):
         next(iter(handles[abort]))
         handles[abort].abort()
     return [None if i == abort else h.result().token_ids for i, h in enumerate(handles)]
+
+
+class EagerBuckets:
+    """A stand-in for GraphRunner's hidden-states buckets: the grid's bucket of each step, run eagerly."""
+
+    def __init__(self, model, cache, grid):
+        self.model, self.cache, self.grid = model, cache, grid
+        self.use_graphs, self.pool, self.hidden_entries = False, None, {}
+
+    def hidden_bucket(self, num_streams, num_tokens):
+        bucket = choose(self.grid, num_streams, num_tokens)
+        return None if bucket is None else SimpleNamespace(bucket=bucket)
+
+    def run_hidden(self, entry, packed):
+        return self.model.hidden_states(self.cache, packed)
+
+
+def with_eager_tail(engine, grid):
+    """An eager (compile=False) speculative `engine` whose speculative steps take SpeculativeGraphs' path (its
+    functions uncompiled, on their static buffers) in the buckets of `grid` (capture.make_grid's), behind
+    EagerBuckets; returns it."""
+    spec = engine._loop.spec
+    spec.runner = EagerBuckets(engine.model, engine.cache, grid)
+    spec.graphs = SpeculativeGraphs(spec.runner, spec.k, spec.mtp is not None, engine._loop.last_tokens,
+                                    compiled=False)
+    return engine

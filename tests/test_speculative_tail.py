@@ -7,16 +7,14 @@ One case compiles (torch.compile, fullgraph); graphs only on a GPU (test_gpu_spe
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from helpers import moe_config, random_tokens, tiny_config, unit_gain
-from speculative_reference import Oracle, bigram_model, with_random_mtp
+from speculative_reference import Oracle, bigram_model, with_eager_tail, with_random_mtp
 from metrale_graph import Engine, HybridModel, Stream
-from metrale_graph.capture import choose, make_grid
-from metrale_graph.capture.speculative import SpeculativeGraphs
+from metrale_graph.capture import make_grid
 from metrale_graph.sampling import SampleRow, SamplingParams, new_generator, sample
 from metrale_graph.speculative import accept_drawn, draw_positions, draw_uniforms, verify
 from metrale_graph.speculative.drafting import MtpDrafter
@@ -41,29 +39,12 @@ def prompts_of(family):
     return [random_tokens(n, s, CONFIGS[family].vocab_size) for n, s in PROMPTS]
 
 
-class EagerBuckets:
-    """A stand-in for GraphRunner's hidden-states buckets: the grid's bucket of each step, run eagerly."""
-
-    def __init__(self, model, cache, grid):
-        self.model, self.cache, self.grid = model, cache, grid
-        self.use_graphs, self.pool, self.hidden_entries = False, None, {}
-
-    def hidden_bucket(self, num_streams, num_tokens):
-        bucket = choose(self.grid, num_streams, num_tokens)
-        return None if bucket is None else SimpleNamespace(bucket=bucket)
-
-    def run_hidden(self, entry, packed):
-        return self.model.hidden_states(self.cache, packed)
-
-
 def tail_engine(model, slots, speculative, calls=None, **kw):
     """An eager Engine whose speculative steps take SpeculativeGraphs' path (its functions uncompiled) in the
     buckets of GRID; `calls` counts them ("accept", "draft")."""
-    e = Engine(model, slots, compile=False, speculative=speculative, **kw)
-    spec = e._loop.spec
-    spec.runner = EagerBuckets(model, e.cache, make_grid(GRID["batch_sizes"], GRID["token_counts"]))
-    graphs = spec.graphs = SpeculativeGraphs(spec.runner, spec.k, spec.mtp is not None, e._loop.last_tokens,
-                                             compiled=False)
+    e = with_eager_tail(Engine(model, slots, compile=False, speculative=speculative, **kw),
+                        make_grid(GRID["batch_sizes"], GRID["token_counts"]))
+    graphs = e._loop.spec.graphs
     if calls is not None:
         for name in ("accept", "draft"):
             method = getattr(graphs, name)

@@ -17,17 +17,41 @@ are the slot's, within its reservation (k leaves room for the added token: n' + 
 from __future__ import annotations
 
 import itertools
+from typing import Callable, NamedTuple
 
 import torch
 
-from ..batch import PackedBatch
+from ..batch import PackedBatch, Stream
 from ..numbers import int_tensor, to_device
 from .mtp import mtp_hidden_states
+
+
+class DraftBatch(NamedTuple):
+    """One drafting's inputs, on the host: per stream its slot, its catch-up's next tokens (`ids`, one per kept
+    position), where its kept positions' rows of the verify step's h begin (`starts`), its context before the
+    step (`begins`: the head's first catch-up position) and the drafts it gets (`want`)."""
+    slots: list[int]
+    ids: list[list[int]]
+    starts: list[int]
+    begins: list[int]
+    want: list[int]
+
+    def message(self) -> tuple[list[Stream], list[int]]:
+        """(streams, extra) of the plan broadcast's DRAFT message (plan_sync.py)."""
+        return [Stream(s, i) for s, i in zip(self.slots, self.ids)], self.starts + self.begins + self.want
+
+    @classmethod
+    def of(cls, streams: list[Stream], extra: list[int]) -> "DraftBatch":
+        """message()'s batch back."""
+        n = len(streams)
+        return cls([s.slot for s in streams], [list(s.tokens) for s in streams], extra[:n], extra[n:2 * n],
+                   extra[2 * n:3 * n])
 
 
 class MtpDrafter:
     def __init__(self, model, cache):
         self.model, self.cache = model, cache
+        self.on_batch: Callable[[DraftBatch], None] | None = None  # told each batch before it runs (plan_sync.py)
 
     def draft(self, h: torch.Tensor, reqs: list, before: list[int], starts: list[int], room: list[int],
               graphs=None, bucket=None) -> dict:
@@ -41,28 +65,35 @@ class MtpDrafter:
                 and cache.context_lens[r.slot] > before[i]]
         if not todo:
             return {}
-        slots = [reqs[i].slot for i in todo]
+        ids = []
+        for i in todo:  # catch-up: every kept position of each request, its next token from the request's tokens
+            seq = reqs[i].prompt + reqs[i].out
+            ids.append(seq[before[i] + 1:cache.context_lens[reqs[i].slot] + 1])
+        batch = DraftBatch([reqs[i].slot for i in todo], ids, [starts[i] for i in todo], [before[i] for i in todo],
+                           [room[i] for i in todo])
+        if self.on_batch is not None:
+            self.on_batch(batch)
+        return self.run(batch, h, graphs, bucket)
+
+    def run(self, batch: DraftBatch, h: torch.Tensor, graphs=None, bucket=None) -> dict:
+        """draft's head over `batch` (on a follower of a plan broadcast: rank 0's): the catch-up, the drafts, the
+        head's context; {slot: drafts}."""
+        cache, slots = self.cache, batch.slots
         with cache.exclusive(), cache.transaction(slots):
-            # catch-up: every kept position of each request, its next token from the request's tokens
-            lengths = [cache.context_lens[reqs[i].slot] - before[i] for i in todo]
-            ids, rows = [], []
-            for i, n in zip(todo, lengths):
-                seq = reqs[i].prompt + reqs[i].out
-                ids += seq[before[i] + 1:before[i] + n + 1]
-                rows += range(starts[i], starts[i] + n)
-            want = [room[i] for i in todo]
+            lengths = [len(i) for i in batch.ids]
+            ids = [t for i in batch.ids for t in i]
+            rows = [r for s, n in zip(batch.starts, lengths) for r in range(s, s + n)]
+            want = batch.want
             cache.allocate(cache.block_needs([(s, k - 1) for s, k in zip(slots, want) if k > 1]))
-            args = (h, slots, ids, rows, lengths, [before[i] for i in todo], want)
+            args = (h, slots, ids, rows, lengths, batch.begins, want)
             if graphs is not None and bucket is not None and bucket.holds(len(slots), len(ids)):
                 drafts = self._captured(graphs, bucket, *args)
             else:
                 drafts = self._eager(*args)
-            at = 0
-            for i, slot, n in zip(todo, slots, lengths):
+            for slot, begin, new in zip(slots, batch.begins, batch.ids):
                 cache.mtp_context_lens[slot] = cache.context_lens[slot]
                 if cache.prefix_caching:  # what a restore of these blocks checks (cache_prefixes.restore)
-                    cache.slot_blocks.head_written(slot, before[i], ids[at:at + n])
-                at += n
+                    cache.slot_blocks.head_written(slot, begin, new)
         return drafts
 
     def _captured(self, graphs, bucket, h, slots, ids, rows, lengths, begins, want) -> dict:

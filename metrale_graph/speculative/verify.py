@@ -42,6 +42,10 @@ CUDA captured) hidden-states step of the bucket it fits (GraphRunner.hidden_buck
    a stop is neither emitted nor counted.
 6. Drafts for the next step: "ngram" looks them up when the step is planned (proposers.ngram_propose over prompt
    + output); "mtp" runs the head now (drafting.py: catch-up on the positions this step kept, then k drafts).
+
+Under a plan broadcast (plan_sync.py) this runs on rank 0, which sends each step (SPECULATE: its streams, drafts
+included, laid out alike everywhere by layout.py), shares its accept counts and last tokens after the read back,
+and sends each MTP drafting (DRAFT); following.py is the other ranks' side.
 """
 
 from __future__ import annotations
@@ -58,10 +62,12 @@ from ..logits_processors import process_logits
 from ..logprobs import token_logprobs
 from ..numbers import int_tensor, to_device
 from ..ops.common import decode_shaped
+from ..plan_sync import DRAFT, SPECULATE
 from ..protocol import prefill_call
 from ..sampling import SampleRow, sample
 from .acceptance import accept_drawn, draw_positions, draw_uniforms
 from .drafting import MtpDrafter
+from .layout import VerifyLayout, acceptance_rows, kept_lengths, last_rows, position_rows, verify_layout
 from .options import Speculative
 from .proposers import TokenHistory, ngram_propose
 from .tail import host_rows, keep_verified_states
@@ -105,6 +111,11 @@ class SpeculativeStep:
             from ..capture.speculative import SpeculativeGraphs
 
             self.graphs = SpeculativeGraphs(loop.runner, self.k, self.mtp is not None, loop.last_tokens)
+        if self.mtp is not None and loop._broadcast is not None and loop._broadcast.leader:
+            def announce(batch):  # rank 0 of a plan broadcast: each drafting goes to the followers (following.py)
+                streams, extra = batch.message()
+                loop._send(DRAFT, streams, extra=extra)
+            self.mtp.on_batch = announce
         self.proposed = self.accepted = self.drafts = self.steps = 0
 
     def stats(self) -> dict:
@@ -167,86 +178,82 @@ class SpeculativeStep:
             c.request.mtp_ok = False
 
     def run(self, step: list, decodes: int) -> None:
-        cache, model = self.cache, self.model
-        K, dev = self.k, cache.device
+        cache, model, loop = self.cache, self.model, self.loop
         reqs = [c.request for c in step]
         tokens = [[r.out[-1]] + r.drafts if i < decodes else c.tokens for i, (c, r) in enumerate(zip(step, reqs))]
-        lengths = [len(t) for t in tokens]
-        starts = [sum(lengths[:i]) for i in range(len(step))]
+        sampling = [i for i, c in enumerate(step) if c.sample]
+        layout = verify_layout([len(t) for t in tokens], decodes, sampling, self.base, self.k, cache.verify_entries)
         before = [cache.context_lens[r.slot] for r in reqs]
-        spec = [i for i in range(decodes) if reqs[i].drafts]
-        plain = [i for i, c in enumerate(step) if c.sample and i not in spec]
-        keep_tok = [starts[i] + t for i in spec for t in range(lengths[i] - 1)]
-        if len(spec) * K > cache.verify_entries:  # may_take keeps a speculating step to max_streams decodes
-            raise RuntimeError(f"{len(spec)} speculating streams need {len(spec) * K} verify entries, the cache "
-                               f"has {cache.verify_entries}")
-        keep_entry = [self.base + j * K + t for j, i in enumerate(spec) for t in range(lengths[i] - 1)]
-        out: dict = {}
-
-        def forward(packed):
-            if (dev.type == "cuda" and packed.num_streams == 1 and keep_tok  # (verify states to keep: any token)
-                    and pads_one_stream(self.runner, packed.num_tokens)):
-                packed = packed.padded(2, packed.num_tokens, cache)
-            runner = self.runner  # its compiled (captured) hidden-states step of the bucket the step fits, if any
-            entry = runner.hidden_bucket(packed.num_streams, packed.num_tokens) if runner is not None else None
-            targets(cache, keep_tok, keep_entry)  # (left set after the step: the protocol clears them before another)
-            out["bucket"] = None if entry is None else entry.bucket
-            if entry is not None:
-                return runner.run_hidden(entry, packed)
-            return model.hidden_states(cache, packed)
+        rows = [reqs[i] for i in layout.spec + layout.plain]
+        # the captured acceptance where it may run: no logits processor on any row (else the eager one)
+        captured, sampled = all(map(unprocessed, rows)), not all(r.params.greedy for r in rows)
+        streams, out = [Stream(r.slot, t) for r, t in zip(reqs, tokens)], {}
 
         def settle(h):
             out["h"] = h
-            kept = list(lengths)
-            rows = [reqs[i] for i in spec + plain]
-            if rows and self.graphs is not None and out["bucket"] is not None and all(map(unprocessed, rows)):
-                # (its graph also keeps the states: tail.keep_accepted_states)
-                counts = self._accept_captured(h, out, reqs, spec, plain, starts, lengths)
+            spec, plain = layout.spec, layout.plain
+            if rows and self.graphs is not None and out["bucket"] is not None and captured:
+                counts = self._accept_captured(h, out, reqs, layout)  # (its graph also keeps the states)
             else:
-                counts = self._accept_eager(h, out, reqs, spec, plain, starts, lengths)
-                redo = [(j, i, c) for j, (i, c) in enumerate(zip(spec, counts)) if c < lengths[i] - 1]
-                if redo:  # the state after the kept tokens: verify entry c of the j-th speculating stream
-                    self._keep_states([reqs[i].slot for _, i, _ in redo], [self.base + j * K + c for j, _, c in redo])
-            for i, c in zip(spec, counts):
-                kept[i] = c + 1
-            return kept
+                counts = self._accept_eager(h, out, reqs, layout)
+                self.keep_states(layout, [reqs[i].slot for i in spec], counts)
+            if rows and loop._broadcast is not None:  # the followers settle with rank 0's counts (following.py)
+                last = [out["spec"][i][0][-1] for i in spec] + [out["plain"][i][0][-1] for i in plain]
+                loop._broadcast.share_tokens(to_device(int_tensor(counts + last), cache.device))
+            return kept_lengths(layout, counts)
 
-        with prefill_call(model, cache, [Stream(r.slot, t) for r, t in zip(reqs, tokens)]) as call:
-            call.run_settled(forward, settle)
-        self._deliver(step, decodes, reqs, out, spec)
+        with prefill_call(model, cache, streams) as call:
+            if loop._broadcast is not None:  # rank 0 of a plan broadcast: its followers run the same step
+                loop._send(SPECULATE, streams, decodes, sampling, [int(captured), int(sampled)])
+            call.run_settled(lambda packed: self.forward(packed, layout, out), settle)
+        self._deliver(step, decodes, reqs, out, layout.spec)
         if self.mtp is not None:
             live = [i for i, r in enumerate(reqs) if self.follows(r) and not r.ended]
             drafted = self.mtp.draft(out["h"], [reqs[i] for i in live], [before[i] for i in live],
-                                     [starts[i] for i in live], [self.room(reqs[i]) for i in live], self.graphs,
+                                     [layout.starts[i] for i in live], [self.room(reqs[i]) for i in live], self.graphs,
                                      out["bucket"])
             for i in live:
                 reqs[i].drafts = drafted.get(reqs[i].slot, [])
 
-    def _accept_eager(self, h, out: dict, reqs: list, spec: list[int], plain: list[int], starts: list[int],
-                      lengths: list[int]) -> list[int]:
+    def forward(self, packed, layout: VerifyLayout, out: dict) -> torch.Tensor:
+        """The verify step's hidden states of `packed` (run_settled's step): through the runner's hidden-states
+        bucket it fits (out["bucket"]; None: eagerly), the verify states of `layout`'s speculating streams kept
+        in their entries. The same on rank 0 and its followers (following.py)."""
+        cache = self.cache
+        if (cache.device.type == "cuda" and packed.num_streams == 1 and layout.keep_tokens  # (any token kept)
+                and pads_one_stream(self.runner, packed.num_tokens)):
+            packed = packed.padded(2, packed.num_tokens, cache)
+        runner = self.runner  # its compiled (captured) hidden-states step of the bucket the step fits, if any
+        entry = runner.hidden_bucket(packed.num_streams, packed.num_tokens) if runner is not None else None
+        targets(cache, layout.keep_tokens, layout.keep_entries)  # (left set after the step: cleared before another)
+        out["bucket"] = None if entry is None else entry.bucket
+        if entry is not None:
+            return runner.run_hidden(entry, packed)
+        return self.model.hidden_states(cache, packed)
+
+    def _accept_eager(self, h, out: dict, reqs: list, layout: VerifyLayout) -> list[int]:
         """settle's acceptance with every logits processor (_accept), and the plain sampling rows through
-        sampling.sample; sets out["spec"] / out["plain"]; returns the speculating streams' accept counts."""
-        counts, dev, loop = [], h.device, self.loop
+        sampling.sample; sets out["spec"] / out["plain"]; returns the speculating streams' accept counts. (Its
+        collectives, the LM head's two gathers, are what a follower's settle meets: following.py.)"""
+        counts, dev, loop, spec, plain = [], h.device, self.loop, layout.spec, layout.plain
         if spec:
-            counts, emitted, logprobs = self._accept(h, [reqs[i] for i in spec], [starts[i] for i in spec], self.k)
+            counts, emitted, logprobs = self._accept(h, [reqs[i] for i in spec], [layout.starts[i] for i in spec], self.k)
             out["spec"] = {i: (t, lp) for i, t, lp in zip(spec, emitted, logprobs)}
         if plain:
-            rows = to_device(int_tensor([starts[i] + lengths[i] - 1 for i in plain]), dev)
+            rows = to_device(int_tensor(last_rows(layout, plain)), dev)
             todo = [reqs[i] for i in plain]
             result = sample(self.model.logits_of(h.index_select(0, rows)), todo, loop.penalties, loop._token_masks(todo))
             host, entries = result.to_host()
             out["plain"] = {i: ([t], [e]) for i, t, e in zip(plain, host, entries)}
         return counts
 
-    def _accept_captured(self, h, out: dict, reqs: list, spec: list[int], plain: list[int], starts: list[int],
-                         lengths: list[int]) -> list[int]:
+    def _accept_captured(self, h, out: dict, reqs: list, layout: VerifyLayout) -> list[int]:
         """_accept_eager's tokens for rows no logits processor touches (`unprocessed`), in one replay of the
         bucket's acceptance graph (capture/speculative.py, speculative/tail.py) and one read back; the graph
         also puts each speculating stream's accepted state into its slot (settle's step 4)."""
-        K = self.k
+        K, spec, plain = self.k, layout.spec, layout.plain
         drafts = [reqs[i].drafts for i in spec] + [[] for _ in plain]
-        positions = ([[starts[i] + min(t, len(reqs[i].drafts)) for t in range(K + 1)] for i in spec]
-                     + [[starts[i] + lengths[i] - 1] * (K + 1) for i in plain])
+        positions = acceptance_rows(layout, K)
         rows = [reqs[i] for i in spec + plain]
         uniforms = draw_uniforms([r.generator for r in rows], [len(d) for d in drafts], K)
         ints, floats = host_rows(positions, drafts, [r.params for r in rows], uniforms.values, K,
@@ -261,6 +268,15 @@ class SpeculativeStep:
         if spec:
             self._count([len(d) for d in drafts[:len(spec)]], counts)
         return counts
+
+    def keep_states(self, layout: VerifyLayout, slots: list[int], counts: list[int]) -> None:
+        """After an eager acceptance (rank 0's, or a follower's with rank 0's counts): each speculating stream (slots,
+        in layout.spec's order) that kept c < its drafts takes the state after its kept tokens, verify entry c of
+        the j-th speculating stream."""
+        redo = [(j, slot, c) for j, (i, slot, c) in enumerate(zip(layout.spec, slots, counts))
+                if c < layout.lengths[i] - 1]
+        if redo:
+            self._keep_states([slot for _, slot, _ in redo], [self.base + j * self.k + c for j, _, c in redo])
 
     def _keep_states(self, slots: list[int], entries: list[int]) -> None:
         """Each slot's conv and GDN states of every layer := verify entry entries[i]'s (one graph with a runner)."""
@@ -280,9 +296,7 @@ class SpeculativeStep:
         tokens each emits (its kept drafts and one more) and their TokenLogprobs (None where not asked), on the
         host."""
         dev, n = h.device, [len(r.drafts) for r in reqs]
-        # rows [S, K + 1]: a stream's positions, its last one repeated past its own drafts (masked by num_drafts)
-        rows = [[s + min(t, m) for t in range(K + 1)] for s, m in zip(starts, n)]
-        flat = to_device(int_tensor([x for row in rows for x in row]), dev)
+        flat = to_device(int_tensor(position_rows(starts, n, K)), dev)  # [S * (K + 1)]
         raw = self.model.logits_of(h.index_select(0, flat))
         logits = self._processed(raw, reqs, K)
         uniforms = draw_uniforms([r.generator for r in reqs], n, K)
