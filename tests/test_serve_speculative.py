@@ -137,7 +137,6 @@ def test_a_server_without_speculation_has_no_acceptance_counters(engine):
      r"prompt_lookup_min \(5\) must be at most prompt_lookup_max \(3\)"),
     (["--speculative-config", CONFIG], r"--speculative-config: --model tiny: speculative method 'mtp' needs the "
                                        r"model's multi-token-prediction head, and this model has none: no mtp\.\*"),
-    (["--speculative-config", "ngram", "--tp", "2"], "--speculative-config: not supported with --tp yet"),
 ])
 def test_refused_configs_end_the_tool_before_it_listens(capsys, flags, message):
     with pytest.raises(SystemExit) as e:

@@ -1,7 +1,9 @@
 """The server under tensor parallelism on the CPU: torchrun of 2 gloo ranks, `--tp 2`; rank 0 serves HTTP
-and rank 1 follows its steps (Engine(broadcast_plans=True), engine.follow()), with prefix caching. Greedy
-completions (one alone, the same again from the prefix cache, two at once) give the tokens of the one-process
-Engine.generate; SIGTERM to rank 0 ends every rank and torchrun with exit code 0, and the port is free."""
+and rank 1 follows its steps (Engine(broadcast_plans=True), engine.follow()), with prefix caching and n-gram
+speculation (a prompt whose first new tokens repeat its first ones, so that drafts are verified: /metrics counts
+them). Greedy completions (one alone, the same again from the prefix cache, two at once) give the tokens of the
+one-process Engine.generate without speculation; SIGTERM to rank 0 ends every rank and torchrun with exit code 0,
+and the port is free."""
 
 import os
 import re
@@ -27,9 +29,10 @@ def test_tp_server_matches_one_process_and_ends_on_sigterm(tmp_path):
                 "--master-port", str(free_port())]
     server = ServerProcess(["-m", "metrale_graph.tools.serve", "--model", checkpoint, "--tp", "2", "--device", "cpu",
                             "--eager", "--num-slots", "4", "--max-context", "128", "--prefix-cache", "--port", str(port),
-                            "--shutdown-timeout", "2"], port, tmp_path, launcher=torchrun)
+                            "--shutdown-timeout", "2", "--speculative-config", "ngram"], port, tmp_path, launcher=torchrun)
     try:
-        prompts = [[1, 2, 3], [7, 8, 9, 10, 11]]
+        # the second's first tokens are its first three (one process, greedy): prompt lookup finds them and drafts
+        prompts = [[1, 2, 3], [194, 386, 121, 11, 150, 230, 49, 200]]
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         model = HybridModel.from_pretrained(checkpoint, progress=False)  # (while the ranks start)
@@ -55,6 +58,9 @@ def test_tp_server_matches_one_process_and_ends_on_sigterm(tmp_path):
         for t in clients:
             t.join(TIMEOUT)
         assert got == want
+        drafts = re.search(r"^metrale_spec_decode_num_drafts_total\{[^}]*\} (\S+)$",
+                           httpx.get(server.url + "/metrics", timeout=TIMEOUT).text, re.M)
+        assert drafts and float(drafts.group(1)) > 0
         rank0 = int(re.search(r"\(pid (\d+)\)", open(server.out_path).read()).group(1))
         os.kill(rank0, signal.SIGTERM)
         assert server.proc.wait(60) == 0, server.output()

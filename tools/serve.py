@@ -127,14 +127,12 @@ def _parse_args(argv):
 
 
 def _engine_kwargs(p, args) -> dict:
-    """Engine arguments besides the sizes (--prefix-cache under --tp too: rank 0's plans carry its cache journal,
-    plan_journal.py)."""
+    """Engine arguments besides the sizes (--prefix-cache and --speculative-config under --tp too: rank 0's plans
+    carry its cache journal, plan_journal.py, and its drafts and accept counts, speculative/following.py)."""
     kwargs = dict(max_waiting=args.max_waiting, block_size=args.block_size, num_blocks=args.num_blocks,
                   broadcast_plans=args.tp > 1)
     if args.prefix_cache is not None:
         kwargs["prefix_cache"] = args.prefix_cache
-    if args.speculative is not None and args.tp > 1:
-        p.error("--speculative-config: not supported with --tp yet (the plans rank 0 broadcasts carry no drafts)")
     if args.speculative is not None:
         kwargs["speculative"] = args.speculative
     return kwargs
