@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # One GPU session in one command (device machines start bare): install the carried
 # flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
-#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-tests|tp|fp8|fp8-sweep|fp8-bench|w8a16|moe-direct|serve|cookbook|prefix|structured|spec|spec-trace|all|setup]
+#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-tests|tp|fp8|fp8-sweep|fp8-bench|w8a16|serve|cookbook|prefix|structured|spec|spec-trace|all|setup]
 #   (run from the repository root)
 # tests: every GPU test (sweep + op-tests + model-tests: ~18 min, more than one call); ops: per-op
 # benchmark; decode (not in all): bench_ops at decode shapes and benchmarks/kernels/check_decode.py's tile sweep; bench: 9B workloads with the peer and generation; profile (not in all): the 9B workloads' device
 # time by phase and top kernels (bench --profile);
 # moe: the 35B-A3B and (12 layers) Qwen3-Next-80B-A3B workloads with the peer, the 35B-A3B default-grid warmup;
-# moe-direct (not in all): the bf16 direct path's rows / blocks forms A/B (GPU test, 35B-A3B D1 under each);
 # moe-tests (not in all): the GPU tests of the MoE decode paths, the direct one (bf16 and FP8, CUDA-graph replay)
 # and the counting sort on CUDA tensors (not yet timed); tp: the two-GPU benchmarks
 # (9B W2 / W5 against the one-GPU JSON in benchmarks/, 27B W1-W6, 35B-A3B W1 / W2 / W5 with the experts
@@ -278,19 +277,6 @@ if [[ $what == moe-tests ]]; then
     limit python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_moe_direct.py tests/test_kernels.py \
         -k "direct or count_sort" 2>&1 | tee "$OUT/moe_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed"
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
-fi
-if [[ $what == moe-direct ]]; then
-    # the bf16 direct path's two forms (METRALE_MOE_DIRECT rows / blocks, ops/moe/direct.py): the GPU test of each at
-    # the 35B-A3B's layer (against the reference and the aligned path, graph replay), then the 35B-A3B's D1 under
-    # each (D32's 256 pairs take the aligned path either way); the verify's 32 pairs: `spec` with SPEC_PRESETS
-    limit python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_moe_direct.py -k "35b_a3b_shape" 2>&1 \
-        | tee "$OUT/moe_direct_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed"
-    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
-    for form in rows blocks; do
-        METRALE_MOE_DIRECT=$form limit python3 -m metrale_graph.tools.bench --preset qwen3.5-35b-a3b --workloads D1 \
-            --variants graphs --repeat 5 --profile --json "$OUT/moe-direct-$form.json" 2>&1 | grep -v "^{" | tail -8
-        [[ ${PIPESTATUS[0]} == 0 ]] || status=1
-    done
 fi
 if [[ $what == fp8-bench ]]; then
     # issue 26: one bench run of each FP8 preset (W1-W7, D1, D32; FP8_PRESETS to choose, e.g. one per device call on a

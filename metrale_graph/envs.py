@@ -78,12 +78,6 @@ SETTINGS = _settings(
             "in registers; ops/fp8/w8a16.py). w8a16 lost the H200 A/B (984b18e: 9B-FP8 D1 5.71 against 5.34 ms, "
             "D32 8.74 against 8.15; BENCHMARKS.md): opt-in only while its kernel is reworked, removed if it loses "
             "again (ops.fp8.linear.DECODE_GEMM)", ("splitk", "w8a16")),
-    Setting("METRALE_MOE_DIRECT", "choice", "rows",
-            "the bf16 MoE direct decode path's kernels (calls of at most 64 token-expert pairs; ops/moe/direct.py): "
-            "rows, each pair a row of matrix-vector products, or blocks, each pair a 16-row block through the grouped "
-            "GEMM kernels (tensor-core dots, pipelined weight loads; ops/moe/gemm.direct_blocks). rows stays the "
-            "default until an H200 A/B of the 35B-A3B's D1 / D32 and verify steps (ops.moe.direct.FORM)",
-            ("rows", "blocks")),
     Setting("METRALE_VERIFY_PIECES", "text", None,
             "the speculative verify step's CUDA graphs: layer counts of the leading pieces, comma-separated (e.g. "
             "`1,3,8`; the remaining layers are the last piece), launched one after another so that the GPU starts "

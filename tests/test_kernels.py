@@ -1026,28 +1026,21 @@ def compile_(fn, types, consts, warps, stages):
 
 P, I = "*bf16", "*i32"
 gu = dict(x_ptr=P, w_ptr=P, act_ptr=P, ids_ptr=I, expert_ptr=I, num_pairs="i32", num_blocks="i32", N="i32", K="i32",
-          stride_x="i32", stride_we="i32", stride_wn="i32", first_expert="i32", EL="i32")
+          stride_x="i32", stride_we="i32", stride_wn="i32")
 dn = dict(act_ptr=P, w_ptr=P, y_ptr=P, ids_ptr=I, expert_ptr=I, rw_ptr=P, num_pairs="i32", num_blocks="i32", N="i32",
-          K="i32", stride_we="i32", stride_wn="i32", first_expert="i32", EL="i32")
+          K="i32", stride_we="i32", stride_wn="i32")
 smem = []
 for fn, types, extra, cfg in ((gemm._moe_gate_up_kernel.fn.fn, gu, dict(TOP_K=8), gemm._gemm_configs(2)[1]),
                               (gemm._moe_down_kernel.fn.fn, dn, {}, gemm._gemm_configs(1)[1])):
     for even_k in (True, False):
-        smem.append(compile_(fn, types, dict(BM=64, EVEN_K=even_k, IEEE=False, DIRECT=False, **extra, **cfg.kwargs),
-                             4, 4))
-    # the direct form (gemm.direct_blocks: a pair a 16-row block, top_e's int64 ids): every candidate
-    for c in gemm._gemm_configs(2 if fn is gemm._moe_gate_up_kernel.fn.fn else 1):
-        t = dict(types, ids_ptr="*i64", expert_ptr="*i64")
-        smem.append(compile_(fn, t, dict(BM=16, EVEN_K=True, IEEE=False, DIRECT=True, **extra, **c.kwargs),
-                             c.num_warps, c.num_stages))
+        smem.append(compile_(fn, types, dict(BM=64, EVEN_K=even_k, IEEE=False, **extra, **cfg.kwargs), 4, 4))
 # fp32 (IEEE dots) has one autotune candidate (gemm.FP32_CONFIG): it must compile at every block size
 F = "*fp32"
 for fn, types, extra in ((gemm._moe_gate_up_kernel.fn.fn, gu, dict(TOP_K=8)), (gemm._moe_down_kernel.fn.fn, dn, {})):
     types = {n: F if t == P else t for n, t in types.items()}
     for BM in (16, 32, 64, 128):
         for even_k in (True, False):
-            smem.append(compile_(fn, types, dict(BM=BM, EVEN_K=even_k, IEEE=True, DIRECT=BM == 16, **extra,
-                                                 **gemm.FP32_CONFIG.kwargs),
+            smem.append(compile_(fn, types, dict(BM=BM, EVEN_K=even_k, IEEE=True, **extra, **gemm.FP32_CONFIG.kwargs),
                                  gemm.FP32_CONFIG.num_warps, gemm.FP32_CONFIG.num_stages))
 smem.append(compile_(combine._moe_combine_kernel, dict(h_ptr=P, n_ptr=P, seg_w_ptr=P, y_ptr=P, shared_ptr=P, out_ptr=P,
                      D="i32", stride_h="i32"), dict(TOP_K=8, BLOCK=2048, ADD_RESIDUAL=True), 8, 1))

@@ -20,13 +20,9 @@ SHAPES = [((1, 2, 3), 8, 2, 32, 24), ((4,), 16, 4, 40, 20), ((6,), 6, 6, 24, 36)
           ((5, 8), 5, 1, 48, 64)]
 
 
-FORMS = ["rows", "blocks"]  # direct.FORM: its own kernels, or a pair a 16-row block of the grouped GEMM kernels
-
-
-def _direct(monkeypatch, form="rows"):
-    """moe_cuda takes the direct path whatever its shapes (its own rule, 4P <= E, is tested apart), in `form`."""
+def _direct(monkeypatch):
+    """moe_cuda takes the direct path whatever its shapes (its own rule, 4P <= E, is tested apart)."""
     monkeypatch.setattr(direct, "takes_direct", lambda P, E: P > 0)
-    monkeypatch.setattr(direct, "FORM", form)
 
 
 def _moe_aligned(args):
@@ -49,11 +45,9 @@ def _local(args, first, count):
     return args + [first]
 
 
-# (the blocks form in bf16 only here: under the interpreter its dots are fp32 whatever the dtype; fp32 below)
-@pytest.mark.parametrize("dtype,form", [(torch.float32, "rows"), (torch.bfloat16, "rows"), (torch.bfloat16, "blocks")],
-                         ids=["fp32-rows", "bf16-rows", "bf16-blocks"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tokens,E,k,D,IE", SHAPES)
-def test_direct_matches_reference_and_aligned(tokens, E, k, D, IE, dtype, form, monkeypatch):
+def test_direct_matches_reference_and_aligned(tokens, E, k, D, IE, dtype, monkeypatch):
     """Every token's output within the dtype's tolerance of the upcast reference (tokens whose routing is decided:
     metrics.moe_decided_rows) and of the aligned path (all tokens: both route alike); fresh outputs. Both paths
     sum fp32 products in fp32 (tl.dot against a row's sum: the order differs) and round at the same points."""
@@ -62,7 +56,7 @@ def test_direct_matches_reference_and_aligned(tokens, E, k, D, IE, dtype, form, 
         ref = REGISTRY["moe"].op(*upcast(clone_args(args, "cpu")))
         aligned = _moe_aligned(clone_args(args, DEVICE))
         with monkeypatch.context() as m:
-            _direct(m, form)
+            _direct(m)
             call = clone_args(args, DEVICE)
             out = moe.moe_cuda(*call)
         assert out.shape == (T, D) and out.dtype == dtype and out.is_contiguous()
@@ -73,9 +67,8 @@ def test_direct_matches_reference_and_aligned(tokens, E, k, D, IE, dtype, form, 
         assert_close(f"moe direct T={T} vs aligned", aligned.cpu().float(), out.cpu().float(), TOL[dtype])
 
 
-@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_direct_for_a_ranks_experts(dtype, form, monkeypatch):
+def test_direct_for_a_ranks_experts(dtype, monkeypatch):
     """Experts split across ranks (first_expert 3, 5 of 12 local): the other ranks' pairs give zero rows (checked
     on direct_experts' y), the op's output as the aligned path's, with and without the residual, and as the
     reference's (bf16: with the residual; without it the output is a partial sum of a few bf16-rounded terms,
@@ -89,7 +82,7 @@ def test_direct_for_a_ranks_experts(dtype, form, monkeypatch):
         ref = REGISTRY["moe"].op(*upcast(clone_args(args, "cpu")))
         aligned = _moe_aligned(clone_args(args, DEVICE))
         with monkeypatch.context() as m:
-            _direct(m, form)
+            _direct(m)
             out = moe.moe_cuda(*clone_args(args, DEVICE))
         rows = compared_rows("moe", args, dtype)
         if add_residual or dtype == torch.float32:
@@ -98,21 +91,17 @@ def test_direct_for_a_ranks_experts(dtype, form, monkeypatch):
         a = declaration(REGISTRY["moe"].op).Args(*args)
         n = rms_norm(a.h, a.norm_w, a.eps)
         top_w, top_e = route(n, a.router_w, a.top_k, True)
-        with monkeypatch.context() as m:
-            m.setattr(direct, "FORM", form)
-            y = direct.direct_experts(n.contiguous(), top_w.contiguous(), top_e.contiguous(), a.w13, a.w2, 3)
+        y = direct.direct_experts(n.contiguous(), top_w.contiguous(), top_e.contiguous(), a.w13, a.w2, 3)
         theirs = ((top_e < 3) | (top_e >= 8)).reshape(-1)
         assert theirs.any() and (~theirs).any()
         assert (y[theirs] == 0).all() and (y[~theirs] != 0).any(dim=1).all()
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_direct_with_no_tokens(form, monkeypatch):
+def test_direct_with_no_tokens(monkeypatch):
     """Zero tokens: a [0, D] output from the op, an empty y from direct_experts (no launch)."""
     args = _args(0, 8, 2, 32, 24, torch.bfloat16, seed=0)
-    monkeypatch.setattr(direct, "FORM", form)
     with monkeypatch.context() as m:
-        _direct(m, form)
+        _direct(m)
         assert moe.moe_cuda(*args).shape == (0, 32)
     a = declaration(REGISTRY["moe"].op).Args(*args)
     y = direct.direct_experts(a.h, torch.zeros(0, 2, dtype=a.h.dtype), torch.zeros(0, 2, dtype=torch.long),
@@ -144,10 +133,9 @@ def test_direct_is_chosen_by_shapes(monkeypatch):
     moe.moe_cuda(*args)
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_direct_path_never_syncs(form, monkeypatch):
+def test_direct_path_never_syncs(monkeypatch):
     """The direct path calls no op that syncs with the host or sizes its output from data."""
-    _direct(monkeypatch, form)
+    _direct(monkeypatch)
     _forbid_python_syncs(monkeypatch)
     args = _args(3, 16, 4, 32, 24, torch.bfloat16, seed=2)
     with _NoHostSync():
@@ -262,15 +250,13 @@ def test_direct_kernels_compile_for_sm90():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", FORMS)
-def test_direct_at_35b_a3b_shape_and_replay(form, monkeypatch):
+def test_direct_at_35b_a3b_shape_and_replay():
     """CUDA, the 35B-A3B's layer (D 2048, 256 experts, top 8, IE 512, shared 512), bf16, T = 1..8 (one set of
-    weights, the first T of 16 tokens): the direct path (each form) against the reference (decided tokens) and the
-    aligned path; then captured in a CUDA graph at T = 1 and 8 and replayed on other tokens (other routings): equal
-    to eager bit for bit (no atomics, a fixed order)."""
+    weights, the first T of 16 tokens): the direct path against the reference (decided tokens) and the aligned
+    path; then captured in a CUDA graph at T = 1 and 8 and replayed on other tokens (other routings): equal to
+    eager bit for bit (no atomics, a fixed order)."""
     from metrale_graph import PRESETS
 
-    monkeypatch.setattr(direct, "FORM", form)
     cfg = PRESETS["qwen3.5-35b-a3b"]
     E, k = cfg.num_experts, cfg.num_experts_per_tok
     dtype = torch.bfloat16
@@ -337,11 +323,3 @@ def test_fp8_direct_at_35b_a3b_shape_and_replay():
             buf.copy_(new)
         graph.replay()
         assert torch.equal(static_out, moe_experts_fp8_direct(x, top_w, top_e, w13, w13s, w2, w2s, 0, E))
-
-
-def test_a_direct_form_the_setting_does_not_take_is_named(monkeypatch):
-    """direct.FORM set to a name METRALE_MOE_DIRECT does not take: a ValueError naming the setting."""
-    args = _args(1, 8, 2, 32, 24, torch.bfloat16, seed=0)
-    _direct(monkeypatch, "dots")
-    with pytest.raises(ValueError, match="METRALE_MOE_DIRECT"):
-        moe.moe_cuda(*args)

@@ -27,17 +27,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from metrale_graph import envs
-
 from ..common import INTERPRET
-from .gemm import direct_blocks
 from .rounding import _rnd
 
 MAX_PAIRS = 64
-# the kernels (METRALE_MOE_DIRECT): "rows" (this module's) or "blocks" (gemm.direct_blocks: a pair a 16-row block of
-# the grouped GEMM kernels' tensor-core dots); may be set before a step is compiled or captured
-FORMS = envs.choices("METRALE_MOE_DIRECT")
-FORM = envs.METRALE_MOE_DIRECT
 
 
 def takes_direct(num_pairs: int, num_experts: int) -> bool:
@@ -163,12 +156,7 @@ def direct_experts(n: Tensor, top_w: Tensor, top_e: Tensor, w13: Tensor, w2: Ten
     """y [P, D] (P = T * top_k, n's dtype): row p = t * top_k + j holds the weighted output of token t's j-th
     expert, (down_e(silu(gate_e(n[t])) * up_e(n[t]))) * top_w[t, j], or 0 where this rank does not hold the
     expert (w13 [EL, 2 * IE, D] and w2 [EL, D, IE], unit inner stride, experts first_expert .. + EL - 1).
-    n [T, D] contiguous; top_w [T, k] in n's dtype, top_e [T, k] expert ids (int32 / int64), both contiguous.
-    FORM "blocks": the same through gemm.direct_blocks."""
-    if FORM not in FORMS:
-        raise ValueError(f"METRALE_MOE_DIRECT / ops.moe.direct.FORM must be one of {', '.join(FORMS)}, got {FORM!r}")
-    if FORM == "blocks":
-        return direct_blocks(n, top_w, top_e, w13, w2, first_expert, n.dtype == torch.float32 or INTERPRET)
+    n [T, D] contiguous; top_w [T, k] in n's dtype, top_e [T, k] expert ids (int32 / int64), both contiguous."""
     T, D = n.shape
     top_k = top_e.shape[1]
     EL, IE = w13.shape[0], w13.shape[1] // 2

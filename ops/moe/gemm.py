@@ -49,36 +49,21 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
-@triton.jit
-def _pair_block(expert_ptr, pid_m, num_pairs, first_expert, EL, BM: tl.constexpr):
-    """DIRECT's row block pid_m: pair pid_m alone in its first row (the others pad it), its expert from the
-    router's choice (expert_ptr: the pairs' expert ids, no alignment) as a local id, -1 for another rank's."""
-    r = tl.arange(0, BM)
-    e = tl.load(expert_ptr + pid_m).to(tl.int64) - first_expert
-    e = tl.where((e >= 0) & (e < EL), e, -1)
-    return tl.where(r == 0, pid_m, num_pairs), r == 0, e
-
-
-# autotuned per (N, K, BM, DIRECT) and dtypes; warmup runs every bucket before capture, so no tuning runs in a graph
-@triton.autotune(configs=_gemm_configs(2), key=["N", "K", "BM", "DIRECT"],
-                 prune_configs_by={"early_config_prune": _prune(2)}, cache_results=True)
+# autotuned per (N, K, BM) and dtypes; warmup runs every bucket before capture, so no tuning runs in a graph
+@triton.autotune(configs=_gemm_configs(2), key=["N", "K", "BM"], prune_configs_by={"early_config_prune": _prune(2)},
+                 cache_results=True)
 @triton.heuristics(EVEN_K)
 @triton.jit
 def _moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, expert_ptr, num_pairs, num_blocks, N, K, stride_x,
-                        stride_we, stride_wn, first_expert, EL, TOP_K: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                        IEEE: tl.constexpr, DIRECT: tl.constexpr):
+                        stride_we, stride_wn, TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
     """act[p, n] = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n]) for the pairs p = t * TOP_K + j of one block
-    (expert e); the gate and up tiles of the same columns are computed side by side. DIRECT: block p holds pair
-    p alone (_pair_block; ids_ptr unused), and another rank's pair leaves its row unwritten."""
+    (expert e); the gate and up tiles of the same columns are computed side by side."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), num_blocks, N, BM, BN, GROUP_M)
-    if DIRECT:
-        pair, valid, e = _pair_block(expert_ptr, pid_m, num_pairs, first_expert, EL, BM)
-    else:
-        e = tl.load(expert_ptr + pid_m).to(tl.int64)
-        pair, valid = _block_pairs(ids_ptr, pid_m, num_pairs, BM)
-    if e < 0:  # blocks past the last group (DIRECT: another rank's expert)
+    e = tl.load(expert_ptr + pid_m).to(tl.int64)
+    if e < 0:  # blocks past the last group
         return
+    pair, valid = _block_pairs(ids_ptr, pid_m, num_pairs, BM)
     token = (pair // TOP_K).to(tl.int64)
     cols = pid_n * BN + tl.arange(0, BN)
     k = tl.arange(0, BK)
@@ -103,29 +88,21 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, expert_ptr, num_pairs, n
     tl.store(act_ptr + pair.to(tl.int64)[:, None] * N + cols[None, :], y, mask=valid[:, None] & (cols < N)[None, :])
 
 
-@triton.autotune(configs=_gemm_configs(1), key=["N", "K", "BM", "DIRECT"],
-                 prune_configs_by={"early_config_prune": _prune(1)}, cache_results=True)
+@triton.autotune(configs=_gemm_configs(1), key=["N", "K", "BM"], prune_configs_by={"early_config_prune": _prune(1)},
+                 cache_results=True)
 @triton.heuristics(EVEN_K)
 @triton.jit
 def _moe_down_kernel(act_ptr, w_ptr, y_ptr, ids_ptr, expert_ptr, rw_ptr, num_pairs, num_blocks, N, K, stride_we,
-                     stride_wn, first_expert, EL, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr):
-    """y[p, n] = (act[p] . w[e, n]) * rw[p] for the pairs p of one block (expert e). DIRECT: block p holds pair p
-    alone (_pair_block), and another rank's pair gets a zero row."""
+                     stride_wn, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                     EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+    """y[p, n] = (act[p] . w[e, n]) * rw[p] for the pairs p of one block (expert e)."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), num_blocks, N, BM, BN, GROUP_M)
-    cols = pid_n * BN + tl.arange(0, BN)
-    if DIRECT:
-        pair, valid, e = _pair_block(expert_ptr, pid_m, num_pairs, first_expert, EL, BM)
-        if e < 0:
-            tl.store(y_ptr + pid_m.to(tl.int64) * N + cols, tl.zeros((BN,), dtype=y_ptr.dtype.element_ty),
-                     mask=cols < N)
-            return
-    else:
-        e = tl.load(expert_ptr + pid_m).to(tl.int64)
-        if e < 0:
-            return
-        pair, valid = _block_pairs(ids_ptr, pid_m, num_pairs, BM)
+    e = tl.load(expert_ptr + pid_m).to(tl.int64)
+    if e < 0:
+        return
+    pair, valid = _block_pairs(ids_ptr, pid_m, num_pairs, BM)
     rows = pair.to(tl.int64)
+    cols = pid_n * BN + tl.arange(0, BN)
     k = tl.arange(0, BK)
     a_ptrs = act_ptr + rows[:, None] * K + k[None, :]
     w_ptrs = w_ptr + e * stride_we + (cols % N).to(tl.int64)[None, :] * stride_wn + k[:, None]
@@ -152,8 +129,8 @@ def gate_up(n: Tensor, w13: Tensor, sorted_ids: Tensor, block_expert: Tensor, to
     IE, P, nblk = w13.shape[1] // 2, T * top_k, block_expert.shape[0]
     act = n.new_empty(P, IE)
     _moe_gate_up_kernel[lambda meta: (nblk * triton.cdiv(IE, meta["BN"]),)](
-        n, w13, act, sorted_ids, block_expert, P, nblk, IE, D, n.stride(0), w13.stride(0), w13.stride(1), 0,
-        w13.shape[0], TOP_K=top_k, BM=BM, IEEE=ieee, DIRECT=False)
+        n, w13, act, sorted_ids, block_expert, P, nblk, IE, D, n.stride(0), w13.stride(0), w13.stride(1),
+        TOP_K=top_k, BM=BM, IEEE=ieee)
     return act
 
 
@@ -164,29 +141,6 @@ def down(act: Tensor, w2: Tensor, sorted_ids: Tensor, block_expert: Tensor, top_
     P, IE = act.shape
     D, nblk = w2.shape[1], block_expert.shape[0]
     _moe_down_kernel[lambda meta: (nblk * triton.cdiv(D, meta["BN"]),)](
-        act, w2, y, sorted_ids, block_expert, top_w.reshape(-1), P, nblk, D, IE, w2.stride(0), w2.stride(1), 0,
-        w2.shape[0], BM=BM, IEEE=ieee, DIRECT=False)
-    return y
-
-
-def direct_blocks(n: Tensor, top_w: Tensor, top_e: Tensor, w13: Tensor, w2: Tensor, first_expert: int,
-                  ieee: bool) -> Tensor:
-    """direct.direct_experts' y [P, D] through these kernels (DIRECT): pair p is row block p, 16 rows of which
-    only the first is real, so the weights go through the tensor cores' dots and the kernels' pipelined loads
-    (the direct kernels' products are per-row sums with one K step's tile in flight); no sort, no alignment.
-    Another rank's pair gets a zero row."""
-    T, D = n.shape
-    top_k, (EL, IE2, _) = top_e.shape[1], w13.shape
-    P, BM = T * top_k, 16
-    y = n.new_empty(P, D)
-    if P == 0:
-        return y
-    act = n.new_empty(P, IE2 // 2)
-    e, rw = top_e.reshape(-1), top_w.reshape(-1)
-    _moe_gate_up_kernel[lambda meta: (P * triton.cdiv(IE2 // 2, meta["BN"]),)](
-        n, w13, act, e, e, P, P, IE2 // 2, D, n.stride(0), w13.stride(0), w13.stride(1), first_expert, EL,
-        TOP_K=top_k, BM=BM, IEEE=ieee, DIRECT=True)
-    _moe_down_kernel[lambda meta: (P * triton.cdiv(D, meta["BN"]),)](
-        act, w2, y, e, e, rw, P, P, D, IE2 // 2, w2.stride(0), w2.stride(1), first_expert, EL, BM=BM, IEEE=ieee,
-        DIRECT=True)
+        act, w2, y, sorted_ids, block_expert, top_w.reshape(-1), P, nblk, D, IE, w2.stride(0), w2.stride(1),
+        BM=BM, IEEE=ieee)
     return y
