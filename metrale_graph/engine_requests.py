@@ -119,9 +119,6 @@ class RequestIntake:
         params = check_params(temperature, top_k, top_p, vocab_size=self.model.config.vocab_size, **controls)
         if params.min_tokens > max_new_tokens:
             raise ValueError(f"min_tokens ({params.min_tokens}) must be at most max_new_tokens ({max_new_tokens})")
-        if params.prompt_logprobs is not None and self.model.tp is not None:
-            raise ValueError("prompt_logprobs under tensor parallelism is not supported yet (its eager step is not "
-                             "part of the broadcast plans)")
         return params
 
     def _check_not_follower(self, what: str) -> None:

@@ -74,7 +74,7 @@ from .logits_processors import PenaltyState
 from .loop_intake import EngineStats, Job, LoopIntake
 from .loop_readback import Launched, LoopReadBack
 from .numbers import int_tensor, to_device
-from .prompt_logprobs import prefill_step
+from .prompt_logprobs import prefill_step, run_scored, scored_chunks
 from .protocol import prefill_call, restore_prefix
 from .plan_journal import CacheJournal, JournalReplay, cache_state
 from .plan_sync import DRAFT, IDLE, IDLE_SYNC_S, SHUTDOWN, SPECULATE, STEP, WARMUP, PlanBroadcast
@@ -268,8 +268,9 @@ class EngineLoop(LoopIntake, LoopReadBack):
         prompts = step[decodes:]
         streams += [Stream(s, c.tokens) for s, c in zip(slots[decodes:], prompts)]
         try:
-            if self._broadcast is not None:
-                self._send(STEP, streams, decodes, [k for k, c in enumerate(step) if c.sample])
+            if self._broadcast is not None:  # (extra: the prompt-logprob chunks and their targets' counts)
+                extra = [x for k, targets in scored_chunks(step, decodes) for x in (k, len(targets))]
+                self._send(STEP, streams, decodes, [k for k, c in enumerate(step) if c.sample], extra)
             # the prompt chunks of requests asking for prompt logprobs run apart (prompt_logprobs.py)
             logits, commit, pieces = prefill_step(self.launch, self.model, self.cache, step, streams, decodes)
             rows = None if all(c.sample for c in prompts) else [k for k, c in enumerate(step) if c.sample]
@@ -329,11 +330,13 @@ class EngineLoop(LoopIntake, LoopReadBack):
         return handlers
 
     def follow_step(self, plan) -> None:
-        """A follower of a plan broadcast: run rank 0's step (a plan_sync.Plan of kind STEP) and take its sampled
-        tokens (rows plan.sampling). The step is committed when rank 0's journal says so (with prefix caching:
-        with the decodes' ids), else now."""
-        streams, decodes, sampling = plan.streams, plan.decodes, plan.sampling
-        _, commit = self.launch(streams, decodes)
+        """A follower of a plan broadcast: run rank 0's step (a plan_sync.Plan of kind STEP; its prompt-logprob
+        chunks apart, as rank 0 runs them: prompt_logprobs.run_scored) and take its sampled tokens (rows
+        plan.sampling). The step is committed when rank 0's journal says so (with prefix caching: with the decodes'
+        ids), else now."""
+        streams, decodes, sampling, extra = plan.streams, plan.decodes, plan.sampling, plan.extra
+        scored = [(k, [0] * n) for k, n in zip(extra[0::2], extra[1::2])]
+        _, commit, _ = run_scored(self.launch, self.model, self.cache, streams, decodes, scored, 0)
         self.replay.stepped(commit, decodes)
         if sampling:
             tokens = self._broadcast.receive_tokens(len(sampling))

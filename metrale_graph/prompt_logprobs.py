@@ -15,7 +15,10 @@ fp32: 256 MiB, 270 positions at a 248k vocabulary), each slice reduced at once t
 logprobs, ranks and top N (logprobs.py: raw log_softmax), so memory stays bounded whatever the prompt.
 
 A request with prompt logprobs restores nothing from the prefix cache (vLLM skips it too): a restored
-prefix has no logits. Its chunks cost an eager step beside the captured one.
+prefix has no logits. Its chunks cost an eager step beside the captured one. Under tensor parallelism every rank
+runs these steps (the LM head's slices gather the vocabulary); with a plan broadcast rank 0's plan names the
+scored chunks and their target counts (`scored_chunks`), and a follower runs `run_scored` on targets of those
+lengths (the logprobs it computes are dropped: rank 0 answers).
 """
 
 from __future__ import annotations
@@ -45,6 +48,14 @@ class PromptPiece(NamedTuple):
         return [None, *entries] if self.start == 0 else entries
 
 
+def scored_chunks(chunks: Sequence, decodes: int) -> list[tuple[int, list[int]]]:
+    """The prompt chunks of a step's `chunks` (scheduler Chunks, the first `decodes` decodes; their requests' `fed`
+    not yet advanced) whose requests ask for prompt logprobs: (index, its targets: the prompt tokens that follow
+    each of its positions)."""
+    return [(k, c.request.prompt[c.request.fed + 1:c.request.fed + 1 + len(c.tokens)])
+            for k, c in enumerate(chunks[decodes:], decodes) if c.request.params.prompt_logprobs is not None]
+
+
 def prefill_step(launch: Callable, model, cache, chunks: Sequence, streams: list[Stream],
                  decodes: int) -> tuple[torch.Tensor, Callable[[list[int]], None], list[PromptPiece]]:
     """A step's chunks (scheduler Chunks, `streams` theirs: the first `decodes` are decodes, the others prompt
@@ -52,23 +63,31 @@ def prefill_step(launch: Callable, model, cache, chunks: Sequence, streams: list
     `launch(streams, decodes)` (the engine loop's: PrefillCall.launch, which returns (logits, commit)) runs them
     all but the prompt chunks of requests that ask for prompt logprobs, which run apart and are committed at
     once (module docstring); commit(ids) commits the others once the loop has the decodes' ids."""
-    scored = [k for k in range(decodes, len(chunks)) if chunks[k].request.params.prompt_logprobs is not None]
+    scored = scored_chunks(chunks, decodes)
+    requests = [chunks[k].request for k, _ in scored]
+    top_n = max((r.params.prompt_logprobs for r in requests), default=0)
+    logits, commit, scores = run_scored(launch, model, cache, streams, decodes, scored, top_n)
+    return logits, commit, [PromptPiece(r, r.fed, score, r.params.prompt_logprobs) for r, score in zip(requests, scores)]
+
+
+def run_scored(launch: Callable, model, cache, streams: list[Stream], decodes: int, scored: list[tuple[int, list[int]]],
+               top_n: int) -> tuple[torch.Tensor, Callable[[list[int]], None], list[DeviceLogprobs]]:
+    """prefill_step's steps for `scored` (scored_chunks'): (logits, commit, each scored chunk's DeviceLogprobs). The
+    follower of a plan broadcast runs it too, with rank 0's chunks and targets of their lengths (plan_sync.py):
+    the same steps, the same LM-head slices, so the same collectives."""
     if not scored:
         logits, commit = launch(streams, decodes)
         return logits, commit, []
-    others = [k for k in range(len(chunks)) if k not in set(scored)]
-    requests = [chunks[k].request for k in scored]
-    targets = [r.prompt[r.fed + 1:r.fed + 1 + len(chunks[k].tokens)] for k, r in zip(scored, requests)]
-    top_n = max(r.params.prompt_logprobs for r in requests)
-    logits, scores = prefill_with_logprobs(model, cache, [streams[k] for k in scored], targets, top_n)
-    pieces = [PromptPiece(r, r.fed, score, r.params.prompt_logprobs) for r, score in zip(requests, scores)]
+    ks = [k for k, _ in scored]
+    others = [k for k in range(len(streams)) if k not in set(ks)]
+    logits, scores = prefill_with_logprobs(model, cache, [streams[k] for k in ks], [t for _, t in scored], top_n)
     if not others:
-        return logits, (lambda ids: None), pieces
+        return logits, (lambda ids: None), scores
     rest, commit = launch([streams[k] for k in others], decodes)
-    out = logits.new_empty(len(chunks), logits.shape[1])
-    out.index_copy_(0, to_device(scored, torch.int64, logits.device), logits)
+    out = logits.new_empty(len(streams), logits.shape[1])
+    out.index_copy_(0, to_device(ks, torch.int64, logits.device), logits)
     out.index_copy_(0, to_device(others, torch.int64, logits.device), rest)
-    return out, commit, pieces
+    return out, commit, scores
 
 
 @torch.no_grad()

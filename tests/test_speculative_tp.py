@@ -2,8 +2,9 @@
 the CPU, fp32, eager, rank 0 serving and rank 1 following. With n-gram drafts (an oracle's, kept and rejected),
 a random MTP head's (rejected) and the bigram checkpoint's (all kept), k 1 to 3, the eager acceptance and the
 static-buffer one (SpeculativeGraphs uncompiled),
-requests arriving at different steps, an abort, prefix-cache hits, a seeded sampled request and a penalized one
-beside greedy ones give rank 0 the tokens of plain decoding on the same ranks; before every message rank 1's cache
+requests arriving at different steps, an abort, prefix-cache hits, a seeded sampled request, a penalized one and
+one asking for prompt logprobs (its prompt's step run apart on every rank) beside greedy ones give rank 0 the tokens
+of plain decoding on the same ranks, and the prompt logprobs of one process; before every message rank 1's cache
 bookkeeping is rank 0's, and at the end neither rank holds a block."""
 
 import os
@@ -33,13 +34,17 @@ OPTIONS = {  # name: (the model, speculative, whether the tail takes Speculative
 
 def workload(engine) -> list:
     """Rank 0's calls: requests at two times with one aborted; a prompt, then one that restores it; a seeded
-    sampled request and a penalized one (the eager acceptance) beside a greedy one, whose prompts were kept."""
+    sampled request, a penalized one (the eager acceptance) and one asking for prompt logprobs beside a greedy
+    one, whose prompts were kept; then that request's (prompt logprob, rank) of each prompt token but the first."""
     out = [staggered(engine, PROMPTS, abort=3)]
     kw = dict(max_new_tokens=12, stop_token_ids=[])
     out.append([(r.token_ids, r.cached_tokens) for p in (SHARED, SHARED + [3, 4]) for r in engine.generate([p], **kw)])
     handles = [engine.submit(PROMPTS[0], temperature=0.8, top_k=20, seed=7, **kw),
-               engine.submit(PROMPTS[1], repetition_penalty=1.3, **kw), engine.submit(PROMPTS[2], **kw)]
-    out.append([h.result().token_ids for h in handles])
+               engine.submit(PROMPTS[1], repetition_penalty=1.3, **kw), engine.submit(PROMPTS[2], **kw),
+               engine.submit(PROMPTS[3], prompt_logprobs=2, **kw)]
+    results = [h.result() for h in handles]
+    out.append([r.token_ids for r in results])
+    out.append([(e.logprob, e.rank) for e in results[-1].prompt_logprobs[1:]])
     return out
 
 
@@ -107,7 +112,7 @@ def _worker(rank, folder):
         runs = {"plain": _served(models["random"]), "plain-bigram": _served(models["bigram"])}
         oracle = None
         if rank == 0:  # n-gram drafts that plain decoding's tokens decide (speculative_reference.Oracle)
-            staggered_out, pair, _ = runs["plain"][0][0]
+            staggered_out, pair = runs["plain"][0][0][:2]
             prompts = PROMPTS + [SHARED, SHARED + [3, 4]]
             reference = [t if t is not None else [] for t in staggered_out] + [t for t, _ in pair]
             oracle = Oracle(prompts, reference, CFG.vocab_size)
@@ -126,6 +131,20 @@ def runs(tmp_path_factory):
     bigram_model(CFG).save_pretrained(folder / "bigram")
     mp.start_processes(_worker, args=(str(folder),), nprocs=WORLD, start_method="spawn")
     return torch.load(folder / "rank0.pt")
+
+
+def test_prompt_logprobs_under_a_plan_broadcast_are_one_process_ones(runs, tmp_path):
+    """The prompt-logprob request's prompt ran apart on both ranks (rank 0's plan names its chunks), with speculation
+    or without: the logprobs of one process's engine (fp32 within 1e-4; the ranks sum in another order)."""
+    model = with_random_mtp(unit_gain(HybridModel.from_preset(CFG, seed=1), seed=2), seed=3)
+    with Engine(model, **KW) as e:
+        want = [(x.logprob, x.rank) for x in e.generate([PROMPTS[3]], max_new_tokens=1, prompt_logprobs=2,
+                                                          stop_token_ids=[])[0].prompt_logprobs[1:]]
+    for name in ("plain", "ngram-3", "mtp-2-buffers"):
+        got = runs[name][0][0][3]
+        assert len(got) == len(PROMPTS[3]) - 1 == len(want)
+        assert max(abs(a - b) for (a, _), (b, _) in zip(got, want)) < 1e-4, name
+        assert [r for _, r in got] == [r for _, r in want], name
 
 
 @pytest.mark.parametrize("name", list(OPTIONS))

@@ -4,7 +4,8 @@ replicated, a vocabulary that does not divide), an MoE model (experts split acro
 expert split within: five experts over two ranks), a Qwen3-Next checkpoint each rank loads only its
 shard of (both ways of splitting the experts; also in FP8, its weights and their 128 x 128 block scales
 split on the blocks, the fused in_proj_qkvz split at load), a tied checkpoint storing the pair as lm_head,
-and the compiled step; unseeded sampling through the Engine agrees across ranks; a shard that fails to load
+and the compiled step; unseeded sampling through the Engine agrees across ranks; prompt logprobs are one
+process's; a shard that fails to load
 fails every rank; and the main job under torchrun prints what the single process prints."""
 
 import json
@@ -63,6 +64,17 @@ def _sampled(model):
     ranks = [None] * WORLD
     dist.all_gather_object(ranks, [r.token_ids for r in results])
     return ranks
+
+
+def _prompt_logprobs(model):
+    """generate with prompt logprobs called alike on every rank (no plan broadcast): rank 0's (logprob, rank) of
+    each prompt token but the first, and its tokens."""
+    from metrale_graph import Engine
+
+    with Engine(model, num_slots=2, token_budget=16, block_size=16, max_context=40, compile=False) as engine:
+        r = engine.generate([[1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 5]], max_new_tokens=4, prompt_logprobs=2,
+                            stop_token_ids=[])[0]
+    return [(e.logprob, e.rank) for e in r.prompt_logprobs[1:]], r.token_ids
 
 
 def _speculative(model):
@@ -164,6 +176,7 @@ def _worker(rank, folder, checkpoint):
                 out[f"qwen3-next-fp8-{moe}"] = _run(HybridModel.from_pretrained(checkpoint + "-fp8",
                                                                                 tp=replace(tp, moe=moe), progress=False))
         out["engine-sampled"] = _sampled(HybridModel.from_preset("tiny", seed=1, tp=tp))
+        out["engine-prompt-logprobs"] = _prompt_logprobs(HybridModel.from_preset("tiny", seed=1, tp=tp))
         out["engine-served"] = _served(HybridModel.from_preset("tiny", seed=1, tp=tp))
         out["engine-speculative"] = _speculative(HybridModel.from_preset(tiny_config(mtp_num_hidden_layers=1), seed=1,
                                                                          tp=tp))
@@ -257,6 +270,15 @@ def test_speculative_decoding_under_tensor_parallelism_gives_plain_decoding(shar
     give the same greedy tokens as plain decoding on the same ranks."""
     plain, mtp, stats, ngram = sharded[0]["engine-speculative"]
     assert mtp == plain and ngram == plain and stats["proposed"] > 0
+
+
+def test_prompt_logprobs_under_tensor_parallelism_are_one_process_ones(sharded):
+    """Prompt logprobs (their chunks run apart, eagerly, on every rank) of one process within 1e-4, and its
+    tokens."""
+    (got, tokens), (want, want_tokens) = sharded[0]["engine-prompt-logprobs"], _prompt_logprobs(
+        HybridModel.from_preset("tiny", seed=1))
+    assert tokens == want_tokens and len(got) == len(want) == 8
+    assert max(abs(a - b) for (a, _), (b, _) in zip(got, want)) < 1e-4 and [r for _, r in got] == [r for _, r in want]
 
 
 def test_unseeded_sampling_draws_the_same_tokens_on_every_rank(sharded):
