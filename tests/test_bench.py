@@ -314,6 +314,34 @@ def test_check_moe_gemm_compares_the_same_pair_rows(T):
     assert tool.expert_bytes(10_000, 6, 3, 32, 48) == pytest.approx(6 * 3 * 32 * 48 * 2)
 
 
+def test_check_moe_direct_forms_give_the_rows_kernels_act():
+    """benchmarks/kernels/check_moe_direct.py's experimental gate|up forms (the next K step prefetched; K split over
+    programs, then a finishing kernel) give ops/moe/direct.py's rows kernel's act, rounding included (Triton's
+    interpreter, bf16), for each routing the timed call rotates through; its down at a forced tile equals the
+    autotuned one."""
+    tool = benchmark_script("kernels/check_moe_direct")
+
+    cfg = PRESETS["qwen3.5-35b-a3b"].replace(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
+                                             hidden_size=128)
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(6, 64, 128, generator=g).mul(0.1).to(torch.bfloat16)
+    w2 = torch.randn(6, 128, 32, generator=g).mul(0.1).to(torch.bfloat16)
+    c = tool.Case(cfg, 2, w13, w2)
+    for i in (0, tool.ROTATE - 1):
+        c.gate_up(i)
+        want = c.act[i].clone()
+        c.down(i)
+        y = c.y[i].clone()
+        c.down(i, tool.triton.Config({"BN": 16, "BK": 32}, num_warps=4, num_stages=1))
+        assert torch.equal(c.y[i], y)
+        for form in (lambda: c.prefetch(i, 16, 32, 4),
+                     lambda: c.split(i, 2, 16, 32, 4, torch.empty(2, 2, c.P, c.IE)),
+                     lambda: c.split(i, 4, 16, 32, 4, torch.empty(4, 2, c.P, c.IE))):
+            c.act[i].zero_()
+            form()
+            assert tool.rel(c.act[i], want) <= 1e-2, form  # (the K sums' order differs: bf16 rounding at most)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the tool runs")
 def test_check_moe_gemm_refuses_without_a_gpu_or_a_moe_preset(capsys):
     tool = benchmark_script("kernels/check_moe_gemm")

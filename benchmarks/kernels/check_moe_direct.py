@@ -1,0 +1,254 @@
+"""The MoE direct decode path's expert GEMVs (ops/moe/direct.py) at decode pair counts, against what the GPU does
+with the same bytes: is the ~1.2-1.7 TB/s they read at the 35B-A3B's D1 (BENCHMARKS.md; H100 and H200) the
+kernels' own, or what any reader of 8 experts' weights gets in a 10-30 us kernel?
+
+Per case (a preset's expert shapes, T tokens x top_k pairs, uniform routing), each under CUDA-graph replay
+(measure.graph_ms) over ROTATE routings in turn, so that the weights do not stay in the L2 between calls (one
+call's gate|up weights are 33.5 MB at the 35B-A3B's D1; the H100 / H200 L2 is 50 MB), us a call and the rate
+its weight bytes give:
+
+- `gate_up BNxBK/w`, `down BNxBK/w`: ops/moe/direct.py's kernels at every tile of their candidates, forced
+  (the autotuner's choice among them is the row marked `*`);
+- `gate_up prefetch`: the rows kernel with the next K step's tiles loaded before the current one's products
+  (two tiles in flight a program: Triton pipelines no loads that feed no dot), experimental, here only;
+- `gate_up split S`: the K loop cut into S parts, one program each (S x the programs, each with fewer K steps),
+  fp32 partial sums, then a finishing kernel (sum of the parts, SiLU-mul, rounding): experimental, here only;
+- `bmm (pre-gathered)`: torch.bmm on the pairs' weights gathered beforehand (cuBLAS reading the same bytes);
+- `sum (pre-gathered)`: torch.sum over those bytes (PyTorch's reduction: a plain read at this size).
+
+Outputs of the experimental forms are compared with the rows kernel's (relative error). Prints a table per
+case and one JSON line (also written to --json).
+
+    . benchmarks/gpu_session.sh setup && python3 benchmarks/kernels/check_moe_direct.py --json "$OUT/moe_direct.json"
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+import triton.language as tl
+
+from metrale_graph import PRESETS
+from metrale_graph.ops.moe.rounding import _rnd
+from metrale_graph.tools.files import write_whole
+from metrale_graph.tools.flags import output_file, positive_ints
+from metrale_graph.tools.provenance import provenance
+from metrale_graph.tools.report import print_json, print_table
+from measure import attempt, graph_ms, rel
+
+ROTATE = 8  # routings a timed call runs in turn (their weights well past the L2 together)
+SPLITS = (2, 4, 8)
+
+
+@triton.jit
+def _prefetch_gate_up_kernel(x_ptr, w_ptr, act_ptr, e_ptr, N, K, stride_x, stride_we, stride_wn,
+                             TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """direct.py's gate|up rows kernel (K a multiple of BK, bf16 / fp16) with the next K step loaded first."""
+    num_n = tl.cdiv(N, BN)
+    pair = tl.program_id(0) // num_n
+    cols = (tl.program_id(0) % num_n) * BN + tl.arange(0, BN)
+    e = tl.load(e_ptr + pair).to(tl.int64)
+    token = (pair // TOP_K).to(tl.int64)
+    k = tl.arange(0, BK)
+    x_ptrs = x_ptr + token * stride_x + k
+    g_ptrs = w_ptr + e * stride_we + (cols % N).to(tl.int64)[:, None] * stride_wn + k[None, :]
+    u_ptrs = g_ptrs + N * stride_wn
+    g, u, x = tl.load(g_ptrs), tl.load(u_ptrs), tl.load(x_ptrs)
+    gate = tl.zeros((BN, BK), dtype=tl.float32)
+    up = tl.zeros((BN, BK), dtype=tl.float32)
+    for k0 in range(BK, K, BK):
+        g_next, u_next, x_next = tl.load(g_ptrs + k0), tl.load(u_ptrs + k0), tl.load(x_ptrs + k0)
+        gate += g.to(tl.float32) * x.to(tl.float32)[None, :]
+        up += u.to(tl.float32) * x.to(tl.float32)[None, :]
+        g, u, x = g_next, u_next, x_next
+    gate += g.to(tl.float32) * x.to(tl.float32)[None, :]
+    up += u.to(tl.float32) * x.to(tl.float32)[None, :]
+    dt = act_ptr.dtype.element_ty
+    gate = _rnd(tl.sum(gate, axis=1), dt)
+    up = tl.sum(up, axis=1)
+    y = _rnd(_rnd(gate * tl.sigmoid(gate), dt) * _rnd(up, dt), dt).to(dt)
+    tl.store(act_ptr + pair.to(tl.int64) * N + cols, y, mask=cols < N)
+
+
+@triton.jit
+def _split_gate_up_kernel(x_ptr, w_ptr, part_ptr, e_ptr, P, N, K, K_PER, stride_x, stride_we, stride_wn,
+                          TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Program (pair x column tile, part s): the fp32 sums of gate and up over K columns s * K_PER .. + K_PER,
+    into part [S, 2, P, N]."""
+    num_n = tl.cdiv(N, BN)
+    pair = tl.program_id(0) // num_n
+    cols = (tl.program_id(0) % num_n) * BN + tl.arange(0, BN)
+    s = tl.program_id(1)
+    e = tl.load(e_ptr + pair).to(tl.int64)
+    token = (pair // TOP_K).to(tl.int64)
+    k = s * K_PER + tl.arange(0, BK)
+    x_ptrs = x_ptr + token * stride_x + k
+    g_ptrs = w_ptr + e * stride_we + (cols % N).to(tl.int64)[:, None] * stride_wn + k[None, :]
+    u_ptrs = g_ptrs + N * stride_wn
+    gate = tl.zeros((BN, BK), dtype=tl.float32)
+    up = tl.zeros((BN, BK), dtype=tl.float32)
+    for _ in range(0, K_PER, BK):
+        x = tl.load(x_ptrs).to(tl.float32)[None, :]
+        gate += tl.load(g_ptrs).to(tl.float32) * x
+        up += tl.load(u_ptrs).to(tl.float32) * x
+        x_ptrs += BK
+        g_ptrs += BK
+        u_ptrs += BK
+    out = part_ptr + (s * 2 * P + pair).to(tl.int64) * N + cols
+    tl.store(out, tl.sum(gate, axis=1), mask=cols < N)
+    tl.store(out + P * N, tl.sum(up, axis=1), mask=cols < N)
+
+
+@triton.jit
+def _split_finish_kernel(part_ptr, act_ptr, P, N, S: tl.constexpr, BLOCK: tl.constexpr):
+    """act [P, N] = silu(sum_s gate) * sum_s up, rounded as the rows kernel rounds."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < P * N
+    gate = tl.zeros((BLOCK,), dtype=tl.float32)
+    up = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(S):
+        gate += tl.load(part_ptr + s * 2 * P * N + i, mask=live, other=0.0)
+        up += tl.load(part_ptr + (s * 2 + 1) * P * N + i, mask=live, other=0.0)
+    dt = act_ptr.dtype.element_ty
+    gate = _rnd(gate, dt)
+    tl.store(act_ptr + i, _rnd(_rnd(gate * tl.sigmoid(gate), dt) * _rnd(up, dt), dt).to(dt), mask=live)
+
+
+class Case:
+    """ROTATE routings of T tokens over a preset's experts; the direct path's buffers for each."""
+
+    def __init__(self, cfg, T: int, w13: torch.Tensor, w2: torch.Tensor, seed: int = 0):
+        dev = w13.device
+        self.E, self.k, self.D, self.IE = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+        self.T, self.P, self.w13, self.w2 = T, T * self.k, w13, w2
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        self.x = [torch.randn(T, self.D, generator=g).to(dev, w13.dtype) for _ in range(ROTATE)]
+        self.e = [torch.rand(T, self.E, generator=g).topk(self.k, dim=1).indices.reshape(-1).to(dev)
+                  for _ in range(ROTATE)]
+        self.w = [torch.softmax(torch.randn(T, self.k, generator=g), 1).reshape(-1).to(dev, w13.dtype)
+                  for _ in range(ROTATE)]
+        self.act = [w13.new_empty(self.P, self.IE) for _ in range(ROTATE)]
+        self.y = [w13.new_empty(self.P, self.D) for _ in range(ROTATE)]
+        self.gate_up_bytes = self.P * 2 * self.IE * self.D * w13.element_size()
+        self.down_bytes = self.P * self.D * self.IE * w13.element_size()
+
+    def gate_up(self, i: int, cfg=None):
+        from metrale_graph.ops.moe import direct
+
+        kern = direct._moe_direct_gate_up_kernel
+        args = (self.x[i], self.w13, self.act[i], self.e[i], self.P, 0, self.E, self.IE, self.D, self.x[i].stride(0),
+                self.w13.stride(0), self.w13.stride(1))
+        if cfg is None:
+            kern[lambda m: (self.P * triton.cdiv(self.IE, m["BN"]),)](*args, TOP_K=self.k, FP32=False)
+        else:
+            kern.fn[(self.P * triton.cdiv(self.IE, cfg.kwargs["BN"]),)](
+                *args, TOP_K=self.k, FP32=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs)
+
+    def down(self, i: int, cfg=None):
+        from metrale_graph.ops.moe import direct
+
+        kern = direct._moe_direct_down_kernel
+        args = (self.act[i], self.w2, self.y[i], self.e[i], self.w[i], self.P, 0, self.E, self.D, self.IE,
+                self.w2.stride(0), self.w2.stride(1))
+        if cfg is None:
+            kern[lambda m: (self.P * triton.cdiv(self.D, m["BN"]),)](*args, FP32=False)
+        else:
+            kern.fn[(self.P * triton.cdiv(self.D, cfg.kwargs["BN"]),)](
+                *args, FP32=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs)
+
+    def prefetch(self, i: int, BN: int, BK: int, warps: int):
+        _prefetch_gate_up_kernel[(self.P * triton.cdiv(self.IE, BN),)](
+            self.x[i], self.w13, self.act[i], self.e[i], self.IE, self.D, self.x[i].stride(0), self.w13.stride(0),
+            self.w13.stride(1), TOP_K=self.k, BN=BN, BK=BK, num_warps=warps)
+
+    def split(self, i: int, S: int, BN: int, BK: int, warps: int, part: torch.Tensor):
+        _split_gate_up_kernel[(self.P * triton.cdiv(self.IE, BN), S)](
+            self.x[i], self.w13, part, self.e[i], self.P, self.IE, self.D, self.D // S, self.x[i].stride(0),
+            self.w13.stride(0), self.w13.stride(1), TOP_K=self.k, BN=BN, BK=BK, num_warps=warps)
+        _split_finish_kernel[(triton.cdiv(self.P * self.IE, 1024),)](part, self.act[i], self.P, self.IE, S=S,
+                                                                     BLOCK=1024, num_warps=4)
+
+
+def rotated(fn):
+    """A call of fn(i) for each routing i in turn."""
+    return lambda: [fn(i) for i in range(ROTATE)]
+
+
+def measure(preset: str, T: int, w13: torch.Tensor, w2: torch.Tensor) -> dict:
+    from metrale_graph.ops.moe import direct
+
+    c = Case(PRESETS[preset], T, w13, w2)
+    rows = []
+
+    def timed(name: str, fn, nbytes: int, check=None):
+        ms, err = attempt(lambda: graph_ms(rotated(fn)) / ROTATE)
+        row = {"form": name, "us": None if ms is None else round(ms * 1e3, 2), "error": err,
+               "TB_s": None if ms is None else round(nbytes / (ms * 1e-3) / 1e12, 2)}
+        if check is not None and err is None:
+            row["vs_rows"] = check()
+        rows.append(row)
+
+    timed("gate_up autotuned *", c.gate_up, c.gate_up_bytes)
+    ref = [a.clone() for a in c.act]
+    check = lambda: max(rel(a, r) for a, r in zip(c.act, ref))  # noqa: E731
+    for cfg in direct._configs(2):
+        bn, bk = cfg.kwargs["BN"], cfg.kwargs["BK"]
+        if bk <= c.D and c.D % bk == 0:
+            timed(f"gate_up {bn}x{bk}/{cfg.num_warps}", lambda i, cfg=cfg: c.gate_up(i, cfg), c.gate_up_bytes, check)
+    for bn, bk, w in ((8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 128, 4), (32, 256, 8)):
+        timed(f"gate_up prefetch {bn}x{bk}/{w}", lambda i, a=(bn, bk, w): c.prefetch(i, *a), c.gate_up_bytes, check)
+    for S in SPLITS:
+        part = torch.empty(S, 2, c.P, c.IE, device=w13.device)
+        for bn, bk, w in ((16, 256, 4), (16, 512, 8), (32, 128, 4), (32, 256, 8), (64, 128, 8)):
+            if c.D % (S * bk) == 0:
+                timed(f"gate_up split {S} {bn}x{bk}/{w}", lambda i, a=(S, bn, bk, w), part=part: c.split(i, *a, part),
+                      c.gate_up_bytes, check)
+    timed("down autotuned *", c.down, c.down_bytes)
+    for cfg in direct._configs(1):
+        bn, bk = cfg.kwargs["BN"], cfg.kwargs["BK"]
+        if bk <= c.IE:
+            timed(f"down {bn}x{bk}/{cfg.num_warps}", lambda i, cfg=cfg: c.down(i, cfg), c.down_bytes)
+    gathered = [w13[e].contiguous() for e in c.e]  # [P, 2 IE, D] each
+    xs = [x.repeat_interleave(c.k, 0).unsqueeze(-1) for x in c.x]
+    timed("bmm (pre-gathered)", lambda i: torch.bmm(gathered[i], xs[i]), c.gate_up_bytes)
+    timed("sum (pre-gathered)", lambda i: gathered[i].view(-1, 4096).sum(dim=1), c.gate_up_bytes)
+    return {"preset": preset, "tokens": T, "pairs": c.P, "gate_up_MB": round(c.gate_up_bytes / 1e6, 1),
+            "down_MB": round(c.down_bytes / 1e6, 1), "rows": rows}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python benchmarks/kernels/check_moe_direct.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="qwen3.5-35b-a3b", choices=[n for n, c in PRESETS.items()
+                                                                   if c.moe_layers and c.quantization is None])
+    p.add_argument("--tokens", type=positive_ints, default="1,4", help="tokens a call (x top_k pairs); 4: a k 3 verify")
+    p.add_argument("--json", type=output_file, default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.exit(1, f"{p.prog}: error: this check needs a CUDA GPU; torch sees none\n")
+    cfg = PRESETS[args.preset]
+    E, IE, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w13 = (torch.randn(E, 2 * IE, D, generator=g, device="cuda") * D ** -0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, D, IE, generator=g, device="cuda") * IE ** -0.5).to(torch.bfloat16)
+    cases = []
+    for T in args.tokens:
+        case = measure(args.preset, T, w13, w2)
+        cases.append(case)
+        print(f"\n{args.preset}, {T} token(s), {case['pairs']} pairs: gate|up {case['gate_up_MB']} MB, down "
+              f"{case['down_MB']} MB a call, {ROTATE} routings in turn, {torch.cuda.get_device_name()}")
+        print_table(["form", "us", "TB/s", "vs rows", "error"],
+                    [[r["form"], r["us"] if r["us"] is not None else "-", r["TB_s"] or "-",
+                      f"{r['vs_rows']:.1e}" if "vs_rows" in r else "-", r["error"] or ""] for r in case["rows"]])
+    record = {"tool": "check_moe_direct", "device": torch.cuda.get_device_name(), **provenance(argv), "cases": cases}
+    if args.json:
+        import json
+
+        write_whole(args.json, json.dumps(record, indent=1))
+    print_json(record)
+
+
+if __name__ == "__main__":
+    main()
