@@ -81,7 +81,8 @@ class SpeculativeFollower:
 
         with prefill_call(model, cache, streams) as call:
             call.run_settled(lambda packed: spec.forward(packed, layout, out), settle)
-        self._verified = (out["h"], out["bucket"])
+        if spec.mtp is not None:  # (kept for the DRAFT message after it)
+            self._verified = (out["h"], out["bucket"])
 
     def draft(self, plan) -> None:
         """Run rank 0's MTP drafting (a plan_sync.Plan of kind DRAFT) after the verify step just run."""
