@@ -33,11 +33,12 @@ from tqdm.auto import tqdm
 
 from .config import ModelConfig
 from .families import FAMILIES
+from .loader_checks import check_dtype, finite
 from .placement import as_device, as_dtype, check_host_memory
 from .quantization import MTP_PREFIX, scale_name
 from .quantized import scale_problem
 from .sharding import NOTHING, Read, load_plan
-from .spec import FP8_DTYPE, SCALE, WeightSpec, weight_bytes, weight_dtype
+from .spec import SCALE, WeightSpec, weight_bytes, weight_dtype
 from .weights import MTP_KEYS, _leading, checkpoint_files, take
 
 EMBEDDINGS = "embed_tokens.weight"  # a tied model's lm_head too
@@ -123,33 +124,6 @@ class _Assembler:
                                              device=self.device)
         self.out[name] = self.stacks[index][row:row + t.shape[0]]
         return self.out[name].copy_(t)
-
-    def check_dtype(self, key: str, path: str, stored: str, spec: WeightSpec) -> None:
-        """ValueError naming the tensor unless safetensors dtype `stored` is what `spec` is stored in: FP8
-        weights float8_e4m3fn, their scales fp32 / bf16, the rest real floating point (in an FP8 checkpoint
-        not float8_e4m3fn: such a tensor is a quantized weight the quantization_config does not convert)."""
-        if spec.fp8:
-            if stored != "F8_E4M3":
-                raise ValueError(f"tensor {key!r} in {path} is {_dtype_name(stored)}; the quantization_config "
-                                 "converts it, so it must be float8_e4m3fn with a weight_scale_inv beside it (list "
-                                 "its module in modules_to_not_convert to load it in floating point)")
-        elif spec.kind == SCALE:
-            if stored not in ("F32", "BF16"):
-                raise ValueError(f"tensor {key!r} in {path} is {_dtype_name(stored)}; FP8 block scales "
-                                 "(weight_scale_inv) must be float32 or bfloat16")
-        elif stored not in _REAL_FLOAT:
-            raise ValueError(f"tensor {key!r} in {path} is {_dtype_name(stored)}; expected "
-                             "floating-point weights (quantized checkpoints are not supported)")
-        elif stored == "F8_E4M3" and self.cfg.quantization is None and spec.quantizable:
-            raise ValueError(f"tensor {key!r} in {path} is float8_e4m3fn, but config.json has no quantization_config: "
-                             "an FP8 projection is codes to be multiplied by its block scales (weight_scale_inv), "
-                             "and the checkpoint declares its format there (quant_method 'fp8', fmt 'e4m3', "
-                             "weight_block_size [128, 128]); without them its values are not the weights")
-        elif stored == "F8_E4M3" and self.cfg.quantization is not None:
-            why = ("kept in floating point: the quantization_config does not convert it (modules_to_not_convert)"
-                   if spec.quantizable else "one metrale-graph keeps in floating point (not an FP8 projection)")
-            raise ValueError(f"tensor {key!r} in {path} is float8_e4m3fn, but it is {why}; an FP8 checkpoint "
-                             "stores such tensors in bf16 / fp16 / fp32")
 
 
 class _Reading(NamedTuple):
@@ -238,7 +212,7 @@ def _check_headers(files: list[str], asm: _Assembler, cfg: ModelConfig
 
 def _check_header(header, key: str, path: str, piece: Read, asm: _Assembler) -> None:
     """ValueError naming the tensor and its file unless its header (a safetensors slice) has the piece's
-    shape and a dtype the piece may be stored in (_Assembler.check_dtype)."""
+    shape and a dtype the piece may be stored in (loader_checks.check_dtype)."""
     shape = tuple(header.get_shape())
     spec = piece.spec
     if spec.kind == SCALE and len(spec.parts) > 1 and len(piece.units) > 1 and spec.of is not None:
@@ -260,7 +234,7 @@ def _check_header(header, key: str, path: str, piece: Read, asm: _Assembler) -> 
                 "tools.quantize write)")
     if shape != piece.shape:
         raise ValueError(f"tensor {key!r} has shape {shape}, the config needs {piece.shape} ({path})")
-    asm.check_dtype(key, path, header.get_dtype(), piece.spec)
+    check_dtype(key, path, header.get_dtype(), piece.spec, asm.cfg)
 
 
 def check_checkpoint(folder: str, cfg: ModelConfig) -> dict[str, WeightSpec]:
@@ -326,8 +300,8 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
                     if piece.spec.kind == SCALE and (problem := scale_problem(stored, dtype)) is not None:
                         raise ValueError(f"tensor {key!r} in {path} {problem}")
                     written = asm.place(piece, stored)
-                    if written is not None and check_finite and not _finite(written):
-                        what = (f"values beyond the range of {written.dtype}" if _finite(stored)
+                    if written is not None and check_finite and not finite(written):
+                        what = (f"values beyond the range of {written.dtype}" if finite(stored)
                                 else "NaN or infinite values")
                         raise ValueError(f"tensor {key!r} in {path} holds {what}")
                     bar.update(len(piece.units))
@@ -367,28 +341,3 @@ def _collapse(missing: list[str], asm: _Assembler, given: dict[str, str]) -> lis
         else:
             out.append(name)
     return out
-
-
-# safetensors' names of the real floating-point dtypes a weight may be stored in; any other (integers,
-# bool, complex, float4, the exponent-only float8 scale format) is refused, not converted
-_REAL_FLOAT = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"}
-_SAFETENSORS_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
-                       "U32": "uint32", "I64": "int64", "U64": "uint64", "C64": "complex64", "F4": "float4_e2m1fn_x2",
-                       "F8_E8M0": "float8_e8m0fnu"}
-
-
-def _dtype_name(stored: str) -> str:
-    """A safetensors dtype name as torch's (torch.int8), or as safetensors writes it when torch has no name."""
-    name = _SAFETENSORS_DTYPES.get(stored)
-    return f"torch.{name}" if name and hasattr(torch, name) else stored
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """No NaN or infinity in t (NaN propagates through min / max; one pass, no temporary). float8_e4m3fn
-    (no infinity): no NaN code (0x7F / 0xFF)."""
-    if t.dtype == FP8_DTYPE:
-        return not bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
-    if t.dtype.itemsize == 1:  # other 8-bit floats: compared in fp16
-        t = t.half()
-    lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))

@@ -138,7 +138,8 @@ def quantize_checkpoint(folder: str, out: str, patterns: list[str] | None = None
     from metrale_graph.quantized import kept_modules, quantize_weight
     from metrale_graph.saving import _temporary, publish
     from metrale_graph.spec import EXPERTS, SCALE
-    from metrale_graph.loader import SKIPPED_PREFIXES, _finite, our_name
+    from metrale_graph.loader import SKIPPED_PREFIXES, our_name
+    from metrale_graph.loader_checks import finite
     from metrale_graph.weights import INDEX_FILE, WEIGHTS_FILE, checkpoint_files
 
     raw, cfg, fp8, specs = plan(folder, patterns)
@@ -173,7 +174,7 @@ def quantize_checkpoint(folder: str, out: str, patterns: list[str] | None = None
                         skipped.add(next(p for p in SKIPPED_PREFIXES if key.startswith(p)).rstrip("."))
                     spec = specs.get(name) if name is not None else None
                     if spec is not None and spec.fp8 and spec.kind != SCALE:
-                        if not _finite(t):  # no block scale represents them (the loader would refuse the codes)
+                        if not finite(t):  # no block scale represents them (the loader would refuse the codes)
                             raise ValueError(f"tensor {key!r} in {path} holds NaN or infinite values: it cannot be "
                                              "quantized (keep its module in floating point, or fix the weights)")
                         if spec.kind == EXPERTS and t.dim() == 3:  # stacked experts: one tensor each

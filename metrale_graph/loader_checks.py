@@ -1,0 +1,62 @@
+"""What a checkpoint tensor may be, for the loader (loader.py): the safetensors dtypes each kind of weight may be
+stored in (`check_dtype`, from the headers, before anything is read), and whether what was read is finite
+(`finite`)."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+from .spec import FP8_DTYPE, SCALE, WeightSpec
+
+# safetensors' names of the real floating-point dtypes a weight may be stored in; any other (integers,
+# bool, complex, float4, the exponent-only float8 scale format) is refused, not converted
+REAL_FLOAT = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"}
+_SAFETENSORS_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+                       "U32": "uint32", "I64": "int64", "U64": "uint64", "C64": "complex64", "F4": "float4_e2m1fn_x2",
+                       "F8_E8M0": "float8_e8m0fnu"}
+
+
+def check_dtype(key: str, path: str, stored: str, spec: WeightSpec, cfg: ModelConfig) -> None:
+    """ValueError naming the tensor unless safetensors dtype `stored` is what `spec` is stored in: FP8
+    weights float8_e4m3fn, their scales fp32 / bf16 / fp16, the rest real floating point (in an FP8 checkpoint
+    not float8_e4m3fn: such a tensor is a quantized weight the quantization_config does not convert)."""
+    if spec.fp8:
+        if stored != "F8_E4M3":
+            raise ValueError(f"tensor {key!r} in {path} is {dtype_name(stored)}; the quantization_config "
+                             "converts it, so it must be float8_e4m3fn with a weight_scale_inv beside it (list "
+                             "its module in modules_to_not_convert to load it in floating point)")
+    elif spec.kind == SCALE:
+        if stored not in ("F32", "BF16", "F16"):
+            raise ValueError(f"tensor {key!r} in {path} is {dtype_name(stored)}; FP8 block scales "
+                             "(weight_scale_inv) must be float16, float32 or bfloat16")
+    elif stored not in REAL_FLOAT:
+        raise ValueError(f"tensor {key!r} in {path} is {dtype_name(stored)}; expected "
+                         "floating-point weights (quantized checkpoints are not supported)")
+    elif stored == "F8_E4M3" and cfg.quantization is None and spec.quantizable:
+        raise ValueError(f"tensor {key!r} in {path} is float8_e4m3fn, but config.json has no quantization_config: "
+                         "an FP8 projection is codes to be multiplied by its block scales (weight_scale_inv), "
+                         "and the checkpoint declares its format there (quant_method 'fp8', fmt 'e4m3', "
+                         "weight_block_size [128, 128]); without them its values are not the weights")
+    elif stored == "F8_E4M3" and cfg.quantization is not None:
+        why = ("kept in floating point: the quantization_config does not convert it (modules_to_not_convert)"
+               if spec.quantizable else "one metrale-graph keeps in floating point (not an FP8 projection)")
+        raise ValueError(f"tensor {key!r} in {path} is float8_e4m3fn, but it is {why}; an FP8 checkpoint "
+                         "stores such tensors in bf16 / fp16 / fp32")
+
+
+def dtype_name(stored: str) -> str:
+    """A safetensors dtype name as torch's (torch.int8), or as safetensors writes it when torch has no name."""
+    name = _SAFETENSORS_DTYPES.get(stored)
+    return f"torch.{name}" if name and hasattr(torch, name) else stored
+
+
+def finite(t: torch.Tensor) -> bool:
+    """No NaN or infinity in t (NaN propagates through min / max; one pass, no temporary). float8_e4m3fn
+    (no infinity): no NaN code (0x7F / 0xFF)."""
+    if t.dtype == FP8_DTYPE:
+        return not bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
+    if t.dtype.itemsize == 1:  # other 8-bit floats: compared in fp16
+        t = t.half()
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
