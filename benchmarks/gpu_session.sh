@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One GPU session in one command (device machines start bare): install the carried
 # flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
-#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-tests|moe-gemv|tp|fp8|fp8-sweep|fp8-bench|w8a16|serve|cookbook|prefix|structured|spec|spec-trace|all|setup]
+#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-tests|gemv|tp|fp8|fp8-sweep|fp8-bench|w8a16|serve|cookbook|prefix|structured|spec|spec-trace|all|setup]
 #   (run from the repository root)
 # tests: every GPU test (sweep + op-tests + model-tests: ~18 min, more than one call); ops: per-op
 # benchmark; decode (not in all): bench_ops at decode shapes and benchmarks/kernels/check_decode.py's tile sweep; bench: 9B workloads with the peer and generation; profile (not in all): the 9B workloads' device
 # time by phase and top kernels (bench --profile);
 # moe: the 35B-A3B and (12 layers) Qwen3-Next-80B-A3B workloads with the peer, the 35B-A3B default-grid warmup;
-# moe-gemv (not in all): benchmarks/kernels/check_moe_direct.py, the MoE decode GEMVs' tiles and forms at 1 / 4 tokens;
+# gemv (not in all): benchmarks/kernels/check_gemv.py and check_moe_direct.py, the decode GEMVs (dense: cuBLAS against
+# an experimental split-K Triton GEMV; MoE: the direct path's tiles and forms) at decode rows;
 # moe-tests (not in all): the GPU tests of the MoE decode paths, the direct one (bf16 and FP8, CUDA-graph replay)
 # and the counting sort on CUDA tensors (not yet timed); tp: the two-GPU benchmarks
 # (9B W2 / W5 against the one-GPU JSON in benchmarks/, 27B W1-W6, 35B-A3B W1 / W2 / W5 with the experts
@@ -272,10 +273,13 @@ if [[ $what == w8a16 ]]; then
         [[ ${PIPESTATUS[0]} == 0 ]] || status=1
     done
 fi
-if [[ $what == moe-gemv ]]; then
-    # issue 38's MoE decode GEMVs (~1.2-1.7 TB/s at the 35B-A3B's D1): benchmarks/kernels/check_moe_direct.py, every
-    # tile of the direct path's two kernels, its experimental gate|up forms (prefetch, split K), cuBLAS bmm and a
-    # plain read of the same bytes, at 1 and 4 tokens (~1-2 min)
+if [[ $what == gemv ]]; then
+    # issue 38's decode GEMVs: benchmarks/kernels/check_gemv.py (the 9B's and the 35B-A3B's dense projections at 1 / 4 /
+    # 16 rows, cuBLAS against an experimental one-launch split-K Triton GEMV, ~2-3 min), then check_moe_direct.py (the
+    # MoE direct path's kernels at every tile, its experimental gate|up forms, cuBLAS bmm and a plain read, ~1-2 min)
+    limit python3 benchmarks/kernels/check_gemv.py --json "$OUT/gemv.json" 2>&1 | grep -v Warning \
+        | tee "$OUT/gemv.log" | grep -v "^{" | tail -50
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
     limit python3 benchmarks/kernels/check_moe_direct.py --tokens 1,4 --json "$OUT/moe_direct.json" 2>&1 \
         | grep -v Warning | tee "$OUT/moe_direct.log" | grep -v "^{" | tail -80
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1

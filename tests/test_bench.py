@@ -314,6 +314,26 @@ def test_check_moe_gemm_compares_the_same_pair_rows(T):
     assert tool.expert_bytes(10_000, 6, 3, 32, 48) == pytest.approx(6 * 3 * 32 * 48 * 2)
 
 
+@pytest.mark.parametrize("parts", [1, 2, 4])
+def test_check_gemv_kernel_is_the_product_and_resets_its_counters(parts):
+    """benchmarks/kernels/check_gemv.py's experimental GEMV (Triton's interpreter, fp32): x @ w.T for rows fewer
+    than its 16, columns not a multiple of its tile, K in `parts` parts summed by the last part to finish; twice in a
+    row (the counters reset for the next call, as a graph replay needs); its projections list names a preset's."""
+    tool = benchmark_script("kernels/check_gemv")
+
+    g = torch.Generator().manual_seed(parts)
+    x, w = torch.randn(3, 256, generator=g), torch.randn(200, 256, generator=g)
+    kern = tool.Gemv(3, 200, 256, 64, 64, parts, 2, "cpu")
+    for _ in range(2):
+        y = kern(x, w, torch.full((3, 200), float("nan")))
+        assert tool.rel(y, x @ w.t()) <= 1e-5
+        assert not kern.count.any()
+    with pytest.raises(ValueError, match="multiple of parts"):
+        tool.Gemv(3, 200, 256, 64, 128, 4, 2, "cpu")
+    names = [name for name, _, _ in tool.projections(PRESETS["qwen3.5-35b-a3b"])]
+    assert "shared down" in names and "lm head" in names and "mlp down" not in names
+
+
 def test_check_moe_direct_forms_give_the_rows_kernels_act():
     """benchmarks/kernels/check_moe_direct.py's experimental gate|up forms (the next K step prefetched; K split over
     programs, then a finishing kernel) give ops/moe/direct.py's rows kernel's act, rounding included (Triton's
