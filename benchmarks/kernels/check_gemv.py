@@ -154,8 +154,8 @@ def _cell(ms, nbytes) -> tuple:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python benchmarks/kernels/check_gemv.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--presets", default="qwen3.5-9b,qwen3.5-35b-a3b",
-                   help=f"comma-separated bf16 presets, out of {', '.join(n for n, c in PRESETS.items() if c.quantization is None)}")
+    bf16 = [n for n, c in PRESETS.items() if c.quantization is None]
+    p.add_argument("--presets", default="qwen3.5-9b,qwen3.5-35b-a3b", help=f"comma-separated, out of {', '.join(bf16)}")
     p.add_argument("--rows", type=positive_ints, default="1,4,16", help="decode rows (at most 16)")
     p.add_argument("--json", type=output_file, default=None)
     args = p.parse_args(argv)
