@@ -6,7 +6,8 @@ Field names follow transformers' `Qwen3_5TextConfig`, `Qwen3_5MoeTextConfig` and
 `qwen3_next`), or of a multimodal wrapper (`qwen3_5` / `qwen3_5_moe`: text part under `text_config`;
 the model runs its text part and `model_type` records the text family). Other model families raise
 `ValueError`. A fine-grained FP8 `quantization_config` (Qwen's FP8 releases; at the top level or in
-`text_config`) is read into `quantization` (quantization.py); any other quantization is refused.
+`text_config`) is read into `quantization` (quantization.py), and so is a compressed-tensors FP8 one
+(llm-compressor's; compressed_tensors.py: the FP8 the model holds of it); any other quantization is refused.
 
 What sets a family apart (its own fields, transformers' defaults and classes, its checkpoint
 transforms) is its record in families.py; this module reads and writes configs through it. The
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 # the field checks; LINEAR and FULL, the layer types, live there and are imported from here too
 from .config_checks import FULL, LINEAR, _checked, _int, _invalid, _moe_layers, _strings, check_model_kind
 from .families import FAMILIES, MULTIMODAL, OPTIONAL_FIELDS, QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, Family
+from .compressed_tensors import is_compressed_tensors, parse_compressed_tensors
 from .quantization import QWEN_KEPT, TEXT_PREFIX, Fp8Config, parse_quantization
 _LEGACY_LAYER_TYPES = {"mamba": LINEAR, "conv": LINEAR, "attention": FULL}
 # config.json fields every family has, read as they are (a missing one takes transformers' default)
@@ -165,7 +167,10 @@ class ModelConfig:
             if quant is not None and inner is not None and inner != quant:
                 raise _invalid(where, "the top level and text_config hold different quantization_config sections")
             quant = quant if quant is not None else inner
-        quantization = None if quant is None else parse_quantization(quant, where, prefix)
+        if is_compressed_tensors(quant):  # llm-compressor's FP8: what the model holds of it in memory
+            quantization = parse_compressed_tensors(quant, where, prefix).memory_config()
+        else:
+            quantization = None if quant is None else parse_quantization(quant, where, prefix)
         if not (isinstance(model_type, str) and model_type in FAMILIES):
             raise _invalid(where, f"unsupported model_type {model_type!r}: metrale-graph runs "
                                   f"{', '.join(map(repr, [*FAMILIES, *MULTIMODAL]))}")

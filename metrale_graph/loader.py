@@ -31,9 +31,11 @@ from typing import NamedTuple
 import torch
 from tqdm.auto import tqdm
 
+from .compressed_tensors import checkpoint_format
 from .config import ModelConfig
 from .families import FAMILIES
 from .loader_checks import check_dtype, finite
+from .loader_compressed import CompressedReader
 from .placement import as_device, as_dtype, check_host_memory
 from .quantization import MTP_PREFIX, scale_name
 from .quantized import scale_problem
@@ -69,11 +71,14 @@ class _Assembler:
     """Lays checkpoint tensors into our weights on `device` in `dtype` (FP8 weights as they are, their
     scales in fp32: spec.weight_dtype), as the rank's plan (sharding.load_plan) says: whole tensors as they
     are, per-expert tensors into stacked buffers allocated once, the family's fused tensors split, a stacked
-    group's members into its buffer (Shards.stacks), a vocabulary shard into its zero-padded rows."""
+    group's members into its buffer (Shards.stacks), a vocabulary shard into its zero-padded rows. `reader`: how a
+    compressed-tensors checkpoint's FP8 tensors are read (loader_compressed.py; None for other checkpoints)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, tp=None):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, tp=None, folder: str | None = None):
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.plan = load_plan(cfg, tp)
+        fmt = checkpoint_format(folder) if folder is not None else None
+        self.reader = CompressedReader(fmt, self.plan, dtype) if fmt is not None else None
         self.out: dict[str, torch.Tensor] = {}
         self.stacks: dict[int, torch.Tensor] = {}  # the buffers of the plan's stacks, by index
 
@@ -157,7 +162,8 @@ def _check_headers(files: list[str], asm: _Assembler, cfg: ModelConfig
                         _check_header(f.get_slice(key), key, path, plan.reads[EMBEDDINGS], asm)
                         tied_head = (key, path)
                         continue
-                    if name is None:
+                    if name is None or asm.reader is not None and (
+                            name := asm.reader.rename(key, path, name, f.get_slice(key))) is None:
                         continue
                     piece = plan.reads.get(name)
                     if piece is None:
@@ -178,6 +184,8 @@ def _check_headers(files: list[str], asm: _Assembler, cfg: ModelConfig
                     reads.append(_Reading(key, path, piece))
         except (SafetensorError, OSError) as e:
             raise ValueError(f"cannot read safetensors file {path}: {e}") from None
+    if asm.reader is not None:
+        asm.reader.finish(given)
     if unexpected:
         scales = [(k, f) for k, f in unexpected if k.endswith(scale_name("weight"))]
         examples = ", ".join(f"{k!r} in {f}" for k, f in scales[:5])
@@ -206,13 +214,16 @@ def _check_headers(files: list[str], asm: _Assembler, cfg: ModelConfig
         head = all(n.startswith(MTP_PREFIX) for n in missing)  # a head transformers never reads: its main model loads
         hint = "; its MTP head (mtp.*) is incomplete: from_pretrained(..., mtp=False) loads the model without it"
         raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. "
-                         f"{_collapse(missing, asm, given)[:5]}{hint if head else ''}")
+                         f"{_collapse(missing, asm, given)[:5]}{hint if head else ''}"
+                         + (" (compressed-tensors names an FP8 weight's scales weight_scale)" if asm.reader and any(
+                             n.endswith("_scale_inv") for n in missing) else ""))
     return reads, tied_head
 
 
 def _check_header(header, key: str, path: str, piece: Read, asm: _Assembler) -> None:
     """ValueError naming the tensor and its file unless its header (a safetensors slice) has the piece's
-    shape and a dtype the piece may be stored in (loader_checks.check_dtype)."""
+    shape and a dtype the piece may be stored in (loader_checks.check_dtype; FP8 codes a compressed-tensors reader
+    dequantizes are its to check)."""
     shape = tuple(header.get_shape())
     spec = piece.spec
     if spec.kind == SCALE and len(spec.parts) > 1 and len(piece.units) > 1 and spec.of is not None:
@@ -234,14 +245,15 @@ def _check_header(header, key: str, path: str, piece: Read, asm: _Assembler) -> 
                 "tools.quantize write)")
     if shape != piece.shape:
         raise ValueError(f"tensor {key!r} has shape {shape}, the config needs {piece.shape} ({path})")
-    check_dtype(key, path, header.get_dtype(), piece.spec, asm.cfg)
+    if asm.reader is None or not asm.reader.takes(key):
+        check_dtype(key, path, header.get_dtype(), piece.spec, asm.cfg)
 
 
 def check_checkpoint(folder: str, cfg: ModelConfig) -> dict[str, WeightSpec]:
     """Check a checkpoint folder's tensors against `cfg` from their headers alone, as load_checkpoint does
     before it reads anything (ValueError naming the tensor); returns each checkpoint tensor's spec by our
     name (our_name): the weight it is, or is a part of (an expert's, a fusion's first member), or its scales."""
-    asm = _Assembler(cfg, torch.float32, torch.device("cpu"))
+    asm = _Assembler(cfg, torch.float32, torch.device("cpu"), folder=folder)
     _check_headers(checkpoint_files(folder), asm, cfg)
     return {name: read.spec for name, read in asm.plan.reads.items()}
 
@@ -283,9 +295,11 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
     from safetensors import SafetensorError, safe_open
 
     dtype, device = as_dtype(dtype), as_device(device)
-    asm = _Assembler(cfg, dtype, device, tp)
+    asm = _Assembler(cfg, dtype, device, tp, folder)
     check_host_memory(weight_bytes(asm.plan.shards.shapes, dtype, cfg), device, f"the weights of {folder} in {dtype}")
     reads, tied_head = _check_headers(checkpoint_files(folder), asm, cfg)
+    if asm.reader is not None:
+        asm.reader.read_scales()
     # drawn where standard error is a terminal (tqdm's disable=None; a notebook's widget too), never in a log
     bar = tqdm(total=len(asm.plan.layout), desc="loading weights", unit="tensor", disable=None if progress else True,
                leave=False)
@@ -297,14 +311,15 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
             with safe_open(path, framework="pt", device="cpu") as f:
                 for key, _, piece in items:
                     stored = take(f.get_slice(key), piece.ranges) if piece.ranges else f.get_tensor(key)
-                    if piece.spec.kind == SCALE and (problem := scale_problem(stored, dtype)) is not None:
-                        raise ValueError(f"tensor {key!r} in {path} {problem}")
-                    written = asm.place(piece, stored)
-                    if written is not None and check_finite and not finite(written):
-                        what = (f"values beyond the range of {written.dtype}" if finite(stored)
-                                else "NaN or infinite values")
-                        raise ValueError(f"tensor {key!r} in {path} holds {what}")
-                    bar.update(len(piece.units))
+                    for part, t in asm.reader.convert(key, piece, stored) if asm.reader else [(piece, stored)]:
+                        if part.spec.kind == SCALE and (problem := scale_problem(t, dtype)) is not None:
+                            raise ValueError(f"tensor {key!r} in {path} {problem}")
+                        written = asm.place(part, t)
+                        if written is not None and check_finite and not finite(written):
+                            what = (f"values beyond the range of {written.dtype}" if finite(t)
+                                    else "NaN or infinite values")
+                            raise ValueError(f"tensor {key!r} in {path} holds {what}")
+                        bar.update(len(part.units))
         except (SafetensorError, OSError) as e:
             raise ValueError(f"cannot read safetensors file {path}: {e}") from None
     bar.close()

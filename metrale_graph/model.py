@@ -126,8 +126,8 @@ class HybridModel(nn.Module):
     # construction
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device="cpu", progress: bool = True,
-                        check_finite: bool = True, tp: TensorParallel | None = None, mtp: bool = True
-                        ) -> "HybridModel":
+                        check_finite: bool = True, tp: TensorParallel | None = None, mtp: bool = True,
+                        requantize_fp8: bool = False) -> "HybridModel":
         """Load a Hugging Face checkpoint folder (config.json + safetensors, single or sharded): Qwen3.5
         (`qwen3_5_text`, multimodal `qwen3_5`), Qwen3.5-MoE (`qwen3_5_moe_text`, multimodal
         `qwen3_5_moe`) or Qwen3-Next (`qwen3_next`); a vision tower is skipped. The checkpoint's MTP head
@@ -140,7 +140,9 @@ class HybridModel(nn.Module):
         `load_checkpoint`). With a tensor-parallel `tp`, only this rank's shard is read. `dtype` is a
         torch.dtype or its name ("bfloat16"), or "auto": config.json's (weights.checkpoint_dtype); on the CPU,
         weights that would not fit in the memory available are a ValueError before any is read. `progress`: a bar
-        while the weights load, drawn where standard error is a terminal (in a log, none)."""
+        while the weights load, drawn where standard error is a terminal (in a log, none). `requantize_fp8`: a
+        compressed-tensors FP8 checkpoint's weights without 128 x 128-block or tensor scales are requantized to 128 x
+        128 blocks instead of dequantized to `dtype` (compressed_tensors.py, docs/fp8.md)."""
         device = as_device(device)
         if not isinstance(path, (str, os.PathLike)):
             raise ValueError(f"path must be a checkpoint folder's path (a str), got {type(path).__name__} {path!r}")
@@ -152,9 +154,10 @@ class HybridModel(nn.Module):
             raise ValueError(f"checkpoint folder {path!r} does not exist")
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise no_config(path)
-        if not isinstance(mtp, bool):
-            raise ValueError(f"mtp must be True or False (whether to read the checkpoint's MTP head), got {mtp!r}")
-        config, dtype = checkpoint_config(path, mtp), checkpoint_dtype(path, dtype)
+        for flag, value in (("mtp", mtp), ("requantize_fp8", requantize_fp8)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{flag} must be True or False, got {value!r}")
+        config, dtype = checkpoint_config(path, mtp, requantize_fp8), checkpoint_dtype(path, dtype)
         try:
             weights, error = load_checkpoint(path, config, dtype, device, progress=progress,
                                              check_finite=check_finite, tp=tp), None

@@ -11,7 +11,8 @@ experts, except the router, the shared-expert gate and lm_head); which of those 
 `modules_to_not_convert`, matched as transformers' `should_convert_module` matches it against its
 module names (`model.layers.0.linear_attn.in_proj_a`; `model.language_model.` in the multimodal
 wrappers; `lm_head`; the MTP head's as its checkpoints name it, `mtp.fc`, `mtp.layers.0.self_attn.q_proj`),
-a pattern being a regular expression matched at the start, or a suffix.
+a pattern being a regular expression matched at the start, or a suffix. compressed-tensors' FP8 checkpoints
+(llm-compressor's) are read by compressed_tensors.py into an Fp8Config whose `compressed` rule says the same.
 """
 
 from __future__ import annotations
@@ -34,22 +35,30 @@ class Fp8Config:
     """A checkpoint's FP8 quantization_config, checked. `modules_to_not_convert`: transformers' patterns
     (None: the config lists none; then every convertible module is converted); `prefix`: how the
     checkpoint names the text model's modules (`model.`, or the multimodal wrapper's text prefix), the
-    names the patterns were written against."""
+    names the patterns were written against. `compressed`: a compressed-tensors checkpoint's config
+    (compressed_tensors.CompressedTensors), which then says which modules are converted: those its files store
+    as FP8 that 128 x 128 blocks hold (or any, when it requantizes)."""
     modules_to_not_convert: tuple[str, ...] | None = None
     prefix: str = TEXT_PREFIX
+    compressed: object | None = None
 
-    def converts(self, module: str) -> bool:
+    def converts(self, module: str, leaves: tuple[str, ...] = ()) -> bool:
         """Whether a module (our name: `layers.0.mlp.gate_proj`, `layers.3.mlp.experts`, `lm_head`) is
-        converted: transformers' should_convert_module over its full name."""
+        converted: transformers' should_convert_module over its full name; with `compressed`, its rule over the
+        module's checkpoint linears (`leaves` under it: an experts module's `3.gate_proj`, ...)."""
+        full = checkpoint_module(module, self.prefix)
+        if self.compressed is not None:
+            return self.compressed.converts(full, leaves)
         if self.modules_to_not_convert is None:
             return True
-        full = checkpoint_module(module, self.prefix)
         return not any(re.match(f"{p}\\.", full) or re.match(p, full) or full.endswith(p)
                        for p in self.modules_to_not_convert)
 
     def to_hf(self, modules_to_not_convert: list[str] | None = None) -> dict:
         """config.json's quantization_config; `modules_to_not_convert` replaces the patterns (the saver
         writes the modules it keeps in floating point, by their names in a text checkpoint)."""
+        if modules_to_not_convert is None and self.compressed is not None:
+            return self.compressed.to_hf()  # the checkpoint's own (compressed-tensors) section
         patterns = modules_to_not_convert if modules_to_not_convert is not None else self.modules_to_not_convert
         return {"quant_method": FP8_METHOD, "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
@@ -82,8 +91,9 @@ def parse_quantization(raw, where: str = "", prefix: str = TEXT_PREFIX, field: s
     method = raw.get("quant_method")
     if method != FP8_METHOD:
         raise bad(f"a quantized checkpoint ({field} with quant_method {method!r}) is not supported: metrale-graph "
-                  "loads floating-point weights and fine-grained FP8 ('fp8', as Qwen's FP8 releases: float8_e4m3fn "
-                  "weights with 128 x 128 block weight_scale_inv). Load the model's floating-point checkpoint, or its "
+                  "loads floating-point weights, fine-grained FP8 ('fp8', as Qwen's FP8 releases: float8_e4m3fn "
+                  "weights with 128 x 128 block weight_scale_inv) and compressed-tensors FP8 ('compressed-tensors', "
+                  "llm-compressor's float-quantized FP8 schemes). Load the model's floating-point checkpoint, or its "
                   "FP8 one in Qwen's format (metrale-quantize writes one from a floating-point checkpoint)")
     fmt = raw.get("fmt", "e4m3")
     if fmt != "e4m3":

@@ -27,7 +27,10 @@ FP8 (config.quantization, quantization.py): a weight that may be FP8 (`quantizab
 experts but the router, the shared-expert gate and lm_head) and that the quantization_config converts
 is `fp8` (float8_e4m3fn in memory), and its block scales follow it as a SCALE spec (`of`: the weight;
 fp32 [ceil(N / 128), ceil(K / 128)], for experts [E, parts * ceil(rows / 128), ceil(K / 128)], each part's
-grid in turn). A family's fused checkpoint tensor is converted or not as one module (its name).
+grid in turn). A family's fused checkpoint tensor is converted or not as one module (its name). Under a
+compressed-tensors checkpoint's config the converted weights are those its files hold as FP8 with 128 x 128-block
+or tensor scales (compressed_tensors.py), every expert of a layer and part alike, a fused tensor only on whole
+128-row blocks; its other FP8 weights are dequantized at load.
 """
 
 from __future__ import annotations
@@ -264,8 +267,10 @@ def _quantized(specs: list[WeightSpec], cfg: ModelConfig) -> list[WeightSpec]:
     for s in specs:
         fusion = cfg.family.fusion_of(s.local) if s.layer is not None else None
         module = f"{s.layer_prefix}{fusion.name.rsplit('.', 1)[0]}" if fusion is not None else s.module
-        if not (s.quantizable and cfg.quantization.converts(module)):
-            out.append(s)
+        leaves = tuple(f"{e}.{part}" for e in range(s.shape[0]) for part in s.parts) if s.kind == EXPERTS else ()
+        if not (s.quantizable and cfg.quantization.converts(module, leaves)) or (
+                fusion is not None and cfg.quantization.compressed is not None and not _whole_blocks(fusion, cfg)):
+            out.append(s)  # (a compressed-tensors file's FP8 fused tensor that 128-row blocks cannot split: dequantized)
             continue
         s = dataclasses.replace(s, fp8=True)
         out += [s, WeightSpec(scale_name(s.name), scale_shape(s), SCALE, None, layer=s.layer, parts=s.parts, of=s,
@@ -328,12 +333,16 @@ def expert_name(spec: WeightSpec, expert: int, part: str) -> str:
     return f"{spec.name.rsplit('.', 1)[0]}.{expert}.{part}.{leaf}"
 
 
+def _whole_blocks(fusion: Fusion, cfg: ModelConfig) -> bool:
+    """Whether each member's rows per group of a fused tensor are whole 128-row blocks (its scales then split)."""
+    return not any(n % FP8_BLOCK for member in fusion.segments(cfg) for n in member)
+
+
 def _scale_fusion(fusion: Fusion, cfg: ModelConfig, layer: int) -> Fusion:
     """The fusion of the block scales of an FP8 fused tensor: the same groups and members' scales, each
     segment in 128-row blocks. ValueError when a segment is not whole blocks (a block would straddle two
     members: the fused tensor cannot be split)."""
-    bad = [n for member in fusion.segments(cfg) for n in member if n % FP8_BLOCK]
-    if bad:
+    if not _whole_blocks(fusion, cfg):
         raise ValueError(f"the quantization_config converts layers.{layer}.{fusion.name} to FP8, but its members' "
                          f"rows per group {fusion.segments(cfg)} are not multiples of 128: its 128-row scale blocks "
                          "would straddle members, so it cannot be split at load (keep it in floating point: "

@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from .compressed_tensors import checkpoint_format
 from .config import ModelConfig, load_config
 from .ops.kernels import rows_back_to_back
 from .placement import as_device, as_dtype, check_host_memory
@@ -50,12 +51,16 @@ def stored_mtp_layers(folder: str) -> int:
     return 0 if not found else max(layers + 1, 1)
 
 
-def checkpoint_config(folder: str, mtp: bool = True) -> ModelConfig:
+def checkpoint_config(folder: str, mtp: bool = True, requantize_fp8: bool = False) -> ModelConfig:
     """The config of a checkpoint folder (load_config) with its MTP layers settled by its tensors (config.py): none
     when the files hold no MTP tensor (transformers' save_pretrained drops them; its config.json still declares
     them) or with mtp=False (the head is not read), else the count config.json declares, or where it declares
-    none (Qwen3-Next's files) the count the tensors name."""
+    none (Qwen3-Next's files) the count the tensors name. `requantize_fp8`: a compressed-tensors FP8 checkpoint's
+    weights whose scales are not 128 x 128 blocks (per channel, ...) are FP8 in memory, requantized, instead of
+    dequantized (compressed_tensors.py); other checkpoints are not affected."""
     cfg = load_config(folder)
+    if requantize_fp8 and (fmt := checkpoint_format(folder)) is not None:
+        cfg = cfg.replace(quantization=fmt.memory_config(requantize=True))
     stored = stored_mtp_layers(folder) if mtp else 0
     layers = (cfg.mtp_num_hidden_layers or stored) if stored else 0
     return cfg if layers == cfg.mtp_num_hidden_layers else cfg.replace(mtp_num_hidden_layers=layers)

@@ -421,10 +421,13 @@ def test_stacked_fp8_experts_of_ragged_parts_are_refused_by_name(tmp_path):
         HybridModel.from_pretrained(dst, progress=False)
 
 
-QUANTIZED = {  # config.json's quantization_config as each tool writes it
-    "compressed-tensors": {"quant_method": "compressed-tensors", "format": "float-quantized",
-                           "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8,
-                                                                                           "type": "float"}}}},
+QUANTIZED = {  # config.json's quantization_config as each tool writes it (compressed-tensors: llm-compressor's W4A16;
+    # its FP8 formats load, tests/test_checkpoints_compressed.py)
+    "compressed-tensors": {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status":
+                           "compressed", "ignore": ["lm_head"],
+                           "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                                         "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                                     "strategy": "group", "group_size": 128}}}},
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True},
     "bitsandbytes": {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},

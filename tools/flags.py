@@ -167,9 +167,9 @@ def model_name(text: str) -> str:
 
 def add_model_args(p: argparse.ArgumentParser, seed_help: str = "seed of random preset weights and of inputs",
                    parallel: bool = True) -> None:
-    """--model, --dtype, --device, --seed, --tp and --moe-parallel. parallel=False: a tool that runs one
-    whole model leaves --tp / --moe-parallel out of its help (they still parse, for the tool to refuse them
-    by name)."""
+    """--model, --dtype, --device, --seed, --requantize-fp8, --tp and --moe-parallel. parallel=False: a tool
+    that runs one whole model leaves --tp / --moe-parallel out of its help (they still parse, for the tool to
+    refuse them by name)."""
     from metrale_graph import PRESETS
 
     p.add_argument("--model", type=model_name, default="tiny",
@@ -180,6 +180,10 @@ def add_model_args(p: argparse.ArgumentParser, seed_help: str = "seed of random 
                         "own, config.json's dtype, as transformers' dtype='auto')")
     p.add_argument("--device", type=device, default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--seed", type=seed, default=0, help=seed_help)
+    p.add_argument("--requantize-fp8", action="store_true",
+                   help="a compressed-tensors FP8 checkpoint's weights with per-channel (or other non-128 x 128-block) "
+                        "scales: requantized to 128 x 128-block FP8 instead of dequantized to --dtype (a second "
+                        "rounding of each weight; half the memory of bf16)")
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel ranks: launch with torchrun --nproc-per-node N ... --tp N "
                         "(NCCL on GPUs, one per rank; gloo on the CPU); ranks other than 0 print nothing"

@@ -95,7 +95,8 @@ def load_model(args, parser, run: Run | None = None):
         if args.model in PRESETS:
             return HybridModel.from_preset(args.model, dtype=run.dtype, device=run.device, seed=args.seed, tp=run.tp)
         return HybridModel.from_pretrained(args.model, dtype=run.dtype, device=run.device, tp=run.tp,
-                                           progress=run.reports and sys.stderr.isatty())
+                                           progress=run.reports and sys.stderr.isatty(),
+                                           requantize_fp8=getattr(args, "requantize_fp8", False))
     except ValueError as e:
         parser.error(f"--model {args.model}: {e}")
 

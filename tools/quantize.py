@@ -73,6 +73,7 @@ def plan(folder: str, patterns: list[str] | None):
     whole 128-row blocks, a tensor the config does not need, ...)."""
     import dataclasses
 
+    from metrale_graph.compressed_tensors import checkpoint_format
     from metrale_graph.families import MULTIMODAL
     from metrale_graph.quantized import fp8_config
     from metrale_graph.loader import check_checkpoint
@@ -85,7 +86,7 @@ def plan(folder: str, patterns: list[str] | None):
     cfg = checkpoint_config(folder)
     with open(path) as f:
         raw = json.load(f)
-    if cfg.quantization is not None:
+    if cfg.quantization is not None or checkpoint_format(folder) is not None:
         raise ValueError(f"{folder} is an FP8 checkpoint already (its config.json has a quantization_config)")
     check_checkpoint(folder, cfg)
     fp8 = fp8_config(cfg, QWEN_KEPT if patterns is None else patterns)
