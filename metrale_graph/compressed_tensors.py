@@ -21,12 +21,12 @@ scale ([1]); `channel`, one per output row ([N, 1]); `group`, one per row and `g
 activations add `<module>.input_scale` ([1]); a `kv_cache_scheme` adds `self_attn.k_scale` / `v_scale`.
 
 In memory (module docstring of quantization.py for our FP8): `block` [128, 128] is our 128 x 128 block FP8 as it
-is (weight_scale read as weight_scale_inv); `tensor` is too, exactly: the codes as stored, the one scale in every
-block of the grid. `channel`, `group` and other blocks are not any 128 x 128 grid's: such weights are dequantized
-to the model's dtype at load (codes * scale in fp32, rounded once), or with `requantize` (from_pretrained's
-`requantize_fp8`) requantized to 128 x 128 blocks (a second rounding of every weight). Activations are always
-quantized as our FP8 projections quantize them: dynamically, per token per 128 channels; a checkpoint's static
-per-tensor input scales are not used (docs/fp8.md says what that changes).
+is (weight_scale read as weight_scale_inv). Other scales are dequantized to the model's dtype at load (codes *
+scale in fp32, rounded once), or with `requantize` (from_pretrained's `requantize_fp8`) held as 128 x 128-block FP8:
+`tensor` ones exactly (the codes as stored, the one scale in every block of the grid), the others (`channel`,
+`group`, other blocks: not any 128 x 128 grid's) requantized, a second rounding of every weight. Activations are
+always quantized as our FP8 projections quantize them: dynamically, per token per 128 channels; a checkpoint's
+static per-tensor input scales are not used (docs/fp8.md says what that changes).
 """
 
 from __future__ import annotations
@@ -67,9 +67,15 @@ class Scheme:
     activations: str
 
     @property
+    def native(self) -> bool:
+        """Whether these are our 128 x 128-block FP8 weights as they are (block [128, 128] scales)."""
+        return self.block == (FP8_BLOCK, FP8_BLOCK)
+
+    @property
     def exact(self) -> bool:
-        """Whether our 128 x 128 block FP8 holds these weights exactly (the codes as stored, each block a scale)."""
-        return self.strategy == "tensor" or self.block == (FP8_BLOCK, FP8_BLOCK)
+        """Whether 128 x 128-block FP8 holds these weights exactly (the codes as stored, each block a scale): block
+        [128, 128] scales, or a tensor's one scale in every block."""
+        return self.strategy == "tensor" or self.native
 
     def scale_shape(self, rows: int, cols: int) -> tuple[int, ...] | None:
         """The weight_scale shape of a weight [rows, cols]; None for `tensor` (one scale: [1], [] or [1, 1])."""
@@ -104,17 +110,17 @@ class CompressedTensors:
 
     def converts(self, module: str, leaves: tuple[str, ...] = ()) -> bool:
         """Whether our weight of checkpoint module `module` (with `leaves`: the linears under it that hold it, an
-        experts module's `3.gate_proj`) is FP8 in memory: every one of them stored FP8, with 128 x 128-block or
-        tensor scales, or any FP8 scales when requantizing."""
+        experts module's `3.gate_proj`) is FP8 in memory: every one of them stored FP8, with 128 x 128-block
+        scales, or any FP8 scales when requantizing."""
         names = [f"{module}.{leaf}" for leaf in leaves] if leaves else [module]
         schemes = [self.scheme_of(n) for n in names]
-        return all(s is not None and (s.exact or self.requantize) for s in schemes)
+        return all(s is not None and (s.native or self.requantize) for s in schemes)
 
     def memory_config(self, requantize: bool = False) -> Fp8Config | None:
         """The Fp8Config of the model this checkpoint loads into (None: no weight is FP8 in memory, every FP8
         weight of the file dequantized). Which modules it converts is this config's (converts)."""
         source = replace(self, requantize=requantize)
-        if not any(s.exact or requantize for s in self.groups):
+        if not any(s.native or requantize for s in self.groups):
             return None
         return Fp8Config(None, self.prefix, compressed=source)
 

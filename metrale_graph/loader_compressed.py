@@ -5,8 +5,8 @@ the model holds of it as it is read (`CompressedReader`).
 By what the weight is in memory (spec.py's `fp8`, from the config's rule) and its scales' strategy:
 
 - FP8 with `block` [128, 128] scales: read as Qwen's FP8 is, `<module>.weight_scale` as our `weight_scale_inv`.
-- FP8 with `tensor` scales: the codes as stored; the one scale fills the weight's block grid (exact).
-- FP8 with other scales (requantize): codes * scales in fp32, quantized to 128 x 128 blocks (ops/fp8/quant.py).
+- FP8 with `tensor` scales (requantize_fp8): the codes as stored; the one scale fills the weight's block grid (exact).
+- FP8 with other scales (requantize_fp8): codes * scales in fp32, quantized to 128 x 128 blocks (ops/fp8/quant.py).
 - floating point: codes * scales in fp32, which the loader rounds to the model's dtype: the weights compressed-tensors'
   decompression gives, rounded once. So are FP8 tensors of modules metrale-graph keeps in floating point (the
   router, the shared-expert gate, lm_head, a fused tensor 128-row blocks cannot split) when the file holds them so.
@@ -102,7 +102,7 @@ class CompressedReader:
             return name  # a module kept in floating point that the file holds so (a router no Linear class targets)
         how = (AS_STORED if scheme.block == (128, 128) else BROADCAST if scheme.strategy == "tensor" else REQUANTIZE
                ) if piece.spec.fp8 else DEQUANTIZE
-        self.counts[how if how != DEQUANTIZE or piece.spec.quantizable and not scheme.exact else KEPT] += 1
+        self.counts[how if how != DEQUANTIZE or piece.spec.quantizable and not scheme.native else KEPT] += 1
         if how != AS_STORED:
             self.codes[key] = Codes(weight, path, scheme, how)
         return name
@@ -151,17 +151,17 @@ class CompressedReader:
                     if (problem := scale_problem(scale, self.dtype)) is not None:
                         raise ValueError(f"tensor {skey!r} in {path} {problem}")
                     self.scales[key] = scale
-        log.info("compressed-tensors FP8 checkpoint: FP8 weights %s; unused: %s. 128 x 128-block FP8 holds block "
-                 "[128, 128] and tensor scales exactly, other scales are dequantized to %s (or requantized: "
-                 "requantize_fp8); activations are quantized per token per 128 channels",
+        log.info("compressed-tensors FP8 checkpoint: FP8 weights %s; unused: %s. Block [128, 128] scales stay 128 x "
+                 "128-block FP8, other scales are dequantized to %s (requantize_fp8: block FP8, tensor scales exactly, "
+                 "others requantized); activations are quantized per token per 128 channels",
                  ", ".join(f"{self.counts[h]} {h}" for h in (AS_STORED, BROADCAST, REQUANTIZE, DEQUANTIZE, KEPT)),
                  ", ".join(f"{n} {what}" for what, n in self.counts.items() if what in UNUSED.values()) or "none",
                  self.dtype)
         if self.counts[DEQUANTIZE]:
             log.warning("%d FP8 weights of the checkpoint are held dequantized in %s (their scales are not 128 x 128 "
                         "blocks: exact, at %d bytes a weight instead of 1); from_pretrained(..., requantize_fp8=True) "
-                        "requantizes them to 128 x 128-block FP8 instead (a second rounding)",
-                        self.counts[DEQUANTIZE], self.dtype, self.dtype.itemsize)
+                        "holds them as 128 x 128-block FP8 instead (tensor scales exactly, others requantized: a "
+                        "second rounding)", self.counts[DEQUANTIZE], self.dtype, self.dtype.itemsize)
 
     def convert(self, key: str, piece: Read, stored: torch.Tensor) -> list[tuple[Read, torch.Tensor]]:
         """What to place of checkpoint tensor `key` as read (this rank's part `stored`): [(the plan's read, tensor)],

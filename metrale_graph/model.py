@@ -141,8 +141,8 @@ class HybridModel(nn.Module):
         torch.dtype or its name ("bfloat16"), or "auto": config.json's (weights.checkpoint_dtype); on the CPU,
         weights that would not fit in the memory available are a ValueError before any is read. `progress`: a bar
         while the weights load, drawn where standard error is a terminal (in a log, none). `requantize_fp8`: a
-        compressed-tensors FP8 checkpoint's weights without 128 x 128-block or tensor scales are requantized to 128 x
-        128 blocks instead of dequantized to `dtype` (compressed_tensors.py, docs/fp8.md)."""
+        compressed-tensors FP8 checkpoint's weights without 128 x 128-block scales are 128 x 128-block FP8 (tensor
+        scales exactly, others requantized) instead of dequantized to `dtype` (compressed_tensors.py, docs/fp8.md)."""
         device = as_device(device)
         if not isinstance(path, (str, os.PathLike)):
             raise ValueError(f"path must be a checkpoint folder's path (a str), got {type(path).__name__} {path!r}")

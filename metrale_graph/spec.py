@@ -29,8 +29,8 @@ is `fp8` (float8_e4m3fn in memory), and its block scales follow it as a SCALE sp
 fp32 [ceil(N / 128), ceil(K / 128)], for experts [E, parts * ceil(rows / 128), ceil(K / 128)], each part's
 grid in turn). A family's fused checkpoint tensor is converted or not as one module (its name). Under a
 compressed-tensors checkpoint's config the converted weights are those its files hold as FP8 with 128 x 128-block
-or tensor scales (compressed_tensors.py), every expert of a layer and part alike, a fused tensor only on whole
-128-row blocks; its other FP8 weights are dequantized at load.
+scales (with requantize_fp8: any scales; compressed_tensors.py), every expert of a layer and part alike, a fused
+tensor only on whole 128-row blocks; its other FP8 weights are dequantized at load.
 """
 
 from __future__ import annotations

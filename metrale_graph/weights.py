@@ -56,8 +56,8 @@ def checkpoint_config(folder: str, mtp: bool = True, requantize_fp8: bool = Fals
     when the files hold no MTP tensor (transformers' save_pretrained drops them; its config.json still declares
     them) or with mtp=False (the head is not read), else the count config.json declares, or where it declares
     none (Qwen3-Next's files) the count the tensors name. `requantize_fp8`: a compressed-tensors FP8 checkpoint's
-    weights whose scales are not 128 x 128 blocks (per channel, ...) are FP8 in memory, requantized, instead of
-    dequantized (compressed_tensors.py); other checkpoints are not affected."""
+    weights whose scales are not 128 x 128 blocks are 128 x 128-block FP8 in memory (tensor scales exactly, per
+    channel ones requantized) instead of dequantized (compressed_tensors.py); other checkpoints are not affected."""
     cfg = load_config(folder)
     if requantize_fp8 and (fmt := checkpoint_format(folder)) is not None:
         cfg = cfg.replace(quantization=fmt.memory_config(requantize=True))

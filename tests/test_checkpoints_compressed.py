@@ -3,11 +3,11 @@ llm-compressor writes them (config.json's quantization_config as compressed-tens
 float8_e4m3fn and `<module>.weight_scale` in the model's dtype, `input_scale` for static activations, `k_scale` /
 `v_scale` for a kv_cache_scheme, several shards), from checkpoints transformers wrote, for the dense, both MoE
 families, a multimodal wrapper and an MTP head copied in bf16: each loaded and run against transformers (fp32) on
-the same checkpoint dequantized. Block [128, 128] and tensor scales load as 128 x 128-block FP8 whose dequantized
-weights are the file's exactly (run weight-only, within metrics.fp32_model_bound); channel scales load dequantized,
-equal to the dequantized checkpoint's weights bit for bit, or requantized to blocks when asked; a tensor-parallel
-rank's shard is the full load's. Other compressed-tensors schemes are refused naming the format, malformed files
-naming the tensor before anything is read."""
+the same checkpoint dequantized. Block [128, 128] scales load as 128 x 128-block FP8 whose dequantized weights are
+the file's exactly (run weight-only, within metrics.fp32_model_bound), and so do tensor scales when asked
+(requantize_fp8); other scales load dequantized, equal to the dequantized checkpoint's weights bit for bit, or
+requantized to blocks when asked; a tensor-parallel rank's shard is the full load's. Other compressed-tensors
+schemes are refused naming the format, malformed files naming the tensor before anything is read."""
 
 import glob
 import json
@@ -141,30 +141,34 @@ QWEN_IGNORE = ["re:.*lm_head", "re:.*mlp.gate$", "re:.*embed_tokens$", "re:.*sha
 
 
 ATTENTION_MOE = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj"}
-CASES = [  # family, multimodal, scheme, ignore, MTP head, kv_cache_scheme; the FP8 weights in memory by kind
-    pytest.param("qwen3_5_text", False, "FP8_DYNAMIC", ["lm_head", "re:.*linear_attn.*"], False, True, set(),
+TENSOR_IGNORE = ["lm_head", "re:model.visual.*", "re:.*linear_attn.*", "re:.*mlp.gate$", "re:.*shared_expert_gate$"]
+CASES = [  # family, multimodal, scheme, ignore, MTP head, kv_cache_scheme, requantize_fp8; the FP8 weights in memory
+    pytest.param("qwen3_5_text", False, "FP8_DYNAMIC", ["lm_head", "re:.*linear_attn.*"], False, True, False, set(),
                  id="qwen3_5-channel-dequantized-kv"),
-    pytest.param("qwen3_5_moe_text", False, "FP8_BLOCK", QWEN_IGNORE, False, False, ATTENTION_MOE,
+    pytest.param("qwen3_5_moe_text", False, "FP8_BLOCK", QWEN_IGNORE, False, False, False, ATTENTION_MOE,
                  id="qwen3_5_moe-block"),
-    pytest.param("qwen3_5_moe_text", True, "FP8", ["lm_head", "re:model.visual.*", "re:.*linear_attn.*",
-                                                   "re:.*mlp.gate$", "re:.*shared_expert_gate$"], True, False,
-                 ATTENTION_MOE, id="mm-qwen3_5_moe-tensor-static-mtp"),
+    pytest.param("qwen3_5_moe_text", True, "FP8", TENSOR_IGNORE, True, False, False, set(),
+                 id="mm-qwen3_5_moe-tensor-static-mtp-dequantized"),
+    # tensor scales held as block FP8 when asked: exactly (the codes as stored, the scale in every block)
+    pytest.param("qwen3_5_moe_text", True, "FP8", TENSOR_IGNORE, True, False, True, ATTENTION_MOE,
+                 id="mm-qwen3_5_moe-tensor-static-mtp-as-blocks"),
     # every linear but lm_head: the fused in_proj_qkvz as FP8, in_proj_ba (rows not 128-blocks), the router and the
     # shared-expert gate dequantized
-    pytest.param("qwen3_next", False, "FP8_BLOCK", ["lm_head"], False, False,
+    pytest.param("qwen3_next", False, "FP8_BLOCK", ["lm_head"], False, False, False,
                  ATTENTION_MOE | {"in_proj_qkv", "in_proj_z", "out_proj"}, id="qwen3_next-block-gates-dequantized"),
-    pytest.param("qwen3_5_text", True, "W8A16_GROUP", ["lm_head", "re:model.visual.*"], True, False, set(),
+    pytest.param("qwen3_5_text", True, "W8A16_GROUP", ["lm_head", "re:model.visual.*"], True, False, False, set(),
                  id="mm-qwen3_5-group-weight-only-mtp"),
 ]
 
 
-@pytest.mark.parametrize("family, multimodal, scheme, ignore, mtp, kv, in_fp8", CASES)
-def test_llm_compressor_checkpoints_load_and_match(tmp_path, family, multimodal, scheme, ignore, mtp, kv, in_fp8):
+@pytest.mark.parametrize("family, multimodal, scheme, ignore, mtp, kv, requantize, in_fp8", CASES)
+def test_llm_compressor_checkpoints_load_and_match(tmp_path, family, multimodal, scheme, ignore, mtp, kv, requantize,
+                                                   in_fp8):
     src, dst = str(tmp_path / "bf16"), str(tmp_path / "ct")
     sizes = fp8_shapes(family, aligned=False)
     transformers_model(family, multimodal, **sizes).to(torch.bfloat16).save_pretrained(src)
     ref = write_compressed(src, dst, scheme, ignore, kv=kv, mtp=mtp_head(family, **sizes) if mtp else None)
-    ours = HybridModel.from_pretrained(dst, progress=False)
+    ours = HybridModel.from_pretrained(dst, progress=False, requantize_fp8=requantize)
     assert {n.split(".")[-2] if n.endswith("weight") else n.split(".")[-1] for n in fp8_names(ours)} == in_fp8
     assert (ours.mtp is not None) == mtp
     plain = HybridModel.from_pretrained(ref, progress=False)  # its MTP head too (transformers has none)
@@ -201,7 +205,8 @@ def test_channel_scales_requantized_to_blocks_when_asked(tmp_path, caplog):
 @pytest.mark.parametrize("scheme, moe", [("FP8_DYNAMIC", "within"), ("FP8_DYNAMIC", "expert"), ("FP8", "expert")])
 def test_tensor_parallel_ranks_read_their_shards(tmp_path, scheme, moe):
     """A rank's shard of a compressed-tensors checkpoint is the full load's: channel scales (each rank dequantizes
-    the rows or columns it reads), and the experts' tensor scales (FP8 blocks; whole experts on each rank)."""
+    the rows or columns it reads), and the experts' tensor scales held as FP8 blocks (requantize_fp8; whole experts
+    on each rank)."""
     from metrale_graph.loader import load_checkpoint
     from metrale_graph.parallel import TensorParallel
     from metrale_graph.weights import checkpoint_config, shard_weights
@@ -210,7 +215,7 @@ def test_tensor_parallel_ranks_read_their_shards(tmp_path, scheme, moe):
     transformers_model("qwen3_5_moe_text", False, num_experts=4).to(torch.bfloat16).save_pretrained(src)
     targets = ("Linear",) if scheme == "FP8_DYNAMIC" else (r"re:.*mlp\.experts\.\d+\.",)
     write_compressed(src, dst, scheme, ["lm_head"], targets=targets, shards=2)
-    cfg = checkpoint_config(dst)
+    cfg = checkpoint_config(dst, requantize_fp8=scheme == "FP8")
     full = load_checkpoint(dst, cfg, torch.float32, "cpu", progress=False)
     assert (scheme == "FP8") == ("layers.0.mlp.experts.down_proj_scale_inv" in full)
     for rank in range(2):
@@ -231,7 +236,7 @@ def test_saved_in_qwens_format_and_config_round_trip(tmp_path):
     src, dst = str(tmp_path / "bf16"), str(tmp_path / "ct")
     sizes = fp8_shapes("qwen3_5_moe_text", aligned=False)
     transformers_model("qwen3_5_moe_text", False, **sizes).to(torch.bfloat16).save_pretrained(src)
-    write_compressed(src, dst, "FP8", QWEN_IGNORE)
+    write_compressed(src, dst, "FP8_BLOCK", QWEN_IGNORE)
     ours = HybridModel.from_pretrained(dst, progress=False)
     assert ModelConfig.from_hf(ours.config.to_hf()) == ours.config
     ours.save_pretrained(str(tmp_path / "saved"))

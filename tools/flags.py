@@ -181,9 +181,9 @@ def add_model_args(p: argparse.ArgumentParser, seed_help: str = "seed of random 
     p.add_argument("--device", type=device, default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--seed", type=seed, default=0, help=seed_help)
     p.add_argument("--requantize-fp8", action="store_true",
-                   help="a compressed-tensors FP8 checkpoint's weights with per-channel (or other non-128 x 128-block) "
-                        "scales: requantized to 128 x 128-block FP8 instead of dequantized to --dtype (a second "
-                        "rounding of each weight; half the memory of bf16)")
+                   help="a compressed-tensors FP8 checkpoint's weights with per-tensor, per-channel (or other "
+                        "non-128 x 128-block) scales: held as 128 x 128-block FP8 instead of dequantized to --dtype "
+                        "(per-tensor exactly, others requantized: a second rounding; half the memory of bf16)")
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel ranks: launch with torchrun --nproc-per-node N ... --tp N "
                         "(NCCL on GPUs, one per rank; gloo on the CPU); ranks other than 0 print nothing"
