@@ -152,8 +152,8 @@ def parse_compressed_tensors(raw, where: str = "", prefix: str = TEXT_PREFIX,
 
     if not isinstance(raw, dict):
         raise bad(f"field {field!r} must be an object, got {raw!r}")
-    fmt = raw.get("format", "dense")
-    if fmt in _OTHER_FORMATS or (fmt not in FP8_FORMATS and fmt != "mixed-precision"):
+    fmt = raw.get("format")  # None: each group's own, or what its weights are (as compressed-tensors infers it)
+    if fmt is not None and (fmt in _OTHER_FORMATS or (fmt not in FP8_FORMATS and fmt != "mixed-precision")):
         raise other(f"format {fmt!r}" + (f": {_OTHER_FORMATS[fmt]}" if fmt in _OTHER_FORMATS else ""))
     for name in ("sparsity_config", "transform_config"):
         if raw.get(name):
@@ -189,7 +189,7 @@ def _scheme(name: str, group, field: str, fmt: str, bad, other) -> Scheme:
     targets = group.get("targets")
     if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
         raise bad(f"field '{field}.targets' must be a list of module names or classes, got {targets!r}")
-    group_fmt = group.get("format") or fmt
+    group_fmt = group.get("format") or (FP8_FORMATS[0] if fmt in (None, "mixed-precision") else fmt)
     if group_fmt not in FP8_FORMATS:
         raise other(f"{field}.format {group_fmt!r}" + (f": {_OTHER_FORMATS[group_fmt]}" if group_fmt in _OTHER_FORMATS
                                                        else ""))

@@ -13,8 +13,9 @@ By what the weight is in memory (spec.py's `fp8`, from the config's rule) and it
 
 These scales are read whole before any weight (a [rows, 1] column per channel-quantized weight; only those of the
 weights this rank reads), each checked as the loader checks block scales (quantized.scale_problem). Static input
-scales (`input_scale`) and a kv_cache_scheme's `k_scale` / `v_scale` are not read: activations are quantized
-per token per 128 channels, the KV cache kept in the model's dtype.
+scales (`input_scale`), a kv_cache_scheme's `k_scale` / `v_scale` and the zero points older compressed-tensors
+saved beside symmetric scales (zeros) are not read: activations are quantized per token per 128 channels, the KV
+cache kept in the model's dtype.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from .spec import EXPERTS, PROJECTION, blocks
 log = logging.getLogger(__name__)
 FP8 = "F8_E4M3"
 SCALE_DTYPES = ("F32", "BF16", "F16")
-UNUSED = {"input_scale": "static input scales", "k_scale": "KV-cache scales", "v_scale": "KV-cache scales"}
+UNUSED = {"input_scale": "static input scales", "k_scale": "KV-cache scales", "v_scale": "KV-cache scales",
+          "weight_zero_point": "zero points", "input_zero_point": "zero points"}  # (symmetric: zeros)
 AS_STORED, BROADCAST, REQUANTIZE, DEQUANTIZE = "as stored", "tensor scale in every block", "requantized", "dequantized"
 KEPT = "dequantized (kept in floating point)"  # a module metrale-graph keeps so: the router, lm_head, ...
 
@@ -69,7 +71,8 @@ class CompressedReader:
         config does not quantize."""
         module, _, leaf = key.rpartition(".")
         if (leaf == "input_scale" and getattr(self.fmt.scheme_of(module), "activations", None) == "static"
-                or leaf in ("k_scale", "v_scale") and self.fmt.kv_cache):
+                or leaf in ("k_scale", "v_scale") and self.fmt.kv_cache
+                or leaf.endswith("_zero_point") and self.fmt.scheme_of(module) is not None):
             self.counts[UNUSED[leaf]] += 1
             return None
         if leaf not in ("weight", "weight_scale"):
@@ -96,9 +99,12 @@ class CompressedReader:
             return name
         if stored != FP8:
             if piece.spec.fp8 or piece.spec.quantizable:
+                hint = ("; an MTP head copied unquantized is listed in ignore ('re:^mtp.*', as compressed-tensors' "
+                        "save_mtp_tensors_to_checkpoint adds it), or from_pretrained(..., mtp=False) leaves it unread"
+                        if key.startswith("mtp.") else "")
                 raise ValueError(f"tensor {key!r} in {path} is {stored}; the compressed-tensors quantization_config "
                                  "quantizes it (a config_groups target, not in ignore), so it must be float8_e4m3fn "
-                                 "with a weight_scale beside it")
+                                 f"with a weight_scale beside it{hint}")
             return name  # a module kept in floating point that the file holds so (a router no Linear class targets)
         how = (AS_STORED if scheme.block == (128, 128) else BROADCAST if scheme.strategy == "tensor" else REQUANTIZE
                ) if piece.spec.fp8 else DEQUANTIZE

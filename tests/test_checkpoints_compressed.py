@@ -385,3 +385,40 @@ def test_tools_requantize_flag(tmp_path):
     for flags, fp8 in (([], False), (["--requantize-fp8"], True)):
         args = p.parse_args(["--model", dst, "--device", "cpu", *flags])
         assert bool(fp8_names(load_model(args, p))) == fp8
+
+
+def test_older_writers_variants(qwen3_5_bf16, tmp_path):
+    """What other compressed-tensors versions write loads alike: no top-level format (each group's, or float-quantized
+    8-bit float weights), zero points saved beside symmetric scales (zeros, not read)."""
+    folder = str(tmp_path / "ct")
+    ref = write_compressed(qwen3_5_bf16, folder, "FP8_DYNAMIC", ["lm_head"], shards=1)
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    del config["quantization_config"]["format"], config["quantization_config"]["config_groups"]["group_0"]["format"]
+    with open(path, "w") as f:
+        json.dump(config, f)
+    weights = os.path.join(folder, "model-00001-of-00001.safetensors")
+    tensors = load_file(weights)
+    tensors.update({k.replace("weight_scale", "weight_zero_point"): torch.zeros_like(v, dtype=torch.float8_e4m3fn)
+                    for k, v in tensors.items() if k.endswith("weight_scale")})
+    save_file(tensors, weights, metadata={"format": "pt"})
+    expected = dict(HybridModel.from_pretrained(ref, progress=False).named_parameters())
+    for name, p in HybridModel.from_pretrained(folder, progress=False).named_parameters():
+        assert torch.equal(p, expected[name]), name
+
+
+def test_an_mtp_head_the_config_quantizes_but_the_file_does_not(tmp_path):
+    """An MTP head copied in bf16 without its ignore entry: named, with the two ways out."""
+    src, dst = str(tmp_path / "bf16"), str(tmp_path / "ct")
+    transformers_model("qwen3_5_text", False).to(torch.bfloat16).save_pretrained(src)
+    write_compressed(src, dst, "FP8_DYNAMIC", ["lm_head"], mtp=mtp_head("qwen3_5_text"))
+    path = os.path.join(dst, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["quantization_config"]["ignore"].remove("re:^mtp.*")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=r"'mtp\..*weight' in .* is BF16; .*quantizes it.*'re:\^mtp\.\*'.*mtp=False"):
+        HybridModel.from_pretrained(dst, progress=False)
+    assert HybridModel.from_pretrained(dst, progress=False, mtp=False).mtp is None
