@@ -2,7 +2,8 @@
 the official `openai` client: it listens before the model loads, answering /health 503 "loading" and every
 other path 503 with Retry-After in OpenAI's shape; SIGTERM then ends it at once (one line, exit code 128 +
 15); a checkpoint that does not load ends it with the error (exit code 2), not a server answering 503 for
-ever. (A start that goes on to serve: every server fixture, whose /health answers test_serve.py checks.)
+ever; a --num-blocks that cannot hold one request at the full context ends it before it listens (exit code 2).
+(A start that goes on to serve: every server fixture, whose /health answers test_serve.py checks.)
 Waits are bounded so that a hang fails fast."""
 
 import signal
@@ -10,8 +11,10 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from metrale_graph import HybridModel
+from metrale_graph.tools.serve import _check_blocks, _parse_args, main
 from server_process import ServerProcess, free_port, port_is_free
 from tokenizer_fixture import tiny_checkpoint
 
@@ -76,3 +79,21 @@ def test_a_model_that_does_not_load_ends_the_process_with_its_error(tmp_path):
     output = server.output()
     assert code == 2 and f"--model {folder}: cannot read safetensors file" in output, output
     assert f"listening at {server.url}" in output  # it answered while it loaded
+
+
+def test_too_few_kv_blocks_for_the_context_end_the_tool_before_it_listens(capsys):
+    """--num-blocks x --block-size must hold one request at the full context (max context - 1 tokens), as vLLM
+    refuses a KV cache smaller than max_model_len: served, /v1/models announced a context no request could use and
+    a chat without max_tokens (which runs to the context) was a 400 "need 4 KV blocks; the cache has 3" whatever
+    its prompt. Exactly one full context is taken."""
+    flags = ["--model", "tiny", "--device", "cpu", "--eager", "--port", "0", "--block-size", "64"]
+    with pytest.raises(SystemExit) as e:
+        main(flags + ["--max-context", "256", "--num-blocks", "3"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    assert ("--num-blocks 3 x --block-size 64 hold 192 tokens, less than one request at the full context needs "
+            "(255: max context 256 - 1): raise --num-blocks to at least 4 or lower --max-context to 193") in err, err
+    with pytest.raises(SystemExit):  # the default max context (the tiny preset's 4096) too
+        main(flags + ["--num-blocks", "63"])
+    assert "(4095: max context 4096 - 1)" in capsys.readouterr().err
+    _check_blocks(*_parse_args(flags + ["--max-context", "257", "--num-blocks", "4"]))  # 256 tokens: the full context

@@ -16,7 +16,8 @@ its bucket grid (a progress bar on a terminal), then 200; every other path 503 w
 the model has loaded. A model that does not load ends the tool with its error (exit code 1, or 2 for
 a checkpoint that does not load). A flag the model cannot take ends it before it listens, with the reason
 (exit code 2): a --speculative-config that is not valid JSON, names a key or method this server does not
-have, or asks for "mtp" of a model without an MTP head. SIGTERM or Ctrl-C ends it gracefully: new requests are refused,
+have, or asks for "mtp" of a model without an MTP head; a --num-blocks that cannot hold one max context.
+SIGTERM or Ctrl-C ends it gracefully: new requests are refused,
 running ones get --shutdown-timeout seconds to finish and then end with an error, the port is freed,
 and the tool prints what it served and one JSON line (exit code 0); before the model has loaded, it
 ends at once with one line (exit code 128 + the signal's number: 130 for Ctrl-C). Under `torchrun
@@ -46,7 +47,8 @@ from metrale_graph import envs
 from metrale_graph.tools.distributed import end_tensor_parallel, start_run
 from metrale_graph.tools.flags import (add_engine_args, add_model_args, add_speculative_arg, non_negative_float,
                                        non_negative_int, positive_int)
-from metrale_graph.tools.loading import build_engine, check_engine_sizes, check_speculative_model, load_model
+from metrale_graph.tools.loading import (build_engine, check_engine_sizes, check_speculative_model, load_model,
+                                        model_config)
 from metrale_graph.tools.report import bars_shown, print_json, print_table, speculative_figures, speculative_line
 
 API_KEY_ENV = "METRALE_API_KEY"
@@ -94,7 +96,7 @@ def _parse_args(argv):
                         "4194304: a full context of token ids fits)")
     p.add_argument("--block-size", type=positive_int, default=64, help="tokens per KV block (default 64)")
     p.add_argument("--num-blocks", type=positive_int, default=None,
-                   help="KV blocks (default: every slot can hold max context)")
+                   help="KV blocks (default: every slot can hold max context; at least one max context)")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV of prompt prefixes seen before (default: the engine's); needs an engine "
                         "with a prefix cache")
@@ -152,6 +154,23 @@ def _listen_socket(p, host: str, port_: int) -> socket.socket:
     return sock
 
 
+def _check_blocks(p, args) -> None:
+    """--num-blocks x --block-size must hold one request at the full context (max context - 1 tokens: the last new
+    token is never written), as vLLM refuses a KV cache smaller than max_model_len: the Engine takes fewer (a request
+    that needs more is a ValueError), but /v1/models would then announce a context no request can use, and a chat
+    without max_tokens, which runs to the context, would be a 400 whatever its prompt."""
+    from metrale_graph.engine import DEFAULT_MAX_CONTEXT
+
+    if args.num_blocks is None:
+        return
+    max_context = args.max_context or min(model_config(args).max_position_embeddings, DEFAULT_MAX_CONTEXT)
+    held, need = args.num_blocks * args.block_size, max_context - 1
+    if held < need:
+        p.error(f"--num-blocks {args.num_blocks} x --block-size {args.block_size} hold {held} tokens, less than one "
+                f"request at the full context needs ({need}: max context {max_context} - 1): raise --num-blocks to "
+                f"at least {-(-need // args.block_size)} or lower --max-context to {held + 1}")
+
+
 def _check_installed(p) -> None:
     missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
     if missing:
@@ -163,6 +182,7 @@ def main(argv=None) -> None:
     p, args = _parse_args(argv)
     _check_installed(p)
     check_engine_sizes(p, args)
+    _check_blocks(p, args)
     check_speculative_model(p, args, "--speculative-config")
     kwargs = _engine_kwargs(p, args)
     run = start_run(args, p)
