@@ -259,7 +259,8 @@ class Engine(RequestIntake):
     def warmup(self, progress: bool = False) -> list:
         """Compile (and on CUDA capture) every bucket now rather than on first use; returns the
         runner's per-bucket reports. Runs in the engine loop between two steps (requests running
-        meanwhile wait for it). With compile=False: one 1-token request, so that one-time
+        meanwhile wait for it); a shutdown() meanwhile ends it after the bucket in progress (EngineClosedError;
+        under tensor parallelism it warms the whole grid). With compile=False: one 1-token request, so that one-time
         initialization stays out of later timings; returns []. With speculation, the buckets' hidden-states
         steps too (the verify steps', GraphRunner.hidden_bucket) and their tails (acceptance, MTP drafts:
         capture/speculative.py); not in the reports."""
@@ -270,10 +271,15 @@ class Engine(RequestIntake):
         return self._loop.run_job(lambda: self._warm_all(progress), warmup=True)
 
     def _warm_all(self, progress: bool) -> list:
-        reports = self.runner.warmup(progress=progress)
+        # a shutdown meanwhile (a server stopped while it warms: the whole grid takes a minute on a large model) ends
+        # the warmup after the bucket in progress with EngineClosedError; under tensor parallelism every rank warms
+        # every bucket (their collectives meet), so there it goes on
+        stop = self._loop.check_open if self.model.tp is None else lambda: None
+        reports = self.runner.warmup(progress=progress, on_bucket=lambda report: stop())
         if self.speculative is not None:
             with self.cache.exclusive():
                 for bucket in sorted(self.runner.grid, reverse=True):
+                    stop()
                     self.runner.hidden_bucket(bucket.streams, bucket.tokens)
                     self._loop.spec.graphs.warm(bucket)  # its tail: acceptance, MTP drafts (capture/speculative.py)
         return reports

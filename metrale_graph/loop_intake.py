@@ -118,6 +118,12 @@ class LoopIntake:
             raise job.error
         return job.result
 
+    def check_open(self) -> None:
+        """EngineClosedError once close() was called: a long job (the warmup) ends between two of its pieces
+        instead of holding close() for the rest of it."""
+        if self._closing is not None:
+            raise EngineClosedError(f"{self._closing}: build a new Engine")
+
     def drain(self, wait_s: float) -> None:
         """Refuse new requests (EngineClosedError) and wait up to `wait_s` seconds for the outstanding ones
         to end."""

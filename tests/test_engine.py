@@ -481,7 +481,7 @@ def test_warmup_of_a_compiled_engine_runs_between_steps(tiny, monkeypatch):
     real = engine._loop.launch
     monkeypatch.setattr(engine._loop, "launch", lambda streams, decodes: steps.append("step") or real(streams, decodes))
     monkeypatch.setattr(engine.runner, "warmup",
-                        lambda progress=False: warmed.append(progress) or steps.append("warmup") or [])
+                        lambda progress=False, on_bucket=None: warmed.append(progress) or steps.append("warmup") or [])
     stream = engine.stream([[1, 2, 3]], max_new_tokens=3)
     first = next(stream)
     assert engine.warmup(progress=True) == [] and warmed == [True]

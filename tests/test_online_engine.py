@@ -1,11 +1,12 @@
 """The online engine on the CPU (tiny models, eager steps): submit from several threads, continuous
 batching, abort, the bounded waiting queue, a failing step, streamed text (UTF-8 safe, stop strings),
-asyncio consumers, shutdown; numpy arguments; a model converted under an engine. Waits are bounded
+asyncio consumers, shutdown (also during a warmup); numpy arguments; a model converted under an engine. Waits are bounded
 (TIMEOUT) so that a hang fails fast."""
 
 import asyncio
 import gc
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 from helpers import random_tokens
 from metrale_graph import Engine, HybridModel, Stream
+from metrale_graph.capture.runner import BucketReport
 from metrale_graph.detokenizer import REPLACEMENT
 from metrale_graph.engine import EngineBusyError, EngineClosedError, EngineFullError
 from metrale_graph.sampling import SampleResult
@@ -380,6 +382,44 @@ def test_asyncio_consumers(tiny):
     assert tokens == want and awaited.token_ids == want[0]
     assert aborted.finish_reason == "abort" and len(aborted.token_ids) < 80
     _assert_cache_empty(engine)
+
+
+def test_shutdown_ends_a_warmup_after_the_bucket_in_progress(tiny, monkeypatch):
+    """shutdown() during warmup() waited for the whole grid (a server stopped while it warmed: a minute on a large
+    model, past a 30 s termination grace) and then for close()'s timeout; now the warmup ends after the bucket in
+    progress with EngineClosedError, and shutdown() returns. Buckets are not compiled here (each one blocks until
+    released)."""
+    engine = Engine(tiny, num_slots=2, token_budget=8, block_size=16, max_context=32)
+    assert len(engine.runner.grid) > 1
+    started, release, warmed = threading.Event(), threading.Event(), []
+
+    def warm(bucket, hidden=False):
+        warmed.append(bucket)
+        started.set()
+        release.wait(TIMEOUT)
+        return BucketReport(bucket)
+
+    monkeypatch.setattr(engine.runner, "_warm", warm)
+    errors = []
+    warming = threading.Thread(target=lambda: errors.append(_raised(engine.warmup)))
+    warming.start()
+    assert started.wait(TIMEOUT)
+    closing = threading.Thread(target=engine.shutdown)
+    closing.start()
+    while engine._loop._closing is None:
+        time.sleep(0.001)
+    release.set()
+    warming.join(TIMEOUT)
+    closing.join(TIMEOUT)
+    assert not warming.is_alive() and not closing.is_alive() and len(warmed) == 1
+    assert isinstance(errors[0], EngineClosedError), errors
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as e:
+        return e
 
 
 def test_shutdown_with_running_requests(tiny):
