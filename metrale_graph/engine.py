@@ -30,7 +30,8 @@ Semantics:
 - Sampling: temperature 0 is greedy; otherwise temperature, top-k (0: off), top-p (1.0: off).
   Request i of a call draws from its own generator seeded with seed + i (seed=None: from the OS;
   under tensor parallelism rank 0 draws the seed and shares it, so every rank samples the same
-  tokens), so its tokens do not depend on the other requests of the batch.
+  tokens), so its draws do not depend on the other requests of the batch (its logits may, by rounding:
+  docs/generation.md, "Sampling").
 - Sampling controls (keyword arguments, vLLM's semantics; sampling.py and logits_processors.py have the
   order): logit_bias {token id: bias in [-100, 100]} added first; min_tokens suppresses the stop tokens
   (and submit's stop strings) until that many tokens are out; repetition_penalty (> 0) over the prompt

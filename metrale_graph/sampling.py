@@ -5,7 +5,8 @@
 
 A row is a request's (SampleRow, or a scheduler Request): its SamplingParams, its generator, its cache slot,
 how many tokens it sampled before, its prompt and its stop tokens. Each request draws with its own generator,
-so its tokens do not depend on what else shares the batch. The generators live on the CPU and each gives one
+so its draws do not depend on what else shares the batch (its logits may, in their last bits: the matmuls follow
+the batch's shape; docs/generation.md, "Sampling"). The generators live on the CPU and each gives one
 uniform number per sampled row per step; everything else runs on the logits' device for all rows at once,
 with no host sync until to_host(). Greedy rows (temperature 0) take the argmax and draw nothing.
 
