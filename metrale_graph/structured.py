@@ -13,7 +13,12 @@ output after the reasoning parser's end too).
 
 A JSON schema is checked here for what grammar.py cannot enforce, so that an output that follows the grammar
 also validates against the schema: a keyword of UNENFORCED (`uniqueItems: true`, `contains`, `not`, `if`, ...)
-anywhere in it is refused by name and path. `oneOf` is held as `anyOf` (each branch enforced, exclusivity not:
+anywhere in it is refused by name and path, and so are the keywords xgrammar drops in some places only
+(`check_conditions`: it logs a warning and writes the schema without them): `multipleOf` but on an integer, by a
+whole number up to 1024, with both of its bounds or neither; `minLength` / `maxLength` beside a `pattern` or one
+of xgrammar's FORMATS; a pattern's lookahead; a `required` property that `properties` does not define (never
+written); a constraint of one JSON type on a schema that gives no type (any value is written); a `$ref` out of
+the document. `oneOf` is held as `anyOf` (each branch enforced, exclusivity not:
 pydantic's tagged unions, whose branches exclude each other, validate). xgrammar adds one thing of its own: an
 object with `properties` takes no other properties unless its schema says `additionalProperties` (stricter than
 JSON Schema's default, so what it produces still validates).
@@ -37,7 +42,17 @@ UNENFORCED = {
     "uniqueItems": lambda v: v is True, "contains": None, "minContains": None, "maxContains": None, "not": None,
     "if": None, "then": None, "else": None, "dependentRequired": None, "dependentSchemas": None,
     "dependencies": None, "unevaluatedProperties": None, "unevaluatedItems": None,
+    "$dynamicRef": None, "$recursiveRef": None,  # (xgrammar writes any value for them, silently)
 }
+# the string formats xgrammar writes by a grammar of their own, which drops the string's minLength / maxLength; the
+# least length of a string of each (a minLength up to it holds: pydantic's AnyUrl is a uri of minLength 1)
+FORMATS = {"email": 1, "date": 1, "time": 1, "date-time": 1, "duration": 1, "ipv4": 1, "ipv6": 1, "hostname": 1,
+           "uuid": 1, "uri": 1, "uri-reference": 0, "uri-template": 0, "json-pointer": 0, "relative-json-pointer": 1}
+# keywords that constrain a value of one JSON type: a schema with one and no type lets xgrammar write any value
+_TYPED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength", "maxLength", "pattern",
+          "format", "minItems", "maxItems", "minProperties", "maxProperties", "required", "propertyNames",
+          "patternProperties")
+_SAYS_WHAT = ("enum", "const", "$ref", "anyOf", "oneOf", "allOf")  # what a schema without a type can be instead
 # keywords whose value is a schema, a list of schemas, or a mapping of names to schemas (walked for the above)
 _SCHEMA = ("additionalProperties", "items", "additionalItems", "propertyNames", "not", "if", "then", "else",
            "contains", "unevaluatedProperties", "unevaluatedItems")
@@ -143,9 +158,10 @@ _SOURCES = {"json": _json_source, "json_object": _json_object_source, "regex": _
             "choice": _choice_source, "grammar": _text_source("grammar")}
 
 
-def check_enforceable(schema: Mapping, path: str = "#") -> None:
-    """StructuredOutputError naming the first keyword of UNENFORCED (or an allOf of several branches) in
-    `schema` or any of its subschemas, with its JSON pointer."""
+def check_enforceable(schema: Mapping, path: str = "#", names: bool = False) -> None:
+    """StructuredOutputError naming the first keyword of UNENFORCED (or an allOf of several branches), or of
+    check_conditions, in `schema` or any of its subschemas, with its JSON pointer. `names`: `schema` is a
+    propertyNames' (of strings, without saying so)."""
     for keyword, refuse in UNENFORCED.items():
         if keyword in schema and (refuse is None or refuse(schema[keyword])):
             raise StructuredOutputError(f"json: the schema's {keyword!r} (at {path}) cannot be enforced by structured "
@@ -153,9 +169,10 @@ def check_enforceable(schema: Mapping, path: str = "#") -> None:
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         raise StructuredOutputError(f"json: the schema's 'allOf' of {len(schema['allOf'])} schemas (at {path}) cannot "
                                     "be enforced by structured output: merge them into one")
+    check_conditions(schema, path, {"string"} if names else None)
     for keyword in _SCHEMA:
         if isinstance(schema.get(keyword), Mapping):
-            check_enforceable(schema[keyword], f"{path}/{keyword}")
+            check_enforceable(schema[keyword], f"{path}/{keyword}", keyword == "propertyNames")
     for keyword in _SCHEMA_LISTS + ("items",):
         if isinstance(schema.get(keyword), list):
             for i, sub in enumerate(schema[keyword]):
@@ -166,6 +183,72 @@ def check_enforceable(schema: Mapping, path: str = "#") -> None:
             for name, sub in schema[keyword].items():
                 if isinstance(sub, Mapping):
                     check_enforceable(sub, f"{path}/{keyword}/{name}")
+
+
+def check_conditions(schema: Mapping, path: str = "#", implied: set[str] | None = None) -> None:
+    """StructuredOutputError naming what xgrammar would drop from `schema` itself (not its subschemas) in the
+    places it drops it (the module's docstring; each found by the warning xgrammar logs for it, or by a grammar
+    that writes any value). `implied`: the types of a schema whose place says them (a propertyNames')."""
+    def refuse(keyword: str, why: str):
+        raise StructuredOutputError(f"json: the schema's {keyword!r} (at {path}) cannot be enforced by structured "
+                                    f"output: {why}")
+
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
+        refuse("$ref", f"{ref!r} points out of the schema; only references within it ('#/$defs/...') are followed")
+    kind = schema.get("type")
+    types = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else implied
+    if types is None and not any(k in schema for k in _SAYS_WHAT):
+        if "properties" in schema or "additionalProperties" in schema:
+            types = {"object"}  # (what xgrammar takes such a schema for)
+        elif "items" in schema or "prefixItems" in schema:
+            types = {"array"}
+        else:
+            loose = next((k for k in _TYPED if k in schema), None)
+            if loose is not None:
+                refuse(loose, "the schema gives no 'type', so any value would be written: add its 'type'")
+    if not types:
+        return
+    multiple = schema.get("multipleOf")
+    if multiple is not None and types & {"integer", "number"}:
+        whole = isinstance(multiple, numbers.Real) and 0 < multiple <= 1024 and float(multiple).is_integer()
+        every_integer = isinstance(multiple, numbers.Real) and multiple > 0 and (1 / multiple).is_integer()
+        bounded = ({"minimum", "exclusiveMinimum"} & schema.keys() != set()) == \
+            ({"maximum", "exclusiveMaximum"} & schema.keys() != set())
+        if "number" in types or not (every_integer or (whole and bounded)):
+            refuse("multipleOf", "only an integer's is, by a whole number up to 1024, with both of its bounds or neither")
+    if "string" in types:
+        held = "pattern" if "pattern" in schema else "format" if schema.get("format") in FORMATS else None
+        least = FORMATS[schema["format"]] if held == "format" else 0
+        length = "maxLength" if "maxLength" in schema else "minLength" if schema.get("minLength", 0) > least else None
+        if held and length:
+            refuse(length, f"its {held!r} is enforced and its length then is not: put the length in a pattern, or "
+                           "check it after")
+        if isinstance(schema.get("pattern"), str) and _has_lookahead(schema["pattern"]):
+            refuse("pattern", "its lookahead ((?= or (?!) is not: leave it out or check it after")
+    if "object" in types and isinstance(schema.get("required"), list):
+        defined = schema.get("properties") if isinstance(schema.get("properties"), Mapping) else {}
+        missing = [name for name in schema["required"] if name not in defined]
+        if missing:
+            refuse("required", f"it names {missing[0]!r}, which its 'properties' does not define: only the "
+                               "properties a schema defines are written")
+
+
+def _has_lookahead(pattern: str) -> bool:
+    """Whether a regular expression holds a lookahead group, (?= or (?!, outside a character class."""
+    escaped = in_class = False
+    for i, ch in enumerate(pattern):
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+        elif ch == "(" and pattern[i + 1:i + 3] in ("?=", "?!"):
+            return True
+    return False
 
 
 def choice_grammar(choices: list[str]) -> str:

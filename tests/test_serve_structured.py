@@ -8,9 +8,9 @@ reasoning, which stays free.
 Covered: response_format json_schema (and instructor's JSON_SCHEMA mode) giving a validated pydantic object,
 instructor's TOOLS mode (a named tool_choice), tool_choice "required" and named, whole and streamed, vLLM's
 guided_* and structured_outputs on both endpoints, sampled outputs that validate, and the 400s naming their
-field (a schema that is not JSON Schema, one structured output asked twice, ...). The Responses API's text.format
-(client.responses.parse with a pydantic text_format, whole and streamed; json_object), its forced tool_choice (named,
-"required") and instructor's RESPONSES_TOOLS mode."""
+field (a schema that is not JSON Schema, one structured output asked twice, a keyword xgrammar would drop, ...).
+The Responses API's text.format (client.responses.parse with a pydantic text_format, whole and streamed;
+json_object), its forced tool_choice (named, "required") and instructor's RESPONSES_TOOLS mode."""
 
 import json
 import re
@@ -232,6 +232,15 @@ BAD = [  # (path, body, param, words of the message)
     ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format", "response_format.type"),
     ("/v1/completions", {"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", "'uniqueItems'"),
     ("/v1/completions", {"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    # what xgrammar drops with a warning: a length beside a pattern, a number's multipleOf, a required property that
+    # is not defined (never written)
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]+$", "maxLength": 3}}}}}},
+     "response_format", "'maxLength' (at #/properties/code)"),
+    ("/v1/completions", {"guided_json": {"type": "number", "multipleOf": 0.5}}, "guided_json", "'multipleOf' (at #)"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone", "tz"]}}}],
+        "tool_choice": "required"}, "tool_choice", "names 'tz'"),
     ("/v1/completions", {"guided_regex": "(("}, "guided_regex", "regular expression does not compile"),
     ("/v1/completions", {"guided_grammar": "root ::= foo"}, "guided_grammar", "grammar does not compile"),
     ("/v1/completions", {"guided_choice": []}, "guided_choice", "non-empty list"),

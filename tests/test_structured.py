@@ -69,6 +69,18 @@ def engine(model, tokenizer):
     ({"json": {"properties": {"a": {"items": {"not": {}}}}}}, "'not' (at #/properties/a/items)"),
     ({"json": {"anyOf": [{"if": {}}]}}, "'if' (at #/anyOf/0)"),
     ({"json": {"allOf": [{"type": "integer"}, {"minimum": 3}]}}, "'allOf' of 2 schemas"),
+    # what xgrammar drops only in some places (it logs a warning and writes the schema without it)
+    ({"json": {"type": "number", "multipleOf": 0.5}}, "'multipleOf' (at #)"),
+    ({"json": {"type": "integer", "multipleOf": 3, "minimum": 0}}, "'multipleOf' (at #)"),
+    ({"json": {"type": "integer", "multipleOf": 2048}}, "'multipleOf' (at #)"),
+    ({"json": {"properties": {"a": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 5}}}},
+     "'maxLength' (at #/properties/a)"),
+    ({"json": {"type": ["string", "null"], "format": "email", "minLength": 3}}, "'minLength' (at #)"),
+    ({"json": {"type": "string", "pattern": "^(?=.*[0-9])[a-z0-9]{8}$"}}, "'pattern' (at #)"),
+    ({"json": {"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}}, "names 'b'"),
+    ({"json": {"items": {"minimum": 3}}}, "'minimum' (at #/items)"),
+    ({"json": {"$ref": "other.json#/Pet"}}, "'$ref' (at #)"),
+    ({"json": {"$dynamicRef": "#node"}}, "'$dynamicRef' (at #)"),
     ({"json": {"const": float("nan")}}, "JSON cannot carry"),
     ({"json_object": "yes"}, "must be True"),
     ({"regex": ""}, "non-empty string"),
@@ -82,6 +94,20 @@ def test_a_bad_spec_is_named(value, says):
     with pytest.raises(StructuredOutputError, match=re.escape(says)) as e:
         structured_output(value, vocab_size=1000)
     assert str(e.value) == f"structured: {e.value.detail}"
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "integer", "multipleOf": 3, "minimum": 0, "exclusiveMaximum": 30},
+    {"type": ["integer", "null"], "multipleOf": 3},
+    {"type": "integer", "multipleOf": 0.5, "minimum": 1},  # (every integer is one)
+    {"type": "string", "pattern": "^[a-z]+$", "minLength": 0},
+    {"type": "string", "format": "uri", "minLength": 1},  # pydantic's AnyUrl (a uri is never empty)
+    {"type": "string", "pattern": "[(?=]\\(?=x"},  # a class and an escape: no lookahead
+    {"type": "object", "propertyNames": {"pattern": "^[a-z]$"}, "additionalProperties": {"type": "integer"}},
+    {"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+])
+def test_what_xgrammar_enforces_in_those_places_is_taken(schema):
+    assert structured_output({"json": schema}).kind == "json"
 
 
 def test_a_property_named_like_a_keyword_is_no_keyword():
@@ -250,6 +276,16 @@ def test_outputs_parse_and_validate(engine, temperature):
                               structured={"json": SCHEMA})
     _valid_pets(results)
     assert all(r.token_ids[-1] == engine.tokenizer.eos_token_id for r in results)  # eos once the object closes
+
+
+def test_outputs_under_the_conditions_xgrammar_enforces_validate(engine):
+    """An integer's multipleOf with both bounds, and a format with the minLength it implies, hold sampled outputs."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 7, "minimum": -50, "maximum": 50},
+                                               "d": {"type": "string", "format": "date", "minLength": 1}},
+              "required": ["n", "d"], "additionalProperties": False}
+    for r in engine.generate(PROMPTS, max_new_tokens=40, temperature=1.0, seed=2, structured={"json": schema}):
+        value = json.loads(r.text)
+        assert r.finish_reason == "stop" and value["n"] % 7 == 0 and re.fullmatch(r"\d{4}-\d{2}-\d{2}", value["d"]), r
 
 
 @pytest.mark.parametrize("spec, temperature, check", [
