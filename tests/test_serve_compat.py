@@ -17,7 +17,8 @@ event loop; a body over --max-request-bytes answered 413 as it is read (a chunke
 and texts that cannot fit in the context (a prompt, chat messages, a stop string) refused before they are
 tokenized; CORS at its defaults (vLLM's: any origin, method and header), a browser's preflight and the headers
 of a cross-origin request, whole and streamed; vLLM's /tokenize (a prompt, messages through the template),
-/detokenize and /tokenizer_info against the tokenizer in this process, and their 400s; the Responses API on a server
+/detokenize and /tokenizer_info against the tokenizer in this process, and their 400s; a `<think>` in a message's
+text opening no reasoning block (only the reply's turn does); the Responses API on a server
 without a response store (--responses-store-size 0): store true taken and nothing stored, previous_response_id a 400
 saying so. Waits are bounded so that a hang fails fast."""
 
@@ -292,6 +293,24 @@ def test_chat_template_arguments_reach_the_template(client, tokenizer):
     docs = [{"title": "Weather", "text": "Sunny in Paris."}]  # vLLM's documents: the template's, as they are
     text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, documents=docs)
     assert prompt_ids(None, documents=docs) == tokenizer.encode(text, add_special_tokens=False) != rendered(None)
+
+
+def test_a_think_tag_in_a_messages_text_opens_no_reasoning(client):
+    """This template's `</think>` turns the reasoning parser on and its generation prompt opens no block: a user's
+    text that mentions `<think>` leaves the reply content (it was all reasoning, content None), whole and streamed,
+    while an assistant message continued after its own open `<think>` is reasoning."""
+    asked = [{"role": "user", "content": "What does the <think> tag do?"}]
+    reply = client.chat.completions.create(model=NAME, messages=asked, max_tokens=8, temperature=0).choices[0].message
+    assert reply.content and reply.reasoning_content is None
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(
+        model=NAME, messages=asked, max_tokens=8, temperature=0, stream=True) if c.choices]
+    assert "".join(d.content or "" for d in deltas) == reply.content
+    assert not any(getattr(d, "reasoning_content", None) for d in deltas)
+    thinking = asked + [{"role": "assistant", "content": "<think>\nThe user asks"}]
+    continued = {"add_generation_prompt": False, "continue_final_message": True}
+    reply = client.chat.completions.create(model=NAME, messages=thinking, max_tokens=8, temperature=0,
+                                           extra_body=continued).choices[0].message
+    assert reply.reasoning_content and reply.content is None
 
 
 def test_405_names_the_allowed_methods_and_a_body_that_is_not_utf8_is_400(server):

@@ -35,7 +35,6 @@ from .errors import stream_event
 from .generation import Generations
 from .logprobs import chat_logprobs, prompt_logprobs
 from .protocol import ChatCompletionRequest, NamedToolChoice
-from .reasoning import starts_in_reasoning
 from .reply import ReasoningDelta, Reply, ReplyParser
 from .responses import (DONE, AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatResponse, DeltaFunctionCall,
                         DeltaMessage, DeltaToolCall, FunctionCall, StreamChunks, ToolCall, event, now, request_id,
@@ -81,13 +80,11 @@ async def start_chat(state: ServerState, body, messages: list[dict], tools: Tool
     chat's fields (add_generation_prompt, continue_final_message, template_kwargs, max_new_tokens, logprobs,
     top_logprobs, parallel_tool_calls); `param`: the field the messages came from, which 400s name; `logprobs`: the
     top N of each new token's logprobs to ask for where the body has no chat `logprobs` (the Responses API's include)."""
-    text, prompt = await state.off_loop(state.chat_prompt, messages, body.add_generation_prompt,
-                                        body.continue_final_message, body.template_kwargs, tools.template_tools,
-                                        param)
+    _, prompt, in_reasoning = await state.off_loop(state.chat_prompt, messages, body.add_generation_prompt,
+                                                   body.continue_final_message, body.template_kwargs,
+                                                   tools.template_tools, param)
     state.check_room([prompt], body)
-    in_reasoning = starts_in_reasoning(text)
-    structured, field = structured_request(state, body, tools.forced,
-                                           state.think_end if in_reasoning and state.replies.reasoning else None)
+    structured, field = structured_request(state, body, tools.forced, state.think_end if in_reasoning else None)
     if structured is not None:
         await compile_grammar(state, structured, field)
     if body.logprobs:

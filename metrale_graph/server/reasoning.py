@@ -10,7 +10,8 @@ Where the block opens depends on the chat template: Qwen3.5 / Qwen3.6 open it in
 (`<|im_start|>assistant\\n<think>\\n`), so the reply starts inside the reasoning and only `</think>` comes;
 with `chat_template_kwargs: {"enable_thinking": false}` they close it there too (`<think>\\n\\n</think>\\n\\n`)
 and the reply is all content; older Qwen3 templates leave the opening to the model, whose reply then begins
-with `<think>`. `starts_in_reasoning` reads which from the rendered prompt. A reply cut before `</think>`
+with `<think>`. `starts_in_reasoning` reads which from the part of the prompt written for the reply's turn (the
+server's `reply_in_reasoning`: a `<think>` in an earlier message's text opens nothing). A reply cut before `</think>`
 (max_tokens) is all reasoning. The whitespace that only frames the block is dropped, as the templates drop it
 when they render a reply again (`reasoning_content|trim`, the content's leading newlines): around the
 reasoning, and the newlines that begin the content after `</think>`. Text between is kept as it is.

@@ -17,12 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..tokenizer import special_token_ids
-from .errors import bad_request, short, unauthorized, unknown_model, warming_up
+from .errors import APIError, bad_request, short, unauthorized, unknown_model, warming_up
 from .limits import TokenBound
 from .logprobs import TokenStrings, token_id_string
 from .metrics import ServerMetrics
 from .protocol import SamplingFields, field_value
-from .reasoning import THINK_END
+from .reasoning import THINK_END, starts_in_reasoning
 from .reply import ReplyParsers
 from .responses import ModelCard
 from .responses_store import DEFAULT_SIZE as DEFAULT_STORE_SIZE
@@ -199,15 +199,32 @@ class ServerState:
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, template_kwargs: dict | None = None,
-                    tools: list[dict] | None = None, param: str = "messages") -> tuple[str, list[int]]:
+                    tools: list[dict] | None = None, param: str = "messages") -> tuple[str, list[int], bool]:
         """The chat template of the tokenizer applied to `messages`, as text and as token ids (add_generation_prompt:
         the assistant's turn starts; continue_final_message: the last message stays open, its end tokens left
         out; template_kwargs: the template's own variables; tools: the functions the template renders), the
-        template's special tokens not added twice. `param`: the request field the messages came from (400s name
-        it)."""
+        template's special tokens not added twice, and whether a reply begins inside a reasoning block
+        (`reply_in_reasoning`). `param`: the request field the messages came from (400s name it)."""
         text = self.chat_text(messages, add_generation_prompt, continue_final_message, template_kwargs, tools, param)
         self.check_fits(text, f"{param} (through the chat template)", param)
-        return text, self.prompt_ids(list(self.tokenizer.encode(text, add_special_tokens=False)), param)
+        ids = self.prompt_ids(list(self.tokenizer.encode(text, add_special_tokens=False)), param)
+        return text, ids, self.reply_in_reasoning(text, messages, continue_final_message, template_kwargs, tools)
+
+    def reply_in_reasoning(self, text: str, messages: list[dict], continue_final_message: bool = False,
+                           template_kwargs: dict | None = None, tools: list[dict] | None = None) -> bool:
+        """Whether a reply to the rendered `text` begins inside a reasoning block, under a reasoning parser: the
+        part of the prompt written for the reply's turn (the generation prompt, or the message continued) leaves a
+        `<think>` open. A tag in the text of an earlier message (a user asking about `<think>`, a tool's result
+        quoting it) opens nothing; that part is `text` past the conversation rendered without it (the whole of
+        `text` is read when the template does not render it as a prefix)."""
+        if not self.replies.reasoning or not starts_in_reasoning(text):
+            return False  # (the part's `<think>` would be open in the whole text too)
+        before = messages[:-1] if continue_final_message else messages
+        try:
+            rendered = self.chat_text(before, False, False, template_kwargs, tools)
+        except APIError:
+            return True
+        return starts_in_reasoning(text[len(rendered):]) if text.startswith(rendered) else True
 
     def chat_text(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
                   template_kwargs: dict | None = None, tools: list[dict] | None = None, param: str = "messages") -> str:
