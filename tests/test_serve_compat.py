@@ -18,7 +18,8 @@ and texts that cannot fit in the context (a prompt, chat messages, a stop string
 tokenized; CORS at its defaults (vLLM's: any origin, method and header), a browser's preflight and the headers
 of a cross-origin request, whole and streamed; vLLM's /tokenize (a prompt, messages through the template),
 /detokenize and /tokenizer_info against the tokenizer in this process, and their 400s; a `<think>` in a message's
-text opening no reasoning block (only the reply's turn does); the Responses API on a server
+text opening no reasoning block (only the reply's turn does), nor a prompt's open block under a grammar held from the
+reply's first token; the Responses API on a server
 without a response store (--responses-store-size 0): store true taken and nothing stored, previous_response_id a 400
 saying so. Waits are bounded so that a hang fails fast."""
 
@@ -298,7 +299,9 @@ def test_chat_template_arguments_reach_the_template(client, tokenizer):
 def test_a_think_tag_in_a_messages_text_opens_no_reasoning(client):
     """This template's `</think>` turns the reasoning parser on and its generation prompt opens no block: a user's
     text that mentions `<think>` leaves the reply content (it was all reasoning, content None), whole and streamed,
-    while an assistant message continued after its own open `<think>` is reasoning."""
+    while an assistant message continued after its own open `<think>` is reasoning. A grammar held from the reply's
+    first token (this tokenizer has no one token that ends the reasoning, where it would start) makes it content,
+    and a forced call a call (it was reasoning: no tool_calls, finish_reason "stop")."""
     asked = [{"role": "user", "content": "What does the <think> tag do?"}]
     reply = client.chat.completions.create(model=NAME, messages=asked, max_tokens=8, temperature=0).choices[0].message
     assert reply.content and reply.reasoning_content is None
@@ -311,6 +314,18 @@ def test_a_think_tag_in_a_messages_text_opens_no_reasoning(client):
     reply = client.chat.completions.create(model=NAME, messages=thinking, max_tokens=8, temperature=0,
                                            extra_body=continued).choices[0].message
     assert reply.reasoning_content and reply.content is None
+    pytest.importorskip("xgrammar")
+    opened = asked + [{"role": "assistant", "content": "<think>\n"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"], "additionalProperties": False}}}
+    reply = client.chat.completions.create(model=NAME, messages=opened, max_tokens=16, temperature=0, seed=1,
+                                           response_format=fmt, extra_body=continued).choices[0].message
+    assert json.loads(reply.content)["n"] in range(10) and reply.reasoning_content is None
+    tool = {"type": "function", "function": {"name": "pick", "parameters": fmt["json_schema"]["schema"]}}
+    choice = client.chat.completions.create(model=NAME, messages=opened, max_tokens=64, temperature=0, seed=1,
+                                            tools=[tool], tool_choice="required", parallel_tool_calls=False,
+                                            extra_body=continued).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "pick"
 
 
 def test_405_names_the_allowed_methods_and_a_body_that_is_not_utf8_is_400(server):

@@ -87,6 +87,9 @@ async def start_chat(state: ServerState, body, messages: list[dict], tools: Tool
     structured, field = structured_request(state, body, tools.forced, state.think_end if in_reasoning else None)
     if structured is not None:
         await compile_grammar(state, structured, field)
+        # held from its first token (the tokenizer has no one token that ends the reasoning): the reply is the
+        # grammar's output, all of it content
+        in_reasoning = in_reasoning and structured.starts_after is not None
     if body.logprobs:
         logprobs = body.top_logprobs or 0
     plain = tools.functions is None and tools.forced is None and state.replies.plain

@@ -16,7 +16,9 @@ The fields, of both endpoints (at most one of them per request; two are a 400 na
 
 `response_format` {"type": "text"} asks for nothing. A chat reply that starts inside a reasoning block (the prompt
 opened `<think>`, and the server parses reasoning) is held to its grammar from after `</think>` on (`starts_after`),
-when the tokenizer has it as one token: the reasoning stays free, the answer follows the grammar.
+when the tokenizer has it as one token: the reasoning stays free, the answer follows the grammar. Without such a
+token the grammar holds from the reply's first token, and the reply is read as content (chat.start_chat): it has
+no reasoning block.
 """
 
 from __future__ import annotations
