@@ -37,6 +37,7 @@ from .config_checks import FULL, LINEAR, _checked, _int, _invalid, _moe_layers, 
 from .families import FAMILIES, MULTIMODAL, OPTIONAL_FIELDS, QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, Family
 from .compressed_tensors import is_compressed_tensors, parse_compressed_tensors
 from .quantization import QWEN_KEPT, TEXT_PREFIX, Fp8Config, parse_quantization
+from .rope import RopeScaling, parse_rope_scaling
 _LEGACY_LAYER_TYPES = {"mamba": LINEAR, "conv": LINEAR, "attention": FULL}
 # config.json fields every family has, read as they are (a missing one takes transformers' default)
 _COMMON_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -57,6 +58,7 @@ class ModelConfig:
     head_dim: int
     partial_rotary_factor: float = 0.25
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # a rope_type other than 'default' (rope.py); None: default RoPE
     # gated DeltaNet
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
@@ -102,6 +104,7 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
+        """transformers' `dim` of the RoPE frequencies (rope.py: an odd one rotates one channel more)."""
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
@@ -190,12 +193,6 @@ class ModelConfig:
         if per_layer:
             raise _invalid(where, f"field {rope_field!r} holds per-layer-type entries {per_layer}: only one set of "
                                   "RoPE parameters for every layer is supported")
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise _invalid(where, f"unsupported rope_type {rope_type!r} in {rope_field!r}: only 'default' RoPE is "
-                                  "supported, no context extension (YaRN, linear, dynamic); set its rope_type to "
-                                  "'default' and drop its scaling fields to run within the native context "
-                                  "(max_position_embeddings)")
         family = FAMILIES[model_type]
         n_layers = _int("num_hidden_layers", cfg.get("num_hidden_layers", family.default("num_hidden_layers")), 1,
                         where)
@@ -210,7 +207,10 @@ class ModelConfig:
         fields.update(
             num_hidden_layers=n_layers, layer_types=layer_types, model_type=model_type,
             **{name: rope.get(name, cfg.get(name, family.default(name)))
-               for name in ("partial_rotary_factor", "rope_theta")})
+               for name in ("partial_rotary_factor", "rope_theta")},
+            rope_scaling=parse_rope_scaling(rope, rope_field, lambda msg: _invalid(where, msg),
+                                            cfg.get("original_max_position_embeddings"),
+                                            fields["max_position_embeddings"]))
         # the family's own fields from the file (transformers' default when missing), the others absent
         for name, absent in OPTIONAL_FIELDS.items():
             fields[name] = cfg.get(name, family.default(name)) if name in family.fields else absent
@@ -238,8 +238,8 @@ class ModelConfig:
             "head_dim": self.head_dim,
             "hidden_act": "silu",
             "attention_bias": False,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
-                                "partial_rotary_factor": self.partial_rotary_factor},
+            "rope_parameters": {"rope_type": "default", **(self.rope_scaling.to_hf() if self.rope_scaling else {}),
+                                "rope_theta": self.rope_theta, "partial_rotary_factor": self.partial_rotary_factor},
             "partial_rotary_factor": self.partial_rotary_factor,
             "linear_num_key_heads": self.linear_num_key_heads,
             "linear_num_value_heads": self.linear_num_value_heads,

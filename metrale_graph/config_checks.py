@@ -1,7 +1,7 @@
 """The field checks of a model config: each field's type and range, normalized (an integral float to an int,
 a list to a tuple), and the rules across fields (a family's own fields, the MoE layers, the layer types, the
-head groupings, the rotary dim); config.ModelConfig runs them on every instance (__post_init__) and on
-`from_hf`'s fields. A failed check is a ValueError naming the field.
+head groupings; the rotary dim and RoPE scaling: rope.check_rope); config.ModelConfig runs them on every
+instance (__post_init__) and on `from_hf`'s fields. A failed check is a ValueError naming the field.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import math
 
 from .families import FAMILIES, OPTIONAL_FIELDS
 from .quantization import Fp8Config
+from .rope import check_rope
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -140,8 +141,5 @@ def _checked(v: dict, where: str = "") -> dict:
     need(v["linear_num_value_heads"] % v["linear_num_key_heads"] == 0,
          f"linear_num_value_heads ({v['linear_num_value_heads']}) is not a multiple of "
          f"linear_num_key_heads ({v['linear_num_key_heads']})")
-    rotary = int(v["head_dim"] * v["partial_rotary_factor"])
-    need(rotary >= 2 and rotary % 2 == 0,
-         f"partial_rotary_factor {v['partial_rotary_factor']} gives rotary dim {rotary} of head_dim "
-         f"{v['head_dim']}; it must be even and >= 2")
+    check_rope(v, need)
     return v

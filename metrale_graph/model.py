@@ -36,6 +36,7 @@ from .placement import DTYPES as _DTYPES, as_device, as_dtype
 from .protocol import prefill_call
 from .saving import GENERATION_CONFIG, save_checkpoint
 from .quantization import SCALE_SUFFIX
+from .rope import rope_frequencies
 from .sharding import rank_shards
 from .spec import MOE, feed_forward, model_spec, mtp_feed_forward, weight_dtype
 from .loader import load_checkpoint
@@ -95,9 +96,8 @@ class HybridModel(nn.Module):
                 module = module._modules[part]
             module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
         cfg, device = self.config, weights["embed_tokens.weight"].device
-        self.register_buffer("rope_inv_freq", 1.0 / (cfg.rope_theta ** (
-            torch.arange(0, cfg.rotary_dim, 2, dtype=torch.int64, device=device).float() / cfg.rotary_dim)),
-            persistent=False)
+        inv_freq, self.rope_scale = rope_frequencies(cfg, device)  # the scale: of cos and sin (YaRN's)
+        self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
         self.version = getattr(self, "version", -1) + 1  # GraphRunners check it: weights moved, graphs stale
 
     def _apply(self, fn, recurse=True):
@@ -332,7 +332,7 @@ class HybridModel(nn.Module):
         cfg, a = self.local, layer.self_attn
         q, k, v, gate = OPS.attn_proj(x, layer.input_layernorm.weight, *self._w(a.q_proj), *self._w(a.k_proj),
                                       *self._w(a.v_proj), a.q_norm.weight, a.k_norm.weight, batch.positions,
-                                      self.rope_inv_freq, cfg.head_dim, cfg.rms_norm_eps)
+                                      self.rope_inv_freq, cfg.head_dim, cfg.rms_norm_eps, self.rope_scale)
         o = OPS.paged_attention(q, k, v, k_cache, v_cache, batch.cu_seqlens, batch.context_lens,
                                 batch.block_tables)
         return OPS.attn_out(o, gate, x if self._adds_residual else None, *self._w(a.o_proj))

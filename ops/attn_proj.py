@@ -27,13 +27,13 @@ def _check(a):
     check_tensor(a.positions, "positions", ndim=1, dtype=torch.int64, device=a.x.device)
     check(a.positions.shape[0] == T, f"positions has {a.positions.shape[0]} entries for {T} tokens")
     check_tensor(a.inv_freq, "inv_freq", ndim=1, dtype=torch.float32, device=a.x.device)
-    check(0 < 2 * a.inv_freq.shape[0] <= HD, f"rotary dim {2 * a.inv_freq.shape[0]} exceeds head_dim {HD}")
+    check(2 * a.inv_freq.shape[0] <= HD, f"rotary dim {2 * a.inv_freq.shape[0]} exceeds head_dim {HD}")
 
 
 @metrale_op(check=_check)
 def attn_proj(x: Tensor, norm_w: Tensor, q_w: Tensor, q_s: Tensor, k_w: Tensor, k_s: Tensor, v_w: Tensor,
               v_s: Tensor, q_norm_w: Tensor, k_norm_w: Tensor, positions: Tensor, inv_freq: Tensor, head_dim: int,
-              eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+              eps: float, rope_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Projections of a gated full-attention layer.
 
     Args:
@@ -46,8 +46,9 @@ def attn_proj(x: Tensor, norm_w: Tensor, q_w: Tensor, q_s: Tensor, k_w: Tensor, 
         q_norm_w, k_norm_w: [HD] zero-centred per-head RMSNorm weights.
         positions: [T] int64 absolute position of each token in its stream.
         inv_freq: [R/2] float32 RoPE inverse frequencies; the first R channels of each head rotate
-            (rotate-half), the rest pass through.
+            (rotate-half), the rest pass through (R may be 0: none rotate).
         head_dim: HD.  eps: RMSNorm epsilon.
+        rope_scale: the factor on cos and sin (1, or YaRN's attention factor: metrale_graph/rope.py).
     Returns:
         q [T, HQ, HD], k [T, HKV, HD], v [T, HKV, HD], gate [T, HQ*HD], all model dtype.
         Mutates nothing.
@@ -60,7 +61,7 @@ def attn_proj(x: Tensor, norm_w: Tensor, q_w: Tensor, q_s: Tensor, k_w: Tensor, 
     k = fp8.linear(h, k_w, k_s).view(T, HKV, HD)
     v = fp8.linear(h, v_w, v_s).view(T, HKV, HD)
     q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
-    cos, sin = rope_cos_sin(positions, inv_freq, x.dtype)
+    cos, sin = rope_cos_sin(positions, inv_freq, x.dtype, rope_scale)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
 
 
@@ -72,11 +73,11 @@ def _(a):
             a.x.new_empty(T, HQ * HD))
 
 
-def rope_cos_sin(positions, inv_freq, dtype):
-    """cos, sin: [T, R] for rotate-half RoPE, computed in fp32 and cast like transformers."""
+def rope_cos_sin(positions, inv_freq, dtype, scale: float = 1.0):
+    """cos, sin: [T, R] for rotate-half RoPE, computed (and scaled) in fp32 and cast like transformers."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def apply_rope(x, cos, sin):
@@ -103,15 +104,18 @@ def attn_proj_cuda(a):
     else:
         qgy, ky, vy = fp8.project(n, [(a.q_w, a.q_s), (a.k_w, a.k_s), (a.v_w, a.v_s)])
     # q and k normed and rotated, v and the gate copied out of y (outputs may not alias one another), one launch
-    return kernels.attn_heads(qgy.view(T, HQ, 2 * HD), ky, vy, a.q_norm_w, a.k_norm_w, a.positions, a.inv_freq, a.eps)
+    return kernels.attn_heads(qgy.view(T, HQ, 2 * HD), ky, vy, a.q_norm_w, a.k_norm_w, a.positions, a.inv_freq, a.eps,
+                              a.rope_scale)
 
 
 def example(s: Shapes, dtype, g):
     positions = torch.cat([torch.arange(c, c + n) for c, n in zip(s.context, s.lengths)])
+    # transformers' frequencies of rotary dim R (an odd one rotates R + 1 channels); cos and sin scaled by 1.1, a YaRN
+    # attention factor (at factor e)
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, s.R, 2).float() / s.R))
     return (rand(g, s.T, s.D, dtype=dtype), norm_weight(g, s.D, dtype), *fp8_weight(s, g, dtype, s.HQ * s.HD * 2, s.D),
             *fp8_weight(s, g, dtype, s.HKV * s.HD, s.D), *fp8_weight(s, g, dtype, s.HKV * s.HD, s.D),
-            norm_weight(g, s.HD, dtype), norm_weight(g, s.HD, dtype), positions, inv_freq, s.HD, s.eps)
+            norm_weight(g, s.HD, dtype), norm_weight(g, s.HD, dtype), positions, inv_freq, s.HD, s.eps, 1.1)
 
 
 def cost(s: Shapes):

@@ -102,8 +102,9 @@ def l2norm(x: Tensor, eps: float) -> Tensor:
 
 # Per-head RMSNorm + partial rotate-half RoPE (attention q / k) ---------------------------------
 @triton.jit
-def _norm_rope_head(src, w_ptr, pos_ptr, inv_freq_ptr, dst, t, HD, HALF, eps, BLOCK: tl.constexpr):
-    """dst[:HD] := one head src[:HD] (token t), RMS-normed with (1 + w), then its first 2 * HALF channels rotated."""
+def _norm_rope_head(src, w_ptr, pos_ptr, inv_freq_ptr, dst, t, HD, HALF, eps, scale, BLOCK: tl.constexpr):
+    """dst[:HD] := one head src[:HD] (token t), RMS-normed with (1 + w), then its first 2 * HALF channels rotated
+    (cos and sin times `scale`)."""
     cols = tl.arange(0, BLOCK)
     m = cols < HD
     x = tl.load(src + cols, mask=m, other=0.0).to(tl.float32)
@@ -121,23 +122,24 @@ def _norm_rope_head(src, w_ptr, pos_ptr, inv_freq_ptr, dst, t, HD, HALF, eps, BL
     n_partner = xp * rstd * (1.0 + wp)
     pos = tl.load(pos_ptr + t).to(tl.float32)
     ang = pos * tl.load(inv_freq_ptr + tl.where(first, cols, cols - HALF), mask=rot, other=0.0)
-    rotated = n * tl.cos(ang) + tl.where(first, -n_partner, n_partner) * tl.sin(ang)
+    rotated = n * (tl.cos(ang) * scale) + tl.where(first, -n_partner, n_partner) * (tl.sin(ang) * scale)
     tl.store(dst + cols, tl.where(rot, rotated, n).to(dtype), mask=m)
 
 
 @triton.jit
 def _attn_heads_kernel(qg_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, q_ptr, ko_ptr, vo_ptr, gate_ptr,
-                       HQ, HKV, HD, HALF, stride_qg_t, stride_qg_h, stride_k_t, stride_v_t, eps, BLOCK: tl.constexpr):
+                       HQ, HKV, HD, HALF, stride_qg_t, stride_qg_h, stride_k_t, stride_v_t, eps, scale,
+                       BLOCK: tl.constexpr):
     """Program (t, j): q head j (j < HQ) or k head j - HQ normed and rotated; then the copies, a head each: the
     gate (qg's second half of head j - HQ - HKV) and v (head j - 2 HQ - HKV)."""
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     if j < HQ:
         _norm_rope_head(qg_ptr + t * stride_qg_t + j * stride_qg_h, qw_ptr, pos_ptr, inv_freq_ptr,
-                        q_ptr + (t * HQ + j) * HD, t, HD, HALF, eps, BLOCK)
+                        q_ptr + (t * HQ + j) * HD, t, HD, HALF, eps, scale, BLOCK)
     elif j < HQ + HKV:
         _norm_rope_head(k_ptr + t * stride_k_t + (j - HQ) * HD, kw_ptr, pos_ptr, inv_freq_ptr,
-                        ko_ptr + (t * HKV + j - HQ) * HD, t, HD, HALF, eps, BLOCK)
+                        ko_ptr + (t * HKV + j - HQ) * HD, t, HD, HALF, eps, scale, BLOCK)
     elif j < 2 * HQ + HKV:
         cols = tl.arange(0, BLOCK)
         h = j - HQ - HKV
@@ -151,12 +153,13 @@ def _attn_heads_kernel(qg_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_p
 
 
 def attn_heads(qg: Tensor, k: Tensor, v: Tensor, q_norm_w: Tensor, k_norm_w: Tensor, positions: Tensor,
-               inv_freq: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+               inv_freq: Tensor, eps: float, scale: float = 1.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The attention projection's four outputs in one launch (a norm + RoPE kernel for q, one for k and two copies
     took four): from qg [T, HQ, 2 HD] (each head's query, then its gate), k [T, HKV * HD] and v [T, HKV * HD] (column slices of
     the projection's output: unit inner stride, rows of any stride), fresh contiguous q [T, HQ, HD] and k
     [T, HKV, HD] (per-head zero-centred RMSNorm, then rotate-half RoPE on the first R = 2 * len(inv_freq)
-    channels at each token's position, any even R <= HD), v [T, HKV, HD] and gate [T, HQ * HD] copied."""
+    channels at each token's position, any even R <= HD, cos and sin times `scale`), v [T, HKV, HD] and gate
+    [T, HQ * HD] copied."""
     T, HQ, HD = qg.shape[0], qg.shape[1], qg.shape[2] // 2
     HKV = k.shape[1] // HD
     qw, kw, positions, inv_freq = _vec(q_norm_w, k_norm_w, positions, inv_freq)
@@ -165,7 +168,7 @@ def attn_heads(qg: Tensor, k: Tensor, v: Tensor, q_norm_w: Tensor, k_norm_w: Ten
     if T:
         _attn_heads_kernel[(T, 2 * (HQ + HKV))](
             qg, k, v, qw, kw, positions, inv_freq, q, k_out, v_out, gate, HQ, HKV, HD, inv_freq.shape[0],
-            qg.stride(0), qg.stride(1), k.stride(0), v.stride(0), eps, BLOCK=triton.next_power_of_2(HD))
+            qg.stride(0), qg.stride(1), k.stride(0), v.stride(0), eps, scale, BLOCK=triton.next_power_of_2(HD))
     return q, k_out, v_out, gate
 
 

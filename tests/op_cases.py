@@ -15,7 +15,8 @@ from metrale_graph.ops import REGISTRY, Shapes, example_args
 CASES = [
     Shapes(lengths=(1, 63, 65), context=(0, 5, 0)),
     Shapes(lengths=(64, 7, 0), context=(3, 0, 0), H=2, HV=2, K=8, V=8, HQ=2, HKV=2),
-    Shapes(lengths=(130,), context=(17,), H=1, HV=3, K=8, V=20, HD=32, R=8),
+    # an odd rotary dim (7: four frequencies over 8 channels, as transformers rotates it)
+    Shapes(lengths=(130,), context=(17,), H=1, HV=3, K=8, V=20, HD=32, R=7),
     # one stream of one token (T = B = 1, where slices of a GEMM output come back contiguous);
     # one query head on one KV head; rotary over the whole head; every expert chosen (top_k = E)
     Shapes(lengths=(1,), context=(3,), HQ=1, HKV=1, R=16, E=6, TOPK=6),
@@ -34,8 +35,8 @@ CASES = [
     # no tokens at all: every stream is zero-length padding
     Shapes(lengths=(0, 0), context=(0, 0)),
     # decode-shaped (ops.common.decode_shaped: the GDN recurrent kernel, split-K attention):
-    # four one-token streams after contexts (one of them empty);
-    Shapes(lengths=(1, 1, 1, 1), context=(3, 40, 0, 70)),
+    # four one-token streams after contexts (one of them empty); rotary dim 0 (no channel rotates);
+    Shapes(lengths=(1, 1, 1, 1), context=(3, 40, 0, 70), R=0),
     # one token after a long context (split-K: 64-key splits, the last one partial), and a zero-length
     # stream (as the runner pads a single-stream bucket)
     Shapes(lengths=(1, 0), context=(300, 0), num_blocks=48),

@@ -1076,7 +1076,8 @@ for steps in (1, 9):  # (tiles._stream_of's search, unrolled)
                          dict(BLOCK=1024, STEPS=steps), 4, 1))
 smem.append(compile_(rows._attn_heads_kernel, dict(qg_ptr=B16, k_ptr=B16, v_ptr=B16, qw_ptr=B16, kw_ptr=B16, pos_ptr="*i64",
                      inv_freq_ptr=F32, q_ptr=B16, ko_ptr=B16, vo_ptr=B16, gate_ptr=B16, HQ="i32", HKV="i32", HD="i32",
-                     HALF="i32", stride_qg_t="i32", stride_qg_h="i32", stride_k_t="i32", stride_v_t="i32", eps="fp32"),
+                     HALF="i32", stride_qg_t="i32", stride_qg_h="i32", stride_k_t="i32", stride_v_t="i32", eps="fp32",
+                     scale="fp32"),
                      dict(BLOCK=256), 4, 1))
 smem.append(compile_(rows._gdn_gates_split_kernel, dict(src_ptr=B16, gates_ptr=B16, qkv_ptr=B16, z_ptr=B16, A_ptr=B16,
                      dt_ptr=B16, beta_ptr=B16, g_ptr=F32, stride_src="i32", stride_gates="i32", b_off="i32",

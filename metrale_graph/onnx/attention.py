@@ -16,7 +16,9 @@ from .builders import FLOAT, INT64, _cast, _const, _down, _linear, _rms_norm, _r
 
 def _rope(x, cos, sin, R: int, HD: int, dt: ir.DataType):
     """Rotate-half RoPE on the first R channels of each head of x [T, N, HD]; cos, sin [T, 1, R]; all fp32
-    holding values of the model dtype `dt`, each product and the sum rounded to it."""
+    holding values of the model dtype `dt`, each product and the sum rounded to it. R 0: x as it is."""
+    if R == 0:
+        return x
     rot = op.Slice(x, _const([0]), _const([R]), _const([-1]))
     half1, half2 = op.Slice(rot, _const([0]), _const([R // 2]), _const([-1])), op.Slice(
         rot, _const([R // 2]), _const([R]), _const([-1]))
@@ -27,7 +29,8 @@ def _rope(x, cos, sin, R: int, HD: int, dt: ir.DataType):
     return op.Concat(out, op.Slice(x, _const([R]), _const([HD]), _const([-1])), axis=-1)
 
 
-def attn_proj(x, norm_w, q_w, q_s, k_w, k_s, v_w, v_s, q_norm_w, k_norm_w, positions, inv_freq, head_dim, eps):
+def attn_proj(x, norm_w, q_w, q_s, k_w, k_s, v_w, v_s, q_norm_w, k_norm_w, positions, inv_freq, head_dim, eps,
+              rope_scale):
     """ops.attn_proj: q [T, HQ, HD], k, v [T, HKV, HD], gate [T, HQ*HD]."""
     T, HD, dt = x.shape[0], head_dim, x.dtype
     HQ, HKV, R = q_w.shape[0] // (2 * HD), k_w.shape[0] // HD, 2 * inv_freq.shape[0]
@@ -40,7 +43,10 @@ def attn_proj(x, norm_w, q_w, q_s, k_w, k_s, v_w, v_s, q_norm_w, k_norm_w, posit
     q, k = _rms_norm(q, q_norm_w, eps, dt), _rms_norm(k, k_norm_w, eps, dt)
     freqs = op.Mul(op.Unsqueeze(op.Cast(positions, to=FLOAT), _const([1])), op.Unsqueeze(_up(inv_freq), _const([0])))
     emb = op.Unsqueeze(op.Concat(freqs, freqs, axis=-1), _const([1]))  # [T, 1, R]
-    cos, sin = _rnd(op.Cos(emb), dt), _rnd(op.Sin(emb), dt)
+    cos, sin = op.Cos(emb), op.Sin(emb)
+    if rope_scale != 1.0:  # YaRN's attention factor, in fp32 before the rounding (as transformers scales)
+        cos, sin = op.Mul(cos, _const(rope_scale, np.float32)), op.Mul(sin, _const(rope_scale, np.float32))
+    cos, sin = _rnd(cos, dt), _rnd(sin, dt)
     q, k = _rope(q, cos, sin, R, HD, dt), _rope(k, cos, sin, R, HD, dt)
     return _down(q, dt), _down(k, dt), _down(v, dt), _down(gate, dt)
 
