@@ -115,9 +115,7 @@ def check_rope(v: dict, need: Callable[[bool, str], None]) -> None:
     if kind in ("yarn", "llama3"):
         number("original_max_position_embeddings", integer=True)
     if kind == "yarn":
-        for name in ("attention_factor", "mscale", "mscale_all_dim"):
-            number(name, positive=False)
-        for name in ("beta_fast", "beta_slow"):
+        for name in ("attention_factor", "mscale", "mscale_all_dim", "beta_fast", "beta_slow"):
             number(name, positive=False)
         need(s.truncate is None or isinstance(s.truncate, bool),
              f"rope_parameters' truncate must be true or false, got {s.truncate!r}")
