@@ -28,7 +28,9 @@ Added tokens: xgrammar reads an added token (`<|im_start|>`, `<think>`, `<tool_c
 so a JSON string or a free regex allowed it, `{"a": "x<|im_start|>..."}`, a control token inside the output (whose
 text the reply then skips, or a parser reads as a tag). Every grammar's mask is also held to the tokenizer's own
 tokens (`ordinary_tokens`: not its added or special ones; a byte-level BPE spells any text without them); the
-request's stop tokens stay allowed, where the grammar may end (xgrammar's mask).
+request's stop tokens stay allowed, where the grammar may end (xgrammar's mask). A structural tag also allows the
+added tokens within its literal strings (`_tagged`: Qwen3.5's `<tool_call>` in the trigger `<tool_call>\n<function=`):
+the model writes its calls with its own tokens, and where the tag does not write them they stay masked.
 
 Stop tokens: a request's stop tokens (eos and stop_token_ids) are its grammar's, allowed only where the output
 may end, and they end it as always ("stop"). A request without stop tokens ends ("stop") as soon as its output
@@ -37,6 +39,7 @@ is complete under the grammar (`complete`); the mask never allows eos then.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -120,8 +123,10 @@ class Grammars:
                 return compiler.compile_regex(spec.source)
             if spec.kind == "choice":
                 return compiler.compile_grammar(choice_grammar(json.loads(spec.source)))
+            if spec.kind == "structural_tag":
+                return compiler.compile_structural_tag(spec.source)
             return compiler.compile_grammar(spec.source)
-        except RuntimeError as e:  # xgrammar's errors: "[time] file.cc:line: reason"
+        except (RuntimeError, ValueError) as e:  # xgrammar's errors: "[time] file.cc:line: reason"
             reason = str(e).strip().splitlines()[0].split(": ", 1)[-1] if str(e).strip() else type(e).__name__
             raise StructuredOutputError(f"{spec.kind}: the {_NAMES[spec.kind]} does not compile: {reason}") from None
 
@@ -132,9 +137,33 @@ class Grammars:
                    else self._xgr.GrammarMatcher(compiled, terminate_without_stop_token=True))
         # (compile() has run: the bitmasks are there)
         also = self.plain_tokens if spec.kind in ("json", "json_object") else self.ordinary_tokens
+        if spec.kind == "structural_tag":
+            also = also | self._tagged(spec.source)
         if any(not _allowed(also, t) for t in stops if t < self.vocab_size):
             also = also | _bitmask(self.vocab_size, stops)
         return Grammar(matcher, spec.starts_after, not stops, also)
+
+    @functools.lru_cache(maxsize=MAX_CACHED)
+    def _tagged(self, source: str) -> torch.Tensor:
+        """The bitmask of the added tokens a structural tag writes (one whose text lies within one of its literal
+        strings: Qwen3.5's `<tool_call>` in the trigger `<tool_call>\\n<function=`), which its matcher may allow."""
+        literals = []
+
+        def walk(node):
+            if isinstance(node, dict):
+                for key, value in node.items():
+                    if key in ("begin", "end", "value", "separator") and isinstance(value, str):
+                        literals.append(value)
+                    elif key == "triggers" and isinstance(value, list):
+                        literals.extend(v for v in value if isinstance(v, str))
+                    elif key != "excludes":
+                        walk(value)
+            elif isinstance(node, list):
+                for value in node:
+                    walk(value)
+        walk(json.loads(source))
+        added = {i: str(getattr(t, "content", t)) for i, t in self.tokenizer.added_tokens_decoder.items()}
+        return _bitmask(self.vocab_size, [i for i, text in added.items() if text and any(text in lit for lit in literals)])
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
@@ -153,7 +182,7 @@ def _allowed(bitmask: torch.Tensor, token: int) -> bool:
 
 
 _NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regular expression",
-          "choice": "choice", "grammar": "grammar"}
+          "choice": "choice", "grammar": "grammar", "structural_tag": "structural tag"}
 
 
 class Grammar:

@@ -6,7 +6,9 @@
 
 The kinds are vLLM's (`StructuredOutputsParams`): `json` a JSON schema (a dict, or its JSON text), `json_object`
 any JSON object, `regex` a regular expression the whole output matches, `choice` one of these strings exactly,
-`grammar` a context-free grammar in xgrammar's EBNF (GBNF-like: `root ::= "yes" | "no"`). `starts_after`
+`grammar` a context-free grammar in xgrammar's EBNF (GBNF-like: `root ::= "yes" | "no"`), `structural_tag` an
+xgrammar structural tag (a dict, or its JSON text: free text with tagged parts, a model's tool calls held to their
+functions' schemas; the server's strict tools, server/tool_choice.py). `starts_after`
 (optional, a token id) delays the grammar until the request has sampled that token: a reasoning model's end of
 thinking (`</think>`), so the reasoning before it is free and the answer after it is held (vLLM holds structured
 output after the reasoning parser's end too).
@@ -34,7 +36,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Mapping
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 # JSON Schema keywords grammar.py (xgrammar) does not enforce: a schema using one is refused. (allOf with more
 # than one branch too: UNENFORCED_ALL_OF.)
@@ -72,7 +74,8 @@ class StructuredOutputError(ValueError):
 class StructuredOutput:
     """A checked structured-output request. `source`: json: the schema's JSON text (its key order kept: an object's
     properties are written in it); json_object: ""; regex: the expression; choice: the choices' JSON list;
-    grammar: the EBNF text. `starts_after`: the token after which the grammar holds (None: from the first)."""
+    grammar: the EBNF text; structural_tag: the tag's JSON text. `starts_after`: the token after which the grammar
+    holds (None: from the first)."""
     kind: str
     source: str
     starts_after: int | None = None
@@ -113,7 +116,7 @@ def structured_output(value, vocab_size: int | None = None) -> StructuredOutput 
 
 def _value_of(spec: StructuredOutput):
     return {"json": lambda s: s, "json_object": lambda s: True, "regex": lambda s: s,
-            "choice": json.loads, "grammar": lambda s: s}[spec.kind](spec.source)
+            "choice": json.loads, "grammar": lambda s: s, "structural_tag": lambda s: s}[spec.kind](spec.source)
 
 
 def _json_source(schema) -> str:
@@ -154,8 +157,22 @@ def _choice_source(choices) -> str:
     return json.dumps(list(choices), ensure_ascii=False)
 
 
+def _tag_source(tag) -> str:
+    if isinstance(tag, str):
+        try:
+            tag = json.loads(tag)
+        except ValueError as e:
+            raise StructuredOutputError(f"structural_tag: not valid JSON ({e})") from None
+    if not isinstance(tag, Mapping):
+        raise StructuredOutputError(f"structural_tag must be a JSON object, got {type(tag).__name__}")
+    try:
+        return json.dumps(tag, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise StructuredOutputError(f"structural_tag: holds a value JSON cannot carry ({e})") from None
+
+
 _SOURCES = {"json": _json_source, "json_object": _json_object_source, "regex": _text_source("regex"),
-            "choice": _choice_source, "grammar": _text_source("grammar")}
+            "choice": _choice_source, "grammar": _text_source("grammar"), "structural_tag": _tag_source}
 
 
 def check_enforceable(schema: Mapping, path: str = "#", names: bool = False) -> None:

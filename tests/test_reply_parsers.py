@@ -20,7 +20,8 @@ from metrale_graph.server.tool_parsers import (PARSERS, CallArguments, CallStart
 SCHEMA = {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}, "ratio": {"type": "number"},
     "metric": {"type": "boolean"}, "options": {"type": "object"}, "tags": {"type": "array"},
-    "note": {"type": ["string", "null"]}, "limit": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}}
+    "note": {"type": ["string", "null"]}, "limit": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+    "unit": {"anyOf": [{"enum": ["C", "F"]}, {"type": "null"}]}, "day": {"type": "string", "format": "date"}}}
 FUNCTIONS = {"get_weather": SCHEMA, "get_time": {}}
 JSON_TEMPLATE = ("{%- if tools %}For each function call, return a json object with function name and arguments "
                  "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
@@ -109,6 +110,8 @@ def test_starts_in_reasoning_reads_the_rendered_prompt():
     ("options", "[1]", "[1]"), ("tags", '["x", "y"]', ["x", "y"]), ("tags", "x, y", "x, y"),
     ("note", "null", "null"), ("limit", "null", None), ("limit", "5", 5),  # (a string allowed: text kept)
     ("unknown", "5", "5"),  # a parameter the schema does not name: as written
+    # a string the schema fixes (an enum's, a format's) without the whitespace a strict call's grammar lets frame it
+    ("unit", "\tC  ", "C"), ("unit", " K ", " K "), ("day", " 2024-01-02\t", "2024-01-02"),
 ])
 def test_xml_parameter_values_are_typed_by_the_schema(name, text, want):
     value = typed_value(text, SCHEMA["properties"].get(name))

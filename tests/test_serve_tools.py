@@ -9,7 +9,8 @@ enable_thinking false (the template closes the reasoning in the prompt), vLLM's 
 without its reasoning), tool_choice "none" (no tools rendered,
 no call parsed), a call of a function the request does not offer (content, never a 500), a reply cut inside a
 call, and the 400s naming their field (a tool without a name, tool_choice naming an unknown function, OpenAI's
-fields this server does not honour). Forced calls (tool_choice "required" / named): test_serve_structured.py.
+fields this server does not honour), a strict function under "auto" (its calls held to its schema by a structural
+tag). Forced calls (tool_choice "required" / named): test_serve_structured.py.
 The Responses API (POST /v1/responses) with the openai client over the same server: output items (reasoning, message,
 function_call), instructions and a multi-turn input, the function-call round trip with function_call_output,
 max_output_tokens cutting a reply (status incomplete), the stream's typed events in order and the client helper's
@@ -215,6 +216,38 @@ def test_a_reply_cut_inside_a_call_closes_it_and_keeps_length(client):
     assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [("get_weather", "{}")]
 
 
+STRICT_WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Rome", "Oslo"]},
+                                     "days": {"type": "integer", "minimum": 5, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+
+
+def test_a_strict_function_under_auto_holds_the_calls_to_its_schema(client):
+    """This model calls get_weather(city Paris, days 3) on its own; a strict function of that name whose schema allows
+    neither gets a call that follows it (a structural tag holds the reply: free text and reasoning, calls in the
+    model's XML format), whole, streamed and sampled alike; with strict false the model's own call comes back."""
+    pytest.importorskip("xgrammar")
+
+    def follows(name, arguments):
+        arguments = json.loads(arguments)
+        return name == "get_weather" and arguments["city"] in ("Rome", "Oslo") and 5 <= arguments["days"] <= 7
+
+    choice = ask(client, USER, tools=(STRICT_WEATHER,), max_tokens=80).choices[0]
+    assert choice.message.reasoning_content == REASONING and choice.message.tool_calls
+    assert all(follows(c.function.name, c.function.arguments) for c in choice.message.tool_calls)
+    (got,) = _streamed(client, USER, tools=(STRICT_WEATHER,), max_tokens=80)
+    names = [c["function"]["name"] for c in got["calls"] if "name" in c["function"]]
+    assert follows(names[0], "".join(c["function"]["arguments"] for c in got["calls"] if c["index"] == 0))
+    sampled = client.chat.completions.create(model=NAME, messages=USER, tools=[STRICT_WEATHER], max_tokens=200, n=3,
+                                             seed=4, temperature=1.0)
+    for choice in sampled.choices:  # (the whitespace around a value that is not free text is not part of it)
+        assert choice.finish_reason in ("tool_calls", "stop"), choice
+        assert all(follows(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ())
+    loose = {"type": "function", "function": {**STRICT_WEATHER["function"], "strict": False}}
+    (call,) = ask(client, USER, tools=(loose,)).choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == ARGUMENTS
+
+
 def _error(server, body) -> dict:
     r = httpx.post(server.url + "/v1/chat/completions", content=json.dumps({"messages": USER, "max_tokens": 1, **body}),
                    headers={"Content-Type": "application/json"}, timeout=TIMEOUT)  # (ASCII JSON: \u escapes)
@@ -233,6 +266,8 @@ def _error(server, body) -> dict:
      "tool_choice", "'get_time'"),
     ({"tools": [WEATHER_TOOL], "tool_choice": "sometimes"}, "tool_choice", "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}]}, "tools", "'uniqueItems'"),
 ])
 def test_bad_tools_are_400_naming_the_field(server, body, param, says):
     error = _error(server, body)

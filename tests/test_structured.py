@@ -87,6 +87,7 @@ def engine(model, tokenizer):
     ({"choice": "yes"}, "non-empty list of strings"),
     ({"choice": ["a", ""]}, "every choice must be a non-empty string"),
     ({"grammar": 3}, "non-empty string"),
+    ({"structural_tag": "[1]"}, "structural_tag must be a JSON object"),
     ({"choice": ["a"], "starts_after": -1}, "starts_after"),
     ({"choice": ["a"], "starts_after": 10**6}, "starts_after"),
 ])

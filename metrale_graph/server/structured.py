@@ -13,6 +13,7 @@ The fields, of both endpoints (at most one of them per request; two are a 400 na
 | `structured_outputs` {"json" \\| "regex" \\| "choice" \\| "grammar" \\| "json_object": ...} (vLLM) | the same kind |
 | `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (vLLM's older names) | json, regex, choice, grammar |
 | `tool_choice` "required" or a named function (chat, tool_choice.py: the reply is the calls' JSON) | json |
+| `tools` with a `strict` function under tool_choice "auto" (tool_choice.py: calls in the model's format) | structural_tag |
 
 `response_format` {"type": "text"} asks for nothing. A chat reply that starts inside a reasoning block (the prompt
 opened `<think>`, and the server parses reasoning) is held to its grammar from after `</think>` on (`starts_after`),
@@ -31,12 +32,22 @@ from .protocol import SamplingFields
 
 
 def structured_request(state, body: SamplingFields, forced_schema: dict | None = None,
-                       starts_after: int | None = None) -> tuple[StructuredOutput | None, str | None]:
+                       starts_after: int | None = None, calls_tag=None) -> tuple[StructuredOutput | None, str | None]:
     """(the engine's spec, the field that asked for it), or (None, None): the request asks for no structured
-    output. 400 naming the field for a malformed one, or for a second field asking too."""
+    output. 400 naming the field for a malformed one, or for a second field asking too. `calls_tag`: a callable
+    giving the structural tag of strict tools' calls (tool_choice.ToolRequest.calls_tag of a reasoning mode), taken
+    when no field asks for structured output (one that does holds the reply to it: no call can be made)."""
     asked = _asked(body)
     if forced_schema is not None:
         asked.append(("tool_choice", {"json": forced_schema}))
+    if not asked and calls_tag is not None:
+        mode = "disabled" if starts_after is not None or not state.replies.reasoning else "auto"
+        try:
+            tag = calls_tag(mode)
+        except (StructuredOutputError, ValueError) as e:
+            raise bad_request(f"tools: the strict functions' calls cannot be enforced: {e}", param="tools") from None
+        if tag is not None:
+            asked.append(("tools", {"structural_tag": tag}))
     if not asked:
         return None, None
     if len(asked) > 1:

@@ -5,6 +5,7 @@ functions a reply's calls are parsed against, and the schema that enforces a for
     request.template_tools     # the `tools` apply_chat_template renders (None: none)
     request.functions          # {name: parameters' JSON schema} for the reply's parser (None: no parsing)
     request.forced             # the JSON schema a forced reply is held to (None: no call forced)
+    request.calls_tag(reasoning)   # under "auto" with a strict tool: the structural tag its calls are held to
 
 tool_choice (OpenAI's): "auto" (the default with tools) lets the model choose; "none" (the default without)
 means no call: the tools are not rendered into the prompt and the reply is not parsed for calls; "required"
@@ -13,6 +14,13 @@ sampled: structured output (server/structured.py) under `forced_call_schema`, vL
 reply is JSON (for "required" an array of {"name", "parameters"}, for a named function its arguments object),
 not the model's own call format, read back by `ForcedCallParser` into the reply's calls. The tools are still
 rendered into the prompt, so the model knows them.
+
+A function's `strict: true` (OpenAI's: its arguments follow its schema) under "auto" holds the reply to an xgrammar
+structural tag in the model's own call format (vLLM's way, through xgrammar's builtin tags: `qwen_3_5` for the XML
+calls, `qwen_3` for the JSON ones): text is free until a call begins, and a call's name is an offered function's and
+its arguments follow that function's schema (every function's but those that say `strict: false`, once one is
+strict), the reasoning before the reply's text left free. A request that also asks for structured output of its own
+(`response_format`, ...) holds its reply to that instead, which makes no call (server/structured.py).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import json
 from dataclasses import dataclass
 from typing import Mapping
 
+from ..structured import StructuredOutputError, check_enforceable
 from .errors import bad_request
 from .protocol import NamedToolChoice, Tool
 from .tool_parsers import CallArguments, CallStart, ContentDelta
@@ -31,12 +40,33 @@ from .tool_parsers import CallArguments, CallStart, ContentDelta
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
+# the whitespace a strict call's grammar allows between its tags and around a value that is not free text (Qwen's
+# format writes one newline there): unbounded, a model can spend its tokens on it
+MAX_WHITESPACE = 2
+
+
 @dataclass(frozen=True)
 class ToolRequest:
     template_tools: list[dict] | None
     functions: dict[str, Mapping] | None
     choice: object = None  # the effective tool_choice: "none", "auto", "required" or a NamedToolChoice
     forced: dict | None = None  # forced_call_schema's, for "required" and a named function
+    strict: tuple[str, bool] | None = None  # under "auto" with a strict function: (the call format, parallel calls)
+
+    def calls_tag(self, reasoning: str) -> dict | None:
+        """The structural tag a reply under "auto" with a strict function is held to (None: none), its calls in the
+        model's format (module docstring); `reasoning`: xgrammar's reasoning mode before the text ("disabled": the
+        tag starts after the reasoning, "auto": it may open with a `<think>` block)."""
+        if self.strict is None:
+            return None
+        from ..grammar import _xgrammar
+
+        tool_format, parallel = self.strict
+        key = {"qwen3_xml": "qwen_3_5", "qwen3_json": "qwen_3"}[tool_format]
+        tag = _xgrammar().get_model_structural_tag(key, tools=self.template_tools, tool_choice="auto",
+                                                   reasoning=reasoning, parallel_tool_calls=parallel,
+                                                   max_whitespace_cnt=MAX_WHITESPACE)
+        return tag.model_dump(mode="json")
 
 
 def tool_request(tools: list[Tool] | None, tool_choice, tool_format: str | None,
@@ -67,7 +97,16 @@ def tool_request(tools: list[Tool] | None, tool_choice, tool_format: str | None,
         raise bad_request("tools: this server cannot read tool calls in its model's chat template (neither of "
                           "Qwen's formats): start metrale-serve with --tool-call-parser qwen3_xml or qwen3_json, "
                           "or force the call (tool_choice 'required' or a named function)", param="tools")
-    return ToolRequest(template_tools, {t.function.name: t.function.parameters or {} for t in tools}, choice)
+    functions = {t.function.name: t.function.parameters or {} for t in tools}
+    if not any(t.function.strict for t in tools):
+        return ToolRequest(template_tools, functions, choice)
+    for t in tools:
+        if t.function.strict is not False and t.function.parameters is not None:
+            try:
+                check_enforceable(t.function.parameters)
+            except StructuredOutputError as e:
+                raise bad_request(f"tools: the strict function {t.function.name!r}: {e.detail}", param="tools") from None
+    return ToolRequest(template_tools, functions, choice, strict=(tool_format, parallel_tool_calls is not False))
 
 
 def rendered(tools: list[Tool]) -> list[dict]:

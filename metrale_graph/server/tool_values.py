@@ -71,11 +71,12 @@ def typed_value(text: str, schema, root=None) -> Any:
     """`text`, a parameter's value as the model wrote it, as the JSON value its schema asks for: an integer,
     number, boolean or null when it reads as one, an object or array through JSON (or a Python literal, which
     models sometimes write); a string, or a value that reads as none of its types, as written (so a schema
-    that allows a string keeps the text). `root`: the document its references point into (the parameters)."""
+    that allows a string keeps the text), without the whitespace around it where the schema fixes the string
+    (`_fixed_string`: an enum's, a pattern's, ...). `root`: the document its references point into (the parameters)."""
     types = schema_types(schema, root)
-    if not types or "string" in types:
-        return text
     stripped = text.strip()
+    if not types or "string" in types:
+        return stripped if stripped != text and _fixed_string(schema, root, stripped) else text
     if "null" in types and stripped in ("null", "None"):
         return None
     for kind in ("integer", "number", "boolean", "object", "array"):
@@ -87,6 +88,26 @@ def typed_value(text: str, schema, root=None) -> Any:
 
 
 _NO_VALUE = object()
+_FIXED = ("enum", "const", "pattern", "format")  # a string whose schema says what it is, not any text
+
+
+def _fixed_string(schema, root, stripped: str, _depth: int = 0) -> bool:
+    """Whether a string value of `schema` (through in-document $refs and anyOf / oneOf members) is one the schema
+    fixes (an enum's, a const's, a pattern's or a format's) rather than free text: a strict call's grammar (xgrammar's
+    qwen_xml) lets whitespace frame such a value, which is not part of it; an enum or const whose own value keeps it
+    is kept."""
+    ref = schema.get("$ref") if isinstance(schema, Mapping) else None
+    if isinstance(ref, str) and ref.startswith("#") and _depth < 8:
+        schema = _pointed(root, ref)
+    if not isinstance(schema, Mapping):
+        return False
+    if any(_fixed_string(member, root, stripped, _depth + 1) for key in ("anyOf", "oneOf")
+           for member in (schema.get(key) if isinstance(schema.get(key), list) else ())):
+        return True
+    if not any(k in schema for k in _FIXED):
+        return False
+    values = schema.get("enum") if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else None
+    return values is None or stripped in values
 
 
 def _convert(kind: str, text: str):
