@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -125,6 +126,8 @@ class Grammars:
                 return compiler.compile_grammar(choice_grammar(json.loads(spec.source)))
             if spec.kind == "structural_tag":
                 return compiler.compile_structural_tag(spec.source)
+            if is_lark(spec.source):
+                return compiler.compile_lark(spec.source)
             return compiler.compile_grammar(spec.source)
         except (RuntimeError, ValueError) as e:  # xgrammar's errors: "[time] file.cc:line: reason"
             reason = str(e).strip().splitlines()[0].split(": ", 1)[-1] if str(e).strip() else type(e).__name__
@@ -167,6 +170,13 @@ class Grammars:
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
+
+
+def is_lark(grammar: str) -> bool:
+    """Whether a grammar is Lark's (`start: "yes" | "no"`) rather than EBNF (`root ::= ...`): no line defines a rule
+    with `::=` (vLLM's test, which takes both)."""
+    lines = (re.sub(r"(#|//).*$", "", line).strip() for line in grammar.splitlines())
+    return not any("::=" in line for line in lines)
 
 
 def _bitmask(vocab_size: int, tokens) -> torch.Tensor:

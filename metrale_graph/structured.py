@@ -6,7 +6,8 @@
 
 The kinds are vLLM's (`StructuredOutputsParams`): `json` a JSON schema (a dict, or its JSON text), `json_object`
 any JSON object, `regex` a regular expression the whole output matches, `choice` one of these strings exactly,
-`grammar` a context-free grammar in xgrammar's EBNF (GBNF-like: `root ::= "yes" | "no"`), `structural_tag` an
+`grammar` a context-free grammar in xgrammar's EBNF (GBNF-like: `root ::= "yes" | "no"`) or in Lark's (`start: "yes" |
+"no"`, told apart as vLLM does: no rule defined with `::=`), `structural_tag` an
 xgrammar structural tag (a dict, or its JSON text: free text with tagged parts, a model's tool calls held to their
 functions' schemas; the server's strict tools, server/tool_choice.py). `starts_after`
 (optional, a token id) delays the grammar until the request has sampled that token: a reasoning model's end of

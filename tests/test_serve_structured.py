@@ -197,6 +197,8 @@ GUIDED = [  # (endpoint, field, value, what the text must be)
     ("completions", "guided_regex", "[0-9]{2}C", lambda t: re.fullmatch("[0-9]{2}C", t)),
     ("completions", "guided_json", Weather.model_json_schema(), Weather.model_validate_json),
     ("completions", "guided_grammar", 'root ::= "hot" | "cold"', lambda t: t in ("hot", "cold")),
+    ("completions", "guided_grammar", '?start: "hot" | temp\ntemp: /[0-9]{2}/ "C"\n',  # Lark's, as vLLM takes it
+     lambda t: t == "hot" or re.fullmatch("[0-9]{2}C", t)),
     ("completions", "structured_outputs", {"choice": ["a", "b"]}, lambda t: t in ("a", "b")),
     ("chat", "guided_choice", ["sunny", "rainy"], lambda t: t in ("sunny", "rainy")),
     ("chat", "structured_outputs", {"json": json.dumps(Weather.model_json_schema())}, Weather.model_validate_json),

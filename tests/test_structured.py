@@ -131,6 +131,7 @@ LANGUAGES = {  # a grammar and its language, finite, as UTF-8 strings
     "choice": ({"choice": ["yes", "yellow", "no", "Ça va", "東京"]}, ["yes", "yellow", "no", "Ça va", "東京"]),
     "regex": ({"regex": "(ab|c)d?|東"}, ["ab", "abd", "c", "cd", "東"]),
     "grammar": ({"grammar": 'root ::= "fox" ("es" | "")'}, ["fox", "foxes"]),
+    "lark": ({"grammar": 'start: "fox" "es"?'}, ["fox", "foxes"]),
     "json": ({"json": {"enum": ["dog", 12]}}, ['"dog"', "12"]),
 }
 

@@ -95,7 +95,7 @@ class ResponseFormat(BaseModel):
 
 class StructuredOutputs(BaseModel):
     """vLLM's structured_outputs: one of json (a schema, or its JSON text), regex, choice, grammar (xgrammar's
-    EBNF), json_object. vLLM's other keys (whitespace_pattern, structural_tag, ...) are refused."""
+    EBNF, or Lark's), json_object. vLLM's other keys (whitespace_pattern, structural_tag, ...) are refused."""
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")
