@@ -1,7 +1,7 @@
 """Model shapes the CUDA path cannot serve, rejected when a CUDA model is built instead of
 failing at prefill.
 
-Our Triton kernels mask every size a transformers config allows (any even rotary dim up to
+Our Triton kernels mask every size a transformers config allows (any rotary dim up to
 head_dim, any head dims, ratios of value to key heads and of query to KV heads, KV block sizes,
 conv widths), except the GDN recurrence's chunked kernels (ops/gdn_chunked/), which hold a
 [K, BV] state tile and [64, K] key tiles in registers: key and value head dims up to 256. Value
