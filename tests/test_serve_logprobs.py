@@ -10,7 +10,9 @@ same prompt and seed; they are the raw
 distribution's whatever the request's temperature and penalties; greedy decoding with each control equals the
 reference decode loop applying that control's definition; include_stop_str_in_output keeps the stop string; bad
 values are 400s naming their field; lm-eval runs a loglikelihood task and a generate_until task over local data
-(no hub download) and its loglikelihoods equal ours."""
+(no hub download) and its loglikelihoods equal ours, a loglikelihood_rolling task over several windows with the
+server's own tokenizer (its remote backend) equals ours window by window, and local-chat-completions' generations
+are the server's own chat replies."""
 
 import json
 import math
@@ -43,7 +45,8 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     flags = ["--served-model-name", NAME, "--num-slots", "4", "--max-context", str(MAX_CONTEXT), "--token-budget",
-             "16", "--prefix-cache"]  # a budget of 16: PROMPT's 23 tokens are prefilled in two chunks
+             "16", "--prefix-cache", "--enable-tokenizer-info-endpoint"]  # a budget of 16: PROMPT's 23 tokens are
+    # prefilled in two chunks; /tokenizer_info: lm-eval's remote tokenizer
     with running_server(checkpoint, tmp_path_factory.mktemp("server"), flags, TIMEOUT) as proc:
         yield proc
 
@@ -449,20 +452,19 @@ TASKS = {
                "doc_to_target: answer\nmetric_list:\n  - metric: acc\n",
     "tiny_gen": "output_type: generate_until\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{choices[0]}}'\n"
                 "generation_kwargs:\n  until: ['\\n\\n']\n  max_gen_toks: 5\nmetric_list:\n  - metric: exact_match\n",
+    "tiny_roll": "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{question}} {{choices[0]}}'\n"
+                 "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n",
 }
 
 
-def test_lm_eval_scores_through_the_server(server, model, checkpoint, tmp_path, monkeypatch):
-    """lm-eval's local-completions model on the server, with local task files over a local jsonl (offline): a
-    loglikelihood (multiple choice) task and a generate_until task run to the end, and every loglikelihood it
-    got equals the sum of log_softmax of model.prefill's logits over the continuation's tokens."""
+@pytest.fixture
+def lm_eval_tasks(tmp_path, monkeypatch):
+    """lm-eval's TaskManager over TASKS' task files and DOCS as a local jsonl in tmp_path (offline: no hub)."""
     pytest.importorskip("lm_eval")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))  # (read when datasets is first imported)
     monkeypatch.chdir(tmp_path)
-    import lm_eval
-    from lm_eval.api.registry import get_model
     from lm_eval.tasks import TaskManager
 
     data = tmp_path / "docs.jsonl"
@@ -470,9 +472,19 @@ def test_lm_eval_scores_through_the_server(server, model, checkpoint, tmp_path, 
     for name, body in TASKS.items():
         (tmp_path / f"{name}.yaml").write_text(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
                                               f"    test: {data}\ntest_split: test\n{body}")
+    return TaskManager(include_path=str(tmp_path))
+
+
+def test_lm_eval_scores_through_the_server(server, model, checkpoint, lm_eval_tasks):
+    """lm-eval's local-completions model on the server, with local task files over a local jsonl (offline): a
+    loglikelihood (multiple choice) task and a generate_until task run to the end, and every loglikelihood it
+    got equals the sum of log_softmax of model.prefill's logits over the continuation's tokens."""
+    import lm_eval
+    from lm_eval.api.registry import get_model
+
     lm = get_model("local-completions")(base_url=server.url + "/v1/completions", model=NAME, tokenizer=checkpoint,
                                         tokenizer_backend="huggingface", max_length=MAX_CONTEXT, max_retries=1)
-    out = lm_eval.simple_evaluate(model=lm, tasks=list(TASKS), task_manager=TaskManager(include_path=str(tmp_path)),
+    out = lm_eval.simple_evaluate(model=lm, tasks=["tiny_ll", "tiny_gen"], task_manager=lm_eval_tasks,
                                   log_samples=True)
     assert out["results"]["tiny_ll"]["sample_len"] == out["results"]["tiny_gen"]["sample_len"] == len(DOCS)
     assert 0.0 <= out["results"]["tiny_ll"]["acc,none"] <= 1.0
@@ -487,3 +499,37 @@ def test_lm_eval_scores_through_the_server(server, model, checkpoint, tmp_path, 
         assert math.isfinite(got) and abs(got - want) < TOL * len(continuation_ids), (context, continuation)
     generated = [s["resps"][0][0] for s in out["samples"]["tiny_gen"]]
     assert len(generated) == len(DOCS) and all(isinstance(g, str) for g in generated)
+
+
+def test_lm_eval_rolling_windows_and_chat_through_the_server(server, client, model, tokenizer, lm_eval_tasks):
+    """lm-eval with the server's own tokenizer (tokenizer_backend auto finds /tokenizer_info and /tokenize: its remote
+    backend) on a loglikelihood_rolling task whose texts span several windows (max_length 8, batches of 2): each
+    text's loglikelihood equals the sum, over lm-eval's windows, of log_softmax of model.prefill's logits; and
+    local-chat-completions' generate_until through the chat template gives the server's own greedy chat replies."""
+    import lm_eval
+    from lm_eval import utils
+    from lm_eval.api.registry import get_model
+
+    lm = get_model("local-completions")(base_url=server.url + "/v1/completions", model=NAME, max_length=8,
+                                        batch_size=2, max_retries=1)
+    assert lm.tokenizer_backend == "remote"
+    out = lm_eval.simple_evaluate(model=lm, tasks=["tiny_roll"], task_manager=lm_eval_tasks, log_samples=True)
+    for sample in out["samples"]["tiny_roll"]:
+        ((text,),), got = sample["arguments"], sample["resps"][0][0]
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        windows = list(map(utils.make_disjoint_window, utils.get_rolling_token_windows(
+            tokens, tokenizer.eos_token_id, max_seq_len=lm.max_length - 1, context_len=1)))  # (lm-eval's max_length 7)
+        assert len(windows) > 1
+        want = 0.0
+        for context, continuation in windows:
+            rows = log_softmax_after(model, (context + continuation)[:-1])[len(context) - 1:]
+            want += sum(float(row[t]) for row, t in zip(rows, continuation))
+        assert abs(got - want) < TOL * len(tokens), text
+
+    chat = get_model("local-chat-completions")(base_url=server.url + "/v1/chat/completions", model=NAME, max_retries=1)
+    out = lm_eval.simple_evaluate(model=chat, tasks=["tiny_gen"], task_manager=lm_eval_tasks, log_samples=True,
+                                  apply_chat_template=True)
+    for doc, sample in zip(DOCS, out["samples"]["tiny_gen"]):
+        reply = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": doc["question"]}],
+                                               max_tokens=5, temperature=0, stop=["\n\n"])
+        assert sample["resps"][0][0] == reply.choices[0].message.content
