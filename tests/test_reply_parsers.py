@@ -112,6 +112,7 @@ def test_starts_in_reasoning_reads_the_rendered_prompt():
     ("unknown", "5", "5"),  # a parameter the schema does not name: as written
     # a string the schema fixes (an enum's, a format's) without the whitespace a strict call's grammar lets frame it
     ("unit", "\tC  ", "C"), ("unit", " K ", " K "), ("day", " 2024-01-02\t", "2024-01-02"),
+    ("unit", " null ", None),  # (no free string beside null: the word is null)
 ])
 def test_xml_parameter_values_are_typed_by_the_schema(name, text, want):
     value = typed_value(text, SCHEMA["properties"].get(name))

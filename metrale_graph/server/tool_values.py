@@ -75,10 +75,10 @@ def typed_value(text: str, schema, root=None) -> Any:
     (`_fixed_string`: an enum's, a pattern's, ...). `root`: the document its references point into (the parameters)."""
     types = schema_types(schema, root)
     stripped = text.strip()
+    if "null" in types and stripped in ("null", "None") and not _free_string(schema, root):
+        return None  # (a string allowed beside null would keep the text: it may be the word)
     if not types or "string" in types:
         return stripped if stripped != text and _fixed_string(schema, root, stripped) else text
-    if "null" in types and stripped in ("null", "None"):
-        return None
     for kind in ("integer", "number", "boolean", "object", "array"):
         if kind in types:
             value = _convert(kind, stripped)
@@ -108,6 +108,21 @@ def _fixed_string(schema, root, stripped: str, _depth: int = 0) -> bool:
         return False
     values = schema.get("enum") if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else None
     return values is None or stripped in values
+
+
+def _free_string(schema, root, _depth: int = 0) -> bool:
+    """Whether `schema` (through in-document $refs and anyOf / oneOf members) allows any text as a string: a string
+    type without an enum, const, pattern or format."""
+    ref = schema.get("$ref") if isinstance(schema, Mapping) else None
+    if isinstance(ref, str) and ref.startswith("#") and _depth < 8:
+        schema = _pointed(root, ref)
+    if not isinstance(schema, Mapping):
+        return False
+    kind = schema.get("type")
+    if (kind == "string" or (isinstance(kind, list) and "string" in kind)) and not any(k in schema for k in _FIXED):
+        return True
+    return any(_free_string(member, root, _depth + 1) for key in ("anyOf", "oneOf")
+               for member in (schema.get(key) if isinstance(schema.get(key), list) else ()))
 
 
 def _convert(kind: str, text: str):
