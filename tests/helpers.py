@@ -120,3 +120,14 @@ def benchmark_script(path: str):
     if folder not in sys.path:
         sys.path.insert(0, folder)
     return importlib.import_module(name)
+
+
+def cache_fingerprint(cache) -> tuple:
+    """A rank's host bookkeeping of `cache` that must equal rank 0's under a plan broadcast (contexts, the MTP head's
+    contexts, block tables and lists, the prefix index's refs, lists, entries, LRU, free entries and counters):
+    test_prefix_tp and test_speculative_tp compare it rank by rank."""
+    index = cache._index
+    return (list(cache.context_lens), list(cache.mtp_context_lens), cache.block_tables.tolist(),
+            [list(b) for b in cache._blocks], list(index.refs), list(index._plain), list(index._cached),
+            sorted((e, m.length) for e, m in index._entries.items()), list(index._entry_lru),
+            list(index._free_entries), index.stats())

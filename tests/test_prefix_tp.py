@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from helpers import random_tokens, unit_gain
+from helpers import cache_fingerprint, random_tokens, unit_gain
 from metrale_graph import Engine, HybridModel
 
 WORLD = 2
@@ -76,14 +76,6 @@ def workload(engine) -> list:
     return out
 
 
-def fingerprint(cache) -> tuple:
-    """Every rank's part of the cache's host bookkeeping that must be rank 0's."""
-    index = cache._index
-    return (list(cache.context_lens), cache.block_tables.tolist(), [list(b) for b in cache._blocks], list(index.refs),
-            list(index._plain), list(index._cached), sorted((e, m.length) for e, m in index._entries.items()),
-            list(index._entry_lru), list(index._free_entries), index.stats())
-
-
 def _served(model, prefix: bool):
     """Rank 0 runs the workload, rank 1 follows; each rank's fingerprint before every step, all gathered, and rank
     0's outcomes and cached-token counter."""
@@ -97,7 +89,7 @@ def _served(model, prefix: bool):
         step = engine._loop.follow_step
 
         def following(*args):
-            prints.append(fingerprint(engine.cache))
+            prints.append(cache_fingerprint(engine.cache))
             step(*args)
         engine._loop.follow_step = following
         engine.follow()
@@ -107,7 +99,7 @@ def _served(model, prefix: bool):
 
         def sending(kind, *args, **kwargs):
             if kind == STEP:
-                prints.append(fingerprint(engine.cache))
+                prints.append(cache_fingerprint(engine.cache))
             send(kind, *args, **kwargs)
         engine._broadcast.send = sending
         out = workload(engine), engine.stats().cached_tokens, engine.stats().prefix

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from helpers import random_tokens, tiny_config, unit_gain
+from helpers import cache_fingerprint, random_tokens, tiny_config, unit_gain
 from speculative_reference import Oracle, bigram_model, staggered, with_eager_tail, with_random_mtp
 from metrale_graph import Engine, HybridModel
 
@@ -48,14 +48,6 @@ def workload(engine) -> list:
     return out
 
 
-def fingerprint(cache) -> tuple:
-    """A rank's cache bookkeeping that must be rank 0's."""
-    index = cache._index
-    return (list(cache.context_lens), list(cache.mtp_context_lens), cache.block_tables.tolist(),
-            [list(b) for b in cache._blocks], list(index.refs), list(index._plain), list(index._cached),
-            sorted((e, m.length) for e, m in index._entries.items()))
-
-
 def _served(model, speculative=None, buffers=False, oracle=None):
     """Rank 0 runs the workload, rank 1 follows; each rank's fingerprints (rank 0's as it sends each message, rank
     1's after replaying its journal), the blocks each holds at the end and its slots' contexts, all gathered; rank
@@ -75,14 +67,14 @@ def _served(model, speculative=None, buffers=False, oracle=None):
 
         def replaying(*args):
             replay(*args)
-            prints.append(fingerprint(engine.cache))
+            prints.append(cache_fingerprint(engine.cache))
         engine._loop.replay.replay = replaying
         engine.follow()
     else:
         send = engine._broadcast.send
 
         def sending(*args, **kwargs):
-            prints.append(fingerprint(engine.cache))
+            prints.append(cache_fingerprint(engine.cache))
             send(*args, **kwargs)
         engine._broadcast.send = sending
         real = verify.ngram_propose
