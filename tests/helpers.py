@@ -131,3 +131,21 @@ def cache_fingerprint(cache) -> tuple:
             [list(b) for b in cache._blocks], list(index.refs), list(index._plain), list(index._cached),
             sorted((e, m.length) for e, m in index._entries.items()), list(index._entry_lru),
             list(index._free_entries), index.stats())
+
+
+def write_sharded(folder: str, tensors: dict, shards: int) -> None:
+    """`tensors` as `shards` safetensors files in `folder` (every shards-th name, sorted, to each: a weight and its
+    scale in different files) and their model.safetensors.index.json, as sharded checkpoints are written."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    keys, weight_map = sorted(tensors), {}
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: tensors[k].contiguous() for k in keys[i::shards]}, os.path.join(folder, name),
+                  metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(keys[i::shards], name))
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)

@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from helpers import write_sharded
 from metrics import fp32_model_bound
 from test_checkpoints_foreign import LENGTHS, fp8_shapes, load_transformers, mtp_head, transformers_model, weight_only_error
 from metrale_graph import HybridModel
@@ -114,13 +115,7 @@ def write_compressed(src: str, dst: str, scheme: str, ignore: list[str], *, targ
                 [0.1], dtype=w.dtype)
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump({**config, "quantization_config": quantization_config(scheme, ignore, targets, kv)}, f, indent=2)
-    keys, weight_map = sorted(out), {}
-    for i in range(shards):  # a weight and its scale in different files
-        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({k: out[k].contiguous() for k in keys[i::shards]}, os.path.join(dst, name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(keys[i::shards], name))
-    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    write_sharded(dst, out, shards)
     with open(os.path.join(ref, "config.json"), "w") as f:
         json.dump(config, f)
     save_file(dequantized, os.path.join(ref, "model.safetensors"), metadata={"format": "pt"})

@@ -23,6 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from helpers import write_sharded
 from metrics import fp32_model_bound, rel_err
 from references import check_parity, hf_logits, random_streams, randomize_reference
 from metrale_graph import HybridModel, Stream
@@ -375,13 +376,7 @@ def write_qwen_fp8(src: str, dst: str, *, text_config: bool, scale_dtype=torch.b
         quantized["quantization_config"] = quant
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(quantized, f, indent=2)
-    keys, weight_map = sorted(out), {}
-    for i in range(shards):
-        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({k: out[k].contiguous() for k in keys[i::shards]}, os.path.join(dst, name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(keys[i::shards], name))
-    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    write_sharded(dst, out, shards)
     with open(os.path.join(ref, "config.json"), "w") as f:
         json.dump(config, f)
     save_file(dequantized, os.path.join(ref, "model.safetensors"), metadata={"format": "pt"})
