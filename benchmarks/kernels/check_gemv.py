@@ -117,7 +117,7 @@ def projections(cfg) -> list[tuple[str, int, int]]:
 def measure(name: str, N: int, K: int, M: int, device="cuda") -> dict:
     g = torch.Generator(device=device).manual_seed(N + K + M)
     nbytes = N * K * 2
-    copies = max(1, math.ceil(L2_PAST / nbytes)) if nbytes < L2_PAST else 1
+    copies = math.ceil(L2_PAST / nbytes)  # (1 for a weight past L2_PAST itself)
     ws = [(torch.randn(N, K, generator=g, device=device) * K ** -0.5).to(torch.bfloat16) for _ in range(copies)]
     x = torch.randn(M, K, generator=g, device=device).to(torch.bfloat16)
     ys = [torch.empty(M, N, dtype=torch.bfloat16, device=device) for _ in ws]
