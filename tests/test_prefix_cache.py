@@ -372,3 +372,39 @@ def test_take_many_hands_out_the_blocks_take_would():
         assert together.take_many(n) == [one_by_one.take() for _ in range(n)]
         assert together.refs == one_by_one.refs and together.free_blocks == one_by_one.free_blocks
     assert sorted(blocks) == list(range(8))
+
+
+def test_a_sampling_failure_after_a_stop_keeps_no_state_past_the_prefix(model, monkeypatch):
+    """With overlap a request that stops at step N is already in step N + 1, which feeds it the stop token. When
+    N + 1's sampling raises (after its step ran), N is delivered first: the request ends "stop", and its slot's
+    context is kept for later prompts. That slot's GDN state had been advanced by N + 1's uncommitted token, so the
+    prefix kept under the request's fed tokens held the state one token further on, and a later prompt through that
+    prefix restored it and gave other tokens than without prefix caching. Now a failed launch resets its slots
+    before the step before is delivered: nothing wrong is kept, and later prompts give plain decoding's tokens."""
+    import metrale_graph.loop as loop_module
+
+    kw = dict(num_slots=2, token_budget=64, block_size=BS, max_context=256, compile=False)
+    prompt, other = tokens(20, 81), tokens(9, 82)
+    with Engine(model, **kw) as plain, Engine(model, prefix_cache=True, **kw) as cached:
+        free = plain.generate([prompt], max_new_tokens=8, stop_token_ids=[])[0].token_ids
+        stop = free[3]
+        follow = prompt + free[:3] + tokens(5, 83)
+        want = plain.generate([follow, other], max_new_tokens=6, stop_token_ids=[])
+        real, armed = loop_module.sample, []
+
+        def failing(logits, rows, *args):
+            if armed:
+                armed.clear()
+                raise RuntimeError("sampling failed")
+            result = real(logits, rows, *args)
+            if stop in result.tokens.tolist():
+                armed.append(1)
+            return result
+
+        monkeypatch.setattr(loop_module, "sample", failing)
+        ended = cached.generate([prompt], max_new_tokens=8, stop_token_ids=[stop])[0]
+        assert ended.token_ids == free[:4] and ended.finish_reason == "stop"
+        monkeypatch.undo()
+        assert cached.cache.context_lens == [0, 0] and not any(cached.cache._index.refs)
+        got = cached.generate([follow, other], max_new_tokens=6, stop_token_ids=[])
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
