@@ -138,6 +138,22 @@ def test_a_named_tool_choice_calls_that_function(client):
     assert _streamed_calls(client, tools=[WEATHER, TIME], tool_choice=named) == ([call], "stop")
 
 
+def test_a_forced_call_beside_a_response_format_is_the_call(client):
+    """The OpenAI Agents SDK sends an agent's output_type as response_format on every turn, tool_choice "required" or
+    a function's name beside it when the agent forces a tool (ModelSettings.tool_choice): the reply is the call, the
+    format has no text to hold (OpenAI takes both; once a 400 "the request already asks for structured output")."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "final_output", "strict": True,
+                                                  "schema": Weather.model_json_schema()}}
+    for choice_ in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        kw = dict(tools=[WEATHER, TIME], tool_choice=choice_, parallel_tool_calls=False, response_format=fmt)
+        choice = chat(client, **kw).choices[0]
+        assert choice.message.content is None and choice.finish_reason == ("stop" if choice_ != "required"
+                                                                            else "tool_calls"), choice
+        calls = _calls(choice.message.tool_calls)
+        assert len(calls) == 1 and _streamed_calls(client, **kw)[0] == calls
+        _check_calls(calls)
+
+
 
 def test_a_forced_call_of_a_function_without_parameters_has_no_arguments(client):
     """A function sent without `parameters` (OpenAI's empty parameter list), forced by name or by "required": its

@@ -282,11 +282,10 @@ class ResponsesRequest(SamplingFields):
         self._history = [_ITEM.validate_python(item) for item in history]
 
     def formats(self) -> list[tuple[str, ResponseFormat]]:
-        """text.format as a response_format; none under a forced call (tool_choice "required" or a function): the
-        reply is the call, there is no text for the format to hold (instructor's RESPONSES_TOOLS sends both)."""
+        """text.format as a response_format (none under a forced call, as chat's: server/structured.py; instructor's
+        RESPONSES_TOOLS sends both)."""
         fmt = self.text.format if self.text is not None else None
-        forced = self.tools and (self.tool_choice == "required" or isinstance(self.tool_choice, FunctionChoice))
-        if fmt is None or fmt.type == "text" or forced:
+        if fmt is None or fmt.type == "text":
             return super().formats()
         schema = None if fmt.type == "json_object" else JsonSchemaFormat(name=fmt.name, schema=fmt.schema_)
         return [*super().formats(), ("text", ResponseFormat(type=fmt.type, json_schema=schema))]

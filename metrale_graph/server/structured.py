@@ -15,11 +15,12 @@ The fields, of both endpoints (at most one of them per request; two are a 400 na
 | `tool_choice` "required" or a named function (chat, tool_choice.py: the reply is the calls' JSON) | json |
 | `tools` with a `strict` function under tool_choice "auto" (tool_choice.py: calls in the model's format) | structural_tag |
 
-`response_format` {"type": "text"} asks for nothing. A chat reply that starts inside a reasoning block (the prompt
-opened `<think>`, and the server parses reasoning) is held to its grammar from after `</think>` on (`starts_after`),
-when the tokenizer has it as one token: the reasoning stays free, the answer follows the grammar. Without such a
-token the grammar holds from the reply's first token, and the reply is read as content (chat.start_chat): it has
-no reasoning block.
+`response_format` {"type": "text"} asks for nothing, and so do `response_format` and `text.format` under a forced
+call (tool_choice "required" or a function): the reply is the call, with no text for them to hold (OpenAI takes
+both). A chat reply that starts inside a reasoning block (the prompt opened `<think>`, and the server parses
+reasoning) is held to its grammar from after `</think>` on (`starts_after`), when the tokenizer has it as one
+token: the reasoning stays free, the answer follows the grammar. Without such a token the grammar holds from the
+reply's first token, and the reply is read as content (chat.start_chat): it has no reasoning block.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ def structured_request(state, body: SamplingFields, forced_schema: dict | None =
     output. 400 naming the field for a malformed one, or for a second field asking too. `calls_tag`: a callable
     giving the structural tag of strict tools' calls (tool_choice.ToolRequest.calls_tag of a reasoning mode), taken
     when no field asks for structured output (one that does holds the reply to it: no call can be made)."""
-    asked = _asked(body)
+    # a forced call's reply is the call: OpenAI's formats hold a reply's text, and there is none (OpenAI takes both, and
+    # vLLM drops the format: the OpenAI Agents SDK sends an agent's output_type with tool_choice "required")
+    asked = _asked(body, formats=forced_schema is None)
     if forced_schema is not None:
         asked.append(("tool_choice", {"json": forced_schema}))
     if not asked and calls_tag is not None:
@@ -61,10 +64,11 @@ def structured_request(state, body: SamplingFields, forced_schema: dict | None =
         raise bad_request(f"{field}: {e.detail}", param=field) from None
 
 
-def _asked(body: SamplingFields) -> list[tuple[str, dict]]:
-    """(field, the engine's spec as a mapping) of every field of `body` that asks for structured output."""
+def _asked(body: SamplingFields, formats: bool = True) -> list[tuple[str, dict]]:
+    """(field, the engine's spec as a mapping) of every field of `body` that asks for structured output (OpenAI's
+    formats, response_format and text.format, only with `formats`)."""
     asked = []
-    for name, fmt in body.formats():
+    for name, fmt in body.formats() if formats else ():
         if fmt.type == "json_object":
             asked.append((name, {"json_object": True}))
         elif fmt.type == "json_schema":
