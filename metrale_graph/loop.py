@@ -212,11 +212,14 @@ class EngineLoop(LoopIntake, LoopReadBack):
         with self._cond:
             self._publish_queue()
         if self.spec is not None and step:
-            if (self.spec.may_take(step, sched.decodes)
-                    and self.spec.worth_reading_back(step, sched.decodes, self._inflight is not None)):
-                step = self._speculate(step)
-            else:  # the loop's own step: drafts made for it are dropped ("mtp": the head stops following)
-                self.spec.normal(step)
+            try:  # (a draft proposer that raises: the step in flight delivers, then this step's requests fail)
+                if (self.spec.may_take(step, sched.decodes)
+                        and self.spec.worth_reading_back(step, sched.decodes, self._inflight is not None)):
+                    step = self._speculate(step)
+                else:  # the loop's own step: drafts made for it are dropped ("mtp": the head stops following)
+                    self.spec.normal(step)
+            except BaseException as e:
+                return self._fail_step(step, e)
         launched, error = self._launch(step, sched.decodes) if step else (None, None)
         previous, self._inflight = self._inflight, None
         if previous is not None:  # (overlap only)

@@ -180,6 +180,13 @@ class LoopReadBack:
         return _new_output(RequestOutput, (r.index, [token], text, reason, None if logprobs is None else [logprobs],
                                            r.prompt_logprobs if len(out) == 1 else None))
 
+    def _fail_step(self, step: list, error: BaseException) -> None:
+        """`step`'s requests fail with `error`, raised while it was planned, after the step in flight has delivered."""
+        if self._inflight is not None:
+            self._read_back()
+        for c in step:
+            self._fail(c.request, error)
+
     def _fail(self, r: Request, error: BaseException) -> None:
         if r.ended:
             return

@@ -365,3 +365,35 @@ def test_a_failed_speculative_step_leaves_later_requests_exact(models, monkeypat
             assert failed > 0 and e.stats().used_blocks == 0
             assert [r.token_ids for r in e.generate(prompts, **kw)] == reference
             assert e.stats().running == 0 and e.stats().used_blocks == 0
+
+
+@pytest.mark.parametrize("call", [1, 2, 5])
+def test_a_failing_draft_proposer_fails_its_step_not_the_engine(models, monkeypatch, call):
+    """The n-gram proposer raising (prompt lookup is host code: a bug, a MemoryError) while a step is planned, before
+    the step in flight is read back (worth_reading_back) or after (takes), stopped the engine loop: every request then
+    and after ended with EngineClosedError. Now it fails the requests of the step being planned, after the step in
+    flight has delivered; the others give plain decoding's tokens, nothing stays held, and the engine goes on."""
+    model, cfg = models["dense"], CONFIGS["dense"]
+    prompts = prompts_of(cfg)[:3]
+    reference = plain(model, prompts, 10)
+    oracle, calls = Oracle(prompts, reference, cfg.vocab_size), []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == call:
+            raise RuntimeError("proposer failed")
+        return oracle(*args)
+
+    monkeypatch.setattr(verify, "ngram_propose", failing)
+    kw = dict(max_new_tokens=10, stop_token_ids=[])
+    with Engine(model, 2, compile=False, speculative={"method": "ngram", "num_tokens": 3}) as e:
+        failed = 0
+        for h, ref in zip([e.submit(p, **kw) for p in prompts], reference):
+            try:
+                assert h.result(60).token_ids == ref
+            except RuntimeError as err:
+                assert str(err) == "proposer failed"
+                failed += 1
+        assert failed > 0 and e.stats().running == e.stats().waiting == e.stats().used_blocks == 0
+        assert [r.token_ids for r in e.generate(prompts, **kw)] == reference
+        assert e.cache.context_lens == [0, 0] and e.stats().used_blocks == 0
