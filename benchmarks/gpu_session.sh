@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # One GPU session in one command (device machines start bare): install the carried
 # flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
-#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-tests|gemv|tp|fp8|fp8-sweep|fp8-bench|w8a16|serve|cookbook|prefix|structured|spec|spec-trace|all|setup]
+#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-tests|gemv|gemv-ab|tp|fp8|fp8-sweep|fp8-bench|w8a16|serve|cookbook|prefix|structured|spec|spec-trace|all|setup]
 #   (run from the repository root)
 # tests: every GPU test (sweep + op-tests + model-tests: ~18 min, more than one call); ops: per-op
 # benchmark; decode (not in all): bench_ops at decode shapes and benchmarks/kernels/check_decode.py's tile sweep; bench: 9B workloads with the peer and generation; profile (not in all): the 9B workloads' device
 # time by phase and top kernels (bench --profile);
 # moe: the 35B-A3B and (12 layers) Qwen3-Next-80B-A3B workloads with the peer, the 35B-A3B default-grid warmup;
 # gemv (not in all): benchmarks/kernels/check_gemv.py and check_moe_direct.py, the decode GEMVs (dense: cuBLAS against
-# an experimental split-K Triton GEMV; MoE: the direct path's tiles and forms) at decode rows;
+# ops/gemv.py's one-launch split-K GEMV at its default and other tiles; MoE: the direct path's tiles and forms) at decode
+# rows; gemv-ab (not in all): the 9B's and the 35B-A3B's D1 / D32 under METRALE_DECODE_GEMV cublas and triton, tests/test_gemv.py;
 # moe-tests (not in all): the GPU tests of the MoE decode paths, the direct one (bf16 and FP8, CUDA-graph replay)
 # and the counting sort on CUDA tensors (not yet timed); tp: the two-GPU benchmarks
 # (9B W2 / W5 against the one-GPU JSON in benchmarks/, 27B W1-W6, 35B-A3B W1 / W2 / W5 with the experts
@@ -282,6 +283,21 @@ if [[ $what == gemv ]]; then
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
     limit python3 benchmarks/kernels/check_moe_direct.py --tokens 1,4 --json "$OUT/moe_direct.json" 2>&1 \
         | grep -v Warning | tee "$OUT/moe_direct.log" | grep -v "^{" | tail -80
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+fi
+if [[ $what == gemv-ab ]]; then
+    # issue 38: ops/gemv.py's one-launch GEMV against cuBLAS in the whole decode step (METRALE_DECODE_GEMV), D1 / D32
+    # graphs per preset (GEMV_PRESETS, default the 9B and the 35B-A3B; ~1.5 min a run), then its GPU tests
+    for preset in ${GEMV_PRESETS:-qwen3.5-9b qwen3.5-35b-a3b}; do
+        for backend in cublas triton; do
+            METRALE_DECODE_GEMV=$backend limit python3 -m metrale_graph.tools.bench --preset $preset --workloads D1,D32 \
+                --variants graphs --repeat 5 --json "$OUT/bench-$preset-gemv-$backend.json" 2>&1 \
+                | tee -a "$OUT/bench-gemv-ab.log" | grep -E "^ *D(1|32) |Error"
+            [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+        done
+    done
+    limit python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gemv.py 2>&1 | tee "$OUT/gemv_tests.log" \
+        | grep -E "^(FAILED|ERROR)|passed|failed"
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 if [[ $what == moe-tests ]]; then

@@ -78,6 +78,10 @@ SETTINGS = _settings(
             "in registers; ops/fp8/w8a16.py). w8a16 lost the H200 A/B (984b18e: 9B-FP8 D1 5.71 against 5.34 ms, "
             "D32 8.74 against 8.15; BENCHMARKS.md): opt-in only while its kernel is reworked, removed if it loses "
             "again (ops.fp8.linear.DECODE_GEMM)", ("splitk", "w8a16")),
+    Setting("METRALE_DECODE_GEMV", "choice", "cublas",
+            "the dense bf16 / fp16 projections at decode rows (1 to 16) on CUDA: cublas (x @ w.t(), torch.addmm), or "
+            "triton, our one-launch split-K GEMV (ops/gemv.py: deterministic, the residual in its epilogue); opt-in "
+            "until an H200 A/B says it pays (ops.gemv.BACKEND)", ("cublas", "triton")),
     Setting("METRALE_VERIFY_PIECES", "text", None,
             "the speculative verify step's CUDA graphs: layer counts of the leading pieces, comma-separated (e.g. "
             "`1,3,8`; the remaining layers are the last piece), launched one after another so that the GPU starts "

@@ -5,7 +5,7 @@ per-head output gate split out of q_proj, q_norm / k_norm, partial rotary embedd
 import torch
 from torch import Tensor
 
-from . import kernels
+from . import gemv, kernels
 from .common import check, check_tensor, rms_norm
 from .fp8 import projection as fp8
 from .registry import OpSpec, Shapes, fp8_weight, metrale_cuda, metrale_fake, metrale_op, norm_weight, rand, register
@@ -99,7 +99,7 @@ def attn_proj_cuda(a):
     HQ = QG // (2 * HD)
     n = kernels.rms_norm(a.x, a.norm_w, a.eps)
     if not any(fp8.is_fp8(w) for w in (a.q_w, a.k_w, a.v_w)):
-        y = n @ kernels.stacked(a.q_w, a.k_w, a.v_w).t()
+        y = gemv.linear(n, kernels.stacked(a.q_w, a.k_w, a.v_w))
         qgy, ky, vy = y[:, :QG], y[:, QG:QG + KV], y[:, QG + KV:]
     else:
         qgy, ky, vy = fp8.project(n, [(a.q_w, a.q_s), (a.k_w, a.k_s), (a.v_w, a.v_s)])

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import kernels
+from . import gemv, kernels
 from .common import check, check_tensor, rms_norm
 from .fp8 import projection as fp8
 from .registry import (OpSpec, Shapes, fp8_weight, metrale_cuda, metrale_fake, metrale_op, no_scale, norm_weight, rand,
@@ -73,7 +73,7 @@ def gdn_proj_cuda(a):
     C, Z, HV = a.qkv_w.shape[0], a.z_w.shape[0], a.b_w.shape[0]
     n = kernels.rms_norm(a.x, a.norm_w, a.eps)
     if not any(fp8.is_fp8(w) for w in (a.qkv_w, a.z_w, a.b_w, a.a_w)):
-        y = n @ kernels.stacked(a.qkv_w, a.z_w, a.b_w, a.a_w).t()
+        y = gemv.linear(n, kernels.stacked(a.qkv_w, a.z_w, a.b_w, a.a_w))
         return kernels.gdn_gates_split(y, C, Z, y, C + Z, C + Z + HV, a.A_log, a.dt_bias)
     qkv, z, b, a_ = fp8.project(n, [(a.qkv_w, a.qkv_s), (a.z_w, a.z_s), (a.b_w, a.b_s), (a.a_w, a.a_s)])
     # the kernel reads qkv | z and b | a as columns of one tensor each: views where they ran as one GEMM

@@ -6,11 +6,10 @@ projections, SiLU-and-multiply, down projection, residual add:
 Token-local: no stream metadata. (MoE layers run metrale::moe here instead.)
 """
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import kernels
+from . import gemv, kernels
 from .common import check, check_tensor, rms_norm
 from .fp8 import projection as fp8
 from .registry import OpSpec, Shapes, fp8_weight, metrale_cuda, metrale_fake, metrale_op, norm_weight, rand, register
@@ -60,8 +59,8 @@ def mlp_cuda(a):
     the residual add in its epilogue (addmm; FP8: in the W8A8 GEMM's)."""
     n = kernels.rms_norm(a.h, a.norm_w, a.eps)
     if not any(fp8.is_fp8(w) for w in (a.gate_w, a.up_w, a.down_w)):
-        act = kernels.silu_mul(n @ kernels.stacked(a.gate_w, a.up_w).t())
-        return torch.addmm(a.h, act, a.down_w.t()) if a.add_residual else act @ a.down_w.t()
+        act = kernels.silu_mul(gemv.linear(n, kernels.stacked(a.gate_w, a.up_w)))
+        return gemv.linear(act, a.down_w, a.h if a.add_residual else None)
     gate, up = fp8.project(n, [(a.gate_w, a.gate_s), (a.up_w, a.up_s)])
     act = kernels.silu_mul(kernels.side_by_side(gate, up))  # a view where gate | up ran as one GEMM
     h = a.h if a.h.stride(-1) == 1 else a.h.contiguous()

@@ -11,6 +11,7 @@ import torch
 from helpers import benchmark_script
 from metrale_graph import PRESETS, HybridModel
 from metrale_graph.tools import bench, bench_runs, floors, profiling, workloads
+from metrale_graph.ops import gemv
 from metrale_graph.weights import weight_shapes
 
 MODELS = list(PRESETS)
@@ -314,24 +315,15 @@ def test_check_moe_gemm_compares_the_same_pair_rows(T):
     assert tool.expert_bytes(10_000, 6, 3, 32, 48) == pytest.approx(6 * 3 * 32 * 48 * 2)
 
 
-@pytest.mark.parametrize("parts", [1, 2, 4])
-def test_check_gemv_kernel_is_the_product_and_resets_its_counters(parts):
-    """benchmarks/kernels/check_gemv.py's experimental GEMV (Triton's interpreter, fp32): x @ w.T for rows fewer
-    than its 16, columns not a multiple of its tile, K in `parts` parts summed by the last part to finish; twice in a
-    row (the counters reset for the next call, as a graph replay needs); its projections list names a preset's."""
+def test_check_gemv_times_the_products_kernel_on_a_presets_projections():
+    """benchmarks/kernels/check_gemv.py times ops/gemv.py's kernel (tests/test_gemv.py checks it), not a copy of its
+    own; its projections list names a preset's decode projections (the MoE's shared expert, not a dense MLP)."""
     tool = benchmark_script("kernels/check_gemv")
 
-    g = torch.Generator().manual_seed(parts)
-    x, w = torch.randn(3, 256, generator=g), torch.randn(200, 256, generator=g)
-    kern = tool.Gemv(3, 200, 256, 64, 64, parts, 2, "cpu")
-    for _ in range(2):
-        y = kern(x, w, torch.full((3, 200), float("nan")))
-        assert tool.rel(y, x @ w.t()) <= 1e-5
-        assert not kern.count.any()
-    with pytest.raises(ValueError, match="multiple of parts"):
-        tool.Gemv(3, 200, 256, 64, 128, 4, 2, "cpu")
+    assert tool.gemv.gemv is gemv.gemv and not hasattr(tool, "_gemv_kernel")
     names = [name for name, _, _ in tool.projections(PRESETS["qwen3.5-35b-a3b"])]
     assert "shared down" in names and "lm head" in names and "mlp down" not in names
+    assert "mlp down" in [name for name, _, _ in tool.projections(PRESETS["qwen3.5-9b"])]
 
 
 def test_check_moe_direct_forms_give_the_rows_kernels_act():

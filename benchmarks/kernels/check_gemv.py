@@ -7,17 +7,13 @@ ones (down, out, o_proj: N = 4096) split-K as three kernels (the GEMM, `splitKre
 ~190 of a 9B step's ~560 device activities, H100 5261631); the 35B-A3B's projections are a few MB each, where a
 kernel's ramp and tail count.
 
-The experimental kernel (`_gemv_kernel`, here only): y [M, N] = x [M, K] @ w [N, K]^T, one program per (BN
-columns, part s of S parts of K), each a pipelined tl.dot loop (the weight tile [BN, BK] the MMA's wide side,
-x [BM = 16, BK] the narrow one: Hopper's wgmma takes the weight from shared memory through TMA-less pipelined
-loads); with S > 1 each part stores its fp32 partial sums, takes a ticket from the column tile's counter, and
-the part that takes the last ticket sums the S partials in part order (the same sum whichever part arrives last:
-replays are exact, no float atomics), rounds once and resets the counter for the next call. One launch a
-projection.
+Ours is ops/gemv.py's kernel (METRALE_DECODE_GEMV=triton; its docstring has the form): y [M, N] = x [M, K] @
+w [N, K]^T in one launch, one program per (BN columns, part s of S parts of K), the parts summed in order by the
+last part to finish. Timed at the tiles ops.gemv.config chooses ("default") and at each (BN, BK, S, stages) here.
 
 Per case, us a call and the rate its weight bytes give, each over R copies of the weight in turn (R x the
-weight past the 50 MB L2): cuBLAS (`x @ w.t()`) and each (BN, BK, S, stages) of ours; the output against
-cuBLAS's (relative error). Prints a table per preset and one JSON line (also written to --json).
+weight past the 50 MB L2): cuBLAS (`x @ w.t()`), ours at its default tiles and at each (BN, BK, S, stages); the
+output against cuBLAS's (relative error). Prints a table per preset and one JSON line (also written to --json).
 
     . benchmarks/gpu_session.sh setup && python3 benchmarks/kernels/check_gemv.py --json "$OUT/gemv.json"
 """
@@ -28,10 +24,9 @@ import argparse
 import math
 
 import torch
-import triton
-import triton.language as tl
 
 from metrale_graph import PRESETS
+from metrale_graph.ops import gemv
 from metrale_graph.tools.files import write_whole
 from metrale_graph.tools.flags import output_file, positive_ints
 from metrale_graph.tools.provenance import provenance
@@ -41,62 +36,6 @@ from measure import attempt, graph_ms, rel
 L2_PAST = 160e6  # bytes a timed call's weight copies add up to (at least one copy)
 TILES = [(64, 128, 4), (128, 128, 4), (64, 256, 3), (128, 64, 4)]  # (BN, BK, stages)
 PARTS = (1, 2, 4, 8, 16)
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_ym,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr):
-    """Program (column tile, part s): acc [BN, BM] = w[cols, ks] @ x[:, ks]^T over its K part; one part: y's
-    columns stored; several: the partial stored and the last part to finish sums them in part order."""
-    pid_n = tl.program_id(0)
-    s = tl.program_id(1)
-    cols = pid_n * BN + tl.arange(0, BN)
-    rows = tl.arange(0, BM)
-    k = tl.arange(0, BK)
-    k_lo = s * K_PER
-    w_ptrs = w_ptr + (cols % N).to(tl.int64)[:, None] * stride_wn + (k_lo + k)[None, :]
-    x_ptrs = x_ptr + rows[None, :].to(tl.int64) * stride_xm + (k_lo + k)[:, None]
-    m_x = (rows < M)[None, :]
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for _ in tl.range(0, K_PER, BK, num_stages=STAGES):
-        w = tl.load(w_ptrs)
-        x = tl.load(x_ptrs, mask=m_x, other=0.0)
-        acc = tl.dot(w, x, acc)
-        w_ptrs += BK
-        x_ptrs += BK
-    out = y_ptr + rows[None, :].to(tl.int64) * stride_ym + cols[:, None]
-    m_out = (cols < N)[:, None] & m_x
-    if SPLIT:
-        mine = part_ptr + (s * M + rows[None, :]).to(tl.int64) * N + cols[:, None]
-        tl.store(mine, acc, mask=m_out)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-        if ticket == tl.num_programs(1) - 1:  # the last part of this column tile: every partial is stored
-            total = tl.zeros((BN, BM), dtype=tl.float32)
-            for p in range(tl.num_programs(1)):
-                total += tl.load(part_ptr + (p * M + rows[None, :]).to(tl.int64) * N + cols[:, None], mask=m_out,
-                                 other=0.0, cache_modifier=".cg")
-            tl.store(out, total.to(y_ptr.dtype.element_ty), mask=m_out)
-            tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next call (a graph replay)
-    else:
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_out)
-
-
-class Gemv:
-    """Our kernel for x [M, K] (M <= 16) against w [N, K] at one (BN, BK, parts, stages): the buffers it keeps."""
-
-    def __init__(self, M: int, N: int, K: int, BN: int, BK: int, parts: int, stages: int, device):
-        if K % (parts * BK):
-            raise ValueError(f"K {K} is not a multiple of parts x BK = {parts} x {BK}")
-        self.M, self.N, self.K, self.BN, self.BK, self.parts, self.stages = M, N, K, BN, BK, parts, stages
-        self.part = torch.empty(parts * M * N if parts > 1 else 1, dtype=torch.float32, device=device)
-        self.count = torch.zeros(triton.cdiv(N, BN), dtype=torch.int32, device=device)
-
-    def __call__(self, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        _gemv_kernel[(triton.cdiv(self.N, self.BN), self.parts)](
-            x, w, y, self.part, self.count, self.M, self.N, self.K, self.K // self.parts, x.stride(0), w.stride(0),
-            y.stride(0), BM=16, BN=self.BN, BK=self.BK, SPLIT=self.parts > 1, STAGES=self.stages, num_warps=4)
-        return y
 
 
 def projections(cfg) -> list[tuple[str, int, int]]:
@@ -126,19 +65,16 @@ def measure(name: str, N: int, K: int, M: int, device="cuda") -> dict:
     ms, err = attempt(lambda: graph_ms(lambda: [torch.matmul(x, w.t(), out=y) for w, y in zip(ws, ys)]) / copies)
     row["cublas_us"], row["cublas_TB_s"], row["cublas_error"] = _cell(ms, nbytes) + (err,)
     tried = []
-    for BN, BK, stages in TILES:
-        for parts in PARTS:
-            if K % (parts * BK):
-                continue
-            kern, err = attempt(lambda: Gemv(M, N, K, BN, BK, parts, stages, device))
-            if err is None:
-                out, err = attempt(lambda: rel(kern(x, ws[0], ys[0]), ref))
-            ms = None
-            if err is None:
-                ms, err = attempt(lambda: graph_ms(lambda: [kern(x, w, y) for w, y in zip(ws, ys)]) / copies)
-            us, tb = _cell(ms, nbytes)
-            tried.append({"BN": BN, "BK": BK, "parts": parts, "stages": stages, "us": us, "TB_s": tb,
-                          "vs_cublas": out if err is None else None, "error": err})
+    default = gemv.config(N, K, x.device)
+    for tiles in dict.fromkeys([default] + [(BN, BK, p, st) for BN, BK, st in TILES for p in PARTS if p * BK <= K]):
+        BN, BK, parts, stages = tiles
+        out, err = attempt(lambda: rel(gemv.gemv(x, ws[0], None, tiles), ref))
+        ms = None
+        if err is None:
+            ms, err = attempt(lambda: graph_ms(lambda: [gemv.gemv(x, w, None, tiles) for w in ws]) / copies)
+        us, tb = _cell(ms, nbytes)
+        tried.append({"BN": BN, "BK": BK, "parts": parts, "stages": stages, "default": tiles == default and not tried,
+                      "us": us, "TB_s": tb, "vs_cublas": out if err is None else None, "error": err})
     row["ours"] = tried
     timed = [t for t in tried if t["us"] is not None]
     row["best"] = min(timed, key=lambda t: t["us"]) if timed else None
@@ -175,13 +111,14 @@ def main(argv=None) -> None:
                 r["preset"] = preset
                 rows.append(r)
                 print(f"  {preset} {name} M {M}", flush=True)
-    heads = ["preset", "projection", "N x K", "M", "MB", "cuBLAS us", "TB/s", "ours us", "TB/s", "BN/BK/parts/stages",
-             "vs cuBLAS"]
+    heads = ["preset", "projection", "N x K", "M", "MB", "cuBLAS us", "TB/s", "default us", "best us", "TB/s",
+             "BN/BK/parts/stages", "vs cuBLAS"]
     table = []
     for r in rows:
         b = r["best"] or {}
+        d = r["ours"][0] if r["ours"] and r["ours"][0]["default"] else {}
         table.append([r["preset"], r["projection"], f"{r['N']} x {r['K']}", r["M"], r["weight_MB"], r["cublas_us"] or "-",
-                      r["cublas_TB_s"] or "-", b.get("us", "-"), b.get("TB_s", "-"),
+                      r["cublas_TB_s"] or "-", d.get("us") or "-", b.get("us", "-"), b.get("TB_s", "-"),
                       f"{b['BN']}/{b['BK']}/{b['parts']}/{b['stages']}" if b else "-",
                       f"{b['vs_cublas']:.1e}" if b.get("vs_cublas") is not None else "-"])
     print(f"\ndecode projections, bf16, CUDA-graph replay, {torch.cuda.get_device_name()}")

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..common import check
+from .. import gemv
 from ..kernels import rows_back_to_back, rows_view
 from .linear import block_fp8_linear
 from .quant import (BLOCK, FP8_DTYPE, activations_rounded, dequantize_weight_blocks, fake_quantize_activations,
@@ -136,8 +137,8 @@ def project(x: Tensor, members: list[tuple[Tensor, Tensor]], out_dtype=None) -> 
 def project_one(x: Tensor, w: Tensor, s: Tensor, residual: Tensor | None = None) -> Tensor:
     """One projection on the CUDA path, x [T, K] -> fresh [T, N] (+ residual [T, N], added in the FP8 GEMM's
     epilogue or by addmm), in x's dtype."""
-    if not is_fp8(w):
-        return x @ w.t() if residual is None else torch.addmm(residual, x, w.t())
+    if not is_fp8(w):  # (cuBLAS, or at decode rows the GEMV METRALE_DECODE_GEMV chooses: ops/gemv.py)
+        return gemv.linear(x, w, residual)
     if activations_rounded():
         return block_fp8_linear(x, w, s, x.dtype, residual)
     wd = dequantize_weight_blocks(w, s, x.dtype)

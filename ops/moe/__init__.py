@@ -20,7 +20,7 @@ and alignment for one row per pair (direct.py: its shape rule, measured faster a
 import torch
 from torch import Tensor
 
-from .. import kernels
+from .. import gemv, kernels
 from ..common import INTERPRET, check, check_tensor, rms_norm
 from ..fp8 import projection as fp8
 from ..fp8.experts import moe_experts_fp8
@@ -128,8 +128,8 @@ def moe_cuda(a):
     n = kernels.rms_norm(h, a.norm_w, a.eps)  # [T, D] contiguous
     shared_fp8 = any(fp8.is_fp8(w) for w in (a.shared_gate_w, a.shared_up_w, a.shared_down_w))
     if not shared_fp8:
-        dense = n @ kernels.stacked(a.shared_gate_w, a.shared_up_w, a.router_w).t()  # [T, 2IS + E]
-        shared = kernels.silu_mul(dense[:, :2 * IS]) @ a.shared_down_w.t()  # [T, D]
+        dense = gemv.linear(n, kernels.stacked(a.shared_gate_w, a.shared_up_w, a.router_w))  # [T, 2IS + E]
+        shared = gemv.linear(kernels.silu_mul(dense[:, :2 * IS]), a.shared_down_w)  # [T, D]
         logits = dense[:, 2 * IS:2 * IS + E]
     else:  # FP8 shared expert: its gate | up one W8A8 GEMM where stacked, the router a GEMM of its own
         gate, up = fp8.project(n, [(a.shared_gate_w, a.shared_gate_s), (a.shared_up_w, a.shared_up_s)])
