@@ -278,7 +278,7 @@ if [[ $what == gemv ]]; then
     # issue 38's decode GEMVs: benchmarks/kernels/check_gemv.py (the 9B's and the 35B-A3B's dense projections at 1 / 4 /
     # 16 rows, cuBLAS against an experimental one-launch split-K Triton GEMV, ~2-3 min), then check_moe_direct.py (the
     # MoE direct path's kernels at every tile, its experimental gate|up forms, cuBLAS bmm and a plain read, ~1-2 min)
-    limit python3 benchmarks/kernels/check_gemv.py --json "$OUT/gemv.json" 2>&1 | grep -v Warning \
+    limit python3 benchmarks/kernels/check_gemv.py --rows ${GEMV_ROWS:-1,4,16} --json "$OUT/gemv.json" 2>&1 | grep -v Warning \
         | tee "$OUT/gemv.log" | grep -v "^{" | tail -50
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
     limit python3 benchmarks/kernels/check_moe_direct.py --tokens 1,4 --json "$OUT/moe_direct.json" 2>&1 \
