@@ -56,10 +56,10 @@ class PrefixStore:
         try:
             for pool, entries in zip(c.conv_states + c.gdn_states, c.checkpoint_conv_states + c.checkpoint_gdn_states):
                 entries[e].copy_(pool[slot])
+            index.add_entry(e, n, full, tail)  # (findable only once its states are written)
         except BaseException:
-            index.give_back(e)  # half written: never findable
+            index.give_back(e)  # half written, or not recorded: never findable
             raise
-        index.add_entry(e, n, full, tail)
         if tail:
             index.label(held.blocks[slot][k], prefix_key(full, tail))
         return True
@@ -114,11 +114,15 @@ class PrefixStore:
     def record(self, plan: list[tuple[int, int, bytes]], written: bool) -> None:
         """After the step of plan(): its checkpoints become findable (written) or are given back."""
         index = self.cache.slot_blocks.index
-        for e, p, h in plan:
-            if written:
-                index.add_entry(e, p, h, ())
-            else:
+        for k, (e, p, h) in enumerate(plan):
+            if not written:
                 index.give_back(e)
+                continue
+            try:
+                index.add_entry(e, p, h, ())
+            except BaseException:  # the entries not recorded go back (the one that raised taken as not recorded)
+                self.record(plan[k:], written=False)
+                raise
 
     def restore(self, slot: int, tokens: list[int], limit: int) -> int:
         """Start empty `slot` from the longest kept prefix of `tokens` of at most `limit` tokens: its full

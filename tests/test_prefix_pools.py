@@ -352,3 +352,33 @@ def test_a_restore_that_fails_midway_leaves_an_empty_cache(model):
     assert_idle_and_exact(cache)
     assert cache.context_lens == [0, 0] and cache.free_blocks == cache.num_blocks
     assert cache.prefix_stats()["checkpoints"] == 0 and restore_prefix(model, cache, 0, tokens(30, 1)) == 0
+
+
+@pytest.mark.parametrize("where", ["a step's checkpoints", "a save"])
+def test_a_failure_recording_checkpoint_entries_gives_them_back(model, where):
+    """The step ran (or the save's copies did) and recording its checkpoint entries raised (PrefixIndex.add_entry):
+    the entries taken and not recorded were neither recorded nor given back, so the pool lost them for good (4 of 4
+    after a few such failures: no checkpoint kept any more). Now each one is given back."""
+    cache = model.new_cache(2, 24, block_size=BS, max_context=256, prefix_checkpoints=4, checkpoint_interval=EVERY)
+    index, real, calls = cache._index, cache._index.add_entry, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected: recording an entry")
+        return real(*args)
+
+    prompt = tokens(200, 21)
+    if where == "a save":
+        model.prefill(cache, [Stream(0, prompt)])  # (3 checkpoints recorded: 64, 128, 192)
+    index.add_entry = failing
+    with pytest.raises(RuntimeError, match="injected"):
+        if where == "a save":
+            cache.save_prefix(0)
+        else:
+            model.prefill(cache, [Stream(0, prompt)])
+    del index.add_entry
+    assert_idle_and_exact(cache)
+    assert index.available_entries == 4
+    cache.reset(0)
+    assert_idle_and_exact(cache)
