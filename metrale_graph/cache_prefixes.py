@@ -152,7 +152,9 @@ class PrefixStore:
                 index.drop(b)
             return 0
         with c.transaction([slot]):
-            blocks = full + ([index.take()] if partial else [])
+            held.blocks[slot] = blocks = full  # the slot's from here: a failure below drops them (the slot's reset)
+            if partial:
+                blocks.append(index.take())
             held.adopt(slot, blocks, tokens[:n])
             c.context_lens[slot] = n
             c.block_tables[slot, :len(blocks)] = to_device(int_tensor(blocks, torch.int32), c.device)

@@ -123,6 +123,37 @@ def test_restore_refuses_bad_calls_before_changing_anything(model):
     assert restore_prefix(model, model.new_cache(1, 8), 0, [1, 2, 3]) == 0  # no prefix caching: nothing cached
 
 
+@pytest.mark.parametrize("where", ["take", "adopt"])
+def test_a_restore_that_fails_taking_its_blocks_holds_none(model, monkeypatch, where):
+    """A restore shares the prefix's full blocks, then takes a block for the partial one and gives the slot its
+    blocks (SlotBlocks.adopt). A failure in between (the take, the adopt) reset the slot, which held no blocks yet:
+    the shared blocks kept their refs with no holder, lost to the pool for good. Now the slot holds them from the
+    start of the restore's transaction, so its reset drops them; a restore after gives the logits of a prefill."""
+    from metrale_graph.cache_blocks import SlotBlocks
+    from metrale_graph.prefix_cache import PrefixIndex
+
+    prompt = tokens(100, 9)
+    cache = model.new_cache(2, 24, block_size=BS, prefix_checkpoints=2)
+    model.prefill(cache, [Stream(0, prompt[:70])])  # 4 full blocks and a partial one
+    cache.save_prefix(0)
+    cache.reset(0)
+    owner = PrefixIndex if where == "take" else SlotBlocks
+    real = getattr(owner, where)
+
+    def failing(*args):
+        raise RuntimeError(f"injected: {where}")
+
+    monkeypatch.setattr(owner, where, failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        restore_prefix(model, cache, 1, prompt)
+    monkeypatch.setattr(owner, where, real)
+    assert_empty(cache)
+    assert restore_prefix(model, cache, 1, prompt) == 70
+    assert rel_err(model.prefill(cache, [Stream(1, prompt[70:])]), alone(model, prompt)) <= 1e-5
+    cache.reset(1)
+    assert_empty(cache)
+
+
 def test_the_index_evicts_least_recently_used_blocks_and_checkpoints():
     index = PrefixIndex(num_blocks=3, block_size=2, num_entries=1)
     blocks = [index.take() for _ in range(3)]
