@@ -129,9 +129,8 @@ class Grammars:
             if is_lark(spec.source):
                 return compiler.compile_lark(spec.source)
             return compiler.compile_grammar(spec.source)
-        except (RuntimeError, ValueError) as e:  # xgrammar's errors: "[time] file.cc:line: reason"
-            reason = str(e).strip().splitlines()[0].split(": ", 1)[-1] if str(e).strip() else type(e).__name__
-            raise StructuredOutputError(f"{spec.kind}: the {_NAMES[spec.kind]} does not compile: {reason}") from None
+        except (RuntimeError, ValueError) as e:
+            raise StructuredOutputError(f"{spec.kind}: the {_NAMES[spec.kind]} does not compile: {_reason(e)}") from None
 
     def matcher(self, compiled, spec: StructuredOutput, stop_ids) -> "Grammar":
         """A request's Grammar over `compiled` (spec's, compile()'s result), with the request's stop tokens."""
@@ -170,6 +169,30 @@ class Grammars:
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
+
+
+def _reason(e: Exception) -> str:
+    """xgrammar's reason of an error ("[time] file.cc:line: reason")."""
+    return str(e).strip().splitlines()[0].split(": ", 1)[-1] if str(e).strip() else type(e).__name__
+
+
+# xgrammar 0.2.9's characters of a string of bounded length (minLength / maxLength): any but a quote, a backslash and
+# CR / LF, so a tab or another control character JSON does not allow raw; the json kinds' masks hold them off
+# (plain_tokens), and json_format's grammar writes the class of its unbounded strings instead
+_BOUNDED_CHARACTER, _JSON_CHARACTER = r'[^\"\\\r\n]', r'[^\0-\x1f\"\\]'
+
+
+def json_format(schema: str) -> dict:
+    """A structural tag's format (an EBNF grammar) of the JSON text that `schema` (a JSON schema's text, checked:
+    structured.structured_output) allows, written compactly as the json kind's grammar is, for a tag whose other
+    formats need the control characters that JSON text never holds raw (a newline between XML tags), so that its
+    mask cannot hold them off. StructuredOutputError when xgrammar cannot convert it."""
+    xgr = _xgrammar()
+    try:
+        grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+    except (RuntimeError, ValueError) as e:
+        raise StructuredOutputError(f"json: the JSON schema does not compile: {_reason(e)}") from None
+    return {"type": "grammar", "grammar": grammar.replace(_BOUNDED_CHARACTER, _JSON_CHARACTER)}
 
 
 def is_lark(grammar: str) -> bool:

@@ -325,13 +325,18 @@ def test_responses_forced_tool_choice_named_and_required(client):
 
 def test_responses_text_format_with_a_forced_call_holds_no_text(server):
     """A forced call and text.format together (instructor's RESPONSES_TOOLS sends both): the reply is the call, the
-    format has no text to hold; under tool_choice auto the format holds the reply's text (no call: JSON)."""
+    format has no text to hold; under tool_choice auto the reply is the format's JSON or calls (this model calls, its
+    arguments held to the strict function's schema: test_serve_tools)."""
     body = {"input": USER, "tools": [FLAT_TIME], "text": {"format": {"type": "json_object"}}, "max_output_tokens": 64,
             "temperature": 0, "parallel_tool_calls": False}
     forced = httpx.post(server.url + "/v1/responses", timeout=TIMEOUT, json={**body, "tool_choice": "required"})
     assert forced.status_code == 200 and [i["type"] for i in forced.json()["output"]] == ["reasoning", "function_call"]
-    auto = httpx.post(server.url + "/v1/responses", timeout=TIMEOUT, json={**body, "tool_choice": "auto"})
-    assert auto.status_code == 200 and auto.json()["output"][-1]["type"] == "message", auto.text
+    auto = httpx.post(server.url + "/v1/responses", timeout=TIMEOUT, json={**body, "tool_choice": "auto",
+                                                                          "tools": [{**FLAT_TIME, "strict": True}],
+                                                                          "max_output_tokens": 200})
+    assert auto.status_code == 200 and auto.json()["status"] == "completed", auto.text
+    call = auto.json()["output"][-1]
+    assert call["type"] == "function_call" and json.loads(call["arguments"])["zone"] in ("UTC", "CET"), auto.text
 
 
 def test_instructor_responses_tools_mode_returns_a_validated_object(client):

@@ -249,6 +249,63 @@ def test_a_strict_function_under_auto_holds_the_calls_to_its_schema(client):
     assert json.loads(call.function.arguments) == ARGUMENTS
 
 
+class Answer(pydantic.BaseModel):
+    """An agent's output_type, as pydantic writes it: a nested model and an enum under "$defs", an optional string of
+    bounded length."""
+    class Place(pydantic.BaseModel):
+        name: City
+        country: str | None = pydantic.Field(default=None, max_length=4)
+
+    place: Place
+    days: int = pydantic.Field(ge=1, le=7)
+    sunny: bool
+
+
+ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "final_output", "strict": True,
+                                                        "schema": Answer.model_json_schema()}}
+
+
+def _follows(call) -> bool:
+    arguments = json.loads(call.function.arguments)
+    return call.function.name == "get_weather" and arguments["city"] in ("Rome", "Oslo", None) and \
+        5 <= arguments["days"] <= 7
+
+
+def test_a_response_format_beside_tools_leaves_the_calls_free(server, client):
+    """The OpenAI Agents SDK sends an agent's output_type as response_format on every turn, tools beside it (pydantic-ai's
+    NativeOutput and LangChain's provider strategy alike): the reply is that JSON or calls, as OpenAI holds a reply
+    with tools to its format only where it makes no call (once the JSON alone: an agent with an output_type never
+    called its tools). This model calls get_weather on its own, whole, streamed and through the Responses API's
+    text.format; pushed to '{' (logit_bias, thinking off) it answers JSON that validates, control characters kept out
+    of its bounded string; sampled, each reply is one or the other."""
+    pytest.importorskip("xgrammar")
+    kw = dict(tools=(STRICT_WEATHER,), response_format=ANSWER_FORMAT, max_tokens=120)
+    for fmt in (ANSWER_FORMAT, {"type": "json_object"}):
+        choice = ask(client, USER, **{**kw, "response_format": fmt}).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        assert choice.message.reasoning_content == REASONING and all(map(_follows, choice.message.tool_calls))
+    (got,) = _streamed(client, USER, **kw)
+    assert got["content"] == "" and got["finish"] == "tool_calls" and got["calls"][0]["function"]["name"] == "get_weather"
+    response = respond(client, tools=({"type": "function", **STRICT_WEATHER["function"]},), max_output_tokens=120,
+                       text={"format": {"type": "json_schema", "name": "final_output", "strict": True,
+                                        "schema": Answer.model_json_schema()}})
+    assert _kinds(response) == ["reasoning", "function_call"], response.output
+    (brace, tab), off = [httpx.post(server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+                         ["tokens"][0] for text in "{\t"], {"chat_template_kwargs": {"enable_thinking": False}}
+    choice = ask(client, USER, **kw, extra_body=off, logit_bias={str(brace): 90, str(tab): 100}).choices[0]
+    assert choice.finish_reason == "stop" and choice.message.tool_calls is None, choice
+    answer = Answer.model_validate_json(choice.message.content)  # (a raw tab in the country: not JSON)
+    assert answer.place.name == City.PARIS and answer.place.country == "{{{{"  # ("Paris" < "Rome")
+    sampled = client.chat.completions.create(model=NAME, messages=USER, tools=[STRICT_WEATHER], n=3, seed=4,
+                                             temperature=1.0, response_format=ANSWER_FORMAT, max_tokens=200)
+    for choice in sampled.choices:
+        assert choice.finish_reason in ("tool_calls", "stop"), choice
+        if choice.message.tool_calls:
+            assert choice.message.content is None and all(map(_follows, choice.message.tool_calls)), choice
+        else:
+            assert Answer.model_validate_json(choice.message.content), choice
+
+
 def _error(server, body) -> dict:
     r = httpx.post(server.url + "/v1/chat/completions", content=json.dumps({"messages": USER, "max_tokens": 1, **body}),
                    headers={"Content-Type": "application/json"}, timeout=TIMEOUT)  # (ASCII JSON: \u escapes)

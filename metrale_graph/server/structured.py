@@ -14,6 +14,7 @@ The fields, of both endpoints (at most one of them per request; two are a 400 na
 | `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (vLLM's older names) | json, regex, choice, grammar |
 | `tool_choice` "required" or a named function (chat, tool_choice.py: the reply is the calls' JSON) | json |
 | `tools` with a `strict` function under tool_choice "auto" (tool_choice.py: calls in the model's format) | structural_tag |
+| `response_format` / `text.format` beside `tools` under "auto" (tool_choice.py: that JSON, or calls) | structural_tag |
 
 `response_format` {"type": "text"} asks for nothing, and so do `response_format` and `text.format` under a forced
 call (tool_choice "required" or a function): the reply is the call, with no text for them to hold (OpenAI takes
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 
+from ..grammar import json_format
 from ..structured import StructuredOutput, StructuredOutputError, structured_output
 from .errors import bad_request
 from .protocol import SamplingFields
@@ -36,21 +38,30 @@ def structured_request(state, body: SamplingFields, forced_schema: dict | None =
                        starts_after: int | None = None, calls_tag=None) -> tuple[StructuredOutput | None, str | None]:
     """(the engine's spec, the field that asked for it), or (None, None): the request asks for no structured
     output. 400 naming the field for a malformed one, or for a second field asking too. `calls_tag`: a callable
-    giving the structural tag of strict tools' calls (tool_choice.ToolRequest.calls_tag of a reasoning mode), taken
-    when no field asks for structured output (one that does holds the reply to it: no call can be made)."""
+    giving the structural tag of the calls under tool_choice "auto" (tool_choice.ToolRequest.calls_tag of a reasoning
+    mode and an answer's format): strict tools' calls, or OpenAI's format (response_format, text.format) composed with
+    the calls, as OpenAI holds a reply with tools to its format only where it makes no call. vLLM's fields
+    (structured_outputs, guided_*) hold the whole reply: no call can be made."""
     # a forced call's reply is the call: OpenAI's formats hold a reply's text, and there is none (OpenAI takes both, and
     # vLLM drops the format: the OpenAI Agents SDK sends an agent's output_type with tool_choice "required")
-    asked = _asked(body, formats=forced_schema is None)
+    formats = _asked(body, formats=True, others=False) if forced_schema is None else []
+    asked = formats + _asked(body, formats=False)
     if forced_schema is not None:
         asked.append(("tool_choice", {"json": forced_schema}))
-    if not asked and calls_tag is not None:
+    if calls_tag is not None and asked == formats and len(formats) <= 1:
         mode = "disabled" if starts_after is not None or not state.replies.reasoning else "auto"
+        field, answer = formats[0] if formats else ("tools", None)
+        if answer is not None:  # the reply is the format's JSON, or calls (the Agents SDK's output_type with tools)
+            try:
+                answer = json_format(structured_output(answer).source if "json" in answer else '{"type": "object"}')
+            except StructuredOutputError as e:
+                raise bad_request(f"{field}: {e.detail}", param=field) from None
         try:
-            tag = calls_tag(mode)
+            tag = calls_tag(mode, answer)
         except (StructuredOutputError, ValueError) as e:
-            raise bad_request(f"tools: the strict functions' calls cannot be enforced: {e}", param="tools") from None
+            raise bad_request(f"tools: the functions' calls cannot be enforced: {e}", param="tools") from None
         if tag is not None:
-            asked.append(("tools", {"structural_tag": tag}))
+            asked = [(field, {"structural_tag": tag})]
     if not asked:
         return None, None
     if len(asked) > 1:
@@ -64,9 +75,9 @@ def structured_request(state, body: SamplingFields, forced_schema: dict | None =
         raise bad_request(f"{field}: {e.detail}", param=field) from None
 
 
-def _asked(body: SamplingFields, formats: bool = True) -> list[tuple[str, dict]]:
-    """(field, the engine's spec as a mapping) of every field of `body` that asks for structured output (OpenAI's
-    formats, response_format and text.format, only with `formats`)."""
+def _asked(body: SamplingFields, formats: bool = True, others: bool = True) -> list[tuple[str, dict]]:
+    """(field, the engine's spec as a mapping) of every field of `body` that asks for structured output: OpenAI's
+    formats (response_format, text.format) with `formats`, vLLM's fields with `others`."""
     asked = []
     for name, fmt in body.formats() if formats else ():
         if fmt.type == "json_object":
@@ -76,6 +87,8 @@ def _asked(body: SamplingFields, formats: bool = True) -> list[tuple[str, dict]]
                 raise bad_request(f"{name}: type json_schema needs its schema: {{\"type\": \"json_schema\", "
                                   "\"json_schema\": {\"name\": ..., \"schema\": {...}}}", param=name)
             asked.append((name, {"json": fmt.json_schema.schema_}))
+    if not others:
+        return asked
     outputs = body.structured_outputs
     if outputs is not None:
         asked.append(("structured_outputs", {"json": outputs.json_, "regex": outputs.regex, "choice": outputs.choice,

@@ -5,7 +5,8 @@ functions a reply's calls are parsed against, and the schema that enforces a for
     request.template_tools     # the `tools` apply_chat_template renders (None: none)
     request.functions          # {name: parameters' JSON schema} for the reply's parser (None: no parsing)
     request.forced             # the JSON schema a forced reply is held to (None: no call forced)
-    request.calls_tag(reasoning)   # under "auto" with a strict tool: the structural tag its calls are held to
+    request.calls_tag(reasoning, answer)   # under "auto": the structural tag of a strict tool's calls, or of the
+                                           # response_format's JSON (`answer`) or calls
 
 tool_choice (OpenAI's): "auto" (the default with tools) lets the model choose; "none" (the default without)
 means no call: the tools are not rendered into the prompt and the reply is not parsed for calls; "required"
@@ -19,8 +20,12 @@ A function's `strict: true` (OpenAI's: its arguments follow its schema) under "a
 structural tag in the model's own call format (vLLM's way, through xgrammar's builtin tags: `qwen_3_5` for the XML
 calls, `qwen_3` for the JSON ones): text is free until a call begins, and a call's name is an offered function's and
 its arguments follow that function's schema (every function's but those that say `strict: false`, once one is
-strict), the reasoning before the reply's text left free. A request that also asks for structured output of its own
-(`response_format`, ...) holds its reply to that instead, which makes no call (server/structured.py).
+strict), the reasoning before the reply's text left free. A request that also asks for JSON with OpenAI's format
+(`response_format` or the Responses API's `text.format`) is held to that JSON or calls alone (at least one, one a line,
+no text around them), as OpenAI holds a reply with tools to its format only where it makes no call: an `or` of the
+JSON's grammar (grammar.json_format) and xgrammar's tag for calls the reply must make, the strict functions'
+arguments held to their schemas and the others' free. vLLM's own fields (`structured_outputs`, `guided_*`) hold the
+whole reply, which then makes no call (server/structured.py).
 """
 
 from __future__ import annotations
@@ -45,28 +50,51 @@ NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": Fal
 MAX_WHITESPACE = 2
 
 
+# the newlines a reply held to its answer's JSON or calls may begin with (Qwen's "</think>\n\n" writes them after the
+# reasoning; the reasoning parser drops them from the content)
+LEADING_NEWLINES = {"type": "regex", "pattern": "\n{0,2}"}
+
+
 @dataclass(frozen=True)
 class ToolRequest:
     template_tools: list[dict] | None
     functions: dict[str, Mapping] | None
     choice: object = None  # the effective tool_choice: "none", "auto", "required" or a NamedToolChoice
     forced: dict | None = None  # forced_call_schema's, for "required" and a named function
-    strict: tuple[str, bool] | None = None  # under "auto" with a strict function: (the call format, parallel calls)
+    calls: tuple[str, bool] | None = None  # under "auto": (the model's call format, parallel calls)
+    strict: bool = False  # under "auto", a function is strict
 
-    def calls_tag(self, reasoning: str) -> dict | None:
-        """The structural tag a reply under "auto" with a strict function is held to (None: none), its calls in the
-        model's format (module docstring); `reasoning`: xgrammar's reasoning mode before the text ("disabled": the
-        tag starts after the reasoning, "auto": it may open with a `<think>` block)."""
-        if self.strict is None:
+    def calls_tag(self, reasoning: str, answer: dict | None = None) -> dict | None:
+        """The structural tag a reply under "auto" is held to (None: none, the reply free), its calls in the model's
+        format (module docstring): with a strict function, free text and calls whose arguments follow the schemas;
+        with `answer` (a structural tag's format of the JSON the request's response_format asks for), that JSON or
+        calls alone, at least one (the strict functions' arguments held to their schemas, any others' free).
+        `reasoning`: xgrammar's reasoning mode before the text ("disabled": the tag starts after the reasoning,
+        "auto": it may open with a `<think>` block)."""
+        if self.calls is None or not (self.strict or answer is not None):
             return None
         from ..grammar import _xgrammar
 
-        tool_format, parallel = self.strict
+        tool_format, parallel = self.calls
         key = {"qwen3_xml": "qwen_3_5", "qwen3_json": "qwen_3"}[tool_format]
-        tag = _xgrammar().get_model_structural_tag(key, tools=self.template_tools, tool_choice="auto",
+        tools = self.template_tools if self.strict else [
+            {**t, "function": {**t["function"], "strict": False}} for t in self.template_tools]
+        tag = _xgrammar().get_model_structural_tag(key, tools=tools, tool_choice="auto" if answer is None else "required",
                                                    reasoning=reasoning, parallel_tool_calls=parallel,
-                                                   max_whitespace_cnt=MAX_WHITESPACE)
-        return tag.model_dump(mode="json")
+                                                   max_whitespace_cnt=MAX_WHITESPACE).model_dump(mode="json")
+        if answer is None:
+            return tag
+        # xgrammar's tag for calls the reply must make: [the reasoning block, when it may come,] then the calls, which
+        # may have text between and after them: held to calls alone, one a line (as Qwen's templates write them)
+        fmt = tag["format"]
+        prefix, calls = (None, fmt) if reasoning == "disabled" else fmt["elements"]
+        if calls.get("type") != "triggered_tags" or not calls.get("at_least_one"):
+            raise ValueError(f"xgrammar's {key} tag for required calls is not the one expected: {calls.get('type')}")
+        calls = {"type": "tags_with_separator", "tags": calls["tags"], "separator": "\n", "at_least_one": True,
+                 "stop_after_first": not parallel}
+        reply = {"type": "sequence", "elements": [LEADING_NEWLINES, {"type": "or", "elements": [answer, calls]}]}
+        tag["format"] = reply if prefix is None else {"type": "sequence", "elements": [prefix, reply]}
+        return tag
 
 
 def tool_request(tools: list[Tool] | None, tool_choice, tool_format: str | None,
@@ -98,15 +126,16 @@ def tool_request(tools: list[Tool] | None, tool_choice, tool_format: str | None,
                           "Qwen's formats): start metrale-serve with --tool-call-parser qwen3_xml or qwen3_json, "
                           "or force the call (tool_choice 'required' or a named function)", param="tools")
     functions = {t.function.name: t.function.parameters or {} for t in tools}
+    calls = (tool_format, parallel_tool_calls is not False)
     if not any(t.function.strict for t in tools):
-        return ToolRequest(template_tools, functions, choice)
+        return ToolRequest(template_tools, functions, choice, calls=calls)
     for t in tools:
         if t.function.strict is not False and t.function.parameters is not None:
             try:
                 check_enforceable(t.function.parameters)
             except StructuredOutputError as e:
                 raise bad_request(f"tools: the strict function {t.function.name!r}: {e.detail}", param="tools") from None
-    return ToolRequest(template_tools, functions, choice, strict=(tool_format, parallel_tool_calls is not False))
+    return ToolRequest(template_tools, functions, choice, calls=calls, strict=True)
 
 
 def rendered(tools: list[Tool]) -> list[dict]:
