@@ -8,21 +8,23 @@ GraphRunner, into its memory pool.
                                                        # each row's last token into last_tokens[slots[i]]
     graphs.copy_states(slots, entries)                 # that copy alone (after the eager acceptance)
     drafts = graphs.draft(bucket, h, tok, strm)        # [b, K] on the device: the MTP head's drafts
+    drafts = graphs.draft_after(bucket, h, result, tok, strm)  # the same from an acceptance's result, no read back
 
 Per bucket of the runner's grid (the verify step's: the step's hidden states `h` are that bucket's graph output)
-there are up to three entries, made and warmed on first use or by `warm(bucket)`: the greedy acceptance, the
-sampled one (rows of temperature > 0 beside greedy ones: its sorts over the vocabulary are skipped by a greedy
-step) and the MTP head's catch-up with its draft steps. Their per-call inputs are static buffers of the bucket's
-streams (rows) and tokens, at least 2 each, filled from host tensors by one copy per buffer, their spare rows
-padding (tail.py's layouts); each function is traced once for every bucket (the rows and tokens dimensions are
-marked dynamic, as the runner's buffers are) through its own copy of the function's code (the runner's reason:
-dynamo's entries and recompile count are per code object). The state copy after acceptance is one row-copy
-kernel per pool on CUDA (tail.keep_verified_states, ops/checkpoints.copy_rows: each accepted state read and
-written once; index_select and index_copy_ on the CPU): not compiled (nothing to fuse, and a functionalized
-in-place copy into a pool risks a copy of the whole pool). An acceptance entry runs it itself, after the
-compiled acceptance, with its index made from the counts on the device (tail.keep_accepted_states: no read back
-and no launch of its own between the verify step's read back and the next step, where the GPU idles); after the
-eager acceptance `copy_states` runs it, captured on CUDA per row count (padded to the grid's stream sizes with
+there are up to four entries, made and warmed on first use or by `warm(bucket)`: the greedy acceptance, the sampled
+one (rows of temperature > 0 beside greedy ones: its sorts over the vocabulary are skipped by a greedy step), the
+MTP head's catch-up with its draft steps, and the same made from an acceptance's result on the device ("after":
+launched right behind the acceptance, so that one read back brings both). Their per-call inputs are static buffers
+of the bucket's streams (rows) and tokens, at least 2 each, filled from host tensors by one copy per buffer, their
+spare rows padding (tail.py's layouts); each function is traced once for every bucket (the rows and tokens
+dimensions are marked dynamic, as the runner's buffers are) through its own copy of the function's code (the
+runner's reason: dynamo's entries and recompile count are per code object). The state copy after acceptance is one
+row-copy kernel per pool on CUDA (tail.keep_verified_states, ops/checkpoints.copy_rows: each accepted state read
+and written once; index_select and index_copy_ on the CPU): not compiled (nothing to fuse, and a functionalized
+in-place copy into a pool risks a copy of the whole pool). An acceptance entry runs it itself, after the compiled
+acceptance, with its index made from the counts on the device (tail.keep_accepted_states: no read back and no
+launch of its own between the verify step's read back and the next step, where the GPU idles); after the eager
+acceptance `copy_states` runs it, captured on CUDA per row count (padded to the grid's stream sizes with
 scratch-slot rows, which the kernel skips).
 
 Capture follows the runner's recipe: two runs on a side stream (compile, then anything lazily initialized), then
@@ -72,6 +74,7 @@ class SpeculativeGraphs:
         wrap = (lambda f: _compiled(f, limit)) if compiled else (lambda f: f)
         self._greedy, self._sampled = wrap(tail.accept_greedy), wrap(tail.accept_sampled)
         self._drafts = wrap(tail.mtp_drafts) if mtp else None
+        self._after = wrap(tail.mtp_drafts_after) if mtp else None
         self.entries: dict[tuple[str, Bucket], Graphed] = {}
         self.copies: dict[int, Graphed] = {}
         self._hidden: dict[Bucket, torch.Tensor] = {}  # without graphs: each bucket's copy of h
@@ -84,7 +87,7 @@ class SpeculativeGraphs:
     def warm(self, bucket: Bucket) -> None:
         """Make, compile and (on CUDA) capture every entry of `bucket` now (its hidden-states entry must exist:
         GraphRunner.hidden_bucket)."""
-        for kind in ("greedy", "sampled") + (("drafts",) if self.mtp else ()):
+        for kind in ("greedy", "sampled") + (("drafts", "after") if self.mtp else ()):
             self._entry(kind, bucket)
 
     def hidden_source(self, bucket: Bucket) -> torch.Tensor:
@@ -107,7 +110,15 @@ class SpeculativeGraphs:
             rows, tokens = self.sizes(bucket)
             K, h, dev = self.K, self.hidden_source(bucket), self.device
             with torch.inference_mode(False):
-                if kind == "drafts":
+                if kind == "after":  # (padding: zero-length streams on the scratch slot, wanting no draft step)
+                    result = torch.zeros(rows, K + 2, dtype=torch.int64, device=dev)
+                    tok = torch.zeros(3, tokens, dtype=torch.int64, device=dev)
+                    strm = torch.zeros(5, rows, dtype=torch.int64, device=dev)
+                    strm[1].fill_(self.cache.scratch_slot)
+                    args, fn = (self.model, self.cache, h, result, tok, strm, K), self._after
+                    for t in (result, tok, strm):
+                        torch._dynamo.mark_dynamic(t, 1 if t is not result else 0)
+                elif kind == "drafts":
                     tok = torch.zeros(3, tokens, dtype=torch.int64, device=dev)
                     strm = torch.zeros(4 + 2 * (K - 1), rows, dtype=torch.int64, device=dev)
                     strm[1].fill_(self.cache.scratch_slot)  # the slot ids' rows: 1, then 5, 7, ...
@@ -159,7 +170,7 @@ class SpeculativeGraphs:
         entry.warm = True
 
     def _run(self, entry: Graphed, h: torch.Tensor) -> torch.Tensor:
-        source = entry.args[2 if entry.fn is self._drafts else 1]
+        source = entry.args[2 if entry.fn in (self._drafts, self._after) else 1]
         if self.use_graphs:
             assert h.data_ptr() == source.data_ptr(), "h must be the bucket's hidden-states graph output"
             entry.graph.replay()
@@ -211,6 +222,26 @@ class SpeculativeGraphs:
         full_strm[:, :b] = strm
         full_strm[0, b:] = t  # padding streams: zero-length, ending where the last real one does
         full_strm[5::2, b:] = full_strm[1, b:] = self.cache.scratch_slot  # (draft steps: one token there)
+        tok_buf.copy_(full_tok, non_blocking=True)  # (numbers.to_device's reason: no stream sync)
+        strm_buf.copy_(full_strm, non_blocking=True)
+        return self._run(entry, h)[:b]
+
+    def draft_after(self, bucket: Bucket, h: torch.Tensor, result: torch.Tensor, tok: torch.Tensor,
+                    strm: torch.Tensor) -> torch.Tensor:
+        """The MTP head's catch-up and drafts right after an acceptance of the same bucket (tail.mtp_drafts_after),
+        its tokens and draft lengths taken from that acceptance's `result` [r, K + 2] on the device (copied into
+        this entry's buffer: no read back); tok [3, t] and strm [5, b] on the host (tail.py's `after` layouts,
+        verify.py builds them). int64 [b, K] on the device."""
+        entry = self._entry("after", bucket)
+        result_buf, tok_buf, strm_buf = entry.args[3], entry.args[4], entry.args[5]
+        result_buf[:result.shape[0]].copy_(result)
+        t, b = tok.shape[1], strm.shape[1]
+        full_tok = torch.zeros(tok_buf.shape, dtype=torch.int64)  # spare tokens: index 0, position 0, in no stream
+        full_tok[:, :t] = tok
+        full_strm = torch.zeros(strm_buf.shape, dtype=torch.int64)  # spare streams: zero-length, wanting no draft
+        full_strm[:, :b] = strm
+        full_strm[0, b:] = full_strm[3, b:] = t
+        full_strm[1, b:] = self.cache.scratch_slot
         tok_buf.copy_(full_tok, non_blocking=True)  # (numbers.to_device's reason: no stream sync)
         strm_buf.copy_(full_strm, non_blocking=True)
         return self._run(entry, h)[:b]

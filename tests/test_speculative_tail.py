@@ -46,7 +46,7 @@ def tail_engine(model, slots, speculative, calls=None, **kw):
                         make_grid(GRID["batch_sizes"], GRID["token_counts"]))
     graphs = e._loop.spec.graphs
     if calls is not None:
-        for name in ("accept", "draft"):
+        for name in ("accept", "draft", "draft_after"):
             method = getattr(graphs, name)
             setattr(graphs, name, lambda *a, _m=method, _n=name: calls.append(_n) or _m(*a))
     return e
@@ -62,15 +62,17 @@ def eager_tails(monkeypatch) -> list:
 
 
 def recorded_drafts(monkeypatch) -> list:
-    """Every MtpDrafter.draft result, in order."""
-    seen, draft = [], MtpDrafter.draft
+    """Every MtpDrafter.draft result and every take_after's (the drafting behind a captured acceptance), in order."""
+    seen = []
+    for name in ("draft", "take_after"):
+        method = getattr(MtpDrafter, name)
 
-    def recording(self, *a, **kw):
-        out = draft(self, *a, **kw)
-        seen.append(out)
-        return out
+        def recording(self, *a, _m=method, **kw):
+            out = _m(self, *a, **kw)
+            seen.append(out)
+            return out
 
-    monkeypatch.setattr(MtpDrafter, "draft", recording)
+        monkeypatch.setattr(MtpDrafter, name, recording)
     return seen
 
 
@@ -148,7 +150,10 @@ def test_the_captured_path_gives_plain_decoding(models, family, monkeypatch):
         stats = runs[True][1]
         assert eager == [] and calls.count("accept") >= stats["steps"] > 0  # (steps without drafts take it too)
         assert (calls.count("draft") > 0) == (option["method"] == "mtp")
-        assert {kind for kind, _ in tail.entries} == ({"greedy", "drafts"} if option["method"] == "mtp" else {"greedy"})
+        # the MTP drafting behind the acceptance once every stream decodes (the steps with prompt chunks: after it)
+        assert (calls.count("draft_after") > 0) == (option["method"] == "mtp")
+        assert {kind for kind, _ in tail.entries} == ({"greedy", "drafts", "after"} if option["method"] == "mtp"
+                                                      else {"greedy"})
         if option["method"] == "ngram":
             assert 0 < stats["accepted"] < stats["proposed"]
 
@@ -238,8 +243,9 @@ def test_the_bigram_checkpoint_keeps_every_captured_draft(k):
 
 
 def test_the_compiled_tail_gives_the_eager_tokens(models, monkeypatch):
-    """torch.compile(fullgraph=True) of the three functions (warmup: each once for the one bucket), then greedy
-    and seeded sampled MTP requests: the eager engine's tokens and drafts."""
+    """torch.compile(fullgraph=True) of the four functions (warmup: each once for the one bucket; the drafting
+    twice, from the host's inputs and behind the acceptance), then greedy and seeded sampled MTP requests: the eager
+    engine's tokens and drafts."""
     model, prompts = models["dense"], prompts_of("dense")[:3]
     drafts = recorded_drafts(monkeypatch)
     runs = []
@@ -250,7 +256,7 @@ def test_the_compiled_tail_gives_the_eager_tokens(models, monkeypatch):
             if compile:
                 e.warmup()
                 graphs = e._loop.spec.graphs
-                assert {kind for kind, _ in graphs.entries} == {"greedy", "sampled", "drafts"}
+                assert {kind for kind, _ in graphs.entries} == {"greedy", "sampled", "drafts", "after"}
                 assert all(entry.warm for entry in graphs.entries.values())
             greedy = [r.token_ids for r in e.generate(prompts, max_new_tokens=10, stop_token_ids=[])]
             sampled = [r.token_ids for r in e.generate(prompts, max_new_tokens=10, stop_token_ids=[], temperature=0.9,

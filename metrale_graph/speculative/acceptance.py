@@ -203,3 +203,12 @@ def _inverse_cdf(dist: Tensor, u: Tensor) -> Tensor:
     V = dist.shape[1]
     last = V - 1 - (dist > 0).flip(1).long().argmax(dim=1)
     return torch.minimum(pick, last)
+
+
+def unprocessed(r) -> bool:
+    """Whether no logits processor changes request r's logits at any verify position (no grammar, penalty,
+    logit_bias, logprobs nor min_tokens still holding its stop tokens back): its rows may take the captured
+    acceptance (verify.SpeculativeStep._accept_captured)."""
+    p = r.params
+    return (r.grammar is None and not p.penalized and not p.logit_bias and p.logprobs is None
+            and (not r.stop_ids or p.min_tokens <= min(len(r.out), r.generated)))

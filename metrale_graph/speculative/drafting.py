@@ -96,6 +96,48 @@ class MtpDrafter:
                     cache.slot_blocks.head_written(slot, begin, new)
         return drafts
 
+    def launch_after(self, graphs, bucket, h: torch.Tensor, result: torch.Tensor, reqs: list, before: list[int],
+                     starts: list[int], drafts: list[int]) -> torch.Tensor | None:
+        """The head's catch-up and drafts launched right behind a captured acceptance (graphs.draft_after), its
+        inputs taken from the acceptance's `result` [r, K + 2] on the device, so that one read back brings the
+        accept counts and the next drafts: for a step whose r rows are all speculating decodes the head follows
+        up to their context `before` (request reqs[j] with drafts[j] drafts verified from h row starts[j], in
+        result's row order). Every verify position is caught up on (what follows a stream's count is rewritten
+        later, never counted); the blocks its draft steps may write (the most at the least count, within the
+        reservation) are given now. None when the drafting does not fit the bucket (draft then runs after the
+        read back). The caller notes what the head wrote (`note_after`) once the step has committed."""
+        cache, K = self.cache, graphs.K
+        lengths = [n + 1 for n in drafts]
+        if self.on_batch is not None or not bucket.holds(len(reqs), sum(lengths)):
+            return None
+        remaining = [r.max_new - len(r.out) for r in reqs]
+        cache.allocate(cache.block_needs([(r.slot, max(0, min(n + K, rem - 2)))
+                                          for r, n, rem in zip(reqs, drafts, remaining)]))
+        ends = list(itertools.accumulate(lengths))
+        index = [j * (K + 2) + 1 + t for j, n in enumerate(lengths) for t in range(n)]
+        positions = [b + t for b, n in zip(before, lengths) for t in range(n)]
+        rows = [s + t for s, n in zip(starts, lengths) for t in range(n)]
+        tok = torch.tensor([index, positions, rows], dtype=torch.int64)
+        strm = torch.tensor([ends, [r.slot for r in reqs], before, [e - n for e, n in zip(ends, lengths)], remaining],
+                            dtype=torch.int64)
+        return graphs.draft_after(bucket, h, result, tok, strm)
+
+    def note_after(self, reqs: list, before: list[int], emitted: list[list[int]]) -> None:
+        """After a step whose drafting ran behind its acceptance (launch_after) has committed: each request's head
+        context is its context, and with prefix caching its kept entries read `emitted` (its kept drafts and the
+        token the step added: the next token of each kept position)."""
+        cache = self.cache
+        with cache.exclusive():
+            for r, begin, new in zip(reqs, before, emitted):
+                cache.mtp_context_lens[r.slot] = cache.context_lens[r.slot]
+                if cache.prefix_caching:  # what a restore of these blocks checks (cache_prefixes.restore)
+                    cache.slot_blocks.head_written(r.slot, begin, new)
+
+    def take_after(self, reqs: list, rows: list[list[int]], room: list[int]) -> dict:
+        """draft's {slot: drafts} from a launch_after's read back `rows` (request reqs[j]'s K drafts): room[j] of
+        them for each request still running, none for one that ended."""
+        return {r.slot: row[:k] for r, row, k in zip(reqs, rows, room) if k > 0 and not r.ended}
+
     def _captured(self, graphs, bucket, h, slots, ids, rows, lengths, begins, want) -> dict:
         """draft's head through graphs.draft (tail.mtp_drafts' layouts): every stream runs every draft step, a
         stream past its own drafts on the scratch slot at position 0 (its null-block row), as padding does."""

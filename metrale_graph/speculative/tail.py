@@ -17,6 +17,8 @@ addresses.
   tokens (Accepted's layout).
 - `mtp_drafts(model, cache, h, tok, strm, K)`: the MTP head's catch-up over the kept positions and its K - 1
   single-token draft steps (drafting.py's eager loop), drafts chosen on the device: int64 [B, K].
+  `mtp_drafts_after(model, cache, h, result, tok, strm, K)`: the same right after an acceptance, its tokens,
+  positions and draft lengths made on the device from the acceptance's result (no read back between them).
 - `keep_verified_states(cache, index)`: the accepted runs' conv / GDN states into their slots (not compiled:
   captured as it is, and verify.py's eager path calls it too); `keep_accepted_states` its index from an
   acceptance's counts on the device, run (captured) right after accept_greedy / accept_sampled.
@@ -30,6 +32,11 @@ Layouts (int64 unless stated):
     strm   [4 + 2 (K - 1), B]: the catch-up streams' cu_seqlens[1:] | slot ids | context_lens (the head's entries
            start there) | the catch-up row of each stream's last token; then per draft step s: positions (= the
            head's context) | slot ids
+  mtp_drafts_after's (its catch-up covers every verify position of a stream, so the host knows its layout):
+    tok    [3, T]: each token's index into the acceptance's result flattened (row i, column 1 + t) | positions |
+           h rows
+    strm   [5, B]: cu_seqlens[1:] | slot ids | context_lens | each stream's first catch-up row | the tokens its
+           request may still emit before the step (max_new - len(out); `want` follows from it and the count)
 A greedy row's sampling values must still describe a distribution (temperature 1, top_k V, top_p 2, log(min_p)
 -inf: `host_rows` writes them) so that no row of the sampled variant divides by zero. Padding streams of the
 draft steps run one token on the scratch slot at position 0, whose block-table row is all the null block: what
@@ -91,19 +98,51 @@ def accept_sampled(model, h: Tensor, ints: Tensor, floats: Tensor, K: int) -> Te
 def mtp_drafts(model, cache, h: Tensor, tok: Tensor, strm: Tensor, K: int) -> Tensor:
     """The MTP head's catch-up and drafts (drafting.py's conventions; the layouts in the module docstring):
     h [T', D] the verify step's hidden states (before the final norm). Mutates the head's KV pools at the
-    catch-up's and the draft steps' positions. int64 [B, K]."""
-    B = strm.shape[1]
+    catch-up's and the draft steps's positions. int64 [B, K]."""
     slots = strm[1]
-    cu = torch.cat([strm.new_zeros(1), strm[0]]).to(torch.int32)
-    catch = PackedBatch(tokens=tok[0], positions=tok[1], cu_seqlens=cu, slot_ids=slots,
-                        context_lens=strm[2].to(torch.int32), block_tables=cache.block_tables.index_select(0, slots))
-    out = mtp_hidden_states(model, cache, catch, model.normed(h.index_select(0, tok[2])))
-    prev = out.index_select(0, strm[3])
+    prev = _catch_up(model, cache, h, tok[0], tok[1], tok[2], strm[0], slots, strm[2]).index_select(0, strm[3])
+    steps = [(strm[4 + 2 * s], strm[5 + 2 * s]) for s in range(K - 1)]
+    return _draft_steps(model, cache, prev, steps)
+
+
+def mtp_drafts_after(model, cache, h: Tensor, result: Tensor, tok: Tensor, strm: Tensor, K: int) -> Tensor:
+    """mtp_drafts right after an acceptance, its inputs made on the device from that acceptance's `result` [R, K +
+    2] (counts, then tokens; row i is stream i's), so that the drafting needs no read back before it (the
+    `after` layouts in the module docstring). Stream i caught up on all its n_i + 1 verify positions (its kept
+    ones first: what follows its count is overwritten by the drafts and the next catch-up, never counted), each
+    reading the token the acceptance drew there (a kept draft, then the emitted token); draft 1 from the head's
+    output at its count, draft s + 2 at position begin + count + 1 + s while the stream wants it (min(K, rem -
+    count - 2) drafts: verify.SpeculativeStep.room after the step), else on the scratch slot. int64 [B, K]."""
+    B = strm.shape[1]
+    slots, begins, counts = strm[1], strm[2], result[:B, 0]
+    ids = result.reshape(-1).index_select(0, tok[0]).clamp(min=0)  # (-1 past a count: any token will do there)
+    prev = _catch_up(model, cache, h, ids, tok[1], tok[2], strm[0], slots, begins).index_select(0, strm[3] + counts)
+    want = torch.clamp(strm[4] - counts - 2, max=K)
+    scratch = torch.full_like(slots, cache.scratch_slot)
+    steps = []
+    for s in range(K - 1):
+        live = want > s + 1
+        steps.append((torch.where(live, begins + counts + 1 + s, 0), torch.where(live, slots, scratch)))
+    return _draft_steps(model, cache, prev, steps)
+
+
+def _catch_up(model, cache, h: Tensor, ids: Tensor, positions: Tensor, rows: Tensor, ends: Tensor, slots: Tensor,
+              begins: Tensor) -> Tensor:
+    """The head over each stream's caught-up positions (tokens `ids` at `positions`, beside h's `rows`; streams
+    ending at `ends`, their entries from `begins` on): its outputs [T, D]."""
+    cu = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)
+    catch = PackedBatch(tokens=ids, positions=positions, cu_seqlens=cu, slot_ids=slots,
+                        context_lens=begins.to(torch.int32), block_tables=cache.block_tables.index_select(0, slots))
+    return mtp_hidden_states(model, cache, catch, model.normed(h.index_select(0, rows)))
+
+
+def _draft_steps(model, cache, prev: Tensor, steps: list[tuple[Tensor, Tensor]]) -> Tensor:
+    """Draft 1 from the head's outputs `prev` [B, D]; then per (positions, slots) of `steps` one single-token head
+    step on the draft before it, beside its own previous output. int64 [B, 1 + len(steps)]."""
     draft = model.head(prev).argmax(dim=-1)
     drafts = [draft]
-    one_each = torch.arange(B + 1, dtype=torch.int32, device=strm.device)
-    for s in range(K - 1):  # draft s + 2 from the head at the stream's position on draft s + 1, beside its output
-        positions, step_slots = strm[4 + 2 * s], strm[5 + 2 * s]
+    one_each = torch.arange(prev.shape[0] + 1, dtype=torch.int32, device=prev.device)
+    for positions, step_slots in steps:
         batch = PackedBatch(tokens=draft, positions=positions, cu_seqlens=one_each, slot_ids=step_slots,
                             context_lens=positions.to(torch.int32),
                             block_tables=cache.block_tables.index_select(0, step_slots))

@@ -41,7 +41,8 @@ CUDA captured) hidden-states step of the bucket it fits (GraphRunner.hidden_buck
 5. Emission, in order, through the loop's `_advance` (stop tokens, stop strings, max_new_tokens): a token after
    a stop is neither emitted nor counted.
 6. Drafts for the next step: "ngram" looks them up when the step is planned (proposers.ngram_propose over prompt
-   + output); "mtp" runs the head now (drafting.py: catch-up on the positions this step kept, then k drafts).
+   + output); "mtp" runs the head now (drafting.py: catch-up on the positions this step kept, then k drafts;
+   with every stream a followed decode, behind the captured acceptance: launch_after, one read back for both).
 
 Under a plan broadcast (plan_sync.py) this runs on rank 0, which sends each step (SPECULATE: its streams, drafts
 included, laid out alike everywhere by layout.py), shares its accept counts and last tokens after the read back,
@@ -65,7 +66,7 @@ from ..ops.common import decode_shaped
 from ..plan_sync import DRAFT, SPECULATE
 from ..protocol import prefill_call
 from ..sampling import SampleRow, sample
-from .acceptance import accept_drawn, draw_positions, draw_uniforms
+from .acceptance import accept_drawn, draw_positions, draw_uniforms, unprocessed
 from .drafting import MtpDrafter
 from .layout import VerifyLayout, acceptance_rows, kept_lengths, last_rows, position_rows, verify_layout
 from .options import Speculative
@@ -187,7 +188,10 @@ class SpeculativeStep:
         rows = [reqs[i] for i in layout.spec + layout.plain]
         # the captured acceptance where it may run: no logits processor on any row (else the eager one)
         captured, sampled = all(map(unprocessed, rows)), not all(r.params.greedy for r in rows)
-        streams, out = [Stream(r.slot, t) for r, t in zip(reqs, tokens)], {}
+        streams, out = [Stream(r.slot, t) for r, t in zip(reqs, tokens)], {"before": before}
+        # "mtp" with every stream a followed speculating decode: the drafting runs behind the captured acceptance
+        out["fuse"] = (self.mtp is not None and captured and loop._broadcast is None and len(layout.spec) == len(reqs)
+                       and all(self.follows(r) and cache.mtp_context_lens[r.slot] == b for r, b in zip(reqs, before)))
 
         def settle(h):
             out["h"] = h
@@ -206,14 +210,19 @@ class SpeculativeStep:
             if loop._broadcast is not None:  # rank 0 of a plan broadcast: its followers run the same step
                 loop._send(SPECULATE, streams, decodes, sampling, [int(captured), int(sampled)])
             call.run_settled(lambda packed: self.forward(packed, layout, out), settle)
+        drafted = out.get("after")  # (the drafting ran behind the acceptance: launch_after)
+        if drafted is not None:
+            self.mtp.note_after(reqs, before, [out["spec"][i][0] for i in layout.spec])
         self._deliver(step, decodes, reqs, out, layout.spec)
-        if self.mtp is not None:
+        if drafted is not None:
+            drafted, live = self.mtp.take_after(reqs, drafted, [self.room(r) for r in reqs]), range(len(reqs))
+        elif self.mtp is not None:
             live = [i for i, r in enumerate(reqs) if self.follows(r) and not r.ended]
             drafted = self.mtp.draft(out["h"], [reqs[i] for i in live], [before[i] for i in live],
                                      [layout.starts[i] for i in live], [self.room(reqs[i]) for i in live], self.graphs,
                                      out["bucket"])
-            for i in live:
-                reqs[i].drafts = drafted.get(reqs[i].slot, [])
+        for i in live if self.mtp is not None else ():
+            reqs[i].drafts = drafted.get(reqs[i].slot, [])
 
     def forward(self, packed, layout: VerifyLayout, out: dict) -> torch.Tensor:
         """The verify step's hidden states of `packed` (run_settled's step): through the runner's hidden-states
@@ -259,7 +268,16 @@ class SpeculativeStep:
         ints, floats = host_rows(positions, drafts, [r.params for r in rows], uniforms.values, K,
                                  self.model.config.vocab_size)
         keep = [(reqs[i].slot, self.base + j * K) for j, i in enumerate(spec)] + [None] * len(plain)
-        result = self.graphs.accept(out["bucket"], h, ints, floats, keep, [r.slot for r in rows]).tolist()  # one read back
+        result = self.graphs.accept(out["bucket"], h, ints, floats, keep, [r.slot for r in rows])
+        after = None
+        if out["fuse"]:  # (rows: the speculating decodes alone, in reqs' order)
+            after = self.mtp.launch_after(self.graphs, out["bucket"], h, result, reqs, out["before"],
+                                          [layout.starts[i] for i in spec], [len(d) for d in drafts])
+        if after is not None:  # one read back brings both
+            both = torch.cat([result, after], dim=1).tolist()
+            result, out["after"] = [row[:K + 2] for row in both], [row[K + 2:] for row in both]
+        else:
+            result = result.tolist()  # one read back
         out["last_set"] = True  # (each row's slot's last token, set on the device: tail.write_last_tokens)
         uniforms.settle([row[0] for row in result])
         counts = [row[0] for row in result[:len(spec)]]
@@ -370,15 +388,6 @@ class SpeculativeStep:
             loop.last_tokens.index_copy_(0, to_device(int_tensor(slots), loop.last_tokens.device),
                                          to_device(int_tensor(ids), loop.last_tokens.device))
         deliver(outputs)
-
-
-def unprocessed(r) -> bool:
-    """Whether no logits processor changes request r's logits at any verify position (no grammar, penalty,
-    logit_bias, logprobs nor min_tokens still holding its stop tokens back): its rows may take the captured
-    acceptance (SpeculativeStep._accept_captured)."""
-    p = r.params
-    return (r.grammar is None and not p.penalized and not p.logit_bias and p.logprobs is None
-            and (not r.stop_ids or p.min_tokens <= min(len(r.out), r.generated)))
 
 
 def targets(cache, tokens: list[int], entries: list[int]) -> None:
