@@ -9,7 +9,7 @@ import pytest
 
 from chain_model import QWEN35_TEMPLATE
 from metrale_graph.server.errors import APIError
-from metrale_graph.server.protocol import NamedToolChoice, Tool
+from metrale_graph.server.tool_protocol import NamedToolChoice, Tool
 from metrale_graph.server.reasoning import ReasoningParser, split_reasoning, starts_in_reasoning
 from metrale_graph.server.reply import Reply, ReplyParsers
 from metrale_graph.server.tool_choice import (NO_PARAMETERS, ForcedCallParser, forced_call_schema, forced_calls,

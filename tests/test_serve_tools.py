@@ -306,6 +306,46 @@ def test_a_response_format_beside_tools_leaves_the_calls_free(server, client):
             assert Answer.model_validate_json(choice.message.content), choice
 
 
+STRICT_TIME = {"type": "function", "function": {"name": "get_time", "strict": True, "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}}
+
+
+def _allowed(mode: str, *names: str) -> dict:
+    return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": [
+        {"type": "function", "function": {"name": name}} for name in names]}}
+
+
+def test_allowed_tools_hold_the_calls_to_their_functions(server, client):
+    """OpenAI's tool_choice allowed_tools (pydantic-ai sends it for a ToolOrOutput or a list of tool names; once a 400):
+    every tool is rendered (the prompt as under auto), the calls held to the functions it names: under "auto" this
+    model's own get_weather call where get_weather is allowed (whole and streamed), none of it where only get_time is;
+    under "required" a call of get_time; the Responses API's flat shape alike, echoed in the response; a function the
+    request does not offer is a 400 naming tool_choice."""
+    pytest.importorskip("xgrammar")
+    tools = (STRICT_WEATHER, STRICT_TIME)
+    auto = ask(client, USER, tools=tools, tool_choice=_allowed("auto", "get_weather"), max_tokens=120)
+    assert auto.usage.prompt_tokens == ask(client, USER, tools=tools, max_tokens=1).usage.prompt_tokens
+    choice = auto.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls and \
+        all(map(_follows, choice.message.tool_calls)), choice
+    (got,) = _streamed(client, USER, tools=tools, tool_choice=_allowed("auto", "get_weather"), max_tokens=120)
+    assert [c["function"]["name"] for c in got["calls"] if "name" in c["function"]] == ["get_weather"], got
+    choice = ask(client, USER, tools=tools, tool_choice=_allowed("auto", "get_time"), max_tokens=120).choices[0]
+    assert all(c.function.name == "get_time" for c in choice.message.tool_calls or ()), choice
+    choice = ask(client, USER, tools=tools, tool_choice=_allowed("required", "get_time"), parallel_tool_calls=False,
+                 max_tokens=120).choices[0]
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and call.function.name == "get_time", choice
+    assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+    flat = {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "get_weather"}]}
+    response = respond(client, tools=[{"type": "function", **t["function"]} for t in tools], tool_choice=flat,
+                       max_output_tokens=120)
+    assert _kinds(response) == ["reasoning", "function_call"] and response.output[1].name == "get_weather"
+    assert response.tool_choice.type == "allowed_tools" and response.tool_choice.tools == flat["tools"]
+    error = _error(server, {"tools": list(tools), "tool_choice": _allowed("auto", "get_news")})
+    assert error["param"] == "tool_choice" and "'get_news'" in error["message"], error
+
+
 def _error(server, body) -> dict:
     r = httpx.post(server.url + "/v1/chat/completions", content=json.dumps({"messages": USER, "max_tokens": 1, **body}),
                    headers={"Content-Type": "application/json"}, timeout=TIMEOUT)  # (ASCII JSON: \u escapes)

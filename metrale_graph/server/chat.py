@@ -34,7 +34,7 @@ from typing import AsyncIterator
 from .errors import stream_event
 from .generation import Generations
 from .logprobs import chat_logprobs, prompt_logprobs
-from .protocol import ChatCompletionRequest, NamedToolChoice
+from .protocol import ChatCompletionRequest
 from .reply import ReasoningDelta, Reply, ReplyParser
 from .responses import (DONE, AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatResponse, DeltaFunctionCall,
                         DeltaMessage, DeltaToolCall, FunctionCall, StreamChunks, ToolCall, event, now, request_id,
@@ -43,6 +43,7 @@ from .state import ServerState
 from .structured import compile_grammar, structured_request
 from .tool_choice import ForcedCallParser, ToolRequest, tool_request
 from .tool_parsers import CallArguments, CallStart, ContentDelta
+from .tool_protocol import NamedToolChoice
 
 
 def call_id() -> str:

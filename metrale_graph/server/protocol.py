@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from ..logprobs import MAX_LOGPROBS
 from ..sampling import MAX_LOGIT_BIAS, MAX_PENALTY, SEED_RANGE
+from .tool_protocol import Tool, ToolChoice
 
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
 Prompt = Union[StrictStr, TokenIds, Annotated[list[StrictStr], Field(min_length=1)],
@@ -300,33 +301,6 @@ def _parsed_arguments(call):
     return {**call, "function": {**function, "arguments": arguments}}
 
 
-# tools: OpenAI's function tools and tool_choice (the checks that span fields: tool_choice.py) ----------------
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="allow")  # handed to the chat template as it is
-
-    # OpenAI's letters, digits, '_' and '-' (and '.', which MCP's tool names use): what Qwen's `<function=NAME>`
-    # can hold
-    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
-    description: StrictStr | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments' object
-    strict: StrictBool | None = None
-
-
-class Tool(BaseModel):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class FunctionName(BaseModel):
-    name: StrictStr
-
-
-class NamedToolChoice(BaseModel):
-    type: Literal["function"]
-    function: FunctionName
-
-
-ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
 # OpenAI's chat fields for what this server's replies cannot be (another verbosity, audio, web search results)
 CHAT_NEUTRAL = {"verbosity": (None, "medium"), "modalities": (None, ["text"]), "audio": (None,),
                 "web_search_options": (None,)}

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from .chat import ChatRun, call_id, start_chat
 from .errors import bad_request, from_failure
@@ -31,7 +31,7 @@ from .reasoning import THINK_START
 from .responses import now
 from .responses_api_output import (EventWriter, IncompleteDetails, InputTokensDetails, OutputItems,
                                    OutputTokensDetails, ResponseError, ResponseObject, ResponseUsage, item_id)
-from .responses_api_protocol import FunctionChoice, ResponsesRequest
+from .responses_api_protocol import ResponsesRequest
 from .responses_store import StoredResponse, input_items
 from .state import ServerState
 from .tool_choice import tool_request
@@ -97,7 +97,7 @@ def _response(state: ServerState, body: ResponsesRequest, rid: str, created: int
         parallel_tool_calls=body.parallel_tool_calls is not False,
         reasoning=body.reasoning.model_dump() if body.reasoning is not None else None,
         temperature=body.temperature, top_p=body.top_p, **({"text": text} if text else {}),
-        tool_choice=choice.model_dump() if isinstance(choice, FunctionChoice) else choice or "auto",
+        tool_choice=choice.model_dump() if isinstance(choice, BaseModel) else choice or "auto",
         tools=[t.model_dump(exclude_none=True) for t in body.tools or ()], usage=usage, user=body.user)
 
 

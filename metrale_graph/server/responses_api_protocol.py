@@ -22,8 +22,9 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, StrictBool, StrictInt, StrictStr, Tag,
                       TypeAdapter, ValidationError, field_validator, model_validator)
 
-from .protocol import (NEUTRAL, ChatMessage, FunctionDefinition, FunctionName, JsonSchemaFormat, NamedToolChoice,
-                       NumLogprobs, ResponseFormat, SamplingFields, Tool)
+from .protocol import NEUTRAL, ChatMessage, JsonSchemaFormat, NumLogprobs, ResponseFormat, SamplingFields
+from .tool_protocol import (AllowedTools, AllowedToolsChoice, FunctionDefinition, FunctionName, NamedToolChoice,
+                            Tool)
 
 
 # input items -----------------------------------------------------------------------------------------------
@@ -183,6 +184,18 @@ class FunctionChoice(BaseModel):
     name: StrictStr
 
 
+class FlatAllowedTools(BaseModel):
+    """The Responses API's allowed tools, flat: {"type": "allowed_tools", "mode", "tools": [{"type": "function",
+    "name"}, ...]} (chat's AllowedToolsChoice)."""
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: Annotated[list[FunctionChoice], Field(min_length=1)]
+
+    def chat_choice(self) -> AllowedToolsChoice:
+        tools = [NamedToolChoice(type="function", function=FunctionName(name=t.name)) for t in self.tools]
+        return AllowedToolsChoice(type="allowed_tools", allowed_tools=AllowedTools(mode=self.mode, tools=tools))
+
+
 class TextFormat(BaseModel):
     """text.format: "text" (none), "json_object", or "json_schema" with its `name` and `schema` at this level."""
     model_config = ConfigDict(populate_by_name=True)
@@ -239,7 +252,7 @@ class ResponsesRequest(SamplingFields):
     instructions: StrictStr | None = None
     max_output_tokens: Annotated[StrictInt, Field(ge=1)] | None = None  # None: up to the context
     tools: list[FunctionTool] | None = None
-    tool_choice: Union[Literal["none", "auto", "required"], FunctionChoice, None] = None
+    tool_choice: Union[Literal["none", "auto", "required"], FunctionChoice, FlatAllowedTools, None] = None
     parallel_tool_calls: StrictBool | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
@@ -322,6 +335,8 @@ class ResponsesRequest(SamplingFields):
     @property
     def chat_tool_choice(self):
         choice = self.tool_choice
+        if isinstance(choice, FlatAllowedTools):
+            return choice.chat_choice()
         return NamedToolChoice(type="function", function=FunctionName(name=choice.name)) \
             if isinstance(choice, FunctionChoice) else choice
 

@@ -25,7 +25,8 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from .errors import bad_request
-from .protocol import ChatMessage, Tool
+from .protocol import ChatMessage
+from .tool_protocol import Tool
 from .state import ServerState, check_text
 from .tool_choice import rendered
 

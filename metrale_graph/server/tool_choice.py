@@ -14,7 +14,9 @@ and a named function ({"type": "function", "function": {"name": ...}}) hold the 
 sampled: structured output (server/structured.py) under `forced_call_schema`, vLLM's convention: a forced
 reply is JSON (for "required" an array of {"name", "parameters"}, for a named function its arguments object),
 not the model's own call format, read back by `ForcedCallParser` into the reply's calls. The tools are still
-rendered into the prompt, so the model knows them.
+rendered into the prompt, so the model knows them. OpenAI's `allowed_tools` ({"mode": "auto" | "required", "tools":
+[...]}) is its mode over those functions, every tool still rendered (as OpenAI keeps them, for the prompt cache):
+"required" a forced call of one of them, "auto" a reply held to a structural tag whose calls can only be theirs.
 
 A function's `strict: true` (OpenAI's: its arguments follow its schema) under "auto" holds the reply to an xgrammar
 structural tag in the model's own call format (vLLM's way, through xgrammar's builtin tags: `qwen_3_5` for the XML
@@ -36,7 +38,7 @@ from typing import Mapping
 
 from ..structured import StructuredOutputError, check_enforceable
 from .errors import bad_request
-from .protocol import NamedToolChoice, Tool
+from .tool_protocol import AllowedToolsChoice, NamedToolChoice, Tool
 from .tool_parsers import CallArguments, CallStart, ContentDelta
 
 
@@ -59,10 +61,12 @@ LEADING_NEWLINES = {"type": "regex", "pattern": "\n{0,2}"}
 class ToolRequest:
     template_tools: list[dict] | None
     functions: dict[str, Mapping] | None
-    choice: object = None  # the effective tool_choice: "none", "auto", "required" or a NamedToolChoice
+    choice: object = None  # the effective tool_choice: "none", "auto", "required" (allowed_tools: its mode) or a
+    # NamedToolChoice
     forced: dict | None = None  # forced_call_schema's, for "required" and a named function
     calls: tuple[str, bool] | None = None  # under "auto": (the model's call format, parallel calls)
     strict: bool = False  # under "auto", a function is strict
+    allowed: tuple[str, ...] | None = None  # under "auto", allowed_tools' functions where they are not all the tools
 
     def calls_tag(self, reasoning: str, answer: dict | None = None) -> dict | None:
         """The structural tag a reply under "auto" is held to (None: none, the reply free), its calls in the model's
@@ -71,14 +75,15 @@ class ToolRequest:
         calls alone, at least one (the strict functions' arguments held to their schemas, any others' free).
         `reasoning`: xgrammar's reasoning mode before the text ("disabled": the tag starts after the reasoning,
         "auto": it may open with a `<think>` block)."""
-        if self.calls is None or not (self.strict or answer is not None):
+        if self.calls is None or not (self.strict or answer is not None or self.allowed is not None):
             return None
         from ..grammar import _xgrammar
 
         tool_format, parallel = self.calls
         key = {"qwen3_xml": "qwen_3_5", "qwen3_json": "qwen_3"}[tool_format]
-        tools = self.template_tools if self.strict else [
-            {**t, "function": {**t["function"], "strict": False}} for t in self.template_tools]
+        tools = [t for t in self.template_tools if self.allowed is None or t["function"]["name"] in self.allowed]
+        if not self.strict:
+            tools = [{**t, "function": {**t["function"], "strict": False}} for t in tools]
         tag = _xgrammar().get_model_structural_tag(key, tools=tools, tool_choice="auto" if answer is None else "required",
                                                    reasoning=reasoning, parallel_tool_calls=parallel,
                                                    max_whitespace_cnt=MAX_WHITESPACE).model_dump(mode="json")
@@ -109,15 +114,23 @@ def tool_request(tools: list[Tool] | None, tool_choice, tool_format: str | None,
     if twice:
         raise bad_request(f"tools: the function name {twice[0]!r} is given more than once: names must be unique",
                           param="tools")
-    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-        offered = ", ".join(map(repr, names)) or "none"
-        raise bad_request(f"tool_choice names the function {choice.function.name!r}, which is not among the "
-                          f"request's tools (offered: {offered})", param="tool_choice")
+    chosen = [choice.function.name] if isinstance(choice, NamedToolChoice) else \
+        choice.allowed_tools.names if isinstance(choice, AllowedToolsChoice) else []
+    for name in chosen:
+        if name not in names:
+            offered = ", ".join(map(repr, names)) or "none"
+            raise bad_request(f"tool_choice names the function {name!r}, which is not among the request's tools "
+                              f"(offered: {offered})", param="tool_choice")
+    allowed = None
+    if isinstance(choice, AllowedToolsChoice):  # its mode over its functions (all the tools still rendered)
+        allowed, choice = set(chosen), choice.allowed_tools.mode
     if choice == "required" and not tools:
         raise bad_request("tool_choice 'required' needs tools: the request has none", param="tool_choice")
     if choice == "none" or not tools:
         return ToolRequest(None, None, choice)
     template_tools = rendered(tools)
+    restricted = allowed is not None and len(allowed) < len(tools)
+    tools = [t for t in tools if allowed is None or t.function.name in allowed]  # those the reply may call
     if choice == "required" or isinstance(choice, NamedToolChoice):  # (read back as JSON: any chat template will do)
         return ToolRequest(template_tools, None, choice,
                            forced_call_schema(tools, choice, parallel=parallel_tool_calls is not False))
@@ -126,16 +139,16 @@ def tool_request(tools: list[Tool] | None, tool_choice, tool_format: str | None,
                           "Qwen's formats): start metrale-serve with --tool-call-parser qwen3_xml or qwen3_json, "
                           "or force the call (tool_choice 'required' or a named function)", param="tools")
     functions = {t.function.name: t.function.parameters or {} for t in tools}
-    calls = (tool_format, parallel_tool_calls is not False)
+    calls, allowed = (tool_format, parallel_tool_calls is not False), tuple(sorted(allowed)) if restricted else None
     if not any(t.function.strict for t in tools):
-        return ToolRequest(template_tools, functions, choice, calls=calls)
+        return ToolRequest(template_tools, functions, choice, calls=calls, allowed=allowed)
     for t in tools:
         if t.function.strict is not False and t.function.parameters is not None:
             try:
                 check_enforceable(t.function.parameters)
             except StructuredOutputError as e:
                 raise bad_request(f"tools: the strict function {t.function.name!r}: {e.detail}", param="tools") from None
-    return ToolRequest(template_tools, functions, choice, calls=calls, strict=True)
+    return ToolRequest(template_tools, functions, choice, calls=calls, strict=True, allowed=allowed)
 
 
 def rendered(tools: list[Tool]) -> list[dict]:
