@@ -47,8 +47,10 @@ def test_captured_tails_give_the_eager_tokens_and_drafts(family, monkeypatch):
     model, prompts = cuda_model(family), prompts_of(family)
     reference, _ = run(model, prompts, False)
     monkeypatch.setattr(verify, "ngram_propose", Oracle(prompts, reference, CONFIGS[family].vocab_size))
-    seen, draft = [], MtpDrafter.draft
-    monkeypatch.setattr(MtpDrafter, "draft", lambda self, *a, **kw: seen.append(draft(self, *a, **kw)) or seen[-1])
+    seen = []  # every drafting's {slot: drafts}, from the host's inputs (draft) or behind the acceptance (take_after)
+    for name in ("draft", "take_after"):
+        method = getattr(MtpDrafter, name)
+        monkeypatch.setattr(MtpDrafter, name, lambda self, *a, _m=method, **kw: seen.append(_m(self, *a, **kw)) or seen[-1])
     sampled = dict(temperature=0.8, top_k=20, seed=5)
     for spec in ({"method": "ngram", "num_tokens": 3}, {"method": "mtp", "num_tokens": 2}):
         runs = []
