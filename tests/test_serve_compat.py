@@ -5,7 +5,8 @@ variable (Qwen3's `enable_thinking`), called with the official `openai` client a
 What test_serve.py does not cover: a max_tokens that overflows the context (400, as vLLM and OpenAI answer; an
 unset one is capped), values of the wrong JSON type (400 naming the field, never coerced: `true` is not 1, "5"
 is not 5), the engine's checks answered with the field they are about, OpenAI's and vLLM's fields this server
-cannot honour refused by name (never silently ignored), chat roles OpenAI does not have, vLLM's chat template
+cannot honour refused by name (never silently ignored) and those that change nothing in a reply served (user,
+metadata, store, service_tier, ...), chat roles OpenAI does not have, vLLM's chat template
 arguments (chat_template_kwargs, add_generation_prompt, continue_final_message), 405 with Allow, a body that
 is not UTF-8, the Prometheus text parsed by prometheus_client with its counters moving, stop strings across
 token boundaries (several at once, whole and streamed), streamed text equal to the whole text over sampled
@@ -229,6 +230,21 @@ def test_those_fields_at_their_neutral_values_are_served(server):
                                                "chat_template": None, "priority": 0, "cache_salt": None,
                                                "vllm_xargs": {}, "verbosity": "medium", "modalities": ["text"]})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
+
+
+def test_fields_that_change_nothing_in_a_reply_are_served(client):
+    """What agent frameworks send that asks for nothing the reply shows (the Agents SDK's ModelSettings metadata, store
+    and prompt_cache_retention, pydantic-ai's openai_user / openai_store / openai_prediction, LangChain's service_tier)
+    is taken and changes nothing, on both endpoints (never to be refused as NEUTRAL's fields are)."""
+    kept = dict(user="u-1", metadata={"run": "7"}, store=True, service_tier="auto", prompt_cache_key="k",
+                prompt_cache_retention="24h", safety_identifier="s-1")
+    plain = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=4, seed=3)
+    chat = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=4, seed=3, **kept,
+                                          prediction={"type": "content", "content": "Hello"})
+    assert chat.choices[0].message.content == plain.choices[0].message.content
+    response = client.responses.create(model=NAME, input=CHAT, max_output_tokens=4, temperature=0,
+                                       **{k: v for k, v in kept.items() if k != "store"})
+    assert response.metadata == {"run": "7"} and response.user == "u-1" and response.usage.output_tokens == 4
 
 
 def test_null_for_a_field_openai_makes_nullable_is_its_default(server, client):
