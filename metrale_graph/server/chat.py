@@ -86,7 +86,7 @@ async def start_chat(state: ServerState, body, messages: list[dict], tools: Tool
                                                    tools.template_tools, param)
     state.check_room([prompt], body)
     structured, field = structured_request(state, body, tools.forced, state.think_end if in_reasoning else None,
-                                           tools.calls_tag)
+                                           tools.calls_tag if tools.calls is not None else None)
     if structured is not None:
         await compile_grammar(state, structured, field)
         # held from its first token (the tokenizer has no one token that ends the reasoning): the reply is the

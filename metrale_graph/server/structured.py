@@ -36,12 +36,12 @@ from .protocol import SamplingFields
 
 def structured_request(state, body: SamplingFields, forced_schema: dict | None = None,
                        starts_after: int | None = None, calls_tag=None) -> tuple[StructuredOutput | None, str | None]:
-    """(the engine's spec, the field that asked for it), or (None, None): the request asks for no structured
-    output. 400 naming the field for a malformed one, or for a second field asking too. `calls_tag`: a callable
-    giving the structural tag of the calls under tool_choice "auto" (tool_choice.ToolRequest.calls_tag of a reasoning
-    mode and an answer's format): strict tools' calls, or OpenAI's format (response_format, text.format) composed with
-    the calls, as OpenAI holds a reply with tools to its format only where it makes no call. vLLM's fields
-    (structured_outputs, guided_*) hold the whole reply: no call can be made."""
+    """(the engine's spec, the field that asked for it), or (None, None): the request asks for no structured output.
+    400 naming the field for a malformed one, or for a second field asking too. `calls_tag`: a callable giving the
+    structural tag of the calls under tool_choice "auto" (tool_choice.ToolRequest.calls_tag of a reasoning mode and
+    an answer's format; None where no call can come): strict tools' calls, or OpenAI's format (response_format,
+    text.format) composed with the calls, as OpenAI holds a reply with tools to its format only where it makes no
+    call. vLLM's fields (structured_outputs, guided_*) hold the whole reply: no call can be made."""
     # a forced call's reply is the call: OpenAI's formats hold a reply's text, and there is none (OpenAI takes both, and
     # vLLM drops the format: the OpenAI Agents SDK sends an agent's output_type with tool_choice "required")
     formats = _asked(body, formats=True, others=False) if forced_schema is None else []
