@@ -117,9 +117,10 @@ class Engine(RequestIntake):
         every step). num_blocks: KV blocks of `block_size` tokens (default: every slot can hold
         max_context; fewer make admission wait for blocks). compile=False runs the eager
         model.prefill (no GraphRunner); use_graphs (default: on CUDA) is the GraphRunner's
-        option. batch_sizes / token_counts: the bucket grid (default: `default_grid`).
-        max_waiting: the most submit() requests waiting for a slot before submit raises
-        EngineFullError (default max(256, 4 x num_slots); generate / stream are never refused).
+        option. batch_sizes / token_counts: the bucket grid (default: `default_grid`; its largest bucket must hold
+        num_slots streams and token_budget tokens, a step's most). max_waiting: the most submit() requests waiting
+        for a slot before submit raises EngineFullError (default max(256, 4 x num_slots); generate / stream are never
+        refused).
         broadcast_plans: under tensor parallelism, rank 0 serves and the other ranks run follow()
         (plan_sync.py); without tensor parallelism it changes nothing.
         prefix_cache: keep prompts' prefixes for later requests (prefix_cache.py: KV blocks shared, GDN states
@@ -177,6 +178,11 @@ class Engine(RequestIntake):
             self.runner = GraphRunner(model, self.cache, default_b if batch_sizes is None else batch_sizes,
                                       default_t if token_counts is None else token_counts,
                                       use_graphs=use_graphs)
+            big = self.runner.largest  # every step of the loop runs in one bucket (GraphRunner.launch)
+            if big.streams < num_slots or big.tokens < token_budget:
+                raise ValueError(f"the grid's largest bucket {big} holds fewer than num_slots ({num_slots}) streams or "
+                                 f"token_budget ({token_budget}) tokens, which one step may feed: extend batch_sizes / "
+                                 "token_counts, or leave them out (default_grid)")
         self._token = object()  # the engine's hold on its cache: only its loop acts for it
         self.cache.hold(self._token, "the Engine that built it")
         self._broadcast = (PlanBroadcast(model.tp, model.device, num_slots, token_budget)

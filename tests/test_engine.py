@@ -376,6 +376,14 @@ def test_bad_requests_raise_and_touch_nothing(tiny):
                         # an empty grid is refused, not replaced by the default one
                         (dict(batch_sizes=[]), "batch_sizes must be a non-empty list"),
                         (dict(token_counts=()), "token_counts must be a non-empty list"),
+                        # a grid whose largest bucket holds fewer streams or tokens than a step (was: accepted, then
+                        # every step of 3 decodes or of a 16-token chunk failed its requests: 'fits no bucket')
+                        (dict(num_slots=3, token_budget=16, batch_sizes=[2], token_counts=[2, 16]),
+                         r"largest bucket B2xT16 holds fewer than num_slots \(3\) streams"),
+                        (dict(num_slots=2, token_budget=16, batch_sizes=[2], token_counts=[2, 8]),
+                         r"largest bucket B2xT8 holds fewer than .* token_budget \(16\) tokens"),
+                        (dict(num_slots=4, token_budget=16, batch_sizes=[4, 8], token_counts=[4]),
+                         r"largest bucket B4xT4 holds"),
                         # sizes of the prefix cache while it is off (was: accepted)
                         (dict(prefix_checkpoints=-5), "prefix_checkpoints=-5 sizes the prefix cache, which is off"),
                         (dict(checkpoint_interval=64), "checkpoint_interval=64 sizes the prefix cache, which is off"),
