@@ -99,7 +99,6 @@ class EngineLoop(LoopIntake, LoopReadBack):
         self.journal = self.replay = None
         if broadcast is not None and broadcast.leader:
             self.journal = CacheJournal(prefix)
-            self.scheduler.on_release = self.journal.reset
             if prefix:
                 cache.prefixes.on_lookup = self.journal.lookup
         elif broadcast is not None:
@@ -126,6 +125,7 @@ class EngineLoop(LoopIntake, LoopReadBack):
         self._thread: threading.Thread | None = None
         self._scheduled_waiting = 0  # len(scheduler.waiting) and len(scheduler.free_slots), kept under the
         self._free_slots = len(self.scheduler.free_slots)  # lock for other threads (_publish_queue)
+        self.scheduler.on_release = self._released  # (a slot freed: published before its request's end is seen)
         self._steps = self._prompt_tokens = self._generated = self._cached = 0
         self.spec = None  # speculative decoding's step (speculative/verify.py), with Engine(speculative=...)
         if speculative is not None:
@@ -196,11 +196,6 @@ class EngineLoop(LoopIntake, LoopReadBack):
         if not sched.done:
             self._step()
         return True
-
-    def _publish_queue(self) -> None:
-        """What submit() reads of the scheduler, copied for other threads (the caller holds the lock)."""
-        self._scheduled_waiting = len(self.scheduler.waiting)
-        self._free_slots = len(self.scheduler.free_slots)
 
     def _step(self) -> None:
         sched = self.scheduler

@@ -166,6 +166,20 @@ class LoopIntake:
                                masks.filled if masks else 0, masks.fill_s if masks else 0.0,
                                self.spec.stats() if self.spec is not None else None)
 
+    def _publish_queue(self) -> None:
+        """What submit() reads of the scheduler, copied for other threads (the caller holds the lock)."""
+        self._scheduled_waiting = len(self.scheduler.waiting)
+        self._free_slots = len(self.scheduler.free_slots)
+
+    def _released(self, slot: int) -> None:
+        """The scheduler gave `slot` back (its request ended, failed or was aborted), before the request's last output
+        goes to its consumer: journalled under a plan broadcast, and published, so that a consumer that saw the end
+        and submits again finds the slot free (max_waiting; an idle loop publishes nothing else)."""
+        if self.journal is not None:
+            self.journal.reset(slot)
+        with self._cond:
+            self._publish_queue()
+
     def is_loop_thread(self) -> bool:
         return threading.current_thread() is self._thread
 

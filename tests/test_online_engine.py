@@ -228,6 +228,25 @@ def test_aborting_waiting_requests_empties_the_waiting_queue(tiny, monkeypatch):
         _alone(engine, prompts[0], max_new_tokens=2)
 
 
+def test_an_idle_engine_counts_the_slots_its_requests_freed(tiny):
+    """submit's max_waiting counts the requests that would wait beyond the free slots, as the loop last published
+    them. It published them when it planned a step, not when a request's end freed its slot: an idle engine of one
+    slot with max_waiting 0 refused every submit after its first request (EngineFullError), for ever, with nothing
+    running or waiting. Now a freed slot is published before its request's last output is delivered, so a consumer
+    that saw the end finds it free (ended, aborted or failed)."""
+    engine = Engine(tiny, **{**KW, "num_slots": 1}, max_waiting=0)
+    prompt = _prompts([5], seed=31)[0]
+    want = _alone(engine, prompt, max_new_tokens=3)
+    for _ in range(3):  # each submitted as soon as the one before has ended
+        assert engine.submit(prompt, max_new_tokens=3).result(TIMEOUT).token_ids == want
+    handle = engine.submit(prompt, max_new_tokens=50)
+    next(iter(handle))
+    handle.abort()
+    assert list(handle)[-1].finish_reason == "abort"
+    assert engine.submit(prompt, max_new_tokens=3).result(TIMEOUT).token_ids == want
+    _assert_cache_empty(engine)
+
+
 def test_a_failing_step_fails_only_its_requests(tiny, monkeypatch):
     """The second step (A's decode, B's prompt) raises: A and B end with that error (result() and
     iteration raise it), C, waiting meanwhile, and D, submitted after, get their tokens; nothing leaks."""
