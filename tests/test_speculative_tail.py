@@ -13,7 +13,7 @@ import torch
 
 from helpers import moe_config, random_tokens, tiny_config, unit_gain
 from speculative_reference import Oracle, bigram_model, with_eager_tail, with_random_mtp
-from metrale_graph import Engine, HybridModel, Stream
+from metrale_graph import Engine, HybridModel, Stream, envs
 from metrale_graph.capture import make_grid
 from metrale_graph.sampling import SampleRow, SamplingParams, new_generator, sample
 from metrale_graph.speculative import accept_drawn, draw_positions, draw_uniforms, verify
@@ -121,6 +121,23 @@ def test_tail_functions_give_the_eager_tokens():
             rows = [b for b, p in enumerate(params) if p.greedy]
             alone = accept_greedy(model, h, ints[rows], K)
             assert alone.tolist() == got[rows].tolist()
+
+
+def test_mtp_drafting_after_the_read_back_when_the_setting_is_off(models, monkeypatch):
+    """METRALE_MTP_AFTER=0: the captured MTP steps draft after the acceptance's read back (graphs.draft alone, no
+    'after' entry), with the same tokens and drafts as with it on."""
+    model, prompts = models["dense"], prompts_of("dense")
+    drafts = recorded_drafts(monkeypatch)
+    runs = {}
+    for after in ("1", "0"):
+        drafts.clear()
+        calls = []
+        with envs.override(METRALE_MTP_AFTER=after), tail_engine(model, 3, {"method": "mtp", "num_tokens": 2}, calls) as e:
+            out = [r.token_ids for r in e.generate(prompts, max_new_tokens=10, stop_token_ids=[])]
+            runs[after] = (out, [dict(d) for d in drafts], e.stats().speculative)
+            kinds = {kind for kind, _ in e._loop.spec.graphs.entries}
+        assert ("draft_after" in calls) == (after == "1") and ("after" in kinds) == (after == "1")
+    assert runs["1"] == runs["0"]
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))

@@ -55,6 +55,7 @@ import time
 
 import torch
 
+from .. import envs
 from ..batch import Stream
 from ..cache_prefixes import set_verify_targets
 from ..grammar import TokenMasks
@@ -189,9 +190,9 @@ class SpeculativeStep:
         # the captured acceptance where it may run: no logits processor on any row (else the eager one)
         captured, sampled = all(map(unprocessed, rows)), not all(r.params.greedy for r in rows)
         streams, out = [Stream(r.slot, t) for r, t in zip(reqs, tokens)], {"before": before}
-        # "mtp" with every stream a followed speculating decode: the drafting runs behind the captured acceptance
-        out["fuse"] = (self.mtp is not None and captured and loop._broadcast is None and len(layout.spec) == len(reqs)
-                       and all(self.follows(r) and cache.mtp_context_lens[r.slot] == b for r, b in zip(reqs, before)))
+        follow = all(self.follows(r) and cache.mtp_context_lens[r.slot] == b for r, b in zip(reqs, before))
+        out["fuse"] = (follow and envs.METRALE_MTP_AFTER and captured and loop._broadcast is None  # "mtp" drafting
+                       and len(layout.spec) == len(reqs))  # behind the captured acceptance: every stream a followed decode
 
         def settle(h):
             out["h"] = h
