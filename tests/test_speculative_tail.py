@@ -132,7 +132,8 @@ def test_mtp_drafting_after_the_read_back_when_the_setting_is_off(models, monkey
     for after in ("1", "0"):
         drafts.clear()
         calls = []
-        with envs.override(METRALE_MTP_AFTER=after), tail_engine(model, 3, {"method": "mtp", "num_tokens": 2}, calls) as e:
+        with envs.override(**{"METRALE_MTP_AFTER": after}), \
+                tail_engine(model, 3, {"method": "mtp", "num_tokens": 2}, calls) as e:
             out = [r.token_ids for r in e.generate(prompts, max_new_tokens=10, stop_token_ids=[])]
             runs[after] = (out, [dict(d) for d in drafts], e.stats().speculative)
             kinds = {kind for kind, _ in e._loop.spec.graphs.entries}
