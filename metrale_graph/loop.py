@@ -175,6 +175,7 @@ class EngineLoop(LoopIntake, LoopReadBack):
             self._send(IDLE)  # nothing to run: keep the followers' broadcast alive
         if (aborts or jobs or closing is not None) and self._inflight is not None:
             self._read_back()  # aborts, jobs and the end see every launched step read back
+        aborted = []
         for r in aborts:
             if not r.ended:
                 try:
@@ -183,10 +184,12 @@ class EngineLoop(LoopIntake, LoopReadBack):
                     self._fail(r, e)
                     continue
                 r.finish_reason = "abort"
-                r.channel.put(RequestOutput(r.index, [], "" if r.text is not None else None, "abort"))
-        if aborts:  # waiting requests may have left: submit's max_waiting counts them (no step may follow)
-            with self._cond:
+                aborted.append(r)
+        if aborts:  # waiting requests may have left: submit's max_waiting counts them (no step may follow), before
+            with self._cond:  # their consumers see the end
                 self._publish_queue()
+        for r in aborted:
+            r.channel.put(RequestOutput(r.index, [], "" if r.text is not None else None, "abort"))
         for job in jobs:  # between steps: a capture never runs while a step does
             if job.warmup and self._broadcast is not None:
                 self._send(WARMUP)

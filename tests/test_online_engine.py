@@ -247,6 +247,25 @@ def test_an_idle_engine_counts_the_slots_its_requests_freed(tiny):
     _assert_cache_empty(engine)
 
 
+def test_an_aborted_waiting_request_leaves_the_queue_before_its_end_is_seen(tiny, monkeypatch):
+    """The loop put an aborted request's last output in its channel, then published the waiting queue without it:
+    its consumer, woken by the output, could submit again while submit still counted it waiting (EngineFullError
+    from a queue with nobody in it). Now the queue is published first."""
+    engine = Engine(tiny, **{**KW, "num_slots": 1}, max_waiting=1)
+    prompts = _prompts([3, 4], seed=41)
+    gate = _Gate(engine, monkeypatch, at=1)
+    first = engine.submit(prompts[0], max_new_tokens=2)
+    gate.wait()  # the first holds the slot: the second waits
+    waiting = engine.submit(prompts[1], max_new_tokens=2)
+    seen, put = [], waiting._channel.put
+    waiting._channel.put = lambda item: seen.append(engine._loop._scheduled_waiting) or put(item)
+    waiting.abort()
+    gate.release()
+    assert waiting.result(TIMEOUT).finish_reason == "abort" and seen == [0]
+    assert first.result(TIMEOUT).finish_reason == "length"
+    _assert_cache_empty(engine)
+
+
 def test_a_failing_step_fails_only_its_requests(tiny, monkeypatch):
     """The second step (A's decode, B's prompt) raises: A and B end with that error (result() and
     iteration raise it), C, waiting meanwhile, and D, submitted after, get their tokens; nothing leaks."""
