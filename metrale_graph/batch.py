@@ -162,9 +162,9 @@ def token_tensor(tokens, where: str, device: torch.device) -> torch.Tensor:
                 raise ValueError(f"{where}: a token id does not fit in int64") from None
         else:
             ids = [as_int(x) for x in tokens]  # ints, and numpy / 0-d torch integers as users pass them
-            bad = next((x for x, i in zip(tokens, ids) if i is None), None)
+            bad = next((k for k, i in enumerate(ids) if i is None), None)  # (its index: the token may be None)
             if bad is not None:
-                raise ValueError(f"{where}: token {bad!r} is not an int")
+                raise ValueError(f"{where}: token {tokens[bad]!r} is not an int")
             try:
                 t = torch.tensor(ids, dtype=torch.int64)
             except (ValueError, RuntimeError, OverflowError):  # an int beyond int64 (torch versions differ)

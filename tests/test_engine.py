@@ -331,6 +331,7 @@ def test_bad_requests_raise_and_touch_nothing(tiny):
         (dict(prompts=[[1] * 32]), "must leave room for at least one new token"),
         (dict(prompts=[[1, 2.0]]), "token 2.0 is not an int"),
         (dict(prompts=[[1, True]]), "token True is not an int"),
+        (dict(prompts=[ok, [None]]), "prompt 1: token None is not an int"),  # (was torch.tensor's TypeError)
         (dict(prompts=[torch.tensor([1.0, 2.0])]), "prompt 0: tokens must be an integer tensor"),
         (dict(prompts=[torch.tensor([[1, 2]])]), r"prompt 0: tokens must be 1-D, got shape \(1, 2\)"),
         (dict(prompts=[[1, 2**70]]), "prompt 0: a token id does not fit in int64"),

@@ -241,6 +241,8 @@ def test_numpy_tokens_and_sizes_are_taken_as_users_pass_them():
         model.prefill(a, [Stream(0, np.array([1.0], dtype=np.float32))])
     with pytest.raises(ValueError, match="token True is not an int"):
         model.prefill(a, [Stream(0, [True])])
+    with pytest.raises(ValueError, match="stream 0: token None is not an int"):  # (was torch.tensor's TypeError)
+        model.prefill(a, [Stream(0, [1, None])])
     with pytest.raises(ValueError, match="num_slots must be a positive integer"):
         model.new_cache(np.float64(2.0), 8)
 
