@@ -33,7 +33,7 @@ import torch
 from .batch import BatchTokens, PackedBatch, Stream, check_token_ids, pack, token_tensor, validate
 from .cache import HybridCache
 from .cache_prefixes import clear_verify_targets
-from .numbers import int_tensor, to_device
+from .numbers import int_tensor, is_int, to_device
 
 Piece = list[tuple[int, int, int]]  # (stream index, start, stop) token ranges of one step
 
@@ -229,7 +229,8 @@ def restore_prefix(model, cache: HybridCache, slot: int, tokens, limit: int | No
         check_token_ids([ids], model.config.vocab_size, what="tokens")
         n = ids.numel()
         limit = n - 1 if limit is None else limit
-        if not (isinstance(limit, int) and 0 <= limit <= min(n, cache.max_context)):
+        if not (is_int(limit) and 0 <= limit <= min(n, cache.max_context)):  # (a bool is not a limit)
             raise ValueError(f"limit must be an int in [0, {min(n, cache.max_context)}], got {limit!r}")
+        limit = int(limit)
         cache.bind(model)
         return cache.prefixes.restore(slot, ids.tolist(), limit)

@@ -117,6 +117,8 @@ def test_restore_refuses_bad_calls_before_changing_anything(model):
         restore_prefix(model, cache, 1, [1, 600])
     with pytest.raises(ValueError, match="limit must be an int"):
         restore_prefix(model, cache, 1, [1, 2], limit=5)
+    with pytest.raises(ValueError, match="limit must be an int in .*, got True"):  # (was taken as 1)
+        restore_prefix(model, cache, 1, [1, 2], limit=True)
     assert cache.context_lens == [3, 0]
     with pytest.raises(ValueError, match="checkpoint_interval"):
         model.new_cache(2, 8, block_size=BS, prefix_checkpoints=2, checkpoint_interval=24)
