@@ -42,6 +42,7 @@ from typing import Callable
 
 import torch
 
+from metrale_graph import envs
 from metrale_graph.numbers import int_tensor, to_device
 from metrale_graph.speculative import tail
 from metrale_graph.speculative.tail import keep_verified_states
@@ -87,7 +88,8 @@ class SpeculativeGraphs:
     def warm(self, bucket: Bucket) -> None:
         """Make, compile and (on CUDA) capture every entry of `bucket` now (its hidden-states entry must exist:
         GraphRunner.hidden_bucket)."""
-        for kind in ("greedy", "sampled") + (("drafts", "after") if self.mtp else ()):
+        after = ("after",) if envs.METRALE_MTP_AFTER else ()  # (the drafting behind the acceptance: opt-in)
+        for kind in ("greedy", "sampled") + (("drafts",) + after if self.mtp else ()):
             self._entry(kind, bucket)
 
     def hidden_source(self, bucket: Bucket) -> torch.Tensor:

@@ -87,10 +87,11 @@ SETTINGS = _settings(
             "`1,3,8`; the remaining layers are the last piece), launched one after another so that the GPU starts "
             "on the first while the host launches the rest; `0`: one graph of all layers; unset: the runner's "
             "default (capture/runner.py, verify_pieces)"),
-    Setting("METRALE_MTP_AFTER", "flag", True,
+    Setting("METRALE_MTP_AFTER", "flag", False,
             "speculative \"mtp\" steps whose streams are all decodes the head follows run its drafting right behind "
             "the captured acceptance, one read back for both (speculative/drafting.py, MtpDrafter.launch_after); off: "
-            "the drafting after the acceptance's read back, as before da3728a"),
+            "the drafting after the acceptance's read back. Opt-in until its CUDA graphs have run on a GPU "
+            "(tests/test_gpu_speculative_graphs.py) and the spec bench says it pays"),
     # debug and tool options
     Setting("METRALE_FP8_ACTIVATIONS", "flag", True,
             "FP8 projections round activations to FP8 (W8A8); off: weight-only FP8, a debug mode "

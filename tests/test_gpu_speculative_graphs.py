@@ -8,7 +8,7 @@ import torch
 
 from helpers import moe_config, random_tokens, tiny_config, unit_gain
 from speculative_reference import Oracle, bigram_model, with_random_mtp
-from metrale_graph import Engine, HybridModel
+from metrale_graph import Engine, HybridModel, envs
 from metrale_graph.sampling import SamplingParams
 from metrale_graph.speculative import draw_uniforms, verify
 from metrale_graph.speculative.drafting import MtpDrafter
@@ -43,7 +43,15 @@ def run(model, prompts, compile, speculative=None, **kw):
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
-def test_captured_tails_give_the_eager_tokens_and_drafts(family, monkeypatch):
+@pytest.mark.parametrize("after", ["0", "1"])
+def test_captured_tails_give_the_eager_tokens_and_drafts(family, after, monkeypatch):
+    """n-gram and MTP drafts through the captured tails (MTP with its drafting after the read back, and behind the
+    acceptance: METRALE_MTP_AFTER) against the eager engine: the same tokens, drafts and seeded draws."""
+    with envs.override(**{"METRALE_MTP_AFTER": after}):
+        _captured_tails_give_the_eager_tokens_and_drafts(family, monkeypatch)
+
+
+def _captured_tails_give_the_eager_tokens_and_drafts(family, monkeypatch):
     model, prompts = cuda_model(family), prompts_of(family)
     reference, _ = run(model, prompts, False)
     monkeypatch.setattr(verify, "ngram_propose", Oracle(prompts, reference, CONFIGS[family].vocab_size))

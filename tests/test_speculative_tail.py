@@ -123,9 +123,16 @@ def test_tail_functions_give_the_eager_tokens():
             assert alone.tolist() == got[rows].tolist()
 
 
+@pytest.fixture
+def mtp_after():
+    """METRALE_MTP_AFTER on (opt-in): the MTP drafting behind the captured acceptance."""
+    with envs.override(**{"METRALE_MTP_AFTER": "1"}):
+        yield
+
+
 def test_mtp_drafting_after_the_read_back_when_the_setting_is_off(models, monkeypatch):
-    """METRALE_MTP_AFTER=0: the captured MTP steps draft after the acceptance's read back (graphs.draft alone, no
-    'after' entry), with the same tokens and drafts as with it on."""
+    """METRALE_MTP_AFTER=0 (the default): the captured MTP steps draft after the acceptance's read back
+    (graphs.draft alone, no 'after' entry), with the same tokens and drafts as with it on."""
     model, prompts = models["dense"], prompts_of("dense")
     drafts = recorded_drafts(monkeypatch)
     runs = {}
@@ -142,7 +149,7 @@ def test_mtp_drafting_after_the_read_back_when_the_setting_is_off(models, monkey
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
-def test_the_captured_path_gives_plain_decoding(models, family, monkeypatch):
+def test_the_captured_path_gives_plain_decoding(models, family, monkeypatch, mtp_after):
     """n-gram (an oracle's drafts: partial runs, so the accepted-state copy) and MTP (a random head; k = 3 and
     max_new_tokens leave fewer drafts to the last steps: streams past their own drafts ride the draft steps on the
     scratch slot) through the tail's buffers, in buckets of 2 and 4 streams: plain decoding's tokens, the eager
@@ -260,7 +267,7 @@ def test_the_bigram_checkpoint_keeps_every_captured_draft(k):
     assert s["accepted"] == s["proposed"] > 0 and "draft" in calls and "accept" in calls
 
 
-def test_the_compiled_tail_gives_the_eager_tokens(models, monkeypatch):
+def test_the_compiled_tail_gives_the_eager_tokens(models, monkeypatch, mtp_after):
     """torch.compile(fullgraph=True) of the four functions (warmup: each once for the one bucket; the drafting
     twice, from the host's inputs and behind the acceptance), then greedy and seeded sampled MTP requests: the eager
     engine's tokens and drafts."""
