@@ -29,7 +29,8 @@
 # then the structured GPU test; spec-trace (not in all): the one-stream verify's profiler traces read by
 # benchmarks/trace_launches.py --gaps (issue 39's host gap); spec (not in all): issue 39's speed item, bench --speculative 1,8,32,128 --echo 1,16 on
 # the 9B and the 35B-A3B (SPEC_PRESETS, SPEC_STREAMS, SPEC_KS, SPEC_MTP_K, SPEC_ECHO, SPEC_LAYERS to choose; each
-# window's largest kernels and host functions in the JSON; the echo runs last on bigram weights): per preset three engines (plain, n-gram with drafts
+# window's largest kernels and host functions in the JSON; the echo runs last on bigram weights; METRALE_MTP_AFTER=1 in the
+# environment times MTP's drafting behind the acceptance): per preset three engines (plain, n-gram with drafts
 # forced to k = 1, 2, 3, MTP at k = 2 with a random head), each compiled and captured, the prompts prefilled three
 # times; estimated ~3.5-4 min for the 9B and ~4-5 min for the 35B-A3B (slower compiles), ~8-9 min for both (from
 # --loop 1,32,128's ~4 min for three engines on the 9B; not yet measured: give each preset its own device call). `setup` only installs (source it
