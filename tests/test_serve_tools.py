@@ -18,7 +18,9 @@ final response, and the 400s naming their field (background, item_reference, ima
 (--responses-store-size 4): a conversation continued by previous_response_id (the second prompt holds the first
 turn: the model answers the call's result, and its input tokens are those of the conversation sent whole, without
 the first turn's instructions), retrieve / delete / input_items (pages, order) through the client, a streamed
-response stored, store false, unknown ids as NotFoundError, least recently used responses evicted at the bound."""
+response stored, store false, unknown ids as NotFoundError, least recently used responses evicted at the bound;
+truncation "auto" (a conversation past the context answered on its most recent items that fit: the input tokens those
+of the conversation sent from the first place that fits, a call dropped with its output) and its 400s."""
 
 import enum
 import json
@@ -620,3 +622,88 @@ def test_response_store_is_safe_across_threads():
     assert len(store) == 8
     with pytest.raises(ValueError, match=">= 0"):
         ResponseStore(-1)
+
+
+# truncation "auto" ------------------------------------------------------------------------------------------------
+NOTE = "the quick brown fox jumps over the lazy dog. " * 4  # (about 100 tokens a note)
+
+
+def _notes(first: int, count: int) -> list[dict]:
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": f"Note {i}: {NOTE}"}
+            for i in range(first, first + count)]
+
+
+def _first_that_fits(client, items: list, places: list[int], **kw):
+    """The response to items[k:] for the first k of `places` whose prompt fits (truncation disabled), and k."""
+    for k in places:
+        try:
+            return respond(client, input=items[k:], store=False, **kw), k
+        except openai.BadRequestError as e:
+            assert e.code == "context_length_exceeded", e
+    raise AssertionError("no place fits")
+
+
+def test_responses_truncation_auto_drops_the_oldest_items(client):
+    """A conversation (previous_response_id's, then the input) longer than the context: truncation disabled (the
+    default) is a 400; "auto" answers, its prompt (input_tokens) the instructions and the conversation from the first
+    place that fits (a whole message, never a call apart from its output) as sent whole; a larger max_output_tokens
+    drops more, here the reasoning, the call and its output together (the reply no longer sees the tool's result)."""
+    told = "Answer briefly."
+    first = respond(client, input=[*_notes(0, 6), *USER], instructions=told)
+    assert _kinds(first) == ["reasoning", "function_call"] and first.truncation == "disabled"
+    turn = [_call_output(first.output[1]), *_notes(6, 10), {"role": "user", "content": "And in Lyon?"}]
+    items = [*_notes(0, 6), *USER, *_dumped(first), *turn]
+    places = [k for k, item in enumerate(items) if item.get("type") not in ("function_call", "function_call_output")]
+    for disabled in ({}, {"truncation": "disabled"}):
+        with pytest.raises(openai.BadRequestError, match="maximum context length") as e:
+            respond(client, input=turn, previous_response_id=first.id, instructions=told, **disabled)
+        assert e.value.code == "context_length_exceeded"
+    auto = respond(client, input=turn, previous_response_id=first.id, instructions=told, truncation="auto")
+    assert auto.truncation == "auto" and auto.status == "completed"
+    assert (auto.output[0].content[0].text, auto.output_text) == (AFTER_TOOL_REASONING, ANSWER)  # (the result kept)
+    whole, k = _first_that_fits(client, items, places, instructions=told)
+    assert 0 < k < 6 and auto.usage.input_tokens == whole.usage.input_tokens <= 2047
+    assert auto.output_text == whole.output_text
+    room = 1000
+    cut = respond(client, input=turn, previous_response_id=first.id, instructions=told, truncation="auto",
+                  max_output_tokens=room)
+    whole, k = _first_that_fits(client, items, places, instructions=told, max_output_tokens=room)
+    assert k > items.index(turn[0]) and cut.usage.input_tokens == whole.usage.input_tokens <= 2048 - room
+    assert _kinds(cut) == _kinds(whole) == ["reasoning", "function_call"]  # (no tool result in the prompt)
+    assert client.responses.retrieve(cut.id).truncation == "auto"
+    assert len(list(client.responses.input_items.list(cut.id, limit=100))) == len(items)  # (the whole conversation)
+
+
+def test_responses_truncation_auto_that_cannot_fit_is_400(server):
+    """Cut down to its last user message (and the instructions) the prompt still does not fit: a 400 saying so."""
+    body = {"input": [*_notes(0, 2), {"role": "user", "content": NOTE * 25}], "truncation": "auto",
+            "instructions": "Answer briefly.", "tools": [RESPONSE_TOOL]}
+    error = _responses_error(server, {**body, "max_output_tokens": None})
+    assert error["code"] == "context_length_exceeded" and error["param"] == "input", error
+    assert "cut down to its last user message and the instructions" in error["message"], error
+    error = _responses_error(server, {**body, "max_output_tokens": 1000})
+    assert "with max_output_tokens (1000)" in error["message"], error
+    error = _responses_error(server, {**body, "input": "Hi", "max_output_tokens": 2048})
+    assert (error["param"], error["code"]) == ("max_output_tokens", "context_length_exceeded"), error
+    assert "no room for a prompt" in error["message"], error
+    assert "truncation" in _responses_error(server, {"truncation": "middle"})["message"]
+
+
+def test_truncation_cuts_keep_messages_and_calls_whole():
+    """The places a conversation may begin at: never inside a message (a call joined to its reasoning), never
+    between a call and its output, never past the last user message; its leading system messages always kept."""
+    from metrale_graph.server.responses_api_protocol import check_items, _ITEM
+    from metrale_graph.server.responses_truncation import cuts
+
+    raw = [{"role": "developer", "content": "Be kind."}, {"role": "user", "content": "Hi"},
+           {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Hm."}]},
+           {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+           {"type": "function_call", "call_id": "b", "name": "f", "arguments": "{}"},
+           {"type": "function_call_output", "call_id": "a", "output": "1"},
+           {"type": "function_call_output", "call_id": "b", "output": "2"},
+           {"role": "assistant", "content": "Done."}, {"role": "user", "content": "Thanks"},
+           {"role": "assistant", "content": "You are welcome.", "status": "in_progress"}]
+    items = [_ITEM.validate_python(item) for item in check_items(raw)]
+    assert cuts(items) == (1, [1, 2, 7, 8])
+    assert cuts(items[1:7]) == (0, [0])  # (no place past the last user message, the first item)
+    assert cuts(items[2:8]) == (0, [0, 5])  # (no user message: up to the last item)

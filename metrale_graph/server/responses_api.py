@@ -6,7 +6,9 @@ as /v1/chat/completions does (one reply: the Responses API has no `n`), and the 
 read the reply into reasoning, text and calls, which become output items (responses_api_output.py). A response
 with `store` true or unset is kept in the server's store once it ends, and a request's `previous_response_id` runs
 it after that response's conversation (responses_store.py); `include: ["message.output_text.logprobs"]` (with
-`top_logprobs`) asks the engine for the new tokens' logprobs, which the output text carries.
+`top_logprobs`) asks the engine for the new tokens' logprobs, which the output text carries. A conversation too long for
+the context (with max_output_tokens) is a 400 context_length_exceeded, as a chat's is, unless `truncation` is "auto":
+then its oldest items are dropped until it fits (responses_truncation.py) and the prompt is rendered again.
 
 A whole response has status "completed", or "incomplete" with incomplete_details {"reason": "max_output_tokens"}
 when the reply was cut by max_output_tokens or the context; usage counts the input, output and reasoning tokens
@@ -25,7 +27,7 @@ from typing import AsyncIterator
 from pydantic import BaseModel, ValidationError
 
 from .chat import ChatRun, call_id, start_chat
-from .errors import bad_request, from_failure
+from .errors import APIError, bad_request, from_failure
 from .logprobs import chat_logprobs
 from .reasoning import THINK_START
 from .responses import now
@@ -33,6 +35,7 @@ from .responses_api_output import (EventWriter, IncompleteDetails, InputTokensDe
                                    OutputTokensDetails, ResponseError, ResponseObject, ResponseUsage, item_id)
 from .responses_api_protocol import ResponsesRequest
 from .responses_store import StoredResponse, input_items
+from .responses_truncation import truncate
 from .state import ServerState
 from .tool_choice import tool_request
 
@@ -47,7 +50,14 @@ async def create_response(state: ServerState, body: ResponsesRequest, raw_reques
         messages = [m.template_dict() for m in body.messages]
     except ValidationError as e:  # (an item a chat message cannot hold)
         raise bad_request(f"input: {e.errors()[0]['msg']}", param="input") from None
-    run = await start_chat(state, body, messages, tools, param="input", logprobs=body.output_logprobs)
+    try:
+        run = await start_chat(state, body, messages, tools, param="input", logprobs=body.output_logprobs)
+    except APIError as e:  # too long for the context: truncation "auto" drops the oldest items that must go
+        if body.truncation != "auto" or e.code != "context_length_exceeded":
+            raise
+        await truncate(state, body, tools.template_tools)
+        run = await start_chat(state, body, [m.template_dict() for m in body.messages], tools, param="input",
+                               logprobs=body.output_logprobs)
     rid, created = item_id("resp"), now()
     context = history + input_items(body.input) if _stored(state, body) else None
     if body.stream:
@@ -96,7 +106,8 @@ def _response(state: ServerState, body: ResponsesRequest, rid: str, created: int
         instructions=body.instructions, max_output_tokens=body.max_output_tokens, metadata=body.metadata,
         parallel_tool_calls=body.parallel_tool_calls is not False,
         reasoning=body.reasoning.model_dump() if body.reasoning is not None else None,
-        temperature=body.temperature, top_p=body.top_p, **({"text": text} if text else {}),
+        temperature=body.temperature, top_p=body.top_p, truncation=body.truncation or "disabled",
+        **({"text": text} if text else {}),
         tool_choice=choice.model_dump() if isinstance(choice, BaseModel) else choice or "auto",
         tools=[t.model_dump(exclude_none=True) for t in body.tools or ()], usage=usage, user=body.user)
 

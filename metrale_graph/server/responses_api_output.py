@@ -127,7 +127,7 @@ class ResponseObject(BaseModel):
     tools: list[dict[str, Any]] = Field(default_factory=list)
     top_logprobs: int | None = None
     top_p: float | None = None
-    truncation: Literal["disabled"] = "disabled"
+    truncation: Literal["auto", "disabled"] = "disabled"  # as the request asked
     background: bool = False
     usage: ResponseUsage | None = None
     user: str | None = None

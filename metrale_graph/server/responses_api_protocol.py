@@ -10,9 +10,10 @@ back to the template as the assistant's reasoning, as vLLM reads them), `instruc
 template's `reasoning_effort`, as vLLM passes it), `metadata` (echoed), and the sampling fields the chat endpoint
 takes from vLLM (`top_k`, `seed`, `stop`, `repetition_penalty`, ...), `store` and `previous_response_id` (the
 server's response store: responses_store.py), `include` ("message.output_text.logprobs", with `top_logprobs`; and
-"reasoning.encrypted_content", which asks for nothing here: a reasoning item carries its text). What this server does
-not run (`background`, `conversation`, `item_reference` items, other `include` values, `truncation: "auto"`, a prompt
-template, hosted tools, `text.verbosity`) is refused by name (400), never ignored.
+"reasoning.encrypted_content", which asks for nothing here: a reasoning item carries its text), `truncation` ("auto":
+a conversation too long for the context loses its oldest items, responses_truncation.py). What this server does not
+run (`background`, `conversation`, `item_reference` items, other `include` values, a prompt template, hosted tools,
+`text.verbosity`) is refused by name (400), never ignored.
 """
 
 from __future__ import annotations
@@ -140,9 +141,18 @@ def chat_messages(instructions: str | None, items: str | list) -> list[ChatMessa
     message; a past reply's reasoning, message and function calls joined into one assistant message (in the order
     they come, as vLLM joins them: an assistant message takes the reasoning and the calls that follow it until
     another message)."""
+    messages, _ = joined_messages(instructions, as_items(items))
+    return [ChatMessage.model_validate(m) for m in messages]
+
+
+def joined_messages(instructions: str | None, items: list) -> tuple[list[dict], list[bool]]:
+    """chat_messages' messages as dicts, and per item whether it begins a message of its own (False: it joins the
+    assistant message before it, as a past reply's function call joins its reasoning)."""
     messages: list[dict] = [{"role": "system", "content": instructions}] if instructions is not None else []
-    for item in as_items(items):
+    starts = []
+    for item in items:
         last = messages[-1] if messages and messages[-1]["role"] == "assistant" else None
+        count = len(messages)
         if isinstance(item, FunctionCallOutputItem):
             output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
@@ -161,7 +171,8 @@ def chat_messages(instructions: str | None, items: str | list) -> list[ChatMessa
         else:
             content = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
             messages.append({"role": item.role, "content": content})
-    return [ChatMessage.model_validate(m) for m in messages]
+        starts.append(len(messages) > count)
+    return messages, starts
 
 
 # tools and text formats ------------------------------------------------------------------------------------
@@ -227,8 +238,8 @@ class ReasoningConfig(BaseModel):
 
 # the Responses API's fields this server does not run, and the values that ask for nothing
 RESPONSES_NEUTRAL = {
-    "background": (None, False), "conversation": (None,), "prompt": (None,), "truncation": (None, "disabled"),
-    "max_tool_calls": (None,), "n": (1,), "prompt_logprobs": (None,),
+    "background": (None, False), "conversation": (None,), "prompt": (None,), "max_tool_calls": (None,),
+    "n": (1,), "prompt_logprobs": (None,),
     # OpenAI's stream options: obfuscation (random padding of the deltas) off, as every stream here is
     "stream_options": (None, {}, {"include_obfuscation": False}), "text.verbosity": (None, "medium"),
     "return_token_ids": (False,), "return_tokens_as_token_ids": (None, False), "logprobs": (None, False),
@@ -264,12 +275,14 @@ class ResponsesRequest(SamplingFields):
     background: Any = None
     conversation: Any = None
     prompt: Any = None
-    truncation: Any = None
+    # "auto": a conversation too long for the context loses its oldest items (responses_truncation.py)
+    truncation: Literal["auto", "disabled"] | None = None
     max_tool_calls: Any = None
     logprobs: Any = None  # (chat's field, refused: include asks for logprobs here)
     stream_options: Any = None  # (the Responses API's: include_obfuscation, taken when false: RESPONSES_NEUTRAL)
     # the stored conversation before `input` (previous_response_id's items, responses_store.py), set by the endpoint
     _history: list = PrivateAttr(default_factory=list)
+    _kept: list | None = PrivateAttr(default=None)  # truncation "auto": the conversation's items the prompt keeps
 
     _input_items = field_validator("input", mode="before")(check_items)
     _include = field_validator("include")(check_include)
@@ -294,6 +307,14 @@ class ResponsesRequest(SamplingFields):
         """Run after `history` (the stored conversation of previous_response_id: input items, validated here)."""
         self._history = [_ITEM.validate_python(item) for item in history]
 
+    def conversation_items(self) -> list:
+        """The items the request runs on: the stored conversation, then `input`."""
+        return [*self._history, *as_items(self.input)]
+
+    def keep(self, items: list) -> None:
+        """Run on `items` (a truncated conversation: responses_truncation.py) instead of the whole conversation."""
+        self._kept = list(items)
+
     def formats(self) -> list[tuple[str, ResponseFormat]]:
         """text.format as a response_format (none under a forced call, as chat's: server/structured.py; instructor's
         RESPONSES_TOOLS sends both)."""
@@ -306,7 +327,7 @@ class ResponsesRequest(SamplingFields):
     # a chat's fields (chat.start_chat reads them) ----------------------------------------------------------
     @property
     def messages(self) -> list[ChatMessage]:
-        return chat_messages(self.instructions, [*self._history, *as_items(self.input)])
+        return chat_messages(self.instructions, self.conversation_items() if self._kept is None else self._kept)
 
     @property
     def continue_final_message(self) -> bool:
