@@ -14,7 +14,8 @@ tag). Forced calls (tool_choice "required" / named): test_serve_structured.py.
 The Responses API (POST /v1/responses) with the openai client over the same server: output items (reasoning, message,
 function_call), instructions and a multi-turn input, the function-call round trip with function_call_output,
 max_output_tokens cutting a reply (status incomplete), the stream's typed events in order and the client helper's
-final response, and the 400s naming their field (background, item_reference, image parts, ...); the response store
+final response, reasoning.summary (the reasoning item's summary its text; streamed, OpenAI's summary events as the openai
+client types them), and the 400s naming their field (background, item_reference, image parts, ...); the response store
 (--responses-store-size 4): a conversation continued by previous_response_id (the second prompt holds the first
 turn: the model answers the call's result, and its input tokens are those of the conversation sent whole, without
 the first turn's instructions), retrieve / delete / input_items (pages, order) through the client, a streamed
@@ -494,6 +495,60 @@ def test_responses_streamed_text_with_stream_true(client):
     assert [e.type for e in events if "content_part" in e.type] == ["response.content_part.added",
                                                                      "response.content_part.done"] * 2
     assert events[-1].type == "response.completed" and events[-1].response.output_text == "".join(CALL)
+
+
+def test_responses_reasoning_summary_is_the_reasoning(client):
+    """reasoning.summary (any level, or its older name generate_summary) gives the reasoning item a summary of one
+    summary_text part, the reasoning's text (no summarizer); without it the summary stays empty."""
+    plain = respond(client, tools=())
+    assert plain.output[0].summary == [] and plain.reasoning is None
+    for reasoning in ({"summary": "auto"}, {"summary": "concise"}, {"summary": "detailed"},
+                      {"generate_summary": "auto"}, {"effort": "low", "summary": "auto"}):
+        r = respond(client, tools=(), reasoning=reasoning)
+        item = r.output[0]
+        assert [(p.type, p.text) for p in item.summary] == [("summary_text", REASONING)], reasoning
+        assert [c.text for c in item.content] == [REASONING] and r.output_text == plain.output_text
+        assert r.usage.model_dump() == plain.usage.model_dump()
+        assert {k: v for k, v in r.reasoning.model_dump().items() if v is not None} == reasoning
+
+
+SUMMARY_EVENTS = {  # the openai client's type of each summary event
+    "response.reasoning_summary_part.added": "ResponseReasoningSummaryPartAddedEvent",
+    "response.reasoning_summary_text.delta": "ResponseReasoningSummaryTextDeltaEvent",
+    "response.reasoning_summary_text.done": "ResponseReasoningSummaryTextDoneEvent",
+    "response.reasoning_summary_part.done": "ResponseReasoningSummaryPartDoneEvent"}
+
+
+def test_responses_reasoning_summary_streamed(client):
+    """Streamed, a summary asked for adds the summary's events in OpenAI's order (part added, text deltas, text
+    done, part done), each before its reasoning_text counterpart, parsed by the openai client into its types, with the
+    reasoning item's id and output_index, summary_index 0, numbered in sequence; the final response equals the whole."""
+    from openai.types import responses as types
+
+    events, final = _events(client, tools=[RESPONSE_TOOL], reasoning={"summary": "auto"})
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events][:12] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.reasoning_summary_part.added", "response.content_part.added",
+        "response.reasoning_summary_text.delta", "response.reasoning_text.delta",
+        "response.reasoning_summary_text.done", "response.reasoning_summary_part.done",
+        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done"]
+    item = final.output[0]
+    summary = [e for e in events if e.type in SUMMARY_EVENTS]
+    assert [type(e).__name__ for e in summary] == [SUMMARY_EVENTS[e.type] for e in summary]
+    assert all((e.item_id, e.output_index, e.summary_index) == (item.id, 0, 0) for e in summary)
+    added, *deltas, text_done, part_done = summary
+    assert (added.part.type, added.part.text) == ("summary_text", "")
+    assert "".join(d.delta for d in deltas) == text_done.text == part_done.part.text == REASONING
+    assert part_done.status is None and events[2].item.summary == []
+    assert events[11].item.summary[0].text == REASONING and [p.text for p in item.summary] == [REASONING]
+    whole = respond(client, reasoning={"summary": "auto"})
+    assert [o.model_dump(exclude={"id", "call_id", "parsed_arguments"}) for o in final.output] == \
+        [o.model_dump(exclude={"id", "call_id"}) for o in whole.output]
+    cut = list(respond(client, tools=(), stream=True, max_output_tokens=1, reasoning={"summary": "concise"}))
+    (done,) = [e for e in cut if isinstance(e, types.ResponseReasoningSummaryPartDoneEvent)]
+    assert (done.status, done.part.text) == ("incomplete", REASONING)
+    assert cut[-1].response.status == "incomplete" and cut[-1].response.output[0].summary[0].text == REASONING
 
 
 def _responses_error(server, body) -> dict:

@@ -63,8 +63,9 @@ async def create_response(state: ServerState, body: ResponsesRequest, raw_reques
     if body.stream:
         return _events(state, body, run, rid, created, context)
     (result,) = await run.group.whole(raw_request)
-    items, reader = OutputItems(EventWriter(), call_id, _logprobs(state, body, result.token_ids, result.logprobs)), \
-        run.parser()
+    items = OutputItems(EventWriter(), call_id, _logprobs(state, body, result.token_ids, result.logprobs),
+                        body.reasoning_summary)
+    reader = run.parser()
     items.feed(reader.feed(result.text or "") + reader.finish())
     status = "incomplete" if result.finish_reason == "length" else "completed"
     items.close(status)
@@ -144,7 +145,8 @@ async def _events(state: ServerState, body: ResponsesRequest, run: ChatRun, rid:
     """The stream's events (responses_api_output.py says which, in what order); the response stored once complete
     unless `context` is None."""
     write = EventWriter()
-    items, reader = OutputItems(write, call_id, [] if body.output_logprobs is not None else None), run.parser()
+    items = OutputItems(write, call_id, [] if body.output_logprobs is not None else None, body.reasoning_summary)
+    reader = run.parser()
     token_ids: list[int] = []
     try:
         started = _response(state, body, rid, created, "in_progress")

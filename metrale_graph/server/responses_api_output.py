@@ -11,6 +11,13 @@ message: an output_text part), the deltas (`response.reasoning_text.delta`, `res
 and `response.output_item.done` with the finished item. Every event is `event: TYPE` and `data: {"type": TYPE,
 "sequence_number": N, ...}`, N counting from 0 over the stream.
 
+With `reasoning.summary` asked for, a reasoning item also has a `summary` of one summary_text part holding the same
+text (the server has no summarizer: the summary is the reasoning itself), and its stream also sends the summary's
+events, each before its reasoning_text counterpart: `response.reasoning_summary_part.added` (after the item's
+`response.output_item.added`), a `response.reasoning_summary_text.delta` per delta, `response.reasoning_summary_text.done`
+and `response.reasoning_summary_part.done` (status "incomplete" when the reply was cut inside the reasoning), all with
+summary_index 0: what clients that read reasoning only from the summary (LangChain's Responses path) stream.
+
 With include's "message.output_text.logprobs" the output_text part carries `logprobs` ({token, logprob, bytes,
 top_logprobs}: the chat endpoint's logprobs.content entries) of every token of the reply, as vLLM gives them (a
 reasoning's tokens before the text included: the parsers do not say which token a piece of text came from). A stream's
@@ -51,6 +58,11 @@ class ReasoningText(BaseModel):
     text: str
 
 
+class SummaryText(BaseModel):
+    type: Literal["summary_text"] = "summary_text"
+    text: str
+
+
 class OutputMessage(BaseModel):
     id: str
     type: Literal["message"] = "message"
@@ -62,7 +74,9 @@ class OutputMessage(BaseModel):
 class OutputReasoning(BaseModel):
     id: str
     type: Literal["reasoning"] = "reasoning"
-    summary: list = Field(default_factory=list)  # (the reasoning's text is its content, as vLLM gives it)
+    # the reasoning's text is its content, as vLLM gives it; with reasoning.summary asked for, also its one summary
+    # part (no summarizer here: the summary is the reasoning itself)
+    summary: list[SummaryText] = Field(default_factory=list)
     content: list[ReasoningText] | None = None
     status: Status
 
@@ -170,8 +184,8 @@ class OutputItems:
     `logprobs`: None, or the output text's logprobs (dicts of OutputText's shape) not yet in a message, which the
     stream adds to as tokens come: the next text delta takes them."""
 
-    def __init__(self, write: EventWriter, new_call_id, logprobs: list[dict] | None = None):
-        self.write, self.new_call_id = write, new_call_id
+    def __init__(self, write: EventWriter, new_call_id, logprobs: list[dict] | None = None, summary: bool = False):
+        self.write, self.new_call_id, self.summary = write, new_call_id, summary
         self.items: list[OutputItem] = []
         self.events: list[str] = []
         self.logprobs = logprobs
@@ -198,6 +212,9 @@ class OutputItems:
             self.close()
             self._start(_Open(kind, item_id("rs" if kind == "reasoning" else "msg"), len(self.items)))
         self._open.parts.append(text)
+        if kind == "reasoning" and self.summary:
+            self.events.append(self.write("response.reasoning_summary_text.delta", item_id=self._open.id,
+                                          output_index=self._open.index, summary_index=0, delta=text))
         extra = {}
         if kind == "message":
             taken, self.logprobs = self.logprobs, ([] if self.logprobs is not None else None)
@@ -216,9 +233,12 @@ class OutputItems:
         self._open = item
         where = {"item_id": item.id, "output_index": item.index, "content_index": 0}
         if item.kind == "reasoning":
-            self.events += [self.write("response.output_item.added", output_index=item.index,
-                                       item=OutputReasoning(id=item.id, status="in_progress")),
-                            self.write("response.content_part.added", **where, part=ReasoningText(text=""))]
+            self.events.append(self.write("response.output_item.added", output_index=item.index,
+                                          item=OutputReasoning(id=item.id, status="in_progress")))
+            if self.summary:
+                self.events.append(self.write("response.reasoning_summary_part.added", item_id=item.id,
+                                              output_index=item.index, summary_index=0, part=SummaryText(text="")))
+            self.events.append(self.write("response.content_part.added", **where, part=ReasoningText(text="")))
         elif item.kind == "message":
             self.events += [self.write("response.output_item.added", output_index=item.index,
                                        item=OutputMessage(id=item.id, status="in_progress", content=[])),
@@ -236,7 +256,13 @@ class OutputItems:
         text = "".join(item.parts)
         where = {"item_id": item.id, "output_index": item.index}
         if item.kind == "reasoning":
-            done = OutputReasoning(id=item.id, content=[ReasoningText(text=text)], status=status)
+            summary = [SummaryText(text=text)] if self.summary else []
+            done = OutputReasoning(id=item.id, summary=summary, content=[ReasoningText(text=text)], status=status)
+            if self.summary:  # (a part cut by the reply's end says so, as OpenAI's does)
+                cut = {"status": "incomplete"} if status == "incomplete" else {}
+                self.events += [self.write("response.reasoning_summary_text.done", **where, summary_index=0, text=text),
+                                self.write("response.reasoning_summary_part.done", **where, summary_index=0,
+                                           part=summary[0], **cut)]
             self.events += [self.write("response.reasoning_text.done", **where, content_index=0, text=text),
                             self.write("response.content_part.done", **where, content_index=0,
                                        part=ReasoningText(text=text))]

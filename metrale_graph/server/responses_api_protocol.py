@@ -7,7 +7,8 @@ role user / system / developer / assistant with string or input_text / output_te
 back to the template as the assistant's reasoning, as vLLM reads them), `instructions` (a system message first),
 `max_output_tokens`, `temperature`, `top_p`, function `tools` in their flat shape, `tool_choice`,
 `parallel_tool_calls`, `text.format` (structured output: server/structured.py), `reasoning.effort` (the chat
-template's `reasoning_effort`, as vLLM passes it), `metadata` (echoed), and the sampling fields the chat endpoint
+template's `reasoning_effort`, as vLLM passes it), `reasoning.summary` (the reasoning item's summary: its text, no
+summarizer), `metadata` (echoed), and the sampling fields the chat endpoint
 takes from vLLM (`top_k`, `seed`, `stop`, `repetition_penalty`, ...), `store` and `previous_response_id` (the
 server's response store: responses_store.py), `include` ("message.output_text.logprobs", with `top_logprobs`; and
 "reasoning.encrypted_content", which asks for nothing here: a reasoning item carries its text), `truncation` ("auto":
@@ -232,8 +233,9 @@ class TextConfig(BaseModel):
 
 class ReasoningConfig(BaseModel):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = None  # (the reasoning's text is its content, as vLLM's)
-    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+    # a summary asked for: the reasoning item's summary is its text (no summarizer: responses_api_output.py)
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # (summary's older name)
 
 
 # the Responses API's fields this server does not run, and the values that ask for nothing
@@ -344,6 +346,12 @@ class ResponsesRequest(SamplingFields):
     def template_kwargs(self) -> dict | None:
         effort = self.reasoning.effort if self.reasoning is not None else None
         return None if effort is None else {"reasoning_effort": effort}
+
+    @property
+    def reasoning_summary(self) -> bool:
+        """Whether reasoning.summary (or its older name generate_summary) asks for the reasoning's summary."""
+        r = self.reasoning
+        return r is not None and (r.summary or r.generate_summary) is not None
 
     @property
     def max_new_tokens(self) -> int | None:
