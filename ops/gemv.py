@@ -126,6 +126,8 @@ def gemv(x: Tensor, w: Tensor, residual: Tensor | None = None, tiles: tuple[int,
     N = w.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
+    if residual is not None and residual.stride(1) != 1:  # (the kernel reads its rows as contiguous columns)
+        residual = residual.contiguous()
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if N == 0:
         return y

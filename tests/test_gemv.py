@@ -12,7 +12,7 @@ import torch
 from metrale_graph import envs
 from metrale_graph.ops import gemv
 from metrics import round_bf16_to_nearest
-from op_cases import CASES
+from op_cases import CASES, op_args
 from test_kernels import CUDA_IMPLS, DEVICE, check_against_reference
 
 
@@ -57,6 +57,26 @@ def test_gemv_takes_empty_shapes_and_strided_rows():
     assert torch.equal(gemv.gemv(x[:, :0], w[:, :0], r), r) and not gemv.gemv(x[:, :0], w[:, :0]).any()  # K = 0
     wide = torch.cat([x, x], dim=1)[:, :128]  # rows of stride 256
     assert torch.equal(gemv.gemv(wide, w), gemv.gemv(x.contiguous(), w))
+
+
+def test_gemv_takes_a_residual_of_any_strides(monkeypatch):
+    """A residual whose columns are not unit-strided (a column-major h: mlp's, attn_out's and gdn_out's residual
+    may have any layout, torch.addmm takes it) is added as its values, not read as if its rows were contiguous."""
+    x, w, r = _operands(3, 64, 256, torch.bfloat16)
+    col_major = r.t().contiguous().t()
+    for tiles in ((64, 128, 1, 2), (64, 64, 2, 2)):  # one part, several
+        assert torch.equal(gemv.gemv(x, w, col_major, tiles), gemv.gemv(x, w, r, tiles))
+    monkeypatch.setattr(gemv, "BACKEND", "triton")
+    ref = x.double() @ w.double().t() + r.double()
+    assert _rel(gemv.linear(x, w, col_major), ref) <= 1e-2
+    # the ops: mlp's h and attn_out's residual column-major give the output of contiguous ones
+    case = next(c for c in DECODE_CASES if sum(c.lengths) > 1)
+    for name, at in (("mlp", 0), ("attn_out", 2)):
+        args = list(op_args(name, case, torch.bfloat16, 0))
+        args = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
+        want = CUDA_IMPLS[name](*args)
+        args[at] = args[at].t().contiguous().t()
+        assert torch.equal(CUDA_IMPLS[name](*args), want), name
 
 
 def test_linear_takes_the_chosen_backend_at_decode_rows_only(monkeypatch):
