@@ -242,7 +242,8 @@ class SpeculativeGraphs:
         full_tok[:, :t] = tok
         full_strm = torch.zeros(strm_buf.shape, dtype=torch.int64)  # spare streams: zero-length, wanting no draft
         full_strm[:, :b] = strm
-        full_strm[0, b:] = full_strm[3, b:] = t
+        full_strm[0, b:] = t  # (their first catch-up row stays 0: row 0 + a stale count is inside the bucket's
+        # tokens, where t + it is not when the real streams fill them, an index out of range)
         full_strm[1, b:] = self.cache.scratch_slot
         tok_buf.copy_(full_tok, non_blocking=True)  # (numbers.to_device's reason: no stream sync)
         strm_buf.copy_(full_strm, non_blocking=True)

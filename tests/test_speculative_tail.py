@@ -183,6 +183,26 @@ def test_the_captured_path_gives_plain_decoding(models, family, monkeypatch, mtp
             assert 0 < stats["accepted"] < stats["proposed"]
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_drafting_after_one_stream_in_a_bucket_it_fills(models, k, mtp_after):
+    """One stream verifying k drafts fills the k + 1 tokens of a 2-stream bucket (the default grid's (2, 2) for
+    k = 1, (4, 2) for k = 3): the padding stream of the drafting behind the acceptance reads its catch-up row inside
+    the bucket (its first row 0, as graphs.draft's padding; it was the real streams' end, out of range), and the
+    tokens are plain decoding's."""
+    model, prompt = models["dense"], prompts_of("dense")[0]
+    with Engine(model, 1, compile=False) as e:
+        reference = e.generate([prompt], max_new_tokens=12, stop_token_ids=[])[0].token_ids
+    calls = []
+    e = with_eager_tail(Engine(model, 1, compile=False, speculative={"method": "mtp", "num_tokens": k}),
+                        make_grid([2], [k + 1, 16]))
+    graphs = e._loop.spec.graphs
+    method = graphs.draft_after
+    graphs.draft_after = lambda *a: calls.append(1) or method(*a)
+    with e:
+        assert e.generate([prompt], max_new_tokens=12, stop_token_ids=[])[0].token_ids == reference
+    assert calls
+
+
 def test_plain_steps_after_captured_verify_steps_read_the_last_tokens_it_set(models, monkeypatch):
     """The acceptance sets each row's slot's last token on the device (tail.write_last_tokens) and the host copies
     none (verify._deliver): an oracle drafting on every other call only, so verify steps and the loop's plain
