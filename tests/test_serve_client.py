@@ -1,0 +1,145 @@
+"""The official `openai` client's higher-level helpers and its less common parameters against a real server process
+(tools/serve.py on 127.0.0.1, a free port, started once for the module) on the checkpoint of test_serve_tools.py
+(chain_model.py: Qwen3.5's chat format, a reasoning, then an XML call of get_weather; its greedy replies known).
+
+Covered: client.chat.completions.parse with a pydantic response_format (`.parsed`, `.refusal`) and with
+pydantic_function_tool's strict tools (`parsed_arguments`, auto and a named tool_choice); the
+client.chat.completions.stream context manager's typed events (chunk, content.delta / done with the partial
+`parsed`, logprobs.content.delta / done, tool_calls.function.arguments.delta / done with `parsed_arguments`), its
+final completion equal to parse's, n > 1 and stream_options' usage; client.responses.parse and
+client.responses.stream with pydantic_function_tool's tools (`parsed_arguments`)."""
+
+import json
+from typing import Literal
+
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from chain_model import REASONING, chain_checkpoint
+from server_process import running_server
+
+pytest.importorskip("xgrammar")
+NAME = "tiny-client"
+TIMEOUT = 120
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+MAX_TOKENS = 300  # (a held reply of this model's byte tokens runs to about 100)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+class Weather(BaseModel):
+    """Every field bounded: the model's output under the schema cannot grow without end."""
+    city: Literal["Paris", "Rome"]
+    days: int = Field(ge=1, le=7)
+    sunny: bool
+
+
+class Zone(BaseModel):
+    zone: Literal["UTC", "CET"]
+
+
+WEATHER = openai.pydantic_function_tool(Weather, name="get_weather")  # strict: true
+ZONE = openai.pydantic_function_tool(Zone, name="get_time")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = chain_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    flags = ["--served-model-name", NAME, "--num-slots", "4", "--max-context", "2048", "--token-budget", "512"]
+    with running_server(folder, tmp_path_factory.mktemp("server"), flags, TIMEOUT) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+
+
+def ask(**kw) -> dict:
+    return {"model": NAME, "messages": USER, "temperature": 0, "max_tokens": MAX_TOKENS, **kw}
+
+
+def test_chat_parse_with_a_pydantic_response_format(client):
+    r = client.chat.completions.parse(**ask(response_format=Weather))
+    (choice,) = r.choices
+    assert choice.finish_reason == "stop" and choice.message.refusal is None
+    assert isinstance(choice.message.parsed, Weather) and choice.message.reasoning_content == REASONING
+    assert Weather.model_validate_json(choice.message.content) == choice.message.parsed
+    sampled = client.chat.completions.parse(**ask(response_format=Weather, n=3, temperature=1.0, seed=2))
+    assert [c.index for c in sampled.choices] == [0, 1, 2]
+    assert all(isinstance(c.message.parsed, Weather) and c.finish_reason == "stop" for c in sampled.choices)
+
+
+def test_chat_parse_with_pydantic_function_tools(client):
+    """pydantic_function_tool's tools are strict: the calls are held to their schemas, and parse gives each call's
+    arguments as the model (`parsed_arguments`), under auto and under a named tool_choice ("stop", as OpenAI)."""
+    r = client.chat.completions.parse(**ask(tools=[WEATHER, ZONE]))
+    (choice,) = r.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(call.function.parsed_arguments, Weather)
+    assert json.loads(call.function.arguments) == call.function.parsed_arguments.model_dump()
+    named = client.chat.completions.parse(**ask(tools=[WEATHER, ZONE], tool_choice={
+        "type": "function", "function": {"name": "get_time"}}))
+    (choice,) = named.choices
+    assert choice.finish_reason == "stop" and isinstance(choice.message.tool_calls[0].function.parsed_arguments, Zone)
+
+
+def _events(client, **kw) -> tuple[list, object]:
+    with client.chat.completions.stream(**ask(**kw)) as stream:
+        events = list(stream)
+        return events, stream.get_final_completion()
+
+
+def test_chat_stream_helper_with_a_response_format_and_logprobs(client):
+    """chat.completions.stream's events: a chunk event per chunk, content.delta with the partial parse so far, one
+    content.done with the parsed object, logprobs.content.delta for every token and one logprobs.content.done
+    holding them all; the final completion equals parse's, its usage sent with include_usage."""
+    whole = client.chat.completions.parse(**ask(response_format=Weather, logprobs=True, top_logprobs=2))
+    events, final = _events(client, response_format=Weather, logprobs=True, top_logprobs=2,
+                            stream_options={"include_usage": True})
+    kinds = [e.type for e in events]
+    assert set(kinds) == {"chunk", "content.delta", "content.done", "logprobs.content.delta", "logprobs.content.done"}
+    assert kinds.count("content.done") == kinds.count("logprobs.content.done") == 1
+    (done,) = [e for e in events if e.type == "content.done"]
+    assert done.parsed == whole.choices[0].message.parsed and done.content == whole.choices[0].message.content
+    deltas = [e for e in events if e.type == "content.delta"]
+    assert "".join(e.delta for e in deltas) == done.content and isinstance(deltas[-1].parsed, dict)
+    (lp_done,) = [e for e in events if e.type == "logprobs.content.done"]
+    assert [(t.token, t.logprob) for t in lp_done.content] == [(t.token, t.logprob)
+                                                               for t in whole.choices[0].logprobs.content]
+    message = final.choices[0].message
+    assert message.parsed == whole.choices[0].message.parsed and final.choices[0].finish_reason == "stop"
+    assert final.usage.completion_tokens == whole.usage.completion_tokens and final.usage.prompt_tokens > 0
+
+
+def test_chat_stream_helper_with_pydantic_function_tools(client):
+    """Strict tools through the stream helper: tool_calls.function.arguments.delta events, then one .done per call
+    with its name and `parsed_arguments`; the final completion's calls equal parse's; n 2 keeps each choice's calls
+    apart."""
+    whole = client.chat.completions.parse(**ask(tools=[WEATHER]))
+    events, final = _events(client, tools=[WEATHER])
+    (done,) = [e for e in events if e.type == "tool_calls.function.arguments.done"]
+    assert (done.name, done.index, done.parsed_arguments) == ("get_weather", 0,
+                                                              whole.choices[0].message.tool_calls[0].function.parsed_arguments)
+    deltas = [e for e in events if e.type == "tool_calls.function.arguments.delta"]
+    assert "".join(e.arguments_delta for e in deltas) == done.arguments
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert final.choices[0].message.tool_calls[0].function.parsed_arguments == done.parsed_arguments
+    _, two = _events(client, tools=[WEATHER], n=2)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert all(c.message.tool_calls[0].function.parsed_arguments == done.parsed_arguments for c in two.choices)
+
+
+def test_responses_parse_and_stream_with_pydantic_function_tools(client):
+    r = client.responses.parse(model=NAME, input=USER, tools=[WEATHER], temperature=0, max_output_tokens=MAX_TOKENS)
+    assert r.status == "completed" and [o.type for o in r.output] == ["reasoning", "function_call"]
+    assert isinstance(r.output[-1].parsed_arguments, Weather)
+    with client.responses.stream(model=NAME, input=USER, tools=[WEATHER], temperature=0,
+                                 max_output_tokens=MAX_TOKENS) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.function_call_arguments.done" in kinds
+    assert final.output[-1].parsed_arguments == r.output[-1].parsed_arguments
