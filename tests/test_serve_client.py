@@ -16,7 +16,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from chain_model import REASONING, chain_checkpoint
+from chain_model import CALL, CLOSE_THINK, OPEN_THINK, REASONING, chain_checkpoint
 from server_process import running_server
 
 pytest.importorskip("xgrammar")
@@ -143,3 +143,17 @@ def test_responses_parse_and_stream_with_pydantic_function_tools(client):
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
     assert "response.function_call_arguments.done" in kinds
     assert final.output[-1].parsed_arguments == r.output[-1].parsed_arguments
+
+
+def test_spaces_between_special_tokens_either_way(client):
+    """vLLM's spaces_between_special_tokens (once refused when false): a decode puts no space between special tokens
+    whatever it says (transformers' tokenizers add none, nor vLLM's detokenizer of a fast tokenizer), so both values
+    give the special tokens' text joined as it is, whole and streamed."""
+    prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n" + OPEN_THINK
+    want = REASONING + CLOSE_THINK + CALL[0] + CALL[1]  # (the last three special tokens, one after another)
+    kw = dict(model=NAME, prompt=prompt, max_tokens=4, temperature=0)
+    for spaces in (False, True, None):
+        extra = {"skip_special_tokens": False, "spaces_between_special_tokens": spaces}
+        whole = client.completions.create(extra_body=extra, **kw).choices[0].text
+        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, extra_body=extra, **kw))
+        assert whole == streamed == want, spaces

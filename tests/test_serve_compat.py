@@ -192,7 +192,7 @@ def test_an_engine_check_names_its_field(server, body, param):
 
 UNSUPPORTED = [  # (path, field, value): OpenAI's and vLLM's fields the engine cannot honour
     ("/v1/completions", "use_beam_search", True),
-    ("/v1/completions", "spaces_between_special_tokens", False),
+    ("/v1/completions", "bad_words", ["the"]),
     ("/v1/completions", "allowed_token_ids", [1, 2]),
     ("/v1/completions", "length_penalty", 0.5),
     ("/v1/chat/completions", "logits_processors", ["a"]),

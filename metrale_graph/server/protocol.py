@@ -55,7 +55,6 @@ class StreamOptions(BaseModel):
 # Identity, not equality, for the booleans: `use_beam_search: 0` is not False.
 NEUTRAL = {
     "length_penalty": (None, 1), "use_beam_search": (None, False),
-    "spaces_between_special_tokens": (None, True),
     "allowed_token_ids": (None,), "bad_words": (None, []),
     "truncate_prompt_tokens": (None,), "logits_processors": (None,),
     "guided_whitespace_pattern": (None,),  # vLLM's: the JSON grammars' whitespace (xgrammar's is fixed here)
@@ -130,6 +129,9 @@ class SamplingFields(BaseModel):
     # logprobs' token strings as "token_id:N" (RL clients read the ids back from them; null: false)
     return_tokens_as_token_ids: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None  # false: every special token's text kept
+    # either value: a decode puts no space between special tokens (transformers' tokenizers add none, whatever the
+    # value; vLLM's detokenizer of a fast tokenizer neither), which is what false asks for and what true gives in vLLM
+    spaces_between_special_tokens: StrictBool | None = None
     # sampling controls (metrale_graph/logits_processors.py: vLLM's semantics); null: the default (off).
     # OpenAI's penalties, logit_bias (token ids as JSON object keys); vLLM's min_p, repetition_penalty,
     # min_tokens, include_stop_str_in_output, prompt_logprobs (each prompt token's logprob and the top N)
@@ -151,7 +153,6 @@ class SamplingFields(BaseModel):
     # fields the engine cannot honour (NEUTRAL): refused unless neutral
     length_penalty: Any = None
     use_beam_search: Any = None
-    spaces_between_special_tokens: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
     truncate_prompt_tokens: Any = None
