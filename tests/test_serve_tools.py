@@ -742,6 +742,10 @@ def test_responses_truncation_auto_that_cannot_fit_is_400(server):
     assert (error["param"], error["code"]) == ("max_output_tokens", "context_length_exceeded"), error
     assert "no room for a prompt" in error["message"], error
     assert "truncation" in _responses_error(server, {"truncation": "middle"})["message"]
+    # only system / developer messages, which are always kept: the same 400 (not a 500 with no place to cut at)
+    alone = {k: v for k, v in body.items() if k != "instructions"}  # (the template renders one system message)
+    error = _responses_error(server, {**alone, "input": [{"role": "system", "content": NOTE * 25}]})
+    assert (error["param"], error["code"]) == ("input", "context_length_exceeded"), error
 
 
 def test_truncation_cuts_keep_messages_and_calls_whole():
@@ -762,3 +766,4 @@ def test_truncation_cuts_keep_messages_and_calls_whole():
     assert cuts(items) == (1, [1, 2, 7, 8])
     assert cuts(items[1:7]) == (0, [0])  # (no place past the last user message, the first item)
     assert cuts(items[2:8]) == (0, [0, 5])  # (no user message: up to the last item)
+    assert cuts(items[:1]) == (1, [1])  # (its leading messages alone: the one place keeps them, and nothing follows)

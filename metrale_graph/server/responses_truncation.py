@@ -44,7 +44,7 @@ def cuts(items: list) -> tuple[int, list[int]]:
             parted[calls[item.call_id] + 1] += 1  # places i+1 .. j drop the call and keep its output
             parted[j + 1] -= 1
     places, running = [], 0
-    for k in range(len(items)):
+    for k in range(len(items) + 1):  # (place len(items): the leading messages alone, where they are all there is)
         running += parted[k]
         if lead <= k <= max(last, lead) and (k == lead or (starts[k] and not running)):
             places.append(k)
