@@ -157,3 +157,22 @@ def test_spaces_between_special_tokens_either_way(client):
         whole = client.completions.create(extra_body=extra, **kw).choices[0].text
         streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, extra_body=extra, **kw))
         assert whole == streamed == want, spaces
+
+
+def test_structured_outputs_backend_switches(client):
+    """vLLM's structured_outputs switches (once refused as unknown keys): disable_any_whitespace (JSON is compact here
+    always), disable_additional_properties (xgrammar's strict mode: no property the schema does not define, as vLLM's
+    xgrammar backend holds either way) and disable_fallback (one backend) are taken, true or false, the reply the
+    same as without them; whitespace_pattern stays a 400 naming structured_outputs."""
+    schema = Weather.model_json_schema()
+    plain = client.chat.completions.create(**ask(extra_body={"structured_outputs": {"json": schema}}))
+    text = plain.choices[0].message.content
+    assert json.dumps(Weather.model_validate_json(text).model_dump()) == text  # (compact: ", " and ": " only)
+    for value in (True, False):
+        switches = {"disable_any_whitespace": value, "disable_additional_properties": value, "disable_fallback": value}
+        reply = client.chat.completions.create(**ask(extra_body={"structured_outputs": {"json": schema, **switches}}))
+        assert reply.choices[0].message.content == text and reply.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**ask(extra_body={"structured_outputs": {"json": schema,
+                                                                                "whitespace_pattern": " "}}))
+    assert e.value.body["param"] == "structured_outputs" and "whitespace_pattern" in e.value.body["message"]

@@ -95,7 +95,11 @@ class ResponseFormat(BaseModel):
 
 class StructuredOutputs(BaseModel):
     """vLLM's structured_outputs: one of json (a schema, or its JSON text), regex, choice, grammar (xgrammar's
-    EBNF, or Lark's), json_object. vLLM's other keys (whitespace_pattern, structural_tag, ...) are refused."""
+    EBNF, or Lark's), json_object; vLLM's switches of its backends, taken either way: what they ask for is what
+    this backend does anyway (grammar.py: JSON compact, xgrammar's disable_any_whitespace; no property a schema does
+    not define, xgrammar's strict mode, which vLLM's xgrammar backend keeps whatever disable_additional_properties
+    says; one backend, nothing to fall back to). vLLM's other keys (whitespace_pattern, structural_tag) are
+    refused."""
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")
@@ -103,6 +107,9 @@ class StructuredOutputs(BaseModel):
     choice: list[StrictStr] | None = None
     grammar: StrictStr | None = None
     json_object: StrictBool | None = None
+    disable_any_whitespace: StrictBool | None = None
+    disable_additional_properties: StrictBool | None = None
+    disable_fallback: StrictBool | None = None
 
 
 class SamplingFields(BaseModel):
