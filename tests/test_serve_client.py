@@ -176,3 +176,33 @@ def test_structured_outputs_backend_switches(client):
         client.chat.completions.create(**ask(extra_body={"structured_outputs": {"json": schema,
                                                                                 "whitespace_pattern": " "}}))
     assert e.value.body["param"] == "structured_outputs" and "whitespace_pattern" in e.value.body["message"]
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client):
+    """vLLM's truncate_prompt_tokens (once refused): the prompt's last N tokens only, of a string or token ids, a
+    chat's rendered messages too (the usage, vLLM's prompt_token_ids and the reply those of the cut prompt sent
+    whole); echo shows the cut prompt; -1 keeps as many as leave room for a new token (a prompt longer than the
+    context served); 0, more than the context and the Responses API's (which truncates by items) are 400s."""
+    ids = {"return_token_ids": True}
+    full = client.completions.create(model=NAME, prompt="The weather in Paris: sunny", max_tokens=3, temperature=0,
+                                     extra_body=ids).choices[0].prompt_token_ids
+    for prompt in ("The weather in Paris: sunny", full):
+        cut = client.completions.create(model=NAME, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                        extra_body={**ids, "truncate_prompt_tokens": 4})
+        sent = client.completions.create(model=NAME, prompt=full[-4:], max_tokens=3, temperature=0, echo=True,
+                                         extra_body=ids)
+        assert cut.choices[0].prompt_token_ids == full[-4:] and cut.usage.prompt_tokens == 4
+        assert cut.choices[0].text == sent.choices[0].text  # (the cut prompt, echoed, then the same reply)
+    chat = client.chat.completions.create(**ask(max_tokens=2, extra_body=ids)).model_extra["prompt_token_ids"]
+    cut = client.chat.completions.create(**ask(max_tokens=2, extra_body={**ids, "truncate_prompt_tokens": 5}))
+    assert cut.model_extra["prompt_token_ids"] == chat[-5:] and cut.usage.prompt_tokens == 5
+    too_long = client.completions.create(model=NAME, prompt=[7] * 2100, max_tokens=1,
+                                         extra_body={"truncate_prompt_tokens": -1})
+    assert too_long.usage.prompt_tokens == 2047 and too_long.choices[0].finish_reason == "length"
+    for value in (0, 2049, -2):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=NAME, prompt="x", max_tokens=1, extra_body={"truncate_prompt_tokens": value})
+        assert e.value.body["param"] == "truncate_prompt_tokens", e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=NAME, input="x", extra_body={"truncate_prompt_tokens": 4})
+    assert (e.value.body["param"], e.value.body["code"]) == ("truncate_prompt_tokens", "unsupported_parameter")

@@ -83,7 +83,7 @@ async def start_chat(state: ServerState, body, messages: list[dict], tools: Tool
     top N of each new token's logprobs to ask for where the body has no chat `logprobs` (the Responses API's include)."""
     _, prompt, in_reasoning = await state.off_loop(state.chat_prompt, messages, body.add_generation_prompt,
                                                    body.continue_final_message, body.template_kwargs,
-                                                   tools.template_tools, param)
+                                                   tools.template_tools, param, state.kept_tokens(body))
     state.check_room([prompt], body)
     structured, field = structured_request(state, body, tools.forced, state.think_end if in_reasoning else None,
                                            tools.calls_tag if tools.calls is not None else None)

@@ -31,18 +31,20 @@ from .structured import compile_grammar, structured_request
 def prompts_of(state: ServerState, body: CompletionRequest) -> list[list[int]]:
     """The request's prompts as token id lists (one prompt: a string or a list of token ids; several: a
     list of strings or of token id lists)."""
-    prompt = body.prompt
+    prompt, keep = body.prompt, state.kept_tokens(body)
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        return [state.prompt_ids(prompt, "prompt")]
-    return [state.prompt_ids(p, "prompt", i) for i, p in enumerate(prompt)]
+        return [state.prompt_ids(prompt, "prompt", keep=keep)]
+    return [state.prompt_ids(p, "prompt", i, keep) for i, p in enumerate(prompt)]
 
 
 def prompt_texts(state: ServerState, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
-    """What echo puts before each prompt's text: a string prompt as sent, token ids decoded with their special
-    tokens (as vLLM echoes them: the text the echoed tokens' strings and text_offsets spell)."""
+    """What echo puts before each prompt's text: a string prompt as sent, token ids (and a prompt that
+    truncate_prompt_tokens cut) decoded with their special tokens (as vLLM echoes them: the text the echoed tokens'
+    strings and text_offsets spell)."""
     raw = body.prompt
     sent = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
-    return [p if isinstance(p, str) else "" if state.tokenizer is None else state.tokenizer.decode(ids)
+    cut = body.truncate_prompt_tokens is not None
+    return [p if isinstance(p, str) and not cut else "" if state.tokenizer is None else state.tokenizer.decode(ids)
             for p, ids in zip(sent, prompts)]
 
 

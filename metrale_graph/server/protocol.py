@@ -55,8 +55,7 @@ class StreamOptions(BaseModel):
 # Identity, not equality, for the booleans: `use_beam_search: 0` is not False.
 NEUTRAL = {
     "length_penalty": (None, 1), "use_beam_search": (None, False),
-    "allowed_token_ids": (None,), "bad_words": (None, []),
-    "truncate_prompt_tokens": (None,), "logits_processors": (None,),
+    "allowed_token_ids": (None,), "bad_words": (None, []), "logits_processors": (None,),
     "guided_whitespace_pattern": (None,),  # vLLM's: the JSON grammars' whitespace (xgrammar's is fixed here)
     # vLLM's: a scheduling priority (vLLM too refuses one but 0 without its priority scheduler), a salt keeping the
     # request's prefix-cache entries apart from others' (this cache has none), disaggregated prefill's KV transfer,
@@ -150,6 +149,8 @@ class SamplingFields(BaseModel):
     min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
     include_stop_str_in_output: StrictBool | None = None
     prompt_logprobs: NumLogprobs | None = None
+    # vLLM's: only the prompt's last N tokens (-1: as many as leave room for a new one; state.kept_tokens)
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
     # structured output (server/structured.py: at most one of them; null or {"type": "text"}: none)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -162,7 +163,6 @@ class SamplingFields(BaseModel):
     use_beam_search: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
-    truncate_prompt_tokens: Any = None
     logits_processors: Any = None
     guided_whitespace_pattern: Any = None
     priority: Any = None

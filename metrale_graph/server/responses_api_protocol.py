@@ -241,7 +241,7 @@ class ReasoningConfig(BaseModel):
 # the Responses API's fields this server does not run, and the values that ask for nothing
 RESPONSES_NEUTRAL = {
     "background": (None, False), "conversation": (None,), "prompt": (None,), "max_tool_calls": (None,),
-    "n": (1,), "prompt_logprobs": (None,),
+    "n": (1,), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),  # (truncation cuts a conversation)
     # OpenAI's stream options: obfuscation (random padding of the deltas) off, as every stream here is
     "stream_options": (None, {}, {"include_obfuscation": False}), "text.verbosity": (None, "medium"),
     "return_token_ids": (False,), "return_tokens_as_token_ids": (None, False), "logprobs": (None, False),

@@ -140,18 +140,30 @@ class ServerState:
         if body.stream_options is not None and not body.stream:
             raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
 
-    def prompt_ids(self, prompt, param: str, index: int | None = None) -> list[int]:
-        """Token ids of one prompt (a string through the tokenizer, as Engine.submit encodes it), checked
-        against the context (a prompt must leave room for one new token) and, given as ids, the vocabulary."""
+    def kept_tokens(self, body: SamplingFields) -> int | None:
+        """How many of a prompt's last tokens vLLM's truncate_prompt_tokens keeps (-1: as many as leave room for one
+        new token), or None: all of them. 400 naming it for 0 (no prompt) or more than the context."""
+        keep = body.truncate_prompt_tokens
+        if keep is not None and not (keep == -1 or 0 < keep <= self.max_context):
+            raise bad_request(f"truncate_prompt_tokens must be -1 (as many as leave room for a new token) or a number "
+                              f"of tokens in [1, {self.max_context}] (this model's context), got {keep}",
+                              param="truncate_prompt_tokens")
+        return self.max_context - 1 if keep == -1 else keep
+
+    def prompt_ids(self, prompt, param: str, index: int | None = None, keep: int | None = None) -> list[int]:
+        """Token ids of one prompt (a string through the tokenizer, as Engine.submit encodes it; `keep`: only its last
+        `keep` tokens), checked against the context (a prompt must leave room for one new token) and, given as ids,
+        the vocabulary."""
         name = param if index is None else f"{param} {index}"
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise bad_request(f"{param}: this server's model has no tokenizer: send token ids", param=param)
             check_text(prompt, name, param)
-            self.check_fits(prompt, name, param)
-            ids = list(self.tokenizer.encode(prompt))
+            if keep is None:  # (truncated, a text of any length is cut after it is tokenized)
+                self.check_fits(prompt, name, param)
+            ids = list(self.tokenizer.encode(prompt))[-keep if keep else 0:]
         else:
-            ids = list(prompt)
+            ids = list(prompt)[-keep if keep else 0:]
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise bad_request(f"{name}: token id {bad} is out of range [0, {self.vocab_size})", param=param)
@@ -199,15 +211,18 @@ class ServerState:
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, template_kwargs: dict | None = None,
-                    tools: list[dict] | None = None, param: str = "messages") -> tuple[str, list[int], bool]:
+                    tools: list[dict] | None = None, param: str = "messages",
+                    keep: int | None = None) -> tuple[str, list[int], bool]:
         """The chat template of the tokenizer applied to `messages`, as text and as token ids (add_generation_prompt:
         the assistant's turn starts; continue_final_message: the last message stays open, its end tokens left
         out; template_kwargs: the template's own variables; tools: the functions the template renders), the
         template's special tokens not added twice, and whether a reply begins inside a reasoning block
-        (`reply_in_reasoning`). `param`: the request field the messages came from (400s name it)."""
+        (`reply_in_reasoning`). `param`: the request field the messages came from (400s name it); `keep`: only the
+        prompt's last `keep` tokens (kept_tokens)."""
         text = self.chat_text(messages, add_generation_prompt, continue_final_message, template_kwargs, tools, param)
-        self.check_fits(text, f"{param} (through the chat template)", param)
-        ids = self.prompt_ids(list(self.tokenizer.encode(text, add_special_tokens=False)), param)
+        if keep is None:
+            self.check_fits(text, f"{param} (through the chat template)", param)
+        ids = self.prompt_ids(list(self.tokenizer.encode(text, add_special_tokens=False)), param, keep=keep)
         return text, ids, self.reply_in_reasoning(text, messages, continue_final_message, template_kwargs, tools)
 
     def reply_in_reasoning(self, text: str, messages: list[dict], continue_final_message: bool = False,
