@@ -8,7 +8,8 @@ GraphRunner, into its memory pool.
                                                        # each row's last token into last_tokens[slots[i]]
     graphs.copy_states(slots, entries)                 # that copy alone (after the eager acceptance)
     drafts = graphs.draft(bucket, h, tok, strm)        # [b, K] on the device: the MTP head's drafts
-    drafts = graphs.draft_after(bucket, h, result, tok, strm)  # the same from an acceptance's result, no read back
+    both = graphs.draft_after(bucket, h, result, tok, strm)  # the same from an acceptance's result, no read back:
+                                                       # [b, K + 2 + K], that result (read it here) and the drafts
 
 Per bucket of the runner's grid (the verify step's: the step's hidden states `h` are that bucket's graph output)
 there are up to four entries, made and warmed on first use or by `warm(bucket)`: the greedy acceptance, the sampled
@@ -231,9 +232,11 @@ class SpeculativeGraphs:
     def draft_after(self, bucket: Bucket, h: torch.Tensor, result: torch.Tensor, tok: torch.Tensor,
                     strm: torch.Tensor) -> torch.Tensor:
         """The MTP head's catch-up and drafts right after an acceptance of the same bucket (tail.mtp_drafts_after),
-        its tokens and draft lengths taken from that acceptance's `result` [r, K + 2] on the device (copied into
+        its tokens and draft lengths taken from that acceptance's `result` [b, K + 2] on the device (copied into
         this entry's buffer: no read back); tok [3, t] and strm [5, b] on the host (tail.py's `after` layouts,
-        verify.py builds them). int64 [b, K] on the device."""
+        verify.py builds them). int64 [b, K + 2 + K] on the device: `result` as copied, then the drafts (with graphs
+        the acceptance's output is its graph's buffer in the shared pool, which this entry's replay may overwrite
+        when it was captured first: read the copy)."""
         entry = self._entry("after", bucket)
         result_buf, tok_buf, strm_buf = entry.args[3], entry.args[4], entry.args[5]
         result_buf[:result.shape[0]].copy_(result)
@@ -247,7 +250,7 @@ class SpeculativeGraphs:
         full_strm[1, b:] = self.cache.scratch_slot
         tok_buf.copy_(full_tok, non_blocking=True)  # (numbers.to_device's reason: no stream sync)
         strm_buf.copy_(full_strm, non_blocking=True)
-        return self._run(entry, h)[:b]
+        return torch.cat([result_buf[:b], self._run(entry, h)[:b]], dim=1)
 
     @torch.no_grad()
     def copy_states(self, slots: list[int], entries: list[int]) -> None:

@@ -203,6 +203,32 @@ def test_mtp_drafting_after_one_stream_in_a_bucket_it_fills(models, k, mtp_after
     assert calls
 
 
+def test_mtp_drafting_after_reads_no_output_of_an_earlier_replay(models, mtp_after):
+    """With graphs an entry's output is its graph's own buffer in the runner's shared pool, valid until the next
+    replay (a graph captured earlier may use that memory for its intermediates: the acceptance entry of a sampled
+    step, made after the bucket's 'after' entry, lies where the drafting behind it computes). Each replay here
+    first overwrites the previous one's output, as such a pool may: the acceptance's counts and tokens read back
+    after the drafting's replay are its copy in the drafting's own input buffer, and the tokens stay plain
+    decoding's."""
+    model, prompts = models["dense"], prompts_of("dense")[:3]
+    with Engine(model, 3, compile=False) as e:
+        reference = [r.token_ids for r in e.generate(prompts, max_new_tokens=10, stop_token_ids=[])]
+    calls = []
+    with tail_engine(model, 3, {"method": "mtp", "num_tokens": 2}, calls) as e:
+        graphs, last = e._loop.spec.graphs, []
+        real = graphs._run
+
+        def replay(entry, h):
+            for output in last:
+                output.zero_()  # (its memory now another graph's)
+            last[:] = [real(entry, h)]
+            return last[0]
+
+        graphs._run = replay
+        assert [r.token_ids for r in e.generate(prompts, max_new_tokens=10, stop_token_ids=[])] == reference
+    assert "draft_after" in calls
+
+
 def test_plain_steps_after_captured_verify_steps_read_the_last_tokens_it_set(models, monkeypatch):
     """The acceptance sets each row's slot's last token on the device (tail.write_last_tokens) and the host copies
     none (verify._deliver): an oracle drafting on every other call only, so verify steps and the loop's plain

@@ -105,7 +105,8 @@ class MtpDrafter:
         result's row order). Every verify position is caught up on (what follows a stream's count is rewritten
         later, never counted); the blocks its draft steps may write (the most at the least count, within the
         reservation) are given now. None when the drafting does not fit the bucket (draft then runs after the
-        read back). The caller notes what the head wrote (`note_after`) once the step has committed."""
+        read back), else graphs.draft_after's [r, K + 2 + K]: `result` as its entry copied it, then the drafts. The
+        caller notes what the head wrote (`note_after`) once the step has committed."""
         cache, K = self.cache, graphs.K
         lengths = [n + 1 for n in drafts]
         if self.on_batch is not None or not bucket.holds(len(reqs), sum(lengths)):

@@ -274,8 +274,8 @@ class SpeculativeStep:
         if out["fuse"]:  # (rows: the speculating decodes alone, in reqs' order)
             after = self.mtp.launch_after(self.graphs, out["bucket"], h, result, reqs, out["before"],
                                           [layout.starts[i] for i in spec], [len(d) for d in drafts])
-        if after is not None:  # one read back brings both
-            both = torch.cat([result, after], dim=1).tolist()
+        if after is not None:  # one read back brings both (the result as the drafting's entry copied it)
+            both = after.tolist()
             result, out["after"] = [row[:K + 2] for row in both], [row[K + 2:] for row in both]
         else:
             result = result.tolist()  # one read back
