@@ -206,3 +206,32 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=NAME, input="x", extra_body={"truncate_prompt_tokens": 4})
     assert (e.value.body["param"], e.value.body["code"]) == ("truncate_prompt_tokens", "unsupported_parameter")
+
+
+def test_best_of_returns_the_n_most_likely_of_its_candidates(client):
+    """OpenAI's best_of (once refused above n): best_of candidates per prompt (candidate k sampling with seed + k, as
+    n's choices), the n of the highest mean logprob per token returned, best first; usage counts every candidate's
+    tokens; best_of below n, or above it in a stream, is a 400 naming best_of. (Compared by their mean logprobs: at
+    this temperature most candidates draw from a near-uniform distribution, where a draw may take the neighbouring
+    token in another batch: docs/generation.md, Sampling.)"""
+    kw = dict(model=NAME, prompt=["<|im_start|>assistant\n" + OPEN_THINK, "Hi" + OPEN_THINK], max_tokens=3,
+              temperature=8.0, seed=1, extra_body={"return_token_ids": True, "ignore_eos": True})  # (few follow the chain)
+    every = client.completions.create(n=6, logprobs=0, **kw)
+    candidates = [sorted(((sum(c.logprobs.token_logprobs) / 3, c.token_ids) for c in every.choices[p:p + 6]),
+                         key=lambda m: -m[0]) for p in (0, 6)]
+    assert all(best[0][0] > best[2][0] + 10 for best in candidates), candidates  # (some far likelier than others)
+    for logprobs in (None, 1):
+        best = client.completions.create(n=2, best_of=6, logprobs=logprobs, **kw)
+        assert [c.index for c in best.choices] == [0, 1, 2, 3] and best.usage == every.usage
+        assert all((c.logprobs is None) == (logprobs is None) for c in best.choices)
+        for ranked, returned in zip(candidates, (best.choices[:2], best.choices[2:])):
+            assert returned[0].token_ids == ranked[0][1]  # (the likeliest, far above the rest: the same tokens)
+            if logprobs is not None:
+                means = [sum(c.logprobs.token_logprobs) / 3 for c in returned]
+                assert means == pytest.approx([m for m, _ in ranked[:2]], abs=1e-3), (means, ranked)
+    same = client.completions.create(n=2, best_of=2, stream=True, **kw)  # (best_of = n: nothing to choose)
+    assert {c.choices[0].index for c in same} == {0, 1, 2, 3}
+    for extra in (dict(n=3, best_of=2), dict(n=1, best_of=2, stream=True)):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**{**kw, **extra})
+        assert e.value.body["param"] == "best_of", e.value.body

@@ -10,8 +10,9 @@ before the text (a prompt sent as a string as it was sent, token ids decoded) an
 tokens before the new ones (the first with None), computed by the engine as prompt logprobs; `echo` with
 `max_tokens: 0` gives the prompt alone (the engine samples one token, which is dropped): how lm-eval scores
 loglikelihood tasks. vLLM's `prompt_logprobs: N` adds the choice's `prompt_logprobs` (in a stream, with the
-choice's first event). Structured output (`response_format`, `structured_outputs`, `guided_*`: server/structured.py)
-holds every choice's text to its grammar.
+choice's first event). OpenAI's `best_of` runs best_of candidates per prompt and returns the n of the highest
+mean logprob per token, best first (usage counts them all; not streamed). Structured output (`response_format`,
+`structured_outputs`, `guided_*`: server/structured.py) holds every choice's text to its grammar.
 """
 
 from __future__ import annotations
@@ -61,31 +62,49 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw_req
         await compile_grammar(state, structured, field)
     echoed = body.echo and body.logprobs is not None  # the prompt's logprobs in `logprobs`
     wanted = [n for n in (body.logprobs if echoed else None, body.prompt_logprobs) if n is not None]
-    sampling = state.sampling(body, 1 if body.echo_only else body.max_tokens, body.logprobs,
+    ranked = body.candidates > body.n  # best_of: the candidates' logprobs rank them
+    logprobs = body.logprobs if body.logprobs is not None or not ranked else 0
+    sampling = state.sampling(body, 1 if body.echo_only else body.max_tokens, logprobs,
                               max(wanted) if wanted else None, structured)
-    group = Generations.submit(state, prompts, sampling, body.n)
+    group = Generations.submit(state, prompts, sampling, body.candidates)
     echo = prompt_texts(state, body, prompts) if body.echo else None
     rid = request_id("cmpl")
     if body.stream:
         return _events(state, body, group, rid, echo)
     results = await group.whole(raw_request)
     choices = []
-    for i, r in enumerate(results):
+    for i, c in enumerate(_best(results, body.n, body.candidates)):  # (candidate c is choice i)
+        r = results[c]
         ids, entries = ([], []) if body.echo_only else (list(r.token_ids), list(r.logprobs or []))
-        text, p = "" if body.echo_only else r.text or "", i // body.n
+        text = "" if body.echo_only else r.text or ""
         if echo is not None:
-            text = echo[p] + text
+            text = echo[c // body.candidates] + text
             if echoed:
-                ids, entries = group.prompt_of(i) + ids, r.prompt_logprobs + entries
+                ids, entries = group.prompt_of(c) + ids, r.prompt_logprobs + entries
         choices.append(CompletionChoice(
             index=i, text=text, finish_reason=r.finish_reason,
-            stop_reason=group.stop_reason(i, r.finish_reason, r.token_ids),
+            stop_reason=group.stop_reason(c, r.finish_reason, r.token_ids),
             logprobs=None if body.logprobs is None else completion_logprobs(state.logprob_strings(body), ids, entries,
                                                                             body.logprobs),
             token_ids=([] if body.echo_only else list(r.token_ids)) if body.return_token_ids else None,
-            prompt_token_ids=group.prompt_of(i) if body.return_token_ids else None,
-            prompt_logprobs=_prompt_logprobs(state, body, group.prompt_of(i), r.prompt_logprobs)))
+            prompt_token_ids=group.prompt_of(c) if body.return_token_ids else None,
+            prompt_logprobs=_prompt_logprobs(state, body, group.prompt_of(c), r.prompt_logprobs)))
     return CompletionResponse(id=rid, model=state.model_name, choices=choices, usage=_usage(body, group))
+
+
+def _best(results, n: int, candidates: int) -> list[int]:
+    """The candidates returned, in choice order: every one; with best_of (`candidates` > n) each prompt's n of the
+    highest mean logprob per new token (OpenAI's "best"; the raw distribution's, whatever the sampling), best first,
+    the earlier first on a tie."""
+    if candidates == n:
+        return list(range(len(results)))
+
+    def score(c: int) -> float:
+        values = [e.logprob for e in results[c].logprobs or ()]
+        return sum(values) / len(values) if values else 0.0
+
+    return [c for p in range(0, len(results), candidates)
+            for c in sorted(range(p, p + candidates), key=lambda c: -score(c))[:n]]
 
 
 def _prompt_logprobs(state: ServerState, body: CompletionRequest, prompt: list[int], entries):

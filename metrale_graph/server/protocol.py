@@ -2,7 +2,7 @@
 are in responses.py).
 
 Requests mirror OpenAI's `/v1/completions` and `/v1/chat/completions` (the fields this server
-runs; a field OpenAI or vLLM has that the engine cannot honour, such as `best_of` or beam search, is refused by
+runs; a field OpenAI or vLLM has that the engine cannot honour, such as beam search, is refused by
 name when it is set, never silently ignored), plus vLLM's extensions `top_k`, `stop_token_ids`, `ignore_eos`,
 `return_token_ids`, `return_tokens_as_token_ids`, the sampling controls (`min_p`, `repetition_penalty`, `min_tokens`,
 `include_stop_str_in_output`, `prompt_logprobs`), structured output (OpenAI's `response_format`, vLLM's
@@ -208,12 +208,10 @@ class CompletionRequest(SamplingFields):
     max_tokens: StrictInt | None = Field(16, ge=0)
     echo: StrictBool = False  # the prompt before the text (and its tokens' logprobs, with logprobs)
     logprobs: NumLogprobs | None = None  # each token's logprob and the top N (OpenAI's legacy format)
-    best_of: StrictInt | None = None
+    best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None  # candidates per prompt, the n best returned
     suffix: StrictStr | None = None
 
     def unsupported(self) -> str | None:
-        if self.best_of not in (None, 1, self.n):
-            return "best_of"
         if self.suffix:
             return "suffix"
         return super().unsupported()
@@ -226,7 +224,16 @@ class CompletionRequest(SamplingFields):
     def conflict(self) -> tuple[str, str] | None:
         if self.max_tokens == 0 and not self.echo:
             return "max_tokens", "max_tokens 0 asks for no new tokens: only with echo (the prompt, and its logprobs)"
+        if self.candidates < self.n:
+            return "best_of", f"best_of ({self.best_of}) must be at least n ({self.n}): the n best of best_of are returned"
+        if self.candidates > self.n and self.stream:
+            return "best_of", "best_of greater than n cannot stream: the best are known only once all have ended"
         return None
+
+    @property
+    def candidates(self) -> int:
+        """The completions generated per prompt (best_of; unset: n)."""
+        return self.n if self.best_of is None else self.best_of
 
     @property
     def echo_only(self) -> bool:
