@@ -235,3 +235,25 @@ def test_best_of_returns_the_n_most_likely_of_its_candidates(client):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(**{**kw, **extra})
         assert e.value.body["param"] == "best_of", e.value.body
+
+
+def test_chat_echo_puts_the_continued_message_before_the_reply(client):
+    """vLLM's chat echo (once refused): with continue_final_message the reply's content is the last message's text
+    and then the reply, whole and streamed (its text a delta of its own, after the role's), every choice's; where
+    the reply does not go on with the last message (a user's: the assistant's turn starts) there is nothing to echo."""
+    start = [*USER, {"role": "assistant", "content": [{"type": "text", "text": REASONING}]}]  # (one token)
+    going_on = {"add_generation_prompt": False, "continue_final_message": True}
+    kw = ask(messages=start, max_tokens=4)
+    plain = client.chat.completions.create(**kw, extra_body=going_on).choices[0].message.content
+    assert plain == CLOSE_THINK + "".join(CALL[:3]), plain
+    for n in (1, 2):
+        extra = {**going_on, "echo": True, "n": n}
+        whole = client.chat.completions.create(**kw, extra_body=extra)
+        assert [c.message.content for c in whole.choices] == [REASONING + plain] * n
+        chunks = list(client.chat.completions.create(stream=True, **kw, extra_body=extra))
+        assert [c.delta.content for c in chunks[1].choices] == [REASONING] * n
+        for i in range(n):
+            assert "".join(c.delta.content or "" for chunk in chunks for c in chunk.choices if c.index == i) == \
+                REASONING + plain
+    turn = client.chat.completions.create(**ask(max_tokens=4, extra_body={"echo": True})).choices[0].message
+    assert turn.content == client.chat.completions.create(**ask(max_tokens=4)).choices[0].message.content

@@ -198,7 +198,6 @@ UNSUPPORTED = [  # (path, field, value): OpenAI's and vLLM's fields the engine c
     ("/v1/chat/completions", "logits_processors", ["a"]),
     ("/v1/completions", "guided_whitespace_pattern", "\\n"),  # (once accepted and ignored)
     ("/v1/chat/completions", "chat_template", "{{ 'x' }}"),  # (once ignored: the server's template rendered)
-    ("/v1/chat/completions", "echo", True),  # (likewise)
     ("/v1/chat/completions", "priority", 5),  # (these four once accepted and ignored)
     ("/v1/completions", "cache_salt", "a-tenant's salt"),  # (the prefix cache not kept apart as it asks)
     ("/v1/completions", "kv_transfer_params", {"do_remote_decode": True}),

@@ -12,7 +12,9 @@ one; content None when it holds only calls). A stream sends, per choice, a first
 "assistant", "content": ""}`), then a delta per piece as the text comes (`content`, `reasoning_content`, or
 `tool_calls`: a call's index, id, type and name first with arguments "", then its arguments in pieces), the last
 one with the finish reason ("stop": a stop token or string; "length": max_tokens or the context; "tool_calls"),
-then the usage chunk with stream_options.include_usage, then `data: [DONE]`.
+then the usage chunk with stream_options.include_usage, then `data: [DONE]`. vLLM's `echo` puts the last message's
+text before the reply's content where the reply goes on with it (continue_final_message, or an assistant's message
+followed by the assistant's turn): a stream sends it as each choice's second delta.
 
 Structured output (`response_format`, `structured_outputs`, `guided_*`; server/structured.py) holds the reply
 to its grammar (from after `</think>` when the reply starts inside a reasoning block). tool_choice "required"
@@ -123,6 +125,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                                        tool_calls=[ToolCall(id=call_id(), function=FunctionCall(name=n, arguments=a))
                                                    for n, a in reply.calls] or None)
             calls = len(reply.calls)
+        if body.echoed:
+            message.content = body.echoed + (message.content or "")
         finish = finish_reason(r.finish_reason, calls, body.tool_choice)
         choices.append(ChatChoice(index=i, message=message, finish_reason=finish,
                                   stop_reason=group.stop_reason(i, r.finish_reason, r.token_ids),
@@ -184,6 +188,9 @@ async def _events(state: ServerState, body: ChatCompletionRequest, group: Genera
     try:
         yield sent(chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                           for i in range(len(group))], prompt_token_ids=group.prompt_of(0) if ids else None))
+        if body.echoed:  # (vLLM's echo: the message's text first, a delta of its own per choice)
+            yield sent(chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=body.echoed))
+                              for i in range(len(group))]))
         async for choice, out in group.stream():
             if choice == 0 and out.prompt_logprobs is not None and body.prompt_logprobs is not None:
                 yield sent(event(ChatChunk(id=rid, created=created, model=model, choices=[],

@@ -337,10 +337,9 @@ class ChatCompletionRequest(SamplingFields):
     audio: Any = None
     web_search_options: Any = None
     # vLLM's that this server does not run, refused (NEUTRAL): a request's own chat template (vLLM too refuses it
-    # without --trust-request-chat-template; the reply parsers read the server's template's formats) and echo (the
-    # reply after the last message's text)
+    # without --trust-request-chat-template; the reply parsers read the server's template's formats)
     chat_template: Any = None
-    echo: Any = None
+    echo: StrictBool = False  # vLLM's: the last message's text before the reply's, where the reply goes on with it
     # vLLM's chat template arguments (chat_template_kwargs: the template's own variables, e.g. Qwen3's
     # enable_thinking)
     add_generation_prompt: StrictBool = True
@@ -355,7 +354,7 @@ class ChatCompletionRequest(SamplingFields):
         # parallel_tool_calls false: one call (a forced tool_choice's schema holds the reply to one, tool_choice.py;
         # under "auto" the calls after the first are dropped, as vLLM does)
         return {"parallel_tool_calls": (None, True, False), "functions": (None, []),
-                "function_call": (None, "none"), "chat_template": (None,), "echo": (None, False), **CHAT_NEUTRAL,
+                "function_call": (None, "none"), "chat_template": (None,), **CHAT_NEUTRAL,
                 **NEUTRAL}
 
     @property
@@ -373,6 +372,15 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
         return None
+
+    @property
+    def echoed(self) -> str:
+        """vLLM's echo: the last message's text, put before the reply's where the reply is of its role (the message
+        continued, or an assistant's followed by the assistant's turn); else ""."""
+        last = self.messages[-1]
+        if not self.echo or (self.add_generation_prompt and last.role != "assistant"):
+            return ""
+        return last.template_dict()["content"]
 
     def explicit_max_tokens(self) -> tuple[str, int] | None:
         if self.max_completion_tokens is not None:
