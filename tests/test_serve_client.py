@@ -257,3 +257,22 @@ def test_chat_echo_puts_the_continued_message_before_the_reply(client):
                 REASONING + plain
     turn = client.chat.completions.create(**ask(max_tokens=4, extra_body={"echo": True})).choices[0].message
     assert turn.content == client.chat.completions.create(**ask(max_tokens=4)).choices[0].message.content
+
+
+def test_every_answer_carries_a_request_id(client):
+    """with_raw_response's headers: X-Request-Id on every answer (the openai client's `_request_id`, an error's
+    `request_id`; once none), a new one per request, or the client's own echoed (a tracing id, as vLLM echoes it),
+    whole, streamed and on a 400."""
+    raw = client.chat.completions.with_raw_response.create(**ask(max_tokens=2))
+    completion = raw.parse()
+    assert raw.headers["x-request-id"] and completion._request_id == raw.headers["x-request-id"]
+    other = client.completions.create(model=NAME, prompt="Hi", max_tokens=1)
+    assert other._request_id and other._request_id != completion._request_id
+    mine = {"X-Request-Id": "trace-7"}
+    assert client.models.with_raw_response.retrieve(NAME, extra_headers=mine).headers["x-request-id"] == "trace-7"
+    with client.chat.completions.with_streaming_response.create(**ask(max_tokens=2), stream=True,
+                                                                extra_headers=mine) as streamed:
+        assert streamed.headers["x-request-id"] == "trace-7" and list(streamed.iter_lines())
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt="x", max_tokens=1, suffix="y")
+    assert e.value.request_id and e.value.body["param"] == "suffix"

@@ -9,7 +9,8 @@ Endpoints are thin: completions.py and chat.py run the requests (through generat
 submits to the engine and awaits its outputs: the engine loop alone steps the model), protocol.py
 and responses.py hold the wire format, errors.py every error answer; tokenization.py runs vLLM's tokenizer
 endpoints. With an API key, every /v1 path and the tokenizer endpoints need `Authorization: Bearer <key>` (checked
-before the body is read); /health and /metrics are open. A body of
+before the body is read); /health and /metrics are open. Every answer carries an `X-Request-Id` (the request's own,
+else a new one). A body of
 more than `max_request_bytes` is answered 413 while it is read (limits.BodyLimit). `with_cors(app, ...)` wraps an
 app (metrale-serve: the Loading gate, so answers while the model loads have the headers too) in CORSMiddleware,
 vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials.
@@ -17,6 +18,7 @@ vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-crede
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from fastapi import Body, FastAPI, Request
@@ -77,6 +79,28 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class RequestIdHeader:
+    """Every answer carries `X-Request-Id`: the request's own (a client's tracing id, echoed as vLLM's
+    --enable-request-id-headers does), else a new one, as OpenAI's answers carry one (the openai client reads it as a
+    response's `_request_id`, an error's `request_id`)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def sending(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, sending)
+
+
 def with_cors(app, allowed_origins=("*",), allowed_methods=("*",), allowed_headers=("*",),
               allow_credentials: bool = False) -> CORSMiddleware:
     """`app` behind CORS, as vLLM's server: a preflight (OPTIONS with Origin and Access-Control-Request-Method)
@@ -104,7 +128,8 @@ def build_app(engine, model_name: str, api_key: str | None = None, ready: bool =
     app = FastAPI(title="metrale-graph", summary=f"OpenAI-compatible server of {model_name}")
     app.state.server = state
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
-    app.add_middleware(APIKeyMiddleware, state=state)  # (added last, it runs first: a 401 reads no body)
+    app.add_middleware(APIKeyMiddleware, state=state)  # (added late, it runs early: a 401 reads no body)
+    app.add_middleware(RequestIdHeader)  # (first of all: every answer carries the id, a 401's and a 413's too)
     errors.install(app)
 
     def respond(out):
