@@ -110,11 +110,13 @@ def takes(x: Tensor, w: Tensor) -> bool:
 
 
 def linear(x: Tensor, w: Tensor, residual: Tensor | None = None) -> Tensor:
-    """x @ w.t() (+ residual), fresh, in x's dtype: this kernel where takes(x, w), else cuBLAS (torch.addmm with a
-    residual). A BACKEND that is neither backend is a ValueError naming it."""
+    """x @ w.t() (+ residual), fresh, in x's dtype: this kernel where takes(x, w) and the residual (if any) is [M, N]
+    itself, else cuBLAS (torch.addmm, which also broadcasts a residual). A BACKEND that is neither backend is a
+    ValueError naming it."""
     if BACKEND not in BACKENDS:
         raise ValueError(f"METRALE_DECODE_GEMV / ops.gemv.BACKEND must be one of {', '.join(BACKENDS)}, got {BACKEND!r}")
-    if not takes(x, w):
+    whole = residual is None or tuple(residual.shape) == (x.shape[0], w.shape[0])
+    if not (whole and takes(x, w)):
         return x @ w.t() if residual is None else torch.addmm(residual, x, w.t())
     return gemv(x, w, residual)
 

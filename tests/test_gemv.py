@@ -92,6 +92,8 @@ def test_linear_takes_the_chosen_backend_at_decode_rows_only(monkeypatch):
     big = torch.randn(17, 128, dtype=torch.bfloat16, device=DEVICE)
     assert torch.equal(gemv.linear(big, w), big @ w.t())  # 17 rows: past the kernel's 16
     assert torch.equal(gemv.linear(x.float(), w.float()), x.float() @ w.float().t())  # fp32: not a 16-bit weight
+    bias = torch.randn(64, dtype=torch.bfloat16, device=DEVICE)  # a residual addmm broadcasts: cuBLAS's
+    assert torch.equal(gemv.linear(x, w, bias), torch.addmm(bias, x, w.t()))
     assert calls == [5]
     monkeypatch.setattr(gemv, "BACKEND", "cuBLAS")
     with pytest.raises(ValueError, match="METRALE_DECODE_GEMV.*cublas, triton.*'cuBLAS'"):
