@@ -276,3 +276,39 @@ def test_every_answer_carries_a_request_id(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=NAME, prompt="x", max_tokens=1, suffix="y")
     assert e.value.request_id and e.value.body["param"] == "suffix"
+
+
+def test_vllm_structural_tags(client):
+    """vLLM's structural tags (once 400s: an unknown key of structured_outputs, a response_format type not taken):
+    structured_outputs.structural_tag (xgrammar's tag as JSON text) and response_format type "structural_tag" (its
+    `format`) hold a chat reply after its reasoning, and a completion, to the tag; vLLM's older form (structures and
+    triggers) is taken as the triggered tags it stands for; a tag of neither form is a 400 naming its field."""
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<w>", "end": "</w>", "content": {
+        "type": "json_schema", "json_schema": Weather.model_json_schema()}}}
+
+    def held(text):
+        assert text.startswith("<w>") and text.endswith("</w>"), text
+        return Weather.model_validate_json(text[3:-4])
+
+    for extra in ({"structured_outputs": {"structural_tag": json.dumps(tag)}}, {"response_format": tag}):
+        choice = client.chat.completions.create(**ask(extra_body=extra)).choices[0]
+        assert choice.finish_reason == "stop" and choice.message.reasoning_content == REASONING
+        held(choice.message.content)
+        completion = client.completions.create(model=NAME, prompt="The weather:", max_tokens=MAX_TOKENS, temperature=0,
+                                               extra_body=extra).choices[0]
+        assert completion.finish_reason == "stop" and held(completion.text)
+    older = {"type": "structural_tag", "triggers": ["<w>"], "structures": [
+        {"begin": "<w>", "schema": Weather.model_json_schema(), "end": "</w>"}]}
+    same = {"structured_outputs": {"structural_tag": json.dumps({"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<w>"], "tags": [{"type": "tag", "begin": "<w>", "end": "</w>", "content": {
+            "type": "json_schema", "json_schema": Weather.model_json_schema()}}]}})}}
+    kw = dict(model=NAME, prompt="The weather:", max_tokens=8, temperature=0)
+    assert client.completions.create(**kw, extra_body={"response_format": older}).choices[0].text == \
+        client.completions.create(**kw, extra_body=same).choices[0].text
+    for extra, param in (({"response_format": {"type": "structural_tag"}}, "response_format"),
+                         ({"structured_outputs": {"structural_tag": "{not json"}}, "structured_outputs"),
+                         ({"structured_outputs": {"structural_tag": json.dumps({"type": "structural_tag", "format": {
+                             "type": "nonsense"}})}}, "structured_outputs")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**kw, extra_body=extra)
+        assert e.value.body["param"] == param, e.value.body

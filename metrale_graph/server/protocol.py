@@ -88,17 +88,21 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    type: Literal["text", "json_object", "json_schema"]
+    """OpenAI's, and vLLM's "structural_tag": xgrammar's tag under `format`, or vLLM's older structures and triggers."""
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[StrictStr] | None = None
 
 
 class StructuredOutputs(BaseModel):
     """vLLM's structured_outputs: one of json (a schema, or its JSON text), regex, choice, grammar (xgrammar's
-    EBNF, or Lark's), json_object; vLLM's switches of its backends, taken either way: what they ask for is what
-    this backend does anyway (grammar.py: JSON compact, xgrammar's disable_any_whitespace; no property a schema does
-    not define, xgrammar's strict mode, which vLLM's xgrammar backend keeps whatever disable_additional_properties
-    says; one backend, nothing to fall back to). vLLM's other keys (whitespace_pattern, structural_tag) are
-    refused."""
+    EBNF, or Lark's), json_object, structural_tag (its JSON text: structured.py); vLLM's switches of its backends,
+    taken either way: what they ask for is what this backend does anyway (grammar.py: JSON compact, xgrammar's
+    disable_any_whitespace; no property a schema does not define, xgrammar's strict mode, which vLLM's xgrammar
+    backend keeps whatever disable_additional_properties says; one backend, nothing to fall back to). vLLM's
+    whitespace_pattern is refused."""
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")
@@ -106,6 +110,7 @@ class StructuredOutputs(BaseModel):
     choice: list[StrictStr] | None = None
     grammar: StrictStr | None = None
     json_object: StrictBool | None = None
+    structural_tag: StrictStr | None = None
     disable_any_whitespace: StrictBool | None = None
     disable_additional_properties: StrictBool | None = None
     disable_fallback: StrictBool | None = None

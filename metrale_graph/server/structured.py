@@ -10,7 +10,8 @@ The fields, of both endpoints (at most one of them per request; two are a 400 na
 |---|---|
 | `response_format` (OpenAI's): type "json_object", or "json_schema" with json_schema.schema | json_object / json |
 | `text.format` (the Responses API's): the same types, its schema under `schema` | json_object / json |
-| `structured_outputs` {"json" \\| "regex" \\| "choice" \\| "grammar" \\| "json_object": ...} (vLLM) | the same kind |
+| `structured_outputs` {"json" \\| "regex" \\| "choice" \\| "grammar" \\| "json_object" \\| "structural_tag"} (vLLM) | that |
+| `response_format` type "structural_tag" (vLLM's: `format`, or its older `structures`, `triggers`) | structural_tag |
 | `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (vLLM's older names) | json, regex, choice, grammar |
 | `tool_choice` "required" or a named function (chat, tool_choice.py: the reply is the calls' JSON) | json |
 | `tools` with a `strict` function under tool_choice "auto" (tool_choice.py: calls in the model's format) | structural_tag |
@@ -27,6 +28,7 @@ reply's first token, and the reply is read as content (chat.start_chat): it has 
 from __future__ import annotations
 
 import asyncio
+import json
 
 from ..grammar import json_format
 from ..structured import StructuredOutput, StructuredOutputError, structured_output
@@ -89,15 +91,45 @@ def _asked(body: SamplingFields, formats: bool = True, others: bool = True) -> l
             asked.append((name, {"json": fmt.json_schema.schema_}))
     if not others:
         return asked
+    for name, fmt in body.formats():  # vLLM's structural_tag response_format: the whole reply, as vLLM's own fields
+        if fmt.type == "structural_tag":
+            tag = fmt.model_dump(include={"format", "structures", "triggers"}, exclude_none=True)
+            asked.append((name, {"structural_tag": vllm_tag({"type": "structural_tag", **tag}, name)}))
     outputs = body.structured_outputs
     if outputs is not None:
+        tag = outputs.structural_tag
         asked.append(("structured_outputs", {"json": outputs.json_, "regex": outputs.regex, "choice": outputs.choice,
-                                             "grammar": outputs.grammar, "json_object": outputs.json_object}))
+                                             "grammar": outputs.grammar, "json_object": outputs.json_object,
+                                             "structural_tag": None if tag is None else vllm_tag(tag, "structured_outputs")}))
     for field, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                         ("guided_grammar", "grammar")):
         if getattr(body, field) is not None:
             asked.append((field, {kind: getattr(body, field)}))
     return asked
+
+
+def vllm_tag(tag, field: str) -> dict:
+    """A structural tag as vLLM takes it (a mapping, or its JSON text) as xgrammar's: {"type": "structural_tag", "format":
+    {...}} as it is; vLLM's older form, {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}, as the
+    triggered_tags it stands for (free text, and where a trigger begins, one of its tags: begin, the schema's JSON,
+    end), as vLLM hands it to xgrammar. 400 naming `field` for one that is neither."""
+    if isinstance(tag, str):
+        try:
+            tag = json.loads(tag)
+        except ValueError as e:
+            raise bad_request(f"{field}: the structural tag is not valid JSON ({e})", param=field) from None
+    if isinstance(tag, dict) and "format" in tag:
+        return tag
+    structures, triggers = (tag.get("structures"), tag.get("triggers")) if isinstance(tag, dict) else (None, None)
+    if not (isinstance(structures, list) and isinstance(triggers, list) and all(
+            isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
+            and isinstance(s.get("schema"), dict) for s in structures)):
+        raise bad_request(f"{field}: a structural tag is {{\"type\": \"structural_tag\", \"format\": {{...}}}} "
+                          "(xgrammar's), or vLLM's {\"structures\": [{\"begin\", \"schema\", \"end\"}, ...], "
+                          "\"triggers\": [...]}", param=field)
+    tags = [{"type": "tag", "begin": s["begin"], "content": {"type": "json_schema", "json_schema": s["schema"]},
+             "end": s["end"]} for s in structures]
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}}
 
 
 async def compile_grammar(state, spec: StructuredOutput, field: str) -> None:
