@@ -202,6 +202,8 @@ UNSUPPORTED = [  # (path, field, value): OpenAI's and vLLM's fields the engine c
     ("/v1/completions", "cache_salt", "a-tenant's salt"),  # (the prefix cache not kept apart as it asks)
     ("/v1/completions", "kv_transfer_params", {"do_remote_decode": True}),
     ("/v1/chat/completions", "vllm_xargs", {"a": 1}),
+    ("/v1/chat/completions", "thinking_token_budget", 64),  # (once accepted and ignored: the reasoning ran on)
+    ("/v1/completions", "thinking_token_budget", 64),
     ("/v1/chat/completions", "verbosity", "low"),  # (these four OpenAI's, once accepted and ignored: a reply of
     ("/v1/chat/completions", "modalities", ["text", "audio"]),  # the one verbosity, text only, no web search)
     ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}),

@@ -61,6 +61,7 @@ NEUTRAL = {
     # request's prefix-cache entries apart from others' (this cache has none), disaggregated prefill's KV transfer,
     # custom extensions' arguments
     "priority": (None, 0), "cache_salt": (None,), "kv_transfer_params": (None,), "vllm_xargs": (None, {}),
+    "thinking_token_budget": (None,),  # vLLM's: a reasoning cut by forcing its end token, which the engine cannot
 }
 
 
@@ -174,6 +175,7 @@ class SamplingFields(BaseModel):
     cache_salt: Any = None
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
+    thinking_token_budget: Any = None
 
     @model_validator(mode="before")
     @classmethod
