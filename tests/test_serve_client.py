@@ -7,7 +7,10 @@ pydantic_function_tool's strict tools (`parsed_arguments`, auto and a named tool
 client.chat.completions.stream context manager's typed events (chunk, content.delta / done with the partial
 `parsed`, logprobs.content.delta / done, tool_calls.function.arguments.delta / done with `parsed_arguments`), its
 final completion equal to parse's, n > 1 and stream_options' usage; client.responses.parse and
-client.responses.stream with pydantic_function_tool's tools (`parsed_arguments`)."""
+client.responses.stream with pydantic_function_tool's tools (`parsed_arguments`), a text_format beside them. Then
+the parameters OpenAI or vLLM take that the server once refused or ignored: spaces_between_special_tokens,
+structured_outputs' backend switches and structural tags, truncate_prompt_tokens, best_of, chat echo, and the
+X-Request-Id every answer carries (with_raw_response's headers)."""
 
 import json
 from typing import Literal
@@ -143,6 +146,10 @@ def test_responses_parse_and_stream_with_pydantic_function_tools(client):
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
     assert "response.function_call_arguments.done" in kinds
     assert final.output[-1].parsed_arguments == r.output[-1].parsed_arguments
+    with client.responses.stream(model=NAME, input=USER, tools=[WEATHER], text_format=Weather, temperature=0,
+                                 max_output_tokens=MAX_TOKENS) as stream:  # (a format beside tools: JSON or calls)
+        both = stream.get_final_response()
+    assert both.output_parsed is None and both.output[-1].parsed_arguments == r.output[-1].parsed_arguments
 
 
 def test_spaces_between_special_tokens_either_way(client):
