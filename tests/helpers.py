@@ -133,11 +133,26 @@ def cache_fingerprint(cache) -> tuple:
             list(index._free_entries), index.stats())
 
 
+def read_checkpoint(folder: str) -> tuple[dict, dict]:
+    """A safetensors checkpoint folder's config.json and every tensor of its files (shards merged): what the foreign
+    and compressed checkpoint tests rewrite."""
+    import glob
+    import json
+
+    from safetensors.torch import load_file
+
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    tensors = {}
+    for path in glob.glob(os.path.join(folder, "*.safetensors")):
+        tensors.update(load_file(path))
+    return config, tensors
+
+
 def write_sharded(folder: str, tensors: dict, shards: int) -> None:
     """`tensors` as `shards` safetensors files in `folder` (every shards-th name, sorted, to each: a weight and its
     scale in different files) and their model.safetensors.index.json, as sharded checkpoints are written."""
     import json
-    import os
 
     from safetensors.torch import save_file
 

@@ -100,3 +100,22 @@ def running_server(checkpoint: str, folder, flags: list[str], timeout: float):
         yield proc
     finally:
         proc.stop()
+
+
+@contextlib.contextmanager
+def chain_server(tmp_path_factory, name: str, timeout: float, *flags: str):
+    """running_server on the chain checkpoint (chain_model.py) as the tool, structured-output and client tests serve
+    it: named `name`, 4 slots, 2048 tokens of context, a 512-token budget, then `flags`."""
+    from chain_model import chain_checkpoint
+
+    folder = chain_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    base = ["--served-model-name", name, "--num-slots", "4", "--max-context", "2048", "--token-budget", "512"]
+    with running_server(folder, tmp_path_factory.mktemp("server"), base + list(flags), timeout) as proc:
+        yield proc
+
+
+def openai_client(server: ServerProcess, timeout: float):
+    """The official client of `server`'s /v1 (no retries: a test sees each answer as sent)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)

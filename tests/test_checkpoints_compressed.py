@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import write_sharded
+from helpers import read_checkpoint, write_sharded
 from metrics import fp32_model_bound
 from test_checkpoints_foreign import LENGTHS, fp8_shapes, load_transformers, mtp_head, transformers_model, weight_only_error
 from metrale_graph import HybridModel
@@ -91,11 +91,7 @@ def write_compressed(src: str, dst: str, scheme: str, ignore: list[str], *, targ
     os.makedirs(dst)
     ref = dst + "-dequantized"
     os.makedirs(ref)
-    with open(os.path.join(src, "config.json")) as f:
-        config = json.load(f)
-    tensors = {}
-    for path in glob.glob(os.path.join(src, "*.safetensors")):
-        tensors.update(load_file(path))
+    config, tensors = read_checkpoint(src)
     if mtp:
         tensors.update(mtp)
         ignore = [*ignore, "re:^mtp.*"]

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import write_sharded
+from helpers import read_checkpoint, write_sharded
 from metrics import fp32_model_bound, rel_err
 from references import check_parity, hf_logits, random_streams, randomize_reference
 from metrale_graph import HybridModel, Stream
@@ -349,11 +349,7 @@ def write_qwen_fp8(src: str, dst: str, *, text_config: bool, scale_dtype=torch.b
     os.makedirs(dst)
     ref = dst + "-dequantized"
     os.makedirs(ref)
-    with open(os.path.join(src, "config.json")) as f:
-        config = json.load(f)
-    tensors = {}
-    for path in glob.glob(os.path.join(src, "*.safetensors")):
-        tensors.update(load_file(path))
+    config, tensors = read_checkpoint(src)
     tensors.update(mtp or {})
     out, dequantized, kept = {}, {}, []
     for key, w in sorted(tensors.items()):

@@ -19,8 +19,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from chain_model import CALL, CLOSE_THINK, OPEN_THINK, REASONING, chain_checkpoint
-from server_process import running_server
+from chain_model import CALL, CLOSE_THINK, OPEN_THINK, REASONING
+from server_process import chain_server, openai_client
 
 pytest.importorskip("xgrammar")
 NAME = "tiny-client"
@@ -48,15 +48,13 @@ ZONE = openai.pydantic_function_tool(Zone, name="get_time")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    folder = chain_checkpoint(tmp_path_factory.mktemp("ckpt"))
-    flags = ["--served-model-name", NAME, "--num-slots", "4", "--max-context", "2048", "--token-budget", "512"]
-    with running_server(folder, tmp_path_factory.mktemp("server"), flags, TIMEOUT) as proc:
+    with chain_server(tmp_path_factory, NAME, TIMEOUT) as proc:
         yield proc
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+    return openai_client(server, TIMEOUT)
 
 
 def ask(**kw) -> dict:

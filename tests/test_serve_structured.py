@@ -17,12 +17,11 @@ import re
 from typing import Literal
 
 import httpx
-import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from chain_model import REASONING, chain_checkpoint
-from server_process import running_server
+from chain_model import REASONING
+from server_process import chain_server, openai_client
 
 pytest.importorskip("xgrammar")
 NAME = "tiny-structured"
@@ -46,15 +45,13 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    folder = chain_checkpoint(tmp_path_factory.mktemp("ckpt"))
-    flags = ["--served-model-name", NAME, "--num-slots", "4", "--max-context", "2048", "--token-budget", "512"]
-    with running_server(folder, tmp_path_factory.mktemp("server"), flags, TIMEOUT) as proc:
+    with chain_server(tmp_path_factory, NAME, TIMEOUT) as proc:
         yield proc
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+    return openai_client(server, TIMEOUT)
 
 
 def chat(client, **kw):

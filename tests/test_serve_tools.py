@@ -31,8 +31,8 @@ import openai
 import pydantic
 import pytest
 
-from chain_model import (AFTER_TOOL_REASONING, ANSWER, CALL, REASONING, WEATHER_TOOL, chain_checkpoint)
-from server_process import running_server
+from chain_model import (AFTER_TOOL_REASONING, ANSWER, CALL, REASONING, WEATHER_TOOL)
+from server_process import chain_server, openai_client
 
 NAME = "tiny-tools"
 TIMEOUT = 120
@@ -46,16 +46,13 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    folder = chain_checkpoint(tmp_path_factory.mktemp("ckpt"))
-    flags = ["--served-model-name", NAME, "--num-slots", "4", "--max-context", "2048", "--token-budget", "512",
-             "--responses-store-size", str(STORE_SIZE)]
-    with running_server(folder, tmp_path_factory.mktemp("server"), flags, TIMEOUT) as proc:
+    with chain_server(tmp_path_factory, NAME, TIMEOUT, "--responses-store-size", str(STORE_SIZE)) as proc:
         yield proc
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+    return openai_client(server, TIMEOUT)
 
 
 def ask(client, messages, tools=(WEATHER_TOOL,), **kw):
