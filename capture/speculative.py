@@ -218,15 +218,11 @@ class SpeculativeGraphs:
         drafting.py builds them) over h, the verify step's hidden states of `bucket`. int64 [b, K] on the device."""
         entry = self._entry("drafts", bucket)
         tok_buf, strm_buf = entry.args[3], entry.args[4]
-        t, b = tok.shape[1], strm.shape[1]
-        full_tok = torch.zeros(tok_buf.shape, dtype=torch.int64)  # spare tokens: id 0, position 0, in no stream
-        full_tok[:, :t] = tok
-        full_strm = torch.zeros(strm_buf.shape, dtype=torch.int64)
-        full_strm[:, :b] = strm
-        full_strm[0, b:] = t  # padding streams: zero-length, ending where the last real one does
-        full_strm[5::2, b:] = full_strm[1, b:] = self.cache.scratch_slot  # (draft steps: one token there)
-        tok_buf.copy_(full_tok, non_blocking=True)  # (numbers.to_device's reason: no stream sync)
-        strm_buf.copy_(full_strm, non_blocking=True)
+        t, b, scratch = tok.shape[1], strm.shape[1], self.cache.scratch_slot
+        _fill_columns(tok_buf, tok, ())  # spare tokens: id 0, position 0, in no stream
+        # padding streams: zero-length, ending where the last real one does, on the scratch slot (draft steps: one
+        # token there)
+        _fill_columns(strm_buf, strm, ((0, t), (1, scratch), (slice(5, None, 2), scratch)))
         return self._run(entry, h)[:b]
 
     def draft_after(self, bucket: Bucket, h: torch.Tensor, result: torch.Tensor, tok: torch.Tensor,
@@ -241,15 +237,11 @@ class SpeculativeGraphs:
         result_buf, tok_buf, strm_buf = entry.args[3], entry.args[4], entry.args[5]
         result_buf[:result.shape[0]].copy_(result)
         t, b = tok.shape[1], strm.shape[1]
-        full_tok = torch.zeros(tok_buf.shape, dtype=torch.int64)  # spare tokens: index 0, position 0, in no stream
-        full_tok[:, :t] = tok
-        full_strm = torch.zeros(strm_buf.shape, dtype=torch.int64)  # spare streams: zero-length, wanting no draft
-        full_strm[:, :b] = strm
-        full_strm[0, b:] = t  # (their first catch-up row stays 0: row 0 + a stale count is inside the bucket's
-        # tokens, where t + it is not when the real streams fill them, an index out of range)
-        full_strm[1, b:] = self.cache.scratch_slot
-        tok_buf.copy_(full_tok, non_blocking=True)  # (numbers.to_device's reason: no stream sync)
-        strm_buf.copy_(full_strm, non_blocking=True)
+        _fill_columns(tok_buf, tok, ())  # spare tokens: index 0, position 0, in no stream
+        # spare streams: zero-length, wanting no draft, on the scratch slot (their first catch-up row stays 0: row 0
+        # + a stale count is inside the bucket's tokens, where t + it is not when the real streams fill them, an
+        # index out of range)
+        _fill_columns(strm_buf, strm, ((0, t), (1, self.cache.scratch_slot)))
         return torch.cat([result_buf[:b], self._run(entry, h)[:b]], dim=1)
 
     @torch.no_grad()
@@ -272,6 +264,17 @@ class SpeculativeGraphs:
         host = torch.tensor([slots + [cache.scratch_slot] * pad, entries + [cache.scratch_checkpoint] * pad])
         entry.args[1].copy_(host, non_blocking=True)  # (numbers.to_device's reason)
         entry.graph.replay()
+
+
+def _fill_columns(buffer: torch.Tensor, host: torch.Tensor, padding) -> None:
+    """A drafting buffer [rows, columns] := `host` [rows, c] in its first c columns, zeros past them but where
+    `padding` ((row index or slice, value) pairs) says otherwise; one copy to the device."""
+    full = torch.zeros(buffer.shape, dtype=torch.int64)
+    c = host.shape[1]
+    full[:, :c] = host
+    for rows, value in padding:
+        full[rows, c:] = value
+    buffer.copy_(full, non_blocking=True)  # (numbers.to_device's reason: no stream sync)
 
 
 def _fill(buffer: torch.Tensor, host: torch.Tensor) -> None:
