@@ -5,14 +5,16 @@ in the prompt, a reasoning and an answer), called with the official `openai` cli
 
 Covered: the agent loop (call, the result sent back as a `tool` message, the answer), whole and streamed
 (`delta.tool_calls` with the name first and the arguments in pieces, `delta.reasoning_content`), n > 1,
-enable_thinking false (the template closes the reasoning in the prompt), vLLM's include_reasoning false (the reply
+enable_thinking false (the template closes the reasoning in the prompt), leading system and developer messages as the
+one system message Qwen3.5's template takes, vLLM's include_reasoning false (the reply
 without its reasoning), tool_choice "none" (no tools rendered,
 no call parsed), a call of a function the request does not offer (content, never a 500), a reply cut inside a
 call, and the 400s naming their field (a tool without a name, tool_choice naming an unknown function, OpenAI's
 fields this server does not honour), a strict function under "auto" (its calls held to its schema by a structural
 tag). Forced calls (tool_choice "required" / named): test_serve_structured.py.
 The Responses API (POST /v1/responses) with the openai client over the same server: output items (reasoning, message,
-function_call), instructions and a multi-turn input, the function-call round trip with function_call_output,
+function_call), instructions and a multi-turn input (the instructions and Codex's leading developer messages one system
+message), the function-call round trip with function_call_output,
 max_output_tokens cutting a reply (status incomplete), the stream's typed events in order and the client helper's
 final response, reasoning.summary (the reasoning item's summary its text; streamed, OpenAI's summary events as the openai
 client types them), and the 400s naming their field (background, item_reference, image parts, ...); the response store
@@ -172,6 +174,28 @@ def test_tool_choice_none_renders_no_tools_and_parses_no_call(client):
     assert choice.finish_reason == "stop" and choice.message.tool_calls is None
     assert (choice.message.reasoning_content, choice.message.content) == (REASONING, "".join(CALL))
 
+
+def _prompt_ids(client, messages, **kw) -> list[int]:
+    r = ask(client, messages, max_tokens=1, extra_body={"return_token_ids": True}, **kw)
+    return r.prompt_token_ids
+
+
+def test_leading_system_and_developer_messages_are_one_system_message(server, client):
+    """A system prompt then a developer message (or several system messages) at the start: Qwen3.5's chat template takes
+    one system message, the first, and raises on another ("System message must be at the beginning": every such request
+    a 400); this checkpoint's template, which reads messages[0] alone as Qwen3.5's does, dropped the others silently.
+    They reach the template as one system message, their texts joined by a blank line, with and without tools; a
+    system message after the conversation began is left as it is (the template's to take or refuse)."""
+    lead = [{"role": "system", "content": "Answer briefly."}, {"role": "developer", "content": "Be kind."},
+            {"role": "system", "content": [{"type": "text", "text": "Use the tools."}]}]
+    joined = [{"role": "system", "content": "Answer briefly.\n\nBe kind.\n\nUse the tools."}]
+    for tools in ((WEATHER_TOOL,), ()):
+        assert _prompt_ids(client, [*lead, *USER], tools=tools) == _prompt_ids(client, [*joined, *USER], tools=tools)
+    assert _prompt_ids(client, [*lead[:1], *USER]) != _prompt_ids(client, [*joined, *USER])
+    r = httpx.post(server.url + "/tokenize", json={"model": NAME, "messages": [*lead, *USER]}, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["tokens"] == _prompt_ids(client, [*joined, *USER], tools=()), r.text
+    turn = [*USER, {"role": "assistant", "content": "Hi."}]
+    assert _prompt_ids(client, [lead[0], *turn, lead[1], *USER]) != _prompt_ids(client, [*joined, *turn, *USER])
 
 def test_a_call_of_a_function_the_request_does_not_offer_stays_content(client):
     whole = ask(client, USER, tools=[OTHER_TOOL]).choices[0]
@@ -422,6 +446,21 @@ def test_responses_instructions_and_a_multi_turn_input(client):
     assert multi.usage.input_tokens > plain.usage.input_tokens
     assert told.output_text == multi.output_text == plain.output_text == "".join(CALL)
 
+
+def test_responses_instructions_and_leading_developer_messages_are_one_system_message(client):
+    """Codex's request: its instructions, then its developer messages (permissions, its config's instructions) first in
+    `input`, with store false: the instructions and the system / developer messages that begin the input are one
+    system message to the template, joined by blank lines (Qwen3.5's template raised on the second: a 400 for every
+    Codex turn; this checkpoint's dropped it)."""
+    lead = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be kind."}]},
+            {"role": "system", "content": "Use the tools."}]
+    got = respond(client, input=[*lead, *USER], instructions="Answer briefly.", store=False)
+    joined = respond(client, input=USER, instructions="Answer briefly.\n\nBe kind.\n\nUse the tools.", store=False)
+    assert got.usage.input_tokens == joined.usage.input_tokens
+    assert _kinds(got) == _kinds(joined) == ["reasoning", "function_call"]
+    alone = respond(client, input=[*lead, *USER], store=False)
+    assert alone.usage.input_tokens == respond(client, input=[{"role": "system", "content": "Be kind.\n\nUse the tools."},
+                                                              *USER], store=False).usage.input_tokens
 
 def test_responses_function_call_round_trip(client):
     """A function tool in the flat shape: the reply is reasoning then a function_call item (call_id, name, JSON

@@ -73,6 +73,20 @@ def check_text(value, name: str, param: str) -> None:
             check_text(v, name, param)
 
 
+def one_system_message(messages: list[dict]) -> list[dict]:
+    """`messages` (as a template reads them: developer already system) with the system messages they begin with
+    joined into one, their texts separated by a blank line: Qwen3.5's template takes one system message, the first,
+    and raises on any other ("System message must be at the beginning"), yet the Responses API's instructions come
+    before Codex's leading developer messages, and chat clients send a system prompt then a developer one."""
+    lead = 0
+    while lead < len(messages) and messages[lead].get("role") == "system":
+        lead += 1
+    if lead < 2:
+        return messages
+    joined = "\n\n".join(m.get("content") or "" for m in messages[:lead])
+    return [{**messages[0], "content": joined}, *messages[lead:]]
+
+
 class ServerState:
     """The engine behind an app and what its endpoints share. `ready` is set once the engine is warm
     (the serve tool warms it while the server already answers /health with 503); `closing` once the
@@ -262,6 +276,7 @@ class ServerState:
         for i, message in enumerate(messages):  # every string the template may read: UTF-8 encodable
             for key, value in message.items():
                 check_text(value, f"{param} {i}: {key}", param)
+        messages = one_system_message(messages)
         if continue_final_message:  # (only then: a tokenizer of its own may not take the argument)
             template_kwargs["continue_final_message"] = True
         if tools:  # (likewise)
