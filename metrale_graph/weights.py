@@ -82,13 +82,16 @@ def checkpoint_dtype(folder: str, dtype) -> torch.dtype:
                     return as_dtype(section[field])
                 except ValueError as e:
                     raise ValueError(f"dtype='auto' reads {field!r} of {folder}/config.json: {e}") from None
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     for path in checkpoint_files(folder):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for key in f.keys():
-                if key.endswith("embed_tokens.weight"):
-                    return _STORED_DTYPES.get(f.get_slice(key).get_dtype(), torch.float32)
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    if key.endswith("embed_tokens.weight"):
+                        return _STORED_DTYPES.get(f.get_slice(key).get_dtype(), torch.float32)
+        except (SafetensorError, OSError) as e:  # (mtp=False: no header was read before)
+            raise ValueError(f"cannot read safetensors file {path}: {e}") from None
     return torch.float32
 
 

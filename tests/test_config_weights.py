@@ -301,6 +301,19 @@ def test_corrupt_safetensors(checkpoint, cut):
         HybridModel.from_pretrained(str(checkpoint), progress=False)
 
 
+def test_corrupt_safetensors_with_auto_dtype_and_no_mtp(checkpoint):
+    """dtype="auto" over a config.json naming no dtype reads the embeddings' stored dtype from the files; with
+    mtp=False no header was read before that (the MTP count is not asked), and a cut file raised safetensors'
+    SafetensorError, not the ValueError naming the file that every other load of it gives."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    config.pop("dtype")
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    path = checkpoint / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1])
+    with pytest.raises(ValueError, match="cannot read safetensors file " + re.escape(str(path))):
+        HybridModel.from_pretrained(str(checkpoint), progress=False, dtype="auto", mtp=False)
+
+
 @pytest.mark.parametrize("text, message", [
     ('{"weight_map": ', "cannot read checkpoint index .*index.json: Expecting value"),
     ("[" * 100_000 + "]" * 100_000, "cannot read checkpoint index .*index.json: maximum recursion depth"),
