@@ -89,7 +89,8 @@ class SpeculativeGraphs:
     def warm(self, bucket: Bucket) -> None:
         """Make, compile and (on CUDA) capture every entry of `bucket` now (its hidden-states entry must exist:
         GraphRunner.hidden_bucket)."""
-        after = ("after",) if envs.METRALE_MTP_AFTER else ()  # (the drafting behind the acceptance: opt-in)
+        # (the drafting behind the acceptance: opt-in, and what a verify step launched ahead takes)
+        after = ("after",) if envs.METRALE_MTP_AFTER or envs.METRALE_VERIFY_AHEAD else ()
         for kind in ("greedy", "sampled") + (("drafts",) + after if self.mtp else ()):
             self._entry(kind, bucket)
 
@@ -183,17 +184,20 @@ class SpeculativeGraphs:
 
     # the calls ----------------------------------------------------------------------------------
     def accept(self, bucket: Bucket, h: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor,
-               keep: list | None = None, slots: list[int] = ()) -> torch.Tensor:
+               keep: list | None = None, slots: list[int] = (), patch: Callable | None = None) -> torch.Tensor:
         """Acceptance of r rows (tail.accept_greedy / accept_sampled; ints [r, 2K + 4], floats [r, K + 4] on the
         host, tail.host_rows) over h, the verify step's hidden states of `bucket` (with graphs, its graph's
         output), and the accepted states' copy into the slots: keep[i] = (slot, first verify entry) of row i, or
         None (or keep None) for a row that keeps nothing (tail.keep_accepted_states); and slot slots[i]'s last
-        token := row i's last emitted one (tail.write_last_tokens). Returns int64 [r, K + 2] on the device (counts, then
-        tokens)."""
+        token := row i's last emitted one (tail.write_last_tokens). patch(ints buffer): called once ints is in it,
+        before the replay (a verify step launched ahead writes its drafts there from the device: speculative/ahead.py).
+        Returns int64 [r, K + 2] on the device (counts, then tokens)."""
         sampled = bool((ints[:, 2 * self.K + 3] == 0).any())
         entry = self._entry("sampled" if sampled else "greedy", bucket)
         r = ints.shape[0]
         _fill(entry.args[2], ints)
+        if patch is not None:
+            patch(entry.args[2])
         if sampled:
             _fill(entry.args[3], floats)
         # every row of the keep buffer (not only r: an earlier call's rows past r must keep nothing now)
@@ -226,13 +230,14 @@ class SpeculativeGraphs:
         return self._run(entry, h)[:b]
 
     def draft_after(self, bucket: Bucket, h: torch.Tensor, result: torch.Tensor, tok: torch.Tensor,
-                    strm: torch.Tensor) -> torch.Tensor:
+                    strm: torch.Tensor, patch: Callable | None = None) -> torch.Tensor:
         """The MTP head's catch-up and drafts right after an acceptance of the same bucket (tail.mtp_drafts_after),
         its tokens and draft lengths taken from that acceptance's `result` [b, K + 2] on the device (copied into
         this entry's buffer: no read back); tok [3, t] and strm [5, b] on the host (tail.py's `after` layouts,
         verify.py builds them). int64 [b, K + 2 + K] on the device: `result` as copied, then the drafts (with graphs
         the acceptance's output is its graph's buffer in the shared pool, which this entry's replay may overwrite
-        when it was captured first: read the copy)."""
+        when it was captured first: read the copy). patch(tok buffer, strm buffer): called once they are filled,
+        before the replay (speculative/ahead.py's positions and contexts from the device)."""
         entry = self._entry("after", bucket)
         result_buf, tok_buf, strm_buf = entry.args[3], entry.args[4], entry.args[5]
         result_buf[:result.shape[0]].copy_(result)
@@ -242,6 +247,8 @@ class SpeculativeGraphs:
         # + a stale count is inside the bucket's tokens, where t + it is not when the real streams fill them, an
         # index out of range)
         _fill_columns(strm_buf, strm, ((0, t), (1, self.cache.scratch_slot)))
+        if patch is not None:
+            patch(tok_buf, strm_buf)
         return torch.cat([result_buf[:b], self._run(entry, h)[:b]], dim=1)
 
     @torch.no_grad()

@@ -92,6 +92,11 @@ SETTINGS = _settings(
             "the captured acceptance, one read back for both (speculative/drafting.py, MtpDrafter.launch_after); off: "
             "the drafting after the acceptance's read back. Opt-in until its CUDA graphs have run on a GPU "
             "(tests/test_gpu_speculative_graphs.py) and the spec bench says it pays"),
+    Setting("METRALE_VERIFY_AHEAD", "flag", False,
+            "speculative \"mtp\" verify step N + 1 launched before step N's accept counts reach the host, its inputs "
+            "made on the device from N's (greedy decodes the head follows, no prefix caching: speculative/ahead.py); "
+            "takes the drafting behind the acceptance. Opt-in until it has run on a GPU and the spec bench says it "
+            "pays"),
     # debug and tool options
     Setting("METRALE_FP8_ACTIVATIONS", "flag", True,
             "FP8 projections round activations to FP8 (W8A8); off: weight-only FP8, a debug mode "

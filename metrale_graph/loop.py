@@ -175,6 +175,9 @@ class EngineLoop(LoopIntake, LoopReadBack):
             self._send(IDLE)  # nothing to run: keep the followers' broadcast alive
         if (aborts or jobs or closing is not None) and self._inflight is not None:
             self._read_back()  # aborts, jobs and the end see every launched step read back
+        ahead = self.spec.ahead if self.spec is not None else None  # (a verify step launched ahead: ahead.py)
+        if (aborts or jobs or closing is not None) and ahead is not None:
+            ahead.drain()
         aborted = []
         for r in aborts:
             if not r.ended:
@@ -209,6 +212,8 @@ class EngineLoop(LoopIntake, LoopReadBack):
         step = sched.plan()
         with self._cond:
             self._publish_queue()
+        if self.spec is not None and self.spec.ahead is not None and self.spec.ahead.pending is not None:
+            step = self.spec.ahead.go_on(step)  # ([] when this step was launched ahead)
         if self.spec is not None and step:
             try:  # (a draft proposer that raises: the step in flight delivers, then this step's requests fail)
                 if (self.spec.may_take(step, sched.decodes)

@@ -138,6 +138,24 @@ class PrefillCall:
                               None if fed is None else {s: f[:k] for s, f, k in zip(self.slots, fed, kept)})
         return out
 
+    def launch_settled(self, step: Callable[[PackedBatch], torch.Tensor], extra: list[tuple[int, int]] = ()):
+        """run_settled's step launched with its settling left to the caller (speculative/ahead.py: a verify step
+        launched before the previous one's accept counts are on the host). Reserves the streams' KV blocks and,
+        past them, `extra`'s (slot, tokens past its context) pairs (cache.block_needs), packs, runs `step(packed)`
+        and returns (its output, commit): commit({slot: kept tokens}) advances those slots' contexts once the
+        caller knows them (slots left out keep theirs: a request that ended meanwhile, its slot reset). Anything
+        raised before it returns resets the call's slots. Not with prefix caching (the kept tokens would label
+        blocks with ids the host does not know)."""
+        if self._ran:
+            raise RuntimeError("a PrefillCall runs once")
+        self._ran = True
+        assert not self.cache.prefix_caching, "launch_settled does not label blocks"
+        with self.cache.transaction(self.growth):
+            self.cache.allocate(self.tokens.new_blocks)
+            self.cache.allocate(self.cache.block_needs(list(extra)))
+            out, _ = self._step(step, self.slots, self.tokens.ids, self.lengths, verify=True)
+        return out, self.cache.commit
+
     def _step(self, step, slots: list[int], ids: torch.Tensor, lengths: list[int], verify: bool = False):
         """Pack one piece, run `step` on it with prefix caching's checkpoints planned (and recorded once it has
         run, or given back if it raises); returns (step's output, each stream's new ids with prefix caching

@@ -113,3 +113,33 @@ def test_captured_bigram_drafts_are_all_kept():
         s = e.stats().speculative
         assert any(kind == "drafts" and g.graph is not None for (kind, _), g in e._loop.spec.graphs.entries.items())
     assert out == reference and s["accepted"] == s["proposed"] == 30  # 10 verify steps of 3
+
+
+@pytest.mark.parametrize("family", ["dense", "next"])
+def test_verify_ahead_gives_the_synchronous_tokens_and_drafts(family, monkeypatch):
+    """METRALE_VERIFY_AHEAD (speculative/ahead.py): MTP verify steps launched, captured, before the step before them
+    is read back: plain decoding's tokens and the drafts of the synchronous captured path (METRALE_MTP_AFTER); and
+    the bigram checkpoint, every draft kept, chains k + 1 tokens a step."""
+    model, prompts = cuda_model(family), prompts_of(family)[:3]
+    reference, _ = run(model, prompts, False)
+    seen = []
+    method = MtpDrafter.take_after
+    monkeypatch.setattr(MtpDrafter, "take_after", lambda self, *a: seen.append(method(self, *a)) or seen[-1])
+    runs = {}
+    for setting in ("METRALE_MTP_AFTER", "METRALE_VERIFY_AHEAD"):
+        seen.clear()
+        with envs.override(**{setting: "1"}), Engine(model, 3, compile=True, speculative={"method": "mtp", "num_tokens": 2},
+                                                      **GRID) as e:
+            out = [r.token_ids for r in e.generate(prompts, max_new_tokens=14, stop_token_ids=[])]
+            runs[setting] = (out, list(seen), e.stats().speculative)
+            if setting == "METRALE_VERIFY_AHEAD":
+                assert e._loop.spec.ahead.chained > 0
+    assert runs["METRALE_MTP_AFTER"] == runs["METRALE_VERIFY_AHEAD"] and runs["METRALE_VERIFY_AHEAD"][0] == reference
+    bigram = bigram_model(CONFIGS["dense"]).to("cuda")
+    with Engine(bigram, 2, compile=False) as e:
+        reference = e.generate([[3, 5, 7]], max_new_tokens=41, stop_token_ids=[])[0].token_ids
+    with envs.override(**{"METRALE_VERIFY_AHEAD": "1"}), \
+            Engine(bigram, 2, compile=True, speculative={"method": "mtp", "num_tokens": 3}, **GRID) as e:
+        assert e.generate([[3, 5, 7]], max_new_tokens=41, stop_token_ids=[])[0].token_ids == reference
+        s = e.stats().speculative
+        assert s["accepted"] == s["proposed"] == 30 and e._loop.spec.ahead.chained > 0

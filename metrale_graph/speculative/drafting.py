@@ -97,7 +97,7 @@ class MtpDrafter:
         return drafts
 
     def launch_after(self, graphs, bucket, h: torch.Tensor, result: torch.Tensor, reqs: list, before: list[int],
-                     starts: list[int], drafts: list[int]) -> torch.Tensor | None:
+                     starts: list[int], drafts: list[int], patch=None) -> torch.Tensor | None:
         """The head's catch-up and drafts launched right behind a captured acceptance (graphs.draft_after), its
         inputs taken from the acceptance's `result` [r, K + 2] on the device, so that one read back brings the
         accept counts and the next drafts: for a step whose r rows are all speculating decodes the head follows
@@ -106,7 +106,8 @@ class MtpDrafter:
         later, never counted); the blocks its draft steps may write (the most at the least count, within the
         reservation) are given now. None when the drafting does not fit the bucket (draft then runs after the
         read back), else graphs.draft_after's [r, K + 2 + K]: `result` as its entry copied it, then the drafts. The
-        caller notes what the head wrote (`note_after`) once the step has committed."""
+        caller notes what the head wrote (`note_after`) once the step has committed. `patch`: graphs.draft_after's
+        (a step launched ahead: its positions, contexts and tokens left from the device, speculative/ahead.py)."""
         cache, K = self.cache, graphs.K
         lengths = [n + 1 for n in drafts]
         if self.on_batch is not None or not bucket.holds(len(reqs), sum(lengths)):
@@ -121,7 +122,7 @@ class MtpDrafter:
         tok = torch.tensor([index, positions, rows], dtype=torch.int64)
         strm = torch.tensor([ends, [r.slot for r in reqs], before, [e - n for e, n in zip(ends, lengths)], remaining],
                             dtype=torch.int64)
-        return graphs.draft_after(bucket, h, result, tok, strm)
+        return graphs.draft_after(bucket, h, result, tok, strm, patch)
 
     def note_after(self, reqs: list, before: list[int], emitted: list[list[int]]) -> None:
         """After a step whose drafting ran behind its acceptance (launch_after) has committed: each request's head

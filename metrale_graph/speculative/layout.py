@@ -1,12 +1,15 @@
 """A verify step's layout: which packed tokens are whose, which verify entries keep states, which hidden-state rows
 the acceptance reads, how many tokens each stream keeps. Made from the step's stream lengths alone, so that the
 engine loop's speculative step (verify.py) and, under a plan broadcast, its followers (following.py), which know
-only the streams rank 0 sent, lay the step out alike and meet in the same collectives."""
+only the streams rank 0 sent, lay the step out alike and meet in the same collectives; and whether a one-stream
+verify step runs padded to two streams (pads_one_stream)."""
 
 from __future__ import annotations
 
 import itertools
 from typing import NamedTuple
+
+from ..ops.common import decode_shaped
 
 
 class VerifyLayout(NamedTuple):
@@ -60,3 +63,15 @@ def kept_lengths(layout: VerifyLayout, counts: list[int]) -> list[int]:
     for i, c in zip(layout.spec, counts):
         kept[i] = c + 1
     return kept
+
+
+def pads_one_stream(runner, num_tokens: int) -> bool:
+    """Whether a step of one stream and `num_tokens` tokens that keeps verify states runs padded to two streams (on
+    CUDA; "mtp"'s prompt chunks keep none): when the call its GDN ops see (the runner's bucket, else the step) is not
+    decode-shaped, one stream takes the chunked path whole (ops/gdn_recurrence/split.py), which keeps states at chunk
+    ends only; an empty second stream sends it to the recurrent kernel, which keeps any token, in a graph too. A verify
+    of a few tokens in a bucket of at most 64 is decode-shaped already (padded, it needed a 2-stream bucket)."""
+    from ..capture.buckets import choose  # (capture imports this package: not at the top)
+
+    bucket = choose(runner.grid, 1, num_tokens) if runner is not None else None
+    return not decode_shaped(1, bucket.tokens if bucket is not None else num_tokens)

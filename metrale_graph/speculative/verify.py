@@ -3,17 +3,15 @@
     spec = SpeculativeStep(loop, Speculative("ngram", 3))     # the engine loop's, with Engine(speculative=...)
     if spec.takes(step): spec.run(step, decodes)               # instead of the loop's own launch (loop.py)
 
-A request speculates (`speculates`) unless it opted out (Request.speculate False): grammars, logprobs,
-penalties, min_tokens and logit_bias included, their processors seeing each position as if the drafts before it
-had been emitted (step 3); "mtp" does not follow a request asking for prompt logprobs (its prompt chunks run the
-loop's way: no MTP drafts for it). A step with more decode streams than the option's max_streams speculates
-not at all (k = 0 for every stream: the loop's own overlapped step; for "mtp" the head then stops following its
-requests, as after any step run the loop's way). Each step of at most max_streams decodes that holds a
-speculating decode (with drafts) or, for "mtp", any chunk of a request the head follows, runs here,
-synchronously (loop.py: the step before is read back first, so each decode's last token and drafts are on the
-host; for "ngram" the loop reads back only while some decode's lookup over its tokens on the host finds a match,
-`worth_reading_back`, and otherwise keeps its overlapped step); its layers through the runner's compiled (on
-CUDA captured) hidden-states step of the bucket it fits (GraphRunner.hidden_bucket), else eagerly:
+A request speculates (`speculates`) unless it opted out (Request.speculate False): grammars, logprobs, penalties,
+min_tokens and logit_bias included, their processors seeing each position as if the drafts before it had been
+emitted (step 3); "mtp" does not follow a request asking for prompt logprobs (its prompt chunks run the loop's way).
+A step with more decodes than max_streams speculates not at all (the loop's own overlapped step; "mtp"'s head then
+stops following its requests). Each step of at most max_streams decodes holding a speculating decode (with drafts)
+or, for "mtp", any chunk of a request the head follows, runs here, synchronously (loop.py: the step before read
+back first; for "ngram" only while some decode's lookup over its tokens on the host finds a match,
+`worth_reading_back`; with METRALE_VERIFY_AHEAD, greedy "mtp" decodes launch ahead of the read back: ahead.py);
+its layers through the runner's hidden-states step of the bucket it fits (GraphRunner.hidden_bucket), else eagerly:
 
 1. Streams: a speculating decode feeds (x_n, d_1 .. d_k), k = min(num_tokens, tokens it may still emit - 1)
    (so neither max_new_tokens nor its KV reservation is overrun); the other chunks are the plan's own.
@@ -63,30 +61,17 @@ from ..handle import deliver
 from ..logits_processors import process_logits
 from ..logprobs import token_logprobs
 from ..numbers import int_tensor, to_device
-from ..ops.common import decode_shaped
 from ..plan_sync import DRAFT, SPECULATE
 from ..protocol import prefill_call
 from ..sampling import SampleRow, sample
 from .acceptance import accept_drawn, draw_positions, draw_uniforms, unprocessed
+from .ahead import VerifyAhead
 from .drafting import MtpDrafter
-from .layout import VerifyLayout, acceptance_rows, kept_lengths, last_rows, position_rows, verify_layout
+from .layout import (VerifyLayout, acceptance_rows, kept_lengths, last_rows, pads_one_stream, position_rows,
+                     verify_layout)
 from .options import Speculative
 from .proposers import TokenHistory, ngram_propose
 from .tail import host_rows, keep_verified_states
-
-
-def pads_one_stream(runner, num_tokens: int) -> bool:
-    """Whether a step of one stream and `num_tokens` tokens that keeps verify states runs padded to two streams (on
-    CUDA; a step that keeps none, "mtp"'s prompt chunks, needs only the chunk ends prefix caching asks for): when
-    the call its GDN ops see (the runner's bucket for it, else the step itself) is not decode-shaped, one stream takes the
-    chunked path whole (ops/gdn_recurrence/split.py), which keeps states at chunk ends only; an empty second stream
-    sends it to the recurrent kernel, which keeps any token, in a graph too. A verify of a few tokens in a bucket
-    of at most 64 is decode-shaped already: padded, it needed a 2-stream bucket, which an Engine of one slot (its
-    grid's batch sizes [1]) does not have, and ran eagerly every step."""
-    from ..capture.buckets import choose  # (capture imports this package: not at the top)
-
-    bucket = choose(runner.grid, 1, num_tokens) if runner is not None else None
-    return not decode_shaped(1, bucket.tokens if bucket is not None else num_tokens)
 
 
 def history(r):
@@ -96,8 +81,7 @@ def history(r):
     return r.history.view(r.prompt, r.out)
 
 
-def speculates(r) -> bool:
-    """Whether request `r` may speculate at all: unless it opted out (module docstring)."""
+def speculates(r) -> bool:  # whether request `r` may speculate at all: unless it opted out (module docstring)
     return r.speculate
 
 
@@ -119,6 +103,7 @@ class SpeculativeStep:
                 loop._send(DRAFT, streams, extra=extra)
             self.mtp.on_batch = announce
         self.proposed = self.accepted = self.drafts = self.steps = 0
+        self.ahead = VerifyAhead(self) if envs.METRALE_VERIFY_AHEAD and self.mtp is not None else None  # (ahead.py)
 
     def stats(self) -> dict:
         """So far: drafts proposed and accepted (tokens), drafts verified (`drafts`: one per stream and verify
@@ -127,8 +112,7 @@ class SpeculativeStep:
         return {"method": self.spec.method, "num_tokens": self.k, "proposed": self.proposed,
                 "accepted": self.accepted, "drafts": self.drafts, "steps": self.steps}
 
-    def room(self, r) -> int:
-        """The drafts r may verify now: at most num_tokens, and leaving room for the added token."""
+    def room(self, r) -> int:  # the drafts r may verify now: at most num_tokens, and room for the added token
         return max(0, min(self.k, r.max_new - len(r.out) - 1))
 
     def follows(self, r) -> bool:
@@ -183,6 +167,9 @@ class SpeculativeStep:
         cache, model, loop = self.cache, self.model, self.loop
         reqs = [c.request for c in step]
         tokens = [[r.out[-1]] + r.drafts if i < decodes else c.tokens for i, (c, r) in enumerate(zip(step, reqs))]
+        if self.ahead is not None and self.ahead.starts(step, decodes, tokens):  # (read back when the loop's
+            self.ahead.pending = self.ahead.launch(step, None)  # next plan is known: ahead.go_on)
+            return
         sampling = [i for i, c in enumerate(step) if c.sample]
         layout = verify_layout([len(t) for t in tokens], decodes, sampling, self.base, self.k, cache.verify_entries)
         before = [cache.context_lens[r.slot] for r in reqs]

@@ -1,0 +1,228 @@
+"""Verify ahead (METRALE_VERIFY_AHEAD, opt-in): speculative "mtp" step N + 1 launched before step N's accept counts
+reach the host, its inputs made on the device from N's acceptance and drafting; vLLM's asynchronous scheduling with
+speculative decoding, SGLang's overlapped speculative step (docs/speculative.md).
+
+    ahead = VerifyAhead(spec)            # SpeculativeStep's, with the setting on
+    if ahead.starts(step, decodes, tokens): ahead.pending = ahead.launch(step, None)  # N launched, not read back
+    step = ahead.go_on(step)             # the loop's next plan: N + 1 launched, then N delivered (returns []);
+                                         # or N delivered and the plan given back, less the requests N ended
+    ahead.drain()                        # aborts, jobs, the end: the step in flight delivered
+
+A chain holds while the loop plans the same requests in the same order, all decodes, each a greedy request the MTP
+head follows whose rows no logits processor touches (the captured acceptance), each verifying num_tokens (K) drafts,
+with at least 2K + 2 tokens left to sample as far as the host knows (the step before's tokens not counted): step N +
+1's positions lie at most K + 1 past N's and the head's draft steps behind it stop where its tokens left do, so both
+stay inside the request's KV reservation. Not with prefix caching (its blocks are labelled with ids the host must
+know), a plan broadcast, or without a runner (the captured tail).
+
+Step N + 1's inputs from N's device result (the drafting's [B, 2K + 2]: count c, K + 1 tokens, K drafts) and N's
+device context and tokens left: its context = N's + c + 1 (its tokens' positions from there, the step's
+context_lens); its tokens = N's token after its count, then N's K drafts; the acceptance's drafts = those K; the
+drafting's positions and contexts from the new context, its tokens left = N's - c - 1. Every stream feeds K + 1
+tokens, so the host lays the step out (verify entries, hidden-state rows, buckets) as for N; the ids, positions and
+contexts it packs from its own (older) view are placeholders the device overwrites before the step runs. The
+step's blocks are given up to 3K + 1 tokens past the committed context (N's, N + 1's, the head's draft steps),
+capped by the tokens left, before the step is packed.
+
+When N's counts arrive, after N + 1 is launched, N commits each live stream's c + 1 kept tokens and delivers them
+through the loop's stop checks (verify._deliver). A request that stopped at N was in N + 1 too: N + 1's tokens for
+it are dropped when N + 1 is read back, never emitted nor counted, and its slot, reset when it stopped, was reset
+behind N + 1 on the device's stream. The next plan then differs from N + 1's (the request left it) and the chain
+ends: N + 1 is delivered before the plan runs the usual way. Greedy only: a sampled row's uniforms come from its
+request's generator, whose state after N depends on N's count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..batch import Stream
+from ..numbers import int_tensor, to_device
+from ..protocol import prefill_call
+from .acceptance import draw_uniforms, unprocessed
+from .layout import VerifyLayout, acceptance_rows, pads_one_stream, verify_layout
+from .tail import host_rows
+
+
+@dataclass
+class Pending:
+    """A verify step launched and not read back: its plan, requests and layout; `both` the drafting's [B, 2K + 2]
+    on the device (counts, tokens, drafts), `host` its copy on the host once `ready` (a CUDA event, or None) has
+    passed; its streams' contexts before it and tokens left, on the device; the call's commit (protocol.py)."""
+    step: list
+    reqs: list
+    layout: VerifyLayout
+    both: torch.Tensor
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+    before: torch.Tensor
+    remaining: torch.Tensor
+    commit: Callable[[dict], None]
+
+
+class VerifyAhead:
+    def __init__(self, spec):
+        self.spec, self.loop, self.cache, self.k = spec, spec.loop, spec.cache, spec.k
+        self.pending: Pending | None = None
+        self.chained = 0  # steps launched before the step before them was read back
+        self._host: dict[int, list[torch.Tensor]] = {}  # pinned copies' buffers by stream count, two each (CUDA)
+
+    def eligible(self, reqs: list) -> bool:
+        """Whether requests `reqs` may verify ahead (the module docstring's conditions per request)."""
+        spec, least = self.spec, 2 * self.k + 2
+        return all(not r.ended and r.params.greedy and unprocessed(r) and spec.follows(r)
+                   and r.max_new - len(r.out) >= least for r in reqs)
+
+    def starts(self, step: list, decodes: int, tokens: list[list[int]]) -> bool:
+        """Whether speculative step `step` (read back: its tokens on the host) launches ahead: every stream a decode
+        of an eligible request feeding K drafts, the head caught up on its context, a bucket of the runner."""
+        spec, cache, K = self.spec, self.cache, self.k
+        reqs = [c.request for c in step]
+        if (decodes != len(step) or spec.graphs is None or cache.prefix_caching or self.loop._broadcast is not None
+                or any(len(t) != K + 1 for t in tokens) or not self.eligible(reqs)
+                or any(cache.mtp_context_lens[r.slot] != cache.context_lens[r.slot] for r in reqs)):
+            return False
+        from ..capture.buckets import choose  # (capture imports this package: not at the top)
+
+        streams = 2 if len(reqs) == 1 and pads_one_stream(spec.runner, K + 1) else len(reqs)
+        return choose(spec.runner.grid, streams, len(reqs) * (K + 1)) is not None
+
+    def go_on(self, step: list) -> list:
+        """The loop's plan `step` with a step pending: launched ahead when the chain holds (then the pending step
+        is delivered and `step` is the new pending one: returns []); else the pending step delivered, and `step`
+        returned less the requests it ended (the scheduler's decode count set to match)."""
+        p, loop = self.pending, self.loop
+        sched = loop.scheduler
+        reqs = [c.request for c in step]
+        if (step and sched.decodes == len(step) and len(reqs) == len(p.reqs)
+                and all(a is b for a, b in zip(reqs, p.reqs)) and self.eligible(reqs)):
+            try:
+                launched = self.launch(step, p)
+            except BaseException as e:  # its transaction reset the slots: the step before cannot commit either
+                self.pending = None
+                for r in reqs:
+                    loop._fail(r, e)
+                return []
+            self.pending = launched
+            self.chained += 1
+            self._finish(p)
+            if all(r.ended for r in launched.reqs):  # (nothing of it to deliver: its slots were reset)
+                self.pending = None
+            return []
+        self.drain()
+        decodes = sum(1 for c in step[:sched.decodes] if not c.request.ended)
+        step = [c for c in step if not c.request.ended]
+        sched.decodes = decodes
+        return step
+
+    def drain(self) -> None:
+        """Deliver the pending step, if any."""
+        p, self.pending = self.pending, None
+        if p is not None:
+            self._finish(p)
+
+    def launch(self, step: list, prev: Pending | None) -> Pending:
+        """Launch verify step `step` (every chunk a decode of an eligible request): its inputs from the host's
+        tokens (prev None: the step before is read back) or from `prev`'s results on the device."""
+        spec, cache, K = self.spec, self.cache, self.k
+        reqs = [c.request for c in step]
+        B, dev = len(reqs), cache.device
+        layout = verify_layout([K + 1] * B, B, list(range(B)), spec.base, K, cache.verify_entries)
+        context = [cache.context_lens[r.slot] for r in reqs]  # (prev: the contexts before prev)
+        left = [r.max_new - len(r.out) for r in reqs]
+        if prev is None:
+            tokens = [[r.out[-1]] + r.drafts for r in reqs]
+            before, remaining, fresh, extra = to_device(int_tensor(context), dev), to_device(int_tensor(left), dev), None, ()
+        else:  # placeholders, overwritten on the device; blocks for prev's tokens, these and the head's draft steps
+            tokens = [[0] * (K + 1) for _ in reqs]
+            counts = prev.both[:, 0]
+            before, remaining = prev.before + counts + 1, prev.remaining - counts - 1
+            fresh = torch.cat([prev.both.gather(1, counts.unsqueeze(1) + 1), prev.both[:, K + 2:]], dim=1)
+            extra = [(r.slot, min(3 * K + 1, n)) for r, n in zip(reqs, left)]
+        streams = [Stream(r.slot, t) for r, t in zip(reqs, tokens)]
+        with prefill_call(spec.model, cache, streams) as call:
+            both, commit = call.launch_settled(
+                lambda packed: self._run(packed, reqs, layout, context, before, remaining, fresh), extra)
+        host, ready = self._to_host(both)
+        return Pending(step, reqs, layout, both, host, ready, before, remaining, commit)
+
+    def _run(self, packed, reqs: list, layout: VerifyLayout, context: list[int], before: torch.Tensor,
+             remaining: torch.Tensor, fresh: torch.Tensor | None) -> torch.Tensor:
+        """The step inside its prefill call: the verify step's layers, the captured acceptance, the head's drafting
+        behind it; `fresh` [B, K + 1] the tokens from the device (None: packed holds them). Returns the drafting's
+        [B, 2K + 2]."""
+        spec, K, B = self.spec, self.k, len(reqs)
+        if fresh is not None:
+            positions = (before.unsqueeze(1) + torch.arange(K + 1, device=before.device)).reshape(-1)
+            packed.tokens[:B * (K + 1)] = fresh.reshape(-1)
+            packed.positions[:B * (K + 1)] = positions
+            packed.context_lens[:B] = before.to(packed.context_lens.dtype)
+        out: dict = {}
+        h = spec.forward(packed, layout, out)
+        bucket = out["bucket"]
+        drafts = [r.drafts if fresh is None else [0] * K for r in reqs]
+        uniforms = draw_uniforms([None] * B, [K] * B, K).values
+        ints, floats = host_rows(acceptance_rows(layout, K), drafts, [r.params for r in reqs], uniforms, K,
+                                 spec.model.config.vocab_size)
+        keep = [(r.slot, spec.base + j * K) for j, r in enumerate(reqs)]
+
+        def set_drafts(buffer):
+            buffer[:B, K + 1:2 * K + 1] = fresh[:, 1:]
+
+        result = spec.graphs.accept(bucket, h, ints, floats, keep, [r.slot for r in reqs],
+                                    None if fresh is None else set_drafts)
+
+        def set_contexts(tok, strm):
+            tok[1, :B * (K + 1)] = positions
+            strm[2, :B] = before
+            strm[4, :B] = remaining
+
+        both = spec.mtp.launch_after(spec.graphs, bucket, h, result, reqs, context, layout.starts, [K] * B,
+                                     None if fresh is None else set_contexts)
+        if both is None:  # (starts checked the bucket: launch_after declines only a bucket too small)
+            raise RuntimeError(f"the drafting behind a verify step launched ahead fits no bucket ({bucket})")
+        return both
+
+    def _to_host(self, both: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """`both` copied to the host behind the step (CUDA: into one of two pinned buffers, an event after it)."""
+        if not both.is_cuda:
+            return both, None
+        buffers = self._host.get(both.shape[0])
+        if buffers is None:
+            buffers = self._host[both.shape[0]] = [torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+                                                   for _ in range(2)]
+        buffers.reverse()  # (the other one may be the pending step's)
+        buffers[0].copy_(both, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return buffers[0], ready
+
+    def _finish(self, p: Pending) -> None:
+        """Read pending step `p` back (its counts, tokens and the next drafts), commit its live streams' kept
+        tokens and deliver them; a failure here fails its live requests."""
+        spec, cache, loop, K = self.spec, self.cache, self.loop, self.k
+        live = [i for i, r in enumerate(p.reqs) if not r.ended]
+        try:
+            if p.ready is not None:
+                p.ready.synchronize()
+            rows = p.host.tolist()
+            if not live:
+                return
+            reqs = [p.reqs[i] for i in live]
+            counts = [rows[i][0] for i in live]
+            before = [cache.context_lens[r.slot] for r in reqs]
+            p.commit({r.slot: c + 1 for r, c in zip(reqs, counts)})
+            emitted = [rows[i][1:c + 2] for i, c in zip(live, counts)]
+            spec.mtp.note_after(reqs, before, emitted)
+            spec._count([K] * len(live), counts)
+            out = {"spec": {i: (e, [None] * len(e)) for i, e in zip(live, emitted)}, "last_set": True}
+            spec._deliver(p.step, len(p.step), p.reqs, out, p.layout.spec)
+            drafted = spec.mtp.take_after(reqs, [rows[i][K + 2:] for i in live], [spec.room(r) for r in reqs])
+            for r in reqs:
+                r.drafts = drafted.get(r.slot, [])
+        except BaseException as e:  # KeyboardInterrupt included: only this step's requests see it
+            for i in live:
+                loop._fail(p.reqs[i], e)

@@ -1,0 +1,155 @@
+"""Verify ahead (METRALE_VERIFY_AHEAD, speculative/ahead.py): MTP verify step N + 1 launched before step N's accept
+counts are read back, its tokens, positions and contexts made on the device from N's. Through the tail's static
+buffers (test_speculative_tail.py's `tail_engine`: SpeculativeGraphs' functions uncompiled behind eager buckets):
+plain decoding's greedy tokens and the synchronous captured path's drafts and counts, with requests stopping inside
+a chain (stop tokens, max_new_tokens), arriving and aborted while a chain runs, and a launch that fails; every
+block back at the end. fp32, CPU; graphs on a GPU: test_gpu_speculative_graphs.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import random_tokens, unit_gain
+from speculative_reference import bigram_model, staggered, with_random_mtp
+from test_speculative_tail import CONFIGS, prompts_of, recorded_drafts, tail_engine
+from metrale_graph import Engine, HybridModel, envs
+from metrale_graph.speculative.ahead import VerifyAhead
+
+MTP = {"method": "mtp", "num_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: with_random_mtp(unit_gain(HybridModel.from_preset(cfg, seed=1), seed=2), seed=3)
+            for name, cfg in CONFIGS.items()}
+
+
+@pytest.fixture
+def ahead():
+    with envs.override(**{"METRALE_VERIFY_AHEAD": "1"}):
+        yield
+
+
+def plain(model, prompts, slots=3, **kw):
+    with Engine(model, slots, compile=False) as e:
+        return [r.token_ids for r in e.generate(prompts, **kw)]
+
+
+def chained(e) -> int:
+    return e._loop.spec.ahead.chained
+
+
+def no_block_held(e) -> bool:
+    s = e.stats()
+    return s.used_blocks == 0 and s.running == 0
+
+
+@pytest.mark.parametrize("family, k", [("dense", 1), ("dense", 3), ("moe", 2), ("next", 2)])
+def test_verify_ahead_gives_plain_decoding_and_the_synchronous_drafts(models, family, k, monkeypatch):
+    """Greedy MTP requests of different prompt lengths: plain decoding's tokens, and the same drafts, counts and
+    verify steps as the synchronous captured path (the drafting behind the acceptance, read back each step);
+    most steps launched ahead (the last ones, with fewer than 2k + 2 tokens left, read back first)."""
+    model, prompts = models[family], prompts_of(family)[:3]
+    kw = dict(max_new_tokens=24, stop_token_ids=[])
+    reference = plain(model, prompts, **kw)
+    drafts = recorded_drafts(monkeypatch)
+    runs = {}
+    for setting in ("METRALE_MTP_AFTER", "METRALE_VERIFY_AHEAD"):
+        drafts.clear()
+        with envs.override(**{setting: "1"}), tail_engine(model, 3, {"method": "mtp", "num_tokens": k}) as e:
+            out = [r.token_ids for r in e.generate(prompts, **kw)]
+            runs[setting] = (out, e.stats().speculative, [dict(d) for d in drafts])
+            assert out == reference, setting
+            assert no_block_held(e)
+            if setting == "METRALE_VERIFY_AHEAD":
+                assert chained(e) >= 3
+            else:
+                assert e._loop.spec.ahead is None
+    assert runs["METRALE_MTP_AFTER"] == runs["METRALE_VERIFY_AHEAD"]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_every_draft_kept_moves_each_chained_step_k_plus_one_tokens(k, ahead):
+    """The bigram checkpoint, whose head drafts what the model emits: every draft kept, so each step launched ahead
+    starts k + 1 positions past the one before it (its context, positions, tokens and drafts from the device); a
+    prompt of 41 tokens beside a short one: plain decoding's tokens."""
+    model = bigram_model(CONFIGS["dense"])
+    prompts = [[3, 5, 7], random_tokens(41, 6, CONFIGS["dense"].vocab_size)]
+    kw = dict(max_new_tokens=41, stop_token_ids=[])
+    reference = plain(model, prompts, **kw)
+    with tail_engine(model, 2, {"method": "mtp", "num_tokens": k}) as e:
+        assert [r.token_ids for r in e.generate(prompts, **kw)] == reference
+        s = e.stats().speculative
+        assert s["accepted"] == s["proposed"] > 0 and chained(e) > 0 and no_block_held(e)
+
+
+def test_requests_stopping_inside_a_chain(models, ahead):
+    """Stop tokens met inside a chain (the step launched ahead holds the stopped request: its tokens there dropped,
+    its slot reset behind it) and requests of different max_new_tokens (one ends while the others chain on):
+    plain decoding's tokens, nothing emitted past a stop."""
+    model, prompts = models["dense"], prompts_of("dense")[:3]
+    long = plain(model, prompts, max_new_tokens=30, stop_token_ids=[])
+    stop = [long[0][9], long[2][14]]  # tokens the first and third requests meet part way
+    reference = plain(model, prompts, max_new_tokens=30, stop_token_ids=stop)
+    assert any(len(r) < 30 for r in reference)
+    with tail_engine(model, 3, MTP) as e:
+        assert [r.token_ids for r in e.generate(prompts, max_new_tokens=30, stop_token_ids=stop)] == reference
+        handles = [e.submit(p, max_new_tokens=n, stop_token_ids=[]) for p, n in zip(prompts, (9, 30, 17))]
+        out = [h.result().token_ids for h in handles]
+        assert chained(e) > 0 and no_block_held(e)
+    assert out == [r[:n] for r, n in zip(long, (9, 30, 17))]
+
+
+def test_requests_arriving_and_aborted_while_a_chain_runs(models, ahead):
+    """Two requests chain; three more arrive once the first has 3 tokens out (the chain ends, the new prompts run,
+    a new chain starts) and one of them is aborted after its first token: the others give plain decoding's tokens
+    and every block is given back."""
+    model, prompts = models["dense"], prompts_of("dense")
+    kw = dict(max_new_tokens=20, stop_token_ids=[])
+    reference = plain(model, prompts, slots=5, **kw)
+    with tail_engine(model, 5, MTP) as e:
+        out = staggered(e, prompts, new_tokens=20, abort=3)
+        assert chained(e) > 0 and no_block_held(e)
+    assert [o for i, o in enumerate(out) if i != 3] == [r for i, r in enumerate(reference) if i != 3]
+
+
+def test_a_failed_launch_ahead_fails_its_requests_and_leaves_the_others_exact(models, ahead, monkeypatch):
+    """A chained launch that raises (its transaction resets the slots, so the step before cannot commit either):
+    that step's requests fail with the error, nothing leaks, and requests after it give plain decoding's tokens."""
+    model, prompts = models["dense"], prompts_of("dense")[:2]
+    kw = dict(max_new_tokens=20, stop_token_ids=[])
+    reference = plain(model, prompts, **kw)
+    real, calls = VerifyAhead.launch, []
+
+    def failing(self, step, prev):
+        if prev is not None:
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected launch failure")
+        return real(self, step, prev)
+
+    monkeypatch.setattr(VerifyAhead, "launch", failing)
+    with tail_engine(model, 3, MTP) as e:
+        handles = [e.submit(p, **kw) for p in prompts]
+        for h in handles:
+            with pytest.raises(RuntimeError, match="injected launch failure"):
+                h.result()
+        assert no_block_held(e)
+        assert [r.token_ids for r in e.generate(prompts, **kw)] == reference
+        assert no_block_held(e)
+
+
+def test_sampled_requests_and_prefix_caching_take_the_synchronous_step(models, ahead):
+    """Rows that sample (their uniforms depend on the step before's counts) and engines with prefix caching never
+    launch ahead: the tokens are the synchronous path's."""
+    model, prompts = models["dense"], prompts_of("dense")[:2]
+    kw = dict(max_new_tokens=12, stop_token_ids=[], temperature=0.8, top_k=20, seed=5)
+    with Engine(model, 3, compile=False, speculative=MTP) as e:
+        reference = [r.token_ids for r in e.generate(prompts, **kw)]
+    with tail_engine(model, 3, MTP) as e:
+        assert [r.token_ids for r in e.generate(prompts, **kw)] == reference
+        assert chained(e) == 0 and e._loop.spec.ahead.pending is None
+    greedy = plain(model, prompts, max_new_tokens=12, stop_token_ids=[])
+    with tail_engine(model, 3, MTP, prefix_cache=True) as e:
+        assert [r.token_ids for r in e.generate(prompts, max_new_tokens=12, stop_token_ids=[])] == greedy
+        assert chained(e) == 0
