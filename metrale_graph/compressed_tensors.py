@@ -265,9 +265,10 @@ def checkpoint_format(folder: str) -> CompressedTensors | None:
         return None
     with open(path) as f:
         raw = json.load(f)
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
-    quant = raw.get("quantization_config", text.get("quantization_config"))
+    wrapper = MULTIMODAL.get(raw.get("model_type"))
+    quant = raw.get("quantization_config")
+    if quant is None and wrapper and isinstance(raw.get("text_config"), dict):  # read as config.from_hf reads it
+        quant = raw["text_config"].get("quantization_config")
     if not is_compressed_tensors(quant):
         return None
-    wrapper = MULTIMODAL.get(raw.get("model_type"))
     return parse_compressed_tensors(quant, f" {path}", wrapper[1].text_prefix if wrapper else TEXT_PREFIX)

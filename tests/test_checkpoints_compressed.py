@@ -413,3 +413,26 @@ def test_an_mtp_head_the_config_quantizes_but_the_file_does_not(tmp_path):
     with pytest.raises(ValueError, match=r"'mtp\..*weight' in .* is BF16; .*quantizes it.*'re:\^mtp\.\*'.*mtp=False"):
         HybridModel.from_pretrained(dst, progress=False)
     assert HybridModel.from_pretrained(dst, progress=False, mtp=False).mtp is None
+
+
+@pytest.mark.parametrize("top", ["absent", "null"])
+def test_quantization_config_in_a_multimodal_text_config(tmp_path, top):
+    """A multimodal config.json holding the compressed-tensors section in text_config, the top level without one
+    (absent, or null as a hand-edited or re-serialized file has it): the model's config reads text_config's where the
+    top level's is missing or null, and the loader now reads it alike; with a null at the top the loader read none
+    (dict.get's default is not taken for a key that is there) and refused the valid checkpoint, 'unexpected tensor(s)
+    ... weight_scale'."""
+    src, dst = str(tmp_path / "bf16"), str(tmp_path / "ct")
+    transformers_model("qwen3_5_text", True).to(torch.bfloat16).save_pretrained(src)
+    ref = write_compressed(src, dst, "FP8_DYNAMIC", ["lm_head", "re:model.visual.*"], shards=1)
+    path = os.path.join(dst, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["text_config"]["quantization_config"] = config.pop("quantization_config")
+    if top == "null":
+        config["quantization_config"] = None
+    with open(path, "w") as f:
+        json.dump(config, f)
+    expected = dict(HybridModel.from_pretrained(ref, progress=False).named_parameters())
+    for name, p in HybridModel.from_pretrained(dst, progress=False).named_parameters():
+        assert torch.equal(p, expected[name]), name
