@@ -88,9 +88,13 @@ def parse_quantization(raw, where: str = "", prefix: str = TEXT_PREFIX, field: s
 
     if not isinstance(raw, dict):
         raise bad(f"field {field!r} must be an object, got {raw!r}")
-    method = raw.get("quant_method")
+    method, what = raw.get("quant_method"), f"quant_method {raw.get('quant_method')!r}"
+    legacy = [flag for flag in ("load_in_4bit", "load_in_8bit") if raw.get(flag)]
+    if legacy:  # bitsandbytes' older configs name no quant_method; transformers reads the flags first, as bitsandbytes
+        method = "bitsandbytes"
+        what = f"{legacy[0]} true: bitsandbytes' {legacy[0][8]}-bit weights, quant_method 'bitsandbytes'"
     if method != FP8_METHOD:
-        raise bad(f"a quantized checkpoint ({field} with quant_method {method!r}) is not supported: metrale-graph "
+        raise bad(f"a quantized checkpoint ({field} with {what}) is not supported: metrale-graph "
                   "loads floating-point weights, fine-grained FP8 ('fp8', as Qwen's FP8 releases: float8_e4m3fn "
                   "weights with 128 x 128 block weight_scale_inv) and compressed-tensors FP8 ('compressed-tensors', "
                   "llm-compressor's float-quantized FP8 schemes). Load the model's floating-point checkpoint, or its "

@@ -448,6 +448,19 @@ def test_other_quantization_methods_are_refused_by_name(qwen3_5_folder, tmp_path
         HybridModel.from_pretrained(folder, progress=False)
 
 
+@pytest.mark.parametrize("flag", ["load_in_4bit", "load_in_8bit"])
+def test_bitsandbytes_config_without_quant_method_is_named(qwen3_5_folder, tmp_path, flag):
+    """bitsandbytes' older quantization_config names no quant_method, only load_in_4bit / load_in_8bit (transformers
+    reads those flags first, as bitsandbytes, whatever quant_method says): refused naming bitsandbytes. It was
+    'quant_method None', naming no format."""
+    folder = copy_of(qwen3_5_folder, tmp_path)
+    edit_config(folder, lambda c: c.update(quantization_config={flag: True, "bnb_4bit_quant_type": "nf4",
+                                                                "llm_int8_threshold": 6.0}))
+    with pytest.raises(ValueError, match=f"quantization_config with {flag} true: bitsandbytes' {flag[8]}-bit weights, "
+                                         "quant_method 'bitsandbytes'\\) is not supported"):
+        HybridModel.from_pretrained(folder, progress=False)
+
+
 # ---- folders no loader should take -------------------------------------------------------------------
 
 def to_pickles(folder) -> None:
