@@ -387,6 +387,14 @@ def _error(server, body) -> dict:
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
      "tool_choice", "'get_time'"),
     ({"tools": [WEATHER_TOOL], "tool_choice": "sometimes"}, "tool_choice", "tool_choice"),
+    # the Responses API's flat shape sent here, or a choice without its function: the shape chat takes (it was "Input
+    # should be 'none', 'auto' or 'required'", as though a named function were not taken)
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "name": "get_weather"}}, "tool_choice",
+     '{"type": "function", "function": {"name": ...}} (function: Field required) (got {\'type\': \'function\','),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice",
+     'an allowed_tools choice is {"type": "allowed_tools", "allowed_tools": {"mode"'),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "tool"}}, "tool_choice",
+     """expected 'none', 'auto', 'required', {"type": "function", "function": {"name": ...}} or {"type": """),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
         "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}]}, "tools", "'uniqueItems'"),
@@ -608,10 +616,23 @@ def _responses_error(server, body) -> dict:
     ({"n": 2}, "n", "not supported"),
     ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options", "not supported"),
     ({"text": {"verbosity": "low"}}, "text.verbosity", "'low'"),  # (named as "text", got TextConfig(...), once)
+    # chat's nested shape sent here: the flat shape this API takes (it was "Input should be 'none', 'auto' or 'required'")
+    ({"tools": [RESPONSE_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
+     'a function choice is {"type": "function", "name": ...} (name: Field required)'),
+    ({"tool_choice": "sometimes"}, "tool_choice", "expected 'none', 'auto', 'required', {\"type\": \"function\", \"name\""),
+    # an item's bad value quoted, not the start of the whole input (which was quoted as what the field got), and the
+    # forms a field of several takes named (once "output.str: Input should be a valid string")
+    ({"input": [*USER, {"type": "function_call_output", "call_id": "c", "output": {"a": 1}}]}, "input",
+     "item 1 (function_call_output) output: expected a string or a list of input_text parts (got {'a': 1})"),
+    ({"input": [*USER, {"type": "message", "role": "user", "content": 7}]}, "input",
+     "item 1 (message) content: expected a string or a list of text parts (input_text, output_text, refusal) (got 7)"),
+    ({"input": [*USER, {"type": "reasoning", "summary": [], "content": [{"type": "text", "text": "Hm."}]}]}, "input",
+     "item 1 (reasoning) content.0.type: Input should be 'reasoning_text' or 'summary_text' (got 'text')"),
 ])
 def test_responses_bad_requests_are_400_naming_the_field(server, body, param, says):
     error = _responses_error(server, body)
     assert error["param"] == param and says in error["message"], error
+    assert "What is the weather" not in error["message"], error  # (an item's error quotes its value, not the input)
 
 
 # the response store -----------------------------------------------------------------------------------------------

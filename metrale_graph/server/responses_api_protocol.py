@@ -24,9 +24,10 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, StrictBool, StrictInt, StrictStr, Tag,
                       TypeAdapter, ValidationError, field_validator, model_validator)
 
+from .errors import short
 from .protocol import NEUTRAL, ChatMessage, JsonSchemaFormat, NumLogprobs, ResponseFormat, SamplingFields
 from .tool_protocol import (AllowedTools, AllowedToolsChoice, FunctionDefinition, FunctionName, NamedToolChoice,
-                            Tool)
+                            Tool, choice_check)
 
 
 # input items -----------------------------------------------------------------------------------------------
@@ -126,10 +127,26 @@ def check_items(value):
         try:
             _ITEM.validate_python(item)
         except ValidationError as e:
-            error = e.errors()[0]
-            where = ".".join(map(str, error["loc"][1:]))  # (after the item's type)
-            raise ValueError(f"item {i} ({kind}){' ' + where if where else ''}: {error['msg']}") from None
+            raise ValueError(_item_error(i, kind, item, e.errors())) from None
     return value
+
+
+# what an item's field of several forms takes (pydantic's errors name each form: "content.str", "output.list[...]")
+ITEM_FORMS = {"content": "a string or a list of text parts (input_text, output_text, refusal)",
+              "output": "a string or a list of input_text parts"}
+
+
+def _item_error(i: int, kind: str, item, errors: list) -> str:
+    """The message of item i's first error, with the value it is about (validation_error would quote the start of the
+    whole input instead)."""
+    error = errors[0]
+    loc = [str(x) for x in error["loc"][1:]]  # (after the item's type)
+    if loc and loc[0] in ITEM_FORMS and sum(1 for e in errors if e["loc"][1:2] == error["loc"][1:2]) > 1:
+        value = item.get(loc[0]) if isinstance(item, dict) else item
+        return f"item {i} ({kind}) {loc[0]}: expected {ITEM_FORMS[loc[0]]} (got {short(value)})"
+    where = ".".join(loc)
+    got = f" (got {short(error['input'])})" if error.get("type") != "missing" else ""
+    return f"item {i} ({kind}){' ' + where if where else ''}: {error['msg']}{got}"
 
 
 def as_items(items: str | list) -> list:
@@ -206,6 +223,11 @@ class FlatAllowedTools(BaseModel):
     def chat_choice(self) -> AllowedToolsChoice:
         tools = [NamedToolChoice(type="function", function=FunctionName(name=t.name)) for t in self.tools]
         return AllowedToolsChoice(type="allowed_tools", allowed_tools=AllowedTools(mode=self.mode, tools=tools))
+
+
+FLAT_CHOICES = {"function": (FunctionChoice, '{"type": "function", "name": ...}'),
+                "allowed_tools": (FlatAllowedTools, '{"type": "allowed_tools", "mode": "auto" | "required", "tools": '
+                                                    '[{"type": "function", "name": ...}, ...]}')}
 
 
 class TextFormat(BaseModel):
@@ -287,6 +309,7 @@ class ResponsesRequest(SamplingFields):
     _kept: list | None = PrivateAttr(default=None)  # truncation "auto": the conversation's items the prompt keeps
 
     _input_items = field_validator("input", mode="before")(check_items)
+    _tool_choice = field_validator("tool_choice", mode="before")(choice_check(FLAT_CHOICES))
     _include = field_validator("include")(check_include)
 
     def neutral(self) -> dict:
