@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from .compressed_tensors import checkpoint_format
 from .config import ModelConfig
 from .families import FAMILIES
-from .loader_checks import check_dtype, finite
+from .loader_checks import check_dtype, finite, packed_format
 from .loader_compressed import CompressedReader
 from .placement import as_device, as_dtype, check_host_memory
 from .quantization import MTP_PREFIX, scale_name
@@ -156,7 +156,13 @@ def _check_headers(files: list[str], asm: _Assembler, cfg: ModelConfig
     for path in files:
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
-                for key in f.keys():
+                keys = list(f.keys())
+                if (packed := packed_format(keys)) is not None:  # before its tensors' shapes and dtypes are checked
+                    raise ValueError(f"checkpoint holds {packed[0]} tensors ({packed[1]!r} in {path}): a quantized "
+                                     "format metrale-graph does not load, which its config.json's quantization_config "
+                                     "does not declare either. Load the model's floating-point checkpoint, or an FP8 "
+                                     "one (Qwen's fine-grained FP8, compressed-tensors FP8)")
+                for key in keys:
                     name = our_name(key, mtp=cfg.mtp_num_hidden_layers > 0)
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:
                         _check_header(f.get_slice(key), key, path, plan.reads[EMBEDDINGS], asm)

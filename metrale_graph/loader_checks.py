@@ -60,3 +60,27 @@ def finite(t: torch.Tensor) -> bool:
         t = t.half()
     lo, hi = torch.aminmax(t)
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+# key endings that only quantized formats metrale-graph does not load write (the weights packed into integers, their
+# scales and zero points), for a checkpoint whose config.json does not say so: by format
+_PACKED = {".qweight": "GPTQ / AWQ (int4 weights packed into int32: qweight, qzeros, scales)",
+           ".qzeros": "GPTQ / AWQ (int4 weights packed into int32: qweight, qzeros, scales)",
+           ".g_idx": "GPTQ (int4 weights packed into int32: qweight, qzeros, scales, g_idx)",
+           ".absmax": "bitsandbytes 4-bit (weight.absmax, weight.quant_map, weight.quant_state)",
+           ".quant_map": "bitsandbytes 4-bit (weight.absmax, weight.quant_map, weight.quant_state)",
+           ".SCB": "bitsandbytes 8-bit (int8 weights with SCB scales)",
+           ".biases": "MLX (weights packed into uint32 with scales and biases)",
+           ".weight_packed": "compressed-tensors pack-quantized (int weights packed into int32)"}
+
+
+def packed_format(keys) -> tuple[str, str] | None:
+    """(the format, a key of it) where checkpoint tensor `keys` hold the packed weights of a quantized format
+    metrale-graph does not load (GPTQ, AWQ, bitsandbytes, MLX, compressed-tensors' packed ints), else None."""
+    for key in keys:
+        if ".quant_state.bitsandbytes__" in key:
+            return _PACKED[".absmax"], key
+        for ending, what in _PACKED.items():
+            if key.endswith(ending):
+                return what, key
+    return None

@@ -461,6 +461,46 @@ def test_bitsandbytes_config_without_quant_method_is_named(qwen3_5_folder, tmp_p
         HybridModel.from_pretrained(folder, progress=False)
 
 
+def packed(kind: str, w: torch.Tensor, module: str) -> dict[str, torch.Tensor]:
+    """A linear weight w [N, K] as each quantized format's writer stores it (the names, dtypes and shapes; the values
+    do not matter here): AutoGPTQ / AutoAWQ's int4 packed into int32, bitsandbytes' nf4 and int8, MLX's 4-bit."""
+    N, K = w.shape
+    i32 = lambda *shape: torch.zeros(*shape, dtype=torch.int32)  # noqa: E731
+    return {
+        "gptq": {module + ".qweight": i32(K // 8, N), module + ".qzeros": i32(1, N // 8),
+                 module + ".scales": torch.ones(1, N, dtype=torch.float16), module + ".g_idx": i32(K)},
+        "awq": {module + ".qweight": i32(K, N // 8), module + ".qzeros": i32(1, N // 8),
+                module + ".scales": torch.ones(1, N, dtype=torch.float16)},
+        "bnb-4bit": {module + ".weight": torch.zeros(N * K // 2, 1, dtype=torch.uint8),
+                     module + ".weight.absmax": torch.ones(N * K // 64), module + ".weight.quant_map": torch.ones(16),
+                     module + ".weight.quant_state.bitsandbytes__nf4": torch.zeros(64, dtype=torch.uint8)},
+        "bnb-8bit": {module + ".weight": torch.zeros(N, K, dtype=torch.int8), module + ".SCB": torch.ones(N)},
+        "mlx": {module + ".weight": torch.zeros(N, K // 8, dtype=torch.int32).view(torch.uint32),
+                module + ".scales": torch.ones(N, 1, dtype=torch.bfloat16),
+                module + ".biases": torch.zeros(N, 1, dtype=torch.bfloat16)},
+    }[kind]
+
+
+@pytest.mark.parametrize("kind, named", [
+    ("gptq", r"GPTQ \(int4 weights packed into int32"), ("awq", r"GPTQ / AWQ \(int4"),
+    ("bnb-4bit", r"bitsandbytes 4-bit \(weight\.absmax"), ("bnb-8bit", r"bitsandbytes 8-bit \(int8 weights with SCB"),
+    ("mlx", r"MLX \(weights packed into uint32")])
+def test_quantized_tensors_without_their_quantization_config_name_the_format(qwen3_5_folder, tmp_path, kind, named):
+    """A GPTQ, AWQ, bitsandbytes or MLX checkpoint whose config.json does not declare it (AutoGPTQ and AutoAWQ kept
+    their settings in quantize_config.json / quant_config.json; a config copied from the floating-point model): the
+    error names the format from its tensors before any other check. It named a mis-shaped or non-float `weight`
+    (bitsandbytes, MLX) or a list of unexpected tensors (GPTQ, AWQ), as if the checkpoint were damaged."""
+    folder = copy_of(qwen3_5_folder, tmp_path)
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    for key in [k for k in tensors if k.endswith(("mlp.down_proj.weight", "self_attn.o_proj.weight"))]:
+        tensors.update(packed(kind, tensors.pop(key), key[:-len(".weight")]))
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"checkpoint holds {named}.* tensors \\('model\\.layers\\..*' in "
+                                         f"{re.escape(path)}\\): a quantized format metrale-graph does not load"):
+        HybridModel.from_pretrained(folder, progress=False)
+
+
 # ---- folders no loader should take -------------------------------------------------------------------
 
 def to_pickles(folder) -> None:
