@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session in one command (device machines start bare): install the carried
 # flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
-#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-tests|gemv|gemv-ab|tp|fp8|fp8-sweep|fp8-bench|w8a16|serve|cookbook|prefix|structured|spec|spec-trace|all|setup]
+#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-tests|gemv|gemv-ab|tp|fp8|fp8-sweep|fp8-bench|w8a16|serve|cookbook|prefix|structured|spec|spec-trace|ahead|all|setup]
 #   (run from the repository root)
 # tests: every GPU test (sweep + op-tests + model-tests: ~18 min, more than one call); ops: per-op
 # benchmark; decode (not in all): bench_ops at decode shapes and benchmarks/kernels/check_decode.py's tile sweep; bench: 9B workloads with the peer and generation; profile (not in all): the 9B workloads' device
@@ -236,6 +236,15 @@ if [[ $what == spec ]]; then
             --speculative-k ${SPEC_KS:-1,2,3} --speculative-mtp-k ${SPEC_MTP_K:-2} --echo ${SPEC_ECHO:-1,16} \
             ${SPEC_LAYERS:+--layers $SPEC_LAYERS} --host-profile --json "$OUT/bench-spec-$preset.json" 2>&1 \
             | tee "$OUT/bench-spec-$preset.log" | grep -v "^{" | tail -60
+        [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+    done
+fi
+if [[ $what == ahead ]]; then
+    # issue 38's asynchronous verify: benchmarks/check_verify_ahead.py, one engine per preset (AHEAD_PRESETS), plain /
+    # synchronous MTP / drafting behind the acceptance / verify ahead at AHEAD_STREAMS streams (~3 min a preset)
+    for preset in ${AHEAD_PRESETS:-qwen3.5-9b}; do
+        limit python3 benchmarks/check_verify_ahead.py --preset $preset --streams ${AHEAD_STREAMS:-1,8} --k 2 \
+            --json "$OUT/ahead-$preset.json" 2>&1 | grep -v Warning | tee "$OUT/ahead-$preset.log" | tail -12
         [[ ${PIPESTATUS[0]} == 0 ]] || status=1
     done
 fi
