@@ -808,7 +808,7 @@ def test_responses_truncation_auto_that_cannot_fit_is_400(server):
 def test_truncation_cuts_keep_messages_and_calls_whole():
     """The places a conversation may begin at: never inside a message (a call joined to its reasoning), never
     between a call and its output, never past the last user message; its leading system messages always kept."""
-    from metrale_graph.server.responses_api_protocol import check_items, _ITEM
+    from metrale_graph.server.responses_api_items import check_items, _ITEM
     from metrale_graph.server.responses_truncation import cuts
 
     raw = [{"role": "developer", "content": "Be kind."}, {"role": "user", "content": "Hi"},

@@ -1,5 +1,6 @@
-"""The Responses API's wire format (POST /v1/responses, responses_api.py): its request as a pydantic model, its
-input items as chat messages, its output items, the response object and the stream's events.
+"""The Responses API's wire format (POST /v1/responses, responses_api.py): its request as a pydantic model (its input
+items and the chat messages they become: responses_api_items.py; its output items, the response object and the
+stream's events: responses_api_output.py).
 
 The request is OpenAI's, as vLLM serves it: `input` a string (one user message) or a list of items (messages of
 role user / system / developer / assistant with string or input_text / output_text / refusal parts; a past reply's
@@ -21,176 +22,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, StrictBool, StrictInt, StrictStr, Tag,
-                      TypeAdapter, ValidationError, field_validator, model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr, field_validator,
+                      model_validator)
 
-from .errors import short
 from .protocol import NEUTRAL, ChatMessage, JsonSchemaFormat, NumLogprobs, ResponseFormat, SamplingFields
+from .responses_api_items import _ITEM, InputItem, MessageItem, as_items, chat_messages, check_items
 from .tool_protocol import (AllowedTools, AllowedToolsChoice, FunctionDefinition, FunctionName, NamedToolChoice,
                             Tool, choice_check)
-
-
-# input items -----------------------------------------------------------------------------------------------
-class InputText(BaseModel):
-    type: Literal["input_text", "output_text", "text"]  # (a past reply's output_text parts sent back)
-    text: StrictStr
-
-
-class RefusalText(BaseModel):
-    type: Literal["refusal"]
-    refusal: StrictStr
-
-    @property
-    def text(self) -> str:
-        return self.refusal
-
-
-Part = Annotated[Union[InputText, RefusalText], Field(discriminator="type")]
-
-
-class MessageItem(BaseModel):
-    type: Literal["message"] = "message"
-    id: StrictStr | None = None
-    role: Literal["user", "system", "developer", "assistant"]
-    content: Union[StrictStr, list[Part]]
-    status: Literal["in_progress", "completed", "incomplete"] | None = None
-
-
-class FunctionCallItem(BaseModel):
-    """A call a past reply made (its output item sent back)."""
-    type: Literal["function_call"]
-    id: StrictStr | None = None
-    call_id: StrictStr
-    name: StrictStr
-    arguments: StrictStr  # JSON text of an object
-
-
-class FunctionCallOutputItem(BaseModel):
-    """The result of a call, for the model to read: a `tool` message."""
-    type: Literal["function_call_output"]
-    id: StrictStr | None = None
-    call_id: StrictStr
-    output: Union[StrictStr, list[InputText]]
-
-
-class ReasoningText(BaseModel):
-    type: Literal["reasoning_text", "summary_text"]
-    text: StrictStr
-
-
-class ReasoningItem(BaseModel):
-    """A past reply's reasoning: its content's text (else its summary's), as vLLM reads it."""
-    type: Literal["reasoning"]
-    id: StrictStr | None = None
-    summary: list[ReasoningText] = Field(default_factory=list)
-    content: list[ReasoningText] | None = None
-    encrypted_content: None = None  # (this server writes none, so can read none)
-
-    @property
-    def text(self) -> str:
-        return "".join(part.text for part in (self.content or self.summary))
-
-
-def _item_type(value) -> str:
-    return value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
-
-
-InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
-                            Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-                            Annotated[ReasoningItem, Tag("reasoning")]], Discriminator(_item_type)]
-
-
-ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
-PART_TYPES = ("input_text", "output_text", "text", "refusal")
-_ITEM = TypeAdapter(InputItem)
-
-
-def check_items(value):
-    """`input` checked item by item before pydantic reads it, so that a 400 names the item and what is wrong with
-    it (pydantic's own errors for a union of a string and a list begin with "not a string")."""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list) or not value:
-        raise ValueError("expected a string or a non-empty list of items")
-    for i, item in enumerate(value):
-        kind = _item_type(item)
-        if kind not in ITEM_TYPES:
-            raise ValueError(f"item {i} is of type {kind!r}, which this server does not take (it takes "
-                             f"{', '.join(ITEM_TYPES)}; no item_reference: previous_response_id carries a stored "
-                             "conversation)")
-        content = item.get("content") if isinstance(item, dict) and kind == "message" else None
-        for j, part in enumerate(content if isinstance(content, list) else ()):
-            part_type = part.get("type") if isinstance(part, dict) else None
-            if part_type not in PART_TYPES:
-                raise ValueError(f"item {i}: content part {j} is of type {part_type!r}: this server reads text "
-                                 f"parts ({', '.join(PART_TYPES)})")
-        try:
-            _ITEM.validate_python(item)
-        except ValidationError as e:
-            raise ValueError(_item_error(i, kind, item, e.errors())) from None
-    return value
-
-
-# what an item's field of several forms takes (pydantic's errors name each form: "content.str", "output.list[...]")
-ITEM_FORMS = {"content": "a string or a list of text parts (input_text, output_text, refusal)",
-              "output": "a string or a list of input_text parts"}
-
-
-def _item_error(i: int, kind: str, item, errors: list) -> str:
-    """The message of item i's first error, with the value it is about (validation_error would quote the start of the
-    whole input instead)."""
-    error = errors[0]
-    loc = [str(x) for x in error["loc"][1:]]  # (after the item's type)
-    if loc and loc[0] in ITEM_FORMS and sum(1 for e in errors if e["loc"][1:2] == error["loc"][1:2]) > 1:
-        value = item.get(loc[0]) if isinstance(item, dict) else item
-        return f"item {i} ({kind}) {loc[0]}: expected {ITEM_FORMS[loc[0]]} (got {short(value)})"
-    where = ".".join(loc)
-    got = f" (got {short(error['input'])})" if error.get("type") != "missing" else ""
-    return f"item {i} ({kind}){' ' + where if where else ''}: {error['msg']}{got}"
-
-
-def as_items(items: str | list) -> list:
-    """`input` as a list of items (a string: one user message)."""
-    return [MessageItem(role="user", content=items)] if isinstance(items, str) else list(items)
-
-
-def chat_messages(instructions: str | None, items: str | list) -> list[ChatMessage]:
-    """The chat messages of `instructions` and `input`: the instructions as a system message, a string as a user
-    message; a past reply's reasoning, message and function calls joined into one assistant message (in the order
-    they come, as vLLM joins them: an assistant message takes the reasoning and the calls that follow it until
-    another message)."""
-    messages, _ = joined_messages(instructions, as_items(items))
-    return [ChatMessage.model_validate(m) for m in messages]
-
-
-def joined_messages(instructions: str | None, items: list) -> tuple[list[dict], list[bool]]:
-    """chat_messages' messages as dicts, and per item whether it begins a message of its own (False: it joins the
-    assistant message before it, as a past reply's function call joins its reasoning)."""
-    messages: list[dict] = [{"role": "system", "content": instructions}] if instructions is not None else []
-    starts = []
-    for item in items:
-        last = messages[-1] if messages and messages[-1]["role"] == "assistant" else None
-        count = len(messages)
-        if isinstance(item, FunctionCallOutputItem):
-            output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
-        elif isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
-            if last is None:
-                messages.append(last := {"role": "assistant", "content": None})
-            last.setdefault("tool_calls", []).append(call)
-        elif isinstance(item, ReasoningItem):
-            if last is None or "reasoning" in last or last.get("content") is not None or "tool_calls" in last:
-                messages.append({"role": "assistant", "content": None, "reasoning": item.text})
-            else:
-                last["reasoning"] = item.text
-        elif item.role == "assistant" and last is not None and last.get("content") is None and "tool_calls" not in last:
-            last["content"] = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
-        else:
-            content = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
-            messages.append({"role": item.role, "content": content})
-        starts.append(len(messages) > count)
-    return messages, starts
 
 
 # tools and text formats ------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from pydantic import BaseModel
 
 from .errors import APIError, bad_request
 from .responses_api_output import ResponseObject, item_id
-from .responses_api_protocol import MessageItem, as_items
+from .responses_api_items import MessageItem, as_items
 
 DEFAULT_SIZE = 1024  # responses kept (each its output and a tuple of references to its context's items)
 ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}

@@ -18,8 +18,8 @@ conversation, which a later response runs on, cut again where it must be.
 from __future__ import annotations
 
 from .errors import bad_request
-from .responses_api_protocol import (FunctionCallItem, FunctionCallOutputItem, MessageItem, ResponsesRequest,
-                                     chat_messages, joined_messages)
+from .responses_api_items import FunctionCallItem, FunctionCallOutputItem, MessageItem, chat_messages, joined_messages
+from .responses_api_protocol import ResponsesRequest
 
 KEPT_ROLES = ("system", "developer")  # of the messages a conversation begins with, never dropped
 
