@@ -93,7 +93,8 @@ class VerifyAhead:
     def go_on(self, step: list) -> list:
         """The loop's plan `step` with a step pending: launched ahead when the chain holds (then the pending step
         is delivered and `step` is the new pending one: returns []); else the pending step delivered, and `step`
-        returned less the requests it ended (the scheduler's decode count set to match)."""
+        returned less the requests it ended (the scheduler's decode count set to match, each decode's `sampled`
+        counting this step's token again after the delivery)."""
         p, loop = self.pending, self.loop
         sched = loop.scheduler
         reqs = [c.request for c in step]
@@ -113,6 +114,8 @@ class VerifyAhead:
                 self.pending = None
             return []
         self.drain()
+        for c in step[:sched.decodes]:  # (its delivery set `sampled` to the tokens out: the plan counted this step's
+            c.request.sampled = max(c.request.sampled, len(c.request.out) + 1)  # too, for the loop's own step)
         decodes = sum(1 for c in step[:sched.decodes] if not c.request.ended)
         step = [c for c in step if not c.request.ended]
         sched.decodes = decodes
