@@ -27,6 +27,7 @@ of the conversation sent from the first place that fits, a call dropped with its
 
 import enum
 import json
+import re
 
 import httpx
 import openai
@@ -380,7 +381,7 @@ def _error(server, body) -> dict:
 @pytest.mark.parametrize("body, param, says", [
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", "function.name"),
     ({"tools": [{"type": "function", "function": {"name": "two words"}}]}, "tools", "function.name"),
-    ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools", "type"),
+    ({"tools": [{"type": "code_interpreter"}]}, "tools", "'function', 'custom'"),
     ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools", "more than once"),
     ({"tools": [{"type": "function", "function": {"name": "f", "description": "half \ud83d"}}]}, "tools",
      "invalid Unicode"),  # (a lone surrogate: the template would render what UTF-8 cannot encode)
@@ -824,3 +825,153 @@ def test_truncation_cuts_keep_messages_and_calls_whole():
     assert cuts(items[1:7]) == (0, [0])  # (no place past the last user message, the first item)
     assert cuts(items[2:8]) == (0, [0, 5])  # (no user message: up to the last item)
     assert cuts(items[:1]) == (1, [1])  # (its leading messages alone: the one place keeps them, and nothing follows)
+
+
+# custom (freeform) tools: OpenAI's {"type": "custom"}, Codex's apply_patch ----------------------------------------
+# Codex's apply_patch grammar, bounded (one hunk of one line) so that a reply the mask writes ends: this model never
+# calls apply_patch, so its input is what the mask allows (greedy: the allowed token of lowest id)
+PATCH_GRAMMAR = r'''start: begin_patch hunk end_patch
+begin_patch: "*** Begin Patch" LF
+end_patch: "*** End Patch" LF?
+hunk: "*** Add File: " filename LF add_line
+filename: /[a-z]{1,8}\.txt/
+add_line: "+" /[a-z ]{0,12}/ LF -> line
+%import common.LF
+'''
+PATCH = re.compile(r"\*\*\* Begin Patch\n\*\*\* Add File: [a-z]{1,8}\.txt\n\+[a-z ]{0,12}\n\*\*\* End Patch\n?")
+APPLY_PATCH = {"type": "custom", "custom": {"name": "apply_patch", "description": "Edit files with a patch.", "format": {
+    "type": "grammar", "grammar": {"syntax": "lark", "definition": PATCH_GRAMMAR}}}}
+SHELL = {"type": "custom", "custom": {"name": "shell", "format": {"type": "grammar", "grammar": {
+    "syntax": "regex", "definition": "(ls|pwd) -[a-z]{1,3}"}}}}
+FREE_PATCH = {"type": "custom", "custom": {"name": "apply_patch", "format": {"type": "text"}}}
+A_PATCH = "*** Begin Patch\n*** Add File: a.txt\n+hello\n*** End Patch\n"
+
+
+def _custom_deltas(client, **kw) -> tuple[list[dict], str | None]:
+    """A streamed chat's tool-call deltas (as sent: the openai client keeps a custom call's as a dict) and its finish."""
+    deltas, finish = [], None
+    for chunk in ask(client, USER, stream=True, **kw):
+        for c in chunk.choices:
+            deltas += [d.model_dump(exclude_none=True) for d in c.delta.tool_calls or ()]
+            finish = c.finish_reason or finish
+    return deltas, finish
+
+
+def test_a_custom_tool_forced_by_name_writes_input_of_its_grammar(client):
+    """A custom tool of a Lark grammar named in tool_choice (OpenAI's {"type": "custom", "custom": {"name"}}): the reply
+    is one custom call (type "custom", its input text of the grammar, held while sampled) after the free reasoning,
+    finish "stop" as a function forced by name; streamed, OpenAI's shape: the call's id, type, name and input "" first,
+    then its input; sampled, every input follows the grammar."""
+    pytest.importorskip("xgrammar")
+    kw = dict(tools=[APPLY_PATCH, WEATHER_TOOL], tool_choice={"type": "custom", "custom": {"name": "apply_patch"}},
+              max_tokens=300)
+    choice = ask(client, USER, **kw).choices[0]
+    assert choice.finish_reason == "stop" and choice.message.reasoning_content == REASONING, choice
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert (call.type, call.custom.name) == ("custom", "apply_patch") and call.id.startswith("call_")
+    assert PATCH.fullmatch(call.custom.input), call.custom.input
+    (first, *rest), finish = _custom_deltas(client, **kw)
+    assert finish == "stop" and first["type"] == "custom" and first["id"].startswith("call_")
+    assert first["custom"] == {"name": "apply_patch", "input": ""} and "function" not in first
+    assert all(set(d) == {"index", "custom"} and d["index"] == 0 for d in rest)
+    assert "".join(d["custom"]["input"] for d in rest) == call.custom.input
+    sampled = client.chat.completions.create(model=NAME, messages=USER, n=3, seed=4, temperature=1.0, **kw)
+    for choice in sampled.choices:
+        (call,) = choice.message.tool_calls
+        assert choice.finish_reason == "stop" and PATCH.fullmatch(call.custom.input), choice
+
+
+def test_custom_tools_under_required_and_auto_are_held_to_their_grammars(client):
+    """tool_choice "required" over a custom tool of a regular expression: a call whose input matches it. Under "auto"
+    a custom tool named as this model's own call (get_weather) is called, its input held to its expression where the
+    model would write its city and days; its format "text": the model's call, its input the arguments it wrote."""
+    pytest.importorskip("xgrammar")
+    choice = ask(client, USER, tools=[SHELL], tool_choice="required", parallel_tool_calls=False, max_tokens=200).choices[0]
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and call.custom.name == "shell", choice
+    assert re.fullmatch(r"(ls|pwd) -[a-z]{1,3}", call.custom.input), call.custom.input
+    weather = {"type": "custom", "custom": {"name": "get_weather", "format": {"type": "grammar", "grammar": {
+        "syntax": "regex", "definition": "(sunny|rainy) in [A-Z][a-z]{1,8}"}}}}
+    choice = ask(client, USER, tools=[weather], max_tokens=200).choices[0]
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content == REASONING, choice
+    assert call.custom.name == "get_weather" and re.fullmatch("(sunny|rainy) in [A-Z][a-z]{1,8}", call.custom.input)
+    free = {"type": "custom", "custom": {"name": "get_weather"}}
+    (call,) = ask(client, USER, tools=[free]).choices[0].message.tool_calls
+    assert call.type == "custom" and json.loads(call.custom.input) == {"city": "Paris", "days": "3"}, call
+
+
+def test_a_past_custom_call_reaches_the_template_as_its_function_call(client):
+    """A past reply's custom call sent back ({"type": "custom", "custom": {"name", "input"}}) with its tool message:
+    the prompt is that of the call of the function it stands for (arguments {"input": ...}), and the model answers the
+    tool's result."""
+    custom = {"id": "call_1", "type": "custom", "custom": {"name": "apply_patch", "input": A_PATCH}}
+    function = {"id": "call_1", "type": "function", "function": {"name": "apply_patch",
+                                                                  "arguments": json.dumps({"input": A_PATCH})}}
+    turns = {name: [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "Done."}]
+             for name, call in (("custom", custom), ("function", function))}
+    for tools in ([APPLY_PATCH], [FREE_PATCH]):
+        assert _prompt_ids(client, turns["custom"], tools=tools) == _prompt_ids(client, turns["function"], tools=tools)
+    message = ask(client, turns["custom"], tools=[FREE_PATCH]).choices[0].message
+    assert (message.reasoning_content, message.content, message.tool_calls) == (AFTER_TOOL_REASONING, ANSWER, None)
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"tools": [{"type": "custom", "custom": {"name": "x", "format": {"type": "grammar", "grammar": {
+        "syntax": "ebnf", "definition": 'root ::= "a"'}}}}]}, "tools", "Input should be 'lark' or 'regex' (got 'ebnf')"),
+    ({"tools": [{"type": "custom", "custom": {"name": "x", "format": {"type": "grammar", "grammar": {
+        "syntax": "lark", "definition": "start: foo"}}}}]}, "tools",
+     "the custom tool 'x': its Lark grammar does not compile: Lark error at line 1"),
+    ({"tools": [{"type": "custom", "custom": {"name": "x", "format": {"type": "grammar", "grammar": {
+        "syntax": "regex", "definition": "a(b"}}}}], "tool_choice": "none"}, "tools",
+     "the custom tool 'x': its regular expression does not compile"),
+    ({"tools": [{"type": "custom", "custom": {"name": "x", "format": {"type": "grammar"}}}]}, "tools",
+     'a grammar format is {"type": "grammar", "grammar": {"syntax": "lark" | "regex"'),
+    ({"tools": [{"type": "custom", "custom": {"name": "x", "parameters": {"type": "object"}}}]}, "tools",
+     "a custom tool takes no parameters"),
+    ({"tools": [APPLY_PATCH], "tool_choice": {"type": "function", "function": {"name": "apply_patch"}}}, "tool_choice",
+     "tool_choice names 'apply_patch' as a function tool, and the request's 'apply_patch' is a custom tool: choose it "
+     "with type 'custom'"),
+    ({"tools": [APPLY_PATCH], "tool_choice": {"type": "custom", "custom": {"name": "shell"}}}, "tool_choice",
+     "tool_choice names the custom 'shell', which is not among the request's tools"),
+    ({"tools": [APPLY_PATCH], "tool_choice": {"type": "custom", "name": "apply_patch"}}, "tool_choice",
+     'a custom choice is {"type": "custom", "custom": {"name": ...}} (custom: Field required)'),
+    ({"tools": [APPLY_PATCH], "tool_choice": {"type": "custom", "custom": {"name": "apply_patch"}},
+      "guided_choice": ["a"]}, "tool_choice", "already asks for structured output with guided_choice"),
+])
+def test_bad_custom_tools_are_400_naming_the_problem(server, body, param, says):
+    error = _error(server, body)
+    assert error["param"] == param and says in error["message"], error
+
+
+def test_custom_tool_requests_without_a_server():
+    """What tool_request makes of custom tools: each rendered as the function it stands for (one string parameter,
+    input, its grammar described); under a forced choice a tool of format text is forced through JSON as a function is,
+    one of a grammar through the tag of calls in Qwen's XML format; a grammar where the model's calls are JSON strings
+    (qwen3_json) or unread is a 400 naming the tool."""
+    from metrale_graph.server.errors import APIError
+    from metrale_graph.server.protocol import ChatCompletionRequest
+    from metrale_graph.server.tool_choice import tool_request
+
+    def request(tools, choice=None, tool_format="qwen3_xml"):
+        body = ChatCompletionRequest.model_validate({"messages": USER, "tools": tools, "tool_choice": choice})
+        return tool_request(body.tools, body.tool_choice, tool_format)
+
+    free = request([FREE_PATCH, WEATHER_TOOL], {"type": "custom", "custom": {"name": "apply_patch"}})
+    assert free.template_tools[0] == {"type": "function", "function": {"name": "apply_patch", "parameters": {
+        "type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"],
+        "additionalProperties": False}}}
+    assert free.forced == free.template_tools[0]["function"]["parameters"] and not free.required
+    assert free.custom == {"apply_patch"} and free.held == {}
+    held = request([APPLY_PATCH, WEATHER_TOOL], "required")
+    assert held.forced is None and held.required and held.allowed == ("apply_patch", "get_weather")
+    assert held.strict  # (a forced call's arguments follow its function's schema, as forced_call_schema's do)
+    assert PATCH_GRAMMAR in held.template_tools[0]["function"]["parameters"]["properties"]["input"]["description"]
+    assert held.held == {"apply_patch": {"type": "grammar", "grammar": PATCH_GRAMMAR, "syntax": "lark"}}
+    for tool_format, says in (("qwen3_json", "writes its calls as JSON"), (None, "cannot read its model's calls")):
+        with pytest.raises(APIError, match=says) as e:
+            request([APPLY_PATCH], "required", tool_format)
+        assert e.value.param == "tools" and "'apply_patch'" in str(e.value)
+    assert request([FREE_PATCH], "required", None).forced is not None  # (text: JSON, any template)

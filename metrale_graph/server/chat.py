@@ -38,14 +38,15 @@ from .generation import Generations
 from .logprobs import chat_logprobs, prompt_logprobs
 from .protocol import ChatCompletionRequest
 from .reply import ReasoningDelta, Reply, ReplyParser
-from .responses import (DONE, AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatResponse, DeltaFunctionCall,
-                        DeltaMessage, DeltaToolCall, FunctionCall, StreamChunks, ToolCall, event, now, request_id,
-                        with_usage)
+from .custom_tools import CustomInputs, custom_input
+from .responses import (DONE, AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatResponse, CustomCall,
+                        CustomToolCall, DeltaCustomCall, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall,
+                        StreamChunks, ToolCall, event, now, request_id, with_usage)
 from .state import ServerState
 from .structured import compile_grammar, structured_request
 from .tool_choice import ForcedCallParser, ToolRequest, tool_request
 from .tool_parsers import CallArguments, CallStart, ContentDelta
-from .tool_protocol import NamedToolChoice
+from .tool_protocol import NAMED
 
 
 def call_id() -> str:
@@ -54,8 +55,8 @@ def call_id() -> str:
 
 def finish_reason(engine_reason: str | None, calls: int, choice=None) -> str | None:
     """OpenAI's "tool_calls" for a reply that stopped after making calls; a reply cut short keeps "length". A
-    call forced by name (`tool_choice` a NamedToolChoice) keeps "stop", as OpenAI and vLLM answer it."""
-    named = isinstance(choice, NamedToolChoice)
+    call forced by name (`tool_choice` a named function or custom tool) keeps "stop", as OpenAI and vLLM answer it."""
+    named = isinstance(choice, NAMED)
     return "tool_calls" if calls and engine_reason == "stop" and not named else engine_reason
 
 
@@ -88,7 +89,7 @@ async def start_chat(state: ServerState, body, messages: list[dict], tools: Tool
                                                    tools.template_tools, param, state.kept_tokens(body))
     state.check_room([prompt], body)
     structured, field = structured_request(state, body, tools.forced, state.think_end if in_reasoning else None,
-                                           tools.calls_tag if tools.calls is not None else None)
+                                           tools.calls_tag if tools.calls is not None else None, tools.required)
     if structured is not None:
         await compile_grammar(state, structured, field)
         # held from its first token (the tokenizer has no one token that ends the reasoning): the reply is the
@@ -111,7 +112,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     rid = request_id("chatcmpl")
 
     if body.stream:
-        return _events(state, body, group, rid, None if plain else parser)
+        return _events(state, body, group, rid, None if plain else parser, run.tools.custom)
     results = await group.whole(raw_request)
     ids = body.return_token_ids
     choices = []
@@ -122,8 +123,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
             reader = parser()
             reply = Reply.of(_shown(body, reader.feed(r.text or "") + reader.finish()))
             message = AssistantMessage(content=reply.content, reasoning_content=reply.reasoning, reasoning=reply.reasoning,
-                                       tool_calls=[ToolCall(id=call_id(), function=FunctionCall(name=n, arguments=a))
-                                                   for n, a in reply.calls] or None)
+                                       tool_calls=[_tool_call(run.tools, n, a) for n, a in reply.calls] or None)
             calls = len(reply.calls)
         if body.echoed:
             message.content = body.echoed + (message.content or "")
@@ -135,6 +135,13 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     return ChatResponse(id=rid, model=state.model_name, choices=choices, usage=group.usage(),
                         prompt_logprobs=_prompt_logprobs(state, body, prompt, results[0].prompt_logprobs),
                         prompt_token_ids=prompt if ids else None)
+
+
+def _tool_call(tools: ToolRequest, name: str, arguments: str) -> ToolCall | CustomToolCall:
+    """A whole reply's call: a custom tool's with its input (custom_tools.custom_input), a function's arguments."""
+    if name in tools.custom:
+        return CustomToolCall(id=call_id(), custom=CustomCall(name=name, input=custom_input(arguments)))
+    return ToolCall(id=call_id(), function=FunctionCall(name=name, arguments=arguments))
 
 
 def _logprobs(state: ServerState, body: ChatCompletionRequest, token_ids, entries):
@@ -153,23 +160,33 @@ def _shown(body: ChatCompletionRequest, events: list) -> list:
     return events if body.include_reasoning else [e for e in events if not isinstance(e, ReasoningDelta)]
 
 
-def _delta(event, call_ids: list[str]) -> DeltaMessage:
-    """The stream's delta of one reply event; a call's first gets its id (appended to `call_ids`)."""
+def _delta(event, call_ids: list[str], customs: CustomInputs) -> DeltaMessage | None:
+    """The stream's delta of one reply event (None: none yet); a call's first gets its id (appended to `call_ids`). A
+    custom tool's call: its name and input "" first, then its input once its arguments are whole (`customs`)."""
     if isinstance(event, ContentDelta):
         return DeltaMessage(content=event.text)
     if isinstance(event, ReasoningDelta):
         return DeltaMessage(reasoning_content=event.text, reasoning=event.text)
     if isinstance(event, CallStart):
         call_ids.append(call_id())
-        return DeltaMessage(tool_calls=[DeltaToolCall(index=event.index, id=call_ids[event.index], type="function",
+        first = dict(index=event.index, id=call_ids[event.index])
+        if customs.start(event):
+            return DeltaMessage(tool_calls=[DeltaToolCall(**first, type="custom",
+                                                          custom=DeltaCustomCall(name=event.name, input=""))])
+        return DeltaMessage(tool_calls=[DeltaToolCall(**first, type="function",
                                                       function=DeltaFunctionCall(name=event.name, arguments=""))])
     assert isinstance(event, CallArguments)
+    if customs.holds(event):
+        text = customs.feed(event)
+        return DeltaMessage(tool_calls=[DeltaToolCall(index=event.index, custom=DeltaCustomCall(input=text))]) \
+            if text else None
     return DeltaMessage(tool_calls=[DeltaToolCall(index=event.index, function=DeltaFunctionCall(arguments=event.text))])
 
 
 async def _events(state: ServerState, body: ChatCompletionRequest, group: Generations, rid: str,
-                  parser) -> AsyncIterator[str]:
-    """The stream's events; `parser` makes each choice's ReplyParser (None: replies are plain text)."""
+                  parser, custom: frozenset[str] = frozenset()) -> AsyncIterator[str]:
+    """The stream's events; `parser` makes each choice's ReplyParser (None: replies are plain text); `custom`: the
+    request's custom tools."""
     created, model, ids = now(), state.model_name, body.return_token_ids
 
     continuous = body.stream_options is not None and body.stream_options.continuous
@@ -184,6 +201,7 @@ async def _events(state: ServerState, body: ChatCompletionRequest, group: Genera
     chunks = StreamChunks("chat.completion.chunk", rid, created, model)
     readers = [parser() for _ in range(len(group))] if parser is not None else None
     call_ids: list[list[str]] = [[] for _ in range(len(group))]
+    customs = [CustomInputs(custom) for _ in range(len(group))]
     pending: dict[int, tuple[list, list]] = {}  # per choice, the tokens (and logprobs) of outputs not sent yet
     try:
         yield sent(chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
@@ -213,7 +231,7 @@ async def _events(state: ServerState, body: ChatCompletionRequest, group: Genera
                 events += reader.finish()
             events = _shown(body, events)
             finish = finish_reason(out.finish_reason, reader.calls, body.tool_choice)
-            deltas = [_delta(e, call_ids[choice]) for e in events]
+            deltas = [d for e in events if (d := _delta(e, call_ids[choice], customs[choice])) is not None]
             if not deltas and (finish or (ids and out.token_ids)):
                 deltas = [DeltaMessage()]
             if not deltas:  # (text the parsers hold back: its tokens and logprobs go with the next delta)

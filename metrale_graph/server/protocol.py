@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from ..logprobs import MAX_LOGPROBS
 from ..sampling import MAX_LOGIT_BIAS, MAX_PENALTY, SEED_RANGE
-from .tool_protocol import Tool, ToolChoice
+from .tool_protocol import AnyTool, ToolChoice, function_form
 
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
 Prompt = Union[StrictStr, TokenIds, Annotated[list[StrictStr], Field(min_length=1)],
@@ -292,7 +292,7 @@ class ChatMessage(BaseModel):
         the latter); a tool call's `function.arguments` sent as a JSON string (OpenAI's wire format) parsed into
         the mapping templates iterate (as vLLM does; one that is not a JSON object stays a string); a past reply's
         reasoning under either of vLLM's names (`reasoning`, `reasoning_content`) given under both (Qwen's templates
-        read `reasoning_content`)."""
+        read `reasoning_content`); a custom tool's call as the call of the function it stands for (function_form)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
@@ -301,7 +301,7 @@ class ChatMessage(BaseModel):
             content = refusal
         extra = dict(self.model_extra or {})
         if isinstance(extra.get("tool_calls"), list):
-            extra["tool_calls"] = [_parsed_arguments(call) for call in extra["tool_calls"]]
+            extra["tool_calls"] = [_parsed_arguments(function_form(call)) for call in extra["tool_calls"]]
         for name, other in (("reasoning", "reasoning_content"), ("reasoning_content", "reasoning")):
             if extra.get(name) is not None and extra.get(other) is None:  # vLLM's two names: templates read either
                 extra[other] = extra[name]
@@ -334,7 +334,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: StrictBool | None = None  # each new token's logprob (and top_logprobs' top N)
     top_logprobs: NumLogprobs | None = None
-    tools: list[Tool] | None = None
+    tools: list[AnyTool] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
     parallel_tool_calls: Any = None  # false: one call (forced: the schema's; auto: the first, as vLLM: chat.py)
     functions: Any = None  # OpenAI's deprecated forms of tools and tool_choice: refused (NEUTRAL)

@@ -121,11 +121,17 @@ class DeltaFunctionCall(SetFieldsOnly):
     arguments: str | None = None  # the next piece of the arguments' JSON text
 
 
+class DeltaCustomCall(SetFieldsOnly):
+    name: str | None = None  # in a call's first delta
+    input: str | None = None  # "" in its first delta, then its input (custom_tools.CustomInputs)
+
+
 class DeltaToolCall(SetFieldsOnly):
     index: int  # the call's place among the choice's calls
     id: str | None = None  # these two in a call's first delta
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall
+    type: Literal["function", "custom"] | None = None
+    function: DeltaFunctionCall | None = None
+    custom: DeltaCustomCall | None = None  # a custom tool's call (OpenAI's shape; the openai client keeps it as a dict)
 
 
 class DeltaMessage(SetFieldsOnly):
@@ -147,12 +153,24 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+class CustomCall(BaseModel):
+    name: str
+    input: str
+
+
+class CustomToolCall(BaseModel):
+    """A custom tool's call (tool_protocol.CustomTool): its input, the text the tool takes."""
+    id: str
+    type: Literal["custom"] = "custom"
+    custom: CustomCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None  # None: a reply of tool calls (or reasoning) only
     reasoning_content: str | None = None  # the reasoning parser's (vLLM's field, null as vLLM sends it)
     reasoning: str | None = None  # the same, under the name vLLM renamed it to (clients read either)
-    tool_calls: list[ToolCall] | None = Field(None, exclude_if=_none)
+    tool_calls: list[ToolCall | CustomToolCall] | None = Field(None, exclude_if=_none)
 
 
 class ChatChoice(BaseModel):

@@ -14,7 +14,8 @@ The fields, of both endpoints (at most one of them per request; two are a 400 na
 | `response_format` type "structural_tag" (vLLM's: `format`, or its older `structures`, `triggers`) | structural_tag |
 | `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (vLLM's older names) | json, regex, choice, grammar |
 | `tool_choice` "required" or a named function (chat, tool_choice.py: the reply is the calls' JSON) | json |
-| `tools` with a `strict` function under tool_choice "auto" (tool_choice.py: calls in the model's format) | structural_tag |
+| `tool_choice` "required" or named where a custom tool's grammar holds its input (tool_choice.py: calls) | structural_tag |
+| `tools` with a `strict` function or a custom tool of a grammar under "auto" (calls in the model's format) | structural_tag |
 | `response_format` / `text.format` beside `tools` under "auto" (tool_choice.py: that JSON, or calls) | structural_tag |
 
 `response_format` {"type": "text"} asks for nothing, and so do `response_format` and `text.format` under a forced
@@ -36,19 +37,20 @@ from .errors import bad_request
 from .protocol import SamplingFields
 
 
-def structured_request(state, body: SamplingFields, forced_schema: dict | None = None,
-                       starts_after: int | None = None, calls_tag=None) -> tuple[StructuredOutput | None, str | None]:
+def structured_request(state, body: SamplingFields, forced_schema: dict | None = None, starts_after: int | None = None,
+                       calls_tag=None, forced: bool = False) -> tuple[StructuredOutput | None, str | None]:
     """(the engine's spec, the field that asked for it), or (None, None): the request asks for no structured output.
     400 naming the field for a malformed one, or for a second field asking too. `calls_tag`: a callable giving the
     structural tag of the calls under tool_choice "auto" (tool_choice.ToolRequest.calls_tag of a reasoning mode and
     an answer's format; None where no call can come): strict tools' calls, or OpenAI's format (response_format,
     text.format) composed with the calls, as OpenAI holds a reply with tools to its format only where it makes no
-    call. vLLM's fields (structured_outputs, guided_*) hold the whole reply: no call can be made."""
+    call. vLLM's fields (structured_outputs, guided_*) hold the whole reply: no call can be made. `forced`: a forced call
+    held by `calls_tag` (a custom tool's grammar), as `forced_schema`'s is by its JSON."""
     # a forced call's reply is the call: OpenAI's formats hold a reply's text, and there is none (OpenAI takes both, and
     # vLLM drops the format: the OpenAI Agents SDK sends an agent's output_type with tool_choice "required")
-    formats = _asked(body, formats=True, others=False) if forced_schema is None else []
+    formats = _asked(body, formats=True, others=False) if forced_schema is None and not forced else []
     asked = formats + _asked(body, formats=False)
-    if forced_schema is not None:
+    if forced_schema is not None or (forced and asked):  # (forced and asked: a 400, below)
         asked.append(("tool_choice", {"json": forced_schema}))
     if calls_tag is not None and asked == formats and len(formats) <= 1:
         mode = "disabled" if starts_after is not None or not state.replies.reasoning else "auto"

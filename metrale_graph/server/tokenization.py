@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from .errors import bad_request
 from .protocol import ChatMessage
-from .tool_protocol import Tool
+from .tool_protocol import AnyTool
 from .state import ServerState, check_text
 from .tool_choice import rendered
 
@@ -45,7 +45,7 @@ class TokenizeChatRequest(BaseModel):
 
     model: StrictStr | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    tools: list[Tool] | None = None
+    tools: list[AnyTool] | None = None
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None

@@ -28,17 +28,24 @@ no text around them), as OpenAI holds a reply with tools to its format only wher
 JSON's grammar (grammar.json_format) and xgrammar's tag for calls the reply must make, the strict functions'
 arguments held to their schemas and the others' free. vLLM's own fields (`structured_outputs`, `guided_*`) hold the
 whole reply, which then makes no call (server/structured.py).
+
+A custom tool (tool_protocol.CustomTool) is rendered, parsed and forced as the function it stands for (one string
+parameter, `input`; `request.custom` names them, for the reply's custom calls). One whose format is a grammar
+(`request.held`) holds its input to it through the structural tag above (custom_tools.py), under "auto" as a strict
+function, and under "required" or its name by that tag too (`request.required`: calls alone, in the model's format,
+parsed by its parser), since the forced JSON cannot hold a grammar.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from ..structured import StructuredOutputError, check_enforceable
+from .custom_tools import check_formats, held_inputs, hold_inputs
 from .errors import bad_request
-from .tool_protocol import AllowedToolsChoice, NamedToolChoice, Tool
+from .tool_protocol import NAMED, AllowedToolsChoice, Tool
 from .tool_parsers import CallArguments, CallStart, ContentDelta
 
 
@@ -62,20 +69,24 @@ class ToolRequest:
     template_tools: list[dict] | None
     functions: dict[str, Mapping] | None
     choice: object = None  # the effective tool_choice: "none", "auto", "required" (allowed_tools: its mode) or a
-    # NamedToolChoice
-    forced: dict | None = None  # forced_call_schema's, for "required" and a named function
-    calls: tuple[str, bool] | None = None  # under "auto": (the model's call format, parallel calls)
-    strict: bool = False  # under "auto", a function is strict
+    # named tool (tool_protocol.NAMED)
+    forced: dict | None = None  # forced_call_schema's, for "required" and a named tool
+    calls: tuple[str, bool] | None = None  # under "auto" (or `required`): (the model's call format, parallel calls)
+    strict: bool = False  # under "auto" (or `required`), a function is strict
     allowed: tuple[str, ...] | None = None  # under "auto", allowed_tools' functions where they are not all the tools
+    custom: frozenset[str] = frozenset()  # the custom tools: their calls' input is the reply's (custom_tools.py)
+    held: dict[str, dict] = field(default_factory=dict)  # the custom tools a grammar holds: {name: its format}
+    required: bool = False  # a forced call held by calls_tag (a held custom tool's), not by `forced`'s JSON
 
     def calls_tag(self, reasoning: str, answer: dict | None = None) -> dict | None:
         """The structural tag a reply under "auto" is held to (None: none, the reply free), its calls in the model's
         format (module docstring): with a strict function, free text and calls whose arguments follow the schemas;
         with `answer` (a structural tag's format of the JSON the request's response_format asks for), that JSON or
-        calls alone, at least one (the strict functions' arguments held to their schemas, any others' free).
+        calls alone, at least one (the strict functions' arguments held to their schemas, any others' free); with
+        `required`, calls alone (of the `allowed` tools). A held custom tool's input follows its grammar in each.
         `reasoning`: xgrammar's reasoning mode before the text ("disabled": the tag starts after the reasoning,
         "auto": it may open with a `<think>` block)."""
-        if self.calls is None or not (self.strict or answer is not None or self.allowed is not None):
+        if self.calls is None or not (self.strict or answer is not None or self.allowed is not None or self.held):
             return None
         from ..grammar import _xgrammar
 
@@ -84,10 +95,12 @@ class ToolRequest:
         tools = [t for t in self.template_tools if self.allowed is None or t["function"]["name"] in self.allowed]
         if not self.strict:
             tools = [{**t, "function": {**t["function"], "strict": False}} for t in tools]
-        tag = _xgrammar().get_model_structural_tag(key, tools=tools, tool_choice="auto" if answer is None else "required",
+        must = answer is not None or self.required  # calls the reply must make
+        tag = _xgrammar().get_model_structural_tag(key, tools=tools, tool_choice="required" if must else "auto",
                                                    reasoning=reasoning, parallel_tool_calls=parallel,
                                                    max_whitespace_cnt=MAX_WHITESPACE).model_dump(mode="json")
-        if answer is None:
+        tag["format"] = hold_inputs(tag["format"], self.held)
+        if not must:
             return tag
         # xgrammar's tag for calls the reply must make: [the reasoning block, when it may come,] then the calls, which
         # may have text between and after them: held to calls alone, one a line (as Qwen's templates write them)
@@ -97,74 +110,103 @@ class ToolRequest:
             raise ValueError(f"xgrammar's {key} tag for required calls is not the one expected: {calls.get('type')}")
         calls = {"type": "tags_with_separator", "tags": calls["tags"], "separator": "\n", "at_least_one": True,
                  "stop_after_first": not parallel}
-        reply = {"type": "sequence", "elements": [LEADING_NEWLINES, {"type": "or", "elements": [answer, calls]}]}
+        reply = {"type": "sequence", "elements": [LEADING_NEWLINES, calls if answer is None else
+                                                  {"type": "or", "elements": [answer, calls]}]}
         tag["format"] = reply if prefix is None else {"type": "sequence", "elements": [prefix, reply]}
         return tag
 
 
-def tool_request(tools: list[Tool] | None, tool_choice, tool_format: str | None,
+def tool_request(tools: list | None, tool_choice, tool_format: str | None,
                  parallel_tool_calls: bool | None = None) -> ToolRequest:
-    """The checked tools of a request (400 naming the field: two functions of one name, a tool_choice naming
-    a function the request does not offer or asking for a call without tools, tools left to the model on a
-    server that cannot read its model's calls). parallel_tool_calls false: a forced reply makes one call."""
+    """The checked tools of a request (400 naming the field: two tools of one name, a custom tool's grammar that does
+    not parse, a tool_choice naming a tool the request does not offer (or as a tool of the other type) or asking for a
+    call without tools, tools left to the model on a server that cannot read its model's calls, a grammar it cannot
+    hold). parallel_tool_calls false: a forced reply makes one call."""
     tools = tools or []
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
     names = [t.function.name for t in tools]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        raise bad_request(f"tools: the function name {twice[0]!r} is given more than once: names must be unique",
+        raise bad_request(f"tools: the tool name {twice[0]!r} is given more than once: names must be unique",
                           param="tools")
-    chosen = [choice.function.name] if isinstance(choice, NamedToolChoice) else \
-        choice.allowed_tools.names if isinstance(choice, AllowedToolsChoice) else []
-    for name in chosen:
+    check_formats(tools)
+    kinds = {t.function.name: t.type for t in tools}
+    chosen = [choice] if isinstance(choice, NAMED) else \
+        choice.allowed_tools.tools if isinstance(choice, AllowedToolsChoice) else []
+    for named in chosen:
+        name = named.function.name
         if name not in names:
             offered = ", ".join(map(repr, names)) or "none"
-            raise bad_request(f"tool_choice names the function {name!r}, which is not among the request's tools "
+            raise bad_request(f"tool_choice names the {named.type} {name!r}, which is not among the request's tools "
                               f"(offered: {offered})", param="tool_choice")
+        if kinds[name] != named.type:
+            raise bad_request(f"tool_choice names {name!r} as a {named.type} tool, and the request's {name!r} is a "
+                              f"{kinds[name]} tool: choose it with type {kinds[name]!r}", param="tool_choice")
     allowed = None
     if isinstance(choice, AllowedToolsChoice):  # its mode over its functions (all the tools still rendered)
-        allowed, choice = set(chosen), choice.allowed_tools.mode
+        allowed, choice = {t.function.name for t in chosen}, choice.allowed_tools.mode
     if choice == "required" and not tools:
         raise bad_request("tool_choice 'required' needs tools: the request has none", param="tool_choice")
     if choice == "none" or not tools:
         return ToolRequest(None, None, choice)
-    template_tools = rendered(tools)
+    template_tools, custom = rendered(tools), frozenset(t.function.name for t in tools if t.type == "custom")
     restricted = allowed is not None and len(allowed) < len(tools)
     tools = [t for t in tools if allowed is None or t.function.name in allowed]  # those the reply may call
-    if choice == "required" or isinstance(choice, NamedToolChoice):  # (read back as JSON: any chat template will do)
-        return ToolRequest(template_tools, None, choice,
-                           forced_call_schema(tools, choice, parallel=parallel_tool_calls is not False))
+    parallel = parallel_tool_calls is not False
+    if choice == "required" or isinstance(choice, NAMED):
+        callable_ = [t for t in tools if t.function.name == choice.function.name] if isinstance(choice, NAMED) else tools
+        held = held_inputs(callable_, tool_format)
+        if not held:  # (read back as JSON: any chat template will do)
+            return ToolRequest(template_tools, None, choice, forced_call_schema(tools, choice, parallel=parallel),
+                               custom=custom)
+        # a custom tool's grammar, which JSON cannot hold: calls in the model's format, held by calls_tag
+        calls = (tool_format, parallel and not isinstance(choice, NAMED))
+        return ToolRequest(template_tools, _functions(callable_), choice, calls=calls, strict=_strict(callable_, forced=True),
+                           allowed=tuple(sorted(_functions(callable_))), custom=custom, held=held, required=True)
     if tool_format is None:
         raise bad_request("tools: this server cannot read tool calls in its model's chat template (neither of "
                           "Qwen's formats): start metrale-serve with --tool-call-parser qwen3_xml or qwen3_json, "
                           "or force the call (tool_choice 'required' or a named function)", param="tools")
-    functions = {t.function.name: t.function.parameters or {} for t in tools}
-    calls, allowed = (tool_format, parallel_tool_calls is not False), tuple(sorted(allowed)) if restricted else None
-    if not any(t.function.strict for t in tools):
-        return ToolRequest(template_tools, functions, choice, calls=calls, allowed=allowed)
+    calls, allowed = (tool_format, parallel), tuple(sorted(allowed)) if restricted else None
+    return ToolRequest(template_tools, _functions(tools), choice, calls=calls, strict=_strict(tools), allowed=allowed,
+                       custom=custom, held=held_inputs(tools, tool_format))
+
+
+def _functions(tools: list) -> dict[str, Mapping]:
+    """{name: its parameters' JSON schema} of the functions `tools` stand for, for the reply's parser."""
+    return {t.function.name: t.function.parameters or {} for t in tools}
+
+
+def _strict(tools: list, forced: bool = False) -> bool:
+    """Whether a function of `tools` is strict, or all are as a `forced` call's (their schemas then checked: 400 naming
+    what cannot be enforced)."""
+    if not forced and not any(t.function.strict for t in tools):
+        return False
     for t in tools:
         if t.function.strict is not False and t.function.parameters is not None:
             try:
                 check_enforceable(t.function.parameters)
             except StructuredOutputError as e:
                 raise bad_request(f"tools: the strict function {t.function.name!r}: {e.detail}", param="tools") from None
-    return ToolRequest(template_tools, functions, choice, calls=calls, strict=True, allowed=allowed)
+    return True
 
 
-def rendered(tools: list[Tool]) -> list[dict]:
-    """The tools as the chat template gets them (apply_chat_template's `tools`): OpenAI's function tools as sent."""
-    return [t.model_dump(exclude_none=True) for t in tools]
+def rendered(tools: list) -> list[dict]:
+    """The tools as the chat template gets them (apply_chat_template's `tools`): OpenAI's function tools as sent, a
+    custom tool as the function it stands for (tool_protocol.CustomDefinition.function)."""
+    return [t.model_dump(exclude_none=True) if isinstance(t, Tool) else
+            {"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in tools]
 
 
-def forced_call_schema(tools: list[Tool], tool_choice, parallel: bool = True) -> dict:
+def forced_call_schema(tools: list, tool_choice, parallel: bool = True) -> dict:
     """The JSON schema of a reply held to tool_choice "required" (a non-empty array of {"name": a function,
     "parameters": its arguments}, at most one unless `parallel`) or to a named function (that function's
     arguments object): the engine samples the reply under it and `forced_calls` reads the calls out of its
     text."""
-    def parameters(tool: Tool) -> dict:
+    def parameters(tool) -> dict:
         return tool.function.parameters or NO_PARAMETERS
 
-    if isinstance(tool_choice, NamedToolChoice):
+    if isinstance(tool_choice, NAMED):
         return parameters(next(t for t in tools if t.function.name == tool_choice.function.name))
     if tool_choice != "required":
         raise ValueError(f"tool_choice {tool_choice!r} forces no call")
@@ -214,7 +256,7 @@ def forced_calls(text: str, tool_choice) -> list[tuple[str, str]]:
     """The calls, (name, arguments JSON text), of a reply sampled under forced_call_schema(tools, tool_choice)
     (ValueError if the text does not follow it: the backend failed)."""
     value = json.loads(text)
-    if isinstance(tool_choice, NamedToolChoice):
+    if isinstance(tool_choice, NAMED):
         if not isinstance(value, dict):
             raise ValueError(f"a forced call's arguments must be a JSON object, got {type(value).__name__}")
         return [(tool_choice.function.name, json.dumps(value, ensure_ascii=False))]

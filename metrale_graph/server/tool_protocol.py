@@ -1,5 +1,13 @@
-"""The wire format of a chat request's tools (protocol.py holds the rest of the request): OpenAI's function tools and
-`tool_choice` as pydantic models. The checks that span fields, and what each choice does, are tool_choice.py's.
+"""The wire format of a chat request's tools (protocol.py holds the rest of the request): OpenAI's function and custom
+tools and `tool_choice` as pydantic models. The checks that span fields, and what each choice does, are tool_choice.py's.
+
+A custom (freeform) tool, {"type": "custom", "custom": {"name", "description", "format"}} (OpenAI's; Codex sends its
+apply_patch as one), takes one string, its input, held to its format: {"type": "text"} (or none) any text, {"type":
+"grammar", "grammar": {"syntax": "lark" | "regex", "definition"}} (the Responses API's flat shape, syntax and definition
+beside type, taken too) text of that grammar. The template gets it as the function it stands for (`CustomTool.function`:
+one string parameter `input`, the grammar in its description), so a model's own call format holds its calls;
+custom_tools.py holds the input to its format and reads calls back. A past reply's custom call sent back ({"type":
+"custom", "id", "custom": {"name", "input"}}) reaches the template as that function's call (`function_form`).
 
 tool_choice is "none", "auto", "required", a named function ({"type": "function", "function": {"name": ...}}), or
 OpenAI's `allowed_tools` ({"type": "allowed_tools", "allowed_tools": {"mode": "auto" | "required", "tools": [{"type":
@@ -12,7 +20,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr, ValidationError
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr, ValidationError,
+                      model_validator)
 
 
 class FunctionDefinition(BaseModel):
@@ -31,6 +40,83 @@ class Tool(BaseModel):
     function: FunctionDefinition
 
 
+# the one parameter of the function a custom tool stands for
+INPUT = "input"
+
+
+class CustomFormat(BaseModel):
+    """A custom tool's input format: "text" (any), or "grammar" of `syntax` (chat's nested grammar: {"definition",
+    "syntax"}, or the Responses API's flat fields)."""
+    type: Literal["text", "grammar"]
+    syntax: Literal["lark", "regex"] | None = None
+    definition: StrictStr | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("grammar"), dict):  # chat's shape
+            return {**{k: v for k, v in data.items() if k != "grammar"}, **data["grammar"]}
+        return data
+
+    @model_validator(mode="after")
+    def _grammar_given(self):
+        if self.type == "grammar" and (self.syntax is None or self.definition is None):
+            raise ValueError('a grammar format is {"type": "grammar", "grammar": {"syntax": "lark" | "regex", '
+                             '"definition": ...}}')
+        return self
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(syntax, definition) of a grammar format, or None (any text)."""
+        return (self.syntax, self.definition) if self.type == "grammar" else None
+
+
+class CustomDefinition(BaseModel):
+    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: StrictStr | None = None
+    format: CustomFormat | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_parameters(cls, data):
+        if isinstance(data, dict) and "parameters" in data:
+            raise ValueError("a custom tool takes no parameters: its input is one string, held to its format (send a "
+                             "function tool for arguments that follow a JSON schema)")
+        return data
+
+    def function(self) -> FunctionDefinition:
+        """The function this tool stands for in the prompt: one string parameter, `input`, its format described."""
+        grammar = self.format.grammar if self.format is not None else None
+        what = {"type": "string"}
+        if grammar is not None:
+            what["description"] = (f"Text of this Lark grammar:\n{grammar[1]}" if grammar[0] == "lark" else
+                                   f"Text that matches this regular expression: {grammar[1]}")
+        return FunctionDefinition(name=self.name, description=self.description, parameters={
+            "type": "object", "properties": {INPUT: what}, "required": [INPUT], "additionalProperties": False})
+
+
+class CustomTool(BaseModel):
+    type: Literal["custom"]
+    custom: CustomDefinition
+
+    @property
+    def function(self) -> FunctionDefinition:
+        return self.custom.function()
+
+
+AnyTool = Annotated[Union[Tool, CustomTool], Field(discriminator="type")]
+
+
+def function_form(call):
+    """A past reply's custom tool call ({"type": "custom", "id", "custom": {"name", "input"}}) as the call of the
+    function it stands for, its arguments {"input": ...}; any other call as it is."""
+    custom = call.get("custom") if isinstance(call, dict) and call.get("type") == "custom" else None
+    if not (isinstance(custom, dict) and isinstance(custom.get("name"), str)):
+        return call
+    rest = {k: v for k, v in call.items() if k != "custom"}
+    return {**rest, "type": "function", "function": {"name": custom["name"], "arguments": {INPUT: custom.get(INPUT, "")}}}
+
+
 class FunctionName(BaseModel):
     name: StrictStr
 
@@ -40,10 +126,24 @@ class NamedToolChoice(BaseModel):
     function: FunctionName
 
 
+class NamedCustomChoice(BaseModel):
+    """A custom tool forced by name ({"type": "custom", "custom": {"name": ...}})."""
+    type: Literal["custom"]
+    custom: FunctionName
+
+    @property
+    def function(self) -> FunctionName:
+        return self.custom
+
+
+NAMED = (NamedToolChoice, NamedCustomChoice)  # a choice of one tool by name
+
+
 class AllowedTools(BaseModel):
-    """OpenAI's allowed tools: the functions a reply may call (mode "auto") or must call one or more of ("required")."""
+    """OpenAI's allowed tools: the tools a reply may call (mode "auto") or must call one or more of ("required")."""
     mode: Literal["auto", "required"]
-    tools: Annotated[list[NamedToolChoice], Field(min_length=1)]
+    tools: Annotated[list[Annotated[Union[NamedToolChoice, NamedCustomChoice], Field(discriminator="type")]],
+                     Field(min_length=1)]
 
     @property
     def names(self) -> list[str]:
@@ -81,8 +181,9 @@ def choice_check(shapes: dict[str, tuple[type[BaseModel], str]]):
 
 CHOICES = ("none", "auto", "required")
 CHAT_CHOICES = {"function": (NamedToolChoice, '{"type": "function", "function": {"name": ...}}'),
+                "custom": (NamedCustomChoice, '{"type": "custom", "custom": {"name": ...}}'),
                 "allowed_tools": (AllowedToolsChoice, '{"type": "allowed_tools", "allowed_tools": {"mode": "auto" | '
                                                       '"required", "tools": [{"type": "function", "function": '
                                                       '{"name": ...}}, ...]}}')}
-ToolChoice = Annotated[Union[Literal["none", "auto", "required"], NamedToolChoice, AllowedToolsChoice],
+ToolChoice = Annotated[Union[Literal["none", "auto", "required"], NamedToolChoice, NamedCustomChoice, AllowedToolsChoice],
                        BeforeValidator(choice_check(CHAT_CHOICES))]
