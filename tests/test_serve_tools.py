@@ -844,6 +844,10 @@ APPLY_PATCH = {"type": "custom", "custom": {"name": "apply_patch", "description"
 SHELL = {"type": "custom", "custom": {"name": "shell", "format": {"type": "grammar", "grammar": {
     "syntax": "regex", "definition": "(ls|pwd) -[a-z]{1,3}"}}}}
 FREE_PATCH = {"type": "custom", "custom": {"name": "apply_patch", "format": {"type": "text"}}}
+# the Responses API's flat shapes (Codex's)
+FLAT_APPLY_PATCH = {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch.",
+                    "format": {"type": "grammar", "syntax": "lark", "definition": PATCH_GRAMMAR}}
+FLAT_FREE_PATCH = {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch."}
 A_PATCH = "*** Begin Patch\n*** Add File: a.txt\n+hello\n*** End Patch\n"
 
 
@@ -918,6 +922,66 @@ def test_a_past_custom_call_reaches_the_template_as_its_function_call(client):
     assert (message.reasoning_content, message.content, message.tool_calls) == (AFTER_TOOL_REASONING, ANSWER, None)
 
 
+def _custom_call_item(response):
+    (item,) = [o for o in response.output if o.type == "custom_tool_call"]
+    return item
+
+
+def test_responses_custom_tool_call_whole_and_streamed(client):
+    """Codex's apply_patch (a flat custom tool of a Lark grammar) forced by name through the Responses API: a reasoning
+    item, then a custom_tool_call item (ctc_ id, call_id, name, input of the grammar, status); the tool and the choice
+    echoed. Streamed, OpenAI's events, typed by the openai client: the item added (input ""), the input's delta and
+    done, the item done; the final response as the whole one."""
+    pytest.importorskip("xgrammar")
+    from openai.types import responses as types
+
+    kw = dict(tools=[FLAT_APPLY_PATCH], tool_choice={"type": "custom", "name": "apply_patch"}, max_output_tokens=300)
+    whole = respond(client, **kw)
+    assert _kinds(whole) == ["reasoning", "custom_tool_call"] and whole.status == "completed", whole.output
+    item = _custom_call_item(whole)
+    assert item.id.startswith("ctc_") and item.call_id.startswith("call_") and item.name == "apply_patch"
+    assert PATCH.fullmatch(item.input) and item.to_dict()["status"] == "completed", item
+    assert whole.tools[0].type == "custom" and whole.tools[0].format.definition == PATCH_GRAMMAR
+    assert (whole.tool_choice.type, whole.tool_choice.name) == ("custom", "apply_patch")
+    events, final = _events(client, **kw)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    types_ = [e.type for e in events]
+    assert types_[types_.index("response.output_item.done") + 1:] == [
+        "response.output_item.added", "response.custom_tool_call_input.delta", "response.custom_tool_call_input.done",
+        "response.output_item.done", "response.completed"], types_
+    added, delta, done, item_done = events[-5:-1]
+    assert isinstance(delta, types.ResponseCustomToolCallInputDeltaEvent)
+    assert isinstance(done, types.ResponseCustomToolCallInputDoneEvent)
+    assert (added.item.type, added.item.input, added.item.to_dict()["status"]) == ("custom_tool_call", "", "in_progress")
+    assert delta.delta == done.input == item_done.item.input == item.input
+    assert delta.item_id == done.item_id == added.item.id == final.output[1].id and done.output_index == 1
+    assert [o.model_dump(exclude={"id", "call_id"}) for o in final.output] == \
+        [o.model_dump(exclude={"id", "call_id"}) for o in whole.output]
+
+
+def test_responses_custom_tool_calls_sent_back_and_stored(client):
+    """custom_tool_call and custom_tool_call_output items in `input` (Codex's store false turns): the prompt is that of
+    the function_call and function_call_output they stand for, and the model answers the tool's result; a stored
+    response's custom call continued by previous_response_id with its output alike, its input items listed with ids."""
+    call = {"type": "custom_tool_call", "call_id": "call_1", "name": "apply_patch", "input": A_PATCH}
+    output = {"type": "custom_tool_call_output", "call_id": "call_1", "output": "Done."}
+    as_function = [{"type": "function_call", "call_id": "call_1", "name": "apply_patch",
+                    "arguments": json.dumps({"input": A_PATCH})}, {**output, "type": "function_call_output"}]
+    custom = respond(client, input=[*USER, call, output], tools=[FLAT_FREE_PATCH], store=False)
+    function = respond(client, input=[*USER, *as_function], tools=[FLAT_FREE_PATCH], store=False)
+    assert custom.usage.input_tokens == function.usage.input_tokens
+    assert (custom.output[0].content[0].text, custom.output_text) == (AFTER_TOOL_REASONING, ANSWER)
+    first = respond(client, tools=[FLAT_APPLY_PATCH], tool_choice={"type": "custom", "name": "apply_patch"},
+                    max_output_tokens=300)
+    item = _custom_call_item(first)
+    second = respond(client, input=[{**output, "call_id": item.call_id}], previous_response_id=first.id,
+                     tools=[FLAT_FREE_PATCH])
+    assert second.output_text == ANSWER
+    items = list(client.responses.input_items.list(second.id, order="asc"))
+    assert [i.type for i in items] == ["message", "reasoning", "custom_tool_call", "custom_tool_call_output"]
+    assert items[2].id == item.id and items[2].input == item.input and items[3].id.startswith("ctco_")
+
+
 @pytest.mark.parametrize("body, param, says", [
     ({"tools": [{"type": "custom", "custom": {"name": "x", "format": {"type": "grammar", "grammar": {
         "syntax": "ebnf", "definition": 'root ::= "a"'}}}}]}, "tools", "Input should be 'lark' or 'regex' (got 'ebnf')"),
@@ -943,6 +1007,21 @@ def test_a_past_custom_call_reaches_the_template_as_its_function_call(client):
 ])
 def test_bad_custom_tools_are_400_naming_the_problem(server, body, param, says):
     error = _error(server, body)
+    assert error["param"] == param and says in error["message"], error
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"tools": [{**FLAT_APPLY_PATCH, "format": {"type": "grammar", "syntax": "gbnf", "definition": "x"}}]}, "tools",
+     "(got 'gbnf')"),
+    ({"tools": [{**FLAT_APPLY_PATCH, "parameters": {"type": "object"}}]}, "tools", "a custom tool takes no parameters"),
+    ({"tools": [{**FLAT_APPLY_PATCH, "format": {"type": "grammar", "syntax": "lark", "definition": "start: ("}}]},
+     "tools", "the custom tool 'apply_patch': its Lark grammar does not compile"),
+    ({"tools": [FLAT_APPLY_PATCH], "tool_choice": {"type": "custom", "name": "shell"}}, "tool_choice", "'shell'"),
+    ({"input": [{"type": "custom_tool_call", "call_id": "c", "name": "apply_patch"}]}, "input",
+     "item 0 (custom_tool_call) input: Field required"),
+])
+def test_responses_bad_custom_tools_are_400_naming_the_problem(server, body, param, says):
+    error = _responses_error(server, body)
     assert error["param"] == param and says in error["message"], error
 
 

@@ -64,7 +64,7 @@ async def create_response(state: ServerState, body: ResponsesRequest, raw_reques
         return _events(state, body, run, rid, created, context)
     (result,) = await run.group.whole(raw_request)
     items = OutputItems(EventWriter(), call_id, _logprobs(state, body, result.token_ids, result.logprobs),
-                        body.reasoning_summary)
+                        body.reasoning_summary, tools.custom)
     reader = run.parser()
     items.feed(reader.feed(result.text or "") + reader.finish())
     status = "incomplete" if result.finish_reason == "length" else "completed"
@@ -145,7 +145,8 @@ async def _events(state: ServerState, body: ResponsesRequest, run: ChatRun, rid:
     """The stream's events (responses_api_output.py says which, in what order); the response stored once complete
     unless `context` is None."""
     write = EventWriter()
-    items = OutputItems(write, call_id, [] if body.output_logprobs is not None else None, body.reasoning_summary)
+    items = OutputItems(write, call_id, [] if body.output_logprobs is not None else None, body.reasoning_summary,
+                        run.tools.custom)
     reader = run.parser()
     token_ids: list[int] = []
     try:

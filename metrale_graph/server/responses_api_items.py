@@ -1,16 +1,21 @@
 """The Responses API's input items (responses_api_protocol.py holds the request): messages, a past reply's
-`function_call` and `reasoning` items, the `function_call_output` items answering calls, checked item by item so
-that a 400 names the item and what is wrong with it, and joined into the chat messages a template renders.
+`function_call`, `custom_tool_call` and `reasoning` items, the `function_call_output` and `custom_tool_call_output`
+items answering calls, checked item by item so that a 400 names the item and what is wrong with it, and joined into the
+chat messages a template renders. A custom tool's call is the call of the function it stands for (its arguments
+{"input": ...}: tool_protocol.CustomDefinition.function), its output a `tool` message, as a function's.
 """
 
 from __future__ import annotations
 
+import json
+
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, Discriminator, Field, StrictStr, Tag, TypeAdapter, ValidationError
+from pydantic import BaseModel, Discriminator, Field, StrictStr, Tag, TypeAdapter, ValidationError, model_validator
 
 from .errors import short
 from .protocol import ChatMessage
+from .tool_protocol import INPUT
 
 
 class InputText(BaseModel):
@@ -55,6 +60,24 @@ class FunctionCallOutputItem(BaseModel):
     output: Union[StrictStr, list[InputText]]
 
 
+class CustomToolCallItem(FunctionCallItem):
+    """A custom tool's call a past reply made: a function call whose arguments are {"input": its input} (`arguments`,
+    set from `input` and never written out)."""
+    type: Literal["custom_tool_call"]
+    input: StrictStr
+    arguments: StrictStr | None = Field(None, exclude=True)
+
+    @model_validator(mode="after")
+    def _arguments(self):
+        self.arguments = json.dumps({INPUT: self.input}, ensure_ascii=False)
+        return self
+
+
+class CustomToolCallOutputItem(FunctionCallOutputItem):
+    """The result of a custom tool's call: a `tool` message, as a function's."""
+    type: Literal["custom_tool_call_output"]
+
+
 class ReasoningText(BaseModel):
     type: Literal["reasoning_text", "summary_text"]
     text: StrictStr
@@ -79,10 +102,13 @@ def _item_type(value) -> str:
 
 InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
                             Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+                            Annotated[CustomToolCallItem, Tag("custom_tool_call")],
+                            Annotated[CustomToolCallOutputItem, Tag("custom_tool_call_output")],
                             Annotated[ReasoningItem, Tag("reasoning")]], Discriminator(_item_type)]
 
 
-ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+ITEM_TYPES = ("message", "function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output",
+              "reasoning")
 PART_TYPES = ("input_text", "output_text", "text", "refusal")
 _ITEM = TypeAdapter(InputItem)
 

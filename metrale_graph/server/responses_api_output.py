@@ -3,12 +3,16 @@ reply parser's events (reply.py) into output items and the stream events that bu
 
 A reply is, in order, a reasoning item (where the reply has reasoning), a message item (its text: one output_text
 part) and one function_call item per call (call_id `call_...`, arguments the JSON text of an object), as vLLM gives
-them. A stream sends each item as OpenAI's server does and the openai client reads it: `response.output_item.added`
-(the item in progress, empty), `response.content_part.added` (reasoning: a reasoning_text part, vLLM's way; a
-message: an output_text part), the deltas (`response.reasoning_text.delta`, `response.output_text.delta`,
-`response.function_call_arguments.delta`), then `.done` events with the whole text (`response.reasoning_text.done`,
-`response.output_text.done`, `response.function_call_arguments.done` with the name), `response.content_part.done`
-and `response.output_item.done` with the finished item. Every event is `event: TYPE` and `data: {"type": TYPE,
+them; a custom tool's call is a custom_tool_call item (`ctc_...`, its `input` the text the tool takes:
+custom_tools.custom_input). A stream sends each item as OpenAI's server does and the openai client reads it:
+`response.output_item.added` (the item in progress, empty), `response.content_part.added` (reasoning: a reasoning_text
+part, vLLM's way; a message: an output_text part), the deltas (`response.reasoning_text.delta`,
+`response.output_text.delta`, `response.function_call_arguments.delta`), then `.done` events with the whole text
+(`response.reasoning_text.done`, `response.output_text.done`, `response.function_call_arguments.done` with the name),
+`response.content_part.done` and `response.output_item.done` with the finished item. A custom tool's call sends
+`response.output_item.added` (its input ""), then, once its arguments are whole (the model's call format gives its one
+parameter whole), `response.custom_tool_call_input.delta` with the input and `response.custom_tool_call_input.done`,
+then `response.output_item.done`, as OpenAI's server does. Every event is `event: TYPE` and `data: {"type": TYPE,
 "sequence_number": N, ...}`, N counting from 0 over the stream.
 
 With `reasoning.summary` asked for, a reasoning item also has a `summary` of one summary_text part holding the same
@@ -36,6 +40,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, Field
 from pydantic_core import to_jsonable_python
 
+from .custom_tools import custom_input
 from .reply import ReasoningDelta
 from .tool_parsers import CallArguments, CallStart, ContentDelta
 
@@ -90,7 +95,16 @@ class OutputFunctionCall(BaseModel):
     status: Status
 
 
-OutputItem = Union[OutputReasoning, OutputMessage, OutputFunctionCall]
+class OutputCustomToolCall(BaseModel):
+    id: str
+    type: Literal["custom_tool_call"] = "custom_tool_call"
+    call_id: str
+    name: str
+    input: str
+    status: Status
+
+
+OutputItem = Union[OutputReasoning, OutputMessage, OutputFunctionCall, OutputCustomToolCall]
 
 
 class InputTokensDetails(BaseModel):
@@ -162,7 +176,7 @@ class EventWriter:
 @dataclass
 class _Open:
     """The output item being built."""
-    kind: Literal["reasoning", "message", "function_call"]
+    kind: Literal["reasoning", "message", "function_call", "custom_tool_call"]
     id: str
     index: int  # output_index
     parts: list[str] = field(default_factory=list)  # its text (or arguments) so far
@@ -182,10 +196,11 @@ class OutputItems:
     """A reply's output items from its ReplyParser's events, in order, and the stream's events that build them
     (`events`, drained by the stream; a whole response leaves them). `close(status)` ends the open item.
     `logprobs`: None, or the output text's logprobs (dicts of OutputText's shape) not yet in a message, which the
-    stream adds to as tokens come: the next text delta takes them."""
+    stream adds to as tokens come: the next text delta takes them. `custom`: the request's custom tools."""
 
-    def __init__(self, write: EventWriter, new_call_id, logprobs: list[dict] | None = None, summary: bool = False):
-        self.write, self.new_call_id, self.summary = write, new_call_id, summary
+    def __init__(self, write: EventWriter, new_call_id, logprobs: list[dict] | None = None, summary: bool = False,
+                 custom: frozenset[str] = frozenset()):
+        self.write, self.new_call_id, self.summary, self.custom = write, new_call_id, summary, custom
         self.items: list[OutputItem] = []
         self.events: list[str] = []
         self.logprobs = logprobs
@@ -199,13 +214,14 @@ class OutputItems:
                 self._delta("message", e.text, "response.output_text.delta")
             elif isinstance(e, CallStart):
                 self.close()
-                self._start(_Open("function_call", item_id("fc"), len(self.items), call_id=self.new_call_id(),
-                                  name=e.name))
+                kind, prefix = ("custom_tool_call", "ctc") if e.name in self.custom else ("function_call", "fc")
+                self._start(_Open(kind, item_id(prefix), len(self.items), call_id=self.new_call_id(), name=e.name))
             elif isinstance(e, CallArguments) and e.text:
-                assert self._open is not None and self._open.kind == "function_call", "arguments outside a call"
+                assert self._open is not None and self._open.kind.endswith("call"), "arguments outside a call"
                 self._open.parts.append(e.text)
-                self.events.append(self.write("response.function_call_arguments.delta", item_id=self._open.id,
-                                              output_index=self._open.index, delta=e.text))
+                if self._open.kind == "function_call":  # (a custom call's input: at its end, once whole)
+                    self.events.append(self.write("response.function_call_arguments.delta", item_id=self._open.id,
+                                                  output_index=self._open.index, delta=e.text))
 
     def _delta(self, kind: str, text: str, event: str) -> None:
         if self._open is None or self._open.kind != kind:
@@ -243,10 +259,14 @@ class OutputItems:
             self.events += [self.write("response.output_item.added", output_index=item.index,
                                        item=OutputMessage(id=item.id, status="in_progress", content=[])),
                             self.write("response.content_part.added", **where, part=OutputText(text=""))]
-        else:
+        elif item.kind == "function_call":
             self.events.append(self.write("response.output_item.added", output_index=item.index,
                                           item=OutputFunctionCall(id=item.id, call_id=item.call_id, name=item.name,
                                                                   arguments="", status="in_progress")))
+        else:
+            self.events.append(self.write("response.output_item.added", output_index=item.index,
+                                          item=OutputCustomToolCall(id=item.id, call_id=item.call_id, name=item.name,
+                                                                    input="", status="in_progress")))
 
     def close(self, status: Status = "completed") -> None:
         """End the open item (if any) with `status`: its .done events, the finished item."""
@@ -272,11 +292,17 @@ class OutputItems:
             self.events += [self.write("response.output_text.done", **where, content_index=0, text=text,
                                        logprobs=delta_logprobs(item.logprobs)),
                             self.write("response.content_part.done", **where, content_index=0, part=part)]
-        else:
+        elif item.kind == "function_call":
             text = text or "{}"  # (a call of no parameters the parser gave no arguments for)
             done = OutputFunctionCall(id=item.id, call_id=item.call_id, name=item.name, arguments=text, status=status)
             self.events.append(self.write("response.function_call_arguments.done", **where, name=item.name,
                                           arguments=text))
+        else:
+            text = custom_input(text or "{}")
+            done = OutputCustomToolCall(id=item.id, call_id=item.call_id, name=item.name, input=text, status=status)
+            if text:
+                self.events.append(self.write("response.custom_tool_call_input.delta", **where, delta=text))
+            self.events.append(self.write("response.custom_tool_call_input.done", **where, input=text))
         self.items.append(done)
         self.events.append(self.write("response.output_item.done", output_index=item.index, item=done))
 

@@ -4,9 +4,10 @@ stream's events: responses_api_output.py).
 
 The request is OpenAI's, as vLLM serves it: `input` a string (one user message) or a list of items (messages of
 role user / system / developer / assistant with string or input_text / output_text / refusal parts; a past reply's
-`function_call` items and the `function_call_output` items answering them; its `reasoning` items, whose text goes
-back to the template as the assistant's reasoning, as vLLM reads them), `instructions` (a system message first),
-`max_output_tokens`, `temperature`, `top_p`, function `tools` in their flat shape, `tool_choice`,
+`function_call` and `custom_tool_call` items and the `function_call_output` / `custom_tool_call_output` items
+answering them; its `reasoning` items, whose text goes back to the template as the assistant's reasoning, as vLLM reads
+them), `instructions` (a system message first), `max_output_tokens`, `temperature`, `top_p`, function and custom
+(freeform: tool_protocol.py) `tools` in their flat shape, `tool_choice` (a function or custom tool by name too),
 `parallel_tool_calls`, `text.format` (structured output: server/structured.py), `reasoning.effort` (the chat
 template's `reasoning_effort`, as vLLM passes it), `reasoning.summary` (the reasoning item's summary: its text, no
 summarizer), `metadata` (echoed), and the sampling fields the chat endpoint
@@ -27,8 +28,8 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, Str
 
 from .protocol import NEUTRAL, ChatMessage, JsonSchemaFormat, NumLogprobs, ResponseFormat, SamplingFields
 from .responses_api_items import _ITEM, InputItem, MessageItem, as_items, chat_messages, check_items
-from .tool_protocol import (AllowedTools, AllowedToolsChoice, FunctionDefinition, FunctionName, NamedToolChoice,
-                            Tool, choice_check)
+from .tool_protocol import (AllowedTools, AllowedToolsChoice, CustomDefinition, CustomTool, FunctionDefinition,
+                            FunctionName, NamedCustomChoice, NamedToolChoice, Tool, choice_check)
 
 
 # tools and text formats ------------------------------------------------------------------------------------
@@ -46,24 +47,45 @@ class FunctionTool(BaseModel):
         return Tool(type="function", function=FunctionDefinition.model_validate(self.model_dump(exclude={"type"})))
 
 
+class CustomToolFlat(CustomDefinition):
+    """A custom tool in the Responses API's flat shape ({"type": "custom", "name", "description", "format"}: Codex's
+    apply_patch); `chat_tool` is chat's shape of it."""
+    type: Literal["custom"]
+
+    def chat_tool(self) -> CustomTool:
+        return CustomTool(type="custom", custom=CustomDefinition.model_validate(self.model_dump(exclude={"type"})))
+
+
 class FunctionChoice(BaseModel):
     type: Literal["function"]
     name: StrictStr
 
+    def chat_choice(self) -> NamedToolChoice:
+        return NamedToolChoice(type="function", function=FunctionName(name=self.name))
+
+
+class CustomChoice(BaseModel):
+    type: Literal["custom"]
+    name: StrictStr
+
+    def chat_choice(self) -> NamedCustomChoice:
+        return NamedCustomChoice(type="custom", custom=FunctionName(name=self.name))
+
 
 class FlatAllowedTools(BaseModel):
-    """The Responses API's allowed tools, flat: {"type": "allowed_tools", "mode", "tools": [{"type": "function",
-    "name"}, ...]} (chat's AllowedToolsChoice)."""
+    """The Responses API's allowed tools, flat: {"type": "allowed_tools", "mode", "tools": [{"type": "function" |
+    "custom", "name"}, ...]} (chat's AllowedToolsChoice)."""
     type: Literal["allowed_tools"]
     mode: Literal["auto", "required"]
-    tools: Annotated[list[FunctionChoice], Field(min_length=1)]
+    tools: Annotated[list[Annotated[Union[FunctionChoice, CustomChoice], Field(discriminator="type")]], Field(min_length=1)]
 
     def chat_choice(self) -> AllowedToolsChoice:
-        tools = [NamedToolChoice(type="function", function=FunctionName(name=t.name)) for t in self.tools]
+        tools = [t.chat_choice() for t in self.tools]
         return AllowedToolsChoice(type="allowed_tools", allowed_tools=AllowedTools(mode=self.mode, tools=tools))
 
 
 FLAT_CHOICES = {"function": (FunctionChoice, '{"type": "function", "name": ...}'),
+                "custom": (CustomChoice, '{"type": "custom", "name": ...}'),
                 "allowed_tools": (FlatAllowedTools, '{"type": "allowed_tools", "mode": "auto" | "required", "tools": '
                                                     '[{"type": "function", "name": ...}, ...]}')}
 
@@ -124,8 +146,8 @@ class ResponsesRequest(SamplingFields):
     input: Union[StrictStr, Annotated[list[InputItem], Field(min_length=1)]]
     instructions: StrictStr | None = None
     max_output_tokens: Annotated[StrictInt, Field(ge=1)] | None = None  # None: up to the context
-    tools: list[FunctionTool] | None = None
-    tool_choice: Union[Literal["none", "auto", "required"], FunctionChoice, FlatAllowedTools, None] = None
+    tools: list[Annotated[Union[FunctionTool, CustomToolFlat], Field(discriminator="type")]] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], FunctionChoice, CustomChoice, FlatAllowedTools, None] = None
     parallel_tool_calls: StrictBool | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
@@ -219,14 +241,11 @@ class ResponsesRequest(SamplingFields):
         return self.max_output_tokens
 
     @property
-    def chat_tools(self) -> list[Tool] | None:
+    def chat_tools(self) -> list[Tool | CustomTool] | None:
         return None if self.tools is None else [t.chat_tool() for t in self.tools]
 
     @property
     def chat_tool_choice(self):
         choice = self.tool_choice
-        if isinstance(choice, FlatAllowedTools):
-            return choice.chat_choice()
-        return NamedToolChoice(type="function", function=FunctionName(name=choice.name)) \
-            if isinstance(choice, FunctionChoice) else choice
+        return choice.chat_choice() if isinstance(choice, (FlatAllowedTools, FunctionChoice, CustomChoice)) else choice
 

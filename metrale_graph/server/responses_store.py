@@ -4,12 +4,13 @@ GET /v1/responses/{id}, DELETE /v1/responses/{id} and GET /v1/responses/{id}/inp
 
 A response is stored when its request's `store` is true or unset (the Responses API's default, which vLLM follows
 once its store is on), once it has ended (completed or incomplete; a failed or abandoned one is not): the response
-object GET answers, and its context, the input items it ran on, each with an id (`msg_`, `fc_`, `fco_`, `rs_`, or
-the one the client sent): the previous response's context and output items, then its own `input` (`instructions`
-are not items: OpenAI does not carry them to the next response). A request with `previous_response_id` runs on that
-response's context and output, then its own input. The context is a tuple of the same item dicts its ancestors hold,
-so a conversation that a response follows stays whole when its ancestors are evicted or deleted. With no store
-(size 0) `store: true` is taken and does nothing (vLLM's way without its store) and `previous_response_id` is a 400.
+object GET answers, and its context, the input items it ran on, each with an id (`msg_`, `fc_`, `fco_`, `ctc_`,
+`ctco_`, `rs_`, or the one the client sent): the previous response's context and output items, then its own `input`
+(`instructions` are not items: OpenAI does not carry them to the next response). A request with
+`previous_response_id` runs on that response's context and output, then its own input. The context is a tuple of
+the same item dicts its ancestors hold, so a conversation that a response follows stays whole when its ancestors
+are evicted or deleted. With no store (size 0) `store: true` is taken and does nothing (vLLM's way without its
+store) and `previous_response_id` is a 400.
 
 One lock guards the store, held only for a dict's operations, so the event loop and any other thread may use it.
 """
@@ -28,7 +29,8 @@ from .responses_api_output import ResponseObject, item_id
 from .responses_api_items import MessageItem, as_items
 
 DEFAULT_SIZE = 1024  # responses kept (each its output and a tuple of references to its context's items)
-ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "custom_tool_call": "ctc",
+               "custom_tool_call_output": "ctco", "reasoning": "rs"}
 MAX_LIST_LIMIT = 100  # the most items one page of input_items holds (OpenAI's)
 
 
