@@ -982,6 +982,48 @@ def test_responses_custom_tool_calls_sent_back_and_stored(client):
     assert items[2].id == item.id and items[2].input == item.input and items[3].id.startswith("ctco_")
 
 
+# Codex's apply_patch grammar as Codex sends it (codex-rs: tool_apply_patch.lark)
+CODEX_PATCH_GRAMMAR = r'''start: begin_patch hunk+ end_patch
+begin_patch: "*** Begin Patch" LF
+end_patch: "*** End Patch" LF?
+
+hunk: add_hunk | delete_hunk | update_hunk
+add_hunk: "*** Add File: " filename LF add_line+
+delete_hunk: "*** Delete File: " filename LF
+update_hunk: "*** Update File: " filename LF change_move? change?
+
+filename: /(.+)/
+add_line: "+" /(.*)/ LF -> line
+
+change_move: "*** Move to: " filename LF
+change: (change_context | change_line)+ eof_line?
+change_context: ("@@" | "@@ " /(.+)/) LF
+change_line: ("+" | "-" | " ") /(.*)/ LF
+eof_line: "*** End of File" LF
+
+%import common.LF
+'''
+
+
+def test_responses_allowed_custom_tools_and_codex_s_grammar(client):
+    """allowed_tools "required" naming a custom tool (the flat {"type": "custom", "name"} entry): its call, its input of
+    the grammar. Codex's own apply_patch grammar beside a function, as Codex sends them (instructions, store false,
+    parallel calls off, the reasoning's encrypted content asked for): taken and held, the input of a call forced to it
+    the start of a patch (this model, masked, fills an unbounded filename until max_output_tokens cut it)."""
+    pytest.importorskip("xgrammar")
+    allowed = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "custom", "name": "apply_patch"}]}
+    r = respond(client, tools=[FLAT_APPLY_PATCH, RESPONSE_TOOL], tool_choice=allowed, parallel_tool_calls=False,
+                max_output_tokens=300)
+    assert _kinds(r) == ["reasoning", "custom_tool_call"] and PATCH.fullmatch(_custom_call_item(r).input), r.output
+    codex = {**FLAT_APPLY_PATCH, "format": {"type": "grammar", "syntax": "lark", "definition": CODEX_PATCH_GRAMMAR}}
+    r = respond(client, tools=[codex, RESPONSE_TOOL], tool_choice={"type": "custom", "name": "apply_patch"},
+                instructions="You are Codex.", parallel_tool_calls=False, store=False,
+                include=["reasoning.encrypted_content"], max_output_tokens=120)
+    item = _custom_call_item(r)
+    assert r.status == "incomplete" and item.to_dict()["status"] == "incomplete", r.output
+    assert item.input.startswith("*** Begin Patch\n***"), item.input
+
+
 @pytest.mark.parametrize("body, param, says", [
     ({"tools": [{"type": "custom", "custom": {"name": "x", "format": {"type": "grammar", "grammar": {
         "syntax": "ebnf", "definition": 'root ::= "a"'}}}}]}, "tools", "Input should be 'lark' or 'regex' (got 'ebnf')"),
