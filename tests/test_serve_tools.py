@@ -23,7 +23,10 @@ turn: the model answers the call's result, and its input tokens are those of the
 the first turn's instructions), retrieve / delete / input_items (pages, order) through the client, a streamed
 response stored, store false, unknown ids as NotFoundError, least recently used responses evicted at the bound;
 truncation "auto" (a conversation past the context answered on its most recent items that fit: the input tokens those
-of the conversation sent from the first place that fits, a call dropped with its output) and its 400s."""
+of the conversation sent from the first place that fits, a call dropped with its output) and its 400s. Custom (freeform)
+tools, Codex's apply_patch: their input held to a Lark grammar or a regular expression (named, "required", "auto",
+allowed_tools; greedy and sampled), chat's custom calls and deltas, the Responses API's custom_tool_call items and their
+typed stream events, past custom calls and outputs sent back, and their 400s."""
 
 import enum
 import json
