@@ -140,8 +140,8 @@ def test_a_failed_launch_ahead_fails_its_requests_and_leaves_the_others_exact(mo
 
 
 def test_sampled_requests_and_prefix_caching_take_the_synchronous_step(models, ahead):
-    """Rows that sample (their uniforms depend on the step before's counts) and engines with prefix caching never
-    launch ahead: the tokens are the synchronous path's."""
+    """Rows that sample (their uniforms depend on the step before's counts), engines with prefix caching and engines
+    without overlap never launch ahead: the tokens are the synchronous path's."""
     model, prompts = models["dense"], prompts_of("dense")[:2]
     kw = dict(max_new_tokens=12, stop_token_ids=[], temperature=0.8, top_k=20, seed=5)
     with Engine(model, 3, compile=False, speculative=MTP) as e:
@@ -150,9 +150,10 @@ def test_sampled_requests_and_prefix_caching_take_the_synchronous_step(models, a
         assert [r.token_ids for r in e.generate(prompts, **kw)] == reference
         assert chained(e) == 0 and e._loop.spec.ahead.pending is None
     greedy = plain(model, prompts, max_new_tokens=12, stop_token_ids=[])
-    with tail_engine(model, 3, MTP, prefix_cache=True) as e:
-        assert [r.token_ids for r in e.generate(prompts, max_new_tokens=12, stop_token_ids=[])] == greedy
-        assert chained(e) == 0
+    for kw in (dict(prefix_cache=True), dict(overlap=False)):  # (overlap=False: each step read back first)
+        with tail_engine(model, 3, MTP, **kw) as e:
+            assert [r.token_ids for r in e.generate(prompts, max_new_tokens=12, stop_token_ids=[])] == greedy
+            assert chained(e) == 0
 
 
 def test_a_drained_step_run_the_loops_way_stays_inside_the_kv_reservation(ahead, monkeypatch):

@@ -13,7 +13,7 @@ head follows whose rows no logits processor touches (the captured acceptance), e
 with at least 2K + 2 tokens left to sample as far as the host knows (the step before's tokens not counted): step N +
 1's positions lie at most K + 1 past N's and the head's draft steps behind it stop where its tokens left do, so both
 stay inside the request's KV reservation. Not with prefix caching (its blocks are labelled with ids the host must
-know), a plan broadcast, or without a runner (the captured tail).
+know), a plan broadcast, without a runner (the captured tail), or under Engine(overlap=False).
 
 Step N + 1's inputs from N's device result (the drafting's [B, 2K + 2]: count c, K + 1 tokens, K drafts) and N's
 device context and tokens left: its context = N's + c + 1 (its tokens' positions from there, the step's
@@ -82,6 +82,7 @@ class VerifyAhead:
         spec, cache, K = self.spec, self.cache, self.k
         reqs = [c.request for c in step]
         if (decodes != len(step) or spec.graphs is None or cache.prefix_caching or self.loop._broadcast is not None
+                or not self.loop.overlap  # (Engine(overlap=False): every step read back before the next is planned)
                 or any(len(t) != K + 1 for t in tokens) or not self.eligible(reqs)
                 or any(cache.mtp_context_lens[r.slot] != cache.context_lens[r.slot] for r in reqs)):
             return False
