@@ -189,17 +189,18 @@ class SpeculativeGraphs:
         host, tail.host_rows) over h, the verify step's hidden states of `bucket` (with graphs, its graph's
         output), and the accepted states' copy into the slots: keep[i] = (slot, first verify entry) of row i, or
         None (or keep None) for a row that keeps nothing (tail.keep_accepted_states); and slot slots[i]'s last
-        token := row i's last emitted one (tail.write_last_tokens). patch(ints buffer): called once ints is in it,
-        before the replay (a verify step launched ahead writes its drafts there from the device: speculative/ahead.py).
+        token := row i's last emitted one (tail.write_last_tokens). patch(ints buffer, floats buffer or None): called once
+        they are filled, before the replay (a verify step launched ahead writes its drafts and uniforms there from the
+        device: speculative/ahead.py).
         Returns int64 [r, K + 2] on the device (counts, then tokens)."""
         sampled = bool((ints[:, 2 * self.K + 3] == 0).any())
         entry = self._entry("sampled" if sampled else "greedy", bucket)
         r = ints.shape[0]
         _fill(entry.args[2], ints)
-        if patch is not None:
-            patch(entry.args[2])
         if sampled:
             _fill(entry.args[3], floats)
+        if patch is not None:
+            patch(entry.args[2], entry.args[3] if sampled else None)
         # every row of the keep buffer (not only r: an earlier call's rows past r must keep nothing now)
         buffer = entry.args[-1]
         buffer.copy_(self._keep_rows(keep or [], buffer.shape[1], slots), non_blocking=True)  # (numbers.to_device's reason)

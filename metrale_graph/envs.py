@@ -94,7 +94,7 @@ SETTINGS = _settings(
             "(tests/test_gpu_speculative_graphs.py) and the spec bench says it pays"),
     Setting("METRALE_VERIFY_AHEAD", "flag", False,
             "speculative \"mtp\" verify step N + 1 launched before step N's accept counts reach the host, its inputs "
-            "made on the device from N's (greedy decodes the head follows, no prefix caching: speculative/ahead.py); "
+            "made on the device from N's (decodes the head follows, no prefix caching: speculative/ahead.py); "
             "takes the drafting behind the acceptance. Opt-in until it has run on a GPU and the spec bench says it "
             "pays"),
     # debug and tool options

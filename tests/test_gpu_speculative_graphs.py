@@ -118,8 +118,8 @@ def test_captured_bigram_drafts_are_all_kept():
 @pytest.mark.parametrize("family", ["dense", "next"])
 def test_verify_ahead_gives_the_synchronous_tokens_and_drafts(family, monkeypatch):
     """METRALE_VERIFY_AHEAD (speculative/ahead.py): MTP verify steps launched, captured, before the step before them
-    is read back: plain decoding's tokens and the drafts of the synchronous captured path (METRALE_MTP_AFTER); and
-    the bigram checkpoint, every draft kept, chains k + 1 tokens a step."""
+    is read back: plain decoding's tokens and the drafts and seeded sampled tokens of the synchronous captured path
+    (METRALE_MTP_AFTER); and the bigram checkpoint, every draft kept, chains k + 1 tokens a step."""
     model, prompts = cuda_model(family), prompts_of(family)[:3]
     reference, _ = run(model, prompts, False)
     seen = []
@@ -131,7 +131,9 @@ def test_verify_ahead_gives_the_synchronous_tokens_and_drafts(family, monkeypatc
         with envs.override(**{setting: "1"}), Engine(model, 3, compile=True, speculative={"method": "mtp", "num_tokens": 2},
                                                       **GRID) as e:
             out = [r.token_ids for r in e.generate(prompts, max_new_tokens=14, stop_token_ids=[])]
-            runs[setting] = (out, list(seen), e.stats().speculative)
+            sampled = [r.token_ids for r in e.generate(prompts, max_new_tokens=14, stop_token_ids=[], temperature=0.8,
+                                                       top_k=20, seed=5)]
+            runs[setting] = (out, list(seen), e.stats().speculative, sampled)
             if setting == "METRALE_VERIFY_AHEAD":
                 assert e._loop.spec.ahead.chained > 0
     assert runs["METRALE_MTP_AFTER"] == runs["METRALE_VERIFY_AHEAD"] and runs["METRALE_VERIFY_AHEAD"][0] == reference

@@ -139,40 +139,32 @@ def test_a_failed_launch_ahead_fails_its_requests_and_leaves_the_others_exact(mo
         assert no_block_held(e)
 
 
-def test_sampled_requests_and_prefix_caching_take_the_synchronous_step(models, ahead):
-    """Rows that sample (their uniforms depend on the step before's counts), engines with prefix caching and engines
-    without overlap never launch ahead: the tokens are the synchronous path's."""
-    model, prompts = models["dense"], prompts_of("dense")[:2]
-    kw = dict(max_new_tokens=12, stop_token_ids=[], temperature=0.8, top_k=20, seed=5)
-    with Engine(model, 3, compile=False, speculative=MTP) as e:
-        reference = [r.token_ids for r in e.generate(prompts, **kw)]
+def test_seeded_sampled_requests_chain_and_draw_plain_decodings_tokens(models, ahead):
+    """Sampled rows (top-k, top-p, min-p) launched ahead: each step's uniforms picked on the device after the step
+    before's count from the host's draws, each generator settled as the synchronous step settles it, so seeded
+    requests give plain decoding's tokens; greedy rows beside them too."""
+    model, prompts = models["dense"], prompts_of("dense")[:3]
+    kw = dict(max_new_tokens=20, stop_token_ids=[], temperature=0.8, top_k=20, top_p=0.9, seed=5)
+    reference = plain(model, prompts, **kw)
     with tail_engine(model, 3, MTP) as e:
         assert [r.token_ids for r in e.generate(prompts, **kw)] == reference
-        assert chained(e) == 0 and e._loop.spec.ahead.pending is None
+        n = chained(e)
+        assert n > 0
+        handles = [e.submit(prompts[0], max_new_tokens=20, stop_token_ids=[])] + [
+            e.submit(p, **{**kw, "seed": 9 + i}) for i, p in enumerate(prompts[1:])]
+        out = [h.result().token_ids for h in handles]
+        assert chained(e) > n and no_block_held(e)
+    mixed = plain(model, prompts[:1], max_new_tokens=20, stop_token_ids=[])
+    mixed += [plain(model, [p], **{**kw, "seed": 9 + i})[0] for i, p in enumerate(prompts[1:])]
+    assert out == mixed
+
+
+def test_prefix_caching_and_no_overlap_take_the_synchronous_step(models, ahead):
+    """Engines with prefix caching and engines without overlap (each step read back first) never launch ahead: the
+    tokens are the synchronous path's."""
+    model, prompts = models["dense"], prompts_of("dense")[:2]
     greedy = plain(model, prompts, max_new_tokens=12, stop_token_ids=[])
-    for kw in (dict(prefix_cache=True), dict(overlap=False)):  # (overlap=False: each step read back first)
+    for kw in (dict(prefix_cache=True), dict(overlap=False)):
         with tail_engine(model, 3, MTP, **kw) as e:
             assert [r.token_ids for r in e.generate(prompts, max_new_tokens=12, stop_token_ids=[])] == greedy
             assert chained(e) == 0
-
-
-def test_a_drained_step_run_the_loops_way_stays_inside_the_kv_reservation(ahead, monkeypatch):
-    """A step launched ahead, then a plan with more decodes than max_streams (a prompt asking for prompt logprobs
-    ran its last chunk the loop's way beside it): the pending step is delivered and the plan runs the loop's own
-    overlapped steps. Its tokens count for max_new_tokens as the plan counted them, so no request is planned past
-    its last token (which fed a token past its KV reservation: with every block reserved, the other request's
-    last step had no block left and failed). Both give plain decoding's tokens; every block back."""
-    model = bigram_model(CONFIGS["dense"])
-    prompts = [[3, 5, 7], random_tokens(20, 6, CONFIGS["dense"].vocab_size)]
-    new = (12, 11)  # (request 0's last token and request 1's one step apart: the step after 0's last is 1's last)
-    reference = [plain(model, [p], max_new_tokens=n, stop_token_ids=[])[0] for p, n in zip(prompts, new)]
-    launches = []
-    real = VerifyAhead.launch
-    monkeypatch.setattr(VerifyAhead, "launch", lambda self, step, prev: launches.append(prev) or real(self, step, prev))
-    blocks = sum(len(p) + n - 1 for p, n in zip(prompts, new))  # (block_size 1: every request's reservation, no more)
-    with tail_engine(model, 2, {"method": "mtp", "num_tokens": 1, "max_streams": 1}, token_budget=16, block_size=1,
-                     num_blocks=blocks) as e:
-        handles = [e.submit(prompts[0], max_new_tokens=new[0], stop_token_ids=[]),
-                   e.submit(prompts[1], max_new_tokens=new[1], stop_token_ids=[], prompt_logprobs=1)]
-        assert [h.result().token_ids for h in handles] == reference
-        assert launches and no_block_held(e)

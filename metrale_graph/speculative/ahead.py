@@ -8,12 +8,13 @@ speculative decoding, SGLang's overlapped speculative step (docs/speculative.md)
                                          # or N delivered and the plan given back, less the requests N ended
     ahead.drain()                        # aborts, jobs, the end: the step in flight delivered
 
-A chain holds while the loop plans the same requests in the same order, all decodes, each a greedy request the MTP
-head follows whose rows no logits processor touches (the captured acceptance), each verifying num_tokens (K) drafts,
-with at least 2K + 2 tokens left to sample as far as the host knows (the step before's tokens not counted): step N +
-1's positions lie at most K + 1 past N's and the head's draft steps behind it stop where its tokens left do, so both
-stay inside the request's KV reservation. Not with prefix caching (its blocks are labelled with ids the host must
-know), a plan broadcast, without a runner (the captured tail), or under Engine(overlap=False).
+A chain holds while the loop plans the same requests in the same order, all decodes, each a request the MTP head
+follows whose rows no logits processor touches (the captured acceptance; greedy or sampled), each verifying
+num_tokens (K) drafts, with at least 2K + 2 tokens left to sample as far as the host knows (the step before's tokens
+not counted): step N + 1's positions lie at most K + 1 past N's and the head's draft steps behind it stop where its
+tokens left do, so both stay inside the request's KV reservation. Not with prefix caching (its blocks are labelled
+with ids the host must know), a plan broadcast, without a runner (the captured tail), or under
+Engine(overlap=False).
 
 Step N + 1's inputs from N's device result (the drafting's [B, 2K + 2]: count c, K + 1 tokens, K drafts) and N's
 device context and tokens left: its context = N's + c + 1 (its tokens' positions from there, the step's
@@ -28,8 +29,13 @@ When N's counts arrive, after N + 1 is launched, N commits each live stream's c 
 through the loop's stop checks (verify._deliver). A request that stopped at N was in N + 1 too: N + 1's tokens for
 it are dropped when N + 1 is read back, never emitted nor counted, and its slot, reset when it stopped, was reset
 behind N + 1 on the device's stream. The next plan then differs from N + 1's (the request left it) and the chain
-ends: N + 1 is delivered before the plan runs the usual way. Greedy only: a sampled row's uniforms come from its
-request's generator, whose state after N depends on N's count.
+ends: N + 1 is delivered before the plan runs the usual way.
+
+Sampled rows draw the uniforms a synchronous step would (acceptance.Uniforms: position j's is the generator's next
+draw but j), though N + 1's start after N's c + 1, which the host does not know yet: at N + 1's launch the host
+draws the 2K + 2 uniforms from where N's start (the generator set back there after), and the device picks the K + 1
+after N's count from them. When N is read back its generator moves past its c + 1 uniforms, which is where N + 1's
+start: its own settling and the next launch's draws begin there.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import torch
 from ..batch import Stream
 from ..numbers import int_tensor, to_device
 from ..protocol import prefill_call
-from .acceptance import draw_uniforms, unprocessed
+from .acceptance import unprocessed
 from .layout import VerifyLayout, acceptance_rows, pads_one_stream, verify_layout
 from .tail import host_rows
 
@@ -61,6 +67,8 @@ class Pending:
     before: torch.Tensor
     remaining: torch.Tensor
     commit: Callable[[dict], None]
+    gens: list  # each row's generator (None: greedy) and its state where the step's uniforms start (None: not
+    states: list  # known yet, for a step launched ahead of one not read back: set when that one is)
 
 
 class VerifyAhead:
@@ -73,8 +81,8 @@ class VerifyAhead:
     def eligible(self, reqs: list) -> bool:
         """Whether requests `reqs` may verify ahead (the module docstring's conditions per request)."""
         spec, least = self.spec, 2 * self.k + 2
-        return all(not r.ended and r.params.greedy and unprocessed(r) and spec.follows(r)
-                   and r.max_new - len(r.out) >= least for r in reqs)
+        return all(not r.ended and unprocessed(r) and spec.follows(r) and r.max_new - len(r.out) >= least
+                   for r in reqs)
 
     def starts(self, step: list, decodes: int, tokens: list[list[int]]) -> bool:
         """Whether speculative step `step` (read back: its tokens on the host) launches ahead: every stream a decode
@@ -99,8 +107,8 @@ class VerifyAhead:
         p, loop = self.pending, self.loop
         sched = loop.scheduler
         reqs = [c.request for c in step]
-        if (step and sched.decodes == len(step) and len(reqs) == len(p.reqs)
-                and all(a is b for a, b in zip(reqs, p.reqs)) and self.eligible(reqs)):
+        if (step and sched.decodes == len(step) and len(reqs) == len(p.reqs) and all(a is b for a, b in zip(reqs, p.reqs))
+                and self.eligible(reqs) and all(s is not None for g, s in zip(p.gens, p.states) if g is not None)):
             try:
                 launched = self.launch(step, p)
             except BaseException as e:  # its transaction reset the slots: the step before cannot commit either
@@ -137,28 +145,37 @@ class VerifyAhead:
         layout = verify_layout([K + 1] * B, B, list(range(B)), spec.base, K, cache.verify_entries)
         context = [cache.context_lens[r.slot] for r in reqs]  # (prev: the contexts before prev)
         left = [r.max_new - len(r.out) for r in reqs]
+        gens = [r.generator for r in reqs]  # (None: greedy)
         if prev is None:
             tokens = [[r.out[-1]] + r.drafts for r in reqs]
             before, remaining, fresh, extra = to_device(int_tensor(context), dev), to_device(int_tensor(left), dev), None, ()
+            states = [None if g is None else g.get_state() for g in gens]
+            uniforms = _draws(gens, states, K + 1)
         else:  # placeholders, overwritten on the device; blocks for prev's tokens, these and the head's draft steps
-            tokens = [[0] * (K + 1) for _ in reqs]
+            tokens, states, uniforms = [[0] * (K + 1) for _ in reqs], [None] * B, torch.zeros(B, K + 1)
             counts = prev.both[:, 0]
             before, remaining = prev.before + counts + 1, prev.remaining - counts - 1
             fresh = torch.cat([prev.both.gather(1, counts.unsqueeze(1) + 1), prev.both[:, K + 2:]], dim=1)
             extra = [(r.slot, min(3 * K + 1, n)) for r, n in zip(reqs, left)]
+            if any(g is not None for g in gens):  # sampled rows: the uniforms after prev's c + 1 (module docstring)
+                window = to_device(_draws(gens, prev.states, 2 * K + 2), dev)
+                fresh = (fresh, window.gather(1, (counts + 1).unsqueeze(1) + torch.arange(K + 1, device=dev)))
         streams = [Stream(r.slot, t) for r, t in zip(reqs, tokens)]
         with prefill_call(spec.model, cache, streams) as call:
             both, commit = call.launch_settled(
-                lambda packed: self._run(packed, reqs, layout, context, before, remaining, fresh), extra)
+                lambda packed: self._run(packed, reqs, layout, context, before, remaining, fresh, uniforms), extra)
         host, ready = self._to_host(both)
-        return Pending(step, reqs, layout, both, host, ready, before, remaining, commit)
+        return Pending(step, reqs, layout, both, host, ready, before, remaining, commit, gens, states)
 
     def _run(self, packed, reqs: list, layout: VerifyLayout, context: list[int], before: torch.Tensor,
-             remaining: torch.Tensor, fresh: torch.Tensor | None) -> torch.Tensor:
+             remaining: torch.Tensor, fresh, uniforms: torch.Tensor) -> torch.Tensor:
         """The step inside its prefill call: the verify step's layers, the captured acceptance, the head's drafting
-        behind it; `fresh` [B, K + 1] the tokens from the device (None: packed holds them). Returns the drafting's
-        [B, 2K + 2]."""
+        behind it; `fresh` [B, K + 1] the tokens from the device, or (tokens, the sampled rows' uniforms [B, K + 1])
+        (None: packed and `uniforms`, on the host, hold them). Returns the drafting's [B, 2K + 2]."""
         spec, K, B = self.spec, self.k, len(reqs)
+        drawn = None
+        if isinstance(fresh, tuple):
+            fresh, drawn = fresh
         if fresh is not None:
             positions = (before.unsqueeze(1) + torch.arange(K + 1, device=before.device)).reshape(-1)
             packed.tokens[:B * (K + 1)] = fresh.reshape(-1)
@@ -168,13 +185,14 @@ class VerifyAhead:
         h = spec.forward(packed, layout, out)
         bucket = out["bucket"]
         drafts = [r.drafts if fresh is None else [0] * K for r in reqs]
-        uniforms = draw_uniforms([None] * B, [K] * B, K).values
         ints, floats = host_rows(acceptance_rows(layout, K), drafts, [r.params for r in reqs], uniforms, K,
                                  spec.model.config.vocab_size)
         keep = [(r.slot, spec.base + j * K) for j, r in enumerate(reqs)]
 
-        def set_drafts(buffer):
+        def set_drafts(buffer, floats_buffer):
             buffer[:B, K + 1:2 * K + 1] = fresh[:, 1:]
+            if drawn is not None:
+                floats_buffer[:B, :K + 1] = drawn
 
         result = spec.graphs.accept(bucket, h, ints, floats, keep, [r.slot for r in reqs],
                                     None if fresh is None else set_drafts)
@@ -217,6 +235,14 @@ class VerifyAhead:
                 return
             reqs = [p.reqs[i] for i in live]
             counts = [rows[i][0] for i in live]
+            nxt = self.pending if self.pending is not p else None  # (the step launched ahead of p)
+            for i, c in zip(live, counts):  # each sampled row's generator past the c + 1 uniforms it used
+                g = p.gens[i]
+                if g is not None:
+                    g.set_state(p.states[i])
+                    torch.rand(c + 1, generator=g)
+                    if nxt is not None:  # where the next step's uniforms start
+                        nxt.states[i] = g.get_state()
             before = [cache.context_lens[r.slot] for r in reqs]
             p.commit({r.slot: c + 1 for r, c in zip(reqs, counts)})
             emitted = [rows[i][1:c + 2] for i, c in zip(live, counts)]
@@ -230,3 +256,15 @@ class VerifyAhead:
         except BaseException as e:  # KeyboardInterrupt included: only this step's requests see it
             for i in live:
                 loop._fail(p.reqs[i], e)
+
+
+def _draws(gens: list, states: list, n: int) -> torch.Tensor:
+    """fp32 [B, n]: each sampled row's first n uniforms from its generator at `states[b]` (zeros for greedy rows,
+    generator None), the generator left at that state (acceptance.Uniforms' draws, settled later)."""
+    values = torch.zeros(len(gens), n)
+    for b, (g, state) in enumerate(zip(gens, states)):
+        if g is not None:
+            g.set_state(state)
+            values[b] = torch.rand(n, generator=g)
+            g.set_state(state)
+    return values
