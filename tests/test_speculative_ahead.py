@@ -2,8 +2,9 @@
 counts are read back, its tokens, positions and contexts made on the device from N's. Through the tail's static
 buffers (test_speculative_tail.py's `tail_engine`: SpeculativeGraphs' functions uncompiled behind eager buckets):
 plain decoding's greedy tokens and the synchronous captured path's drafts and counts, with requests stopping inside
-a chain (stop tokens, max_new_tokens), arriving and aborted while a chain runs, and a launch that fails; every
-block back at the end. fp32, CPU; graphs on a GPU: test_gpu_speculative_graphs.py."""
+a chain (stop tokens, max_new_tokens), arriving and aborted while a chain runs, and a launch that fails; a drained
+step run the loop's way inside the KV reservation; every block back at the end. fp32, CPU; graphs on a GPU:
+test_gpu_speculative_graphs.py."""
 
 from __future__ import annotations
 
@@ -168,3 +169,33 @@ def test_prefix_caching_and_no_overlap_take_the_synchronous_step(models, ahead):
         with tail_engine(model, 3, MTP, **kw) as e:
             assert [r.token_ids for r in e.generate(prompts, max_new_tokens=12, stop_token_ids=[])] == greedy
             assert chained(e) == 0
+
+
+def test_a_drained_step_run_the_loops_way_stays_inside_the_kv_reservation(ahead, monkeypatch):
+    """A step launched ahead, then a plan with more decodes than max_streams (a prompt asking for prompt logprobs
+    ran its last chunk the loop's way beside it): the pending step is delivered and the plan runs the loop's own
+    overlapped steps. Its tokens count for max_new_tokens as the plan counted them, so no request is planned past
+    its last token (which fed a token past its KV reservation: with every block reserved, the other request's
+    last step had no block left and failed). Both give plain decoding's tokens; every block back."""
+    model = bigram_model(CONFIGS["dense"])
+    prompts = [[3, 5, 7], random_tokens(20, 6, CONFIGS["dense"].vocab_size)]
+    new = (12, 11)  # (request 0's last token and request 1's one step apart: the step after 0's last is 1's last)
+    reference = [plain(model, [p], max_new_tokens=n, stop_token_ids=[])[0] for p, n in zip(prompts, new)]
+    launches = []
+    real = VerifyAhead.launch
+    monkeypatch.setattr(VerifyAhead, "launch", lambda self, step, prev: launches.append(prev) or real(self, step, prev))
+    blocks = sum(len(p) + n - 1 for p, n in zip(prompts, new))  # (block_size 1: every request's reservation, no more)
+    with tail_engine(model, 2, {"method": "mtp", "num_tokens": 1, "max_streams": 1}, token_budget=16, block_size=1,
+                     num_blocks=blocks) as e:
+        submit, held = e._loop.submit, []
+
+        def together(requests, max_waiting=None):  # both handed to the loop at once: its steps never depend on
+            held.extend(requests)  # when the loop thread wakes (it caught the bug only now and then without this)
+            if len(held) == 2:
+                submit(held, max_waiting)
+
+        monkeypatch.setattr(e._loop, "submit", together)
+        handles = [e.submit(prompts[0], max_new_tokens=new[0], stop_token_ids=[]),
+                   e.submit(prompts[1], max_new_tokens=new[1], stop_token_ids=[], prompt_logprobs=1)]
+        assert [h.result().token_ids for h in handles] == reference
+        assert launches and no_block_held(e)
