@@ -160,6 +160,34 @@ def test_seeded_sampled_requests_chain_and_draw_plain_decodings_tokens(models, a
     assert out == mixed
 
 
+def test_seeded_sampled_requests_stopping_arriving_and_aborted_inside_a_chain(models, ahead):
+    """Sampled rows where a chain ends: requests meeting stop tokens inside it (the step launched ahead drew their
+    uniforms; they draw nothing after), and requests arriving and aborted while it runs (the pending step drained,
+    each generator settled where the next synchronous step draws): plain decoding's tokens for every other
+    request."""
+    model, prompts = models["dense"], prompts_of("dense")
+    kw = dict(max_new_tokens=30, temperature=0.9, top_k=30, min_p=0.02, seed=3)
+    long = plain(model, prompts[:3], stop_token_ids=[], **kw)
+    stop = [long[0][9], long[2][14]]
+    reference = plain(model, prompts[:3], stop_token_ids=stop, **kw)
+    assert any(len(r) < 30 for r in reference)
+    alone = [plain(model, [p], stop_token_ids=[], **{**kw, "seed": 20 + i})[0] for i, p in enumerate(prompts)]
+    with tail_engine(model, 5, MTP) as e:
+        assert [r.token_ids for r in e.generate(prompts[:3], stop_token_ids=stop, **kw)] == reference
+        n = chained(e)
+        assert n > 0
+        handles = [e.submit(p, stop_token_ids=[], **{**kw, "seed": 20 + i}) for i, p in enumerate(prompts[:2])]
+        for seen, _ in enumerate(handles[0]):
+            if seen == 6:
+                break
+        handles += [e.submit(p, stop_token_ids=[], **{**kw, "seed": 22 + i}) for i, p in enumerate(prompts[2:])]
+        next(iter(handles[3]))
+        handles[3].abort()
+        out = [None if i == 3 else h.result().token_ids for i, h in enumerate(handles)]
+        assert chained(e) > n and no_block_held(e)
+    assert [o for i, o in enumerate(out) if i != 3] == [r for i, r in enumerate(alone) if i != 3]
+
+
 def test_prefix_caching_and_no_overlap_take_the_synchronous_step(models, ahead):
     """Engines with prefix caching and engines without overlap (each step read back first) never launch ahead: the
     tokens are the synchronous path's."""
