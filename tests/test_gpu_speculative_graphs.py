@@ -122,9 +122,10 @@ def test_verify_ahead_gives_the_synchronous_tokens_and_drafts(family, monkeypatc
     (METRALE_MTP_AFTER); and the bigram checkpoint, every draft kept, chains k + 1 tokens a step."""
     model, prompts = cuda_model(family), prompts_of(family)[:3]
     reference, _ = run(model, prompts, False)
-    seen = []
-    method = MtpDrafter.take_after
-    monkeypatch.setattr(MtpDrafter, "take_after", lambda self, *a: seen.append(method(self, *a)) or seen[-1])
+    seen = []  # every drafting's {slot: drafts}: from the host's inputs (draft) or behind the acceptance (take_after)
+    for name in ("draft", "take_after"):
+        method = getattr(MtpDrafter, name)
+        monkeypatch.setattr(MtpDrafter, name, lambda self, *a, _m=method, **kw: seen.append(_m(self, *a, **kw)) or seen[-1])
     runs = {}
     for setting in ("METRALE_MTP_AFTER", "METRALE_VERIFY_AHEAD"):
         seen.clear()

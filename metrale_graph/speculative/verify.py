@@ -178,8 +178,9 @@ class SpeculativeStep:
         captured, sampled = all(map(unprocessed, rows)), not all(r.params.greedy for r in rows)
         streams, out = [Stream(r.slot, t) for r, t in zip(reqs, tokens)], {"before": before}
         follow = all(self.follows(r) and cache.mtp_context_lens[r.slot] == b for r, b in zip(reqs, before))
-        out["fuse"] = (follow and envs.METRALE_MTP_AFTER and captured and loop._broadcast is None  # "mtp" drafting
-                       and len(layout.spec) == len(reqs))  # behind the captured acceptance: every stream a followed decode
+        # "mtp" drafting behind the captured acceptance (every stream a followed decode; verify ahead implies it)
+        out["fuse"] = (follow and (envs.METRALE_MTP_AFTER or self.ahead is not None) and captured
+                       and loop._broadcast is None and len(layout.spec) == len(reqs))
 
         def settle(h):
             out["h"] = h
