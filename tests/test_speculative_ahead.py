@@ -122,12 +122,12 @@ def test_a_failed_launch_ahead_fails_its_requests_and_leaves_the_others_exact(mo
     reference = plain(model, prompts, **kw)
     real, calls = VerifyAhead.launch, []
 
-    def failing(self, step, prev):
+    def failing(self, step, prev, rows=None):
         if prev is not None:
             calls.append(1)
             if len(calls) == 2:
                 raise RuntimeError("injected launch failure")
-        return real(self, step, prev)
+        return real(self, step, prev, rows)
 
     monkeypatch.setattr(VerifyAhead, "launch", failing)
     with tail_engine(model, 3, MTP) as e:
@@ -227,3 +227,30 @@ def test_a_drained_step_run_the_loops_way_stays_inside_the_kv_reservation(ahead,
                    e.submit(prompts[1], max_new_tokens=new[1], stop_token_ids=[], prompt_logprobs=1)]
         assert [h.result().token_ids for h in handles] == reference
         assert launches and no_block_held(e)
+
+
+def test_a_chain_goes_on_with_the_requests_a_stop_leaves(models, ahead, monkeypatch):
+    """Three requests, the first stopping on a stop token part way: the step launched ahead of its stop holds it
+    (dropped), and the next one takes the others' rows of that step (gathered on the device) instead of ending the
+    chain; greedy and seeded sampled requests give plain decoding's tokens."""
+    model, prompts = models["dense"], prompts_of("dense")[:3]
+    real, subsets = VerifyAhead.launch, []
+
+    def launch(self, step, prev, rows=None):
+        if prev is not None and len(rows) < len(prev.reqs):
+            subsets.append((len(prev.reqs), len(rows)))
+        return real(self, step, prev, rows)
+
+    monkeypatch.setattr(VerifyAhead, "launch", launch)
+    for kw in (dict(), dict(temperature=0.8, top_k=20)):
+        def alone(i, **more):
+            return plain(model, [prompts[i]], max_new_tokens=30, seed=i, **kw, **more)[0]
+
+        stop = [[alone(0, stop_token_ids=[])[10]], [], []]
+        reference = [alone(i, stop_token_ids=stop[i]) for i in range(3)]
+        assert len(reference[0]) < 30
+        with tail_engine(model, 3, MTP) as e:
+            handles = [e.submit(p, max_new_tokens=30, stop_token_ids=stop[i], seed=i, **kw) for i, p in enumerate(prompts)]
+            assert [h.result().token_ids for h in handles] == reference
+            assert no_block_held(e)
+    assert subsets

@@ -8,12 +8,12 @@ speculative decoding, SGLang's overlapped speculative step (docs/speculative.md)
                                          # or N delivered and the plan given back, less the requests N ended
     ahead.drain()                        # aborts, jobs, the end: the step in flight delivered
 
-A chain holds while the loop plans the same requests in the same order, all decodes, each a request the MTP head
-follows whose rows no logits processor touches (the captured acceptance; greedy or sampled), each verifying
-num_tokens (K) drafts, with at least 2K + 2 tokens left to sample as far as the host knows (the step before's tokens
-not counted): step N + 1's positions lie at most K + 1 past N's and the head's draft steps behind it stop where its
-tokens left do, so both stay inside the request's KV reservation. Not with prefix caching (its blocks are labelled
-with ids the host must know), a plan broadcast, without a runner (the captured tail), or under
+A chain holds while the loop plans the step's requests (or those a stop has not ended), all decodes, each a request
+the MTP head follows whose rows no logits processor touches (the captured acceptance; greedy or sampled), each
+verifying num_tokens (K) drafts, with at least 2K + 2 tokens left to sample as far as the host knows (the step
+before's tokens not counted): step N + 1's positions lie at most K + 1 past N's and the head's draft steps behind it
+stop where its tokens left do, so both stay inside the request's KV reservation. Not with prefix caching (its blocks
+are labelled with ids the host must know), a plan broadcast, without a runner (the captured tail), or under
 Engine(overlap=False).
 
 Step N + 1's inputs from N's device result (the drafting's [B, 2K + 2]: count c, K + 1 tokens, K drafts) and N's
@@ -28,8 +28,9 @@ capped by the tokens left, before the step is packed.
 When N's counts arrive, after N + 1 is launched, N commits each live stream's c + 1 kept tokens and delivers them
 through the loop's stop checks (verify._deliver). A request that stopped at N was in N + 1 too: N + 1's tokens for
 it are dropped when N + 1 is read back, never emitted nor counted, and its slot, reset when it stopped, was reset
-behind N + 1 on the device's stream. The next plan then differs from N + 1's (the request left it) and the chain
-ends: N + 1 is delivered before the plan runs the usual way.
+behind N + 1 on the device's stream. The next plan holds N + 1's other requests: the chain goes on with them (step N
++ 2's inputs gathered from their rows of N + 1's results); a plan with a request N + 1 does not hold (a new one, or
+a prompt chunk) ends it: N + 1 is delivered before that plan runs the usual way.
 
 Sampled rows draw the uniforms a synchronous step would (acceptance.Uniforms: position j's is the generator's next
 draw but j), though N + 1's start after N's c + 1, which the host does not know yet: at N + 1's launch the host
@@ -69,6 +70,7 @@ class Pending:
     commit: Callable[[dict], None]
     gens: list  # each row's generator (None: greedy) and its state where the step's uniforms start (None: not
     states: list  # known yet, for a step launched ahead of one not read back: set when that one is)
+    rows: list[int] | None  # each row's row in the step before (None: that step was read back first)
 
 
 class VerifyAhead:
@@ -107,10 +109,12 @@ class VerifyAhead:
         p, loop = self.pending, self.loop
         sched = loop.scheduler
         reqs = [c.request for c in step]
-        if (step and sched.decodes == len(step) and len(reqs) == len(p.reqs) and all(a is b for a, b in zip(reqs, p.reqs))
-                and self.eligible(reqs) and all(s is not None for g, s in zip(p.gens, p.states) if g is not None)):
+        index = {id(r): i for i, r in enumerate(p.reqs)}  # (the plan's requests among p's: those p ended are not)
+        rows = [index.get(id(r)) for r in reqs]
+        if (step and sched.decodes == len(step) and None not in rows and len(set(rows)) == len(rows)
+                and self.eligible(reqs) and all(p.states[i] is not None for i in rows if p.gens[i] is not None)):
             try:
-                launched = self.launch(step, p)
+                launched = self.launch(step, p, rows)
             except BaseException as e:  # its transaction reset the slots: the step before cannot commit either
                 self.pending = None
                 for r in reqs:
@@ -136,9 +140,10 @@ class VerifyAhead:
         if p is not None:
             self._finish(p)
 
-    def launch(self, step: list, prev: Pending | None) -> Pending:
+    def launch(self, step: list, prev: Pending | None, rows: list[int] | None = None) -> Pending:
         """Launch verify step `step` (every chunk a decode of an eligible request): its inputs from the host's
-        tokens (prev None: the step before is read back) or from `prev`'s results on the device."""
+        tokens (prev None: the step before is read back) or from `prev`'s results on the device, stream i from
+        prev's row rows[i] (a request that ended in the step before prev has left the plan)."""
         spec, cache, K = self.spec, self.cache, self.k
         reqs = [c.request for c in step]
         B, dev = len(reqs), cache.device
@@ -153,19 +158,23 @@ class VerifyAhead:
             uniforms = _draws(gens, states, K + 1)
         else:  # placeholders, overwritten on the device; blocks for prev's tokens, these and the head's draft steps
             tokens, states, uniforms = [[0] * (K + 1) for _ in reqs], [None] * B, torch.zeros(B, K + 1)
-            counts = prev.both[:, 0]
-            before, remaining = prev.before + counts + 1, prev.remaining - counts - 1
-            fresh = torch.cat([prev.both.gather(1, counts.unsqueeze(1) + 1), prev.both[:, K + 2:]], dim=1)
+            both, before, remaining = prev.both, prev.before, prev.remaining
+            if rows != list(range(len(prev.reqs))):
+                index = to_device(int_tensor(rows), dev)
+                both, before, remaining = (t.index_select(0, index) for t in (both, before, remaining))
+            counts = both[:, 0]
+            before, remaining = before + counts + 1, remaining - counts - 1
+            fresh = torch.cat([both.gather(1, counts.unsqueeze(1) + 1), both[:, K + 2:]], dim=1)
             extra = [(r.slot, min(3 * K + 1, n)) for r, n in zip(reqs, left)]
             if any(g is not None for g in gens):  # sampled rows: the uniforms after prev's c + 1 (module docstring)
-                window = to_device(_draws(gens, prev.states, 2 * K + 2), dev)
+                window = to_device(_draws(gens, [prev.states[i] for i in rows], 2 * K + 2), dev)
                 fresh = (fresh, window.gather(1, (counts + 1).unsqueeze(1) + torch.arange(K + 1, device=dev)))
         streams = [Stream(r.slot, t) for r, t in zip(reqs, tokens)]
         with prefill_call(spec.model, cache, streams) as call:
             both, commit = call.launch_settled(
                 lambda packed: self._run(packed, reqs, layout, context, before, remaining, fresh, uniforms), extra)
         host, ready = self._to_host(both)
-        return Pending(step, reqs, layout, both, host, ready, before, remaining, commit, gens, states)
+        return Pending(step, reqs, layout, both, host, ready, before, remaining, commit, gens, states, rows)
 
     def _run(self, packed, reqs: list, layout: VerifyLayout, context: list[int], before: torch.Tensor,
              remaining: torch.Tensor, fresh, uniforms: torch.Tensor) -> torch.Tensor:
@@ -235,14 +244,15 @@ class VerifyAhead:
                 return
             reqs = [p.reqs[i] for i in live]
             counts = [rows[i][0] for i in live]
-            nxt = self.pending if self.pending is not p else None  # (the step launched ahead of p)
+            nxt = self.pending if self.pending is not p else None  # (the step launched ahead of p: its row of each of p's)
+            after = {} if nxt is None else {i: j for j, i in enumerate(nxt.rows)}
             for i, c in zip(live, counts):  # each sampled row's generator past the c + 1 uniforms it used
                 g = p.gens[i]
                 if g is not None:
                     g.set_state(p.states[i])
                     torch.rand(c + 1, generator=g)
-                    if nxt is not None:  # where the next step's uniforms start
-                        nxt.states[i] = g.get_state()
+                    if i in after:  # where the next step's uniforms start
+                        nxt.states[after[i]] = g.get_state()
             before = [cache.context_lens[r.slot] for r in reqs]
             p.commit({r.slot: c + 1 for r, c in zip(reqs, counts)})
             emitted = [rows[i][1:c + 2] for i, c in zip(live, counts)]
