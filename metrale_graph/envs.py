@@ -80,8 +80,9 @@ SETTINGS = _settings(
             "again (ops.fp8.linear.DECODE_GEMM)", ("splitk", "w8a16")),
     Setting("METRALE_DECODE_GEMV", "choice", "cublas",
             "the dense bf16 / fp16 projections at decode rows (1 to 16) on CUDA: cublas (x @ w.t(), torch.addmm), or "
-            "triton, our one-launch split-K GEMV (ops/gemv.py: deterministic, the residual in its epilogue); opt-in "
-            "until an H200 A/B says it pays (ops.gemv.BACKEND)", ("cublas", "triton")),
+            "triton, our one-launch split-K GEMV (ops/gemv.py: deterministic, the residual in its epilogue; "
+            "tests/test_gemv.py passed on an H100 at 32df38b); opt-in until an H200 A/B says it pays (ops.gemv.BACKEND)",
+            ("cublas", "triton")),
     Setting("METRALE_VERIFY_PIECES", "text", None,
             "the speculative verify step's CUDA graphs: layer counts of the leading pieces, comma-separated (e.g. "
             "`1,3,8`; the remaining layers are the last piece), launched one after another so that the GPU starts "
@@ -90,8 +91,8 @@ SETTINGS = _settings(
     Setting("METRALE_MTP_AFTER", "flag", False,
             "speculative \"mtp\" steps whose streams are all decodes the head follows run its drafting right behind "
             "the captured acceptance, one read back for both (speculative/drafting.py, MtpDrafter.launch_after); off: "
-            "the drafting after the acceptance's read back. Opt-in until its CUDA graphs have run on a GPU "
-            "(tests/test_gpu_speculative_graphs.py) and the spec bench says it pays"),
+            "the drafting after the acceptance's read back. Opt-in until the spec bench says it pays (its CUDA graphs "
+            "passed tests/test_gpu_speculative_graphs.py on an H100 at 32df38b)"),
     Setting("METRALE_VERIFY_AHEAD", "flag", False,
             "speculative \"mtp\" verify step N + 1 launched before step N's accept counts reach the host, its inputs "
             "made on the device from N's (decodes the head follows, no prefix caching: speculative/ahead.py); "
