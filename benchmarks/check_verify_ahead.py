@@ -23,8 +23,9 @@ from metrale_graph.config import PRESETS
 from metrale_graph.tools.provenance import provenance
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python benchmarks/check_verify_ahead.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen3.5-9b", choices=sorted(PRESETS))
     p.add_argument("--streams", default="1,8", help="stream counts, comma-separated")
     p.add_argument("--k", type=int, default=2, help="MTP drafts per step")
@@ -32,7 +33,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=512, help="prompt tokens per request")
     p.add_argument("--layers", type=int, default=None, help="keep only this many layers (a quick look)")
     p.add_argument("--json", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     streams = [int(s) for s in args.streams.split(",")]
     cfg = PRESETS[args.preset].replace(mtp_num_hidden_layers=1)
     if args.layers:
