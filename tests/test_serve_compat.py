@@ -349,7 +349,7 @@ def test_405_names_the_allowed_methods_and_a_body_that_is_not_utf8_is_400(server
     r = httpx.get(server.url + "/v1/completions")
     assert _error(r, 405)["code"] == "method_not_allowed" and r.headers["allow"] == "POST"
     r = httpx.delete(server.url + "/v1/models")
-    assert r.status_code == 405 and r.headers["allow"] == "GET"
+    assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD"
     error = _error(_post(server, "/v1/completions", b'{"prompt": "\xff\xfe", "max_tokens": 1}'))
     assert error["code"] == "invalid_json" and "UTF-8" in error["message"], error
 
@@ -523,6 +523,12 @@ def test_an_assistants_refusal_in_the_history_is_its_text(server, client):
 
 def test_head_health_and_the_model_list_with_a_trailing_slash(server):
     assert httpx.head(server.url + "/health", timeout=10).status_code == 200
+    # HEAD is GET without the body on every GET path (RFC 9110: a server supports both), not a 405
+    for path in ("/v1/models", f"/v1/models/{NAME}", "/metrics", "/tokenizer_info"):
+        head, get = httpx.head(server.url + path, timeout=10), httpx.get(server.url + path, timeout=10)
+        assert (head.status_code, head.content) == (200, b"") and get.status_code == 200, (path, head.status_code)
+        assert head.headers["content-type"] == get.headers["content-type"], path
+    assert httpx.head(server.url + "/v1/models/other", timeout=10).status_code == 404
     r = httpx.get(server.url + "/v1/models/", timeout=10)
     assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == [NAME], r.text
 

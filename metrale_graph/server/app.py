@@ -24,6 +24,7 @@ from typing import Any
 from fastapi import Body, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
@@ -204,4 +205,7 @@ def build_app(engine, model_name: str, api_key: str | None = None, ready: bool =
     async def _client_gone(request: Request, e: ClientGone):  # nobody reads it: the request was aborted
         return Response(status_code=499)
 
+    for route in app.routes:  # HEAD is GET without the body (RFC 9110; uvicorn sends none), as Starlette's routes take it
+        if isinstance(route, APIRoute) and "GET" in route.methods:
+            route.methods.add("HEAD")
     return app
