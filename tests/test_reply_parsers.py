@@ -203,6 +203,14 @@ def test_malformed_xml_inside_a_call_is_dropped_and_the_call_still_ends():
         Reply(None, None, [("get_time", '{"x": "1"}')])  # no </function>
 
 
+def test_a_value_holding_the_parameter_end_tag_stays_whole():
+    """A value with `</parameter>` in it (a custom tool's input editing an XML file): the value runs to the last
+    `</parameter>` before the next tag, whole and however streamed (it was cut at the first, the rest dropped)."""
+    text = ("<tool_call>\n<function=get_weather>\n<parameter=city>\na</parameter>\nb\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+    assert assert_same_when_streamed("qwen3_xml", text) == \
+        Reply(None, None, [("get_weather", '{"city": "a</parameter>\\nb", "days": 3}')])
+
 def test_a_reply_cut_inside_an_xml_call_closes_it_with_what_it_has():
     for tail, arguments in [("", "{}"), ("\n<parameter=city>\nLi", '{"city": "Li"}'),
                             ("\n<parameter=days>\n3\n</parameter>\n</func", '{"days": 3}'), ("\n<param", "{}")]:

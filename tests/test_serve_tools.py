@@ -985,6 +985,36 @@ def test_responses_custom_tool_calls_sent_back_and_stored(client):
     assert items[2].id == item.id and items[2].input == item.input and items[3].id.startswith("ctco_")
 
 
+def _custom_regex(name: str, pattern: str) -> dict:
+    return {"type": "custom", "custom": {"name": name, "format": {"type": "grammar", "grammar": {
+        "syntax": "regex", "definition": pattern}}}}
+
+
+def test_a_custom_input_holding_xml_tags_comes_back_whole(client):
+    """An input whose grammar lets it hold `</parameter>` (a patch of an XML file): the model's call, in Qwen's XML
+    format, writes it as it is, and the call's input comes back whole (it was cut at the first `</parameter>`, which
+    ends no parameter there, the rest dropped: an input its grammar does not take), whole and streamed. (A value ends at
+    its last `</parameter>` before the next tag: one with `</function>` after its `</parameter>` is still cut there.)"""
+    pytest.importorskip("xgrammar")
+    pattern = "a</parameter>\n(b|c)"
+    kw = dict(tools=[_custom_regex("xml", pattern)], tool_choice={"type": "custom", "custom": {"name": "xml"}},
+              max_tokens=120)
+    (call,) = ask(client, USER, **kw).choices[0].message.tool_calls
+    assert re.fullmatch(pattern, call.custom.input), call.custom.input
+    (_, *rest), finish = _custom_deltas(client, **kw)
+    assert finish == "stop" and "".join(d["custom"]["input"] for d in rest) == call.custom.input
+
+
+def test_an_empty_regular_expression_holds_the_input_to_no_text(client):
+    """A custom tool of the regular expression "" (it matches the empty text alone): its call's input is "" (it was a
+    400 of xgrammar's internals, "Regex format must have a pattern field with a non-empty string", naming no tool)."""
+    pytest.importorskip("xgrammar")
+    choice = ask(client, USER, tools=[_custom_regex("noop", "")], tool_choice={"type": "custom", "custom": {"name": "noop"}},
+                 max_tokens=120).choices[0]
+    (call,) = choice.message.tool_calls
+    assert (choice.finish_reason, call.custom.name, call.custom.input) == ("stop", "noop", ""), choice
+
+
 # Codex's apply_patch grammar as Codex sends it (codex-rs: tool_apply_patch.lark)
 CODEX_PATCH_GRAMMAR = r'''start: begin_patch hunk+ end_patch
 begin_patch: "*** Begin Patch" LF

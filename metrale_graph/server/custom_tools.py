@@ -28,9 +28,10 @@ from .errors import bad_request
 from .tool_parsers import FUNCTION_START, CALL_START, PARAMETER_END, PARAMETER_START, CallArguments, CallStart
 from .tool_protocol import INPUT, CustomTool
 
-# what xgrammar's structural tag calls each syntax's format
+# what xgrammar's structural tag calls each syntax's format (an empty regular expression, which matches the empty text
+# alone and which xgrammar's regex format refuses, as that empty text)
 SYNTAXES = {"lark": lambda text: {"type": "grammar", "grammar": text, "syntax": "lark"},
-            "regex": lambda text: {"type": "regex", "pattern": text}}
+            "regex": lambda text: {"type": "regex", "pattern": text} if text else {"type": "const_string", "value": ""}}
 
 
 def check_formats(tools: list) -> None:

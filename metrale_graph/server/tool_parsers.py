@@ -21,8 +21,9 @@ An XML call counts from its `<function=NAME>` on: it is streamed from there (the
 arguments a parameter at a time, '{"city": "Paris"', ', "days": 3', '}'), and what follows inside it that is
 not a parameter is dropped; a reply that ends inside a call (max_tokens) closes it with the parameters it
 has. A JSON call is held back whole until its `</tool_call>`. Whitespace around calls is dropped (the
-template's framing), and a parameter named twice keeps its first value. Events joined equal the whole
-text's, however the text was cut.
+template's framing), and a parameter named twice keeps its first value. A value ends at its last `</parameter>`
+before the next tag (or the reply's end): one that holds the text `</parameter>` stays whole.
+Events joined equal the whole text's, however the text was cut.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .tool_values import typed_value
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 FUNCTION_START, FUNCTION_END = "<function=", "</function>"
 PARAMETER_START, PARAMETER_END = "<parameter=", "</parameter>"
+NEXT_TAGS = (PARAMETER_START, FUNCTION_END, CALL_END)  # what may follow a parameter's `</parameter>`
 TEXT, HEADER, NAME, BODY, PARAMETER, AFTER_FUNCTION, JSON_BLOCK = ("text", "header", "name", "body", "parameter",
                                                                    "after", "json")
 
@@ -223,8 +225,8 @@ class Qwen3XmlToolParser(ToolCallParser):
         return skip >= 0
 
     def _parameter(self, final: bool, out: list) -> bool:
-        end = self._held.find(PARAMETER_END)
-        if end < 0 and not final:
+        end = self._value_end(final)
+        if end is None:
             return False
         value = self._held[:end] if end >= 0 else self._held
         self._held = self._held[end + len(PARAMETER_END):] if end >= 0 else ""
@@ -239,6 +241,20 @@ class Qwen3XmlToolParser(ToolCallParser):
             self._given.add(self._key)
         self._state = BODY
         return True
+
+    def _value_end(self, final: bool) -> int | None:
+        """Where the open parameter's value ends: at its last `</parameter>` before the next tag (or the reply's end),
+        so that a value holding the text `</parameter>` (a custom tool's input, an XML file) stays whole; -1: none (the
+        reply ended inside the value). None: wait for more text (the next tag whole: streamed or not, the same end)."""
+        end = self._held.find(PARAMETER_END)
+        while end >= 0:
+            rest = end + len(PARAMETER_END)
+            later = self._held.find(PARAMETER_END, rest)
+            tag = min((i for t in NEXT_TAGS if (i := self._held.find(t, rest)) >= 0), default=-1)
+            if later < 0 or 0 <= tag < later:
+                return end if tag >= 0 or final else None
+            end = later
+        return -1 if final else None
 
     def _after_function(self, final: bool, out: list) -> bool:
         text = self._held.lstrip()
