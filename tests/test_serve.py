@@ -370,6 +370,7 @@ def test_full_queue_is_503_with_retry_after(server, client):
                    json={"prompt": [1, 2], "max_tokens": 2, "n": SLOTS + 65})  # beyond 16 slots + 64 waiting: never fits
     assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "--max-waiting" in r.text, r.text
     body = {"prompt": [1, 2], "max_tokens": MAX_CONTEXT - 4, "n": 64, "stream": True, "ignore_eos": True}
+    aborts = _metrics(server)['metrale_request_finished_total{finished_reason="abort"}']
     with httpx.stream("POST", server.url + "/v1/completions", headers=headers, json=body, timeout=TIMEOUT) as s:
         assert s.status_code == 200
         _wait_metrics(server, lambda m: m["metrale_num_requests_running"] == SLOTS, "the slots full")
@@ -379,6 +380,9 @@ def test_full_queue_is_503_with_retry_after(server, client):
         assert r.json()["error"]["code"] == "engine_overloaded"
     _wait_metrics(server, lambda m: m["metrale_num_requests_running"] == 0 and m["metrale_num_requests_waiting"] == 0,
                   "the stream's requests aborted and the refused request's others too")
+    # each ended as an abort: the stream's 64 and the 16 of the refused request that the engine had taken
+    _wait_metrics(server, lambda m: m['metrale_request_finished_total{finished_reason="abort"}'] == aborts + 64 + 16,
+                  "80 more aborts")
     assert client.completions.create(model=NAME, prompt=[1, 2], max_tokens=1).usage.completion_tokens == 1
 
 

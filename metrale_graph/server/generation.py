@@ -81,8 +81,8 @@ class Generations:
                                                  structured=sampling.structured, **sampling.controls,
                                                  **keep))
         except Exception as e:
-            for h in handles:
-                h.abort()
+            for h, m in zip(handles, metrics):  # (taken by the engine: each ends as an abort in the metrics)
+                _abort(state, h, m)
             raise from_engine(e, param_of(e, param)) from e
         return cls(state, handles, metrics, prompts, n, sampling.request_stop_ids)
 
@@ -185,10 +185,15 @@ class Generations:
         metrics once the engine has ended it."""
         for handle, metrics in zip(self.handles, self.metrics):
             if not metrics.ended:
-                handle.abort()
-                task = asyncio.ensure_future(_record_end(handle, metrics))
-                self.state.background.add(task)
-                task.add_done_callback(self.state.background.discard)
+                _abort(self.state, handle, metrics)
+
+
+def _abort(state: ServerState, handle, metrics) -> None:
+    """Abort `handle`'s request; its end is recorded in `metrics` once the engine has ended it."""
+    handle.abort()
+    task = asyncio.ensure_future(_record_end(handle, metrics))
+    state.background.add(task)
+    task.add_done_callback(state.background.discard)
 
 
 async def _record_end(handle, metrics) -> None:
