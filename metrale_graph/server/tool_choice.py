@@ -39,6 +39,7 @@ parsed by its parser), since the forced JSON cannot hold a grammar.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -125,7 +126,7 @@ def tool_request(tools: list | None, tool_choice, tool_format: str | None,
     tools = tools or []
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
     names = [t.function.name for t in tools]
-    twice = sorted({n for n in names if names.count(n) > 1})
+    twice = sorted(n for n, count in Counter(names).items() if count > 1)  # (not names.count per name: n squared)
     if twice:
         raise bad_request(f"tools: the tool name {twice[0]!r} is given more than once: names must be unique",
                           param="tools")
@@ -135,7 +136,7 @@ def tool_request(tools: list | None, tool_choice, tool_format: str | None,
         choice.allowed_tools.tools if isinstance(choice, AllowedToolsChoice) else []
     for named in chosen:
         name = named.function.name
-        if name not in names:
+        if name not in kinds:
             offered = ", ".join(map(repr, names)) or "none"
             raise bad_request(f"tool_choice names the {named.type} {name!r}, which is not among the request's tools "
                               f"(offered: {offered})", param="tool_choice")
