@@ -369,6 +369,13 @@ def test_full_queue_is_503_with_retry_after(server, client):
     r = httpx.post(server.url + "/v1/completions", headers=headers, timeout=30,
                    json={"prompt": [1, 2], "max_tokens": 2, "n": SLOTS + 65})  # beyond 16 slots + 64 waiting: never fits
     assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "--max-waiting" in r.text, r.text
+    # prompts that could never all be queued are counted before any is read: none tokenized (a 4 MB body of them held
+    # the event loop, or the tokenizing worker, for seconds), so the first one's bad token id is never reached
+    for first in ([10**6], "\ud800"):
+        rest = [[1, 2] if isinstance(first, list) else "Hi"] * (SLOTS + 64)
+        r = httpx.post(server.url + "/v1/completions", headers={**headers, "Content-Type": "application/json"},
+                       content=json.dumps({"prompt": [first] + rest, "max_tokens": 2}), timeout=30)  # (ASCII: \ud800)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "--max-waiting" in r.text, r.text
     body = {"prompt": [1, 2], "max_tokens": MAX_CONTEXT - 4, "n": 64, "stream": True, "ignore_eos": True}
     aborts = _metrics(server)['metrale_request_finished_total{finished_reason="abort"}']
     with httpx.stream("POST", server.url + "/v1/completions", headers=headers, json=body, timeout=TIMEOUT) as s:

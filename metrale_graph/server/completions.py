@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 from .errors import stream_event
-from .generation import Generations
+from .generation import Generations, check_count
 from .logprobs import completion_logprobs, prompt_logprobs
 from .protocol import CompletionRequest
 from .responses import (DONE, CompletionChoice, CompletionResponse, StreamChunks, Usage, event, now, request_id,
@@ -55,6 +55,8 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw_req
     state.check(body)
     structured, field = structured_request(state, body)
     prompt = body.prompt
+    one = isinstance(prompt, str) or isinstance(prompt[0], int)
+    check_count(state, 1 if one else len(prompt), body.candidates)  # (before tokenizing prompts that cannot all run)
     text = isinstance(prompt, str) or any(isinstance(p, str) for p in prompt)
     prompts = await state.off_loop(prompts_of, state, body) if text else prompts_of(state, body)
     state.check_room(prompts, body)

@@ -44,6 +44,17 @@ def param_of(e: BaseException, default: str) -> str:
     return default
 
 
+def check_count(state: ServerState, prompts: int, n: int, param: str = "prompt") -> None:
+    """400 for a request of more generations (`prompts` x n) than the engine's slots and waiting queue hold together
+    (num_slots + max_waiting): even an idle engine could never take them all, so a 503 would be retried forever."""
+    total, waiting = prompts * n, getattr(state.engine, "max_waiting", None)
+    queue = None if waiting is None else waiting + state.engine.num_slots
+    if queue is not None and total > queue:
+        what = f"{prompts} prompts x n={n}" if prompts > 1 else f"n={n}"
+        raise bad_request(f"this request asks for {total} generations ({what}) but the server queues at most "
+                          f"{queue} at once (--num-slots + --max-waiting): send fewer", param="n" if n > 1 else param)
+
+
 class Generations:
     def __init__(self, state: ServerState, handles: list, metrics: list, prompts: list[list[int]], n: int,
                  stop_ids: frozenset = frozenset()):
@@ -63,12 +74,7 @@ class Generations:
         engine = state.engine
         # (only when set: an engine of another kind need not take it)
         keep = {"keep_special_ids": sampling.keep_special_ids} if sampling.keep_special_ids else {}
-        total, waiting = len(prompts) * n, getattr(engine, "max_waiting", None)
-        queue = None if waiting is None else waiting + engine.num_slots
-        if queue is not None and total > queue:  # it could never be queued whole: a 503 would be retried forever
-            what = f"{len(prompts)} prompts x n={n}" if len(prompts) > 1 else f"n={n}"
-            raise bad_request(f"this request asks for {total} generations ({what}) but the server queues at most "
-                              f"{queue} at once (--num-slots + --max-waiting): send fewer", param="n" if n > 1 else param)
+        check_count(state, len(prompts), n, param)
         try:
             for ids in prompts:
                 for k in range(n):
