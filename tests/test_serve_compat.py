@@ -13,9 +13,9 @@ token boundaries (several at once, whole and streamed), streamed text equal to t
 outputs, and SIGINT with streams in flight (the port freed at once, the process gone within the shutdown
 timeout), an engine without a waiting queue (max_waiting=0) serving while a slot is free; text UTF-8 cannot
 encode (lone surrogates) answered 400, a seed at the top of its range with n > 1, messages without their
-content, an assistant's refusal parts in the history, HEAD /health, prompts of megabytes tokenized off the
-event loop; a body over --max-request-bytes answered 413 as it is read (a chunked one that never ends too),
-and texts that cannot fit in the context (a prompt, chat messages, a stop string) refused before they are
+content, an assistant's refusal parts in the history, HEAD /health, megabytes of prompts that could never be
+queued refused before any is tokenized; a body over --max-request-bytes answered 413 as it is read (a chunked one
+that never ends too), and texts that cannot fit in the context (a prompt, chat messages, a stop string) refused before they are
 tokenized; CORS at its defaults (vLLM's: any origin, method and header), a browser's preflight and the headers
 of a cross-origin request, whole and streamed; vLLM's /tokenize (a prompt, messages through the template),
 /detokenize and /tokenizer_info against the tokenizer in this process, and their 400s; a `<think>` in a message's
@@ -533,10 +533,11 @@ def test_head_health_and_the_model_list_with_a_trailing_slash(server):
     assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == [NAME], r.text
 
 
-def test_prompts_of_megabytes_are_tokenized_off_the_event_loop(server):
-    """While the server tokenizes 3 MB of prompts (seconds on the CPU; each fits in the context), it still
-    answers: /health comes back before that request does (whose answer is a 400: more prompts than the slots
-    and the queue hold, known once they are tokenized)."""
+def test_prompts_of_megabytes_that_could_never_be_queued_are_refused_unread(server):
+    """3 MB of prompts, more than the slots and the queue hold (each fits in the context): the 400 naming
+    --max-waiting comes from their count, before any is tokenized (78029c8: tokenizing them first held the
+    tokenizing worker for seconds), and /health answers meanwhile. (A prompt longer than the context is refused
+    before it is tokenized too: ServerState.check_fits.)"""
     done = threading.Event()
     result = {}
     prompt = "Hello world! " * 70  # 490 tokens
@@ -550,9 +551,8 @@ def test_prompts_of_megabytes_are_tokenized_off_the_event_loop(server):
     thread.start()
     time.sleep(0.3)  # (the request is in: its body is read before it is tokenized)
     health = httpx.get(server.url + "/health", timeout=TIMEOUT)
-    answered_first = not done.is_set()
     thread.join(TIMEOUT)
-    assert health.status_code == 200 and answered_first
+    assert health.status_code == 200 and done.is_set()
     assert _error(result["r"])["param"] == "prompt" and "--max-waiting" in result["r"].text
 
 
