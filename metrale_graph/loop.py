@@ -173,11 +173,11 @@ class EngineLoop(LoopIntake, LoopReadBack):
                     self._publish_queue()
                     break
             self._send(IDLE)  # nothing to run: keep the followers' broadcast alive
-        if (aborts or jobs or closing is not None) and self._inflight is not None:
-            self._read_back()  # aborts, jobs and the end see every launched step read back
-        ahead = self.spec.ahead if self.spec is not None else None  # (a verify step launched ahead: ahead.py)
-        if (aborts or jobs or closing is not None) and ahead is not None:
-            ahead.drain()
+        if aborts or jobs or closing is not None:  # aborts, jobs and the end see every launched step read back
+            if self._inflight is not None:
+                self._read_back()
+            if self.spec is not None and self.spec.ahead is not None:  # (a verify step launched ahead: ahead.py)
+                self.spec.ahead.drain()
         aborted = []
         for r in aborts:
             if not r.ended:

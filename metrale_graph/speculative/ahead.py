@@ -151,6 +151,7 @@ class VerifyAhead:
         context = [cache.context_lens[r.slot] for r in reqs]  # (prev: the contexts before prev)
         left = [r.max_new - len(r.out) for r in reqs]
         gens = [r.generator for r in reqs]  # (None: greedy)
+        drawn = None  # (a step launched ahead of prev with sampled rows: their uniforms, picked on the device)
         if prev is None:
             tokens = [[r.out[-1]] + r.drafts for r in reqs]
             before, remaining, fresh, extra = to_device(int_tensor(context), dev), to_device(int_tensor(left), dev), None, ()
@@ -168,23 +169,23 @@ class VerifyAhead:
             extra = [(r.slot, min(3 * K + 1, n)) for r, n in zip(reqs, left)]
             if any(g is not None for g in gens):  # sampled rows: the uniforms after prev's c + 1 (module docstring)
                 window = to_device(_draws(gens, [prev.states[i] for i in rows], 2 * K + 2), dev)
-                fresh = (fresh, window.gather(1, (counts + 1).unsqueeze(1) + torch.arange(K + 1, device=dev)))
+                drawn = window.gather(1, (counts + 1).unsqueeze(1) + torch.arange(K + 1, device=dev))
         streams = [Stream(r.slot, t) for r, t in zip(reqs, tokens)]
         with prefill_call(spec.model, cache, streams) as call:
             both, commit = call.launch_settled(
-                lambda packed: self._run(packed, reqs, layout, context, before, remaining, fresh, uniforms), extra)
+                lambda packed: self._run(packed, reqs, layout, context, before, remaining, fresh, drawn, uniforms),
+                extra)
         host, ready = self._to_host(both)
         return Pending(step, reqs, layout, both, host, ready, before, remaining, commit, gens, states, rows)
 
     def _run(self, packed, reqs: list, layout: VerifyLayout, context: list[int], before: torch.Tensor,
-             remaining: torch.Tensor, fresh, uniforms: torch.Tensor) -> torch.Tensor:
+             remaining: torch.Tensor, fresh: torch.Tensor | None, drawn: torch.Tensor | None,
+             uniforms: torch.Tensor) -> torch.Tensor:
         """The step inside its prefill call: the verify step's layers, the captured acceptance, the head's drafting
-        behind it; `fresh` [B, K + 1] the tokens from the device, or (tokens, the sampled rows' uniforms [B, K + 1])
-        (None: packed and `uniforms`, on the host, hold them). Returns the drafting's [B, 2K + 2]."""
+        behind it; `fresh` [B, K + 1] the tokens from the device (None: packed holds them), `drawn` [B, K + 1] the
+        sampled rows' uniforms from the device (None: `uniforms`, on the host, holds them). Returns the drafting's
+        [B, 2K + 2]."""
         spec, K, B = self.spec, self.k, len(reqs)
-        drawn = None
-        if isinstance(fresh, tuple):
-            fresh, drawn = fresh
         if fresh is not None:
             positions = (before.unsqueeze(1) + torch.arange(K + 1, device=before.device)).reshape(-1)
             packed.tokens[:B * (K + 1)] = fresh.reshape(-1)

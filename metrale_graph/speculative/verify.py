@@ -10,7 +10,7 @@ A step with more decodes than max_streams speculates not at all (the loop's own 
 stops following its requests). Each step of at most max_streams decodes holding a speculating decode (with drafts)
 or, for "mtp", any chunk of a request the head follows, runs here, synchronously (loop.py: the step before read
 back first; for "ngram" only while some decode's lookup over its tokens on the host finds a match,
-`worth_reading_back`; with METRALE_VERIFY_AHEAD, greedy "mtp" decodes launch ahead of the read back: ahead.py);
+`worth_reading_back`; with METRALE_VERIFY_AHEAD, "mtp" decodes of captured rows launch ahead of it: ahead.py);
 its layers through the runner's hidden-states step of the bucket it fits (GraphRunner.hidden_bucket), else eagerly:
 
 1. Streams: a speculating decode feeds (x_n, d_1 .. d_k), k = min(num_tokens, tokens it may still emit - 1)
