@@ -110,7 +110,9 @@ def main(argv=None) -> None:
                 r = measure(name, N, K, M)
                 r["preset"] = preset
                 rows.append(r)
-                print(f"  {preset} {name} M {M}", flush=True)
+                b, d = r["best"] or {}, r["ours"][0] if r["ours"] else {}
+                print(f"  {preset} {name} M {M}: cuBLAS {r['cublas_us']} us, ours default {d.get('us')} us, best "
+                      f"{b.get('us')} us", flush=True)  # each row as it comes: a call's time limit keeps those done
     heads = ["preset", "projection", "N x K", "M", "MB", "cuBLAS us", "TB/s", "default us", "best us", "TB/s",
              "BN/BK/parts/stages", "vs cuBLAS"]
     table = []
