@@ -151,6 +151,21 @@ def test_include_reasoning_false_leaves_the_reasoning_out(client):
     assert (message.reasoning_content, message.content) == (None, ANSWER)
 
 
+def test_chat_usage_counts_the_reasoning_tokens(client):
+    """usage.completion_tokens_details.reasoning_tokens (OpenAI's, and vLLM's with a reasoning parser; gateways such as
+    LiteLLM read it): every choice's tokens inside its reasoning block, whole and in a stream's usage chunk, shown or
+    not (include_reasoning false); none without thinking. REASONING is one token of this tokenizer."""
+    def reasoning_tokens(usage):
+        return usage.completion_tokens_details.reasoning_tokens
+
+    assert reasoning_tokens(ask(client, USER, n=2).usage) == 2
+    (last,) = [c for c in ask(client, USER, n=2, stream=True, stream_options={"include_usage": True}) if c.usage]
+    assert last.choices == [] and reasoning_tokens(last.usage) == 2
+    assert reasoning_tokens(ask(client, USER, extra_body={"include_reasoning": False}).usage) == 1
+    assert reasoning_tokens(ask(client, USER, max_tokens=1).usage) == 1  # (cut inside the reasoning)
+    assert reasoning_tokens(ask(client, USER, extra_body={"chat_template_kwargs": {"enable_thinking": False}}).usage) == 0
+
+
 def test_parallel_tool_calls_false_is_served(client):
     """parallel_tool_calls false with tool_choice auto (LangChain's and the Agents SDK's way to ask for one call at a
     time; once a 400): served, the reply's first call given (the others dropped, as vLLM does: test_reply_parsers)."""

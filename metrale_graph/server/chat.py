@@ -37,11 +37,12 @@ from .errors import stream_event
 from .generation import Generations
 from .logprobs import chat_logprobs, prompt_logprobs
 from .protocol import ChatCompletionRequest
+from .reasoning import THINK_START
 from .reply import ReasoningDelta, Reply, ReplyParser
 from .custom_tools import CustomInputs, custom_input
 from .responses import (DONE, AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatResponse, CustomCall,
                         CustomToolCall, DeltaCustomCall, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall,
-                        StreamChunks, ToolCall, event, now, request_id, with_usage)
+                        StreamChunks, ToolCall, Usage, event, now, request_id, with_usage)
 from .state import ServerState
 from .structured import compile_grammar, structured_request
 from .tool_choice import ForcedCallParser, ToolRequest, tool_request
@@ -75,6 +76,37 @@ class ChatRun:
         """A new ReplyParser of one reply."""
         forced = ForcedCallParser(self.tools.choice) if self.tools.forced is not None else None
         return self.state.replies.parser(self.tools.functions, self.in_reasoning, forced, self.one_call)
+
+    def usage(self, replies: list[tuple[list[int], str]]) -> Usage:
+        """The group's usage; on a server with a reasoning parser, with `completion_tokens_details.reasoning_tokens`
+        of `replies` (each choice's token ids and reasoning text), as OpenAI and vLLM count them."""
+        usage = self.group.usage()
+        if not self.state.replies.reasoning:
+            return usage
+        return usage.with_reasoning(sum(reasoning_tokens(self.state, self.in_reasoning, ids, text)
+                                        for ids, text in replies))
+
+
+def reasoning_tokens(state: ServerState, in_reasoning: bool, token_ids, reasoning: str) -> int:
+    """The reply's tokens inside its reasoning block: from its start (the prompt's open `<think>`, else the reply's
+    `<think>` token) up to its `</think>` token (the reply's end when cut inside). A tokenizer without a `</think>`
+    token: the reasoning's text encoded."""
+    if not reasoning:
+        return 0
+    if state.think_end is None:
+        return len(state.tokenizer.encode(reasoning, add_special_tokens=False))
+    ids = list(token_ids)
+    end = ids.index(state.think_end) if state.think_end in ids else len(ids)
+    start = 0
+    if not in_reasoning:
+        opening = state.tokenizer.convert_tokens_to_ids(THINK_START)
+        start = ids.index(opening) + 1 if opening in ids[:end] else 0
+    return end - start
+
+
+def reasoning_of(events: list) -> str:
+    """The reasoning text of a reply's events (shown or not: include_reasoning false still spends its tokens)."""
+    return "".join(e.text for e in events if isinstance(e, ReasoningDelta))
 
 
 async def start_chat(state: ServerState, body, messages: list[dict], tools: ToolRequest,
@@ -112,16 +144,18 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     rid = request_id("chatcmpl")
 
     if body.stream:
-        return _events(state, body, group, rid, None if plain else parser, run.tools.custom)
+        return _events(state, body, run, rid)
     results = await group.whole(raw_request)
     ids = body.return_token_ids
-    choices = []
+    choices, replies = [], []
     for i, r in enumerate(results):
         if plain:
             message, calls = AssistantMessage(content=r.text or ""), 0
         else:
             reader = parser()
-            reply = Reply.of(_shown(body, reader.feed(r.text or "") + reader.finish()))
+            events = reader.feed(r.text or "") + reader.finish()
+            replies.append((r.token_ids, reasoning_of(events)))
+            reply = Reply.of(_shown(body, events))
             message = AssistantMessage(content=reply.content, reasoning_content=reply.reasoning, reasoning=reply.reasoning,
                                        tool_calls=[_tool_call(run.tools, n, a) for n, a in reply.calls] or None)
             calls = len(reply.calls)
@@ -132,7 +166,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                                   stop_reason=group.stop_reason(i, r.finish_reason, r.token_ids),
                                   logprobs=_logprobs(state, body, r.token_ids, r.logprobs),
                                   token_ids=list(r.token_ids) if ids else None))
-    return ChatResponse(id=rid, model=state.model_name, choices=choices, usage=group.usage(),
+    return ChatResponse(id=rid, model=state.model_name, choices=choices, usage=run.usage(replies),
                         prompt_logprobs=_prompt_logprobs(state, body, prompt, results[0].prompt_logprobs),
                         prompt_token_ids=prompt if ids else None)
 
@@ -183,11 +217,10 @@ def _delta(event, call_ids: list[str], customs: CustomInputs) -> DeltaMessage | 
     return DeltaMessage(tool_calls=[DeltaToolCall(index=event.index, function=DeltaFunctionCall(arguments=event.text))])
 
 
-async def _events(state: ServerState, body: ChatCompletionRequest, group: Generations, rid: str,
-                  parser, custom: frozenset[str] = frozenset()) -> AsyncIterator[str]:
-    """The stream's events; `parser` makes each choice's ReplyParser (None: replies are plain text); `custom`: the
-    request's custom tools."""
+async def _events(state: ServerState, body: ChatCompletionRequest, run: ChatRun, rid: str) -> AsyncIterator[str]:
+    """The stream's events: each choice's reply read by the run's parser (none when the run is plain: text as it is)."""
     created, model, ids = now(), state.model_name, body.return_token_ids
+    group, parser = run.group, None if run.plain else run.parser
 
     continuous = body.stream_options is not None and body.stream_options.continuous
 
@@ -201,7 +234,8 @@ async def _events(state: ServerState, body: ChatCompletionRequest, group: Genera
     chunks = StreamChunks("chat.completion.chunk", rid, created, model)
     readers = [parser() for _ in range(len(group))] if parser is not None else None
     call_ids: list[list[str]] = [[] for _ in range(len(group))]
-    customs = [CustomInputs(custom) for _ in range(len(group))]
+    customs = [CustomInputs(run.tools.custom) for _ in range(len(group))]
+    replies: list[tuple[list[int], list[str]]] = [([], []) for _ in range(len(group))]  # its tokens, its reasoning
     pending: dict[int, tuple[list, list]] = {}  # per choice, the tokens (and logprobs) of outputs not sent yet
     try:
         yield sent(chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
@@ -229,6 +263,8 @@ async def _events(state: ServerState, body: ChatCompletionRequest, group: Genera
             events = reader.feed(out.text) if out.text else []
             if out.finish_reason:
                 events += reader.finish()
+            replies[choice][0].extend(out.token_ids)
+            replies[choice][1].append(reasoning_of(events))
             events = _shown(body, events)
             finish = finish_reason(out.finish_reason, reader.calls, body.tool_choice)
             deltas = [d for e in events if (d := _delta(e, call_ids[choice], customs[choice])) is not None]
@@ -245,7 +281,7 @@ async def _events(state: ServerState, body: ChatCompletionRequest, group: Genera
                                                   stop_reason=stop_reason if k == len(deltas) - 1 else None,
                                                   token_ids=(token_ids if ids else None) if k == 0 else None)]))
         if body.stream_options is not None and body.stream_options.include_usage:
-            yield chunk([], group.usage())
+            yield chunk([], run.usage([(tokens, "".join(texts)) for tokens, texts in replies]))
     except Exception as e:  # the request failed after the stream began (a step's error, shutdown)
         yield stream_event(e)
     finally:

@@ -36,11 +36,21 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # the new tokens inside the replies' reasoning blocks (chat.reasoning_tokens)
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    # a chat's on a server with a reasoning parser (OpenAI's field; vLLM's too, there): left out elsewhere
+    completion_tokens_details: CompletionTokensDetails | None = Field(None, exclude_if=_none)
+
+    def with_reasoning(self, reasoning_tokens: int) -> "Usage":
+        return self.model_copy(update={"completion_tokens_details": CompletionTokensDetails(
+            reasoning_tokens=reasoning_tokens)})
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> "Usage":

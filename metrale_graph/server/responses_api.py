@@ -26,10 +26,9 @@ from typing import AsyncIterator
 
 from pydantic import BaseModel, ValidationError
 
-from .chat import ChatRun, call_id, start_chat
+from .chat import ChatRun, call_id, reasoning_tokens, start_chat
 from .errors import APIError, bad_request, from_failure
 from .logprobs import chat_logprobs
-from .reasoning import THINK_START
 from .responses import now
 from .responses_api_output import (EventWriter, IncompleteDetails, InputTokensDetails, OutputItems,
                                    OutputTokensDetails, ResponseError, ResponseObject, ResponseUsage, item_id)
@@ -121,23 +120,6 @@ def _usage(state: ServerState, run: ChatRun, token_ids, output) -> ResponseUsage
                          input_tokens_details=InputTokensDetails(cached_tokens=usage.prompt_tokens_details.cached_tokens),
                          output_tokens_details=OutputTokensDetails(
                              reasoning_tokens=reasoning_tokens(state, run.in_reasoning, token_ids, reasoning)))
-
-
-def reasoning_tokens(state: ServerState, in_reasoning: bool, token_ids, reasoning: str) -> int:
-    """The reply's tokens inside its reasoning block: from its start (the prompt's open `<think>`, else the reply's
-    `<think>` token) up to its `</think>` token (the reply's end when cut inside). A tokenizer without a `</think>`
-    token: the reasoning's text encoded."""
-    if not reasoning:
-        return 0
-    if state.think_end is None:
-        return len(state.tokenizer.encode(reasoning, add_special_tokens=False))
-    ids = list(token_ids)
-    end = ids.index(state.think_end) if state.think_end in ids else len(ids)
-    start = 0
-    if not in_reasoning:
-        opening = state.tokenizer.convert_tokens_to_ids(THINK_START)
-        start = ids.index(opening) + 1 if opening in ids[:end] else 0
-    return end - start
 
 
 async def _events(state: ServerState, body: ResponsesRequest, run: ChatRun, rid: str, created: int,
