@@ -312,6 +312,27 @@ def time_whole_op(shapes, graphs: bool) -> dict:
     return {"shapes": record}
 
 
+def kernel_split(shapes, calls: int = 20) -> dict:
+    """Per shape, the default config's device us per call by kernel (torch.profiler over `calls` eager calls
+    after a warm one): how the layer's time divides between the intra-chunk and the state pass."""
+    from torch.profiler import ProfilerActivity, profile
+
+    record = {}
+    for B, L in shapes:
+        args = inputs([L] * B, num_chunks(B, B * L), torch.bfloat16, DEVICE, seed=5)
+        chunked_gdn_forward(*args)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                chunked_gdn_forward(*args)
+            torch.cuda.synchronize()
+        split = {e.key: round(e.self_device_time_total / calls, 1) for e in prof.key_averages()
+                 if e.self_device_time_total > 0}
+        record[f"{B}x{L}"] = split
+        print(f"  kernels {B}x{L} (us a call): {split}", flush=True)
+    return {"shapes": record}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python benchmarks/kernels/check_gdn_chunked.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -353,13 +374,14 @@ def main(argv=None) -> None:
 
     report.case("timing", timing)
     report.case("whole_op_timing", lambda: time_whole_op(shapes, graphs=not args.no_graphs))
+    report.case("kernel_split", lambda: kernel_split(shapes))
     report.case("reference_fp32", lambda: check_reference(torch.float32))
 
     print(f"\nchecks ({report.record['device']}):")
     check_rows = [[n, "ok" if c.get("pass", c["ok"]) else "FAIL",
                    json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in c.items()
                                if k not in ("ok", "pass", "shapes")})[:150]]
-                  for n, c in report.record["cases"].items() if not n.endswith("timing")]
+                  for n, c in report.record["cases"].items() if not n.endswith(("timing", "split"))]
     print_table(["case", "result", "values"], check_rows)
     if rows:
         print("\nper-layer ms, 9B GDN heads, bf16 (eager: do_bench median, L2 flushed; graph: CUDA graph replay):")
