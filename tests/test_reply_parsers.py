@@ -334,19 +334,34 @@ def test_forced_calls_are_held_to_their_schema_in_any_template(choice, tool_form
     assert [t["function"]["name"] for t in request.template_tools] == ["get_weather", "get_time"]
 
 
-def test_the_forced_call_parser_reads_the_calls_at_the_end():
+def test_the_forced_call_parser_gives_the_calls_as_they_come():
+    """A named function's call starts with the reply and its arguments are the reply's pieces; under "required" a
+    call starts once its name is whole and its parameters' text comes in pieces (strings holding brackets, quotes
+    and commas do not end them). A reply cut by max_tokens keeps what it began; cut before a call, it is content."""
     named = NamedToolChoice.model_validate({"type": "function", "function": {"name": "get_weather"}})
     parser = ForcedCallParser(named)
-    assert parser.feed('{"city": ') == [] and parser.feed('"Paris"}') == []
-    assert parser.finish() == [CallStart(0, "get_weather"), CallArguments(0, '{"city": "Paris"}')]
-    assert parser.calls == 1
-    parser = ForcedCallParser("required")
-    parser.feed('[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"days": 2}}]')
-    assert parser.finish() == [CallStart(0, "get_time"), CallArguments(0, "{}"), CallStart(1, "get_weather"),
-                               CallArguments(1, '{"days": 2}')]
-    parser = ForcedCallParser("required")
-    parser.feed('[{"name": "get_ti')  # cut by max_tokens: content, no call
-    assert parser.finish() == [ContentDelta('[{"name": "get_ti')] and parser.calls == 0
+    assert parser.feed('{"city": ') == [CallStart(0, "get_weather"), CallArguments(0, '{"city": ')]
+    assert parser.feed('"Paris"}') == [CallArguments(0, '"Paris"}')] and parser.finish() == [] and parser.calls == 1
+    text = ('[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"days": 2, '
+            '"city": "a\\"}], {\\\\"}}]')
+    whole = [CallStart(0, "get_time"), CallArguments(0, "{}"), CallStart(1, "get_weather"),
+             CallArguments(1, '{"days": 2, "city": "a\\"}], {\\\\"}')]
+    assert _forced("required", [text]) == whole
+    assert [(n, json.loads(a)) for n, a in forced_calls(text, "required")] == [
+        (n, json.loads(a)) for n, a in Reply.of(whole).calls]
+    one_by_one = _forced("required", list(text))
+    assert Reply.of(one_by_one) == Reply.of(whole) and one_by_one[:2] == [CallStart(0, "get_time"),
+                                                                           CallArguments(0, "{")]
+    for cut in range(len(text) + 1):  # every reply cut by max_tokens: the same, whole or a character at a time
+        assert Reply.of(_forced("required", [text[:cut]])) == Reply.of(_forced("required", list(text[:cut]))), cut
+    assert _forced("required", ['[{"name": "get_ti']) == [ContentDelta('[{"name": "get_ti')]
+    assert Reply.of(_forced("required", [text[:93]])).calls == [("get_time", "{}"), ("get_weather", '{"days": 2, "c')]
+    assert _forced(named, []) == []
+
+
+def _forced(choice, pieces: list[str]) -> list:
+    parser = ForcedCallParser(choice)
+    return [e for piece in pieces for e in parser.feed(piece)] + parser.finish()
 
 
 def test_the_forced_call_schema_and_its_replies():

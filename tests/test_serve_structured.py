@@ -6,7 +6,8 @@ model's own next token is masked away; it then takes the allowed token of lowest
 reasoning, which stays free.
 
 Covered: response_format json_schema (and instructor's JSON_SCHEMA mode) giving a validated pydantic object,
-instructor's TOOLS mode (a named tool_choice), tool_choice "required" and named, whole and streamed, vLLM's
+instructor's TOOLS mode (a named tool_choice, and its create_partial), tool_choice "required" and named, whole and
+streamed (the arguments as they come, a reply cut inside them), vLLM's
 guided_* and structured_outputs on both endpoints, sampled outputs that validate, and the 400s naming their
 field (a schema that is not JSON Schema, one structured output asked twice, a keyword xgrammar would drop, ...).
 The Responses API's text.format (client.responses.parse with a pydantic text_format, whole and streamed;
@@ -133,6 +134,27 @@ def test_a_named_tool_choice_calls_that_function(client):
     (call,) = _calls(choice.message.tool_calls)
     assert call[0] == "get_time" and call[1]["zone"] in ("UTC", "CET")
     assert _streamed_calls(client, tools=[WEATHER, TIME], tool_choice=named) == ([call], "stop")
+
+
+def test_a_forced_call_streams_its_arguments_as_they_come(client):
+    """As vLLM streams a forced call: the call's name first, then its arguments in pieces as they are sampled (what
+    instructor's create_partial reads), under a named function and "required"; a reply cut by max_tokens keeps the
+    call with the arguments it has ("length"), whole and streamed alike."""
+    import instructor
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, max_tokens, finish in ((named, 64, "stop"), ("required", 64, "tool_calls"), (named, 12, "length")):
+        kw = dict(tools=[WEATHER, TIME], tool_choice=choice, parallel_tool_calls=False, max_tokens=max_tokens)
+        pieces = [(d.function.name, d.function.arguments) for chunk in chat(client, stream=True, **kw)
+                  for c in chunk.choices for d in c.delta.tool_calls or ()]
+        whole = chat(client, **kw).choices[0]
+        (call,) = whole.message.tool_calls
+        assert whole.finish_reason == finish and pieces[0] == (call.function.name, "") and len(pieces) > 3, pieces
+        assert "".join(arguments for _, arguments in pieces) == call.function.arguments, (choice, max_tokens)
+    assert call.function.arguments == '{"city": "'  # (cut)
+    partials = list(instructor.from_openai(client, mode=instructor.Mode.TOOLS).chat.completions.create_partial(
+        response_model=Weather, model=NAME, messages=USER, max_tokens=64, temperature=0))
+    assert len(partials) > 3 and partials[0].city is None and partials[-1] == Weather(city="Paris", days=1, sunny=False)
 
 
 def test_a_forced_call_beside_a_response_format_is_the_call(client):

@@ -18,8 +18,8 @@ followed by the assistant's turn): a stream sends it as each choice's second del
 
 Structured output (`response_format`, `structured_outputs`, `guided_*`; server/structured.py) holds the reply
 to its grammar (from after `</think>` when the reply starts inside a reasoning block). tool_choice "required"
-or a named function holds it to the calls' JSON (tool_choice.py), read back into `tool_calls` (a stream sends
-the calls at its end).
+or a named function holds it to the calls' JSON (tool_choice.py), read back into `tool_calls` as it comes (a
+stream sends each call's name once whole, then its arguments in pieces).
 
 `logprobs: true` (with `top_logprobs: N`) gives each new token's logprob in `logprobs.content`
 (server/logprobs.py; streamed, with the first delta of the output that sends its text); vLLM's
@@ -268,6 +268,9 @@ async def _events(state: ServerState, body: ChatCompletionRequest, run: ChatRun,
             events = _shown(body, events)
             finish = finish_reason(out.finish_reason, reader.calls, body.tool_choice)
             deltas = [d for e in events if (d := _delta(e, call_ids[choice], customs[choice])) is not None]
+            if out.finish_reason:  # (a custom call cut before its arguments were whole: its input as it is)
+                deltas += [DeltaMessage(tool_calls=[DeltaToolCall(index=i, custom=DeltaCustomCall(input=text))])
+                           for i, text in customs[choice].rest()]
             if not deltas and (finish or (ids and out.token_ids)):
                 deltas = [DeltaMessage()]
             if not deltas:  # (text the parsers hold back: its tokens and logprobs go with the next delta)

@@ -269,23 +269,103 @@ def forced_calls(text: str, tool_choice) -> list[tuple[str, str]]:
 
 
 class ForcedCallParser:
-    """A reply's content under a forced tool_choice, as tool_parsers' parsers give events (reply.py): the text is
-    held back whole, then read by `forced_calls` at the end, a CallStart and the whole arguments per call (a
-    stream sends the calls at its end). Text that does not parse (a reply cut by max_tokens) is content."""
+    """A reply's content under a forced tool_choice (held to forced_call_schema), as tool_parsers' parsers give events
+    (reply.py), as the text comes (as vLLM streams a forced call): a named function's reply is its arguments object,
+    so the call starts with the reply's first text and every piece is arguments; under "required" the reply is a JSON
+    array of {"name", "parameters"}, read by a scan of its JSON (_ForcedArray): a call starts once its name is whole
+    and its parameters' text goes out as it comes. A reply cut by max_tokens keeps the calls it began, their arguments
+    as far as they got (as a call cut under "auto"); one cut before its first call began is content."""
 
     def __init__(self, tool_choice):
-        self.tool_choice, self.calls, self._held = tool_choice, 0, []
+        self.tool_choice = tool_choice
+        self._array = None if isinstance(tool_choice, NAMED) else _ForcedArray()
+        self._named_calls = 0
+
+    @property
+    def calls(self) -> int:
+        """The calls the reply has begun so far."""
+        return self._named_calls if self._array is None else len(self._array.names)
 
     def feed(self, text: str) -> list:
-        self._held.append(text)
-        return []
+        if self._array is not None:
+            return self._array.feed(text)
+        if not text:
+            return []
+        start = [] if self._named_calls else [CallStart(0, self.tool_choice.function.name)]
+        self._named_calls = 1
+        return [*start, CallArguments(0, text)]
 
     def finish(self) -> list:
-        text, self._held = "".join(self._held), []
-        try:
-            calls = forced_calls(text, self.tool_choice)
-        except ValueError:
-            return [ContentDelta(text)] if text else []
-        self.calls = len(calls)
-        return [event for i, (name, arguments) in enumerate(calls)
-                for event in (CallStart(i, name), CallArguments(i, arguments))]
+        if self._array is None or self._array.names:
+            return []
+        return [ContentDelta(self._array.text)] if self._array.text else []
+
+
+class _ForcedArray:
+    """The calls of a reply held to forced_call_schema's array under "required", scanned as its text comes: the JSON's
+    nesting and strings followed character by character; at depth 2 (a call's object) its keys, its "name" string
+    (the call's CallStart once whole) and where its "parameters" value begins and ends (its text the call's arguments,
+    sent as far as it has come)."""
+
+    def __init__(self):
+        self.text, self.names = "", []  # the reply so far; each begun call's name
+        self._at, self._depth, self._in_string, self._escaped = 0, 0, False, False
+        self._string_start = None  # a string at depth 2 (a key or the name) being read: where it began
+        self._key_next = False  # at depth 2, the next string is a key
+        self._key = None  # the current item's key whose value is being read
+        self._name = self._arguments = self._end = self._sent = None  # the current item's
+
+    def feed(self, text: str) -> list:
+        self.text += text
+        events = []
+        for i in range(self._at, len(self.text)):
+            events += self._step(i, self.text[i])
+        self._at = len(self.text)
+        return events + self._arguments_so_far(len(self.text))
+
+    def _step(self, i: int, c: str) -> list:
+        if self._in_string:
+            if self._escaped:
+                self._escaped = False
+            elif c == "\\":
+                self._escaped = True
+            elif c == '"':
+                self._in_string = False
+                if self._string_start is not None:
+                    return self._string_read(json.loads(self.text[self._string_start:i + 1]), i + 1)
+            return []
+        if c == '"':
+            self._in_string, self._string_start = True, i if self._depth == 2 else None
+        elif c in "{[":
+            self._depth += 1
+            if self._depth == 2:  # a call's object begins
+                self._key_next, self._key, self._name, self._arguments, self._end = True, None, None, None, None
+            elif self._depth == 3 and self._key == "parameters" and self._arguments is None:
+                self._arguments = self._sent = i
+        elif c in "}]":
+            self._depth -= 1
+            if self._depth == 2 and self._key == "parameters" and self._end is None:
+                self._end = i + 1
+                return self._arguments_so_far(self._end)
+        elif c == "," and self._depth == 2:
+            self._key_next = True
+        return []
+
+    def _string_read(self, value: str, scanned: int) -> list:
+        if self._key_next:
+            self._key, self._key_next = value, False
+            return []
+        if self._key != "name" or self._name is not None:
+            return []
+        self._name = value
+        self.names.append(value)
+        return [CallStart(len(self.names) - 1, value), *self._arguments_so_far(scanned)]
+
+    def _arguments_so_far(self, end: int) -> list:
+        """The current call's arguments text not sent yet, up to `end` and no further than their own end (once its
+        name is known)."""
+        end = end if self._end is None else min(end, self._end)
+        if self._name is None or self._arguments is None or end <= self._sent:
+            return []
+        piece, self._sent = self.text[self._sent:end], end
+        return [CallArguments(len(self.names) - 1, piece)]
