@@ -357,6 +357,10 @@ def test_the_forced_call_parser_gives_the_calls_as_they_come():
     assert _forced("required", ['[{"name": "get_ti']) == [ContentDelta('[{"name": "get_ti')]
     assert Reply.of(_forced("required", [text[:93]])).calls == [("get_time", "{}"), ("get_weather", '{"days": 2, "c')]
     assert _forced(named, []) == []
+    # parameters of another JSON type (a schema OpenAI would refuse, taken here) and given before the name
+    odd = '[{"name": "get_time", "parameters": "x,}"}, {"parameters": {"days": [2]}, "name": "get_weather"}]'
+    assert Reply.of(_forced("required", [odd])).calls == [("get_time", '"x,}"'), ("get_weather", '{"days": [2]}')]
+    assert Reply.of(_forced("required", list(odd))) == Reply.of(_forced("required", [odd]))
 
 
 def _forced(choice, pieces: list[str]) -> list:

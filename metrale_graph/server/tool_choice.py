@@ -334,22 +334,24 @@ class _ForcedArray:
                 if self._string_start is not None:
                     return self._string_read(json.loads(self.text[self._string_start:i + 1]), i + 1)
             return []
+        events = []
+        if self._depth == 2 and self._key == "parameters" and not (c.isspace() or c == ":"):
+            if self._arguments is None:  # the parameters' value begins (an object, as a function's schema has it)
+                self._arguments = self._sent = i
+            elif self._end is None and c in ",}":  # ... and has ended
+                self._end = i
+                events = self._arguments_so_far(i)
         if c == '"':
             self._in_string, self._string_start = True, i if self._depth == 2 else None
         elif c in "{[":
             self._depth += 1
             if self._depth == 2:  # a call's object begins
                 self._key_next, self._key, self._name, self._arguments, self._end = True, None, None, None, None
-            elif self._depth == 3 and self._key == "parameters" and self._arguments is None:
-                self._arguments = self._sent = i
         elif c in "}]":
             self._depth -= 1
-            if self._depth == 2 and self._key == "parameters" and self._end is None:
-                self._end = i + 1
-                return self._arguments_so_far(self._end)
         elif c == "," and self._depth == 2:
             self._key_next = True
-        return []
+        return events
 
     def _string_read(self, value: str, scanned: int) -> list:
         if self._key_next:
