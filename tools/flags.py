@@ -222,9 +222,9 @@ def add_moe_parallel_arg(p: argparse.ArgumentParser, shown: bool = True) -> None
     from metrale_graph.sharding import DEFAULT_MOE, MOE_MODES
 
     p.add_argument("--moe-parallel", choices=MOE_MODES, default=None,
-                   help=f"with --tp on an MoE model: each expert split within (within, the default "
-                        f"{DEFAULT_MOE!r}: measured faster on two H200s) or the experts split across the ranks "
-                        "(expert); only with --tp" if shown else argparse.SUPPRESS)
+                   help=f"with --tp on an MoE model: within, each expert split across the ranks (measured faster "
+                        f"on two H200s), or expert, whole experts shared out among the ranks (default "
+                        f"{DEFAULT_MOE!r}); only with --tp" if shown else argparse.SUPPRESS)
 
 
 def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
