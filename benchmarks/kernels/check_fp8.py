@@ -13,7 +13,7 @@ speed against bf16, and CUDA-graph replay. Sections (each case in its own try, a
                included), TFLOP/s and TB/s;
                the ceilings (bf16 and FP8 tensorwise 8192^3)
   experts      Qwen3.5-35B-A3B's routed experts (E 256, D 2048, IE 512, top 8) at T = 512, 4096, 16384:
-               moe_experts_fp8 against moe_experts_fp8_ref and against ops/moe.py's bf16 grouped GEMMs
+               moe_experts_fp8 against moe_experts_fp8_ref and against ops/moe/gemm.py's bf16 grouped GEMMs
                (correctness and time)
   graphs       captured and replayed (with new inputs) = eager, bit for bit
 

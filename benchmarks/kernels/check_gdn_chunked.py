@@ -1,8 +1,9 @@
-"""GPU check of our chunked gated delta rule (ops/gdn_chunked.py) against flash-linear-attention 0.6.0:
+"""GPU check of our chunked gated delta rule (ops/gdn_chunked/) against flash-linear-attention 0.6.0:
 correctness at the Qwen3.5-9B head shape (H 16, HV 32, K = V = 128, bf16) against fla and against the
 fp32 token-by-token reference, checkpoints, exactness of CUDA graph replay with other stream lengths of
-the same chunk count, and per-layer times (triton.testing.do_bench medians, L2 flushed; plus CUDA graph
-replay) of fla and of each config of a small sweep on the op's chunk-aligned layout. Every case runs
+the same chunk count, per-layer times (triton.testing.do_bench medians, L2 flushed; plus CUDA graph
+replay) of fla and of each config of a small sweep on the op's chunk-aligned layout, and the default
+config's device time per call by kernel (kernel_split: the intra-chunk and state passes). Every case runs
 in its own try/except, so one failure leaves the rest. Prints tables, ends with one JSON line, and
 writes it to --json.
 
