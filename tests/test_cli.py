@@ -10,7 +10,7 @@ import torch
 
 from metrale_graph import PRESETS, HybridModel, load_config
 from helpers import BENCHMARKS, benchmark_script
-from metrale_graph.tools import bench, bench_serve, export_onnx, prefill, serve, warmup
+from metrale_graph.tools import bench, bench_prefix, bench_serve, export_onnx, prefill, serve, warmup
 
 bench_ops = benchmark_script("kernels/bench_ops")  # not installed: benchmarks/ in a checkout
 
@@ -251,6 +251,17 @@ def test_one_model_tools_leave_tp_out_of_their_help(capsys):
     with pytest.raises(SystemExit):
         prefill.main(["--help"])
     assert "--tp" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--tp", "2"], ["--moe-parallel", "expert"]])
+def test_bench_prefix_refuses_tp_by_name(capsys, argv):
+    """tools.bench_prefix leaves --tp / --moe-parallel out of its help; --tp 2 was answered "needs 2 processes
+    (torchrun ...)", as if a torchrun launch would run it sharded, with no rank-0-only output or teardown."""
+    _usage_error(capsys, bench_prefix.main, argv, "--tp / --moe-parallel: bench_prefix runs one whole model")
+    with pytest.raises(SystemExit):
+        bench_prefix.main(["--help"])
+    out = capsys.readouterr().out
+    assert "--tp" not in out and "--moe-parallel" not in out and "--model" in out
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -175,7 +175,7 @@ def run_mode(model, args, prefix: bool) -> dict[str, dict]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m metrale_graph.tools.bench_prefix", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p, parallel=False)
+    add_model_args(p, parallel=False)  # one whole model: --tp / --moe-parallel are refused by name below
     p.add_argument("--workloads", type=names_of(WORKLOADS), default=list(WORKLOADS))
     p.add_argument("--scale", type=float, default=1.0, help="multiplies every token count (default 1)")
     p.add_argument("--num-slots", type=positive_int, default=64)
@@ -193,6 +193,8 @@ def main(argv=None) -> None:
     p.add_argument("--eager", action="store_true", help="model.prefill eagerly (no compile, no graphs)")
     p.add_argument("--json", type=output_file, default=None)
     args = p.parse_args(argv)
+    if args.tp != 1 or args.moe_parallel is not None:  # out of its help (add_model_args(parallel=False))
+        p.error("--tp / --moe-parallel: bench_prefix runs one whole model in one process; leave them out")
     if not 0 < args.scale <= 1:
         p.error(f"--scale must be in (0, 1], got {args.scale}")
     if args.requests < 2:
