@@ -10,6 +10,8 @@ STAMP := $(VENV)/.installed
 .PHONY: run test lint constraints clean
 
 $(STAMP): pyproject.toml Makefile constraints.txt
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "make needs Python 3.11+ (constraints.txt pins numpy, \
+	scipy, pandas and onnxruntime releases that require it), found " + sys.version.split()[0] + ": make PYTHON=python3.11")'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0 triton==3.6.0
