@@ -175,7 +175,7 @@ def test_warmup_cache_dir_not_writable(capsys):
                                            "/nonexistent/folder does not exist"),
     (["--verify", "-B", "8", "--slots", "4"],
      "--verify needs 14 slots for a bucket of 8 streams and 256 tokens; pass --slots 14"),
-    (["--verify", "--dtype", "bfloat16"], "lack bfloat16 and float16: pass --dtype float32"),
+    (["--verify", "--dtype", "bfloat16"], "--verify compares fp32 steps only: pass --dtype float32"),
 ])
 def test_export_onnx_flags(capsys, argv, message):
     _usage_error(capsys, export_onnx.main, argv, message)

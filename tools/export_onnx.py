@@ -7,8 +7,8 @@ type and the file size; ends with one JSON line.
 The graph has fixed shapes: one file per bucket and cache geometry (--slots, --blocks,
 --block-size, --max-context). Attention reads every position of a stream's block table, so its
 cost grows with --max-context. --verify runs a padded continuation batch through onnxruntime and
-the torch step and prints their relative errors (fp32 models: ONNX Runtime's CPU kernels lack
-bfloat16).
+the torch step and prints their relative errors, for fp32 models only (bf16 / fp16 exports run in
+onnxruntime too, their translations computing in fp32: tests/test_onnx_bf16.py compares them with the torch step).
 """
 
 from __future__ import annotations
@@ -149,7 +149,8 @@ def main(argv=None) -> None:
     if why:
         p.error(why)
     if args.verify and device_and_dtype(args)[1] != torch.float32:
-        p.error("--verify runs ONNX Runtime's CPU kernels, which lack bfloat16 and float16: pass --dtype float32")
+        p.error("--verify compares fp32 steps only: pass --dtype float32 (a bf16 / fp16 export runs in onnxruntime "
+                "too; tests/test_onnx_bf16.py checks those against the torch step)")
     # SIGTERM (timeout, a job scheduler) as an exit: the staged save then removes its partial files, as on Ctrl-C
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # torchvision-not-installed notices
