@@ -11,7 +11,7 @@ ceil(D / 128). w13 holds each expert's gate rows then up rows, and w13_scale the
 then the up's (their checkpoint tensors' grids concatenated), so IE need not be a multiple of 128.
 x is quantized once per token (per 128 channels of D); the gate|up kernel quantizes its SiLU-mul
 output per pair per 128 channels of IE in its epilogue (one 128-column tile is one group), so the
-down kernel reads FP8. Rounding where ops/moe.py rounds: gate and up in x's dtype, SiLU(gate), the
+down kernel reads FP8. Rounding where ops/moe/gemm.py rounds: gate and up in x's dtype, SiLU(gate), the
 product; the expert's output, the product with the routing weight.
 
 Blocks of 16 or 32 rows compile for sm_90 (Triton 3.6) to fp16 mma.sync after converting every weight byte,
