@@ -141,6 +141,11 @@ class RequestIntake:
             if self.tokenizer is None:
                 raise ValueError(f"prompt {i} is a string but the engine has no tokenizer: pass token ids, or "
                                  "Engine(model, tokenizer=folder_or_object)")
+            try:  # (a tokenizers' fast tokenizer raises a TypeError naming none of it)
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"prompt {i}: the text holds {prompt[e.start]!r} at {e.start}, a lone UTF-16 surrogate "
+                                 "(half of a pair) that UTF-8 cannot encode: pass valid text") from None
             prompt = list(self.tokenizer.encode(prompt))
         elif is_numpy_array(prompt):
             prompt = numpy_ids(prompt, f"prompt {i}")

@@ -383,6 +383,23 @@ def test_kept_special_tokens_and_a_stop_token_in_the_streamed_text(with_tokenize
     _assert_cache_empty(engine)
 
 
+def test_a_text_prompt_holding_a_lone_surrogate_is_a_value_error(with_tokenizer):
+    """A string prompt holding a lone UTF-16 surrogate (half of an emoji pair, as "\\ud83d" escapes carry) is a
+    ValueError naming the prompt and the character, before anything is queued (was the fast tokenizer's TypeError
+    "TextEncodeInput must be Union[...]"); the prompts beside it are not run."""
+    engine = Engine(with_tokenizer, **KW)
+    cases = [(lambda: engine.generate(["ok", "a\ud83d"], max_new_tokens=2), r"prompt 1: the text holds '\\ud83d' at 1"),
+             (lambda: engine.stream(["ok", "a\ud83d"], max_new_tokens=2), r"prompt 1: the text holds '\\ud83d' at 1"),
+             (lambda: engine.submit("\udc00b", max_new_tokens=2), r"prompt 0: the text holds '\\udc00' at 0")]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message + ", a lone UTF-16 surrogate"):
+            call()
+    assert engine.stats().steps == 0
+    _assert_cache_empty(engine)
+    ok = engine.generate(["ok \U0001F44B"], max_new_tokens=2, stop_token_ids=[])[0]  # the whole pair is fine
+    assert len(ok.token_ids) == 2
+
+
 def test_streamed_text_of_a_model_joins_to_its_decode(with_tokenizer):
     """The tiny model's own (random) tokens: the pieces join to tokenizer.decode of the new tokens, and
     no piece but the last ends inside a character."""
