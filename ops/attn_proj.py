@@ -14,6 +14,8 @@ def _check(a):
     check_tensor(a.x, "x", ndim=2)
     T, D = a.x.shape
     HD = a.head_dim
+    for name, w in (("norm_w", a.norm_w), ("q_norm_w", a.q_norm_w), ("k_norm_w", a.k_norm_w)):
+        check_tensor(w, name, device=a.x.device)
     check(tuple(a.norm_w.shape) == (D,), f"norm_w must have shape ({D},)")
     for name, w, sc in (("q_w", a.q_w, a.q_s), ("k_w", a.k_w, a.k_s), ("v_w", a.v_w, a.v_s)):
         check_tensor(w, name, ndim=2)

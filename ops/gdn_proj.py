@@ -25,6 +25,7 @@ def _check(a):
         check(w.shape[1] == D, f"{name} has {w.shape[1]} input features, x has {D}")
     check(a.a_w.shape[0] == HV, f"a_w has {a.a_w.shape[0]} heads, b_w has {HV}")
     for name, w, n in (("norm_w", a.norm_w, D), ("A_log", a.A_log, HV), ("dt_bias", a.dt_bias, HV)):
+        check_tensor(w, name, device=a.x.device)
         check(tuple(w.shape) == (n,), f"{name} must have shape ({n},), got {tuple(w.shape)}")
 
 

@@ -17,6 +17,7 @@ from .registry import OpSpec, Shapes, fp8_weight, metrale_cuda, metrale_fake, me
 def _check(a):
     check_tensor(a.h, "h", ndim=2)
     D = a.h.shape[1]
+    check_tensor(a.norm_w, "norm_w", device=a.h.device)
     check(tuple(a.norm_w.shape) == (D,), f"norm_w must have shape ({D},), got {tuple(a.norm_w.shape)}")
     I = a.gate_w.shape[0]
     for name, w, sc, shape in (("gate_w", a.gate_w, a.gate_s, (I, D)), ("up_w", a.up_w, a.up_s, (I, D)),

@@ -215,6 +215,22 @@ def test_bad_inputs_name_op_and_argument():
         OPS.gdn_out(*args)
 
 
+@pytest.mark.parametrize("name", [n for n in REGISTRY if n != "l2norm"])  # (l2norm: one tensor, any device)
+def test_an_argument_on_another_device_is_named(name):
+    """Each tensor argument on another device than the rest (here the meta device) raises OpInputError naming the
+    device, in the reference and the CUDA path: the norm weights, A_log and dt_bias went unchecked (the reference
+    ran; on a GPU the Triton kernels would have read a host pointer)."""
+    args = op_args(name, CASES[0], torch.float32)
+    for i, a in enumerate(args):
+        if not isinstance(a, torch.Tensor):
+            continue
+        moved = [x.clone() if isinstance(x, torch.Tensor) else x for x in args]
+        moved[i] = a.to("meta")
+        for impl in (REGISTRY[name].op, REGISTRY[name].cuda):
+            with pytest.raises(OpInputError, match=rf"^metrale::{name}: .*meta"):
+                impl(*moved)
+
+
 @pytest.mark.parametrize("name", ["gdn_out", "attn_out", "mlp"])
 def test_without_the_residual(name):
     """Tensor-parallel ranks other than 0 run the output ops without the residual (residual None /

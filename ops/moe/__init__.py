@@ -38,6 +38,7 @@ from .routing import route_topk
 def _check(a):
     check_tensor(a.h, "h", ndim=2)
     D = a.h.shape[1]
+    check_tensor(a.norm_w, "norm_w", device=a.h.device)
     check(tuple(a.norm_w.shape) == (D,), f"norm_w must have shape ({D},), got {tuple(a.norm_w.shape)}")
     E, EL, IE, IS = a.router_w.shape[0], a.w13.shape[0], a.w2.shape[-1], a.shared_down_w.shape[-1]
     first = a.first_expert
