@@ -12,8 +12,8 @@ from metrale_graph.server.errors import APIError
 from metrale_graph.server.tool_protocol import NamedToolChoice, Tool
 from metrale_graph.server.reasoning import ReasoningParser, split_reasoning, starts_in_reasoning
 from metrale_graph.server.reply import Reply, ReplyParsers
-from metrale_graph.server.tool_choice import (NO_PARAMETERS, ForcedCallParser, forced_call_schema, forced_calls,
-                                              tool_request)
+from metrale_graph.server.forced_calls import ForcedCallParser, JsonPrefix, forced_calls
+from metrale_graph.server.tool_choice import NO_PARAMETERS, forced_call_schema, tool_request
 from metrale_graph.server.tool_parsers import (PARSERS, CallArguments, CallStart, ContentDelta, json_call,
                                                parser_of_template, typed_value)
 
@@ -337,30 +337,47 @@ def test_forced_calls_are_held_to_their_schema_in_any_template(choice, tool_form
 def test_the_forced_call_parser_gives_the_calls_as_they_come():
     """A named function's call starts with the reply and its arguments are the reply's pieces; under "required" a
     call starts once its name is whole and its parameters' text comes in pieces (strings holding brackets, quotes
-    and commas do not end them). A reply cut by max_tokens keeps what it began; cut before a call, it is content."""
+    and commas do not end them). A reply cut by max_tokens keeps the calls it began, their arguments closed into
+    valid JSON (the member being written left out); cut before a call, it is content."""
     named = NamedToolChoice.model_validate({"type": "function", "function": {"name": "get_weather"}})
     parser = ForcedCallParser(named)
-    assert parser.feed('{"city": ') == [CallStart(0, "get_weather"), CallArguments(0, '{"city": ')]
-    assert parser.feed('"Paris"}') == [CallArguments(0, '"Paris"}')] and parser.finish() == [] and parser.calls == 1
-    text = ('[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"days": 2, '
-            '"city": "a\\"}], {\\\\"}}]')
+    assert parser.feed('{"city": ') == [CallStart(0, "get_weather"), CallArguments(0, "{")]
+    assert parser.feed('"Paris"}') == [CallArguments(0, '"city": "Paris"}')] and parser.finish() == []
+    assert parser.calls == 1
+    text = ('[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"days": 21, '
+            '"city": "a\\"}], {\\\\\\u00e9", "ok": true}}]')
     whole = [CallStart(0, "get_time"), CallArguments(0, "{}"), CallStart(1, "get_weather"),
-             CallArguments(1, '{"days": 2, "city": "a\\"}], {\\\\"}')]
+             CallArguments(1, '{"days": 21, "city": "a\\"}], {\\\\\\u00e9", "ok": true}')]
     assert _forced("required", [text]) == whole
     assert [(n, json.loads(a)) for n, a in forced_calls(text, "required")] == [
         (n, json.loads(a)) for n, a in Reply.of(whole).calls]
     one_by_one = _forced("required", list(text))
     assert Reply.of(one_by_one) == Reply.of(whole) and one_by_one[:2] == [CallStart(0, "get_time"),
                                                                            CallArguments(0, "{")]
-    for cut in range(len(text) + 1):  # every reply cut by max_tokens: the same, whole or a character at a time
-        assert Reply.of(_forced("required", [text[:cut]])) == Reply.of(_forced("required", list(text[:cut]))), cut
+    for cut in range(len(text) + 1):  # every reply cut by max_tokens: the same whole or a character at a time, JSON
+        calls = Reply.of(_forced("required", [text[:cut]])).calls
+        assert calls == Reply.of(_forced("required", list(text[:cut]))).calls, cut
+        assert all(json.loads(arguments) is not None for _, arguments in calls), (cut, calls)
     assert _forced("required", ['[{"name": "get_ti']) == [ContentDelta('[{"name": "get_ti')]
-    assert Reply.of(_forced("required", [text[:93]])).calls == [("get_time", "{}"), ("get_weather", '{"days": 2, "c')]
+    assert Reply.of(_forced("required", [text[:96]])).calls == [("get_time", "{}"), ("get_weather", '{"days": 21}')]
+    assert Reply.of(_forced("required", [text[:70]])).calls == [("get_time", "{}"), ("get_weather", "{}")]
+    assert Reply.of(_forced(named, ['{"city": "Par'])).calls == [("get_weather", '{"city": "Par"}')]
     assert _forced(named, []) == []
     # parameters of another JSON type (a schema OpenAI would refuse, taken here) and given before the name
     odd = '[{"name": "get_time", "parameters": "x,}"}, {"parameters": {"days": [2]}, "name": "get_weather"}]'
     assert Reply.of(_forced("required", [odd])).calls == [("get_time", '"x,}"'), ("get_weather", '{"days": [2]}')]
     assert Reply.of(_forced("required", list(odd))) == Reply.of(_forced("required", [odd]))
+
+
+@pytest.mark.parametrize("text, completed", [
+    ('{"a": [1, {"b": "x\\', '{"a": [1, {"b": "x"}]}'), ('{"a": [1, {"b": "x\\n', '{"a": [1, {"b": "x\\n"}]}'),
+    ('{"a": "\\u00', '{"a": ""}'), ('{"a": tru', '{}'), ('{"a": true', '{"a": true}'), ('{"a": 1.', '{}'),
+    ('{"a": 12', '{"a": 12}'), ('{"a": [], ', '{"a": []}'), ('[1, 2', '[1, 2]'), ('[1, ', '[1]'), ('', None)])
+def test_a_cut_json_value_is_completed_by_closing_it(text, completed):
+    value = JsonPrefix()
+    assert all(value.feed(c) for c in text)
+    safe, closer = value.finish()
+    assert (None if closer is None else text[:safe] + closer) == completed
 
 
 def _forced(choice, pieces: list[str]) -> list:

@@ -18,6 +18,7 @@ import re
 from typing import Literal
 
 import httpx
+import openai
 import pytest
 from pydantic import BaseModel, Field
 
@@ -139,7 +140,8 @@ def test_a_named_tool_choice_calls_that_function(client):
 def test_a_forced_call_streams_its_arguments_as_they_come(client):
     """As vLLM streams a forced call: the call's name first, then its arguments in pieces as they are sampled (what
     instructor's create_partial reads), under a named function and "required"; a reply cut by max_tokens keeps the
-    call with the arguments it has ("length"), whole and streamed alike."""
+    call ("length"), its arguments closed into valid JSON, whole and streamed alike: the openai client's Responses
+    stream helper, which parses every call of a strict tool, takes the cut response."""
     import instructor
 
     named = {"type": "function", "function": {"name": "get_weather"}}
@@ -151,7 +153,14 @@ def test_a_forced_call_streams_its_arguments_as_they_come(client):
         (call,) = whole.message.tool_calls
         assert whole.finish_reason == finish and pieces[0] == (call.function.name, "") and len(pieces) > 3, pieces
         assert "".join(arguments for _, arguments in pieces) == call.function.arguments, (choice, max_tokens)
-    assert call.function.arguments == '{"city": "'  # (cut)
+    assert call.function.arguments == '{"city": ""}'  # (cut inside a string: closed, valid JSON)
+    strict = {"type": "function", "name": "get_weather", "parameters": openai.pydantic_function_tool(Weather)[
+        "function"]["parameters"], "strict": True}
+    with client.responses.stream(model=NAME, input="Weather?", tools=[strict], tool_choice="required", temperature=0,
+                                 max_output_tokens=60) as stream:
+        final = stream.get_final_response()
+    (cut,) = [item for item in final.output if item.type == "function_call"]
+    assert final.status == cut.status == "incomplete" and json.loads(cut.arguments) == {"city": "Paris"}
     partials = list(instructor.from_openai(client, mode=instructor.Mode.TOOLS).chat.completions.create_partial(
         response_model=Weather, model=NAME, messages=USER, max_tokens=64, temperature=0))
     assert len(partials) > 3 and partials[0].city is None and partials[-1] == Weather(city="Paris", days=1, sunny=False)

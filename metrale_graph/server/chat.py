@@ -45,7 +45,8 @@ from .responses import (DONE, AssistantMessage, ChatChoice, ChatChunk, ChatChunk
                         StreamChunks, ToolCall, Usage, event, now, request_id, with_usage)
 from .state import ServerState
 from .structured import compile_grammar, structured_request
-from .tool_choice import ForcedCallParser, ToolRequest, tool_request
+from .forced_calls import ForcedCallParser
+from .tool_choice import ToolRequest, tool_request
 from .tool_parsers import CallArguments, CallStart, ContentDelta
 from .tool_protocol import NAMED
 

@@ -13,8 +13,8 @@ means no call: the tools are not rendered into the prompt and the reply is not p
 and a named function ({"type": "function", "function": {"name": ...}}) hold the reply to a call while it is
 sampled: structured output (server/structured.py) under `forced_call_schema`, vLLM's convention: a forced
 reply is JSON (for "required" an array of {"name", "parameters"}, for a named function its arguments object),
-not the model's own call format, read back by `ForcedCallParser` into the reply's calls. The tools are still
-rendered into the prompt, so the model knows them. OpenAI's `allowed_tools` ({"mode": "auto" | "required", "tools":
+not the model's own call format, read back by forced_calls.ForcedCallParser into the reply's calls. The tools are
+still rendered into the prompt, so the model knows them. OpenAI's `allowed_tools` ({"mode": "auto" | "required", "tools":
 [...]}) is its mode over those functions, every tool still rendered (as OpenAI keeps them, for the prompt cache):
 "required" a forced call of one of them, "auto" a reply held to a structural tag whose calls can only be theirs.
 
@@ -38,7 +38,6 @@ parsed by its parser), since the forced JSON cannot hold a grammar.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -47,7 +46,6 @@ from ..structured import StructuredOutputError, check_enforceable
 from .custom_tools import check_formats, held_inputs, hold_inputs
 from .errors import bad_request
 from .tool_protocol import NAMED, AllowedToolsChoice, Tool
-from .tool_parsers import CallArguments, CallStart, ContentDelta
 
 
 # the arguments of a function sent without `parameters`: OpenAI's "empty parameter list", so a forced call is {} (a
@@ -202,7 +200,7 @@ def rendered(tools: list) -> list[dict]:
 def forced_call_schema(tools: list, tool_choice, parallel: bool = True) -> dict:
     """The JSON schema of a reply held to tool_choice "required" (a non-empty array of {"name": a function,
     "parameters": its arguments}, at most one unless `parallel`) or to a named function (that function's
-    arguments object): the engine samples the reply under it and `forced_calls` reads the calls out of its
+    arguments object): the engine samples the reply under it and forced_calls.py reads the calls out of its
     text."""
     def parameters(tool) -> dict:
         return tool.function.parameters or NO_PARAMETERS
@@ -251,123 +249,3 @@ def _referring(schema, root: str):
         else:
             out[k] = v if k in _LITERALS else _referring(v, root)
     return schema if all(out[k] is schema[k] for k in schema) else out
-
-
-def forced_calls(text: str, tool_choice) -> list[tuple[str, str]]:
-    """The calls, (name, arguments JSON text), of a reply sampled under forced_call_schema(tools, tool_choice)
-    (ValueError if the text does not follow it: the backend failed)."""
-    value = json.loads(text)
-    if isinstance(tool_choice, NAMED):
-        if not isinstance(value, dict):
-            raise ValueError(f"a forced call's arguments must be a JSON object, got {type(value).__name__}")
-        return [(tool_choice.function.name, json.dumps(value, ensure_ascii=False))]
-    if not (isinstance(value, list) and value and all(isinstance(c, dict) and isinstance(c.get("name"), str)
-                                                      and isinstance(c.get("parameters"), dict) for c in value)):
-        raise ValueError("a reply under tool_choice 'required' must be a non-empty JSON array of "
-                         "{'name': ..., 'parameters': {...}}")
-    return [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
-
-
-class ForcedCallParser:
-    """A reply's content under a forced tool_choice (held to forced_call_schema), as tool_parsers' parsers give events
-    (reply.py), as the text comes (as vLLM streams a forced call): a named function's reply is its arguments object,
-    so the call starts with the reply's first text and every piece is arguments; under "required" the reply is a JSON
-    array of {"name", "parameters"}, read by a scan of its JSON (_ForcedArray): a call starts once its name is whole
-    and its parameters' text goes out as it comes. A reply cut by max_tokens keeps the calls it began, their arguments
-    as far as they got (as a call cut under "auto"); one cut before its first call began is content."""
-
-    def __init__(self, tool_choice):
-        self.tool_choice = tool_choice
-        self._array = None if isinstance(tool_choice, NAMED) else _ForcedArray()
-        self._named_calls = 0
-
-    @property
-    def calls(self) -> int:
-        """The calls the reply has begun so far."""
-        return self._named_calls if self._array is None else len(self._array.names)
-
-    def feed(self, text: str) -> list:
-        if self._array is not None:
-            return self._array.feed(text)
-        if not text:
-            return []
-        start = [] if self._named_calls else [CallStart(0, self.tool_choice.function.name)]
-        self._named_calls = 1
-        return [*start, CallArguments(0, text)]
-
-    def finish(self) -> list:
-        if self._array is None or self._array.names:
-            return []
-        return [ContentDelta(self._array.text)] if self._array.text else []
-
-
-class _ForcedArray:
-    """The calls of a reply held to forced_call_schema's array under "required", scanned as its text comes: the JSON's
-    nesting and strings followed character by character; at depth 2 (a call's object) its keys, its "name" string
-    (the call's CallStart once whole) and where its "parameters" value begins and ends (its text the call's arguments,
-    sent as far as it has come)."""
-
-    def __init__(self):
-        self.text, self.names = "", []  # the reply so far; each begun call's name
-        self._at, self._depth, self._in_string, self._escaped = 0, 0, False, False
-        self._string_start = None  # a string at depth 2 (a key or the name) being read: where it began
-        self._key_next = False  # at depth 2, the next string is a key
-        self._key = None  # the current item's key whose value is being read
-        self._name = self._arguments = self._end = self._sent = None  # the current item's
-
-    def feed(self, text: str) -> list:
-        self.text += text
-        events = []
-        for i in range(self._at, len(self.text)):
-            events += self._step(i, self.text[i])
-        self._at = len(self.text)
-        return events + self._arguments_so_far(len(self.text))
-
-    def _step(self, i: int, c: str) -> list:
-        if self._in_string:
-            if self._escaped:
-                self._escaped = False
-            elif c == "\\":
-                self._escaped = True
-            elif c == '"':
-                self._in_string = False
-                if self._string_start is not None:
-                    return self._string_read(json.loads(self.text[self._string_start:i + 1]), i + 1)
-            return []
-        events = []
-        if self._depth == 2 and self._key == "parameters" and not (c.isspace() or c == ":"):
-            if self._arguments is None:  # the parameters' value begins (an object, as a function's schema has it)
-                self._arguments = self._sent = i
-            elif self._end is None and c in ",}":  # ... and has ended
-                self._end = i
-                events = self._arguments_so_far(i)
-        if c == '"':
-            self._in_string, self._string_start = True, i if self._depth == 2 else None
-        elif c in "{[":
-            self._depth += 1
-            if self._depth == 2:  # a call's object begins
-                self._key_next, self._key, self._name, self._arguments, self._end = True, None, None, None, None
-        elif c in "}]":
-            self._depth -= 1
-        elif c == "," and self._depth == 2:
-            self._key_next = True
-        return events
-
-    def _string_read(self, value: str, scanned: int) -> list:
-        if self._key_next:
-            self._key, self._key_next = value, False
-            return []
-        if self._key != "name" or self._name is not None:
-            return []
-        self._name = value
-        self.names.append(value)
-        return [CallStart(len(self.names) - 1, value), *self._arguments_so_far(scanned)]
-
-    def _arguments_so_far(self, end: int) -> list:
-        """The current call's arguments text not sent yet, up to `end` and no further than their own end (once its
-        name is known)."""
-        end = end if self._end is None else min(end, self._end)
-        if self._name is None or self._arguments is None or end <= self._sent:
-            return []
-        piece, self._sent = self.text[self._sent:end], end
-        return [CallArguments(len(self.names) - 1, piece)]
