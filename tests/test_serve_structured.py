@@ -161,6 +161,13 @@ def test_a_forced_call_streams_its_arguments_as_they_come(client):
         final = stream.get_final_response()
     (cut,) = [item for item in final.output if item.type == "function_call"]
     assert final.status == cut.status == "incomplete" and json.loads(cut.arguments) == {"city": "Paris"}
+    patch = {"type": "custom", "custom": {"name": "patch"}}  # (format text: forced through the JSON {"input": ...})
+    kw = dict(tools=[patch], tool_choice=patch, max_tokens=40)
+    (whole,) = chat(client, **kw).choices[0].message.tool_calls
+    streamed = [d.model_extra["custom"] for chunk in chat(client, stream=True, **kw) for c in chunk.choices
+                for d in c.delta.tool_calls or ()]
+    # cut: the input so far ("!", the grammar's allowed token of lowest id, greedy), whole and streamed alike
+    assert whole.custom.input.startswith("!") and "".join(d["input"] for d in streamed) == whole.custom.input
     partials = list(instructor.from_openai(client, mode=instructor.Mode.TOOLS).chat.completions.create_partial(
         response_model=Weather, model=NAME, messages=USER, max_tokens=64, temperature=0))
     assert len(partials) > 3 and partials[0].city is None and partials[-1] == Weather(city="Paris", days=1, sunny=False)

@@ -269,9 +269,6 @@ async def _events(state: ServerState, body: ChatCompletionRequest, run: ChatRun,
             events = _shown(body, events)
             finish = finish_reason(out.finish_reason, reader.calls, body.tool_choice)
             deltas = [d for e in events if (d := _delta(e, call_ids[choice], customs[choice])) is not None]
-            if out.finish_reason:  # (a custom call cut before its arguments were whole: its input as it is)
-                deltas += [DeltaMessage(tool_calls=[DeltaToolCall(index=i, custom=DeltaCustomCall(input=text))])
-                           for i, text in customs[choice].rest()]
             if not deltas and (finish or (ids and out.token_ids)):
                 deltas = [DeltaMessage()]
             if not deltas:  # (text the parsers hold back: its tokens and logprobs go with the next delta)

@@ -131,10 +131,3 @@ class CustomInputs:
             return None
         del self._open[event.index]
         return custom_input("".join(pieces))
-
-    def rest(self) -> list[tuple[int, str]]:
-        """At the reply's end, (index, input) of the calls whose arguments never became whole (a forced reply cut by
-        max_tokens): their input as a whole reply's is (custom_input of the text they have)."""
-        rest = [(index, custom_input("".join(pieces))) for index, pieces in self._open.items()]
-        self._open.clear()
-        return rest
