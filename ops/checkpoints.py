@@ -68,7 +68,7 @@ def keep_conv_windows(x: Tensor, cu_seqlens: Tensor, slot_ids: Tensor, conv_stat
     state before the stream starts). Runs before the conv updates conv_state; torch ops on any device."""
     T, C = x.shape
     W1 = conv_state.shape[2]
-    if W1 == 0:
+    if W1 == 0 or T == 0:  # no state, or no token: every checkpoint keeps nothing (and x has no row to gather)
         return
     b, t, _, dest = targets(tokens, entries, cu_seqlens, pool.shape[0] - 1)
     start = cu_seqlens.long()[b]

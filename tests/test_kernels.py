@@ -450,11 +450,13 @@ def test_gdn_recurrence_cuda_path_keeps_prefix_checkpoints(lengths, dtype, monke
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("lengths", [(1, 5, 0, 2, 1), (7,), (0, 0, 3)], ids=["streams", "one", "padding-first"])
+@pytest.mark.parametrize("lengths", [(1, 5, 0, 2, 1), (7,), (0, 0, 3), (0, 0)],
+                         ids=["streams", "one", "padding-first", "no-tokens"])
 def test_checkpoint_kernels_match_their_torch_versions(lengths, dtype):
     """The one-launch checkpoint kernels of the CUDA paths (ops/checkpoints.py: conv windows, stream-end
     states, the per-token entry map) write what the torch versions write into every entry a checkpoint
-    names, and nothing anywhere else (the torch versions dump the none-targets into the scratch entry)."""
+    names, and nothing anywhere else (the torch versions dump the none-targets into the scratch entry). With
+    no tokens at all every checkpoint keeps nothing (the torch conv windows indexed the empty x: IndexError)."""
     from metrale_graph.ops import checkpoints as ck
     g = torch.Generator().manual_seed(11)
     B, T, C, W1, S = len(lengths), sum(lengths), 40, 3, 9

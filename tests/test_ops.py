@@ -215,6 +215,20 @@ def test_bad_inputs_name_op_and_argument():
         OPS.gdn_out(*args)
 
 
+@pytest.mark.parametrize("case", [CASES[1], CASES[8], CASES[9]], ids=lambda c: c.id)
+@pytest.mark.parametrize("name", ["causal_conv1d", "gdn_recurrence"])
+def test_opcheck_with_checkpoint_pools(name, case):
+    """opcheck of the GDN ops with their optional mutated checkpoint pools given (prefix caching), some
+    checkpoints naming no token (-1, past the last); no tokens at all included (the conv's reference indexed
+    its empty input: IndexError)."""
+    g = torch.Generator().manual_seed(6)
+    args = op_args(name, case, torch.float32)
+    shape = (case.C, case.W - 1) if name == "causal_conv1d" else (case.HV, case.K, case.V)
+    tokens = torch.tensor([case.T - 1, -1, case.T + 2, 0])
+    entries = torch.tensor([2, 0, 3, 1])
+    torch.library.opcheck(REGISTRY[name].op, (*args, tokens, entries, torch.randn(5, *shape, generator=g)))
+
+
 @pytest.mark.parametrize("name", [n for n in REGISTRY if n != "l2norm"])  # (l2norm: one tensor, any device)
 def test_an_argument_on_another_device_is_named(name):
     """Each tensor argument on another device than the rest (here the meta device) raises OpInputError naming the
