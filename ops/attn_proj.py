@@ -14,6 +14,7 @@ def _check(a):
     check_tensor(a.x, "x", ndim=2)
     T, D = a.x.shape
     HD = a.head_dim
+    check(HD > 0, f"head_dim must be positive, got {HD}")
     for name, w in (("norm_w", a.norm_w), ("q_norm_w", a.q_norm_w), ("k_norm_w", a.k_norm_w)):
         check_tensor(w, name, device=a.x.device)
     check(tuple(a.norm_w.shape) == (D,), f"norm_w must have shape ({D},)")

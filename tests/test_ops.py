@@ -209,6 +209,11 @@ def test_bad_inputs_name_op_and_argument():
     args[3] = args[3][..., :8]
     with pytest.raises(ValueError, match=r"metrale::paged_attention: k_cache blocks hold"):
         OPS.paged_attention(*args)
+    args = list(op_args("attn_proj", case, torch.float32))
+    args[12] = 0  # head_dim: was a ZeroDivisionError in the check's modulo
+    for impl in (OPS.attn_proj, REGISTRY["attn_proj"].cuda):
+        with pytest.raises(ValueError, match=r"metrale::attn_proj: head_dim must be positive, got 0"):
+            impl(*args)
     args = list(op_args("gdn_out", case, torch.bfloat16))
     args[3] = args[3].float()  # the gated norm's weight in another dtype than the activations
     with pytest.raises(ValueError, match=r"metrale::gdn_out: gnorm_w must be torch.bfloat16"):
