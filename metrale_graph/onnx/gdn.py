@@ -33,6 +33,8 @@ def causal_conv1d(x, weight, cu_seqlens, slot_ids, conv_state):
     (T, C), W, B, dt = x.shape, weight.shape[1], slot_ids.shape[0], x.dtype
     if W < 2:
         raise ValueError(f"metrale::causal_conv1d: the ONNX translation needs a kernel of width >= 2, got {W}")
+    if T == 0:  # no token: y is empty and every slot keeps its state (the gathers below would index an empty x)
+        return op.Identity(x), op.Identity(conv_state)
     cu, slots = op.Cast(cu_seqlens, to=INT64), op.Cast(slot_ids, to=INT64)
     seg, _, local = _token_streams(cu, B, T)
     taps = np.arange(W)
