@@ -78,7 +78,7 @@ def check_params(temperature, top_k, top_p, *, min_p=0.0, presence_penalty=0.0, 
                  repetition_penalty=1.0, logit_bias=None, min_tokens=0, logprobs=None, prompt_logprobs=None,
                  vocab_size: int | None = None) -> SamplingParams:
     """SamplingParams from user values (Python or numpy numbers; logit_bias a mapping of token id to bias, ids
-    below `vocab_size` when given); ValueError naming a bad one."""
+    below `vocab_size` when given, as logprobs / prompt_logprobs are at most it); ValueError naming a bad one."""
     if not _is_real(temperature) or not 0.0 <= _comparable(temperature) <= sys.float_info.max:
         raise ValueError(f"temperature must be a finite number >= 0, got {_describe(temperature)}")
     if not _is_int(top_k) or top_k < 0:
@@ -98,6 +98,9 @@ def check_params(temperature, top_k, top_p, *, min_p=0.0, presence_penalty=0.0, 
         if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
             raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}] (the top tokens returned "
                              f"beside each token's own), got {_describe(value)}")
+        if value is not None and vocab_size is not None and value > vocab_size:  # (was an assertion mid-step)
+            raise ValueError(f"{name}={value} asks for more top tokens than the model's vocabulary holds "
+                             f"({vocab_size} tokens)")
     return SamplingParams(float(temperature), int(top_k), float(top_p), float(min_p), float(presence_penalty),
                           float(frequency_penalty), float(repetition_penalty), _check_logit_bias(logit_bias, vocab_size),
                           int(min_tokens), None if logprobs is None else int(logprobs),

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from helpers import random_tokens
+from helpers import random_tokens, tiny_config
 from metrale_graph import Engine, HybridModel
 from metrale_graph.detokenizer import StreamingText
 from metrale_graph.logits_processors import PenaltyState, process_logits
@@ -236,6 +236,27 @@ def test_bad_controls_raise_naming_them(tiny, controls, message):
     with pytest.raises(ValueError, match=message):
         engine.submit([1, 2], max_new_tokens=4, **controls)
     assert engine.stats().waiting == 0 and engine.stats().steps == 0
+    engine.shutdown()
+
+
+def test_logprobs_past_a_small_vocabulary_are_refused_before_anything_runs():
+    """logprobs / prompt_logprobs within [0, 20] but above the model's vocabulary (a vocabulary of 3 tokens) are a
+    ValueError naming it before anything is queued (were an AssertionError in token_logprobs that failed the request
+    after its step ran); the whole vocabulary is taken: every token's logprob, their probabilities summing to 1."""
+    model = HybridModel.from_preset(tiny_config(vocab_size=3), seed=1)
+    engine = Engine(model, num_slots=2, token_budget=8, block_size=16, max_context=32, compile=False)
+    for controls in (dict(logprobs=4), dict(prompt_logprobs=20), dict(logprobs=3, prompt_logprobs=4)):
+        name, value = [(k, v) for k, v in controls.items() if v > 3][0]
+        with pytest.raises(ValueError, match=f"{name}={value} asks for more top tokens than the model's vocabulary "
+                                             r"holds \(3 tokens\)"):
+            engine.generate([[1, 2]], max_new_tokens=2, **controls)
+        with pytest.raises(ValueError, match=f"{name}={value} asks"):
+            engine.submit([1, 2], max_new_tokens=2, temperature=1.0, **controls)
+    assert engine.stats().waiting == 0 and engine.stats().steps == 0
+    r = engine.generate([[1, 2]], max_new_tokens=2, stop_token_ids=[], logprobs=3, prompt_logprobs=3)[0]
+    for entry in r.logprobs + r.prompt_logprobs[1:]:
+        assert sorted(t for t, _ in entry.top) == [0, 1, 2]
+        assert abs(sum(math.exp(lp) for _, lp in entry.top) - 1) < 1e-5
     engine.shutdown()
 
 
