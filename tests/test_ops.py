@@ -250,6 +250,15 @@ def test_an_argument_on_another_device_is_named(name):
                 impl(*moved)
 
 
+def test_moe_compiles_with_dynamic_ints():
+    """torch.compile(dynamic=True) of a function taking moe's top_k and first_expert as arguments traces them as
+    SymInts: the check took only ints, so the fake raised OpInputError ('top_k must be in 1..s21, got s77') and
+    fullgraph compilation failed. The compiled call equals the eager one."""
+    args = op_args("moe", CASES[0], torch.float32)
+    compiled = torch.compile(lambda *a: OPS.moe(*a, 0, True), fullgraph=True, dynamic=True, backend="aot_eager")
+    assert_close("moe (compiled, dynamic)", OPS.moe(*args), compiled(*args), 1e-6)
+
+
 @pytest.mark.parametrize("name", ["gdn_out", "attn_out", "mlp"])
 def test_without_the_residual(name):
     """Tensor-parallel ranks other than 0 run the output ops without the residual (residual None /

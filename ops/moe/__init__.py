@@ -42,7 +42,7 @@ def _check(a):
     check(tuple(a.norm_w.shape) == (D,), f"norm_w must have shape ({D},), got {tuple(a.norm_w.shape)}")
     E, EL, IE, IS = a.router_w.shape[0], a.w13.shape[0], a.w2.shape[-1], a.shared_down_w.shape[-1]
     first = a.first_expert
-    check(isinstance(first, int) and 0 <= first and first + EL <= E,
+    check(isinstance(first, (int, torch.SymInt)) and 0 <= first and first + EL <= E,  # (SymInt: traced dynamic)
           f"experts {first}..{first + EL - 1} are not among the router's {E}")
     for name, shape in (("router_w", (E, D)), ("shared_expert_gate_w", (1, D))):
         w = getattr(a, name)
@@ -58,7 +58,8 @@ def _check(a):
         w = getattr(a, name)
         check_tensor(w, name, ndim=2)
         fp8.check_weight(w, getattr(a, name[:-2] + "_s"), name, a.h.dtype, a.h.device, shape)
-    check(isinstance(a.top_k, int) and 1 <= a.top_k <= E, f"top_k must be in 1..{E} (the experts), got {a.top_k}")
+    check(isinstance(a.top_k, (int, torch.SymInt)) and 1 <= a.top_k <= E,
+          f"top_k must be in 1..{E} (the experts), got {a.top_k}")
 
 
 @metrale_op(check=_check)
