@@ -209,6 +209,15 @@ def test_bad_inputs_name_op_and_argument():
     args[3] = args[3][..., :8]
     with pytest.raises(ValueError, match=r"metrale::paged_attention: k_cache blocks hold"):
         OPS.paged_attention(*args)
+    # no key heads / no KV heads: were ZeroDivisionErrors in the checks' modulo (HV % H, HQ % HKV)
+    args = list(op_args("gdn_recurrence", case, torch.float32))
+    args[0], args[1] = args[0][:, :0], args[1][:, :0]
+    with pytest.raises(ValueError, match=r"metrale::gdn_recurrence: q must have heads of a positive size"):
+        OPS.gdn_recurrence(*args)
+    args = list(op_args("paged_attention", case, torch.float32))
+    args[1], args[2], args[3], args[4] = (t[..., :0, :] for t in args[1:5])
+    with pytest.raises(ValueError, match=r"metrale::paged_attention: k \(.*\) do not fit q .*HQ % HKV == 0"):
+        OPS.paged_attention(*args)
     args = list(op_args("attn_proj", case, torch.float32))
     args[12] = 0  # head_dim: was a ZeroDivisionError in the check's modulo
     for impl in (OPS.attn_proj, REGISTRY["attn_proj"].cuda):

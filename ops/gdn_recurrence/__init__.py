@@ -33,6 +33,7 @@ from .split import gdn_recurrence_split, split_max_len, use_recurrent
 def _check(a):
     check_tensor(a.q, "q", ndim=3)
     T, H, K = a.q.shape
+    check(H > 0 and K > 0, f"q must have heads of a positive size, got shape {tuple(a.q.shape)}")
     dtype, device = a.q.dtype, a.q.device
     check_tensor(a.k, "k", ndim=3, dtype=dtype, device=device)
     check(tuple(a.k.shape) == (T, H, K), f"k has shape {tuple(a.k.shape)}, q has {(T, H, K)}")

@@ -30,11 +30,12 @@ from .prefill import paged_attention_prefill
 def _check(a):
     check_tensor(a.q, "q", ndim=3)
     T, HQ, HD = a.q.shape
+    check(HQ > 0 and HD > 0, f"q must have heads of a positive size, got shape {tuple(a.q.shape)}")
     dtype, device = a.q.dtype, a.q.device
     for name, t in (("k", a.k), ("v", a.v)):
         check_tensor(t, name, ndim=3, dtype=dtype, device=device)
     HKV = a.k.shape[1]
-    check(tuple(a.k.shape) == (T, HKV, HD) and a.k.shape == a.v.shape and HQ % HKV == 0,
+    check(tuple(a.k.shape) == (T, HKV, HD) and a.k.shape == a.v.shape and HKV > 0 and HQ % HKV == 0,
           f"k {tuple(a.k.shape)} / v {tuple(a.v.shape)} do not fit q {(T, HQ, HD)} (GQA needs HQ % HKV == 0)")
     for name, t in (("k_cache", a.k_cache), ("v_cache", a.v_cache)):
         check_tensor(t, name, ndim=4, dtype=dtype, device=device)
