@@ -179,8 +179,13 @@ def wait_for(cond: threading.Condition, predicate, timeout: float | None) -> boo
 
 def deliver(outputs: dict[Channel, list]) -> None:
     """Put each channel's items with one lock and one wakeup per channel, and wake the asyncio consumers with
-    one call_soon_threadsafe per event loop (a step's outputs, all at once)."""
-    _wake_async([w for channel, items in outputs.items() for w in channel.put_all(items)])
+    one call_soon_threadsafe per event loop (a step's outputs, all at once). Each channel's items leave `outputs`
+    as they are put: what is left there after a failure was not delivered (the loop's end delivers it)."""
+    waiters = []
+    while outputs:
+        channel, items = outputs.popitem()
+        waiters += channel.put_all(items)
+    _wake_async(waiters)
 
 
 def _wake_async(waiters: list) -> None:

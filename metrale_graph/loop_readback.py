@@ -68,6 +68,8 @@ class Launched:
 class LoopReadBack:
     """EngineLoop's read-back of its launched steps (the module docstring)."""
 
+    _undelivered: dict | None = None  # a step's outputs by channel while they are made, until deliver() puts them
+
     def _to_host(self, result, pieces: list) -> tuple[_HostCopy, object]:
         """(_HostCopy, event): a step's sampling result (sampling.SampleResult, or None) and prompt logprobs
         (pieces) copied to host memory behind the step, and the CUDA event after the copies (None on the CPU,
@@ -123,6 +125,7 @@ class LoopReadBack:
         # one pass over the step's requests, the cheapest per request that it can be (a decode step of many streams
         # is host work per request): outputs grouped by channel, the channel's list looked up only when it changes
         now, outputs, channel, items, taken = time.perf_counter(), {}, None, None, 0
+        self._undelivered = outputs  # (should the loop die before deliver: its end delivers them)
         advance = self._advance
         for r, token, entry in zip(done.sampled, tokens, logprobs):
             if r.finish_reason is not None or r.error is not None:  # (r.ended) it stopped at the step before (this
@@ -131,7 +134,7 @@ class LoopReadBack:
             try:
                 output = advance(r, token, now, entry)
             except Exception as e:  # the tokenizer failed on its tokens, or its slot's reset did
-                self._fail(r, e)
+                self._fail(r, e, flush=False)
                 continue
             if r.channel is not channel:
                 channel = r.channel
@@ -139,6 +142,14 @@ class LoopReadBack:
             items.append(output)
         self._generated += taken
         deliver(outputs)  # the step's outputs together: one wakeup per consumer, not one per token
+        self._undelivered = None
+
+    def _flush_undelivered(self) -> None:
+        """Deliver what a step cut short by a failure had made (best effort): a request it ended (its slot freed,
+        out of the scheduler) gets its last output, so no consumer waits for it forever."""
+        outputs, self._undelivered = self._undelivered, None
+        with contextlib.suppress(Exception):
+            deliver(outputs)
 
     def _commit(self, launched: Launched) -> None:
         """Advance `launched`'s slots: its decodes read the last token each request has taken in."""
@@ -187,7 +198,11 @@ class LoopReadBack:
         for c in step:
             self._fail(c.request, error)
 
-    def _fail(self, r: Request, error: BaseException) -> None:
+    def _fail(self, r: Request, error: BaseException, flush: bool = True) -> None:
+        """End r with `error` (a no-op once it has ended). flush: first deliver the outputs of a step cut short
+        (requests it ended must still see their last output); False from inside the loops that make them."""
+        if flush and self._undelivered:
+            self._flush_undelivered()
         if r.ended:
             return
         r.error = error

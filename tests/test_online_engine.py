@@ -554,3 +554,29 @@ def test_a_model_converted_after_the_engine_was_built(compile):
         with pytest.raises(ValueError, match="converted or moved .* after this Engine was built: .* build a new Engine"):
             call()
     _assert_cache_empty(engine)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_loop_that_dies_delivering_still_ends_every_request(tiny, monkeypatch, overlap):
+    """A bug that stops the loop between a step ending a request (its slot freed, out of the scheduler) and that
+    step's outputs reaching their channels left the request's channel open: its consumer waited forever for the
+    last output. The loop's end now delivers what the step had made, then ends the others with EngineClosedError."""
+    import metrale_graph.loop_readback as readback
+
+    real, raised = readback.deliver, []
+
+    def deliver(outputs):
+        if not raised and any(o.finish_reason for items in outputs.values() for o in items):
+            raised.append(1)
+            raise RuntimeError("a bug in the loop")
+        return real(outputs)
+
+    monkeypatch.setattr(readback, "deliver", deliver)
+    engine = Engine(tiny, overlap=overlap, **KW)
+    short, long = (engine.submit(p, max_new_tokens=n, stop_token_ids=[]) for p, n in zip(_prompts([2, 3]), (2, 6)))
+    out = short.result(TIMEOUT)  # (TimeoutError: its channel was never closed)
+    assert raised and out.finish_reason == "length" and len(out.token_ids) == 2
+    with pytest.raises(EngineClosedError, match="a bug in the loop"):
+        long.result(TIMEOUT)
+    with pytest.raises(EngineClosedError):
+        engine.submit([1, 2])

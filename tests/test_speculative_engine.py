@@ -367,6 +367,35 @@ def test_a_failed_speculative_step_leaves_later_requests_exact(models, monkeypat
             assert e.stats().running == 0 and e.stats().used_blocks == 0
 
 
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_a_step_failing_after_it_ended_a_request_still_delivers_that_request(models, monkeypatch, method):
+    """A speculative step that fails after its tokens ended a request (its slot freed) but before its outputs reached
+    their channels failed the step's other requests and skipped the ended one (_fail: a no-op once a request has
+    ended), whose consumer then waited forever for its last output. The outputs the step had made are now delivered
+    before the others fail; the engine goes on with plain decoding's tokens."""
+    model, cfg = models["dense"], CONFIGS["dense"]
+    prompts = prompts_of(cfg)[:2]
+    reference = plain(model, prompts, 10)
+    monkeypatch.setattr(verify, "ngram_propose", Oracle(prompts, reference, cfg.vocab_size))
+    real, raised = verify.deliver, []
+
+    def deliver(outputs):
+        if not raised and any(o.finish_reason for items in outputs.values() for o in items):
+            raised.append(1)
+            raise RuntimeError("injected")
+        return real(outputs)
+
+    monkeypatch.setattr(verify, "deliver", deliver)
+    with Engine(model, 2, compile=False, speculative={"method": method, "num_tokens": 3}) as e:
+        short, long = (e.submit(p, max_new_tokens=n, stop_token_ids=[]) for p, n in zip(prompts, (3, 10)))
+        out = short.result(60)  # (TimeoutError: its channel was never closed)
+        assert raised and (out.token_ids, out.finish_reason) == (reference[0][:3], "length")
+        with pytest.raises(RuntimeError, match="injected"):
+            long.result(60)
+        assert [r.token_ids for r in e.generate(prompts, max_new_tokens=10, stop_token_ids=[])] == reference
+        assert e.stats().running == 0 and e.stats().used_blocks == 0
+
+
 @pytest.mark.parametrize("call", [1, 2, 5])
 def test_a_failing_draft_proposer_fails_its_step_not_the_engine(models, monkeypatch, call):
     """The n-gram proposer raising (prompt lookup is host code: a bug, a MemoryError) while a step is planned, before

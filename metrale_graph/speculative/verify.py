@@ -357,6 +357,7 @@ class SpeculativeStep:
         loop._steps += 1
         loop._prompt_tokens += sum(len(c.tokens) for c in step[decodes:])
         now, outputs, last = time.perf_counter(), {}, []
+        loop._undelivered = outputs  # (should the loop die before deliver: its end delivers them)
         emitted = out.get("spec", {}) | out.get("plain", {})
         for i, (toks, entries) in sorted(emitted.items()):
             r = reqs[i]
@@ -368,7 +369,7 @@ class SpeculativeStep:
                 try:
                     outputs.setdefault(r.channel, []).append(loop._advance(r, t, now, entry))
                 except Exception as e:  # the tokenizer failed on its tokens, or its slot's reset did
-                    loop._fail(r, e)
+                    loop._fail(r, e, flush=False)
             r.sampled = len(r.out)
             if not r.ended:
                 last.append((r.slot, r.out[-1]))
@@ -377,6 +378,7 @@ class SpeculativeStep:
             loop.last_tokens.index_copy_(0, to_device(int_tensor(slots), loop.last_tokens.device),
                                          to_device(int_tensor(ids), loop.last_tokens.device))
         deliver(outputs)
+        loop._undelivered = None
 
 
 def targets(cache, tokens: list[int], entries: list[int]) -> None:
