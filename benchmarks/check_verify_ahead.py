@@ -4,8 +4,11 @@ per stream count four settings in turn: plain decoding (every request speculate=
 ahead (METRALE_VERIFY_AHEAD: step N + 1 launched before N's counts are read back). Per setting one untimed generate
 call, then a timed one: wall ms per step, tokens per stream and step, ms per token of one stream, and the steps
 launched ahead. Random weights with a random one-layer MTP head (drafts nearly always rejected: about one token a
-step), so what differs between the settings is the host's part of the step, not the acceptance. The tokens of
-every setting must equal plain decoding's (greedy): a mismatch is an error.
+step), so what differs between the settings is the host's part of the step, not the acceptance. The three
+speculative settings run the same shapes, so their tokens must be equal (greedy): a mismatch is an error. Plain
+decoding runs other shapes (a verify step has k + 1 rows a stream), so in bf16 its tokens may part from theirs at a
+near tie of random weights (the GPU tests check equality in fp32): each row prints the share of tokens equal to
+plain decoding's before the first difference.
 
     python benchmarks/check_verify_ahead.py --preset qwen3.5-9b --streams 1,8 --k 2 --new 96 --json FILE
 """
@@ -21,6 +24,14 @@ import torch
 from metrale_graph import Engine, HybridModel, envs
 from metrale_graph.config import PRESETS
 from metrale_graph.tools.provenance import provenance
+
+
+def _common(a: list, b: list) -> int:
+    """How many leading tokens two streams share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def main(argv=None) -> None:
@@ -55,7 +66,7 @@ def main(argv=None) -> None:
         ahead = VerifyAhead(spec)
         for n in streams:
             prompts = [torch.randint(0, cfg.vocab_size, (args.context,), generator=g).tolist() for _ in range(n)]
-            reference = None
+            plain = reference = None
             for setting in ("plain", "sync", "after", "ahead"):
                 spec.ahead = ahead if setting == "ahead" else None
                 with envs.override(**{"METRALE_MTP_AFTER": "1" if setting in ("after", "ahead") else "0"}):
@@ -69,14 +80,18 @@ def main(argv=None) -> None:
                     if device == "cuda":
                         torch.cuda.synchronize()
                     seconds, after = time.perf_counter() - t0, engine.stats()
-                reference = out if reference is None else reference
-                if out != reference:
-                    raise RuntimeError(f"{setting} at {n} streams gave other tokens than plain decoding")
+                if setting == "plain":
+                    plain = out
+                else:
+                    reference = out if reference is None else reference
+                    if out != reference:
+                        raise RuntimeError(f"{setting} at {n} streams gave other tokens than the synchronous MTP step")
                 steps = after.steps - before.steps
                 row = {"setting": setting, "streams": n, "k": K, "steps": steps,
                        "ms_per_step": round(1e3 * seconds / steps, 3),
                        "tokens_per_step": round(n * args.new / steps / n, 3),
-                       "ms_per_token": round(1e3 * seconds / args.new, 3), "chained": ahead.chained - chained}
+                       "ms_per_token": round(1e3 * seconds / args.new, 3), "chained": ahead.chained - chained,
+                       "same_as_plain": round(sum(_common(a, b) for a, b in zip(out, plain)) / (n * args.new), 3)}
                 rows.append(row)
                 print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     if args.json:
