@@ -413,6 +413,24 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(server, client, engine):
     assert _metrics(server)["metrale_prefix_cache_hits_total"] >= hits + cached
 
 
+def test_responses_usage_is_the_clients_type_with_its_prefix_cache_hits(client):
+    """The Responses API's usage has every field of the openai client's ResponseUsage (which its models do not check:
+    a missing input_tokens_details.cache_write_tokens read as None), whole and in response.completed; a repeated input
+    counts its prefix-cache hits as cached_tokens, and the prefix cache writes nothing billed (cache_write_tokens 0)."""
+    from openai.types.responses import Response, ResponseCompletedEvent
+
+    text = "Tell me about the weather in Paris, " * 12
+    first = client.responses.with_raw_response.create(model=NAME, input=text, max_output_tokens=3, temperature=0)
+    again = client.responses.create(model=NAME, input=text, max_output_tokens=3, temperature=0)
+    Response.model_validate_json(first.text)  # (strictly: the client's parse skips the checks)
+    events = list(client.responses.create(model=NAME, input=text, max_output_tokens=3, temperature=0, stream=True))
+    ResponseCompletedEvent.model_validate(events[-1].model_dump())
+    for usage in (again.usage, events[-1].response.usage):
+        details = usage.input_tokens_details
+        assert 0 < details.cached_tokens < usage.input_tokens and details.cache_write_tokens == 0, usage
+        assert usage.input_tokens == first.parse().usage.input_tokens
+
+
 def test_bench_serve_runs_against_the_server(server, capsys, tmp_path):
     from metrale_graph.tools import bench_serve
 

@@ -108,6 +108,9 @@ OutputItem = Union[OutputReasoning, OutputMessage, OutputFunctionCall, OutputCus
 
 
 class InputTokensDetails(BaseModel):
+    """The openai client's (every field required): the prompt tokens restored from the prefix cache; those written to a
+    cache billed apart (OpenAI's extended caching), none here: the prefix cache keeps what it computed at no charge."""
+    cache_write_tokens: int = 0
     cached_tokens: int = 0
 
 
