@@ -49,6 +49,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from .grammar_unicode import joined_pairs, schema_pairs, tag_pairs
 from .structured import StructuredOutput, StructuredOutputError, choice_grammar
 
 MAX_CACHED = 256  # compiled grammars kept (each a few MB at most for big schemas)
@@ -118,17 +119,18 @@ class Grammars:
         compiler = self._compiler
         try:
             if spec.kind in ("json", "json_object"):
-                schema = spec.source if spec.kind == "json" else '{"type": "object"}'
+                schema = schema_pairs(spec.source) if spec.kind == "json" else '{"type": "object"}'
                 return compiler.compile_json_schema(schema, any_whitespace=False)  # compact (module docstring)
             if spec.kind == "regex":
-                return compiler.compile_regex(spec.source)
+                return compiler.compile_regex(joined_pairs(spec.source, "regex"))
             if spec.kind == "choice":
                 return compiler.compile_grammar(choice_grammar(json.loads(spec.source)))
             if spec.kind == "structural_tag":
-                return compiler.compile_structural_tag(spec.source)
-            if is_lark(spec.source):
-                return compiler.compile_lark(spec.source)
-            return compiler.compile_grammar(spec.source)
+                return compiler.compile_structural_tag(tag_pairs(spec.source))
+            source = joined_pairs(spec.source, "grammar")
+            return compiler.compile_lark(source) if is_lark(source) else compiler.compile_grammar(source)
+        except StructuredOutputError:  # (grammar_unicode's: a lone surrogate escape)
+            raise
         except (RuntimeError, ValueError) as e:
             raise StructuredOutputError(f"{spec.kind}: the {_NAMES[spec.kind]} does not compile: {_reason(e)}") from None
 
@@ -189,7 +191,9 @@ def json_format(schema: str) -> dict:
     mask cannot hold them off. StructuredOutputError when xgrammar cannot convert it."""
     xgr = _xgrammar()
     try:
-        grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+        grammar = str(xgr.Grammar.from_json_schema(schema_pairs(schema), any_whitespace=False))
+    except StructuredOutputError:
+        raise
     except (RuntimeError, ValueError) as e:
         raise StructuredOutputError(f"json: the JSON schema does not compile: {_reason(e)}") from None
     return {"type": "grammar", "grammar": grammar.replace(_BOUNDED_CHARACTER, _JSON_CHARACTER)}

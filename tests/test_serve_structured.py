@@ -269,6 +269,41 @@ def test_vllm_s_fields(client, endpoint, field, value, check):
         assert finish == "stop" and check(text), (temperature, text)
 
 
+# characters outside the BMP (two UTF-16 units: JavaScript's regular expressions, and so JSON Schema's patterns, write them
+# as a pair of escapes), each with the Python expression its reply must match (xgrammar read each escape of a pair as a
+# code point of its own, and wrote their surrogates' UTF-8: replies decoded to U+FFFD's)
+ASTRAL = [  # (endpoint, field, value, the text's expression)
+    ("chat", "response_format", {"type": "json_schema", "json_schema": {"name": "e", "schema": {
+        "type": "object", "properties": {"e": {"enum": ["🙂", "a😀b", "𝄞"]}, "c": {"const": "🎉 ok"}},
+        "required": ["e", "c"], "additionalProperties": False}}}, r'\{"e": "(🙂|a😀b|𝄞)", "c": "🎉 ok"\}'),
+    ("chat", "response_format", {"type": "json_schema", "json_schema": {"name": "e", "schema": {
+        "type": "object", "properties": {"e": {"type": "string", "pattern": r"^(\ud83d\ude00|\uD83C\uDF89){1,3}x$"}},
+        "required": ["e"], "additionalProperties": False}}}, r'\{"e": "(😀|🎉){1,3}x"\}'),
+    ("completions", "structured_outputs", {"regex": r"[\ud83d\ude00-\ud83d\ude02]{2}\\ud83d[\u{1F389}]"},
+     r"[😀-😂]{2}\\ud83d🎉"),  # (an escaped backslash: then ud83d is text)
+    ("completions", "guided_grammar", r'root ::= "\ud83d\ude00" [\ud83d\ude01-\ud83d\ude02] "\U0001F389"', "😀[😁😂]🎉"),
+    ("completions", "guided_grammar", '?start: "\\ud83d\\ude00" /[\\ud83d\\ude01-\\ud83d\\ude02]/', "😀[😁😂]"),  # (Lark's)
+    ("completions", "structured_outputs", {"choice": ["😀🎉", "𝄞"]}, "😀🎉|𝄞"),
+]
+
+
+@pytest.mark.parametrize("endpoint, field, value, expression", ASTRAL, ids=[f"{e}-{f}-{i}" for i, (e, f, _, _) in
+                                                                            enumerate(ASTRAL)])
+def test_characters_outside_the_bmp_in_a_grammar_come_out_whole(client, endpoint, field, value, expression):
+    for temperature in (0.0, 1.0):
+        kw = {"temperature": temperature, "seed": 4, "max_tokens": 64, "extra_body": {field: value}}
+        if endpoint == "completions":
+            text = client.completions.create(model=NAME, prompt="Pick:", **kw).choices[0].text
+            streamed = [c.choices[0].text for c in client.completions.create(model=NAME, prompt="Pick:", stream=True, **kw)]
+        else:
+            kw["extra_body"] = {"chat_template_kwargs": {"enable_thinking": False}}
+            text = chat(client, response_format=value, **kw).choices[0].message.content
+            streamed = [c.choices[0].delta.content or "" for c in chat(client, response_format=value, stream=True, **kw)
+                        if c.choices]
+        assert re.fullmatch(expression, text) and "".join(streamed) == text, (temperature, text)
+        assert not any("\ufffd" in piece for piece in streamed), streamed
+
+
 def _error(server, path, body) -> dict:
     base = {"prompt": "x"} if path == "/v1/completions" else {"messages": USER}
     r = httpx.post(server.url + path, json={**base, "max_tokens": 8, **body}, timeout=TIMEOUT)
@@ -307,6 +342,14 @@ BAD = [  # (path, body, param, words of the message)
     ("/v1/chat/completions", {"tools": [WEATHER], "tool_choice": "required", "guided_choice": ["a"]},
      "tool_choice", "already asks for structured output with guided_choice"),
     ("/v1/completions", {"guided_choice": ["a"], "min_tokens": 2}, "min_tokens", "cannot be combined"),
+    # half of a UTF-16 pair stands for no character (test_characters_outside_the_bmp_in_a_grammar_come_out_whole)
+    ("/v1/completions", {"guided_regex": r"a\ud83d"}, "guided_regex", r"\ud83d at 1 is a lead surrogate without its pair"),
+    ("/v1/completions", {"guided_grammar": r'root ::= "\ude00"'}, "guided_grammar", "trail surrogate without its pair"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "pattern": r"\uD83D[\uDE00-\uDE4F]"}}}}, "response_format", "json: pattern: \\uD83D at 0"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"e": {"type": "string", "pattern": r"\ud83d"}}}}}], "tool_choice": "required"},
+     "tool_choice", "lead surrogate"),
 ]
 
 
