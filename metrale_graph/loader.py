@@ -81,6 +81,7 @@ class _Assembler:
         self.reader = CompressedReader(fmt, self.plan, dtype) if fmt is not None else None
         self.out: dict[str, torch.Tensor] = {}
         self.stacks: dict[int, torch.Tensor] = {}  # the buffers of the plan's stacks, by index
+        self.squeezed: set[str] = set()  # keys of FP8 scales stored without their grid's size-1 dims (_check_header)
 
     def dtype_of(self, spec: WeightSpec) -> torch.dtype:
         return weight_dtype(spec, self.dtype)
@@ -249,7 +250,11 @@ def _check_header(header, key: str, path: str, piece: Read, asm: _Assembler) -> 
                 f"have {rows} rows each, not a multiple of 128: {which}. Store the experts one tensor per expert, "
                 "each with its weight_scale_inv (as Qwen's FP8 releases do and metrale-graph's save_pretrained and "
                 "tools.quantize write)")
-    if shape != piece.shape:
+    if spec.kind == SCALE and shape != piece.shape and shape == tuple(n for n in piece.shape if n != 1):
+        # transformers' save of its FP8 MoE experts drops the size-1 dims of each expert's scale grid ([1, 2] as
+        # [2], [1, 1] as a 0-d tensor): the grid's values in order, read whole and reshaped (load_checkpoint)
+        asm.squeezed.add(key)
+    elif shape != piece.shape:
         raise ValueError(f"tensor {key!r} has shape {shape}, the config needs {piece.shape} ({path})")
     if asm.reader is None or not asm.reader.takes(key):
         check_dtype(key, path, header.get_dtype(), piece.spec, asm.cfg)
@@ -316,7 +321,10 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for key, _, piece in items:
-                    stored = take(f.get_slice(key), piece.ranges) if piece.ranges else f.get_tensor(key)
+                    if key in asm.squeezed:
+                        stored = take(f.get_tensor(key).reshape(piece.shape), piece.ranges)
+                    else:
+                        stored = take(f.get_slice(key), piece.ranges) if piece.ranges else f.get_tensor(key)
                     for part, t in asm.reader.convert(key, piece, stored) if asm.reader else [(piece, stored)]:
                         if part.spec.kind == SCALE and (problem := scale_problem(t, dtype)) is not None:
                             raise ValueError(f"tensor {key!r} in {path} {problem}")

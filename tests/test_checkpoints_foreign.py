@@ -261,7 +261,8 @@ def test_transformers_fp8_quantizer_checkpoint(tmp_path, multimodal):
     """Qwen3.5 quantized by transformers' FineGrainedFP8 quantizer (quantize on load, then save_pretrained), the
     modules Qwen keeps listed as patterns: our loader holds its FP8 weights as they are, and runs them as
     transformers runs its own dequantization of that folder. (transformers' save of FP8 MoE experts writes
-    squeezed per-expert scales it cannot read back itself: the MoE families are written by hand below.)"""
+    squeezed per-expert scales it cannot read back itself: the next test; the MoE families in Qwen's layout are
+    written by hand below.)"""
     pytest.importorskip("accelerate")  # transformers needs it for FP8 checkpoints
     import transformers
 
@@ -277,6 +278,53 @@ def test_transformers_fp8_quantizer_checkpoint(tmp_path, multimodal):
     assert {"layers.0.linear_attn.in_proj_qkv.weight", "layers.3.self_attn.k_proj.weight",
             "layers.0.mlp.down_proj.weight"} <= fp8 and "layers.0.linear_attn.in_proj_a.weight" not in fp8
     assert weight_only_error(ours, load_transformers(dst, multimodal, fp8=True)) <= fp32_model_bound(
+        ours.config, max(LENGTHS))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe_text", "qwen3_next"])
+def test_transformers_fp8_quantizer_moe_checkpoint_with_squeezed_expert_scales(tmp_path, family):
+    """An MoE model quantized by transformers' FineGrainedFP8 quantizer and saved: its per-expert weight_scale_inv
+    come out with their size-1 dims dropped (a [1, 1] grid as a 0-d tensor, [2, 1] and [1, 2] as [2]), which
+    transformers cannot read back itself; the loader refused them ('has shape (2,), the config needs (1, 2)'). Such
+    a scale is the grid's values in order (only dims of 1 dropped, nothing transposed), so it loads as the grid; the
+    reference is transformers' dequantization of the same folder with the grids restored."""
+    pytest.importorskip("accelerate")
+    import transformers
+
+    src, dst = str(tmp_path / "bf16"), str(tmp_path / "fp8")
+    sizes = {**fp8_shapes(family, aligned=True), "moe_intermediate_size": 256, "shared_expert_intermediate_size": 128}
+    if family == "qwen3_next":  # its fused in_proj_qkvz splits on 128-row blocks
+        sizes.update(linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1,
+                     linear_num_value_heads=1)
+    transformers_model(family, False, **sizes).save_pretrained(src)
+    quant = transformers.FineGrainedFP8Config(
+        weight_block_size=[128, 128], modules_to_not_convert=["lm_head", "in_proj_a", "in_proj_b", "in_proj_ba",
+                                                              "mlp.gate", "shared_expert_gate"])
+    with pretend_cuda():
+        transformers.AutoModelForCausalLM.from_pretrained(src, quantization_config=quant,
+                                                          dtype=torch.bfloat16).save_pretrained(dst)
+
+    def rewritten(name: str, tensors: dict[str, torch.Tensor]) -> str:
+        folder = str(tmp_path / name)
+        os.makedirs(folder)
+        with open(os.path.join(dst, "config.json")) as f, open(os.path.join(folder, "config.json"), "w") as g:
+            g.write(f.read())
+        save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        return folder
+
+    tensors = load_file(os.path.join(dst, "model.safetensors"))
+    for key, t in tensors.items():
+        if key.endswith("weight_scale_inv"):
+            rows, cols = tensors[key[:-len("_scale_inv")]].shape
+            tensors[key] = t.reshape(-(-rows // 128), -(-cols // 128))
+    grids = rewritten("grids", tensors)
+    key = "model.layers.0.mlp.experts.0.down_proj.weight_scale_inv"  # its grid [1, 2]: stored [2, 1] is refused
+    with pytest.raises(ValueError, match=re.escape(f"{key!r} has shape (2, 1), the config needs (1, 2)")):
+        HybridModel.from_pretrained(rewritten("transposed", {**tensors, key: tensors[key].reshape(2, 1)}),
+                                    progress=False)
+    ours = HybridModel.from_pretrained(dst, progress=False)
+    assert dict(ours.named_parameters())["layers.0.mlp.experts.down_proj"].dtype == torch.float8_e4m3fn
+    assert weight_only_error(ours, load_transformers(grids, False, fp8=True)) <= fp32_model_bound(
         ours.config, max(LENGTHS))
 
 
