@@ -121,7 +121,7 @@ def test_chat_logprobs_equal_the_models_log_softmax(client, model, tokenizer):
     rows = log_softmax_after(model, prompt + ids)[len(prompt) - 1:]
     assert len(content) == len(ids) == 5
     for i, (t, entry) in enumerate(zip(ids, content)):
-        assert entry.token == tokenizer.decode([t]) and entry.bytes == list(entry.token.encode("utf-8"))
+        assert entry.token == tokenizer.decode([t]) and bytes(entry.bytes).decode(errors="replace") == entry.token
         assert abs(entry.logprob - float(rows[i][t])) < TOL
         top = rows[i].topk(4)
         assert [e.token for e in entry.top_logprobs] == [tokenizer.decode([k]) for k in top.indices.tolist()]
@@ -131,6 +131,29 @@ def test_chat_logprobs_equal_the_models_log_softmax(client, model, tokenizer):
     streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [(e.token, e.top_logprobs) for e in streamed] == [(e.token, e.top_logprobs) for e in content]
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=TOL)
+
+
+def test_chat_logprobs_bytes_join_into_the_text(client, tokenizer):
+    """A chat token's `bytes` are its own bytes of the text's UTF-8 (OpenAI's field, for rebuilding a character that
+    spans tokens): a reply held to an emoji and CJK characters (byte-level BPE tokens holding parts of them, whose
+    strings are U+FFFD) joins its tokens' bytes into its text, whole, streamed and in the Responses API; each top
+    entry's bytes read as its token's string. (They were U+FFFD's three bytes for each part, as vLLM writes them.)"""
+    text = "😀 ok 中文"
+    ask = dict(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=30, logprobs=True, top_logprobs=3,
+               temperature=0, extra_body={"structured_outputs": {"regex": text}})
+    whole = client.chat.completions.create(**ask).choices[0]
+    streamed = [e for c in client.chat.completions.create(stream=True, **ask) if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    response = client.responses.create(model=NAME, input="Hi", max_output_tokens=30, temperature=0, top_logprobs=3,
+                                       include=["message.output_text.logprobs"], extra_body={"structured_outputs": {
+                                           "regex": text}})
+    assert whole.message.content == response.output_text == text
+    for entries in (whole.logprobs.content, streamed, response.output[-1].content[0].logprobs):
+        assert any(e.token == "\ufffd" for e in entries)  # (a character in parts)
+        own = [e for e in entries if e.token not in tokenizer.all_special_tokens]  # (the stop token's text is no reply's)
+        assert b"".join(bytes(e.bytes) for e in own) == text.encode()
+        for e in entries:
+            assert all(bytes(t.bytes).decode(errors="replace") == t.token for t in [e, *e.top_logprobs])
 
 
 def test_responses_logprobs_equal_chats(client):

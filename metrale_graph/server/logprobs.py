@@ -3,8 +3,12 @@
 vLLM's `prompt_logprobs` ({token id: {logprob, rank, decoded_token}} per prompt position).
 
 Token strings are vLLM's: `tokenizer.decode([token_id])` of each token alone, special tokens kept, so a token
-that ends inside a UTF-8 character is U+FFFD (and its chat `bytes` U+FFFD's three, as vLLM writes them);
-without a tokenizer, and for a request with vLLM's return_tokens_as_token_ids, "token_id:N" (`token_id_string`).
+that ends inside a UTF-8 character is U+FFFD; without a tokenizer, and for a request with vLLM's
+return_tokens_as_token_ids, "token_id:N" (`token_id_string`). A chat token's `bytes` are OpenAI's: the token's own
+bytes of the text's UTF-8, which joined give the text back where a character spans tokens (a byte-level BPE's, Qwen's:
+the piece read through GPT-2's byte alphabet; an added token's, its content's). vLLM wrote the string's, U+FFFD's
+three bytes for each part of a character, from which no client could rebuild an emoji or a CJK character split in
+tokens; a tokenizer of another kind still gives the string's.
 A logprob of -inf is written -9999.0 (JSON has no infinity; vLLM's value). The values are the raw
 distribution's (metrale_graph/logprobs.py).
 """
@@ -29,11 +33,14 @@ def token_id_string(token_id: int) -> str:
 
 
 class TokenStrings:
-    """Each token id's string, decoded once and kept (a server sees the same few thousand tokens again and
-    again). Used by the event loop only."""
+    """Each token id's string (and its bytes), decoded once and kept (a server sees the same few thousand tokens
+    again and again). Used by the event loop only."""
 
     def __init__(self, tokenizer):
-        self._tokenizer, self._strings = tokenizer, {}
+        self._tokenizer, self._strings, self._bytes = tokenizer, {}, {}
+        self._byte_level = _byte_level(tokenizer)
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self._added = {i: str(getattr(t, "content", t)) for i, t in added.items()}
 
     def __call__(self, token_id: int) -> str:
         string = self._strings.get(token_id)
@@ -41,6 +48,39 @@ class TokenStrings:
             string = token_id_string(token_id) if self._tokenizer is None else self._tokenizer.decode([token_id])
             self._strings[token_id] = string
         return string
+
+    def bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes (the module's docstring says whose)."""
+        out = self._bytes.get(token_id)
+        if out is None:
+            piece = None
+            if self._byte_level and token_id not in self._added:
+                piece = self._tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str) and piece and all(c in _UNICODE_BYTES for c in piece):
+                out = [_UNICODE_BYTES[c] for c in piece]
+            else:
+                out = list(self._added.get(token_id, self(token_id)).encode("utf-8", errors="replace"))
+            self._bytes[token_id] = out
+        return out
+
+
+def _gpt2_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character each byte is written as in a byte-level BPE's pieces, read back."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # ('!'-'~', '¡'-'¬', '®'-'ÿ': themselves)
+    extra = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(extra)}}
+
+
+_UNICODE_BYTES = _gpt2_alphabet()
+
+
+def _byte_level(tokenizer) -> bool:
+    """Whether `tokenizer` (a transformers tokenizer or None) is a byte-level BPE: its pieces spell bytes."""
+    try:
+        from tokenizers import decoders
+    except ImportError:  # pragma: no cover (transformers' fast tokenizers need it)
+        return False
+    return isinstance(getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None), decoders.ByteLevel)
 
 
 def completion_logprobs(strings: TokenStrings, token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None],
@@ -69,13 +109,18 @@ def chat_logprobs(strings: TokenStrings, token_ids: Sequence[int], entries: Sequ
     """OpenAI's chat logprobs of `token_ids`: each token's string, logprob and bytes, and its position's top
     `top_n`."""
     return ChatLogprobs(content=[
-        ChatTokenLogprob(**_top(strings(token), entry.logprob),
-                         top_logprobs=[TopLogprob(**_top(strings(t), v)) for t, v in entry.top[:top_n]])
+        ChatTokenLogprob(**_top(strings, token, entry.logprob),
+                         top_logprobs=[TopLogprob(**_top(strings, t, v)) for t, v in entry.top[:top_n]])
         for token, entry in zip(token_ids, entries)])
 
 
-def _top(string: str, logprob: float) -> dict:
-    return {"token": string, "logprob": _value(logprob), "bytes": list(string.encode("utf-8", errors="replace"))}
+def _top(strings, token: int, logprob: float) -> dict:
+    """A chat entry's token, logprob and bytes; `strings`: a TokenStrings, or token_id_string (vLLM's
+    return_tokens_as_token_ids: the bytes of "token_id:N", as vLLM writes them)."""
+    string = strings(token)
+    own = getattr(strings, "bytes", None)
+    return {"token": string, "logprob": _value(logprob),
+            "bytes": own(token) if own is not None else list(string.encode("utf-8", errors="replace"))}
 
 
 def prompt_logprobs(strings: TokenStrings, prompt: Sequence[int], entries: Sequence[TokenLogprobs | None],
