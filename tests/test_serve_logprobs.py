@@ -75,9 +75,11 @@ def log_softmax_after(model, tokens: list[int]) -> list[torch.Tensor]:
 
 
 def assert_top(top: dict, row: torch.Tensor, n: int, strings, token: int):
-    """A completions top_logprobs dict: the n most likely tokens' strings and the token's own, with their values."""
-    want = {strings(t): float(row[t]) for t in row.topk(n).indices.tolist()}
-    want.setdefault(strings(token), float(row[token]))
+    """A completions top_logprobs dict: the n most likely tokens' strings and the token's own, with their values; a
+    string that several tokens decode to (U+FFFD) with the most likely one's."""
+    want = {}
+    for t in [*row.topk(n).indices.tolist(), token]:
+        want.setdefault(strings(t), float(row[t]))
     assert top.keys() == want.keys()
     assert all(abs(top[k] - want[k]) < TOL for k in want), (top, want)
 
@@ -107,6 +109,24 @@ def test_completion_logprobs_equal_the_models_log_softmax(client, model, tokeniz
         values = sum((s.token_logprobs for s in streamed), [])
         assert all(abs(a - b) < TOL for a, b in zip(values, lp.token_logprobs)) and len(values) == len(ids)
         assert sum((s.top_logprobs for s in streamed), []) == pytest.approx(lp.top_logprobs, abs=TOL)
+
+
+def test_completion_top_logprobs_keep_the_most_likely_of_tokens_of_one_string(client, model, tokenizer):
+    """logprobs: 20: byte tokens of the byte-level BPE that decode to one string (U+FFFD, each part of a character)
+    share one key of a position's top_logprobs, which holds the most likely one's logprob (it held the least likely
+    one's, the last written: a client reading the top's maximum as the greedy token's, as lm-eval does, saw another)."""
+    strings = lambda t: tokenizer.decode([t])  # noqa: E731
+    prompt = tokenizer.encode(PROMPT)
+    choice = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, logprobs=20, temperature=0,
+                                       extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0]
+    rows = log_softmax_after(model, prompt + choice.token_ids)[len(prompt) - 1:]
+    shared = 0
+    for i, t in enumerate(choice.token_ids):
+        top = rows[i].topk(20).indices.tolist()
+        shared += len(top) - len({strings(k) for k in top})
+        assert_top(choice.logprobs.top_logprobs[i], rows[i], 20, strings, t)
+        assert max(choice.logprobs.top_logprobs[i].values()) == pytest.approx(float(rows[i].max()), abs=TOL)
+    assert shared > 0  # (the case)
 
 
 def test_chat_logprobs_equal_the_models_log_softmax(client, model, tokenizer):

@@ -86,7 +86,8 @@ def _byte_level(tokenizer) -> bool:
 def completion_logprobs(strings: TokenStrings, token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None],
                         top_n: int, offset: int = 0) -> CompletionLogprobs:
     """OpenAI's completions logprobs of `token_ids` (entries[i]: token i's, None for a prompt's first token), each
-    position's top `top_n` and the token itself; offsets from `offset` (the text before these tokens)."""
+    position's top `top_n` and the token itself, keyed by their strings (where tokens share one, the most likely's
+    value: vLLM writes the last's); offsets from `offset` (the text before these tokens)."""
     out = CompletionLogprobs()
     for token, entry in zip(token_ids, entries):
         string = strings(token)
@@ -98,8 +99,9 @@ def completion_logprobs(strings: TokenStrings, token_ids: Sequence[int], entries
             out.top_logprobs.append(None)
             continue
         out.token_logprobs.append(_value(entry.logprob))
-        top = {strings(t): _value(v) for t, v in entry.top[:top_n]}
-        top.setdefault(string, _value(entry.logprob))
+        top: dict[str, float] = {}
+        for t, v in [*entry.top[:top_n], (token, entry.logprob)]:  # (most likely first: a string shared by several
+            top.setdefault(strings(t), _value(v))                  # tokens, U+FFFD, keeps the most likely one's)
         out.top_logprobs.append(top)
     return out
 
