@@ -324,10 +324,14 @@ def test_bad_request_gets_its_4xx_and_the_next_is_served(server, client, path, b
 
 
 def test_form_body_and_wrong_method(server):
+    """JSON sent without its Content-Type is a 400 saying what to send (vLLM answers 415), never read as JSON nor a 500:
+    a form (curl -d's default), no type, text/plain (some harnesses'), on each endpoint."""
     headers = {"Authorization": f"Bearer {KEY}"}
-    for kw in ({"data": {"prompt": "x"}}, {"content": b'{"prompt": "x"}'}):  # a form (curl -d's default); no type
-        r = httpx.post(server.url + "/v1/completions", headers=headers, **kw)
-        assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"], r.text
+    body = b'{"prompt": "x", "messages": [{"role": "user", "content": "x"}], "input": "x"}'
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+        for kw in ({"data": {"prompt": "x"}}, {"content": body}, {"content": body, "headers": {"Content-Type": "text/plain"}}):
+            r = httpx.post(server.url + path, headers={**headers, **kw.pop("headers", {})}, **kw)
+            assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"], r.text
     assert httpx.get(server.url + "/v1/completions", headers=headers).status_code == 405
 
 
