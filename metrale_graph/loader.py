@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from .compressed_tensors import checkpoint_format
 from .config import ModelConfig
 from .families import FAMILIES
-from .loader_checks import check_dtype, finite, packed_format
+from .loader_checks import check_dtype, finite, packed_format, per_tensor_fp8
 from .loader_compressed import CompressedReader
 from .placement import as_device, as_dtype, check_host_memory
 from .quantization import MTP_PREFIX, scale_name
@@ -163,6 +163,8 @@ def _check_headers(files: list[str], asm: _Assembler, cfg: ModelConfig
                                      "format metrale-graph does not load, which its config.json's quantization_config "
                                      "does not declare either. Load the model's floating-point checkpoint, or an FP8 "
                                      "one (Qwen's fine-grained FP8, compressed-tensors FP8)")
+                if (error := per_tensor_fp8(keys, cfg, path)) is not None:
+                    raise error
                 for key in keys:
                     name = our_name(key, mtp=cfg.mtp_num_hidden_layers > 0)
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:

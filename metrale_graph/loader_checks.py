@@ -84,3 +84,20 @@ def packed_format(keys) -> tuple[str, str] | None:
             if key.endswith(ending):
                 return what, key
     return None
+
+
+def per_tensor_fp8(keys, cfg: ModelConfig, path: str) -> ValueError | None:
+    """The error for a checkpoint in per-tensor FP8 (AutoFP8's and vLLM's 'fp8' format: quant_method 'fp8' without
+    weight_block_size, one scalar `weight_scale`, and `input_scale` for static activations, per weight) read under a
+    fine-grained FP8 config, which reads 128 x 128 block scales named `weight_scale_inv`; None for other keys.
+    (compressed-tensors' `weight_scale` is read by its own reader, loader_compressed.py.)"""
+    if cfg.quantization is None or cfg.quantization.compressed is not None:
+        return None
+    found = [k for k in keys if k.endswith((".weight_scale", ".input_scale"))]
+    if not found:
+        return None
+    return ValueError(f"checkpoint holds per-tensor FP8 scales (e.g. {found[0]!r} in {path}): AutoFP8's and vLLM's "
+                      "per-tensor 'fp8' format (a quantization_config without weight_block_size), which metrale-graph "
+                      "does not load. It loads fine-grained FP8, each weight with 128 x 128 block scales "
+                      "(weight_scale_inv, as Qwen's FP8 releases), and compressed-tensors FP8: load the model's "
+                      "floating-point checkpoint, or quantize it with metrale-quantize or llm-compressor")

@@ -241,6 +241,12 @@ def _edit(folder, dst, edit, config=None):
     return str(dst)
 
 
+def _per_tensor(tensors):
+    """Each block scale grid -> one scalar weight_scale (its largest), as per-tensor FP8 checkpoints store it."""
+    for key in [k for k in tensors if k.endswith("weight_scale_inv")]:
+        tensors[key[:-len("_inv")]] = tensors.pop(key).float().max()
+
+
 QKV = "model.layers.0.linear_attn.in_proj_qkv"
 B_PROJ = "model.layers.0.linear_attn.in_proj_b"
 BAD = [
@@ -261,6 +267,10 @@ BAD = [
      r"in_proj_qkv\.weight' in .* is float8_e4m3fn, but it is kept in floating point"),
     ("lm_head in fp8", lambda t: t.update({"lm_head.weight": t["lm_head.weight"].to(torch.float8_e4m3fn)}), None,
      r"'lm_head\.weight' in .* is float8_e4m3fn, but it is one metrale-graph keeps in floating point"),
+    # AutoFP8's / vLLM's per-tensor FP8: quant_method 'fp8' without weight_block_size, a scalar weight_scale (and
+    # input_scale) per weight; it was 'N unexpected tensor(s)', or a converted weight's dtype, by the keys' order
+    ("per-tensor scales", _per_tensor, lambda c: c["quantization_config"].pop("weight_block_size"),
+     r"per-tensor FP8 scales \(e\.g\. 'model\.layers\..*\.weight_scale'.*AutoFP8.*weight_scale_inv"),
 ]
 
 
