@@ -26,6 +26,7 @@ once at load and back at save (what transformers' own conversion does):
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
@@ -34,7 +35,7 @@ from tqdm.auto import tqdm
 from .compressed_tensors import checkpoint_format
 from .config import ModelConfig
 from .families import FAMILIES
-from .loader_checks import check_dtype, finite, packed_format, per_tensor_fp8
+from .loader_checks import check_dtype, cut_layer, finite, packed_format, per_tensor_fp8
 from .loader_compressed import CompressedReader
 from .placement import as_device, as_dtype, check_host_memory
 from .quantization import MTP_PREFIX, scale_name
@@ -43,6 +44,7 @@ from .sharding import NOTHING, Read, load_plan
 from .spec import SCALE, WeightSpec, weight_bytes, weight_dtype
 from .weights import MTP_KEYS, _leading, checkpoint_files, take
 
+log = logging.getLogger(__name__)
 EMBEDDINGS = "embed_tokens.weight"  # a tied model's lm_head too
 # Checkpoint prefixes of the language model, most specific first, and of the part of a multimodal checkpoint
 # that a text model never uses (the vision tower): those of every family (families.py).
@@ -146,14 +148,16 @@ def _check_headers(files: list[str], asm: _Assembler, cfg: ModelConfig
     to compare with its embeddings, or None (none stored, or it is the only copy of the pair: then it is
     read as the embeddings). ValueError naming the tensor and its file for a duplicate, mis-shaped or wrongly
     typed one, the unexpected ones (FP8 block scales of a module that is not converted, or under a config
-    without a quantization_config, named as such), the missing ones."""
+    without a quantization_config, named as such), the missing ones. The one kind of extra tensor taken: those of
+    decoder layers past the config's num_hidden_layers (a model cut down by editing config.json), skipped unread
+    with one warning, as transformers skips them (loader_checks.cut_layer); any other stays an error."""
     from safetensors import SafetensorError, safe_open
 
     plan = asm.plan
     given: dict[str, str] = {}  # checkpoint_shapes name -> the checkpoint key that gave it
     given_in: dict[str, str] = {}  # checkpoint key -> its file
     unexpected = []  # (key, file)
-    reads, tied_head = [], None
+    reads, tied_head, cut = [], None, set()  # cut: the layers past num_hidden_layers skipped
     for path in files:
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
@@ -167,6 +171,9 @@ def _check_headers(files: list[str], asm: _Assembler, cfg: ModelConfig
                     raise error
                 for key in keys:
                     name = our_name(key, mtp=cfg.mtp_num_hidden_layers > 0)
+                    if name is not None and (layer := cut_layer(name, cfg)) is not None:
+                        cut.add(layer)
+                        continue
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:
                         _check_header(f.get_slice(key), key, path, plan.reads[EMBEDDINGS], asm)
                         tied_head = (key, path)
@@ -226,6 +233,9 @@ def _check_headers(files: list[str], asm: _Assembler, cfg: ModelConfig
                          f"{_collapse(missing, asm, given)[:5]}{hint if head else ''}"
                          + (" (compressed-tensors names an FP8 weight's scales weight_scale)" if asm.reader and any(
                              n.endswith("_scale_inv") for n in missing) else ""))
+    if cut:
+        log.warning("checkpoint holds %d decoder layer(s) past the config's num_hidden_layers (%d), layers %d to %d: "
+                    "skipped, not read (as transformers skips them)", len(cut), cfg.num_hidden_layers, min(cut), max(cut))
     return reads, tied_head
 
 
@@ -286,8 +296,9 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
     ValueError naming the tensor and its file for a missing, unexpected, duplicate, mis-shaped or wrongly typed one (per
     expert: `layers.3.mlp.experts.17.up_proj.weight`; an FP8 weight that is not float8_e4m3fn, a scale
     for a module that is not converted), and for a file safetensors cannot read. Tensors of the vision
-    tower are skipped, and the MTP head's when the config has none (checkpoint_config settles whether it
-    does); a config with one needs all of it. A tied model takes a stored lm_head equal to the embeddings as
+    tower are skipped, with a warning those of decoder layers past num_hidden_layers (a config cut down), and the
+    MTP head's when the config has none (checkpoint_config settles whether it does); a config with one needs all
+    of it. A tied model takes a stored lm_head equal to the embeddings as
     tied and refuses (ValueError naming tie_word_embeddings) one that differs: transformers does not tie
     such a pair, it runs the stored lm_head. A tied checkpoint storing lm_head alone (safetensors'
     save_model names the pair so) gives the embeddings, as in transformers.

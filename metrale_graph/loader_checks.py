@@ -1,8 +1,11 @@
 """What a checkpoint tensor may be, for the loader (loader.py): the safetensors dtypes each kind of weight may be
-stored in (`check_dtype`, from the headers, before anything is read), and whether what was read is finite
-(`finite`)."""
+stored in (`check_dtype`, from the headers, before anything is read), whether what was read is finite
+(`finite`), the decoder layers a cut-down config leaves out (`cut_layer`), the formats it does not load
+(`packed_format`, `per_tensor_fp8`)."""
 
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -43,6 +46,17 @@ def check_dtype(key: str, path: str, stored: str, spec: WeightSpec, cfg: ModelCo
                if spec.quantizable else "one metrale-graph keeps in floating point (not an FP8 projection)")
         raise ValueError(f"tensor {key!r} in {path} is float8_e4m3fn, but it is {why}; an FP8 checkpoint "
                          "stores such tensors in bf16 / fp16 / fp32")
+
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def cut_layer(name: str, cfg: ModelConfig) -> int | None:
+    """The index of the decoder layer that our name `name` (loader.our_name's: text prefix stripped, the MTP head's
+    under `mtp.`) belongs to when the config holds fewer layers (index >= num_hidden_layers: a model cut down by
+    editing config.json, whose later layers transformers skips with a warning), else None."""
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m and int(m.group(1)) >= cfg.num_hidden_layers else None
 
 
 def dtype_name(stored: str) -> str:

@@ -227,6 +227,83 @@ def test_tied_checkpoint_that_stores_lm_head_for_the_pair(tmp_path, family, mult
     ours = HybridModel.from_pretrained(folder, progress=False)
     check_parity(ours, load_transformers(folder, multimodal), ours.config, LENGTHS)
 
+
+def data_reads(monkeypatch) -> list[str]:
+    """The checkpoint keys whose data the loader reads from here on (get_tensor, or a slice of get_slice); headers
+    (keys, shapes, dtypes) are not counted."""
+    import safetensors
+
+    real, read = safetensors.safe_open, []
+
+    class Recorded:
+        def __init__(self, h, key):
+            self.h, self.key = h, key
+
+        def __getattr__(self, name):
+            return getattr(self.h, name)
+
+        def __getitem__(self, index):
+            read.append(self.key)
+            return self.h[index]
+
+    class Counting:
+        def __init__(self, *a, **k):
+            self.f = real(*a, **k)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_slice(self, key):
+            return Recorded(self.f.get_slice(key), key)
+
+        def get_tensor(self, key):
+            read.append(key)
+            return self.f.get_tensor(key)
+
+    monkeypatch.setattr(safetensors, "safe_open", Counting)
+    return read
+
+
+@pytest.mark.parametrize("multimodal", [False, True], ids=["text", "multimodal"])
+def test_config_cut_to_fewer_layers_loads_the_first_ones(tmp_path, monkeypatch, caplog, multimodal):
+    """A model cut down by editing config.json's num_hidden_layers (and layer_types) below the layers its files hold:
+    transformers loads the first layers and warns of the rest, which was refused here ('checkpoint has 25
+    unexpected tensor(s)'). The later layers' tensors are skipped from their headers (never read) with one warning
+    counting them, the MTP head's tensors still load, and the logits are transformers' own of the cut folder; any
+    other stray tensor is still refused."""
+    folder = str(tmp_path)
+    types = ["linear_attention", "full_attention"] * 2
+    family = "qwen3_5_moe_text" if multimodal else "qwen3_5_text"
+    transformers_model(family, multimodal, layer_types=types).save_pretrained(folder, max_shard_size="60KB")
+    head = mtp_head(family)
+    add_tensors(folder, head)
+
+    def cut(config):
+        text = config["text_config"] if multimodal else config
+        text.update(num_hidden_layers=2, layer_types=types[:2], mtp_num_hidden_layers=1)
+    edit_config(folder, cut)
+    read = data_reads(monkeypatch)
+    with caplog.at_level("WARNING", logger="metrale_graph.loader"):
+        ours = HybridModel.from_pretrained(folder, progress=False)
+    warned = [r.getMessage() for r in caplog.records if "num_hidden_layers" in r.getMessage()]
+    assert len(warned) == 1 and "2 decoder layer(s)" in warned[0], warned
+    assert read and not any(re.search(r"layers\.[23]\.", k) and not k.startswith("mtp.") for k in read), read
+    assert ours.config.num_hidden_layers == 2
+    assert_mtp_head(ours, head)
+    monkeypatch.undo()
+    check_parity(ours, load_transformers(folder, multimodal), ours.config, LENGTHS)
+    prefix = "model.language_model." if multimodal else "model."
+    add_tensors(folder, {prefix + "stray.weight": torch.zeros(3)})
+    with pytest.raises(ValueError, match=r"1 unexpected tensor\(s\), e\.g\. '" + re.escape(prefix + "stray.weight")):
+        HybridModel.from_pretrained(folder, progress=False)
+
 # ---- FP8 --------------------------------------------------------------------------------------------
 
 def fp8_shapes(family: str, aligned: bool) -> dict:
