@@ -533,6 +533,27 @@ def test_head_health_and_the_model_list_with_a_trailing_slash(server):
     assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == [NAME], r.text
 
 
+def test_every_path_is_served_with_a_trailing_slash(server):
+    """`POST /v1/completions/` (curl users' and some clients' base URLs write it) was a 307 to the path without it:
+    curl without -L printed nothing, and a client that follows it may resend without the body. Each path is served
+    as it is without the slash (one slash or more), never redirected, an error in OpenAI's shape included."""
+    bodies = {"/v1/completions/": {"model": NAME, "prompt": "Hi", "max_tokens": 1},
+              "/v1/chat/completions/": {"model": NAME, "messages": CHAT, "max_tokens": 1},
+              "/v1/responses/": {"model": NAME, "input": "Hi", "max_output_tokens": 1},
+              "/tokenize/": {"model": NAME, "prompt": "Hi"}, "/detokenize//": {"model": NAME, "tokens": [1]}}
+    for path, body in bodies.items():
+        r = httpx.post(server.url + path, json=body, timeout=TIMEOUT, follow_redirects=False)
+        assert r.status_code == 200 and r.json(), (path, r.status_code, r.headers.get("location"), r.text)
+    chat = httpx.post(server.url + "/v1/chat/completions/", json={"model": NAME, "messages": CHAT, "max_tokens": 1,
+                                                                  "stream": True}, timeout=TIMEOUT)
+    assert chat.status_code == 200 and chat.text.endswith("data: [DONE]\n\n"), chat.text
+    for path in ("/health/", f"/v1/models/{NAME}/", "/v1/models/", "/metrics/"):
+        r = httpx.get(server.url + path, timeout=10, follow_redirects=False)
+        assert r.status_code == 200, (path, r.status_code, r.headers.get("location"))
+    assert _error(_post(server, "/v1/completions/", {"model": NAME}))["param"] == "prompt"
+    assert _error(httpx.get(server.url + "/v1/models/other/", timeout=10), 404)["code"] == "model_not_found"
+
+
 def test_prompts_of_megabytes_that_could_never_be_queued_are_refused_unread(server):
     """3 MB of prompts, more than the slots and the queue hold (each fits in the context): the 400 naming
     --max-waiting comes from their count, before any is tokenized (78029c8: tokenizing them first held the

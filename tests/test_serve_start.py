@@ -45,6 +45,8 @@ def test_while_the_model_loads_every_path_is_503_and_sigterm_ends_it_at_once(tmp
     try:
         health = _first_answer(server)
         assert (health.status_code, health.json()) == (503, {"status": "loading"}), server.output()
+        slash = httpx.get(server.url + "/health/", timeout=10)  # (served with a trailing slash, as the app serves it)
+        assert (slash.status_code, slash.json()) == (503, {"status": "loading"}), slash.text
         for method, path in [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
                              ("GET", "/metrics"), ("GET", "/nothing")]:
             r = httpx.request(method, server.url + path, json={"prompt": "hi"} if method == "POST" else None,

@@ -8,9 +8,9 @@ and their input items listed), vLLM's /tokenize and /detokenize, /health, /v1/mo
 Endpoints are thin: completions.py and chat.py run the requests (through generation.py, which only
 submits to the engine and awaits its outputs: the engine loop alone steps the model), protocol.py
 and responses.py hold the wire format, errors.py every error answer; tokenization.py runs vLLM's tokenizer
-endpoints. With an API key, every /v1 path and the tokenizer endpoints need `Authorization: Bearer <key>` (checked
-before the body is read); /health and /metrics are open. Every answer carries an `X-Request-Id` (the request's own,
-else a new one). A body of
+endpoints. Every path is served with a trailing slash too (NoTrailingSlash). With an API key, every /v1 path and the
+tokenizer endpoints need `Authorization: Bearer <key>` (checked before the body is read); /health and /metrics are
+open. Every answer carries an `X-Request-Id` (the request's own, else a new one). A body of
 more than `max_request_bytes` is answered 413 while it is read (limits.BodyLimit). `with_cors(app, ...)` wraps an
 app (metrale-serve: the Loading gate, so answers while the model loads have the headers too) in CORSMiddleware,
 vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials.
@@ -80,6 +80,21 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class NoTrailingSlash:
+    """Every path is served with a trailing slash too (`POST /v1/completions/`, as curl users and some clients' base
+    URLs write it): the slashes are dropped before routing. Starlette answered such a path 307 to the path without,
+    which curl without -L never follows (an empty answer) and a client following it may resend without the body."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and len(scope["path"]) > 1 and scope["path"].endswith("/"):
+            path = scope["path"].rstrip("/") or "/"
+            scope = {**scope, "path": path, "raw_path": scope.get("raw_path", b"").rstrip(b"/") or b"/"}
+        await self.app(scope, receive, send)
+
+
 class RequestIdHeader:
     """Every answer carries `X-Request-Id`: the request's own (a client's tracing id, echoed as vLLM's
     --enable-request-id-headers does), else a new one, as OpenAI's answers carry one (the openai client reads it as a
@@ -128,6 +143,7 @@ def build_app(engine, model_name: str, api_key: str | None = None, ready: bool =
     state = ServerState(engine, model_name, api_key, ready, tool_call_parser, reasoning_parser, responses_store_size)
     app = FastAPI(title="metrale-graph", summary=f"OpenAI-compatible server of {model_name}")
     app.state.server = state
+    app.add_middleware(NoTrailingSlash)  # (innermost: the path routed is the path without its trailing slash)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     app.add_middleware(APIKeyMiddleware, state=state)  # (added late, it runs early: a 401 reads no body)
     app.add_middleware(RequestIdHeader)  # (first of all: every answer carries the id, a 401's and a 413's too)
@@ -153,8 +169,6 @@ def build_app(engine, model_name: str, api_key: str | None = None, ready: bool =
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
-        if not model:  # /v1/models/ (a trailing slash): the list
-            return respond(ModelList(data=[state.model_card()]))
         if model != state.model_name:
             raise unknown_model(model, state.model_name)
         return respond(state.model_card())

@@ -34,7 +34,7 @@ class Loading:
             return
         if scope["type"] != "http":
             return
-        if scope["path"] == "/health":
+        if scope["path"].rstrip("/") == "/health":  # (with a trailing slash too, as the app serves it)
             response = JSONResponse({"status": "loading"}, status_code=503)
         else:
             response = loading().response()
