@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from .compressed_tensors import checkpoint_format
 from .config import ModelConfig
 from .families import FAMILIES
-from .loader_checks import check_dtype, cut_layer, finite, packed_format, per_tensor_fp8
+from .loader_checks import check_dtype, cut_layer, finite, listed_absent, packed_format, per_tensor_fp8
 from .loader_compressed import CompressedReader
 from .placement import as_device, as_dtype, check_host_memory
 from .quantization import MTP_PREFIX, scale_name
@@ -148,9 +148,10 @@ def _check_headers(files: list[str], asm: _Assembler, cfg: ModelConfig
     to compare with its embeddings, or None (none stored, or it is the only copy of the pair: then it is
     read as the embeddings). ValueError naming the tensor and its file for a duplicate, mis-shaped or wrongly
     typed one, the unexpected ones (FP8 block scales of a module that is not converted, or under a config
-    without a quantization_config, named as such), the missing ones. The one kind of extra tensor taken: those of
-    decoder layers past the config's num_hidden_layers (a model cut down by editing config.json), skipped unread
-    with one warning, as transformers skips them (loader_checks.cut_layer); any other stays an error."""
+    without a quantization_config, named as such), the missing ones (and the shard the index maps each to, where it
+    maps one to a shard that lacks it: then no tie_word_embeddings hint for lm_head). The one kind of extra tensor
+    taken: those of decoder layers past the config's num_hidden_layers (a model cut down by editing config.json),
+    skipped unread with one warning, as transformers skips them (loader_checks.cut_layer); any other is an error."""
     from safetensors import SafetensorError, safe_open
 
     plan = asm.plan
@@ -222,7 +223,8 @@ def _check_headers(files: list[str], asm: _Assembler, cfg: ModelConfig
         given[EMBEDDINGS] = tied_head[0]
         tied_head = None
     missing = [n for n in plan.layout if n not in given]
-    if missing == ["lm_head.weight"]:
+    absent = listed_absent(files, missing, our_name) if missing else ""  # the index's shards that lack them
+    if missing == ["lm_head.weight"] and not absent:
         raise ValueError("checkpoint lacks lm_head.weight and its config does not tie lm_head to the embeddings: a "
                          "checkpoint whose lm_head is embed_tokens sets tie_word_embeddings true in config.json (a "
                          "multimodal one at its top level, where transformers reads it)")
@@ -230,7 +232,7 @@ def _check_headers(files: list[str], asm: _Assembler, cfg: ModelConfig
         head = all(n.startswith(MTP_PREFIX) for n in missing)  # a head transformers never reads: its main model loads
         hint = "; its MTP head (mtp.*) is incomplete: from_pretrained(..., mtp=False) loads the model without it"
         raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. "
-                         f"{_collapse(missing, asm, given)[:5]}{hint if head else ''}"
+                         f"{_collapse(missing, asm, given)[:5]}{hint if head else ''}{absent}"
                          + (" (compressed-tensors names an FP8 weight's scales weight_scale)" if asm.reader and any(
                              n.endswith("_scale_inv") for n in missing) else ""))
     if cut:

@@ -1,16 +1,19 @@
 """What a checkpoint tensor may be, for the loader (loader.py): the safetensors dtypes each kind of weight may be
 stored in (`check_dtype`, from the headers, before anything is read), whether what was read is finite
-(`finite`), the decoder layers a cut-down config leaves out (`cut_layer`), the formats it does not load
-(`packed_format`, `per_tensor_fp8`)."""
+(`finite`), the decoder layers a cut-down config leaves out (`cut_layer`), the tensors a sharded checkpoint's index
+places in shards that lack them (`listed_absent`), the formats it does not load (`packed_format`, `per_tensor_fp8`)."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 
 import torch
 
 from .config import ModelConfig
 from .spec import FP8_DTYPE, SCALE, WeightSpec
+from .weights import INDEX_FILE, WEIGHTS_FILE
 
 # safetensors' names of the real floating-point dtypes a weight may be stored in; any other (integers,
 # bool, complex, float4, the exponent-only float8 scale format) is refused, not converted
@@ -57,6 +60,21 @@ def cut_layer(name: str, cfg: ModelConfig) -> int | None:
     editing config.json, whose later layers transformers skips with a warning), else None."""
     m = _LAYER.match(name)
     return int(m.group(1)) if m and int(m.group(1)) >= cfg.num_hidden_layers else None
+
+
+def listed_absent(files: list[str], missing: list[str], our_name) -> str:
+    """Where the checkpoint's `files` are the shards of its index (weights.checkpoint_files) and its weight_map maps
+    tensors of `missing` (our names; `our_name`: loader.our_name) to shards that do not hold them (a shard cut, or
+    one of another save), what the loader's error adds: each such tensor and its shard; else ''."""
+    index = os.path.join(os.path.dirname(files[0]), INDEX_FILE) if files else ""
+    if not files or os.path.basename(files[0]) == WEIGHTS_FILE or not os.path.isfile(index):
+        return ""
+    with open(index) as f:  # checkpoint_files has read and checked it
+        weight_map = json.load(f)["weight_map"]
+    absent = set(missing)
+    listed = [f"{k!r} to {v}" for k, v in weight_map.items() if our_name(k) in absent]
+    return (f"; {INDEX_FILE} maps {len(listed)} of them to shards that do not hold them: {', '.join(listed[:5])} "
+            "(a shard cut short, or from another save)") if listed else ""
 
 
 def dtype_name(stored: str) -> str:

@@ -329,6 +329,34 @@ def test_bad_index(checkpoint, text, message):
         HybridModel.from_pretrained(str(checkpoint), progress=False)
 
 
+@pytest.mark.parametrize("key, listed", [("lm_head.weight", True), ("model.layers.2.linear_attn.A_log", True),
+                                         ("lm_head.weight", False)])
+def test_tensor_missing_from_its_shard_names_the_shard(checkpoint, key, listed):
+    """A sharded checkpoint missing a tensor: where its index maps the tensor to a shard that does not hold it (a
+    shard cut or replaced), the error names the shard and suggests nothing else; it said, for lm_head, to set
+    tie_word_embeddings, which would run the embeddings as a head the checkpoint meant to store. Missing from the
+    index too, lm_head alone is a tied checkpoint's absence: the error names tie_word_embeddings."""
+    from helpers import write_sharded
+
+    tensors = load_file(checkpoint / "model.safetensors")
+    (checkpoint / "model.safetensors").unlink()
+    write_sharded(str(checkpoint), tensors, 3)
+    index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"][key] if listed else index["weight_map"].pop(key)
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps(index))
+    held = load_file(checkpoint / shard)
+    held.pop(key)
+    save_file(held, checkpoint / shard)
+    with pytest.raises(ValueError, match=r"lacks") as e:
+        HybridModel.from_pretrained(str(checkpoint), progress=False)
+    if listed:
+        assert re.search(rf"index\.json maps 1 of them to shards that do not hold them: '{re.escape(key)}' to {shard} ",
+                         str(e.value)), e.value
+        assert "tie_word_embeddings" not in str(e.value)
+    else:
+        assert "sets tie_word_embeddings true" in str(e.value)
+
+
 def test_checkpoint_path_is_a_file(checkpoint):
     path = str(checkpoint / "config.json")
     with pytest.raises(ValueError, match="is a file, not a checkpoint folder"):
