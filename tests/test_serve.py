@@ -12,6 +12,7 @@ started ("loading" from the moment it listened). The app's warmup state is teste
 bounded so that a hang fails fast."""
 
 import asyncio
+import importlib.metadata
 import json
 import re
 import threading
@@ -95,6 +96,12 @@ def _ids(engine, prompt, **kw):
 
 def test_health_models_and_api_key(server, client):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    # vLLM's /ping (GET and POST, SageMaker's health check) answers as /health; /version the package's; open as /health
+    for method in ("GET", "POST", "HEAD"):
+        ping = httpx.request(method, server.url + "/ping", timeout=10)
+        assert ping.status_code == 200 and ping.content == (b"" if method == "HEAD" else b'{"status":"ok"}'), method
+    version = httpx.get(server.url + "/version", timeout=10)
+    assert version.status_code == 200 and version.json() == {"version": importlib.metadata.version("metrale-graph")}
     (card,) = client.models.list().data
     assert card.id == NAME and card.max_model_len == MAX_CONTEXT and card.vocab_size > 256
     assert client.models.retrieve(NAME).id == NAME
@@ -475,13 +482,15 @@ def test_warming_up_app_answers_503(engine):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
             health = await c.get("/health")
+            ping = await c.post("/ping")
             refused = await c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
             app.state.server.ready.set()
-            return health, refused, await c.get("/health"), await c.post(
+            return health, ping, refused, await c.get("/health"), await c.post(
                 "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
 
-    health, refused, ready, served = asyncio.run(calls())
+    health, ping, refused, ready, served = asyncio.run(calls())
     assert health.status_code == 503 and health.json() == {"status": "warming up"}
+    assert ping.status_code == 503 and ping.json() == {"status": "warming up"}
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "warming_up"
     assert refused.headers["retry-after"] == "1"
     assert ready.status_code == 200 and served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 1

@@ -6,6 +6,7 @@ ever; a --num-blocks that cannot hold one request at the full context ends it be
 (A start that goes on to serve: every server fixture, whose /health answers test_serve.py checks.)
 Waits are bounded so that a hang fails fast."""
 
+import importlib.metadata
 import signal
 import time
 
@@ -47,6 +48,11 @@ def test_while_the_model_loads_every_path_is_503_and_sigterm_ends_it_at_once(tmp
         assert (health.status_code, health.json()) == (503, {"status": "loading"}), server.output()
         slash = httpx.get(server.url + "/health/", timeout=10)  # (served with a trailing slash, as the app serves it)
         assert (slash.status_code, slash.json()) == (503, {"status": "loading"}), slash.text
+        for method in ("GET", "POST"):  # vLLM's /ping answers as /health
+            ping = httpx.request(method, server.url + "/ping", timeout=10)
+            assert (ping.status_code, ping.json()) == (503, {"status": "loading"}), ping.text
+        version = httpx.get(server.url + "/version", timeout=10)  # known before the model is
+        assert version.status_code == 200 and version.json() == {"version": importlib.metadata.version("metrale-graph")}
         for method, path in [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
                              ("GET", "/metrics"), ("GET", "/nothing")]:
             r = httpx.request(method, server.url + path, json={"prompt": "hi"} if method == "POST" else None,

@@ -1,5 +1,6 @@
 """The FastAPI app of an Engine: OpenAI's completions, chat and responses endpoints (stored responses read back, deleted
-and their input items listed), vLLM's /tokenize and /detokenize, /health, /v1/models, /metrics.
+and their input items listed), vLLM's /tokenize and /detokenize, /health (and vLLM's /ping), /version, /v1/models,
+/metrics.
 
     app = build_app(engine, model_name="qwen3.5-9b", api_key=None)    # serve it with uvicorn
     app.state.server.ready.clear() / .set()                           # /health: 503 until set
@@ -9,8 +10,8 @@ Endpoints are thin: completions.py and chat.py run the requests (through generat
 submits to the engine and awaits its outputs: the engine loop alone steps the model), protocol.py
 and responses.py hold the wire format, errors.py every error answer; tokenization.py runs vLLM's tokenizer
 endpoints. Every path is served with a trailing slash too (NoTrailingSlash). With an API key, every /v1 path and the
-tokenizer endpoints need `Authorization: Bearer <key>` (checked before the body is read); /health and /metrics are
-open. Every answer carries an `X-Request-Id` (the request's own, else a new one). A body of
+tokenizer endpoints need `Authorization: Bearer <key>` (checked before the body is read); /health, /ping, /version
+and /metrics are open. Every answer carries an `X-Request-Id` (the request's own, else a new one). A body of
 more than `max_request_bytes` is answered 413 while it is read (limits.BodyLimit). `with_cors(app, ...)` wraps an
 app (metrale-serve: the Loading gate, so answers while the model loads have the headers too) in CORSMiddleware,
 vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials.
@@ -18,6 +19,7 @@ vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-crede
 
 from __future__ import annotations
 
+import importlib.metadata
 import uuid
 from typing import Any
 
@@ -57,6 +59,14 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+
+
+def package_version() -> str:
+    """metrale-graph's version, as installed (GET /version; "unknown" where it is run from a tree not installed)."""
+    try:
+        return importlib.metadata.version("metrale-graph")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 # the paths an API key guards: the OpenAI API's and vLLM's tokenizer endpoints (/health and /metrics stay open)
@@ -154,10 +164,15 @@ def build_app(engine, model_name: str, api_key: str | None = None, ready: bool =
             return Response(out.model_dump_json(), media_type="application/json")
         return EventStream(out)
 
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) health check: /health's answer
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         status = ("shutting down" if state.closing.is_set() else "ok" if state.ready.is_set() else "warming up")
         return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
+
+    @app.get("/version")  # vLLM's: the server's package version
+    async def version():
+        return JSONResponse({"version": package_version()})
 
     @app.get("/metrics")
     async def metrics():

@@ -3,15 +3,16 @@
     gate = Loading()                       # uvicorn.Config(gate, lifespan="off", ...): it answers at once
     gate.serve(build_app(engine, ...))     # the model has loaded: every request goes to the app from now on
 
-While loading, /health answers 503 `{"status": "loading"}` and every other request 503 with Retry-After in
-OpenAI's error shape (code "loading"), its body left unread; the app then answers /health 503 "warming up"
-until its engine is warm (app.state.server.ready), 200 after.
+While loading, /health (and /ping) answers 503 `{"status": "loading"}`, /version the package's version, and every
+other request 503 with Retry-After in OpenAI's error shape (code "loading"), its body left unread; the app then
+answers /health 503 "warming up" until its engine is warm (app.state.server.ready), 200 after.
 """
 
 from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
+from .app import package_version
 from .errors import loading
 
 
@@ -34,8 +35,11 @@ class Loading:
             return
         if scope["type"] != "http":
             return
-        if scope["path"].rstrip("/") == "/health":  # (with a trailing slash too, as the app serves it)
+        path = scope["path"].rstrip("/")  # (with a trailing slash too, as the app serves it)
+        if path in ("/health", "/ping"):
             response = JSONResponse({"status": "loading"}, status_code=503)
+        elif path == "/version":
+            response = JSONResponse({"version": package_version()})
         else:
             response = loading().response()
         await response(scope, receive, send)
