@@ -354,6 +354,19 @@ def test_405_names_the_allowed_methods_and_a_body_that_is_not_utf8_is_400(server
     assert error["code"] == "invalid_json" and "UTF-8" in error["message"], error
 
 
+def test_an_empty_body_is_400_saying_it_is_empty(server):
+    """No body (curl -X POST without -d; an empty one with its JSON type) was 400 "the request body must be a JSON
+    object: Field required", naming no field there is: it says the body is empty, on every POST endpoint. JSON's
+    null is a body: not an object, as before."""
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"):
+        for headers in ({"Content-Type": "application/json"}, {}):
+            error = _error(httpx.post(server.url + path, headers=headers, timeout=10))
+            assert error["message"].startswith("the request body is empty: send a JSON object"), (path, error)
+            assert (error["param"], error["code"]) == (None, "invalid_json"), error
+    error = _error(_post(server, "/v1/completions", b"null"))
+    assert "empty" not in error["message"] and "must be a JSON object" in error["message"], error
+
+
 def _metric_values(server) -> dict:
     text = httpx.get(server.url + "/metrics", timeout=10).text
     values = {}

@@ -139,6 +139,9 @@ def validation_error(e: RequestValidationError, content_type: str | None = None)
         why = (first.get("ctx") or {}).get("error", first.get("msg"))
         return bad_request(f"the request body is not valid JSON: {why}", code="invalid_json")
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if not loc and first.get("type") == "missing":  # no body at all (JSON's null is another error: not an object)
+        return bad_request("the request body is empty: send a JSON object, with the header 'Content-Type: "
+                           "application/json'", code="invalid_json")
     if not loc:
         if not content_type or "json" not in content_type.lower():
             got = f"Content-Type: {content_type}" if content_type else "no Content-Type"
