@@ -43,6 +43,8 @@ def main(argv=None) -> None:
     p.add_argument("--new", type=int, default=96, help="tokens per request of a timed call")
     p.add_argument("--context", type=int, default=512, help="prompt tokens per request")
     p.add_argument("--layers", type=int, default=None, help="keep only this many layers (a quick look)")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                   help="weights dtype (default: bfloat16 on CUDA, float32 on the CPU); fp32 tells a near tie from a defect")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     streams = [int(s) for s in args.streams.split(",")]
@@ -50,7 +52,8 @@ def main(argv=None) -> None:
     if args.layers:
         cfg = cfg.replace(num_hidden_layers=args.layers, layer_types=cfg.layer_types[:args.layers])
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = HybridModel.from_preset(cfg, dtype=torch.bfloat16 if device == "cuda" else torch.float32, device=device)
+    model = HybridModel.from_preset(cfg, dtype=getattr(torch, args.dtype) if args.dtype else (
+        torch.bfloat16 if device == "cuda" else torch.float32), device=device)
     g = torch.Generator().manual_seed(0)
     K, top = args.k, max(streams)
     counts = sorted(set(streams))
