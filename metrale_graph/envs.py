@@ -93,11 +93,11 @@ SETTINGS = _settings(
             "the captured acceptance, one read back for both (speculative/drafting.py, MtpDrafter.launch_after); off: "
             "the drafting after the acceptance's read back. Opt-in until the spec bench says it pays (its CUDA graphs "
             "passed tests/test_gpu_speculative_graphs.py on an H100 at 32df38b)"),
-    Setting("METRALE_VERIFY_AHEAD", "flag", False,
+    Setting("METRALE_VERIFY_AHEAD", "flag", True,
             "speculative \"mtp\" verify step N + 1 launched before step N's accept counts reach the host, its inputs "
             "made on the device from N's (decodes the head follows, no prefix caching: speculative/ahead.py); "
-            "takes the drafting behind the acceptance. Opt-in until it has run on a GPU and the spec bench says it "
-            "pays"),
+            "takes the drafting behind the acceptance. On since its H100 run (benchmarks/HISTORY.md, 3ea35a8: "
+            "9B, k 2, 4-5% off the synchronous MTP step at 1 and 8 streams); 0: the synchronous step"),
     # debug and tool options
     Setting("METRALE_FP8_ACTIVATIONS", "flag", True,
             "FP8 projections round activations to FP8 (W8A8); off: weight-only FP8, a debug mode "

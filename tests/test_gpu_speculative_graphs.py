@@ -47,7 +47,7 @@ def run(model, prompts, compile, speculative=None, **kw):
 def test_captured_tails_give_the_eager_tokens_and_drafts(family, after, monkeypatch):
     """n-gram and MTP drafts through the captured tails (MTP with its drafting after the read back, and behind the
     acceptance: METRALE_MTP_AFTER) against the eager engine: the same tokens, drafts and seeded draws."""
-    with envs.override(**{"METRALE_MTP_AFTER": after}):
+    with envs.override(**{"METRALE_MTP_AFTER": after, "METRALE_VERIFY_AHEAD": "0"}):
         _captured_tails_give_the_eager_tokens_and_drafts(family, monkeypatch)
 
 
@@ -129,8 +129,8 @@ def test_verify_ahead_gives_the_synchronous_tokens_and_drafts(family, monkeypatc
     runs = {}
     for setting in ("METRALE_MTP_AFTER", "METRALE_VERIFY_AHEAD"):
         seen.clear()
-        with envs.override(**{setting: "1"}), Engine(model, 3, compile=True, speculative={"method": "mtp", "num_tokens": 2},
-                                                      **GRID) as e:
+        with envs.override(**{"METRALE_VERIFY_AHEAD": "0", setting: "1"}), \
+                Engine(model, 3, compile=True, speculative={"method": "mtp", "num_tokens": 2}, **GRID) as e:
             out = [r.token_ids for r in e.generate(prompts, max_new_tokens=14, stop_token_ids=[])]
             sampled = [r.token_ids for r in e.generate(prompts, max_new_tokens=14, stop_token_ids=[], temperature=0.8,
                                                        top_k=20, seed=5)]

@@ -57,7 +57,8 @@ def test_verify_ahead_gives_plain_decoding_and_the_synchronous_drafts(models, fa
     runs = {}
     for setting in ("METRALE_MTP_AFTER", "METRALE_VERIFY_AHEAD"):
         drafts.clear()
-        with envs.override(**{setting: "1"}), tail_engine(model, 3, {"method": "mtp", "num_tokens": k}) as e:
+        with envs.override(**{"METRALE_VERIFY_AHEAD": "0", setting: "1"}), \
+                tail_engine(model, 3, {"method": "mtp", "num_tokens": k}) as e:
             out = [r.token_ids for r in e.generate(prompts, **kw)]
             runs[setting] = (out, e.stats().speculative, [dict(d) for d in drafts])
             assert out == reference, setting

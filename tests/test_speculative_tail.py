@@ -125,21 +125,23 @@ def test_tail_functions_give_the_eager_tokens():
 
 @pytest.fixture
 def mtp_after():
-    """METRALE_MTP_AFTER on (opt-in): the MTP drafting behind the captured acceptance."""
-    with envs.override(**{"METRALE_MTP_AFTER": "1"}):
+    """METRALE_MTP_AFTER on (opt-in): the MTP drafting behind the captured acceptance, alone (METRALE_VERIFY_AHEAD,
+    on by default, off: test_speculative_ahead.py covers it)."""
+    with envs.override(**{"METRALE_MTP_AFTER": "1", "METRALE_VERIFY_AHEAD": "0"}):
         yield
 
 
 def test_mtp_drafting_after_the_read_back_when_the_setting_is_off(models, monkeypatch):
-    """METRALE_MTP_AFTER=0 (the default): the captured MTP steps draft after the acceptance's read back
-    (graphs.draft alone, no 'after' entry), with the same tokens and drafts as with it on."""
+    """METRALE_MTP_AFTER=0 (the default) with METRALE_VERIFY_AHEAD=0 (on by default: it takes the drafting behind the
+    acceptance): the captured MTP steps draft after the acceptance's read back (graphs.draft alone, no 'after'
+    entry), with the same tokens and drafts as with it on."""
     model, prompts = models["dense"], prompts_of("dense")
     drafts = recorded_drafts(monkeypatch)
     runs = {}
     for after in ("1", "0"):
         drafts.clear()
         calls = []
-        with envs.override(**{"METRALE_MTP_AFTER": after}), \
+        with envs.override(**{"METRALE_MTP_AFTER": after, "METRALE_VERIFY_AHEAD": "0"}), \
                 tail_engine(model, 3, {"method": "mtp", "num_tokens": 2}, calls) as e:
             out = [r.token_ids for r in e.generate(prompts, max_new_tokens=10, stop_token_ids=[])]
             runs[after] = (out, [dict(d) for d in drafts], e.stats().speculative)
