@@ -1,4 +1,4 @@
-"""Verify ahead (METRALE_VERIFY_AHEAD, opt-in): speculative "mtp" step N + 1 launched before step N's accept counts
+"""Verify ahead (METRALE_VERIFY_AHEAD, on by default): speculative "mtp" step N + 1 launched before step N's accept counts
 reach the host, its inputs made on the device from N's acceptance and drafting; vLLM's asynchronous scheduling with
 speculative decoding, SGLang's overlapped speculative step (docs/speculative.md).
 
