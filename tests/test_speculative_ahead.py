@@ -4,11 +4,12 @@ buffers (test_speculative_tail.py's `tail_engine`: SpeculativeGraphs' functions 
 plain decoding's greedy tokens and the synchronous captured path's drafts and counts, with requests stopping inside
 a chain (stop tokens, max_new_tokens), arriving and aborted while a chain runs, and a launch that fails; a drained
 step run the loop's way inside the KV reservation; every block back at the end. fp32, CPU; graphs on a GPU:
-test_gpu_speculative_graphs.py."""
+test_gpu_speculative_graphs.py. And a differential test: random small workloads with the setting off and on."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from helpers import random_tokens, unit_gain
 from speculative_reference import bigram_model, staggered, with_random_mtp
@@ -255,3 +256,123 @@ def test_a_chain_goes_on_with_the_requests_a_stop_leaves(models, ahead, monkeypa
             assert [h.result().token_ids for h in handles] == reference
             assert no_block_held(e)
     assert subsets
+
+
+class _LetterTokenizer:
+    """One token a letter of "abcdefgh" (id % 8): stop strings meet often; eos 0 (stop_token_ids None stops on it)."""
+    eos_token_id = 0
+
+    def encode(self, text):
+        return [ord(c) % 200 + 1 for c in text]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(97 + i % 8) for i in ids if not (skip_special_tokens and i == 0))
+
+
+def _request(rng, k: int) -> dict:
+    """One request's keywords: max_new_tokens often under 2k + 2, stop tokens (none, random, eos), stop strings,
+    seeded sampling, and now and then a logits processor, prompt logprobs or speculate=False (no chain with it)."""
+    vocab = CONFIGS["dense"].vocab_size
+    kw = {"max_new_tokens": rng.choice([rng.randint(1, 2 * k + 2), rng.randint(5, 28), rng.randint(12, 32)])}
+    if rng.random() < 0.6:
+        kw["stop_token_ids"] = [] if rng.random() < 0.5 else rng.sample(range(vocab), 4)
+    if rng.random() < 0.3:
+        kw["stop"] = ["".join(rng.choice("abcdefgh") for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(1, 2))]
+        kw["include_stop_str_in_output"] = rng.random() < 0.5
+    if rng.random() < 0.4:
+        kw.update(temperature=rng.choice([0.7, 1.0, 1.3]), seed=rng.randrange(1000))
+        kw.update({name: value for name, value in (("top_k", 20), ("top_p", 0.9), ("min_p", 0.05)) if rng.random() < 0.4})
+    other = rng.choice([{"logprobs": 2}, {"min_tokens": rng.randint(1, kw["max_new_tokens"])}, {"presence_penalty": 0.8},
+                        {"logit_bias": {rng.randrange(vocab): 4.0}}, {"speculate": False}, {"prompt_logprobs": 1}]
+                       + [{}] * 14)
+    return {**kw, **other}
+
+
+def _workload(rng) -> dict:
+    """1-4 requests (some arriving once the first has output, some aborted), an engine (k, slots, prefix caching,
+    overlap, max_streams, every block reserved at block_size 1 or plenty) and a model drawn from `rng`."""
+    k, n = rng.choice([1, 2, 3]), rng.randint(1, 4)
+    vocab = CONFIGS["dense"].vocab_size
+    reqs = [dict(prompt=random_tokens(rng.randint(1, 30), rng.randrange(10 ** 6), vocab), kw=_request(rng, k),
+                 late=i > 0 and rng.random() < 0.4, abort=rng.randint(1, 4) if rng.random() < 0.15 else None)
+            for i in range(n)]
+    engine = dict(prefix_cache=rng.random() < 0.1, overlap=rng.random() > 0.1)
+    if rng.random() < 0.4:  # (block_size 1, the requests' reservations and no more: a chain past one fails)
+        engine.update(block_size=1, num_blocks=sum(len(r["prompt"]) + r["kw"]["max_new_tokens"] - 1 for r in reqs))
+    spec = {"method": "mtp", "num_tokens": k, "max_streams": rng.choice([16, 16, 16, 2])}
+    return dict(model=rng.choice(["random", "bigram", "mixture"]), spec=spec, slots=rng.randint(max(2, n), 5),
+                reqs=reqs, engine=engine)
+
+
+def _observed(model, w: dict, setting: str):
+    """The workload's results (tokens, text, finish reason, logprobs) through the online API, whether the cache was
+    left clean, and the steps launched ahead."""
+    with envs.override(METRALE_VERIFY_AHEAD=setting, METRALE_MTP_AFTER="1"), \
+            tail_engine(model, w["slots"], w["spec"], tokenizer=_LetterTokenizer(), **w["engine"]) as e:
+        handles, outputs, done = {}, {}, set()
+
+        def pull(i, n):  # n outputs of request i, unless it finished
+            for _ in range(n):
+                if i not in done:
+                    o = next(outputs[i], None)
+                    if o is None or o.finish_reason is not None:
+                        done.add(i)
+
+        def submit(i):
+            handles[i] = e.submit(w["reqs"][i]["prompt"], **w["reqs"][i]["kw"])
+            outputs[i] = iter(handles[i])
+
+        late = [i for i, r in enumerate(w["reqs"]) if r["late"]]
+        for i, r in enumerate(w["reqs"]):
+            if not r["late"]:
+                submit(i)
+        if late:
+            pull(0, 2)
+            for i in late:
+                submit(i)
+        for i, r in enumerate(w["reqs"]):
+            if r["abort"] is not None:
+                pull(i, r["abort"])
+                handles[i].abort()
+        results = [handles[i].result() for i in range(len(w["reqs"]))]
+        c = e.cache
+        clean = (c.context_lens == c.mtp_context_lens == [0] * c.num_slots and e.stats().running == 0
+                 and (c.free_blocks == c.num_blocks or c.prefix_caching))
+        return results, clean, chained(e) if setting == "1" else 0
+
+
+def test_random_workloads_give_the_synchronous_steps_results():
+    """A differential test of the default path: 24 small workloads drawn from a seeded generator (the dense model
+    with a random head, the bigram checkpoint whose drafts are all kept, and a mixture of the two whose drafts are
+    kept in part; greedy and seeded sampled requests, stop tokens, eos and stop strings met inside accepted runs,
+    max_new_tokens under 2k + 2, processors and opt-outs beside chaining requests, requests arriving and aborted
+    while a chain runs, every block reserved, prefix caching and overlap off), each run with verify ahead off and
+    on: the same tokens, text, finish reasons and logprobs (an aborted request's tokens agree as far as both go), the
+    cache left clean; most workloads chain."""
+    import random
+
+    cfg = CONFIGS["dense"]
+    mixture = bigram_model(cfg, seed=5)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # (the head's fc passes the embedding half, now perturbed: some drafts rejected)
+        mixture.mtp.fc.weight[:, :cfg.hidden_size] += torch.randn(cfg.hidden_size, cfg.hidden_size, generator=g) * 0.35
+    models = {"random": with_random_mtp(unit_gain(HybridModel.from_preset(cfg, seed=1), seed=2), seed=3),
+              "bigram": bigram_model(cfg), "mixture": mixture}
+    rng, steps, chaining, stops = random.Random(2024), 0, 0, 0
+    for case in range(40):
+        w = _workload(rng)
+        (off, clean_off, _), (on, clean_on, n) = (_observed(models[w["model"]], w, s) for s in "01")
+        assert clean_off and clean_on, case
+        for i, (a, b) in enumerate(zip(off, on)):
+            if w["reqs"][i]["abort"] is not None and "abort" in (a.finish_reason, b.finish_reason):
+                m = min(len(a.token_ids), len(b.token_ids))
+                assert a.token_ids[:m] == b.token_ids[:m], (case, i)
+                continue
+            assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason), (case, i, w)
+            assert (a.logprobs is None) == (b.logprobs is None)
+            for x, y in zip(a.logprobs or [], b.logprobs or []):
+                assert x.rank == y.rank and [t for t, _ in x.top] == [t for t, _ in y.top]
+                assert abs(x.logprob - y.logprob) <= 1e-4
+            stops += n > 0 and b.finish_reason == "stop"
+        steps, chaining = steps + n, chaining + (n > 0)
+    assert chaining >= 12 and steps >= 120 and stops >= 4, (chaining, steps, stops)
