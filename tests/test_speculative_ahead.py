@@ -307,7 +307,7 @@ def _workload(rng) -> dict:
 def _observed(model, w: dict, setting: str):
     """The workload's results (tokens, text, finish reason, logprobs) through the online API, whether the cache was
     left clean, and the steps launched ahead."""
-    with envs.override(METRALE_VERIFY_AHEAD=setting, METRALE_MTP_AFTER="1"), \
+    with envs.override(**{"METRALE_VERIFY_AHEAD": setting, "METRALE_MTP_AFTER": "1"}), \
             tail_engine(model, w["slots"], w["spec"], tokenizer=_LetterTokenizer(), **w["engine"]) as e:
         handles, outputs, done = {}, {}, set()
 
