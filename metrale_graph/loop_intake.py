@@ -191,8 +191,7 @@ class LoopIntake:
     def _finish_outstanding(self, requests: list[Request]) -> None:
         """End every request handed in or scheduled and not ended yet with the closing error (after the last outputs of
         a step the loop died in, LoopReadBack._flush_undelivered)."""
-        if self._undelivered:
-            self._flush_undelivered()
+        self._flush_undelivered()
         with self._cond:
             requests = requests + self._inbox
             self._inbox, jobs, self._jobs = [], self._jobs, []

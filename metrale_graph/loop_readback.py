@@ -148,8 +148,9 @@ class LoopReadBack:
         """Deliver what a step cut short by a failure had made (best effort): a request it ended (its slot freed,
         out of the scheduler) gets its last output, so no consumer waits for it forever."""
         outputs, self._undelivered = self._undelivered, None
-        with contextlib.suppress(Exception):
-            deliver(outputs)
+        if outputs:  # (none when no step was cut short)
+            with contextlib.suppress(Exception):
+                deliver(outputs)
 
     def _commit(self, launched: Launched) -> None:
         """Advance `launched`'s slots: its decodes read the last token each request has taken in."""
@@ -201,7 +202,7 @@ class LoopReadBack:
     def _fail(self, r: Request, error: BaseException, flush: bool = True) -> None:
         """End r with `error` (a no-op once it has ended). flush: first deliver the outputs of a step cut short
         (requests it ended must still see their last output); False from inside the loops that make them."""
-        if flush and self._undelivered:
+        if flush:
             self._flush_undelivered()
         if r.ended:
             return
