@@ -6,11 +6,13 @@ instance (__post_init__) and on `from_hf`'s fields. A failed check is a ValueErr
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import sys
 
 from .families import FAMILIES, OPTIONAL_FIELDS
 from .quantization import Fp8Config
-from .rope import check_rope
+from .rope import RopeScaling, check_rope
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -141,5 +143,41 @@ def _checked(v: dict, where: str = "") -> dict:
     need(v["linear_num_value_heads"] % v["linear_num_key_heads"] == 0,
          f"linear_num_value_heads ({v['linear_num_value_heads']}) is not a multiple of "
          f"linear_num_key_heads ({v['linear_num_key_heads']})")
+    _rope_in_float_range(v["rope_scaling"], need)
     check_rope(v, need)
+    _rope_arithmetic(v, need)
     return v
+
+
+def _rope_in_float_range(s, need) -> None:
+    """An integer field of RopeScaling `s` beyond a float's range (JSON's integers have no bound) named, before
+    rope.check_rope compares it as a float (an OverflowError)."""
+    if not isinstance(s, RopeScaling):
+        return
+    for f in dataclasses.fields(s):
+        x = getattr(s, f.name)
+        if isinstance(x, int) and not isinstance(x, bool) and abs(x) > sys.float_info.max:
+            signed = f.name in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+            what = "integer" if f.name == "original_max_position_embeddings" else "number"
+            need(False, f"rope_parameters' {f.name} must be a {'' if signed else 'positive '}{what} for rope_type "
+                        f"{s.rope_type!r}, got {x!r}")
+
+
+def _rope_arithmetic(v: dict, need) -> None:
+    """What rope.check_rope lets through that rope.rope_frequencies (run when the model is built, after its weights are
+    read) cannot compute: llama3's two freq factors present but null, yarn's ramp over log(rope_theta) (0 for theta 1)
+    and log(original / (beta * 2 pi)) (undefined for a negative beta; 0 or null takes transformers' default)."""
+    s = v["rope_scaling"]
+    if s is None:
+        return
+    if s.rope_type == "llama3":
+        for name in ("low_freq_factor", "high_freq_factor"):
+            need(getattr(s, name) is not None,
+                 f"rope_parameters' {name} must be a positive number for rope_type 'llama3', got None")
+    if s.rope_type == "yarn":
+        need(v["rope_theta"] != 1, "rope_type 'yarn' needs a rope_theta other than 1 (its ramp divides by "
+                                   f"log(rope_theta)), got {v['rope_theta']!r}")
+        for name in ("beta_fast", "beta_slow"):
+            x = getattr(s, name)
+            need(x is None or x >= 0, f"rope_parameters' {name} must not be negative for rope_type 'yarn' (its ramp "
+                                      f"takes the log of original_max_position_embeddings / ({name} * 2 pi)), got {x!r}")
