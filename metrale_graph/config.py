@@ -156,13 +156,14 @@ class ModelConfig:
             family, wrapper = MULTIMODAL[model_type]
             text_type, prefix = family.model_type, wrapper.text_prefix
             cfg = dict(cfg["text_config"])
-            cfg.setdefault("model_type", text_type)
+            if cfg.get("model_type") in (None, model_type):  # early checkpoints named it as their wrapper
+                cfg["model_type"] = text_type
             # The multimodal model ties (or not) by its top-level tie_word_embeddings: a text_config's own
             # value is ignored (transformers writes the text config's default, false, under a tied wrapper),
             # but where the top level has none (a config.json written by hand) it is the text_config's, as vLLM
             # reads it (transformers then runs a random lm_head of a checkpoint that stores none).
             cfg["tie_word_embeddings"] = tie if tie is not None else cfg.get("tie_word_embeddings", False)
-            if cfg["model_type"] in FAMILIES and cfg["model_type"] != text_type:
+            if cfg["model_type"] != text_type:
                 raise _invalid(where, f"model_type {model_type!r} config holds a text_config of model_type "
                                       f"{cfg['model_type']!r}; expected {text_type!r}")
             model_type = cfg["model_type"]

@@ -92,6 +92,20 @@ def test_multimodal_config_and_legacy_names():
     assert cfg.tie_word_embeddings and cfg.layer_types == PRESETS["tiny"].layer_types
 
 
+@pytest.mark.parametrize("wrapper, family", [("qwen3_5", "qwen3_5_text"), ("qwen3_5_moe", "qwen3_5_moe_text")])
+def test_text_config_named_as_its_wrapper_reads_as_the_wrappers_text_family(wrapper, family):
+    """A text_config whose model_type is the wrapper's own (as early checkpoints wrote their sub-configs; transformers
+    builds the wrapper's text config from it whatever it names) was 'unsupported model_type 'qwen3_5': metrale-graph
+    runs ... 'qwen3_5''. Another name is refused, saying what the wrapper expects."""
+    text = (PRESETS["tiny"] if family == "qwen3_5_text" else PRESETS["qwen3.5-35b-a3b"]).to_hf()
+    cfg = ModelConfig.from_hf({"model_type": wrapper, "text_config": {**text, "model_type": wrapper}})
+    assert cfg == ModelConfig.from_hf({"model_type": wrapper, "text_config": text}) and cfg.model_type == family
+    for other in ("llama", ""):
+        with pytest.raises(ValueError, match=f"model_type '{wrapper}' config holds a text_config of model_type "
+                                             f"'{other}'; expected '{family}'"):
+            ModelConfig.from_hf({"model_type": wrapper, "text_config": {**text, "model_type": other}})
+
+
 @pytest.mark.parametrize("patch, message", [
     ({"model_type": "qwen3_moe"}, "unsupported model_type 'qwen3_moe'"),  # qwen3_next now runs: test_moe_parity.py
     ({"model_type": "llama"}, "unsupported model_type 'llama'"),
