@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from .compressed_tensors import checkpoint_format
 from .config import ModelConfig
 from .families import FAMILIES
-from .loader_checks import check_dtype, cut_layer, finite, listed_absent, packed_format, per_tensor_fp8
+from .loader_checks import check_dtype, cut_layer, finite, ignored, listed_absent, packed_format, per_tensor_fp8
 from .loader_compressed import CompressedReader
 from .placement import as_device, as_dtype, check_host_memory
 from .quantization import MTP_PREFIX, scale_name
@@ -151,7 +151,8 @@ def _check_headers(files: list[str], asm: _Assembler, cfg: ModelConfig
     without a quantization_config, named as such), the missing ones (and the shard the index maps each to, where it
     maps one to a shard that lacks it: then no tie_word_embeddings hint for lm_head). The one kind of extra tensor
     taken: those of decoder layers past the config's num_hidden_layers (a model cut down by editing config.json),
-    skipped unread with one warning, as transformers skips them (loader_checks.cut_layer); any other is an error."""
+    skipped unread with one warning, as transformers skips them (loader_checks.cut_layer), and the RoPE frequencies
+    of older saves, skipped unread as transformers skips them (loader_checks.ignored); any other is an error."""
     from safetensors import SafetensorError, safe_open
 
     plan = asm.plan
@@ -171,6 +172,8 @@ def _check_headers(files: list[str], asm: _Assembler, cfg: ModelConfig
                 if (error := per_tensor_fp8(keys, cfg, path)) is not None:
                     raise error
                 for key in keys:
+                    if ignored(key):  # the RoPE frequencies of an older save: transformers skips them too
+                        continue
                     name = our_name(key, mtp=cfg.mtp_num_hidden_layers > 0)
                     if name is not None and (layer := cut_layer(name, cfg)) is not None:
                         cut.add(layer)

@@ -1,7 +1,8 @@
 """What a checkpoint tensor may be, for the loader (loader.py): the safetensors dtypes each kind of weight may be
 stored in (`check_dtype`, from the headers, before anything is read), whether what was read is finite
-(`finite`), the decoder layers a cut-down config leaves out (`cut_layer`), the tensors a sharded checkpoint's index
-places in shards that lack them (`listed_absent`), the formats it does not load (`packed_format`, `per_tensor_fp8`)."""
+(`finite`), the buffers transformers skips (`ignored`), the decoder layers a cut-down config leaves out
+(`cut_layer`), the tensors a sharded checkpoint's index places in shards that lack them (`listed_absent`), the
+formats it does not load (`packed_format`, `per_tensor_fp8`)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,13 @@ def check_dtype(key: str, path: str, stored: str, spec: WeightSpec, cfg: ModelCo
                if spec.quantizable else "one metrale-graph keeps in floating point (not an FP8 projection)")
         raise ValueError(f"tensor {key!r} in {path} is float8_e4m3fn, but it is {why}; an FP8 checkpoint "
                          "stores such tensors in bf16 / fp16 / fp32")
+
+
+def ignored(key: str) -> bool:
+    """Whether checkpoint tensor `key` is one transformers skips by name for every model, unread and unmentioned: the RoPE
+    frequencies (`rotary_emb.inv_freq`), a buffer that older saves wrote beside the weights, at the model or in each
+    attention layer, and which the model computes from its config."""
+    return "rotary_emb.inv_freq" in key
 
 
 _LAYER = re.compile(r"layers\.(\d+)\.")

@@ -228,6 +228,30 @@ def test_tied_checkpoint_that_stores_lm_head_for_the_pair(tmp_path, family, mult
     check_parity(ours, load_transformers(folder, multimodal), ours.config, LENGTHS)
 
 
+@pytest.mark.parametrize("family, multimodal", [("qwen3_5_text", False), ("qwen3_5_moe_text", True)],
+                         ids=["qwen3_5", "mm-qwen3_5_moe"])
+def test_rotary_inv_freq_buffers_are_skipped_as_transformers_skips_them(tmp_path, monkeypatch, family, multimodal):
+    """Checkpoints written from a module's buffers as well as its parameters (older transformers, conversion scripts)
+    carry the RoPE frequencies, `rotary_emb.inv_freq`, at the model or in each attention layer: transformers ignores
+    them by name (_adjust_missing_and_unexpected_keys) and loads the folder; here they were 'unexpected tensor(s)'.
+    They are skipped unread, sharded or not; any other stray tensor is still refused."""
+    folder = str(tmp_path)
+    transformers_model(family, multimodal).save_pretrained(folder, **({"max_shard_size": "60KB"} if multimodal else {}))
+    prefix = "model.language_model." if multimodal else "model."
+    stray = {prefix + "rotary_emb.inv_freq": torch.ones(4), prefix + "layers.3.self_attn.rotary_emb.inv_freq":
+             torch.ones(4), "model.visual.rotary_pos_emb.inv_freq": torch.ones(4)}
+    add_tensors(folder, stray)
+    hf = load_transformers(folder, multimodal)
+    read = data_reads(monkeypatch)
+    ours = HybridModel.from_pretrained(folder, progress=False)
+    assert read and not set(read) & set(stray), read
+    monkeypatch.undo()
+    check_parity(ours, hf, ours.config, LENGTHS)
+    add_tensors(folder, {prefix + "rotary_emb.weight": torch.ones(4)})
+    with pytest.raises(ValueError, match=r"1 unexpected tensor\(s\), e\.g\. '" + re.escape(prefix + "rotary_emb.weight")):
+        HybridModel.from_pretrained(folder, progress=False)
+
+
 def data_reads(monkeypatch) -> list[str]:
     """The checkpoint keys whose data the loader reads from here on (get_tensor, or a slice of get_slice); headers
     (keys, shapes, dtypes) are not counted."""
