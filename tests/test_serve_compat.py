@@ -20,7 +20,8 @@ tokenized; CORS at its defaults (vLLM's: any origin, method and header), a brows
 of a cross-origin request, whole and streamed; vLLM's /tokenize (a prompt, messages through the template),
 /detokenize and /tokenizer_info against the tokenizer in this process, and their 400s; a `<think>` in a message's
 text opening no reasoning block (only the reply's turn does), nor a prompt's open block under a grammar held from the
-reply's first token; the Responses API on a server
+reply's first token; a past call's arguments sent as "", null or left out reaching a template that iterates them
+(Qwen3.5's `arguments|items`) as an empty mapping; the Responses API on a server
 without a response store (--responses-store-size 0): store true taken and nothing stored, previous_response_id a 400
 saying so. Waits are bounded so that a hang fails fast."""
 
@@ -45,11 +46,17 @@ SLOTS = 8
 SHUTDOWN_S = 2
 MAX_REQUEST_BYTES = 3 * 1024 * 1024
 TIMEOUT = 120
+# an assistant's past calls as Qwen3.5's template writes them: each argument of a call whose `arguments` is defined
+# through `arguments|items`, unguarded (a string or null there raises)
+CALLS = ("{% for call in message.tool_calls or [] %}{% set call = call.function if call.function is defined else call %}"
+         "<tool_call>{{ call.name }}{% if call.arguments is defined %}{% for name, value in call.arguments|items %}"
+         " {{ name }}={{ value }}{% endfor %}{% endif %}</tool_call>{% endfor %}")
 # Qwen3's switch: a chat template variable that only chat_template_kwargs sets; a line of reasoning_effort, the
 # variable gpt-oss's templates read, which vLLM sets from OpenAI's field of that name; vLLM's RAG documents
 THINKING_TEMPLATE = ("{% if reasoning_effort is defined and reasoning_effort %}<|im_start|>system\nReasoning: "
                      "{{ reasoning_effort }}<|im_end|>\n{% endif %}{% for d in documents or [] %}<|im_start|>system\n"
-                     "{{ d.title }}: {{ d.text }}<|im_end|>\n{% endfor %}" + CHAT_TEMPLATE
+                     "{{ d.title }}: {{ d.text }}<|im_end|>\n{% endfor %}"
+                     + CHAT_TEMPLATE.replace("{{ message['content'] }}", "{{ message['content'] }}" + CALLS)
                      + "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}")
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -504,6 +511,40 @@ def test_tool_call_arguments_sent_as_json_strings_reach_the_template_as_mappings
     assert calls[0]["function"]["arguments"] == {"city": "Paris"} and calls[0]["id"] == "c1"
     assert [c["function"]["arguments"] for c in calls[1:]] == ["[1, 2]", "not json"]
     assert call["function"]["arguments"] == '{"city": "Paris"}'  # the request's own message is not changed
+
+
+def test_a_past_call_sent_without_arguments_reaches_the_template_with_none(server, tokenizer):
+    """A past call's function.arguments sent as "" or null, or left out (a call of a function without parameters, as
+    some clients and other providers write it), reaches the template as an empty mapping, as vLLM reads it ("if
+    arguments is None or empty string, set to {}"): Qwen3.5's template iterates `arguments|items`, and "" or null
+    made every request of such a history a 400 'the chat template failed ... Can only get item pairs from a
+    mapping'. Whole and through /tokenize, the prompt is the one of arguments "{}"; arguments that are not a JSON
+    object (no call the server wrote) still reach the template as they are, its to refuse."""
+    def history(function):
+        call = {"id": "call_1", "type": "function", "function": {"name": "now", **function}}
+        return [{"role": "user", "content": "Hello world!"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "noon"}]
+
+    def rendered(function):
+        r = _post(server, "/tokenize", {"messages": history(function)})
+        assert r.status_code == 200, (function, r.text)
+        return r.json()["tokens"]
+
+    def text(arguments):  # (the template's own rendering here: the assistant's null content reaches it as "")
+        messages = history({"arguments": arguments})
+        messages[1]["content"] = ""
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    assert "<tool_call>now</tool_call>" in text({})
+    assert rendered({"arguments": "{}"}) == tokenizer.encode(text({}), add_special_tokens=False)
+    for function in ({"arguments": ""}, {"arguments": None}, {"arguments": " \n"}, {}):
+        assert rendered(function) == rendered({"arguments": "{}"}), function
+        chat = _post(server, "/v1/chat/completions", {"messages": history(function), "max_tokens": 1})
+        assert chat.status_code == 200, (function, chat.text)
+    assert "<tool_call>now hour=12</tool_call>" in text({"hour": 12})
+    assert rendered({"arguments": '{"hour": 12}'}) == tokenizer.encode(text({"hour": 12}), add_special_tokens=False)
+    error = _error(_post(server, "/v1/chat/completions", {"messages": history({"arguments": "[1, 2]"}), "max_tokens": 1}))
+    assert error["param"] == "messages" and "template" in error["message"], error
 
 
 def test_an_assistants_refusal_in_the_history_is_its_text(server, client):

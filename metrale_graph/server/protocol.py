@@ -310,17 +310,19 @@ class ChatMessage(BaseModel):
 
 
 def _parsed_arguments(call):
-    """A tool call with its function's `arguments` JSON string parsed, if it is a JSON object."""
+    """A tool call with its function's `arguments` JSON string parsed, if it is a JSON object; arguments left out,
+    null or "" (a call without parameters, as some clients write it) as an empty mapping, as vLLM reads them."""
     function = call.get("function") if isinstance(call, dict) else None
-    if not (isinstance(function, dict) and isinstance(function.get("arguments"), str)):
+    arguments = function.get("arguments") if isinstance(function, dict) else 0
+    if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
+        return {**call, "function": {**function, "arguments": {}}}
+    if not isinstance(arguments, str):
         return call
     try:
-        arguments = json.loads(function["arguments"])
+        arguments = json.loads(arguments)
     except ValueError:
         return call
-    if not isinstance(arguments, dict):
-        return call
-    return {**call, "function": {**function, "arguments": arguments}}
+    return {**call, "function": {**function, "arguments": arguments}} if isinstance(arguments, dict) else call
 
 
 # OpenAI's chat fields for what this server's replies cannot be (another verbosity, audio, web search results)
