@@ -35,7 +35,8 @@ from tqdm.auto import tqdm
 from .compressed_tensors import checkpoint_format
 from .config import ModelConfig
 from .families import FAMILIES
-from .loader_checks import check_dtype, cut_layer, finite, ignored, listed_absent, packed_format, per_tensor_fp8
+from .loader_checks import (check_dtype, contradiction, cut_layer, finite, ignored, listed_absent, packed_format,
+                            per_tensor_fp8)
 from .loader_compressed import CompressedReader
 from .placement import as_device, as_dtype, check_host_memory
 from .quantization import MTP_PREFIX, scale_name
@@ -218,7 +219,8 @@ def _check_headers(files: list[str], asm: _Assembler, cfg: ModelConfig
                              "quantization_config (an FP8 checkpoint declares its format there: quant_method 'fp8', "
                              "at the top or in text_config), e.g. " + examples)
         raise ValueError(f"checkpoint has {len(unexpected)} unexpected tensor(s), e.g. "
-                         + ", ".join(f"{k!r} in {f}" for k, f in unexpected[:5]))
+                         + ", ".join(f"{k!r} in {f}" for k, f in unexpected[:5])
+                         + contradiction([our_name(k) for k, _ in unexpected], cfg))
     if tied_head is not None and EMBEDDINGS not in given:
         # the tied pair stored under lm_head's name alone (safetensors' save_model keeps that name of shared
         # tensors; transformers' save_pretrained the embeddings'): transformers takes the embeddings from it

@@ -1,8 +1,9 @@
 """What a checkpoint tensor may be, for the loader (loader.py): the safetensors dtypes each kind of weight may be
 stored in (`check_dtype`, from the headers, before anything is read), whether what was read is finite
 (`finite`), the buffers transformers skips (`ignored`), the decoder layers a cut-down config leaves out
-(`cut_layer`), the tensors a sharded checkpoint's index places in shards that lack them (`listed_absent`), the
-formats it does not load (`packed_format`, `per_tensor_fp8`)."""
+(`cut_layer`), what in the config contradicts the checkpoint's unexpected tensors (`contradiction`), the tensors a
+sharded checkpoint's index places in shards that lack them (`listed_absent`), the formats it does not load
+(`packed_format`, `per_tensor_fp8`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import re
 
 import torch
 
-from .config import ModelConfig
+from .config import FULL, LINEAR, ModelConfig
+from .families import FAMILIES
 from .spec import FP8_DTYPE, SCALE, WeightSpec
 from .weights import INDEX_FILE, WEIGHTS_FILE
 
@@ -68,6 +70,49 @@ def cut_layer(name: str, cfg: ModelConfig) -> int | None:
     editing config.json, whose later layers transformers skips with a warning), else None."""
     m = _LAYER.match(name)
     return int(m.group(1)) if m and int(m.group(1)) >= cfg.num_hidden_layers else None
+
+
+_PART = re.compile(r"layers\.(\d+)\.(linear_attn|self_attn|mlp)\.(.+)")
+_MIXERS = {"linear_attn": LINEAR, "self_attn": FULL}
+
+
+def contradiction(names, cfg: ModelConfig) -> str:
+    """What the loader's unexpected-tensors error adds where the config contradicts what the checkpoint's unexpected
+    tensors (our names, loader.our_name's) say of a main decoder layer: its mixer (layer_types), its feed-forward half
+    (a MoE block or a dense MLP: num_experts, decoder_sparse_step, mlp_only_layers), or the family's GDN layout (the
+    projections fused or apart: model_type); '' where they say nothing of the config."""
+    found: dict[str, list[int]] = {}  # what the config contradicts -> the layers where it does
+    fused = {f.name.split(".")[-2]: fam for fam in FAMILIES.values() for f in fam.fusions}  # in_proj_qkvz -> its family
+    own = {m.split(".")[-2] for f in cfg.family.fusions for m in f.members}  # in_proj_qkv, ... fused in cfg's family
+    moe = set(cfg.moe_layers)
+    for name in names:
+        m = _PART.fullmatch(name or "")
+        if m is None or int(m[1]) >= cfg.num_hidden_layers:
+            continue
+        i, part, module = int(m[1]), m[2], m[3].split(".")[0]
+        if part in _MIXERS and cfg.layer_types[i] != _MIXERS[part]:
+            what = f"layer_types makes layer(s) {{}} {cfg.layer_types[i]!r} where the checkpoint holds {part}.* " \
+                   f"({_MIXERS[part]!r} layers)"
+        elif part == "linear_attn" and module in fused:
+            what = (f"the checkpoint holds linear_attn.in_proj_qkvz and in_proj_ba, fused as {fused[module].model_type!r} "
+                    f"checkpoints store them; the config's model_type is {cfg.model_type!r} (layers {{}})")
+        elif part == "linear_attn" and module in own:
+            what = (f"model_type {cfg.model_type!r} checkpoints fuse linear_attn.in_proj_qkv with in_proj_z (in_proj_qkvz) "
+                    "and in_proj_b with in_proj_a (in_proj_ba); this one holds them apart, as another family's do "
+                    "(layers {})")
+        elif part == "mlp" and module in ("experts", "gate", "shared_expert", "shared_expert_gate") and i not in moe:
+            why = (f"model_type {cfg.model_type!r} has no MoE blocks" if "num_experts" not in cfg.family.fields else
+                   "num_experts 0" if cfg.num_experts == 0 else f"mlp_only_layers {list(cfg.mlp_only_layers)}"
+                   if i in cfg.mlp_only_layers else f"decoder_sparse_step {cfg.decoder_sparse_step}")
+            what = f"the config gives layer(s) {{}} a dense MLP ({why}) where the checkpoint holds a MoE block (mlp.experts.*)"
+        elif part == "mlp" and module in ("gate_proj", "up_proj", "down_proj") and i in moe:
+            what = "the config gives layer(s) {} a MoE block where the checkpoint holds a dense MLP (mlp.gate_proj.*)"
+        else:
+            continue
+        if i not in (layers := found.setdefault(what, [])):
+            layers.append(i)
+    return ("; the config contradicts the checkpoint: " + "; ".join(
+        what.format(", ".join(map(str, sorted(layers)))) for what, layers in found.items())) if found else ""
 
 
 def listed_absent(files: list[str], missing: list[str], our_name) -> str:

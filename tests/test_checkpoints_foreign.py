@@ -252,6 +252,40 @@ def test_rotary_inv_freq_buffers_are_skipped_as_transformers_skips_them(tmp_path
         HybridModel.from_pretrained(folder, progress=False)
 
 
+FULL_FIRST = ["full_attention", "linear_attention", "linear_attention", "full_attention"]
+
+
+@pytest.mark.parametrize("family, edit, message", [
+    ("qwen3_5_text", dict(layer_types=FULL_FIRST),
+     r"layer_types makes layer\(s\) 0 'full_attention' where the checkpoint holds linear_attn\.\* \('linear_attention'"),
+    ("qwen3_5_text", dict(layer_types=["linear_attention"] * 4),
+     r"layer_types makes layer\(s\) 3 'linear_attention' where the checkpoint holds self_attn\.\* \('full_attention'"),
+    ("qwen3_next", dict(mlp_only_layers=[1, 2]), r"the config gives layer\(s\) 1, 2 a dense MLP \(mlp_only_layers "
+                                                 r"\[1, 2\]\) where the checkpoint holds a MoE block"),
+    ("qwen3_next", dict(decoder_sparse_step=2), r"the config gives layer\(s\) 0, 2 a dense MLP \(decoder_sparse_step 2\)"),
+    ("qwen3_next", dict(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"]),
+     r"linear_attn\.in_proj_qkvz and in_proj_ba, fused as 'qwen3_next' checkpoints store them; the config's "
+     r"model_type is 'qwen3_5_moe_text'"),
+    ("qwen3_5_moe_text", dict(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"]),
+     r"model_type 'qwen3_next' checkpoints fuse linear_attn\.in_proj_qkv with in_proj_z \(in_proj_qkvz\) and "
+     r"in_proj_b with in_proj_a \(in_proj_ba\); this one holds them apart"),
+    ("qwen3_5_text", dict(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], num_experts=5,
+                          num_experts_per_tok=2, decoder_sparse_step=2),
+     r"the config gives layer\(s\) 1, 3 a MoE block where the checkpoint holds a dense MLP"),
+], ids=["attention-first", "all-linear", "mlp-only", "sparse-step", "next-as-qwen3_5_moe", "qwen3_5_moe-as-next",
+        "dense-as-next"])
+def test_config_contradicting_the_checkpoint_names_the_field(tmp_path, family, edit, message):
+    """A config.json edited so that it no longer describes its checkpoint (layer_types moved, MoE layers made dense by
+    mlp_only_layers or decoder_sparse_step, another family's model_type) was refused as 'checkpoint has 9 unexpected
+    tensor(s)', naming tensors but not the setting they contradict. The error now says which layers the config and
+    the checkpoint disagree on, and what each holds there."""
+    folder = str(tmp_path)
+    transformers_model(family, False).save_pretrained(folder)
+    edit_config(folder, lambda config: config.update(edit))
+    with pytest.raises(ValueError, match=r"unexpected tensor\(s\).*; the config contradicts the checkpoint: .*" + message):
+        HybridModel.from_pretrained(folder, progress=False)
+
+
 def data_reads(monkeypatch) -> list[str]:
     """The checkpoint keys whose data the loader reads from here on (get_tensor, or a slice of get_slice); headers
     (keys, shapes, dtypes) are not counted."""
