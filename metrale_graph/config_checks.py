@@ -28,6 +28,19 @@ _INT_FIELDS = {name: 1 for name in (
                                                                   "mtp_num_hidden_layers": 0}
 
 
+# field -> (a value below its minimum that transformers builds a model of, what that model is: not supported here)
+_DEGENERATE = {
+    "shared_expert_intermediate_size": (0, "a MoE block without a shared expert (transformers builds one of width 0, "
+                                           "which adds nothing) is not supported"),
+    "moe_intermediate_size": (0, "experts of width 0 (transformers builds them; they add nothing) are not supported"),
+    "intermediate_size": (0, "a dense MLP of width 0 (transformers builds one; it adds nothing) is not supported; the "
+                             "layers without a dense MLP are the MoE layers (num_experts, decoder_sparse_step, "
+                             "mlp_only_layers)"),
+    "linear_conv_kernel_dim": (1, "a Gated DeltaNet conv of kernel 1 (the current token alone: no conv state) is not "
+                                  "supported"),
+}
+
+
 def _invalid(where: str, msg: str) -> ValueError:
     return ValueError(f"invalid model config{where}: {msg}")
 
@@ -63,6 +76,17 @@ def _int(name: str, value, minimum: int, where: str = "") -> int:
     return number
 
 
+def _sized(name: str, value, minimum: int, where: str = "") -> int:
+    """_int, the error saying what the model is where the value is one transformers builds a model of (_DEGENERATE)."""
+    try:
+        return _int(name, value, minimum, where)
+    except ValueError as e:
+        degenerate = _DEGENERATE.get(name)
+        if degenerate is not None and not isinstance(value, bool) and value == degenerate[0]:
+            raise ValueError(f"{e}: {degenerate[1]}") from None
+        raise
+
+
 def _float(name: str, value, ok, expected: str, where: str = "") -> float:
     """A finite int or float (not a bool) for which ok(value) holds, as a float."""
     try:
@@ -95,7 +119,7 @@ def _checked(v: dict, where: str = "") -> dict:
 
     v = dict(v)
     for name, minimum in _INT_FIELDS.items():
-        v[name] = _int(name, v[name], minimum, where)
+        v[name] = _sized(name, v[name], minimum, where)
     v["partial_rotary_factor"] = _float("partial_rotary_factor", v["partial_rotary_factor"], lambda x: 0 < x <= 1,
                                         "a number in (0, 1]", where)
     for name in ("rope_theta", "rms_norm_eps"):
@@ -127,7 +151,7 @@ def _checked(v: dict, where: str = "") -> dict:
                                f"({why}), got {v[name]!r}")
     moe = _moe_layers(v["num_hidden_layers"], v["num_experts"], v["decoder_sparse_step"], layers)
     # a dense MLP needs an intermediate size; a model without one may say 0
-    v["intermediate_size"] = _int("intermediate_size", v["intermediate_size"],
+    v["intermediate_size"] = _sized("intermediate_size", v["intermediate_size"],
                                   1 if len(moe) < v["num_hidden_layers"] else 0, where)
     owned("intermediate_size")
     need(v["quantization"] is None or isinstance(v["quantization"], Fp8Config),

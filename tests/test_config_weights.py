@@ -267,6 +267,23 @@ def test_unreadable_config_file(tmp_path, text, message):
         HybridModel.from_pretrained(str(tmp_path))
 
 
+@pytest.mark.parametrize("preset, patch, message", [
+    ("qwen3.5-35b-a3b", {"shared_expert_intermediate_size": 0},
+     "field 'shared_expert_intermediate_size' must be an integer >= 1, got 0: a MoE block without a shared expert"),
+    ("qwen3-next-80b-a3b", {"shared_expert_intermediate_size": 0}, "without a shared expert .* is not supported"),
+    ("qwen3-next-80b-a3b", {"moe_intermediate_size": 0}, "got 0: experts of width 0 .* are not supported"),
+    ("tiny", {"linear_conv_kernel_dim": 1}, "got 1: a Gated DeltaNet conv of kernel 1 .* is not supported"),
+    ("tiny", {"intermediate_size": 0}, "got 0: a dense MLP of width 0 .* is not supported"),
+    ("qwen3-next-80b-a3b", {"intermediate_size": 0, "mlp_only_layers": [3]}, "got 0: a dense MLP of width 0"),
+])
+def test_degenerate_sizes_transformers_runs_are_refused_as_unsupported(preset, patch, message):
+    """Sizes transformers builds a model of (a zero-width shared expert, experts or dense MLP, adding nothing; a conv
+    over the current token alone) were refused as out of range alone ('must be an integer >= 1, got 0'), as if the
+    config were malformed: the error says the model they describe is not supported, and what it is."""
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf({**PRESETS[preset].to_hf(), **patch})
+
+
 def test_config_fields_checked_in_python():
     tiny = PRESETS["tiny"]
     with pytest.raises(ValueError, match="invalid model config: field 'rope_theta' must be a positive number, got 0"):
