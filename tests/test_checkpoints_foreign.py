@@ -3,7 +3,8 @@ arguments, not from ModelConfig.to_hf) and save_pretrained, for every family and
 file and sharded, fp32 / bf16 / fp16, tied and untied (the pair stored under either name), with what
 transformers' and Qwen's files carry beyond what a text prefill reads (architectures, torch_dtype in place of
 dtype, transformers_version, the mrope rope_parameters, attn_output_gate and mtp_* fields, a vision tower), loaded
-and run against transformers on the same folder (fp32, relative error <= 1e-4); a whole MTP head in Qwen's layout
+and run against transformers on the same folder (fp32, relative error <= 1e-4), and so are unusual configs
+transformers' classes build (UNUSUAL); a whole MTP head in Qwen's layout
 (mtp_head, declared in config.json or not) loads as the model's own. FP8: a checkpoint written by transformers'
 FineGrainedFP8 quantizer, and ones in Qwen's published
 layout written here (bf16 scales, the quantization_config at the top or in text_config, Qwen's explicit
@@ -190,6 +191,47 @@ def test_transformers_checkpoints_load_and_match(tmp_path, family, multimodal, d
     assert ours.config.model_type == family and ours.config.tie_word_embeddings == tie
     assert_mtp_head(ours, head)
     check_parity(ours, load_transformers(folder, multimodal), ours.config, LENGTHS)
+
+
+UNUSUAL = [  # (family, multimodal, transformers' text config kwargs, whether config.json keeps layer_types)
+    pytest.param("qwen3_5_text", False, dict(num_attention_heads=3, num_key_value_heads=1, head_dim=24), True,
+                 id="mqa-3-heads-hd24"),
+    pytest.param("qwen3_5_text", False, dict(layer_types=["linear_attention"] * 4), True, id="all-linear"),
+    pytest.param("qwen3_5_text", False, dict(num_hidden_layers=5, full_attention_interval=3), False, id="interval-3"),
+    pytest.param("qwen3_5_text", False, dict(num_hidden_layers=1, layer_types=["full_attention"]), True,
+                 id="one-attention-layer"),
+    pytest.param("qwen3_5_text", False, dict(vocab_size=257, hidden_size=50, intermediate_size=37,
+                                             linear_conv_kernel_dim=2), True, id="odd-sizes-conv2"),
+    pytest.param("qwen3_5_moe_text", True, dict(full_attention_interval=2, linear_num_key_heads=3,
+                                                linear_num_value_heads=6), False, id="mm-interval-2-gdn-k3-v6"),
+    pytest.param("qwen3_next", False, dict(layer_types=["full_attention"] * 4, num_experts_per_tok=5,
+                                           linear_conv_kernel_dim=7, norm_topk_prob=False), True,
+                 id="next-all-attention-topk-all-conv7"),
+    pytest.param("qwen3_next", False, dict(num_key_value_heads=1, partial_rotary_factor=1.0, num_experts_per_tok=1,
+                                           moe_intermediate_size=13, shared_expert_intermediate_size=7), True,
+                 id="next-mqa-full-rotary-top1"),
+]
+
+
+@pytest.mark.parametrize("family, multimodal, text, layer_types", UNUSUAL)
+def test_unusual_configs_transformers_accepts_match_it(tmp_path, family, multimodal, text, layer_types):
+    """Configs built by transformers' own config classes that no other parity test holds: one key-value head, no
+    attention layer at all (transformers' cache then cannot count positions: its reference runs use_cache=False), one
+    layer, full_attention_interval other than 4 read from config.json where layer_types is absent, odd vocabulary,
+    hidden and MLP sizes, GDN conv kernels 2 and 7, every expert routed or one, a full rotary dim."""
+    folder = str(tmp_path)
+    model = transformers_model(family, multimodal, **text)
+    model.save_pretrained(folder)
+    if not layer_types:  # as hand-written configs give it: the interval alone (transformers writes layer_types)
+        def interval(config):
+            section = config["text_config"] if multimodal else config
+            del section["layer_types"]
+            section["full_attention_interval"] = text["full_attention_interval"]
+        edit_config(folder, interval)
+    ours = HybridModel.from_pretrained(folder, progress=False)
+    assert list(ours.config.layer_types) == list((model.config.text_config if multimodal else model.config).layer_types)
+    model.config.use_cache = False
+    check_parity(ours, model, ours.config, LENGTHS)
 
 
 def assert_mtp_head(model, head: dict[str, torch.Tensor]) -> None:
