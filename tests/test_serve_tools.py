@@ -26,7 +26,8 @@ truncation "auto" (a conversation past the context answered on its most recent i
 of the conversation sent from the first place that fits, a call dropped with its output) and its 400s. Custom (freeform)
 tools, Codex's apply_patch: their input held to a Lark grammar or a regular expression (named, "required", "auto",
 allowed_tools; greedy and sampled), chat's custom calls and deltas, the Responses API's custom_tool_call items and their
-typed stream events, past custom calls and outputs sent back, and their 400s."""
+typed stream events, past custom calls and outputs sent back, and their 400s. POST /v1/responses/input_tokens: the
+input tokens a response to the same request has."""
 
 import enum
 import json
@@ -822,6 +823,41 @@ def test_responses_truncation_auto_that_cannot_fit_is_400(server):
     alone = {k: v for k, v in body.items() if k != "instructions"}  # (the template renders one system message)
     error = _responses_error(server, {**alone, "input": [{"role": "system", "content": NOTE * 25}]})
     assert (error["param"], error["code"]) == ("input", "context_length_exceeded"), error
+
+
+def test_responses_input_tokens_count_is_a_responses_input_tokens(client, server):
+    """POST /v1/responses/input_tokens (the openai client's responses.input_tokens.count: clients measure a
+    conversation before they send it) was a 405 saying the path takes GET (the stored responses' route): it answers
+    OpenAI's {"object": "response.input_tokens", "input_tokens": N}, N the usage.input_tokens of a response to the same
+    request: a string, instructions with tools and a reasoning effort, previous_response_id's conversation, a
+    conversation cut by truncation "auto"; nothing is run or stored. Its 400s and 404 are a response's."""
+    first = respond(client, instructions="Answer briefly.")
+    turn = [_call_output(first.output[1])]
+    requests = [dict(input="Hi", tools=[]), dict(instructions="Answer briefly.", reasoning={"effort": "low"}),
+                dict(input=turn, previous_response_id=first.id, tool_choice="none")]
+    for kw in requests:
+        kw = {"input": USER, "tools": [RESPONSE_TOOL], **kw}
+        count = client.responses.input_tokens.count(model=NAME, **kw)
+        assert count.object == "response.input_tokens", count
+        assert count.input_tokens == respond(client, store=False, **kw).usage.input_tokens, kw
+    long = [*_notes(0, 24), *USER]
+    with pytest.raises(openai.BadRequestError, match="maximum context length") as e:
+        client.responses.input_tokens.count(model=NAME, input=long)
+    assert e.value.code == "context_length_exceeded"
+    auto = client.responses.input_tokens.count(model=NAME, input=long, truncation="auto")
+    assert 0 < auto.input_tokens == respond(client, input=long, tools=(), truncation="auto", store=False).usage.input_tokens \
+        < 2048
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_tokens.count(model=NAME, input="Hi", previous_response_id="resp_gone")
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.responses.input_tokens.count(model=NAME, input="Hi", tool_choice={"type": "function", "name": "nope"})
+    r = httpx.post(server.url + "/v1/responses/input_tokens/", json={"input": "Hi"}, timeout=TIMEOUT)
+    assert r.json() == {"object": "response.input_tokens", "input_tokens": count_of(client, "Hi")}, r.text
+    assert httpx.get(server.url + "/v1/responses/input_tokens", timeout=TIMEOUT).status_code == 404
+
+
+def count_of(client, text: str) -> int:
+    return respond(client, input=text, tools=(), store=False, max_output_tokens=1).usage.input_tokens
 
 
 def test_truncation_cuts_keep_messages_and_calls_whole():

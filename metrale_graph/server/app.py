@@ -1,6 +1,6 @@
 """The FastAPI app of an Engine: OpenAI's completions, chat and responses endpoints (stored responses read back, deleted
-and their input items listed), vLLM's /tokenize and /detokenize, /health (and vLLM's /ping), /version, /v1/models,
-/metrics.
+and their input items listed, a request's input tokens counted), vLLM's /tokenize and /detokenize, /health (and
+vLLM's /ping), /version, /v1/models, /metrics.
 
     app = build_app(engine, model_name="qwen3.5-9b", api_key=None)    # serve it with uvicorn
     app.state.server.ready.clear() / .set()                           # /health: 503 until set
@@ -38,7 +38,7 @@ from .generation import ClientGone
 from .limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import ModelList
-from .responses_api import create_response
+from .responses_api import count_input_tokens, create_response
 from .responses_api_protocol import ResponsesRequest
 from .responses_store import DEFAULT_SIZE as DEFAULT_STORE_SIZE
 from .responses_store import list_items
@@ -199,6 +199,10 @@ def build_app(engine, model_name: str, api_key: str | None = None, ready: bool =
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
         return respond(await create_response(state, body, request))
+
+    @app.post("/v1/responses/input_tokens")  # (OpenAI's: the input tokens of a response's request, not run)
+    async def response_input_tokens(body: ResponsesRequest):
+        return respond(await count_input_tokens(state, body))
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str, stream: bool = False):

@@ -30,7 +30,7 @@ from .chat import ChatRun, call_id, reasoning_tokens, start_chat
 from .errors import APIError, bad_request, from_failure
 from .logprobs import chat_logprobs
 from .responses import now
-from .responses_api_output import (EventWriter, IncompleteDetails, InputTokensDetails, OutputItems,
+from .responses_api_output import (EventWriter, IncompleteDetails, InputTokenCount, InputTokensDetails, OutputItems,
                                    OutputTokensDetails, ResponseError, ResponseObject, ResponseUsage, item_id)
 from .responses_api_protocol import ResponsesRequest
 from .responses_store import StoredResponse, input_items
@@ -42,21 +42,14 @@ from .tool_choice import tool_request
 async def create_response(state: ServerState, body: ResponsesRequest, raw_request):
     """A ResponseObject, or the event stream's body when body.stream."""
     state.check(body)
-    history = () if body.previous_response_id is None else state.responses.history(body.previous_response_id)
-    tools = tool_request(body.chat_tools, body.chat_tool_choice, state.replies.tool_format, body.parallel_tool_calls)
+    history, tools = _conversation(state, body)
     try:
-        body.follow(list(history))
-        messages = [m.template_dict() for m in body.messages]
-    except ValidationError as e:  # (an item a chat message cannot hold)
-        raise bad_request(f"input: {e.errors()[0]['msg']}", param="input") from None
-    try:
-        run = await start_chat(state, body, messages, tools, param="input", logprobs=body.output_logprobs)
+        run = await start_chat(state, body, _messages(body), tools, param="input", logprobs=body.output_logprobs)
     except APIError as e:  # too long for the context: truncation "auto" drops the oldest items that must go
         if body.truncation != "auto" or e.code != "context_length_exceeded":
             raise
         await truncate(state, body, tools.template_tools)
-        run = await start_chat(state, body, [m.template_dict() for m in body.messages], tools, param="input",
-                               logprobs=body.output_logprobs)
+        run = await start_chat(state, body, _messages(body), tools, param="input", logprobs=body.output_logprobs)
     rid, created = item_id("resp"), now()
     context = history + input_items(body.input) if _stored(state, body) else None
     if body.stream:
@@ -70,6 +63,49 @@ async def create_response(state: ServerState, body: ResponsesRequest, raw_reques
     items.close(status)
     return _kept(state, context, _response(state, body, rid, created, status, items.items,
                                            _usage(state, run, result.token_ids, items.items)))
+
+
+async def count_input_tokens(state: ServerState, body: ResponsesRequest) -> InputTokenCount:
+    """POST /v1/responses/input_tokens (OpenAI's, the openai client's `responses.input_tokens.count`): the tokens of the
+    prompt a response to `body` would run on, its usage.input_tokens (previous_response_id's conversation, the
+    instructions, tools and reasoning effort through the chat template; truncation "auto" cutting it as a response's
+    is cut, for one new token), without running it: the engine need not be warm. A prompt of more tokens than the
+    context is a 400 context_length_exceeded, as /tokenize answers."""
+    state.check(body, ready=False)
+    _, tools = _conversation(state, body)
+
+    def prompt():
+        return state.off_loop(state.chat_prompt, _messages(body), body.add_generation_prompt,
+                              body.continue_final_message, body.template_kwargs, tools.template_tools, "input")
+
+    try:
+        _, ids, _ = await prompt()
+    except APIError as e:
+        if body.truncation != "auto" or e.code != "context_length_exceeded":
+            raise
+        await truncate(state, body, tools.template_tools)
+        _, ids, _ = await prompt()
+    return InputTokenCount(input_tokens=len(ids))
+
+
+def _conversation(state: ServerState, body: ResponsesRequest):
+    """(the stored conversation `body` follows, its tools): previous_response_id's items (404 for an id not stored),
+    which `body` now runs after; the tools and tool_choice checked."""
+    history = () if body.previous_response_id is None else state.responses.history(body.previous_response_id)
+    tools = tool_request(body.chat_tools, body.chat_tool_choice, state.replies.tool_format, body.parallel_tool_calls)
+    try:
+        body.follow(list(history))
+    except ValidationError as e:  # (a stored item read back: never expected)
+        raise bad_request(f"input: {e.errors()[0]['msg']}", param="input") from None
+    return history, tools
+
+
+def _messages(body: ResponsesRequest) -> list[dict]:
+    """The chat messages of `body`'s conversation (its kept items, once truncated), as the template reads them."""
+    try:
+        return [m.template_dict() for m in body.messages]
+    except ValidationError as e:  # (an item a chat message cannot hold)
+        raise bad_request(f"input: {e.errors()[0]['msg']}", param="input") from None
 
 
 def _stored(state: ServerState, body: ResponsesRequest) -> bool:

@@ -135,6 +135,12 @@ class ResponseError(BaseModel):
     message: str
 
 
+class InputTokenCount(BaseModel):
+    """POST /v1/responses/input_tokens' answer (OpenAI's): the input tokens a response to the request would run on."""
+    object: Literal["response.input_tokens"] = "response.input_tokens"
+    input_tokens: int
+
+
 class ResponseObject(BaseModel):
     """OpenAI's response object: the request's settings echoed, the output, the usage."""
     id: str

@@ -136,11 +136,12 @@ class ServerState:
         if model is not None and model != self.model_name:
             raise unknown_model(model, self.model_name)
 
-    def check(self, body: SamplingFields) -> None:
+    def check(self, body: SamplingFields, ready: bool = True) -> None:
         """The checks every generation request passes before any tokenizing: the model it names, the
-        server being ready, no field this server cannot honour."""
+        server being ready (unless `ready` is False: a request that only tokenizes), no field this server cannot
+        honour."""
         self.check_model(body.model)
-        if not self.ready.is_set():
+        if ready and not self.ready.is_set():
             raise warming_up()
         name = body.unsupported()
         if name is not None:
