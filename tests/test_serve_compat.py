@@ -484,6 +484,8 @@ def test_a_seed_at_the_top_of_its_range_serves_every_choice(client):
 def test_messages_need_their_content_but_an_assistants(server, client):
     error = _error(_post(server, "/v1/chat/completions", {"messages": [{"role": "user"}], "max_tokens": 1}))
     assert error["param"] == "messages" and "needs its content" in error["message"], error
+    # the check's own words after the field, without pydantic's "Value error, " before them
+    assert error["message"].startswith("messages.0: a user message needs its content"), error
     messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}, {"role": "user", "content": "y"}]
     assert client.chat.completions.create(model=NAME, messages=messages, max_tokens=1).usage.completion_tokens == 1
 

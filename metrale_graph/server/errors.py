@@ -154,10 +154,17 @@ def validation_error(e: RequestValidationError, content_type: str | None = None)
     if len(same) > 1 and leaf is not None:  # a value that fits none of a union's members
         return bad_request(f"{field}: expected {EXPECTED[leaf]}, got {short(first.get('input'))}", param=field)
     path = ".".join(loc)
+    message = pydantic_message(first)
     # (a validator's own message that quotes the value it is about, as an input item's does: not the field's whole value)
-    quoted = first.get("type") == "value_error" and "(got " in str(first.get("msg"))
+    quoted = first.get("type") == "value_error" and "(got " in message
     got = f" (got {short(first['input'])})" if "input" in first and first.get("type") != "missing" and not quoted else ""
-    return bad_request(f"{path}: {first.get('msg')}{got}", param=field)
+    return bad_request(f"{path}: {message}{got}", param=field)
+
+
+def pydantic_message(error: dict) -> str:
+    """The message of one of pydantic's errors; a check's own ValueError's words, without pydantic's "Value error, "."""
+    message = str(error.get("msg"))
+    return message.removeprefix("Value error, ") if error.get("type") == "value_error" else message
 
 
 def http_error(e: HTTPException, method: str, path: str):

@@ -27,7 +27,7 @@ from typing import AsyncIterator
 from pydantic import BaseModel, ValidationError
 
 from .chat import ChatRun, call_id, reasoning_tokens, start_chat
-from .errors import APIError, bad_request, from_failure
+from .errors import APIError, bad_request, from_failure, pydantic_message
 from .logprobs import chat_logprobs
 from .responses import now
 from .responses_api_output import (EventWriter, IncompleteDetails, InputTokenCount, InputTokensDetails, OutputItems,
@@ -96,7 +96,7 @@ def _conversation(state: ServerState, body: ResponsesRequest):
     try:
         body.follow(list(history))
     except ValidationError as e:  # (a stored item read back: never expected)
-        raise bad_request(f"input: {e.errors()[0]['msg']}", param="input") from None
+        raise bad_request(f"input: {pydantic_message(e.errors()[0])}", param="input") from None
     return history, tools
 
 
@@ -105,7 +105,7 @@ def _messages(body: ResponsesRequest) -> list[dict]:
     try:
         return [m.template_dict() for m in body.messages]
     except ValidationError as e:  # (an item a chat message cannot hold)
-        raise bad_request(f"input: {e.errors()[0]['msg']}", param="input") from None
+        raise bad_request(f"input: {pydantic_message(e.errors()[0])}", param="input") from None
 
 
 def _stored(state: ServerState, body: ResponsesRequest) -> bool:

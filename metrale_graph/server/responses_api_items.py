@@ -13,7 +13,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, Discriminator, Field, StrictStr, Tag, TypeAdapter, ValidationError, model_validator
 
-from .errors import short
+from .errors import pydantic_message, short
 from .protocol import ChatMessage
 from .tool_protocol import INPUT
 
@@ -154,7 +154,7 @@ def _item_error(i: int, kind: str, item, errors: list) -> str:
         return f"item {i} ({kind}) {loc[0]}: expected {ITEM_FORMS[loc[0]]} (got {short(value)})"
     where = ".".join(loc)
     got = f" (got {short(error['input'])})" if error.get("type") != "missing" else ""
-    return f"item {i} ({kind}){' ' + where if where else ''}: {error['msg']}{got}"
+    return f"item {i} ({kind}){' ' + where if where else ''}: {pydantic_message(error)}{got}"
 
 
 def as_items(items: str | list) -> list:

@@ -23,6 +23,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr, ValidationError,
                       model_validator)
 
+from .errors import pydantic_message
+
 
 class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="allow")  # handed to the chat template as it is
@@ -174,7 +176,7 @@ def choice_check(shapes: dict[str, tuple[type[BaseModel], str]]):
         except ValidationError as e:
             error = e.errors()[0]
             where = ".".join(map(str, error["loc"]))
-            why = f" ({where}: {error['msg']})" if where else ""
+            why = f" ({where}: {pydantic_message(error)})" if where else ""
             raise ValueError(f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} choice is {shape}{why}") from None
     return check
 
