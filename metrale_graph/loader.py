@@ -43,7 +43,7 @@ from .quantization import MTP_PREFIX, scale_name
 from .quantized import scale_problem
 from .sharding import NOTHING, Read, load_plan
 from .spec import SCALE, WeightSpec, weight_bytes, weight_dtype
-from .weights import MTP_KEYS, _leading, checkpoint_files, take
+from .weights import MTP_KEYS, _leading, checkpoint_files, take, unreadable
 
 log = logging.getLogger(__name__)
 EMBEDDINGS = "embed_tokens.weight"  # a tied model's lm_head too
@@ -204,7 +204,7 @@ def _check_headers(files: list[str], asm: _Assembler, cfg: ModelConfig
                     given_in[key] = path
                     reads.append(_Reading(key, path, piece))
         except (SafetensorError, OSError) as e:
-            raise ValueError(f"cannot read safetensors file {path}: {e}") from None
+            raise unreadable(path, e) from None
     if asm.reader is not None:
         asm.reader.finish(given)
     if unexpected:
@@ -355,7 +355,7 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
                             raise ValueError(f"tensor {key!r} in {path} holds {what}")
                         bar.update(len(part.units))
         except (SafetensorError, OSError) as e:
-            raise ValueError(f"cannot read safetensors file {path}: {e}") from None
+            raise unreadable(path, e) from None
     bar.close()
     if tied_head is not None:
         _check_tied_head(asm, *tied_head)

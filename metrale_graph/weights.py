@@ -1,4 +1,5 @@
-"""Weights apart from loading them (loader.py): a checkpoint folder's safetensors files (checkpoint_files), its
+"""Weights apart from loading them (loader.py): a checkpoint folder's safetensors files (checkpoint_files; a file
+safetensors cannot read named by the format it holds instead: unreadable), its
 config with the MTP layers its files hold (checkpoint_config), the keys save_pretrained writes (checkpoint_key;
 loader.our_name reads keys back); our weights back in checkpoint layout (to_checkpoint, for saving.py;
 hf_state_dict, transformers' in-memory state; the layout itself is the spec's, spec.checkpoint_layout); random
@@ -30,6 +31,22 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".bin.index.json")
 MTP_KEYS = (MTP_PREFIX, TEXT_PREFIX + MTP_PREFIX)
 
 
+def unreadable(path: str, error: Exception) -> ValueError:
+    """The error of a checkpoint file that safetensors cannot read (`error`), naming the format the file holds where
+    its first bytes show one (torch.save's zip or legacy pickle, numpy's .npz, GGUF) and what to write instead."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        head = b""
+    what = ("a zip archive (torch.save's format, or numpy's .npz)" if head == b"PK\x03\x04" else
+            "a Python pickle (torch.save's legacy format)" if head[:1] == b"\x80" else
+            "a GGUF file (llama.cpp's format)" if head == b"GGUF" else None)
+    return ValueError(f"cannot read safetensors file {path}: {error}" + (
+        f"; it is {what}, not safetensors: metrale-graph reads safetensors only (transformers' save_pretrained writes "
+        "them)" if what else ""))
+
+
 def stored_mtp_layers(folder: str) -> int:
     """The MTP layers a checkpoint's tensors hold, from the files' headers: 0 without any MTP tensor (MTP_KEYS),
     else 1 + the largest i of its `mtp.layers.{i}.` tensors (1 when it names none: the loader names what lacks)."""
@@ -41,7 +58,7 @@ def stored_mtp_layers(folder: str) -> int:
             with safe_open(path, framework="pt", device="cpu") as f:
                 keys = list(f.keys())
         except (SafetensorError, OSError) as e:
-            raise ValueError(f"cannot read safetensors file {path}: {e}") from None
+            raise unreadable(path, e) from None
         for key in keys:
             if key.startswith(MTP_KEYS):
                 found = True
@@ -91,7 +108,7 @@ def checkpoint_dtype(folder: str, dtype) -> torch.dtype:
                     if key.endswith("embed_tokens.weight"):
                         return _STORED_DTYPES.get(f.get_slice(key).get_dtype(), torch.float32)
         except (SafetensorError, OSError) as e:  # (mtp=False: no header was read before)
-            raise ValueError(f"cannot read safetensors file {path}: {e}") from None
+            raise unreadable(path, e) from None
     return torch.float32
 
 

@@ -348,6 +348,28 @@ def test_corrupt_safetensors(checkpoint, cut):
         HybridModel.from_pretrained(str(checkpoint), progress=False)
 
 
+@pytest.mark.parametrize("kind, named", [
+    ("zip", "a zip archive \\(torch.save's format, or numpy's .npz\\)"),
+    ("pickle", "a Python pickle \\(torch.save's legacy format\\)"),
+    ("gguf", "a GGUF file \\(llama.cpp's format\\)"),
+])
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_weights_of_another_format_under_the_safetensors_name_are_named(checkpoint, kind, named, dtype):
+    """A model.safetensors that holds another format (torch.save(state_dict, 'model.safetensors'), an .npz or a GGUF
+    file renamed) was 'cannot read safetensors file ...: Error while deserializing header: header too large', which
+    does not say what the file is; the error now names the format its first bytes show, and what to write instead."""
+    path = checkpoint / "model.safetensors"
+    tensors = {k: v.clone() for k, v in load_file(path).items()}
+    path.unlink()
+    if kind == "gguf":
+        path.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(64))
+    else:
+        torch.save(tensors, path, _use_new_zipfile_serialization=kind == "zip")
+    with pytest.raises(ValueError, match=f"cannot read safetensors file {re.escape(str(path))}: .*; it is {named}, not "
+                                         "safetensors: .*save_pretrained"):
+        HybridModel.from_pretrained(str(checkpoint), progress=False, dtype=dtype)
+
+
 def test_corrupt_safetensors_with_auto_dtype_and_no_mtp(checkpoint):
     """dtype="auto" over a config.json naming no dtype reads the embeddings' stored dtype from the files; with
     mtp=False no header was read before that (the MTP count is not asked), and a cut file raised safetensors'
