@@ -133,6 +133,32 @@ def test_direct_is_chosen_by_shapes(monkeypatch):
     moe.moe_cuda(*args)
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_direct_skips_padding_rows(fp8, monkeypatch):
+    """With the batch's cu_seqlens (3 tokens of 2 streams in a bucket of 4) the direct path (bf16 and FP8) runs no
+    expert for the padding row: its pairs' rows of the experts' output are zero, the other rows' outputs equal
+    the call's without cu_seqlens bit for bit (each pair is computed alone). A padding row's output is
+    unspecified (metrale_graph/batch.py)."""
+    seen = []
+
+    def recording(fn):
+        return lambda *a, **kw: seen.append(fn(*a, **kw)) or seen[-1]
+
+    monkeypatch.setattr(direct, "direct_experts", recording(direct.direct_experts))
+    monkeypatch.setattr(moe, "moe_experts_fp8_direct", recording(moe.moe_experts_fp8_direct))
+    k = 2
+    args = list(op_args("moe", Shapes(lengths=(4,), context=(0,), E=32, TOPK=k, D=40, IE=24, IS=20, fp8=fp8),
+                        torch.bfloat16, 5))
+    cu = torch.tensor([0, 1, 3], dtype=torch.int32, device=DEVICE)
+    call = clone_args(args, DEVICE)
+    whole = moe.moe_cuda(*call)
+    padded = moe.moe_cuda(*call, 0, True, cu)
+    assert len(seen) == 2
+    assert torch.equal(padded[:3], whole[:3])
+    assert (seen[1][3 * k:] == 0).all() and (seen[0][3 * k:] != 0).any(dim=1).all()
+    assert torch.equal(seen[1][:3 * k], seen[0][:3 * k])
+
+
 def test_direct_path_never_syncs(monkeypatch):
     """The direct path calls no op that syncs with the host or sizes its output from data."""
     _direct(monkeypatch)
@@ -207,15 +233,16 @@ gu = dict(x_ptr="*X", w_ptr="*X", act_ptr="*X", e_ptr=I, P="i32", first_expert="
 dn = dict(act_ptr="*X", w_ptr="*X", y_ptr="*X", e_ptr=I, rw_ptr="*X", P="i32", first_expert="i32", EL="i32", N="i32",
           K="i32", stride_we="i32", stride_wn="i32")
 smem = []
-for fn, types, extra, acc in ((direct._moe_direct_gate_up_kernel.fn.fn, gu, dict(TOP_K=8), 2),
-                              (direct._moe_direct_down_kernel.fn.fn, dn, {}, 1)):
-    # bf16: every candidate the 35B-A3B's shapes keep, K a multiple of BK or not; fp32: its one tile
-    N, K = (512, 2048) if acc == 2 else (2048, 512)
-    for x, cfgs in (("bf16", direct._prune(direct._configs(acc), dict(N=N, K=K))), ("fp32", [direct.FP32_CONFIG])):
-        for i, cfg in enumerate(cfgs):
-            for even_k in (True, False) if i == 0 else (True,):
+for fn, types, extra in ((direct._moe_direct_gate_up_kernel, gu, dict(TOP_K=8)),
+                         (direct._moe_direct_down_kernel, dn, {})):
+    # bf16: every candidate tile (the taken one with K a multiple of BK and not); fp32: its one tile
+    for x, tiles in (("bf16", direct.CANDIDATES), ("fp32", [direct.FP32_TILE])):
+        for bn, bk, w in tiles:
+            cfg = triton.Config({}, num_warps=w, num_stages=3)
+            taken = (bn, bk, w) in (direct.GATE_UP_TILE, direct.DOWN_TILE, direct.FP32_TILE)
+            for even_k in (True, False) if taken else (True,):
                 t = {n: v.replace("X", x) for n, v in types.items()}
-                smem.append(compile_(fn, t, dict(EVEN_K=even_k, FP32=x == "fp32", **extra, **cfg.kwargs), cfg))
+                smem.append(compile_(fn, t, dict(EVEN_K=even_k, FP32=x == "fp32", BN=bn, BK=bk, **extra), cfg))
 from metrale_graph.ops.fp8 import experts_direct as fd
 F8, F = "*fp8e4nv", "*fp32"
 fgu = dict(x_ptr=F8, xs_ptr=F, w_ptr=F8, ws_ptr=F, gu_ptr=F, e_ptr=I, P="i32", first_expert="i32", EL="i32", N="i32",

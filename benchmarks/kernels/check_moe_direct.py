@@ -8,7 +8,7 @@ call's gate|up weights are 33.5 MB at the 35B-A3B's D1; the H100 / H200 L2 is 50
 its weight bytes give:
 
 - `gate_up BNxBK/w`, `down BNxBK/w`: ops/moe/direct.py's kernels at every tile of their candidates, forced
-  (the autotuner's choice among them is the row marked `*`);
+  (the tiles ops/moe/direct.py takes: the row marked `*`);
 - `gate_up prefetch`: the rows kernel with the next K step's tiles loaded before the current one's products
   (two tiles in flight a program: Triton pipelines no loads that feed no dot), experimental, here only;
 - `gate_up split S`: the K loop cut into S parts, one program each (S x the programs, each with fewer K steps),
@@ -33,13 +33,16 @@ import triton.language as tl
 from metrale_graph import PRESETS
 from metrale_graph.ops.moe.rounding import _rnd
 from metrale_graph.tools.files import write_whole
-from metrale_graph.tools.flags import output_file, positive_ints
+from metrale_graph.tools.flags import output_file, positive_int, positive_ints
 from metrale_graph.tools.provenance import provenance
 from metrale_graph.tools.report import print_json, print_table
 from measure import attempt, graph_ms, rel
 
 ROTATE = 8  # routings a timed call runs in turn (their weights well past the L2 together)
 SPLITS = (2, 4, 8)
+# the dot form's (BN, BK, stages, warps)
+DOT_TILES = ((16, 128, 4, 4), (16, 256, 3, 4), (16, 256, 4, 4), (16, 512, 2, 4), (32, 128, 4, 4), (32, 256, 3, 4),
+             (32, 256, 4, 8), (64, 128, 4, 4), (64, 256, 3, 4), (16, 128, 6, 4), (32, 128, 6, 4))
 
 
 @triton.jit
@@ -70,6 +73,62 @@ def _prefetch_gate_up_kernel(x_ptr, w_ptr, act_ptr, e_ptr, N, K, stride_x, strid
     up = tl.sum(up, axis=1)
     y = _rnd(_rnd(gate * tl.sigmoid(gate), dt) * _rnd(up, dt), dt).to(dt)
     tl.store(act_ptr + pair.to(tl.int64) * N + cols, y, mask=cols < N)
+
+
+@triton.jit
+def _dot_gate_up_kernel(x_ptr, w_ptr, act_ptr, e_ptr, N, K, stride_x, stride_we, stride_wn, TOP_K: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+    """The rows kernel as ops/gemv.py's dot form (K a multiple of BK): the weight tiles [BN, BK] the MMA's wide
+    side, the token's row as all 16 columns of the narrow one, so that Triton pipelines the weight loads
+    (STAGES K steps in flight a program); column 0 of the fp32 product kept."""
+    num_n = tl.cdiv(N, BN)
+    pair = tl.program_id(0) // num_n
+    cols = (tl.program_id(0) % num_n) * BN + tl.arange(0, BN)
+    e = tl.load(e_ptr + pair).to(tl.int64)
+    token = (pair // TOP_K).to(tl.int64)
+    k = tl.arange(0, BK)
+    r = tl.arange(0, 16)
+    x_ptrs = x_ptr + token * stride_x + k[:, None] + 0 * r[None, :]  # [BK, 16]: the token's row 16 times
+    g_ptrs = w_ptr + e * stride_we + (cols % N).to(tl.int64)[:, None] * stride_wn + k[None, :]
+    u_ptrs = g_ptrs + N * stride_wn
+    gate = tl.zeros((BN, 16), dtype=tl.float32)
+    up = tl.zeros((BN, 16), dtype=tl.float32)
+    for _ in tl.range(0, K, BK, num_stages=STAGES):
+        x = tl.load(x_ptrs)
+        gate = tl.dot(tl.load(g_ptrs), x, gate)
+        up = tl.dot(tl.load(u_ptrs), x, up)
+        x_ptrs += BK
+        g_ptrs += BK
+        u_ptrs += BK
+    dt = act_ptr.dtype.element_ty
+    gate = _rnd(tl.sum(tl.where(r[None, :] == 0, gate, 0.0), axis=1), dt)
+    up = tl.sum(tl.where(r[None, :] == 0, up, 0.0), axis=1)
+    y = _rnd(_rnd(gate * tl.sigmoid(gate), dt) * _rnd(up, dt), dt).to(dt)
+    tl.store(act_ptr + pair.to(tl.int64) * N + cols, y, mask=cols < N)
+
+
+@triton.jit
+def _dot_down_kernel(act_ptr, w_ptr, y_ptr, e_ptr, rw_ptr, N, K, stride_we, stride_wn, BN: tl.constexpr,
+                     BK: tl.constexpr, STAGES: tl.constexpr):
+    """The down rows kernel in the dot form (K a multiple of BK)."""
+    num_n = tl.cdiv(N, BN)
+    pair = tl.program_id(0) // num_n
+    cols = (tl.program_id(0) % num_n) * BN + tl.arange(0, BN)
+    row = pair.to(tl.int64)
+    e = tl.load(e_ptr + pair).to(tl.int64)
+    k = tl.arange(0, BK)
+    r = tl.arange(0, 16)
+    a_ptrs = act_ptr + row * K + k[:, None] + 0 * r[None, :]
+    w_ptrs = w_ptr + e * stride_we + (cols % N).to(tl.int64)[:, None] * stride_wn + k[None, :]
+    acc = tl.zeros((BN, 16), dtype=tl.float32)
+    for _ in tl.range(0, K, BK, num_stages=STAGES):
+        acc = tl.dot(tl.load(w_ptrs), tl.load(a_ptrs), acc)
+        a_ptrs += BK
+        w_ptrs += BK
+    dt = y_ptr.dtype.element_ty
+    rw = tl.load(rw_ptr + row).to(tl.float32)
+    y = _rnd(_rnd(tl.sum(tl.where(r[None, :] == 0, acc, 0.0), axis=1), dt) * rw, dt)
+    tl.store(y_ptr + row * N + cols, y.to(dt), mask=cols < N)
 
 
 @triton.jit
@@ -119,14 +178,15 @@ def _split_finish_kernel(part_ptr, act_ptr, P, N, S: tl.constexpr, BLOCK: tl.con
 class Case:
     """ROTATE routings of T tokens over a preset's experts; the direct path's buffers for each."""
 
-    def __init__(self, cfg, T: int, w13: torch.Tensor, w2: torch.Tensor, seed: int = 0):
+    def __init__(self, cfg, T: int, w13: torch.Tensor, w2: torch.Tensor, layers: int = 1, seed: int = 0):
         dev = w13.device
+        self.EL = w13.shape[0]  # layers x E experts: routing i picks among layer i % layers's
         self.E, self.k, self.D, self.IE = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
         self.T, self.P, self.w13, self.w2 = T, T * self.k, w13, w2
         g = torch.Generator(device="cpu").manual_seed(seed)
         self.x = [torch.randn(T, self.D, generator=g).to(dev, w13.dtype) for _ in range(ROTATE)]
-        self.e = [torch.rand(T, self.E, generator=g).topk(self.k, dim=1).indices.reshape(-1).to(dev)
-                  for _ in range(ROTATE)]
+        self.e = [(torch.rand(T, self.E, generator=g).topk(self.k, dim=1).indices.reshape(-1) + (i % layers) * self.E)
+                  .to(dev) for i in range(ROTATE)]
         self.w = [torch.softmax(torch.randn(T, self.k, generator=g), 1).reshape(-1).to(dev, w13.dtype)
                   for _ in range(ROTATE)]
         self.act = [w13.new_empty(self.P, self.IE) for _ in range(ROTATE)]
@@ -134,34 +194,37 @@ class Case:
         self.gate_up_bytes = self.P * 2 * self.IE * self.D * w13.element_size()
         self.down_bytes = self.P * self.D * self.IE * w13.element_size()
 
-    def gate_up(self, i: int, cfg=None):
+    def gate_up(self, i: int, tile=None):
         from metrale_graph.ops.moe import direct
 
-        kern = direct._moe_direct_gate_up_kernel
-        args = (self.x[i], self.w13, self.act[i], self.e[i], self.P, 0, self.E, self.IE, self.D, self.x[i].stride(0),
-                self.w13.stride(0), self.w13.stride(1))
-        if cfg is None:
-            kern[lambda m: (self.P * triton.cdiv(self.IE, m["BN"]),)](*args, TOP_K=self.k, FP32=False)
-        else:
-            kern.fn[(self.P * triton.cdiv(self.IE, cfg.kwargs["BN"]),)](
-                *args, TOP_K=self.k, FP32=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs)
+        bn, bk, warps = tile or direct.tile("gate_up", self.IE, self.D, self.w13.dtype)
+        direct._moe_direct_gate_up_kernel[(self.P * triton.cdiv(self.IE, bn),)](
+            self.x[i], self.w13, self.act[i], self.e[i], self.P, 0, self.EL, self.IE, self.D, self.x[i].stride(0),
+            self.w13.stride(0), self.w13.stride(1), TOP_K=self.k, BN=bn, BK=bk, EVEN_K=self.D % bk == 0, FP32=False,
+            num_warps=warps)
 
-    def down(self, i: int, cfg=None):
+    def down(self, i: int, tile=None):
         from metrale_graph.ops.moe import direct
 
-        kern = direct._moe_direct_down_kernel
-        args = (self.act[i], self.w2, self.y[i], self.e[i], self.w[i], self.P, 0, self.E, self.D, self.IE,
-                self.w2.stride(0), self.w2.stride(1))
-        if cfg is None:
-            kern[lambda m: (self.P * triton.cdiv(self.D, m["BN"]),)](*args, FP32=False)
-        else:
-            kern.fn[(self.P * triton.cdiv(self.D, cfg.kwargs["BN"]),)](
-                *args, FP32=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs)
+        bn, bk, warps = tile or direct.tile("down", self.D, self.IE, self.w2.dtype)
+        direct._moe_direct_down_kernel[(self.P * triton.cdiv(self.D, bn),)](
+            self.act[i], self.w2, self.y[i], self.e[i], self.w[i], self.P, 0, self.EL, self.D, self.IE,
+            self.w2.stride(0), self.w2.stride(1), BN=bn, BK=bk, EVEN_K=self.IE % bk == 0, FP32=False, num_warps=warps)
 
     def prefetch(self, i: int, BN: int, BK: int, warps: int):
         _prefetch_gate_up_kernel[(self.P * triton.cdiv(self.IE, BN),)](
             self.x[i], self.w13, self.act[i], self.e[i], self.IE, self.D, self.x[i].stride(0), self.w13.stride(0),
             self.w13.stride(1), TOP_K=self.k, BN=BN, BK=BK, num_warps=warps)
+
+    def dot_gate_up(self, i: int, BN: int, BK: int, stages: int, warps: int):
+        _dot_gate_up_kernel[(self.P * triton.cdiv(self.IE, BN),)](
+            self.x[i], self.w13, self.act[i], self.e[i], self.IE, self.D, self.x[i].stride(0), self.w13.stride(0),
+            self.w13.stride(1), TOP_K=self.k, BN=BN, BK=BK, STAGES=stages, num_warps=warps)
+
+    def dot_down(self, i: int, BN: int, BK: int, stages: int, warps: int):
+        _dot_down_kernel[(self.P * triton.cdiv(self.D, BN),)](
+            self.act[i], self.w2, self.y[i], self.e[i], self.w[i], self.D, self.IE, self.w2.stride(0),
+            self.w2.stride(1), BN=BN, BK=BK, STAGES=stages, num_warps=warps)
 
     def split(self, i: int, S: int, BN: int, BK: int, warps: int, part: torch.Tensor):
         _split_gate_up_kernel[(self.P * triton.cdiv(self.IE, BN), S)](
@@ -176,10 +239,10 @@ def rotated(fn):
     return lambda: [fn(i) for i in range(ROTATE)]
 
 
-def measure(preset: str, T: int, w13: torch.Tensor, w2: torch.Tensor) -> dict:
+def measure(preset: str, T: int, w13: torch.Tensor, w2: torch.Tensor, layers: int = 1) -> dict:
     from metrale_graph.ops.moe import direct
 
-    c = Case(PRESETS[preset], T, w13, w2)
+    c = Case(PRESETS[preset], T, w13, w2, layers)
     rows = []
 
     def timed(name: str, fn, nbytes: int, check=None):
@@ -190,26 +253,33 @@ def measure(preset: str, T: int, w13: torch.Tensor, w2: torch.Tensor) -> dict:
             row["vs_rows"] = check()
         rows.append(row)
 
-    timed("gate_up autotuned *", c.gate_up, c.gate_up_bytes)
+    timed("gate_up default *", c.gate_up, c.gate_up_bytes)
     ref = [a.clone() for a in c.act]
     check = lambda: max(rel(a, r) for a, r in zip(c.act, ref))  # noqa: E731
-    for cfg in direct._configs(2):
-        bn, bk = cfg.kwargs["BN"], cfg.kwargs["BK"]
+    for bn, bk, w in direct.CANDIDATES:
         if bk <= c.D and c.D % bk == 0:
-            timed(f"gate_up {bn}x{bk}/{cfg.num_warps}", lambda i, cfg=cfg: c.gate_up(i, cfg), c.gate_up_bytes, check)
+            timed(f"gate_up {bn}x{bk}/{w}", lambda i, t=(bn, bk, w): c.gate_up(i, t), c.gate_up_bytes, check)
     for bn, bk, w in ((8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 128, 4), (32, 256, 8)):
         timed(f"gate_up prefetch {bn}x{bk}/{w}", lambda i, a=(bn, bk, w): c.prefetch(i, *a), c.gate_up_bytes, check)
+    for bn, bk, st, w in DOT_TILES:
+        timed(f"gate_up dot {bn}x{bk}/{st}/{w}", lambda i, a=(bn, bk, st, w): c.dot_gate_up(i, *a), c.gate_up_bytes,
+              check)
     for S in SPLITS:
         part = torch.empty(S, 2, c.P, c.IE, device=w13.device)
         for bn, bk, w in ((16, 256, 4), (16, 512, 8), (32, 128, 4), (32, 256, 8), (64, 128, 8)):
             if c.D % (S * bk) == 0:
                 timed(f"gate_up split {S} {bn}x{bk}/{w}", lambda i, a=(S, bn, bk, w), part=part: c.split(i, *a, part),
                       c.gate_up_bytes, check)
-    timed("down autotuned *", c.down, c.down_bytes)
-    for cfg in direct._configs(1):
-        bn, bk = cfg.kwargs["BN"], cfg.kwargs["BK"]
+    timed("down default *", c.down, c.down_bytes)
+    for bn, bk, w in direct.CANDIDATES:
         if bk <= c.IE:
-            timed(f"down {bn}x{bk}/{cfg.num_warps}", lambda i, cfg=cfg: c.down(i, cfg), c.down_bytes)
+            timed(f"down {bn}x{bk}/{w}", lambda i, t=(bn, bk, w): c.down(i, t), c.down_bytes)
+    yref = [y.clone() for y in c.y]
+    check_down = lambda: max(rel(a, r) for a, r in zip(c.y, yref))  # noqa: E731
+    for bn, bk, st, w in DOT_TILES:
+        if bk <= c.IE:
+            timed(f"down dot {bn}x{bk}/{st}/{w}", lambda i, a=(bn, bk, st, w): c.dot_down(i, *a), c.down_bytes,
+                  check_down)
     gathered = [w13[e].contiguous() for e in c.e]  # [P, 2 IE, D] each
     xs = [x.repeat_interleave(c.k, 0).unsqueeze(-1) for x in c.x]
     timed("bmm (pre-gathered)", lambda i: torch.bmm(gathered[i], xs[i]), c.gate_up_bytes)
@@ -224,25 +294,32 @@ def main(argv=None) -> None:
     p.add_argument("--preset", default="qwen3.5-35b-a3b", choices=[n for n, c in PRESETS.items()
                                                                    if c.moe_layers and c.quantization is None])
     p.add_argument("--tokens", type=positive_ints, default="1,4", help="tokens a call (x top_k pairs); 4: a k 3 verify")
+    p.add_argument("--layers", type=positive_int, default=1,
+                   help="layers' expert weights, routing i reading layer i %% LAYERS's (as a model step walks through "
+                        "its layers: cold L2 and TLB); the routings a timed call runs: max(8, LAYERS)")
     p.add_argument("--json", type=output_file, default=None)
     args = p.parse_args(argv)
+    global ROTATE
+    ROTATE = max(ROTATE, args.layers)
     if not torch.cuda.is_available():
         p.exit(1, f"{p.prog}: error: this check needs a CUDA GPU; torch sees none\n")
     cfg = PRESETS[args.preset]
     E, IE, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     g = torch.Generator(device="cuda").manual_seed(1)
-    w13 = (torch.randn(E, 2 * IE, D, generator=g, device="cuda") * D ** -0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, D, IE, generator=g, device="cuda") * IE ** -0.5).to(torch.bfloat16)
+    L = args.layers
+    w13 = torch.empty(L * E, 2 * IE, D, device="cuda", dtype=torch.bfloat16).normal_(0, D ** -0.5, generator=g)
+    w2 = torch.empty(L * E, D, IE, device="cuda", dtype=torch.bfloat16).normal_(0, IE ** -0.5, generator=g)
     cases = []
     for T in args.tokens:
-        case = measure(args.preset, T, w13, w2)
+        case = measure(args.preset, T, w13, w2, L)
         cases.append(case)
         print(f"\n{args.preset}, {T} token(s), {case['pairs']} pairs: gate|up {case['gate_up_MB']} MB, down "
               f"{case['down_MB']} MB a call, {ROTATE} routings in turn, {torch.cuda.get_device_name()}")
         print_table(["form", "us", "TB/s", "vs rows", "error"],
                     [[r["form"], r["us"] if r["us"] is not None else "-", r["TB_s"] or "-",
                       f"{r['vs_rows']:.1e}" if "vs_rows" in r else "-", r["error"] or ""] for r in case["rows"]])
-    record = {"tool": "check_moe_direct", "device": torch.cuda.get_device_name(), **provenance(argv), "cases": cases}
+    record = {"tool": "check_moe_direct", "device": torch.cuda.get_device_name(), **provenance(argv), "layers": L,
+              "cases": cases}
     if args.json:
         import json
 

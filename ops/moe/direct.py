@@ -39,35 +39,28 @@ def takes_direct(num_pairs: int, num_experts: int) -> bool:
     return 0 < num_pairs <= MAX_PAIRS and 4 * num_pairs <= num_experts
 
 
-def _configs(acc_tiles: int):
-    """(BN, BK, warps) candidates: at the 35B-A3B's D1 (8 pairs; gate|up 512 columns of 2048, down 2048 of 512)
-    BN 16 gives 256 gate|up and 1024 down programs over the 132 SMs. Triton does not pipeline loads that feed no
-    dot: the bytes in flight are one K step's tile (BK 512: 8 16-byte loads a thread of gate|up's 8 x 512 x 2),
-    so wide K steps stand in for stages."""
+# (BN, BK, warps) candidates, bf16 / fp16 (benchmarks/kernels/check_moe_direct.py times each): at the 35B-A3B's D1
+# (8 pairs; gate|up 512 columns of 2048, down 2048 of 512) BN 16 gives 256 gate|up and 1024 down programs over the
+# 132 SMs. Triton does not pipeline loads that feed no dot: the bytes in flight are one K step's tile (BK 512: 8
+# 16-byte loads a thread of gate|up's 8 x 512 x 2), so wide K steps stand in for stages.
+CANDIDATES = ((4, 512, 4), (8, 512, 4), (8, 256, 4), (16, 512, 8), (16, 256, 4), (16, 128, 4), (32, 128, 4),
+              (32, 256, 8), (64, 128, 8), (64, 64, 4))
+# the tiles taken, (BN, BK, warps), from check_moe_direct's table on the H100 (83a7f07, HISTORY.md): gate|up 8 x 512
+# over 4 warps (13.96 us at 8 pairs, within 1% of the best at 32), down 32 x 128 over 4 (8.29 us at 8 pairs, 24.1 at
+# 32: the best at both); fp32 (tests, not a serving dtype) one tile, as gemm.py's. They replace an autotuner over
+# the candidates, whose choice ran no faster in the 35B-A3B's D1 step (0.523 against 0.531 ms of gate|up over 20
+# layers) and cost every warmup a tuning run per shape.
+GATE_UP_TILE, DOWN_TILE, FP32_TILE = (8, 512, 4), (32, 128, 4), (16, 64, 4)
+
+
+def tile(kind: str, N: int, K: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BN, BK, warps) of kind 'gate_up' / 'down' for an [N, K] expert matrix of dtype, shapes only (a bucket's
+    graph stays static): the measured tile, BN and BK cut to the problem's powers of two (a tile far wider than
+    the matrix only masks); the interpreter a small one."""
     if INTERPRET:
-        return [triton.Config({"BN": 16, "BK": 32}, num_warps=4)]
-    tiles = ((4, 512, 4), (8, 512, 4), (8, 256, 4), (16, 512, 8), (16, 256, 4), (16, 128, 4), (32, 128, 4),
-             (32, 256, 8), (64, 128, 8))
-    if acc_tiles == 1:
-        tiles += ((64, 64, 4),)
-    return [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=3) for bn, bk, w in tiles]
-
-
-FP32_CONFIG = triton.Config({"BN": 16, "BK": 64}, num_warps=4, num_stages=2)  # fp32: one tile, as gemm.py
-
-
-def _prune(configs, named_args, **kwargs):
-    """fp32: FP32_CONFIG alone (tuning every candidate in fp32 is slow and not a serving dtype); else drop
-    tiles far wider than the problem."""
-    if kwargs.get("FP32"):
-        return [FP32_CONFIG]
-    N, K = named_args["N"], named_args["K"]
-    keep = [c for c in configs if c.kwargs["BN"] <= max(4, triton.next_power_of_2(N))
-            and c.kwargs["BK"] <= max(64, triton.next_power_of_2(K))]
-    return keep or [min(configs, key=lambda c: c.kwargs["BN"] * c.kwargs["BK"])]
-
-
-_EVEN_K = {"EVEN_K": lambda a: a["K"] % a["BK"] == 0}
+        return 16, 32, 4
+    bn, bk, warps = FP32_TILE if dtype == torch.float32 else GATE_UP_TILE if kind == "gate_up" else DOWN_TILE
+    return min(bn, max(4, triton.next_power_of_2(N))), min(bk, max(64, triton.next_power_of_2(K))), warps
 
 
 @triton.jit
@@ -90,9 +83,6 @@ def _row_dot(acc, w_ptrs, x_ptrs, k, k_left, EVEN_K: tl.constexpr):
     return acc + w.to(tl.float32) * x.to(tl.float32)[None, :]
 
 
-@triton.autotune(configs=_configs(2), key=["N", "K", "P"], prune_configs_by={"early_config_prune": _prune},
-                 cache_results=True)
-@triton.heuristics(_EVEN_K)
 @triton.jit
 def _moe_direct_gate_up_kernel(x_ptr, w_ptr, act_ptr, e_ptr, P, first_expert, EL, N, K, stride_x, stride_we,
                                stride_wn, TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -124,9 +114,6 @@ def _moe_direct_gate_up_kernel(x_ptr, w_ptr, act_ptr, e_ptr, P, first_expert, EL
         tl.store(act_ptr + pair.to(tl.int64) * N + cols, y, mask=cols < N)
 
 
-@triton.autotune(configs=_configs(1), key=["N", "K", "P"], prune_configs_by={"early_config_prune": _prune},
-                 cache_results=True)
-@triton.heuristics(_EVEN_K)
 @triton.jit
 def _moe_direct_down_kernel(act_ptr, w_ptr, y_ptr, e_ptr, rw_ptr, P, first_expert, EL, N, K, stride_we, stride_wn,
                             BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, FP32: tl.constexpr):
@@ -167,8 +154,12 @@ def direct_experts(n: Tensor, top_w: Tensor, top_e: Tensor, w13: Tensor, w2: Ten
     act = n.new_empty(P, IE)
     e = top_e.reshape(-1)
     fp32 = n.dtype == torch.float32
-    _moe_direct_gate_up_kernel[lambda meta: (P * triton.cdiv(IE, meta["BN"]),)](
-        n, w13, act, e, P, first_expert, EL, IE, D, n.stride(0), w13.stride(0), w13.stride(1), TOP_K=top_k, FP32=fp32)
-    _moe_direct_down_kernel[lambda meta: (P * triton.cdiv(D, meta["BN"]),)](
-        act, w2, y, e, top_w.reshape(-1), P, first_expert, EL, D, IE, w2.stride(0), w2.stride(1), FP32=fp32)
+    bn, bk, warps = tile("gate_up", IE, D, n.dtype)
+    _moe_direct_gate_up_kernel[(P * triton.cdiv(IE, bn),)](
+        n, w13, act, e, P, first_expert, EL, IE, D, n.stride(0), w13.stride(0), w13.stride(1), TOP_K=top_k, BN=bn,
+        BK=bk, EVEN_K=D % bk == 0, FP32=fp32, num_warps=warps)
+    bn, bk, warps = tile("down", D, IE, n.dtype)
+    _moe_direct_down_kernel[(P * triton.cdiv(D, bn),)](
+        act, w2, y, e, top_w.reshape(-1), P, first_expert, EL, D, IE, w2.stride(0), w2.stride(1), BN=bn, BK=bk,
+        EVEN_K=IE % bk == 0, FP32=fp32, num_warps=warps)
     return y
