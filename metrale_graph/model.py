@@ -270,7 +270,7 @@ class HybridModel(nn.Module):
             else:
                 h = self._attention_mixer(layer, h, batch, cache.k_caches[j], cache.v_caches[j])
             h = self._reduce(h)
-            h = self._reduce(self._feed_forward(layer, h))
+            h = self._reduce(self._feed_forward(layer, h, batch))
         return h
 
     def logits_of(self, h: torch.Tensor) -> torch.Tensor:
@@ -337,7 +337,7 @@ class HybridModel(nn.Module):
                                 batch.block_tables)
         return OPS.attn_out(o, gate, x if self._adds_residual else None, *self._w(a.o_proj))
 
-    def _feed_forward(self, layer, h):
+    def _feed_forward(self, layer, h, batch: PackedBatch | None = None):  # batch: its padding rows run no expert
         cfg, mlp = self.local, layer.mlp
         if layer.feed_forward == MOE:
             shared = mlp.shared_expert
@@ -345,7 +345,7 @@ class HybridModel(nn.Module):
                            *self._w(mlp.experts, "gate_up_proj"), *self._w(mlp.experts, "down_proj"),
                            *self._w(shared.gate_proj), *self._w(shared.up_proj), *self._w(shared.down_proj),
                            mlp.shared_expert_gate.weight, cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                           cfg.rms_norm_eps, self._first_expert, self._adds_residual)
+                           cfg.rms_norm_eps, self._first_expert, self._adds_residual, batch and batch.cu_seqlens)
         return OPS.mlp(h, layer.post_attention_layernorm.weight, *self._w(mlp.gate_proj), *self._w(mlp.up_proj),
                        *self._w(mlp.down_proj), cfg.rms_norm_eps, self._adds_residual)
 

@@ -915,6 +915,16 @@ def test_moe_route_topk_keeps_ids_in_range_on_nan():
         assert len(set(row)) == 4 and all(0 <= x < 16 for x in row), row
 
 
+def test_moe_route_topk_marks_padding_rows():
+    """With the batch's cu_seqlens the rows at and past cu_seqlens[-1] (padding tokens) take expert id -1 and the
+    others the ids and weights they take without it."""
+    logits = torch.randn(5, 16, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    w, e = moe_routing.route_topk(logits, 4, True)
+    cu = torch.tensor([0, 1, 3], dtype=torch.int32, device=DEVICE)
+    w2, e2 = moe_routing.route_topk(logits, 4, True, cu)
+    assert torch.equal(e2[:3], e[:3]) and torch.equal(w2[:3], w[:3]) and (e2[3:] == -1).all()
+
+
 def test_moe_skewed_routing_matches_reference():
     """Every token routed to the same experts (one group of T pairs per chosen expert, many blocks each)."""
     case = CASES[0]
@@ -1064,8 +1074,10 @@ for K in (128, 256):
             smem.append(compile_(fn, {n: rec.get(n, "i32") for n in fn.arg_names}, dict(BK=BK, BV=BV, CK=ck), warps,
                                  3))
 for E, k in ((256, 8), (512, 10)):
-    smem.append(compile_(routing._moe_route_kernel, dict(logits_ptr=P, w_ptr=P, e_ptr="*i64", stride_l="i32", E="i32"),
-                         dict(TOP_K=k, BLOCK_K=16 if k > 8 else 8, BLOCK_E=E, NORM=True), 4, 1))
+    for padding in (False, True):
+        smem.append(compile_(routing._moe_route_kernel, dict(logits_ptr=P, w_ptr=P, e_ptr="*i64", cu_ptr=I,
+                                                             stride_l="i32", E="i32", LAST="i32"),
+                             dict(TOP_K=k, BLOCK_K=16 if k > 8 else 8, BLOCK_E=E, NORM=True, PADDING=padding), 4, 1))
 from metrale_graph.ops import causal_conv1d as conv
 from metrale_graph.ops.paged_attention import kv_write
 for steps in (1, 9):  # (tiles._stream_of's search, unrolled)

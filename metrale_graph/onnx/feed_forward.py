@@ -32,10 +32,11 @@ def _rounded_sum(x, T: int, n: int, D: int, dt: ir.DataType):
 
 
 def moe(h, norm_w, router_w, w13, w13_s, w2, w2_s, shared_gate_w, shared_gate_s, shared_up_w, shared_up_s,
-        shared_down_w, shared_down_s, shared_expert_gate_w, top_k, norm_topk, eps, first_expert=0, add_residual=True):
+        shared_down_w, shared_down_s, shared_expert_gate_w, top_k, norm_topk, eps, first_expert=0, add_residual=True,
+        cu_seqlens=None):
     """ops.moe, densely: every expert runs on every token and the routing weights (zero for the experts
     a token did not choose) combine them. Exact, and quadratic in nothing; meant for CPU checks, not
-    for speed (T * E expert rows)."""
+    for speed (T * E expert rows). cu_seqlens (padding rows' marks, for the CUDA path) is not read."""
     T, E, (EL, IE2, _), dt = h.shape[0], router_w.shape[0], w13.shape, h.dtype
     hf = _up(h)
     n = _rms_norm(hf, norm_w, eps, dt)

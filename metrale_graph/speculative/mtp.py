@@ -63,7 +63,7 @@ def mtp_hidden_states(model, cache, batch: PackedBatch, hidden: Tensor, layer: i
     x = linear(x, *model._w(head.fc))
     block = head.layers[layer]
     x = model._reduce(model._attention_mixer(block, x, batch, cache.mtp_k_caches[layer], cache.mtp_v_caches[layer]))
-    x = model._reduce(model._feed_forward(block, x))
+    x = model._reduce(model._feed_forward(block, x, batch))
     return rms_norm(x, head.norm.weight, eps)
 
 

@@ -5,9 +5,10 @@ RMSNorm, router, top-k experts, shared expert, residual add:
     p = softmax(n @ router_w.T) in fp32;  w, e = top_k(p);  w /= sum(w) if norm_topk;  w in h's dtype
     out = h + sum_j w_j * down_e(silu(gate_e(n)) * up_e(n)) + sigmoid(n @ shared_expert_gate_w.T) * shared(n)
 
-Token-local: no stream metadata. Routing is data-dependent, shapes are not: the CUDA path
-sorts token-expert pairs by expert on the device into buffers whose sizes follow from T,
-top_k and the number of experts alone, so a bucket's CUDA graph is static.
+Token-local: no stream metadata (cu_seqlens, optional, only marks the padding rows). Routing is
+data-dependent, shapes are not: the CUDA path sorts token-expert pairs by expert on the device into
+buffers whose sizes follow from T, top_k and the number of experts alone, so a bucket's CUDA graph is
+static.
 
 Here: the op (its CPU reference is the spec, its pieces in reference.py), its check, fake, CUDA path
 and spec. The CUDA path: the router's top-k (routing.py), the pairs aligned to grouped-GEMM blocks
@@ -60,13 +61,16 @@ def _check(a):
         fp8.check_weight(w, getattr(a, name[:-2] + "_s"), name, a.h.dtype, a.h.device, shape)
     check(isinstance(a.top_k, (int, torch.SymInt)) and 1 <= a.top_k <= E,
           f"top_k must be in 1..{E} (the experts), got {a.top_k}")
+    if a.cu_seqlens is not None:
+        check_tensor(a.cu_seqlens, "cu_seqlens", ndim=1, dtype=torch.int32, device=a.h.device)
+        check(a.cu_seqlens.shape[0] >= 1, "cu_seqlens must hold at least one offset (B + 1 for B streams), got none")
 
 
 @metrale_op(check=_check)
 def moe(h: Tensor, norm_w: Tensor, router_w: Tensor, w13: Tensor, w13_s: Tensor, w2: Tensor, w2_s: Tensor,
         shared_gate_w: Tensor, shared_gate_s: Tensor, shared_up_w: Tensor, shared_up_s: Tensor,
         shared_down_w: Tensor, shared_down_s: Tensor, shared_expert_gate_w: Tensor, top_k: int, norm_topk: bool,
-        eps: float, first_expert: int = 0, add_residual: bool = True) -> Tensor:
+        eps: float, first_expert: int = 0, add_residual: bool = True, cu_seqlens: Tensor | None = None) -> Tensor:
     """Sparse MoE block with its norm and residual. The CPU reference: plain torch, op for op as
     transformers' Qwen3_5MoeSparseMoeBlock (experts in ascending order, each over the tokens that
     chose it: a host loop).
@@ -91,6 +95,9 @@ def moe(h: Tensor, norm_w: Tensor, router_w: Tensor, w13: Tensor, w13_s: Tensor,
             sees all E). Split within each expert (the default, first_expert 0): w13 / w2 hold this
             rank's IE slice of every expert. Either way only rank 0 adds the residual, and the
             all-reduce after the op sums the ranks.
+        cu_seqlens: [B + 1] int32, the step's (metrale_graph/batch.py), or None: the rows of h at and past
+            cu_seqlens[-1] are padding, their output rows unspecified; the CUDA path's direct form (decode)
+            then runs no expert for them (a one-stream bucket's second row read 8 more experts' weights).
     Returns:
         [T, D] the layer output (h + ..., or without h), h's dtype. Mutates nothing.
     """
@@ -137,9 +144,10 @@ def moe_cuda(a):
         gate, up = fp8.project(n, [(a.shared_gate_w, a.shared_gate_s), (a.shared_up_w, a.shared_up_s)])
         shared = fp8.project_one(kernels.silu_mul(kernels.side_by_side(gate, up)), a.shared_down_w, a.shared_down_s)
         logits = n @ a.router_w.t()
-    top_w, top_e = route_topk(logits, top_k, a.norm_topk)
-
     P = T * top_k
+    # the few-pair forms skip pairs of no expert: padding rows take id -1 (the aligned path runs every row)
+    top_w, top_e = route_topk(logits, top_k, a.norm_topk, a.cu_seqlens if direct.takes_direct(P, E) else None)
+
     w13, w2 = _inner_contiguous(a.w13), _inner_contiguous(a.w2)
     if fp8.is_fp8(w13) and fp8.activations_rounded():  # W8A8 grouped GEMMs (their own pair alignment) or direct
         experts = moe_experts_fp8_direct if direct.takes_direct(P, E) else moe_experts_fp8
