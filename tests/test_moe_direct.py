@@ -42,6 +42,8 @@ def _local(args, first, count):
     a = declaration(REGISTRY["moe"].op).Args(*args)
     args = list(args)
     args[3], args[5] = a.w13[first:first + count], a.w2[first:first + count]
+    if a.w13_s.numel():  # FP8 experts: their block scales too
+        args[4], args[6] = a.w13_s[first:first + count], a.w2_s[first:first + count]
     return args + [first]
 
 
@@ -157,6 +159,45 @@ def test_direct_skips_padding_rows(fp8, monkeypatch):
     assert torch.equal(padded[:3], whole[:3])
     assert (seen[1][3 * k:] == 0).all() and (seen[0][3 * k:] != 0).any(dim=1).all()
     assert torch.equal(seen[1][:3 * k], seen[0][:3 * k])
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("first,count", [(0, 8), (2, 4)], ids=["all", "rank"])
+def test_aligned_path_skips_padding_rows(fp8, first, count):
+    """The aligned path (6 tokens x top 3 of 8 experts, 2 of them padding past cu_seqlens[-1] = 4; all experts and
+    a tensor-parallel rank's): the padding rows' pairs sort before expert 0's group, so the grouped GEMMs' blocks
+    hold the real rows' experts alone; the real rows' outputs are those of the call without cu_seqlens."""
+    from metrale_graph.ops.moe import align
+
+    blocks = []
+    real = align.align_local_pairs
+
+    def recording(top_e, *rest):
+        out = real(top_e, *rest)
+        blocks.append(out[1])
+        return out
+
+    args = list(op_args("moe", Shapes(lengths=(6,), context=(0,), E=8, TOPK=3, D=40, IE=24, IS=20, fp8=fp8),
+                        torch.bfloat16, 7))
+    args = _local(args, first, count) if count < 8 else args + [0]
+    cu = torch.tensor([0, 3, 4], dtype=torch.int32, device=DEVICE)
+    call = clone_args(args, DEVICE)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(align, "align_local_pairs", recording)
+        m.setattr(moe, "align_local_pairs", recording)
+        whole = moe.moe_cuda(*call)
+        padded = moe.moe_cuda(*call, True, cu)
+    assert len(blocks) == 2
+    assert_close("moe aligned, padding rows marked", whole[:4].float(), padded[:4].float(), 1e-6)
+    a = declaration(REGISTRY["moe"].op).Args(*args)
+    from metrale_graph.ops.common import rms_norm
+    from metrale_graph.ops.moe.reference import route
+
+    _, top_e = route(rms_norm(a.h, a.norm_w, a.eps), a.router_w, 3, True)
+    local = lambda e: {x - first for x in e.reshape(-1).tolist() if first <= x < first + count}  # noqa: E731
+    assert set(blocks[0].tolist()) - {-1} == local(top_e)
+    assert set(blocks[1].tolist()) - {-1} == local(top_e[:4])
+    assert local(top_e[:4]) != local(top_e)  # (the padding rows chose experts of their own)
 
 
 def test_direct_path_never_syncs(monkeypatch):

@@ -96,8 +96,8 @@ def moe(h: Tensor, norm_w: Tensor, router_w: Tensor, w13: Tensor, w13_s: Tensor,
             rank's IE slice of every expert. Either way only rank 0 adds the residual, and the
             all-reduce after the op sums the ranks.
         cu_seqlens: [B + 1] int32, the step's (metrale_graph/batch.py), or None: the rows of h at and past
-            cu_seqlens[-1] are padding, their output rows unspecified; the CUDA path's direct form (decode)
-            then runs no expert for them (a one-stream bucket's second row read 8 more experts' weights).
+            cu_seqlens[-1] are padding, their output rows unspecified; the CUDA path
+            runs no expert for them (a one-stream bucket's second row read 8 more experts' weights).
     Returns:
         [T, D] the layer output (h + ..., or without h), h's dtype. Mutates nothing.
     """
@@ -144,9 +144,10 @@ def moe_cuda(a):
         gate, up = fp8.project(n, [(a.shared_gate_w, a.shared_gate_s), (a.shared_up_w, a.shared_up_s)])
         shared = fp8.project_one(kernels.silu_mul(kernels.side_by_side(gate, up)), a.shared_down_w, a.shared_down_s)
         logits = n @ a.router_w.t()
+    # padding rows (at and past cu_seqlens[-1]) take expert id -1: the direct kernels skip their pairs, the sort
+    # puts them before expert 0's group, in no block (their rows of y are not written: padding rows' unspecified)
+    top_w, top_e = route_topk(logits, top_k, a.norm_topk, a.cu_seqlens)
     P = T * top_k
-    # the few-pair forms skip pairs of no expert: padding rows take id -1 (the aligned path runs every row)
-    top_w, top_e = route_topk(logits, top_k, a.norm_topk, a.cu_seqlens if direct.takes_direct(P, E) else None)
 
     w13, w2 = _inner_contiguous(a.w13), _inner_contiguous(a.w2)
     if fp8.is_fp8(w13) and fp8.activations_rounded():  # W8A8 grouped GEMMs (their own pair alignment) or direct
