@@ -135,6 +135,9 @@ def checkpoint_files(folder: str) -> list[str]:
         if not (isinstance(weight_map, dict) and weight_map and all(isinstance(v, str) for v in weight_map.values())):
             raise ValueError(f"{index} has no weight_map (an object of tensor name -> shard file name)")
         files = sorted(set(weight_map.values()))
+        outside = [f for f in files if os.path.isabs(f) or os.path.normpath(f).split(os.sep)[0] == os.pardir]
+        if outside:  # a shard is a file of the checkpoint's folder (or below it), never one elsewhere
+            raise ValueError(f"{index} names shards outside {folder}: {outside}")
         missing = [f for f in files if not os.path.isfile(os.path.join(folder, f))]
         if missing:
             raise ValueError(f"{index} names shards that are not in {folder}: {missing}")

@@ -389,9 +389,12 @@ def test_corrupt_safetensors_with_auto_dtype_and_no_mtp(checkpoint):
     ("[]", "index.json has no weight_map"),
     ('{"weight_map": {"model.norm.weight": 3}}', "index.json has no weight_map"),
     ('{"weight_map": {"model.norm.weight": "shard-2.safetensors"}}', r"names shards that are not in .*shard-2"),
+    ('{"weight_map": {"model.norm.weight": "../shard-1.safetensors"}}', r"names shards outside .*\.\./shard-1"),
+    ('{"weight_map": {"model.norm.weight": "/etc/hostname"}}', r"names shards outside .*/etc/hostname"),
 ])
 def test_bad_index(checkpoint, text, message):
-    """A sharded checkpoint (no model.safetensors: with one, the index is not read) whose index is bad."""
+    """A sharded checkpoint (no model.safetensors: with one, the index is not read) whose index is bad; a shard
+    named outside the folder (a parent's file, an absolute path) is refused before anything is read."""
     (checkpoint / "model.safetensors").rename(checkpoint / "shard-1.safetensors")
     (checkpoint / "model.safetensors.index.json").write_text(text)
     with pytest.raises(ValueError, match=message):
