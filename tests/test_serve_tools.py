@@ -689,7 +689,8 @@ def test_responses_previous_response_id_continues_the_stored_conversation(client
 def test_responses_retrieve_delete_and_input_items(client):
     """The stored response through the openai client: retrieve equals the created one; input_items lists the
     conversation it ran on with ids (newest first by default, order asc, pages of `limit` followed by the
-    client's auto-paging); delete, then retrieve, delete and previous_response_id are NotFoundError naming it."""
+    client's auto-paging); cancel is a 400 (no background responses run here); delete, then retrieve, delete,
+    previous_response_id and cancel are NotFoundError naming it."""
     first = respond(client, metadata={"run": "7"})
     second = respond(client, input=[_call_output(first.output[1])], previous_response_id=first.id)
     assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
@@ -701,9 +702,12 @@ def test_responses_retrieve_delete_and_input_items(client):
     assert [i.id for i in items[1:3]] == [o.id for o in first.output] and items[3].id.startswith("fco_")
     page = client.responses.input_items.list(second.id, limit=3)
     assert [i.id for i in page.data] == [i.id for i in reversed(items)][:3] and page.has_more
+    with pytest.raises(openai.BadRequestError, match="only a background response"):
+        client.responses.cancel(first.id)  # (a completed response; the server runs no background ones)
     assert client.responses.delete(first.id) is None
     for call in (lambda: client.responses.retrieve(first.id), lambda: client.responses.delete(first.id),
-                 lambda: respond(client, input="Hi", previous_response_id=first.id)):
+                 lambda: respond(client, input="Hi", previous_response_id=first.id),
+                 lambda: client.responses.cancel(first.id)):
         with pytest.raises(openai.NotFoundError, match=first.id):
             call()
     assert client.responses.retrieve(second.id).output_text == ANSWER  # (its conversation is its own)

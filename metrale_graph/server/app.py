@@ -216,6 +216,12 @@ def build_app(engine, model_name: str, api_key: str | None = None, ready: bool =
         state.responses.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
+    @app.post("/v1/responses/{response_id}/cancel")  # (OpenAI's, for background responses: none run here)
+    async def cancel_response(response_id: str):
+        state.responses.get(response_id)  # an unknown id: the 404 naming it
+        raise errors.bad_request(f"response {response_id!r} has completed: only a background response (background: "
+                                 "true) can be cancelled, and this server runs none")
+
     @app.get("/v1/responses/{response_id}/input_items")
     async def response_input_items(response_id: str, after: str | None = None, limit: int = 20,
                                    order: str = "desc"):
