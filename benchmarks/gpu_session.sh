@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session in one command (device machines start bare): install the carried
 # flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
-#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-tests|gemv|gemv-ab|tp|fp8|fp8-sweep|fp8-bench|w8a16|serve|cookbook|prefix|structured|spec|spec-trace|ahead|all|setup]
+#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-tests|moe-decode|gemv|gemv-ab|tp|fp8|fp8-sweep|fp8-bench|w8a16|serve|cookbook|prefix|structured|spec|spec-trace|ahead|all|setup]
 #   (run from the repository root)
 # tests: every GPU test (sweep + op-tests + model-tests: ~18 min, more than one call); ops: per-op
 # benchmark; decode (not in all): bench_ops at decode shapes and benchmarks/kernels/check_decode.py's tile sweep; bench: 9B workloads with the peer and generation; profile (not in all): the 9B workloads' device
@@ -10,6 +10,7 @@
 # gemv (not in all): benchmarks/kernels/check_gemv.py and check_moe_direct.py, the decode GEMVs (dense: cuBLAS against
 # ops/gemv.py's one-launch split-K GEMV at its default and other tiles; MoE: the direct path's tiles and forms) at decode
 # rows; gemv-ab (not in all): the 9B's and the 35B-A3B's D1 / D32 under METRALE_DECODE_GEMV cublas and triton, tests/test_gemv.py;
+# moe-decode (not in all): the MoE decode paths' GPU tests, then the 35B-A3B's D1 / D32 (--profile, --loop 1; MOE_LAYERS);
 # moe-tests (not in all): the GPU tests of the MoE decode paths, the direct one (bf16 and FP8, CUDA-graph replay)
 # and the counting sort on CUDA tensors (not yet timed); tp: the two-GPU benchmarks
 # (9B W2 / W5 against the one-GPU JSON in benchmarks/, 27B W1-W6, 35B-A3B W1 / W2 / W5 with the experts
@@ -315,6 +316,18 @@ if [[ $what == moe-tests ]]; then
     # (35B-A3B layer shape, bf16 and FP8, graph replay) and the counting sort's (CUDA tensors, align_pairs, a graph)
     limit python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_moe_direct.py tests/test_kernels.py \
         -k "direct or count_sort" 2>&1 | tee "$OUT/moe_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed"
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+fi
+if [[ $what == moe-decode ]]; then
+    # issue 38: the MoE decode step with padding rows skipped (f446ff8): the GPU tests of the direct and aligned paths
+    # (route, direct, count sort), then the 35B-A3B's D1 / D32 with --profile (MOE_LAYERS layers, default 20: fits an
+    # H100; 40 on an H200) and --loop 1 (~3 min)
+    limit python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_moe_direct.py tests/test_kernels.py \
+        -k "direct or count_sort or route" 2>&1 | tee "$OUT/moe_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed"
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+    limit python3 -m metrale_graph.tools.bench --preset qwen3.5-35b-a3b --layers ${MOE_LAYERS:-20} --workloads D1,D32 \
+        --variants graphs --repeat 3 --profile --loop 1 --json "$OUT/bench-35b-moe-decode.json" 2>&1 | grep -v Warning \
+        | tee "$OUT/bench-35b-moe-decode.log" | grep -E "^ *D(1|32) |^ *1 |Error"
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 if [[ $what == fp8-bench ]]; then
