@@ -259,6 +259,19 @@ def test_an_argument_on_another_device_is_named(name):
                 impl(*moved)
 
 
+def test_moe_with_cu_seqlens():
+    """moe's optional cu_seqlens (the step's, marking padding rows for the CUDA path's experts): opcheck holds with
+    it, the reference ignores it (equal outputs), and one of another dtype or rank is an OpInputError naming it."""
+    args = op_args("moe", CASES[0], torch.float32)
+    T = args[0].shape[0]
+    cu = torch.tensor([0, T - 1], dtype=torch.int32)
+    torch.library.opcheck(REGISTRY["moe"].op, (*args, 0, True, cu))
+    assert torch.equal(OPS.moe(*args, 0, True, cu), OPS.moe(*args))
+    for bad in (cu.long(), cu[None]):
+        with pytest.raises(OpInputError, match="cu_seqlens"):
+            OPS.moe(*args, 0, True, bad)
+
+
 def test_moe_compiles_with_dynamic_ints():
     """torch.compile(dynamic=True) of a function taking moe's top_k and first_expert as arguments traces them as
     SymInts: the check took only ints, so the fake raised OpInputError ('top_k must be in 1..s21, got s77') and
