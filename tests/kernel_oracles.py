@@ -42,7 +42,8 @@ def aligned_layout(cu_seqlens: Tensor, num_tokens: int, short: int = 0) -> tuple
 
 
 def align_pairs_torch(top_e: Tensor, num_experts: int, block: int) -> tuple[Tensor, Tensor]:
-    """align.align_pairs in plain torch ops: (sorted_ids, block_expert)."""
+    """align.align_pairs in plain torch ops: (sorted_ids, block_expert). Negative ids (padding rows' pairs) fall
+    in no block, as the kernels' sort puts them before expert 0's group."""
     P, E, dev = top_e.numel(), num_experts, top_e.device
     nblk = align_size(P, E, block)
     experts, order = torch.sort(top_e.reshape(-1).to(torch.int32), stable=True)
@@ -51,8 +52,10 @@ def align_pairs_torch(top_e: Tensor, num_experts: int, block: int) -> tuple[Tens
     start = torch.zeros(E + 1, dtype=torch.int64, device=dev)  # padded group bounds in sorted rows
     start[1:] = torch.cumsum(padded, 0)
     experts = experts.long()
-    dest = start[experts] + torch.arange(P, device=dev) - first[experts]  # sorted row of each sorted pair
+    mine = experts >= 0
+    e = experts[mine]
+    dest = start[e] + torch.arange(P, device=dev)[mine] - first[e]  # sorted row of each sorted pair of an expert
     sorted_ids = torch.full((nblk * block,), P, dtype=torch.int32, device=dev)
-    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    sorted_ids.scatter_(0, dest, order[mine].to(torch.int32))
     owner = torch.searchsorted(start[1:], torch.arange(nblk, device=dev) * block, right=True)  # E: past the end
     return sorted_ids, torch.where(owner < E, owner, -1).to(torch.int32)

@@ -811,8 +811,8 @@ def test_moe_alignment(align, T, k, E, BM, monkeypatch):
 
 @pytest.mark.parametrize("sort", ["count", "torch"])
 def test_moe_alignment_matches_torch_oracle(sort, monkeypatch):
-    """align_pairs against the torch oracle with each sort ("torch": COUNT_SORT_MAX_PAIRS lowered to 0), and a
-    rank's align_local_pairs alike under both."""
+    """align_pairs against the torch oracle with each sort ("torch": COUNT_SORT_MAX_PAIRS lowered to 0), with and
+    without padding rows (id -1: their pairs in no block), and a rank's align_local_pairs alike under both."""
     if sort == "torch":
         monkeypatch.setattr(moe_align, "COUNT_SORT_MAX_PAIRS", 0)
     g = torch.Generator().manual_seed(5)
@@ -820,6 +820,11 @@ def test_moe_alignment_matches_torch_oracle(sort, monkeypatch):
         for top_e in _routings(T, k, E, g):
             a, b = moe_align.align_pairs(top_e, E, BM), align_pairs_torch(top_e, E, BM)
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+            top_e = top_e.clone()
+            top_e[T // 2:] = -1  # padding rows (routing.py marks them -1): in no block
+            a, b = moe_align.align_pairs(top_e, E, BM), align_pairs_torch(top_e, E, BM)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+            assert not torch.isin(a[0], torch.arange(T // 2 * k, T * k)).any()
     top_e = torch.randint(0, 12, (40, 3), generator=g)  # a tensor-parallel rank's experts 4..7 of 12
     local = moe_align.align_local_pairs(top_e, 4, 12, 4, 16)
     monkeypatch.setattr(moe_align, "COUNT_SORT_MAX_PAIRS", 0 if sort == "count" else 4096)
@@ -917,12 +922,14 @@ def test_moe_route_topk_keeps_ids_in_range_on_nan():
 
 def test_moe_route_topk_marks_padding_rows():
     """With the batch's cu_seqlens the rows at and past cu_seqlens[-1] (padding tokens) take expert id -1 and the
-    others the ids and weights they take without it."""
+    others the ids and weights they take without it; a strided cu_seqlens is read by its values (its last one)."""
     logits = torch.randn(5, 16, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     w, e = moe_routing.route_topk(logits, 4, True)
     cu = torch.tensor([0, 1, 3], dtype=torch.int32, device=DEVICE)
     w2, e2 = moe_routing.route_topk(logits, 4, True, cu)
     assert torch.equal(e2[:3], e[:3]) and torch.equal(w2[:3], w[:3]) and (e2[3:] == -1).all()
+    strided = torch.tensor([0, 9, 1, 9, 3, 9], dtype=torch.int32, device=DEVICE)[::2]  # the same offsets, stride 2
+    assert torch.equal(moe_routing.route_topk(logits, 4, True, strided)[1], e2)
 
 
 def test_moe_skewed_routing_matches_reference():

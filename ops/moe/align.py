@@ -124,7 +124,8 @@ def align_pairs(top_e: Tensor, num_experts: int, block: int) -> tuple[Tensor, Te
     Returns:
         sorted_ids: [NBLK * block] int32 pair ids p = t * k + j: expert 0's pairs (in pair order), padded
             with the sentinel P = T * k to a multiple of `block` rows, then expert 1's, ...; rows past the
-            last group also hold the sentinel.
+            last group also hold the sentinel. Pairs of a negative id (padding rows', ops/moe/routing.py) sort
+            before expert 0's group and fall in no block.
         block_expert: [NBLK] int32 the expert of each block, -1 for blocks past the last group.
     NBLK = align_size(P, E, block): it depends on the shapes alone.
     """

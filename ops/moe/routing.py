@@ -46,13 +46,14 @@ def _moe_route_kernel(logits_ptr, w_ptr, e_ptr, cu_ptr, stride_l, E, LAST, TOP_K
 def route_topk(logits: Tensor, top_k: int, norm_topk: bool, cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """select_experts in one Triton launch (it is five torch launches: softmax, topk, sum, divide,
     cast): logits [T, E] with unit inner stride -> (weights [T, k] in the logits' dtype, ids [T, k]
-    int64). cu_seqlens [B + 1] (the batch's, on the device): the rows at and past cu_seqlens[-1], padding
-    tokens (metrale_graph/batch.py's contract), take expert id -1, which no expert kernel runs (direct.py)."""
+    int64). cu_seqlens [B + 1] (the batch's, on the device, any stride): the rows at and past cu_seqlens[-1],
+    padding tokens (metrale_graph/batch.py's contract), take expert id -1, which no expert kernel runs (the direct
+    kernels skip it, the aligned path's sort puts it in no block)."""
     T, E = logits.shape
     top_w = torch.empty((T, top_k), dtype=logits.dtype, device=logits.device)
     top_e = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
     if T:
-        cu = top_e if cu_seqlens is None else cu_seqlens  # (unread without it)
+        cu = top_e if cu_seqlens is None else cu_seqlens.contiguous()  # (unread without it; read as contiguous)
         _moe_route_kernel[(T,)](logits, top_w, top_e, cu, logits.stride(0), E, cu.shape[0] - 1, TOP_K=top_k,
                                 BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
                                 NORM=norm_topk, PADDING=cu_seqlens is not None)
