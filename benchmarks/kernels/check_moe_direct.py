@@ -46,14 +46,19 @@ DOT_TILES = ((16, 128, 4, 4), (16, 256, 3, 4), (16, 256, 4, 4), (16, 512, 2, 4),
 
 
 @triton.jit
-def _prefetch_gate_up_kernel(x_ptr, w_ptr, act_ptr, e_ptr, N, K, stride_x, stride_we, stride_wn,
-                             TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """direct.py's gate|up rows kernel (K a multiple of BK, bf16 / fp16) with the next K step loaded first."""
+def _pair_tile(e_ptr, N, BN: tl.constexpr, TOP_K: tl.constexpr):
+    """The program's (pair, its column tile, its expert, its token), pair-major as direct.py's kernels."""
     num_n = tl.cdiv(N, BN)
     pair = tl.program_id(0) // num_n
     cols = (tl.program_id(0) % num_n) * BN + tl.arange(0, BN)
-    e = tl.load(e_ptr + pair).to(tl.int64)
-    token = (pair // TOP_K).to(tl.int64)
+    return pair, cols, tl.load(e_ptr + pair).to(tl.int64), (pair // TOP_K).to(tl.int64)
+
+
+@triton.jit
+def _prefetch_gate_up_kernel(x_ptr, w_ptr, act_ptr, e_ptr, N, K, stride_x, stride_we, stride_wn,
+                             TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """direct.py's gate|up rows kernel (K a multiple of BK, bf16 / fp16) with the next K step loaded first."""
+    pair, cols, e, token = _pair_tile(e_ptr, N, BN, TOP_K)
     k = tl.arange(0, BK)
     x_ptrs = x_ptr + token * stride_x + k
     g_ptrs = w_ptr + e * stride_we + (cols % N).to(tl.int64)[:, None] * stride_wn + k[None, :]
@@ -81,11 +86,7 @@ def _dot_gate_up_kernel(x_ptr, w_ptr, act_ptr, e_ptr, N, K, stride_x, stride_we,
     """The rows kernel as ops/gemv.py's dot form (K a multiple of BK): the weight tiles [BN, BK] the MMA's wide
     side, the token's row as all 16 columns of the narrow one, so that Triton pipelines the weight loads
     (STAGES K steps in flight a program); column 0 of the fp32 product kept."""
-    num_n = tl.cdiv(N, BN)
-    pair = tl.program_id(0) // num_n
-    cols = (tl.program_id(0) % num_n) * BN + tl.arange(0, BN)
-    e = tl.load(e_ptr + pair).to(tl.int64)
-    token = (pair // TOP_K).to(tl.int64)
+    pair, cols, e, token = _pair_tile(e_ptr, N, BN, TOP_K)
     k = tl.arange(0, BK)
     r = tl.arange(0, 16)
     x_ptrs = x_ptr + token * stride_x + k[:, None] + 0 * r[None, :]  # [BK, 16]: the token's row 16 times
