@@ -111,11 +111,12 @@ class Channel:
         return waiters
 
     def get(self, timeout: float | None = None, until_ended: bool = False) -> list:
-        """Every item there is, waiting for at least one (TimeoutError after `timeout` seconds); with until_ended,
-        waiting until every request has ended or one has failed (a caller that wants the results, not each step)."""
+        """Every item there is, waiting for at least one (TimeoutError after `timeout` seconds) unless every request
+        has ended (then [] once they have all been taken); with until_ended, waiting until every request has ended
+        or one has failed (a caller that wants the results, not each step)."""
         with self._cond:
             cond, ready = ((self._ends, lambda: self.open == 0 or self._failed) if until_ended
-                           else (self._cond, lambda: self._items))
+                           else (self._cond, lambda: self._items or self.open == 0))
             if not wait_for(cond, ready, timeout):
                 raise TimeoutError(f"no output within {timeout} s")
             items = list(self._items)
@@ -129,12 +130,13 @@ class Channel:
             if not wait_for(self._ends, lambda: self.open == 0, timeout):
                 raise TimeoutError(f"the request did not finish within {timeout} s")
 
-    async def get_async(self) -> RequestOutput | Failure:
+    async def get_async(self) -> RequestOutput | Failure | None:
+        """The next item, waiting for it; None once every request has ended and its items have all been taken."""
         while True:
-            future = self._register(lambda: bool(self._items))
+            future = self._register(lambda: bool(self._items) or self.open == 0)
             if future is None:
                 with self._cond:
-                    return self._items.popleft()
+                    return self._items.popleft() if self._items else None
             await future
 
     async def wait_closed_async(self) -> None:
@@ -209,7 +211,8 @@ class RequestHandle:
     """A request of Engine.submit. Its outputs go to one consumer (iterating the handle, in a thread or
     with `async for`); result() and abort() may be called from any thread. Leaving a `with handle:`
     block aborts the request if it is still running. Iteration raises the error that failed the request
-    (its step's error, EngineClosedError at shutdown)."""
+    (its step's error, EngineClosedError at shutdown). Iterating it again once its last output was taken ends at
+    once (raising that error again for a failed request)."""
 
     def __init__(self, loop, request, channel: Channel, owner=None):
         self._loop, self._request, self._channel = loop, request, channel
@@ -234,7 +237,11 @@ class RequestHandle:
 
     def __iter__(self):
         while True:
-            for item in self._channel.get():
+            items = self._channel.get()
+            if not items:  # ended, and its outputs all taken (a second iteration): nothing more will come
+                self._ended()
+                return
+            for item in items:
                 if isinstance(item, Failure):
                     raise item.error
                 yield item
@@ -244,6 +251,9 @@ class RequestHandle:
     async def __aiter__(self):
         while True:
             item = await self._channel.get_async()
+            if item is None:
+                self._ended()
+                return
             if isinstance(item, Failure):
                 raise item.error
             yield item
@@ -259,6 +269,11 @@ class RequestHandle:
     async def result_async(self) -> GenerationResult:
         await self._channel.wait_closed_async()
         return self._result()
+
+    def _ended(self) -> None:
+        """An iteration past the end: the error that failed the request raised again, else nothing."""
+        if self._request.error is not None:
+            raise self._request.error
 
     def _result(self) -> GenerationResult:
         r = self._request

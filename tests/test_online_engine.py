@@ -439,6 +439,50 @@ def test_asyncio_consumers(tiny):
     _assert_cache_empty(engine)
 
 
+def test_a_handle_whose_outputs_were_all_taken_iterates_to_its_end_at_once(tiny):
+    """Iterating a handle again once its last output was taken (a second `for`, `async for` after result(), after
+    an abort) ends at once, as an exhausted iterator does, rather than waiting for an output that never comes; a
+    handle whose request failed raises its error again."""
+    engine = Engine(tiny, **KW)
+    prompt = _prompts([6], seed=3)[0]
+
+    def drained(handle):  # a second iteration, in a thread so that a hang fails the test rather than blocking it
+        seen = []
+        t = threading.Thread(target=lambda: seen.append([out.token_ids for out in handle]), daemon=True)
+        t.start()
+        t.join(TIMEOUT)
+        return seen
+
+    h = engine.submit(prompt, max_new_tokens=3)
+    assert [t for out in h for t in out.token_ids] == h.result(TIMEOUT).token_ids
+    assert drained(h) == [[]]
+    h = engine.submit(prompt, max_new_tokens=3)
+    h.result(TIMEOUT)
+    assert len(drained(h)[0]) == 3 and drained(h) == [[]]  # outputs not yet taken are still given, once
+    h = engine.submit(prompt, max_new_tokens=80)
+    next(iter(h))
+    h.abort()
+    assert drained(h)[0][-1] == [] and drained(h) == [[]]
+
+    async def twice(handle):
+        first = [t async for out in handle for t in out.token_ids]
+        return first, [t async for out in handle for t in out.token_ids]
+
+    h = engine.submit(prompt, max_new_tokens=3)
+    first, second = asyncio.run(asyncio.wait_for(twice(h), TIMEOUT))
+    assert first == h.result(TIMEOUT).token_ids and second == []
+    _assert_cache_empty(engine)
+    h = engine.submit(prompt, max_new_tokens=80)
+    next(iter(h))
+    engine.shutdown()
+    for _ in range(2):
+        with pytest.raises(EngineClosedError):
+            for _ in h:
+                pass
+    with pytest.raises(EngineClosedError):
+        asyncio.run(asyncio.wait_for(twice(h), TIMEOUT))
+
+
 def test_shutdown_ends_a_warmup_after_the_bucket_in_progress(tiny, monkeypatch):
     """shutdown() during warmup() waited for the whole grid (a server stopped while it warmed: a minute on a large
     model, past a 30 s termination grace) and then for close()'s timeout; now the warmup ends after the bucket in
