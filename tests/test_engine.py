@@ -21,8 +21,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _hf_generate(hf, prompt, n, **kw):
+    """transformers' greedy tokens; the all-ones mask keeps a prompt's token 0 from being read as padding when a
+    call names pad_token_id=0 (transformers infers the mask from the pad id without one)."""
+    ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, **kw)
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, **kw)
     return out[0, len(prompt):].tolist()
 
 
