@@ -323,7 +323,8 @@ def test_chat_template_arguments_reach_the_template(client, tokenizer):
 def test_a_think_tag_in_a_messages_text_opens_no_reasoning(client):
     """This template's `</think>` turns the reasoning parser on and its generation prompt opens no block: a user's
     text that mentions `<think>` leaves the reply content (it was all reasoning, content None), whole and streamed,
-    while an assistant message continued after its own open `<think>` is reasoning. A grammar held from the reply's
+    while an assistant message continued after its own open `<think>` is reasoning (usage's reasoning_tokens its new
+    tokens, as the model wrote them). A grammar held from the reply's
     first token (this tokenizer has no one token that ends the reasoning, where it would start) makes it content,
     and a forced call a call (it was reasoning: no tool_calls, finish_reason "stop")."""
     asked = [{"role": "user", "content": "What does the <think> tag do?"}]
@@ -335,9 +336,16 @@ def test_a_think_tag_in_a_messages_text_opens_no_reasoning(client):
     assert not any(getattr(d, "reasoning_content", None) for d in deltas)
     thinking = asked + [{"role": "assistant", "content": "<think>\nThe user asks"}]
     continued = {"add_generation_prompt": False, "continue_final_message": True}
-    reply = client.chat.completions.create(model=NAME, messages=thinking, max_tokens=8, temperature=0,
-                                           extra_body=continued).choices[0].message
+    whole = client.chat.completions.create(model=NAME, messages=thinking, max_tokens=8, temperature=0,
+                                           extra_body=continued)
+    reply = whole.choices[0].message
     assert reply.reasoning_content and reply.content is None
+    # every new token is the reasoning's, counted as the model wrote them (its text encoded again was more: a byte
+    # token of a cut character is U+FFFD, three bytes), whole and streamed
+    last = list(client.chat.completions.create(model=NAME, messages=thinking, max_tokens=8, temperature=0, stream=True,
+                                               stream_options={"include_usage": True}, extra_body=continued))[-1]
+    for usage in (whole.usage, last.usage):
+        assert usage.completion_tokens_details.reasoning_tokens == usage.completion_tokens == 8, usage
     pytest.importorskip("xgrammar")
     opened = asked + [{"role": "assistant", "content": "<think>\n"}]
     fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object", "properties": {

@@ -37,7 +37,7 @@ from .errors import stream_event
 from .generation import Generations
 from .logprobs import chat_logprobs, prompt_logprobs
 from .protocol import ChatCompletionRequest
-from .reasoning import THINK_START
+from .reasoning import THINK_END, THINK_START
 from .reply import ReasoningDelta, Reply, ReplyParser
 from .custom_tools import CustomInputs, custom_input
 from .responses import (DONE, AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatResponse, CustomCall,
@@ -91,18 +91,33 @@ class ChatRun:
 def reasoning_tokens(state: ServerState, in_reasoning: bool, token_ids, reasoning: str) -> int:
     """The reply's tokens inside its reasoning block: from its start (the prompt's open `<think>`, else the reply's
     `<think>` token) up to its `</think>` token (the reply's end when cut inside). A tokenizer without a `</think>`
-    token: the reasoning's text encoded."""
+    token: the reply's tokens from the first whose text completes `<think>` through the first whose text completes
+    `</think>` (never more than the reply has: the reasoning's text encoded again could be more tokens than the
+    model wrote, a byte token of a cut character decoding to U+FFFD, three bytes)."""
     if not reasoning:
         return 0
-    if state.think_end is None:
-        return len(state.tokenizer.encode(reasoning, add_special_tokens=False))
     ids = list(token_ids)
+    if state.think_end is None:
+        start = 0 if in_reasoning else _tokens_until(state.tokenizer, ids, THINK_START) or 0
+        return (_tokens_until(state.tokenizer, ids, THINK_END) or len(ids)) - start
     end = ids.index(state.think_end) if state.think_end in ids else len(ids)
     start = 0
     if not in_reasoning:
         opening = state.tokenizer.convert_tokens_to_ids(THINK_START)
         start = ids.index(opening) + 1 if opening in ids[:end] else 0
     return end - start
+
+
+def _tokens_until(tokenizer, ids: list[int], tag: str) -> int | None:
+    """The fewest leading tokens of `ids` whose text holds `tag` (None: the whole text does not); a binary search, a
+    longer prefix's text holding a shorter one's (`tag` is ASCII: no cut character changes it)."""
+    if tag not in tokenizer.decode(ids):
+        return None
+    low, high = 1, len(ids)
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if tag in tokenizer.decode(ids[:mid]) else (mid + 1, high)
+    return low
 
 
 def reasoning_of(events: list) -> str:
