@@ -416,6 +416,9 @@ def _error(server, body) -> dict:
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "tool"}}, "tool_choice",
      """expected 'none', 'auto', 'required', {"type": "function", "function": {"name": ...}} or {"type": """),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    # parameters of another type than an object: calls whose "arguments" were a JSON string (it was a 200)
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+      "tool_choice": "required"}, "tools", "the JSON schema of an object, its arguments by name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
         "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}]}, "tools", "'uniqueItems'"),
 ])
@@ -631,6 +634,7 @@ def _responses_error(server, body) -> dict:
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "input_image"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input", "call_id"),
     ({"tools": [{"type": "web_search"}]}, "tools", "'function'"),
+    ({"tools": [{**RESPONSE_TOOL, "parameters": {"type": "array"}}]}, "tools", "not of type 'array'"),
     ({"tools": [RESPONSE_TOOL], "tool_choice": {"type": "function", "name": "get_time"}}, "tool_choice", "'get_time'"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "schema"),
     ({"max_output_tokens": 5000}, "max_output_tokens", "too large"),

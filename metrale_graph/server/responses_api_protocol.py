@@ -29,7 +29,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, Str
 from .protocol import NEUTRAL, ChatMessage, JsonSchemaFormat, NumLogprobs, ResponseFormat, SamplingFields
 from .responses_api_items import _ITEM, InputItem, MessageItem, as_items, chat_messages, check_items
 from .tool_protocol import (AllowedTools, AllowedToolsChoice, CustomDefinition, CustomTool, FunctionDefinition,
-                            FunctionName, NamedCustomChoice, NamedToolChoice, Tool, choice_check)
+                            FunctionName, NamedCustomChoice, NamedToolChoice, Parameters, Tool, choice_check)
 
 
 # tools and text formats ------------------------------------------------------------------------------------
@@ -40,7 +40,7 @@ class FunctionTool(BaseModel):
     type: Literal["function"]
     name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
     description: StrictStr | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: Parameters | None = None
     strict: StrictBool | None = None
 
     def chat_tool(self) -> Tool:

@@ -20,10 +20,26 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr, ValidationError,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr,
+                      ValidationError, model_validator)
 
 from .errors import pydantic_message
+
+
+def _of_an_object(schema: dict[str, Any]) -> dict[str, Any]:
+    """A function's parameters: the JSON schema of an object, the arguments by name (OpenAI's rule; a call's
+    arguments are a JSON object, and a template writes them one parameter at a time). A schema of another type (a
+    string, an array) is refused: its calls' "arguments" would be that JSON value, which no client reads as a call's;
+    a schema that does not say its type is taken as it is."""
+    kind = schema.get("type", "object")
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+        raise ValueError(f"a function's parameters are the JSON schema of an object, its arguments by name "
+                         f"({{\"type\": \"object\", \"properties\": {{...}}}}), not of type {kind!r}")
+    return schema
+
+
+# a JSON schema of the arguments' object
+Parameters = Annotated[dict[str, Any], AfterValidator(_of_an_object)]
 
 
 class FunctionDefinition(BaseModel):
@@ -33,7 +49,7 @@ class FunctionDefinition(BaseModel):
     # can hold
     name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
     description: StrictStr | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments' object
+    parameters: Parameters | None = None
     strict: StrictBool | None = None
 
 
