@@ -398,8 +398,11 @@ def _error(server, body) -> dict:
 
 
 @pytest.mark.parametrize("body, param, says", [
-    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", "function.name"),
-    ({"tools": [{"type": "function", "function": {"name": "two words"}}]}, "tools", "function.name"),
+    # the field as the body has it (it was "tools.0.function.function.name": pydantic's tag of the union, then the key)
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools",
+     "tools.0.function.name: Field required"),
+    ({"tools": [{"type": "function", "function": {"name": "two words"}}]}, "tools",
+     "tools.0.function.name: String should match pattern"),
     ({"tools": [{"type": "code_interpreter"}]}, "tools", "'function', 'custom'"),
     ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools", "more than once"),
     ({"tools": [{"type": "function", "function": {"name": "f", "description": "half \ud83d"}}]}, "tools",
@@ -1130,7 +1133,7 @@ def test_responses_allowed_custom_tools_and_codex_s_grammar(client):
     ({"tools": [{"type": "custom", "custom": {"name": "x", "format": {"type": "grammar"}}}]}, "tools",
      'a grammar format is {"type": "grammar", "grammar": {"syntax": "lark" | "regex"'),
     ({"tools": [{"type": "custom", "custom": {"name": "x", "parameters": {"type": "object"}}}]}, "tools",
-     "a custom tool takes no parameters"),
+     "tools.0.custom: a custom tool takes no parameters"),
     ({"tools": [APPLY_PATCH], "tool_choice": {"type": "function", "function": {"name": "apply_patch"}}}, "tool_choice",
      "tool_choice names 'apply_patch' as a function tool, and the request's 'apply_patch' is a custom tool: choose it "
      "with type 'custom'"),

@@ -138,7 +138,7 @@ def validation_error(e: RequestValidationError, content_type: str | None = None)
     if first.get("type") == "json_invalid":
         why = (first.get("ctx") or {}).get("error", first.get("msg"))
         return bad_request(f"the request body is not valid JSON: {why}", code="invalid_json")
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    loc = error_path(first)
     if not loc and first.get("type") == "missing":  # no body at all (JSON's null is another error: not an object)
         return bad_request("the request body is empty: send a JSON object, with the header 'Content-Type: "
                            "application/json'", code="invalid_json")
@@ -149,7 +149,7 @@ def validation_error(e: RequestValidationError, content_type: str | None = None)
                                f"application/json' (got {got})", code="invalid_json")
         return bad_request(f"the request body must be a JSON object: {first.get('msg')}")
     field = loc[0]
-    same = [err for err in errors if [str(x) for x in err.get("loc", ()) if x != "body"][:1] == [field]]
+    same = [err for err in errors if error_path(err)[:1] == [field]]
     leaf = next((p for p in reversed(loc) if p in EXPECTED), None)
     if len(same) > 1 and leaf is not None:  # a value that fits none of a union's members
         return bad_request(f"{field}: expected {EXPECTED[leaf]}, got {short(first.get('input'))}", param=field)
@@ -159,6 +159,17 @@ def validation_error(e: RequestValidationError, content_type: str | None = None)
     quoted = first.get("type") == "value_error" and "(got " in message
     got = f" (got {short(first['input'])})" if "input" in first and first.get("type") != "missing" and not quoted else ""
     return bad_request(f"{path}: {message}{got}", param=field)
+
+
+def error_path(error: dict) -> list[str]:
+    """The fields of one of pydantic's errors, from the body's: its `loc` without "body" and without the tag pydantic
+    puts where a union tagged by `type` chose its member, which OpenAI's shapes name again as the key holding the object
+    (a tool {"type": "function", "function": {...}}: `tools.0.function.function.name` is `tools.0.function.name`)."""
+    path: list[str] = []
+    for part in error.get("loc", ()):
+        if part != "body" and not (path and path[-1] == str(part)):
+            path.append(str(part))
+    return path
 
 
 def pydantic_message(error: dict) -> str:

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr,
                       ValidationError, model_validator)
 
-from .errors import pydantic_message
+from .errors import error_path, pydantic_message
 
 
 def _of_an_object(schema: dict[str, Any]) -> dict[str, Any]:
@@ -191,7 +191,7 @@ def choice_check(shapes: dict[str, tuple[type[BaseModel], str]]):
             return model.model_validate(value)
         except ValidationError as e:
             error = e.errors()[0]
-            where = ".".join(map(str, error["loc"]))
+            where = ".".join(error_path(error))
             why = f" ({where}: {pydantic_message(error)})" if where else ""
             raise ValueError(f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} choice is {shape}{why}") from None
     return check
