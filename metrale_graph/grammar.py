@@ -28,13 +28,17 @@ Added tokens: xgrammar reads an added token (`<|im_start|>`, `<think>`, `<tool_c
 so a JSON string or a free regex allowed it, `{"a": "x<|im_start|>..."}`, a control token inside the output (whose
 text the reply then skips, or a parser reads as a tag). Every grammar's mask is also held to the tokenizer's own
 tokens (`ordinary_tokens`: not its added or special ones; a byte-level BPE spells any text without them); the
-request's stop tokens stay allowed, where the grammar may end (xgrammar's mask). A structural tag also allows the
-added tokens within its literal strings (`_tagged`: Qwen3.5's `<tool_call>` in the trigger `<tool_call>\n<function=`):
+request's end tokens (below) stay allowed, where the grammar may end (xgrammar's mask). A structural tag also allows
+the added tokens within its literal strings (`_tagged`: Qwen3.5's `<tool_call>` in the trigger `<tool_call>\n<function=`):
 the model writes its calls with its own tokens, and where the tag does not write them they stay masked.
 
-Stop tokens: a request's stop tokens (eos and stop_token_ids) are its grammar's, allowed only where the output
-may end, and they end it as always ("stop"). A request without stop tokens ends ("stop") as soon as its output
-is complete under the grammar (`complete`); the mask never allows eos then.
+Stop tokens (vLLM's: its grammars end at the tokenizer's end tokens, and a request's stop_token_ids end it where
+sampled, the grammar unaware of them): a request's stop tokens (eos and stop_token_ids) that its grammar never
+writes as text (eos, `<|im_end|>`: neither ordinary nor a structural tag's) are its end tokens, allowed only where
+the output may end. One it may write (`[` in stop_token_ids) is text as any other, allowed where the grammar allows
+its text (a JSON array's `[`), never as an end: as an end token it would be masked where the grammar needs it,
+leaving nothing to sample. Either ends the request where it is sampled, as always ("stop"). A request without end
+tokens ends ("stop") as soon as its output is complete under the grammar (`complete`); the mask never allows eos then.
 """
 
 from __future__ import annotations
@@ -135,17 +139,21 @@ class Grammars:
             raise StructuredOutputError(f"{spec.kind}: the {_NAMES[spec.kind]} does not compile: {_reason(e)}") from None
 
     def matcher(self, compiled, spec: StructuredOutput, stop_ids) -> "Grammar":
-        """A request's Grammar over `compiled` (spec's, compile()'s result), with the request's stop tokens."""
-        stops = sorted(stop_ids)
-        matcher = (self._xgr.GrammarMatcher(compiled, override_stop_tokens=stops) if stops
-                   else self._xgr.GrammarMatcher(compiled, terminate_without_stop_token=True))
+        """A request's Grammar over `compiled` (spec's, compile()'s result), with the request's stop tokens: those
+        its grammar may write as text (the ordinary tokens, a structural tag's added ones) text, the others its end
+        tokens (module docstring)."""
         # (compile() has run: the bitmasks are there)
         also = self.plain_tokens if spec.kind in ("json", "json_object") else self.ordinary_tokens
+        text = self.ordinary_tokens
         if spec.kind == "structural_tag":
-            also = also | self._tagged(spec.source)
-        if any(not _allowed(also, t) for t in stops if t < self.vocab_size):
-            also = also | _bitmask(self.vocab_size, stops)
-        return Grammar(matcher, spec.starts_after, not stops, also)
+            tagged = self._tagged(spec.source)
+            also, text = also | tagged, text | tagged
+        ends = sorted(t for t in stop_ids if not _allowed(text, t))  # (stop ids are below vocab_size)
+        matcher = (self._xgr.GrammarMatcher(compiled, override_stop_tokens=ends) if ends
+                   else self._xgr.GrammarMatcher(compiled, terminate_without_stop_token=True))
+        if ends:
+            also = also | _bitmask(self.vocab_size, ends)
+        return Grammar(matcher, spec.starts_after, not ends, also)
 
     @functools.lru_cache(maxsize=MAX_CACHED)
     def _tagged(self, source: str) -> torch.Tensor:

@@ -34,7 +34,7 @@ A step in flight that sampled such a request is therefore read back before the n
 any request with a grammar runs, steps do not overlap (the others' steps keep overlapping). The mask is filled
 on the host after the next step is launched, while the device runs it, and applied in `sample` on the device.
 Each token read back advances its request's grammar; one it does not allow fails the request, and a request
-without stop tokens ends ("stop") when its output is complete.
+without end tokens (grammar.py) ends ("stop") when its output is complete.
 
 Speculative decoding (Engine(speculative=...), speculative/verify.py): a plan holding a request that speculates,
 and no more decodes than the option's max_streams (for "ngram": and a decode whose prompt lookup over the tokens

@@ -7,7 +7,7 @@ reasoning, which stays free.
 
 Covered: response_format json_schema (and instructor's JSON_SCHEMA mode) giving a validated pydantic object,
 instructor's TOOLS mode (a named tool_choice, and its create_partial), tool_choice "required" and named, whole and
-streamed (the arguments as they come, a reply cut inside them), vLLM's
+streamed (the arguments as they come, a reply cut inside them), a stop token the grammar needs ending the reply, vLLM's
 guided_* and structured_outputs on both endpoints, sampled outputs that validate, and the 400s naming their
 field (a schema that is not JSON Schema, one structured output asked twice, a keyword xgrammar would drop, ...).
 The Responses API's text.format (client.responses.parse with a pydantic text_format, whole and streamed;
@@ -188,6 +188,23 @@ def test_a_forced_call_beside_a_response_format_is_the_call(client):
         assert len(calls) == 1 and _streamed_calls(client, **kw)[0] == calls
         _check_calls(calls)
 
+def test_a_stop_token_the_grammar_needs_ends_the_reply(server):
+    """A stop_token_ids token the grammar needs ('[' opening "required"'s list, '{' a response_format's object) is
+    sampled and ends the reply, "stop" with that token as stop_reason, whole and streamed (vLLM's; the grammar made
+    it an end token, masked where it is needed: a 500, no allowed token left to sample)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "Weather", "schema": Weather.model_json_schema()}}
+    for kw, stop in ((dict(tools=[WEATHER, TIME], tool_choice="required"), "["), (dict(response_format=fmt), "{")):
+        (stop_id,) = httpx.post(server.url + "/tokenize", timeout=TIMEOUT, json={
+            "model": NAME, "prompt": stop, "add_special_tokens": False}).json()["tokens"]
+        body = {"model": NAME, "messages": USER, "temperature": 0, "max_tokens": 64, "stop_token_ids": [stop_id], **kw}
+        reply = httpx.post(server.url + "/v1/chat/completions", timeout=TIMEOUT, json=body)
+        assert reply.status_code == 200, reply.text
+        (choice,) = reply.json()["choices"]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop_id), choice
+        assert choice["message"]["content"] is None and not choice["message"].get("tool_calls"), choice
+        reply = httpx.post(server.url + "/v1/chat/completions", timeout=TIMEOUT, json={**body, "stream": True})
+        chunks = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop", reply.text
 
 
 def test_a_forced_call_of_a_function_without_parameters_has_no_arguments(client):

@@ -1,11 +1,11 @@
 """Structured output: the spec's checks (structured.py), the xgrammar backend's masks against a brute-force
 reference over a real byte-level BPE (tests/tokenizer_fixture.py: the mask allows exactly the tokens whose bytes
-continue a string of the grammar's language, and a stop token exactly where a string is complete), and the
+continue a string of the grammar's language, and the end token exactly where a string is complete), and the
 Engine end to end on a tiny random model, whose outputs parse and validate only because the mask forces them:
 greedy and sampled, beside plain requests, no added or special token allowed under a grammar (but a
 stop token where the output may end), with prefix caching, with overlap (the same streams as without), a
-grammar that starts after a token, a request without stop tokens, and the ValueErrors before anything is
-queued."""
+grammar that starts after a token, a request without stop tokens, an ordinary stop token the grammar needs
+(sampled, ending the request), and the ValueErrors before anything is queued."""
 
 import json
 import re
@@ -139,12 +139,13 @@ LANGUAGES = {  # a grammar and its language, finite, as UTF-8 strings
 @pytest.mark.parametrize("name", list(LANGUAGES))
 def test_the_mask_allows_exactly_the_continuations_of_the_language(engine, tokenizer, name):
     """Along every string of the language (its tokenizer's tokens), at every prefix: an ordinary token is
-    allowed exactly when the prefix's bytes and its own begin a string of the language, a stop token exactly
-    when the prefix is one, nothing else (other special tokens, the padding ids past the tokenizer's)."""
+    allowed exactly when the prefix's bytes and its own begin a string of the language (an ordinary stop token,
+    `o` here, too: text, as in vLLM, not an end), the end token (eos) exactly when the prefix is one, nothing else
+    (other special tokens, the padding ids past the tokenizer's)."""
     spec, language = LANGUAGES[name]
     words = [w.encode() for w in language]
     pieces = _token_bytes(tokenizer)
-    stops = {tokenizer.eos_token_id, 5}
+    stops = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("o")}
     compiled = engine.compile_grammar(spec).result()
     masks = TokenMasks(1, engine.model.config.vocab_size, torch.device("cpu"))
     for word in language:
@@ -157,7 +158,7 @@ def test_the_mask_allows_exactly_the_continuations_of_the_language(engine, token
             allowed = {t for t in range(engine.model.config.vocab_size) if (int(bits[t // 32]) >> (t % 32)) & 1}
             expected = {t for t, b in pieces.items() if any(w.startswith(prefix + b) for w in words)}
             if prefix in words:
-                expected |= stops
+                expected.add(tokenizer.eos_token_id)
             assert allowed == expected, (word, k, sorted(allowed ^ expected))
             if k < len(ids):
                 request.grammar.accept(ids[k])
@@ -305,6 +306,26 @@ def test_a_request_without_stop_tokens_ends_when_its_output_is_complete(engine):
     (r,) = engine.generate(PROMPTS[:1], max_new_tokens=60, stop_token_ids=[], structured={"json": SCHEMA})
     assert r.finish_reason == "stop" and PET.validate_json(r.text)
     assert engine.tokenizer.eos_token_id not in r.token_ids  # never allowed: it stops nothing
+
+
+def test_a_stop_token_the_grammar_needs_is_sampled_and_ends_the_request(engine, tokenizer):
+    """An ordinary token in stop_token_ids (`[`) is text to the grammar, not an end (vLLM's): where the grammar
+    needs it, a JSON array's first token, it is sampled and ends the request ("stop"; the grammar made it an end
+    token, masked there, and the request failed with no token left to sample). Where it never comes, the output is
+    whole: ended by eos, or, with no end token among the stops, by its completion."""
+    bracket, eos = tokenizer.convert_tokens_to_ids("["), tokenizer.eos_token_id
+    array = {"json": {"type": "array", "items": {"type": "integer"}, "minItems": 1}}
+    kinds = {"json": {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"enum": [1, 2, 3]}},
+                      "required": ["kind", "age"], "additionalProperties": False}}
+    for stops in ([eos, bracket], [bracket]):
+        for temperature in (0.0, 1.0):
+            for r in engine.generate(PROMPTS, max_new_tokens=40, temperature=temperature, seed=4, stop_token_ids=stops,
+                                     structured=array):
+                assert (r.finish_reason, r.token_ids) == ("stop", [bracket]), (stops, r)
+            for r in engine.generate(PROMPTS, max_new_tokens=40, temperature=temperature, seed=4, stop_token_ids=stops,
+                                     structured=kinds):
+                assert r.finish_reason == "stop" and json.loads(r.text)["kind"] in ("cat", "dog"), (stops, r)
+                assert bracket not in r.token_ids and (r.token_ids[-1] == eos) == (eos in stops), (stops, r)
 
 
 def test_a_grammar_that_starts_after_a_token(engine, tokenizer):
