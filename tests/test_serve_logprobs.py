@@ -9,8 +9,9 @@ output-text logprobs (include "message.output_text.logprobs", top_logprobs) whol
 same prompt and seed; they are the raw
 distribution's whatever the request's temperature and penalties; greedy decoding with each control equals the
 reference decode loop applying that control's definition; include_stop_str_in_output keeps the stop string; bad
-values are 400s naming their field; lm-eval runs a loglikelihood task and a generate_until task over local data
-(no hub download) and its loglikelihoods equal ours, a loglikelihood_rolling task over several windows with the
+values are 400s naming their field (min_tokens past the limit in the words of the field sent); lm-eval runs a
+loglikelihood task and a generate_until task over local data (no hub download) and its loglikelihoods equal ours, a
+loglikelihood_rolling task over several windows with the
 server's own tokenizer (its remote backend) equals ours window by window, and local-chat-completions' generations
 are the server's own chat replies."""
 
@@ -484,6 +485,28 @@ def test_bad_values_are_400_naming_the_field(server, path, body, param):
     r = httpx.post(server.url + path, json={**base, "max_tokens": 1, **body}, timeout=TIMEOUT)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+MIN_TOKENS = [  # (path, body, what the 400 names: the field the client sent, else the limit it did not set)
+    ("/v1/completions", {"prompt": "x", "max_tokens": 3}, "max_tokens (3)"),
+    ("/v1/completions", {"prompt": "x"}, "16, the most new tokens of a request that sets no limit"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3}, "max_tokens (3)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 3},
+     "max_completion_tokens (3)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]},
+     f"{MAX_CONTEXT}, the most new tokens of a request that sets no limit"),
+    ("/v1/responses", {"input": "x", "max_output_tokens": 3}, "max_output_tokens (3)"),
+]
+
+
+@pytest.mark.parametrize("path, body, says", MIN_TOKENS, ids=[f"{p}-{i}" for i, (p, _, _) in enumerate(MIN_TOKENS)])
+def test_min_tokens_past_the_limit_names_the_field_sent(server, path, body, says):
+    """min_tokens past the limit on new tokens is a 400 in the API's words: the field the client sent, or the limit
+    that applies when it sent none (the engine's argument, max_new_tokens, is no field of any endpoint)."""
+    r = httpx.post(server.url + path, json={**body, "min_tokens": MAX_CONTEXT + 1}, timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["param"], error["message"]) == ("min_tokens", f"min_tokens ({MAX_CONTEXT + 1}) must be at most {says}")
 
 
 # lm-eval ----------------------------------------------------------------------------------------------------------

@@ -319,6 +319,12 @@ class ServerState:
             raise bad_request(f"stop: a stop string of {longest} characters can never match: this model generates at "
                               f"most {self.max_context - 1} tokens, which decode to at most {most} characters",
                               param="stop")
+        max_new_tokens = max_new_tokens if max_new_tokens is not None else self.max_context
+        if (body.min_tokens or 0) > max_new_tokens:  # (the engine's check, in the API's words: no max_new_tokens)
+            limit = body.explicit_max_tokens()
+            raise bad_request(f"min_tokens ({body.min_tokens}) must be at most " + (
+                f"{limit[0]} ({limit[1]})" if limit is not None
+                else f"{max_new_tokens}, the most new tokens of a request that sets no limit"), param="min_tokens")
         controls = {name: getattr(body, name) for name in CONTROLS if getattr(body, name) is not None}
         if body.logit_bias:
             controls["logit_bias"] = _token_keys(body.logit_bias)
@@ -327,9 +333,8 @@ class ServerState:
                 controls[name] = value
         keep = (special_token_ids(self.tokenizer) if body.skip_special_tokens is False else frozenset()) | (
             self.tag_ids if parsed else frozenset())
-        return Sampling(max_new_tokens if max_new_tokens is not None else self.max_context, body.temperature,
-                        max(body.top_k, 0), body.top_p, body.seed, stops, stop, controls,
-                        bool(body.include_stop_str_in_output), structured, keep,
+        return Sampling(max_new_tokens, body.temperature, max(body.top_k, 0), body.top_p, body.seed, stops, stop,
+                        controls, bool(body.include_stop_str_in_output), structured, keep,
                         frozenset(body.stop_token_ids or ()))
 
     def check_api_key(self, authorization: str | None) -> None:
