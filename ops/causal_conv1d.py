@@ -13,7 +13,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .checkpoints import check_checkpoints, keep_conv_windows, keep_conv_windows_triton, wanted
-from .common import INDEX_DTYPES, check, check_tensor
+from .common import INDEX_DTYPES, check, check_tensor, decode_shaped
 from .tiles import _stream_of, search_steps
 from .registry import OpSpec, Shapes, metrale_cuda, metrale_fake, metrale_op, rand, register, stream_meta, weight
 
@@ -124,10 +124,54 @@ def _conv1d_state_kernel(x_ptr, state_ptr, cu_ptr, slot_ptr, C, stride_x, stride
                  mask=mc[:, None] & mi[None, :])
 
 
+@triton.jit(do_not_specialize=["T"])
+def _conv1d_decode_kernel(x_ptr, w_ptr, y_ptr, state_ptr, cu_ptr, slot_ptr, T, C, B, stride_x, stride_s0, stride_s1,
+                          stride_s2, W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr):
+    """Program (b, channel tile): stream b's tokens one by one (its taps from x or its slot's state), then its
+    slot's new state, in one launch; program (B, tile) zeroes the rows past cu_seqlens[B]."""
+    b = tl.program_id(0)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    mc = c < C
+    if b == B:  # rows that belong to no stream: 0, as the other path writes them
+        last = tl.load(cu_ptr + B).to(tl.int64)
+        for i in range(0, T - last):
+            tl.store(y_ptr + (last + i) * C + c, tl.zeros([BC], dtype=y_ptr.dtype.element_ty), mask=mc)
+    else:
+        start, end = tl.load(cu_ptr + b), tl.load(cu_ptr + b + 1)
+        if end > start:  # a zero-length (padding) stream reads and writes nothing
+            slot = tl.load(slot_ptr + b).to(tl.int64)
+            base = state_ptr + slot * stride_s0 + c * stride_s1
+            t0 = start.to(tl.int64)
+            # the new state, the last W-1 inputs of (old state ++ stream), read first (its loads in flight with the
+            # taps'), stored last
+            r = tl.arange(0, WP)
+            mr = mc[:, None] & (r < W - 1)[None, :]
+            u = end.to(tl.int64) - (W - 1) + r
+            new_x = tl.load(x_ptr + u[None, :] * stride_x + c[:, None], mask=mr & (u >= t0)[None, :], other=0.0)
+            new_s = tl.load(base[:, None] + (r + (end - start))[None, :] * stride_s2, mask=mr & (u < t0)[None, :],
+                            other=0.0)
+            for i in range(0, end - start):  # token t0 + i
+                t = t0 + i
+                acc = tl.zeros([BC], dtype=tl.float32)
+                for j in tl.static_range(W):  # tap j reads input ut: a token of the stream, or the old state
+                    ut = t - (W - 1) + j
+                    xv = tl.load(x_ptr + ut * stride_x + c, mask=mc & (ut >= t0), other=0.0)
+                    sv = tl.load(base + (i + j) * stride_s2, mask=mc & (ut < t0), other=0.0)
+                    wj = tl.load(w_ptr + c * W + j, mask=mc, other=0.0).to(tl.float32)
+                    acc += (xv.to(tl.float32) + sv.to(tl.float32)) * wj
+                y = acc * tl.sigmoid(acc)
+                tl.store(y_ptr + t * C + c, y.to(y_ptr.dtype.element_ty), mask=mc)
+            if W > 1:
+                tl.debug_barrier()  # every thread of the program has read the old state before any overwrites it
+                tl.store(base[:, None] + r[None, :] * stride_s2, (new_x + new_s).to(state_ptr.dtype.element_ty),
+                         mask=mr)
+
+
 def causal_conv1d_triton(x, weight, cu_seqlens, slot_ids, conv_state):
-    """Two launches, no host sync: the conv over all tokens (reading old states; each token's stream found by a
-    search of cu_seqlens in the kernel), then the state update per stream. Grid sizes follow from T, C and B
-    alone."""
+    """No host sync. Decode-shaped calls (ops.common.decode_shaped): one launch, a program per (stream, channel
+    tile) that runs the stream's few tokens and writes its new state. Others: two launches, the conv over all
+    tokens (reading old states; each token's stream found by a search of cu_seqlens in the kernel), then the
+    state update per stream. Grid sizes follow from T, C and B alone."""
     T, C = x.shape
     W = weight.shape[1]
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -138,6 +182,11 @@ def causal_conv1d_triton(x, weight, cu_seqlens, slot_ids, conv_state):
     cu_seqlens, slot_ids = cu_seqlens.contiguous(), slot_ids.contiguous()
     y = torch.empty((T, C), dtype=x.dtype, device=x.device)
     BT, BC = 32, 128
+    if decode_shaped(B, T):
+        _conv1d_decode_kernel[(B + 1, triton.cdiv(C, BC))](
+            x, weight, y, conv_state, cu_seqlens, slot_ids, T, C, B, x.stride(0), *conv_state.stride(), W=W,
+            WP=triton.next_power_of_2(max(W - 1, 1)), BC=BC)
+        return y
     if T:  # (each token's stream found in the kernel: tiles._stream_of)
         _conv1d_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
             x, weight, y, conv_state, cu_seqlens, slot_ids, T, C, B, x.stride(0), *conv_state.stride(),
