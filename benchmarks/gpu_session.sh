@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session in one command (device machines start bare): install the carried
 # flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
-#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-tests|moe-decode|gemv|gemv-ab|tp|fp8|fp8-sweep|fp8-bench|w8a16|serve|cookbook|prefix|structured|spec|spec-trace|ahead|all|setup]
+#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-tests|moe-decode|small|gemv|gemv-ab|tp|fp8|fp8-sweep|fp8-bench|w8a16|serve|cookbook|prefix|structured|spec|spec-trace|ahead|all|setup]
 #   (run from the repository root)
 # tests: every GPU test (sweep + op-tests + model-tests: ~18 min, more than one call); ops: per-op
 # benchmark; decode (not in all): bench_ops at decode shapes and benchmarks/kernels/check_decode.py's tile sweep; bench: 9B workloads with the peer and generation; profile (not in all): the 9B workloads' device
@@ -11,7 +11,8 @@
 # ops/gemv.py's one-launch split-K GEMV at its default and other tiles; MoE: the direct path's tiles and forms) at decode
 # rows; gemv-ab (not in all): the 9B's and the 35B-A3B's D1 / D32 under METRALE_DECODE_GEMV cublas and triton, tests/test_gemv.py;
 # moe-decode (not in all): the MoE decode paths' GPU tests, then the 35B-A3B's D1 / D32 (--profile, --loop 1; MOE_LAYERS);
-# moe-tests (not in all): the GPU tests of the MoE decode paths, the direct one (bf16 and FP8, CUDA-graph replay)
+# small (not in all): benchmarks/kernels/check_small.py, the decode step's small kernels by form and warp count, and the
+# decode-shaped conv's tests on CUDA; moe-tests (not in all): the GPU tests of the MoE decode paths, the direct one (bf16 and FP8, CUDA-graph replay)
 # and the counting sort on CUDA tensors (not yet timed); tp: the two-GPU benchmarks
 # (9B W2 / W5 against the one-GPU JSON in benchmarks/, 27B W1-W6, 35B-A3B W1 / W2 / W5 with the experts
 # split across the ranks and within); fp8 (not in all): the FP8 primitives' check (benchmarks/kernels/check_fp8.py: correctness,
@@ -328,6 +329,18 @@ if [[ $what == moe-decode ]]; then
     limit python3 -m metrale_graph.tools.bench --preset qwen3.5-35b-a3b --layers ${MOE_LAYERS:-20} --workloads D1,D32 \
         --variants graphs --repeat 3 --profile --loop 1 --json "$OUT/bench-35b-moe-decode.json" 2>&1 | grep -v Warning \
         | tee "$OUT/bench-35b-moe-decode.log" | grep -E "^ *D(1|32) |^ *1 |Error"
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+fi
+if [[ $what == small ]]; then
+    # issue 38: the decode step's small kernels by form and warp count (benchmarks/kernels/check_small.py) on the
+    # 35B-A3B's and the 9B's one-stream bucket, then the decode-shaped conv's tests on CUDA (~1 min)
+    for preset in ${SMALL_PRESETS:-qwen3.5-35b-a3b qwen3.5-9b}; do
+        limit python3 benchmarks/kernels/check_small.py --preset $preset --json "$OUT/small-$preset.json" 2>&1 \
+            | grep -v '^{' | tee -a "$OUT/small.log"
+        [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+    done
+    limit python3 -m pytest -q -rfE -p no:cacheprovider tests/test_kernels.py -k "conv" 2>&1 \
+        | tee "$OUT/small_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed"
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 if [[ $what == fp8-bench ]]; then

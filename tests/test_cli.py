@@ -437,7 +437,7 @@ def test_bench_serve_without_a_server_says_so(capsys):
 
 SCRIPTS = ["kernels/bench_ops", "kernels/bench_w8a16", "kernels/check_attention_varlen", "kernels/check_decode",
            "kernels/check_fp8", "kernels/check_gdn_chunked", "kernels/check_gemv", "kernels/check_moe_direct",
-           "kernels/check_moe_gemm", "kernels/sweep_fp8_decode",
+           "kernels/check_moe_gemm", "kernels/check_small", "kernels/sweep_fp8_decode",
            "bench_host", "bench_structured", "check_verify_ahead", "load_walk", "trace_launches"]
 
 
