@@ -124,11 +124,24 @@ def _conv1d_state_kernel(x_ptr, state_ptr, cu_ptr, slot_ptr, C, stride_x, stride
                  mask=mc[:, None] & mi[None, :])
 
 
+DECODE_MAX_WIDTH = 4  # the one-launch decode kernel holds a channel's window in registers: up to 3 inputs
+
+
+@triton.jit
+def _tap(zero, w_ptr, c, mc, W: tl.constexpr, j: tl.constexpr):
+    """Tap j's weights of channels c in fp32; `zero` (fp32 zeros of c's shape) for j >= W."""
+    if j < W:
+        return tl.load(w_ptr + c * W + j, mask=mc, other=0.0).to(tl.float32)
+    return zero
+
+
 @triton.jit(do_not_specialize=["T"])
 def _conv1d_decode_kernel(x_ptr, w_ptr, y_ptr, state_ptr, cu_ptr, slot_ptr, T, C, B, stride_x, stride_s0, stride_s1,
-                          stride_s2, W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr):
-    """Program (b, channel tile): stream b's tokens one by one (its taps from x or its slot's state), then its
-    slot's new state, in one launch; program (B, tile) zeroes the rows past cu_seqlens[B]."""
+                          stride_s2, W: tl.constexpr, BC: tl.constexpr):
+    """Program (b, channel tile): stream b's tokens one by one, each thread holding its channels' window (the last
+    W - 1 <= 3 inputs: s0 the oldest) in registers, loaded from the slot's state, shifted by every token and stored
+    back as the new state by the thread that loaded it (no thread reads what another writes); program (B, tile)
+    zeroes the rows past cu_seqlens[B]. The taps are summed in the order of the two-kernel path (oldest first)."""
     b = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     mc = c < C
@@ -137,39 +150,56 @@ def _conv1d_decode_kernel(x_ptr, w_ptr, y_ptr, state_ptr, cu_ptr, slot_ptr, T, C
         for i in range(0, T - last):
             tl.store(y_ptr + (last + i) * C + c, tl.zeros([BC], dtype=y_ptr.dtype.element_ty), mask=mc)
     else:
+        slot = tl.load(slot_ptr + b).to(tl.int64)  # (issued with the bounds: the chain is bounds or slot, then state)
         start, end = tl.load(cu_ptr + b), tl.load(cu_ptr + b + 1)
+        zero = tl.zeros([BC], dtype=tl.float32)
+        w0, w1, w2, w3 = (_tap(zero, w_ptr, c, mc, W, 0), _tap(zero, w_ptr, c, mc, W, 1),
+                          _tap(zero, w_ptr, c, mc, W, 2), _tap(zero, w_ptr, c, mc, W, 3))
         if end > start:  # a zero-length (padding) stream reads and writes nothing
-            slot = tl.load(slot_ptr + b).to(tl.int64)
             base = state_ptr + slot * stride_s0 + c * stride_s1
-            t0 = start.to(tl.int64)
-            # the new state, the last W-1 inputs of (old state ++ stream), read first (its loads in flight with the
-            # taps'), stored last
-            r = tl.arange(0, WP)
-            mr = mc[:, None] & (r < W - 1)[None, :]
-            u = end.to(tl.int64) - (W - 1) + r
-            new_x = tl.load(x_ptr + u[None, :] * stride_x + c[:, None], mask=mr & (u >= t0)[None, :], other=0.0)
-            new_s = tl.load(base[:, None] + (r + (end - start))[None, :] * stride_s2, mask=mr & (u < t0)[None, :],
-                            other=0.0)
-            for i in range(0, end - start):  # token t0 + i
-                t = t0 + i
-                acc = tl.zeros([BC], dtype=tl.float32)
-                for j in tl.static_range(W):  # tap j reads input ut: a token of the stream, or the old state
-                    ut = t - (W - 1) + j
-                    xv = tl.load(x_ptr + ut * stride_x + c, mask=mc & (ut >= t0), other=0.0)
-                    sv = tl.load(base + (i + j) * stride_s2, mask=mc & (ut < t0), other=0.0)
-                    wj = tl.load(w_ptr + c * W + j, mask=mc, other=0.0).to(tl.float32)
-                    acc += (xv.to(tl.float32) + sv.to(tl.float32)) * wj
-                y = acc * tl.sigmoid(acc)
-                tl.store(y_ptr + t * C + c, y.to(y_ptr.dtype.element_ty), mask=mc)
+            s0, s1, s2 = zero, zero, zero
             if W > 1:
-                tl.debug_barrier()  # every thread of the program has read the old state before any overwrites it
-                tl.store(base[:, None] + r[None, :] * stride_s2, (new_x + new_s).to(state_ptr.dtype.element_ty),
-                         mask=mr)
+                s0 = tl.load(base, mask=mc, other=0.0).to(tl.float32)
+            if W > 2:
+                s1 = tl.load(base + stride_s2, mask=mc, other=0.0).to(tl.float32)
+            if W > 3:
+                s2 = tl.load(base + 2 * stride_s2, mask=mc, other=0.0).to(tl.float32)
+            t0 = start.to(tl.int64)
+            for i in range(0, end - start):  # token t0 + i: the window's inputs, then itself (the last tap)
+                xt = tl.load(x_ptr + (t0 + i) * stride_x + c, mask=mc, other=0.0).to(tl.float32)
+                acc = zero
+                if W == 1:
+                    acc += xt * w0
+                if W == 2:
+                    acc += s0 * w0
+                    acc += xt * w1
+                    s0 = xt
+                if W == 3:
+                    acc += s0 * w0
+                    acc += s1 * w1
+                    acc += xt * w2
+                    s0, s1 = s1, xt
+                if W == 4:
+                    acc += s0 * w0
+                    acc += s1 * w1
+                    acc += s2 * w2
+                    acc += xt * w3
+                    s0, s1, s2 = s1, s2, xt
+                y = acc * tl.sigmoid(acc)
+                tl.store(y_ptr + (t0 + i) * C + c, y.to(y_ptr.dtype.element_ty), mask=mc)
+            # the new state: the last W - 1 inputs of (old state ++ stream), model-dtype values held exactly in fp32
+            if W > 1:
+                tl.store(base, s0.to(state_ptr.dtype.element_ty), mask=mc)
+            if W > 2:
+                tl.store(base + stride_s2, s1.to(state_ptr.dtype.element_ty), mask=mc)
+            if W > 3:
+                tl.store(base + 2 * stride_s2, s2.to(state_ptr.dtype.element_ty), mask=mc)
 
 
 def causal_conv1d_triton(x, weight, cu_seqlens, slot_ids, conv_state):
-    """No host sync. Decode-shaped calls (ops.common.decode_shaped): one launch, a program per (stream, channel
-    tile) that runs the stream's few tokens and writes its new state. Others: two launches, the conv over all
+    """No host sync. Decode-shaped calls (ops.common.decode_shaped) of width up to DECODE_MAX_WIDTH: one launch, a
+    program per (stream, channel tile) that runs the stream's few tokens and writes its new state. Others: two
+    launches, the conv over all
     tokens (reading old states; each token's stream found by a search of cu_seqlens in the kernel), then the
     state update per stream. Grid sizes follow from T, C and B alone."""
     T, C = x.shape
@@ -182,10 +212,9 @@ def causal_conv1d_triton(x, weight, cu_seqlens, slot_ids, conv_state):
     cu_seqlens, slot_ids = cu_seqlens.contiguous(), slot_ids.contiguous()
     y = torch.empty((T, C), dtype=x.dtype, device=x.device)
     BT, BC = 32, 128
-    if decode_shaped(B, T):
+    if decode_shaped(B, T) and W <= DECODE_MAX_WIDTH:
         _conv1d_decode_kernel[(B + 1, triton.cdiv(C, BC))](
-            x, weight, y, conv_state, cu_seqlens, slot_ids, T, C, B, x.stride(0), *conv_state.stride(), W=W,
-            WP=triton.next_power_of_2(max(W - 1, 1)), BC=BC)
+            x, weight, y, conv_state, cu_seqlens, slot_ids, T, C, B, x.stride(0), *conv_state.stride(), W=W, BC=BC)
         return y
     if T:  # (each token's stream found in the kernel: tiles._stream_of)
         _conv1d_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](

@@ -610,38 +610,49 @@ def test_strided_pools_and_index_tensors(name, impl, case, index, pools):
                 torch.as_strided(test_args[i], test_args[i].shape + (2,), test_args[i].stride() + (1,))[..., 1] == 0)
 
 
-@pytest.mark.parametrize("W", [1, 2, 3, 4])
+@pytest.mark.parametrize("W", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_conv_decode_kernel_equals_the_two_kernel_path(W, dtype, monkeypatch):
-    """Decode-shaped calls take the one-launch conv (_conv1d_decode_kernel): its outputs and new states equal the
-    two-kernel path's bit for bit (the same fp32 taps in the same order) and the reference's, for streams of 0 to
-    6 tokens (shorter and longer than the window), slots in any order, rows past cu_seqlens[-1] (zeroed by both),
-    a state pool with its window dim outermost in memory, and every slot outside the batch untouched."""
+@pytest.mark.parametrize("pool", ["contiguous", "window outermost"])
+def test_conv_decode_kernel_equals_the_two_kernel_path(W, dtype, pool, monkeypatch):
+    """Decode-shaped calls of width up to DECODE_MAX_WIDTH take the one-launch conv (_conv1d_decode_kernel; W 5
+    the two-kernel path): its outputs and new states equal the two-kernel path's bit for bit (the same fp32 taps in
+    the same order) and the reference's, for streams of 0 to 6 tokens (shorter and longer than the window), slots
+    in any order, zero-length streams on a live stream's slot (as the runner's padding streams may be), rows past
+    cu_seqlens[-1] (zeroed by both, over memory that held other values), three channel tiles, the model's pool
+    layout and one with its window dim outermost in memory, and every slot outside the batch untouched."""
     g = torch.Generator().manual_seed(W)
-    C, S = 136, 7  # two channel tiles, the second partial
+    C, S = 300, 7  # three channel tiles, the last partial
     for lengths, T in (((1, 1, 1, 1), 4), ((1, 0, 3, 1), 8), ((6, 2), 64), ((0, 0), 3), ((2,), 2), ((0, 5, 1), 6)):
         assert decode_shaped(len(lengths), T)
         cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
         slots = torch.randperm(S, generator=g)[:len(lengths)]
+        live = [i for i, n in enumerate(lengths) if n]
+        for i, n in enumerate(lengths):  # an empty stream shares a live stream's slot
+            if not n and live:
+                slots[i] = slots[live[0]]
         x = torch.randn(T, C, generator=g).to(dtype)
         w = torch.randn(C, W, generator=g).to(dtype)
-        state = torch.randn(S, C, W - 1, generator=g).to(dtype).transpose(1, 2).contiguous().transpose(1, 2)
+        state = torch.randn(S, C, W - 1, generator=g).to(dtype)
+        if pool != "contiguous":
+            state = state.transpose(1, 2).contiguous().transpose(1, 2)
         results = []
         for decode in (True, False):
             monkeypatch.setattr(causal_conv1d, "decode_shaped", lambda B, T, decode=decode: decode)
-            pool = state.clone().transpose(1, 2).contiguous().transpose(1, 2).to(DEVICE)
-            y = causal_conv1d.causal_conv1d_triton(x.to(DEVICE), w.to(DEVICE), cu.to(DEVICE), slots.to(DEVICE), pool)
-            results.append((y.cpu(), pool.cpu()))
-        (y, pool), (y2, pool2) = results
-        assert torch.equal(y, y2) and torch.equal(pool, pool2), (lengths, T)
+            pool_ = state.clone(memory_format=torch.preserve_format).to(DEVICE)
+            assert pool_.stride() == state.stride()
+            torch.full((T * C + 64,), 7.0, dtype=dtype, device=DEVICE)  # freed: memory y may be given
+            y = causal_conv1d.causal_conv1d_triton(x.to(DEVICE), w.to(DEVICE), cu.to(DEVICE), slots.to(DEVICE), pool_)
+            results.append((y.cpu(), pool_.cpu()))
+        (y, new_pool), (y2, new_pool2) = results
+        assert torch.equal(y, y2) and torch.equal(new_pool, new_pool2), (lengths, T)
         assert torch.all(y[int(cu[-1]):] == 0)
         ref_pool = state.clone()
         ref = REGISTRY["causal_conv1d"].reference(x, w, cu, slots, ref_pool)
         n = int(cu[-1])
         assert_close(f"conv {lengths}", ref[:n].float(), y[:n].float(), TOL[dtype])
-        assert_close(f"conv state {lengths}", ref_pool.float(), pool.float(), TOL[dtype])
+        assert_close(f"conv state {lengths}", ref_pool.float(), new_pool.float(), TOL[dtype])
         untouched = [s for s in range(S) if s not in slots[torch.tensor(lengths) > 0].tolist()]
-        assert torch.equal(pool[untouched], state[untouched])
+        assert torch.equal(new_pool[untouched], state[untouched])
 
 
 @pytest.mark.parametrize("name", ["gdn_proj", "attn_proj", "gdn_out", "mlp", "moe"])
@@ -1129,10 +1140,10 @@ for steps in (1, 9):  # (tiles._stream_of's search, unrolled)
                          ctx_ptr=I, bt_ptr=I, B="i32", BS="i32", N="i32", HD="i32", **{f"stride_{n}": "i32" for n in (
                              "kt", "vt", "kb", "ks", "kh", "kd", "vb", "vs", "vh", "vd", "bt")}),
                          dict(BLOCK=1024, STEPS=steps), 4, 1))
-for W in (1, 2, 4):  # the decode-shaped conv (one launch: taps, the new state, the zeroed rows past the streams)
+for W in range(1, conv.DECODE_MAX_WIDTH + 1):  # the decode-shaped conv (one launch: taps, new state, zeroed rows)
     smem.append(compile_(conv._conv1d_decode_kernel, dict(x_ptr=B16, w_ptr=B16, y_ptr=B16, state_ptr=B16, cu_ptr=I,
                          slot_ptr="*i64", T="i32", C="i32", B="i32", stride_x="i32", stride_s0="i32", stride_s1="i32",
-                         stride_s2="i32"), dict(W=W, WP=max(1, triton.next_power_of_2(W - 1)), BC=128), 4, 1))
+                         stride_s2="i32"), dict(W=W, BC=128), 4, 3))
 smem.append(compile_(rows._attn_heads_kernel, dict(qg_ptr=B16, k_ptr=B16, v_ptr=B16, qw_ptr=B16, kw_ptr=B16, pos_ptr="*i64",
                      inv_freq_ptr=F32, q_ptr=B16, ko_ptr=B16, vo_ptr=B16, gate_ptr=B16, HQ="i32", HKV="i32", HD="i32",
                      HALF="i32", stride_qg_t="i32", stride_qg_h="i32", stride_k_t="i32", stride_v_t="i32", eps="fp32",
