@@ -693,10 +693,11 @@ def test_responses_previous_response_id_continues_the_stored_conversation(client
     assert third.usage.input_tokens == again.usage.input_tokens
 
 
-def test_responses_retrieve_delete_and_input_items(client):
+def test_responses_retrieve_delete_and_input_items(server, client):
     """The stored response through the openai client: retrieve equals the created one; input_items lists the
     conversation it ran on with ids (newest first by default, order asc, pages of `limit` followed by the
-    client's auto-paging); cancel is a 400 (no background responses run here); delete, then retrieve, delete,
+    client's auto-paging), a bad query value a 400 whose `param` is that query parameter (OpenAI's: `limit`, not
+    `query`); cancel is a 400 (no background responses run here); delete, then retrieve, delete,
     previous_response_id and cancel are NotFoundError naming it."""
     first = respond(client, metadata={"run": "7"})
     second = respond(client, input=[_call_output(first.output[1])], previous_response_id=first.id)
@@ -720,6 +721,14 @@ def test_responses_retrieve_delete_and_input_items(client):
     assert client.responses.retrieve(second.id).output_text == ANSWER  # (its conversation is its own)
     with pytest.raises(openai.BadRequestError, match="limit"):
         client.responses.input_items.list(second.id, limit=101)
+    for query, param in ({"limit": "abc"}, "limit"), ({"limit": 0}, "limit"), ({"order": "newest"}, "order"), \
+                        ({"after": "msg_none"}, "after"), ({"order": "asc", "limit": "1.5"}, "limit"):
+        r = httpx.get(f"{server.url}/v1/responses/{second.id}/input_items", params=query, timeout=TIMEOUT)
+        assert r.status_code == 400, (query, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param and error["message"].startswith(f"{param}: "), (query, error)
+    r = httpx.get(f"{server.url}/v1/responses/{second.id}", params={"stream": "maybe"}, timeout=TIMEOUT)
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "stream"), r.text
 
 
 def test_responses_streamed_and_not_stored(client):

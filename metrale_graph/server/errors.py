@@ -27,6 +27,7 @@ logger = logging.getLogger("metrale_graph.server")
 
 RETRY_AFTER_S = 1  # what a 503 asks a client to wait before it tries again
 INVALID = "invalid_request_error"
+REQUEST_PARTS = ("body", "query", "path", "header", "cookie")  # where FastAPI's validation errors say a value came from
 
 # what a field of a union type takes, for the message of a value that fits none of its members
 EXPECTED = {
@@ -162,12 +163,17 @@ def validation_error(e: RequestValidationError, content_type: str | None = None)
 
 
 def error_path(error: dict) -> list[str]:
-    """The fields of one of pydantic's errors, from the body's: its `loc` without "body" and without the tag pydantic
-    puts where a union tagged by `type` chose its member, which OpenAI's shapes name again as the key holding the object
-    (a tool {"type": "function", "function": {...}}: `tools.0.function.function.name` is `tools.0.function.name`)."""
+    """The fields of one of pydantic's errors: its `loc` without the part of the request FastAPI puts first ("body",
+    "query", "path", ...: OpenAI's `param` is the field or query parameter itself, `limit` not `query`) and without the
+    tag pydantic puts where a union tagged by `type` chose its member, which OpenAI's shapes name again as the key
+    holding the object (a tool {"type": "function", "function": {...}}: `tools.0.function.function.name` is
+    `tools.0.function.name`)."""
+    loc = list(error.get("loc", ()))
+    if loc and loc[0] in REQUEST_PARTS:
+        loc = loc[1:]
     path: list[str] = []
-    for part in error.get("loc", ()):
-        if part != "body" and not (path and path[-1] == str(part)):
+    for part in loc:
+        if not (path and path[-1] == str(part)):
             path.append(str(part))
     return path
 
