@@ -47,9 +47,11 @@ SHUTDOWN_S = 2
 MAX_REQUEST_BYTES = 3 * 1024 * 1024
 TIMEOUT = 120
 # an assistant's past calls as Qwen3.5's template writes them: each argument of a call whose `arguments` is defined
-# through `arguments|items`, unguarded (a string or null there raises)
+# through `arguments|items`, unguarded (a string or null there raises); where chat_template_kwargs set
+# `string_arguments`, a string written as it is, as Qwen3's template does
 CALLS = ("{% for call in message.tool_calls or [] %}{% set call = call.function if call.function is defined else call %}"
-         "<tool_call>{{ call.name }}{% if call.arguments is defined %}{% for name, value in call.arguments|items %}"
+         "<tool_call>{{ call.name }}{% if call.arguments is string and string_arguments is defined %} {{ call.arguments }}"
+         "{% elif call.arguments is defined %}{% for name, value in call.arguments|items %}"
          " {{ name }}={{ value }}{% endfor %}{% endif %}</tool_call>{% endfor %}")
 # Qwen3's switch: a chat template variable that only chat_template_kwargs sets; a line of reasoning_effort, the
 # variable gpt-oss's templates read, which vLLM sets from OpenAI's field of that name; vLLM's RAG documents
@@ -554,7 +556,34 @@ def test_a_past_call_sent_without_arguments_reaches_the_template_with_none(serve
     assert "<tool_call>now hour=12</tool_call>" in text({"hour": 12})
     assert rendered({"arguments": '{"hour": 12}'}) == tokenizer.encode(text({"hour": 12}), add_special_tokens=False)
     error = _error(_post(server, "/v1/chat/completions", {"messages": history({"arguments": "[1, 2]"}), "max_tokens": 1}))
-    assert error["param"] == "messages" and "template" in error["message"], error
+    assert error["param"] == "messages[1].tool_calls[0].function.arguments" and "template" in error["message"], error
+
+
+def test_a_past_call_whose_arguments_are_not_json_reaches_the_template_as_sent(server, tokenizer):
+    """A past call whose function.arguments is not JSON text (a model's own malformed call, replayed by an agent)
+    reaches the template as the string sent: a template with a string branch (Qwen3's; here under
+    chat_template_kwargs' `string_arguments`) writes it as it is and the chat is served; one that iterates
+    `arguments|items` (Qwen3.5's) cannot, and the 400 names the call's arguments as not JSON, param and message
+    (it was the template's 'Can only get item pairs from a mapping' naming only `messages`). A template that fails
+    for another reason still gives its own error."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "now", "arguments": "{oops"}}
+    history = [{"role": "user", "content": "Hello world!"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "noon"}]
+    text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True, string_arguments=True)
+    assert "<tool_call>now {oops</tool_call>" in text
+    kwargs = {"chat_template_kwargs": {"string_arguments": True}}
+    r = _post(server, "/tokenize", {"messages": history, **kwargs})
+    assert r.status_code == 200 and r.json()["tokens"] == tokenizer.encode(text, add_special_tokens=False), r.text
+    chat = _post(server, "/v1/chat/completions", {"messages": history, "max_tokens": 1, **kwargs})
+    assert chat.status_code == 200, chat.text
+    for path in ("/v1/chat/completions", "/tokenize"):
+        error = _error(_post(server, path, {"messages": history, "max_tokens": 1}))
+        assert error["param"] == "messages[1].tool_calls[0].function.arguments", error
+        assert error["message"].startswith(error["param"] + ": '{oops' is not JSON text of an object"), error
+    number = {"id": "call_2", "type": "function", "function": {"name": "now", "arguments": 5}}  # (no string: as sent)
+    history[1]["tool_calls"].append(number)
+    error = _error(_post(server, "/v1/chat/completions", {"messages": history, "max_tokens": 1}))
+    assert error["param"] == "messages" and error["message"].startswith("the chat template failed"), error
 
 
 def test_an_assistants_refusal_in_the_history_is_its_text(server, client):

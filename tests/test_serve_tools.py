@@ -636,6 +636,10 @@ def _responses_error(server, body) -> dict:
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "item_reference"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "input_image"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input", "call_id"),
+    # a past call's arguments not JSON, which Qwen3.5's `arguments|items` cannot render: named by its call
+    ({"input": [*USER, {"type": "function_call", "call_id": "c_1", "name": "get_weather", "arguments": "{oops"},
+                {"type": "function_call_output", "call_id": "c_1", "output": "sunny"}]}, "input",
+     "input: the arguments of the function call 'c_1': '{oops' is not JSON text of an object"),
     ({"tools": [{"type": "web_search"}]}, "tools", "'function'"),
     ({"tools": [{**RESPONSE_TOOL, "parameters": {"type": "array"}}]}, "tools", "not of type 'array'"),
     ({"tools": [RESPONSE_TOOL], "tool_choice": {"type": "function", "name": "get_time"}}, "tool_choice", "'get_time'"),

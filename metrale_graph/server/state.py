@@ -73,6 +73,33 @@ def check_text(value, name: str, param: str) -> None:
             check_text(v, name, param)
 
 
+def template_error(e: Exception, messages: list[dict], render, param: str) -> APIError:
+    """The 400 of a chat template that raised `e` on `messages` (`render`: the same rendering of other messages). A
+    past call's arguments that are not JSON text of an object reach the template as the string sent (a model's own
+    malformed call replayed: templates with a string branch, Qwen3's, write it as it is); when the template renders
+    the messages once those are {} (Qwen3.5's iterates `arguments|items`), the 400 names the first of them."""
+    failed = bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}", param=param)
+    calls = [(i, j) for i, m in enumerate(messages) if isinstance(m.get("tool_calls"), list)
+             for j, call in enumerate(m["tool_calls"]) if isinstance(call, dict)
+             and isinstance(call.get("function"), dict) and isinstance(call["function"].get("arguments"), str)]
+    if not calls:
+        return failed
+    mapped = list(messages)
+    for i, j in calls:
+        mapped[i] = {**mapped[i], "tool_calls": [{**c, "function": {**c["function"], "arguments": {}}} if k == j else c
+                                                 for k, c in enumerate(mapped[i]["tool_calls"])]}
+    try:
+        render(mapped)
+    except Exception:  # (not the arguments alone)
+        return failed
+    (i, j), call = calls[0], messages[calls[0][0]]["tool_calls"][calls[0][1]]
+    where = f"messages[{i}].tool_calls[{j}].function.arguments" if param == "messages" else param
+    what = where if param == "messages" else f"{param}: the arguments of the function call {call.get('id')!r}"
+    return bad_request(f"{what}: {short(call['function']['arguments'])} is not JSON text of an object, and this "
+                       f"model's chat template renders a past call's arguments only as one ({type(e).__name__}: {e})",
+                       param=where)
+
+
 def one_system_message(messages: list[dict]) -> list[dict]:
     """`messages` (as a template reads them: developer already system) with the system messages they begin with
     joined into one, their texts separated by a blank line: Qwen3.5's template takes one system message, the first,
@@ -277,18 +304,18 @@ class ServerState:
         for i, message in enumerate(messages):  # every string the template may read: UTF-8 encodable
             for key, value in message.items():
                 check_text(value, f"{param} {i}: {key}", param)
-        messages = one_system_message(messages)
         if continue_final_message:  # (only then: a tokenizer of its own may not take the argument)
             template_kwargs["continue_final_message"] = True
         if tools:  # (likewise)
             check_text(tools, "tools", "tools")
             template_kwargs["tools"] = tools
+        def render(messages: list[dict]) -> str:
+            return tok.apply_chat_template(one_system_message(messages), tokenize=False,
+                                           add_generation_prompt=add_generation_prompt, **template_kwargs)
         try:
-            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           **template_kwargs)
+            return render(messages)
         except Exception as e:  # the template raised (a role it does not take, ...)
-            raise bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}",
-                              param=param) from e
+            raise template_error(e, messages, render, param) from e
 
     def sampling(self, body: SamplingFields, max_new_tokens: int | None, logprobs: int | None = None,
                  prompt_logprobs: int | None = None, structured=None, parsed: bool = False) -> Sampling:
