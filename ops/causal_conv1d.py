@@ -153,8 +153,9 @@ def _conv1d_decode_kernel(x_ptr, w_ptr, y_ptr, state_ptr, cu_ptr, slot_ptr, T, C
         slot = tl.load(slot_ptr + b).to(tl.int64)  # (issued with the bounds: the chain is bounds or slot, then state)
         start, end = tl.load(cu_ptr + b), tl.load(cu_ptr + b + 1)
         zero = tl.zeros([BC], dtype=tl.float32)
-        w0, w1, w2, w3 = (_tap(zero, w_ptr, c, mc, W, 0), _tap(zero, w_ptr, c, mc, W, 1),
-                          _tap(zero, w_ptr, c, mc, W, 2), _tap(zero, w_ptr, c, mc, W, 3))
+        # the window's taps (oldest first) and the token's own, the last
+        w0, w1, w2 = _tap(zero, w_ptr, c, mc, W, 0), _tap(zero, w_ptr, c, mc, W, 1), _tap(zero, w_ptr, c, mc, W, 2)
+        wt = _tap(zero, w_ptr, c, mc, W, W - 1)
         if end > start:  # a zero-length (padding) stream reads and writes nothing
             base = state_ptr + slot * stride_s0 + c * stride_s1
             s0, s1, s2 = zero, zero, zero
@@ -168,25 +169,21 @@ def _conv1d_decode_kernel(x_ptr, w_ptr, y_ptr, state_ptr, cu_ptr, slot_ptr, T, C
             for i in range(0, end - start):  # token t0 + i: the window's inputs, then itself (the last tap)
                 xt = tl.load(x_ptr + (t0 + i) * stride_x + c, mask=mc, other=0.0).to(tl.float32)
                 acc = zero
-                if W == 1:
-                    acc += xt * w0
-                if W == 2:
+                if W > 1:
                     acc += s0 * w0
-                    acc += xt * w1
-                    s0 = xt
-                if W == 3:
-                    acc += s0 * w0
+                if W > 2:
                     acc += s1 * w1
-                    acc += xt * w2
-                    s0, s1 = s1, xt
-                if W == 4:
-                    acc += s0 * w0
-                    acc += s1 * w1
+                if W > 3:
                     acc += s2 * w2
-                    acc += xt * w3
-                    s0, s1, s2 = s1, s2, xt
+                acc += xt * wt
                 y = acc * tl.sigmoid(acc)
                 tl.store(y_ptr + (t0 + i) * C + c, y.to(y_ptr.dtype.element_ty), mask=mc)
+                if W == 2:  # the window moves on by one input
+                    s0 = xt
+                if W == 3:
+                    s0, s1 = s1, xt
+                if W == 4:
+                    s0, s1, s2 = s1, s2, xt
             # the new state: the last W - 1 inputs of (old state ++ stream), model-dtype values held exactly in fp32
             if W > 1:
                 tl.store(base, s0.to(state_ptr.dtype.element_ty), mask=mc)
@@ -199,9 +196,8 @@ def _conv1d_decode_kernel(x_ptr, w_ptr, y_ptr, state_ptr, cu_ptr, slot_ptr, T, C
 def causal_conv1d_triton(x, weight, cu_seqlens, slot_ids, conv_state):
     """No host sync. Decode-shaped calls (ops.common.decode_shaped) of width up to DECODE_MAX_WIDTH: one launch, a
     program per (stream, channel tile) that runs the stream's few tokens and writes its new state. Others: two
-    launches, the conv over all
-    tokens (reading old states; each token's stream found by a search of cu_seqlens in the kernel), then the
-    state update per stream. Grid sizes follow from T, C and B alone."""
+    launches, the conv over all tokens (reading old states; each token's stream found by a search of cu_seqlens in
+    the kernel), then the state update per stream. Grid sizes follow from T, C and B alone."""
     T, C = x.shape
     W = weight.shape[1]
     x = x if x.stride(1) == 1 else x.contiguous()
