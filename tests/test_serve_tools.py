@@ -641,6 +641,12 @@ def _responses_error(server, body) -> dict:
                 {"type": "function_call_output", "call_id": "c_1", "output": "sunny"}]}, "input",
      "input: the arguments of the function call 'c_1': '{oops' is not JSON text of an object"),
     ({"tools": [{"type": "web_search"}]}, "tools", "'function'"),
+    # a flat tool's field by its path in the body (it was "tools.0.function.name": pydantic's tag of the union, a key
+    # the flat shape has not)
+    ({"tools": [{"type": "function", "name": "two words"}]}, "tools", "tools.0.name: String should match pattern"),
+    ({"tools": [{"type": "function", "description": "no name"}]}, "tools", "tools.0.name: Field required"),
+    ({"tools": [RESPONSE_TOOL], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function"}]}},
+     "tool_choice", "(tools.0.name: Field required)"),
     ({"tools": [{**RESPONSE_TOOL, "parameters": {"type": "array"}}]}, "tools", "not of type 'array'"),
     ({"tools": [RESPONSE_TOOL], "tool_choice": {"type": "function", "name": "get_time"}}, "tool_choice", "'get_time'"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "schema"),
@@ -1165,7 +1171,9 @@ def test_bad_custom_tools_are_400_naming_the_problem(server, body, param, says):
 @pytest.mark.parametrize("body, param, says", [
     ({"tools": [{**FLAT_APPLY_PATCH, "format": {"type": "grammar", "syntax": "gbnf", "definition": "x"}}]}, "tools",
      "(got 'gbnf')"),
-    ({"tools": [{**FLAT_APPLY_PATCH, "parameters": {"type": "object"}}]}, "tools", "a custom tool takes no parameters"),
+    ({"tools": [{**FLAT_APPLY_PATCH, "parameters": {"type": "object"}}]}, "tools",
+     "tools.0: a custom tool takes no parameters"),  # (it was "tools.0.custom: ...", a key the flat shape has not)
+    ({"tools": [{**FLAT_APPLY_PATCH, "format": {"type": "grammar"}}]}, "tools", "tools.0.format: a grammar format is"),
     ({"tools": [{**FLAT_APPLY_PATCH, "format": {"type": "grammar", "syntax": "lark", "definition": "start: ("}}]},
      "tools", "the custom tool 'apply_patch': its Lark grammar does not compile"),
     ({"tools": [FLAT_APPLY_PATCH], "tool_choice": {"type": "custom", "name": "shell"}}, "tool_choice", "'shell'"),

@@ -139,7 +139,8 @@ def validation_error(e: RequestValidationError, content_type: str | None = None)
     if first.get("type") == "json_invalid":
         why = (first.get("ctx") or {}).get("error", first.get("msg"))
         return bad_request(f"the request body is not valid JSON: {why}", code="invalid_json")
-    loc = error_path(first)
+    body = getattr(e, "body", None)
+    loc = error_path(first, body)
     if not loc and first.get("type") == "missing":  # no body at all (JSON's null is another error: not an object)
         return bad_request("the request body is empty: send a JSON object, with the header 'Content-Type: "
                            "application/json'", code="invalid_json")
@@ -150,7 +151,7 @@ def validation_error(e: RequestValidationError, content_type: str | None = None)
                                f"application/json' (got {got})", code="invalid_json")
         return bad_request(f"the request body must be a JSON object: {first.get('msg')}")
     field = loc[0]
-    same = [err for err in errors if error_path(err)[:1] == [field]]
+    same = [err for err in errors if error_path(err, body)[:1] == [field]]
     leaf = next((p for p in reversed(loc) if p in EXPECTED), None)
     if len(same) > 1 and leaf is not None:  # a value that fits none of a union's members
         return bad_request(f"{field}: expected {EXPECTED[leaf]}, got {short(first.get('input'))}", param=field)
@@ -162,19 +163,36 @@ def validation_error(e: RequestValidationError, content_type: str | None = None)
     return bad_request(f"{path}: {message}{got}", param=field)
 
 
-def error_path(error: dict) -> list[str]:
+def error_path(error: dict, body=None) -> list[str]:
     """The fields of one of pydantic's errors: its `loc` without the part of the request FastAPI puts first ("body",
     "query", "path", ...: OpenAI's `param` is the field or query parameter itself, `limit` not `query`) and without the
-    tag pydantic puts where a union tagged by `type` chose its member, which OpenAI's shapes name again as the key
-    holding the object (a tool {"type": "function", "function": {...}}: `tools.0.function.function.name` is
-    `tools.0.function.name`)."""
+    tag pydantic puts where a union tagged by `type` chose its member. With `body` (what was validated), the tag is
+    found as a loc element that is no key of the object it stands in (but a missing field's, its error's last) and is
+    that object's `type` (the Responses API's flat tools: {"type": "function", "name": ...}'s `tools.0.function.name` is
+    `tools.0.name`) or repeats the element before it (chat's {"type": "function", "function": {...}}:
+    `tools.0.function.function.name` is `tools.0.function.name`); without it, as an element that repeats the one before
+    it (no field of these bodies holds a field of its own name)."""
     loc = list(error.get("loc", ()))
     if loc and loc[0] in REQUEST_PARTS:
         loc = loc[1:]
     path: list[str] = []
-    for part in loc:
-        if not (path and path[-1] == str(part)):
-            path.append(str(part))
+    node, known, tag = body, body is not None, False  # the value at `path` in the body, while the body has it
+    missing = error.get("type") == "missing"  # (its last element is a key the body lacks: named, never a tag)
+    for i, part in enumerate(loc):
+        if known and isinstance(node, dict) and part not in node and not tag and not (missing and i == len(loc) - 1):
+            if node.get("type") == part or (path and path[-1] == str(part)):
+                tag = True  # (one tag an object)
+                continue
+        elif not known and path and path[-1] == str(part):
+            continue
+        path.append(str(part))
+        tag = False
+        if known and isinstance(node, dict) and part in node:
+            node = node[part]
+        elif known and isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        else:
+            known = False
     return path
 
 

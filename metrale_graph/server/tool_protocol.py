@@ -191,7 +191,7 @@ def choice_check(shapes: dict[str, tuple[type[BaseModel], str]]):
             return model.model_validate(value)
         except ValidationError as e:
             error = e.errors()[0]
-            where = ".".join(error_path(error))
+            where = ".".join(error_path(error, value))
             why = f" ({where}: {pydantic_message(error)})" if where else ""
             raise ValueError(f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} choice is {shape}{why}") from None
     return check
