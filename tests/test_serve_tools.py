@@ -11,7 +11,8 @@ without its reasoning), tool_choice "none" (no tools rendered,
 no call parsed), a call of a function the request does not offer (content, never a 500), a reply cut inside a
 call, and the 400s naming their field (a tool without a name, tool_choice naming an unknown function, OpenAI's
 fields this server does not honour), a strict function under "auto" (its calls held to its schema by a structural
-tag). Forced calls (tool_choice "required" / named): test_serve_structured.py.
+tag), usage's reasoning tokens of a `</think>` written in pieces. Forced calls (tool_choice "required" / named):
+test_serve_structured.py.
 The Responses API (POST /v1/responses) with the openai client over the same server: output items (reasoning, message,
 function_call), instructions and a multi-turn input (the instructions and Codex's leading developer messages one system
 message), the function-call round trip with function_call_output,
@@ -165,6 +166,31 @@ def test_chat_usage_counts_the_reasoning_tokens(client):
     assert reasoning_tokens(ask(client, USER, extra_body={"include_reasoning": False}).usage) == 1
     assert reasoning_tokens(ask(client, USER, max_tokens=1).usage) == 1  # (cut inside the reasoning)
     assert reasoning_tokens(ask(client, USER, extra_body={"chat_template_kwargs": {"enable_thinking": False}}).usage) == 0
+
+
+def test_reasoning_tokens_of_a_think_end_written_in_pieces(server, client):
+    """A reply whose `</think>` is not the tokenizer's one token but its text in pieces (here a grammar over ordinary
+    tokens writes it; the parsers read the block's end all the same) counts the tokens through the one completing
+    `</think>` as reasoning, not the answer's after it: it counted the whole reply (no `</think>` token: as though cut
+    inside the reasoning). Whole and streamed."""
+    text = "<think>\nabc\n</think>\n\nhello"
+    body = dict(max_tokens=60, extra_body={"structured_outputs": {"regex": re.escape(text)}, "return_token_ids": True,
+                                           "chat_template_kwargs": {"enable_thinking": False}})
+    whole = ask(client, USER, tools=(), **body)
+    choice = whole.choices[0]
+    assert (choice.message.reasoning_content, choice.message.content) == ("abc", "hello"), choice
+
+    def completed_by(tag: str) -> int:  # the fewest leading tokens whose text holds `tag`
+        return next(k for k in range(1, len(ids) + 1) if tag in httpx.post(
+            server.url + "/detokenize", json={"tokens": ids[:k]}, timeout=TIMEOUT).json()["prompt"])
+
+    ids = choice.token_ids
+    want = completed_by("</think>") - completed_by("<think>")
+    assert 0 < want < whole.usage.completion_tokens == len(ids)
+    assert whole.usage.completion_tokens_details.reasoning_tokens == want
+    (last,) = [c for c in ask(client, USER, tools=(), stream=True, stream_options={"include_usage": True}, **body)
+               if c.usage]
+    assert last.usage.completion_tokens_details.reasoning_tokens == want
 
 
 def test_parallel_tool_calls_false_is_served(client):

@@ -90,17 +90,18 @@ class ChatRun:
 
 def reasoning_tokens(state: ServerState, in_reasoning: bool, token_ids, reasoning: str) -> int:
     """The reply's tokens inside its reasoning block: from its start (the prompt's open `<think>`, else the reply's
-    `<think>` token) up to its `</think>` token (the reply's end when cut inside). A tokenizer without a `</think>`
-    token: the reply's tokens from the first whose text completes `<think>` through the first whose text completes
-    `</think>` (never more than the reply has: the reasoning's text encoded again could be more tokens than the
-    model wrote, a byte token of a cut character decoding to U+FFFD, three bytes)."""
+    `<think>` token) up to its `</think>` token (the reply's end when cut inside). A reply without that token (a
+    tokenizer without one, or a `</think>` written in pieces, which the parsers read as the block's end all the same):
+    the reply's tokens from the first whose text completes `<think>` through the first whose text completes `</think>`
+    (never more than the reply has: the reasoning's text encoded again could be more tokens than the model wrote, a
+    byte token of a cut character decoding to U+FFFD, three bytes; never the answer's tokens after it)."""
     if not reasoning:
         return 0
     ids = list(token_ids)
-    if state.think_end is None:
+    if state.think_end is None or state.think_end not in ids:
         start = 0 if in_reasoning else _tokens_until(state.tokenizer, ids, THINK_START) or 0
         return (_tokens_until(state.tokenizer, ids, THINK_END) or len(ids)) - start
-    end = ids.index(state.think_end) if state.think_end in ids else len(ids)
+    end = ids.index(state.think_end)
     start = 0
     if not in_reasoning:
         opening = state.tokenizer.convert_tokens_to_ids(THINK_START)
