@@ -120,6 +120,7 @@ class GraphRunner:
         # first use (their own buffers and compiled steps; a runner without speculation never builds them)
         self.hidden_entries: dict[Bucket, BucketEntry] = {}
         self.hidden_steps: dict[bool, list] = {}  # one stream or several -> a compiled step per layer piece
+        self._last_size, self._last_bucket = None, None  # launch's last (streams, tokens) and the bucket chosen
 
     @property
     def reports(self) -> dict[Bucket, BucketReport]:
@@ -257,20 +258,30 @@ class GraphRunner:
                 self._warm(bucket)
             return call.run(lambda packed: self._run(self._bucket_of(packed), packed), pieces)
 
-    @torch.no_grad()
     def launch(self, streams: Sequence[Stream], last_tokens: torch.Tensor, k: int):
         """prefill's one step for the engine's asynchronous loop (PrefillCall.launch: the first k streams read
         their token from `last_tokens` on the device; returns (logits, commit)). The batch must fit one bucket
         (the engine's grid covers its steps). The logits are the graph's own output buffer, valid until the
-        next replay: the caller samples from them before launching another step."""
+        next replay: the caller samples from them before launching another step. Runs without grad (the engine
+        loop's thread has it off already: no context entered per step)."""
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._launch(streams, last_tokens, k)
+        return self._launch(streams, last_tokens, k)
+
+    def _launch(self, streams: Sequence[Stream], last_tokens: torch.Tensor, k: int):
         self._check_model()
         with prefill_call(self.model, self.cache, streams) as call:
-            bucket = choose(self.grid, len(call.lengths), call.num_tokens)
+            size = (len(call.lengths), call.num_tokens)
+            if size != self._last_size:  # (a decode step's size repeats: the grid is not searched again)
+                self._last_size, self._last_bucket = size, choose(self.grid, *size)
+            bucket = self._last_bucket
             if bucket is None:
                 raise ValueError(f"a step of {len(call.lengths)} streams and {call.num_tokens} tokens fits no bucket "
                                  f"of this runner (the largest is {self.largest})")
-            self._warm(bucket)
             entry = self.entries[bucket]
+            if entry.report is None:  # (_warm returns at once for a warm bucket)
+                self._warm(bucket)
             return call.launch(lambda packed: self._run(entry, packed, copy=False), last_tokens, k)
 
     def _bucket_of(self, packed: PackedBatch) -> "BucketEntry":
