@@ -232,11 +232,11 @@ def validate(streams, cache: HybridCache, vocab_size: int) -> BatchTokens:
         raise ValueError("prefill takes a list of Streams, got a single Stream")
     if not isinstance(streams, Sequence) or len(streams) == 0:
         raise ValueError("prefill needs a non-empty list of Streams")
-    slots, ids, lengths, same = _checked_in_bulk(streams, cache) or (*_checked_one_by_one(streams, cache), None)
+    slots, ids, lengths, same, ends = _checked_in_bulk(streams, cache) or _checked_one_by_one(streams, cache)
     lo, hi = (min(same), max(same)) if same is not None else map(int, torch.aminmax(ids))
     if lo < 0 or hi >= vocab_size:  # name the first stream with a bad id
         check_token_ids(list(torch.split(ids, lengths)), vocab_size)
-    new_blocks = cache.block_needs(zip(slots, lengths))
+    new_blocks = cache.block_needs_to(slots, ends)
     need = sum(n for _, n in new_blocks)
     if need > cache.free_blocks:
         raise ValueError(f"the batch needs {need} more KV blocks but the cache has {cache.free_blocks} free "
@@ -244,35 +244,38 @@ def validate(streams, cache: HybridCache, vocab_size: int) -> BatchTokens:
     return BatchTokens(slots, ids, lengths, new_blocks)
 
 
-_slot_of, _tokens_of = operator.attrgetter("slot"), operator.attrgetter("tokens")
 _dtype_of = operator.attrgetter("dtype")
 
 
-def _checked_in_bulk(streams: Sequence, cache: HybridCache) -> tuple[list[int], torch.Tensor, list[int], list | None] | None:
-    """(slots, ids, lengths, same) of a batch of Streams with distinct plain int slots of the cache, every stream's
-    tokens a non-empty list of plain ints or every stream's a non-empty 1-D int64 CPU tensor, all within the
+def _checked_in_bulk(streams: Sequence, cache: HybridCache) -> tuple[list[int], torch.Tensor, list[int], list | None,
+                                                                     list[int]] | None:
+    """(slots, ids, lengths, same, ends) of a batch of Streams with distinct plain int slots of the cache, every
+    stream's tokens a non-empty list of plain ints or every stream's a non-empty 1-D int64 CPU tensor, all within the
     cache's capacity; None for any other batch (_checked_one_by_one then finds what is wrong, if anything).
-    Each check is one pass of builtins over the batch. `same`: the one token list every stream holds (a decode
-    step's), else None."""
+    Each check is one pass over the batch (builtins or a comprehension). `same`: the one token list every stream
+    holds (a decode step's), else None; `ends`: each slot's context after the stream (the capacity check's, which
+    block_needs_to reads)."""
     if set(map(type, streams)) != {Stream}:
         return None
-    slots = list(map(_slot_of, streams))
+    slots = [s.slot for s in streams]  # (a comprehension: faster than map of an attrgetter)
     if (set(map(type, slots)) != {int} or min(slots) < 0 or max(slots) >= cache.num_slots
             or len(set(slots)) != len(slots)):
         return None
-    tokens = list(map(_tokens_of, streams))
-    kinds = set(map(type, tokens))
-    first, same = tokens[0], None
-    if kinds == {list} and set(map(id, tokens)) == {id(first)}:  # every stream the same list (a decode step's ids)
-        same = first
+    first, same = streams[0].tokens, None
+    if type(first) is list and not [s for s in streams if s.tokens is not first]:
+        same = first  # every stream the same list (a decode step's ids)
         if not first or set(map(type, first)) != {int}:
             return None
-        lengths, flat = [len(first)] * len(tokens), first * len(tokens)
+        lengths, flat = [len(first)] * len(streams), first * len(streams)
         try:
             ids = int_tensor(flat)
         except OverflowError:  # an id beyond int64
             return None
-    elif kinds == {list}:
+        context, n = cache.context_lens, len(first)
+        return _within_capacity(cache, slots, ids, lengths, same, [context[slot] + n for slot in slots])
+    tokens = [s.tokens for s in streams]
+    kinds = set(map(type, tokens))
+    if kinds == {list}:
         lengths = list(map(len, tokens))
         flat = list(itertools.chain.from_iterable(tokens))
         if min(lengths) == 0 or set(map(type, flat)) != {int}:
@@ -298,16 +301,24 @@ def _checked_in_bulk(streams: Sequence, cache: HybridCache) -> tuple[list[int], 
             return None
     else:
         return None
-    if max(map(operator.add, map(cache.context_lens.__getitem__, slots), lengths)) > cache.max_context:
+    context = cache.context_lens
+    return _within_capacity(cache, slots, ids, lengths, None, [context[slot] + n for slot, n in zip(slots, lengths)])
+
+
+def _within_capacity(cache: HybridCache, slots: list[int], ids: torch.Tensor, lengths: list[int], same: list | None,
+                     ends: list[int]):
+    """_checked_in_bulk's result, or None when a stream would grow its slot past the cache's capacity."""
+    if max(ends) > cache.max_context:
         return None
-    return slots, ids, lengths, same
+    return slots, ids, lengths, same, ends
 
 
-def _checked_one_by_one(streams: Sequence, cache: HybridCache) -> tuple[list[int], torch.Tensor, list[int]]:
+def _checked_one_by_one(streams: Sequence, cache: HybridCache) -> tuple[list[int], torch.Tensor, list[int], None,
+                                                                        list[int]]:
     """validate's checks of each stream in turn, the first problem raised (ValueError naming the stream):
-    (slots, ids, lengths) of a batch that passes them."""
+    (slots, ids, lengths, None, ends) of a batch that passes them (as _checked_in_bulk's)."""
     seen: dict[int, int] = {}
-    slots, lengths, tokens = [], [], []
+    slots, lengths, tokens, ends = [], [], [], []
     context, capacity, device = cache.context_lens, cache.max_context, cache.device
     for i, s in enumerate(streams):
         if not isinstance(s, Stream):
@@ -327,9 +338,10 @@ def _checked_one_by_one(streams: Sequence, cache: HybridCache) -> tuple[list[int
         slots.append(s.slot)
         lengths.append(t.numel())
         tokens.append(t)
+        ends.append(ctx + t.numel())
     if not all(t.is_cpu for t in tokens):  # some streams' tokens are on the device already
         tokens = [t.to(device) for t in tokens]
-    return slots, torch.cat(tokens), lengths  # (a copy also of one stream's: contiguous, not the caller's)
+    return slots, torch.cat(tokens), lengths, None, ends  # (a copy also of one stream's: contiguous, not the caller's)
 
 
 SMALL_STEP = 128  # pack: up to this many tokens positions are made in Python (one stream of 4: 27 -> 14 us here)

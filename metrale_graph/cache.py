@@ -159,6 +159,10 @@ class HybridCache(CacheOwnership):
         still be given blocks to hold its new tokens, those above 0 (SlotBlocks.needs)."""
         return self.slot_blocks.needs(growth, self.context_lens)
 
+    def block_needs_to(self, slots: list[int], ends: list[int]) -> list[tuple[int, int]]:
+        """block_needs of distinct `slots` growing to `ends[i]` tokens each (their context plus new tokens)."""
+        return self.slot_blocks.needs_to(slots, ends)
+
     def allocate(self, needs: list[tuple[int, int]]) -> None:
         """Give each (slot, blocks) of `needs` (block_needs) that many more blocks. The caller has checked
         capacity. The block table is written once for them all (one copy to the device, not one per slot)."""

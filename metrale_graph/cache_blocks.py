@@ -43,6 +43,12 @@ class SlotBlocks:
         needs = [(slot, -(-(context[slot] + n) // bs) - len(blocks[slot])) for slot, n in growth]
         return [sn for sn in needs if sn[1] > 0]
 
+    def needs_to(self, slots: list[int], ends: list[int]) -> list[tuple[int, int]]:
+        """needs() of distinct `slots` growing to `ends[i]` tokens each (one pass; a tuple only for a slot whose blocks
+        hold fewer rows than its end: a decode step's few)."""
+        bs, blocks = self.block_size, self.blocks
+        return [(slot, -(-end // bs) - len(blocks[slot])) for slot, end in zip(slots, ends) if end > len(blocks[slot]) * bs]
+
     def take(self, needs: list[tuple[int, int]], width: int) -> tuple[list[int], list[int]]:
         """Give each (slot, blocks) of `needs` that many more blocks (the caller has checked free_blocks).
         Returns (entries, taken): the flat block-table entries (slot * width + position, width the table's

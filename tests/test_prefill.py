@@ -262,8 +262,9 @@ def test_the_bulk_checks_take_the_common_batches_and_agree_with_the_stream_by_st
                   [Stream(0, shared), Stream(3, shared), Stream(2, shared)]):
         bulk = _checked_in_bulk(batch, cache)
         assert bulk is not None
-        slots, ids, lengths = _checked_one_by_one(batch, cache)
-        assert bulk[0] == slots and torch.equal(bulk[1], ids) and bulk[2] == lengths
+        slots, ids, lengths, same, ends = _checked_one_by_one(batch, cache)
+        assert bulk[0] == slots and torch.equal(bulk[1], ids) and bulk[2] == lengths and same is None
+        assert bulk[4] == ends == [cache.context_lens[s] + n for s, n in zip(slots, lengths)]
         assert ids.dtype == torch.int64 and lengths == [len(s.tokens) for s in batch]
         one_list = isinstance(batch[0].tokens, list) and len({id(s.tokens) for s in batch}) == 1
         assert bulk[3] is (batch[0].tokens if one_list else None)
@@ -281,8 +282,30 @@ def test_the_bulk_checks_take_the_common_batches_and_agree_with_the_stream_by_st
               [Stream(1, [1] * 89)]]  # the last: past capacity
     for batch in others:
         assert _checked_in_bulk(batch, cache) is None
-    slots, ids, lengths = _checked_one_by_one(others[0], cache)
+    slots, ids, lengths, _, ends = _checked_one_by_one(others[0], cache)
     assert slots == [4, 1, 0] and lengths == [1, 5, 2] and ids.tolist() == sum((s.tokens for s in lists), [])
+    assert ends == [16 + 1, 40 + 5, 0 + 2]
+
+
+def test_block_needs_to_gives_the_needs_block_needs_gives():
+    """validate's needs from each slot's end (context + new tokens, computed once with the capacity check) are
+    block_needs' own: only slots whose blocks hold fewer rows than their end, by as many blocks as they lack
+    (slots holding blocks ahead of their context, empty slots, ends on and past block boundaries)."""
+    import random
+
+    from metrale_graph.cache_blocks import SlotBlocks
+
+    rng = random.Random(0)
+    for block_size in (1, 4, 16):
+        held = SlotBlocks(num_slots=12, num_blocks=400, block_size=block_size, prefix_checkpoints=0)
+        context = [rng.choice([0, rng.randrange(1, 5 * block_size)]) for _ in range(12)]
+        held.take([(slot, -(-c // block_size) + rng.choice([0, 0, 1, 2])) for slot, c in enumerate(context)
+                   if c or slot % 3 == 0], 64)
+        for _ in range(20):
+            slots = rng.sample(range(12), rng.randrange(1, 13))
+            lengths = [rng.choice([1, 1, rng.randrange(1, 3 * block_size)]) for _ in slots]
+            ends = [context[slot] + n for slot, n in zip(slots, lengths)]
+            assert held.needs_to(slots, ends) == held.needs(zip(slots, lengths), context)
 
 
 def test_a_decode_batch_packs_each_token_at_its_context(model):
