@@ -124,15 +124,23 @@ class LoopReadBack:
         self._prompt_tokens += done.prompt_tokens
         # one pass over the step's requests, the cheapest per request that it can be (a decode step of many streams
         # is host work per request): outputs grouped by channel, the channel's list looked up only when it changes
-        now, outputs, channel, items, taken = time.perf_counter(), {}, None, None, 0
+        now, outputs, channel, items, skipped = time.perf_counter(), {}, None, None, 0
         self._undelivered = outputs  # (should the loop die before deliver: its end delivers them)
         advance = self._advance
         for r, token, entry in zip(done.sampled, tokens, logprobs):
             if r.finish_reason is not None or r.error is not None:  # (r.ended) it stopped at the step before (this
-                continue  # token is one past its stop), or failed
-            taken += 1
+                skipped += 1  # token is one past its stop), or failed
+                continue
             try:
-                output = advance(r, token, now, entry)
+                # _advance inlined for the usual token (the request goes on, has had its first token, and asks for
+                # no logprobs, grammar or text): the same output, without a call per request
+                out = r.out
+                if (entry is None and r.first_token_time is not None and r.grammar is None and r.text is None
+                        and len(out) < r.max_new and token not in r.stop_ids):
+                    output = _new_output(RequestOutput, (r.index, [token], None, None, None,
+                                                         r.prompt_logprobs if len(out) == 1 else None))
+                else:
+                    output = advance(r, token, now, entry)
             except Exception as e:  # the tokenizer failed on its tokens, or its slot's reset did
                 self._fail(r, e, flush=False)
                 continue
@@ -140,7 +148,7 @@ class LoopReadBack:
                 channel = r.channel
                 items = outputs.setdefault(channel, [])
             items.append(output)
-        self._generated += taken
+        self._generated += len(done.sampled) - skipped
         deliver(outputs)  # the step's outputs together: one wakeup per consumer, not one per token
         self._undelivered = None
 
