@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import operator
 import threading
 
 import torch
@@ -82,9 +81,6 @@ from .sampling import sample
 from .scheduler import DEVICE_TOKEN, Request, Scheduler
 
 __all__ = ["EngineLoop", "EngineStats"]
-
-_request_of, _slot_of, _grammar_of = (operator.attrgetter(name) for name in ("request", "slot", "grammar"))
-
 
 class EngineLoop(LoopIntake, LoopReadBack):
     def __init__(self, model, runner, cache, token: object, token_budget: int,
@@ -267,10 +263,11 @@ class EngineLoop(LoopIntake, LoopReadBack):
         """Run `step` (its first `decodes` chunks decodes, which read their token on the device) and sample its
         sampling rows on the device; their tokens are copied to the host behind it. (launched, None), or
         (None, the error) if it failed: the caller fails its requests."""
-        # (map passes, no per-chunk Python: a decode step of many requests is host work per request)
-        requests = list(map(_request_of, step))
-        slots = list(map(_slot_of, requests))
-        streams = list(map(self._decode_streams.__getitem__, slots[:decodes]))
+        # (one comprehension a pass: a decode step of many requests is host work per request)
+        requests = [c.request for c in step]
+        slots = [r.slot for r in requests]
+        decode_streams = self._decode_streams
+        streams = [decode_streams[slot] for slot in slots[:decodes]]
         prompts = step[decodes:]
         streams += [Stream(s, c.tokens) for s, c in zip(slots[decodes:], prompts)]
         try:
@@ -281,7 +278,7 @@ class EngineLoop(LoopIntake, LoopReadBack):
             logits, commit, pieces = prefill_step(self.launch, self.model, self.cache, step, streams, decodes)
             rows = None if all(c.sample for c in prompts) else [k for k, c in enumerate(step) if c.sample]
             todo, todo_slots = (requests, slots) if rows is None else ([requests[k] for k in rows], [slots[k] for k in rows])
-            grammars = len(todo) - list(map(_grammar_of, todo)).count(None)
+            grammars = bool([r for r in todo if r.grammar is not None])
             result = None
             if todo:
                 if rows is not None:  # (else every row samples, as in a decode step: no gather)
@@ -300,7 +297,7 @@ class EngineLoop(LoopIntake, LoopReadBack):
                     if self.journal is not None:
                         self.journal.reset(slot)
             return None, e
-        return Launched(step, decodes, todo, host, ready, commit, sum(len(c.tokens) for c in prompts), grammars > 0), None
+        return Launched(step, decodes, todo, host, ready, commit, sum(len(c.tokens) for c in prompts), grammars), None
 
     def _token_masks(self, requests: list[Request]) -> torch.Tensor | None:
         """The bitmask of the sampling rows `requests` (grammar.TokenMasks), or None when none has a grammar."""

@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import operator
 import sys
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Sequence
@@ -210,7 +209,8 @@ def sample(logits: torch.Tensor, rows: Sequence, state: PenaltyState | None = No
     `state`: the per-slot penalty statistics (needed when a row has a penalty), updated with the new tokens.
     `token_bitmask`: int32 [n, ceil(vocab / 32)] of the tokens each row may take (structured outputs), or None.
     `logits` is not changed."""
-    if token_bitmask is None and all(map(_plain, rows)):  # every row greedy, nothing else (a decode step's usual)
+    # every row greedy, nothing else (a decode step's usual; a comprehension: faster than all() over a map)
+    if token_bitmask is None and not [r for r in rows if not r.params.plain]:
         return SampleResult(logits.argmax(dim=-1), [], None, [])
     params = [r.params for r in rows]
     x = process_logits(logits, rows, state, token_bitmask)
@@ -230,9 +230,6 @@ def sample(logits: torch.Tensor, rows: Sequence, state: PenaltyState | None = No
     else:
         raw, chosen = logits, tokens
     return SampleResult(tokens, want, token_logprobs(raw, chosen, max(top_n)), top_n)
-
-
-_plain = operator.attrgetter("params.plain")
 
 
 def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
