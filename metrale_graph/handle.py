@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import operator
 import threading
 import time
 from dataclasses import dataclass
@@ -97,12 +96,10 @@ class Channel:
         """Append `items` and wake the threads waiting; returns the asyncio waiters to wake (deliver())."""
         with self._cond:
             self._items.extend(items)
-            failed = Failure in set(map(type, items))
-            if failed:
-                self.open -= sum(isinstance(item, Failure) or item.finish_reason is not None for item in items)
-            else:  # (a step's outputs: no per-item Python, as below)
-                reasons = list(map(_finish_reason, items))
-                self.open -= len(reasons) - reasons.count(None)
+            # (one comprehension over a step's outputs: those that end their request, failures included)
+            ends = [item for item in items if type(item) is Failure or item.finish_reason is not None]
+            failed = Failure in set(map(type, ends))
+            self.open -= len(ends)
             waiters, self._waiters = self._waiters, []
             self._cond.notify_all()
             if failed or self.open == 0:
@@ -152,9 +149,6 @@ class Channel:
             future = loop.create_future()
             self._waiters.append((loop, future))
             return future
-
-
-_finish_reason = operator.attrgetter("finish_reason")
 
 
 def _copy(items: list | None) -> list | None:
