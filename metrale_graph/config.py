@@ -33,7 +33,8 @@ import os
 from dataclasses import dataclass
 
 # the field checks; LINEAR and FULL, the layer types, live there and are imported from here too
-from .config_checks import FULL, LINEAR, _checked, _int, _invalid, _moe_layers, _strings, check_model_kind
+from .config_checks import (FULL, LINEAR, _checked, _int, _invalid, _moe_layers, _strings, check_model_kind,
+                            unset_sizes)
 from .families import FAMILIES, MULTIMODAL, OPTIONAL_FIELDS, QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, Family
 from .compressed_tensors import is_compressed_tensors, parse_compressed_tensors
 from .quantization import QWEN_KEPT, TEXT_PREFIX, Fp8Config, parse_quantization
@@ -223,7 +224,10 @@ class ModelConfig:
         if cfg.get("mtp_use_dedicated_embeddings") and mtp:
             raise _invalid(where, "mtp_use_dedicated_embeddings is true: an MTP head with embeddings of its own is "
                                   "not supported (Qwen's MTP heads share the model's)")
-        return cls(**_checked(fields, where))
+        try:
+            return cls(**_checked(fields, where))
+        except ValueError as e:  # a field missing from the file, its default taken, may be what does not fit
+            raise ValueError(f"{e}{unset_sizes(cfg, family)}") from None
 
     def to_hf(self) -> dict:
         """The `config.json` dict (model_type: this config's family) that `transformers` reads."""

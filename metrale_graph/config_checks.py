@@ -10,7 +10,7 @@ import dataclasses
 import math
 import sys
 
-from .families import FAMILIES, OPTIONAL_FIELDS
+from .families import COMMON_DEFAULTS, FAMILIES, MULTIMODAL, OPTIONAL_FIELDS
 from .quantization import Fp8Config
 from .rope import RopeScaling, check_rope
 
@@ -39,6 +39,30 @@ _DEGENERATE = {
     "linear_conv_kernel_dim": (1, "a Gated DeltaNet conv of kernel 1 (the current token alone: no conv state) is not "
                                   "supported"),
 }
+
+
+# config.json fields that size the weights: a missing one takes transformers' default for the family (config.from_hf)
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+               "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok",
+               "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+def unset_sizes(raw: dict, family, cfg=None) -> str:
+    """What an error about a config.json (its parsed dict `raw`: a multimodal one's text_config is read) adds where
+    the file sets none of some fields that size the weights (SIZE_FIELDS): their names and the defaults of `family`
+    (families.Family) that were taken in their place, as transformers takes them; '' where it sets them all. `cfg`
+    (a ModelConfig): only the fields it still holds the default of."""
+    text = raw.get("text_config") if raw.get("model_type") in MULTIMODAL else raw
+    if not isinstance(text, dict):
+        return ""
+    unset = [(n, family.default(n)) for n in SIZE_FIELDS if n not in text and (n in family.defaults or n in
+             COMMON_DEFAULTS) and (cfg is None or getattr(cfg, n) == family.default(n))]
+    if not unset:
+        return ""
+    return (f"; config.json does not set {', '.join(n for n, _ in unset)}, so transformers' default"
+            f"{'s' if len(unset) > 1 else ''} for model_type {family.model_type!r} ("
+            f"{', '.join(f'{n} {v}' for n, v in unset)}) {'were' if len(unset) > 1 else 'was'} taken")
 
 
 def _invalid(where: str, msg: str) -> ValueError:

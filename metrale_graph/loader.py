@@ -36,7 +36,7 @@ from .compressed_tensors import checkpoint_format
 from .config import ModelConfig
 from .families import FAMILIES
 from .loader_checks import (check_dtype, contradiction, cut_layer, finite, ignored, listed_absent, packed_format,
-                            per_tensor_fp8)
+                            per_tensor_fp8, unset_sizes_of)
 from .loader_compressed import CompressedReader
 from .placement import as_device, as_dtype, check_host_memory
 from .quantization import MTP_PREFIX, scale_name
@@ -85,6 +85,7 @@ class _Assembler:
         self.out: dict[str, torch.Tensor] = {}
         self.stacks: dict[int, torch.Tensor] = {}  # the buffers of the plan's stacks, by index
         self.squeezed: set[str] = set()  # keys of FP8 scales stored without their grid's size-1 dims (_check_header)
+        self.unset = unset_sizes_of(folder, cfg)  # what the errors add of sizes config.json leaves to the defaults
 
     def dtype_of(self, spec: WeightSpec) -> torch.dtype:
         return weight_dtype(spec, self.dtype)
@@ -220,7 +221,7 @@ def _check_headers(files: list[str], asm: _Assembler, cfg: ModelConfig
                              "at the top or in text_config), e.g. " + examples)
         raise ValueError(f"checkpoint has {len(unexpected)} unexpected tensor(s), e.g. "
                          + ", ".join(f"{k!r} in {f}" for k, f in unexpected[:5])
-                         + contradiction([our_name(k) for k, _ in unexpected], cfg))
+                         + contradiction([our_name(k) for k, _ in unexpected], cfg) + asm.unset)
     if tied_head is not None and EMBEDDINGS not in given:
         # the tied pair stored under lm_head's name alone (safetensors' save_model keeps that name of shared
         # tensors; transformers' save_pretrained the embeddings'): transformers takes the embeddings from it
@@ -237,7 +238,7 @@ def _check_headers(files: list[str], asm: _Assembler, cfg: ModelConfig
         head = all(n.startswith(MTP_PREFIX) for n in missing)  # a head transformers never reads: its main model loads
         hint = "; its MTP head (mtp.*) is incomplete: from_pretrained(..., mtp=False) loads the model without it"
         raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. "
-                         f"{_collapse(missing, asm, given)[:5]}{hint if head else ''}{absent}"
+                         f"{_collapse(missing, asm, given)[:5]}{hint if head else ''}{absent}{asm.unset}"
                          + (" (compressed-tensors names an FP8 weight's scales weight_scale)" if asm.reader and any(
                              n.endswith("_scale_inv") for n in missing) else ""))
     if cut:
@@ -274,7 +275,7 @@ def _check_header(header, key: str, path: str, piece: Read, asm: _Assembler) -> 
         # [2], [1, 1] as a 0-d tensor): the grid's values in order, read whole and reshaped (load_checkpoint)
         asm.squeezed.add(key)
     elif shape != piece.shape:
-        raise ValueError(f"tensor {key!r} has shape {shape}, the config needs {piece.shape} ({path})")
+        raise ValueError(f"tensor {key!r} has shape {shape}, the config needs {piece.shape} ({path}){asm.unset}")
     if asm.reader is None or not asm.reader.takes(key):
         check_dtype(key, path, header.get_dtype(), piece.spec, asm.cfg)
 

@@ -2,8 +2,8 @@
 stored in (`check_dtype`, from the headers, before anything is read), whether what was read is finite
 (`finite`), the buffers transformers skips (`ignored`), the decoder layers a cut-down config leaves out
 (`cut_layer`), what in the config contradicts the checkpoint's unexpected tensors (`contradiction`), the tensors a
-sharded checkpoint's index places in shards that lack them (`listed_absent`), the formats it does not load
-(`packed_format`, `per_tensor_fp8`)."""
+sharded checkpoint's index places in shards that lack them (`listed_absent`), the sizes config.json leaves to
+transformers' defaults (`unset_sizes_of`), the formats it does not load (`packed_format`, `per_tensor_fp8`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import re
 import torch
 
 from .config import FULL, LINEAR, ModelConfig
+from .config_checks import unset_sizes
 from .families import FAMILIES
 from .spec import FP8_DTYPE, SCALE, WeightSpec
 from .weights import INDEX_FILE, WEIGHTS_FILE
@@ -128,6 +129,17 @@ def listed_absent(files: list[str], missing: list[str], our_name) -> str:
     listed = [f"{k!r} to {v}" for k, v in weight_map.items() if our_name(k) in absent]
     return (f"; {INDEX_FILE} maps {len(listed)} of them to shards that do not hold them: {', '.join(listed[:5])} "
             "(a shard cut short, or from another save)") if listed else ""
+
+
+def unset_sizes_of(folder: str | None, cfg: ModelConfig) -> str:
+    """What the loader's errors of a checkpoint's tensors add where the folder's config.json sets none of some fields
+    that size the weights and `cfg` holds the defaults transformers takes for them (config_checks.unset_sizes)."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            raw = json.load(f)
+    except (TypeError, OSError, ValueError, RecursionError):  # no folder, no file (a config given apart), not JSON
+        return ""
+    return unset_sizes(raw, cfg.family, cfg) if isinstance(raw, dict) else ""
 
 
 def dtype_name(stored: str) -> str:

@@ -197,7 +197,35 @@ def test_unexpected_tensor(checkpoint):
 
 def test_misshaped_tensor(checkpoint):
     _rewrite(checkpoint, lambda t: t.update({"model.norm.weight": torch.zeros(3)}))
-    with pytest.raises(ValueError, match=r"'model\.norm\.weight' has shape \(3,\), the config needs \(64,\)"):
+    with pytest.raises(ValueError, match=r"'model\.norm\.weight' has shape \(3,\), the config needs \(64,\)") as e:
+        HybridModel.from_pretrained(str(checkpoint), progress=False)
+    assert "does not set" not in str(e.value)  # config.json sets every size (test_a_size_missing_from_config_json_is_named)
+
+
+@pytest.mark.parametrize("multimodal", [False, True], ids=["text", "multimodal"])
+@pytest.mark.parametrize("fields, message", [
+    (["vocab_size"], r"'[\w.]+\.weight' has shape \(512, 64\), the config needs \(248320, 64\) .*; "
+                     r"config\.json does not set vocab_size, so transformers' default for model_type 'qwen3_5_text' "
+                     r"\(vocab_size 248320\) was taken"),
+    (["num_hidden_layers"], r"layer_types has 4 entries for 32 layers; config\.json does not set num_hidden_layers, so "
+                            r"transformers' default .*\(num_hidden_layers 32\) was taken"),
+    (["num_hidden_layers", "layer_types"], r"lacks 371 tensor\(s\).*; config\.json does not set num_hidden_layers"),
+    (["linear_num_key_heads", "head_dim"], r"linear_num_value_heads \(4\) is not a multiple of linear_num_key_heads "
+                                           r"\(16\); config\.json does not set head_dim, linear_num_key_heads, so "
+                                           r"transformers' defaults .*\(head_dim 256, linear_num_key_heads 16\) were "
+                                           r"taken"),
+], ids=["vocab_size", "num_hidden_layers", "num_hidden_layers-layer_types", "two"])
+def test_a_size_missing_from_config_json_is_named(checkpoint, fields, message, multimodal):
+    """A config.json lacking a field that sizes the weights (written by hand, cut down): the field takes transformers'
+    default, as in transformers, and the error that follows names the field and the default taken. The errors named
+    a tensor's shape, or sizes the file never gave ('4 entries for 32 layers'), leaving the missing field to guess."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    for field in fields:
+        config.pop(field)
+    if multimodal:
+        config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": config}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
         HybridModel.from_pretrained(str(checkpoint), progress=False)
 
 
