@@ -328,8 +328,8 @@ def load_checkpoint(folder: str, cfg: ModelConfig, dtype: torch.dtype, device,
 
     dtype, device = as_dtype(dtype), as_device(device)
     asm = _Assembler(cfg, dtype, device, tp, folder)
+    reads, tied_head = _check_headers(checkpoint_files(folder), asm, cfg)  # before the memory the config asks for
     check_host_memory(weight_bytes(asm.plan.shards.shapes, dtype, cfg), device, f"the weights of {folder} in {dtype}")
-    reads, tied_head = _check_headers(checkpoint_files(folder), asm, cfg)
     if asm.reader is not None:
         asm.reader.read_scales()
     # drawn where standard error is a terminal (tqdm's disable=None; a notebook's widget too), never in a log

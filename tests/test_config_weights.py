@@ -229,6 +229,22 @@ def test_a_size_missing_from_config_json_is_named(checkpoint, fields, message, m
         HybridModel.from_pretrained(str(checkpoint), progress=False)
 
 
+def test_a_checkpoint_its_config_does_not_describe_is_named_before_the_memory_it_would_take(checkpoint, monkeypatch):
+    """A config.json whose sizes (here a vocab_size left to transformers' 248320) ask for more memory than the machine
+    has, over a checkpoint they do not describe: the error names the tensor that does not fit the config and the missing
+    field, from the headers. The memory was checked first, so the error said the weights 'need 122.0 MiB of memory and
+    this machine has ...': a model that cannot be, sized from a field the file never gave."""
+    from metrale_graph import placement
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    del config["vocab_size"]
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(placement, "available_memory", lambda: 2 ** 20)  # the tiny model's 1.3 MiB would not fit either
+    with pytest.raises(ValueError, match=r"has shape \(512, 64\), the config needs \(248320, 64\) .*does not set "
+                                         r"vocab_size"):
+        HybridModel.from_pretrained(str(checkpoint), progress=False)
+
+
 def test_load_dtype_and_errors(checkpoint, tmp_path_factory):
     model = HybridModel.from_pretrained(str(checkpoint), dtype=torch.bfloat16, progress=False)
     assert model.dtype == torch.bfloat16
