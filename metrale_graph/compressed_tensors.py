@@ -11,7 +11,10 @@ also be a preset's name mapped to its targets (`"FP8_DYNAMIC": ["Linear"]`). A m
 one of whose `targets` matches it (a name matches exactly; `re:<regex>` by `re.match` on the name; a class name,
 `Linear`, every linear layer; exact names before regular expressions before classes), unless an `ignore` entry
 matches it alike. Names are the checkpoint's (`model.layers.0.mlp.down_proj`, `model.language_model.layers...` in
-the multimodal wrappers, `lm_head`, `mtp.layers.0...`; experts one linear each: `...mlp.experts.3.gate_proj`).
+the multimodal wrappers, `lm_head`, `mtp.layers.0...`; experts one linear each: `...mlp.experts.3.gate_proj`). The
+class target alone leaves a MoE layer's experts ambiguous: llm-compressor stores them FP8 (it splits transformers'
+fused experts module into linears), compressed-tensors on transformers' model leaves them in floating point (that
+module is no nn.Linear): experts the files store in floating point without scales are `floating`, not quantized.
 
 A quantized module stores `<module>.weight` float8_e4m3fn [N, K] and `<module>.weight_scale` in the model's dtype
 (bf16 / fp16 / fp32) with w ~= weight * weight_scale: the same meaning as Qwen's `weight_scale_inv` (a block's
@@ -97,16 +100,28 @@ class CompressedTensors:
     requantize: bool = False
     kv_cache: bool = False
     raw: str = "{}"
+    floating: tuple[str, ...] = ()  # MoE expert linears the class target names, stored in floating point (floats)
 
     def scheme_of(self, module: str, linear: bool = True) -> Scheme | None:
         """The scheme of a checkpoint module (its name in the checkpoint), None when not quantized: not a linear
         layer (compressed-tensors quantizes those), no group targets it, or the ignore list names it. The first of
         its matching targets by compressed-tensors' order: exact names, then regular expressions, then the class."""
-        if not linear or any(_matches(module, t) for t in self.ignore):
+        if not linear or module in self.floating or any(_matches(module, t) for t in self.ignore):
             return None
         found = [((t == LINEAR, t.startswith("re:"), t), i) for i, s in enumerate(self.groups) for t in s.targets
                  if _matches(module, t)]
         return self.groups[min(found)[1]] if found else None
+
+    def floats(self, module: str, stored: str, scaled: bool) -> bool:
+        """Whether checkpoint module `module`, a MoE expert's linear stored as safetensors dtype `stored` (`scaled`:
+        with a weight_scale beside it), is one the quantization left in floating point: no FP8 and no scale, where
+        only the class target `Linear` names it. transformers (5) builds a layer's experts as one module that is no
+        nn.Linear, so compressed-tensors quantizing that model leaves them as they are (and its ignore list, the
+        Linear modules it skipped, names none of them); llm-compressor splits them into Linear modules first and
+        stores each FP8. Only the files tell which: those found so are `floating` (weights.compressed_format)."""
+        if scaled or stored == "F8_E4M3" or self.scheme_of(module) is None:
+            return False
+        return not any(_matches(module, t) for s in self.groups for t in s.targets if t != LINEAR)
 
     def converts(self, module: str, leaves: tuple[str, ...] = ()) -> bool:
         """Whether our weight of checkpoint module `module` (with `leaves`: the linears under it that hold it, an

@@ -32,7 +32,6 @@ from typing import NamedTuple
 import torch
 from tqdm.auto import tqdm
 
-from .compressed_tensors import checkpoint_format
 from .config import ModelConfig
 from .families import FAMILIES
 from .loader_checks import (check_dtype, contradiction, cut_layer, finite, ignored, listed_absent, packed_format,
@@ -43,7 +42,7 @@ from .quantization import MTP_PREFIX, scale_name
 from .quantized import scale_problem
 from .sharding import NOTHING, Read, load_plan
 from .spec import SCALE, WeightSpec, weight_bytes, weight_dtype
-from .weights import MTP_KEYS, _leading, checkpoint_files, take, unreadable
+from .weights import MTP_KEYS, _leading, checkpoint_files, compressed_format, take, unreadable
 
 log = logging.getLogger(__name__)
 EMBEDDINGS = "embed_tokens.weight"  # a tied model's lm_head too
@@ -80,7 +79,7 @@ class _Assembler:
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, tp=None, folder: str | None = None):
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.plan = load_plan(cfg, tp)
-        fmt = checkpoint_format(folder) if folder is not None else None
+        fmt = compressed_format(folder) if folder is not None else None
         self.reader = CompressedReader(fmt, self.plan, dtype) if fmt is not None else None
         self.out: dict[str, torch.Tensor] = {}
         self.stacks: dict[int, torch.Tensor] = {}  # the buffers of the plan's stacks, by index

@@ -1,6 +1,7 @@
 """Weights apart from loading them (loader.py): a checkpoint folder's safetensors files (checkpoint_files; a file
 safetensors cannot read named by the format it holds instead: unreadable), its
-config with the MTP layers its files hold (checkpoint_config), the keys save_pretrained writes (checkpoint_key;
+config with the MTP layers its files hold (checkpoint_config), its compressed-tensors format as its files hold it
+(compressed_format), the keys save_pretrained writes (checkpoint_key;
 loader.our_name reads keys back); our weights back in checkpoint layout (to_checkpoint, for saving.py;
 hf_state_dict, transformers' in-memory state; the layout itself is the spec's, spec.checkpoint_layout); random
 initialization; a rank's shard of full weights (take, shard_weights); the stacked projection buffers of weights
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from dataclasses import replace
 
 import torch
 
@@ -76,11 +79,39 @@ def checkpoint_config(folder: str, mtp: bool = True, requantize_fp8: bool = Fals
     weights whose scales are not 128 x 128 blocks are 128 x 128-block FP8 in memory (tensor scales exactly, per
     channel ones requantized) instead of dequantized (compressed_tensors.py); other checkpoints are not affected."""
     cfg = load_config(folder)
-    if requantize_fp8 and (fmt := checkpoint_format(folder)) is not None:
-        cfg = cfg.replace(quantization=fmt.memory_config(requantize=True))
+    if (fmt := compressed_format(folder)) is not None:  # what its files hold decides what is FP8 (compressed_format)
+        cfg = cfg.replace(quantization=fmt.memory_config(requantize=requantize_fp8))
     stored = stored_mtp_layers(folder) if mtp else 0
     layers = (cfg.mtp_num_hidden_layers or stored) if stored else 0
     return cfg if layers == cfg.mtp_num_hidden_layers else cfg.replace(mtp_num_hidden_layers=layers)
+
+
+_EXPERT_LINEAR = re.compile(r".*\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)")
+
+
+def compressed_format(folder: str):
+    """The compressed-tensors quantization_config of a checkpoint folder (compressed_tensors.checkpoint_format; None:
+    none), with the MoE expert linears its files store in floating point though the config's class target names them
+    (CompressedTensors.floats: compressed-tensors' own save of transformers' model) as `floating`, from the headers."""
+    from safetensors import SafetensorError, safe_open
+
+    fmt = checkpoint_format(folder)
+    if fmt is None:
+        return None
+    experts, scaled = {}, set()  # expert linear -> its weight's stored dtype; modules with a weight_scale
+    for path in checkpoint_files(folder):
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    module, _, leaf = key.rpartition(".")
+                    if leaf == "weight_scale":
+                        scaled.add(module)
+                    elif leaf == "weight" and _EXPERT_LINEAR.fullmatch(module):
+                        experts[module] = f.get_slice(key).get_dtype()
+        except (SafetensorError, OSError) as e:
+            raise unreadable(path, e) from None
+    floating = tuple(m for m, stored in experts.items() if fmt.floats(m, stored, m in scaled))
+    return replace(fmt, floating=floating) if floating else fmt
 
 
 def checkpoint_dtype(folder: str, dtype) -> torch.dtype:

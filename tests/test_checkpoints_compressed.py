@@ -82,12 +82,14 @@ def quantize(w: torch.Tensor, weights: dict) -> tuple[torch.Tensor, torch.Tensor
 
 
 def write_compressed(src: str, dst: str, scheme: str, ignore: list[str], *, targets=("Linear",), kv=False,
-                     mtp: dict | None = None, shards: int = 3) -> str:
+                     mtp: dict | None = None, shards: int = 3, unmatched: str | None = None) -> str:
     """Quantize the transformers checkpoint `src` into `dst` as llm-compressor saves a compressed-tensors model:
     every linear layer a target matches and no ignore entry names quantized (its weight_scale beside it, an
     input_scale for static activations), the rest as stored; `kv`: a kv_cache_scheme and its k_scale / v_scale;
     `mtp`: a bf16 MTP head added as compressed-tensors' save_mtp_tensors_to_checkpoint adds it (ignored by
-    "re:^mtp.*"). Returns a folder with the same checkpoint dequantized (fp32, no quantization_config)."""
+    "re:^mtp.*"); `unmatched`: a regular expression of linears no target matches in the model quantized, kept as
+    stored and not in ignore (transformers' fused experts, which are no nn.Linear). Returns a folder with the same
+    checkpoint dequantized (fp32, no quantization_config)."""
     os.makedirs(dst)
     ref = dst + "-dequantized"
     os.makedirs(ref)
@@ -100,7 +102,8 @@ def write_compressed(src: str, dst: str, scheme: str, ignore: list[str], *, targ
     for key, w in sorted(tensors.items()):
         module = key[:-len(".weight")]
         if LINEAR.match(key) and any(matches(module, t) for t in targets) and not any(matches(module, t)
-                                                                                       for t in ignore):
+                                                                                       for t in ignore) and not (
+                unmatched and re.match(unmatched, module)):
             out[key], out[module + ".weight_scale"], dequantized[key] = quantize(w, weights)
             if inputs is not None and not inputs["dynamic"]:
                 out[module + ".input_scale"] = torch.tensor([0.02], dtype=w.dtype)
@@ -167,6 +170,39 @@ def test_llm_compressor_checkpoints_load_and_match(tmp_path, family, multimodal,
     for name, w in dequantized(ours).items():  # the file's weights exactly: codes * scales
         assert torch.equal(w, expected[name]), name
     assert weight_only_error(ours, load_transformers(ref, multimodal)) <= fp32_model_bound(ours.config, max(LENGTHS))
+
+
+@pytest.mark.parametrize("family, multimodal, scheme, in_fp8", [
+    ("qwen3_5_moe_text", True, "FP8_BLOCK", {"q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj",
+                                              "gate_proj", "up_proj", "down_proj"}),
+    ("qwen3_next", False, "FP8_DYNAMIC", set())], ids=["mm-qwen3_5_moe-block", "qwen3_next-channel"])
+def test_compressed_tensors_own_save_of_transformers_moe_keeps_the_experts_in_floating_point(tmp_path, family,
+                                                                                             multimodal, scheme, in_fp8):
+    """compressed-tensors applied to transformers' MoE model and saved by its ModelCompressor (checked against
+    compressed-tensors 0.20.0): transformers' experts module is no nn.Linear, so the `Linear` target leaves the experts
+    bf16, without scales, and the ignore list (the Linear modules it skipped) names none of them. They were refused
+    ("is BF16; the compressed-tensors quantization_config quantizes it"), though transformers loads such a folder.
+    Experts the files store so are floating point in memory; the rest as before (block FP8 as stored, or
+    dequantized), every weight the file's."""
+    src, dst = str(tmp_path / "bf16"), str(tmp_path / "ct")
+    sizes = fp8_shapes(family, aligned=False)
+    transformers_model(family, multimodal, **sizes).to(torch.bfloat16).save_pretrained(src)
+    ignore = ["lm_head", "re:model.visual.*", "re:.*mlp.gate$", "re:.*shared_expert_gate$", "re:.*in_proj_(a|b|ba)$"]
+    ref = write_compressed(src, dst, scheme, ignore, unmatched=r".*mlp\.experts\.\d+\.")
+    ours = HybridModel.from_pretrained(dst, progress=False)
+    assert {n.split(".")[-2] for n in fp8_names(ours)} == in_fp8
+    assert not any(".experts." in n for n in fp8_names(ours))
+    expected = dict(HybridModel.from_pretrained(ref, progress=False).named_parameters())
+    for name, w in dequantized(ours).items():
+        assert torch.equal(w, expected[name]), name
+    assert weight_only_error(ours, load_transformers(ref, multimodal)) <= fp32_model_bound(ours.config, max(LENGTHS))
+    experts, key = next((path, k) for path in sorted(glob.glob(os.path.join(dst, "*.safetensors")))
+                        for k in load_file(path) if re.search(r"experts\.\d+\.up_proj\.weight$", k))
+    tensors = load_file(experts)  # an expert stored FP8 without its scale: named
+    tensors[key] = tensors[key].to(torch.float8_e4m3fn)
+    save_file(tensors, experts, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape(f"{key!r}") + ".* is FP8 but the checkpoint has no .*weight_scale"):
+        HybridModel.from_pretrained(dst, progress=False)
 
 
 def test_channel_scales_requantized_to_blocks_when_asked(tmp_path, caplog):
