@@ -82,6 +82,7 @@ from .scheduler import DEVICE_TOKEN, Request, Scheduler
 
 __all__ = ["EngineLoop", "EngineStats"]
 
+
 class EngineLoop(LoopIntake, LoopReadBack):
     def __init__(self, model, runner, cache, token: object, token_budget: int,
                  broadcast: PlanBroadcast | None = None, overlap: bool = True, speculative=None):
