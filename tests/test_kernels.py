@@ -538,6 +538,41 @@ def test_decode_attention_is_exact_for_long_streams():
     assert_close("o", ref, out.cpu(), TOL[torch.float32])
 
 
+@pytest.mark.parametrize("programs", [32, 64])
+def test_decode_attention_spreads_each_stream_over_the_splits(monkeypatch, programs):
+    """Block tables far wider than the contexts (a server's max_context against short chats): few target
+    programs make the static split long (DECODE_PROGRAMS 32 / 64: 192 / 128 keys in 640-key tables), and each
+    stream's own split (stream_split of its keys over the NS splits) cuts its keys finer than that; outputs
+    match the reference and the fixed split's."""
+    monkeypatch.setattr(attn_decode, "DECODE_PROGRAMS", programs)
+    case = Shapes(lengths=(1, 3, 0, 1), context=(130, 70, 0, 400), HQ=4, HKV=2, HD=32, BS=16, num_blocks=160)
+    for dtype in (torch.float32, torch.bfloat16):
+        args = op_args("paged_attention", case, dtype, seed=7)
+        ref = REGISTRY["paged_attention"].reference(*upcast(clone_args(args, "cpu")))
+        test_args = clone_args(args, DEVICE)
+        out = paged_attention.paged_attention_triton(*test_args, decode=True)
+        q, _, _, k_cache, v_cache, cu, ctx, blocks = test_args
+        fixed = attn_decode.paged_attention_decode(q, k_cache, v_cache, cu, ctx, blocks, torch.empty_like(q), split=64)
+        assert_close("o (each stream's split)", ref, out.cpu(), TOL[dtype])
+        assert_close("o (split 64)", ref, fixed.cpu(), TOL[dtype])
+    SL = attn_decode.decode_split(4, 5, 2, 40 * 16)
+    NS = -(-40 * 16 // SL)
+    assert NS > 1 and SL > attn_decode.stream_split(131, NS) and SL > attn_decode.stream_split(73, NS)
+
+
+def test_stream_split_fits_the_static_splits():
+    """A stream's split never asks for more than the NS splits the static sizes allocate, nor is longer
+    than the static split: for every context up to the table's keys."""
+    for B, T, HKV, keys in [(1, 1, 2, 262144), (2, 2, 4, 4096), (32, 32, 4, 4096), (128, 128, 4, 2112), (3, 64, 1, 960)]:
+        SL = attn_decode.decode_split(B, T, HKV, keys)
+        NS = -(-keys // SL)
+        for k in list(range(1, 300)) + list(range(keys - 300, keys + 1)):
+            sl = attn_decode.stream_split(k, NS)
+            assert sl % attn_decode.SPLIT_ALIGN == 0 and sl <= SL and -(-k // sl) <= NS
+    # 2049 keys (2048 cached + 1) in 8 splits: 7 of 320 keys rather than 5 of 512 (the last with one key)
+    assert attn_decode.stream_split(2049, 8) == 320 and attn_decode.stream_split(2049, 256) == 64
+
+
 def test_decode_split_is_static_and_aligned():
     """Splits follow from (B, T, HKV, MB * BS) alone, are multiples of every key tile, and give
     about DECODE_PROGRAMS busy programs when contexts fill the block table."""
@@ -1185,7 +1220,13 @@ pd = decode._paged_decode_kernel.fn
 types = {n: B16 if n in ("q_ptr", "k_cache", "v_cache") else F32 if n in ("m_ptr", "l_ptr", "acc_ptr")
          else I if n.endswith("_ptr") else "i32" for n in pd.arg_names}
 types["qk_scale"] = "fp32"
-smem.append(compile_(pd, types, dict(BLOCK_D=256, BLOCK_M=16, BN=32, CH=decode.STREAM_CHUNK, IEEE=False), 4, 2))
+for dynamic in (True, False):  # each stream's split, or a fixed one
+    smem.append(compile_(pd, types, dict(BLOCK_D=256, BLOCK_M=16, BN=32, CH=decode.STREAM_CHUNK, IEEE=False,
+                                         DYNAMIC=dynamic), 4, 2))
+    pm = decode._paged_decode_merge_kernel
+    types_m = {n: B16 if n == "o_ptr" else F32 if n.endswith("_ptr") and n[0] in "mla" else I if n.endswith("_ptr")
+               else "i32" for n in pm.arg_names}
+    smem.append(compile_(pm, types_m, dict(BLOCK_D=256, SC=decode.MERGE_SPLITS, STEPS=7, DYNAMIC=dynamic), 4, 1))
 # fp32 (IEEE dots) has one autotune candidate (attend.one_config_for_fp32): it must compile at head dim 256
 from metrale_graph.ops import attend
 fp32 = attend.one_config_for_fp32(attend.attention_configs(), {}, IEEE=True)[0]  # (no interpreter here: all twelve)
@@ -1197,8 +1238,8 @@ smem.append(compile_(pa, types, dict(BLOCK_D=256, BM=prefill.BM, BN=fp32.kwargs[
 types = {n: F32 if n in ("q_ptr", "k_cache", "v_cache", "m_ptr", "l_ptr", "acc_ptr") else I if n.endswith("_ptr")
          else "i32" for n in pd.arg_names}
 types["qk_scale"] = "fp32"
-smem.append(compile_(pd, types, dict(BLOCK_D=256, BLOCK_M=16, BN=fp32.kwargs["BN"], CH=decode.STREAM_CHUNK, IEEE=True),
-                     fp32.num_warps, fp32.num_stages))
+smem.append(compile_(pd, types, dict(BLOCK_D=256, BLOCK_M=16, BN=fp32.kwargs["BN"], CH=decode.STREAM_CHUNK, IEEE=True,
+                                     DYNAMIC=True), fp32.num_warps, fp32.num_stages))
 assert max(smem) <= 232448, smem  # an H100 / H200 block's shared memory
 print("compiled", smem)
 """

@@ -3,14 +3,18 @@
 
 A program takes a tile of QB consecutive queries of one stream times the GROUP query heads that share
 one KV head (QB * GROUP <= 16 rows where GROUP allows: a [16, HD] x [HD, BN] dot, each key tile read
-once for all of them) and one split of SL keys; the grid is (work tiles, HKV, NS splits), all static:
-work tiles NW = min(cdiv(T, QB) + B, T) >= the (stream, query tile) pairs of any batch of the bucket
+once for all of them) and one split of a stream's keys; the grid is (work tiles, HKV, NS splits), all
+static: work tiles NW = min(cdiv(T, QB) + B, T) >= the (stream, query tile) pairs of any batch of the bucket
 (each program finds its pair from cu_seqlens on the device; surplus programs return); NS =
-cdiv(MB * BS, SL), MB the block table's width (a static dim), SL from `decode_split`. Each program
-writes its rows' partial softmax state (running max m, sum l, unnormalized acc, log2 domain) for its
-split; a second kernel, one program per (token, query head), merges the splits that hold keys for that
-token (cdiv(position + 1, SL) of them, every one non-empty: split s starts at key s * SL <= position)
-into the output. Tokens in no stream are skipped (their rows: unspecified).
+cdiv(MB * BS, SL), MB the block table's width (a static dim), SL from `decode_split`. The split length
+itself is the stream's, read on the device: SL_b = the least multiple of SPLIT_ALIGN >= cdiv(keys_b, NS) for
+the stream's keys_b = context + new tokens (`stream_split`), so a stream spreads over all NS splits however
+short its context is against the table (a static SL would leave a 2048-token context in a 262144-key table
+2 busy splits of 1024 keys), and SL_b <= SL, so it never needs more than NS. Each program writes its rows'
+partial softmax state (running max m, sum l, unnormalized acc, log2 domain) for its split; a second kernel,
+one program per (token, query head), merges the splits that hold keys for that token (cdiv(position + 1,
+SL_b) of them, every one non-empty: split s starts at key s * SL_b <= position) into the output. Tokens in
+no stream are skipped (their rows: unspecified). An explicit `split` fixes SL_b = split for every stream.
 """
 
 import torch
@@ -23,6 +27,7 @@ from ..attend import LOG2E, _attend_tile, attention_configs, one_config_for_fp32
 
 DECODE_PROGRAMS = 1024  # splits are chosen to give about this many programs (H200: 132 SMs, ~8 each)
 SPLIT_ALIGN = 64  # split lengths are multiples of every key tile BN
+_ALIGN = tl.constexpr(SPLIT_ALIGN)  # kernels read only constexpr globals
 STREAM_CHUNK = 64  # streams looked at per vector step when a program finds its stream
 MERGE_SPLITS = 16  # splits merged per vector step
 
@@ -34,10 +39,27 @@ def decode_queries(group: int) -> tuple[int, int]:
     return qb, max(16, triton.next_power_of_2(qb * group))
 
 
+def stream_split(keys: int, num_splits: int) -> int:
+    """SL_b, a stream's keys per split (what the kernels compute on the device; tests and tools mirror it): the
+    least multiple of SPLIT_ALIGN that covers `keys` in `num_splits` splits."""
+    per = -(-keys // num_splits)
+    return max(SPLIT_ALIGN, -(-per // SPLIT_ALIGN) * SPLIT_ALIGN)
+
+
+@triton.jit
+def _stream_split(keys, SL, NS, DYNAMIC: tl.constexpr):
+    """stream_split on the device (DYNAMIC), else the fixed SL."""
+    if DYNAMIC:
+        return tl.maximum(_ALIGN, tl.cdiv(tl.cdiv(keys, NS), _ALIGN) * _ALIGN)
+    else:
+        return SL
+
+
 def decode_split(num_streams: int, num_tokens: int, num_kv_heads: int, max_keys: int) -> int:
     """Keys per split, a multiple of SPLIT_ALIGN, from static sizes only: enough splits that the busy
     programs (about one work tile per stream and KV head) number about DECODE_PROGRAMS for a context of
-    max_keys = MB * BS, the most a stream's block table holds."""
+    max_keys = MB * BS, the most a stream's block table holds. It fixes NS = cdiv(max_keys, SL), the splits (and
+    partials) allocated; each stream then cuts its own keys into up to NS splits (`stream_split`)."""
     tiles = max(1, min(num_streams, num_tokens)) * num_kv_heads
     splits = max(1, -(-DECODE_PROGRAMS // tiles))
     per = -(-max(max_keys, 1) // splits)
@@ -51,7 +73,7 @@ def _paged_decode_kernel(q_ptr, k_cache, v_cache, m_ptr, l_ptr, acc_ptr, cu_ptr,
                          stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs,
                          stride_vh, stride_vd, stride_bt,
                          GROUP, QB, SL, NS, HQ, BS, HD, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BN: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr):
+                         BN: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr, DYNAMIC: tl.constexpr):
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     b, tile = _tile_of(cu_ptr, ctx_ptr, tl.program_id(0), B, QB, CH, False)
@@ -60,9 +82,10 @@ def _paged_decode_kernel(q_ptr, k_cache, v_cache, m_ptr, l_ptr, acc_ptr, cu_ptr,
         L = tl.load(cu_ptr + b + 1) - start
         ctx = tl.load(ctx_ptr + b)
         hi = ctx + tl.minimum(tile * QB + QB, L)  # keys the tile's queries see: positions [0, hi)
-        lo = sp * SL
+        sl = _stream_split(ctx + L, SL, NS, DYNAMIC)
+        lo = sp * sl
         if lo < hi:  # else: the split lies past every query of the tile
-            end = tl.minimum(lo + SL, hi)
+            end = tl.minimum(lo + sl, hi)
             r = tl.arange(0, BLOCK_M)
             j = r // GROUP
             qi = tile * QB + j  # query index within the stream
@@ -90,13 +113,17 @@ def _paged_decode_kernel(q_ptr, k_cache, v_cache, m_ptr, l_ptr, acc_ptr, cu_ptr,
 
 @triton.jit
 def _paged_decode_merge_kernel(o_ptr, m_ptr, l_ptr, acc_ptr, cu_ptr, ctx_ptr, B, SL, NS, HQ, HD, stride_ot,
-                               stride_oh, BLOCK_D: tl.constexpr, SC: tl.constexpr, STEPS: tl.constexpr):
+                               stride_oh, BLOCK_D: tl.constexpr, SC: tl.constexpr, STEPS: tl.constexpr,
+                               DYNAMIC: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     b = _stream_of(cu_ptr, t, B, STEPS)  # (B: a token in no stream)
     if b < B:  # else: a token in no stream
-        pos = tl.load(ctx_ptr + b) + t - tl.load(cu_ptr + b)
-        n = (pos + SL) // SL  # splits holding keys [0, pos]: each has at least one
+        ctx = tl.load(ctx_ptr + b)
+        start = tl.load(cu_ptr + b)
+        pos = ctx + t - start
+        sl = _stream_split(ctx + tl.load(cu_ptr + b + 1) - start, SL, NS, DYNAMIC)
+        n = (pos + sl) // sl  # splits holding keys [0, pos]: each has at least one
         base = (t.to(tl.int64) * HQ + h) * NS
         s = tl.arange(0, SC)
         d = tl.arange(0, BLOCK_D)
@@ -120,7 +147,8 @@ def _paged_decode_merge_kernel(o_ptr, m_ptr, l_ptr, acc_ptr, cu_ptr, ctx_ptr, B,
 
 def paged_attention_decode(q, k_cache, v_cache, cu_seqlens, context_lens, block_tables, o, split=None):
     """Split-K attention of the (already written) new tokens over the paged cache into o. `split`: keys
-    per split (a multiple of SPLIT_ALIGN), default `decode_split` of the static sizes."""
+    per split of every stream (a multiple of SPLIT_ALIGN); default: each stream's `stream_split` over the
+    NS splits that `decode_split` of the static sizes gives."""
     T, HQ, HD = q.shape
     HKV, BS = k_cache.shape[2], k_cache.shape[1]
     B = cu_seqlens.shape[0] - 1
@@ -143,7 +171,8 @@ def paged_attention_decode(q, k_cache, v_cache, cu_seqlens, context_lens, block_
         q, k_cache, v_cache, m, l, acc, cu_seqlens, context_lens, block_tables, HD**-0.5 * LOG2E, B,
         q.stride(0), q.stride(1), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
         GROUP, QB, SL, NS, HQ, BS, HD, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, CH=STREAM_CHUNK,
-        IEEE=q.dtype == torch.float32 or INTERPRET)
+        IEEE=q.dtype == torch.float32 or INTERPRET, DYNAMIC=split is None)
     _paged_decode_merge_kernel[(T, HQ)](o, m, l, acc, cu_seqlens, context_lens, B, SL, NS, HQ, HD, o.stride(0),
-                                        o.stride(1), BLOCK_D=BLOCK_D, SC=MERGE_SPLITS, STEPS=search_steps(B))
+                                        o.stride(1), BLOCK_D=BLOCK_D, SC=MERGE_SPLITS, STEPS=search_steps(B),
+                                        DYNAMIC=split is None)
     return o
