@@ -104,6 +104,9 @@ if [[ $what == decode ]]; then
         | tee "$OUT/bench_ops-decode.log" | tail -32
     python3 benchmarks/kernels/check_decode.py --json "$OUT/check_decode.json" 2>&1 | tee "$OUT/check_decode.log" \
         | tail -45
+    # paged decode in a server's block tables (32768 keys a stream): each stream's split against the static one
+    python3 benchmarks/kernels/check_decode.py --streams 1,32 --table-keys 32768 --short 16 \
+        --json "$OUT/check_decode-table32k.json" 2>&1 | grep -E "paged|floor" | tee "$OUT/check_decode-table32k.log"
 fi
 if [[ $what == profile ]]; then
     python3 -m metrale_graph.tools.bench --workloads W2,W4,W5,W7,D1,D32,D128 --variants compiled,graphs --repeat 5 \

@@ -7,7 +7,9 @@ move / 4.3 TB/s), for B = 1, 32, 128 one-token streams after --context cached to
   rounding only); also on streams of --short tokens each (a split call's short streams: the kernel loops
   over a stream's tokens, so its per-token latency counts there, not only the state traffic);
 - paged attention's split-K decode (ops/paged_attention/decode.py) over the number of programs its
-  splits aim at (DECODE_PROGRAMS), the whole op (K/V write, splits, merge); outputs against the default's.
+  splits aim at (DECODE_PROGRAMS), the whole op (K/V write, splits, merge); outputs against the default's;
+  then the split and merge kernels alone with each stream's split (the default) and with the static one
+  (decode_split's, every stream), in block tables of --table-keys keys a stream (default: just enough).
 
 Prints a table per kernel and ends with one JSON line (also written to --json).
 
@@ -72,10 +74,14 @@ def sweep_recurrent(cfg, B: int, L: int = 1) -> list[dict]:
     return rows
 
 
-def sweep_paged(cfg, B: int, context: int) -> list[dict]:
+def sweep_paged(cfg, B: int, context: int, table_keys: int | None = None) -> list[dict]:
+    import dataclasses
+
     from metrale_graph.ops.paged_attention import decode as decode_mod
 
     shapes = Shapes.from_config(cfg, [1] * B, [context] * B)
+    if table_keys:  # wider block tables than the contexts need (a server's max_context)
+        shapes = dataclasses.replace(shapes, num_blocks=B * -(-max(table_keys, context + 1) // shapes.BS))
     args = example_args("paged_attention", shapes, torch.bfloat16, device="cuda")
     op = REGISTRY["paged_attention"]
     floor = op.cost(shapes)[1] / COPY_RATE * 1e3
@@ -95,6 +101,19 @@ def sweep_paged(cfg, B: int, context: int) -> list[dict]:
             rows.append(row)
     finally:
         decode_mod.DECODE_PROGRAMS = default
+    q, k_cache, v_cache, cu, ctx, blocks = args[0], *args[3:8]
+    static = decode_mod.decode_split(B, q.shape[0], k_cache.shape[2], blocks.shape[1] * k_cache.shape[1])
+    for name, split in (("splits + merge, each stream's split", None), (f"splits + merge, static split {static}", static)):
+        row = {"kernel": "paged decode", "streams": B, "config": name, "default": split is None, "floor_ms": round(floor, 4),
+               "table_keys": blocks.shape[1] * k_cache.shape[1]}
+        try:
+            run = functools.partial(decode_mod.paged_attention_decode, q, k_cache, v_cache, cu, ctx, blocks,
+                                    torch.empty_like(q), split=split)
+            row["vs_default"] = rel(run(), ref) if ref is not None else float("nan")
+            row["graph_ms"] = round(graph_ms(run), 4)
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+        rows.append(row)
     return rows
 
 
@@ -104,6 +123,9 @@ def main(argv=None) -> None:
     p.add_argument("--preset", default="qwen3.5-9b", choices=list(PRESETS))
     p.add_argument("--streams", type=positive_ints, default="1,32,128")
     p.add_argument("--context", type=positive_int, default=2048)
+    p.add_argument("--table-keys", type=positive_int, default=None,
+                   help="paged decode: block tables of this many keys a stream (a server's max_context; default: "
+                        "just enough for --context + 1)")
     p.add_argument("--short", type=positive_ints, default="16,64",
                    help="also sweep the recurrent kernel on streams of this many tokens each (a split call's short "
                         "streams, at most 64)")
@@ -117,7 +139,7 @@ def main(argv=None) -> None:
     rows = []
     for B in args.streams:
         rows += sweep_recurrent(cfg, B)
-        rows += sweep_paged(cfg, B, args.context)
+        rows += sweep_paged(cfg, B, args.context, args.table_keys)
         for L in args.short:
             rows += sweep_recurrent(cfg, B, L)
         print(f"  swept {B} streams", flush=True)
@@ -128,7 +150,7 @@ def main(argv=None) -> None:
     print(f"\n{args.preset}, one layer, decode after {args.context} cached tokens a stream, "
           f"{torch.cuda.get_device_name()}")
     print_table(["kernel", "streams", "tokens", "config", "graph ms", "floor ms", "/ floor", "vs default", "error"], table)
-    record = {"tool": "check_decode", "preset": args.preset, "context": args.context,
+    record = {"tool": "check_decode", "preset": args.preset, "context": args.context, "table_keys": args.table_keys,
               "device": torch.cuda.get_device_name(), **provenance(argv), "rows": rows}
     if args.json:
         import json
