@@ -103,7 +103,7 @@ class PrefillCall:
 
         def read_last(packed: PackedBatch) -> torch.Tensor:
             # (index_select into the packed tokens: a third of the cost of assigning a slice)
-            if k == packed.tokens.shape[0]:  # every token a decode's (then every stream)
+            if k == packed.tokens.shape[0] == packed.slot_ids.shape[0]:  # every token and stream a decode's
                 torch.index_select(last_tokens, 0, packed.slot_ids, out=packed.tokens)
             elif k:
                 torch.index_select(last_tokens, 0, packed.slot_ids[:k], out=packed.tokens[:k])
