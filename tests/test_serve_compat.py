@@ -4,9 +4,10 @@ variable (Qwen3's `enable_thinking`), called with the official `openai` client a
 
 What test_serve.py does not cover: a max_tokens that overflows the context (400, as vLLM and OpenAI answer; an
 unset one is capped), values of the wrong JSON type (400 naming the field, never coerced: `true` is not 1, "5"
-is not 5), the engine's checks answered with the field they are about, OpenAI's and vLLM's fields this server
-cannot honour refused by name (never silently ignored) and those that change nothing in a reply served (user,
-metadata, store, service_tier, ...), chat roles OpenAI does not have, vLLM's chat template
+is not 5), every optional field of the three endpoints and of the objects they hold sent as null answered as without
+it (a required one's null a 400 naming it), the engine's checks answered with the field they are about, OpenAI's and
+vLLM's fields this server cannot honour refused by name (never silently ignored) and those that change nothing in a
+reply served (user, metadata, store, service_tier, ...), chat roles OpenAI does not have, vLLM's chat template
 arguments (chat_template_kwargs, add_generation_prompt, continue_final_message), 405 with Allow, a body that
 is not UTF-8, the Prometheus text parsed by prometheus_client with its counters moving, stop strings across
 token boundaries (several at once, whole and streamed), streamed text equal to the whole text over sampled
@@ -268,6 +269,174 @@ def test_null_for_a_field_openai_makes_nullable_is_its_default(server, client):
                                           "stream": None, "top_k": None})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == _post(server, "/v1/completions", body).json()["choices"][0]["text"]
+
+
+def _optional_fields(model, client_params) -> list[str]:
+    """The top-level fields a client may leave unset: the official client's parameters of the endpoint (what clients
+    that write every field they know send, as null where unset) and the request model's optional fields (vLLM's
+    extensions among them), less the required ones."""
+    import typing
+
+    names = set(typing.get_type_hints(client_params)) | {f.alias or name for name, f in model.model_fields.items()
+                                                         if not f.is_required()}
+    return sorted(names - {name for name, f in model.model_fields.items() if f.is_required()})
+
+
+def _null_cases():
+    from openai.types import completion_create_params
+    from openai.types.chat import completion_create_params as chat_create_params
+    from openai.types.responses import response_create_params
+
+    from metrale_graph.server.protocol import ChatCompletionRequest, CompletionRequest
+    from metrale_graph.server.responses_api_protocol import ResponsesRequest
+
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    schema = {"type": "json_schema", "json_schema": {"name": "yes_no", "schema": {"type": "boolean"}}}
+    usage = {"stream": True, "stream_options": {"include_usage": True}}
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": "u"},
+               {"role": "assistant", "content": "Hello"}, {"role": "tool", "content": "20C", "tool_call_id": "c1"},
+               {"role": "user", "content": "Bye"}]
+    # (endpoint, the null's path in the body, what the body holds besides the base's): nested objects' optional fields
+    nested = [("chat", ("stream_options", "include_usage"), {"stream": True, "stream_options": {}}),
+              ("chat", ("stream_options", "continuous_usage_stats"), usage),
+              ("completions", ("stream_options", "include_usage"), {"stream": True, "stream_options": {}}),
+              ("completions", ("stream_options", "continuous_usage_stats"), usage),
+              ("chat", ("response_format", "json_schema"), {"response_format": {"type": "json_object"}}),
+              *[("chat", ("response_format", "json_schema", name), {"response_format": schema})
+                for name in ("description", "strict")],
+              *[(kind, ("structured_outputs", name), {"structured_outputs": {"regex": "[ab]+"}})
+                for kind in ("chat", "completions") for name in ("json", "choice", "grammar", "json_object",
+                                                                  "structural_tag", "disable_any_whitespace",
+                                                                  "disable_additional_properties", "disable_fallback",
+                                                                  "whitespace_pattern")],
+              ("chat", ("structured_outputs", "regex"), {"structured_outputs": {"choice": ["ab", "ba"]}}),
+              *[("chat", ("tools", 0, "function", name), {"tools": [tool]}) for name in ("description", "strict")],
+              ("chat", ("tools", 0, "function", "parameters"), {"tools": [{**tool, "function": {"name": "weather"}}]}),
+              ("chat", ("tool_choice",), {"tools": [tool]}),
+              ("chat", ("parallel_tool_calls",), {"tools": [tool]}),
+              *[("chat", ("messages", i, name), {"messages": history})
+                for i, name in ((1, "name"), (3, "tool_call_id"), (2, "tool_calls"), (2, "function_call"),
+                                (2, "refusal"), (2, "audio"), (2, "reasoning_content"), (2, "reasoning"), (2, "name"))],
+              ("responses", ("stream_options", "include_obfuscation"), {"stream": True, "stream_options": {}}),
+              ("responses", ("text", "format"), {"text": {}}),
+              ("responses", ("text", "verbosity"), {"text": {}}),
+              *[("responses", ("text", "format", name), {"text": {"format": {"type": "json_schema", "name": "yes_no",
+                                                                             "schema": {"type": "boolean"}}}})
+                for name in ("description", "strict")],
+              *[("responses", ("reasoning", name), {"reasoning": {}}) for name in ("effort", "summary",
+                                                                                     "generate_summary")],
+              *[("responses", ("tools", 0, name), {"tools": [{"type": "function", "name": "weather"}]})
+                for name in ("description", "parameters", "strict")],
+              *[("responses", ("input", 0, name), {"input": [{"role": "user", "content": "Hello world!"}]})
+                for name in ("type", "id", "status")]]
+    top = [(kind, (name,), {}) for kind, model, params in (
+        ("chat", ChatCompletionRequest, chat_create_params.CompletionCreateParamsBase),
+        ("completions", CompletionRequest, completion_create_params.CompletionCreateParamsBase),
+        ("responses", ResponsesRequest, response_create_params.ResponseCreateParamsBase))
+        for name in _optional_fields(model, params)
+        # completions' max_tokens: null is no limit but the context's (vLLM's), unset OpenAI's 16
+        if (kind, name) != ("completions", "max_tokens")]
+    return top + nested
+
+
+NULL_BASES = {"chat": ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2}),
+              "completions": ("/v1/completions", {"prompt": "Hello world!", "max_tokens": 2}),
+              "responses": ("/v1/responses", {"input": "Hello world!", "max_output_tokens": 2})}
+NULL_CASES = _null_cases()
+# keys of an answer that differ between two runs of one request
+VOLATILE = {"id", "created", "created_at", "item_id", "response_id", "system_fingerprint"}
+
+
+def _answer_of(r: httpx.Response):
+    """An answer's JSON (a stream's: its events' list), its volatile keys left out."""
+    def kept(value):
+        if isinstance(value, dict):
+            return {k: kept(v) for k, v in value.items() if k not in VOLATILE}
+        return [kept(v) for v in value] if isinstance(value, list) else value
+    assert r.status_code == 200, r.text
+    if r.headers["content-type"].startswith("text/event-stream"):
+        return [kept(json.loads(line[6:])) for line in r.text.splitlines()
+                if line.startswith("data: ") and line != "data: [DONE]"]
+    return kept(r.json())
+
+
+@pytest.mark.parametrize("kind, where, extra", NULL_CASES, ids=[f"{k}-{'.'.join(map(str, w))}" for k, w, _ in NULL_CASES])
+def test_null_for_an_optional_field_is_its_default(server, kind, where, extra):
+    """Every optional field of the three endpoints, and of the objects they hold (stream_options, response_format,
+    structured_outputs, tools, messages, text, reasoning, input items), sent as null: the answer is the one without the
+    field (LiteLLM, LangChain and hand-written clients send null for what they leave unset; OpenAI's API and vLLM take
+    it as the default). Seeded sampling, or greedy where the field is the seed, so that the answers match."""
+    path, base = NULL_BASES[kind]
+    body = json.loads(json.dumps({**base, "seed": 3, **extra}))
+    if where == ("seed",):
+        body = {**base, "temperature": 0, **extra}
+    if where[0] in ("max_tokens", "max_completion_tokens") and kind == "chat":  # (the other one bounds the reply)
+        body = {**{k: v for k, v in body.items() if k != "max_tokens"}, "max_completion_tokens" if where[0] ==
+                "max_tokens" else "max_tokens": 2}
+    if where == ("max_output_tokens",):  # (a grammar ends the reply)
+        body = {**{k: v for k, v in body.items() if k != "max_output_tokens"}, "structured_outputs": {"regex": "ab"}}
+    parent = body
+    for key in where[:-1]:
+        parent = parent[key]
+    parent.pop(where[-1], None)
+    unset = _answer_of(_post(server, path, body))
+    parent[where[-1]] = None
+    assert _answer_of(_post(server, path, body)) == unset
+
+
+REQUIRED_NULLS = [  # (path, body, field): a required field sent as null is no default: 400 naming it
+    ("/v1/chat/completions", {"messages": None}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": None, "content": "x"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages.0"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": None}}, "response_format.type"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": None, "schema": {}}}}, "response_format.json_schema.name"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": None}}]},
+     "tools.0.function.name"),
+    ("/v1/completions", {"prompt": None}, "prompt"),
+    ("/v1/responses", {"input": None}, "input"),
+    ("/v1/responses", {"input": "x", "tools": [{"type": "function", "name": None}]}, "tools.0.name"),
+]
+
+
+@pytest.mark.parametrize("path, body, field", REQUIRED_NULLS, ids=[f for _, _, f in REQUIRED_NULLS])
+def test_null_for_a_required_field_is_400_naming_it(server, path, body, field):
+    """(param: the request's field; the message begins with the path to the value inside it)"""
+    error = _error(_post(server, path, {**body, "max_tokens": 1}))
+    assert error["param"] == field.split(".")[0] and error["message"].startswith(field + ":"), error
+
+
+def test_null_for_an_optional_field_of_tokenize_is_its_default(server):
+    """vLLM's /tokenize takes null for its optional fields too (a prompt's and messages')."""
+    for body, names in (({"prompt": "Hello world!"}, ("model", "add_special_tokens", "return_token_strs")),
+                        ({"messages": CHAT}, ("model", "tools", "add_generation_prompt", "continue_final_message",
+                                              "chat_template_kwargs", "add_special_tokens", "return_token_strs"))):
+        unset = _post(server, "/tokenize", body)
+        assert unset.status_code == 200, unset.text
+        for name in names:
+            assert _post(server, "/tokenize", {**body, name: None}).json() == unset.json(), name
+
+
+def test_a_messages_keys_sent_as_null_are_left_out_of_the_templates_message():
+    """A message's other keys sent as null (LiteLLM's and LangChain's `"tool_calls": null`, `"name": null`) reach the
+    template as keys left out, as vLLM builds a message of the keys set: a template that iterates `message.tool_calls`
+    where it is defined (Llama 3.1's `'tool_calls' in message`) raised on null."""
+    from metrale_graph.server.protocol import ChatMessage
+
+    message = ChatMessage.model_validate({"role": "assistant", "content": "Hi", "tool_calls": None, "name": None,
+                                          "function_call": None, "reasoning_content": None, "refusal": None})
+    assert message.template_dict() == {"role": "assistant", "content": "Hi"}
+
+
+def test_stream_options_that_set_nothing_are_taken_without_a_stream(server):
+    """stream_options {} or of nulls alone ask for nothing, so they are taken without stream, as vLLM takes them (its
+    check is the object's truth); one that asks for something is still a 400 naming it."""
+    for options in ({}, {"include_usage": None}, {"include_usage": None, "continuous_usage_stats": None}):
+        for path, body in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": "x"})):
+            r = _post(server, path, {**body, "max_tokens": 1, "stream_options": options, "stream": None})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
+    error = _error(_post(server, "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": False}}))
+    assert error["param"] == "stream_options" and "stream: true" in error["message"], error
 
 
 def test_a_role_openai_does_not_have_is_400(server, client):

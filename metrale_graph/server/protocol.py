@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from ..logprobs import MAX_LOGPROBS
 from ..sampling import MAX_LOGIT_BIAS, MAX_PENALTY, SEED_RANGE
+from .nulls import NullIsDefault
 from .tool_protocol import AnyTool, ToolChoice, function_form
 
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
@@ -35,12 +36,10 @@ Penalty = Annotated[StrictFloat, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_in
 Bias = Annotated[StrictFloat, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
 
 MAX_N = 128  # choices of one request (each runs as its own engine request)
-# fields whose JSON null means their default, as in OpenAI's API (nullable there) and vLLM's (Optional): clients
-# that write every field they know send `"temperature": null`, `"n": null`, `"stream": null`
-NULL_IS_DEFAULT = ("n", "temperature", "top_p", "stream", "top_k", "echo")
 
 
-class StreamOptions(BaseModel):
+# every request model is a NullIsDefault (nulls.py): an optional field sent as null takes its default
+class StreamOptions(NullIsDefault):
     include_usage: StrictBool = False  # a last event with the usage
     # vLLM's: with include_usage, every event also carries the usage so far (the prompt, the tokens sent)
     continuous_usage_stats: StrictBool = False
@@ -78,7 +77,7 @@ def is_neutral(value, neutral: tuple) -> bool:
     return value in neutral
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(NullIsDefault):
     """response_format's json_schema (OpenAI's): the schema under `schema` (a JSON Schema object)."""
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
@@ -88,7 +87,7 @@ class JsonSchemaFormat(BaseModel):
     strict: StrictBool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(NullIsDefault):
     """OpenAI's, and vLLM's "structural_tag": xgrammar's tag under `format`, or vLLM's older structures and triggers."""
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
@@ -97,13 +96,13 @@ class ResponseFormat(BaseModel):
     triggers: list[StrictStr] | None = None
 
 
-class StructuredOutputs(BaseModel):
+class StructuredOutputs(NullIsDefault):
     """vLLM's structured_outputs: one of json (a schema, or its JSON text), regex, choice, grammar (xgrammar's
     EBNF, or Lark's), json_object, structural_tag (its JSON text: structured.py); vLLM's switches of its backends,
     taken either way: what they ask for is what this backend does anyway (grammar.py: JSON compact, xgrammar's
     disable_any_whitespace; no property a schema does not define, xgrammar's strict mode, which vLLM's xgrammar
     backend keeps whatever disable_additional_properties says; one backend, nothing to fall back to). vLLM's
-    whitespace_pattern is refused."""
+    whitespace_pattern is refused unless null."""
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")
@@ -116,8 +115,14 @@ class StructuredOutputs(BaseModel):
     disable_additional_properties: StrictBool | None = None
     disable_fallback: StrictBool | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _whitespace_pattern(cls, data):  # (null: unset; any other value an unknown key's 400)
+        return {k: v for k, v in data.items() if k != "whitespace_pattern" or v is not None} if isinstance(data, dict) \
+            else data
 
-class SamplingFields(BaseModel):
+
+class SamplingFields(NullIsDefault):
     """What /v1/completions and /v1/chat/completions share. OpenAI's fields first, then vLLM's extensions.
     `top_k` -1 or 0: off (vLLM's and transformers' conventions). Values are taken as JSON types them (strict:
     `true` is no integer, "5" no number). Unknown fields are ignored, as OpenAI and vLLM do (clients send
@@ -176,14 +181,6 @@ class SamplingFields(BaseModel):
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
     thinking_token_budget: Any = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _nulls_are_defaults(cls, data):
-        """NULL_IS_DEFAULT's fields sent as null take their defaults (as though left out)."""
-        if isinstance(data, dict) and any(data.get(name, 0) is None for name in NULL_IS_DEFAULT):
-            return {k: v for k, v in data.items() if not (v is None and k in NULL_IS_DEFAULT)}
-        return data
 
     def neutral(self) -> dict:
         """NEUTRAL of this request's kind of body."""
@@ -268,7 +265,7 @@ class RefusalPart(BaseModel):
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(NullIsDefault):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: handed to the chat template as they are
 
     role: Role
@@ -292,14 +289,16 @@ class ChatMessage(BaseModel):
         the latter); a tool call's `function.arguments` sent as a JSON string (OpenAI's wire format) parsed into
         the mapping templates iterate (as vLLM does; one that is not a JSON object stays a string); a past reply's
         reasoning under either of vLLM's names (`reasoning`, `reasoning_content`) given under both (Qwen's templates
-        read `reasoning_content`); a custom tool's call as the call of the function it stands for (function_form)."""
+        read `reasoning_content`); a custom tool's call as the call of the function it stands for (function_form); the
+        other keys sent as null (`"tool_calls": null`, `"name": null`) left out, as vLLM builds a message of those set
+        (a template that iterates `message.tool_calls` when it is defined raised on null)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         refusal = (self.model_extra or {}).get("refusal")
         if not content and self.role == "assistant" and isinstance(refusal, str):
             content = refusal
-        extra = dict(self.model_extra or {})
+        extra = {k: v for k, v in (self.model_extra or {}).items() if v is not None}
         if isinstance(extra.get("tool_calls"), list):
             extra["tool_calls"] = [_parsed_arguments(function_form(call)) for call in extra["tool_calls"]]
         for name, other in (("reasoning", "reasoning_content"), ("reasoning_content", "reasoning")):

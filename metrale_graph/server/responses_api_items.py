@@ -11,19 +11,20 @@ import json
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, Discriminator, Field, StrictStr, Tag, TypeAdapter, ValidationError, model_validator
+from pydantic import Discriminator, Field, StrictStr, Tag, TypeAdapter, ValidationError, model_validator
 
 from .errors import pydantic_message, short
+from .nulls import NullIsDefault
 from .protocol import ChatMessage
 from .tool_protocol import INPUT
 
 
-class InputText(BaseModel):
+class InputText(NullIsDefault):
     type: Literal["input_text", "output_text", "text"]  # (a past reply's output_text parts sent back)
     text: StrictStr
 
 
-class RefusalText(BaseModel):
+class RefusalText(NullIsDefault):
     type: Literal["refusal"]
     refusal: StrictStr
 
@@ -35,7 +36,7 @@ class RefusalText(BaseModel):
 Part = Annotated[Union[InputText, RefusalText], Field(discriminator="type")]
 
 
-class MessageItem(BaseModel):
+class MessageItem(NullIsDefault):
     type: Literal["message"] = "message"
     id: StrictStr | None = None
     role: Literal["user", "system", "developer", "assistant"]
@@ -43,7 +44,7 @@ class MessageItem(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-class FunctionCallItem(BaseModel):
+class FunctionCallItem(NullIsDefault):
     """A call a past reply made (its output item sent back)."""
     type: Literal["function_call"]
     id: StrictStr | None = None
@@ -52,7 +53,7 @@ class FunctionCallItem(BaseModel):
     arguments: StrictStr  # JSON text of an object
 
 
-class FunctionCallOutputItem(BaseModel):
+class FunctionCallOutputItem(NullIsDefault):
     """The result of a call, for the model to read: a `tool` message."""
     type: Literal["function_call_output"]
     id: StrictStr | None = None
@@ -78,12 +79,12 @@ class CustomToolCallOutputItem(FunctionCallOutputItem):
     type: Literal["custom_tool_call_output"]
 
 
-class ReasoningText(BaseModel):
+class ReasoningText(NullIsDefault):
     type: Literal["reasoning_text", "summary_text"]
     text: StrictStr
 
 
-class ReasoningItem(BaseModel):
+class ReasoningItem(NullIsDefault):
     """A past reply's reasoning: its content's text (else its summary's), as vLLM reads it."""
     type: Literal["reasoning"]
     id: StrictStr | None = None
@@ -97,7 +98,9 @@ class ReasoningItem(BaseModel):
 
 
 def _item_type(value) -> str:
-    return value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
+    """An item's type: a message's may be left out, or null (OpenAI's easy input message)."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "message" if kind is None else kind
 
 
 InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],

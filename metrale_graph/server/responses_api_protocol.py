@@ -23,9 +23,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr, field_validator,
+from pydantic import (ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr, field_validator,
                       model_validator)
 
+from .nulls import NullIsDefault
 from .protocol import NEUTRAL, ChatMessage, JsonSchemaFormat, NumLogprobs, ResponseFormat, SamplingFields
 from .responses_api_items import _ITEM, InputItem, MessageItem, as_items, chat_messages, check_items
 from .tool_protocol import (AllowedTools, AllowedToolsChoice, CustomDefinition, CustomTool, FunctionDefinition,
@@ -33,7 +34,7 @@ from .tool_protocol import (AllowedTools, AllowedToolsChoice, CustomDefinition, 
 
 
 # tools and text formats ------------------------------------------------------------------------------------
-class FunctionTool(BaseModel):
+class FunctionTool(NullIsDefault):
     """A function tool in the Responses API's flat shape; `function_tool` is chat's shape of it."""
     model_config = ConfigDict(extra="allow")
 
@@ -56,7 +57,7 @@ class CustomToolFlat(CustomDefinition):
         return CustomTool(type="custom", custom=CustomDefinition.model_validate(self.model_dump(exclude={"type"})))
 
 
-class FunctionChoice(BaseModel):
+class FunctionChoice(NullIsDefault):
     type: Literal["function"]
     name: StrictStr
 
@@ -64,7 +65,7 @@ class FunctionChoice(BaseModel):
         return NamedToolChoice(type="function", function=FunctionName(name=self.name))
 
 
-class CustomChoice(BaseModel):
+class CustomChoice(NullIsDefault):
     type: Literal["custom"]
     name: StrictStr
 
@@ -72,7 +73,7 @@ class CustomChoice(BaseModel):
         return NamedCustomChoice(type="custom", custom=FunctionName(name=self.name))
 
 
-class FlatAllowedTools(BaseModel):
+class FlatAllowedTools(NullIsDefault):
     """The Responses API's allowed tools, flat: {"type": "allowed_tools", "mode", "tools": [{"type": "function" |
     "custom", "name"}, ...]} (chat's AllowedToolsChoice)."""
     type: Literal["allowed_tools"]
@@ -90,7 +91,7 @@ FLAT_CHOICES = {"function": (FunctionChoice, '{"type": "function", "name": ...}'
                                                     '[{"type": "function", "name": ...}, ...]}')}
 
 
-class TextFormat(BaseModel):
+class TextFormat(NullIsDefault):
     """text.format: "text" (none), "json_object", or "json_schema" with its `name` and `schema` at this level."""
     model_config = ConfigDict(populate_by_name=True)
 
@@ -108,12 +109,12 @@ class TextFormat(BaseModel):
         return self
 
 
-class TextConfig(BaseModel):
+class TextConfig(NullIsDefault):
     format: TextFormat | None = None
     verbosity: Any = None  # refused unless null or "medium" (RESPONSES_NEUTRAL: the replies have one verbosity)
 
 
-class ReasoningConfig(BaseModel):
+class ReasoningConfig(NullIsDefault):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     # a summary asked for: the reasoning item's summary is its text (no summarizer: responses_api_output.py)
     summary: Literal["auto", "concise", "detailed"] | None = None
@@ -124,8 +125,9 @@ class ReasoningConfig(BaseModel):
 RESPONSES_NEUTRAL = {
     "background": (None, False), "conversation": (None,), "prompt": (None,), "max_tool_calls": (None,),
     "n": (1,), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),  # (truncation cuts a conversation)
-    # OpenAI's stream options: obfuscation (random padding of the deltas) off, as every stream here is
-    "stream_options": (None, {}, {"include_obfuscation": False}), "text.verbosity": (None, "medium"),
+    # OpenAI's stream options: obfuscation (random padding of the deltas) off, as every stream here is (null: unset)
+    "stream_options": (None, {}, {"include_obfuscation": False}, {"include_obfuscation": None}),
+    "text.verbosity": (None, "medium"),
     "return_token_ids": (False,), "return_tokens_as_token_ids": (None, False), "logprobs": (None, False),
 }
 

@@ -21,12 +21,12 @@ from .errors import APIError, bad_request, short, unauthorized, unknown_model, w
 from .limits import TokenBound
 from .logprobs import TokenStrings, token_id_string
 from .metrics import ServerMetrics
+from .nulls import sets_anything
 from .protocol import SamplingFields, field_value
 from .reasoning import THINK_END, starts_in_reasoning
 from .reply import ReplyParsers
 from .responses import ModelCard
-from .responses_store import DEFAULT_SIZE as DEFAULT_STORE_SIZE
-from .responses_store import ResponseStore
+from .responses_store import DEFAULT_SIZE as DEFAULT_STORE_SIZE, ResponseStore
 
 
 # apply_chat_template's arguments that the server sets itself (chat_template_kwargs may not)
@@ -179,7 +179,7 @@ class ServerState:
         conflict = body.conflict()
         if conflict is not None:
             raise bad_request(conflict[1], param=conflict[0])
-        if body.stream_options is not None and not body.stream:
+        if sets_anything(body.stream_options) and not body.stream:  # ({} or nulls alone: nothing, as vLLM reads it)
             raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
 
     def kept_tokens(self, body: SamplingFields) -> int | None:

@@ -25,13 +25,14 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from .errors import bad_request
+from .nulls import NullIsDefault
 from .protocol import ChatMessage
 from .tool_protocol import AnyTool
 from .state import ServerState, check_text
 from .tool_choice import rendered
 
 
-class TokenizePromptRequest(BaseModel):
+class TokenizePromptRequest(NullIsDefault):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
@@ -40,7 +41,7 @@ class TokenizePromptRequest(BaseModel):
     return_token_strs: StrictBool | None = False
 
 
-class TokenizeChatRequest(BaseModel):
+class TokenizeChatRequest(NullIsDefault):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
@@ -53,7 +54,7 @@ class TokenizeChatRequest(BaseModel):
     return_token_strs: StrictBool | None = False
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(NullIsDefault):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None

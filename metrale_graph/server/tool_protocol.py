@@ -24,6 +24,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       ValidationError, model_validator)
 
 from .errors import error_path, pydantic_message
+from .nulls import NullIsDefault
 
 
 def _of_an_object(schema: dict[str, Any]) -> dict[str, Any]:
@@ -42,7 +43,7 @@ def _of_an_object(schema: dict[str, Any]) -> dict[str, Any]:
 Parameters = Annotated[dict[str, Any], AfterValidator(_of_an_object)]
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(NullIsDefault):
     model_config = ConfigDict(extra="allow")  # handed to the chat template as it is
 
     # OpenAI's letters, digits, '_' and '-' (and '.', which MCP's tool names use): what Qwen's `<function=NAME>`
@@ -53,7 +54,7 @@ class FunctionDefinition(BaseModel):
     strict: StrictBool | None = None
 
 
-class Tool(BaseModel):
+class Tool(NullIsDefault):
     type: Literal["function"]
     function: FunctionDefinition
 
@@ -62,7 +63,7 @@ class Tool(BaseModel):
 INPUT = "input"
 
 
-class CustomFormat(BaseModel):
+class CustomFormat(NullIsDefault):
     """A custom tool's input format: "text" (any), or "grammar" of `syntax` (chat's nested grammar: {"definition",
     "syntax"}, or the Responses API's flat fields)."""
     type: Literal["text", "grammar"]
@@ -89,7 +90,7 @@ class CustomFormat(BaseModel):
         return (self.syntax, self.definition) if self.type == "grammar" else None
 
 
-class CustomDefinition(BaseModel):
+class CustomDefinition(NullIsDefault):
     name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
     description: StrictStr | None = None
     format: CustomFormat | None = None
@@ -113,7 +114,7 @@ class CustomDefinition(BaseModel):
             "type": "object", "properties": {INPUT: what}, "required": [INPUT], "additionalProperties": False})
 
 
-class CustomTool(BaseModel):
+class CustomTool(NullIsDefault):
     type: Literal["custom"]
     custom: CustomDefinition
 
@@ -135,16 +136,16 @@ def function_form(call):
     return {**rest, "type": "function", "function": {"name": custom["name"], "arguments": {INPUT: custom.get(INPUT, "")}}}
 
 
-class FunctionName(BaseModel):
+class FunctionName(NullIsDefault):
     name: StrictStr
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(NullIsDefault):
     type: Literal["function"]
     function: FunctionName
 
 
-class NamedCustomChoice(BaseModel):
+class NamedCustomChoice(NullIsDefault):
     """A custom tool forced by name ({"type": "custom", "custom": {"name": ...}})."""
     type: Literal["custom"]
     custom: FunctionName
@@ -157,7 +158,7 @@ class NamedCustomChoice(BaseModel):
 NAMED = (NamedToolChoice, NamedCustomChoice)  # a choice of one tool by name
 
 
-class AllowedTools(BaseModel):
+class AllowedTools(NullIsDefault):
     """OpenAI's allowed tools: the tools a reply may call (mode "auto") or must call one or more of ("required")."""
     mode: Literal["auto", "required"]
     tools: Annotated[list[Annotated[Union[NamedToolChoice, NamedCustomChoice], Field(discriminator="type")]],
@@ -168,7 +169,7 @@ class AllowedTools(BaseModel):
         return [t.function.name for t in self.tools]
 
 
-class AllowedToolsChoice(BaseModel):
+class AllowedToolsChoice(NullIsDefault):
     type: Literal["allowed_tools"]
     allowed_tools: AllowedTools
 
