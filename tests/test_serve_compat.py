@@ -755,6 +755,29 @@ def test_a_past_call_whose_arguments_are_not_json_reaches_the_template_as_sent(s
     assert error["param"] == "messages" and error["message"].startswith("the chat template failed"), error
 
 
+def test_input_text_parts_are_text_and_image_parts_are_refused_alike(server, client):
+    """The Responses API's text parts in chat messages (`input_text`, a past reply's `output_text`: clients that build
+    messages in its shape) are text, as vLLM reads them: the prompt is the plain string's; an `input_image` part is
+    refused as chat's `image_url` is (this server's models read text), with the same message."""
+    def prompt_ids(messages):
+        r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=1, extra_body={"return_token_ids": True})
+        return r.prompt_token_ids
+    parts = [{"role": "user", "content": [{"type": "input_text", "text": "Hello "}, {"type": "text", "text": "world!"}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Hi."}]},
+             {"role": "user", "content": [{"type": "input_text", "text": "Bye"}]}]
+    plain = [{"role": "user", "content": "Hello world!"}, {"role": "assistant", "content": "Hi."},
+             {"role": "user", "content": "Bye"}]
+    assert prompt_ids(parts) == prompt_ids(plain)
+    tokenized = [_post(server, "/tokenize", {"messages": m}).json()["tokens"] for m in (parts, plain)]
+    assert tokenized[0] == tokenized[1]
+    image = _error(_post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}], "max_tokens": 1}))
+    refused = _error(_post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "http://x/a.png"}]}], "max_tokens": 1}))
+    assert image["param"] == refused["param"] == "messages", refused
+    assert image["message"].split(", got ")[0] == refused["message"].split(", got ")[0], (image, refused)
+
+
 def test_an_assistants_refusal_in_the_history_is_its_text(server, client):
     """OpenAI's assistant messages may hold refusal parts ({"type": "refusal", "refusal": ...}; they were a 400),
     or a message-level `refusal` in place of content: the refusal's text is the assistant's text (vLLM's reading),

@@ -246,7 +246,9 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
-    type: Literal["text"]
+    """A text part: chat's "text", and the Responses API's "input_text" / "output_text" (clients that build chat
+    messages in its shape send them), as vLLM reads them all."""
+    type: Literal["text", "input_text", "output_text"]
     text: StrictStr
 
 
