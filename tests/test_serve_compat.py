@@ -393,6 +393,8 @@ REQUIRED_NULLS = [  # (path, body, field): a required field sent as null is no d
         "name": None, "schema": {}}}}, "response_format.json_schema.name"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": None}}]},
      "tools.0.function.name"),
+    # (the tag of chat's tool union, "function", before the key of that name: once 'tools.0.function.function')
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": None}]}, "tools.0.function"),
     ("/v1/completions", {"prompt": None}, "prompt"),
     ("/v1/responses", {"input": None}, "input"),
     ("/v1/responses", {"input": "x", "tools": [{"type": "function", "name": None}]}, "tools.0.name"),

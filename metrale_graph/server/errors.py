@@ -170,8 +170,10 @@ def error_path(error: dict, body=None) -> list[str]:
     found as a loc element that is no key of the object it stands in (but a missing field's, its error's last) and is
     that object's `type` (the Responses API's flat tools: {"type": "function", "name": ...}'s `tools.0.function.name` is
     `tools.0.name`) or repeats the element before it (chat's {"type": "function", "function": {...}}:
-    `tools.0.function.function.name` is `tools.0.function.name`); without it, as an element that repeats the one before
-    it (no field of these bodies holds a field of its own name)."""
+    `tools.0.function.function.name` is `tools.0.function.name`, and where the key's value is no object, a null
+    function, `tools.0.function.function` is `tools.0.function`: the tag, the object's type followed by the key of its
+    name); without it, as an element that repeats the one before it (no field of these bodies holds a field of its own
+    name)."""
     loc = list(error.get("loc", ()))
     if loc and loc[0] in REQUEST_PARTS:
         loc = loc[1:]
@@ -179,7 +181,8 @@ def error_path(error: dict, body=None) -> list[str]:
     node, known, tag = body, body is not None, False  # the value at `path` in the body, while the body has it
     missing = error.get("type") == "missing"  # (its last element is a key the body lacks: named, never a tag)
     for i, part in enumerate(loc):
-        if known and isinstance(node, dict) and part not in node and not tag and not (missing and i == len(loc) - 1):
+        if known and isinstance(node, dict) and not tag and not (missing and i == len(loc) - 1) and (
+                part not in node or (node.get("type") == part and loc[i + 1:i + 2] == [part])):  # (chat's tag then key)
             if node.get("type") == part or (path and path[-1] == str(part)):
                 tag = True  # (one tag an object)
                 continue
