@@ -42,6 +42,7 @@ from server_process import port_is_free, running_server
 from tokenizer_fixture import CHAT_TEMPLATE, tiny_checkpoint
 
 NAME = "tiny-compat"
+ALIAS = "org/tiny-compat"  # the server's second name (vLLM's --served-model-name NAME ALIAS)
 MAX_CONTEXT = 512
 SLOTS = 8
 SHUTDOWN_S = 2
@@ -85,7 +86,7 @@ def tokenizer(checkpoint):
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
-    flags = ["--served-model-name", NAME, "--num-slots", str(SLOTS), "--max-context", str(MAX_CONTEXT),
+    flags = ["--served-model-name", NAME, ALIAS, "--num-slots", str(SLOTS), "--max-context", str(MAX_CONTEXT),
              "--token-budget", "128", "--max-waiting", "32", "--shutdown-timeout", str(SHUTDOWN_S),
              "--max-request-bytes", str(MAX_REQUEST_BYTES), "--enable-tokenizer-info-endpoint", "--responses-store-size",
              "0"]
@@ -817,7 +818,25 @@ def test_head_health_and_the_model_list_with_a_trailing_slash(server):
         assert head.headers["content-type"] == get.headers["content-type"], path
     assert httpx.head(server.url + "/v1/models/other", timeout=10).status_code == 404
     r = httpx.get(server.url + "/v1/models/", timeout=10)
-    assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == [NAME], r.text
+    assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == [NAME, ALIAS], r.text
+
+
+def test_every_served_name_is_taken_and_answers_report_the_first(server, client):
+    """vLLM's --served-model-name with several names (it was one: a second was a usage error): /v1/models lists each,
+    a request naming any of them is served on every endpoint, and every answer reports the first, as vLLM's do (its
+    model_name()); a name not among them is a 404 listing them."""
+    assert [m.id for m in client.models.list().data] == [NAME, ALIAS]
+    assert client.models.retrieve(ALIAS).id == ALIAS
+    kw = dict(max_tokens=2, seed=3)
+    chat = client.chat.completions.create(model=ALIAS, messages=CHAT, **kw)
+    assert chat.model == NAME and chat.choices[0].message.content == client.chat.completions.create(
+        model=NAME, messages=CHAT, **kw).choices[0].message.content
+    assert client.completions.create(model=ALIAS, prompt="Hi", **kw).model == NAME
+    assert {c.model for c in client.completions.create(model=ALIAS, prompt="Hi", stream=True, **kw)} == {NAME}
+    assert client.responses.create(model=ALIAS, input="Hi", max_output_tokens=2).model == NAME
+    assert _post(server, "/tokenize", {"model": ALIAS, "prompt": "Hi"}).status_code == 200
+    error = _error(_post(server, "/v1/completions", {"model": "other", "prompt": "Hi"}), 404)
+    assert error["code"] == "model_not_found" and f"{NAME!r} or {ALIAS!r}" in error["message"], error
 
 
 def test_every_path_is_served_with_a_trailing_slash(server):

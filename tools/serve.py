@@ -3,7 +3,7 @@
 `serve` extra).
 
     python -m metrale_graph.tools.serve --model FOLDER_OR_PRESET [--host 127.0.0.1] [--port 8000]
-        [--served-model-name NAME] [--api-key KEY] [--num-slots 64] [--max-context N] [--token-budget N]
+        [--served-model-name NAME [NAME ...]] [--api-key KEY] [--num-slots 64] [--max-context N] [--token-budget N]
         [--max-waiting N] [--max-request-bytes N] [--eager] [--no-warmup] [--tp N]
         [--tool-call-parser auto|qwen3_xml|qwen3_json|none] [--reasoning-parser auto|qwen3|none]
         [--enable-tokenizer-info-endpoint] [--responses-store-size N]
@@ -81,8 +81,9 @@ def _parse_args(argv):
     add_model_args(p, seed_help="seed of random preset weights")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
     p.add_argument("--port", type=port, default=8000, help="port to listen on (default 8000; 0: any free one)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send and /v1/models lists (default: --model as given)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name clients send and /v1/models lists (default: --model as given); several, as "
+                        "vLLM takes them: a request may name any, /v1/models lists all, answers report the first")
     p.add_argument("--api-key", default=envs.METRALE_API_KEY,
                    help=f"clients must send 'Authorization: Bearer KEY' on /v1 paths (default: ${API_KEY_ENV}; "
                         "none: open)")
@@ -251,7 +252,8 @@ class Startup:
 
     def __init__(self, p, args, run, engine_kwargs: dict, gate, url: str):
         self.p, self.args, self.run_, self.engine_kwargs, self.gate, self.url = p, args, run, engine_kwargs, gate, url
-        self.name = args.served_model_name or args.model
+        self.names = args.served_model_name or [args.model]
+        self.name = self.names[0]  # (the name answers report)
         self.server = None  # the uvicorn.Server, ended on a failure
         self.engine = self.state = None
         self.error: tuple[str, BaseException] | None = None
@@ -272,7 +274,7 @@ class Startup:
             kwargs = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
             if args.responses_store_size is not None:
                 kwargs["responses_store_size"] = args.responses_store_size
-            app = build_app(engine, self.name, api_key=args.api_key, ready=args.no_warmup,
+            app = build_app(engine, self.names, api_key=args.api_key, ready=args.no_warmup,
                             tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                             enable_tokenizer_info=args.enable_tokenizer_info_endpoint, **kwargs)
         except BaseException as e:  # SystemExit too: parser.error for a checkpoint that does not load

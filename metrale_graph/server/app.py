@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import Body, FastAPI, Request
@@ -137,11 +138,12 @@ def with_cors(app, allowed_origins=("*",), allowed_methods=("*",), allowed_heade
                           allow_headers=list(allowed_headers), allow_credentials=allow_credentials)
 
 
-def build_app(engine, model_name: str, api_key: str | None = None, ready: bool = True,
+def build_app(engine, model_name: str | Sequence[str], api_key: str | None = None, ready: bool = True,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tool_call_parser: str = "auto",
               reasoning_parser: str = "auto", enable_tokenizer_info: bool = False,
               responses_store_size: int = DEFAULT_STORE_SIZE) -> FastAPI:
-    """The app serving `engine` as `model_name`; its ServerState is `app.state.server`. ready=False:
+    """The app serving `engine` as `model_name` (or several names, vLLM's --served-model-name a b: a request may name
+    any of them, /v1/models lists them all, answers report the first); its ServerState is `app.state.server`. ready=False:
     /health and the generation endpoints answer 503 until `app.state.server.ready.set()`. A request body of
     more than `max_request_bytes` is a 413. tool_call_parser ("qwen3_xml", "qwen3_json", "none") and
     reasoning_parser ("qwen3", "none") read chat replies; "auto": as the tokenizer's chat template shows them
@@ -150,8 +152,11 @@ def build_app(engine, model_name: str, api_key: str | None = None, ready: bool =
     responses (the last N, LRU; 0: none, so no previous_response_id; responses_store.py)."""
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be a positive number of bytes, got {max_request_bytes}")
-    state = ServerState(engine, model_name, api_key, ready, tool_call_parser, reasoning_parser, responses_store_size)
-    app = FastAPI(title="metrale-graph", summary=f"OpenAI-compatible server of {model_name}")
+    names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"model_name must be a non-empty name or a non-empty list of them, got {model_name!r}")
+    state = ServerState(engine, names, api_key, ready, tool_call_parser, reasoning_parser, responses_store_size)
+    app = FastAPI(title="metrale-graph", summary=f"OpenAI-compatible server of {names[0]}")
     app.state.server = state
     app.add_middleware(NoTrailingSlash)  # (innermost: the path routed is the path without its trailing slash)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
@@ -180,13 +185,13 @@ def build_app(engine, model_name: str, api_key: str | None = None, ready: bool =
 
     @app.get("/v1/models")
     async def models():
-        return respond(ModelList(data=[state.model_card()]))
+        return respond(ModelList(data=[state.model_card(name) for name in state.model_names]))
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
-        if model != state.model_name:
-            raise unknown_model(model, state.model_name)
-        return respond(state.model_card())
+        if model not in state.model_names:
+            raise unknown_model(model, state.model_names)
+        return respond(state.model_card(model))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -67,8 +67,10 @@ def unauthorized() -> APIError:
                     code="invalid_api_key")
 
 
-def unknown_model(name: str, served: str) -> APIError:
-    return APIError(404, f"the model {name!r} does not exist: this server serves {served!r}", param="model",
+def unknown_model(name: str, served: str | tuple[str, ...]) -> APIError:
+    """404 for a model name the server does not serve (`served`: its name, or names)."""
+    names = " or ".join(map(repr, (served,) if isinstance(served, str) else served))
+    return APIError(404, f"the model {name!r} does not exist: this server serves {names}", param="model",
                     code="model_not_found")
 
 

@@ -30,9 +30,8 @@ from .responses_store import DEFAULT_SIZE as DEFAULT_STORE_SIZE, ResponseStore
 
 
 # apply_chat_template's arguments that the server sets itself (chat_template_kwargs may not)
-TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt",
-                                "continue_final_message", "return_dict", "return_tensors", "tokenizer_kwargs",
-                                "chat_template", "tools"})
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+                                "return_dict", "return_tensors", "tokenizer_kwargs", "chat_template", "tools"})
 
 
 # the request fields that go to Engine.submit as sampling controls of the same name, when set
@@ -115,14 +114,15 @@ def one_system_message(messages: list[dict]) -> list[dict]:
 
 
 class ServerState:
-    """The engine behind an app and what its endpoints share. `ready` is set once the engine is warm
-    (the serve tool warms it while the server already answers /health with 503); `closing` once the
-    server shuts down."""
+    """The engine behind an app and what its endpoints share. `model_names`: the served names (vLLM's --served-model-name
+    a b: any taken in requests and listed, the first, `model_name`, in answers). `ready` is set once the engine is warm
+    (the serve tool warms it while the server already answers /health with 503); `closing` once the server shuts down."""
 
-    def __init__(self, engine, model_name: str, api_key: str | None = None, ready: bool = True,
+    def __init__(self, engine, model_name: str | tuple[str, ...], api_key: str | None = None, ready: bool = True,
                  tool_call_parser: str = "auto", reasoning_parser: str = "auto",
                  responses_store_size: int = DEFAULT_STORE_SIZE):
-        self.engine, self.model_name, self.api_key = engine, model_name, api_key
+        self.model_names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+        self.engine, self.model_name, self.api_key = engine, self.model_names[0], api_key
         self.responses = ResponseStore(responses_store_size)  # the Responses API's stored responses
         self.tokenizer = engine.tokenizer
         # how chat replies are read: reasoning and tool calls (reply.py; "auto": from the chat template)
@@ -137,7 +137,7 @@ class ServerState:
         # the special tokens that hold the reply parsers' tags: their text kept in the replies they read
         self.tag_ids = frozenset(i for i in special_token_ids(self.tokenizer)
                                  if any(tag in _added_text(self.tokenizer, i) for tag in self.replies.tags))
-        self.metrics = ServerMetrics(engine, model_name)
+        self.metrics = ServerMetrics(engine, self.model_name)
         self.ready, self.closing = threading.Event(), threading.Event()
         if ready:
             self.ready.set()
@@ -155,13 +155,13 @@ class ServerState:
         return_tokens_as_token_ids."""
         return token_id_string if body.return_tokens_as_token_ids else self.token_strings
 
-    def model_card(self) -> ModelCard:
-        return ModelCard(id=self.model_name, max_model_len=self.max_context, vocab_size=self.vocab_size)
+    def model_card(self, name: str | None = None) -> ModelCard:
+        return ModelCard(id=name or self.model_name, max_model_len=self.max_context, vocab_size=self.vocab_size)
 
     def check_model(self, model: str | None) -> None:
-        """404 unless `model` (a request's field; None: the served one) is the served model."""
-        if model is not None and model != self.model_name:
-            raise unknown_model(model, self.model_name)
+        """404 unless `model` (a request's field; None: the served one) is one of the served model's names."""
+        if model is not None and model not in self.model_names:
+            raise unknown_model(model, self.model_names)
 
     def check(self, body: SamplingFields, ready: bool = True) -> None:
         """The checks every generation request passes before any tokenizing: the model it names, the
