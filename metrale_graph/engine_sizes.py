@@ -16,8 +16,11 @@ def default_grid(num_slots: int, token_budget: int) -> tuple[list[int], list[int
     """Batch sizes 2, 4, 8, ... up to num_slots and token counts 2, 4, 8, ... up to token_budget
     (each list ends at the limit itself): every step fits one bucket (its streams <= num_slots,
     its tokens <= token_budget), pure-decode steps of B streams land in (B', B') with B' < 2B, and
-    padding is under 2x in both dimensions. Sizes start at 2 because the runner pads smaller
-    buckets to 2 streams and 2 tokens anyway."""
+    padding is under 2x in both dimensions. Sizes start at 2: a lone stream runs in a 2-stream
+    bucket beside a zero-length one, through the step traced for several streams, so an Engine compiles one
+    step, not also the runner's one-stream step (whose ops take one stream's paths: cuDNN's dense attention
+    for a lone prompt; at one decode stream the two measured alike, BENCHMARKS.md's `--loop 1` against D1).
+    batch_sizes=[1, ...] opts in."""
     return _doubling(num_slots), _doubling(token_budget)
 
 

@@ -519,3 +519,19 @@ def test_bench_part_writes_each_row_as_it_comes(monkeypatch, tmp_path):
     assert bs.bench_part(None, bs.SpecPlan(streams=(1,)), 0, record, str(path)) == ""
     assert [s["speculative_rows_so_far"] for s in seen] == [rows[:1], rows]
     assert seen[0]["tool"] == "bench" and record["speculative"]["verify"] == []
+
+
+def test_profile_attributes_every_moe_kernel_to_the_op():
+    """Every Triton kernel of the MoE op's packages (bf16 and FP8, sort and align included) is counted under the
+    op by `bench --profile`, not under "other": the counting sort was not (its name matched no substring)."""
+    import pathlib
+    import re
+
+    from metrale_graph.ops import REGISTRY, moe
+
+    ops = pathlib.Path(moe.__file__).resolve().parents[1]
+    names = [n for f in [*(ops / "moe").glob("*.py"), *(ops / "fp8").glob("experts*.py")]
+             for n in re.findall(r"^def (_moe_\w+_kernel)\(", f.read_text(), re.M)]
+    assert "_moe_count_sort_kernel" in names and len(names) >= 12
+    patterns = REGISTRY["moe"].kernels
+    assert [n for n in names if not any(p in n for p in patterns)] == []

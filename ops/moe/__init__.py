@@ -187,6 +187,6 @@ def cost(s: Shapes):
 
 
 register(OpSpec(moe, example, cost, cuda=moe_cuda,
-                kernels=("_moe_route", "_moe_align", "_moe_gate_up", "_moe_down", "_moe_direct_gate_up",
+                kernels=("_moe_route", "_moe_align", "_moe_count_sort", "_moe_gate_up", "_moe_down", "_moe_direct_gate_up",
                          "_moe_direct_act", "_moe_direct_down", "_moe_combine"),
                 onnx="metrale_graph.onnx.translations:moe"))
