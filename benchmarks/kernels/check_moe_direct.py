@@ -13,9 +13,12 @@ its weight bytes give:
   (two tiles in flight a program: Triton pipelines no loads that feed no dot), experimental, here only;
 - `gate_up split S`: the K loop cut into S parts, one program each (S x the programs, each with fewer K steps),
   fp32 partial sums, then a finishing kernel (sum of the parts, SiLU-mul, rounding): experimental, here only;
+- `gate_up dot BNxBK/stages/warps`, `down dot ...`: the rows kernels as ops/gemv.py's dot form (the weight tile
+  [BN, BK] against the activations through tl.dot, K a multiple of BK) at DOT_TILES: experimental, here only;
 - `bmm (pre-gathered)`: torch.bmm on the pairs' weights gathered beforehand (cuBLAS reading the same bytes);
 - `sum (pre-gathered)`: torch.sum over those bytes (PyTorch's reduction: a plain read at this size).
 
+With --layers N the routings walk N layers' expert weights in turn, as a model step does (cold L2 and TLB).
 Outputs of the experimental forms are compared with the rows kernel's (relative error). Prints a table per
 case and one JSON line (also written to --json).
 
