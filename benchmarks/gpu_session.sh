@@ -10,7 +10,8 @@
 # gemv (not in all): benchmarks/kernels/check_gemv.py and check_moe_direct.py, the decode GEMVs (dense: cuBLAS against
 # ops/gemv.py's one-launch split-K GEMV at its default and other tiles; MoE: the direct path's tiles and forms) at decode
 # rows; gemv-ab (not in all): the 9B's and the 35B-A3B's D1 / D32 under METRALE_DECODE_GEMV cublas and triton, tests/test_gemv.py;
-# moe-decode (not in all): the MoE decode paths' GPU tests, then the 35B-A3B's D1 / D32 (--profile, --loop 1; MOE_LAYERS);
+# moe-decode (not in all): the MoE decode paths' GPU tests, then the 35B-A3B's D1 / D32 (--profile, --loop 1; MOE_LAYERS),
+# and again with METRALE_MOE_SHARED_STREAM=1;
 # small (not in all): benchmarks/kernels/check_small.py, the decode step's small kernels by form and warp count, and the
 # decode-shaped conv's tests on CUDA; moe-tests (not in all): the GPU tests of the MoE decode paths, the direct one (bf16 and FP8, CUDA-graph replay)
 # and the counting sort on CUDA tensors (not yet timed); tp: the two-GPU benchmarks
@@ -327,11 +328,18 @@ if [[ $what == moe-decode ]]; then
     # (route, direct, count sort), then the 35B-A3B's D1 / D32 with --profile (MOE_LAYERS layers, default 20: fits an
     # H100; 40 on an H200) and --loop 1 (~3 min)
     limit python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_moe_direct.py tests/test_kernels.py \
-        -k "direct or count_sort or route" 2>&1 | tee "$OUT/moe_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed"
+        -k "direct or count_sort or route or shared_expert_stream" 2>&1 | tee "$OUT/moe_tests.log" \
+        | grep -E "^(FAILED|ERROR)|passed|failed"
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
     limit python3 -m metrale_graph.tools.bench --preset qwen3.5-35b-a3b --layers ${MOE_LAYERS:-20} --workloads D1,D32 \
         --variants graphs --repeat 3 --profile --loop 1 --json "$OUT/bench-35b-moe-decode.json" 2>&1 | grep -v Warning \
         | tee "$OUT/bench-35b-moe-decode.log" | grep -E "^ *D(1|32) |^ *1 |Error"
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+    # the shared expert on a second stream (METRALE_MOE_SHARED_STREAM, opt-in): the same D1 / D32 beside the above
+    METRALE_MOE_SHARED_STREAM=1 limit python3 -m metrale_graph.tools.bench --preset qwen3.5-35b-a3b \
+        --layers ${MOE_LAYERS:-20} --workloads D1,D32 --variants graphs --repeat 3 --profile \
+        --json "$OUT/bench-35b-moe-decode-shared-stream.json" 2>&1 | grep -v Warning \
+        | tee "$OUT/bench-35b-moe-decode-shared-stream.log" | grep -E "^ *D(1|32) |Error"
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 if [[ $what == small ]]; then

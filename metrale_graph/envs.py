@@ -83,6 +83,10 @@ SETTINGS = _settings(
             "triton, our one-launch split-K GEMV (ops/gemv.py: deterministic, the residual in its epilogue; "
             "tests/test_gemv.py passed on an H100 at 32df38b); opt-in until an H200 A/B says it pays (ops.gemv.BACKEND)",
             ("cublas", "triton")),
+    Setting("METRALE_MOE_SHARED_STREAM", "flag", False,
+            "the MoE op's shared expert on a second CUDA stream beside the routed experts (forked after the GEMM "
+            "that also makes the router's logits, joined before the combine; captured into the same CUDA graphs): "
+            "the same kernels, the same output bit for bit. Opt-in until a GPU A/B says it pays (ops.moe.SHARED_STREAM)"),
     Setting("METRALE_VERIFY_PIECES", "text", None,
             "the speculative verify step's CUDA graphs: layer counts of the leading pieces, comma-separated (e.g. "
             "`1,3,8`; the remaining layers are the last piece), launched one after another so that the GPU starts "

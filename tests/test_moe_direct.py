@@ -391,3 +391,30 @@ def test_fp8_direct_at_35b_a3b_shape_and_replay():
             buf.copy_(new)
         graph.replay()
         assert torch.equal(static_out, moe_experts_fp8_direct(x, top_w, top_e, w13, w13s, w2, w2s, 0, E))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_shared_expert_stream_is_exact(fp8, monkeypatch):
+    """METRALE_MOE_SHARED_STREAM (ops.moe.SHARED_STREAM): the shared expert on a second stream gives the op's
+    output bit for bit, eager and replayed from a CUDA graph captured with the fork and join, on the direct path
+    (T 1, 4) and the aligned one (T 64), bf16 and FP8 (shared expert and experts FP8)."""
+    case = Shapes(lengths=(64,), context=(0,), E=128, TOPK=8, D=1024, IE=256, IS=512, fp8=fp8)
+    call = clone_args(list(op_args("moe", case, torch.bfloat16, seed=3)), "cuda")
+    tokens = call[0].clone()
+    for T in (1, 4, 64):
+        call[0] = tokens[:T].clone()
+        monkeypatch.setattr(moe, "SHARED_STREAM", False)
+        want = moe.moe_cuda(*call)
+        monkeypatch.setattr(moe, "SHARED_STREAM", True)
+        assert torch.equal(moe.moe_cuda(*call), want), T
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = moe.moe_cuda(*call)
+        for start in (0, 3) if T < 64 else (0,):
+            call[0].copy_(tokens.roll(start, 0)[:T])
+            graph.replay()
+            monkeypatch.setattr(moe, "SHARED_STREAM", False)
+            assert torch.equal(static_out, moe.moe_cuda(*call)), (T, start)
+            monkeypatch.setattr(moe, "SHARED_STREAM", True)

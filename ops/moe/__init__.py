@@ -18,8 +18,12 @@ and alignment for one row per pair (direct.py: its shape rule, measured faster a
 35B-A3B workload on the H200 and was removed: BENCHMARKS.md, MoE.)
 """
 
+import contextlib
+
 import torch
 from torch import Tensor
+
+from metrale_graph import envs
 
 from .. import gemv, kernels
 from ..common import INTERPRET, check, check_tensor, rms_norm
@@ -34,6 +38,24 @@ from .combine import combine_outputs
 from .gemm import down, gate_up
 from .reference import route, routed_experts, routed_experts_fp8, shared_expert
 from .routing import route_topk
+
+# the shared expert beside the routed ones on a second CUDA stream (METRALE_MOE_SHARED_STREAM; read at import, tests
+# set the attribute): forked from the op's stream after the normed input (and, in bf16, the GEMM that also makes the
+# router's logits), joined before the combine; the same kernels on the same inputs, so the same output bit for bit.
+# Meanwhile the op's stream runs the routing and the routed experts, none of which shares state with the shared
+# expert's kernels (ops/gemv.py's ticket counters: only the side stream runs a GEMV between fork and join)
+SHARED_STREAM = envs.METRALE_MOE_SHARED_STREAM
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _fork(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """(the op's stream, the device's side stream, which now waits for the op's work so far)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _side_streams:
+        _side_streams[index] = torch.cuda.Stream(device=index)
+    main, side = torch.cuda.current_stream(index), _side_streams[index]
+    side.wait_stream(main)
+    return main, side
 
 
 def _check(a):
@@ -138,11 +160,16 @@ def moe_cuda(a):
     shared_fp8 = any(fp8.is_fp8(w) for w in (a.shared_gate_w, a.shared_up_w, a.shared_down_w))
     if not shared_fp8:
         dense = gemv.linear(n, kernels.stacked(a.shared_gate_w, a.shared_up_w, a.router_w))  # [T, 2IS + E]
-        shared = gemv.linear(kernels.silu_mul(dense[:, :2 * IS]), a.shared_down_w)  # [T, D]
+        side = _fork(h.device) if SHARED_STREAM else None
+        with torch.cuda.stream(side[1]) if side else contextlib.nullcontext():
+            shared = gemv.linear(kernels.silu_mul(dense[:, :2 * IS]), a.shared_down_w)  # [T, D]
         logits = dense[:, 2 * IS:2 * IS + E]
     else:  # FP8 shared expert: its gate | up one W8A8 GEMM where stacked, the router a GEMM of its own
-        gate, up = fp8.project(n, [(a.shared_gate_w, a.shared_gate_s), (a.shared_up_w, a.shared_up_s)])
-        shared = fp8.project_one(kernels.silu_mul(kernels.side_by_side(gate, up)), a.shared_down_w, a.shared_down_s)
+        side = _fork(h.device) if SHARED_STREAM else None
+        with torch.cuda.stream(side[1]) if side else contextlib.nullcontext():
+            gate, up = fp8.project(n, [(a.shared_gate_w, a.shared_gate_s), (a.shared_up_w, a.shared_up_s)])
+            shared = fp8.project_one(kernels.silu_mul(kernels.side_by_side(gate, up)), a.shared_down_w,
+                                     a.shared_down_s)
         logits = n @ a.router_w.t()
     # padding rows (at and past cu_seqlens[-1]) take expert id -1: the direct kernels skip their pairs, the sort
     # puts them before expert 0's group, in no block (their rows of y are not written: padding rows' unspecified)
@@ -153,19 +180,28 @@ def moe_cuda(a):
     if fp8.is_fp8(w13) and fp8.activations_rounded():  # W8A8 grouped GEMMs (their own pair alignment) or direct
         experts = moe_experts_fp8_direct if direct.takes_direct(P, E) else moe_experts_fp8
         y = experts(n, top_w, top_e, w13, a.w13_s, w2, a.w2_s, first_expert, E)
-        return combine_outputs(h, n, _inner_contiguous(a.shared_expert_gate_w), y, shared, top_k, a.add_residual)
+        return _combine(a, h, n, y, shared, side)
     if fp8.is_fp8(w13):  # weight-only debug mode: the experts dequantized, the bf16 kernels
         w13, w2 = fp8.dequantized(w13, a.w13_s, h.dtype, parts=2), fp8.dequantized(w2, a.w2_s, h.dtype)
     if direct.takes_direct(P, E):  # decode: one row per pair, no alignment
         y = direct.direct_experts(n, top_w, top_e, w13, w2, first_expert)
-        return combine_outputs(h, n, _inner_contiguous(a.shared_expert_gate_w), y, shared, top_k, a.add_residual)
+        return _combine(a, h, n, y, shared, side)
     BM = block_m(P, EL)
     sorted_ids, block_expert = align_local_pairs(top_e, EL, E, first_expert, BM)
     ieee = h.dtype == torch.float32 or INTERPRET
     act = gate_up(n, w13, sorted_ids, block_expert, top_k, BM, ieee)
     y = h.new_empty(P, D) if EL == E else h.new_zeros(P, D)  # pairs of other ranks' experts: 0
     down(act, w2, sorted_ids, block_expert, top_w, y, BM, ieee)
-    return combine_outputs(h, n, _inner_contiguous(a.shared_expert_gate_w), y, shared, top_k, a.add_residual)
+    return _combine(a, h, n, y, shared, side)
+
+
+def _combine(a, h: Tensor, n: Tensor, y: Tensor, shared: Tensor, side) -> Tensor:
+    """combine_outputs, after the side stream's shared expert (when forked) has joined the op's stream. Its tensors
+    were made on the side stream and are freed on the op's: the side stream's next work waits for the op's stream
+    (the next fork) before their memory is used again."""
+    if side is not None:
+        side[0].wait_stream(side[1])
+    return combine_outputs(h, n, _inner_contiguous(a.shared_expert_gate_w), y, shared, a.top_k, a.add_residual)
 
 
 def example(s: Shapes, dtype, g):
