@@ -180,7 +180,7 @@ class EngineLoop(LoopIntake, LoopReadBack):
             if not r.ended:
                 try:
                     self.scheduler.remove(r)
-                except Exception as e:  # the reset of its slot failed (a cache a failure broke)
+                except BaseException as e:  # its slot's reset or prefix save failed: r fails, the loop goes on
                     self._fail(r, e)
                     continue
                 r.finish_reason = "abort"

@@ -141,7 +141,7 @@ class LoopReadBack:
                                                          r.prompt_logprobs if len(out) == 1 else None))
                 else:
                     output = advance(r, token, now, entry)
-            except Exception as e:  # the tokenizer failed on its tokens, or its slot's reset did
+            except BaseException as e:  # the tokenizer, its slot's reset or prefix save failed: only r sees it
                 self._fail(r, e, flush=False)
                 continue
             if r.channel is not channel:
@@ -215,7 +215,7 @@ class LoopReadBack:
         if r.ended:
             return
         r.error = error
-        with contextlib.suppress(Exception):  # a reset of a cache the failure broke: the error says enough
+        with contextlib.suppress(BaseException):  # a reset of a cache the failure broke: the error says enough
             self.scheduler.remove(r)
         r.channel.put(Failure(r.index, error))
 

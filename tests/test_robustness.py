@@ -297,3 +297,70 @@ def test_a_held_cache_serves_only_threads_acting_for_its_holder():
     cache.release(token)
     cache.reset(0)
     assert cache.holder_name is None and cache.context_lens[0] == 0
+
+
+class _Halt(BaseException):
+    """A BaseException that is not an Exception, as KeyboardInterrupt and SystemExit are."""
+
+
+class _CharTokens:
+    """A tokenizer object (one character a token) whose decode, in the engine loop's thread, raises `fail` (then
+    disarms) once it meets token `bad`."""
+
+    def __init__(self):
+        self.bad, self.fail = None, None
+
+    def encode(self, text):
+        return [ord(c) % 500 + 1 for c in text]
+
+    def decode(self, ids, skip_special_tokens=False):
+        if self.fail is not None and self.bad in ids and threading.current_thread().name == "metrale-engine-loop":
+            fail, self.fail = self.fail, None
+            raise fail("injected in decode")
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("where", ["decode", "save"])
+def test_a_base_exception_taking_a_token_in_fails_only_its_request(where, overlap):
+    """A BaseException that is not an Exception (KeyboardInterrupt, SystemExit, ...) raised while the loop took a
+    read-back token into its request (the tokenizer's decode of the streamed text, the prefix save of a request that
+    ends) stopped the engine loop: every request ended with EngineClosedError, the engine served no more, and the
+    request whose prefix save raised got no end at all (its consumer waited for ever). As in the step itself, only
+    that request fails with it; the others go on, the slots are freed and a later request gets a fresh engine's
+    tokens."""
+    from metrale_graph import Engine
+
+    model = HybridModel.from_preset("tiny", seed=3)
+    kw = dict(num_slots=3, token_budget=24, block_size=16, max_context=200, compile=False, overlap=overlap,
+              prefix_cache=True, checkpoint_interval=64, prefix_checkpoints=8, tokenizer=_CharTokens())
+    prompts = [random_tokens(n, seed=30 + n) for n in (70, 9, 33)]
+    with Engine(model, **kw) as fresh:
+        want = [r.token_ids for r in fresh.generate(prompts, max_new_tokens=6, stop_token_ids=[])]
+    engine = Engine(model, **kw)
+    if where == "decode":
+        engine.tokenizer.bad, engine.tokenizer.fail = want[0][2], _Halt
+    else:  # the prefix save of the first request to end (its slot no longer a running request's)
+        real = engine.cache.save_prefix
+
+        def save_prefix(slot):
+            if slot not in [r.slot for r in engine._loop.scheduler.running]:
+                del engine.cache.save_prefix
+                raise _Halt("injected in save")
+            return real(slot)
+
+        engine.cache.save_prefix = save_prefix
+    handles = [engine.submit(p, max_new_tokens=6, stop_token_ids=[]) for p in prompts]
+    outcomes = []
+    for handle in handles:
+        try:
+            outcomes.append(handle.result(60).token_ids)
+        except _Halt as e:
+            outcomes.append(e)
+    failed = [k for k, out in enumerate(outcomes) if isinstance(out, _Halt)]
+    assert len(failed) == 1 and (where == "save" or failed == [0])
+    assert [out for k, out in enumerate(outcomes) if k not in failed] == [w for k, w in enumerate(want) if k not in failed]
+    assert not engine._loop.closed and engine.cache.context_lens == [0, 0, 0]
+    assert not any(engine.cache._index.refs) and engine.cache.free_blocks == engine.cache.num_blocks
+    assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=6, stop_token_ids=[])] == want
+    engine.shutdown()

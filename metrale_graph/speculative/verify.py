@@ -368,7 +368,7 @@ class SpeculativeStep:
                 loop._generated += 1
                 try:
                     outputs.setdefault(r.channel, []).append(loop._advance(r, t, now, entry))
-                except Exception as e:  # the tokenizer failed on its tokens, or its slot's reset did
+                except BaseException as e:  # the tokenizer, its slot's reset or prefix save failed: only r sees it
                     loop._fail(r, e, flush=False)
             r.sampled = len(r.out)
             if not r.ended:
