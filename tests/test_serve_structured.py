@@ -173,6 +173,18 @@ def test_a_forced_call_streams_its_arguments_as_they_come(client):
     assert len(partials) > 3 and partials[0].city is None and partials[-1] == Weather(city="Paris", days=1, sunny=False)
 
 
+def test_tools_and_a_named_choice_without_type_are_functions(client):
+    """A tool or a named tool_choice without "type" (or a null one) is a function's, as in vLLM, whose request
+    models default the type (once a 400 "Unable to extract tag using discriminator 'type'"): the same reply as typed."""
+    untyped = [{"function": t["function"]} for t in (WEATHER, TIME)]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    want = chat(client, tools=[WEATHER, TIME], tool_choice=named).choices[0].message
+    for tools, choice in ((untyped, named), ([WEATHER, TIME], {"function": named["function"]}),
+                          ([{**t, "type": None} for t in untyped], {"type": None, "function": named["function"]})):
+        got = chat(client, tools=tools, tool_choice=choice).choices[0].message
+        assert got.tool_calls[0].function == want.tool_calls[0].function, (tools, choice)
+
+
 def test_a_forced_call_beside_a_response_format_is_the_call(client):
     """The OpenAI Agents SDK sends an agent's output_type as response_format on every turn, tool_choice "required" or
     a function's name beside it when the agent forces a tool (ModelSettings.tool_choice): the reply is the call, the

@@ -123,7 +123,16 @@ class CustomTool(NullIsDefault):
         return self.custom.function()
 
 
-AnyTool = Annotated[Union[Tool, CustomTool], Field(discriminator="type")]
+def function_by_default(value):
+    """Chat's tool or named tool choice without a "type" (or with a null one) but with a "function": a function's, as
+    vLLM (whose ChatCompletionToolsParam and ChatCompletionNamedToolChoiceParam default type to "function") and
+    clients written against it take it."""
+    if isinstance(value, dict) and value.get("type") is None and "function" in value:
+        return {**value, "type": "function"}
+    return value
+
+
+AnyTool = Annotated[Union[Tool, CustomTool], Field(discriminator="type"), BeforeValidator(function_by_default)]
 
 
 def function_form(call):
@@ -205,4 +214,4 @@ CHAT_CHOICES = {"function": (NamedToolChoice, '{"type": "function", "function": 
                                                       '"required", "tools": [{"type": "function", "function": '
                                                       '{"name": ...}}, ...]}}')}
 ToolChoice = Annotated[Union[Literal["none", "auto", "required"], NamedToolChoice, NamedCustomChoice, AllowedToolsChoice],
-                       BeforeValidator(choice_check(CHAT_CHOICES))]
+                       BeforeValidator(choice_check(CHAT_CHOICES)), BeforeValidator(function_by_default)]
