@@ -45,7 +45,8 @@ Semantics:
   sampled under a mask of what the grammar allows next (eos only where the output may end), so a request that
   ends with "stop" has a whole, valid output ("length" may cut it). The grammar is compiled (once per distinct
   one, cached) in the engine's grammar worker before the request is queued; one that does not compile is a
-  ValueError (StructuredOutputError). Needs a transformers tokenizer; not with min_tokens.
+  ValueError (StructuredOutputError). Needs a transformers tokenizer. With min_tokens the stop tokens are held back
+  while the grammar allows anything else (where it allows only a stop, the grammar wins: vLLM's rule).
 - Speculative decoding (Engine(speculative=...), docs/speculative.md): speculate=False (generate, stream,
   submit) makes a call's requests decode one token per step; requests with a grammar, logprobs, penalties or
   min_tokens speculate too, their processors run per verify position (speculative/verify.py).

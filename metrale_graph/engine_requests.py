@@ -58,9 +58,6 @@ class RequestIntake:
         seed = check_seed(seed)
         stops = self.stop_token_ids if stop_token_ids is None else self._check_stop_ids(stop_token_ids)
         spec = structured_output(structured, self.model.config.vocab_size)
-        if spec is not None and params.min_tokens:
-            raise ValueError("min_tokens cannot be combined with structured output: the grammar decides where the "
-                             "output may end (it may allow nothing but a stop token)")
         decoding, drop = self._decoding(keep_special)
         ids_of = [self._prompt_ids(i, prompt) for i, prompt in enumerate(prompts)]
         check_token_ids(ids_of, self.model.config.vocab_size, what="prompt")

@@ -17,7 +17,9 @@ In order, as vLLM's v1 sampler applies them (before temperature; greedy rows tak
    is 0 gets -inf.
 2. logit_bias (OpenAI): a per-request {token id: bias} added to the logits.
 3. min_tokens: while a request has sampled fewer than min_tokens tokens its stop tokens (eos and
-   stop_token_ids) get -inf.
+   stop_token_ids) get -inf, except in a row the token bitmask leaves nothing else (a grammar whose output is
+   whole allows only a stop token): there the grammar wins and the stop tokens stay (vLLM's fix of that dead
+   end, vllm-project/vllm#54218; masking them would leave no token to draw).
 4. penalties: repetition_penalty r over every token of the prompt and of the output so far (a positive
    logit divided by r, a negative one multiplied: transformers' and vLLM's definition), then
    frequency_penalty f and presence_penalty p over the output so far (OpenAI's definition:
@@ -129,7 +131,13 @@ def process_logits(logits: torch.Tensor, rows: list, state: PenaltyState | None,
     if holding:
         where = to_device([[k for k in holding for _ in rows[k].stop_ids], [t for k in holding for t in rows[k].stop_ids]],
                           torch.int64, dev)
-        x.index_put_((where[0], where[1]), x.new_full((), NEG_INF))
+        if token_bitmask is None:
+            x.index_put_((where[0], where[1]), x.new_full((), NEG_INF))
+        else:  # (on the device, no sync) a held row that would keep no token keeps its stop tokens
+            held = x.index_put((where[0], where[1]), x.new_full((), NEG_INF))
+            k = to_device(holding, torch.int64, dev)
+            rows_held = held.index_select(0, k)
+            x.index_copy_(0, k, torch.where((rows_held > NEG_INF).any(-1, keepdim=True), rows_held, x.index_select(0, k)))
     if penalized:
         if state is None:
             raise ValueError("presence / frequency / repetition penalties need a PenaltyState")

@@ -19,8 +19,9 @@ def reference_logits(logits, params: SamplingParams, prompt, out, stop_ids, bitm
     for t, b in params.logit_bias:
         x[t] += b
     if len(out) < params.min_tokens:
-        for t in stop_ids:
-            x[t] = -math.inf
+        held = [-math.inf if t in stop_ids else v for t, v in enumerate(x)]
+        if bitmask is None or any(v > -math.inf for v in held):  # (a grammar that allows only a stop wins)
+            x = held
     r = params.repetition_penalty
     for t in set(prompt) | set(out):
         x[t] = x[t] / r if x[t] > 0 else x[t] * r

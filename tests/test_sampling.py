@@ -78,6 +78,27 @@ def test_processed_logits_follow_the_definitions_over_steps(control):
         assert any(len(set(q["out"])) < len(q["out"]) for q in requests[:4]), [q["out"] for q in requests]
 
 
+def test_min_tokens_gives_way_where_the_bitmask_allows_only_stops():
+    """A row whose bitmask allows nothing but its stop tokens (a grammar whose output is whole) keeps them under
+    min_tokens (vLLM's rule, vllm-project/vllm#54218: masking them left every token -inf, and a draw from nothing);
+    beside it, a held row with other tokens allowed and a row without a bitmask's limit still lose their stops."""
+    torch.manual_seed(3)
+    logits = torch.randn(3, VOCAB)
+    bitmask = torch.zeros(3, 2, dtype=torch.int32)
+    bitmask[0, 0] = (1 << 5) | (1 << 9)  # only the stop tokens 5 and 9
+    bitmask[1, 0] = (1 << 5) | (1 << 11)  # a stop and an ordinary token
+    bitmask[2] = -1  # everything
+    rows = [SampleRow(check_params(t, 0, 1.0, min_tokens=4), new_generator(k), k, 1, (), frozenset({5, 9}))
+            for k, t in enumerate((0.0, 0.0, 1.0))]
+    x = process_logits(logits, rows, None, bitmask)
+    for k, row in enumerate(rows):
+        want = reference_logits(logits[k], row.params, (), [0], row.stop_ids, bitmask[k])
+        torch.testing.assert_close(x[k].double(), want)
+    assert torch.isfinite(x[0, [5, 9]]).all() and x[0].isfinite().sum() == 2
+    assert x[1].isfinite().tolist() == [t == 11 for t in range(VOCAB)] and not x[2, [5, 9]].isfinite().any()
+    assert sample(logits, rows, None, bitmask).tokens[0].item() in (5, 9)
+
+
 def test_neutral_rows_are_not_copied():
     """Rows without any control give back the logits themselves: nothing copied, nothing changed."""
     logits = torch.randn(3, VOCAB)
