@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session in one command (device machines start bare): install the carried
 # flash-linear-attention wheels, run the GPU tests and the benchmarks, write logs under $OUT.
-#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-tests|moe-decode|small|gemv|gemv-ab|tp|fp8|fp8-sweep|fp8-bench|w8a16|serve|cookbook|prefix|structured|spec|spec-trace|ahead|all|setup]
+#   usage: bash benchmarks/gpu_session.sh [tests|sweep|op-tests|model-tests|ops|decode|bench|profile|moe|moe-tests|moe-decode|small|gdn|gemv|gemv-ab|tp|fp8|fp8-sweep|fp8-bench|w8a16|serve|cookbook|prefix|structured|spec|spec-trace|ahead|all|setup]
 #   (run from the repository root)
 # tests: every GPU test (sweep + op-tests + model-tests: ~18 min, more than one call); ops: per-op
 # benchmark; decode (not in all): bench_ops at decode shapes and benchmarks/kernels/check_decode.py's tile sweep; bench: 9B workloads with the peer and generation; profile (not in all): the 9B workloads' device
@@ -12,6 +12,7 @@
 # rows; gemv-ab (not in all): the 9B's and the 35B-A3B's D1 / D32 under METRALE_DECODE_GEMV cublas and triton, tests/test_gemv.py;
 # moe-decode (not in all): the MoE decode paths' GPU tests, then the 35B-A3B's D1 / D32 (--profile, --loop 1; MOE_LAYERS),
 # and again with METRALE_MOE_SHARED_STREAM=1;
+# gdn (not in all): benchmarks/kernels/check_gdn_chunked.py, the GDN chunked forward's config sweep beside fla (issue 42);
 # small (not in all): benchmarks/kernels/check_small.py, the decode step's small kernels by form and warp count, and the
 # decode-shaped conv's tests on CUDA; moe-tests (not in all): the GPU tests of the MoE decode paths, the direct one (bf16 and FP8, CUDA-graph replay)
 # and the counting sort on CUDA tensors (not yet timed); tp: the two-GPU benchmarks
@@ -340,6 +341,13 @@ if [[ $what == moe-decode ]]; then
         --layers ${MOE_LAYERS:-20} --workloads D1,D32 --variants graphs --repeat 3 --profile \
         --json "$OUT/bench-35b-moe-decode-shared-stream.json" 2>&1 | grep -v Warning \
         | tee "$OUT/bench-35b-moe-decode-shared-stream.log" | grep -E "^ *D(1|32) |Error"
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+fi
+if [[ $what == gdn ]]; then
+    # issue 42: the GDN chunked forward per layer at the 9B's heads, every config of the sweep (one and two value
+    # heads a state-pass program) beside fla, the default's device time by kernel (intra / state pass)
+    limit python3 benchmarks/kernels/check_gdn_chunked.py --json "$OUT/gdn_chunked.json" 2>&1 | grep -v '^{' \
+        | tee "$OUT/gdn_chunked.log" | tail -60
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 if [[ $what == small ]]; then

@@ -263,12 +263,40 @@ def test_checkpoint_of_a_first_chunk_is_h0():
     assert torch.equal(ckpt[0], h0[0]) and torch.equal(ckpt[1], h0[1])
 
 
-@pytest.mark.parametrize("config", [ChunkConfig(block_v=16), ChunkConfig(block_v=64, state_warps=8)],
+@pytest.mark.parametrize("config", [ChunkConfig(block_v=16), ChunkConfig(block_v=64, state_warps=8),
+                                    ChunkConfig(block_v=16, heads=2), ChunkConfig(block_v=32, heads=2)],
                          ids=lambda c: c.name)
 def test_configs_agree(config):
     (o, final), (o_ref, final_ref, _), _ = run_aligned([65, 20], 1, 2, 32, 48, torch.float32, config=config)
     assert_close("o", o_ref, o, TOL[torch.float32])
     assert_close("final", final_ref, final, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_two_heads_a_program_equal_one(dtype):
+    """ChunkConfig.heads 2 (the two value heads of a key head in one state-pass program, side by side in one state
+    tile): per column the same products as one head a program, so the same outputs, final states and checkpoints
+    bit for bit, with 4 value heads over 2 key heads (programs of heads 0-1 and 2-3), V not a multiple of the tile,
+    the pool entry point (strided pool, empty and short streams, spare rows zeroed) and checkpoints."""
+    lengths, short, spare, H, HV, K, V = [70, 3, 130, 0, 65], 64, 5, 2, 4, 16, 40
+    cu, bounds, idx = pool_layout(lengths, short, spare_rows=2)
+    T = int(cu[-1]) + spare
+    q, k, v, g, beta = packed_inputs(T, H, HV, K, V, dtype, seed=21)
+    slots = torch.tensor([4, 0, 2, 1, 6])
+    pool = (torch.randn(7, HV, V, K, generator=torch.Generator().manual_seed(22)) * 0.3).transpose(2, 3)
+    chunks = torch.tensor([1, 3, -1], dtype=torch.int64)
+    results = []
+    for heads in (1, 2):
+        on = [x.to(DEVICE) for x in (q, k, v, g, beta, bounds, idx)]
+        pool_d, ck_d = pool.to(DEVICE, copy=True), torch.full((3, HV, K, V), 7.0, device=DEVICE)
+        o = chunked_gdn_pool_forward(*on, pool_d, slots.to(DEVICE), torch.full((T, HV, V), 5.0, dtype=dtype,
+                                     device=DEVICE), checkpoint_chunks=chunks.to(DEVICE), checkpoints=ck_d,
+                                     config=ChunkConfig(block_v=16, heads=heads))
+        results.append((o.cpu(), pool_d.cpu(), ck_d.cpu()))
+    for name, one, two in zip(("o", "pool", "checkpoints"), *results):
+        assert torch.equal(one, two), name
+    with pytest.raises(ValueError, match="heads 2 must divide"):
+        run_aligned([65], 1, 3, 16, 16, torch.float32, config=ChunkConfig(heads=2))
 
 
 @pytest.mark.parametrize("solve_block", [1, 2, 4, 8, 32, 64])
@@ -340,11 +368,12 @@ build(kernels._gdn_chunk_intra_kernel, intra, dict(stride_gh=1, stride_bh=1, R=2
 state = dict(ptr(["q_ptr", "k_ptr", "v_ptr", "tm_ptr", "aqk_ptr", "o_ptr"], bf),
              **ptr(["gc_ptr", "h0_ptr", "ht_ptr", "ck_ptr"], f32),
              **ptr(["first_ptr", "slot_ptr", "bos_ptr", "eos_ptr", "ck_idx_ptr", "ck_dest_ptr"], i64), scale="fp32")
-# fla's contract (h0 / final contiguous) and the op's pool (int32 or int64 slots), with and without checkpoints
-for P, pool in ((0, False), (3, False), (0, True), (3, True)):
+# fla's contract (h0 / final contiguous) and the op's pool (int32 or int64 slots), with and without checkpoints; one
+# value head a program and two (ChunkConfig.heads)
+for P, pool, G in ((0, False, 1), (3, False, 1), (0, True, 1), (3, True, 1), (0, True, 2), (3, False, 2)):
     sig = dict(state, slot_ptr="*i32") if pool and P == 0 else state
     build(kernels._gdn_chunk_state_kernel, sig, dict(stride_h0v=1, stride_htv=1, stride_c3=1, R=2, HV=32, K=128, V=128,
-          P=P, BK=128, BV=cfg.block_v, BLOCK_P=4, PREC="tf32", DOT_T=tl.bfloat16, POOL=pool), cfg.state_warps,
+          P=P, BK=128, BV=cfg.block_v, BLOCK_P=4, PREC="tf32", DOT_T=tl.bfloat16, POOL=pool, G=G), cfg.state_warps,
           cfg.state_stages)
 print("compiled")
 """

@@ -35,16 +35,14 @@ DEVICE = "cuda"
 SHAPES = [(8, 1024), (1, 8192), (1, 16384), (8, 512), (32, 128), (4, 2048)]  # (streams, tokens per stream)
 # the best published H200 ms per layer at these shapes (FlashInfer at 8 x 1024 and 4 x 2048, FlashQLA otherwise)
 PUBLISHED_MS = {(8, 1024): 0.119, (1, 8192): 0.28, (1, 16384): 0.47, (4, 2048): 0.11}
-CONFIGS = {  # the sweep: state-pass tile / warps / stages, intra warps / stages, solve split
-    "bv16-w4s2": ChunkConfig(block_v=16, state_warps=4, state_stages=2),
-    "bv32-w4s2": ChunkConfig(block_v=32, state_warps=4, state_stages=2),
-    "bv64-w8s2": ChunkConfig(block_v=64, state_warps=8, state_stages=2),
-    "bv64-w4s2": ChunkConfig(block_v=64, state_warps=4, state_stages=2),
-    "bv32-w4s3": ChunkConfig(block_v=32, state_warps=4, state_stages=3),
-    "bv16-w4s2-iw8": ChunkConfig(block_v=16, intra_warps=8),
-    "bv16-w4s1": ChunkConfig(block_v=16, state_warps=4, state_stages=1),
-    "bv16-w4s2-sb8": ChunkConfig(block_v=16, solve_block=8),
-    "bv16-w4s2-sb4": ChunkConfig(block_v=16, solve_block=4),
+CONFIGS = {  # the sweep: state-pass tile / warps / stages, intra warps / stages, solve split; g2: two value heads a
+    # state-pass program (ChunkConfig.heads: k and q loaded once for both, the dots G * BV columns wide)
+    "bv16-w4s2": ChunkConfig(block_v=16), "bv32-w4s2": ChunkConfig(block_v=32),
+    "bv64-w8s2": ChunkConfig(block_v=64, state_warps=8), "bv64-w4s2": ChunkConfig(block_v=64),
+    "bv32-w4s3": ChunkConfig(block_v=32, state_stages=3), "bv16-w4s2-iw8": ChunkConfig(block_v=16, intra_warps=8),
+    "bv16-w4s1": ChunkConfig(block_v=16, state_stages=1), "bv16-w4s2-sb8": ChunkConfig(block_v=16, solve_block=8),
+    "bv16-w4s2-sb4": ChunkConfig(block_v=16, solve_block=4), "bv16-w4s2-g2": ChunkConfig(block_v=16, heads=2),
+    "bv32-w4s2-g2": ChunkConfig(block_v=32, heads=2), "bv32-w8s2-g2": ChunkConfig(block_v=32, state_warps=8, heads=2),
 }
 
 

@@ -91,6 +91,10 @@ def _gdn_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, bos_ptr, eos_ptr, idx
 # Sequence n's state is read from h0[slot] and written to ht[slot] (slot = n, or slots[n] with POOL: h0 and
 # ht are then one state pool, updated in place). With POOL an empty sequence reads and writes no state, and
 # the last sequence's programs (the spare one, empty) zero the output rows from its start to T instead.
+# G value heads a program (1 or 2, G dividing R): the G heads of one key head side by side as the columns of
+# one [K, G * BV] state tile (column j: head hv0 + j // BV, value column iv * BV + j % BV), so k and q are loaded
+# once for all of them and k S, q S and the update are one dot of G * BV columns; T and Aqk, per head, are G dots
+# each, every column taking its own head's. Per column the products are those of G = 1.
 @triton.jit(do_not_specialize=["NT", "T"])
 def _gdn_chunk_state_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, tm_ptr, aqk_ptr, first_ptr, h0_ptr, ht_ptr, slot_ptr, o_ptr,
                             bos_ptr, eos_ptr, ck_idx_ptr, ck_dest_ptr, ck_ptr, NT, T, scale, stride_qt, stride_qh, stride_kt,
@@ -98,13 +102,13 @@ def _gdn_chunk_state_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, tm_ptr, aqk_ptr, first_
                             stride_htn, stride_hth, stride_htk, stride_htv, stride_c0, stride_c1, stride_c2,
                             stride_c3, R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                             P: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BLOCK_P: tl.constexpr,
-                            PREC: tl.constexpr, DOT_T: tl.constexpr, POOL: tl.constexpr):
+                            PREC: tl.constexpr, DOT_T: tl.constexpr, POOL: tl.constexpr, G: tl.constexpr = 1):
     NV: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0)
-    hv = pid // NV
+    hv0 = (pid // NV) * G
     iv = pid % NV
     n = tl.program_id(1)
-    h = hv // R
+    h = hv0 // R
     bos = tl.load(bos_ptr + n).to(tl.int64)
     eos = tl.load(eos_ptr + n).to(tl.int64)
     num_chunks = (eos - bos + _C - 1) // _C
@@ -112,7 +116,9 @@ def _gdn_chunk_state_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, tm_ptr, aqk_ptr, first_
 
     rows = tl.arange(0, _C)
     kk = tl.arange(0, BK)
-    vv = iv * BV + tl.arange(0, BV)
+    cols = tl.arange(0, G * BV)
+    hv = hv0 + cols // BV  # each column's value head
+    vv = iv * BV + cols % BV
     mk, mv = kk < K, vv < V
     m_s = mk[:, None] & mv[None, :]
     if POOL:
@@ -121,19 +127,19 @@ def _gdn_chunk_state_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, tm_ptr, aqk_ptr, first_
     else:
         slot = n.to(tl.int64)
         m_io = m_s
-    S = tl.load(h0_ptr + slot * stride_h0n + hv * stride_h0h + kk[:, None] * stride_h0k + vv[None, :] * stride_h0v,
-                mask=m_io, other=0.0)
+    S = tl.load(h0_ptr + slot * stride_h0n + hv[None, :] * stride_h0h + kk[:, None] * stride_h0k
+                + vv[None, :] * stride_h0v, mask=m_io, other=0.0)
     q_ptr += h * stride_qh
     k_ptr += h * stride_kh
-    v_ptr += hv * stride_vh
-    o_ptr += hv * V
+    v_cols = v_ptr + hv * stride_vh + vv
+    o_cols = o_ptr + hv * V + vv
     if P > 0:
         ck_chunks = tl.load(ck_idx_ptr + tl.arange(0, BLOCK_P), mask=tl.arange(0, BLOCK_P) < P, other=-1)
     for i in range(num_chunks):
         c = c0 + i
         if P > 0:  # checkpoints: the state at the start of chunk c (rare: test all P only on a hit)
             if tl.reduce((ck_chunks == c).to(tl.int32), 0, _SUM) > 0:
-                p_ck = ck_ptr + hv * stride_c1 + kk[:, None] * stride_c2 + vv[None, :] * stride_c3
+                p_ck = ck_ptr + hv[None, :] * stride_c1 + kk[:, None] * stride_c2 + vv[None, :] * stride_c3
                 for p in range(P):
                     if tl.load(ck_idx_ptr + p) == c:  # into entry ck_dest[p] of the checkpoint buffer
                         tl.store(p_ck + tl.load(ck_dest_ptr + p) * stride_c0, S, mask=m_s)
@@ -141,33 +147,44 @@ def _gdn_chunk_state_kernel(q_ptr, k_ptr, v_ptr, gc_ptr, tm_ptr, aqk_ptr, first_
         valid = rows < eos - t0
         tok = t0 + rows
         m_k = valid[:, None] & mk[None, :]
-        buf = (hv * NT + c) * _C
-        gc = tl.load(gc_ptr + buf + rows)
-        g_last = tl.load(gc_ptr + buf + _C - 1)
+        buf = (hv0 * NT + c) * _C  # the first head's chunk rows in the [HV, NT, C, ...] buffers
         k = tl.load(k_ptr + tok[:, None] * stride_kt + kk[None, :], mask=m_k, other=0.0).to(DOT_T)
-        v = tl.load(v_ptr + tok[:, None] * stride_vt + vv[None, :], mask=valid[:, None] & mv[None, :], other=0.0)
+        v = tl.load(v_cols[None, :] + tok[:, None] * stride_vt, mask=valid[:, None] & mv[None, :], other=0.0)
         tmat = tl.load(tm_ptr + (buf + rows)[:, None] * _C + rows[None, :]).to(DOT_T)
         q = tl.load(q_ptr + tok[:, None] * stride_qt + kk[None, :], mask=m_k, other=0.0).to(DOT_T)
         aqk = tl.load(aqk_ptr + (buf + rows)[:, None] * _C + rows[None, :]).to(DOT_T)
+        if G == 1:
+            gc = tl.load(gc_ptr + buf + rows)[:, None]  # [C, 1]: one head's cumulative decay
+            g_last = tl.load(gc_ptr + buf + _C - 1)
+        else:  # [C, G * BV] and [G * BV]: each column its head's
+            gc = tl.load(gc_ptr + ((hv * NT + c) * _C)[None, :] + rows[:, None])
+            g_last = tl.load(gc_ptr + (hv * NT + c) * _C + _C - 1)[None, :]
         # k S -> T resid -> k^T v_new is the chain from one chunk's state to the next; q S and Aqk v_new
         # feed only the output (and the update's dot takes the decayed state as its accumulator).
         Sb = S.to(q_ptr.dtype.element_ty).to(DOT_T)
         kS = tl.dot(k, Sb, input_precision=PREC)
         qS = tl.dot(q, Sb, input_precision=PREC)
         # v_new = T diag(beta) (v - G (k S)): each row's delta with the earlier rows' writes folded in
-        resid = v.to(tl.float32) - tl.exp(gc)[:, None] * kS
-        v_new = tl.dot(tmat, resid.to(q_ptr.dtype.element_ty).to(DOT_T), input_precision=PREC)
-        decayed = (v_new * tl.exp(g_last - gc)[:, None]).to(q_ptr.dtype.element_ty).to(DOT_T)
+        resid = (v.to(tl.float32) - tl.exp(gc) * kS).to(q_ptr.dtype.element_ty).to(DOT_T)
+        v_new = tl.dot(tmat, resid, input_precision=PREC)
+        if G == 2:  # the second head's columns through its own T
+            tmat2 = tl.load(tm_ptr + (buf + NT * _C + rows)[:, None] * _C + rows[None, :]).to(DOT_T)
+            v_new = tl.where((cols < BV)[None, :], v_new, tl.dot(tmat2, resid, input_precision=PREC))
+        decayed = (v_new * tl.exp(g_last - gc)).to(q_ptr.dtype.element_ty).to(DOT_T)
         S = tl.dot(tl.trans(k), decayed, S * tl.exp(g_last), input_precision=PREC)
-        o = tl.dot(aqk, v_new.to(q_ptr.dtype.element_ty).to(DOT_T), (scale * tl.exp(gc))[:, None] * qS,
-                   input_precision=PREC)
-        tl.store(o_ptr + tok[:, None] * (HV * V) + vv[None, :], o.to(o_ptr.dtype.element_ty),
+        v_new_t = v_new.to(q_ptr.dtype.element_ty).to(DOT_T)
+        qS = (scale * tl.exp(gc)) * qS
+        o = tl.dot(aqk, v_new_t, qS, input_precision=PREC)
+        if G == 2:
+            aqk2 = tl.load(aqk_ptr + (buf + NT * _C + rows)[:, None] * _C + rows[None, :]).to(DOT_T)
+            o = tl.where((cols < BV)[None, :], o, tl.dot(aqk2, v_new_t, qS, input_precision=PREC))
+        tl.store(o_cols[None, :] + tok[:, None] * (HV * V), o.to(o_ptr.dtype.element_ty),
                  mask=valid[:, None] & mv[None, :])
-    tl.store(ht_ptr + slot * stride_htn + hv * stride_hth + kk[:, None] * stride_htk + vv[None, :] * stride_htv, S,
-             mask=m_io)
-    if POOL:  # the spare sequence's programs: rows [bos, T) (tokens in no stream) of this head's V tile = 0
+    tl.store(ht_ptr + slot * stride_htn + hv[None, :] * stride_hth + kk[:, None] * stride_htk
+             + vv[None, :] * stride_htv, S, mask=m_io)
+    if POOL:  # the spare sequence's programs: rows [bos, T) (tokens in no stream) of these heads' V tile = 0
         spare = tl.where(n == tl.num_programs(1) - 1, (T - bos + _C - 1) // _C, 0)
-        zeros = tl.zeros([_C, BV], dtype=o_ptr.dtype.element_ty)
+        zeros = tl.zeros([_C, G * BV], dtype=o_ptr.dtype.element_ty)
         for i in range(spare):
             tok = bos + i * _C + rows
-            tl.store(o_ptr + tok[:, None] * (HV * V) + vv[None, :], zeros, mask=(tok < T)[:, None] & mv[None, :])
+            tl.store(o_cols[None, :] + tok[:, None] * (HV * V), zeros, mask=(tok < T)[:, None] & mv[None, :])

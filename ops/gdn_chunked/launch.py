@@ -29,6 +29,9 @@ class ChunkConfig:
     fp32_dots: input_precision of the dots whose operands are fp32: the solve's, and every dot of fp32
         inputs ("ieee", "tf32x3" or "tf32"). Default: "tf32" for 16-bit inputs (fla's solve), "tf32x3"
         for fp32 inputs (fp32-exact to ~1e-6 on tensor cores; "ieee" takes minutes to compile).
+    heads: value heads per state-pass program, 1 or 2 (2: the two value heads of one key head share the
+        program's loads of k and q and its k S / q S / update dots, G * block_v columns wide; it must divide
+        the value heads per key head). An experiment, not yet timed: benchmarks/kernels/check_gdn_chunked.py.
     """
     block_v: int = 32
     state_warps: int = 4
@@ -37,6 +40,7 @@ class ChunkConfig:
     intra_stages: int = 2
     solve_block: int = 16
     fp32_dots: str | None = None
+    heads: int = 1
 
     def __post_init__(self):
         if self.block_v < 16 or self.block_v & (self.block_v - 1):
@@ -49,6 +53,8 @@ class ChunkConfig:
             w = getattr(self, name)
             if w not in (1, 2, 4, 8, 16):
                 raise ValueError(f"ChunkConfig.{name} must be 1, 2, 4, 8 or 16, got {w}")
+        if self.heads not in (1, 2):
+            raise ValueError(f"ChunkConfig.heads must be 1 or 2, got {self.heads}")
         for name in ("state_stages", "intra_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ChunkConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -56,7 +62,8 @@ class ChunkConfig:
     @property
     def name(self) -> str:
         return (f"bv{self.block_v}-w{self.state_warps}s{self.state_stages}-iw{self.intra_warps}s{self.intra_stages}"
-                f"-sb{self.solve_block}{'-' + self.fp32_dots if self.fp32_dots else ''}")
+                f"-sb{self.solve_block}{'-' + self.fp32_dots if self.fp32_dots else ''}"
+                f"{f'-g{self.heads}' if self.heads > 1 else ''}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -158,6 +165,8 @@ def _launch(q, k, v, g, beta, bos, eos, chunk_indices, h0, ht, slots, o, checkpo
     HV, V = v.shape[1:]
     N, NT = bos.shape[0], chunk_indices.shape[0]
     cfg = config or default_config(N, HV, V, q.device)
+    if (HV // H) % cfg.heads:
+        raise ValueError(f"ChunkConfig.heads {cfg.heads} must divide the value heads per key head, {HV // H}")
     q, k, v, g, beta = (_rows(x) for x in (q, k, v, g, beta))
     chunk_indices = chunk_indices.contiguous()
     # The interpreter multiplies 16-bit tiles as their raw bits: upcast there (after the same roundings).
@@ -189,11 +198,11 @@ def _launch(q, k, v, g, beta, bos, eos, chunk_indices, h0, ht, slots, o, checkpo
     ck = checkpoints if P else ht
     ck_strides = ck.stride() if P else (0, 0, 0, 0)
     slots = slots if pool and slots.shape[0] else bos  # read only for non-empty sequences before the spare one
-    _gdn_chunk_state_kernel[(HV * triton.cdiv(V, BV), N)](
+    _gdn_chunk_state_kernel[(HV // cfg.heads * triton.cdiv(V, BV), N)](
         q, k, v, gc, tmat, aqk, first, h0, ht, slots, o, bos, eos, ck_idx, ck_dest, ck, NT, T, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *h0.stride(), *ht.stride(),
         *ck_strides, R=HV // H, HV=HV, K=K, V=V, P=P, BK=BK, BV=BV, BLOCK_P=triton.next_power_of_2(max(P, 1)),
-        PREC=prec, DOT_T=dot_t, POOL=pool, num_warps=cfg.state_warps, num_stages=cfg.state_stages)
+        PREC=prec, DOT_T=dot_t, POOL=pool, G=cfg.heads, num_warps=cfg.state_warps, num_stages=cfg.state_stages)
 
 
 def chunked_gdn_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_aligned: Tensor,
