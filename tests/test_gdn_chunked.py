@@ -276,8 +276,9 @@ def test_configs_agree(config):
 def test_two_heads_a_program_equal_one(dtype):
     """ChunkConfig.heads 2 (the two value heads of a key head in one state-pass program, side by side in one state
     tile): per column the same products as one head a program, so the same outputs, final states and checkpoints
-    bit for bit, with 4 value heads over 2 key heads (programs of heads 0-1 and 2-3), V not a multiple of the tile,
-    the pool entry point (strided pool, empty and short streams, spare rows zeroed) and checkpoints."""
+    (bit for bit in the interpreter), with 4 value heads over 2 key heads (programs of heads 0-1 and 2-3), V not a
+    multiple of the tile, the pool entry point (strided pool, empty and short streams, spare rows zeroed) and
+    checkpoints."""
     lengths, short, spare, H, HV, K, V = [70, 3, 130, 0, 65], 64, 5, 2, 4, 16, 40
     cu, bounds, idx = pool_layout(lengths, short, spare_rows=2)
     T = int(cu[-1]) + spare
@@ -294,7 +295,10 @@ def test_two_heads_a_program_equal_one(dtype):
                                      config=ChunkConfig(block_v=16, heads=heads))
         results.append((o.cpu(), pool_d.cpu(), ck_d.cpu()))
     for name, one, two in zip(("o", "pool", "checkpoints"), *results):
-        assert torch.equal(one, two), name
+        if DEVICE == "cpu":  # (fp32 dots) the same products per column
+            assert torch.equal(one, two), name
+        else:  # tensor-core dots of another width may sum in another order
+            assert_close(name, one.float(), two.float(), TOL[dtype])
     with pytest.raises(ValueError, match="heads 2 must divide"):
         run_aligned([65], 1, 3, 16, 16, torch.float32, config=ChunkConfig(heads=2))
 
