@@ -225,13 +225,14 @@ class Scheduler:
     def release_all(self) -> list[Request]:
         """Forget every request and give every held slot back (the engine stops); returns the requests
         that were waiting or running. Best effort: a reset that fails (a cache left unusable by a
-        failure) does not stop the others."""
+        failure, or one raising any BaseException) does not stop the others, nor keep the caller from ending the
+        requests returned."""
         left = list(self.running) + list(self.waiting)
         self.waiting.clear()
         while self.running:
             try:
                 self._release(self.running.pop())
-            except Exception:
+            except BaseException:  # (the loop's end: its requests must still be ended, whatever a reset raised)
                 pass
         return left
 

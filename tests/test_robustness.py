@@ -364,3 +364,30 @@ def test_a_base_exception_taking_a_token_in_fails_only_its_request(where, overla
     assert not any(engine.cache._index.refs) and engine.cache.free_blocks == engine.cache.num_blocks
     assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=6, stop_token_ids=[])] == want
     engine.shutdown()
+
+
+def test_a_base_exception_resetting_slots_at_the_loops_end_still_ends_every_request():
+    """At the loop's end (shutdown) every slot still held is reset, best effort: a reset that raised an Exception
+    did not stop the others, but one that raised a BaseException (KeyboardInterrupt, SystemExit, ...) left
+    release_all before the outstanding requests were ended: every running and waiting request's consumer waited for
+    ever. Now each still ends with EngineClosedError and the loop's thread ends."""
+    from metrale_graph import Engine
+    from metrale_graph.engine import EngineClosedError
+
+    model = HybridModel.from_preset("tiny", seed=3)
+    engine = Engine(model, num_slots=2, token_budget=8, block_size=16, max_context=200, compile=False)
+    handles = [engine.submit(random_tokens(3, seed=k), max_new_tokens=150, stop_token_ids=[]) for k in range(3)]
+    next(iter(handles[0]))  # two run, one waits
+    real = engine.cache.reset
+
+    def reset(slot):
+        if engine._loop.is_loop_thread():
+            raise _Halt("injected in reset")
+        return real(slot)
+
+    engine.cache.reset = reset
+    engine.shutdown(timeout=30)
+    for handle in handles:
+        with pytest.raises(EngineClosedError, match="shut down"):
+            handle.result(30)
+    assert not engine._loop._thread.is_alive() and engine.cache.holder_name is None
