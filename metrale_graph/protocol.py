@@ -122,19 +122,22 @@ class PrefillCall:
 
         return out, commit
 
-    def run_settled(self, step: Callable[[PackedBatch], torch.Tensor], settle: Callable[[torch.Tensor], list[int]]):
+    def run_settled(self, step: Callable[[PackedBatch], torch.Tensor], settle: Callable[[torch.Tensor], list[int]],
+                    partial: Sequence[int] = ()):
         """One step whose streams keep only part of what they fed (speculative decoding's verify,
         speculative/verify.py): reserve, pack, `step(packed)`, then `settle(step's output)` returns how many of
         each stream's tokens it keeps (a prefix, <= its length; its states already made those of the kept
         tokens), and only those are committed (the context advances by them; with prefix caching only they label
         blocks). KV written past a kept run lies past the context: never read, overwritten later; the blocks
-        stay with the slot. All inside one transaction (a failure resets the call's slots). Returns step's output."""
+        stay with the slot. `partial`: the streams settle may cut (the speculating decodes), in which no prefix
+        checkpoint is planned (one after a draft would keep a state of tokens that may be rejected; a plain decode
+        keeps none either). All inside one transaction (a failure resets the call's slots). Returns step's output."""
         if self._ran:
             raise RuntimeError("a PrefillCall runs once")
         self._ran = True
         with self.cache.transaction(self.growth):
             self.cache.allocate(self.tokens.new_blocks)
-            out, fed = self._step(step, self.slots, self.tokens.ids, self.lengths, verify=True)
+            out, fed = self._step(step, self.slots, self.tokens.ids, self.lengths, verify=True, partial=partial)
             kept = settle(out)
             assert all(0 <= k <= n for k, n in zip(kept, self.lengths)), "settle keeps a prefix of each stream"
             self.cache.commit(dict(zip(self.slots, kept)),
@@ -159,11 +162,13 @@ class PrefillCall:
             out, _ = self._step(step, self.slots, self.tokens.ids, self.lengths, verify=True)
         return out, self.cache.commit
 
-    def _step(self, step, slots: list[int], ids: torch.Tensor, lengths: list[int], verify: bool = False):
+    def _step(self, step, slots: list[int], ids: torch.Tensor, lengths: list[int], verify: bool = False,
+              partial: Sequence[int] = ()):
         """Pack one piece, run `step` on it with prefix caching's checkpoints planned (and recorded once it has
-        run, or given back if it raises); returns (step's output, each stream's new ids with prefix caching
-        else None), the slots not committed yet. A step that is not a verify step (run_settled's) first drops
-        the verify targets a verify step left (cache_prefixes.clear_verify_targets)."""
+        run, or given back if it raises) in its streams but `partial` (run_settled's); returns (step's output,
+        each stream's new ids with prefix caching else None), the slots not committed yet. A step that is not a
+        verify step (run_settled's) first drops the verify targets a verify step left
+        (cache_prefixes.clear_verify_targets)."""
         cache = self.cache
         if not verify:
             clear_verify_targets(cache)
@@ -171,7 +176,8 @@ class PrefillCall:
         plan = []
         try:  # the planned entries go back if the step fails (plan_checkpoints gives back its own)
             if fed is not None:
-                plan = cache.plan_checkpoints(_offsets(slots, fed))
+                skip = set(partial)
+                plan = cache.plan_checkpoints([s for i, s in enumerate(_offsets(slots, fed)) if i not in skip])
             out = step(pack(slots, ids, lengths, cache))
         except BaseException:
             cache.record_checkpoints(plan, written=False)

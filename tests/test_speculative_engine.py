@@ -426,3 +426,34 @@ def test_a_failing_draft_proposer_fails_its_step_not_the_engine(models, monkeypa
         assert failed > 0 and e.stats().running == e.stats().waiting == e.stats().used_blocks == 0
         assert [r.token_ids for r in e.generate(prompts, **kw)] == reference
         assert e.cache.context_lens == [0, 0] and e.stats().used_blocks == 0
+
+
+def kept_prefixes(engine) -> list[tuple]:
+    """The prefix cache's checkpoint entries (length, full blocks' hash, tail), sorted."""
+    return sorted((m.length, m.full, m.tail) for m in engine.cache.slot_blocks.index._entries.values())
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_verify_streams_keep_no_prefix_checkpoints(models, monkeypatch, method):
+    """A verify stream (x_n, d_1 .. d_k) whose last draft lands on a multiple of checkpoint_interval had a prefix
+    checkpoint planned there, as a prompt chunk's last token has (PrefixStore.plan): the state after its drafts,
+    rejected ones included, was recorded as a prefix-cache entry keyed by them, one that plain decoding never makes
+    (its decodes keep none), evicting a kept prefix. Now a verify step plans checkpoints for its other streams only:
+    the entries after each request are plain decoding's, and a later request continuing one restores it exactly."""
+    model, cfg = models["dense"], CONFIGS["dense"]
+    prompts = [random_tokens(n, s, cfg.vocab_size) for n, s in ((60, 21), (59, 22), (61, 23))]
+    kw = dict(max_new_tokens=12, stop_token_ids=[])
+    with Engine(model, 3, compile=False, prefix_cache=True, block_size=16, checkpoint_interval=64) as e:
+        reference = [r.token_ids for r in e.generate(prompts, **kw)]
+        plain_entries = kept_prefixes(e)
+    conts = [p + r for p, r in zip(prompts, reference)]
+    follow = plain(model, conts, 6)
+    monkeypatch.setattr(verify, "ngram_propose", Oracle(prompts, reference, cfg.vocab_size))
+    for k in (2, 3, 4):  # each verify stream of k + 1 tokens from context 60 or 61 ... ends on 64 for some request
+        with Engine(model, 3, compile=False, prefix_cache=True, block_size=16, checkpoint_interval=64,
+                    speculative={"method": method, "num_tokens": k}) as e:
+            assert [r.token_ids for r in e.generate(prompts, **kw)] == reference
+            assert e.stats().speculative["proposed"] > 0
+            assert kept_prefixes(e) == plain_entries, k
+            again = e.generate(conts, max_new_tokens=6, stop_token_ids=[])
+            assert [r.token_ids for r in again] == follow and all(r.cached_tokens > 60 for r in again)

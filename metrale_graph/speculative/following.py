@@ -80,7 +80,7 @@ class SpeculativeFollower:
             return kept_lengths(layout, counts)
 
         with prefill_call(model, cache, streams) as call:
-            call.run_settled(lambda packed: spec.forward(packed, layout, out), settle)
+            call.run_settled(lambda packed: spec.forward(packed, layout, out), settle, layout.spec)
         if spec.mtp is not None:  # (kept for the DRAFT message after it)
             self._verified = (out["h"], out["bucket"])
 

@@ -198,7 +198,7 @@ class SpeculativeStep:
         with prefill_call(model, cache, streams) as call:
             if loop._broadcast is not None:  # rank 0 of a plan broadcast: its followers run the same step
                 loop._send(SPECULATE, streams, decodes, sampling, [int(captured), int(sampled)])
-            call.run_settled(lambda packed: self.forward(packed, layout, out), settle)
+            call.run_settled(lambda packed: self.forward(packed, layout, out), settle, layout.spec)
         drafted = out.get("after")  # (the drafting ran behind the acceptance: launch_after)
         if drafted is not None:
             self.mtp.note_after(reqs, before, [out["spec"][i][0] for i in layout.spec])
