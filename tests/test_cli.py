@@ -343,8 +343,10 @@ def test_result_files_are_written_whole(tmp_path, monkeypatch):
     assert path.read_text() == '{"results": [1]}' and os.listdir(tmp_path) == ["r.json"]
 
 
-@pytest.mark.parametrize("name", ["prefill", "generate", "warmup", "bench", "export_onnx", "serve", "bench_serve",
-                                  "bench_prefix", "quantize"])
+TOOLS = ["prefill", "generate", "warmup", "bench", "export_onnx", "serve", "bench_serve", "bench_prefix", "quantize"]
+
+
+@pytest.mark.parametrize("name", TOOLS)
 def test_help_names_the_installed_command(capsys, name):
     """--help said `usage: python -m tools.prefill`, which works only from a checkout's root; the tools are
     installed as metrale_graph.tools (README uses that form, and the console scripts)."""
@@ -356,6 +358,44 @@ def test_help_names_the_installed_command(capsys, name):
     out = capsys.readouterr().out
     assert e.value.code == 0 and out.startswith(f"usage: python -m metrale_graph.tools.{name} "), out[:80]
     assert "python -m tools." not in out and "-m tools." not in out
+
+
+def _parser_of(monkeypatch, main):
+    """The ArgumentParser `main` builds (taken at its parse_args, before any work)."""
+    import argparse
+
+    class Parsed(Exception):
+        pass
+
+    def grab(self, *args, **kwargs):
+        raise Parsed(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", grab)
+    with pytest.raises(Parsed) as e:
+        main([])
+    monkeypatch.undo()
+    return e.value.args[0]
+
+
+@pytest.mark.parametrize("name", TOOLS)
+def test_help_describes_every_flag_and_its_default(monkeypatch, name):
+    """--help listed flags with no description (generate's --max-new-tokens, warmup's --batch-sizes /
+    --token-counts, bench's --preset and --seed, bench_prefix's --workloads, --num-slots, --max-new-tokens,
+    --json) and defaults it did not show (--seed 0, --tp 1, prefill's --lengths / --continue-tokens / --repeat,
+    --num-slots, warmup's --slots / --cache-dir, bench's --repeat): a user had to read the code to know what a
+    plain run does. Every shown flag now has a description, and one with a default says it."""
+    import argparse
+    import importlib
+
+    parser = _parser_of(monkeypatch, importlib.import_module(f"metrale_graph.tools.{name}").main)
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
+            continue
+        text = formatter._expand_help(action) if action.help else ""
+        assert text.strip(), f"{name} {action.option_strings}: no description"
+        if not (action.default is None or action.default is False):
+            assert "default" in text, f"{name} {action.option_strings}: default {action.default!r} not shown: {text}"
 
 
 @pytest.mark.parametrize("argv, message", MODEL_FLAGS + [

@@ -12,7 +12,8 @@ and written. With graphs, the GPU-busy fraction: the union of the step's device 
 (torch.profiler over replays) over its wall time. `--generate` adds an end-to-end generation run (32
 prompts of 512 tokens, 256 new tokens each) against transformers' generate. Prints a table, writes
 JSON and markdown if asked, and ends with one JSON line. This module is the command (its flags, the plan of a
-run, the model and the output); what runs and how a run is printed is tools/bench_runs.py.
+run, the model and the output); what runs and how a run is printed is tools/bench_runs.py. It needs a CUDA GPU
+(without one it says so and exits with code 1).
 
 With `--tp N` (launched by torchrun, one GPU per rank, NCCL) our three variants run tensor-parallel
 and the floor is that of N GPUs; the peer runs on one GPU and is left out. `--baseline FILE`, the
@@ -68,19 +69,20 @@ def read_baseline(path: str, preset: str, layers: int) -> dict[str, float]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m metrale_graph.tools.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="qwen3.5-9b", choices=list(PRESETS))
+    p.add_argument("--preset", default="qwen3.5-9b", choices=list(PRESETS), metavar="PRESET",
+                   help=f"the model shape, random bf16 weights: {', '.join(PRESETS)} (default qwen3.5-9b)")
     p.add_argument("--layers", type=positive_int, default=None,
-                   help="fewer layers than the preset (quick runs; at most the preset's)")
+                   help="fewer layers than the preset (quick runs; at most the preset's; default: all of them)")
     p.add_argument("--workloads", type=names_of(WORKLOADS), default=None,
                    help=f"out of {', '.join(WORKLOADS)} (default: all that fit the preset's "
                         "max_position_embeddings)")
     p.add_argument("--variants", type=names_of(VARIANTS), default=None,
                    help=f"out of {', '.join(VARIANTS)} (default: all; without the peer under --tp)")
-    p.add_argument("--repeat", type=positive_int, default=10, help="timed runs per variant (median)")
-    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--repeat", type=positive_int, default=10, help="timed runs per variant (median; default 10)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the random weights and inputs (default 0)")
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel ranks: torchrun --nproc-per-node N -m metrale_graph.tools.bench --tp N "
-                        "(one GPU each)")
+                        "(one GPU each; default 1)")
     add_moe_parallel_arg(p)
     p.add_argument("--baseline", default=None,
                    help="JSON of a one-GPU run (--json) of the same preset: adds the speed-up over one GPU")

@@ -176,13 +176,15 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m metrale_graph.tools.bench_prefix", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p, parallel=False)  # one whole model: --tp / --moe-parallel are refused by name below
-    p.add_argument("--workloads", type=names_of(WORKLOADS), default=list(WORKLOADS))
+    p.add_argument("--workloads", type=names_of(WORKLOADS), default=list(WORKLOADS),
+                   help=f"comma-separated, out of {', '.join(WORKLOADS)} (default: all)")
     p.add_argument("--scale", type=float, default=1.0, help="multiplies every token count (default 1)")
-    p.add_argument("--num-slots", type=positive_int, default=64)
+    p.add_argument("--num-slots", type=positive_int, default=64, help="the engines' cache slots (default 64)")
     p.add_argument("--max-context", type=positive_int, default=None, help="default: the longest request")
     p.add_argument("--token-budget", type=positive_int, default=None,
                    help="tokens per step (default 2048 x --scale, at least --num-slots)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=32)
+    p.add_argument("--max-new-tokens", type=positive_int, default=32,
+                   help="new tokens per request (chat: half as many per turn; default 32)")
     p.add_argument("--checkpoint-interval", type=positive_int, default=None,
                    help="tokens between a prompt's state checkpoints, a multiple of 64 (default 128 x --scale, "
                         "at least 64)")
@@ -191,7 +193,7 @@ def main(argv=None) -> None:
     p.add_argument("--requests", type=positive_int, default=64,
                    help="requests of system and split; chat has half as many conversations (default 64)")
     p.add_argument("--eager", action="store_true", help="model.prefill eagerly (no compile, no graphs)")
-    p.add_argument("--json", type=output_file, default=None)
+    p.add_argument("--json", type=output_file, default=None, help="also write the JSON record to this file")
     args = p.parse_args(argv)
     if args.tp != 1 or args.moe_parallel is not None:  # out of its help (add_model_args(parallel=False))
         p.error("--tp / --moe-parallel: bench_prefix runs one whole model in one process; leave them out")

@@ -80,7 +80,7 @@ def _parse_args(argv):
                    help="run every request to its output length (default: on)")
     p.add_argument("--vocab-size", type=positive_int, default=None,
                    help="prompt token ids are drawn from [0, N) (default: the server's vocab_size in /v1/models)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompts, lengths and arrival times")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts, lengths and arrival times (default 0)")
     p.add_argument("--timeout", type=positive_int, default=600, help="seconds one request may take (default 600)")
     p.add_argument("--cookbook", action="store_true",
                    help="SGLang's cookbook workload (8192 in / 1024 out at concurrency 1, 16, 64) beside its published "

@@ -179,14 +179,15 @@ def add_model_args(p: argparse.ArgumentParser, seed_help: str = "seed of random 
                    help="weights and activations (default: bfloat16 on CUDA, float32 on CPU; auto: a checkpoint's "
                         "own, config.json's dtype, as transformers' dtype='auto')")
     p.add_argument("--device", type=device, default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--seed", type=seed, default=0, help=seed_help)
+    p.add_argument("--seed", type=seed, default=0, help=f"{seed_help} (default 0)")
     p.add_argument("--requantize-fp8", action="store_true",
                    help="a compressed-tensors FP8 checkpoint's weights with per-tensor, per-channel (or other "
                         "non-128 x 128-block) scales: held as 128 x 128-block FP8 instead of dequantized to --dtype "
                         "(per-tensor exactly, others requantized: a second rounding; half the memory of bf16)")
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel ranks: launch with torchrun --nproc-per-node N ... --tp N "
-                        "(NCCL on GPUs, one per rank; gloo on the CPU); ranks other than 0 print nothing"
+                        "(NCCL on GPUs, one per rank; gloo on the CPU); ranks other than 0 print nothing (default 1: "
+                        "one process)"
                    if parallel else argparse.SUPPRESS)
     add_moe_parallel_arg(p, shown=parallel)
 
@@ -195,7 +196,8 @@ def add_engine_args(p: argparse.ArgumentParser, num_slots: int) -> None:
     """The Engine's sizes and modes: --num-slots (default `num_slots`), --max-context, --token-budget,
     --eager and --no-warmup (loading.check_engine_sizes checks them against the model; loading.build_engine
     builds the Engine)."""
-    p.add_argument("--num-slots", type=positive_int, default=num_slots, help="cache slots (concurrent requests)")
+    p.add_argument("--num-slots", type=positive_int, default=num_slots,
+                   help=f"cache slots (concurrent requests; default {num_slots})")
     p.add_argument("--max-context", type=positive_int, default=None,
                    help="most tokens (prompt + new) per request, at most the model's max_position_embeddings "
                         "(default: min(model's, 4096))")

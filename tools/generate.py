@@ -35,7 +35,9 @@ def _parse_args(argv):
     p.add_argument("--prompt", action="append", default=None,
                    help="a prompt: text with a tokenizer, else comma-separated token ids (repeatable; "
                         "default: 'The capital of France is' or 1,2,3,4,5)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=32)
+    p.add_argument("--max-new-tokens", type=positive_int, default=32,
+                   help="new tokens per prompt at most (default 32); a request ends sooner at a stop token or at "
+                        "--max-context")
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy (default)")
     p.add_argument("--top-k", type=non_negative_int, default=0, help="0: off (default)")
     p.add_argument("--top-p", type=probability, default=1.0, help="1.0: off (default)")

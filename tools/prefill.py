@@ -25,10 +25,11 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     p.add_argument("--lengths", type=positive_ints, default="37,64,130,5,200,1",
-                   help="comma-separated token counts of the first batch's streams")
+                   help="comma-separated token counts of the first batch's streams (default %(default)s)")
     p.add_argument("--continue-tokens", type=non_negative_int, default=16,
-                   help="new tokens for each of the first half of the streams in a second call (0: skip)")
-    p.add_argument("--repeat", type=positive_int, default=5, help="timed runs of the first batch for throughput")
+                   help="new tokens for each of the first half of the streams in a second call (default 16; 0: skip)")
+    p.add_argument("--repeat", type=positive_int, default=5,
+                   help="timed runs of the first batch for throughput, after one untimed run (default 5)")
     args = p.parse_args(argv)
 
     lengths = args.lengths

@@ -93,12 +93,17 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m metrale_graph.tools.warmup", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
-    p.add_argument("--batch-sizes", type=positive_ints, default=list(DEFAULT_BATCH_SIZES))
-    p.add_argument("--token-counts", type=positive_ints, default=list(DEFAULT_TOKEN_COUNTS))
-    p.add_argument("--slots", type=positive_int, default=64, help="cache slots")
+    p.add_argument("--batch-sizes", type=positive_ints, default=list(DEFAULT_BATCH_SIZES),
+                   help="comma-separated streams per bucket of the grid (default "
+                        f"{','.join(map(str, DEFAULT_BATCH_SIZES))})")
+    p.add_argument("--token-counts", type=positive_ints, default=list(DEFAULT_TOKEN_COUNTS),
+                   help="comma-separated tokens per bucket of the grid; buckets of more streams than tokens are "
+                        f"skipped (default {','.join(map(str, DEFAULT_TOKEN_COUNTS))})")
+    p.add_argument("--slots", type=positive_int, default=64, help="cache slots (default 64)")
     p.add_argument("--blocks", type=positive_int, default=None, help="KV blocks (default: enough for every slot "
                    "to hold the largest token count)")
-    p.add_argument("--cache-dir", default=".metrale_cache", help="where compile artifacts persist")
+    p.add_argument("--cache-dir", default=".metrale_cache",
+                   help="where compile artifacts persist (default .metrale_cache, in the current folder)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (there is none anyway when standard error is not a terminal)")
     args = p.parse_args(argv)
