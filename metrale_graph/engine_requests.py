@@ -96,9 +96,14 @@ class RequestIntake:
         """(decode kwargs, token ids dropped before decoding) of a request that keeps the text of the special tokens
         `keep_special` (token ids): skip_special_tokens=False and every other special token dropped; ValueError for
         an id that is not an int in the vocabulary."""
+        if getattr(keep_special, "ndim", None) == 1 and hasattr(keep_special, "tolist"):  # a numpy array, a tensor
+            keep_special = keep_special.tolist()
         if isinstance(keep_special, (str, bytes)) or not isinstance(keep_special, (Sequence, set, frozenset)):
             raise ValueError(f"keep_special_ids must be a list of token ids, got {type(keep_special).__name__}")
-        keep = frozenset(keep_special)
+        try:
+            keep = frozenset(plain_int(t) for t in keep_special)
+        except TypeError:  # an unhashable entry (a list)
+            raise ValueError(f"keep_special_ids must be a list of token ids, got {keep_special!r}") from None
         bad = [t for t in keep if not is_int(t) or not 0 <= t < self.model.config.vocab_size]
         if bad:
             raise ValueError(f"keep_special_ids: {bad[0]!r} is not a token id of this model (expected ints in [0, "

@@ -371,13 +371,18 @@ def test_kept_special_tokens_and_a_stop_token_in_the_streamed_text(with_tokenize
     start, end, eos = (tok.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"))
     word = tok.encode(" fox")
     ids = [start, *tok.encode("The quick"), end, *word]
+    import numpy as np
+
     for keep, include, want in (((), False, "The quick"), ([start], False, "<|im_start|>The quick"),
-                                ([start, end], True, "<|im_start|>The quick<|im_end|> fox")):
+                                ([start, end], True, "<|im_start|>The quick<|im_end|> fox"),
+                                (np.array([start, end]), True, "<|im_start|>The quick<|im_end|> fox"),
+                                (torch.tensor([start]), False, "<|im_start|>The quick"),
+                                ([np.int64(start)], False, "<|im_start|>The quick")):
         _scripted(monkeypatch, ids)
         handle = engine.submit("Say it:", max_new_tokens=len(ids), stop_token_ids=[word[-1], eos],
                                keep_special_ids=keep, include_stop_str_in_output=include)
         assert "".join(o.text for o in handle) == handle.result().text == want, keep
-    for bad in ([tok.vocab_size + 50], [1.5], 3):
+    for bad in ([tok.vocab_size + 50], [1.5], 3, [[start]], np.array([[start]])):
         with pytest.raises(ValueError, match="keep_special_ids"):
             engine.submit("x", keep_special_ids=bad)
     _assert_cache_empty(engine)
