@@ -523,3 +523,14 @@ def test_bench_prefix_warms_its_eager_engines_before_timing(capsys, monkeypatch)
     out = capsys.readouterr().out
     assert warmed == [True, True], warmed
     assert "without the prefix cache: warmup (eager)" in out and "with the prefix cache: warmup (eager)" in out
+
+
+def test_bench_prefix_default_context_holds_its_longest_request(capsys):
+    """The default --max-context ("the longest request") was a formula of the scaled sizes that fell short of chat's
+    last turn at small scales: at --scale 0.01 it gave 56 tokens to a conversation whose fourth turn holds 4 x (1 +
+    16), so its answers were cut ("length") and 52 new tokens were timed instead of 64, silently. It is now the
+    chosen workloads' longest request (bench_prefix.longest_request)."""
+    bench_prefix.main(["--scale", "0.01", "--requests", "2", "--num-slots", "2", "--eager", "--workloads", "chat"])
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    chat = record["workloads"]["chat"]
+    assert chat["without"]["new_tokens"] == chat["with"]["new_tokens"] == 4 * 16  # one conversation, 4 turns

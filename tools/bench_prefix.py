@@ -111,6 +111,18 @@ def chat_workload(gen, vocab, scale, conversations=32, turns=4):
     return first, follow, reusable
 
 
+def longest_request(args) -> int:
+    """The most tokens (prompt and new) one request of args.workloads holds: the prompts of _tokens' lengths, chat's
+    last turn its four messages and four answers (args.max_new_tokens // 2 each)."""
+    def n(count: int) -> int:
+        return max(int(count * args.scale), 1)
+
+    new = args.max_new_tokens
+    need = {"system": n(2048) + n(128) + new, "split": n(1500) + n(700) + new, "split-1600": n(1600) + n(600) + new,
+            "chat": 4 * (n(64) + (new // 2 or 1))}
+    return max(need[w] for w in args.workloads)
+
+
 def _quantile(values, q):
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
@@ -218,9 +230,7 @@ def main(argv=None) -> None:
               "workloads cannot hit (a larger --scale gives them one)")
     model = load_model(args, p, start_run(args, p))
     if args.max_context is None:
-        longest = int(max(2048 + 128, 1600 + 700, 4 * (64 + args.max_new_tokens // 2)) * args.scale) + \
-            args.max_new_tokens + 1
-        args.max_context = min(model.config.max_position_embeddings, longest)
+        args.max_context = min(model.config.max_position_embeddings, longest_request(args))
     offs, ons = run_mode(model, args, prefix=False), run_mode(model, args, prefix=True)
     rows, records = [], {}
     for w in args.workloads:
