@@ -32,6 +32,7 @@ in those spaces, as vLLM's streams do.
 
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 REPLACEMENT = "\ufffd"  # what a decode gives for the bytes of an incomplete UTF-8 character
@@ -68,6 +69,12 @@ class IncrementalDetokenizer:
         piece = full[len(self._prefix_text):]
         self._prefix, self._read, self._prefix_text = self._read, len(self._ids), None
         return piece
+
+    def fork(self) -> "IncrementalDetokenizer":
+        """A copy that takes tokens without changing this one (the tokenizer shared)."""
+        other = copy.copy(self)
+        other._ids = list(self._ids)
+        return other
 
     def flush(self) -> str:
         """The text held back (the sequence ended): as the tokenizer decodes it, replacement characters
@@ -119,6 +126,13 @@ class StreamingText:
     def text(self) -> str:
         """The text given out so far."""
         return self._text[:self.sent]
+
+    def fork(self) -> "StreamingText":
+        """A copy that takes tokens without changing this one: where a stop string would end the text
+        (speculative/stops.py, ahead of the tokens' delivery)."""
+        other = copy.copy(self)
+        other._detok = self._detok.fork()
+        return other
 
     def add(self, token_ids: Sequence[int], final: bool) -> tuple[str, bool]:
         """Append new tokens (final: the request ends with them). Returns the text to give out now and

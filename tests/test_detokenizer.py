@@ -106,6 +106,20 @@ def test_stop_string_at_the_start_and_after_the_end(tok):
     assert st.add(tok.encode("axb"), final=False) == ("a", True) and st.add(tok.encode("c"), final=True) == ("", True)
 
 
+def test_a_fork_finds_the_stop_string_and_leaves_the_text_as_it_was(tok):
+    """StreamingText.fork (speculative/stops.py: where a request stops inside a verify step's kept drafts): the fork
+    takes tokens and meets the stop string where the text itself later does; the text is unchanged meanwhile."""
+    ids = tok.encode("東京は日本の首都です。")
+    st = StreamingText(tok, [], SKIP, ("の首",))
+    st.add(ids[:2], final=False)
+    before = (st.text, st.sent, st.stop_string)
+    fork = st.fork()
+    forked = [fork.add([t], final=False) for t in ids[2:]]
+    assert (st.text, st.sent, st.stop_string) == before and fork.stop_string == "の首"
+    again = [st.add([t], final=False) for t in ids[2:]]
+    assert forked == again and any(stopped for _, stopped in again) and fork.text == st.text
+
+
 @pytest.mark.parametrize("stop, message", [
     (5, "stop must be a string or a list of strings, got int"),
     ([""], "stop strings must be non-empty"),

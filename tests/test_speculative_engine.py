@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import moe_config, random_tokens, tiny_config, unit_gain
-from speculative_reference import Oracle, bigram_model, staggered, with_random_mtp
+from speculative_reference import Oracle, bigram_model, staggered, with_eager_tail, with_random_mtp
 from metrale_graph import Engine, HybridModel
 from metrale_graph.speculative import ngram_propose, verify
 
@@ -457,3 +457,32 @@ def test_verify_streams_keep_no_prefix_checkpoints(models, monkeypatch, method):
             assert kept_prefixes(e) == plain_entries, k
             again = e.generate(conts, max_new_tokens=6, stop_token_ids=[])
             assert [r.token_ids for r in again] == follow and all(r.cached_tokens > 60 for r in again)
+
+
+@pytest.mark.parametrize("tail", [False, True])
+@pytest.mark.parametrize("k", [3, 6])
+def test_a_stop_inside_an_accepted_run_keeps_nothing_past_it_for_the_next_turn(k, tail):
+    """A request stopping at a draft its verify step kept (the bigram checkpoint keeps all) ended with the drafts
+    after its stop in its slot, so with prefix caching the prefix kept at its end held tokens it never emitted:
+    the next turn of the conversation (its prompt, its output, more) restored only the prompt's checkpoint. Now
+    the slot keeps the drafts through the stop alone (speculative/stops.py; the captured acceptance, `tail`, has
+    kept the state of all of them: it is replaced): the next turn restores what it restores after plain decoding,
+    and gives its tokens."""
+    from metrale_graph.capture import make_grid
+
+    model = bigram_model(CONFIGS["dense"])
+    prompt = list(range(3, 70))
+    ref = plain(model, [prompt], 30)[0]
+    stop = next(t for i, t in enumerate(ref) if i >= 2 and t not in ref[:i])
+    cut = ref.index(stop) + 1
+    turn = prompt + ref[:cut] + [1, 2, 3]
+    results = []
+    for spec in (None, {"method": "mtp", "num_tokens": k}):
+        e = Engine(model, 2, compile=False, prefix_cache=True, block_size=16, speculative=spec)
+        with with_eager_tail(e, make_grid([1, 2], [8, 16, 32])) if spec and tail else e:
+            r = e.generate([prompt], max_new_tokens=30, stop_token_ids=[stop])[0]
+            assert (r.token_ids, r.finish_reason) == (ref[:cut], "stop")
+            results.append(e.generate([turn], max_new_tokens=5, stop_token_ids=[])[0])
+    plain_turn, turn_after = results
+    assert turn_after.token_ids == plain_turn.token_ids
+    assert turn_after.cached_tokens == plain_turn.cached_tokens == len(prompt) + cut

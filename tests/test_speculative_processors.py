@@ -286,3 +286,45 @@ def test_cuda_speculation_with_processors_gives_plain_decoding(tokenizer, monkey
            dict(repetition_penalty=1.5, presence_penalty=0.5, logit_bias={5: 2.0})]
     results, reference = speculated(model, prompts, kws, monkeypatch, tokenizer=tokenizer)
     assert_same(results, reference, tol=1e-2)
+
+
+def test_stop_strings_and_complete_grammars_inside_accepted_runs_keep_nothing_past_them(tokenizer, text_model,
+                                                                                        monkeypatch):
+    """With prefix caching the slot of a request that ends is kept for later prompts. Requests ending at a stop
+    string, a stop token id (the stop string's text kept, or cut) or a grammar whose output is complete (no end
+    tokens) at a draft their verify step kept, with more drafts kept after it (drafted from their free
+    continuation), kept those drafts in the prefix: the next turn (prompt, output, more) restored a few tokens
+    instead of the whole previous turn. Now the slot keeps the drafts through the stopping one alone
+    (speculative/stops.py): the tokens are plain decoding's, and the next turn restores all but at most the last
+    output token (plain decoding, overlapped, feeds the stopping token in the step after it)."""
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    prompts = [enc(s) for s in ("Hello world", "The quick brown fox", "def fibonacci(n):", "東京は", "Ça va?")]
+
+    def run(kws, spec=None):
+        with Engine(text_model, 5, compile=False, tokenizer=tokenizer, prefix_cache=True, block_size=16,
+                    speculative=spec) as e:
+            results = [h.result() for h in [e.submit(p, **{"max_new_tokens": 16, "stop_token_ids": [], **kw})
+                                            for p, kw in zip(prompts, kws)]]
+            turns = [p + r.token_ids + enc(" more") for p, r in zip(prompts, results)]
+            return results, e.generate(turns, max_new_tokens=3, stop_token_ids=[])
+
+    free, _ = run([dict(max_new_tokens=24)] * 5)
+    text = [tokenizer.decode(r.token_ids) for r in free]
+    kws = [dict(stop=[text[0][6:9]]), dict(stop=[text[1][8:10]], include_stop_str_in_output=True),
+           dict(structured={"regex": "[a-z]{3,6}-[0-9]"}), dict(stop_token_ids=[free[3].token_ids[5]]),
+           dict(stop=[text[4][4:7]])]
+    reference, plain_turns = run(kws)
+    assert all(r.finish_reason == "stop" and len(r.token_ids) > 2 for r in reference), reference
+    # drafts: each request's free continuation (the grammar's output, then what follows it unmasked)
+    grammar_turn = prompts[2] + reference[2].token_ids
+    with Engine(text_model, 1, compile=False) as e:
+        beyond = e.generate([grammar_turn], max_new_tokens=8, stop_token_ids=[])[0].token_ids
+    drafts = [r.token_ids for r in free]
+    drafts[2] = reference[2].token_ids + beyond
+    for k in (2, 4):
+        monkeypatch.setattr(verify, "ngram_propose", Oracle(prompts, drafts, text_model.config.vocab_size))
+        results, turns = run(kws, {"method": "ngram", "num_tokens": k})
+        assert [(r.token_ids, r.text) for r in results] == [(r.token_ids, r.text) for r in reference]
+        assert [t.token_ids for t in turns] == [t.token_ids for t in plain_turns]
+        for i, (p, r, t) in enumerate(zip(prompts, results, turns)):
+            assert len(p) + len(r.token_ids) - 1 <= t.cached_tokens <= len(p) + len(r.token_ids), (k, i, t.cached_tokens)

@@ -12,6 +12,7 @@
 - verify.py: the engine's speculative step (Engine(speculative=...)): drafts verified in one step of the main
   model, the accepted run's GDN / conv state made the slot's (in-step checkpoints), stops applied in order.
 - drafting.py: the MTP head's catch-up and drafts batched over a step's requests.
+- stops.py: where a request stops inside the drafts a verify step kept, before the slot commits them.
 - tail.py: acceptance and the MTP head's drafts as functions of static buffers, which capture/speculative.py
   compiles and (on CUDA) captures per verify bucket.
 

@@ -35,7 +35,8 @@ its layers through the runner's hidden-states step of the bucket it fits (GraphR
 4. Settling the cache: a stream that kept a of its k drafts keeps a + 1 tokens: its slot's conv / GDN states
    are replaced by verify entry a (a == k: the step's own final state, nothing to copy), its context advances by
    a + 1 (KV of the rejected positions lies past it; the next step overwrites it) and with prefix caching only
-   the kept tokens label blocks. Nothing of a rejected draft stays in a state.
+   the kept tokens label blocks. Nothing of a rejected draft stays in a state. With prefix caching (a slot's context
+   kept when its request ends) a stream that stops at a kept draft keeps its drafts through that one (stops.py).
 5. Emission, in order, through the loop's `_advance` (stop tokens, stop strings, max_new_tokens): a token after
    a stop is neither emitted nor counted.
 6. Drafts for the next step: "ngram" looks them up when the step is planned (proposers.ngram_propose over prompt
@@ -71,6 +72,7 @@ from .layout import (VerifyLayout, acceptance_rows, kept_lengths, last_rows, pad
                      verify_layout)
 from .options import Speculative
 from .proposers import TokenHistory, ngram_propose
+from .stops import kept_counts
 from .tail import host_rows, keep_verified_states
 
 
@@ -186,10 +188,13 @@ class SpeculativeStep:
             out["h"] = h
             spec, plain = layout.spec, layout.plain
             if rows and self.graphs is not None and out["bucket"] is not None and captured:
-                counts = self._accept_captured(h, out, reqs, layout)  # (its graph also keeps the states)
+                counts = done = self._accept_captured(h, out, reqs, layout)  # (its graph also keeps the states)
             else:
-                counts = self._accept_eager(h, out, reqs, layout)
-                self.keep_states(layout, [reqs[i].slot for i in spec], counts)
+                counts, done = self._accept_eager(h, out, reqs, layout), None
+            if cache.prefix_caching and spec:  # nothing past a stop stays in a slot kept for later (stops.py)
+                counts = kept_counts([reqs[i] for i in spec], [out["spec"][i][0] for i in spec], counts)
+            if counts != done:
+                self.keep_states(layout, [reqs[i].slot for i in spec], counts, done)
             if rows and loop._broadcast is not None:  # the followers settle with rank 0's counts (following.py)
                 last = [out["spec"][i][0][-1] for i in spec] + [out["plain"][i][0][-1] for i in plain]
                 loop._broadcast.share_tokens(to_device(int_tensor(counts + last), cache.device))
@@ -276,12 +281,12 @@ class SpeculativeStep:
             self._count([len(d) for d in drafts[:len(spec)]], counts)
         return counts
 
-    def keep_states(self, layout: VerifyLayout, slots: list[int], counts: list[int]) -> None:
+    def keep_states(self, layout: VerifyLayout, slots: list[int], counts: list[int], done=None) -> None:
         """After an eager acceptance (rank 0's, or a follower's with rank 0's counts): each speculating stream (slots,
         in layout.spec's order) that kept c < its drafts takes the state after its kept tokens, verify entry c of
-        the j-th speculating stream."""
+        the j-th speculating stream; `done`: the counts whose states the slots hold already (the captured's)."""
         redo = [(j, slot, c) for j, (i, slot, c) in enumerate(zip(layout.spec, slots, counts))
-                if c < layout.lengths[i] - 1]
+                if c < layout.lengths[i] - 1 and (done is None or c != done[j])]
         if redo:
             self._keep_states([slot for _, slot, _ in redo], [self.base + j * self.k + c for j, _, c in redo])
 

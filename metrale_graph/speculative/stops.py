@@ -1,0 +1,54 @@
+"""Where a speculating request stops inside the tokens a verify step emits, known before its slot commits them.
+
+A verify step keeps a stream's accepted drafts in its slot (its context, its GDN / conv state), then delivers the
+emitted tokens through the loop's stop checks (verify.py, loop_readback._advance), which end the request at the
+first token that stops it: a token after it is neither emitted nor counted. Its drafts kept past that token would
+still lie in the slot, and with prefix caching the slot's context is kept for later prompts when the request
+ends (scheduler.remove): a prefix holding tokens the request never emitted, which the next turn of a conversation
+(its prompt, its output, more) does not continue, so it restored less than after plain decoding. So the kept
+drafts are cut first (`kept_counts`): through the stopping token, when it is a kept draft, and nothing past it
+(plain decoding, overlapped, feeds the stopping token in the step after it; the token a verify step adds after
+its drafts is never fed, as without overlap).
+
+`stop_index` replays _advance's checks in its order without changing the request: a stop token, max_new_tokens,
+the grammar's output complete (its matcher rolled back after), a stop string (on a fork of its text).
+"""
+
+from __future__ import annotations
+
+
+def stop_index(r, tokens: list[int]) -> int | None:
+    """The index in `tokens` (what a verify step emits for request r, in order, not taken in yet) of the token at
+    which the loop's _advance ends r, or None when r goes on past them. Nothing of r changes. A token its grammar
+    refuses ends it too (_advance fails the request there)."""
+    g, text = r.grammar, r.text.fork() if r.text is not None and r.text.stop else None
+    started, taken = g is not None and g.started, 0
+    try:
+        for i, token in enumerate(tokens):
+            if token in r.stop_ids or len(r.out) + i + 1 >= r.max_new:
+                return i
+            if g is not None:
+                if not started:
+                    started = token == g.starts_after
+                elif not g.matcher.accept_token(token):
+                    return i
+                else:
+                    taken += 1
+                    if g.ends_when_complete and g.matcher.is_terminated():
+                        return i
+            if text is not None and text.add([token], final=False)[1]:
+                return i
+        return None
+    finally:
+        if taken:
+            g.matcher.rollback(taken)
+
+
+def kept_counts(reqs: list, emitted: list[list[int]], counts: list[int]) -> list[int]:
+    """The drafts each speculating request's slot keeps: counts[b] (the accepted ones; `emitted[b]` its tokens:
+    those drafts, then the added one), or, where it stops at a kept draft, the drafts through that one."""
+    kept = []
+    for r, tokens, c in zip(reqs, emitted, counts):
+        at = stop_index(r, tokens[:c]) if c else None
+        kept.append(c if at is None else at + 1)
+    return kept
