@@ -534,3 +534,28 @@ def test_bench_prefix_default_context_holds_its_longest_request(capsys):
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     chat = record["workloads"]["chat"]
     assert chat["without"]["new_tokens"] == chat["with"]["new_tokens"] == 4 * 16  # one conversation, 4 turns
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-context", "50"], "--max-context 50: the longest request of system holds 248 tokens (prompt and "
+                              "--max-new-tokens); give at least 248"),
+    (["--max-context", "5000"], "--max-context 5000 exceeds the model's max_position_embeddings (4096)"),
+    (["--token-budget", "10"], "--token-budget 10 must be at least num_slots (--num-slots 64)"),
+    (["--token-budget", "100000000"], "--token-budget 100000000: a step never holds more than --num-slots x max context"),
+    (["--scale", "1", "--max-new-tokens", "5000"],
+     "--scale 1.0 / --max-new-tokens 5000: the longest request of system holds 7176 tokens (prompt and "
+     "--max-new-tokens), past the model's max_position_embeddings (4096)"),
+])
+def test_bench_prefix_sizes_checked_before_the_model_loads(capsys, monkeypatch, argv, message):
+    """bench_prefix passed --max-context, --token-budget and --num-slots to the Engine unchecked: a context below its
+    longest request, past the model's positions, or a budget below the slots ended the run with the Engine's
+    ValueError and a traceback, after the model had loaded (the first of them only once the first workload ran)."""
+    _no_model_load(monkeypatch)
+    _usage_error(capsys, bench_prefix.main, ["--scale", "0.1", "--requests", "2", "--workloads", "system", *argv],
+                 message)
+
+
+def test_bench_prefix_cache_too_big_for_memory_is_a_usage_error(capsys):
+    _usage_error(capsys, bench_prefix.main, ["--scale", "0.1", "--requests", "2", "--workloads", "system", "--eager",
+                                             "--num-slots", "100000000"],
+                 "--num-slots 100000000 / --max-context / --token-budget: the cache does not fit in the memory of cpu")

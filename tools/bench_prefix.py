@@ -38,7 +38,7 @@ import torch
 from metrale_graph.tools.distributed import start_run
 from metrale_graph.tools.files import write_whole
 from metrale_graph.tools.flags import add_model_args, names_of, output_file, positive_int
-from metrale_graph.tools.loading import load_model
+from metrale_graph.tools.loading import build_engine, check_engine_sizes, load_model, model_config
 from metrale_graph.tools.provenance import provenance
 from metrale_graph.tools.report import print_json, print_table
 
@@ -149,20 +149,18 @@ def run_workload(engine, workload: str, args) -> dict:
 COUNTERS = ("lookups", "hits", "hit_tokens", "evicted_blocks", "evicted_checkpoints")
 
 
-def run_mode(model, args, prefix: bool) -> dict[str, dict]:
+def run_mode(p, model, args, prefix: bool) -> dict[str, dict]:
     """Every workload on one engine (warmed once), with the prefix cache or without; the cache forgets
     every kept prefix before each workload (reset_prefix_cache), so none hits another's. Returns
-    workload -> record."""
-    from metrale_graph import Engine
-
-    opts = dict(num_slots=args.num_slots, max_context=args.max_context, token_budget=args.token_budget,
-                compile=not args.eager, prefix_cache=prefix)
+    workload -> record. Sizes the Engine refuses, or a cache the device cannot hold, end the tool through
+    p.error (loading.build_engine)."""
+    opts = dict(prefix_cache=prefix)
     if prefix:
         opts["checkpoint_interval"] = args.checkpoint_interval
     if prefix and args.prefix_checkpoints is not None:
         opts["prefix_checkpoints"] = args.prefix_checkpoints
     records = {}
-    with Engine(model, **opts) as engine:
+    with build_engine(p, args, model, **opts) as engine:
         # --eager too (one 1-token request): the first step's one-time initialization (about a second on a CPU)
         # would otherwise fall into the first workload's TTFT and throughput
         t = time.perf_counter()
@@ -185,6 +183,21 @@ def run_mode(model, args, prefix: bool) -> dict[str, dict]:
     return records
 
 
+def check_sizes(p, args) -> None:
+    """--max-context (its default filled in: the longest request), --token-budget (if given) and --num-slots against
+    the model and the workloads, before the model loads: usage errors naming the flag."""
+    limit = model_config(args).max_position_embeddings
+    need = longest_request(args)
+    longest = f"the longest request of {','.join(args.workloads)} holds {need} tokens (prompt and --max-new-tokens)"
+    if args.max_context is None and need > limit:
+        p.error(f"--scale {args.scale} / --max-new-tokens {args.max_new_tokens}: {longest}, past the model's "
+                f"max_position_embeddings ({limit})")
+    if args.max_context is not None and args.max_context < need <= limit:
+        p.error(f"--max-context {args.max_context}: {longest}; give at least {need}")
+    args.max_context = args.max_context or need
+    check_engine_sizes(p, args)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m metrale_graph.tools.bench_prefix", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -193,9 +206,12 @@ def main(argv=None) -> None:
                    help=f"comma-separated, out of {', '.join(WORKLOADS)} (default: all)")
     p.add_argument("--scale", type=float, default=1.0, help="multiplies every token count (default 1)")
     p.add_argument("--num-slots", type=positive_int, default=64, help="the engines' cache slots (default 64)")
-    p.add_argument("--max-context", type=positive_int, default=None, help="default: the longest request")
+    p.add_argument("--max-context", type=positive_int, default=None,
+                   help="most tokens (prompt and new) per request, at least the longest request of --workloads, at "
+                        "most the model's max_position_embeddings (default: that longest request)")
     p.add_argument("--token-budget", type=positive_int, default=None,
-                   help="tokens per step (default 2048 x --scale, at least --num-slots)")
+                   help="tokens per step (default 2048 x --scale, at least --num-slots, at most --num-slots x "
+                        "--max-context)")
     p.add_argument("--max-new-tokens", type=positive_int, default=32,
                    help="new tokens per request (chat: half as many per turn; default 32)")
     p.add_argument("--checkpoint-interval", type=positive_int, default=None,
@@ -219,7 +235,8 @@ def main(argv=None) -> None:
                 f"{args.checkpoint_interval}")
     interval, budget = scaled_sizes(args.scale, args.num_slots)
     args.checkpoint_interval = args.checkpoint_interval or interval
-    args.token_budget = args.token_budget or budget
+    check_sizes(p, args)
+    args.token_budget = args.token_budget or min(budget, args.num_slots * args.max_context)  # (a step holds no more)
     print(f"checkpoint interval {args.checkpoint_interval} tokens, token budget {args.token_budget} tokens "
           f"(--scale {args.scale})")
     short = {w: int(SHARED[w] * args.scale) for w in args.workloads
@@ -229,9 +246,7 @@ def main(argv=None) -> None:
               f"the checkpoint interval ({args.checkpoint_interval}): no checkpoint falls inside it, so those "
               "workloads cannot hit (a larger --scale gives them one)")
     model = load_model(args, p, start_run(args, p))
-    if args.max_context is None:
-        args.max_context = min(model.config.max_position_embeddings, longest_request(args))
-    offs, ons = run_mode(model, args, prefix=False), run_mode(model, args, prefix=True)
+    offs, ons = run_mode(p, model, args, prefix=False), run_mode(p, model, args, prefix=True)
     rows, records = [], {}
     for w in args.workloads:
         off, on = offs[w], ons[w]
