@@ -559,3 +559,43 @@ def test_bench_prefix_cache_too_big_for_memory_is_a_usage_error(capsys):
     _usage_error(capsys, bench_prefix.main, ["--scale", "0.1", "--requests", "2", "--workloads", "system", "--eager",
                                              "--num-slots", "100000000"],
                  "--num-slots 100000000 / --max-context / --token-budget: the cache does not fit in the memory of cpu")
+
+
+@pytest.fixture
+def fake_server(monkeypatch):
+    """bench_serve's httpx client answered by a stand-in of the server in this process (httpx.MockTransport): one
+    model of 512 tokens; a completion of ids in range streams `max_tokens` tokens, ids out of range are a 400 as the
+    server answers them. `fake_server` counts the completions asked for."""
+    import httpx
+
+    asked = []
+
+    def handle(request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "tiny", "vocab_size": 512, "max_model_len": 4096}]})
+        body = json.loads(request.content)
+        asked.append(body)
+        if max(body["prompt"]) >= 512:
+            return httpx.Response(400, json={"error": {"message": "prompt: token id out of range [0, 512)"}})
+        events = [{"choices": [{"token_ids": [7]}]} for _ in range(body["max_tokens"])]
+        events.append({"choices": [], "usage": {"completion_tokens": body["max_tokens"]}})
+        sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, content=sse.encode(), headers={"content-type": "text/event-stream"})
+
+    real = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kwargs: real(transport=httpx.MockTransport(handle), **kwargs))
+    return asked
+
+
+def test_bench_serve_vocab_size_past_the_servers_is_refused(capsys, fake_server):
+    """--vocab-size above the server's vocabulary drew prompt ids the model lacks: every request failed with a 400,
+    and the run printed a table of failures (exit code 0). It is now refused before any request, naming the
+    server's size."""
+    args = ["--num-prompts", "2", "--input-len", "8", "--output-len", "2"]
+    bench_serve.main(args + ["--vocab-size", "512"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["completed"] == 2
+    fake_server.clear()
+    with pytest.raises(SystemExit) as e:
+        bench_serve.main(args + ["--vocab-size", "100000"])
+    assert "--vocab-size 100000: 'tiny' has 512 tokens (/v1/models)" in str(e.value.code)
+    assert fake_server == []

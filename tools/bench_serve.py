@@ -79,7 +79,8 @@ def _parse_args(argv):
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="run every request to its output length (default: on)")
     p.add_argument("--vocab-size", type=positive_int, default=None,
-                   help="prompt token ids are drawn from [0, N) (default: the server's vocab_size in /v1/models)")
+                   help="prompt token ids are drawn from [0, N) (default: the server's vocab_size in /v1/models, "
+                        "which is also its most)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts, lengths and arrival times (default 0)")
     p.add_argument("--timeout", type=positive_int, default=600, help="seconds one request may take (default 600)")
     p.add_argument("--cookbook", action="store_true",
@@ -193,6 +194,9 @@ async def _run(args) -> dict:
         vocab = args.vocab_size or card.get("vocab_size")
         if not vocab:
             raise SystemExit("the server does not say its vocab_size in /v1/models: pass --vocab-size")
+        if card.get("vocab_size") and vocab > card["vocab_size"]:  # every prompt would hold ids the model lacks
+            raise SystemExit(f"--vocab-size {vocab}: {model!r} has {card['vocab_size']} tokens (/v1/models); token ids "
+                             f"past {card['vocab_size'] - 1} are refused, so give at most {card['vocab_size']}")
         limit = card.get("max_model_len")
         if limit and args.input_len[1] + args.output_len[1] > limit:
             raise SystemExit(f"--input-len {args.input_len[1]} + --output-len {args.output_len[1]} tokens exceed the "
