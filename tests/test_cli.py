@@ -599,3 +599,16 @@ def test_bench_serve_vocab_size_past_the_servers_is_refused(capsys, fake_server)
         bench_serve.main(args + ["--vocab-size", "100000"])
     assert "--vocab-size 100000: 'tiny' has 512 tokens (/v1/models)" in str(e.value.code)
     assert fake_server == []
+
+
+def test_bench_serve_with_no_request_completed_fails(capsys, fake_server, monkeypatch):
+    """A run in which every request failed (here each prompt is refused) printed its table of dashes and exit code
+    0, so a script running the benchmark took it for a measurement. It still prints the table and the JSON line
+    (failed: 2, the first error), then ends with exit code 1 and one line saying that nothing completed."""
+    monkeypatch.setattr(bench_serve, "_workload", lambda args, vocab: [([600] * 8, 2)] * args.num_prompts)
+    with pytest.raises(SystemExit) as e:
+        bench_serve.main(["--num-prompts", "2", "--input-len", "8", "--output-len", "2"])
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1])["failed"] == 2 and "requests completed / failed" in out
+    assert e.value.code == ("python -m metrale_graph.tools.bench_serve: error: none of the 2 requests completed (first "
+                            "error: HTTP 400: {\"error\":{\"message\":\"prompt: token id out of range [0, 512)\"}})")

@@ -12,7 +12,8 @@ and one JSON line.
 runs to its output length, and return_token_ids so that every streamed token is counted even where
 the model has no tokenizer. TTFT is from sending a request to its first token; ITL is the gap
 between two events that carry tokens; TPOT is a request's (latency - TTFT) / (tokens - 1). One
-request of 1 token is sent first (not timed) to check the server and the model name.
+request of 1 token is sent first (not timed) to check the server and the model name. A run in which no
+request completed (every one failed: the table and JSON line say how) ends with exit code 1.
 
 `--cookbook` runs SGLang's Qwen3.6 cookbook workload instead (8192 prompt tokens, 1024 new, at concurrency
 1, 16 and 64, 2 x concurrency requests each, at least 4) and prints each level's TPOT beside SGLang's
@@ -294,6 +295,11 @@ def main(argv=None) -> None:
     print_json(record)
     if args.json:
         write_whole(args.json, json.dumps(record, indent=1, sort_keys=True) + "\n")
+    empty = [r for r in record.get("levels", [record]) if not r["completed"]]
+    if empty:  # nothing was measured: a script running the benchmark must see it failed
+        raise SystemExit(f"{p.prog}: error: none of the {empty[0]['num_prompts']} requests completed"
+                         f"{' at concurrency ' + str(empty[0]['max_concurrency']) if args.cookbook else ''} "
+                         f"(first error: {empty[0]['first_error']})")
 
 
 def _cookbook(args) -> dict:
