@@ -612,3 +612,15 @@ def test_bench_serve_with_no_request_completed_fails(capsys, fake_server, monkey
     assert json.loads(out.strip().splitlines()[-1])["failed"] == 2 and "requests completed / failed" in out
     assert e.value.code == ("python -m metrale_graph.tools.bench_serve: error: none of the 2 requests completed (first "
                             "error: HTTP 400: {\"error\":{\"message\":\"prompt: token id out of range [0, 512)\"}})")
+
+
+@pytest.mark.parametrize("model", ["tiny", "qwen3.5-9b"])
+def test_export_onnx_max_context_past_the_models_positions(capsys, monkeypatch, tmp_path, model):
+    """--max-context past max_position_embeddings was refused by the cache after the model was built (for the 9B
+    preset on a CPU: tens of GB of random weights first), in words that named no flag ("max_context (100000)
+    exceeds ..."). It is now a usage error naming --max-context, before the model loads."""
+    _no_model_load(monkeypatch)
+    limit = load_config(model).max_position_embeddings
+    _usage_error(capsys, export_onnx.main, ["--model", model, "--max-context", str(limit + 1), "-o",
+                                            str(tmp_path / "x.onnx")],
+                 f"--max-context {limit + 1} exceeds the model's max_position_embeddings ({limit})")

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from metrale_graph import Stream
 from metrale_graph.tools.flags import add_model_args, device_and_dtype, output_file, positive_int
-from metrale_graph.tools.loading import load_model
+from metrale_graph.tools.loading import load_model, model_config
 from metrale_graph.tools.report import print_json, print_table
 
 
@@ -136,6 +136,10 @@ def main(argv=None) -> None:
     if args.moe_parallel is not None:
         p.error("--moe-parallel says how --tp ranks split MoE experts; the ONNX export runs one whole model: "
                 "leave it out")
+    limit = model_config(args).max_position_embeddings  # before the (possibly long) model load
+    if args.max_context > limit:
+        p.error(f"--max-context {args.max_context} exceeds the model's max_position_embeddings ({limit}): no position "
+                "past it exists")
     B, T = args.batch_size, args.tokens
     try:  # the default path passes the same check as -o
         path = args.output or output_file(f"prefill_B{B}_T{T}.onnx")
