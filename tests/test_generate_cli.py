@@ -252,3 +252,18 @@ def test_dtype_auto_runs_a_checkpoint_in_its_own_dtype(capsys, tmp_path):
     assert e.value.code == 2
     assert re.search(r"--dtype auto: dtype='auto' reads 'dtype' of .*config\.json: unsupported dtype 'int8'",
                      capsys.readouterr().err)
+
+
+def test_streamed_text_ends_as_the_results(capsys, tmp_path):
+    """A stream whose last token left a partial UTF-8 character (here 12 random tokens of a byte-level BPE) never
+    printed it: a partial character waits for the next token, and there was none, so the streamed line lacked the
+    end of the text the JSON line reports ('...\\x05\\x05' against '...\\x05\\x05\\ufffd\\ufffd'). The stream's end now
+    prints what is left."""
+    from tokenizer_fixture import tiny_checkpoint
+
+    folder = tiny_checkpoint(tmp_path / "tok")
+    out, record = _run(capsys, "--model", folder, "--max-new-tokens", "12", "--num-slots", "2")
+    (text,) = record["texts"]
+    assert text.endswith("\ufffd"), "the case needs a text cut inside a character"
+    streamed = re.search(r"\nwarmup \(eager\): [0-9.]+ s\n(.*)\n\n1 prompt\(s\)", out, re.S).group(1)
+    assert streamed == text

@@ -76,16 +76,17 @@ class _Produced:
         self.shown_ids = 0  # tokens of the streamed request printed (as ids: no tokenizer)
         self.shown_text = ""  # its text printed (with a tokenizer)
 
-    def show(self, ids: list[int]) -> None:
+    def show(self, ids: list[int], final: bool = False) -> None:
         """Print what the streamed request's tokens `ids` add to what is printed already (ids when there is
-        no tokenizer); a partial UTF-8 character waits for the next token."""
+        no tokenizer); a partial UTF-8 character waits for the next token, unless `final` (the stream has ended:
+        what is left, as the result's text has it)."""
         text = self.engine.decode(ids)
         if text is None:
             if len(ids) == self.shown_ids:
                 return
             piece = ("," if self.shown_ids else "") + ",".join(map(str, ids[self.shown_ids:]))
             self.shown_ids = len(ids)
-        elif text.endswith("\ufffd") or not text.startswith(self.shown_text):
+        elif (text.endswith("\ufffd") and not final) or not text.startswith(self.shown_text):
             return
         else:
             piece, self.shown_text = text[len(self.shown_text):], text
@@ -154,6 +155,7 @@ def _generate(p, args, run, produced: _Produced) -> None:
         stream.close()
     elapsed = time.perf_counter() - start
     if single:
+        produced.show(outputs[0], final=True)  # a partial character the last token left
         print(flush=True)
         produced.streaming = False
     new = sum(len(o) for o in outputs.values())
@@ -175,7 +177,7 @@ def _interrupted(produced: _Produced) -> None:
     """After a Ctrl-C: the text of each request not printed yet (a streamed line is ended), then one line on
     standard error saying where the run was; exit code 130 (128 + SIGINT), no traceback."""
     if produced.streaming:
-        produced.show(produced.outputs[0])  # a token sampled but not printed yet
+        produced.show(produced.outputs[0], final=True)  # a token sampled but not printed yet
         print(flush=True)
     elif produced.engine is not None:
         for index in sorted(produced.outputs):
