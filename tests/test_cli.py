@@ -624,3 +624,18 @@ def test_export_onnx_max_context_past_the_models_positions(capsys, monkeypatch, 
     _usage_error(capsys, export_onnx.main, ["--model", model, "--max-context", str(limit + 1), "-o",
                                             str(tmp_path / "x.onnx")],
                  f"--max-context {limit + 1} exceeds the model's max_position_embeddings ({limit})")
+
+
+@pytest.mark.parametrize("main", [prefill.main, export_onnx.main, bench_prefix.main, serve.main])
+def test_requantize_fp8_refused_where_it_changes_nothing(capsys, monkeypatch, checkpoints, tmp_path, main):
+    """--requantize-fp8 holds a compressed-tensors FP8 checkpoint's non-block scales as block FP8; for a preset or a
+    checkpoint without such a quantization_config it was accepted and ignored, so a user who asked for FP8 weights ran
+    in --dtype without a word. It is a usage error now, as --moe-parallel without --tp is (the compressed-tensors case
+    runs: test_checkpoints_compressed.test_tools_requantize_flag)."""
+    _no_model_load(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    _usage_error(capsys, main, ["--requantize-fp8"], "--requantize-fp8 applies to compressed-tensors FP8 checkpoints "
+                 "(their non-block scales); --model tiny is a preset (random weights in --dtype): leave it out")
+    good = str(checkpoints / "good")
+    _usage_error(capsys, main, ["--requantize-fp8", "--model", good],
+                 f"--model {good} has no compressed-tensors quantization_config: leave it out")

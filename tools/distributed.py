@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from metrale_graph.tools.flags import device_and_dtype
+from metrale_graph.tools.flags import device_and_dtype, requantize_ignored
 
 
 @dataclass(frozen=True)
@@ -51,12 +51,17 @@ class Run:
 
 def start_run(args, parser) -> Run:
     """The Run of the parsed flags (--tp, --moe-parallel, and --device / --dtype where the tool has them).
-    --tp 1: this process alone (usage errors for --moe-parallel, which would be ignored, and for a torchrun
+    --requantize-fp8 for a model it would not change is a usage error. --tp 1: this process alone (usage errors
+    for --moe-parallel, which would be ignored, and for a torchrun
     launch of several processes, each of which would run the whole model). --tp N: from the environment
     torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR / PORT) this rank's TensorParallel, NCCL with
     one GPU per rank (torch.cuda.set_device(cuda:LOCAL_RANK)) or gloo on the CPU."""
     tp_size = getattr(args, "tp", 1)
     moe_parallel = getattr(args, "moe_parallel", None)
+    ignored = requantize_ignored(args)
+    if ignored:
+        parser.error(f"--requantize-fp8 applies to compressed-tensors FP8 checkpoints (their non-block scales); "
+                     f"{ignored}: leave it out")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if tp_size == 1 and world > 1:
         parser.error(f"this run has {world} processes (torchrun): pass --tp {world}, or run one process "

@@ -183,7 +183,8 @@ def add_model_args(p: argparse.ArgumentParser, seed_help: str = "seed of random 
     p.add_argument("--requantize-fp8", action="store_true",
                    help="a compressed-tensors FP8 checkpoint's weights with per-tensor, per-channel (or other "
                         "non-128 x 128-block) scales: held as 128 x 128-block FP8 instead of dequantized to --dtype "
-                        "(per-tensor exactly, others requantized: a second rounding; half the memory of bf16)")
+                        "(per-tensor exactly, others requantized: a second rounding; half the memory of bf16); "
+                        "refused for any other model")
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel ranks: launch with torchrun --nproc-per-node N ... --tp N "
                         "(NCCL on GPUs, one per rank; gloo on the CPU); ranks other than 0 print nothing (default 1: "
@@ -227,6 +228,24 @@ def add_moe_parallel_arg(p: argparse.ArgumentParser, shown: bool = True) -> None
                    help=f"with --tp on an MoE model: within, each expert split across the ranks (measured faster "
                         f"on two H200s), or expert, whole experts shared out among the ranks (default "
                         f"{DEFAULT_MOE!r}); only with --tp" if shown else argparse.SUPPRESS)
+
+
+def requantize_ignored(args) -> str | None:
+    """Why --requantize-fp8 would do nothing for --model (a preset, or a checkpoint without a compressed-tensors
+    quantization_config), or None: the tools refuse a flag they would ignore."""
+    if not getattr(args, "requantize_fp8", False):
+        return None
+    from metrale_graph import PRESETS
+    from metrale_graph.compressed_tensors import checkpoint_format
+
+    if args.model in PRESETS:
+        return f"--model {args.model} is a preset (random weights in --dtype)"
+    try:
+        if checkpoint_format(args.model) is not None:
+            return None
+    except ValueError:  # a malformed quantization_config: the load names it
+        return None
+    return f"--model {args.model} has no compressed-tensors quantization_config"
 
 
 def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
