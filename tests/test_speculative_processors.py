@@ -328,3 +328,33 @@ def test_stop_strings_and_complete_grammars_inside_accepted_runs_keep_nothing_pa
         assert [t.token_ids for t in turns] == [t.token_ids for t in plain_turns]
         for i, (p, r, t) in enumerate(zip(prompts, results, turns)):
             assert len(p) + len(r.token_ids) - 1 <= t.cached_tokens <= len(p) + len(r.token_ids), (k, i, t.cached_tokens)
+
+
+def test_a_decode_failing_in_the_stop_check_fails_its_request_alone(tokenizer, text_model, monkeypatch):
+    """With prefix caching a verify step replays its requests' stop checks over their kept drafts before it commits
+    (speculative/stops.py). A tokenizer whose decode raises on a token (a stop string's check decodes the text)
+    raised there, inside the step: every request of the step failed. Now that check cuts nothing, and the delivery,
+    meeting the same error, fails that request alone; the other gives plain decoding's tokens."""
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    prompts = [enc("Hello world"), enc("The quick brown fox")]
+    kw = dict(max_new_tokens=12, stop_token_ids=[], stop=["zzz"])
+    with Engine(text_model, 2, compile=False, tokenizer=tokenizer) as e:
+        reference = [e.submit(p, **kw).result().token_ids for p in prompts]
+    bad = next(t for t in reference[0][3:] if t not in reference[1] + prompts[0] + prompts[1])
+    decode = tokenizer.decode
+
+    def failing(ids, *args, **kwargs):
+        if bad in list(ids):
+            raise RuntimeError("decode failed")
+        return decode(ids, *args, **kwargs)
+
+    monkeypatch.setattr(verify, "ngram_propose", Oracle(prompts, reference, text_model.config.vocab_size))
+    monkeypatch.setattr(tokenizer, "decode", failing)
+    with Engine(text_model, 2, compile=False, tokenizer=tokenizer, prefix_cache=True,
+                speculative={"method": "ngram", "num_tokens": 4}) as e:
+        first, second = (e.submit(p, **kw) for p in prompts)
+        with pytest.raises(RuntimeError, match="decode failed"):
+            first.result()
+        assert second.result().token_ids == reference[1]
+        assert e.submit(prompts[1], **kw).result().token_ids == reference[1]
+        assert e.stats().running == e.stats().used_blocks == 0

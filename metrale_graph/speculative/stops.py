@@ -46,9 +46,14 @@ def stop_index(r, tokens: list[int]) -> int | None:
 
 def kept_counts(reqs: list, emitted: list[list[int]], counts: list[int]) -> list[int]:
     """The drafts each speculating request's slot keeps: counts[b] (the accepted ones; `emitted[b]` its tokens:
-    those drafts, then the added one), or, where it stops at a kept draft, the drafts through that one."""
+    those drafts, then the added one), or, where it stops at a kept draft, the drafts through that one. A check
+    that raises (its tokenizer's decode) cuts nothing: the delivery meets it again and fails that request alone
+    (its slot reset, nothing kept), not the whole step."""
     kept = []
     for r, tokens, c in zip(reqs, emitted, counts):
-        at = stop_index(r, tokens[:c]) if c else None
+        try:
+            at = stop_index(r, tokens[:c]) if c else None
+        except BaseException:  # (KeyboardInterrupt included, as the delivery's own catch)
+            at = None
         kept.append(c if at is None else at + 1)
     return kept
