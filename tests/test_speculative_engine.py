@@ -486,3 +486,37 @@ def test_a_stop_inside_an_accepted_run_keeps_nothing_past_it_for_the_next_turn(k
     plain_turn, turn_after = results
     assert turn_after.token_ids == plain_turn.token_ids
     assert turn_after.cached_tokens == plain_turn.cached_tokens == len(prompt) + cut
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_a_failing_mtp_drafting_fails_the_requests_it_drafts_for_alone(models, monkeypatch, prefix):
+    """The MTP head's drafting runs after a step delivered its tokens, for the requests the head follows. Raising
+    there failed every request of the step, those it does not draft for too (a request that opted out, one asking
+    for prompt logprobs), whose slots it never touched. Now only the requests it drafts for fail (its transaction
+    reset their slots); the others give plain decoding's tokens, and the engine goes on exact, nothing held."""
+    from metrale_graph.speculative.drafting import MtpDrafter
+
+    model, cfg = models["dense"], CONFIGS["dense"]
+    prompts = prompts_of(cfg)[:3]
+    kws = [dict(speculate=False), {}, dict(prompt_logprobs=0)]
+    kw = dict(max_new_tokens=10, stop_token_ids=[])
+    with Engine(model, 3, compile=False) as e:
+        reference = [e.submit(p, **kw, **x).result().token_ids for p, x in zip(prompts, kws)]
+    real, calls = MtpDrafter.run, []
+
+    def failing(self, batch, *args):
+        calls.append(batch.slots)
+        if len(calls) == 3:
+            raise RuntimeError("drafting failed")
+        return real(self, batch, *args)
+
+    monkeypatch.setattr(MtpDrafter, "run", failing)
+    with Engine(model, 3, compile=False, prefix_cache=prefix, speculative={"method": "mtp", "num_tokens": 2}) as e:
+        handles = [e.submit(p, **kw, **x) for p, x in zip(prompts, kws)]
+        with pytest.raises(RuntimeError, match="drafting failed"):
+            handles[1].result()
+        assert [handles[0].result().token_ids, handles[2].result().token_ids] == [reference[0], reference[2]]
+        assert len(calls) >= 3 and all(len(slots) == 1 for slots in calls[:3]), calls  # (the head follows one)
+        monkeypatch.setattr(MtpDrafter, "run", real)
+        assert [e.submit(p, **kw, **x).result().token_ids for p, x in zip(prompts, kws)] == reference
+        assert e.stats().running == e.stats().used_blocks == 0

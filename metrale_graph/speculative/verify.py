@@ -212,9 +212,14 @@ class SpeculativeStep:
             drafted, live = self.mtp.take_after(reqs, drafted, [self.room(r) for r in reqs]), range(len(reqs))
         elif self.mtp is not None:
             live = [i for i, r in enumerate(reqs) if self.follows(r) and not r.ended]
-            drafted = self.mtp.draft(out["h"], [reqs[i] for i in live], [before[i] for i in live],
-                                     [layout.starts[i] for i in live], [self.room(reqs[i]) for i in live], self.graphs,
-                                     out["bucket"])
+            try:
+                drafted = self.mtp.draft(out["h"], [reqs[i] for i in live], [before[i] for i in live],
+                                         [layout.starts[i] for i in live], [self.room(reqs[i]) for i in live],
+                                         self.graphs, out["bucket"])
+            except BaseException as e:  # its transaction reset the slots it drafts in: those requests fail alone
+                for i in live:
+                    loop._fail(reqs[i], e)
+                return
         for i in live if self.mtp is not None else ():
             reqs[i].drafts = drafted.get(reqs[i].slot, [])
 
