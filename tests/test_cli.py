@@ -639,3 +639,24 @@ def test_requantize_fp8_refused_where_it_changes_nothing(capsys, monkeypatch, ch
     good = str(checkpoints / "good")
     _usage_error(capsys, main, ["--requantize-fp8", "--model", good],
                  f"--model {good} has no compressed-tensors quantization_config: leave it out")
+
+
+def test_warmup_without_graphs_shows_no_capture_figures(tmp_path, monkeypatch, capsys):
+    """On the CPU (no CUDA graphs) every bucket's line, the table and the total showed "capture 0.000 s, graph 0.0
+    MiB" and the JSON 0.0, figures of a capture that never ran. Without graphs they are left out (null in the
+    JSON, "graphs": false); the compile times stay. In-process, with compiling faked."""
+    from metrale_graph.capture import BucketReport, GraphRunner
+
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # main() sets them: restored after the test
+        monkeypatch.setenv(var, str(tmp_path / var))
+    monkeypatch.setattr(GraphRunner, "warmup", lambda self, progress=True, on_bucket=None: [
+        on_bucket(r) or r for r in (BucketReport(b, compile_s=1.5) for b in self.grid)])
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: None)
+    warmup.main(["--batch-sizes", "1,2", "--token-counts", "16", "--slots", "2", "--cache-dir", str(tmp_path / "c"),
+                 "--device", "cpu"])
+    *lines, last = capsys.readouterr().out.strip().splitlines()
+    record, out = json.loads(last), "\n".join(lines)
+    assert "compiled step, no graphs" in out and "B2xT16: compile 1.50 s, " in out and "total: compile 3.0 s, " in out
+    assert "capture" not in out and "graph MiB" not in out and "graph memory" not in out, out
+    assert record["graphs"] is False and record["capture_s"] is None and record["graph_mib"] is None
+    assert [(b["compile_s"], b["capture_s"], b["graph_mib"]) for b in record["buckets"]] == [(1.5, None, None)] * 2

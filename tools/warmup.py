@@ -174,10 +174,14 @@ def _warmup(p, args, run, cache_dir: str, artifacts: str, record_name: str, warm
     t0 = time.perf_counter()
 
     bar = not args.no_progress and bars_shown(run)
+    graphs = runner.use_graphs  # without CUDA graphs nothing is captured: no capture time or graph memory to show
+
+    def measured(value, digits):  # (the JSON's: None where no graph was captured)
+        return round(value, digits) if graphs else None
 
     def on_bucket(r):
-        line = (f"{r.bucket}: compile {r.compile_s:.2f} s, capture {r.capture_s:.3f} s, "
-                f"graph {r.graph_bytes / 2**20:.1f} MiB, {time.perf_counter() - t0:.1f} s so far")
+        captured = f", capture {r.capture_s:.3f} s, graph {r.graph_bytes / 2**20:.1f} MiB" if graphs else ""
+        line = f"{r.bucket}: compile {r.compile_s:.2f} s{captured}, {time.perf_counter() - t0:.1f} s so far"
         (tqdm.write(line) if bar else print(line, flush=True))
 
     reports = runner.warmup(progress=bar, on_bucket=on_bucket)
@@ -186,14 +190,14 @@ def _warmup(p, args, run, cache_dir: str, artifacts: str, record_name: str, warm
     if saved is not None:
         write_whole(artifacts, saved[0])
 
-    rows = [[str(r.bucket), f"{r.compile_s:.2f}", f"{r.capture_s:.3f}", f"{r.graph_bytes / 2**20:.1f}"]
-            for r in reports]
-    print_table(["bucket", "compile s", "capture s", "graph MiB"], rows)
+    rows = [[str(r.bucket), f"{r.compile_s:.2f}"] + ([f"{r.capture_s:.3f}", f"{r.graph_bytes / 2**20:.1f}"] if graphs
+                                                     else []) for r in reports]
+    print_table(["bucket", "compile s"] + (["capture s", "graph MiB"] if graphs else []), rows)
     compile_s, capture_s = sum(r.compile_s for r in reports), sum(r.capture_s for r in reports)
     graph_mib = sum(r.graph_bytes for r in reports) / 2**20
     total_s = time.perf_counter() - t_start
-    print(f"total: compile {compile_s:.1f} s, capture {capture_s:.2f} s, graph memory {graph_mib:.1f} MiB, "
-          f"warmup {warmup_s:.1f} s, whole run {total_s:.1f} s")
+    captured = f", capture {capture_s:.2f} s, graph memory {graph_mib:.1f} MiB" if graphs else ""
+    print(f"total: compile {compile_s:.1f} s{captured}, warmup {warmup_s:.1f} s, whole run {total_s:.1f} s")
     record_path = os.path.join(cache_dir, record_name)
     record = {"model": args.model, "buckets": len(reports), "warmup_s": round(warmup_s, 2),
               "total_s": round(total_s, 2), "run": warmed}
@@ -210,11 +214,12 @@ def _warmup(p, args, run, cache_dir: str, artifacts: str, record_name: str, warm
         else:
             print(f"cold warmup {cold['warmup_s']:.1f} s (whole run {cold['total_s']:.1f} s) -> "
                   f"warm warmup {warmup_s:.1f} s (whole run {total_s:.1f} s)")
-    print_json({"tool": "warmup", "model": args.model, "device": str(model.device), "warm": warm,
+    print_json({"tool": "warmup", "model": args.model, "device": str(model.device), "warm": warm, "graphs": graphs,
                 "cache_dir": cache_dir, "buckets": [
-                    {"bucket": str(r.bucket), "compile_s": round(r.compile_s, 3), "capture_s": round(r.capture_s, 4),
-                     "graph_mib": round(r.graph_bytes / 2**20, 1)} for r in reports],
-                "compile_s": round(compile_s, 2), "capture_s": round(capture_s, 3), "graph_mib": round(graph_mib, 1),
+                    {"bucket": str(r.bucket), "compile_s": round(r.compile_s, 3), "capture_s": measured(r.capture_s, 4),
+                     "graph_mib": measured(r.graph_bytes / 2**20, 1)} for r in reports],
+                "compile_s": round(compile_s, 2), "capture_s": measured(capture_s, 3),
+                "graph_mib": measured(graph_mib, 1),
                 "warmup_s": round(warmup_s, 2), "total_s": round(total_s, 2),
                 "cold_warmup_s": cold["warmup_s"] if cold else (None if warm else round(warmup_s, 2))})
 
