@@ -660,3 +660,28 @@ def test_warmup_without_graphs_shows_no_capture_figures(tmp_path, monkeypatch, c
     assert "capture" not in out and "graph MiB" not in out and "graph memory" not in out, out
     assert record["graphs"] is False and record["capture_s"] is None and record["graph_mib"] is None
     assert [(b["compile_s"], b["capture_s"], b["graph_mib"]) for b in record["buckets"]] == [(1.5, None, None)] * 2
+
+
+def test_warmup_and_serve_records_carry_tp(tmp_path, monkeypatch, capsys):
+    """warmup's and serve's JSON lines had no "tp" (warmup no "dtype" either), unlike prefill's and generate's: a
+    tensor-parallel run's record read as a one-process one. In-process: warmup with compiling faked, serve's report
+    of a --tp 2 run from stand-ins of its engine and state."""
+    from types import SimpleNamespace
+
+    from metrale_graph.capture import BucketReport, GraphRunner
+    from metrale_graph.server.metrics import FINISH_REASONS
+
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # main() sets them: restored after the test
+        monkeypatch.setenv(var, str(tmp_path / var))
+    monkeypatch.setattr(GraphRunner, "warmup", lambda self, progress=True, on_bucket=None: [
+        on_bucket(r) or r for r in (BucketReport(b, compile_s=1.0) for b in self.grid)])
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: None)
+    warmup.main(["--batch-sizes", "1", "--token-counts", "16", "--slots", "2", "--cache-dir", str(tmp_path / "c"),
+                 "--device", "cpu", "--dtype", "bfloat16"])
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (record["tp"], record["dtype"]) == (1, "torch.bfloat16")
+    engine = SimpleNamespace(stats=lambda: SimpleNamespace(steps=3, speculative=None))
+    totals = {**dict.fromkeys(FINISH_REASONS, 0), "length": 2, "prompt_tokens": 10, "generation_tokens": 8}
+    serve._report(engine, SimpleNamespace(metrics=SimpleNamespace(totals=totals)), "tiny", "http://h:1", 1.0, tp=2)
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["tool"] == "serve" and record["tp"] == 2 and record["requests"]["length"] == 2

@@ -241,7 +241,7 @@ def _serve(p, args, run, engine_kwargs: dict, sock: socket.socket) -> None:
         print(f"{why} before the model had loaded: nothing was served", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(128 + sig if sig is not None else 1)
-    _report(startup.engine, startup.state, startup.name, url, time.perf_counter() - t0)
+    _report(startup.engine, startup.state, startup.name, url, time.perf_counter() - t0, args.tp)
 
 
 class Startup:
@@ -344,7 +344,7 @@ def _server(config, on_exit):
     return Server(config)
 
 
-def _report(engine, state, name: str, url: str, served_s: float) -> None:
+def _report(engine, state, name: str, url: str, served_s: float, tp: int = 1) -> None:
     from metrale_graph.server.metrics import FINISH_REASONS
 
     stats = engine.stats()
@@ -356,7 +356,7 @@ def _report(engine, state, name: str, url: str, served_s: float) -> None:
     speculative = speculative_figures(stats.speculative)
     if speculative is not None:
         print(speculative_line(speculative))
-    print_json({"tool": "serve", "model": name, "url": url, "requests": finished,
+    print_json({"tool": "serve", "tp": tp, "model": name, "url": url, "requests": finished,
                 "prompt_tokens": totals["prompt_tokens"], "generation_tokens": totals["generation_tokens"],
                 "steps": steps, "served_s": round(served_s, 3), "speculative": speculative})
 

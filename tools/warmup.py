@@ -214,7 +214,8 @@ def _warmup(p, args, run, cache_dir: str, artifacts: str, record_name: str, warm
         else:
             print(f"cold warmup {cold['warmup_s']:.1f} s (whole run {cold['total_s']:.1f} s) -> "
                   f"warm warmup {warmup_s:.1f} s (whole run {total_s:.1f} s)")
-    print_json({"tool": "warmup", "model": args.model, "device": str(model.device), "warm": warm, "graphs": graphs,
+    print_json({"tool": "warmup", "tp": args.tp, "model": args.model, "device": str(model.device),
+                "dtype": str(model.dtype), "warm": warm, "graphs": graphs,
                 "cache_dir": cache_dir, "buckets": [
                     {"bucket": str(r.bucket), "compile_s": round(r.compile_s, 3), "capture_s": measured(r.capture_s, 4),
                      "graph_mib": measured(r.graph_bytes / 2**20, 1)} for r in reports],
