@@ -685,3 +685,15 @@ def test_warmup_and_serve_records_carry_tp(tmp_path, monkeypatch, capsys):
     serve._report(engine, SimpleNamespace(metrics=SimpleNamespace(totals=totals)), "tiny", "http://h:1", 1.0, tp=2)
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["tool"] == "serve" and record["tp"] == 2 and record["requests"]["length"] == 2
+
+
+def test_bench_serve_cookbook_past_the_servers_context_names_the_cookbook(fake_server):
+    """--cookbook against a server whose context is shorter than its 8192 + 1024 tokens was told "--input-len 8192
+    + --output-len 1024 tokens exceed ...", flags the user had not given; it now names the cookbook's workload."""
+    with pytest.raises(SystemExit) as e:
+        bench_serve.main(["--cookbook"])
+    assert e.value.code == "--cookbook's 8192 prompt + 1024 new tokens exceed the server's max_model_len (4096)"
+    with pytest.raises(SystemExit) as e:
+        bench_serve.main(["--input-len", "4000", "--output-len", "100"])
+    assert e.value.code == "--input-len 4000 + --output-len 100 tokens exceed the server's max_model_len (4096)"
+    assert fake_server == []

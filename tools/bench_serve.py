@@ -200,8 +200,9 @@ async def _run(args) -> dict:
                              f"past {card['vocab_size'] - 1} are refused, so give at most {card['vocab_size']}")
         limit = card.get("max_model_len")
         if limit and args.input_len[1] + args.output_len[1] > limit:
-            raise SystemExit(f"--input-len {args.input_len[1]} + --output-len {args.output_len[1]} tokens exceed the "
-                             f"server's max_model_len ({limit})")
+            flags = ("--cookbook's {} prompt + {} new" if args.cookbook else "--input-len {} + --output-len {}").format(
+                args.input_len[1], args.output_len[1])
+            raise SystemExit(f"{flags} tokens exceed the server's max_model_len ({limit})")
         probe = await _request(client, args, model, [0], 1)
         if probe.error is not None:
             raise SystemExit(f"the first request failed: {probe.error}")
