@@ -697,3 +697,19 @@ def test_bench_serve_cookbook_past_the_servers_context_names_the_cookbook(fake_s
         bench_serve.main(["--input-len", "4000", "--output-len", "100"])
     assert e.value.code == "--input-len 4000 + --output-len 100 tokens exceed the server's max_model_len (4096)"
     assert fake_server == []
+
+
+def test_serve_prefix_cache_help_says_its_default(capsys):
+    """--prefix-cache's help said "(default: the engine's); needs an engine with a prefix cache": neither the default
+    (off) nor what the flag does was stated."""
+    with pytest.raises(SystemExit):
+        serve.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--prefix-cache, --no-prefix-cache prefix caching: a prompt starts from the KV blocks and GDN states" in out
+    assert "default: off" in out and "needs an engine" not in out
+    import inspect
+
+    from metrale_graph import Engine
+
+    assert "prefix_cache" not in serve._engine_kwargs(None, serve._parse_args([])[1])  # the Engine's default: off
+    assert inspect.signature(Engine).parameters["prefix_cache"].default is False

@@ -99,8 +99,8 @@ def _parse_args(argv):
     p.add_argument("--num-blocks", type=positive_int, default=None,
                    help="KV blocks (default: every slot can hold max context; at least one max context)")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
-                   help="reuse the KV of prompt prefixes seen before (default: the engine's); needs an engine "
-                        "with a prefix cache")
+                   help="prefix caching: a prompt starts from the KV blocks and GDN states of the longest prefix "
+                        "seen before (README, Prefix caching; default: off, the Engine's)")
     p.add_argument("--tool-call-parser", choices=("auto", *TOOL_PARSERS, "none"), default="auto",
                    help="how chat replies write tool calls: qwen3_xml (Qwen3.5 / 3.6: <function=NAME> "
                         "<parameter=KEY>), qwen3_json (Qwen2.5 / Qwen3: JSON in <tool_call>); none: requests with "
