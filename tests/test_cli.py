@@ -713,3 +713,22 @@ def test_serve_prefix_cache_help_says_its_default(capsys):
 
     assert "prefix_cache" not in serve._engine_kwargs(None, serve._parse_args([])[1])  # the Engine's default: off
     assert inspect.signature(Engine).parameters["prefix_cache"].default is False
+
+
+def test_bench_prefix_warmup_bar_on_a_terminal_only(capsys, monkeypatch):
+    """bench_prefix warmed its two engines' bucket grids (on a GPU minutes of compiling and capturing each, 30
+    buckets in ~10 s on a CPU) with no progress bar, where generate and serve draw one. It now draws one when
+    standard error is a terminal, none in a log. Compiling faked: only the flag Engine.warmup gets is looked at."""
+    import sys
+
+    from metrale_graph import Engine
+
+    seen = []
+    monkeypatch.setattr(Engine, "warmup", lambda self, progress=False: seen.append(progress) or [])
+    argv = ["--scale", "0.02", "--requests", "2", "--num-slots", "2", "--max-new-tokens", "1", "--workloads", "chat",
+            "--eager"]
+    for tty in (True, False):
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
+        bench_prefix.main(argv)
+    capsys.readouterr()
+    assert seen == [True, True, False, False]

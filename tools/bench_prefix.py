@@ -40,7 +40,7 @@ from metrale_graph.tools.files import write_whole
 from metrale_graph.tools.flags import add_model_args, names_of, output_file, positive_int
 from metrale_graph.tools.loading import build_engine, check_engine_sizes, load_model, model_config
 from metrale_graph.tools.provenance import provenance
-from metrale_graph.tools.report import print_json, print_table
+from metrale_graph.tools.report import bars_shown, print_json, print_table
 
 WORKLOADS = ("system", "chat", "split", "split-1600")
 SHARED = {"system": 2048, "split": 1500, "split-1600": 1600}  # each workload's shared prefix at --scale 1
@@ -164,7 +164,7 @@ def run_mode(p, model, args, prefix: bool) -> dict[str, dict]:
         # --eager too (one 1-token request): the first step's one-time initialization (about a second on a CPU)
         # would otherwise fall into the first workload's TTFT and throughput
         t = time.perf_counter()
-        engine.warmup()
+        engine.warmup(progress=bars_shown())  # a bar per bucket compiled (and captured on CUDA), on a terminal only
         print(f"{'with' if prefix else 'without'} the prefix cache: warmup{' (eager)' if args.eager else ''} "
               f"{time.perf_counter() - t:.1f} s", flush=True)
         for w in args.workloads:
