@@ -212,7 +212,7 @@ class EngineLoop(LoopIntake, LoopReadBack):
         if self.spec is not None and self.spec.ahead is not None and self.spec.ahead.pending is not None:
             step = self.spec.ahead.go_on(step)  # ([] when this step was launched ahead)
         if self.spec is not None and step:
-            try:  # (a draft proposer that raises: the step in flight delivers, then this step's requests fail)
+            try:  # (planning it raises: the step in flight delivers, then its requests fail; a lookup: its own alone)
                 if (self.spec.may_take(step, sched.decodes)
                         and self.spec.worth_reading_back(step, sched.decodes, self._inflight is not None)):
                     step = self._speculate(step)
@@ -237,19 +237,19 @@ class EngineLoop(LoopIntake, LoopReadBack):
 
     def _speculate(self, step: list) -> list:
         """Speculative decoding (speculative/verify.py): read the step in flight back (its tokens are the decodes'
-        last ones; a request it ended leaves `step`), then run `step` as a speculative step if it takes it:
-        returns then what is left for the loop's own launch (prompt chunks asking for prompt logprobs), else the
-        whole step (the head, "mtp", did not see it)."""
+        last ones), then run `step` as a speculative step if it takes it (a request the read back ended, or whose
+        "ngram" lookup raised and failed it, leaves `step`): returns then what is left for the loop's own launch
+        (prompt chunks asking for prompt logprobs), else the whole step (the head, "mtp", did not see it)."""
         sched = self.scheduler
         if self._inflight is not None:
             self._read_back()
-            decodes = sum(1 for c in step[:sched.decodes] if not c.request.ended)
-            step = [c for c in step if not c.request.ended]
-            sched.decodes = decodes
         # prompt chunks asking for prompt logprobs take the loop's own step (prompt_logprobs.py), launched after
         rest = [c for c in step[sched.decodes:] if c.request.params.prompt_logprobs is not None]
         mine = [c for c in step if all(c is not x for x in rest)]
-        if mine and self.spec.takes(mine, sched.decodes):
+        take = bool(mine) and self.spec.takes(mine, sched.decodes)
+        sched.decodes = sum(1 for c in step[:sched.decodes] if not c.request.ended)
+        step, mine = [c for c in step if not c.request.ended], [c for c in mine if not c.request.ended]
+        if take:
             try:
                 self.spec.run(mine, sched.decodes)
             except BaseException as e:  # KeyboardInterrupt included: only this step's requests see it

@@ -397,21 +397,25 @@ def test_a_step_failing_after_it_ended_a_request_still_delivers_that_request(mod
 
 
 @pytest.mark.parametrize("call", [1, 2, 5])
-def test_a_failing_draft_proposer_fails_its_step_not_the_engine(models, monkeypatch, call):
+def test_a_failing_draft_proposer_fails_its_request_alone(models, monkeypatch, call):
     """The n-gram proposer raising (prompt lookup is host code: a bug, a MemoryError) while a step is planned, before
-    the step in flight is read back (worth_reading_back) or after (takes), stopped the engine loop: every request then
-    and after ended with EngineClosedError. Now it fails the requests of the step being planned, after the step in
-    flight has delivered; the others give plain decoding's tokens, nothing stays held, and the engine goes on."""
+    the step in flight is read back (worth_reading_back) or after (takes), once stopped the engine loop; then it
+    failed every request of the step being planned, though the lookup is one request's. Now the lookup is made again
+    once the step in flight has delivered (worth_reading_back reads back), and the request whose lookup raises fails
+    alone and leaves the step; the others give plain decoding's tokens, nothing stays held, the engine goes on."""
     model, cfg = models["dense"], CONFIGS["dense"]
     prompts = prompts_of(cfg)[:3]
     reference = plain(model, prompts, 10)
-    oracle, calls = Oracle(prompts, reference, cfg.vocab_size), []
+    oracle, calls, doomed = Oracle(prompts, reference, cfg.vocab_size), [], []
 
-    def failing(*args):
+    def failing(tokens, *args):  # from its call-th call on, every lookup of that call's request raises
         calls.append(1)
+        seq = list(tokens)
         if len(calls) == call:
+            doomed.append(seq)
+        if any(seq[:len(d)] == d for d in doomed):
             raise RuntimeError("proposer failed")
-        return oracle(*args)
+        return oracle(tokens, *args)
 
     monkeypatch.setattr(verify, "ngram_propose", failing)
     kw = dict(max_new_tokens=10, stop_token_ids=[])
@@ -423,7 +427,8 @@ def test_a_failing_draft_proposer_fails_its_step_not_the_engine(models, monkeypa
             except RuntimeError as err:
                 assert str(err) == "proposer failed"
                 failed += 1
-        assert failed > 0 and e.stats().running == e.stats().waiting == e.stats().used_blocks == 0
+        assert failed == 1 and e.stats().running == e.stats().waiting == e.stats().used_blocks == 0
+        doomed.clear()
         assert [r.token_ids for r in e.generate(prompts, **kw)] == reference
         assert e.cache.context_lens == [0, 0] and e.stats().used_blocks == 0
 

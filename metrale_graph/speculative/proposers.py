@@ -53,6 +53,13 @@ def ngram_propose(tokens: Sequence[int], k: int, min_n: int = NGRAM_MIN, max_n: 
     return []
 
 
+def history(r) -> np.ndarray:
+    """Request r's prompt and output as one int64 array for prompt lookup (its TokenHistory, made on first use)."""
+    if r.history is None:
+        r.history = TokenHistory()
+    return r.history.view(r.prompt, r.out)
+
+
 class TokenHistory:
     """A stream's tokens (prompt, then output) as one growing int64 array, for prompt lookup every step without
     converting the whole list each time: `view(prompt, out)` appends what `out` gained since the last call and

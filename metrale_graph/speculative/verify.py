@@ -71,16 +71,9 @@ from .drafting import MtpDrafter
 from .layout import (VerifyLayout, acceptance_rows, kept_lengths, last_rows, pads_one_stream, position_rows,
                      verify_layout)
 from .options import Speculative
-from .proposers import TokenHistory, ngram_propose
+from .proposers import history, ngram_propose
 from .stops import kept_counts
 from .tail import host_rows, keep_verified_states
-
-
-def history(r):
-    """r's prompt and output as one int64 array for prompt lookup (its proposers.TokenHistory, made on first use)."""
-    if r.history is None:
-        r.history = TokenHistory()
-    return r.history.view(r.prompt, r.out)
 
 
 def speculates(r) -> bool:  # whether request `r` may speculate at all: unless it opted out (module docstring)
@@ -139,24 +132,30 @@ class SpeculativeStep:
         speculates one step later. The tokens are the same either way; only which steps verify drafts moves."""
         if self.mtp is not None or not in_flight:
             return True
-        lo, hi = self.spec.prompt_lookup_min, self.spec.prompt_lookup_max
-        for c in step[:decodes]:
-            r = c.request
-            room = self.room(r)
-            if speculates(r) and room and ngram_propose(history(r), room, lo, hi):
-                return True
-        return False
+        try:
+            return any(self.lookup(c.request) for c in step[:decodes])
+        except BaseException:  # (after the read back takes looks it up again, and fails that request alone)
+            return True
+
+    def lookup(self, r) -> list[int]:  # "ngram": r's drafts by prompt lookup over its tokens on the host, or none
+        room = self.room(r)
+        return (ngram_propose(history(r), room, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+                if speculates(r) and room else [])
 
     def takes(self, step: list, decodes: int) -> bool:
-        """Whether `step` (read back: every decode's last token on the host) runs here; sets each decode's drafts
-        ("ngram": looked up now)."""
+        """Whether `step` (read back: every decode's last token on the host) runs here, its requests that ended left
+        out; sets each decode's drafts ("ngram": looked up now; a lookup that raises fails its request alone, which
+        the loop then leaves out of the step)."""
         take = False
         for i, c in enumerate(step):
             r = c.request
-            if self.mtp is None and i < decodes:
-                r.drafts = (ngram_propose(history(r), self.room(r), self.spec.prompt_lookup_min,
-                                          self.spec.prompt_lookup_max) if speculates(r) and self.room(r) else [])
-            take = take or (i < decodes and bool(r.drafts)) or self.follows(r)
+            if self.mtp is None and i < decodes and not r.ended:
+                try:
+                    r.drafts = self.lookup(r)
+                except BaseException as e:  # (KeyboardInterrupt included: only r sees it)
+                    r.drafts = []
+                    self.loop._fail(r, e)
+            take = take or (not r.ended and ((i < decodes and bool(r.drafts)) or self.follows(r)))
         return take
 
     def normal(self, step: list) -> None:
