@@ -732,3 +732,44 @@ def test_bench_prefix_warmup_bar_on_a_terminal_only(capsys, monkeypatch):
         bench_prefix.main(argv)
     capsys.readouterr()
     assert seen == [True, True, False, False]
+
+
+class _ClosedPipe:
+    """Standard output whose reader has gone (`tool | head`, after head exits): every write fails."""
+
+    def write(self, text=None):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    flush = write
+
+    def isatty(self):
+        return False
+
+
+@pytest.mark.parametrize("name, argv", [
+    ("prefill", ["--lengths", "3", "--repeat", "1"]),
+    ("generate", ["--eager", "--max-new-tokens", "2"]),
+    ("warmup", ["--batch-sizes", "1", "--token-counts", "16", "--cache-dir", "cache"]),
+    ("bench_prefix", ["--scale", "0.02", "--requests", "2", "--eager"]),
+    ("bench_serve", ["--num-prompts", "1", "--input-len", "2", "--output-len", "1"]),
+    ("quantize", ["--out", "fp8"]),
+    ("export_onnx", ["-B", "1", "-T", "8", "-o", "x.onnx"]),
+])
+def test_a_closed_pipe_ends_the_tool_quietly(monkeypatch, tmp_path, capsys, checkpoints, fake_server, name, argv):
+    """`metrale-generate ... | head`: once head had exited, the next print raised BrokenPipeError, a traceback (and
+    Python's 'Exception ignored ... BrokenPipeError' at exit). The console scripts now end there as the shell's tools
+    do: no traceback, exit code 141 (128 + SIGPIPE). In-process, through each tool's console-script entry."""
+    import importlib
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # warmup sets them: restored after the test
+        monkeypatch.setenv(var, str(tmp_path / var))
+    module = importlib.import_module(f"metrale_graph.tools.{name}")
+    if name == "quantize":
+        argv = ["--model", str(checkpoints / "good"), *argv]
+    monkeypatch.setattr(sys, "argv", [name, *argv])
+    monkeypatch.setattr(sys, "stdout", _ClosedPipe())
+    with pytest.raises(SystemExit) as e:
+        getattr(module, "cli", module.main)()  # (export_onnx's console script is its main)
+    assert e.value.code == 141 and "Traceback" not in capsys.readouterr().err

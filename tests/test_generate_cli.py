@@ -267,3 +267,22 @@ def test_streamed_text_ends_as_the_results(capsys, tmp_path):
     assert text.endswith("\ufffd"), "the case needs a text cut inside a character"
     streamed = re.search(r"\nwarmup \(eager\): [0-9.]+ s\n(.*)\n\n1 prompt\(s\)", out, re.S).group(1)
     assert streamed == text
+
+
+def test_output_into_a_pipe_closed_early_ends_quietly():
+    """`python -m metrale_graph.tools.generate ... | head -1`, as a process: once the reader had gone, the next print
+    raised BrokenPipeError, a traceback on standard error (exit code 1). It ends now as the shell's tools end there:
+    nothing on standard error, exit code 141 (128 + SIGPIPE)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "metrale_graph.tools.generate", "--device", "cpu", "--eager",
+                             "--max-new-tokens", "3000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().startswith(b"model: tiny")
+        proc.stdout.close()  # head -1 has its line and exits
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 141 and b"Traceback" not in err and b"BrokenPipeError" not in err, err.decode()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 
 
@@ -50,6 +52,38 @@ def speculative_line(figures: dict) -> str:
     return (f"speculative ({f['method']}, k = {f['num_tokens']}): {f['proposed']} drafts proposed, {f['accepted']} "
             f"accepted ({100 * f['acceptance']:.1f} %), {f['tokens_per_step']:.2f} tokens per stream and verify step "
             f"({f['steps']} verify steps verifying {f['drafts']} drafts)")
+
+
+@contextlib.contextmanager
+def closed_pipe_ends_quietly():
+    """Around a tool's main (its console script): standard output's reader gone (`metrale-generate ... | head`)
+    ends the tool as the shell's own tools end there, without a traceback, with exit code 141 (128 + SIGPIPE).
+    Python's default was a BrokenPipeError traceback, and another message at exit, when it flushes standard
+    output. A BrokenPipeError of anything else (a socket) is raised as it is."""
+    try:
+        yield
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # the exit's flush then writes nowhere
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(141) from None
+
+
+def _stdout_closed() -> bool:
+    """Whether standard output's reader has gone: its pipe reports an error (POLLERR: no reader), or a flush fails."""
+    import select
+
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        if any(events & select.POLLERR for _, events in poll.poll(0)):
+            return True
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return True
+    return False
 
 
 def bars_shown(run=None) -> bool:
