@@ -773,3 +773,14 @@ def test_a_closed_pipe_ends_the_tool_quietly(monkeypatch, tmp_path, capsys, chec
     with pytest.raises(SystemExit) as e:
         getattr(module, "cli", module.main)()  # (export_onnx's console script is its main)
     assert e.value.code == 141 and "Traceback" not in capsys.readouterr().err
+
+
+def test_export_onnx_bar_is_cleared_on_a_terminal(capsys, monkeypatch, tmp_path):
+    """On a terminal export_onnx's step bar stayed on the screen when it closed ('done: ████ 5/5', then a new line)
+    in front of the report, where the tools' bars are cleared (docs/tools.md); it is cleared now."""
+    import sys
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    export_onnx.main(["-B", "1", "-T", "8", "-o", str(tmp_path / "x.onnx")])
+    err = capsys.readouterr().err
+    assert "check_model" in err and not err.endswith("\n") and err.split("\r")[-2].strip() == "", repr(err[-200:])

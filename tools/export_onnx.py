@@ -173,7 +173,7 @@ def _export(argv) -> None:
     steps = ["load model", "torch.export", "translate to ONNX", "save", "check_model"]
     steps += ["verify"] if args.verify else []
     tty = sys.stderr.isatty()  # a bar on a terminal, one line per step in a log
-    bar = tqdm(total=len(steps), unit="step", disable=not tty,
+    bar = tqdm(total=len(steps), unit="step", disable=not tty, leave=False,  # cleared: the report follows
                bar_format="{desc:<20} {bar:20} {n_fmt}/{total_fmt} [{elapsed}]")
     timings: dict[str, float] = {}
     clock = [time.perf_counter(), None]
