@@ -358,3 +358,38 @@ def test_a_decode_failing_in_the_stop_check_fails_its_request_alone(tokenizer, t
         assert second.result().token_ids == reference[1]
         assert e.submit(prompts[1], **kw).result().token_ids == reference[1]
         assert e.stats().running == e.stats().used_blocks == 0
+
+
+def test_min_tokens_beside_a_grammar_holds_the_stop_per_verify_position(tokenizer, text_model, monkeypatch):
+    """min_tokens beside structured output (4f9d5cf): the stop tokens are held back only in rows whose grammar
+    mask leaves something else. A verify step applies the rule at each position j with the drafts before it
+    counted (process_logits over TokenMasks.fill_drafts' rows): eos, pulled up by a logit bias, is drafted at
+    positions where min_tokens still holds it (it must be refused there) beside the reference's own tokens; a
+    choice whose word ends below min_tokens keeps its eos (the grammar wins); a JSON schema and a request without a
+    grammar beside them. The tokens are plain decoding's (counting a position's drafts wrongly fails the test)."""
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    eos = tokenizer.eos_token_id
+    prompts = [enc(s) for s in ("Hello world", "The quick brown fox", "def fibonacci(n):", "東京は")]
+    schema = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}}, "required": ["kind"]}
+    kws = [dict(structured={"regex": "[a-z]{1,40}"}, min_tokens=6), dict(structured={"choice": ["yes", "no"]}, min_tokens=8),
+           dict(structured={"json": schema}, min_tokens=10), dict(min_tokens=5)]
+    kws = [dict(kw, logit_bias={eos: 8.0}, stop_token_ids=[eos], max_new_tokens=24) for kw in kws]
+    unheld, _ = run(text_model, prompts, [dict(kw, min_tokens=0) for kw in kws], tokenizer=tokenizer)
+    reference, _ = run(text_model, prompts, kws, tokenizer=tokenizer)
+    assert all(len(unheld[i].token_ids) < len(reference[i].token_ids) for i in (0, 3))  # (eos held, then drawn)
+    assert reference[1].text == "yes" and len(reference[1].token_ids) < 8 and reference[3].finish_reason == "stop"
+    drafted = []
+    for r, kw in zip(reference, kws):  # the reference's tokens, eos at every other position min_tokens holds
+        seq = list(r.token_ids)
+        drafted.append([eos if j % 2 and j < min(kw["min_tokens"] - 1, len(seq) - 1) else t for j, t in enumerate(seq)])
+
+    def drafts(tokens, k, *lookup):
+        tokens = list(tokens)
+        p, seq = next((p, s) for p, s in zip(prompts, drafted) if tokens[:len(p)] == p)
+        return seq[len(tokens) - len(p):len(tokens) - len(p) + k]
+
+    monkeypatch.setattr(verify, "ngram_propose", drafts)
+    for k in (2, 5):
+        results, stats = run(text_model, prompts, kws, {"method": "ngram", "num_tokens": k}, tokenizer=tokenizer)
+        assert_same(results, reference)
+        assert 0 < stats["accepted"] < stats["proposed"]
