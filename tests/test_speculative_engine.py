@@ -525,3 +525,32 @@ def test_a_failing_mtp_drafting_fails_the_requests_it_drafts_for_alone(models, m
         monkeypatch.setattr(MtpDrafter, "run", real)
         assert [e.submit(p, **kw, **x).result().token_ids for p, x in zip(prompts, kws)] == reference
         assert e.stats().running == e.stats().used_blocks == 0
+
+
+SHAPES = {  # configs the verify step's state handling could trip on (the layer kinds each keep a state of their own)
+    "one_gdn_layer": dict(num_hidden_layers=1, layer_types=("linear_attention",)),
+    "one_attention_layer": dict(num_hidden_layers=1, layer_types=("full_attention",)),
+    "gdn_only": dict(num_hidden_layers=3, layer_types=("linear_attention",) * 3),
+    "mha_odd_heads": dict(num_key_value_heads=4, linear_num_key_heads=4, linear_num_value_heads=4, head_dim=24,
+                          linear_key_head_dim=8, linear_value_head_dim=40),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_unusual_shapes_verify_to_plain_decoding(monkeypatch, shape):
+    """One layer of either kind, GDN layers alone, attention heads without grouping and head sizes of other widths:
+    n-gram drafts (some rejected) at k 3 and 5 and a random MTP head at k 3 give plain decoding's tokens under
+    continuous batching, prompts of one token included."""
+    cfg = tiny_config(mtp_num_hidden_layers=1, **SHAPES[shape])
+    model = with_random_mtp(unit_gain(HybridModel.from_preset(cfg, seed=1), seed=2), seed=3)
+    prompts = [random_tokens(n, s, cfg.vocab_size) for n, s in ((7, 1), (1, 2), (23, 3), (2, 4))]
+    reference = plain(model, prompts, 12)
+    for spec in ({"method": "ngram", "num_tokens": 3}, {"method": "ngram", "num_tokens": 5},
+                 {"method": "mtp", "num_tokens": 3}):
+        monkeypatch.setattr(verify, "ngram_propose", Oracle(prompts, reference, cfg.vocab_size))
+        with Engine(model, 3, compile=False, speculative=spec) as e:
+            assert staggered(e, prompts, 12) == reference, spec
+            stats = e.stats()
+        assert stats.speculative["proposed"] > 0 and stats.used_blocks == 0
+        if spec["method"] == "ngram":
+            assert 0 < stats.speculative["accepted"] < stats.speculative["proposed"]
