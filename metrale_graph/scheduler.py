@@ -191,8 +191,10 @@ class Scheduler:
         return n
 
     def _fits(self, r: Request) -> bool:
-        bs = self.cache.block_size
-        pending = sum(self.blocks_for(q) - -(-self.cache.context_lens[q.slot] // bs) for q in self.running)
+        # what the running requests may still take: their reservations less the blocks their slots hold (a verify
+        # step's slot may hold one past its context: its rejected drafts' positions, speculative/verify.py)
+        held = self.cache.slot_blocks.blocks
+        pending = sum(max(0, self.blocks_for(q) - len(held[q.slot])) for q in self.running)
         return self.blocks_for(r) <= self.cache.free_blocks - pending
 
     def advance(self, step: list[Chunk], decodes: int) -> None:

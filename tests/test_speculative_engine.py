@@ -554,3 +554,30 @@ def test_unusual_shapes_verify_to_plain_decoding(monkeypatch, shape):
         assert stats.speculative["proposed"] > 0 and stats.used_blocks == 0
         if spec["method"] == "ngram":
             assert 0 < stats.speculative["accepted"] < stats.speculative["proposed"]
+
+
+def test_admission_counts_the_blocks_a_verify_step_left_a_slot():
+    """A verify step gives a stream blocks for all its drafts and commits the kept ones alone: a slot may hold a
+    block past its context (the rejected drafts' positions, within its reservation). The scheduler's admission
+    counted what a running request still needs from its context (its reservation less the blocks its context
+    fills), so such a block was counted twice (held, and still needed): a request that fits waited for a running
+    one to end. It now counts the blocks the slot holds."""
+    from metrale_graph import Stream
+    from metrale_graph.protocol import prefill_call
+    from metrale_graph.sampling import SamplingParams
+    from metrale_graph.scheduler import Request, Scheduler
+
+    model = HybridModel.from_preset(tiny_config())
+    cache = model.new_cache(2, 6, 16, 48, verify_entries=8)
+    sched = Scheduler(cache, 64)
+    first, second = (Request(0, list(range(1, 11)), 38, SamplingParams(), None) for _ in range(2))  # 3 blocks each
+    sched.add(first)
+    assert [len(c.tokens) for c in sched.plan()] == [10]
+    with prefill_call(model, cache, [Stream(first.slot, first.prompt)]) as call:
+        call.run(lambda packed: model.hidden_states(cache, packed)[:1])
+    with prefill_call(model, cache, [Stream(first.slot, list(range(9)))]) as call:  # a verify of 8 drafts, none kept
+        call.run_settled(lambda packed: model.hidden_states(cache, packed), lambda h: [1], [0])
+    assert cache.context_lens[first.slot] == 11 and len(cache.slot_blocks.blocks[first.slot]) == 2
+    assert cache.free_blocks == 4  # the first needs one more block of its 3: the second's 3 fit
+    sched.add(second)
+    assert sched._fits(second)
