@@ -784,3 +784,25 @@ def test_export_onnx_bar_is_cleared_on_a_terminal(capsys, monkeypatch, tmp_path)
     export_onnx.main(["-B", "1", "-T", "8", "-o", str(tmp_path / "x.onnx")])
     err = capsys.readouterr().err
     assert "check_model" in err and not err.endswith("\n") and err.split("\r")[-2].strip() == "", repr(err[-200:])
+
+
+@pytest.mark.parametrize("key, env, message", [
+    ("", None, "argument --api-key: an empty key (from the flag, or $METRALE_API_KEY)"),
+    (None, "", "argument --api-key: an empty key (from the flag, or $METRALE_API_KEY)"),
+    ("secret ", None, "argument --api-key: a key with spaces at an end, which no request's key can match"),
+])
+def test_serve_api_key_no_request_can_send_is_refused(capsys, monkeypatch, key, env, message):
+    """--api-key '' (or METRALE_API_KEY set to nothing, as `export METRALE_API_KEY=$KEY` with KEY unset sets it) started
+    a server that refused every client's key with 401 and said nothing; a key with a space at an end could never
+    match either (the server strips the key a request sends). Both are usage errors now, the key not echoed."""
+    from metrale_graph import envs
+
+    def no_server(*args):
+        raise AssertionError("the server started")
+
+    monkeypatch.setattr(serve, "_listen_socket", no_server)
+    monkeypatch.setattr(envs, "METRALE_API_KEY", env)
+    _usage_error(capsys, serve.main, [] if key is None else ["--api-key", key], message)
+    assert "secret" not in capsys.readouterr().err
+    monkeypatch.setattr(envs, "METRALE_API_KEY", "from-env")
+    assert serve._parse_args([])[1].api_key == "from-env" and serve._parse_args(["--api-key", "k"])[1].api_key == "k"

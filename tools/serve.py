@@ -64,6 +64,15 @@ def port(text: str) -> int:
     return value
 
 
+def api_key(text: str) -> str:
+    """A key a request can send: not empty, no space at its ends (the server strips the key a request sends)."""
+    if not text.strip() or text != text.strip():  # (the key itself is not echoed: a secret)
+        got = "an empty key" if not text.strip() else "a key with spaces at an end, which no request's key can match"
+        raise argparse.ArgumentTypeError(f"{got} (from the flag, or ${API_KEY_ENV}); leave both out for a server "
+                                         "without a key")
+    return text
+
+
 def json_strings(text: str) -> list[str]:
     """A JSON list of strings (vLLM's CORS flags: '["https://a.example", "https://b.example"]')."""
     try:
@@ -84,7 +93,7 @@ def _parse_args(argv):
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model name clients send and /v1/models lists (default: --model as given); several, as "
                         "vLLM takes them: a request may name any, /v1/models lists all, answers report the first")
-    p.add_argument("--api-key", default=envs.METRALE_API_KEY,
+    p.add_argument("--api-key", type=api_key, default=envs.METRALE_API_KEY,
                    help=f"clients must send 'Authorization: Bearer KEY' on /v1 paths (default: ${API_KEY_ENV}; "
                         "none: open)")
     add_engine_args(p, num_slots=64)
