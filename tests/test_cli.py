@@ -746,7 +746,7 @@ class _ClosedPipe:
         return False
 
 
-@pytest.mark.parametrize("name, argv", [
+CONSOLE_RUNS = [  # a quick run of each tool's console script (bench_serve against fake_server)
     ("prefill", ["--lengths", "3", "--repeat", "1"]),
     ("generate", ["--eager", "--max-new-tokens", "2"]),
     ("warmup", ["--batch-sizes", "1", "--token-counts", "16", "--cache-dir", "cache"]),
@@ -754,7 +754,10 @@ class _ClosedPipe:
     ("bench_serve", ["--num-prompts", "1", "--input-len", "2", "--output-len", "1"]),
     ("quantize", ["--out", "fp8"]),
     ("export_onnx", ["-B", "1", "-T", "8", "-o", "x.onnx"]),
-])
+]
+
+
+@pytest.mark.parametrize("name, argv", CONSOLE_RUNS)
 def test_a_closed_pipe_ends_the_tool_quietly(monkeypatch, tmp_path, capsys, checkpoints, fake_server, name, argv):
     """`metrale-generate ... | head`: once head had exited, the next print raised BrokenPipeError, a traceback (and
     Python's 'Exception ignored ... BrokenPipeError' at exit). The console scripts now end there as the shell's tools
@@ -806,3 +809,45 @@ def test_serve_api_key_no_request_can_send_is_refused(capsys, monkeypatch, key, 
     assert "secret" not in capsys.readouterr().err
     monkeypatch.setattr(envs, "METRALE_API_KEY", "from-env")
     assert serve._parse_args([])[1].api_key == "from-env" and serve._parse_args(["--api-key", "k"])[1].api_key == "k"
+
+
+@pytest.mark.parametrize("name, argv", CONSOLE_RUNS)
+def test_ctrl_c_ends_the_tool_in_one_line(monkeypatch, tmp_path, capsys, checkpoints, fake_server, name, argv):
+    """Ctrl-C ended every tool but generate and serve with a KeyboardInterrupt traceback (mid-warmup ~30 lines of
+    torch's compile internals) and exit code 1. The console scripts now end with one line, 'interrupted (Ctrl-C)',
+    and exit code 130, and ignore a second Ctrl-C while the process exits. In-process: the interrupt raised where
+    each tool prints its JSON line (warmup: while compiling, export_onnx: while exporting)."""
+    import importlib
+    import signal
+    import sys
+
+    from metrale_graph import onnx
+    from metrale_graph.capture import GraphRunner
+    from metrale_graph.tools import report
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(GraphRunner, "warmup", interrupted)
+    monkeypatch.setattr(onnx, "export_prefill", interrupted)
+
+    ignored = []
+    monkeypatch.setattr(signal, "signal", lambda sig, handler: ignored.append((sig, handler)))  # (not pytest's own)
+    monkeypatch.chdir(tmp_path)
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # warmup sets them: restored after the test
+        monkeypatch.setenv(var, str(tmp_path / var))
+    module = importlib.import_module(f"metrale_graph.tools.{name}")
+    for where in (module, report):
+        if hasattr(where, "print_json"):
+            monkeypatch.setattr(where, "print_json", interrupted)
+    if name == "quantize":
+        argv = ["--model", str(checkpoints / "good"), *argv]
+    monkeypatch.setattr(sys, "argv", [name, *argv])
+    with pytest.raises(SystemExit) as e:
+        try:
+            getattr(module, "cli", module.main)()  # (export_onnx's console script is its main)
+        except KeyboardInterrupt:  # (a failure of this test, not the end of the pytest session)
+            pytest.fail("the KeyboardInterrupt went through the console script")
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and "interrupted (Ctrl-C)" in err and "Traceback" not in err, err
+    assert (signal.SIGINT, signal.SIG_IGN) in ignored

@@ -39,7 +39,7 @@ from metrale_graph.tools.distributed import end_tensor_parallel, start_run
 from metrale_graph.tools.files import write_whole
 from metrale_graph.tools.flags import add_moe_parallel_arg, names_of, output_file, positive_int, seed
 from metrale_graph.tools.provenance import provenance
-from metrale_graph.tools.report import closed_pipe_ends_quietly, format_table, print_json
+from metrale_graph.tools.report import ends_quietly, format_table, print_json
 from metrale_graph.tools.workloads import WORKLOADS, Workload, fitting_workloads, workload_floor
 
 VARIANTS = ("peer", "eager", "compiled", "graphs")
@@ -249,7 +249,7 @@ def _bench(p, args, plan: _Plan, run) -> None:
 
 def cli() -> None:
     """The console script and `python -m`: main(), then the end of a --tp run (tools.distributed)."""
-    with closed_pipe_ends_quietly():
+    with ends_quietly():
         main()
     end_tensor_parallel()
 

@@ -40,7 +40,7 @@ from metrale_graph.tools.files import write_whole
 from metrale_graph.tools.flags import add_model_args, names_of, output_file, positive_int
 from metrale_graph.tools.loading import build_engine, check_engine_sizes, load_model, model_config
 from metrale_graph.tools.provenance import provenance
-from metrale_graph.tools.report import bars_shown, closed_pipe_ends_quietly, print_json, print_table
+from metrale_graph.tools.report import bars_shown, ends_quietly, print_json, print_table
 
 WORKLOADS = ("system", "chat", "split", "split-1600")
 SHARED = {"system": 2048, "split": 1500, "split-1600": 1600}  # each workload's shared prefix at --scale 1
@@ -278,7 +278,7 @@ def main(argv=None) -> None:
 
 
 def cli() -> None:
-    with closed_pipe_ends_quietly():
+    with ends_quietly():
         main()
 
 

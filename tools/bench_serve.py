@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from metrale_graph.tools.flags import non_negative_float, output_file, positive_int
 from metrale_graph.tools.provenance import provenance
-from metrale_graph.tools.report import bars_shown, closed_pipe_ends_quietly, print_json, print_table
+from metrale_graph.tools.report import bars_shown, ends_quietly, print_json, print_table
 
 
 def length_range(text: str) -> tuple[int, int]:
@@ -322,7 +322,7 @@ def _cookbook(args) -> dict:
 
 
 def cli() -> None:
-    with closed_pipe_ends_quietly():
+    with ends_quietly():
         main()
 
 

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from metrale_graph import Stream
 from metrale_graph.tools.flags import add_model_args, device_and_dtype, output_file, positive_int
 from metrale_graph.tools.loading import load_model, model_config
-from metrale_graph.tools.report import closed_pipe_ends_quietly, print_json, print_table
+from metrale_graph.tools.report import ends_quietly, print_json, print_table
 
 
 def _verify_streams(B: int, T: int) -> int:
@@ -117,8 +117,8 @@ def _verify(model, cache, path: str, B: int, T: int, seed: int) -> dict[str, flo
 
 
 def main(argv=None) -> None:
-    """The console script and `python -m` too (no --tp, so no cli(): tools.report.closed_pipe_ends_quietly here)."""
-    with closed_pipe_ends_quietly():
+    """The console script and `python -m` too (no --tp, so no cli(): tools.report.ends_quietly here)."""
+    with ends_quietly():
         _export(argv)
 
 

@@ -25,7 +25,7 @@ from metrale_graph.tools.distributed import end_tensor_parallel, start_run
 from metrale_graph.tools.flags import (INT_TEXT, add_engine_args, add_model_args, add_speculative_arg, non_negative_float,
                                        non_negative_int, positive_int, probability)
 from metrale_graph.tools.loading import build_engine, check_engine_sizes, check_speculative_model, load_model
-from metrale_graph.tools.report import (bars_shown, closed_pipe_ends_quietly, print_json, speculative_figures,
+from metrale_graph.tools.report import (bars_shown, ends_quietly, print_json, speculative_figures,
                                         speculative_line)
 
 
@@ -202,7 +202,7 @@ def cli() -> None:
     Ctrl-C, another one while the process exits is ignored (it would interrupt the interpreter's
     finalization, which prints a traceback)."""
     try:
-        with closed_pipe_ends_quietly():
+        with ends_quietly():
             main()
     except SystemExit as e:
         if e.code == 130:

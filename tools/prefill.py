@@ -17,7 +17,7 @@ from metrale_graph import Stream
 from metrale_graph.tools.distributed import end_tensor_parallel, start_run
 from metrale_graph.tools.flags import add_model_args, non_negative_int, positive_int, positive_ints
 from metrale_graph.tools.loading import load_model, model_config, sync
-from metrale_graph.tools.report import closed_pipe_ends_quietly, print_json, print_table, progress_bar
+from metrale_graph.tools.report import ends_quietly, print_json, print_table, progress_bar
 
 
 def main(argv=None) -> None:
@@ -94,7 +94,7 @@ def _prefill(p, args, run, num_continued: int) -> None:
 
 def cli() -> None:
     """The console script and `python -m`: main(), then the end of a --tp run (tools.distributed)."""
-    with closed_pipe_ends_quietly():
+    with ends_quietly():
         main()
     end_tensor_parallel()
 

@@ -38,7 +38,7 @@ import torch
 from metrale_graph.quantization import QWEN_KEPT
 from metrale_graph.tools.files import unwritable
 from metrale_graph.tools.flags import device, non_negative_float
-from metrale_graph.tools.report import closed_pipe_ends_quietly, print_json, print_table, progress_bar
+from metrale_graph.tools.report import ends_quietly, print_json, print_table, progress_bar
 
 
 FILE_PATTERN = "model-{:05d}-of-{:05d}.safetensors"
@@ -269,7 +269,7 @@ def main(argv=None) -> None:
 
 
 def cli() -> None:
-    with closed_pipe_ends_quietly():
+    with ends_quietly():
         main()
 
 

@@ -55,13 +55,23 @@ def speculative_line(figures: dict) -> str:
 
 
 @contextlib.contextmanager
-def closed_pipe_ends_quietly():
-    """Around a tool's main (its console script): standard output's reader gone (`metrale-generate ... | head`)
-    ends the tool as the shell's own tools end there, without a traceback, with exit code 141 (128 + SIGPIPE).
-    Python's default was a BrokenPipeError traceback, and another message at exit, when it flushes standard
-    output. A BrokenPipeError of anything else (a socket) is raised as it is."""
+def ends_quietly():
+    """Around a tool's main (its console script), the ends a user causes, without a traceback: Ctrl-C is one line
+    on standard error and exit code 130 (128 + SIGINT; a second Ctrl-C while the process exits is ignored: it would
+    interrupt the interpreter's finalization); standard output's reader gone (`metrale-generate ... | head`) ends
+    the tool as the shell's own tools end there, exit code 141 (128 + SIGPIPE). Python's default for both was a
+    traceback (a BrokenPipeError one, and another message at exit, when it flushes standard output). A
+    BrokenPipeError of anything else (a socket) is raised as it is."""
+    import signal
+
     try:
         yield
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+        print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
     except BrokenPipeError:
         if not _stdout_closed():
             raise

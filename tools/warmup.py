@@ -228,9 +228,9 @@ def _warmup(p, args, run, cache_dir: str, artifacts: str, record_name: str, warm
 def cli() -> None:
     """The console script and `python -m`: main(), then the end of a --tp run (tools.distributed)."""
     from metrale_graph.tools.distributed import end_tensor_parallel
-    from metrale_graph.tools.report import closed_pipe_ends_quietly
+    from metrale_graph.tools.report import ends_quietly
 
-    with closed_pipe_ends_quietly():
+    with ends_quietly():
         main()
     end_tensor_parallel()
 
