@@ -851,3 +851,16 @@ def test_ctrl_c_ends_the_tool_in_one_line(monkeypatch, tmp_path, capsys, checkpo
     err = capsys.readouterr().err
     assert e.value.code == 130 and "interrupted (Ctrl-C)" in err and "Traceback" not in err, err
     assert (signal.SIGINT, signal.SIG_IGN) in ignored
+
+
+def test_export_onnx_refuses_an_fp8_model_before_loading_it(capsys, monkeypatch, checkpoints, tmp_path):
+    """An FP8 checkpoint or preset was refused by export_prefill after the model had loaded (for Qwen3-Next-80B-FP8
+    minutes of reading, on a CPU a memory error first), in words that named no flag. It is now a usage error naming
+    --model, before the load."""
+    from metrale_graph.tools.quantize import quantize_checkpoint
+
+    quantize_checkpoint(str(checkpoints / "good"), str(tmp_path / "fp8"))
+    _no_model_load(monkeypatch)
+    for model in (str(tmp_path / "fp8"), "qwen3.5-9b-fp8"):
+        _usage_error(capsys, export_onnx.main, ["--model", model, "-o", str(tmp_path / "x.onnx")],
+                     f"--model {model}: the ONNX export does not write FP8 models")

@@ -116,6 +116,20 @@ def _verify(model, cache, path: str, B: int, T: int, seed: int) -> dict[str, flo
     return errors
 
 
+def _loads_in_fp8(args) -> bool:
+    """Whether --model loads with FP8 weights (as from_pretrained reads its config), which export_prefill refuses:
+    told before the load (an FP8 checkpoint of 80B loads for minutes). A config that does not read: the load names it."""
+    from metrale_graph import PRESETS
+    from metrale_graph.weights import checkpoint_config
+
+    try:
+        cfg = PRESETS[args.model] if args.model in PRESETS else checkpoint_config(args.model,
+                                                                                   requantize_fp8=args.requantize_fp8)
+    except ValueError:
+        return False
+    return cfg.quantization is not None
+
+
 def main(argv=None) -> None:
     """The console script and `python -m` too (no --tp, so no cli(): tools.report.ends_quietly here)."""
     with ends_quietly():
@@ -146,6 +160,9 @@ def _export(argv) -> None:
     if args.max_context > limit:
         p.error(f"--max-context {args.max_context} exceeds the model's max_position_embeddings ({limit}): no position "
                 "past it exists")
+    if _loads_in_fp8(args):
+        p.error(f"--model {args.model}: the ONNX export does not write FP8 models (their translations have no W8A8 "
+                "projections); export the floating-point checkpoint")
     B, T = args.batch_size, args.tokens
     try:  # the default path passes the same check as -o
         path = args.output or output_file(f"prefill_B{B}_T{T}.onnx")
