@@ -133,6 +133,10 @@ def test_prefill_valid_flags_unchanged(capsys, checkpoints):
     (["--batch-sizes", "1,,2"], "argument --batch-sizes: expected comma-separated positive integers, got '1,,2'"),
     (["--blocks", "0"], "argument --blocks: expected a positive integer, got '0'"),
     (["--slots", "-1"], "argument --slots: expected a positive integer, got '-1'"),
+    # a cache or bucket buffers beyond the memory: a traceback (NotEnoughMemory) after the model loaded
+    (["--blocks", "1000000000"], "--slots 64 / --blocks 1000000000 / --token-counts: the cache's pools need"),
+    (["--batch-sizes", "1", "--token-counts", "100000000000", "--blocks", "4"],
+     "--slots 64 / --blocks 4 / --token-counts: the buckets' static input buffers need"),
 ])
 def test_warmup_flags(capsys, tmp_path, argv, message):
     _usage_error(capsys, warmup.main, argv + ["--cache-dir", str(tmp_path / "cache")], message)

@@ -157,13 +157,18 @@ def _warmup(p, args, run, cache_dir: str, artifacts: str, record_name: str, warm
 
     from metrale_graph.capture import GraphRunner
     from metrale_graph.tools.files import write_whole
-    from metrale_graph.tools.loading import load_model
+    from metrale_graph.tools.loading import load_model, out_of_memory
     from metrale_graph.tools.report import bars_shown, print_json, print_table
 
     model = load_model(args, p, run)
     blocks = args.blocks if args.blocks is not None else args.slots * -(-max(args.token_counts) // 64)
-    cache = model.new_cache(num_slots=args.slots, num_blocks=blocks)
-    runner = GraphRunner(model, cache, args.batch_sizes, args.token_counts)
+    try:
+        cache = model.new_cache(num_slots=args.slots, num_blocks=blocks)
+        runner = GraphRunner(model, cache, args.batch_sizes, args.token_counts)
+    except (ValueError, RuntimeError) as e:  # a cache or bucket buffers the device cannot hold (NotEnoughMemory, OOM)
+        if isinstance(e, RuntimeError) and not out_of_memory(e):
+            raise
+        p.error(f"--slots {args.slots} / --blocks {blocks} / --token-counts: {str(e).splitlines()[0]}")
     # what a cold run's time is a time of: a warm run compares itself only with a cold run of the same
     warmed = {"model": args.model, "dtype": str(model.dtype), "device": model.device.type, "tp": args.tp,
               "moe_parallel": run.moe_parallel, "buckets": [str(b) for b in runner.grid],
