@@ -645,17 +645,23 @@ def test_requantize_fp8_refused_where_it_changes_nothing(capsys, monkeypatch, ch
                  f"--model {good} has no compressed-tensors quantization_config: leave it out")
 
 
-def test_warmup_without_graphs_shows_no_capture_figures(tmp_path, monkeypatch, capsys):
-    """On the CPU (no CUDA graphs) every bucket's line, the table and the total showed "capture 0.000 s, graph 0.0
-    MiB" and the JSON 0.0, figures of a capture that never ran. Without graphs they are left out (null in the
-    JSON, "graphs": false); the compile times stay. In-process, with compiling faked."""
+def _fake_warmup_compiles(tmp_path, monkeypatch, compile_s: float) -> None:
+    """warmup.main in-process without compiling: every bucket reports `compile_s`, no cache artifacts saved, the
+    compile caches main() points at restored after the test."""
     from metrale_graph.capture import BucketReport, GraphRunner
 
     for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # main() sets them: restored after the test
         monkeypatch.setenv(var, str(tmp_path / var))
     monkeypatch.setattr(GraphRunner, "warmup", lambda self, progress=True, on_bucket=None: [
-        on_bucket(r) or r for r in (BucketReport(b, compile_s=1.5) for b in self.grid)])
+        on_bucket(r) or r for r in (BucketReport(b, compile_s=compile_s) for b in self.grid)])
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: None)
+
+
+def test_warmup_without_graphs_shows_no_capture_figures(tmp_path, monkeypatch, capsys):
+    """On the CPU (no CUDA graphs) every bucket's line, the table and the total showed "capture 0.000 s, graph 0.0
+    MiB" and the JSON 0.0, figures of a capture that never ran. Without graphs they are left out (null in the
+    JSON, "graphs": false); the compile times stay. In-process, with compiling faked."""
+    _fake_warmup_compiles(tmp_path, monkeypatch, 1.5)
     warmup.main(["--batch-sizes", "1,2", "--token-counts", "16", "--slots", "2", "--cache-dir", str(tmp_path / "c"),
                  "--device", "cpu"])
     *lines, last = capsys.readouterr().out.strip().splitlines()
@@ -672,14 +678,9 @@ def test_warmup_and_serve_records_carry_tp(tmp_path, monkeypatch, capsys):
     of a --tp 2 run from stand-ins of its engine and state."""
     from types import SimpleNamespace
 
-    from metrale_graph.capture import BucketReport, GraphRunner
     from metrale_graph.server.metrics import FINISH_REASONS
 
-    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # main() sets them: restored after the test
-        monkeypatch.setenv(var, str(tmp_path / var))
-    monkeypatch.setattr(GraphRunner, "warmup", lambda self, progress=True, on_bucket=None: [
-        on_bucket(r) or r for r in (BucketReport(b, compile_s=1.0) for b in self.grid)])
-    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: None)
+    _fake_warmup_compiles(tmp_path, monkeypatch, 1.0)
     warmup.main(["--batch-sizes", "1", "--token-counts", "16", "--slots", "2", "--cache-dir", str(tmp_path / "c"),
                  "--device", "cpu", "--dtype", "bfloat16"])
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
