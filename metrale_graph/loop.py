@@ -290,13 +290,7 @@ class EngineLoop(LoopIntake, LoopReadBack):
                 self.last_tokens.index_copy_(0, to_device(int_tensor(todo_slots), logits.device), result.tokens)
             host, ready = self._to_host(result, pieces)
         except BaseException as e:  # KeyboardInterrupt included: only this step's requests see it
-            # a failure after the step ran (its sampling) leaves its slots holding its tokens, never committed: reset
-            # them before the step before is delivered (a request ending there keeps its slot's context as a prefix)
-            with contextlib.suppress(Exception):  # (a cache the failure broke: its requests fail all the same)
-                for slot in slots:
-                    self.cache.reset(slot)
-                    if self.journal is not None:
-                        self.journal.reset(slot)
+            self._reset_failed_launch(requests, e)  # (its slots, before the step before is delivered: loop_readback.py)
             return None, e
         return Launched(step, decodes, todo, host, ready, commit, sum(len(c.tokens) for c in prompts), grammars), None
 

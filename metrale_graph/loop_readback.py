@@ -207,6 +207,22 @@ class LoopReadBack:
         for c in step:
             self._fail(c.request, error)
 
+    def _reset_failed_launch(self, requests: list[Request], error: BaseException) -> None:
+        """A launch that failed with `error`: after its step ran (its sampling) its requests' slots hold its tokens,
+        never committed. Each slot is reset before the step before is delivered (a request ending there keeps its
+        slot's context as a prefix), each on its own: a reset that raises (anything: the loop goes on) leaves the
+        others' to be done, and its request fails with `error` at once, before it could keep the state its slot was
+        left in (_fail gives the slot back, reset again). The caller fails the others."""
+        for r in requests:
+            slot = r.slot
+            try:
+                self.cache.reset(slot)
+            except BaseException:  # (a cache the failure broke refuses every later call: cache_ownership.py)
+                self._fail(r, error)
+                continue
+            if self.journal is not None:  # (_fail's release journals its own)
+                self.journal.reset(slot)
+
     def _fail(self, r: Request, error: BaseException, flush: bool = True) -> None:
         """End r with `error` (a no-op once it has ended). flush: first deliver the outputs of a step cut short
         (requests it ended must still see their last output); False from inside the loops that make them."""

@@ -392,3 +392,70 @@ def test_a_base_exception_resetting_slots_at_the_loops_end_still_ends_every_requ
         with pytest.raises(EngineClosedError, match="shut down"):
             handle.result(30)
     assert not engine._loop._thread.is_alive() and engine.cache.holder_name is None
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt, _Halt], ids=["error", "ctrl-c", "base-exception"])
+@pytest.mark.parametrize("which", ["stopping", "other"])
+def test_a_slot_reset_failing_after_a_failed_step_fails_only_that_steps_requests(which, exc, monkeypatch):
+    """A step that fails after it ran (its sampling raised) resets its slots before the step before is delivered
+    (a request ending there keeps its slot's context as a prefix). That reset raising a BaseException that is not an
+    Exception (KeyboardInterrupt, a user's own, from the cache's reset) stopped the engine loop: every request ended
+    with EngineClosedError and the engine served no more; an Exception left the slots after the one that raised
+    unreset, and a request stopping at the step before then kept its slot's state one token on as its prefix, which
+    a later prompt restored. Now each slot is reset on its own: a request whose slot's reset raised fails at once (no
+    prefix kept from it), the others as before (one stopping at the step before ends "stop", its right prefix kept),
+    and the engine goes on: later prompts through the prefix give plain decoding's tokens, nothing is held."""
+    import metrale_graph.loop as loop_module
+    from metrale_graph import Engine
+
+    model = HybridModel.from_preset("tiny", seed=3)
+    kw = dict(num_slots=2, token_budget=64, block_size=16, max_context=256, compile=False)
+    prompt, other = random_tokens(20, seed=81), random_tokens(9, seed=82)
+    with Engine(model, **kw) as plain:
+        free = plain.generate([prompt], max_new_tokens=8, stop_token_ids=[])[0].token_ids
+        follow = prompt + free[:3] + random_tokens(5, seed=83)
+        want = [r.token_ids for r in plain.generate([follow, other], max_new_tokens=6, stop_token_ids=[])]
+    engine = Engine(model, prefix_cache=True, **kw)
+    loop, stop = engine._loop, free[3]
+    real_sample, real_reset, armed = loop_module.sample, engine.cache.reset, []
+
+    def sample(logits, rows, *args):  # the step after the one that sampled `stop` for `prompt` fails in its sampling
+        if armed == ["sample"]:
+            armed[:] = ["reset"]
+            raise RuntimeError("sampling failed")
+        result = real_sample(logits, rows, *args)
+        if any(r.prompt == prompt and t == stop for r, t in zip(rows, result.tokens.tolist())):
+            armed.append("sample")
+        return result
+
+    def reset(slot):  # then the reset of `which` request's slot raises, once
+        target = next((r for r in loop.scheduler.running if (r.prompt == prompt) == (which == "stopping")), None)
+        if armed == ["reset"] and loop.is_loop_thread() and target is not None and slot == target.slot:
+            armed.clear()
+            raise exc("injected in reset")
+        return real_reset(slot)
+
+    monkeypatch.setattr(loop_module, "sample", sample)
+    engine.cache.reset = reset
+    long = engine.submit(other, max_new_tokens=40, stop_token_ids=[])  # (first: slot 0, its reset comes first)
+    next(iter(long))
+    ends = engine.submit(prompt, max_new_tokens=8, stop_token_ids=[stop])
+    outcomes = []
+    for handle in (ends, long):
+        try:
+            outcomes.append(handle.result(60))
+        except BaseException as e:
+            outcomes.append(e)
+    monkeypatch.undo()
+    del engine.cache.reset
+    assert not armed, "the injected failures did not happen"
+    if which == "stopping":
+        assert isinstance(outcomes[0], RuntimeError) and str(outcomes[0]) == "sampling failed"
+    else:
+        assert outcomes[0].token_ids == free[:4] and outcomes[0].finish_reason == "stop"
+    assert isinstance(outcomes[1], RuntimeError) and str(outcomes[1]) == "sampling failed"
+    assert not loop.closed and engine.cache.context_lens == [0, 0]
+    assert not any(engine.cache._index.refs) and engine.cache.free_blocks == engine.cache.num_blocks
+    got = engine.generate([follow, other], max_new_tokens=6, stop_token_ids=[])
+    assert [r.token_ids for r in got] == want
+    engine.shutdown()
