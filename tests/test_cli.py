@@ -134,13 +134,38 @@ def test_prefill_valid_flags_unchanged(capsys, checkpoints):
     (["--blocks", "0"], "argument --blocks: expected a positive integer, got '0'"),
     (["--slots", "-1"], "argument --slots: expected a positive integer, got '-1'"),
     # a cache or bucket buffers beyond the memory: a traceback (NotEnoughMemory) after the model loaded
-    (["--blocks", "1000000000"], "--slots 64 / --blocks 1000000000 / --token-counts: the cache's pools need"),
+    (["--slots", "20000000", "--blocks", "1000000000"],
+     "--slots 20000000 / --blocks 1000000000 / --token-counts: the cache's pools need"),
     (["--batch-sizes", "1", "--token-counts", "100000000000", "--blocks", "4"],
      "--slots 64 / --blocks 4 / --token-counts: the buckets' static input buffers need"),
 ])
 def test_warmup_flags(capsys, tmp_path, argv, message):
     _usage_error(capsys, warmup.main, argv + ["--cache-dir", str(tmp_path / "cache")], message)
     assert not (tmp_path / "cache").exists()
+
+
+def test_warmup_blocks_stay_within_the_models_positions(capsys, tmp_path, monkeypatch):
+    """--blocks' default gave every slot the blocks of the largest token count, past the model's
+    max_position_embeddings when that is shorter (tiny: 4096 positions, the default grid's 8192 tokens): twice the
+    blocks a slot can ever hold (its block table ends there), memory for nothing. The default now stops at the
+    model's positions, and a --blocks past what every slot at max_position_embeddings holds is a usage error before
+    the model loads (no folder left)."""
+    limit = load_config("tiny").max_position_embeddings
+    assert limit == 4096
+    monkeypatch.setattr(HybridModel, "from_preset", lambda *a, **k: pytest.fail("the model loaded before --blocks"))
+    _usage_error(capsys, warmup.main, ["--slots", "2", "--blocks", "129", "--cache-dir", str(tmp_path / "refused")],
+                 "--blocks 129 exceeds what --slots 2 can use: a slot holds at most the model's max_position_embeddings "
+                 "(4096 tokens, 64 blocks of 64): give at most 128")
+    assert not (tmp_path / "refused").exists()
+    monkeypatch.undo()
+    _fake_warmup_compiles(tmp_path, monkeypatch, 1.0)
+    for argv, blocks in ((["--token-counts", "16,8192"], 2 * 64), (["--token-counts", "16,100"], 2 * 2),
+                         (["--token-counts", "16,8192", "--blocks", "128"], 128)):
+        cache_dir = tmp_path / f"c{blocks}{len(argv)}"
+        warmup.main(["--batch-sizes", "1", "--slots", "2", "--device", "cpu", "--cache-dir", str(cache_dir), *argv])
+        out = capsys.readouterr().out
+        assert f"blocks={blocks} ({blocks} free) x 64," in out, out
+        assert json.loads((cache_dir / "cold_warmup.json").read_text())["run"]["blocks"] == blocks
 
 
 def test_warmup_cache_dir_is_a_file(capsys, tmp_path):

@@ -25,6 +25,7 @@ import time
 from metrale_graph.capture import DEFAULT_BATCH_SIZES, DEFAULT_TOKEN_COUNTS
 
 ARTIFACTS, RECORD = "compile_artifacts.bin", "cold_warmup.json"
+BLOCK_SIZE = 64  # the cache's KV block, in tokens (--blocks counts them)
 
 
 def own_files(rank: int | None) -> tuple[str, str]:
@@ -100,8 +101,10 @@ def main(argv=None) -> None:
                    help="comma-separated tokens per bucket of the grid; buckets of more streams than tokens are "
                         f"skipped (default {','.join(map(str, DEFAULT_TOKEN_COUNTS))})")
     p.add_argument("--slots", type=positive_int, default=64, help="cache slots (default 64)")
-    p.add_argument("--blocks", type=positive_int, default=None, help="KV blocks (default: enough for every slot "
-                   "to hold the largest token count)")
+    p.add_argument("--blocks", type=positive_int, default=None,
+                   help=f"KV blocks of {BLOCK_SIZE} tokens, at most --slots x those of the model's "
+                        "max_position_embeddings (default: enough for every slot to hold the largest token count, or "
+                        "max_position_embeddings when that is shorter)")
     p.add_argument("--cache-dir", default=".metrale_cache",
                    help="where compile artifacts persist (default .metrale_cache, in the current folder)")
     p.add_argument("--no-progress", action="store_true",
@@ -111,6 +114,7 @@ def main(argv=None) -> None:
         make_grid(args.batch_sizes, args.token_counts)
     except ValueError as e:
         p.error(f"--batch-sizes / --token-counts: {e}")
+    _check_blocks(p, args)
 
     cache_dir = os.path.abspath(args.cache_dir)
     if os.path.exists(cache_dir) and not os.path.isdir(cache_dir):
@@ -127,6 +131,23 @@ def main(argv=None) -> None:
             with contextlib.suppress(OSError):
                 os.rmdir(cache_dir)
         raise
+
+
+def _check_blocks(p, args) -> None:
+    """--blocks, before the model loads: a slot holds at most max_position_embeddings tokens (the cache's block
+    tables end there), so --slots x that many blocks is what the cache can ever use; more is a usage error. The
+    default (args.blocks filled in) is what every slot needs for the largest token count, or for the model's
+    whole context when that is shorter."""
+    from metrale_graph.tools.loading import model_config
+
+    limit = model_config(args).max_position_embeddings
+    most = args.slots * -(-limit // BLOCK_SIZE)
+    if args.blocks is None:
+        args.blocks = args.slots * -(-min(max(args.token_counts), limit) // BLOCK_SIZE)
+    elif args.blocks > most:
+        p.error(f"--blocks {args.blocks} exceeds what --slots {args.slots} can use: a slot holds at most the model's "
+                f"max_position_embeddings ({limit} tokens, {-(-limit // BLOCK_SIZE)} blocks of {BLOCK_SIZE}): give at "
+                f"most {most}")
 
 
 def _checked_run(p, args, cache_dir: str) -> None:
@@ -161,9 +182,9 @@ def _warmup(p, args, run, cache_dir: str, artifacts: str, record_name: str, warm
     from metrale_graph.tools.report import bars_shown, print_json, print_table
 
     model = load_model(args, p, run)
-    blocks = args.blocks if args.blocks is not None else args.slots * -(-max(args.token_counts) // 64)
+    blocks = args.blocks  # (_check_blocks: its default filled in)
     try:
-        cache = model.new_cache(num_slots=args.slots, num_blocks=blocks)
+        cache = model.new_cache(num_slots=args.slots, num_blocks=blocks, block_size=BLOCK_SIZE)
         runner = GraphRunner(model, cache, args.batch_sizes, args.token_counts)
     except (ValueError, RuntimeError) as e:  # a cache or bucket buffers the device cannot hold (NotEnoughMemory, OOM)
         if isinstance(e, RuntimeError) and not out_of_memory(e):
