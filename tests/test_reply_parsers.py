@@ -139,6 +139,23 @@ def test_xml_call_streams_its_name_first_then_one_parameter_at_a_time():
     assert parser.finish() == [] and parser.calls == 1
 
 
+@pytest.mark.parametrize("kind", ["qwen3_xml", "qwen3_json"])
+@pytest.mark.parametrize("before, between, after, content", [
+    ("foo\n", "\n", "\n\nbar", "foo\n\nbar"),  # the longest whitespace around the calls
+    ("foo\n\n", "", "\nbar baz\n", "foo\n\nbar baz"),  # (the reply's end: the framing, dropped)
+    ("foo ", " ", " bar", "foo bar"), ("foo\t", "\n", "  bar", "foo  bar"),  # (the first of equal ones)
+    ("foo", "", "bar", "foobar"),  # none written: none added
+    ("\n\n", "\n", "\nbar", "bar"), ("foo\n\n", "\n", "\n", "foo"),  # the content's start and end
+])
+def test_text_after_calls_keeps_the_whitespace_that_separates_it(kind, before, between, after, content):
+    """Text the model writes before and after its calls is content joined by the longest run of whitespace written
+    around the calls between them (it was joined without any: "foo" and "bar" became "foobar"); at the content's
+    start and end that whitespace is the template's framing, dropped. Two calls, streamed at every cut as whole."""
+    call = xml_call("get_time") if kind == "qwen3_xml" else '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    text = before + call + between + call + after
+    assert assert_same_when_streamed(kind, text, pairs=True) == Reply(None, content, [("get_time", "{}")] * 2)
+
+
 @pytest.mark.parametrize("text", [
     xml_call("delete_everything", path="/"),  # a function the request does not offer
     "<tool_call>\nnot xml at all\n</tool_call>",
@@ -161,8 +178,8 @@ def test_an_xml_call_without_its_opening_tag_counts():
     bare = xml_call("get_weather", city="Paris", days=3)[len("<tool_call>\n"):]
     text = "Let me check.\n\n" + bare + "\n" + xml_call("get_time") + "\n<function=get_time>\n</function>\nDone."
     whole = assert_same_when_streamed("qwen3_xml", text, pairs=True)
-    assert whole == Reply(None, "Let me check.Done.", [("get_weather", '{"city": "Paris", "days": 3}'),
-                                                       ("get_time", "{}"), ("get_time", "{}")])
+    assert whole == Reply(None, "Let me check.\n\nDone.", [("get_weather", '{"city": "Paris", "days": 3}'),
+                                                           ("get_time", "{}"), ("get_time", "{}")])
     assert parse("qwen3_xml", [bare]) == Reply(None, None, [("get_weather", '{"city": "Paris", "days": 3}')])
     after_reasoning = ReplyParsers("qwen3_xml", True).parser(FUNCTIONS, in_reasoning=True)
     assert Reply.of(events_of(after_reasoning, ["Weather needed.\n</think>\n\n" + bare])) == \
@@ -195,8 +212,8 @@ def test_malformed_xml_inside_a_call_is_dropped_and_the_call_still_ends():
             "<parameter=city>\nRome\n</parameter>\n<bogus>\n</function>\n</tool_call>Done.")
     whole = assert_same_when_streamed("qwen3_xml", text)
     # the first <tool_call> opened nothing (it is content); a name given twice keeps its first value; text after
-    # a call is content too
-    assert whole == Reply(None, "<tool_call>Done.", [("get_weather", '{"city": "Oslo"}')])
+    # a call is content too, after the whitespace before the call
+    assert whole == Reply(None, "<tool_call>\nDone.", [("get_weather", '{"city": "Oslo"}')])
     assert parse("qwen3_xml", ["<tool_call><function=get_time></function>after"]) == \
         Reply(None, "after", [("get_time", "{}")])  # no </tool_call>: the call ends at </function>
     assert parse("qwen3_xml", ["<tool_call><function=get_time><parameter=x>1</parameter></tool_call>"]) == \

@@ -20,8 +20,10 @@ when NAME is offered and its next tag is a `<parameter=` or its `</function>`.
 An XML call counts from its `<function=NAME>` on: it is streamed from there (the name at once, then the
 arguments a parameter at a time, '{"city": "Paris"', ', "days": 3', '}'), and what follows inside it that is
 not a parameter is dropped; a reply that ends inside a call (max_tokens) closes it with the parameters it
-has. A JSON call is held back whole until its `</tool_call>`. Whitespace around calls is dropped (the
-template's framing), and a parameter named twice keeps its first value. A value ends at its last `</parameter>`
+has. A JSON call is held back whole until its `</tool_call>`. Whitespace around calls is dropped at the content's
+start and end (the template's framing); between text before and after calls it is kept: the longest run of it the
+model wrote there (the first of equal ones), so that "foo\\n<tool_call>...</tool_call>\\n\\nbar" is "foo\\n\\nbar",
+not "foobar". A parameter named twice keeps its first value. A value ends at its last `</parameter>`
 before the next tag (or the reply's end): one that holds the text `</parameter>` stays whole.
 Events joined equal the whole text's, however the text was cut.
 """
@@ -70,8 +72,12 @@ class ToolCallParser:
         self.calls = 0  # calls started
         self._state = TEXT
         self._held = ""  # text received and not yet given out or consumed
-        self._trim_start = False  # the whitespace that follows a call is dropped
+        self._trim_start = False  # the whitespace that follows a call is held (the gap, or dropped at the end)
         self._reopen = ""  # a candidate call's opening (and the whitespace before it): content if it is none
+        self._space = ""  # the whitespace before the candidate call
+        self._after = ""  # the whitespace after the last call, so far
+        self._gap = ""  # the longest whitespace around the calls since the last content: before the next content
+        self._said = False  # content given: a gap before more content is kept
 
     def feed(self, text: str) -> list:
         self._held += text
@@ -97,32 +103,39 @@ class ToolCallParser:
 
     def _text(self, final: bool, out: list) -> bool:
         if self._trim_start:
-            self._held = self._held.lstrip()
-            if not self._held:
+            text = self._held.lstrip()
+            self._after += self._held[:len(self._held) - len(text)]
+            self._held = text
+            if not text:
                 return False
-            self._trim_start = False
+            self._trim_start, self._gap, self._after = False, _longest(self._gap, self._after), ""
         found = [(i, tag) for tag in self.OPENINGS for i in [self._held.find(tag)] if i >= 0]
         if found:  # a candidate: the whitespace before it goes with it until it proves to be a call
             start, tag = min(found)
             before = self._held[:start]
             text = before.rstrip()
-            if text:
-                out.append(ContentDelta(text))
-            self._reopen = before[len(text):] + tag
+            self._content(text, out)
+            self._space = before[len(text):]
+            self._reopen = self._space + tag
             self._held, self._state = self._held[start + len(tag):], self._opened_state(tag)
             return True
         if final:
-            text = self._held.rstrip() if self.calls else self._held
-            if text:
-                out.append(ContentDelta(text))
+            self._content(self._held.rstrip() if self.calls else self._held, out)
             self._held = ""
             return False
         body = self._held[:len(self._held) - partial_tag_len(self._held, *self.OPENINGS)]
         keep = len(body) - trailing_space_len(body)  # may be the whitespace before a call
         if keep:
-            out.append(ContentDelta(self._held[:keep]))
+            self._content(self._held[:keep], out)
             self._held = self._held[keep:]
         return False
+
+    def _content(self, text: str, out: list) -> None:
+        """`text` as content (none if empty), after the whitespace around the calls before it where content came
+        before them."""
+        if text:
+            out.append(ContentDelta(self._gap + text if self._said else text))
+            self._gap, self._said = "", True
 
     def _opened_state(self, tag: str) -> str:
         raise NotImplementedError
@@ -130,14 +143,14 @@ class ToolCallParser:
     def _not_a_call(self, out: list) -> bool:
         """The candidate after `<tool_call>` is no call: its opening is content, and the text after it is read
         again as text (it may hold the next candidate)."""
-        out.append(ContentDelta(self._reopen))
+        self._content(self._reopen, out)
         self._state, self._reopen = TEXT, ""
         return True
 
     def _start_call(self, name: str, out: list) -> None:
         out.append(CallStart(self.calls, name))
         self.calls += 1
-        self._reopen = ""
+        self._reopen, self._gap = "", _longest(self._gap, self._space)
 
     def _call_ended(self) -> None:
         self._state, self._trim_start = TEXT, True
@@ -308,6 +321,10 @@ def json_call(text: str, functions: Mapping[str, Mapping]) -> tuple[str, str] | 
     if not isinstance(arguments, dict):
         return None
     return call["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+def _longest(first: str, second: str) -> str:
+    return second if len(second) > len(first) else first
 
 
 PARSERS = {"qwen3_xml": Qwen3XmlToolParser, "qwen3_json": Qwen3JsonToolParser}
