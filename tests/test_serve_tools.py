@@ -9,10 +9,12 @@ enable_thinking false (the template closes the reasoning in the prompt), leading
 one system message Qwen3.5's template takes, vLLM's include_reasoning false (the reply
 without its reasoning), tool_choice "none" (no tools rendered,
 no call parsed), a call of a function the request does not offer (content, never a 500), a reply cut inside a
-call, and the 400s naming their field (a tool without a name, tool_choice naming an unknown function, OpenAI's
-fields this server does not honour), a strict function under "auto" (its calls held to its schema by a structural
-tag), usage's reasoning tokens of a `</think>` written in pieces. Forced calls (tool_choice "required" / named):
-test_serve_structured.py.
+call, a stream's deltas accumulated by the openai client's stream helper equal to the whole reply (content null
+for calls alone, "" where nothing is shown), two calls streamed (indices, ids), text before and after a call (the
+whitespace between kept), and the 400s naming their field (a tool without a name, tool_choice naming an unknown
+function, OpenAI's fields this server does not honour), a strict function under "auto" (its calls held to its
+schema by a structural tag), usage's reasoning tokens of a `</think>` written in pieces. Forced calls (tool_choice
+"required" / named): test_serve_structured.py.
 The Responses API (POST /v1/responses) with the openai client over the same server: output items (reasoning, message,
 function_call), instructions and a multi-turn input (the instructions and Codex's leading developer messages one system
 message), the function-call round trip with function_call_output,
@@ -284,6 +286,89 @@ def test_a_reply_cut_inside_a_call_closes_it_and_keeps_length(client):
     choice = ask(client, USER, max_tokens=3).choices[0]  # the reasoning, </think>, the call's <function=...>
     assert choice.finish_reason == "length"
     assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [("get_weather", "{}")]
+
+
+def _accumulated(client, **kw):
+    """The stream's chunks and the openai client's stream helper's choice at the end: the deltas accumulated as clients
+    accumulate them (a delta's text appended to the message's, a null left as it was; its snapshot, which a reply cut
+    by max_tokens has too)."""
+    kw = {"messages": USER, "tools": [WEATHER_TOOL], **kw}
+    with client.chat.completions.stream(model=NAME, temperature=0, **kw) as stream:
+        chunks = [event.chunk for event in stream if event.type == "chunk"]
+        return chunks, stream.current_completion_snapshot.choices[0]
+
+
+def _message(choice) -> tuple:
+    calls = [(c.type, c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
+    return choice.message.content, getattr(choice.message, "reasoning_content", None), calls, choice.finish_reason
+
+
+def _forced_text(text: str, **kw) -> dict:
+    """The request's fields that make the reply, after this model's reasoning, `text` (a regular expression of it)."""
+    return dict(max_tokens=300, extra_body={"structured_outputs": {"regex": re.escape(text)}, **kw})
+
+
+TWO_CALLS = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>\n"
+             "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=days>\n2\n"
+             "</parameter>\n</function>\n</tool_call>")
+
+
+@pytest.mark.parametrize("case, kw, content", [
+    ("a call", {}, None),
+    ("a call without reasoning", {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}, None),
+    ("two calls", _forced_text(TWO_CALLS), None),
+    ("text", {"tool_choice": "none"}, "".join(CALL)),
+    ("reasoning cut short", {"max_tokens": 1}, None),
+    ("nothing shown", {"max_tokens": 1, "extra_body": {"include_reasoning": False}}, ""),
+])
+def test_a_stream_accumulates_to_the_whole_reply(client, case, kw, content):
+    """A stream's deltas accumulated (the openai client's stream helper) give the whole reply's message: content null
+    where the reply is only calls or reasoning, as OpenAI's whole and streamed replies have it, and "" where nothing
+    is shown. The first delta's content was "" (vLLM's), so a reply of calls or reasoning accumulated to "" where the
+    whole one has null; now it is null, as OpenAI's first delta of a reply of calls, and a reply that shows nothing
+    gets its "" in the last delta."""
+    whole = ask(client, USER, **kw).choices[0]
+    chunks, final = _accumulated(client, **kw)
+    assert _message(final) == _message(whole), case
+    assert whole.message.content == content, case
+    first = chunks[0].choices[0].delta.to_dict()
+    assert first == {"role": "assistant", "content": None}, first
+    assert sum(1 for c in chunks for choice in c.choices if choice.finish_reason) == 1
+
+
+def test_text_before_and_after_a_call_keeps_the_whitespace_between(client):
+    """Text the model writes before and after a call is the content, joined by the whitespace it wrote around the
+    call (the longest run of it), whole and streamed alike (it was joined without any: "Let me check.Done.")."""
+    call = TWO_CALLS.split("\n<tool_call>")[0]
+    kw = _forced_text("Let me check.\n" + call + "\n\nDone.\n")
+    whole = ask(client, USER, **kw).choices[0]
+    assert whole.message.content == "Let me check.\n\nDone." and whole.finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls] == \
+        [("get_weather", {"city": "Paris"})]
+    (streamed,) = _streamed(client, USER, **kw)
+    assert streamed["content"] == whole.message.content and streamed["finish"] == "tool_calls"
+    _, final = _accumulated(client, **kw)
+    assert _message(final) == _message(whole)
+
+
+def test_parallel_calls_streamed_with_their_indices_and_ids(client):
+    """Two calls in one reply, streamed: each call's first delta holds its index (0, 1), a unique id, its type and
+    name; its arguments follow under that index alone (no id, name or type again, so that a client appending the
+    deltas keeps one id and one name per call), the finish reason "tool_calls", each call's arguments joined its
+    whole reply's."""
+    kw = _forced_text(TWO_CALLS)
+    whole = ask(client, USER, **kw).choices[0]
+    (got,) = _streamed(client, USER, **kw)
+    firsts = [d for d in got["calls"] if "id" in d]
+    assert [(d["index"], d["type"], d["function"]) for d in firsts] == \
+        [(i, "function", {"name": "get_weather", "arguments": ""}) for i in (0, 1)]
+    assert len({d["id"] for d in firsts}) == 2 and all(d["id"].startswith("call_") for d in firsts)
+    rest = [d for d in got["calls"] if "id" not in d]
+    assert all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"} for d in rest), rest
+    arguments = ["".join(d["function"]["arguments"] for d in got["calls"] if d["index"] == i) for i in (0, 1)]
+    assert arguments == [c.function.arguments for c in whole.message.tool_calls]
+    assert [json.loads(a) for a in arguments] == [{"city": "Paris"}, {"city": "Rome", "days": 2}]
+    assert got["finish"] == whole.finish_reason == "tool_calls" and got["content"] == ""
 
 
 STRICT_WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {

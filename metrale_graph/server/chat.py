@@ -8,12 +8,16 @@ is "none": tool_choice.py). A reply is read by the server's parsers (reply.py): 
 `reasoning_content` and `reasoning` (vLLM's older and newer names for it; from the prompt's open `<think>` when the
 template opened one; left out under vLLM's include_reasoning false), and, when the request offers tools, calls in the
 template's format into `tool_calls` (ids `call_...`; finish_reason "tool_calls" when a reply that stopped made
-one; content None when it holds only calls). A stream sends, per choice, a first delta with the role (`{"role":
-"assistant", "content": ""}`), then a delta per piece as the text comes (`content`, `reasoning_content`, or
-`tool_calls`: a call's index, id, type and name first with arguments "", then its arguments in pieces), the last
-one with the finish reason ("stop": a stop token or string; "length": max_tokens or the context; "tool_calls"),
-then the usage chunk with stream_options.include_usage, then `data: [DONE]`. vLLM's `echo` puts the last message's
-text before the reply's content where the reply goes on with it (continue_final_message, or an assistant's message
+one; content None when it holds only calls). A stream sends, per choice, a first delta with the role and the
+content the whole reply's starts as: `{"role": "assistant", "content": null}` where the reply is parsed (OpenAI's
+first delta of a reply of calls; vLLM sends "", which a client appending the deltas, as the openai client's
+stream helper does, turns into an empty text where the whole reply has null), `"content": ""` where it is text as it
+is; then a delta per piece as the text comes (`content`, `reasoning_content`, or `tool_calls`: a call's index, id,
+type and name first with arguments "", then its arguments in pieces), the last one with the finish reason ("stop":
+a stop token or string; "length": max_tokens or the context; "tool_calls"; with `"content": ""` where the reply
+showed nothing, as the whole one's content is then ""), then the usage chunk with stream_options.include_usage,
+then `data: [DONE]`. vLLM's `echo` puts the last message's text before the reply's content where the reply goes
+on with it (continue_final_message, or an assistant's message
 followed by the assistant's turn): a stream sends it as each choice's second delta.
 
 Structured output (`response_format`, `structured_outputs`, `guided_*`; server/structured.py) holds the reply
@@ -42,7 +46,7 @@ from .reply import ReasoningDelta, Reply, ReplyParser
 from .custom_tools import CustomInputs, custom_input
 from .responses import (DONE, AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatResponse, CustomCall,
                         CustomToolCall, DeltaCustomCall, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall,
-                        StreamChunks, ToolCall, Usage, event, now, request_id, with_usage)
+                        RoleDelta, StreamChunks, ToolCall, Usage, event, now, request_id, with_usage)
 from .state import ServerState
 from .structured import compile_grammar, structured_request
 from .forced_calls import ForcedCallParser
@@ -254,8 +258,9 @@ async def _events(state: ServerState, body: ChatCompletionRequest, run: ChatRun,
     customs = [CustomInputs(run.tools.custom) for _ in range(len(group))]
     replies: list[tuple[list[int], list[str]]] = [([], []) for _ in range(len(group))]  # its tokens, its reasoning
     pending: dict[int, tuple[list, list]] = {}  # per choice, the tokens (and logprobs) of outputs not sent yet
+    shown = [bool(body.echoed)] * len(group)  # per choice, whether a delta has shown something of the reply
     try:
-        yield sent(chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+        yield sent(chunk([ChatChunkChoice(index=i, delta=RoleDelta(content="" if readers is None else None))
                           for i in range(len(group))], prompt_token_ids=group.prompt_of(0) if ids else None))
         if body.echoed:  # (vLLM's echo: the message's text first, a delta of its own per choice)
             yield sent(chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=body.echoed))
@@ -285,6 +290,9 @@ async def _events(state: ServerState, body: ChatCompletionRequest, run: ChatRun,
             events = _shown(body, events)
             finish = finish_reason(out.finish_reason, reader.calls, body.tool_choice)
             deltas = [d for e in events if (d := _delta(e, call_ids[choice], customs[choice])) is not None]
+            shown[choice] = shown[choice] or bool(deltas)
+            if finish and not shown[choice]:  # (the whole reply's content "": nothing shown, no null left)
+                deltas = [DeltaMessage(content="")]
             if not deltas and (finish or (ids and out.token_ids)):
                 deltas = [DeltaMessage()]
             if not deltas:  # (text the parsers hold back: its tokens and logprobs go with the next delta)

@@ -152,6 +152,13 @@ class DeltaMessage(SetFieldsOnly):
     tool_calls: list[DeltaToolCall] | None = None
 
 
+class RoleDelta(BaseModel):
+    """A chat stream's first delta of a choice: the role, and the content the whole reply's starts as (its null
+    written out, as OpenAI's first delta of a reply of calls has it)."""
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
 class FunctionCall(BaseModel):
     name: str
     arguments: str  # JSON text of an object, as OpenAI sends it
@@ -206,7 +213,7 @@ class ChatResponse(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: DeltaMessage
+    delta: DeltaMessage | RoleDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: StopReason = None
