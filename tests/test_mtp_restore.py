@@ -2,7 +2,9 @@
 come with the restored blocks (its pools share the block table), and SlotBlocks notes the token each entry read,
 so a restore whose entries are the new prompt's own sets mtp_context_lens and the request speculates with MTP
 drafts; one whose are not (the token after a kept position differs, or the head did not follow the blocks'
-writer) gets none. Greedy output stays plain decoding's either way."""
+writer) gets none. Greedy output stays plain decoding's either way. The prefix a request keeps when it ends has
+the head's entries of its last step's positions too (drafting.catch_up_ending, before the delivery), so the next
+turn of a conversation (prompt + reply + more), restoring the whole first turn, drafts again."""
 
 from __future__ import annotations
 
@@ -118,3 +120,125 @@ def test_restore_prefix_checks_the_head_entries_and_snapshots_cover_them(next_to
     assert cache.slot_blocks.head == snap.host[2].head and copied not in cache.slot_blocks.head
     assert restore_prefix(model, cache, 1, tokens) == 20
     assert cache.mtp_context_lens[1] == (20 if next_token_kept else 0)
+
+
+
+def conversation(model, turns, k=2, new_tokens=12, **kw):
+    """Turns on one engine (k None: plain decoding), each prompt the one before + its reply + turns[i] (turns[0]:
+    the first prompt): each turn's tokens, cached tokens, (proposed, accepted) deltas and the MTP drafts made for
+    it, step by step. kw: the Engine's, and generate's stop_token_ids (default none), temperature and seed."""
+    out, drafts, prompt = [], [], []
+    real = MtpDrafter.draft
+
+    def draft(self, *args):
+        made = real(self, *args)
+        drafts.extend(made.values())
+        return made
+
+    sampling = {"stop_token_ids": [], **{key: kw.pop(key) for key in ("stop_token_ids", "temperature", "seed") if key in kw}}
+    spec = {"speculative": {"method": "mtp", "num_tokens": k}} if k else {}
+    with mock.patch.object(MtpDrafter, "draft", draft), Engine(model, 2, compile=False, **spec, **kw) as e:
+        for more in turns:
+            prompt = prompt + (out[-1][0] if out else []) + more
+            before, drafts[:] = e.stats().speculative or {}, []
+            r = e.generate([prompt], max_new_tokens=new_tokens, **sampling)[0]
+            after = e.stats().speculative or {}
+            out.append((r.token_ids, r.cached_tokens, after.get("proposed", 0) - before.get("proposed", 0),
+                        after.get("accepted", 0) - before.get("accepted", 0), list(drafts)))
+    return out
+
+
+def tokens(turns):
+    return [t[0] for t in turns]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_the_next_turn_of_a_conversation_gets_mtp_drafts(k):
+    # the first turn's slot is kept when it ends: prompt + reply but the last token, whose last positions its last
+    # step kept; the head catches up on them before the prefix is kept (drafting.catch_up_ending), so the next turn
+    # (prompt + reply + more), restoring all of it, drafts again (the bigram checkpoint: every draft kept)
+    model = bigram_model(CFG)
+    turns = [SHARED, [3, 4, 5]]
+    hit = conversation(model, turns, k, prefix_cache=True)
+    without = conversation(model, turns, k, prefix_cache=False)
+    assert tokens(hit) == tokens(without) == tokens(conversation(model, turns, None))
+    (first, *_), (_, cached, proposed, accepted, _) = hit
+    assert cached == len(SHARED) + len(first) - 1  # the whole first turn restored
+    assert proposed > 0 and accepted == proposed == without[1][2]
+
+
+@pytest.mark.parametrize("k, stop", [(1, 1), (1, 2), (2, 2), (2, 3), (3, 3), (3, 4)])
+def test_the_next_turn_after_a_stop_token_gets_mtp_drafts(k, stop):
+    # the first turn stops at a token its last step kept as a draft (its slot keeps it: stops.py; the head's entry
+    # there read the step's token after it) or at the token the step added (never fed); the next turn goes on past
+    # the stop token with the token the model gives after it, so the head's entries are its own in both cases
+    model = bigram_model(CFG)
+    seq = plain(model, [SHARED], 12)[0]
+    assert seq[stop] not in seq[:stop]
+    turns = [SHARED, [seq[stop + 1], 3, 4]]
+    hit = conversation(model, turns, k, prefix_cache=True, stop_token_ids=[seq[stop]])
+    without = conversation(model, turns, k, prefix_cache=False, stop_token_ids=[seq[stop]])
+    assert tokens(hit) == tokens(without) == tokens(conversation(model, turns, None, stop_token_ids=[seq[stop]]))
+    (first, *_), (_, cached, proposed, accepted, _) = hit
+    assert first == seq[:stop + 1]
+    at_draft = stop % (k + 1) != 0  # (every draft kept: the first step's one token, then k drafts and one added)
+    assert cached == len(SHARED) + len(first) - (0 if at_draft else 1)
+    assert proposed > 0 and accepted == proposed == without[1][2]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_the_next_turn_keeps_the_head_entries_a_fresh_run_writes(k):
+    # random MTP weights: the drafts read the head's entries of every restored position, so the next turn drafts
+    # exactly what its prompt run from scratch drafts, step by step
+    model = with_random_mtp(unit_gain(HybridModel.from_preset(CFG, seed=1), seed=2), seed=3)
+    first, hit = conversation(model, [SHARED, [3, 4, 5]], k, prefix_cache=True)
+    fresh = conversation(model, [SHARED + first[0] + [3, 4, 5]], k, prefix_cache=True)[0]  # (nothing cached yet)
+    assert hit[1] > 0 and fresh[1] == 0
+    assert hit[0] == fresh[0]
+    assert hit[2:] == fresh[2:] and hit[2] > 0
+
+
+def test_the_next_turn_of_a_seeded_sampled_conversation_gets_mtp_drafts():
+    model = bigram_model(CFG)  # (at temperature 0.02 some drafts are kept, some not)
+    turns, kw = [SHARED, [3, 4, 5]], dict(temperature=0.02, seed=7)
+    hit = conversation(model, turns, 2, prefix_cache=True, **kw)
+    assert tokens(hit) == tokens(conversation(model, turns, 2, prefix_cache=False, **kw)) == \
+        tokens(conversation(model, turns, None, **kw))
+    assert hit[1][1] == len(SHARED) + len(hit[0][0]) - 1
+    assert hit[1][2] > hit[1][3] > 0
+
+
+def test_a_failing_catch_up_of_an_ending_request_fails_it_alone(monkeypatch):
+    # the catch-up of a request the step's delivery ends runs before the delivery, in a transaction of its own
+    # over that request's slot: raising there fails that request (its slot reset, no prefix kept), the step's
+    # others (one going on, one that opted out) give plain decoding's tokens, and the engine goes on exact
+    model = bigram_model(CFG)
+    prompts = [SHARED, SHARED[::-1], SHARED[5:] + [7]]
+    kws = [dict(max_new_tokens=6), dict(max_new_tokens=12), dict(max_new_tokens=12, speculate=False)]
+    reference = [plain(model, [p], x["max_new_tokens"])[0] for p, x in zip(prompts, kws)]
+    real_run, real_catch_up, caught, failed = MtpDrafter.run, MtpDrafter.catch_up_ending, [], []
+
+    def catch_up(self, *args):
+        caught.append(True)
+        try:
+            return real_catch_up(self, *args)
+        finally:
+            caught.pop()
+
+    def run(self, batch, *args):
+        if caught and not failed:
+            failed.append(batch.slots)
+            raise RuntimeError("catch-up failed")
+        return real_run(self, batch, *args)
+
+    monkeypatch.setattr(MtpDrafter, "catch_up_ending", catch_up)
+    monkeypatch.setattr(MtpDrafter, "run", run)
+    with Engine(model, 3, compile=False, prefix_cache=True, speculative={"method": "mtp", "num_tokens": 2}) as e:
+        handles = [e.submit(p, stop_token_ids=[], **x) for p, x in zip(prompts, kws)]
+        with pytest.raises(RuntimeError, match="catch-up failed"):
+            handles[0].result()
+        assert [h.result().token_ids for h in handles[1:]] == reference[1:]
+        assert len(failed) == 1 and len(failed[0]) == 1  # (the first's catch-up alone: the second's ran later)
+        monkeypatch.setattr(MtpDrafter, "run", real_run)
+        assert [e.submit(p, stop_token_ids=[], **x).result().token_ids for p, x in zip(prompts, kws)] == reference
+        assert e.stats().running == e.stats().used_blocks == 0

@@ -10,8 +10,10 @@ runs the head at position n' + j - 1 on draft j beside its own previous output. 
 (one-hot proposals for acceptance.accept_drawn, whatever the request's temperature: exact either way). The drafts' own
 KV entries (positions n' .. n' + k - 2) are not counted (mtp_context_lens becomes n'); the next catch-up
 rewrites the kept positions. With prefix caching the tokens each kept entry read are noted with its block
-(SlotBlocks.head_written), so that a request restoring those blocks keeps its MTP drafts. The blocks they need
-are the slot's, within its reservation (k leaves room for the added token: n' + k - 1 <= prompt + max_new - 1).
+(SlotBlocks.head_written), so that a request restoring those blocks keeps its MTP drafts; a request the step
+ends is caught up on before the delivery keeps its prefix (catch_up_ending: the next turn of a conversation
+restoring it drafts too). The blocks they need are the slot's, within its reservation (k leaves room for the
+added token: n' + k - 1 <= prompt + max_new - 1).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from ..batch import PackedBatch, Stream
 from ..numbers import int_tensor, to_device
 from .mtp import mtp_hidden_states
+from .stops import stop_index
 
 
 class DraftBatch(NamedTuple):
@@ -49,8 +52,9 @@ class DraftBatch(NamedTuple):
 
 
 class MtpDrafter:
-    def __init__(self, model, cache):
+    def __init__(self, model, cache, fail: Callable | None = None):
         self.model, self.cache = model, cache
+        self.fail = fail  # fail(request, error): the engine loop's, for catch_up_ending (None: raise)
         self.on_batch: Callable[[DraftBatch], None] | None = None  # told each batch before it runs (plan_sync.py)
 
     def draft(self, h: torch.Tensor, reqs: list, before: list[int], starts: list[int], room: list[int],
@@ -74,6 +78,44 @@ class MtpDrafter:
         if self.on_batch is not None:
             self.on_batch(batch)
         return self.run(batch, h, graphs, bucket)
+
+    def catch_up_ending(self, out: dict, reqs: list, before: list[int], starts: list[int], graphs=None) -> None:
+        """With prefix caching, after a verify step (`out`: its hidden states "h", its tokens per request index in
+        "spec" / "plain", (tokens, logprobs)) has committed, before its tokens are delivered: the head catches up,
+        drafting nothing, on the kept positions of each request reqs[i] (None: one it does not follow; its context
+        before[i], its rows of h from starts[i]) that the delivery will end (stops.stop_index over its tokens). The
+        prefix its slot keeps when it ends then holds the head's entries of every position, so a later prompt going
+        on past it (the next turn of a conversation) keeps its MTP drafts (cache_prefixes.PrefixStore.restore). The
+        last kept position reads the token after it in prompt + output + the step's tokens: the one the step added
+        (never fed), or where r stops at a kept draft the step's token after that draft (a restore checks it against
+        the prompt's). `graphs` and out["bucket"]: as draft's. One that raises fails those requests alone (`fail`;
+        its transaction reset their slots)."""
+        cache, todo = self.cache, []
+        emitted = {i: t for i, (t, _) in (out.get("spec", {}) | out.get("plain", {})).items()}
+        for i, r in enumerate(reqs):
+            if (r is None or r.ended or cache.mtp_context_lens[r.slot] != before[i]
+                    or cache.context_lens[r.slot] <= before[i]):
+                continue
+            try:
+                if stop_index(r, emitted.get(i, [])) is not None:
+                    todo.append(i)
+            except BaseException:  # (the delivery meets it again and fails r alone: nothing kept for it)
+                pass
+        if not todo:
+            return
+        ids = [(reqs[i].prompt + reqs[i].out + emitted[i])[before[i] + 1:cache.context_lens[reqs[i].slot] + 1]
+               for i in todo]
+        batch = DraftBatch([reqs[i].slot for i in todo], ids, [starts[i] for i in todo], [before[i] for i in todo],
+                           [0] * len(todo))
+        try:
+            if self.on_batch is not None:
+                self.on_batch(batch)
+            self.run(batch, out["h"], graphs, out["bucket"])
+        except BaseException as e:
+            if self.fail is None:
+                raise
+            for i in todo:
+                self.fail(reqs[i], e)
 
     def run(self, batch: DraftBatch, h: torch.Tensor, graphs=None, bucket=None) -> dict:
         """draft's head over `batch` (on a follower of a plan broadcast: rank 0's): the catch-up, the drafts, the

@@ -29,7 +29,9 @@ cache, so every rank must keep the same tokens in the same slots, blocks and sta
    before the drafts take theirs, as on rank 0) with the drafting's inputs (drafting.DraftBatch: slots, the catch-up's
    next tokens, rows, contexts, drafts wanted); the follower runs the same drafting on the hidden states its verify
    step kept, allocating the same blocks and writing the same head entries, and drops the drafts, which come back
-   as tokens in rank 0's next SPECULATE plan.
+   as tokens in rank 0's next SPECULATE plan. With prefix caching, where the step's tokens end requests, a DRAFT
+   message before their delivery comes first: their catch-up alone (drafting.catch_up_ending), which every rank
+   runs on the same hidden states.
 
 A step that fails on rank 0 alone leaves the ranks out of step, as a plain step does (plan_sync.py).
 """
@@ -85,8 +87,9 @@ class SpeculativeFollower:
             self._verified = (out["h"], out["bucket"])
 
     def draft(self, plan) -> None:
-        """Run rank 0's MTP drafting (a plan_sync.Plan of kind DRAFT) after the verify step just run."""
+        """Run rank 0's MTP drafting (a plan_sync.Plan of kind DRAFT) after the verify step just run: one or two
+        (with prefix caching, where the step's delivery ends requests, their catch-up first: catch_up_ending)."""
         if self._verified is None:
             raise RuntimeError("rank 0 sent an MTP drafting without a verify step before it on this rank")
-        (h, bucket), self._verified = self._verified, None
+        h, bucket = self._verified
         self.spec.mtp.run(DraftBatch.of(plan.streams, plan.extra), h, self.spec.graphs, bucket)

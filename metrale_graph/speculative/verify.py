@@ -40,8 +40,8 @@ its layers through the runner's hidden-states step of the bucket it fits (GraphR
 5. Emission, in order, through the loop's `_advance` (stop tokens, stop strings, max_new_tokens): a token after
    a stop is neither emitted nor counted.
 6. Drafts for the next step: "ngram" looks them up when the step is planned (proposers.ngram_propose over prompt
-   + output); "mtp" runs the head now (drafting.py: catch-up on the positions this step kept, then k drafts;
-   with every stream a followed decode, behind the captured acceptance: launch_after, one read back for both).
+   + output); "mtp" runs the head now (drafting.py: catch-up on the positions this step kept, then k drafts; behind
+   the captured acceptance if every row is a followed decode; a request the delivery ends is caught up on first).
 
 Under a plan broadcast (plan_sync.py) this runs on rank 0, which sends each step (SPECULATE: its streams, drafts
 included, laid out alike everywhere by layout.py), shares its accept counts and last tokens after the read back,
@@ -68,8 +68,7 @@ from ..sampling import SampleRow, sample
 from .acceptance import accept_drawn, draw_positions, draw_uniforms, unprocessed
 from .ahead import VerifyAhead
 from .drafting import MtpDrafter
-from .layout import (VerifyLayout, acceptance_rows, kept_lengths, last_rows, pads_one_stream, position_rows,
-                     verify_layout)
+from .layout import VerifyLayout, acceptance_rows, kept_lengths, last_rows, pads_one_stream, position_rows, verify_layout
 from .options import Speculative
 from .proposers import history, ngram_propose
 from .stops import kept_counts
@@ -85,7 +84,7 @@ class SpeculativeStep:
         self.loop, self.spec, self.k = loop, spec, spec.num_tokens
         self.cache, self.model = loop.cache, loop.model
         self.base = self.cache.prefix_checkpoints  # the first verify entry
-        self.mtp = MtpDrafter(self.model, self.cache) if spec.method == "mtp" else None
+        self.mtp = MtpDrafter(self.model, self.cache, loop._fail) if spec.method == "mtp" else None
         self.runner = loop.runner  # its hidden-states buckets run the verify steps (compile=True), else None
         self.graphs = None  # the tail compiled (on CUDA captured) beside the runner's buckets (capture/speculative.py)
         if loop.runner is not None:
@@ -206,6 +205,8 @@ class SpeculativeStep:
         drafted = out.get("after")  # (the drafting ran behind the acceptance: launch_after)
         if drafted is not None:
             self.mtp.note_after(reqs, before, [out["spec"][i][0] for i in layout.spec])
+        elif self.mtp is not None and cache.prefix_caching:  # the head's entries of the prefixes the delivery keeps
+            self.mtp.catch_up_ending(out, [r if self.follows(r) else None for r in reqs], before, layout.starts, self.graphs)
         self._deliver(step, decodes, reqs, out, layout.spec)
         if drafted is not None:
             drafted, live = self.mtp.take_after(reqs, drafted, [self.room(r) for r in reqs]), range(len(reqs))
