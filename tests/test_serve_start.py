@@ -2,7 +2,8 @@
 the official `openai` client: it listens before the model loads, answering /health 503 "loading" and every
 other path 503 with Retry-After in OpenAI's shape; SIGTERM then ends it at once (one line, exit code 128 +
 15); a checkpoint that does not load ends it with the error (exit code 2), not a server answering 503 for
-ever; a --num-blocks that cannot hold one request at the full context ends it before it listens (exit code 2).
+ever; a --num-blocks that cannot hold one request at the full context ends it before it listens (exit code 2); its
+output into a pipe whose reader has gone (`| head -1`) ends it without a traceback (exit code 141).
 (A start that goes on to serve: every server fixture, whose /health answers test_serve.py checks.)
 Waits are bounded so that a hang fails fast."""
 
@@ -105,3 +106,40 @@ def test_too_few_kv_blocks_for_the_context_end_the_tool_before_it_listens(capsys
         main(flags + ["--num-blocks", "63"])
     assert "(4095: max context 4096 - 1)" in capsys.readouterr().err
     _check_blocks(*_parse_args(flags + ["--max-context", "257", "--num-blocks", "4"]))  # 256 tokens: the full context
+
+
+@pytest.mark.parametrize("when", ["loading", "serving", "ending"])
+def test_output_into_a_pipe_closed_early_ends_the_server_quietly(tmp_path, when):
+    """`metrale-serve ... | head -1`: once the reader had gone, the next line the server wrote raised BrokenPipeError.
+    From the startup thread (the model's line, while loading) it was a traceback and a thread that died: the server
+    never became ready and answered 503 for ever; from uvicorn's access log (--access-log, a request once serving) a
+    '--- Logging error ---' traceback per request; from the report at the end (SIGTERM) a traceback and exit code 1.
+    The server now ends there as the shell's tools do: no traceback, exit code 141 (128 + SIGPIPE), the port freed."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    argv = [sys.executable, "-m", "metrale_graph.tools.serve", "--model", "tiny", "--port", str(port), "--eager",
+            "--device", "cpu", "--num-slots", "2", "--max-context", "256"] + (["--access-log"] if when == "serving" else [])
+    with open(tmp_path / "err", "w") as err:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        lines = [proc.stdout.readline()]
+        assert lines[0].startswith(b"listening at "), lines
+        while when != "loading" and not lines[-1].startswith(b"serving 'tiny'"):
+            lines.append(proc.stdout.readline())
+            assert lines[-1], (lines, (tmp_path / "err").read_text())
+        proc.stdout.close()  # head has its lines and exits
+        if when == "serving":
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)  # (its access log line)
+        elif when == "ending":
+            proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = (tmp_path / "err").read_text()
+    assert code == 141 and "Traceback" not in err and "Error" not in err, (code, err)
+    assert port_is_free(port)

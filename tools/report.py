@@ -59,28 +59,42 @@ def ends_quietly():
     """Around a tool's main (its console script), the ends a user causes, without a traceback: Ctrl-C is one line
     on standard error and exit code 130 (128 + SIGINT; a second Ctrl-C while the process exits is ignored: it would
     interrupt the interpreter's finalization); standard output's reader gone (`metrale-generate ... | head`) ends
-    the tool as the shell's own tools end there, exit code 141 (128 + SIGPIPE). Python's default for both was a
-    traceback (a BrokenPipeError one, and another message at exit, when it flushes standard output). A
-    BrokenPipeError of anything else (a socket) is raised as it is."""
+    the tool as the shell's own tools end there, exit code 141 (128 + SIGPIPE; closed_pipe_ends_quietly). Python's
+    default for both was a traceback (a BrokenPipeError one, and another message at exit, when it flushes standard
+    output)."""
     import signal
 
     try:
-        yield
+        with closed_pipe_ends_quietly():
+            yield
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         with contextlib.suppress(OSError, ValueError):
             sys.stdout.flush()
         print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
+
+
+@contextlib.contextmanager
+def closed_pipe_ends_quietly():
+    """ends_quietly's second half alone (serve has its own Ctrl-C): standard output's reader gone ends the tool with
+    exit code 141, no traceback. A BrokenPipeError of anything else (a socket) is raised as it is."""
+    try:
+        yield
     except BrokenPipeError:
-        if not _stdout_closed():
+        if not stdout_closed():
             raise
-        with contextlib.suppress(OSError, ValueError, AttributeError):  # the exit's flush then writes nowhere
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        silence_stdout()
         raise SystemExit(141) from None
 
 
-def _stdout_closed() -> bool:
+def silence_stdout() -> None:
+    """Standard output pointed at /dev/null, its reader gone: later writes, and the exit's flush, write nowhere."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def stdout_closed() -> bool:
     """Whether standard output's reader has gone: its pipe reports an error (POLLERR: no reader), or a flush fails."""
     import select
 

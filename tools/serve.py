@@ -20,7 +20,8 @@ have, or asks for "mtp" of a model without an MTP head; a --num-blocks that cann
 SIGTERM or Ctrl-C ends it gracefully: new requests are refused,
 running ones get --shutdown-timeout seconds to finish and then end with an error, the port is freed,
 and the tool prints what it served and one JSON line (exit code 0); before the model has loaded, it
-ends at once with one line (exit code 128 + the signal's number: 130 for Ctrl-C). Under `torchrun
+ends at once with one line (exit code 128 + the signal's number: 130 for Ctrl-C). Output piped into a reader that
+stops early (`| head -1`) ends it too, without a traceback (exit code 141, 128 + SIGPIPE). Under `torchrun
 --nproc-per-node N ... --tp N` rank 0 serves HTTP and the other ranks follow its engine's steps
 (Engine(broadcast_plans=True), engine.follow()), ignoring SIGINT / SIGTERM: they end when rank 0 does.
 Stop such a server with SIGTERM to rank 0 (its pid is on the "listening" and "serving" lines): every
@@ -49,7 +50,9 @@ from metrale_graph.tools.flags import (add_engine_args, add_model_args, add_spec
                                        non_negative_int, positive_int)
 from metrale_graph.tools.loading import (build_engine, check_engine_sizes, check_speculative_model, load_model,
                                         model_config)
-from metrale_graph.tools.report import bars_shown, print_json, print_table, speculative_figures, speculative_line
+from metrale_graph.tools.report import (bars_shown, closed_pipe_ends_quietly, print_json, print_table,
+                                       speculative_figures, speculative_line)
+from metrale_graph.tools.serve_output import ServeOutput
 
 API_KEY_ENV = "METRALE_API_KEY"
 TOOL_PARSERS = ("qwen3_xml", "qwen3_json")  # metrale_graph.server.tool_parsers.PARSERS (without the serve extra)
@@ -214,17 +217,18 @@ def _serve(p, args, run, engine_kwargs: dict, sock: socket.socket) -> None:
 
     from metrale_graph.server import Loading, with_cors
 
-    gate = Loading()
+    gate, output = Loading(), ServeOutput()  # (output: standard output's reader gone ends the server, serve_output.py)
     cors = with_cors(gate, args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
     config = uvicorn.Config(cors, log_level=args.log_level, access_log=args.access_log, lifespan="off",
-                            timeout_graceful_shutdown=args.shutdown_timeout + 5)
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5, log_config=output.log_config())
     host, port_ = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port_}"
     startup = Startup(p, args, run, engine_kwargs, gate, url)
-    server = startup.server = _server(config, lambda: startup.stop(args.shutdown_timeout))
+    output.drain = lambda: startup.stop(args.shutdown_timeout)
+    server = startup.server = output.server = _server(config, output.drain)
     print(f"listening at {url} (pid {os.getpid()}); loading {args.model} (/health answers 503 until it is ready)",
           flush=True)
-    threading.Thread(target=startup.run, name="metrale-serve-startup", daemon=True).start()
+    threading.Thread(target=output.writing(startup.run), name="metrale-serve-startup", daemon=True).start()
     t0 = time.perf_counter()
     # uvicorn re-raises a signal it handled once it has shut down; these handlers take it then (the shutdown
     # is done: the tool ends as usual)
@@ -237,6 +241,8 @@ def _serve(p, args, run, engine_kwargs: dict, sock: socket.socket) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         startup.stop(0.0)
         sock.close()
+    if output.gone:  # (the server was ended for it: the tool ends as the shell's tools do there)
+        raise SystemExit(141)
     if startup.error is not None:
         what, error = startup.error
         if isinstance(error, SystemExit):  # load_model's / build_engine's parser.error: printed already
@@ -375,7 +381,9 @@ def cli() -> None:
     before the server runs (a follower rank loading its shard; the flags' checks) ends the tool with one line
     and exit code 130; once it runs, Ctrl-C is its graceful shutdown (_serve)."""
     try:
-        main()
+        with closed_pipe_ends_quietly():  # (its main thread's lines; its threads': serve_output.py)
+            main()
+            sys.stdout.flush()  # (the report's lines, written before the process ends)
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second one while the interpreter exits
         print("interrupted (Ctrl-C) before the server started", file=sys.stderr, flush=True)
