@@ -14,13 +14,15 @@ import pytest
 import torch
 
 from helpers import random_tokens, tiny_config, unit_gain
-from speculative_reference import bigram_model, with_random_mtp
+from speculative_reference import bigram_model, with_eager_tail, with_random_mtp
 from metrale_graph import Engine, HybridCache, HybridModel
+from metrale_graph.capture import make_grid
 from metrale_graph.protocol import restore_prefix
 from metrale_graph.speculative.drafting import MtpDrafter
 
 CFG = tiny_config(mtp_num_hidden_layers=1)
 SHARED = random_tokens(70, 9, CFG.vocab_size)
+TAIL_GRID = ([2, 4], [16, 128])  # (batch sizes, token counts: every step here fits a bucket)
 
 
 def plain(model, prompts, new_tokens):
@@ -123,10 +125,12 @@ def test_restore_prefix_checks_the_head_entries_and_snapshots_cover_them(next_to
 
 
 
-def conversation(model, turns, k=2, new_tokens=12, **kw):
+def conversation(model, turns, k=2, new_tokens=12, tail=None, **kw):
     """Turns on one engine (k None: plain decoding), each prompt the one before + its reply + turns[i] (turns[0]:
     the first prompt): each turn's tokens, cached tokens, (proposed, accepted) deltas and the MTP drafts made for
-    it, step by step. kw: the Engine's, and generate's stop_token_ids (default none), temperature and seed."""
+    it, step by step (draft's: not those made behind the acceptance). kw: the Engine's, and generate's
+    stop_token_ids (default none), temperature and seed. tail: a list, the engine's speculative steps then take
+    SpeculativeGraphs' path (uncompiled: what CUDA captures) in the buckets of TAIL_GRID, its calls listed there."""
     out, drafts, prompt = [], [], []
     real = MtpDrafter.draft
 
@@ -138,6 +142,11 @@ def conversation(model, turns, k=2, new_tokens=12, **kw):
     sampling = {"stop_token_ids": [], **{key: kw.pop(key) for key in ("stop_token_ids", "temperature", "seed") if key in kw}}
     spec = {"speculative": {"method": "mtp", "num_tokens": k}} if k else {}
     with mock.patch.object(MtpDrafter, "draft", draft), Engine(model, 2, compile=False, **spec, **kw) as e:
+        if tail is not None:
+            graphs = with_eager_tail(e, make_grid(*TAIL_GRID))._loop.spec.graphs
+            for name in ("accept", "draft", "draft_after"):
+                method = getattr(graphs, name)
+                setattr(graphs, name, lambda *a, _m=method, _n=name: tail.append(_n) or _m(*a))
         for more in turns:
             prompt = prompt + (out[-1][0] if out else []) + more
             before, drafts[:] = e.stats().speculative or {}, []
@@ -206,6 +215,28 @@ def test_the_next_turn_of_a_seeded_sampled_conversation_gets_mtp_drafts():
         tokens(conversation(model, turns, None, **kw))
     assert hit[1][1] == len(SHARED) + len(hit[0][0]) - 1
     assert hit[1][2] > hit[1][3] > 0
+
+
+@pytest.mark.parametrize("stop", [None, 2, 3])
+def test_the_next_turn_gets_mtp_drafts_through_the_tails_buffers(stop):
+    # the tail's static buffers (what CUDA captures): a step of speculating decodes alone drafts behind its
+    # acceptance, catching up on every verify position (note_after); the first turn's last step here verifies no
+    # draft (11 tokens at k 2: 1, then 3 a step, the 11th alone), so its catch-up runs through the drafting's entry
+    # (catch_up_ending; no drafts after the hit without it); with a stop token (kept as a draft: 2, added after
+    # them: 3) it ends in a step of drafts, whose drafting behind the acceptance caught up on it already
+    model = bigram_model(CFG)
+    seq = plain(model, [SHARED], 11)[0]
+    assert stop is None or seq[stop] not in seq[:stop]
+    kw = {} if stop is None else dict(stop_token_ids=[seq[stop]])
+    turns = [SHARED, [3, 4, 5] if stop is None else [seq[stop + 1], 4, 5]]
+    calls = []
+    hit = conversation(model, turns, 2, 11, tail=calls, prefix_cache=True, **kw)
+    without = conversation(model, turns, 2, 11, prefix_cache=False, **kw)
+    assert tokens(hit) == tokens(without) == tokens(conversation(model, turns, None, 11, **kw))
+    (first, *_), (_, cached, proposed, accepted, _) = hit
+    assert cached == len(SHARED) + len(first) - (0 if stop == 2 else 1)
+    assert proposed > 0 and accepted == proposed == without[1][2]
+    assert "draft_after" in calls and (stop is not None or "draft" in calls)
 
 
 def test_a_failing_catch_up_of_an_ending_request_fails_it_alone(monkeypatch):
