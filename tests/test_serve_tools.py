@@ -19,8 +19,10 @@ The Responses API (POST /v1/responses) with the openai client over the same serv
 function_call), instructions and a multi-turn input (the instructions and Codex's leading developer messages one system
 message), the function-call round trip with function_call_output,
 max_output_tokens cutting a reply (status incomplete), the stream's typed events in order and the client helper's
-final response, reasoning.summary (the reasoning item's summary its text; streamed, OpenAI's summary events as the openai
-client types them), and the 400s naming their field (background, item_reference, image parts, ...); the response store
+final response, a stream's final response equal to the whole one (text, calls, text around a call, cut in the
+reasoning or a call, forced calls, the messages' output text logprobs) and its events in OpenAI's order,
+reasoning.summary (the reasoning item's summary its text; streamed, OpenAI's summary events as the openai client types
+them), and the 400s naming their field (background, item_reference, image parts, ...); the response store
 (--responses-store-size 4): a conversation continued by previous_response_id (the second prompt holds the first
 turn: the model answers the call's result, and its input tokens are those of the conversation sent whole, without
 the first turn's instructions), retrieve / delete / input_items (pages, order) through the client, a streamed
@@ -41,7 +43,7 @@ import openai
 import pydantic
 import pytest
 
-from chain_model import (AFTER_TOOL_REASONING, ANSWER, CALL, REASONING, WEATHER_TOOL)
+from chain_model import (AFTER_TOOL_REASONING, ANSWER, CALL, CLOSE_THINK, EOS, REASONING, WEATHER_TOOL)
 from server_process import chain_server, openai_client
 
 NAME = "tiny-tools"
@@ -677,6 +679,108 @@ def test_responses_streamed_text_with_stream_true(client):
     assert [e.type for e in events if "content_part" in e.type] == ["response.content_part.added",
                                                                      "response.content_part.done"] * 2
     assert events[-1].type == "response.completed" and events[-1].response.output_text == "".join(CALL)
+
+
+def _spec_problems(events) -> list[str]:
+    """Where a stream's events break OpenAI's order: sequence numbers 0, 1, ...; output_index counting the items in
+    order; an item's events between its output_item.added and .done, a part's deltas between its content_part.added
+    and .done; every delta's .done (before the part's and the item's .done) holding the deltas joined; the items
+    of the output_item.done events those of response.completed."""
+    problems, items, parts, texts, done = [], {}, {}, {}, {}
+    if [e.sequence_number for e in events] != list(range(len(events))):
+        problems.append("sequence numbers")
+    for e in events:
+        at = getattr(e, "output_index", None)
+        if e.type == "response.output_item.added":
+            problems += [] if at == len(items) else [f"{e.type} at {at}"]
+            items[at] = e.item.id
+        elif at is not None and (items.get(at) is None or at in done):
+            problems.append(f"{e.type} outside its item {at}")
+        elif e.type == "response.output_item.done":
+            done[at] = e.item
+            problems += [f"{e.type} before its parts' or texts' .done"] * any(
+                k[0] == at for k in [*texts, *(k for k, v in parts.items() if v)])
+        elif e.type == "response.content_part.added":
+            parts[(at, e.content_index)] = True
+        elif e.type == "response.content_part.done":
+            problems += [f"{e.type} before its text's .done"] * ((at, "content", e.content_index) in texts)
+            parts[(at, e.content_index)] = False
+        elif e.type.endswith(".delta") or e.type.endswith(".done"):
+            kind, end = e.type.rsplit(".", 1)
+            part = getattr(e, "content_index", getattr(e, "summary_index", None))
+            problems += [f"{e.type} of item {e.item_id}"] * (e.item_id != items[at])
+            problems += [f"{e.type} outside its part"] * (hasattr(e, "content_index") and not parts.get((at, part)))
+            key = (at, kind, part)
+            if end == "delta":
+                texts[key] = texts.get(key, "") + e.delta
+            else:
+                whole = next(getattr(e, f) for f in ("text", "arguments", "input") if hasattr(e, f))
+                problems += [f"{e.type} {whole!r}: its deltas {texts.get(key, '')!r}"] * (texts.pop(key, "") != whole)
+    if sorted(done) != sorted(items) or texts or any(parts.values()):
+        problems.append("items, parts or texts left open")
+    completed = events[-1].response.output if events[-1].type == "response.completed" else None
+    if completed is None or _items(completed, ()) != _items([done[i] for i in sorted(done)], ()):
+        problems.append("response.completed's output is not its items' output_item.done")
+    return problems
+
+
+def _items(output, ids=("id", "call_id")) -> list[dict]:
+    """Output items without their `ids` (and the stream helper's parsed fields)."""
+    items = [o.model_dump(exclude={*ids, "parsed_arguments"}) for o in output]
+    for part in (p for item in items for p in item.get("content") or ()):
+        part.pop("parsed", None)
+    return items
+
+
+def _forced_response(text: str) -> dict:
+    """The request's fields that make the reply, after this model's reasoning, `text`."""
+    return dict(max_output_tokens=300, extra_body={"structured_outputs": {"regex": re.escape(text)}})
+
+
+ONE_CALL = TWO_CALLS.split("\n<tool_call>")[0]
+LOGPROBS = dict(include=["message.output_text.logprobs"], top_logprobs=1)
+
+
+@pytest.mark.parametrize("case, kw, kinds", [
+    ("text", dict(tools=[]), ["reasoning", "message"]),
+    ("a call", {}, ["reasoning", "function_call"]),
+    ("two calls", _forced_response(TWO_CALLS), ["reasoning", "function_call", "function_call"]),
+    ("text around a call", _forced_response("Let me check.\n" + ONE_CALL + "\n\nDone.\n"),
+     ["reasoning", "message", "function_call", "message"]),
+    ("cut in the reasoning", dict(max_output_tokens=1), ["reasoning"]),
+    ("cut in a call", dict(max_output_tokens=4), ["reasoning", "function_call"]),
+    ("required", dict(tool_choice="required", max_output_tokens=48), ["reasoning", "function_call"]),
+    ("required, cut before its call", dict(tool_choice="required", max_output_tokens=12), ["reasoning", "message"]),
+    ("named", dict(tool_choice={"type": "function", "name": "get_weather"}), ["reasoning", "function_call"]),
+    ("logprobs of text", dict(tools=[], **LOGPROBS), ["reasoning", "message"]),
+    ("logprobs of text then a call", dict(**_forced_response("Let me check.\n" + ONE_CALL), **LOGPROBS),
+     ["reasoning", "message", "function_call"]),
+    ("logprobs of text around a call", dict(**_forced_response("Let me check.\n" + ONE_CALL + "\n\nDone.\n"),
+                                            **LOGPROBS), ["reasoning", "message", "function_call", "message"]),
+])
+def test_responses_stream_builds_the_whole_response(client, case, kw, kinds):
+    """A stream's final response (its response.completed, and the openai client's stream helper's) equals the whole
+    response to the same request: output items (ids aside; their logprobs too), status, incomplete_details, usage; its
+    events in OpenAI's order (_spec_problems). A message's output text logprobs are those of the tokens up to its last
+    text since the previous message (the reasoning's before the first, a call's before the next; the tokens after the
+    last message's text, its calls', in none), whole and streamed alike: the whole response read the reply at once and
+    gave the first message every token's, which no stream can send."""
+    kw = {"tools": [RESPONSE_TOOL], **kw}
+    whole = respond(client, **kw)
+    events, final = _events(client, **kw)
+    completed = events[-1].response
+    assert _kinds(whole) == kinds, case
+    assert _items(final.output) == _items(completed.output) == _items(whole.output), case
+    for got in (final, completed):
+        assert (got.status, got.incomplete_details, got.usage) == (whole.status, whole.incomplete_details, whole.usage)
+    assert _spec_problems(events) == [], case
+    texts = [[lp.token for lp in e.logprobs] for e in events if e.type == "response.output_text.done"]
+    assert texts == [[lp.token for lp in item.content[0].logprobs] for item in whole.output if item.type == "message"]
+    before = REASONING + CLOSE_THINK
+    assert ["".join(tokens) for tokens in texts] == {  # (each message's tokens, joined)
+        "logprobs of text": [before + "".join(CALL) + EOS], "logprobs of text then a call": [before + "Let me check."],
+        "logprobs of text around a call": [before + "Let me check.", "\n" + ONE_CALL + "\n\nDone.\n" + EOS],
+    }.get(case, [""] * len(texts)), case  # (none asked for: none)
 
 
 def test_responses_reasoning_summary_is_the_reasoning(client):

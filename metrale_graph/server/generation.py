@@ -168,21 +168,23 @@ class Generations:
             for t in tasks:
                 t.cancel()
 
-    async def results(self) -> list[GenerationResult]:
+    async def results(self, each=None) -> list[GenerationResult]:
         """Every request's GenerationResult, in choice order, once all have ended; a request's failure as an
-        APIError (503 at shutdown, 500 for a failed step)."""
+        APIError (503 at shutdown, 500 for a failed step). `each(choice, output)`, if given, reads every output as it
+        comes (a whole response built as its stream is: responses_api.py)."""
         try:
-            async for _ in self.stream():
-                pass
+            async for choice, out in self.stream():
+                if each is not None:
+                    each(choice, out)
         except Exception as e:
             raise from_failure(e) from e
         return list(self._results)
 
-    async def whole(self, request) -> list[GenerationResult]:
-        """results() for a whole (not streamed) response: unless the client of `request` disconnects first
+    async def whole(self, request, each=None) -> list[GenerationResult]:
+        """results(each) for a whole (not streamed) response: unless the client of `request` disconnects first
         (ClientGone); the group is closed either way."""
         try:
-            return await until_disconnected(request, self.results())
+            return await until_disconnected(request, self.results(each))
         finally:
             self.close()
 

@@ -30,8 +30,9 @@ from .chat import ChatRun, call_id, reasoning_tokens, start_chat
 from .errors import APIError, bad_request, from_failure, pydantic_message
 from .logprobs import chat_logprobs
 from .responses import now
-from .responses_api_output import (EventWriter, IncompleteDetails, InputTokenCount, InputTokensDetails, OutputItems,
-                                   OutputTokensDetails, ResponseError, ResponseObject, ResponseUsage, item_id)
+from .responses_api_output import (EventWriter, IncompleteDetails, InputTokenCount, InputTokensDetails, NoEvents,
+                                   OutputItems, OutputTokensDetails, ResponseError, ResponseObject, ResponseUsage,
+                                   item_id)
 from .responses_api_protocol import ResponsesRequest
 from .responses_store import StoredResponse, input_items
 from .responses_truncation import truncate
@@ -54,15 +55,11 @@ async def create_response(state: ServerState, body: ResponsesRequest, raw_reques
     context = history + input_items(body.input) if _stored(state, body) else None
     if body.stream:
         return _events(state, body, run, rid, created, context)
-    (result,) = await run.group.whole(raw_request)
-    items = OutputItems(EventWriter(), call_id, _logprobs(state, body, result.token_ids, result.logprobs),
-                        body.reasoning_summary, tools.custom)
-    reader = run.parser()
-    items.feed(reader.feed(result.text or "") + reader.finish())
-    status = "incomplete" if result.finish_reason == "length" else "completed"
-    items.close(status)
-    return _kept(state, context, _response(state, body, rid, created, status, items.items,
-                                           _usage(state, run, result.token_ids, items.items)))
+    reply = _Reply(state, body, run, NoEvents())
+    await run.group.whole(raw_request, lambda _, out: reply.feed(out))
+    reply.end()
+    return _kept(state, context, _response(state, body, rid, created, reply.status, reply.items.items,
+                                           _usage(state, run, reply.token_ids, reply.items.items)))
 
 
 async def count_input_tokens(state: ServerState, body: ResponsesRequest) -> InputTokenCount:
@@ -86,6 +83,38 @@ async def count_input_tokens(state: ServerState, body: ResponsesRequest) -> Inpu
         await truncate(state, body, tools.template_tools)
         _, ids, _ = await prompt()
     return InputTokenCount(input_tokens=len(ids))
+
+
+class _Reply:
+    """A reply's output items, read from its outputs as they come, whole and streamed alike: each output's text through
+    the reply parser, its tokens' logprobs (with include's output text logprobs) kept for the next text delta, so that
+    a whole response's items, the logprobs each message carries included, are those its stream builds. `feed` and
+    `end` return the stream's events."""
+
+    def __init__(self, state: ServerState, body: ResponsesRequest, run: ChatRun, write: EventWriter):
+        self.state, self.body = state, body
+        self.items = OutputItems(write, call_id, [] if body.output_logprobs is not None else None,
+                                 body.reasoning_summary, run.tools.custom)
+        self.reader = run.parser()
+        self.token_ids: list[int] = []
+        self.status = "completed"
+
+    def feed(self, out) -> list[str]:
+        self.token_ids += out.token_ids
+        if self.items.logprobs is not None:
+            self.items.logprobs += _logprobs(self.state, self.body, out.token_ids, out.logprobs)
+        events = self.reader.feed(out.text) if out.text else []
+        if out.finish_reason:
+            events += self.reader.finish()
+            self.status = "incomplete" if out.finish_reason == "length" else "completed"
+        self.items.feed(events)
+        return self.items.drain()
+
+    def end(self) -> list[str]:
+        """The open item closed (the stop token's logprobs first, in a last text delta while a message is open)."""
+        self.items.flush_logprobs()
+        self.items.close(self.status)
+        return self.items.drain()
 
 
 def _conversation(state: ServerState, body: ResponsesRequest):
@@ -163,36 +192,23 @@ async def _events(state: ServerState, body: ResponsesRequest, run: ChatRun, rid:
     """The stream's events (responses_api_output.py says which, in what order); the response stored once complete
     unless `context` is None."""
     write = EventWriter()
-    items = OutputItems(write, call_id, [] if body.output_logprobs is not None else None, body.reasoning_summary,
-                        run.tools.custom)
-    reader = run.parser()
-    token_ids: list[int] = []
+    reply = _Reply(state, body, run, write)
     try:
         started = _response(state, body, rid, created, "in_progress")
         yield write("response.created", response=started)
         yield write("response.in_progress", response=started)
-        status = "completed"
         async for _, out in run.group.stream():
-            token_ids += out.token_ids
-            if items.logprobs is not None:
-                items.logprobs += _logprobs(state, body, out.token_ids, out.logprobs)
-            events = reader.feed(out.text) if out.text else []
-            if out.finish_reason:
-                events += reader.finish()
-                status = "incomplete" if out.finish_reason == "length" else "completed"
-            items.feed(events)
-            for sse in items.drain():
+            for sse in reply.feed(out):
                 yield sse
-        items.flush_logprobs()
-        items.close(status)
-        for sse in items.drain():
+        for sse in reply.end():
             yield sse
-        response = _response(state, body, rid, created, status, items.items, _usage(state, run, token_ids, items.items))
+        response = _response(state, body, rid, created, reply.status, reply.items.items,
+                             _usage(state, run, reply.token_ids, reply.items.items))
         yield write("response.completed", response=_kept(state, context, response))
     except Exception as e:  # the request failed after the stream began (a step's error, shutdown)
         error = from_failure(e)
         yield write("error", code=error.code, message=error.message, param=error.param)
-        yield write("response.failed", response=_response(state, body, rid, created, "failed", items.items,
+        yield write("response.failed", response=_response(state, body, rid, created, "failed", reply.items.items,
                                                           error=ResponseError(code="server_error",
                                                                               message=error.message)))
     finally:

@@ -23,11 +23,14 @@ and `response.reasoning_summary_part.done` (status "incomplete" when the reply w
 summary_index 0: what clients that read reasoning only from the summary (LangChain's Responses path) stream.
 
 With include's "message.output_text.logprobs" the output_text part carries `logprobs` ({token, logprob, bytes,
-top_logprobs}: the chat endpoint's logprobs.content entries) of every token of the reply, as vLLM gives them (a
-reasoning's tokens before the text included: the parsers do not say which token a piece of text came from). A stream's
-`response.output_text.delta` carries those of the tokens since the last one ({token, logprob, top_logprobs}, the
-delta event's shape, without bytes); tokens that add no text at the end (the stop token) come in a last delta of
-empty text; `response.output_text.done` carries them all. Tokens after the message (its calls) are in no stream event.
+top_logprobs}: the chat endpoint's logprobs.content entries) of the reply's tokens as its text came: the parsers do not
+say which token a piece of text came from, so a `response.output_text.delta` carries those of the tokens since the last
+delta ({token, logprob, top_logprobs}, the delta event's shape, without bytes; a message's first, those since the
+previous message's last: the reasoning's before the first message, a call's before a message after it), tokens that
+add no text at the end (the stop token) come in a last delta of empty text, and `response.output_text.done` carries
+the message's all. Tokens after the last message's text (its calls) are in none. A whole response reads the reply's
+outputs as a stream does (responses_api.py), so its messages carry the same logprobs (vLLM's whole response gives its
+one message every token's, which a stream cannot send once a call has closed the message).
 """
 
 from __future__ import annotations
@@ -180,6 +183,13 @@ class EventWriter:
         data = {"type": type_, "sequence_number": self.sequence, **fields}
         self.sequence += 1
         return f"event: {type_}\ndata: {json.dumps(to_jsonable_python(data), ensure_ascii=False)}\n\n"
+
+
+class NoEvents(EventWriter):
+    """A whole response's writer: its items built as a stream builds them, their events written nowhere."""
+
+    def __call__(self, type_: str, **fields) -> str:
+        return ""
 
 
 @dataclass
