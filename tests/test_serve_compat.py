@@ -11,12 +11,13 @@ reply served (user, metadata, store, service_tier, ...), chat roles OpenAI does 
 arguments (chat_template_kwargs, add_generation_prompt, continue_final_message), 405 with Allow, a body that
 is not UTF-8, the Prometheus text parsed by prometheus_client with its counters moving, stop strings across
 token boundaries (several at once, whole and streamed), streamed text equal to the whole text over sampled
-outputs, and SIGINT with streams in flight (the port freed at once, the process gone within the shutdown
-timeout), an engine without a waiting queue (max_waiting=0) serving while a slot is free; text UTF-8 cannot
-encode (lone surrogates) answered 400, a seed at the top of its range with n > 1, messages without their
-content, an assistant's refusal parts in the history, HEAD /health, megabytes of prompts that could never be
-queued refused before any is tokenized; a body over --max-request-bytes answered 413 as it is read (a chunked one
-that never ends too), and texts that cannot fit in the context (a prompt, chat messages, a stop string) refused before they are
+outputs, include_usage's `"usage": null` in every chunk before the usage chunk (OpenAI's; none without it), and
+SIGINT with streams in flight (the port freed at once, the process gone within the shutdown timeout), an engine
+without a waiting queue (max_waiting=0) serving while a slot is free; text UTF-8 cannot encode (lone surrogates)
+answered 400, a seed at the top of its range with n > 1, messages without their content, an assistant's refusal
+parts in the history, HEAD /health, megabytes of prompts that could never be queued refused before any is tokenized;
+a body over --max-request-bytes answered 413 as it is read (a chunked one that never ends too), and texts that
+cannot fit in the context (a prompt, chat messages, a stop string) refused before they are
 tokenized; CORS at its defaults (vLLM's: any origin, method and header), a browser's preflight and the headers
 of a cross-origin request, whole and streamed; vLLM's /tokenize (a prompt, messages through the template),
 /detokenize and /tokenizer_info against the tokenizer in this process, and their 400s; a `<think>` in a message's
@@ -635,6 +636,34 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_event(client):
         assert sent == chunks[-1].usage.completion_tokens == 8 and chunks[-1].choices == []
     plain = list(client.completions.create(prompt="Hello world", **{**kw, "stream_options": {"include_usage": True}}))
     assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
+
+
+def _stream_events(server, path: str, body: dict) -> list[dict]:
+    r = _post(server, path, {"stream": True, **body})
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n"), r.text
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "Hello world", "n": 2}),
+    ("/v1/completions", {"prompt": "Hello world", "prompt_logprobs": 1, "echo": True, "logprobs": 1}),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 2, "prompt_logprobs": 1}),
+    ("/v1/chat/completions", {"messages": [*CHAT, {"role": "assistant", "content": "Sure"}], "echo": True,
+                              "continue_final_message": True, "add_generation_prompt": False}),
+])
+def test_include_usage_writes_a_null_usage_in_every_chunk_before_the_last(server, path, body):
+    """stream_options.include_usage: every chunk before the usage chunk carries "usage": null, as OpenAI's do ("All
+    other chunks will also include a usage field, but with a null value": clients that read a chunk's usage key,
+    as LiteLLM's users do, find it; vLLM leaves it out), the last one (no choices) the usage; without include_usage
+    no chunk has the key; with continuous_usage_stats every chunk has the usage so far."""
+    body = {"model": NAME, "max_tokens": 3, "temperature": 0, **body}
+    usage = _stream_events(server, path, {**body, "stream_options": {"include_usage": True}})
+    assert len(usage) > 3 and all("usage" in e and e["usage"] is None for e in usage[:-1]), usage
+    assert usage[-1]["choices"] == [] and usage[-1]["usage"]["completion_tokens"] == 3 * body.get("n", 1)
+    for options in (None, {"include_usage": False}):
+        assert not any("usage" in e for e in _stream_events(server, path, {**body, "stream_options": options}))
+    continuous = {"include_usage": True, "continuous_usage_stats": True}
+    assert all(e["usage"]["prompt_tokens"] > 0 for e in _stream_events(server, path, {**body, "stream_options": continuous}))
 
 
 SURROGATES = [  # (path, body, param): JSON's \ud800 escapes carry lone UTF-16 surrogates UTF-8 cannot encode

@@ -15,7 +15,8 @@ stream helper does, turns into an empty text where the whole reply has null), `"
 is; then a delta per piece as the text comes (`content`, `reasoning_content`, or `tool_calls`: a call's index, id,
 type and name first with arguments "", then its arguments in pieces), the last one with the finish reason ("stop":
 a stop token or string; "length": max_tokens or the context; "tool_calls"; with `"content": ""` where the reply
-showed nothing, as the whole one's content is then ""), then the usage chunk with stream_options.include_usage,
+showed nothing, as the whole one's content is then ""), then the usage chunk with stream_options.include_usage (every
+chunk before it with "usage": null then, as OpenAI's),
 then `data: [DONE]`. vLLM's `echo` puts the last message's text before the reply's content where the reply goes
 on with it (continue_final_message, or an assistant's message
 followed by the assistant's turn): a stream sends it as each choice's second delta.
@@ -243,10 +244,11 @@ async def _events(state: ServerState, body: ChatCompletionRequest, run: ChatRun,
     created, model, ids = now(), state.model_name, body.return_token_ids
     group, parser = run.group, None if run.plain else run.parser
 
-    continuous = body.stream_options is not None and body.stream_options.continuous
+    options = body.stream_options
+    usage_chunk = options is not None and options.include_usage
 
-    def sent(sse: str) -> str:  # with vLLM's continuous_usage_stats, the usage so far in every event
-        return with_usage(sse, group.usage_so_far()) if continuous else sse
+    def sent(sse: str) -> str:  # with include_usage, "usage": null (vLLM's continuous_usage_stats: the usage so far)
+        return with_usage(sse, group.usage_so_far() if options.continuous else None) if usage_chunk else sse
 
     def chunk(choices, usage=None, prompt_token_ids=None) -> str:
         return event(ChatChunk(id=rid, created=created, model=model, choices=choices, usage=usage,
@@ -305,7 +307,7 @@ async def _events(state: ServerState, body: ChatCompletionRequest, run: ChatRun,
                                                   finish_reason=finish if k == len(deltas) - 1 else None,
                                                   stop_reason=stop_reason if k == len(deltas) - 1 else None,
                                                   token_ids=(token_ids if ids else None) if k == 0 else None)]))
-        if body.stream_options is not None and body.stream_options.include_usage:
+        if usage_chunk:
             yield chunk([], run.usage([(tokens, "".join(texts)) for tokens, texts in replies]))
     except Exception as e:  # the request failed after the stream began (a step's error, shutdown)
         yield stream_event(e)

@@ -142,11 +142,12 @@ async def _events(state: ServerState, body: CompletionRequest, group: Generation
     created, model = now(), state.model_name
     chunks = StreamChunks("text_completion", rid, created, model)
     pending: dict[int, _Pending] = {}
-    continuous = body.stream_options is not None and body.stream_options.continuous
+    options = body.stream_options
+    usage_chunk = options is not None and options.include_usage
     strings = state.logprob_strings(body)
 
-    def sent(sse: str) -> str:  # with vLLM's continuous_usage_stats, the usage so far in every event
-        return with_usage(sse, _usage(body, group, so_far=True)) if continuous else sse
+    def sent(sse: str) -> str:  # with include_usage, "usage": null (vLLM's continuous_usage_stats: the usage so far)
+        return with_usage(sse, _usage(body, group, so_far=True) if options.continuous else None) if usage_chunk else sse
 
     try:
         async for choice, out in group.stream():
@@ -183,7 +184,7 @@ async def _events(state: ServerState, body: CompletionRequest, group: Generation
                 yield sent(event(CompletionResponse(id=rid, created=created, model=model, choices=[choice_body])))
             else:
                 yield sent(chunks.completion(choice, text, out.finish_reason, token_ids, logprobs, stop_reason))
-        if body.stream_options is not None and body.stream_options.include_usage:
+        if usage_chunk:
             yield event(CompletionResponse(id=rid, created=created, model=model, choices=[],
                                            usage=_usage(body, group)))
     except Exception as e:  # the request failed after the stream began (a step's error, shutdown)

@@ -295,11 +295,11 @@ class StreamChunks:
         return f'{self._head}{index},"delta":{delta},{_choice_end(finish_reason, token_ids, logprobs, stop_reason)}'
 
 
-def with_usage(sse: str, usage: Usage) -> str:
+def with_usage(sse: str, usage: Usage | None) -> str:
     """The server-sent event `sse` (one JSON object: event()'s or StreamChunks') with `usage` added as its last
-    field."""
+    field (None: null, as OpenAI's chunks before the usage chunk have it)."""
     assert sse.startswith("data: {") and sse.endswith("}\n\n"), sse
-    return f'{sse[:-3]},"usage":{usage.model_dump_json()}}}\n\n'
+    return f'{sse[:-3]},"usage":{"null" if usage is None else usage.model_dump_json()}}}\n\n'
 
 
 def _choice_end(finish_reason: str | None, token_ids: list[int] | None, logprobs: BaseModel | None = None,
