@@ -210,9 +210,10 @@ class LoopReadBack:
     def _reset_failed_launch(self, requests: list[Request], error: BaseException) -> None:
         """A launch that failed with `error`: after its step ran (its sampling) its requests' slots hold its tokens,
         never committed. Each slot is reset before the step before is delivered (a request ending there keeps its
-        slot's context as a prefix), each on its own: a reset that raises (anything: the loop goes on) leaves the
-        others' to be done, and its request fails with `error` at once, before it could keep the state its slot was
-        left in (_fail gives the slot back, reset again). The caller fails the others."""
+        slot's context as a prefix: nothing of its turn then, never that state), each on its own: a reset that raises
+        (anything: the loop goes on) leaves the others' to be done, and its request fails with `error` at once,
+        before it could keep the state its slot was left in (_fail gives the slot back, reset again). The caller
+        fails the others."""
         for r in requests:
             slot = r.slot
             try:

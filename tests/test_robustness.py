@@ -403,8 +403,9 @@ def test_a_slot_reset_failing_after_a_failed_step_fails_only_that_steps_requests
     with EngineClosedError and the engine served no more; an Exception left the slots after the one that raised
     unreset, and a request stopping at the step before then kept its slot's state one token on as its prefix, which
     a later prompt restored. Now each slot is reset on its own: a request whose slot's reset raised fails at once (no
-    prefix kept from it), the others as before (one stopping at the step before ends "stop", its right prefix kept),
-    and the engine goes on: later prompts through the prefix give plain decoding's tokens, nothing is held."""
+    prefix kept from it), the others as before (one stopping at the step before ends "stop"; its slot reset, it keeps
+    nothing of its turn, never the failed step's state), and the engine goes on: later prompts through the prompt's
+    prefix give plain decoding's tokens, nothing is held."""
     import metrale_graph.loop as loop_module
     from metrale_graph import Engine
 
