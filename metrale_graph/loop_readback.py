@@ -211,17 +211,17 @@ class LoopReadBack:
         """A launch that failed with `error`: after its step ran (its sampling) its requests' slots hold its tokens,
         never committed. Each slot is reset before the step before is delivered (a request ending there keeps its
         slot's context as a prefix: nothing of its turn then, never that state), each on its own: a reset that raises
-        (anything: the loop goes on) leaves the others' to be done, and its request fails with `error` at once,
-        before it could keep the state its slot was left in (_fail gives the slot back, reset again). The caller
-        fails the others."""
+        (anything: the loop goes on) leaves the others' to be done. Its request's slot cannot be trusted: it keeps no
+        prefix when it ends (Request.slot_untrusted), and it ends as the step before leaves it: "stop" / "length"
+        if it stopped there (its output complete), else the caller fails it with `error`, as the others."""
         for r in requests:
             slot = r.slot
             try:
                 self.cache.reset(slot)
             except BaseException:  # (a cache the failure broke refuses every later call: cache_ownership.py)
-                self._fail(r, error)
+                r.slot_untrusted = True  # (its release resets it again: scheduler.remove)
                 continue
-            if self.journal is not None:  # (_fail's release journals its own)
+            if self.journal is not None:  # (the release journals its own)
                 self.journal.reset(slot)
 
     def _fail(self, r: Request, error: BaseException, flush: bool = True) -> None:

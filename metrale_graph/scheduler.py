@@ -77,6 +77,7 @@ class Request:
     speculate: bool = True
     drafts: list[int] = field(default_factory=list)
     mtp_ok: bool = True
+    slot_untrusted: bool = False  # a failed launch's reset of its slot raised: it keeps no prefix (loop_readback.py)
     history: object | None = field(default=None, repr=False)  # ("ngram") its proposers.TokenHistory
     decode: Chunk | None = field(default=None, repr=False)  # its decode chunk while it holds a slot (plan reuses it)
 
@@ -217,7 +218,7 @@ class Scheduler:
         if r in self.running:
             self.running.remove(r)
             try:
-                if self.keep is not None and r.error is None:
+                if self.keep is not None and r.error is None and not r.slot_untrusted:
                     self.keep(r)  # prompt + new tokens fed: the next turn of a conversation starts from them
             finally:
                 self._release(r)
