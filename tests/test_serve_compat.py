@@ -490,6 +490,12 @@ def test_chat_template_arguments_reach_the_template(client, tokenizer):
     assert prompt_ids("high", chat_template_kwargs={"reasoning_effort": "low"}) == rendered("low")
     response = client.responses.create(model=NAME, input=turns, max_output_tokens=1, reasoning={"effort": "high"})
     assert response.usage.input_tokens == len(rendered("high"))  # (the Responses API's reasoning.effort alike)
+    response = client.responses.create(model=NAME, input=turns, max_output_tokens=1, reasoning={"effort": "high"},
+                                       extra_body={"chat_template_kwargs": {"reasoning_effort": "low"}})
+    assert response.usage.input_tokens == len(rendered("low"))  # (and its chat_template_kwargs, as chat's)
+    response = client.responses.create(model=NAME, input=turns, max_output_tokens=1,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert response.usage.input_tokens == off
     docs = [{"title": "Weather", "text": "Sunny in Paris."}]  # vLLM's documents: the template's, as they are
     text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, documents=docs)
     assert prompt_ids(None, documents=docs) == tokenizer.encode(text, add_special_tokens=False) != rendered(None)

@@ -18,9 +18,10 @@ schema by a structural tag), usage's reasoning tokens of a `</think>` written in
 The Responses API (POST /v1/responses) with the openai client over the same server: output items (reasoning, message,
 function_call), instructions and a multi-turn input (the instructions and Codex's leading developer messages one system
 message), the function-call round trip with function_call_output,
-max_output_tokens cutting a reply (status incomplete), the stream's typed events in order and the client helper's
-final response, a stream's final response equal to the whole one (text, calls, text around a call, cut in the
-reasoning or a call, forced calls, the messages' output text logprobs) and its events in OpenAI's order,
+max_output_tokens cutting a reply (status incomplete), vLLM's chat_template_kwargs (enable_thinking false: no reasoning
+item, whole and streamed), the stream's typed events in order and the client helper's final response, a stream's final
+response equal to the whole one (text, calls, text around a call, cut in the reasoning or a call, forced calls, the
+messages' output text logprobs) and its events in OpenAI's order,
 reasoning.summary (the reasoning item's summary its text; streamed, OpenAI's summary events as the openai client types
 them), and the 400s naming their field (background, item_reference, image parts, ...); the response store
 (--responses-store-size 4): a conversation continued by previous_response_id (the second prompt holds the first
@@ -639,6 +640,23 @@ def test_responses_cut_by_max_output_tokens_is_incomplete(client):
     assert _kinds(r) == ["reasoning"] and r.output[0].status == "incomplete" and r.usage.output_tokens == 1
 
 
+def test_responses_chat_template_kwargs_reach_the_template(client):
+    """vLLM's chat_template_kwargs (its Responses API takes them as its chat endpoint does): enable_thinking false closes
+    the reasoning in the prompt, so the reply is the call alone, no reasoning item, whole and streamed, and its input
+    tokens are the chat's with the same kwargs, counted alike (it was ignored: a reasoning item, the plain prompt)."""
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    r = respond(client, extra_body=off)
+    assert _kinds(r) == ["function_call"] and json.loads(r.output[0].arguments) == ARGUMENTS
+    assert r.usage.output_tokens_details.reasoning_tokens == 0 and r.status == "completed"
+    chat = ask(client, USER, extra_body=off).usage
+    assert r.usage.input_tokens == chat.prompt_tokens > respond(client).usage.input_tokens
+    count = client.responses.input_tokens.count(model=NAME, input=USER, tools=[RESPONSE_TOOL], extra_body=off)
+    assert count.input_tokens == chat.prompt_tokens
+    events, final = _events(client, tools=[RESPONSE_TOOL], extra_body=off)
+    assert "response.reasoning_text.delta" not in [e.type for e in events]
+    assert _kinds(final) == ["function_call"] and final.usage.model_dump() == r.usage.model_dump()
+
+
 def _events(client, **kw) -> list:
     with client.responses.stream(model=NAME, input=USER, temperature=0, **kw) as stream:
         events = list(stream)
@@ -867,6 +885,8 @@ def _responses_error(server, body) -> dict:
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "schema"),
     ({"max_output_tokens": 5000}, "max_output_tokens", "too large"),
     ({"n": 2}, "n", "not supported"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "tools is set by the server"),
+    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs", "valid dictionary"),
     ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options", "not supported"),
     ({"text": {"verbosity": "low"}}, "text.verbosity", "'low'"),  # (named as "text", got TextConfig(...), once)
     # chat's nested shape sent here: the flat shape this API takes (it was "Input should be 'none', 'auto' or 'required'")

@@ -9,7 +9,8 @@ answering them; its `reasoning` items, whose text goes back to the template as t
 them), `instructions` (a system message first), `max_output_tokens`, `temperature`, `top_p`, function and custom
 (freeform: tool_protocol.py) `tools` in their flat shape, `tool_choice` (a function or custom tool by name too),
 `parallel_tool_calls`, `text.format` (structured output: server/structured.py), `reasoning.effort` (the chat
-template's `reasoning_effort`, as vLLM passes it), `reasoning.summary` (the reasoning item's summary: its text, no
+template's `reasoning_effort`, as vLLM passes it), vLLM's `chat_template_kwargs` (the template's own variables, as chat's:
+they win over reasoning.effort's), `reasoning.summary` (the reasoning item's summary: its text, no
 summarizer), `metadata` (echoed), and the sampling fields the chat endpoint
 takes from vLLM (`top_k`, `seed`, `stop`, `repetition_penalty`, ...), `store` and `previous_response_id` (the
 server's response store: responses_store.py), `include` ("message.output_text.logprobs", with `top_logprobs`; and
@@ -166,6 +167,7 @@ class ResponsesRequest(SamplingFields):
     max_tool_calls: Any = None
     logprobs: Any = None  # (chat's field, refused: include asks for logprobs here)
     stream_options: Any = None  # (the Responses API's: include_obfuscation, taken when false: RESPONSES_NEUTRAL)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's own variables (Qwen3's enable_thinking)
     # the stored conversation before `input` (previous_response_id's items, responses_store.py), set by the endpoint
     _history: list = PrivateAttr(default_factory=list)
     _kept: list | None = PrivateAttr(default=None)  # truncation "auto": the conversation's items the prompt keeps
@@ -229,8 +231,12 @@ class ResponsesRequest(SamplingFields):
 
     @property
     def template_kwargs(self) -> dict | None:
+        """The chat template's own variables: chat_template_kwargs, and reasoning.effort as `reasoning_effort` unless
+        they set it (chat's way: ChatCompletionRequest.template_kwargs)."""
         effort = self.reasoning.effort if self.reasoning is not None else None
-        return None if effort is None else {"reasoning_effort": effort}
+        if effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": effort, **(self.chat_template_kwargs or {})}
 
     @property
     def reasoning_summary(self) -> bool:
