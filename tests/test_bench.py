@@ -12,6 +12,7 @@ from helpers import benchmark_script
 from metrale_graph import PRESETS, HybridModel
 from metrale_graph.tools import bench, bench_runs, floors, profiling, workloads
 from metrale_graph.ops import gemv
+from metrale_graph.speculative.drafting import MtpDrafter
 from metrale_graph.weights import weight_shapes
 
 MODELS = list(PRESETS)
@@ -498,6 +499,60 @@ def test_speculative_workloads_run_on_the_cpu():
     text = bs.render(spec)
     assert "PROJECTION, not a measurement" in text and bs.FORCED in text and "echoed C" in text and "catch-up" in text
     assert "the engine loop's host time a step" in text
+
+
+def test_draft_timer_counts_the_catch_ups_of_ending_requests_apart(monkeypatch):
+    """With prefix caching the MTP head also catches up, drafting nothing, on the last step of each request the step
+    ends (drafting.MtpDrafter.catch_up_ending, outside the draft calls). DraftTimer counted those head runs as further
+    draft steps (the runs after a draft call's first): draft_head_step_ms averaged catch-ups in. They are now counted
+    apart (ending_runs, ending_ms), and the draft figures hold the draft calls' runs alone, counted here beneath it."""
+    from helpers import random_tokens, tiny_config
+    from speculative_reference import bigram_model
+    from metrale_graph import Engine
+    from metrale_graph.speculative import drafting
+    from metrale_graph.tools.engine_windows import DraftTimer
+
+    real_head, real_draft, real_ending = drafting.mtp_hidden_states, MtpDrafter.draft, MtpDrafter.catch_up_ending
+    where, runs = [], {"draft": [], "ending": 0}
+
+    def head(*args, **kwargs):  # beneath the timer's hooks: the call each head run belongs to
+        if where[-1] == "ending":
+            runs["ending"] += 1
+        else:
+            runs["draft"][-1] += 1
+        return real_head(*args, **kwargs)
+
+    def draft(self, *args, **kwargs):
+        where.append("draft")
+        runs["draft"].append(0)
+        try:
+            return real_draft(self, *args, **kwargs)
+        finally:
+            where.pop()
+
+    def ending(self, *args, **kwargs):
+        where.append("ending")
+        try:
+            return real_ending(self, *args, **kwargs)
+        finally:
+            where.pop()
+
+    monkeypatch.setattr(drafting, "mtp_hidden_states", head)
+    monkeypatch.setattr(MtpDrafter, "draft", draft)
+    monkeypatch.setattr(MtpDrafter, "catch_up_ending", ending)
+    model = bigram_model(tiny_config(mtp_num_hidden_layers=1))
+    lengths = (7, 16, 11)  # requests ending at different steps while the others draft on
+    with Engine(model, 3, compile=False, prefix_cache=True, speculative={"method": "mtp", "num_tokens": 3}) as engine:
+        with DraftTimer(engine) as timer:
+            handles = [engine.submit(random_tokens(20, s, model.config.vocab_size), max_new_tokens=n, stop_token_ids=[])
+                       for s, n in enumerate(lengths)]
+            assert [len(h.result(60).token_ids) for h in handles] == list(lengths)
+        drafter = engine._loop.spec.mtp
+        assert not {"draft", "catch_up_ending"} & set(vars(drafter)) and drafting.mtp_hidden_states is head
+    ms, calls, tokens, catchup_ms, step_ms, head_steps = timer.totals()
+    assert runs["ending"] == len(lengths) and calls == len(runs["draft"]) > 0  # (each request's end caught up on)
+    assert head_steps == sum(n - 1 for n in runs["draft"] if n) > 0 and step_ms > 0 and catchup_ms > 0
+    assert timer.ending_runs == runs["ending"] and timer.ending_ms > 0
 
 
 def test_bench_part_writes_each_row_as_it_comes(monkeypatch, tmp_path):

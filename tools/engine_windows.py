@@ -44,23 +44,28 @@ class DraftTimer:
     """The MTP drafter's calls timed inside an engine's steps, wall time with the device synchronized around each
     (drafting.py, eager): whole calls (MtpDrafter.draft) and, inside them, each run of the head
     (drafting.mtp_hidden_states): the first of a call is the catch-up over the positions the step kept, the others
-    the further drafts' single-token steps. A context manager: the hooks go when it exits."""
+    the further drafts' single-token steps. With prefix caching the head also catches up, drafting nothing, on the
+    last step of each request a step ends (MtpDrafter.catch_up_ending, outside the draft calls): those runs are
+    counted apart (ending_runs, ending_ms), never as draft steps. A context manager: the hooks go when it exits."""
 
     def __init__(self, engine):
         from metrale_graph.speculative import drafting
 
         self.drafter, self.module = engine._loop.spec.mtp, drafting
         self.real_draft, self.real_head = self.drafter.draft, drafting.mtp_hidden_states
+        self.real_ending = self.drafter.catch_up_ending
         self.sync = torch.cuda.synchronize if engine.model.device.type == "cuda" else (lambda: None)
-        self.ms = self.catchup_ms = self.step_ms = 0.0
-        self.calls = self.tokens = self.head_steps = self._runs = 0
+        self.ms = self.catchup_ms = self.step_ms = self.ending_ms = 0.0
+        self.calls = self.tokens = self.head_steps = self.ending_runs = self._runs = 0
+        self._ending = False  # inside a catch_up_ending call
 
     def __enter__(self) -> "DraftTimer":
         self.drafter.draft, self.module.mtp_hidden_states = self._draft, self._head
+        self.drafter.catch_up_ending = self._catch_up_ending
         return self
 
     def __exit__(self, *exc) -> None:
-        del self.drafter.draft  # (the instance attribute: the class's method again)
+        del self.drafter.draft, self.drafter.catch_up_ending  # (the instance attributes: the class's methods again)
         self.module.mtp_hidden_states = self.real_head
 
     def _timed(self, fn, *args, **kwargs):
@@ -79,8 +84,18 @@ class DraftTimer:
         self.ms, self.calls, self.tokens = self.ms + ms, self.calls + 1, self.tokens + count
         return drafts
 
+    def _catch_up_ending(self, *args, **kwargs):
+        self._ending = True  # (its head runs, if any: _head; most steps end no request and run none)
+        try:
+            return self.real_ending(*args, **kwargs)
+        finally:
+            self._ending = False
+
     def _head(self, *args, **kwargs):
         out, ms = self._timed(self.real_head, *args, **kwargs)
+        if self._ending:
+            self.ending_ms, self.ending_runs = self.ending_ms + ms, self.ending_runs + 1
+            return out
         if self._runs == 0:
             self.catchup_ms += ms
         else:
