@@ -39,6 +39,9 @@ def check_sizes(cfg, num_slots, max_context, token_budget, block_size, num_block
     it); ValueError naming the first bad one."""
     if max_context is None:
         max_context = min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+        if max_context < 2:  # the default, which the call did not set: name the model's field
+            raise ValueError(f"the model's max_position_embeddings ({cfg.max_position_embeddings}) leaves no room for a "
+                             "new token: an Engine needs 2 positions at least (a prompt token and a new one)")
     if token_budget is None:
         token_budget = max(DEFAULT_TOKEN_BUDGET, num_slots if is_int(num_slots) else 0)
     if max_waiting is None:

@@ -408,6 +408,19 @@ def test_bad_requests_raise_and_touch_nothing(tiny):
         small.generate([[1] * 30], max_new_tokens=10)
 
 
+
+def test_a_model_of_one_position_is_refused_by_its_max_position_embeddings():
+    """max_context defaults to the model's max_position_embeddings: a model of one position (transformers runs one
+    token through it) leaves a request no room for a new token. The error named max_context ('must be an integer >= 2,
+    got 1'), which the call never set; it now names the model's field."""
+    one = HybridModel.from_preset(tiny_config(max_position_embeddings=1), seed=0)
+    with pytest.raises(ValueError, match=r"the model's max_position_embeddings \(1\) leaves no room for a new token"):
+        Engine(one, num_slots=1, compile=False)
+    with pytest.raises(ValueError, match="max_context must be an integer >= 2, got 1"):  # set: named as before
+        Engine(one, num_slots=1, max_context=1, compile=False)
+    two = HybridModel.from_preset(tiny_config(max_position_embeddings=2), seed=0)
+    assert len(Engine(two, num_slots=1, compile=False).generate([[1]], max_new_tokens=4)[0].token_ids) == 1
+
 def test_max_context_ends_with_length_while_others_go_on(tiny):
     engine = Engine(tiny, num_slots=2, token_budget=8, block_size=16, max_context=40, compile=False)
     roomy = Engine(tiny, num_slots=2, token_budget=8, block_size=16, max_context=128, compile=False)
