@@ -234,6 +234,57 @@ def test_unusual_configs_transformers_accepts_match_it(tmp_path, family, multimo
     check_parity(ours, model, ours.config, LENGTHS)
 
 
+
+LIN, ATT = "linear_attention", "full_attention"
+THROUGH_ENGINE = [  # (family, multimodal, tied, transformers' text config kwargs, Engine sizes)
+    pytest.param("qwen3_5_text", False, False, dict(head_dim=80, partial_rotary_factor=0.5, linear_num_key_heads=1,
+                                                    linear_num_value_heads=3, linear_key_head_dim=64,
+                                                    linear_value_head_dim=96, linear_conv_kernel_dim=3),
+                 dict(num_slots=1, token_budget=1, block_size=1), id="hd80-k64-v96-3v-per-k-conv3-one-slot-budget1"),
+    pytest.param("qwen3_5_text", False, True, dict(head_dim=96, num_key_value_heads=1, vocab_size=1001,
+                                                   layer_types=[ATT, LIN, LIN, LIN]),
+                 dict(num_slots=2, token_budget=5, block_size=3, max_context=41), id="hd96-mqa-tied-1001-full-first"),
+    pytest.param("qwen3_5_moe_text", True, False, dict(layer_types=[LIN, LIN, LIN, ATT], num_experts_per_tok=5,
+                                                       rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e6,
+                                                                            original_max_position_embeddings=64,
+                                                                            partial_rotary_factor=0.5,
+                                                                            mrope_section=[2, 1, 1],
+                                                                            mrope_interleaved=True)),
+                 dict(num_slots=3, block_size=64, prefix_cache=True), id="mm-full-last-topk-all-yarn-mrope"),
+    pytest.param("qwen3_next", False, False, dict(num_hidden_layers=5, layer_types=[LIN, LIN, ATT, LIN, LIN],
+                                                  decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=False,
+                                                  num_experts_per_tok=1, linear_conv_kernel_dim=2),
+                 dict(num_slots=2, token_budget=2, block_size=3, overlap=False), id="next-one-attention-sparse-step2-top1"),
+]
+
+
+@pytest.mark.parametrize("family, multimodal, tie, text, sizes", THROUGH_ENGINE)
+def test_unusual_configs_through_the_engine_match_transformers(tmp_path, family, multimodal, tie, text, sizes):
+    """Unusual configs of transformers' classes (head dims 80 and 96, GDN key and value head dims apart with three value
+    heads per key head, conv kernels 2 and 3, attention only first, last or in one layer, one KV head, a tied odd
+    vocabulary, every expert or one routed, unnormalized top-k, decoder_sparse_step with mlp_only_layers, yarn under
+    mrope sections) through an Engine of unusual sizes (one slot with a budget of one token, blocks of 1, 3 and 64,
+    a max_context one token past the longest prompt, prefix caching, no overlap): each request's greedy tokens, its
+    prompt's and its tokens' logprobs are transformers' own on the prompt and the tokens together."""
+    from metrale_graph import Engine
+
+    folder = str(tmp_path)
+    model = transformers_model(family, multimodal, tie, **text)
+    model.save_pretrained(folder)
+    model.config.use_cache = False
+    ours = HybridModel.from_pretrained(folder, progress=False)
+    prompts = random_streams(ours.config.vocab_size, [5, 17, 40], seed=3)
+    with Engine(ours, compile=False, **sizes) as engine:
+        results = engine.generate(prompts, max_new_tokens=4, stop_token_ids=[], logprobs=0, prompt_logprobs=0)
+    for prompt, r in zip(prompts, results):
+        room = sizes.get("max_context", 10**9) - len(prompt)
+        assert len(r.token_ids) == min(4, room) and r.finish_reason == "length"
+        ref = hf_logits(model, prompt + r.token_ids).log_softmax(-1)[:-1]  # row i: the next token after token i
+        assert r.token_ids == ref[len(prompt) - 1:].argmax(-1).tolist()
+        got = [x.logprob for x in r.prompt_logprobs[1:] + r.logprobs]
+        want = ref.gather(1, torch.tensor(prompt[1:] + r.token_ids)[:, None])[:, 0]
+        assert rel_err(torch.tensor(got), want) <= 1e-4
+
 def assert_mtp_head(model, head: dict[str, torch.Tensor]) -> None:
     """The model holds the MTP head `head` (checkpoint tensors, mtp_head's) in its dtype, and nothing else under
     mtp. (no head: model.mtp is None)."""
