@@ -299,7 +299,7 @@ class ServerState:
         taken = sorted(set(template_kwargs) & TEMPLATE_ARGUMENTS)
         if taken:
             raise bad_request(f"chat_template_kwargs: {', '.join(taken)} is set by the server, not by the request "
-                              "(add_generation_prompt and continue_final_message are fields of their own)",
+                              "(chat completions takes add_generation_prompt and continue_final_message as fields)",
                               param="chat_template_kwargs")
         for i, message in enumerate(messages):  # every string the template may read: UTF-8 encodable
             for key, value in message.items():
