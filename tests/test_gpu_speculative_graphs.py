@@ -115,6 +115,36 @@ def test_captured_bigram_drafts_are_all_kept():
     assert out == reference and s["accepted"] == s["proposed"] == 30  # 10 verify steps of 3
 
 
+@pytest.mark.parametrize("stop", [None, 2, 3])
+def test_captured_next_turn_of_a_conversation_gets_mtp_drafts(stop):
+    """With prefix caching the head catches up on the positions a request's last step kept before its prefix is
+    kept (drafting.catch_up_ending through the drafting's graph, or behind the captured acceptance): the second turn
+    of a conversation (prompt + reply + more) restores the first whole and keeps every bigram draft, with plain
+    decoding's tokens. stop: the first turn ends at max_new_tokens (None) or at a stop token its last step kept as a
+    draft (2) or added after its drafts (3), the next turn going on with the token the model gives after it."""
+    model, first = bigram_model(CONFIGS["dense"]).to("cuda"), random_tokens(70, 9, CONFIGS["dense"].vocab_size)
+    with Engine(model, 2, compile=False) as e:
+        seq = e.generate([first], max_new_tokens=14, stop_token_ids=[])[0].token_ids
+    kw = dict(max_new_tokens=14, stop_token_ids=[] if stop is None else [seq[stop]])
+    more = [3, 4, 5] if stop is None else [seq[stop + 1], 4, 5]
+    assert stop is None or seq[stop] not in seq[:stop]
+    got = {}
+    for name, options in (("plain", dict(compile=False)), ("without", dict(compile=True, **GRID)),
+                          ("hit", dict(compile=True, prefix_cache=True, **GRID))):
+        spec = {} if name == "plain" else dict(speculative={"method": "mtp", "num_tokens": 2})
+        with Engine(model, 2, **options, **spec) as e:
+            a = e.generate([first], **kw)[0]
+            before = e.stats().speculative or {}
+            b = e.generate([first + a.token_ids + more], **kw)[0]
+            after = e.stats().speculative or {}
+        got[name] = (a.token_ids, b.token_ids, b.cached_tokens, after.get("proposed", 0) - before.get("proposed", 0),
+                     after.get("accepted", 0) - before.get("accepted", 0))
+    assert got["hit"][:2] == got["without"][:2] == got["plain"][:2]
+    first_reply, _, cached, proposed, accepted = got["hit"]
+    assert cached == len(first) + len(first_reply) - (0 if stop == 2 else 1)  # the whole first turn restored
+    assert proposed > 0 and accepted == proposed == got["without"][3]
+
+
 @pytest.mark.parametrize("family", ["dense", "next"])
 def test_verify_ahead_gives_the_synchronous_tokens_and_drafts(family, monkeypatch):
     """METRALE_VERIFY_AHEAD (speculative/ahead.py): MTP verify steps launched, captured, before the step before them
