@@ -14,7 +14,8 @@ token boundaries (several at once, whole and streamed), streamed text equal to t
 outputs, include_usage's `"usage": null` in every chunk before the usage chunk (OpenAI's; none without it), and
 SIGINT with streams in flight (the port freed at once, the process gone within the shutdown timeout), an engine
 without a waiting queue (max_waiting=0) serving while a slot is free; text UTF-8 cannot encode (lone surrogates)
-answered 400, a seed at the top of its range with n > 1, messages without their content, an assistant's refusal
+answered 400, a seed at the top of its range with n > 1, messages without their content (or a content of no form:
+the 400 names the message), an assistant's refusal
 parts in the history, HEAD /health, megabytes of prompts that could never be queued refused before any is tokenized;
 a body over --max-request-bytes answered 413 as it is read (a chunked one that never ends too), and texts that
 cannot fit in the context (a prompt, chat messages, a stop string) refused before they are
@@ -705,6 +706,21 @@ def test_messages_need_their_content_but_an_assistants(server, client):
     assert error["message"].startswith("messages.0: a user message needs its content"), error
     messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}, {"role": "user", "content": "y"}]
     assert client.chat.completions.create(model=NAME, messages=messages, max_tokens=1).usage.completion_tokens == 1
+
+
+def test_a_content_of_no_form_names_its_message(server):
+    """A message's content that is neither a string nor a list of parts (a tool's result sent as a JSON object, not
+    its text) is a 400 naming that message's content, as every other message error names its message (it said
+    "messages: expected ...", which message unsaid); chat's and /tokenize's alike."""
+    call = {"id": "c_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c_1", "content": {"temperature": 21}}]
+    for path in ("/v1/chat/completions", "/tokenize"):
+        error = _error(_post(server, path, {"messages": messages}))
+        assert error["param"] == "messages", (path, error)
+        assert error["message"].startswith(f"messages.{len(CHAT) + 1}.content: expected a string or a list of text "
+                                           "parts"), (path, error)
+        assert error["message"].endswith("got {'temperature': 21}"), (path, error)
 
 
 def test_a_developer_message_is_a_system_message_to_the_template(client, tokenizer):

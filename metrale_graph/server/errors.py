@@ -155,8 +155,9 @@ def validation_error(e: RequestValidationError, content_type: str | None = None)
     field = loc[0]
     same = [err for err in errors if error_path(err, body)[:1] == [field]]
     leaf = next((p for p in reversed(loc) if p in EXPECTED), None)
-    if len(same) > 1 and leaf is not None:  # a value that fits none of a union's members
-        return bad_request(f"{field}: expected {EXPECTED[leaf]}, got {short(first.get('input'))}", param=field)
+    if len(same) > 1 and leaf is not None:  # a value that fits none of a union's members, named by its path
+        where = ".".join(loc[:len(loc) - loc[::-1].index(leaf)])  # ("messages.2.content": which message's)
+        return bad_request(f"{where}: expected {EXPECTED[leaf]}, got {short(first.get('input'))}", param=field)
     path = ".".join(loc)
     message = pydantic_message(first)
     # (a validator's own message that quotes the value it is about, as an input item's does: not the field's whole value)
