@@ -26,8 +26,9 @@ reasoning.summary (the reasoning item's summary its text; streamed, OpenAI's sum
 them), and the 400s naming their field (background, item_reference, image parts, ...); the response store
 (--responses-store-size 4): a conversation continued by previous_response_id (the second prompt holds the first
 turn: the model answers the call's result, and its input tokens are those of the conversation sent whole, without
-the first turn's instructions), retrieve / delete / input_items (pages, order) through the client, a streamed
-response stored, store false, unknown ids as NotFoundError, least recently used responses evicted at the bound;
+the first turn's instructions; its items sent again by id OpenAI's 400 "Duplicate item found"), retrieve / delete /
+input_items (pages, order) through the client, a streamed response stored, store false, unknown ids as NotFoundError,
+least recently used responses evicted at the bound;
 truncation "auto" (a conversation past the context answered on its most recent items that fit: the input tokens those
 of the conversation sent from the first place that fits, a call dropped with its output) and its 400s. Custom (freeform)
 tools, Codex's apply_patch: their input held to a Lark grammar or a regular expression (named, "required", "auto",
@@ -936,6 +937,40 @@ def test_responses_previous_response_id_continues_the_stored_conversation(client
     again = respond(client, input=[*USER, *_dumped(first), _call_output(first.output[1]), *_dumped(second),
                                    {"role": "user", "content": "Thanks!"}], store=False)
     assert third.usage.input_tokens == again.usage.input_tokens
+
+
+def _duplicate(client, id_: str, **kw):
+    """The 400 OpenAI answers an input item of an id the conversation already holds, whole, streamed and counted."""
+    said = f"Duplicate item found with id {id_}. Remove duplicate items from your input and try again."
+    for call in (lambda: respond(client, **kw), lambda: respond(client, stream=True, **kw),
+                 lambda: client.responses.input_tokens.count(model=NAME, **kw)):
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.body == {"message": said, "type": "invalid_request_error", "param": "input", "code": None}
+
+
+def test_responses_items_already_in_the_chain_are_400(client):
+    """previous_response_id with the chain's items sent again in `input` (a client that resends the last output, ids and
+    all) is OpenAI's 400 naming the first id already held (it ran on the conversation twice: more input tokens than
+    the conversation sent once): a reasoning item, a function call, a message of the reply, an input item the chain
+    holds; an id twice in the input alone too. Items without ids, or with ids of their own, are taken, and a client's
+    id is held for the next turn."""
+    first = respond(client)
+    (sent,) = client.responses.input_items.list(first.id).data
+    output = _call_output(first.output[1])
+    _duplicate(client, first.output[0].id, input=[*_dumped(first), output], previous_response_id=first.id)
+    _duplicate(client, first.output[1].id, input=[_dumped(first)[1], output], previous_response_id=first.id)
+    _duplicate(client, sent.id, input=[sent.model_dump(exclude_none=True), output], previous_response_id=first.id)
+    stripped = [{k: v for k, v in item.items() if k != "id"} for item in _dumped(first)]
+    assert respond(client, input=[*stripped, output], previous_response_id=first.id).status == "completed"
+    second = respond(client, input=[{**output, "id": "fco_mine"}], previous_response_id=first.id)
+    assert second.output_text == ANSWER and _kinds(second) == ["reasoning", "message"]
+    for item, dumped in zip(second.output, _dumped(second)):
+        _duplicate(client, item.id, input=[dumped, {"role": "user", "content": "Thanks!"}],
+                   previous_response_id=second.id)
+    _duplicate(client, "fco_mine", input=[{**output, "id": "fco_mine"}], previous_response_id=second.id)
+    twice = {"role": "user", "content": "Hi", "id": "msg_twice"}
+    _duplicate(client, "msg_twice", input=[twice, {**twice, "content": "Hi again"}])
 
 
 def test_responses_retrieve_delete_and_input_items(server, client):

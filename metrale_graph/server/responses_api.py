@@ -34,7 +34,7 @@ from .responses_api_output import (EventWriter, IncompleteDetails, InputTokenCou
                                    OutputItems, OutputTokensDetails, ResponseError, ResponseObject, ResponseUsage,
                                    item_id)
 from .responses_api_protocol import ResponsesRequest
-from .responses_store import StoredResponse, input_items
+from .responses_store import StoredResponse, check_unique, input_items
 from .responses_truncation import truncate
 from .state import ServerState
 from .tool_choice import tool_request
@@ -119,8 +119,10 @@ class _Reply:
 
 def _conversation(state: ServerState, body: ResponsesRequest):
     """(the stored conversation `body` follows, its tools): previous_response_id's items (404 for an id not stored),
-    which `body` now runs after; the tools and tool_choice checked."""
+    which `body` now runs after (400 for an input item of an id already in it, or twice in the input); the tools and
+    tool_choice checked."""
     history = () if body.previous_response_id is None else state.responses.history(body.previous_response_id)
+    check_unique(history, body.input)
     tools = tool_request(body.chat_tools, body.chat_tool_choice, state.replies.tool_format, body.parallel_tool_calls)
     try:
         body.follow(list(history))

@@ -9,8 +9,10 @@ object GET answers, and its context, the input items it ran on, each with an id 
 (`instructions` are not items: OpenAI does not carry them to the next response). A request with
 `previous_response_id` runs on that response's context and output, then its own input. The context is a tuple of
 the same item dicts its ancestors hold, so a conversation that a response follows stays whole when its ancestors
-are evicted or deleted. With no store (size 0) `store: true` is taken and does nothing (vLLM's way without its
-store) and `previous_response_id` is a 400.
+are evicted or deleted. An input item whose id is already in the conversation it follows, or twice in the input, is
+OpenAI's 400 "Duplicate item found with id ...", before anything runs (a client that sends the last output back with
+previous_response_id would have the conversation hold it twice). With no store (size 0) `store: true` is taken and
+does nothing (vLLM's way without its store) and `previous_response_id` is a 400.
 
 One lock guards the store, held only for a dict's operations, so the event loop and any other thread may use it.
 """
@@ -100,6 +102,20 @@ def not_found(response_id: str, param: str | None = None) -> APIError:
     return APIError(404, f"{what} with id {response_id!r} not found (never stored, deleted, or evicted from the "
                          "server's store of the last responses: --responses-store-size)", param=param,
                     code="previous_response_not_found" if param == "previous_response_id" else "not_found")
+
+
+def check_unique(history: tuple[dict, ...], items: str | list) -> None:
+    """OpenAI's 400 for an input item whose id is already in the conversation: an item of previous_response_id's
+    conversation sent again (a client resending the last output with the chain: the conversation would hold it twice),
+    or an id twice in `input`. Items without ids, or with new ones, are taken."""
+    seen = {item.get("id") for item in history} - {None}
+    for item in as_items(items):
+        if item.id is None:
+            continue
+        if item.id in seen:
+            raise bad_request(f"Duplicate item found with id {item.id}. Remove duplicate items from your input and try "
+                              "again.", param="input")
+        seen.add(item.id)
 
 
 def input_items(items: str | list) -> tuple[dict, ...]:
