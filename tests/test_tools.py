@@ -146,8 +146,8 @@ def test_console_scripts_of_tp_tools_end_the_group(monkeypatch):
 
 
 def test_bench_host_times_the_runners_and_the_engines_steps(capsys):
-    """benchmarks/bench_host.py runs the decode step's host path (the runner's, the engine loop's) over a no-op step;
-    its figures are printed, never asserted beyond being times."""
+    """benchmarks/bench_host.py runs the decode step's host path (the runner's, the engine loop's) over a no-op step,
+    and (--mtp) an MTP engine's verify steps; its figures are printed, never asserted beyond being times."""
     import pytest
 
     bench_host = benchmark_script("bench_host")
@@ -161,6 +161,15 @@ def test_bench_host_times_the_runners_and_the_engines_steps(capsys):
     with pytest.raises(SystemExit) as e:
         bench_host.main(["--cached", "4096"])
     assert e.value.code == 2 and "past the tiny preset's max_position_embeddings" in capsys.readouterr().err
+    # --mtp: an MTP engine's verify steps (prefix caching, text, stop strings), its stop checks timed apart
+    bench_host.main(["--mtp", "2", "--stop", "--streams", "1,3", "--cached", "8", "--repeat", "2"])
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["path"] == "mtp" and record["k"] == 2 and record["stop"] == ["\n\n", "END"]
+    assert [r["streams"] for r in record["results"]] == [1, 3]
+    assert all(0 < r["host_ms"] < r["step_ms"] and r["catch_up_ending_us"] > 0 for r in record["results"])
+    with pytest.raises(SystemExit) as e:
+        bench_host.main(["--stop"])
+    assert e.value.code == 2 and "--stop needs --mtp" in capsys.readouterr().err
 
 
 def test_load_walk_counts_the_stays_of_a_sharded_fp8_mtp_load(capsys):
