@@ -28,11 +28,16 @@ tokens itself.
 For a byte-level tokenizer the pieces joined equal `tokenizer.decode(new_ids)` (cut at a stop
 string); a tokenizer that rewrites text across tokens (clean_up_tokenization_spaces) may differ
 in those spaces, as vLLM's streams do.
+
+`StreamingText.ahead` checks tokens before the text takes them (speculative/stops.py: where a stop string ends
+a request inside the tokens a verify step will deliver): a `TextAhead` adds them on a private copy, and the text
+keeps what each add gave and the state after it, so that its own adds of the same tokens, one by one and not final,
+take them instead of decoding them a second time (the state after each is what adding it would leave). Any other
+add drops what is left of them.
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Sequence
 
 REPLACEMENT = "\ufffd"  # what a decode gives for the bytes of an incomplete UTF-8 character
@@ -49,7 +54,7 @@ class IncrementalDetokenizer:
         context = [t for t in prompt_ids[-CONTEXT_TOKENS:] if t not in drop_ids]
         if self._decode(context).endswith(REPLACEMENT):  # the prompt ends inside a character: no context
             context = []
-        self._ids = context
+        self._ids = context  # (only the window is kept: the ids before it are dropped as it moves on)
         self._prefix = 0  # the window is self._ids[self._prefix:]
         self._read = len(context)  # tokens before this one have been sent
         self._prefix_text: str | None = None  # decode of self._ids[self._prefix:self._read], cached
@@ -67,12 +72,18 @@ class IncrementalDetokenizer:
         if len(full) <= len(self._prefix_text) or full.endswith(REPLACEMENT):
             return ""
         piece = full[len(self._prefix_text):]
-        self._prefix, self._read, self._prefix_text = self._read, len(self._ids), None
+        self._move_on()
         return piece
+
+    def _move_on(self) -> None:
+        """The tokens added so far are sent: the window starts at the first of them not sent before."""
+        del self._ids[:self._read]
+        self._prefix, self._read, self._prefix_text = 0, len(self._ids), None
 
     def fork(self) -> "IncrementalDetokenizer":
         """A copy that takes tokens without changing this one (the tokenizer shared)."""
-        other = copy.copy(self)
+        other = object.__new__(type(self))  # (copy.copy's protocol costs more than the copy)
+        other.__dict__.update(self.__dict__)
         other._ids = list(self._ids)
         return other
 
@@ -84,7 +95,7 @@ class IncrementalDetokenizer:
         if self._prefix_text is None:
             self._prefix_text = self._decode(self._ids[self._prefix:self._read])
         piece = self._decode(self._ids[self._prefix:])[len(self._prefix_text):]
-        self._prefix, self._read, self._prefix_text = self._read, len(self._ids), None
+        self._move_on()
         return piece
 
 
@@ -121,6 +132,7 @@ class StreamingText:
         self._text = ""  # everything decoded so far (cut at a stop string once one matched)
         self.sent = 0  # characters of _text already given out
         self.stop_string: str | None = None  # the stop string that ended the text
+        self._ahead: _Kept | None = None  # adds a TextAhead made, kept for this text's own (ahead())
 
     @property
     def text(self) -> str:
@@ -130,13 +142,29 @@ class StreamingText:
     def fork(self) -> "StreamingText":
         """A copy that takes tokens without changing this one: where a stop string would end the text
         (speculative/stops.py, ahead of the tokens' delivery)."""
-        other = copy.copy(self)
-        other._detok = self._detok.fork()
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        other._detok, other._ahead = self._detok.fork(), None
         return other
+
+    def ahead(self) -> "TextAhead":
+        """Adds checked before this text takes them (the module docstring); it goes on after the adds an earlier one
+        kept that this text has not taken yet."""
+        return TextAhead(self)
 
     def add(self, token_ids: Sequence[int], final: bool) -> tuple[str, bool]:
         """Append new tokens (final: the request ends with them). Returns the text to give out now and
         whether a stop string matched (then the text ends before it, and nothing more comes)."""
+        kept = self._ahead
+        if kept is not None:  # the next add a TextAhead made, or nothing of them any more
+            j = kept.taken
+            if not final and len(token_ids) == 1 and token_ids[0] == kept.tokens[j]:
+                _restore(self, kept.states[j])
+                kept.taken = j + 1
+                if j + 1 == len(kept.tokens):
+                    self._ahead = None
+                return kept.results[j]
+            self._ahead = None
         if self.stop_string is not None:
             return "", True
         start = len(self._text)
@@ -166,3 +194,66 @@ class StreamingText:
             if i >= 0 and (best is None or i < best):
                 best, self.stop_string = i, s
         return best
+
+
+def _state(text: StreamingText) -> tuple:
+    """What a StreamingText's add changes (its detokenizer's window included)."""
+    d = text._detok
+    return text._tokens, text._text, text.sent, text.stop_string, tuple(d._ids), d._prefix, d._read, d._prefix_text
+
+
+def _restore(text: StreamingText, state: tuple) -> None:
+    d = text._detok
+    text._tokens, text._text, text.sent, text.stop_string, ids, d._prefix, d._read, d._prefix_text = state
+    d._ids = list(ids)
+
+
+class _Kept:
+    """The adds a TextAhead kept with its text: per token, its id, what add gave ((piece, stopped)) and the state
+    after it; `taken` of them taken by the text's own adds so far; `copy`: the TextAhead's copy in the last state,
+    or None."""
+    __slots__ = ("tokens", "results", "states", "copy", "taken")
+
+    def __init__(self, tokens: list[int], results: list[tuple], states: list[tuple], copy: StreamingText | None):
+        self.tokens, self.results, self.states, self.copy, self.taken = tokens, results, states, copy, 0
+
+
+class TextAhead:
+    """Tokens added ahead of a StreamingText's own adds (StreamingText.ahead, the module docstring), one by one and
+    not final, on a private copy: add(token) says whether a stop string matched there; keep() leaves the adds with
+    the text. Going on from an earlier one's kept adds, a token it added is not decoded again."""
+
+    def __init__(self, text: StreamingText):
+        kept, text._ahead = text._ahead, None  # (this one's until keep: none meanwhile)
+        self.text, self.n = text, 0
+        if kept is not None and kept.taken == 0:
+            self.tokens, self.results, self.states, self.copy = kept.tokens, kept.results, kept.states, kept.copy
+        else:
+            self.tokens, self.results, self.states, self.copy = [], [], [], text.fork()
+        # self.copy: None, or in the state after the last of self.tokens (the text's own without any)
+
+    def add(self, token: int) -> bool:
+        """Add `token` after the ones before (final=False); whether a stop string matched (then add no more)."""
+        n, copy = self.n, self.copy
+        if n < len(self.tokens):
+            if self.tokens[n] == token:  # (added before)
+                self.n = n + 1
+                return self.results[n][1]
+            del self.tokens[n:], self.results[n:], self.states[n:]  # another token: from the state before it
+            copy = None
+        if copy is None:
+            copy = self.text.fork()
+            if self.states:
+                _restore(copy, self.states[-1])
+        self.copy = None  # (until the add below returns)
+        result = copy.add([token], final=False)
+        self.tokens.append(token)
+        self.results.append(result)
+        self.states.append(_state(copy))
+        self.n, self.copy = n + 1, copy
+        return result[1]
+
+    def keep(self) -> None:
+        """The adds made, for the text's own adds of the same tokens to take."""
+        if self.tokens:
+            self.text._ahead = _Kept(self.tokens, self.results, self.states, self.copy)

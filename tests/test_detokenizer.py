@@ -130,3 +130,73 @@ def test_bad_stop_strings(stop, message):
     with pytest.raises(ValueError, match=message):
         check_stop_strings(stop)
     assert check_stop_strings(None) == () and check_stop_strings("ab") == ("ab",)
+
+
+class Counting:
+    """A tokenizer counting its decode calls."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, 0
+
+    def decode(self, ids, **kwargs):
+        self.calls += 1
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+@pytest.mark.parametrize("text, stop", [
+    ("The quick brown fox jumps over the lazy dog.", ("own fo",)),
+    ("東京は日本の首都です。北京", ("は日本",)),
+    ("Hello 🦄 world, and more", ("🦄 w", "zz")),
+    ("no stop string here at all", ("###",)),
+])
+@pytest.mark.parametrize("k", [1, 3])
+def test_adds_checked_ahead_are_taken_without_decoding_again(tok, text, stop, k):
+    """StreamingText.ahead (speculative/stops.py: a verify step's k + 1 tokens checked for a stop string before they
+    are delivered, its kept drafts first, then all of them): the text's own adds of the checked tokens give what
+    they give without the checks, state for state, and the tokenizer decodes what plain adds decode, no more; a
+    check meets the stop string at the token the text's own add does."""
+    ids = tok.encode(text)
+    plain_tok, ahead_tok = Counting(tok), Counting(tok)
+    plain, st = StreamingText(plain_tok, ids[:2], SKIP, stop), StreamingText(ahead_tok, ids[:2], SKIP, stop)
+    for j in range(2, len(ids), k + 1):
+        step, found = ids[j:j + k + 1], []
+        for check in (step[:-1], step):  # (stops.kept_counts, then drafting.catch_up_ending: it goes on)
+            ahead = st.ahead()
+            found.append(next((i for i, t in enumerate(check) if ahead.add(t)), None))
+            ahead.keep()
+        assert found[0] in (found[1], None) and (found[0] is not None or found[1] in (len(step) - 1, None))
+        for i, t in enumerate(step):
+            assert st.add([t], final=False) == plain.add([t], final=False)
+            assert (st.text, st.sent, st.stop_string) == (plain.text, plain.sent, plain.stop_string)
+            if plain.stop_string is not None:
+                assert found[1] == i
+                break
+        else:
+            assert found[1] is None
+        if plain.stop_string is not None:
+            break
+    assert (plain.stop_string is None) == (stop == ("###",))
+    assert ahead_tok.calls == plain_tok.calls
+
+
+@pytest.mark.parametrize("case", ["another token", "final", "two at once", "a check going another way", "past them"])
+def test_adds_other_than_the_checked_ones_give_what_they_give_without_them(tok, case):
+    ids = tok.encode("Hello 🦄 world, 東京は日本の首都です")
+    plain, st = StreamingText(tok, ids[:2], SKIP, ("の首",)), StreamingText(tok, ids[:2], SKIP, ("の首",))
+    ahead = st.ahead()
+    assert not any(ahead.add(t) for t in ids[2:7])
+    ahead.keep()
+    adds = {"another token": [[ids[2]], [ids[3]], [ids[8]], [ids[9]]], "final": [[ids[2]], [ids[3]], ids[4:5] + [None]],
+            "two at once": [ids[2:4], [ids[4]]], "a check going another way": [[ids[2]], [ids[9]], [ids[10]]],
+            "past them": [[t] for t in ids[2:9]]}[case]
+    if case == "a check going another way":
+        ahead = st.ahead()
+        assert not ahead.add(ids[2]) and not ahead.add(ids[9])
+        ahead.keep()
+    for tokens in adds:
+        final = tokens[-1] is None
+        tokens = [t for t in tokens if t is not None]
+        assert st.add(tokens, final=final) == plain.add(tokens, final=final)
+        assert (st.text, st.sent, st.stop_string) == (plain.text, plain.sent, plain.stop_string)
+    for t in ids[len(ids) // 2:]:  # (the detokenizer's window too: what follows decodes alike)
+        assert st.add([t], final=False) == plain.add([t], final=False)

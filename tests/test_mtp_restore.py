@@ -4,10 +4,13 @@ so a restore whose entries are the new prompt's own sets mtp_context_lens and th
 drafts; one whose are not (the token after a kept position differs, or the head did not follow the blocks'
 writer) gets none. Greedy output stays plain decoding's either way. The prefix a request keeps when it ends has
 the head's entries of its last step's positions too (drafting.catch_up_ending, before the delivery), so the next
-turn of a conversation (prompt + reply + more), restoring the whole first turn, drafts again."""
+turn of a conversation (prompt + reply + more), restoring the whole first turn, drafts again; only the requests a
+step ends are caught up on, found without decoding a token twice (stops.may_end, StreamingText.ahead)."""
 
 from __future__ import annotations
 
+import random
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -19,6 +22,8 @@ from metrale_graph import Engine, HybridCache, HybridModel
 from metrale_graph.capture import make_grid
 from metrale_graph.protocol import restore_prefix
 from metrale_graph.speculative.drafting import MtpDrafter
+from metrale_graph.speculative.stops import may_end, stop_index
+from metrale_graph.tools.engine_windows import DraftTimer
 
 CFG = tiny_config(mtp_num_hidden_layers=1)
 SHARED = random_tokens(70, 9, CFG.vocab_size)
@@ -273,3 +278,103 @@ def test_a_failing_catch_up_of_an_ending_request_fails_it_alone(monkeypatch):
         monkeypatch.setattr(MtpDrafter, "run", real_run)
         assert [e.submit(p, stop_token_ids=[], **x).result().token_ids for p, x in zip(prompts, kws)] == reference
         assert e.stats().running == e.stats().used_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def text_tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from tokenizer_fixture import build_tokenizer
+
+    return AutoTokenizer.from_pretrained(build_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+def spanning_stop(tokenizer, seq: list[int], k: int) -> tuple[int, str]:
+    """(b, stop): a stop string of two characters, the last of token b's text and the first of token b + 1's, found
+    nowhere before, where b is the last token of a verify step (every draft kept: the first token alone, then k + 1 a
+    step): it spans two steps' tokens, and the request stops at the first draft of a step."""
+    for b in range(k + 1, len(seq) - 2, k + 1):
+        one, two = tokenizer.decode(seq[:b + 1]), tokenizer.decode(seq[:b + 2])
+        if "\ufffd" not in two and two.startswith(one) and one != tokenizer.decode(seq[:b]) and len(two) > len(one):
+            stop = one[-1] + two[len(one)]
+            if stop not in one:
+                return b, stop
+    raise AssertionError(f"no stop string spans two steps' tokens of {seq}")
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_requests_a_step_ends_are_caught_up_on_and_the_stop_checks_decode_nothing_twice(text_tokenizer, k,
+                                                                                          monkeypatch):
+    # catch_up_ending runs the head for the requests the step's delivery ends, found by stops.stop_index (a stop
+    # string through a copy of the request's text, whose adds the text keeps for the delivery's own: StreamingText
+    # .ahead): one ending at a stop string that spans two steps' tokens and one at max_new_tokens are caught up on,
+    # once each, at their last step; one going on is not (no head run for it before its own end). Their next turns
+    # keep every bigram draft. The stop checks (stops.kept_counts, then catch_up_ending) decode nothing twice: the
+    # tokenizer decodes what plain decoding's delivery does, call for call, in another order (it decoded the tokens
+    # of a request with stop strings three times)
+    tok = text_tokenizer
+    model = bigram_model(tiny_config(vocab_size=len(tok), mtp_num_hidden_layers=1))
+    prompts = [random_tokens(40, seed, len(tok)) for seed in (26, 27, 28)]
+    seq = plain(model, prompts[:1], 16)[0]
+    b, stop = spanning_stop(tok, seq, k)
+    kws = [dict(max_new_tokens=16, stop=[stop]), dict(max_new_tokens=1 + k + 1, stop=["END", "\n\n"]),
+           dict(max_new_tokens=4 * (k + 1) + 3, stop=["END", "\n\n"])]
+    decodes, decode = [], tok.decode
+
+    def counted(ids, *args, **kwargs):
+        decodes.append(tuple(ids))
+        return decode(ids, *args, **kwargs)
+
+    monkeypatch.setattr(tok, "decode", counted)
+
+    def first_turn(e):
+        decodes.clear()
+        results = [h.result() for h in [e.submit(p, stop_token_ids=[], **kw) for p, kw in zip(prompts, kws)]]
+        return [(r.token_ids, r.text, r.finish_reason) for r in results], sorted(decodes)  # (each call's ids)
+
+    with Engine(model, 3, compile=False, tokenizer=tok) as e:
+        reference, plain_decodes = first_turn(e)
+    assert reference[0] == (seq[:b + 2], tok.decode(seq[:b + 2])[:-len(stop)], "stop")
+    assert [r[2] for r in reference[1:]] == ["length", "length"]
+
+    caught, real = [], MtpDrafter.catch_up_ending  # per catch-up head run: the prompts of the requests it ran for
+
+    def catch_up_ending(self, out, reqs, *args):
+        of_slot, run = {r.slot: tuple(r.prompt) for r in reqs if r is not None}, self.run
+        self.run = lambda batch, *a: caught.append(sorted(of_slot[s] for s in batch.slots)) or run(batch, *a)
+        try:
+            return real(self, out, reqs, *args)
+        finally:
+            del self.run
+
+    monkeypatch.setattr(MtpDrafter, "catch_up_ending", catch_up_ending)
+    with Engine(model, 3, compile=False, tokenizer=tok, prefix_cache=True,
+                speculative={"method": "mtp", "num_tokens": k}) as e:
+        with DraftTimer(e) as timer:
+            results, spec_decodes = first_turn(e)
+        assert results == reference and spec_decodes == plain_decodes
+        assert sorted(p for run in caught for p in run) == sorted(map(tuple, prompts))
+        assert timer.ending_runs == len(caught)
+        # the next turns restore all of the first (but the token the step added and never fed) and keep every draft
+        for p, (first, _, _), more in zip(prompts, results, ([seq[b + 2], 3, 4], [3, 4, 5])):
+            turn = p + first + more
+            before = e.stats().speculative
+            r = e.generate([turn], max_new_tokens=8, stop_token_ids=[])[0]
+            after = e.stats().speculative
+            assert r.token_ids == plain(model, [turn], 8)[0]
+            assert r.cached_tokens == len(p) + len(first) - (0 if more[0] == seq[b + 2] else 1)
+            assert after["proposed"] - before["proposed"] == after["accepted"] - before["accepted"] > 0
+
+
+def test_may_end_is_false_exactly_where_stop_index_finds_no_stop():
+    # catch_up_ending and kept_counts ask stop_index only where stops.may_end (its cheap part) does not rule an end
+    # out: always for a grammar or stop strings, else where a token is a stop token or they reach max_new_tokens
+    gen = random.Random(0)
+    for _ in range(3000):
+        max_new = gen.randrange(1, 12)
+        r = SimpleNamespace(grammar=None, text=None, out=[0] * gen.randrange(max_new), max_new=max_new,
+                            stop_ids=frozenset(gen.sample(range(6), gen.randrange(3))))
+        tokens = [gen.randrange(6) for _ in range(gen.randrange(5))]
+        assert may_end(r, tokens) == (stop_index(r, tokens) is not None)
+        assert may_end(SimpleNamespace(**{**vars(r), "text": SimpleNamespace(stop=("x",))}), tokens)
+        assert may_end(SimpleNamespace(**{**vars(r), "grammar": object()}), tokens)

@@ -26,7 +26,7 @@ import torch
 from ..batch import PackedBatch, Stream
 from ..numbers import int_tensor, to_device
 from .mtp import mtp_hidden_states
-from .stops import stop_index
+from .stops import may_end, stop_index
 
 
 class DraftBatch(NamedTuple):
@@ -90,21 +90,22 @@ class MtpDrafter:
         (never fed), or where r stops at a kept draft the step's token after that draft (a restore checks it against
         the prompt's). `graphs` and out["bucket"]: as draft's. One that raises fails those requests alone (`fail`;
         its transaction reset their slots)."""
-        cache, todo = self.cache, []
-        emitted = {i: t for i, (t, _) in (out.get("spec", {}) | out.get("plain", {})).items()}
-        for i, r in enumerate(reqs):
-            if (r is None or r.ended or cache.mtp_context_lens[r.slot] != before[i]
-                    or cache.context_lens[r.slot] <= before[i]):
+        cache, todo = self.cache, {}
+        heads, contexts = cache.mtp_context_lens, cache.context_lens
+        for i, (tokens, _) in itertools.chain(out.get("spec", {}).items(), out.get("plain", {}).items()):
+            r = reqs[i]  # (one without tokens goes on; may_end: stop_index's cheap part, most requests' answer)
+            if (r is None or r.finish_reason is not None or r.error is not None or not may_end(r, tokens)
+                    or heads[r.slot] != before[i] or contexts[r.slot] <= before[i]):
                 continue
             try:
-                if stop_index(r, emitted.get(i, [])) is not None:
-                    todo.append(i)
+                if stop_index(r, tokens) is not None:
+                    todo[i] = tokens
             except BaseException:  # (the delivery meets it again and fails r alone: nothing kept for it)
                 pass
         if not todo:
             return
-        ids = [(reqs[i].prompt + reqs[i].out + emitted[i])[before[i] + 1:cache.context_lens[reqs[i].slot] + 1]
-               for i in todo]
+        todo = dict(sorted(todo.items()))
+        ids = [(reqs[i].prompt + reqs[i].out + t)[before[i] + 1:contexts[reqs[i].slot] + 1] for i, t in todo.items()]
         batch = DraftBatch([reqs[i].slot for i in todo], ids, [starts[i] for i in todo], [before[i] for i in todo],
                            [0] * len(todo))
         try:

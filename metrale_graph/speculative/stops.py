@@ -10,8 +10,11 @@ drafts are cut first (`kept_counts`): through the stopping token, when it is a k
 (plain decoding, overlapped, feeds the stopping token in the step after it; the token a verify step adds after
 its drafts is never fed, as without overlap).
 
-`stop_index` replays _advance's checks in its order without changing the request: a stop token, max_new_tokens,
-the grammar's output complete (its matcher rolled back after), a stop string (on a fork of its text).
+`stop_index` replays _advance's checks in its order without changing what the request shows: a stop token,
+max_new_tokens, the grammar's output complete (its matcher rolled back after), a stop string (on a copy of its text:
+StreamingText.ahead, whose adds the text keeps for the delivery's, so that the tokens a stop string could end at are
+decoded once a step, not by each check and again by the delivery; a second check of the same step goes on after the
+first's tokens). `may_end` is its cheap part for a request with neither a grammar nor stop strings.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from __future__ import annotations
 
 def stop_index(r, tokens: list[int]) -> int | None:
     """The index in `tokens` (what a verify step emits for request r, in order, not taken in yet) of the token at
-    which the loop's _advance ends r, or None when r goes on past them. Nothing of r changes. A token its grammar
-    refuses ends it too (_advance fails the request there)."""
-    g, text = r.grammar, r.text.fork() if r.text is not None and r.text.stop else None
+    which the loop's _advance ends r, or None when r goes on past them. Nothing r shows changes (its text keeps the
+    adds made for its own: the module docstring). A token its grammar refuses ends it too (_advance fails the
+    request there)."""
+    g, text = r.grammar, r.text.ahead() if r.text is not None and r.text.stop else None
     started, taken = g is not None and g.started, 0
     try:
         for i, token in enumerate(tokens):
@@ -36,12 +40,21 @@ def stop_index(r, tokens: list[int]) -> int | None:
                     taken += 1
                     if g.ends_when_complete and g.matcher.is_terminated():
                         return i
-            if text is not None and text.add([token], final=False)[1]:
+            if text is not None and text.add(token):
                 return i
         return None
     finally:
         if taken:
             g.matcher.rollback(taken)
+        if text is not None:
+            text.keep()
+
+
+def may_end(r, tokens: list[int]) -> bool:
+    """Whether the delivery of `tokens` may end request r (stop_index may be other than None): always for one with
+    a grammar or stop strings (stop_index tells), else whether one is a stop token or they reach max_new_tokens."""
+    return (r.grammar is not None or (r.text is not None and bool(r.text.stop))
+            or len(r.out) + len(tokens) >= r.max_new or not r.stop_ids.isdisjoint(tokens))
 
 
 def kept_counts(reqs: list, emitted: list[list[int]], counts: list[int]) -> list[int]:
@@ -51,8 +64,9 @@ def kept_counts(reqs: list, emitted: list[list[int]], counts: list[int]) -> list
     (its slot reset, nothing kept), not the whole step."""
     kept = []
     for r, tokens, c in zip(reqs, emitted, counts):
+        drafts = tokens[:c]
         try:
-            at = stop_index(r, tokens[:c]) if c else None
+            at = stop_index(r, drafts) if c and may_end(r, drafts) else None
         except BaseException:  # (KeyboardInterrupt included, as the delivery's own catch)
             at = None
         kept.append(c if at is None else at + 1)
