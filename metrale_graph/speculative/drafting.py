@@ -26,7 +26,7 @@ import torch
 from ..batch import PackedBatch, Stream
 from ..numbers import int_tensor, to_device
 from .mtp import mtp_hidden_states
-from .stops import may_end, stop_index
+from .stops import stop_index
 
 
 class DraftBatch(NamedTuple):
@@ -93,8 +93,8 @@ class MtpDrafter:
         cache, todo = self.cache, {}
         heads, contexts = cache.mtp_context_lens, cache.context_lens
         for i, (tokens, _) in itertools.chain(out.get("spec", {}).items(), out.get("plain", {}).items()):
-            r = reqs[i]  # (one without tokens goes on; may_end: stop_index's cheap part, most requests' answer)
-            if (r is None or r.finish_reason is not None or r.error is not None or not may_end(r, tokens)
+            r = reqs[i]  # (one without tokens goes on; stop_index answers most requests by stops.may_end alone)
+            if (r is None or r.finish_reason is not None or r.error is not None
                     or heads[r.slot] != before[i] or contexts[r.slot] <= before[i]):
                 continue
             try:

@@ -14,7 +14,7 @@ its drafts is never fed, as without overlap).
 max_new_tokens, the grammar's output complete (its matcher rolled back after), a stop string (on a copy of its text:
 StreamingText.ahead, whose adds the text keeps for the delivery's, so that the tokens a stop string could end at are
 decoded once a step, not by each check and again by the delivery; a second check of the same step goes on after the
-first's tokens). `may_end` is its cheap part for a request with neither a grammar nor stop strings.
+first's tokens). `may_end`, its first test, answers alone for a request with neither a grammar nor stop strings.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ def stop_index(r, tokens: list[int]) -> int | None:
     which the loop's _advance ends r, or None when r goes on past them. Nothing r shows changes (its text keeps the
     adds made for its own: the module docstring). A token its grammar refuses ends it too (_advance fails the
     request there)."""
+    if not may_end(r, tokens):  # (most requests' answer, without a copy of the text or the grammar's walk)
+        return None
     g, text = r.grammar, r.text.ahead() if r.text is not None and r.text.stop else None
     started, taken = g is not None and g.started, 0
     try:
@@ -64,9 +66,8 @@ def kept_counts(reqs: list, emitted: list[list[int]], counts: list[int]) -> list
     (its slot reset, nothing kept), not the whole step."""
     kept = []
     for r, tokens, c in zip(reqs, emitted, counts):
-        drafts = tokens[:c]
         try:
-            at = stop_index(r, drafts) if c and may_end(r, drafts) else None
+            at = stop_index(r, tokens[:c]) if c else None
         except BaseException:  # (KeyboardInterrupt included, as the delivery's own catch)
             at = None
         kept.append(c if at is None else at + 1)
